@@ -1,0 +1,74 @@
+{{/* Chart name. */}}
+{{- define "flexinfer.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Resource name prefix: the release name, suffixed with the chart name unless it already contains it. */}}
+{{- define "flexinfer.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "flexinfer.controllerName" -}}
+{{- printf "%s-controller" (include "flexinfer.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "flexinfer.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "flexinfer.labels" -}}
+helm.sh/chart: {{ include "flexinfer.chart" . }}
+app.kubernetes.io/name: {{ include "flexinfer.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: flexinfer
+{{- end -}}
+
+{{- define "flexinfer.controllerSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "flexinfer.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: controller
+{{- end -}}
+
+{{- define "flexinfer.controllerLabels" -}}
+{{ include "flexinfer.labels" . }}
+app.kubernetes.io/component: controller
+{{- end -}}
+
+{{- define "flexinfer.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "flexinfer.controllerName" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "flexinfer.controllerImage" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* Worker image with an optional variant suffix: include "flexinfer.workerImage" (list . "-cuda") */}}
+{{- define "flexinfer.workerImage" -}}
+{{- $root := index . 0 -}}
+{{- $suffix := index . 1 -}}
+{{- printf "%s:%s%s" $root.Values.worker.image.repository (default $root.Chart.AppVersion $root.Values.worker.image.tag) $suffix -}}
+{{- end -}}
+
+{{/* Alert labels: severity plus alerting.alertLabels. Call with (list . "warning"). */}}
+{{- define "flexinfer.alertLabels" -}}
+{{- $root := index . 0 -}}
+severity: {{ index . 1 }}
+{{- range $k, $v := $root.Values.alerting.alertLabels }}
+{{ $k }}: {{ $v | quote }}
+{{- end }}
+{{- end -}}

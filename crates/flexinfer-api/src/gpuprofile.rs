@@ -1,0 +1,167 @@
+//! `GPUProfile` (`ai.flexinfer/v1alpha2`): how to find and use one GPU architecture.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::EnvVar;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// One GPU architecture of the cluster (conventionally named after it, e.g. `gfx1100`).
+#[derive(CustomResource, Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[kube(
+    group = "ai.flexinfer",
+    version = "v1alpha2",
+    kind = "GPUProfile",
+    plural = "gpuprofiles",
+    shortname = "gpup",
+    shortname = "gpuprofile",
+    doc = "How to find and use one GPU architecture: node selector, GPU resource, driver memory, images.",
+    namespaced,
+    status = "GPUProfileStatus",
+    printcolumn = r#"{"name":"Arch","type":"string","jsonPath":".spec.architecture"}"#,
+    printcolumn = r#"{"name":"Vendor","type":"string","jsonPath":".spec.vendor"}"#,
+    printcolumn = r#"{"name":"VRAM(MB)","type":"integer","jsonPath":".spec.vramMB"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct GPUProfileSpec {
+    /// GPU architecture: `gfx1100`, `gfx906`, `sm_90`, …
+    #[schemars(extend("x-kubernetes-validations" = [
+        {"rule": "self.matches('^(gfx[0-9a-f]{3,5}|sm_[0-9]{2,3}[a-z]?)$')",
+         "message": "spec.architecture must be an AMD gfx target (gfx1100, gfx906, …) or an NVIDIA sm_XX target"}
+    ]))]
+    pub architecture: String,
+
+    /// GPU vendor.
+    pub vendor: GpuVendor,
+
+    /// VRAM per GPU in MiB.
+    #[serde(default, rename = "vramMB", skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1024, max = 1048576))]
+    pub vram_mb: Option<i64>,
+
+    /// How to find these nodes; default `flexinfer.ai/gpu.arch: <architecture>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_selector: Option<BTreeMap<String, String>>,
+
+    /// Extended resource name of the GPU; default `amd.com/gpu` or `nvidia.com/gpu` by vendor.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resource_name: Option<String>,
+
+    /// Environment injected into GPU Jobs and serving pods on this architecture.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<EnvVar>,
+
+    /// Default container memory (GiB) for serving pods on these nodes.
+    #[serde(default, rename = "containerMemoryGB", skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 2048))]
+    pub container_memory_gb: Option<i32>,
+
+    /// Driver memory outside the cgroup (ROCm GTT), added to Job memory request and limit.
+    #[serde(default, rename = "gpuDriverMemoryMB", skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 1048576))]
+    pub gpu_driver_memory_mb: Option<i64>,
+
+    /// Quantizer images for this architecture.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantization: Option<ProfileQuantization>,
+
+    /// Serving runtime images for this architecture.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime: Option<ProfileRuntime>,
+}
+
+/// GPU vendor.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum GpuVendor {
+    Amd,
+    Nvidia,
+}
+
+impl GpuVendor {
+    pub fn default_resource_name(self) -> &'static str {
+        match self {
+            GpuVendor::Amd => "amd.com/gpu",
+            GpuVendor::Nvidia => "nvidia.com/gpu",
+        }
+    }
+}
+
+/// Quantizer images of a GPUProfile.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ProfileQuantization {
+    /// Image per format (`GPTQ`, `AWQ`, `GGUF`, `EXL2`, `FP8`, `COMPRESSED_TENSORS`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(extend("x-kubernetes-validations" = [
+        {"rule": "self.all(k, k in ['GGUF', 'AWQ', 'GPTQ', 'EXL2', 'FP8', 'COMPRESSED_TENSORS'])",
+         "message": "spec.quantization.images keys must be formats: GGUF, AWQ, GPTQ, EXL2, FP8, COMPRESSED_TENSORS"}
+    ]))]
+    pub images: BTreeMap<String, String>,
+    /// Pull policy of quantizer images.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_pull_policy: Option<PullPolicy>,
+}
+
+/// Serving images of a GPUProfile.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ProfileRuntime {
+    /// Image per backend (`vllm`, `llamacpp`, `ollama`, `exllamav2`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(extend("x-kubernetes-validations" = [
+        {"rule": "self.all(k, k in ['vllm', 'llamacpp', 'ollama', 'exllamav2'])",
+         "message": "spec.runtime.images keys must be backends: vllm, llamacpp, ollama, exllamav2"}
+    ]))]
+    pub images: BTreeMap<String, String>,
+}
+
+/// Image pull policy.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum PullPolicy {
+    Always,
+    IfNotPresent,
+    Never,
+}
+
+impl PullPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PullPolicy::Always => "Always",
+            PullPolicy::IfNotPresent => "IfNotPresent",
+            PullPolicy::Never => "Never",
+        }
+    }
+}
+
+/// Observed state of a GPUProfile.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GPUProfileStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}
+
+impl GPUProfileSpec {
+    /// GPU resource name with the vendor default applied.
+    pub fn effective_resource_name(&self) -> String {
+        self.resource_name
+            .clone()
+            .unwrap_or_else(|| self.vendor.default_resource_name().to_string())
+    }
+
+    /// Node selector with the `flexinfer.ai/gpu.arch` default applied.
+    pub fn effective_node_selector(&self) -> BTreeMap<String, String> {
+        self.node_selector.clone().unwrap_or_else(|| {
+            BTreeMap::from([(
+                crate::contract::labels::GPU_ARCH.to_string(),
+                self.architecture.clone(),
+            )])
+        })
+    }
+}

@@ -1,0 +1,316 @@
+//! `Model` (`ai.flexinfer/v1alpha2`): a served model (Deployment + Service) for one backend.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{ResourceRequirements, Toleration};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// Desired state of a served model.
+#[derive(CustomResource, Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[kube(
+    group = "ai.flexinfer",
+    version = "v1alpha2",
+    kind = "Model",
+    plural = "models",
+    shortname = "mdl",
+    doc = "A model served by vLLM, llama.cpp, ollama or exllamav2 (a Deployment and a Service).",
+    namespaced,
+    status = "ModelStatus",
+    printcolumn = r#"{"name":"Backend","type":"string","jsonPath":".spec.backend"}"#,
+    printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
+    printcolumn = r#"{"name":"Replicas","type":"integer","jsonPath":".status.replicas"}"#,
+    printcolumn = r#"{"name":"Gate","type":"string","jsonPath":".status.conditions[?(@.type==\"PromotionGate\")].reason"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#,
+    printcolumn = r#"{"name":"Endpoint","type":"string","priority":1,"jsonPath":".status.endpoint"}"#,
+    printcolumn = r#"{"name":"Source","type":"string","priority":1,"jsonPath":".spec.source"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelSpec {
+    /// Serving engine.
+    pub backend: Backend,
+
+    /// Artifact to serve: `pvc://<claim>/<path>`, `modelcache://<name>` (that cache's `status.path`
+    /// once it is Ready), or a Hugging Face id `HF://org/model` that the backend downloads itself.
+    #[schemars(extend("x-kubernetes-validations" = [
+        {"rule": "self.matches('^pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/[A-Za-z0-9._/-]*$') && !self.contains('..') || self.matches('^modelcache://[a-z0-9]([-a-z0-9.]*[a-z0-9])?$') || self.matches('^((HF|hf|huggingface)://)?[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$')",
+         "message": "spec.source must be pvc://<claim>/<path> (no '..'), modelcache://<name> or HF://org/model"}
+    ]))]
+    #[schemars(length(min = 3, max = 512))]
+    pub source: String,
+
+    /// Container image override; otherwise the GPUProfile's `runtime.images[backend]` or the
+    /// controller default for the backend.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+
+    /// GPU request and sharing.
+    #[serde(default)]
+    pub gpu: GpuSpec,
+
+    /// Scale-to-zero settings.
+    #[serde(default)]
+    pub serverless: ServerlessSpec,
+
+    /// Backend configuration.
+    #[serde(default)]
+    pub config: ModelConfig,
+
+    /// Extra resource requests/limits for the serving container (GPU is added from `gpu`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+
+    /// Node selector of the serving pods (the GPUProfile's node selector is merged in).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_selector: Option<BTreeMap<String, String>>,
+
+    /// Tolerations of the serving pods.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tolerations: Option<Vec<Toleration>>,
+}
+
+/// Serving backend.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    Vllm,
+    Llamacpp,
+    Ollama,
+    Exllamav2,
+}
+
+impl Backend {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::Vllm => "vllm",
+            Backend::Llamacpp => "llamacpp",
+            Backend::Ollama => "ollama",
+            Backend::Exllamav2 => "exllamav2",
+        }
+    }
+}
+
+/// GPU request of a Model.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuSpec {
+    /// GPU vendor; `auto` takes it from the GPUProfile.
+    #[serde(default)]
+    pub vendor: GpuVendorChoice,
+    /// GPUs per replica.
+    #[serde(default = "default_gpu_count")]
+    #[schemars(range(min = 1, max = 8))]
+    pub count: i32,
+    /// Shared GPU group: at most one Model of a group is active at a time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared: Option<String>,
+    /// Priority inside a shared group; higher demand preempts lower.
+    #[serde(default = "default_priority")]
+    #[schemars(range(min = 0, max = 1000))]
+    pub priority: i32,
+    /// GPUProfile to use (name). Otherwise the profile whose architecture matches the
+    /// `flexinfer.ai/gpu.arch` node selector.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profile: Option<String>,
+}
+
+impl Default for GpuSpec {
+    fn default() -> Self {
+        Self {
+            vendor: GpuVendorChoice::Auto,
+            count: default_gpu_count(),
+            shared: None,
+            priority: default_priority(),
+            profile: None,
+        }
+    }
+}
+
+/// GPU vendor selection.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum GpuVendorChoice {
+    #[default]
+    Auto,
+    Amd,
+    Nvidia,
+}
+
+/// Scale-to-zero settings.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ServerlessSpec {
+    /// Scale to `minReplicas` after `idleTimeout` without traffic. Disabled means always 1 replica.
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    /// Replicas kept while idle.
+    #[serde(default)]
+    #[schemars(range(min = 0, max = 10))]
+    pub min_replicas: i32,
+    /// Idle time before scaling down, as a duration (`30s`, `5m`, `1h`).
+    #[serde(default = "default_idle_timeout")]
+    #[schemars(extend("x-kubernetes-validations" = [
+        {"rule": "self.matches('^([0-9]+(\\\\.[0-9]+)?(ms|s|m|h))+$')",
+         "message": "spec.serverless.idleTimeout must be a duration such as 30s, 5m or 1h"}
+    ]))]
+    pub idle_timeout: String,
+    /// How long a request waits for a cold start.
+    #[serde(default = "default_cold_start_timeout")]
+    #[schemars(extend("x-kubernetes-validations" = [
+        {"rule": "self.matches('^([0-9]+(\\\\.[0-9]+)?(ms|s|m|h))+$')",
+         "message": "spec.serverless.coldStartTimeout must be a duration such as 60s or 5m"}
+    ]))]
+    pub cold_start_timeout: String,
+}
+
+impl Default for ServerlessSpec {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            min_replicas: 0,
+            idle_timeout: default_idle_timeout(),
+            cold_start_timeout: default_cold_start_timeout(),
+        }
+    }
+}
+
+/// Backend configuration.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelConfig {
+    /// Quantization of the artifact (`gptq`, `awq`, `gguf`, `fp8`, `exl2`, `compressed-tensors`);
+    /// taken from the ModelCache when the source is `modelcache://`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantization: Option<ModelQuantization>,
+    /// KV cache dtype (vLLM `--kv-cache-dtype`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_cache_dtype: Option<KvCacheDtype>,
+    /// Maximum context length.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 128, max = 1048576))]
+    pub max_model_len: Option<i64>,
+    /// vLLM `--max-num-batched-tokens`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1048576))]
+    pub max_num_batched_tokens: Option<i64>,
+    /// vLLM `--gpu-memory-utilization`, in (0, 1].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.05, max = 1.0))]
+    pub gpu_memory_utilization: Option<f64>,
+    /// `primary` keeps at least one replica warm; `ondemand` allows scale to zero.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warm_policy: Option<WarmPolicy>,
+    /// vLLM attention backend (`VLLM_ATTENTION_BACKEND`), e.g. `TRITON_ATTN`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_backend: Option<String>,
+    /// Extra command-line arguments appended to the backend's arguments.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub extra_args: Vec<String>,
+}
+
+/// Artifact quantization as declared on a Model.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum ModelQuantization {
+    None,
+    Gptq,
+    Awq,
+    Gguf,
+    Fp8,
+    Exl2,
+    CompressedTensors,
+}
+
+/// KV cache dtype.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum KvCacheDtype {
+    Auto,
+    Fp8,
+    #[serde(rename = "fp8_e4m3")]
+    Fp8E4m3,
+    #[serde(rename = "fp8_e5m2")]
+    Fp8E5m2,
+    Float16,
+    Bfloat16,
+}
+
+/// Warm policy.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum WarmPolicy {
+    Primary,
+    Ondemand,
+}
+
+/// Observed state of a Model.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<ModelPhase>,
+    /// `Ready`, `ConfigValid`, `Cached`, `PromotionGate`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+    /// In-cluster URL of the OpenAI-compatible endpoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<String>,
+    /// Ready replicas.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<i32>,
+    /// Last time traffic was seen (written by whatever proxies traffic).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_active_time: Option<Time>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Artifact path currently served (`<pvc>:<subdir>`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub served_path: Option<String>,
+}
+
+/// Phase of a Model.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema)]
+pub enum ModelPhase {
+    Idle,
+    Pending,
+    Loading,
+    Ready,
+    Failed,
+}
+
+impl ModelPhase {
+    pub const ALL: [ModelPhase; 5] = [
+        ModelPhase::Idle,
+        ModelPhase::Pending,
+        ModelPhase::Loading,
+        ModelPhase::Ready,
+        ModelPhase::Failed,
+    ];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ModelPhase::Idle => "Idle",
+            ModelPhase::Pending => "Pending",
+            ModelPhase::Loading => "Loading",
+            ModelPhase::Ready => "Ready",
+            ModelPhase::Failed => "Failed",
+        }
+    }
+}
+
+fn default_true() -> bool {
+    true
+}
+fn default_gpu_count() -> i32 {
+    1
+}
+fn default_priority() -> i32 {
+    100
+}
+fn default_idle_timeout() -> String {
+    "5m".into()
+}
+fn default_cold_start_timeout() -> String {
+    "60s".into()
+}

@@ -1,0 +1,801 @@
+//! `ModelCache` (`ai.flexinfer/v1alpha1`): a model downloaded into a PVC, optionally abliterated,
+//! quantized and published as an OCI artifact.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::Toleration;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// Desired state of a ModelCache: where the weights come from, how they are stored, and which
+/// pipeline phases (abliteration, quantization, publish) run after the download.
+#[derive(CustomResource, Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[kube(
+    group = "ai.flexinfer",
+    version = "v1alpha1",
+    kind = "ModelCache",
+    plural = "modelcaches",
+    shortname = "mc",
+    doc = "A model downloaded into a PVC, optionally abliterated, quantized and published as an OCI artifact.",
+    namespaced,
+    status = "ModelCacheStatus",
+    printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
+    printcolumn = r#"{"name":"Current","type":"string","jsonPath":".status.currentPhase"}"#,
+    printcolumn = r#"{"name":"Progress","type":"integer","jsonPath":".status.progress"}"#,
+    printcolumn = r#"{"name":"Format","type":"string","jsonPath":".spec.quantization.format"}"#,
+    printcolumn = r#"{"name":"Ratio","type":"number","jsonPath":".status.quantization.compressionRatio"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#,
+    printcolumn = r#"{"name":"Path","type":"string","priority":1,"jsonPath":".status.path"}"#,
+    printcolumn = r#"{"name":"Retries","type":"integer","priority":1,"jsonPath":".status.retryCount"}"#
+)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "!has(self.existingClaimName) || !has(self.clusterStorageClassName)",
+     "message": "spec.existingClaimName and spec.clusterStorageClassName are mutually exclusive: an existing claim already has a storage class",
+     "fieldPath": ".existingClaimName"}
+]))]
+pub struct ModelCacheSpec {
+    /// Where the weights come from: `HF://org/model`, `huggingface://org/model`, a bare `org/model`
+    /// (Hugging Face Hub), `oci://registry/repo:tag`, `oci://registry/repo@sha256:<digest>`, or
+    /// `local://<path>` (a directory under the controller's configured local root).
+    #[schemars(extend("x-kubernetes-validations" = [
+        {"rule": "self.matches('^((HF|hf|huggingface)://)?[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$') || self.matches('^oci://[a-zA-Z0-9.-]+(:[0-9]+)?/[a-z0-9._/-]+(:[A-Za-z0-9_][A-Za-z0-9._-]{0,127}|@sha256:[a-f0-9]{64})$') || self.matches('^local://[^.][^\\\\s]*$') && !self.contains('..')",
+         "message": "spec.source must be HF://org/model, huggingface://org/model, org/model, oci://registry/repo:tag, oci://registry/repo@sha256:<64 hex>, or local://path (no '..')"}
+    ]))]
+    #[schemars(length(min = 3, max = 512))]
+    pub source: String,
+
+    /// Hugging Face revision to download: a branch, tag or commit sha.
+    #[serde(default = "default_revision")]
+    #[schemars(length(min = 1, max = 255))]
+    pub revision: String,
+
+    /// How the cache is stored. `Auto` currently means `SharedPVC` (one ReadWriteOnce/ReadWriteMany
+    /// PVC per cache).
+    #[serde(default)]
+    pub storage_strategy: StorageStrategy,
+
+    /// Size of the PVC the controller creates (ignored with `existingClaimName`).
+    #[serde(default = "default_storage_size")]
+    pub storage_size: Quantity,
+
+    /// StorageClass for the PVC the controller creates; cluster default when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster_storage_class_name: Option<String>,
+
+    /// Use this existing PVC instead of creating one. FlexInfer never deletes a PVC it did not create.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub existing_claim_name: Option<String>,
+
+    /// Directory inside the PVC for this cache; defaults to the cache name. Relative, no `..`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("x-kubernetes-validations" = [
+        {"rule": "!self.startsWith('/') && !self.contains('..') && self.matches('^[A-Za-z0-9._/-]+$')",
+         "message": "spec.modelPath must be a relative path of letters, digits, '.', '_', '-', '/' without '..'"}
+    ]))]
+    #[schemars(length(min = 1, max = 253))]
+    pub model_path: Option<String>,
+
+    /// Name of a Secret in the cache's namespace holding `HF_TOKEN` and optionally
+    /// `OCI_USERNAME`/`OCI_PASSWORD`. Passed to workers only through `secretKeyRef`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_ref: Option<String>,
+
+    /// Node selector applied to every pipeline Job (a phase's own `nodeSelector` wins).
+    /// `flexinfer.ai/gpu.arch: <arch>` selects the GPUProfile for GPU phases.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_selector: Option<BTreeMap<String, String>>,
+
+    /// Tolerations appended to the default GPU toleration `dedicated=gpu:NoSchedule` of GPU phases
+    /// (and used as-is by CPU phases).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tolerations: Option<Vec<Toleration>>,
+
+    /// Controller-level retries per phase after a Job has failed (each Job also has backoffLimit 2).
+    #[serde(default = "default_max_retries")]
+    #[schemars(range(min = 0, max = 10))]
+    pub max_retries: i32,
+
+    /// Download phase settings.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub download: Option<DownloadSpec>,
+
+    /// Optional abliteration (refusal-direction removal) phase between download and quantization.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub abliteration: Option<AbliterationSpec>,
+
+    /// Optional quantization phase.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantization: Option<QuantizationSpec>,
+
+    /// Optional publish phase: push the final artifact to an OCI registry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub publish: Option<PublishSpec>,
+}
+
+/// Storage strategy of a ModelCache.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum StorageStrategy {
+    /// Currently the same as `SharedPVC`.
+    #[default]
+    Auto,
+    /// One PVC per cache, shared by the pipeline Jobs and the serving Deployments.
+    #[serde(rename = "SharedPVC")]
+    SharedPvc,
+}
+
+/// Download phase settings.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DownloadSpec {
+    /// activeDeadlineSeconds of the download Job (default 21600 = 6h).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 300, max = 86400))]
+    pub timeout_seconds: Option<i64>,
+
+    /// Memory request and limit of the download Job, in GiB.
+    #[serde(default = "default_download_memory")]
+    #[schemars(range(min = 1, max = 128))]
+    #[serde(rename = "maxMemoryGB")]
+    pub max_memory_gb: i32,
+
+    /// Only files matching one of these glob patterns are downloaded (e.g. `*.safetensors`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64))]
+    pub allow_patterns: Vec<String>,
+
+    /// Files matching one of these glob patterns are skipped (e.g. `*.bin`, `original/*`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64))]
+    pub ignore_patterns: Vec<String>,
+}
+
+impl Default for DownloadSpec {
+    fn default() -> Self {
+        Self {
+            timeout_seconds: None,
+            max_memory_gb: default_download_memory(),
+            allow_patterns: Vec::new(),
+            ignore_patterns: Vec::new(),
+        }
+    }
+}
+
+/// Abliteration phase settings (refusal-direction orthogonalization).
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AbliterationSpec {
+    /// Decoder layers whose refusal direction is used: `auto` (pick the best full-attention layer in
+    /// the middle of the stack), a range `10-55`, or a list `0,1,5`.
+    #[serde(default = "default_target_layers")]
+    #[schemars(extend("x-kubernetes-validations" = [
+        {"rule": "self == 'auto' || self.matches('^[0-9]{1,4}-[0-9]{1,4}$') || self.matches('^[0-9]{1,4}(,[0-9]{1,4})*$')",
+         "message": "spec.abliteration.targetLayers must be 'auto', a range like '10-55', or a list like '0,1,5'"}
+    ]))]
+    #[schemars(length(min = 1, max = 256))]
+    pub target_layers: String,
+
+    /// Matrices that write into the residual stream and get the direction projected out.
+    #[serde(default = "default_weight_matrices")]
+    #[schemars(length(min = 1, max = 2))]
+    pub weight_matrices: Vec<WeightMatrix>,
+
+    /// Prompts per class (refusal / harmless) used to estimate the direction.
+    #[serde(default = "default_num_samples")]
+    #[schemars(range(min = 16, max = 512))]
+    pub num_samples: i32,
+
+    /// Maximum accepted norm of the raw refusal direction (decimal string). Larger norms fail the
+    /// phase: they indicate a corrupted model or a bad layer choice.
+    #[serde(default = "default_norm_threshold")]
+    #[schemars(extend("x-kubernetes-validations" = [
+        {"rule": "self.matches('^[0-9]+(\\\\.[0-9]+)?$') && double(self) > 0.0",
+         "message": "spec.abliteration.normThreshold must be a positive decimal number such as \"100\""}
+    ]))]
+    pub norm_threshold: String,
+
+    /// Maximum perplexity increase on harmless text, in percent (decimal string).
+    #[serde(default = "default_max_ppl_regression")]
+    #[schemars(extend("x-kubernetes-validations" = [
+        {"rule": "self.matches('^[0-9]+(\\\\.[0-9]+)?$')",
+         "message": "spec.abliteration.maxPerplexityIncreasePercent must be a non-negative decimal number such as \"5\""}
+    ]))]
+    pub max_perplexity_increase_percent: String,
+
+    /// Dataset (hub id or local file under the cache) of prompts the model refuses.
+    #[serde(default = "default_refusal_dataset")]
+    pub refusal_dataset: String,
+
+    /// Dataset (hub id or local file under the cache) of harmless prompts.
+    #[serde(default = "default_harmless_dataset")]
+    pub harmless_dataset: String,
+
+    /// Skip linear-attention (GatedDeltaNet) layers when choosing and modifying layers.
+    #[serde(default = "default_true", rename = "skipGDNLayers")]
+    pub skip_gdn_layers: bool,
+
+    /// Skip vision/audio tower layers.
+    #[serde(default = "default_true")]
+    pub skip_vision_layers: bool,
+
+    /// Also orthogonalize the lm_head. Off by default: it corrupted saves in the reference pipeline.
+    #[serde(default)]
+    pub ablitate_lm_head: bool,
+
+    /// Run on a GPU node (adds the GPU resource and the default GPU toleration).
+    #[serde(default, rename = "useGPU")]
+    pub use_gpu: bool,
+
+    /// Memory request and limit of the abliteration Job, in GiB.
+    #[serde(default = "default_abliteration_memory")]
+    #[schemars(range(min = 1, max = 1024))]
+    #[serde(rename = "maxMemoryGB")]
+    pub max_memory_gb: i32,
+
+    /// activeDeadlineSeconds of the abliteration Job.
+    #[serde(default = "default_abliteration_timeout")]
+    #[schemars(range(min = 300, max = 172800))]
+    pub timeout_seconds: i64,
+
+    /// Node selector for this phase only (overrides `spec.nodeSelector`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_selector: Option<BTreeMap<String, String>>,
+}
+
+/// A weight matrix that writes into the residual stream.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum WeightMatrix {
+    /// Attention output projection.
+    OProj,
+    /// MLP down projection (shared/dense only; MoE experts are never modified).
+    DownProj,
+}
+
+impl WeightMatrix {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WeightMatrix::OProj => "o_proj",
+            WeightMatrix::DownProj => "down_proj",
+        }
+    }
+}
+
+/// Quantization format. Only `GPTQ` has a built-in engine today; the others are accepted and
+/// fail the phase with an `UnsupportedFormat` condition.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema)]
+pub enum QuantFormat {
+    #[serde(rename = "GGUF")]
+    Gguf,
+    #[serde(rename = "AWQ")]
+    Awq,
+    #[serde(rename = "GPTQ")]
+    Gptq,
+    #[serde(rename = "EXL2")]
+    Exl2,
+    #[serde(rename = "FP8")]
+    Fp8,
+    #[serde(rename = "COMPRESSED_TENSORS")]
+    CompressedTensors,
+}
+
+/// Which modules stay in full precision.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum DynamicExclusion {
+    /// Detect hybrid architectures and keep attention, shared experts, vision and MTP in full precision.
+    #[default]
+    Auto,
+    /// Keep GatedDeltaNet `linear_attn.*` modules in full precision; quantize the rest.
+    Gdn,
+    /// Quantize every linear module.
+    None,
+}
+
+impl DynamicExclusion {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DynamicExclusion::Auto => "auto",
+            DynamicExclusion::Gdn => "gdn",
+            DynamicExclusion::None => "none",
+        }
+    }
+}
+
+/// Quantization phase settings.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "!has(self.bits) || self.format != 'GPTQ' || self.bits in [2, 3, 4, 8]",
+     "message": "spec.quantization.bits must be 2, 3, 4 or 8 for GPTQ", "fieldPath": ".bits"},
+    {"rule": "!has(self.bits) || self.format != 'FP8' || self.bits == 8",
+     "message": "spec.quantization.bits must be 8 for FP8", "fieldPath": ".bits"},
+    {"rule": "!has(self.bits) || self.format != 'AWQ' || self.bits == 4",
+     "message": "spec.quantization.bits must be 4 for AWQ", "fieldPath": ".bits"},
+    {"rule": "!has(self.ggufType) || self.format == 'GGUF'",
+     "message": "spec.quantization.ggufType is only valid with format GGUF", "fieldPath": ".ggufType"}
+]))]
+pub struct QuantizationSpec {
+    /// Target format.
+    pub format: QuantFormat,
+
+    /// Bits per weight. GPTQ: 2, 3, 4 or 8 (default 4); AWQ: 4; FP8: 8; EXL2: average bits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 2, max = 8))]
+    pub bits: Option<i32>,
+
+    /// Input columns sharing one scale/zero: -1 (per output channel) or a power of two (32, 64, 128…).
+    #[serde(default = "default_group_size")]
+    #[schemars(extend("x-kubernetes-validations" = [
+        {"rule": "self == -1 || self in [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]",
+         "message": "spec.quantization.groupSize must be -1 or a positive power of two (32, 64, 128, ...)"}
+    ]))]
+    pub group_size: i32,
+
+    /// Symmetric quantization (zero fixed at the middle of the range). Required for the ExLlama/Marlin
+    /// kernels, the fast path on ROCm gfx1100.
+    #[serde(default = "default_true")]
+    pub sym: bool,
+
+    /// Activation-order column permutation (`g_idx`). Slightly better quality, slower inference.
+    #[serde(default)]
+    pub desc_act: bool,
+
+    /// Which modules stay full precision.
+    #[serde(default)]
+    pub dynamic_exclusion: DynamicExclusion,
+
+    /// Fraction of GPU VRAM the quantizer may use (decimal string in (0, 1]).
+    #[serde(default = "default_gpu_memory_fraction")]
+    #[schemars(extend("x-kubernetes-validations" = [
+        {"rule": "self.matches('^(0(\\\\.[0-9]+)?|1(\\\\.0+)?)$') && double(self) > 0.0",
+         "message": "spec.quantization.gpuMemoryFraction must be a decimal in (0, 1] such as \"0.80\""}
+    ]))]
+    pub gpu_memory_fraction: String,
+
+    /// Run on a GPU node (adds the GPU resource and the default GPU toleration).
+    #[serde(default, rename = "useGPU")]
+    pub use_gpu: bool,
+
+    /// Memory request and limit of the quantize Job in GiB (the GPUProfile's `gpuDriverMemoryMB` is added).
+    #[serde(default = "default_quant_memory")]
+    #[schemars(range(min = 1, max = 1024))]
+    #[serde(rename = "maxMemoryGB")]
+    pub max_memory_gb: i32,
+
+    /// activeDeadlineSeconds of the quantize Job (default 86400 = 24h).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 300, max = 172800))]
+    pub timeout_seconds: Option<i64>,
+
+    /// Node selector for this phase only (overrides `spec.nodeSelector`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_selector: Option<BTreeMap<String, String>>,
+
+    /// GGUF quantization type (GGUF only; default `Q4_K_M`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("x-kubernetes-validations" = [
+        {"rule": "self.matches('^(Q[2-8]_[0-9A-Z_]+|IQ[1-4]_[A-Z_]+|F16|BF16|F32)$')",
+         "message": "spec.quantization.ggufType must be a llama.cpp type such as Q4_K_M, Q5_K_S, Q8_0 or F16"}
+    ]))]
+    pub gguf_type: Option<String>,
+
+    /// Calibration data settings (AWQ, GPTQ).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calibration: Option<CalibrationSpec>,
+}
+
+/// Calibration data used by AWQ and GPTQ.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CalibrationSpec {
+    /// Maximum token length per calibration sample (128–32768).
+    #[serde(default = "default_max_seq_len")]
+    #[schemars(range(min = 128, max = 32768))]
+    pub max_seq_len: i32,
+
+    /// Number of calibration samples taken from the dataset (8–2048).
+    #[serde(default = "default_max_samples")]
+    #[schemars(range(min = 8, max = 2048))]
+    pub max_samples: i32,
+
+    /// Samples processed at once (1–256). Lower values reduce peak memory. Unset lets the engine choose.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 256))]
+    pub n_parallel_calib_samples: Option<i32>,
+
+    /// Hugging Face dataset id (fetched by the download phase) or a path under the cache directory.
+    #[serde(default = "default_dataset")]
+    #[schemars(length(min = 1, max = 512))]
+    pub dataset: String,
+}
+
+impl Default for CalibrationSpec {
+    fn default() -> Self {
+        Self {
+            max_seq_len: default_max_seq_len(),
+            max_samples: default_max_samples(),
+            n_parallel_calib_samples: None,
+            dataset: default_dataset(),
+        }
+    }
+}
+
+/// Publish phase settings.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "!('oci' in self.targets) || (has(self.ociRef) && size(self.ociRef) > 0)",
+     "message": "spec.publish.ociRef is required when spec.publish.targets contains 'oci'", "fieldPath": ".ociRef"}
+]))]
+pub struct PublishSpec {
+    /// Where to publish. Only `oci` exists today.
+    #[serde(default = "default_publish_targets")]
+    #[schemars(length(min = 1, max = 1))]
+    pub targets: Vec<PublishTarget>,
+
+    /// Repository to push to, e.g. `registry.example.com/models/llama3-8b` (no scheme, no tag).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("x-kubernetes-validations" = [
+        {"rule": "self.matches('^[a-zA-Z0-9.-]+(:[0-9]+)?/[a-z0-9._/-]+(:[A-Za-z0-9_][A-Za-z0-9._-]{0,127})?$')",
+         "message": "spec.publish.ociRef must look like registry.example.com[:port]/repo[/path][:tag] (no scheme)"}
+    ]))]
+    pub oci_ref: Option<String>,
+
+    /// Secret (dockerconfigjson, or `OCI_USERNAME`/`OCI_PASSWORD` keys) with registry credentials.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_ref: Option<String>,
+
+    /// How the pushed tag is chosen.
+    #[serde(default)]
+    pub tag_policy: TagPolicy,
+
+    /// Extra tags pushed for the same manifest.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub additional_tags: Vec<String>,
+
+    /// Skip TLS verification and allow plain HTTP for this registry.
+    #[serde(default)]
+    pub insecure: bool,
+
+    /// activeDeadlineSeconds of the publish Job.
+    #[serde(default = "default_publish_timeout")]
+    #[schemars(range(min = 300, max = 172800))]
+    pub timeout_seconds: i64,
+}
+
+/// Publish target kind.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum PublishTarget {
+    /// An OCI registry (artifact type `application/vnd.flexinfer.model.v1`).
+    Oci,
+}
+
+/// Tag policy for published artifacts.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum TagPolicy {
+    /// Push the tag of `ociRef` (default `latest`), replacing what it pointed at.
+    #[default]
+    Overwrite,
+    /// Push `<tag>-<UTC yyyymmddhhmmss>`.
+    Timestamp,
+    /// Push `<tag>-<first 12 hex of the manifest digest>`.
+    DigestSuffix,
+}
+
+/// Observed state of a ModelCache.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelCacheStatus {
+    /// Pipeline phase.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<CachePhase>,
+    /// Current step: `download`, `abliteration`, `quantization`, `publish` or `ready`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub current_phase: Option<String>,
+    /// Progress (0–100) of the current step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<i32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// `Ready`, `Progressing`, `Degraded`, and per phase `Downloaded`, `Abliterated`, `Quantized`, `Published`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+    /// Failed attempts of the current phase so far.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_count: Option<i32>,
+    /// Phase of the last failure.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_failure_phase: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_failure_time: Option<Time>,
+    /// Earliest time the failed phase is re-attempted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_retry_at: Option<Time>,
+    /// `<pvc>:<subdir>` of the artifact serving should use.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    /// PVC holding the cache.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub download: Option<DownloadStatus>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub abliteration: Option<AbliterationStatus>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantization: Option<QuantizationStatus>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub publish: Option<PublishStatus>,
+}
+
+/// Pipeline phase of a ModelCache.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema)]
+pub enum CachePhase {
+    Pending,
+    Downloading,
+    Abliterating,
+    Quantizing,
+    Publishing,
+    Ready,
+    Failed,
+}
+
+impl CachePhase {
+    pub const ALL: [CachePhase; 7] = [
+        CachePhase::Pending,
+        CachePhase::Downloading,
+        CachePhase::Abliterating,
+        CachePhase::Quantizing,
+        CachePhase::Publishing,
+        CachePhase::Ready,
+        CachePhase::Failed,
+    ];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CachePhase::Pending => "Pending",
+            CachePhase::Downloading => "Downloading",
+            CachePhase::Abliterating => "Abliterating",
+            CachePhase::Quantizing => "Quantizing",
+            CachePhase::Publishing => "Publishing",
+            CachePhase::Ready => "Ready",
+            CachePhase::Failed => "Failed",
+        }
+    }
+}
+
+/// Progress fields shared by every phase status (kept flat in each phase for `kubectl` readability).
+macro_rules! phase_status {
+    ($(#[$m:meta])* $name:ident { $($(#[$fm:meta])* pub $f:ident : $t:ty,)* }) => {
+        $(#[$m])*
+        #[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+        #[serde(rename_all = "camelCase")]
+        pub struct $name {
+            /// Hash of the phase inputs (spec + image) the current artifact was or is being built from.
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub spec_hash: Option<String>,
+            /// Image of the Job that produced (or is producing) the artifact.
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub image: Option<String>,
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub started_at: Option<Time>,
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub completed_at: Option<Time>,
+            /// 0–100, never decreases within one run.
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub progress: Option<i32>,
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub progress_detail: Option<String>,
+            /// `telemetry` (worker events) or `elapsed-estimate` (time used / deadline, capped at 99).
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub progress_source: Option<String>,
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub last_progress_at: Option<Time>,
+            /// Why the last attempt failed (termination message or log tail).
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub failure_message: Option<String>,
+            $($(#[$fm])* #[serde(default, skip_serializing_if = "Option::is_none")] pub $f: Option<$t>,)*
+        }
+    };
+}
+
+phase_status!(
+    /// Download phase status.
+    DownloadStatus {
+        /// Total bytes of the downloaded files.
+        pub size_bytes: i64,
+        pub file_count: i64,
+        /// Revision that was downloaded.
+        pub revision: String,
+    }
+);
+
+phase_status!(
+    /// Abliteration phase status.
+    AbliterationStatus {
+        pub layers_modified: i64,
+        /// Norm of the raw refusal direction (decimal string).
+        pub refusal_dir_norm: String,
+        /// Layer whose direction was used.
+        pub layer: i64,
+        pub perplexity_before: String,
+        pub perplexity_after: String,
+        /// Directory (relative to the cache root) of the abliterated model.
+        pub output_dir: String,
+    }
+);
+
+phase_status!(
+    /// Quantization phase status.
+    QuantizationStatus {
+        pub format: String,
+        /// e.g. `gptq-w4-g128`.
+        #[serde(rename = "type")]
+        pub quant_type: String,
+        pub original_size_bytes: i64,
+        pub compressed_size_bytes: i64,
+        pub compression_ratio: f64,
+        /// Duration, e.g. `1h2m3s`.
+        pub quantization_time: String,
+        /// Calibration parameters that were used.
+        pub calibration_params: BTreeMap<String, String>,
+        /// Directory (relative to the cache root) of the quantized artifact.
+        pub output_dir: String,
+        pub quality: QualityStatus,
+    }
+);
+
+phase_status!(
+    /// Publish phase status.
+    PublishStatus {
+        pub oci_digest: String,
+        pub published_tags: Vec<String>,
+        pub published_at: Time,
+        /// Up to five earlier digests, newest first.
+        pub previous_digests: Vec<String>,
+    }
+);
+
+/// Result of the RTN-fallback quality gate.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct QualityStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gptq_modules: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rtn_fallback_modules: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rtn_fallback_percent: Option<f64>,
+    /// `passed`, `failed` or `insufficient-sample`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gate: Option<String>,
+}
+
+fn default_revision() -> String {
+    "main".into()
+}
+fn default_storage_size() -> Quantity {
+    Quantity("50Gi".into())
+}
+fn default_max_retries() -> i32 {
+    3
+}
+fn default_download_memory() -> i32 {
+    16
+}
+fn default_target_layers() -> String {
+    "auto".into()
+}
+fn default_weight_matrices() -> Vec<WeightMatrix> {
+    vec![WeightMatrix::OProj, WeightMatrix::DownProj]
+}
+fn default_num_samples() -> i32 {
+    128
+}
+fn default_norm_threshold() -> String {
+    "100".into()
+}
+fn default_max_ppl_regression() -> String {
+    "5".into()
+}
+fn default_refusal_dataset() -> String {
+    "mlabonne/harmful_behaviors".into()
+}
+fn default_harmless_dataset() -> String {
+    "mlabonne/harmless_alpaca".into()
+}
+fn default_true() -> bool {
+    true
+}
+fn default_abliteration_memory() -> i32 {
+    56
+}
+fn default_abliteration_timeout() -> i64 {
+    14400
+}
+fn default_group_size() -> i32 {
+    128
+}
+fn default_gpu_memory_fraction() -> String {
+    "0.80".into()
+}
+fn default_quant_memory() -> i32 {
+    48
+}
+fn default_max_seq_len() -> i32 {
+    4096
+}
+fn default_max_samples() -> i32 {
+    256
+}
+fn default_dataset() -> String {
+    "mit-han-lab/pile-val-backup".into()
+}
+fn default_publish_targets() -> Vec<PublishTarget> {
+    vec![PublishTarget::Oci]
+}
+fn default_publish_timeout() -> i64 {
+    7200
+}
+
+/// Defaults the controller applies for values the CRD leaves unset.
+pub mod defaults {
+    /// Download Job deadline when `spec.download.timeoutSeconds` is unset.
+    pub const DOWNLOAD_TIMEOUT_SECONDS: i64 = 21600;
+    /// Quantize Job deadline when `spec.quantization.timeoutSeconds` is unset.
+    pub const QUANTIZE_TIMEOUT_SECONDS: i64 = 86400;
+    /// GPTQ bits when unset.
+    pub const GPTQ_BITS: i32 = 4;
+    /// GGUF type when unset.
+    pub const GGUF_TYPE: &str = "Q4_K_M";
+}
+
+impl QuantizationSpec {
+    /// Bits with the per-format default applied.
+    pub fn effective_bits(&self) -> i32 {
+        self.bits.unwrap_or(match self.format {
+            QuantFormat::Fp8 => 8,
+            _ => defaults::GPTQ_BITS,
+        })
+    }
+
+    /// Calibration settings with defaults applied.
+    pub fn effective_calibration(&self) -> CalibrationSpec {
+        self.calibration.clone().unwrap_or_default()
+    }
+
+    /// Output subdirectory of the artifact, e.g. `gptq-w4-g128` (`-gdn` with `dynamicExclusion: gdn`).
+    pub fn output_subdir(&self) -> String {
+        let base = match self.format {
+            QuantFormat::Gptq => format!("gptq-w{}-g{}", self.effective_bits(), self.group_size),
+            QuantFormat::Awq => format!("awq-w{}-g{}", self.effective_bits(), self.group_size),
+            QuantFormat::Gguf => format!(
+                "gguf-{}",
+                self.gguf_type
+                    .as_deref()
+                    .unwrap_or(defaults::GGUF_TYPE)
+                    .to_lowercase()
+            ),
+            QuantFormat::Exl2 => format!("exl2-w{}", self.effective_bits()),
+            QuantFormat::Fp8 => "fp8".to_string(),
+            QuantFormat::CompressedTensors => "compressed-tensors".to_string(),
+        };
+        if self.dynamic_exclusion == DynamicExclusion::Gdn {
+            format!("{base}-gdn")
+        } else {
+            base
+        }
+    }
+}
+
+impl ModelCacheSpec {
+    /// Directory of this cache inside the PVC (`modelPath`, else the cache name).
+    pub fn model_dir_name<'a>(&'a self, cache_name: &'a str) -> &'a str {
+        self.model_path.as_deref().unwrap_or(cache_name)
+    }
+}

@@ -1,0 +1,4 @@
+//! FlexInfer controller-manager library: pure planning code, Job/Deployment builders, and the
+//! thin reconcilers that observe the cluster, call the planners and apply their results.
+
+pub mod metrics;

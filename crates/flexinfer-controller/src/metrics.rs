@@ -1,0 +1,150 @@
+//! Prometheus metrics (names and labels follow the seed deployment; SPEC §8).
+
+use prometheus::{
+    histogram_opts, opts, GaugeVec, HistogramVec, IntCounterVec, IntGaugeVec, Registry,
+};
+
+/// Every metric the controller exports.
+#[derive(Clone)]
+pub struct Metrics {
+    pub registry: Registry,
+    /// `flexinfer_job_progress_percent{model,namespace,job_type}`.
+    pub job_progress_percent: GaugeVec,
+    /// `flexinfer_quantization_layer_index{model,namespace}`.
+    pub quantization_layer_index: IntGaugeVec,
+    /// `flexinfer_quantization_layer_total{model,namespace}`.
+    pub quantization_layer_total: IntGaugeVec,
+    /// `flexinfer_job_deadline_seconds{model,namespace,job_type}` (activeDeadlineSeconds).
+    pub job_deadline_seconds: GaugeVec,
+    /// `flexinfer_job_elapsed_seconds{model,namespace,job_type}`.
+    pub job_elapsed_seconds: GaugeVec,
+    /// `flexinfer_quantization_last_progress_timestamp_seconds{model,namespace}`.
+    pub quantization_last_progress_timestamp: GaugeVec,
+    /// `flexinfer_quantization_jobs_total{model,namespace,status}`.
+    pub quantization_jobs_total: IntCounterVec,
+    /// `flexinfer_quantization_duration_seconds{model,namespace}`.
+    pub quantization_duration_seconds: HistogramVec,
+    /// `flexinfer_quantization_compression_ratio{model,namespace}`.
+    pub quantization_compression_ratio: GaugeVec,
+    /// `flexinfer_model_cache_failures_total{model,namespace,reason}`.
+    pub model_cache_failures_total: IntCounterVec,
+    /// `flexinfer_modelcache_phase{cache,namespace,phase}` (1 for the current phase, else 0).
+    pub modelcache_phase: IntGaugeVec,
+    /// `flexinfer_model_phase{model,namespace,phase}` (1 for the current phase, else 0).
+    pub model_phase: IntGaugeVec,
+    /// `flexinfer_model_phase_transitions_total{model,namespace,from,to}`.
+    pub model_phase_transitions_total: IntCounterVec,
+    /// `flexinfer_reconcile_duration_seconds{controller}`.
+    pub reconcile_duration_seconds: HistogramVec,
+    /// `flexinfer_reconcile_errors_total{controller}`.
+    pub reconcile_errors_total: IntCounterVec,
+}
+
+impl Metrics {
+    /// Create and register every metric in a fresh registry.
+    pub fn new() -> Result<Self, prometheus::Error> {
+        let registry = Registry::new();
+        let mj = ["model", "namespace", "job_type"];
+        let mn = ["model", "namespace"];
+        let m = Metrics {
+            job_progress_percent: GaugeVec::new(
+                opts!("flexinfer_job_progress_percent", "Progress of the running pipeline Job (0-100)"),
+                &mj,
+            )?,
+            quantization_layer_index: IntGaugeVec::new(
+                opts!("flexinfer_quantization_layer_index", "Decoder layer the quantizer is working on"),
+                &mn,
+            )?,
+            quantization_layer_total: IntGaugeVec::new(
+                opts!("flexinfer_quantization_layer_total", "Decoder layers of the model being quantized"),
+                &mn,
+            )?,
+            job_deadline_seconds: GaugeVec::new(
+                opts!("flexinfer_job_deadline_seconds", "activeDeadlineSeconds of the running pipeline Job"),
+                &mj,
+            )?,
+            job_elapsed_seconds: GaugeVec::new(
+                opts!("flexinfer_job_elapsed_seconds", "Seconds since the running pipeline Job started"),
+                &mj,
+            )?,
+            quantization_last_progress_timestamp: GaugeVec::new(
+                opts!(
+                    "flexinfer_quantization_last_progress_timestamp_seconds",
+                    "Unix time of the last quantization layer progress"
+                ),
+                &mn,
+            )?,
+            quantization_jobs_total: IntCounterVec::new(
+                opts!("flexinfer_quantization_jobs_total", "Finished quantization Jobs by outcome"),
+                &["model", "namespace", "status"],
+            )?,
+            quantization_duration_seconds: HistogramVec::new(
+                histogram_opts!(
+                    "flexinfer_quantization_duration_seconds",
+                    "Wall time of successful quantization runs",
+                    vec![60.0, 300.0, 900.0, 1800.0, 3600.0, 7200.0, 14400.0, 28800.0, 57600.0, 86400.0, 172800.0]
+                ),
+                &mn,
+            )?,
+            quantization_compression_ratio: GaugeVec::new(
+                opts!("flexinfer_quantization_compression_ratio", "Original size / quantized size"),
+                &mn,
+            )?,
+            model_cache_failures_total: IntCounterVec::new(
+                opts!("flexinfer_model_cache_failures_total", "Pipeline phase failures by reason"),
+                &["model", "namespace", "reason"],
+            )?,
+            modelcache_phase: IntGaugeVec::new(
+                opts!("flexinfer_modelcache_phase", "Current phase of each ModelCache (1 = current)"),
+                &["cache", "namespace", "phase"],
+            )?,
+            model_phase: IntGaugeVec::new(
+                opts!("flexinfer_model_phase", "Current phase of each Model (1 = current)"),
+                &["model", "namespace", "phase"],
+            )?,
+            model_phase_transitions_total: IntCounterVec::new(
+                opts!("flexinfer_model_phase_transitions_total", "Model phase transitions"),
+                &["model", "namespace", "from", "to"],
+            )?,
+            reconcile_duration_seconds: HistogramVec::new(
+                histogram_opts!(
+                    "flexinfer_reconcile_duration_seconds",
+                    "Duration of one reconcile",
+                    vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
+                ),
+                &["controller"],
+            )?,
+            reconcile_errors_total: IntCounterVec::new(
+                opts!("flexinfer_reconcile_errors_total", "Failed reconciles"),
+                &["controller"],
+            )?,
+            registry,
+        };
+        m.registry.register(Box::new(m.job_progress_percent.clone()))?;
+        m.registry.register(Box::new(m.quantization_layer_index.clone()))?;
+        m.registry.register(Box::new(m.quantization_layer_total.clone()))?;
+        m.registry.register(Box::new(m.job_deadline_seconds.clone()))?;
+        m.registry.register(Box::new(m.job_elapsed_seconds.clone()))?;
+        m.registry.register(Box::new(m.quantization_last_progress_timestamp.clone()))?;
+        m.registry.register(Box::new(m.quantization_jobs_total.clone()))?;
+        m.registry.register(Box::new(m.quantization_duration_seconds.clone()))?;
+        m.registry.register(Box::new(m.quantization_compression_ratio.clone()))?;
+        m.registry.register(Box::new(m.model_cache_failures_total.clone()))?;
+        m.registry.register(Box::new(m.modelcache_phase.clone()))?;
+        m.registry.register(Box::new(m.model_phase.clone()))?;
+        m.registry.register(Box::new(m.model_phase_transitions_total.clone()))?;
+        m.registry.register(Box::new(m.reconcile_duration_seconds.clone()))?;
+        m.registry.register(Box::new(m.reconcile_errors_total.clone()))?;
+        Ok(m)
+    }
+
+    /// Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        let enc = prometheus::TextEncoder::new();
+        if prometheus::Encoder::encode(&enc, &self.registry.gather(), &mut buf).is_err() {
+            return String::new();
+        }
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}

@@ -1,0 +1,43 @@
+//! Typed errors of the quantization engine.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong in the engine. `Input` means the caller handed us something we cannot quantize
+/// (bad model, bad config, bad dataset): the worker maps it to exit code 2.
+#[derive(Debug, thiserror::Error)]
+pub enum QuantError {
+    #[error("invalid input: {0}")]
+    Input(String),
+    #[error("I/O error on {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("safetensors error in {path}: {message}")]
+    Safetensors { path: PathBuf, message: String },
+    #[error("JSON error in {path}: {message}")]
+    Json { path: PathBuf, message: String },
+    #[error("tokenizer error: {0}")]
+    Tokenizer(String),
+    #[error("numerical failure: {0}")]
+    Numeric(String),
+    #[error("aborted by test hook after layer {0}")]
+    TestAbort(usize),
+}
+
+impl QuantError {
+    /// True when the error is the caller's fault (bad model, config, or dataset).
+    pub fn is_bad_input(&self) -> bool {
+        matches!(
+            self,
+            QuantError::Input(_) | QuantError::Safetensors { .. } | QuantError::Json { .. } | QuantError::Tokenizer(_)
+        )
+    }
+
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        QuantError::Io { path: path.into(), source }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, QuantError>;

@@ -1,0 +1,229 @@
+//! The GPTQ column sweep (lazy batch updates) and the RTN fallback (GPTQ-NOTES §1.7–§1.10, §1.12).
+
+use crate::hessian::PreparedFactor;
+use crate::linalg::LinalgBackend;
+use crate::params::GptqParams;
+use crate::quantizer::{dequantize, find_params, maxq, quantize_code, GroupParams};
+use faer::Mat;
+use serde::{Deserialize, Serialize};
+
+/// How a module was quantized.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Method {
+    Gptq,
+    Rtn,
+}
+
+/// One quantized linear layer: integer codes plus per-group parameters, everything in original column order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct QuantizedLinear {
+    /// Output features (rows of W).
+    pub rows: usize,
+    /// Input features (columns of W).
+    pub cols: usize,
+    pub bits: u32,
+    pub sym: bool,
+    /// Integer codes, input-major: `codes[c * rows + r]`.
+    pub codes: Vec<u8>,
+    /// `scales[g * rows + r]` in group-index order.
+    pub scales: Vec<f32>,
+    /// Integer zero-points, same layout as `scales`.
+    pub zeros: Vec<u8>,
+    /// Group of each input column.
+    pub g_idx: Vec<i32>,
+    pub method: Method,
+    /// `Σ (w−q)²/d²/2` (0 for RTN).
+    pub loss: f64,
+    pub damp: f32,
+}
+
+impl QuantizedLinear {
+    pub fn groups(&self) -> usize {
+        self.scales.len() / self.rows.max(1)
+    }
+}
+
+fn col_slices(w: &Mat<f32>, start: usize, end: usize) -> impl Iterator<Item = &[f32]> {
+    (start..end).map(move |c| w.col_as_slice(c))
+}
+
+fn push_group(scales: &mut [f32], zeros: &mut [u8], g: usize, rows: usize, p: &GroupParams) {
+    scales[g * rows..(g + 1) * rows].copy_from_slice(&p.scale);
+    for r in 0..rows {
+        zeros[g * rows + r] = p.zero[r] as u8;
+    }
+}
+
+/// GPTQ on `w` (`[rows=out, cols=in]`) with a prepared inverse-Hessian factor.
+pub fn gptq_quantize(
+    backend: &dyn LinalgBackend,
+    w_in: &Mat<f32>,
+    factor: &PreparedFactor,
+    p: &GptqParams,
+) -> QuantizedLinear {
+    let rows = w_in.nrows();
+    let cols = w_in.ncols();
+    let gs = p.effective_group(cols);
+    let n_groups = cols.div_ceil(gs);
+    let maxq = maxq(p.bits);
+    let mut w = w_in.clone();
+
+    // With one group per row the parameters come from W before the dead-column fix (IST order).
+    let mut current: Option<GroupParams> =
+        if p.group_size <= 0 { Some(find_params(rows, col_slices(&w, 0, cols), p.bits, p.sym)) } else { None };
+    for (c, &dead) in factor.dead.iter().enumerate() {
+        if dead {
+            w.col_mut(c).fill(0.0);
+        }
+    }
+    let static_groups: Vec<GroupParams> = if p.static_groups && p.group_size > 0 {
+        (0..n_groups).map(|g| find_params(rows, col_slices(&w, g * gs, ((g + 1) * gs).min(cols)), p.bits, p.sym)).collect()
+    } else {
+        Vec::new()
+    };
+    let perm: Vec<usize> = factor.perm.clone().unwrap_or_else(|| (0..cols).collect());
+    if factor.perm.is_some() {
+        w = Mat::from_fn(rows, cols, |r, k| w[(r, perm[k])]);
+    }
+
+    let mut codes = vec![0u8; rows * cols];
+    let mut scales = vec![0f32; n_groups * rows];
+    let mut zeros = vec![0u8; n_groups * rows];
+    let mut g_idx = vec![0i32; cols];
+    let u = &factor.u;
+    let mut loss = 0.0f64;
+    if let (Some(cur), true) = (&current, p.group_size <= 0) {
+        push_group(&mut scales, &mut zeros, 0, rows, cur);
+    }
+    for (g, sg) in static_groups.iter().enumerate() {
+        push_group(&mut scales, &mut zeros, g, rows, sg);
+    }
+
+    let bs = p.block_size;
+    let mut i1 = 0;
+    while i1 < cols {
+        let i2 = (i1 + bs).min(cols);
+        let count = i2 - i1;
+        let mut w1 = w.subcols(i1, count).to_owned();
+        let mut err1 = Mat::<f32>::zeros(rows, count);
+        for i in 0..count {
+            let k = i1 + i;
+            let orig = perm[k];
+            let group_of_k;
+            if p.group_size > 0 {
+                if p.static_groups {
+                    group_of_k = orig / gs;
+                    current = Some(static_groups[group_of_k].clone());
+                } else {
+                    group_of_k = k / gs;
+                    if k % gs == 0 {
+                        // Quirk kept for parity: parameters from the global W, which lacks this block's in-block updates.
+                        let gp = find_params(rows, col_slices(&w, k, (k + gs).min(cols)), p.bits, p.sym);
+                        push_group(&mut scales, &mut zeros, group_of_k, rows, &gp);
+                        current = Some(gp);
+                    }
+                }
+            } else {
+                group_of_k = 0;
+            }
+            g_idx[orig] = group_of_k as i32;
+            let Some(gp) = current.as_ref() else { continue };
+            let d = u[(k, k)];
+            {
+                let wcol = w1.col_as_slice(i);
+                let ecol = err1.col_as_slice_mut(i);
+                let out = &mut codes[orig * rows..(orig + 1) * rows];
+                for r in 0..rows {
+                    let x = wcol[r];
+                    let q = quantize_code(x, gp.scale[r], gp.zero[r], maxq);
+                    out[r] = q as u8;
+                    let diff = x - dequantize(q, gp.scale[r], gp.zero[r]);
+                    loss += (diff as f64 * diff as f64) / (d as f64 * d as f64) / 2.0;
+                    ecol[r] = diff / d;
+                }
+            }
+            // Rank-1 update of the remaining block columns.
+            for j in i + 1..count {
+                let coef = u[(k, i1 + j)];
+                if coef == 0.0 {
+                    continue;
+                }
+                let (left, mut right) = (err1.col(i), w1.col_mut(j));
+                for r in 0..rows {
+                    right[r] -= left[r] * coef;
+                }
+            }
+        }
+        if i2 < cols {
+            backend.block_update(w.subcols_mut(i2, cols - i2), err1.as_ref(), u.submatrix(i1, i2, count, cols - i2));
+        }
+        i1 = i2;
+    }
+    if p.static_groups && p.group_size > 0 {
+        for (c, gi) in g_idx.iter_mut().enumerate() {
+            *gi = (c / gs) as i32;
+        }
+    }
+    QuantizedLinear {
+        rows,
+        cols,
+        bits: p.bits,
+        sym: p.sym,
+        codes,
+        scales,
+        zeros,
+        g_idx,
+        method: Method::Gptq,
+        loss,
+        damp: factor.damp,
+    }
+}
+
+/// Round-to-nearest per group, no Hessian (the fallback when recovery is exhausted).
+pub fn rtn_quantize(w: &Mat<f32>, p: &GptqParams) -> QuantizedLinear {
+    let rows = w.nrows();
+    let cols = w.ncols();
+    let gs = p.effective_group(cols);
+    let n_groups = cols.div_ceil(gs);
+    let maxq = maxq(p.bits);
+    let mut codes = vec![0u8; rows * cols];
+    let mut scales = vec![0f32; n_groups * rows];
+    let mut zeros = vec![0u8; n_groups * rows];
+    let mut g_idx = vec![0i32; cols];
+    for g in 0..n_groups {
+        let (start, end) = (g * gs, ((g + 1) * gs).min(cols));
+        let gp = find_params(rows, col_slices(w, start, end), p.bits, p.sym);
+        push_group(&mut scales, &mut zeros, g, rows, &gp);
+        for c in start..end {
+            g_idx[c] = g as i32;
+            let col = w.col_as_slice(c);
+            for r in 0..rows {
+                codes[c * rows + r] = quantize_code(col[r], gp.scale[r], gp.zero[r], maxq) as u8;
+            }
+        }
+    }
+    QuantizedLinear {
+        rows,
+        cols,
+        bits: p.bits,
+        sym: p.sym,
+        codes,
+        scales,
+        zeros,
+        g_idx,
+        method: Method::Rtn,
+        loss: 0.0,
+        damp: 0.0,
+    }
+}
+
+/// The weight the consumer reconstructs: `scale_f16 · (code − zero)` with the group from `g_idx`.
+pub fn dequantize_weight(q: &QuantizedLinear) -> Mat<f32> {
+    let rows = q.rows;
+    Mat::from_fn(rows, q.cols, |r, c| {
+        let g = q.g_idx[c] as usize;
+        let s = half::f16::from_f32(q.scales[g * rows + r]).to_f32();
+        s * (q.codes[c * rows + r] as f32 - q.zeros[g * rows + r] as f32)
+    })
+}

@@ -1,0 +1,134 @@
+//! Quantization settings: the GPTQ format knobs and the Hessian-recovery tunables (SPEC §4.1, §5).
+
+use crate::error::{QuantError, Result};
+use serde::{Deserialize, Serialize};
+
+/// How the diagonal floor of the recovery loop is scaled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FloorMode {
+    /// `mean(diag) × GPTQ_HESSIAN_DIAG_FLOOR_SCALE` (default).
+    Mean,
+    /// `max|diag| × 1e-6` (the pre-MR !156 behaviour).
+    AbsMax,
+}
+
+impl std::str::FromStr for FloorMode {
+    type Err = QuantError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "mean" => Ok(FloorMode::Mean),
+            "abs_max" | "absmax" => Ok(FloorMode::AbsMax),
+            other => Err(QuantError::Input(format!(
+                "GPTQ_HESSIAN_DIAG_FLOOR_MODE must be mean or abs_max, got {other:?}"
+            ))),
+        }
+    }
+}
+
+/// The GPTQ algorithm and format settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GptqParams {
+    pub bits: u32,
+    /// -1 = one group per row.
+    pub group_size: i32,
+    pub sym: bool,
+    pub desc_act: bool,
+    pub static_groups: bool,
+    pub block_size: usize,
+}
+
+impl Default for GptqParams {
+    fn default() -> Self {
+        GptqParams { bits: 4, group_size: 128, sym: true, desc_act: false, static_groups: false, block_size: 128 }
+    }
+}
+
+impl GptqParams {
+    pub fn validate(&self) -> Result<()> {
+        if !matches!(self.bits, 2 | 3 | 4 | 8) {
+            return Err(QuantError::Input(format!("bits must be one of 2, 3, 4, 8 (got {})", self.bits)));
+        }
+        if !(self.group_size == -1 || self.group_size > 0) {
+            return Err(QuantError::Input(format!("group size must be -1 or positive (got {})", self.group_size)));
+        }
+        if self.block_size == 0 {
+            return Err(QuantError::Input("block size must be positive".into()));
+        }
+        Ok(())
+    }
+
+    /// Columns per group for a layer with `cols` inputs.
+    pub fn effective_group(&self, cols: usize) -> usize {
+        if self.group_size <= 0 {
+            cols
+        } else {
+            self.group_size as usize
+        }
+    }
+
+    /// Checks that a linear with `cols` inputs and `rows` outputs can be stored in the gptq format.
+    pub fn check_shape(&self, name: &str, rows: usize, cols: usize) -> Result<()> {
+        if self.group_size > 0 && cols % self.group_size as usize != 0 {
+            return Err(QuantError::Input(format!(
+                "group size {} does not divide the input dimension {cols} of {name}",
+                self.group_size
+            )));
+        }
+        let pack = if self.bits == 3 { 32 } else { (32 / self.bits) as usize };
+        if cols % pack != 0 || rows % pack != 0 {
+            return Err(QuantError::Input(format!(
+                "{name} has shape [{rows}, {cols}]; {}-bit packing needs both dimensions to be multiples of {pack}",
+                self.bits
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Hessian-recovery tunables (`GPTQ_*` env).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RecoveryParams {
+    pub damp_percent: f32,
+    pub damp_auto_increment: f32,
+    pub floor_mode: FloorMode,
+    pub floor_scale: f32,
+    pub floor_multiplier: f32,
+    pub max_floor_attempts: u32,
+}
+
+impl Default for RecoveryParams {
+    fn default() -> Self {
+        RecoveryParams {
+            damp_percent: 0.05,
+            damp_auto_increment: 0.1,
+            floor_mode: FloorMode::Mean,
+            floor_scale: 0.01,
+            floor_multiplier: 10.0,
+            max_floor_attempts: 6,
+        }
+    }
+}
+
+impl RecoveryParams {
+    pub fn validate(&self) -> Result<()> {
+        let finite = [self.damp_percent, self.damp_auto_increment, self.floor_scale, self.floor_multiplier];
+        if finite.iter().any(|v| !v.is_finite() || *v < 0.0) {
+            return Err(QuantError::Input("GPTQ recovery tunables must be finite and non-negative".into()));
+        }
+        Ok(())
+    }
+}
+
+/// RTN fallback gate (`GPTQ_MAX_RTN_FALLBACK_PERCENT`, `GPTQ_MIN_MODULES_FOR_FALLBACK_GATE`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GateParams {
+    pub max_rtn_fallback_percent: f64,
+    pub min_modules: u64,
+}
+
+impl Default for GateParams {
+    fn default() -> Self {
+        GateParams { max_rtn_fallback_percent: 10.0, min_modules: 100 }
+    }
+}

@@ -1,0 +1,3 @@
+//! The FlexInfer worker: one binary for every pipeline phase.
+
+pub mod common;

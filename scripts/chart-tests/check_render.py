@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""Assertions on `helm template` output (stdin) or a live Deployment (kubectl get -o json).
+
+usage:
+  helm template ... | check_render.py defaults|allon
+  kubectl get deploy X -o json | check_render.py live-env defaults|allon
+Prints one line per failed assertion and exits 1 on any failure.
+"""
+import json
+import os
+import sys
+
+import yaml
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+APP = yaml.safe_load(open(os.path.join(ROOT, "charts/flexinfer/Chart.yaml")))["appVersion"]
+W = "ghcr.io/flexinfer/flexinfer-worker:" + APP
+R = "registry.example.com/flexinfer/quantizer:"
+
+ENV = {
+    "defaults": {
+        "RUST_LOG": "info",
+        "FLEXINFER_LEADER_ELECT": "true",
+        "FLEXINFER_NAMESPACE": {"fieldRef": "metadata.namespace"},
+        "FLEXINFER_WORKER_IMAGE": W,
+        "FLEXINFER_WORKER_SERVICE_ACCOUNT": "flexinfer-worker",
+        "FLEXINFER_IMAGE_DRIFT_GRACE_SECONDS": "600",
+        "FLEXINFER_QUANTIZER_GPTQ_IMAGE": W + "-cuda",
+        "FLEXINFER_QUANTIZER_GPTQ_ROCM_IMAGE": W + "-rocm-gfx1100",
+        "FLEXINFER_QUANTIZER_GPTQ_ROCM_GFX1100_IMAGE": W + "-rocm-gfx1100",
+        "FLEXINFER_QUANTIZER_GPTQ_ROCM_GFX906_IMAGE": W + "-rocm-gfx906",
+        "FLEXINFER_QUANTIZER_IMAGE_GPTQ": W + "-cuda",
+    },
+    "allon": {
+        "RUST_LOG": "info",
+        "FLEXINFER_LEADER_ELECT": "true",
+        "FLEXINFER_NAMESPACE": {"fieldRef": "metadata.namespace"},
+        "FLEXINFER_WORKER_IMAGE": W,
+        "FLEXINFER_WORKER_SERVICE_ACCOUNT": "flexinfer-worker",
+        "FLEXINFER_IMAGE_DRIFT_GRACE_SECONDS": "600",
+        "FLEXINFER_QUANTIZER_GPTQ_IMAGE": R + "gptq-cuda",
+        "FLEXINFER_QUANTIZER_GPTQ_ROCM_IMAGE": R + "gptq-rocm",
+        "FLEXINFER_QUANTIZER_GPTQ_ROCM_GFX1100_IMAGE": R + "gptq-rocm-gfx1100",
+        "FLEXINFER_QUANTIZER_GPTQ_ROCM_GFX906_IMAGE": R + "gptq-rocm-gfx906",
+        "FLEXINFER_QUANTIZER_GPTQ_ROCM_GFX1030_IMAGE": R + "gptq-rocm-gfx1030",
+        "FLEXINFER_QUANTIZER_IMAGE_GGUF": R + "gguf",
+        "FLEXINFER_QUANTIZER_IMAGE_AWQ": R + "awq",
+        "FLEXINFER_QUANTIZER_IMAGE_GPTQ": R + "gptq",
+        "FLEXINFER_QUANTIZER_IMAGE_EXL2": R + "exl2",
+        "FLEXINFER_QUANTIZER_IMAGE_FP8": R + "fp8",
+        "FLEXINFER_GPTQ_MAX_RTN_FALLBACK_PERCENT": "5",
+        "FLEXINFER_GPTQ_RESUME_LAYERS": "false",
+        "FLEXINFER_RUNTIME_IMAGE_VLLM": "registry.example.com/vllm/vllm-openai:v0.9.2",
+        "FLEXINFER_RETRY_BASE_SECONDS": "30",
+    },
+}
+KINDS = {
+    "defaults": {
+        "ServiceAccount": 2, "ClusterRole": 1, "ClusterRoleBinding": 1, "Role": 1, "RoleBinding": 1,
+        "Deployment": 1, "Service": 1, "ValidatingAdmissionPolicy": 1, "ValidatingAdmissionPolicyBinding": 1,
+    },
+}
+KINDS["allon"] = dict(KINDS["defaults"], PrometheusRule=1, ServiceMonitor=1, GPUProfile=3)
+
+errors = []
+
+
+def check(cond, msg):
+    if not cond:
+        errors.append(msg)
+
+
+def env_of(dep):
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    out = {}
+    for e in c.get("env", []):
+        check(e["name"] not in out, f"duplicate env {e['name']}")
+        if "value" in e:
+            out[e["name"]] = e["value"]
+        elif "valueFrom" in e and "fieldRef" in e["valueFrom"]:
+            out[e["name"]] = {"fieldRef": e["valueFrom"]["fieldRef"]["fieldPath"]}
+        else:
+            out[e["name"]] = e.get("valueFrom")
+    return out
+
+
+def check_env(dep, mode):
+    got = env_of(dep)
+    want = ENV[mode]
+    for k, v in want.items():
+        check(got.get(k) == v, f"env {k}: want {v!r}, got {got.get(k)!r}")
+    extra = sorted(set(got) - set(want))
+    check(not extra, f"unexpected env {extra}")
+    check(not any(isinstance(v, str) and not v for v in got.values()), "empty env value rendered")
+
+
+def check_deployment(dep, mode):
+    spec = dep["spec"]["template"]["spec"]
+    c = spec["containers"][0]
+    check(dep["spec"]["replicas"] == (2 if mode == "allon" else 1), "replicas")
+    check(c["image"] == "ghcr.io/flexinfer/flexinfer-controller:" + APP, f"controller image {c['image']}")
+    check(not c.get("args") and not c.get("command"), "controller takes no args")
+    psc = spec.get("securityContext", {})
+    check(psc.get("runAsNonRoot") is True, "pod runAsNonRoot")
+    check(psc.get("seccompProfile", {}).get("type") == "RuntimeDefault", "pod seccomp RuntimeDefault")
+    sc = c.get("securityContext", {})
+    check(sc.get("runAsNonRoot") is True, "container runAsNonRoot")
+    check(sc.get("readOnlyRootFilesystem") is True, "readOnlyRootFilesystem")
+    check(sc.get("allowPrivilegeEscalation") is False, "allowPrivilegeEscalation false")
+    check(sc.get("capabilities", {}).get("drop") == ["ALL"], "capabilities drop ALL")
+    check(not sc.get("capabilities", {}).get("add"), "no added capabilities")
+    check(sc.get("seccompProfile", {}).get("type") == "RuntimeDefault", "container seccomp RuntimeDefault")
+    check(not sc.get("privileged"), "not privileged")
+    ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+    check(ports == {"metrics": 8080, "health": 8081}, f"ports {ports}")
+    check(c.get("livenessProbe", {}).get("httpGet", {}).get("path") == "/healthz", "liveness /healthz")
+    check(c.get("readinessProbe", {}).get("httpGet", {}).get("path") == "/readyz", "readiness /readyz")
+    check(c.get("livenessProbe", {}).get("httpGet", {}).get("port") == "health", "liveness on health port")
+    check(c.get("resources", {}).get("requests") and c.get("resources", {}).get("limits"), "resources set")
+    check_env(dep, mode)
+
+
+def check_rbac(docs):
+    for d in docs:
+        if d["kind"] not in ("ClusterRole", "Role"):
+            continue
+        for r in d.get("rules", []):
+            check("*" not in r.get("verbs", []) and "*" not in r.get("resources", []) and "*" not in r.get("apiGroups", []),
+                  f"{d['kind']} {d['metadata']['name']} has a wildcard rule {r}")
+            check(not any(x.startswith("secrets") for x in r.get("resources", [])),
+                  f"{d['kind']} {d['metadata']['name']} grants Secrets")
+            if d["kind"] == "ClusterRole":
+                check("leases" not in r.get("resources", []), "leases must be a namespaced Role")
+
+
+def check_static(docs, mode):
+    counts = {}
+    for d in docs:
+        counts[d["kind"]] = counts.get(d["kind"], 0) + 1
+    check(counts == KINDS[mode], f"kinds: want {KINDS[mode]}, got {counts}")
+    deps = [d for d in docs if d["kind"] == "Deployment"]
+    if deps:
+        check_deployment(deps[0], mode)
+    for d in docs:
+        if d["kind"] == "ServiceAccount" and d["metadata"]["name"] == "flexinfer-worker":
+            check(d.get("automountServiceAccountToken") is False, "worker SA must not automount its token")
+    check(any(d["kind"] == "ServiceAccount" and d["metadata"]["name"] == "flexinfer-worker" for d in docs),
+          "worker ServiceAccount flexinfer-worker")
+    check_rbac(docs)
+    for d in docs:
+        if d["kind"] == "GPUProfile":
+            check(d["apiVersion"] == "ai.flexinfer/v1alpha2", "GPUProfile apiVersion")
+    names = sorted(d["metadata"]["name"] for d in docs if d["kind"] == "GPUProfile")
+    if mode == "allon":
+        check(names == ["gfx1100", "gfx906", "nvidia-sm89"], f"GPUProfiles {names}")
+        b = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"][0]
+        check(b["spec"]["validationActions"] == ["Deny"], "binding Deny")
+
+
+def main():
+    if sys.argv[1] == "live-env":
+        dep = json.load(sys.stdin)
+        check_env(dep, sys.argv[2])
+    else:
+        docs = [d for d in yaml.safe_load_all(sys.stdin) if d]
+        check_static(docs, sys.argv[1])
+    for e in errors:
+        print("FAIL:", e)
+    sys.exit(1 if errors else 0)
+
+
+main()

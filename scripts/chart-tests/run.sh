@@ -1,0 +1,293 @@
+#!/usr/bin/env bash
+# Helm chart / kustomize / alert tests for FlexInfer. Run by `make test`.
+#   KUBECONFIG=<local test API server> scripts/chart-tests/run.sh
+# Static checks need helm, python3 (+PyYAML) and promtool; live checks need KUBECONFIG (scripts/testenv/up.sh api)
+# and the generated CRDs in deploy/crds. Without KUBECONFIG the run FAILS (set CHART_TESTS_STATIC_ONLY=1 to run the
+# static part alone while developing). Prints `N passed, M failed` last; exits non-zero on any failure.
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd); cd "$ROOT"
+HERE=scripts/chart-tests; CHART=charts/flexinfer
+BIN=${TESTENV_BIN:-$HOME/.cache/testenv/v1.34.4/bin}
+HELM=${HELM:-$(command -v helm || echo "$BIN/helm")}; export HELM
+PASS=0; FAIL=0; FAILED=()
+T=$(mktemp -d); RUN_ID=$(head -c4 /dev/urandom | od -An -tx1 | tr -d ' \n')
+NS=fi-chart-$RUN_ID; REL=fi-$RUN_ID; CREATED_STUBS=0; LIVE=0
+
+pass() { PASS=$((PASS + 1)); echo "ok   $1"; }
+fail() { FAIL=$((FAIL + 1)); FAILED+=("$1"); echo "FAIL $1"; [ -n "${2:-}" ] && echo "$2" | tail -25 | sed 's/^/     /'; }
+# t NAME CMD...: run CMD, pass when it exits 0
+t() { local n=$1 out; shift; if out=$("$@" 2>&1); then pass "$n"; else fail "$n" "$out"; fi; }
+# tn NAME CMD...: pass when CMD exits non-zero (a rejection we expect)
+tn() { local n=$1 out; shift; if out=$("$@" 2>&1); then fail "$n" "unexpectedly succeeded: $out"; else pass "$n"; fi; }
+
+cleanup() {
+  if [ "$LIVE" = 1 ]; then
+    "$HELM" uninstall "$REL" -n "$NS" --wait=false >/dev/null 2>&1
+    kubectl delete ns "$NS" "$NS-other" --wait=false >/dev/null 2>&1
+    kubectl delete validatingadmissionpolicy,validatingadmissionpolicybinding -l "app.kubernetes.io/instance=$REL" >/dev/null 2>&1
+    [ "$CREATED_STUBS" = 1 ] && kubectl delete -f "$HERE/fixtures/stub-crds.yaml" --wait=false >/dev/null 2>&1
+  fi
+  rm -rf "$T"
+}
+trap cleanup EXIT
+
+need() { command -v "$1" >/dev/null 2>&1 || [ -x "$1" ]; }
+for tool in "$HELM" python3 promtool kubectl; do
+  need "$tool" || { echo "missing tool: $tool (helm: scripts/testenv/build-bins.sh; promtool: apt-get install prometheus)"; echo "0 passed, 1 failed"; exit 1; }
+done
+python3 -c 'import yaml' 2>/dev/null || pip install --quiet pyyaml >/dev/null 2>&1 || true
+python3 -c 'import yaml' 2>/dev/null || { echo "python3 PyYAML missing and pip install failed"; echo "0 passed, 1 failed"; exit 1; }
+
+echo "== static: lint, template, schema"
+t "helm lint --strict (defaults)" "$HELM" lint --strict "$CHART"
+t "helm lint --strict (all toggles on)" "$HELM" lint --strict "$CHART" -f "$HERE/values-all-on.yaml"
+"$HELM" template flexinfer "$CHART" -n flexinfer-system > "$T/default.yaml" 2>"$T/err" \
+  && pass "helm template (defaults)" || fail "helm template (defaults)" "$(cat "$T/err")"
+"$HELM" template flexinfer "$CHART" -n flexinfer-system -f "$HERE/values-all-on.yaml" > "$T/allon.yaml" 2>"$T/err" \
+  && pass "helm template (all toggles on)" || fail "helm template (all toggles on)" "$(cat "$T/err")"
+t "rendered defaults: objects, env, security context, RBAC" python3 "$HERE/check_render.py" defaults < "$T/default.yaml"
+t "rendered all-on: objects, env, security context, RBAC" python3 "$HERE/check_render.py" allon < "$T/allon.yaml"
+tn "schema rejects unknown top-level key" "$HELM" template x "$CHART" --set bogus=1
+tn "schema rejects threshold > 1" "$HELM" template x "$CHART" --set alerting.deadlineApproaching.threshold=2
+tn "schema rejects bad duration" "$HELM" template x "$CHART" --set alerting.stalled.for=soon
+tn "schema rejects unknown quantization format" "$HELM" template x "$CHART" --set quantization.images.int3=x
+tn "schema rejects bad validationActions" "$HELM" template x "$CHART" --set 'admissionPolicy.validationActions={Reject}'
+t "toggles off: no admission policy, no RBAC" bash -c "out=\$('$HELM' template x '$CHART' --set admissionPolicy.enabled=false --set rbac.create=false) \
+  && ! grep -qE 'kind: (ValidatingAdmissionPolicy|ClusterRole|Role)\$' <<<\"\$out\""
+t "workerServiceAccount.additionalNamespaces creates SA per namespace" bash -c "'$HELM' template x '$CHART' -n a \
+  --set 'workerServiceAccount.additionalNamespaces={b,c,a}' | python3 -c '
+import sys,yaml
+ns=sorted(d[\"metadata\"][\"namespace\"] for d in yaml.safe_load_all(sys.stdin) if d and d[\"kind\"]==\"ServiceAccount\" and d[\"metadata\"][\"name\"]==\"flexinfer-worker\")
+assert ns==[\"a\",\"b\",\"c\"], ns'"
+t "deploy/controller and deploy/admission match the chart (render-deploy.sh --check)" bash "$HERE/render-deploy.sh" --check
+
+echo "== static: alerts"
+python3 "$HERE/extract-rules.py" "$T/rules-full.yaml" "$T/rules.yaml" < "$T/allon.yaml" >"$T/err" 2>&1 \
+  && pass "extract PrometheusRule groups" || fail "extract PrometheusRule groups" "$(cat "$T/err")"
+t "promtool check rules" promtool check rules "$T/rules-full.yaml"
+t "every alert present" bash -c "for a in FlexInferQuantizationDeadlineApproaching FlexInferQuantizationDeadlineCritical \
+  FlexInferQuantizationJobFailed FlexInferQuantizationStalled FlexInferModelCacheFailed FlexInferControllerDown; do \
+  grep -q \"alert: \$a\$\" '$T/rules-full.yaml' || { echo missing \$a; exit 1; }; done; \
+  [ \$(grep -c 'runbook_url: .*gptq-quantization-runbook.md#' '$T/rules-full.yaml') = 6 ]"
+# Default thresholds in the test file come from values.yaml: render the default alerting values for the unit tests.
+mkdir -p "$T/alerts"
+"$HELM" template flexinfer "$CHART" --set alerting.enabled=true | python3 "$HERE/extract-rules.py" "$T/d-full.yaml" "$T/alerts/rules.yaml" >/dev/null
+cp "$HERE/alerts.test.yaml" "$T/alerts/"
+t "promtool test rules (each alert fires on time and stays quiet otherwise)" promtool test rules "$T/alerts/alerts.test.yaml"
+# A rule that can never fire would pass "stays quiet" checks: make sure the fire cases are really exercised by
+# breaking the rules (impossible thresholds) and expecting the unit tests to fail.
+mkdir -p "$T/broken"; cp "$HERE/alerts.test.yaml" "$T/broken/"
+"$HELM" template flexinfer "$CHART" --set alerting.enabled=true --set alerting.deadlineApproaching.threshold=1 \
+  --set alerting.deadlineCritical.threshold=1 --set alerting.stalled.thresholdSeconds=999999 \
+  --set alerting.jobFailed.window=1m --set alerting.controllerDown.upSelector='job="nope"' --set alerting.modelCacheFailed.for=1h \
+  | python3 "$HERE/extract-rules.py" "$T/broken/full.yaml" "$T/broken/rules.yaml" >/dev/null 2>&1
+t "promtool tests detect broken rules (mutation check)" bash -c "out=\$(promtool test rules '$T/broken/alerts.test.yaml' 2>&1); rc=\$?; \
+  [ \$rc -ne 0 ] || exit 1; for a in DeadlineApproaching DeadlineCritical JobFailed Stalled ModelCacheFailed ControllerDown; do \
+  grep -q \"FlexInferQuantization\$a\|FlexInfer\$a\" <<<\"\$out\" || { echo \"mutation of \$a not detected\"; exit 1; }; done"
+
+echo "== static: kustomize bases"
+BASES=(deploy/controller deploy/admission deploy/gpuprofiles deploy/modelcaches deploy/models deploy/flux)
+[ -f deploy/crds/kustomization.yaml ] && BASES=(deploy/crds "${BASES[@]}")
+for b in "${BASES[@]}"; do
+  kubectl kustomize "$b" > "$T/kz-$(basename "$b").yaml" 2>"$T/err" && [ -s "$T/kz-$(basename "$b").yaml" ] \
+    && pass "kubectl kustomize $b" || fail "kubectl kustomize $b" "$(cat "$T/err")"
+done
+
+if [ -z "${KUBECONFIG:-}" ]; then
+  if [ "${CHART_TESTS_STATIC_ONLY:-0}" = 1 ]; then
+    echo "CHART_TESTS_STATIC_ONLY=1: live API-server checks skipped"
+  else
+    fail "live checks: KUBECONFIG is not set (start one with scripts/testenv/up.sh api)"
+  fi
+  echo "$PASS passed, $FAIL failed"; [ "$FAIL" = 0 ]; exit
+fi
+
+echo "== live: API server $(kubectl config view --minify -o jsonpath='{.clusters[0].cluster.server}' 2>/dev/null), namespace $NS"
+LIVE=1
+if ! kubectl get ns default >/dev/null 2>&1; then fail "API server reachable"; echo "$PASS passed, $FAIL failed"; exit 1; fi
+kubectl create ns "$NS" >/dev/null && kubectl create ns "$NS-other" >/dev/null
+kubectl get crd servicemonitors.monitoring.coreos.com >/dev/null 2>&1 || CREATED_STUBS=1
+if [ "$CREATED_STUBS" = 1 ]; then
+  t "install stand-in monitoring/flux CRDs" kubectl apply -f "$HERE/fixtures/stub-crds.yaml"
+else
+  t "stand-in monitoring/flux CRDs present" kubectl apply -f "$HERE/fixtures/stub-crds.yaml" --dry-run=server
+fi
+CRD_DIR=${CHART_TESTS_CRD_DIR:-deploy/crds}   # override only while developing before `make crds` has run
+CRD_FILES=$(ls "$CRD_DIR"/*.ai.flexinfer.yaml 2>/dev/null)
+if [ -z "$CRD_FILES" ]; then
+  fail "ai.flexinfer CRDs: $CRD_DIR/*.ai.flexinfer.yaml missing (run make crds)"
+else
+  # shellcheck disable=SC2086
+  t "install ai.flexinfer CRDs from $CRD_DIR" kubectl apply --server-side --force-conflicts $(printf -- '-f %s ' $CRD_FILES)
+fi
+t "CRDs established" kubectl wait --for=condition=Established --timeout=60s \
+  crd/modelcaches.ai.flexinfer crd/models.ai.flexinfer crd/gpuprofiles.ai.flexinfer \
+  crd/servicemonitors.monitoring.coreos.com crd/prometheusrules.monitoring.coreos.com \
+  crd/gitrepositories.source.toolkit.fluxcd.io crd/kustomizations.kustomize.toolkit.fluxcd.io
+
+echo "== live: server-side dry-run of rendered chart"
+for mode in default allon; do
+  f=$([ $mode = default ] && echo "" || echo "-f $HERE/values-all-on.yaml")
+  # shellcheck disable=SC2086
+  "$HELM" template "dry-$RUN_ID" "$CHART" -n "$NS" $f > "$T/ns-$mode.yaml"
+  t "server-side dry-run: helm template ($mode)" kubectl apply --dry-run=server -n "$NS" -f "$T/ns-$mode.yaml"
+done
+
+echo "== live: helm install"
+INSTALL_ARGS=(-f "$HERE/values-all-on.yaml" --set "admissionPolicy.namespaceSelector.matchLabels.kubernetes\.io/metadata\.name=$NS"
+              --set "workerServiceAccount.additionalNamespaces={$NS-other}")
+t "helm install" "$HELM" install "$REL" "$CHART" -n "$NS" "${INSTALL_ARGS[@]}"
+DEP=$REL-flexinfer-controller
+SA=system:serviceaccount:$NS:$REL-flexinfer-controller
+t "controller Deployment created with the expected env" bash -c \
+  "kubectl -n '$NS' get deploy '$DEP' -o json | python3 '$HERE/check_render.py' live-env allon"
+t "metrics Service, ServiceMonitor, PrometheusRule, GPUProfiles, worker SAs exist" bash -c "set -e
+  kubectl -n '$NS' get svc/'$DEP-metrics' servicemonitor/'$DEP' prometheusrule/'$REL-flexinfer-alerts' >/dev/null
+  [ \$(kubectl -n '$NS' get gpuprofiles -o name | wc -l) = 3 ]
+  [ \"\$(kubectl -n '$NS-other' get sa flexinfer-worker -o jsonpath='{.automountServiceAccountToken}')\" = false ]
+  [ \"\$(kubectl -n '$NS' get sa flexinfer-worker -o jsonpath='{.automountServiceAccountToken}')\" = false ]"
+
+echo "== live: RBAC matrix (impersonating $SA)"
+can() { kubectl auth can-i --as="$SA" "$@" 2>/dev/null; }
+rbac_yes=(
+  "get modelcaches.ai.flexinfer" "list modelcaches.ai.flexinfer" "watch modelcaches.ai.flexinfer"
+  "patch modelcaches.ai.flexinfer" "update modelcaches.ai.flexinfer"
+  "get models.ai.flexinfer" "list models.ai.flexinfer" "watch models.ai.flexinfer" "patch models.ai.flexinfer" "update models.ai.flexinfer"
+  "get gpuprofiles.ai.flexinfer" "list gpuprofiles.ai.flexinfer" "watch gpuprofiles.ai.flexinfer"
+  "patch gpuprofiles.ai.flexinfer" "update gpuprofiles.ai.flexinfer"
+  "get modelcaches.ai.flexinfer --subresource=status" "patch modelcaches.ai.flexinfer --subresource=status"
+  "update modelcaches.ai.flexinfer --subresource=status"
+  "patch models.ai.flexinfer --subresource=status" "update models.ai.flexinfer --subresource=status"
+  "patch gpuprofiles.ai.flexinfer --subresource=status" "update gpuprofiles.ai.flexinfer --subresource=status"
+  "update modelcaches.ai.flexinfer --subresource=finalizers" "update models.ai.flexinfer --subresource=finalizers"
+  "get jobs.batch" "list jobs.batch" "watch jobs.batch" "create jobs.batch" "delete jobs.batch" "patch jobs.batch"
+  "get pods" "list pods" "watch pods" "get pods --subresource=log"
+  "get persistentvolumeclaims" "list persistentvolumeclaims" "watch persistentvolumeclaims"
+  "create persistentvolumeclaims" "delete persistentvolumeclaims"
+  "get deployments.apps" "list deployments.apps" "watch deployments.apps" "create deployments.apps"
+  "patch deployments.apps" "update deployments.apps" "delete deployments.apps"
+  "get services" "list services" "watch services" "create services" "patch services" "update services" "delete services"
+  "create events" "patch events" "create events.events.k8s.io" "patch events.events.k8s.io"
+)
+rbac_no=(
+  "get secrets" "list secrets" "watch secrets" "create pods" "delete pods" "create pods --subresource=exec"
+  "delete modelcaches.ai.flexinfer" "create modelcaches.ai.flexinfer" "delete customresourcedefinitions.apiextensions.k8s.io"
+  "create clusterroles.rbac.authorization.k8s.io" "create rolebindings.rbac.authorization.k8s.io"
+  "delete persistentvolumes" "get nodes" "create serviceaccounts" "create serviceaccounts --subresource=token"
+  "update configmaps"
+)
+bad_yes=(); for v in "${rbac_yes[@]}"; do
+  for n in "$NS" "$NS-other"; do
+    # shellcheck disable=SC2086
+    [ "$(can $v -n "$n")" = yes ] || bad_yes+=("$v -n $n")
+  done
+done
+[ ${#bad_yes[@]} = 0 ] && pass "RBAC: all ${#rbac_yes[@]} needed verbs allowed in every namespace" \
+  || fail "RBAC: needed verbs denied" "$(printf '%s\n' "${bad_yes[@]}")"
+bad_no=(); for v in "${rbac_no[@]}"; do
+  for n in "$NS" "$NS-other" kube-system; do
+    # shellcheck disable=SC2086
+    [ "$(can $v -n "$n")" = no ] || bad_no+=("$v -n $n")
+  done
+done
+[ "$(can get secrets --all-namespaces)" = no ] || bad_no+=("get secrets --all-namespaces")
+[ ${#bad_no[@]} = 0 ] && pass "RBAC: Secrets (any namespace) and ${#rbac_no[@]} other verbs denied" \
+  || fail "RBAC: verbs that must be denied are allowed" "$(printf '%s\n' "${bad_no[@]}")"
+lease=$(for v in get create update; do can "$v" leases.coordination.k8s.io -n "$NS"; done | sort -u)
+[ "$lease" = yes ] && [ "$(can get leases.coordination.k8s.io -n "$NS-other")" = no ] \
+  && pass "RBAC: Lease get/create/update only in the release namespace" || fail "RBAC: Lease scope" "release ns: $lease"
+WSA=system:serviceaccount:$NS:flexinfer-worker
+wbad=$(for v in "get secrets" "get pods" "get modelcaches.ai.flexinfer" "create jobs.batch" "get configmaps"; do
+  # shellcheck disable=SC2086
+  [ "$(kubectl auth can-i --as="$WSA" $v -n "$NS" 2>/dev/null)" = no ] || echo "worker may: $v"; done)
+[ -z "$wbad" ] && pass "RBAC: worker ServiceAccount has no API access" || fail "RBAC: worker ServiceAccount" "$wbad"
+
+echo "== live: promotion-gate admission policy"
+model() {  # model NAME ANNOTATIONS_JSON SERVERLESS_JSON CONFIG_JSON
+  cat <<EOF
+{"apiVersion":"ai.flexinfer/v1alpha2","kind":"Model","metadata":{"name":"$1","namespace":"$NS","annotations":$2},
+ "spec":{"backend":"vllm","source":"modelcache://qwen","serverless":$3,"config":$4}}
+EOF
+}
+GATE='"flexinfer.ai/promotion-gate":"quantized-artifact-v1"'
+# The policy is enforced a moment after it is created: retry the first rejection for up to 30 s.
+deny_out=""; for _ in $(seq 1 30); do
+  if deny_out=$(model warm-minreplicas "{$GATE}" '{"enabled":true,"minReplicas":1}' '{}' | kubectl apply --dry-run=server -f - 2>&1); then
+    sleep 1; else break; fi
+done
+grep -q "flexinfer.ai/promotion-validation" <<<"$deny_out" && grep -q "flexinfer.ai/promotion-evidence" <<<"$deny_out" \
+  && grep -qi "denied\|forbidden" <<<"$deny_out" \
+  && pass "admission: gated Model with minReplicas>0 and no validation is denied; message names the annotations" \
+  || fail "admission: gated warm Model (minReplicas) denied with message" "$deny_out"
+deny() { local n=$1 out; shift; if out=$(model "$@" | kubectl create -f - 2>&1); then
+    fail "admission: $n denied" "created: $out"; else
+    grep -q "flexinfer.ai/promotion-validation" <<<"$out" && pass "admission: $n denied" || fail "admission: $n denied" "$out"; fi; }
+admit() { local n=$1; shift; t "admission: $n admitted" bash -c "kubectl create -f - <<<'$(model "$@")'"; }
+deny "gated serverless-disabled Model" warm-disabled "{$GATE}" '{"enabled":false}' '{}'
+deny "gated warmPolicy=primary Model" warm-primary "{$GATE}" '{"enabled":true,"minReplicas":0}' '{"warmPolicy":"primary"}'
+deny "gated warm Model with empty evidence" warm-empty "{$GATE,\"flexinfer.ai/promotion-evidence\":\"\"}" '{"enabled":false}' '{}'
+deny "gated warm Model with validation=failed" warm-failed "{$GATE,\"flexinfer.ai/promotion-validation\":\"failed\"}" '{"enabled":true,"minReplicas":2}' '{}'
+admit "validated gated warm Model" validated "{$GATE,\"flexinfer.ai/promotion-validation\":\"passed\"}" '{"enabled":true,"minReplicas":1}' '{"warmPolicy":"primary"}'
+admit "gated warm Model with evidence" evidence "{$GATE,\"flexinfer.ai/promotion-evidence\":\"https://ci.example/run/42\"}" '{"enabled":false}' '{}'
+admit "gated canary Model" canary "{$GATE}" '{"enabled":true,"minReplicas":0}' '{"warmPolicy":"ondemand"}'
+admit "ungated warm Model" ungated '{"team":"ml"}' '{"enabled":false}' '{"warmPolicy":"primary"}'
+admit "other gate value" othergate '{"flexinfer.ai/promotion-gate":"something-else"}' '{"enabled":false}' '{}'
+t "admission: promoting a canary without validation is denied on UPDATE" bash -c \
+  "out=\$(kubectl -n '$NS' patch model canary --type merge -p '{\"spec\":{\"serverless\":{\"minReplicas\":1}}}' 2>&1) && exit 1; grep -q promotion-validation <<<\"\$out\""
+t "admission: promoting after validation is admitted" bash -c \
+  "kubectl -n '$NS' annotate model canary flexinfer.ai/promotion-validation=passed && \
+   kubectl -n '$NS' patch model canary --type merge -p '{\"spec\":{\"serverless\":{\"minReplicas\":1}}}'"
+t "admission: binding is scoped (other namespace not enforced)" bash -c \
+  "kubectl create -f - <<<'$(model scoped "{$GATE}" '{"enabled":false}' '{}' | sed "s/\"namespace\":\"$NS\"/\"namespace\":\"$NS-other\"/")'"
+
+echo "== live: helm upgrade"
+kubectl -n "$NS" apply -f - >/dev/null 2>&1 <<EOF
+apiVersion: ai.flexinfer/v1alpha1
+kind: ModelCache
+metadata: {name: upgrade-probe}
+spec: {source: "Qwen/Qwen2.5-0.5B-Instruct"}
+EOF
+uid_before=$(kubectl get crd modelcaches.ai.flexinfer -o jsonpath='{.metadata.uid}')
+t "helm upgrade (logLevel=debug, gpuProfiles off)" "$HELM" upgrade "$REL" "$CHART" -n "$NS" "${INSTALL_ARGS[@]}" \
+  --set controller.logLevel=debug --set gpuProfiles.profiles.gfx906.enabled=false
+t "after upgrade: CRDs kept (same uid), ModelCache and Models kept, env updated, revision 2" bash -c "set -e
+  [ \"\$(kubectl get crd modelcaches.ai.flexinfer -o jsonpath='{.metadata.uid}')\" = '$uid_before' ]
+  kubectl get crd models.ai.flexinfer gpuprofiles.ai.flexinfer >/dev/null
+  kubectl -n '$NS' get modelcache/upgrade-probe model/validated model/canary >/dev/null
+  [ \"\$(kubectl -n '$NS' get deploy '$DEP' -o jsonpath='{.spec.template.spec.containers[0].env[?(@.name==\"RUST_LOG\")].value}')\" = debug ]
+  [ \$(kubectl -n '$NS' get gpuprofiles -o name | wc -l) = 2 ]
+  kubectl -n '$NS' get svc/'$DEP-metrics' prometheusrule/'$REL-flexinfer-alerts' validatingadmissionpolicy/'$REL-flexinfer-promotion-gate' >/dev/null
+  '$HELM' -n '$NS' history '$REL' -o json | python3 -c 'import json,sys; h=json.load(sys.stdin); assert h[-1][\"revision\"]==2 and h[-1][\"status\"]==\"deployed\", h'"
+
+echo "== live: kustomize bases, server-side dry-run"
+for b in "${BASES[@]}"; do
+  o=$T/kz-$(basename "$b").yaml
+  # Re-home namespaced objects (and RBAC subjects) into the test namespace so nothing outside it is touched.
+  python3 -c '
+import sys, yaml
+ns = sys.argv[1]
+docs = [d for d in yaml.safe_load_all(open(sys.argv[2])) if d]
+for d in docs:
+    if d["metadata"].get("namespace"):
+        d["metadata"]["namespace"] = ns
+    for s in d.get("subjects") or []:
+        if s.get("namespace"):
+            s["namespace"] = ns
+yaml.safe_dump_all(docs, open(sys.argv[2] + ".ns.yaml", "w"))
+' "$NS" "$o" 2>"$T/err" || { fail "server-side dry-run $b" "$(cat "$T/err")"; continue; }
+  t "server-side dry-run $b" kubectl apply --dry-run=server -f "$o.ns.yaml"
+done
+
+echo "== live: helm uninstall"
+t "helm uninstall keeps CRDs and custom resources" bash -c "set -e
+  '$HELM' uninstall '$REL' -n '$NS' --wait >/dev/null
+  kubectl get crd modelcaches.ai.flexinfer models.ai.flexinfer gpuprofiles.ai.flexinfer >/dev/null
+  kubectl -n '$NS' get modelcache upgrade-probe >/dev/null
+  ! kubectl -n '$NS' get deploy '$DEP' >/dev/null 2>&1
+  ! kubectl get clusterrole '$DEP' >/dev/null 2>&1
+  ! kubectl get validatingadmissionpolicy '$REL-flexinfer-promotion-gate' >/dev/null 2>&1"
+
+echo
+[ "$FAIL" = 0 ] || printf 'failed: %s\n' "${FAILED[@]}"
+echo "$PASS passed, $FAIL failed"
+[ "$FAIL" = 0 ]

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+set -euo pipefail                      # usage: TESTENV_BIN=… up.sh [api|cluster]; prints `export KUBECONFIG=… TESTENV_DIR=…`
+MODE=${1:-cluster}; BIN=${TESTENV_BIN:?}; W=${TESTENV_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/testenv.XXXXXX")}
+P=$W/pki; mkdir -p "$P" "$W/etcd" "$W/logs"
+for b in etcd kube-apiserver; do [ -x "$BIN/$b" ] || { echo "missing $BIN/$b" >&2; exit 1; }; done
+port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
+EP=$(port); PP=$(port); AP=$(port); KP=$(port); SP=$(port); q() { "$@" >/dev/null 2>&1; }
+q openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj /CN=testenv-ca -addext "basicConstraints=critical,CA:TRUE" \
+  -addext "keyUsage=critical,keyCertSign,cRLSign,digitalSignature" -keyout "$P/ca.key" -out "$P/ca.crt"
+mkcert() { q openssl req -new -newkey rsa:2048 -nodes -subj "$2" -keyout "$P/$1.key" -out "$P/$1.csr"; printf '%b' "$3" > "$P/$1.ext"
+  q openssl x509 -req -in "$P/$1.csr" -CA "$P/ca.crt" -CAkey "$P/ca.key" -CAcreateserial -days 3650 -extfile "$P/$1.ext" -out "$P/$1.crt"; }
+mkcert apiserver "/CN=kube-apiserver" "subjectAltName=IP:127.0.0.1,DNS:localhost,IP:10.96.0.1,DNS:kubernetes,DNS:kubernetes.default.svc\nextendedKeyUsage=serverAuth\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
+mkcert admin "/O=system:masters/CN=testenv-admin" "extendedKeyUsage=clientAuth\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
+q openssl genrsa -out "$P/sa.key" 2048; q openssl rsa -in "$P/sa.key" -pubout -out "$P/sa.pub"
+KC=$W/kubeconfig
+q kubectl config --kubeconfig="$KC" set-cluster testenv --server="https://127.0.0.1:$AP" --certificate-authority="$P/ca.crt" --embed-certs=true
+q kubectl config --kubeconfig="$KC" set-credentials admin --client-certificate="$P/admin.crt" --client-key="$P/admin.key" --embed-certs=true
+q kubectl config --kubeconfig="$KC" set-context testenv --cluster=testenv --user=admin
+q kubectl config --kubeconfig="$KC" use-context testenv
+start() { local n=$1; shift; nohup "$@" >"$W/logs/$n.log" 2>&1 & echo "$! $n" >> "$W/pids"; }
+wait_for() { for _ in $(seq 1 $(( $2 * 5 ))); do curl -fsk --max-time 1 "$1" >/dev/null 2>&1 && return 0; sleep 0.2; done
+  echo "timeout: $1 (logs: $W/logs)" >&2; return 1; }
+FSYNC=(); "$BIN/etcd" --help 2>&1 | grep -q unsafe-no-fsync && FSYNC=(--unsafe-no-fsync=true)
+start etcd "$BIN/etcd" --name=testenv --data-dir="$W/etcd" --listen-client-urls="http://127.0.0.1:$EP" \
+  --advertise-client-urls="http://127.0.0.1:$EP" --listen-peer-urls="http://127.0.0.1:$PP" \
+  --initial-advertise-peer-urls="http://127.0.0.1:$PP" --initial-cluster="testenv=http://127.0.0.1:$PP" "${FSYNC[@]}"
+wait_for "http://127.0.0.1:$EP/health" 30
+start kube-apiserver "$BIN/kube-apiserver" --etcd-servers="http://127.0.0.1:$EP" --cert-dir="$P" \
+  --bind-address=127.0.0.1 --advertise-address=127.0.0.1 --secure-port="$AP" \
+  --tls-cert-file="$P/apiserver.crt" --tls-private-key-file="$P/apiserver.key" --client-ca-file="$P/ca.crt" \
+  --authorization-mode=RBAC --allow-privileged=true --service-cluster-ip-range=10.96.0.0/16 \
+  --service-account-issuer="https://127.0.0.1:$AP/" --service-account-key-file="$P/sa.pub" \
+  --service-account-signing-key-file="$P/sa.key" --disable-admission-plugins=ServiceAccount
+wait_for "https://127.0.0.1:$AP/readyz" 90      # anonymous /readyz is allowed by system:public-info-viewer
+for _ in $(seq 1 100); do q kubectl --kubeconfig="$KC" get ns default && break; sleep 0.2; done
+if [ "$MODE" = cluster ]; then
+  for b in kube-controller-manager kube-scheduler kwok; do [ -x "$BIN/$b" ] || { echo "missing $BIN/$b" >&2; exit 1; }; done
+  AUTHN=(--kubeconfig="$KC" --authentication-kubeconfig="$KC" --authorization-kubeconfig="$KC"
+         --authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics --bind-address=127.0.0.1 --leader-elect=false)
+  start kube-controller-manager "$BIN/kube-controller-manager" "${AUTHN[@]}" --secure-port="$KP" \
+    --service-account-private-key-file="$P/sa.key" --root-ca-file="$P/ca.crt" --node-monitor-period=5s --node-monitor-grace-period=40s
+  start kube-scheduler "$BIN/kube-scheduler" "${AUTHN[@]}" --secure-port="$SP"
+  start kwok "$BIN/kwok" --kubeconfig="$KC" --config="${KWOK_CONFIG:-$BIN/kwok-stages.yaml}" \
+    --manage-all-nodes=true --cidr=10.244.0.1/16 --node-ip=10.250.0.1 --node-lease-duration-seconds=40
+  wait_for "https://127.0.0.1:$KP/healthz" 60; wait_for "https://127.0.0.1:$SP/healthz" 60
+  # Fake GPU nodes, one per architecture FlexInfer targets, plus a CPU node.
+  node() { printf 'apiVersion: v1\nkind: Node\nmetadata:\n  name: %s\n  labels: {kubernetes.io/hostname: %s, kubernetes.io/os: linux, type: kwok%s}\nstatus:\n  allocatable: {cpu: "32", memory: 512Gi, pods: "110"%s}\n  capacity: {cpu: "32", memory: 512Gi, pods: "110"%s}\n' "$1" "$1" "$2" "$3" "$3" \
+      | q kubectl --kubeconfig="$KC" apply -f -
+    q kubectl --kubeconfig="$KC" wait --for=condition=Ready "node/$1" --timeout=60s || { echo "node $1 not Ready (logs: $W/logs)" >&2; exit 1; }; }
+  node kwok-gfx1100 ", flexinfer.ai/gpu.arch: gfx1100" ", amd.com/gpu: \"8\""
+  node kwok-gfx906 ", flexinfer.ai/gpu.arch: gfx906" ", amd.com/gpu: \"8\""
+  node kwok-sm89 ", flexinfer.ai/gpu.arch: sm_89" ", nvidia.com/gpu: \"8\""
+  node kwok-cpu "" ""
+fi
+echo "export KUBECONFIG=$KC TESTENV_DIR=$W"
