@@ -133,6 +133,39 @@ def check_rbac(docs):
                 check("leases" not in r.get("resources", []), "leases must be a namespaced Role")
 
 
+def subset(a, b):
+    return all(b.get(k) == v for k, v in (a or {}).items())
+
+
+def check_wiring(docs):
+    """Selectors, ports and ServiceAccount references point at each other."""
+    by = {}
+    for d in docs:
+        by.setdefault(d["kind"], []).append(d)
+    dep = by["Deployment"][0]
+    pod = dep["spec"]["template"]
+    check(subset(dep["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"]), "Deployment selector matches pod labels")
+    sa = pod["spec"]["serviceAccountName"]
+    check(any(d["metadata"]["name"] == sa for d in by.get("ServiceAccount", [])), f"pod ServiceAccount {sa} rendered")
+    for kind in ("ClusterRoleBinding", "RoleBinding"):
+        for b in by.get(kind, []):
+            check([s["name"] for s in b["subjects"]] == [sa], f"{kind} {b['metadata']['name']} binds {sa}")
+            role = b["roleRef"]["name"]
+            check(any(r["metadata"]["name"] == role for r in by.get(b["roleRef"]["kind"], [])), f"{kind} roleRef {role} rendered")
+    ports = {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
+    for svc in by.get("Service", []):
+        check(subset(svc["spec"]["selector"], pod["metadata"]["labels"]), "metrics Service selects the controller pod")
+        check(all(p["targetPort"] in ports for p in svc["spec"]["ports"]), "Service targetPort names a container port")
+        for sm in by.get("ServiceMonitor", []):
+            check(subset(sm["spec"]["selector"]["matchLabels"], svc["metadata"]["labels"]), "ServiceMonitor selects the metrics Service")
+            check({e["port"] for e in sm["spec"]["endpoints"]} <= {p["name"] for p in svc["spec"]["ports"]},
+                  "ServiceMonitor endpoint port exists on the Service")
+            check(all(e.get("path") == "/metrics" for e in sm["spec"]["endpoints"]), "ServiceMonitor path /metrics")
+    for b in by.get("ValidatingAdmissionPolicyBinding", []):
+        check(any(p["metadata"]["name"] == b["spec"]["policyName"] for p in by.get("ValidatingAdmissionPolicy", [])),
+              "binding references the policy")
+
+
 def check_static(docs, mode):
     counts = {}
     for d in docs:
@@ -147,6 +180,7 @@ def check_static(docs, mode):
     check(any(d["kind"] == "ServiceAccount" and d["metadata"]["name"] == "flexinfer-worker" for d in docs),
           "worker ServiceAccount flexinfer-worker")
     check_rbac(docs)
+    check_wiring(docs)
     for d in docs:
         if d["kind"] == "GPUProfile":
             check(d["apiVersion"] == "ai.flexinfer/v1alpha2", "GPUProfile apiVersion")

@@ -19,13 +19,16 @@ fail() { FAIL=$((FAIL + 1)); FAILED+=("$1"); echo "FAIL $1"; [ -n "${2:-}" ] && 
 t() { local n=$1 out; shift; if out=$("$@" 2>&1); then pass "$n"; else fail "$n" "$out"; fi; }
 # tn NAME CMD...: pass when CMD exits non-zero (a rejection we expect)
 tn() { local n=$1 out; shift; if out=$("$@" 2>&1); then fail "$n" "unexpectedly succeeded: $out"; else pass "$n"; fi; }
+# ts NAME HELM-ARGS...: pass when helm rejects the values through values.schema.json
+ts() { local n=$1 out; shift; if out=$("$HELM" "$@" 2>&1); then fail "$n" "unexpectedly succeeded"; \
+  elif grep -q "schema" <<<"$out"; then pass "$n"; else fail "$n" "failed, but not by the schema: $out"; fi; }
 
 cleanup() {
   if [ "$LIVE" = 1 ]; then
     "$HELM" uninstall "$REL" -n "$NS" --wait=false >/dev/null 2>&1
     kubectl delete ns "$NS" "$NS-other" --wait=false >/dev/null 2>&1
     kubectl delete validatingadmissionpolicy,validatingadmissionpolicybinding -l "app.kubernetes.io/instance=$REL" >/dev/null 2>&1
-    [ "$CREATED_STUBS" = 1 ] && kubectl delete -f "$HERE/fixtures/stub-crds.yaml" --wait=false >/dev/null 2>&1
+    [ "$CREATED_STUBS" = 1 ] && kubectl delete -f "$HERE/fixtures/stub-crds.yaml" --timeout=60s >/dev/null 2>&1
   fi
   rm -rf "$T"
 }
@@ -47,11 +50,15 @@ t "helm lint --strict (all toggles on)" "$HELM" lint --strict "$CHART" -f "$HERE
   && pass "helm template (all toggles on)" || fail "helm template (all toggles on)" "$(cat "$T/err")"
 t "rendered defaults: objects, env, security context, RBAC" python3 "$HERE/check_render.py" defaults < "$T/default.yaml"
 t "rendered all-on: objects, env, security context, RBAC" python3 "$HERE/check_render.py" allon < "$T/allon.yaml"
-tn "schema rejects unknown top-level key" "$HELM" template x "$CHART" --set bogus=1
-tn "schema rejects threshold > 1" "$HELM" template x "$CHART" --set alerting.deadlineApproaching.threshold=2
-tn "schema rejects bad duration" "$HELM" template x "$CHART" --set alerting.stalled.for=soon
-tn "schema rejects unknown quantization format" "$HELM" template x "$CHART" --set quantization.images.int3=x
-tn "schema rejects bad validationActions" "$HELM" template x "$CHART" --set 'admissionPolicy.validationActions={Reject}'
+ts "schema rejects unknown top-level key" template x "$CHART" --set bogus=1
+ts "schema rejects threshold > 1" template x "$CHART" --set alerting.deadlineApproaching.threshold=2
+ts "schema rejects bad duration" template x "$CHART" --set alerting.stalled.for=soon
+ts "schema rejects unknown quantization format" template x "$CHART" --set quantization.images.int3=x
+t "schema accepts registry:port/repo:tag and @sha256 images" "$HELM" template x "$CHART" \
+  --set quantization.gptq.archImages.gfx906=registry.lan:5000/fi/quantizer:gptq-rocm-gfx906 \
+  --set quantization.images.gguf=registry.lan:5000/fi/quantizer@sha256:$(printf '0%.0s' $(seq 64))
+ts "schema rejects an image with whitespace" template x "$CHART" --set 'quantization.images.gptq=bad image'
+ts "schema rejects bad validationActions" template x "$CHART" --set 'admissionPolicy.validationActions={Reject}'
 t "toggles off: no admission policy, no RBAC" bash -c "out=\$('$HELM' template x '$CHART' --set admissionPolicy.enabled=false --set rbac.create=false) \
   && ! grep -qE 'kind: (ValidatingAdmissionPolicy|ClusterRole|Role)\$' <<<\"\$out\""
 t "workerServiceAccount.additionalNamespaces creates SA per namespace" bash -c "'$HELM' template x '$CHART' -n a \
@@ -69,6 +76,12 @@ t "every alert present" bash -c "for a in FlexInferQuantizationDeadlineApproachi
   FlexInferQuantizationJobFailed FlexInferQuantizationStalled FlexInferModelCacheFailed FlexInferControllerDown; do \
   grep -q \"alert: \$a\$\" '$T/rules-full.yaml' || { echo missing \$a; exit 1; }; done; \
   [ \$(grep -c 'runbook_url: .*gptq-quantization-runbook.md#' '$T/rules-full.yaml') = 6 ]"
+RUNBOOK=docs/user/gptq-quantization-runbook.md
+if [ -f "$RUNBOOK" ]; then
+  t "runbook_url anchors name sections of $RUNBOOK" python3 "$HERE/check_runbook_anchors.py" "$T/rules-full.yaml" "$RUNBOOK"
+else
+  echo "skip runbook anchor check: $RUNBOOK not present"
+fi
 # Default thresholds in the test file come from values.yaml: render the default alerting values for the unit tests.
 mkdir -p "$T/alerts"
 "$HELM" template flexinfer "$CHART" --set alerting.enabled=true | python3 "$HERE/extract-rules.py" "$T/d-full.yaml" "$T/alerts/rules.yaml" >/dev/null
@@ -92,6 +105,7 @@ for b in "${BASES[@]}"; do
   kubectl kustomize "$b" > "$T/kz-$(basename "$b").yaml" 2>"$T/err" && [ -s "$T/kz-$(basename "$b").yaml" ] \
     && pass "kubectl kustomize $b" || fail "kubectl kustomize $b" "$(cat "$T/err")"
 done
+t "kustomize output: cluster-scoped objects carry no namespace" python3 "$HERE/check_cluster_scoped.py" "$T"/kz-*.yaml
 
 if [ -z "${KUBECONFIG:-}" ]; then
   if [ "${CHART_TESTS_STATIC_ONLY:-0}" = 1 ]; then
@@ -106,6 +120,8 @@ echo "== live: API server $(kubectl config view --minify -o jsonpath='{.clusters
 LIVE=1
 if ! kubectl get ns default >/dev/null 2>&1; then fail "API server reachable"; echo "$PASS passed, $FAIL failed"; exit 1; fi
 kubectl create ns "$NS" >/dev/null && kubectl create ns "$NS-other" >/dev/null
+# The controller must satisfy the "restricted" Pod Security Standard: the API server warns on violations.
+kubectl label ns "$NS" pod-security.kubernetes.io/warn=restricted pod-security.kubernetes.io/enforce=restricted >/dev/null
 kubectl get crd servicemonitors.monitoring.coreos.com >/dev/null 2>&1 || CREATED_STUBS=1
 if [ "$CREATED_STUBS" = 1 ]; then
   t "install stand-in monitoring/flux CRDs" kubectl apply -f "$HERE/fixtures/stub-crds.yaml"
@@ -130,7 +146,9 @@ for mode in default allon; do
   f=$([ $mode = default ] && echo "" || echo "-f $HERE/values-all-on.yaml")
   # shellcheck disable=SC2086
   "$HELM" template "dry-$RUN_ID" "$CHART" -n "$NS" $f > "$T/ns-$mode.yaml"
-  t "server-side dry-run: helm template ($mode)" kubectl apply --dry-run=server -n "$NS" -f "$T/ns-$mode.yaml"
+  t "server-side dry-run: helm template ($mode), no PodSecurity (restricted) warnings" bash -c \
+    "out=\$(kubectl apply --dry-run=server -n '$NS' -f '$T/ns-$mode.yaml' 2>&1) || { echo \"\$out\"; exit 1; }; \
+     ! grep -i 'podsecurity\|would violate' <<<\"\$out\""
 done
 
 echo "== live: helm install"
@@ -147,8 +165,25 @@ t "metrics Service, ServiceMonitor, PrometheusRule, GPUProfiles, worker SAs exis
   [ \"\$(kubectl -n '$NS-other' get sa flexinfer-worker -o jsonpath='{.automountServiceAccountToken}')\" = false ]
   [ \"\$(kubectl -n '$NS' get sa flexinfer-worker -o jsonpath='{.automountServiceAccountToken}')\" = false ]"
 
-echo "== live: RBAC matrix (impersonating $SA)"
-can() { kubectl auth can-i --as="$SA" "$@" 2>/dev/null; }
+echo "== live: RBAC matrix (as $SA, with a ServiceAccount token)"
+# sa_kubeconfig SA OUT: a kubeconfig that authenticates with a TokenRequest token of the ServiceAccount only.
+sa_kubeconfig() {
+  local tok srv ca
+  tok=$(kubectl -n "$NS" create token "$1" --duration=15m) || return 1
+  srv=$(kubectl config view --minify --raw -o jsonpath='{.clusters[0].cluster.server}')
+  ca=$(kubectl config view --minify --raw -o jsonpath='{.clusters[0].cluster.certificate-authority-data}')
+  if [ -n "$ca" ]; then echo "$ca" | base64 -d > "$2.ca"
+  else cp "$(kubectl config view --minify -o jsonpath='{.clusters[0].cluster.certificate-authority}')" "$2.ca"; fi
+  kubectl config --kubeconfig="$2" set-cluster t --server="$srv" --certificate-authority="$2.ca" --embed-certs=true >/dev/null &&
+  kubectl config --kubeconfig="$2" set-credentials sa --token="$tok" >/dev/null &&
+  kubectl config --kubeconfig="$2" set-context t --cluster=t --user=sa >/dev/null &&
+  kubectl config --kubeconfig="$2" use-context t >/dev/null
+}
+sa_kubeconfig "$REL-flexinfer-controller" "$T/sa.kubeconfig"
+sa_kubeconfig flexinfer-worker "$T/worker.kubeconfig"
+t "controller token authenticates as $SA" bash -c \
+  "[ \"\$(kubectl --kubeconfig='$T/sa.kubeconfig' auth whoami -o jsonpath='{.status.userInfo.username}')\" = '$SA' ]"
+can() { kubectl --kubeconfig="$T/sa.kubeconfig" auth can-i "$@" 2>/dev/null; }
 rbac_yes=(
   "get modelcaches.ai.flexinfer" "list modelcaches.ai.flexinfer" "watch modelcaches.ai.flexinfer"
   "patch modelcaches.ai.flexinfer" "update modelcaches.ai.flexinfer"
@@ -199,7 +234,9 @@ lease=$(for v in get create update; do can "$v" leases.coordination.k8s.io -n "$
 WSA=system:serviceaccount:$NS:flexinfer-worker
 wbad=$(for v in "get secrets" "get pods" "get modelcaches.ai.flexinfer" "create jobs.batch" "get configmaps"; do
   # shellcheck disable=SC2086
-  [ "$(kubectl auth can-i --as="$WSA" $v -n "$NS" 2>/dev/null)" = no ] || echo "worker may: $v"; done)
+  [ "$(kubectl --kubeconfig="$T/worker.kubeconfig" auth can-i $v -n "$NS" 2>/dev/null)" = no ] || echo "worker may: $v"; done)
+[ "$(kubectl --kubeconfig="$T/worker.kubeconfig" auth whoami -o jsonpath='{.status.userInfo.username}' 2>/dev/null)" = "$WSA" ] \
+  || wbad="$wbad worker token does not authenticate as $WSA"
 [ -z "$wbad" ] && pass "RBAC: worker ServiceAccount has no API access" || fail "RBAC: worker ServiceAccount" "$wbad"
 
 echo "== live: promotion-gate admission policy"

@@ -1,1 +1,155 @@
-//! Shared helpers for the end-to-end tests.
+//! Shared helpers for the end-to-end tests. These tests talk to the real kube-apiserver started by
+//! `scripts/testenv/up.sh` (through `make test`, which exports `KUBECONFIG` and
+//! `FLEXINFER_TESTENV_DIR`). Run outside `make test` they fail with a message saying so.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
+use kube::core::GroupVersionKind;
+use kube::discovery::{ApiCapabilities, ApiResource, Discovery, Scope};
+use kube::Client;
+
+/// Repository root (the `tests` crate lives one level below it).
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(".."))
+}
+
+/// A client for the test control plane. Panics with instructions when no control plane is set up.
+pub async fn client() -> Client {
+    if std::env::var_os("KUBECONFIG").is_none() {
+        panic!(
+            "KUBECONFIG is not set: end-to-end tests need the local control plane. Run them with `make test` \
+             (or `eval $(scripts/testenv/up.sh cluster)` first)."
+        );
+    }
+    Client::try_default()
+        .await
+        .expect("cannot build a client from KUBECONFIG (is the test control plane running?)")
+}
+
+/// A namespace created for one test and deleted (in the background) when dropped.
+pub struct TestNamespace {
+    pub name: String,
+    client: Client,
+}
+
+impl TestNamespace {
+    /// Create `<prefix>-<random>`.
+    pub async fn new(client: &Client, prefix: &str) -> Result<Self> {
+        let suffix: u32 = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos() ^ (d.as_secs() as u32).rotate_left(7))
+            .unwrap_or(0)
+            ^ std::process::id();
+        let name = format!("{prefix}-{:08x}", suffix);
+        let api: Api<Namespace> = Api::all(client.clone());
+        let ns: Namespace = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": name, "labels": {"flexinfer.ai/test": "true"}}
+        }))?;
+        api.create(&PostParams::default(), &ns)
+            .await
+            .with_context(|| format!("create namespace {name}"))?;
+        Ok(Self {
+            name,
+            client: client.clone(),
+        })
+    }
+}
+
+impl Drop for TestNamespace {
+    fn drop(&mut self) {
+        let api: Api<Namespace> = Api::all(self.client.clone());
+        let name = self.name.clone();
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                let _ = api.delete(&name, &DeleteParams::background()).await;
+            });
+        }
+    }
+}
+
+/// Parse a multi-document YAML string into JSON values (empty documents skipped).
+pub fn yaml_docs(text: &str) -> Result<Vec<serde_json::Value>> {
+    let mut out = Vec::new();
+    for doc in serde_yaml::Deserializer::from_str(text) {
+        let v: serde_json::Value = serde::Deserialize::deserialize(doc)?;
+        if !v.is_null() {
+            out.push(v);
+        }
+    }
+    Ok(out)
+}
+
+/// Resolve the API resource of a JSON object through discovery.
+pub async fn resource_for(
+    client: &Client,
+    obj: &serde_json::Value,
+) -> Result<(ApiResource, ApiCapabilities)> {
+    let api_version = obj["apiVersion"].as_str().context("object without apiVersion")?;
+    let kind = obj["kind"].as_str().context("object without kind")?;
+    let (group, version) = match api_version.split_once('/') {
+        Some((g, v)) => (g.to_string(), v.to_string()),
+        None => (String::new(), api_version.to_string()),
+    };
+    let gvk = GroupVersionKind::gvk(&group, &version, kind);
+    let discovery = Discovery::new(client.clone()).run().await?;
+    match discovery.resolve_gvk(&gvk) {
+        Some(r) => Ok(r),
+        None => bail!("the API server does not serve {api_version}/{kind}"),
+    }
+}
+
+fn dyn_api(client: &Client, ar: &ApiResource, caps: &ApiCapabilities, ns: Option<&str>) -> Api<DynamicObject> {
+    match (caps.scope.clone(), ns) {
+        (Scope::Namespaced, Some(ns)) => Api::namespaced_with(client.clone(), ns, ar),
+        (Scope::Namespaced, None) => Api::default_namespaced_with(client.clone(), ar),
+        (Scope::Cluster, _) => Api::all_with(client.clone(), ar),
+    }
+}
+
+/// Server-side apply (optionally dry-run) one object; `ns` overrides `metadata.namespace`.
+pub async fn apply(
+    client: &Client,
+    obj: &serde_json::Value,
+    ns: Option<&str>,
+    dry_run: bool,
+) -> Result<DynamicObject, kube::Error> {
+    let (ar, caps) = resource_for(client, obj)
+        .await
+        .map_err(|e| kube::Error::Service(e.into()))?;
+    let mut obj = obj.clone();
+    if let Some(ns) = ns {
+        obj["metadata"]["namespace"] = serde_json::Value::String(ns.to_string());
+    }
+    let name = obj["metadata"]["name"].as_str().unwrap_or_default().to_string();
+    let ns_eff = obj["metadata"]["namespace"].as_str().map(|s| s.to_string());
+    let api = dyn_api(client, &ar, &caps, ns_eff.as_deref());
+    let mut pp = PatchParams::apply("flexinfer-e2e").force();
+    pp.dry_run = dry_run;
+    api.patch(&name, &pp, &Patch::Apply(&obj)).await
+}
+
+/// Poll `f` until it returns `Some`, or fail after `timeout` with `what` in the message.
+pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(v) = f().await {
+            return Ok(v);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            bail!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}

@@ -622,3 +622,131 @@ mod tests {
         );
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Appended by the ModelCache pipeline controller (issue 3).
+// ---------------------------------------------------------------------------------------------
+
+/// Extra pod labels/annotations for pipeline Jobs, set as ModelCache annotations whose values are
+/// JSON objects of strings (e.g. cost-allocation labels, service-mesh opt-out annotations).
+pub mod job_pod_annotations {
+    /// JSON object: labels added to the pods of every pipeline Job of the cache.
+    pub const JOB_POD_LABELS: &str = "flexinfer.ai/job-pod-labels";
+    /// JSON object: annotations added to the pods of every pipeline Job of the cache.
+    pub const JOB_POD_ANNOTATIONS: &str = "flexinfer.ai/job-pod-annotations";
+    /// `flexinfer.ai/<phase>-pod-labels` (phase = `download`, `abliterate`, `quantize`, `publish`):
+    /// labels for the pods of that phase only; they win over [`JOB_POD_LABELS`].
+    pub fn phase_pod_labels(phase: &str) -> String {
+        format!("flexinfer.ai/{phase}-pod-labels")
+    }
+    /// `flexinfer.ai/<phase>-pod-annotations`: annotations for the pods of that phase only.
+    pub fn phase_pod_annotations(phase: &str) -> String {
+        format!("flexinfer.ai/{phase}-pod-annotations")
+    }
+}
+
+/// Annotation on a pipeline Job: the phase spec hash (spec + image) it was created for.
+pub const JOB_SPEC_HASH_ANNOTATION: &str = "flexinfer.ai/spec-hash";
+
+/// Controller configuration added by the pipeline controller.
+pub mod controller_env_pipeline {
+    /// Only watch this namespace (default: all namespaces).
+    pub const WATCH_NAMESPACE: &str = "FLEXINFER_WATCH_NAMESPACE";
+    /// Seconds between progress polls (pod log tail) of a running Job (default 30).
+    pub const PROGRESS_POLL_SECONDS: &str = "FLEXINFER_PROGRESS_POLL_SECONDS";
+    /// Leader-election Lease duration in seconds (default 15).
+    pub const LEASE_DURATION_SECONDS: &str = "FLEXINFER_LEASE_DURATION_SECONDS";
+    /// Name of the leader-election Lease (default `flexinfer-controller-leader`).
+    pub const LEASE_NAME: &str = "FLEXINFER_LEASE_NAME";
+    /// Address of `/metrics` (default `0.0.0.0:8080`).
+    pub const METRICS_ADDR: &str = "FLEXINFER_METRICS_ADDR";
+    /// Address of `/healthz` and `/readyz` (default `0.0.0.0:8081`).
+    pub const HEALTH_ADDR: &str = "FLEXINFER_HEALTH_ADDR";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Model serving contract (added by the Model controller work; SPEC §2.2, §7).
+// ---------------------------------------------------------------------------------------------
+
+/// Names shared by the Model controller, the chart/RBAC and the proxy.
+pub mod serving {
+    /// Field manager of every object the controller applies (server-side apply).
+    pub const FIELD_MANAGER: &str = "flexinfer-controller";
+    /// `app.kubernetes.io/component` of serving Deployments, Services and pods.
+    pub const COMPONENT: &str = "inference-server";
+    /// Port of every backend's OpenAI-compatible HTTP server (container and Service).
+    pub const PORT: i32 = 8000;
+    /// Name of that port.
+    pub const PORT_NAME: &str = "http";
+    /// Where the artifact is mounted (read-only) in serving pods.
+    pub const MODEL_MOUNT: &str = "/models";
+    /// Name of the serving container.
+    pub const CONTAINER: &str = "server";
+    /// Pod template annotation: `gpu.priority` of the Model (shared-group arbitration).
+    pub const GPU_PRIORITY_ANNOTATION: &str = "flexinfer.ai/gpu-priority";
+    /// Pod template annotation: `gpu.shared` group of the Model.
+    pub const SHARED_GROUP_ANNOTATION: &str = "flexinfer.ai/gpu-shared-group";
+    /// vLLM attention backend environment variable (`config.attentionBackend`).
+    pub const VLLM_ATTENTION_BACKEND: &str = "VLLM_ATTENTION_BACKEND";
+    /// Value of `flexinfer.ai/promotion-validation` that counts as validated.
+    pub const PROMOTION_VALIDATION_PASSED: &str = "passed";
+}
+
+/// Kubernetes Event reasons emitted by the Model controller.
+pub mod model_reasons {
+    /// A Model's phase changed (note: `Old -> New`).
+    pub const PHASE_CHANGED: &str = "PhaseChanged";
+    /// A gated Model asked for warm-primary service without validation.
+    pub const PROMOTION_BLOCKED: &str = "PromotionBlocked";
+    /// A Model's configuration is invalid (ConfigValid=False).
+    pub const INVALID_CONFIG: &str = "InvalidConfig";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Download / publish (worker `download` and `publish` subcommands). Appended by the transfer
+// work; tuning knobs the controller may set, and the OCI artifact layout `publish` writes and
+// `download` of an `oci://` source reads.
+// ---------------------------------------------------------------------------------------------
+
+/// Optional tuning env of the transfer subcommands (each also a command-line flag).
+pub mod transfer_env {
+    /// Files fetched in parallel by `download` (default 4).
+    pub const DOWNLOAD_CONCURRENCY: &str = "FLEXINFER_DOWNLOAD_CONCURRENCY";
+    /// Consecutive failed attempts per file without progress before `download` gives up (default 8).
+    pub const DOWNLOAD_RETRIES: &str = "FLEXINFER_DOWNLOAD_RETRIES";
+    /// Blobs uploaded in parallel by `publish` (default 4).
+    pub const PUBLISH_CONCURRENCY: &str = "FLEXINFER_PUBLISH_CONCURRENCY";
+    /// Seconds between `progress` events of `download`/`publish` (default 5).
+    pub const PROGRESS_INTERVAL_SECONDS: &str = "FLEXINFER_PROGRESS_INTERVAL_SECONDS";
+}
+
+/// OCI artifact layout of a published model (SPEC §6).
+pub mod oci_artifact {
+    /// Manifest `artifactType`.
+    pub const ARTIFACT_TYPE: &str = "application/vnd.flexinfer.model.v1";
+    /// Config descriptor media type (the empty JSON `{}`).
+    pub const EMPTY_CONFIG_MEDIA_TYPE: &str = "application/vnd.oci.empty.v1+json";
+    /// Media type of each file layer.
+    pub const FILE_LAYER_MEDIA_TYPE: &str = "application/vnd.flexinfer.model.file.v1";
+    /// Layer annotation holding the file's relative path (what `oras pull` uses as the file name).
+    pub const TITLE_ANNOTATION: &str = "org.opencontainers.image.title";
+    /// Manifest annotation with the source the artifact was built from.
+    pub const SOURCE_ANNOTATION: &str = "org.opencontainers.image.source";
+    pub const MANIFEST_MEDIA_TYPE: &str = "application/vnd.oci.image.manifest.v1+json";
+    /// Tag policies of `spec.publish.tagPolicy`.
+    pub const TAG_POLICY_OVERWRITE: &str = "overwrite";
+    pub const TAG_POLICY_TIMESTAMP: &str = "timestamp";
+    pub const TAG_POLICY_DIGEST_SUFFIX: &str = "digest-suffix";
+}
+
+/// Kubernetes Event reasons added by the pipeline controller.
+pub mod reasons_pipeline {
+    /// A trigger annotation or a spec change made a phase (and what follows) run again.
+    pub const RERUN_REQUESTED: &str = "RerunRequested";
+    /// `flexinfer.ai/reset-retries` cleared the retry state.
+    pub const RETRIES_RESET: &str = "RetriesReset";
+    /// The spec can't run (no image configured, bad annotation, bad path).
+    pub const INVALID_SPEC: &str = "InvalidSpec";
+    /// No image could be resolved for a phase.
+    pub const IMAGE_NOT_CONFIGURED: &str = "ImageNotConfigured";
+}

@@ -2,3 +2,5 @@
 //! thin reconcilers that observe the cluster, call the planners and apply their results.
 
 pub mod metrics;
+pub mod model;
+pub mod modelcache;

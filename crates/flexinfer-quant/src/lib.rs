@@ -13,3 +13,11 @@ pub mod params;
 pub mod quantizer;
 
 pub use error::{QuantError, Result};
+pub mod llama;
+pub mod model;
+pub mod tensors;
+pub mod calib;
+pub mod fsutil;
+pub mod writer;
+pub mod cache;
+pub mod pipeline;

@@ -1,3 +1,7 @@
 //! The FlexInfer worker: one binary for every pipeline phase.
 
 pub mod common;
+pub mod download;
+pub mod hf;
+pub mod oci;
+pub mod publish;

@@ -15,6 +15,10 @@ struct Cli {
 enum Cmd {
     /// Print the worker contract version.
     Version,
+    /// Download a model or dataset (Hugging Face Hub, oci://, local://) into MODEL_DIR.
+    Download(flexinfer_worker::download::DownloadArgs),
+    /// Publish MODEL_DIR as an OCI artifact.
+    Publish(flexinfer_worker::publish::PublishArgs),
 }
 
 fn main() -> ExitCode {
@@ -24,5 +28,11 @@ fn main() -> ExitCode {
             println!("{}", flexinfer_api::contract::SCRIPT_VERSION);
             ExitCode::SUCCESS
         }
+        Cmd::Download(args) => exit_code(flexinfer_worker::download::run(args)),
+        Cmd::Publish(args) => exit_code(flexinfer_worker::publish::run(args)),
     }
+}
+
+fn exit_code(code: i32) -> ExitCode {
+    ExitCode::from(u8::try_from(code).unwrap_or(1))
 }

@@ -1,0 +1,523 @@
+//! Command-line definitions (clap derive) and dispatch.
+
+use std::path::PathBuf;
+
+use clap::{Args, CommandFactory, Parser, Subcommand};
+use flexinfer_api::formats::{self, FORMATS};
+
+use crate::output::{self, Format};
+use crate::{artifact, bad, cluster, validate, CliError, EXIT_FAIL, EXIT_OK};
+
+/// flexinfer: request, inspect, recommend and validate LLM quantization on FlexInfer ModelCaches.
+#[derive(Debug, Parser)]
+#[command(name = "flexinfer", version, propagate_version = true)]
+pub struct Cli {
+    #[command(flatten)]
+    pub global: Global,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Connection and output flags shared by every command.
+#[derive(Debug, Clone, Args)]
+pub struct Global {
+    /// Path to the kubeconfig file (default: $KUBECONFIG, then ~/.kube/config)
+    #[arg(long, global = true, value_name = "PATH")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Kubeconfig context to use (default: the current context)
+    #[arg(long, global = true, value_name = "NAME")]
+    pub context: Option<String>,
+    /// Namespace (default: the context's namespace, else "default")
+    #[arg(short = 'n', long, global = true, value_name = "NAME")]
+    pub namespace: Option<String>,
+    /// Output format
+    #[arg(short = 'o', long, global = true, value_enum, default_value_t = Format::Table)]
+    pub output: Format,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Request, inspect, recommend and validate quantization of a ModelCache
+    Quantize(QuantizeCmd),
+    /// Inspect ModelCaches
+    Cache(CacheCmd),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell)
+    Completion {
+        /// Shell to generate the script for
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+}
+
+/// `flexinfer quantize <cache> --format F ...` or one of its subcommands.
+#[derive(Debug, Args)]
+#[command(
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true,
+    after_help = "Examples:\n  flexinfer quantize llama3-8b --format GGUF --type Q4_K_M\n  flexinfer quantize llama3-8b --format GPTQ --bits 4 --group-size 128 --use-gpu\n  flexinfer quantize formats\n  flexinfer quantize status llama3-8b"
+)]
+pub struct QuantizeCmd {
+    #[command(subcommand)]
+    pub sub: Option<QuantizeSub>,
+    #[command(flatten)]
+    pub request: QuantizeRequest,
+}
+
+/// Flags of a quantization request (patches `spec.quantization`).
+#[derive(Debug, Clone, Args)]
+pub struct QuantizeRequest {
+    /// ModelCache to quantize
+    #[arg(required = true, value_name = "CACHE")]
+    pub cache: Option<String>,
+    /// Target format: GGUF, AWQ, GPTQ, EXL2, FP8 (see `flexinfer quantize formats`)
+    #[arg(long, required = true, value_name = "FORMAT")]
+    pub format: Option<String>,
+    /// GGUF quantization type, e.g. Q4_K_M (GGUF only)
+    #[arg(long = "type", value_name = "TYPE")]
+    pub gguf_type: Option<String>,
+    /// Bits per weight (GPTQ 2/3/4/8, AWQ 4, FP8 8, GGUF/EXL2 2-8)
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    pub bits: Option<i32>,
+    /// Group size: -1 (per channel) or a power of two such as 32, 64, 128
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    pub group_size: Option<i32>,
+    /// Run the quantize Job on a GPU node
+    #[arg(long)]
+    pub use_gpu: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum QuantizeSub {
+    /// List quantization formats, their bit widths and serving backends
+    Formats,
+    /// Show quantization status of a ModelCache: requested vs applied, Job, progress, sizes, quality
+    Status {
+        /// ModelCache name
+        cache: String,
+    },
+    /// Recommend quantization settings from the model footprint and the target GPU
+    Recommend(RecommendArgs),
+    /// Quality gate: compare candidate against baseline perplexity and acceptance rate
+    Validate(ValidateArgs),
+    /// Check a quantized artifact directory (config, tensors, shards, quality sidecar)
+    ValidateArtifact(ValidateArtifactArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct RecommendArgs {
+    /// ModelCache name
+    pub cache: String,
+    /// Patch the recommendation into spec.quantization (explicit opt-in)
+    #[arg(long)]
+    pub apply: bool,
+    /// Local or mounted copy of the source model (config.json, *.safetensors)
+    #[arg(long, value_name = "DIR")]
+    pub model_dir: Option<PathBuf>,
+    /// Hub endpoint for metadata lookups ($HF_ENDPOINT, default https://huggingface.co)
+    #[arg(long, value_name = "URL", env = "HF_ENDPOINT", default_value = "https://huggingface.co")]
+    pub hub_endpoint: String,
+    /// Do not query the hub
+    #[arg(long)]
+    pub offline: bool,
+    /// Parameter count when no local copy or hub metadata is reachable (8B, 14.8B, 770M)
+    #[arg(long, value_name = "COUNT")]
+    pub params: Option<String>,
+    /// GPUProfile to target (default: the one matching the cache's flexinfer.ai/gpu.arch nodeSelector)
+    #[arg(long, value_name = "NAME")]
+    pub gpu_profile: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct ValidateArgs {
+    /// Format whose policy applies: GGUF, AWQ, GPTQ, EXL2, FP8
+    #[arg(long)]
+    pub format: String,
+    /// Perplexity of the baseline (unquantized) model
+    #[arg(long, value_name = "X")]
+    pub baseline_perplexity: f64,
+    /// Perplexity of the quantized candidate
+    #[arg(long, value_name = "X")]
+    pub candidate_perplexity: f64,
+    /// Acceptance rate of the baseline, as a ratio (0.94) or percent (94)
+    #[arg(long, value_name = "A")]
+    pub baseline_acceptance: f64,
+    /// Acceptance rate of the candidate, as a ratio (0.92) or percent (92)
+    #[arg(long, value_name = "A")]
+    pub candidate_acceptance: f64,
+}
+
+#[derive(Debug, Args)]
+pub struct ValidateArtifactArgs {
+    /// Artifact directory (e.g. the mounted cache's gptq-w4-g128)
+    #[arg(long, value_name = "DIR")]
+    pub path: PathBuf,
+    /// Expected layout
+    #[arg(long, default_value = "vllm-gptq", value_name = "LAYOUT")]
+    pub layout: String,
+    /// Expected model family, matched against config.json model_type (e.g. llama, qwen35, gemma4-26b-a4b)
+    #[arg(long, value_name = "F")]
+    pub family: Option<String>,
+    /// Print the report as JSON
+    #[arg(long)]
+    pub json: bool,
+    /// Skip the sha256 of shards (sizes are still checked)
+    #[arg(long)]
+    pub no_sha256: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct CacheCmd {
+    #[command(subcommand)]
+    pub sub: CacheSub,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum CacheSub {
+    /// Table of ModelCaches: phase, current step, progress, format, compression ratio, source
+    Status {
+        /// List caches in all namespaces
+        #[arg(short = 'A', long)]
+        all_namespaces: bool,
+    },
+}
+
+/// Check a quantization request against the CRD's rules; messages name the flag.
+pub fn check_request(r: &QuantizeRequest) -> Result<&'static formats::FormatInfo, CliError> {
+    let fmt = r.format.as_deref().unwrap_or_default();
+    let info = formats::by_name(fmt).ok_or_else(|| {
+        bad(format!(
+            "--format {fmt}: unknown format (one of {})",
+            FORMATS.iter().map(|f| f.name).collect::<Vec<_>>().join(", ")
+        ))
+    })?;
+    if let Some(b) = r.bits {
+        if !info.bits.contains(&b) {
+            return Err(bad(format!(
+                "--bits {b} is not valid for --format {}: allowed {}",
+                info.name,
+                info.bits.iter().map(|b| b.to_string()).collect::<Vec<_>>().join(", ")
+            )));
+        }
+    }
+    if let Some(g) = r.group_size {
+        if !(g == -1 || (g > 0 && g <= 8192 && (g as u32).is_power_of_two())) {
+            return Err(bad(format!(
+                "--group-size {g} must be -1 or a power of two (32, 64, 128, ...) up to 8192"
+            )));
+        }
+    }
+    if let Some(t) = &r.gguf_type {
+        if info.name != "GGUF" {
+            return Err(bad(format!(
+                "--type {t} is only valid with --format GGUF (got --format {})",
+                info.name
+            )));
+        }
+        if !valid_gguf_type(t) {
+            return Err(bad(format!(
+                "--type {t}: not a llama.cpp type such as Q4_K_M, Q5_K_S, Q8_0 or F16"
+            )));
+        }
+    }
+    Ok(info)
+}
+
+/// Same rule as the CRD: `^(Q[2-8]_[0-9A-Z_]+|IQ[1-4]_[A-Z_]+|F16|BF16|F32)$`.
+fn valid_gguf_type(t: &str) -> bool {
+    let b = t.as_bytes();
+    if matches!(t, "F16" | "BF16" | "F32") {
+        return true;
+    }
+    let tail_ok = |s: &[u8], digits: bool| {
+        !s.is_empty()
+            && s.iter()
+                .all(|c| c.is_ascii_uppercase() || *c == b'_' || (digits && c.is_ascii_digit()))
+    };
+    if b.len() > 3 && b[0] == b'Q' && (b'2'..=b'8').contains(&b[1]) && b[2] == b'_' {
+        return tail_ok(&b[3..], true);
+    }
+    if b.len() > 4 && b.starts_with(b"IQ") && (b'1'..=b'4').contains(&b[2]) && b[3] == b'_' {
+        return tail_ok(&b[4..], false);
+    }
+    false
+}
+
+/// The JSON merge patch of a request.
+pub fn request_patch(r: &QuantizeRequest, info: &formats::FormatInfo) -> serde_json::Value {
+    let mut q = serde_json::Map::new();
+    q.insert("format".into(), info.name.into());
+    if let Some(b) = r.bits {
+        q.insert("bits".into(), b.into());
+    }
+    if let Some(g) = r.group_size {
+        q.insert("groupSize".into(), g.into());
+    }
+    if r.use_gpu {
+        q.insert("useGPU".into(), true.into());
+    }
+    match &r.gguf_type {
+        Some(t) => {
+            q.insert("ggufType".into(), t.clone().into());
+        }
+        // ggufType is only valid with GGUF: clear a leftover when switching formats.
+        None if info.name != "GGUF" => {
+            q.insert("ggufType".into(), serde_json::Value::Null);
+        }
+        None => {}
+    }
+    serde_json::json!({"spec": {"quantization": q}})
+}
+
+/// Rows of `quantize formats`.
+#[derive(Debug, serde::Serialize)]
+struct FormatRow {
+    format: &'static str,
+    bits: Vec<i32>,
+    default_bits: i32,
+    backends: Vec<String>,
+    status: &'static str,
+    calibration: bool,
+}
+
+fn formats_cmd(out: Format) -> anyhow::Result<String> {
+    let rows: Vec<FormatRow> = FORMATS
+        .iter()
+        .map(|f| FormatRow {
+            format: f.name,
+            bits: f.bits.to_vec(),
+            default_bits: f.default_bits,
+            backends: f
+                .backends
+                .iter()
+                .map(|b| {
+                    serde_json::to_value(b)
+                        .ok()
+                        .and_then(|v| v.as_str().map(str::to_string))
+                        .unwrap_or_else(|| format!("{b:?}").to_lowercase())
+                })
+                .collect(),
+            status: if f.implemented { "implemented" } else { "planned" },
+            calibration: f.needs_calibration,
+        })
+        .collect();
+    if out != Format::Table {
+        return output::structured(out, &rows);
+    }
+    let cells: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| {
+            vec![
+                r.format.to_string(),
+                r.bits.iter().map(|b| b.to_string()).collect::<Vec<_>>().join(","),
+                r.default_bits.to_string(),
+                r.backends.join(","),
+                if r.calibration { "yes" } else { "no" }.to_string(),
+                r.status.to_string(),
+            ]
+        })
+        .collect();
+    Ok(output::table(
+        &["FORMAT", "BITS", "DEFAULT", "BACKENDS", "CALIBRATION", "STATUS"],
+        &cells,
+    ))
+}
+
+fn validate_cmd(a: &ValidateArgs, out: Format) -> Result<(String, i32), CliError> {
+    let v = validate::evaluate(
+        &a.format,
+        validate::Inputs {
+            baseline_perplexity: a.baseline_perplexity,
+            candidate_perplexity: a.candidate_perplexity,
+            baseline_acceptance: a.baseline_acceptance,
+            candidate_acceptance: a.candidate_acceptance,
+        },
+    )
+    .map_err(|e| bad(e.to_string()))?;
+    let code = if v.passed { EXIT_OK } else { EXIT_FAIL };
+    let text = match out {
+        Format::Table => validate::render(&v),
+        _ => output::structured(out, &v)?,
+    };
+    Ok((text, code))
+}
+
+fn validate_artifact_cmd(a: &ValidateArtifactArgs, out: Format) -> Result<(String, i32), CliError> {
+    let report = artifact::validate(
+        &a.path,
+        &a.layout,
+        &artifact::Options {
+            family: a.family.clone(),
+            skip_sha256: a.no_sha256,
+        },
+    )
+    .map_err(bad)?;
+    let code = if report.ok { EXIT_OK } else { EXIT_FAIL };
+    let text = if a.json || out == Format::Json {
+        output::structured(Format::Json, &report)?
+    } else if out == Format::Yaml {
+        output::structured(Format::Yaml, &report)?
+    } else {
+        report.render()
+    };
+    Ok((text, code))
+}
+
+impl Cli {
+    /// Run the command; returns what to print on stdout and the exit code.
+    pub async fn run(self) -> Result<(String, i32), CliError> {
+        let g = self.global;
+        match self.command {
+            Command::Completion { shell } => {
+                let mut cmd = Cli::command();
+                let mut buf = Vec::new();
+                clap_complete::generate(shell, &mut cmd, "flexinfer", &mut buf);
+                Ok((String::from_utf8_lossy(&buf).into_owned(), EXIT_OK))
+            }
+            Command::Cache(CacheCmd {
+                sub: CacheSub::Status { all_namespaces },
+            }) => Ok((cluster::cache_status(&g, all_namespaces).await?, EXIT_OK)),
+            Command::Quantize(q) => match q.sub {
+                Some(QuantizeSub::Formats) => Ok((formats_cmd(g.output)?, EXIT_OK)),
+                Some(QuantizeSub::Validate(a)) => validate_cmd(&a, g.output),
+                Some(QuantizeSub::ValidateArtifact(a)) => validate_artifact_cmd(&a, g.output),
+                Some(QuantizeSub::Status { cache }) => {
+                    Ok((cluster::quantize_status(&g, &cache).await?, EXIT_OK))
+                }
+                Some(QuantizeSub::Recommend(a)) => Ok((cluster::recommend(&g, &a).await?, EXIT_OK)),
+                None => {
+                    let info = check_request(&q.request)?;
+                    Ok((cluster::quantize(&g, &q.request, info).await?, EXIT_OK))
+                }
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(format: &str) -> QuantizeRequest {
+        QuantizeRequest {
+            cache: Some("c".into()),
+            format: Some(format.into()),
+            gguf_type: None,
+            bits: None,
+            group_size: None,
+            use_gpu: false,
+        }
+    }
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn request_rules_name_the_flag() {
+        assert_eq!(check_request(&req("gptq")).unwrap().name, "GPTQ");
+        let e = check_request(&req("MP3")).unwrap_err().to_string();
+        assert!(e.starts_with("--format MP3"), "{e}");
+        for (fmt, bits, ok) in [
+            ("GPTQ", 4, true),
+            ("GPTQ", 3, true),
+            ("GPTQ", 5, false),
+            ("AWQ", 4, true),
+            ("AWQ", 8, false),
+            ("FP8", 8, true),
+            ("FP8", 4, false),
+            ("GGUF", 6, true),
+            ("EXL2", 5, true),
+        ] {
+            let mut r = req(fmt);
+            r.bits = Some(bits);
+            let res = check_request(&r);
+            assert_eq!(res.is_ok(), ok, "{fmt} {bits}");
+            if let Err(e) = res {
+                assert!(e.to_string().starts_with(&format!("--bits {bits}")), "{e}");
+                assert_eq!(e.exit_code(), 2);
+            }
+        }
+        for (g, ok) in [(-1, true), (32, true), (128, true), (100, false), (0, false), (-2, false), (16384, false)] {
+            let mut r = req("GPTQ");
+            r.group_size = Some(g);
+            let res = check_request(&r);
+            assert_eq!(res.is_ok(), ok, "{g}");
+            if let Err(e) = res {
+                assert!(e.to_string().starts_with(&format!("--group-size {g}")), "{e}");
+            }
+        }
+        let mut r = req("GPTQ");
+        r.gguf_type = Some("Q4_K_M".into());
+        let e = check_request(&r).unwrap_err().to_string();
+        assert!(e.contains("--type Q4_K_M is only valid with --format GGUF"), "{e}");
+        let mut r = req("GGUF");
+        r.gguf_type = Some("Q4_K_M".into());
+        assert!(check_request(&r).is_ok());
+        r.gguf_type = Some("q4".into());
+        assert!(check_request(&r).unwrap_err().to_string().starts_with("--type q4"));
+        for t in ["Q8_0", "IQ2_XXS", "F16", "BF16", "Q5_K_S"] {
+            assert!(valid_gguf_type(t), "{t}");
+        }
+        for t in ["Q9_0", "IQ5_X", "F8", "Q4", ""] {
+            assert!(!valid_gguf_type(t), "{t}");
+        }
+    }
+
+    #[test]
+    fn patches() {
+        let mut r = req("GPTQ");
+        r.bits = Some(4);
+        r.group_size = Some(128);
+        r.use_gpu = true;
+        let info = check_request(&r).unwrap();
+        let p = request_patch(&r, info);
+        assert_eq!(
+            p,
+            serde_json::json!({"spec": {"quantization": {"format": "GPTQ", "bits": 4, "groupSize": 128, "useGPU": true, "ggufType": null}}})
+        );
+        let mut r = req("gguf");
+        r.gguf_type = Some("Q4_K_M".into());
+        let info = check_request(&r).unwrap();
+        assert_eq!(
+            request_patch(&r, info),
+            serde_json::json!({"spec": {"quantization": {"format": "GGUF", "ggufType": "Q4_K_M"}}})
+        );
+    }
+
+    #[test]
+    fn formats_table_comes_from_the_shared_table() {
+        let t = formats_cmd(Format::Table).unwrap();
+        for f in FORMATS {
+            assert!(t.contains(f.name), "{t}");
+        }
+        assert!(t.lines().any(|l| l.starts_with("GPTQ") && l.contains("2,3,4,8") && l.contains("vllm") && l.ends_with("implemented")), "{t}");
+        assert!(t.lines().any(|l| l.starts_with("GGUF") && l.contains("llamacpp,ollama") && l.ends_with("planned")), "{t}");
+        let j: serde_json::Value = serde_json::from_str(&formats_cmd(Format::Json).unwrap()).unwrap();
+        assert_eq!(j.as_array().unwrap().len(), FORMATS.len());
+    }
+
+    #[test]
+    fn validate_exit_codes() {
+        let a = |cp: f64, ca: f64| ValidateArgs {
+            format: "GGUF".into(),
+            baseline_perplexity: 9.5,
+            candidate_perplexity: cp,
+            baseline_acceptance: 94.0,
+            candidate_acceptance: ca,
+        };
+        let (t, c) = validate_cmd(&a(10.1, 92.0), Format::Table).unwrap();
+        assert_eq!(c, 0);
+        assert!(t.contains("Result: PASS"));
+        let (t, c) = validate_cmd(&a(11.0, 90.0), Format::Table).unwrap();
+        assert_eq!(c, 1);
+        assert!(t.contains("Result: FAIL"));
+        assert_eq!(t.matches("Failure: ").count(), 2);
+        let e = validate_cmd(&a(11.0, 150.0), Format::Table).unwrap_err();
+        assert_eq!(e.exit_code(), 2);
+        let (t, c) = validate_cmd(&a(10.1, 92.0), Format::Json).unwrap();
+        assert_eq!(c, 0);
+        let j: serde_json::Value = serde_json::from_str(&t).unwrap();
+        assert_eq!(j["passed"], true);
+    }
+}

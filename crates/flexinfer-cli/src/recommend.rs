@@ -1,0 +1,432 @@
+//! `flexinfer quantize recommend`: pick quantization settings that fit the model and the target
+//! GPU. Pure code; the command gathers the inputs (footprint, GPUProfile) and applies the result.
+//!
+//! Baseline: the seed's "Memory Requirements" and "Calibration Recipes" tables (8B/14B/27B on
+//! 24 GB cards). A smaller card moves a model one size class up (tighter calibration).
+
+use serde::Serialize;
+
+use crate::footprint::Footprint;
+
+/// The GPU the artifact is built on and served from.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GpuTarget {
+    pub arch: Option<String>,
+    /// `amd` or `nvidia`.
+    pub vendor: Option<String>,
+    pub vram_mb: Option<i64>,
+    /// Where this came from (GPUProfile name, nodeSelector, flag).
+    pub source: String,
+}
+
+/// Built-in facts for the architectures named in the spec, used when no GPUProfile is found.
+pub fn known_arch(arch: &str) -> Option<(&'static str, i64)> {
+    match arch {
+        "gfx1100" => Some(("amd", 24576)),
+        "gfx906" => Some(("amd", 16384)),
+        "gfx90a" => Some(("amd", 65536)),
+        "gfx942" => Some(("amd", 196608)),
+        "sm_86" => Some(("nvidia", 24576)),
+        "sm_89" => Some(("nvidia", 24576)),
+        "sm_90" => Some(("nvidia", 81920)),
+        _ => None,
+    }
+}
+
+/// Recommended calibration.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CalibrationRec {
+    pub max_seq_len: i32,
+    pub max_samples: i32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub n_parallel_calib_samples: Option<i32>,
+}
+
+/// The recommendation: exactly the `spec.quantization` fields it sets, plus reasons.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Recommendation {
+    pub format: &'static str,
+    pub bits: i32,
+    pub group_size: i32,
+    pub sym: bool,
+    pub desc_act: bool,
+    pub dynamic_exclusion: &'static str,
+    pub gpu_memory_fraction: String,
+    #[serde(rename = "useGPU")]
+    pub use_gpu: bool,
+    #[serde(rename = "maxMemoryGB")]
+    pub max_memory_gb: i32,
+    pub timeout_seconds: i64,
+    pub calibration: CalibrationRec,
+    /// Estimated artifact size in GB (10^9 bytes).
+    pub estimated_artifact_gb: f64,
+    /// Estimated quantization wall time in minutes.
+    pub estimated_minutes: f64,
+    /// Whether the artifact is expected to fit in the target GPU's VRAM with room for KV cache;
+    /// `None` without a known GPU.
+    pub fits: Option<bool>,
+    pub reasons: Vec<String>,
+}
+
+impl Recommendation {
+    /// The JSON merge patch for `spec.quantization`.
+    pub fn spec_patch(&self) -> serde_json::Value {
+        let cal = serde_json::json!({
+            "maxSeqLen": self.calibration.max_seq_len,
+            "maxSamples": self.calibration.max_samples,
+            // null removes a previously set value (merge patch) so the engine chooses.
+            "nParallelCalibSamples": self.calibration.n_parallel_calib_samples,
+        });
+        serde_json::json!({"spec": {"quantization": {
+            "format": self.format,
+            "bits": self.bits,
+            "groupSize": self.group_size,
+            "sym": self.sym,
+            "descAct": self.desc_act,
+            "dynamicExclusion": self.dynamic_exclusion,
+            "gpuMemoryFraction": self.gpu_memory_fraction,
+            "useGPU": self.use_gpu,
+            "maxMemoryGB": self.max_memory_gb,
+            "timeoutSeconds": self.timeout_seconds,
+            "ggufType": null,
+            "calibration": cal,
+        }}})
+    }
+}
+
+/// Size class of the seed tables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Class {
+    /// ~8B: defaults.
+    Small,
+    /// ~14B: nParallel 32, maxMemoryGB 56.
+    Medium,
+    /// 27B+: 128 @ 2048, nParallel 16, gpuMemoryFraction 0.80, 96 GiB.
+    Large,
+}
+
+/// Artifact size (bytes) of a GPTQ model: quantized linears at `bits` plus per-group fp16 scales
+/// and packed zeros; hybrid models with `auto` keep attention in 16 bit (seed: ~1.95x vs ~3.5x).
+fn artifact_bytes(params: f64, bits: i32, group: i32, hybrid_auto: bool) -> f64 {
+    let bf16 = params * 2.0;
+    if hybrid_auto {
+        // seed: auto ≈ 1.95x compression at 4 bit; scale the quantized share with bits.
+        return bf16 / 1.95 * (0.55 + 0.45 * bits as f64 / 4.0);
+    }
+    let g = if group <= 0 { 4096.0 } else { group as f64 };
+    let bits_per_weight = bits as f64 + (16.0 + bits as f64) / g;
+    // ~5% of a dense model's weights (embeddings, norms, lm_head) stay 16-bit.
+    params * 0.95 * bits_per_weight / 8.0 + params * 0.05 * 2.0
+}
+
+/// The recommendation for a model on a GPU.
+pub fn recommend(model: &Footprint, gpu: &GpuTarget) -> Recommendation {
+    let b = model.params / 1e9;
+    let vram_gb = gpu.vram_mb.map(|m| m as f64 / 1024.0);
+    let arch = gpu.arch.as_deref().unwrap_or("");
+    let mut reasons = vec![format!(
+        "model: {:.1}B parameters ({}){}{}",
+        b,
+        model.source,
+        if model.moe { ", mixture of experts" } else { "" },
+        if model.hybrid {
+            ", hybrid linear-attention/attention"
+        } else {
+            ""
+        }
+    )];
+    match (&gpu.arch, vram_gb) {
+        (Some(a), Some(v)) => reasons.push(format!("target GPU: {a}, {v:.0} GB VRAM ({})", gpu.source)),
+        (None, Some(v)) => reasons.push(format!("target GPU: {v:.0} GB VRAM ({})", gpu.source)),
+        (Some(a), None) => reasons.push(format!("target GPU: {a}, VRAM unknown ({})", gpu.source)),
+        (None, None) => reasons.push(
+            "no target GPU known (no --gpu-profile, no flexinfer.ai/gpu.arch nodeSelector): fit not checked"
+                .into(),
+        ),
+    }
+
+    // Format: GPTQ is the only built-in engine, and the fast serving path on ROCm.
+    let format = "GPTQ";
+    if arch == "gfx1100" {
+        reasons.push(
+            "format GPTQ sym=true descAct=false: on gfx1100 this routes through the HIP ExLlama kernels \
+             (~7x AWQ decode); GGUF would leave vLLM for llama.cpp"
+                .into(),
+        );
+    } else {
+        reasons.push(
+            "format GPTQ: the built-in engine (other formats are planned), served by vLLM (Marlin/ExLlama need sym=true)"
+                .into(),
+        );
+    }
+
+    // Size class: the seed tables are for 24 GB cards; a smaller card moves one class up.
+    let mut class = if b <= 10.0 {
+        Class::Small
+    } else if b <= 20.0 {
+        Class::Medium
+    } else {
+        Class::Large
+    };
+    if let Some(v) = vram_gb {
+        if v < 20.0 && class < Class::Large {
+            class = if class == Class::Small { Class::Medium } else { Class::Large };
+            reasons.push(format!(
+                "{v:.0} GB VRAM is below the seed's 24 GB baseline: using the next size class's calibration"
+            ));
+        }
+    }
+
+    // Bits and exclusion: 4-bit g128 unless the artifact does not fit next to a KV cache.
+    let budget = vram_gb.map(|v| v * 1.073_741_824 * 0.85); // GB (10^9) usable for weights
+    let group_size = 128;
+    let mut bits = 4;
+    let mut exclusion = "auto";
+    let mut size = artifact_bytes(model.params, bits, group_size, model.hybrid) / 1e9;
+    let mut fits = budget.map(|bud| size <= bud);
+    if model.hybrid && fits == Some(false) {
+        let none = artifact_bytes(model.params, bits, group_size, false) / 1e9;
+        reasons.push(format!(
+            "dynamicExclusion none: auto keeps attention in 16 bit (~{size:.1} GB), which does not fit; none gives ~{none:.1} GB"
+        ));
+        exclusion = "none";
+        size = none;
+        fits = budget.map(|bud| size <= bud);
+    } else if model.hybrid {
+        reasons.push(format!(
+            "dynamicExclusion auto: keeps attention/shared-expert modules in 16 bit and still fits (~{size:.1} GB)"
+        ));
+    } else {
+        reasons.push("dynamicExclusion auto: dense architecture, every decoder linear is quantized".into());
+    }
+    if fits == Some(false) {
+        let three = artifact_bytes(model.params, 3, group_size, false) / 1e9;
+        if budget.is_some_and(|bud| three <= bud) {
+            reasons.push(format!(
+                "bits 3: the 4-bit artifact (~{size:.1} GB) does not fit; 3-bit ~{three:.1} GB does (runs on the gptq kernel, not Marlin)"
+            ));
+            bits = 3;
+            exclusion = "none";
+            size = three;
+            fits = Some(true);
+        } else {
+            reasons.push(format!(
+                "WARNING: even a 3-bit artifact (~{three:.1} GB) exceeds this GPU; use a larger GPU or tensor parallelism"
+            ));
+        }
+    } else {
+        reasons.push(format!(
+            "bits {bits}, groupSize {group_size}: ~{size:.1} GB artifact{}",
+            match budget {
+                Some(bud) => format!(" within {bud:.1} GB of weight budget (85% of VRAM)"),
+                None => String::new(),
+            }
+        ));
+    }
+
+    // Calibration and memory from the seed's recipes.
+    let (mut cal, mut max_mem, frac) = match class {
+        Class::Small => (
+            CalibrationRec {
+                max_seq_len: 4096,
+                max_samples: 256,
+                n_parallel_calib_samples: None,
+            },
+            32,
+            "0.80",
+        ),
+        Class::Medium => (
+            CalibrationRec {
+                max_seq_len: 4096,
+                max_samples: 256,
+                n_parallel_calib_samples: Some(32),
+            },
+            56,
+            "0.80",
+        ),
+        Class::Large => (
+            CalibrationRec {
+                max_seq_len: 2048,
+                max_samples: 128,
+                n_parallel_calib_samples: Some(16),
+            },
+            96,
+            "0.80",
+        ),
+    };
+    reasons.push(match class {
+        Class::Small => "calibration defaults (256 @ 4096), maxMemoryGB 32: the seed's 8B recipe".to_string(),
+        Class::Medium => "calibration 256 @ 4096 with nParallelCalibSamples 32, maxMemoryGB 56: the seed's 14B-on-24GB recipe".to_string(),
+        Class::Large => "calibration 128 @ 2048 with nParallelCalibSamples 16, gpuMemoryFraction 0.80, maxMemoryGB 96: the seed's 27B+ single-GPU recipe".to_string(),
+    });
+    // Host memory grows with the model beyond the table (about 3.6 GB per billion parameters).
+    let scaled = ((b * 3.6 / 8.0).ceil() * 8.0) as i32;
+    if scaled > max_mem {
+        max_mem = scaled.min(1024);
+        reasons.push(format!("maxMemoryGB {max_mem}: scaled with the model size beyond the seed table"));
+    }
+    if model.moe {
+        cal.max_samples = cal.max_samples.max(512);
+        reasons.push("maxSamples 512: mixture of experts needs enough tokens routed to every expert".into());
+    }
+
+    // Time: seed 8B ≈ 30 min, 14B ≈ 73 min at full calibration; fewer tokens shorten calibration.
+    let tokens = (cal.max_samples as f64 * cal.max_seq_len as f64) / (256.0 * 4096.0);
+    let mut minutes = 30.0 * (b / 8.0).max(0.05).powf(1.6) * (0.5 + 0.5 * tokens.min(2.0));
+    if model.moe {
+        minutes *= 2.0;
+    }
+    let timeout = ((minutes * 3.0 * 60.0 / 3600.0).ceil() as i64 * 3600).clamp(3600, 172_800);
+    reasons.push(format!(
+        "timeoutSeconds {timeout}: about 3x the estimated {:.0} min",
+        minutes
+    ));
+
+    Recommendation {
+        format,
+        bits,
+        group_size,
+        sym: true,
+        desc_act: false,
+        dynamic_exclusion: exclusion,
+        gpu_memory_fraction: frac.to_string(),
+        use_gpu: gpu.vram_mb.is_some() || gpu.arch.is_some(),
+        max_memory_gb: max_mem,
+        timeout_seconds: timeout,
+        calibration: cal,
+        estimated_artifact_gb: (size * 10.0).round() / 10.0,
+        estimated_minutes: minutes.round(),
+        fits,
+        reasons,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model(b: f64, moe: bool, hybrid: bool) -> Footprint {
+        Footprint {
+            params: b * 1e9,
+            source: "test".into(),
+            model_type: None,
+            moe,
+            hybrid,
+        }
+    }
+
+    fn gpu(arch: &str) -> GpuTarget {
+        let (vendor, vram) = known_arch(arch).unwrap();
+        GpuTarget {
+            arch: Some(arch.into()),
+            vendor: Some(vendor.into()),
+            vram_mb: Some(vram),
+            source: "test".into(),
+        }
+    }
+
+    struct Row {
+        b: f64,
+        moe: bool,
+        hybrid: bool,
+        arch: &'static str,
+        bits: i32,
+        excl: &'static str,
+        seq: i32,
+        samples: i32,
+        npar: Option<i32>,
+        mem: i32,
+        fits: bool,
+    }
+
+    /// Models × GPUs. The 24 GB rows are the seed's tables; 16 GB rows move a class up.
+    #[test]
+    fn table_of_models_and_gpus() {
+        let rows = [
+            // seed: 8B GPTQ INT4 on 24 GB: defaults, 32Gi
+            Row { b: 8.0, moe: false, hybrid: false, arch: "gfx1100", bits: 4, excl: "auto", seq: 4096, samples: 256, npar: None, mem: 32, fits: true },
+            // seed: 14B GPTQ on 24 GB: 256 @ 4096, nParallel 32, maxMemoryGB 56
+            Row { b: 14.0, moe: false, hybrid: false, arch: "gfx1100", bits: 4, excl: "auto", seq: 4096, samples: 256, npar: Some(32), mem: 56, fits: true },
+            // seed: 27B single GPU: 128 @ 2048, nParallel 16, 96Gi; hybrid auto (~28 GB) does not fit → none (~15 GB)
+            Row { b: 27.0, moe: false, hybrid: true, arch: "gfx1100", bits: 4, excl: "none", seq: 2048, samples: 128, npar: Some(16), mem: 96, fits: true },
+            // dense 27B at 4 bit fits 24 GB
+            Row { b: 27.0, moe: false, hybrid: false, arch: "gfx1100", bits: 4, excl: "auto", seq: 2048, samples: 128, npar: Some(16), mem: 96, fits: true },
+            // 26B MoE hybrid: 512 samples for expert coverage
+            Row { b: 25.2, moe: true, hybrid: true, arch: "gfx1100", bits: 4, excl: "none", seq: 2048, samples: 512, npar: Some(16), mem: 96, fits: true },
+            // 9B hybrid: auto fits 24 GB
+            Row { b: 9.0, moe: false, hybrid: true, arch: "gfx1100", bits: 4, excl: "auto", seq: 4096, samples: 256, npar: None, mem: 32, fits: true },
+            // gfx906 16 GB: 8B moves to the 14B recipe
+            Row { b: 8.0, moe: false, hybrid: false, arch: "gfx906", bits: 4, excl: "auto", seq: 4096, samples: 256, npar: Some(32), mem: 56, fits: true },
+            // 14B on 16 GB: 27B recipe
+            Row { b: 14.0, moe: false, hybrid: false, arch: "gfx906", bits: 4, excl: "auto", seq: 2048, samples: 128, npar: Some(16), mem: 56, fits: true },
+            // 27B on 16 GB: 4-bit (~15 GB) exceeds 85% of 16 GB → 3 bit
+            Row { b: 27.0, moe: false, hybrid: false, arch: "gfx906", bits: 3, excl: "none", seq: 2048, samples: 128, npar: Some(16), mem: 96, fits: true },
+            // 70B on 24 GB: does not fit even at 3 bit
+            Row { b: 70.0, moe: false, hybrid: false, arch: "gfx1100", bits: 4, excl: "auto", seq: 2048, samples: 128, npar: Some(16), mem: 256, fits: false },
+            // 70B on an 80 GB H100: fits at 4 bit
+            Row { b: 70.0, moe: false, hybrid: false, arch: "sm_90", bits: 4, excl: "auto", seq: 2048, samples: 128, npar: Some(16), mem: 256, fits: true },
+            // 8B on an 80 GB H100: defaults
+            Row { b: 8.0, moe: false, hybrid: false, arch: "sm_90", bits: 4, excl: "auto", seq: 4096, samples: 256, npar: None, mem: 32, fits: true },
+        ];
+        for (i, r) in rows.iter().enumerate() {
+            let rec = recommend(&model(r.b, r.moe, r.hybrid), &gpu(r.arch));
+            let ctx = format!("row {i} ({}B on {}): {rec:#?}", r.b, r.arch);
+            assert_eq!(rec.format, "GPTQ", "{ctx}");
+            assert!(rec.sym && !rec.desc_act, "{ctx}");
+            assert_eq!(rec.group_size, 128, "{ctx}");
+            assert_eq!(rec.bits, r.bits, "{ctx}");
+            assert_eq!(rec.dynamic_exclusion, r.excl, "{ctx}");
+            assert_eq!(rec.calibration.max_seq_len, r.seq, "{ctx}");
+            assert_eq!(rec.calibration.max_samples, r.samples, "{ctx}");
+            assert_eq!(rec.calibration.n_parallel_calib_samples, r.npar, "{ctx}");
+            assert_eq!(rec.max_memory_gb, r.mem, "{ctx}");
+            assert_eq!(rec.fits, Some(r.fits), "{ctx}");
+            assert!(rec.use_gpu, "{ctx}");
+            assert!((3600..=172_800).contains(&rec.timeout_seconds), "{ctx}");
+            assert!(rec.reasons.len() >= 4, "{ctx}");
+        }
+    }
+
+    #[test]
+    fn gfx1100_reason_names_exllama_and_seed_times() {
+        let rec = recommend(&model(8.0, false, false), &gpu("gfx1100"));
+        assert!(rec.reasons.iter().any(|r| r.contains("ExLlama")), "{:?}", rec.reasons);
+        // seed: 8B ≈ 30 min, 14B ≈ 73 min
+        assert!((25.0..=35.0).contains(&rec.estimated_minutes), "{}", rec.estimated_minutes);
+        let rec = recommend(&model(14.0, false, false), &gpu("gfx1100"));
+        assert!((60.0..=85.0).contains(&rec.estimated_minutes), "{}", rec.estimated_minutes);
+        // seed: 27B hybrid auto ~28 GB, none ~15 GB
+        let rec = recommend(&model(27.0, false, true), &gpu("gfx1100"));
+        assert!((13.0..=17.0).contains(&rec.estimated_artifact_gb), "{}", rec.estimated_artifact_gb);
+        assert!(rec.reasons.iter().any(|r| r.contains("does not fit")));
+    }
+
+    #[test]
+    fn no_gpu_means_fit_unknown() {
+        let rec = recommend(&model(8.0, false, false), &GpuTarget::default());
+        assert_eq!(rec.fits, None);
+        assert!(!rec.use_gpu);
+        assert!(rec.reasons.iter().any(|r| r.contains("fit not checked")));
+    }
+
+    #[test]
+    fn patch_sets_quantization_fields() {
+        let rec = recommend(&model(14.0, false, false), &gpu("gfx1100"));
+        let p = rec.spec_patch();
+        let q = &p["spec"]["quantization"];
+        assert_eq!(q["format"], "GPTQ");
+        assert_eq!(q["bits"], 4);
+        assert_eq!(q["maxMemoryGB"], 56);
+        assert_eq!(q["calibration"]["nParallelCalibSamples"], 32);
+        assert!(q["ggufType"].is_null());
+        let rec = recommend(&model(8.0, false, false), &gpu("gfx1100"));
+        let p = rec.spec_patch();
+        // merge patch null: clears a previous nParallelCalibSamples
+        assert!(p["spec"]["quantization"]["calibration"]
+            .as_object()
+            .unwrap()
+            .contains_key("nParallelCalibSamples"));
+    }
+}

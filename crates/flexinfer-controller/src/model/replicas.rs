@@ -1,0 +1,154 @@
+//! Replica policy (SPEC §7): pure, from the spec, `status.lastActiveTime` and the clock.
+
+use std::time::Duration;
+
+use flexinfer_api::model::{ModelSpec, WarmPolicy};
+use k8s_openapi::jiff::Timestamp;
+
+/// Idle timeout used when `serverless.idleTimeout` cannot be parsed (the CRD rejects bad values).
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Replicas wanted now, and when to look again because the answer will change by itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplicaDecision {
+    pub replicas: i32,
+    /// Time until the idle timeout expires (the Model should then scale down).
+    pub recheck_after: Option<Duration>,
+}
+
+/// Parse a Go-style duration made of `<number><unit>` parts (`ms`, `s`, `m`, `h`), e.g. `1h30m`.
+pub fn parse_duration(s: &str) -> Option<Duration> {
+    let s = s.trim();
+    if s.is_empty() {
+        return None;
+    }
+    let mut total = 0f64;
+    let mut rest = s;
+    while !rest.is_empty() {
+        let num_len = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(rest.len());
+        if num_len == 0 {
+            return None;
+        }
+        let value: f64 = rest[..num_len].parse().ok()?;
+        rest = &rest[num_len..];
+        let (unit, len) = if rest.starts_with("ms") {
+            (0.001, 2)
+        } else if rest.starts_with('s') {
+            (1.0, 1)
+        } else if rest.starts_with('m') {
+            (60.0, 1)
+        } else if rest.starts_with('h') {
+            (3600.0, 1)
+        } else {
+            return None;
+        };
+        total += value * unit;
+        rest = &rest[len..];
+    }
+    Some(Duration::from_secs_f64(total))
+}
+
+/// Desired replicas: serverless disabled → 1; enabled → `minReplicas`, raised to 1 while the
+/// Model was active within `idleTimeout`; `warmPolicy: primary` keeps at least 1.
+/// (The promotion gate is applied before: a blocked Model is passed in as its canary spec.)
+pub fn desired_replicas(
+    spec: &ModelSpec,
+    last_active: Option<Timestamp>,
+    now: Timestamp,
+) -> ReplicaDecision {
+    if !spec.serverless.enabled {
+        return ReplicaDecision {
+            replicas: 1,
+            recheck_after: None,
+        };
+    }
+    let mut replicas = spec.serverless.min_replicas.max(0);
+    if spec.config.warm_policy == Some(WarmPolicy::Primary) {
+        replicas = replicas.max(1);
+    }
+    let idle = parse_duration(&spec.serverless.idle_timeout).unwrap_or(DEFAULT_IDLE_TIMEOUT);
+    let mut recheck_after = None;
+    if let Some(last) = last_active {
+        let since = now.duration_since(last);
+        // A lastActiveTime in the future (clock skew) counts as active now.
+        let since = Duration::try_from(since).unwrap_or(Duration::ZERO);
+        if since < idle {
+            let remaining = idle - since;
+            if replicas < 1 {
+                replicas = 1;
+                recheck_after = Some(remaining);
+            }
+        }
+    }
+    ReplicaDecision {
+        replicas,
+        recheck_after,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(enabled: bool, min: i32, idle: &str, warm: Option<WarmPolicy>) -> ModelSpec {
+        let mut s: ModelSpec = serde_json::from_value(serde_json::json!({
+            "backend": "vllm", "source": "pvc://c/p"
+        }))
+        .unwrap_or_else(|e| panic!("spec: {e}"));
+        s.serverless.enabled = enabled;
+        s.serverless.min_replicas = min;
+        s.serverless.idle_timeout = idle.to_string();
+        s.config.warm_policy = warm;
+        s
+    }
+
+    fn ts(secs: i64) -> Timestamp {
+        Timestamp::from_second(secs).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("5m"), Some(Duration::from_secs(300)));
+        assert_eq!(parse_duration("1h30m"), Some(Duration::from_secs(5400)));
+        assert_eq!(parse_duration("1.5s"), Some(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("250ms"), Some(Duration::from_millis(250)));
+        for bad in ["", "5", "m", "5d", "-5m", "5m3"] {
+            assert_eq!(parse_duration(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn replica_table() {
+        use WarmPolicy::*;
+        let now = ts(10_000);
+        // (enabled, min, idle, warm, lastActive seconds ago, want replicas, want recheck secs)
+        let cases: Vec<(bool, i32, &str, Option<WarmPolicy>, Option<i64>, i32, Option<u64>)> = vec![
+            (false, 0, "5m", None, None, 1, None),
+            (false, 3, "5m", None, None, 1, None),
+            (false, 0, "5m", Some(Ondemand), Some(10_000), 1, None),
+            (true, 0, "5m", None, None, 0, None),
+            (true, 0, "5m", Some(Ondemand), None, 0, None),
+            (true, 2, "5m", None, None, 2, None),
+            (true, 2, "5m", None, Some(10), 2, None),
+            (true, 0, "5m", None, Some(10), 1, Some(290)),
+            (true, 0, "5m", None, Some(299), 1, Some(1)),
+            (true, 0, "5m", None, Some(300), 0, None),
+            (true, 0, "5m", None, Some(3600), 0, None),
+            (true, 0, "1h", None, Some(3599), 1, Some(1)),
+            (true, 0, "5m", None, Some(-30), 1, Some(300)),
+            (true, 0, "5m", Some(Primary), None, 1, None),
+            (true, 0, "5m", Some(Primary), Some(10), 1, None),
+            (true, 3, "5m", Some(Primary), None, 3, None),
+            (true, 0, "garbage", None, Some(200), 1, Some(100)),
+        ];
+        for (i, (enabled, min, idle, warm, ago, want, recheck)) in cases.into_iter().enumerate() {
+            let s = spec(enabled, min, idle, warm);
+            let last = ago.map(|a| ts(10_000 - a));
+            let d = desired_replicas(&s, last, now);
+            assert_eq!(d.replicas, want, "case {i}");
+            assert_eq!(d.recheck_after.map(|d| d.as_secs()), recheck, "case {i}");
+        }
+    }
+}

@@ -1,0 +1,153 @@
+//! Controller configuration read once from the environment (set by the chart / deployment).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use flexinfer_api::contract::{controller_env, controller_env_pipeline, env};
+
+/// Settings that shape Jobs and timing. Environment lookups happen once, at start-up, so that
+/// `plan` and the Job builders stay pure.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// `FLEXINFER_WORKER_IMAGE`: download/publish (and CPU) worker image.
+    pub worker_image: Option<String>,
+    /// Every `FLEXINFER_QUANTIZER_*` image variable that was set (name → image).
+    pub image_env: BTreeMap<String, String>,
+    /// `FLEXINFER_WORKER_SERVICE_ACCOUNT` (default `flexinfer-worker`).
+    pub service_account: String,
+    /// Image-drift grace window (default 600 s).
+    pub drift_grace: Duration,
+    /// Retry backoff base (default 30 s); the delay is `min(base·2^n, 10m)`.
+    pub retry_base: Duration,
+    /// How often a running Job's log is tailed for progress (default 30 s).
+    pub progress_poll: Duration,
+    /// `GPTQ_*` tunables with controller-level overrides applied, in contract order.
+    pub gptq_tunables: Vec<(String, String)>,
+    /// `HF_ENDPOINT` passed through to workers when set on the controller.
+    pub hf_endpoint: Option<String>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            worker_image: None,
+            image_env: BTreeMap::new(),
+            service_account: "flexinfer-worker".into(),
+            drift_grace: Duration::from_secs(600),
+            retry_base: Duration::from_secs(30),
+            progress_poll: Duration::from_secs(30),
+            gptq_tunables: env::GPTQ_TUNABLES
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            hf_endpoint: None,
+        }
+    }
+}
+
+impl Config {
+    /// Read from an environment lookup (`std::env::var` in the binary, a map in tests).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Self {
+        let nonempty = |k: &str| get(k).filter(|v| !v.trim().is_empty());
+        let secs = |k: &str, d: u64| {
+            nonempty(k)
+                .and_then(|v| v.trim().parse::<f64>().ok())
+                .filter(|v| v.is_finite() && *v >= 0.0)
+                .map(Duration::from_secs_f64)
+                .unwrap_or(Duration::from_secs(d))
+        };
+        let mut image_env = BTreeMap::new();
+        let mut names = vec![
+            controller_env::QUANTIZER_GPTQ_IMAGE.to_string(),
+            controller_env::QUANTIZER_GPTQ_ROCM_IMAGE.to_string(),
+        ];
+        for arch in ["gfx1100", "gfx906", "gfx90a", "gfx942", "gfx1030", "gfx1101", "gfx1201"] {
+            names.push(controller_env::quantizer_gptq_rocm_arch_image(arch));
+        }
+        for f in flexinfer_api::formats::FORMATS {
+            names.push(controller_env::quantizer_format_image(f.name));
+        }
+        for n in names {
+            if let Some(v) = nonempty(&n) {
+                image_env.insert(n, v.trim().to_string());
+            }
+        }
+        let gptq_tunables = env::GPTQ_TUNABLES
+            .iter()
+            .map(|(k, d)| {
+                let v = nonempty(&env::controller_override(k)).unwrap_or_else(|| d.to_string());
+                (k.to_string(), v.trim().to_string())
+            })
+            .collect();
+        Self {
+            worker_image: nonempty(controller_env::WORKER_IMAGE).map(|s| s.trim().to_string()),
+            image_env,
+            service_account: nonempty(controller_env::WORKER_SERVICE_ACCOUNT)
+                .unwrap_or_else(|| "flexinfer-worker".into()),
+            drift_grace: secs(controller_env::IMAGE_DRIFT_GRACE_SECONDS, 600),
+            retry_base: secs(controller_env::RETRY_BASE_SECONDS, 30),
+            progress_poll: secs(controller_env_pipeline::PROGRESS_POLL_SECONDS, 30),
+            gptq_tunables,
+            hf_endpoint: nonempty(env::HF_ENDPOINT),
+        }
+    }
+
+    /// Read from the process environment. Arbitrary-arch `FLEXINFER_QUANTIZER_GPTQ_ROCM_<ARCH>_IMAGE`
+    /// variables are picked up too.
+    pub fn from_env() -> Self {
+        let mut c = Self::from_lookup(|k| std::env::var(k).ok());
+        for (k, v) in std::env::vars() {
+            if k.starts_with("FLEXINFER_QUANTIZER_") && k.ends_with("_IMAGE") && !v.trim().is_empty() {
+                c.image_env.insert(k, v.trim().to_string());
+            }
+        }
+        c
+    }
+
+    /// Retry delay after the `n`-th failure (0-based): `min(base·2^n, 10m)`.
+    pub fn retry_delay(&self, n: u32) -> Duration {
+        let factor = 2u32.saturating_pow(n.min(20));
+        self.retry_base
+            .saturating_mul(factor)
+            .min(Duration::from_secs(600))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn env_overrides_apply() {
+        let m: BTreeMap<&str, &str> = BTreeMap::from([
+            ("FLEXINFER_WORKER_IMAGE", "w:1"),
+            ("FLEXINFER_QUANTIZER_GPTQ_ROCM_GFX906_IMAGE", "q:906"),
+            ("FLEXINFER_GPTQ_MAX_RTN_FALLBACK_PERCENT", "5"),
+            ("FLEXINFER_IMAGE_DRIFT_GRACE_SECONDS", "3"),
+            ("FLEXINFER_RETRY_BASE_SECONDS", "1"),
+        ]);
+        let c = Config::from_lookup(|k| m.get(k).map(|s| s.to_string()));
+        assert_eq!(c.worker_image.as_deref(), Some("w:1"));
+        assert_eq!(
+            c.image_env.get("FLEXINFER_QUANTIZER_GPTQ_ROCM_GFX906_IMAGE").map(String::as_str),
+            Some("q:906")
+        );
+        assert!(c
+            .gptq_tunables
+            .contains(&("GPTQ_MAX_RTN_FALLBACK_PERCENT".into(), "5".into())));
+        assert!(c.gptq_tunables.contains(&("GPTQ_RESUME_LAYERS".into(), "true".into())));
+        assert_eq!(c.drift_grace, Duration::from_secs(3));
+        assert_eq!(c.retry_delay(0), Duration::from_secs(1));
+        assert_eq!(c.retry_delay(3), Duration::from_secs(8));
+    }
+
+    #[test]
+    fn retry_delay_is_capped_at_ten_minutes() {
+        let c = Config::default();
+        assert_eq!(c.retry_delay(0), Duration::from_secs(30));
+        assert_eq!(c.retry_delay(1), Duration::from_secs(60));
+        assert_eq!(c.retry_delay(4), Duration::from_secs(480));
+        assert_eq!(c.retry_delay(5), Duration::from_secs(600));
+        assert_eq!(c.retry_delay(40), Duration::from_secs(600));
+    }
+}

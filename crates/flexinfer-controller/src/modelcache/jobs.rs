@@ -1,0 +1,705 @@
+//! Pure builders: what each phase runs where (GPUProfile, image, node selector), the phase spec
+//! hashes, and the pipeline Job / PVC objects (SPEC §3.1–3.3, §4.1, §10).
+
+use std::collections::BTreeMap;
+
+use flexinfer_api::contract::{
+    self, annotations, controller_env, env, job_pod_annotations, labels, JobPhase,
+};
+use flexinfer_api::gpuprofile::{GPUProfile, GpuVendor};
+use flexinfer_api::modelcache::{defaults, ModelCache, QuantFormat};
+use k8s_openapi::api::batch::v1::{Job, JobSpec};
+use k8s_openapi::api::core::v1::{
+    Capabilities, Container, EnvVar, EnvVarSource, PersistentVolumeClaim,
+    PersistentVolumeClaimSpec, PersistentVolumeClaimVolumeSource, PodSecurityContext, PodSpec,
+    PodTemplateSpec, ResourceRequirements, SeccompProfile, SecretKeySelector, SecurityContext,
+    Toleration, Volume, VolumeMount, VolumeResourceRequirements,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use kube::Resource;
+use sha2::{Digest, Sha256};
+
+use super::config::Config;
+
+/// Name of the PVC the controller creates for a cache (when no `existingClaimName`).
+pub fn created_claim_name(cache: &str) -> String {
+    format!("{cache}-cache")
+}
+
+/// PVC the cache uses.
+pub fn claim_name(mc: &ModelCache) -> String {
+    mc.spec
+        .existing_claim_name
+        .clone()
+        .unwrap_or_else(|| created_claim_name(&mc.name_any_str()))
+}
+
+trait NameStr {
+    fn name_any_str(&self) -> String;
+}
+impl NameStr for ModelCache {
+    fn name_any_str(&self) -> String {
+        self.metadata.name.clone().unwrap_or_default()
+    }
+}
+
+/// Pipeline phases a cache runs, in order.
+pub fn enabled_phases(mc: &ModelCache) -> Vec<JobPhase> {
+    let mut v = vec![JobPhase::Download];
+    if mc.spec.abliteration.is_some() {
+        v.push(JobPhase::Abliterate);
+    }
+    if mc.spec.quantization.is_some() {
+        v.push(JobPhase::Quantize);
+    }
+    if mc.spec.publish.is_some() {
+        v.push(JobPhase::Publish);
+    }
+    v
+}
+
+/// Whether a phase runs on a GPU node.
+pub fn uses_gpu(mc: &ModelCache, phase: JobPhase) -> bool {
+    match phase {
+        JobPhase::Abliterate => mc.spec.abliteration.as_ref().is_some_and(|a| a.use_gpu),
+        JobPhase::Quantize => mc.spec.quantization.as_ref().is_some_and(|q| q.use_gpu),
+        _ => false,
+    }
+}
+
+fn phase_node_selector(mc: &ModelCache, phase: JobPhase) -> Option<BTreeMap<String, String>> {
+    let own = match phase {
+        JobPhase::Abliterate => mc.spec.abliteration.as_ref().and_then(|a| a.node_selector.clone()),
+        JobPhase::Quantize => mc.spec.quantization.as_ref().and_then(|q| q.node_selector.clone()),
+        _ => None,
+    };
+    own.filter(|m| !m.is_empty())
+        .or_else(|| mc.spec.node_selector.clone().filter(|m| !m.is_empty()))
+}
+
+/// GPU architectures a cache's phases select (used to map GPUProfile changes to caches).
+pub fn cache_arches(mc: &ModelCache) -> Vec<String> {
+    let mut out: Vec<String> = JobPhase::ALL
+        .into_iter()
+        .filter_map(|p| phase_node_selector(mc, p))
+        .filter_map(|m| m.get(labels::GPU_ARCH).cloned())
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// Where and with what a phase runs.
+#[derive(Debug, Clone)]
+pub struct PhaseTarget {
+    pub phase: JobPhase,
+    pub gpu: bool,
+    /// GPUProfile that applies (GPU phases only).
+    pub profile: Option<GPUProfile>,
+    pub arch: Option<String>,
+    pub node_selector: BTreeMap<String, String>,
+    /// Resolved image; `Err` names what to configure.
+    pub image: Result<String, String>,
+}
+
+/// Resolve profile, arch, node selector and image of one phase (SPEC §3.2).
+pub fn resolve_target(
+    mc: &ModelCache,
+    phase: JobPhase,
+    profiles: &[GPUProfile],
+    config: &Config,
+) -> PhaseTarget {
+    let gpu = uses_gpu(mc, phase);
+    let sel = phase_node_selector(mc, phase);
+    let sel_arch = sel.as_ref().and_then(|m| m.get(labels::GPU_ARCH).cloned());
+    let profile = if gpu {
+        match &sel_arch {
+            Some(a) => profiles
+                .iter()
+                .find(|p| &p.spec.architecture == a)
+                .or_else(|| profiles.iter().find(|p| p.metadata.name.as_deref() == Some(a)))
+                .cloned(),
+            // No arch in the selector: the namespace's only GPUProfile, if there is exactly one.
+            None if profiles.len() == 1 => profiles.first().cloned(),
+            None => None,
+        }
+    } else {
+        None
+    };
+    let arch = sel_arch.or_else(|| profile.as_ref().map(|p| p.spec.architecture.clone()));
+    let node_selector = sel
+        .or_else(|| profile.as_ref().map(|p| p.spec.effective_node_selector()))
+        .unwrap_or_default();
+    let image = resolve_image(mc, phase, profile.as_ref(), arch.as_deref(), config);
+    PhaseTarget {
+        phase,
+        gpu,
+        profile,
+        arch,
+        node_selector,
+        image,
+    }
+}
+
+fn resolve_image(
+    mc: &ModelCache,
+    phase: JobPhase,
+    profile: Option<&GPUProfile>,
+    arch: Option<&str>,
+    config: &Config,
+) -> Result<String, String> {
+    let worker = || {
+        config.worker_image.clone().ok_or_else(|| {
+            format!("no worker image: set {} on the controller", controller_env::WORKER_IMAGE)
+        })
+    };
+    let format = match phase {
+        JobPhase::Download | JobPhase::Publish => return worker(),
+        JobPhase::Abliterate if !uses_gpu(mc, phase) => return worker(),
+        // GPU abliteration runs in the GPU worker image of the arch (the GPTQ image).
+        JobPhase::Abliterate => QuantFormat::Gptq,
+        JobPhase::Quantize => match &mc.spec.quantization {
+            Some(q) => q.format,
+            None => return worker(),
+        },
+    };
+    let fname = flexinfer_api::formats::info(format).name;
+    if let Some(img) = profile
+        .and_then(|p| p.spec.quantization.as_ref())
+        .and_then(|q| q.images.get(fname))
+        .filter(|s| !s.trim().is_empty())
+    {
+        return Ok(img.trim().to_string());
+    }
+    let env_get = |k: &str| config.image_env.get(k).cloned();
+    if format == QuantFormat::Gptq {
+        let amd = profile.map(|p| p.spec.vendor == GpuVendor::Amd).unwrap_or(false)
+            || arch.is_some_and(|a| a.starts_with("gfx"));
+        if amd {
+            if let Some(i) = arch.and_then(|a| env_get(&controller_env::quantizer_gptq_rocm_arch_image(a))) {
+                return Ok(i);
+            }
+            if let Some(i) = env_get(controller_env::QUANTIZER_GPTQ_ROCM_IMAGE) {
+                return Ok(i);
+            }
+        } else if let Some(i) = env_get(controller_env::QUANTIZER_GPTQ_IMAGE) {
+            return Ok(i);
+        }
+    }
+    if let Some(i) = env_get(&controller_env::quantizer_format_image(fname)) {
+        return Ok(i);
+    }
+    if format == QuantFormat::Gptq {
+        // One worker binary serves CPU and GPU: fall back to the worker image.
+        if let Some(i) = config.worker_image.clone() {
+            return Ok(i);
+        }
+    }
+    Err(format!(
+        "no {fname} quantizer image for arch {}: set GPUProfile spec.quantization.images.{fname}, {} or {}",
+        arch.unwrap_or("<none>"),
+        controller_env::QUANTIZER_GPTQ_IMAGE,
+        controller_env::quantizer_format_image(fname)
+    ))
+}
+
+/// JSON with object keys sorted at every level (serde_json's default map is ordered, but the
+/// `preserve_order` feature may be switched on by another crate in the build).
+pub fn canonical_json(v: &serde_json::Value) -> String {
+    fn canon(v: &serde_json::Value) -> serde_json::Value {
+        match v {
+            serde_json::Value::Object(m) => {
+                let sorted: BTreeMap<&String, serde_json::Value> =
+                    m.iter().map(|(k, v)| (k, canon(v))).collect();
+                let mut out = serde_json::Map::new();
+                for (k, v) in sorted {
+                    out.insert(k.clone(), v);
+                }
+                serde_json::Value::Object(out)
+            }
+            serde_json::Value::Array(a) => serde_json::Value::Array(a.iter().map(canon).collect()),
+            other => other.clone(),
+        }
+    }
+    serde_json::to_string(&canon(v)).unwrap_or_default()
+}
+
+/// The part of the spec a phase's output depends on.
+pub fn phase_inputs(mc: &ModelCache, phase: JobPhase) -> serde_json::Value {
+    let s = &mc.spec;
+    match phase {
+        JobPhase::Download => serde_json::json!({
+            "source": s.source, "revision": s.revision, "modelPath": s.model_path,
+            "download": j(&s.download),
+            // The calibration dataset is fetched by the download phase.
+            "dataset": s.quantization.as_ref().map(|q| q.effective_calibration().dataset),
+        }),
+        JobPhase::Abliterate => j(&s.abliteration),
+        JobPhase::Quantize => j(&s.quantization),
+        JobPhase::Publish => j(&s.publish),
+    }
+}
+
+fn j<T: serde::Serialize>(v: &T) -> serde_json::Value {
+    serde_json::to_value(v).unwrap_or(serde_json::Value::Null)
+}
+
+/// `sha256(canonical JSON of the phase inputs + "|" + image)`, first 16 hex characters. For
+/// quantization this is the seed's `quantSpecHashWithImage` over `spec.quantization`.
+pub fn spec_hash(mc: &ModelCache, phase: JobPhase, image: &str) -> String {
+    let mut h = Sha256::new();
+    h.update(canonical_json(&phase_inputs(mc, phase)).as_bytes());
+    h.update(b"|");
+    h.update(image.as_bytes());
+    hex::encode(h.finalize())[..16].to_string()
+}
+
+/// Directory of the cache inside the PVC.
+pub fn model_dir(mc: &ModelCache) -> String {
+    let name = mc.metadata.name.clone().unwrap_or_default();
+    mc.spec.model_dir_name(&name).trim_matches('/').to_string()
+}
+
+/// Relative (to the PVC root) input and output directories of a phase.
+pub fn phase_dirs(mc: &ModelCache, phase: JobPhase) -> (String, String) {
+    let base = model_dir(mc);
+    let ablit = format!("{base}/{}", contract::ABLITERATED_SUBDIR);
+    let quant_in = if mc.spec.abliteration.is_some() { ablit.clone() } else { base.clone() };
+    let quant_out = mc
+        .spec
+        .quantization
+        .as_ref()
+        .map(|q| format!("{base}/{}", q.output_subdir()));
+    match phase {
+        JobPhase::Download => (base.clone(), base),
+        JobPhase::Abliterate => (base, ablit),
+        JobPhase::Quantize => (quant_in.clone(), quant_out.unwrap_or(quant_in)),
+        JobPhase::Publish => {
+            let art = artifact_dir(mc);
+            (art.clone(), art)
+        }
+    }
+}
+
+/// Directory (relative to the PVC root) of the artifact serving uses.
+pub fn artifact_dir(mc: &ModelCache) -> String {
+    if mc.spec.quantization.is_some() {
+        phase_dirs(mc, JobPhase::Quantize).1
+    } else if mc.spec.abliteration.is_some() {
+        phase_dirs(mc, JobPhase::Abliterate).1
+    } else {
+        model_dir(mc)
+    }
+}
+
+fn cache_path(rel: &str) -> String {
+    format!("{}/{}", contract::CACHE_MOUNT, rel)
+}
+
+fn ev(name: &str, value: impl Into<String>) -> EnvVar {
+    EnvVar {
+        name: name.to_string(),
+        value: Some(value.into()),
+        value_from: None,
+    }
+}
+
+fn secret_ev(name: &str, secret: &str, key: &str) -> EnvVar {
+    EnvVar {
+        name: name.to_string(),
+        value: None,
+        value_from: Some(EnvVarSource {
+            secret_key_ref: Some(SecretKeySelector {
+                name: secret.to_string(),
+                key: key.to_string(),
+                optional: Some(true),
+            }),
+            ..Default::default()
+        }),
+    }
+}
+
+fn phase_deadline(mc: &ModelCache, phase: JobPhase) -> i64 {
+    let s = &mc.spec;
+    match phase {
+        JobPhase::Download => s
+            .download
+            .as_ref()
+            .and_then(|d| d.timeout_seconds)
+            .unwrap_or(defaults::DOWNLOAD_TIMEOUT_SECONDS),
+        JobPhase::Abliterate => s.abliteration.as_ref().map(|a| a.timeout_seconds).unwrap_or(14400),
+        JobPhase::Quantize => s
+            .quantization
+            .as_ref()
+            .and_then(|q| q.timeout_seconds)
+            .unwrap_or(defaults::QUANTIZE_TIMEOUT_SECONDS),
+        JobPhase::Publish => s.publish.as_ref().map(|p| p.timeout_seconds).unwrap_or(7200),
+    }
+}
+
+/// activeDeadlineSeconds of a phase's Job.
+pub fn deadline_seconds(mc: &ModelCache, phase: JobPhase) -> i64 {
+    phase_deadline(mc, phase)
+}
+
+fn phase_memory_gb(mc: &ModelCache, phase: JobPhase) -> i64 {
+    let s = &mc.spec;
+    match phase {
+        JobPhase::Download | JobPhase::Publish => {
+            s.download.as_ref().map(|d| d.max_memory_gb).unwrap_or(16) as i64
+        }
+        JobPhase::Abliterate => s.abliteration.as_ref().map(|a| a.max_memory_gb).unwrap_or(56) as i64,
+        JobPhase::Quantize => s.quantization.as_ref().map(|q| q.max_memory_gb).unwrap_or(48) as i64,
+    }
+}
+
+fn json_map_annotation(mc: &ModelCache, key: &str) -> BTreeMap<String, String> {
+    mc.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(key))
+        .and_then(|v| serde_json::from_str::<BTreeMap<String, serde_json::Value>>(v).ok())
+        .map(|m| {
+            m.into_iter()
+                .filter_map(|(k, v)| match v {
+                    serde_json::Value::String(s) => Some((k, s)),
+                    serde_json::Value::Number(n) => Some((k, n.to_string())),
+                    serde_json::Value::Bool(b) => Some((k, b.to_string())),
+                    _ => None,
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Whether a pod-metadata annotation on the cache is malformed (for a clear condition).
+pub fn invalid_pod_metadata_annotation(mc: &ModelCache) -> Option<String> {
+    let ann = mc.metadata.annotations.as_ref()?;
+    let mut keys = vec![
+        job_pod_annotations::JOB_POD_LABELS.to_string(),
+        job_pod_annotations::JOB_POD_ANNOTATIONS.to_string(),
+    ];
+    for p in JobPhase::ALL {
+        keys.push(job_pod_annotations::phase_pod_labels(p.as_str()));
+        keys.push(job_pod_annotations::phase_pod_annotations(p.as_str()));
+    }
+    keys.into_iter().find_map(|k| {
+        let v = ann.get(&k)?;
+        match serde_json::from_str::<BTreeMap<String, serde_json::Value>>(v) {
+            Ok(_) => None,
+            Err(e) => Some(format!("annotation {k} must be a JSON object of strings: {e}")),
+        }
+    })
+}
+
+/// Labels every pipeline Job and its pods carry.
+pub fn job_labels(cache: &str, phase: JobPhase) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (labels::MANAGED_BY.to_string(), labels::MANAGED_BY_VALUE.to_string()),
+        (labels::NAME.to_string(), "flexinfer-worker".to_string()),
+        (labels::INSTANCE.to_string(), cache.to_string()),
+        (labels::COMPONENT.to_string(), phase.as_str().to_string()),
+        (labels::PART_OF.to_string(), "flexinfer".to_string()),
+        (labels::CACHE.to_string(), cache.to_string()),
+        (labels::PHASE.to_string(), phase.as_str().to_string()),
+    ])
+}
+
+fn owner_ref(mc: &ModelCache) -> Option<OwnerReference> {
+    mc.controller_owner_ref(&())
+}
+
+fn worker_env(mc: &ModelCache, t: &PhaseTarget, config: &Config) -> Vec<EnvVar> {
+    let s = &mc.spec;
+    let phase = t.phase;
+    let (input, output) = phase_dirs(mc, phase);
+    let mut e = vec![
+        ev(env::SCRIPT_VERSION, contract::SCRIPT_VERSION),
+        ev(env::PHASE, phase.as_str()),
+        ev(env::MODEL_DIR, cache_path(&input)),
+        ev(env::TELEMETRY, "true"),
+        ev(env::MAX_MEMORY_GB, phase_memory_gb(mc, phase).to_string()),
+    ];
+    if phase != JobPhase::Download && phase != JobPhase::Publish {
+        e.push(ev(env::OUT_DIR, cache_path(&output)));
+    }
+    if let Some(ep) = &config.hf_endpoint {
+        e.push(ev(env::HF_ENDPOINT, ep.clone()));
+    }
+    if let Some(vram) = t.profile.as_ref().and_then(|p| p.spec.vram_mb) {
+        e.push(ev(env::GPU_VRAM_MB, vram.to_string()));
+    }
+    match phase {
+        JobPhase::Download => {
+            let d = s.download.clone().unwrap_or_default();
+            e.push(ev(env::SOURCE, s.source.clone()));
+            e.push(ev(env::REVISION, s.revision.clone()));
+            e.push(ev(env::REPO_TYPE, "model"));
+            e.push(ev(env::ALLOW_PATTERNS, d.allow_patterns.join(",")));
+            e.push(ev(env::IGNORE_PATTERNS, d.ignore_patterns.join(",")));
+            if let Some(q) = &s.quantization {
+                e.push(ev(env::DATASET, q.effective_calibration().dataset));
+            }
+        }
+        JobPhase::Abliterate => {
+            if let Some(a) = &s.abliteration {
+                e.push(ev(env::NUM_SAMPLES, a.num_samples.to_string()));
+                e.push(ev(env::TARGET_LAYERS, a.target_layers.clone()));
+                let wm: Vec<&str> = a.weight_matrices.iter().map(|w| w.as_str()).collect();
+                e.push(ev(env::WEIGHT_MATRICES, wm.join(",")));
+                e.push(ev(env::SKIP_GDN_LAYERS, a.skip_gdn_layers.to_string()));
+                e.push(ev(env::SKIP_VISION, a.skip_vision_layers.to_string()));
+                e.push(ev(env::NORM_THRESHOLD, a.norm_threshold.clone()));
+                e.push(ev(env::ABLITERATE_LM_HEAD, a.ablitate_lm_head.to_string()));
+                e.push(ev(env::MAX_PERPLEXITY_INCREASE_PERCENT, a.max_perplexity_increase_percent.clone()));
+                e.push(ev(env::REFUSAL_DATASET, a.refusal_dataset.clone()));
+                e.push(ev(env::HARMLESS_DATASET, a.harmless_dataset.clone()));
+            }
+        }
+        JobPhase::Quantize => {
+            if let Some(q) = &s.quantization {
+                let c = q.effective_calibration();
+                e.push(ev(env::BITS, q.effective_bits().to_string()));
+                e.push(ev(env::GROUP_SIZE, q.group_size.to_string()));
+                e.push(ev(env::SYM, q.sym.to_string()));
+                e.push(ev(env::DESC_ACT, q.desc_act.to_string()));
+                e.push(ev(env::DYNAMIC_EXCLUSION, q.dynamic_exclusion.as_str()));
+                e.push(ev(env::MAX_SEQ_LEN, c.max_seq_len.to_string()));
+                e.push(ev(env::MAX_SAMPLES, c.max_samples.to_string()));
+                e.push(ev(env::DATASET, c.dataset.clone()));
+                if let Some(n) = c.n_parallel_calib_samples {
+                    e.push(ev(env::N_PARALLEL_CALIB_SAMPLES, n.to_string()));
+                }
+                e.push(ev(env::GPU_MEMORY_FRACTION, q.gpu_memory_fraction.clone()));
+                for (k, v) in &config.gptq_tunables {
+                    e.push(ev(k, v.clone()));
+                }
+            }
+        }
+        JobPhase::Publish => {
+            if let Some(p) = &s.publish {
+                e.push(ev(env::OCI_REF, p.oci_ref.clone().unwrap_or_default()));
+                let policy = serde_json::to_value(p.tag_policy)
+                    .ok()
+                    .and_then(|v| v.as_str().map(String::from))
+                    .unwrap_or_else(|| "overwrite".into());
+                e.push(ev(env::OCI_TAG_POLICY, policy));
+                e.push(ev(env::OCI_ADDITIONAL_TAGS, p.additional_tags.join(",")));
+                e.push(ev(env::OCI_INSECURE, p.insecure.to_string()));
+                if let Some(sec) = p.secret_ref.as_ref().or(s.secret_ref.as_ref()) {
+                    e.push(secret_ev(env::OCI_USERNAME, sec, env::OCI_USERNAME));
+                    e.push(secret_ev(env::OCI_PASSWORD, sec, env::OCI_PASSWORD));
+                }
+            }
+        }
+    }
+    if let Some(sec) = &s.secret_ref {
+        e.push(secret_ev(env::HF_TOKEN, sec, env::HF_TOKEN));
+    }
+    if t.gpu {
+        let amd = t.profile.as_ref().map(|p| p.spec.vendor == GpuVendor::Amd).unwrap_or(false)
+            || t.arch.as_deref().is_some_and(|a| a.starts_with("gfx"));
+        if amd && t.arch.as_deref() != Some("gfx906") {
+            e.push(ev(env::PYTORCH_HIP_ALLOC_CONF, env::PYTORCH_HIP_ALLOC_CONF_VALUE));
+        }
+        if let Some(p) = &t.profile {
+            for pe in &p.spec.env {
+                // Profile env may override defaults above (same name wins last).
+                e.retain(|x| x.name != pe.name);
+                e.push(pe.clone());
+            }
+        }
+    }
+    e
+}
+
+/// Build the Job of one phase (SPEC §3.1).
+pub fn build_job(mc: &ModelCache, t: &PhaseTarget, image: &str, hash: &str, config: &Config) -> Job {
+    let cache = mc.metadata.name.clone().unwrap_or_default();
+    let phase = t.phase;
+    let name = phase.job_name(&cache);
+    let labels = job_labels(&cache, phase);
+    let mut pod_labels = labels.clone();
+    pod_labels.extend(json_map_annotation(mc, job_pod_annotations::JOB_POD_LABELS));
+    pod_labels.extend(json_map_annotation(mc, &job_pod_annotations::phase_pod_labels(phase.as_str())));
+    // Identity labels always win over user-supplied ones.
+    pod_labels.extend(labels.clone());
+    let mut pod_ann = json_map_annotation(mc, job_pod_annotations::JOB_POD_ANNOTATIONS);
+    pod_ann.extend(json_map_annotation(mc, &job_pod_annotations::phase_pod_annotations(phase.as_str())));
+
+    let mut mem_mb = phase_memory_gb(mc, phase) * 1024;
+    let mut limits = BTreeMap::new();
+    if t.gpu {
+        if let Some(p) = &t.profile {
+            mem_mb += p.spec.gpu_driver_memory_mb.unwrap_or(0);
+            limits.insert(p.spec.effective_resource_name(), Quantity("1".into()));
+        }
+    }
+    let mem = Quantity(format!("{mem_mb}Mi"));
+    let mut requests = BTreeMap::from([("memory".to_string(), mem.clone())]);
+    limits.insert("memory".to_string(), mem);
+    if let Some(gpu) = limits.iter().find(|(k, _)| k.as_str() != "memory").map(|(k, v)| (k.clone(), v.clone())) {
+        requests.insert(gpu.0, gpu.1);
+    }
+
+    let mut tolerations = Vec::new();
+    if t.gpu {
+        tolerations.push(Toleration {
+            key: Some(contract::GPU_TOLERATION_KEY.into()),
+            operator: Some("Equal".into()),
+            value: Some(contract::GPU_TOLERATION_VALUE.into()),
+            effect: Some(contract::GPU_TOLERATION_EFFECT.into()),
+            toleration_seconds: None,
+        });
+    }
+    for tol in mc.spec.tolerations.clone().unwrap_or_default() {
+        if !tolerations.contains(&tol) {
+            tolerations.push(tol);
+        }
+    }
+    let pull_policy = if t.gpu && phase == JobPhase::Quantize {
+        t.profile
+            .as_ref()
+            .and_then(|p| p.spec.quantization.as_ref())
+            .and_then(|q| q.image_pull_policy)
+            .map(|p| p.as_str().to_string())
+    } else {
+        None
+    };
+    let mut job_annotations = BTreeMap::from([(contract::JOB_SPEC_HASH_ANNOTATION.to_string(), hash.to_string())]);
+    if let Some(a) = &t.arch {
+        job_annotations.insert(labels::GPU_ARCH.to_string(), a.clone());
+    }
+    Job {
+        metadata: ObjectMeta {
+            name: Some(name),
+            namespace: mc.metadata.namespace.clone(),
+            labels: Some(labels),
+            annotations: Some(job_annotations),
+            owner_references: owner_ref(mc).map(|o| vec![o]),
+            ..Default::default()
+        },
+        spec: Some(JobSpec {
+            backoff_limit: Some(2),
+            active_deadline_seconds: Some(phase_deadline(mc, phase)),
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(pod_labels),
+                    annotations: (!pod_ann.is_empty()).then_some(pod_ann),
+                    ..Default::default()
+                }),
+                spec: Some(PodSpec {
+                    restart_policy: Some("Never".into()),
+                    service_account_name: Some(config.service_account.clone()),
+                    automount_service_account_token: Some(false),
+                    node_selector: (!t.node_selector.is_empty()).then(|| t.node_selector.clone()),
+                    tolerations: (!tolerations.is_empty()).then_some(tolerations),
+                    security_context: Some(PodSecurityContext {
+                        run_as_non_root: Some(true),
+                        run_as_user: Some(65532),
+                        run_as_group: Some(65532),
+                        fs_group: Some(65532),
+                        seccomp_profile: Some(SeccompProfile {
+                            type_: "RuntimeDefault".into(),
+                            localhost_profile: None,
+                        }),
+                        ..Default::default()
+                    }),
+                    containers: vec![Container {
+                        name: "worker".into(),
+                        image: Some(image.to_string()),
+                        image_pull_policy: pull_policy,
+                        args: Some(vec![phase.as_str().to_string()]),
+                        env: Some(worker_env(mc, t, config)),
+                        resources: Some(ResourceRequirements {
+                            requests: Some(requests),
+                            limits: Some(limits),
+                            ..Default::default()
+                        }),
+                        volume_mounts: Some(vec![VolumeMount {
+                            name: "cache".into(),
+                            mount_path: contract::CACHE_MOUNT.into(),
+                            ..Default::default()
+                        }]),
+                        security_context: Some(SecurityContext {
+                            allow_privilege_escalation: Some(false),
+                            privileged: Some(false),
+                            run_as_non_root: Some(true),
+                            capabilities: Some(Capabilities {
+                                drop: Some(vec!["ALL".into()]),
+                                add: None,
+                            }),
+                            seccomp_profile: Some(SeccompProfile {
+                                type_: "RuntimeDefault".into(),
+                                localhost_profile: None,
+                            }),
+                            ..Default::default()
+                        }),
+                        termination_message_policy: Some("FallbackToLogsOnError".into()),
+                        ..Default::default()
+                    }],
+                    volumes: Some(vec![Volume {
+                        name: "cache".into(),
+                        persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                            claim_name: claim_name(mc),
+                            read_only: Some(false),
+                        }),
+                        ..Default::default()
+                    }]),
+                    ..Default::default()
+                }),
+            },
+            ..Default::default()
+        }),
+        status: None,
+    }
+}
+
+/// The PVC the controller creates for a cache without `existingClaimName`.
+pub fn build_pvc(mc: &ModelCache) -> PersistentVolumeClaim {
+    let cache = mc.metadata.name.clone().unwrap_or_default();
+    PersistentVolumeClaim {
+        metadata: ObjectMeta {
+            name: Some(created_claim_name(&cache)),
+            namespace: mc.metadata.namespace.clone(),
+            labels: Some(BTreeMap::from([
+                (labels::MANAGED_BY.to_string(), labels::MANAGED_BY_VALUE.to_string()),
+                (labels::CACHE.to_string(), cache.clone()),
+                (labels::PART_OF.to_string(), "flexinfer".to_string()),
+            ])),
+            ..Default::default()
+        },
+        spec: Some(PersistentVolumeClaimSpec {
+            access_modes: Some(vec!["ReadWriteOnce".into()]),
+            storage_class_name: mc.spec.cluster_storage_class_name.clone(),
+            resources: Some(VolumeResourceRequirements {
+                requests: Some(BTreeMap::from([(
+                    "storage".to_string(),
+                    mc.spec.storage_size.clone(),
+                )])),
+                limits: None,
+            }),
+            ..Default::default()
+        }),
+        status: None,
+    }
+}
+
+/// Whether a trigger annotation is set to a true value.
+pub fn annotation_true(mc: &ModelCache, key: &str) -> bool {
+    mc.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(key))
+        .and_then(|v| contract::parse_bool(v))
+        .unwrap_or(false)
+}
+
+/// The trigger annotations the controller consumes.
+pub const TRIGGER_ANNOTATIONS: [&str; 4] = [
+    annotations::REDOWNLOAD,
+    annotations::REABLITERATE,
+    annotations::REQUANTIZE,
+    annotations::RESET_RETRIES,
+];

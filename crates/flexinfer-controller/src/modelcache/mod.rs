@@ -1,0 +1,12 @@
+//! ModelCache pipeline controller (SPEC §3): pure planning ([`plan`]), Job builders ([`jobs`]),
+//! and the thin reconciler ([`reconcile`]).
+
+pub mod config;
+pub mod jobs;
+pub mod observe;
+pub mod plan;
+pub mod reconcile;
+
+pub use config::Config;
+pub use plan::{plan, Action, Observed, Plan};
+pub use reconcile::run;

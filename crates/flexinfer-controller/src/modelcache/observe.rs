@@ -1,0 +1,132 @@
+//! Pure summaries of what the reconciler observed (Jobs and their pods), in the shape `plan` needs.
+
+use flexinfer_api::contract::{self, JobPhase};
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::jiff::Timestamp;
+
+/// Lifecycle of a pipeline Job.
+#[derive(Debug, Clone, PartialEq)]
+pub enum JobState {
+    Active,
+    Succeeded,
+    /// Failed, with the Job condition reason (`BackoffLimitExceeded`, `DeadlineExceeded`, …).
+    Failed { reason: String, message: String },
+}
+
+/// What the newest pod of a Job says.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ObservedPod {
+    pub name: String,
+    pub running: bool,
+    /// `state.terminated.reason` of the worker container (`OOMKilled`, `Error`, `Completed`).
+    pub terminated_reason: Option<String>,
+    pub exit_code: Option<i32>,
+    /// `state.terminated.message` (the termination message).
+    pub termination_message: Option<String>,
+    /// `state.waiting.reason` (`ImagePullBackOff`, `ErrImagePull`, …).
+    pub waiting_reason: Option<String>,
+    pub waiting_message: Option<String>,
+}
+
+/// One pipeline Job, summarised.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ObservedJob {
+    pub phase: JobPhase,
+    pub name: String,
+    pub image: String,
+    /// `flexinfer.ai/spec-hash` annotation.
+    pub spec_hash: Option<String>,
+    pub created: Timestamp,
+    /// `status.startTime` (falls back to creation).
+    pub started: Timestamp,
+    pub terminating: bool,
+    pub state: JobState,
+    pub pod: Option<ObservedPod>,
+}
+
+/// Summarise a Job and its pods. `None` for Jobs that are not pipeline Jobs.
+pub fn observe_job(job: &Job, pods: &[Pod]) -> Option<ObservedJob> {
+    let labels = job.metadata.labels.as_ref()?;
+    let phase = JobPhase::parse(labels.get(contract::labels::PHASE)?)?;
+    let spec = job.spec.as_ref();
+    let image = spec
+        .and_then(|s| s.template.spec.as_ref())
+        .and_then(|p| p.containers.first())
+        .and_then(|c| c.image.clone())
+        .unwrap_or_default();
+    let created = job
+        .metadata
+        .creation_timestamp
+        .as_ref()
+        .map(|t| t.0)
+        .unwrap_or_default();
+    let status = job.status.as_ref();
+    let started = status
+        .and_then(|s| s.start_time.as_ref())
+        .map(|t| t.0)
+        .unwrap_or(created);
+    let conds = status.and_then(|s| s.conditions.clone()).unwrap_or_default();
+    let is = |t: &str| conds.iter().find(|c| c.type_ == t && c.status == "True");
+    let state = if is("Complete").is_some() || is("SuccessCriteriaMet").is_some() {
+        JobState::Succeeded
+    } else if let Some(c) = is("Failed").or_else(|| is("FailureTarget")) {
+        JobState::Failed {
+            reason: c.reason.clone().unwrap_or_else(|| "JobFailed".into()),
+            message: c.message.clone().unwrap_or_default(),
+        }
+    } else {
+        JobState::Active
+    };
+    let job_name = job.metadata.name.clone().unwrap_or_default();
+    let pod = pods
+        .iter()
+        .filter(|p| {
+            p.metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get("batch.kubernetes.io/job-name").or_else(|| l.get("job-name")))
+                == Some(&job_name)
+        })
+        .max_by_key(|p| p.metadata.creation_timestamp.as_ref().map(|t| t.0))
+        .map(observe_pod);
+    Some(ObservedJob {
+        phase,
+        name: job_name,
+        image,
+        spec_hash: job
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(contract::JOB_SPEC_HASH_ANNOTATION).cloned()),
+        created,
+        started,
+        terminating: job.metadata.deletion_timestamp.is_some(),
+        state,
+        pod,
+    })
+}
+
+fn observe_pod(p: &Pod) -> ObservedPod {
+    let st = p.status.as_ref();
+    let cs = st
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|v| v.first());
+    let term = cs
+        .and_then(|c| c.state.as_ref())
+        .and_then(|s| s.terminated.as_ref())
+        .or_else(|| {
+            cs.and_then(|c| c.last_state.as_ref())
+                .and_then(|s| s.terminated.as_ref())
+        });
+    let waiting = cs.and_then(|c| c.state.as_ref()).and_then(|s| s.waiting.as_ref());
+    ObservedPod {
+        name: p.metadata.name.clone().unwrap_or_default(),
+        running: st.and_then(|s| s.phase.as_deref()) == Some("Running"),
+        terminated_reason: term.and_then(|t| t.reason.clone()),
+        exit_code: term.map(|t| t.exit_code),
+        termination_message: term.and_then(|t| t.message.clone()).filter(|m| !m.trim().is_empty()),
+        waiting_reason: waiting.and_then(|w| w.reason.clone()),
+        waiting_message: waiting.and_then(|w| w.message.clone()),
+    }
+}

@@ -1,0 +1,916 @@
+//! The ModelCache state machine (SPEC §3) as one pure function: `plan(cache, observed, config,
+//! now) -> Plan`. No I/O happens here; the reconciler observes, calls `plan`, and applies it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use flexinfer_api::conditions::{self, types};
+use flexinfer_api::contract::{
+    self, annotations, reasons, reasons_pipeline, JobPhase, ProgressEvent, TerminationMessage,
+};
+use flexinfer_api::formats;
+use flexinfer_api::gpuprofile::GPUProfile;
+use flexinfer_api::modelcache::{
+    AbliterationStatus, CachePhase, DownloadStatus, ModelCache, ModelCacheStatus, PublishStatus,
+    QualityStatus, QuantizationStatus,
+};
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::PersistentVolumeClaim;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+
+use super::config::Config;
+use super::jobs;
+use super::observe::{JobState, ObservedJob};
+
+/// Everything the reconciler read from the cluster for one cache.
+#[derive(Debug, Clone, Default)]
+pub struct Observed {
+    pub jobs: BTreeMap<JobPhase, ObservedJob>,
+    /// Whether the PVC the controller creates exists (ignored with `existingClaimName`).
+    pub pvc_exists: bool,
+    /// GPUProfiles visible to the cache.
+    pub profiles: Vec<GPUProfile>,
+    /// Bounded tail of the active Job's pod log: `None` = not read, `Some(Err)` = read failed.
+    pub log_tail: Option<Result<String, String>>,
+}
+
+/// One side effect of a reconcile.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    AddFinalizer,
+    RemoveFinalizer,
+    CreatePvc(Box<PersistentVolumeClaim>),
+    DeletePvc(String),
+    CreateJob(Box<Job>),
+    DeleteJob(String),
+    RemoveAnnotations(Vec<String>),
+    Event {
+        warning: bool,
+        reason: String,
+        note: String,
+    },
+}
+
+/// Facts for metrics.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Outcome {
+    /// Phases that completed in this reconcile.
+    pub completed: Vec<JobPhase>,
+    /// `(phase, classified reason)` of Jobs that failed in this reconcile.
+    pub failed: Vec<(JobPhase, String)>,
+    /// The newest telemetry of the running Job.
+    pub telemetry: Option<ProgressEvent>,
+    /// Running Job: phase, deadline seconds, elapsed seconds.
+    pub running: Option<(JobPhase, i64, i64)>,
+}
+
+/// Result of planning.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    pub status: ModelCacheStatus,
+    /// `status` differs from what the object carries (only then is it written).
+    pub status_changed: bool,
+    pub actions: Vec<Action>,
+    pub requeue_after: Option<Duration>,
+    pub outcome: Outcome,
+}
+
+/// Fields every phase status has.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct Common {
+    spec_hash: Option<String>,
+    image: Option<String>,
+    started_at: Option<Time>,
+    completed_at: Option<Time>,
+    progress: Option<i32>,
+    progress_detail: Option<String>,
+    progress_source: Option<String>,
+    last_progress_at: Option<Time>,
+    failure_message: Option<String>,
+}
+
+macro_rules! common_io {
+    ($($field:ident),*) => {
+        fn get_common(st: &ModelCacheStatus, p: JobPhase) -> Common {
+            match p {
+                JobPhase::Download => st.download.as_ref().map(|s| Common { $($field: s.$field.clone()),* }),
+                JobPhase::Abliterate => st.abliteration.as_ref().map(|s| Common { $($field: s.$field.clone()),* }),
+                JobPhase::Quantize => st.quantization.as_ref().map(|s| Common { $($field: s.$field.clone()),* }),
+                JobPhase::Publish => st.publish.as_ref().map(|s| Common { $($field: s.$field.clone()),* }),
+            }
+            .unwrap_or_default()
+        }
+        fn set_common(st: &mut ModelCacheStatus, p: JobPhase, c: Common) {
+            match p {
+                JobPhase::Download => { let s = st.download.get_or_insert_with(DownloadStatus::default); $(s.$field = c.$field.clone();)* }
+                JobPhase::Abliterate => { let s = st.abliteration.get_or_insert_with(AbliterationStatus::default); $(s.$field = c.$field.clone();)* }
+                JobPhase::Quantize => { let s = st.quantization.get_or_insert_with(QuantizationStatus::default); $(s.$field = c.$field.clone();)* }
+                JobPhase::Publish => { let s = st.publish.get_or_insert_with(PublishStatus::default); $(s.$field = c.$field.clone();)* }
+            }
+        }
+    };
+}
+common_io!(
+    spec_hash,
+    image,
+    started_at,
+    completed_at,
+    progress,
+    progress_detail,
+    progress_source,
+    last_progress_at,
+    failure_message
+);
+
+/// `Downloading`, `Abliterating`, … for a Job phase.
+pub fn running_phase(p: JobPhase) -> CachePhase {
+    match p {
+        JobPhase::Download => CachePhase::Downloading,
+        JobPhase::Abliterate => CachePhase::Abliterating,
+        JobPhase::Quantize => CachePhase::Quantizing,
+        JobPhase::Publish => CachePhase::Publishing,
+    }
+}
+
+fn phase_condition(p: JobPhase) -> &'static str {
+    match p {
+        JobPhase::Download => types::DOWNLOADED,
+        JobPhase::Abliterate => types::ABLITERATED,
+        JobPhase::Quantize => types::QUANTIZED,
+        JobPhase::Publish => types::PUBLISHED,
+    }
+}
+
+fn complete_reason(p: JobPhase) -> &'static str {
+    match p {
+        JobPhase::Download => reasons::DOWNLOAD_COMPLETE,
+        JobPhase::Abliterate => reasons::ABLITERATION_COMPLETE,
+        JobPhase::Quantize => reasons::QUANTIZATION_COMPLETE,
+        JobPhase::Publish => reasons::PUBLISHED,
+    }
+}
+
+/// Ready condition reason of a phase that ran out of retries: `DownloadFailed`, `QuantizationFailed`, …
+pub fn failed_reason(p: JobPhase) -> String {
+    let n = p.status_name();
+    let mut c = n.chars();
+    match c.next() {
+        Some(f) => format!("{}{}Failed", f.to_ascii_uppercase(), c.as_str()),
+        None => "Failed".into(),
+    }
+}
+
+fn phase_from_status_name(s: &str) -> Option<JobPhase> {
+    JobPhase::parse(s)
+}
+
+/// Remove secrets from text that goes into status, events or logs: Hugging Face tokens,
+/// bearer tokens, and `key=value` / `key: value` pairs whose key names a credential.
+pub fn redact(s: &str) -> String {
+    const KEYS: [&str; 6] = ["token", "password", "passwd", "secret", "authorization", "apikey"];
+    let mut out = String::with_capacity(s.len());
+    let mut redact_next = false;
+    for (i, part) in s.split_inclusive(char::is_whitespace).enumerate() {
+        let word = part.trim_end();
+        let ws = &part[word.len()..];
+        let _ = i;
+        let lower = word.to_ascii_lowercase();
+        let w = if redact_next && !word.is_empty() {
+            redact_next = false;
+            "[REDACTED]".to_string()
+        } else if lower == "bearer" || lower == "basic" {
+            redact_next = true;
+            word.to_string()
+        } else if word.starts_with("hf_") && word.len() > 10 {
+            "[REDACTED]".to_string()
+        } else if let Some(pos) = word.find(['=', ':']) {
+            let key = lower[..pos].trim_matches(|c: char| !c.is_ascii_alphanumeric());
+            let key_flat: String = key.chars().filter(|c| c.is_ascii_alphanumeric()).collect();
+            if KEYS.iter().any(|k| key_flat.ends_with(k)) {
+                if word[pos + 1..].is_empty() {
+                    redact_next = true;
+                    word.to_string()
+                } else {
+                    format!("{}[REDACTED]", &word[..=pos])
+                }
+            } else {
+                word.to_string()
+            }
+        } else {
+            word.to_string()
+        };
+        out.push_str(&w);
+        out.push_str(ws);
+    }
+    out
+}
+
+fn truncate(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut start = s.len() - max;
+    while !s.is_char_boundary(start) {
+        start += 1;
+    }
+    format!("…{}", &s[start..])
+}
+
+fn last_lines(s: &str, n: usize) -> String {
+    let lines: Vec<&str> = s.lines().filter(|l| !l.trim().is_empty()).collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// Classify a failed (or stuck) Job: `OOMKilled`, `DeadlineExceeded`, `ImagePullBackOff`,
+/// `BackoffLimitExceeded`, else `JobFailed`.
+pub fn classify_failure(j: &ObservedJob) -> String {
+    let pod = j.pod.as_ref();
+    if pod.and_then(|p| p.terminated_reason.as_deref()) == Some("OOMKilled") {
+        return "OOMKilled".into();
+    }
+    let job_reason = match &j.state {
+        JobState::Failed { reason, .. } => reason.as_str(),
+        _ => "",
+    };
+    if job_reason == "DeadlineExceeded" {
+        return "DeadlineExceeded".into();
+    }
+    if pod
+        .and_then(|p| p.waiting_reason.as_deref())
+        .is_some_and(is_image_pull_failure)
+    {
+        return "ImagePullBackOff".into();
+    }
+    if job_reason == "BackoffLimitExceeded" {
+        return "BackoffLimitExceeded".into();
+    }
+    "JobFailed".into()
+}
+
+fn is_image_pull_failure(reason: &str) -> bool {
+    matches!(
+        reason,
+        "ImagePullBackOff" | "ErrImagePull" | "InvalidImageName" | "ErrImageNeverPull"
+    )
+}
+
+/// Human failure text: termination message, else the log tail, else the Job condition message.
+fn failure_text(j: &ObservedJob, log_tail: Option<&Result<String, String>>) -> String {
+    let pod = j.pod.as_ref();
+    let from_term = pod.and_then(|p| p.termination_message.as_deref()).map(|m| {
+        match TerminationMessage::parse(m) {
+            Some(TerminationMessage::Failure(f)) => {
+                let tail = last_lines(&f.tail, 5);
+                if tail.is_empty() {
+                    format!("exit {}: {}", f.exit_code, f.error)
+                } else {
+                    format!("exit {}: {}\n{}", f.exit_code, f.error, tail)
+                }
+            }
+            _ => last_lines(m, 10),
+        }
+    });
+    let text = from_term
+        .or_else(|| match log_tail {
+            Some(Ok(t)) if !t.trim().is_empty() => Some(last_lines(t, 10)),
+            _ => None,
+        })
+        .or_else(|| pod.and_then(|p| p.waiting_message.clone()))
+        .or_else(|| match &j.state {
+            JobState::Failed { message, .. } if !message.is_empty() => Some(message.clone()),
+            _ => None,
+        })
+        .unwrap_or_else(|| "no termination message or log available".into());
+    truncate(&redact(&text), 1024)
+}
+
+fn ts_add(now: Timestamp, d: Duration) -> Timestamp {
+    now.checked_add(SignedDuration::try_from(d).unwrap_or(SignedDuration::ZERO))
+        .unwrap_or(now)
+}
+
+fn secs_between(a: Timestamp, b: Timestamp) -> i64 {
+    b.duration_since(a).as_secs()
+}
+
+struct Ctx<'a> {
+    mc: &'a ModelCache,
+    config: &'a Config,
+    now: Timestamp,
+    now_t: Time,
+    gen: Option<i64>,
+    st: ModelCacheStatus,
+    actions: Vec<Action>,
+    requeue: Option<Duration>,
+    outcome: Outcome,
+}
+
+impl Ctx<'_> {
+    fn event(&mut self, warning: bool, reason: &str, note: String) {
+        self.actions.push(Action::Event {
+            warning,
+            reason: reason.to_string(),
+            note: truncate(&redact(&note), 1000),
+        });
+    }
+    fn requeue(&mut self, d: Duration) {
+        let d = d.max(Duration::from_millis(500));
+        self.requeue = Some(self.requeue.map_or(d, |r| r.min(d)));
+    }
+    fn cond(&mut self, t: &str, status: bool, reason: &str, msg: &str) {
+        let now = self.now_t.clone();
+        conditions::set(&mut self.st.conditions, t, status, reason, msg, self.gen, &now);
+    }
+    fn ready_reason(&self) -> Option<String> {
+        conditions::find(&self.st.conditions, types::READY).map(|c| c.reason.clone())
+    }
+    /// A spec problem no retry can fix: `Failed` with a clear condition; one event per change.
+    fn fail_config(&mut self, reason: &str, msg: &str, phase: Option<JobPhase>) {
+        let changed = self.st.phase != Some(CachePhase::Failed) || self.ready_reason().as_deref() != Some(reason);
+        self.st.phase = Some(CachePhase::Failed);
+        if let Some(p) = phase {
+            self.st.current_phase = Some(p.status_name().into());
+            self.cond(phase_condition(p), false, reason, msg);
+        }
+        self.cond(types::READY, false, reason, msg);
+        self.cond(types::PROGRESSING, false, reason, msg);
+        self.cond(types::DEGRADED, true, reason, msg);
+        if changed {
+            self.event(true, reason, msg.to_string());
+        }
+    }
+}
+
+/// Plan one reconcile of `mc`.
+pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestamp) -> Plan {
+    let old = mc.status.clone().unwrap_or_default();
+    let mut cx = Ctx {
+        mc,
+        config,
+        now,
+        now_t: Time(now),
+        gen: mc.metadata.generation,
+        st: old.clone(),
+        actions: Vec::new(),
+        requeue: None,
+        outcome: Outcome::default(),
+    };
+    let name = mc.metadata.name.clone().unwrap_or_default();
+    let owns_pvc = mc.spec.existing_claim_name.is_none();
+    let has_finalizer = mc
+        .metadata
+        .finalizers
+        .as_ref()
+        .is_some_and(|f| f.iter().any(|x| x == contract::FINALIZER_CLEANUP));
+
+    // Deletion: clean up the PVC we created, then let the object go. Jobs go with their owner.
+    if mc.metadata.deletion_timestamp.is_some() {
+        if has_finalizer {
+            if owns_pvc && observed.pvc_exists {
+                cx.actions.push(Action::DeletePvc(jobs::created_claim_name(&name)));
+            }
+            cx.actions.push(Action::RemoveFinalizer);
+        }
+        return Plan {
+            status: old,
+            status_changed: false,
+            actions: cx.actions,
+            requeue_after: None,
+            outcome: Outcome::default(),
+        };
+    }
+    if owns_pvc && !has_finalizer {
+        cx.actions.push(Action::AddFinalizer);
+    }
+    if owns_pvc && !observed.pvc_exists {
+        cx.actions.push(Action::CreatePvc(Box::new(jobs::build_pvc(mc))));
+    }
+    cx.st.claim_name = Some(jobs::claim_name(mc));
+    cx.st.observed_generation = cx.gen;
+    if cx.st.phase.is_none() {
+        cx.st.phase = Some(CachePhase::Pending);
+    }
+    if cx.st.retry_count.is_none() {
+        cx.st.retry_count = Some(0);
+    }
+
+    let phases = jobs::enabled_phases(mc);
+    // Remove conditions of phases that are no longer configured.
+    for p in JobPhase::ALL {
+        if !phases.contains(&p) {
+            conditions::remove(&mut cx.st.conditions, phase_condition(p));
+        }
+    }
+
+    // Specs the API admitted but no engine or configuration can run.
+    if let Some(q) = &mc.spec.quantization {
+        let info = formats::info(q.format);
+        if !info.implemented {
+            let msg = format!(
+                "spec.quantization.format {} has no quantization engine in this FlexInfer version (supported: GPTQ); \
+                 change the format or remove spec.quantization",
+                info.name
+            );
+            cx.fail_config(reasons::UNSUPPORTED_FORMAT, &msg, Some(JobPhase::Quantize));
+            return finish(cx, &old);
+        }
+    }
+    if let Err(e) = contract::check_relative_path(&jobs::model_dir(mc)) {
+        cx.fail_config(reasons_pipeline::INVALID_SPEC, &format!("spec.modelPath: {e}"), None);
+        return finish(cx, &old);
+    }
+    if let Some(msg) = jobs::invalid_pod_metadata_annotation(mc) {
+        cx.fail_config(reasons_pipeline::INVALID_SPEC, &msg, None);
+        return finish(cx, &old);
+    }
+
+    // Jobs already being deleted (by us, now or earlier) are waited for.
+    let mut deleting: BTreeSet<JobPhase> = observed
+        .jobs
+        .values()
+        .filter(|j| j.terminating)
+        .map(|j| j.phase)
+        .collect();
+
+    // Trigger annotations.
+    let mut remove = Vec::new();
+    let triggers = [
+        (annotations::REDOWNLOAD, JobPhase::Download),
+        (annotations::REABLITERATE, JobPhase::Abliterate),
+        (annotations::REQUANTIZE, JobPhase::Quantize),
+    ];
+    let present = |k: &str| mc.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(k));
+    let mut rerun_from: Option<usize> = None;
+    for (key, phase) in triggers {
+        if !present(key) {
+            continue;
+        }
+        remove.push(key.to_string());
+        if jobs::annotation_true(mc, key) {
+            if let Some(i) = phases.iter().position(|p| *p == phase) {
+                rerun_from = Some(rerun_from.map_or(i, |r| r.min(i)));
+                cx.event(false, reasons_pipeline::RERUN_REQUESTED, format!("{key}: re-running {} and the phases after it", phase.status_name()));
+            }
+        }
+    }
+    if let Some(i) = rerun_from {
+        invalidate(&mut cx, &phases[i..], observed, &mut deleting);
+        reset_retries(&mut cx.st);
+    }
+    if present(annotations::RESET_RETRIES) {
+        remove.push(annotations::RESET_RETRIES.to_string());
+        if jobs::annotation_true(mc, annotations::RESET_RETRIES) {
+            reset_retries(&mut cx.st);
+            if cx.st.phase == Some(CachePhase::Failed) {
+                cx.st.phase = Some(CachePhase::Pending);
+            }
+            cx.event(false, reasons_pipeline::RETRIES_RESET, "retry state cleared; the failed phase runs again".into());
+        }
+    }
+    if !remove.is_empty() {
+        cx.actions.push(Action::RemoveAnnotations(remove));
+    }
+
+    let force_image = jobs::annotation_true(mc, annotations::FORCE_IMAGE_UPDATE);
+    let max_retries = mc.spec.max_retries.max(0);
+    let mut all_done = true;
+
+    for (i, &phase) in phases.iter().enumerate() {
+        let target = jobs::resolve_target(mc, phase, &observed.profiles, config);
+        let image = match &target.image {
+            Ok(img) => img.clone(),
+            Err(msg) => {
+                all_done = false;
+                cx.fail_config(reasons_pipeline::IMAGE_NOT_CONFIGURED, msg, Some(phase));
+                break;
+            }
+        };
+        let desired = jobs::spec_hash(mc, phase, &image);
+        let mut c = get_common(&cx.st, phase);
+        let built_from_current_spec = c
+            .image
+            .as_deref()
+            .map(|img| jobs::spec_hash(mc, phase, img))
+            .is_some_and(|h| Some(h) == c.spec_hash);
+        if c.completed_at.is_some() {
+            if built_from_current_spec {
+                continue;
+            }
+            // The phase's inputs changed: re-run it and what follows.
+            cx.event(false, reasons_pipeline::RERUN_REQUESTED, format!("spec of {} changed: re-running it and the phases after it", phase.status_name()));
+            invalidate(&mut cx, &phases[i..], observed, &mut deleting);
+            c = get_common(&cx.st, phase);
+        }
+        all_done = false;
+        let job = observed.jobs.get(&phase).filter(|_| !deleting.contains(&phase));
+        cx.st.current_phase = Some(phase.status_name().to_string());
+        if cx.st.phase != Some(CachePhase::Failed) {
+            cx.st.phase = Some(running_phase(phase));
+        }
+        if deleting.contains(&phase) {
+            cx.requeue(Duration::from_secs(2));
+            break;
+        }
+        let Some(job) = job else {
+            let failed_here = cx.st.last_failure_phase.as_deref().and_then(phase_from_status_name) == Some(phase);
+            if failed_here && cx.st.phase == Some(CachePhase::Failed) {
+                // Retries exhausted: stay Failed until reset-retries or the runbook status patch.
+                break;
+            }
+            if let Some(at) = cx.st.next_retry_at.as_ref().map(|t| t.0).filter(|t| failed_here && *t > now) {
+                cx.requeue(Duration::from_millis(at.duration_since(now).as_millis().max(0) as u64));
+                break;
+            }
+            create_job(&mut cx, &target, &image, &desired, c);
+            break;
+        };
+        // A running Job built from an older spec is replaced.
+        let job_spec_current = job
+            .spec_hash
+            .as_ref()
+            .is_some_and(|h| *h == jobs::spec_hash(mc, phase, &job.image));
+        if !job_spec_current && job.state != JobState::Succeeded {
+            cx.actions.push(Action::DeleteJob(job.name.clone()));
+            cx.event(false, reasons_pipeline::RERUN_REQUESTED, format!("Job {} was built from an older spec; replacing it", job.name));
+            cx.requeue(Duration::from_secs(2));
+            break;
+        }
+        match &job.state {
+            JobState::Succeeded => {
+                record_success(&mut cx, phase, job, c);
+                continue;
+            }
+            JobState::Failed { .. } => {
+                record_failure(&mut cx, phase, job, observed, c, max_retries);
+                break;
+            }
+            JobState::Active => {
+                if job
+                    .pod
+                    .as_ref()
+                    .and_then(|p| p.waiting_reason.as_deref())
+                    .is_some_and(|r| r != "ErrImagePull" && is_image_pull_failure(r))
+                {
+                    record_failure(&mut cx, phase, job, observed, c, max_retries);
+                    break;
+                }
+                if phase == JobPhase::Quantize && job.image != image {
+                    let age = secs_between(job.created, now).max(0);
+                    let grace = config.drift_grace.as_secs() as i64;
+                    if age < grace || force_image {
+                        cx.actions.push(Action::DeleteJob(job.name.clone()));
+                        cx.event(
+                            true,
+                            reasons::QUANTIZER_IMAGE_DRIFT,
+                            format!(
+                                "quantizer image changed from {} to {image}; Job {} ({}s old{}) is replaced",
+                                job.image,
+                                job.name,
+                                age,
+                                if force_image { ", force-image-update" } else { "" }
+                            ),
+                        );
+                        cx.requeue(Duration::from_secs(1));
+                        break;
+                    }
+                    // Older than the grace window: let it finish; the new image applies next run.
+                }
+                update_progress(&mut cx, phase, job, observed, c);
+                cx.cond(types::PROGRESSING, true, running_phase(phase).as_str(), &format!("Job {} is running", job.name));
+                if cx.st.path.is_none() {
+                    cx.cond(types::READY, false, running_phase(phase).as_str(), &format!("pipeline is at {}", phase.status_name()));
+                }
+                cx.requeue(config.progress_poll);
+                break;
+            }
+        }
+    }
+
+    if all_done {
+        let was_ready = old.phase == Some(CachePhase::Ready);
+        let path = format!("{}:{}", jobs::claim_name(mc), jobs::artifact_dir(mc));
+        cx.st.phase = Some(CachePhase::Ready);
+        cx.st.current_phase = Some("ready".into());
+        cx.st.progress = Some(100);
+        cx.st.path = Some(path.clone());
+        cx.st.next_retry_at = None;
+        cx.cond(types::READY, true, reasons::CACHE_READY, &format!("artifact ready at {path}"));
+        cx.cond(types::PROGRESSING, false, reasons::CACHE_READY, "all pipeline phases complete");
+        cx.cond(types::DEGRADED, false, reasons::CACHE_READY, "");
+        if !was_ready {
+            cx.event(false, reasons::CACHE_READY, format!("ModelCache ready at {path}"));
+        }
+    }
+    // Per-phase conditions.
+    for &p in &phases {
+        let c = get_common(&cx.st, p);
+        if c.completed_at.is_some() {
+            let msg = format!("{} complete", p.status_name());
+            cx.cond(phase_condition(p), true, complete_reason(p), &msg);
+        } else if cx.st.current_phase.as_deref() == Some(p.status_name()) {
+            let (reason, msg) = if cx.st.phase == Some(CachePhase::Failed) {
+                let r = conditions::find(&cx.st.conditions, types::READY)
+                    .map(|c| c.reason.clone())
+                    .unwrap_or_else(|| failed_reason(p));
+                (r, c.failure_message.clone().unwrap_or_default())
+            } else {
+                ("InProgress".to_string(), format!("{} in progress", p.status_name()))
+            };
+            cx.cond(phase_condition(p), false, &reason, &msg);
+        } else {
+            cx.cond(phase_condition(p), false, "Waiting", "waiting for earlier phases");
+        }
+    }
+    finish(cx, &old)
+}
+
+fn finish(cx: Ctx<'_>, old: &ModelCacheStatus) -> Plan {
+    let changed = &cx.st != old;
+    Plan {
+        status_changed: changed,
+        status: cx.st,
+        actions: cx.actions,
+        requeue_after: cx.requeue,
+        outcome: cx.outcome,
+    }
+}
+
+fn reset_retries(st: &mut ModelCacheStatus) {
+    st.retry_count = Some(0);
+    st.last_failure_phase = None;
+    st.last_failure_time = None;
+    st.next_retry_at = None;
+}
+
+/// Forget completion of `phases` (a re-run) and delete their Jobs. Results stay in status (and
+/// `status.path` keeps pointing at the previous artifact) until the new run succeeds.
+fn invalidate(cx: &mut Ctx<'_>, phases: &[JobPhase], observed: &Observed, deleting: &mut BTreeSet<JobPhase>) {
+    for &p in phases {
+        let mut c = get_common(&cx.st, p);
+        c.completed_at = None;
+        c.spec_hash = None;
+        set_common(&mut cx.st, p, c);
+        if let Some(j) = observed.jobs.get(&p) {
+            if !j.terminating {
+                cx.actions.push(Action::DeleteJob(j.name.clone()));
+            }
+            deleting.insert(p);
+        }
+    }
+}
+
+fn create_job(cx: &mut Ctx<'_>, target: &jobs::PhaseTarget, image: &str, hash: &str, mut c: Common) {
+    let phase = target.phase;
+    let job = jobs::build_job(cx.mc, target, image, hash, cx.config);
+    let jname = job.metadata.name.clone().unwrap_or_default();
+    cx.actions.push(Action::CreateJob(Box::new(job)));
+    c.spec_hash = Some(hash.to_string());
+    c.image = Some(image.to_string());
+    c.started_at = Some(cx.now_t.clone());
+    c.completed_at = None;
+    c.progress = Some(0);
+    c.progress_detail = None;
+    c.progress_source = None;
+    c.last_progress_at = None;
+    set_common(&mut cx.st, phase, c);
+    cx.st.phase = Some(running_phase(phase));
+    cx.st.progress = Some(0);
+    cx.st.next_retry_at = None;
+    let attempt = cx.st.retry_count.unwrap_or(0);
+    let msg = format!("created Job {jname} (image {image}, attempt {})", attempt + 1);
+    cx.cond(types::PROGRESSING, true, running_phase(phase).as_str(), &msg);
+    if cx.st.path.is_none() {
+        cx.cond(types::READY, false, running_phase(phase).as_str(), &format!("pipeline is at {}", phase.status_name()));
+    }
+    cx.event(false, reasons::JOB_CREATED, msg);
+}
+
+fn rel_output_dir(raw: &str) -> Option<String> {
+    let p = raw
+        .strip_prefix(contract::CACHE_MOUNT)
+        .map(|s| s.trim_start_matches('/'))
+        .unwrap_or(raw);
+    contract::check_relative_path(p).ok().map(|_| p.trim_end_matches('/').to_string())
+}
+
+fn fmt_duration(secs: f64) -> String {
+    let s = secs.max(0.0).round() as i64;
+    let (h, m, s) = (s / 3600, (s % 3600) / 60, s % 60);
+    if h > 0 {
+        format!("{h}h{m}m{s}s")
+    } else if m > 0 {
+        format!("{m}m{s}s")
+    } else {
+        format!("{s}s")
+    }
+}
+
+fn record_success(cx: &mut Ctx<'_>, phase: JobPhase, job: &ObservedJob, mut c: Common) {
+    let now = cx.now_t.clone();
+    c.completed_at = Some(now.clone());
+    c.spec_hash = job.spec_hash.clone();
+    c.image = Some(job.image.clone());
+    if c.started_at.is_none() {
+        c.started_at = Some(Time(job.created));
+    }
+    c.progress = Some(100);
+    c.failure_message = None;
+    c.last_progress_at = Some(now.clone());
+    set_common(&mut cx.st, phase, c);
+    let term = job
+        .pod
+        .as_ref()
+        .and_then(|p| p.termination_message.as_deref())
+        .and_then(TerminationMessage::parse)
+        .and_then(|m| match m {
+            TerminationMessage::Success(s) => Some(s),
+            TerminationMessage::Failure(_) => None,
+        })
+        .unwrap_or_default();
+    let mc = cx.mc;
+    let mut note = format!("{} complete (Job {})", phase.status_name(), job.name);
+    match phase {
+        JobPhase::Download => {
+            let d = cx.st.download.get_or_insert_with(Default::default);
+            d.size_bytes = term.size_bytes.or(term.original_size_bytes).map(|v| v as i64);
+            d.file_count = term.file_count.map(|v| v as i64);
+            d.revision = Some(term.revision.clone().unwrap_or_else(|| mc.spec.revision.clone()));
+        }
+        JobPhase::Abliterate => {
+            let a = cx.st.abliteration.get_or_insert_with(Default::default);
+            a.layers_modified = term.layers_modified.map(|v| v as i64);
+            a.refusal_dir_norm = term.refusal_dir_norm.map(|v| format!("{v:.3}"));
+            a.layer = term.layer.map(|v| v as i64);
+            a.output_dir = Some(jobs::phase_dirs(mc, phase).1);
+        }
+        JobPhase::Quantize => {
+            let started = get_common(&cx.st, phase).started_at.map(|t| t.0);
+            let q = cx.st.quantization.get_or_insert_with(Default::default);
+            let spec = mc.spec.quantization.clone();
+            q.format = spec.as_ref().map(|s| formats::info(s.format).name.to_string());
+            q.quant_type = Some(
+                spec.as_ref()
+                    .map(|s| s.output_subdir())
+                    .filter(|_| term.kind.is_empty() || term.kind == "quantize")
+                    .unwrap_or_else(|| term.kind.clone()),
+            );
+            q.original_size_bytes = term.original_size_bytes.map(|v| v as i64);
+            q.compressed_size_bytes = term.compressed_size_bytes.map(|v| v as i64);
+            q.compression_ratio = match (term.original_size_bytes, term.compressed_size_bytes) {
+                (Some(o), Some(c)) if c > 0 => Some(((o as f64 / c as f64) * 100.0).round() / 100.0),
+                _ => None,
+            };
+            let secs = term
+                .quantization_time_seconds
+                .or_else(|| started.map(|s| cx.now.duration_since(s).as_secs_f64()));
+            q.quantization_time = secs.map(fmt_duration);
+            if let Some(s) = &spec {
+                let cal = s.effective_calibration();
+                let mut m = BTreeMap::from([
+                    ("maxSeqLen".to_string(), cal.max_seq_len.to_string()),
+                    ("maxSamples".to_string(), cal.max_samples.to_string()),
+                    ("dataset".to_string(), cal.dataset.clone()),
+                ]);
+                if let Some(n) = cal.n_parallel_calib_samples {
+                    m.insert("nParallelCalibSamples".into(), n.to_string());
+                }
+                q.calibration_params = Some(m);
+            }
+            q.output_dir = Some(
+                term.output_dir
+                    .as_deref()
+                    .and_then(rel_output_dir)
+                    .unwrap_or_else(|| jobs::phase_dirs(mc, phase).1),
+            );
+            q.quality = term.quality.as_ref().map(|g| QualityStatus {
+                gptq_modules: Some(g.gptq_modules as i64),
+                rtn_fallback_modules: Some(g.rtn_fallback_modules as i64),
+                rtn_fallback_percent: Some(g.rtn_fallback_percent),
+                gate: Some(g.gate.clone()),
+            });
+            if let Some(r) = q.compression_ratio {
+                note.push_str(&format!(", compression ratio {r}"));
+            }
+        }
+        JobPhase::Publish => {
+            let p = cx.st.publish.get_or_insert_with(Default::default);
+            if let Some(d) = &term.digest {
+                if let Some(prev) = p.oci_digest.clone().filter(|x| x != d) {
+                    let mut list = p.previous_digests.clone().unwrap_or_default();
+                    list.retain(|x| *x != prev);
+                    list.insert(0, prev);
+                    list.truncate(5);
+                    p.previous_digests = Some(list);
+                }
+                p.oci_digest = Some(d.clone());
+                note.push_str(&format!(", digest {d}"));
+            }
+            p.published_tags = (!term.tags.is_empty()).then(|| term.tags.clone());
+            p.published_at = Some(now.clone());
+        }
+    }
+    if cx.st.last_failure_phase.as_deref().and_then(phase_from_status_name) == Some(phase) {
+        reset_retries(&mut cx.st);
+    }
+    cx.st.retry_count = Some(0);
+    cx.outcome.completed.push(phase);
+    cx.event(false, complete_reason(phase), note);
+}
+
+fn record_failure(
+    cx: &mut Ctx<'_>,
+    phase: JobPhase,
+    job: &ObservedJob,
+    observed: &Observed,
+    mut c: Common,
+    max_retries: i32,
+) {
+    let reason = classify_failure(job);
+    let text = failure_text(job, observed.log_tail.as_ref());
+    let msg = format!("{reason}: {text}");
+    c.failure_message = Some(msg.clone());
+    set_common(&mut cx.st, phase, c);
+    cx.st.last_failure_phase = Some(phase.status_name().to_string());
+    cx.st.last_failure_time = Some(cx.now_t.clone());
+    cx.actions.push(Action::DeleteJob(job.name.clone()));
+    cx.outcome.failed.push((phase, reason.clone()));
+    let n = cx.st.retry_count.unwrap_or(0).max(0);
+    if n < max_retries {
+        let delay = cx.config.retry_delay(n as u32);
+        cx.st.retry_count = Some(n + 1);
+        cx.st.next_retry_at = Some(Time(ts_add(cx.now, delay)));
+        cx.st.phase = Some(running_phase(phase));
+        let note = format!(
+            "{} failed ({reason}); retry {}/{} in {}s: {text}",
+            phase.status_name(),
+            n + 1,
+            max_retries,
+            delay.as_secs()
+        );
+        cx.cond(types::PROGRESSING, true, reasons::RETRYING, &note);
+        cx.cond(types::DEGRADED, true, &reason, &msg);
+        cx.event(true, reasons::RETRYING, note);
+        cx.requeue(delay);
+    } else {
+        let r = failed_reason(phase);
+        cx.st.phase = Some(CachePhase::Failed);
+        cx.st.next_retry_at = None;
+        let note = format!(
+            "{} failed after {} retries ({reason}): {text}",
+            phase.status_name(),
+            max_retries
+        );
+        cx.cond(types::READY, false, &r, &msg);
+        cx.cond(types::PROGRESSING, false, &r, &note);
+        cx.cond(types::DEGRADED, true, &reason, &msg);
+        cx.event(true, reasons::PHASE_FAILED, note);
+    }
+}
+
+fn update_progress(cx: &mut Ctx<'_>, phase: JobPhase, job: &ObservedJob, observed: &Observed, mut c: Common) {
+    let now = cx.now;
+    // Adopt a Job created before a status write was lost (e.g. controller restart).
+    if c.started_at.is_none() {
+        c.started_at = Some(Time(job.created));
+        c.spec_hash = job.spec_hash.clone();
+        c.image = Some(job.image.clone());
+    }
+    let old = c.progress.unwrap_or(0);
+    let deadline = jobs::deadline_seconds(cx.mc, phase).max(1);
+    let elapsed = secs_between(job.started, now).max(0);
+    cx.outcome.running = Some((phase, deadline, elapsed));
+    let telemetry = match &observed.log_tail {
+        Some(Ok(text)) => contract::latest_progress(text).filter(|(_, p)| {
+            p.phase
+                .as_deref()
+                .is_none_or(|ph| ph == phase.status_name() || ph == phase.as_str())
+        }),
+        _ => None,
+    };
+    if let Some((ts, p)) = telemetry {
+        let pct = (p.percent.floor() as i32).clamp(0, 100);
+        let new = old.max(pct);
+        let detail = p.detail.clone().or(c.progress_detail.clone());
+        if new != old || c.progress_source.as_deref() != Some("telemetry") || detail != c.progress_detail {
+            c.progress = Some(new);
+            c.progress_detail = detail;
+            c.progress_source = Some("telemetry".into());
+            c.last_progress_at = Some(Time(ts.parse::<Timestamp>().unwrap_or(now)));
+        }
+        cx.outcome.telemetry = Some(p);
+    } else if c.progress_source.as_deref() != Some("telemetry") {
+        // No telemetry (yet, or an image without it): elapsed / deadline, capped at 99.
+        let est = ((elapsed as f64 / deadline as f64) * 100.0).floor().min(99.0) as i32;
+        let new = old.max(est);
+        if new != old || c.progress_source.is_none() {
+            c.progress = Some(new);
+            c.progress_source = Some("elapsed-estimate".into());
+            c.progress_detail = Some(format!("{elapsed}s of {deadline}s deadline"));
+            c.last_progress_at = Some(Time(now));
+        }
+    }
+    // A failed log read (or a tail without events) keeps the last trustworthy value.
+    cx.st.progress = c.progress;
+    set_common(&mut cx.st, phase, c);
+}

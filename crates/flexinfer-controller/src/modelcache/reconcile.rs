@@ -1,0 +1,363 @@
+//! The thin reconciler: observe (Jobs, pods, PVC, GPUProfiles, log tail), call [`plan`], apply.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use flexinfer_api::contract::{self, labels, JobPhase};
+use flexinfer_api::gpuprofile::GPUProfile;
+use flexinfer_api::modelcache::{CachePhase, ModelCache};
+use futures::StreamExt;
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+use kube::api::{Api, DeleteParams, ListParams, LogParams, Patch, PatchParams, PostParams, PropagationPolicy};
+use kube::runtime::controller::{Action as CtrlAction, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
+use kube::{Client, Resource, ResourceExt};
+use tracing::{debug, info, warn};
+
+use super::config::Config;
+use super::jobs;
+use super::observe::{observe_job, JobState};
+use super::plan::{plan, Action, Observed, Plan};
+use crate::metrics::Metrics;
+
+/// Field manager of every write.
+pub const FIELD_MANAGER: &str = "flexinfer-controller";
+/// Bytes of pod log read per progress poll.
+const LOG_TAIL_BYTES: i64 = 64 * 1024;
+
+/// Reconcile errors (all retried with backoff by `error_policy`).
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("object without {0}")]
+    Missing(&'static str),
+    #[error("serialize: {0}")]
+    Json(#[from] serde_json::Error),
+}
+
+/// Shared state of the reconciler.
+pub struct Context {
+    pub client: Client,
+    pub metrics: Metrics,
+    pub config: Config,
+    pub recorder: Recorder,
+}
+
+/// Run the ModelCache controller until shutdown. `namespace` limits the watch (all when `None`).
+pub async fn run(client: Client, metrics: Metrics, config: Config, namespace: Option<String>) -> anyhow::Result<()> {
+    let (caches, job_api, profiles): (Api<ModelCache>, Api<Job>, Api<GPUProfile>) = match &namespace {
+        Some(ns) => (
+            Api::namespaced(client.clone(), ns),
+            Api::namespaced(client.clone(), ns),
+            Api::namespaced(client.clone(), ns),
+        ),
+        None => (Api::all(client.clone()), Api::all(client.clone()), Api::all(client.clone())),
+    };
+    let reporter = Reporter {
+        controller: FIELD_MANAGER.into(),
+        instance: std::env::var("POD_NAME").ok(),
+    };
+    let ctx = Arc::new(Context {
+        recorder: Recorder::new(client.clone(), reporter),
+        client,
+        metrics,
+        config,
+    });
+    let controller = Controller::new(caches, watcher::Config::default());
+    let store = controller.store();
+    let job_wc = watcher::Config::default().labels(&format!("{}={}", labels::MANAGED_BY, labels::MANAGED_BY_VALUE));
+    controller
+        .owns(job_api, job_wc)
+        .watches(profiles, watcher::Config::default(), move |gp: GPUProfile| {
+            // Only the caches whose phases select this profile's architecture.
+            let arch = gp.spec.architecture.clone();
+            let ns = gp.namespace();
+            store
+                .state()
+                .into_iter()
+                .filter(|mc| mc.namespace() == ns)
+                .filter(|mc| {
+                    let arches = jobs::cache_arches(mc);
+                    arches.contains(&arch)
+                        || (arches.is_empty()
+                            && JobPhase::ALL.iter().any(|p| jobs::uses_gpu(mc, *p)))
+                })
+                .map(|mc| ObjectRef::from_obj(&*mc))
+                .collect::<Vec<_>>()
+        })
+        .shutdown_on_signal()
+        .run(reconcile, error_policy, ctx)
+        .for_each(|res| async move {
+            if let Err(e) = res {
+                debug!(error = %e, "reconcile stream error");
+            }
+        })
+        .await;
+    Ok(())
+}
+
+fn error_policy(mc: Arc<ModelCache>, err: &Error, ctx: Arc<Context>) -> CtrlAction {
+    ctx.metrics.reconcile_errors_total.with_label_values(&["modelcache"]).inc();
+    warn!(cache = %mc.name_any(), namespace = ?mc.namespace(), error = %err, "reconcile failed");
+    CtrlAction::requeue(Duration::from_secs(5))
+}
+
+async fn reconcile(mc: Arc<ModelCache>, ctx: Arc<Context>) -> Result<CtrlAction, Error> {
+    let t0 = Instant::now();
+    let res = reconcile_inner(&mc, &ctx).await;
+    ctx.metrics
+        .reconcile_duration_seconds
+        .with_label_values(&["modelcache"])
+        .observe(t0.elapsed().as_secs_f64());
+    res
+}
+
+async fn observe(mc: &ModelCache, ctx: &Context, ns: &str) -> Result<Observed, Error> {
+    let name = mc.name_any();
+    let client = &ctx.client;
+    let job_api: Api<Job> = Api::namespaced(client.clone(), ns);
+    let sel = format!("{}={}", labels::CACHE, name);
+    let job_list = job_api.list(&ListParams::default().labels(&sel)).await?;
+    let owned: Vec<Job> = job_list
+        .items
+        .into_iter()
+        .filter(|j| {
+            j.owner_references()
+                .iter()
+                .any(|o| Some(o.uid.as_str()) == mc.metadata.uid.as_deref())
+        })
+        .collect();
+    let mut observed = Observed::default();
+    if mc.metadata.deletion_timestamp.is_none() {
+        let gp: Api<GPUProfile> = Api::namespaced(client.clone(), ns);
+        observed.profiles = gp.list(&ListParams::default()).await?.items;
+    }
+    // Pods only for Jobs whose outcome or progress matters now: not-yet-recorded ones.
+    let pod_api: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let status = mc.status.clone().unwrap_or_default();
+    for j in &owned {
+        let Some(mut oj) = observe_job(j, &[]) else { continue };
+        let recorded = match oj.phase {
+            JobPhase::Download => status.download.as_ref().and_then(|s| s.completed_at.clone()),
+            JobPhase::Abliterate => status.abliteration.as_ref().and_then(|s| s.completed_at.clone()),
+            JobPhase::Quantize => status.quantization.as_ref().and_then(|s| s.completed_at.clone()),
+            JobPhase::Publish => status.publish.as_ref().and_then(|s| s.completed_at.clone()),
+        };
+        let needs_pods = !oj.terminating
+            && match oj.state {
+                JobState::Succeeded => recorded.is_none(),
+                _ => true,
+            };
+        if needs_pods {
+            let pods = pod_api
+                .list(&ListParams::default().labels(&format!("batch.kubernetes.io/job-name={}", oj.name)))
+                .await?
+                .items;
+            if let Some(o) = observe_job(j, &pods) {
+                oj = o;
+            }
+            // Log tail: running pod (progress) or failed pod without a termination message.
+            let want_log = match (&oj.state, &oj.pod) {
+                (JobState::Active, Some(p)) => p.running,
+                (JobState::Failed { .. }, Some(p)) => p.termination_message.is_none(),
+                _ => false,
+            };
+            if want_log {
+                if let Some(p) = &oj.pod {
+                    let lp = LogParams {
+                        limit_bytes: Some(LOG_TAIL_BYTES),
+                        tail_lines: Some(400),
+                        ..Default::default()
+                    };
+                    observed.log_tail = Some(pod_api.logs(&p.name, &lp).await.map_err(|e| e.to_string()));
+                }
+            }
+        }
+        observed.jobs.insert(oj.phase, oj);
+    }
+    if mc.spec.existing_claim_name.is_none() {
+        let pvc: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
+        observed.pvc_exists = pvc.get_opt(&jobs::created_claim_name(&name)).await?.is_some();
+    }
+    Ok(observed)
+}
+
+async fn reconcile_inner(mc: &ModelCache, ctx: &Context) -> Result<CtrlAction, Error> {
+    let ns = mc.namespace().ok_or(Error::Missing("namespace"))?;
+    let name = mc.name_any();
+    let observed = observe(mc, ctx, &ns).await?;
+    let now = k8s_openapi::jiff::Timestamp::now();
+    let p = plan(mc, &observed, &ctx.config, now);
+    apply(mc, ctx, &ns, &p).await?;
+    update_metrics(mc, ctx, &ns, &p);
+    debug!(cache = %name, namespace = %ns, phase = ?p.status.phase, actions = p.actions.len(), status_changed = p.status_changed, "reconciled");
+    Ok(match p.requeue_after {
+        Some(d) => CtrlAction::requeue(d),
+        None => CtrlAction::await_change(),
+    })
+}
+
+async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(), Error> {
+    let client = &ctx.client;
+    let name = mc.name_any();
+    let caches: Api<ModelCache> = Api::namespaced(client.clone(), ns);
+    let job_api: Api<Job> = Api::namespaced(client.clone(), ns);
+    let pvc_api: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
+    let mut events = Vec::new();
+    for a in &p.actions {
+        match a {
+            Action::AddFinalizer => {
+                let mut f = mc.finalizers().to_vec();
+                f.push(contract::FINALIZER_CLEANUP.to_string());
+                let patch = serde_json::json!({"metadata": {"finalizers": f, "resourceVersion": mc.resource_version()}});
+                caches.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+            }
+            Action::RemoveFinalizer => {
+                let f: Vec<String> = mc
+                    .finalizers()
+                    .iter()
+                    .filter(|x| x.as_str() != contract::FINALIZER_CLEANUP)
+                    .cloned()
+                    .collect();
+                let patch = serde_json::json!({"metadata": {"finalizers": f, "resourceVersion": mc.resource_version()}});
+                match caches.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await {
+                    Ok(_) => {}
+                    Err(kube::Error::Api(e)) if e.code == 404 => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            Action::CreatePvc(pvc) => match pvc_api.create(&PostParams::default(), pvc).await {
+                Ok(_) => info!(cache = %name, namespace = %ns, "created PVC"),
+                Err(kube::Error::Api(e)) if e.code == 409 => {}
+                Err(e) => return Err(e.into()),
+            },
+            Action::DeletePvc(pvc) => {
+                // Only a PVC this controller created (labels prove it).
+                if let Some(obj) = pvc_api.get_opt(pvc).await? {
+                    let ours = obj.labels().get(labels::CACHE) == Some(&name)
+                        && obj.labels().get(labels::MANAGED_BY).map(String::as_str) == Some(labels::MANAGED_BY_VALUE);
+                    if ours {
+                        match pvc_api.delete(pvc, &DeleteParams::background()).await {
+                            Ok(_) => info!(cache = %name, namespace = %ns, pvc = %pvc, "deleted PVC"),
+                            Err(kube::Error::Api(e)) if e.code == 404 => {}
+                            Err(e) => return Err(e.into()),
+                        }
+                    }
+                }
+            }
+            Action::CreateJob(job) => {
+                let jname = job.metadata.name.clone().unwrap_or_default();
+                match job_api.create(&PostParams::default(), job).await {
+                    Ok(_) => info!(cache = %name, namespace = %ns, job = %jname, "created Job"),
+                    Err(kube::Error::Api(e)) if e.code == 409 => debug!(job = %jname, "Job already exists"),
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            Action::DeleteJob(jname) => {
+                let dp = DeleteParams {
+                    propagation_policy: Some(PropagationPolicy::Background),
+                    ..Default::default()
+                };
+                match job_api.delete(jname, &dp).await {
+                    Ok(_) => info!(cache = %name, namespace = %ns, job = %jname, "deleted Job"),
+                    Err(kube::Error::Api(e)) if e.code == 404 => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            Action::RemoveAnnotations(keys) => {
+                let m: BTreeMap<&str, Option<String>> = keys.iter().map(|k| (k.as_str(), None)).collect();
+                let patch = serde_json::json!({"metadata": {"annotations": m}});
+                caches.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+            }
+            Action::Event { warning, reason, note } => events.push(Event {
+                type_: if *warning { EventType::Warning } else { EventType::Normal },
+                reason: reason.clone(),
+                note: Some(note.clone()),
+                action: "Reconcile".into(),
+                secondary: None,
+            }),
+        }
+    }
+    if p.status_changed {
+        let patch = serde_json::json!({
+            "apiVersion": "ai.flexinfer/v1alpha1",
+            "kind": "ModelCache",
+            "status": p.status,
+        });
+        caches
+            .patch_status(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch))
+            .await?;
+    }
+    let oref = mc.object_ref(&());
+    for e in events {
+        if let Err(err) = ctx.recorder.publish(&e, &oref).await {
+            warn!(cache = %name, error = %err, "cannot publish event");
+        }
+    }
+    Ok(())
+}
+
+fn update_metrics(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) {
+    let m = &ctx.metrics;
+    let name = mc.name_any();
+    if let Some(phase) = p.status.phase {
+        for ph in CachePhase::ALL {
+            m.modelcache_phase
+                .with_label_values(&[name.as_str(), ns, ph.as_str()])
+                .set(i64::from(ph == phase));
+        }
+    }
+    for (phase, reason) in &p.outcome.failed {
+        m.model_cache_failures_total
+            .with_label_values(&[name.as_str(), ns, reason.as_str()])
+            .inc();
+        if *phase == JobPhase::Quantize {
+            m.quantization_jobs_total.with_label_values(&[name.as_str(), ns, "failed"]).inc();
+        }
+    }
+    for phase in &p.outcome.completed {
+        let jt = phase.status_name();
+        m.job_progress_percent.with_label_values(&[name.as_str(), ns, jt]).set(100.0);
+        if *phase == JobPhase::Quantize {
+            m.quantization_jobs_total.with_label_values(&[name.as_str(), ns, "succeeded"]).inc();
+            if let Some(q) = &p.status.quantization {
+                if let Some(r) = q.compression_ratio {
+                    m.quantization_compression_ratio.with_label_values(&[name.as_str(), ns]).set(r);
+                }
+                if let (Some(s), Some(c)) = (&q.started_at, &q.completed_at) {
+                    let secs = c.0.duration_since(s.0).as_secs_f64().max(0.0);
+                    m.quantization_duration_seconds.with_label_values(&[name.as_str(), ns]).observe(secs);
+                }
+            }
+        }
+    }
+    if let Some((phase, deadline, elapsed)) = p.outcome.running {
+        let jt = phase.status_name();
+        m.job_deadline_seconds.with_label_values(&[name.as_str(), ns, jt]).set(deadline as f64);
+        m.job_elapsed_seconds.with_label_values(&[name.as_str(), ns, jt]).set(elapsed as f64);
+        if let Some(pr) = p.status.progress {
+            m.job_progress_percent.with_label_values(&[name.as_str(), ns, jt]).set(pr as f64);
+        }
+        if phase == JobPhase::Quantize {
+            if let Some(t) = &p.outcome.telemetry {
+                if let Some(l) = t.layer {
+                    let prev = m.quantization_layer_index.with_label_values(&[name.as_str(), ns]).get();
+                    m.quantization_layer_index.with_label_values(&[name.as_str(), ns]).set(l);
+                    if prev != l {
+                        m.quantization_last_progress_timestamp
+                            .with_label_values(&[name.as_str(), ns])
+                            .set(k8s_openapi::jiff::Timestamp::now().as_second() as f64);
+                    }
+                }
+                if let Some(l) = t.layers {
+                    m.quantization_layer_total.with_label_values(&[name.as_str(), ns]).set(l);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,218 @@
+//! Per-layer resume cache under `$MODEL_DIR/.flexinfer-gptq-cache/` (SPEC §4.2, runbook §8.1).
+//! Any problem with the cache wipes it and the run proceeds from layer 0: resume never blocks a run.
+
+use crate::error::{QuantError, Result};
+use crate::events::{fields, EventSink};
+use crate::fsutil::{now_rfc3339, read_json, sha256_file, sha256_hex, write_json_atomic};
+use crate::writer::OutTensor;
+use safetensors::tensor::TensorView;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+pub const CACHE_DIR: &str = ".flexinfer-gptq-cache";
+pub const EVENT_LAYER_CACHED: &str = "quantization_layer_cached";
+pub const EVENT_RESUME_LOADED: &str = "quantization_resume_loaded";
+pub const EVENT_RESUME_FALLBACK: &str = "quantization_resume_fallback";
+pub const EVENT_CACHE_RESET: &str = "quantization_layer_cache_reset";
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct LayerEntry {
+    pub layer_idx: usize,
+    pub path: String,
+    pub size_bytes: u64,
+    pub sha256: String,
+    pub tensor_count: usize,
+    pub completed_at: String,
+    #[serde(default)]
+    pub gptq_modules: u64,
+    #[serde(default)]
+    pub rtn_modules: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Manifest {
+    pub version: u32,
+    pub config_hash: String,
+    pub script_version: String,
+    pub layers: Vec<LayerEntry>,
+}
+
+pub struct LayerCache {
+    pub dir: PathBuf,
+    pub manifest: Manifest,
+    calibration_fingerprint: String,
+}
+
+impl LayerCache {
+    fn layers_dir(&self) -> PathBuf {
+        self.dir.join("layers")
+    }
+
+    /// Opens (or creates) the cache and validates it; on any problem the cache is wiped and events say why.
+    pub fn open(
+        model_dir: &Path,
+        config_hash: &str,
+        calibration_fingerprint: &str,
+        script_version: &str,
+        resume: bool,
+        events: &dyn EventSink,
+    ) -> Result<Self> {
+        let dir = model_dir.join(CACHE_DIR);
+        let fresh = Manifest {
+            version: 1,
+            config_hash: config_hash.to_string(),
+            script_version: script_version.to_string(),
+            layers: Vec::new(),
+        };
+        let mut cache =
+            LayerCache { dir: dir.clone(), manifest: fresh.clone(), calibration_fingerprint: calibration_fingerprint.into() };
+        let manifest_path = dir.join("layers").join("manifest.json");
+        if dir.exists() {
+            let verdict: std::result::Result<Manifest, (String, bool)> = if !resume {
+                Err(("resume disabled".into(), false))
+            } else if !manifest_path.exists() {
+                Err(("no manifest".into(), false))
+            } else {
+                match read_json(&manifest_path).and_then(|v| {
+                    serde_json::from_value::<Manifest>(v)
+                        .map_err(|e| QuantError::Json { path: manifest_path.clone(), message: e.to_string() })
+                }) {
+                    Err(e) => Err((format!("unreadable manifest: {e}"), true)),
+                    Ok(m) if m.config_hash != config_hash => Err(("config hash changed".into(), false)),
+                    Ok(m) => match cache.verify_layers(&m) {
+                        Ok(()) => Ok(m),
+                        Err(reason) => Err((reason, true)),
+                    },
+                }
+            };
+            match verdict {
+                Ok(m) => {
+                    cache.manifest = m;
+                    cache.gc_orphans();
+                }
+                Err((reason, fallback)) => {
+                    if fallback {
+                        events.emit(EVENT_RESUME_FALLBACK, fields([("reason", json!(reason))]));
+                    }
+                    if reason != "no manifest" || dir.join("layers").exists() {
+                        events.emit(EVENT_CACHE_RESET, fields([("reason", json!(reason))]));
+                    }
+                    std::fs::remove_dir_all(&dir).map_err(|e| QuantError::io(&dir, e))?;
+                }
+            }
+        }
+        std::fs::create_dir_all(cache.layers_dir()).map_err(|e| QuantError::io(cache.layers_dir(), e))?;
+        cache.save_manifest()?;
+        if !cache.manifest.layers.is_empty() {
+            events.emit(EVENT_RESUME_LOADED, fields([("layers", json!(cache.manifest.layers.len()))]));
+        }
+        cache.write_checkpoint("quantizing", None)?;
+        Ok(cache)
+    }
+
+    fn verify_layers(&self, m: &Manifest) -> std::result::Result<(), String> {
+        for (i, l) in m.layers.iter().enumerate() {
+            if l.layer_idx != i {
+                return Err(format!("cached layers are not a prefix (entry {i} is layer {})", l.layer_idx));
+            }
+            let p = self.layers_dir().join(&l.path);
+            let size = std::fs::metadata(&p).map(|m| m.len()).map_err(|_| format!("{} missing", l.path))?;
+            if size != l.size_bytes {
+                return Err(format!("{} has size {size}, manifest says {}", l.path, l.size_bytes));
+            }
+            let sha = sha256_file(&p).map_err(|e| e.to_string())?;
+            if sha != l.sha256 {
+                return Err(format!("{} sha256 mismatch (corrupted)", l.path));
+            }
+        }
+        Ok(())
+    }
+
+    fn gc_orphans(&self) {
+        if let Ok(rd) = std::fs::read_dir(self.layers_dir()) {
+            for e in rd.flatten() {
+                let name = e.file_name().to_string_lossy().to_string();
+                let known = self.manifest.layers.iter().any(|l| l.path == name);
+                if name != "manifest.json" && !known {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
+    }
+
+    fn save_manifest(&self) -> Result<()> {
+        let v = serde_json::to_value(&self.manifest)
+            .map_err(|e| QuantError::Json { path: self.layers_dir(), message: e.to_string() })?;
+        write_json_atomic(&self.layers_dir().join("manifest.json"), &v)
+    }
+
+    pub fn write_checkpoint(&self, stage: &str, active_layer: Option<usize>) -> Result<()> {
+        write_json_atomic(
+            &self.dir.join("checkpoint.json"),
+            &json!({
+                "stage": stage,
+                "completed_layers": self.manifest.layers.len(),
+                "active_layer": active_layer,
+                "calibration_fingerprint": self.calibration_fingerprint,
+                "config_hash": self.manifest.config_hash,
+                "updated_at": now_rfc3339(),
+            }),
+        )
+    }
+
+    pub fn completed_layers(&self) -> usize {
+        self.manifest.layers.len()
+    }
+
+    pub fn layer_path(&self, layer: usize) -> Option<PathBuf> {
+        self.manifest.layers.get(layer).map(|l| self.layers_dir().join(&l.path))
+    }
+
+    /// Persists one finished layer's packed tensors and records it in the manifest.
+    pub fn write_layer(
+        &mut self,
+        layer: usize,
+        tensors: &[OutTensor<'_>],
+        gptq_modules: u64,
+        rtn_modules: u64,
+        events: &dyn EventSink,
+    ) -> Result<()> {
+        let name = format!("layer-{layer:03}.safetensors");
+        let path = self.layers_dir().join(&name);
+        let mut views = Vec::with_capacity(tensors.len());
+        for t in tensors {
+            let view = TensorView::new(t.dtype, t.shape.clone(), &t.data)
+                .map_err(|e| QuantError::Safetensors { path: path.clone(), message: format!("{}: {e:?}", t.name) })?;
+            views.push((t.name.clone(), view));
+        }
+        let meta: HashMap<String, String> = [("layer".to_string(), layer.to_string())].into_iter().collect();
+        let bytes = safetensors::serialize(views, Some(meta))
+            .map_err(|e| QuantError::Safetensors { path: path.clone(), message: format!("{e:?}") })?;
+        crate::fsutil::write_atomic(&path, &bytes)?;
+        self.manifest.layers.retain(|l| l.layer_idx != layer);
+        self.manifest.layers.push(LayerEntry {
+            layer_idx: layer,
+            path: name.clone(),
+            size_bytes: bytes.len() as u64,
+            sha256: sha256_hex(&bytes),
+            tensor_count: tensors.len(),
+            completed_at: now_rfc3339(),
+            gptq_modules,
+            rtn_modules,
+        });
+        self.save_manifest()?;
+        self.write_checkpoint("quantizing", Some(layer + 1))?;
+        events.emit(
+            EVENT_LAYER_CACHED,
+            fields([("layer", json!(layer)), ("path", json!(name)), ("size_bytes", json!(bytes.len()))]),
+        );
+        Ok(())
+    }
+
+    /// Removes the cache (after a successful save).
+    pub fn remove(self) -> Result<()> {
+        std::fs::remove_dir_all(&self.dir).map_err(|e| QuantError::io(&self.dir, e))
+    }
+}

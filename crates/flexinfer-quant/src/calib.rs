@@ -1,0 +1,129 @@
+//! Calibration data: a local JSONL, JSONL.zst or plain-text file, tokenized with the model's `tokenizer.json`.
+
+use crate::error::{QuantError, Result};
+use serde_json::Value;
+use std::io::{BufRead, BufReader, Read};
+use std::path::Path;
+
+/// Calibration settings (`MAX_SAMPLES`, `MAX_SEQ_LEN`).
+#[derive(Clone, Debug)]
+pub struct CalibSettings {
+    pub max_samples: usize,
+    pub max_seq_len: usize,
+}
+
+/// Text fields tried in order for JSONL records.
+const TEXT_FIELDS: [&str; 4] = ["text", "content", "prompt", "document"];
+
+fn open_reader(path: &Path) -> Result<Box<dyn BufRead>> {
+    let file = std::fs::File::open(path)
+        .map_err(|e| QuantError::Input(format!("calibration dataset {} cannot be opened: {e}", path.display())))?;
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("").to_ascii_lowercase();
+    if name.ends_with(".zst") {
+        let dec = zstd::stream::read::Decoder::new(file).map_err(|e| QuantError::io(path, e))?;
+        Ok(Box::new(BufReader::new(dec)))
+    } else {
+        Ok(Box::new(BufReader::new(file)))
+    }
+}
+
+fn record_text(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => {
+            for f in TEXT_FIELDS {
+                if let Some(Value::String(s)) = o.get(f) {
+                    return Some(s.clone());
+                }
+            }
+            // Chat records: concatenate message contents.
+            if let Some(Value::Array(msgs)) = o.get("messages") {
+                let parts: Vec<&str> = msgs.iter().filter_map(|m| m.get("content").and_then(Value::as_str)).collect();
+                if !parts.is_empty() {
+                    return Some(parts.join("\n"));
+                }
+            }
+            None
+        }
+        _ => None,
+    }
+}
+
+/// Reads up to `max_texts` non-empty texts. JSONL when the name contains `.jsonl`/`.json`, else plain text where
+/// blank lines separate documents.
+pub fn read_texts(path: &Path, max_texts: usize) -> Result<Vec<String>> {
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("").to_ascii_lowercase();
+    if name.ends_with(".parquet") {
+        return Err(QuantError::Input(format!(
+            "calibration dataset {}: parquet is not supported by this build; convert it to JSONL (one {{\"text\": ...}} per line)",
+            path.display()
+        )));
+    }
+    let reader = open_reader(path)?;
+    let mut texts = Vec::new();
+    if name.contains(".jsonl") || name.contains(".json") {
+        for (i, line) in reader.lines().enumerate() {
+            let line = line.map_err(|e| QuantError::Input(format!("calibration dataset {}: {e}", path.display())))?;
+            if line.trim().is_empty() {
+                continue;
+            }
+            let v: Value = serde_json::from_str(&line).map_err(|e| {
+                QuantError::Input(format!("calibration dataset {} line {}: invalid JSON: {e}", path.display(), i + 1))
+            })?;
+            if let Some(t) = record_text(&v) {
+                if !t.trim().is_empty() {
+                    texts.push(t);
+                }
+            }
+            if texts.len() >= max_texts {
+                break;
+            }
+        }
+    } else {
+        let mut all = String::new();
+        reader
+            .take(1 << 30)
+            .read_to_string(&mut all)
+            .map_err(|e| QuantError::Input(format!("calibration dataset {}: {e}", path.display())))?;
+        for doc in all.split("\n\n") {
+            if !doc.trim().is_empty() {
+                texts.push(doc.trim().to_string());
+            }
+            if texts.len() >= max_texts {
+                break;
+            }
+        }
+    }
+    Ok(texts)
+}
+
+/// Token ids of each calibration sample, truncated to `max_seq_len`, at most `max_samples` samples.
+pub fn load_samples(model_dir: &Path, dataset: &Path, s: &CalibSettings) -> Result<Vec<Vec<u32>>> {
+    let tok_path = model_dir.join("tokenizer.json");
+    if !tok_path.exists() {
+        return Err(QuantError::Input(format!("tokenizer.json not found in model directory {}", model_dir.display())));
+    }
+    let tokenizer = tokenizers::from_json_file(&tok_path)
+        .map_err(|e| QuantError::Tokenizer(format!("{}: {e}", tok_path.display())))?;
+    let texts = read_texts(dataset, s.max_samples)?;
+    let opts = tokenizers::pipeline::EncodeOptions::default();
+    let mut samples = Vec::new();
+    for t in texts {
+        let enc = tokenizer
+            .encode(t.as_str(), &opts)
+            .wait()
+            .map_err(|e| QuantError::Tokenizer(format!("encoding a calibration sample: {e}")))?;
+        let Some(first) = enc.into_iter().next() else { continue };
+        let ids: Vec<u32> = first.ids().iter().map(|t| t.id()).take(s.max_seq_len).collect();
+        if ids.len() >= 2 {
+            samples.push(ids);
+        }
+    }
+    if samples.is_empty() {
+        return Err(QuantError::Input(format!(
+            "calibration dataset {} yielded no usable samples (empty, or no text field among {TEXT_FIELDS:?})",
+            dataset.display()
+        )));
+    }
+    Ok(samples)
+}

@@ -1,0 +1,212 @@
+//! Llama-family decoder forward in f32 (RMSNorm, RoPE, grouped-query causal attention, SwiGLU), one layer at a time.
+
+use crate::error::Result;
+use crate::model::{load_layer, GptqReadConfig, LayerWeights, Linear, ModelConfig};
+use crate::tensors::TensorStore;
+use faer::linalg::matmul::matmul;
+use faer::{Accum, Mat, MatRef};
+
+/// Where a partial forward stops: the input of one shared-input module group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
+    /// Input of q/k/v (after input_layernorm).
+    Qkv = 0,
+    /// Input of o_proj (attention output).
+    O = 1,
+    /// Input of gate/up (after post_attention_layernorm).
+    GateUp = 2,
+    /// Input of down_proj (SwiGLU activation).
+    Down = 3,
+}
+
+pub const STAGES: [Stage; 4] = [Stage::Qkv, Stage::O, Stage::GateUp, Stage::Down];
+
+/// cos/sin tables for positions `0..len`.
+pub struct Rope {
+    pub half: usize,
+    pub cos: Vec<f32>,
+    pub sin: Vec<f32>,
+}
+
+impl Rope {
+    pub fn new(cfg: &ModelConfig, len: usize) -> Self {
+        let inv = cfg.inv_freq();
+        let half = inv.len();
+        let mut cos = vec![0.0; len * half];
+        let mut sin = vec![0.0; len * half];
+        for p in 0..len {
+            for (i, f) in inv.iter().enumerate() {
+                let a = p as f32 * f;
+                cos[p * half + i] = a.cos();
+                sin[p * half + i] = a.sin();
+            }
+        }
+        Rope { half, cos, sin }
+    }
+}
+
+pub fn rms_norm(x: MatRef<'_, f32>, w: &[f32], eps: f32) -> Mat<f32> {
+    let (t, d) = (x.nrows(), x.ncols());
+    let mut inv = vec![0.0f32; t];
+    for c in 0..d {
+        for r in 0..t {
+            let v = x[(r, c)];
+            inv[r] += v * v;
+        }
+    }
+    for s in inv.iter_mut() {
+        *s = 1.0 / (*s / d as f32 + eps).sqrt();
+    }
+    Mat::from_fn(t, d, |r, c| x[(r, c)] * inv[r] * w[c])
+}
+
+pub fn linear(x: MatRef<'_, f32>, l: &Linear) -> Mat<f32> {
+    let mut y = Mat::<f32>::zeros(x.nrows(), l.w.nrows());
+    matmul(y.as_mut(), Accum::Replace, x, l.w.transpose(), 1.0, faer::get_global_parallelism());
+    if let Some(b) = &l.b {
+        for (c, bv) in b.iter().enumerate() {
+            y.col_mut(c).iter_mut().for_each(|v| *v += bv);
+        }
+    }
+    y
+}
+
+fn head_norm(x: &mut Mat<f32>, heads: usize, d: usize, w: &[f32], eps: f32) {
+    for r in 0..x.nrows() {
+        for h in 0..heads {
+            let ss: f32 = (0..d).map(|i| x[(r, h * d + i)] * x[(r, h * d + i)]).sum::<f32>() / d as f32;
+            let s = 1.0 / (ss + eps).sqrt();
+            for i in 0..d {
+                x[(r, h * d + i)] = x[(r, h * d + i)] * s * w[i];
+            }
+        }
+    }
+}
+
+fn apply_rope(x: &mut Mat<f32>, heads: usize, d: usize, rope: &Rope) {
+    let half = rope.half;
+    for r in 0..x.nrows() {
+        for h in 0..heads {
+            for i in 0..half {
+                let (c, s) = (rope.cos[r * half + i], rope.sin[r * half + i]);
+                let (a, b) = (x[(r, h * d + i)], x[(r, h * d + i + half)]);
+                x[(r, h * d + i)] = a * c - b * s;
+                x[(r, h * d + i + half)] = b * c + a * s;
+            }
+        }
+    }
+}
+
+fn attention(cfg: &ModelConfig, lw: &LayerWeights, h: MatRef<'_, f32>, rope: &Rope) -> Mat<f32> {
+    let (t, d) = (h.nrows(), cfg.head_dim);
+    let (nh, nkv) = (cfg.num_heads, cfg.num_kv_heads);
+    let mut q = linear(h, &lw.linears[0]);
+    let mut k = linear(h, &lw.linears[1]);
+    let v = linear(h, &lw.linears[2]);
+    if let Some(w) = &lw.q_norm {
+        head_norm(&mut q, nh, d, w, cfg.rms_norm_eps);
+    }
+    if let Some(w) = &lw.k_norm {
+        head_norm(&mut k, nkv, d, w, cfg.rms_norm_eps);
+    }
+    apply_rope(&mut q, nh, d, rope);
+    apply_rope(&mut k, nkv, d, rope);
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut out = Mat::<f32>::zeros(t, nh * d);
+    let par = faer::get_global_parallelism();
+    for head in 0..nh {
+        let kvh = head / (nh / nkv);
+        let qh = q.subcols(head * d, d);
+        let kh = k.subcols(kvh * d, d);
+        let vh = v.subcols(kvh * d, d);
+        let mut s = Mat::<f32>::zeros(t, t);
+        matmul(s.as_mut(), Accum::Replace, qh, kh.transpose(), scale, par);
+        for i in 0..t {
+            let mut m = f32::NEG_INFINITY;
+            for j in 0..=i {
+                m = m.max(s[(i, j)]);
+            }
+            let mut sum = 0.0;
+            for j in 0..t {
+                let e = if j <= i { (s[(i, j)] - m).exp() } else { 0.0 };
+                s[(i, j)] = e;
+                sum += e;
+            }
+            for j in 0..=i {
+                s[(i, j)] /= sum;
+            }
+        }
+        matmul(out.subcols_mut(head * d, d), Accum::Replace, s.as_ref(), vh, 1.0, par);
+    }
+    out
+}
+
+/// Runs one decoder layer on one sequence `x` (`[tokens, hidden]`). With `stop`, returns the input of that
+/// module group instead of the layer output; the arithmetic up to that point is the same in both cases.
+pub fn layer_forward(cfg: &ModelConfig, lw: &LayerWeights, x: MatRef<'_, f32>, rope: &Rope, stop: Option<Stage>) -> Mat<f32> {
+    let eps = cfg.rms_norm_eps;
+    let h = rms_norm(x, &lw.input_norm, eps);
+    if stop == Some(Stage::Qkv) {
+        return h;
+    }
+    let att = attention(cfg, lw, h.as_ref(), rope);
+    if stop == Some(Stage::O) {
+        return att;
+    }
+    let o = linear(att.as_ref(), &lw.linears[3]);
+    let x1 = x + &o;
+    let h2 = rms_norm(x1.as_ref(), &lw.post_norm, eps);
+    if stop == Some(Stage::GateUp) {
+        return h2;
+    }
+    let g = linear(h2.as_ref(), &lw.linears[4]);
+    let u = linear(h2.as_ref(), &lw.linears[5]);
+    let act = Mat::from_fn(g.nrows(), g.ncols(), |r, c| {
+        let gv = g[(r, c)];
+        gv / (1.0 + (-gv).exp()) * u[(r, c)]
+    });
+    if stop == Some(Stage::Down) {
+        return act;
+    }
+    let dn = linear(act.as_ref(), &lw.linears[6]);
+    &x1 + &dn
+}
+
+/// Token embeddings `[tokens, hidden]`.
+pub fn embed(store: &TensorStore, cfg: &ModelConfig, embed_table: Option<&[f32]>, tokens: &[u32]) -> Result<Mat<f32>> {
+    let owned;
+    let table = match embed_table {
+        Some(t) => t,
+        None => {
+            owned = store.f32("model.embed_tokens.weight")?;
+            &owned
+        }
+    };
+    let hsz = cfg.hidden_size;
+    let vocab = table.len() / hsz.max(1);
+    let mut out = Mat::<f32>::zeros(tokens.len(), hsz);
+    for (r, &tok) in tokens.iter().enumerate() {
+        let t = (tok as usize).min(vocab.saturating_sub(1));
+        for c in 0..hsz {
+            out[(r, c)] = table[t * hsz + c];
+        }
+    }
+    Ok(out)
+}
+
+/// Full-model logits `[tokens, vocab]` (used to compare a quantized artifact against its source).
+pub fn logits(store: &TensorStore, cfg: &ModelConfig, tokens: &[u32]) -> Result<Mat<f32>> {
+    let gq = GptqReadConfig::from_config(cfg);
+    let rope = Rope::new(cfg, tokens.len());
+    let mut x = embed(store, cfg, None, tokens)?;
+    for layer in 0..cfg.num_layers {
+        let lw = load_layer(store, cfg, layer, gq)?;
+        x = layer_forward(cfg, &lw, x.as_ref(), &rope, None);
+    }
+    let xn = rms_norm(x.as_ref(), &store.f32("model.norm.weight")?, cfg.rms_norm_eps);
+    let head_name = if store.contains("lm_head.weight") { "lm_head.weight" } else { "model.embed_tokens.weight" };
+    let w = store.f32(head_name)?;
+    let vocab = w.len() / cfg.hidden_size;
+    let head = Linear { w: Mat::from_fn(vocab, cfg.hidden_size, |r, c| w[r * cfg.hidden_size + c]), b: None };
+    Ok(linear(xn.as_ref(), &head))
+}

@@ -1,0 +1,425 @@
+//! The whole quantize job: validate, calibrate layer by layer (true sequential), GPTQ each module group,
+//! cache each finished layer, write the checkpoint, apply the RTN fallback gate.
+
+use crate::cache::LayerCache;
+use crate::calib::{load_samples, CalibSettings};
+use crate::error::{QuantError, Result};
+use crate::events::{fields, EventSink};
+use crate::fsutil::{read_json, sha256_file, sha256_hex};
+use crate::gptq::{dequantize_weight, gptq_quantize, rtn_quantize, Method, QuantizedLinear};
+use crate::hessian::{prepare_factor, FactorOutcome};
+use crate::linalg::LinalgBackend;
+use crate::llama::{embed, layer_forward, Rope, STAGES};
+use crate::model::{linear_shape, load_layer, load_linear, GptqReadConfig, ModelConfig, INPUT_GROUPS, LINEARS};
+use crate::pack::{pack, ZeroFormat};
+use crate::params::{GateParams, GptqParams, RecoveryParams};
+use crate::tensors::TensorStore;
+use crate::writer::{verify_save_complete, write_checkpoint, Extras, OutTensor, QUALITY_FILE};
+use faer::Mat;
+use safetensors::Dtype;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use std::borrow::Cow;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+pub const EVENT_PROGRESS: &str = "progress";
+pub const EVENT_QUALITY: &str = "quantization_quality";
+pub const EVENT_QUALITY_UNAVAILABLE: &str = "quantization_quality_unavailable";
+pub const EVENT_CACHED: &str = "quantization_cached";
+
+/// Everything a quantize run needs.
+#[derive(Clone, Debug)]
+pub struct QuantizeJob {
+    pub model_dir: PathBuf,
+    /// Parent of the output subdirectory `gptq-w<bits>-g<group>[-gdn]`.
+    pub out_dir: PathBuf,
+    pub dataset: PathBuf,
+    pub params: GptqParams,
+    pub recovery: RecoveryParams,
+    pub gate: GateParams,
+    pub calib: CalibSettings,
+    /// Accepted for the contract; samples are forwarded one at a time, so memory is bounded regardless.
+    pub n_parallel_calib_samples: Option<usize>,
+    /// `gdn`, or a comma list of module-name substrings kept in full precision.
+    pub dynamic_exclusion: Option<String>,
+    pub resume_layers: bool,
+    pub max_shard_bytes: u64,
+    pub script_version: String,
+    /// Test hook: stop (as if killed) right after layer k is cached.
+    pub abort_after_layer: Option<usize>,
+}
+
+/// The quality sidecar (`.quantization-quality.json`).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Quality {
+    pub gptq_modules: u64,
+    pub rtn_fallback_modules: u64,
+    pub rtn_fallback_percent: f64,
+    pub max_rtn_fallback_percent: f64,
+    pub minimum_modules: u64,
+    pub gate: String,
+}
+
+impl Quality {
+    pub fn evaluate(gptq: u64, rtn: u64, gate: &GateParams) -> Self {
+        let total = gptq + rtn;
+        let pct = if total == 0 { 0.0 } else { 100.0 * rtn as f64 / total as f64 };
+        let verdict = if total < gate.min_modules {
+            "insufficient-sample"
+        } else if pct > gate.max_rtn_fallback_percent {
+            "failed"
+        } else {
+            "passed"
+        };
+        Quality {
+            gptq_modules: gptq,
+            rtn_fallback_modules: rtn,
+            rtn_fallback_percent: pct,
+            max_rtn_fallback_percent: gate.max_rtn_fallback_percent,
+            minimum_modules: gate.min_modules,
+            gate: verdict.into(),
+        }
+    }
+
+    pub fn failed(&self) -> bool {
+        self.gate == "failed"
+    }
+}
+
+/// What a finished run reports (the worker's termination message).
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    pub output_dir: PathBuf,
+    pub original_size_bytes: u64,
+    pub compressed_size_bytes: u64,
+    pub seconds: f64,
+    /// `None` for an older cached artifact without a sidecar.
+    pub quality: Option<Quality>,
+    pub cached: bool,
+}
+
+impl QuantizeJob {
+    pub fn subdir_name(&self) -> String {
+        let gdn = if self.dynamic_exclusion.as_deref().map(str::trim) == Some("gdn") { "-gdn" } else { "" };
+        format!("gptq-w{}-g{}{gdn}", self.params.bits, self.params.group_size)
+    }
+
+    pub fn output_dir(&self) -> PathBuf {
+        self.out_dir.join(self.subdir_name())
+    }
+
+    fn staging_dir(&self) -> PathBuf {
+        self.out_dir.join(format!(".{}.partial", self.subdir_name()))
+    }
+
+    /// Whether module `name` stays in full precision.
+    pub fn excluded(&self, name: &str) -> bool {
+        match self.dynamic_exclusion.as_deref().map(str::trim) {
+            None | Some("") | Some("none") => false,
+            Some("gdn") => name.contains("linear_attn"),
+            Some(list) => list.split(',').map(str::trim).filter(|s| !s.is_empty()).any(|s| name.contains(s)),
+        }
+    }
+}
+
+struct Progress<'a> {
+    events: &'a dyn EventSink,
+    last: f64,
+}
+
+impl Progress<'_> {
+    fn emit(&mut self, phase: &str, percent: f64, detail: String, extra: serde_json::Map<String, Value>) {
+        let p = percent.clamp(self.last, 100.0);
+        self.last = p;
+        let mut f = fields([("phase", json!(phase)), ("percent", json!((p * 10.0).round() / 10.0)), ("detail", json!(detail))]);
+        f.extend(extra);
+        self.events.emit(EVENT_PROGRESS, f);
+    }
+}
+
+fn model_fingerprint(model_dir: &Path, store: &TensorStore) -> Result<String> {
+    let mut s = sha256_file(&model_dir.join("config.json"))?;
+    for f in &store.files {
+        let len = std::fs::metadata(f).map(|m| m.len()).unwrap_or(0);
+        s.push_str(&format!("|{}:{len}", f.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default()));
+    }
+    Ok(sha256_hex(s.as_bytes()))
+}
+
+fn quantize_config_json(job: &QuantizeJob, excluded: &[String]) -> Value {
+    let p = &job.params;
+    let mut qc = json!({
+        "quant_method": "gptq",
+        "bits": p.bits,
+        "group_size": p.group_size,
+        "desc_act": p.desc_act,
+        "sym": p.sym,
+        "lm_head": false,
+        "checkpoint_format": ZeroFormat::for_sym(p.sym).checkpoint_format(),
+        "damp_percent": job.recovery.damp_percent,
+        "true_sequential": true,
+        "static_groups": p.static_groups,
+        "pack_dtype": "int32",
+        "meta": {
+            "quantizer": [format!("flexinfer-quant:{}", env!("CARGO_PKG_VERSION"))],
+            "damp_auto_increment": job.recovery.damp_auto_increment,
+        },
+    });
+    if !excluded.is_empty() {
+        let dynamic: serde_json::Map<String, Value> =
+            excluded.iter().map(|m| (format!("-:^{}$", m.replace('.', "\\.")), json!({}))).collect();
+        qc["dynamic"] = Value::Object(dynamic);
+    }
+    qc
+}
+
+/// Packed tensors of one quantized module, named as in the checkpoint.
+fn module_tensors(name: &str, q: &QuantizedLinear) -> Vec<OutTensor<'static>> {
+    let p = pack(q, ZeroFormat::for_sym(q.sym));
+    let i32_bytes = |v: &[i32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+    vec![
+        OutTensor {
+            name: format!("{name}.qweight"),
+            dtype: Dtype::I32,
+            shape: vec![p.qweight.len() / p.rows, p.rows],
+            data: Cow::Owned(i32_bytes(&p.qweight)),
+        },
+        OutTensor {
+            name: format!("{name}.qzeros"),
+            dtype: Dtype::I32,
+            shape: vec![p.groups, p.qzeros.len() / p.groups.max(1)],
+            data: Cow::Owned(i32_bytes(&p.qzeros)),
+        },
+        OutTensor {
+            name: format!("{name}.scales"),
+            dtype: Dtype::F16,
+            shape: vec![p.groups, p.rows],
+            data: Cow::Owned(p.scales.iter().flat_map(|s| s.to_le_bytes()).collect()),
+        },
+        OutTensor {
+            name: format!("{name}.g_idx"),
+            dtype: Dtype::I32,
+            shape: vec![p.cols],
+            data: Cow::Owned(i32_bytes(&p.g_idx)),
+        },
+    ]
+}
+
+/// Runs the job. Bad input is reported before anything is written to `out_dir`.
+pub fn run(job: &QuantizeJob, backend: &dyn LinalgBackend, events: &dyn EventSink) -> Result<Outcome> {
+    let started = Instant::now();
+    job.params.validate()?;
+    job.recovery.validate()?;
+    if job.calib.max_samples == 0 || job.calib.max_seq_len < 2 {
+        return Err(QuantError::Input("MAX_SAMPLES must be ≥ 1 and MAX_SEQ_LEN ≥ 2".into()));
+    }
+    let mut progress = Progress { events, last: 0.0 };
+    let final_dir = job.output_dir();
+
+    // A previous Job finished the save: verify, enforce the gate again, done.
+    if let Some(sc) = verify_save_complete(&final_dir, false) {
+        let quality = read_json(&final_dir.join(QUALITY_FILE)).ok().and_then(|v| serde_json::from_value::<Quality>(v).ok());
+        match &quality {
+            Some(q) => events.emit(EVENT_QUALITY, serde_json::to_value(q).ok().and_then(|v| v.as_object().cloned()).unwrap_or_default()),
+            None => events.emit(EVENT_QUALITY_UNAVAILABLE, fields([("outputDir", json!(final_dir.display().to_string()))])),
+        }
+        events.emit(EVENT_CACHED, fields([("outputDir", json!(final_dir.display().to_string()))]));
+        let original = TensorStore::open_dir(&job.model_dir).map(|s| s.total_bytes()).unwrap_or(0);
+        progress.emit("complete", 100.0, "cached artifact verified".into(), Default::default());
+        return Ok(Outcome {
+            output_dir: final_dir,
+            original_size_bytes: original,
+            compressed_size_bytes: sc.shards.iter().map(|s| s.size_bytes).sum(),
+            seconds: started.elapsed().as_secs_f64(),
+            quality,
+            cached: true,
+        });
+    }
+
+    let cfg = ModelConfig::load(&job.model_dir)?;
+    let store = TensorStore::open_dir(&job.model_dir)?;
+    let mut excluded = Vec::new();
+    for layer in 0..cfg.num_layers {
+        for (i, m) in LINEARS.iter().enumerate() {
+            let name = format!("{}{m}", cfg.layer_prefix(layer));
+            let (rows, cols) = linear_shape(&cfg, i);
+            let e = store.entry(&format!("{name}.weight"))?;
+            if e.shape != [rows, cols] {
+                return Err(QuantError::Input(format!("{name}.weight has shape {:?}, config.json implies [{rows}, {cols}]", e.shape)));
+            }
+            if job.excluded(&name) {
+                excluded.push(name);
+            } else {
+                job.params.check_shape(&name, rows, cols)?;
+            }
+        }
+    }
+    let samples = load_samples(&job.model_dir, &job.dataset, &job.calib)?;
+    let n_tokens: usize = samples.iter().map(Vec::len).sum();
+    let dataset_sha = sha256_file(&job.dataset)?;
+    let calib_fp = sha256_hex(format!("{dataset_sha}|{}|{}", job.calib.max_samples, job.calib.max_seq_len).as_bytes());
+    let config_hash = sha256_hex(
+        json!({
+            "params": job.params, "recovery": job.recovery, "calibration": calib_fp,
+            "model": model_fingerprint(&job.model_dir, &store)?, "exclusion": job.dynamic_exclusion,
+            "script_version": job.script_version,
+        })
+        .to_string()
+        .as_bytes(),
+    );
+    events.emit(
+        "calibration",
+        fields([("samples", json!(samples.len())), ("tokens", json!(n_tokens)), ("backend", json!(backend.name()))]),
+    );
+    let mut cache = LayerCache::open(&job.model_dir, &config_hash, &calib_fp, &job.script_version, job.resume_layers, events)?;
+
+    let max_len = samples.iter().map(Vec::len).max().unwrap_or(0);
+    let rope = Rope::new(&cfg, max_len);
+    let embed_table = store.f32("model.embed_tokens.weight")?;
+    let mut hidden: Vec<Mat<f32>> =
+        samples.iter().map(|s| embed(&store, &cfg, Some(&embed_table), s)).collect::<Result<_>>()?;
+    drop(embed_table);
+
+    let layers = cfg.num_layers;
+    let pct = |done: f64| 95.0 * done / layers.max(1) as f64;
+    let (mut gptq_count, mut rtn_count) = (0u64, 0u64);
+    for layer in 0..layers {
+        let prefix = cfg.layer_prefix(layer);
+        let layer_extra = |done: usize| {
+            fields([
+                ("layer", json!(layer)),
+                ("layers", json!(layers)),
+                ("unit", json!("layers")),
+                ("done", json!(done)),
+                ("total", json!(layers)),
+            ])
+        };
+        let mut lw = load_layer(&store, &cfg, layer, None)?;
+        if layer < cache.completed_layers() {
+            // Resume: the cached packed modules replace the source weights, read with the consumer's rules.
+            let path = cache.layer_path(layer).ok_or_else(|| QuantError::Numeric("cache index".into()))?;
+            let cstore = TensorStore::open_files(vec![path])?;
+            let gq = GptqReadConfig { bits: job.params.bits, format: ZeroFormat::for_sym(job.params.sym) };
+            for (i, m) in LINEARS.iter().enumerate() {
+                let name = format!("{prefix}{m}");
+                if cstore.contains(&format!("{name}.qweight")) {
+                    lw.linears[i].w = load_linear(&cstore, &name, linear_shape(&cfg, i), Some(gq))?.w;
+                }
+            }
+            let entry = &cache.manifest.layers[layer];
+            gptq_count += entry.gptq_modules;
+            rtn_count += entry.rtn_modules;
+            progress.emit("quantize", pct(layer as f64 + 1.0), format!("layer {}/{layers} loaded from cache", layer + 1), layer_extra(layer + 1));
+        } else {
+            let mut results: Vec<Option<QuantizedLinear>> = vec![None; 7];
+            for (stage, group) in STAGES.iter().zip(INPUT_GROUPS.iter()) {
+                let active: Vec<usize> =
+                    group.iter().copied().filter(|&i| !job.excluded(&format!("{prefix}{}", LINEARS[i]))).collect();
+                if active.is_empty() {
+                    continue;
+                }
+                let cols = lw.linears[active[0]].w.ncols();
+                let mut h = Mat::<f32>::zeros(cols, cols);
+                for x in &hidden {
+                    let a = layer_forward(&cfg, &lw, x.as_ref(), &rope, Some(*stage));
+                    backend.accumulate_hessian(h.as_mut(), a.as_ref(), 1.0);
+                }
+                h *= faer::Scale(2.0 / n_tokens as f32);
+                let names: Vec<String> = active.iter().map(|&i| format!("{prefix}{}", LINEARS[i])).collect();
+                let outcome = prepare_factor(backend, h, job.params.desc_act, &job.recovery, &names.join(","), events);
+                for &i in &active {
+                    let q = match &outcome {
+                        FactorOutcome::Factor(f) => gptq_quantize(backend, &lw.linears[i].w, f, &job.params),
+                        FactorOutcome::Exhausted => rtn_quantize(&lw.linears[i].w, &job.params),
+                    };
+                    lw.linears[i].w = dequantize_weight(&q);
+                    results[i] = Some(q);
+                }
+                progress.emit(
+                    "quantize",
+                    pct(layer as f64 + (*stage as usize + 1) as f64 / 5.0),
+                    format!("layer {}/{layers}: {}", layer + 1, names.join(", ")),
+                    layer_extra(layer),
+                );
+            }
+            let mut tensors = Vec::new();
+            let (mut g, mut r) = (0u64, 0u64);
+            for (i, q) in results.iter().enumerate() {
+                if let Some(q) = q {
+                    match q.method {
+                        Method::Gptq => g += 1,
+                        Method::Rtn => r += 1,
+                    }
+                    tensors.extend(module_tensors(&format!("{prefix}{}", LINEARS[i]), q));
+                }
+            }
+            cache.write_layer(layer, &tensors, g, r, events)?;
+            gptq_count += g;
+            rtn_count += r;
+            progress.emit("quantize", pct(layer as f64 + 1.0), format!("layer {}/{layers} done", layer + 1), layer_extra(layer + 1));
+        }
+        for x in hidden.iter_mut() {
+            *x = layer_forward(&cfg, &lw, x.as_ref(), &rope, None);
+        }
+        if job.abort_after_layer == Some(layer) {
+            return Err(QuantError::TestAbort(layer));
+        }
+    }
+
+    // Save.
+    cache.write_checkpoint("saving", None)?;
+    let quality = Quality::evaluate(gptq_count, rtn_count, &job.gate);
+    let layer_stores: Vec<TensorStore> = (0..layers)
+        .map(|l| {
+            let p = cache.layer_path(l).ok_or_else(|| QuantError::Numeric(format!("layer {l} missing from cache")))?;
+            TensorStore::open_files(vec![p])
+        })
+        .collect::<Result<_>>()?;
+    let mut tensors: Vec<OutTensor<'_>> = Vec::new();
+    for (name, e) in &store.entries {
+        if let Some(stem) = name.strip_suffix(".weight") {
+            let quantized = layer_stores.iter().any(|ls| ls.contains(&format!("{stem}.qweight")));
+            if quantized {
+                continue;
+            }
+        }
+        tensors.push(OutTensor { name: name.clone(), dtype: e.dtype, shape: e.shape.clone(), data: Cow::Borrowed(store.raw(name)?) });
+    }
+    for ls in &layer_stores {
+        for (name, e) in &ls.entries {
+            tensors.push(OutTensor { name: name.clone(), dtype: e.dtype, shape: e.shape.clone(), data: Cow::Borrowed(ls.raw(name)?) });
+        }
+    }
+    let qc = quantize_config_json(job, &excluded);
+    let mut config_json = cfg.raw.clone();
+    config_json["quantization_config"] = qc.clone();
+    let quality_json = serde_json::to_value(&quality).map_err(|e| QuantError::Numeric(e.to_string()))?;
+    let extras = Extras {
+        config_json,
+        quantize_config: qc,
+        quality: quality_json.clone(),
+        source_dir: &job.model_dir,
+        script_version: &job.script_version,
+    };
+    let records = write_checkpoint(&job.staging_dir(), &final_dir, tensors, job.max_shard_bytes, &extras, |done, total| {
+        progress.emit(
+            "save",
+            95.0 + 5.0 * done as f64 / total as f64,
+            format!("shard {done}/{total}"),
+            fields([("unit", json!("shards")), ("done", json!(done)), ("total", json!(total))]),
+        );
+    })?;
+    drop(layer_stores);
+    cache.remove()?;
+    events.emit(EVENT_QUALITY, quality_json.as_object().cloned().unwrap_or_default());
+    Ok(Outcome {
+        output_dir: final_dir,
+        original_size_bytes: store.total_bytes(),
+        compressed_size_bytes: records.iter().map(|r| r.size_bytes).sum(),
+        seconds: started.elapsed().as_secs_f64(),
+        quality: Some(quality),
+        cached: false,
+    })
+}

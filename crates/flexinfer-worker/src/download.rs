@@ -1,0 +1,481 @@
+//! `flexinfer-worker download`: fetch a model or dataset into `MODEL_DIR` (SPEC §4.1, §6).
+//!
+//! Sources: Hugging Face Hub (`HF://org/m`, `huggingface://org/m`, `org/m`), `oci://` artifacts
+//! (the layout `publish` writes) and `local://` paths under `FLEXINFER_LOCAL_SOURCE_ROOT`.
+//! Every file is verified (LFS sha256, git blob sha1, or OCI digest) before it is renamed into
+//! place; `.source-integrity.json` and `.download_complete` are written last.
+
+pub mod fetch;
+mod local;
+mod state;
+
+pub use state::IN_PROGRESS as IN_PROGRESS_FILE;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use flexinfer_api::contract::{
+    self, env, events, files, transfer_env, IntegrityFile, ProgressEvent, SourceIntegrity,
+    TerminationSuccess,
+};
+use futures::{StreamExt, TryStreamExt};
+
+use crate::common::{self, Events, WorkerError};
+use crate::hf::{self, RepoType};
+use crate::oci;
+use fetch::{FetchCtx, FetchError};
+
+/// One file a source offers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RemoteFile {
+    /// Relative path (validated with `check_relative_path`).
+    pub path: String,
+    pub url: String,
+    pub size: u64,
+    /// LFS / OCI sha256 (hex), when the source publishes one.
+    pub sha256: Option<String>,
+    /// Git blob sha1 of a non-LFS hub file.
+    pub git_sha1: Option<String>,
+}
+
+/// Flags of `flexinfer-worker download` (each also read from its env variable; flags win).
+#[derive(Debug, Clone, clap::Args)]
+pub struct DownloadArgs {
+    /// `HF://org/model`, `huggingface://org/model`, `org/model`, `oci://registry/repo:tag`, `local://path`.
+    #[arg(long, env = env::SOURCE)]
+    pub source: String,
+    /// Hub revision (branch, tag or commit).
+    #[arg(long, env = env::REVISION, default_value = "main")]
+    pub revision: String,
+    /// `model` or `dataset`.
+    #[arg(long, env = env::REPO_TYPE, default_value = "model")]
+    pub repo_type: String,
+    /// Comma-separated globs; only matching files are fetched (empty: all).
+    #[arg(long, env = env::ALLOW_PATTERNS, default_value = "")]
+    pub allow_patterns: String,
+    /// Comma-separated globs of files to skip.
+    #[arg(long, env = env::IGNORE_PATTERNS, default_value = "")]
+    pub ignore_patterns: String,
+    /// Destination directory.
+    #[arg(long, env = env::MODEL_DIR)]
+    pub model_dir: PathBuf,
+    /// Hub endpoint.
+    #[arg(long, env = env::HF_ENDPOINT, default_value = hf::DEFAULT_ENDPOINT)]
+    pub hf_endpoint: String,
+    /// Hub token (prefer the env variable; it is never logged).
+    #[arg(long, env = env::HF_TOKEN, hide_env_values = true)]
+    pub hf_token: Option<String>,
+    /// Files fetched in parallel.
+    #[arg(long, env = transfer_env::DOWNLOAD_CONCURRENCY, default_value_t = 4)]
+    pub concurrency: usize,
+    /// Consecutive failed attempts per file (without progress) before giving up.
+    #[arg(long, env = transfer_env::DOWNLOAD_RETRIES, default_value_t = 8)]
+    pub retries: u32,
+    /// Seconds between progress events.
+    #[arg(long, env = transfer_env::PROGRESS_INTERVAL_SECONDS, default_value_t = 5.0)]
+    pub progress_interval: f64,
+    /// Root that `local://` sources must stay inside.
+    #[arg(long, env = contract::controller_env::LOCAL_SOURCE_ROOT)]
+    pub local_source_root: Option<PathBuf>,
+    /// `oci://` sources: skip TLS verification and allow plain HTTP.
+    #[arg(long, env = env::OCI_INSECURE, value_parser = parse_bool_arg, default_value = "false")]
+    pub insecure: bool,
+    #[arg(long, env = env::OCI_USERNAME)]
+    pub oci_username: Option<String>,
+    #[arg(long, env = env::OCI_PASSWORD, hide_env_values = true)]
+    pub oci_password: Option<String>,
+    #[arg(long, env = env::DOCKER_CONFIG_JSON)]
+    pub docker_config_json: Option<PathBuf>,
+    /// Contract version expected by the controller.
+    #[arg(long, env = env::SCRIPT_VERSION)]
+    pub script_version: Option<String>,
+}
+
+/// clap parser for SPEC booleans (`True`, `false`, `1`, `0`, …).
+pub fn parse_bool_arg(s: &str) -> Result<bool, String> {
+    contract::parse_bool(s).ok_or_else(|| format!("not a boolean: {s:?} (use true/false/1/0)"))
+}
+
+/// Where the files come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    Hub { repo: String },
+    Oci { reference: String },
+    Local { path: String },
+}
+
+impl Source {
+    pub fn parse(s: &str) -> Result<Source, WorkerError> {
+        let s = s.trim();
+        let lower = s.to_ascii_lowercase();
+        let bad = |why: String| WorkerError::BadInput(format!("invalid source {s:?}: {why}"));
+        for prefix in ["hf://", "huggingface://"] {
+            if lower.starts_with(prefix) {
+                let repo = s[prefix.len()..].trim_matches('/').to_string();
+                hf::check_repo_id(&repo).map_err(bad)?;
+                return Ok(Source::Hub { repo });
+            }
+        }
+        if lower.starts_with("oci://") {
+            let reference = s["oci://".len()..].to_string();
+            oci::Reference::parse(&reference).map_err(|e| bad(e.to_string()))?;
+            return Ok(Source::Oci { reference });
+        }
+        if lower.starts_with("local://") {
+            return Ok(Source::Local { path: s["local://".len()..].to_string() });
+        }
+        if s.contains("://") {
+            return Err(bad("unknown scheme (use HF://, huggingface://, oci:// or local://)".into()));
+        }
+        hf::check_repo_id(s).map_err(bad)?;
+        Ok(Source::Hub { repo: s.to_string() })
+    }
+}
+
+/// Allow/ignore glob filter (comma lists, `*` does not cross `/` unless `**`).
+pub struct PatternFilter {
+    allow: Option<globset::GlobSet>,
+    ignore: Option<globset::GlobSet>,
+}
+
+impl PatternFilter {
+    pub fn new(allow: &str, ignore: &str) -> Result<Self, WorkerError> {
+        Ok(Self { allow: build_globs(allow)?, ignore: build_globs(ignore)? })
+    }
+    pub fn matches(&self, path: &str) -> bool {
+        self.allow.as_ref().is_none_or(|a| a.is_match(path))
+            && !self.ignore.as_ref().is_some_and(|i| i.is_match(path))
+    }
+}
+
+fn build_globs(list: &str) -> Result<Option<globset::GlobSet>, WorkerError> {
+    let pats: Vec<&str> = list.split(',').map(str::trim).filter(|p| !p.is_empty()).collect();
+    if pats.is_empty() {
+        return Ok(None);
+    }
+    let mut b = globset::GlobSetBuilder::new();
+    for p in pats {
+        // huggingface_hub semantics: a pattern ending in `/` means everything below it.
+        let p = if p.ends_with('/') { format!("{p}*") } else { p.to_string() };
+        let g = globset::GlobBuilder::new(&p)
+            .literal_separator(false)
+            .build()
+            .map_err(|e| WorkerError::BadInput(format!("invalid pattern {p:?}: {e}")))?;
+        b.add(g);
+    }
+    b.build()
+        .map(Some)
+        .map_err(|e| WorkerError::BadInput(format!("invalid patterns: {e}")))
+}
+
+/// Run the subcommand; returns the process exit code.
+pub fn run(args: DownloadArgs) -> i32 {
+    let events = Arc::new(Events::new(contract::JobPhase::Download.status_name()));
+    let result = runtime().and_then(|rt| rt.block_on(run_async(&args, events.clone())));
+    common::finish(&events, result.map_err(|e| redact(e, &args)))
+}
+
+/// Never let a secret reach the termination message.
+fn redact(e: WorkerError, args: &DownloadArgs) -> WorkerError {
+    let secrets: Vec<&str> = [args.hf_token.as_deref(), args.oci_password.as_deref()]
+        .into_iter()
+        .flatten()
+        .filter(|s| s.len() >= 4)
+        .collect();
+    if secrets.is_empty() {
+        return e;
+    }
+    let clean = |m: String| secrets.iter().fold(m, |m, s| m.replace(s, "<redacted>"));
+    match e {
+        WorkerError::BadInput(m) => WorkerError::BadInput(clean(m)),
+        WorkerError::QualityGate(m) => WorkerError::QualityGate(clean(m)),
+        WorkerError::VersionMismatch(m) => WorkerError::VersionMismatch(clean(m)),
+        WorkerError::Other(m) => WorkerError::Other(clean(m)),
+    }
+}
+
+/// A multi-threaded runtime for the transfer subcommands.
+pub fn runtime() -> Result<tokio::runtime::Runtime, WorkerError> {
+    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).clamp(2, 8);
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .enable_all()
+        .build()
+        .map_err(|e| WorkerError::Other(format!("cannot start the async runtime: {e}")))
+}
+
+/// HTTP client: rustls with the ring provider, system roots; `insecure` disables verification.
+pub fn http_client(insecure: bool) -> Result<reqwest::Client, WorkerError> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::builder()
+        .tls_danger_accept_invalid_certs(insecure)
+        .connect_timeout(Duration::from_secs(30))
+        .read_timeout(Duration::from_secs(120))
+        .pool_max_idle_per_host(16)
+        .user_agent(concat!("flexinfer-worker/", env!("CARGO_PKG_VERSION")))
+        .build()
+        .map_err(|e| WorkerError::Other(format!("cannot build the HTTP client: {e}")))
+}
+
+pub fn fetch_error(e: FetchError) -> WorkerError {
+    match e {
+        FetchError::Fatal(m) => WorkerError::BadInput(m),
+        FetchError::Retryable(m) | FetchError::Failed(m) => WorkerError::Other(m),
+    }
+}
+
+async fn run_async(args: &DownloadArgs, events: Arc<Events>) -> Result<TerminationSuccess, WorkerError> {
+    common::check_version(args.script_version.as_deref())?;
+    let source = Source::parse(&args.source)?;
+    let filter = PatternFilter::new(&args.allow_patterns, &args.ignore_patterns)?;
+    if args.concurrency == 0 {
+        return Err(WorkerError::BadInput("concurrency must be at least 1".into()));
+    }
+    events.emit(
+        events::START,
+        &serde_json::json!({
+            "phase": events.phase(),
+            "source": args.source,
+            "revision": args.revision,
+            "modelDir": args.model_dir.display().to_string(),
+        }),
+    );
+    std::fs::create_dir_all(&args.model_dir).map_err(|e| {
+        WorkerError::Other(format!("cannot create {}: {e}", args.model_dir.display()))
+    })?;
+    match source {
+        Source::Hub { repo } => {
+            let kind = RepoType::parse(&args.repo_type).ok_or_else(|| {
+                WorkerError::BadInput(format!(
+                    "{} must be model or dataset, got {:?}",
+                    env::REPO_TYPE,
+                    args.repo_type
+                ))
+            })?;
+            let client = http_client(false)?;
+            let token = args.hf_token.as_deref().filter(|t| !t.is_empty());
+            let listed = hf::list_files(&client, &args.hf_endpoint, token, kind, &repo, &args.revision)
+                .await
+                .map_err(fetch_error)?;
+            let files = select(listed, &filter)?;
+            let ctx = new_ctx(client, token.map(|t| format!("Bearer {t}")), args.retries);
+            let canonical = format!("hf://{repo}");
+            fetch_all(args, &events, &ctx, &canonical, &args.revision, files).await
+        }
+        Source::Oci { reference } => {
+            let reference = oci::Reference::parse(&reference)
+                .map_err(|e| WorkerError::BadInput(e.to_string()))?;
+            let creds = oci::Credentials::resolve(
+                &reference.registry,
+                args.oci_username.as_deref(),
+                args.oci_password.as_deref(),
+                args.docker_config_json.as_deref(),
+            )
+            .map_err(|e| WorkerError::BadInput(e.to_string()))?;
+            let reg = oci::Registry::connect(&reference, creds, args.insecure)
+                .await
+                .map_err(oci::worker_error)?;
+            let (digest, listed) = reg.artifact_files(&reference).await.map_err(oci::worker_error)?;
+            let files = select(listed, &filter)?;
+            let ctx = new_ctx(reg.client().clone(), reg.authorization().await, args.retries);
+            fetch_all(args, &events, &ctx, &format!("oci://{reference}"), &digest, files).await
+        }
+        Source::Local { path } => local::run(args, &events, &path).await,
+    }
+}
+
+fn new_ctx(client: reqwest::Client, authorization: Option<String>, retries: u32) -> FetchCtx {
+    FetchCtx {
+        client,
+        authorization,
+        done: Arc::new(AtomicU64::new(0)),
+        max_retries: retries,
+        received: Arc::new(AtomicU64::new(0)),
+    }
+}
+
+fn select(listed: Vec<RemoteFile>, filter: &PatternFilter) -> Result<Vec<RemoteFile>, WorkerError> {
+    let n = listed.len();
+    let files: Vec<RemoteFile> = listed
+        .into_iter()
+        .filter(|f| filter.matches(&f.path))
+        .filter(|f| !is_marker(&f.path))
+        .collect();
+    if files.is_empty() {
+        return Err(WorkerError::BadInput(format!(
+            "no files to download: the source lists {n} file(s) and none match the allow/ignore patterns"
+        )));
+    }
+    Ok(files)
+}
+
+/// Our own marker files are never taken from a source.
+fn is_marker(p: &str) -> bool {
+    [files::DOWNLOAD_COMPLETE, files::SOURCE_INTEGRITY].contains(&p)
+}
+
+/// Weight files counted in `weightBytes`.
+pub fn is_weight_file(name: &str) -> bool {
+    [".safetensors", ".bin", ".gguf", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx"]
+        .iter()
+        .any(|ext| name.ends_with(ext))
+}
+
+async fn fetch_all(
+    args: &DownloadArgs,
+    events: &Arc<Events>,
+    ctx: &FetchCtx,
+    source: &str,
+    revision: &str,
+    files: Vec<RemoteFile>,
+) -> Result<TerminationSuccess, WorkerError> {
+    let dir = &args.model_dir;
+    let total: u64 = files.iter().map(|f| f.size).sum();
+    let prev = state::read_previous(dir);
+    if let Some(p) = &prev {
+        if state::is_complete(dir) && state::still_valid(dir, p, source, revision, &files).await {
+            events.log(&format!("{source}@{revision} is already downloaded and verified; nothing to do"));
+            events.progress(bytes_progress(total, total, 0.0, "already complete"));
+            return Ok(success(p, dir));
+        }
+    }
+    state::invalidate(dir, prev.as_ref(), source, revision, &files, events)
+        .map_err(|e| WorkerError::Other(format!("cannot reset {}: {e}", dir.display())))?;
+    state::check_free_space(dir, &files)?;
+    events.log(&format!(
+        "downloading {} file(s), {} bytes from {source}@{revision} into {}",
+        files.len(),
+        total,
+        dir.display()
+    ));
+
+    let started = Instant::now();
+    let ticker = spawn_ticker(events.clone(), ctx, total, args.progress_interval);
+    let results: Result<Vec<IntegrityFile>, FetchError> = futures::stream::iter(files.iter())
+        .map(|f| fetch::fetch_file(ctx, dir, f))
+        .buffer_unordered(args.concurrency)
+        .try_collect()
+        .await;
+    ticker.abort();
+    let mut integrity_files = results.map_err(fetch_error)?;
+    integrity_files.sort_by(|a, b| a.name.cmp(&b.name));
+    let secs = started.elapsed().as_secs_f64();
+    let received = ctx.received.load(Ordering::Relaxed);
+    events.progress(bytes_progress(total, total, received as f64 / secs.max(1e-3), "verified"));
+    let integrity = SourceIntegrity {
+        weight_bytes: integrity_files.iter().filter(|f| is_weight_file(&f.name)).map(|f| f.size).sum(),
+        files: integrity_files,
+        revision: revision.to_string(),
+        source: source.to_string(),
+    };
+    state::write_markers(dir, &integrity)
+        .map_err(|e| WorkerError::Other(format!("cannot write markers in {}: {e}", dir.display())))?;
+    events.log(&format!(
+        "downloaded {received} bytes in {secs:.1}s ({:.1} MiB/s); {} file(s) verified",
+        received as f64 / secs.max(1e-3) / 1048576.0,
+        integrity.files.len()
+    ));
+    Ok(success(&integrity, dir))
+}
+
+fn success(i: &SourceIntegrity, dir: &Path) -> TerminationSuccess {
+    TerminationSuccess {
+        kind: contract::JobPhase::Download.as_str().to_string(),
+        size_bytes: Some(i.files.iter().map(|f| f.size).sum()),
+        file_count: Some(i.files.len() as u64),
+        revision: Some(i.revision.clone()),
+        output_dir: Some(dir.display().to_string()),
+        ..Default::default()
+    }
+}
+
+/// A `progress` event in bytes with rate and ETA in `detail`.
+pub fn bytes_progress(done: u64, total: u64, rate: f64, what: &str) -> ProgressEvent {
+    let percent = if total == 0 { 100.0 } else { done as f64 * 100.0 / total as f64 };
+    let eta = if rate > 0.0 && done < total {
+        format!(", ETA {:.0}s", (total - done) as f64 / rate)
+    } else {
+        String::new()
+    };
+    ProgressEvent {
+        percent: (percent * 100.0).round() / 100.0,
+        detail: Some(format!(
+            "{what}: {:.1}/{:.1} MiB at {:.1} MiB/s{eta}",
+            done as f64 / 1048576.0,
+            total as f64 / 1048576.0,
+            rate / 1048576.0
+        )),
+        unit: Some("bytes".into()),
+        done: Some(done as f64),
+        total: Some(total as f64),
+        ..Default::default()
+    }
+}
+
+fn spawn_ticker(
+    events: Arc<Events>,
+    ctx: &FetchCtx,
+    total: u64,
+    interval: f64,
+) -> tokio::task::JoinHandle<()> {
+    let done = ctx.done.clone();
+    let received = ctx.received.clone();
+    let interval = Duration::from_secs_f64(interval.clamp(0.05, 3600.0));
+    tokio::spawn(async move {
+        let start = Instant::now();
+        loop {
+            tokio::time::sleep(interval).await;
+            let secs = start.elapsed().as_secs_f64().max(1e-3);
+            let rate = received.load(Ordering::Relaxed) as f64 / secs;
+            let d = done.load(Ordering::Relaxed).min(total);
+            events.progress(bytes_progress(d, total, rate, "downloading"));
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sources() {
+        assert_eq!(Source::parse("HF://org/m").unwrap(), Source::Hub { repo: "org/m".into() });
+        assert_eq!(
+            Source::parse("huggingface://org/m").unwrap(),
+            Source::Hub { repo: "org/m".into() }
+        );
+        assert_eq!(Source::parse("org/m").unwrap(), Source::Hub { repo: "org/m".into() });
+        assert_eq!(
+            Source::parse("oci://r.example:5000/a/b:v1").unwrap(),
+            Source::Oci { reference: "r.example:5000/a/b:v1".into() }
+        );
+        assert_eq!(Source::parse("local://x/y").unwrap(), Source::Local { path: "x/y".into() });
+        assert!(Source::parse("s3://bucket/x").is_err());
+        assert!(Source::parse("../etc").is_err());
+        assert!(Source::parse("a/b/c").is_err());
+    }
+
+    #[test]
+    fn patterns() {
+        let f = PatternFilter::new("*.safetensors, *.json,tokenizer/", "*.bin").unwrap();
+        assert!(f.matches("model-00001-of-00002.safetensors"));
+        assert!(f.matches("config.json"));
+        assert!(f.matches("tokenizer/vocab.txt"));
+        assert!(!f.matches("pytorch_model.bin"));
+        assert!(!f.matches("README.md"));
+        let all = PatternFilter::new("", "").unwrap();
+        assert!(all.matches("anything"));
+        assert!(PatternFilter::new("[", "").is_err());
+    }
+
+    #[test]
+    fn progress_detail() {
+        let p = bytes_progress(50 << 20, 100 << 20, (10 << 20) as f64, "downloading");
+        assert_eq!(p.percent, 50.0);
+        assert_eq!(p.unit.as_deref(), Some("bytes"));
+        let d = p.detail.unwrap();
+        assert!(d.contains("50.0/100.0 MiB at 10.0 MiB/s, ETA 5s"), "{d}");
+    }
+}

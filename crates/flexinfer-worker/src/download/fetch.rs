@@ -1,0 +1,456 @@
+//! One file over HTTP: Range resume from `<name>.part`, sha256 while streaming, retries with
+//! backoff on 5xx and dropped connections, rename into place only after verification.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use flexinfer_api::contract::IntegrityFile;
+use futures::StreamExt;
+use reqwest::StatusCode;
+use sha2::{Digest, Sha256};
+use tokio::io::{AsyncSeekExt, AsyncWriteExt};
+
+use super::RemoteFile;
+
+/// Why a transfer failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum FetchError {
+    /// Will not get better by retrying (401/403/404, unsafe names): exit 2.
+    #[error("{0}")]
+    Fatal(String),
+    /// Transient (5xx, 429, dropped connection): retried with backoff.
+    #[error("{0}")]
+    Retryable(String),
+    /// Verification failed or retries exhausted: exit 1.
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// The class of an HTTP error status (message filled by [`http_error`]).
+pub fn classify_status(s: StatusCode) -> FetchError {
+    if s.is_server_error() || s == StatusCode::TOO_MANY_REQUESTS || s == StatusCode::REQUEST_TIMEOUT
+    {
+        FetchError::Retryable(String::new())
+    } else {
+        FetchError::Fatal(String::new())
+    }
+}
+
+/// A clear error for an HTTP status; never contains credentials.
+pub fn http_error(what: &str, s: StatusCode, has_token: bool) -> FetchError {
+    let msg = match s {
+        StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => {
+            let hint = if has_token {
+                "the token was rejected or lacks access (gated repos need their terms accepted)"
+            } else {
+                "set HF_TOKEN (secretRef) for private or gated repositories"
+            };
+            format!("access denied to {what} (HTTP {}): {hint}", s.as_u16())
+        }
+        StatusCode::NOT_FOUND => {
+            format!("{what} not found (HTTP 404): check the repository id, repo type and revision")
+        }
+        _ => format!("{what}: HTTP {}", s.as_u16()),
+    };
+    match classify_status(s) {
+        FetchError::Retryable(_) => FetchError::Retryable(msg),
+        _ => FetchError::Fatal(msg),
+    }
+}
+
+/// Shared state of one download run.
+pub struct FetchCtx {
+    pub client: reqwest::Client,
+    /// Full `Authorization` header value for same-origin requests (never logged).
+    pub authorization: Option<String>,
+    /// Bytes present on disk for the files of this run (progress).
+    pub done: Arc<AtomicU64>,
+    /// Consecutive failed attempts without progress before giving up.
+    pub max_retries: u32,
+    /// Bytes actually received over the network in this run.
+    pub received: Arc<AtomicU64>,
+}
+
+fn part_path(dest: &Path) -> PathBuf {
+    let mut name = dest.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+    name.push(".part");
+    dest.with_file_name(name)
+}
+
+/// sha256 of a whole file (blocking; call from `spawn_blocking`).
+pub fn sha256_file(path: &Path) -> std::io::Result<String> {
+    sha256_prefix(path, u64::MAX).map(|(h, _)| hex::encode(h.finalize()))
+}
+
+/// Hash the first `len` bytes of a file; returns the hasher and the bytes read.
+fn sha256_prefix(path: &Path, len: u64) -> std::io::Result<(Sha256, u64)> {
+    use std::io::Read;
+    let f = std::fs::File::open(path)?;
+    let mut r = std::io::BufReader::with_capacity(1 << 20, f).take(len);
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut n_total = 0u64;
+    loop {
+        let n = r.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+        n_total += n as u64;
+    }
+    Ok((h, n_total))
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> std::io::Result<T> + Send + 'static,
+) -> std::io::Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| std::io::Error::other(e.to_string()))?
+}
+
+fn io_err(what: &str, p: &Path, e: std::io::Error) -> FetchError {
+    FetchError::Failed(format!("{what} {}: {e}", p.display()))
+}
+
+/// Fetch `f` into `dir/f.path`, resuming from its `.part` file. Returns its integrity record.
+pub async fn fetch_file(ctx: &FetchCtx, dir: &Path, f: &RemoteFile) -> Result<IntegrityFile, FetchError> {
+    let dest = dir.join(&f.path);
+    let part = part_path(&dest);
+    if let Some(parent) = dest.parent() {
+        tokio::fs::create_dir_all(parent)
+            .await
+            .map_err(|e| io_err("creating", parent, e))?;
+    }
+    // A finished file from an earlier run: verify it instead of fetching it again.
+    if let Ok(meta) = tokio::fs::metadata(&dest).await {
+        if meta.is_file() && meta.len() == f.size {
+            let p = dest.clone();
+            let sha = blocking(move || sha256_file(&p))
+                .await
+                .map_err(|e| io_err("hashing", &dest, e))?;
+            if verify(f, &dest, &sha).await.is_ok() {
+                ctx.done.fetch_add(f.size, Ordering::Relaxed);
+                return Ok(IntegrityFile { name: f.path.clone(), size: f.size, sha256: sha });
+            }
+        }
+        tokio::fs::remove_file(&dest)
+            .await
+            .map_err(|e| io_err("removing stale", &dest, e))?;
+    }
+    let mut counted = 0u64; // bytes of this file included in ctx.done
+    let mut attempts = 0u32;
+    let mut verify_failures = 0u32;
+    loop {
+        let before = counted;
+        let res = download_once(ctx, f, &part, &mut counted).await;
+        match res {
+            Ok(sha) => {
+                if let Err(why) = verify(f, &part, &sha).await {
+                    let _ = tokio::fs::remove_file(&part).await;
+                    ctx.done.fetch_sub(counted, Ordering::Relaxed);
+                    counted = 0;
+                    verify_failures += 1;
+                    let msg = format!("{why}; the partial file was removed");
+                    tracing::warn!(file = %f.path, "verification failed");
+                    eprintln!("{msg}");
+                    if verify_failures >= 2 {
+                        return Err(FetchError::Failed(msg));
+                    }
+                    continue;
+                }
+                tokio::fs::rename(&part, &dest)
+                    .await
+                    .map_err(|e| io_err("renaming", &part, e))?;
+                return Ok(IntegrityFile { name: f.path.clone(), size: f.size, sha256: sha });
+            }
+            Err(FetchError::Retryable(msg)) => {
+                if counted > before {
+                    attempts = 0;
+                }
+                attempts += 1;
+                if attempts > ctx.max_retries {
+                    return Err(FetchError::Failed(format!(
+                        "{}: giving up after {} attempts: {msg}",
+                        f.path, attempts
+                    )));
+                }
+                let delay = Duration::from_millis((250u64 << attempts.min(7)).min(30_000));
+                tracing::warn!(file = %f.path, attempt = attempts, error = %msg, "retrying");
+                eprintln!("retrying {} in {:?} (attempt {attempts}): {msg}", f.path, delay);
+                tokio::time::sleep(delay).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Check a file against what the source promised: LFS sha256, else the git blob sha1.
+async fn verify(f: &RemoteFile, path: &Path, sha256: &str) -> Result<(), String> {
+    if let Some(want) = &f.sha256 {
+        if want != sha256 {
+            return Err(format!(
+                "sha256 mismatch for {}: expected {want}, got {sha256}",
+                f.path
+            ));
+        }
+        return Ok(());
+    }
+    if let Some(want) = &f.git_sha1 {
+        let p = path.to_path_buf();
+        let got = blocking(move || git_blob_sha1(&p))
+            .await
+            .map_err(|e| format!("hashing {}: {e}", f.path))?;
+        if *want != got {
+            return Err(format!(
+                "git blob sha1 mismatch for {}: expected {want}, got {got}",
+                f.path
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Git's object id of a file: sha1 over `blob <len>\0<content>`.
+pub fn git_blob_sha1(path: &Path) -> std::io::Result<String> {
+    use sha1::Digest as _;
+    use std::io::Read;
+    let mut f = std::fs::File::open(path)?;
+    let len = f.metadata()?.len();
+    let mut h = sha1::Sha1::new();
+    h.update(format!("blob {len}\0").as_bytes());
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(hex::encode(h.finalize()))
+}
+
+async fn download_once(
+    ctx: &FetchCtx,
+    f: &RemoteFile,
+    part: &Path,
+    counted: &mut u64,
+) -> Result<String, FetchError> {
+    if let Some(src) = f.url.strip_prefix("file://") {
+        return copy_local(ctx, Path::new(src), part, counted).await;
+    }
+    let mut have = match tokio::fs::metadata(part).await {
+        Ok(m) => m.len(),
+        Err(_) => 0,
+    };
+    let mut file = tokio::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .truncate(false)
+        .open(part)
+        .await
+        .map_err(|e| io_err("opening", part, e))?;
+    if have > f.size {
+        have = 0;
+    }
+    // Hash what is already on disk (resume).
+    let (mut hasher, hashed) = if have > 0 {
+        let p = part.to_path_buf();
+        blocking(move || sha256_prefix(&p, have))
+            .await
+            .map_err(|e| io_err("hashing", part, e))?
+    } else {
+        (Sha256::new(), 0)
+    };
+    have = hashed;
+    set_len(&mut file, part, have).await?;
+    sync_counted(ctx, counted, have);
+    if have == f.size && have > 0 {
+        return Ok(hex::encode(hasher.finalize()));
+    }
+    let mut req = ctx.client.get(&f.url);
+    if let Some(a) = &ctx.authorization {
+        req = req.header(reqwest::header::AUTHORIZATION, a);
+    }
+    if have > 0 {
+        req = req.header(reqwest::header::RANGE, format!("bytes={have}-"));
+    }
+    let resp = req
+        .send()
+        .await
+        .map_err(|e| FetchError::Retryable(format!("{}: request failed: {}", f.path, strip_url(&e))))?;
+    let status = resp.status();
+    match status {
+        StatusCode::PARTIAL_CONTENT if have > 0 => {
+            let start = resp
+                .headers()
+                .get(reqwest::header::CONTENT_RANGE)
+                .and_then(|v| v.to_str().ok())
+                .and_then(parse_content_range_start);
+            if start != Some(have) {
+                // Not the range we asked for: start over.
+                set_len(&mut file, part, 0).await?;
+                sync_counted(ctx, counted, 0);
+                return Err(FetchError::Retryable(format!(
+                    "{}: server answered a different range; restarting the file",
+                    f.path
+                )));
+            }
+        }
+        s if s.is_success() => {
+            if have > 0 {
+                // The server ignored the Range header: take the whole body.
+                have = 0;
+                hasher = Sha256::new();
+                set_len(&mut file, part, 0).await?;
+                sync_counted(ctx, counted, 0);
+            }
+        }
+        StatusCode::RANGE_NOT_SATISFIABLE => {
+            set_len(&mut file, part, 0).await?;
+            sync_counted(ctx, counted, 0);
+            return Err(FetchError::Retryable(format!("{}: range not satisfiable; restarting", f.path)));
+        }
+        s => return Err(http_error(&f.path, s, ctx.authorization.is_some())),
+    }
+    let mut w = tokio::io::BufWriter::with_capacity(4 << 20, file);
+    let mut stream = resp.bytes_stream();
+    let mut pos = have;
+    while let Some(chunk) = stream.next().await {
+        let chunk = match chunk {
+            Ok(c) => c,
+            Err(e) => {
+                w.flush().await.map_err(|e| io_err("writing", part, e))?;
+                return Err(FetchError::Retryable(format!(
+                    "{}: connection dropped at byte {pos} of {}: {}",
+                    f.path,
+                    f.size,
+                    strip_url(&e)
+                )));
+            }
+        };
+        if pos + chunk.len() as u64 > f.size {
+            drop(w);
+            let _ = tokio::fs::remove_file(part).await;
+            sync_counted(ctx, counted, 0);
+            return Err(FetchError::Retryable(format!(
+                "{}: server sent more than the listed {} bytes",
+                f.path, f.size
+            )));
+        }
+        hasher.update(&chunk);
+        w.write_all(&chunk).await.map_err(|e| io_err("writing", part, e))?;
+        pos += chunk.len() as u64;
+        ctx.received.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+        sync_counted(ctx, counted, pos);
+    }
+    w.flush().await.map_err(|e| io_err("writing", part, e))?;
+    let file = w.into_inner();
+    file.sync_all().await.map_err(|e| io_err("syncing", part, e))?;
+    if pos != f.size {
+        return Err(FetchError::Retryable(format!(
+            "{}: connection closed at byte {pos} of {}",
+            f.path, f.size
+        )));
+    }
+    Ok(hex::encode(hasher.finalize()))
+}
+
+/// `local://` sources: copy into the `.part` file while hashing.
+async fn copy_local(
+    ctx: &FetchCtx,
+    src: &Path,
+    part: &Path,
+    counted: &mut u64,
+) -> Result<String, FetchError> {
+    sync_counted(ctx, counted, 0);
+    let (src, part2, done) = (src.to_path_buf(), part.to_path_buf(), ctx.done.clone());
+    let res = blocking(move || {
+        use std::io::{Read, Write};
+        let mut r = std::fs::File::open(&src)?;
+        let mut w = std::fs::File::create(&part2)?;
+        let mut h = Sha256::new();
+        let mut buf = vec![0u8; 4 << 20];
+        let mut n_total = 0u64;
+        loop {
+            let n = r.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            h.update(&buf[..n]);
+            w.write_all(&buf[..n])?;
+            done.fetch_add(n as u64, Ordering::Relaxed);
+            n_total += n as u64;
+        }
+        w.sync_all()?;
+        Ok((hex::encode(h.finalize()), n_total))
+    })
+    .await
+    .map_err(|e| io_err("copying to", part, e))?;
+    *counted = res.1;
+    Ok(res.0)
+}
+
+async fn set_len(file: &mut tokio::fs::File, part: &Path, len: u64) -> Result<(), FetchError> {
+    file.set_len(len).await.map_err(|e| io_err("truncating", part, e))?;
+    file.seek(std::io::SeekFrom::Start(len))
+        .await
+        .map_err(|e| io_err("seeking", part, e))?;
+    Ok(())
+}
+
+fn sync_counted(ctx: &FetchCtx, counted: &mut u64, now: u64) {
+    if now >= *counted {
+        ctx.done.fetch_add(now - *counted, Ordering::Relaxed);
+    } else {
+        ctx.done.fetch_sub(*counted - now, Ordering::Relaxed);
+    }
+    *counted = now;
+}
+
+/// `bytes 100-199/200` → 100.
+fn parse_content_range_start(v: &str) -> Option<u64> {
+    let rest = v.trim().strip_prefix("bytes")?.trim();
+    rest.split('-').next()?.trim().parse().ok()
+}
+
+/// A reqwest error without its URL (URLs may carry presigned query strings).
+pub fn strip_url(e: &reqwest::Error) -> String {
+    let mut s = e.to_string();
+    if let Some(u) = e.url() {
+        s = s.replace(u.as_str(), "<url>");
+    }
+    let mut src = std::error::Error::source(e);
+    while let Some(inner) = src {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        src = inner.source();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn content_range() {
+        assert_eq!(parse_content_range_start("bytes 100-199/200"), Some(100));
+        assert_eq!(parse_content_range_start("bytes */200"), None);
+    }
+
+    #[test]
+    fn statuses() {
+        assert!(matches!(
+            http_error("x", StatusCode::UNAUTHORIZED, false),
+            FetchError::Fatal(m) if m.contains("HF_TOKEN")
+        ));
+        assert!(matches!(http_error("x", StatusCode::NOT_FOUND, true), FetchError::Fatal(_)));
+        assert!(matches!(
+            http_error("x", StatusCode::BAD_GATEWAY, true),
+            FetchError::Retryable(_)
+        ));
+    }
+}

@@ -1,0 +1,98 @@
+//! `local://path` sources: confined to `FLEXINFER_LOCAL_SOURCE_ROOT`; copied into `MODEL_DIR`, or
+//! verified in place when the source is `MODEL_DIR` itself.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use flexinfer_api::contract::{self, files, TerminationSuccess};
+
+use super::{fetch_all, is_marker, new_ctx, select, DownloadArgs, PatternFilter, RemoteFile};
+use crate::common::{Events, WorkerError};
+
+pub async fn run(
+    args: &DownloadArgs,
+    events: &Arc<Events>,
+    path: &str,
+) -> Result<TerminationSuccess, WorkerError> {
+    let root = args.local_source_root.as_ref().ok_or_else(|| {
+        WorkerError::BadInput(format!(
+            "local:// sources need {} (the directory local sources must stay inside)",
+            contract::controller_env::LOCAL_SOURCE_ROOT
+        ))
+    })?;
+    let root = std::fs::canonicalize(root).map_err(|e| {
+        WorkerError::BadInput(format!("local source root {} is not usable: {e}", root.display()))
+    })?;
+    let candidate = if Path::new(path).is_absolute() { PathBuf::from(path) } else { root.join(path) };
+    let src = std::fs::canonicalize(&candidate).map_err(|e| {
+        WorkerError::BadInput(format!("local source {path:?} is not readable: {e}"))
+    })?;
+    if !src.starts_with(&root) {
+        return Err(WorkerError::BadInput(format!(
+            "local source {path:?} resolves outside the allowed root {}",
+            root.display()
+        )));
+    }
+    if !src.is_dir() {
+        return Err(WorkerError::BadInput(format!("local source {path:?} is not a directory")));
+    }
+    let filter = PatternFilter::new(&args.allow_patterns, &args.ignore_patterns)?;
+    let src2 = src.clone();
+    let listed = tokio::task::spawn_blocking(move || list_and_hash(&src2))
+        .await
+        .map_err(|e| WorkerError::Other(e.to_string()))?
+        .map_err(|e| WorkerError::Other(format!("reading local source {}: {e}", src.display())))?;
+    let files = select(listed, &filter)?;
+    let ctx = new_ctx(super::http_client(false)?, None, args.retries);
+    let revision = "local".to_string();
+    fetch_all(args, events, &ctx, &format!("local://{path}"), &revision, files).await
+}
+
+/// Every regular file under `src` (skipping our markers, partial files and derived artifacts),
+/// with its sha256 and a `file://` URL.
+fn list_and_hash(src: &Path) -> std::io::Result<Vec<RemoteFile>> {
+    let mut out = Vec::new();
+    walk(src, src, &mut out)?;
+    out.sort_by(|a, b| a.path.cmp(&b.path));
+    Ok(out)
+}
+
+fn walk(root: &Path, dir: &Path, out: &mut Vec<RemoteFile>) -> std::io::Result<()> {
+    for e in std::fs::read_dir(dir)? {
+        let e = e?;
+        let name = e.file_name().to_string_lossy().to_string();
+        let t = e.file_type()?;
+        if t.is_dir() {
+            let derived = name == contract::ABLITERATED_SUBDIR
+                || name == files::GPTQ_CACHE_DIR
+                || name == contract::DATASETS_SUBDIR
+                || name.starts_with("gptq-");
+            if !derived {
+                walk(root, &e.path(), out)?;
+            }
+            continue;
+        }
+        if !t.is_file() || name.ends_with(".part") || name == super::state::IN_PROGRESS {
+            continue;
+        }
+        let rel = e
+            .path()
+            .strip_prefix(root)
+            .map_err(std::io::Error::other)?
+            .to_string_lossy()
+            .to_string();
+        if is_marker(&rel) || rel == files::ABLITERATION_STATUS {
+            continue;
+        }
+        let size = e.metadata()?.len();
+        let sha = super::fetch::sha256_file(&e.path())?;
+        out.push(RemoteFile {
+            url: format!("file://{}", e.path().display()),
+            path: rel,
+            size,
+            sha256: Some(sha),
+            git_sha1: None,
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,272 @@
+//! Markers of a download, the "is it still valid" check, the reset of derived artifacts when the
+//! source changes, and the free-space check.
+
+use std::path::Path;
+
+use flexinfer_api::contract::{self, files, IntegrityFile, SourceIntegrity};
+
+use super::fetch::{git_blob_sha1, FetchError};
+use super::RemoteFile;
+use crate::common::{write_atomic, Events, WorkerError};
+
+/// Internal record of the source a run is fetching (so `.part` files of another source are never
+/// resumed). Not part of the controller contract.
+pub const IN_PROGRESS: &str = ".download-in-progress.json";
+
+#[derive(serde::Serialize, serde::Deserialize, PartialEq)]
+struct InProgress {
+    source: String,
+    revision: String,
+}
+
+/// The previous `.source-integrity.json`, if readable.
+pub fn read_previous(dir: &Path) -> Option<SourceIntegrity> {
+    let text = std::fs::read_to_string(dir.join(files::SOURCE_INTEGRITY)).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
+pub fn is_complete(dir: &Path) -> bool {
+    dir.join(files::DOWNLOAD_COMPLETE).is_file()
+}
+
+/// Same source and revision, the same files (names, sizes, published hashes), all on disk with
+/// their sizes (git blob ids of small non-LFS files re-checked).
+pub async fn still_valid(
+    dir: &Path,
+    prev: &SourceIntegrity,
+    source: &str,
+    revision: &str,
+    remote: &[RemoteFile],
+) -> bool {
+    if prev.source != source || prev.revision != revision || !same_files(prev, remote) {
+        return false;
+    }
+    for f in remote {
+        let p = dir.join(&f.path);
+        match std::fs::metadata(&p) {
+            Ok(m) if m.is_file() && m.len() == f.size => {}
+            _ => return false,
+        }
+        if let Some(want) = &f.git_sha1 {
+            let p2 = p.clone();
+            let got = tokio::task::spawn_blocking(move || git_blob_sha1(&p2)).await;
+            if !matches!(got, Ok(Ok(g)) if g == *want) {
+                return false;
+            }
+        }
+    }
+    true
+}
+
+/// The listing names the same files as the marker, with the same sizes and published hashes.
+fn same_files(prev: &SourceIntegrity, remote: &[RemoteFile]) -> bool {
+    prev.files.len() == remote.len()
+        && remote.iter().all(|f| {
+            prev.files.iter().any(|p| {
+                p.name == f.path && p.size == f.size && f.sha256.as_ref().is_none_or(|s| *s == p.sha256)
+            })
+        })
+}
+
+/// Before fetching: if the source, revision or content changed since the last complete download,
+/// remove derived artifacts (abliterated weights, GPTQ cache and outputs) and files the new
+/// source no longer has; then remove the completion markers so nothing stale looks complete.
+pub fn invalidate(
+    dir: &Path,
+    prev: Option<&SourceIntegrity>,
+    source: &str,
+    revision: &str,
+    remote: &[RemoteFile],
+    events: &Events,
+) -> std::io::Result<()> {
+    let now = InProgress { source: source.into(), revision: revision.into() };
+    let in_progress: Option<InProgress> = std::fs::read_to_string(dir.join(IN_PROGRESS))
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok());
+    if in_progress.as_ref().is_some_and(|p| *p != now) {
+        events.log("partial files belong to another source or revision; discarding them");
+        remove_part_files(dir)?;
+    }
+    if let Some(prev) = prev {
+        let changed = prev.source != source || prev.revision != revision || !same_files(prev, remote);
+        if changed {
+            events.log(&format!(
+                "source changed ({}@{} -> {source}@{revision}); resetting derived artifacts",
+                prev.source, prev.revision
+            ));
+            reset_derived(dir)?;
+            for old in &prev.files {
+                if contract::check_relative_path(&old.name).is_ok()
+                    && !remote.iter().any(|f| f.path == old.name)
+                {
+                    remove_if_exists(&dir.join(&old.name))?;
+                }
+            }
+        }
+    }
+    remove_if_exists(&dir.join(files::DOWNLOAD_COMPLETE))?;
+    remove_if_exists(&dir.join(files::SOURCE_INTEGRITY))?;
+    let body = serde_json::to_vec(&now).map_err(std::io::Error::other)?;
+    write_atomic(&dir.join(IN_PROGRESS), &body)
+}
+
+/// Remove what later phases derived from the downloaded weights.
+pub fn reset_derived(dir: &Path) -> std::io::Result<()> {
+    remove_if_exists(&dir.join(contract::ABLITERATED_SUBDIR))?;
+    remove_if_exists(&dir.join(files::GPTQ_CACHE_DIR))?;
+    remove_if_exists(&dir.join(files::ABLITERATION_STATUS))?;
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            if name.starts_with("gptq-") && e.file_type().is_ok_and(|t| t.is_dir()) {
+                remove_if_exists(&e.path())?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn remove_if_exists(p: &Path) -> std::io::Result<()> {
+    let meta = match std::fs::symlink_metadata(p) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    if meta.is_dir() {
+        std::fs::remove_dir_all(p)
+    } else {
+        std::fs::remove_file(p)
+    }
+}
+
+fn remove_part_files(dir: &Path) -> std::io::Result<()> {
+    let rd = match std::fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(_) => return Ok(()),
+    };
+    for e in rd.flatten() {
+        let t = e.file_type()?;
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if t.is_dir() && !name.starts_with('.') && name != contract::ABLITERATED_SUBDIR {
+            remove_part_files(&e.path())?;
+        } else if t.is_file() && name.ends_with(".part") {
+            std::fs::remove_file(e.path())?;
+        }
+    }
+    Ok(())
+}
+
+/// Bytes still to fetch: listed sizes minus what is already on disk (finished or partial).
+pub fn bytes_needed(dir: &Path, remote: &[RemoteFile]) -> u64 {
+    remote
+        .iter()
+        .map(|f| {
+            let dest = dir.join(&f.path);
+            let have = match std::fs::metadata(&dest) {
+                Ok(m) if m.len() == f.size => f.size,
+                _ => {
+                    let mut part = dest.into_os_string();
+                    part.push(".part");
+                    std::fs::metadata(&part).map(|m| m.len().min(f.size)).unwrap_or(0)
+                }
+            };
+            f.size - have
+        })
+        .sum()
+}
+
+/// Free bytes for an unprivileged writer on the filesystem holding `dir`.
+pub fn available_bytes(dir: &Path) -> std::io::Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).map_err(std::io::Error::other)?;
+    // SAFETY: statvfs writes into the zeroed struct we own; the path is NUL-terminated.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    let rc = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    #[allow(clippy::unnecessary_cast)]
+    Ok(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+/// The error when `needed` bytes do not fit in `available`.
+pub fn space_error(dir: &Path, needed: u64, available: u64) -> Option<WorkerError> {
+    (needed > available).then(|| {
+        WorkerError::Other(format!(
+            "not enough free space in {}: need {needed} bytes ({:.2} GiB) more, {available} bytes ({:.2} GiB) available",
+            dir.display(),
+            needed as f64 / 1073741824.0,
+            available as f64 / 1073741824.0
+        ))
+    })
+}
+
+pub fn check_free_space(dir: &Path, remote: &[RemoteFile]) -> Result<(), WorkerError> {
+    let needed = bytes_needed(dir, remote);
+    let available = available_bytes(dir)
+        .map_err(|e| WorkerError::Other(format!("cannot stat {}: {e}", dir.display())))?;
+    match space_error(dir, needed, available) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// `.source-integrity.json` then `.download_complete`, both atomic; then drop the in-progress record.
+pub fn write_markers(dir: &Path, integrity: &SourceIntegrity) -> std::io::Result<()> {
+    let body = serde_json::to_vec_pretty(integrity).map_err(std::io::Error::other)?;
+    write_atomic(&dir.join(files::SOURCE_INTEGRITY), &body)?;
+    let done = serde_json::json!({
+        "completedAt": crate::common::now_rfc3339(),
+        "source": integrity.source,
+        "revision": integrity.revision,
+        "files": integrity.files.len(),
+    });
+    write_atomic(&dir.join(files::DOWNLOAD_COMPLETE), done.to_string().as_bytes())?;
+    remove_if_exists(&dir.join(IN_PROGRESS))
+}
+
+/// Used by `local://`: the integrity entry of a file on disk.
+pub fn integrity_of(dir: &Path, name: &str) -> Result<IntegrityFile, FetchError> {
+    let p = dir.join(name);
+    let size = std::fs::metadata(&p)
+        .map_err(|e| FetchError::Failed(format!("{}: {e}", p.display())))?
+        .len();
+    let sha256 = super::fetch::sha256_file(&p)
+        .map_err(|e| FetchError::Failed(format!("hashing {}: {e}", p.display())))?;
+    Ok(IntegrityFile { name: name.to_string(), size, sha256 })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn space_error_names_both_numbers() {
+        let e = space_error(Path::new("/cache/m"), 3 << 30, 1 << 30).unwrap();
+        let m = e.to_string();
+        assert!(m.contains("need 3221225472 bytes"), "{m}");
+        assert!(m.contains("1073741824 bytes (1.00 GiB) available"), "{m}");
+        assert!(space_error(Path::new("/x"), 1, 2).is_none());
+        let d = tempfile::tempdir().unwrap();
+        assert!(available_bytes(d.path()).unwrap() > 0);
+    }
+
+    #[test]
+    fn reset_removes_only_derived() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path();
+        for sub in ["abliterated", ".flexinfer-gptq-cache/layers", "gptq-w4-g128", "keep"] {
+            std::fs::create_dir_all(p.join(sub)).unwrap();
+        }
+        std::fs::write(p.join(".abliteration-status.json"), "{}").unwrap();
+        std::fs::write(p.join("model.safetensors"), "w").unwrap();
+        reset_derived(p).unwrap();
+        assert!(!p.join("abliterated").exists());
+        assert!(!p.join(".flexinfer-gptq-cache").exists());
+        assert!(!p.join("gptq-w4-g128").exists());
+        assert!(!p.join(".abliteration-status.json").exists());
+        assert!(p.join("keep").exists());
+        assert!(p.join("model.safetensors").exists());
+    }
+}

@@ -1,0 +1,242 @@
+//! Hugging Face Hub HTTP API: list a repository's files at a revision and build download URLs.
+
+use flexinfer_api::contract::check_relative_path;
+use serde::Deserialize;
+
+use crate::download::fetch::{classify_status, http_error, FetchError};
+use crate::download::RemoteFile;
+
+/// Default hub endpoint when `HF_ENDPOINT` is unset.
+pub const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
+
+/// `model` or `dataset`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RepoType {
+    Model,
+    Dataset,
+}
+
+impl RepoType {
+    pub fn parse(s: &str) -> Option<RepoType> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | "model" | "models" => Some(RepoType::Model),
+            "dataset" | "datasets" => Some(RepoType::Dataset),
+            _ => None,
+        }
+    }
+    fn api_segment(self) -> &'static str {
+        match self {
+            RepoType::Model => "models",
+            RepoType::Dataset => "datasets",
+        }
+    }
+    fn resolve_prefix(self) -> &'static str {
+        match self {
+            RepoType::Model => "",
+            RepoType::Dataset => "datasets/",
+        }
+    }
+}
+
+/// One entry of `/api/{type}s/{repo}/tree/{rev}?recursive=true`.
+#[derive(Debug, Deserialize)]
+struct TreeEntry {
+    #[serde(rename = "type")]
+    kind: String,
+    path: String,
+    #[serde(default)]
+    size: u64,
+    #[serde(default)]
+    oid: Option<String>,
+    #[serde(default)]
+    lfs: Option<LfsInfo>,
+}
+
+#[derive(Debug, Deserialize)]
+struct LfsInfo {
+    oid: String,
+    size: u64,
+}
+
+/// Percent-encode one URL path segment (RFC 3986 unreserved characters pass through).
+pub fn encode_segment(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// Encode a relative path keeping its `/` separators.
+pub fn encode_path(p: &str) -> String {
+    p.split('/').map(encode_segment).collect::<Vec<_>>().join("/")
+}
+
+fn encode_repo(repo: &str) -> String {
+    encode_path(repo)
+}
+
+/// Validate a hub repo id (`org/name` or `name`).
+pub fn check_repo_id(repo: &str) -> Result<(), String> {
+    check_relative_path(repo)?;
+    if repo.split('/').count() > 2 || repo.split('/').any(|c| c.is_empty() || c == ".") {
+        return Err(format!("invalid Hugging Face repo id {repo:?} (expected org/name)"));
+    }
+    Ok(())
+}
+
+/// URL of one file at a revision.
+pub fn resolve_url(endpoint: &str, kind: RepoType, repo: &str, revision: &str, path: &str) -> String {
+    format!(
+        "{}/{}{}/resolve/{}/{}",
+        endpoint.trim_end_matches('/'),
+        kind.resolve_prefix(),
+        encode_repo(repo),
+        encode_segment(revision),
+        encode_path(path)
+    )
+}
+
+/// List every file of `repo` at `revision` (follows `Link: rel="next"` pagination).
+pub async fn list_files(
+    client: &reqwest::Client,
+    endpoint: &str,
+    token: Option<&str>,
+    kind: RepoType,
+    repo: &str,
+    revision: &str,
+) -> Result<Vec<RemoteFile>, FetchError> {
+    let mut url = format!(
+        "{}/api/{}/{}/tree/{}?recursive=true",
+        endpoint.trim_end_matches('/'),
+        kind.api_segment(),
+        encode_repo(repo),
+        encode_segment(revision)
+    );
+    let what = format!("{} {repo}@{revision}", kind.api_segment().trim_end_matches('s'));
+    let mut out = Vec::new();
+    for _page in 0..10_000 {
+        let entries: Vec<TreeEntry>;
+        let next;
+        let mut attempt = 0u32;
+        loop {
+            let mut req = client.get(&url);
+            if let Some(t) = token {
+                req = req.bearer_auth(t);
+            }
+            match req.send().await {
+                Ok(resp) if resp.status().is_success() => {
+                    next = next_link(resp.headers());
+                    match resp.json::<Vec<TreeEntry>>().await {
+                        Ok(e) => {
+                            entries = e;
+                            break;
+                        }
+                        Err(e) if attempt < 4 => {
+                            tracing::warn!(error = %e, "hub listing body failed; retrying");
+                        }
+                        Err(e) => {
+                            return Err(FetchError::Retryable(format!(
+                                "listing {what}: bad response body: {e}"
+                            )))
+                        }
+                    }
+                }
+                Ok(resp) => {
+                    let err = http_error(&what, resp.status(), token.is_some());
+                    if !matches!(classify_status(resp.status()), FetchError::Retryable(_))
+                        || attempt >= 4
+                    {
+                        return Err(err);
+                    }
+                }
+                Err(e) if attempt < 4 => {
+                    tracing::warn!(error = %e, "hub listing request failed; retrying");
+                }
+                Err(e) => {
+                    return Err(FetchError::Retryable(format!("listing {what}: {e}")));
+                }
+            }
+            attempt += 1;
+            tokio::time::sleep(std::time::Duration::from_millis(500 << attempt)).await;
+        }
+        for e in entries {
+            if e.kind != "file" {
+                continue;
+            }
+            check_relative_path(&e.path)
+                .map_err(|r| FetchError::Fatal(format!("hub listed an unsafe file name: {r}")))?;
+            let (size, sha256, git_sha1) = match e.lfs {
+                Some(l) => (l.size, Some(l.oid.to_ascii_lowercase()), None),
+                None => (e.size, None, e.oid.map(|o| o.to_ascii_lowercase())),
+            };
+            out.push(RemoteFile {
+                url: resolve_url(endpoint, kind, repo, revision, &e.path),
+                path: e.path,
+                size,
+                sha256,
+                git_sha1,
+            });
+        }
+        match next {
+            Some(n) => url = n,
+            None => break,
+        }
+    }
+    out.sort_by(|a, b| a.path.cmp(&b.path));
+    Ok(out)
+}
+
+/// `Link: <url>; rel="next"`.
+fn next_link(h: &reqwest::header::HeaderMap) -> Option<String> {
+    let v = h.get(reqwest::header::LINK)?.to_str().ok()?;
+    v.split(',').find_map(|part| {
+        let part = part.trim();
+        if !part.contains("rel=\"next\"") {
+            return None;
+        }
+        let start = part.find('<')? + 1;
+        let end = part.find('>')?;
+        Some(part[start..end].to_string())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_are_encoded() {
+        assert_eq!(
+            resolve_url("http://h/", RepoType::Dataset, "org/ds", "refs/pr/1", "a b/c.json"),
+            "http://h/datasets/org/ds/resolve/refs%2Fpr%2F1/a%20b/c.json"
+        );
+        assert_eq!(
+            resolve_url("http://h", RepoType::Model, "org/m", "main", "model.safetensors"),
+            "http://h/org/m/resolve/main/model.safetensors"
+        );
+    }
+
+    #[test]
+    fn repo_ids() {
+        assert!(check_repo_id("org/name").is_ok());
+        assert!(check_repo_id("gpt2").is_ok());
+        assert!(check_repo_id("a/b/c").is_err());
+        assert!(check_repo_id("../x").is_err());
+        assert!(check_repo_id("org/").is_err());
+    }
+
+    #[test]
+    fn link_header() {
+        let mut h = reqwest::header::HeaderMap::new();
+        h.insert(
+            reqwest::header::LINK,
+            "<https://h/api/models/a/tree/main?cursor=x>; rel=\"next\"".parse().unwrap(),
+        );
+        assert_eq!(next_link(&h).as_deref(), Some("https://h/api/models/a/tree/main?cursor=x"));
+    }
+}

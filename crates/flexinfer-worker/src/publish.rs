@@ -1,0 +1,361 @@
+//! `flexinfer-worker publish`: push a model directory as an OCI artifact (SPEC §6).
+//!
+//! Layout: artifactType `application/vnd.flexinfer.model.v1`, the empty config, one layer per
+//! file titled with its relative path (so `oras pull` reproduces the tree). Files are hashed,
+//! then streamed; blobs the registry already has are skipped, so a re-run after an interruption
+//! only uploads what is missing, and the same tree always gives the same manifest digest.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use flexinfer_api::contract::{
+    self, env, events, files, oci_artifact, transfer_env, TerminationSuccess,
+};
+use futures::{StreamExt, TryStreamExt};
+
+use crate::common::{self, Events, WorkerError};
+use crate::download::{bytes_progress, parse_bool_arg};
+use crate::oci::{self, Credentials, Descriptor, Manifest, Reference, Registry};
+
+/// Flags of `flexinfer-worker publish` (each also read from its env variable; flags win).
+#[derive(Debug, Clone, clap::Args)]
+pub struct PublishArgs {
+    /// Directory to push (`MODEL_DIR`; `OUT_DIR` when `MODEL_DIR` is unset).
+    #[arg(long, env = env::MODEL_DIR)]
+    pub model_dir: Option<PathBuf>,
+    #[arg(long, env = env::OUT_DIR)]
+    pub out_dir: Option<PathBuf>,
+    /// `registry/repository[:tag]` (an `oci://` prefix is accepted).
+    #[arg(long, env = env::OCI_REF)]
+    pub oci_ref: String,
+    /// `overwrite`, `timestamp` or `digest-suffix`.
+    #[arg(long, env = env::OCI_TAG_POLICY, default_value = "overwrite")]
+    pub tag_policy: String,
+    /// Comma-separated extra tags for the same manifest.
+    #[arg(long, env = env::OCI_ADDITIONAL_TAGS, default_value = "")]
+    pub additional_tags: String,
+    /// Skip TLS verification and allow plain HTTP.
+    #[arg(long, env = env::OCI_INSECURE, value_parser = parse_bool_arg, default_value = "false")]
+    pub insecure: bool,
+    #[arg(long, env = env::OCI_USERNAME)]
+    pub oci_username: Option<String>,
+    #[arg(long, env = env::OCI_PASSWORD, hide_env_values = true)]
+    pub oci_password: Option<String>,
+    /// dockerconfigjson file (or a mounted Secret directory holding `.dockerconfigjson`).
+    #[arg(long, env = env::DOCKER_CONFIG_JSON)]
+    pub docker_config_json: Option<PathBuf>,
+    /// Blobs uploaded in parallel.
+    #[arg(long, env = transfer_env::PUBLISH_CONCURRENCY, default_value_t = 4)]
+    pub concurrency: usize,
+    #[arg(long, env = transfer_env::PROGRESS_INTERVAL_SECONDS, default_value_t = 5.0)]
+    pub progress_interval: f64,
+    #[arg(long, env = env::SCRIPT_VERSION)]
+    pub script_version: Option<String>,
+}
+
+/// The tag policy of `spec.publish.tagPolicy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TagPolicy {
+    /// Push `<tag>` (moving it if it exists).
+    Overwrite,
+    /// Push `<tag>-<UTC YYYYMMDDhhmmss>`.
+    Timestamp,
+    /// Push `<tag>-<first 12 hex of the manifest digest>`.
+    DigestSuffix,
+}
+
+impl TagPolicy {
+    pub fn parse(s: &str) -> Result<TagPolicy, WorkerError> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | oci_artifact::TAG_POLICY_OVERWRITE => Ok(TagPolicy::Overwrite),
+            oci_artifact::TAG_POLICY_TIMESTAMP => Ok(TagPolicy::Timestamp),
+            oci_artifact::TAG_POLICY_DIGEST_SUFFIX => Ok(TagPolicy::DigestSuffix),
+            _ => Err(WorkerError::BadInput(format!(
+                "{} must be overwrite, timestamp or digest-suffix, got {s:?}",
+                env::OCI_TAG_POLICY
+            ))),
+        }
+    }
+
+    /// The primary tag for `base` under this policy.
+    pub fn tag(self, base: &str, manifest_digest: &str, now: jiff::Timestamp) -> String {
+        match self {
+            TagPolicy::Overwrite => base.to_string(),
+            TagPolicy::Timestamp => format!("{base}-{}", now.strftime("%Y%m%d%H%M%S")),
+            TagPolicy::DigestSuffix => {
+                let hex = manifest_digest.trim_start_matches("sha256:");
+                format!("{base}-{}", &hex[..hex.len().min(12)])
+            }
+        }
+    }
+}
+
+/// A file to push.
+#[derive(Debug, Clone)]
+struct LocalFile {
+    rel: String,
+    path: PathBuf,
+    size: u64,
+    digest: String,
+}
+
+pub fn run(args: PublishArgs) -> i32 {
+    let events = Arc::new(Events::new(contract::JobPhase::Publish.status_name()));
+    let result = crate::download::runtime().and_then(|rt| rt.block_on(run_async(&args, events.clone())));
+    let result = result.map_err(|e| match (&args.oci_password, e) {
+        (Some(p), WorkerError::BadInput(m)) if p.len() >= 4 => WorkerError::BadInput(m.replace(p, "<redacted>")),
+        (Some(p), WorkerError::Other(m)) if p.len() >= 4 => WorkerError::Other(m.replace(p, "<redacted>")),
+        (_, e) => e,
+    });
+    common::finish(&events, result)
+}
+
+async fn run_async(args: &PublishArgs, events: Arc<Events>) -> Result<TerminationSuccess, WorkerError> {
+    common::check_version(args.script_version.as_deref())?;
+    let dir = args
+        .model_dir
+        .clone()
+        .or_else(|| args.out_dir.clone())
+        .ok_or_else(|| WorkerError::BadInput(format!("set {} (the directory to publish)", env::MODEL_DIR)))?;
+    let reference = Reference::parse(&args.oci_ref).map_err(oci::worker_error)?;
+    if reference.digest.is_some() {
+        return Err(WorkerError::BadInput(format!(
+            "{} must name a tag, not a digest: {}",
+            env::OCI_REF,
+            args.oci_ref
+        )));
+    }
+    let policy = TagPolicy::parse(&args.tag_policy)?;
+    let base_tag = reference.tag.clone().unwrap_or_else(|| "latest".to_string());
+    let extra: Vec<String> = args
+        .additional_tags
+        .split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .map(String::from)
+        .collect();
+    for t in &extra {
+        oci::check_tag(t).map_err(WorkerError::BadInput)?;
+    }
+    if args.concurrency == 0 {
+        return Err(WorkerError::BadInput("concurrency must be at least 1".into()));
+    }
+    if !dir.is_dir() {
+        return Err(WorkerError::BadInput(format!("{} is not a directory", dir.display())));
+    }
+    events.emit(
+        events::START,
+        &serde_json::json!({"phase": events.phase(), "ociRef": reference.to_string(), "dir": dir.display().to_string()}),
+    );
+    let dir2 = dir.clone();
+    let listed = tokio::task::spawn_blocking(move || list_files(&dir2))
+        .await
+        .map_err(|e| WorkerError::Other(e.to_string()))?
+        .map_err(|e| WorkerError::Other(format!("reading {}: {e}", dir.display())))?;
+    if listed.is_empty() {
+        return Err(WorkerError::BadInput(format!("{} has no files to publish", dir.display())));
+    }
+    let total: u64 = listed.iter().map(|(_, _, s)| *s).sum();
+    let hashed = Arc::new(AtomicU64::new(0));
+    let sent = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let ticker = spawn_ticker(events.clone(), hashed.clone(), sent.clone(), total, args.progress_interval);
+
+    // 1. Digests (the registry must be asked by digest before anything is uploaded).
+    let mut files: Vec<LocalFile> = futures::stream::iter(listed.into_iter().map(|(rel, path, size)| {
+        let hashed = hashed.clone();
+        async move {
+            let p = path.clone();
+            let sha = tokio::task::spawn_blocking(move || crate::download::fetch::sha256_file(&p))
+                .await
+                .map_err(|e| WorkerError::Other(e.to_string()))?
+                .map_err(|e| WorkerError::Other(format!("hashing {}: {e}", path.display())))?;
+            hashed.fetch_add(size, Ordering::Relaxed);
+            Ok::<_, WorkerError>(LocalFile { rel, path, size, digest: format!("sha256:{sha}") })
+        }
+    }))
+    .buffer_unordered(args.concurrency.min(4))
+    .try_collect()
+    .await?;
+    files.sort_by(|a, b| a.rel.cmp(&b.rel));
+
+    // 2. Blobs.
+    let creds = Credentials::resolve(
+        &reference.registry,
+        args.oci_username.as_deref(),
+        args.oci_password.as_deref(),
+        args.docker_config_json.as_deref(),
+    )
+    .map_err(oci::worker_error)?;
+    let reg = Arc::new(Registry::connect(&reference, creds, args.insecure).await.map_err(oci::worker_error)?);
+    let config_digest = reg.push_bytes(oci::EMPTY_CONFIG).await.map_err(oci::worker_error)?;
+    let skipped = Arc::new(AtomicU64::new(0));
+    futures::stream::iter(files.iter().map(|f| {
+        let (reg, sent, skipped) = (reg.clone(), sent.clone(), skipped.clone());
+        async move {
+            if reg.blob_exists(&f.digest).await? {
+                sent.fetch_add(f.size, Ordering::Relaxed);
+                skipped.fetch_add(1, Ordering::Relaxed);
+                return Ok(());
+            }
+            reg.push_file(&f.path, &f.digest, f.size, sent).await
+        }
+    }))
+    .buffer_unordered(args.concurrency)
+    .try_collect::<Vec<()>>()
+    .await
+    .map_err(oci::worker_error)?;
+
+    // 3. Manifest and tags.
+    let manifest = build_manifest(&files, &config_digest);
+    let body = serde_json::to_vec(&manifest).map_err(|e| WorkerError::Other(e.to_string()))?;
+    let digest = oci::sha256_digest(&body);
+    let mut tags = vec![policy.tag(&base_tag, &digest, jiff::Timestamp::now())];
+    for t in extra {
+        if !tags.contains(&t) {
+            tags.push(t);
+        }
+    }
+    for t in &tags {
+        oci::check_tag(t).map_err(WorkerError::BadInput)?;
+        let got = reg.put_manifest(t, &body).await.map_err(oci::worker_error)?;
+        if got != digest {
+            return Err(WorkerError::Other(format!(
+                "registry stored tag {t} with digest {got}, expected {digest}"
+            )));
+        }
+    }
+    ticker.abort();
+    let secs = started.elapsed().as_secs_f64().max(1e-3);
+    let n_skipped = skipped.load(Ordering::Relaxed);
+    events.progress(bytes_progress(total, total, total as f64 / secs, "published"));
+    events.log(&format!(
+        "published {} file(s), {total} bytes ({} already in the registry) as {}/{}@{digest} tags {:?} in {secs:.1}s",
+        files.len(),
+        n_skipped,
+        reference.registry,
+        reference.repository,
+        tags
+    ));
+    Ok(TerminationSuccess {
+        kind: contract::JobPhase::Publish.as_str().to_string(),
+        size_bytes: Some(total),
+        file_count: Some(files.len() as u64),
+        output_dir: Some(format!("{}/{}", reference.registry, reference.repository)),
+        digest: Some(digest),
+        tags,
+        ..Default::default()
+    })
+}
+
+fn build_manifest(files: &[LocalFile], config_digest: &str) -> Manifest {
+    Manifest {
+        schema_version: 2,
+        media_type: Some(oci_artifact::MANIFEST_MEDIA_TYPE.to_string()),
+        artifact_type: Some(oci_artifact::ARTIFACT_TYPE.to_string()),
+        config: Descriptor {
+            media_type: oci_artifact::EMPTY_CONFIG_MEDIA_TYPE.to_string(),
+            digest: config_digest.to_string(),
+            size: oci::EMPTY_CONFIG.len() as u64,
+            annotations: Default::default(),
+        },
+        layers: files
+            .iter()
+            .map(|f| Descriptor {
+                media_type: oci_artifact::FILE_LAYER_MEDIA_TYPE.to_string(),
+                digest: f.digest.clone(),
+                size: f.size,
+                annotations: [(oci_artifact::TITLE_ANNOTATION.to_string(), f.rel.clone())].into(),
+            })
+            .collect(),
+        annotations: Default::default(),
+    }
+}
+
+/// Files to publish: every regular file, skipping partial downloads, resume caches, hub datasets
+/// and nested derived artifacts (published on their own).
+fn list_files(dir: &Path) -> std::io::Result<Vec<(String, PathBuf, u64)>> {
+    let mut out = Vec::new();
+    walk(dir, dir, &mut out)?;
+    out.sort();
+    Ok(out)
+}
+
+fn walk(root: &Path, d: &Path, out: &mut Vec<(String, PathBuf, u64)>) -> std::io::Result<()> {
+    for e in std::fs::read_dir(d)? {
+        let e = e?;
+        let name = e.file_name().to_string_lossy().to_string();
+        let t = e.file_type()?;
+        if t.is_dir() {
+            let skip = name == files::GPTQ_CACHE_DIR
+                || name == contract::DATASETS_SUBDIR
+                || name == contract::ABLITERATED_SUBDIR
+                || name.starts_with("gptq-");
+            if !skip {
+                walk(root, &e.path(), out)?;
+            }
+            continue;
+        }
+        if !t.is_file() || name.ends_with(".part") || name == crate::download::IN_PROGRESS_FILE {
+            continue;
+        }
+        let rel = e
+            .path()
+            .strip_prefix(root)
+            .map_err(std::io::Error::other)?
+            .to_string_lossy()
+            .replace('\\', "/");
+        out.push((rel, e.path(), e.metadata()?.len()));
+    }
+    Ok(())
+}
+
+fn spawn_ticker(
+    events: Arc<Events>,
+    hashed: Arc<AtomicU64>,
+    sent: Arc<AtomicU64>,
+    total: u64,
+    interval: f64,
+) -> tokio::task::JoinHandle<()> {
+    let interval = Duration::from_secs_f64(interval.clamp(0.05, 3600.0));
+    tokio::spawn(async move {
+        let start = Instant::now();
+        loop {
+            tokio::time::sleep(interval).await;
+            let secs = start.elapsed().as_secs_f64().max(1e-3);
+            let (h, s) = (hashed.load(Ordering::Relaxed), sent.load(Ordering::Relaxed));
+            // Hashing and uploading each count for half of the work.
+            let mut p = bytes_progress((h + s) / 2, total, s as f64 / secs, if s == 0 { "hashing" } else { "uploading" });
+            p.done = Some(s as f64);
+            events.progress(p);
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tag_policies() {
+        let now: jiff::Timestamp = "2026-03-04T05:06:07Z".parse().unwrap();
+        let d = format!("sha256:{}", "0123456789abcdef".repeat(4));
+        assert_eq!(TagPolicy::parse("overwrite").unwrap().tag("v1", &d, now), "v1");
+        assert_eq!(TagPolicy::parse("timestamp").unwrap().tag("v1", &d, now), "v1-20260304050607");
+        assert_eq!(TagPolicy::parse("Digest-Suffix").unwrap().tag("v1", &d, now), "v1-0123456789ab");
+        assert!(TagPolicy::parse("latest").is_err());
+    }
+
+    #[test]
+    fn manifest_is_deterministic_and_titled() {
+        let f = |rel: &str| LocalFile { rel: rel.into(), path: rel.into(), size: 3, digest: oci::sha256_digest(rel.as_bytes()) };
+        let m = build_manifest(&[f("a/b.json"), f("c.safetensors")], &oci::sha256_digest(b"{}"));
+        let j = serde_json::to_value(&m).unwrap();
+        assert_eq!(j["artifactType"], oci_artifact::ARTIFACT_TYPE);
+        assert_eq!(j["config"]["mediaType"], oci_artifact::EMPTY_CONFIG_MEDIA_TYPE);
+        assert_eq!(j["layers"][0]["annotations"][oci_artifact::TITLE_ANNOTATION], "a/b.json");
+        assert_eq!(serde_json::to_vec(&m).unwrap(), serde_json::to_vec(&m.clone()).unwrap());
+    }
+}

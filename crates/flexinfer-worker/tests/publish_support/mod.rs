@@ -1,0 +1,119 @@
+//! A real OCI registry for the tests: Debian's `docker-registry` (distribution 2.8) started on a
+//! free loopback port with a temporary storage dir; its request log lets tests count uploads.
+#![allow(dead_code)]
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub const REGISTRY_BIN: &str = "/usr/bin/docker-registry";
+
+pub struct Registry {
+    pub addr: String,
+    pub log: PathBuf,
+    child: Child,
+    _dir: tempfile::TempDir,
+}
+
+impl Registry {
+    pub fn start() -> Registry {
+        assert!(
+            Path::new(REGISTRY_BIN).is_file(),
+            "{REGISTRY_BIN} is missing: these tests need a real OCI registry. Install Debian's \
+             docker-registry package (apt-get install -y docker-registry; .ci/run does this) — \
+             the system service does not need to run."
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let addr = format!("127.0.0.1:{port}");
+        let config = dir.path().join("config.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "version: 0.1\nlog:\n  level: info\n  accesslog:\n    disabled: false\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: {addr}\n",
+                dir.path().join("storage").display()
+            ),
+        )
+        .unwrap();
+        let log = dir.path().join("registry.log");
+        let out = std::fs::File::create(&log).unwrap();
+        let child = Command::new(REGISTRY_BIN)
+            .arg("serve")
+            .arg(&config)
+            .stdout(Stdio::from(out.try_clone().unwrap()))
+            .stderr(Stdio::from(out))
+            .spawn()
+            .expect("start docker-registry");
+        let mut reg = Registry { addr, log, child, _dir: dir };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(mut s) = std::net::TcpStream::connect(&reg.addr) {
+                use std::io::Write;
+                let _ = write!(s, "GET /v2/ HTTP/1.0\r\n\r\n");
+                let mut buf = String::new();
+                let _ = s.read_to_string(&mut buf);
+                if buf.starts_with("HTTP/1.0 200") || buf.starts_with("HTTP/1.1 200") {
+                    break;
+                }
+            }
+            if let Ok(Some(st)) = reg.child.try_wait() {
+                panic!("docker-registry exited ({st}): {}", reg.log_text());
+            }
+            assert!(Instant::now() < deadline, "docker-registry did not come up: {}", reg.log_text());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        reg
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Completed monolithic blob uploads (access-log lines `"PUT …/blobs/uploads/…digest=… " 201`),
+    /// as the digests uploaded, in order.
+    pub fn uploaded_digests(&self) -> Vec<String> {
+        self.log_text()
+            .lines()
+            .filter(|l| l.contains("\"PUT /v2/") && l.contains("/blobs/uploads/") && l.contains("\" 201 "))
+            .filter_map(|l| {
+                let i = l.find("digest=")? + "digest=".len();
+                let d: String = l[i..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '%' || *c == ':').collect();
+                Some(d.replace("%3A", ":").replace("%3a", ":"))
+            })
+            .collect()
+    }
+
+    /// GET a registry API path; (status, body).
+    pub fn get(&self, path: &str) -> (u16, String) {
+        use std::io::Write;
+        let mut s = std::net::TcpStream::connect(&self.addr).unwrap();
+        write!(
+            s,
+            "GET {path} HTTP/1.0\r\nHost: {}\r\nAccept: application/vnd.oci.image.manifest.v1+json\r\n\r\n",
+            self.addr
+        )
+        .unwrap();
+        let mut buf = String::new();
+        s.read_to_string(&mut buf).unwrap();
+        let status = buf.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+        let body = buf.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+        (status, body)
+    }
+
+    pub fn tags(&self, repo: &str) -> Vec<String> {
+        let (st, body) = self.get(&format!("/v2/{repo}/tags/list"));
+        assert_eq!(st, 200, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let mut t: Vec<String> = v["tags"].as_array().map(|a| a.iter().filter_map(|x| x.as_str().map(String::from)).collect()).unwrap_or_default();
+        t.sort();
+        t
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
