@@ -29,7 +29,7 @@ source "$ENVF"
 cleanup() { bash scripts/testenv/down.sh "$TESTENV_DIR" >/dev/null 2>&1 || true; rm -f "$ENVF"; }
 trap cleanup EXIT
 export FLEXINFER_TESTENV_DIR=$TESTENV_DIR
-kubectl apply --server-side -f deploy/crds/ >/dev/null
+kubectl apply --server-side -k deploy/crds/ >/dev/null
 
 stage "cargo test (unit + integration)"
 cargo test --workspace -j2 -- --test-threads="${TEST_THREADS:-2}"

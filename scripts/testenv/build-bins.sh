@@ -52,4 +52,4 @@ for f in node/fast/node-initialize.yaml node/heartbeat-with-lease/node-heartbeat
          pod/fast/pod-ready.yaml pod/fast/pod-delete.yaml; do cat "$KS/$f"; echo "---"; done > "$BIN/kwok-stages.yaml"
 cat "$HERE/kwok-job-stages.yaml" >> "$BIN/kwok-stages.yaml"
 step "verify binaries" "delete $BIN and rebuild"
-"$BIN/kube-apiserver" --version; "$BIN/etcd" --version | head -1; "$BIN/helm" version --short
+"$BIN/kube-apiserver" --version; "$BIN/etcd" --version | sed -n 1p; "$BIN/helm" version --short

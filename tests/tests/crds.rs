@@ -14,6 +14,7 @@ async fn install_crds(c: &kube::Client) {
     let mut entries: Vec<_> = std::fs::read_dir(&dir)
         .expect("deploy/crds exists")
         .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.to_string_lossy().ends_with(".ai.flexinfer.yaml"))
         .collect();
     entries.sort();
     for p in entries {

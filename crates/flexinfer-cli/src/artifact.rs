@@ -734,3 +734,7 @@ pub fn validate(dir: &Path, layout: &str, opts: &Options) -> Result<Report, Stri
     Ok(validate_vllm_gptq(dir, opts))
 }
 
+
+#[cfg(test)]
+#[path = "artifact_tests.rs"]
+mod tests;

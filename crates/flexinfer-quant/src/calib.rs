@@ -103,8 +103,16 @@ pub fn load_samples(model_dir: &Path, dataset: &Path, s: &CalibSettings) -> Resu
     if !tok_path.exists() {
         return Err(QuantError::Input(format!("tokenizer.json not found in model directory {}", model_dir.display())));
     }
-    let tokenizer = tokenizers::from_json_file(&tok_path)
-        .map_err(|e| QuantError::Tokenizer(format!("{}: {e}", tok_path.display())))?;
+    let text = std::fs::read_to_string(&tok_path).map_err(|e| QuantError::io(&tok_path, e))?;
+    // Hub files written by older tokenizers versions go through the canonicalising converter first.
+    let tokenizer = match tokenizers::from_json(&text) {
+        Ok(t) => t,
+        Err(first) => {
+            let canonical = tokenizers::canonicalize_str(&text)
+                .map_err(|e| QuantError::Tokenizer(format!("{}: {first}; conversion failed: {e}", tok_path.display())))?;
+            tokenizers::from_json(&canonical).map_err(|e| QuantError::Tokenizer(format!("{}: {e}", tok_path.display())))?
+        }
+    };
     let texts = read_texts(dataset, s.max_samples)?;
     let opts = tokenizers::pipeline::EncodeOptions::default();
     let mut samples = Vec::new();

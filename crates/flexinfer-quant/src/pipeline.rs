@@ -269,9 +269,11 @@ pub fn run(job: &QuantizeJob, backend: &dyn LinalgBackend, events: &dyn EventSin
         .to_string()
         .as_bytes(),
     );
-    events.emit(
+    progress.emit(
         "calibration",
-        fields([("samples", json!(samples.len())), ("tokens", json!(n_tokens)), ("backend", json!(backend.name()))]),
+        0.0,
+        format!("{} samples, {n_tokens} tokens, backend {}", samples.len(), backend.name()),
+        fields([("samples", json!(samples.len())), ("tokens", json!(n_tokens))]),
     );
     let mut cache = LayerCache::open(&job.model_dir, &config_hash, &calib_fp, &job.script_version, job.resume_layers, events)?;
 
