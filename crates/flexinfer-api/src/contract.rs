@@ -435,6 +435,7 @@ pub struct TerminationFailure {
 /// Either termination message, as the controller reads it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
+#[allow(clippy::large_enum_variant)] // parsed once per finished Job; boxing buys nothing
 pub enum TerminationMessage {
     Failure(TerminationFailure),
     Success(TerminationSuccess),
@@ -690,6 +691,8 @@ pub mod serving {
     pub const VLLM_ATTENTION_BACKEND: &str = "VLLM_ATTENTION_BACKEND";
     /// Value of `flexinfer.ai/promotion-validation` that counts as validated.
     pub const PROMOTION_VALIDATION_PASSED: &str = "passed";
+    /// Controller env (downward API) naming its pod: Event `reportingInstance`, lease identity.
+    pub const POD_NAME_ENV: &str = "POD_NAME";
 }
 
 /// Kubernetes Event reasons emitted by the Model controller.
@@ -749,4 +752,24 @@ pub mod reasons_pipeline {
     pub const INVALID_SPEC: &str = "InvalidSpec";
     /// No image could be resolved for a phase.
     pub const IMAGE_NOT_CONFIGURED: &str = "ImageNotConfigured";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Abliteration worker (issue 9): events and the resume manifest of `flexinfer-worker abliterate`.
+// ---------------------------------------------------------------------------------------------
+
+/// Names used only by the abliteration phase.
+pub mod abliteration {
+    /// Event: the refusal direction was chosen (`layer`, `refusalDirNorm`, `score`, `scores`).
+    pub const EVENT_DIRECTION: &str = "abliteration_direction";
+    /// Event: the quality gate was evaluated (`gate`, `refusalDirNorm`, `perplexityBefore`, …).
+    pub const EVENT_GATE: &str = "abliteration_gate";
+    /// Event: an interrupted run was resumed from its staging manifest (`shardsCached`).
+    pub const EVENT_RESUME_LOADED: &str = "abliteration_resume_loaded";
+    /// Event: the output directory already holds this exact result; nothing was recomputed.
+    pub const EVENT_CACHED: &str = "abliteration_cached";
+    /// Resume manifest inside the output (and its staging) directory.
+    pub const MANIFEST: &str = ".abliteration-manifest.json";
+    /// Suffix of the staging directory next to `OUT_DIR` (renamed into place when complete).
+    pub const STAGING_SUFFIX: &str = ".partial";
 }

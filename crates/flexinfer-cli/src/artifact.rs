@@ -616,7 +616,7 @@ fn check_linear(
         in_features.div_ceil(g.group_size as u64)
     };
     let packed_out = out * bits / 32;
-    if (out * bits) % 32 != 0 {
+    if !(out * bits).is_multiple_of(32) {
         r.defect("shapes", format!("{p}: out_features {out} is not a multiple of the pack factor for {bits}-bit"));
     }
     if sc.shape != [groups, out] {

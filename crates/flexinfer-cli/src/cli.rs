@@ -22,23 +22,23 @@ pub struct Cli {
 #[derive(Debug, Clone, Args)]
 pub struct Global {
     /// Path to the kubeconfig file (default: $KUBECONFIG, then ~/.kube/config)
-    #[arg(long, global = true, value_name = "PATH")]
+    #[arg(long, global = true, value_name = "PATH", help_heading = "Global options")]
     pub kubeconfig: Option<PathBuf>,
     /// Kubeconfig context to use (default: the current context)
-    #[arg(long, global = true, value_name = "NAME")]
+    #[arg(long, global = true, value_name = "NAME", help_heading = "Global options")]
     pub context: Option<String>,
     /// Namespace (default: the context's namespace, else "default")
-    #[arg(short = 'n', long, global = true, value_name = "NAME")]
+    #[arg(short = 'n', long, global = true, value_name = "NAME", help_heading = "Global options")]
     pub namespace: Option<String>,
-    /// Output format
-    #[arg(short = 'o', long, global = true, value_enum, default_value_t = Format::Table)]
+    /// Output format: table (human), json or yaml
+    #[arg(short = 'o', long, global = true, value_enum, default_value_t = Format::Table, help_heading = "Global options")]
     pub output: Format,
 }
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Request, inspect, recommend and validate quantization of a ModelCache
-    Quantize(QuantizeCmd),
+    Quantize(Box<QuantizeCmd>),
     /// Inspect ModelCaches
     Cache(CacheCmd),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell)
@@ -113,8 +113,8 @@ pub struct RecommendArgs {
     /// Local or mounted copy of the source model (config.json, *.safetensors)
     #[arg(long, value_name = "DIR")]
     pub model_dir: Option<PathBuf>,
-    /// Hub endpoint for metadata lookups ($HF_ENDPOINT, default https://huggingface.co)
-    #[arg(long, value_name = "URL", env = "HF_ENDPOINT", default_value = "https://huggingface.co")]
+    /// Hub endpoint for metadata lookups (the hub API /api/models/{id})
+    #[arg(long, value_name = "URL", env = "HF_ENDPOINT", hide_env_values = true, default_value = "https://huggingface.co")]
     pub hub_endpoint: String,
     /// Do not query the hub
     #[arg(long)]
@@ -133,16 +133,16 @@ pub struct ValidateArgs {
     #[arg(long)]
     pub format: String,
     /// Perplexity of the baseline (unquantized) model
-    #[arg(long, value_name = "X")]
+    #[arg(long, value_name = "X", allow_negative_numbers = true)]
     pub baseline_perplexity: f64,
     /// Perplexity of the quantized candidate
-    #[arg(long, value_name = "X")]
+    #[arg(long, value_name = "X", allow_negative_numbers = true)]
     pub candidate_perplexity: f64,
     /// Acceptance rate of the baseline, as a ratio (0.94) or percent (94)
-    #[arg(long, value_name = "A")]
+    #[arg(long, value_name = "A", allow_negative_numbers = true)]
     pub baseline_acceptance: f64,
     /// Acceptance rate of the candidate, as a ratio (0.92) or percent (92)
-    #[arg(long, value_name = "A")]
+    #[arg(long, value_name = "A", allow_negative_numbers = true)]
     pub candidate_acceptance: f64,
 }
 

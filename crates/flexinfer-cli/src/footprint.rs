@@ -309,7 +309,7 @@ mod tests {
     #[test]
     fn safetensors_headers_count_elements() {
         let dir = tempfile::tempdir().unwrap();
-        let data = vec![0u8; 2 * 3 * 4 * 2];
+        let data = [0u8; 2 * 3 * 4 * 2];
         let views = vec![
             (
                 "a".to_string(),

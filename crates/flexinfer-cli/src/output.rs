@@ -6,12 +6,10 @@ use serde::Serialize;
 /// `-o/--output`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum)]
 pub enum Format {
-    /// Human-readable table or report.
+    // No doc comments on the variants: clap then lists them inline in `--help`.
     #[default]
     Table,
-    /// JSON.
     Json,
-    /// YAML.
     Yaml,
 }
 

@@ -163,13 +163,14 @@ pub fn recommend(model: &Footprint, gpu: &GpuTarget) -> Recommendation {
     }
 
     // Size class: the seed tables are for 24 GB cards; a smaller card moves one class up.
-    let mut class = if b <= 10.0 {
+    let size_class = if b <= 10.0 {
         Class::Small
     } else if b <= 20.0 {
         Class::Medium
     } else {
         Class::Large
     };
+    let mut class = size_class;
     if let Some(v) = vram_gb {
         if v < 20.0 && class < Class::Large {
             class = if class == Class::Small { Class::Medium } else { Class::Large };
@@ -227,7 +228,7 @@ pub fn recommend(model: &Footprint, gpu: &GpuTarget) -> Recommendation {
     }
 
     // Calibration and memory from the seed's recipes.
-    let (mut cal, mut max_mem, frac) = match class {
+    let (mut cal, _, frac) = match class {
         Class::Small => (
             CalibrationRec {
                 max_seq_len: 4096,
@@ -257,12 +258,19 @@ pub fn recommend(model: &Footprint, gpu: &GpuTarget) -> Recommendation {
         ),
     };
     reasons.push(match class {
-        Class::Small => "calibration defaults (256 @ 4096), maxMemoryGB 32: the seed's 8B recipe".to_string(),
-        Class::Medium => "calibration 256 @ 4096 with nParallelCalibSamples 32, maxMemoryGB 56: the seed's 14B-on-24GB recipe".to_string(),
-        Class::Large => "calibration 128 @ 2048 with nParallelCalibSamples 16, gpuMemoryFraction 0.80, maxMemoryGB 96: the seed's 27B+ single-GPU recipe".to_string(),
+        Class::Small => "calibration defaults (256 @ 4096): the seed's 8B recipe".to_string(),
+        Class::Medium => "calibration 256 @ 4096 with nParallelCalibSamples 32: the seed's 14B-on-24GB recipe".to_string(),
+        Class::Large => "calibration 128 @ 2048 with nParallelCalibSamples 16, gpuMemoryFraction 0.80: the seed's 27B+ single-GPU recipe".to_string(),
     });
-    // Host memory grows with the model beyond the table (about 3.6 GB per billion parameters).
-    let scaled = ((b * 3.6 / 8.0).ceil() * 8.0) as i32;
+    // Host memory follows the model size (seed: 8B 32Gi, 14B 56, 27B 96).
+    let mut max_mem = match size_class {
+        Class::Small => 32,
+        Class::Medium => 56,
+        Class::Large => 96,
+    };
+    reasons.push(format!("maxMemoryGB {max_mem}: the seed's host-memory recipe for this model size"));
+    // Host memory grows with the model beyond the table (about 3.5 GB per billion parameters).
+    let scaled = ((b * 3.5 / 8.0).ceil() * 8.0) as i32;
     if scaled > max_mem {
         max_mem = scaled.min(1024);
         reasons.push(format!("maxMemoryGB {max_mem}: scaled with the model size beyond the seed table"));
@@ -357,16 +365,16 @@ mod tests {
             Row { b: 25.2, moe: true, hybrid: true, arch: "gfx1100", bits: 4, excl: "none", seq: 2048, samples: 512, npar: Some(16), mem: 96, fits: true },
             // 9B hybrid: auto fits 24 GB
             Row { b: 9.0, moe: false, hybrid: true, arch: "gfx1100", bits: 4, excl: "auto", seq: 4096, samples: 256, npar: None, mem: 32, fits: true },
-            // gfx906 16 GB: 8B moves to the 14B recipe
-            Row { b: 8.0, moe: false, hybrid: false, arch: "gfx906", bits: 4, excl: "auto", seq: 4096, samples: 256, npar: Some(32), mem: 56, fits: true },
-            // 14B on 16 GB: 27B recipe
+            // gfx906 16 GB: 8B moves to the 14B calibration recipe; host memory stays the 8B one
+            Row { b: 8.0, moe: false, hybrid: false, arch: "gfx906", bits: 4, excl: "auto", seq: 4096, samples: 256, npar: Some(32), mem: 32, fits: true },
+            // 14B on 16 GB: 27B calibration recipe
             Row { b: 14.0, moe: false, hybrid: false, arch: "gfx906", bits: 4, excl: "auto", seq: 2048, samples: 128, npar: Some(16), mem: 56, fits: true },
             // 27B on 16 GB: 4-bit (~15 GB) exceeds 85% of 16 GB → 3 bit
             Row { b: 27.0, moe: false, hybrid: false, arch: "gfx906", bits: 3, excl: "none", seq: 2048, samples: 128, npar: Some(16), mem: 96, fits: true },
             // 70B on 24 GB: does not fit even at 3 bit
-            Row { b: 70.0, moe: false, hybrid: false, arch: "gfx1100", bits: 4, excl: "auto", seq: 2048, samples: 128, npar: Some(16), mem: 256, fits: false },
+            Row { b: 70.0, moe: false, hybrid: false, arch: "gfx1100", bits: 4, excl: "auto", seq: 2048, samples: 128, npar: Some(16), mem: 248, fits: false },
             // 70B on an 80 GB H100: fits at 4 bit
-            Row { b: 70.0, moe: false, hybrid: false, arch: "sm_90", bits: 4, excl: "auto", seq: 2048, samples: 128, npar: Some(16), mem: 256, fits: true },
+            Row { b: 70.0, moe: false, hybrid: false, arch: "sm_90", bits: 4, excl: "auto", seq: 2048, samples: 128, npar: Some(16), mem: 248, fits: true },
             // 8B on an 80 GB H100: defaults
             Row { b: 8.0, moe: false, hybrid: false, arch: "sm_90", bits: 4, excl: "auto", seq: 4096, samples: 256, npar: None, mem: 32, fits: true },
         ];

@@ -1,1 +1,139 @@
-fn main() {}
+//! `flexinfer-controller`: the controller-manager binary (SPEC §8): JSON logs, leader election,
+//! `/metrics` on :8080, `/healthz` and `/readyz` on :8081, and the ModelCache and Model controllers.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::Parser;
+use flexinfer_api::contract::{controller_env, controller_env_pipeline};
+use flexinfer_controller::http::{self, Health};
+use flexinfer_controller::leader::{Leadership, LeaseConfig};
+use flexinfer_controller::metrics::Metrics;
+use flexinfer_controller::model;
+use flexinfer_controller::modelcache::{self, Config};
+use tracing::{error, info};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "flexinfer-controller",
+    version,
+    about = "FlexInfer controller-manager"
+)]
+struct Args {
+    /// Address of the Prometheus `/metrics` endpoint.
+    #[arg(long, env = controller_env_pipeline::METRICS_ADDR, default_value = "0.0.0.0:8080")]
+    metrics_bind_address: SocketAddr,
+    /// Address of `/healthz` and `/readyz`.
+    #[arg(long, env = controller_env_pipeline::HEALTH_ADDR, default_value = "0.0.0.0:8081")]
+    health_probe_bind_address: SocketAddr,
+    /// Run leader election on a Lease so only one replica reconciles.
+    #[arg(long, env = controller_env::LEADER_ELECT, default_value = "true", action = clap::ArgAction::Set)]
+    leader_elect: String,
+    /// Namespace of the Lease (default: the watch namespace, else `flexinfer-system`).
+    #[arg(long, env = controller_env::NAMESPACE)]
+    namespace: Option<String>,
+    /// Only watch this namespace (default: all).
+    #[arg(long, env = controller_env_pipeline::WATCH_NAMESPACE)]
+    watch_namespace: Option<String>,
+    /// Lease name.
+    #[arg(long, env = controller_env_pipeline::LEASE_NAME, default_value = "flexinfer-controller-leader")]
+    lease_name: String,
+    /// Lease duration in seconds.
+    #[arg(long, env = controller_env_pipeline::LEASE_DURATION_SECONDS, default_value_t = 15)]
+    lease_duration_seconds: u64,
+    /// Plain-text logs instead of JSON (for humans at a terminal).
+    #[arg(long)]
+    log_text: bool,
+}
+
+#[tokio::main]
+async fn main() {
+    let args = Args::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,kube=warn"));
+    if args.log_text {
+        tracing_subscriber::fmt().with_env_filter(filter).init();
+    } else {
+        tracing_subscriber::fmt()
+            .json()
+            .flatten_event(true)
+            .with_env_filter(filter)
+            .init();
+    }
+    if let Err(e) = run(args).await {
+        error!(error = %format!("{e:#}"), "controller exited");
+        std::process::exit(1);
+    }
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let metrics = Metrics::new()?;
+    let health = Health::default();
+    let client = flexinfer_controller::kube_client::counting_client(&metrics).await?;
+    tokio::spawn(http::serve(
+        args.metrics_bind_address,
+        Some(metrics.clone()),
+        health.clone(),
+    ));
+    tokio::spawn(http::serve(
+        args.health_probe_bind_address,
+        None,
+        health.clone(),
+    ));
+    // Ready once the API server answers; a standby replica is ready too (it serves probes).
+    client.apiserver_version().await?;
+    health.set_ready(true);
+
+    let config = Config::from_env();
+    info!(worker_image = ?config.worker_image, drift_grace_s = config.drift_grace.as_secs(), retry_base_s = config.retry_base.as_secs_f64(), watch_namespace = ?args.watch_namespace, "starting");
+    let leader_elect = flexinfer_api::contract::parse_bool(&args.leader_elect).unwrap_or(true);
+    let leadership = if leader_elect {
+        let identity = std::env::var("POD_NAME")
+            .or_else(|_| std::env::var("HOSTNAME"))
+            .unwrap_or_else(|_| "flexinfer-controller".into());
+        let identity = format!("{identity}-{}", std::process::id());
+        let namespace = args
+            .namespace
+            .clone()
+            .or_else(|| args.watch_namespace.clone())
+            .unwrap_or_else(|| "flexinfer-system".into());
+        let cfg = LeaseConfig {
+            namespace,
+            name: args.lease_name.clone(),
+            identity,
+            duration: Duration::from_secs(args.lease_duration_seconds.max(1)),
+        };
+        Some(Leadership::acquire(client.clone(), cfg).await?)
+    } else {
+        None
+    };
+    let model_opts = model::Options {
+        namespace: args.watch_namespace.clone(),
+        ..model::Options::from_env()
+    };
+    let caches = modelcache::run(
+        client.clone(),
+        metrics.clone(),
+        config,
+        args.watch_namespace.clone(),
+    );
+    let models = model::run_with(client.clone(), metrics.clone(), model_opts);
+    // Both controllers run in this process; when one stops (shutdown signal or error) we stop.
+    let controllers = async move {
+        tokio::select! {
+            r = caches => r,
+            r = models => r,
+        }
+    };
+    match &leadership {
+        Some(l) => {
+            tokio::select! {
+                r = controllers => { l.release().await; r?; }
+                _ = l.keep() => { anyhow::bail!("leadership lost; exiting so a fresh process re-elects"); }
+            }
+        }
+        None => controllers.await?,
+    }
+    info!("shut down");
+    Ok(())
+}

@@ -66,8 +66,11 @@ impl LayerCache {
             script_version: script_version.to_string(),
             layers: Vec::new(),
         };
-        let mut cache =
-            LayerCache { dir: dir.clone(), manifest: fresh.clone(), calibration_fingerprint: calibration_fingerprint.into() };
+        let mut cache = LayerCache {
+            dir: dir.clone(),
+            manifest: fresh.clone(),
+            calibration_fingerprint: calibration_fingerprint.into(),
+        };
         let manifest_path = dir.join("layers").join("manifest.json");
         if dir.exists() {
             let verdict: std::result::Result<Manifest, (String, bool)> = if !resume {
@@ -76,11 +79,15 @@ impl LayerCache {
                 Err(("no manifest".into(), false))
             } else {
                 match read_json(&manifest_path).and_then(|v| {
-                    serde_json::from_value::<Manifest>(v)
-                        .map_err(|e| QuantError::Json { path: manifest_path.clone(), message: e.to_string() })
+                    serde_json::from_value::<Manifest>(v).map_err(|e| QuantError::Json {
+                        path: manifest_path.clone(),
+                        message: e.to_string(),
+                    })
                 }) {
                     Err(e) => Err((format!("unreadable manifest: {e}"), true)),
-                    Ok(m) if m.config_hash != config_hash => Err(("config hash changed".into(), false)),
+                    Ok(m) if m.config_hash != config_hash => {
+                        Err(("config hash changed".into(), false))
+                    }
                     Ok(m) => match cache.verify_layers(&m) {
                         Ok(()) => Ok(m),
                         Err(reason) => Err((reason, true)),
@@ -103,10 +110,14 @@ impl LayerCache {
                 }
             }
         }
-        std::fs::create_dir_all(cache.layers_dir()).map_err(|e| QuantError::io(cache.layers_dir(), e))?;
+        std::fs::create_dir_all(cache.layers_dir())
+            .map_err(|e| QuantError::io(cache.layers_dir(), e))?;
         cache.save_manifest()?;
         if !cache.manifest.layers.is_empty() {
-            events.emit(EVENT_RESUME_LOADED, fields([("layers", json!(cache.manifest.layers.len()))]));
+            events.emit(
+                EVENT_RESUME_LOADED,
+                fields([("layers", json!(cache.manifest.layers.len()))]),
+            );
         }
         cache.write_checkpoint("quantizing", None)?;
         Ok(cache)
@@ -115,12 +126,20 @@ impl LayerCache {
     fn verify_layers(&self, m: &Manifest) -> std::result::Result<(), String> {
         for (i, l) in m.layers.iter().enumerate() {
             if l.layer_idx != i {
-                return Err(format!("cached layers are not a prefix (entry {i} is layer {})", l.layer_idx));
+                return Err(format!(
+                    "cached layers are not a prefix (entry {i} is layer {})",
+                    l.layer_idx
+                ));
             }
             let p = self.layers_dir().join(&l.path);
-            let size = std::fs::metadata(&p).map(|m| m.len()).map_err(|_| format!("{} missing", l.path))?;
+            let size = std::fs::metadata(&p)
+                .map(|m| m.len())
+                .map_err(|_| format!("{} missing", l.path))?;
             if size != l.size_bytes {
-                return Err(format!("{} has size {size}, manifest says {}", l.path, l.size_bytes));
+                return Err(format!(
+                    "{} has size {size}, manifest says {}",
+                    l.path, l.size_bytes
+                ));
             }
             let sha = sha256_file(&p).map_err(|e| e.to_string())?;
             if sha != l.sha256 {
@@ -143,8 +162,10 @@ impl LayerCache {
     }
 
     fn save_manifest(&self) -> Result<()> {
-        let v = serde_json::to_value(&self.manifest)
-            .map_err(|e| QuantError::Json { path: self.layers_dir(), message: e.to_string() })?;
+        let v = serde_json::to_value(&self.manifest).map_err(|e| QuantError::Json {
+            path: self.layers_dir(),
+            message: e.to_string(),
+        })?;
         write_json_atomic(&self.layers_dir().join("manifest.json"), &v)
     }
 
@@ -167,7 +188,10 @@ impl LayerCache {
     }
 
     pub fn layer_path(&self, layer: usize) -> Option<PathBuf> {
-        self.manifest.layers.get(layer).map(|l| self.layers_dir().join(&l.path))
+        self.manifest
+            .layers
+            .get(layer)
+            .map(|l| self.layers_dir().join(&l.path))
     }
 
     /// Persists one finished layer's packed tensors and records it in the manifest.
@@ -183,13 +207,22 @@ impl LayerCache {
         let path = self.layers_dir().join(&name);
         let mut views = Vec::with_capacity(tensors.len());
         for t in tensors {
-            let view = TensorView::new(t.dtype, t.shape.clone(), &t.data)
-                .map_err(|e| QuantError::Safetensors { path: path.clone(), message: format!("{}: {e:?}", t.name) })?;
+            let view = TensorView::new(t.dtype, t.shape.clone(), &t.data).map_err(|e| {
+                QuantError::Safetensors {
+                    path: path.clone(),
+                    message: format!("{}: {e:?}", t.name),
+                }
+            })?;
             views.push((t.name.clone(), view));
         }
-        let meta: HashMap<String, String> = [("layer".to_string(), layer.to_string())].into_iter().collect();
-        let bytes = safetensors::serialize(views, Some(meta))
-            .map_err(|e| QuantError::Safetensors { path: path.clone(), message: format!("{e:?}") })?;
+        let meta: HashMap<String, String> = [("layer".to_string(), layer.to_string())]
+            .into_iter()
+            .collect();
+        let bytes =
+            safetensors::serialize(views, Some(meta)).map_err(|e| QuantError::Safetensors {
+                path: path.clone(),
+                message: format!("{e:?}"),
+            })?;
         crate::fsutil::write_atomic(&path, &bytes)?;
         self.manifest.layers.retain(|l| l.layer_idx != layer);
         self.manifest.layers.push(LayerEntry {
@@ -206,7 +239,11 @@ impl LayerCache {
         self.write_checkpoint("quantizing", Some(layer + 1))?;
         events.emit(
             EVENT_LAYER_CACHED,
-            fields([("layer", json!(layer)), ("path", json!(name)), ("size_bytes", json!(bytes.len()))]),
+            fields([
+                ("layer", json!(layer)),
+                ("path", json!(name)),
+                ("size_bytes", json!(bytes.len())),
+            ]),
         );
         Ok(())
     }

@@ -16,9 +16,17 @@ pub struct CalibSettings {
 const TEXT_FIELDS: [&str; 4] = ["text", "content", "prompt", "document"];
 
 fn open_reader(path: &Path) -> Result<Box<dyn BufRead>> {
-    let file = std::fs::File::open(path)
-        .map_err(|e| QuantError::Input(format!("calibration dataset {} cannot be opened: {e}", path.display())))?;
-    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("").to_ascii_lowercase();
+    let file = std::fs::File::open(path).map_err(|e| {
+        QuantError::Input(format!(
+            "calibration dataset {} cannot be opened: {e}",
+            path.display()
+        ))
+    })?;
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or("")
+        .to_ascii_lowercase();
     if name.ends_with(".zst") {
         let dec = zstd::stream::read::Decoder::new(file).map_err(|e| QuantError::io(path, e))?;
         Ok(Box::new(BufReader::new(dec)))
@@ -38,7 +46,10 @@ fn record_text(v: &Value) -> Option<String> {
             }
             // Chat records: concatenate message contents.
             if let Some(Value::Array(msgs)) = o.get("messages") {
-                let parts: Vec<&str> = msgs.iter().filter_map(|m| m.get("content").and_then(Value::as_str)).collect();
+                let parts: Vec<&str> = msgs
+                    .iter()
+                    .filter_map(|m| m.get("content").and_then(Value::as_str))
+                    .collect();
                 if !parts.is_empty() {
                     return Some(parts.join("\n"));
                 }
@@ -52,7 +63,11 @@ fn record_text(v: &Value) -> Option<String> {
 /// Reads up to `max_texts` non-empty texts. JSONL when the name contains `.jsonl`/`.json`, else plain text where
 /// blank lines separate documents.
 pub fn read_texts(path: &Path, max_texts: usize) -> Result<Vec<String>> {
-    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("").to_ascii_lowercase();
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or("")
+        .to_ascii_lowercase();
     if name.ends_with(".parquet") {
         return Err(QuantError::Input(format!(
             "calibration dataset {}: parquet is not supported by this build; convert it to JSONL (one {{\"text\": ...}} per line)",
@@ -63,12 +78,18 @@ pub fn read_texts(path: &Path, max_texts: usize) -> Result<Vec<String>> {
     let mut texts = Vec::new();
     if name.contains(".jsonl") || name.contains(".json") {
         for (i, line) in reader.lines().enumerate() {
-            let line = line.map_err(|e| QuantError::Input(format!("calibration dataset {}: {e}", path.display())))?;
+            let line = line.map_err(|e| {
+                QuantError::Input(format!("calibration dataset {}: {e}", path.display()))
+            })?;
             if line.trim().is_empty() {
                 continue;
             }
             let v: Value = serde_json::from_str(&line).map_err(|e| {
-                QuantError::Input(format!("calibration dataset {} line {}: invalid JSON: {e}", path.display(), i + 1))
+                QuantError::Input(format!(
+                    "calibration dataset {} line {}: invalid JSON: {e}",
+                    path.display(),
+                    i + 1
+                ))
             })?;
             if let Some(t) = record_text(&v) {
                 if !t.trim().is_empty() {
@@ -81,10 +102,9 @@ pub fn read_texts(path: &Path, max_texts: usize) -> Result<Vec<String>> {
         }
     } else {
         let mut all = String::new();
-        reader
-            .take(1 << 30)
-            .read_to_string(&mut all)
-            .map_err(|e| QuantError::Input(format!("calibration dataset {}: {e}", path.display())))?;
+        reader.take(1 << 30).read_to_string(&mut all).map_err(|e| {
+            QuantError::Input(format!("calibration dataset {}: {e}", path.display()))
+        })?;
         for doc in all.split("\n\n") {
             if !doc.trim().is_empty() {
                 texts.push(doc.trim().to_string());
@@ -101,16 +121,24 @@ pub fn read_texts(path: &Path, max_texts: usize) -> Result<Vec<String>> {
 pub fn load_samples(model_dir: &Path, dataset: &Path, s: &CalibSettings) -> Result<Vec<Vec<u32>>> {
     let tok_path = model_dir.join("tokenizer.json");
     if !tok_path.exists() {
-        return Err(QuantError::Input(format!("tokenizer.json not found in model directory {}", model_dir.display())));
+        return Err(QuantError::Input(format!(
+            "tokenizer.json not found in model directory {}",
+            model_dir.display()
+        )));
     }
     let text = std::fs::read_to_string(&tok_path).map_err(|e| QuantError::io(&tok_path, e))?;
     // Hub files written by older tokenizers versions go through the canonicalising converter first.
     let tokenizer = match tokenizers::from_json(&text) {
         Ok(t) => t,
         Err(first) => {
-            let canonical = tokenizers::canonicalize_str(&text)
-                .map_err(|e| QuantError::Tokenizer(format!("{}: {first}; conversion failed: {e}", tok_path.display())))?;
-            tokenizers::from_json(&canonical).map_err(|e| QuantError::Tokenizer(format!("{}: {e}", tok_path.display())))?
+            let canonical = tokenizers::canonicalize_str(&text).map_err(|e| {
+                QuantError::Tokenizer(format!(
+                    "{}: {first}; conversion failed: {e}",
+                    tok_path.display()
+                ))
+            })?;
+            tokenizers::from_json(&canonical)
+                .map_err(|e| QuantError::Tokenizer(format!("{}: {e}", tok_path.display())))?
         }
     };
     let texts = read_texts(dataset, s.max_samples)?;
@@ -121,8 +149,15 @@ pub fn load_samples(model_dir: &Path, dataset: &Path, s: &CalibSettings) -> Resu
             .encode(t.as_str(), &opts)
             .wait()
             .map_err(|e| QuantError::Tokenizer(format!("encoding a calibration sample: {e}")))?;
-        let Some(first) = enc.into_iter().next() else { continue };
-        let ids: Vec<u32> = first.ids().iter().map(|t| t.id()).take(s.max_seq_len).collect();
+        let Some(first) = enc.into_iter().next() else {
+            continue;
+        };
+        let ids: Vec<u32> = first
+            .ids()
+            .iter()
+            .map(|t| t.id())
+            .take(s.max_seq_len)
+            .collect();
         if ids.len() >= 2 {
             samples.push(ids);
         }

@@ -31,12 +31,18 @@ impl QuantError {
     pub fn is_bad_input(&self) -> bool {
         matches!(
             self,
-            QuantError::Input(_) | QuantError::Safetensors { .. } | QuantError::Json { .. } | QuantError::Tokenizer(_)
+            QuantError::Input(_)
+                | QuantError::Safetensors { .. }
+                | QuantError::Json { .. }
+                | QuantError::Tokenizer(_)
         )
     }
 
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        QuantError::Io { path: path.into(), source }
+        QuantError::Io {
+            path: path.into(),
+            source,
+        }
     }
 }
 

@@ -24,7 +24,11 @@ pub struct MemorySink {
 impl MemorySink {
     pub fn named(&self, name: &str) -> Vec<Map<String, Value>> {
         match self.events.lock() {
-            Ok(ev) => ev.iter().filter(|(n, _)| n == name).map(|(_, f)| f.clone()).collect(),
+            Ok(ev) => ev
+                .iter()
+                .filter(|(n, _)| n == name)
+                .map(|(_, f)| f.clone())
+                .collect(),
             Err(_) => Vec::new(),
         }
     }

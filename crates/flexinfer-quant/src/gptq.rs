@@ -70,15 +70,27 @@ pub fn gptq_quantize(
     let mut w = w_in.clone();
 
     // With one group per row the parameters come from W before the dead-column fix (IST order).
-    let mut current: Option<GroupParams> =
-        if p.group_size <= 0 { Some(find_params(rows, col_slices(&w, 0, cols), p.bits, p.sym)) } else { None };
+    let mut current: Option<GroupParams> = if p.group_size <= 0 {
+        Some(find_params(rows, col_slices(&w, 0, cols), p.bits, p.sym))
+    } else {
+        None
+    };
     for (c, &dead) in factor.dead.iter().enumerate() {
         if dead {
             w.col_mut(c).fill(0.0);
         }
     }
     let static_groups: Vec<GroupParams> = if p.static_groups && p.group_size > 0 {
-        (0..n_groups).map(|g| find_params(rows, col_slices(&w, g * gs, ((g + 1) * gs).min(cols)), p.bits, p.sym)).collect()
+        (0..n_groups)
+            .map(|g| {
+                find_params(
+                    rows,
+                    col_slices(&w, g * gs, ((g + 1) * gs).min(cols)),
+                    p.bits,
+                    p.sym,
+                )
+            })
+            .collect()
     } else {
         Vec::new()
     };
@@ -119,7 +131,8 @@ pub fn gptq_quantize(
                     group_of_k = k / gs;
                     if k % gs == 0 {
                         // Quirk kept for parity: parameters from the global W, which lacks this block's in-block updates.
-                        let gp = find_params(rows, col_slices(&w, k, (k + gs).min(cols)), p.bits, p.sym);
+                        let gp =
+                            find_params(rows, col_slices(&w, k, (k + gs).min(cols)), p.bits, p.sym);
                         push_group(&mut scales, &mut zeros, group_of_k, rows, &gp);
                         current = Some(gp);
                     }
@@ -149,14 +162,19 @@ pub fn gptq_quantize(
                 if coef == 0.0 {
                     continue;
                 }
-                let (left, mut right) = (err1.col(i), w1.col_mut(j));
-                for r in 0..rows {
-                    right[r] -= left[r] * coef;
+                let left = err1.col_as_slice(i);
+                let right = w1.col_as_slice_mut(j);
+                for (wv, ev) in right.iter_mut().zip(left) {
+                    *wv -= ev * coef;
                 }
             }
         }
         if i2 < cols {
-            backend.block_update(w.subcols_mut(i2, cols - i2), err1.as_ref(), u.submatrix(i1, i2, count, cols - i2));
+            backend.block_update(
+                w.subcols_mut(i2, cols - i2),
+                err1.as_ref(),
+                u.submatrix(i1, i2, count, cols - i2),
+            );
         }
         i1 = i2;
     }

@@ -79,7 +79,11 @@ pub fn prepare_factor(
     let perm = if desc_act {
         let mut idx: Vec<usize> = (0..n).collect();
         // Descending diag, stable on ties (torch argsort(descending) is not guaranteed stable; we pick stable).
-        idx.sort_by(|&a, &b| h[(b, b)].partial_cmp(&h[(a, a)]).unwrap_or(std::cmp::Ordering::Equal));
+        idx.sort_by(|&a, &b| {
+            h[(b, b)]
+                .partial_cmp(&h[(a, a)])
+                .unwrap_or(std::cmp::Ordering::Equal)
+        });
         let permuted = Mat::from_fn(n, n, |i, j| h[(idx[i], idx[j])]);
         h = permuted;
         Some(idx)
@@ -87,7 +91,12 @@ pub fn prepare_factor(
         None
     };
     match recover(backend, &h, recovery, module, events) {
-        Some((u, damp)) => FactorOutcome::Factor(PreparedFactor { u, perm, dead, damp }),
+        Some((u, damp)) => FactorOutcome::Factor(PreparedFactor {
+            u,
+            perm,
+            dead,
+            damp,
+        }),
         None => FactorOutcome::Exhausted,
     }
 }
@@ -160,14 +169,21 @@ pub fn recover(
     for attempt in 1..=rp.max_floor_attempts {
         let floor = base * rp.floor_multiplier.powi(attempt as i32 - 1);
         set_diag(&mut work, &|i| (diag[i] + floor).max(floor));
-        let ok = if floor.is_finite() && floor > 0.0 { backend.inverse_cholesky_factor(work.as_ref()) } else { None };
+        let ok = if floor.is_finite() && floor > 0.0 {
+            backend.inverse_cholesky_factor(work.as_ref())
+        } else {
+            None
+        };
         events.emit(
             EVENT_HESSIAN_RECOVERY,
             fields([
                 ("module", json!(module)),
                 ("attempt", json!(attempt)),
                 ("floor", json!(floor)),
-                ("result", json!(if ok.is_some() { "recovered" } else { "failed" })),
+                (
+                    "result",
+                    json!(if ok.is_some() { "recovered" } else { "failed" }),
+                ),
             ]),
         );
         if let Some(u) = ok {

@@ -13,11 +13,12 @@ pub mod params;
 pub mod quantizer;
 
 pub use error::{QuantError, Result};
-pub mod llama;
-pub mod model;
-pub mod tensors;
+pub mod cache;
 pub mod calib;
 pub mod fsutil;
-pub mod writer;
-pub mod cache;
+pub mod llama;
+pub mod model;
 pub mod pipeline;
+pub mod tensors;
+pub mod testkit;
+pub mod writer;

@@ -2,13 +2,24 @@
 //! (HIP/CUDA) can replace the CPU one without touching the solver.
 
 use faer::linalg::matmul::matmul;
+use faer::linalg::matmul::triangular::{self, BlockStructure};
 use faer::linalg::triangular_inverse::invert_lower_triangular;
 use faer::{Accum, Mat, MatMut, MatRef, Par, Side};
 
 /// Hessian accumulation, inverse-Hessian upper Cholesky factor, and the lazy-batch block update.
 pub trait LinalgBackend: Send + Sync {
-    /// `h += alpha · xᵀx` for activations `x` of shape `[tokens, in]`.
+    /// `h += alpha · xᵀx` for activations `x` of shape `[tokens, in]`, on the lower triangle only (half the
+    /// flops); call [`LinalgBackend::finish_hessian`] once after the last batch.
     fn accumulate_hessian(&self, h: MatMut<'_, f32>, x: MatRef<'_, f32>, alpha: f32);
+    /// Mirrors the accumulated lower triangle into the upper one.
+    fn finish_hessian(&self, mut h: MatMut<'_, f32>) {
+        let n = h.nrows();
+        for j in 0..n {
+            for i in j + 1..n {
+                h[(j, i)] = h[(i, j)];
+            }
+        }
+    }
     /// Upper-triangular `U` with `H⁻¹ = UᵀU`, or `None` when `H` is not numerically positive definite.
     fn inverse_cholesky_factor(&self, h: MatRef<'_, f32>) -> Option<Mat<f32>>;
     /// `w_tail -= err · u_rows` (rows × B times B × tail).
@@ -33,7 +44,9 @@ pub struct CpuBackend {
 
 impl Default for CpuBackend {
     fn default() -> Self {
-        CpuBackend { route: FactorRoute::Reversed }
+        CpuBackend {
+            route: FactorRoute::Reversed,
+        }
     }
 }
 
@@ -46,8 +59,18 @@ fn all_finite(m: MatRef<'_, f32>) -> bool {
 }
 
 impl LinalgBackend for CpuBackend {
-    fn accumulate_hessian(&self, h: MatMut<'_, f32>, x: MatRef<'_, f32>, alpha: f32) {
-        matmul(h, Accum::Add, x.transpose(), x, alpha, par());
+    fn accumulate_hessian(&self, mut h: MatMut<'_, f32>, x: MatRef<'_, f32>, alpha: f32) {
+        triangular::matmul(
+            h.as_mut(),
+            BlockStructure::TriangularLower,
+            Accum::Add,
+            x.transpose(),
+            BlockStructure::Rectangular,
+            x,
+            BlockStructure::Rectangular,
+            alpha,
+            par(),
+        );
     }
 
     fn inverse_cholesky_factor(&self, h: MatRef<'_, f32>) -> Option<Mat<f32>> {

@@ -62,7 +62,14 @@ pub fn rms_norm(x: MatRef<'_, f32>, w: &[f32], eps: f32) -> Mat<f32> {
 
 pub fn linear(x: MatRef<'_, f32>, l: &Linear) -> Mat<f32> {
     let mut y = Mat::<f32>::zeros(x.nrows(), l.w.nrows());
-    matmul(y.as_mut(), Accum::Replace, x, l.w.transpose(), 1.0, faer::get_global_parallelism());
+    matmul(
+        y.as_mut(),
+        Accum::Replace,
+        x,
+        l.w.transpose(),
+        1.0,
+        faer::get_global_parallelism(),
+    );
     if let Some(b) = &l.b {
         for (c, bv) in b.iter().enumerate() {
             y.col_mut(c).iter_mut().for_each(|v| *v += bv);
@@ -74,7 +81,10 @@ pub fn linear(x: MatRef<'_, f32>, l: &Linear) -> Mat<f32> {
 fn head_norm(x: &mut Mat<f32>, heads: usize, d: usize, w: &[f32], eps: f32) {
     for r in 0..x.nrows() {
         for h in 0..heads {
-            let ss: f32 = (0..d).map(|i| x[(r, h * d + i)] * x[(r, h * d + i)]).sum::<f32>() / d as f32;
+            let ss: f32 = (0..d)
+                .map(|i| x[(r, h * d + i)] * x[(r, h * d + i)])
+                .sum::<f32>()
+                / d as f32;
             let s = 1.0 / (ss + eps).sqrt();
             for i in 0..d {
                 x[(r, h * d + i)] = x[(r, h * d + i)] * s * w[i];
@@ -136,14 +146,27 @@ fn attention(cfg: &ModelConfig, lw: &LayerWeights, h: MatRef<'_, f32>, rope: &Ro
                 s[(i, j)] /= sum;
             }
         }
-        matmul(out.subcols_mut(head * d, d), Accum::Replace, s.as_ref(), vh, 1.0, par);
+        matmul(
+            out.subcols_mut(head * d, d),
+            Accum::Replace,
+            s.as_ref(),
+            vh,
+            1.0,
+            par,
+        );
     }
     out
 }
 
 /// Runs one decoder layer on one sequence `x` (`[tokens, hidden]`). With `stop`, returns the input of that
 /// module group instead of the layer output; the arithmetic up to that point is the same in both cases.
-pub fn layer_forward(cfg: &ModelConfig, lw: &LayerWeights, x: MatRef<'_, f32>, rope: &Rope, stop: Option<Stage>) -> Mat<f32> {
+pub fn layer_forward(
+    cfg: &ModelConfig,
+    lw: &LayerWeights,
+    x: MatRef<'_, f32>,
+    rope: &Rope,
+    stop: Option<Stage>,
+) -> Mat<f32> {
     let eps = cfg.rms_norm_eps;
     let h = rms_norm(x, &lw.input_norm, eps);
     if stop == Some(Stage::Qkv) {
@@ -173,7 +196,12 @@ pub fn layer_forward(cfg: &ModelConfig, lw: &LayerWeights, x: MatRef<'_, f32>, r
 }
 
 /// Token embeddings `[tokens, hidden]`.
-pub fn embed(store: &TensorStore, cfg: &ModelConfig, embed_table: Option<&[f32]>, tokens: &[u32]) -> Result<Mat<f32>> {
+pub fn embed(
+    store: &TensorStore,
+    cfg: &ModelConfig,
+    embed_table: Option<&[f32]>,
+    tokens: &[u32],
+) -> Result<Mat<f32>> {
     let owned;
     let table = match embed_table {
         Some(t) => t,
@@ -203,10 +231,21 @@ pub fn logits(store: &TensorStore, cfg: &ModelConfig, tokens: &[u32]) -> Result<
         let lw = load_layer(store, cfg, layer, gq)?;
         x = layer_forward(cfg, &lw, x.as_ref(), &rope, None);
     }
-    let xn = rms_norm(x.as_ref(), &store.f32("model.norm.weight")?, cfg.rms_norm_eps);
-    let head_name = if store.contains("lm_head.weight") { "lm_head.weight" } else { "model.embed_tokens.weight" };
+    let xn = rms_norm(
+        x.as_ref(),
+        &store.f32("model.norm.weight")?,
+        cfg.rms_norm_eps,
+    );
+    let head_name = if store.contains("lm_head.weight") {
+        "lm_head.weight"
+    } else {
+        "model.embed_tokens.weight"
+    };
     let w = store.f32(head_name)?;
     let vocab = w.len() / cfg.hidden_size;
-    let head = Linear { w: Mat::from_fn(vocab, cfg.hidden_size, |r, c| w[r * cfg.hidden_size + c]), b: None };
+    let head = Linear {
+        w: Mat::from_fn(vocab, cfg.hidden_size, |r, c| w[r * cfg.hidden_size + c]),
+        b: None,
+    };
     Ok(linear(xn.as_ref(), &head))
 }

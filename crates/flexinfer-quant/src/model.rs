@@ -9,14 +9,25 @@ use serde_json::Value;
 use std::path::Path;
 
 /// Architectures whose decoder is Llama-shaped (Qwen3 adds q/k RMSNorm; Qwen2 adds q/k/v bias).
-pub const SUPPORTED_ARCHITECTURES: &[&str] =
-    &["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"];
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &[
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+];
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum RopeScaling {
     None,
-    Linear { factor: f32 },
-    Llama3 { factor: f32, low_freq_factor: f32, high_freq_factor: f32, original_max_position_embeddings: f32 },
+    Linear {
+        factor: f32,
+    },
+    Llama3 {
+        factor: f32,
+        low_freq_factor: f32,
+        high_freq_factor: f32,
+        original_max_position_embeddings: f32,
+    },
 }
 
 #[derive(Clone, Debug)]
@@ -41,22 +52,34 @@ fn get_usize(v: &Value, key: &str) -> Result<usize> {
     v.get(key)
         .and_then(Value::as_u64)
         .map(|x| x as usize)
-        .ok_or_else(|| QuantError::Input(format!("config.json: missing or invalid integer field {key:?}")))
+        .ok_or_else(|| {
+            QuantError::Input(format!(
+                "config.json: missing or invalid integer field {key:?}"
+            ))
+        })
 }
 
 fn get_f32(v: &Value, key: &str, default: f32) -> f32 {
-    v.get(key).and_then(Value::as_f64).map(|x| x as f32).unwrap_or(default)
+    v.get(key)
+        .and_then(Value::as_f64)
+        .map(|x| x as f32)
+        .unwrap_or(default)
 }
 
 impl ModelConfig {
     pub fn load(model_dir: &Path) -> Result<Self> {
         let path = model_dir.join("config.json");
         if !path.exists() {
-            return Err(QuantError::Input(format!("config.json not found in model directory {}", model_dir.display())));
+            return Err(QuantError::Input(format!(
+                "config.json not found in model directory {}",
+                model_dir.display()
+            )));
         }
         let text = std::fs::read_to_string(&path).map_err(|e| QuantError::io(&path, e))?;
-        let raw: Value =
-            serde_json::from_str(&text).map_err(|e| QuantError::Json { path: path.clone(), message: e.to_string() })?;
+        let raw: Value = serde_json::from_str(&text).map_err(|e| QuantError::Json {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
         Self::from_json(raw)
     }
 
@@ -76,13 +99,22 @@ impl ModelConfig {
         }
         let hidden_size = get_usize(&raw, "hidden_size")?;
         let num_heads = get_usize(&raw, "num_attention_heads")?;
-        let num_kv_heads = raw.get("num_key_value_heads").and_then(Value::as_u64).map(|x| x as usize).unwrap_or(num_heads);
+        let num_kv_heads = raw
+            .get("num_key_value_heads")
+            .and_then(Value::as_u64)
+            .map(|x| x as usize)
+            .unwrap_or(num_heads);
         let head_dim = match raw.get("head_dim").and_then(Value::as_u64) {
             Some(d) => d as usize,
             None if num_heads > 0 => hidden_size / num_heads,
             None => 0,
         };
-        if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 || head_dim == 0 || head_dim % 2 != 0 {
+        if num_heads == 0
+            || num_kv_heads == 0
+            || num_heads % num_kv_heads != 0
+            || head_dim == 0
+            || head_dim % 2 != 0
+        {
             return Err(QuantError::Input(format!(
                 "config.json: inconsistent attention shape (heads {num_heads}, kv heads {num_kv_heads}, head_dim {head_dim})"
             )));
@@ -90,7 +122,11 @@ impl ModelConfig {
         let rope_scaling = match raw.get("rope_scaling") {
             None | Some(Value::Null) => RopeScaling::None,
             Some(rs) => {
-                let kind = rs.get("rope_type").or_else(|| rs.get("type")).and_then(Value::as_str).unwrap_or("default");
+                let kind = rs
+                    .get("rope_type")
+                    .or_else(|| rs.get("type"))
+                    .and_then(Value::as_str)
+                    .unwrap_or("default");
                 match kind {
                     "default" => RopeScaling::None,
                     // Dynamic NTK only changes frequencies beyond the trained length; calibration stays inside it.
@@ -122,7 +158,10 @@ impl ModelConfig {
             rope_theta: get_f32(&raw, "rope_theta", 10000.0),
             rope_scaling,
             vocab_size: get_usize(&raw, "vocab_size")?,
-            tie_word_embeddings: raw.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
+            tie_word_embeddings: raw
+                .get("tie_word_embeddings")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
             raw,
         })
     }
@@ -130,12 +169,18 @@ impl ModelConfig {
     /// Inverse frequencies after rope scaling.
     pub fn inv_freq(&self) -> Vec<f32> {
         let d = self.head_dim;
-        let base: Vec<f32> =
-            (0..d / 2).map(|i| 1.0 / (self.rope_theta as f64).powf(2.0 * i as f64 / d as f64) as f32).collect();
+        let base: Vec<f32> = (0..d / 2)
+            .map(|i| 1.0 / (self.rope_theta as f64).powf(2.0 * i as f64 / d as f64) as f32)
+            .collect();
         match self.rope_scaling {
             RopeScaling::None => base,
             RopeScaling::Linear { factor } => base.iter().map(|f| f / factor).collect(),
-            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
                 let low_wl = original_max_position_embeddings / low_freq_factor;
                 let high_wl = original_max_position_embeddings / high_freq_factor;
                 base.iter()
@@ -199,7 +244,10 @@ fn mat_from_row_major(data: &[f32], rows: usize, cols: usize) -> Mat<f32> {
 /// Expected `[out, in]` of each linear.
 pub fn linear_shape(cfg: &ModelConfig, idx: usize) -> (usize, usize) {
     let h = cfg.hidden_size;
-    let (q, kv) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
+    let (q, kv) = (
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+    );
     match idx {
         0 => (q, h),
         1 | 2 => (kv, h),
@@ -230,13 +278,24 @@ impl GptqReadConfig {
 }
 
 /// Loads linear `name` (`prefix` + module) as f32, dequantizing `qweight/qzeros/scales/g_idx` when present.
-pub fn load_linear(store: &TensorStore, name: &str, shape: (usize, usize), gq: Option<GptqReadConfig>) -> Result<Linear> {
+pub fn load_linear(
+    store: &TensorStore,
+    name: &str,
+    shape: (usize, usize),
+    gq: Option<GptqReadConfig>,
+) -> Result<Linear> {
     let (rows, cols) = shape;
-    let b = if store.contains(&format!("{name}.bias")) { Some(store.f32(&format!("{name}.bias"))?) } else { None };
+    let b = if store.contains(&format!("{name}.bias")) {
+        Some(store.f32(&format!("{name}.bias"))?)
+    } else {
+        None
+    };
     if let (Some(gq), true) = (gq, store.contains(&format!("{name}.qweight"))) {
         let scales_raw = store.raw(&format!("{name}.scales"))?;
-        let scales: Vec<half::f16> =
-            scales_raw.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]])).collect();
+        let scales: Vec<half::f16> = scales_raw
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]))
+            .collect();
         let groups = scales.len() / rows.max(1);
         let packed = PackedLinear {
             qweight: store.i32(&format!("{name}.qweight"))?,
@@ -248,25 +307,47 @@ pub fn load_linear(store: &TensorStore, name: &str, shape: (usize, usize), gq: O
             groups,
             bits: gq.bits,
         };
-        if packed.g_idx.len() != cols || packed.g_idx.iter().any(|&g| g < 0 || g as usize >= groups) {
-            return Err(QuantError::Input(format!("{name}.g_idx is inconsistent with its scales")));
+        if packed.g_idx.len() != cols || packed.g_idx.iter().any(|&g| g < 0 || g as usize >= groups)
+        {
+            return Err(QuantError::Input(format!(
+                "{name}.g_idx is inconsistent with its scales"
+            )));
         }
         let w = dequantize_packed(&packed, gq.format);
-        return Ok(Linear { w: mat_from_row_major(&w, rows, cols), b });
+        return Ok(Linear {
+            w: mat_from_row_major(&w, rows, cols),
+            b,
+        });
     }
     let e = store.entry(&format!("{name}.weight"))?;
     if e.shape != [rows, cols] {
-        return Err(QuantError::Input(format!("{name}.weight has shape {:?}, config.json implies [{rows}, {cols}]", e.shape)));
+        return Err(QuantError::Input(format!(
+            "{name}.weight has shape {:?}, config.json implies [{rows}, {cols}]",
+            e.shape
+        )));
     }
     let w = store.f32(&format!("{name}.weight"))?;
-    Ok(Linear { w: mat_from_row_major(&w, rows, cols), b })
+    Ok(Linear {
+        w: mat_from_row_major(&w, rows, cols),
+        b,
+    })
 }
 
-pub fn load_layer(store: &TensorStore, cfg: &ModelConfig, layer: usize, gq: Option<GptqReadConfig>) -> Result<LayerWeights> {
+pub fn load_layer(
+    store: &TensorStore,
+    cfg: &ModelConfig,
+    layer: usize,
+    gq: Option<GptqReadConfig>,
+) -> Result<LayerWeights> {
     let p = cfg.layer_prefix(layer);
     let mut linears = Vec::with_capacity(7);
     for (i, m) in LINEARS.iter().enumerate() {
-        linears.push(load_linear(store, &format!("{p}{m}"), linear_shape(cfg, i), gq)?);
+        linears.push(load_linear(
+            store,
+            &format!("{p}{m}"),
+            linear_shape(cfg, i),
+            gq,
+        )?);
     }
     let opt = |n: &str| -> Result<Option<Vec<f32>>> {
         let name = format!("{p}{n}");

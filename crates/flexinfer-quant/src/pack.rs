@@ -80,7 +80,14 @@ pub fn pack(q: &QuantizedLinear, format: ZeroFormat) -> PackedLinear {
     for c in 0..cols {
         let pos = c * bits as usize;
         for r in 0..rows {
-            put(&mut qweight, rows, r, pos, bits, q.codes[c * rows + r] as u32);
+            put(
+                &mut qweight,
+                rows,
+                r,
+                pos,
+                bits,
+                q.codes[c * rows + r] as u32,
+            );
         }
     }
     let zw = rows * bits as usize / 32;
@@ -94,7 +101,14 @@ pub fn pack(q: &QuantizedLinear, format: ZeroFormat) -> PackedLinear {
                 ZeroFormat::V2 => z,
             }
             .min(maxq);
-            put(&mut qzeros[g * zw..(g + 1) * zw], 1, 0, r * bits as usize, bits, stored);
+            put(
+                &mut qzeros[g * zw..(g + 1) * zw],
+                1,
+                0,
+                r * bits as usize,
+                bits,
+                stored,
+            );
         }
     }
     PackedLinear {
@@ -122,7 +136,13 @@ pub fn unpack_qweight(qweight: &[i32], rows: usize, cols: usize, bits: u32) -> V
 }
 
 /// Real zero-points `[groups][rows]` from qzeros, undoing the v1 offset like the loaders do.
-pub fn unpack_qzeros(qzeros: &[i32], rows: usize, groups: usize, bits: u32, format: ZeroFormat) -> Vec<u8> {
+pub fn unpack_qzeros(
+    qzeros: &[i32],
+    rows: usize,
+    groups: usize,
+    bits: u32,
+    format: ZeroFormat,
+) -> Vec<u8> {
     let zw = rows * bits as usize / 32;
     let words: Vec<u32> = qzeros.iter().map(|&w| w as u32).collect();
     let mut out = vec![0u8; groups * rows];

@@ -40,17 +40,30 @@ pub struct GptqParams {
 
 impl Default for GptqParams {
     fn default() -> Self {
-        GptqParams { bits: 4, group_size: 128, sym: true, desc_act: false, static_groups: false, block_size: 128 }
+        GptqParams {
+            bits: 4,
+            group_size: 128,
+            sym: true,
+            desc_act: false,
+            static_groups: false,
+            block_size: 128,
+        }
     }
 }
 
 impl GptqParams {
     pub fn validate(&self) -> Result<()> {
         if !matches!(self.bits, 2 | 3 | 4 | 8) {
-            return Err(QuantError::Input(format!("bits must be one of 2, 3, 4, 8 (got {})", self.bits)));
+            return Err(QuantError::Input(format!(
+                "bits must be one of 2, 3, 4, 8 (got {})",
+                self.bits
+            )));
         }
         if !(self.group_size == -1 || self.group_size > 0) {
-            return Err(QuantError::Input(format!("group size must be -1 or positive (got {})", self.group_size)));
+            return Err(QuantError::Input(format!(
+                "group size must be -1 or positive (got {})",
+                self.group_size
+            )));
         }
         if self.block_size == 0 {
             return Err(QuantError::Input("block size must be positive".into()));
@@ -69,14 +82,18 @@ impl GptqParams {
 
     /// Checks that a linear with `cols` inputs and `rows` outputs can be stored in the gptq format.
     pub fn check_shape(&self, name: &str, rows: usize, cols: usize) -> Result<()> {
-        if self.group_size > 0 && cols % self.group_size as usize != 0 {
+        if self.group_size > 0 && !cols.is_multiple_of(self.group_size as usize) {
             return Err(QuantError::Input(format!(
                 "group size {} does not divide the input dimension {cols} of {name}",
                 self.group_size
             )));
         }
-        let pack = if self.bits == 3 { 32 } else { (32 / self.bits) as usize };
-        if cols % pack != 0 || rows % pack != 0 {
+        let pack = if self.bits == 3 {
+            32
+        } else {
+            (32 / self.bits) as usize
+        };
+        if !cols.is_multiple_of(pack) || !rows.is_multiple_of(pack) {
             return Err(QuantError::Input(format!(
                 "{name} has shape [{rows}, {cols}]; {}-bit packing needs both dimensions to be multiples of {pack}",
                 self.bits
@@ -112,9 +129,16 @@ impl Default for RecoveryParams {
 
 impl RecoveryParams {
     pub fn validate(&self) -> Result<()> {
-        let finite = [self.damp_percent, self.damp_auto_increment, self.floor_scale, self.floor_multiplier];
+        let finite = [
+            self.damp_percent,
+            self.damp_auto_increment,
+            self.floor_scale,
+            self.floor_multiplier,
+        ];
         if finite.iter().any(|v| !v.is_finite() || *v < 0.0) {
-            return Err(QuantError::Input("GPTQ recovery tunables must be finite and non-negative".into()));
+            return Err(QuantError::Input(
+                "GPTQ recovery tunables must be finite and non-negative".into(),
+            ));
         }
         Ok(())
     }
@@ -129,6 +153,9 @@ pub struct GateParams {
 
 impl Default for GateParams {
     fn default() -> Self {
-        GateParams { max_rtn_fallback_percent: 10.0, min_modules: 100 }
+        GateParams {
+            max_rtn_fallback_percent: 10.0,
+            min_modules: 100,
+        }
     }
 }

@@ -10,7 +10,9 @@ use crate::gptq::{dequantize_weight, gptq_quantize, rtn_quantize, Method, Quanti
 use crate::hessian::{prepare_factor, FactorOutcome};
 use crate::linalg::LinalgBackend;
 use crate::llama::{embed, layer_forward, Rope, STAGES};
-use crate::model::{linear_shape, load_layer, load_linear, GptqReadConfig, ModelConfig, INPUT_GROUPS, LINEARS};
+use crate::model::{
+    linear_shape, load_layer, load_linear, GptqReadConfig, ModelConfig, INPUT_GROUPS, LINEARS,
+};
 use crate::pack::{pack, ZeroFormat};
 use crate::params::{GateParams, GptqParams, RecoveryParams};
 use crate::tensors::TensorStore;
@@ -24,6 +26,8 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 pub const EVENT_PROGRESS: &str = "progress";
+/// Samples whose activations are stacked into one Hessian update when `N_PARALLEL_CALIB_SAMPLES` is unset.
+pub const DEFAULT_CALIB_BATCH: usize = 8;
 pub const EVENT_QUALITY: &str = "quantization_quality";
 pub const EVENT_QUALITY_UNAVAILABLE: &str = "quantization_quality_unavailable";
 pub const EVENT_CACHED: &str = "quantization_cached";
@@ -39,7 +43,7 @@ pub struct QuantizeJob {
     pub recovery: RecoveryParams,
     pub gate: GateParams,
     pub calib: CalibSettings,
-    /// Accepted for the contract; samples are forwarded one at a time, so memory is bounded regardless.
+    /// Samples whose activations are stacked per Hessian update (default [`DEFAULT_CALIB_BATCH`]).
     pub n_parallel_calib_samples: Option<usize>,
     /// `gdn`, or a comma list of module-name substrings kept in full precision.
     pub dynamic_exclusion: Option<String>,
@@ -65,7 +69,11 @@ pub struct Quality {
 impl Quality {
     pub fn evaluate(gptq: u64, rtn: u64, gate: &GateParams) -> Self {
         let total = gptq + rtn;
-        let pct = if total == 0 { 0.0 } else { 100.0 * rtn as f64 / total as f64 };
+        let pct = if total == 0 {
+            0.0
+        } else {
+            100.0 * rtn as f64 / total as f64
+        };
         let verdict = if total < gate.min_modules {
             "insufficient-sample"
         } else if pct > gate.max_rtn_fallback_percent {
@@ -102,8 +110,15 @@ pub struct Outcome {
 
 impl QuantizeJob {
     pub fn subdir_name(&self) -> String {
-        let gdn = if self.dynamic_exclusion.as_deref().map(str::trim) == Some("gdn") { "-gdn" } else { "" };
-        format!("gptq-w{}-g{}{gdn}", self.params.bits, self.params.group_size)
+        let gdn = if self.dynamic_exclusion.as_deref().map(str::trim) == Some("gdn") {
+            "-gdn"
+        } else {
+            ""
+        };
+        format!(
+            "gptq-w{}-g{}{gdn}",
+            self.params.bits, self.params.group_size
+        )
     }
 
     pub fn output_dir(&self) -> PathBuf {
@@ -111,7 +126,8 @@ impl QuantizeJob {
     }
 
     fn staging_dir(&self) -> PathBuf {
-        self.out_dir.join(format!(".{}.partial", self.subdir_name()))
+        self.out_dir
+            .join(format!(".{}.partial", self.subdir_name()))
     }
 
     /// Whether module `name` stays in full precision.
@@ -119,7 +135,11 @@ impl QuantizeJob {
         match self.dynamic_exclusion.as_deref().map(str::trim) {
             None | Some("") | Some("none") => false,
             Some("gdn") => name.contains("linear_attn"),
-            Some(list) => list.split(',').map(str::trim).filter(|s| !s.is_empty()).any(|s| name.contains(s)),
+            Some(list) => list
+                .split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .any(|s| name.contains(s)),
         }
     }
 }
@@ -130,10 +150,20 @@ struct Progress<'a> {
 }
 
 impl Progress<'_> {
-    fn emit(&mut self, phase: &str, percent: f64, detail: String, extra: serde_json::Map<String, Value>) {
+    fn emit(
+        &mut self,
+        phase: &str,
+        percent: f64,
+        detail: String,
+        extra: serde_json::Map<String, Value>,
+    ) {
         let p = percent.clamp(self.last, 100.0);
         self.last = p;
-        let mut f = fields([("phase", json!(phase)), ("percent", json!((p * 10.0).round() / 10.0)), ("detail", json!(detail))]);
+        let mut f = fields([
+            ("phase", json!(phase)),
+            ("percent", json!((p * 10.0).round() / 10.0)),
+            ("detail", json!(detail)),
+        ]);
         f.extend(extra);
         self.events.emit(EVENT_PROGRESS, f);
     }
@@ -143,7 +173,12 @@ fn model_fingerprint(model_dir: &Path, store: &TensorStore) -> Result<String> {
     let mut s = sha256_file(&model_dir.join("config.json"))?;
     for f in &store.files {
         let len = std::fs::metadata(f).map(|m| m.len()).unwrap_or(0);
-        s.push_str(&format!("|{}:{len}", f.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default()));
+        s.push_str(&format!(
+            "|{}:{len}",
+            f.file_name()
+                .map(|n| n.to_string_lossy().to_string())
+                .unwrap_or_default()
+        ));
     }
     Ok(sha256_hex(s.as_bytes()))
 }
@@ -168,8 +203,10 @@ fn quantize_config_json(job: &QuantizeJob, excluded: &[String]) -> Value {
         },
     });
     if !excluded.is_empty() {
-        let dynamic: serde_json::Map<String, Value> =
-            excluded.iter().map(|m| (format!("-:^{}$", m.replace('.', "\\.")), json!({}))).collect();
+        let dynamic: serde_json::Map<String, Value> = excluded
+            .iter()
+            .map(|m| (format!("-:^{}$", m.replace('.', "\\.")), json!({})))
+            .collect();
         qc["dynamic"] = Value::Object(dynamic);
     }
     qc
@@ -208,26 +245,53 @@ fn module_tensors(name: &str, q: &QuantizedLinear) -> Vec<OutTensor<'static>> {
 }
 
 /// Runs the job. Bad input is reported before anything is written to `out_dir`.
-pub fn run(job: &QuantizeJob, backend: &dyn LinalgBackend, events: &dyn EventSink) -> Result<Outcome> {
+pub fn run(
+    job: &QuantizeJob,
+    backend: &dyn LinalgBackend,
+    events: &dyn EventSink,
+) -> Result<Outcome> {
     let started = Instant::now();
     job.params.validate()?;
     job.recovery.validate()?;
     if job.calib.max_samples == 0 || job.calib.max_seq_len < 2 {
-        return Err(QuantError::Input("MAX_SAMPLES must be ≥ 1 and MAX_SEQ_LEN ≥ 2".into()));
+        return Err(QuantError::Input(
+            "MAX_SAMPLES must be ≥ 1 and MAX_SEQ_LEN ≥ 2".into(),
+        ));
     }
     let mut progress = Progress { events, last: 0.0 };
     let final_dir = job.output_dir();
 
     // A previous Job finished the save: verify, enforce the gate again, done.
     if let Some(sc) = verify_save_complete(&final_dir, false) {
-        let quality = read_json(&final_dir.join(QUALITY_FILE)).ok().and_then(|v| serde_json::from_value::<Quality>(v).ok());
+        let quality = read_json(&final_dir.join(QUALITY_FILE))
+            .ok()
+            .and_then(|v| serde_json::from_value::<Quality>(v).ok());
         match &quality {
-            Some(q) => events.emit(EVENT_QUALITY, serde_json::to_value(q).ok().and_then(|v| v.as_object().cloned()).unwrap_or_default()),
-            None => events.emit(EVENT_QUALITY_UNAVAILABLE, fields([("outputDir", json!(final_dir.display().to_string()))])),
+            Some(q) => events.emit(
+                EVENT_QUALITY,
+                serde_json::to_value(q)
+                    .ok()
+                    .and_then(|v| v.as_object().cloned())
+                    .unwrap_or_default(),
+            ),
+            None => events.emit(
+                EVENT_QUALITY_UNAVAILABLE,
+                fields([("outputDir", json!(final_dir.display().to_string()))]),
+            ),
         }
-        events.emit(EVENT_CACHED, fields([("outputDir", json!(final_dir.display().to_string()))]));
-        let original = TensorStore::open_dir(&job.model_dir).map(|s| s.total_bytes()).unwrap_or(0);
-        progress.emit("complete", 100.0, "cached artifact verified".into(), Default::default());
+        events.emit(
+            EVENT_CACHED,
+            fields([("outputDir", json!(final_dir.display().to_string()))]),
+        );
+        let original = TensorStore::open_dir(&job.model_dir)
+            .map(|s| s.total_bytes())
+            .unwrap_or(0);
+        progress.emit(
+            "complete",
+            100.0,
+            "cached artifact verified".into(),
+            Default::default(),
+        );
         return Ok(Outcome {
             output_dir: final_dir,
             original_size_bytes: original,
@@ -247,7 +311,10 @@ pub fn run(job: &QuantizeJob, backend: &dyn LinalgBackend, events: &dyn EventSin
             let (rows, cols) = linear_shape(&cfg, i);
             let e = store.entry(&format!("{name}.weight"))?;
             if e.shape != [rows, cols] {
-                return Err(QuantError::Input(format!("{name}.weight has shape {:?}, config.json implies [{rows}, {cols}]", e.shape)));
+                return Err(QuantError::Input(format!(
+                    "{name}.weight has shape {:?}, config.json implies [{rows}, {cols}]",
+                    e.shape
+                )));
             }
             if job.excluded(&name) {
                 excluded.push(name);
@@ -259,7 +326,13 @@ pub fn run(job: &QuantizeJob, backend: &dyn LinalgBackend, events: &dyn EventSin
     let samples = load_samples(&job.model_dir, &job.dataset, &job.calib)?;
     let n_tokens: usize = samples.iter().map(Vec::len).sum();
     let dataset_sha = sha256_file(&job.dataset)?;
-    let calib_fp = sha256_hex(format!("{dataset_sha}|{}|{}", job.calib.max_samples, job.calib.max_seq_len).as_bytes());
+    let calib_fp = sha256_hex(
+        format!(
+            "{dataset_sha}|{}|{}",
+            job.calib.max_samples, job.calib.max_seq_len
+        )
+        .as_bytes(),
+    );
     let config_hash = sha256_hex(
         json!({
             "params": job.params, "recovery": job.recovery, "calibration": calib_fp,
@@ -272,18 +345,38 @@ pub fn run(job: &QuantizeJob, backend: &dyn LinalgBackend, events: &dyn EventSin
     progress.emit(
         "calibration",
         0.0,
-        format!("{} samples, {n_tokens} tokens, backend {}", samples.len(), backend.name()),
-        fields([("samples", json!(samples.len())), ("tokens", json!(n_tokens))]),
+        format!(
+            "{} samples, {n_tokens} tokens, backend {}",
+            samples.len(),
+            backend.name()
+        ),
+        fields([
+            ("samples", json!(samples.len())),
+            ("tokens", json!(n_tokens)),
+        ]),
     );
-    let mut cache = LayerCache::open(&job.model_dir, &config_hash, &calib_fp, &job.script_version, job.resume_layers, events)?;
+    let mut cache = LayerCache::open(
+        &job.model_dir,
+        &config_hash,
+        &calib_fp,
+        &job.script_version,
+        job.resume_layers,
+        events,
+    )?;
 
     let max_len = samples.iter().map(Vec::len).max().unwrap_or(0);
     let rope = Rope::new(&cfg, max_len);
     let embed_table = store.f32("model.embed_tokens.weight")?;
-    let mut hidden: Vec<Mat<f32>> =
-        samples.iter().map(|s| embed(&store, &cfg, Some(&embed_table), s)).collect::<Result<_>>()?;
+    let mut hidden: Vec<Mat<f32>> = samples
+        .iter()
+        .map(|s| embed(&store, &cfg, Some(&embed_table), s))
+        .collect::<Result<_>>()?;
     drop(embed_table);
 
+    let batch = job
+        .n_parallel_calib_samples
+        .unwrap_or(DEFAULT_CALIB_BATCH)
+        .max(1);
     let layers = cfg.num_layers;
     let pct = |done: f64| 95.0 * done / layers.max(1) as f64;
     let (mut gptq_count, mut rtn_count) = (0u64, 0u64);
@@ -301,39 +394,76 @@ pub fn run(job: &QuantizeJob, backend: &dyn LinalgBackend, events: &dyn EventSin
         let mut lw = load_layer(&store, &cfg, layer, None)?;
         if layer < cache.completed_layers() {
             // Resume: the cached packed modules replace the source weights, read with the consumer's rules.
-            let path = cache.layer_path(layer).ok_or_else(|| QuantError::Numeric("cache index".into()))?;
+            let path = cache
+                .layer_path(layer)
+                .ok_or_else(|| QuantError::Numeric("cache index".into()))?;
             let cstore = TensorStore::open_files(vec![path])?;
-            let gq = GptqReadConfig { bits: job.params.bits, format: ZeroFormat::for_sym(job.params.sym) };
+            let gq = GptqReadConfig {
+                bits: job.params.bits,
+                format: ZeroFormat::for_sym(job.params.sym),
+            };
             for (i, m) in LINEARS.iter().enumerate() {
                 let name = format!("{prefix}{m}");
                 if cstore.contains(&format!("{name}.qweight")) {
-                    lw.linears[i].w = load_linear(&cstore, &name, linear_shape(&cfg, i), Some(gq))?.w;
+                    lw.linears[i].w =
+                        load_linear(&cstore, &name, linear_shape(&cfg, i), Some(gq))?.w;
                 }
             }
             let entry = &cache.manifest.layers[layer];
             gptq_count += entry.gptq_modules;
             rtn_count += entry.rtn_modules;
-            progress.emit("quantize", pct(layer as f64 + 1.0), format!("layer {}/{layers} loaded from cache", layer + 1), layer_extra(layer + 1));
+            progress.emit(
+                "quantize",
+                pct(layer as f64 + 1.0),
+                format!("layer {}/{layers} loaded from cache", layer + 1),
+                layer_extra(layer + 1),
+            );
         } else {
             let mut results: Vec<Option<QuantizedLinear>> = vec![None; 7];
             for (stage, group) in STAGES.iter().zip(INPUT_GROUPS.iter()) {
-                let active: Vec<usize> =
-                    group.iter().copied().filter(|&i| !job.excluded(&format!("{prefix}{}", LINEARS[i]))).collect();
+                let active: Vec<usize> = group
+                    .iter()
+                    .copied()
+                    .filter(|&i| !job.excluded(&format!("{prefix}{}", LINEARS[i])))
+                    .collect();
                 if active.is_empty() {
                     continue;
                 }
                 let cols = lw.linears[active[0]].w.ncols();
                 let mut h = Mat::<f32>::zeros(cols, cols);
-                for x in &hidden {
-                    let a = layer_forward(&cfg, &lw, x.as_ref(), &rope, Some(*stage));
-                    backend.accumulate_hessian(h.as_mut(), a.as_ref(), 1.0);
+                // Up to `batch` samples' activations are stacked into one product (bounded memory, better GEMM).
+                for chunk in hidden.chunks(batch) {
+                    let acts: Vec<Mat<f32>> = chunk
+                        .iter()
+                        .map(|x| layer_forward(&cfg, &lw, x.as_ref(), &rope, Some(*stage)))
+                        .collect();
+                    let rows: usize = acts.iter().map(|a| a.nrows()).sum();
+                    let mut stacked = Mat::<f32>::zeros(rows, cols);
+                    let mut r0 = 0;
+                    for a in &acts {
+                        stacked.subrows_mut(r0, a.nrows()).copy_from(a);
+                        r0 += a.nrows();
+                    }
+                    backend.accumulate_hessian(h.as_mut(), stacked.as_ref(), 2.0 / n_tokens as f32);
                 }
-                h *= faer::Scale(2.0 / n_tokens as f32);
-                let names: Vec<String> = active.iter().map(|&i| format!("{prefix}{}", LINEARS[i])).collect();
-                let outcome = prepare_factor(backend, h, job.params.desc_act, &job.recovery, &names.join(","), events);
+                backend.finish_hessian(h.as_mut());
+                let names: Vec<String> = active
+                    .iter()
+                    .map(|&i| format!("{prefix}{}", LINEARS[i]))
+                    .collect();
+                let outcome = prepare_factor(
+                    backend,
+                    h,
+                    job.params.desc_act,
+                    &job.recovery,
+                    &names.join(","),
+                    events,
+                );
                 for &i in &active {
                     let q = match &outcome {
-                        FactorOutcome::Factor(f) => gptq_quantize(backend, &lw.linears[i].w, f, &job.params),
+                        FactorOutcome::Factor(f) => {
+                            gptq_quantize(backend, &lw.linears[i].w, f, &job.params)
+                        }
                         FactorOutcome::Exhausted => rtn_quantize(&lw.linears[i].w, &job.params),
                     };
                     lw.linears[i].w = dequantize_weight(&q);
@@ -358,9 +488,21 @@ pub fn run(job: &QuantizeJob, backend: &dyn LinalgBackend, events: &dyn EventSin
                 }
             }
             cache.write_layer(layer, &tensors, g, r, events)?;
+            tracing::info!(
+                layer,
+                gptq = g,
+                rtn = r,
+                elapsed_s = started.elapsed().as_secs_f64(),
+                "layer quantized"
+            );
             gptq_count += g;
             rtn_count += r;
-            progress.emit("quantize", pct(layer as f64 + 1.0), format!("layer {}/{layers} done", layer + 1), layer_extra(layer + 1));
+            progress.emit(
+                "quantize",
+                pct(layer as f64 + 1.0),
+                format!("layer {}/{layers} done", layer + 1),
+                layer_extra(layer + 1),
+            );
         }
         for x in hidden.iter_mut() {
             *x = layer_forward(&cfg, &lw, x.as_ref(), &rope, None);
@@ -375,29 +517,44 @@ pub fn run(job: &QuantizeJob, backend: &dyn LinalgBackend, events: &dyn EventSin
     let quality = Quality::evaluate(gptq_count, rtn_count, &job.gate);
     let layer_stores: Vec<TensorStore> = (0..layers)
         .map(|l| {
-            let p = cache.layer_path(l).ok_or_else(|| QuantError::Numeric(format!("layer {l} missing from cache")))?;
+            let p = cache
+                .layer_path(l)
+                .ok_or_else(|| QuantError::Numeric(format!("layer {l} missing from cache")))?;
             TensorStore::open_files(vec![p])
         })
         .collect::<Result<_>>()?;
     let mut tensors: Vec<OutTensor<'_>> = Vec::new();
     for (name, e) in &store.entries {
         if let Some(stem) = name.strip_suffix(".weight") {
-            let quantized = layer_stores.iter().any(|ls| ls.contains(&format!("{stem}.qweight")));
+            let quantized = layer_stores
+                .iter()
+                .any(|ls| ls.contains(&format!("{stem}.qweight")));
             if quantized {
                 continue;
             }
         }
-        tensors.push(OutTensor { name: name.clone(), dtype: e.dtype, shape: e.shape.clone(), data: Cow::Borrowed(store.raw(name)?) });
+        tensors.push(OutTensor {
+            name: name.clone(),
+            dtype: e.dtype,
+            shape: e.shape.clone(),
+            data: Cow::Borrowed(store.raw(name)?),
+        });
     }
     for ls in &layer_stores {
         for (name, e) in &ls.entries {
-            tensors.push(OutTensor { name: name.clone(), dtype: e.dtype, shape: e.shape.clone(), data: Cow::Borrowed(ls.raw(name)?) });
+            tensors.push(OutTensor {
+                name: name.clone(),
+                dtype: e.dtype,
+                shape: e.shape.clone(),
+                data: Cow::Borrowed(ls.raw(name)?),
+            });
         }
     }
     let qc = quantize_config_json(job, &excluded);
     let mut config_json = cfg.raw.clone();
     config_json["quantization_config"] = qc.clone();
-    let quality_json = serde_json::to_value(&quality).map_err(|e| QuantError::Numeric(e.to_string()))?;
+    let quality_json =
+        serde_json::to_value(&quality).map_err(|e| QuantError::Numeric(e.to_string()))?;
     let extras = Extras {
         config_json,
         quantize_config: qc,
@@ -405,17 +562,32 @@ pub fn run(job: &QuantizeJob, backend: &dyn LinalgBackend, events: &dyn EventSin
         source_dir: &job.model_dir,
         script_version: &job.script_version,
     };
-    let records = write_checkpoint(&job.staging_dir(), &final_dir, tensors, job.max_shard_bytes, &extras, |done, total| {
-        progress.emit(
-            "save",
-            95.0 + 5.0 * done as f64 / total as f64,
-            format!("shard {done}/{total}"),
-            fields([("unit", json!("shards")), ("done", json!(done)), ("total", json!(total))]),
-        );
-    })?;
+    let records = write_checkpoint(
+        &job.staging_dir(),
+        &final_dir,
+        tensors,
+        job.max_shard_bytes,
+        &extras,
+        |done, total| {
+            progress.emit(
+                "save",
+                95.0 + 5.0 * done as f64 / total as f64,
+                format!("shard {done}/{total}"),
+                fields([
+                    ("unit", json!("shards")),
+                    ("done", json!(done)),
+                    ("total", json!(total)),
+                ]),
+            );
+        },
+    )?;
     drop(layer_stores);
     cache.remove()?;
-    events.emit(EVENT_QUALITY, quality_json.as_object().cloned().unwrap_or_default());
+    tracing::info!(output = %final_dir.display(), shards = records.len(), gate = %quality.gate, "checkpoint written");
+    events.emit(
+        EVENT_QUALITY,
+        quality_json.as_object().cloned().unwrap_or_default(),
+    );
     Ok(Outcome {
         output_dir: final_dir,
         original_size_bytes: store.total_bytes(),

@@ -14,7 +14,12 @@ pub fn maxq(bits: u32) -> f32 {
 
 /// Per-row parameters from the min/max of `cols` columns of a column-major matrix.
 /// `col(c)` must return column `c` (one value per row).
-pub fn find_params<'a>(rows: usize, columns: impl Iterator<Item = &'a [f32]>, bits: u32, sym: bool) -> GroupParams {
+pub fn find_params<'a>(
+    rows: usize,
+    columns: impl Iterator<Item = &'a [f32]>,
+    bits: u32,
+    sym: bool,
+) -> GroupParams {
     let mut xmin = vec![0.0f32; rows];
     let mut xmax = vec![0.0f32; rows];
     for col in columns {
@@ -51,7 +56,11 @@ fn params_from_range(xmin: &mut [f32], xmax: &mut [f32], bits: u32, sym: bool) -
         }
         let s = (hi - lo) / maxq;
         scale[r] = s;
-        zero[r] = if sym { (maxq + 1.0) / 2.0 } else { (-lo / s).round_ties_even() };
+        zero[r] = if sym {
+            (maxq + 1.0) / 2.0
+        } else {
+            (-lo / s).round_ties_even()
+        };
     }
     GroupParams { scale, zero }
 }

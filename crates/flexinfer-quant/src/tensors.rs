@@ -26,7 +26,10 @@ pub struct TensorStore {
 }
 
 fn st_err(path: &Path, e: impl std::fmt::Display) -> QuantError {
-    QuantError::Safetensors { path: path.to_path_buf(), message: e.to_string() }
+    QuantError::Safetensors {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    }
 }
 
 /// The `.safetensors` files of a model directory: those named by the index, else every one in the directory.
@@ -34,13 +37,21 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let index = dir.join("model.safetensors.index.json");
     if index.exists() {
         let text = std::fs::read_to_string(&index).map_err(|e| QuantError::io(&index, e))?;
-        let v: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| QuantError::Json { path: index.clone(), message: e.to_string() })?;
-        let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| QuantError::Json {
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| QuantError::Json {
             path: index.clone(),
-            message: "missing weight_map".into(),
+            message: e.to_string(),
         })?;
-        let mut names: Vec<String> = map.values().filter_map(|f| f.as_str().map(str::to_string)).collect();
+        let map = v
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| QuantError::Json {
+                path: index.clone(),
+                message: "missing weight_map".into(),
+            })?;
+        let mut names: Vec<String> = map
+            .values()
+            .filter_map(|f| f.as_str().map(str::to_string))
+            .collect();
         names.sort();
         names.dedup();
         return Ok(names.into_iter().map(|n| dir.join(n)).collect());
@@ -56,7 +67,10 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     }
     files.sort();
     if files.is_empty() {
-        return Err(QuantError::Input(format!("no .safetensors weight files in {}", dir.display())));
+        return Err(QuantError::Input(format!(
+            "no .safetensors weight files in {}",
+            dir.display()
+        )));
     }
     Ok(files)
 }
@@ -75,7 +89,10 @@ impl TensorStore {
             // checks below for the header, and the pipeline never writes into MODEL_DIR's weight files.
             let map = unsafe { Mmap::map(&file) }.map_err(|e| QuantError::io(path, e))?;
             let (n, meta) = SafeTensors::read_metadata(&map).map_err(|e| {
-                st_err(path, format!("{e:?} (the file may be truncated or not a safetensors file)"))
+                st_err(
+                    path,
+                    format!("{e:?} (the file may be truncated or not a safetensors file)"),
+                )
             })?;
             let base = 8 + n;
             for (name, info) in meta.tensors() {
@@ -87,12 +104,19 @@ impl TensorStore {
                     end: base + info.data_offsets.1,
                 };
                 if entries.insert(name.clone(), entry).is_some() {
-                    return Err(st_err(path, format!("tensor {name} appears in more than one file")));
+                    return Err(st_err(
+                        path,
+                        format!("tensor {name} appears in more than one file"),
+                    ));
                 }
             }
             maps.push(map);
         }
-        Ok(TensorStore { files, maps, entries })
+        Ok(TensorStore {
+            files,
+            maps,
+            entries,
+        })
     }
 
     pub fn contains(&self, name: &str) -> bool {
@@ -100,7 +124,9 @@ impl TensorStore {
     }
 
     pub fn entry(&self, name: &str) -> Result<&TensorEntry> {
-        self.entries.get(name).ok_or_else(|| QuantError::Input(format!("tensor {name} not found in the model")))
+        self.entries
+            .get(name)
+            .ok_or_else(|| QuantError::Input(format!("tensor {name} not found in the model")))
     }
 
     pub fn raw(&self, name: &str) -> Result<&[u8]> {
@@ -113,11 +139,22 @@ impl TensorStore {
         let e = self.entry(name)?;
         let raw = self.raw(name)?;
         let out: Vec<f32> = match e.dtype {
-            Dtype::F32 => raw.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-            Dtype::BF16 => raw.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-            Dtype::F16 => raw.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            Dtype::F32 => raw
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            Dtype::BF16 => raw
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            Dtype::F16 => raw
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
             other => {
-                return Err(QuantError::Input(format!("tensor {name} has dtype {other:?}; expected BF16, F16 or F32")))
+                return Err(QuantError::Input(format!(
+                    "tensor {name} has dtype {other:?}; expected BF16, F16 or F32"
+                )))
             }
         };
         if let Some(pos) = out.iter().position(|v| !v.is_finite()) {
@@ -132,9 +169,16 @@ impl TensorStore {
     pub fn i32(&self, name: &str) -> Result<Vec<i32>> {
         let e = self.entry(name)?;
         if e.dtype != Dtype::I32 {
-            return Err(QuantError::Input(format!("tensor {name} has dtype {:?}; expected I32", e.dtype)));
+            return Err(QuantError::Input(format!(
+                "tensor {name} has dtype {:?}; expected I32",
+                e.dtype
+            )));
         }
-        Ok(self.raw(name)?.chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
+        Ok(self
+            .raw(name)?
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect())
     }
 
     /// Total size of the mapped files.
@@ -144,7 +188,10 @@ impl TensorStore {
 
     /// Safetensors metadata map of a file (string → string), if any.
     pub fn file_metadata(&self, file: usize) -> HashMap<String, String> {
-        SafeTensors::read_metadata(&self.maps[file]).ok().and_then(|(_, m)| m.metadata().clone()).unwrap_or_default()
+        SafeTensors::read_metadata(&self.maps[file])
+            .ok()
+            .and_then(|(_, m)| m.metadata().clone())
+            .unwrap_or_default()
     }
 }
 

@@ -3,13 +3,11 @@
 //! match is not rewritten), and the directory is renamed into place at the end.
 
 use crate::error::{QuantError, Result};
-use crate::fsutil::{now_rfc3339, read_json, sha256_file, sha256_hex, write_atomic, write_json_atomic};
-use safetensors::tensor::TensorView;
+use crate::fsutil::{now_rfc3339, read_json, sha256_file, write_atomic, write_json_atomic};
 use safetensors::Dtype;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::borrow::Cow;
-use std::collections::HashMap;
 use std::path::Path;
 
 pub const SAVE_COMPLETE: &str = ".save-complete";
@@ -88,6 +86,86 @@ pub struct Extras<'a> {
     pub script_version: &'a str,
 }
 
+/// Safetensors header of one shard and the order its tensors' data follows (largest element size first, then
+/// name, so every tensor starts aligned to its element size).
+fn shard_layout(tensors: &[OutTensor<'_>], idxs: &[usize]) -> Result<(Vec<u8>, Vec<usize>)> {
+    let mut order = idxs.to_vec();
+    order.sort_by(|&a, &b| {
+        let (ta, tb) = (&tensors[a], &tensors[b]);
+        tb.dtype
+            .bitsize()
+            .cmp(&ta.dtype.bitsize())
+            .then_with(|| ta.name.cmp(&tb.name))
+    });
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), json!({"format": "pt"}));
+    let mut offset = 0usize;
+    for &i in &order {
+        let t = &tensors[i];
+        let expected = t.shape.iter().product::<usize>() * t.dtype.bitsize() / 8;
+        if expected != t.data.len() {
+            return Err(QuantError::Numeric(format!(
+                "{}: {} bytes for shape {:?}",
+                t.name,
+                t.data.len(),
+                t.shape
+            )));
+        }
+        header.insert(
+            t.name.clone(),
+            json!({"dtype": format!("{:?}", t.dtype), "shape": t.shape, "data_offsets": [offset, offset + t.data.len()]}),
+        );
+        offset += t.data.len();
+    }
+    let mut text =
+        serde_json::to_string(&header).map_err(|e| QuantError::Numeric(e.to_string()))?;
+    while (8 + text.len()) % 8 != 0 {
+        text.push(' ');
+    }
+    let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(text.as_bytes());
+    Ok((bytes, order))
+}
+
+fn shard_digest(header: &[u8], tensors: &[OutTensor<'_>], order: &[usize]) -> (u64, String) {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(header);
+    let mut size = header.len() as u64;
+    for &i in order {
+        h.update(&tensors[i].data);
+        size += tensors[i].data.len() as u64;
+    }
+    (size, hex::encode(h.finalize()))
+}
+
+/// Streams a shard to a temp file next to `path` and renames it into place (no in-memory copy of the shard).
+fn write_shard(
+    path: &Path,
+    header: &[u8],
+    tensors: &[OutTensor<'_>],
+    order: &[usize],
+) -> Result<()> {
+    use std::io::Write;
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let tmp = tempfile::NamedTempFile::new_in(dir).map_err(|e| QuantError::io(dir, e))?;
+    {
+        let mut w = std::io::BufWriter::with_capacity(8 << 20, tmp.as_file());
+        w.write_all(header).map_err(|e| QuantError::io(path, e))?;
+        for &i in order {
+            w.write_all(&tensors[i].data)
+                .map_err(|e| QuantError::io(path, e))?;
+        }
+        w.flush().map_err(|e| QuantError::io(path, e))?;
+    }
+    tmp.as_file()
+        .sync_all()
+        .map_err(|e| QuantError::io(path, e))?;
+    tmp.persist(path)
+        .map_err(|e| QuantError::io(path, e.error))?;
+    Ok(())
+}
+
 /// Writes the checkpoint into `staging`, then renames it to `final_dir`. Returns the shard records.
 pub fn write_checkpoint(
     staging: &Path,
@@ -119,28 +197,26 @@ pub fn write_checkpoint(
     let mut total = 0u64;
     for (si, idxs) in plan.iter().enumerate() {
         let name = format!("model-{:05}-of-{:05}.safetensors", si + 1, n);
-        let mut views = Vec::with_capacity(idxs.len());
         for &i in idxs {
-            let t = &tensors[i];
-            let view = TensorView::new(t.dtype, t.shape.clone(), &t.data).map_err(|e| QuantError::Safetensors {
-                path: staging.join(&name),
-                message: format!("{}: {e:?}", t.name),
-            })?;
-            views.push((t.name.clone(), view));
-            weight_map.insert(t.name.clone(), json!(name));
-            total += t.data.len() as u64;
+            weight_map.insert(tensors[i].name.clone(), json!(name));
+            total += tensors[i].data.len() as u64;
         }
-        let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into_iter().collect();
-        let bytes = safetensors::serialize(views, Some(meta))
-            .map_err(|e| QuantError::Safetensors { path: staging.join(&name), message: format!("{e:?}") })?;
-        let sha = sha256_hex(&bytes);
+        let (header, order) = shard_layout(&tensors, idxs)?;
+        let (size, sha) = shard_digest(&header, &tensors, &order);
         let path = staging.join(&name);
-        let reuse = std::fs::metadata(&path).map(|m| m.len() == bytes.len() as u64).unwrap_or(false)
+        let reuse = std::fs::metadata(&path)
+            .map(|m| m.len() == size)
+            .unwrap_or(false)
             && sha256_file(&path).map(|h| h == sha).unwrap_or(false);
         if !reuse {
-            write_atomic(&path, &bytes)?;
+            write_shard(&path, &header, &tensors, &order)?;
         }
-        records.push(ShardRecord { name, size_bytes: bytes.len() as u64, sha256: sha });
+        let bytes_len = size;
+        records.push(ShardRecord {
+            name,
+            size_bytes: bytes_len,
+            sha256: sha,
+        });
         on_shard(si + 1, n);
     }
     // Remove shards of an older plan left in the staging directory.
@@ -152,9 +228,15 @@ pub fn write_checkpoint(
             }
         }
     }
-    write_json_atomic(&staging.join(INDEX_FILE), &json!({"metadata": {"total_size": total}, "weight_map": weight_map}))?;
+    write_json_atomic(
+        &staging.join(INDEX_FILE),
+        &json!({"metadata": {"total_size": total}, "weight_map": weight_map}),
+    )?;
     write_json_atomic(&staging.join("config.json"), &extras.config_json)?;
-    write_json_atomic(&staging.join("quantize_config.json"), &extras.quantize_config)?;
+    write_json_atomic(
+        &staging.join("quantize_config.json"),
+        &extras.quantize_config,
+    )?;
     write_json_atomic(&staging.join(QUALITY_FILE), &extras.quality)?;
     for f in TOKENIZER_FILES {
         let src = extras.source_dir.join(f);
@@ -172,7 +254,10 @@ pub fn write_checkpoint(
         has_config: true,
         has_quantize_config: true,
     };
-    let v = serde_json::to_value(&sc).map_err(|e| QuantError::Json { path: staging.join(SAVE_COMPLETE), message: e.to_string() })?;
+    let v = serde_json::to_value(&sc).map_err(|e| QuantError::Json {
+        path: staging.join(SAVE_COMPLETE),
+        message: e.to_string(),
+    })?;
     write_json_atomic(&staging.join(SAVE_COMPLETE), &v)?;
     if final_dir.exists() {
         std::fs::remove_dir_all(final_dir).map_err(|e| QuantError::io(final_dir, e))?;

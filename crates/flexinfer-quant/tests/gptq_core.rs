@@ -24,7 +24,9 @@ fn activations(rng: &mut StdRng, tokens: usize, n: usize, correlated: bool) -> M
     let latent = 8;
     let z = Mat::from_fn(tokens, latent, |_, _| gauss(rng));
     let mix = Mat::from_fn(latent, n, |_, _| gauss(rng));
-    let scale: Vec<f32> = (0..n).map(|j| 0.2 + 3.0 * ((j * 7919) % n) as f32 / n as f32).collect();
+    let scale: Vec<f32> = (0..n)
+        .map(|j| 0.2 + 3.0 * ((j * 7919) % n) as f32 / n as f32)
+        .collect();
     let noise = Mat::from_fn(tokens, n, |_, _| 0.05 * gauss(rng));
     let x = &z * &mix + noise;
     Mat::from_fn(tokens, n, |t, j| x[(t, j)] * scale[j])
@@ -36,7 +38,9 @@ fn weights(rng: &mut StdRng, rows: usize, cols: usize) -> Mat<f32> {
 
 fn hessian(x: &Mat<f32>) -> Mat<f32> {
     let mut h = Mat::<f32>::zeros(x.ncols(), x.ncols());
-    CpuBackend::default().accumulate_hessian(h.as_mut(), x.as_ref(), 2.0 / x.nrows() as f32);
+    let b = CpuBackend::default();
+    b.accumulate_hessian(h.as_mut(), x.as_ref(), 2.0 / x.nrows() as f32);
+    b.finish_hessian(h.as_mut());
     h
 }
 
@@ -63,7 +67,11 @@ fn params_of(cols: &[Vec<f32>], bits: u32, sym: bool) -> (Vec<f32>, Vec<f32>) {
             hi = 1.0;
         }
         s[r] = (hi - lo) / maxq;
-        z[r] = if sym { (maxq + 1.0) / 2.0 } else { (-lo / s[r]).round_ties_even() };
+        z[r] = if sym {
+            (maxq + 1.0) / 2.0
+        } else {
+            (-lo / s[r]).round_ties_even()
+        };
     }
     (s, z)
 }
@@ -74,10 +82,20 @@ fn params_of(cols: &[Vec<f32>], bits: u32, sym: bool) -> (Vec<f32>, Vec<f32>) {
 fn reference_gptq(w0: &Mat<f32>, h0: &Mat<f32>, p: &GptqParams, damp: f32) -> (Vec<u8>, Vec<i32>) {
     let (rows, cols) = (w0.nrows(), w0.ncols());
     let maxq = ((1u32 << p.bits) - 1) as f32;
-    let gs = if p.group_size < 0 { cols } else { p.group_size as usize };
+    let gs = if p.group_size < 0 {
+        cols
+    } else {
+        p.group_size as usize
+    };
     let mut w = w0.clone();
     let mut h = h0.clone();
-    let global = params_of(&(0..cols).map(|c| (0..rows).map(|r| w[(r, c)]).collect()).collect::<Vec<_>>(), p.bits, p.sym);
+    let global = params_of(
+        &(0..cols)
+            .map(|c| (0..rows).map(|r| w[(r, c)]).collect())
+            .collect::<Vec<_>>(),
+        p.bits,
+        p.sym,
+    );
     for i in 0..cols {
         if h[(i, i)] == 0.0 {
             h[(i, i)] = 1.0;
@@ -87,11 +105,24 @@ fn reference_gptq(w0: &Mat<f32>, h0: &Mat<f32>, p: &GptqParams, damp: f32) -> (V
         }
     }
     let col = |w: &Mat<f32>, c: usize| -> Vec<f32> { (0..rows).map(|r| w[(r, c)]).collect() };
-    let statics: Vec<(Vec<f32>, Vec<f32>)> =
-        (0..cols / gs).map(|g| params_of(&(g * gs..(g + 1) * gs).map(|c| col(&w, c)).collect::<Vec<_>>(), p.bits, p.sym)).collect();
+    let statics: Vec<(Vec<f32>, Vec<f32>)> = (0..cols / gs)
+        .map(|g| {
+            params_of(
+                &(g * gs..(g + 1) * gs)
+                    .map(|c| col(&w, c))
+                    .collect::<Vec<_>>(),
+                p.bits,
+                p.sym,
+            )
+        })
+        .collect();
     let mut perm: Vec<usize> = (0..cols).collect();
     if p.desc_act {
-        perm.sort_by(|&a, &b| h[(b, b)].partial_cmp(&h[(a, a)]).unwrap_or(std::cmp::Ordering::Equal));
+        perm.sort_by(|&a, &b| {
+            h[(b, b)]
+                .partial_cmp(&h[(a, a)])
+                .unwrap_or(std::cmp::Ordering::Equal)
+        });
         w = Mat::from_fn(rows, cols, |r, k| w[(r, perm[k])]);
         h = Mat::from_fn(cols, cols, |i, j| h[(perm[i], perm[j])]);
     }
@@ -101,7 +132,12 @@ fn reference_gptq(w0: &Mat<f32>, h0: &Mat<f32>, p: &GptqParams, damp: f32) -> (V
     }
     let l = h.llt(Side::Lower).expect("reference chol");
     let hinv = faer::linalg::solvers::DenseSolveCore::inverse(&l);
-    let u = hinv.llt(Side::Lower).expect("reference chol of inverse").L().transpose().to_owned();
+    let u = hinv
+        .llt(Side::Lower)
+        .expect("reference chol of inverse")
+        .L()
+        .transpose()
+        .to_owned();
 
     let mut codes = vec![0u8; rows * cols];
     let mut g_idx = vec![0i32; cols];
@@ -115,9 +151,17 @@ fn reference_gptq(w0: &Mat<f32>, h0: &Mat<f32>, p: &GptqParams, damp: f32) -> (V
             if p.static_groups {
                 cur = statics[perm[k] / gs].clone();
             } else if k % gs == 0 {
-                cur = params_of(&(k..k + gs).map(|c| col(&snapshot, c)).collect::<Vec<_>>(), p.bits, p.sym);
+                cur = params_of(
+                    &(k..k + gs).map(|c| col(&snapshot, c)).collect::<Vec<_>>(),
+                    p.bits,
+                    p.sym,
+                );
             }
-            g_idx[perm[k]] = if p.static_groups { (perm[k] / gs) as i32 } else { (k / gs) as i32 };
+            g_idx[perm[k]] = if p.static_groups {
+                (perm[k] / gs) as i32
+            } else {
+                (k / gs) as i32
+            };
         }
         let d = u[(k, k)];
         let mut err = vec![0.0f32; rows];
@@ -135,9 +179,17 @@ fn reference_gptq(w0: &Mat<f32>, h0: &Mat<f32>, p: &GptqParams, damp: f32) -> (V
     (codes, g_idx)
 }
 
-fn engine(w: &Mat<f32>, h: &Mat<f32>, p: &GptqParams, route: FactorRoute) -> flexinfer_quant::gptq::QuantizedLinear {
+fn engine(
+    w: &Mat<f32>,
+    h: &Mat<f32>,
+    p: &GptqParams,
+    route: FactorRoute,
+) -> flexinfer_quant::gptq::QuantizedLinear {
     let backend = CpuBackend { route };
-    let rp = RecoveryParams { damp_percent: 0.01, ..RecoveryParams::default() };
+    let rp = RecoveryParams {
+        damp_percent: 0.01,
+        ..RecoveryParams::default()
+    };
     match prepare_factor(&backend, h.clone(), p.desc_act, &rp, "test", &NullSink) {
         FactorOutcome::Factor(f) => gptq_quantize(&backend, w, &f, p),
         FactorOutcome::Exhausted => panic!("well-conditioned Hessian must factor"),
@@ -157,10 +209,26 @@ fn check_case(seed: u64, rows: usize, cols: usize, correlated: bool, p: GptqPara
     for route in [FactorRoute::Reference, FactorRoute::Reversed] {
         let q = engine(&w, &h, &p, route);
         let mm = mismatch(&q.codes, &ref_codes);
-        let maxdiff = q.codes.iter().zip(&ref_codes).map(|(a, b)| (*a as i32 - *b as i32).abs()).max().unwrap_or(0);
-        eprintln!("{} {} {:?} corr={correlated} mm={:.4}% maxdiff={maxdiff}", p.bits, p.group_size, route, mm * 100.0);
+        let maxdiff = q
+            .codes
+            .iter()
+            .zip(&ref_codes)
+            .map(|(a, b)| (*a as i32 - *b as i32).abs())
+            .max()
+            .unwrap_or(0);
+        eprintln!(
+            "{} {} {:?} corr={correlated} mm={:.4}% maxdiff={maxdiff}",
+            p.bits,
+            p.group_size,
+            route,
+            mm * 100.0
+        );
         // Identical integers up to float order: ill-conditioned correlated Hessians can cascade a rare boundary flip.
-        assert!(mm <= 0.005, "{p:?} {route:?} correlated={correlated}: {:.4}% codes differ", mm * 100.0);
+        assert!(
+            mm <= 0.005,
+            "{p:?} {route:?} correlated={correlated}: {:.4}% codes differ",
+            mm * 100.0
+        );
         assert_eq!(q.g_idx, ref_gidx, "{p:?}: g_idx differs");
     }
 }
@@ -168,15 +236,58 @@ fn check_case(seed: u64, rows: usize, cols: usize, correlated: bool, p: GptqPara
 #[test]
 fn matches_unblocked_reference_across_settings() {
     let cases = [
-        GptqParams { bits: 4, group_size: 128, ..Default::default() },
-        GptqParams { bits: 4, group_size: -1, ..Default::default() },
-        GptqParams { bits: 4, group_size: 32, sym: false, ..Default::default() },
-        GptqParams { bits: 3, group_size: 64, ..Default::default() },
-        GptqParams { bits: 2, group_size: 32, sym: false, ..Default::default() },
-        GptqParams { bits: 8, group_size: 64, ..Default::default() },
-        GptqParams { bits: 4, group_size: 64, desc_act: true, ..Default::default() },
-        GptqParams { bits: 4, group_size: 32, desc_act: true, static_groups: true, ..Default::default() },
-        GptqParams { bits: 4, group_size: 128, desc_act: true, sym: false, ..Default::default() },
+        GptqParams {
+            bits: 4,
+            group_size: 128,
+            ..Default::default()
+        },
+        GptqParams {
+            bits: 4,
+            group_size: -1,
+            ..Default::default()
+        },
+        GptqParams {
+            bits: 4,
+            group_size: 32,
+            sym: false,
+            ..Default::default()
+        },
+        GptqParams {
+            bits: 3,
+            group_size: 64,
+            ..Default::default()
+        },
+        GptqParams {
+            bits: 2,
+            group_size: 32,
+            sym: false,
+            ..Default::default()
+        },
+        GptqParams {
+            bits: 8,
+            group_size: 64,
+            ..Default::default()
+        },
+        GptqParams {
+            bits: 4,
+            group_size: 64,
+            desc_act: true,
+            ..Default::default()
+        },
+        GptqParams {
+            bits: 4,
+            group_size: 32,
+            desc_act: true,
+            static_groups: true,
+            ..Default::default()
+        },
+        GptqParams {
+            bits: 4,
+            group_size: 128,
+            desc_act: true,
+            sym: false,
+            ..Default::default()
+        },
     ];
     for (i, p) in cases.into_iter().enumerate() {
         check_case(10 + i as u64, 64, 256, i % 2 == 0, p.clone());
@@ -186,7 +297,12 @@ fn matches_unblocked_reference_across_settings() {
 
 #[test]
 fn desc_act_g_idx_is_a_permutation_of_groups() {
-    let p = GptqParams { bits: 4, group_size: 32, desc_act: true, ..Default::default() };
+    let p = GptqParams {
+        bits: 4,
+        group_size: 32,
+        desc_act: true,
+        ..Default::default()
+    };
     let mut rng = StdRng::seed_from_u64(7);
     let x = activations(&mut rng, 512, 128, true);
     let w = weights(&mut rng, 32, 128);
@@ -196,7 +312,10 @@ fn desc_act_g_idx_is_a_permutation_of_groups() {
         counts[g as usize] += 1;
     }
     assert_eq!(counts, [32; 4]);
-    assert!(q.g_idx.windows(2).any(|w| w[0] > w[1]), "act-order g_idx should be non-monotonic here");
+    assert!(
+        q.g_idx.windows(2).any(|w| w[0] > w[1]),
+        "act-order g_idx should be non-monotonic here"
+    );
 }
 
 fn output_error(x: &Mat<f32>, w: &Mat<f32>, q: &Mat<f32>) -> f32 {
@@ -211,17 +330,40 @@ fn gptq_beats_rtn_on_correlated_activations() {
     let x = activations(&mut rng, 1024, cols, true);
     let w = weights(&mut rng, rows, cols);
     for p in [
-        GptqParams { bits: 4, group_size: 128, ..Default::default() },
-        GptqParams { bits: 3, group_size: -1, sym: false, desc_act: true, ..Default::default() },
+        GptqParams {
+            bits: 4,
+            group_size: 128,
+            ..Default::default()
+        },
+        GptqParams {
+            bits: 3,
+            group_size: -1,
+            sym: false,
+            desc_act: true,
+            ..Default::default()
+        },
     ] {
         let g = engine(&w, &hessian(&x), &p, FactorRoute::Reversed);
         let r = rtn_quantize(&w, &p);
         let eg = output_error(&x, &w, &dequantize_weight(&g));
         let er = output_error(&x, &w, &dequantize_weight(&r));
-        assert!(eg < 0.8 * er, "{p:?}: GPTQ error {eg} not clearly below RTN {er}");
+        assert!(
+            eg < 0.8 * er,
+            "{p:?}: GPTQ error {eg} not clearly below RTN {er}"
+        );
         assert_eq!(g.method, Method::Gptq);
         assert_eq!(r.method, Method::Rtn);
     }
+}
+
+#[test]
+fn hessian_is_symmetric_and_matches_a_direct_product() {
+    let mut rng = StdRng::seed_from_u64(11);
+    let x = activations(&mut rng, 300, 96, false);
+    let h = hessian(&x);
+    let direct = x.transpose() * &x * faer::Scale(2.0 / 300.0);
+    assert!((&h - &direct).norm_l2() / direct.norm_l2() < 1e-5);
+    assert!((&h - h.transpose()).norm_l2() == 0.0);
 }
 
 #[test]
@@ -233,8 +375,16 @@ fn inverse_factor_routes_agree_and_invert_h() {
     for i in 0..200 {
         h[(i, i)] += 0.01 * mean;
     }
-    let ua = CpuBackend { route: FactorRoute::Reference }.inverse_cholesky_factor(h.as_ref()).expect("factor");
-    let ub = CpuBackend { route: FactorRoute::Reversed }.inverse_cholesky_factor(h.as_ref()).expect("factor");
+    let ua = CpuBackend {
+        route: FactorRoute::Reference,
+    }
+    .inverse_cholesky_factor(h.as_ref())
+    .expect("factor");
+    let ub = CpuBackend {
+        route: FactorRoute::Reversed,
+    }
+    .inverse_cholesky_factor(h.as_ref())
+    .expect("factor");
     let rel = (&ua - &ub).norm_l2() / ua.norm_l2();
     assert!(rel < 1e-3, "routes differ by {rel}");
     for j in 0..200 {
@@ -252,7 +402,11 @@ fn inverse_factor_routes_agree_and_invert_h() {
 #[test]
 fn rank_deficient_and_non_finite_hessians_recover() {
     let backend = CpuBackend::default();
-    let p = GptqParams { bits: 4, group_size: 32, ..Default::default() };
+    let p = GptqParams {
+        bits: 4,
+        group_size: 32,
+        ..Default::default()
+    };
     let mut rng = StdRng::seed_from_u64(9);
     // Fewer tokens than channels, a dead channel, and a zero damp start: the first try fails.
     let mut x = activations(&mut rng, 16, 64, true);
@@ -262,7 +416,11 @@ fn rank_deficient_and_non_finite_hessians_recover() {
     let mut h = hessian(&x);
     h[(3, 7)] = f32::NAN;
     h[(7, 3)] = f32::INFINITY;
-    let rp = RecoveryParams { damp_percent: 0.0, damp_auto_increment: 0.1, ..RecoveryParams::default() };
+    let rp = RecoveryParams {
+        damp_percent: 0.0,
+        damp_auto_increment: 0.1,
+        ..RecoveryParams::default()
+    };
     let sink = MemorySink::default();
     let w = weights(&mut rng, 32, 64);
     let f: PreparedFactor = match prepare_factor(&backend, h, false, &rp, "m", &sink) {
@@ -271,10 +429,17 @@ fn rank_deficient_and_non_finite_hessians_recover() {
     };
     assert!(f.dead[5]);
     let ev = sink.named("hessian_recovery");
-    assert!(ev.iter().any(|e| e["result"] == "sanitized" && e["sanitized"] == 2), "{ev:?}");
+    assert!(
+        ev.iter()
+            .any(|e| e["result"] == "sanitized" && e["sanitized"] == 2),
+        "{ev:?}"
+    );
     let q = gptq_quantize(&backend, &w, &f, &p);
     assert!(q.scales.iter().all(|s| s.is_finite()));
-    assert!(dequantize_weight(&q).col(5).iter().all(|v| *v == 0.0 || v.abs() < 0.2));
+    assert!(dequantize_weight(&q)
+        .col(5)
+        .iter()
+        .all(|v| *v == 0.0 || v.abs() < 0.2));
 }
 
 #[test]
@@ -286,15 +451,34 @@ fn indefinite_hessian_exhausts_and_reports_each_attempt() {
     h[(1, 0)] = 1e9;
     let sink = MemorySink::default();
     let rp = RecoveryParams::default();
-    let out = prepare_factor(&backend, h, false, &rp, "model.layers.0.mlp.down_proj", &sink);
+    let out = prepare_factor(
+        &backend,
+        h,
+        false,
+        &rp,
+        "model.layers.0.mlp.down_proj",
+        &sink,
+    );
     assert!(matches!(out, FactorOutcome::Exhausted));
     let ev = sink.named("hessian_recovery");
-    let damps: Vec<f64> = ev.iter().filter_map(|e| e.get("damp").and_then(|d| d.as_f64())).collect();
+    let damps: Vec<f64> = ev
+        .iter()
+        .filter_map(|e| e.get("damp").and_then(|d| d.as_f64()))
+        .collect();
     assert_eq!(damps.len(), 10, "damp sweep 0.05..0.95 step 0.1: {damps:?}");
-    let floors: Vec<f64> = ev.iter().filter_map(|e| e.get("floor").and_then(|d| d.as_f64())).collect();
+    let floors: Vec<f64> = ev
+        .iter()
+        .filter_map(|e| e.get("floor").and_then(|d| d.as_f64()))
+        .collect();
     assert_eq!(floors.len(), 6);
-    assert!((floors[0] - 0.01).abs() < 1e-6 && (floors[5] - 1000.0).abs() < 1e-2, "{floors:?}");
-    assert_eq!(ev.last().and_then(|e| e["result"].as_str()), Some("exhausted"));
+    assert!(
+        (floors[0] - 0.01).abs() < 1e-6 && (floors[5] - 1000.0).abs() < 1e-2,
+        "{floors:?}"
+    );
+    assert_eq!(
+        ev.last().and_then(|e| e["result"].as_str()),
+        Some("exhausted")
+    );
 
     // A milder off-diagonal is rescued by a diagonal floor.
     let mut h2 = Mat::<f32>::identity(n, n);

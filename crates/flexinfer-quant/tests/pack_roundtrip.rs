@@ -9,22 +9,37 @@ use rand::{Rng, SeedableRng};
 
 fn random_w(rows: usize, cols: usize, seed: u64) -> Mat<f32> {
     let mut rng = StdRng::seed_from_u64(seed);
-    Mat::from_fn(rows, cols, |_, _| rng.random_range(-1.0f32..1.0) * rng.random_range(0.01f32..0.2))
+    Mat::from_fn(rows, cols, |_, _| {
+        rng.random_range(-1.0f32..1.0) * rng.random_range(0.01f32..0.2)
+    })
 }
 
 #[test]
 fn pack_unpack_roundtrip_all_bit_widths() {
     for bits in [2u32, 3, 4, 8] {
         for sym in [true, false] {
-            let p = GptqParams { bits, group_size: 32, sym, ..Default::default() };
+            let p = GptqParams {
+                bits,
+                group_size: 32,
+                sym,
+                ..Default::default()
+            };
             let w = random_w(64, 128, bits as u64);
             let q = rtn_quantize(&w, &p);
             let fmt = ZeroFormat::for_sym(sym);
             let packed = pack(&q, fmt);
             assert_eq!(packed.qweight.len(), 128 * bits as usize / 32 * 64);
             assert_eq!(packed.qzeros.len(), 4 * 64 * bits as usize / 32);
-            assert_eq!(unpack_qweight(&packed.qweight, 64, 128, bits), q.codes, "bits {bits}");
-            assert_eq!(unpack_qzeros(&packed.qzeros, 64, 4, bits, fmt), q.zeros, "bits {bits} sym {sym}");
+            assert_eq!(
+                unpack_qweight(&packed.qweight, 64, 128, bits),
+                q.codes,
+                "bits {bits}"
+            );
+            assert_eq!(
+                unpack_qzeros(&packed.qzeros, 64, 4, bits, fmt),
+                q.zeros,
+                "bits {bits} sym {sym}"
+            );
             let deq = dequantize_packed(&packed, fmt);
             let direct = dequantize_weight(&q);
             for r in 0..64 {
@@ -38,18 +53,35 @@ fn pack_unpack_roundtrip_all_bit_widths() {
 
 #[test]
 fn symmetric_4bit_v1_qzeros_are_0x77777777() {
-    let p = GptqParams { bits: 4, group_size: 64, sym: true, ..Default::default() };
+    let p = GptqParams {
+        bits: 4,
+        group_size: 64,
+        sym: true,
+        ..Default::default()
+    };
     let q = rtn_quantize(&random_w(32, 128, 1), &p);
     let packed = pack(&q, ZeroFormat::V1);
-    assert!(packed.qzeros.iter().all(|&w| w as u32 == 0x7777_7777), "{:x?}", &packed.qzeros[..4]);
+    assert!(
+        packed.qzeros.iter().all(|&w| w as u32 == 0x7777_7777),
+        "{:x?}",
+        &packed.qzeros[..4]
+    );
     let q8 = rtn_quantize(&random_w(32, 128, 2), &GptqParams { bits: 8, ..p });
-    assert!(pack(&q8, ZeroFormat::V1).qzeros.iter().all(|&w| w as u32 == 0x7f7f_7f7f));
+    assert!(pack(&q8, ZeroFormat::V1)
+        .qzeros
+        .iter()
+        .all(|&w| w as u32 == 0x7f7f_7f7f));
 }
 
 #[test]
 fn nibble_order_is_little_endian_along_input() {
     // Codes 0..8 down the input dim of one output column land in nibbles 0..7 of word 0.
-    let p = GptqParams { bits: 4, group_size: -1, sym: false, ..Default::default() };
+    let p = GptqParams {
+        bits: 4,
+        group_size: -1,
+        sym: false,
+        ..Default::default()
+    };
     let mut q = rtn_quantize(&random_w(8, 8, 3), &p);
     for c in 0..8 {
         for r in 0..8 {
@@ -59,7 +91,11 @@ fn nibble_order_is_little_endian_along_input() {
     let packed = pack(&q, ZeroFormat::V2);
     assert_eq!(packed.qweight[0] as u32, 0x7654_3210);
     // 3-bit: 32 inputs in 3 words, row 10 straddles words A and B.
-    let p3 = GptqParams { bits: 3, group_size: -1, ..Default::default() };
+    let p3 = GptqParams {
+        bits: 3,
+        group_size: -1,
+        ..Default::default()
+    };
     let mut q3 = rtn_quantize(&random_w(32, 32, 4), &p3);
     q3.codes.iter_mut().for_each(|c| *c = 0);
     q3.codes[10 * 32] = 0b111;

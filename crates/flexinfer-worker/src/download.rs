@@ -76,6 +76,10 @@ pub struct DownloadArgs {
     /// Seconds between progress events.
     #[arg(long, env = transfer_env::PROGRESS_INTERVAL_SECONDS, default_value_t = 5.0)]
     pub progress_interval: f64,
+    /// Calibration dataset: a hub dataset id is fetched into `MODEL_DIR/.datasets/<id>` after the
+    /// model; a local file path is left alone.
+    #[arg(long, env = env::DATASET)]
+    pub dataset: Option<String>,
     /// Root that `local://` sources must stay inside.
     #[arg(long, env = contract::controller_env::LOCAL_SOURCE_ROOT)]
     pub local_source_root: Option<PathBuf>,
@@ -124,13 +128,19 @@ impl Source {
             return Ok(Source::Oci { reference });
         }
         if lower.starts_with("local://") {
-            return Ok(Source::Local { path: s["local://".len()..].to_string() });
+            return Ok(Source::Local {
+                path: s["local://".len()..].to_string(),
+            });
         }
         if s.contains("://") {
-            return Err(bad("unknown scheme (use HF://, huggingface://, oci:// or local://)".into()));
+            return Err(bad(
+                "unknown scheme (use HF://, huggingface://, oci:// or local://)".into(),
+            ));
         }
         hf::check_repo_id(s).map_err(bad)?;
-        Ok(Source::Hub { repo: s.to_string() })
+        Ok(Source::Hub {
+            repo: s.to_string(),
+        })
     }
 }
 
@@ -142,7 +152,10 @@ pub struct PatternFilter {
 
 impl PatternFilter {
     pub fn new(allow: &str, ignore: &str) -> Result<Self, WorkerError> {
-        Ok(Self { allow: build_globs(allow)?, ignore: build_globs(ignore)? })
+        Ok(Self {
+            allow: build_globs(allow)?,
+            ignore: build_globs(ignore)?,
+        })
     }
     pub fn matches(&self, path: &str) -> bool {
         self.allow.as_ref().is_none_or(|a| a.is_match(path))
@@ -151,14 +164,22 @@ impl PatternFilter {
 }
 
 fn build_globs(list: &str) -> Result<Option<globset::GlobSet>, WorkerError> {
-    let pats: Vec<&str> = list.split(',').map(str::trim).filter(|p| !p.is_empty()).collect();
+    let pats: Vec<&str> = list
+        .split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .collect();
     if pats.is_empty() {
         return Ok(None);
     }
     let mut b = globset::GlobSetBuilder::new();
     for p in pats {
         // huggingface_hub semantics: a pattern ending in `/` means everything below it.
-        let p = if p.ends_with('/') { format!("{p}*") } else { p.to_string() };
+        let p = if p.ends_with('/') {
+            format!("{p}*")
+        } else {
+            p.to_string()
+        };
         let g = globset::GlobBuilder::new(&p)
             .literal_separator(false)
             .build()
@@ -198,7 +219,10 @@ fn redact(e: WorkerError, args: &DownloadArgs) -> WorkerError {
 
 /// A multi-threaded runtime for the transfer subcommands.
 pub fn runtime() -> Result<tokio::runtime::Runtime, WorkerError> {
-    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).clamp(2, 8);
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(2)
+        .clamp(2, 8);
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(threads)
         .enable_all()
@@ -226,12 +250,17 @@ pub fn fetch_error(e: FetchError) -> WorkerError {
     }
 }
 
-async fn run_async(args: &DownloadArgs, events: Arc<Events>) -> Result<TerminationSuccess, WorkerError> {
+async fn run_async(
+    args: &DownloadArgs,
+    events: Arc<Events>,
+) -> Result<TerminationSuccess, WorkerError> {
     common::check_version(args.script_version.as_deref())?;
     let source = Source::parse(&args.source)?;
     let filter = PatternFilter::new(&args.allow_patterns, &args.ignore_patterns)?;
     if args.concurrency == 0 {
-        return Err(WorkerError::BadInput("concurrency must be at least 1".into()));
+        return Err(WorkerError::BadInput(
+            "concurrency must be at least 1".into(),
+        ));
     }
     events.emit(
         events::START,
@@ -245,7 +274,7 @@ async fn run_async(args: &DownloadArgs, events: Arc<Events>) -> Result<Terminati
     std::fs::create_dir_all(&args.model_dir).map_err(|e| {
         WorkerError::Other(format!("cannot create {}: {e}", args.model_dir.display()))
     })?;
-    match source {
+    let model = match source {
         Source::Hub { repo } => {
             let kind = RepoType::parse(&args.repo_type).ok_or_else(|| {
                 WorkerError::BadInput(format!(
@@ -256,13 +285,21 @@ async fn run_async(args: &DownloadArgs, events: Arc<Events>) -> Result<Terminati
             })?;
             let client = http_client(false)?;
             let token = args.hf_token.as_deref().filter(|t| !t.is_empty());
-            let listed = hf::list_files(&client, &args.hf_endpoint, token, kind, &repo, &args.revision)
-                .await
-                .map_err(fetch_error)?;
+            let listed = hf::list_files(
+                &client,
+                &args.hf_endpoint,
+                token,
+                kind,
+                &repo,
+                &args.revision,
+            )
+            .await
+            .map_err(fetch_error)?;
             let files = select(listed, &filter)?;
             let ctx = new_ctx(client, token.map(|t| format!("Bearer {t}")), args.retries);
             let canonical = format!("hf://{repo}");
-            fetch_all(args, &events, &ctx, &canonical, &args.revision, files).await
+            let dir = &args.model_dir;
+            fetch_all(args, dir, &events, &ctx, &canonical, &args.revision, files).await
         }
         Source::Oci { reference } => {
             let reference = oci::Reference::parse(&reference)
@@ -277,13 +314,91 @@ async fn run_async(args: &DownloadArgs, events: Arc<Events>) -> Result<Terminati
             let reg = oci::Registry::connect(&reference, creds, args.insecure)
                 .await
                 .map_err(oci::worker_error)?;
-            let (digest, listed) = reg.artifact_files(&reference).await.map_err(oci::worker_error)?;
+            let (digest, listed) = reg
+                .artifact_files(&reference)
+                .await
+                .map_err(oci::worker_error)?;
             let files = select(listed, &filter)?;
-            let ctx = new_ctx(reg.client().clone(), reg.authorization().await, args.retries);
-            fetch_all(args, &events, &ctx, &format!("oci://{reference}"), &digest, files).await
+            let ctx = new_ctx(
+                reg.client().clone(),
+                reg.authorization().await,
+                args.retries,
+            );
+            fetch_all(
+                args,
+                &args.model_dir,
+                &events,
+                &ctx,
+                &format!("oci://{reference}"),
+                &digest,
+                files,
+            )
+            .await
         }
         Source::Local { path } => local::run(args, &events, &path).await,
+    }?;
+    if let Some(id) = args.dataset.as_deref().and_then(hub_dataset_id) {
+        fetch_dataset(args, &events, &id).await?;
     }
+    Ok(model)
+}
+
+/// A `DATASET` value that names a hub dataset (not a local file).
+pub fn hub_dataset_id(v: &str) -> Option<String> {
+    let v = v.trim();
+    let lower = v.to_ascii_lowercase();
+    let v = ["hf://datasets/", "hf://", "datasets/"]
+        .iter()
+        .find_map(|p| lower.starts_with(p).then(|| &v[p.len()..]))
+        .unwrap_or(v);
+    let local_looking = v.is_empty()
+        || v.starts_with('/')
+        || v.starts_with('.')
+        || Path::new(v).exists()
+        || [".jsonl", ".json", ".txt", ".parquet", ".zst", ".gz", ".csv"]
+            .iter()
+            .any(|e| v.ends_with(e));
+    (!local_looking && v.contains('/') && hf::check_repo_id(v).is_ok()).then(|| v.to_string())
+}
+
+/// Fetch the calibration dataset into `MODEL_DIR/.datasets/<id>` (own markers, own resume).
+async fn fetch_dataset(
+    args: &DownloadArgs,
+    events: &Arc<Events>,
+    id: &str,
+) -> Result<(), WorkerError> {
+    let dir = args.model_dir.join(contract::DATASETS_SUBDIR).join(id);
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| WorkerError::Other(format!("cannot create {}: {e}", dir.display())))?;
+    events.log(&format!(
+        "fetching calibration dataset {id} into {}",
+        dir.display()
+    ));
+    let client = http_client(false)?;
+    let token = args.hf_token.as_deref().filter(|t| !t.is_empty());
+    let listed = hf::list_files(
+        &client,
+        &args.hf_endpoint,
+        token,
+        RepoType::Dataset,
+        id,
+        "main",
+    )
+    .await
+    .map_err(fetch_error)?;
+    let files = select(listed, &PatternFilter::new("", "")?)?;
+    let ctx = new_ctx(client, token.map(|t| format!("Bearer {t}")), args.retries);
+    fetch_all(
+        args,
+        &dir,
+        events,
+        &ctx,
+        &format!("hf://datasets/{id}"),
+        "main",
+        files,
+    )
+    .await?;
+    Ok(())
 }
 
 fn new_ctx(client: reqwest::Client, authorization: Option<String>, retries: u32) -> FetchCtx {
@@ -318,25 +433,37 @@ fn is_marker(p: &str) -> bool {
 
 /// Weight files counted in `weightBytes`.
 pub fn is_weight_file(name: &str) -> bool {
-    [".safetensors", ".bin", ".gguf", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx"]
-        .iter()
-        .any(|ext| name.ends_with(ext))
+    [
+        ".safetensors",
+        ".bin",
+        ".gguf",
+        ".pt",
+        ".pth",
+        ".ckpt",
+        ".h5",
+        ".msgpack",
+        ".onnx",
+    ]
+    .iter()
+    .any(|ext| name.ends_with(ext))
 }
 
 async fn fetch_all(
     args: &DownloadArgs,
+    dir: &Path,
     events: &Arc<Events>,
     ctx: &FetchCtx,
     source: &str,
     revision: &str,
     files: Vec<RemoteFile>,
 ) -> Result<TerminationSuccess, WorkerError> {
-    let dir = &args.model_dir;
     let total: u64 = files.iter().map(|f| f.size).sum();
     let prev = state::read_previous(dir);
     if let Some(p) = &prev {
         if state::is_complete(dir) && state::still_valid(dir, p, source, revision, &files).await {
-            events.log(&format!("{source}@{revision} is already downloaded and verified; nothing to do"));
+            events.log(&format!(
+                "{source}@{revision} is already downloaded and verified; nothing to do"
+            ));
             events.progress(bytes_progress(total, total, 0.0, "already complete"));
             return Ok(success(p, dir));
         }
@@ -363,15 +490,25 @@ async fn fetch_all(
     integrity_files.sort_by(|a, b| a.name.cmp(&b.name));
     let secs = started.elapsed().as_secs_f64();
     let received = ctx.received.load(Ordering::Relaxed);
-    events.progress(bytes_progress(total, total, received as f64 / secs.max(1e-3), "verified"));
+    events.progress(bytes_progress(
+        total,
+        total,
+        received as f64 / secs.max(1e-3),
+        "verified",
+    ));
     let integrity = SourceIntegrity {
-        weight_bytes: integrity_files.iter().filter(|f| is_weight_file(&f.name)).map(|f| f.size).sum(),
+        weight_bytes: integrity_files
+            .iter()
+            .filter(|f| is_weight_file(&f.name))
+            .map(|f| f.size)
+            .sum(),
         files: integrity_files,
         revision: revision.to_string(),
         source: source.to_string(),
     };
-    state::write_markers(dir, &integrity)
-        .map_err(|e| WorkerError::Other(format!("cannot write markers in {}: {e}", dir.display())))?;
+    state::write_markers(dir, &integrity).map_err(|e| {
+        WorkerError::Other(format!("cannot write markers in {}: {e}", dir.display()))
+    })?;
     events.log(&format!(
         "downloaded {received} bytes in {secs:.1}s ({:.1} MiB/s); {} file(s) verified",
         received as f64 / secs.max(1e-3) / 1048576.0,
@@ -393,7 +530,11 @@ fn success(i: &SourceIntegrity, dir: &Path) -> TerminationSuccess {
 
 /// A `progress` event in bytes with rate and ETA in `detail`.
 pub fn bytes_progress(done: u64, total: u64, rate: f64, what: &str) -> ProgressEvent {
-    let percent = if total == 0 { 100.0 } else { done as f64 * 100.0 / total as f64 };
+    let percent = if total == 0 {
+        100.0
+    } else {
+        done as f64 * 100.0 / total as f64
+    };
     let eta = if rate > 0.0 && done < total {
         format!(", ETA {:.0}s", (total - done) as f64 / rate)
     } else {
@@ -441,20 +582,53 @@ mod tests {
 
     #[test]
     fn sources() {
-        assert_eq!(Source::parse("HF://org/m").unwrap(), Source::Hub { repo: "org/m".into() });
+        assert_eq!(
+            Source::parse("HF://org/m").unwrap(),
+            Source::Hub {
+                repo: "org/m".into()
+            }
+        );
         assert_eq!(
             Source::parse("huggingface://org/m").unwrap(),
-            Source::Hub { repo: "org/m".into() }
+            Source::Hub {
+                repo: "org/m".into()
+            }
         );
-        assert_eq!(Source::parse("org/m").unwrap(), Source::Hub { repo: "org/m".into() });
+        assert_eq!(
+            Source::parse("org/m").unwrap(),
+            Source::Hub {
+                repo: "org/m".into()
+            }
+        );
         assert_eq!(
             Source::parse("oci://r.example:5000/a/b:v1").unwrap(),
-            Source::Oci { reference: "r.example:5000/a/b:v1".into() }
+            Source::Oci {
+                reference: "r.example:5000/a/b:v1".into()
+            }
         );
-        assert_eq!(Source::parse("local://x/y").unwrap(), Source::Local { path: "x/y".into() });
+        assert_eq!(
+            Source::parse("local://x/y").unwrap(),
+            Source::Local { path: "x/y".into() }
+        );
         assert!(Source::parse("s3://bucket/x").is_err());
         assert!(Source::parse("../etc").is_err());
         assert!(Source::parse("a/b/c").is_err());
+    }
+
+    #[test]
+    fn dataset_ids() {
+        assert_eq!(
+            hub_dataset_id("mit-han-lab/pile-val-backup").as_deref(),
+            Some("mit-han-lab/pile-val-backup")
+        );
+        assert_eq!(
+            hub_dataset_id("hf://datasets/org/ds").as_deref(),
+            Some("org/ds")
+        );
+        assert_eq!(hub_dataset_id("/cache/calib.jsonl"), None);
+        assert_eq!(hub_dataset_id("calib/data.jsonl.zst"), None);
+        assert_eq!(hub_dataset_id(""), None);
+        assert_eq!(hub_dataset_id("../x/y"), None);
     }
 
     #[test]

@@ -73,7 +73,10 @@ pub fn encode_segment(s: &str) -> String {
 
 /// Encode a relative path keeping its `/` separators.
 pub fn encode_path(p: &str) -> String {
-    p.split('/').map(encode_segment).collect::<Vec<_>>().join("/")
+    p.split('/')
+        .map(encode_segment)
+        .collect::<Vec<_>>()
+        .join("/")
 }
 
 fn encode_repo(repo: &str) -> String {
@@ -84,13 +87,21 @@ fn encode_repo(repo: &str) -> String {
 pub fn check_repo_id(repo: &str) -> Result<(), String> {
     check_relative_path(repo)?;
     if repo.split('/').count() > 2 || repo.split('/').any(|c| c.is_empty() || c == ".") {
-        return Err(format!("invalid Hugging Face repo id {repo:?} (expected org/name)"));
+        return Err(format!(
+            "invalid Hugging Face repo id {repo:?} (expected org/name)"
+        ));
     }
     Ok(())
 }
 
 /// URL of one file at a revision.
-pub fn resolve_url(endpoint: &str, kind: RepoType, repo: &str, revision: &str, path: &str) -> String {
+pub fn resolve_url(
+    endpoint: &str,
+    kind: RepoType,
+    repo: &str,
+    revision: &str,
+    path: &str,
+) -> String {
     format!(
         "{}/{}{}/resolve/{}/{}",
         endpoint.trim_end_matches('/'),
@@ -117,25 +128,23 @@ pub async fn list_files(
         encode_repo(repo),
         encode_segment(revision)
     );
-    let what = format!("{} {repo}@{revision}", kind.api_segment().trim_end_matches('s'));
+    let what = format!(
+        "{} {repo}@{revision}",
+        kind.api_segment().trim_end_matches('s')
+    );
     let mut out = Vec::new();
     for _page in 0..10_000 {
-        let entries: Vec<TreeEntry>;
-        let next;
         let mut attempt = 0u32;
-        loop {
+        let (entries, next): (Vec<TreeEntry>, Option<String>) = loop {
             let mut req = client.get(&url);
             if let Some(t) = token {
                 req = req.bearer_auth(t);
             }
             match req.send().await {
                 Ok(resp) if resp.status().is_success() => {
-                    next = next_link(resp.headers());
+                    let next = next_link(resp.headers());
                     match resp.json::<Vec<TreeEntry>>().await {
-                        Ok(e) => {
-                            entries = e;
-                            break;
-                        }
+                        Ok(e) => break (e, next),
                         Err(e) if attempt < 4 => {
                             tracing::warn!(error = %e, "hub listing body failed; retrying");
                         }
@@ -163,7 +172,7 @@ pub async fn list_files(
             }
             attempt += 1;
             tokio::time::sleep(std::time::Duration::from_millis(500 << attempt)).await;
-        }
+        };
         for e in entries {
             if e.kind != "file" {
                 continue;
@@ -212,11 +221,23 @@ mod tests {
     #[test]
     fn urls_are_encoded() {
         assert_eq!(
-            resolve_url("http://h/", RepoType::Dataset, "org/ds", "refs/pr/1", "a b/c.json"),
+            resolve_url(
+                "http://h/",
+                RepoType::Dataset,
+                "org/ds",
+                "refs/pr/1",
+                "a b/c.json"
+            ),
             "http://h/datasets/org/ds/resolve/refs%2Fpr%2F1/a%20b/c.json"
         );
         assert_eq!(
-            resolve_url("http://h", RepoType::Model, "org/m", "main", "model.safetensors"),
+            resolve_url(
+                "http://h",
+                RepoType::Model,
+                "org/m",
+                "main",
+                "model.safetensors"
+            ),
             "http://h/org/m/resolve/main/model.safetensors"
         );
     }
@@ -235,8 +256,13 @@ mod tests {
         let mut h = reqwest::header::HeaderMap::new();
         h.insert(
             reqwest::header::LINK,
-            "<https://h/api/models/a/tree/main?cursor=x>; rel=\"next\"".parse().unwrap(),
+            "<https://h/api/models/a/tree/main?cursor=x>; rel=\"next\""
+                .parse()
+                .unwrap(),
         );
-        assert_eq!(next_link(&h).as_deref(), Some("https://h/api/models/a/tree/main?cursor=x"));
+        assert_eq!(
+            next_link(&h).as_deref(),
+            Some("https://h/api/models/a/tree/main?cursor=x")
+        );
     }
 }

@@ -1,7 +1,9 @@
 //! The FlexInfer worker: one binary for every pipeline phase.
 
+pub mod abliterate;
 pub mod common;
 pub mod download;
 pub mod hf;
 pub mod oci;
 pub mod publish;
+pub mod quantize;

@@ -17,6 +17,8 @@ enum Cmd {
     Version,
     /// Download a model or dataset (Hugging Face Hub, oci://, local://) into MODEL_DIR.
     Download(flexinfer_worker::download::DownloadArgs),
+    /// Remove the refusal direction from MODEL_DIR into a new full-precision model (OUT_DIR).
+    Abliterate(flexinfer_worker::abliterate::AbliterateArgs),
     /// Publish MODEL_DIR as an OCI artifact.
     Publish(flexinfer_worker::publish::PublishArgs),
 }
@@ -29,6 +31,7 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Cmd::Download(args) => exit_code(flexinfer_worker::download::run(args)),
+        Cmd::Abliterate(args) => exit_code(flexinfer_worker::abliterate::run(args)),
         Cmd::Publish(args) => exit_code(flexinfer_worker::publish::run(args)),
     }
 }

@@ -1,9 +1,9 @@
 //! A small OCI distribution client: blob HEAD / monolithic streamed upload / GET, manifest PUT
 //! and GET, tag listing, basic and bearer-token auth, credentials from env or dockerconfigjson.
 //!
-//! Written here instead of using `oci-client` so that uploads stream from files with a known
-//! `Content-Length` in one PUT, the auth header can be handed to the resumable downloader for
-//! blob GETs, and plain HTTP is allowed only when `insecure` is set (docs/user/download-and-publish.md).
+//! Why not `oci-client` (it can stream blobs too): the `oci://` pull reuses the hub downloader's
+//! resume/verify/progress code, which needs plain blob URLs plus the negotiated auth header; see
+//! docs/user/download-and-publish.md.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -13,7 +13,9 @@ use std::time::Duration;
 use base64::Engine as _;
 use flexinfer_api::contract::{check_relative_path, oci_artifact};
 use futures::TryStreamExt;
-use reqwest::header::{HeaderMap, AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE, LOCATION, WWW_AUTHENTICATE};
+use reqwest::header::{
+    HeaderMap, AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE, LOCATION, WWW_AUTHENTICATE,
+};
 use reqwest::StatusCode;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -45,175 +47,13 @@ pub fn worker_error(e: OciError) -> WorkerError {
 }
 
 /// `registry[:port]/repo/path[:tag][@sha256:…]`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Reference {
-    pub registry: String,
-    pub repository: String,
-    pub tag: Option<String>,
-    pub digest: Option<String>,
-}
+mod auth;
+mod reference;
 
-impl Reference {
-    pub fn parse(s: &str) -> Result<Reference, OciError> {
-        let bad = |why: &str| OciError::BadInput(format!("invalid OCI reference {s:?}: {why}"));
-        let s = s.trim().trim_start_matches("oci://");
-        let (rest, digest) = match s.split_once('@') {
-            Some((r, d)) => {
-                if !is_sha256_digest(d) {
-                    return Err(bad("digest must be sha256:<64 hex>"));
-                }
-                (r, Some(d.to_string()))
-            }
-            None => (s, None),
-        };
-        let (registry, path) = rest.split_once('/').ok_or_else(|| bad("expected registry/repository"))?;
-        if !(registry.contains('.') || registry.contains(':') || registry == "localhost") {
-            return Err(bad("the first component must be a registry host (e.g. ghcr.io or host:5000)"));
-        }
-        let (repository, tag) = match path.rsplit_once(':') {
-            Some((r, t)) if !t.contains('/') => (r, Some(t.to_string())),
-            _ => (path, None),
-        };
-        let repo_ok = !repository.is_empty()
-            && repository.split('/').all(|c| {
-                !c.is_empty()
-                    && c.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"._-".contains(&b))
-            });
-        if !repo_ok {
-            return Err(bad("repository must be lowercase [a-z0-9._-] path components"));
-        }
-        if let Some(t) = &tag {
-            check_tag(t).map_err(|e| bad(&e))?;
-        }
-        Ok(Reference {
-            registry: registry.to_string(),
-            repository: repository.to_string(),
-            tag,
-            digest,
-        })
-    }
-}
+use auth::parse_challenge;
+pub use auth::Credentials;
+pub use reference::{check_tag, is_sha256_digest, Reference};
 
-impl std::fmt::Display for Reference {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}", self.registry, self.repository)?;
-        if let Some(t) = &self.tag {
-            write!(f, ":{t}")?;
-        }
-        if let Some(d) = &self.digest {
-            write!(f, "@{d}")?;
-        }
-        Ok(())
-    }
-}
-
-/// OCI tag grammar `[A-Za-z0-9_][A-Za-z0-9._-]{0,127}`.
-pub fn check_tag(t: &str) -> Result<(), String> {
-    let ok = !t.is_empty()
-        && t.len() <= 128
-        && t.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric() || b == b'_')
-        && t.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
-    if ok {
-        Ok(())
-    } else {
-        Err(format!("invalid tag {t:?} (allowed: [A-Za-z0-9_][A-Za-z0-9._-]{{0,127}})"))
-    }
-}
-
-pub fn is_sha256_digest(d: &str) -> bool {
-    d.strip_prefix("sha256:")
-        .is_some_and(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
-}
-
-/// Username and password for one registry.
-#[derive(Clone, Default)]
-pub struct Credentials {
-    pub username: String,
-    pub password: String,
-}
-
-impl std::fmt::Debug for Credentials {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Credentials({}, <redacted>)", self.username)
-    }
-}
-
-#[derive(Deserialize)]
-struct DockerConfig {
-    #[serde(default)]
-    auths: std::collections::BTreeMap<String, DockerAuth>,
-}
-
-#[derive(Deserialize)]
-struct DockerAuth {
-    #[serde(default)]
-    auth: Option<String>,
-    #[serde(default)]
-    username: Option<String>,
-    #[serde(default)]
-    password: Option<String>,
-}
-
-impl Credentials {
-    /// Env `OCI_USERNAME`/`OCI_PASSWORD` first, then the dockerconfigjson entry for `registry`.
-    pub fn resolve(
-        registry: &str,
-        username: Option<&str>,
-        password: Option<&str>,
-        docker_config: Option<&Path>,
-    ) -> Result<Option<Credentials>, OciError> {
-        if let (Some(u), Some(p)) = (username, password) {
-            if !u.is_empty() {
-                return Ok(Some(Credentials { username: u.into(), password: p.into() }));
-            }
-        }
-        let Some(path) = docker_config.filter(|p| !p.as_os_str().is_empty()) else {
-            return Ok(None);
-        };
-        // A mounted Secret directory holds the file under `.dockerconfigjson` or `config.json`.
-        let file = if path.is_dir() {
-            [".dockerconfigjson", "config.json"]
-                .iter()
-                .map(|n| path.join(n))
-                .find(|p| p.is_file())
-                .unwrap_or_else(|| path.join(".dockerconfigjson"))
-        } else {
-            path.to_path_buf()
-        };
-        let text = std::fs::read_to_string(&file).map_err(|e| {
-            OciError::BadInput(format!("cannot read docker config {}: {e}", file.display()))
-        })?;
-        let cfg: DockerConfig = serde_json::from_str(&text).map_err(|e| {
-            OciError::BadInput(format!("docker config {} is not valid JSON: {e}", file.display()))
-        })?;
-        let host_of = |k: &str| {
-            let k = k.trim_start_matches("https://").trim_start_matches("http://");
-            k.split('/').next().unwrap_or(k).to_string()
-        };
-        let Some(entry) = cfg.auths.iter().find(|(k, _)| host_of(k) == registry).map(|(_, v)| v)
-        else {
-            return Ok(None);
-        };
-        if let (Some(u), Some(p)) = (&entry.username, &entry.password) {
-            return Ok(Some(Credentials { username: u.clone(), password: p.clone() }));
-        }
-        if let Some(a) = &entry.auth {
-            let raw = base64::engine::general_purpose::STANDARD
-                .decode(a.trim())
-                .map_err(|_| OciError::BadInput(format!("docker config entry for {registry}: auth is not base64")))?;
-            let s = String::from_utf8(raw)
-                .map_err(|_| OciError::BadInput(format!("docker config entry for {registry}: auth is not UTF-8")))?;
-            if let Some((u, p)) = s.split_once(':') {
-                return Ok(Some(Credentials { username: u.into(), password: p.into() }));
-            }
-        }
-        Err(OciError::BadInput(format!(
-            "docker config entry for {registry} has neither username/password nor auth"
-        )))
-    }
-}
-
-/// A descriptor in a manifest.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Descriptor {
@@ -266,17 +106,25 @@ impl Registry {
         creds: Option<Credentials>,
         insecure: bool,
     ) -> Result<Registry, OciError> {
-        let client = crate::download::http_client(insecure).map_err(|e| OciError::Transport(e.to_string()))?;
+        let client = crate::download::http_client(insecure)
+            .map_err(|e| OciError::Transport(e.to_string()))?;
         let mut base = format!("https://{}", reference.registry);
-        if insecure {
-            let probe = client
-                .get(format!("{base}/v2/"))
-                .timeout(Duration::from_secs(10))
-                .send()
-                .await;
-            if probe.is_err() {
+        let probe = client
+            .get(format!("{base}/v2/"))
+            .timeout(Duration::from_secs(10))
+            .send()
+            .await;
+        if let Err(e) = probe {
+            if insecure {
                 base = format!("http://{}", reference.registry);
+            } else if is_tls_error(&e) {
+                return Err(OciError::BadInput(format!(
+                    "TLS with {base} failed ({}); if this registry speaks plain HTTP or uses a \
+                     certificate you do not trust, set publish.insecure: true (OCI_INSECURE)",
+                    strip_url(&e)
+                )));
             }
+            // Anything else (refused, timeout) is retried by the requests that follow.
         }
         Ok(Registry {
             client,
@@ -350,7 +198,8 @@ impl Registry {
         let lower = challenge.to_ascii_lowercase();
         if lower.starts_with("basic") {
             let c = self.creds.as_ref().ok_or_else(need_creds)?;
-            let v = base64::engine::general_purpose::STANDARD.encode(format!("{}:{}", c.username, c.password));
+            let v = base64::engine::general_purpose::STANDARD
+                .encode(format!("{}:{}", c.username, c.password));
             *self.auth.lock().await = Some(format!("Basic {v}"));
             return Ok(());
         }
@@ -373,18 +222,28 @@ impl Registry {
             }
         }
         if !query.iter().any(|(k, _)| k == "scope") {
-            query.push(("scope".into(), format!("repository:{}:pull,push", self.repository)));
+            query.push((
+                "scope".into(),
+                format!("repository:{}:pull,push", self.repository),
+            ));
         }
         let mut req = self.client.get(&realm).query(&query);
         if let Some(c) = &self.creds {
             req = req.basic_auth(&c.username, Some(&c.password));
         }
-        let resp = req.send().await.map_err(|e| transport("token request", &e))?;
+        let resp = req
+            .send()
+            .await
+            .map_err(|e| transport("token request", &e))?;
         if !resp.status().is_success() {
             return Err(OciError::Auth(format!(
                 "token endpoint refused the request (HTTP {}){}",
                 resp.status().as_u16(),
-                if self.creds.is_none() { ": set OCI_USERNAME/OCI_PASSWORD or DOCKER_CONFIG_JSON" } else { "" }
+                if self.creds.is_none() {
+                    ": set OCI_USERNAME/OCI_PASSWORD or DOCKER_CONFIG_JSON"
+                } else {
+                    ""
+                }
             )));
         }
         #[derive(Deserialize)]
@@ -394,8 +253,14 @@ impl Registry {
             #[serde(default)]
             access_token: Option<String>,
         }
-        let t: Token = resp.json().await.map_err(|e| transport("token response", &e))?;
-        let tok = t.token.or(t.access_token).ok_or_else(|| OciError::Auth("token endpoint returned no token".into()))?;
+        let t: Token = resp
+            .json()
+            .await
+            .map_err(|e| transport("token response", &e))?;
+        let tok = t
+            .token
+            .or(t.access_token)
+            .ok_or_else(|| OciError::Auth("token endpoint returned no token".into()))?;
         *self.auth.lock().await = Some(format!("Bearer {tok}"));
         Ok(())
     }
@@ -427,7 +292,9 @@ impl Registry {
     async fn start_upload(&self) -> Result<String, OciError> {
         let url = self.url("blobs/uploads/");
         let resp = self
-            .send("starting a blob upload", |c| c.post(&url).header(CONTENT_LENGTH, 0))
+            .send("starting a blob upload", |c| {
+                c.post(&url).header(CONTENT_LENGTH, 0)
+            })
             .await?;
         if resp.status() != StatusCode::ACCEPTED {
             let s = resp.status();
@@ -461,7 +328,9 @@ impl Registry {
         let body = bytes.to_vec();
         let resp = self
             .send("uploading a blob", |c| {
-                c.put(&url).header(CONTENT_TYPE, "application/octet-stream").body(body.clone())
+                c.put(&url)
+                    .header(CONTENT_TYPE, "application/octet-stream")
+                    .body(body.clone())
             })
             .await?;
         if resp.status() != StatusCode::CREATED {
@@ -492,7 +361,10 @@ impl Registry {
                     let now = sent.load(Ordering::Relaxed);
                     sent.fetch_sub(now.saturating_sub(before), Ordering::Relaxed);
                     tracing::warn!(error = %m, attempt, "blob upload failed; retrying");
-                    eprintln!("retrying upload of {} (attempt {attempt}): {m}", path.display());
+                    eprintln!(
+                        "retrying upload of {} (attempt {attempt}): {m}",
+                        path.display()
+                    );
                     tokio::time::sleep(Duration::from_millis(500 << attempt)).await;
                 }
                 Err(e) => return Err(e),
@@ -513,9 +385,10 @@ impl Registry {
             .await
             .map_err(|e| OciError::Transport(format!("opening {}: {e}", path.display())))?;
         let counter = sent.clone();
-        let stream = tokio_util::io::ReaderStream::with_capacity(file, 1 << 20).inspect_ok(move |b| {
-            counter.fetch_add(b.len() as u64, Ordering::Relaxed);
-        });
+        let stream =
+            tokio_util::io::ReaderStream::with_capacity(file, 1 << 20).inspect_ok(move |b| {
+                counter.fetch_add(b.len() as u64, Ordering::Relaxed);
+            });
         let mut req = self
             .client
             .put(&url)
@@ -525,7 +398,10 @@ impl Registry {
         if let Some(h) = self.auth.lock().await.clone() {
             req = req.header(AUTHORIZATION, h);
         }
-        let resp = req.send().await.map_err(|e| transport("uploading a blob", &e))?;
+        let resp = req
+            .send()
+            .await
+            .map_err(|e| transport("uploading a blob", &e))?;
         if resp.status() == StatusCode::CREATED {
             return Ok(());
         }
@@ -534,7 +410,10 @@ impl Registry {
         if s == StatusCode::UNAUTHORIZED {
             // Token expired mid-upload: renegotiate and let the caller retry.
             *self.auth.lock().await = None;
-            return Err(OciError::Transport(format!("uploading {}: token expired (HTTP 401)", path.display())));
+            return Err(OciError::Transport(format!(
+                "uploading {}: token expired (HTTP 401)",
+                path.display()
+            )));
         }
         Err(self.status_error(&format!("uploading {}", path.display()), s, &body))
     }
@@ -580,9 +459,16 @@ impl Registry {
         if !resp.status().is_success() {
             let s = resp.status();
             let text = resp.text().await.unwrap_or_default();
-            return Err(self.status_error(&format!("manifest {}:{reference}", self.repository), s, &text));
+            return Err(self.status_error(
+                &format!("manifest {}:{reference}", self.repository),
+                s,
+                &text,
+            ));
         }
-        let bytes = resp.bytes().await.map_err(|e| transport("reading the manifest", &e))?;
+        let bytes = resp
+            .bytes()
+            .await
+            .map_err(|e| transport("reading the manifest", &e))?;
         if bytes.len() > 4 << 20 {
             return Err(OciError::BadInput("manifest larger than 4 MiB".into()));
         }
@@ -627,8 +513,15 @@ impl Registry {
     }
 
     /// The files of a published model artifact: (manifest digest, one entry per titled layer).
-    pub async fn artifact_files(&self, reference: &Reference) -> Result<(String, Vec<RemoteFile>), OciError> {
-        let what = reference.digest.clone().or(reference.tag.clone()).unwrap_or_else(|| "latest".into());
+    pub async fn artifact_files(
+        &self,
+        reference: &Reference,
+    ) -> Result<(String, Vec<RemoteFile>), OciError> {
+        let what = reference
+            .digest
+            .clone()
+            .or(reference.tag.clone())
+            .unwrap_or_else(|| "latest".into());
         let (digest, bytes) = self.get_manifest(&what).await?;
         if let Some(want) = &reference.digest {
             if *want != digest {
@@ -637,18 +530,23 @@ impl Registry {
                 )));
             }
         }
-        let m: Manifest = serde_json::from_slice(&bytes)
-            .map_err(|e| OciError::BadInput(format!("{reference} is not an OCI image manifest: {e}")))?;
+        let m: Manifest = serde_json::from_slice(&bytes).map_err(|e| {
+            OciError::BadInput(format!("{reference} is not an OCI image manifest: {e}"))
+        })?;
         let mut files = Vec::new();
         for l in &m.layers {
             let Some(title) = l.annotations.get(oci_artifact::TITLE_ANNOTATION) else {
                 tracing::warn!(digest = %l.digest, "layer without a title annotation skipped");
                 continue;
             };
-            check_relative_path(title)
-                .map_err(|r| OciError::BadInput(format!("artifact layer has an unsafe title: {r}")))?;
+            check_relative_path(title).map_err(|r| {
+                OciError::BadInput(format!("artifact layer has an unsafe title: {r}"))
+            })?;
             if !is_sha256_digest(&l.digest) {
-                return Err(OciError::BadInput(format!("layer {title}: unsupported digest {}", l.digest)));
+                return Err(OciError::BadInput(format!(
+                    "layer {title}: unsupported digest {}",
+                    l.digest
+                )));
             }
             files.push(RemoteFile {
                 path: title.clone(),
@@ -659,10 +557,27 @@ impl Registry {
             });
         }
         if files.is_empty() {
-            return Err(OciError::BadInput(format!("{reference} has no titled file layers")));
+            return Err(OciError::BadInput(format!(
+                "{reference} has no titled file layers"
+            )));
         }
         Ok((digest, files))
     }
+}
+
+/// A handshake or certificate failure (as opposed to a refused or dropped connection).
+fn is_tls_error(e: &reqwest::Error) -> bool {
+    let text = strip_url(e).to_ascii_lowercase();
+    [
+        "certificate",
+        "tls",
+        "handshake",
+        "invalidcontenttype",
+        "corrupt message",
+        "unknownissuer",
+    ]
+    .iter()
+    .any(|k| text.contains(k))
 }
 
 fn with_digest(location: &str, digest: &str) -> String {
@@ -670,76 +585,19 @@ fn with_digest(location: &str, digest: &str) -> String {
     format!("{location}{sep}digest={}", digest.replace(':', "%3A"))
 }
 
-/// `realm="…",service="…",scope="…"` → pairs.
-fn parse_challenge(s: &str) -> Vec<(String, String)> {
-    let mut out = Vec::new();
-    let mut rest = s.trim();
-    while !rest.is_empty() {
-        let Some(eq) = rest.find('=') else { break };
-        let key = rest[..eq].trim().trim_start_matches(',').trim().to_ascii_lowercase();
-        rest = &rest[eq + 1..];
-        let value;
-        if let Some(r) = rest.strip_prefix('"') {
-            let end = r.find('"').unwrap_or(r.len());
-            value = r[..end].to_string();
-            rest = r.get(end + 1..).unwrap_or("");
-        } else {
-            let end = rest.find(',').unwrap_or(rest.len());
-            value = rest[..end].trim().to_string();
-            rest = &rest[end..];
-        }
-        rest = rest.trim_start_matches(',').trim();
-        out.push((key, value));
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn references() {
-        let r = Reference::parse("oci://localhost:5000/org/model:v1").unwrap();
-        assert_eq!(r.registry, "localhost:5000");
-        assert_eq!(r.repository, "org/model");
-        assert_eq!(r.tag.as_deref(), Some("v1"));
-        let d = format!("sha256:{}", "a".repeat(64));
-        let r = Reference::parse(&format!("ghcr.io/o/m@{d}")).unwrap();
-        assert_eq!(r.digest.as_deref(), Some(d.as_str()));
-        assert_eq!(r.tag, None);
-        assert!(Reference::parse("model:v1").is_err());
-        assert!(Reference::parse("ghcr.io/O/M").is_err());
-        assert!(Reference::parse("ghcr.io/o/m@sha256:xyz").is_err());
-        assert!(Reference::parse("ghcr.io/o/m:-bad").is_err());
-        assert_eq!(Reference::parse("ghcr.io/o/m:v1").unwrap().to_string(), "ghcr.io/o/m:v1");
-    }
-
-    #[test]
-    fn challenges() {
-        let p = parse_challenge(r#" realm="https://auth.example/token",service="registry.example",scope="repository:a/b:pull,push""#);
-        assert_eq!(p[0], ("realm".into(), "https://auth.example/token".into()));
-        assert_eq!(p[1], ("service".into(), "registry.example".into()));
-        assert_eq!(p[2], ("scope".into(), "repository:a/b:pull,push".into()));
-    }
-
-    #[test]
-    fn docker_config() {
-        let d = tempfile::tempdir().unwrap();
-        let p = d.path().join("config.json");
-        let auth = base64::engine::general_purpose::STANDARD.encode("u:p:w");
-        std::fs::write(&p, format!(r#"{{"auths":{{"https://reg.example:5000":{{"auth":"{auth}"}}}}}}"#)).unwrap();
-        let c = Credentials::resolve("reg.example:5000", None, None, Some(&p)).unwrap().unwrap();
-        assert_eq!((c.username.as_str(), c.password.as_str()), ("u", "p:w"));
-        assert!(Credentials::resolve("other.example", None, None, Some(&p)).unwrap().is_none());
-        let env = Credentials::resolve("reg.example:5000", Some("a"), Some("b"), Some(&p)).unwrap().unwrap();
-        assert_eq!(env.username, "a");
-        assert!(!format!("{c:?}").contains("p:w"));
-    }
-
-    #[test]
     fn upload_urls() {
-        assert_eq!(with_digest("http://h/u/1?_state=x", "sha256:ab"), "http://h/u/1?_state=x&digest=sha256%3Aab");
-        assert_eq!(with_digest("http://h/u/1", "sha256:ab"), "http://h/u/1?digest=sha256%3Aab");
+        assert_eq!(
+            with_digest("http://h/u/1?_state=x", "sha256:ab"),
+            "http://h/u/1?_state=x&digest=sha256%3Aab"
+        );
+        assert_eq!(
+            with_digest("http://h/u/1", "sha256:ab"),
+            "http://h/u/1?digest=sha256%3Aab"
+        );
     }
 }

@@ -103,22 +103,32 @@ struct LocalFile {
 
 pub fn run(args: PublishArgs) -> i32 {
     let events = Arc::new(Events::new(contract::JobPhase::Publish.status_name()));
-    let result = crate::download::runtime().and_then(|rt| rt.block_on(run_async(&args, events.clone())));
+    let result =
+        crate::download::runtime().and_then(|rt| rt.block_on(run_async(&args, events.clone())));
     let result = result.map_err(|e| match (&args.oci_password, e) {
-        (Some(p), WorkerError::BadInput(m)) if p.len() >= 4 => WorkerError::BadInput(m.replace(p, "<redacted>")),
-        (Some(p), WorkerError::Other(m)) if p.len() >= 4 => WorkerError::Other(m.replace(p, "<redacted>")),
+        (Some(p), WorkerError::BadInput(m)) if p.len() >= 4 => {
+            WorkerError::BadInput(m.replace(p, "<redacted>"))
+        }
+        (Some(p), WorkerError::Other(m)) if p.len() >= 4 => {
+            WorkerError::Other(m.replace(p, "<redacted>"))
+        }
         (_, e) => e,
     });
     common::finish(&events, result)
 }
 
-async fn run_async(args: &PublishArgs, events: Arc<Events>) -> Result<TerminationSuccess, WorkerError> {
+async fn run_async(
+    args: &PublishArgs,
+    events: Arc<Events>,
+) -> Result<TerminationSuccess, WorkerError> {
     common::check_version(args.script_version.as_deref())?;
     let dir = args
         .model_dir
         .clone()
         .or_else(|| args.out_dir.clone())
-        .ok_or_else(|| WorkerError::BadInput(format!("set {} (the directory to publish)", env::MODEL_DIR)))?;
+        .ok_or_else(|| {
+            WorkerError::BadInput(format!("set {} (the directory to publish)", env::MODEL_DIR))
+        })?;
     let reference = Reference::parse(&args.oci_ref).map_err(oci::worker_error)?;
     if reference.digest.is_some() {
         return Err(WorkerError::BadInput(format!(
@@ -128,7 +138,10 @@ async fn run_async(args: &PublishArgs, events: Arc<Events>) -> Result<Terminatio
         )));
     }
     let policy = TagPolicy::parse(&args.tag_policy)?;
-    let base_tag = reference.tag.clone().unwrap_or_else(|| "latest".to_string());
+    let base_tag = reference
+        .tag
+        .clone()
+        .unwrap_or_else(|| "latest".to_string());
     let extra: Vec<String> = args
         .additional_tags
         .split(',')
@@ -140,10 +153,15 @@ async fn run_async(args: &PublishArgs, events: Arc<Events>) -> Result<Terminatio
         oci::check_tag(t).map_err(WorkerError::BadInput)?;
     }
     if args.concurrency == 0 {
-        return Err(WorkerError::BadInput("concurrency must be at least 1".into()));
+        return Err(WorkerError::BadInput(
+            "concurrency must be at least 1".into(),
+        ));
     }
     if !dir.is_dir() {
-        return Err(WorkerError::BadInput(format!("{} is not a directory", dir.display())));
+        return Err(WorkerError::BadInput(format!(
+            "{} is not a directory",
+            dir.display()
+        )));
     }
     events.emit(
         events::START,
@@ -155,33 +173,24 @@ async fn run_async(args: &PublishArgs, events: Arc<Events>) -> Result<Terminatio
         .map_err(|e| WorkerError::Other(e.to_string()))?
         .map_err(|e| WorkerError::Other(format!("reading {}: {e}", dir.display())))?;
     if listed.is_empty() {
-        return Err(WorkerError::BadInput(format!("{} has no files to publish", dir.display())));
+        return Err(WorkerError::BadInput(format!(
+            "{} has no files to publish",
+            dir.display()
+        )));
     }
     let total: u64 = listed.iter().map(|(_, _, s)| *s).sum();
     let hashed = Arc::new(AtomicU64::new(0));
     let sent = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
-    let ticker = spawn_ticker(events.clone(), hashed.clone(), sent.clone(), total, args.progress_interval);
+    let ticker = spawn_ticker(
+        events.clone(),
+        hashed.clone(),
+        sent.clone(),
+        total,
+        args.progress_interval,
+    );
 
-    // 1. Digests (the registry must be asked by digest before anything is uploaded).
-    let mut files: Vec<LocalFile> = futures::stream::iter(listed.into_iter().map(|(rel, path, size)| {
-        let hashed = hashed.clone();
-        async move {
-            let p = path.clone();
-            let sha = tokio::task::spawn_blocking(move || crate::download::fetch::sha256_file(&p))
-                .await
-                .map_err(|e| WorkerError::Other(e.to_string()))?
-                .map_err(|e| WorkerError::Other(format!("hashing {}: {e}", path.display())))?;
-            hashed.fetch_add(size, Ordering::Relaxed);
-            Ok::<_, WorkerError>(LocalFile { rel, path, size, digest: format!("sha256:{sha}") })
-        }
-    }))
-    .buffer_unordered(args.concurrency.min(4))
-    .try_collect()
-    .await?;
-    files.sort_by(|a, b| a.rel.cmp(&b.rel));
-
-    // 2. Blobs.
+    // Reach the registry first: a TLS or auth problem must not wait for hashing.
     let creds = Credentials::resolve(
         &reference.registry,
         args.oci_username.as_deref(),
@@ -189,8 +198,43 @@ async fn run_async(args: &PublishArgs, events: Arc<Events>) -> Result<Terminatio
         args.docker_config_json.as_deref(),
     )
     .map_err(oci::worker_error)?;
-    let reg = Arc::new(Registry::connect(&reference, creds, args.insecure).await.map_err(oci::worker_error)?);
-    let config_digest = reg.push_bytes(oci::EMPTY_CONFIG).await.map_err(oci::worker_error)?;
+    let reg = Arc::new(
+        Registry::connect(&reference, creds, args.insecure)
+            .await
+            .map_err(oci::worker_error)?,
+    );
+    let config_digest = reg
+        .push_bytes(oci::EMPTY_CONFIG)
+        .await
+        .map_err(oci::worker_error)?;
+    // 1. Digests (the registry must be asked by digest before anything is uploaded).
+    let mut files: Vec<LocalFile> =
+        futures::stream::iter(listed.into_iter().map(|(rel, path, size)| {
+            let hashed = hashed.clone();
+            async move {
+                let p = path.clone();
+                let sha =
+                    tokio::task::spawn_blocking(move || crate::download::fetch::sha256_file(&p))
+                        .await
+                        .map_err(|e| WorkerError::Other(e.to_string()))?
+                        .map_err(|e| {
+                            WorkerError::Other(format!("hashing {}: {e}", path.display()))
+                        })?;
+                hashed.fetch_add(size, Ordering::Relaxed);
+                Ok::<_, WorkerError>(LocalFile {
+                    rel,
+                    path,
+                    size,
+                    digest: format!("sha256:{sha}"),
+                })
+            }
+        }))
+        .buffer_unordered(args.concurrency.min(4))
+        .try_collect()
+        .await?;
+    files.sort_by(|a, b| a.rel.cmp(&b.rel));
+
+    // 2. Blobs.
     let skipped = Arc::new(AtomicU64::new(0));
     futures::stream::iter(files.iter().map(|f| {
         let (reg, sent, skipped) = (reg.clone(), sent.clone(), skipped.clone());
@@ -220,7 +264,10 @@ async fn run_async(args: &PublishArgs, events: Arc<Events>) -> Result<Terminatio
     }
     for t in &tags {
         oci::check_tag(t).map_err(WorkerError::BadInput)?;
-        let got = reg.put_manifest(t, &body).await.map_err(oci::worker_error)?;
+        let got = reg
+            .put_manifest(t, &body)
+            .await
+            .map_err(oci::worker_error)?;
         if got != digest {
             return Err(WorkerError::Other(format!(
                 "registry stored tag {t} with digest {got}, expected {digest}"
@@ -230,7 +277,12 @@ async fn run_async(args: &PublishArgs, events: Arc<Events>) -> Result<Terminatio
     ticker.abort();
     let secs = started.elapsed().as_secs_f64().max(1e-3);
     let n_skipped = skipped.load(Ordering::Relaxed);
-    events.progress(bytes_progress(total, total, total as f64 / secs, "published"));
+    events.progress(bytes_progress(
+        total,
+        total,
+        total as f64 / secs,
+        "published",
+    ));
     events.log(&format!(
         "published {} file(s), {total} bytes ({} already in the registry) as {}/{}@{digest} tags {:?} in {secs:.1}s",
         files.len(),
@@ -327,7 +379,12 @@ fn spawn_ticker(
             let secs = start.elapsed().as_secs_f64().max(1e-3);
             let (h, s) = (hashed.load(Ordering::Relaxed), sent.load(Ordering::Relaxed));
             // Hashing and uploading each count for half of the work.
-            let mut p = bytes_progress((h + s) / 2, total, s as f64 / secs, if s == 0 { "hashing" } else { "uploading" });
+            let mut p = bytes_progress(
+                (h + s) / 2,
+                total,
+                s as f64 / secs,
+                if s == 0 { "hashing" } else { "uploading" },
+            );
             p.done = Some(s as f64);
             events.progress(p);
         }
@@ -342,20 +399,48 @@ mod tests {
     fn tag_policies() {
         let now: jiff::Timestamp = "2026-03-04T05:06:07Z".parse().unwrap();
         let d = format!("sha256:{}", "0123456789abcdef".repeat(4));
-        assert_eq!(TagPolicy::parse("overwrite").unwrap().tag("v1", &d, now), "v1");
-        assert_eq!(TagPolicy::parse("timestamp").unwrap().tag("v1", &d, now), "v1-20260304050607");
-        assert_eq!(TagPolicy::parse("Digest-Suffix").unwrap().tag("v1", &d, now), "v1-0123456789ab");
+        assert_eq!(
+            TagPolicy::parse("overwrite").unwrap().tag("v1", &d, now),
+            "v1"
+        );
+        assert_eq!(
+            TagPolicy::parse("timestamp").unwrap().tag("v1", &d, now),
+            "v1-20260304050607"
+        );
+        assert_eq!(
+            TagPolicy::parse("Digest-Suffix")
+                .unwrap()
+                .tag("v1", &d, now),
+            "v1-0123456789ab"
+        );
         assert!(TagPolicy::parse("latest").is_err());
     }
 
     #[test]
     fn manifest_is_deterministic_and_titled() {
-        let f = |rel: &str| LocalFile { rel: rel.into(), path: rel.into(), size: 3, digest: oci::sha256_digest(rel.as_bytes()) };
-        let m = build_manifest(&[f("a/b.json"), f("c.safetensors")], &oci::sha256_digest(b"{}"));
+        let f = |rel: &str| LocalFile {
+            rel: rel.into(),
+            path: rel.into(),
+            size: 3,
+            digest: oci::sha256_digest(rel.as_bytes()),
+        };
+        let m = build_manifest(
+            &[f("a/b.json"), f("c.safetensors")],
+            &oci::sha256_digest(b"{}"),
+        );
         let j = serde_json::to_value(&m).unwrap();
         assert_eq!(j["artifactType"], oci_artifact::ARTIFACT_TYPE);
-        assert_eq!(j["config"]["mediaType"], oci_artifact::EMPTY_CONFIG_MEDIA_TYPE);
-        assert_eq!(j["layers"][0]["annotations"][oci_artifact::TITLE_ANNOTATION], "a/b.json");
-        assert_eq!(serde_json::to_vec(&m).unwrap(), serde_json::to_vec(&m.clone()).unwrap());
+        assert_eq!(
+            j["config"]["mediaType"],
+            oci_artifact::EMPTY_CONFIG_MEDIA_TYPE
+        );
+        assert_eq!(
+            j["layers"][0]["annotations"][oci_artifact::TITLE_ANNOTATION],
+            "a/b.json"
+        );
+        assert_eq!(
+            serde_json::to_vec(&m).unwrap(),
+            serde_json::to_vec(&m.clone()).unwrap()
+        );
     }
 }

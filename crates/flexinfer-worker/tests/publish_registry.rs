@@ -15,13 +15,21 @@ const MARKERS: &[&str] = &[".source-integrity.json", ".download_complete"];
 fn model_tree(dir: &Path) {
     write_data(&dir.join("model-00001-of-00002.safetensors"), 24 << 20, 11);
     write_data(&dir.join("model-00002-of-00002.safetensors"), 3 << 20, 12);
-    std::fs::write(dir.join("config.json"), r#"{"quantization_config":{"bits":4}}"#).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        r#"{"quantization_config":{"bits":4}}"#,
+    )
+    .unwrap();
     std::fs::create_dir_all(dir.join("tokenizer")).unwrap();
-    std::fs::write(dir.join("tokenizer/tokenizer.json"), "{}").unwrap();
+    std::fs::write(dir.join("tokenizer/tokenizer.json"), r#"{"model":{}}"#).unwrap();
     std::fs::write(dir.join("empty.txt"), "").unwrap();
     // Never published: resume caches and partial files.
     std::fs::create_dir_all(dir.join(".flexinfer-gptq-cache/layers")).unwrap();
-    std::fs::write(dir.join(".flexinfer-gptq-cache/layers/layer-000.safetensors"), "x").unwrap();
+    std::fs::write(
+        dir.join(".flexinfer-gptq-cache/layers/layer-000.safetensors"),
+        "x",
+    )
+    .unwrap();
     std::fs::write(dir.join("junk.part"), "x").unwrap();
 }
 
@@ -39,10 +47,16 @@ fn push_pull_roundtrip_is_byte_identical_and_repush_is_stable() {
     let tmp = tempfile::tempdir().unwrap();
     let src = tmp.path().join("out");
     model_tree(&src);
-    let r = run(publish(&reg, &src, "flexinfer/tiny:v1", tmp.path()), tmp.path());
+    let r = run(
+        publish(&reg, &src, "flexinfer/tiny:v1", tmp.path()),
+        tmp.path(),
+    );
     assert_eq!(r.code, 0, "{}\n{}", r.describe(), reg.log_text());
     let digest = r.termination["digest"].as_str().unwrap().to_string();
-    assert!(digest.starts_with("sha256:") && digest.len() == 71, "{digest}");
+    assert!(
+        digest.starts_with("sha256:") && digest.len() == 71,
+        "{digest}"
+    );
     assert_eq!(r.termination["tags"], serde_json::json!(["v1"]));
     assert_eq!(r.termination["type"], "publish");
     let complete = r.events("complete");
@@ -54,12 +68,19 @@ fn push_pull_roundtrip_is_byte_identical_and_repush_is_stable() {
     assert_eq!(st, 200, "{body}");
     let m: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(m["artifactType"], "application/vnd.flexinfer.model.v1");
-    assert_eq!(m["config"]["mediaType"], "application/vnd.oci.empty.v1+json");
+    assert_eq!(
+        m["config"]["mediaType"],
+        "application/vnd.oci.empty.v1+json"
+    );
     let titles: Vec<&str> = m["layers"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|l| l["annotations"]["org.opencontainers.image.title"].as_str().unwrap())
+        .map(|l| {
+            l["annotations"]["org.opencontainers.image.title"]
+                .as_str()
+                .unwrap()
+        })
         .collect();
     assert_eq!(
         titles,
@@ -85,26 +106,120 @@ fn push_pull_roundtrip_is_byte_identical_and_repush_is_stable() {
     assert_eq!(p.termination["revision"], digest.as_str());
     // By digest too.
     let mut c = worker("download", tmp.path());
-    c.env("SOURCE", format!("oci://{}/flexinfer/tiny@{digest}", reg.addr))
-        .env("MODEL_DIR", tmp.path().join("by-digest"))
-        .env("OCI_INSECURE", "1");
+    c.env(
+        "SOURCE",
+        format!("oci://{}/flexinfer/tiny@{digest}", reg.addr),
+    )
+    .env("MODEL_DIR", tmp.path().join("by-digest"))
+    .env("OCI_INSECURE", "1");
     let p = run(c, tmp.path());
     assert_eq!(p.code, 0, "{}", p.describe());
     assert_eq!(tree(&tmp.path().join("by-digest"), MARKERS), want);
 
     // Re-push: the same digest, and no blob uploaded again.
     let uploads = reg.uploaded_digests().len();
-    assert_eq!(uploads, 6, "5 files + the empty config: {}", reg.log_text());
-    let again = run(publish(&reg, &src, "flexinfer/tiny:v1", tmp.path()), tmp.path());
+    assert_eq!(
+        uploads,
+        6,
+        "5 files + the empty config: {:?}",
+        reg.uploaded_digests()
+    );
+    let again = run(
+        publish(&reg, &src, "flexinfer/tiny:v1", tmp.path()),
+        tmp.path(),
+    );
     assert_eq!(again.code, 0, "{}", again.describe());
     assert_eq!(again.termination["digest"], digest.as_str());
-    assert_eq!(reg.uploaded_digests().len(), uploads, "re-push uploaded blobs again");
+    assert_eq!(
+        reg.uploaded_digests().len(),
+        uploads,
+        "re-push uploaded blobs again"
+    );
 
-    // Without insecure, plain HTTP is refused (TLS is verified by default).
+    // Without insecure, plain HTTP is refused (TLS is verified by default), fast and clearly.
     let mut c = publish(&reg, &src, "flexinfer/tiny:v1", tmp.path());
     c.env("OCI_INSECURE", "false");
+    let started = Instant::now();
     let r = run(c, tmp.path());
-    assert_ne!(r.code, 0, "{}", r.describe());
+    assert_eq!(r.code, 2, "{}", r.describe());
+    assert!(
+        r.termination["error"]
+            .as_str()
+            .unwrap()
+            .contains("OCI_INSECURE"),
+        "{}",
+        r.describe()
+    );
+    assert!(started.elapsed() < Duration::from_secs(15));
+}
+
+#[test]
+fn credentials_from_env_or_dockerconfigjson() {
+    use base64::Engine as _;
+    let reg = Registry::start_with_auth("pusher", "s3cret-Pa55word");
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("out");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("config.json"), r#"{"a":1}"#).unwrap();
+    write_data(&src.join("model.safetensors"), 2 << 20, 21);
+
+    // No credentials: a clear bad-input error.
+    let r = run(
+        publish(&reg, &src, "flexinfer/auth:v1", tmp.path()),
+        tmp.path(),
+    );
+    assert_eq!(r.code, 2, "{}", r.describe());
+    assert!(
+        r.termination["error"]
+            .as_str()
+            .unwrap()
+            .contains("OCI_USERNAME"),
+        "{}",
+        r.describe()
+    );
+
+    // Wrong password: exit 2, and the password appears nowhere.
+    let mut c = publish(&reg, &src, "flexinfer/auth:v1", tmp.path());
+    c.env("OCI_USERNAME", "pusher")
+        .env("OCI_PASSWORD", "wrong-Pa55word");
+    let r = run(c, tmp.path());
+    assert_eq!(r.code, 2, "{}", r.describe());
+    assert!(
+        r.termination["error"]
+            .as_str()
+            .unwrap()
+            .contains("HTTP 401"),
+        "{}",
+        r.describe()
+    );
+    assert!(!r.describe().contains("wrong-Pa55word"));
+
+    // dockerconfigjson (as a mounted Secret directory).
+    let secret = tmp.path().join("secret");
+    std::fs::create_dir_all(&secret).unwrap();
+    let auth = base64::engine::general_purpose::STANDARD.encode("pusher:s3cret-Pa55word");
+    std::fs::write(
+        secret.join(".dockerconfigjson"),
+        format!(r#"{{"auths":{{"{}":{{"auth":"{auth}"}}}}}}"#, reg.addr),
+    )
+    .unwrap();
+    let mut c = publish(&reg, &src, "flexinfer/auth:v1", tmp.path());
+    c.env("DOCKER_CONFIG_JSON", &secret);
+    let r = run(c, tmp.path());
+    assert_eq!(r.code, 0, "{}", r.describe());
+    assert!(!r.describe().contains("s3cret-Pa55word"));
+
+    // Env credentials pull it back.
+    let pulled = tmp.path().join("pulled");
+    let mut c = worker("download", tmp.path());
+    c.env("SOURCE", format!("oci://{}/flexinfer/auth:v1", reg.addr))
+        .env("MODEL_DIR", &pulled)
+        .env("OCI_INSECURE", "true")
+        .env("OCI_USERNAME", "pusher")
+        .env("OCI_PASSWORD", "s3cret-Pa55word");
+    let p = run(c, tmp.path());
+    assert_eq!(p.code, 0, "{}", p.describe());
+    assert_eq!(tree(&pulled, MARKERS), tree(&src, &[]));
 }
 
 #[test]
@@ -117,7 +232,8 @@ fn tag_policies_and_additional_tags_show_in_the_registry() {
     write_data(&src.join("model.safetensors"), 1 << 20, 7);
 
     let mut c = publish(&reg, &src, "flexinfer/tags:v2", tmp.path());
-    c.env("OCI_TAG_POLICY", "digest-suffix").env("OCI_ADDITIONAL_TAGS", "latest, stable");
+    c.env("OCI_TAG_POLICY", "digest-suffix")
+        .env("OCI_ADDITIONAL_TAGS", "latest, stable");
     let r = run(c, tmp.path());
     assert_eq!(r.code, 0, "{}", r.describe());
     let digest = r.termination["digest"].as_str().unwrap().to_string();
@@ -131,7 +247,11 @@ fn tag_policies_and_additional_tags_show_in_the_registry() {
     for t in [&suffixed, "latest", "stable"] {
         let (st, body) = reg.get(&format!("/v2/flexinfer/tags/manifests/{t}"));
         assert_eq!(st, 200);
-        assert_eq!(format!("sha256:{}", sha256_hex(body.as_bytes())), digest, "{t}");
+        assert_eq!(
+            format!("sha256:{}", sha256_hex(body.as_bytes())),
+            digest,
+            "{t}"
+        );
     }
 
     let mut c = publish(&reg, &src, "flexinfer/tags:v2", tmp.path());
@@ -139,9 +259,15 @@ fn tag_policies_and_additional_tags_show_in_the_registry() {
     let r = run(c, tmp.path());
     assert_eq!(r.code, 0, "{}", r.describe());
     let tags = reg.tags("flexinfer/tags");
-    let ts: Vec<&String> = tags.iter().filter(|t| t.starts_with("v2-") && **t != suffixed).collect();
+    let ts: Vec<&String> = tags
+        .iter()
+        .filter(|t| t.starts_with("v2-") && **t != suffixed)
+        .collect();
     assert_eq!(ts.len(), 1, "{tags:?}");
-    assert!(ts[0].len() == 3 + 14 && ts[0][3..].bytes().all(|b| b.is_ascii_digit()), "{tags:?}");
+    assert!(
+        ts[0].len() == 3 + 14 && ts[0][3..].bytes().all(|b| b.is_ascii_digit()),
+        "{tags:?}"
+    );
     assert_eq!(r.termination["tags"], serde_json::json!([ts[0]]));
 
     // overwrite moves the tag to new content.
@@ -152,13 +278,19 @@ fn tag_policies_and_additional_tags_show_in_the_registry() {
     assert_eq!(r.code, 0, "{}", r.describe());
     assert_ne!(r.termination["digest"], digest.as_str());
     let (_, body) = reg.get("/v2/flexinfer/tags/manifests/latest");
-    assert_eq!(format!("sha256:{}", sha256_hex(body.as_bytes())), r.termination["digest"].as_str().unwrap());
+    assert_eq!(
+        format!("sha256:{}", sha256_hex(body.as_bytes())),
+        r.termination["digest"].as_str().unwrap()
+    );
 
     // Bad input: unknown policy, bad tag, digest reference.
     for (k, v) in [
         ("OCI_TAG_POLICY", "sometimes".to_string()),
         ("OCI_ADDITIONAL_TAGS", "ok,-bad".to_string()),
-        ("OCI_REF", format!("{}/flexinfer/tags@sha256:{}", reg.addr, "0".repeat(64))),
+        (
+            "OCI_REF",
+            format!("{}/flexinfer/tags@sha256:{}", reg.addr, "0".repeat(64)),
+        ),
         ("OCI_REF", "no-registry-here".to_string()),
     ] {
         let mut c = publish(&reg, &src, "flexinfer/tags:v2", tmp.path());
@@ -179,7 +311,11 @@ fn interrupted_push_resumes_without_reuploading_finished_blobs() {
     let tmp = tempfile::tempdir().unwrap();
     let src = tmp.path().join("out");
     for i in 0..8u64 {
-        write_data(&src.join(format!("shard-{i}.safetensors")), 24 << 20, 100 + i);
+        write_data(
+            &src.join(format!("shard-{i}.safetensors")),
+            24 << 20,
+            100 + i,
+        );
     }
     let mut first = publish(&reg, &src, "flexinfer/big:v1", tmp.path());
     first
@@ -191,27 +327,53 @@ fn interrupted_push_resumes_without_reuploading_finished_blobs() {
     let empty_config = format!("sha256:{}", sha256_hex(b"{}"));
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let done: Vec<String> = reg.uploaded_digests().into_iter().filter(|d| *d != empty_config).collect();
+        let done: Vec<String> = reg
+            .uploaded_digests()
+            .into_iter()
+            .filter(|d| *d != empty_config)
+            .collect();
         if !done.is_empty() {
             break;
         }
-        assert!(child.try_wait().unwrap().is_none(), "publish finished before it could be interrupted");
-        assert!(Instant::now() < deadline, "no blob completed: {}", reg.log_text());
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "publish finished before it could be interrupted"
+        );
+        assert!(
+            Instant::now() < deadline,
+            "no blob completed: {}",
+            reg.log_text()
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     child.kill().unwrap();
     child.wait().unwrap();
     let before = reg.uploaded_digests();
     let before_files = before.iter().filter(|d| **d != empty_config).count();
-    assert!((1..8).contains(&before_files), "interrupted run uploaded {before_files} of 8 files");
+    assert!(
+        (1..8).contains(&before_files),
+        "interrupted run uploaded {before_files} of 8 files"
+    );
 
-    let r = run(publish(&reg, &src, "flexinfer/big:v1", tmp.path()), tmp.path());
+    let r = run(
+        publish(&reg, &src, "flexinfer/big:v1", tmp.path()),
+        tmp.path(),
+    );
     assert_eq!(r.code, 0, "{}", r.describe());
     let after = reg.uploaded_digests();
     let mut uniq = after.clone();
     uniq.sort();
     uniq.dedup();
-    assert_eq!(uniq.len(), after.len(), "a finished blob was uploaded twice: {after:?}");
+    assert_eq!(
+        uniq.len(),
+        after.len(),
+        "a finished blob was uploaded twice: {after:?}"
+    );
     assert_eq!(after.len(), 9, "8 files + config: {after:?}");
-    assert!(r.stderr.contains(&format!("({before_files} already in the registry)")), "{}", r.describe());
+    assert!(
+        r.stderr
+            .contains(&format!("({before_files} already in the registry)")),
+        "{}",
+        r.describe()
+    );
 }

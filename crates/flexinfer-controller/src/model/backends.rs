@@ -55,7 +55,8 @@ fn mount(artifact: &Artifact) -> Option<(String, Value)> {
                 Some(f) => format!("{}/{f}", serving::MODEL_MOUNT),
                 None => format!("{}/model", serving::MODEL_MOUNT),
             };
-            let m = json!({"name": "model", "mountPath": path, "subPath": sub_path, "readOnly": true});
+            let m =
+                json!({"name": "model", "mountPath": path, "subPath": sub_path, "readOnly": true});
             Some((path, m))
         }
         Artifact::Hub { .. } => None,
@@ -129,7 +130,11 @@ pub fn container(
                 env.push(json!({"name": serving::VLLM_ATTENTION_BACKEND, "value": b}));
             }
             (
-                vec!["python3".into(), "-m".into(), "vllm.entrypoints.openai.api_server".into()],
+                vec![
+                    "python3".into(),
+                    "-m".into(),
+                    "vllm.entrypoints.openai.api_server".into(),
+                ],
                 a,
                 http_probe("/health"),
             )
@@ -149,7 +154,12 @@ pub fn container(
                 a.extend(["--ctx-size".into(), v.to_string()]);
             }
             if let Some(t) = cfg.kv_cache_dtype.and_then(ggml_kv_type) {
-                a.extend(["--cache-type-k".into(), t.into(), "--cache-type-v".into(), t.into()]);
+                a.extend([
+                    "--cache-type-k".into(),
+                    t.into(),
+                    "--cache-type-v".into(),
+                    t.into(),
+                ]);
             }
             if let Some(v) = cfg.max_num_batched_tokens {
                 a.extend(["--batch-size".into(), v.to_string()]);
@@ -185,7 +195,9 @@ pub fn container(
                 env.push(json!({"name": "OLLAMA_FLASH_ATTENTION", "value": "1"}));
             }
             let load = match artifact {
-                Artifact::Hub { repo } => format!("ollama pull hf.co/{repo} && ollama cp hf.co/{repo} {name}"),
+                Artifact::Hub { repo } => {
+                    format!("ollama pull hf.co/{repo} && ollama cp hf.co/{repo} {name}")
+                }
                 Artifact::Volume { .. } => {
                     let from = if is_gguf_file {
                         format!("\"{model_arg}\"")

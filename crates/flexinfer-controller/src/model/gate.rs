@@ -91,20 +91,30 @@ pub fn gate(model: &Model) -> GateDecision {
     let passed = validation == Some(serving::PROMOTION_VALIDATION_PASSED);
     match (passed, evidence) {
         (true, Some(ev)) => GateDecision::Validated {
-            message: format!("warm-primary promotion validated ({}: passed, {}: {ev})",
-                annotations::PROMOTION_VALIDATION, annotations::PROMOTION_EVIDENCE),
+            message: format!(
+                "warm-primary promotion validated ({}: passed, {}: {ev})",
+                annotations::PROMOTION_VALIDATION,
+                annotations::PROMOTION_EVIDENCE
+            ),
         },
         (true, None) => GateDecision::Validated {
-            message: format!("warm-primary promotion validated ({}: passed)",
-                annotations::PROMOTION_VALIDATION),
+            message: format!(
+                "warm-primary promotion validated ({}: passed)",
+                annotations::PROMOTION_VALIDATION
+            ),
         },
         (false, Some(ev)) => GateDecision::Validated {
-            message: format!("warm-primary promotion validated by evidence ({}: {ev})",
-                annotations::PROMOTION_EVIDENCE),
+            message: format!(
+                "warm-primary promotion validated by evidence ({}: {ev})",
+                annotations::PROMOTION_EVIDENCE
+            ),
         },
         (false, None) => {
             let validation_note = match validation {
-                Some(v) => format!(" ({} is {v:?}, not \"passed\")", annotations::PROMOTION_VALIDATION),
+                Some(v) => format!(
+                    " ({} is {v:?}, not \"passed\")",
+                    annotations::PROMOTION_VALIDATION
+                ),
                 None => String::new(),
             };
             GateDecision::Blocked {
@@ -128,7 +138,10 @@ fn warm_reason(spec: &ModelSpec) -> String {
         why.push("spec.serverless.enabled=false".to_string());
     }
     if spec.serverless.min_replicas > 0 {
-        why.push(format!("spec.serverless.minReplicas={}", spec.serverless.min_replicas));
+        why.push(format!(
+            "spec.serverless.minReplicas={}",
+            spec.serverless.min_replicas
+        ));
     }
     if spec.config.warm_policy == Some(WarmPolicy::Primary) {
         why.push("spec.config.warmPolicy=primary".to_string());
@@ -159,8 +172,10 @@ mod tests {
         spec.serverless.min_replicas = min;
         spec.config.warm_policy = warm;
         let mut m = Model::new("m", spec);
-        let a: BTreeMap<String, String> =
-            annos.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let a: BTreeMap<String, String> = annos
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         m.metadata.annotations = Some(a);
         m
     }
@@ -175,12 +190,25 @@ mod tests {
     fn every_gate_case() {
         use WarmPolicy::*;
         // (annotations, serverless.enabled, minReplicas, warmPolicy, expected reason or None)
-        let cases: Vec<(Vec<(&str, &str)>, bool, i32, Option<WarmPolicy>, Option<&str>)> = vec![
+        type Case<'a> = (
+            Vec<(&'a str, &'a str)>,
+            bool,
+            i32,
+            Option<WarmPolicy>,
+            Option<&'a str>,
+        );
+        let cases: Vec<Case> = vec![
             // ungated: never a condition, whatever the spec asks for
             (vec![], true, 0, None, None),
             (vec![], true, 1, Some(Primary), None),
             (vec![], false, 0, None, None),
-            (vec![(annotations::PROMOTION_GATE, "something-else")], true, 1, None, None),
+            (
+                vec![(annotations::PROMOTION_GATE, "something-else")],
+                true,
+                1,
+                None,
+                None,
+            ),
             // gated canaries
             (vec![G], true, 0, None, Some("Canary")),
             (vec![G], true, 0, Some(Ondemand), Some("Canary")),
@@ -194,14 +222,23 @@ mod tests {
             // gated warm-primary with validation or evidence
             (vec![G, PASSED], true, 1, Some(Primary), Some("Validated")),
             (vec![G, EVIDENCE], false, 0, None, Some("Validated")),
-            (vec![G, FAILED, EVIDENCE], true, 0, Some(Primary), Some("Validated")),
+            (
+                vec![G, FAILED, EVIDENCE],
+                true,
+                0,
+                Some(Primary),
+                Some("Validated"),
+            ),
             (vec![G, PASSED, EVIDENCE], true, 2, None, Some("Validated")),
         ];
         for (i, (annos, enabled, min, warm, want)) in cases.into_iter().enumerate() {
             let m = model(&annos, enabled, min, warm);
             let d = gate(&m);
             let got = d.condition().map(|(_, r, _)| r);
-            assert_eq!(got, want, "case {i}: {annos:?} enabled={enabled} min={min} warm={warm:?}");
+            assert_eq!(
+                got, want,
+                "case {i}: {annos:?} enabled={enabled} min={min} warm={warm:?}"
+            );
             if let Some((status, reason, msg)) = d.condition() {
                 assert_eq!(status, reason != reasons::BLOCKED, "case {i}");
                 if reason == reasons::BLOCKED {
@@ -219,8 +256,14 @@ mod tests {
         let GateDecision::Blocked { message } = gate(&m) else {
             panic!("expected Blocked");
         };
-        assert!(message.contains("spec.serverless.minReplicas=1"), "{message}");
-        assert!(message.contains("spec.config.warmPolicy=primary"), "{message}");
+        assert!(
+            message.contains("spec.serverless.minReplicas=1"),
+            "{message}"
+        );
+        assert!(
+            message.contains("spec.config.warmPolicy=primary"),
+            "{message}"
+        );
         assert!(message.contains("\"failed\""), "{message}");
     }
 

@@ -6,6 +6,7 @@
 
 pub mod backends;
 pub mod gate;
+pub mod problem;
 pub mod render;
 pub mod replicas;
 pub mod source;
@@ -30,7 +31,8 @@ use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
-use kube::runtime::watcher;
+use kube::runtime::watcher::{self, watcher};
+use kube::runtime::WatchStreamExt;
 use kube::{Client, Resource, ResourceExt};
 use serde_json::json;
 use tracing::{info, warn};
@@ -108,7 +110,7 @@ pub async fn run_with(client: Client, metrics: Metrics, opts: Options) -> anyhow
     ));
     let reporter = Reporter {
         controller: serving::FIELD_MANAGER.to_string(),
-        instance: std::env::var("POD_NAME").ok(),
+        instance: std::env::var(serving::POD_NAME_ENV).ok(),
     };
     let ctx = Arc::new(Ctx {
         client: client.clone(),
@@ -118,11 +120,13 @@ pub async fn run_with(client: Client, metrics: Metrics, opts: Options) -> anyhow
         failures: Mutex::new(HashMap::new()),
     });
 
+    // Deleted Models leave no metric series behind.
+    let forget = forget_deleted_models(api::<Model>(&client, ns), ctx.metrics.clone());
     let controller = Controller::new(api::<Model>(&client, ns), watcher::Config::default());
     let store = controller.store();
     let cache_store = store.clone();
     let profile_store = store.clone();
-    controller
+    let running = controller
         .owns(api::<Deployment>(&client, ns), children.clone())
         .owns(api::<Service>(&client, ns), children.clone())
         .watches(api::<Pod>(&client, ns), children, |pod: Pod| {
@@ -140,7 +144,9 @@ pub async fn run_with(client: Client, metrics: Metrics, opts: Options) -> anyhow
                 cache_store
                     .state()
                     .into_iter()
-                    .filter(|m| m.namespace() == ns && render::cache_name(m).as_deref() == Some(&name))
+                    .filter(|m| {
+                        m.namespace() == ns && render::cache_name(m).as_deref() == Some(&name)
+                    })
                     .map(|m| ObjectRef::from_obj(&*m))
                     .collect::<Vec<_>>()
             },
@@ -169,9 +175,39 @@ pub async fn run_with(client: Client, metrics: Metrics, opts: Options) -> anyhow
             if let Err(e) = res {
                 warn!(error = %e, "model reconcile failed");
             }
+        });
+    // The controller decides when we stop; the cleanup watch only runs alongside it.
+    futures::pin_mut!(running, forget);
+    futures::future::select(running, forget).await;
+    Ok(())
+}
+
+/// Remove the metric series of Models as they are deleted.
+async fn forget_deleted_models(api: Api<Model>, metrics: Metrics) {
+    watcher(api, watcher::Config::default())
+        .default_backoff()
+        .for_each(|ev| {
+            if let Ok(watcher::Event::Delete(m)) = ev {
+                let (name, ns) = (m.name_any(), m.namespace().unwrap_or_default());
+                for to in ModelPhase::ALL {
+                    let _ = metrics.model_phase.remove_label_values(&[
+                        name.as_str(),
+                        ns.as_str(),
+                        to.as_str(),
+                    ]);
+                    for from in ModelPhase::ALL.iter().map(|p| p.as_str()).chain(["None"]) {
+                        let _ = metrics.model_phase_transitions_total.remove_label_values(&[
+                            name.as_str(),
+                            ns.as_str(),
+                            from,
+                            to.as_str(),
+                        ]);
+                    }
+                }
+            }
+            futures::future::ready(())
         })
         .await;
-    Ok(())
 }
 
 fn error_policy(model: Arc<Model>, err: &Error, ctx: Arc<Ctx>) -> Action {
@@ -235,7 +271,11 @@ async fn reconcile(model: Arc<Model>, ctx: Arc<Ctx>) -> Result<Action, Error> {
     let client = &ctx.client;
 
     let cache = match render::cache_name(&model) {
-        Some(c) => Api::<ModelCache>::namespaced(client.clone(), &ns).get_opt(&c).await?,
+        Some(c) => {
+            Api::<ModelCache>::namespaced(client.clone(), &ns)
+                .get_opt(&c)
+                .await?
+        }
         None => None,
     };
     let profile = get_profile(&ctx, &model, &ns).await?;
@@ -265,7 +305,9 @@ async fn reconcile(model: Arc<Model>, ctx: Arc<Ctx>) -> Result<Action, Error> {
                 .patch(&name, &pp, &Patch::Apply(&r.deployment))
                 .await?;
             let services: Api<Service> = Api::namespaced(client.clone(), &ns);
-            services.patch(&name, &pp, &Patch::Apply(&r.service)).await?;
+            services
+                .patch(&name, &pp, &Patch::Apply(&r.service))
+                .await?;
             let st = applied.status.clone().unwrap_or_default();
             let mut observed = DeploymentObservation {
                 desired: wanted.replicas,
@@ -314,6 +356,20 @@ async fn reconcile(model: Arc<Model>, ctx: Arc<Ctx>) -> Result<Action, Error> {
         &Time(now),
     );
     let new_phase = new.phase.unwrap_or(ModelPhase::Pending);
+    // Metrics first (they describe the phase just computed), then the status, then Events.
+    for p in ModelPhase::ALL {
+        ctx.metrics
+            .model_phase
+            .with_label_values(&[name.as_str(), ns.as_str(), p.as_str()])
+            .set(i64::from(p == new_phase));
+    }
+    if old_phase != Some(new_phase) {
+        let from = old_phase.map(|p| p.as_str()).unwrap_or("None");
+        ctx.metrics
+            .model_phase_transitions_total
+            .with_label_values(&[name.as_str(), ns.as_str(), from, new_phase.as_str()])
+            .inc();
+    }
     if status::owned_differs(old, &new) {
         let patch = json!({
             "apiVersion": Model::api_version(&()),
@@ -328,41 +384,55 @@ async fn reconcile(model: Arc<Model>, ctx: Arc<Ctx>) -> Result<Action, Error> {
             }
         });
         Api::<Model>::namespaced(client.clone(), &ns)
-            .patch_status(&name, &PatchParams::apply(serving::FIELD_MANAGER).force(), &Patch::Apply(&patch))
+            .patch_status(
+                &name,
+                &PatchParams::apply(serving::FIELD_MANAGER).force(),
+                &Patch::Apply(&patch),
+            )
             .await?;
     }
 
-    // Metrics and Events.
-    for p in ModelPhase::ALL {
-        ctx.metrics
-            .model_phase
-            .with_label_values(&[name.as_str(), ns.as_str(), p.as_str()])
-            .set(i64::from(p == new_phase));
-    }
     if old_phase != Some(new_phase) {
         let from = old_phase.map(|p| p.as_str()).unwrap_or("None");
-        ctx.metrics
-            .model_phase_transitions_total
-            .with_label_values(&[name.as_str(), ns.as_str(), from, new_phase.as_str()])
-            .inc();
         let note = match &outcome {
             Outcome::Problem(p) => format!("{from} -> {}: {p}", new_phase.as_str()),
             Outcome::Deployed { .. } => format!("{from} -> {}", new_phase.as_str()),
         };
+        // The recorder folds events with the same (type, reason, action) into one series, so
+        // the action names the transition: repeats of one transition count up, others are new.
+        let action = format!("{from}To{}", new_phase.as_str());
         publish(
             &ctx,
             &model,
-            if new_phase == ModelPhase::Failed { EventType::Warning } else { EventType::Normal },
+            if new_phase == ModelPhase::Failed {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
             model_reasons::PHASE_CHANGED,
+            &action,
             note,
         )
         .await;
     }
     let was_blocked = old
-        .and_then(|s| flexinfer_api::conditions::find(&s.conditions, flexinfer_api::conditions::types::PROMOTION_GATE))
+        .and_then(|s| {
+            flexinfer_api::conditions::find(
+                &s.conditions,
+                flexinfer_api::conditions::types::PROMOTION_GATE,
+            )
+        })
         .is_some_and(|c| c.reason == gate::reasons::BLOCKED);
     if let (gate::GateDecision::Blocked { message }, false) = (&decision, was_blocked) {
-        publish(&ctx, &model, EventType::Warning, model_reasons::PROMOTION_BLOCKED, message.clone()).await;
+        publish(
+            &ctx,
+            &model,
+            EventType::Warning,
+            model_reasons::PROMOTION_BLOCKED,
+            "PromotionGate",
+            message.clone(),
+        )
+        .await;
     }
 
     if let Ok(mut f) = ctx.failures.lock() {
@@ -385,12 +455,19 @@ async fn reconcile(model: Arc<Model>, ctx: Arc<Ctx>) -> Result<Action, Error> {
     Ok(Action::requeue(next))
 }
 
-async fn publish(ctx: &Ctx, model: &Model, type_: EventType, reason: &str, note: String) {
+async fn publish(
+    ctx: &Ctx,
+    model: &Model,
+    type_: EventType,
+    reason: &str,
+    action: &str,
+    note: String,
+) {
     let ev = Event {
         type_,
         reason: reason.to_string(),
         note: Some(note.chars().take(1000).collect()),
-        action: "Reconcile".to_string(),
+        action: action.to_string(),
         secondary: None,
     };
     if let Err(e) = ctx.recorder.publish(&ev, &model.object_ref(&())).await {

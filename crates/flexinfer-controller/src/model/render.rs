@@ -6,11 +6,10 @@
 
 use std::collections::BTreeMap;
 
-use flexinfer_api::conditions::types;
 use flexinfer_api::contract::{annotations, controller_env, labels, serving};
 use flexinfer_api::formats;
 use flexinfer_api::gpuprofile::GpuVendor;
-use flexinfer_api::model::{Backend, GpuVendorChoice, ModelPhase, ModelQuantization};
+use flexinfer_api::model::{Backend, GpuVendorChoice, ModelQuantization};
 use flexinfer_api::modelcache::{CachePhase, QuantFormat};
 use flexinfer_api::{GPUProfile, Model, ModelCache};
 use k8s_openapi::api::apps::v1::Deployment;
@@ -19,6 +18,7 @@ use kube::{Resource, ResourceExt};
 use serde_json::{json, Value};
 
 use super::backends::{self, Artifact};
+pub use super::problem::{CachedState, ConfigProblem};
 use super::source::{parse_cache_path, parse_source, Source};
 
 /// Controller-level rendering settings.
@@ -58,112 +58,6 @@ pub fn default_image(backend: Backend) -> &'static str {
         Backend::Llamacpp => "ghcr.io/ggml-org/llama.cpp:server",
         Backend::Ollama => "docker.io/ollama/ollama:0.12.6",
         Backend::Exllamav2 => "ghcr.io/theroyallab/tabbyapi:latest",
-    }
-}
-
-/// Why a Model is not deployed (or not updated).
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum ConfigProblem {
-    #[error("{0}")]
-    InvalidSource(String),
-    #[error("Model name {0:?} must be a DNS-1035 label of at most 63 characters (it names the Service)")]
-    InvalidName(String),
-    #[error("backend {backend} cannot serve {format} artifacts; {format} is served by {supported}")]
-    BackendUnsupported {
-        format: &'static str,
-        backend: &'static str,
-        supported: String,
-    },
-    #[error("spec.config.quantization is {model} but ModelCache {cache_name} produces {cache}")]
-    QuantizationMismatch {
-        model: &'static str,
-        cache: &'static str,
-        cache_name: String,
-    },
-    #[error("{0}")]
-    SourceUnsupported(String),
-    #[error("{0}")]
-    GpuProfileNotFound(String),
-    #[error("ModelCache {0} not found in this namespace")]
-    CacheNotFound(String),
-    #[error("ModelCache {name} is {phase}, not Ready; the Model is deployed once it is")]
-    CacheNotReady { name: String, phase: String },
-    #[error("{0}")]
-    CachePathInvalid(String),
-    #[error("cannot build the Deployment: {0}")]
-    Invalid(String),
-}
-
-impl ConfigProblem {
-    /// Condition type the problem is reported on.
-    pub fn condition_type(&self) -> &'static str {
-        match self {
-            ConfigProblem::CacheNotFound(_)
-            | ConfigProblem::CacheNotReady { .. }
-            | ConfigProblem::CachePathInvalid(_) => types::CACHED,
-            _ => types::CONFIG_VALID,
-        }
-    }
-
-    /// Condition reason.
-    pub fn reason(&self) -> &'static str {
-        match self {
-            ConfigProblem::InvalidSource(_) => "InvalidSource",
-            ConfigProblem::InvalidName(_) => "InvalidName",
-            ConfigProblem::BackendUnsupported { .. } => {
-                flexinfer_api::contract::reasons::BACKEND_UNSUPPORTED
-            }
-            ConfigProblem::QuantizationMismatch { .. } => "QuantizationMismatch",
-            ConfigProblem::SourceUnsupported(_) => "SourceUnsupported",
-            ConfigProblem::GpuProfileNotFound(_) => "GPUProfileNotFound",
-            ConfigProblem::CacheNotFound(_) => "CacheNotFound",
-            ConfigProblem::CacheNotReady { .. } => flexinfer_api::contract::reasons::CACHE_NOT_READY,
-            ConfigProblem::CachePathInvalid(_) => "CachePathInvalid",
-            ConfigProblem::Invalid(_) => "InvalidSpec",
-        }
-    }
-
-    /// Phase of a Model with this problem: waiting for a cache is `Pending`, the rest `Failed`.
-    pub fn phase(&self) -> ModelPhase {
-        if self.condition_type() == types::CACHED {
-            ModelPhase::Pending
-        } else {
-            ModelPhase::Failed
-        }
-    }
-}
-
-/// How the `Cached` condition should read for a rendered Model.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum CachedState {
-    /// Hub source: the backend downloads it; no `Cached` condition.
-    NotApplicable,
-    /// `pvc://` source.
-    Pvc,
-    /// `modelcache://` source that is Ready.
-    CacheReady { name: String },
-    /// The cache is being re-processed; the previously served artifact stays in service.
-    ServingPrevious { name: String, phase: String },
-}
-
-impl CachedState {
-    /// `(status, reason, message)`; `None` = no condition.
-    pub fn condition(&self, served_path: Option<&str>) -> Option<(bool, &'static str, String)> {
-        let path = served_path.unwrap_or("");
-        match self {
-            CachedState::NotApplicable => None,
-            CachedState::Pvc => Some((true, "PVCSource", format!("artifact on PVC {path}"))),
-            CachedState::CacheReady { name } => Some((
-                true,
-                "CacheReady",
-                format!("ModelCache {name} is Ready; serving {path}"),
-            )),
-            CachedState::ServingPrevious { name, phase } => Some((
-                false,
-                flexinfer_api::contract::reasons::CACHE_NOT_READY,
-                format!("ModelCache {name} is {phase}; still serving the previous artifact {path}"),
-            )),
-        }
     }
 }
 
@@ -230,10 +124,19 @@ pub fn endpoint(name: &str, namespace: &str) -> String {
 pub fn child_labels(model: &Model) -> BTreeMap<String, String> {
     let name = model.name_any();
     BTreeMap::from([
-        (labels::NAME.to_string(), model.spec.backend.as_str().to_string()),
+        (
+            labels::NAME.to_string(),
+            model.spec.backend.as_str().to_string(),
+        ),
         (labels::INSTANCE.to_string(), name.clone()),
-        (labels::COMPONENT.to_string(), serving::COMPONENT.to_string()),
-        (labels::MANAGED_BY.to_string(), labels::MANAGED_BY_VALUE.to_string()),
+        (
+            labels::COMPONENT.to_string(),
+            serving::COMPONENT.to_string(),
+        ),
+        (
+            labels::MANAGED_BY.to_string(),
+            labels::MANAGED_BY_VALUE.to_string(),
+        ),
         (labels::PART_OF.to_string(), "flexinfer".to_string()),
         (labels::MODEL.to_string(), name),
     ])
@@ -282,7 +185,8 @@ fn is_dns1035(s: &str) -> bool {
         && s.len() <= 63
         && s.starts_with(|c: char| c.is_ascii_lowercase())
         && s.ends_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit())
-        && s.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        && s.chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
 }
 
 /// Render a Model's Deployment and Service.
@@ -357,20 +261,18 @@ pub fn render(
             }
             (ProfileRef::Any, None) => {
                 return Err(ConfigProblem::GpuProfileNotFound(format!(
-                    "no GPUProfile to use: set spec.gpu.profile, a {} nodeSelector or spec.gpu.vendor \
+                "no GPUProfile to use: set spec.gpu.profile, a {} nodeSelector or spec.gpu.vendor \
                      (with gpu.vendor auto the namespace must hold exactly one GPUProfile)",
-                    labels::GPU_ARCH
-                )))
+                labels::GPU_ARCH
+            )))
             }
-            (ProfileRef::None(vendor), _) => {
-                (
-                    vendor.default_resource_name().to_string(),
-                    BTreeMap::new(),
-                    Vec::new(),
-                    None,
-                    None,
-                )
-            }
+            (ProfileRef::None(vendor), _) => (
+                vendor.default_resource_name().to_string(),
+                BTreeMap::new(),
+                Vec::new(),
+                None,
+                None,
+            ),
         };
 
     // The artifact.
@@ -400,7 +302,9 @@ pub fn render(
             let status = cache.status.as_ref();
             let phase = status.and_then(|s| s.phase);
             let ready = phase == Some(CachePhase::Ready);
-            let cache_path = status.and_then(|s| s.path.clone()).filter(|p| !p.is_empty());
+            let cache_path = status
+                .and_then(|s| s.path.clone())
+                .filter(|p| !p.is_empty());
             let previous = model.status.as_ref().and_then(|s| s.served_path.clone());
             let phase_s = phase.map(|p| p.as_str()).unwrap_or("Pending").to_string();
             let (path, state) = match (ready, cache_path, previous) {
@@ -470,7 +374,8 @@ pub fn render(
         resources[key][&resource_name] = json!(spec.gpu.count.to_string());
     }
     if let Some((request_mi, limit_mi)) = memory {
-        if resources["limits"].get("memory").is_none() && resources["requests"].get("memory").is_none()
+        if resources["limits"].get("memory").is_none()
+            && resources["requests"].get("memory").is_none()
         {
             resources["requests"]["memory"] = json!(format!("{request_mi}Mi"));
             resources["limits"]["memory"] = json!(format!("{limit_mi}Mi"));
@@ -485,7 +390,8 @@ pub fn render(
 
     let mut tolerations: Vec<Value> = Vec::new();
     for t in spec.tolerations.iter().flatten() {
-        tolerations.push(serde_json::to_value(t).map_err(|e| ConfigProblem::Invalid(e.to_string()))?);
+        tolerations
+            .push(serde_json::to_value(t).map_err(|e| ConfigProblem::Invalid(e.to_string()))?);
     }
     let gpu_toleration = json!({
         "key": flexinfer_api::contract::GPU_TOLERATION_KEY,
@@ -516,7 +422,10 @@ pub fn render(
         }));
     }
 
-    let owner = model.controller_owner_ref(&()).into_iter().collect::<Vec<_>>();
+    let owner = model
+        .controller_owner_ref(&())
+        .into_iter()
+        .collect::<Vec<_>>();
     let ns = model.namespace();
     let child_labels = child_labels(model);
     let selector = selector(model);

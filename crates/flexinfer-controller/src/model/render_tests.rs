@@ -41,10 +41,11 @@ fn cache(phase: Option<&str>, path: Option<&str>, format: Option<&str>) -> Model
         "spec": spec,
     }))
     .unwrap_or_else(|e| panic!("cache: {e}"));
-    let mut st = flexinfer_api::ModelCacheStatus::default();
-    st.phase = phase.and_then(|p| CachePhase::ALL.into_iter().find(|x| x.as_str() == p));
-    st.path = path.map(str::to_string);
-    c.status = Some(st);
+    c.status = Some(flexinfer_api::ModelCacheStatus {
+        phase: phase.and_then(|p| CachePhase::ALL.into_iter().find(|x| x.as_str() == p)),
+        path: path.map(str::to_string),
+        ..Default::default()
+    });
     c
 }
 
@@ -58,62 +59,157 @@ fn container(d: &Deployment) -> Container {
 
 fn arg_after(c: &Container, flag: &str) -> Option<String> {
     let args = c.args.clone().unwrap_or_default();
-    args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1).cloned())
+    args.iter()
+        .position(|a| a == flag)
+        .and_then(|i| args.get(i + 1).cloned())
 }
 
 fn env(c: &Container, name: &str) -> Option<String> {
-    c.env.iter().flatten().find(|e| e.name == name).and_then(|e| e.value.clone())
+    c.env
+        .iter()
+        .flatten()
+        .find(|e| e.name == name)
+        .and_then(|e| e.value.clone())
 }
 
 #[test]
 fn vllm_gemma4_canary_args() {
-    let m = model("gemma4-26b-a4b-gptq-long", serde_json::json!({
-        "backend": "vllm",
-        "source": "pvc://gemma4-26b-a4b-gptq/gemma4-26b-a4b-gptq/gptq-w4-g128-attnfp16-clean",
-        "gpu": {"profile": "gfx1100", "priority": 255, "shared": "7900xtx-textgen"},
-        "config": {"quantization": "gptq", "kvCacheDtype": "fp8_e4m3", "maxModelLen": 16384,
-                   "maxNumBatchedTokens": 160, "gpuMemoryUtilization": 0.98, "attentionBackend": "TRITON_ATTN",
-                   "extraArgs": ["--enforce-eager"]}
-    }));
+    let m = model(
+        "gemma4-26b-a4b-gptq-long",
+        serde_json::json!({
+            "backend": "vllm",
+            "source": "pvc://gemma4-26b-a4b-gptq/gemma4-26b-a4b-gptq/gptq-w4-g128-attnfp16-clean",
+            "gpu": {"profile": "gfx1100", "priority": 255, "shared": "7900xtx-textgen"},
+            "config": {"quantization": "gptq", "kvCacheDtype": "fp8_e4m3", "maxModelLen": 16384,
+                       "maxNumBatchedTokens": 160, "gpuMemoryUtilization": 0.98, "attentionBackend": "TRITON_ATTN",
+                       "extraArgs": ["--enforce-eager"]}
+        }),
+    );
     let p = profile();
     let r = render(&m, None, Some(&p), &RenderConfig::default()).unwrap_or_else(|e| panic!("{e}"));
     let c = container(&r.deployment);
-    assert_eq!(c.image.as_deref(), Some("registry/vllm-rocm:1"), "profile image wins over defaults");
+    assert_eq!(
+        c.image.as_deref(),
+        Some("registry/vllm-rocm:1"),
+        "profile image wins over defaults"
+    );
     assert_eq!(arg_after(&c, "--model").as_deref(), Some("/models/model"));
     assert_eq!(arg_after(&c, "--max-model-len").as_deref(), Some("16384"));
-    assert_eq!(arg_after(&c, "--kv-cache-dtype").as_deref(), Some("fp8_e4m3"));
-    assert_eq!(arg_after(&c, "--gpu-memory-utilization").as_deref(), Some("0.98"));
-    assert_eq!(arg_after(&c, "--max-num-batched-tokens").as_deref(), Some("160"));
+    assert_eq!(
+        arg_after(&c, "--kv-cache-dtype").as_deref(),
+        Some("fp8_e4m3")
+    );
+    assert_eq!(
+        arg_after(&c, "--gpu-memory-utilization").as_deref(),
+        Some("0.98")
+    );
+    assert_eq!(
+        arg_after(&c, "--max-num-batched-tokens").as_deref(),
+        Some("160")
+    );
     assert_eq!(arg_after(&c, "--quantization").as_deref(), Some("gptq"));
-    assert_eq!(arg_after(&c, "--served-model-name").as_deref(), Some("gemma4-26b-a4b-gptq-long"));
-    assert_eq!(c.args.as_ref().and_then(|a| a.last().cloned()).as_deref(), Some("--enforce-eager"));
-    assert_eq!(env(&c, serving::VLLM_ATTENTION_BACKEND).as_deref(), Some("TRITON_ATTN"));
-    assert_eq!(env(&c, "HSA_OVERRIDE_GFX_VERSION").as_deref(), Some("11.0.0"));
+    assert_eq!(
+        arg_after(&c, "--served-model-name").as_deref(),
+        Some("gemma4-26b-a4b-gptq-long")
+    );
+    assert_eq!(
+        c.args.as_ref().and_then(|a| a.last().cloned()).as_deref(),
+        Some("--enforce-eager")
+    );
+    assert_eq!(
+        env(&c, serving::VLLM_ATTENTION_BACKEND).as_deref(),
+        Some("TRITON_ATTN")
+    );
+    assert_eq!(
+        env(&c, "HSA_OVERRIDE_GFX_VERSION").as_deref(),
+        Some("11.0.0")
+    );
     let res = c.resources.clone().unwrap_or_default();
     let limits = res.limits.unwrap_or_default();
     assert_eq!(limits.get("amd.com/gpu").map(|q| q.0.as_str()), Some("1"));
     assert_eq!(limits.get("memory").map(|q| q.0.as_str()), Some("33792Mi"));
-    let mount = c.volume_mounts.iter().flatten().find(|m| m.name == "model").cloned();
+    let mount = c
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.name == "model")
+        .cloned();
     let mount = mount.unwrap_or_else(|| panic!("no model mount"));
     assert_eq!(mount.read_only, Some(true));
-    assert_eq!(mount.sub_path.as_deref(), Some("gemma4-26b-a4b-gptq/gptq-w4-g128-attnfp16-clean"));
-    let pod = r.deployment.spec.as_ref().and_then(|s| s.template.spec.clone()).unwrap_or_default();
-    assert_eq!(pod.node_selector.unwrap_or_default().get(labels::GPU_ARCH).map(String::as_str), Some("gfx1100"));
-    let vol = pod.volumes.unwrap_or_default().into_iter().find(|v| v.name == "model");
-    let pvc = vol.and_then(|v| v.persistent_volume_claim).unwrap_or_else(|| panic!("no pvc volume"));
+    assert_eq!(
+        mount.sub_path.as_deref(),
+        Some("gemma4-26b-a4b-gptq/gptq-w4-g128-attnfp16-clean")
+    );
+    let pod = r
+        .deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.clone())
+        .unwrap_or_default();
+    assert_eq!(
+        pod.node_selector
+            .unwrap_or_default()
+            .get(labels::GPU_ARCH)
+            .map(String::as_str),
+        Some("gfx1100")
+    );
+    let vol = pod
+        .volumes
+        .unwrap_or_default()
+        .into_iter()
+        .find(|v| v.name == "model");
+    let pvc = vol
+        .and_then(|v| v.persistent_volume_claim)
+        .unwrap_or_else(|| panic!("no pvc volume"));
     assert_eq!(pvc.claim_name, "gemma4-26b-a4b-gptq");
     assert_eq!(pvc.read_only, Some(true));
-    assert!(pod.tolerations.unwrap_or_default().iter().any(|t| t.key.as_deref() == Some("dedicated")));
-    let tmpl_annos = r.deployment.spec.as_ref().and_then(|s| s.template.metadata.clone()).and_then(|m| m.annotations).unwrap_or_default();
-    assert_eq!(tmpl_annos.get(annotations::SERVED_PATH).map(String::as_str),
-        Some("gemma4-26b-a4b-gptq:gemma4-26b-a4b-gptq/gptq-w4-g128-attnfp16-clean"));
-    assert_eq!(tmpl_annos.get(serving::GPU_PRIORITY_ANNOTATION).map(String::as_str), Some("255"));
+    assert!(pod
+        .tolerations
+        .unwrap_or_default()
+        .iter()
+        .any(|t| t.key.as_deref() == Some("dedicated")));
+    let tmpl_annos = r
+        .deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.metadata.clone())
+        .and_then(|m| m.annotations)
+        .unwrap_or_default();
+    assert_eq!(
+        tmpl_annos.get(annotations::SERVED_PATH).map(String::as_str),
+        Some("gemma4-26b-a4b-gptq:gemma4-26b-a4b-gptq/gptq-w4-g128-attnfp16-clean")
+    );
+    assert_eq!(
+        tmpl_annos
+            .get(serving::GPU_PRIORITY_ANNOTATION)
+            .map(String::as_str),
+        Some("255")
+    );
     let dl = r.deployment.metadata.labels.clone().unwrap_or_default();
-    for k in [labels::NAME, labels::INSTANCE, labels::COMPONENT, labels::MANAGED_BY, labels::PART_OF, labels::MODEL] {
+    for k in [
+        labels::NAME,
+        labels::INSTANCE,
+        labels::COMPONENT,
+        labels::MANAGED_BY,
+        labels::PART_OF,
+        labels::MODEL,
+    ] {
         assert!(dl.contains_key(k), "missing label {k}");
     }
-    assert_eq!(r.deployment.metadata.owner_references.as_ref().map(|o| o.len()), Some(1));
-    let port = r.service.spec.as_ref().and_then(|s| s.ports.clone()).unwrap_or_default();
+    assert_eq!(
+        r.deployment
+            .metadata
+            .owner_references
+            .as_ref()
+            .map(|o| o.len()),
+        Some(1)
+    );
+    let port = r
+        .service
+        .spec
+        .as_ref()
+        .and_then(|s| s.ports.clone())
+        .unwrap_or_default();
     assert_eq!(port[0].port, 8000);
     assert_eq!(port[0].name.as_deref(), Some("http"));
     assert_eq!(endpoint("m", "ns"), "http://m.ns.svc:8000/v1");
@@ -123,19 +219,32 @@ fn vllm_gemma4_canary_args() {
 fn image_resolution_order() {
     let p = profile();
     let mut cfg = RenderConfig::default();
-    cfg.runtime_images.insert("vllm".into(), "env/vllm:2".into());
-    cfg.runtime_images.insert("llamacpp".into(), "env/llama:2".into());
+    cfg.runtime_images
+        .insert("vllm".into(), "env/vllm:2".into());
+    cfg.runtime_images
+        .insert("llamacpp".into(), "env/llama:2".into());
     let img = |m: &Model, p: Option<&GPUProfile>, cfg: &RenderConfig| {
-        render(m, None, p, cfg).map(|r| container(&r.deployment).image.unwrap_or_default()).unwrap_or_else(|e| panic!("{e}"))
+        render(m, None, p, cfg)
+            .map(|r| container(&r.deployment).image.unwrap_or_default())
+            .unwrap_or_else(|e| panic!("{e}"))
     };
     let base = serde_json::json!({"backend": "vllm", "source": "pvc://c/p", "gpu": {"profile": "gfx1100"}});
     let mut with_image = base.clone();
     with_image["image"] = "spec/image:1".into();
     assert_eq!(img(&model("a", with_image), Some(&p), &cfg), "spec/image:1");
-    assert_eq!(img(&model("a", base), Some(&p), &cfg), "registry/vllm-rocm:1");
+    assert_eq!(
+        img(&model("a", base), Some(&p), &cfg),
+        "registry/vllm-rocm:1"
+    );
     let llama = serde_json::json!({"backend": "llamacpp", "source": "pvc://c/m.gguf", "gpu": {"profile": "gfx1100"}});
-    assert_eq!(img(&model("a", llama.clone()), Some(&p), &cfg), "env/llama:2");
-    assert_eq!(img(&model("a", llama), Some(&p), &RenderConfig::default()), default_image(flexinfer_api::model::Backend::Llamacpp));
+    assert_eq!(
+        img(&model("a", llama.clone()), Some(&p), &cfg),
+        "env/llama:2"
+    );
+    assert_eq!(
+        img(&model("a", llama), Some(&p), &RenderConfig::default()),
+        default_image(flexinfer_api::model::Backend::Llamacpp)
+    );
 }
 
 #[test]
@@ -143,27 +252,57 @@ fn other_backends() {
     let p = profile();
     let cfg = RenderConfig::default();
     // llama.cpp with a .gguf file
-    let m = model("llama", serde_json::json!({"backend": "llamacpp", "source": "pvc://c/dir/m-q4.gguf",
-        "gpu": {"profile": "gfx1100"}, "config": {"maxModelLen": 8192, "kvCacheDtype": "float16", "quantization": "gguf"}}));
-    let c = container(&render(&m, None, Some(&p), &cfg).unwrap_or_else(|e| panic!("{e}")).deployment);
-    assert_eq!(arg_after(&c, "--model").as_deref(), Some("/models/m-q4.gguf"));
+    let m = model(
+        "llama",
+        serde_json::json!({"backend": "llamacpp", "source": "pvc://c/dir/m-q4.gguf",
+        "gpu": {"profile": "gfx1100"}, "config": {"maxModelLen": 8192, "kvCacheDtype": "float16", "quantization": "gguf"}}),
+    );
+    let c = container(
+        &render(&m, None, Some(&p), &cfg)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .deployment,
+    );
+    assert_eq!(
+        arg_after(&c, "--model").as_deref(),
+        Some("/models/m-q4.gguf")
+    );
     assert_eq!(arg_after(&c, "--ctx-size").as_deref(), Some("8192"));
     assert_eq!(arg_after(&c, "--cache-type-k").as_deref(), Some("f16"));
-    assert_eq!(c.readiness_probe.and_then(|p| p.http_get).map(|h| h.path.unwrap_or_default()).as_deref(), Some("/health"));
+    assert_eq!(
+        c.readiness_probe
+            .and_then(|p| p.http_get)
+            .map(|h| h.path.unwrap_or_default())
+            .as_deref(),
+        Some("/health")
+    );
     // ollama
-    let m = model("olla", serde_json::json!({"backend": "ollama", "source": "pvc://c/dir",
-        "gpu": {"vendor": "nvidia"}, "config": {"maxModelLen": 4096}}));
+    let m = model(
+        "olla",
+        serde_json::json!({"backend": "ollama", "source": "pvc://c/dir",
+        "gpu": {"vendor": "nvidia"}, "config": {"maxModelLen": 4096}}),
+    );
     let r = render(&m, None, None, &cfg).unwrap_or_else(|e| panic!("{e}"));
     let c = container(&r.deployment);
     assert_eq!(env(&c, "OLLAMA_HOST").as_deref(), Some("0.0.0.0:8000"));
     assert_eq!(env(&c, "OLLAMA_CONTEXT_LENGTH").as_deref(), Some("4096"));
-    assert!(c.command.unwrap_or_default().join(" ").contains("ollama create olla"));
+    assert!(c
+        .command
+        .unwrap_or_default()
+        .join(" ")
+        .contains("ollama create olla"));
     let limits = c.resources.and_then(|r| r.limits).unwrap_or_default();
     assert!(limits.contains_key("nvidia.com/gpu"));
     // exllamav2
-    let m = model("exl", serde_json::json!({"backend": "exllamav2", "source": "pvc://c/exl2-w4",
-        "gpu": {"profile": "gfx1100", "count": 2}, "config": {"maxModelLen": 4096, "quantization": "exl2"}}));
-    let c = container(&render(&m, None, Some(&p), &cfg).unwrap_or_else(|e| panic!("{e}")).deployment);
+    let m = model(
+        "exl",
+        serde_json::json!({"backend": "exllamav2", "source": "pvc://c/exl2-w4",
+        "gpu": {"profile": "gfx1100", "count": 2}, "config": {"maxModelLen": 4096, "quantization": "exl2"}}),
+    );
+    let c = container(
+        &render(&m, None, Some(&p), &cfg)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .deployment,
+    );
     assert_eq!(arg_after(&c, "--model-dir").as_deref(), Some("/models"));
     assert_eq!(arg_after(&c, "--model-name").as_deref(), Some("model"));
     assert_eq!(arg_after(&c, "--max-seq-len").as_deref(), Some("4096"));
@@ -176,14 +315,26 @@ fn compatibility_table() {
     let p = profile();
     let cfg = RenderConfig::default();
     let cases = [
-        ("vllm", "gptq", true), ("vllm", "awq", true), ("vllm", "fp8", true), ("vllm", "compressed-tensors", true),
-        ("vllm", "gguf", false), ("vllm", "exl2", false), ("llamacpp", "gguf", true), ("ollama", "gguf", true),
-        ("llamacpp", "gptq", false), ("ollama", "awq", false), ("exllamav2", "exl2", true), ("exllamav2", "gptq", false),
+        ("vllm", "gptq", true),
+        ("vllm", "awq", true),
+        ("vllm", "fp8", true),
+        ("vllm", "compressed-tensors", true),
+        ("vllm", "gguf", false),
+        ("vllm", "exl2", false),
+        ("llamacpp", "gguf", true),
+        ("ollama", "gguf", true),
+        ("llamacpp", "gptq", false),
+        ("ollama", "awq", false),
+        ("exllamav2", "exl2", true),
+        ("exllamav2", "gptq", false),
         ("vllm", "none", true),
     ];
     for (backend, q, ok) in cases {
-        let m = model("m", serde_json::json!({"backend": backend, "source": "pvc://c/p",
-            "gpu": {"profile": "gfx1100"}, "config": {"quantization": q}}));
+        let m = model(
+            "m",
+            serde_json::json!({"backend": backend, "source": "pvc://c/p",
+            "gpu": {"profile": "gfx1100"}, "config": {"quantization": q}}),
+        );
         match render(&m, None, Some(&p), &cfg) {
             Ok(_) => assert!(ok, "{backend}/{q} should be rejected"),
             Err(e) => {
@@ -195,13 +346,27 @@ fn compatibility_table() {
         }
     }
     // Format from the cache when the Model does not declare one.
-    let m = model("m", serde_json::json!({"backend": "llamacpp", "source": "modelcache://cache", "gpu": {"profile": "gfx1100"}}));
-    let c = cache(Some("Ready"), Some("pvc-a:cache/gptq-w4-g128"), Some("GPTQ"));
-    let e = render(&m, Some(&c), Some(&p), &cfg).err().unwrap_or_else(|| panic!("expected BackendUnsupported"));
+    let m = model(
+        "m",
+        serde_json::json!({"backend": "llamacpp", "source": "modelcache://cache", "gpu": {"profile": "gfx1100"}}),
+    );
+    let c = cache(
+        Some("Ready"),
+        Some("pvc-a:cache/gptq-w4-g128"),
+        Some("GPTQ"),
+    );
+    let e = render(&m, Some(&c), Some(&p), &cfg)
+        .err()
+        .unwrap_or_else(|| panic!("expected BackendUnsupported"));
     assert_eq!(e.reason(), "BackendUnsupported");
     // Declared vs cache mismatch.
-    let m = model("m", serde_json::json!({"backend": "vllm", "source": "modelcache://cache", "gpu": {"profile": "gfx1100"}, "config": {"quantization": "awq"}}));
-    let e = render(&m, Some(&c), Some(&p), &cfg).err().unwrap_or_else(|| panic!("expected mismatch"));
+    let m = model(
+        "m",
+        serde_json::json!({"backend": "vllm", "source": "modelcache://cache", "gpu": {"profile": "gfx1100"}, "config": {"quantization": "awq"}}),
+    );
+    let e = render(&m, Some(&c), Some(&p), &cfg)
+        .err()
+        .unwrap_or_else(|| panic!("expected mismatch"));
     assert_eq!(e.reason(), "QuantizationMismatch");
 }
 
@@ -209,27 +374,75 @@ fn compatibility_table() {
 fn cache_sources() {
     let p = profile();
     let cfg = RenderConfig::default();
-    let m = model("m", serde_json::json!({"backend": "vllm", "source": "modelcache://cache", "gpu": {"profile": "gfx1100"}}));
-    let e = render(&m, None, Some(&p), &cfg).err().unwrap_or_else(|| panic!("expected not found"));
-    assert_eq!((e.condition_type(), e.reason()), ("Cached", "CacheNotFound"));
-    let e = render(&m, Some(&cache(Some("Quantizing"), None, Some("GPTQ"))), Some(&p), &cfg)
-        .err().unwrap_or_else(|| panic!("expected not ready"));
-    assert_eq!((e.condition_type(), e.reason()), ("Cached", "CacheNotReady"));
+    let m = model(
+        "m",
+        serde_json::json!({"backend": "vllm", "source": "modelcache://cache", "gpu": {"profile": "gfx1100"}}),
+    );
+    let e = render(&m, None, Some(&p), &cfg)
+        .err()
+        .unwrap_or_else(|| panic!("expected not found"));
+    assert_eq!(
+        (e.condition_type(), e.reason()),
+        ("Cached", "CacheNotFound")
+    );
+    let e = render(
+        &m,
+        Some(&cache(Some("Quantizing"), None, Some("GPTQ"))),
+        Some(&p),
+        &cfg,
+    )
+    .err()
+    .unwrap_or_else(|| panic!("expected not ready"));
+    assert_eq!(
+        (e.condition_type(), e.reason()),
+        ("Cached", "CacheNotReady")
+    );
     assert!(e.to_string().contains("Quantizing"), "{e}");
-    let r = render(&m, Some(&cache(Some("Ready"), Some("pvc-a:cache/gptq-w4-g128"), Some("GPTQ"))), Some(&p), &cfg)
-        .unwrap_or_else(|e| panic!("{e}"));
+    let r = render(
+        &m,
+        Some(&cache(
+            Some("Ready"),
+            Some("pvc-a:cache/gptq-w4-g128"),
+            Some("GPTQ"),
+        )),
+        Some(&p),
+        &cfg,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(r.served_path.as_deref(), Some("pvc-a:cache/gptq-w4-g128"));
     let c = container(&r.deployment);
-    assert_eq!(arg_after(&c, "--quantization").as_deref(), Some("gptq"), "format from the cache");
+    assert_eq!(
+        arg_after(&c, "--quantization").as_deref(),
+        Some("gptq"),
+        "format from the cache"
+    );
     // Requantizing after having served: keep serving the previous artifact.
     let mut served = m.clone();
-    served.status = Some(flexinfer_api::ModelStatus { served_path: Some("pvc-a:cache/old".into()), ..Default::default() });
-    let r = render(&served, Some(&cache(Some("Quantizing"), Some("pvc-a:cache/old"), Some("GPTQ"))), Some(&p), &cfg)
-        .unwrap_or_else(|e| panic!("{e}"));
+    served.status = Some(flexinfer_api::ModelStatus {
+        served_path: Some("pvc-a:cache/old".into()),
+        ..Default::default()
+    });
+    let r = render(
+        &served,
+        Some(&cache(
+            Some("Quantizing"),
+            Some("pvc-a:cache/old"),
+            Some("GPTQ"),
+        )),
+        Some(&p),
+        &cfg,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(r.served_path.as_deref(), Some("pvc-a:cache/old"));
     assert!(matches!(r.cached, CachedState::ServingPrevious { .. }));
-    let e = render(&m, Some(&cache(Some("Ready"), Some("nocolon"), None)), Some(&p), &cfg)
-        .err().unwrap_or_else(|| panic!("expected bad path"));
+    let e = render(
+        &m,
+        Some(&cache(Some("Ready"), Some("nocolon"), None)),
+        Some(&p),
+        &cfg,
+    )
+    .err()
+    .unwrap_or_else(|| panic!("expected bad path"));
     assert_eq!(e.reason(), "CachePathInvalid");
 }
 
@@ -237,21 +450,56 @@ fn cache_sources() {
 fn bad_input() {
     let cfg = RenderConfig::default();
     let p = profile();
-    let m = model("m", serde_json::json!({"backend": "vllm", "source": "pvc://c//etc", "gpu": {"profile": "gfx1100"}}));
-    let e = render(&m, None, Some(&p), &cfg).err().unwrap_or_else(|| panic!("expected invalid source"));
-    assert_eq!((e.condition_type(), e.reason()), ("ConfigValid", "InvalidSource"));
-    let m = model("m", serde_json::json!({"backend": "vllm", "source": "pvc://c/p", "gpu": {"profile": "missing"}}));
-    let e = render(&m, None, None, &cfg).err().unwrap_or_else(|| panic!("expected profile not found"));
+    let m = model(
+        "m",
+        serde_json::json!({"backend": "vllm", "source": "pvc://c//etc", "gpu": {"profile": "gfx1100"}}),
+    );
+    let e = render(&m, None, Some(&p), &cfg)
+        .err()
+        .unwrap_or_else(|| panic!("expected invalid source"));
+    assert_eq!(
+        (e.condition_type(), e.reason()),
+        ("ConfigValid", "InvalidSource")
+    );
+    let m = model(
+        "m",
+        serde_json::json!({"backend": "vllm", "source": "pvc://c/p", "gpu": {"profile": "missing"}}),
+    );
+    let e = render(&m, None, None, &cfg)
+        .err()
+        .unwrap_or_else(|| panic!("expected profile not found"));
     assert_eq!(e.reason(), "GPUProfileNotFound");
     assert!(e.to_string().contains("missing"), "{e}");
-    let m = model("m", serde_json::json!({"backend": "vllm", "source": "pvc://c/p", "nodeSelector": {"flexinfer.ai/gpu.arch": "gfx942"}}));
-    let e = render(&m, None, None, &cfg).err().unwrap_or_else(|| panic!("expected profile not found"));
+    let m = model(
+        "m",
+        serde_json::json!({"backend": "vllm", "source": "pvc://c/p", "nodeSelector": {"flexinfer.ai/gpu.arch": "gfx942"}}),
+    );
+    let e = render(&m, None, None, &cfg)
+        .err()
+        .unwrap_or_else(|| panic!("expected profile not found"));
     assert!(e.to_string().contains("gfx942"), "{e}");
-    let m = model("m", serde_json::json!({"backend": "vllm", "source": "pvc://c/p"}));
-    let e = render(&m, None, None, &cfg).err().unwrap_or_else(|| panic!("expected profile not found"));
+    let m = model(
+        "m",
+        serde_json::json!({"backend": "vllm", "source": "pvc://c/p"}),
+    );
+    let e = render(&m, None, None, &cfg)
+        .err()
+        .unwrap_or_else(|| panic!("expected profile not found"));
     assert_eq!(e.reason(), "GPUProfileNotFound");
-    let m = model("9bad", serde_json::json!({"backend": "vllm", "source": "pvc://c/p", "gpu": {"vendor": "amd"}}));
-    assert_eq!(render(&m, None, None, &cfg).err().map(|e| e.reason()), Some("InvalidName"));
-    let m = model("m", serde_json::json!({"backend": "exllamav2", "source": "HF://org/model", "gpu": {"vendor": "amd"}}));
-    assert_eq!(render(&m, None, None, &cfg).err().map(|e| e.reason()), Some("SourceUnsupported"));
+    let m = model(
+        "9bad",
+        serde_json::json!({"backend": "vllm", "source": "pvc://c/p", "gpu": {"vendor": "amd"}}),
+    );
+    assert_eq!(
+        render(&m, None, None, &cfg).err().map(|e| e.reason()),
+        Some("InvalidName")
+    );
+    let m = model(
+        "m",
+        serde_json::json!({"backend": "exllamav2", "source": "HF://org/model", "gpu": {"vendor": "amd"}}),
+    );
+    assert_eq!(
+        render(&m, None, None, &cfg).err().map(|e| e.reason()),
+        Some("SourceUnsupported")
+    );
 }

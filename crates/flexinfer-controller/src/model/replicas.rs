@@ -124,7 +124,16 @@ mod tests {
         use WarmPolicy::*;
         let now = ts(10_000);
         // (enabled, min, idle, warm, lastActive seconds ago, want replicas, want recheck secs)
-        let cases: Vec<(bool, i32, &str, Option<WarmPolicy>, Option<i64>, i32, Option<u64>)> = vec![
+        type Case<'a> = (
+            bool,
+            i32,
+            &'a str,
+            Option<WarmPolicy>,
+            Option<i64>,
+            i32,
+            Option<u64>,
+        );
+        let cases: Vec<Case> = vec![
             (false, 0, "5m", None, None, 1, None),
             (false, 3, "5m", None, None, 1, None),
             (false, 0, "5m", Some(Ondemand), Some(10_000), 1, None),

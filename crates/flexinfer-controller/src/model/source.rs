@@ -21,7 +21,8 @@ pub struct SourceError(pub String);
 fn is_dns_label(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 253
-        && s.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
+        && s.chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
         && s.starts_with(|c: char| c.is_ascii_alphanumeric())
         && s.ends_with(|c: char| c.is_ascii_alphanumeric())
 }
@@ -66,7 +67,8 @@ pub fn parse_source(source: &str) -> Result<Source, SourceError> {
         !p.is_empty()
             && *p != "."
             && *p != ".."
-            && p.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+            && p.chars()
+                .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
     };
     if parts.len() == 2 && parts.iter().all(ok_part) {
         return Ok(Source::Hub {
@@ -97,7 +99,9 @@ fn check_chars(path: &str) -> Result<(), String> {
         .chars()
         .find(|c| !(c.is_ascii_alphanumeric() || "._-/+@=".contains(*c)))
     {
-        Some(c) => Err(format!("path {path:?} contains {c:?} (allowed: letters, digits, ._-/+@=)")),
+        Some(c) => Err(format!(
+            "path {path:?} contains {c:?} (allowed: letters, digits, ._-/+@=)"
+        )),
         None => Ok(()),
     }
 }
@@ -182,7 +186,9 @@ mod tests {
             parse_cache_path("gemma-cache:gemma/gptq-w4-g128"),
             Ok(("gemma-cache".into(), "gemma/gptq-w4-g128".into()))
         );
-        for bad in ["nocolon", "pvc:/abs", "pvc:../x", "Bad:x", "pvc:", "pvc:a b", "pvc:$(x)"] {
+        for bad in [
+            "nocolon", "pvc:/abs", "pvc:../x", "Bad:x", "pvc:", "pvc:a b", "pvc:$(x)",
+        ] {
             assert!(parse_cache_path(bad).is_err(), "{bad}");
         }
     }

@@ -75,7 +75,15 @@ pub fn next_status(
             if p.condition_type() == types::CONFIG_VALID {
                 conditions::set(conds, types::CONFIG_VALID, false, p.reason(), &msg, g, now);
             } else {
-                conditions::set(conds, types::CONFIG_VALID, true, "Valid", "configuration is valid", g, now);
+                conditions::set(
+                    conds,
+                    types::CONFIG_VALID,
+                    true,
+                    "Valid",
+                    "configuration is valid",
+                    g,
+                    now,
+                );
                 conditions::set(conds, types::CACHED, false, p.reason(), &msg, g, now);
             }
             conditions::set(conds, types::READY, false, p.reason(), &msg, g, now);
@@ -86,7 +94,15 @@ pub fn next_status(
             served_path,
             endpoint,
         } => {
-            conditions::set(conds, types::CONFIG_VALID, true, "Valid", "configuration is valid", g, now);
+            conditions::set(
+                conds,
+                types::CONFIG_VALID,
+                true,
+                "Valid",
+                "configuration is valid",
+                g,
+                now,
+            );
             match cached.condition(served_path.as_deref()) {
                 Some((s, r, m)) => {
                     conditions::set(conds, types::CACHED, s, r, &m, g, now);
@@ -96,21 +112,34 @@ pub fn next_status(
                 }
             }
             let (ready, reason, msg) = match phase {
-                ModelPhase::Idle => (true, "Idle", "scaled to zero; started on demand".to_string()),
+                ModelPhase::Idle => (
+                    true,
+                    "Idle",
+                    "scaled to zero; started on demand".to_string(),
+                ),
                 ModelPhase::Ready => (
                     true,
                     "Ready",
-                    format!("{}/{} replicas ready at {endpoint}", observed.ready, observed.desired),
+                    format!(
+                        "{}/{} replicas ready at {endpoint}",
+                        observed.ready, observed.desired
+                    ),
                 ),
                 ModelPhase::Loading => (
                     false,
                     "Loading",
-                    format!("{}/{} replicas ready; the backend is loading the model", observed.ready, observed.desired),
+                    format!(
+                        "{}/{} replicas ready; the backend is loading the model",
+                        observed.ready, observed.desired
+                    ),
                 ),
                 _ => (
                     false,
                     "Pending",
-                    format!("0/{} replicas scheduled; waiting for a node with a free GPU", observed.desired),
+                    format!(
+                        "0/{} replicas scheduled; waiting for a node with a free GPU",
+                        observed.desired
+                    ),
                 ),
             };
             conditions::set(conds, types::READY, ready, reason, &msg, g, now);
@@ -185,9 +214,18 @@ mod tests {
                 }),
                 Pending,
             ),
-            (Outcome::Problem(ConfigProblem::CacheNotFound("c".into())), Pending),
-            (Outcome::Problem(ConfigProblem::InvalidSource("x".into())), Failed),
-            (Outcome::Problem(ConfigProblem::GpuProfileNotFound("x".into())), Failed),
+            (
+                Outcome::Problem(ConfigProblem::CacheNotFound("c".into())),
+                Pending,
+            ),
+            (
+                Outcome::Problem(ConfigProblem::InvalidSource("x".into())),
+                Failed,
+            ),
+            (
+                Outcome::Problem(ConfigProblem::GpuProfileNotFound("x".into())),
+                Failed,
+            ),
         ];
         for (i, (o, want)) in cases.into_iter().enumerate() {
             assert_eq!(phase(&o), want, "case {i}");
@@ -210,7 +248,13 @@ mod tests {
         let s2 = next_status(Some(&s1), Some(3), &obs(1, 1, 1, true, 1), &blocked, &t(20));
         assert!(!owned_differs(Some(&s1), &s2));
         // Ungated: the stale condition goes away.
-        let s3 = next_status(Some(&s2), Some(4), &obs(1, 1, 1, true, 1), &GateDecision::Ungated, &t(30));
+        let s3 = next_status(
+            Some(&s2),
+            Some(4),
+            &obs(1, 1, 1, true, 1),
+            &GateDecision::Ungated,
+            &t(30),
+        );
         assert!(conditions::find(&s3.conditions, types::PROMOTION_GATE).is_none());
         assert!(owned_differs(Some(&s2), &s3));
         assert_eq!(s3.replicas, Some(1));

@@ -61,7 +61,9 @@ impl Config {
             controller_env::QUANTIZER_GPTQ_IMAGE.to_string(),
             controller_env::QUANTIZER_GPTQ_ROCM_IMAGE.to_string(),
         ];
-        for arch in ["gfx1100", "gfx906", "gfx90a", "gfx942", "gfx1030", "gfx1101", "gfx1201"] {
+        for arch in [
+            "gfx1100", "gfx906", "gfx90a", "gfx942", "gfx1030", "gfx1101", "gfx1201",
+        ] {
             names.push(controller_env::quantizer_gptq_rocm_arch_image(arch));
         }
         for f in flexinfer_api::formats::FORMATS {
@@ -97,7 +99,10 @@ impl Config {
     pub fn from_env() -> Self {
         let mut c = Self::from_lookup(|k| std::env::var(k).ok());
         for (k, v) in std::env::vars() {
-            if k.starts_with("FLEXINFER_QUANTIZER_") && k.ends_with("_IMAGE") && !v.trim().is_empty() {
+            if k.starts_with("FLEXINFER_QUANTIZER_")
+                && k.ends_with("_IMAGE")
+                && !v.trim().is_empty()
+            {
                 c.image_env.insert(k, v.trim().to_string());
             }
         }
@@ -129,13 +134,17 @@ mod tests {
         let c = Config::from_lookup(|k| m.get(k).map(|s| s.to_string()));
         assert_eq!(c.worker_image.as_deref(), Some("w:1"));
         assert_eq!(
-            c.image_env.get("FLEXINFER_QUANTIZER_GPTQ_ROCM_GFX906_IMAGE").map(String::as_str),
+            c.image_env
+                .get("FLEXINFER_QUANTIZER_GPTQ_ROCM_GFX906_IMAGE")
+                .map(String::as_str),
             Some("q:906")
         );
         assert!(c
             .gptq_tunables
             .contains(&("GPTQ_MAX_RTN_FALLBACK_PERCENT".into(), "5".into())));
-        assert!(c.gptq_tunables.contains(&("GPTQ_RESUME_LAYERS".into(), "true".into())));
+        assert!(c
+            .gptq_tunables
+            .contains(&("GPTQ_RESUME_LAYERS".into(), "true".into())));
         assert_eq!(c.drift_grace, Duration::from_secs(3));
         assert_eq!(c.retry_delay(0), Duration::from_secs(1));
         assert_eq!(c.retry_delay(3), Duration::from_secs(8));

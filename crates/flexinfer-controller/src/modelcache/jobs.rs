@@ -4,11 +4,13 @@
 use std::collections::BTreeMap;
 
 use flexinfer_api::contract::{
-    self, annotations, controller_env, env, job_pod_annotations, labels, JobPhase,
+    self, annotations, controller_env, env, exit_codes, job_pod_annotations, labels, JobPhase,
 };
 use flexinfer_api::gpuprofile::{GPUProfile, GpuVendor};
 use flexinfer_api::modelcache::{defaults, ModelCache, QuantFormat};
-use k8s_openapi::api::batch::v1::{Job, JobSpec};
+use k8s_openapi::api::batch::v1::{
+    Job, JobSpec, PodFailurePolicy, PodFailurePolicyOnExitCodesRequirement, PodFailurePolicyRule,
+};
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, EnvVar, EnvVarSource, PersistentVolumeClaim,
     PersistentVolumeClaimSpec, PersistentVolumeClaimVolumeSource, PodSecurityContext, PodSpec,
@@ -70,8 +72,16 @@ pub fn uses_gpu(mc: &ModelCache, phase: JobPhase) -> bool {
 
 fn phase_node_selector(mc: &ModelCache, phase: JobPhase) -> Option<BTreeMap<String, String>> {
     let own = match phase {
-        JobPhase::Abliterate => mc.spec.abliteration.as_ref().and_then(|a| a.node_selector.clone()),
-        JobPhase::Quantize => mc.spec.quantization.as_ref().and_then(|q| q.node_selector.clone()),
+        JobPhase::Abliterate => mc
+            .spec
+            .abliteration
+            .as_ref()
+            .and_then(|a| a.node_selector.clone()),
+        JobPhase::Quantize => mc
+            .spec
+            .quantization
+            .as_ref()
+            .and_then(|q| q.node_selector.clone()),
         _ => None,
     };
     own.filter(|m| !m.is_empty())
@@ -88,6 +98,25 @@ pub fn cache_arches(mc: &ModelCache) -> Vec<String> {
     out.sort();
     out.dedup();
     out
+}
+
+/// Whether a GPUProfile change can affect a cache: same namespace and either a phase selects the
+/// profile's architecture, or a GPU phase selects no architecture (then the namespace's only
+/// profile applies).
+pub fn profile_affects(mc: &ModelCache, profile: &GPUProfile) -> bool {
+    if mc.metadata.namespace != profile.metadata.namespace {
+        return false;
+    }
+    let arches = cache_arches(mc);
+    if arches.is_empty() {
+        return JobPhase::ALL.iter().any(|p| uses_gpu(mc, *p));
+    }
+    arches.contains(&profile.spec.architecture)
+        || profile
+            .metadata
+            .name
+            .as_ref()
+            .is_some_and(|n| arches.contains(n))
 }
 
 /// Where and with what a phase runs.
@@ -118,7 +147,11 @@ pub fn resolve_target(
             Some(a) => profiles
                 .iter()
                 .find(|p| &p.spec.architecture == a)
-                .or_else(|| profiles.iter().find(|p| p.metadata.name.as_deref() == Some(a)))
+                .or_else(|| {
+                    profiles
+                        .iter()
+                        .find(|p| p.metadata.name.as_deref() == Some(a))
+                })
                 .cloned(),
             // No arch in the selector: the namespace's only GPUProfile, if there is exactly one.
             None if profiles.len() == 1 => profiles.first().cloned(),
@@ -151,7 +184,10 @@ fn resolve_image(
 ) -> Result<String, String> {
     let worker = || {
         config.worker_image.clone().ok_or_else(|| {
-            format!("no worker image: set {} on the controller", controller_env::WORKER_IMAGE)
+            format!(
+                "no worker image: set {} on the controller",
+                controller_env::WORKER_IMAGE
+            )
         })
     };
     let format = match phase {
@@ -174,10 +210,14 @@ fn resolve_image(
     }
     let env_get = |k: &str| config.image_env.get(k).cloned();
     if format == QuantFormat::Gptq {
-        let amd = profile.map(|p| p.spec.vendor == GpuVendor::Amd).unwrap_or(false)
+        let amd = profile
+            .map(|p| p.spec.vendor == GpuVendor::Amd)
+            .unwrap_or(false)
             || arch.is_some_and(|a| a.starts_with("gfx"));
         if amd {
-            if let Some(i) = arch.and_then(|a| env_get(&controller_env::quantizer_gptq_rocm_arch_image(a))) {
+            if let Some(i) =
+                arch.and_then(|a| env_get(&controller_env::quantizer_gptq_rocm_arch_image(a)))
+            {
                 return Ok(i);
             }
             if let Some(i) = env_get(controller_env::QUANTIZER_GPTQ_ROCM_IMAGE) {
@@ -265,7 +305,11 @@ pub fn model_dir(mc: &ModelCache) -> String {
 pub fn phase_dirs(mc: &ModelCache, phase: JobPhase) -> (String, String) {
     let base = model_dir(mc);
     let ablit = format!("{base}/{}", contract::ABLITERATED_SUBDIR);
-    let quant_in = if mc.spec.abliteration.is_some() { ablit.clone() } else { base.clone() };
+    let quant_in = if mc.spec.abliteration.is_some() {
+        ablit.clone()
+    } else {
+        base.clone()
+    };
     let quant_out = mc
         .spec
         .quantization
@@ -328,13 +372,21 @@ fn phase_deadline(mc: &ModelCache, phase: JobPhase) -> i64 {
             .as_ref()
             .and_then(|d| d.timeout_seconds)
             .unwrap_or(defaults::DOWNLOAD_TIMEOUT_SECONDS),
-        JobPhase::Abliterate => s.abliteration.as_ref().map(|a| a.timeout_seconds).unwrap_or(14400),
+        JobPhase::Abliterate => s
+            .abliteration
+            .as_ref()
+            .map(|a| a.timeout_seconds)
+            .unwrap_or(14400),
         JobPhase::Quantize => s
             .quantization
             .as_ref()
             .and_then(|q| q.timeout_seconds)
             .unwrap_or(defaults::QUANTIZE_TIMEOUT_SECONDS),
-        JobPhase::Publish => s.publish.as_ref().map(|p| p.timeout_seconds).unwrap_or(7200),
+        JobPhase::Publish => s
+            .publish
+            .as_ref()
+            .map(|p| p.timeout_seconds)
+            .unwrap_or(7200),
     }
 }
 
@@ -349,8 +401,16 @@ fn phase_memory_gb(mc: &ModelCache, phase: JobPhase) -> i64 {
         JobPhase::Download | JobPhase::Publish => {
             s.download.as_ref().map(|d| d.max_memory_gb).unwrap_or(16) as i64
         }
-        JobPhase::Abliterate => s.abliteration.as_ref().map(|a| a.max_memory_gb).unwrap_or(56) as i64,
-        JobPhase::Quantize => s.quantization.as_ref().map(|q| q.max_memory_gb).unwrap_or(48) as i64,
+        JobPhase::Abliterate => s
+            .abliteration
+            .as_ref()
+            .map(|a| a.max_memory_gb)
+            .unwrap_or(56) as i64,
+        JobPhase::Quantize => s
+            .quantization
+            .as_ref()
+            .map(|q| q.max_memory_gb)
+            .unwrap_or(48) as i64,
     }
 }
 
@@ -388,7 +448,9 @@ pub fn invalid_pod_metadata_annotation(mc: &ModelCache) -> Option<String> {
         let v = ann.get(&k)?;
         match serde_json::from_str::<BTreeMap<String, serde_json::Value>>(v) {
             Ok(_) => None,
-            Err(e) => Some(format!("annotation {k} must be a JSON object of strings: {e}")),
+            Err(e) => Some(format!(
+                "annotation {k} must be a JSON object of strings: {e}"
+            )),
         }
     })
 }
@@ -396,7 +458,10 @@ pub fn invalid_pod_metadata_annotation(mc: &ModelCache) -> Option<String> {
 /// Labels every pipeline Job and its pods carry.
 pub fn job_labels(cache: &str, phase: JobPhase) -> BTreeMap<String, String> {
     BTreeMap::from([
-        (labels::MANAGED_BY.to_string(), labels::MANAGED_BY_VALUE.to_string()),
+        (
+            labels::MANAGED_BY.to_string(),
+            labels::MANAGED_BY_VALUE.to_string(),
+        ),
         (labels::NAME.to_string(), "flexinfer-worker".to_string()),
         (labels::INSTANCE.to_string(), cache.to_string()),
         (labels::COMPONENT.to_string(), phase.as_str().to_string()),
@@ -452,7 +517,10 @@ fn worker_env(mc: &ModelCache, t: &PhaseTarget, config: &Config) -> Vec<EnvVar> 
                 e.push(ev(env::SKIP_VISION, a.skip_vision_layers.to_string()));
                 e.push(ev(env::NORM_THRESHOLD, a.norm_threshold.clone()));
                 e.push(ev(env::ABLITERATE_LM_HEAD, a.ablitate_lm_head.to_string()));
-                e.push(ev(env::MAX_PERPLEXITY_INCREASE_PERCENT, a.max_perplexity_increase_percent.clone()));
+                e.push(ev(
+                    env::MAX_PERPLEXITY_INCREASE_PERCENT,
+                    a.max_perplexity_increase_percent.clone(),
+                ));
                 e.push(ev(env::REFUSAL_DATASET, a.refusal_dataset.clone()));
                 e.push(ev(env::HARMLESS_DATASET, a.harmless_dataset.clone()));
             }
@@ -498,10 +566,17 @@ fn worker_env(mc: &ModelCache, t: &PhaseTarget, config: &Config) -> Vec<EnvVar> 
         e.push(secret_ev(env::HF_TOKEN, sec, env::HF_TOKEN));
     }
     if t.gpu {
-        let amd = t.profile.as_ref().map(|p| p.spec.vendor == GpuVendor::Amd).unwrap_or(false)
+        let amd = t
+            .profile
+            .as_ref()
+            .map(|p| p.spec.vendor == GpuVendor::Amd)
+            .unwrap_or(false)
             || t.arch.as_deref().is_some_and(|a| a.starts_with("gfx"));
         if amd && t.arch.as_deref() != Some("gfx906") {
-            e.push(ev(env::PYTORCH_HIP_ALLOC_CONF, env::PYTORCH_HIP_ALLOC_CONF_VALUE));
+            e.push(ev(
+                env::PYTORCH_HIP_ALLOC_CONF,
+                env::PYTORCH_HIP_ALLOC_CONF_VALUE,
+            ));
         }
         if let Some(p) = &t.profile {
             for pe in &p.spec.env {
@@ -515,18 +590,30 @@ fn worker_env(mc: &ModelCache, t: &PhaseTarget, config: &Config) -> Vec<EnvVar> 
 }
 
 /// Build the Job of one phase (SPEC §3.1).
-pub fn build_job(mc: &ModelCache, t: &PhaseTarget, image: &str, hash: &str, config: &Config) -> Job {
+pub fn build_job(
+    mc: &ModelCache,
+    t: &PhaseTarget,
+    image: &str,
+    hash: &str,
+    config: &Config,
+) -> Job {
     let cache = mc.metadata.name.clone().unwrap_or_default();
     let phase = t.phase;
     let name = phase.job_name(&cache);
     let labels = job_labels(&cache, phase);
     let mut pod_labels = labels.clone();
     pod_labels.extend(json_map_annotation(mc, job_pod_annotations::JOB_POD_LABELS));
-    pod_labels.extend(json_map_annotation(mc, &job_pod_annotations::phase_pod_labels(phase.as_str())));
+    pod_labels.extend(json_map_annotation(
+        mc,
+        &job_pod_annotations::phase_pod_labels(phase.as_str()),
+    ));
     // Identity labels always win over user-supplied ones.
     pod_labels.extend(labels.clone());
     let mut pod_ann = json_map_annotation(mc, job_pod_annotations::JOB_POD_ANNOTATIONS);
-    pod_ann.extend(json_map_annotation(mc, &job_pod_annotations::phase_pod_annotations(phase.as_str())));
+    pod_ann.extend(json_map_annotation(
+        mc,
+        &job_pod_annotations::phase_pod_annotations(phase.as_str()),
+    ));
 
     let mut mem_mb = phase_memory_gb(mc, phase) * 1024;
     let mut limits = BTreeMap::new();
@@ -539,7 +626,11 @@ pub fn build_job(mc: &ModelCache, t: &PhaseTarget, image: &str, hash: &str, conf
     let mem = Quantity(format!("{mem_mb}Mi"));
     let mut requests = BTreeMap::from([("memory".to_string(), mem.clone())]);
     limits.insert("memory".to_string(), mem);
-    if let Some(gpu) = limits.iter().find(|(k, _)| k.as_str() != "memory").map(|(k, v)| (k.clone(), v.clone())) {
+    if let Some(gpu) = limits
+        .iter()
+        .find(|(k, _)| k.as_str() != "memory")
+        .map(|(k, v)| (k.clone(), v.clone()))
+    {
         requests.insert(gpu.0, gpu.1);
     }
 
@@ -567,7 +658,10 @@ pub fn build_job(mc: &ModelCache, t: &PhaseTarget, image: &str, hash: &str, conf
     } else {
         None
     };
-    let mut job_annotations = BTreeMap::from([(contract::JOB_SPEC_HASH_ANNOTATION.to_string(), hash.to_string())]);
+    let mut job_annotations = BTreeMap::from([(
+        contract::JOB_SPEC_HASH_ANNOTATION.to_string(),
+        hash.to_string(),
+    )]);
     if let Some(a) = &t.arch {
         job_annotations.insert(labels::GPU_ARCH.to_string(), a.clone());
     }
@@ -582,6 +676,23 @@ pub fn build_job(mc: &ModelCache, t: &PhaseTarget, image: &str, hash: &str, conf
         },
         spec: Some(JobSpec {
             backoff_limit: Some(2),
+            // Exit codes 2 (bad input), 3 (quality gate) and 4 (version mismatch) are deterministic:
+            // re-running the pod inside the same Job cannot help.
+            pod_failure_policy: Some(PodFailurePolicy {
+                rules: vec![PodFailurePolicyRule {
+                    action: "FailJob".into(),
+                    on_exit_codes: Some(PodFailurePolicyOnExitCodesRequirement {
+                        container_name: Some("worker".into()),
+                        operator: "In".into(),
+                        values: vec![
+                            exit_codes::BAD_INPUT,
+                            exit_codes::QUALITY_GATE,
+                            exit_codes::VERSION_MISMATCH,
+                        ],
+                    }),
+                    on_pod_conditions: None,
+                }],
+            }),
             active_deadline_seconds: Some(phase_deadline(mc, phase)),
             template: PodTemplateSpec {
                 metadata: Some(ObjectMeta {
@@ -664,7 +775,10 @@ pub fn build_pvc(mc: &ModelCache) -> PersistentVolumeClaim {
             name: Some(created_claim_name(&cache)),
             namespace: mc.metadata.namespace.clone(),
             labels: Some(BTreeMap::from([
-                (labels::MANAGED_BY.to_string(), labels::MANAGED_BY_VALUE.to_string()),
+                (
+                    labels::MANAGED_BY.to_string(),
+                    labels::MANAGED_BY_VALUE.to_string(),
+                ),
                 (labels::CACHE.to_string(), cache.clone()),
                 (labels::PART_OF.to_string(), "flexinfer".to_string()),
             ])),

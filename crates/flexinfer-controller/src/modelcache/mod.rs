@@ -10,3 +10,6 @@ pub mod reconcile;
 pub use config::Config;
 pub use plan::{plan, Action, Observed, Plan};
 pub use reconcile::run;
+
+#[cfg(test)]
+mod tests;

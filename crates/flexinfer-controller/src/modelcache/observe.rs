@@ -11,7 +11,10 @@ pub enum JobState {
     Active,
     Succeeded,
     /// Failed, with the Job condition reason (`BackoffLimitExceeded`, `DeadlineExceeded`, …).
-    Failed { reason: String, message: String },
+    Failed {
+        reason: String,
+        message: String,
+    },
 }
 
 /// What the newest pod of a Job says.
@@ -66,7 +69,9 @@ pub fn observe_job(job: &Job, pods: &[Pod]) -> Option<ObservedJob> {
         .and_then(|s| s.start_time.as_ref())
         .map(|t| t.0)
         .unwrap_or(created);
-    let conds = status.and_then(|s| s.conditions.clone()).unwrap_or_default();
+    let conds = status
+        .and_then(|s| s.conditions.clone())
+        .unwrap_or_default();
     let is = |t: &str| conds.iter().find(|c| c.type_ == t && c.status == "True");
     let state = if is("Complete").is_some() || is("SuccessCriteriaMet").is_some() {
         JobState::Succeeded
@@ -82,11 +87,10 @@ pub fn observe_job(job: &Job, pods: &[Pod]) -> Option<ObservedJob> {
     let pod = pods
         .iter()
         .filter(|p| {
-            p.metadata
-                .labels
-                .as_ref()
-                .and_then(|l| l.get("batch.kubernetes.io/job-name").or_else(|| l.get("job-name")))
-                == Some(&job_name)
+            p.metadata.labels.as_ref().and_then(|l| {
+                l.get("batch.kubernetes.io/job-name")
+                    .or_else(|| l.get("job-name"))
+            }) == Some(&job_name)
         })
         .max_by_key(|p| p.metadata.creation_timestamp.as_ref().map(|t| t.0))
         .map(observe_pod);
@@ -119,13 +123,17 @@ fn observe_pod(p: &Pod) -> ObservedPod {
             cs.and_then(|c| c.last_state.as_ref())
                 .and_then(|s| s.terminated.as_ref())
         });
-    let waiting = cs.and_then(|c| c.state.as_ref()).and_then(|s| s.waiting.as_ref());
+    let waiting = cs
+        .and_then(|c| c.state.as_ref())
+        .and_then(|s| s.waiting.as_ref());
     ObservedPod {
         name: p.metadata.name.clone().unwrap_or_default(),
         running: st.and_then(|s| s.phase.as_deref()) == Some("Running"),
         terminated_reason: term.and_then(|t| t.reason.clone()),
         exit_code: term.map(|t| t.exit_code),
-        termination_message: term.and_then(|t| t.message.clone()).filter(|m| !m.trim().is_empty()),
+        termination_message: term
+            .and_then(|t| t.message.clone())
+            .filter(|m| !m.trim().is_empty()),
         waiting_reason: waiting.and_then(|w| w.reason.clone()),
         waiting_message: waiting.and_then(|w| w.message.clone()),
     }

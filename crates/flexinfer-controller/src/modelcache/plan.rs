@@ -49,6 +49,9 @@ pub enum Action {
         warning: bool,
         reason: String,
         note: String,
+        /// Name of the Job the event is about (recorded as the related object, which also keeps
+        /// events about different Jobs from being folded into one series).
+        job: Option<String>,
     },
 }
 
@@ -168,7 +171,14 @@ fn phase_from_status_name(s: &str) -> Option<JobPhase> {
 /// Remove secrets from text that goes into status, events or logs: Hugging Face tokens,
 /// bearer tokens, and `key=value` / `key: value` pairs whose key names a credential.
 pub fn redact(s: &str) -> String {
-    const KEYS: [&str; 6] = ["token", "password", "passwd", "secret", "authorization", "apikey"];
+    const KEYS: [&str; 6] = [
+        "token",
+        "password",
+        "passwd",
+        "secret",
+        "authorization",
+        "apikey",
+    ];
     let mut out = String::with_capacity(s.len());
     let mut redact_next = false;
     for (i, part) in s.split_inclusive(char::is_whitespace).enumerate() {
@@ -176,12 +186,12 @@ pub fn redact(s: &str) -> String {
         let ws = &part[word.len()..];
         let _ = i;
         let lower = word.to_ascii_lowercase();
-        let w = if redact_next && !word.is_empty() {
-            redact_next = false;
-            "[REDACTED]".to_string()
-        } else if lower == "bearer" || lower == "basic" {
+        let w = if lower == "bearer" || lower == "basic" {
             redact_next = true;
             word.to_string()
+        } else if redact_next && !word.is_empty() {
+            redact_next = false;
+            "[REDACTED]".to_string()
         } else if word.starts_with("hf_") && word.len() > 10 {
             "[REDACTED]".to_string()
         } else if let Some(pos) = word.find(['=', ':']) {
@@ -223,7 +233,8 @@ fn last_lines(s: &str, n: usize) -> String {
 }
 
 /// Classify a failed (or stuck) Job: `OOMKilled`, `DeadlineExceeded`, `ImagePullBackOff`,
-/// `BackoffLimitExceeded`, else `JobFailed`.
+/// `BackoffLimitExceeded`, `BadInput`/`QualityGateFailed`/`ScriptVersionMismatch` (worker exit
+/// codes 2/3/4), else `JobFailed`.
 pub fn classify_failure(j: &ObservedJob) -> String {
     let pod = j.pod.as_ref();
     if pod.and_then(|p| p.terminated_reason.as_deref()) == Some("OOMKilled") {
@@ -245,6 +256,13 @@ pub fn classify_failure(j: &ObservedJob) -> String {
     if job_reason == "BackoffLimitExceeded" {
         return "BackoffLimitExceeded".into();
     }
+    // Deterministic worker exits end the Job at once through its podFailurePolicy.
+    match pod.and_then(|p| p.exit_code) {
+        Some(contract::exit_codes::BAD_INPUT) => return "BadInput".into(),
+        Some(contract::exit_codes::QUALITY_GATE) => return "QualityGateFailed".into(),
+        Some(contract::exit_codes::VERSION_MISMATCH) => return "ScriptVersionMismatch".into(),
+        _ => {}
+    }
     "JobFailed".into()
 }
 
@@ -258,19 +276,20 @@ fn is_image_pull_failure(reason: &str) -> bool {
 /// Human failure text: termination message, else the log tail, else the Job condition message.
 fn failure_text(j: &ObservedJob, log_tail: Option<&Result<String, String>>) -> String {
     let pod = j.pod.as_ref();
-    let from_term = pod.and_then(|p| p.termination_message.as_deref()).map(|m| {
-        match TerminationMessage::parse(m) {
-            Some(TerminationMessage::Failure(f)) => {
-                let tail = last_lines(&f.tail, 5);
-                if tail.is_empty() {
-                    format!("exit {}: {}", f.exit_code, f.error)
-                } else {
-                    format!("exit {}: {}\n{}", f.exit_code, f.error, tail)
+    let from_term =
+        pod.and_then(|p| p.termination_message.as_deref()).map(
+            |m| match TerminationMessage::parse(m) {
+                Some(TerminationMessage::Failure(f)) => {
+                    let tail = last_lines(&f.tail, 5);
+                    if tail.is_empty() {
+                        format!("exit {}: {}", f.exit_code, f.error)
+                    } else {
+                        format!("exit {}: {}\n{}", f.exit_code, f.error, tail)
+                    }
                 }
-            }
-            _ => last_lines(m, 10),
-        }
-    });
+                _ => last_lines(m, 10),
+            },
+        );
     let text = from_term
         .or_else(|| match log_tail {
             Some(Ok(t)) if !t.trim().is_empty() => Some(last_lines(t, 10)),
@@ -308,10 +327,14 @@ struct Ctx<'a> {
 
 impl Ctx<'_> {
     fn event(&mut self, warning: bool, reason: &str, note: String) {
+        self.job_event(warning, reason, note, None);
+    }
+    fn job_event(&mut self, warning: bool, reason: &str, note: String, job: Option<&str>) {
         self.actions.push(Action::Event {
             warning,
             reason: reason.to_string(),
             note: truncate(&redact(&note), 1000),
+            job: job.map(String::from),
         });
     }
     fn requeue(&mut self, d: Duration) {
@@ -320,14 +343,23 @@ impl Ctx<'_> {
     }
     fn cond(&mut self, t: &str, status: bool, reason: &str, msg: &str) {
         let now = self.now_t.clone();
-        conditions::set(&mut self.st.conditions, t, status, reason, msg, self.gen, &now);
+        conditions::set(
+            &mut self.st.conditions,
+            t,
+            status,
+            reason,
+            msg,
+            self.gen,
+            &now,
+        );
     }
     fn ready_reason(&self) -> Option<String> {
         conditions::find(&self.st.conditions, types::READY).map(|c| c.reason.clone())
     }
     /// A spec problem no retry can fix: `Failed` with a clear condition; one event per change.
     fn fail_config(&mut self, reason: &str, msg: &str, phase: Option<JobPhase>) {
-        let changed = self.st.phase != Some(CachePhase::Failed) || self.ready_reason().as_deref() != Some(reason);
+        let changed = self.st.phase != Some(CachePhase::Failed)
+            || self.ready_reason().as_deref() != Some(reason);
         self.st.phase = Some(CachePhase::Failed);
         if let Some(p) = phase {
             self.st.current_phase = Some(p.status_name().into());
@@ -368,7 +400,8 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
     if mc.metadata.deletion_timestamp.is_some() {
         if has_finalizer {
             if owns_pvc && observed.pvc_exists {
-                cx.actions.push(Action::DeletePvc(jobs::created_claim_name(&name)));
+                cx.actions
+                    .push(Action::DeletePvc(jobs::created_claim_name(&name)));
             }
             cx.actions.push(Action::RemoveFinalizer);
         }
@@ -384,7 +417,8 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
         cx.actions.push(Action::AddFinalizer);
     }
     if owns_pvc && !observed.pvc_exists {
-        cx.actions.push(Action::CreatePvc(Box::new(jobs::build_pvc(mc))));
+        cx.actions
+            .push(Action::CreatePvc(Box::new(jobs::build_pvc(mc))));
     }
     cx.st.claim_name = Some(jobs::claim_name(mc));
     cx.st.observed_generation = cx.gen;
@@ -417,7 +451,11 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
         }
     }
     if let Err(e) = contract::check_relative_path(&jobs::model_dir(mc)) {
-        cx.fail_config(reasons_pipeline::INVALID_SPEC, &format!("spec.modelPath: {e}"), None);
+        cx.fail_config(
+            reasons_pipeline::INVALID_SPEC,
+            &format!("spec.modelPath: {e}"),
+            None,
+        );
         return finish(cx, &old);
     }
     if let Some(msg) = jobs::invalid_pod_metadata_annotation(mc) {
@@ -433,6 +471,40 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
         .map(|j| j.phase)
         .collect();
 
+    // A phase removed from the spec: forget its results and Job; its successors' input changed
+    // (e.g. quantize reads the download directory instead of `abliterated/`), so they re-run.
+    for p in JobPhase::ALL {
+        if phases.contains(&p) {
+            continue;
+        }
+        let had = match p {
+            JobPhase::Download => false,
+            JobPhase::Abliterate => cx.st.abliteration.take().is_some(),
+            JobPhase::Quantize => cx.st.quantization.take().is_some(),
+            JobPhase::Publish => cx.st.publish.take().is_some(),
+        };
+        if let Some(j) = observed.jobs.get(&p) {
+            if !j.terminating {
+                cx.actions.push(Action::DeleteJob(j.name.clone()));
+            }
+            deleting.insert(p);
+        }
+        if had {
+            let later: Vec<JobPhase> = phases.iter().copied().filter(|q| *q > p).collect();
+            if !later.is_empty() {
+                cx.event(
+                    false,
+                    reasons_pipeline::RERUN_REQUESTED,
+                    format!(
+                        "{} was removed from the spec: re-running the phases after it",
+                        p.status_name()
+                    ),
+                );
+            }
+            invalidate(&mut cx, &later, observed, &mut deleting);
+        }
+    }
+
     // Trigger annotations.
     let mut remove = Vec::new();
     let triggers = [
@@ -440,7 +512,12 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
         (annotations::REABLITERATE, JobPhase::Abliterate),
         (annotations::REQUANTIZE, JobPhase::Quantize),
     ];
-    let present = |k: &str| mc.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(k));
+    let present = |k: &str| {
+        mc.metadata
+            .annotations
+            .as_ref()
+            .is_some_and(|a| a.contains_key(k))
+    };
     let mut rerun_from: Option<usize> = None;
     for (key, phase) in triggers {
         if !present(key) {
@@ -450,7 +527,14 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
         if jobs::annotation_true(mc, key) {
             if let Some(i) = phases.iter().position(|p| *p == phase) {
                 rerun_from = Some(rerun_from.map_or(i, |r| r.min(i)));
-                cx.event(false, reasons_pipeline::RERUN_REQUESTED, format!("{key}: re-running {} and the phases after it", phase.status_name()));
+                cx.event(
+                    false,
+                    reasons_pipeline::RERUN_REQUESTED,
+                    format!(
+                        "{key}: re-running {} and the phases after it",
+                        phase.status_name()
+                    ),
+                );
             }
         }
     }
@@ -465,7 +549,11 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
             if cx.st.phase == Some(CachePhase::Failed) {
                 cx.st.phase = Some(CachePhase::Pending);
             }
-            cx.event(false, reasons_pipeline::RETRIES_RESET, "retry state cleared; the failed phase runs again".into());
+            cx.event(
+                false,
+                reasons_pipeline::RETRIES_RESET,
+                "retry state cleared; the failed phase runs again".into(),
+            );
         }
     }
     if !remove.is_empty() {
@@ -498,12 +586,22 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
                 continue;
             }
             // The phase's inputs changed: re-run it and what follows.
-            cx.event(false, reasons_pipeline::RERUN_REQUESTED, format!("spec of {} changed: re-running it and the phases after it", phase.status_name()));
+            cx.event(
+                false,
+                reasons_pipeline::RERUN_REQUESTED,
+                format!(
+                    "spec of {} changed: re-running it and the phases after it",
+                    phase.status_name()
+                ),
+            );
             invalidate(&mut cx, &phases[i..], observed, &mut deleting);
             c = get_common(&cx.st, phase);
         }
         all_done = false;
-        let job = observed.jobs.get(&phase).filter(|_| !deleting.contains(&phase));
+        let job = observed
+            .jobs
+            .get(&phase)
+            .filter(|_| !deleting.contains(&phase));
         cx.st.current_phase = Some(phase.status_name().to_string());
         if cx.st.phase != Some(CachePhase::Failed) {
             cx.st.phase = Some(running_phase(phase));
@@ -513,15 +611,43 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
             break;
         }
         let Some(job) = job else {
-            let failed_here = cx.st.last_failure_phase.as_deref().and_then(phase_from_status_name) == Some(phase);
+            let failed_here = cx
+                .st
+                .last_failure_phase
+                .as_deref()
+                .and_then(phase_from_status_name)
+                == Some(phase);
             if failed_here && cx.st.phase == Some(CachePhase::Failed) {
-                // Retries exhausted: stay Failed until reset-retries or the runbook status patch.
+                if c.spec_hash.as_deref() == Some(desired.as_str()) {
+                    // Retries exhausted: stay Failed until reset-retries, the runbook status
+                    // patch, or a change of this phase's spec or image.
+                    break;
+                }
+                reset_retries(&mut cx.st);
+                cx.st.phase = Some(running_phase(phase));
+                cx.event(
+                    false,
+                    reasons_pipeline::RERUN_REQUESTED,
+                    format!(
+                        "spec of {} changed after it failed: trying again",
+                        phase.status_name()
+                    ),
+                );
+            }
+            if let Some(at) = cx
+                .st
+                .next_retry_at
+                .as_ref()
+                .map(|t| t.0)
+                .filter(|t| failed_here && *t > now)
+            {
+                cx.requeue(Duration::from_millis(
+                    at.duration_since(now).as_millis().max(0) as u64,
+                ));
                 break;
             }
-            if let Some(at) = cx.st.next_retry_at.as_ref().map(|t| t.0).filter(|t| failed_here && *t > now) {
-                cx.requeue(Duration::from_millis(at.duration_since(now).as_millis().max(0) as u64));
-                break;
-            }
+            // A (re)started phase makes the results of every later phase stale.
+            invalidate(&mut cx, &phases[i + 1..], observed, &mut deleting);
             create_job(&mut cx, &target, &image, &desired, c);
             break;
         };
@@ -532,13 +658,21 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
             .is_some_and(|h| *h == jobs::spec_hash(mc, phase, &job.image));
         if !job_spec_current && job.state != JobState::Succeeded {
             cx.actions.push(Action::DeleteJob(job.name.clone()));
-            cx.event(false, reasons_pipeline::RERUN_REQUESTED, format!("Job {} was built from an older spec; replacing it", job.name));
+            cx.event(
+                false,
+                reasons_pipeline::RERUN_REQUESTED,
+                format!(
+                    "Job {} was built from an older spec; replacing it",
+                    job.name
+                ),
+            );
             cx.requeue(Duration::from_secs(2));
             break;
         }
         match &job.state {
             JobState::Succeeded => {
                 record_success(&mut cx, phase, job, c);
+                all_done = true;
                 continue;
             }
             JobState::Failed { .. } => {
@@ -560,7 +694,7 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
                     let grace = config.drift_grace.as_secs() as i64;
                     if age < grace || force_image {
                         cx.actions.push(Action::DeleteJob(job.name.clone()));
-                        cx.event(
+                        cx.job_event(
                             true,
                             reasons::QUANTIZER_IMAGE_DRIFT,
                             format!(
@@ -570,6 +704,7 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
                                 age,
                                 if force_image { ", force-image-update" } else { "" }
                             ),
+                            Some(&job.name),
                         );
                         cx.requeue(Duration::from_secs(1));
                         break;
@@ -577,9 +712,19 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
                     // Older than the grace window: let it finish; the new image applies next run.
                 }
                 update_progress(&mut cx, phase, job, observed, c);
-                cx.cond(types::PROGRESSING, true, running_phase(phase).as_str(), &format!("Job {} is running", job.name));
+                cx.cond(
+                    types::PROGRESSING,
+                    true,
+                    running_phase(phase).as_str(),
+                    &format!("Job {} is running", job.name),
+                );
                 if cx.st.path.is_none() {
-                    cx.cond(types::READY, false, running_phase(phase).as_str(), &format!("pipeline is at {}", phase.status_name()));
+                    cx.cond(
+                        types::READY,
+                        false,
+                        running_phase(phase).as_str(),
+                        &format!("pipeline is at {}", phase.status_name()),
+                    );
                 }
                 cx.requeue(config.progress_poll);
                 break;
@@ -595,11 +740,25 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
         cx.st.progress = Some(100);
         cx.st.path = Some(path.clone());
         cx.st.next_retry_at = None;
-        cx.cond(types::READY, true, reasons::CACHE_READY, &format!("artifact ready at {path}"));
-        cx.cond(types::PROGRESSING, false, reasons::CACHE_READY, "all pipeline phases complete");
+        cx.cond(
+            types::READY,
+            true,
+            reasons::CACHE_READY,
+            &format!("artifact ready at {path}"),
+        );
+        cx.cond(
+            types::PROGRESSING,
+            false,
+            reasons::CACHE_READY,
+            "all pipeline phases complete",
+        );
         cx.cond(types::DEGRADED, false, reasons::CACHE_READY, "");
         if !was_ready {
-            cx.event(false, reasons::CACHE_READY, format!("ModelCache ready at {path}"));
+            cx.event(
+                false,
+                reasons::CACHE_READY,
+                format!("ModelCache ready at {path}"),
+            );
         }
     }
     // Per-phase conditions.
@@ -615,11 +774,19 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
                     .unwrap_or_else(|| failed_reason(p));
                 (r, c.failure_message.clone().unwrap_or_default())
             } else {
-                ("InProgress".to_string(), format!("{} in progress", p.status_name()))
+                (
+                    "InProgress".to_string(),
+                    format!("{} in progress", p.status_name()),
+                )
             };
             cx.cond(phase_condition(p), false, &reason, &msg);
         } else {
-            cx.cond(phase_condition(p), false, "Waiting", "waiting for earlier phases");
+            cx.cond(
+                phase_condition(p),
+                false,
+                "Waiting",
+                "waiting for earlier phases",
+            );
         }
     }
     finish(cx, &old)
@@ -645,7 +812,12 @@ fn reset_retries(st: &mut ModelCacheStatus) {
 
 /// Forget completion of `phases` (a re-run) and delete their Jobs. Results stay in status (and
 /// `status.path` keeps pointing at the previous artifact) until the new run succeeds.
-fn invalidate(cx: &mut Ctx<'_>, phases: &[JobPhase], observed: &Observed, deleting: &mut BTreeSet<JobPhase>) {
+fn invalidate(
+    cx: &mut Ctx<'_>,
+    phases: &[JobPhase],
+    observed: &Observed,
+    deleting: &mut BTreeSet<JobPhase>,
+) {
     for &p in phases {
         let mut c = get_common(&cx.st, p);
         c.completed_at = None;
@@ -660,7 +832,13 @@ fn invalidate(cx: &mut Ctx<'_>, phases: &[JobPhase], observed: &Observed, deleti
     }
 }
 
-fn create_job(cx: &mut Ctx<'_>, target: &jobs::PhaseTarget, image: &str, hash: &str, mut c: Common) {
+fn create_job(
+    cx: &mut Ctx<'_>,
+    target: &jobs::PhaseTarget,
+    image: &str,
+    hash: &str,
+    mut c: Common,
+) {
     let phase = target.phase;
     let job = jobs::build_job(cx.mc, target, image, hash, cx.config);
     let jname = job.metadata.name.clone().unwrap_or_default();
@@ -678,12 +856,25 @@ fn create_job(cx: &mut Ctx<'_>, target: &jobs::PhaseTarget, image: &str, hash: &
     cx.st.progress = Some(0);
     cx.st.next_retry_at = None;
     let attempt = cx.st.retry_count.unwrap_or(0);
-    let msg = format!("created Job {jname} (image {image}, attempt {})", attempt + 1);
-    cx.cond(types::PROGRESSING, true, running_phase(phase).as_str(), &msg);
+    let msg = format!(
+        "created Job {jname} (image {image}, attempt {})",
+        attempt + 1
+    );
+    cx.cond(
+        types::PROGRESSING,
+        true,
+        running_phase(phase).as_str(),
+        &msg,
+    );
     if cx.st.path.is_none() {
-        cx.cond(types::READY, false, running_phase(phase).as_str(), &format!("pipeline is at {}", phase.status_name()));
+        cx.cond(
+            types::READY,
+            false,
+            running_phase(phase).as_str(),
+            &format!("pipeline is at {}", phase.status_name()),
+        );
     }
-    cx.event(false, reasons::JOB_CREATED, msg);
+    cx.job_event(false, reasons::JOB_CREATED, msg, Some(&jname));
 }
 
 fn rel_output_dir(raw: &str) -> Option<String> {
@@ -691,7 +882,9 @@ fn rel_output_dir(raw: &str) -> Option<String> {
         .strip_prefix(contract::CACHE_MOUNT)
         .map(|s| s.trim_start_matches('/'))
         .unwrap_or(raw);
-    contract::check_relative_path(p).ok().map(|_| p.trim_end_matches('/').to_string())
+    contract::check_relative_path(p)
+        .ok()
+        .map(|_| p.trim_end_matches('/').to_string())
 }
 
 fn fmt_duration(secs: f64) -> String {
@@ -733,9 +926,16 @@ fn record_success(cx: &mut Ctx<'_>, phase: JobPhase, job: &ObservedJob, mut c: C
     match phase {
         JobPhase::Download => {
             let d = cx.st.download.get_or_insert_with(Default::default);
-            d.size_bytes = term.size_bytes.or(term.original_size_bytes).map(|v| v as i64);
+            d.size_bytes = term
+                .size_bytes
+                .or(term.original_size_bytes)
+                .map(|v| v as i64);
             d.file_count = term.file_count.map(|v| v as i64);
-            d.revision = Some(term.revision.clone().unwrap_or_else(|| mc.spec.revision.clone()));
+            d.revision = Some(
+                term.revision
+                    .clone()
+                    .unwrap_or_else(|| mc.spec.revision.clone()),
+            );
         }
         JobPhase::Abliterate => {
             let a = cx.st.abliteration.get_or_insert_with(Default::default);
@@ -748,7 +948,9 @@ fn record_success(cx: &mut Ctx<'_>, phase: JobPhase, job: &ObservedJob, mut c: C
             let started = get_common(&cx.st, phase).started_at.map(|t| t.0);
             let q = cx.st.quantization.get_or_insert_with(Default::default);
             let spec = mc.spec.quantization.clone();
-            q.format = spec.as_ref().map(|s| formats::info(s.format).name.to_string());
+            q.format = spec
+                .as_ref()
+                .map(|s| formats::info(s.format).name.to_string());
             q.quant_type = Some(
                 spec.as_ref()
                     .map(|s| s.output_subdir())
@@ -758,7 +960,9 @@ fn record_success(cx: &mut Ctx<'_>, phase: JobPhase, job: &ObservedJob, mut c: C
             q.original_size_bytes = term.original_size_bytes.map(|v| v as i64);
             q.compressed_size_bytes = term.compressed_size_bytes.map(|v| v as i64);
             q.compression_ratio = match (term.original_size_bytes, term.compressed_size_bytes) {
-                (Some(o), Some(c)) if c > 0 => Some(((o as f64 / c as f64) * 100.0).round() / 100.0),
+                (Some(o), Some(c)) if c > 0 => {
+                    Some(((o as f64 / c as f64) * 100.0).round() / 100.0)
+                }
                 _ => None,
             };
             let secs = term
@@ -810,12 +1014,18 @@ fn record_success(cx: &mut Ctx<'_>, phase: JobPhase, job: &ObservedJob, mut c: C
             p.published_at = Some(now.clone());
         }
     }
-    if cx.st.last_failure_phase.as_deref().and_then(phase_from_status_name) == Some(phase) {
+    if cx
+        .st
+        .last_failure_phase
+        .as_deref()
+        .and_then(phase_from_status_name)
+        == Some(phase)
+    {
         reset_retries(&mut cx.st);
     }
     cx.st.retry_count = Some(0);
     cx.outcome.completed.push(phase);
-    cx.event(false, complete_reason(phase), note);
+    cx.job_event(false, complete_reason(phase), note, Some(&job.name));
 }
 
 fn record_failure(
@@ -850,7 +1060,7 @@ fn record_failure(
         );
         cx.cond(types::PROGRESSING, true, reasons::RETRYING, &note);
         cx.cond(types::DEGRADED, true, &reason, &msg);
-        cx.event(true, reasons::RETRYING, note);
+        cx.job_event(true, reasons::RETRYING, note, Some(&job.name));
         cx.requeue(delay);
     } else {
         let r = failed_reason(phase);
@@ -864,11 +1074,17 @@ fn record_failure(
         cx.cond(types::READY, false, &r, &msg);
         cx.cond(types::PROGRESSING, false, &r, &note);
         cx.cond(types::DEGRADED, true, &reason, &msg);
-        cx.event(true, reasons::PHASE_FAILED, note);
+        cx.job_event(true, reasons::PHASE_FAILED, note, Some(&job.name));
     }
 }
 
-fn update_progress(cx: &mut Ctx<'_>, phase: JobPhase, job: &ObservedJob, observed: &Observed, mut c: Common) {
+fn update_progress(
+    cx: &mut Ctx<'_>,
+    phase: JobPhase,
+    job: &ObservedJob,
+    observed: &Observed,
+    mut c: Common,
+) {
     let now = cx.now;
     // Adopt a Job created before a status write was lost (e.g. controller restart).
     if c.started_at.is_none() {
@@ -892,7 +1108,10 @@ fn update_progress(cx: &mut Ctx<'_>, phase: JobPhase, job: &ObservedJob, observe
         let pct = (p.percent.floor() as i32).clamp(0, 100);
         let new = old.max(pct);
         let detail = p.detail.clone().or(c.progress_detail.clone());
-        if new != old || c.progress_source.as_deref() != Some("telemetry") || detail != c.progress_detail {
+        if new != old
+            || c.progress_source.as_deref() != Some("telemetry")
+            || detail != c.progress_detail
+        {
             c.progress = Some(new);
             c.progress_detail = detail;
             c.progress_source = Some("telemetry".into());
@@ -901,7 +1120,9 @@ fn update_progress(cx: &mut Ctx<'_>, phase: JobPhase, job: &ObservedJob, observe
         cx.outcome.telemetry = Some(p);
     } else if c.progress_source.as_deref() != Some("telemetry") {
         // No telemetry (yet, or an image without it): elapsed / deadline, capped at 99.
-        let est = ((elapsed as f64 / deadline as f64) * 100.0).floor().min(99.0) as i32;
+        let est = ((elapsed as f64 / deadline as f64) * 100.0)
+            .floor()
+            .min(99.0) as i32;
         let new = old.max(est);
         if new != old || c.progress_source.is_none() {
             c.progress = Some(new);

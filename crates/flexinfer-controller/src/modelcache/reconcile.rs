@@ -1,7 +1,7 @@
 //! The thin reconciler: observe (Jobs, pods, PVC, GPUProfiles, log tail), call [`plan`], apply.
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use flexinfer_api::contract::{self, labels, JobPhase};
@@ -9,8 +9,10 @@ use flexinfer_api::gpuprofile::GPUProfile;
 use flexinfer_api::modelcache::{CachePhase, ModelCache};
 use futures::StreamExt;
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
-use kube::api::{Api, DeleteParams, ListParams, LogParams, Patch, PatchParams, PostParams, PropagationPolicy};
+use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolumeClaim, Pod};
+use kube::api::{
+    Api, DeleteParams, ListParams, LogParams, Patch, PatchParams, PostParams, PropagationPolicy,
+};
 use kube::runtime::controller::{Action as CtrlAction, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
@@ -38,6 +40,8 @@ pub enum Error {
     Missing(&'static str),
     #[error("serialize: {0}")]
     Json(#[from] serde_json::Error),
+    #[error("object changed while reconciling; retrying")]
+    Conflict,
 }
 
 /// Shared state of the reconciler.
@@ -46,17 +50,46 @@ pub struct Context {
     pub metrics: Metrics,
     pub config: Config,
     pub recorder: Recorder,
+    /// Last pod-log read per cache.
+    log_reads: Mutex<HashMap<(String, String), Instant>>,
+}
+
+impl Context {
+    fn log_read_due(&self, ns: &str, name: &str) -> bool {
+        let Ok(mut m) = self.log_reads.lock() else {
+            return true;
+        };
+        let key = (ns.to_string(), name.to_string());
+        let min_gap = self.config.progress_poll / 2;
+        match m.get(&key) {
+            Some(t) if t.elapsed() < min_gap => false,
+            _ => {
+                m.insert(key, Instant::now());
+                true
+            }
+        }
+    }
 }
 
 /// Run the ModelCache controller until shutdown. `namespace` limits the watch (all when `None`).
-pub async fn run(client: Client, metrics: Metrics, config: Config, namespace: Option<String>) -> anyhow::Result<()> {
-    let (caches, job_api, profiles): (Api<ModelCache>, Api<Job>, Api<GPUProfile>) = match &namespace {
+pub async fn run(
+    client: Client,
+    metrics: Metrics,
+    config: Config,
+    namespace: Option<String>,
+) -> anyhow::Result<()> {
+    let (caches, job_api, profiles): (Api<ModelCache>, Api<Job>, Api<GPUProfile>) = match &namespace
+    {
         Some(ns) => (
             Api::namespaced(client.clone(), ns),
             Api::namespaced(client.clone(), ns),
             Api::namespaced(client.clone(), ns),
         ),
-        None => (Api::all(client.clone()), Api::all(client.clone()), Api::all(client.clone())),
+        None => (
+            Api::all(client.clone()),
+            Api::all(client.clone()),
+            Api::all(client.clone()),
+        ),
     };
     let reporter = Reporter {
         controller: FIELD_MANAGER.into(),
@@ -67,29 +100,30 @@ pub async fn run(client: Client, metrics: Metrics, config: Config, namespace: Op
         client,
         metrics,
         config,
+        log_reads: Mutex::new(HashMap::new()),
     });
     let controller = Controller::new(caches, watcher::Config::default());
     let store = controller.store();
-    let job_wc = watcher::Config::default().labels(&format!("{}={}", labels::MANAGED_BY, labels::MANAGED_BY_VALUE));
+    let job_wc = watcher::Config::default().labels(&format!(
+        "{}={}",
+        labels::MANAGED_BY,
+        labels::MANAGED_BY_VALUE
+    ));
     controller
         .owns(job_api, job_wc)
-        .watches(profiles, watcher::Config::default(), move |gp: GPUProfile| {
-            // Only the caches whose phases select this profile's architecture.
-            let arch = gp.spec.architecture.clone();
-            let ns = gp.namespace();
-            store
-                .state()
-                .into_iter()
-                .filter(|mc| mc.namespace() == ns)
-                .filter(|mc| {
-                    let arches = jobs::cache_arches(mc);
-                    arches.contains(&arch)
-                        || (arches.is_empty()
-                            && JobPhase::ALL.iter().any(|p| jobs::uses_gpu(mc, *p)))
-                })
-                .map(|mc| ObjectRef::from_obj(&*mc))
-                .collect::<Vec<_>>()
-        })
+        .watches(
+            profiles,
+            watcher::Config::default(),
+            move |gp: GPUProfile| {
+                // Only the caches whose phases select this profile's architecture.
+                store
+                    .state()
+                    .into_iter()
+                    .filter(|mc| jobs::profile_affects(mc, &gp))
+                    .map(|mc| ObjectRef::from_obj(&*mc))
+                    .collect::<Vec<_>>()
+            },
+        )
         .shutdown_on_signal()
         .run(reconcile, error_policy, ctx)
         .for_each(|res| async move {
@@ -102,7 +136,14 @@ pub async fn run(client: Client, metrics: Metrics, config: Config, namespace: Op
 }
 
 fn error_policy(mc: Arc<ModelCache>, err: &Error, ctx: Arc<Context>) -> CtrlAction {
-    ctx.metrics.reconcile_errors_total.with_label_values(&["modelcache"]).inc();
+    if matches!(err, Error::Conflict) {
+        debug!(cache = %mc.name_any(), "stale object; requeue");
+        return CtrlAction::requeue(Duration::from_millis(300));
+    }
+    ctx.metrics
+        .reconcile_errors_total
+        .with_label_values(&["modelcache"])
+        .inc();
     warn!(cache = %mc.name_any(), namespace = ?mc.namespace(), error = %err, "reconcile failed");
     CtrlAction::requeue(Duration::from_secs(5))
 }
@@ -133,7 +174,9 @@ async fn observe(mc: &ModelCache, ctx: &Context, ns: &str) -> Result<Observed, E
         })
         .collect();
     let mut observed = Observed::default();
-    if mc.metadata.deletion_timestamp.is_none() {
+    // GPUProfiles only matter to caches with GPU phases.
+    let gpu = JobPhase::ALL.iter().any(|p| jobs::uses_gpu(mc, *p));
+    if mc.metadata.deletion_timestamp.is_none() && gpu {
         let gp: Api<GPUProfile> = Api::namespaced(client.clone(), ns);
         observed.profiles = gp.list(&ListParams::default()).await?.items;
     }
@@ -141,11 +184,22 @@ async fn observe(mc: &ModelCache, ctx: &Context, ns: &str) -> Result<Observed, E
     let pod_api: Api<Pod> = Api::namespaced(client.clone(), ns);
     let status = mc.status.clone().unwrap_or_default();
     for j in &owned {
-        let Some(mut oj) = observe_job(j, &[]) else { continue };
+        let Some(mut oj) = observe_job(j, &[]) else {
+            continue;
+        };
         let recorded = match oj.phase {
-            JobPhase::Download => status.download.as_ref().and_then(|s| s.completed_at.clone()),
-            JobPhase::Abliterate => status.abliteration.as_ref().and_then(|s| s.completed_at.clone()),
-            JobPhase::Quantize => status.quantization.as_ref().and_then(|s| s.completed_at.clone()),
+            JobPhase::Download => status
+                .download
+                .as_ref()
+                .and_then(|s| s.completed_at.clone()),
+            JobPhase::Abliterate => status
+                .abliteration
+                .as_ref()
+                .and_then(|s| s.completed_at.clone()),
+            JobPhase::Quantize => status
+                .quantization
+                .as_ref()
+                .and_then(|s| s.completed_at.clone()),
             JobPhase::Publish => status.publish.as_ref().and_then(|s| s.completed_at.clone()),
         };
         let needs_pods = !oj.terminating
@@ -155,7 +209,10 @@ async fn observe(mc: &ModelCache, ctx: &Context, ns: &str) -> Result<Observed, E
             };
         if needs_pods {
             let pods = pod_api
-                .list(&ListParams::default().labels(&format!("batch.kubernetes.io/job-name={}", oj.name)))
+                .list(
+                    &ListParams::default()
+                        .labels(&format!("batch.kubernetes.io/job-name={}", oj.name)),
+                )
                 .await?
                 .items;
             if let Some(o) = observe_job(j, &pods) {
@@ -167,6 +224,10 @@ async fn observe(mc: &ModelCache, ctx: &Context, ns: &str) -> Result<Observed, E
                 (JobState::Failed { .. }, Some(p)) => p.termination_message.is_none(),
                 _ => false,
             };
+            // Running pods: at most one log read per half poll interval per cache (every Job
+            // status change triggers a reconcile; progress does not need them all).
+            let want_log = want_log
+                && (!matches!(oj.state, JobState::Active) || ctx.log_read_due(ns, &name));
             if want_log {
                 if let Some(p) = &oj.pod {
                     let lp = LogParams {
@@ -174,15 +235,26 @@ async fn observe(mc: &ModelCache, ctx: &Context, ns: &str) -> Result<Observed, E
                         tail_lines: Some(400),
                         ..Default::default()
                     };
-                    observed.log_tail = Some(pod_api.logs(&p.name, &lp).await.map_err(|e| e.to_string()));
+                    observed.log_tail =
+                        Some(pod_api.logs(&p.name, &lp).await.map_err(|e| e.to_string()));
                 }
             }
         }
         observed.jobs.insert(oj.phase, oj);
     }
+    // Once the download completed on it, the PVC exists; deletion checks again itself.
+    let downloaded = status
+        .download
+        .as_ref()
+        .is_some_and(|d| d.completed_at.is_some())
+        && status.claim_name.is_some();
     if mc.spec.existing_claim_name.is_none() {
-        let pvc: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
-        observed.pvc_exists = pvc.get_opt(&jobs::created_claim_name(&name)).await?.is_some();
+        observed.pvc_exists = if downloaded && mc.metadata.deletion_timestamp.is_none() {
+            true
+        } else {
+            let pvc: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
+            pvc.get_opt(&jobs::created_claim_name(&name)).await?.is_some()
+        };
     }
     Ok(observed)
 }
@@ -215,7 +287,15 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
                 let mut f = mc.finalizers().to_vec();
                 f.push(contract::FINALIZER_CLEANUP.to_string());
                 let patch = serde_json::json!({"metadata": {"finalizers": f, "resourceVersion": mc.resource_version()}});
-                caches.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+                match caches
+                    .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                {
+                    Ok(_) => {}
+                    // Our copy is stale (resourceVersion precondition): look again shortly.
+                    Err(kube::Error::Api(e)) if e.code == 409 => return Err(Error::Conflict),
+                    Err(e) => return Err(e.into()),
+                }
             }
             Action::RemoveFinalizer => {
                 let f: Vec<String> = mc
@@ -225,9 +305,13 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
                     .cloned()
                     .collect();
                 let patch = serde_json::json!({"metadata": {"finalizers": f, "resourceVersion": mc.resource_version()}});
-                match caches.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await {
+                match caches
+                    .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                {
                     Ok(_) => {}
                     Err(kube::Error::Api(e)) if e.code == 404 => {}
+                    Err(kube::Error::Api(e)) if e.code == 409 => return Err(Error::Conflict),
                     Err(e) => return Err(e.into()),
                 }
             }
@@ -240,10 +324,13 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
                 // Only a PVC this controller created (labels prove it).
                 if let Some(obj) = pvc_api.get_opt(pvc).await? {
                     let ours = obj.labels().get(labels::CACHE) == Some(&name)
-                        && obj.labels().get(labels::MANAGED_BY).map(String::as_str) == Some(labels::MANAGED_BY_VALUE);
+                        && obj.labels().get(labels::MANAGED_BY).map(String::as_str)
+                            == Some(labels::MANAGED_BY_VALUE);
                     if ours {
                         match pvc_api.delete(pvc, &DeleteParams::background()).await {
-                            Ok(_) => info!(cache = %name, namespace = %ns, pvc = %pvc, "deleted PVC"),
+                            Ok(_) => {
+                                info!(cache = %name, namespace = %ns, pvc = %pvc, "deleted PVC")
+                            }
                             Err(kube::Error::Api(e)) if e.code == 404 => {}
                             Err(e) => return Err(e.into()),
                         }
@@ -254,7 +341,9 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
                 let jname = job.metadata.name.clone().unwrap_or_default();
                 match job_api.create(&PostParams::default(), job).await {
                     Ok(_) => info!(cache = %name, namespace = %ns, job = %jname, "created Job"),
-                    Err(kube::Error::Api(e)) if e.code == 409 => debug!(job = %jname, "Job already exists"),
+                    Err(kube::Error::Api(e)) if e.code == 409 => {
+                        debug!(job = %jname, "Job already exists")
+                    }
                     Err(e) => return Err(e.into()),
                 }
             }
@@ -270,16 +359,34 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
                 }
             }
             Action::RemoveAnnotations(keys) => {
-                let m: BTreeMap<&str, Option<String>> = keys.iter().map(|k| (k.as_str(), None)).collect();
+                let m: BTreeMap<&str, Option<String>> =
+                    keys.iter().map(|k| (k.as_str(), None)).collect();
                 let patch = serde_json::json!({"metadata": {"annotations": m}});
-                caches.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+                caches
+                    .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await?;
             }
-            Action::Event { warning, reason, note } => events.push(Event {
-                type_: if *warning { EventType::Warning } else { EventType::Normal },
+            Action::Event {
+                warning,
+                reason,
+                note,
+                job,
+            } => events.push(Event {
+                type_: if *warning {
+                    EventType::Warning
+                } else {
+                    EventType::Normal
+                },
                 reason: reason.clone(),
                 note: Some(note.clone()),
                 action: "Reconcile".into(),
-                secondary: None,
+                secondary: job.as_ref().map(|j| ObjectReference {
+                    api_version: Some("batch/v1".into()),
+                    kind: Some("Job".into()),
+                    name: Some(j.clone()),
+                    namespace: Some(ns.to_string()),
+                    ..Default::default()
+                }),
             }),
         }
     }
@@ -290,7 +397,11 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
             "status": p.status,
         });
         caches
-            .patch_status(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch))
+            .patch_status(
+                &name,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(&patch),
+            )
             .await?;
     }
     let oref = mc.object_ref(&());
@@ -317,37 +428,58 @@ fn update_metrics(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) {
             .with_label_values(&[name.as_str(), ns, reason.as_str()])
             .inc();
         if *phase == JobPhase::Quantize {
-            m.quantization_jobs_total.with_label_values(&[name.as_str(), ns, "failed"]).inc();
+            m.quantization_jobs_total
+                .with_label_values(&[name.as_str(), ns, "failed"])
+                .inc();
         }
     }
     for phase in &p.outcome.completed {
         let jt = phase.status_name();
-        m.job_progress_percent.with_label_values(&[name.as_str(), ns, jt]).set(100.0);
+        m.job_progress_percent
+            .with_label_values(&[name.as_str(), ns, jt])
+            .set(100.0);
         if *phase == JobPhase::Quantize {
-            m.quantization_jobs_total.with_label_values(&[name.as_str(), ns, "succeeded"]).inc();
+            m.quantization_jobs_total
+                .with_label_values(&[name.as_str(), ns, "succeeded"])
+                .inc();
             if let Some(q) = &p.status.quantization {
                 if let Some(r) = q.compression_ratio {
-                    m.quantization_compression_ratio.with_label_values(&[name.as_str(), ns]).set(r);
+                    m.quantization_compression_ratio
+                        .with_label_values(&[name.as_str(), ns])
+                        .set(r);
                 }
                 if let (Some(s), Some(c)) = (&q.started_at, &q.completed_at) {
                     let secs = c.0.duration_since(s.0).as_secs_f64().max(0.0);
-                    m.quantization_duration_seconds.with_label_values(&[name.as_str(), ns]).observe(secs);
+                    m.quantization_duration_seconds
+                        .with_label_values(&[name.as_str(), ns])
+                        .observe(secs);
                 }
             }
         }
     }
     if let Some((phase, deadline, elapsed)) = p.outcome.running {
         let jt = phase.status_name();
-        m.job_deadline_seconds.with_label_values(&[name.as_str(), ns, jt]).set(deadline as f64);
-        m.job_elapsed_seconds.with_label_values(&[name.as_str(), ns, jt]).set(elapsed as f64);
+        m.job_deadline_seconds
+            .with_label_values(&[name.as_str(), ns, jt])
+            .set(deadline as f64);
+        m.job_elapsed_seconds
+            .with_label_values(&[name.as_str(), ns, jt])
+            .set(elapsed as f64);
         if let Some(pr) = p.status.progress {
-            m.job_progress_percent.with_label_values(&[name.as_str(), ns, jt]).set(pr as f64);
+            m.job_progress_percent
+                .with_label_values(&[name.as_str(), ns, jt])
+                .set(pr as f64);
         }
         if phase == JobPhase::Quantize {
             if let Some(t) = &p.outcome.telemetry {
                 if let Some(l) = t.layer {
-                    let prev = m.quantization_layer_index.with_label_values(&[name.as_str(), ns]).get();
-                    m.quantization_layer_index.with_label_values(&[name.as_str(), ns]).set(l);
+                    let prev = m
+                        .quantization_layer_index
+                        .with_label_values(&[name.as_str(), ns])
+                        .get();
+                    m.quantization_layer_index
+                        .with_label_values(&[name.as_str(), ns])
+                        .set(l);
                     if prev != l {
                         m.quantization_last_progress_timestamp
                             .with_label_values(&[name.as_str(), ns])
@@ -355,7 +487,9 @@ fn update_metrics(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) {
                     }
                 }
                 if let Some(l) = t.layers {
-                    m.quantization_layer_total.with_label_values(&[name.as_str(), ns]).set(l);
+                    m.quantization_layer_total
+                        .with_label_values(&[name.as_str(), ns])
+                        .set(l);
                 }
             }
         }

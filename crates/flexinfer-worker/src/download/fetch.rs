@@ -10,7 +10,7 @@ use flexinfer_api::contract::IntegrityFile;
 use futures::StreamExt;
 use reqwest::StatusCode;
 use sha2::{Digest, Sha256};
-use tokio::io::{AsyncSeekExt, AsyncWriteExt};
+use tokio::io::AsyncSeekExt;
 
 use super::RemoteFile;
 
@@ -74,7 +74,10 @@ pub struct FetchCtx {
 }
 
 fn part_path(dest: &Path) -> PathBuf {
-    let mut name = dest.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+    let mut name = dest
+        .file_name()
+        .map(|n| n.to_os_string())
+        .unwrap_or_default();
     name.push(".part");
     dest.with_file_name(name)
 }
@@ -116,7 +119,11 @@ fn io_err(what: &str, p: &Path, e: std::io::Error) -> FetchError {
 }
 
 /// Fetch `f` into `dir/f.path`, resuming from its `.part` file. Returns its integrity record.
-pub async fn fetch_file(ctx: &FetchCtx, dir: &Path, f: &RemoteFile) -> Result<IntegrityFile, FetchError> {
+pub async fn fetch_file(
+    ctx: &FetchCtx,
+    dir: &Path,
+    f: &RemoteFile,
+) -> Result<IntegrityFile, FetchError> {
     let dest = dir.join(&f.path);
     let part = part_path(&dest);
     if let Some(parent) = dest.parent() {
@@ -133,7 +140,11 @@ pub async fn fetch_file(ctx: &FetchCtx, dir: &Path, f: &RemoteFile) -> Result<In
                 .map_err(|e| io_err("hashing", &dest, e))?;
             if verify(f, &dest, &sha).await.is_ok() {
                 ctx.done.fetch_add(f.size, Ordering::Relaxed);
-                return Ok(IntegrityFile { name: f.path.clone(), size: f.size, sha256: sha });
+                return Ok(IntegrityFile {
+                    name: f.path.clone(),
+                    size: f.size,
+                    sha256: sha,
+                });
             }
         }
         tokio::fs::remove_file(&dest)
@@ -164,7 +175,11 @@ pub async fn fetch_file(ctx: &FetchCtx, dir: &Path, f: &RemoteFile) -> Result<In
                 tokio::fs::rename(&part, &dest)
                     .await
                     .map_err(|e| io_err("renaming", &part, e))?;
-                return Ok(IntegrityFile { name: f.path.clone(), size: f.size, sha256: sha });
+                return Ok(IntegrityFile {
+                    name: f.path.clone(),
+                    size: f.size,
+                    sha256: sha,
+                });
             }
             Err(FetchError::Retryable(msg)) => {
                 if counted > before {
@@ -179,7 +194,10 @@ pub async fn fetch_file(ctx: &FetchCtx, dir: &Path, f: &RemoteFile) -> Result<In
                 }
                 let delay = Duration::from_millis((250u64 << attempts.min(7)).min(30_000));
                 tracing::warn!(file = %f.path, attempt = attempts, error = %msg, "retrying");
-                eprintln!("retrying {} in {:?} (attempt {attempts}): {msg}", f.path, delay);
+                eprintln!(
+                    "retrying {} in {:?} (attempt {attempts}): {msg}",
+                    f.path, delay
+                );
                 tokio::time::sleep(delay).await;
             }
             Err(e) => return Err(e),
@@ -277,10 +295,9 @@ async fn download_once(
     if have > 0 {
         req = req.header(reqwest::header::RANGE, format!("bytes={have}-"));
     }
-    let resp = req
-        .send()
-        .await
-        .map_err(|e| FetchError::Retryable(format!("{}: request failed: {}", f.path, strip_url(&e))))?;
+    let resp = req.send().await.map_err(|e| {
+        FetchError::Retryable(format!("{}: request failed: {}", f.path, strip_url(&e)))
+    })?;
     let status = resp.status();
     match status {
         StatusCode::PARTIAL_CONTENT if have > 0 => {
@@ -311,44 +328,69 @@ async fn download_once(
         StatusCode::RANGE_NOT_SATISFIABLE => {
             set_len(&mut file, part, 0).await?;
             sync_counted(ctx, counted, 0);
-            return Err(FetchError::Retryable(format!("{}: range not satisfiable; restarting", f.path)));
+            return Err(FetchError::Retryable(format!(
+                "{}: range not satisfiable; restarting",
+                f.path
+            )));
         }
         s => return Err(http_error(&f.path, s, ctx.authorization.is_some())),
     }
-    let mut w = tokio::io::BufWriter::with_capacity(4 << 20, file);
+    // Receive on the runtime, hash and write on a blocking thread: the two overlap.
+    let (tx, rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(64);
+    let std_file = file.into_std().await;
+    let writer = tokio::task::spawn_blocking(move || write_chunks(std_file, hasher, rx));
     let mut stream = resp.bytes_stream();
     let mut pos = have;
+    let mut failure = None;
     while let Some(chunk) = stream.next().await {
         let chunk = match chunk {
             Ok(c) => c,
             Err(e) => {
-                w.flush().await.map_err(|e| io_err("writing", part, e))?;
-                return Err(FetchError::Retryable(format!(
+                failure = Some(FetchError::Retryable(format!(
                     "{}: connection dropped at byte {pos} of {}: {}",
                     f.path,
                     f.size,
                     strip_url(&e)
                 )));
+                break;
             }
         };
         if pos + chunk.len() as u64 > f.size {
-            drop(w);
-            let _ = tokio::fs::remove_file(part).await;
-            sync_counted(ctx, counted, 0);
-            return Err(FetchError::Retryable(format!(
+            failure = Some(FetchError::Retryable(format!(
                 "{}: server sent more than the listed {} bytes",
                 f.path, f.size
             )));
+            pos = 0;
+            break;
         }
-        hasher.update(&chunk);
-        w.write_all(&chunk).await.map_err(|e| io_err("writing", part, e))?;
         pos += chunk.len() as u64;
-        ctx.received.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+        ctx.received
+            .fetch_add(chunk.len() as u64, Ordering::Relaxed);
+        if tx.send(chunk).await.is_err() {
+            break; // the writer failed; its error is reported below
+        }
         sync_counted(ctx, counted, pos);
     }
-    w.flush().await.map_err(|e| io_err("writing", part, e))?;
-    let file = w.into_inner();
-    file.sync_all().await.map_err(|e| io_err("syncing", part, e))?;
+    drop(tx);
+    let written = writer
+        .await
+        .map_err(|e| FetchError::Failed(e.to_string()))
+        .and_then(|r| r.map_err(|e| io_err("writing", part, e)));
+    let hasher = match written {
+        Ok(h) => h,
+        Err(e) => {
+            sync_counted(ctx, counted, 0);
+            let _ = tokio::fs::remove_file(part).await;
+            return Err(e);
+        }
+    };
+    if let Some(e) = failure {
+        if pos == 0 {
+            let _ = tokio::fs::remove_file(part).await;
+            sync_counted(ctx, counted, 0);
+        }
+        return Err(e);
+    }
     if pos != f.size {
         return Err(FetchError::Retryable(format!(
             "{}: connection closed at byte {pos} of {}",
@@ -356,6 +398,23 @@ async fn download_once(
         )));
     }
     Ok(hex::encode(hasher.finalize()))
+}
+
+/// The blocking half of a transfer: hash and append every chunk, then flush and fsync.
+fn write_chunks(
+    file: std::fs::File,
+    mut hasher: Sha256,
+    mut rx: tokio::sync::mpsc::Receiver<bytes::Bytes>,
+) -> std::io::Result<Sha256> {
+    use std::io::Write;
+    let mut w = std::io::BufWriter::with_capacity(4 << 20, file);
+    while let Some(chunk) = rx.blocking_recv() {
+        hasher.update(&chunk);
+        w.write_all(&chunk)?;
+    }
+    let file = w.into_inner().map_err(|e| e.into_error())?;
+    file.sync_all()?;
+    Ok(hasher)
 }
 
 /// `local://` sources: copy into the `.part` file while hashing.
@@ -394,7 +453,9 @@ async fn copy_local(
 }
 
 async fn set_len(file: &mut tokio::fs::File, part: &Path, len: u64) -> Result<(), FetchError> {
-    file.set_len(len).await.map_err(|e| io_err("truncating", part, e))?;
+    file.set_len(len)
+        .await
+        .map_err(|e| io_err("truncating", part, e))?;
     file.seek(std::io::SeekFrom::Start(len))
         .await
         .map_err(|e| io_err("seeking", part, e))?;
@@ -447,7 +508,10 @@ mod tests {
             http_error("x", StatusCode::UNAUTHORIZED, false),
             FetchError::Fatal(m) if m.contains("HF_TOKEN")
         ));
-        assert!(matches!(http_error("x", StatusCode::NOT_FOUND, true), FetchError::Fatal(_)));
+        assert!(matches!(
+            http_error("x", StatusCode::NOT_FOUND, true),
+            FetchError::Fatal(_)
+        ));
         assert!(matches!(
             http_error("x", StatusCode::BAD_GATEWAY, true),
             FetchError::Retryable(_)

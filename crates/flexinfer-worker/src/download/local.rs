@@ -21,9 +21,16 @@ pub async fn run(
         ))
     })?;
     let root = std::fs::canonicalize(root).map_err(|e| {
-        WorkerError::BadInput(format!("local source root {} is not usable: {e}", root.display()))
+        WorkerError::BadInput(format!(
+            "local source root {} is not usable: {e}",
+            root.display()
+        ))
     })?;
-    let candidate = if Path::new(path).is_absolute() { PathBuf::from(path) } else { root.join(path) };
+    let candidate = if Path::new(path).is_absolute() {
+        PathBuf::from(path)
+    } else {
+        root.join(path)
+    };
     let src = std::fs::canonicalize(&candidate).map_err(|e| {
         WorkerError::BadInput(format!("local source {path:?} is not readable: {e}"))
     })?;
@@ -34,7 +41,9 @@ pub async fn run(
         )));
     }
     if !src.is_dir() {
-        return Err(WorkerError::BadInput(format!("local source {path:?} is not a directory")));
+        return Err(WorkerError::BadInput(format!(
+            "local source {path:?} is not a directory"
+        )));
     }
     let filter = PatternFilter::new(&args.allow_patterns, &args.ignore_patterns)?;
     let src2 = src.clone();
@@ -45,7 +54,16 @@ pub async fn run(
     let files = select(listed, &filter)?;
     let ctx = new_ctx(super::http_client(false)?, None, args.retries);
     let revision = "local".to_string();
-    fetch_all(args, events, &ctx, &format!("local://{path}"), &revision, files).await
+    fetch_all(
+        args,
+        &args.model_dir,
+        events,
+        &ctx,
+        &format!("local://{path}"),
+        &revision,
+        files,
+    )
+    .await
 }
 
 /// Every regular file under `src` (skipping our markers, partial files and derived artifacts),

@@ -3,9 +3,9 @@
 
 use std::path::Path;
 
-use flexinfer_api::contract::{self, files, IntegrityFile, SourceIntegrity};
+use flexinfer_api::contract::{self, files, SourceIntegrity};
 
-use super::fetch::{git_blob_sha1, FetchError};
+use super::fetch::git_blob_sha1;
 use super::RemoteFile;
 use crate::common::{write_atomic, Events, WorkerError};
 
@@ -13,10 +13,13 @@ use crate::common::{write_atomic, Events, WorkerError};
 /// resumed). Not part of the controller contract.
 pub const IN_PROGRESS: &str = ".download-in-progress.json";
 
-#[derive(serde::Serialize, serde::Deserialize, PartialEq)]
+#[derive(serde::Serialize, serde::Deserialize)]
 struct InProgress {
     source: String,
     revision: String,
+    /// Files the interrupted run was fetching (removed if the next run's source lacks them).
+    #[serde(default)]
+    files: Vec<String>,
 }
 
 /// The previous `.source-integrity.json`, if readable.
@@ -63,7 +66,9 @@ fn same_files(prev: &SourceIntegrity, remote: &[RemoteFile]) -> bool {
     prev.files.len() == remote.len()
         && remote.iter().all(|f| {
             prev.files.iter().any(|p| {
-                p.name == f.path && p.size == f.size && f.sha256.as_ref().is_none_or(|s| *s == p.sha256)
+                p.name == f.path
+                    && p.size == f.size
+                    && f.sha256.as_ref().is_none_or(|s| *s == p.sha256)
             })
         })
 }
@@ -79,16 +84,32 @@ pub fn invalidate(
     remote: &[RemoteFile],
     events: &Events,
 ) -> std::io::Result<()> {
-    let now = InProgress { source: source.into(), revision: revision.into() };
+    let now = InProgress {
+        source: source.into(),
+        revision: revision.into(),
+        files: remote.iter().map(|f| f.path.clone()).collect(),
+    };
     let in_progress: Option<InProgress> = std::fs::read_to_string(dir.join(IN_PROGRESS))
         .ok()
         .and_then(|t| serde_json::from_str(&t).ok());
-    if in_progress.as_ref().is_some_and(|p| *p != now) {
-        events.log("partial files belong to another source or revision; discarding them");
+    if let Some(p) = in_progress.filter(|p| p.source != source || p.revision != revision) {
+        events.log(&format!(
+            "an interrupted download of {}@{} is replaced by {source}@{revision}; discarding its files",
+            p.source, p.revision
+        ));
         remove_part_files(dir)?;
+        reset_derived(dir)?;
+        for name in &p.files {
+            if contract::check_relative_path(name).is_ok()
+                && !remote.iter().any(|f| f.path == *name)
+            {
+                remove_if_exists(&dir.join(name))?;
+            }
+        }
     }
     if let Some(prev) = prev {
-        let changed = prev.source != source || prev.revision != revision || !same_files(prev, remote);
+        let changed =
+            prev.source != source || prev.revision != revision || !same_files(prev, remote);
         if changed {
             events.log(&format!(
                 "source changed ({}@{} -> {source}@{revision}); resetting derived artifacts",
@@ -168,7 +189,9 @@ pub fn bytes_needed(dir: &Path, remote: &[RemoteFile]) -> u64 {
                 _ => {
                     let mut part = dest.into_os_string();
                     part.push(".part");
-                    std::fs::metadata(&part).map(|m| m.len().min(f.size)).unwrap_or(0)
+                    std::fs::metadata(&part)
+                        .map(|m| m.len().min(f.size))
+                        .unwrap_or(0)
                 }
             };
             f.size - have
@@ -222,19 +245,11 @@ pub fn write_markers(dir: &Path, integrity: &SourceIntegrity) -> std::io::Result
         "revision": integrity.revision,
         "files": integrity.files.len(),
     });
-    write_atomic(&dir.join(files::DOWNLOAD_COMPLETE), done.to_string().as_bytes())?;
+    write_atomic(
+        &dir.join(files::DOWNLOAD_COMPLETE),
+        done.to_string().as_bytes(),
+    )?;
     remove_if_exists(&dir.join(IN_PROGRESS))
-}
-
-/// Used by `local://`: the integrity entry of a file on disk.
-pub fn integrity_of(dir: &Path, name: &str) -> Result<IntegrityFile, FetchError> {
-    let p = dir.join(name);
-    let size = std::fs::metadata(&p)
-        .map_err(|e| FetchError::Failed(format!("{}: {e}", p.display())))?
-        .len();
-    let sha256 = super::fetch::sha256_file(&p)
-        .map_err(|e| FetchError::Failed(format!("hashing {}: {e}", p.display())))?;
-    Ok(IntegrityFile { name: name.to_string(), size, sha256 })
 }
 
 #[cfg(test)]
@@ -256,7 +271,12 @@ mod tests {
     fn reset_removes_only_derived() {
         let d = tempfile::tempdir().unwrap();
         let p = d.path();
-        for sub in ["abliterated", ".flexinfer-gptq-cache/layers", "gptq-w4-g128", "keep"] {
+        for sub in [
+            "abliterated",
+            ".flexinfer-gptq-cache/layers",
+            "gptq-w4-g128",
+            "keep",
+        ] {
             std::fs::create_dir_all(p.join(sub)).unwrap();
         }
         std::fs::write(p.join(".abliteration-status.json"), "{}").unwrap();

@@ -118,7 +118,12 @@ pub struct HubState {
 
 impl HubState {
     pub fn requests(&self, path: &str) -> Vec<Seen> {
-        self.seen.lock().unwrap().get(path).cloned().unwrap_or_default()
+        self.seen
+            .lock()
+            .unwrap()
+            .get(path)
+            .cloned()
+            .unwrap_or_default()
     }
     pub fn total_file_requests(&self) -> usize {
         self.seen.lock().unwrap().values().map(Vec::len).sum()
@@ -139,7 +144,12 @@ pub fn describe(dir: &Path) -> Vec<ServedFile> {
                 walk(root, &e.path(), out);
                 continue;
             }
-            let rel = e.path().strip_prefix(root).unwrap().to_string_lossy().to_string();
+            let rel = e
+                .path()
+                .strip_prefix(root)
+                .unwrap()
+                .to_string_lossy()
+                .to_string();
             let size = e.metadata().unwrap().len();
             out.push(ServedFile {
                 lfs: rel.ends_with(".safetensors") || size >= 1 << 20,
@@ -181,12 +191,16 @@ impl HubServer {
             .enable_all()
             .build()
             .unwrap();
-        let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+        let listener = rt
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
         let addr = listener.local_addr().unwrap();
         let st = state.clone();
         rt.spawn(async move {
             loop {
-                let Ok((stream, _)) = listener.accept().await else { continue };
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
                 let st = st.clone();
                 tokio::spawn(async move {
                     let svc = hyper::service::service_fn(move |req| handle(st.clone(), req));
@@ -196,7 +210,11 @@ impl HubServer {
                 });
             }
         });
-        HubServer { addr, state, _rt: rt }
+        HubServer {
+            addr,
+            state,
+            _rt: rt,
+        }
     }
 
     pub fn endpoint(&self) -> String {
@@ -207,7 +225,11 @@ impl HubServer {
 type Body = BoxBody<Bytes, std::io::Error>;
 
 fn text(status: StatusCode, msg: &str) -> Response<Body> {
-    let mut r = Response::new(Full::new(Bytes::from(msg.to_string())).map_err(|e| match e {}).boxed());
+    let mut r = Response::new(
+        Full::new(Bytes::from(msg.to_string()))
+            .map_err(|e| match e {})
+            .boxed(),
+    );
     *r.status_mut() = status;
     r
 }
@@ -230,7 +252,36 @@ fn decode(s: &str) -> String {
     String::from_utf8(out).unwrap()
 }
 
-async fn handle(st: Arc<HubState>, req: Request<hyper::body::Incoming>) -> Result<Response<Body>, Infallible> {
+/// Revision key of a tree listing: `rev` for the model, `dataset:<id>@<rev>` for datasets.
+fn listing_key(repo: &str, path: &str) -> Option<String> {
+    if let Some(rest) = path.strip_prefix(&format!("/api/models/{repo}/tree/")) {
+        return Some(decode(rest));
+    }
+    let rest = path.strip_prefix("/api/datasets/")?;
+    let (ds, rev) = rest.split_once("/tree/")?;
+    Some(format!("dataset:{ds}@{}", decode(rev)))
+}
+
+/// (revision key, recorded name, file path inside the repo) of a resolve URL.
+fn resolve_parts(repo: &str, path: &str) -> Option<(String, String, String)> {
+    if let Some(rest) = path.strip_prefix(&format!("/{repo}/resolve/")) {
+        let (rev, file) = rest.split_once('/')?;
+        return Some((decode(rev), decode(file), decode(file)));
+    }
+    let rest = path.strip_prefix("/datasets/")?;
+    let (ds, rest) = rest.split_once("/resolve/")?;
+    let (rev, file) = rest.split_once('/')?;
+    Some((
+        format!("dataset:{ds}@{}", decode(rev)),
+        format!("datasets/{ds}/{}", decode(file)),
+        decode(file),
+    ))
+}
+
+async fn handle(
+    st: Arc<HubState>,
+    req: Request<hyper::body::Incoming>,
+) -> Result<Response<Body>, Infallible> {
     let path = req.uri().path().to_string();
     let token = st.faults.lock().unwrap().token.clone();
     if let Some(t) = token {
@@ -240,16 +291,20 @@ async fn handle(st: Arc<HubState>, req: Request<hyper::body::Incoming>) -> Resul
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v == format!("Bearer {t}"));
         if !ok {
-            return Ok(text(StatusCode::UNAUTHORIZED, "{\"error\":\"Invalid credentials\"}"));
+            return Ok(text(
+                StatusCode::UNAUTHORIZED,
+                "{\"error\":\"Invalid credentials\"}",
+            ));
         }
     }
-    let api_prefix = format!("/api/models/{}/tree/", st.repo);
-    if let Some(rest) = path.strip_prefix(&api_prefix) {
+    if let Some(rev) = listing_key(&st.repo, &path) {
         *st.listings.lock().unwrap() += 1;
-        let rev = decode(rest);
         let revs = st.revisions.lock().unwrap();
         let Some(files) = revs.get(&rev) else {
-            return Ok(text(StatusCode::NOT_FOUND, "{\"error\":\"Invalid rev id\"}"));
+            return Ok(text(
+                StatusCode::NOT_FOUND,
+                "{\"error\":\"Invalid rev id\"}",
+            ));
         };
         let list: Vec<serde_json::Value> = files
             .iter()
@@ -265,31 +320,42 @@ async fn handle(st: Arc<HubState>, req: Request<hyper::body::Incoming>) -> Resul
             .collect();
         return Ok(text(StatusCode::OK, &serde_json::to_string(&list).unwrap()));
     }
-    let resolve_prefix = format!("/{}/resolve/", st.repo);
-    let Some(rest) = path.strip_prefix(&resolve_prefix) else {
-        return Ok(text(StatusCode::NOT_FOUND, "{\"error\":\"Repository not found\"}"));
+    let Some((rev, file, lookup)) = resolve_parts(&st.repo, &path) else {
+        return Ok(text(
+            StatusCode::NOT_FOUND,
+            "{\"error\":\"Repository not found\"}",
+        ));
     };
-    let Some((rev, file)) = rest.split_once('/') else {
-        return Ok(text(StatusCode::NOT_FOUND, "not found"));
-    };
-    let (rev, file) = (decode(rev), decode(file));
     let range_start = req
         .headers()
         .get("range")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("bytes="))
         .and_then(|v| v.trim_end_matches('-').parse::<u64>().ok());
-    let served = st.revisions.lock().unwrap().get(&rev).and_then(|fs| fs.iter().find(|f| f.path == file).cloned());
+    let served = st
+        .revisions
+        .lock()
+        .unwrap()
+        .get(&rev)
+        .and_then(|fs| fs.iter().find(|f| f.path == lookup).cloned());
     let record = |status: u16| {
-        st.seen.lock().unwrap().entry(file.clone()).or_default().push(Seen {
-            revision: rev.clone(),
-            range_start,
-            status,
-        });
+        st.seen
+            .lock()
+            .unwrap()
+            .entry(file.clone())
+            .or_default()
+            .push(Seen {
+                revision: rev.clone(),
+                range_start,
+                status,
+            });
     };
     let Some(f) = served else {
         record(404);
-        return Ok(text(StatusCode::NOT_FOUND, "{\"error\":\"Entry not found\"}"));
+        return Ok(text(
+            StatusCode::NOT_FOUND,
+            "{\"error\":\"Entry not found\"}",
+        ));
     };
     {
         let mut faults = st.faults.lock().unwrap();
@@ -305,20 +371,28 @@ async fn handle(st: Arc<HubState>, req: Request<hyper::body::Incoming>) -> Resul
     let start = range_start.unwrap_or(0).min(f.size);
     let (drop_at, corrupt, throttle) = {
         let mut faults = st.faults.lock().unwrap();
-        (faults.drop_once_at.remove(&file), faults.corrupt.contains(&file), faults.throttle)
+        (
+            faults.drop_once_at.remove(&file),
+            faults.corrupt.contains(&file),
+            faults.throttle,
+        )
     };
     let status = if range_start.is_some() { 206 } else { 200 };
     record(status);
     let corrupt_at = if corrupt { Some(f.size / 2) } else { None };
     let body = file_stream(f.disk.clone(), start, f.size, drop_at, corrupt_at, throttle);
     let mut resp = Response::new(body);
-    resp.headers_mut().insert("content-length", (f.size - start).into());
-    resp.headers_mut().insert("accept-ranges", "bytes".parse().unwrap());
+    resp.headers_mut()
+        .insert("content-length", (f.size - start).into());
+    resp.headers_mut()
+        .insert("accept-ranges", "bytes".parse().unwrap());
     if range_start.is_some() {
         *resp.status_mut() = StatusCode::PARTIAL_CONTENT;
         resp.headers_mut().insert(
             "content-range",
-            format!("bytes {start}-{}/{}", f.size.saturating_sub(1), f.size).parse().unwrap(),
+            format!("bytes {start}-{}/{}", f.size.saturating_sub(1), f.size)
+                .parse()
+                .unwrap(),
         );
     }
     Ok(resp)
@@ -339,34 +413,40 @@ fn file_stream(
     }
     let mut f = std::fs::File::open(&disk).unwrap();
     f.seek(std::io::SeekFrom::Start(start)).unwrap();
-    let stream = futures::stream::unfold(St { f: Some(f), pos: start }, move |mut s| async move {
-        let file = s.f.as_mut()?;
-        if s.pos >= end {
-            return None;
-        }
-        if let Some(d) = drop_at {
-            if s.pos >= d {
-                s.f = None;
-                return Some((Err(std::io::Error::other("injected connection drop")), s));
+    let stream = futures::stream::unfold(
+        St {
+            f: Some(f),
+            pos: start,
+        },
+        move |mut s| async move {
+            let file = s.f.as_mut()?;
+            if s.pos >= end {
+                return None;
             }
-        }
-        let mut n = (256 * 1024u64).min(end - s.pos);
-        if let Some(d) = drop_at.filter(|d| *d > s.pos) {
-            n = n.min(d - s.pos);
-        }
-        let mut buf = vec![0u8; n as usize];
-        file.read_exact(&mut buf).unwrap();
-        if let Some(c) = corrupt_at {
-            if c >= s.pos && c < s.pos + n {
-                buf[(c - s.pos) as usize] ^= 0xFF;
+            if let Some(d) = drop_at {
+                if s.pos >= d {
+                    s.f = None;
+                    return Some((Err(std::io::Error::other("injected connection drop")), s));
+                }
             }
-        }
-        if let Some(bps) = throttle {
-            tokio::time::sleep(Duration::from_secs_f64(n as f64 / bps as f64)).await;
-        }
-        s.pos += n;
-        Some((Ok(Frame::data(Bytes::from(buf))), s))
-    });
+            let mut n = (256 * 1024u64).min(end - s.pos);
+            if let Some(d) = drop_at.filter(|d| *d > s.pos) {
+                n = n.min(d - s.pos);
+            }
+            let mut buf = vec![0u8; n as usize];
+            file.read_exact(&mut buf).unwrap();
+            if let Some(c) = corrupt_at {
+                if c >= s.pos && c < s.pos + n {
+                    buf[(c - s.pos) as usize] ^= 0xFF;
+                }
+            }
+            if let Some(bps) = throttle {
+                tokio::time::sleep(Duration::from_secs_f64(n as f64 / bps as f64)).await;
+            }
+            s.pos += n;
+            Some((Ok(Frame::data(Bytes::from(buf))), s))
+        },
+    );
     StreamBody::new(stream).boxed()
 }
 
@@ -379,13 +459,23 @@ pub fn fixture() -> &'static Vec<ServedFile> {
         let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("flexinfer-transfer-fixture-v1");
         let big = dir.join("model-00001-of-00002.safetensors");
         let big_size = 210u64 << 20;
-        if std::fs::metadata(&big).map(|m| m.len()).ok() != Some(big_size) || !dir.join("README.md").exists() {
+        if std::fs::metadata(&big).map(|m| m.len()).ok() != Some(big_size)
+            || !dir.join("README.md").exists()
+        {
             let _ = std::fs::remove_dir_all(&dir);
             write_data(&big, big_size, 1);
             write_data(&dir.join("model-00002-of-00002.safetensors"), 6 << 20, 2);
-            std::fs::write(dir.join("config.json"), r#"{"architectures":["LlamaForCausalLM"],"hidden_size":64}"#).unwrap();
+            std::fs::write(
+                dir.join("config.json"),
+                r#"{"architectures":["LlamaForCausalLM"],"hidden_size":64}"#,
+            )
+            .unwrap();
             std::fs::create_dir_all(dir.join("tokenizer")).unwrap();
-            std::fs::write(dir.join("tokenizer/tokenizer.json"), r#"{"model":{"type":"BPE"}}"#).unwrap();
+            std::fs::write(
+                dir.join("tokenizer/tokenizer.json"),
+                r#"{"model":{"type":"BPE"}}"#,
+            )
+            .unwrap();
             write_data(&dir.join("tokenizer/vocab.txt"), 300_000, 3);
             std::fs::write(dir.join("README.md"), "# test model\n").unwrap();
         }
@@ -422,9 +512,25 @@ pub fn worker(sub: &str, scratch: &Path) -> Command {
     let mut c = Command::new(WORKER);
     c.arg(sub);
     for k in [
-        "SOURCE", "REVISION", "REPO_TYPE", "ALLOW_PATTERNS", "IGNORE_PATTERNS", "MODEL_DIR", "OUT_DIR", "HF_TOKEN",
-        "HF_ENDPOINT", "OCI_REF", "OCI_TAG_POLICY", "OCI_ADDITIONAL_TAGS", "OCI_INSECURE", "OCI_USERNAME",
-        "OCI_PASSWORD", "DOCKER_CONFIG_JSON", "FLEXINFER_SCRIPT_VERSION", "FLEXINFER_LOCAL_SOURCE_ROOT",
+        "SOURCE",
+        "REVISION",
+        "REPO_TYPE",
+        "DATASET",
+        "ALLOW_PATTERNS",
+        "IGNORE_PATTERNS",
+        "MODEL_DIR",
+        "OUT_DIR",
+        "HF_TOKEN",
+        "HF_ENDPOINT",
+        "OCI_REF",
+        "OCI_TAG_POLICY",
+        "OCI_ADDITIONAL_TAGS",
+        "OCI_INSECURE",
+        "OCI_USERNAME",
+        "OCI_PASSWORD",
+        "DOCKER_CONFIG_JSON",
+        "FLEXINFER_SCRIPT_VERSION",
+        "FLEXINFER_LOCAL_SOURCE_ROOT",
     ] {
         c.env_remove(k);
     }
@@ -461,7 +567,12 @@ pub fn tree(dir: &Path, skip: &[&str]) -> BTreeMap<String, String> {
             if e.file_type().unwrap().is_dir() {
                 walk(root, &e.path(), skip, out);
             } else {
-                let rel = e.path().strip_prefix(root).unwrap().to_string_lossy().to_string();
+                let rel = e
+                    .path()
+                    .strip_prefix(root)
+                    .unwrap()
+                    .to_string_lossy()
+                    .to_string();
                 out.insert(rel, sha256_of(&e.path()));
             }
         }

@@ -18,6 +18,15 @@ pub struct Registry {
 
 impl Registry {
     pub fn start() -> Registry {
+        Registry::start_inner(None)
+    }
+
+    /// A registry that requires HTTP Basic auth (htpasswd, bcrypt) for `user`/`password`.
+    pub fn start_with_auth(user: &str, password: &str) -> Registry {
+        Registry::start_inner(Some((user, password)))
+    }
+
+    fn start_inner(auth: Option<(&str, &str)>) -> Registry {
         assert!(
             Path::new(REGISTRY_BIN).is_file(),
             "{REGISTRY_BIN} is missing: these tests need a real OCI registry. Install Debian's \
@@ -25,7 +34,11 @@ impl Registry {
              the system service does not need to run."
         );
         let dir = tempfile::tempdir().unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
         let addr = format!("127.0.0.1:{port}");
         let config = dir.path().join("config.yml");
         std::fs::write(
@@ -36,6 +49,19 @@ impl Registry {
             ),
         )
         .unwrap();
+        if let Some((user, password)) = auth {
+            let hash = bcrypt::hash_with_result(password, 4)
+                .unwrap()
+                .format_for_version(bcrypt::Version::TwoA);
+            let htpasswd = dir.path().join("htpasswd");
+            std::fs::write(&htpasswd, format!("{user}:{hash}\n")).unwrap();
+            let mut text = std::fs::read_to_string(&config).unwrap();
+            text.push_str(&format!(
+                "auth:\n  htpasswd:\n    realm: test-realm\n    path: {}\n",
+                htpasswd.display()
+            ));
+            std::fs::write(&config, text).unwrap();
+        }
         let log = dir.path().join("registry.log");
         let out = std::fs::File::create(&log).unwrap();
         let child = Command::new(REGISTRY_BIN)
@@ -45,7 +71,12 @@ impl Registry {
             .stderr(Stdio::from(out))
             .spawn()
             .expect("start docker-registry");
-        let mut reg = Registry { addr, log, child, _dir: dir };
+        let mut reg = Registry {
+            addr,
+            log,
+            child,
+            _dir: dir,
+        };
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             if let Ok(mut s) = std::net::TcpStream::connect(&reg.addr) {
@@ -53,14 +84,19 @@ impl Registry {
                 let _ = write!(s, "GET /v2/ HTTP/1.0\r\n\r\n");
                 let mut buf = String::new();
                 let _ = s.read_to_string(&mut buf);
-                if buf.starts_with("HTTP/1.0 200") || buf.starts_with("HTTP/1.1 200") {
+                let code = buf.split_whitespace().nth(1).unwrap_or("");
+                if code == "200" || (auth.is_some() && code == "401") {
                     break;
                 }
             }
             if let Ok(Some(st)) = reg.child.try_wait() {
                 panic!("docker-registry exited ({st}): {}", reg.log_text());
             }
-            assert!(Instant::now() < deadline, "docker-registry did not come up: {}", reg.log_text());
+            assert!(
+                Instant::now() < deadline,
+                "docker-registry did not come up: {}",
+                reg.log_text()
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
         reg
@@ -75,10 +111,15 @@ impl Registry {
     pub fn uploaded_digests(&self) -> Vec<String> {
         self.log_text()
             .lines()
-            .filter(|l| l.contains("\"PUT /v2/") && l.contains("/blobs/uploads/") && l.contains("\" 201 "))
+            .filter(|l| {
+                l.contains("\"PUT /v2/") && l.contains("/blobs/uploads/") && l.contains("\" 201 ")
+            })
             .filter_map(|l| {
                 let i = l.find("digest=")? + "digest=".len();
-                let d: String = l[i..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '%' || *c == ':').collect();
+                let d: String = l[i..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '%' || *c == ':')
+                    .collect();
                 Some(d.replace("%3A", ":").replace("%3a", ":"))
             })
             .collect()
@@ -96,8 +137,15 @@ impl Registry {
         .unwrap();
         let mut buf = String::new();
         s.read_to_string(&mut buf).unwrap();
-        let status = buf.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-        let body = buf.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+        let status = buf
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let body = buf
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or_default();
         (status, body)
     }
 
@@ -105,7 +153,14 @@ impl Registry {
         let (st, body) = self.get(&format!("/v2/{repo}/tags/list"));
         assert_eq!(st, 200, "{body}");
         let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-        let mut t: Vec<String> = v["tags"].as_array().map(|a| a.iter().filter_map(|x| x.as_str().map(String::from)).collect()).unwrap_or_default();
+        let mut t: Vec<String> = v["tags"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|x| x.as_str().map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default();
         t.sort();
         t
     }

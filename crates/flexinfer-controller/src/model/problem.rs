@@ -1,0 +1,116 @@
+//! Why a Model is not deployed, and how its artifact source reads in the `Cached` condition.
+
+use flexinfer_api::conditions::types;
+use flexinfer_api::model::ModelPhase;
+
+/// Why a Model is not deployed (or not updated).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigProblem {
+    #[error("{0}")]
+    InvalidSource(String),
+    #[error(
+        "Model name {0:?} must be a DNS-1035 label of at most 63 characters (it names the Service)"
+    )]
+    InvalidName(String),
+    #[error(
+        "backend {backend} cannot serve {format} artifacts; {format} is served by {supported}"
+    )]
+    BackendUnsupported {
+        format: &'static str,
+        backend: &'static str,
+        supported: String,
+    },
+    #[error("spec.config.quantization is {model} but ModelCache {cache_name} produces {cache}")]
+    QuantizationMismatch {
+        model: &'static str,
+        cache: &'static str,
+        cache_name: String,
+    },
+    #[error("{0}")]
+    SourceUnsupported(String),
+    #[error("{0}")]
+    GpuProfileNotFound(String),
+    #[error("ModelCache {0} not found in this namespace")]
+    CacheNotFound(String),
+    #[error("ModelCache {name} is {phase}, not Ready; the Model is deployed once it is")]
+    CacheNotReady { name: String, phase: String },
+    #[error("{0}")]
+    CachePathInvalid(String),
+    #[error("cannot build the Deployment: {0}")]
+    Invalid(String),
+}
+
+impl ConfigProblem {
+    /// Condition type the problem is reported on.
+    pub fn condition_type(&self) -> &'static str {
+        match self {
+            ConfigProblem::CacheNotFound(_)
+            | ConfigProblem::CacheNotReady { .. }
+            | ConfigProblem::CachePathInvalid(_) => types::CACHED,
+            _ => types::CONFIG_VALID,
+        }
+    }
+
+    /// Condition reason.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            ConfigProblem::InvalidSource(_) => "InvalidSource",
+            ConfigProblem::InvalidName(_) => "InvalidName",
+            ConfigProblem::BackendUnsupported { .. } => {
+                flexinfer_api::contract::reasons::BACKEND_UNSUPPORTED
+            }
+            ConfigProblem::QuantizationMismatch { .. } => "QuantizationMismatch",
+            ConfigProblem::SourceUnsupported(_) => "SourceUnsupported",
+            ConfigProblem::GpuProfileNotFound(_) => "GPUProfileNotFound",
+            ConfigProblem::CacheNotFound(_) => "CacheNotFound",
+            ConfigProblem::CacheNotReady { .. } => {
+                flexinfer_api::contract::reasons::CACHE_NOT_READY
+            }
+            ConfigProblem::CachePathInvalid(_) => "CachePathInvalid",
+            ConfigProblem::Invalid(_) => "InvalidSpec",
+        }
+    }
+
+    /// Phase of a Model with this problem: waiting for a cache is `Pending`, the rest `Failed`.
+    pub fn phase(&self) -> ModelPhase {
+        if self.condition_type() == types::CACHED {
+            ModelPhase::Pending
+        } else {
+            ModelPhase::Failed
+        }
+    }
+}
+
+/// How the `Cached` condition should read for a rendered Model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CachedState {
+    /// Hub source: the backend downloads it; no `Cached` condition.
+    NotApplicable,
+    /// `pvc://` source.
+    Pvc,
+    /// `modelcache://` source that is Ready.
+    CacheReady { name: String },
+    /// The cache is being re-processed; the previously served artifact stays in service.
+    ServingPrevious { name: String, phase: String },
+}
+
+impl CachedState {
+    /// `(status, reason, message)`; `None` = no condition.
+    pub fn condition(&self, served_path: Option<&str>) -> Option<(bool, &'static str, String)> {
+        let path = served_path.unwrap_or("");
+        match self {
+            CachedState::NotApplicable => None,
+            CachedState::Pvc => Some((true, "PVCSource", format!("artifact on PVC {path}"))),
+            CachedState::CacheReady { name } => Some((
+                true,
+                "CacheReady",
+                format!("ModelCache {name} is Ready; serving {path}"),
+            )),
+            CachedState::ServingPrevious { name, phase } => Some((
+                false,
+                flexinfer_api::contract::reasons::CACHE_NOT_READY,
+                format!("ModelCache {name} is {phase}; still serving the previous artifact {path}"),
+            )),
+        }
+    }
+}

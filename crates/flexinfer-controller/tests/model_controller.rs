@@ -1,0 +1,1274 @@
+//! Model controller on the real control plane (cluster mode: kube-controller-manager, scheduler
+//! and kwok nodes, so Deployments get pods that become Ready). Each test runs the controller
+//! in-process, scoped to its own namespace, and deletes the namespace at the end.
+//!
+//! Needs `KUBECONFIG` from `scripts/testenv/up.sh cluster` (`make test` sets it up).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use flexinfer_api::conditions::{self, types};
+use flexinfer_api::contract::{annotations, labels, model_reasons, serving};
+use flexinfer_api::model::ModelPhase;
+use flexinfer_api::{GPUProfile, Model, ModelCache};
+use flexinfer_controller::metrics::Metrics;
+use flexinfer_controller::model::{self, render::RenderConfig, Options};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{
+    Container, Namespace, PersistentVolume, PersistentVolumeClaim, Pod, Service,
+};
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::wait::{await_condition, conditions::is_crd_established};
+use kube::{Client, Resource, ResourceExt};
+use serde_json::{json, Value};
+
+const MANAGER: &str = "flexinfer-model-tests";
+const WAIT: Duration = Duration::from_secs(90);
+
+struct TestEnv {
+    client: Client,
+    ns: String,
+    metrics: Metrics,
+    controller: tokio::task::JoinHandle<()>,
+    pvs: Vec<String>,
+}
+
+async fn client() -> Client {
+    if std::env::var_os("KUBECONFIG").is_none() {
+        panic!(
+            "KUBECONFIG is not set: these tests need the local control plane in cluster mode. Run `make test`, \
+             or `eval $(TESTENV_BIN=… scripts/testenv/up.sh cluster)` first."
+        );
+    }
+    Client::try_default()
+        .await
+        .unwrap_or_else(|e| panic!("cannot build a client from KUBECONFIG: {e}"))
+}
+
+async fn install_crds(client: &Client) {
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    for (_, crd) in flexinfer_api::crdgen::crds() {
+        let name = crd.name_any();
+        api.patch(
+            &name,
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(&crd),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("apply CRD {name}: {e}"));
+        tokio::time::timeout(
+            WAIT,
+            await_condition(api.clone(), &name, is_crd_established()),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("CRD {name} not established"))
+        .unwrap_or_else(|e| panic!("watch CRD {name}: {e}"));
+    }
+}
+
+impl TestEnv {
+    async fn new(prefix: &str) -> Self {
+        let client = client().await;
+        install_crds(&client).await;
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let ns = format!("{prefix}-{:06x}", (nanos ^ std::process::id()) & 0xffffff);
+        let nsapi: Api<Namespace> = Api::all(client.clone());
+        let nsobj: Namespace = serde_json::from_value(json!({
+            "metadata": {"name": ns, "labels": {"flexinfer.ai/test": "true"}}
+        }))
+        .unwrap_or_else(|e| panic!("{e}"));
+        nsapi
+            .create(&PostParams::default(), &nsobj)
+            .await
+            .unwrap_or_else(|e| panic!("create namespace {ns}: {e}"));
+        let metrics = Metrics::new().unwrap_or_else(|e| panic!("metrics: {e}"));
+        let opts = Options {
+            namespace: Some(ns.clone()),
+            profile_namespace: None,
+            render: RenderConfig::default(),
+        };
+        let (c, m) = (client.clone(), metrics.clone());
+        let controller = tokio::spawn(async move {
+            if let Err(e) = model::run_with(c, m, opts).await {
+                eprintln!("model controller stopped: {e}");
+            }
+        });
+        Self {
+            client,
+            ns,
+            metrics,
+            controller,
+            pvs: Vec::new(),
+        }
+    }
+
+    fn api<K>(&self) -> Api<K>
+    where
+        K: Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+        K::DynamicType: Default,
+    {
+        Api::namespaced(self.client.clone(), &self.ns)
+    }
+
+    /// Server-side apply a namespaced object (JSON with apiVersion/kind/metadata.name).
+    async fn apply<K>(&self, mut obj: Value) -> K
+    where
+        K: Resource<Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + serde::de::DeserializeOwned
+            + serde::Serialize
+            + std::fmt::Debug,
+        K::DynamicType: Default,
+    {
+        obj["metadata"]["namespace"] = json!(self.ns);
+        let name = obj["metadata"]["name"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        self.api::<K>()
+            .patch(
+                &name,
+                &PatchParams::apply(MANAGER).force(),
+                &Patch::Apply(&obj),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("apply {name}: {e}"))
+    }
+
+    /// A PersistentVolumeClaim pre-bound to a hostPath PersistentVolume (no provisioner here).
+    async fn pvc(&mut self, claim: &str) {
+        let pv_name = format!("{}-{claim}", self.ns);
+        let pvs: Api<PersistentVolume> = Api::all(self.client.clone());
+        let pv: PersistentVolume = serde_json::from_value(json!({
+            "metadata": {"name": pv_name, "labels": {"flexinfer.ai/test": "true"}},
+            "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"], "storageClassName": "",
+                     "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": "/tmp/flexinfer-model-tests"},
+                     "claimRef": {"namespace": self.ns, "name": claim}}
+        }))
+        .unwrap_or_else(|e| panic!("{e}"));
+        pvs.create(&PostParams::default(), &pv)
+            .await
+            .unwrap_or_else(|e| panic!("create PV {pv_name}: {e}"));
+        self.pvs.push(pv_name.clone());
+        let pvc: PersistentVolumeClaim = serde_json::from_value(json!({
+            "metadata": {"name": claim},
+            "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": pv_name,
+                     "resources": {"requests": {"storage": "1Gi"}}}
+        }))
+        .unwrap_or_else(|e| panic!("{e}"));
+        self.api::<PersistentVolumeClaim>()
+            .create(&PostParams::default(), &pvc)
+            .await
+            .unwrap_or_else(|e| panic!("create PVC {claim}: {e}"));
+        let bound = |p: Option<&PersistentVolumeClaim>| {
+            p.and_then(|p| p.status.as_ref())
+                .and_then(|s| s.phase.as_deref())
+                == Some("Bound")
+        };
+        tokio::time::timeout(
+            WAIT,
+            await_condition(self.api::<PersistentVolumeClaim>(), claim, bound),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("PVC {claim} not bound"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// Wait until the Model satisfies `cond`; on timeout, fail with the Model's status.
+    async fn wait_model(
+        &self,
+        name: &str,
+        what: &str,
+        cond: impl Fn(&Model) -> bool + Send + 'static,
+    ) -> Model {
+        let api = self.api::<Model>();
+        let res = tokio::time::timeout(
+            WAIT,
+            await_condition(api.clone(), name, move |m: Option<&Model>| {
+                m.is_some_and(&cond)
+            }),
+        )
+        .await;
+        match res {
+            Ok(Ok(Some(m))) => m,
+            _ => {
+                let st = api
+                    .get_opt(name)
+                    .await
+                    .ok()
+                    .flatten()
+                    .and_then(|m| m.status);
+                panic!("Model {name}: timed out waiting for {what}; status: {st:#?}");
+            }
+        }
+    }
+
+    async fn wait_deployment(
+        &self,
+        name: &str,
+        what: &str,
+        cond: impl Fn(&Deployment) -> bool + Send + 'static,
+    ) -> Deployment {
+        let api = self.api::<Deployment>();
+        let res = tokio::time::timeout(
+            WAIT,
+            await_condition(api.clone(), name, move |d: Option<&Deployment>| {
+                d.is_some_and(&cond)
+            }),
+        )
+        .await;
+        match res {
+            Ok(Ok(Some(d))) => d,
+            _ => {
+                let d = api.get_opt(name).await.ok().flatten();
+                panic!(
+                    "Deployment {name}: timed out waiting for {what}; {:#?}",
+                    d.map(|d| (d.spec.map(|s| s.replicas), d.status))
+                );
+            }
+        }
+    }
+
+    async fn events_for(&self, name: &str) -> Vec<Event> {
+        self.api::<Event>()
+            .list(&ListParams::default())
+            .await
+            .unwrap_or_else(|e| panic!("list events: {e}"))
+            .items
+            .into_iter()
+            .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+            .collect()
+    }
+
+    /// Wait until an Event about `name` satisfies `pred` (Events are written after the status).
+    async fn wait_event(&self, name: &str, what: &str, pred: impl Fn(&Event) -> bool) -> Event {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let evs = self.events_for(name).await;
+            if let Some(e) = evs.iter().find(|e| pred(e)) {
+                return e.clone();
+            }
+            if tokio::time::Instant::now() > deadline {
+                let seen: Vec<_> = evs
+                    .iter()
+                    .map(|e| (e.reason.clone(), e.note.clone()))
+                    .collect();
+                panic!("{name}: no Event {what}; seen: {seen:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    async fn cleanup(mut self) {
+        self.controller.abort();
+        delete_test_objects(&self.client, &self.ns, &self.pvs).await;
+        self.pvs.clear();
+        self.ns.clear();
+    }
+}
+
+async fn delete_test_objects(client: &Client, ns: &str, pvs: &[String]) {
+    let nsapi: Api<Namespace> = Api::all(client.clone());
+    let _ = nsapi.delete(ns, &DeleteParams::background()).await;
+    let pvapi: Api<PersistentVolume> = Api::all(client.clone());
+    for pv in pvs {
+        let _ = pvapi.delete(pv, &DeleteParams::background()).await;
+    }
+}
+
+/// A failed test still removes its namespace (and so its pods and their GPUs). The test's own
+/// runtime is blocked here, so the deletes run on a fresh client in a helper thread.
+impl Drop for TestEnv {
+    fn drop(&mut self) {
+        self.controller.abort();
+        if self.ns.is_empty() {
+            return;
+        }
+        let (ns, pvs) = (std::mem::take(&mut self.ns), std::mem::take(&mut self.pvs));
+        let cleanup = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async move {
+                if let Ok(client) = Client::try_default().await {
+                    delete_test_objects(&client, &ns, &pvs).await;
+                }
+            });
+        });
+        let _ = cleanup.join();
+    }
+}
+
+fn example(file: &str) -> Value {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../deploy/examples")
+        .join(file);
+    let text =
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+    serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("parse {}: {e}", path.display()))
+}
+
+fn model_json(name: &str, annotations: &[(&str, &str)], spec: Value) -> Value {
+    let annos: BTreeMap<&str, &str> = annotations.iter().copied().collect();
+    json!({
+        "apiVersion": "ai.flexinfer/v1alpha2", "kind": "Model",
+        "metadata": {"name": name, "annotations": annos},
+        "spec": spec,
+    })
+}
+
+fn phase_is(p: ModelPhase) -> impl Fn(&Model) -> bool + Send + 'static {
+    move |m: &Model| m.status.as_ref().and_then(|s| s.phase) == Some(p)
+}
+
+fn cond_is(
+    type_: &'static str,
+    status: &'static str,
+    reason: &'static str,
+) -> impl Fn(&Model) -> bool + Send + 'static {
+    move |m: &Model| {
+        m.status
+            .as_ref()
+            .and_then(|s| conditions::find(&s.conditions, type_))
+            .is_some_and(|c| c.status == status && c.reason == reason)
+    }
+}
+
+fn cond<'a>(
+    m: &'a Model,
+    type_: &str,
+) -> Option<&'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition> {
+    m.status
+        .as_ref()
+        .and_then(|s| conditions::find(&s.conditions, type_))
+}
+
+fn container(d: &Deployment) -> Container {
+    d.spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .and_then(|p| p.containers.first().cloned())
+        .unwrap_or_else(|| panic!("Deployment without container"))
+}
+
+fn arg_after(c: &Container, flag: &str) -> Option<String> {
+    let args = c.args.clone().unwrap_or_default();
+    args.iter()
+        .position(|a| a == flag)
+        .and_then(|i| args.get(i + 1).cloned())
+}
+
+fn replicas(d: &Deployment) -> Option<i32> {
+    d.spec.as_ref().and_then(|s| s.replicas)
+}
+
+fn ready_replicas(d: &Deployment) -> i32 {
+    d.status
+        .as_ref()
+        .and_then(|s| s.ready_replicas)
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn model_backends_phases_and_metrics() {
+    let mut env = TestEnv::new("mdl-backends").await;
+    env.pvc("models").await;
+    env.apply::<GPUProfile>(example("gpuprofile-gfx1100.yaml"))
+        .await;
+    let arch = json!({"flexinfer.ai/gpu.arch": "gfx1100"});
+    let warm = [
+        (
+            "vllm-m",
+            json!({"backend": "vllm", "source": "pvc://models/org/awq", "nodeSelector": arch,
+            "serverless": {"minReplicas": 1},
+            "config": {"quantization": "awq", "maxModelLen": 4096, "kvCacheDtype": "fp8", "gpuMemoryUtilization": 0.9,
+                       "maxNumBatchedTokens": 512, "attentionBackend": "TRITON_ATTN"}}),
+        ),
+        (
+            "llama-m",
+            json!({"backend": "llamacpp", "source": "pvc://models/gguf/m-q4_k_m.gguf", "nodeSelector": arch,
+            "serverless": {"enabled": false}, "config": {"quantization": "gguf", "maxModelLen": 8192}}),
+        ),
+        (
+            "ollama-m",
+            json!({"backend": "ollama", "source": "pvc://models/gguf", "nodeSelector": arch,
+            "config": {"quantization": "gguf", "warmPolicy": "primary"}}),
+        ),
+        (
+            "exl2-m",
+            json!({"backend": "exllamav2", "source": "pvc://models/exl2-w4", "nodeSelector": arch,
+            "serverless": {"minReplicas": 1}, "config": {"quantization": "exl2", "maxModelLen": 4096}}),
+        ),
+    ];
+    for (name, spec) in &warm {
+        env.apply::<Model>(model_json(name, &[], spec.clone()))
+            .await;
+    }
+    // Scale-to-zero model and one that can never be scheduled.
+    env.apply::<Model>(model_json(
+        "idle-m",
+        &[],
+        json!({"backend": "vllm", "source": "pvc://models/org/awq", "nodeSelector": arch}),
+    ))
+    .await;
+    env.apply::<Model>(model_json("nowhere-m", &[], json!({"backend": "vllm", "source": "pvc://models/org/awq",
+        "nodeSelector": {"flexinfer.ai/gpu.arch": "gfx1100", "kubernetes.io/hostname": "no-such-node"},
+        "serverless": {"minReplicas": 1}}))).await;
+
+    for (name, _) in &warm {
+        let m = env
+            .wait_model(name, "phase Ready", phase_is(ModelPhase::Ready))
+            .await;
+        let st = m.status.clone().unwrap_or_default();
+        assert_eq!(st.replicas, Some(1), "{name}");
+        assert_eq!(
+            st.endpoint,
+            Some(format!("http://{name}.{}.svc:8000/v1", env.ns)),
+            "{name}"
+        );
+        assert_eq!(st.observed_generation, m.metadata.generation, "{name}");
+        assert!(
+            cond(&m, types::READY).is_some_and(|c| c.status == "True"),
+            "{name}"
+        );
+        assert!(
+            cond(&m, types::CONFIG_VALID).is_some_and(|c| c.status == "True"),
+            "{name}"
+        );
+        assert!(
+            cond(&m, types::CACHED).is_some_and(|c| c.status == "True" && c.reason == "PVCSource"),
+            "{name}"
+        );
+        assert!(
+            cond(&m, types::PROMOTION_GATE).is_none(),
+            "{name}: ungated models carry no gate condition"
+        );
+        let d = env
+            .api::<Deployment>()
+            .get(name)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        // Re-applying the same intent on every reconcile must not change the Deployment.
+        assert_eq!(
+            d.metadata.generation,
+            Some(1),
+            "{name}: Deployment spec changed without a Model change"
+        );
+        let l = d.metadata.labels.clone().unwrap_or_default();
+        assert_eq!(l.get(labels::MODEL).map(String::as_str), Some(*name));
+        assert_eq!(
+            l.get(labels::MANAGED_BY).map(String::as_str),
+            Some(labels::MANAGED_BY_VALUE)
+        );
+        for k in [
+            labels::NAME,
+            labels::INSTANCE,
+            labels::COMPONENT,
+            labels::PART_OF,
+        ] {
+            assert!(l.contains_key(k), "{name}: label {k}");
+        }
+        let owner = d.metadata.owner_references.clone().unwrap_or_default();
+        assert!(
+            owner
+                .iter()
+                .any(|o| o.kind == "Model" && o.name == *name && o.controller == Some(true)),
+            "{name}"
+        );
+        let managers: Vec<String> = d
+            .metadata
+            .managed_fields
+            .iter()
+            .flatten()
+            .filter_map(|f| f.manager.clone())
+            .collect();
+        assert!(
+            managers.iter().any(|m| m == serving::FIELD_MANAGER),
+            "{name}: {managers:?}"
+        );
+        let c = container(&d);
+        let limits = c
+            .resources
+            .clone()
+            .and_then(|r| r.limits)
+            .unwrap_or_default();
+        assert_eq!(
+            limits.get("amd.com/gpu").map(|q| q.0.as_str()),
+            Some("1"),
+            "{name}"
+        );
+        let mount = c
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| m.name == "model")
+            .cloned();
+        assert_eq!(mount.and_then(|m| m.read_only), Some(true), "{name}");
+        let svc = env
+            .api::<Service>()
+            .get(name)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let port = svc.spec.and_then(|s| s.ports).unwrap_or_default();
+        assert_eq!(
+            (port[0].port, port[0].name.as_deref()),
+            (8000, Some("http")),
+            "{name}"
+        );
+        // Metrics: 1 for the current phase, 0 for the others.
+        let get = |p: &str| {
+            env.metrics
+                .model_phase
+                .with_label_values(&[*name, env.ns.as_str(), p])
+                .get()
+        };
+        assert_eq!(get("Ready"), 1, "{name}");
+        assert_eq!(
+            get("Pending") + get("Loading") + get("Idle") + get("Failed"),
+            0,
+            "{name}"
+        );
+    }
+    // Backend-specific arguments.
+    let d = env
+        .api::<Deployment>()
+        .get("vllm-m")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let c = container(&d);
+    for (flag, want) in [
+        ("--max-model-len", "4096"),
+        ("--kv-cache-dtype", "fp8"),
+        ("--gpu-memory-utilization", "0.9"),
+        ("--max-num-batched-tokens", "512"),
+        ("--quantization", "awq"),
+        ("--model", "/models/model"),
+    ] {
+        assert_eq!(arg_after(&c, flag).as_deref(), Some(want), "vllm {flag}");
+    }
+    assert!(c
+        .env
+        .iter()
+        .flatten()
+        .any(|e| e.name == "VLLM_ATTENTION_BACKEND" && e.value.as_deref() == Some("TRITON_ATTN")));
+    assert!(
+        c.env
+            .iter()
+            .flatten()
+            .any(|e| e.name == "HSA_OVERRIDE_GFX_VERSION"),
+        "GPUProfile env"
+    );
+    assert_eq!(
+        c.image.as_deref(),
+        Some("registry.example.com/flexinfer/runtime:vllm-rocm-gfx1100"),
+        "GPUProfile image"
+    );
+    let c = container(
+        &env.api::<Deployment>()
+            .get("llama-m")
+            .await
+            .unwrap_or_else(|e| panic!("{e}")),
+    );
+    assert_eq!(
+        arg_after(&c, "--model").as_deref(),
+        Some("/models/m-q4_k_m.gguf")
+    );
+    assert_eq!(arg_after(&c, "--ctx-size").as_deref(), Some("8192"));
+    let c = container(
+        &env.api::<Deployment>()
+            .get("ollama-m")
+            .await
+            .unwrap_or_else(|e| panic!("{e}")),
+    );
+    assert!(c
+        .env
+        .iter()
+        .flatten()
+        .any(|e| e.name == "OLLAMA_HOST" && e.value.as_deref() == Some("0.0.0.0:8000")));
+    let c = container(
+        &env.api::<Deployment>()
+            .get("exl2-m")
+            .await
+            .unwrap_or_else(|e| panic!("{e}")),
+    );
+    assert_eq!(arg_after(&c, "--max-seq-len").as_deref(), Some("4096"));
+
+    // Idle: scale-to-zero with no traffic.
+    let m = env
+        .wait_model("idle-m", "phase Idle", phase_is(ModelPhase::Idle))
+        .await;
+    assert!(cond(&m, types::READY).is_some_and(|c| c.status == "True" && c.reason == "Idle"));
+    let d = env
+        .api::<Deployment>()
+        .get("idle-m")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(replicas(&d), Some(0));
+    // Traffic (lastActiveTime written by the proxy) scales it up.
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    env.api::<Model>()
+        .patch_status(
+            "idle-m",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"lastActiveTime": now}})),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    env.wait_model(
+        "idle-m",
+        "phase Ready after activity",
+        phase_is(ModelPhase::Ready),
+    )
+    .await;
+    // Once idleTimeout has passed since the last activity it scales back to zero by itself.
+    env.api::<Model>()
+        .patch(
+            "idle-m",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"serverless": {"idleTimeout": "3s"}}})),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    env.wait_model(
+        "idle-m",
+        "phase Idle after idleTimeout",
+        phase_is(ModelPhase::Idle),
+    )
+    .await;
+    let d = env
+        .api::<Deployment>()
+        .get("idle-m")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(replicas(&d), Some(0));
+
+    // Pending: nowhere to schedule.
+    let m = env
+        .wait_model("nowhere-m", "phase Pending", phase_is(ModelPhase::Pending))
+        .await;
+    assert!(cond(&m, types::READY).is_some_and(|c| c.status == "False" && c.reason == "Pending"));
+
+    // Loading: the pod is bound but not ready (the backend is still loading weights).
+    let pods = env
+        .api::<Pod>()
+        .list(&ListParams::default().labels("flexinfer.ai/model=vllm-m"))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let pod = pods
+        .items
+        .first()
+        .cloned()
+        .unwrap_or_else(|| panic!("no pod for vllm-m"));
+    let mut pod_conds = pod
+        .status
+        .clone()
+        .and_then(|s| s.conditions)
+        .unwrap_or_default();
+    for c in pod_conds
+        .iter_mut()
+        .filter(|c| c.type_ == "Ready" || c.type_ == "ContainersReady")
+    {
+        c.status = "False".into();
+    }
+    env.api::<Pod>()
+        .patch_status(
+            &pod.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"conditions": pod_conds}})),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let m = env
+        .wait_model("vllm-m", "phase Loading", phase_is(ModelPhase::Loading))
+        .await;
+    assert!(cond(&m, types::READY).is_some_and(|c| c.status == "False" && c.reason == "Loading"));
+    assert_eq!(m.status.and_then(|s| s.replicas), Some(0));
+    assert_eq!(
+        env.metrics
+            .model_phase
+            .with_label_values(&["vllm-m", env.ns.as_str(), "Loading"])
+            .get(),
+        1
+    );
+    assert!(
+        env.metrics
+            .model_phase_transitions_total
+            .with_label_values(&["vllm-m", env.ns.as_str(), "Ready", "Loading"])
+            .get()
+            >= 1
+    );
+    assert!(env.metrics.render().contains("flexinfer_model_phase{"));
+
+    // Events on phase changes.
+    let phase_event = |needle: &'static str| {
+        move |e: &Event| {
+            e.reason.as_deref() == Some(model_reasons::PHASE_CHANGED)
+                && e.note.as_deref().is_some_and(|n| n.contains(needle))
+        }
+    };
+    env.wait_event("vllm-m", "PhaseChanged -> Ready", phase_event("-> Ready"))
+        .await;
+    env.wait_event(
+        "vllm-m",
+        "PhaseChanged Ready -> Loading",
+        phase_event("Ready -> Loading"),
+    )
+    .await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn model_cache_not_ready_ready_requantized() {
+    let mut env = TestEnv::new("mdl-cache").await;
+    env.pvc("cache-pvc").await;
+    let mut profile = example("gpuprofile-gfx906.yaml");
+    profile["metadata"]["name"] = json!("gfx906");
+    env.apply::<GPUProfile>(profile).await;
+    env.apply::<ModelCache>(json!({"apiVersion": "ai.flexinfer/v1alpha1", "kind": "ModelCache",
+        "metadata": {"name": "llm"}, "spec": {"source": "org/llm", "quantization": {"format": "GPTQ"}}})).await;
+    env.apply::<Model>(model_json(
+        "llm",
+        &[],
+        json!({"backend": "vllm", "source": "modelcache://llm",
+        "gpu": {"profile": "gfx906"}, "serverless": {"minReplicas": 1}}),
+    ))
+    .await;
+
+    let m = env
+        .wait_model(
+            "llm",
+            "Cached=False CacheNotReady",
+            cond_is(types::CACHED, "False", "CacheNotReady"),
+        )
+        .await;
+    assert_eq!(
+        m.status.as_ref().and_then(|s| s.phase),
+        Some(ModelPhase::Pending)
+    );
+    assert!(
+        env.api::<Deployment>()
+            .get_opt("llm")
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .is_none(),
+        "nothing deployed before the cache is Ready"
+    );
+
+    let set_cache = |phase: &'static str, path: &'static str| {
+        let api = env.api::<ModelCache>();
+        async move {
+            api.patch_status(
+                "llm",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"status": {"phase": phase, "path": path}})),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        }
+    };
+    set_cache("Ready", "cache-pvc:llm/gptq-w4-g128").await;
+    let m = env
+        .wait_model("llm", "phase Ready", phase_is(ModelPhase::Ready))
+        .await;
+    assert!(cond(&m, types::CACHED).is_some_and(|c| c.status == "True" && c.reason == "CacheReady"));
+    assert_eq!(
+        m.status.as_ref().and_then(|s| s.served_path.as_deref()),
+        Some("cache-pvc:llm/gptq-w4-g128")
+    );
+    let d = env
+        .api::<Deployment>()
+        .get("llm")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let c = container(&d);
+    assert_eq!(
+        arg_after(&c, "--quantization").as_deref(),
+        Some("gptq"),
+        "format from the ModelCache"
+    );
+    let mount = c
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.name == "model")
+        .cloned()
+        .unwrap_or_else(|| panic!("no mount"));
+    assert_eq!(mount.sub_path.as_deref(), Some("llm/gptq-w4-g128"));
+    let limits = c.resources.and_then(|r| r.limits).unwrap_or_default();
+    assert!(limits.contains_key("amd.com/gpu"));
+
+    // Requantization in progress: keep serving the previous artifact.
+    set_cache("Quantizing", "cache-pvc:llm/gptq-w4-g128").await;
+    let m = env
+        .wait_model(
+            "llm",
+            "Cached=False while requantizing",
+            cond_is(types::CACHED, "False", "CacheNotReady"),
+        )
+        .await;
+    assert!(cond(&m, types::CACHED).is_some_and(|c| c.message.contains("previous artifact")));
+    let d = env
+        .api::<Deployment>()
+        .get("llm")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(replicas(&d), Some(1));
+
+    // Requantization finished with a new path: the Deployment rolls to it.
+    set_cache("Ready", "cache-pvc:llm/gptq-w4-g64").await;
+    let d = env
+        .wait_deployment("llm", "rollout to the new artifact", |d| {
+            let annos = d
+                .spec
+                .as_ref()
+                .and_then(|s| s.template.metadata.as_ref())
+                .and_then(|m| m.annotations.clone())
+                .unwrap_or_default();
+            annos.get(annotations::SERVED_PATH).map(String::as_str)
+                == Some("cache-pvc:llm/gptq-w4-g64")
+                && d.status.as_ref().and_then(|s| s.updated_replicas) == Some(1)
+                && d.status.as_ref().and_then(|s| s.ready_replicas) == Some(1)
+        })
+        .await;
+    let mount = container(&d)
+        .volume_mounts
+        .into_iter()
+        .flatten()
+        .find(|m| m.name == "model");
+    assert_eq!(
+        mount.and_then(|m| m.sub_path).as_deref(),
+        Some("llm/gptq-w4-g64")
+    );
+    let m = env
+        .wait_model("llm", "Ready on the new artifact", |m| {
+            phase_is(ModelPhase::Ready)(m)
+                && m.status.as_ref().and_then(|s| s.served_path.as_deref())
+                    == Some("cache-pvc:llm/gptq-w4-g64")
+        })
+        .await;
+    assert!(cond(&m, types::CACHED).is_some_and(|c| c.status == "True"));
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn model_promotion_gate_cases() {
+    let mut env = TestEnv::new("mdl-gate").await;
+    env.pvc("w").await;
+    env.apply::<GPUProfile>(example("gpuprofile-gfx1100.yaml"))
+        .await;
+    // The seed's Gemma4 Models, as shipped under deploy/examples.
+    env.apply::<ModelCache>(example("modelcache-gemma4-31b-gptq.yaml"))
+        .await;
+    env.api::<ModelCache>()
+        .patch_status("gemma4-31b-gptq", &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"phase": "Ready", "path": "gemma4-31b-gptq:gemma4-31b-gptq/gptq-w4-g128-keqv"}})))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    for f in [
+        "model-gemma4-31b-gptq.yaml",
+        "model-gemma4-26b-a4b-gptq-long.yaml",
+        "model-gemma4-31b-gptq-fp8kv-canary.yaml",
+    ] {
+        env.apply::<Model>(example(f)).await;
+    }
+    let gate = |reason: &'static str| cond_is(types::PROMOTION_GATE, "True", reason);
+    let m = env
+        .wait_model(
+            "gemma4-31b-gptq",
+            "PromotionGate Validated",
+            gate("Validated"),
+        )
+        .await;
+    let d = env
+        .api::<Deployment>()
+        .get("gemma4-31b-gptq")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        replicas(&d),
+        Some(1),
+        "validated warm primary keeps a replica"
+    );
+    let c = container(&d);
+    assert_eq!(arg_after(&c, "--max-model-len").as_deref(), Some("2048"));
+    assert_eq!(
+        arg_after(&c, "--gpu-memory-utilization").as_deref(),
+        Some("0.95")
+    );
+    assert_eq!(
+        arg_after(&c, "--kv-cache-dtype").as_deref(),
+        Some("float16")
+    );
+    assert!(cond(&m, types::CACHED).is_some_and(|c| c.status == "True"));
+    env.wait_model(
+        "gemma4-26b-a4b-gptq-long",
+        "PromotionGate Canary",
+        gate("Canary"),
+    )
+    .await;
+    let m = env
+        .wait_model(
+            "gemma4-26b-a4b-gptq-long",
+            "Idle canary",
+            phase_is(ModelPhase::Idle),
+        )
+        .await;
+    assert!(cond(&m, types::PROMOTION_GATE).is_some_and(|c| c.reason == "Canary"));
+    let d = env
+        .api::<Deployment>()
+        .get("gemma4-26b-a4b-gptq-long")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(replicas(&d), Some(0));
+    let c = container(&d);
+    for (flag, want) in [
+        ("--max-model-len", "16384"),
+        ("--kv-cache-dtype", "fp8_e4m3"),
+        ("--max-num-batched-tokens", "160"),
+        ("--gpu-memory-utilization", "0.98"),
+    ] {
+        assert_eq!(arg_after(&c, flag).as_deref(), Some(want), "{flag}");
+    }
+    let annos = d
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.metadata.as_ref())
+        .and_then(|m| m.annotations.clone())
+        .unwrap_or_default();
+    assert_eq!(
+        annos
+            .get(serving::GPU_PRIORITY_ANNOTATION)
+            .map(String::as_str),
+        Some("255")
+    );
+    env.wait_model(
+        "gemma4-31b-gptq-fp8kv-canary",
+        "PromotionGate Canary",
+        gate("Canary"),
+    )
+    .await;
+    env.wait_model(
+        "gemma4-31b-gptq-fp8kv-canary",
+        "Idle",
+        phase_is(ModelPhase::Idle),
+    )
+    .await;
+
+    // Gate cases of SPEC §7 on GPUs of the sm89 node (no profile: vendor given).
+    let gated = [(annotations::PROMOTION_GATE, annotations::PROMOTION_GATE_V1)];
+    let base = |extra: Value| {
+        let mut s = json!({"backend": "vllm", "source": "pvc://w/x", "gpu": {"vendor": "nvidia"},
+            "nodeSelector": {"kubernetes.io/hostname": "kwok-sm89"}});
+        if let (Some(s), Some(e)) = (s.as_object_mut(), extra.as_object()) {
+            for (k, v) in e {
+                s.insert(k.clone(), v.clone());
+            }
+        }
+        s
+    };
+    env.apply::<Model>(model_json(
+        "ungated",
+        &[],
+        base(json!({"serverless": {"minReplicas": 1}})),
+    ))
+    .await;
+    env.apply::<Model>(model_json("canary", &gated, base(json!({}))))
+        .await;
+    env.apply::<Model>(model_json(
+        "blocked-min",
+        &gated,
+        base(json!({"serverless": {"minReplicas": 1}})),
+    ))
+    .await;
+    env.apply::<Model>(model_json(
+        "blocked-off",
+        &gated,
+        base(json!({"serverless": {"enabled": false}})),
+    ))
+    .await;
+    env.apply::<Model>(model_json(
+        "blocked-primary",
+        &gated,
+        base(json!({"config": {"warmPolicy": "primary"}})),
+    ))
+    .await;
+
+    let m = env
+        .wait_model("ungated", "Ready", phase_is(ModelPhase::Ready))
+        .await;
+    assert!(cond(&m, types::PROMOTION_GATE).is_none());
+    env.wait_model("canary", "Canary", gate("Canary")).await;
+    for name in ["blocked-min", "blocked-off", "blocked-primary"] {
+        let m = env
+            .wait_model(
+                name,
+                "PromotionGate Blocked",
+                cond_is(types::PROMOTION_GATE, "False", "Blocked"),
+            )
+            .await;
+        let msg = cond(&m, types::PROMOTION_GATE)
+            .map(|c| c.message.clone())
+            .unwrap_or_default();
+        assert!(
+            msg.contains(annotations::PROMOTION_VALIDATION)
+                && msg.contains(annotations::PROMOTION_EVIDENCE),
+            "{name}: {msg}"
+        );
+        let m = env
+            .wait_model(name, "runs as an Idle canary", phase_is(ModelPhase::Idle))
+            .await;
+        assert!(cond(&m, types::PROMOTION_GATE).is_some_and(|c| c.reason == "Blocked"));
+        let d = env
+            .api::<Deployment>()
+            .get(name)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            replicas(&d),
+            Some(0),
+            "{name}: a blocked promotion scales to zero"
+        );
+        let ev = env
+            .wait_event(name, "PromotionBlocked", |e| {
+                e.reason.as_deref() == Some(model_reasons::PROMOTION_BLOCKED)
+            })
+            .await;
+        assert_eq!(ev.type_.as_deref(), Some("Warning"));
+        assert!(
+            ev.note
+                .as_deref()
+                .is_some_and(|n| n.contains(annotations::PROMOTION_VALIDATION)),
+            "{:?}",
+            ev.note
+        );
+    }
+    // Validation and evidence lift the block.
+    let annotate = |name: &'static str, key: &'static str, value: Value| {
+        let api = env.api::<Model>();
+        async move {
+            api.patch(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"metadata": {"annotations": {key: value}}})),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        }
+    };
+    annotate(
+        "blocked-min",
+        annotations::PROMOTION_VALIDATION,
+        json!("passed"),
+    )
+    .await;
+    annotate(
+        "blocked-off",
+        annotations::PROMOTION_EVIDENCE,
+        json!("docs/user/promotion-gate.md#run-1"),
+    )
+    .await;
+    annotate("blocked-primary", annotations::PROMOTION_GATE, Value::Null).await;
+    for name in ["blocked-min", "blocked-off"] {
+        env.wait_model(name, "PromotionGate Validated", gate("Validated"))
+            .await;
+        env.wait_model(name, "Ready as warm primary", phase_is(ModelPhase::Ready))
+            .await;
+        let d = env
+            .api::<Deployment>()
+            .get(name)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(ready_replicas(&d), 1, "{name}");
+    }
+    // Ungating removes the stale condition.
+    let m = env
+        .wait_model("blocked-primary", "no PromotionGate condition", |m| {
+            m.status
+                .as_ref()
+                .is_some_and(|s| conditions::find(&s.conditions, types::PROMOTION_GATE).is_none())
+        })
+        .await;
+    assert!(m.status.is_some());
+    env.wait_model(
+        "blocked-primary",
+        "Ready as ungated primary",
+        phase_is(ModelPhase::Ready),
+    )
+    .await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn model_bad_input_is_reported_not_crashlooped() {
+    let env = TestEnv::new("mdl-bad").await;
+    let amd = json!({"vendor": "amd"});
+    env.apply::<Model>(model_json("gguf-on-vllm", &[], json!({"backend": "vllm", "source": "pvc://m/x.gguf", "gpu": amd, "config": {"quantization": "gguf"}}))).await;
+    env.apply::<Model>(model_json("exl2-on-ollama", &[], json!({"backend": "ollama", "source": "pvc://m/x", "gpu": amd, "config": {"quantization": "exl2"}}))).await;
+    env.apply::<Model>(model_json(
+        "no-cache",
+        &[],
+        json!({"backend": "vllm", "source": "modelcache://nope", "gpu": amd}),
+    ))
+    .await;
+    env.apply::<Model>(model_json(
+        "no-profile",
+        &[],
+        json!({"backend": "vllm", "source": "pvc://m/x", "gpu": {"profile": "late"}}),
+    ))
+    .await;
+    env.apply::<Model>(model_json(
+        "abs-path",
+        &[],
+        json!({"backend": "vllm", "source": "pvc://m//etc/passwd", "gpu": amd}),
+    ))
+    .await;
+
+    for name in ["gguf-on-vllm", "exl2-on-ollama"] {
+        let m = env
+            .wait_model(
+                name,
+                "ConfigValid=False BackendUnsupported",
+                cond_is(types::CONFIG_VALID, "False", "BackendUnsupported"),
+            )
+            .await;
+        assert_eq!(
+            m.status.as_ref().and_then(|s| s.phase),
+            Some(ModelPhase::Failed)
+        );
+        assert!(
+            env.api::<Deployment>()
+                .get_opt(name)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"))
+                .is_none(),
+            "{name}: nothing deployed"
+        );
+        assert!(
+            env.api::<Service>()
+                .get_opt(name)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"))
+                .is_none(),
+            "{name}: nothing deployed"
+        );
+    }
+    let m = env
+        .wait_model(
+            "no-cache",
+            "Cached=False CacheNotFound",
+            cond_is(types::CACHED, "False", "CacheNotFound"),
+        )
+        .await;
+    assert_eq!(
+        m.status.as_ref().and_then(|s| s.phase),
+        Some(ModelPhase::Pending)
+    );
+    assert!(cond(&m, types::CACHED).is_some_and(|c| c.message.contains("nope")));
+    let m = env
+        .wait_model(
+            "no-profile",
+            "ConfigValid=False GPUProfileNotFound",
+            cond_is(types::CONFIG_VALID, "False", "GPUProfileNotFound"),
+        )
+        .await;
+    assert!(cond(&m, types::CONFIG_VALID).is_some_and(|c| c.message.contains("late")));
+    let m = env
+        .wait_model(
+            "abs-path",
+            "ConfigValid=False InvalidSource",
+            cond_is(types::CONFIG_VALID, "False", "InvalidSource"),
+        )
+        .await;
+    assert!(
+        cond(&m, types::CONFIG_VALID).is_some_and(|c| c.message.contains("absolute")),
+        "{:?}",
+        cond(&m, types::CONFIG_VALID)
+    );
+    assert!(env
+        .api::<Deployment>()
+        .get_opt("abs-path")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .is_none());
+
+    // The CRD rejects what it can at admission, naming the field.
+    let err = env
+        .api::<Model>()
+        .patch("dotdot", &PatchParams::apply(MANAGER), &Patch::Apply(json!({"apiVersion": "ai.flexinfer/v1alpha2", "kind": "Model",
+            "metadata": {"name": "dotdot", "namespace": env.ns}, "spec": {"backend": "vllm", "source": "pvc://m/../etc"}})))
+        .await
+        .err()
+        .unwrap_or_else(|| panic!("pvc:// with '..' was admitted"));
+    assert!(err.to_string().contains("spec.source"), "{err}");
+
+    // No status churn: a settled invalid Model is not rewritten (the controller requeues with backoff).
+    let before = env
+        .api::<Model>()
+        .get("gguf-on-vllm")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .resource_version();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let after = env
+        .api::<Model>()
+        .get("gguf-on-vllm")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .resource_version();
+    assert_eq!(before, after, "status rewritten without a change");
+
+    // A deleted Model leaves no metric series behind.
+    assert!(env.metrics.render().contains("model=\"exl2-on-ollama\""));
+    env.api::<Model>()
+        .delete("exl2-on-ollama", &DeleteParams::default())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while env.metrics.render().contains("model=\"exl2-on-ollama\"") {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "metrics of a deleted Model were kept"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // Fixing the input recovers without a restart: the missing GPUProfile appears.
+    let mut profile = example("gpuprofile-gfx906.yaml");
+    profile["metadata"]["name"] = json!("late");
+    env.apply::<GPUProfile>(profile).await;
+    let m = env
+        .wait_model(
+            "no-profile",
+            "deployed once the GPUProfile exists",
+            phase_is(ModelPhase::Idle),
+        )
+        .await;
+    assert!(cond(&m, types::CONFIG_VALID).is_some_and(|c| c.status == "True"));
+    assert!(env
+        .api::<Deployment>()
+        .get_opt("no-profile")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .is_some());
+    // ... and the missing ModelCache appears (not Ready yet).
+    env.apply::<ModelCache>(
+        json!({"apiVersion": "ai.flexinfer/v1alpha1", "kind": "ModelCache",
+        "metadata": {"name": "nope"}, "spec": {"source": "org/nope"}}),
+    )
+    .await;
+    env.wait_model(
+        "no-cache",
+        "Cached=False CacheNotReady",
+        cond_is(types::CACHED, "False", "CacheNotReady"),
+    )
+    .await;
+    env.cleanup().await;
+}

@@ -1,0 +1,752 @@
+//! Integration tests of the ModelCache pipeline on the real control plane in cluster mode
+//! (`scripts/testenv/up.sh cluster`: kube-apiserver, etcd, kube-controller-manager, scheduler,
+//! kwok nodes whose Job pods run to Succeeded/Failed). The controller binary runs as a
+//! subprocess, one per test, watching only that test's namespace.
+//!
+//! Run: `eval "$(TESTENV_BIN=… bash scripts/testenv/up.sh cluster)"; cargo test -p flexinfer-controller --test pipeline_e2e`
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use flexinfer_api::gpuprofile::GPUProfile;
+use flexinfer_api::modelcache::{CachePhase, ModelCache};
+use flexinfer_e2e::{apply, client, wait_for, yaml_docs, TestNamespace};
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{Event, PersistentVolume, PersistentVolumeClaim};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use kube::{Client, ResourceExt};
+use tokio::process::{Child, Command};
+
+const WAIT: Duration = Duration::from_secs(150);
+
+fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+async fn install_crds(c: &Client) -> Result<()> {
+    for f in ["modelcaches", "gpuprofiles", "models"] {
+        let path = repo_root().join(format!("deploy/crds/{f}.ai.flexinfer.yaml"));
+        let text = std::fs::read_to_string(&path).with_context(|| path.display().to_string())?;
+        for doc in yaml_docs(&text)? {
+            apply(c, &doc, None, false).await?;
+        }
+    }
+    let api: Api<ModelCache> = Api::all(c.clone());
+    wait_for("ModelCache CRD served", Duration::from_secs(30), || {
+        let api = api.clone();
+        async move { api.list(&ListParams::default().limit(1)).await.ok() }
+    })
+    .await?;
+    Ok(())
+}
+
+/// The controller as a subprocess; killed when dropped.
+struct Controller {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Controller {
+    async fn start(ns: &str, extra: &[(&str, &str)]) -> Result<Self> {
+        let log =
+            std::env::temp_dir().join(format!("flexinfer-e2e-{ns}-{}.log", std::process::id()));
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)?;
+        let err = out.try_clone()?;
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_flexinfer-controller"));
+        cmd.env("FLEXINFER_WATCH_NAMESPACE", ns)
+            .env("FLEXINFER_LEADER_ELECT", "false")
+            .env("FLEXINFER_METRICS_ADDR", "127.0.0.1:0")
+            .env("FLEXINFER_HEALTH_ADDR", "127.0.0.1:0")
+            .env("FLEXINFER_WORKER_IMAGE", "example.com/flexinfer/worker:cpu")
+            .env("FLEXINFER_RETRY_BASE_SECONDS", "1")
+            .env("FLEXINFER_PROGRESS_POLL_SECONDS", "2")
+            .env("RUST_LOG", "info,kube=warn")
+            .stdout(Stdio::from(out))
+            .stderr(Stdio::from(err))
+            .kill_on_drop(true);
+        for (k, v) in extra {
+            cmd.env(k, v);
+        }
+        Ok(Self {
+            child: cmd.spawn()?,
+            log,
+        })
+    }
+    async fn kill(&mut self) {
+        let _ = self.child.kill().await;
+        let _ = self.child.wait().await;
+    }
+    fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+    fn log_tail(&self) -> String {
+        let s = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = s.lines().collect();
+        lines[lines.len().saturating_sub(30)..].join("\n")
+    }
+}
+
+/// One test's world: namespace, a gfx1100 GPUProfile, PVs for its caches, the controller.
+struct World {
+    c: Client,
+    ns: TestNamespace,
+    pvs: Vec<String>,
+}
+
+impl World {
+    async fn new(prefix: &str) -> Result<Self> {
+        let c = client().await;
+        install_crds(&c).await?;
+        let ns = TestNamespace::new(&c, prefix).await?;
+        let w = Self {
+            c,
+            ns,
+            pvs: Vec::new(),
+        };
+        w.apply_yaml(&format!(
+            r#"apiVersion: ai.flexinfer/v1alpha2
+kind: GPUProfile
+metadata: {{name: gfx1100, namespace: {ns}}}
+spec:
+  architecture: gfx1100
+  vendor: amd
+  gpuDriverMemoryMB: 1024
+  quantization: {{images: {{GPTQ: "example.com/flexinfer/worker:rocm-gfx1100-a"}}}}
+"#,
+            ns = w.ns.name
+        ))
+        .await?;
+        Ok(w)
+    }
+    fn name(&self) -> &str {
+        &self.ns.name
+    }
+    async fn apply_yaml(&self, y: &str) -> Result<()> {
+        for doc in yaml_docs(y)? {
+            apply(&self.c, &doc, Some(&self.ns.name), false).await?;
+        }
+        Ok(())
+    }
+    /// A PV pre-bound to `claim` (nothing provisions volumes in the test cluster).
+    async fn pv_for(&mut self, claim: &str) -> Result<()> {
+        let name = format!("{}-{claim}", self.ns.name);
+        let pv = serde_json::json!({
+            "apiVersion": "v1", "kind": "PersistentVolume",
+            "metadata": {"name": name, "labels": {"flexinfer.ai/test": "true"}},
+            "spec": {"capacity": {"storage": "100Gi"}, "accessModes": ["ReadWriteOnce"], "storageClassName": "",
+                     "hostPath": {"path": "/tmp/flexinfer-e2e"},
+                     "claimRef": {"namespace": self.ns.name, "name": claim}}
+        });
+        apply(&self.c, &pv, None, false).await?;
+        self.pvs.push(name);
+        Ok(())
+    }
+    async fn cache(&mut self, name: &str, spec: &str, annotations: &str) -> Result<()> {
+        self.pv_for(&format!("{name}-cache")).await?;
+        self.apply_yaml(&format!(
+            "apiVersion: ai.flexinfer/v1alpha1\nkind: ModelCache\nmetadata:\n  name: {name}\n  annotations: {{{annotations}}}\nspec:\n{spec}"
+        ))
+        .await
+    }
+    fn caches(&self) -> Api<ModelCache> {
+        Api::namespaced(self.c.clone(), self.name())
+    }
+    fn jobs(&self) -> Api<Job> {
+        Api::namespaced(self.c.clone(), self.name())
+    }
+    async fn get(&self, name: &str) -> Option<ModelCache> {
+        self.caches().get_opt(name).await.ok().flatten()
+    }
+    async fn wait_phase(
+        &self,
+        name: &str,
+        phase: CachePhase,
+        ctl: &Controller,
+    ) -> Result<ModelCache> {
+        let r = wait_for(&format!("{name} {phase:?}"), WAIT, || async {
+            self.get(name)
+                .await
+                .filter(|m| m.status.as_ref().and_then(|s| s.phase) == Some(phase))
+        })
+        .await;
+        let st = self.get(name).await.and_then(|m| m.status);
+        r.with_context(|| format!("status: {st:?}\ncontroller log:\n{}", ctl.log_tail()))
+    }
+    async fn job(&self, name: &str) -> Option<Job> {
+        self.jobs().get_opt(name).await.ok().flatten()
+    }
+    async fn events(&self, reason: &str) -> Vec<Event> {
+        let api: Api<Event> = Api::namespaced(self.c.clone(), self.name());
+        api.list(&ListParams::default())
+            .await
+            .map(|l| {
+                l.items
+                    .into_iter()
+                    .filter(|e| e.reason.as_deref() == Some(reason))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+    async fn patch_cache(&self, name: &str, patch: serde_json::Value) -> Result<()> {
+        self.caches()
+            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await?;
+        Ok(())
+    }
+}
+
+impl Drop for World {
+    /// Remove the namespace and PVs. Runs on its own thread and runtime with a fresh client: the
+    /// test's runtime is shutting down. ModelCache finalizers are stripped first because the
+    /// controller subprocess may already be gone.
+    fn drop(&mut self) {
+        let ns = self.ns.name.clone();
+        let pvs = std::mem::take(&mut self.pvs);
+        let cleanup = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async move {
+                let Ok(c) = Client::try_default().await else {
+                    return;
+                };
+                let caches: Api<ModelCache> = Api::namespaced(c.clone(), &ns);
+                if let Ok(list) = caches.list(&ListParams::default()).await {
+                    for m in list.items {
+                        let p = serde_json::json!({"metadata": {"finalizers": null}});
+                        let _ = caches
+                            .patch(&m.name_any(), &PatchParams::default(), &Patch::Merge(&p))
+                            .await;
+                    }
+                }
+                let nsapi: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(c.clone());
+                let _ = nsapi.delete(&ns, &DeleteParams::background()).await;
+                let pvapi: Api<PersistentVolume> = Api::all(c);
+                for pv in pvs {
+                    let _ = pvapi.delete(&pv, &DeleteParams::background()).await;
+                }
+            });
+        });
+        let _ = cleanup.join();
+    }
+}
+
+const FULL_SPEC: &str = "  source: org/model\n  nodeSelector: {flexinfer.ai/gpu.arch: gfx1100}\n  abliteration: {useGPU: true}\n  quantization: {format: GPTQ, useGPU: true}\n  publish: {ociRef: registry.local/models/m}\n";
+const QUANT_SPEC: &str = "  source: org/model\n  nodeSelector: {flexinfer.ai/gpu.arch: gfx1100}\n  maxRetries: 1\n  quantization: {format: GPTQ, useGPU: true}\n  publish: {ociRef: registry.local/models/m}\n";
+
+fn uid(j: &Option<Job>) -> Option<String> {
+    j.as_ref().and_then(|j| j.metadata.uid.clone())
+}
+
+fn image(j: &Job) -> String {
+    j.spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .and_then(|p| p.containers.first())
+        .and_then(|c| c.image.clone())
+        .unwrap_or_default()
+}
+
+fn cond_reason(m: &ModelCache, t: &str) -> Option<String> {
+    m.status
+        .as_ref()
+        .and_then(|s| s.conditions.iter().find(|c| c.type_ == t))
+        .map(|c| c.reason.clone())
+}
+
+#[tokio::test]
+async fn full_pipeline_reaches_ready() -> Result<()> {
+    let mut w = World::new("pl-full").await?;
+    let ctl = Controller::start(w.name(), &[]).await?;
+    w.cache("full", FULL_SPEC, "").await?;
+    let m = w.wait_phase("full", CachePhase::Ready, &ctl).await?;
+    let st = m.status.clone().context("status")?;
+    assert_eq!(st.path.as_deref(), Some("full-cache:full/gptq-w4-g128"));
+    assert_eq!(st.current_phase.as_deref(), Some("ready"));
+    let q = st.quantization.context("quantization status")?;
+    assert_eq!(q.spec_hash.as_deref().map(str::len), Some(16));
+    assert_eq!(
+        q.image.as_deref(),
+        Some("example.com/flexinfer/worker:rocm-gfx1100-a")
+    );
+    for phase in ["download", "abliterate", "quantize", "publish"] {
+        let j = w
+            .job(&format!("full-{phase}"))
+            .await
+            .with_context(|| format!("{phase} Job"))?;
+        assert_eq!(
+            j.status.as_ref().and_then(|s| s.succeeded),
+            Some(1),
+            "{phase}"
+        );
+        assert_eq!(
+            j.owner_references().first().map(|o| o.name.as_str()),
+            Some("full")
+        );
+    }
+    assert_eq!(cond_reason(&m, "Ready").as_deref(), Some("CacheReady"));
+    assert!(!w.events("CacheReady").await.is_empty());
+    assert!(!w.events("QuantizationComplete").await.is_empty());
+    // Ready is stable: no writes without change.
+    let rv = m.resource_version();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(
+        w.get("full").await.map(|m| m.resource_version()),
+        Some(rv),
+        "status rewritten while Ready"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn phase_fails_then_succeeds_on_retry() -> Result<()> {
+    let mut w = World::new("pl-retry").await?;
+    let ctl = Controller::start(w.name(), &[("FLEXINFER_RETRY_BASE_SECONDS", "6")]).await?;
+    // Download pods fail with exit code 1: the Job fails after its own backoffLimit.
+    w.cache(
+        "retry",
+        "  source: org/model\n  maxRetries: 2\n",
+        r#""flexinfer.ai/download-pod-labels": '{"sim.kwok.test/outcome":"fail"}'"#,
+    )
+    .await?;
+    let m = wait_for("first failure recorded", WAIT, || async {
+        w.get("retry")
+            .await
+            .filter(|m| m.status.as_ref().and_then(|s| s.retry_count) == Some(1))
+    })
+    .await
+    .with_context(|| ctl.log_tail())?;
+    let st = m.status.clone().context("status")?;
+    assert_eq!(st.last_failure_phase.as_deref(), Some("download"));
+    let msg = st
+        .download
+        .and_then(|d| d.failure_message)
+        .context("failureMessage")?;
+    assert!(msg.starts_with("BackoffLimitExceeded"), "{msg}");
+    assert!(msg.contains("simulated failure"), "{msg}");
+    assert_eq!(
+        cond_reason(&m, "Degraded").as_deref(),
+        Some("BackoffLimitExceeded")
+    );
+    // Fix the cause before the retry fires.
+    w.patch_cache("retry", serde_json::json!({"metadata": {"annotations": {"flexinfer.ai/download-pod-labels": null}}}))
+        .await?;
+    let m = w.wait_phase("retry", CachePhase::Ready, &ctl).await?;
+    assert_eq!(m.status.as_ref().and_then(|s| s.retry_count), Some(0));
+    assert!(!w.events("Retrying").await.is_empty());
+    Ok(())
+}
+
+#[tokio::test]
+async fn retries_exhausted_then_reset_or_runbook_patch_recovers() -> Result<()> {
+    let mut w = World::new("pl-exhaust").await?;
+    let ctl = Controller::start(w.name(), &[]).await?;
+    let fail = r#""flexinfer.ai/quantize-pod-labels": '{"sim.kwok.test/outcome":"fail"}', "flexinfer.ai/quantize-pod-annotations": '{"sim.kwok.test/exit-code":"2"}'"#;
+    w.cache("reset", QUANT_SPEC, fail).await?;
+    w.cache("runbook", QUANT_SPEC, fail).await?;
+    for name in ["reset", "runbook"] {
+        let m = w.wait_phase(name, CachePhase::Failed, &ctl).await?;
+        assert_eq!(
+            cond_reason(&m, "Ready").as_deref(),
+            Some("QuantizationFailed"),
+            "{name}"
+        );
+        assert_eq!(
+            cond_reason(&m, "Degraded").as_deref(),
+            Some("BadInput"),
+            "{name}"
+        );
+        let st = m.status.clone().context("status")?;
+        assert_eq!(st.retry_count, Some(1));
+        assert_eq!(st.last_failure_phase.as_deref(), Some("quantization"));
+        // Failed stays Failed: no new Job appears.
+        assert!(w
+            .job(&format!("{name}-quantize"))
+            .await
+            .is_none_or(|j| j.metadata.deletion_timestamp.is_some()));
+    }
+    assert!(!w.events("PhaseFailed").await.is_empty());
+    let clear = serde_json::json!({"metadata": {"annotations": {
+        "flexinfer.ai/quantize-pod-labels": null, "flexinfer.ai/quantize-pod-annotations": null}}});
+    // 1: the reset-retries annotation.
+    w.patch_cache("reset", clear.clone()).await?;
+    w.patch_cache(
+        "reset",
+        serde_json::json!({"metadata": {"annotations": {"flexinfer.ai/reset-retries": "true"}}}),
+    )
+    .await?;
+    // 2: the seed runbook's status merge patch (§6.1 option A, step 3).
+    w.patch_cache("runbook", clear).await?;
+    let status_patch = serde_json::json!({"status": {"phase": "Quantizing", "retryCount": 0, "lastFailurePhase": null, "lastFailureTime": null}});
+    w.caches()
+        .patch_status(
+            "runbook",
+            &PatchParams::default(),
+            &Patch::Merge(&status_patch),
+        )
+        .await?;
+    for name in ["reset", "runbook"] {
+        let m = w.wait_phase(name, CachePhase::Ready, &ctl).await?;
+        assert!(
+            !m.annotations().contains_key("flexinfer.ai/reset-retries"),
+            "{name}: trigger annotation not removed"
+        );
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn gpuprofile_image_change_recreates_young_quantize_job() -> Result<()> {
+    let mut w = World::new("pl-drift").await?;
+    let ctl =
+        Controller::start(w.name(), &[("FLEXINFER_IMAGE_DRIFT_GRACE_SECONDS", "300")]).await?;
+    w.cache(
+        "drift",
+        "  source: org/model\n  nodeSelector: {flexinfer.ai/gpu.arch: gfx1100}\n  quantization: {format: GPTQ, useGPU: true}\n",
+        r#""flexinfer.ai/quantize-pod-annotations": '{"sim.kwok.test/duration":"20s"}'"#,
+    )
+    .await?;
+    let old = wait_for("quantize Job", WAIT, || async {
+        w.job("drift-quantize").await
+    })
+    .await
+    .with_context(|| ctl.log_tail())?;
+    assert_eq!(image(&old), "example.com/flexinfer/worker:rocm-gfx1100-a");
+    let profiles: Api<GPUProfile> = Api::namespaced(w.c.clone(), w.name());
+    profiles
+        .patch(
+            "gfx1100",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"quantization": {"images": {"GPTQ": "example.com/flexinfer/worker:rocm-gfx1100-b"}}}})),
+        )
+        .await?;
+    let new = wait_for("recreated quantize Job", WAIT, || async {
+        w.job("drift-quantize").await.filter(|j| {
+            j.metadata.uid != old.metadata.uid && j.metadata.deletion_timestamp.is_none()
+        })
+    })
+    .await
+    .with_context(|| ctl.log_tail())?;
+    assert_eq!(image(&new), "example.com/flexinfer/worker:rocm-gfx1100-b");
+    let ev = w.events("QuantizerImageDrift").await;
+    assert!(!ev.is_empty(), "no QuantizerImageDrift event");
+    assert_eq!(ev[0].type_.as_deref(), Some("Warning"));
+    let m = w.wait_phase("drift", CachePhase::Ready, &ctl).await?;
+    assert_eq!(
+        m.status
+            .and_then(|s| s.quantization)
+            .and_then(|q| q.image)
+            .as_deref(),
+        Some("example.com/flexinfer/worker:rocm-gfx1100-b")
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn requantize_reruns_only_quantize_and_publish() -> Result<()> {
+    let mut w = World::new("pl-requant").await?;
+    let ctl = Controller::start(w.name(), &[]).await?;
+    w.cache("rq", QUANT_SPEC, "").await?;
+    let first = w.wait_phase("rq", CachePhase::Ready, &ctl).await?;
+    let path = first.status.as_ref().and_then(|s| s.path.clone());
+    let dl = uid(&w.job("rq-download").await);
+    let q = uid(&w.job("rq-quantize").await);
+    let p = uid(&w.job("rq-publish").await);
+    assert!(dl.is_some() && q.is_some() && p.is_some());
+    w.patch_cache(
+        "rq",
+        serde_json::json!({"metadata": {"annotations": {"flexinfer.ai/requantize": "true"}}}),
+    )
+    .await?;
+    wait_for("quantize re-run", WAIT, || async {
+        w.get("rq")
+            .await
+            .filter(|m| m.status.as_ref().and_then(|s| s.phase) != Some(CachePhase::Ready))
+    })
+    .await?;
+    let again = wait_for("Ready after requantize", WAIT, || async {
+        let m = w.get("rq").await?;
+        let ready = m.status.as_ref().and_then(|s| s.phase) == Some(CachePhase::Ready);
+        let q2 = uid(&w.job("rq-quantize").await);
+        let p2 = uid(&w.job("rq-publish").await);
+        (ready && q2.is_some() && q2 != q && p2.is_some() && p2 != p).then_some(m)
+    })
+    .await
+    .with_context(|| ctl.log_tail())?;
+    assert_eq!(
+        uid(&w.job("rq-download").await),
+        dl,
+        "download must not re-run"
+    );
+    assert!(
+        !again.annotations().contains_key("flexinfer.ai/requantize"),
+        "annotation not removed"
+    );
+    assert_eq!(again.status.and_then(|s| s.path), path);
+    Ok(())
+}
+
+#[tokio::test]
+async fn controller_restart_mid_pipeline_creates_no_duplicates() -> Result<()> {
+    let mut w = World::new("pl-restart").await?;
+    let mut ctl = Controller::start(w.name(), &[]).await?;
+    w.cache(
+        "rs",
+        QUANT_SPEC,
+        r#""flexinfer.ai/quantize-pod-annotations": '{"sim.kwok.test/duration":"6s"}'"#,
+    )
+    .await?;
+    let dl_uid = wait_for("quantize Job running", WAIT, || async {
+        let _ = w.job("rs-quantize").await?;
+        uid(&w.job("rs-download").await)
+    })
+    .await
+    .with_context(|| ctl.log_tail())?;
+    let q_uid = uid(&w.job("rs-quantize").await);
+    ctl.kill().await;
+    let ctl2 = Controller::start(w.name(), &[]).await?;
+    w.wait_phase("rs", CachePhase::Ready, &ctl2).await?;
+    assert_eq!(
+        uid(&w.job("rs-download").await),
+        Some(dl_uid),
+        "download re-ran"
+    );
+    assert_eq!(
+        uid(&w.job("rs-quantize").await),
+        q_uid,
+        "quantize Job was replaced"
+    );
+    let jobs = w
+        .jobs()
+        .list(&ListParams::default().labels("flexinfer.ai/cache=rs"))
+        .await?;
+    assert_eq!(
+        jobs.items.len(),
+        3,
+        "{:?}",
+        jobs.items.iter().map(|j| j.name_any()).collect::<Vec<_>>()
+    );
+    let created = w.events("JobCreated").await;
+    let total: i32 = created.iter().map(|e| e.count.unwrap_or(1).max(1)).sum();
+    assert!(total <= 3, "{total} JobCreated events for 3 phases");
+    Ok(())
+}
+
+#[tokio::test]
+async fn deleting_a_cache_removes_jobs_and_created_pvc_only() -> Result<()> {
+    let mut w = World::new("pl-delete").await?;
+    let ctl = Controller::start(w.name(), &[]).await?;
+    // A PVC the user owns.
+    w.pv_for("shared").await?;
+    w.apply_yaml(
+        "apiVersion: v1\nkind: PersistentVolumeClaim\nmetadata: {name: shared}\nspec:\n  accessModes: [ReadWriteOnce]\n  storageClassName: ''\n  resources: {requests: {storage: 100Gi}}\n",
+    )
+    .await?;
+    w.cache("owned", "  source: org/model\n", "").await?;
+    w.apply_yaml("apiVersion: ai.flexinfer/v1alpha1\nkind: ModelCache\nmetadata: {name: borrowed}\nspec:\n  source: org/model\n  existingClaimName: shared\n")
+        .await?;
+    for n in ["owned", "borrowed"] {
+        w.wait_phase(n, CachePhase::Ready, &ctl).await?;
+    }
+    let owned = w.get("owned").await.context("owned")?;
+    assert!(owned
+        .finalizers()
+        .iter()
+        .any(|f| f == "flexinfer.ai/modelcache-cleanup"));
+    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(w.c.clone(), w.name());
+    assert!(pvcs.get_opt("owned-cache").await?.is_some());
+    for n in ["owned", "borrowed"] {
+        w.caches().delete(n, &DeleteParams::background()).await?;
+    }
+    wait_for("caches gone", WAIT, || async {
+        (w.get("owned").await.is_none() && w.get("borrowed").await.is_none()).then_some(())
+    })
+    .await
+    .with_context(|| ctl.log_tail())?;
+    wait_for("created PVC deleted", WAIT, || async {
+        match pvcs.get_opt("owned-cache").await {
+            Ok(None) => Some(()),
+            Ok(Some(p)) if p.metadata.deletion_timestamp.is_some() => Some(()),
+            _ => None,
+        }
+    })
+    .await?;
+    wait_for("Jobs garbage-collected", WAIT, || async {
+        let l = w.jobs().list(&ListParams::default()).await.ok()?;
+        l.items
+            .iter()
+            .all(|j| j.metadata.deletion_timestamp.is_some())
+            .then_some(())
+    })
+    .await?;
+    let shared = pvcs
+        .get_opt("shared")
+        .await?
+        .context("existingClaimName PVC was deleted")?;
+    assert!(
+        shared.metadata.deletion_timestamp.is_none(),
+        "existingClaimName PVC is being deleted"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn invalid_but_admitted_spec_gets_a_clear_condition() -> Result<()> {
+    let mut w = World::new("pl-invalid").await?;
+    let mut ctl = Controller::start(w.name(), &[]).await?;
+    w.cache(
+        "awq",
+        "  source: org/model\n  quantization: {format: AWQ, bits: 4}\n",
+        "",
+    )
+    .await?;
+    w.cache(
+        "badlabels",
+        "  source: org/model\n",
+        r#""flexinfer.ai/job-pod-labels": "not json""#,
+    )
+    .await?;
+    let m = w.wait_phase("awq", CachePhase::Failed, &ctl).await?;
+    assert_eq!(
+        cond_reason(&m, "Ready").as_deref(),
+        Some("UnsupportedFormat")
+    );
+    assert_eq!(
+        cond_reason(&m, "Quantized").as_deref(),
+        Some("UnsupportedFormat")
+    );
+    let msg = m
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Ready"))
+        .map(|c| c.message.clone())
+        .unwrap_or_default();
+    assert!(msg.contains("AWQ"), "{msg}");
+    let b = w.wait_phase("badlabels", CachePhase::Failed, &ctl).await?;
+    assert_eq!(cond_reason(&b, "Ready").as_deref(), Some("InvalidSpec"));
+    assert!(
+        w.job("awq-download").await.is_none(),
+        "a Job was created for an unsupported format"
+    );
+    // No crash loop, no event spam, no status churn.
+    let rv = m.resource_version();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert!(ctl.alive(), "controller exited:\n{}", ctl.log_tail());
+    assert_eq!(w.get("awq").await.map(|m| m.resource_version()), Some(rv));
+    let ev = w.events("UnsupportedFormat").await;
+    assert_eq!(
+        ev.iter().map(|e| e.count.unwrap_or(1).max(1)).sum::<i32>(),
+        1,
+        "event spam"
+    );
+    // Fixing the spec recovers without touching status.
+    w.caches()
+        .patch(
+            "awq",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"quantization": {"format": "GPTQ"}}})),
+        )
+        .await?;
+    w.wait_phase("awq", CachePhase::Ready, &ctl).await?;
+    ctl.kill().await;
+    Ok(())
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or(0)
+}
+
+async fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .ok()?;
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+        .await
+        .ok()?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).await.ok()?;
+    let code = buf.split_whitespace().nth(1)?.parse().ok()?;
+    Some((code, buf))
+}
+
+fn reconciles(metrics: &str) -> f64 {
+    metrics
+        .lines()
+        .find(|l| {
+            l.starts_with("flexinfer_reconcile_duration_seconds_count{controller=\"modelcache\"}")
+        })
+        .and_then(|l| l.split_whitespace().last())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test]
+async fn leader_election_lets_one_replica_reconcile_and_fails_over() -> Result<()> {
+    let mut w = World::new("pl-leader").await?;
+    let ports: Vec<(u16, u16)> = (0..2).map(|_| (free_port(), free_port())).collect();
+    let mut ctls = Vec::new();
+    for (m, h) in &ports {
+        let (ma, ha) = (format!("127.0.0.1:{m}"), format!("127.0.0.1:{h}"));
+        ctls.push(
+            Controller::start(
+                w.name(),
+                &[
+                    ("FLEXINFER_LEADER_ELECT", "true"),
+                    ("FLEXINFER_LEASE_DURATION_SECONDS", "3"),
+                    ("FLEXINFER_METRICS_ADDR", &ma),
+                    ("FLEXINFER_HEALTH_ADDR", &ha),
+                ],
+            )
+            .await?,
+        );
+    }
+    w.cache("one", "  source: org/model\n", "").await?;
+    w.wait_phase("one", CachePhase::Ready, &ctls[0]).await?;
+    let mut counts = Vec::new();
+    for (m, h) in &ports {
+        let (code, _) = wait_for("healthz", Duration::from_secs(20), || {
+            http_get(*h, "/healthz")
+        })
+        .await?;
+        assert_eq!(code, 200);
+        let (code, _) = http_get(*h, "/readyz").await.context("readyz")?;
+        assert_eq!(code, 200);
+        let (_, body) = http_get(*m, "/metrics").await.context("metrics")?;
+        counts.push(reconciles(&body));
+    }
+    let active: Vec<usize> = counts
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| **c > 0.0)
+        .map(|(i, _)| i)
+        .collect();
+    assert_eq!(active.len(), 1, "reconcile counts per replica: {counts:?}");
+    // Kill the leader: the standby takes over and reconciles a new cache.
+    let leader = active[0];
+    ctls[leader].kill().await;
+    let standby = 1 - leader;
+    w.cache("two", "  source: org/model\n", "").await?;
+    w.wait_phase("two", CachePhase::Ready, &ctls[standby])
+        .await?;
+    let (_, body) = http_get(ports[standby].0, "/metrics")
+        .await
+        .context("metrics")?;
+    assert!(reconciles(&body) > 0.0);
+    assert!(
+        body.contains("flexinfer_modelcache_phase{cache=\"two\""),
+        "phase metric missing"
+    );
+    Ok(())
+}

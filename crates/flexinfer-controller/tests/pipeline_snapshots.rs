@@ -1,0 +1,203 @@
+//! Snapshot tests of the generated pipeline Jobs (gfx1100, gfx906, NVIDIA, CPU-only).
+//! Regenerate with `UPDATE_SNAPSHOTS=1 cargo test -p flexinfer-controller --test pipeline_snapshots`.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use flexinfer_api::gpuprofile::GPUProfile;
+use flexinfer_api::modelcache::ModelCache;
+use flexinfer_controller::modelcache::{jobs, Config};
+
+fn config() -> Config {
+    let env: BTreeMap<&str, &str> = BTreeMap::from([
+        (
+            "FLEXINFER_WORKER_IMAGE",
+            "registry.example.com/flexinfer/worker:cpu",
+        ),
+        (
+            "FLEXINFER_QUANTIZER_GPTQ_ROCM_GFX906_IMAGE",
+            "registry.example.com/flexinfer/worker:rocm-gfx906",
+        ),
+        (
+            "FLEXINFER_QUANTIZER_GPTQ_IMAGE",
+            "registry.example.com/flexinfer/worker:cuda",
+        ),
+        ("FLEXINFER_GPTQ_MAX_RTN_FALLBACK_PERCENT", "5"),
+    ]);
+    Config::from_lookup(|k| env.get(k).map(|s| s.to_string()))
+}
+
+fn profiles() -> Vec<GPUProfile> {
+    let y = r#"
+- apiVersion: ai.flexinfer/v1alpha2
+  kind: GPUProfile
+  metadata: {name: gfx1100, namespace: flexinfer-system}
+  spec:
+    architecture: gfx1100
+    vendor: amd
+    vramMB: 24576
+    resourceName: amd.com/gpu
+    gpuDriverMemoryMB: 12288
+    env: [{name: HSA_OVERRIDE_GFX_VERSION, value: "11.0.0"}]
+    quantization: {images: {GPTQ: registry.example.com/flexinfer/worker:rocm-gfx1100}, imagePullPolicy: IfNotPresent}
+- apiVersion: ai.flexinfer/v1alpha2
+  kind: GPUProfile
+  metadata: {name: gfx906, namespace: flexinfer-system}
+  spec: {architecture: gfx906, vendor: amd, vramMB: 16384, gpuDriverMemoryMB: 8192}
+- apiVersion: ai.flexinfer/v1alpha2
+  kind: GPUProfile
+  metadata: {name: sm89, namespace: flexinfer-system}
+  spec: {architecture: sm_89, vendor: nvidia, vramMB: 24576, nodeSelector: {flexinfer.ai/gpu.arch: sm_89}}
+"#;
+    serde_yaml::from_str(y).expect("profiles")
+}
+
+fn cache(name: &str, selector: Option<&str>, gpu: bool) -> ModelCache {
+    let sel = selector
+        .map(|a| format!("  nodeSelector: {{flexinfer.ai/gpu.arch: {a}}}\n"))
+        .unwrap_or_default();
+    let y = format!(
+        r#"apiVersion: ai.flexinfer/v1alpha1
+kind: ModelCache
+metadata: {{name: {name}, namespace: flexinfer-system, uid: 00000000-0000-0000-0000-000000000001}}
+spec:
+  source: HF://org/model
+  secretRef: hf-token
+{sel}  tolerations: [{{key: workload, operator: Equal, value: batch, effect: NoSchedule}}]
+  abliteration: {{useGPU: {gpu}, weightMatrices: [o_proj]}}
+  quantization:
+    format: GPTQ
+    useGPU: {gpu}
+    maxMemoryGB: 40
+    timeoutSeconds: 43200
+    calibration: {{maxSeqLen: 2048, maxSamples: 128, nParallelCalibSamples: 16}}
+  publish: {{ociRef: registry.example.com/models/{name}, additionalTags: [stable]}}
+"#
+    );
+    serde_yaml::from_str(&y).expect("cache")
+}
+
+fn render(mc: &ModelCache) -> String {
+    let c = config();
+    let profiles = profiles();
+    let mut out = String::new();
+    for phase in jobs::enabled_phases(mc) {
+        let t = jobs::resolve_target(mc, phase, &profiles, &c);
+        let image = t.image.clone().expect("image resolves");
+        let hash = jobs::spec_hash(mc, phase, &image);
+        let job = jobs::build_job(mc, &t, &image, &hash, &c);
+        out.push_str("---\n");
+        out.push_str(&serde_yaml::to_string(&job).expect("yaml"));
+    }
+    out
+}
+
+fn check(name: &str, mc: &ModelCache) {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/snapshots")
+        .join(format!("{name}.yaml"));
+    let got = render(mc);
+    if std::env::var_os("UPDATE_SNAPSHOTS").is_some() {
+        std::fs::write(&path, &got).expect("write snapshot");
+        return;
+    }
+    let want = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (run with UPDATE_SNAPSHOTS=1 to create it)",
+            path.display()
+        )
+    });
+    if got != want {
+        let diff: Vec<String> = got
+            .lines()
+            .zip(want.lines())
+            .enumerate()
+            .filter(|(_, (a, b))| a != b)
+            .take(10)
+            .map(|(i, (a, b))| format!("line {}: got {a:?}, want {b:?}", i + 1))
+            .collect();
+        panic!(
+            "{name}: generated Jobs differ from {} ({} vs {} lines):\n{}\n(run with UPDATE_SNAPSHOTS=1 if the change is intended)",
+            path.display(),
+            got.lines().count(),
+            want.lines().count(),
+            diff.join("\n")
+        );
+    }
+}
+
+#[test]
+fn jobs_gfx1100() {
+    check(
+        "jobs-gfx1100",
+        &cache("llama-gfx1100", Some("gfx1100"), true),
+    );
+}
+
+#[test]
+fn jobs_gfx906() {
+    check("jobs-gfx906", &cache("llama-gfx906", Some("gfx906"), true));
+}
+
+#[test]
+fn jobs_nvidia() {
+    check("jobs-nvidia", &cache("llama-nvidia", Some("sm_89"), true));
+}
+
+#[test]
+fn jobs_cpu_only() {
+    check("jobs-cpu", &cache("llama-cpu", None, false));
+}
+
+/// Properties the snapshots must keep (so a careless UPDATE_SNAPSHOTS cannot drop them).
+#[test]
+fn snapshot_invariants() {
+    let amd = render(&cache("a", Some("gfx1100"), true));
+    let old_amd = render(&cache("b", Some("gfx906"), true));
+    let nv = render(&cache("c", Some("sm_89"), true));
+    let cpu = render(&cache("d", None, false));
+    for (name, y) in [
+        ("gfx1100", &amd),
+        ("gfx906", &old_amd),
+        ("nvidia", &nv),
+        ("cpu", &cpu),
+    ] {
+        for must in [
+            "backoffLimit: 2",
+            "restartPolicy: Never",
+            "automountServiceAccountToken: false",
+            "serviceAccountName: flexinfer-worker",
+            "allowPrivilegeEscalation: false",
+            "terminationMessagePolicy: FallbackToLogsOnError",
+            "mountPath: /cache",
+            "secretKeyRef",
+            "value: v14",
+            "name: GPTQ_MAX_RTN_FALLBACK_PERCENT\n          value: '5'",
+        ] {
+            assert!(y.contains(must), "{name}: missing {must:?}");
+        }
+        assert!(!y.contains("privileged: true"), "{name}");
+    }
+    assert!(
+        amd.contains("PYTORCH_HIP_ALLOC_CONF")
+            && amd.contains("amd.com/gpu")
+            && amd.contains("53248Mi")
+    );
+    assert!(amd.contains("image: registry.example.com/flexinfer/worker:rocm-gfx1100"));
+    assert!(
+        !old_amd.contains("PYTORCH_HIP_ALLOC_CONF"),
+        "gfx906 lacks the HIP memory API"
+    );
+    assert!(old_amd.contains("image: registry.example.com/flexinfer/worker:rocm-gfx906"));
+    assert!(
+        nv.contains("nvidia.com/gpu")
+            && nv.contains("image: registry.example.com/flexinfer/worker:cuda")
+    );
+    assert!(!nv.contains("PYTORCH_HIP_ALLOC_CONF"));
+    assert!(
+        !cpu.contains("amd.com/gpu")
+            && !cpu.contains("nvidia.com/gpu")
+            && !cpu.contains("key: dedicated")
+    );
+    assert!(amd.contains("key: dedicated"));
+}

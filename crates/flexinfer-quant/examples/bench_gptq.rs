@@ -1,0 +1,236 @@
+//! GPTQ solve benchmark (not a test). Measures this machine's faer GEMM and Cholesky rates, then the GPTQ
+//! solve per module with 2048-token Hessians, and reports each time as a ratio to the lower bound
+//! FLOPs ÷ measured rate. Usage: `bench_gptq [runs] [shapes...]` with shapes as `OUTxIN` (default: the three
+//! Llama-7B shapes 4096x4096, 11008x4096, 4096x11008). `bench_gptq model [samples] [seq_len]` quantizes a
+//! generated ~110M-parameter model end to end and reports wall time and peak RSS.
+
+use faer::linalg::matmul::matmul;
+use faer::{Accum, Mat, Side};
+use flexinfer_quant::events::NullSink;
+use flexinfer_quant::gptq::gptq_quantize;
+use flexinfer_quant::hessian::{prepare_factor, FactorOutcome};
+use flexinfer_quant::linalg::{CpuBackend, LinalgBackend};
+use flexinfer_quant::params::{GptqParams, RecoveryParams};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::time::Instant;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+    v[v.len() / 2]
+}
+
+fn random(rows: usize, cols: usize, seed: u64) -> Mat<f32> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    Mat::from_fn(rows, cols, |_, _| rng.random_range(-1.0f32..1.0))
+}
+
+fn peak_rss_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .map(str::to_string)
+        })
+        .and_then(|l| {
+            l.split_whitespace()
+                .nth(1)
+                .and_then(|v| v.parse::<f64>().ok())
+        })
+        .map(|kb| kb / 1024.0)
+        .unwrap_or(0.0)
+}
+
+/// Whole-model run on a generated ~110M-parameter Llama-layout model.
+fn bench_model(samples: usize, seq_len: usize) {
+    use flexinfer_quant::calib::CalibSettings;
+    use flexinfer_quant::params::GateParams;
+    use flexinfer_quant::pipeline::{run, QuantizeJob};
+    use flexinfer_quant::testkit::{self, ModelSize};
+    let size = ModelSize::SMALL_100M;
+    let Ok(tmp) = tempfile::tempdir() else {
+        panic!("tempdir")
+    };
+    let model = tmp.path().join("model");
+    let t = Instant::now();
+    testkit::write_model_sized(&model, "LlamaForCausalLM", 7, &size).expect("generate model");
+    let ds = tmp.path().join("calib.txt");
+    // Plain text, blank-line separated; long enough to fill seq_len character tokens.
+    let text: Vec<String> = testkit::sentences(9, samples)
+        .into_iter()
+        .map(|s| s.repeat(seq_len / 40 + 1))
+        .collect();
+    std::fs::write(&ds, text.join("\n\n")).expect("dataset");
+    println!(
+        "generated {} parameters in {:.1} s; peak RSS so far {:.0} MiB",
+        size.parameters(),
+        t.elapsed().as_secs_f64(),
+        peak_rss_mib()
+    );
+    let job = QuantizeJob {
+        model_dir: model,
+        out_dir: tmp.path().join("out"),
+        dataset: ds,
+        params: GptqParams::default(),
+        recovery: RecoveryParams::default(),
+        gate: GateParams::default(),
+        calib: CalibSettings {
+            max_samples: samples,
+            max_seq_len: seq_len,
+        },
+        n_parallel_calib_samples: None,
+        dynamic_exclusion: None,
+        resume_layers: true,
+        max_shard_bytes: 4 << 30,
+        script_version: "bench".into(),
+        abort_after_layer: None,
+    };
+    // Reset the peak-RSS counter so the figure covers the quantize run only (Linux clear_refs, value 5).
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+    let t = Instant::now();
+    let o = run(&job, &CpuBackend::default(), &NullSink).expect("quantize");
+    let secs = t.elapsed().as_secs_f64();
+    let hd = size.hidden / size.heads;
+    let layer_f32 = 4 * size.hidden * (hd * (2 * size.heads + 2 * size.kv_heads) + 3 * size.inter);
+    let acts = 4 * samples * seq_len * size.hidden;
+    let hess = 4 * (size.hidden * size.hidden * 2 + size.inter * size.inter * 2);
+    let budget = 1.2 * (layer_f32 + acts + hess) as f64 / (1 << 20) as f64;
+    println!(
+        "whole model: {samples} x {seq_len} tokens, {} layers: {secs:.1} s; artifact {} -> {} bytes; peak RSS {:.0} MiB (issue target {:.0} MiB = 1.2 x (layer f32 + activations + Hessians))",
+        size.layers, o.original_size_bytes, o.compressed_size_bytes, peak_rss_mib(), budget
+    );
+}
+
+fn main() {
+    if std::env::args().nth(1).as_deref() == Some("model") {
+        let samples = std::env::args()
+            .nth(2)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(32);
+        let seq_len = std::env::args()
+            .nth(3)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(512);
+        bench_model(samples, seq_len);
+        return;
+    }
+    let mut argv = std::env::args().skip(1);
+    let runs: usize = argv.next().and_then(|s| s.parse().ok()).unwrap_or(3);
+    let mut shapes: Vec<(usize, usize)> = argv
+        .filter_map(|s| {
+            let (a, b) = s.split_once('x')?;
+            Some((a.parse().ok()?, b.parse().ok()?))
+        })
+        .collect();
+    if shapes.is_empty() {
+        shapes = vec![(4096, 4096), (11008, 4096), (4096, 11008)];
+    }
+    let par = faer::get_global_parallelism();
+    println!("threads: {:?}, runs per figure: {runs} (median)", par);
+
+    // Machine rates at n = 4096.
+    let n = 4096;
+    let a = random(n, n, 1);
+    let b = random(n, n, 2);
+    let mut c = Mat::<f32>::zeros(n, n);
+    let gemm_s = median(
+        (0..runs)
+            .map(|_| {
+                let t = Instant::now();
+                matmul(c.as_mut(), Accum::Replace, a.as_ref(), b.as_ref(), 1.0, par);
+                t.elapsed().as_secs_f64()
+            })
+            .collect(),
+    );
+    let gemm_rate = 2.0 * (n as f64).powi(3) / gemm_s;
+    let mut spd = Mat::<f32>::zeros(n, n);
+    matmul(
+        spd.as_mut(),
+        Accum::Replace,
+        a.as_ref(),
+        a.transpose(),
+        1.0 / n as f32,
+        par,
+    );
+    for i in 0..n {
+        spd[(i, i)] += 1.0;
+    }
+    let chol_s = median(
+        (0..runs)
+            .map(|_| {
+                let t = Instant::now();
+                let l = spd.llt(Side::Lower);
+                let dt = t.elapsed().as_secs_f64();
+                assert!(l.is_ok());
+                dt
+            })
+            .collect(),
+    );
+    let chol_rate = (n as f64).powi(3) / 3.0 / chol_s;
+    println!(
+        "faer f32 GEMM {n}: {gemm_s:.3} s = {:.1} GFLOP/s",
+        gemm_rate / 1e9
+    );
+    println!(
+        "faer f32 Cholesky {n}: {chol_s:.3} s = {:.1} GFLOP/s",
+        chol_rate / 1e9
+    );
+    drop((a, b, c, spd));
+
+    let tokens = 2048;
+    let backend = CpuBackend::default();
+    let params = GptqParams {
+        bits: 4,
+        group_size: 128,
+        ..Default::default()
+    };
+    let recovery = RecoveryParams::default();
+    println!("| module (out x in) | Hessian 2048 tok | bound | ratio | solve (factor + sweep) | bound | ratio |");
+    println!("|---|---|---|---|---|---|---|");
+    for (rows, cols) in shapes {
+        // Correlated activations: a low-rank signal plus noise, like real hidden states.
+        let latent = random(tokens, 64, 3);
+        let mix = random(64, cols, 4);
+        let mut x = random(tokens, cols, 5);
+        matmul(
+            x.as_mut(),
+            Accum::Add,
+            latent.as_ref(),
+            mix.as_ref(),
+            1.0,
+            par,
+        );
+        let w = random(rows, cols, 6) * faer::Scale(0.02);
+        let mut hess = Vec::new();
+        let mut solve = Vec::new();
+        for _ in 0..runs {
+            let t = Instant::now();
+            let mut h = Mat::<f32>::zeros(cols, cols);
+            backend.accumulate_hessian(h.as_mut(), x.as_ref(), 2.0 / tokens as f32);
+            backend.finish_hessian(h.as_mut());
+            hess.push(t.elapsed().as_secs_f64());
+            let t = Instant::now();
+            let FactorOutcome::Factor(f) =
+                prepare_factor(&backend, h, false, &recovery, "bench", &NullSink)
+            else {
+                panic!("factorisation failed")
+            };
+            let q = gptq_quantize(&backend, &w, &f, &params);
+            solve.push(t.elapsed().as_secs_f64());
+            assert_eq!(q.codes.len(), rows * cols);
+        }
+        let (nf, rf, tf) = (cols as f64, rows as f64, tokens as f64);
+        // Hessian: the symmetric product needs T·n² flops (SYRK); solve: Cholesky n³/3 at the Cholesky rate,
+        // triangular inverse n³/3 and the block updates rows·n² at the GEMM rate.
+        let hess_bound = tf * nf * nf / gemm_rate;
+        let solve_bound =
+            nf.powi(3) / 3.0 / chol_rate + (nf.powi(3) / 3.0 + rf * nf * nf) / gemm_rate;
+        let (h, s) = (median(hess), median(solve));
+        println!(
+            "| {rows} x {cols} | {h:.2} s | {hess_bound:.2} s | {:.2} | {s:.2} s | {solve_bound:.2} s | {:.2} |",
+            h / hess_bound,
+            s / solve_bound
+        );
+    }
+}

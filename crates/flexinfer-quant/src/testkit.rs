@@ -1,0 +1,299 @@
+//! Fixtures for tests in this crate and in the worker: a tiny Llama-architecture model with realistically
+//! scaled random weights (BF16, two shards + index), a character-level BPE `tokenizer.json`, and generated
+//! calibration text. Not used by the engine itself.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use safetensors::tensor::TensorView;
+use safetensors::Dtype;
+use serde_json::json;
+use std::collections::HashMap;
+use std::path::Path;
+
+pub const HIDDEN: usize = 128;
+pub const INTER: usize = 256;
+pub const LAYERS: usize = 3;
+pub const HEADS: usize = 4;
+pub const KV_HEADS: usize = 2;
+/// Embedding rows (a trained tokenizer used with this model must stay below it).
+pub const VOCAB: usize = 256;
+
+/// Shape of a generated model.
+#[derive(Clone, Debug)]
+pub struct ModelSize {
+    pub hidden: usize,
+    pub inter: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub vocab: usize,
+}
+
+impl ModelSize {
+    pub const TINY: ModelSize = ModelSize {
+        hidden: HIDDEN,
+        inter: INTER,
+        layers: LAYERS,
+        heads: HEADS,
+        kv_heads: KV_HEADS,
+        vocab: VOCAB,
+    };
+    /// About 110M parameters (GPT-2-small-like widths in a Llama layout).
+    pub const SMALL_100M: ModelSize = ModelSize {
+        hidden: 768,
+        inter: 2048,
+        layers: 12,
+        heads: 12,
+        kv_heads: 4,
+        vocab: 16384,
+    };
+
+    pub fn parameters(&self) -> usize {
+        let hd = self.hidden / self.heads;
+        let attn = self.hidden * hd * (2 * self.heads + 2 * self.kv_heads);
+        let mlp = 3 * self.hidden * self.inter;
+        self.layers * (attn + mlp + 2 * self.hidden) + 2 * self.vocab * self.hidden + self.hidden
+    }
+}
+
+const WORDS: &[&str] = &[
+    "the",
+    "model",
+    "weights",
+    "are",
+    "quantized",
+    "with",
+    "gptq",
+    "and",
+    "served",
+    "by",
+    "vllm",
+    "on",
+    "a",
+    "small",
+    "cluster",
+    "of",
+    "gpu",
+    "nodes",
+    "cache",
+    "layer",
+    "hessian",
+    "matrix",
+    "column",
+    "block",
+    "error",
+    "update",
+    "token",
+    "sequence",
+    "attention",
+    "head",
+    "rotary",
+    "embedding",
+    "norm",
+    "residual",
+    "stream",
+    "output",
+];
+
+pub fn gauss(rng: &mut StdRng) -> f32 {
+    let u1: f32 = rng.random_range(1e-7f32..1.0);
+    let u2: f32 = rng.random_range(0.0f32..1.0);
+    (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos()
+}
+
+/// Random sentences over a small vocabulary, Zipf-like so some words dominate.
+pub fn sentences(seed: u64, n: usize) -> Vec<String> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    (0..n)
+        .map(|_| {
+            let len = rng.random_range(20..60);
+            (0..len)
+                .map(|_| {
+                    WORDS[(rng.random_range(0.0f32..1.0).powi(2) * WORDS.len() as f32) as usize]
+                })
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect()
+}
+
+/// A BPE with one token per lowercase letter and no merges, whitespace pre-tokenized.
+pub fn write_char_tokenizer(dir: &Path) -> Result<(), String> {
+    let vocab: serde_json::Map<String, serde_json::Value> = ('a'..='z')
+        .enumerate()
+        .map(|(i, c)| (c.to_string(), json!(i)))
+        .collect();
+    let doc = json!({
+        "version": "2.0", "added_tokens": [], "normalizer": null,
+        "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null, "padding": null,
+        "model": {"type": "BPE", "byte_level": false, "vocab": vocab, "merges": []},
+    });
+    std::fs::write(
+        dir.join("tokenizer.json"),
+        serde_json::to_vec_pretty(&doc).map_err(|e| e.to_string())?,
+    )
+    .map_err(|e| e.to_string())?;
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        b"{\"model_max_length\": 2048}",
+    )
+    .map_err(|e| e.to_string())
+}
+
+fn bf16_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter()
+        .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+        .collect()
+}
+
+/// Writes config.json, two safetensors shards + index, tokenizer files.
+pub fn write_model(dir: &Path, arch: &str, seed: u64) -> Result<(), String> {
+    write_model_sized(dir, arch, seed, &ModelSize::TINY)
+}
+
+/// Writes a model of the given size (config.json, two BF16 shards + index, char tokenizer).
+pub fn write_model_sized(
+    dir: &Path,
+    arch: &str,
+    seed: u64,
+    size: &ModelSize,
+) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+    write_char_tokenizer(dir)?;
+    let vocab = size.vocab;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let head_dim = size.hidden / size.heads;
+    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+    let mut randn = |rows: usize, cols: usize, std: f32| -> Vec<f32> {
+        (0..rows * cols).map(|_| std * gauss(&mut rng)).collect()
+    };
+    tensors.push((
+        "model.embed_tokens.weight".into(),
+        vec![vocab, size.hidden],
+        randn(vocab, size.hidden, 1.0),
+    ));
+    tensors.push((
+        "lm_head.weight".into(),
+        vec![vocab, size.hidden],
+        randn(vocab, size.hidden, 0.05),
+    ));
+    tensors.push((
+        "model.norm.weight".into(),
+        vec![size.hidden],
+        vec![1.0; size.hidden],
+    ));
+    let qwen2 = arch == "Qwen2ForCausalLM";
+    let qwen3 = arch == "Qwen3ForCausalLM";
+    for l in 0..size.layers {
+        let p = format!("model.layers.{l}.");
+        let shapes = [
+            ("self_attn.q_proj", size.heads * head_dim, size.hidden),
+            ("self_attn.k_proj", size.kv_heads * head_dim, size.hidden),
+            ("self_attn.v_proj", size.kv_heads * head_dim, size.hidden),
+            ("self_attn.o_proj", size.hidden, size.heads * head_dim),
+            ("mlp.gate_proj", size.inter, size.hidden),
+            ("mlp.up_proj", size.inter, size.hidden),
+            ("mlp.down_proj", size.hidden, size.inter),
+        ];
+        for (m, out, inp) in shapes {
+            let std = 1.0 / (inp as f32).sqrt();
+            tensors.push((
+                format!("{p}{m}.weight"),
+                vec![out, inp],
+                randn(out, inp, std),
+            ));
+            if qwen2 && m.starts_with("self_attn.") && m != "self_attn.o_proj" {
+                tensors.push((format!("{p}{m}.bias"), vec![out], randn(out, 1, 0.02)));
+            }
+        }
+        let mut ones = vec![1.0f32; size.hidden];
+        ones.iter_mut()
+            .enumerate()
+            .for_each(|(i, v)| *v += 0.1 * ((i * 37 % 11) as f32 / 11.0 - 0.5));
+        tensors.push((
+            format!("{p}input_layernorm.weight"),
+            vec![size.hidden],
+            ones.clone(),
+        ));
+        tensors.push((
+            format!("{p}post_attention_layernorm.weight"),
+            vec![size.hidden],
+            ones.clone(),
+        ));
+        if qwen3 {
+            tensors.push((
+                format!("{p}self_attn.q_norm.weight"),
+                vec![head_dim],
+                vec![1.0; head_dim],
+            ));
+            tensors.push((
+                format!("{p}self_attn.k_norm.weight"),
+                vec![head_dim],
+                vec![1.0; head_dim],
+            ));
+        }
+    }
+    // Two shards split by name.
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let half_n = tensors.len() / 2;
+    let mut weight_map = serde_json::Map::new();
+    for (si, chunk) in [&tensors[..half_n], &tensors[half_n..]].iter().enumerate() {
+        let fname = format!("model-{:05}-of-00002.safetensors", si + 1);
+        let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = chunk
+            .iter()
+            .map(|(n, s, v)| (n.clone(), s.clone(), bf16_bytes(v)))
+            .collect();
+        let views: Vec<(String, TensorView<'_>)> = bytes
+            .iter()
+            .map(|(n, s, b)| {
+                Ok((
+                    n.clone(),
+                    TensorView::new(Dtype::BF16, s.clone(), b).map_err(|e| format!("{e:?}"))?,
+                ))
+            })
+            .collect::<Result<_, String>>()?;
+        for (n, _, _) in chunk.iter() {
+            weight_map.insert(n.clone(), json!(fname));
+        }
+        let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())]
+            .into_iter()
+            .collect();
+        std::fs::write(
+            dir.join(&fname),
+            safetensors::serialize(views, Some(meta)).map_err(|e| format!("{e:?}"))?,
+        )
+        .map_err(|e| e.to_string())?;
+    }
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        serde_json::to_vec(&json!({"metadata": {}, "weight_map": weight_map}))
+            .map_err(|e| e.to_string())?,
+    )
+    .map_err(|e| e.to_string())?;
+    let mut cfg = json!({
+        "architectures": [arch], "model_type": "llama", "hidden_size": size.hidden, "intermediate_size": size.inter,
+        "num_hidden_layers": size.layers, "num_attention_heads": size.heads, "num_key_value_heads": size.kv_heads,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "vocab_size": vocab, "tie_word_embeddings": false,
+        "torch_dtype": "bfloat16", "max_position_embeddings": 2048,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64},
+    });
+    if qwen3 {
+        cfg["head_dim"] = json!(head_dim);
+    }
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_vec_pretty(&cfg).map_err(|e| e.to_string())?,
+    )
+    .map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+pub fn write_dataset(path: &Path, n: usize) -> Result<(), String> {
+    let lines: Vec<String> = sentences(2, n)
+        .into_iter()
+        .map(|s| json!({"text": s}).to_string())
+        .collect();
+    std::fs::write(path, lines.join("\n")).map_err(|e| e.to_string())?;
+    Ok(())
+}

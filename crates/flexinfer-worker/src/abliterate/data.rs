@@ -1,0 +1,458 @@
+//! Prompt datasets (local files or hub datasets fetched under `$MODEL_DIR/.datasets`), the chat
+//! template, and tokenization (through the quantization engine's tokenizer loading, so both phases
+//! tokenize the same way).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use flexinfer_api::contract;
+use flexinfer_quant::calib::{load_samples, CalibSettings};
+use serde_json::Value;
+
+use crate::common::WorkerError;
+
+/// Fields tried, in order, for a prompt in a JSON record or a CSV header.
+pub const PROMPT_FIELDS: [&str; 6] = [
+    "prompt",
+    "instruction",
+    "text",
+    "goal",
+    "question",
+    "content",
+];
+
+const DATA_EXTENSIONS: [&str; 4] = ["jsonl", "json", "csv", "txt"];
+
+fn bad(m: String) -> WorkerError {
+    WorkerError::BadInput(m)
+}
+
+/// A local file, a directory holding one, or a hub dataset id fetched under
+/// `$MODEL_DIR/.datasets/<id>` (or `<cache root>/.datasets/<id>`).
+pub fn resolve_dataset(spec: &str, model_dir: &Path, what: &str) -> Result<PathBuf, WorkerError> {
+    let s = spec.trim();
+    if s.is_empty() {
+        return Err(bad(format!("the {what} dataset is not set")));
+    }
+    let mut candidates = vec![PathBuf::from(s)];
+    if contract::check_relative_path(s).is_ok() {
+        candidates.push(model_dir.join(contract::DATASETS_SUBDIR).join(s));
+        if let Some(parent) = model_dir.parent() {
+            candidates.push(parent.join(contract::DATASETS_SUBDIR).join(s));
+        }
+    }
+    for c in &candidates {
+        if c.is_file() {
+            return Ok(c.clone());
+        }
+        if c.is_dir() {
+            return find_data_file(c).ok_or_else(|| {
+                bad(format!(
+                    "the {what} dataset directory {} holds no .jsonl, .json, .csv or .txt file \
+                     (parquet is not supported: convert it to JSONL)",
+                    c.display()
+                ))
+            });
+        }
+    }
+    Err(bad(format!(
+        "the {what} dataset {s:?} was not found: not a local file or directory, and not fetched under {}",
+        model_dir.join(contract::DATASETS_SUBDIR).join(s).display()
+    )))
+}
+
+fn find_data_file(dir: &Path) -> Option<PathBuf> {
+    let mut found = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let p = e.path();
+            let hidden = p
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with('.'));
+            if hidden {
+                continue;
+            }
+            if p.is_dir() {
+                stack.push(p);
+            } else if p
+                .extension()
+                .and_then(|x| x.to_str())
+                .is_some_and(|x| DATA_EXTENSIONS.contains(&x.to_ascii_lowercase().as_str()))
+            {
+                found.push(p);
+            }
+        }
+    }
+    found.sort();
+    // Prefer a training split when there are several.
+    found
+        .iter()
+        .find(|p| p.to_string_lossy().contains("train"))
+        .or(found.first())
+        .cloned()
+}
+
+fn record_prompt(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => {
+            for f in PROMPT_FIELDS {
+                if let Some(Value::String(s)) = o.get(f) {
+                    if f == "instruction" {
+                        if let Some(Value::String(input)) = o.get("input") {
+                            if !input.trim().is_empty() {
+                                return Some(format!("{s}\n\n{input}"));
+                            }
+                        }
+                    }
+                    return Some(s.clone());
+                }
+            }
+            None
+        }
+        _ => None,
+    }
+}
+
+/// Splits one CSV line (RFC 4180 quoting, no embedded newlines).
+fn csv_fields(line: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let mut quoted = false;
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        match (c, quoted) {
+            ('"', true) if chars.peek() == Some(&'"') => {
+                cur.push('"');
+                chars.next();
+            }
+            ('"', _) => quoted = !quoted,
+            (',', false) => out.push(std::mem::take(&mut cur)),
+            (c, _) => cur.push(c),
+        }
+    }
+    out.push(cur);
+    out
+}
+
+/// Up to `max` non-empty prompts of a dataset file: JSONL (one string or object per line; fields
+/// [`PROMPT_FIELDS`]), a JSON array, CSV with a header naming one of those fields, or plain text
+/// with one prompt per line.
+pub fn read_prompts(path: &Path, max: usize) -> Result<Vec<String>, WorkerError> {
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or("")
+        .to_ascii_lowercase();
+    if name.ends_with(".parquet") {
+        return Err(bad(format!(
+            "{}: parquet is not supported; convert it to JSONL (one {{\"prompt\": ...}} per line)",
+            path.display()
+        )));
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        bad(format!(
+            "cannot read prompt dataset {}: {e}",
+            path.display()
+        ))
+    })?;
+    let mut out = Vec::new();
+    let mut push = |s: String| {
+        let s = s.trim().to_string();
+        if !s.is_empty() && out.len() < max {
+            out.push(s);
+        }
+    };
+    if name.ends_with(".json") && text.trim_start().starts_with('[') {
+        let v: Value = serde_json::from_str(&text)
+            .map_err(|e| bad(format!("{}: invalid JSON: {e}", path.display())))?;
+        for item in v.as_array().into_iter().flatten() {
+            if let Some(p) = record_prompt(item) {
+                push(p);
+            }
+        }
+    } else if name.ends_with(".jsonl") || name.ends_with(".json") {
+        for (i, line) in text.lines().enumerate() {
+            if line.trim().is_empty() {
+                continue;
+            }
+            let v: Value = serde_json::from_str(line).map_err(|e| {
+                bad(format!(
+                    "{} line {}: invalid JSON: {e}",
+                    path.display(),
+                    i + 1
+                ))
+            })?;
+            if let Some(p) = record_prompt(&v) {
+                push(p);
+            }
+        }
+    } else if name.ends_with(".csv") {
+        let mut lines = text.lines();
+        let header = csv_fields(lines.next().unwrap_or(""));
+        let col = PROMPT_FIELDS
+            .iter()
+            .find_map(|f| header.iter().position(|h| h.trim().eq_ignore_ascii_case(f)))
+            .ok_or_else(|| {
+                bad(format!(
+                    "{}: the CSV header has none of the prompt columns {PROMPT_FIELDS:?}",
+                    path.display()
+                ))
+            })?;
+        for line in lines {
+            if let Some(v) = csv_fields(line).into_iter().nth(col) {
+                push(v);
+            }
+        }
+    } else {
+        for line in text.lines() {
+            push(line.to_string());
+        }
+    }
+    Ok(out)
+}
+
+/// Chat formats recognized in a tokenizer's `chat_template`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChatFormat {
+    /// No template: prompts are used as they are.
+    Raw,
+    /// `<|im_start|>user … <|im_end|> <|im_start|>assistant` (Qwen, many others).
+    ChatMl,
+    /// `<|start_header_id|>user<|end_header_id|> … <|eot_id|>` (Llama 3).
+    Llama3,
+    /// `<start_of_turn>user … <end_of_turn> <start_of_turn>model` (Gemma).
+    Gemma,
+    /// `[INST] … [/INST]` (Llama 2, Mistral).
+    Inst,
+    /// `<|user|> … <|end|> <|assistant|>` (Phi-3).
+    Phi3,
+}
+
+impl ChatFormat {
+    /// Recognizes the role/content structure of a Jinja chat template by its markers.
+    pub fn detect(template: &str) -> Option<ChatFormat> {
+        let t = template;
+        if t.contains("<|im_start|>") {
+            Some(ChatFormat::ChatMl)
+        } else if t.contains("<|start_header_id|>") {
+            Some(ChatFormat::Llama3)
+        } else if t.contains("<start_of_turn>") {
+            Some(ChatFormat::Gemma)
+        } else if t.contains("[INST]") {
+            Some(ChatFormat::Inst)
+        } else if t.contains("<|user|>") && t.contains("<|assistant|>") {
+            Some(ChatFormat::Phi3)
+        } else {
+            None
+        }
+    }
+
+    /// One user turn followed by the generation prompt of the assistant.
+    pub fn apply(self, prompt: &str) -> String {
+        match self {
+            ChatFormat::Raw => prompt.to_string(),
+            ChatFormat::ChatMl => {
+                format!("<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n")
+            }
+            ChatFormat::Llama3 => format!(
+                "<|start_header_id|>user<|end_header_id|>\n\n{prompt}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+            ),
+            ChatFormat::Gemma => {
+                format!("<start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n")
+            }
+            ChatFormat::Inst => format!("[INST] {prompt} [/INST]"),
+            ChatFormat::Phi3 => format!("<|user|>\n{prompt}<|end|>\n<|assistant|>\n"),
+        }
+    }
+}
+
+/// The model's chat template (`tokenizer_config.json` `chat_template`, or `chat_template.jinja`).
+pub fn chat_template(model_dir: &Path) -> Option<String> {
+    if let Ok(text) = std::fs::read_to_string(model_dir.join("tokenizer_config.json")) {
+        if let Ok(v) = serde_json::from_str::<Value>(&text) {
+            match v.get("chat_template") {
+                Some(Value::String(s)) => return Some(s.clone()),
+                Some(Value::Array(list)) => {
+                    let pick = list
+                        .iter()
+                        .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+                        .or(list.first());
+                    if let Some(s) = pick.and_then(|t| t.get("template")).and_then(Value::as_str) {
+                        return Some(s.to_string());
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    std::fs::read_to_string(model_dir.join("chat_template.jinja")).ok()
+}
+
+/// Tokenized prompt sets.
+#[derive(Debug, Clone)]
+pub struct PromptSets {
+    /// Refusal prompts in the chat format.
+    pub refusal: Vec<Vec<u32>>,
+    /// Harmless prompts in the chat format.
+    pub harmless: Vec<Vec<u32>>,
+    /// Harmless prompts as plain text, for the perplexity gate.
+    pub ppl: Vec<Vec<u32>>,
+    pub format: ChatFormat,
+    pub warnings: Vec<String>,
+}
+
+/// Token ids of each text, at most `max_seq_len` each: the *last* tokens when `keep_end` (so a
+/// chat prompt keeps its generation prompt), else the first.
+fn tokenize(
+    model_dir: &Path,
+    texts: &[String],
+    max_seq_len: usize,
+    keep_end: bool,
+) -> Result<Vec<Vec<u32>>, WorkerError> {
+    let dir = tempfile::tempdir()
+        .map_err(|e| WorkerError::Other(format!("cannot create a temporary directory: {e}")))?;
+    let path = dir.path().join("prompts.jsonl");
+    let mut f = std::fs::File::create(&path).map_err(|e| super::io_err(&path, e))?;
+    for t in texts {
+        let line = serde_json::json!({ "text": t }).to_string();
+        writeln!(f, "{line}").map_err(|e| super::io_err(&path, e))?;
+    }
+    drop(f);
+    let settings = CalibSettings {
+        max_samples: texts.len(),
+        max_seq_len: usize::MAX,
+    };
+    let max = max_seq_len.max(2);
+    let mut out = load_samples(model_dir, &path, &settings).map_err(super::quant_err)?;
+    for ids in out.iter_mut().filter(|ids| ids.len() > max) {
+        if keep_end {
+            ids.drain(..ids.len() - max);
+        } else {
+            ids.truncate(max);
+        }
+    }
+    Ok(out)
+}
+
+/// Reads, templates and tokenizes both prompt sets (`n` prompts each).
+pub fn load_prompt_sets(
+    model_dir: &Path,
+    refusal: &Path,
+    harmless: &Path,
+    n: usize,
+    max_seq_len: usize,
+) -> Result<PromptSets, WorkerError> {
+    let r = read_prompts(refusal, n)?;
+    let h = read_prompts(harmless, n)?;
+    for (set, path) in [(&r, refusal), (&h, harmless)] {
+        if set.is_empty() {
+            return Err(bad(format!(
+                "the prompt dataset {} holds no prompts (empty, or no field among {PROMPT_FIELDS:?})",
+                path.display()
+            )));
+        }
+    }
+    let mut warnings = Vec::new();
+    for (set, what) in [(&r, "refusal"), (&h, "harmless")] {
+        if set.len() < n {
+            warnings.push(format!(
+                "the {what} dataset has only {} prompts (numSamples {n})",
+                set.len()
+            ));
+        }
+    }
+    let format = match chat_template(model_dir) {
+        None => ChatFormat::Raw,
+        Some(t) => ChatFormat::detect(&t).unwrap_or_else(|| {
+            warnings.push(
+                "the chat template is not one of the recognized formats (ChatML, Llama 3, Gemma, [INST], Phi-3); \
+                 prompts are used without it"
+                    .into(),
+            );
+            ChatFormat::Raw
+        }),
+    };
+    let templ = |v: &[String]| v.iter().map(|p| format.apply(p)).collect::<Vec<_>>();
+    Ok(PromptSets {
+        refusal: tokenize(model_dir, &templ(&r), max_seq_len, true)?,
+        harmless: tokenize(model_dir, &templ(&h), max_seq_len, true)?,
+        ppl: tokenize(model_dir, &h, max_seq_len, false)?,
+        format,
+        warnings,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_jsonl_csv_json_and_text() {
+        let d = tempfile::tempdir().unwrap();
+        let j = d.path().join("a.jsonl");
+        std::fs::write(
+            &j,
+            "{\"instruction\":\"do x\",\"input\":\"with y\"}\n\n\"plain\"\n{\"goal\":\"g\"}\n{\"other\":1}\n",
+        )
+        .unwrap();
+        assert_eq!(
+            read_prompts(&j, 10).unwrap(),
+            vec!["do x\n\nwith y", "plain", "g"]
+        );
+        assert_eq!(read_prompts(&j, 1).unwrap().len(), 1);
+        let c = d.path().join("b.csv");
+        std::fs::write(&c, "goal,target\n\"a, \"\"quoted\"\"\",t\nb,t\n").unwrap();
+        assert_eq!(read_prompts(&c, 10).unwrap(), vec!["a, \"quoted\"", "b"]);
+        let a = d.path().join("c.json");
+        std::fs::write(&a, "[{\"prompt\":\"p1\"},\"p2\"]").unwrap();
+        assert_eq!(read_prompts(&a, 10).unwrap(), vec!["p1", "p2"]);
+        let t = d.path().join("d.txt");
+        std::fs::write(&t, "one\n\n two \n").unwrap();
+        assert_eq!(read_prompts(&t, 10).unwrap(), vec!["one", "two"]);
+        let p = d.path().join("e.parquet");
+        std::fs::write(&p, "x").unwrap();
+        assert!(read_prompts(&p, 10)
+            .unwrap_err()
+            .to_string()
+            .contains("parquet"));
+    }
+
+    #[test]
+    fn resolves_hub_ids_under_the_datasets_dir() {
+        let d = tempfile::tempdir().unwrap();
+        let ds = d.path().join(".datasets/org/set/data");
+        std::fs::create_dir_all(&ds).unwrap();
+        std::fs::write(ds.join("train.jsonl"), "\"x\"\n").unwrap();
+        let p = resolve_dataset("org/set", d.path(), "refusal").unwrap();
+        assert!(p.ends_with("data/train.jsonl"));
+        let e = resolve_dataset("org/missing", d.path(), "refusal").unwrap_err();
+        assert_eq!(e.exit_code(), 2);
+        assert!(e.to_string().contains("refusal dataset"));
+    }
+
+    #[test]
+    fn chat_formats() {
+        assert_eq!(
+            ChatFormat::detect("{% for m in messages %}<|im_start|>{{m.role}}"),
+            Some(ChatFormat::ChatMl)
+        );
+        assert_eq!(
+            ChatFormat::detect("<start_of_turn>{{ role }}"),
+            Some(ChatFormat::Gemma)
+        );
+        assert_eq!(ChatFormat::detect("{{ messages }}"), None);
+        assert_eq!(
+            ChatFormat::ChatMl.apply("hi"),
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        assert!(ChatFormat::Llama3
+            .apply("hi")
+            .ends_with("assistant<|end_header_id|>\n\n"));
+    }
+}

@@ -1,0 +1,312 @@
+//! The refusal direction (difference of last-token residual means, per layer), the layer choice,
+//! and the perplexity of harmless text before and after the edit.
+
+use std::collections::BTreeMap;
+
+use faer::Mat;
+use flexinfer_api::contract::{abliteration as names, ProgressEvent};
+use flexinfer_quant::llama::{embed, linear, rms_norm, Rope};
+use flexinfer_quant::model::{load_linear, ModelConfig};
+use flexinfer_quant::tensors::TensorStore;
+
+use super::data::PromptSets;
+use super::edit::{edited_tensor, Plan};
+use super::forward::{Arch, LayerModel};
+use super::output::RunResult;
+use super::quant_err;
+use crate::common::{Events, WorkerError};
+
+/// Per-layer candidate: raw difference of means and its separation score.
+#[derive(Debug, Clone)]
+pub struct Candidate {
+    pub layer: usize,
+    pub diff: Vec<f32>,
+    pub norm: f64,
+    /// `‖μ_refusal − μ_harmless‖ / mean ‖x‖` of the last-token residuals at that layer's output.
+    pub score: f64,
+}
+
+/// Running sums of the last-token residuals of one layer.
+struct LayerStats {
+    sum_r: Vec<f64>,
+    sum_h: Vec<f64>,
+    norm_sum: f64,
+}
+
+fn progress(ev: &Events, percent: f64, detail: String, layer: usize, layers: usize) {
+    ev.progress(ProgressEvent {
+        percent,
+        detail: Some(detail),
+        layer: Some(layer as i64),
+        layers: Some(layers as i64),
+        unit: Some("layers".into()),
+        done: Some((layer + 1) as f64),
+        total: Some(layers as f64),
+        ..Default::default()
+    });
+}
+
+/// Applies the plan's edits of `layer` to its in-memory weights (as the written model will have them).
+fn edit_layer(
+    store: &TensorStore,
+    cfg: &ModelConfig,
+    layer: usize,
+    lm: &mut LayerModel,
+    plan: &Plan,
+    r: &[f32],
+) -> Result<(), WorkerError> {
+    let prefix = cfg.layer_prefix(layer);
+    for e in plan.edits.iter().filter(|e| e.layer == Some(layer)) {
+        let rest = e.tensor.strip_prefix(&prefix).unwrap_or(&e.tensor);
+        let Some((lin, bias)) = lm.linear_mut(rest) else {
+            return Err(WorkerError::BadInput(format!(
+                "{}: the forward has no such module, so the perplexity gate cannot evaluate this edit",
+                e.tensor
+            )));
+        };
+        let (_, v) = edited_tensor(store, e, r)?;
+        if bias {
+            lin.b = Some(v);
+        } else {
+            let cols = lin.w.ncols();
+            for i in 0..lin.w.nrows() {
+                for j in 0..cols {
+                    lin.w[(i, j)] = v[i * cols + j];
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Mean next-token negative log-likelihood → perplexity of the sequences whose final hidden states
+/// are `hs`.
+fn perplexity(
+    store: &TensorStore,
+    cfg: &ModelConfig,
+    hs: &[Mat<f32>],
+    tokens: &[Vec<u32>],
+    plan: &Plan,
+    r: Option<&[f32]>,
+) -> Result<f64, WorkerError> {
+    let norm_w = store.f32("model.norm.weight").map_err(quant_err)?;
+    let head_name = if store.contains("lm_head.weight") {
+        "lm_head"
+    } else {
+        "model.embed_tokens"
+    };
+    let vocab = store
+        .entry(&format!("{head_name}.weight"))
+        .map_err(quant_err)?
+        .shape
+        .first()
+        .copied()
+        .unwrap_or(0);
+    let mut head =
+        load_linear(store, head_name, (vocab, cfg.hidden_size), None).map_err(quant_err)?;
+    if let Some(r) = r {
+        for e in plan
+            .edits
+            .iter()
+            .filter(|e| e.tensor == format!("{head_name}.weight"))
+        {
+            let (_, v) = edited_tensor(store, e, r)?;
+            let cols = head.w.ncols();
+            for i in 0..head.w.nrows() {
+                for j in 0..cols {
+                    head.w[(i, j)] = v[i * cols + j];
+                }
+            }
+        }
+    }
+    let (mut nll, mut count) = (0f64, 0usize);
+    for (x, toks) in hs.iter().zip(tokens) {
+        let xn = rms_norm(x.as_ref(), &norm_w, cfg.rms_norm_eps);
+        let logits = linear(xn.as_ref(), &head);
+        for t in 0..toks.len().saturating_sub(1) {
+            let target = toks[t + 1] as usize;
+            if target >= logits.ncols() {
+                continue;
+            }
+            let mut m = f64::NEG_INFINITY;
+            for v in 0..logits.ncols() {
+                m = m.max(logits[(t, v)] as f64);
+            }
+            let lse = m
+                + (0..logits.ncols())
+                    .map(|v| (logits[(t, v)] as f64 - m).exp())
+                    .sum::<f64>()
+                    .ln();
+            nll += lse - logits[(t, target)] as f64;
+            count += 1;
+        }
+    }
+    if count == 0 {
+        return Err(WorkerError::BadInput(
+            "the harmless texts are too short to measure perplexity (need at least 2 tokens)"
+                .into(),
+        ));
+    }
+    Ok((nll / count as f64).exp())
+}
+
+/// Chooses the target layer with the best separation score.
+pub fn choose(cands: &[Candidate]) -> Option<&Candidate> {
+    cands
+        .iter()
+        .filter(|c| c.score.is_finite())
+        .max_by(|a, b| a.score.total_cmp(&b.score))
+        .or(cands.first())
+}
+
+/// Runs both prompt sets and the perplexity texts through the model, picks the direction and
+/// measures perplexity before and after the planned edit.
+pub fn compute(
+    store: &TensorStore,
+    arch: &Arch,
+    targets: &[usize],
+    plan: &Plan,
+    prompts: &PromptSets,
+    ev: &Events,
+) -> Result<RunResult, WorkerError> {
+    let cfg = &arch.cfg;
+    let n_layers = cfg.num_layers;
+    let (nr, nh) = (prompts.refusal.len(), prompts.harmless.len());
+    let seqs: Vec<&Vec<u32>> = prompts
+        .refusal
+        .iter()
+        .chain(&prompts.harmless)
+        .chain(&prompts.ppl)
+        .collect();
+    let max_len = seqs.iter().map(|s| s.len()).max().unwrap_or(1).max(1);
+    let rope = Rope::new(cfg, max_len);
+    let table = store.f32("model.embed_tokens.weight").map_err(quant_err)?;
+    let mut hs: Vec<Mat<f32>> = seqs
+        .iter()
+        .map(|s| embed(store, cfg, Some(&table), s))
+        .collect::<Result<_, _>>()
+        .map_err(quant_err)?;
+    drop(table);
+    let first_mod = plan.layers_modified.first().copied().unwrap_or(n_layers);
+    let mut saved: Option<Vec<Mat<f32>>> = None;
+    let mut stats: BTreeMap<usize, LayerStats> = BTreeMap::new();
+    let d = cfg.hidden_size;
+    for layer in 0..n_layers {
+        if layer == first_mod {
+            saved = Some(hs[nr + nh..].to_vec());
+        }
+        let lm = LayerModel::load(store, arch, layer)?;
+        for h in hs.iter_mut() {
+            *h = lm.forward(arch, h.as_ref(), &rope);
+        }
+        if targets.contains(&layer) {
+            let mut st = LayerStats {
+                sum_r: vec![0.0; d],
+                sum_h: vec![0.0; d],
+                norm_sum: 0.0,
+            };
+            for (i, h) in hs[..nr + nh].iter().enumerate() {
+                let last = h.nrows() - 1;
+                let sum = if i < nr { &mut st.sum_r } else { &mut st.sum_h };
+                let mut sq = 0f64;
+                for (c, s) in sum.iter_mut().enumerate() {
+                    let v = h[(last, c)] as f64;
+                    *s += v;
+                    sq += v * v;
+                }
+                st.norm_sum += sq.sqrt();
+            }
+            stats.insert(layer, st);
+        }
+        progress(
+            ev,
+            5.0 + 40.0 * (layer + 1) as f64 / n_layers as f64,
+            format!("residual stream: layer {}/{n_layers}", layer + 1),
+            layer,
+            n_layers,
+        );
+    }
+    let ppl_texts = &prompts.ppl;
+    let before = perplexity(store, cfg, &hs[nr + nh..], ppl_texts, plan, None)?;
+
+    let cands: Vec<Candidate> = stats
+        .iter()
+        .map(|(&layer, st)| {
+            let diff: Vec<f32> = st
+                .sum_r
+                .iter()
+                .zip(&st.sum_h)
+                .map(|(r, h)| (r / nr as f64 - h / nh as f64) as f32)
+                .collect();
+            let norm = diff
+                .iter()
+                .map(|v| (*v as f64) * (*v as f64))
+                .sum::<f64>()
+                .sqrt();
+            let mean_norm = st.norm_sum / (nr + nh) as f64;
+            let score = if mean_norm > 0.0 {
+                norm / mean_norm
+            } else {
+                f64::NAN
+            };
+            Candidate {
+                layer,
+                diff,
+                norm,
+                score,
+            }
+        })
+        .collect();
+    let best = choose(&cands)
+        .ok_or_else(|| WorkerError::BadInput("no target layer to take the direction from".into()))?
+        .clone();
+    ev.emit(
+        names::EVENT_DIRECTION,
+        &serde_json::json!({
+            "layer": best.layer,
+            "refusalDirNorm": best.norm,
+            "score": best.score,
+            "scores": cands.iter().map(|c| serde_json::json!({"layer": c.layer, "score": c.score, "norm": c.norm})).collect::<Vec<_>>(),
+        }),
+    );
+    let unit: Vec<f32> = if best.norm.is_finite() && best.norm > 0.0 {
+        best.diff
+            .iter()
+            .map(|v| (*v as f64 / best.norm) as f32)
+            .collect()
+    } else {
+        // The gate rejects this result; keep the (useless) direction finite.
+        vec![0.0; d]
+    };
+
+    // Perplexity after: from the saved input of the first modified layer, with the edits applied.
+    let mut after_hs = saved.unwrap_or_else(|| hs[nr + nh..].to_vec());
+    let after = if best.norm.is_finite() && best.norm > 0.0 {
+        for layer in first_mod..n_layers {
+            let mut lm = LayerModel::load(store, arch, layer)?;
+            edit_layer(store, cfg, layer, &mut lm, plan, &unit)?;
+            for h in after_hs.iter_mut() {
+                *h = lm.forward(arch, h.as_ref(), &rope);
+            }
+            progress(
+                ev,
+                45.0 + 25.0 * (layer + 1 - first_mod) as f64 / (n_layers - first_mod).max(1) as f64,
+                format!("perplexity with the edit: layer {}/{n_layers}", layer + 1),
+                layer,
+                n_layers,
+            );
+        }
+        perplexity(store, cfg, &after_hs, ppl_texts, plan, Some(&unit))?
+    } else {
+        f64::NAN
+    };
+    Ok(RunResult {
+        layer: best.layer,
+        direction: unit,
+        refusal_dir_norm: best.norm,
+        score: best.score,
+        perplexity_before: before,
+        perplexity_after: after,
+        layers_modified: plan.layers_modified.clone(),
+    })
+}

@@ -1,0 +1,717 @@
+//! What gets modified (layers, matrices, the seeds' guards) and how (orthogonalization in f32,
+//! written back in the source dtype).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use flexinfer_quant::tensors::TensorStore;
+use serde_json::Value;
+
+use crate::common::WorkerError;
+
+/// `targetLayers`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TargetLayers {
+    /// Full-attention layers in the middle of the stack (20 %–80 % depth).
+    Auto,
+    /// An explicit range or list.
+    List(Vec<usize>),
+}
+
+impl TargetLayers {
+    pub fn parse(s: &str) -> Result<Self, WorkerError> {
+        let s = s.trim();
+        let bad = || {
+            WorkerError::BadInput(format!(
+                "targetLayers must be 'auto', a range like '10-55' or a list like '0,1,5', got {s:?}"
+            ))
+        };
+        if s.eq_ignore_ascii_case("auto") || s.is_empty() {
+            return Ok(TargetLayers::Auto);
+        }
+        if let Some((a, b)) = s.split_once('-') {
+            let a: usize = a.trim().parse().map_err(|_| bad())?;
+            let b: usize = b.trim().parse().map_err(|_| bad())?;
+            if a > b {
+                return Err(bad());
+            }
+            return Ok(TargetLayers::List((a..=b).collect()));
+        }
+        let mut v = Vec::new();
+        for part in s.split(',') {
+            v.push(part.trim().parse::<usize>().map_err(|_| bad())?);
+        }
+        v.sort_unstable();
+        v.dedup();
+        Ok(TargetLayers::List(v))
+    }
+}
+
+/// A matrix that writes into the residual stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Matrix {
+    OProj,
+    DownProj,
+}
+
+impl Matrix {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Matrix::OProj => "o_proj",
+            Matrix::DownProj => "down_proj",
+        }
+    }
+
+    pub fn parse_list(s: &str) -> Result<Vec<Matrix>, WorkerError> {
+        let mut out = Vec::new();
+        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let m = match part.to_ascii_lowercase().as_str() {
+                "o_proj" => Matrix::OProj,
+                "down_proj" => Matrix::DownProj,
+                other => {
+                    return Err(WorkerError::BadInput(format!(
+                        "weightMatrices: {other:?} is not a matrix that writes into the residual stream \
+                         (supported: o_proj, down_proj)"
+                    )))
+                }
+            };
+            if !out.contains(&m) {
+                out.push(m);
+            }
+        }
+        if out.is_empty() {
+            return Err(WorkerError::BadInput(
+                "weightMatrices is empty (use o_proj and/or down_proj)".into(),
+            ));
+        }
+        Ok(out)
+    }
+}
+
+/// Path components that mark a vision/audio tower (or its projector into the language model).
+const TOWER_MARKERS: &[&str] = &[
+    "vision_tower",
+    "vision_model",
+    "vision_encoder",
+    "visual",
+    "vision",
+    "audio_tower",
+    "audio_model",
+    "audio_encoder",
+    "audio",
+    "multi_modal_projector",
+    "mm_projector",
+    "embed_vision",
+    "embed_audio",
+];
+
+/// True for tensors of a vision/audio tower.
+pub fn is_tower(name: &str) -> bool {
+    name.split('.').any(|c| TOWER_MARKERS.contains(&c))
+}
+
+/// True for MoE expert weights (`…experts.N…`, fused `…experts.down_proj`), never for shared experts.
+pub fn is_expert(name: &str) -> bool {
+    name.split('.')
+        .any(|c| c == "experts" || c.starts_with("experts_"))
+}
+
+/// `(layer, rest)` of a language-model decoder tensor `…layers.<i>.<rest>`.
+pub fn decoder_layer(name: &str) -> Option<(usize, String)> {
+    if is_tower(name) {
+        return None;
+    }
+    let comps: Vec<&str> = name.split('.').collect();
+    let k = comps.iter().position(|c| *c == "layers")?;
+    let idx = comps.get(k + 1)?.parse::<usize>().ok()?;
+    Some((idx, comps[k + 2..].join(".")))
+}
+
+/// Structure of the model as far as the guards need it.
+#[derive(Debug, Clone)]
+pub struct Layout {
+    pub num_layers: usize,
+    pub hidden: usize,
+    /// Linear-attention (GatedDeltaNet) decoder layers.
+    pub linear_attention: BTreeSet<usize>,
+    /// The model has MoE experts.
+    pub moe: bool,
+    /// The lm_head tensor, when the model has its own (untied) one.
+    pub lm_head: Option<String>,
+    /// Tensor name → shape.
+    pub shapes: BTreeMap<String, Vec<usize>>,
+}
+
+fn cfg_field<'a>(raw: &'a Value, key: &str) -> Option<&'a Value> {
+    raw.get(key)
+        .or_else(|| raw.get("text_config").and_then(|t| t.get(key)))
+}
+
+impl Layout {
+    pub fn from_model(store: &TensorStore, raw: &Value) -> Result<Self, WorkerError> {
+        let shapes: BTreeMap<String, Vec<usize>> = store
+            .entries
+            .iter()
+            .map(|(n, e)| (n.clone(), e.shape.clone()))
+            .collect();
+        Self::from_parts(shapes, raw)
+    }
+
+    pub fn from_parts(
+        shapes: BTreeMap<String, Vec<usize>>,
+        raw: &Value,
+    ) -> Result<Self, WorkerError> {
+        let hidden = cfg_field(raw, "hidden_size")
+            .and_then(Value::as_u64)
+            .ok_or_else(|| {
+                WorkerError::BadInput(
+                    "config.json has no hidden_size (nor text_config.hidden_size)".into(),
+                )
+            })? as usize;
+        let mut max_layer = None;
+        let mut linear_attention = BTreeSet::new();
+        let mut moe = false;
+        for name in shapes.keys() {
+            if let Some((i, rest)) = decoder_layer(name) {
+                max_layer = Some(max_layer.map_or(i, |m: usize| m.max(i)));
+                if rest.split('.').any(|c| c == "linear_attn") {
+                    linear_attention.insert(i);
+                }
+                if is_expert(&rest) {
+                    moe = true;
+                }
+            }
+        }
+        let num_layers = cfg_field(raw, "num_hidden_layers")
+            .and_then(Value::as_u64)
+            .map(|n| n as usize)
+            .or(max_layer.map(|m| m + 1))
+            .ok_or_else(|| WorkerError::BadInput("the model has no decoder layers".into()))?;
+        if let Some(types) = cfg_field(raw, "layer_types").and_then(Value::as_array) {
+            for (i, t) in types.iter().enumerate() {
+                if t.as_str()
+                    .is_some_and(|t| t.to_ascii_lowercase().contains("linear"))
+                {
+                    linear_attention.insert(i);
+                }
+            }
+        }
+        for key in ["num_experts", "num_local_experts", "n_routed_experts"] {
+            if cfg_field(raw, key).and_then(Value::as_u64).unwrap_or(0) > 0 {
+                moe = true;
+            }
+        }
+        let lm_head = [
+            "lm_head.weight",
+            "language_model.lm_head.weight",
+            "model.lm_head.weight",
+        ]
+        .into_iter()
+        .find(|n| shapes.contains_key(*n))
+        .map(str::to_string);
+        Ok(Layout {
+            num_layers,
+            hidden,
+            linear_attention,
+            moe,
+            lm_head,
+            shapes,
+        })
+    }
+}
+
+/// The layers to modify (and among which the direction's layer is chosen).
+#[derive(Debug, Clone)]
+pub struct Targets {
+    pub layers: Vec<usize>,
+    pub warnings: Vec<String>,
+}
+
+/// `auto`: attention (non-GDN) layers at 20 %–80 % depth; a list: those layers, minus GDN layers
+/// when `skipGDNLayers`.
+pub fn select_target_layers(layout: &Layout, s: &super::Settings) -> Result<Targets, WorkerError> {
+    let n = layout.num_layers;
+    let mut warnings = Vec::new();
+    let layers: Vec<usize> = match &s.target.clone() {
+        TargetLayers::Auto => {
+            let lo = (n as f64 * 0.2).floor() as usize;
+            let hi = ((n as f64 * 0.8).ceil() as usize).clamp(lo + 1, n.max(1));
+            let v: Vec<usize> = (lo..hi)
+                .filter(|i| !layout.linear_attention.contains(i))
+                .collect();
+            if v.is_empty() {
+                return Err(WorkerError::BadInput(format!(
+                    "targetLayers auto: no full-attention layer between 20% and 80% depth of {n} layers"
+                )));
+            }
+            v
+        }
+        TargetLayers::List(list) => {
+            if let Some(bad) = list.iter().find(|&&i| i >= n) {
+                return Err(WorkerError::BadInput(format!(
+                    "targetLayers names layer {bad} but the model has {n} decoder layers (0-{})",
+                    n.saturating_sub(1)
+                )));
+            }
+            let skipped: Vec<usize> = list
+                .iter()
+                .copied()
+                .filter(|i| s.skip_gdn && layout.linear_attention.contains(i))
+                .collect();
+            if !skipped.is_empty() {
+                warnings.push(format!(
+                    "skipGDNLayers: linear-attention layers {skipped:?} are not modified"
+                ));
+            }
+            let v: Vec<usize> = list
+                .iter()
+                .copied()
+                .filter(|i| !skipped.contains(i))
+                .collect();
+            if v.is_empty() {
+                return Err(WorkerError::BadInput(
+                    "every targeted layer is a linear-attention layer skipped by skipGDNLayers"
+                        .into(),
+                ));
+            }
+            v
+        }
+    };
+    Ok(Targets { layers, warnings })
+}
+
+/// How a tensor is edited with the unit direction `r`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EditKind {
+    /// Writes into the residual (`[hidden, in]` or a `[hidden]` bias): `W ← W − r (rᵀ W)`.
+    Write,
+    /// Reads from the residual (`[vocab, hidden]` lm_head): `W ← W − (W r) rᵀ`.
+    Read,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Edit {
+    pub tensor: String,
+    pub layer: Option<usize>,
+    pub kind: EditKind,
+}
+
+/// Everything that will be modified; every other tensor is copied byte for byte.
+#[derive(Debug, Clone, Default)]
+pub struct Plan {
+    pub edits: Vec<Edit>,
+    pub layers_modified: Vec<usize>,
+    pub warnings: Vec<String>,
+    /// Expert tensors that matched a requested matrix and were left alone.
+    pub guarded_experts: usize,
+}
+
+fn module_matches(rest: &str, m: Matrix, gdn_layer: bool) -> bool {
+    let module = rest
+        .strip_suffix(".weight")
+        .or_else(|| rest.strip_suffix(".bias"))
+        .unwrap_or(rest);
+    let last = module.rsplit('.').next().unwrap_or(module);
+    match m {
+        Matrix::OProj => {
+            last == "o_proj" || (gdn_layer && module.ends_with("linear_attn.out_proj"))
+        }
+        Matrix::DownProj => last == "down_proj",
+    }
+}
+
+fn is_param(rest: &str) -> bool {
+    rest.ends_with(".weight") || rest.ends_with(".bias")
+}
+
+/// Build the edit list with the guards, from tensor names and shapes alone.
+pub fn plan(layout: &Layout, s: &super::Settings, targets: &[usize]) -> Result<Plan, WorkerError> {
+    let targets: BTreeSet<usize> = targets.iter().copied().collect();
+    let mut p = Plan::default();
+    let mut modified = BTreeSet::new();
+    for &m in &s.matrices {
+        let mut exists = false;
+        let mut guarded = 0usize;
+        let mut chosen = 0usize;
+        for (name, shape) in &layout.shapes {
+            let tower = is_tower(name);
+            let (layer, rest) = match decoder_layer(name) {
+                Some((i, rest)) => (Some(i), rest),
+                None if tower => {
+                    let rest = name.clone();
+                    (None, rest)
+                }
+                None => continue,
+            };
+            if !is_param(&rest) {
+                continue;
+            }
+            let gdn = layer.is_some_and(|i| layout.linear_attention.contains(&i));
+            if !module_matches(&rest, m, gdn) {
+                continue;
+            }
+            exists = true;
+            if is_expert(&rest) {
+                guarded += 1;
+                continue;
+            }
+            if tower {
+                if s.skip_vision || shape.first() != Some(&layout.hidden) {
+                    continue;
+                }
+            } else if let Some(i) = layer {
+                if !targets.contains(&i) || (gdn && s.skip_gdn) {
+                    continue;
+                }
+            }
+            let ok_shape = match shape.as_slice() {
+                [rows, _] | [rows] => *rows == layout.hidden,
+                _ => false,
+            };
+            if !ok_shape {
+                return Err(WorkerError::BadInput(format!(
+                    "{name} has shape {shape:?}; a residual-writing matrix must have {} rows",
+                    layout.hidden
+                )));
+            }
+            if let Some(i) = layer {
+                modified.insert(i);
+            }
+            chosen += 1;
+            p.edits.push(Edit {
+                tensor: name.clone(),
+                layer,
+                kind: EditKind::Write,
+            });
+        }
+        if !exists {
+            return Err(WorkerError::BadInput(format!(
+                "the model has no {} tensors (…layers.N.….{}.weight); weightMatrices must name matrices the model has",
+                m.as_str(),
+                m.as_str()
+            )));
+        }
+        if guarded > 0 {
+            p.guarded_experts += guarded;
+            p.warnings.push(format!(
+                "MoE model: {guarded} expert {} tensors are never modified; {chosen} shared/dense {} tensors are",
+                m.as_str(),
+                m.as_str()
+            ));
+        }
+        if chosen == 0 {
+            p.warnings.push(format!(
+                "no {} tensor in the targeted layers can be modified; only the other matrices are",
+                m.as_str()
+            ));
+        }
+    }
+    if s.lm_head {
+        match &layout.lm_head {
+            Some(name) => {
+                let ok = matches!(layout.shapes.get(name).map(Vec::as_slice), Some([_, h]) if *h == layout.hidden);
+                if !ok {
+                    return Err(WorkerError::BadInput(format!(
+                        "{name} does not have shape [vocab, {}]",
+                        layout.hidden
+                    )));
+                }
+                p.edits.push(Edit {
+                    tensor: name.clone(),
+                    layer: None,
+                    kind: EditKind::Read,
+                });
+            }
+            None => p.warnings.push(
+                "ablitateLmHead: the lm_head is tied to embed_tokens; it is not modified".into(),
+            ),
+        }
+    }
+    if p.edits.is_empty() {
+        return Err(WorkerError::BadInput(
+            "nothing to modify: no requested matrix exists in the targeted layers".into(),
+        ));
+    }
+    p.layers_modified = modified.into_iter().collect();
+    Ok(p)
+}
+
+/// `W ← W − r (rᵀ W)` for row-major `[rows, cols]` with `rows == r.len()` (a bias has `cols == 1`).
+pub fn orthogonalize_write(w: &mut [f32], cols: usize, r: &[f32]) {
+    let rows = r.len();
+    let mut proj = vec![0f64; cols];
+    for (i, &ri) in r.iter().enumerate() {
+        let row = &w[i * cols..(i + 1) * cols];
+        for (p, &v) in proj.iter_mut().zip(row) {
+            *p += ri as f64 * v as f64;
+        }
+    }
+    for i in 0..rows {
+        let ri = r[i] as f64;
+        for (v, p) in w[i * cols..(i + 1) * cols].iter_mut().zip(&proj) {
+            *v = (*v as f64 - ri * p) as f32;
+        }
+    }
+}
+
+/// `W ← W − (W r) rᵀ` for row-major `[rows, cols]` with `cols == r.len()`.
+pub fn orthogonalize_read(w: &mut [f32], r: &[f32]) {
+    let cols = r.len();
+    for row in w.chunks_exact_mut(cols) {
+        let d: f64 = row.iter().zip(r).map(|(&a, &b)| a as f64 * b as f64).sum();
+        for (v, &rj) in row.iter_mut().zip(r) {
+            *v = (*v as f64 - d * rj as f64) as f32;
+        }
+    }
+}
+
+/// Source dtypes the phase reads and writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dtype {
+    F32,
+    F16,
+    BF16,
+}
+
+impl Dtype {
+    /// From the safetensors dtype (as its header spells it).
+    pub fn from_name(s: &str) -> Option<Dtype> {
+        match s {
+            "F32" => Some(Dtype::F32),
+            "F16" => Some(Dtype::F16),
+            "BF16" => Some(Dtype::BF16),
+            _ => None,
+        }
+    }
+
+    pub fn encode(self, v: &[f32]) -> Vec<u8> {
+        match self {
+            Dtype::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Dtype::BF16 => v
+                .iter()
+                .flat_map(|&x| f32_to_bf16(x).to_le_bytes())
+                .collect(),
+            Dtype::F16 => v
+                .iter()
+                .flat_map(|&x| f32_to_f16(x).to_le_bytes())
+                .collect(),
+        }
+    }
+
+    pub fn decode(self, b: &[u8]) -> Vec<f32> {
+        match self {
+            Dtype::F32 => b
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            Dtype::BF16 => b
+                .chunks_exact(2)
+                .map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16))
+                .collect(),
+            Dtype::F16 => b
+                .chunks_exact(2)
+                .map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+                .collect(),
+        }
+    }
+}
+
+/// Round-to-nearest-even f32 → bf16 bits.
+pub fn f32_to_bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) as u16) | 0x40;
+    }
+    let round = 0x7fff + ((b >> 16) & 1);
+    (b.wrapping_add(round) >> 16) as u16
+}
+
+/// Round-to-nearest-even f32 → f16 bits (overflow → ±inf, underflow → subnormal/zero).
+pub fn f32_to_f16(x: f32) -> u16 {
+    let b = x.to_bits();
+    let sign = ((b >> 16) & 0x8000) as u16;
+    let exp = ((b >> 23) & 0xff) as i32;
+    let man = b & 0x7f_ffff;
+    if exp == 0xff {
+        return sign | 0x7c00 | if man != 0 { 0x200 } else { 0 };
+    }
+    let e = exp - 127 + 15;
+    if e >= 0x1f {
+        return sign | 0x7c00;
+    }
+    if e <= 0 {
+        if e < -10 {
+            return sign;
+        }
+        let m = man | 0x80_0000;
+        let shift = (14 - e) as u32;
+        let half = 1u32 << (shift - 1);
+        let rem = m & ((1u32 << shift) - 1);
+        let mut r = m >> shift;
+        if rem > half || (rem == half && r & 1 == 1) {
+            r += 1;
+        }
+        return sign | r as u16;
+    }
+    let mut r = ((e as u32) << 10) | (man >> 13);
+    let rem = man & 0x1fff;
+    if rem > 0x1000 || (rem == 0x1000 && r & 1 == 1) {
+        r += 1;
+    }
+    sign | r as u16
+}
+
+pub fn f16_to_f32(h: u16) -> f32 {
+    let sign = ((h & 0x8000) as u32) << 16;
+    let exp = ((h >> 10) & 0x1f) as u32;
+    let man = (h & 0x3ff) as u32;
+    let bits = match (exp, man) {
+        (0, 0) => sign,
+        (0, m) => {
+            // Subnormal: value = m · 2^-24.
+            let v = m as f32 * (1.0 / 16_777_216.0);
+            return if sign != 0 { -v } else { v };
+        }
+        (0x1f, m) => sign | 0x7f80_0000 | (m << 13),
+        (e, m) => sign | ((e + 127 - 15) << 23) | (m << 13),
+    };
+    f32::from_bits(bits)
+}
+
+/// The dtype of a stored tensor.
+pub fn tensor_dtype(store: &TensorStore, name: &str) -> Result<Dtype, WorkerError> {
+    let e = store.entry(name).map_err(super::quant_err)?;
+    let d = format!("{:?}", e.dtype);
+    Dtype::from_name(&d).ok_or_else(|| {
+        WorkerError::BadInput(format!(
+            "{name} has dtype {d}; abliteration edits BF16, F16 and F32 weights"
+        ))
+    })
+}
+
+/// The edited tensor: its bytes in the source dtype, and those bytes decoded back to f32 (what a
+/// consumer of the written model computes with).
+pub fn edited_tensor(
+    store: &TensorStore,
+    edit: &Edit,
+    r: &[f32],
+) -> Result<(Vec<u8>, Vec<f32>), WorkerError> {
+    let dtype = tensor_dtype(store, &edit.tensor)?;
+    let e = store.entry(&edit.tensor).map_err(super::quant_err)?;
+    let shape = e.shape.clone();
+    let mut w = store.f32(&edit.tensor).map_err(super::quant_err)?;
+    match (edit.kind, shape.as_slice()) {
+        (EditKind::Write, [rows, cols]) if *rows == r.len() => {
+            orthogonalize_write(&mut w, *cols, r)
+        }
+        (EditKind::Write, [rows]) if *rows == r.len() => orthogonalize_write(&mut w, 1, r),
+        (EditKind::Read, [_, cols]) if *cols == r.len() => orthogonalize_read(&mut w, r),
+        _ => {
+            return Err(WorkerError::BadInput(format!(
+                "{} has shape {shape:?}, which does not fit a direction of length {}",
+                edit.tensor,
+                r.len()
+            )))
+        }
+    }
+    let bytes = dtype.encode(&w);
+    let back = dtype.decode(&bytes);
+    Ok((bytes, back))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn target_layers_parse() {
+        assert_eq!(TargetLayers::parse("auto").unwrap(), TargetLayers::Auto);
+        assert_eq!(
+            TargetLayers::parse("2-4").unwrap(),
+            TargetLayers::List(vec![2, 3, 4])
+        );
+        assert_eq!(
+            TargetLayers::parse("5,1,1").unwrap(),
+            TargetLayers::List(vec![1, 5])
+        );
+        assert!(TargetLayers::parse("4-2").is_err());
+        assert!(TargetLayers::parse("x").is_err());
+    }
+
+    #[test]
+    fn matrices_parse() {
+        assert_eq!(
+            Matrix::parse_list("o_proj, down_proj,o_proj").unwrap(),
+            vec![Matrix::OProj, Matrix::DownProj]
+        );
+        assert!(Matrix::parse_list("gate_proj").is_err());
+        assert!(Matrix::parse_list(" , ").is_err());
+    }
+
+    #[test]
+    fn name_classification() {
+        assert!(is_expert("mlp.experts.3.down_proj.weight"));
+        assert!(is_expert("model.layers.0.mlp.experts.down_proj"));
+        assert!(!is_expert("mlp.shared_expert.down_proj.weight"));
+        assert!(!is_expert("mlp.shared_experts.down_proj.weight"));
+        assert!(is_tower(
+            "model.vision_tower.encoder.layers.0.mlp.fc2.weight"
+        ));
+        assert!(is_tower("visual.blocks.0.attn.proj.weight"));
+        assert_eq!(
+            decoder_layer("model.layers.12.self_attn.o_proj.weight"),
+            Some((12, "self_attn.o_proj.weight".into()))
+        );
+        assert_eq!(
+            decoder_layer("model.vision_tower.layers.1.o_proj.weight"),
+            None
+        );
+    }
+
+    #[test]
+    fn orthogonalization_removes_only_the_direction() {
+        let r = {
+            let v = [0.6f32, 0.0, 0.8];
+            v.to_vec()
+        };
+        // [3, 2] writing matrix.
+        let mut w = vec![1.0f32, 2.0, -3.0, 0.5, 4.0, 1.5];
+        let orig = w.clone();
+        orthogonalize_write(&mut w, 2, &r);
+        for c in 0..2 {
+            let d: f32 = (0..3).map(|i| r[i] * w[i * 2 + c]).sum();
+            assert!(d.abs() < 1e-6);
+            // A direction orthogonal to r sees the same output.
+            let v = [0.8f32, 0.0, -0.6];
+            let a: f32 = (0..3).map(|i| v[i] * w[i * 2 + c]).sum();
+            let b: f32 = (0..3).map(|i| v[i] * orig[i * 2 + c]).sum();
+            assert!((a - b).abs() < 1e-5);
+        }
+        let mut h = vec![1.0f32, 2.0, 3.0, -1.0, 0.0, 2.0];
+        orthogonalize_read(&mut h, &r);
+        for row in h.chunks(3) {
+            let d: f32 = row.iter().zip(&r).map(|(a, b)| a * b).sum();
+            assert!(d.abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn half_precision_conversions_round_to_nearest_even() {
+        for &x in &[
+            0.0f32, 1.0, -2.5, 0.1, 65504.0, 1e-5, -3.0e-7, 1234.5678, 6.1e-5,
+        ] {
+            let h = f32_to_f16(x);
+            let back = f16_to_f32(h);
+            assert!((back - x).abs() <= x.abs() * 1e-3 + 6e-8, "{x} -> {back}");
+            let b = f32::from_bits((f32_to_bf16(x) as u32) << 16);
+            assert!((b - x).abs() <= x.abs() * 8e-3, "{x} -> {b}");
+        }
+        assert_eq!(f32_to_f16(1.0), 0x3c00);
+        assert_eq!(f32_to_f16(1e6), 0x7c00);
+        // 1 + 2^-11 is halfway between 1 and the next f16: ties to even (1.0).
+        assert_eq!(f32_to_f16(1.0 + 1.0 / 2048.0), 0x3c00);
+        assert_eq!(f32_to_bf16(1.0), 0x3f80);
+        for bits in [0x0001u16, 0x03ff, 0x0400, 0x3c01, 0x7bff, 0xc000] {
+            assert_eq!(f32_to_f16(f16_to_f32(bits)), bits);
+        }
+    }
+}

@@ -1,0 +1,337 @@
+//! The abliterated model directory: the source's shards mirrored (same files, headers, tensor names
+//! and dtypes; only the edited tensors' bytes differ), config/tokenizer files copied, written
+//! through a staging directory with a manifest so a killed run resumes shard by shard.
+
+use std::collections::BTreeMap;
+use std::io::{Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use flexinfer_api::contract::{self, abliteration as names, ProgressEvent};
+use flexinfer_quant::tensors::TensorStore;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use super::edit::{edited_tensor, Plan};
+use super::io_err;
+use crate::common::{self, Events, WorkerError};
+
+/// What the direction search and the gate measured.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RunResult {
+    /// Layer whose direction was used.
+    pub layer: usize,
+    /// Unit refusal direction.
+    pub direction: Vec<f32>,
+    /// Norm of the raw (unnormalized) difference of means.
+    pub refusal_dir_norm: f64,
+    pub score: f64,
+    pub perplexity_before: f64,
+    pub perplexity_after: f64,
+    pub layers_modified: Vec<usize>,
+}
+
+/// One written shard.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ShardRecord {
+    pub name: String,
+    pub size_bytes: u64,
+    pub sha256: String,
+}
+
+/// `.abliteration-manifest.json` (staging and final directory).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Manifest {
+    pub version: u32,
+    pub fingerprint: String,
+    pub script_version: String,
+    pub result: RunResult,
+    /// Tensors that were modified.
+    pub edits: Vec<String>,
+    pub shards: Vec<ShardRecord>,
+    pub complete: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completed_at: Option<String>,
+}
+
+/// `config.json` of the source.
+pub fn read_config(model_dir: &Path) -> Result<serde_json::Value, WorkerError> {
+    let p = model_dir.join("config.json");
+    let text = std::fs::read_to_string(&p)
+        .map_err(|e| WorkerError::BadInput(format!("cannot read {}: {e}", p.display())))?;
+    serde_json::from_str(&text)
+        .map_err(|e| WorkerError::BadInput(format!("{}: invalid JSON: {e}", p.display())))
+}
+
+fn sha256_file(path: &Path) -> Result<String, WorkerError> {
+    let mut f = std::fs::File::open(path).map_err(|e| io_err(path, e))?;
+    let mut h = Sha256::new();
+    std::io::copy(&mut f, &mut h).map_err(|e| io_err(path, e))?;
+    Ok(hex::encode(h.finalize()))
+}
+
+/// Identity of a run: source files (name, size, mtime), config, datasets, settings, contract version.
+pub fn fingerprint(
+    store: &TensorStore,
+    model_dir: &Path,
+    datasets: &[&Path],
+    settings: &serde_json::Value,
+) -> Result<String, WorkerError> {
+    let mut h = Sha256::new();
+    h.update(contract::SCRIPT_VERSION.as_bytes());
+    for f in &store.files {
+        let meta = std::fs::metadata(f).map_err(|e| io_err(f, e))?;
+        let mtime = meta
+            .modified()
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        h.update(format!("|{}|{}|{mtime}", rel_name(model_dir, f), meta.len()).as_bytes());
+    }
+    h.update(b"|config|");
+    h.update(sha256_file(&model_dir.join("config.json"))?.as_bytes());
+    for d in datasets {
+        h.update(b"|dataset|");
+        h.update(sha256_file(d)?.as_bytes());
+    }
+    h.update(b"|settings|");
+    h.update(settings.to_string().as_bytes());
+    Ok(hex::encode(h.finalize()))
+}
+
+fn rel_name(model_dir: &Path, f: &Path) -> String {
+    f.strip_prefix(model_dir)
+        .unwrap_or(f)
+        .to_string_lossy()
+        .replace('\\', "/")
+}
+
+/// `<OUT_DIR>.partial`, next to the output directory.
+pub fn staging_dir(out_dir: &Path) -> PathBuf {
+    let name = out_dir
+        .file_name()
+        .map(|n| n.to_string_lossy().to_string())
+        .unwrap_or_else(|| "abliterated".into());
+    out_dir.with_file_name(format!("{name}{}", names::STAGING_SUFFIX))
+}
+
+fn read_manifest(dir: &Path) -> Option<Manifest> {
+    let text = std::fs::read_to_string(dir.join(names::MANIFEST)).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
+fn write_manifest(dir: &Path, m: &Manifest) -> Result<(), WorkerError> {
+    let bytes = serde_json::to_vec_pretty(m)
+        .map_err(|e| WorkerError::Other(format!("encoding the manifest: {e}")))?;
+    let p = dir.join(names::MANIFEST);
+    common::write_atomic(&p, &bytes).map_err(|e| io_err(&p, e))
+}
+
+fn shard_ok(dir: &Path, s: &ShardRecord) -> bool {
+    let p = dir.join(&s.name);
+    std::fs::metadata(&p).is_ok_and(|m| m.len() == s.size_bytes)
+        && sha256_file(&p).is_ok_and(|h| h == s.sha256)
+}
+
+/// The finished output of this exact run, if `out_dir` holds it intact.
+pub fn verify_complete(out_dir: &Path, fingerprint: &str) -> Option<Manifest> {
+    let m = read_manifest(out_dir)?;
+    (m.complete && m.fingerprint == fingerprint && m.shards.iter().all(|s| shard_ok(out_dir, s)))
+        .then_some(m)
+}
+
+/// The staging manifest of an interrupted run with the same fingerprint.
+pub fn load_staging(staging: &Path, fingerprint: &str) -> Option<Manifest> {
+    read_manifest(staging).filter(|m| m.fingerprint == fingerprint)
+}
+
+/// Files of the source that are not copied: weights in other formats (they would carry the
+/// unedited weights), hidden markers and caches.
+fn is_copied_aux(name: &str) -> bool {
+    const WEIGHT_EXT: [&str; 9] = [
+        ".safetensors",
+        ".bin",
+        ".pt",
+        ".pth",
+        ".gguf",
+        ".h5",
+        ".msgpack",
+        ".ckpt",
+        ".onnx",
+    ];
+    !name.starts_with('.') && !WEIGHT_EXT.iter().any(|x| name.ends_with(x))
+}
+
+/// Writes every shard (skipping those an interrupted run already wrote) and the other files into
+/// `staging`. Returns the number of shards.
+#[allow(clippy::too_many_arguments)]
+pub fn write_output(
+    store: &TensorStore,
+    model_dir: &Path,
+    staging: &Path,
+    plan: &Plan,
+    result: &RunResult,
+    fingerprint: &str,
+    resumed: Option<&Manifest>,
+    abort_after_shards: Option<usize>,
+    ev: &Events,
+) -> Result<usize, WorkerError> {
+    let mut manifest = match resumed {
+        Some(m) => m.clone(),
+        None => {
+            if staging.exists() {
+                std::fs::remove_dir_all(staging).map_err(|e| io_err(staging, e))?;
+            }
+            Manifest {
+                version: 1,
+                fingerprint: fingerprint.to_string(),
+                script_version: contract::SCRIPT_VERSION.to_string(),
+                result: result.clone(),
+                edits: plan.edits.iter().map(|e| e.tensor.clone()).collect(),
+                shards: Vec::new(),
+                complete: false,
+                completed_at: None,
+            }
+        }
+    };
+    std::fs::create_dir_all(staging).map_err(|e| io_err(staging, e))?;
+    write_manifest(staging, &manifest)?;
+
+    let mut by_file: BTreeMap<usize, Vec<&super::edit::Edit>> = BTreeMap::new();
+    for e in &plan.edits {
+        let entry = store.entry(&e.tensor).map_err(super::quant_err)?;
+        by_file.entry(entry.file).or_default().push(e);
+    }
+    let n = store.files.len();
+    let mut written_now = 0usize;
+    for (fi, src) in store.files.iter().enumerate() {
+        let rel = rel_name(model_dir, src);
+        contract::check_relative_path(&rel)
+            .map_err(|e| WorkerError::BadInput(format!("weight file {}: {e}", src.display())))?;
+        let done = manifest
+            .shards
+            .iter()
+            .find(|s| s.name == rel)
+            .is_some_and(|s| shard_ok(staging, s));
+        let percent = 70.0 + 28.0 * (fi + 1) as f64 / n as f64;
+        if done {
+            ev.progress(ProgressEvent {
+                percent,
+                detail: Some(format!("shard {rel} already written (sha256 verified)")),
+                unit: Some("files".into()),
+                done: Some((fi + 1) as f64),
+                total: Some(n as f64),
+                ..Default::default()
+            });
+            continue;
+        }
+        let dst = staging.join(&rel);
+        if let Some(parent) = dst.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| io_err(parent, e))?;
+        }
+        let tmp = dst.with_file_name(format!(
+            ".{}.tmp",
+            dst.file_name()
+                .map(|n| n.to_string_lossy().to_string())
+                .unwrap_or_default()
+        ));
+        std::fs::copy(src, &tmp).map_err(|e| io_err(&tmp, e))?;
+        {
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .open(&tmp)
+                .map_err(|e| io_err(&tmp, e))?;
+            for e in by_file.get(&fi).into_iter().flatten() {
+                let entry = store.entry(&e.tensor).map_err(super::quant_err)?;
+                let (bytes, _) = edited_tensor(store, e, &result.direction)?;
+                if bytes.len() != entry.end - entry.start {
+                    return Err(WorkerError::Other(format!(
+                        "{}: edited size {} differs from the source's {}",
+                        e.tensor,
+                        bytes.len(),
+                        entry.end - entry.start
+                    )));
+                }
+                f.seek(SeekFrom::Start(entry.start as u64))
+                    .map_err(|e| io_err(&tmp, e))?;
+                f.write_all(&bytes).map_err(|e| io_err(&tmp, e))?;
+            }
+            f.sync_all().map_err(|e| io_err(&tmp, e))?;
+        }
+        std::fs::rename(&tmp, &dst).map_err(|e| io_err(&dst, e))?;
+        let size = std::fs::metadata(&dst).map_err(|e| io_err(&dst, e))?.len();
+        let rec = ShardRecord {
+            name: rel.clone(),
+            size_bytes: size,
+            sha256: sha256_file(&dst)?,
+        };
+        manifest.shards.retain(|s| s.name != rel);
+        manifest.shards.push(rec);
+        write_manifest(staging, &manifest)?;
+        ev.progress(ProgressEvent {
+            percent,
+            detail: Some(format!("wrote shard {rel}")),
+            unit: Some("files".into()),
+            done: Some((fi + 1) as f64),
+            total: Some(n as f64),
+            ..Default::default()
+        });
+        written_now += 1;
+        if abort_after_shards.is_some_and(|k| written_now >= k) {
+            ev.log("test hook: aborting after a written shard");
+            std::process::exit(137);
+        }
+    }
+    // Config, tokenizer and the other small files, unchanged.
+    let rd = std::fs::read_dir(model_dir).map_err(|e| io_err(model_dir, e))?;
+    for entry in rd.flatten() {
+        let name = entry.file_name().to_string_lossy().to_string();
+        let p = entry.path();
+        if p.is_file() && is_copied_aux(&name) {
+            let dst = staging.join(&name);
+            let bytes = std::fs::read(&p).map_err(|e| io_err(&p, e))?;
+            common::write_atomic(&dst, &bytes).map_err(|e| io_err(&dst, e))?;
+        }
+    }
+    // Leftovers of a write interrupted by a kill (temporary files) do not belong in the output.
+    if let Ok(rd) = std::fs::read_dir(staging) {
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            if name.starts_with(".tmp") || (name.starts_with('.') && name.ends_with(".tmp")) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    manifest.complete = true;
+    manifest.completed_at = Some(common::now_rfc3339());
+    write_manifest(staging, &manifest)?;
+    Ok(n)
+}
+
+/// Moves the finished staging directory into place (replacing an older output).
+pub fn commit(staging: &Path, out_dir: &Path) -> Result<(), WorkerError> {
+    if out_dir.exists() {
+        let old = out_dir.with_file_name(format!(
+            "{}.old",
+            out_dir
+                .file_name()
+                .map(|n| n.to_string_lossy().to_string())
+                .unwrap_or_default()
+        ));
+        if old.exists() {
+            std::fs::remove_dir_all(&old).map_err(|e| io_err(&old, e))?;
+        }
+        std::fs::rename(out_dir, &old).map_err(|e| io_err(out_dir, e))?;
+        std::fs::rename(staging, out_dir).map_err(|e| io_err(out_dir, e))?;
+        std::fs::remove_dir_all(&old).map_err(|e| io_err(&old, e))?;
+    } else {
+        if let Some(parent) = out_dir.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| io_err(parent, e))?;
+        }
+        std::fs::rename(staging, out_dir).map_err(|e| io_err(out_dir, e))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,187 @@
+//! Registry credentials (env or dockerconfigjson) and `WWW-Authenticate` challenge parsing.
+
+use std::path::Path;
+
+use base64::Engine as _;
+use serde::Deserialize;
+
+use super::OciError;
+
+#[derive(Clone, Default)]
+pub struct Credentials {
+    pub username: String,
+    pub password: String,
+}
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Credentials({}, <redacted>)", self.username)
+    }
+}
+
+#[derive(Deserialize)]
+struct DockerConfig {
+    #[serde(default)]
+    auths: std::collections::BTreeMap<String, DockerAuth>,
+}
+
+#[derive(Deserialize)]
+struct DockerAuth {
+    #[serde(default)]
+    auth: Option<String>,
+    #[serde(default)]
+    username: Option<String>,
+    #[serde(default)]
+    password: Option<String>,
+}
+
+impl Credentials {
+    /// Env `OCI_USERNAME`/`OCI_PASSWORD` first, then the dockerconfigjson entry for `registry`.
+    pub fn resolve(
+        registry: &str,
+        username: Option<&str>,
+        password: Option<&str>,
+        docker_config: Option<&Path>,
+    ) -> Result<Option<Credentials>, OciError> {
+        if let (Some(u), Some(p)) = (username, password) {
+            if !u.is_empty() {
+                return Ok(Some(Credentials {
+                    username: u.into(),
+                    password: p.into(),
+                }));
+            }
+        }
+        let Some(path) = docker_config.filter(|p| !p.as_os_str().is_empty()) else {
+            return Ok(None);
+        };
+        // A mounted Secret directory holds the file under `.dockerconfigjson` or `config.json`.
+        let file = if path.is_dir() {
+            [".dockerconfigjson", "config.json"]
+                .iter()
+                .map(|n| path.join(n))
+                .find(|p| p.is_file())
+                .unwrap_or_else(|| path.join(".dockerconfigjson"))
+        } else {
+            path.to_path_buf()
+        };
+        let text = std::fs::read_to_string(&file).map_err(|e| {
+            OciError::BadInput(format!("cannot read docker config {}: {e}", file.display()))
+        })?;
+        let cfg: DockerConfig = serde_json::from_str(&text).map_err(|e| {
+            OciError::BadInput(format!(
+                "docker config {} is not valid JSON: {e}",
+                file.display()
+            ))
+        })?;
+        let host_of = |k: &str| {
+            let k = k
+                .trim_start_matches("https://")
+                .trim_start_matches("http://");
+            k.split('/').next().unwrap_or(k).to_string()
+        };
+        let Some(entry) = cfg
+            .auths
+            .iter()
+            .find(|(k, _)| host_of(k) == registry)
+            .map(|(_, v)| v)
+        else {
+            return Ok(None);
+        };
+        if let (Some(u), Some(p)) = (&entry.username, &entry.password) {
+            return Ok(Some(Credentials {
+                username: u.clone(),
+                password: p.clone(),
+            }));
+        }
+        if let Some(a) = &entry.auth {
+            let raw = base64::engine::general_purpose::STANDARD
+                .decode(a.trim())
+                .map_err(|_| {
+                    OciError::BadInput(format!(
+                        "docker config entry for {registry}: auth is not base64"
+                    ))
+                })?;
+            let s = String::from_utf8(raw).map_err(|_| {
+                OciError::BadInput(format!(
+                    "docker config entry for {registry}: auth is not UTF-8"
+                ))
+            })?;
+            if let Some((u, p)) = s.split_once(':') {
+                return Ok(Some(Credentials {
+                    username: u.into(),
+                    password: p.into(),
+                }));
+            }
+        }
+        Err(OciError::BadInput(format!(
+            "docker config entry for {registry} has neither username/password nor auth"
+        )))
+    }
+}
+
+/// `realm="…",service="…",scope="…"` → pairs.
+pub(super) fn parse_challenge(s: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut rest = s.trim();
+    while !rest.is_empty() {
+        let Some(eq) = rest.find('=') else { break };
+        let key = rest[..eq]
+            .trim()
+            .trim_start_matches(',')
+            .trim()
+            .to_ascii_lowercase();
+        rest = &rest[eq + 1..];
+        let value;
+        if let Some(r) = rest.strip_prefix('"') {
+            let end = r.find('"').unwrap_or(r.len());
+            value = r[..end].to_string();
+            rest = r.get(end + 1..).unwrap_or("");
+        } else {
+            let end = rest.find(',').unwrap_or(rest.len());
+            value = rest[..end].trim().to_string();
+            rest = &rest[end..];
+        }
+        rest = rest.trim_start_matches(',').trim();
+        out.push((key, value));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn challenges() {
+        let p = parse_challenge(
+            r#" realm="https://auth.example/token",service="registry.example",scope="repository:a/b:pull,push""#,
+        );
+        assert_eq!(p[0], ("realm".into(), "https://auth.example/token".into()));
+        assert_eq!(p[1], ("service".into(), "registry.example".into()));
+        assert_eq!(p[2], ("scope".into(), "repository:a/b:pull,push".into()));
+    }
+
+    #[test]
+    fn docker_config() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("config.json");
+        let auth = base64::engine::general_purpose::STANDARD.encode("u:p:w");
+        std::fs::write(
+            &p,
+            format!(r#"{{"auths":{{"https://reg.example:5000":{{"auth":"{auth}"}}}}}}"#),
+        )
+        .unwrap();
+        let c = Credentials::resolve("reg.example:5000", None, None, Some(&p))
+            .unwrap()
+            .unwrap();
+        assert_eq!((c.username.as_str(), c.password.as_str()), ("u", "p:w"));
+        assert!(Credentials::resolve("other.example", None, None, Some(&p))
+            .unwrap()
+            .is_none());
+        let env = Credentials::resolve("reg.example:5000", Some("a"), Some("b"), Some(&p))
+            .unwrap()
+            .unwrap();
+        assert_eq!(env.username, "a");
+        assert!(!format!("{c:?}").contains("p:w"));
+    }
+}

@@ -1,0 +1,279 @@
+//! `flexinfer-worker quantize`: the GPTQ phase (SPEC §4, §5). Reads the env contract (every setting is also a
+//! flag; flags win), runs the `flexinfer-quant` engine on the CPU backend, streams JSON-line events, writes the
+//! termination message, and exits 0 ok / 1 failure / 2 bad input / 3 quality gate / 4 version mismatch.
+
+use std::path::{Path, PathBuf};
+
+use flexinfer_api::contract::{
+    self, env, events, JobPhase, ProgressEvent, QualitySummary, TerminationSuccess,
+};
+use flexinfer_quant::calib::CalibSettings;
+use flexinfer_quant::events::EventSink;
+use flexinfer_quant::linalg::CpuBackend;
+use flexinfer_quant::params::{FloorMode, GateParams, GptqParams, RecoveryParams};
+use flexinfer_quant::pipeline::{self, QuantizeJob};
+use flexinfer_quant::QuantError;
+
+use crate::common::{self, Events, WorkerError};
+use crate::download::parse_bool_arg;
+
+#[cfg(test)]
+mod tests;
+
+/// Test hook: abort the process (as a SIGKILL would) right after layer k is cached.
+pub const TEST_ABORT_AFTER_LAYER_ENV: &str = "FLEXINFER_TEST_ABORT_AFTER_LAYER";
+
+/// Settings of the quantize phase. Env names are the worker contract's.
+#[derive(clap::Args, Debug, Clone)]
+pub struct QuantizeArgs {
+    /// Contract version the controller expects (mismatch: exit 4).
+    #[arg(long, env = env::SCRIPT_VERSION)]
+    pub script_version: Option<String>,
+    /// Source model directory (config.json, *.safetensors, tokenizer.json).
+    #[arg(long, env = env::MODEL_DIR)]
+    pub model_dir: PathBuf,
+    /// Parent of the output directory `gptq-w<bits>-g<group>`.
+    #[arg(long, env = env::OUT_DIR)]
+    pub out_dir: PathBuf,
+    #[arg(long, env = env::BITS, default_value_t = 4)]
+    pub bits: u32,
+    /// -1 = one group per output row.
+    #[arg(long, env = env::GROUP_SIZE, default_value_t = 128, allow_hyphen_values = true)]
+    pub group_size: i32,
+    #[arg(long, env = env::SYM, value_parser = parse_bool_arg, action = clap::ArgAction::Set, default_value = "true")]
+    pub sym: bool,
+    #[arg(long, env = env::DESC_ACT, value_parser = parse_bool_arg, action = clap::ArgAction::Set, default_value = "false")]
+    pub desc_act: bool,
+    /// Compute all group parameters before the sweep (keeps g_idx monotonic with desc_act).
+    #[arg(long, value_parser = parse_bool_arg, action = clap::ArgAction::Set, default_value = "false")]
+    pub static_groups: bool,
+    /// `gdn`, or a comma list of module-name substrings kept in full precision.
+    #[arg(long, env = env::DYNAMIC_EXCLUSION)]
+    pub dynamic_exclusion: Option<String>,
+    #[arg(long, env = env::MAX_SEQ_LEN, default_value_t = 2048)]
+    pub max_seq_len: usize,
+    #[arg(long, env = env::MAX_SAMPLES, default_value_t = 128)]
+    pub max_samples: usize,
+    /// Local JSONL / JSONL.zst / text file, or a dataset id already fetched under the cache.
+    #[arg(long, env = env::DATASET)]
+    pub dataset: String,
+    #[arg(long, env = env::N_PARALLEL_CALIB_SAMPLES)]
+    pub n_parallel_calib_samples: Option<usize>,
+    /// Informational on the CPU backend (recorded in the start event).
+    #[arg(long, env = env::MAX_MEMORY_GB)]
+    pub max_memory_gb: Option<f64>,
+    #[arg(long, env = env::GPU_VRAM_MB)]
+    pub gpu_vram_mb: Option<u64>,
+    #[arg(long, env = env::GPU_MEMORY_FRACTION)]
+    pub gpu_memory_fraction: Option<f64>,
+    #[arg(long, env = env::GPTQ_DAMP_PERCENT_OVERRIDE, default_value_t = 0.05)]
+    pub damp_percent: f32,
+    #[arg(long, env = env::GPTQ_DAMP_AUTO_INCREMENT_OVERRIDE, default_value_t = 0.1)]
+    pub damp_auto_increment: f32,
+    /// `mean` or `abs_max`.
+    #[arg(long, env = env::GPTQ_HESSIAN_DIAG_FLOOR_MODE, default_value = "mean")]
+    pub diag_floor_mode: String,
+    #[arg(long, env = env::GPTQ_HESSIAN_DIAG_FLOOR_SCALE, default_value_t = 0.01)]
+    pub diag_floor_scale: f32,
+    #[arg(long, env = env::GPTQ_HESSIAN_FLOOR_MULTIPLIER, default_value_t = 10.0)]
+    pub floor_multiplier: f32,
+    #[arg(long, env = env::GPTQ_HESSIAN_MAX_FLOOR_ATTEMPTS, default_value_t = 6)]
+    pub max_floor_attempts: u32,
+    #[arg(long, env = env::GPTQ_RESUME_LAYERS, value_parser = parse_bool_arg, action = clap::ArgAction::Set, default_value = "true")]
+    pub resume_layers: bool,
+    #[arg(long, env = env::GPTQ_MAX_RTN_FALLBACK_PERCENT, default_value_t = 10.0)]
+    pub max_rtn_fallback_percent: f64,
+    #[arg(long, env = env::GPTQ_MIN_MODULES_FOR_FALLBACK_GATE, default_value_t = 100)]
+    pub min_modules_for_fallback_gate: u64,
+    /// Maximum bytes per output shard.
+    #[arg(long, default_value_t = 4 << 30)]
+    pub max_shard_bytes: u64,
+    #[arg(long, env = TEST_ABORT_AFTER_LAYER_ENV, hide = true)]
+    pub test_abort_after_layer: Option<usize>,
+}
+
+/// Engine events → the worker's JSON-line stream (progress stays monotonic there).
+struct WorkerSink<'a>(&'a Events);
+
+impl EventSink for WorkerSink<'_> {
+    fn emit(&self, event: &str, fields: serde_json::Map<String, serde_json::Value>) {
+        if event == events::PROGRESS {
+            let value = serde_json::Value::Object(fields);
+            if let Ok(mut p) = serde_json::from_value::<ProgressEvent>(value) {
+                // The contract's `phase` is the pipeline phase; the engine's stage goes into the detail.
+                if let Some(stage) = p.phase.take() {
+                    p.detail = Some(format!("{stage}: {}", p.detail.unwrap_or_default()));
+                }
+                self.0.progress(p);
+            }
+        } else {
+            self.0.emit(event, &serde_json::Value::Object(fields));
+        }
+    }
+}
+
+/// Runs the subcommand; returns the process exit code.
+pub fn run(args: QuantizeArgs) -> i32 {
+    let events = Events::new(JobPhase::Quantize.status_name());
+    let result = run_inner(&args, &events);
+    common::finish(&events, result)
+}
+
+fn bad(msg: impl Into<String>) -> WorkerError {
+    WorkerError::BadInput(msg.into())
+}
+
+/// `DATASET`: a file, a directory holding one, or a hub dataset id fetched under the cache mount.
+pub fn resolve_dataset(dataset: &str, model_dir: &Path) -> Result<PathBuf, WorkerError> {
+    let direct = PathBuf::from(dataset);
+    let mut candidates = vec![direct.clone()];
+    if !direct.is_absolute() {
+        candidates.push(
+            Path::new(contract::CACHE_MOUNT)
+                .join(contract::DATASETS_SUBDIR)
+                .join(dataset),
+        );
+        if let Some(parent) = model_dir.parent() {
+            candidates.push(parent.join(contract::DATASETS_SUBDIR).join(dataset));
+        }
+    }
+    for c in candidates {
+        if c.is_file() {
+            return Ok(c);
+        }
+        if c.is_dir() {
+            return pick_dataset_file(&c).ok_or_else(|| {
+                bad(format!(
+                    "dataset directory {} holds no .jsonl, .jsonl.zst, .json or .txt file",
+                    c.display()
+                ))
+            });
+        }
+    }
+    Err(bad(format!(
+        "calibration dataset {dataset:?} not found (neither a file nor a fetched dataset)"
+    )))
+}
+
+fn pick_dataset_file(dir: &Path) -> Option<PathBuf> {
+    let mut files = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).ok()?.flatten() {
+            let p = e.path();
+            let name = p
+                .file_name()
+                .map(|n| n.to_string_lossy().to_ascii_lowercase())
+                .unwrap_or_default();
+            if name.starts_with('.') {
+                continue;
+            }
+            if p.is_dir() {
+                stack.push(p);
+            } else if [".jsonl", ".jsonl.zst", ".json", ".txt"]
+                .iter()
+                .any(|s| name.ends_with(s))
+            {
+                files.push(p);
+            }
+        }
+    }
+    files.sort();
+    files.into_iter().next()
+}
+
+/// Builds the engine job from the arguments (validation of values happens here and in the engine).
+pub fn job_from_args(args: &QuantizeArgs) -> Result<QuantizeJob, WorkerError> {
+    let floor_mode: FloorMode = args
+        .diag_floor_mode
+        .parse()
+        .map_err(|e: QuantError| bad(e.to_string()))?;
+    let dataset = resolve_dataset(&args.dataset, &args.model_dir)?;
+    Ok(QuantizeJob {
+        model_dir: args.model_dir.clone(),
+        out_dir: args.out_dir.clone(),
+        dataset,
+        params: GptqParams {
+            bits: args.bits,
+            group_size: args.group_size,
+            sym: args.sym,
+            desc_act: args.desc_act,
+            static_groups: args.static_groups,
+            block_size: 128,
+        },
+        recovery: RecoveryParams {
+            damp_percent: args.damp_percent,
+            damp_auto_increment: args.damp_auto_increment,
+            floor_mode,
+            floor_scale: args.diag_floor_scale,
+            floor_multiplier: args.floor_multiplier,
+            max_floor_attempts: args.max_floor_attempts,
+        },
+        gate: GateParams {
+            max_rtn_fallback_percent: args.max_rtn_fallback_percent,
+            min_modules: args.min_modules_for_fallback_gate,
+        },
+        calib: CalibSettings {
+            max_samples: args.max_samples,
+            max_seq_len: args.max_seq_len,
+        },
+        n_parallel_calib_samples: args.n_parallel_calib_samples,
+        dynamic_exclusion: args
+            .dynamic_exclusion
+            .clone()
+            .filter(|s| !s.trim().is_empty()),
+        resume_layers: args.resume_layers,
+        max_shard_bytes: args.max_shard_bytes.max(1),
+        script_version: contract::SCRIPT_VERSION.to_string(),
+        abort_after_layer: args.test_abort_after_layer,
+    })
+}
+
+fn run_inner(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess, WorkerError> {
+    common::check_version(args.script_version.as_deref())?;
+    events.emit(
+        events::START,
+        &serde_json::json!({
+            "phase": events.phase(), "modelDir": args.model_dir, "outDir": args.out_dir, "bits": args.bits,
+            "groupSize": args.group_size, "sym": args.sym, "descAct": args.desc_act, "backend": "cpu-faer",
+            "maxMemoryGB": args.max_memory_gb,
+        }),
+    );
+    let job = job_from_args(args)?;
+    let sink = WorkerSink(events);
+    let outcome = match pipeline::run(&job, &CpuBackend::default(), &sink) {
+        Ok(o) => o,
+        Err(QuantError::TestAbort(layer)) => {
+            events.log(&format!("test hook: aborting after layer {layer}"));
+            std::process::abort();
+        }
+        Err(e) if e.is_bad_input() => return Err(bad(e.to_string())),
+        Err(e) => return Err(WorkerError::Other(e.to_string())),
+    };
+    let quality = outcome.quality.as_ref().map(|q| QualitySummary {
+        gptq_modules: q.gptq_modules,
+        rtn_fallback_modules: q.rtn_fallback_modules,
+        rtn_fallback_percent: q.rtn_fallback_percent,
+        max_rtn_fallback_percent: q.max_rtn_fallback_percent,
+        minimum_modules: q.minimum_modules,
+        gate: q.gate.clone(),
+    });
+    if let Some(q) = outcome.quality.as_ref().filter(|q| q.failed()) {
+        return Err(WorkerError::QualityGate(format!(
+            "RTN fallback gate failed: {} of {} modules ({:.1}%) fell back to RTN, limit {:.1}%",
+            q.rtn_fallback_modules,
+            q.gptq_modules + q.rtn_fallback_modules,
+            q.rtn_fallback_percent,
+            q.max_rtn_fallback_percent
+        )));
+    }
+    Ok(TerminationSuccess {
+        kind: job.subdir_name(),
+        original_size_bytes: Some(outcome.original_size_bytes),
+        compressed_size_bytes: Some(outcome.compressed_size_bytes),
+        quantization_time_seconds: Some((outcome.seconds * 10.0).round() / 10.0),
+        output_dir: Some(outcome.output_dir.display().to_string()),
+        quality,
+        ..Default::default()
+    })
+}

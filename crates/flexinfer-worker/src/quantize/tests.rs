@@ -1,0 +1,202 @@
+//! The quantize subcommand: argument parsing, exit-code mapping, version handshake, quality gate.
+
+use super::*;
+use clap::Parser;
+use flexinfer_quant::testkit;
+
+#[derive(Parser)]
+struct Cli {
+    #[command(flatten)]
+    args: QuantizeArgs,
+}
+
+fn parse(extra: &[&str]) -> QuantizeArgs {
+    let mut argv = vec![
+        "q",
+        "--model-dir",
+        "/m",
+        "--out-dir",
+        "/o",
+        "--dataset",
+        "d.jsonl",
+    ];
+    argv.extend_from_slice(extra);
+    Cli::try_parse_from(argv).expect("parses").args
+}
+
+struct Fixture {
+    _tmp: tempfile::TempDir,
+    args: QuantizeArgs,
+}
+
+fn fixture() -> Fixture {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let model = tmp.path().join("model");
+    testkit::write_model(&model, "LlamaForCausalLM", 3).expect("model");
+    let ds = tmp.path().join("calib.jsonl");
+    testkit::write_dataset(&ds, 8).expect("dataset");
+    let mut args = parse(&[
+        "--group-size",
+        "32",
+        "--max-samples",
+        "8",
+        "--max-seq-len",
+        "32",
+    ]);
+    args.model_dir = model;
+    args.out_dir = tmp.path().join("out");
+    args.dataset = ds.display().to_string();
+    Fixture { _tmp: tmp, args }
+}
+
+#[test]
+fn flags_parse_with_contract_spellings() {
+    let a = parse(&[
+        "--sym",
+        "False",
+        "--desc-act",
+        "1",
+        "--group-size",
+        "-1",
+        "--resume-layers",
+        "TRUE",
+    ]);
+    assert!(!a.sym && a.desc_act && a.resume_layers);
+    assert_eq!(a.group_size, -1);
+    assert_eq!((a.bits, a.max_samples, a.max_seq_len), (4, 128, 2048));
+    assert_eq!(
+        (a.damp_percent, a.damp_auto_increment, a.max_floor_attempts),
+        (0.05, 0.1, 6)
+    );
+    assert_eq!(
+        (a.max_rtn_fallback_percent, a.min_modules_for_fallback_gate),
+        (10.0, 100)
+    );
+    assert!(Cli::try_parse_from([
+        "q",
+        "--model-dir",
+        "/m",
+        "--out-dir",
+        "/o",
+        "--dataset",
+        "d",
+        "--sym",
+        "maybe"
+    ])
+    .is_err());
+}
+
+#[test]
+fn engine_event_names_match_the_contract() {
+    use flexinfer_quant::{cache, hessian, pipeline as p};
+    assert_eq!(hessian::EVENT_HESSIAN_RECOVERY, events::HESSIAN_RECOVERY);
+    assert_eq!(cache::EVENT_LAYER_CACHED, events::QUANTIZATION_LAYER_CACHED);
+    assert_eq!(
+        cache::EVENT_RESUME_LOADED,
+        events::QUANTIZATION_RESUME_LOADED
+    );
+    assert_eq!(
+        cache::EVENT_RESUME_FALLBACK,
+        events::QUANTIZATION_RESUME_FALLBACK
+    );
+    assert_eq!(
+        cache::EVENT_CACHE_RESET,
+        events::QUANTIZATION_LAYER_CACHE_RESET
+    );
+    assert_eq!(p::EVENT_PROGRESS, events::PROGRESS);
+    assert_eq!(p::EVENT_QUALITY, events::QUANTIZATION_QUALITY);
+    assert_eq!(
+        p::EVENT_QUALITY_UNAVAILABLE,
+        events::QUANTIZATION_QUALITY_UNAVAILABLE
+    );
+    assert_eq!(p::EVENT_CACHED, events::QUANTIZATION_CACHED);
+    assert_eq!(cache::CACHE_DIR, contract::files::GPTQ_CACHE_DIR);
+    assert_eq!(
+        flexinfer_quant::writer::SAVE_COMPLETE,
+        contract::files::SAVE_COMPLETE
+    );
+    assert_eq!(
+        flexinfer_quant::writer::QUALITY_FILE,
+        contract::files::QUANTIZATION_QUALITY
+    );
+}
+
+#[test]
+fn version_mismatch_exits_4_before_touching_anything() {
+    let mut f = fixture();
+    f.args.script_version = Some("v1".into());
+    let e = run_inner(&f.args, &Events::new("quantization")).expect_err("mismatch");
+    assert_eq!(e.exit_code(), 4);
+    assert!(e.to_string().contains(&format!(
+        "FATAL: Script version mismatch (image={} controller=v1)",
+        contract::SCRIPT_VERSION
+    )));
+    assert!(!f.args.out_dir.exists());
+}
+
+#[test]
+fn bad_input_exits_2_and_success_reports_sizes_and_quality() {
+    let f = fixture();
+    let mut bits5 = f.args.clone();
+    bits5.bits = 5;
+    let e = run_inner(&bits5, &Events::new("quantization")).expect_err("bits 5");
+    assert_eq!(e.exit_code(), 2);
+    assert!(
+        e.to_string()
+            .contains("bits must be one of 2, 3, 4, 8 (got 5)"),
+        "{e}"
+    );
+    let mut no_ds = f.args.clone();
+    no_ds.dataset = "missing/dataset".into();
+    assert_eq!(
+        run_inner(&no_ds, &Events::new("quantization"))
+            .expect_err("dataset")
+            .exit_code(),
+        2
+    );
+    assert!(!f.args.out_dir.exists());
+
+    let ok = run_inner(&f.args, &Events::new("quantization")).expect("quantize");
+    assert_eq!(ok.kind, "gptq-w4-g32");
+    assert!(
+        ok.compressed_size_bytes.unwrap_or(0) > 0
+            && ok.original_size_bytes > ok.compressed_size_bytes
+    );
+    assert_eq!(
+        ok.quality.as_ref().map(|q| q.gate.as_str()),
+        Some("insufficient-sample")
+    );
+    let out = PathBuf::from(ok.output_dir.clone().expect("output dir"));
+    assert!(out.join(".save-complete").exists() && out.ends_with("gptq-w4-g32"));
+    let msg = contract::encode_termination(&ok);
+    assert!(
+        msg.len() <= contract::files::TERMINATION_MESSAGE_MAX_BYTES
+            && msg.contains("\"outputDir\"")
+    );
+}
+
+#[test]
+fn rtn_share_over_the_limit_exits_3() {
+    let mut f = fixture();
+    f.args.max_samples = 1;
+    f.args.max_seq_len = 6;
+    f.args.damp_percent = 0.0;
+    f.args.damp_auto_increment = 0.0;
+    f.args.max_floor_attempts = 0;
+    f.args.min_modules_for_fallback_gate = 5;
+    let e = run_inner(&f.args, &Events::new("quantization")).expect_err("gate");
+    assert_eq!(e.exit_code(), 3, "{e}");
+    assert!(e.to_string().contains("RTN fallback gate failed"));
+    // The sidecar is written either way, and a restarted Job fails the same way.
+    assert!(f
+        .args
+        .out_dir
+        .join("gptq-w4-g32/.quantization-quality.json")
+        .exists());
+    assert_eq!(
+        run_inner(&f.args, &Events::new("quantization"))
+            .expect_err("cached gate")
+            .exit_code(),
+        3
+    );
+}

@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# Controller benchmark (not a test): N ModelCaches (default 500; download -> quantize -> publish,
+# kwok-simulated pods) created at once on a fresh local cluster. Reports time until all are Ready,
+# p50/p99 hand-off latency (previous phase's Job seen Complete -> next phase's Job seen created, both
+# as observed by one watch client), controller peak RSS (VmHWM) and Kubernetes API requests per
+# cache (the controller's own request counter, flexinfer_kube_api_requests_total).
+# Usage: scripts/bench/controller/run.sh [N]   (BENCH_TIMEOUT seconds, default 1200)
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/../../.." && pwd); cd "$ROOT"
+N=${1:-500}
+TIMEOUT=${BENCH_TIMEOUT:-1200}
+export TESTENV_BIN=${TESTENV_BIN:-$HOME/.cache/testenv/v1.34.4/bin}
+export PATH="$TESTENV_BIN:$PATH"
+NS=bench
+PROFILE=${BENCH_PROFILE:-debug}
+if [ "$PROFILE" = release ]; then cargo build -q --release -j2 -p flexinfer-controller; BIN=target/release/flexinfer-controller
+else cargo build -q -j2 -p flexinfer-controller; BIN=target/debug/flexinfer-controller; fi
+W=$(mktemp -d)
+bash scripts/testenv/up.sh cluster > "$W/env"; source "$W/env"
+CTRL=""; WATCH=""
+cleanup() {
+  [ -n "$WATCH" ] && kill "$WATCH" 2>/dev/null || true
+  [ -n "$CTRL" ] && kill "$CTRL" 2>/dev/null || true
+  bash scripts/testenv/down.sh "$TESTENV_DIR" >/dev/null 2>&1 || true
+  [ "${KEEP_LOGS:-0}" = 1 ] && echo "logs kept in $W" || rm -rf "$W"
+}
+trap cleanup EXIT
+kubectl apply --server-side -k deploy/crds/ >/dev/null
+kubectl wait --for=condition=Established crd/modelcaches.ai.flexinfer --timeout=60s >/dev/null
+kubectl create ns "$NS" >/dev/null
+kubectl apply -f - >/dev/null <<YAML
+apiVersion: ai.flexinfer/v1alpha2
+kind: GPUProfile
+metadata: {name: gfx1100, namespace: $NS}
+spec: {architecture: gfx1100, vendor: amd, quantization: {images: {GPTQ: example.com/worker:rocm}}}
+YAML
+python3 - "$N" "$NS" "$W" <<'PY'
+import sys
+n, ns, w = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+with open(f"{w}/pvs.yaml", "w") as f:
+    for i in range(n):
+        f.write(f"""---
+apiVersion: v1
+kind: PersistentVolume
+metadata: {{name: bench-{i}}}
+spec:
+  capacity: {{storage: 100Gi}}
+  accessModes: [ReadWriteOnce]
+  storageClassName: ""
+  hostPath: {{path: /tmp/bench}}
+  claimRef: {{namespace: {ns}, name: c{i}-cache}}
+""")
+with open(f"{w}/caches.yaml", "w") as f:
+    for i in range(n):
+        f.write(f"""---
+apiVersion: ai.flexinfer/v1alpha1
+kind: ModelCache
+metadata: {{name: c{i}, namespace: {ns}}}
+spec:
+  source: org/model-{i}
+  quantization: {{format: GPTQ}}
+  publish: {{ociRef: registry.local/models/c{i}}}
+""")
+PY
+kubectl create -f "$W/pvs.yaml" >/dev/null
+FLEXINFER_WORKER_IMAGE=example.com/worker:cpu FLEXINFER_WATCH_NAMESPACE=$NS FLEXINFER_LEADER_ELECT=false \
+FLEXINFER_METRICS_ADDR=127.0.0.1:18090 FLEXINFER_HEALTH_ADDR=127.0.0.1:18091 RUST_LOG=warn \
+  "$BIN" > "$W/controller.log" 2>&1 &
+CTRL=$!
+# One watch client stamps every Job event with its local receive time.
+python3 - "$NS" "$W/jobs.log" <<'PY' &
+import subprocess, sys, time
+ns, out = sys.argv[1], sys.argv[2]
+p = subprocess.Popen(["kubectl", "get", "jobs", "-n", ns, "-w", "--output-watch-events", "-o",
+                      "jsonpath={.type} {.object.metadata.name} {.object.status.conditions[*].type}{\"\\n\"}"],
+                     stdout=subprocess.PIPE, text=True)
+with open(out, "w", buffering=1) as f:
+    for line in p.stdout:
+        f.write(f"{time.time():.3f} {line}")
+PY
+WATCH=$!
+until curl -fs http://127.0.0.1:18091/readyz >/dev/null 2>&1; do sleep 0.2; done
+sleep 2
+echo "creating $N ModelCaches at once"
+T0=$(date +%s.%N)
+kubectl create -f "$W/caches.yaml" >/dev/null
+T1=$(date +%s.%N)
+while :; do
+  READY=$(kubectl get modelcache -n "$NS" -o jsonpath='{range .items[*]}{.status.phase}{"\n"}{end}' | grep -c '^Ready$' || true)
+  NOW=$(date +%s.%N)
+  if [ "$READY" -ge "$N" ]; then break; fi
+  if python3 -c "import sys; sys.exit(0 if $NOW - $T0 > $TIMEOUT else 1)"; then echo "timeout: $READY/$N Ready"; break; fi
+  sleep 1
+done
+TREADY=$(date +%s.%N)
+sleep 3
+RSS=$(awk '/VmHWM/{print $2}' /proc/$CTRL/status)
+METRICS=$(curl -fs http://127.0.0.1:18090/metrics)
+python3 - "$W/jobs.log" "$N" "$T0" "$T1" "$TREADY" "$RSS" "$READY" <<PY
+import sys, collections
+log, n, t0, t1, tready, rss, ready = sys.argv[1], int(sys.argv[2]), *map(float, sys.argv[3:6]), int(sys.argv[6]), int(sys.argv[7])
+added, done = {}, {}
+for line in open(log):
+    parts = line.split()
+    if len(parts) < 3: continue
+    ts, typ, name = float(parts[0]), parts[1], parts[2]
+    conds = parts[3:]
+    if typ == "ADDED": added.setdefault(name, ts)
+    # SuccessCriteriaMet (then Complete) is what the job controller sets when the pod succeeded.
+    if "SuccessCriteriaMet" in conds or "Complete" in conds: done.setdefault(name, ts)
+order = ["download", "quantize", "publish"]
+lat = []
+for name, ts in done.items():
+    cache, phase = name.rsplit("-", 1)
+    if phase in order and order.index(phase) + 1 < len(order):
+        nxt = f"{cache}-{order[order.index(phase)+1]}"
+        if nxt in added: lat.append(added[nxt] - ts)
+lat.sort()
+q = lambda p: lat[min(len(lat)-1, int(p * len(lat)))] if lat else float("nan")
+reqs = collections.Counter()
+for l in """$METRICS""".splitlines():
+    if l.startswith("flexinfer_kube_api_requests_total{"):
+        verb = l.split('verb="')[1].split('"')[0]; reqs[verb] += float(l.split()[-1])
+total = sum(reqs.values())
+print(f"caches: {n} (Ready: {ready}), create took {t1-t0:.1f}s")
+print(f"time until all Ready (from first create): {tready-t0:.1f}s")
+print(f"hand-offs measured: {len(lat)}; p50 {q(0.5)*1000:.0f} ms, p99 {q(0.99)*1000:.0f} ms, max {lat[-1]*1000 if lat else float('nan'):.0f} ms")
+print(f"controller peak RSS (VmHWM): {rss/1024:.1f} MiB")
+print(f"API requests: {total:.0f} total = {total/n:.1f} per cache; by verb: {dict(reqs)}")
+PY
