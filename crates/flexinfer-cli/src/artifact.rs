@@ -143,7 +143,10 @@ fn read_header(path: &Path, shard: &str) -> Result<Vec<(String, TensorInfo)>, St
             .and_then(Value::as_array)
             .ok_or_else(|| format!("{shard}: tensor {name} has no shape"))?
             .iter()
-            .map(|v| v.as_u64().ok_or_else(|| format!("{shard}: tensor {name} has a bad shape")))
+            .map(|v| {
+                v.as_u64()
+                    .ok_or_else(|| format!("{shard}: tensor {name} has a bad shape"))
+            })
             .collect::<Result<_, _>>()?;
         let offs = t
             .get("data_offsets")
@@ -233,11 +236,17 @@ fn check_qconfig(r: &mut Report, qc: &Value, origin: &str) -> Option<Gptq> {
     match qc.get("quant_method").and_then(Value::as_str) {
         Some("gptq") => {}
         Some(m) => {
-            r.defect("config", format!("{origin}: quant_method is {m:?}, expected \"gptq\""));
+            r.defect(
+                "config",
+                format!("{origin}: quant_method is {m:?}, expected \"gptq\""),
+            );
             ok = false;
         }
         None => {
-            r.defect("config", format!("{origin}: quant_method is missing (vLLM routes on quant_method \"gptq\")"));
+            r.defect(
+                "config",
+                format!("{origin}: quant_method is missing (vLLM routes on quant_method \"gptq\")"),
+            );
             ok = false;
         }
     }
@@ -255,7 +264,10 @@ fn check_qconfig(r: &mut Report, qc: &Value, origin: &str) -> Option<Gptq> {
     let group = match qc.get("group_size").and_then(Value::as_i64) {
         Some(g) if g == -1 || (g > 0 && (g as u64).is_power_of_two()) => Some(g),
         Some(g) => {
-            r.defect("config", format!("{origin}: group_size {g} is not -1 or a power of two"));
+            r.defect(
+                "config",
+                format!("{origin}: group_size {g} is not -1 or a power of two"),
+            );
             None
         }
         None => {
@@ -266,7 +278,10 @@ fn check_qconfig(r: &mut Report, qc: &Value, origin: &str) -> Option<Gptq> {
     let mut flag = |name: &str| match qc.get(name) {
         Some(Value::Bool(b)) => Some(*b),
         Some(v) => {
-            r.defect("config", format!("{origin}: {name} is {v}, expected true or false"));
+            r.defect(
+                "config",
+                format!("{origin}: {name} is {v}, expected true or false"),
+            );
             None
         }
         None => {
@@ -280,7 +295,10 @@ fn check_qconfig(r: &mut Report, qc: &Value, origin: &str) -> Option<Gptq> {
         None | Some("gptq") => false,
         Some("gptq_v2") => true,
         Some(other) => {
-            r.defect("config", format!("{origin}: checkpoint_format {other:?} is not \"gptq\" or \"gptq_v2\""));
+            r.defect(
+                "config",
+                format!("{origin}: checkpoint_format {other:?} is not \"gptq\" or \"gptq_v2\""),
+            );
             ok = false;
             false
         }
@@ -367,7 +385,10 @@ pub fn validate_vllm_gptq(dir: &Path, opts: &Options) -> Report {
                     "family",
                     format!("config.json model_type {mt:?} does not match --family {fam}"),
                 ),
-                None => r.defect("family", format!("config.json has no model_type to match --family {fam}")),
+                None => r.defect(
+                    "family",
+                    format!("config.json has no model_type to match --family {fam}"),
+                ),
             }
         }
     }
@@ -375,14 +396,20 @@ pub fn validate_vllm_gptq(dir: &Path, opts: &Options) -> Report {
         Ok(b) => match serde_json::from_slice(&b) {
             Ok(s) => Some(s),
             Err(e) => {
-                r.defect("save-complete", format!("{} is not valid: {e}", files::SAVE_COMPLETE));
+                r.defect(
+                    "save-complete",
+                    format!("{} is not valid: {e}", files::SAVE_COMPLETE),
+                );
                 None
             }
         },
         Err(_) => {
             r.defect(
                 "save-complete",
-                format!("{} is missing: the save did not complete (or predates the marker)", files::SAVE_COMPLETE),
+                format!(
+                    "{} is missing: the save did not complete (or predates the marker)",
+                    files::SAVE_COMPLETE
+                ),
             );
             None
         }
@@ -392,7 +419,14 @@ pub fn validate_vllm_gptq(dir: &Path, opts: &Options) -> Report {
         match read_json(&qcfg_path) {
             Ok(q) => {
                 if let Some(main) = cfg.as_ref().and_then(|c| c.get("quantization_config")) {
-                    for k in ["quant_method", "bits", "group_size", "sym", "desc_act", "checkpoint_format"] {
+                    for k in [
+                        "quant_method",
+                        "bits",
+                        "group_size",
+                        "sym",
+                        "desc_act",
+                        "checkpoint_format",
+                    ] {
                         let (a, b) = (main.get(k), q.get(k));
                         // quantize_config.json may omit quant_method/checkpoint_format (defaults).
                         if b.is_none() && (k == "quant_method" || k == "checkpoint_format") {
@@ -413,10 +447,19 @@ pub fn validate_vllm_gptq(dir: &Path, opts: &Options) -> Report {
             }
             Err(e) => r.defect("config", e),
         }
-    } else if save_complete.as_ref().is_some_and(|s| s.has_quantize_config) {
-        r.defect("config", "quantize_config.json is missing but .save-complete records has_quantize_config");
+    } else if save_complete
+        .as_ref()
+        .is_some_and(|s| s.has_quantize_config)
+    {
+        r.defect(
+            "config",
+            "quantize_config.json is missing but .save-complete records has_quantize_config",
+        );
     } else {
-        r.warn("config", "quantize_config.json is missing (GPTQModel/AutoGPTQ loaders read it)");
+        r.warn(
+            "config",
+            "quantize_config.json is missing (GPTQModel/AutoGPTQ loaders read it)",
+        );
     }
 
     // --- shards and index
@@ -442,7 +485,10 @@ pub fn validate_vllm_gptq(dir: &Path, opts: &Options) -> Report {
             Ok(list) => {
                 for (name, t) in list {
                     if let Some(prev) = tensors.get(&name) {
-                        r.defect("shards", format!("tensor {name} is in both {} and {s}", prev.shard));
+                        r.defect(
+                            "shards",
+                            format!("tensor {name} is in both {} and {s}", prev.shard),
+                        );
                     }
                     tensors.insert(name, t);
                 }
@@ -488,10 +534,16 @@ pub fn validate_vllm_gptq(dir: &Path, opts: &Options) -> Report {
     } else if shard_files.len() > 1 {
         r.defect(
             "index",
-            format!("{} shards but no model.safetensors.index.json", shard_files.len()),
+            format!(
+                "{} shards but no model.safetensors.index.json",
+                shard_files.len()
+            ),
         );
     } else if save_complete.as_ref().is_some_and(|s| s.has_index) {
-        r.defect("index", "model.safetensors.index.json is missing but .save-complete records has_index");
+        r.defect(
+            "index",
+            "model.safetensors.index.json is missing but .save-complete records has_index",
+        );
     }
 
     // --- quantized linears
@@ -513,22 +565,38 @@ pub fn validate_vllm_gptq(dir: &Path, opts: &Options) -> Report {
     if let Some(sc) = &save_complete {
         let listed: BTreeSet<&str> = sc.shards.iter().map(|s| s.name.as_str()).collect();
         for s in &sc.shards {
-            if flexinfer_api::contract::check_relative_path(&s.name).is_err() || s.name.contains('/') {
-                r.defect("save-complete", format!("shard name {:?} is not a plain file name", s.name));
+            if flexinfer_api::contract::check_relative_path(&s.name).is_err()
+                || s.name.contains('/')
+            {
+                r.defect(
+                    "save-complete",
+                    format!("shard name {:?} is not a plain file name", s.name),
+                );
                 continue;
             }
             let path = dir.join(&s.name);
             match std::fs::metadata(&path) {
-                Err(_) => r.defect("save-complete", format!("shard {} is recorded but missing", s.name)),
+                Err(_) => r.defect(
+                    "save-complete",
+                    format!("shard {} is recorded but missing", s.name),
+                ),
                 Ok(m) if m.len() != s.size_bytes => r.defect(
                     "save-complete",
-                    format!("shard {} has {} bytes, .save-complete records {}", s.name, m.len(), s.size_bytes),
+                    format!(
+                        "shard {} has {} bytes, .save-complete records {}",
+                        s.name,
+                        m.len(),
+                        s.size_bytes
+                    ),
                 ),
                 Ok(_) if !opts.skip_sha256 => match sha256_file(&path) {
                     Ok(h) if h.eq_ignore_ascii_case(&s.sha256) => {}
                     Ok(h) => r.defect(
                         "save-complete",
-                        format!("shard {} sha256 is {h}, .save-complete records {}", s.name, s.sha256),
+                        format!(
+                            "shard {} sha256 is {h}, .save-complete records {}",
+                            s.name, s.sha256
+                        ),
                     ),
                     Err(e) => r.defect("save-complete", e),
                 },
@@ -537,19 +605,31 @@ pub fn validate_vllm_gptq(dir: &Path, opts: &Options) -> Report {
         }
         for s in &shard_files {
             if !listed.contains(s.as_str()) {
-                r.defect("save-complete", format!("shard {s} is not recorded in .save-complete"));
+                r.defect(
+                    "save-complete",
+                    format!("shard {s} is not recorded in .save-complete"),
+                );
             }
         }
         if sc.has_config && !dir.join("config.json").exists() {
-            r.defect("save-complete", ".save-complete records has_config but config.json is missing");
+            r.defect(
+                "save-complete",
+                ".save-complete records has_config but config.json is missing",
+            );
         }
     }
 
     // --- quality sidecar
     match std::fs::read(dir.join(files::QUANTIZATION_QUALITY)) {
-        Err(_) => r.defect("quality", format!("{} is missing", files::QUANTIZATION_QUALITY)),
+        Err(_) => r.defect(
+            "quality",
+            format!("{} is missing", files::QUANTIZATION_QUALITY),
+        ),
         Ok(b) => match serde_json::from_slice::<QualitySummary>(&b) {
-            Err(e) => r.defect("quality", format!("{} is not valid: {e}", files::QUANTIZATION_QUALITY)),
+            Err(e) => r.defect(
+                "quality",
+                format!("{} is not valid: {e}", files::QUANTIZATION_QUALITY),
+            ),
             Ok(q) => match q.gate.as_str() {
                 "passed" | "insufficient-sample" => {}
                 "failed" => r.defect(
@@ -562,7 +642,10 @@ pub fn validate_vllm_gptq(dir: &Path, opts: &Options) -> Report {
                         q.max_rtn_fallback_percent
                     ),
                 ),
-                other => r.defect("quality", format!("quality gate {other:?} is not passed/failed/insufficient-sample")),
+                other => r.defect(
+                    "quality",
+                    format!("quality gate {other:?} is not passed/failed/insufficient-sample"),
+                ),
             },
         },
     }
@@ -587,7 +670,12 @@ fn check_linear(
             missing = true;
         }
     }
-    let want_dtype = [("qweight", "I32"), ("qzeros", "I32"), ("scales", "F16"), ("g_idx", "I32")];
+    let want_dtype = [
+        ("qweight", "I32"),
+        ("qzeros", "I32"),
+        ("scales", "F16"),
+        ("g_idx", "I32"),
+    ];
     for (s, d) in want_dtype {
         if let Some(t) = get(s) {
             if t.dtype != d {
@@ -595,7 +683,14 @@ fn check_linear(
                 missing = true;
             }
             if t.shape.len() != if s == "g_idx" { 1 } else { 2 } {
-                r.defect("shapes", format!("{p}.{s} has shape {:?}, expected {}-D", t.shape, if s == "g_idx" { 1 } else { 2 }));
+                r.defect(
+                    "shapes",
+                    format!(
+                        "{p}.{s} has shape {:?}, expected {}-D",
+                        t.shape,
+                        if s == "g_idx" { 1 } else { 2 }
+                    ),
+                );
                 missing = true;
             }
         }
@@ -603,7 +698,9 @@ fn check_linear(
     if missing {
         return;
     }
-    let (Some(qw), Some(qz), Some(sc), Some(gi)) = (get("qweight"), get("qzeros"), get("scales"), get("g_idx")) else {
+    let (Some(qw), Some(qz), Some(sc), Some(gi)) =
+        (get("qweight"), get("qzeros"), get("scales"), get("g_idx"))
+    else {
         return;
     };
     // packed rows per 32 inputs: bits (3-bit: 3 words per 32 rows; 2/4/8: 32/pf = bits)
@@ -617,16 +714,31 @@ fn check_linear(
     };
     let packed_out = out * bits / 32;
     if !(out * bits).is_multiple_of(32) {
-        r.defect("shapes", format!("{p}: out_features {out} is not a multiple of the pack factor for {bits}-bit"));
+        r.defect(
+            "shapes",
+            format!("{p}: out_features {out} is not a multiple of the pack factor for {bits}-bit"),
+        );
     }
     if sc.shape != [groups, out] {
         r.defect("shapes", format!("{p}.scales has shape {:?}, expected [{groups}, {out}] (groups = ceil({in_features}/{}))", sc.shape, g.group_size));
     }
     if qz.shape != [groups, packed_out] {
-        r.defect("shapes", format!("{p}.qzeros has shape {:?}, expected [{groups}, {packed_out}]", qz.shape));
+        r.defect(
+            "shapes",
+            format!(
+                "{p}.qzeros has shape {:?}, expected [{groups}, {packed_out}]",
+                qz.shape
+            ),
+        );
     }
     if gi.shape != [in_features] {
-        r.defect("shapes", format!("{p}.g_idx has shape {:?}, expected [{in_features}] (qweight {:?} at {bits} bits)", gi.shape, qw.shape));
+        r.defect(
+            "shapes",
+            format!(
+                "{p}.g_idx has shape {:?}, expected [{in_features}] (qweight {:?} at {bits} bits)",
+                gi.shape, qw.shape
+            ),
+        );
     }
     if let Some((ei, eo)) = cfg.and_then(|c| expected_shape(c, p)) {
         if (ei, eo) != (in_features, out) {
@@ -647,13 +759,20 @@ fn check_linear(
                         bad = Some((i, v));
                         break;
                     }
-                    let want = if g.group_size <= 0 { 0 } else { i as i64 / g.group_size };
+                    let want = if g.group_size <= 0 {
+                        0
+                    } else {
+                        i as i64 / g.group_size
+                    };
                     if v as i64 != want {
                         identity = false;
                     }
                 }
                 if let Some((i, v)) = bad {
-                    r.defect("g_idx", format!("{p}.g_idx[{i}] = {v} is outside [0, {groups})"));
+                    r.defect(
+                        "g_idx",
+                        format!("{p}.g_idx[{i}] = {v} is outside [0, {groups})"),
+                    );
                 } else if !g.desc_act && !identity {
                     r.defect("g_idx", format!("{p}.g_idx is not i / group_size but desc_act is false (loaders would ignore the reordering)"));
                 }
@@ -699,7 +818,10 @@ fn check_linear(
                 .map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]])))
                 .position(|v| !v.is_finite() || v <= 0.0);
             if let Some(i) = bad {
-                r.defect("scales", format!("{p}.scales element {i} is not a finite positive number"));
+                r.defect(
+                    "scales",
+                    format!("{p}.scales element {i} is not a finite positive number"),
+                );
             }
         }
     }
@@ -733,7 +855,6 @@ pub fn validate(dir: &Path, layout: &str, opts: &Options) -> Result<Report, Stri
     }
     Ok(validate_vllm_gptq(dir, opts))
 }
-
 
 #[cfg(test)]
 #[path = "artifact_tests.rs"]

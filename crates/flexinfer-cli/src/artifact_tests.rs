@@ -53,9 +53,26 @@ fn good() -> Spec {
     config["quantization_config"] = qconfig();
     let mut tensors = BTreeMap::new();
     let bf16 = |n: usize| vec![0u8; n * 2];
-    tensors.insert("model.embed_tokens.weight".to_string(), (safetensors::Dtype::BF16, vec![32, HIDDEN], bf16(32 * HIDDEN)));
-    tensors.insert("model.norm.weight".to_string(), (safetensors::Dtype::BF16, vec![HIDDEN], bf16(HIDDEN)));
-    tensors.insert("lm_head.weight".to_string(), (safetensors::Dtype::BF16, vec![32, HIDDEN], bf16(32 * HIDDEN)));
+    tensors.insert(
+        "model.embed_tokens.weight".to_string(),
+        (
+            safetensors::Dtype::BF16,
+            vec![32, HIDDEN],
+            bf16(32 * HIDDEN),
+        ),
+    );
+    tensors.insert(
+        "model.norm.weight".to_string(),
+        (safetensors::Dtype::BF16, vec![HIDDEN], bf16(HIDDEN)),
+    );
+    tensors.insert(
+        "lm_head.weight".to_string(),
+        (
+            safetensors::Dtype::BF16,
+            vec![32, HIDDEN],
+            bf16(32 * HIDDEN),
+        ),
+    );
     let mods = [
         ("self_attn.q_proj", HIDDEN, HEADS * HEAD_DIM),
         ("self_attn.k_proj", HIDDEN, KV * HEAD_DIM),
@@ -70,20 +87,51 @@ fn good() -> Spec {
             let p = format!("model.layers.{layer}.{m}");
             let g = inp / GROUP;
             // codes: arbitrary packed words
-            let qw: Vec<i32> = (0..inp / 8 * out).map(|i| (i as i32).wrapping_mul(0x0101_0101)).collect();
-            tensors.insert(format!("{p}.qweight"), (safetensors::Dtype::I32, vec![inp / 8, out], i32_bytes(qw)));
-            tensors.insert(format!("{p}.qzeros"), (safetensors::Dtype::I32, vec![g, out / 8], i32_bytes(vec![0x7777_7777; g * out / 8])));
-            tensors.insert(format!("{p}.scales"), (safetensors::Dtype::F16, vec![g, out], f16_bytes(0.01, g * out)));
-            tensors.insert(format!("{p}.g_idx"), (safetensors::Dtype::I32, vec![inp], i32_bytes((0..inp).map(|i| (i / GROUP) as i32))));
+            let qw: Vec<i32> = (0..inp / 8 * out)
+                .map(|i| (i as i32).wrapping_mul(0x0101_0101))
+                .collect();
+            tensors.insert(
+                format!("{p}.qweight"),
+                (safetensors::Dtype::I32, vec![inp / 8, out], i32_bytes(qw)),
+            );
+            tensors.insert(
+                format!("{p}.qzeros"),
+                (
+                    safetensors::Dtype::I32,
+                    vec![g, out / 8],
+                    i32_bytes(vec![0x7777_7777; g * out / 8]),
+                ),
+            );
+            tensors.insert(
+                format!("{p}.scales"),
+                (
+                    safetensors::Dtype::F16,
+                    vec![g, out],
+                    f16_bytes(0.01, g * out),
+                ),
+            );
+            tensors.insert(
+                format!("{p}.g_idx"),
+                (
+                    safetensors::Dtype::I32,
+                    vec![inp],
+                    i32_bytes((0..inp).map(|i| (i / GROUP) as i32)),
+                ),
+            );
         }
-        tensors.insert(format!("model.layers.{layer}.input_layernorm.weight"), (safetensors::Dtype::BF16, vec![HIDDEN], bf16(HIDDEN)));
+        tensors.insert(
+            format!("model.layers.{layer}.input_layernorm.weight"),
+            (safetensors::Dtype::BF16, vec![HIDDEN], bf16(HIDDEN)),
+        );
     }
     Spec {
         config,
         quantize_config: Some(qconfig()),
         tensors,
-        quality: Some(json!({"gptqModules": 14, "rtnFallbackModules": 0, "rtnFallbackPercent": 0.0,
-                             "maxRtnFallbackPercent": 5.0, "minimumModules": 10, "gate": "passed"})),
+        quality: Some(
+            json!({"gptqModules": 14, "rtnFallbackModules": 0, "rtnFallbackPercent": 0.0,
+                             "maxRtnFallbackPercent": 5.0, "minimumModules": 10, "gate": "passed"}),
+        ),
         write_index: true,
         write_save_complete: true,
     }
@@ -98,15 +146,27 @@ fn shard_of(name: &str) -> &'static str {
 }
 
 fn write(dir: &Path, s: &Spec) {
-    std::fs::write(dir.join("config.json"), serde_json::to_vec_pretty(&s.config).unwrap()).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_vec_pretty(&s.config).unwrap(),
+    )
+    .unwrap();
     if let Some(q) = &s.quantize_config {
-        std::fs::write(dir.join("quantize_config.json"), serde_json::to_vec(q).unwrap()).unwrap();
+        std::fs::write(
+            dir.join("quantize_config.json"),
+            serde_json::to_vec(q).unwrap(),
+        )
+        .unwrap();
     }
-    let mut by_shard: BTreeMap<&str, Vec<(String, safetensors::tensor::TensorView<'_>)>> = BTreeMap::new();
+    let mut by_shard: BTreeMap<&str, Vec<(String, safetensors::tensor::TensorView<'_>)>> =
+        BTreeMap::new();
     let mut weight_map = serde_json::Map::new();
     for (name, (dt, shape, data)) in &s.tensors {
         let v = safetensors::tensor::TensorView::new(*dt, shape.clone(), data).unwrap();
-        by_shard.entry(shard_of(name)).or_default().push((name.clone(), v));
+        by_shard
+            .entry(shard_of(name))
+            .or_default()
+            .push((name.clone(), v));
         weight_map.insert(name.clone(), json!(shard_of(name)));
     }
     let mut shards = Vec::new();
@@ -118,7 +178,8 @@ fn write(dir: &Path, s: &Spec) {
     if s.write_index {
         std::fs::write(
             dir.join("model.safetensors.index.json"),
-            serde_json::to_vec(&json!({"metadata": {"total_size": 0}, "weight_map": weight_map})).unwrap(),
+            serde_json::to_vec(&json!({"metadata": {"total_size": 0}, "weight_map": weight_map}))
+                .unwrap(),
         )
         .unwrap();
     }
@@ -133,7 +194,11 @@ fn write(dir: &Path, s: &Spec) {
         .unwrap();
     }
     if let Some(q) = &s.quality {
-        std::fs::write(dir.join(files::QUANTIZATION_QUALITY), serde_json::to_vec(q).unwrap()).unwrap();
+        std::fs::write(
+            dir.join(files::QUANTIZATION_QUALITY),
+            serde_json::to_vec(q).unwrap(),
+        )
+        .unwrap();
     }
 }
 
@@ -141,14 +206,24 @@ fn run(s: &Spec, after: impl FnOnce(&Path)) -> Report {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), s);
     after(dir.path());
-    validate(dir.path(), "vllm-gptq", &Options { family: Some("llama".into()), skip_sha256: false }).unwrap()
+    validate(
+        dir.path(),
+        "vllm-gptq",
+        &Options {
+            family: Some("llama".into()),
+            skip_sha256: false,
+        },
+    )
+    .unwrap()
 }
 
 /// Exactly one defect, of `check`, whose message contains `needle`.
 fn expect_defect(r: &Report, check: &str, needle: &str) {
     assert!(!r.ok, "expected a defect [{check}] {needle}; got OK");
     assert!(
-        r.defects.iter().any(|d| d.check == check && d.message.contains(needle)),
+        r.defects
+            .iter()
+            .any(|d| d.check == check && d.message.contains(needle)),
         "expected [{check}] containing {needle:?}, got:\n{}",
         r.render()
     );
@@ -167,21 +242,42 @@ fn good_artifact_passes() {
 #[test]
 fn layout_and_path_are_bad_input() {
     let dir = tempfile::tempdir().unwrap();
-    assert!(validate(dir.path(), "gguf", &Options::default()).unwrap_err().contains("--layout gguf"));
-    assert!(validate(&dir.path().join("nope"), "vllm-gptq", &Options::default()).unwrap_err().contains("--path"));
+    assert!(validate(dir.path(), "gguf", &Options::default())
+        .unwrap_err()
+        .contains("--layout gguf"));
+    assert!(
+        validate(&dir.path().join("nope"), "vllm-gptq", &Options::default())
+            .unwrap_err()
+            .contains("--path")
+    );
 }
 
 #[test]
 fn config_defects() {
     let mut s = good();
-    s.config.as_object_mut().unwrap().remove("quantization_config");
+    s.config
+        .as_object_mut()
+        .unwrap()
+        .remove("quantization_config");
     expect_defect(&run(&s, |_| {}), "config", "no quantization_config");
 
     for field in ["bits", "group_size", "sym", "desc_act"] {
         let mut s = good();
-        s.config["quantization_config"].as_object_mut().unwrap().remove(field);
-        s.quantize_config.as_mut().unwrap().as_object_mut().unwrap().remove(field);
-        expect_defect(&run(&s, |_| {}), "config", &format!("{field} is missing (vLLM Marlin needs"));
+        s.config["quantization_config"]
+            .as_object_mut()
+            .unwrap()
+            .remove(field);
+        s.quantize_config
+            .as_mut()
+            .unwrap()
+            .as_object_mut()
+            .unwrap()
+            .remove(field);
+        expect_defect(
+            &run(&s, |_| {}),
+            "config",
+            &format!("{field} is missing (vLLM Marlin needs"),
+        );
     }
 
     let mut s = good();
@@ -194,10 +290,16 @@ fn config_defects() {
 
     let mut s = good();
     s.config["quantization_config"]["group_size"] = json!(100);
-    expect_defect(&run(&s, |_| {}), "config", "group_size 100 is not -1 or a power of two");
+    expect_defect(
+        &run(&s, |_| {}),
+        "config",
+        "group_size 100 is not -1 or a power of two",
+    );
 
     // quantize_config.json missing though .save-complete says it was written
-    let r = run(&good(), |d| std::fs::remove_file(d.join("quantize_config.json")).unwrap());
+    let r = run(&good(), |d| {
+        std::fs::remove_file(d.join("quantize_config.json")).unwrap()
+    });
     expect_defect(&r, "config", "quantize_config.json is missing");
 }
 
@@ -205,9 +307,25 @@ fn config_defects() {
 fn family_mismatch() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), &good());
-    let r = validate(dir.path(), "vllm-gptq", &Options { family: Some("qwen35".into()), skip_sha256: true }).unwrap();
+    let r = validate(
+        dir.path(),
+        "vllm-gptq",
+        &Options {
+            family: Some("qwen35".into()),
+            skip_sha256: true,
+        },
+    )
+    .unwrap();
     expect_defect(&r, "family", "does not match --family qwen35");
-    let r = validate(dir.path(), "vllm-gptq", &Options { family: Some("llama-3-8b".into()), skip_sha256: true }).unwrap();
+    let r = validate(
+        dir.path(),
+        "vllm-gptq",
+        &Options {
+            family: Some("llama-3-8b".into()),
+            skip_sha256: true,
+        },
+    )
+    .unwrap();
     assert!(r.ok, "{}", r.render());
 }
 
@@ -217,39 +335,67 @@ fn tensor_defects() {
 
     let mut s = good();
     s.tensors.remove(&format!("{p}.g_idx"));
-    expect_defect(&run(&s, |_| {}), "tensors", &format!("{p}.g_idx is missing"));
+    expect_defect(
+        &run(&s, |_| {}),
+        "tensors",
+        &format!("{p}.g_idx is missing"),
+    );
 
     let mut s = good();
     let t = s.tensors.get_mut(&format!("{p}.scales")).unwrap();
     t.0 = safetensors::Dtype::BF16;
-    expect_defect(&run(&s, |_| {}), "dtypes", &format!("{p}.scales is BF16, expected F16"));
+    expect_defect(
+        &run(&s, |_| {}),
+        "dtypes",
+        &format!("{p}.scales is BF16, expected F16"),
+    );
 
     let mut s = good();
     let t = s.tensors.get_mut(&format!("{p}.scales")).unwrap();
     t.1 = vec![INTER / GROUP - 1, HIDDEN];
     t.2.truncate((INTER / GROUP - 1) * HIDDEN * 2);
-    expect_defect(&run(&s, |_| {}), "shapes", &format!("{p}.scales has shape [3, 64], expected [4, 64]"));
+    expect_defect(
+        &run(&s, |_| {}),
+        "shapes",
+        &format!("{p}.scales has shape [3, 64], expected [4, 64]"),
+    );
 
     let mut s = good();
     let t = s.tensors.get_mut(&format!("{p}.qzeros")).unwrap();
     t.1 = vec![INTER / GROUP, HIDDEN / 4];
     t.2 = i32_bytes(vec![0x7777_7777; INTER / GROUP * HIDDEN / 4]);
-    expect_defect(&run(&s, |_| {}), "shapes", &format!("{p}.qzeros has shape [4, 16], expected [4, 8]"));
+    expect_defect(
+        &run(&s, |_| {}),
+        "shapes",
+        &format!("{p}.qzeros has shape [4, 16], expected [4, 8]"),
+    );
 
     // config implies a different intermediate size than the tensors
     let mut s = good();
     s.config["intermediate_size"] = json!(256);
-    expect_defect(&run(&s, |_| {}), "shapes", "but config.json implies [256 in, 64 out]");
+    expect_defect(
+        &run(&s, |_| {}),
+        "shapes",
+        "but config.json implies [256 in, 64 out]",
+    );
 
     let mut s = good();
     let t = s.tensors.get_mut(&format!("{p}.g_idx")).unwrap();
     t.2 = i32_bytes((0..INTER).map(|i| if i == 5 { 4 } else { (i / GROUP) as i32 }));
-    expect_defect(&run(&s, |_| {}), "g_idx", &format!("{p}.g_idx[5] = 4 is outside [0, 4)"));
+    expect_defect(
+        &run(&s, |_| {}),
+        "g_idx",
+        &format!("{p}.g_idx[5] = 4 is outside [0, 4)"),
+    );
 
     let mut s = good();
     let t = s.tensors.get_mut(&format!("{p}.g_idx")).unwrap();
     t.2 = i32_bytes((0..INTER).map(|i| ((INTER - 1 - i) / GROUP) as i32));
-    expect_defect(&run(&s, |_| {}), "g_idx", "not i / group_size but desc_act is false");
+    expect_defect(
+        &run(&s, |_| {}),
+        "g_idx",
+        "not i / group_size but desc_act is false",
+    );
     // with desc_act true the same permutation is fine
     s.config["quantization_config"]["desc_act"] = json!(true);
     s.quantize_config.as_mut().unwrap()["desc_act"] = json!(true);
@@ -258,8 +404,18 @@ fn tensor_defects() {
 
     let mut s = good();
     let t = s.tensors.get_mut(&format!("{p}.qzeros")).unwrap();
-    t.2 = i32_bytes((0..INTER / GROUP * HIDDEN / 8).map(|i| if i == 3 { 0x8888_8888u32 as i32 } else { 0x7777_7777 }));
-    expect_defect(&run(&s, |_| {}), "qzeros", &format!("{p}.qzeros word 3 is 0x88888888, expected 0x77777777"));
+    t.2 = i32_bytes((0..INTER / GROUP * HIDDEN / 8).map(|i| {
+        if i == 3 {
+            0x8888_8888u32 as i32
+        } else {
+            0x7777_7777
+        }
+    }));
+    expect_defect(
+        &run(&s, |_| {}),
+        "qzeros",
+        &format!("{p}.qzeros word 3 is 0x88888888, expected 0x77777777"),
+    );
 
     let mut s = good();
     let t = s.tensors.get_mut(&format!("{p}.scales")).unwrap();
@@ -267,7 +423,12 @@ fn tensor_defects() {
     expect_defect(&run(&s, |_| {}), "scales", &format!("{p}.scales element 0"));
 
     let mut s = good();
-    s.tensors.retain(|n, _| !n.ends_with(".qweight") && !n.ends_with(".qzeros") && !n.ends_with(".scales") && !n.ends_with(".g_idx"));
+    s.tensors.retain(|n, _| {
+        !n.ends_with(".qweight")
+            && !n.ends_with(".qzeros")
+            && !n.ends_with(".scales")
+            && !n.ends_with(".g_idx")
+    });
     expect_defect(&run(&s, |_| {}), "tensors", "no quantized linear");
 }
 
@@ -276,7 +437,10 @@ fn index_defects() {
     let r = run(&good(), |d| {
         let path = d.join("model.safetensors.index.json");
         let mut idx: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-        idx["weight_map"].as_object_mut().unwrap().remove("model.norm.weight");
+        idx["weight_map"]
+            .as_object_mut()
+            .unwrap()
+            .remove("model.norm.weight");
         idx["weight_map"]["model.ghost.weight"] = json!("model-00001-of-00002.safetensors");
         std::fs::write(&path, serde_json::to_vec(&idx).unwrap()).unwrap();
     });
@@ -285,14 +449,22 @@ fn index_defects() {
 
     let mut s = good();
     s.write_index = false;
-    expect_defect(&run(&s, |_| {}), "index", "2 shards but no model.safetensors.index.json");
+    expect_defect(
+        &run(&s, |_| {}),
+        "index",
+        "2 shards but no model.safetensors.index.json",
+    );
 }
 
 #[test]
 fn save_complete_defects() {
     let mut s = good();
     s.write_save_complete = false;
-    expect_defect(&run(&s, |_| {}), "save-complete", ".save-complete is missing");
+    expect_defect(
+        &run(&s, |_| {}),
+        "save-complete",
+        ".save-complete is missing",
+    );
 
     // same size, different bytes → sha256 mismatch
     let r = run(&good(), |d| {
@@ -302,7 +474,11 @@ fn save_complete_defects() {
         b[n - 1] ^= 0xff;
         std::fs::write(&p, b).unwrap();
     });
-    expect_defect(&r, "save-complete", "shard model-00002-of-00002.safetensors sha256 is");
+    expect_defect(
+        &r,
+        "save-complete",
+        "shard model-00002-of-00002.safetensors sha256 is",
+    );
 
     // truncated shard: size mismatch and a truncated header/data
     let r = run(&good(), |d| {
@@ -315,21 +491,39 @@ fn save_complete_defects() {
 
     // an extra shard nobody recorded
     let r = run(&good(), |d| {
-        std::fs::copy(d.join("model-00001-of-00002.safetensors"), d.join("extra.safetensors")).unwrap();
+        std::fs::copy(
+            d.join("model-00001-of-00002.safetensors"),
+            d.join("extra.safetensors"),
+        )
+        .unwrap();
     });
-    expect_defect(&r, "save-complete", "shard extra.safetensors is not recorded");
+    expect_defect(
+        &r,
+        "save-complete",
+        "shard extra.safetensors is not recorded",
+    );
 }
 
 #[test]
 fn quality_defects() {
     let mut s = good();
     s.quality = None;
-    expect_defect(&run(&s, |_| {}), "quality", ".quantization-quality.json is missing");
+    expect_defect(
+        &run(&s, |_| {}),
+        "quality",
+        ".quantization-quality.json is missing",
+    );
 
     let mut s = good();
-    s.quality = Some(json!({"gptqModules": 10, "rtnFallbackModules": 4, "rtnFallbackPercent": 28.57,
-                            "maxRtnFallbackPercent": 5.0, "minimumModules": 10, "gate": "failed"}));
-    expect_defect(&run(&s, |_| {}), "quality", "quality gate failed: 4 of 14 modules fell back to RTN (28.57% > 5.00%)");
+    s.quality = Some(
+        json!({"gptqModules": 10, "rtnFallbackModules": 4, "rtnFallbackPercent": 28.57,
+                            "maxRtnFallbackPercent": 5.0, "minimumModules": 10, "gate": "failed"}),
+    );
+    expect_defect(
+        &run(&s, |_| {}),
+        "quality",
+        "quality gate failed: 4 of 14 modules fell back to RTN (28.57% > 5.00%)",
+    );
 
     let mut s = good();
     s.quality.as_mut().unwrap()["gate"] = json!("insufficient-sample");

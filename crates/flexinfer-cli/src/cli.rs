@@ -22,13 +22,29 @@ pub struct Cli {
 #[derive(Debug, Clone, Args)]
 pub struct Global {
     /// Path to the kubeconfig file (default: $KUBECONFIG, then ~/.kube/config)
-    #[arg(long, global = true, value_name = "PATH", help_heading = "Global options")]
+    #[arg(
+        long,
+        global = true,
+        value_name = "PATH",
+        help_heading = "Global options"
+    )]
     pub kubeconfig: Option<PathBuf>,
     /// Kubeconfig context to use (default: the current context)
-    #[arg(long, global = true, value_name = "NAME", help_heading = "Global options")]
+    #[arg(
+        long,
+        global = true,
+        value_name = "NAME",
+        help_heading = "Global options"
+    )]
     pub context: Option<String>,
     /// Namespace (default: the context's namespace, else "default")
-    #[arg(short = 'n', long, global = true, value_name = "NAME", help_heading = "Global options")]
+    #[arg(
+        short = 'n',
+        long,
+        global = true,
+        value_name = "NAME",
+        help_heading = "Global options"
+    )]
     pub namespace: Option<String>,
     /// Output format: table (human), json or yaml
     #[arg(short = 'o', long, global = true, value_enum, default_value_t = Format::Table, help_heading = "Global options")]
@@ -114,7 +130,13 @@ pub struct RecommendArgs {
     #[arg(long, value_name = "DIR")]
     pub model_dir: Option<PathBuf>,
     /// Hub endpoint for metadata lookups (the hub API /api/models/{id})
-    #[arg(long, value_name = "URL", env = "HF_ENDPOINT", hide_env_values = true, default_value = "https://huggingface.co")]
+    #[arg(
+        long,
+        value_name = "URL",
+        env = "HF_ENDPOINT",
+        hide_env_values = true,
+        default_value = "https://huggingface.co"
+    )]
     pub hub_endpoint: String,
     /// Do not query the hub
     #[arg(long)]
@@ -187,7 +209,11 @@ pub fn check_request(r: &QuantizeRequest) -> Result<&'static formats::FormatInfo
     let info = formats::by_name(fmt).ok_or_else(|| {
         bad(format!(
             "--format {fmt}: unknown format (one of {})",
-            FORMATS.iter().map(|f| f.name).collect::<Vec<_>>().join(", ")
+            FORMATS
+                .iter()
+                .map(|f| f.name)
+                .collect::<Vec<_>>()
+                .join(", ")
         ))
     })?;
     if let Some(b) = r.bits {
@@ -195,7 +221,11 @@ pub fn check_request(r: &QuantizeRequest) -> Result<&'static formats::FormatInfo
             return Err(bad(format!(
                 "--bits {b} is not valid for --format {}: allowed {}",
                 info.name,
-                info.bits.iter().map(|b| b.to_string()).collect::<Vec<_>>().join(", ")
+                info.bits
+                    .iter()
+                    .map(|b| b.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             )));
         }
     }
@@ -296,7 +326,11 @@ fn formats_cmd(out: Format) -> anyhow::Result<String> {
                         .unwrap_or_else(|| format!("{b:?}").to_lowercase())
                 })
                 .collect(),
-            status: if f.implemented { "implemented" } else { "planned" },
+            status: if f.implemented {
+                "implemented"
+            } else {
+                "planned"
+            },
             calibration: f.needs_calibration,
         })
         .collect();
@@ -308,7 +342,11 @@ fn formats_cmd(out: Format) -> anyhow::Result<String> {
         .map(|r| {
             vec![
                 r.format.to_string(),
-                r.bits.iter().map(|b| b.to_string()).collect::<Vec<_>>().join(","),
+                r.bits
+                    .iter()
+                    .map(|b| b.to_string())
+                    .collect::<Vec<_>>()
+                    .join(","),
                 r.default_bits.to_string(),
                 r.backends.join(","),
                 if r.calibration { "yes" } else { "no" }.to_string(),
@@ -317,7 +355,14 @@ fn formats_cmd(out: Format) -> anyhow::Result<String> {
         })
         .collect();
     Ok(output::table(
-        &["FORMAT", "BITS", "DEFAULT", "BACKENDS", "CALIBRATION", "STATUS"],
+        &[
+            "FORMAT",
+            "BITS",
+            "DEFAULT",
+            "BACKENDS",
+            "CALIBRATION",
+            "STATUS",
+        ],
         &cells,
     ))
 }
@@ -438,24 +483,41 @@ mod tests {
                 assert_eq!(e.exit_code(), 2);
             }
         }
-        for (g, ok) in [(-1, true), (32, true), (128, true), (100, false), (0, false), (-2, false), (16384, false)] {
+        for (g, ok) in [
+            (-1, true),
+            (32, true),
+            (128, true),
+            (100, false),
+            (0, false),
+            (-2, false),
+            (16384, false),
+        ] {
             let mut r = req("GPTQ");
             r.group_size = Some(g);
             let res = check_request(&r);
             assert_eq!(res.is_ok(), ok, "{g}");
             if let Err(e) = res {
-                assert!(e.to_string().starts_with(&format!("--group-size {g}")), "{e}");
+                assert!(
+                    e.to_string().starts_with(&format!("--group-size {g}")),
+                    "{e}"
+                );
             }
         }
         let mut r = req("GPTQ");
         r.gguf_type = Some("Q4_K_M".into());
         let e = check_request(&r).unwrap_err().to_string();
-        assert!(e.contains("--type Q4_K_M is only valid with --format GGUF"), "{e}");
+        assert!(
+            e.contains("--type Q4_K_M is only valid with --format GGUF"),
+            "{e}"
+        );
         let mut r = req("GGUF");
         r.gguf_type = Some("Q4_K_M".into());
         assert!(check_request(&r).is_ok());
         r.gguf_type = Some("q4".into());
-        assert!(check_request(&r).unwrap_err().to_string().starts_with("--type q4"));
+        assert!(check_request(&r)
+            .unwrap_err()
+            .to_string()
+            .starts_with("--type q4"));
         for t in ["Q8_0", "IQ2_XXS", "F16", "BF16", "Q5_K_S"] {
             assert!(valid_gguf_type(t), "{t}");
         }
@@ -491,9 +553,21 @@ mod tests {
         for f in FORMATS {
             assert!(t.contains(f.name), "{t}");
         }
-        assert!(t.lines().any(|l| l.starts_with("GPTQ") && l.contains("2,3,4,8") && l.contains("vllm") && l.ends_with("implemented")), "{t}");
-        assert!(t.lines().any(|l| l.starts_with("GGUF") && l.contains("llamacpp,ollama") && l.ends_with("planned")), "{t}");
-        let j: serde_json::Value = serde_json::from_str(&formats_cmd(Format::Json).unwrap()).unwrap();
+        assert!(
+            t.lines().any(|l| l.starts_with("GPTQ")
+                && l.contains("2,3,4,8")
+                && l.contains("vllm")
+                && l.ends_with("implemented")),
+            "{t}"
+        );
+        assert!(
+            t.lines().any(|l| l.starts_with("GGUF")
+                && l.contains("llamacpp,ollama")
+                && l.ends_with("planned")),
+            "{t}"
+        );
+        let j: serde_json::Value =
+            serde_json::from_str(&formats_cmd(Format::Json).unwrap()).unwrap();
         assert_eq!(j.as_array().unwrap().len(), FORMATS.len());
     }
 

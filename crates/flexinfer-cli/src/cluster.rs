@@ -26,7 +26,8 @@ pub async fn connect(g: &Global) -> anyhow::Result<(Client, String)> {
     };
     let config = match &g.kubeconfig {
         Some(p) => {
-            let kc = Kubeconfig::read_from(p).with_context(|| format!("read kubeconfig {}", p.display()))?;
+            let kc = Kubeconfig::read_from(p)
+                .with_context(|| format!("read kubeconfig {}", p.display()))?;
             Config::from_custom_kubeconfig(kc, &opts).await
         }
         None => Config::from_kubeconfig(&opts).await,
@@ -51,7 +52,11 @@ async fn get_cache(api: &Api<ModelCache>, name: &str, ns: &str) -> Result<ModelC
 }
 
 /// `flexinfer quantize <cache> --format ...`.
-pub async fn quantize(g: &Global, r: &QuantizeRequest, info: &FormatInfo) -> Result<String, CliError> {
+pub async fn quantize(
+    g: &Global,
+    r: &QuantizeRequest,
+    info: &FormatInfo,
+) -> Result<String, CliError> {
     let name = r.cache.clone().unwrap_or_default();
     let (client, ns) = connect(g).await?;
     let api: Api<ModelCache> = Api::namespaced(client, &ns);
@@ -61,9 +66,10 @@ pub async fn quantize(g: &Global, r: &QuantizeRequest, info: &FormatInfo) -> Res
         .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
         .await
         .map_err(|e| match e {
-            kube::Error::Api(s) if s.code == 422 || s.code == 400 => {
-                bad(format!("the API server rejected the request: {}", s.message))
-            }
+            kube::Error::Api(s) if s.code == 422 || s.code == 400 => bad(format!(
+                "the API server rejected the request: {}",
+                s.message
+            )),
             e => CliError::Failed(anyhow!("patch modelcache {ns}/{name}: {e}")),
         })?;
     if g.output != Format::Table {
@@ -72,7 +78,8 @@ pub async fn quantize(g: &Global, r: &QuantizeRequest, info: &FormatInfo) -> Res
     let q = updated.spec.quantization.as_ref();
     let mut s = format!(
         "modelcache/{name} quantization requested: {}",
-        q.map(describe_spec).unwrap_or_else(|| info.name.to_string())
+        q.map(describe_spec)
+            .unwrap_or_else(|| info.name.to_string())
     );
     s.push('\n');
     if !info.implemented {
@@ -160,7 +167,10 @@ pub async fn quantize_status(g: &Global, name: &str) -> Result<String, CliError>
         .get_opt(&job_name)
         .await
         .map_err(|e| anyhow!("get job {ns}/{job_name}: {e}"))?;
-    let js = job.as_ref().and_then(|j| j.status.clone()).unwrap_or_default();
+    let js = job
+        .as_ref()
+        .and_then(|j| j.status.clone())
+        .unwrap_or_default();
     let (active, succeeded, failed) = (
         js.active.unwrap_or(0),
         js.succeeded.unwrap_or(0),
@@ -175,10 +185,10 @@ pub async fn quantize_status(g: &Global, name: &str) -> Result<String, CliError>
         state: match &job {
             None => "none".into(),
             Some(_) if succeeded > 0 => "Succeeded".into(),
-            Some(_) if js
-                .conditions
-                .as_ref()
-                .is_some_and(|c| c.iter().any(|c| c.type_ == "Failed" && c.status == "True")) =>
+            Some(_)
+                if js.conditions.as_ref().is_some_and(|c| {
+                    c.iter().any(|c| c.type_ == "Failed" && c.status == "True")
+                }) =>
             {
                 "Failed".into()
             }
@@ -206,15 +216,26 @@ pub async fn quantize_status(g: &Global, name: &str) -> Result<String, CliError>
             applied_spec_hash: qs.spec_hash.clone(),
             up_to_date,
             job: job_state,
-            quantization: st.quantization.as_ref().and_then(|q| serde_json::to_value(q).ok()),
+            quantization: st
+                .quantization
+                .as_ref()
+                .and_then(|q| serde_json::to_value(q).ok()),
         };
         return Ok(output::structured(g.output, &data)?);
     }
     let dash = || "-".to_string();
     let mut rows: Vec<(&str, String)> = vec![
         ("Cache", format!("{ns}/{name}")),
-        ("Phase", st.phase.map(|p| p.as_str().to_string()).unwrap_or_else(dash)),
-        ("Current step", st.current_phase.clone().unwrap_or_else(dash)),
+        (
+            "Phase",
+            st.phase
+                .map(|p| p.as_str().to_string())
+                .unwrap_or_else(dash),
+        ),
+        (
+            "Current step",
+            st.current_phase.clone().unwrap_or_else(dash),
+        ),
         (
             "Requested",
             spec_q
@@ -293,7 +314,17 @@ pub async fn quantize_status(g: &Global, name: &str) -> Result<String, CliError>
                 .map(|c| c.0.as_second())
                 .unwrap_or_else(|| jiff::Timestamp::now().as_second());
             let d = (end - s.0.as_second()).max(0);
-            format!("{}h{}m{}s{}", d / 3600, d % 3600 / 60, d % 60, if qs.completed_at.is_none() { " (running)" } else { "" })
+            format!(
+                "{}h{}m{}s{}",
+                d / 3600,
+                d % 3600 / 60,
+                d % 60,
+                if qs.completed_at.is_none() {
+                    " (running)"
+                } else {
+                    ""
+                }
+            )
         })
     });
     rows.push(("Duration", duration.unwrap_or_else(dash)));
@@ -416,7 +447,9 @@ pub async fn cache_status(g: &Global, all: bool) -> Result<String, CliError> {
     if all {
         header.push("NAMESPACE");
     }
-    header.extend(["NAME", "PHASE", "STEP", "PROGRESS", "FORMAT", "RATIO", "SOURCE"]);
+    header.extend([
+        "NAME", "PHASE", "STEP", "PROGRESS", "FORMAT", "RATIO", "SOURCE",
+    ]);
     Ok(output::table(&header, &cells))
 }
 
@@ -427,7 +460,12 @@ fn cache_arch(mc: &ModelCache) -> Option<String> {
         .as_ref()
         .and_then(|q| q.node_selector.as_ref())
         .and_then(|s| s.get(labels::GPU_ARCH))
-        .or_else(|| mc.spec.node_selector.as_ref().and_then(|s| s.get(labels::GPU_ARCH)))
+        .or_else(|| {
+            mc.spec
+                .node_selector
+                .as_ref()
+                .and_then(|s| s.get(labels::GPU_ARCH))
+        })
         .cloned()
 }
 
@@ -447,12 +485,19 @@ fn target_from_profile(p: &GPUProfile) -> GpuTarget {
     }
 }
 
-async fn gpu_target(client: &Client, ns: &str, mc: &ModelCache, flag: Option<&str>) -> Result<GpuTarget, CliError> {
+async fn gpu_target(
+    client: &Client,
+    ns: &str,
+    mc: &ModelCache,
+    flag: Option<&str>,
+) -> Result<GpuTarget, CliError> {
     let api: Api<GPUProfile> = Api::namespaced(client.clone(), ns);
     if let Some(name) = flag {
         return match api.get_opt(name).await {
             Ok(Some(p)) => Ok(target_from_profile(&p)),
-            Ok(None) => Err(bad(format!("--gpu-profile {name}: no GPUProfile {name} in namespace {ns}"))),
+            Ok(None) => Err(bad(format!(
+                "--gpu-profile {name}: no GPUProfile {name} in namespace {ns}"
+            ))),
             Err(e) => Err(CliError::Failed(anyhow!("get gpuprofile {ns}/{name}: {e}"))),
         };
     }
@@ -475,7 +520,10 @@ async fn gpu_target(client: &Client, ns: &str, mc: &ModelCache, flag: Option<&st
             arch: Some(arch.clone()),
             vendor: Some(vendor.into()),
             vram_mb: Some(vram),
-            source: format!("nodeSelector {}={arch}, no GPUProfile; built-in VRAM for {arch}", labels::GPU_ARCH),
+            source: format!(
+                "nodeSelector {}={arch}, no GPUProfile; built-in VRAM for {arch}",
+                labels::GPU_ARCH
+            ),
         },
         None => GpuTarget {
             arch: Some(arch.clone()),
@@ -544,9 +592,13 @@ pub async fn recommend(g: &Global, a: &RecommendArgs) -> Result<String, CliError
     let gpu = gpu_target(&client, &ns, &mc, a.gpu_profile.as_deref()).await?;
     let rec = recommend::recommend(&model, &gpu);
     if a.apply {
-        api.patch(&a.cache, &PatchParams::default(), &Patch::Merge(&rec.spec_patch()))
-            .await
-            .map_err(|e| anyhow!("patch modelcache {ns}/{}: {e}", a.cache))?;
+        api.patch(
+            &a.cache,
+            &PatchParams::default(),
+            &Patch::Merge(&rec.spec_patch()),
+        )
+        .await
+        .map_err(|e| anyhow!("patch modelcache {ns}/{}: {e}", a.cache))?;
     }
     if g.output != Format::Table {
         return Ok(output::structured(g.output, &rec)?);
@@ -568,11 +620,23 @@ pub async fn recommend(g: &Global, a: &RecommendArgs) -> Result<String, CliError
         ("useGPU", rec.use_gpu.to_string()),
         ("maxMemoryGB", rec.max_memory_gb.to_string()),
         ("timeoutSeconds", rec.timeout_seconds.to_string()),
-        ("calibration.maxSeqLen", rec.calibration.max_seq_len.to_string()),
-        ("calibration.maxSamples", rec.calibration.max_samples.to_string()),
+        (
+            "calibration.maxSeqLen",
+            rec.calibration.max_seq_len.to_string(),
+        ),
+        (
+            "calibration.maxSamples",
+            rec.calibration.max_samples.to_string(),
+        ),
         ("calibration.nParallelCalibSamples", npar),
-        ("estimated artifact", format!("~{:.1} GB", rec.estimated_artifact_gb)),
-        ("estimated time", format!("~{:.0} min", rec.estimated_minutes)),
+        (
+            "estimated artifact",
+            format!("~{:.1} GB", rec.estimated_artifact_gb),
+        ),
+        (
+            "estimated time",
+            format!("~{:.0} min", rec.estimated_minutes),
+        ),
         (
             "fits target GPU",
             match rec.fits {

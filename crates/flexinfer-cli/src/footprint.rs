@@ -121,7 +121,10 @@ pub fn params_from_safetensors_header(path: &Path) -> Result<f64> {
         .with_context(|| format!("{}: too short for a safetensors header", path.display()))?;
     let n = u64::from_le_bytes(len);
     if n > 100 * 1024 * 1024 {
-        bail!("{}: safetensors header of {n} bytes is implausible", path.display());
+        bail!(
+            "{}: safetensors header of {n} bytes is implausible",
+            path.display()
+        );
     }
     let mut buf = vec![0u8; n as usize];
     f.read_exact(&mut buf)
@@ -277,7 +280,10 @@ mod tests {
 
     #[test]
     fn hub_ids() {
-        assert_eq!(hub_id("HF://meta-llama/Llama-3-8B").as_deref(), Some("meta-llama/Llama-3-8B"));
+        assert_eq!(
+            hub_id("HF://meta-llama/Llama-3-8B").as_deref(),
+            Some("meta-llama/Llama-3-8B")
+        );
         assert_eq!(hub_id("huggingface://a/b").as_deref(), Some("a/b"));
         assert_eq!(hub_id("a/b").as_deref(), Some("a/b"));
         assert_eq!(hub_id("oci://r/x:1"), None);
@@ -313,13 +319,21 @@ mod tests {
         let views = vec![
             (
                 "a".to_string(),
-                safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, vec![2, 3], &data[..12])
-                    .unwrap(),
+                safetensors::tensor::TensorView::new(
+                    safetensors::Dtype::BF16,
+                    vec![2, 3],
+                    &data[..12],
+                )
+                .unwrap(),
             ),
             (
                 "b".to_string(),
-                safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, vec![4, 2], &data[..16])
-                    .unwrap(),
+                safetensors::tensor::TensorView::new(
+                    safetensors::Dtype::BF16,
+                    vec![4, 2],
+                    &data[..16],
+                )
+                .unwrap(),
             ),
         ];
         safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
@@ -349,11 +363,18 @@ mod tests {
             .unwrap();
             req
         });
-        let v = fetch_hub(&format!("http://{addr}"), "meta-llama/Llama-3-8B", Some("tok"))
-            .await
-            .unwrap();
+        let v = fetch_hub(
+            &format!("http://{addr}"),
+            "meta-llama/Llama-3-8B",
+            Some("tok"),
+        )
+        .await
+        .unwrap();
         let req = server.join().unwrap();
-        assert!(req.starts_with("GET /api/models/meta-llama/Llama-3-8B "), "{req}");
+        assert!(
+            req.starts_with("GET /api/models/meta-llama/Llama-3-8B "),
+            "{req}"
+        );
         assert!(req.to_lowercase().contains("authorization: bearer tok"));
         assert_eq!(from_hub_json("x", &v).unwrap().params, 8030261248.0);
     }

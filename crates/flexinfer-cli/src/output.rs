@@ -80,7 +80,10 @@ mod tests {
     fn table_aligns() {
         let t = table(
             &["NAME", "PHASE"],
-            &[vec!["a".into(), "Ready".into()], vec!["longer".into(), "-".into()]],
+            &[
+                vec!["a".into(), "Ready".into()],
+                vec!["longer".into(), "-".into()],
+            ],
         );
         assert_eq!(t, "NAME     PHASE\na        Ready\nlonger   -\n");
     }

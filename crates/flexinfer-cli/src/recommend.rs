@@ -130,7 +130,11 @@ pub fn recommend(model: &Footprint, gpu: &GpuTarget) -> Recommendation {
         "model: {:.1}B parameters ({}){}{}",
         b,
         model.source,
-        if model.moe { ", mixture of experts" } else { "" },
+        if model.moe {
+            ", mixture of experts"
+        } else {
+            ""
+        },
         if model.hybrid {
             ", hybrid linear-attention/attention"
         } else {
@@ -173,7 +177,11 @@ pub fn recommend(model: &Footprint, gpu: &GpuTarget) -> Recommendation {
     let mut class = size_class;
     if let Some(v) = vram_gb {
         if v < 20.0 && class < Class::Large {
-            class = if class == Class::Small { Class::Medium } else { Class::Large };
+            class = if class == Class::Small {
+                Class::Medium
+            } else {
+                Class::Large
+            };
             reasons.push(format!(
                 "{v:.0} GB VRAM is below the seed's 24 GB baseline: using the next size class's calibration"
             ));
@@ -200,7 +208,9 @@ pub fn recommend(model: &Footprint, gpu: &GpuTarget) -> Recommendation {
             "dynamicExclusion auto: keeps attention/shared-expert modules in 16 bit and still fits (~{size:.1} GB)"
         ));
     } else {
-        reasons.push("dynamicExclusion auto: dense architecture, every decoder linear is quantized".into());
+        reasons.push(
+            "dynamicExclusion auto: dense architecture, every decoder linear is quantized".into(),
+        );
     }
     if fits == Some(false) {
         let three = artifact_bytes(model.params, 3, group_size, false) / 1e9;
@@ -268,16 +278,22 @@ pub fn recommend(model: &Footprint, gpu: &GpuTarget) -> Recommendation {
         Class::Medium => 56,
         Class::Large => 96,
     };
-    reasons.push(format!("maxMemoryGB {max_mem}: the seed's host-memory recipe for this model size"));
+    reasons.push(format!(
+        "maxMemoryGB {max_mem}: the seed's host-memory recipe for this model size"
+    ));
     // Host memory grows with the model beyond the table (about 3.5 GB per billion parameters).
     let scaled = ((b * 3.5 / 8.0).ceil() * 8.0) as i32;
     if scaled > max_mem {
         max_mem = scaled.min(1024);
-        reasons.push(format!("maxMemoryGB {max_mem}: scaled with the model size beyond the seed table"));
+        reasons.push(format!(
+            "maxMemoryGB {max_mem}: scaled with the model size beyond the seed table"
+        ));
     }
     if model.moe {
         cal.max_samples = cal.max_samples.max(512);
-        reasons.push("maxSamples 512: mixture of experts needs enough tokens routed to every expert".into());
+        reasons.push(
+            "maxSamples 512: mixture of experts needs enough tokens routed to every expert".into(),
+        );
     }
 
     // Time: seed 8B ≈ 30 min, 14B ≈ 73 min at full calibration; fewer tokens shorten calibration.
@@ -354,29 +370,173 @@ mod tests {
     fn table_of_models_and_gpus() {
         let rows = [
             // seed: 8B GPTQ INT4 on 24 GB: defaults, 32Gi
-            Row { b: 8.0, moe: false, hybrid: false, arch: "gfx1100", bits: 4, excl: "auto", seq: 4096, samples: 256, npar: None, mem: 32, fits: true },
+            Row {
+                b: 8.0,
+                moe: false,
+                hybrid: false,
+                arch: "gfx1100",
+                bits: 4,
+                excl: "auto",
+                seq: 4096,
+                samples: 256,
+                npar: None,
+                mem: 32,
+                fits: true,
+            },
             // seed: 14B GPTQ on 24 GB: 256 @ 4096, nParallel 32, maxMemoryGB 56
-            Row { b: 14.0, moe: false, hybrid: false, arch: "gfx1100", bits: 4, excl: "auto", seq: 4096, samples: 256, npar: Some(32), mem: 56, fits: true },
+            Row {
+                b: 14.0,
+                moe: false,
+                hybrid: false,
+                arch: "gfx1100",
+                bits: 4,
+                excl: "auto",
+                seq: 4096,
+                samples: 256,
+                npar: Some(32),
+                mem: 56,
+                fits: true,
+            },
             // seed: 27B single GPU: 128 @ 2048, nParallel 16, 96Gi; hybrid auto (~28 GB) does not fit → none (~15 GB)
-            Row { b: 27.0, moe: false, hybrid: true, arch: "gfx1100", bits: 4, excl: "none", seq: 2048, samples: 128, npar: Some(16), mem: 96, fits: true },
+            Row {
+                b: 27.0,
+                moe: false,
+                hybrid: true,
+                arch: "gfx1100",
+                bits: 4,
+                excl: "none",
+                seq: 2048,
+                samples: 128,
+                npar: Some(16),
+                mem: 96,
+                fits: true,
+            },
             // dense 27B at 4 bit fits 24 GB
-            Row { b: 27.0, moe: false, hybrid: false, arch: "gfx1100", bits: 4, excl: "auto", seq: 2048, samples: 128, npar: Some(16), mem: 96, fits: true },
+            Row {
+                b: 27.0,
+                moe: false,
+                hybrid: false,
+                arch: "gfx1100",
+                bits: 4,
+                excl: "auto",
+                seq: 2048,
+                samples: 128,
+                npar: Some(16),
+                mem: 96,
+                fits: true,
+            },
             // 26B MoE hybrid: 512 samples for expert coverage
-            Row { b: 25.2, moe: true, hybrid: true, arch: "gfx1100", bits: 4, excl: "none", seq: 2048, samples: 512, npar: Some(16), mem: 96, fits: true },
+            Row {
+                b: 25.2,
+                moe: true,
+                hybrid: true,
+                arch: "gfx1100",
+                bits: 4,
+                excl: "none",
+                seq: 2048,
+                samples: 512,
+                npar: Some(16),
+                mem: 96,
+                fits: true,
+            },
             // 9B hybrid: auto fits 24 GB
-            Row { b: 9.0, moe: false, hybrid: true, arch: "gfx1100", bits: 4, excl: "auto", seq: 4096, samples: 256, npar: None, mem: 32, fits: true },
+            Row {
+                b: 9.0,
+                moe: false,
+                hybrid: true,
+                arch: "gfx1100",
+                bits: 4,
+                excl: "auto",
+                seq: 4096,
+                samples: 256,
+                npar: None,
+                mem: 32,
+                fits: true,
+            },
             // gfx906 16 GB: 8B moves to the 14B calibration recipe; host memory stays the 8B one
-            Row { b: 8.0, moe: false, hybrid: false, arch: "gfx906", bits: 4, excl: "auto", seq: 4096, samples: 256, npar: Some(32), mem: 32, fits: true },
+            Row {
+                b: 8.0,
+                moe: false,
+                hybrid: false,
+                arch: "gfx906",
+                bits: 4,
+                excl: "auto",
+                seq: 4096,
+                samples: 256,
+                npar: Some(32),
+                mem: 32,
+                fits: true,
+            },
             // 14B on 16 GB: 27B calibration recipe
-            Row { b: 14.0, moe: false, hybrid: false, arch: "gfx906", bits: 4, excl: "auto", seq: 2048, samples: 128, npar: Some(16), mem: 56, fits: true },
+            Row {
+                b: 14.0,
+                moe: false,
+                hybrid: false,
+                arch: "gfx906",
+                bits: 4,
+                excl: "auto",
+                seq: 2048,
+                samples: 128,
+                npar: Some(16),
+                mem: 56,
+                fits: true,
+            },
             // 27B on 16 GB: 4-bit (~15 GB) exceeds 85% of 16 GB → 3 bit
-            Row { b: 27.0, moe: false, hybrid: false, arch: "gfx906", bits: 3, excl: "none", seq: 2048, samples: 128, npar: Some(16), mem: 96, fits: true },
+            Row {
+                b: 27.0,
+                moe: false,
+                hybrid: false,
+                arch: "gfx906",
+                bits: 3,
+                excl: "none",
+                seq: 2048,
+                samples: 128,
+                npar: Some(16),
+                mem: 96,
+                fits: true,
+            },
             // 70B on 24 GB: does not fit even at 3 bit
-            Row { b: 70.0, moe: false, hybrid: false, arch: "gfx1100", bits: 4, excl: "auto", seq: 2048, samples: 128, npar: Some(16), mem: 248, fits: false },
+            Row {
+                b: 70.0,
+                moe: false,
+                hybrid: false,
+                arch: "gfx1100",
+                bits: 4,
+                excl: "auto",
+                seq: 2048,
+                samples: 128,
+                npar: Some(16),
+                mem: 248,
+                fits: false,
+            },
             // 70B on an 80 GB H100: fits at 4 bit
-            Row { b: 70.0, moe: false, hybrid: false, arch: "sm_90", bits: 4, excl: "auto", seq: 2048, samples: 128, npar: Some(16), mem: 248, fits: true },
+            Row {
+                b: 70.0,
+                moe: false,
+                hybrid: false,
+                arch: "sm_90",
+                bits: 4,
+                excl: "auto",
+                seq: 2048,
+                samples: 128,
+                npar: Some(16),
+                mem: 248,
+                fits: true,
+            },
             // 8B on an 80 GB H100: defaults
-            Row { b: 8.0, moe: false, hybrid: false, arch: "sm_90", bits: 4, excl: "auto", seq: 4096, samples: 256, npar: None, mem: 32, fits: true },
+            Row {
+                b: 8.0,
+                moe: false,
+                hybrid: false,
+                arch: "sm_90",
+                bits: 4,
+                excl: "auto",
+                seq: 4096,
+                samples: 256,
+                npar: None,
+                mem: 32,
+                fits: true,
+            },
         ];
         for (i, r) in rows.iter().enumerate() {
             let rec = recommend(&model(r.b, r.moe, r.hybrid), &gpu(r.arch));
@@ -400,14 +560,30 @@ mod tests {
     #[test]
     fn gfx1100_reason_names_exllama_and_seed_times() {
         let rec = recommend(&model(8.0, false, false), &gpu("gfx1100"));
-        assert!(rec.reasons.iter().any(|r| r.contains("ExLlama")), "{:?}", rec.reasons);
+        assert!(
+            rec.reasons.iter().any(|r| r.contains("ExLlama")),
+            "{:?}",
+            rec.reasons
+        );
         // seed: 8B ≈ 30 min, 14B ≈ 73 min
-        assert!((25.0..=35.0).contains(&rec.estimated_minutes), "{}", rec.estimated_minutes);
+        assert!(
+            (25.0..=35.0).contains(&rec.estimated_minutes),
+            "{}",
+            rec.estimated_minutes
+        );
         let rec = recommend(&model(14.0, false, false), &gpu("gfx1100"));
-        assert!((60.0..=85.0).contains(&rec.estimated_minutes), "{}", rec.estimated_minutes);
+        assert!(
+            (60.0..=85.0).contains(&rec.estimated_minutes),
+            "{}",
+            rec.estimated_minutes
+        );
         // seed: 27B hybrid auto ~28 GB, none ~15 GB
         let rec = recommend(&model(27.0, false, true), &gpu("gfx1100"));
-        assert!((13.0..=17.0).contains(&rec.estimated_artifact_gb), "{}", rec.estimated_artifact_gb);
+        assert!(
+            (13.0..=17.0).contains(&rec.estimated_artifact_gb),
+            "{}",
+            rec.estimated_artifact_gb
+        );
         assert!(rec.reasons.iter().any(|r| r.contains("does not fit")));
     }
 

@@ -287,19 +287,31 @@ mod tests {
     fn bad_inputs() {
         assert!(matches!(
             evaluate("GGUF", inputs(0.0, 1.0, 90.0, 90.0)),
-            Err(InputError::Perplexity { flag: "--baseline-perplexity", .. })
+            Err(InputError::Perplexity {
+                flag: "--baseline-perplexity",
+                ..
+            })
         ));
         assert!(matches!(
             evaluate("GGUF", inputs(1.0, f64::NAN, 90.0, 90.0)),
-            Err(InputError::Perplexity { flag: "--candidate-perplexity", .. })
+            Err(InputError::Perplexity {
+                flag: "--candidate-perplexity",
+                ..
+            })
         ));
         assert!(matches!(
             evaluate("GGUF", inputs(1.0, 1.0, 101.0, 90.0)),
-            Err(InputError::Acceptance { flag: "--baseline-acceptance", .. })
+            Err(InputError::Acceptance {
+                flag: "--baseline-acceptance",
+                ..
+            })
         ));
         assert!(matches!(
             evaluate("GGUF", inputs(1.0, 1.0, 90.0, -0.5)),
-            Err(InputError::Acceptance { flag: "--candidate-acceptance", .. })
+            Err(InputError::Acceptance {
+                flag: "--candidate-acceptance",
+                ..
+            })
         ));
         assert!(evaluate("MP3", inputs(1.0, 1.0, 90.0, 90.0)).is_err());
     }

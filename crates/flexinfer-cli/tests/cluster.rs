@@ -29,7 +29,6 @@ async fn client() -> Client {
 /// A namespace for one test; deleted when dropped.
 struct Ns {
     name: String,
-    client: Client,
 }
 
 impl Ns {
@@ -40,21 +39,32 @@ impl Ns {
             .unwrap_or(0);
         let name = format!("{prefix}-{:08x}", nanos ^ std::process::id());
         let api: Api<Namespace> = Api::all(client.clone());
-        let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": name, "labels": {"flexinfer.ai/test": "true"}}})).unwrap();
-        api.create(&PostParams::default(), &ns).await.expect("create namespace");
-        Ns { name, client: client.clone() }
+        let ns: Namespace = serde_json::from_value(
+            json!({"metadata": {"name": name, "labels": {"flexinfer.ai/test": "true"}}}),
+        )
+        .unwrap();
+        api.create(&PostParams::default(), &ns)
+            .await
+            .expect("create namespace");
+        Ns { name }
     }
 }
 
 impl Drop for Ns {
     fn drop(&mut self) {
-        let api: Api<Namespace> = Api::all(self.client.clone());
         let name = self.name.clone();
-        // The runtime may be shutting down; a blocking delete on a fresh runtime is reliable.
+        // The test's runtime is blocked while we are dropped (and drives `self.client`), so clean
+        // up from another thread with its own runtime and client.
         let _ = std::thread::spawn(move || {
-            if let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() {
+            if let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
                 rt.block_on(async move {
-                    let _ = api.delete(&name, &DeleteParams::background()).await;
+                    if let Ok(c) = Client::try_default().await {
+                        let api: Api<Namespace> = Api::all(c);
+                        let _ = api.delete(&name, &DeleteParams::background()).await;
+                    }
                 });
             }
         })
@@ -63,11 +73,18 @@ impl Drop for Ns {
 }
 
 fn ar(kind: &str, plural: &str, version: &str) -> ApiResource {
-    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("ai.flexinfer", version, kind), plural)
+    ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("ai.flexinfer", version, kind),
+        plural,
+    )
 }
 
 fn caches(client: &Client, ns: &str) -> Api<DynamicObject> {
-    Api::namespaced_with(client.clone(), ns, &ar("ModelCache", "modelcaches", "v1alpha1"))
+    Api::namespaced_with(
+        client.clone(),
+        ns,
+        &ar("ModelCache", "modelcaches", "v1alpha1"),
+    )
 }
 
 async fn create_cache(client: &Client, ns: &str, name: &str, spec: Value) {
@@ -79,12 +96,18 @@ async fn create_cache(client: &Client, ns: &str, name: &str, spec: Value) {
     caches(client, ns)
         .create(&PostParams::default(), &obj)
         .await
-        .unwrap_or_else(|e| panic!("create modelcache {name} (are the CRDs from deploy/crds applied?): {e}"));
+        .unwrap_or_else(|e| {
+            panic!("create modelcache {name} (are the CRDs from deploy/crds applied?): {e}")
+        });
 }
 
 async fn set_status(client: &Client, ns: &str, name: &str, status: Value) {
     caches(client, ns)
-        .patch_status(name, &PatchParams::default(), &Patch::Merge(&json!({"status": status})))
+        .patch_status(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"status": status})),
+        )
         .await
         .expect("patch status");
 }
@@ -101,7 +124,10 @@ struct Out {
 }
 
 fn flexinfer(args: &[&str]) -> Out {
-    let o = Command::new(BIN).args(args).output().expect("run flexinfer");
+    let o = Command::new(BIN)
+        .args(args)
+        .output()
+        .expect("run flexinfer");
     Out {
         code: o.status.code().unwrap_or(-1),
         stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
@@ -113,12 +139,42 @@ fn flexinfer(args: &[&str]) -> Out {
 async fn quantize_validates_and_patches_the_spec() {
     let c = client().await;
     let ns = Ns::new(&c, "cli-quantize").await;
-    create_cache(&c, &ns.name, "llama3-8b", json!({"source": "HF://meta-llama/Meta-Llama-3-8B"})).await;
+    create_cache(
+        &c,
+        &ns.name,
+        "llama3-8b",
+        json!({"source": "HF://meta-llama/Meta-Llama-3-8B"}),
+    )
+    .await;
 
-    let o = flexinfer(&["quantize", "llama3-8b", "-n", &ns.name, "--format", "GPTQ", "--bits", "4", "--group-size", "128", "--use-gpu"]);
+    let o = flexinfer(&[
+        "quantize",
+        "llama3-8b",
+        "-n",
+        &ns.name,
+        "--format",
+        "GPTQ",
+        "--bits",
+        "4",
+        "--group-size",
+        "128",
+        "--use-gpu",
+    ]);
     assert_eq!(o.code, 0, "{}{}", o.stdout, o.stderr);
-    assert!(o.stdout.contains("quantization requested: GPTQ gptq-w4-g128"), "{}", o.stdout);
-    assert!(o.stdout.contains(&format!("flexinfer quantize status llama3-8b -n {}", ns.name)), "{}", o.stdout);
+    assert!(
+        o.stdout
+            .contains("quantization requested: GPTQ gptq-w4-g128"),
+        "{}",
+        o.stdout
+    );
+    assert!(
+        o.stdout.contains(&format!(
+            "flexinfer quantize status llama3-8b -n {}",
+            ns.name
+        )),
+        "{}",
+        o.stdout
+    );
     let q = spec_quant(&c, &ns.name, "llama3-8b").await;
     assert_eq!(q["format"], "GPTQ");
     assert_eq!(q["bits"], 4);
@@ -129,10 +185,22 @@ async fn quantize_validates_and_patches_the_spec() {
 
     // Local validation: exit 2, the flag is named, nothing is patched.
     for (args, needle) in [
-        (vec!["--format", "GPTQ", "--bits", "5"], "--bits 5 is not valid for --format GPTQ"),
-        (vec!["--format", "GPTQ", "--group-size", "100"], "--group-size 100 must be -1 or a power of two"),
-        (vec!["--format", "AWQ", "--type", "Q4_K_M"], "--type Q4_K_M is only valid with --format GGUF"),
-        (vec!["--format", "FP8", "--bits", "4"], "--bits 4 is not valid for --format FP8"),
+        (
+            vec!["--format", "GPTQ", "--bits", "5"],
+            "--bits 5 is not valid for --format GPTQ",
+        ),
+        (
+            vec!["--format", "GPTQ", "--group-size", "100"],
+            "--group-size 100 must be -1 or a power of two",
+        ),
+        (
+            vec!["--format", "AWQ", "--type", "Q4_K_M"],
+            "--type Q4_K_M is only valid with --format GGUF",
+        ),
+        (
+            vec!["--format", "FP8", "--bits", "4"],
+            "--bits 4 is not valid for --format FP8",
+        ),
         (vec!["--format", "MP3"], "--format MP3: unknown format"),
     ] {
         let mut full = vec!["quantize", "llama3-8b", "-n", ns.name.as_str()];
@@ -144,12 +212,37 @@ async fn quantize_validates_and_patches_the_spec() {
     assert_eq!(spec_quant(&c, &ns.name, "llama3-8b").await["bits"], 4);
 
     // GGUF with a type, then back to GPTQ: the leftover ggufType is removed.
-    let o = flexinfer(&["quantize", "llama3-8b", "-n", &ns.name, "--format", "GGUF", "--type", "Q4_K_M"]);
+    let o = flexinfer(&[
+        "quantize",
+        "llama3-8b",
+        "-n",
+        &ns.name,
+        "--format",
+        "GGUF",
+        "--type",
+        "Q4_K_M",
+    ]);
     assert_eq!(o.code, 0, "{}", o.stderr);
-    assert!(o.stdout.contains("planned"), "GGUF has no engine yet: {}", o.stdout);
+    assert!(
+        o.stdout.contains("planned"),
+        "GGUF has no engine yet: {}",
+        o.stdout
+    );
     let q = spec_quant(&c, &ns.name, "llama3-8b").await;
-    assert_eq!((q["format"].as_str(), q["ggufType"].as_str()), (Some("GGUF"), Some("Q4_K_M")));
-    let o = flexinfer(&["quantize", "llama3-8b", "-n", &ns.name, "--format", "gptq", "-o", "json"]);
+    assert_eq!(
+        (q["format"].as_str(), q["ggufType"].as_str()),
+        (Some("GGUF"), Some("Q4_K_M"))
+    );
+    let o = flexinfer(&[
+        "quantize",
+        "llama3-8b",
+        "-n",
+        &ns.name,
+        "--format",
+        "gptq",
+        "-o",
+        "json",
+    ]);
     assert_eq!(o.code, 0, "{}", o.stderr);
     let printed: Value = serde_json::from_str(&o.stdout).expect("json output");
     assert_eq!(printed["format"], "GPTQ");
@@ -159,7 +252,14 @@ async fn quantize_validates_and_patches_the_spec() {
 
     let o = flexinfer(&["quantize", "nope", "-n", &ns.name, "--format", "GPTQ"]);
     assert_eq!(o.code, 1);
-    assert!(o.stderr.contains(&format!("modelcache nope not found in namespace {}", ns.name)), "{}", o.stderr);
+    assert!(
+        o.stderr.contains(&format!(
+            "modelcache nope not found in namespace {}",
+            ns.name
+        )),
+        "{}",
+        o.stderr
+    );
 }
 
 #[tokio::test]
@@ -192,11 +292,16 @@ async fn quantize_status_shows_requested_applied_job_progress_and_quality() {
     }))
     .unwrap();
     let jobs: Api<Job> = Api::namespaced(c.clone(), &ns.name);
-    jobs.create(&PostParams::default(), &job).await.expect("create job");
-    jobs.patch_status("qwen-quantize", &PatchParams::default(),
-        &Patch::Merge(&json!({"status": {"active": 1, "startTime": now.to_string()}})))
+    jobs.create(&PostParams::default(), &job)
         .await
-        .expect("job status");
+        .expect("create job");
+    jobs.patch_status(
+        "qwen-quantize",
+        &PatchParams::default(),
+        &Patch::Merge(&json!({"status": {"active": 1, "startTime": now.to_string()}})),
+    )
+    .await
+    .expect("job status");
 
     let o = flexinfer(&["quantize", "status", "qwen", "-n", &ns.name]);
     assert_eq!(o.code, 0, "{}", o.stderr);
@@ -209,10 +314,18 @@ async fn quantize_status_shows_requested_applied_job_progress_and_quality() {
     };
     assert!(line("Phase").ends_with("Quantizing"));
     assert!(line("Current step").ends_with("quantization"));
-    assert!(line("Requested").contains("GPTQ gptq-w4-g128 (bits 4, groupSize 128"), "{}", o.stdout);
+    assert!(
+        line("Requested").contains("GPTQ gptq-w4-g128 (bits 4, groupSize 128"),
+        "{}",
+        o.stdout
+    );
     assert!(line("Applied").contains("gptq-w4-g128 (specHash 0123456789abcdef)"));
     assert!(line("Up to date").ends_with("yes"));
-    assert!(line("Job").contains("qwen-quantize Running (active 1, succeeded 0, failed 0)"), "{}", o.stdout);
+    assert!(
+        line("Job").contains("qwen-quantize Running (active 1, succeeded 0, failed 0)"),
+        "{}",
+        o.stdout
+    );
     assert!(line("Progress").contains("42% (telemetry) layer 17/40"));
     assert!(line("Last update").contains("ago"));
     assert!(line("Sizes").contains("GiB -> "));
@@ -229,7 +342,9 @@ async fn quantize_status_shows_requested_applied_job_progress_and_quality() {
     assert_eq!(v["quantization"]["progress"], 42);
 
     // a changed request is reported as not yet applied
-    let o = flexinfer(&["quantize", "qwen", "-n", &ns.name, "--format", "GPTQ", "--bits", "8"]);
+    let o = flexinfer(&[
+        "quantize", "qwen", "-n", &ns.name, "--format", "GPTQ", "--bits", "8",
+    ]);
     assert_eq!(o.code, 0, "{}", o.stderr);
     let o = flexinfer(&["quantize", "status", "qwen", "-n", &ns.name, "-o", "yaml"]);
     assert_eq!(o.code, 0, "{}", o.stderr);
@@ -245,26 +360,81 @@ async fn quantize_status_shows_requested_applied_job_progress_and_quality() {
 async fn cache_status_lists_caches() {
     let c = client().await;
     let ns = Ns::new(&c, "cli-cstatus").await;
-    create_cache(&c, &ns.name, "a-ready", json!({"source": "HF://meta-llama/Meta-Llama-3-8B", "quantization": {"format": "GPTQ"}})).await;
-    create_cache(&c, &ns.name, "b-down", json!({"source": "oci://registry.example.com/models/x:v1"})).await;
-    set_status(&c, &ns.name, "a-ready", json!({"phase": "Ready", "currentPhase": "ready", "progress": 100,
-        "quantization": {"type": "gptq-w4-g128", "compressionRatio": 3.52}})).await;
-    set_status(&c, &ns.name, "b-down", json!({"phase": "Downloading", "currentPhase": "download",
-        "download": {"progress": 37}})).await;
+    create_cache(
+        &c,
+        &ns.name,
+        "a-ready",
+        json!({"source": "HF://meta-llama/Meta-Llama-3-8B", "quantization": {"format": "GPTQ"}}),
+    )
+    .await;
+    create_cache(
+        &c,
+        &ns.name,
+        "b-down",
+        json!({"source": "oci://registry.example.com/models/x:v1"}),
+    )
+    .await;
+    set_status(
+        &c,
+        &ns.name,
+        "a-ready",
+        json!({"phase": "Ready", "currentPhase": "ready", "progress": 100,
+        "quantization": {"type": "gptq-w4-g128", "compressionRatio": 3.52}}),
+    )
+    .await;
+    set_status(
+        &c,
+        &ns.name,
+        "b-down",
+        json!({"phase": "Downloading", "currentPhase": "download",
+        "download": {"progress": 37}}),
+    )
+    .await;
 
     let o = flexinfer(&["cache", "status", "-n", &ns.name]);
     assert_eq!(o.code, 0, "{}", o.stderr);
     let lines: Vec<&str> = o.stdout.lines().collect();
     assert_eq!(lines.len(), 3, "{}", o.stdout);
     let cols = |l: &str| l.split_whitespace().map(str::to_string).collect::<Vec<_>>();
-    assert_eq!(cols(lines[0]), ["NAME", "PHASE", "STEP", "PROGRESS", "FORMAT", "RATIO", "SOURCE"]);
-    assert_eq!(cols(lines[1]), ["a-ready", "Ready", "ready", "100%", "gptq-w4-g128", "3.52x", "HF://meta-llama/Meta-Llama-3-8B"]);
-    assert_eq!(cols(lines[2]), ["b-down", "Downloading", "download", "37%", "-", "-", "oci://registry.example.com/models/x:v1"]);
+    assert_eq!(
+        cols(lines[0]),
+        ["NAME", "PHASE", "STEP", "PROGRESS", "FORMAT", "RATIO", "SOURCE"]
+    );
+    assert_eq!(
+        cols(lines[1]),
+        [
+            "a-ready",
+            "Ready",
+            "ready",
+            "100%",
+            "gptq-w4-g128",
+            "3.52x",
+            "HF://meta-llama/Meta-Llama-3-8B"
+        ]
+    );
+    assert_eq!(
+        cols(lines[2]),
+        [
+            "b-down",
+            "Downloading",
+            "download",
+            "37%",
+            "-",
+            "-",
+            "oci://registry.example.com/models/x:v1"
+        ]
+    );
 
     let o = flexinfer(&["cache", "status", "-A"]);
     assert_eq!(o.code, 0, "{}", o.stderr);
     assert!(o.stdout.starts_with("NAMESPACE"), "{}", o.stdout);
-    assert!(o.stdout.lines().any(|l| l.starts_with(&ns.name) && l.contains("a-ready")), "{}", o.stdout);
+    assert!(
+        o.stdout
+            .lines()
+            .any(|l| l.starts_with(&ns.name) && l.contains("a-ready")),
+        "{}",
+        o.stdout
+    );
 
     let o = flexinfer(&["cache", "status", "-n", &ns.name, "-o", "json"]);
     let v: Value = serde_json::from_str(&o.stdout).unwrap();
@@ -281,31 +451,63 @@ async fn cache_status_lists_caches() {
 async fn recommend_uses_the_gpu_profile_and_applies() {
     let c = client().await;
     let ns = Ns::new(&c, "cli-recommend").await;
-    let profiles: Api<DynamicObject> =
-        Api::namespaced_with(c.clone(), &ns.name, &ar("GPUProfile", "gpuprofiles", "v1alpha2"));
+    let profiles: Api<DynamicObject> = Api::namespaced_with(
+        c.clone(),
+        &ns.name,
+        &ar("GPUProfile", "gpuprofiles", "v1alpha2"),
+    );
     let p: DynamicObject = serde_json::from_value(json!({
         "apiVersion": "ai.flexinfer/v1alpha2", "kind": "GPUProfile",
         "metadata": {"name": "gfx1100", "namespace": ns.name},
         "spec": {"architecture": "gfx1100", "vendor": "amd", "vramMB": 24576}
     }))
     .unwrap();
-    profiles.create(&PostParams::default(), &p).await.expect("create gpuprofile");
-    create_cache(&c, &ns.name, "qwen14", json!({"source": "local://models/qwen14",
-        "nodeSelector": {"flexinfer.ai/gpu.arch": "gfx1100"}})).await;
+    profiles
+        .create(&PostParams::default(), &p)
+        .await
+        .expect("create gpuprofile");
+    create_cache(
+        &c,
+        &ns.name,
+        "qwen14",
+        json!({"source": "local://models/qwen14",
+        "nodeSelector": {"flexinfer.ai/gpu.arch": "gfx1100"}}),
+    )
+    .await;
 
     // no footprint reachable: ask for --params
     let o = flexinfer(&["quantize", "recommend", "qwen14", "-n", &ns.name]);
     assert_eq!(o.code, 2, "{}{}", o.stdout, o.stderr);
     assert!(o.stderr.contains("pass --params"), "{}", o.stderr);
 
-    let o = flexinfer(&["quantize", "recommend", "qwen14", "-n", &ns.name, "--params", "14B"]);
+    let o = flexinfer(&[
+        "quantize",
+        "recommend",
+        "qwen14",
+        "-n",
+        &ns.name,
+        "--params",
+        "14B",
+    ]);
     assert_eq!(o.code, 0, "{}", o.stderr);
     assert!(o.stdout.contains("GPUProfile gfx1100"), "{}", o.stdout);
     assert!(o.stdout.contains("ExLlama"), "{}", o.stdout);
     assert!(o.stdout.contains("Preview only"), "{}", o.stdout);
-    assert!(spec_quant(&c, &ns.name, "qwen14").await.is_null(), "preview must not patch");
+    assert!(
+        spec_quant(&c, &ns.name, "qwen14").await.is_null(),
+        "preview must not patch"
+    );
 
-    let o = flexinfer(&["quantize", "recommend", "qwen14", "-n", &ns.name, "--params", "14B", "--apply"]);
+    let o = flexinfer(&[
+        "quantize",
+        "recommend",
+        "qwen14",
+        "-n",
+        &ns.name,
+        "--params",
+        "14B",
+        "--apply",
+    ]);
     assert_eq!(o.code, 0, "{}", o.stderr);
     let q = spec_quant(&c, &ns.name, "qwen14").await;
     assert_eq!(q["format"], "GPTQ");

@@ -12,7 +12,12 @@ fn doc() -> String {
 }
 
 fn normalize(s: &str) -> String {
-    s.lines().map(str::trim_end).collect::<Vec<_>>().join("\n").trim().to_string()
+    s.lines()
+        .map(str::trim_end)
+        .collect::<Vec<_>>()
+        .join("\n")
+        .trim()
+        .to_string()
 }
 
 /// Blocks introduced by `<!-- help: <command path> -->` followed by a ```text fence.
@@ -24,7 +29,10 @@ fn documented() -> Vec<(String, String)> {
         rest = &rest[i + "<!-- help:".len()..];
         let end = rest.find("-->").expect("unterminated help marker");
         let path = rest[..end].trim().to_string();
-        let start = rest.find("```text\n").expect("help marker without a ```text block") + "```text\n".len();
+        let start = rest
+            .find("```text\n")
+            .expect("help marker without a ```text block")
+            + "```text\n".len();
         let body_end = rest[start..].find("\n```").expect("unterminated block") + start;
         out.push((path, rest[start..body_end].to_string()));
         rest = &rest[body_end..];
@@ -38,7 +46,11 @@ fn paths(cmd: &clap::Command, prefix: &str, out: &mut Vec<String>) {
         if sub.get_name() == "help" {
             continue;
         }
-        let p = if prefix.is_empty() { sub.get_name().to_string() } else { format!("{prefix} {}", sub.get_name()) };
+        let p = if prefix.is_empty() {
+            sub.get_name().to_string()
+        } else {
+            format!("{prefix} {}", sub.get_name())
+        };
         out.push(p.clone());
         paths(sub, &p, out);
     }
@@ -50,13 +62,21 @@ fn help_matches_docs() {
     let mut all = vec![String::new()];
     paths(&flexinfer_cli::Cli::command(), "", &mut all);
     for p in &all {
-        let shown = if p.is_empty() { "flexinfer" } else { p.as_str() };
+        let shown = if p.is_empty() {
+            "flexinfer"
+        } else {
+            p.as_str()
+        };
         let Some((_, body)) = docs.iter().find(|(d, _)| d == shown) else {
             panic!("docs/user/cli.md has no `<!-- help: {shown} -->` block");
         };
         let mut args: Vec<&str> = p.split_whitespace().collect();
         args.push("--help");
-        let o = Command::new(BIN).args(&args).env_remove("HF_ENDPOINT").output().unwrap();
+        let o = Command::new(BIN)
+            .args(&args)
+            .env_remove("HF_ENDPOINT")
+            .output()
+            .unwrap();
         assert!(o.status.success());
         let actual = String::from_utf8_lossy(&o.stdout);
         assert_eq!(
@@ -66,38 +86,90 @@ fn help_matches_docs() {
             args.join(" ")
         );
     }
-    assert_eq!(docs.len(), all.len(), "docs document commands that do not exist");
+    assert_eq!(
+        docs.len(),
+        all.len(),
+        "docs document commands that do not exist"
+    );
 }
 
 #[test]
 fn completions_generate() {
-    for (shell, needle) in [("bash", "_flexinfer()"), ("zsh", "#compdef flexinfer"), ("fish", "complete -c flexinfer")] {
-        let o = Command::new(BIN).args(["completion", shell]).output().unwrap();
+    for (shell, needle) in [
+        ("bash", "_flexinfer()"),
+        ("zsh", "#compdef flexinfer"),
+        ("fish", "complete -c flexinfer"),
+    ] {
+        let o = Command::new(BIN)
+            .args(["completion", shell])
+            .output()
+            .unwrap();
         assert!(o.status.success(), "{shell}");
         let s = String::from_utf8_lossy(&o.stdout);
         assert!(s.contains(needle), "{shell}: {}", &s[..s.len().min(200)]);
-        assert!(s.contains("validate-artifact"), "{shell} completion lacks subcommands");
+        assert!(
+            s.contains("validate-artifact"),
+            "{shell} completion lacks subcommands"
+        );
     }
 }
 
 #[test]
 fn validate_binary_exit_codes() {
     let run = |args: &[&str]| {
-        let o = Command::new(BIN).args(["quantize", "validate"]).args(args).output().unwrap();
-        (o.status.code(), String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+        let o = Command::new(BIN)
+            .args(["quantize", "validate"])
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stdout).into_owned(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
     };
     // the seed's example
-    let (code, out, _) = run(&["--format", "GGUF", "--baseline-perplexity", "9.50", "--candidate-perplexity", "10.10",
-        "--baseline-acceptance", "94", "--candidate-acceptance", "92"]);
+    let (code, out, _) = run(&[
+        "--format",
+        "GGUF",
+        "--baseline-perplexity",
+        "9.50",
+        "--candidate-perplexity",
+        "10.10",
+        "--baseline-acceptance",
+        "94",
+        "--candidate-acceptance",
+        "92",
+    ]);
     assert_eq!(code, Some(0));
     assert!(out.contains("Result: PASS"), "{out}");
-    let (code, out, _) = run(&["--format", "GPTQ", "--baseline-perplexity", "9.50", "--candidate-perplexity", "10.50",
-        "--baseline-acceptance", "0.94", "--candidate-acceptance", "0.90"]);
+    let (code, out, _) = run(&[
+        "--format",
+        "GPTQ",
+        "--baseline-perplexity",
+        "9.50",
+        "--candidate-perplexity",
+        "10.50",
+        "--baseline-acceptance",
+        "0.94",
+        "--candidate-acceptance",
+        "0.90",
+    ]);
     assert_eq!(code, Some(1));
     assert!(out.contains("Result: FAIL"), "{out}");
     assert_eq!(out.matches("\nFailure: ").count(), 2, "{out}");
-    let (code, _, err) = run(&["--format", "GPTQ", "--baseline-perplexity", "-1", "--candidate-perplexity", "10.50",
-        "--baseline-acceptance", "94", "--candidate-acceptance", "90"]);
+    let (code, _, err) = run(&[
+        "--format",
+        "GPTQ",
+        "--baseline-perplexity",
+        "-1",
+        "--candidate-perplexity",
+        "10.50",
+        "--baseline-acceptance",
+        "94",
+        "--candidate-acceptance",
+        "90",
+    ]);
     assert_eq!(code, Some(2), "{err}");
     let (code, _, err) = run(&["--format", "GPTQ"]);
     assert_eq!(code, Some(2), "missing flags are bad input: {err}");

@@ -127,110 +127,95 @@ fn main() {
         shapes = vec![(4096, 4096), (11008, 4096), (4096, 11008)];
     }
     let par = faer::get_global_parallelism();
-    println!("threads: {:?}, runs per figure: {runs} (median)", par);
-
-    // Machine rates at n = 4096.
-    let n = 4096;
-    let a = random(n, n, 1);
-    let b = random(n, n, 2);
-    let mut c = Mat::<f32>::zeros(n, n);
-    let gemm_s = median(
-        (0..runs)
-            .map(|_| {
-                let t = Instant::now();
-                matmul(c.as_mut(), Accum::Replace, a.as_ref(), b.as_ref(), 1.0, par);
-                t.elapsed().as_secs_f64()
-            })
-            .collect(),
-    );
-    let gemm_rate = 2.0 * (n as f64).powi(3) / gemm_s;
-    let mut spd = Mat::<f32>::zeros(n, n);
-    matmul(
-        spd.as_mut(),
-        Accum::Replace,
-        a.as_ref(),
-        a.transpose(),
-        1.0 / n as f32,
-        par,
-    );
-    for i in 0..n {
-        spd[(i, i)] += 1.0;
-    }
-    let chol_s = median(
-        (0..runs)
-            .map(|_| {
-                let t = Instant::now();
-                let l = spd.llt(Side::Lower);
-                let dt = t.elapsed().as_secs_f64();
-                assert!(l.is_ok());
-                dt
-            })
-            .collect(),
-    );
-    let chol_rate = (n as f64).powi(3) / 3.0 / chol_s;
-    println!(
-        "faer f32 GEMM {n}: {gemm_s:.3} s = {:.1} GFLOP/s",
-        gemm_rate / 1e9
-    );
-    println!(
-        "faer f32 Cholesky {n}: {chol_s:.3} s = {:.1} GFLOP/s",
-        chol_rate / 1e9
-    );
-    drop((a, b, c, spd));
-
+    println!("threads: {par:?}, runs per shape: {runs}; each run measures GEMM/Cholesky rate right before its solve");
     let tokens = 2048;
     let backend = CpuBackend::default();
-    let params = GptqParams {
-        bits: 4,
-        group_size: 128,
-        ..Default::default()
-    };
+    let params = GptqParams { bits: 4, group_size: 128, ..Default::default() };
     let recovery = RecoveryParams::default();
-    println!("| module (out x in) | Hessian 2048 tok | bound | ratio | solve (factor + sweep) | bound | ratio |");
-    println!("|---|---|---|---|---|---|---|");
+    let probe = rate_probe(par);
+    println!("| module (out x in) | GEMM GF/s | Cholesky GF/s | Hessian 2048 tok | ratio to bound | solve (factor + sweep) | of which factor | ratio to bound |");
+    println!("|---|---|---|---|---|---|---|---|");
     for (rows, cols) in shapes {
         // Correlated activations: a low-rank signal plus noise, like real hidden states.
         let latent = random(tokens, 64, 3);
         let mix = random(64, cols, 4);
         let mut x = random(tokens, cols, 5);
-        matmul(
-            x.as_mut(),
-            Accum::Add,
-            latent.as_ref(),
-            mix.as_ref(),
-            1.0,
-            par,
-        );
+        matmul(x.as_mut(), Accum::Add, latent.as_ref(), mix.as_ref(), 1.0, par);
         let w = random(rows, cols, 6) * faer::Scale(0.02);
-        let mut hess = Vec::new();
-        let mut solve = Vec::new();
+        let (mut gemm, mut chol, mut hess, mut hratio, mut solve, mut factor_t, mut sratio) =
+            (vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
+        let (nf, rf, tf) = (cols as f64, rows as f64, tokens as f64);
         for _ in 0..runs {
+            let (gemm_rate, chol_rate) = probe.measure();
             let t = Instant::now();
             let mut h = Mat::<f32>::zeros(cols, cols);
             backend.accumulate_hessian(h.as_mut(), x.as_ref(), 2.0 / tokens as f32);
             backend.finish_hessian(h.as_mut());
-            hess.push(t.elapsed().as_secs_f64());
+            let ht = t.elapsed().as_secs_f64();
             let t = Instant::now();
-            let FactorOutcome::Factor(f) =
-                prepare_factor(&backend, h, false, &recovery, "bench", &NullSink)
-            else {
+            let FactorOutcome::Factor(f) = prepare_factor(&backend, h, false, &recovery, "bench", &NullSink) else {
                 panic!("factorisation failed")
             };
+            let ft = t.elapsed().as_secs_f64();
             let q = gptq_quantize(&backend, &w, &f, &params);
-            solve.push(t.elapsed().as_secs_f64());
+            let st = t.elapsed().as_secs_f64();
             assert_eq!(q.codes.len(), rows * cols);
+            // Hessian: the symmetric product needs T·n² flops (SYRK). Solve: Cholesky n³/3 at the Cholesky rate,
+            // triangular inverse n³/3 and the block updates rows·n² at the GEMM rate.
+            let hess_bound = tf * nf * nf / gemm_rate;
+            let solve_bound = nf.powi(3) / 3.0 / chol_rate + (nf.powi(3) / 3.0 + rf * nf * nf) / gemm_rate;
+            gemm.push(gemm_rate / 1e9);
+            chol.push(chol_rate / 1e9);
+            hess.push(ht);
+            hratio.push(ht / hess_bound);
+            solve.push(st);
+            factor_t.push(ft);
+            sratio.push(st / solve_bound);
         }
-        let (nf, rf, tf) = (cols as f64, rows as f64, tokens as f64);
-        // Hessian: the symmetric product needs T·n² flops (SYRK); solve: Cholesky n³/3 at the Cholesky rate,
-        // triangular inverse n³/3 and the block updates rows·n² at the GEMM rate.
-        let hess_bound = tf * nf * nf / gemm_rate;
-        let solve_bound =
-            nf.powi(3) / 3.0 / chol_rate + (nf.powi(3) / 3.0 + rf * nf * nf) / gemm_rate;
-        let (h, s) = (median(hess), median(solve));
         println!(
-            "| {rows} x {cols} | {h:.2} s | {hess_bound:.2} s | {:.2} | {s:.2} s | {solve_bound:.2} s | {:.2} |",
-            h / hess_bound,
-            s / solve_bound
+            "| {rows} x {cols} | {:.0} | {:.0} | {:.2} s | {:.2} | {:.2} s | {:.2} s | {:.2} |",
+            median(gemm),
+            median(chol),
+            median(hess),
+            median(hratio),
+            median(solve),
+            median(factor_t),
+            median(sratio)
         );
+    }
+}
+
+/// GEMM and Cholesky rate at n = 4096 (f32, all threads), measured on demand.
+struct RateProbe {
+    a: Mat<f32>,
+    b: Mat<f32>,
+    spd: Mat<f32>,
+    par: faer::Par,
+}
+
+fn rate_probe(par: faer::Par) -> RateProbe {
+    let n = 4096;
+    let a = random(n, n, 1);
+    let b = random(n, n, 2);
+    let mut spd = Mat::<f32>::zeros(n, n);
+    matmul(spd.as_mut(), Accum::Replace, a.as_ref(), a.transpose(), 1.0 / n as f32, par);
+    for i in 0..n {
+        spd[(i, i)] += 1.0;
+    }
+    RateProbe { a, b, spd, par }
+}
+
+impl RateProbe {
+    fn measure(&self) -> (f64, f64) {
+        let n = self.a.nrows() as f64;
+        let mut c = Mat::<f32>::zeros(self.a.nrows(), self.a.nrows());
+        let t = Instant::now();
+        matmul(c.as_mut(), Accum::Replace, self.a.as_ref(), self.b.as_ref(), 1.0, self.par);
+        let gemm = 2.0 * n.powi(3) / t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let ok = self.spd.llt(Side::Lower).is_ok();
+        let chol = n.powi(3) / 3.0 / t.elapsed().as_secs_f64();
+        assert!(ok);
+        (gemm, chol)
     }
 }

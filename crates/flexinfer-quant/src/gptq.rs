@@ -7,6 +7,17 @@ use crate::quantizer::{dequantize, find_params, maxq, quantize_code, GroupParams
 use faer::Mat;
 use serde::{Deserialize, Serialize};
 
+/// Columns per outer block of the two-level sweep (rounded up to a multiple of the block and group size).
+pub const OUTER_BLOCK: usize = 1024;
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
 /// How a module was quantized.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -113,12 +124,23 @@ pub fn gptq_quantize(
     }
 
     let bs = p.block_size;
-    let mut i1 = 0;
-    while i1 < cols {
-        let i2 = (i1 + bs).min(cols);
+    // Two-level lazy batching: inner blocks of `bs` columns (the reference's semantics, including where group
+    // parameters are read), and the update of the columns beyond an outer block deferred to one wide GEMM.
+    // Columns inside the outer block get every inner update before their block starts, and an outer block is a
+    // multiple of the group size, so each group still sees W exactly as the single-level sweep would.
+    let lcm = |a: usize, b: usize| a / gcd(a, b) * b;
+    let unit = if p.group_size > 0 && !p.static_groups { lcm(bs, gs) } else { bs };
+    let outer = unit * OUTER_BLOCK.div_ceil(unit).max(1);
+    let mut o1 = 0;
+    while o1 < cols {
+        let o2 = (o1 + outer).min(cols);
+        let mut err_outer = Mat::<f32>::zeros(rows, o2 - o1);
+        let mut i1 = o1;
+        while i1 < o2 {
+        let i2 = (i1 + bs).min(o2);
         let count = i2 - i1;
         let mut w1 = w.subcols(i1, count).to_owned();
-        let mut err1 = Mat::<f32>::zeros(rows, count);
+        let mut err1 = err_outer.subcols_mut(i1 - o1, count);
         for i in 0..count {
             let k = i1 + i;
             let orig = perm[k];
@@ -143,40 +165,53 @@ pub fn gptq_quantize(
             g_idx[orig] = group_of_k as i32;
             let Some(gp) = current.as_ref() else { continue };
             let d = u[(k, k)];
+            let mut sq = 0.0f64;
             {
                 let wcol = w1.col_as_slice(i);
-                let ecol = err1.col_as_slice_mut(i);
+                let mut ecol = err1.as_mut().col_mut(i);
                 let out = &mut codes[orig * rows..(orig + 1) * rows];
                 for r in 0..rows {
                     let x = wcol[r];
                     let q = quantize_code(x, gp.scale[r], gp.zero[r], maxq);
                     out[r] = q as u8;
                     let diff = x - dequantize(q, gp.scale[r], gp.zero[r]);
-                    loss += (diff as f64 * diff as f64) / (d as f64 * d as f64) / 2.0;
+                    sq += (diff * diff) as f64;
                     ecol[r] = diff / d;
                 }
             }
+            loss += sq / (d as f64 * d as f64) / 2.0;
             // Rank-1 update of the remaining block columns.
+            let ecol = err1.as_ref().col(i);
+            let Some(left) = ecol.try_as_col_major() else { continue };
+            let left = left.as_slice();
             for j in i + 1..count {
                 let coef = u[(k, i1 + j)];
                 if coef == 0.0 {
                     continue;
                 }
-                let left = err1.col_as_slice(i);
                 let right = w1.col_as_slice_mut(j);
                 for (wv, ev) in right.iter_mut().zip(left) {
                     *wv -= ev * coef;
                 }
             }
         }
-        if i2 < cols {
+        if i2 < o2 {
             backend.block_update(
-                w.subcols_mut(i2, cols - i2),
+                w.subcols_mut(i2, o2 - i2),
                 err1.as_ref(),
-                u.submatrix(i1, i2, count, cols - i2),
+                u.submatrix(i1, i2, count, o2 - i2),
             );
         }
         i1 = i2;
+        }
+        if o2 < cols {
+            backend.block_update(
+                w.subcols_mut(o2, cols - o2),
+                err_outer.as_ref(),
+                u.submatrix(o1, o2, o2 - o1, cols - o2),
+            );
+        }
+        o1 = o2;
     }
     if p.static_groups && p.group_size > 0 {
         for (c, gi) in g_idx.iter_mut().enumerate() {

@@ -296,6 +296,19 @@ fn matches_unblocked_reference_across_settings() {
 }
 
 #[test]
+fn two_level_sweep_matches_reference_beyond_one_outer_block() {
+    // More input columns than one outer block (1024), so the deferred wide update is exercised.
+    check_case(
+        200,
+        16,
+        1280,
+        true,
+        GptqParams { bits: 4, group_size: 32, desc_act: true, ..Default::default() },
+    );
+    check_case(201, 16, 1280, false, GptqParams { bits: 4, group_size: 128, ..Default::default() });
+}
+
+#[test]
 fn desc_act_g_idx_is_a_permutation_of_groups() {
     let p = GptqParams {
         bits: 4,

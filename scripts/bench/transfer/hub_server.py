@@ -125,6 +125,7 @@ class H(BaseHTTPRequestHandler):
 
 class Server(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 256  # parallel range readers open many connections at once
 
     def handle_error(self, request, client_address):
         pass  # clients closing connections early (parallel range readers) are not errors here
