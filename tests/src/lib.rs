@@ -92,7 +92,9 @@ pub async fn resource_for(
     client: &Client,
     obj: &serde_json::Value,
 ) -> Result<(ApiResource, ApiCapabilities)> {
-    let api_version = obj["apiVersion"].as_str().context("object without apiVersion")?;
+    let api_version = obj["apiVersion"]
+        .as_str()
+        .context("object without apiVersion")?;
     let kind = obj["kind"].as_str().context("object without kind")?;
     let (group, version) = match api_version.split_once('/') {
         Some((g, v)) => (g.to_string(), v.to_string()),
@@ -106,7 +108,12 @@ pub async fn resource_for(
     }
 }
 
-fn dyn_api(client: &Client, ar: &ApiResource, caps: &ApiCapabilities, ns: Option<&str>) -> Api<DynamicObject> {
+fn dyn_api(
+    client: &Client,
+    ar: &ApiResource,
+    caps: &ApiCapabilities,
+    ns: Option<&str>,
+) -> Api<DynamicObject> {
     match (caps.scope.clone(), ns) {
         (Scope::Namespaced, Some(ns)) => Api::namespaced_with(client.clone(), ns, ar),
         (Scope::Namespaced, None) => Api::default_namespaced_with(client.clone(), ar),
@@ -128,7 +135,10 @@ pub async fn apply(
     if let Some(ns) = ns {
         obj["metadata"]["namespace"] = serde_json::Value::String(ns.to_string());
     }
-    let name = obj["metadata"]["name"].as_str().unwrap_or_default().to_string();
+    let name = obj["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
     let ns_eff = obj["metadata"]["namespace"].as_str().map(|s| s.to_string());
     let api = dyn_api(client, &ar, &caps, ns_eff.as_deref());
     let mut pp = PatchParams::apply("flexinfer-e2e").force();

@@ -31,17 +31,21 @@ async fn install_crds(c: &kube::Client) {
         "models.ai.flexinfer",
         "gpuprofiles.ai.flexinfer",
     ] {
-        wait_for(&format!("CRD {name} Established"), Duration::from_secs(30), || {
-            let crds = crds.clone();
-            async move {
-                let crd = crds.get(name).await.ok()?;
-                crd.status?
-                    .conditions?
-                    .iter()
-                    .any(|c| c.type_ == "Established" && c.status == "True")
-                    .then_some(())
-            }
-        })
+        wait_for(
+            &format!("CRD {name} Established"),
+            Duration::from_secs(30),
+            || {
+                let crds = crds.clone();
+                async move {
+                    let crd = crds.get(name).await.ok()?;
+                    crd.status?
+                        .conditions?
+                        .iter()
+                        .any(|c| c.type_ == "Established" && c.status == "True")
+                        .then_some(())
+                }
+            },
+        )
         .await
         .expect("CRD becomes Established");
     }
@@ -56,15 +60,33 @@ async fn crds_install_and_explain_shows_ranges() {
         .output()
         .expect("run kubectl explain");
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "kubectl explain failed: {}", String::from_utf8_lossy(&out.stderr));
-    for needle in ["maxSeqLen", "128–32768", "maxSamples", "8–2048", "nParallelCalibSamples", "1–256", "dataset"] {
-        assert!(text.contains(needle), "kubectl explain lacks {needle:?}:\n{text}");
+    assert!(
+        out.status.success(),
+        "kubectl explain failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for needle in [
+        "maxSeqLen",
+        "128–32768",
+        "maxSamples",
+        "8–2048",
+        "nParallelCalibSamples",
+        "1–256",
+        "dataset",
+    ] {
+        assert!(
+            text.contains(needle),
+            "kubectl explain lacks {needle:?}:\n{text}"
+        );
     }
     let out = std::process::Command::new("kubectl")
         .args(["explain", "model.spec.gpu.priority"])
         .output()
         .expect("run kubectl explain");
-    assert!(out.status.success(), "short name resolution for Model failed");
+    assert!(
+        out.status.success(),
+        "short name resolution for Model failed"
+    );
 }
 
 #[tokio::test]
@@ -84,7 +106,10 @@ async fn every_example_passes_server_side_dry_run() {
         let text = std::fs::read_to_string(p).expect("read example");
         for doc in yaml_docs(&text).expect("parse example") {
             let kind = doc["kind"].as_str().unwrap_or_default().to_string();
-            let name = doc["metadata"]["name"].as_str().unwrap_or_default().to_string();
+            let name = doc["metadata"]["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
             let target_ns = (kind != "Namespace").then_some(ns.name.as_str());
             apply(&c, &doc, target_ns, true)
                 .await
@@ -104,7 +129,10 @@ async fn every_example_passes_server_side_dry_run() {
         "GPUProfile/gfx906",
         "GPUProfile/sm-89",
     ] {
-        assert!(kinds.iter().any(|k| k == want), "deploy/examples lacks {want}: {kinds:?}");
+        assert!(
+            kinds.iter().any(|k| k == want),
+            "deploy/examples lacks {want}: {kinds:?}"
+        );
     }
 }
 
@@ -119,7 +147,11 @@ async fn invalid_manifests_are_rejected_naming_the_field() {
         .filter_map(|e| e.ok().map(|e| e.path()))
         .collect();
     files.sort();
-    assert!(files.len() >= 25, "need at least 25 invalid manifests, have {}", files.len());
+    assert!(
+        files.len() >= 25,
+        "need at least 25 invalid manifests, have {}",
+        files.len()
+    );
     let mut failures = Vec::new();
     for p in &files {
         let text = std::fs::read_to_string(p).expect("read");
@@ -162,7 +194,9 @@ async fn server_applies_documented_defaults() {
                  "abliteration": {},
                  "publish": {"ociRef": "registry.example.com/m"}}
     });
-    apply(&c, &doc, Some(&ns.name), false).await.expect("create");
+    apply(&c, &doc, Some(&ns.name), false)
+        .await
+        .expect("create");
     let api: Api<ModelCache> = Api::namespaced(c.clone(), &ns.name);
     let mc = api.get("defaults").await.expect("get");
     let s = &mc.spec;

@@ -75,7 +75,6 @@ pub fn remove(conditions: &mut Vec<Condition>, type_: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    
 
     fn t(s: i64) -> Time {
         Time(k8s_openapi::jiff::Timestamp::from_second(s).unwrap_or_default())

@@ -418,6 +418,11 @@ pub struct TerminationSuccess {
     pub refusal_dir_norm: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layer: Option<u64>,
+    /// Abliteration: perplexity on harmless text before and after.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub perplexity_before: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub perplexity_after: Option<f64>,
 }
 
 /// Failure termination message.
@@ -460,7 +465,9 @@ pub fn encode_termination<T: Serialize>(msg: &T) -> String {
         f.error = tail_chars(&f.error, budget / 2);
         return serde_json::to_string(&f).unwrap_or_else(|_| "{}".to_string());
     }
-    s.chars().take(files::TERMINATION_MESSAGE_MAX_BYTES).collect()
+    s.chars()
+        .take(files::TERMINATION_MESSAGE_MAX_BYTES)
+        .collect()
 }
 
 fn tail_chars(s: &str, max_bytes: usize) -> String {
@@ -587,7 +594,11 @@ mod tests {
             tail: "y".repeat(10_000),
         };
         let s = encode_termination(&f);
-        assert!(s.len() <= files::TERMINATION_MESSAGE_MAX_BYTES, "{}", s.len());
+        assert!(
+            s.len() <= files::TERMINATION_MESSAGE_MAX_BYTES,
+            "{}",
+            s.len()
+        );
         match TerminationMessage::parse(&s) {
             Some(TerminationMessage::Failure(back)) => assert_eq!(back.exit_code, 2),
             other => panic!("expected failure, got {other:?}"),

@@ -55,12 +55,20 @@ pub struct GPUProfileSpec {
     pub env: Vec<EnvVar>,
 
     /// Default container memory (GiB) for serving pods on these nodes.
-    #[serde(default, rename = "containerMemoryGB", skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        rename = "containerMemoryGB",
+        skip_serializing_if = "Option::is_none"
+    )]
     #[schemars(range(min = 1, max = 2048))]
     pub container_memory_gb: Option<i32>,
 
     /// Driver memory outside the cgroup (ROCm GTT), added to Job memory request and limit.
-    #[serde(default, rename = "gpuDriverMemoryMB", skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        rename = "gpuDriverMemoryMB",
+        skip_serializing_if = "Option::is_none"
+    )]
     #[schemars(range(min = 0, max = 1048576))]
     pub gpu_driver_memory_mb: Option<i64>,
 

@@ -46,7 +46,10 @@ fn crds_carry_names_short_names_and_status() {
     for (_, c) in &all {
         let v = &c.spec.versions[0];
         assert!(
-            v.subresources.as_ref().and_then(|s| s.status.as_ref()).is_some(),
+            v.subresources
+                .as_ref()
+                .and_then(|s| s.status.as_ref())
+                .is_some(),
             "{} has no status subresource",
             c.spec.names.kind
         );

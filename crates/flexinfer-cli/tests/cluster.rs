@@ -288,7 +288,13 @@ async fn quantize_status_shows_requested_applied_job_progress_and_quality() {
     .await;
     let job: Job = serde_json::from_value(json!({
         "metadata": {"name": "qwen-quantize", "namespace": ns.name},
-        "spec": {"template": {"spec": {"restartPolicy": "Never", "containers": [{"name": "w", "image": "busybox"}]}}}
+        "spec": {
+            // Not the built-in Job controller's: under `make test` (cluster mode) it would
+            // otherwise rewrite the status this test sets.
+            "managedBy": "flexinfer.ai/cli-test",
+            "template": {"spec": {"restartPolicy": "Never",
+                "nodeSelector": {"flexinfer.ai/none": "none"},
+                "containers": [{"name": "w", "image": "busybox"}]}}}
     }))
     .unwrap();
     let jobs: Api<Job> = Api::namespaced(c.clone(), &ns.name);
@@ -517,4 +523,74 @@ async fn recommend_uses_the_gpu_profile_and_applies() {
     assert_eq!(q["maxMemoryGB"], 56);
     assert_eq!(q["calibration"]["nParallelCalibSamples"], 32);
     assert_eq!(q["calibration"]["maxSeqLen"], 4096);
+}
+
+/// Without `--params`, the parameter count comes from the hub metadata of an HF source.
+#[tokio::test]
+async fn recommend_reads_hub_metadata() {
+    use std::io::{Read, Write};
+    let c = client().await;
+    let ns = Ns::new(&c, "cli-hub").await;
+    create_cache(
+        &c,
+        &ns.name,
+        "qwen",
+        json!({"source": "HF://Qwen/Qwen3-14B",
+        "nodeSelector": {"flexinfer.ai/gpu.arch": "gfx906"}}),
+    )
+    .await;
+    // A profile in the test's namespace wins over any other namespace's (shared control plane).
+    let profiles: Api<DynamicObject> = Api::namespaced_with(
+        c.clone(),
+        &ns.name,
+        &ar("GPUProfile", "gpuprofiles", "v1alpha2"),
+    );
+    let p: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "ai.flexinfer/v1alpha2", "kind": "GPUProfile",
+        "metadata": {"name": "gfx906", "namespace": ns.name},
+        "spec": {"architecture": "gfx906", "vendor": "amd", "vramMB": 16384}
+    }))
+    .unwrap();
+    profiles
+        .create(&PostParams::default(), &p)
+        .await
+        .expect("create gpuprofile");
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut buf = [0u8; 4096];
+        let n = s.read(&mut buf).unwrap();
+        let body = r#"{"id":"Qwen/Qwen3-14B","safetensors":{"total":14768307200},"config":{"model_type":"qwen3"}}"#;
+        write!(s, "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}", body.len()).unwrap();
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    });
+    let endpoint = format!("http://{addr}");
+    let o = flexinfer(&[
+        "quantize",
+        "recommend",
+        "qwen",
+        "-n",
+        &ns.name,
+        "--hub-endpoint",
+        &endpoint,
+        "-o",
+        "json",
+    ]);
+    let req = server.join().unwrap();
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    assert!(req.starts_with("GET /api/models/Qwen/Qwen3-14B "), "{req}");
+    let v: Value = serde_json::from_str(&o.stdout).unwrap();
+    let reasons = v["reasons"].to_string();
+    assert!(
+        reasons.contains("14.8B parameters (hub metadata of Qwen/Qwen3-14B"),
+        "{reasons}"
+    );
+    // gfx906 (16 GB) moves 14B to the 27B calibration recipe
+    assert!(
+        reasons.contains("gfx906, 16 GB VRAM (GPUProfile gfx906)"),
+        "{reasons}"
+    );
+    assert_eq!(v["calibration"]["maxSeqLen"], 2048);
+    assert_eq!(v["maxMemoryGB"], 56);
 }

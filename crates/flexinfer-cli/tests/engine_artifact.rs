@@ -59,12 +59,25 @@ fn engine_output_passes_and_corruption_is_found() {
         .expect("engine quantizes the test model");
         let dir = outcome.output_dir;
         let o = Command::new(BIN)
-            .args(["quantize", "validate-artifact", "--layout", "vllm-gptq", "--family", "llama", "--path"])
+            .args([
+                "quantize",
+                "validate-artifact",
+                "--layout",
+                "vllm-gptq",
+                "--family",
+                "llama",
+                "--path",
+            ])
             .arg(&dir)
             .output()
             .unwrap();
         let text = String::from_utf8_lossy(&o.stdout);
-        assert_eq!(o.status.code(), Some(0), "w{bits} g{gs}: {text}{}", String::from_utf8_lossy(&o.stderr));
+        assert_eq!(
+            o.status.code(),
+            Some(0),
+            "w{bits} g{gs}: {text}{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
         assert!(text.starts_with("OK: "), "{text}");
 
         // flip one byte of the last shard: sha256 no longer matches .save-complete
@@ -88,8 +101,12 @@ fn engine_output_passes_and_corruption_is_found() {
         let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         assert_eq!(v["ok"], false);
         assert!(
-            v["defects"].as_array().unwrap().iter().any(|d| d["check"] == "save-complete"
-                && d["message"].as_str().unwrap_or("").contains("sha256")),
+            v["defects"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|d| d["check"] == "save-complete"
+                    && d["message"].as_str().unwrap_or("").contains("sha256")),
             "{v}"
         );
     }

@@ -100,3 +100,57 @@ pub async fn serve(
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probes_and_metrics() {
+        let h = Health::default();
+        assert_eq!(respond("/healthz", None, &h).0, 200);
+        assert_eq!(respond("/readyz", None, &h).0, 503);
+        h.set_ready(true);
+        assert_eq!(respond("/readyz", None, &h).0, 200);
+        assert_eq!(
+            respond("/metrics", None, &h).0,
+            404,
+            "probe port serves no metrics"
+        );
+        let m = Metrics::new().expect("metrics");
+        m.reconcile_errors_total
+            .with_label_values(&["modelcache"])
+            .inc();
+        let (code, ctype, body) = respond("/metrics", Some(&m), &h);
+        assert_eq!(code, 200);
+        assert!(ctype.starts_with("text/plain"));
+        assert!(body.contains("flexinfer_reconcile_errors_total{controller=\"modelcache\"} 1"));
+        assert_eq!(
+            respond("/healthz", Some(&m), &h).0,
+            404,
+            "metrics port serves no probes"
+        );
+    }
+
+    #[tokio::test]
+    async fn serves_over_tcp() {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = probe.local_addr().expect("addr");
+        drop(probe);
+        let h = Health::default();
+        tokio::spawn(serve(addr, None, h));
+        let mut body = String::new();
+        for _ in 0..50 {
+            if let Ok(mut s) = tokio::net::TcpStream::connect(addr).await {
+                s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                    .await
+                    .expect("write");
+                s.read_to_string(&mut body).await.expect("read");
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        assert!(body.starts_with("HTTP/1.1 200 OK"), "{body}");
+        assert!(body.ends_with("ok\n"));
+    }
+}

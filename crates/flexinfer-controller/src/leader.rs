@@ -155,3 +155,22 @@ impl Leadership {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lease_expiry() {
+        let now = Timestamp::from_second(1_000_000).unwrap_or_default();
+        let at = |s: i64| Some(MicroTime(Timestamp::from_second(s).unwrap_or_default()));
+        let spec = |renew, dur| LeaseSpec {
+            renew_time: renew,
+            lease_duration_seconds: Some(dur),
+            ..Default::default()
+        };
+        assert!(!expired(&spec(at(999_990), 15), now));
+        assert!(expired(&spec(at(999_980), 15), now));
+        assert!(expired(&spec(None, 15), now), "never renewed = free");
+    }
+}

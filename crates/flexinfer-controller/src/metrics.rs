@@ -48,23 +48,38 @@ impl Metrics {
         let mn = ["model", "namespace"];
         let m = Metrics {
             job_progress_percent: GaugeVec::new(
-                opts!("flexinfer_job_progress_percent", "Progress of the running pipeline Job (0-100)"),
+                opts!(
+                    "flexinfer_job_progress_percent",
+                    "Progress of the running pipeline Job (0-100)"
+                ),
                 &mj,
             )?,
             quantization_layer_index: IntGaugeVec::new(
-                opts!("flexinfer_quantization_layer_index", "Decoder layer the quantizer is working on"),
+                opts!(
+                    "flexinfer_quantization_layer_index",
+                    "Decoder layer the quantizer is working on"
+                ),
                 &mn,
             )?,
             quantization_layer_total: IntGaugeVec::new(
-                opts!("flexinfer_quantization_layer_total", "Decoder layers of the model being quantized"),
+                opts!(
+                    "flexinfer_quantization_layer_total",
+                    "Decoder layers of the model being quantized"
+                ),
                 &mn,
             )?,
             job_deadline_seconds: GaugeVec::new(
-                opts!("flexinfer_job_deadline_seconds", "activeDeadlineSeconds of the running pipeline Job"),
+                opts!(
+                    "flexinfer_job_deadline_seconds",
+                    "activeDeadlineSeconds of the running pipeline Job"
+                ),
                 &mj,
             )?,
             job_elapsed_seconds: GaugeVec::new(
-                opts!("flexinfer_job_elapsed_seconds", "Seconds since the running pipeline Job started"),
+                opts!(
+                    "flexinfer_job_elapsed_seconds",
+                    "Seconds since the running pipeline Job started"
+                ),
                 &mj,
             )?,
             quantization_last_progress_timestamp: GaugeVec::new(
@@ -75,35 +90,56 @@ impl Metrics {
                 &mn,
             )?,
             quantization_jobs_total: IntCounterVec::new(
-                opts!("flexinfer_quantization_jobs_total", "Finished quantization Jobs by outcome"),
+                opts!(
+                    "flexinfer_quantization_jobs_total",
+                    "Finished quantization Jobs by outcome"
+                ),
                 &["model", "namespace", "status"],
             )?,
             quantization_duration_seconds: HistogramVec::new(
                 histogram_opts!(
                     "flexinfer_quantization_duration_seconds",
                     "Wall time of successful quantization runs",
-                    vec![60.0, 300.0, 900.0, 1800.0, 3600.0, 7200.0, 14400.0, 28800.0, 57600.0, 86400.0, 172800.0]
+                    vec![
+                        60.0, 300.0, 900.0, 1800.0, 3600.0, 7200.0, 14400.0, 28800.0, 57600.0,
+                        86400.0, 172800.0
+                    ]
                 ),
                 &mn,
             )?,
             quantization_compression_ratio: GaugeVec::new(
-                opts!("flexinfer_quantization_compression_ratio", "Original size / quantized size"),
+                opts!(
+                    "flexinfer_quantization_compression_ratio",
+                    "Original size / quantized size"
+                ),
                 &mn,
             )?,
             model_cache_failures_total: IntCounterVec::new(
-                opts!("flexinfer_model_cache_failures_total", "Pipeline phase failures by reason"),
+                opts!(
+                    "flexinfer_model_cache_failures_total",
+                    "Pipeline phase failures by reason"
+                ),
                 &["model", "namespace", "reason"],
             )?,
             modelcache_phase: IntGaugeVec::new(
-                opts!("flexinfer_modelcache_phase", "Current phase of each ModelCache (1 = current)"),
+                opts!(
+                    "flexinfer_modelcache_phase",
+                    "Current phase of each ModelCache (1 = current)"
+                ),
                 &["cache", "namespace", "phase"],
             )?,
             model_phase: IntGaugeVec::new(
-                opts!("flexinfer_model_phase", "Current phase of each Model (1 = current)"),
+                opts!(
+                    "flexinfer_model_phase",
+                    "Current phase of each Model (1 = current)"
+                ),
                 &["model", "namespace", "phase"],
             )?,
             model_phase_transitions_total: IntCounterVec::new(
-                opts!("flexinfer_model_phase_transitions_total", "Model phase transitions"),
+                opts!(
+                    "flexinfer_model_phase_transitions_total",
+                    "Model phase transitions"
+                ),
                 &["model", "namespace", "from", "to"],
             )?,
             reconcile_duration_seconds: HistogramVec::new(
@@ -120,21 +156,34 @@ impl Metrics {
             )?,
             registry,
         };
-        m.registry.register(Box::new(m.job_progress_percent.clone()))?;
-        m.registry.register(Box::new(m.quantization_layer_index.clone()))?;
-        m.registry.register(Box::new(m.quantization_layer_total.clone()))?;
-        m.registry.register(Box::new(m.job_deadline_seconds.clone()))?;
-        m.registry.register(Box::new(m.job_elapsed_seconds.clone()))?;
-        m.registry.register(Box::new(m.quantization_last_progress_timestamp.clone()))?;
-        m.registry.register(Box::new(m.quantization_jobs_total.clone()))?;
-        m.registry.register(Box::new(m.quantization_duration_seconds.clone()))?;
-        m.registry.register(Box::new(m.quantization_compression_ratio.clone()))?;
-        m.registry.register(Box::new(m.model_cache_failures_total.clone()))?;
+        m.registry
+            .register(Box::new(m.job_progress_percent.clone()))?;
+        m.registry
+            .register(Box::new(m.quantization_layer_index.clone()))?;
+        m.registry
+            .register(Box::new(m.quantization_layer_total.clone()))?;
+        m.registry
+            .register(Box::new(m.job_deadline_seconds.clone()))?;
+        m.registry
+            .register(Box::new(m.job_elapsed_seconds.clone()))?;
+        m.registry
+            .register(Box::new(m.quantization_last_progress_timestamp.clone()))?;
+        m.registry
+            .register(Box::new(m.quantization_jobs_total.clone()))?;
+        m.registry
+            .register(Box::new(m.quantization_duration_seconds.clone()))?;
+        m.registry
+            .register(Box::new(m.quantization_compression_ratio.clone()))?;
+        m.registry
+            .register(Box::new(m.model_cache_failures_total.clone()))?;
         m.registry.register(Box::new(m.modelcache_phase.clone()))?;
         m.registry.register(Box::new(m.model_phase.clone()))?;
-        m.registry.register(Box::new(m.model_phase_transitions_total.clone()))?;
-        m.registry.register(Box::new(m.reconcile_duration_seconds.clone()))?;
-        m.registry.register(Box::new(m.reconcile_errors_total.clone()))?;
+        m.registry
+            .register(Box::new(m.model_phase_transitions_total.clone()))?;
+        m.registry
+            .register(Box::new(m.reconcile_duration_seconds.clone()))?;
+        m.registry
+            .register(Box::new(m.reconcile_errors_total.clone()))?;
         Ok(m)
     }
 

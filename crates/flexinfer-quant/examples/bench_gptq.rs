@@ -130,7 +130,11 @@ fn main() {
     println!("threads: {par:?}, runs per shape: {runs}; each run measures GEMM/Cholesky rate right before its solve");
     let tokens = 2048;
     let backend = CpuBackend::default();
-    let params = GptqParams { bits: 4, group_size: 128, ..Default::default() };
+    let params = GptqParams {
+        bits: 4,
+        group_size: 128,
+        ..Default::default()
+    };
     let recovery = RecoveryParams::default();
     let probe = rate_probe(par);
     println!("| module (out x in) | GEMM GF/s | Cholesky GF/s | Hessian 2048 tok | ratio to bound | solve (factor + sweep) | of which factor | ratio to bound |");
@@ -140,7 +144,14 @@ fn main() {
         let latent = random(tokens, 64, 3);
         let mix = random(64, cols, 4);
         let mut x = random(tokens, cols, 5);
-        matmul(x.as_mut(), Accum::Add, latent.as_ref(), mix.as_ref(), 1.0, par);
+        matmul(
+            x.as_mut(),
+            Accum::Add,
+            latent.as_ref(),
+            mix.as_ref(),
+            1.0,
+            par,
+        );
         let w = random(rows, cols, 6) * faer::Scale(0.02);
         let (mut gemm, mut chol, mut hess, mut hratio, mut solve, mut factor_t, mut sratio) =
             (vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
@@ -153,7 +164,9 @@ fn main() {
             backend.finish_hessian(h.as_mut());
             let ht = t.elapsed().as_secs_f64();
             let t = Instant::now();
-            let FactorOutcome::Factor(f) = prepare_factor(&backend, h, false, &recovery, "bench", &NullSink) else {
+            let FactorOutcome::Factor(f) =
+                prepare_factor(&backend, h, false, &recovery, "bench", &NullSink)
+            else {
                 panic!("factorisation failed")
             };
             let ft = t.elapsed().as_secs_f64();
@@ -163,7 +176,8 @@ fn main() {
             // Hessian: the symmetric product needs T·n² flops (SYRK). Solve: Cholesky n³/3 at the Cholesky rate,
             // triangular inverse n³/3 and the block updates rows·n² at the GEMM rate.
             let hess_bound = tf * nf * nf / gemm_rate;
-            let solve_bound = nf.powi(3) / 3.0 / chol_rate + (nf.powi(3) / 3.0 + rf * nf * nf) / gemm_rate;
+            let solve_bound =
+                nf.powi(3) / 3.0 / chol_rate + (nf.powi(3) / 3.0 + rf * nf * nf) / gemm_rate;
             gemm.push(gemm_rate / 1e9);
             chol.push(chol_rate / 1e9);
             hess.push(ht);
@@ -198,7 +212,14 @@ fn rate_probe(par: faer::Par) -> RateProbe {
     let a = random(n, n, 1);
     let b = random(n, n, 2);
     let mut spd = Mat::<f32>::zeros(n, n);
-    matmul(spd.as_mut(), Accum::Replace, a.as_ref(), a.transpose(), 1.0 / n as f32, par);
+    matmul(
+        spd.as_mut(),
+        Accum::Replace,
+        a.as_ref(),
+        a.transpose(),
+        1.0 / n as f32,
+        par,
+    );
     for i in 0..n {
         spd[(i, i)] += 1.0;
     }
@@ -210,7 +231,14 @@ impl RateProbe {
         let n = self.a.nrows() as f64;
         let mut c = Mat::<f32>::zeros(self.a.nrows(), self.a.nrows());
         let t = Instant::now();
-        matmul(c.as_mut(), Accum::Replace, self.a.as_ref(), self.b.as_ref(), 1.0, self.par);
+        matmul(
+            c.as_mut(),
+            Accum::Replace,
+            self.a.as_ref(),
+            self.b.as_ref(),
+            1.0,
+            self.par,
+        );
         let gemm = 2.0 * n.powi(3) / t.elapsed().as_secs_f64();
         let t = Instant::now();
         let ok = self.spd.llt(Side::Lower).is_ok();

@@ -129,7 +129,11 @@ pub fn gptq_quantize(
     // Columns inside the outer block get every inner update before their block starts, and an outer block is a
     // multiple of the group size, so each group still sees W exactly as the single-level sweep would.
     let lcm = |a: usize, b: usize| a / gcd(a, b) * b;
-    let unit = if p.group_size > 0 && !p.static_groups { lcm(bs, gs) } else { bs };
+    let unit = if p.group_size > 0 && !p.static_groups {
+        lcm(bs, gs)
+    } else {
+        bs
+    };
     let outer = unit * OUTER_BLOCK.div_ceil(unit).max(1);
     let mut o1 = 0;
     while o1 < cols {
@@ -137,72 +141,78 @@ pub fn gptq_quantize(
         let mut err_outer = Mat::<f32>::zeros(rows, o2 - o1);
         let mut i1 = o1;
         while i1 < o2 {
-        let i2 = (i1 + bs).min(o2);
-        let count = i2 - i1;
-        let mut w1 = w.subcols(i1, count).to_owned();
-        let mut err1 = err_outer.subcols_mut(i1 - o1, count);
-        for i in 0..count {
-            let k = i1 + i;
-            let orig = perm[k];
-            let group_of_k;
-            if p.group_size > 0 {
-                if p.static_groups {
-                    group_of_k = orig / gs;
-                    current = Some(static_groups[group_of_k].clone());
+            let i2 = (i1 + bs).min(o2);
+            let count = i2 - i1;
+            let mut w1 = w.subcols(i1, count).to_owned();
+            let mut err1 = err_outer.subcols_mut(i1 - o1, count);
+            for i in 0..count {
+                let k = i1 + i;
+                let orig = perm[k];
+                let group_of_k;
+                if p.group_size > 0 {
+                    if p.static_groups {
+                        group_of_k = orig / gs;
+                        current = Some(static_groups[group_of_k].clone());
+                    } else {
+                        group_of_k = k / gs;
+                        if k % gs == 0 {
+                            // Quirk kept for parity: parameters from the global W, which lacks this block's in-block updates.
+                            let gp = find_params(
+                                rows,
+                                col_slices(&w, k, (k + gs).min(cols)),
+                                p.bits,
+                                p.sym,
+                            );
+                            push_group(&mut scales, &mut zeros, group_of_k, rows, &gp);
+                            current = Some(gp);
+                        }
+                    }
                 } else {
-                    group_of_k = k / gs;
-                    if k % gs == 0 {
-                        // Quirk kept for parity: parameters from the global W, which lacks this block's in-block updates.
-                        let gp =
-                            find_params(rows, col_slices(&w, k, (k + gs).min(cols)), p.bits, p.sym);
-                        push_group(&mut scales, &mut zeros, group_of_k, rows, &gp);
-                        current = Some(gp);
+                    group_of_k = 0;
+                }
+                g_idx[orig] = group_of_k as i32;
+                let Some(gp) = current.as_ref() else { continue };
+                let d = u[(k, k)];
+                let mut sq = 0.0f64;
+                {
+                    let wcol = w1.col_as_slice(i);
+                    let mut ecol = err1.as_mut().col_mut(i);
+                    let out = &mut codes[orig * rows..(orig + 1) * rows];
+                    for r in 0..rows {
+                        let x = wcol[r];
+                        let q = quantize_code(x, gp.scale[r], gp.zero[r], maxq);
+                        out[r] = q as u8;
+                        let diff = x - dequantize(q, gp.scale[r], gp.zero[r]);
+                        sq += (diff * diff) as f64;
+                        ecol[r] = diff / d;
                     }
                 }
-            } else {
-                group_of_k = 0;
-            }
-            g_idx[orig] = group_of_k as i32;
-            let Some(gp) = current.as_ref() else { continue };
-            let d = u[(k, k)];
-            let mut sq = 0.0f64;
-            {
-                let wcol = w1.col_as_slice(i);
-                let mut ecol = err1.as_mut().col_mut(i);
-                let out = &mut codes[orig * rows..(orig + 1) * rows];
-                for r in 0..rows {
-                    let x = wcol[r];
-                    let q = quantize_code(x, gp.scale[r], gp.zero[r], maxq);
-                    out[r] = q as u8;
-                    let diff = x - dequantize(q, gp.scale[r], gp.zero[r]);
-                    sq += (diff * diff) as f64;
-                    ecol[r] = diff / d;
-                }
-            }
-            loss += sq / (d as f64 * d as f64) / 2.0;
-            // Rank-1 update of the remaining block columns.
-            let ecol = err1.as_ref().col(i);
-            let Some(left) = ecol.try_as_col_major() else { continue };
-            let left = left.as_slice();
-            for j in i + 1..count {
-                let coef = u[(k, i1 + j)];
-                if coef == 0.0 {
+                loss += sq / (d as f64 * d as f64) / 2.0;
+                // Rank-1 update of the remaining block columns.
+                let ecol = err1.as_ref().col(i);
+                let Some(left) = ecol.try_as_col_major() else {
                     continue;
-                }
-                let right = w1.col_as_slice_mut(j);
-                for (wv, ev) in right.iter_mut().zip(left) {
-                    *wv -= ev * coef;
+                };
+                let left = left.as_slice();
+                for j in i + 1..count {
+                    let coef = u[(k, i1 + j)];
+                    if coef == 0.0 {
+                        continue;
+                    }
+                    let right = w1.col_as_slice_mut(j);
+                    for (wv, ev) in right.iter_mut().zip(left) {
+                        *wv -= ev * coef;
+                    }
                 }
             }
-        }
-        if i2 < o2 {
-            backend.block_update(
-                w.subcols_mut(i2, o2 - i2),
-                err1.as_ref(),
-                u.submatrix(i1, i2, count, o2 - i2),
-            );
-        }
-        i1 = i2;
+            if i2 < o2 {
+                backend.block_update(
+                    w.subcols_mut(i2, o2 - i2),
+                    err1.as_ref(),
+                    u.submatrix(i1, i2, count, o2 - i2),
+                );
+            }
+            i1 = i2;
         }
         if o2 < cols {
             backend.block_update(

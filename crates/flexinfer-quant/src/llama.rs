@@ -107,7 +107,13 @@ fn apply_rope(x: &mut Mat<f32>, heads: usize, d: usize, rope: &Rope) {
     }
 }
 
-fn attention(cfg: &ModelConfig, lw: &LayerWeights, h: MatRef<'_, f32>, rope: &Rope) -> Mat<f32> {
+/// Grouped-query causal self-attention of one sequence (input already normalised); returns the o_proj input.
+pub fn attention(
+    cfg: &ModelConfig,
+    lw: &LayerWeights,
+    h: MatRef<'_, f32>,
+    rope: &Rope,
+) -> Mat<f32> {
     let (t, d) = (h.nrows(), cfg.head_dim);
     let (nh, nkv) = (cfg.num_heads, cfg.num_kv_heads);
     let mut q = linear(h, &lw.linears[0]);
@@ -158,6 +164,30 @@ fn attention(cfg: &ModelConfig, lw: &LayerWeights, h: MatRef<'_, f32>, rope: &Ro
     out
 }
 
+/// SwiGLU input of down_proj for the residual stream `x1` (after attention).
+pub fn mlp_activation(cfg: &ModelConfig, lw: &LayerWeights, x1: MatRef<'_, f32>) -> Mat<f32> {
+    let h2 = rms_norm(x1, &lw.post_norm, cfg.rms_norm_eps);
+    let g = linear(h2.as_ref(), &lw.linears[4]);
+    let u = linear(h2.as_ref(), &lw.linears[5]);
+    Mat::from_fn(g.nrows(), g.ncols(), |r, c| {
+        let gv = g[(r, c)];
+        gv / (1.0 + (-gv).exp()) * u[(r, c)]
+    })
+}
+
+/// Residual stream after attention: `x + o_proj(att)`.
+pub fn attention_residual(lw: &LayerWeights, x: MatRef<'_, f32>, att: MatRef<'_, f32>) -> Mat<f32> {
+    let o = linear(att, &lw.linears[3]);
+    x + &o
+}
+
+/// Layer output from the residual stream after attention: `x1 + down_proj(mlp_activation(x1))`.
+pub fn mlp_residual(cfg: &ModelConfig, lw: &LayerWeights, x1: MatRef<'_, f32>) -> Mat<f32> {
+    let act = mlp_activation(cfg, lw, x1);
+    let dn = linear(act.as_ref(), &lw.linears[6]);
+    x1 + &dn
+}
+
 /// Runs one decoder layer on one sequence `x` (`[tokens, hidden]`). With `stop`, returns the input of that
 /// module group instead of the layer output; the arithmetic up to that point is the same in both cases.
 pub fn layer_forward(
@@ -167,8 +197,7 @@ pub fn layer_forward(
     rope: &Rope,
     stop: Option<Stage>,
 ) -> Mat<f32> {
-    let eps = cfg.rms_norm_eps;
-    let h = rms_norm(x, &lw.input_norm, eps);
+    let h = rms_norm(x, &lw.input_norm, cfg.rms_norm_eps);
     if stop == Some(Stage::Qkv) {
         return h;
     }
@@ -176,23 +205,14 @@ pub fn layer_forward(
     if stop == Some(Stage::O) {
         return att;
     }
-    let o = linear(att.as_ref(), &lw.linears[3]);
-    let x1 = x + &o;
-    let h2 = rms_norm(x1.as_ref(), &lw.post_norm, eps);
+    let x1 = attention_residual(lw, x, att.as_ref());
     if stop == Some(Stage::GateUp) {
-        return h2;
+        return rms_norm(x1.as_ref(), &lw.post_norm, cfg.rms_norm_eps);
     }
-    let g = linear(h2.as_ref(), &lw.linears[4]);
-    let u = linear(h2.as_ref(), &lw.linears[5]);
-    let act = Mat::from_fn(g.nrows(), g.ncols(), |r, c| {
-        let gv = g[(r, c)];
-        gv / (1.0 + (-gv).exp()) * u[(r, c)]
-    });
     if stop == Some(Stage::Down) {
-        return act;
+        return mlp_activation(cfg, lw, x1.as_ref());
     }
-    let dn = linear(act.as_ref(), &lw.linears[6]);
-    &x1 + &dn
+    mlp_residual(cfg, lw, x1.as_ref())
 }
 
 /// Token embeddings `[tokens, hidden]`.

@@ -9,7 +9,10 @@ use crate::fsutil::{read_json, sha256_file, sha256_hex};
 use crate::gptq::{dequantize_weight, gptq_quantize, rtn_quantize, Method, QuantizedLinear};
 use crate::hessian::{prepare_factor, FactorOutcome};
 use crate::linalg::LinalgBackend;
-use crate::llama::{embed, layer_forward, Rope, STAGES};
+use crate::llama::{
+    attention, attention_residual, embed, layer_forward, mlp_activation, mlp_residual, rms_norm,
+    Rope, Stage, STAGES,
+};
 use crate::model::{
     linear_shape, load_layer, load_linear, GptqReadConfig, ModelConfig, INPUT_GROUPS, LINEARS,
 };
@@ -392,6 +395,8 @@ pub fn run(
             ])
         };
         let mut lw = load_layer(&store, &cfg, layer, None)?;
+        store.release_pages();
+        let mut x1_cache: Vec<Mat<f32>> = Vec::new();
         if layer < cache.completed_layers() {
             // Resume: the cached packed modules replace the source weights, read with the consumer's rules.
             let path = cache
@@ -420,23 +425,49 @@ pub fn run(
             );
         } else {
             let mut results: Vec<Option<QuantizedLinear>> = vec![None; 7];
+            // Per-sample intermediates kept between stages, so each part of the layer runs once with the
+            // weights it must see (true sequential): attention output, then the residual after attention.
+            let mut att_cache: Vec<Mat<f32>> = Vec::with_capacity(hidden.len());
             for (stage, group) in STAGES.iter().zip(INPUT_GROUPS.iter()) {
                 let active: Vec<usize> = group
                     .iter()
                     .copied()
                     .filter(|&i| !job.excluded(&format!("{prefix}{}", LINEARS[i])))
                     .collect();
-                if active.is_empty() {
-                    continue;
-                }
-                let cols = lw.linears[active[0]].w.ncols();
-                let mut h = Mat::<f32>::zeros(cols, cols);
+                let cols = lw.linears[group[0]].w.ncols();
+                let mut h = Mat::<f32>::zeros(
+                    if active.is_empty() { 0 } else { cols },
+                    if active.is_empty() { 0 } else { cols },
+                );
                 // Up to `batch` samples' activations are stacked into one product (bounded memory, better GEMM).
-                for chunk in hidden.chunks(batch) {
-                    let acts: Vec<Mat<f32>> = chunk
-                        .iter()
-                        .map(|x| layer_forward(&cfg, &lw, x.as_ref(), &rope, Some(*stage)))
-                        .collect();
+                for (ci, chunk) in hidden.chunks(batch).enumerate() {
+                    let mut acts: Vec<Mat<f32>> = Vec::with_capacity(chunk.len());
+                    for (k, x) in chunk.iter().enumerate() {
+                        let idx = ci * batch + k;
+                        let a = match stage {
+                            Stage::Qkv => rms_norm(x.as_ref(), &lw.input_norm, cfg.rms_norm_eps),
+                            Stage::O => {
+                                let hn = rms_norm(x.as_ref(), &lw.input_norm, cfg.rms_norm_eps);
+                                let att = attention(&cfg, &lw, hn.as_ref(), &rope);
+                                att_cache.push(att.clone());
+                                att
+                            }
+                            Stage::GateUp => {
+                                let x1 =
+                                    attention_residual(&lw, x.as_ref(), att_cache[idx].as_ref());
+                                let h2 = rms_norm(x1.as_ref(), &lw.post_norm, cfg.rms_norm_eps);
+                                x1_cache.push(x1);
+                                h2
+                            }
+                            Stage::Down => mlp_activation(&cfg, &lw, x1_cache[idx].as_ref()),
+                        };
+                        if !active.is_empty() {
+                            acts.push(a);
+                        }
+                    }
+                    if active.is_empty() {
+                        continue;
+                    }
                     let rows: usize = acts.iter().map(|a| a.nrows()).sum();
                     let mut stacked = Mat::<f32>::zeros(rows, cols);
                     let mut r0 = 0;
@@ -445,6 +476,12 @@ pub fn run(
                         r0 += a.nrows();
                     }
                     backend.accumulate_hessian(h.as_mut(), stacked.as_ref(), 2.0 / n_tokens as f32);
+                }
+                if *stage == Stage::GateUp {
+                    att_cache = Vec::new();
+                }
+                if active.is_empty() {
+                    continue;
                 }
                 backend.finish_hessian(h.as_mut());
                 let names: Vec<String> = active
@@ -504,8 +541,14 @@ pub fn run(
                 layer_extra(layer + 1),
             );
         }
-        for x in hidden.iter_mut() {
-            *x = layer_forward(&cfg, &lw, x.as_ref(), &rope, None);
+        if x1_cache.len() == hidden.len() {
+            for (x, x1) in hidden.iter_mut().zip(&x1_cache) {
+                *x = mlp_residual(&cfg, &lw, x1.as_ref());
+            }
+        } else {
+            for x in hidden.iter_mut() {
+                *x = layer_forward(&cfg, &lw, x.as_ref(), &rope, None);
+            }
         }
         if job.abort_after_layer == Some(layer) {
             return Err(QuantError::TestAbort(layer));
@@ -569,6 +612,9 @@ pub fn run(
         job.max_shard_bytes,
         &extras,
         |done, total| {
+            // Pages of the shard just written are not needed again.
+            store.release_pages();
+            layer_stores.iter().for_each(TensorStore::release_pages);
             progress.emit(
                 "save",
                 95.0 + 5.0 * done as f64 / total as f64,

@@ -181,6 +181,17 @@ impl TensorStore {
             .collect())
     }
 
+    /// Drops the mapped pages from this process's resident set (they stay in the page cache), so that only
+    /// the layer being worked on counts against the Job's memory.
+    pub fn release_pages(&self) {
+        for m in &self.maps {
+            // SAFETY: the maps are read-only, shared file mappings; after MADV_DONTNEED the next access reads the
+            // same bytes back from the file, and no reference into the mapping is held across this call by
+            // callers that use owned copies of the data (the pipeline converts tensors to f32 before calling it).
+            let _ = unsafe { m.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) };
+        }
+    }
+
     /// Total size of the mapped files.
     pub fn total_bytes(&self) -> u64 {
         self.maps.iter().map(|m| m.len() as u64).sum()

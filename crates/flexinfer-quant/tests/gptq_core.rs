@@ -303,9 +303,24 @@ fn two_level_sweep_matches_reference_beyond_one_outer_block() {
         16,
         1280,
         true,
-        GptqParams { bits: 4, group_size: 32, desc_act: true, ..Default::default() },
+        GptqParams {
+            bits: 4,
+            group_size: 32,
+            desc_act: true,
+            ..Default::default()
+        },
     );
-    check_case(201, 16, 1280, false, GptqParams { bits: 4, group_size: 128, ..Default::default() });
+    check_case(
+        201,
+        16,
+        1280,
+        false,
+        GptqParams {
+            bits: 4,
+            group_size: 128,
+            ..Default::default()
+        },
+    );
 }
 
 #[test]

@@ -381,3 +381,44 @@ fn exhausted_hessians_fall_back_to_rtn_and_fail_the_gate() {
     let again = run(&j, &CpuBackend::default(), &MemorySink::default()).expect("cached");
     assert!(again.cached && again.quality.is_some_and(|q| q.failed()));
 }
+
+#[test]
+fn dynamic_exclusion_keeps_modules_in_full_precision() {
+    let (tmp, model, ds) = setup("excl", "LlamaForCausalLM");
+    let out = tmp.path().join("out");
+    let mut j = job(
+        &model,
+        &out,
+        &ds,
+        GptqParams {
+            group_size: 32,
+            ..Default::default()
+        },
+    );
+    j.dynamic_exclusion = Some("mlp.down_proj,layers.1.self_attn.o_proj".into());
+    let o = run(&j, &CpuBackend::default(), &MemorySink::default()).expect("quantize");
+    let store = TensorStore::open_dir(&o.output_dir).expect("open");
+    let src = TensorStore::open_dir(&model).expect("source");
+    for name in [
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.1.self_attn.o_proj.weight",
+    ] {
+        assert_eq!(
+            store.raw(name).expect("kept"),
+            src.raw(name).expect("source"),
+            "{name}"
+        );
+    }
+    assert!(store.contains("model.layers.0.self_attn.o_proj.qweight"));
+    assert!(!store.contains("model.layers.2.mlp.down_proj.qweight"));
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(o.output_dir.join("config.json")).expect("read"))
+            .expect("json");
+    let dynamic = cfg["quantization_config"]["dynamic"]
+        .as_object()
+        .expect("dynamic");
+    assert_eq!(dynamic.len(), 4);
+    assert!(dynamic.contains_key("-:^model\\.layers\\.0\\.mlp\\.down_proj$"));
+    let q = o.quality.expect("quality");
+    assert_eq!(q.gptq_modules, 21 - 4);
+}

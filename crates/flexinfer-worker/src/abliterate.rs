@@ -375,6 +375,8 @@ fn finish_success(
         layers_modified: Some(r.layers_modified.len() as u64),
         refusal_dir_norm: Some(r.refusal_dir_norm),
         layer: Some(r.layer as u64),
+        perplexity_before: Some(r.perplexity_before),
+        perplexity_after: Some(r.perplexity_after),
         ..Default::default()
     })
 }

@@ -41,7 +41,10 @@ impl WorkerError {
 
 /// Current time as RFC 3339 (UTC, seconds).
 pub fn now_rfc3339() -> String {
-    jiff::Timestamp::now().round(jiff::Unit::Second).map(|t| t.to_string()).unwrap_or_default()
+    jiff::Timestamp::now()
+        .round(jiff::Unit::Second)
+        .map(|t| t.to_string())
+        .unwrap_or_default()
 }
 
 /// Writes events to stdout and keeps `progress` monotonic within the process.
@@ -133,7 +136,10 @@ pub fn termination_log_path() -> PathBuf {
 fn write_termination(text: &str) {
     let path = termination_log_path();
     if let Err(e) = std::fs::write(&path, text) {
-        eprintln!("warning: cannot write termination message to {}: {e}", path.display());
+        eprintln!(
+            "warning: cannot write termination message to {}: {e}",
+            path.display()
+        );
     }
 }
 
@@ -167,7 +173,10 @@ pub fn finish(events: &Events, result: Result<TerminationSuccess, WorkerError>) 
                 exit_code: code,
                 tail: events.tail(),
             };
-            events.emit(events::ERROR, &serde_json::json!({"error": msg.error, "exitCode": code}));
+            events.emit(
+                events::ERROR,
+                &serde_json::json!({"error": msg.error, "exitCode": code}),
+            );
             eprintln!("error: {}", msg.error);
             write_termination(&encode_termination(&msg));
             code
@@ -196,15 +205,23 @@ mod tests {
         assert!(check_version(Some(contract::SCRIPT_VERSION)).is_ok());
         let e = check_version(Some("v1")).unwrap_err();
         assert_eq!(e.exit_code(), 4);
-        assert!(e.to_string().starts_with("FATAL: Script version mismatch (image="));
+        assert!(e
+            .to_string()
+            .starts_with("FATAL: Script version mismatch (image="));
         assert!(e.to_string().contains("controller=v1"));
     }
 
     #[test]
     fn progress_is_monotonic() {
         let ev = Events::new("quantization");
-        ev.progress(ProgressEvent { percent: 40.0, ..Default::default() });
-        ev.progress(ProgressEvent { percent: 10.0, ..Default::default() });
+        ev.progress(ProgressEvent {
+            percent: 40.0,
+            ..Default::default()
+        });
+        ev.progress(ProgressEvent {
+            percent: 10.0,
+            ..Default::default()
+        });
         assert_eq!(*ev.last_percent.lock().unwrap(), 40.0);
         let tail = ev.tail();
         let last = tail.lines().last().unwrap();

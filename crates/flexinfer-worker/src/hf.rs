@@ -210,7 +210,7 @@ fn next_link(h: &reqwest::header::HeaderMap) -> Option<String> {
         }
         let start = part.find('<')? + 1;
         let end = part.find('>')?;
-        Some(part[start..end].to_string())
+        part.get(start..end).map(String::from)
     })
 }
 

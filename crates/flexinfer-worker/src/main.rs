@@ -5,7 +5,11 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "flexinfer-worker", version, about = "FlexInfer pipeline worker")]
+#[command(
+    name = "flexinfer-worker",
+    version,
+    about = "FlexInfer pipeline worker"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,

@@ -500,7 +500,7 @@ impl Registry {
                 .and_then(|v| {
                     let s = v.find('<')? + 1;
                     let e = v.find('>')?;
-                    Some(self.absolute(&v[s..e]))
+                    v.get(s..e).map(|u| self.absolute(u))
                 });
             let t: Tags = resp.json().await.map_err(|e| transport("tag list", &e))?;
             out.extend(t.tags.unwrap_or_default());

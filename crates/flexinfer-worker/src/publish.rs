@@ -37,7 +37,8 @@ pub struct PublishArgs {
     #[arg(long, env = env::OCI_ADDITIONAL_TAGS, default_value = "")]
     pub additional_tags: String,
     /// Skip TLS verification and allow plain HTTP.
-    #[arg(long, env = env::OCI_INSECURE, value_parser = parse_bool_arg, default_value = "false")]
+    #[arg(long, env = env::OCI_INSECURE, value_parser = parse_bool_arg, default_value = "false",
+        action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub insecure: bool,
     #[arg(long, env = env::OCI_USERNAME)]
     pub oci_username: Option<String>,

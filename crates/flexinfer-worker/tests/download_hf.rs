@@ -544,7 +544,9 @@ fn interrupted_download_of_another_source_is_discarded() {
     assert_eq!(r.code, 0, "{}", r.describe());
     assert!(!dest.join("old-model.safetensors").exists());
     assert!(!dest.join("gptq-w4-g128").exists());
-    assert!(!dest.join(flexinfer_worker::download::IN_PROGRESS_FILE).exists());
+    assert!(!dest
+        .join(flexinfer_worker::download::IN_PROGRESS_FILE)
+        .exists());
     assert_tree_matches(&dest, &files);
     // The stale partial was not continued: one full request.
     assert_eq!(hub.state.requests("config.json")[0].range_start, None);

@@ -2,10 +2,13 @@
 //! and the thin reconciler ([`reconcile`]).
 
 pub mod config;
+mod failures;
 pub mod jobs;
 pub mod observe;
 pub mod plan;
 pub mod reconcile;
+mod results;
+pub mod target;
 
 pub use config::Config;
 pub use plan::{plan, Action, Observed, Plan};

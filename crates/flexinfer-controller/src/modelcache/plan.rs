@@ -6,13 +6,13 @@ use std::time::Duration;
 
 use flexinfer_api::conditions::{self, types};
 use flexinfer_api::contract::{
-    self, annotations, reasons, reasons_pipeline, JobPhase, ProgressEvent, TerminationMessage,
+    self, annotations, reasons, reasons_pipeline, JobPhase, ProgressEvent,
 };
 use flexinfer_api::formats;
 use flexinfer_api::gpuprofile::GPUProfile;
 use flexinfer_api::modelcache::{
     AbliterationStatus, CachePhase, DownloadStatus, ModelCache, ModelCacheStatus, PublishStatus,
-    QualityStatus, QuantizationStatus,
+    QuantizationStatus,
 };
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::PersistentVolumeClaim;
@@ -20,8 +20,12 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
 use super::config::Config;
+use super::failures::{is_image_pull_failure, truncate};
 use super::jobs;
 use super::observe::{JobState, ObservedJob};
+use super::results::{record_failure, record_success, update_progress};
+
+pub use super::failures::{classify_failure, redact};
 
 /// Everything the reconciler read from the cluster for one cache.
 #[derive(Debug, Clone, Default)]
@@ -81,21 +85,21 @@ pub struct Plan {
 
 /// Fields every phase status has.
 #[derive(Debug, Clone, Default, PartialEq)]
-struct Common {
-    spec_hash: Option<String>,
-    image: Option<String>,
-    started_at: Option<Time>,
-    completed_at: Option<Time>,
-    progress: Option<i32>,
-    progress_detail: Option<String>,
-    progress_source: Option<String>,
-    last_progress_at: Option<Time>,
-    failure_message: Option<String>,
+pub(super) struct Common {
+    pub(super) spec_hash: Option<String>,
+    pub(super) image: Option<String>,
+    pub(super) started_at: Option<Time>,
+    pub(super) completed_at: Option<Time>,
+    pub(super) progress: Option<i32>,
+    pub(super) progress_detail: Option<String>,
+    pub(super) progress_source: Option<String>,
+    pub(super) last_progress_at: Option<Time>,
+    pub(super) failure_message: Option<String>,
 }
 
 macro_rules! common_io {
     ($($field:ident),*) => {
-        fn get_common(st: &ModelCacheStatus, p: JobPhase) -> Common {
+        pub(super) fn get_common(st: &ModelCacheStatus, p: JobPhase) -> Common {
             match p {
                 JobPhase::Download => st.download.as_ref().map(|s| Common { $($field: s.$field.clone()),* }),
                 JobPhase::Abliterate => st.abliteration.as_ref().map(|s| Common { $($field: s.$field.clone()),* }),
@@ -104,7 +108,7 @@ macro_rules! common_io {
             }
             .unwrap_or_default()
         }
-        fn set_common(st: &mut ModelCacheStatus, p: JobPhase, c: Common) {
+        pub(super) fn set_common(st: &mut ModelCacheStatus, p: JobPhase, c: Common) {
             match p {
                 JobPhase::Download => { let s = st.download.get_or_insert_with(DownloadStatus::default); $(s.$field = c.$field.clone();)* }
                 JobPhase::Abliterate => { let s = st.abliteration.get_or_insert_with(AbliterationStatus::default); $(s.$field = c.$field.clone();)* }
@@ -136,7 +140,7 @@ pub fn running_phase(p: JobPhase) -> CachePhase {
     }
 }
 
-fn phase_condition(p: JobPhase) -> &'static str {
+pub(super) fn phase_condition(p: JobPhase) -> &'static str {
     match p {
         JobPhase::Download => types::DOWNLOADED,
         JobPhase::Abliterate => types::ABLITERATED,
@@ -145,7 +149,7 @@ fn phase_condition(p: JobPhase) -> &'static str {
     }
 }
 
-fn complete_reason(p: JobPhase) -> &'static str {
+pub(super) fn complete_reason(p: JobPhase) -> &'static str {
     match p {
         JobPhase::Download => reasons::DOWNLOAD_COMPLETE,
         JobPhase::Abliterate => reasons::ABLITERATION_COMPLETE,
@@ -164,172 +168,42 @@ pub fn failed_reason(p: JobPhase) -> String {
     }
 }
 
-fn phase_from_status_name(s: &str) -> Option<JobPhase> {
+pub(super) fn phase_from_status_name(s: &str) -> Option<JobPhase> {
     JobPhase::parse(s)
 }
 
-/// Remove secrets from text that goes into status, events or logs: Hugging Face tokens,
-/// bearer tokens, and `key=value` / `key: value` pairs whose key names a credential.
-pub fn redact(s: &str) -> String {
-    const KEYS: [&str; 6] = [
-        "token",
-        "password",
-        "passwd",
-        "secret",
-        "authorization",
-        "apikey",
-    ];
-    let mut out = String::with_capacity(s.len());
-    let mut redact_next = false;
-    for (i, part) in s.split_inclusive(char::is_whitespace).enumerate() {
-        let word = part.trim_end();
-        let ws = &part[word.len()..];
-        let _ = i;
-        let lower = word.to_ascii_lowercase();
-        let w = if lower == "bearer" || lower == "basic" {
-            redact_next = true;
-            word.to_string()
-        } else if redact_next && !word.is_empty() {
-            redact_next = false;
-            "[REDACTED]".to_string()
-        } else if word.starts_with("hf_") && word.len() > 10 {
-            "[REDACTED]".to_string()
-        } else if let Some(pos) = word.find(['=', ':']) {
-            let key = lower[..pos].trim_matches(|c: char| !c.is_ascii_alphanumeric());
-            let key_flat: String = key.chars().filter(|c| c.is_ascii_alphanumeric()).collect();
-            if KEYS.iter().any(|k| key_flat.ends_with(k)) {
-                if word[pos + 1..].is_empty() {
-                    redact_next = true;
-                    word.to_string()
-                } else {
-                    format!("{}[REDACTED]", &word[..=pos])
-                }
-            } else {
-                word.to_string()
-            }
-        } else {
-            word.to_string()
-        };
-        out.push_str(&w);
-        out.push_str(ws);
-    }
-    out
-}
-
-fn truncate(s: &str, max: usize) -> String {
-    if s.len() <= max {
-        return s.to_string();
-    }
-    let mut start = s.len() - max;
-    while !s.is_char_boundary(start) {
-        start += 1;
-    }
-    format!("…{}", &s[start..])
-}
-
-fn last_lines(s: &str, n: usize) -> String {
-    let lines: Vec<&str> = s.lines().filter(|l| !l.trim().is_empty()).collect();
-    lines[lines.len().saturating_sub(n)..].join("\n")
-}
-
-/// Classify a failed (or stuck) Job: `OOMKilled`, `DeadlineExceeded`, `ImagePullBackOff`,
-/// `BackoffLimitExceeded`, `BadInput`/`QualityGateFailed`/`ScriptVersionMismatch` (worker exit
-/// codes 2/3/4), else `JobFailed`.
-pub fn classify_failure(j: &ObservedJob) -> String {
-    let pod = j.pod.as_ref();
-    if pod.and_then(|p| p.terminated_reason.as_deref()) == Some("OOMKilled") {
-        return "OOMKilled".into();
-    }
-    let job_reason = match &j.state {
-        JobState::Failed { reason, .. } => reason.as_str(),
-        _ => "",
-    };
-    if job_reason == "DeadlineExceeded" {
-        return "DeadlineExceeded".into();
-    }
-    if pod
-        .and_then(|p| p.waiting_reason.as_deref())
-        .is_some_and(is_image_pull_failure)
-    {
-        return "ImagePullBackOff".into();
-    }
-    if job_reason == "BackoffLimitExceeded" {
-        return "BackoffLimitExceeded".into();
-    }
-    // Deterministic worker exits end the Job at once through its podFailurePolicy.
-    match pod.and_then(|p| p.exit_code) {
-        Some(contract::exit_codes::BAD_INPUT) => return "BadInput".into(),
-        Some(contract::exit_codes::QUALITY_GATE) => return "QualityGateFailed".into(),
-        Some(contract::exit_codes::VERSION_MISMATCH) => return "ScriptVersionMismatch".into(),
-        _ => {}
-    }
-    "JobFailed".into()
-}
-
-fn is_image_pull_failure(reason: &str) -> bool {
-    matches!(
-        reason,
-        "ImagePullBackOff" | "ErrImagePull" | "InvalidImageName" | "ErrImageNeverPull"
-    )
-}
-
-/// Human failure text: termination message, else the log tail, else the Job condition message.
-fn failure_text(j: &ObservedJob, log_tail: Option<&Result<String, String>>) -> String {
-    let pod = j.pod.as_ref();
-    let from_term =
-        pod.and_then(|p| p.termination_message.as_deref()).map(
-            |m| match TerminationMessage::parse(m) {
-                Some(TerminationMessage::Failure(f)) => {
-                    let tail = last_lines(&f.tail, 5);
-                    if tail.is_empty() {
-                        format!("exit {}: {}", f.exit_code, f.error)
-                    } else {
-                        format!("exit {}: {}\n{}", f.exit_code, f.error, tail)
-                    }
-                }
-                _ => last_lines(m, 10),
-            },
-        );
-    let text = from_term
-        .or_else(|| match log_tail {
-            Some(Ok(t)) if !t.trim().is_empty() => Some(last_lines(t, 10)),
-            _ => None,
-        })
-        .or_else(|| pod.and_then(|p| p.waiting_message.clone()))
-        .or_else(|| match &j.state {
-            JobState::Failed { message, .. } if !message.is_empty() => Some(message.clone()),
-            _ => None,
-        })
-        .unwrap_or_else(|| "no termination message or log available".into());
-    truncate(&redact(&text), 1024)
-}
-
-fn ts_add(now: Timestamp, d: Duration) -> Timestamp {
+pub(super) fn ts_add(now: Timestamp, d: Duration) -> Timestamp {
     now.checked_add(SignedDuration::try_from(d).unwrap_or(SignedDuration::ZERO))
         .unwrap_or(now)
 }
 
-fn secs_between(a: Timestamp, b: Timestamp) -> i64 {
+pub(super) fn secs_between(a: Timestamp, b: Timestamp) -> i64 {
     b.duration_since(a).as_secs()
 }
 
-struct Ctx<'a> {
-    mc: &'a ModelCache,
-    config: &'a Config,
-    now: Timestamp,
-    now_t: Time,
-    gen: Option<i64>,
-    st: ModelCacheStatus,
-    actions: Vec<Action>,
-    requeue: Option<Duration>,
-    outcome: Outcome,
+pub(super) struct Ctx<'a> {
+    pub(super) mc: &'a ModelCache,
+    pub(super) config: &'a Config,
+    pub(super) now: Timestamp,
+    pub(super) now_t: Time,
+    pub(super) gen: Option<i64>,
+    pub(super) st: ModelCacheStatus,
+    pub(super) actions: Vec<Action>,
+    pub(super) requeue: Option<Duration>,
+    pub(super) outcome: Outcome,
 }
 
 impl Ctx<'_> {
-    fn event(&mut self, warning: bool, reason: &str, note: String) {
+    pub(super) fn event(&mut self, warning: bool, reason: &str, note: String) {
         self.job_event(warning, reason, note, None);
     }
-    fn job_event(&mut self, warning: bool, reason: &str, note: String, job: Option<&str>) {
+    pub(super) fn job_event(
+        &mut self,
+        warning: bool,
+        reason: &str,
+        note: String,
+        job: Option<&str>,
+    ) {
         self.actions.push(Action::Event {
             warning,
             reason: reason.to_string(),
@@ -337,11 +211,11 @@ impl Ctx<'_> {
             job: job.map(String::from),
         });
     }
-    fn requeue(&mut self, d: Duration) {
+    pub(super) fn requeue(&mut self, d: Duration) {
         let d = d.max(Duration::from_millis(500));
         self.requeue = Some(self.requeue.map_or(d, |r| r.min(d)));
     }
-    fn cond(&mut self, t: &str, status: bool, reason: &str, msg: &str) {
+    pub(super) fn cond(&mut self, t: &str, status: bool, reason: &str, msg: &str) {
         let now = self.now_t.clone();
         conditions::set(
             &mut self.st.conditions,
@@ -353,11 +227,11 @@ impl Ctx<'_> {
             &now,
         );
     }
-    fn ready_reason(&self) -> Option<String> {
+    pub(super) fn ready_reason(&self) -> Option<String> {
         conditions::find(&self.st.conditions, types::READY).map(|c| c.reason.clone())
     }
     /// A spec problem no retry can fix: `Failed` with a clear condition; one event per change.
-    fn fail_config(&mut self, reason: &str, msg: &str, phase: Option<JobPhase>) {
+    pub(super) fn fail_config(&mut self, reason: &str, msg: &str, phase: Option<JobPhase>) {
         let changed = self.st.phase != Some(CachePhase::Failed)
             || self.ready_reason().as_deref() != Some(reason);
         self.st.phase = Some(CachePhase::Failed);
@@ -803,7 +677,7 @@ fn finish(cx: Ctx<'_>, old: &ModelCacheStatus) -> Plan {
     }
 }
 
-fn reset_retries(st: &mut ModelCacheStatus) {
+pub(super) fn reset_retries(st: &mut ModelCacheStatus) {
     st.retry_count = Some(0);
     st.last_failure_phase = None;
     st.last_failure_time = None;
@@ -875,263 +749,4 @@ fn create_job(
         );
     }
     cx.job_event(false, reasons::JOB_CREATED, msg, Some(&jname));
-}
-
-fn rel_output_dir(raw: &str) -> Option<String> {
-    let p = raw
-        .strip_prefix(contract::CACHE_MOUNT)
-        .map(|s| s.trim_start_matches('/'))
-        .unwrap_or(raw);
-    contract::check_relative_path(p)
-        .ok()
-        .map(|_| p.trim_end_matches('/').to_string())
-}
-
-fn fmt_duration(secs: f64) -> String {
-    let s = secs.max(0.0).round() as i64;
-    let (h, m, s) = (s / 3600, (s % 3600) / 60, s % 60);
-    if h > 0 {
-        format!("{h}h{m}m{s}s")
-    } else if m > 0 {
-        format!("{m}m{s}s")
-    } else {
-        format!("{s}s")
-    }
-}
-
-fn record_success(cx: &mut Ctx<'_>, phase: JobPhase, job: &ObservedJob, mut c: Common) {
-    let now = cx.now_t.clone();
-    c.completed_at = Some(now.clone());
-    c.spec_hash = job.spec_hash.clone();
-    c.image = Some(job.image.clone());
-    if c.started_at.is_none() {
-        c.started_at = Some(Time(job.created));
-    }
-    c.progress = Some(100);
-    c.failure_message = None;
-    c.last_progress_at = Some(now.clone());
-    set_common(&mut cx.st, phase, c);
-    let term = job
-        .pod
-        .as_ref()
-        .and_then(|p| p.termination_message.as_deref())
-        .and_then(TerminationMessage::parse)
-        .and_then(|m| match m {
-            TerminationMessage::Success(s) => Some(s),
-            TerminationMessage::Failure(_) => None,
-        })
-        .unwrap_or_default();
-    let mc = cx.mc;
-    let mut note = format!("{} complete (Job {})", phase.status_name(), job.name);
-    match phase {
-        JobPhase::Download => {
-            let d = cx.st.download.get_or_insert_with(Default::default);
-            d.size_bytes = term
-                .size_bytes
-                .or(term.original_size_bytes)
-                .map(|v| v as i64);
-            d.file_count = term.file_count.map(|v| v as i64);
-            d.revision = Some(
-                term.revision
-                    .clone()
-                    .unwrap_or_else(|| mc.spec.revision.clone()),
-            );
-        }
-        JobPhase::Abliterate => {
-            let a = cx.st.abliteration.get_or_insert_with(Default::default);
-            a.layers_modified = term.layers_modified.map(|v| v as i64);
-            a.refusal_dir_norm = term.refusal_dir_norm.map(|v| format!("{v:.3}"));
-            a.layer = term.layer.map(|v| v as i64);
-            a.output_dir = Some(jobs::phase_dirs(mc, phase).1);
-        }
-        JobPhase::Quantize => {
-            let started = get_common(&cx.st, phase).started_at.map(|t| t.0);
-            let q = cx.st.quantization.get_or_insert_with(Default::default);
-            let spec = mc.spec.quantization.clone();
-            q.format = spec
-                .as_ref()
-                .map(|s| formats::info(s.format).name.to_string());
-            q.quant_type = Some(
-                spec.as_ref()
-                    .map(|s| s.output_subdir())
-                    .filter(|_| term.kind.is_empty() || term.kind == "quantize")
-                    .unwrap_or_else(|| term.kind.clone()),
-            );
-            q.original_size_bytes = term.original_size_bytes.map(|v| v as i64);
-            q.compressed_size_bytes = term.compressed_size_bytes.map(|v| v as i64);
-            q.compression_ratio = match (term.original_size_bytes, term.compressed_size_bytes) {
-                (Some(o), Some(c)) if c > 0 => {
-                    Some(((o as f64 / c as f64) * 100.0).round() / 100.0)
-                }
-                _ => None,
-            };
-            let secs = term
-                .quantization_time_seconds
-                .or_else(|| started.map(|s| cx.now.duration_since(s).as_secs_f64()));
-            q.quantization_time = secs.map(fmt_duration);
-            if let Some(s) = &spec {
-                let cal = s.effective_calibration();
-                let mut m = BTreeMap::from([
-                    ("maxSeqLen".to_string(), cal.max_seq_len.to_string()),
-                    ("maxSamples".to_string(), cal.max_samples.to_string()),
-                    ("dataset".to_string(), cal.dataset.clone()),
-                ]);
-                if let Some(n) = cal.n_parallel_calib_samples {
-                    m.insert("nParallelCalibSamples".into(), n.to_string());
-                }
-                q.calibration_params = Some(m);
-            }
-            q.output_dir = Some(
-                term.output_dir
-                    .as_deref()
-                    .and_then(rel_output_dir)
-                    .unwrap_or_else(|| jobs::phase_dirs(mc, phase).1),
-            );
-            q.quality = term.quality.as_ref().map(|g| QualityStatus {
-                gptq_modules: Some(g.gptq_modules as i64),
-                rtn_fallback_modules: Some(g.rtn_fallback_modules as i64),
-                rtn_fallback_percent: Some(g.rtn_fallback_percent),
-                gate: Some(g.gate.clone()),
-            });
-            if let Some(r) = q.compression_ratio {
-                note.push_str(&format!(", compression ratio {r}"));
-            }
-        }
-        JobPhase::Publish => {
-            let p = cx.st.publish.get_or_insert_with(Default::default);
-            if let Some(d) = &term.digest {
-                if let Some(prev) = p.oci_digest.clone().filter(|x| x != d) {
-                    let mut list = p.previous_digests.clone().unwrap_or_default();
-                    list.retain(|x| *x != prev);
-                    list.insert(0, prev);
-                    list.truncate(5);
-                    p.previous_digests = Some(list);
-                }
-                p.oci_digest = Some(d.clone());
-                note.push_str(&format!(", digest {d}"));
-            }
-            p.published_tags = (!term.tags.is_empty()).then(|| term.tags.clone());
-            p.published_at = Some(now.clone());
-        }
-    }
-    if cx
-        .st
-        .last_failure_phase
-        .as_deref()
-        .and_then(phase_from_status_name)
-        == Some(phase)
-    {
-        reset_retries(&mut cx.st);
-    }
-    cx.st.retry_count = Some(0);
-    cx.outcome.completed.push(phase);
-    cx.job_event(false, complete_reason(phase), note, Some(&job.name));
-}
-
-fn record_failure(
-    cx: &mut Ctx<'_>,
-    phase: JobPhase,
-    job: &ObservedJob,
-    observed: &Observed,
-    mut c: Common,
-    max_retries: i32,
-) {
-    let reason = classify_failure(job);
-    let text = failure_text(job, observed.log_tail.as_ref());
-    let msg = format!("{reason}: {text}");
-    c.failure_message = Some(msg.clone());
-    set_common(&mut cx.st, phase, c);
-    cx.st.last_failure_phase = Some(phase.status_name().to_string());
-    cx.st.last_failure_time = Some(cx.now_t.clone());
-    cx.actions.push(Action::DeleteJob(job.name.clone()));
-    cx.outcome.failed.push((phase, reason.clone()));
-    let n = cx.st.retry_count.unwrap_or(0).max(0);
-    if n < max_retries {
-        let delay = cx.config.retry_delay(n as u32);
-        cx.st.retry_count = Some(n + 1);
-        cx.st.next_retry_at = Some(Time(ts_add(cx.now, delay)));
-        cx.st.phase = Some(running_phase(phase));
-        let note = format!(
-            "{} failed ({reason}); retry {}/{} in {}s: {text}",
-            phase.status_name(),
-            n + 1,
-            max_retries,
-            delay.as_secs()
-        );
-        cx.cond(types::PROGRESSING, true, reasons::RETRYING, &note);
-        cx.cond(types::DEGRADED, true, &reason, &msg);
-        cx.job_event(true, reasons::RETRYING, note, Some(&job.name));
-        cx.requeue(delay);
-    } else {
-        let r = failed_reason(phase);
-        cx.st.phase = Some(CachePhase::Failed);
-        cx.st.next_retry_at = None;
-        let note = format!(
-            "{} failed after {} retries ({reason}): {text}",
-            phase.status_name(),
-            max_retries
-        );
-        cx.cond(types::READY, false, &r, &msg);
-        cx.cond(types::PROGRESSING, false, &r, &note);
-        cx.cond(types::DEGRADED, true, &reason, &msg);
-        cx.job_event(true, reasons::PHASE_FAILED, note, Some(&job.name));
-    }
-}
-
-fn update_progress(
-    cx: &mut Ctx<'_>,
-    phase: JobPhase,
-    job: &ObservedJob,
-    observed: &Observed,
-    mut c: Common,
-) {
-    let now = cx.now;
-    // Adopt a Job created before a status write was lost (e.g. controller restart).
-    if c.started_at.is_none() {
-        c.started_at = Some(Time(job.created));
-        c.spec_hash = job.spec_hash.clone();
-        c.image = Some(job.image.clone());
-    }
-    let old = c.progress.unwrap_or(0);
-    let deadline = jobs::deadline_seconds(cx.mc, phase).max(1);
-    let elapsed = secs_between(job.started, now).max(0);
-    cx.outcome.running = Some((phase, deadline, elapsed));
-    let telemetry = match &observed.log_tail {
-        Some(Ok(text)) => contract::latest_progress(text).filter(|(_, p)| {
-            p.phase
-                .as_deref()
-                .is_none_or(|ph| ph == phase.status_name() || ph == phase.as_str())
-        }),
-        _ => None,
-    };
-    if let Some((ts, p)) = telemetry {
-        let pct = (p.percent.floor() as i32).clamp(0, 100);
-        let new = old.max(pct);
-        let detail = p.detail.clone().or(c.progress_detail.clone());
-        if new != old
-            || c.progress_source.as_deref() != Some("telemetry")
-            || detail != c.progress_detail
-        {
-            c.progress = Some(new);
-            c.progress_detail = detail;
-            c.progress_source = Some("telemetry".into());
-            c.last_progress_at = Some(Time(ts.parse::<Timestamp>().unwrap_or(now)));
-        }
-        cx.outcome.telemetry = Some(p);
-    } else if c.progress_source.as_deref() != Some("telemetry") {
-        // No telemetry (yet, or an image without it): elapsed / deadline, capped at 99.
-        let est = ((elapsed as f64 / deadline as f64) * 100.0)
-            .floor()
-            .min(99.0) as i32;
-        let new = old.max(est);
-        if new != old || c.progress_source.is_none() {
-            c.progress = Some(new);
-            c.progress_source = Some("elapsed-estimate".into());
-            c.progress_detail = Some(format!("{elapsed}s of {deadline}s deadline"));
-            c.last_progress_at = Some(Time(now));
-        }
-    }
-    // A failed log read (or a tail without events) keeps the last trustworthy value.
-    cx.st.progress = c.progress;
-    set_common(&mut cx.st, phase, c);
 }

@@ -226,8 +226,8 @@ async fn observe(mc: &ModelCache, ctx: &Context, ns: &str) -> Result<Observed, E
             };
             // Running pods: at most one log read per half poll interval per cache (every Job
             // status change triggers a reconcile; progress does not need them all).
-            let want_log = want_log
-                && (!matches!(oj.state, JobState::Active) || ctx.log_read_due(ns, &name));
+            let want_log =
+                want_log && (!matches!(oj.state, JobState::Active) || ctx.log_read_due(ns, &name));
             if want_log {
                 if let Some(p) = &oj.pod {
                     let lp = LogParams {
@@ -253,7 +253,9 @@ async fn observe(mc: &ModelCache, ctx: &Context, ns: &str) -> Result<Observed, E
             true
         } else {
             let pvc: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
-            pvc.get_opt(&jobs::created_claim_name(&name)).await?.is_some()
+            pvc.get_opt(&jobs::created_claim_name(&name))
+                .await?
+                .is_some()
         };
     }
     Ok(observed)

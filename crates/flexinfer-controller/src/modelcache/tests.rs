@@ -1193,3 +1193,69 @@ fn gpuprofile_changes_map_only_to_matching_caches() {
     other.metadata.namespace = Some("elsewhere".into());
     assert!(!jobs::profile_affects(&full, &other));
 }
+
+#[test]
+fn results_come_from_the_termination_message() {
+    let c = cfg();
+    let mc = cache(FULL);
+    let p = plan(&mc, &obs(vec![]), &c, t(0));
+    let mut dl = job_from(&p, JobPhase::Download, t(0), JobState::Succeeded);
+    dl.pod = Some(ObservedPod {
+        termination_message: Some(
+            r#"{"type":"download","sizeBytes":1000,"fileCount":7,"revision":"abc123"}"#.into(),
+        ),
+        ..Default::default()
+    });
+    let mc = applied(mc, &p);
+    let p = plan(&mc, &obs(vec![dl.clone()]), &c, t(1));
+    let d = p.status.download.clone().expect("download status");
+    assert_eq!(
+        (d.size_bytes, d.file_count, d.revision.as_deref()),
+        (Some(1000), Some(7), Some("abc123"))
+    );
+    let mut ab = job_from(&p, JobPhase::Abliterate, t(1), JobState::Succeeded);
+    ab.pod = Some(ObservedPod {
+        termination_message: Some(r#"{"type":"abliterate","layersModified":40,"refusalDirNorm":12.5,"layer":20,"perplexityBefore":7.25,"perplexityAfter":7.5}"#.into()),
+        ..Default::default()
+    });
+    let mc = applied(mc, &p);
+    let p = plan(&mc, &obs(vec![dl.clone(), ab.clone()]), &c, t(2));
+    let a = p.status.abliteration.clone().expect("abliteration status");
+    assert_eq!(a.layers_modified, Some(40));
+    assert_eq!(a.perplexity_after.as_deref(), Some("7.500"));
+    assert_eq!(a.output_dir.as_deref(), Some("mc/abliterated"));
+    let mut q = job_from(&p, JobPhase::Quantize, t(2), JobState::Succeeded);
+    q.pod = Some(ObservedPod {
+        termination_message: Some(r#"{"type":"gptq-w4-g128","originalSizeBytes":4000,"compressedSizeBytes":1000,"quantizationTimeSeconds":3723,"outputDir":"/cache/mc/gptq-w4-g128","quality":{"gptqModules":400,"rtnFallbackModules":4,"rtnFallbackPercent":1.0,"maxRtnFallbackPercent":10.0,"minimumModules":100,"gate":"passed"}}"#.into()),
+        ..Default::default()
+    });
+    let mc = applied(mc, &p);
+    let p = plan(&mc, &obs(vec![dl.clone(), ab.clone(), q.clone()]), &c, t(3));
+    let qs = p.status.quantization.clone().expect("quantization status");
+    assert_eq!(qs.compression_ratio, Some(4.0));
+    assert_eq!(qs.quantization_time.as_deref(), Some("1h2m3s"));
+    assert_eq!(qs.output_dir.as_deref(), Some("mc/gptq-w4-g128"));
+    assert_eq!(qs.quality.and_then(|g| g.gate).as_deref(), Some("passed"));
+    assert_eq!(qs.format.as_deref(), Some("GPTQ"));
+    // Publish: digest, tags; an earlier digest moves to previousDigests.
+    let mut pb = job_from(&p, JobPhase::Publish, t(3), JobState::Succeeded);
+    pb.pod = Some(ObservedPod {
+        termination_message: Some(
+            r#"{"type":"publish","digest":"sha256:new","tags":["latest","stable"]}"#.into(),
+        ),
+        ..Default::default()
+    });
+    let mut mc = applied(mc, &p);
+    if let Some(ps) = mc.status.as_mut().and_then(|s| s.publish.as_mut()) {
+        ps.oci_digest = Some("sha256:old".into());
+    }
+    let p = plan(&mc, &obs(vec![dl, ab, q, pb]), &c, t(4));
+    let ps = p.status.publish.clone().expect("publish status");
+    assert_eq!(ps.oci_digest.as_deref(), Some("sha256:new"));
+    assert_eq!(ps.previous_digests, Some(vec!["sha256:old".to_string()]));
+    assert_eq!(
+        ps.published_tags,
+        Some(vec!["latest".to_string(), "stable".to_string()])
+    );
+    assert_eq!(p.status.phase, Some(CachePhase::Ready));
+}

@@ -1,0 +1,282 @@
+//! What a finished or running Job means for status: results from the termination message,
+//! failure and retry bookkeeping, and progress (telemetry or elapsed estimate).
+
+use std::collections::BTreeMap;
+
+use flexinfer_api::conditions::types;
+use flexinfer_api::contract::{self, reasons, JobPhase, TerminationMessage};
+use flexinfer_api::formats;
+use flexinfer_api::modelcache::{CachePhase, QualityStatus};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+
+use super::failures::{classify_failure, failure_text};
+use super::jobs;
+use super::observe::ObservedJob;
+use super::plan::{
+    complete_reason, failed_reason, get_common, phase_from_status_name, reset_retries,
+    running_phase, secs_between, set_common, ts_add, Action, Common, Ctx, Observed,
+};
+
+fn rel_output_dir(raw: &str) -> Option<String> {
+    let p = raw
+        .strip_prefix(contract::CACHE_MOUNT)
+        .map(|s| s.trim_start_matches('/'))
+        .unwrap_or(raw);
+    contract::check_relative_path(p)
+        .ok()
+        .map(|_| p.trim_end_matches('/').to_string())
+}
+
+fn fmt_duration(secs: f64) -> String {
+    let s = secs.max(0.0).round() as i64;
+    let (h, m, s) = (s / 3600, (s % 3600) / 60, s % 60);
+    if h > 0 {
+        format!("{h}h{m}m{s}s")
+    } else if m > 0 {
+        format!("{m}m{s}s")
+    } else {
+        format!("{s}s")
+    }
+}
+
+pub(super) fn record_success(cx: &mut Ctx<'_>, phase: JobPhase, job: &ObservedJob, mut c: Common) {
+    let now = cx.now_t.clone();
+    c.completed_at = Some(now.clone());
+    c.spec_hash = job.spec_hash.clone();
+    c.image = Some(job.image.clone());
+    if c.started_at.is_none() {
+        c.started_at = Some(Time(job.created));
+    }
+    c.progress = Some(100);
+    c.failure_message = None;
+    c.last_progress_at = Some(now.clone());
+    set_common(&mut cx.st, phase, c);
+    let term = job
+        .pod
+        .as_ref()
+        .and_then(|p| p.termination_message.as_deref())
+        .and_then(TerminationMessage::parse)
+        .and_then(|m| match m {
+            TerminationMessage::Success(s) => Some(s),
+            TerminationMessage::Failure(_) => None,
+        })
+        .unwrap_or_default();
+    let mc = cx.mc;
+    let mut note = format!("{} complete (Job {})", phase.status_name(), job.name);
+    match phase {
+        JobPhase::Download => {
+            let d = cx.st.download.get_or_insert_with(Default::default);
+            d.size_bytes = term
+                .size_bytes
+                .or(term.original_size_bytes)
+                .map(|v| v as i64);
+            d.file_count = term.file_count.map(|v| v as i64);
+            d.revision = Some(
+                term.revision
+                    .clone()
+                    .unwrap_or_else(|| mc.spec.revision.clone()),
+            );
+        }
+        JobPhase::Abliterate => {
+            let a = cx.st.abliteration.get_or_insert_with(Default::default);
+            a.layers_modified = term.layers_modified.map(|v| v as i64);
+            a.refusal_dir_norm = term.refusal_dir_norm.map(|v| format!("{v:.3}"));
+            a.layer = term.layer.map(|v| v as i64);
+            a.perplexity_before = term.perplexity_before.map(|v| format!("{v:.3}"));
+            a.perplexity_after = term.perplexity_after.map(|v| format!("{v:.3}"));
+            a.perplexity_before = term.perplexity_before.map(|v| format!("{v:.3}"));
+            a.perplexity_after = term.perplexity_after.map(|v| format!("{v:.3}"));
+            a.output_dir = Some(jobs::phase_dirs(mc, phase).1);
+        }
+        JobPhase::Quantize => {
+            let started = get_common(&cx.st, phase).started_at.map(|t| t.0);
+            let q = cx.st.quantization.get_or_insert_with(Default::default);
+            let spec = mc.spec.quantization.clone();
+            q.format = spec
+                .as_ref()
+                .map(|s| formats::info(s.format).name.to_string());
+            q.quant_type = Some(
+                spec.as_ref()
+                    .map(|s| s.output_subdir())
+                    .filter(|_| term.kind.is_empty() || term.kind == "quantize")
+                    .unwrap_or_else(|| term.kind.clone()),
+            );
+            q.original_size_bytes = term.original_size_bytes.map(|v| v as i64);
+            q.compressed_size_bytes = term.compressed_size_bytes.map(|v| v as i64);
+            q.compression_ratio = match (term.original_size_bytes, term.compressed_size_bytes) {
+                (Some(o), Some(c)) if c > 0 => {
+                    Some(((o as f64 / c as f64) * 100.0).round() / 100.0)
+                }
+                _ => None,
+            };
+            let secs = term
+                .quantization_time_seconds
+                .or_else(|| started.map(|s| cx.now.duration_since(s).as_secs_f64()));
+            q.quantization_time = secs.map(fmt_duration);
+            if let Some(s) = &spec {
+                let cal = s.effective_calibration();
+                let mut m = BTreeMap::from([
+                    ("maxSeqLen".to_string(), cal.max_seq_len.to_string()),
+                    ("maxSamples".to_string(), cal.max_samples.to_string()),
+                    ("dataset".to_string(), cal.dataset.clone()),
+                ]);
+                if let Some(n) = cal.n_parallel_calib_samples {
+                    m.insert("nParallelCalibSamples".into(), n.to_string());
+                }
+                q.calibration_params = Some(m);
+            }
+            q.output_dir = Some(
+                term.output_dir
+                    .as_deref()
+                    .and_then(rel_output_dir)
+                    .unwrap_or_else(|| jobs::phase_dirs(mc, phase).1),
+            );
+            q.quality = term.quality.as_ref().map(|g| QualityStatus {
+                gptq_modules: Some(g.gptq_modules as i64),
+                rtn_fallback_modules: Some(g.rtn_fallback_modules as i64),
+                rtn_fallback_percent: Some(g.rtn_fallback_percent),
+                gate: Some(g.gate.clone()),
+            });
+            if let Some(r) = q.compression_ratio {
+                note.push_str(&format!(", compression ratio {r}"));
+            }
+        }
+        JobPhase::Publish => {
+            let p = cx.st.publish.get_or_insert_with(Default::default);
+            if let Some(d) = &term.digest {
+                if let Some(prev) = p.oci_digest.clone().filter(|x| x != d) {
+                    let mut list = p.previous_digests.clone().unwrap_or_default();
+                    list.retain(|x| *x != prev);
+                    list.insert(0, prev);
+                    list.truncate(5);
+                    p.previous_digests = Some(list);
+                }
+                p.oci_digest = Some(d.clone());
+                note.push_str(&format!(", digest {d}"));
+            }
+            p.published_tags = (!term.tags.is_empty()).then(|| term.tags.clone());
+            p.published_at = Some(now.clone());
+        }
+    }
+    if cx
+        .st
+        .last_failure_phase
+        .as_deref()
+        .and_then(phase_from_status_name)
+        == Some(phase)
+    {
+        reset_retries(&mut cx.st);
+    }
+    cx.st.retry_count = Some(0);
+    cx.outcome.completed.push(phase);
+    cx.job_event(false, complete_reason(phase), note, Some(&job.name));
+}
+
+pub(super) fn record_failure(
+    cx: &mut Ctx<'_>,
+    phase: JobPhase,
+    job: &ObservedJob,
+    observed: &Observed,
+    mut c: Common,
+    max_retries: i32,
+) {
+    let reason = classify_failure(job);
+    let text = failure_text(job, observed.log_tail.as_ref());
+    let msg = format!("{reason}: {text}");
+    c.failure_message = Some(msg.clone());
+    set_common(&mut cx.st, phase, c);
+    cx.st.last_failure_phase = Some(phase.status_name().to_string());
+    cx.st.last_failure_time = Some(cx.now_t.clone());
+    cx.actions.push(Action::DeleteJob(job.name.clone()));
+    cx.outcome.failed.push((phase, reason.clone()));
+    let n = cx.st.retry_count.unwrap_or(0).max(0);
+    if n < max_retries {
+        let delay = cx.config.retry_delay(n as u32);
+        cx.st.retry_count = Some(n + 1);
+        cx.st.next_retry_at = Some(Time(ts_add(cx.now, delay)));
+        cx.st.phase = Some(running_phase(phase));
+        let note = format!(
+            "{} failed ({reason}); retry {}/{} in {}s: {text}",
+            phase.status_name(),
+            n + 1,
+            max_retries,
+            delay.as_secs()
+        );
+        cx.cond(types::PROGRESSING, true, reasons::RETRYING, &note);
+        cx.cond(types::DEGRADED, true, &reason, &msg);
+        cx.job_event(true, reasons::RETRYING, note, Some(&job.name));
+        cx.requeue(delay);
+    } else {
+        let r = failed_reason(phase);
+        cx.st.phase = Some(CachePhase::Failed);
+        cx.st.next_retry_at = None;
+        let note = format!(
+            "{} failed after {} retries ({reason}): {text}",
+            phase.status_name(),
+            max_retries
+        );
+        cx.cond(types::READY, false, &r, &msg);
+        cx.cond(types::PROGRESSING, false, &r, &note);
+        cx.cond(types::DEGRADED, true, &reason, &msg);
+        cx.job_event(true, reasons::PHASE_FAILED, note, Some(&job.name));
+    }
+}
+
+pub(super) fn update_progress(
+    cx: &mut Ctx<'_>,
+    phase: JobPhase,
+    job: &ObservedJob,
+    observed: &Observed,
+    mut c: Common,
+) {
+    let now = cx.now;
+    // Adopt a Job created before a status write was lost (e.g. controller restart).
+    if c.started_at.is_none() {
+        c.started_at = Some(Time(job.created));
+        c.spec_hash = job.spec_hash.clone();
+        c.image = Some(job.image.clone());
+    }
+    let old = c.progress.unwrap_or(0);
+    let deadline = jobs::deadline_seconds(cx.mc, phase).max(1);
+    let elapsed = secs_between(job.started, now).max(0);
+    cx.outcome.running = Some((phase, deadline, elapsed));
+    let telemetry = match &observed.log_tail {
+        Some(Ok(text)) => contract::latest_progress(text).filter(|(_, p)| {
+            p.phase
+                .as_deref()
+                .is_none_or(|ph| ph == phase.status_name() || ph == phase.as_str())
+        }),
+        _ => None,
+    };
+    if let Some((ts, p)) = telemetry {
+        let pct = (p.percent.floor() as i32).clamp(0, 100);
+        let new = old.max(pct);
+        let detail = p.detail.clone().or(c.progress_detail.clone());
+        if new != old
+            || c.progress_source.as_deref() != Some("telemetry")
+            || detail != c.progress_detail
+        {
+            c.progress = Some(new);
+            c.progress_detail = detail;
+            c.progress_source = Some("telemetry".into());
+            c.last_progress_at = Some(Time(ts.parse::<Timestamp>().unwrap_or(now)));
+        }
+        cx.outcome.telemetry = Some(p);
+    } else if c.progress_source.as_deref() != Some("telemetry") {
+        // No telemetry (yet, or an image without it): elapsed / deadline, capped at 99.
+        let est = ((elapsed as f64 / deadline as f64) * 100.0)
+            .floor()
+            .min(99.0) as i32;
+        let new = old.max(est);
+        if new != old || c.progress_source.is_none() {
+            c.progress = Some(new);
+            c.progress_source = Some("elapsed-estimate".into());
+            c.progress_detail = Some(format!("{elapsed}s of {deadline}s deadline"));
+            c.last_progress_at = Some(Time(now));
+        }
+    }
+    // A failed log read (or a tail without events) keeps the last trustworthy value.
+    cx.st.progress = c.progress;
+    set_common(&mut cx.st, phase, c);
+}

@@ -1,0 +1,302 @@
+//! What each phase runs where (SPEC §3.2): enabled phases, GPUProfile and node selector, image
+//! resolution, the per-phase spec hashes (§3.3) and the directories inside the cache volume.
+
+use std::collections::BTreeMap;
+
+use flexinfer_api::contract::{self, controller_env, labels, JobPhase};
+use flexinfer_api::gpuprofile::{GPUProfile, GpuVendor};
+use flexinfer_api::modelcache::{ModelCache, QuantFormat};
+use sha2::{Digest, Sha256};
+
+use super::config::Config;
+
+/// Pipeline phases a cache runs, in order.
+pub fn enabled_phases(mc: &ModelCache) -> Vec<JobPhase> {
+    let mut v = vec![JobPhase::Download];
+    if mc.spec.abliteration.is_some() {
+        v.push(JobPhase::Abliterate);
+    }
+    if mc.spec.quantization.is_some() {
+        v.push(JobPhase::Quantize);
+    }
+    if mc.spec.publish.is_some() {
+        v.push(JobPhase::Publish);
+    }
+    v
+}
+
+/// Whether a phase runs on a GPU node.
+pub fn uses_gpu(mc: &ModelCache, phase: JobPhase) -> bool {
+    match phase {
+        JobPhase::Abliterate => mc.spec.abliteration.as_ref().is_some_and(|a| a.use_gpu),
+        JobPhase::Quantize => mc.spec.quantization.as_ref().is_some_and(|q| q.use_gpu),
+        _ => false,
+    }
+}
+
+fn phase_node_selector(mc: &ModelCache, phase: JobPhase) -> Option<BTreeMap<String, String>> {
+    let own = match phase {
+        JobPhase::Abliterate => mc
+            .spec
+            .abliteration
+            .as_ref()
+            .and_then(|a| a.node_selector.clone()),
+        JobPhase::Quantize => mc
+            .spec
+            .quantization
+            .as_ref()
+            .and_then(|q| q.node_selector.clone()),
+        _ => None,
+    };
+    own.filter(|m| !m.is_empty())
+        .or_else(|| mc.spec.node_selector.clone().filter(|m| !m.is_empty()))
+}
+
+/// GPU architectures a cache's phases select (used to map GPUProfile changes to caches).
+pub fn cache_arches(mc: &ModelCache) -> Vec<String> {
+    let mut out: Vec<String> = JobPhase::ALL
+        .into_iter()
+        .filter_map(|p| phase_node_selector(mc, p))
+        .filter_map(|m| m.get(labels::GPU_ARCH).cloned())
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// Whether a GPUProfile change can affect a cache: same namespace and either a phase selects the
+/// profile's architecture, or a GPU phase selects no architecture (then the namespace's only
+/// profile applies).
+pub fn profile_affects(mc: &ModelCache, profile: &GPUProfile) -> bool {
+    if mc.metadata.namespace != profile.metadata.namespace {
+        return false;
+    }
+    let arches = cache_arches(mc);
+    if arches.is_empty() {
+        return JobPhase::ALL.iter().any(|p| uses_gpu(mc, *p));
+    }
+    arches.contains(&profile.spec.architecture)
+        || profile
+            .metadata
+            .name
+            .as_ref()
+            .is_some_and(|n| arches.contains(n))
+}
+
+/// Where and with what a phase runs.
+#[derive(Debug, Clone)]
+pub struct PhaseTarget {
+    pub phase: JobPhase,
+    pub gpu: bool,
+    /// GPUProfile that applies (GPU phases only).
+    pub profile: Option<GPUProfile>,
+    pub arch: Option<String>,
+    pub node_selector: BTreeMap<String, String>,
+    /// Resolved image; `Err` names what to configure.
+    pub image: Result<String, String>,
+}
+
+/// Resolve profile, arch, node selector and image of one phase (SPEC §3.2).
+pub fn resolve_target(
+    mc: &ModelCache,
+    phase: JobPhase,
+    profiles: &[GPUProfile],
+    config: &Config,
+) -> PhaseTarget {
+    let gpu = uses_gpu(mc, phase);
+    let sel = phase_node_selector(mc, phase);
+    let sel_arch = sel.as_ref().and_then(|m| m.get(labels::GPU_ARCH).cloned());
+    let profile = if gpu {
+        match &sel_arch {
+            Some(a) => profiles
+                .iter()
+                .find(|p| &p.spec.architecture == a)
+                .or_else(|| {
+                    profiles
+                        .iter()
+                        .find(|p| p.metadata.name.as_deref() == Some(a))
+                })
+                .cloned(),
+            // No arch in the selector: the namespace's only GPUProfile, if there is exactly one.
+            None if profiles.len() == 1 => profiles.first().cloned(),
+            None => None,
+        }
+    } else {
+        None
+    };
+    let arch = sel_arch.or_else(|| profile.as_ref().map(|p| p.spec.architecture.clone()));
+    let node_selector = sel
+        .or_else(|| profile.as_ref().map(|p| p.spec.effective_node_selector()))
+        .unwrap_or_default();
+    let image = resolve_image(mc, phase, profile.as_ref(), arch.as_deref(), config);
+    PhaseTarget {
+        phase,
+        gpu,
+        profile,
+        arch,
+        node_selector,
+        image,
+    }
+}
+
+fn resolve_image(
+    mc: &ModelCache,
+    phase: JobPhase,
+    profile: Option<&GPUProfile>,
+    arch: Option<&str>,
+    config: &Config,
+) -> Result<String, String> {
+    let worker = || {
+        config.worker_image.clone().ok_or_else(|| {
+            format!(
+                "no worker image: set {} on the controller",
+                controller_env::WORKER_IMAGE
+            )
+        })
+    };
+    let format = match phase {
+        JobPhase::Download | JobPhase::Publish => return worker(),
+        JobPhase::Abliterate if !uses_gpu(mc, phase) => return worker(),
+        // GPU abliteration runs in the GPU worker image of the arch (the GPTQ image).
+        JobPhase::Abliterate => QuantFormat::Gptq,
+        JobPhase::Quantize => match &mc.spec.quantization {
+            Some(q) => q.format,
+            None => return worker(),
+        },
+    };
+    let fname = flexinfer_api::formats::info(format).name;
+    if let Some(img) = profile
+        .and_then(|p| p.spec.quantization.as_ref())
+        .and_then(|q| q.images.get(fname))
+        .filter(|s| !s.trim().is_empty())
+    {
+        return Ok(img.trim().to_string());
+    }
+    let env_get = |k: &str| config.image_env.get(k).cloned();
+    if format == QuantFormat::Gptq {
+        let amd = profile
+            .map(|p| p.spec.vendor == GpuVendor::Amd)
+            .unwrap_or(false)
+            || arch.is_some_and(|a| a.starts_with("gfx"));
+        if amd {
+            if let Some(i) =
+                arch.and_then(|a| env_get(&controller_env::quantizer_gptq_rocm_arch_image(a)))
+            {
+                return Ok(i);
+            }
+            if let Some(i) = env_get(controller_env::QUANTIZER_GPTQ_ROCM_IMAGE) {
+                return Ok(i);
+            }
+        } else if let Some(i) = env_get(controller_env::QUANTIZER_GPTQ_IMAGE) {
+            return Ok(i);
+        }
+    }
+    if let Some(i) = env_get(&controller_env::quantizer_format_image(fname)) {
+        return Ok(i);
+    }
+    if format == QuantFormat::Gptq {
+        // One worker binary serves CPU and GPU: fall back to the worker image.
+        if let Some(i) = config.worker_image.clone() {
+            return Ok(i);
+        }
+    }
+    Err(format!(
+        "no {fname} quantizer image for arch {}: set GPUProfile spec.quantization.images.{fname}, {} or {}",
+        arch.unwrap_or("<none>"),
+        controller_env::QUANTIZER_GPTQ_IMAGE,
+        controller_env::quantizer_format_image(fname)
+    ))
+}
+
+/// JSON with object keys sorted at every level (serde_json's default map is ordered, but the
+/// `preserve_order` feature may be switched on by another crate in the build).
+pub fn canonical_json(v: &serde_json::Value) -> String {
+    fn canon(v: &serde_json::Value) -> serde_json::Value {
+        match v {
+            serde_json::Value::Object(m) => {
+                let sorted: BTreeMap<&String, serde_json::Value> =
+                    m.iter().map(|(k, v)| (k, canon(v))).collect();
+                let mut out = serde_json::Map::new();
+                for (k, v) in sorted {
+                    out.insert(k.clone(), v);
+                }
+                serde_json::Value::Object(out)
+            }
+            serde_json::Value::Array(a) => serde_json::Value::Array(a.iter().map(canon).collect()),
+            other => other.clone(),
+        }
+    }
+    serde_json::to_string(&canon(v)).unwrap_or_default()
+}
+
+/// The part of the spec a phase's output depends on.
+pub fn phase_inputs(mc: &ModelCache, phase: JobPhase) -> serde_json::Value {
+    let s = &mc.spec;
+    match phase {
+        JobPhase::Download => serde_json::json!({
+            "source": s.source, "revision": s.revision, "modelPath": s.model_path,
+            "download": j(&s.download),
+            // The calibration dataset is fetched by the download phase.
+            "dataset": s.quantization.as_ref().map(|q| q.effective_calibration().dataset),
+        }),
+        JobPhase::Abliterate => j(&s.abliteration),
+        JobPhase::Quantize => j(&s.quantization),
+        JobPhase::Publish => j(&s.publish),
+    }
+}
+
+fn j<T: serde::Serialize>(v: &T) -> serde_json::Value {
+    serde_json::to_value(v).unwrap_or(serde_json::Value::Null)
+}
+
+/// `sha256(canonical JSON of the phase inputs + "|" + image)`, first 16 hex characters. For
+/// quantization this is the seed's `quantSpecHashWithImage` over `spec.quantization`.
+pub fn spec_hash(mc: &ModelCache, phase: JobPhase, image: &str) -> String {
+    let mut h = Sha256::new();
+    h.update(canonical_json(&phase_inputs(mc, phase)).as_bytes());
+    h.update(b"|");
+    h.update(image.as_bytes());
+    hex::encode(h.finalize())[..16].to_string()
+}
+
+/// Directory of the cache inside the PVC.
+pub fn model_dir(mc: &ModelCache) -> String {
+    let name = mc.metadata.name.clone().unwrap_or_default();
+    mc.spec.model_dir_name(&name).trim_matches('/').to_string()
+}
+
+/// Relative (to the PVC root) input and output directories of a phase.
+pub fn phase_dirs(mc: &ModelCache, phase: JobPhase) -> (String, String) {
+    let base = model_dir(mc);
+    let ablit = format!("{base}/{}", contract::ABLITERATED_SUBDIR);
+    let quant_in = if mc.spec.abliteration.is_some() {
+        ablit.clone()
+    } else {
+        base.clone()
+    };
+    let quant_out = mc
+        .spec
+        .quantization
+        .as_ref()
+        .map(|q| format!("{base}/{}", q.output_subdir()));
+    match phase {
+        JobPhase::Download => (base.clone(), base),
+        JobPhase::Abliterate => (base, ablit),
+        JobPhase::Quantize => (quant_in.clone(), quant_out.unwrap_or(quant_in)),
+        JobPhase::Publish => {
+            let art = artifact_dir(mc);
+            (art.clone(), art)
+        }
+    }
+}
+
+/// Directory (relative to the PVC root) of the artifact serving uses.
+pub fn artifact_dir(mc: &ModelCache) -> String {
+    if mc.spec.quantization.is_some() {
+        phase_dirs(mc, JobPhase::Quantize).1
+    } else if mc.spec.abliteration.is_some() {
+        phase_dirs(mc, JobPhase::Abliterate).1
+    } else {
+        model_dir(mc)
+    }
+}
