@@ -23,6 +23,8 @@ enum Cmd {
     Download(flexinfer_worker::download::DownloadArgs),
     /// Remove the refusal direction from MODEL_DIR into a new full-precision model (OUT_DIR).
     Abliterate(flexinfer_worker::abliterate::AbliterateArgs),
+    /// GPTQ-quantize MODEL_DIR into OUT_DIR (vLLM-loadable `gptq` checkpoint).
+    Quantize(flexinfer_worker::quantize::QuantizeArgs),
     /// Publish MODEL_DIR as an OCI artifact.
     Publish(flexinfer_worker::publish::PublishArgs),
 }
@@ -36,6 +38,7 @@ fn main() -> ExitCode {
         }
         Cmd::Download(args) => exit_code(flexinfer_worker::download::run(args)),
         Cmd::Abliterate(args) => exit_code(flexinfer_worker::abliterate::run(args)),
+        Cmd::Quantize(args) => exit_code(flexinfer_worker::quantize::run(args)),
         Cmd::Publish(args) => exit_code(flexinfer_worker::publish::run(args)),
     }
 }
