@@ -4,7 +4,8 @@ use crate::hessian::PreparedFactor;
 use crate::linalg::LinalgBackend;
 use crate::params::GptqParams;
 use crate::quantizer::{dequantize, find_params, maxq, quantize_code, GroupParams};
-use faer::Mat;
+use faer::{Mat, MatMut, MatRef};
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 /// Columns per outer block of the two-level sweep (rounded up to a multiple of the block and group size).
@@ -145,18 +146,30 @@ pub fn gptq_quantize(
             let count = i2 - i1;
             let mut w1 = w.subcols(i1, count).to_owned();
             let mut err1 = err_outer.subcols_mut(i1 - o1, count);
-            for i in 0..count {
+            // Group parameters of every column of the block are fixed before the sweep: they are read from the
+            // global W, which the block's own updates never touch (the reference's quirk, kept for parity).
+            let mut block_params: Vec<GroupParams> = Vec::new();
+            let mut col_param: Vec<Option<usize>> = vec![None; count];
+            let mut cur_idx: Option<usize> = current.as_ref().map(|c| {
+                block_params.push(c.clone());
+                0
+            });
+            let mut cur_static: Option<usize> = None;
+            for (i, slot) in col_param.iter_mut().enumerate() {
                 let k = i1 + i;
                 let orig = perm[k];
                 let group_of_k;
                 if p.group_size > 0 {
                     if p.static_groups {
                         group_of_k = orig / gs;
-                        current = Some(static_groups[group_of_k].clone());
+                        if cur_static != Some(group_of_k) {
+                            block_params.push(static_groups[group_of_k].clone());
+                            cur_idx = Some(block_params.len() - 1);
+                            cur_static = Some(group_of_k);
+                        }
                     } else {
                         group_of_k = k / gs;
                         if k % gs == 0 {
-                            // Quirk kept for parity: parameters from the global W, which lacks this block's in-block updates.
                             let gp = find_params(
                                 rows,
                                 col_slices(&w, k, (k + gs).min(cols)),
@@ -164,45 +177,50 @@ pub fn gptq_quantize(
                                 p.sym,
                             );
                             push_group(&mut scales, &mut zeros, group_of_k, rows, &gp);
-                            current = Some(gp);
+                            block_params.push(gp);
+                            cur_idx = Some(block_params.len() - 1);
                         }
                     }
                 } else {
                     group_of_k = 0;
                 }
                 g_idx[orig] = group_of_k as i32;
-                let Some(gp) = current.as_ref() else { continue };
-                let d = u[(k, k)];
-                let mut sq = 0.0f64;
-                {
-                    let wcol = w1.col_as_slice(i);
-                    let mut ecol = err1.as_mut().col_mut(i);
-                    let out = &mut codes[orig * rows..(orig + 1) * rows];
-                    for r in 0..rows {
-                        let x = wcol[r];
-                        let q = quantize_code(x, gp.scale[r], gp.zero[r], maxq);
-                        out[r] = q as u8;
-                        let diff = x - dequantize(q, gp.scale[r], gp.zero[r]);
-                        sq += (diff * diff) as f64;
-                        ecol[r] = diff / d;
-                    }
-                }
-                loss += sq / (d as f64 * d as f64) / 2.0;
-                // Rank-1 update of the remaining block columns.
-                let ecol = err1.as_ref().col(i);
-                let Some(left) = ecol.try_as_col_major() else {
-                    continue;
-                };
-                let left = left.as_slice();
-                for j in i + 1..count {
-                    let coef = u[(k, i1 + j)];
-                    if coef == 0.0 {
-                        continue;
-                    }
-                    let right = w1.col_as_slice_mut(j);
-                    for (wv, ev) in right.iter_mut().zip(left) {
-                        *wv -= ev * coef;
-                    }
+                *slot = cur_idx;
+            }
+            current = cur_idx.map(|i| block_params[i].clone());
+            // Rows are independent inside a block: sweep row chunks in parallel.
+            let u_blk = u.submatrix(i1, i1, count, count);
+            let parts_n = if rows >= 256 {
+                rayon::current_num_threads().clamp(1, rows / 128)
+            } else {
+                1
+            };
+            let mut parts = Vec::with_capacity(parts_n);
+            let (mut wr, mut er) = (w1.as_mut(), err1.as_mut());
+            let mut r0 = 0;
+            for t in 0..parts_n {
+                let len = (rows - r0) / (parts_n - t);
+                let (wa, wb) = wr.split_at_row_mut(len);
+                let (ea, eb) = er.split_at_row_mut(len);
+                parts.push((r0, wa, ea));
+                wr = wb;
+                er = eb;
+                r0 += len;
+            }
+            let swept: Vec<(usize, Vec<u8>, f64)> = parts
+                .into_par_iter()
+                .map(|(r0, wp, ep)| {
+                    let (c, l) = sweep_rows(wp, ep, u_blk, &block_params, &col_param, r0, maxq);
+                    (r0, c, l)
+                })
+                .collect();
+            for (r0, local, l) in swept {
+                loss += l;
+                let len = local.len() / count.max(1);
+                for i in 0..count {
+                    let orig = perm[i1 + i];
+                    codes[orig * rows + r0..orig * rows + r0 + len]
+                        .copy_from_slice(&local[i * len..(i + 1) * len]);
                 }
             }
             if i2 < o2 {
@@ -241,6 +259,66 @@ pub fn gptq_quantize(
         loss,
         damp: factor.damp,
     }
+}
+
+/// The in-block column loop for rows `r0 .. r0 + w.nrows()`: quantize each column, record its scaled error,
+/// and apply the rank-1 update to the block's later columns. Returns the codes (`[count][rows]`) and the loss.
+fn sweep_rows(
+    mut w: MatMut<'_, f32>,
+    mut e: MatMut<'_, f32>,
+    u_blk: MatRef<'_, f32>,
+    params: &[GroupParams],
+    col_param: &[Option<usize>],
+    r0: usize,
+    maxq: f32,
+) -> (Vec<u8>, f64) {
+    let (len, count) = (w.nrows(), w.ncols());
+    let mut codes = vec![0u8; len * count];
+    let mut loss = 0.0f64;
+    for i in 0..count {
+        let Some(gp) = col_param[i].map(|pi| &params[pi]) else {
+            continue;
+        };
+        let (scale, zero) = (&gp.scale[r0..r0 + len], &gp.zero[r0..r0 + len]);
+        let d = u_blk[(i, i)];
+        let mut sq = 0.0f64;
+        {
+            let (Some(wcol), Some(ecol)) = (
+                w.as_ref().col(i).try_as_col_major(),
+                e.as_mut().col_mut(i).try_as_col_major_mut(),
+            ) else {
+                continue;
+            };
+            let (wcol, ecol) = (wcol.as_slice(), ecol.as_slice_mut());
+            let out = &mut codes[i * len..(i + 1) * len];
+            for r in 0..len {
+                let x = wcol[r];
+                let q = quantize_code(x, scale[r], zero[r], maxq);
+                out[r] = q as u8;
+                let diff = x - dequantize(q, scale[r], zero[r]);
+                sq += (diff * diff) as f64;
+                ecol[r] = diff / d;
+            }
+        }
+        loss += sq / (d as f64 * d as f64) / 2.0;
+        let Some(left) = e.as_ref().col(i).try_as_col_major() else {
+            continue;
+        };
+        let left = left.as_slice();
+        for j in i + 1..count {
+            let coef = u_blk[(i, j)];
+            if coef == 0.0 {
+                continue;
+            }
+            let Some(right) = w.as_mut().col_mut(j).try_as_col_major_mut() else {
+                continue;
+            };
+            for (wv, ev) in right.as_slice_mut().iter_mut().zip(left) {
+                *wv -= ev * coef;
+            }
+        }
+    }
+    (codes, loss)
 }
 
 /// Round-to-nearest per group, no Hessian (the fallback when recovery is exhausted).

@@ -396,7 +396,8 @@ pub fn run(
         };
         let mut lw = load_layer(&store, &cfg, layer, None)?;
         store.release_pages();
-        let mut x1_cache: Vec<Mat<f32>> = Vec::new();
+        // True once `hidden` holds each sample's residual after attention (a freshly quantized layer).
+        let mut hidden_is_x1 = false;
         if layer < cache.completed_layers() {
             // Resume: the cached packed modules replace the source weights, read with the consumer's rules.
             let path = cache
@@ -440,26 +441,29 @@ pub fn run(
                     if active.is_empty() { 0 } else { cols },
                 );
                 // Up to `batch` samples' activations are stacked into one product (bounded memory, better GEMM).
-                for (ci, chunk) in hidden.chunks(batch).enumerate() {
+                for (ci, chunk) in hidden.chunks_mut(batch).enumerate() {
                     let mut acts: Vec<Mat<f32>> = Vec::with_capacity(chunk.len());
-                    for (k, x) in chunk.iter().enumerate() {
+                    for (k, x) in chunk.iter_mut().enumerate() {
                         let idx = ci * batch + k;
                         let a = match stage {
                             Stage::Qkv => rms_norm(x.as_ref(), &lw.input_norm, cfg.rms_norm_eps),
                             Stage::O => {
                                 let hn = rms_norm(x.as_ref(), &lw.input_norm, cfg.rms_norm_eps);
                                 let att = attention(&cfg, &lw, hn.as_ref(), &rope);
+                                // Stacking below copies it; keep the original for the next stage.
                                 att_cache.push(att.clone());
                                 att
                             }
                             Stage::GateUp => {
-                                let x1 =
-                                    attention_residual(&lw, x.as_ref(), att_cache[idx].as_ref());
+                                let att = std::mem::replace(&mut att_cache[idx], Mat::new());
+                                let x1 = attention_residual(&lw, x.as_ref(), att.as_ref());
+                                drop(att);
                                 let h2 = rms_norm(x1.as_ref(), &lw.post_norm, cfg.rms_norm_eps);
-                                x1_cache.push(x1);
+                                // The layer input is not needed any more: the residual replaces it.
+                                *x = x1;
                                 h2
                             }
-                            Stage::Down => mlp_activation(&cfg, &lw, x1_cache[idx].as_ref()),
+                            Stage::Down => mlp_activation(&cfg, &lw, x.as_ref()),
                         };
                         if !active.is_empty() {
                             acts.push(a);
@@ -479,6 +483,7 @@ pub fn run(
                 }
                 if *stage == Stage::GateUp {
                     att_cache = Vec::new();
+                    hidden_is_x1 = true;
                 }
                 if active.is_empty() {
                     continue;
@@ -541,9 +546,9 @@ pub fn run(
                 layer_extra(layer + 1),
             );
         }
-        if x1_cache.len() == hidden.len() {
-            for (x, x1) in hidden.iter_mut().zip(&x1_cache) {
-                *x = mlp_residual(&cfg, &lw, x1.as_ref());
+        if hidden_is_x1 {
+            for x in hidden.iter_mut() {
+                *x = mlp_residual(&cfg, &lw, x.as_ref());
             }
         } else {
             for x in hidden.iter_mut() {

@@ -324,6 +324,35 @@ fn two_level_sweep_matches_reference_beyond_one_outer_block() {
 }
 
 #[test]
+fn row_parallel_sweep_matches_reference() {
+    // Enough rows that the in-block sweep is split across threads.
+    check_case(
+        300,
+        300,
+        256,
+        true,
+        GptqParams {
+            bits: 4,
+            group_size: 64,
+            desc_act: true,
+            ..Default::default()
+        },
+    );
+    check_case(
+        301,
+        520,
+        128,
+        false,
+        GptqParams {
+            bits: 3,
+            group_size: -1,
+            sym: false,
+            ..Default::default()
+        },
+    );
+}
+
+#[test]
 fn desc_act_g_idx_is_a_permutation_of_groups() {
     let p = GptqParams {
         bits: 4,

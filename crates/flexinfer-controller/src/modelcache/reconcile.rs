@@ -415,9 +415,46 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
     Ok(())
 }
 
+/// Drop per-Job series that no longer describe a running Job, so the deadline and stall alerts stop
+/// once a Job ends (or the cache is being deleted).
+fn forget_job_series(m: &crate::metrics::Metrics, name: &str, ns: &str, running: Option<JobPhase>) {
+    for phase in JobPhase::ALL {
+        if Some(phase) == running {
+            continue;
+        }
+        let jt = phase.status_name();
+        let _ = m.job_deadline_seconds.remove_label_values(&[name, ns, jt]);
+        let _ = m.job_elapsed_seconds.remove_label_values(&[name, ns, jt]);
+    }
+    if running != Some(JobPhase::Quantize) {
+        let _ = m.quantization_layer_index.remove_label_values(&[name, ns]);
+        let _ = m.quantization_layer_total.remove_label_values(&[name, ns]);
+        let _ = m
+            .quantization_last_progress_timestamp
+            .remove_label_values(&[name, ns]);
+    }
+}
+
 fn update_metrics(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) {
     let m = &ctx.metrics;
     let name = mc.name_any();
+    if mc.metadata.deletion_timestamp.is_some() {
+        forget_job_series(m, &name, ns, None);
+        for ph in CachePhase::ALL {
+            let _ = m
+                .modelcache_phase
+                .remove_label_values(&[name.as_str(), ns, ph.as_str()]);
+        }
+        for phase in JobPhase::ALL {
+            let _ = m.job_progress_percent.remove_label_values(&[
+                name.as_str(),
+                ns,
+                phase.status_name(),
+            ]);
+        }
+        return;
+    }
+    forget_job_series(m, &name, ns, p.outcome.running.map(|(ph, _, _)| ph));
     if let Some(phase) = p.status.phase {
         for ph in CachePhase::ALL {
             m.modelcache_phase
@@ -473,6 +510,15 @@ fn update_metrics(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) {
                 .set(pr as f64);
         }
         if phase == JobPhase::Quantize {
+            // "No layer progress since the Job started" counts as a stall too: start the clock at
+            // the Job's start when no newer progress was seen.
+            let started = k8s_openapi::jiff::Timestamp::now().as_second() as f64 - elapsed as f64;
+            let last = m
+                .quantization_last_progress_timestamp
+                .with_label_values(&[name.as_str(), ns]);
+            if last.get() < started {
+                last.set(started);
+            }
             if let Some(t) = &p.outcome.telemetry {
                 if let Some(l) = t.layer {
                     let prev = m
