@@ -195,6 +195,64 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Whether a directory under a model directory holds derived or in-progress artifacts (abliterated
+/// model, GPTQ outputs and resume cache, hub datasets, `*.partial`/`*.old` staging) rather than the
+/// model's own files.
+pub fn is_derived_dir(name: &str) -> bool {
+    name == contract::ABLITERATED_SUBDIR
+        || name == contract::files::GPTQ_CACHE_DIR
+        || name == contract::DATASETS_SUBDIR
+        || name.starts_with("gptq-")
+        || name.ends_with(".partial")
+        || name.ends_with(".old")
+}
+
+/// One regular file of a model directory: path relative to the root (with `/`), full path, size.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ModelFile {
+    pub rel: String,
+    pub path: PathBuf,
+    pub size: u64,
+}
+
+/// The model's own files under `root`, sorted by relative path: derived directories
+/// ([`is_derived_dir`]), `*.part` files and the download's in-progress marker are skipped.
+pub fn model_files(root: &Path) -> std::io::Result<Vec<ModelFile>> {
+    fn walk(root: &Path, dir: &Path, out: &mut Vec<ModelFile>) -> std::io::Result<()> {
+        for e in std::fs::read_dir(dir)? {
+            let e = e?;
+            let name = e.file_name().to_string_lossy().to_string();
+            let t = e.file_type()?;
+            if t.is_dir() {
+                if !is_derived_dir(&name) {
+                    walk(root, &e.path(), out)?;
+                }
+                continue;
+            }
+            if !t.is_file() || name.ends_with(".part") || name == crate::download::IN_PROGRESS_FILE
+            {
+                continue;
+            }
+            let rel = e
+                .path()
+                .strip_prefix(root)
+                .map_err(std::io::Error::other)?
+                .to_string_lossy()
+                .replace('\\', "/");
+            out.push(ModelFile {
+                rel,
+                path: e.path(),
+                size: e.metadata()?.len(),
+            });
+        }
+        Ok(())
+    }
+    let mut out = Vec::new();
+    walk(root, root, &mut out)?;
+    out.sort();
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -227,6 +285,32 @@ mod tests {
         let last = tail.lines().last().unwrap();
         let parsed = WorkerEvent::parse_line(last).unwrap().progress().unwrap();
         assert_eq!(parsed.percent, 40.0);
+    }
+
+    #[test]
+    fn model_files_skip_derived_and_partial() {
+        let d = tempfile::tempdir().unwrap();
+        for f in [
+            "config.json",
+            "sub/model.safetensors",
+            "x.part",
+            "abliterated/model.safetensors",
+            "abliterated.partial/a",
+            ".gptq-w4-g128.partial/a",
+            "gptq-w4-g128/model.safetensors",
+            ".flexinfer-gptq-cache/checkpoint.json",
+            ".datasets/d/train.jsonl",
+        ] {
+            let p = d.path().join(f);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(&p, b"x").unwrap();
+        }
+        let rels: Vec<String> = model_files(d.path())
+            .unwrap()
+            .into_iter()
+            .map(|f| f.rel)
+            .collect();
+        assert_eq!(rels, ["config.json", "sub/model.safetensors"]);
     }
 
     #[test]

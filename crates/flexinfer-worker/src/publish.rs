@@ -10,9 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use flexinfer_api::contract::{
-    self, env, events, files, oci_artifact, transfer_env, TerminationSuccess,
-};
+use flexinfer_api::contract::{self, env, events, oci_artifact, transfer_env, TerminationSuccess};
 use futures::{StreamExt, TryStreamExt};
 
 use crate::common::{self, Events, WorkerError};
@@ -330,39 +328,10 @@ fn build_manifest(files: &[LocalFile], config_digest: &str) -> Manifest {
 /// Files to publish: every regular file, skipping partial downloads, resume caches, hub datasets
 /// and nested derived artifacts (published on their own).
 fn list_files(dir: &Path) -> std::io::Result<Vec<(String, PathBuf, u64)>> {
-    let mut out = Vec::new();
-    walk(dir, dir, &mut out)?;
-    out.sort();
-    Ok(out)
-}
-
-fn walk(root: &Path, d: &Path, out: &mut Vec<(String, PathBuf, u64)>) -> std::io::Result<()> {
-    for e in std::fs::read_dir(d)? {
-        let e = e?;
-        let name = e.file_name().to_string_lossy().to_string();
-        let t = e.file_type()?;
-        if t.is_dir() {
-            let skip = name == files::GPTQ_CACHE_DIR
-                || name == contract::DATASETS_SUBDIR
-                || name == contract::ABLITERATED_SUBDIR
-                || name.starts_with("gptq-");
-            if !skip {
-                walk(root, &e.path(), out)?;
-            }
-            continue;
-        }
-        if !t.is_file() || name.ends_with(".part") || name == crate::download::IN_PROGRESS_FILE {
-            continue;
-        }
-        let rel = e
-            .path()
-            .strip_prefix(root)
-            .map_err(std::io::Error::other)?
-            .to_string_lossy()
-            .replace('\\', "/");
-        out.push((rel, e.path(), e.metadata()?.len()));
-    }
-    Ok(())
+    Ok(crate::common::model_files(dir)?
+        .into_iter()
+        .map(|f| (f.rel, f.path, f.size))
+        .collect())
 }
 
 fn spawn_ticker(

@@ -70,47 +70,18 @@ pub async fn run(
 /// with its sha256 and a `file://` URL.
 fn list_and_hash(src: &Path) -> std::io::Result<Vec<RemoteFile>> {
     let mut out = Vec::new();
-    walk(src, src, &mut out)?;
-    out.sort_by(|a, b| a.path.cmp(&b.path));
-    Ok(out)
-}
-
-fn walk(root: &Path, dir: &Path, out: &mut Vec<RemoteFile>) -> std::io::Result<()> {
-    for e in std::fs::read_dir(dir)? {
-        let e = e?;
-        let name = e.file_name().to_string_lossy().to_string();
-        let t = e.file_type()?;
-        if t.is_dir() {
-            let derived = name == contract::ABLITERATED_SUBDIR
-                || name == files::GPTQ_CACHE_DIR
-                || name == contract::DATASETS_SUBDIR
-                || name.starts_with("gptq-");
-            if !derived {
-                walk(root, &e.path(), out)?;
-            }
+    for f in crate::common::model_files(src)? {
+        if is_marker(&f.rel) || f.rel == files::ABLITERATION_STATUS {
             continue;
         }
-        if !t.is_file() || name.ends_with(".part") || name == super::state::IN_PROGRESS {
-            continue;
-        }
-        let rel = e
-            .path()
-            .strip_prefix(root)
-            .map_err(std::io::Error::other)?
-            .to_string_lossy()
-            .to_string();
-        if is_marker(&rel) || rel == files::ABLITERATION_STATUS {
-            continue;
-        }
-        let size = e.metadata()?.len();
-        let sha = super::fetch::sha256_file(&e.path())?;
+        let sha = super::fetch::sha256_file(&f.path)?;
         out.push(RemoteFile {
-            url: format!("file://{}", e.path().display()),
-            path: rel,
-            size,
+            url: format!("file://{}", f.path.display()),
+            path: f.rel,
+            size: f.size,
             sha256: Some(sha),
             git_sha1: None,
         });
     }
-    Ok(())
+    Ok(out)
 }
