@@ -83,6 +83,12 @@ pub struct DownloadArgs {
     /// model; a local file path is left alone.
     #[arg(long, env = env::DATASET)]
     pub dataset: Option<String>,
+    /// Abliteration refusal prompt set: a hub dataset id is fetched like `--dataset`.
+    #[arg(long, env = env::REFUSAL_DATASET)]
+    pub refusal_dataset: Option<String>,
+    /// Abliteration harmless prompt set: a hub dataset id is fetched like `--dataset`.
+    #[arg(long, env = env::HARMLESS_DATASET)]
+    pub harmless_dataset: Option<String>,
     /// Root that `local://` sources must stay inside.
     #[arg(long, env = contract::controller_env::LOCAL_SOURCE_ROOT)]
     pub local_source_root: Option<PathBuf>,
@@ -253,8 +259,15 @@ async fn run_async(
         }
         Source::Local { path } => local::run(args, &events, &path).await,
     }?;
-    if let Some(id) = args.dataset.as_deref().and_then(hub_dataset_id) {
-        fetch_dataset(args, &events, &id).await?;
+    let mut fetched = Vec::new();
+    for id in [&args.dataset, &args.refusal_dataset, &args.harmless_dataset]
+        .into_iter()
+        .filter_map(|d| d.as_deref().and_then(hub_dataset_id))
+    {
+        if !fetched.contains(&id) {
+            fetch_dataset(args, &events, &id).await?;
+            fetched.push(id);
+        }
     }
     Ok(model)
 }
@@ -268,10 +281,7 @@ async fn fetch_dataset(
     let dir = args.model_dir.join(contract::DATASETS_SUBDIR).join(id);
     std::fs::create_dir_all(&dir)
         .map_err(|e| WorkerError::Other(format!("cannot create {}: {e}", dir.display())))?;
-    events.log(&format!(
-        "fetching calibration dataset {id} into {}",
-        dir.display()
-    ));
+    events.log(&format!("fetching dataset {id} into {}", dir.display()));
     let client = http_client(false)?;
     let token = args.hf_token.as_deref().filter(|t| !t.is_empty());
     let listed = hf::list_files(

@@ -486,18 +486,33 @@ fn calibration_dataset_is_fetched_under_dot_datasets() {
     write_data(&dsdir.join("val.jsonl.zst"), 2 << 20, 42);
     std::fs::write(dsdir.join("README.md"), "calibration").unwrap();
     let ds_files = describe(&dsdir);
+    let prompts = tmp.path().join("prompts");
+    std::fs::create_dir_all(&prompts).unwrap();
+    std::fs::write(prompts.join("train.jsonl"), "{\"text\": \"a prompt\"}\n").unwrap();
+    let prompt_files = describe(&prompts);
     let hub = HubServer::start(
         REPO,
         vec![
             ("main", files),
             ("dataset:mit-han-lab/pile-val-backup@main", ds_files.clone()),
+            ("dataset:org/refusal-prompts@main", prompt_files.clone()),
         ],
     );
     let dest = tmp.path().join("m");
     let mut c = download(&hub, &dest, tmp.path());
     c.env("DATASET", "mit-han-lab/pile-val-backup");
+    // The abliteration prompt sets are fetched the same way; a repeated id only once.
+    c.env("REFUSAL_DATASET", "org/refusal-prompts");
+    c.env("HARMLESS_DATASET", "org/refusal-prompts");
     let r = run(c, tmp.path());
     assert_eq!(r.code, 0, "{}", r.describe());
+    assert_tree_matches(&dest.join(".datasets/org/refusal-prompts"), &prompt_files);
+    assert_eq!(
+        hub.state
+            .requests("datasets/org/refusal-prompts/train.jsonl")
+            .len(),
+        1
+    );
     let ds_dest = dest.join(".datasets/mit-han-lab/pile-val-backup");
     assert_tree_matches(&ds_dest, &ds_files);
     assert!(ds_dest.join(".download_complete").is_file());

@@ -215,6 +215,11 @@ fn worker_env(mc: &ModelCache, t: &PhaseTarget, config: &Config) -> Vec<EnvVar> 
             if let Some(q) = &s.quantization {
                 e.push(ev(env::DATASET, q.effective_calibration().dataset));
             }
+            // The abliteration prompt sets are hub datasets too: fetched with the model.
+            if let Some(a) = &s.abliteration {
+                e.push(ev(env::REFUSAL_DATASET, a.refusal_dataset.clone()));
+                e.push(ev(env::HARMLESS_DATASET, a.harmless_dataset.clone()));
+            }
         }
         JobPhase::Abliterate => {
             if let Some(a) = &s.abliteration {
