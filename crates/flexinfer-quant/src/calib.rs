@@ -1,4 +1,4 @@
-//! Calibration data: a local JSONL, JSONL.zst or plain-text file, tokenized with the model's `tokenizer.json`.
+//! Calibration data: a local JSONL, JSONL.zst, parquet or plain-text file, tokenized with the model's `tokenizer.json`.
 
 use crate::error::{QuantError, Result};
 use serde_json::Value;
@@ -60,6 +60,26 @@ fn record_text(v: &Value) -> Option<String> {
     }
 }
 
+/// Up to `max_rows` rows of a parquet file (the format hub datasets ship in), each as a JSON object
+/// keyed by column name, so the JSONL field rules apply to them unchanged.
+pub fn read_parquet_records(path: &Path, max_rows: usize) -> Result<Vec<Value>> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let bad = |e: &dyn std::fmt::Display| {
+        QuantError::Input(format!(
+            "dataset {}: not a readable parquet file: {e}",
+            path.display()
+        ))
+    };
+    let file = std::fs::File::open(path).map_err(|e| QuantError::io(path, e))?;
+    let reader = SerializedFileReader::new(file).map_err(|e| bad(&e))?;
+    let rows = reader.get_row_iter(None).map_err(|e| bad(&e))?;
+    let mut out = Vec::new();
+    for row in rows.take(max_rows) {
+        out.push(row.map_err(|e| bad(&e))?.to_json_value());
+    }
+    Ok(out)
+}
+
 /// Reads up to `max_texts` non-empty texts. JSONL when the name contains `.jsonl`/`.json`, else plain text where
 /// blank lines separate documents.
 pub fn read_texts(path: &Path, max_texts: usize) -> Result<Vec<String>> {
@@ -69,10 +89,18 @@ pub fn read_texts(path: &Path, max_texts: usize) -> Result<Vec<String>> {
         .unwrap_or("")
         .to_ascii_lowercase();
     if name.ends_with(".parquet") {
-        return Err(QuantError::Input(format!(
-            "calibration dataset {}: parquet is not supported by this build; convert it to JSONL (one {{\"text\": ...}} per line)",
-            path.display()
-        )));
+        let mut texts = Vec::new();
+        for v in read_parquet_records(path, usize::MAX)? {
+            if let Some(t) = record_text(&v) {
+                if !t.trim().is_empty() {
+                    texts.push(t);
+                }
+            }
+            if texts.len() >= max_texts {
+                break;
+            }
+        }
+        return Ok(texts);
     }
     let reader = open_reader(path)?;
     let mut texts = Vec::new();
@@ -169,4 +197,65 @@ pub fn load_samples(model_dir: &Path, dataset: &Path, s: &CalibSettings) -> Resu
         )));
     }
     Ok(samples)
+}
+
+#[cfg(test)]
+mod parquet_tests {
+    use super::*;
+    use parquet::data_type::{ByteArray, ByteArrayType};
+    use parquet::file::properties::WriterProperties;
+    use parquet::file::writer::SerializedFileWriter;
+    use parquet::schema::parser::parse_message_type;
+    use std::sync::Arc;
+
+    /// Write a one-row-group parquet file with string columns `id` and `text`.
+    fn write_parquet(path: &Path, texts: &[&str]) {
+        let schema = Arc::new(
+            parse_message_type(
+                "message m { REQUIRED BYTE_ARRAY id (UTF8); REQUIRED BYTE_ARRAY text (UTF8); }",
+            )
+            .unwrap(),
+        );
+        let file = std::fs::File::create(path).unwrap();
+        let props = Arc::new(WriterProperties::builder().build());
+        let mut w = SerializedFileWriter::new(file, schema, props).unwrap();
+        let mut rg = w.next_row_group().unwrap();
+        let ids: Vec<ByteArray> = (0..texts.len())
+            .map(|i| ByteArray::from(format!("row-{i}").as_str()))
+            .collect();
+        let vals: Vec<ByteArray> = texts.iter().map(|t| ByteArray::from(*t)).collect();
+        for col in [&ids, &vals] {
+            let mut c = rg.next_column().unwrap().unwrap();
+            c.typed::<ByteArrayType>()
+                .write_batch(col, None, None)
+                .unwrap();
+            c.close().unwrap();
+        }
+        rg.close().unwrap();
+        w.close().unwrap();
+    }
+
+    #[test]
+    fn parquet_text_column_is_read_like_jsonl() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("train-00000-of-00001.parquet");
+        write_parquet(&p, &["first document", "  ", "second document", "third"]);
+        let texts = read_texts(&p, 2).unwrap();
+        assert_eq!(texts, ["first document", "second document"]);
+        let rows = read_parquet_records(&p, 10).unwrap();
+        assert_eq!(rows.len(), 4);
+        assert_eq!(rows[0]["id"], "row-0");
+    }
+
+    #[test]
+    fn corrupt_parquet_names_the_file() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("x.parquet");
+        std::fs::write(&p, b"PAR1 not really").unwrap();
+        let e = read_texts(&p, 2).unwrap_err().to_string();
+        assert!(
+            e.contains("x.parquet") && e.contains("not a readable parquet file"),
+            "{e}"
+        );
+    }
 }

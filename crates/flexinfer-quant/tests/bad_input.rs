@@ -131,12 +131,12 @@ fn bad_inputs_are_named_and_leave_nothing_behind() {
             "nope.jsonl",
         ),
         (
-            "parquet",
+            "corrupt parquet",
             |_, j| {
                 j.dataset = j.dataset.with_file_name("d.parquet");
                 std::fs::write(&j.dataset, b"PAR1").expect("write");
             },
-            "parquet is not supported",
+            "not a readable parquet file",
         ),
     ];
     for (label, mutate, needle) in cases {

@@ -144,7 +144,7 @@ pub fn resolve_dataset(dataset: &str, model_dir: &Path) -> Result<PathBuf, Worke
         if c.is_dir() {
             return pick_dataset_file(&c).ok_or_else(|| {
                 bad(format!(
-                    "dataset directory {} holds no .jsonl, .jsonl.zst, .json or .txt file",
+                    "dataset directory {} holds no .jsonl, .jsonl.zst, .json, .txt or .parquet file",
                     c.display()
                 ))
             });
@@ -170,7 +170,7 @@ fn pick_dataset_file(dir: &Path) -> Option<PathBuf> {
             }
             if p.is_dir() {
                 stack.push(p);
-            } else if [".jsonl", ".jsonl.zst", ".json", ".txt"]
+            } else if [".jsonl", ".jsonl.zst", ".json", ".txt", ".parquet"]
                 .iter()
                 .any(|s| name.ends_with(s))
             {

@@ -21,7 +21,7 @@ pub const PROMPT_FIELDS: [&str; 6] = [
     "content",
 ];
 
-const DATA_EXTENSIONS: [&str; 4] = ["jsonl", "json", "csv", "txt"];
+const DATA_EXTENSIONS: [&str; 5] = ["jsonl", "json", "csv", "txt", "parquet"];
 
 fn bad(m: String) -> WorkerError {
     WorkerError::BadInput(m)
@@ -48,8 +48,7 @@ pub fn resolve_dataset(spec: &str, model_dir: &Path, what: &str) -> Result<PathB
         if c.is_dir() {
             return find_data_file(c).ok_or_else(|| {
                 bad(format!(
-                    "the {what} dataset directory {} holds no .jsonl, .json, .csv or .txt file \
-                     (parquet is not supported: convert it to JSONL)",
+                    "the {what} dataset directory {} holds no .jsonl, .json, .csv, .txt or .parquet file",
                     c.display()
                 ))
             });
@@ -150,10 +149,15 @@ pub fn read_prompts(path: &Path, max: usize) -> Result<Vec<String>, WorkerError>
         .unwrap_or("")
         .to_ascii_lowercase();
     if name.ends_with(".parquet") {
-        return Err(bad(format!(
-            "{}: parquet is not supported; convert it to JSONL (one {{\"prompt\": ...}} per line)",
-            path.display()
-        )));
+        let rows = flexinfer_quant::calib::read_parquet_records(path, usize::MAX)
+            .map_err(|e| bad(e.to_string()))?;
+        return Ok(rows
+            .iter()
+            .filter_map(record_prompt)
+            .map(|p| p.trim().to_string())
+            .filter(|p| !p.is_empty())
+            .take(max)
+            .collect());
     }
     let text = std::fs::read_to_string(path).map_err(|e| {
         bad(format!(
@@ -420,7 +424,43 @@ mod tests {
         assert!(read_prompts(&p, 10)
             .unwrap_err()
             .to_string()
-            .contains("parquet"));
+            .contains("not a readable parquet file"));
+    }
+
+    #[test]
+    fn parquet_prompt_sets_are_read() {
+        use parquet::data_type::{ByteArray, ByteArrayType};
+        use parquet::file::properties::WriterProperties;
+        use parquet::file::writer::SerializedFileWriter;
+        use parquet::schema::parser::parse_message_type;
+        use std::sync::Arc;
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join(".datasets/org/prompts/data");
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("train-00000-of-00001.parquet");
+        let schema =
+            Arc::new(parse_message_type("message m { REQUIRED BYTE_ARRAY text (UTF8); }").unwrap());
+        let mut w = SerializedFileWriter::new(
+            std::fs::File::create(&p).unwrap(),
+            schema,
+            Arc::new(WriterProperties::builder().build()),
+        )
+        .unwrap();
+        let mut rg = w.next_row_group().unwrap();
+        let mut c = rg.next_column().unwrap().unwrap();
+        let vals: Vec<ByteArray> = ["p one", "", "p two"]
+            .iter()
+            .map(|t| ByteArray::from(*t))
+            .collect();
+        c.typed::<ByteArrayType>()
+            .write_batch(&vals, None, None)
+            .unwrap();
+        c.close().unwrap();
+        rg.close().unwrap();
+        w.close().unwrap();
+        let found = resolve_dataset("org/prompts", d.path(), "refusal").unwrap();
+        assert_eq!(found, p);
+        assert_eq!(read_prompts(&found, 10).unwrap(), vec!["p one", "p two"]);
     }
 
     #[test]
