@@ -94,6 +94,9 @@ pub mod env {
     pub const GPTQ_RESUME_LAYERS: &str = "GPTQ_RESUME_LAYERS";
     pub const GPTQ_MAX_RTN_FALLBACK_PERCENT: &str = "GPTQ_MAX_RTN_FALLBACK_PERCENT";
     pub const GPTQ_MIN_MODULES_FOR_FALLBACK_GATE: &str = "GPTQ_MIN_MODULES_FOR_FALLBACK_GATE";
+    /// `true`: a restarted quantize Job re-hashes every shard of `.save-complete` before it
+    /// short-circuits (default: exact sizes only).
+    pub const GPTQ_VERIFY_SAVE_SHA256: &str = "GPTQ_VERIFY_SAVE_SHA256";
     pub const TELEMETRY: &str = "FLEXINFER_TELEMETRY";
     pub const HF_TOKEN: &str = "HF_TOKEN";
     pub const HF_ENDPOINT: &str = "HF_ENDPOINT";
@@ -140,6 +143,7 @@ pub mod env {
         (GPTQ_RESUME_LAYERS, "true"),
         (GPTQ_MAX_RTN_FALLBACK_PERCENT, "10"),
         (GPTQ_MIN_MODULES_FOR_FALLBACK_GATE, "100"),
+        (GPTQ_VERIFY_SAVE_SHA256, "false"),
     ];
 
     /// Controller env name that overrides a worker tunable cluster-wide (`FLEXINFER_<NAME>`).

@@ -82,6 +82,7 @@ fn bench_model(samples: usize, seq_len: usize) {
         n_parallel_calib_samples: None,
         dynamic_exclusion: None,
         resume_layers: true,
+        verify_save_sha256: false,
         max_shard_bytes: 4 << 30,
         script_version: "bench".into(),
         abort_after_layer: None,

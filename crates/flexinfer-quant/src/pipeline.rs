@@ -51,6 +51,8 @@ pub struct QuantizeJob {
     /// `gdn`, or a comma list of module-name substrings kept in full precision.
     pub dynamic_exclusion: Option<String>,
     pub resume_layers: bool,
+    /// Re-hash every shard listed in `.save-complete` before short-circuiting (else sizes only).
+    pub verify_save_sha256: bool,
     pub max_shard_bytes: u64,
     pub script_version: String,
     /// Test hook: stop (as if killed) right after layer k is cached.
@@ -265,7 +267,7 @@ pub fn run(
     let final_dir = job.output_dir();
 
     // A previous Job finished the save: verify, enforce the gate again, done.
-    if let Some(sc) = verify_save_complete(&final_dir, false) {
+    if let Some(sc) = verify_save_complete(&final_dir, job.verify_save_sha256) {
         let quality = read_json(&final_dir.join(QUALITY_FILE))
             .ok()
             .and_then(|v| serde_json::from_value::<Quality>(v).ok());

@@ -29,6 +29,7 @@ fn job(model: &Path, out: &Path, ds: &Path) -> QuantizeJob {
         n_parallel_calib_samples: None,
         dynamic_exclusion: None,
         resume_layers: true,
+        verify_save_sha256: false,
         max_shard_bytes: 1 << 30,
         script_version: "test".into(),
         abort_after_layer: None,

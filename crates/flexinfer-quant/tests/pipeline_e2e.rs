@@ -29,6 +29,7 @@ pub fn job(model: &Path, out: &Path, dataset: &Path, params: GptqParams) -> Quan
         n_parallel_calib_samples: None,
         dynamic_exclusion: None,
         resume_layers: true,
+        verify_save_sha256: false,
         max_shard_bytes: 200_000,
         script_version: "test".into(),
         abort_after_layer: None,
@@ -210,6 +211,49 @@ fn quantize_tiny_llama_and_read_back_with_consumer_rules() {
         assert!(again.cached);
         assert_eq!(sink2.named("quantization_cached").len(), 1);
     }
+}
+
+#[test]
+fn save_complete_sha256_is_checked_when_asked() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let model = tmp.path().join("model");
+    common::write_model(&model, "LlamaForCausalLM", 2);
+    let ds = tmp.path().join("calib.jsonl");
+    common::write_dataset(&ds, 24);
+    let out = tmp.path().join("out");
+    let params = GptqParams::default();
+    let mut j = job(&model, &out, &ds, params);
+    let first = run(&j, &CpuBackend::default(), &MemorySink::default()).expect("quantize");
+    assert!(!first.cached);
+    let dir = j.output_dir();
+    let sc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join(".save-complete")).unwrap()).unwrap();
+    let shard = dir.join(sc["shards"][0]["name"].as_str().unwrap());
+    let good = std::fs::read(&shard).unwrap();
+    // Same size, one byte flipped at the end (tensor data, not the header).
+    let mut bad = good.clone();
+    let last = bad.len() - 1;
+    bad[last] ^= 0xff;
+    std::fs::write(&shard, &bad).unwrap();
+    // Sizes only (the default): the damage is not seen.
+    assert!(
+        run(&j, &CpuBackend::default(), &MemorySink::default())
+            .unwrap()
+            .cached
+    );
+    // With sha256 verification the artifact is rebuilt and the shard is whole again.
+    j.verify_save_sha256 = true;
+    let again = run(&j, &CpuBackend::default(), &MemorySink::default()).expect("rebuild");
+    assert!(
+        !again.cached,
+        "a shard whose sha256 differs must not short-circuit"
+    );
+    assert_eq!(std::fs::read(&shard).unwrap(), good);
+    assert!(
+        run(&j, &CpuBackend::default(), &MemorySink::default())
+            .unwrap()
+            .cached
+    );
 }
 
 #[test]

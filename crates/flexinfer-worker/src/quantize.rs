@@ -81,6 +81,9 @@ pub struct QuantizeArgs {
     pub max_floor_attempts: u32,
     #[arg(long, env = env::GPTQ_RESUME_LAYERS, value_parser = parse_bool_arg, action = clap::ArgAction::Set, default_value = "true")]
     pub resume_layers: bool,
+    /// Re-hash the shards of an existing `.save-complete` before short-circuiting.
+    #[arg(long, env = env::GPTQ_VERIFY_SAVE_SHA256, value_parser = parse_bool_arg, action = clap::ArgAction::Set, default_value = "false")]
+    pub verify_save_sha256: bool,
     #[arg(long, env = env::GPTQ_MAX_RTN_FALLBACK_PERCENT, default_value_t = 10.0)]
     pub max_rtn_fallback_percent: f64,
     #[arg(long, env = env::GPTQ_MIN_MODULES_FOR_FALLBACK_GATE, default_value_t = 100)]
@@ -223,6 +226,7 @@ pub fn job_from_args(args: &QuantizeArgs) -> Result<QuantizeJob, WorkerError> {
             .clone()
             .filter(|s| !s.trim().is_empty()),
         resume_layers: args.resume_layers,
+        verify_save_sha256: args.verify_save_sha256,
         max_shard_bytes: args.max_shard_bytes.max(1),
         script_version: contract::SCRIPT_VERSION.to_string(),
         abort_after_layer: args.test_abort_after_layer,
