@@ -29,6 +29,7 @@ fn job(model: &Path, out: &Path, dataset: &Path, params: GptqParams) -> Quantize
         n_parallel_calib_samples: None,
         dynamic_exclusion: None,
         resume_layers: false,
+        verify_save_sha256: false,
         max_shard_bytes: 200_000,
         script_version: "test".into(),
         abort_after_layer: None,
