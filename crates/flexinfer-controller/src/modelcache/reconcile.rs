@@ -543,3 +543,47 @@ fn update_metrics(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) {
         }
     }
 }
+
+#[cfg(test)]
+mod metric_cleanup_tests {
+    use super::*;
+
+    fn has(m: &crate::metrics::Metrics, needle: &str) -> bool {
+        m.render()
+            .lines()
+            .any(|l| !l.starts_with('#') && l.contains(needle))
+    }
+
+    #[test]
+    fn job_series_are_dropped_when_the_job_is_not_running() {
+        let m = crate::metrics::Metrics::new().expect("metrics");
+        for jt in ["download", "quantization"] {
+            m.job_deadline_seconds
+                .with_label_values(&["c", "ns", jt])
+                .set(100.0);
+            m.job_elapsed_seconds
+                .with_label_values(&["c", "ns", jt])
+                .set(10.0);
+        }
+        m.quantization_last_progress_timestamp
+            .with_label_values(&["c", "ns"])
+            .set(1.0);
+        forget_job_series(&m, "c", "ns", Some(JobPhase::Quantize));
+        assert!(!has(&m, "job_type=\"download\""), "{}", m.render());
+        assert!(has(
+            &m,
+            "flexinfer_job_deadline_seconds{job_type=\"quantization\""
+        ));
+        assert!(has(
+            &m,
+            "flexinfer_quantization_last_progress_timestamp_seconds"
+        ));
+        forget_job_series(&m, "c", "ns", None);
+        assert!(!has(&m, "flexinfer_job_deadline_seconds"), "{}", m.render());
+        assert!(!has(&m, "flexinfer_job_elapsed_seconds"));
+        assert!(!has(
+            &m,
+            "flexinfer_quantization_last_progress_timestamp_seconds"
+        ));
+    }
+}
