@@ -88,7 +88,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     info!(worker_image = ?config.worker_image, drift_grace_s = config.drift_grace.as_secs(), retry_base_s = config.retry_base.as_secs_f64(), watch_namespace = ?args.watch_namespace, "starting");
     let leader_elect = flexinfer_api::contract::parse_bool(&args.leader_elect).unwrap_or(true);
     let leadership = if leader_elect {
-        let identity = std::env::var("POD_NAME")
+        let identity = std::env::var(flexinfer_api::contract::serving::POD_NAME_ENV)
             .or_else(|_| std::env::var("HOSTNAME"))
             .unwrap_or_else(|_| "flexinfer-controller".into());
         let identity = format!("{identity}-{}", std::process::id());

@@ -93,7 +93,7 @@ pub async fn run(
     };
     let reporter = Reporter {
         controller: FIELD_MANAGER.into(),
-        instance: std::env::var("POD_NAME").ok(),
+        instance: std::env::var(flexinfer_api::contract::serving::POD_NAME_ENV).ok(),
     };
     let ctx = Arc::new(Context {
         recorder: Recorder::new(client.clone(), reporter),
