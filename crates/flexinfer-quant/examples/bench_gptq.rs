@@ -4,10 +4,12 @@
 //! Llama-7B shapes 4096x4096, 11008x4096, 4096x11008). `bench_gptq model [samples] [seq_len]` quantizes a
 //! generated ~110M-parameter model end to end and reports wall time and peak RSS.
 
+use faer::dyn_stack::{MemBuffer, MemStack};
+use faer::linalg::cholesky::llt::factor::{cholesky_in_place, cholesky_in_place_scratch};
 use faer::linalg::matmul::matmul;
-use faer::{Accum, Mat, Side};
+use faer::{Accum, Mat};
 use flexinfer_quant::events::NullSink;
-use flexinfer_quant::gptq::gptq_quantize;
+use flexinfer_quant::gptq::{gptq_quantize_in, Workspace};
 use flexinfer_quant::hessian::{prepare_factor, FactorOutcome};
 use flexinfer_quant::linalg::{CpuBackend, LinalgBackend};
 use flexinfer_quant::params::{GptqParams, RecoveryParams};
@@ -90,7 +92,9 @@ fn bench_model(samples: usize, seq_len: usize) {
     // Reset the peak-RSS counter so the figure covers the quantize run only (Linux clear_refs, value 5).
     let _ = std::fs::write("/proc/self/clear_refs", "5");
     let t = Instant::now();
-    let o = run(&job, &CpuBackend::default(), &NullSink).expect("quantize");
+    let sink = RssSink::start();
+    let o = run(&job, &CpuBackend::default(), &sink).expect("quantize");
+    sink.report();
     let secs = t.elapsed().as_secs_f64();
     let hd = size.hidden / size.heads;
     let layer_f32 = 4 * size.hidden * (hd * (2 * size.heads + 2 * size.kv_heads) + 3 * size.inter);
@@ -157,6 +161,7 @@ fn main() {
         let (mut gemm, mut chol, mut hess, mut hratio, mut solve, mut factor_t, mut sratio) =
             (vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
         let (nf, rf, tf) = (cols as f64, rows as f64, tokens as f64);
+        let mut ws = Workspace::default();
         for _ in 0..runs {
             let (gemm_rate, chol_rate) = probe.measure();
             let t = Instant::now();
@@ -171,14 +176,15 @@ fn main() {
                 panic!("factorisation failed")
             };
             let ft = t.elapsed().as_secs_f64();
-            let q = gptq_quantize(&backend, &w, &f, &params);
+            // As in a model run, the solver's buffers are reused from the previous module of this shape
+            // (the first run of each shape allocates them).
+            let q = gptq_quantize_in(&mut ws, &backend, &w, &f, &params);
             let st = t.elapsed().as_secs_f64();
             assert_eq!(q.codes.len(), rows * cols);
-            // Hessian: the symmetric product needs T·n² flops (SYRK). Solve: Cholesky n³/3 at the Cholesky rate,
-            // triangular inverse n³/3 and the block updates rows·n² at the GEMM rate.
+            // Hessian: the symmetric product needs T·n² flops (SYRK). Solve: the one Cholesky n³/3 at the
+            // Cholesky rate and the block updates rows·n² at the GEMM rate (the sweep factor needs no inverse).
             let hess_bound = tf * nf * nf / gemm_rate;
-            let solve_bound =
-                nf.powi(3) / 3.0 / chol_rate + (nf.powi(3) / 3.0 + rf * nf * nf) / gemm_rate;
+            let solve_bound = nf.powi(3) / 3.0 / chol_rate + rf * nf * nf / gemm_rate;
             gemm.push(gemm_rate / 1e9);
             chol.push(chol_rate / 1e9);
             hess.push(ht);
@@ -241,10 +247,112 @@ impl RateProbe {
             self.par,
         );
         let gemm = 2.0 * n.powi(3) / t.elapsed().as_secs_f64();
+        // faer's in-place Cholesky (its fastest form; the copy into the work matrix is not timed).
+        let mut work = self.spd.clone();
+        let nn = self.spd.nrows();
+        let mut mem = MemBuffer::new(cholesky_in_place_scratch::<f32>(
+            nn,
+            self.par,
+            Default::default(),
+        ));
         let t = Instant::now();
-        let ok = self.spd.llt(Side::Lower).is_ok();
+        let ok = cholesky_in_place(
+            work.as_mut(),
+            Default::default(),
+            self.par,
+            MemStack::new(&mut mem),
+            Default::default(),
+        )
+        .is_ok();
         let chol = n.powi(3) / 3.0 / t.elapsed().as_secs_f64();
         assert!(ok);
         (gemm, chol)
+    }
+}
+
+/// Samples the resident set every 10 ms and remembers the largest value seen during each progress stage, so
+/// the benchmark can say where the peak is.
+/// The current stage label and the largest resident set seen per label.
+type StageRss = std::sync::Arc<std::sync::Mutex<(String, Vec<(String, f64)>)>>;
+
+struct RssSink {
+    stage: StageRss,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+fn rss_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .map(str::to_string)
+        })
+        .and_then(|l| {
+            l.split_whitespace()
+                .nth(1)
+                .and_then(|v| v.parse::<f64>().ok())
+        })
+        .map(|kb| kb / 1024.0)
+        .unwrap_or(0.0)
+}
+
+impl RssSink {
+    fn start() -> Self {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::{Arc, Mutex};
+        let stage = Arc::new(Mutex::new((
+            "start".to_string(),
+            Vec::<(String, f64)>::new(),
+        )));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (st, sp) = (stage.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !sp.load(Ordering::Relaxed) {
+                let r = rss_mib();
+                if let Ok(mut g) = st.lock() {
+                    let name = g.0.clone();
+                    match g.1.iter_mut().find(|(n, _)| *n == name) {
+                        Some((_, m)) => *m = m.max(r),
+                        None => g.1.push((name, r)),
+                    }
+                }
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+        });
+        RssSink { stage, stop }
+    }
+    fn report(&self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Ok(g) = self.stage.lock() {
+            let text: Vec<String> = g.1.iter().map(|(n, m)| format!("{n} {m:.0}")).collect();
+            println!(
+                "largest resident set (MiB) sampled during each stage: {}",
+                text.join(", ")
+            );
+        }
+    }
+}
+
+impl flexinfer_quant::events::EventSink for RssSink {
+    fn emit(&self, event: &str, fields: serde_json::Map<String, serde_json::Value>) {
+        if event != "progress" {
+            return;
+        }
+        let stage = fields.get("phase").and_then(|v| v.as_str()).unwrap_or("?");
+        let msg = fields.get("detail").and_then(|v| v.as_str()).unwrap_or("");
+        // A stage is named by the progress event that opened it: "after q_proj" is the o_proj stage of a
+        // layer (attention forward, o_proj Hessian and GPTQ); layer and shard numbers are folded together.
+        let label = match msg.split_once(": ") {
+            Some((_, modules)) if stage == "quantize" => {
+                let first = modules.split(',').next().unwrap_or(modules);
+                format!("after {}", first.rsplit('.').next().unwrap_or(first))
+            }
+            _ if msg.ends_with(" done") => "after layer".to_string(),
+            _ => stage.to_string(),
+        };
+        if let Ok(mut g) = self.stage.lock() {
+            g.0 = label;
+        }
     }
 }

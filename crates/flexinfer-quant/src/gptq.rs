@@ -1,6 +1,7 @@
 //! The GPTQ column sweep (lazy batch updates) and the RTN fallback (GPTQ-NOTES §1.7–§1.10, §1.12).
 
 use crate::hessian::PreparedFactor;
+use crate::linalg::par_columns;
 use crate::linalg::LinalgBackend;
 use crate::params::GptqParams;
 use crate::quantizer::{dequantize, find_params, maxq, quantize_code, GroupParams};
@@ -9,7 +10,7 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 /// Columns per outer block of the two-level sweep (rounded up to a multiple of the block and group size).
-pub const OUTER_BLOCK: usize = 1024;
+pub const OUTER_BLOCK: usize = 512;
 
 fn gcd(a: usize, b: usize) -> usize {
     if b == 0 {
@@ -60,6 +61,14 @@ fn col_slices(w: &Mat<f32>, start: usize, end: usize) -> impl Iterator<Item = &[
     (start..end).map(move |c| w.col_as_slice(c))
 }
 
+/// Column `c` of a column-major view (unit row stride, as every matrix this module builds).
+fn col_of(m: MatRef<'_, f32>, c: usize) -> &[f32] {
+    m.col(c)
+        .try_as_col_major()
+        .map(|c| c.as_slice())
+        .unwrap_or(&[])
+}
+
 fn push_group(scales: &mut [f32], zeros: &mut [u8], g: usize, rows: usize, p: &GroupParams) {
     scales[g * rows..(g + 1) * rows].copy_from_slice(&p.scale);
     for r in 0..rows {
@@ -67,8 +76,70 @@ fn push_group(scales: &mut [f32], zeros: &mut [u8], g: usize, rows: usize, p: &G
     }
 }
 
-/// GPTQ on `w` (`[rows=out, cols=in]`) with a prepared inverse-Hessian factor.
+/// Rows per tile of the in-block sweep: a tile's block columns (`TILE × 128` weights plus as many deltas) stay
+/// in the L1 cache while the block's columns are swept.
+const TILE: usize = 64;
+
+/// One tile column of the sweep's scratch, cache-line aligned so vector loads and stores never split a line.
+#[derive(Clone, Copy)]
+#[repr(align(64))]
+struct TileCol([f32; TILE]);
+
+/// GPTQ on `w` (`[rows=out, cols=in]`) with a prepared sweep factor (see [`crate::linalg`]).
 pub fn gptq_quantize(
+    backend: &dyn LinalgBackend,
+    w_in: &Mat<f32>,
+    factor: &PreparedFactor,
+    p: &GptqParams,
+) -> QuantizedLinear {
+    gptq_quantize_in(&mut Workspace::default(), backend, w_in, factor, p)
+}
+
+/// Working buffers of the solver, kept from one module to the next: a model's modules repeat a few shapes, so
+/// after the first module of each shape no large buffer is allocated (and page-faulted) again.
+#[derive(Default)]
+pub struct Workspace {
+    w: Vec<f32>,
+    delta: Vec<f32>,
+    snap: Option<(Mat<f32>, Mat<f32>)>,
+}
+
+impl Workspace {
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        4 * (self.w.capacity()
+            + self.delta.capacity()
+            + self
+                .snap
+                .as_ref()
+                .map(|(a, b)| a.nrows() * a.ncols() + b.nrows() * b.ncols())
+                .unwrap_or(0))
+    }
+}
+
+/// A buffer of exactly `len` floats from `buf` (reused when it is large enough), every column of `rows`
+/// written by `fill`.
+fn reuse_columns(
+    buf: &mut Vec<f32>,
+    rows: usize,
+    cols: usize,
+    fill: impl Fn(usize, &mut [f32]) + Sync,
+) -> &mut [f32] {
+    let len = rows * cols;
+    if buf.len() >= len && rows > 0 {
+        buf[..len]
+            .par_chunks_mut(rows)
+            .enumerate()
+            .for_each(|(j, c)| fill(j, c));
+    } else {
+        *buf = par_columns(rows, cols, fill);
+    }
+    &mut buf[..len]
+}
+
+/// [`gptq_quantize`] with the working buffers of `ws`.
+pub fn gptq_quantize_in(
+    ws: &mut Workspace,
     backend: &dyn LinalgBackend,
     w_in: &Mat<f32>,
     factor: &PreparedFactor,
@@ -79,25 +150,28 @@ pub fn gptq_quantize(
     let gs = p.effective_group(cols);
     let n_groups = cols.div_ceil(gs);
     let maxq = maxq(p.bits);
-    let mut w = w_in.clone();
+    let zero_col = vec![0f32; rows];
+    // Column `c` (original order) after the dead-column fix: the sweep's `W_c` (module docs of `linalg`).
+    let orig_col = |c: usize| -> &[f32] {
+        if factor.dead.get(c).copied().unwrap_or(false) {
+            &zero_col
+        } else {
+            w_in.col_as_slice(c)
+        }
+    };
 
     // With one group per row the parameters come from W before the dead-column fix (IST order).
     let mut current: Option<GroupParams> = if p.group_size <= 0 {
-        Some(find_params(rows, col_slices(&w, 0, cols), p.bits, p.sym))
+        Some(find_params(rows, col_slices(w_in, 0, cols), p.bits, p.sym))
     } else {
         None
     };
-    for (c, &dead) in factor.dead.iter().enumerate() {
-        if dead {
-            w.col_mut(c).fill(0.0);
-        }
-    }
     let static_groups: Vec<GroupParams> = if p.static_groups && p.group_size > 0 {
         (0..n_groups)
             .map(|g| {
                 find_params(
                     rows,
-                    col_slices(&w, g * gs, ((g + 1) * gs).min(cols)),
+                    (g * gs..((g + 1) * gs).min(cols)).map(orig_col),
                     p.bits,
                     p.sym,
                 )
@@ -107,15 +181,22 @@ pub fn gptq_quantize(
         Vec::new()
     };
     let perm: Vec<usize> = factor.perm.clone().unwrap_or_else(|| (0..cols).collect());
-    if factor.perm.is_some() {
-        w = Mat::from_fn(rows, cols, |r, k| w[(r, perm[k])]);
-    }
+    let w0_col = |k: usize| orig_col(perm[k]);
+    // The working copy, in sweep order, written by all threads.
+    let Workspace {
+        w: w_buf,
+        delta: delta_buf,
+        snap: snap_bufs,
+    } = ws;
+    let w_store = reuse_columns(w_buf, rows, cols, |k, dst| dst.copy_from_slice(w0_col(k)));
+    let mut w = MatMut::from_column_major_slice_mut(w_store, rows, cols);
 
-    let mut codes = vec![0u8; rows * cols];
+    let mut codes_sweep = vec![0u8; rows * cols];
     let mut scales = vec![0f32; n_groups * rows];
     let mut zeros = vec![0u8; n_groups * rows];
     let mut g_idx = vec![0i32; cols];
-    let u = &factor.u;
+    let f = factor.f.coef();
+    let r_diag = factor.f.r_diag();
     let mut loss = 0.0f64;
     if let (Some(cur), true) = (&current, p.group_size <= 0) {
         push_group(&mut scales, &mut zeros, 0, rows, cur);
@@ -136,18 +217,22 @@ pub fn gptq_quantize(
         bs
     };
     let outer = unit * OUTER_BLOCK.div_ceil(unit).max(1);
+    // `W_k − Q_k` of the current outer block's columns.
+    // Every column of a block is written by the sweep before the block's deltas are read.
+    let delta_store = reuse_columns(delta_buf, rows, outer.min(cols), |_, c| c.fill(0.0));
+    let mut delta = MatMut::from_column_major_slice_mut(delta_store, rows, outer.min(cols));
+    let tiles = rows.div_ceil(TILE);
+    // Buffers of the block snapshot (`(P − W₀, snapshot)`), allocated on first use.
+    let min_tiles_per_task = (tiles / (4 * rayon::current_num_threads().max(1))).max(1);
     let mut o1 = 0;
     while o1 < cols {
         let o2 = (o1 + outer).min(cols);
-        let mut err_outer = Mat::<f32>::zeros(rows, o2 - o1);
         let mut i1 = o1;
         while i1 < o2 {
             let i2 = (i1 + bs).min(o2);
             let count = i2 - i1;
-            let mut w1 = w.subcols(i1, count).to_owned();
-            let mut err1 = err_outer.subcols_mut(i1 - o1, count);
             // Group parameters of every column of the block are fixed before the sweep: they are read from the
-            // global W, which the block's own updates never touch (the reference's quirk, kept for parity).
+            // global W as the block starts (the reference's quirk, kept for parity).
             let mut block_params: Vec<GroupParams> = Vec::new();
             let mut col_param: Vec<Option<usize>> = vec![None; count];
             let mut cur_idx: Option<usize> = current.as_ref().map(|c| {
@@ -155,6 +240,30 @@ pub fn gptq_quantize(
                 0
             });
             let mut cur_static: Option<usize> = None;
+            // The reference reads a group's parameters from W as it stands at the start of the block (every
+            // earlier block's error propagated). Our W holds the same values only where a column is next in
+            // line; `snapshot` rebuilds the reference's view of the columns the block's groups span.
+            let snapshot: Option<MatRef<'_, f32>> = (p.group_size > 0
+                && !p.static_groups
+                && (i1..i2).any(|k| k % gs == 0))
+            .then(|| {
+                let m = if gs <= count {
+                    count
+                } else {
+                    gs.min(cols - i1)
+                };
+                let width = bs.max(gs).min(cols);
+                if snap_bufs
+                    .as_ref()
+                    .is_none_or(|(a, _)| a.nrows() != rows || a.ncols() < width)
+                {
+                    *snap_bufs = Some((Mat::zeros(rows, width), Mat::zeros(rows, width)));
+                }
+                let Some(bufs) = snap_bufs.as_mut() else {
+                    unreachable!("set just above")
+                };
+                block_snapshot(backend, w.as_ref(), &w0_col, f, i1, m, bufs)
+            });
             for (i, slot) in col_param.iter_mut().enumerate() {
                 let k = i1 + i;
                 let orig = perm[k];
@@ -170,9 +279,12 @@ pub fn gptq_quantize(
                     } else {
                         group_of_k = k / gs;
                         if k % gs == 0 {
+                            let Some(snap) = snapshot.as_ref() else {
+                                unreachable!("a group starts in this block, so the snapshot exists")
+                            };
                             let gp = find_params(
                                 rows,
-                                col_slices(&w, k, (k + gs).min(cols)),
+                                (k..(k + gs).min(cols)).map(|c| col_of(*snap, c - i1)),
                                 p.bits,
                                 p.sym,
                             );
@@ -188,59 +300,97 @@ pub fn gptq_quantize(
                 *slot = cur_idx;
             }
             current = cur_idx.map(|i| block_params[i].clone());
-            // Rows are independent inside a block: sweep row chunks in parallel.
-            let u_blk = u.submatrix(i1, i1, count, count);
-            let parts_n = if rows >= 256 {
-                rayon::current_num_threads().clamp(1, rows / 128)
-            } else {
-                1
+            // The block's coefficients, dense row-major (`coef[i * count + j]`, zero on and below the diagonal),
+            // and the squared diagonal `R_ii²` that turns a column's squared error into its loss.
+            let mut coef = vec![0f32; count * count];
+            let mut rdiag2 = vec![0f32; count];
+            for j in 0..count {
+                for i in 0..j {
+                    coef[i * count + j] = f[(i1 + i, i1 + j)];
+                }
+                rdiag2[j] = r_diag[i1 + j] * r_diag[i1 + j];
+            }
+            let blk = Block {
+                count,
+                params: &block_params,
+                col_param: &col_param,
+                coef: &coef,
+                rdiag2: &rdiag2,
+                maxq,
             };
-            let mut parts = Vec::with_capacity(parts_n);
-            let (mut wr, mut er) = (w1.as_mut(), err1.as_mut());
+            // Rows are independent inside a block: sweep row tiles in parallel.
+            let mut parts = Vec::with_capacity(tiles);
+            let (mut wr, mut dr) = (
+                w.as_mut().subcols_mut(i1, count),
+                delta.as_mut().subcols_mut(i1 - o1, count),
+            );
             let mut r0 = 0;
-            for t in 0..parts_n {
-                let len = (rows - r0) / (parts_n - t);
+            while r0 < rows {
+                let len = TILE.min(rows - r0);
                 let (wa, wb) = wr.split_at_row_mut(len);
-                let (ea, eb) = er.split_at_row_mut(len);
-                parts.push((r0, wa, ea));
+                let (da, db) = dr.split_at_row_mut(len);
+                let w0: Vec<&[f32]> = (0..count).map(|i| &w0_col(i1 + i)[r0..r0 + len]).collect();
+                parts.push((r0, wa, da, w0));
                 wr = wb;
-                er = eb;
+                dr = db;
                 r0 += len;
             }
             let swept: Vec<(usize, Vec<u8>, f64)> = parts
                 .into_par_iter()
-                .map(|(r0, wp, ep)| {
-                    let (c, l) = sweep_rows(wp, ep, u_blk, &block_params, &col_param, r0, maxq);
-                    (r0, c, l)
-                })
+                .with_min_len(min_tiles_per_task)
+                .map_init(
+                    || vec![TileCol([0f32; TILE]); count],
+                    |scratch, (r0, wp, dp, w0)| {
+                        let (c, l) = blk.sweep_tile(wp, dp, &w0, r0, scratch);
+                        (r0, c, l)
+                    },
+                )
                 .collect();
-            for (r0, local, l) in swept {
-                loss += l;
-                let len = local.len() / count.max(1);
-                for i in 0..count {
-                    let orig = perm[i1 + i];
-                    codes[orig * rows + r0..orig * rows + r0 + len]
-                        .copy_from_slice(&local[i * len..(i + 1) * len]);
-                }
-            }
+            loss += swept.iter().map(|(_, _, l)| l).sum::<f64>();
+            // Codes in sweep order here (a block's columns are contiguous, so they are filled in parallel);
+            // put into original column order at the end.
+            codes_sweep[i1 * rows..i2 * rows]
+                .par_chunks_mut(rows)
+                .enumerate()
+                .for_each(|(i, dst)| {
+                    for (r0, local, _) in &swept {
+                        let len = local.len() / count.max(1);
+                        dst[*r0..r0 + len].copy_from_slice(&local[i * len..(i + 1) * len]);
+                    }
+                });
             if i2 < o2 {
                 backend.block_update(
-                    w.subcols_mut(i2, o2 - i2),
-                    err1.as_ref(),
-                    u.submatrix(i1, i2, count, o2 - i2),
+                    w.as_mut().subcols_mut(i2, o2 - i2),
+                    delta.as_ref().subcols(i1 - o1, count),
+                    f.submatrix(i1, i2, count, o2 - i2),
                 );
             }
             i1 = i2;
         }
         if o2 < cols {
             backend.block_update(
-                w.subcols_mut(o2, cols - o2),
-                err_outer.as_ref(),
-                u.submatrix(o1, o2, o2 - o1, cols - o2),
+                w.as_mut().subcols_mut(o2, cols - o2),
+                delta.as_ref().subcols(0, o2 - o1),
+                f.submatrix(o1, o2, o2 - o1, cols - o2),
             );
         }
         o1 = o2;
     }
+    let codes = match &factor.perm {
+        None => codes_sweep,
+        Some(perm) => {
+            let mut inv = vec![0usize; cols];
+            for (k, &orig) in perm.iter().enumerate() {
+                inv[orig] = k;
+            }
+            let mut codes = vec![0u8; rows * cols];
+            codes
+                .par_chunks_mut(rows.max(1))
+                .zip(inv.par_iter())
+                .for_each(|(dst, &k)| dst.copy_from_slice(&codes_sweep[k * rows..(k + 1) * rows]));
+            codes
+        }
+    };
     if p.static_groups && p.group_size > 0 {
         for (c, gi) in g_idx.iter_mut().enumerate() {
             *gi = (c / gs) as i32;
@@ -261,64 +411,200 @@ pub fn gptq_quantize(
     }
 }
 
-/// The in-block column loop for rows `r0 .. r0 + w.nrows()`: quantize each column, record its scaled error,
-/// and apply the rank-1 update to the block's later columns. Returns the codes (`[count][rows]`) and the loss.
-fn sweep_rows(
-    mut w: MatMut<'_, f32>,
-    mut e: MatMut<'_, f32>,
-    u_blk: MatRef<'_, f32>,
-    params: &[GroupParams],
-    col_param: &[Option<usize>],
-    r0: usize,
+/// W as the reference sees it at the start of the block `[i1, …)`, for its first `m` columns.
+///
+/// The reference has applied `−Σ_{i<i1} e_i·U_ij` to every later column; our W holds
+/// `P_j = W_j + Σ_{k<i1} δ_k·F_kj`. Splitting `R` at `i1` gives `U₁₂ = −R₁₁⁻¹·R₁₂·R₂₂⁻¹`, so the reference's
+/// value is `W + δ₁·R₁₂·R₂₂⁻¹` where ours is `W + δ₁·R₁₂·D₂₂⁻¹`. On the first `m` columns of the trailing part
+/// only the leading `m × m` block of `R₂₂` matters, hence `snapshot = W₀ + (P − W₀)·F̂⁻¹` with `F̂` the unit
+/// upper-triangular block of `F` (`F̂ = R·D⁻¹`). For `m = 1` the two agree, as they must.
+fn block_snapshot<'a, 'b>(
+    backend: &dyn LinalgBackend,
+    w: MatRef<'_, f32>,
+    w0_col: &(dyn Fn(usize) -> &'a [f32] + Sync),
+    f: MatRef<'_, f32>,
+    i1: usize,
+    m: usize,
+    bufs: &'b mut (Mat<f32>, Mat<f32>),
+) -> MatRef<'b, f32> {
+    let fhat = Mat::<f32>::from_fn(m, m, |a, b| match a.cmp(&b) {
+        std::cmp::Ordering::Less => f[(i1 + a, i1 + b)],
+        std::cmp::Ordering::Equal => 1.0,
+        std::cmp::Ordering::Greater => 0.0,
+    });
+    let mut t = Mat::<f32>::zeros(m, m);
+    faer::linalg::triangular_inverse::invert_upper_triangular(
+        t.as_mut(),
+        fhat.as_ref(),
+        faer::Par::Seq,
+    );
+    // snapshot = P + (P − W₀)·(F̂⁻¹ − I): F̂⁻¹ is unit upper triangular, so only its strict part multiplies.
+    let (c, snap) = (&mut bufs.0, &mut bufs.1);
+    c.as_mut()
+        .subcols_mut(0, m)
+        .par_col_iter_mut()
+        .zip(snap.as_mut().subcols_mut(0, m).par_col_iter_mut())
+        .enumerate()
+        .for_each(|(j, (cc, sc))| {
+            let (p, w0) = (col_of(w, i1 + j), w0_col(i1 + j));
+            if let (Some(cc), Some(sc)) = (cc.try_as_col_major_mut(), sc.try_as_col_major_mut()) {
+                for ((cv, sv), (&pv, &wv)) in cc
+                    .as_slice_mut()
+                    .iter_mut()
+                    .zip(sc.as_slice_mut())
+                    .zip(p.iter().zip(w0))
+                {
+                    *cv = pv - wv;
+                    *sv = pv;
+                }
+            }
+        });
+    backend.block_update_strict_upper(
+        snap.as_mut().subcols_mut(0, m),
+        c.as_ref().subcols(0, m),
+        t.as_ref(),
+    );
+    snap.as_ref().subcols(0, m)
+}
+
+/// What every row tile of one block shares.
+struct Block<'a> {
+    count: usize,
+    params: &'a [GroupParams],
+    col_param: &'a [Option<usize>],
+    coef: &'a [f32],
+    rdiag2: &'a [f32],
     maxq: f32,
-) -> (Vec<u8>, f64) {
-    let (len, count) = (w.nrows(), w.ncols());
-    let mut codes = vec![0u8; len * count];
-    let mut loss = 0.0f64;
-    for i in 0..count {
-        let Some(gp) = col_param[i].map(|pi| &params[pi]) else {
-            continue;
-        };
-        let (scale, zero) = (&gp.scale[r0..r0 + len], &gp.zero[r0..r0 + len]);
-        let d = u_blk[(i, i)];
-        let mut sq = 0.0f64;
-        {
-            let (Some(wcol), Some(ecol)) = (
-                w.as_ref().col(i).try_as_col_major(),
-                e.as_mut().col_mut(i).try_as_col_major_mut(),
-            ) else {
-                continue;
-            };
-            let (wcol, ecol) = (wcol.as_slice(), ecol.as_slice_mut());
-            let out = &mut codes[i * len..(i + 1) * len];
-            for r in 0..len {
-                let x = wcol[r];
-                let q = quantize_code(x, scale[r], zero[r], maxq);
-                out[r] = q as u8;
-                let diff = x - dequantize(q, scale[r], zero[r]);
-                sq += (diff * diff) as f64;
-                ecol[r] = diff / d;
-            }
-        }
-        loss += sq / (d as f64 * d as f64) / 2.0;
-        let Some(left) = e.as_ref().col(i).try_as_col_major() else {
-            continue;
-        };
-        let left = left.as_slice();
-        for j in i + 1..count {
-            let coef = u_blk[(i, j)];
-            if coef == 0.0 {
-                continue;
-            }
-            let Some(right) = w.as_mut().col_mut(j).try_as_col_major_mut() else {
-                continue;
-            };
-            for (wv, ev) in right.as_slice_mut().iter_mut().zip(left) {
-                *wv -= ev * coef;
-            }
-        }
+}
+
+impl Block<'_> {
+    /// The in-block column loop for rows `r0 .. r0 + w.nrows()` (at most [`TILE`]): quantize each column, record
+    /// `W_k − Q_k` in `delta`, and feed it to the block's later columns. Returns the codes (`[count][len]`) and
+    /// the loss `Σ (w̃ − q)²·R_ii²/2`. Runs with the widest SIMD instruction set the CPU has (runtime dispatch);
+    /// no fused multiply-add is formed, so every instruction set gives the same bits.
+    fn sweep_tile(
+        &self,
+        mut w: MatMut<'_, f32>,
+        mut delta: MatMut<'_, f32>,
+        w0: &[&[f32]],
+        r0: usize,
+        scratch: &mut [TileCol],
+    ) -> (Vec<u8>, f64) {
+        let (len, count) = (w.nrows(), self.count);
+        let mut codes = vec![0u8; len * count];
+        let mut acc = [0f32; TILE];
+        pulp::Arch::new().dispatch(TileKernel {
+            blk: self,
+            w: w.as_mut(),
+            delta: delta.as_mut(),
+            w0,
+            r0,
+            wt: scratch,
+            codes: &mut codes,
+            acc: &mut acc[..len],
+        });
+        let loss = acc[..len].iter().map(|&v| v as f64).sum::<f64>() / 2.0;
+        (codes, loss)
     }
-    (codes, loss)
+}
+
+/// [`Block::sweep_tile`]'s loops as a `pulp` operation: `with_simd` is compiled once per instruction set and
+/// the loops below are inlined into it, so the compiler vectorizes them for that set.
+struct TileKernel<'a, 'b> {
+    blk: &'a Block<'a>,
+    w: MatMut<'b, f32>,
+    delta: MatMut<'b, f32>,
+    w0: &'a [&'a [f32]],
+    r0: usize,
+    wt: &'a mut [TileCol],
+    codes: &'a mut [u8],
+    acc: &'a mut [f32],
+}
+
+impl pulp::WithSimd for TileKernel<'_, '_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _simd: S) {
+        let TileKernel {
+            blk,
+            w,
+            mut delta,
+            w0,
+            r0,
+            wt,
+            codes,
+            acc,
+        } = self;
+        let (len, count) = (w.nrows(), blk.count);
+        // The tile's block columns are `rows` floats apart in W: they are copied into a dense local buffer, so
+        // they do not all fall into the same few cache sets, and padded to a full tile (zero weights, unit
+        // scales), so every loop below has a fixed trip count and keeps a column in registers.
+        for (i, TileCol(dst)) in wt.iter_mut().enumerate() {
+            match w.as_ref().col(i).try_as_col_major() {
+                Some(c) => dst[..len].copy_from_slice(c.as_slice()),
+                None => dst[..len].fill(0.0),
+            }
+            dst[len..].fill(0.0);
+        }
+        let mut acc_t = [0f32; TILE];
+        // Columns go in sub-blocks of `SB`: inside a sub-block each column's delta is fed to the sub-block's
+        // later columns at once (rank-1 updates); then every later column of the block takes the sub-block's
+        // deltas in one pass with its values held in registers, instead of being loaded and stored once per
+        // delta. The additions happen in the same order either way, so the result is the same to the bit.
+        const SB: usize = 16;
+        let mut dls = [TileCol([0f32; TILE]); SB];
+        let mut s0 = 0;
+        while s0 < count {
+            let s1 = (s0 + SB).min(count);
+            for i in s0..s1 {
+                let dl = &mut dls[i - s0].0;
+                *dl = [0f32; TILE];
+                if let Some(gp) = blk.col_param[i].map(|pi| &blk.params[pi]) {
+                    let (mut sc, mut zr, mut w0t) = ([1f32; TILE], [0f32; TILE], [0f32; TILE]);
+                    sc[..len].copy_from_slice(&gp.scale[r0..r0 + len]);
+                    zr[..len].copy_from_slice(&gp.zero[r0..r0 + len]);
+                    w0t[..len].copy_from_slice(&w0[i][..len]);
+                    let rd2 = blk.rdiag2[i];
+                    let x = &wt[i].0;
+                    let mut qf = [0f32; TILE];
+                    for r in 0..TILE {
+                        let q = quantize_code(x[r], sc[r], zr[r], blk.maxq);
+                        qf[r] = q;
+                        let dq = dequantize(q, sc[r], zr[r]);
+                        let diff = x[r] - dq;
+                        acc_t[r] += diff * diff * rd2;
+                        dl[r] = w0t[r] - dq;
+                    }
+                    for (o, q) in codes[i * len..(i + 1) * len].iter_mut().zip(qf.iter()) {
+                        *o = *q as u8;
+                    }
+                }
+                if let Some(dcol) = delta.as_mut().col_mut(i).try_as_col_major_mut() {
+                    dcol.as_slice_mut().copy_from_slice(&dl[..len]);
+                }
+                let row = &blk.coef[i * count + i + 1..i * count + s1];
+                for (TileCol(right), &c) in wt[i + 1..s1].iter_mut().zip(row) {
+                    for r in 0..TILE {
+                        right[r] += dl[r] * c;
+                    }
+                }
+            }
+            for (jj, TileCol(right)) in wt[s1..].iter_mut().enumerate() {
+                let j = s1 + jj;
+                let mut x = *right;
+                for (u, TileCol(dl)) in dls[..s1 - s0].iter().enumerate() {
+                    let c = blk.coef[(s0 + u) * count + j];
+                    for r in 0..TILE {
+                        x[r] += dl[r] * c;
+                    }
+                }
+                *right = x;
+            }
+            s0 = s1;
+        }
+        acc.copy_from_slice(&acc_t[..len]);
+    }
 }
 
 /// Round-to-nearest per group, no Hessian (the fallback when recovery is exhausted).

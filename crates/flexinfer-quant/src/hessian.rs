@@ -1,8 +1,8 @@
 //! Hessian preparation (sanitise, dead columns, act-order permutation) and the recovery loop that turns it into
-//! the inverse-Hessian upper Cholesky factor (SPEC §5, runbook §4).
+//! the sweep factor (one Cholesky factorisation; see [`crate::linalg`]) (SPEC §5, runbook §4).
 
 use crate::events::{fields, EventSink};
-use crate::linalg::LinalgBackend;
+use crate::linalg::{LinalgBackend, SweepFactor};
 use crate::params::{FloorMode, RecoveryParams};
 use faer::Mat;
 use serde_json::json;
@@ -13,8 +13,8 @@ pub const EVENT_HESSIAN_RECOVERY: &str = "hessian_recovery";
 /// Everything the column sweep needs from one Hessian; shared by all modules that see the same input.
 #[derive(Clone, Debug)]
 pub struct PreparedFactor {
-    /// Upper-triangular factor of the (permuted, damped) inverse Hessian.
-    pub u: Mat<f32>,
+    /// Sweep factor of the (permuted, damped) Hessian (see [`crate::linalg`]).
+    pub f: SweepFactor,
     /// `perm[k]` = original column at sweep position k (act-order); `None` = identity.
     pub perm: Option<Vec<usize>>,
     /// Columns whose Hessian diagonal was zero (original order); their weights are zeroed.
@@ -33,17 +33,20 @@ pub enum FactorOutcome {
 
 /// Replaces non-finite entries by zero; returns how many were replaced.
 pub fn sanitize(h: &mut Mat<f32>) -> usize {
-    let n = h.nrows();
-    let mut count = 0;
-    for j in 0..n {
-        for i in 0..n {
-            if !h[(i, j)].is_finite() {
-                h[(i, j)] = 0.0;
-                count += 1;
+    use rayon::prelude::*;
+    h.as_mut()
+        .par_col_iter_mut()
+        .map(|c| {
+            let mut count = 0;
+            for v in c.iter_mut() {
+                if !v.is_finite() {
+                    *v = 0.0;
+                    count += 1;
+                }
             }
-        }
-    }
-    count
+            count
+        })
+        .sum()
 }
 
 /// Prepares `h` (consumed) and runs the recovery loop. `module` names the input group in events.
@@ -91,8 +94,8 @@ pub fn prepare_factor(
         None
     };
     match recover(backend, &h, recovery, module, events) {
-        Some((u, damp)) => FactorOutcome::Factor(PreparedFactor {
-            u,
+        Some((f, damp)) => FactorOutcome::Factor(PreparedFactor {
+            f,
             perm,
             dead,
             damp,
@@ -101,25 +104,28 @@ pub fn prepare_factor(
     }
 }
 
-/// The damp sweep, then the diagonal-floor attempts. Returns `(U, damp)`.
+/// The damp sweep, then the diagonal-floor attempts. Returns `(sweep factor, damp)`. `h` is only read: every
+/// attempt factors its off-diagonal part with a new diagonal into one reused output buffer.
 pub fn recover(
     backend: &dyn LinalgBackend,
     h: &Mat<f32>,
     rp: &RecoveryParams,
     module: &str,
     events: &dyn EventSink,
-) -> Option<(Mat<f32>, f32)> {
+) -> Option<(SweepFactor, f32)> {
     let n = h.nrows();
     if n == 0 {
         return None;
     }
     let diag: Vec<f32> = (0..n).map(|i| h[(i, i)]).collect();
     let mean = (diag.iter().map(|&d| d as f64).sum::<f64>() / n as f64) as f32;
-    let mut work = h.clone();
-    let set_diag = |work: &mut Mat<f32>, f: &dyn Fn(usize) -> f32| {
-        for i in 0..n {
-            work[(i, i)] = f(i);
+    let mut work = SweepFactor::new(n);
+    let mut attempt_diag = vec![0f32; n];
+    let mut try_factor = |work: &mut SweepFactor, f: &dyn Fn(usize) -> f32| -> bool {
+        for (i, d) in attempt_diag.iter_mut().enumerate() {
+            *d = f(i);
         }
+        backend.sweep_factor(h.as_ref(), &attempt_diag, work)
     };
 
     // Attempt 0: damp sweep from damp_percent in steps of damp_auto_increment while damp < 1.
@@ -127,8 +133,7 @@ pub fn recover(
     let mut failed_any = false;
     loop {
         let add = damp * mean;
-        set_diag(&mut work, &|i| diag[i] + add);
-        if let Some(u) = backend.inverse_cholesky_factor(work.as_ref()) {
+        if try_factor(&mut work, &|i| diag[i] + add) {
             if failed_any {
                 events.emit(
                     EVENT_HESSIAN_RECOVERY,
@@ -140,7 +145,7 @@ pub fn recover(
                     ]),
                 );
             }
-            return Some((u, damp));
+            return Some((work, damp));
         }
         failed_any = true;
         events.emit(
@@ -168,26 +173,20 @@ pub fn recover(
     };
     for attempt in 1..=rp.max_floor_attempts {
         let floor = base * rp.floor_multiplier.powi(attempt as i32 - 1);
-        set_diag(&mut work, &|i| (diag[i] + floor).max(floor));
-        let ok = if floor.is_finite() && floor > 0.0 {
-            backend.inverse_cholesky_factor(work.as_ref())
-        } else {
-            None
-        };
+        let ok = floor.is_finite()
+            && floor > 0.0
+            && try_factor(&mut work, &|i| (diag[i] + floor).max(floor));
         events.emit(
             EVENT_HESSIAN_RECOVERY,
             fields([
                 ("module", json!(module)),
                 ("attempt", json!(attempt)),
                 ("floor", json!(floor)),
-                (
-                    "result",
-                    json!(if ok.is_some() { "recovered" } else { "failed" }),
-                ),
+                ("result", json!(if ok { "recovered" } else { "failed" })),
             ]),
         );
-        if let Some(u) = ok {
-            return Some((u, 0.0));
+        if ok {
+            return Some((work, 0.0));
         }
     }
     events.emit(

@@ -222,21 +222,35 @@ pub fn embed(
     embed_table: Option<&[f32]>,
     tokens: &[u32],
 ) -> Result<Mat<f32>> {
-    let owned;
-    let table = match embed_table {
-        Some(t) => t,
-        None => {
-            owned = store.f32("model.embed_tokens.weight")?;
-            &owned
-        }
-    };
+    const NAME: &str = "model.embed_tokens.weight";
     let hsz = cfg.hidden_size;
-    let vocab = table.len() / hsz.max(1);
     let mut out = Mat::<f32>::zeros(tokens.len(), hsz);
-    for (r, &tok) in tokens.iter().enumerate() {
-        let t = (tok as usize).min(vocab.saturating_sub(1));
-        for c in 0..hsz {
-            out[(r, c)] = table[t * hsz + c];
+    match embed_table {
+        Some(table) => {
+            let vocab = table.len() / hsz.max(1);
+            for (r, &tok) in tokens.iter().enumerate() {
+                let t = (tok as usize).min(vocab.saturating_sub(1));
+                for c in 0..hsz {
+                    out[(r, c)] = table[t * hsz + c];
+                }
+            }
+        }
+        None => {
+            // Row by row from the mapping: the f32 table (vocabulary × hidden) is never built.
+            let vocab = store.entry(NAME)?.shape.first().copied().unwrap_or(0);
+            for (r, &tok) in tokens.iter().enumerate() {
+                let t = (tok as usize).min(vocab.saturating_sub(1));
+                let row = store.f32_row(NAME, t)?;
+                if row.len() != hsz {
+                    return Err(crate::error::QuantError::Input(format!(
+                        "{NAME} rows have {} values, config.json hidden_size is {hsz}",
+                        row.len()
+                    )));
+                }
+                for (c, v) in row.into_iter().enumerate() {
+                    out[(r, c)] = v;
+                }
+            }
         }
     }
     Ok(out)

@@ -6,7 +6,9 @@ use crate::calib::{load_samples, CalibSettings};
 use crate::error::{QuantError, Result};
 use crate::events::{fields, EventSink};
 use crate::fsutil::{read_json, sha256_file, sha256_hex};
-use crate::gptq::{dequantize_weight, gptq_quantize, rtn_quantize, Method, QuantizedLinear};
+use crate::gptq::{
+    dequantize_weight, gptq_quantize_in, rtn_quantize, Method, QuantizedLinear, Workspace,
+};
 use crate::hessian::{prepare_factor, FactorOutcome};
 use crate::linalg::LinalgBackend;
 use crate::llama::{
@@ -29,8 +31,10 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 pub const EVENT_PROGRESS: &str = "progress";
-/// Samples whose activations are stacked into one Hessian update when `N_PARALLEL_CALIB_SAMPLES` is unset.
-pub const DEFAULT_CALIB_BATCH: usize = 8;
+/// Samples whose activations are stacked into one Hessian update when `N_PARALLEL_CALIB_SAMPLES` is unset: one,
+/// so only one sample's activations of a stage are alive at a time (a sample's tokens already give the
+/// Hessian product a deep enough inner dimension).
+pub const DEFAULT_CALIB_BATCH: usize = 1;
 pub const EVENT_QUALITY: &str = "quantization_quality";
 pub const EVENT_QUALITY_UNAVAILABLE: &str = "quantization_quality_unavailable";
 pub const EVENT_CACHED: &str = "quantization_cached";
@@ -371,12 +375,12 @@ pub fn run(
 
     let max_len = samples.iter().map(Vec::len).max().unwrap_or(0);
     let rope = Rope::new(&cfg, max_len);
-    let embed_table = store.f32("model.embed_tokens.weight")?;
+    // Embedding rows are read one token at a time from the mapping (no f32 copy of the whole table).
     let mut hidden: Vec<Mat<f32>> = samples
         .iter()
-        .map(|s| embed(&store, &cfg, Some(&embed_table), s))
+        .map(|s| embed(&store, &cfg, None, s))
         .collect::<Result<_>>()?;
-    drop(embed_table);
+    store.release_pages();
 
     let batch = job
         .n_parallel_calib_samples
@@ -385,6 +389,8 @@ pub fn run(
     let layers = cfg.num_layers;
     let pct = |done: f64| 95.0 * done / layers.max(1) as f64;
     let (mut gptq_count, mut rtn_count) = (0u64, 0u64);
+    // The solver's buffers, reused by every module (the layers repeat the same few shapes).
+    let mut workspace = Workspace::default();
     for layer in 0..layers {
         let prefix = cfg.layer_prefix(layer);
         let layer_extra = |done: usize| {
@@ -474,11 +480,15 @@ pub fn run(
                     if active.is_empty() {
                         continue;
                     }
+                    if let [one] = acts.as_slice() {
+                        backend.accumulate_hessian(h.as_mut(), one.as_ref(), 2.0 / n_tokens as f32);
+                        continue;
+                    }
                     let rows: usize = acts.iter().map(|a| a.nrows()).sum();
                     let mut stacked = Mat::<f32>::zeros(rows, cols);
                     let mut r0 = 0;
-                    for a in &acts {
-                        stacked.subrows_mut(r0, a.nrows()).copy_from(a);
+                    for a in acts.drain(..) {
+                        stacked.subrows_mut(r0, a.nrows()).copy_from(&a);
                         r0 += a.nrows();
                     }
                     backend.accumulate_hessian(h.as_mut(), stacked.as_ref(), 2.0 / n_tokens as f32);
@@ -505,9 +515,13 @@ pub fn run(
                 );
                 for &i in &active {
                     let q = match &outcome {
-                        FactorOutcome::Factor(f) => {
-                            gptq_quantize(backend, &lw.linears[i].w, f, &job.params)
-                        }
+                        FactorOutcome::Factor(f) => gptq_quantize_in(
+                            &mut workspace,
+                            backend,
+                            &lw.linears[i].w,
+                            f,
+                            &job.params,
+                        ),
                         FactorOutcome::Exhausted => rtn_quantize(&lw.linears[i].w, &job.params),
                     };
                     lw.linears[i].w = dequantize_weight(&q);

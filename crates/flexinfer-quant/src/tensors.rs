@@ -137,29 +137,45 @@ impl TensorStore {
     /// The tensor converted to f32 (BF16, F16, F32 sources); non-finite values are rejected.
     pub fn f32(&self, name: &str) -> Result<Vec<f32>> {
         let e = self.entry(name)?;
-        let raw = self.raw(name)?;
-        let out: Vec<f32> = match e.dtype {
-            Dtype::F32 => raw
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            Dtype::BF16 => raw
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            Dtype::F16 => raw
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            other => {
-                return Err(QuantError::Input(format!(
-                    "tensor {name} has dtype {other:?}; expected BF16, F16 or F32"
-                )))
-            }
-        };
+        let out = convert_f32(name, e.dtype, self.raw(name)?)?;
         if let Some(pos) = out.iter().position(|v| !v.is_finite()) {
             return Err(QuantError::Input(format!(
                 "tensor {name} contains a non-finite value (NaN/Inf) at element {pos}; the source weights are corrupt"
+            )));
+        }
+        Ok(out)
+    }
+
+    /// Row `row` of a 2-D tensor converted to f32, read from the mapping without converting the rest (an
+    /// embedding lookup). Non-finite values are rejected like [`TensorStore::f32`].
+    pub fn f32_row(&self, name: &str, row: usize) -> Result<Vec<f32>> {
+        let e = self.entry(name)?;
+        let (rows, width) = match e.shape.as_slice() {
+            [r, w] => (*r, *w),
+            other => {
+                return Err(QuantError::Input(format!(
+                    "tensor {name} has shape {other:?}; expected 2 dimensions"
+                )))
+            }
+        };
+        let size = match e.dtype {
+            Dtype::F32 => 4,
+            _ => 2,
+        };
+        if row >= rows {
+            return Err(QuantError::Input(format!(
+                "row {row} is outside tensor {name} ({rows} rows)"
+            )));
+        }
+        let raw = self.raw(name)?;
+        let bytes = raw
+            .get(row * width * size..(row + 1) * width * size)
+            .ok_or_else(|| QuantError::Input(format!("tensor {name} is truncated")))?;
+        let out = convert_f32(name, e.dtype, bytes)?;
+        if let Some(pos) = out.iter().position(|v| !v.is_finite()) {
+            return Err(QuantError::Input(format!(
+                "tensor {name} contains a non-finite value (NaN/Inf) at element {}; the source weights are corrupt",
+                row * width + pos
             )));
         }
         Ok(out)
@@ -209,4 +225,27 @@ impl TensorStore {
 /// Element size in bytes of the dtypes we write.
 pub fn dtype_size(d: Dtype) -> usize {
     d.bitsize() / 8
+}
+
+/// Little-endian BF16/F16/F32 bytes as f32.
+fn convert_f32(name: &str, dtype: Dtype, raw: &[u8]) -> Result<Vec<f32>> {
+    Ok(match dtype {
+        Dtype::F32 => raw
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        Dtype::BF16 => raw
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        Dtype::F16 => raw
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        other => {
+            return Err(QuantError::Input(format!(
+                "tensor {name} has dtype {other:?}; expected BF16, F16 or F32"
+            )))
+        }
+    })
 }

@@ -4,7 +4,7 @@ use faer::{Mat, Side};
 use flexinfer_quant::events::{MemorySink, NullSink};
 use flexinfer_quant::gptq::{dequantize_weight, gptq_quantize, rtn_quantize, Method};
 use flexinfer_quant::hessian::{prepare_factor, FactorOutcome, PreparedFactor};
-use flexinfer_quant::linalg::{CpuBackend, FactorRoute, LinalgBackend};
+use flexinfer_quant::linalg::{CpuBackend, FactorRoute, LinalgBackend, SweepFactor};
 use flexinfer_quant::params::{GptqParams, RecoveryParams};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -424,36 +424,59 @@ fn hessian_is_symmetric_and_matches_a_direct_product() {
 }
 
 #[test]
-fn inverse_factor_routes_agree_and_invert_h() {
+fn sweep_factor_routes_agree_and_factor_h() {
     let mut rng = StdRng::seed_from_u64(5);
-    let x = activations(&mut rng, 600, 200, true);
-    let mut h = hessian(&x);
-    let mean = (0..200).map(|i| h[(i, i)]).sum::<f32>() / 200.0;
-    for i in 0..200 {
-        h[(i, i)] += 0.01 * mean;
+    let n = 200;
+    let x = activations(&mut rng, 600, n, true);
+    let h = hessian(&x);
+    let mean = (0..n).map(|i| h[(i, i)]).sum::<f32>() / n as f32;
+    let diag: Vec<f32> = (0..n).map(|i| h[(i, i)] + 0.01 * mean).collect();
+    let mut hd = h.clone();
+    for i in 0..n {
+        hd[(i, i)] = diag[i];
     }
-    let ua = CpuBackend {
-        route: FactorRoute::Reference,
-    }
-    .inverse_cholesky_factor(h.as_ref())
-    .expect("factor");
-    let ub = CpuBackend {
-        route: FactorRoute::Reversed,
-    }
-    .inverse_cholesky_factor(h.as_ref())
-    .expect("factor");
-    let rel = (&ua - &ub).norm_l2() / ua.norm_l2();
-    assert!(rel < 1e-3, "routes differ by {rel}");
-    for j in 0..200 {
-        for i in j + 1..200 {
-            assert_eq!(ub[(i, j)], 0.0, "U must be upper triangular");
+    let factor = |route| {
+        let mut f = SweepFactor::new(n);
+        // Garbage on and below the diagonal of `h` must not matter: only its strict upper triangle is read.
+        let mut hu = h.clone();
+        for j in 0..n {
+            for i in j..n {
+                hu[(i, j)] = f32::NAN;
+            }
         }
-    }
-    // H · (UᵀU) ≈ I
-    let prod = &h * (ub.transpose() * &ub);
-    let eye = Mat::<f32>::identity(200, 200);
-    let e = (&prod - &eye).norm_l2() / (200f32).sqrt();
-    assert!(e < 1e-2, "H·H⁻¹ deviates from I by {e}");
+        assert!(CpuBackend { route }.sweep_factor(hu.as_ref(), &diag, &mut f));
+        f
+    };
+    let fa = factor(FactorRoute::Reference);
+    let fb = factor(FactorRoute::Reversed);
+    let (ra, rb) = (fa.r_matrix(), fb.r_matrix());
+    let rel = (&ra - &rb).norm_l2() / ra.norm_l2();
+    assert!(rel < 1e-3, "routes differ by {rel}");
+    // R·Rᵀ = H, and R = U⁻¹ for the reference tools' U = chol_upper(H⁻¹): U·R = I.
+    let rrt = &rb * rb.transpose();
+    let e = (&rrt - &hd).norm_l2() / hd.norm_l2();
+    assert!(e < 1e-5, "R·Rᵀ deviates from H by {e}");
+    let hinv = hd
+        .llt(Side::Lower)
+        .map(|l| faer::linalg::solvers::DenseSolveCore::inverse(&l))
+        .expect("chol");
+    let u = hinv
+        .llt(Side::Lower)
+        .expect("chol")
+        .L()
+        .transpose()
+        .to_owned();
+    let ur = &u * &rb;
+    let eye = Mat::<f32>::identity(n, n);
+    let e = (&ur - &eye).norm_l2() / (n as f32).sqrt();
+    assert!(e < 1e-2, "U·R deviates from I by {e}");
+    // A failed factorisation leaves `h` usable for the next attempt: an indefinite diagonal fails, then the
+    // damped one succeeds from the same input with the same result.
+    let bad: Vec<f32> = vec![-1.0; n];
+    let mut f = SweepFactor::new(n);
+    assert!(!CpuBackend::default().sweep_factor(h.as_ref(), &bad, &mut f));
+    assert!(CpuBackend::default().sweep_factor(h.as_ref(), &diag, &mut f));
+    assert_eq!(f.r_matrix(), rb);
 }
 
 #[test]
@@ -546,4 +569,34 @@ fn indefinite_hessian_exhausts_and_reports_each_attempt() {
         FactorOutcome::Factor(f) => assert_eq!(f.damp, 0.0),
         FactorOutcome::Exhausted => panic!("floor 100 must rescue an off-diagonal of 50"),
     }
+}
+
+#[test]
+fn groups_wider_than_a_block_match_reference() {
+    // The reference reads a group's parameters when the group starts, from W as of that block's start; a
+    // 256- or 512-column group reaches into later blocks, whose columns it sees with earlier blocks' errors only.
+    check_case(
+        400,
+        48,
+        512,
+        true,
+        GptqParams {
+            bits: 4,
+            group_size: 256,
+            ..Default::default()
+        },
+    );
+    check_case(
+        401,
+        40,
+        1024,
+        true,
+        GptqParams {
+            bits: 3,
+            group_size: 512,
+            sym: false,
+            desc_act: true,
+            ..Default::default()
+        },
+    );
 }
