@@ -254,6 +254,18 @@ fn module_tensors(name: &str, q: &QuantizedLinear) -> Vec<OutTensor<'static>> {
 }
 
 /// Runs the job. Bad input is reported before anything is written to `out_dir`.
+/// Hands memory the allocator holds after frees back to the system. The calibration forward allocates and
+/// frees many activation-sized buffers from several threads; glibc keeps the freed space in per-thread
+/// arenas, so without this the resident set only ever grows (measured: 300+ MiB instead of ~190 MiB peak on
+/// the 100M-parameter benchmark model). Called between stages, where little is live.
+pub fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free heap memory to the kernel; it does not touch live allocations.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 pub fn run(
     job: &QuantizeJob,
     backend: &dyn LinalgBackend,
@@ -404,6 +416,7 @@ pub fn run(
         };
         let mut lw = load_layer(&store, &cfg, layer, None)?;
         store.release_pages();
+        release_free_memory();
         // True once `hidden` holds each sample's residual after attention (a freshly quantized layer).
         let mut hidden_is_x1 = false;
         if layer < cache.completed_layers() {
@@ -493,6 +506,7 @@ pub fn run(
                     }
                     backend.accumulate_hessian(h.as_mut(), stacked.as_ref(), 2.0 / n_tokens as f32);
                 }
+                release_free_memory();
                 if *stage == Stage::GateUp {
                     att_cache = Vec::new();
                     hidden_is_x1 = true;
@@ -527,6 +541,7 @@ pub fn run(
                     lw.linears[i].w = dequantize_weight(&q);
                     results[i] = Some(q);
                 }
+                release_free_memory();
                 progress.emit(
                     "quantize",
                     pct(layer as f64 + (*stage as usize + 1) as f64 / 5.0),
@@ -546,6 +561,8 @@ pub fn run(
                 }
             }
             cache.write_layer(layer, &tensors, g, r, events)?;
+            drop(tensors);
+            release_free_memory();
             tracing::info!(
                 layer,
                 gptq = g,
@@ -571,6 +588,7 @@ pub fn run(
                 *x = layer_forward(&cfg, &lw, x.as_ref(), &rope, None);
             }
         }
+        release_free_memory();
         if job.abort_after_layer == Some(layer) {
             return Err(QuantError::TestAbort(layer));
         }
@@ -632,8 +650,12 @@ pub fn run(
         tensors,
         job.max_shard_bytes,
         &extras,
+        &|| {
+            // Pages already hashed or written are read again at most once, from the page cache.
+            store.release_pages();
+            layer_stores.iter().for_each(TensorStore::release_pages);
+        },
         |done, total| {
-            // Pages of the shard just written are not needed again.
             store.release_pages();
             layer_stores.iter().for_each(TensorStore::release_pages);
             progress.emit(

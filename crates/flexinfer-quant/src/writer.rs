@@ -127,7 +127,33 @@ fn shard_layout(tensors: &[OutTensor<'_>], idxs: &[usize]) -> Result<(Vec<u8>, V
     Ok((bytes, order))
 }
 
-fn shard_digest(header: &[u8], tensors: &[OutTensor<'_>], order: &[usize]) -> (u64, String) {
+/// Bytes read from mapped tensors between two calls of the caller's page-release hook while saving: the
+/// source and cache mappings are read once for the digest and once for the write, and without the hook every
+/// page read would stay in the resident set until the shard is done.
+const RELEASE_EVERY: usize = 32 << 20;
+
+/// Calls `release` whenever another [`RELEASE_EVERY`] bytes have been read.
+struct ReleaseTicker<'a> {
+    release: &'a dyn Fn(),
+    since: usize,
+}
+
+impl ReleaseTicker<'_> {
+    fn read(&mut self, bytes: usize) {
+        self.since += bytes;
+        if self.since >= RELEASE_EVERY {
+            (self.release)();
+            self.since = 0;
+        }
+    }
+}
+
+fn shard_digest(
+    header: &[u8],
+    tensors: &[OutTensor<'_>],
+    order: &[usize],
+    ticker: &mut ReleaseTicker<'_>,
+) -> (u64, String) {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
     h.update(header);
@@ -135,6 +161,7 @@ fn shard_digest(header: &[u8], tensors: &[OutTensor<'_>], order: &[usize]) -> (u
     for &i in order {
         h.update(&tensors[i].data);
         size += tensors[i].data.len() as u64;
+        ticker.read(tensors[i].data.len());
     }
     (size, hex::encode(h.finalize()))
 }
@@ -145,6 +172,7 @@ fn write_shard(
     header: &[u8],
     tensors: &[OutTensor<'_>],
     order: &[usize],
+    ticker: &mut ReleaseTicker<'_>,
 ) -> Result<()> {
     use std::io::Write;
     let dir = path.parent().unwrap_or(Path::new("."));
@@ -155,6 +183,7 @@ fn write_shard(
         for &i in order {
             w.write_all(&tensors[i].data)
                 .map_err(|e| QuantError::io(path, e))?;
+            ticker.read(tensors[i].data.len());
         }
         w.flush().map_err(|e| QuantError::io(path, e))?;
     }
@@ -167,14 +196,21 @@ fn write_shard(
 }
 
 /// Writes the checkpoint into `staging`, then renames it to `final_dir`. Returns the shard records.
+/// `release_pages` is called every few tens of MiB read from `tensors` (drop mapped pages from the resident
+/// set there); `on_shard(done, total)` after each shard.
 pub fn write_checkpoint(
     staging: &Path,
     final_dir: &Path,
     mut tensors: Vec<OutTensor<'_>>,
     max_shard_bytes: u64,
     extras: &Extras<'_>,
+    release_pages: &dyn Fn(),
     mut on_shard: impl FnMut(usize, usize),
 ) -> Result<Vec<ShardRecord>> {
+    let mut ticker = ReleaseTicker {
+        release: release_pages,
+        since: 0,
+    };
     std::fs::create_dir_all(staging).map_err(|e| QuantError::io(staging, e))?;
     tensors.sort_by(|a, b| a.name.cmp(&b.name));
     // Greedy shard plan in name order.
@@ -202,14 +238,14 @@ pub fn write_checkpoint(
             total += tensors[i].data.len() as u64;
         }
         let (header, order) = shard_layout(&tensors, idxs)?;
-        let (size, sha) = shard_digest(&header, &tensors, &order);
+        let (size, sha) = shard_digest(&header, &tensors, &order, &mut ticker);
         let path = staging.join(&name);
         let reuse = std::fs::metadata(&path)
             .map(|m| m.len() == size)
             .unwrap_or(false)
             && sha256_file(&path).map(|h| h == sha).unwrap_or(false);
         if !reuse {
-            write_shard(&path, &header, &tensors, &order)?;
+            write_shard(&path, &header, &tensors, &order, &mut ticker)?;
         }
         let bytes_len = size;
         records.push(ShardRecord {

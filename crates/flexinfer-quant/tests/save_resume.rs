@@ -33,7 +33,7 @@ fn save(staging: &Path, out: &Path, src: &Path) -> Vec<String> {
         source_dir: src,
         script_version: "test",
     };
-    write_checkpoint(staging, out, tensors(), 9000, &extras, |_, _| {})
+    write_checkpoint(staging, out, tensors(), 9000, &extras, &|| {}, |_, _| {})
         .expect("save")
         .into_iter()
         .map(|r| r.name)
