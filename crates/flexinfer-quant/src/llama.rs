@@ -130,32 +130,34 @@ pub fn attention(
     let scale = 1.0 / (d as f32).sqrt();
     let mut out = Mat::<f32>::zeros(t, nh * d);
     let par = faer::get_global_parallelism();
+    // Scores transposed (`st[j][i]` = key j · query i), so each query's causal softmax runs over one
+    // contiguous column, keys 0..=i only.
+    let mut st = Mat::<f32>::zeros(t, t);
     for head in 0..nh {
         let kvh = head / (nh / nkv);
         let qh = q.subcols(head * d, d);
         let kh = k.subcols(kvh * d, d);
         let vh = v.subcols(kvh * d, d);
-        let mut s = Mat::<f32>::zeros(t, t);
-        matmul(s.as_mut(), Accum::Replace, qh, kh.transpose(), scale, par);
+        matmul(st.as_mut(), Accum::Replace, kh, qh.transpose(), scale, par);
         for i in 0..t {
-            let mut m = f32::NEG_INFINITY;
-            for j in 0..=i {
-                m = m.max(s[(i, j)]);
-            }
+            let c = &mut st.col_as_slice_mut(i)[..];
+            let (live, masked) = c.split_at_mut(i + 1);
+            let m = live.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
             let mut sum = 0.0;
-            for j in 0..t {
-                let e = if j <= i { (s[(i, j)] - m).exp() } else { 0.0 };
-                s[(i, j)] = e;
+            for v in live.iter_mut() {
+                let e = (*v - m).exp();
+                *v = e;
                 sum += e;
             }
-            for j in 0..=i {
-                s[(i, j)] /= sum;
+            for v in live.iter_mut() {
+                *v /= sum;
             }
+            masked.fill(0.0);
         }
         matmul(
             out.subcols_mut(head * d, d),
             Accum::Replace,
-            s.as_ref(),
+            st.transpose(),
             vh,
             1.0,
             par,

@@ -447,9 +447,9 @@ pub fn run(
             );
         } else {
             let mut results: Vec<Option<QuantizedLinear>> = vec![None; 7];
-            // Per-sample intermediates kept between stages, so each part of the layer runs once with the
-            // weights it must see (true sequential): attention output, then the residual after attention.
-            let mut att_cache: Vec<Mat<f32>> = Vec::with_capacity(hidden.len());
+            // True sequential: every stage sees the modules before it already quantized. The attention output
+            // feeds two stages (o_proj's Hessian, then the residual for gate/up); it is computed again for the
+            // second rather than kept, so the calibration activations are resident once, not twice.
             for (stage, group) in STAGES.iter().zip(INPUT_GROUPS.iter()) {
                 let active: Vec<usize> = group
                     .iter()
@@ -462,21 +462,20 @@ pub fn run(
                     if active.is_empty() { 0 } else { cols },
                 );
                 // Up to `batch` samples' activations are stacked into one product (bounded memory, better GEMM).
-                for (ci, chunk) in hidden.chunks_mut(batch).enumerate() {
+                for chunk in hidden.chunks_mut(batch) {
                     let mut acts: Vec<Mat<f32>> = Vec::with_capacity(chunk.len());
-                    for (k, x) in chunk.iter_mut().enumerate() {
-                        let idx = ci * batch + k;
+                    for x in chunk.iter_mut() {
                         let a = match stage {
                             Stage::Qkv => rms_norm(x.as_ref(), &lw.input_norm, cfg.rms_norm_eps),
+                            Stage::O if active.is_empty() => continue,
                             Stage::O => {
                                 let hn = rms_norm(x.as_ref(), &lw.input_norm, cfg.rms_norm_eps);
-                                let att = attention(&cfg, &lw, hn.as_ref(), &rope);
-                                // Stacking below copies it; keep the original for the next stage.
-                                att_cache.push(att.clone());
-                                att
+                                attention(&cfg, &lw, hn.as_ref(), &rope)
                             }
                             Stage::GateUp => {
-                                let att = std::mem::replace(&mut att_cache[idx], Mat::new());
+                                let hn = rms_norm(x.as_ref(), &lw.input_norm, cfg.rms_norm_eps);
+                                let att = attention(&cfg, &lw, hn.as_ref(), &rope);
+                                drop(hn);
                                 let x1 = attention_residual(&lw, x.as_ref(), att.as_ref());
                                 drop(att);
                                 let h2 = rms_norm(x1.as_ref(), &lw.post_norm, cfg.rms_norm_eps);
@@ -508,7 +507,6 @@ pub fn run(
                 }
                 release_free_memory();
                 if *stage == Stage::GateUp {
-                    att_cache = Vec::new();
                     hidden_is_x1 = true;
                 }
                 if active.is_empty() {
