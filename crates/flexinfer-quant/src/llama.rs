@@ -169,12 +169,17 @@ pub fn attention(
 /// SwiGLU input of down_proj for the residual stream `x1` (after attention).
 pub fn mlp_activation(cfg: &ModelConfig, lw: &LayerWeights, x1: MatRef<'_, f32>) -> Mat<f32> {
     let h2 = rms_norm(x1, &lw.post_norm, cfg.rms_norm_eps);
-    let g = linear(h2.as_ref(), &lw.linears[4]);
+    let mut g = linear(h2.as_ref(), &lw.linears[4]);
     let u = linear(h2.as_ref(), &lw.linears[5]);
-    Mat::from_fn(g.nrows(), g.ncols(), |r, c| {
-        let gv = g[(r, c)];
-        gv / (1.0 + (-gv).exp()) * u[(r, c)]
-    })
+    drop(h2);
+    // SiLU(g)·u, written over g (no third intermediate-sized matrix).
+    for c in 0..g.ncols().min(u.ncols()) {
+        let uc = u.col_as_slice(c);
+        for (gv, &uv) in g.col_as_slice_mut(c).iter_mut().zip(uc) {
+            *gv = *gv / (1.0 + (-*gv).exp()) * uv;
+        }
+    }
+    g
 }
 
 /// Residual stream after attention: `x + o_proj(att)`.

@@ -12,8 +12,7 @@ use crate::gptq::{
 use crate::hessian::{prepare_factor, FactorOutcome};
 use crate::linalg::LinalgBackend;
 use crate::llama::{
-    attention, attention_residual, embed, layer_forward, mlp_activation, mlp_residual, rms_norm,
-    Rope, Stage, STAGES,
+    attention, embed, layer_forward, linear, mlp_activation, rms_norm, Rope, Stage, STAGES,
 };
 use crate::model::{
     linear_shape, load_layer, load_linear, GptqReadConfig, ModelConfig, INPUT_GROUPS, LINEARS,
@@ -258,6 +257,16 @@ fn module_tensors(name: &str, q: &QuantizedLinear) -> Vec<OutTensor<'static>> {
 /// frees many activation-sized buffers from several threads; glibc keeps the freed space in per-thread
 /// arenas, so without this the resident set only ever grows (measured: 300+ MiB instead of ~190 MiB peak on
 /// the 100M-parameter benchmark model). Called between stages, where little is live.
+/// `x += y` (same shape), elementwise: the same sums as `x + y`, without a new matrix.
+fn add_in_place(x: &mut Mat<f32>, y: &Mat<f32>) {
+    for j in 0..x.ncols().min(y.ncols()) {
+        let yc = y.col_as_slice(j);
+        for (a, b) in x.col_as_slice_mut(j).iter_mut().zip(yc) {
+            *a += *b;
+        }
+    }
+}
+
 pub fn release_free_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim only returns free heap memory to the kernel; it does not touch live allocations.
@@ -401,8 +410,7 @@ pub fn run(
     let layers = cfg.num_layers;
     let pct = |done: f64| 95.0 * done / layers.max(1) as f64;
     let (mut gptq_count, mut rtn_count) = (0u64, 0u64);
-    // The solver's buffers, reused by every module (the layers repeat the same few shapes).
-    let mut workspace = Workspace::default();
+
     for layer in 0..layers {
         let prefix = cfg.layer_prefix(layer);
         let layer_extra = |done: usize| {
@@ -476,12 +484,13 @@ pub fn run(
                                 let hn = rms_norm(x.as_ref(), &lw.input_norm, cfg.rms_norm_eps);
                                 let att = attention(&cfg, &lw, hn.as_ref(), &rope);
                                 drop(hn);
-                                let x1 = attention_residual(&lw, x.as_ref(), att.as_ref());
+                                // The residual after attention replaces the layer input in place (the input
+                                // is not needed any more; no second activation-sized buffer).
+                                let o = linear(att.as_ref(), &lw.linears[3]);
                                 drop(att);
-                                let h2 = rms_norm(x1.as_ref(), &lw.post_norm, cfg.rms_norm_eps);
-                                // The layer input is not needed any more: the residual replaces it.
-                                *x = x1;
-                                h2
+                                add_in_place(x, &o);
+                                drop(o);
+                                rms_norm(x.as_ref(), &lw.post_norm, cfg.rms_norm_eps)
                             }
                             Stage::Down => mlp_activation(&cfg, &lw, x.as_ref()),
                         };
@@ -512,6 +521,8 @@ pub fn run(
                 if active.is_empty() {
                     continue;
                 }
+                // The per-sample stage inputs are gone: hand their memory back before the factorisation.
+                release_free_memory();
                 backend.finish_hessian(h.as_mut());
                 let names: Vec<String> = active
                     .iter()
@@ -525,6 +536,11 @@ pub fn run(
                     &names.join(","),
                     events,
                 );
+                // The Hessian was consumed by the factorisation: hand its memory back before the sweep.
+                release_free_memory();
+                // The solver's buffers, shared by the modules of this input group (q/k/v, gate/up) and
+                // dropped with it, so they do not stay resident through the next stages' forward passes.
+                let mut workspace = Workspace::default();
                 for &i in &active {
                     let q = match &outcome {
                         FactorOutcome::Factor(f) => gptq_quantize_in(
@@ -579,7 +595,10 @@ pub fn run(
         }
         if hidden_is_x1 {
             for x in hidden.iter_mut() {
-                *x = mlp_residual(&cfg, &lw, x.as_ref());
+                let act = mlp_activation(&cfg, &lw, x.as_ref());
+                let dn = linear(act.as_ref(), &lw.linears[6]);
+                drop(act);
+                add_in_place(x, &dn);
             }
         } else {
             for x in hidden.iter_mut() {
@@ -592,6 +611,9 @@ pub fn run(
         }
     }
 
+    // The activations are not needed for the save.
+    drop(hidden);
+    release_free_memory();
     // Save.
     cache.write_checkpoint("saving", None)?;
     let quality = Quality::evaluate(gptq_count, rtn_count, &job.gate);

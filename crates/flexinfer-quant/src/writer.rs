@@ -130,7 +130,9 @@ fn shard_layout(tensors: &[OutTensor<'_>], idxs: &[usize]) -> Result<(Vec<u8>, V
 /// Bytes read from mapped tensors between two calls of the caller's page-release hook while saving: the
 /// source and cache mappings are read once for the digest and once for the write, and without the hook every
 /// page read would stay in the resident set until the shard is done.
-const RELEASE_EVERY: usize = 32 << 20;
+const RELEASE_EVERY: usize = 16 << 20;
+/// Large tensors are hashed and written in pieces of this size, so that the hook runs inside them too.
+const PIECE: usize = 8 << 20;
 
 /// Calls `release` whenever another [`RELEASE_EVERY`] bytes have been read.
 struct ReleaseTicker<'a> {
@@ -159,9 +161,11 @@ fn shard_digest(
     h.update(header);
     let mut size = header.len() as u64;
     for &i in order {
-        h.update(&tensors[i].data);
+        for piece in tensors[i].data.chunks(PIECE) {
+            h.update(piece);
+            ticker.read(piece.len());
+        }
         size += tensors[i].data.len() as u64;
-        ticker.read(tensors[i].data.len());
     }
     (size, hex::encode(h.finalize()))
 }
@@ -181,9 +185,10 @@ fn write_shard(
         let mut w = std::io::BufWriter::with_capacity(8 << 20, tmp.as_file());
         w.write_all(header).map_err(|e| QuantError::io(path, e))?;
         for &i in order {
-            w.write_all(&tensors[i].data)
-                .map_err(|e| QuantError::io(path, e))?;
-            ticker.read(tensors[i].data.len());
+            for piece in tensors[i].data.chunks(PIECE) {
+                w.write_all(piece).map_err(|e| QuantError::io(path, e))?;
+                ticker.read(piece.len());
+            }
         }
         w.flush().map_err(|e| QuantError::io(path, e))?;
     }
