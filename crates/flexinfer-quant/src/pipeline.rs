@@ -255,8 +255,8 @@ fn module_tensors(name: &str, q: &QuantizedLinear) -> Vec<OutTensor<'static>> {
 /// Runs the job. Bad input is reported before anything is written to `out_dir`.
 /// Hands memory the allocator holds after frees back to the system. The calibration forward allocates and
 /// frees many activation-sized buffers from several threads; glibc keeps the freed space in per-thread
-/// arenas, so without this the resident set only ever grows (measured: 300+ MiB instead of ~190 MiB peak on
-/// the 100M-parameter benchmark model). Called between stages, where little is live.
+/// arenas, so without this the resident set only ever grows (docs/benchmarks.md). Called between stages,
+/// where little is live.
 /// `x += y` (same shape), elementwise: the same sums as `x + y`, without a new matrix.
 fn add_in_place(x: &mut Mat<f32>, y: &Mat<f32>) {
     for j in 0..x.ncols().min(y.ncols()) {
