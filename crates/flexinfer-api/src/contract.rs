@@ -183,6 +183,18 @@ pub mod controller_env {
     pub fn runtime_image(backend: &str) -> String {
         format!("FLEXINFER_RUNTIME_IMAGE_{}", backend.to_ascii_uppercase())
     }
+    /// Only watch this namespace (default: all namespaces).
+    pub const WATCH_NAMESPACE: &str = "FLEXINFER_WATCH_NAMESPACE";
+    /// Seconds between progress polls (pod log tail) of a running Job (default 30).
+    pub const PROGRESS_POLL_SECONDS: &str = "FLEXINFER_PROGRESS_POLL_SECONDS";
+    /// Leader-election Lease duration in seconds (default 15).
+    pub const LEASE_DURATION_SECONDS: &str = "FLEXINFER_LEASE_DURATION_SECONDS";
+    /// Name of the leader-election Lease (default `flexinfer-controller-leader`).
+    pub const LEASE_NAME: &str = "FLEXINFER_LEASE_NAME";
+    /// Address of `/metrics` (default `0.0.0.0:8080`).
+    pub const METRICS_ADDR: &str = "FLEXINFER_METRICS_ADDR";
+    /// Address of `/healthz` and `/readyz` (default `0.0.0.0:8081`).
+    pub const HEALTH_ADDR: &str = "FLEXINFER_HEALTH_ADDR";
 }
 
 /// Marker files written by workers (SPEC §4.2). All are written atomically.
@@ -241,6 +253,14 @@ pub mod reasons {
     pub const UNSUPPORTED_FORMAT: &str = "UnsupportedFormat";
     pub const BACKEND_UNSUPPORTED: &str = "BackendUnsupported";
     pub const CACHE_NOT_READY: &str = "CacheNotReady";
+    /// A trigger annotation or a spec change made a phase (and what follows) run again.
+    pub const RERUN_REQUESTED: &str = "RerunRequested";
+    /// `flexinfer.ai/reset-retries` cleared the retry state.
+    pub const RETRIES_RESET: &str = "RetriesReset";
+    /// The spec can't run (no image configured, bad annotation, bad path).
+    pub const INVALID_SPEC: &str = "InvalidSpec";
+    /// No image could be resolved for a phase.
+    pub const IMAGE_NOT_CONFIGURED: &str = "ImageNotConfigured";
 }
 
 /// Pipeline phases as named in Job names/labels and the worker's subcommands.
@@ -664,22 +684,6 @@ pub mod job_pod_annotations {
 /// Annotation on a pipeline Job: the phase spec hash (spec + image) it was created for.
 pub const JOB_SPEC_HASH_ANNOTATION: &str = "flexinfer.ai/spec-hash";
 
-/// Controller configuration added by the pipeline controller.
-pub mod controller_env_pipeline {
-    /// Only watch this namespace (default: all namespaces).
-    pub const WATCH_NAMESPACE: &str = "FLEXINFER_WATCH_NAMESPACE";
-    /// Seconds between progress polls (pod log tail) of a running Job (default 30).
-    pub const PROGRESS_POLL_SECONDS: &str = "FLEXINFER_PROGRESS_POLL_SECONDS";
-    /// Leader-election Lease duration in seconds (default 15).
-    pub const LEASE_DURATION_SECONDS: &str = "FLEXINFER_LEASE_DURATION_SECONDS";
-    /// Name of the leader-election Lease (default `flexinfer-controller-leader`).
-    pub const LEASE_NAME: &str = "FLEXINFER_LEASE_NAME";
-    /// Address of `/metrics` (default `0.0.0.0:8080`).
-    pub const METRICS_ADDR: &str = "FLEXINFER_METRICS_ADDR";
-    /// Address of `/healthz` and `/readyz` (default `0.0.0.0:8081`).
-    pub const HEALTH_ADDR: &str = "FLEXINFER_HEALTH_ADDR";
-}
-
 // ---------------------------------------------------------------------------------------------
 // Model serving contract (added by the Model controller work; SPEC §2.2, §7).
 // ---------------------------------------------------------------------------------------------
@@ -755,18 +759,6 @@ pub mod oci_artifact {
     pub const TAG_POLICY_OVERWRITE: &str = "overwrite";
     pub const TAG_POLICY_TIMESTAMP: &str = "timestamp";
     pub const TAG_POLICY_DIGEST_SUFFIX: &str = "digest-suffix";
-}
-
-/// Kubernetes Event reasons added by the pipeline controller.
-pub mod reasons_pipeline {
-    /// A trigger annotation or a spec change made a phase (and what follows) run again.
-    pub const RERUN_REQUESTED: &str = "RerunRequested";
-    /// `flexinfer.ai/reset-retries` cleared the retry state.
-    pub const RETRIES_RESET: &str = "RetriesReset";
-    /// The spec can't run (no image configured, bad annotation, bad path).
-    pub const INVALID_SPEC: &str = "InvalidSpec";
-    /// No image could be resolved for a phase.
-    pub const IMAGE_NOT_CONFIGURED: &str = "ImageNotConfigured";
 }
 
 // ---------------------------------------------------------------------------------------------

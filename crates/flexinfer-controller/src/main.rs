@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use clap::Parser;
-use flexinfer_api::contract::{controller_env, controller_env_pipeline};
+use flexinfer_api::contract::controller_env;
 use flexinfer_controller::http::{self, Health};
 use flexinfer_controller::leader::{Leadership, LeaseConfig};
 use flexinfer_controller::metrics::Metrics;
@@ -21,10 +21,10 @@ use tracing::{error, info};
 )]
 struct Args {
     /// Address of the Prometheus `/metrics` endpoint.
-    #[arg(long, env = controller_env_pipeline::METRICS_ADDR, default_value = "0.0.0.0:8080")]
+    #[arg(long, env = controller_env::METRICS_ADDR, default_value = "0.0.0.0:8080")]
     metrics_bind_address: SocketAddr,
     /// Address of `/healthz` and `/readyz`.
-    #[arg(long, env = controller_env_pipeline::HEALTH_ADDR, default_value = "0.0.0.0:8081")]
+    #[arg(long, env = controller_env::HEALTH_ADDR, default_value = "0.0.0.0:8081")]
     health_probe_bind_address: SocketAddr,
     /// Run leader election on a Lease so only one replica reconciles.
     #[arg(long, env = controller_env::LEADER_ELECT, default_value = "true", action = clap::ArgAction::Set)]
@@ -33,13 +33,13 @@ struct Args {
     #[arg(long, env = controller_env::NAMESPACE)]
     namespace: Option<String>,
     /// Only watch this namespace (default: all).
-    #[arg(long, env = controller_env_pipeline::WATCH_NAMESPACE)]
+    #[arg(long, env = controller_env::WATCH_NAMESPACE)]
     watch_namespace: Option<String>,
     /// Lease name.
-    #[arg(long, env = controller_env_pipeline::LEASE_NAME, default_value = "flexinfer-controller-leader")]
+    #[arg(long, env = controller_env::LEASE_NAME, default_value = "flexinfer-controller-leader")]
     lease_name: String,
     /// Lease duration in seconds.
-    #[arg(long, env = controller_env_pipeline::LEASE_DURATION_SECONDS, default_value_t = 15)]
+    #[arg(long, env = controller_env::LEASE_DURATION_SECONDS, default_value_t = 15)]
     lease_duration_seconds: u64,
     /// Plain-text logs instead of JSON (for humans at a terminal).
     #[arg(long)]

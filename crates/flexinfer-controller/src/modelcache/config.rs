@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use flexinfer_api::contract::{controller_env, controller_env_pipeline, env};
+use flexinfer_api::contract::{controller_env, env};
 
 /// Settings that shape Jobs and timing. Environment lookups happen once, at start-up, so that
 /// `plan` and the Job builders stay pure.
@@ -88,7 +88,7 @@ impl Config {
                 .unwrap_or_else(|| "flexinfer-worker".into()),
             drift_grace: secs(controller_env::IMAGE_DRIFT_GRACE_SECONDS, 600),
             retry_base: secs(controller_env::RETRY_BASE_SECONDS, 30),
-            progress_poll: secs(controller_env_pipeline::PROGRESS_POLL_SECONDS, 30),
+            progress_poll: secs(controller_env::PROGRESS_POLL_SECONDS, 30),
             gptq_tunables,
             hf_endpoint: nonempty(env::HF_ENDPOINT),
         }

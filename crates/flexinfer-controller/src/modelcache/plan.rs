@@ -5,9 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use flexinfer_api::conditions::{self, types};
-use flexinfer_api::contract::{
-    self, annotations, reasons, reasons_pipeline, JobPhase, ProgressEvent,
-};
+use flexinfer_api::contract::{self, annotations, reasons, JobPhase, ProgressEvent};
 use flexinfer_api::formats;
 use flexinfer_api::gpuprofile::GPUProfile;
 use flexinfer_api::modelcache::{
@@ -325,15 +323,11 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
         }
     }
     if let Err(e) = contract::check_relative_path(&jobs::model_dir(mc)) {
-        cx.fail_config(
-            reasons_pipeline::INVALID_SPEC,
-            &format!("spec.modelPath: {e}"),
-            None,
-        );
+        cx.fail_config(reasons::INVALID_SPEC, &format!("spec.modelPath: {e}"), None);
         return finish(cx, &old);
     }
     if let Some(msg) = jobs::invalid_pod_metadata_annotation(mc) {
-        cx.fail_config(reasons_pipeline::INVALID_SPEC, &msg, None);
+        cx.fail_config(reasons::INVALID_SPEC, &msg, None);
         return finish(cx, &old);
     }
 
@@ -368,7 +362,7 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
             if !later.is_empty() {
                 cx.event(
                     false,
-                    reasons_pipeline::RERUN_REQUESTED,
+                    reasons::RERUN_REQUESTED,
                     format!(
                         "{} was removed from the spec: re-running the phases after it",
                         p.status_name()
@@ -403,7 +397,7 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
                 rerun_from = Some(rerun_from.map_or(i, |r| r.min(i)));
                 cx.event(
                     false,
-                    reasons_pipeline::RERUN_REQUESTED,
+                    reasons::RERUN_REQUESTED,
                     format!(
                         "{key}: re-running {} and the phases after it",
                         phase.status_name()
@@ -425,7 +419,7 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
             }
             cx.event(
                 false,
-                reasons_pipeline::RETRIES_RESET,
+                reasons::RETRIES_RESET,
                 "retry state cleared; the failed phase runs again".into(),
             );
         }
@@ -444,7 +438,7 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
             Ok(img) => img.clone(),
             Err(msg) => {
                 all_done = false;
-                cx.fail_config(reasons_pipeline::IMAGE_NOT_CONFIGURED, msg, Some(phase));
+                cx.fail_config(reasons::IMAGE_NOT_CONFIGURED, msg, Some(phase));
                 break;
             }
         };
@@ -462,7 +456,7 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
             // The phase's inputs changed: re-run it and what follows.
             cx.event(
                 false,
-                reasons_pipeline::RERUN_REQUESTED,
+                reasons::RERUN_REQUESTED,
                 format!(
                     "spec of {} changed: re-running it and the phases after it",
                     phase.status_name()
@@ -501,7 +495,7 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
                 cx.st.phase = Some(running_phase(phase));
                 cx.event(
                     false,
-                    reasons_pipeline::RERUN_REQUESTED,
+                    reasons::RERUN_REQUESTED,
                     format!(
                         "spec of {} changed after it failed: trying again",
                         phase.status_name()
@@ -534,7 +528,7 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
             cx.actions.push(Action::DeleteJob(job.name.clone()));
             cx.event(
                 false,
-                reasons_pipeline::RERUN_REQUESTED,
+                reasons::RERUN_REQUESTED,
                 format!(
                     "Job {} was built from an older spec; replacing it",
                     job.name
