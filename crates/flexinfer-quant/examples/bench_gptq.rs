@@ -27,21 +27,26 @@ fn random(rows: usize, cols: usize, seed: u64) -> Mat<f32> {
     Mat::from_fn(rows, cols, |_, _| rng.random_range(-1.0f32..1.0))
 }
 
-fn peak_rss_mib() -> f64 {
+/// A `/proc/self/status` memory field (`VmHWM`, `VmRSS`) in MiB.
+fn status_mib(field: &str) -> f64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
             s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .map(str::to_string)
-        })
-        .and_then(|l| {
-            l.split_whitespace()
-                .nth(1)
+                .find(|l| l.starts_with(field))
+                .and_then(|l| l.split_whitespace().nth(1))
                 .and_then(|v| v.parse::<f64>().ok())
         })
         .map(|kb| kb / 1024.0)
         .unwrap_or(0.0)
+}
+
+fn peak_rss_mib() -> f64 {
+    status_mib("VmHWM:")
+}
+
+fn rss_mib() -> f64 {
+    status_mib("VmRSS:")
 }
 
 /// Whole-model run on a generated ~110M-parameter Llama-layout model.
@@ -282,23 +287,6 @@ type StageRss = std::sync::Arc<std::sync::Mutex<(String, Vec<(String, f64)>)>>;
 struct RssSink {
     stage: StageRss,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-}
-
-fn rss_mib() -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .map(str::to_string)
-        })
-        .and_then(|l| {
-            l.split_whitespace()
-                .nth(1)
-                .and_then(|v| v.parse::<f64>().ok())
-        })
-        .map(|kb| kb / 1024.0)
-        .unwrap_or(0.0)
 }
 
 impl RssSink {

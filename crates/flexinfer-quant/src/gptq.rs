@@ -1,8 +1,8 @@
 //! The GPTQ column sweep (lazy batch updates) and the RTN fallback (GPTQ-NOTES §1.7–§1.10, §1.12).
 
 use crate::hessian::PreparedFactor;
-use crate::linalg::par_columns;
 use crate::linalg::LinalgBackend;
+use crate::linalg::{col, par_columns};
 use crate::params::GptqParams;
 use crate::quantizer::{dequantize, find_params, maxq, quantize_code, GroupParams};
 use faer::{Mat, MatMut, MatRef};
@@ -59,14 +59,6 @@ impl QuantizedLinear {
 
 fn col_slices(w: &Mat<f32>, start: usize, end: usize) -> impl Iterator<Item = &[f32]> {
     (start..end).map(move |c| w.col_as_slice(c))
-}
-
-/// Column `c` of a column-major view (unit row stride, as every matrix this module builds).
-fn col_of(m: MatRef<'_, f32>, c: usize) -> &[f32] {
-    m.col(c)
-        .try_as_col_major()
-        .map(|c| c.as_slice())
-        .unwrap_or(&[])
 }
 
 fn push_group(scales: &mut [f32], zeros: &mut [u8], g: usize, rows: usize, p: &GroupParams) {
@@ -284,7 +276,7 @@ pub fn gptq_quantize_in(
                             };
                             let gp = find_params(
                                 rows,
-                                (k..(k + gs).min(cols)).map(|c| col_of(*snap, c - i1)),
+                                (k..(k + gs).min(cols)).map(|c| col(*snap, c - i1)),
                                 p.bits,
                                 p.sym,
                             );
@@ -446,7 +438,7 @@ fn block_snapshot<'a, 'b>(
         .zip(snap.as_mut().subcols_mut(0, m).par_col_iter_mut())
         .enumerate()
         .for_each(|(j, (cc, sc))| {
-            let (p, w0) = (col_of(w, i1 + j), w0_col(i1 + j));
+            let (p, w0) = (col(w, i1 + j), w0_col(i1 + j));
             if let (Some(cc), Some(sc)) = (cc.try_as_col_major_mut(), sc.try_as_col_major_mut()) {
                 for ((cv, sv), (&pv, &wv)) in cc
                     .as_slice_mut()

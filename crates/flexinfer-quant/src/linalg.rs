@@ -176,8 +176,9 @@ fn par() -> Par {
     faer::get_global_parallelism()
 }
 
-/// Column `j` of a column-major matrix as a slice (faer matrices owned by this crate have unit row stride).
-fn col(m: MatRef<'_, f32>, j: usize) -> &[f32] {
+/// Column `j` of a column-major matrix as a slice (faer matrices owned by this crate have unit row stride);
+/// empty for a view without unit row stride.
+pub(crate) fn col(m: MatRef<'_, f32>, j: usize) -> &[f32] {
     m.col(j)
         .try_as_col_major()
         .map(|c| c.as_slice())

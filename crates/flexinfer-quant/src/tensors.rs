@@ -138,11 +138,7 @@ impl TensorStore {
     pub fn f32(&self, name: &str) -> Result<Vec<f32>> {
         let e = self.entry(name)?;
         let out = convert_f32(name, e.dtype, self.raw(name)?)?;
-        if let Some(pos) = out.iter().position(|v| !v.is_finite()) {
-            return Err(QuantError::Input(format!(
-                "tensor {name} contains a non-finite value (NaN/Inf) at element {pos}; the source weights are corrupt"
-            )));
-        }
+        check_finite(name, &out, 0)?;
         Ok(out)
     }
 
@@ -172,12 +168,7 @@ impl TensorStore {
             .get(row * width * size..(row + 1) * width * size)
             .ok_or_else(|| QuantError::Input(format!("tensor {name} is truncated")))?;
         let out = convert_f32(name, e.dtype, bytes)?;
-        if let Some(pos) = out.iter().position(|v| !v.is_finite()) {
-            return Err(QuantError::Input(format!(
-                "tensor {name} contains a non-finite value (NaN/Inf) at element {}; the source weights are corrupt",
-                row * width + pos
-            )));
-        }
+        check_finite(name, &out, row * width)?;
         Ok(out)
     }
 
@@ -248,4 +239,15 @@ fn convert_f32(name: &str, dtype: Dtype, raw: &[u8]) -> Result<Vec<f32>> {
             )))
         }
     })
+}
+
+/// Rejects NaN/Inf weights; `offset` is the index of `values[0]` in the tensor.
+fn check_finite(name: &str, values: &[f32], offset: usize) -> Result<()> {
+    match values.iter().position(|v| !v.is_finite()) {
+        Some(pos) => Err(QuantError::Input(format!(
+            "tensor {name} contains a non-finite value (NaN/Inf) at element {}; the source weights are corrupt",
+            offset + pos
+        ))),
+        None => Ok(()),
+    }
 }
