@@ -96,19 +96,6 @@ pub struct Workspace {
     snap: Option<(Mat<f32>, Mat<f32>)>,
 }
 
-impl Workspace {
-    /// Bytes held.
-    pub fn bytes(&self) -> usize {
-        4 * (self.w.capacity()
-            + self.delta.capacity()
-            + self
-                .snap
-                .as_ref()
-                .map(|(a, b)| a.nrows() * a.ncols() + b.nrows() * b.ncols())
-                .unwrap_or(0))
-    }
-}
-
 /// A buffer of exactly `len` floats from `buf` (reused when it is large enough), every column of `rows`
 /// written by `fill`.
 fn reuse_columns(
