@@ -8,7 +8,7 @@ use std::process::Command;
 use flexinfer_quant::calib::CalibSettings;
 use flexinfer_quant::events::NullSink;
 use flexinfer_quant::linalg::CpuBackend;
-use flexinfer_quant::params::{GateParams, GptqParams, RecoveryParams};
+use flexinfer_quant::params::GptqParams;
 use flexinfer_quant::pipeline::{run, QuantizeJob};
 use flexinfer_quant::testkit;
 
@@ -16,23 +16,19 @@ const BIN: &str = env!("CARGO_BIN_EXE_flexinfer");
 
 fn job(model: &Path, out: &Path, dataset: &Path, params: GptqParams) -> QuantizeJob {
     QuantizeJob {
-        model_dir: model.to_path_buf(),
-        out_dir: out.to_path_buf(),
-        dataset: dataset.to_path_buf(),
         params,
-        recovery: RecoveryParams::default(),
-        gate: GateParams::default(),
-        calib: CalibSettings {
-            max_samples: 8,
-            max_seq_len: 32,
-        },
-        n_parallel_calib_samples: None,
-        dynamic_exclusion: None,
         resume_layers: false,
-        verify_save_sha256: false,
         max_shard_bytes: 200_000,
-        script_version: "test".into(),
-        abort_after_layer: None,
+        ..QuantizeJob::new(
+            model,
+            out,
+            dataset,
+            CalibSettings {
+                max_samples: 8,
+                max_seq_len: 32,
+            },
+            "test",
+        )
     }
 }
 

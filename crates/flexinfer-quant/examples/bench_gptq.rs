@@ -52,7 +52,6 @@ fn rss_mib() -> f64 {
 /// Whole-model run on a generated ~110M-parameter Llama-layout model.
 fn bench_model(samples: usize, seq_len: usize) {
     use flexinfer_quant::calib::CalibSettings;
-    use flexinfer_quant::params::GateParams;
     use flexinfer_quant::pipeline::{run, QuantizeJob};
     use flexinfer_quant::testkit::{self, ModelSize};
     let size = ModelSize::SMALL_100M;
@@ -75,25 +74,16 @@ fn bench_model(samples: usize, seq_len: usize) {
         t.elapsed().as_secs_f64(),
         peak_rss_mib()
     );
-    let job = QuantizeJob {
-        model_dir: model,
-        out_dir: tmp.path().join("out"),
-        dataset: ds,
-        params: GptqParams::default(),
-        recovery: RecoveryParams::default(),
-        gate: GateParams::default(),
-        calib: CalibSettings {
+    let job = QuantizeJob::new(
+        &model,
+        &tmp.path().join("out"),
+        &ds,
+        CalibSettings {
             max_samples: samples,
             max_seq_len: seq_len,
         },
-        n_parallel_calib_samples: None,
-        dynamic_exclusion: None,
-        resume_layers: true,
-        verify_save_sha256: false,
-        max_shard_bytes: 4 << 30,
-        script_version: "bench".into(),
-        abort_after_layer: None,
-    };
+        "bench",
+    );
     // Return the generator's freed memory, then reset the peak-RSS counter so the figure covers the quantize
     // run (Linux clear_refs, value 5); what is resident at this point is reported as the baseline.
     flexinfer_quant::pipeline::release_free_memory();

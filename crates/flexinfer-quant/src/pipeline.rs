@@ -116,7 +116,38 @@ pub struct Outcome {
     pub cached: bool,
 }
 
+/// Default maximum bytes per output shard (also the worker's `--max-shard-bytes` default).
+pub const DEFAULT_MAX_SHARD_BYTES: u64 = 4 << 30;
+
 impl QuantizeJob {
+    /// A job with the engine's defaults for everything but the paths and the calibration size: default GPTQ,
+    /// recovery and gate parameters, no exclusion, layer resume on, size-only `.save-complete` check,
+    /// [`DEFAULT_MAX_SHARD_BYTES`] shards. Change other fields with struct-update syntax.
+    pub fn new(
+        model_dir: &Path,
+        out_dir: &Path,
+        dataset: &Path,
+        calib: CalibSettings,
+        script_version: &str,
+    ) -> Self {
+        QuantizeJob {
+            model_dir: model_dir.to_path_buf(),
+            out_dir: out_dir.to_path_buf(),
+            dataset: dataset.to_path_buf(),
+            params: GptqParams::default(),
+            recovery: RecoveryParams::default(),
+            gate: GateParams::default(),
+            calib,
+            n_parallel_calib_samples: None,
+            dynamic_exclusion: None,
+            resume_layers: true,
+            verify_save_sha256: false,
+            max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
+            script_version: script_version.to_string(),
+            abort_after_layer: None,
+        }
+    }
+
     pub fn subdir_name(&self) -> String {
         let gdn = if self.dynamic_exclusion.as_deref().map(str::trim) == Some("gdn") {
             "-gdn"

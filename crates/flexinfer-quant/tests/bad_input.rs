@@ -7,32 +7,27 @@ use flexinfer_quant::calib::CalibSettings;
 use flexinfer_quant::events::NullSink;
 use flexinfer_quant::fsutil::sha256_file;
 use flexinfer_quant::linalg::CpuBackend;
-use flexinfer_quant::params::{GateParams, GptqParams, RecoveryParams};
+use flexinfer_quant::params::GptqParams;
 use flexinfer_quant::pipeline::{run, QuantizeJob};
 use std::path::Path;
 
 fn job(model: &Path, out: &Path, ds: &Path) -> QuantizeJob {
     QuantizeJob {
-        model_dir: model.to_path_buf(),
-        out_dir: out.to_path_buf(),
-        dataset: ds.to_path_buf(),
         params: GptqParams {
             group_size: 32,
             ..Default::default()
         },
-        recovery: RecoveryParams::default(),
-        gate: GateParams::default(),
-        calib: CalibSettings {
-            max_samples: 4,
-            max_seq_len: 32,
-        },
-        n_parallel_calib_samples: None,
-        dynamic_exclusion: None,
-        resume_layers: true,
-        verify_save_sha256: false,
         max_shard_bytes: 1 << 30,
-        script_version: "test".into(),
-        abort_after_layer: None,
+        ..QuantizeJob::new(
+            model,
+            out,
+            ds,
+            CalibSettings {
+                max_samples: 4,
+                max_seq_len: 32,
+            },
+            "test",
+        )
     }
 }
 

@@ -16,23 +16,18 @@ use std::path::{Path, PathBuf};
 
 pub fn job(model: &Path, out: &Path, dataset: &Path, params: GptqParams) -> QuantizeJob {
     QuantizeJob {
-        model_dir: model.to_path_buf(),
-        out_dir: out.to_path_buf(),
-        dataset: dataset.to_path_buf(),
         params,
-        recovery: RecoveryParams::default(),
-        gate: GateParams::default(),
-        calib: CalibSettings {
-            max_samples: 16,
-            max_seq_len: 48,
-        },
-        n_parallel_calib_samples: None,
-        dynamic_exclusion: None,
-        resume_layers: true,
-        verify_save_sha256: false,
         max_shard_bytes: 200_000,
-        script_version: "test".into(),
-        abort_after_layer: None,
+        ..QuantizeJob::new(
+            model,
+            out,
+            dataset,
+            CalibSettings {
+                max_samples: 16,
+                max_seq_len: 48,
+            },
+            "test",
+        )
     }
 }
 
@@ -63,18 +58,6 @@ fn setup(name: &str, arch: &str) -> (tempfile::TempDir, PathBuf, PathBuf) {
     let ds = tmp.path().join("calib.jsonl");
     common::write_dataset(&ds, 24);
     (tmp, model, ds)
-}
-
-fn read_dir_bytes(dir: &Path) -> Vec<(String, Vec<u8>)> {
-    let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
-        .expect("read_dir")
-        .flatten()
-        .map(|e| (e.file_name().to_string_lossy().to_string(), e.path()))
-        .filter(|(n, _)| n != ".save-complete")
-        .map(|(n, p)| (n, std::fs::read(p).expect("read")))
-        .collect();
-    v.sort();
-    v
 }
 
 #[test]
@@ -312,7 +295,7 @@ fn resume_after_abort_is_byte_identical_and_corrupt_cache_is_wiped() {
         &MemorySink::default(),
     )
     .expect("uninterrupted");
-    let expected = read_dir_bytes(&straight.join("gptq-w4-g64"));
+    let expected = common::artifact_files(&straight.join("gptq-w4-g64"));
 
     // Killed after layer 1, restarted: layers 0-1 come from the cache.
     let resumed = tmp.path().join("resumed");
@@ -344,7 +327,7 @@ fn resume_after_abort_is_byte_identical_and_corrupt_cache_is_wiped() {
         "only layer 2 is quantized again"
     );
     assert_eq!(
-        read_dir_bytes(&resumed.join("gptq-w4-g64")),
+        common::artifact_files(&resumed.join("gptq-w4-g64")),
         expected,
         "resumed artifact differs"
     );
@@ -374,7 +357,10 @@ fn resume_after_abort_is_byte_identical_and_corrupt_cache_is_wiped() {
         sink.named("quantization_layer_cached").len(),
         common::LAYERS
     );
-    assert_eq!(read_dir_bytes(&corrupt.join("gptq-w4-g64")), expected);
+    assert_eq!(
+        common::artifact_files(&corrupt.join("gptq-w4-g64")),
+        expected
+    );
 }
 
 #[test]

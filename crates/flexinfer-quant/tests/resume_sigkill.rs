@@ -7,7 +7,7 @@ mod common;
 use flexinfer_quant::calib::CalibSettings;
 use flexinfer_quant::events::MemorySink;
 use flexinfer_quant::linalg::CpuBackend;
-use flexinfer_quant::params::{GateParams, GptqParams, RecoveryParams};
+use flexinfer_quant::params::GptqParams;
 use flexinfer_quant::pipeline::{run, QuantizeJob};
 use flexinfer_quant::QuantError;
 use std::path::{Path, PathBuf};
@@ -17,41 +17,25 @@ const CHILD_ENV: &str = "FLEXINFER_QUANT_SIGKILL_CHILD";
 
 fn job(model: &Path, out: &Path, ds: &Path) -> QuantizeJob {
     QuantizeJob {
-        model_dir: model.to_path_buf(),
-        out_dir: out.to_path_buf(),
-        dataset: ds.to_path_buf(),
         params: GptqParams {
             bits: 4,
             group_size: 32,
             desc_act: true,
             ..Default::default()
         },
-        recovery: RecoveryParams::default(),
-        gate: GateParams::default(),
-        calib: CalibSettings {
-            max_samples: 12,
-            max_seq_len: 40,
-        },
         n_parallel_calib_samples: Some(5),
-        dynamic_exclusion: None,
-        resume_layers: true,
-        verify_save_sha256: false,
         max_shard_bytes: 150_000,
-        script_version: "test".into(),
-        abort_after_layer: None,
+        ..QuantizeJob::new(
+            model,
+            out,
+            ds,
+            CalibSettings {
+                max_samples: 12,
+                max_seq_len: 40,
+            },
+            "test",
+        )
     }
-}
-
-fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
-    let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
-        .expect("read_dir")
-        .flatten()
-        .map(|e| (e.file_name().to_string_lossy().to_string(), e.path()))
-        .filter(|(n, _)| n != ".save-complete")
-        .map(|(n, p)| (n, std::fs::read(p).expect("read")))
-        .collect();
-    v.sort();
-    v
 }
 
 /// Child entry point: runs until layer 1 is cached, then hangs until killed.
@@ -94,7 +78,7 @@ fn sigkill_mid_run_then_resume_is_byte_identical() {
         &MemorySink::default(),
     )
     .expect("uninterrupted");
-    let expected = files(&straight.join("gptq-w4-g32"));
+    let expected = common::artifact_files(&straight.join("gptq-w4-g32"));
 
     let exe = std::env::current_exe().expect("test binary");
     let mut child = std::process::Command::new(exe)
@@ -142,7 +126,7 @@ fn sigkill_mid_run_then_resume_is_byte_identical() {
         Some(2)
     );
     assert_eq!(
-        files(&o.output_dir),
+        common::artifact_files(&o.output_dir),
         expected,
         "resumed artifact differs from the uninterrupted one"
     );

@@ -89,7 +89,7 @@ pub struct QuantizeArgs {
     #[arg(long, env = env::GPTQ_MIN_MODULES_FOR_FALLBACK_GATE, default_value_t = 100)]
     pub min_modules_for_fallback_gate: u64,
     /// Maximum bytes per output shard.
-    #[arg(long, default_value_t = 4 << 30)]
+    #[arg(long, default_value_t = flexinfer_quant::pipeline::DEFAULT_MAX_SHARD_BYTES)]
     pub max_shard_bytes: u64,
     #[arg(long, env = TEST_ABORT_AFTER_LAYER_ENV, hide = true)]
     pub test_abort_after_layer: Option<usize>,

@@ -49,3 +49,17 @@ pub fn write_model(dir: &Path, arch: &str, seed: u64) {
 pub fn write_dataset(path: &Path, n: usize) {
     flexinfer_quant::testkit::write_dataset(path, n).expect("dataset");
 }
+
+/// Every file of an artifact directory with its bytes, sorted by name, without `.save-complete` (which
+/// carries a timestamp): two artifacts compare equal exactly when they are byte-identical.
+pub fn artifact_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .expect("read_dir")
+        .flatten()
+        .map(|e| (e.file_name().to_string_lossy().to_string(), e.path()))
+        .filter(|(n, _)| n != ".save-complete")
+        .map(|(n, p)| (n, std::fs::read(p).expect("read")))
+        .collect();
+    v.sort();
+    v
+}
