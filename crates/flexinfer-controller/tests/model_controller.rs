@@ -179,33 +179,52 @@ impl TestEnv {
         .unwrap_or_else(|e| panic!("{e}"));
     }
 
-    /// Wait until the Model satisfies `cond`; on timeout, fail with the Model's status.
+    /// Wait until the object `name` satisfies `cond`; on timeout, fail with `describe` of what is there.
+    async fn wait_for<K>(
+        &self,
+        name: &str,
+        what: &str,
+        cond: impl Fn(&K) -> bool + Send + 'static,
+        describe: impl Fn(Option<K>) -> String,
+    ) -> K
+    where
+        K: Resource<Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + std::fmt::Debug
+            + serde::de::DeserializeOwned
+            + Send
+            + 'static,
+        K::DynamicType: Default,
+    {
+        let api = self.api::<K>();
+        let res = tokio::time::timeout(
+            WAIT,
+            await_condition(api.clone(), name, move |o: Option<&K>| o.is_some_and(&cond)),
+        )
+        .await;
+        match res {
+            Ok(Ok(Some(o))) => o,
+            _ => {
+                let now = api.get_opt(name).await.ok().flatten();
+                panic!(
+                    "{} {name}: timed out waiting for {what}; {}",
+                    K::kind(&Default::default()),
+                    describe(now)
+                );
+            }
+        }
+    }
+
     async fn wait_model(
         &self,
         name: &str,
         what: &str,
         cond: impl Fn(&Model) -> bool + Send + 'static,
     ) -> Model {
-        let api = self.api::<Model>();
-        let res = tokio::time::timeout(
-            WAIT,
-            await_condition(api.clone(), name, move |m: Option<&Model>| {
-                m.is_some_and(&cond)
-            }),
-        )
-        .await;
-        match res {
-            Ok(Ok(Some(m))) => m,
-            _ => {
-                let st = api
-                    .get_opt(name)
-                    .await
-                    .ok()
-                    .flatten()
-                    .and_then(|m| m.status);
-                panic!("Model {name}: timed out waiting for {what}; status: {st:#?}");
-            }
-        }
+        self.wait_for(name, what, cond, |m: Option<Model>| {
+            format!("status: {:#?}", m.and_then(|m| m.status))
+        })
+        .await
     }
 
     async fn wait_deployment(
@@ -214,24 +233,10 @@ impl TestEnv {
         what: &str,
         cond: impl Fn(&Deployment) -> bool + Send + 'static,
     ) -> Deployment {
-        let api = self.api::<Deployment>();
-        let res = tokio::time::timeout(
-            WAIT,
-            await_condition(api.clone(), name, move |d: Option<&Deployment>| {
-                d.is_some_and(&cond)
-            }),
-        )
-        .await;
-        match res {
-            Ok(Ok(Some(d))) => d,
-            _ => {
-                let d = api.get_opt(name).await.ok().flatten();
-                panic!(
-                    "Deployment {name}: timed out waiting for {what}; {:#?}",
-                    d.map(|d| (d.spec.map(|s| s.replicas), d.status))
-                );
-            }
-        }
+        self.wait_for(name, what, cond, |d: Option<Deployment>| {
+            format!("{:#?}", d.map(|d| (d.spec.map(|s| s.replicas), d.status)))
+        })
+        .await
     }
 
     async fn events_for(&self, name: &str) -> Vec<Event> {
