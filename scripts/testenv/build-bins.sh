@@ -12,8 +12,9 @@ MINOR=$(echo "$K8S_VERSION" | cut -d. -f2); W=$(mktemp -d); mkdir -p "$BIN"
 trap 'rc=$?; rm -rf "$W"; [ $rc -ne 0 ] && echo "testenv build FAILED at step: $STEP (exit $rc). Try: $HINT" >&2' EXIT
 command -v go >/dev/null || { STEP="find go"; HINT="install Go >= 1.24 (the module proxy must be reachable)"; exit 1; }
 gomod_path() { go mod download -json "$1" | python3 -c 'import json,sys; print(json.load(sys.stdin)["GoMod"])'; }
-if [ ! -x "$BIN/kube-apiserver" ] || [ ! -x "$BIN/kube-scheduler" ]; then
-  step "build kube-apiserver/controller-manager/scheduler $K8S_VERSION" "check the Go module proxy is reachable (GOPROXY=$(go env GOPROXY)); if 'go mod tidy' fails, replace it with 'go build -mod=mod'; a cold build needs ~4 GB RAM and ~10-20 min on 2 cores"
+if [ ! -x "$BIN/kube-apiserver" ] || [ ! -x "$BIN/kube-scheduler" ] || [ ! -x "$BIN/kubelet" ]; then
+  # One `go build` for the control plane and the kubelet: their shared packages compile once.
+  step "build kube-apiserver/controller-manager/scheduler/kubelet $K8S_VERSION" "check the Go module proxy is reachable (GOPROXY=$(go env GOPROXY)); if 'go mod tidy' fails, replace it with 'go build -mod=mod'; a cold build needs ~4 GB RAM and ~10-20 min on 2 cores"
   mkdir "$W/k8s"; cd "$W/k8s"
   UP=$(gomod_path "k8s.io/kubernetes@$K8S_VERSION"); STG="v0.${K8S_VERSION#v1.}"     # v1.34.4 -> v0.34.4
   { echo "module local/k8s-bins"; echo
@@ -22,7 +23,7 @@ if [ ! -x "$BIN/kube-apiserver" ] || [ ! -x "$BIN/kube-scheduler" ]; then
     sed -n 's#^[[:space:]]*\(k8s\.io/[A-Za-z0-9._-]*\) => \./staging/.*#\1#p' "$UP" |
       while read -r m; do echo "	$m => $m $STG"; done
     echo ")"; echo; echo "tool ("
-    for c in kube-apiserver kube-controller-manager kube-scheduler; do echo "	k8s.io/kubernetes/cmd/$c"; done
+    for c in kube-apiserver kube-controller-manager kube-scheduler kubelet; do echo "	k8s.io/kubernetes/cmd/$c"; done
     echo ")"; } > go.mod
   go mod tidy                        # fallback if tidy trips on something: skip it and use `go build -mod=mod`
   LD="-s -w"
@@ -30,7 +31,7 @@ if [ ! -x "$BIN/kube-apiserver" ] || [ ! -x "$BIN/kube-scheduler" ]; then
     LD+=" -X $p.gitVersion=$K8S_VERSION -X $p.gitMajor=1 -X $p.gitMinor=$MINOR -X $p.gitTreeState=clean -X $p.buildDate=1970-01-01T00:00:00Z"
   done
   go build -ldflags "$LD" -o "$BIN/" k8s.io/kubernetes/cmd/kube-apiserver \
-    k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler
+    k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubelet
 fi
 if [ ! -x "$BIN/etcd" ]; then   # server/v3 IS a main package (server/main.go) but its go.mod has replaces -> no `go install @v`
   step "build etcd $ETCD_VERSION" "apt-get install etcd-server and copy /usr/bin/etcd to $BIN/etcd"
