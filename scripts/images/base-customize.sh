@@ -17,7 +17,7 @@ dl=$(mktemp -d)
 trap 'rm -rf "$dl"' EXIT
 if [[ -n ${BASE_NODEPS:-} ]]; then
   # shellcheck disable=SC2086  # a word list on purpose
-  (cd "$dl" && APT_CONFIG=$MMDEBSTRAP_APT_CONFIG apt-get download -q -o APT::Sandbox::User=root $BASE_NODEPS >&2)
+  (cd "$dl" && APT_CONFIG=$MMDEBSTRAP_APT_CONFIG apt-get download -qq -o APT::Sandbox::User=root $BASE_NODEPS >&2)
   for deb in "$dl"/*.deb; do dpkg-deb --extract "$deb" "$root"; done
 fi
 

@@ -64,7 +64,7 @@ if [[ ! -s $archive ]]; then
     "$r"/etc/dpkg "$r"/var/lib/dpkg/{info,available,status,lock,lock-frontend,triggers,updates} \
     "$r"/etc/machine-id "$r"/var/log/*.log
   find "$r/dev" -mindepth 1 -delete # the runtime provides /dev
-  ls "$r/var/lib/dpkg/status.d" | LC_ALL=C sort | while read -r p; do
+  find "$r/var/lib/dpkg/status.d" -type f -printf '%f\n' | LC_ALL=C sort | while read -r p; do
     printf '%s %s\n' "$p" "$(sed -n 's/^Version: //p' "$r/var/lib/dpkg/status.d/$p")"
   done > "$work/packages"
   tar --create --file "$work/base.tar" --directory "$r" --sort=name --numeric-owner \
@@ -76,6 +76,17 @@ if [[ ! -s $archive ]]; then
 else
   images_log "base rootfs cached: $archive"
 fi
+
+# Older recipes of this suite: their archives and images are dead weight.
+for old in "$FLEXINFER_IMAGES_CACHE/base-$BASE_SUITE"-*.tar; do
+  [[ -e $old && $old != "$archive" ]] || continue
+  images_log "removing the archive of an older recipe: $old"
+  rm -f "$old" "${old%.tar}.packages"
+done
+bah images --format '{{.Name}}:{{.Tag}}' | while read -r old; do
+  [[ $old =~ ^localhost/flexinfer/base:$BASE_SUITE-[0-9a-f]{12}$ && $old != "$name" ]] || continue
+  bah rmi "$old" >/dev/null 2>&1 || true # still the parent of a built image: stays until that goes
+done
 
 if ! bah inspect --type image "$name" >/dev/null 2>&1; then
   images_log "importing $archive as $name"

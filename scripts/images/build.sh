@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# Build the FlexInfer container images locally, daemonless and without pulling from any registry:
+# the base comes from Debian packages (scripts/images/base.sh, cached), the binaries are the ones
+# already built (no compile in the image), buildah builds the Dockerfiles' `runtime-prebuilt` target.
+#
+#   bash scripts/images/build.sh [--bin-dir DIR] [--tag TAG] [--out DIR] [--push REGISTRY] [--load]
+#                                [--only controller|worker] [--no-strip]
+#     --bin-dir DIR   where flexinfer-controller, flexinfer, flexinfer-worker (and flexinfer-standin,
+#                     if built) are; default ${CARGO_TARGET_DIR:-target}/debug
+#     --tag TAG       image tag; default dev
+#     --out DIR       archives (docker-archive, importable with `ctr images import`, `docker load`,
+#                     skopeo); default $FLEXINFER_IMAGES_CACHE/out
+#     --push REG      also push to REG (host:port, plain http) as REG/flexinfer/<image>:TAG
+#     --load          also import into the test node's containerd (scripts/testenv/load-image.sh)
+#     --only NAME     build one image (repeatable)
+#     --no-strip      keep debug info (by default binaries are copied with `strip --strip-debug`:
+#                     symbols, hence backtraces, stay)
+# Images: flexinfer/controller:TAG and flexinfer/worker:TAG (archives tagged like that; the local
+# store names them localhost/flexinfer/<image>:TAG). An image whose inputs (binaries, Dockerfile,
+# base, this script) are unchanged is not rebuilt: a key file sits next to each archive.
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+root=$(cd "$here/../.." && pwd)
+# shellcheck source=scripts/images/lib.sh
+. "$here/lib.sh"
+
+bin_dir=${CARGO_TARGET_DIR:-$root/target}/debug
+tag=dev
+out=$FLEXINFER_IMAGES_CACHE/out
+push=""
+load=0
+strip=1
+only=()
+usage() { sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; }
+while (($#)); do
+  case $1 in
+    --bin-dir) bin_dir=$2; shift 2 ;;
+    --tag) tag=$2; shift 2 ;;
+    --out) out=$2; shift 2 ;;
+    --push) push=${2%/}; push=${push#http://}; shift 2 ;;
+    --load) load=1; shift ;;
+    --only) only+=("$2"); shift 2 ;;
+    --no-strip) strip=0; shift ;;
+    -h | --help) usage; exit 0 ;;
+    *) usage >&2; images_die "unknown argument: $1" ;;
+  esac
+done
+[[ $tag =~ ^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$ ]] || images_die "bad tag: $tag"
+for t in buildah skopeo jq; do command -v $t >/dev/null || images_die "$t not installed (apt-get install $t)"; done
+bin_dir=$(cd "$bin_dir" && pwd) || images_die "no such --bin-dir"
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+# Image timestamps: fixed, so the same inputs give the same digest (set SOURCE_DATE_EPOCH to change).
+SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-1735689600}
+export SOURCE_DATE_EPOCH
+
+exec 8>"$FLEXINFER_IMAGES_CACHE/.build.lock"
+flock 8
+
+t_start=$(date +%s)
+declare -A t_step=()
+
+# image -> binaries (a trailing ? marks an optional one)
+declare -A bins=([controller]="flexinfer-controller flexinfer" [worker]="flexinfer-worker flexinfer-standin?")
+images=(controller worker)
+if ((${#only[@]})); then
+  for n in "${only[@]}"; do [[ -n ${bins[$n]:-} ]] || images_die "--only: no image $n (controller, worker)"; done
+  images=("${only[@]}")
+fi
+
+# Binaries first: fail before the base build if one is missing.
+declare -A files=()
+for img in "${images[@]}"; do
+  list=()
+  for b in ${bins[$img]}; do
+    opt=0; [[ $b == *\? ]] && { opt=1; b=${b%\?}; }
+    if [[ -x $bin_dir/$b && -f $bin_dir/$b ]]; then list+=("$b")
+    elif ((opt)); then images_log "$img: $b not in $bin_dir, image without it"
+    else images_die "$img: $bin_dir/$b missing (cargo build -p flexinfer-worker -p flexinfer-controller -p flexinfer-cli)"
+    fi
+  done
+  files[$img]=${list[*]}
+done
+
+t0=$(date +%s)
+base=$(bash "$here/base.sh")
+base_id=$(bah inspect --type image --format '{{.FromImageID}}' "$base")
+t_step[base]=$(($(date +%s) - t0))
+
+summary=()
+for img in "${images[@]}"; do
+  t0=$(date +%s)
+  dockerfile=$root/build/$img.Dockerfile
+  ref=flexinfer/$img:$tag
+  archive=$out/flexinfer-$img-$tag.tar
+  key=$(
+    {
+      echo "dockerfile $(images_sha256 < "$dockerfile")"
+      echo "script $(cat "$here/build.sh" "$here/lib.sh" | images_sha256)"
+      echo "base $base $base_id"
+      echo "epoch $SOURCE_DATE_EPOCH strip $strip ref $ref"
+      for b in ${files[$img]}; do echo "bin $b $(images_sha256 < "$bin_dir/$b")"; done
+    } | images_sha256
+  )
+  if [[ -s $archive && -f $archive.key && $(cat "$archive.key") == "$key" ]]; then
+    images_log "$img: inputs unchanged, keeping $archive"
+    status=cached
+  else
+    images_log "$img: building $ref (${files[$img]}) on $base"
+    rm -f "$archive.key"
+    ctx=$(mktemp -d "$FLEXINFER_IMAGES_CACHE/.ctx-XXXXXX")
+    trap 'rm -rf "$ctx"' EXIT
+    mkdir "$ctx/bin"
+    for b in ${files[$img]}; do
+      if ((strip)); then strip --strip-debug -o "$ctx/bin/$b" "$bin_dir/$b"
+      else cp "$bin_dir/$b" "$ctx/bin/$b"; fi
+      chmod 0755 "$ctx/bin/$b"
+    done
+    bah bud --quiet --isolation chroot --pull=never --timestamp "$SOURCE_DATE_EPOCH" \
+      --identity-label=false --target runtime-prebuilt \
+      --build-arg "BASE=$base" --build-arg BIN_DIR=bin \
+      --label "org.opencontainers.image.title=flexinfer-$img" \
+      --label "org.opencontainers.image.version=$tag" \
+      --label "dev.flexinfer.base=$base" \
+      -f "$dockerfile" -t "localhost/$ref" "$ctx" >/dev/null
+    rm -rf "$ctx"
+    trap - EXIT
+    rm -f "$archive"
+    # skopeo, not `buildah push`: that would add the store's localhost/ name to the archive's tags.
+    skopeo copy --quiet "$(images_storage_ref)localhost/$ref" "docker-archive:$archive:$ref"
+    echo "$key" > "$archive.key"
+    status=built
+  fi
+  id=$(skopeo inspect --raw "docker-archive:$archive" | jq -r .config.digest)
+  t_step[$img]=$(($(date +%s) - t0))
+  size=$(bah images --format '{{.Size}}' "localhost/$ref" 2>/dev/null || echo "?")
+  line="$ref  $status  image $size, archive $(images_size "$archive")  id ${id:7:12}  $archive  (${t_step[$img]} s)"
+
+  if [[ -n $push ]]; then
+    t0=$(date +%s)
+    dest=docker://$push/flexinfer/$img:$tag
+    images_log "$img: pushing to $dest"
+    skopeo copy --quiet --dest-tls-verify=false "docker-archive:$archive" "$dest"
+    pushed=$(skopeo inspect --tls-verify=false --format '{{.Digest}}' "$dest")
+    line+=$'\n'"    pushed $push/flexinfer/$img:$tag @ $pushed ($(($(date +%s) - t0)) s)"
+  fi
+  if ((load)); then
+    loader=$root/scripts/testenv/load-image.sh
+    if [[ -f $loader ]]; then
+      t0=$(date +%s)
+      images_log "$img: loading into the test node: $loader $archive $ref"
+      bash "$loader" "$archive" "$ref"
+      line+=$'\n'"    loaded into the test node ($(($(date +%s) - t0)) s)"
+    else
+      images_log "$img: --load skipped: $loader does not exist yet"
+      line+=$'\n'"    --load skipped (no scripts/testenv/load-image.sh)"
+    fi
+  fi
+  summary+=("$line")
+done
+
+bah rmi --prune >/dev/null 2>&1 || true # the images these tags pointed to before
+echo "base   $base  ($(images_size "$FLEXINFER_IMAGES_CACHE/base-${base##*:}.tar" 2>/dev/null || echo ?) rootfs, ${t_step[base]} s)"
+for l in "${summary[@]}"; do echo "$l"; done
+echo "total  $(($(date +%s) - t_start)) s"

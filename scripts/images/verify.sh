@@ -1,0 +1,155 @@
+#!/usr/bin/env bash
+# Check the archives scripts/images/build.sh wrote, without any cluster or daemon of ours running:
+#   1. image config: user 65532:65532, the entrypoint;
+#   2. unpack with umoci, list each binary's shared libraries with the image's own loader (none may be
+#      missing) and run `<binary> --help` in the rootfs as 65532:65532 (chroot, then runc where it
+#      works here: the bundle umoci writes has its own network namespace, loopback only);
+#   3. push to a docker-registry started on 127.0.0.1 (storage in a temp dir, stopped afterwards),
+#      copy back, compare manifest and config digests;
+#   4. where containerd is installed: import into a private containerd (temp root, unix socket
+#      only) with `ctr images import`, as scripts/testenv/load-image.sh would, and run --help there.
+#
+#   bash scripts/images/verify.sh [--out DIR] [--tag TAG]     # same defaults as build.sh
+# shellcheck disable=SC2015  # `test && ok || bad`: ok only prints, it cannot fail
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=scripts/images/lib.sh
+. "$here/lib.sh"
+out=$FLEXINFER_IMAGES_CACHE/out
+tag=dev
+while (($#)); do
+  case $1 in
+    --out) out=$2; shift 2 ;;
+    --tag) tag=$2; shift 2 ;;
+    *) images_die "unknown argument: $1" ;;
+  esac
+done
+[[ $(id -u) == 0 ]] || images_die "verify.sh needs root (umoci unpack, chroot, runc)"
+for t in skopeo umoci jq; do command -v $t >/dev/null || images_die "$t not installed"; done
+
+tmp=$(mktemp -d)
+reg_pid="" ctrd_pid=""
+cleanup() {
+  [[ -z $ctrd_pid ]] || { kill "$ctrd_pid" 2>/dev/null; wait "$ctrd_pid" 2>/dev/null || true; }
+  [[ -z $reg_pid ]] || { kill "$reg_pid" 2>/dev/null; wait "$reg_pid" 2>/dev/null || true; }
+  # containerd leaves overlay mounts under its root on an unclean stop
+  grep -o " $tmp/[^ ]*" /proc/mounts | sort -r | while read -r m; do umount "$m" 2>/dev/null || true; done
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+fail=0
+ok() { printf '  ok    %s\n' "$*"; }
+bad() { printf '  FAIL  %s\n' "$*"; fail=1; }
+
+declare -A entry=([controller]=/usr/local/bin/flexinfer-controller [worker]=/usr/local/bin/flexinfer-worker)
+declare -A helps=([controller]="flexinfer-controller flexinfer" [worker]="flexinfer-worker flexinfer-standin")
+
+for img in controller worker; do
+  archive=$out/flexinfer-$img-$tag.tar
+  [[ -s $archive ]] || { bad "$archive missing (run scripts/images/build.sh first)"; continue; }
+  echo "flexinfer/$img:$tag ($archive)"
+  cfg=$(skopeo inspect --config "docker-archive:$archive")
+  user=$(jq -r '.config.User' <<<"$cfg")
+  ep=$(jq -c '.config.Entrypoint' <<<"$cfg")
+  [[ $user == 65532:65532 ]] && ok "user $user" || bad "user $user (want 65532:65532)"
+  [[ $ep == "[\"${entry[$img]}\"]" ]] && ok "entrypoint $ep" || bad "entrypoint $ep (want [\"${entry[$img]}\"])"
+
+  skopeo copy --quiet "docker-archive:$archive" "oci:$tmp/oci-$img:$tag"
+  umoci unpack --image "$tmp/oci-$img:$tag" "$tmp/bundle-$img" >/dev/null
+  rootfs=$tmp/bundle-$img/rootfs
+  [[ $(jq -r '.process.user | "\(.uid):\(.gid)"' "$tmp/bundle-$img/config.json") == 65532:65532 ]] \
+    && ok "umoci bundle runs as 65532:65532" || bad "umoci bundle user"
+  for b in ${helps[$img]}; do
+    if [[ ! -e $rootfs/usr/local/bin/$b ]]; then
+      [[ $b == flexinfer-standin ]] && { ok "$b not in the image (not built)"; continue; }
+      bad "$b missing"; continue
+    fi
+    libs=$(chroot "$rootfs" /lib64/ld-linux-x86-64.so.2 --list "/usr/local/bin/$b" 2>&1) || true
+    if grep -q 'not found' <<<"$libs" || ! grep -q 'libc.so.6' <<<"$libs"; then bad "$b shared libraries: $libs"
+    else ok "$b libraries: $(awk '{print $1}' <<<"$libs" | grep -v '^/' | tr '\n' ' ')"; fi
+    if o=$(chroot --userspec=65532:65532 "$rootfs" "/usr/local/bin/$b" --help 2>&1); then
+      ok "chroot 65532: $b --help: $(head -1 <<<"$o")"
+    else bad "chroot 65532: $b --help failed: $(tail -3 <<<"$o")"; fi
+  done
+  if command -v runc >/dev/null; then
+    jq --arg b "${entry[$img]}" '.process.args=[$b,"--help"] | .process.terminal=false' \
+      "$tmp/bundle-$img/config.json" > "$tmp/config.json" && mv "$tmp/config.json" "$tmp/bundle-$img/config.json"
+    if o=$(cd "$tmp/bundle-$img" && timeout 60 runc --root "$tmp/runc" run "fi-verify-$img-$$" 2>&1); then
+      ok "runc (uid 65532, own netns): ${entry[$img]##*/} --help: $(head -1 <<<"$o")"
+    else
+      echo "  skip  runc here: $(tail -1 <<<"$o")"
+    fi
+  fi
+done
+
+# 3. loopback registry round trip
+if command -v docker-registry >/dev/null; then
+  port=$((15000 + RANDOM % 1000))
+  cat > "$tmp/registry.yml" <<R
+version: 0.1
+log: {level: warn}
+storage: {filesystem: {rootdirectory: $tmp/registry}, delete: {enabled: true}}
+http: {addr: 127.0.0.1:$port}
+R
+  docker-registry serve "$tmp/registry.yml" > "$tmp/registry.log" 2>&1 &
+  reg_pid=$!
+  for _ in $(seq 50); do curl -fsS "http://127.0.0.1:$port/v2/" >/dev/null 2>&1 && break; sleep 0.2; done
+  reg=127.0.0.1:$port
+  echo "registry $reg (pid $reg_pid)"
+  for img in controller worker; do
+    archive=$out/flexinfer-$img-$tag.tar
+    [[ -s $archive ]] || continue
+    dest=docker://$reg/flexinfer/$img:$tag
+    skopeo copy --quiet --dest-tls-verify=false "docker-archive:$archive" "$dest"
+    pushed=$(skopeo inspect --tls-verify=false --format '{{.Digest}}' "$dest")
+    # dir: keeps the registry's manifest byte for byte (oci: would convert it to OCI)
+    skopeo copy --quiet --src-tls-verify=false "$dest" "dir:$tmp/back-$img"
+    back=sha256:$(images_sha256 < "$tmp/back-$img/manifest.json")
+    c0=$(skopeo inspect --raw "docker-archive:$archive" | jq -r .config.digest)
+    c1=$(skopeo inspect --raw --tls-verify=false "$dest" | jq -r .config.digest)
+    c2=$(jq -r .config.digest "$tmp/back-$img/manifest.json")
+    [[ $pushed == "$back" ]] && ok "$img: pushed $reg/flexinfer/$img:$tag @ $pushed, copied back: same manifest digest" \
+      || bad "$img: pushed $pushed, copied back $back"
+    [[ $c0 == "$c1" && $c1 == "$c2" ]] && ok "$img: same config (image id) archive/registry/copy: $c0" \
+      || bad "$img: config digests $c0 / $c1 / $c2"
+  done
+else
+  echo "  skip  registry round trip: docker-registry not installed"
+fi
+
+# 4. containerd import, as load-image.sh does on the test node
+if command -v containerd >/dev/null && command -v ctr >/dev/null; then
+  mkdir -p "$tmp/ctrd"
+  cat > "$tmp/ctrd/config.toml" <<C
+version = 2
+root = "$tmp/ctrd/root"
+state = "$tmp/ctrd/state"
+disabled_plugins = ["io.containerd.grpc.v1.cri"]
+[grpc]
+  address = "$tmp/ctrd/sock"
+[ttrpc]
+  address = "$tmp/ctrd/sock.ttrpc"
+[debug]
+  address = ""
+[metrics]
+  address = ""
+C
+  containerd --config "$tmp/ctrd/config.toml" > "$tmp/ctrd/log" 2>&1 &
+  ctrd_pid=$!
+  c() { ctr --address "$tmp/ctrd/sock" --namespace flexinfer-verify "$@"; }
+  for _ in $(seq 50); do c version >/dev/null 2>&1 && break; sleep 0.2; done
+  for img in controller worker; do
+    archive=$out/flexinfer-$img-$tag.tar
+    [[ -s $archive ]] || continue
+    if ! o=$(c images import "$archive" 2>&1); then bad "ctr images import $img: $o"; continue; fi
+    name=$(c images ls -q | grep "flexinfer/$img:$tag" || true)
+    [[ $name == "docker.io/flexinfer/$img:$tag" ]] && ok "ctr images import: $name" || bad "ctr import named it '$name'"
+    if o=$(timeout 60 ctr --address "$tmp/ctrd/sock" --namespace flexinfer-verify run --rm "$name" "fi-verify-$img-$$" "${entry[$img]}" --help 2>&1); then
+      ok "ctr run (image user 65532): ${entry[$img]##*/} --help: $(head -1 <<<"$o")"
+    else
+      echo "  skip  ctr run here: $(tail -1 <<<"$o")"
+    fi
+  done
+fi
+
+((fail == 0)) && echo "verify: all checks passed" || { echo "verify: FAILED"; exit 1; }
