@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install what the test suite needs on a fresh Debian machine (idempotent):
 # promtool (Debian `prometheus`), a real OCI registry (Debian `docker-registry`), PyYAML,
-# rustfmt/clippy, and the local control-plane binaries (built from Go modules, cached).
+# rustfmt/clippy, the local control-plane binaries and kubelet (built from Go modules, cached),
+# and the runtime of the testenv's real node (containerd, runc, CNI plugins; see docs/dev/testenv.md).
 set -euo pipefail
 need=()
 command -v promtool >/dev/null || need+=(prometheus)
@@ -9,6 +10,18 @@ command -v docker-registry >/dev/null || [ -x /usr/bin/docker-registry ] || need
 python3 -c 'import yaml' 2>/dev/null || need+=(python3-yaml)
 command -v openssl >/dev/null || need+=(openssl)
 command -v curl >/dev/null || need+=(curl)
+# The real node of the local cluster (scripts/testenv/node): containerd + runc, CNI plugins, iptables/iproute2,
+# and what builds its images without a registry: gcc + static libc (pause), busybox-static, umoci, skopeo.
+command -v containerd >/dev/null && command -v ctr >/dev/null || need+=(containerd)
+command -v runc >/dev/null || need+=(runc)
+[ -x /usr/lib/cni/bridge ] && [ -x /usr/lib/cni/host-local ] || need+=(containernetworking-plugins)
+command -v iptables >/dev/null || need+=(iptables)
+command -v ip >/dev/null || need+=(iproute2)
+command -v gcc >/dev/null || need+=(gcc)
+[ -f /usr/lib/x86_64-linux-gnu/libc.a ] || [ -f /usr/lib/libc.a ] || need+=(libc6-dev)
+[ -x /bin/busybox ] || command -v busybox >/dev/null || need+=(busybox-static)
+command -v umoci >/dev/null || need+=(umoci)
+command -v skopeo >/dev/null || need+=(skopeo)
 command -v kubectl >/dev/null || { echo "install-deps: kubectl is not on PATH (it comes with the machine image; install it from your distribution)" >&2; exit 1; }
 if [ ${#need[@]} -gt 0 ]; then
   echo "install-deps: apt-get install ${need[*]}"
@@ -19,6 +32,9 @@ if [ ${#need[@]} -gt 0 ]; then
   for s in prometheus docker-registry prometheus-node-exporter; do
     (systemctl stop "$s" || service "$s" stop || pkill -x "$s") >/dev/null 2>&1 || true
   done
+  # A containerd service that the package just started (the testenv runs its own under TESTENV_DIR).
+  if printf '%s\n' "${need[@]}" | grep -qx containerd; then
+    (systemctl disable --now containerd || service containerd stop) >/dev/null 2>&1 || true; fi
 fi
 python3 -c 'import yaml' 2>/dev/null || pip install -q pyyaml
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
