@@ -10,9 +10,10 @@ STEP=${1:?pods|host}; W=${2:?TESTENV_DIR}; N=$W/node; SOCK=$N/containerd/contain
 BR=$(cat "$N/bridge" 2>/dev/null || true)
 say() { echo "testenv node: $*"; }
 # PIDs of processes whose command line contains all the given words (checked in /proc, so no reuse).
-pids_with() { local p c; for p in /proc/[0-9]*; do c=$(tr '\0' ' ' 2>/dev/null < "$p/cmdline") || continue
-    local w ok=1; for w in "$@"; do [[ "$c" == *"$w"* ]] || { ok=0; break; }; done
-    [ $ok = 1 ] && echo "${p#/proc/}"; done; }
+pids_with() { local f p c w ok; for f in $(grep -lsaF -- "$1" /proc/[0-9]*/cmdline); do p=${f#/proc/}; p=${p%/cmdline}
+    [ "$p" = $$ ] && continue; c=$(tr '\0' ' ' 2>/dev/null < "$f") || continue
+    ok=1; for w in "$@"; do [[ "$c" == *"$w"* ]] || { ok=0; break; }; done
+    [ $ok = 1 ] && echo "$p"; done; }
 # SIGTERM, up to $1 seconds, SIGKILL.
 stop() { local t=$1; shift; [ $# -gt 0 ] || return 0; kill -TERM "$@" 2>/dev/null
   for _ in $(seq 1 $((t * 10))); do kill -0 "$@" 2>/dev/null || return 0; sleep 0.1; done
@@ -22,11 +23,11 @@ cg_procs() { [ -n "$BR" ] || return 0; local h; for h in $(cg_hier); do [ -d "$h
 
 pods() {
   # The kubelet first, so it does not restart what we stop.
-  local k; k=$(pids_with "$N/kubelet-config.yaml"); [ -n "$k" ] && { stop 10 $k; say "stopped kubelet ($k)"; }
+  local k; k=$(pids_with "$N/kubelet-config.yaml"); [ -n "$k" ] && { stop 5 $k; say "stopped kubelet ($k)"; }
   # Every process in the pods' cgroups (pause + containers), then the shims of this containerd.
   local ps s; for _ in 1 2 3; do ps=$(cg_procs); [ -n "$ps" ] || break; kill -KILL $ps 2>/dev/null; sleep 0.2; done
   [ -n "$(cg_procs)" ] && say "WARNING: processes left in the pods' cgroups: $(cg_procs | tr '\n' ' ')"
-  s=$(pids_with containerd-shim "-address $SOCK ")
+  s=$(pids_with "$SOCK" containerd-shim "-address $SOCK ")
   if [ -n "$s" ]; then
     local p id; for p in $s; do   # the shim's socket is /run/containerd/s/sha256(address/namespace/id)
       id=$(tr '\0' '\n' < "/proc/$p/cmdline" 2>/dev/null | sed -n '/^-id$/{n;p;q}')

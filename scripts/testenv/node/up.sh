@@ -178,9 +178,10 @@ EOF
   start kubelet "$BIN/kubelet" --config="$N/kubelet-config.yaml" --kubeconfig="$kc" --root-dir="$N/kubelet" \
     --cert-dir="$N/kubelet/pki" --hostname-override=localhost --node-ip="$HOST_IP" \
     --node-labels=flexinfer.ai/testenv-node=real,flexinfer.ai/gpu.arch=gfx1100 -v=2
-  local K=(kubectl --kubeconfig="$W/kubeconfig") ok=""
-  for _ in $(seq 1 300); do "${K[@]}" get node localhost >/dev/null 2>&1 && { ok=1; break; }; sleep 0.1; done
-  [ -n "$ok" ] || die "node localhost did not register (log: $L/kubelet.log)"$'\n'"$(tail -n 15 "$L/kubelet.log")"
+  local kpid=$! K=(kubectl --kubeconfig="$W/kubeconfig") ok=""
+  for _ in $(seq 1 300); do "${K[@]}" get node localhost >/dev/null 2>&1 && { ok=1; break; }
+    kill -0 "$kpid" 2>/dev/null || break; sleep 0.1; done
+  [ -n "$ok" ] || die "node localhost did not register: kubelet $(kill -0 "$kpid" 2>/dev/null && echo "still starting after 30 s" || echo exited) (log: $L/kubelet.log):"$'\n'"$(tail -n 15 "$L/kubelet.log")"
   # Extended resources the documented way: PATCH the node status (the kubelet keeps them).
   "${K[@]}" patch node localhost --subresource=status --type=json -p '[
     {"op":"add","path":"/status/capacity/amd.com~1gpu","value":"1"},
