@@ -2,7 +2,7 @@
 # Smoke test of the real node against a running testenv (source the output of up.sh cluster first):
 # node and kwok nodes Ready; a pod with a locally loaded image runs to Succeeded and `kubectl logs`/`exec` work;
 # a Job writes to a hostPath as uid 65532; the kubelet's readiness probe and the host reach a pod; a pod reaches
-# the registry on TESTENV_HOST_IP; an image pushed there is pulled by the kubelet; amd.com/gpu is schedulable.
+# the registry on TESTENV_HOST_IP; an image pushed there is pulled by the kubelet; load-image.sh; amd.com/gpu.
 # Prints timings. Leaves nothing behind (namespace testenv-smoke is deleted).
 set -euo pipefail
 : "${KUBECONFIG:?source the output of up.sh}" "${TESTENV_REGISTRY:?the testenv has no real node}" "${TESTENV_DIR:?}"
@@ -91,7 +91,14 @@ wait_phase pulled Succeeded; t1=$(now)
 [ "$("${K[@]}" -n $NS logs pulled)" = pulled ] || fail "logs of pulled"
 ok "the kubelet pulled $TESTENV_REGISTRY/smoke/busybox:v1; create -> Succeeded $(dt "$t0" "$t1") s"
 
-# 6. Extended resources: a pod asking for amd.com/gpu and nvidia.com/gpu lands on localhost.
+# 6. load-image.sh: an OCI archive loaded under a docker-style NAME runs with imagePullPolicy: Never.
+T=$(mktemp -d); skopeo copy --quiet "docker-archive:$("$HERE/images.sh")/busybox.tar" "oci-archive:$T/img.tar:latest"
+[ "$("$HERE/../load-image.sh" "$T/img.tar" flexinfer/smoke:dev)" = docker.io/flexinfer/smoke:dev ] || fail "load-image.sh"
+rm -rf "$T"; pod loaded flexinfer/smoke:dev Never 'echo loaded'
+wait_phase loaded Succeeded
+ok "load-image.sh: an OCI archive loaded as flexinfer/smoke:dev ran with imagePullPolicy: Never"
+
+# 7. Extended resources: a pod asking for amd.com/gpu and nvidia.com/gpu lands on localhost.
 pod gpu localhost/busybox:local Never 'echo gpu' \
 '    resources: {limits: {amd.com/gpu: "1", nvidia.com/gpu: "1"}}'
 wait_phase gpu Succeeded

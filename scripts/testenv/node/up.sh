@@ -29,6 +29,7 @@ runtime() {
   for t in containerd containerd-shim-runc-v2 runc ctr ip iptables /usr/lib/cni/bridge /usr/lib/cni/host-local /usr/bin/docker-registry; do
     command -v "$t" >/dev/null || die "$t is missing (run scripts/install-deps.sh)"; done
   [ "$(id -u)" = 0 ] || die "the real node needs root (TESTENV_REAL_NODE=0 to skip it)"
+  [ ${#SOCK} -le 90 ] || die "TESTENV_DIR $W is too long for containerd's unix sockets (${#SOCK} > 90 chars): use a shorter one"
   # 1. What the host looks like before us. A peer that is still running recorded the true originals.
   local peer; if peer=$(live_peer); then cp "$peer/node/host.orig" "$N/host.orig"; else
     { for s in $SYSCTLS; do echo "sysctl $s $(sysctl -n "$s" 2>/dev/null || echo -)"; done
