@@ -7,7 +7,7 @@ HERE=$(cd "$(dirname "$0")" && pwd); NODE=0; [ "$MODE" = cluster ] && [ "${TESTE
 P=$W/pki; mkdir -p "$P" "$W/etcd" "$W/logs"; W=$(cd "$W" && pwd); P=$W/pki
 # On failure: say where the logs are, stop what was started and undo the host changes, keep W/logs.
 trap 'rc=$?; if [ $rc -ne 0 ]; then echo "testenv: up.sh failed (exit $rc); logs: $W/logs" >&2
-  [ -n "${RUNTIME:-}" ] && wait "$RUNTIME" 2>/dev/null
+  [ -n "${RUNTIME:-}" ] && { wait "$RUNTIME" 2>/dev/null || true; }
   TESTENV_KEEP_LOGS=1 bash "$HERE/down.sh" "$W" >&2 || true; fi' EXIT
 for b in etcd kube-apiserver; do [ -x "$BIN/$b" ] || { echo "missing $BIN/$b" >&2; exit 1; }; done
 port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }

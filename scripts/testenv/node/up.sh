@@ -39,9 +39,11 @@ runtime() {
     } > "$N/host.orig.tmp"; mv "$N/host.orig.tmp" "$N/host.orig"; fi
   # 2. The pod network: a bridge of our own (fitenvI, I = first free index, the name is the lock), host side
   #    10.200.I.1/24. Pods get 10.200.I.x with no default route: they reach the host only on the bridge IP.
-  local i br=""; for b in /sys/class/net/fitenv*; do [ -e "$b" ] || continue   # drop bridges of dead testenvs
-    a=$(cat "$b/ifalias" 2>/dev/null || true); [ -n "$a" ] && [ -d "$a" ] || ip link del "$(basename "$b")" 2>/dev/null || true; done
-  for i in $(seq 1 250); do ip link add "fitenv$i" type bridge 2>/dev/null && { br=fitenv$i; break; }; done
+  local i br=""; for b in /sys/class/net/fitenv*; do [ -e "$b" ] || continue   # drop bridges of removed testenvs
+    a=$(cat "$b/ifalias" 2>/dev/null || true); [ -n "$a" ] && [ ! -d "$a" ] && { ip link del "$(basename "$b")" 2>/dev/null || true; }; done
+  for i in $(seq 1 250); do   # skip subnets the host already routes somewhere (other than by its default route)
+    [ -z "$(ip -4 route show to match "10.200.$i.1" | grep -v '^default')" ] || continue
+    ip link add "fitenv$i" type bridge 2>/dev/null && { br=fitenv$i; break; }; done
   [ -n "$br" ] || die "no free bridge name fitenv1..250"
   echo "$br" > "$N/bridge"; ip link set "$br" alias "$W"
   local ip=10.200.$i.1; echo 1 > "/proc/sys/net/ipv6/conf/$br/disable_ipv6" 2>/dev/null || true
