@@ -6,7 +6,7 @@
 #   bash scripts/images/build.sh [--bin-dir DIR] [--tag TAG] [--out DIR] [--push REGISTRY] [--load]
 #                                [--only controller|worker] [--no-strip]
 #     --bin-dir DIR   where flexinfer-controller, flexinfer, flexinfer-worker (and flexinfer-standin,
-#                     if built) are; default ${CARGO_TARGET_DIR:-target}/debug
+#                     if built) are; default ${CARGO_TARGET_DIR:-~/.cache/flexinfer/target}/debug
 #     --tag TAG       image tag; default dev
 #     --out DIR       archives (docker-archive, importable with `ctr images import`, `docker load`,
 #                     skopeo); default $FLEXINFER_IMAGES_CACHE/out
@@ -24,7 +24,7 @@ root=$(cd "$here/../.." && pwd)
 # shellcheck source=scripts/images/lib.sh
 . "$here/lib.sh"
 
-bin_dir=${CARGO_TARGET_DIR:-$root/target}/debug
+bin_dir=${CARGO_TARGET_DIR:-$HOME/.cache/flexinfer/target}/debug # the default of .ci/run and scripts/demo.sh
 tag=dev
 out=$FLEXINFER_IMAGES_CACHE/out
 push=""
