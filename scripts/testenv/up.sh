@@ -27,7 +27,7 @@ if [ $NODE = 1 ]; then   # the real node: kubelet client/serving certs, apiserve
   KUBELET_AUTH=(--authorization-mode=Node,RBAC --enable-admission-plugins=NodeRestriction
     --kubelet-client-certificate="$P/apiserver-kubelet-client.crt" --kubelet-client-key="$P/apiserver-kubelet-client.key"
     --kubelet-preferred-address-types=Hostname)   # the node `localhost` -> 127.0.0.1, where the kubelet listens
-  bash "$HERE/node/up.sh" runtime "$W" & RUNTIME=$!   # bridge, registry, containerd: while the control plane starts
+  bash "$HERE/node/up.sh" runtime "$W" >&2 & RUNTIME=$!   # bridge, registry, containerd: while the control plane starts
 fi
 q openssl genrsa -out "$P/sa.key" 2048; q openssl rsa -in "$P/sa.key" -pubout -out "$P/sa.pub"
 KC=$W/kubeconfig
@@ -70,6 +70,6 @@ if [ "$MODE" = cluster ]; then
   node kwok-sm89 ", flexinfer.ai/gpu.arch: sm_89" ", nvidia.com/gpu: \"8\""
   node kwok-cpu "" ""
   # The real node: tainted flexinfer.ai/testenv-node=real:NoSchedule, so only pods that tolerate it run there.
-  if [ $NODE = 1 ]; then wait "$RUNTIME"; bash "$HERE/node/up.sh" kubelet "$W"; NODE_ENV=" $(cat "$W/node/env")"; fi
+  if [ $NODE = 1 ]; then wait "$RUNTIME"; bash "$HERE/node/up.sh" kubelet "$W" >&2; NODE_ENV=" $(cat "$W/node/env")"; fi
 fi
 echo "export KUBECONFIG=$KC TESTENV_DIR=$W${NODE_ENV:-}"

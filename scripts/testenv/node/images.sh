@@ -23,14 +23,13 @@ image() { local name=$1 tag=$2 entry=$3 fill=$4
   umoci repack --image "$T/$name:$tag" "$T/$name.b" >/dev/null
   umoci config --image "$T/$name:$tag" --os linux --architecture amd64 --config.entrypoint "$entry" \
     --config.env PATH=/bin:/usr/bin:/sbin:/usr/sbin
-  rm -f "$OUT/$name.tar.new"
-  skopeo copy --quiet "oci:$T/$name:$tag" "docker-archive:$OUT/$name.tar.new:localhost/$name:$tag"
-  mv "$OUT/$name.tar.new" "$OUT/$name.tar"; }
+  skopeo copy --quiet "oci:$T/$name:$tag" "docker-archive:$T/$name.tar:localhost/$name:$tag"
+  cp "$T/$name.tar" "$OUT/$name.tar.$$" && mv "$OUT/$name.tar.$$" "$OUT/$name.tar"; }   # atomic for concurrent builds
 fill_pause() { gcc -static -O2 -s -o "$1/pause" "$HERE/pause.c"; }
 fill_busybox() { mkdir -p "$1/bin" "$1/tmp" "$1/etc"; chmod 1777 "$1/tmp"; cp "$BB" "$1/bin/busybox"
   for a in $("$BB" --list); do [ "$a" = busybox ] || ln -sf busybox "$1/bin/$a"; done
   printf 'root:x:0:0:root:/root:/bin/sh\nnonroot:x:65532:65532:nonroot:/home/nonroot:/bin/sh\n' > "$1/etc/passwd"
   printf 'root:x:0:\nnonroot:x:65532:\n' > "$1/etc/group"; }
-image pause local /pause fill_pause
-image busybox local /bin/sh fill_busybox
+image pause local /pause fill_pause >&2          # stdout is only for the printed dir
+image busybox local /bin/sh fill_busybox >&2
 echo "$KEY" > "$OUT/key"; echo "$OUT"
