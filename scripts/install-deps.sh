@@ -19,7 +19,7 @@ command -v iptables >/dev/null || need+=(iptables)
 command -v ip >/dev/null || need+=(iproute2)
 command -v gcc >/dev/null || need+=(gcc)
 [ -f /usr/lib/x86_64-linux-gnu/libc.a ] || [ -f /usr/lib/libc.a ] || need+=(libc6-dev)
-[ -x /bin/busybox ] || command -v busybox >/dev/null || need+=(busybox-static)
+{ [ -x /bin/busybox ] && ! ldd /bin/busybox >/dev/null 2>&1; } || need+=(busybox-static)   # static: it goes into an image
 command -v umoci >/dev/null || need+=(umoci)
 command -v skopeo >/dev/null || need+=(skopeo)
 command -v kubectl >/dev/null || { echo "install-deps: kubectl is not on PATH (it comes with the machine image; install it from your distribution)" >&2; exit 1; }
