@@ -79,9 +79,9 @@ IP=$("${K[@]}" -n $NS get pod web -o jsonpath='{.status.podIP}')
 ok "readiness probe, host -> pod ($IP:8080) and kubectl exec work"
 
 # 4. Pod -> registry on the host (TESTENV_REGISTRY); pod -> anything else is unreachable (no default route).
-pod reg localhost/busybox:local Never "wget -qO- http://$TESTENV_REGISTRY/v2/ && ! wget -T 2 -qO- http://10.96.0.1/ 2>/dev/null"
+pod reg localhost/busybox:local Never "wget -qO- http://$TESTENV_REGISTRY/v2/ && ! ip route | grep -q default && ! wget -T 2 -qO- http://10.96.0.1/ 2>/dev/null"
 wait_phase reg Succeeded
-ok "pod reaches the registry at $TESTENV_REGISTRY"
+ok "pod reaches the registry at $TESTENV_REGISTRY, and has no default route"
 
 # 5. An image pushed to the registry is pulled by the kubelet (plain http).
 skopeo copy --quiet --dest-tls-verify=false "docker-archive:$("$HERE/images.sh")/busybox.tar" \
@@ -98,7 +98,15 @@ rm -rf "$T"; pod loaded flexinfer/smoke:dev Never 'echo loaded'
 wait_phase loaded Succeeded
 ok "load-image.sh: an OCI archive loaded as flexinfer/smoke:dev ran with imagePullPolicy: Never"
 
-# 7. Extended resources: a pod asking for amd.com/gpu and nvidia.com/gpu lands on localhost.
+# 7. Memory limits are enforced: a 32Mi container that allocates more is OOM-killed.
+pod oom localhost/busybox:local Never 'head -c 200m /dev/zero | tail >/dev/null; echo survived' \
+'    resources: {limits: {memory: 32Mi}}'
+for _ in $(seq 1 300); do r=$("${K[@]}" -n $NS get pod oom -o jsonpath='{.status.containerStatuses[0].state.terminated.reason}' 2>/dev/null)
+  [ -n "$r" ] && break; sleep 0.1; done
+[ "$r" = OOMKilled ] || fail "pod oom: terminated reason '$r', expected OOMKilled"
+ok "a 32Mi pod that allocates 200 MiB is OOMKilled"
+
+# 8. Extended resources: a pod asking for amd.com/gpu and nvidia.com/gpu lands on localhost.
 pod gpu localhost/busybox:local Never 'echo gpu' \
 '    resources: {limits: {amd.com/gpu: "1", nvidia.com/gpu: "1"}}'
 wait_phase gpu Succeeded
