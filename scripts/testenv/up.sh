@@ -4,7 +4,7 @@ set -euo pipefail                      # usage: TESTENV_BIN=… up.sh [api|clust
 # unless TESTENV_REAL_NODE=0, and then also prints TESTENV_NODE, TESTENV_HOST_IP, TESTENV_REGISTRY, TESTENV_CONTAINERD_ADDRESS.
 MODE=${1:-cluster}; BIN=${TESTENV_BIN:?}; W=${TESTENV_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/testenv.XXXXXX")}
 HERE=$(cd "$(dirname "$0")" && pwd); NODE=0; [ "$MODE" = cluster ] && [ "${TESTENV_REAL_NODE:-1}" != 0 ] && NODE=1
-P=$W/pki; mkdir -p "$P" "$W/etcd" "$W/logs"; W=$(cd "$W" && pwd); P=$W/pki
+P=$W/pki; mkdir -p "$P" "$W/etcd" "$W/logs"; W=$(cd "$W" && pwd -P); P=$W/pki
 # On failure: say where the logs are, stop what was started and undo the host changes, keep W/logs.
 trap 'rc=$?; if [ $rc -ne 0 ]; then echo "testenv: up.sh failed (exit $rc); logs: $W/logs" >&2
   [ -n "${RUNTIME:-}" ] && { wait "$RUNTIME" 2>/dev/null || true; }
