@@ -12,10 +12,11 @@
 #                     skopeo); default $FLEXINFER_IMAGES_CACHE/out
 #     --push REG      also push to REG (host:port, plain http) as REG/flexinfer/<image>:TAG
 #     --load          also import into the test node's containerd (scripts/testenv/load-image.sh)
-#     --only NAME     build one image (repeatable)
+#     --only NAME     build one image (repeatable): controller, worker, standin (the serving stand-in,
+#                     build/standin.Dockerfile; built by default when flexinfer-standin is in --bin-dir)
 #     --no-strip      keep debug info (by default binaries are copied with `strip --strip-debug`:
 #                     symbols, hence backtraces, stay)
-# Images: flexinfer/controller:TAG and flexinfer/worker:TAG (archives tagged like that; the local
+# Images: flexinfer/controller:TAG, flexinfer/worker:TAG, flexinfer/standin:TAG (archives tagged like that; the local
 # store names them localhost/flexinfer/<image>:TAG). An image whose inputs (binaries, Dockerfile,
 # base, this script) are unchanged is not rebuilt: a key file sits next to each archive.
 set -euo pipefail
@@ -61,11 +62,18 @@ t_start=$(date +%s)
 declare -A t_step=()
 
 # image -> binaries (a trailing ? marks an optional one)
-declare -A bins=([controller]="flexinfer-controller flexinfer" [worker]="flexinfer-worker flexinfer-standin?")
+declare -A bins=([controller]="flexinfer-controller flexinfer" [worker]="flexinfer-worker flexinfer-standin?"
+  [standin]="flexinfer-standin")
 images=(controller worker)
 if ((${#only[@]})); then
-  for n in "${only[@]}"; do [[ -n ${bins[$n]:-} ]] || images_die "--only: no image $n (controller, worker)"; done
+  for n in "${only[@]}"; do
+    [[ -n ${bins[$n]:-} && -f $root/build/$n.Dockerfile ]] || images_die "--only: no image $n (controller, worker, standin)"
+  done
   images=("${only[@]}")
+elif [[ -f $root/build/standin.Dockerfile ]]; then
+  # The serving stand-in's own image, when its binary has been built.
+  if [[ -x $bin_dir/flexinfer-standin ]]; then images+=(standin)
+  else images_log "standin: $bin_dir/flexinfer-standin not built, no flexinfer/standin image"; fi
 fi
 
 # Binaries first: fail before the base build if one is missing.
@@ -102,12 +110,12 @@ for img in "${images[@]}"; do
       for b in ${files[$img]}; do echo "bin $b $(images_sha256 < "$bin_dir/$b")"; done
     } | images_sha256
   )
-  if [[ -s $archive && -f $archive.key && $(cat "$archive.key") == "$key" ]]; then
+  if [[ -s $archive && -f $archive.info && -f $archive.key && $(cat "$archive.key") == "$key" ]]; then
     images_log "$img: inputs unchanged, keeping $archive"
     status=cached
   else
     images_log "$img: building $ref (${files[$img]}) on $base"
-    rm -f "$archive.key"
+    rm -f "$archive.key" "$archive.info"
     ctx=$(mktemp -d "$FLEXINFER_IMAGES_CACHE/.ctx-XXXXXX")
     trap 'rm -rf "$ctx"' EXIT
     mkdir "$ctx/bin"
@@ -128,12 +136,14 @@ for img in "${images[@]}"; do
     rm -f "$archive"
     # skopeo, not `buildah push`: that would add the store's localhost/ name to the archive's tags.
     skopeo copy --quiet "$(images_storage_ref)localhost/$ref" "docker-archive:$archive:$ref"
+    # image id and size, so that a cached run need not read the archive
+    printf '%s %s\n' "$(skopeo inspect --raw "docker-archive:$archive" | jq -r .config.digest)" \
+      "$(bah images --format '{{.Size}}' "localhost/$ref" | tr -d ' ')" > "$archive.info"
     echo "$key" > "$archive.key"
     status=built
   fi
-  id=$(skopeo inspect --raw "docker-archive:$archive" | jq -r .config.digest)
+  read -r id size < "$archive.info" || { id="sha256:?" size="?"; }
   t_step[$img]=$(($(date +%s) - t0))
-  size=$(bah images --format '{{.Size}}' "localhost/$ref" 2>/dev/null || echo "?")
   line="$ref  $status  image $size, archive $(images_size "$archive")  id ${id:7:12}  $archive  (${t_step[$img]} s)"
 
   if [[ -n $push ]]; then
