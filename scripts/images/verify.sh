@@ -30,11 +30,14 @@ for t in skopeo umoci jq; do command -v $t >/dev/null || images_die "$t not inst
 tmp=$(mktemp -d)
 reg_pid="" ctrd_pid=""
 cleanup() {
+  local rc=$?
+  set +e
   [[ -z $ctrd_pid ]] || { kill "$ctrd_pid" 2>/dev/null; wait "$ctrd_pid" 2>/dev/null || true; }
   [[ -z $reg_pid ]] || { kill "$reg_pid" 2>/dev/null; wait "$reg_pid" 2>/dev/null || true; }
   # containerd leaves overlay mounts under its root on an unclean stop
   grep -o " $tmp/[^ ]*" /proc/mounts | sort -r | while read -r m; do umount "$m" 2>/dev/null || true; done
   rm -rf "$tmp"
+  exit "$rc"
 }
 trap cleanup EXIT
 fail=0 checked=0
