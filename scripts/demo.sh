@@ -1,84 +1,165 @@
 #!/usr/bin/env bash
-# The main job on a fresh machine: build/start a local control plane (kube-apiserver, etcd,
-# controller-manager, scheduler, kwok GPU nodes), install the FlexInfer CRDs, run the controller,
-# apply the example GPUProfiles and the Gemma 4 ModelCache (download -> abliterate -> quantize on a
-# gfx1100 node), and watch it walk its phases to Ready. Job pods are simulated by kwok (each phase's
-# pod runs a few seconds, then succeeds) until real worker images are deployed.
-# KEEP=1 leaves the control plane and controller running (prints KUBECONFIG). DEMO_TIMEOUT bounds the wait.
+# The main job on a fresh machine, for real:
+#  - a local cluster (kube-apiserver, etcd, controller-manager, scheduler, kwok GPU nodes) with ONE REAL NODE
+#    (kubelet + containerd + runc), a local OCI registry and a local Hugging Face-compatible hub;
+#  - the controller and worker images built from build/*.Dockerfile (daemonless, Debian base), FlexInfer
+#    installed with its Helm chart (the controller runs as a pod on the real node);
+#  - a ModelCache that downloads a small generated Llama model from the hub, abliterates it, GPTQ-quantizes it
+#    (int4, group 32: the model is 32 wide) and publishes it to the registry, each phase a Job whose pod runs
+#    the real worker image on the real node (the engine computes on the CPU there and says so);
+#  - a gated Model that serves the artifact with the OpenAI-compatible stand-in (there is no vLLM here), its
+#    PromotionGate decision, the promotion, and one completion request.
+# KEEP=1 leaves everything running and prints the KUBECONFIG. DEMO_TIMEOUT bounds each wait (seconds).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd); cd "$ROOT"
 export TESTENV_BIN=${TESTENV_BIN:-$HOME/.cache/testenv/v1.34.4/bin}
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/flexinfer/target}
 export PATH="$TESTENV_BIN:$PATH"
-TIMEOUT=${DEMO_TIMEOUT:-180}
-NS=flexinfer-system
-CACHE=gemma4-26b-a4b-gptq
+TIMEOUT=${DEMO_TIMEOUT:-900}
+NS=flexinfer-demo
+CACHE=tiny-llama-gptq
+T0=$(date +%s)
+say() { echo; echo "==> $* ($(( $(date +%s) - T0 ))s)"; }
+
+say "dependencies (Debian packages, control-plane binaries: cached after the first run)"
 bash scripts/install-deps.sh
-cargo build -q -j2 -p flexinfer-controller
+
+say "local cluster with a real node"
 ENVF=$(mktemp); bash scripts/testenv/up.sh cluster > "$ENVF"; source "$ENVF"
-WORK=$(mktemp -d)
-CTRL_PID=""
-cleanup() {
-  [ -n "$CTRL_PID" ] && kill "$CTRL_PID" 2>/dev/null || true
-  kubectl delete pv "demo-$CACHE" --wait=false >/dev/null 2>&1 || true
-  bash scripts/testenv/down.sh "$TESTENV_DIR" >/dev/null 2>&1 || true
-  rm -rf "$ENVF" "$WORK"
-}
+cleanup() { bash scripts/testenv/down.sh "$TESTENV_DIR" >/dev/null 2>&1 || true; rm -f "$ENVF" "${E2EF:-}"; }
 [ "${KEEP:-0}" = 1 ] || trap cleanup EXIT
+kubectl get nodes -L flexinfer.ai/gpu.arch,flexinfer.ai/testenv-node
 
-echo "==> CRDs"
+say "images, hub, Helm install"
 kubectl apply --server-side -k deploy/crds/ >/dev/null
-kubectl wait --for=condition=Established crd/modelcaches.ai.flexinfer crd/models.ai.flexinfer crd/gpuprofiles.ai.flexinfer --timeout=60s
-kubectl get nodes -L flexinfer.ai/gpu.arch
+E2EF=$(mktemp); E2E_NAMESPACE=$NS bash scripts/e2e/setup.sh > "$E2EF"; source "$E2EF"
+kubectl get pods -n "$E2E_CONTROLLER_NAMESPACE" -o wide
 
-echo "==> controller (logs: $WORK/controller.log)"
-FLEXINFER_WORKER_IMAGE=registry.example.com/flexinfer/worker:cpu \
-FLEXINFER_LEADER_ELECT=true FLEXINFER_NAMESPACE=$NS \
-FLEXINFER_METRICS_ADDR=127.0.0.1:18080 FLEXINFER_HEALTH_ADDR=127.0.0.1:18081 \
-  ./target/debug/flexinfer-controller > "$WORK/controller.log" 2>&1 &
-CTRL_PID=$!
-
-echo "==> GPUProfiles and the example ModelCache"
-kubectl apply -f deploy/examples/00-namespace.yaml >/dev/null
-kubectl apply -f deploy/examples/gpuprofile-gfx1100.yaml -f deploy/examples/gpuprofile-gfx906.yaml -f deploy/examples/gpuprofile-sm89.yaml
-# Nothing provisions volumes in the local cluster: a PV pre-bound to the cache's PVC stands in.
-kubectl apply -f - >/dev/null <<YAML
+say "storage, GPUProfile and the ModelCache"
+DATA=$E2E_STORAGE/$CACHE; mkdir -p "$DATA"; chown 65532:65532 "$DATA"
+PLACE='nodeSelector: {flexinfer.ai/gpu.arch: gfx1100, flexinfer.ai/testenv-node: real}
+  tolerations: [{key: flexinfer.ai/testenv-node, operator: Equal, value: real, effect: NoSchedule}]'
+kubectl apply -f - <<YAML
 apiVersion: v1
 kind: PersistentVolume
 metadata: {name: demo-$CACHE}
 spec:
-  capacity: {storage: 200Gi}
+  capacity: {storage: 10Gi}
   accessModes: [ReadWriteOnce]
   storageClassName: ""
-  hostPath: {path: /tmp/flexinfer-demo}
-  claimRef: {namespace: $NS, name: $CACHE-cache}
+  hostPath: {path: $DATA, type: Directory}
+  claimRef: {namespace: $NS, name: $CACHE}
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {name: $CACHE, namespace: $NS}
+spec:
+  accessModes: [ReadWriteOnce]
+  storageClassName: ""
+  volumeName: demo-$CACHE
+  resources: {requests: {storage: 10Gi}}
+---
+# The real node stands in for a gfx1100 card: it advertises amd.com/gpu, the worker runs on the CPU backend.
+apiVersion: ai.flexinfer/v1alpha2
+kind: GPUProfile
+metadata: {name: gfx1100, namespace: $NS}
+spec:
+  architecture: gfx1100
+  vendor: amd
+  vramMB: 24576
+  resourceName: amd.com/gpu
+  gpuDriverMemoryMB: 0
+  nodeSelector: {flexinfer.ai/gpu.arch: gfx1100, flexinfer.ai/testenv-node: real}
+  quantization: {images: {GPTQ: $E2E_WORKER_IMAGE}}
+  runtime: {images: {vllm: $E2E_STANDIN_IMAGE}}
+---
+apiVersion: ai.flexinfer/v1alpha1
+kind: ModelCache
+metadata: {name: $CACHE, namespace: $NS}
+spec:
+  source: flexinfer-demo/tiny-llama          # served by the local hub (HF_ENDPOINT)
+  existingClaimName: $CACHE
+  modelPath: tiny-llama
+  $PLACE
+  download: {maxMemoryGB: 1}
+  abliteration:
+    refusalDataset: flexinfer-demo/refusal
+    harmlessDataset: flexinfer-demo/harmless
+    numSamples: 32
+    useGPU: true
+    maxMemoryGB: 2
+  quantization:
+    format: GPTQ
+    bits: 4
+    groupSize: 32
+    useGPU: true
+    maxMemoryGB: 2
+    calibration: {dataset: flexinfer-demo/calibration, maxSamples: 16, maxSeqLen: 128}
+  publish:
+    targets: [oci]
+    ociRef: $TESTENV_REGISTRY/demo/$CACHE:v1
+    insecure: true
 YAML
-# Make the simulated quantize pod take a few seconds so the phases are visible.
-sed "/^  name: $CACHE/a\\
-  annotations:\\
-    flexinfer.ai/job-pod-annotations: '{\"sim.kwok.test/duration\":\"3s\"}'" \
-  deploy/examples/modelcache-$CACHE.yaml | kubectl apply -f -
 
-echo "==> watching $NS/$CACHE (timeout ${TIMEOUT}s)"
+say "watching $NS/$CACHE (kubectl get modelcache -w)"
 kubectl get modelcache -n "$NS" "$CACHE" -w &
 WATCH=$!
-if kubectl wait -n "$NS" "modelcache/$CACHE" --for=jsonpath='{.status.phase}'=Ready --timeout="${TIMEOUT}s" >/dev/null; then
-  RESULT=0
-else
-  RESULT=1
-fi
+RESULT=0
+kubectl wait -n "$NS" "modelcache/$CACHE" --for=jsonpath='{.status.phase}'=Ready --timeout="${TIMEOUT}s" >/dev/null || RESULT=1
 sleep 1; kill "$WATCH" 2>/dev/null || true; wait "$WATCH" 2>/dev/null || true
 echo
-kubectl get jobs -n "$NS" -l "flexinfer.ai/cache=$CACHE"
-kubectl get modelcache -n "$NS" "$CACHE" -o wide
-kubectl get events -n "$NS" --field-selector "involvedObject.name=$CACHE" --sort-by=.metadata.creationTimestamp \
-  -o custom-columns=TYPE:.type,REASON:.reason,MESSAGE:.message | tail -15
-if [ "$RESULT" = 0 ]; then
-  echo "==> $CACHE is Ready at $(kubectl get modelcache -n "$NS" "$CACHE" -o jsonpath='{.status.path}')"
-else
-  echo "==> $CACHE did not reach Ready in ${TIMEOUT}s; controller log tail:" >&2
-  tail -20 "$WORK/controller.log" >&2
+kubectl get pods -n "$NS" -l "flexinfer.ai/cache=$CACHE" -o custom-columns=POD:.metadata.name,PHASE:.metadata.labels.flexinfer\\.ai/phase,NODE:.spec.nodeName,IMAGE:.spec.containers[0].image,STATUS:.status.phase
+if [ "$RESULT" != 0 ]; then
+  echo "==> $CACHE did not reach Ready in ${TIMEOUT}s" >&2
+  kubectl get modelcache -n "$NS" "$CACHE" -o yaml | sed -n '/^status:/,$p' >&2
+  kubectl logs -n "$E2E_CONTROLLER_NAMESPACE" -l app.kubernetes.io/component=controller --tail=30 >&2 || true
+  exit 1
 fi
+
+say "the artifact"
+"$E2E_CLI" -n "$NS" quantize status "$CACHE"
+ART=$DATA/$(kubectl get modelcache -n "$NS" "$CACHE" -o jsonpath='{.status.path}' | sed 's#^/cache/##')
+echo "status.path on the node: $ART"; ls -la "$ART"
+echo "quality sidecar:"; cat "$ART/.quantization-quality.json"; echo
+echo "published: $(kubectl get modelcache -n "$NS" "$CACHE" -o jsonpath='{.status.publish.ociDigest}') at $TESTENV_REGISTRY/demo/$CACHE:v1"
+"$E2E_CLI" quantize validate-artifact "$ART"
+
+say "a gated canary Model for the artifact"
+kubectl apply -f - <<YAML
+apiVersion: ai.flexinfer/v1alpha2
+kind: Model
+metadata:
+  name: $CACHE
+  namespace: $NS
+  annotations: {flexinfer.ai/promotion-gate: quantized-artifact-v1}
+spec:
+  backend: vllm
+  source: modelcache://$CACHE
+  gpu: {count: 1, profile: gfx1100}
+  serverless: {enabled: true, minReplicas: 0}
+  config: {warmPolicy: ondemand}
+  resources: {requests: {memory: 256Mi}, limits: {memory: 1Gi}}
+  $PLACE
+YAML
+sleep 3
+kubectl get model -n "$NS" "$CACHE" -o jsonpath='{range .status.conditions[?(@.type=="PromotionGate")]}PromotionGate={.status} {.reason}: {.message}{"\n"}{end}'
+cat <<EOF
+To promote it to warm-primary service (after validating it; see docs/user/promotion-gate.md):
+  kubectl annotate model -n $NS $CACHE flexinfer.ai/promotion-validation=passed
+  kubectl patch model -n $NS $CACHE --type merge -p '{"spec":{"serverless":{"minReplicas":1},"config":{"warmPolicy":"primary"}}}'
+The demo does that now.
+EOF
+kubectl annotate model -n "$NS" "$CACHE" flexinfer.ai/promotion-validation=passed --overwrite >/dev/null
+kubectl patch model -n "$NS" "$CACHE" --type merge -p '{"spec":{"serverless":{"minReplicas":1},"config":{"warmPolicy":"primary"}}}' >/dev/null
+kubectl rollout status -n "$NS" "deploy/$CACHE" --timeout=180s
+kubectl get model -n "$NS" "$CACHE" -o wide
+IP=$(kubectl get pods -n "$NS" -l "flexinfer.ai/model=$CACHE" -o jsonpath='{.items[0].status.podIP}')
+echo "served by the stand-in backend (flexinfer-standin: the engine's reader + greedy CPU decoding; NOT vLLM):"
+curl -sf "http://$IP:8000/v1/completions" -H 'Content-Type: application/json' \
+  -d "{\"model\":\"$CACHE\",\"prompt\":\"hello world\",\"max_tokens\":8}"; echo
+
+say "done"
 if [ "${KEEP:-0}" = 1 ]; then
-  echo "control plane and controller (pid $CTRL_PID) left running: $(cat "$ENVF")"
+  echo "KEEP=1: cluster left running."; cat "$ENVF" "$E2EF"
+  echo "stop it with: bash scripts/testenv/down.sh $TESTENV_DIR"
 fi
-exit "$RESULT"

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: format + lint, unit tests, integration tests against a real control plane
-# (kube-apiserver + etcd + controller-manager + scheduler + kwok), chart/alert tests.
+# (kube-apiserver + etcd + controller-manager + scheduler + kwok GPU nodes + one real kubelet/containerd
+# node + an OCI registry), the real pipeline end to end (images built from build/*.Dockerfile, FlexInfer
+# installed with Helm, Jobs running the worker image on the real node), chart/alert tests.
 # Starts the control plane once and always tears it down.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd); cd "$ROOT"
@@ -31,10 +33,19 @@ trap cleanup EXIT
 export FLEXINFER_TESTENV_DIR=$TESTENV_DIR
 kubectl apply --server-side -k deploy/crds/ >/dev/null
 
-stage "cargo test (unit + integration)"
+stage "images, local hub and the Helm-installed controller for the real pipeline (scripts/e2e/setup.sh)"
+E2EF=$(mktemp)
+E2E_WATCH_NAMESPACE=flexinfer-e2e bash scripts/e2e/setup.sh > "$E2EF"
+# shellcheck disable=SC1090
+source "$E2EF"; rm -f "$E2EF"
+
+stage "cargo test (unit + integration + real pipeline)"
 cargo test --workspace -j2 -- --test-threads="${TEST_THREADS:-2}"
 
 stage "chart, kustomize, RBAC, admission policy and alert tests"
 bash scripts/chart-tests/run.sh
+
+stage "Dockerfile lint (hadolint)"
+bash scripts/images/lint.sh
 
 stage "all tests passed"

@@ -146,7 +146,12 @@ pub fn read_texts(path: &Path, max_texts: usize) -> Result<Vec<String>> {
 }
 
 /// Token ids of each calibration sample, truncated to `max_seq_len`, at most `max_samples` samples.
-pub fn load_samples(model_dir: &Path, dataset: &Path, s: &CalibSettings) -> Result<Vec<Vec<u32>>> {
+/// A loaded `tokenizer.json`.
+pub use tokenizers::pipeline::PipelineTokenizer as Tokenizer;
+
+/// The model directory's `tokenizer.json` (hub files written by older tokenizers versions go through the
+/// canonicalising converter first).
+pub fn load_tokenizer(model_dir: &Path) -> Result<Tokenizer> {
     let tok_path = model_dir.join("tokenizer.json");
     if !tok_path.exists() {
         return Err(QuantError::Input(format!(
@@ -155,9 +160,8 @@ pub fn load_samples(model_dir: &Path, dataset: &Path, s: &CalibSettings) -> Resu
         )));
     }
     let text = std::fs::read_to_string(&tok_path).map_err(|e| QuantError::io(&tok_path, e))?;
-    // Hub files written by older tokenizers versions go through the canonicalising converter first.
-    let tokenizer = match tokenizers::from_json(&text) {
-        Ok(t) => t,
+    match tokenizers::from_json(&text) {
+        Ok(t) => Ok(t),
         Err(first) => {
             let canonical = tokenizers::canonicalize_str(&text).map_err(|e| {
                 QuantError::Tokenizer(format!(
@@ -166,26 +170,36 @@ pub fn load_samples(model_dir: &Path, dataset: &Path, s: &CalibSettings) -> Resu
                 ))
             })?;
             tokenizers::from_json(&canonical)
-                .map_err(|e| QuantError::Tokenizer(format!("{}: {e}", tok_path.display())))?
+                .map_err(|e| QuantError::Tokenizer(format!("{}: {e}", tok_path.display())))
         }
-    };
-    let texts = read_texts(dataset, s.max_samples)?;
+    }
+}
+
+/// Token ids of `text` (no special tokens added); errors say "encoding `what`".
+pub fn encode(
+    tokenizer: &Tokenizer,
+    text: &str,
+    what: &str,
+) -> Result<Vec<u32>> {
     let opts = tokenizers::pipeline::EncodeOptions::default();
+    let enc = tokenizer
+        .encode(text, &opts)
+        .wait()
+        .map_err(|e| QuantError::Tokenizer(format!("encoding {what}: {e}")))?;
+    Ok(enc
+        .into_iter()
+        .next()
+        .map(|first| first.ids().iter().map(|t| t.id()).collect())
+        .unwrap_or_default())
+}
+
+pub fn load_samples(model_dir: &Path, dataset: &Path, s: &CalibSettings) -> Result<Vec<Vec<u32>>> {
+    let tokenizer = load_tokenizer(model_dir)?;
+    let texts = read_texts(dataset, s.max_samples)?;
     let mut samples = Vec::new();
     for t in texts {
-        let enc = tokenizer
-            .encode(t.as_str(), &opts)
-            .wait()
-            .map_err(|e| QuantError::Tokenizer(format!("encoding a calibration sample: {e}")))?;
-        let Some(first) = enc.into_iter().next() else {
-            continue;
-        };
-        let ids: Vec<u32> = first
-            .ids()
-            .iter()
-            .map(|t| t.id())
-            .take(s.max_seq_len)
-            .collect();
+        let mut ids = encode(&tokenizer, &t, "a calibration sample")?;
+        ids.truncate(s.max_seq_len);
         if ids.len() >= 2 {
             samples.push(ids);
         }

@@ -42,7 +42,8 @@ pub const EVENT_CACHED: &str = "quantization_cached";
 #[derive(Clone, Debug)]
 pub struct QuantizeJob {
     pub model_dir: PathBuf,
-    /// Parent of the output subdirectory `gptq-w<bits>-g<group>[-gdn]`.
+    /// The artifact directory itself (the worker contract's `OUT_DIR`). It is written complete or not at
+    /// all: the checkpoint is staged beside it (`.<name>.partial`) and renamed into place.
     pub out_dir: PathBuf,
     pub dataset: PathBuf,
     pub params: GptqParams,
@@ -160,13 +161,19 @@ impl QuantizeJob {
         )
     }
 
+    /// Where the checkpoint lands: `out_dir` itself.
     pub fn output_dir(&self) -> PathBuf {
-        self.out_dir.join(self.subdir_name())
+        self.out_dir.clone()
     }
 
+    /// The staging directory beside `out_dir`, renamed onto it when the save is complete.
     fn staging_dir(&self) -> PathBuf {
-        self.out_dir
-            .join(format!(".{}.partial", self.subdir_name()))
+        let name = self
+            .out_dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| self.subdir_name());
+        self.out_dir.with_file_name(format!(".{name}.partial"))
     }
 
     /// Whether module `name` stays in full precision.

@@ -7,3 +7,4 @@ pub mod hf;
 pub mod oci;
 pub mod publish;
 pub mod quantize;
+pub mod standin;

@@ -32,7 +32,7 @@ pub struct QuantizeArgs {
     /// Source model directory (config.json, *.safetensors, tokenizer.json).
     #[arg(long, env = env::MODEL_DIR)]
     pub model_dir: PathBuf,
-    /// Parent of the output directory `gptq-w<bits>-g<group>`.
+    /// The artifact directory (e.g. `/cache/<modelPath>/gptq-w4-g128`); staged beside it, renamed into place.
     #[arg(long, env = env::OUT_DIR)]
     pub out_dir: PathBuf,
     #[arg(long, env = env::BITS, default_value_t = 4)]
@@ -126,11 +126,14 @@ fn bad(msg: impl Into<String>) -> WorkerError {
     WorkerError::BadInput(msg.into())
 }
 
-/// `DATASET`: a file, a directory holding one, or a hub dataset id fetched under the cache mount.
+/// `DATASET`: a file, a directory holding one, or a hub dataset id that the download phase fetched to
+/// `<download dir>/.datasets/<id>`. The download dir is `MODEL_DIR` itself when quantization reads the
+/// downloaded model, and its parent when it reads the abliterated copy (`<download dir>/abliterated`).
 pub fn resolve_dataset(dataset: &str, model_dir: &Path) -> Result<PathBuf, WorkerError> {
     let direct = PathBuf::from(dataset);
     let mut candidates = vec![direct.clone()];
     if !direct.is_absolute() {
+        candidates.push(model_dir.join(contract::DATASETS_SUBDIR).join(dataset));
         candidates.push(
             Path::new(contract::CACHE_MOUNT)
                 .join(contract::DATASETS_SUBDIR)

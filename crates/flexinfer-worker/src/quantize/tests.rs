@@ -44,7 +44,7 @@ fn fixture() -> Fixture {
         "32",
     ]);
     args.model_dir = model;
-    args.out_dir = tmp.path().join("out");
+    args.out_dir = tmp.path().join("gptq-w4-g32");
     args.dataset = ds.display().to_string();
     Fixture { _tmp: tmp, args }
 }
@@ -191,7 +191,7 @@ fn rtn_share_over_the_limit_exits_3() {
     assert!(f
         .args
         .out_dir
-        .join("gptq-w4-g32/.quantization-quality.json")
+        .join(".quantization-quality.json")
         .exists());
     assert_eq!(
         run_inner(&f.args, &Events::new("quantization"))
@@ -199,4 +199,27 @@ fn rtn_share_over_the_limit_exits_3() {
             .exit_code(),
         3
     );
+}
+
+/// The download phase stores hub datasets under `<download dir>/.datasets/<id>`; quantize finds them both
+/// when it reads the downloaded model itself (no abliteration) and when it reads `<download dir>/abliterated`.
+#[test]
+fn hub_dataset_fetched_by_download_is_found_with_and_without_abliteration() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let download = tmp.path().join("org/model");
+    let fetched = download.join(contract::DATASETS_SUBDIR).join("org/calib");
+    std::fs::create_dir_all(fetched.join("data")).expect("mkdir");
+    std::fs::write(fetched.join("data/train.jsonl"), "{\"text\":\"a\"}\n").expect("write");
+    let want = fetched.join("data/train.jsonl");
+    assert_eq!(
+        resolve_dataset("org/calib", &download).expect("without abliteration"),
+        want
+    );
+    assert_eq!(
+        resolve_dataset("org/calib", &download.join(contract::ABLITERATED_SUBDIR))
+            .expect("with abliteration"),
+        want
+    );
+    let e = resolve_dataset("org/other", &download).expect_err("missing");
+    assert!(e.to_string().contains("org/other"), "{e}");
 }

@@ -1,0 +1,470 @@
+//! The main job on the real path: the controller installed by its Helm chart (a pod on the local cluster's
+//! real kubelet node), pipeline Jobs running the real worker image on that node, a local Hugging Face-
+//! compatible hub, the local OCI registry, and a Model served by the stand-in backend.
+//!
+//! Needs what `scripts/e2e/setup.sh` prepares (`make test` runs it): the env it exports (`E2E_*`) and the
+//! testenv's (`TESTENV_*`). Without them the tests fail with instructions.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use flexinfer_api::{Model, ModelCache};
+use flexinfer_e2e::{apply, client, wait_for};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, DeleteParams, ListParams};
+use kube::Client;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+struct Env {
+    ns: String,
+    controller_ns: String,
+    worker_image: String,
+    standin_image: String,
+    registry: String,
+    storage: PathBuf,
+    containerd: String,
+    cli: PathBuf,
+}
+
+fn var(name: &str) -> Result<String> {
+    std::env::var(name).with_context(|| {
+        format!(
+            "{name} is not set: this test needs the real-node cluster prepared by scripts/e2e/setup.sh \
+             (run it through `make test`)"
+        )
+    })
+}
+
+impl Env {
+    fn get() -> Result<Self> {
+        Ok(Env {
+            ns: var("E2E_NAMESPACE")?,
+            controller_ns: var("E2E_CONTROLLER_NAMESPACE")?,
+            worker_image: var("E2E_WORKER_IMAGE")?,
+            standin_image: var("E2E_STANDIN_IMAGE")?,
+            registry: var("TESTENV_REGISTRY")?,
+            storage: PathBuf::from(var("E2E_STORAGE")?),
+            containerd: var("TESTENV_CONTAINERD_ADDRESS")?,
+            cli: PathBuf::from(var("E2E_CLI")?),
+        })
+    }
+
+    fn real_node_placement(&self) -> Value {
+        json!({
+            "nodeSelector": {"flexinfer.ai/gpu.arch": "gfx1100", "flexinfer.ai/testenv-node": "real"},
+            "tolerations": [{"key": "flexinfer.ai/testenv-node", "operator": "Equal", "value": "real",
+                             "effect": "NoSchedule"}],
+        })
+    }
+}
+
+/// A hostPath PV (a directory of the host, writable by the Jobs' uid 65532) and a PVC bound to it.
+async fn storage(c: &Client, e: &Env, name: &str) -> Result<PathBuf> {
+    let dir = e.storage.join(name);
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).with_context(|| format!("clear {}", dir.display()))?;
+    }
+    std::fs::create_dir_all(&dir)?;
+    let ok = Command::new("chown").args(["65532:65532", &dir.display().to_string()]).status()?;
+    ensure!(ok.success(), "chown {}", dir.display());
+    let pv = json!({
+        "apiVersion": "v1", "kind": "PersistentVolume",
+        "metadata": {"name": format!("{}-{name}", e.ns)},
+        "spec": {"capacity": {"storage": "10Gi"}, "accessModes": ["ReadWriteOnce"], "storageClassName": "",
+                 "persistentVolumeReclaimPolicy": "Retain",
+                 "hostPath": {"path": dir.display().to_string(), "type": "Directory"},
+                 "claimRef": {"namespace": e.ns, "name": name}},
+    });
+    let pvc = json!({
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim",
+        "metadata": {"name": name, "namespace": e.ns},
+        "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "",
+                 "volumeName": format!("{}-{name}", e.ns), "resources": {"requests": {"storage": "10Gi"}}},
+    });
+    apply(c, &pv, None, false).await.context("apply PV")?;
+    apply(c, &pvc, None, false).await.context("apply PVC")?;
+    Ok(dir)
+}
+
+async fn profile(c: &Client, e: &Env) -> Result<()> {
+    let placement = e.real_node_placement();
+    let p = json!({
+        "apiVersion": "ai.flexinfer/v1alpha2", "kind": "GPUProfile",
+        "metadata": {"name": "e2e-gfx1100", "namespace": e.ns},
+        "spec": {"architecture": "gfx1100", "vendor": "amd", "vramMB": 24576, "resourceName": "amd.com/gpu",
+                 "gpuDriverMemoryMB": 0, "nodeSelector": placement["nodeSelector"],
+                 "quantization": {"images": {"GPTQ": e.worker_image}},
+                 "runtime": {"images": {"vllm": e.standin_image}}},
+    });
+    apply(c, &p, None, false).await.context("apply GPUProfile")?;
+    Ok(())
+}
+
+async fn delete_cache(c: &Client, e: &Env, name: &str) {
+    let api: Api<ModelCache> = Api::namespaced(c.clone(), &e.ns);
+    let _ = api.delete(name, &DeleteParams::foreground()).await;
+    let _ = wait_for("old ModelCache gone", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move { api.get_opt(name).await.ok().flatten().is_none().then_some(()) }
+    })
+    .await;
+}
+
+/// What the watch loop saw of one cache.
+#[derive(Default, Debug)]
+struct Observed {
+    /// (status.currentPhase, status.progress) in order, deduplicated.
+    progress: Vec<(String, i64)>,
+    /// Every pipeline pod seen: name → (phase label, pod JSON).
+    pods: BTreeMap<String, (String, Value)>,
+}
+
+async fn observe_once(c: &Client, e: &Env, name: &str, seen: &mut Observed) -> Result<Value> {
+    let api: Api<ModelCache> = Api::namespaced(c.clone(), &e.ns);
+    let mc = serde_json::to_value(api.get(name).await?)?;
+    let st = &mc["status"];
+    let cur = st["currentPhase"].as_str().unwrap_or_default().to_string();
+    let p = st["progress"].as_i64().unwrap_or(-1);
+    if seen.progress.last() != Some(&(cur.clone(), p)) {
+        seen.progress.push((cur, p));
+    }
+    let pods: Api<Pod> = Api::namespaced(c.clone(), &e.ns);
+    for pod in pods
+        .list(&ListParams::default().labels(&format!("flexinfer.ai/cache={name}")))
+        .await?
+    {
+        let v = serde_json::to_value(&pod)?;
+        let n = v["metadata"]["name"].as_str().unwrap_or_default().to_string();
+        let phase = v["metadata"]["labels"]["flexinfer.ai/phase"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        seen.pods.insert(n, (phase, v));
+    }
+    Ok(mc)
+}
+
+/// Polls until `status.phase` is Ready (Failed is an error naming the status).
+async fn until_ready(c: &Client, e: &Env, name: &str, seen: &mut Observed, timeout: Duration) -> Result<Value> {
+    let start = Instant::now();
+    loop {
+        let mc = observe_once(c, e, name, seen).await?;
+        match mc["status"]["phase"].as_str() {
+            Some("Ready") => return Ok(mc),
+            Some("Failed") => bail!("{name} Failed: {}", serde_json::to_string_pretty(&mc["status"])?),
+            _ => {}
+        }
+        if start.elapsed() > timeout {
+            bail!("{name} not Ready after {timeout:?}: {}", serde_json::to_string_pretty(&mc["status"])?);
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+fn sha256_file(p: &Path) -> Result<String> {
+    let mut f = std::fs::File::open(p).with_context(|| format!("open {}", p.display()))?;
+    let mut h = Sha256::new();
+    std::io::copy(&mut f, &mut h)?;
+    Ok(hex::encode(h.finalize()))
+}
+
+/// Host directory of a `status.path` (absolute under the Jobs' `/cache` mount, or relative to the PVC root).
+fn host_dir(storage: &Path, status_path: &str) -> PathBuf {
+    storage.join(status_path.trim_start_matches("/cache").trim_start_matches('/'))
+}
+
+/// Tensor bytes of every safetensors file in `dir` (file size − 8 − header length).
+fn tensor_bytes(dir: &Path) -> Result<u64> {
+    let mut total = 0;
+    for e in std::fs::read_dir(dir)? {
+        let p = e?.path();
+        if p.extension().is_some_and(|x| x == "safetensors") {
+            let b = std::fs::read(&p)?;
+            let n = u64::from_le_bytes(b[..8].try_into()?);
+            total += b.len() as u64 - 8 - n;
+        }
+    }
+    Ok(total)
+}
+
+/// The artifact at `dir` is complete: config, shards, index, `.save-complete` whose records match the bytes.
+fn check_artifact(dir: &Path) -> Result<Value> {
+    ensure!(dir.join("config.json").is_file(), "{}: no config.json", dir.display());
+    let sc: Value = serde_json::from_slice(&std::fs::read(dir.join(".save-complete"))?)
+        .context(".save-complete")?;
+    let shards = sc["shards"].as_array().context("shards")?;
+    ensure!(!shards.is_empty(), "no shards recorded");
+    for s in shards {
+        let f = dir.join(s["name"].as_str().context("shard name")?);
+        ensure!(f.metadata()?.len() == s["size_bytes"].as_u64().unwrap_or(0), "{} size", f.display());
+        ensure!(sha256_file(&f)? == s["sha256"].as_str().unwrap_or_default(), "{} sha256", f.display());
+    }
+    let cfg: Value = serde_json::from_slice(&std::fs::read(dir.join("config.json"))?)?;
+    ensure!(cfg["quantization_config"]["quant_method"] == "gptq", "config.json is not a gptq checkpoint");
+    Ok(sc)
+}
+
+fn curl(args: &[&str]) -> Result<Vec<u8>> {
+    let out = Command::new("curl").args(["-sSf", "--max-time", "60"]).args(args).output()?;
+    ensure!(out.status.success(), "curl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    Ok(out.stdout)
+}
+
+/// Pulls `repo:tag` from the registry with plain HTTP (independent of the worker's OCI client), checks it
+/// against the artifact directory byte for byte, and writes the files under `into`.
+fn pull_and_compare(e: &Env, repo: &str, tag: &str, artifact: &Path, into: &Path) -> Result<String> {
+    let url = format!("http://{}/v2/{repo}/manifests/{tag}", e.registry);
+    let manifest = curl(&["-H", "Accept: application/vnd.oci.image.manifest.v1+json", &url])?;
+    let digest = format!("sha256:{}", hex::encode(Sha256::digest(&manifest)));
+    let m: Value = serde_json::from_slice(&manifest)?;
+    let mut titles = BTreeSet::new();
+    for l in m["layers"].as_array().context("layers")? {
+        let title = l["annotations"]["org.opencontainers.image.title"].as_str().context("layer title")?;
+        let d = l["digest"].as_str().context("layer digest")?;
+        let blob = curl(&[&format!("http://{}/v2/{repo}/blobs/{d}", e.registry), "-L"])?;
+        ensure!(format!("sha256:{}", hex::encode(Sha256::digest(&blob))) == d, "{title}: blob digest");
+        let local = std::fs::read(artifact.join(title)).with_context(|| format!("{title} on disk"))?;
+        ensure!(blob == local, "{title}: registry bytes differ from {}", artifact.display());
+        let dst = into.join(title);
+        std::fs::create_dir_all(dst.parent().context("parent")?)?;
+        std::fs::write(&dst, &blob)?;
+        titles.insert(title.to_string());
+    }
+    for f in ["config.json", ".save-complete"] {
+        ensure!(titles.contains(f), "published artifact lacks {f}: {titles:?}");
+    }
+    Ok(digest)
+}
+
+fn check_pods(e: &Env, seen: &Observed, phases: &[&str]) -> Result<()> {
+    let mut ran = BTreeSet::new();
+    for (name, (phase, pod)) in &seen.pods {
+        ensure!(pod["spec"]["nodeName"] == "localhost", "pod {name} ran on {} (not the real node)", pod["spec"]["nodeName"]);
+        ensure!(pod["spec"]["containers"][0]["image"] == e.worker_image.as_str(), "pod {name} image {}", pod["spec"]["containers"][0]["image"]);
+        let cs = &pod["status"]["containerStatuses"][0];
+        if cs["state"]["terminated"]["exitCode"] == 0 {
+            ensure!(cs["imageID"].as_str().is_some_and(|s| !s.is_empty()), "pod {name}: no imageID");
+            ran.insert(phase.clone());
+        }
+    }
+    for p in phases {
+        ensure!(ran.contains(*p), "no pod of phase {p} succeeded on the real node: {:?}", seen.pods.keys());
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn real_pipeline_download_abliterate_quantize_publish_and_serve() -> Result<()> {
+    let e = Env::get()?;
+    let c = client().await;
+    let name = "tiny-full";
+    delete_cache(&c, &e, name).await;
+    let dir = storage(&c, &e, name).await?;
+    profile(&c, &e).await?;
+    let place = e.real_node_placement();
+    let mc = json!({
+        "apiVersion": "ai.flexinfer/v1alpha1", "kind": "ModelCache",
+        "metadata": {"name": name, "namespace": e.ns},
+        "spec": {
+            "source": "flexinfer-demo/tiny-llama", "existingClaimName": name, "modelPath": "tiny-llama",
+            "nodeSelector": place["nodeSelector"], "tolerations": place["tolerations"],
+            "download": {"maxMemoryGB": 1},
+            "abliteration": {"refusalDataset": "flexinfer-demo/refusal", "harmlessDataset": "flexinfer-demo/harmless",
+                             "numSamples": 32, "maxMemoryGB": 2, "useGPU": true},
+            "quantization": {"format": "GPTQ", "bits": 4, "groupSize": 32, "maxMemoryGB": 2, "useGPU": true,
+                             "calibration": {"dataset": "flexinfer-demo/calibration", "maxSamples": 16, "maxSeqLen": 128}},
+            "publish": {"targets": ["oci"], "ociRef": format!("{}/e2e/{name}:v1", e.registry), "insecure": true},
+        },
+    });
+    apply(&c, &mc, None, false).await.context("apply ModelCache")?;
+    let mut seen = Observed::default();
+    let mc = until_ready(&c, &e, name, &mut seen, Duration::from_secs(900)).await?;
+    let st = &mc["status"];
+    check_pods(&e, &seen, &["download", "abliterate", "quantize", "publish"])?;
+
+    // status.path is the complete artifact, and status.quantization describes this run.
+    let path = st["path"].as_str().context("status.path")?;
+    let art = host_dir(&dir, path);
+    ensure!(art.ends_with("tiny-llama/gptq-w4-g32"), "status.path {path}");
+    let sc = check_artifact(&art)?;
+    let q = &st["quantization"];
+    let shard_bytes: u64 = sc["shards"].as_array().into_iter().flatten().filter_map(|s| s["size_bytes"].as_u64()).sum();
+    ensure!(q["compressedSizeBytes"].as_u64() == Some(shard_bytes), "compressedSizeBytes {} vs shards {shard_bytes}", q["compressedSizeBytes"]);
+    let input = tensor_bytes(&dir.join("tiny-llama/abliterated"))?;
+    ensure!(q["originalSizeBytes"].as_u64() == Some(input), "originalSizeBytes {} vs input tensors {input}", q["originalSizeBytes"]);
+    let ratio = q["compressionRatio"].as_f64().context("compressionRatio")?;
+    ensure!((ratio - input as f64 / shard_bytes as f64).abs() < 0.01 * ratio, "ratio {ratio}");
+    let sidecar: Value = serde_json::from_slice(&std::fs::read(art.join(".quantization-quality.json"))?)?;
+    for (k, f) in [("gptqModules", "gptqModules"), ("rtnFallbackModules", "rtnFallbackModules"), ("gate", "gate")] {
+        ensure!(q["quality"][k] == sidecar[f], "status.quantization.quality.{k} {} vs sidecar {}", q["quality"][k], sidecar[f]);
+    }
+    ensure!(st["abliteration"]["layersModified"].as_i64().is_some_and(|n| n > 0), "abliteration status {}", st["abliteration"]);
+
+    // Published: the registry holds exactly these bytes, and the pulled copy validates.
+    let pulled = tempfile::tempdir()?;
+    let digest = pull_and_compare(&e, &format!("e2e/{name}"), "v1", &art, pulled.path())?;
+    ensure!(st["publish"]["ociDigest"] == digest.as_str(), "status.publish.ociDigest {} vs {digest}", st["publish"]["ociDigest"]);
+    let v = Command::new(&e.cli)
+        .args(["quantize", "validate-artifact", &pulled.path().display().to_string()])
+        .output()?;
+    ensure!(v.status.success(), "validate-artifact: {}{}", String::from_utf8_lossy(&v.stdout), String::from_utf8_lossy(&v.stderr));
+
+    // Served: a promoted Model mounts exactly status.path and answers through the stand-in.
+    let model = json!({
+        "apiVersion": "ai.flexinfer/v1alpha2", "kind": "Model",
+        "metadata": {"name": name, "namespace": e.ns, "annotations": {
+            "flexinfer.ai/promotion-gate": "quantized-artifact-v1", "flexinfer.ai/promotion-validation": "passed"}},
+        "spec": {"backend": "vllm", "source": format!("modelcache://{name}"), "image": e.standin_image,
+                 "gpu": {"count": 1, "profile": "e2e-gfx1100"}, "serverless": {"enabled": false},
+                 "resources": {"requests": {"memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+                 "nodeSelector": place["nodeSelector"], "tolerations": place["tolerations"]},
+    });
+    apply(&c, &model, None, false).await.context("apply Model")?;
+    let deps: Api<Deployment> = Api::namespaced(c.clone(), &e.ns);
+    let d = wait_for("the Model's Deployment available", Duration::from_secs(180), || {
+        let deps = deps.clone();
+        async move {
+            let d = deps.get_opt(name).await.ok().flatten()?;
+            (d.status.as_ref()?.available_replicas? >= 1).then_some(d)
+        }
+    })
+    .await?;
+    let dv = serde_json::to_value(&d)?;
+    let pod_spec = &dv["spec"]["template"]["spec"];
+    let vol = pod_spec["volumes"].as_array().into_iter().flatten().find(|v| v["name"] == "model").context("model volume")?;
+    ensure!(vol["persistentVolumeClaim"]["claimName"] == name, "model volume {vol}");
+    let mount = pod_spec["containers"][0]["volumeMounts"].as_array().into_iter().flatten().find(|m| m["name"] == "model").context("model mount")?;
+    ensure!(
+        host_dir(&dir, mount["subPath"].as_str().unwrap_or_default()) == art,
+        "Deployment mounts subPath {} but status.path is {path}", mount["subPath"]
+    );
+    let pods: Api<Pod> = Api::namespaced(c.clone(), &e.ns);
+    let pod = pods.list(&ListParams::default().labels(&format!("flexinfer.ai/model={name}"))).await?
+        .items.into_iter().find(|p| p.metadata.deletion_timestamp.is_none()).context("serving pod")?;
+    let ip = pod.status.and_then(|s| s.pod_ip).context("pod IP")?;
+    let body = json!({"model": name, "prompt": "hello world", "max_tokens": 4}).to_string();
+    let out = curl(&["-H", "Content-Type: application/json", "-d", &body, &format!("http://{ip}:8000/v1/completions")])?;
+    let r: Value = serde_json::from_slice(&out)?;
+    ensure!(r["usage"]["completion_tokens"] == 4 && r["choices"][0]["text"].is_string(), "completion {r}");
+    let m: Api<Model> = Api::namespaced(c.clone(), &e.ns);
+    let mv = serde_json::to_value(m.get(name).await?)?;
+    let gate = mv["status"]["conditions"].as_array().into_iter().flatten().find(|c| c["type"] == "PromotionGate").cloned();
+    ensure!(gate.as_ref().is_some_and(|g| g["status"] == "True"), "PromotionGate {gate:?}");
+    m.delete(name, &DeleteParams::background()).await?;
+    Ok(())
+}
+
+/// GPTQ without abliteration, and the two crashes a long quantization must survive: the controller pod is
+/// killed (the running Job is kept, not restarted) and then the worker container is SIGKILLed (the Job's
+/// retry resumes from the per-layer cache).
+#[tokio::test]
+async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
+    let e = Env::get()?;
+    let c = client().await;
+    let name = "small-kill";
+    delete_cache(&c, &e, name).await;
+    let dir = storage(&c, &e, name).await?;
+    profile(&c, &e).await?;
+    let place = e.real_node_placement();
+    let mc = json!({
+        "apiVersion": "ai.flexinfer/v1alpha1", "kind": "ModelCache",
+        "metadata": {"name": name, "namespace": e.ns},
+        "spec": {
+            "source": "flexinfer-demo/small-llama", "existingClaimName": name, "modelPath": "small-llama",
+            "nodeSelector": place["nodeSelector"], "tolerations": place["tolerations"],
+            "download": {"maxMemoryGB": 1},
+            "quantization": {"format": "GPTQ", "bits": 4, "groupSize": 128, "maxMemoryGB": 4, "useGPU": true,
+                             "calibration": {"dataset": "flexinfer-demo/calibration", "maxSamples": 64, "maxSeqLen": 512}},
+        },
+    });
+    apply(&c, &mc, None, false).await.context("apply ModelCache")?;
+    let mut seen = Observed::default();
+    let manifest = dir.join("small-llama/.flexinfer-gptq-cache/layers/manifest.json");
+    let cached_layers = |m: &Path| -> usize {
+        std::fs::read(m).ok().and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+            .and_then(|v| v["layers"].as_array().map(Vec::len)).unwrap_or(0)
+    };
+    // Quantization under way: at least one layer cached.
+    let start = Instant::now();
+    while cached_layers(&manifest) < 1 {
+        let mc = observe_once(&c, &e, name, &mut seen).await?;
+        ensure!(mc["status"]["phase"] != "Failed", "failed: {}", mc["status"]);
+        ensure!(mc["status"]["phase"] != "Ready", "quantization finished before the kills (model too small)");
+        ensure!(start.elapsed() < Duration::from_secs(600), "no layer cached after 10 min: {}", mc["status"]);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let jobs: Api<Job> = Api::namespaced(c.clone(), &e.ns);
+    let job_name = format!("{name}-quantize");
+    let job = jobs.get(&job_name).await.with_context(|| format!("Job {job_name}"))?;
+    let uid = job.metadata.uid.clone();
+
+    // 1. Kill the controller pod; its replacement adopts the running Job.
+    let cpods: Api<Pod> = Api::namespaced(c.clone(), &e.controller_ns);
+    let sel = ListParams::default().labels("app.kubernetes.io/component=controller");
+    let old: Vec<String> = cpods.list(&sel).await?.items.into_iter().filter_map(|p| p.metadata.name).collect();
+    ensure!(!old.is_empty(), "no controller pod in {}", e.controller_ns);
+    for p in &old {
+        cpods.delete(p, &DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() }).await?;
+    }
+    wait_for("a new controller pod Ready", Duration::from_secs(120), || {
+        let cpods = cpods.clone();
+        let sel = sel.clone();
+        let old = old.clone();
+        async move {
+            let l = cpods.list(&sel).await.ok()?;
+            l.items.iter().any(|p| {
+                !old.contains(p.metadata.name.as_ref().unwrap_or(&String::new()))
+                    && p.status.as_ref().and_then(|s| s.conditions.as_ref()).is_some_and(|cs| {
+                        cs.iter().any(|c| c.type_ == "Ready" && c.status == "True")
+                    })
+            }).then_some(())
+        }
+    })
+    .await?;
+    let after = jobs.get(&job_name).await?;
+    ensure!(after.metadata.uid == uid, "the quantize Job was recreated after the controller restart");
+
+    // 2. SIGKILL the worker container mid-quantization (through the node's containerd).
+    let layers_before = cached_layers(&manifest);
+    let pods: Api<Pod> = Api::namespaced(c.clone(), &e.ns);
+    let qsel = ListParams::default().labels(&format!("flexinfer.ai/cache={name},flexinfer.ai/phase=quantize"));
+    let running = pods.list(&qsel).await?.items.into_iter()
+        .find(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
+        .context("running quantize pod")?;
+    let cid = running.status.as_ref().and_then(|s| s.container_statuses.as_ref())
+        .and_then(|cs| cs.first()).and_then(|c| c.container_id.clone()).context("container id")?;
+    let cid = cid.trim_start_matches("containerd://");
+    let k = Command::new("ctr").args(["--address", &e.containerd, "-n", "k8s.io", "tasks", "kill", "-s", "SIGKILL", cid]).output()?;
+    ensure!(k.status.success(), "ctr kill: {}", String::from_utf8_lossy(&k.stderr));
+    let killed = running.metadata.name.clone().unwrap_or_default();
+    let mc = until_ready(&c, &e, name, &mut seen, Duration::from_secs(900)).await?;
+    ensure!(layers_before < 12, "the kill came after the last layer ({layers_before} cached)");
+    let (_, kp) = seen.pods.get(&killed).context("killed pod observed")?;
+    let code = kp["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"].as_i64();
+    ensure!(code == Some(137), "killed worker exit code {code:?}");
+    let retry = seen.pods.iter().find(|(n, (ph, p))| *n != &killed && ph == "quantize"
+        && p["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0)
+        .map(|(n, _)| n.clone()).context("a retried quantize pod that succeeded")?;
+    let logs = Command::new("kubectl").args(["logs", "-n", &e.ns, &retry]).output()?;
+    let logs = String::from_utf8_lossy(&logs.stdout);
+    let resumed = logs.lines().filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|v| v["event"] == "quantization_resume_loaded").context("no quantization_resume_loaded event in the retry's log")?;
+    ensure!(resumed["layers"].as_u64().is_some_and(|n| n as usize >= layers_before), "resumed {resumed}");
+
+    // The retry ran inside the same Job: neither crash made the controller replace it.
+    ensure!(jobs.get(&job_name).await?.metadata.uid == uid, "the quantize Job was replaced");
+    check_pods(&e, &seen, &["download", "quantize"])?;
+    let art = host_dir(&dir, mc["status"]["path"].as_str().context("status.path")?);
+    ensure!(art.ends_with("small-llama/gptq-w4-g128"), "status.path {}", art.display());
+    check_artifact(&art)?;
+    // Progress advanced through values the worker reported while quantizing.
+    let mid: BTreeSet<i64> = seen.progress.iter().filter(|(p, v)| p == "quantization" && *v > 0 && *v < 100).map(|(_, v)| *v).collect();
+    ensure!(mid.len() >= 2, "intermediate quantize progress values {mid:?} (all: {:?})", seen.progress);
+    Ok(())
+}
