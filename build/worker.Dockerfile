@@ -34,10 +34,11 @@ RUN cargo build --release --locked -p flexinfer-worker \
 
 # Last stage: the default target.
 FROM ${BASE} AS runtime
-SHELL ["/bin/sh", "-ec"]
 # ca-certificates for HTTPS downloads (Hugging Face, S3); the nonroot user 65532 like distroless.
-# Both tolerate bases that already have them.
-RUN if command -v apt-get >/dev/null; then \
+# Both tolerate bases that already have them. (`set -e` in the command, not SHELL: buildah ignores
+# SHELL for OCI-format images.)
+RUN set -e; \
+    if command -v apt-get >/dev/null; then \
       apt-get update && apt-get install -y --no-install-recommends ca-certificates \
       && rm -rf /var/lib/apt/lists/*; \
     fi; \
