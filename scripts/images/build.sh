@@ -95,6 +95,21 @@ base=$(bash "$here/base.sh")
 base_id=$(bah inspect --type image --format '{{.FromImageID}}' "$base")
 t_step[base]=$(($(date +%s) - t0))
 
+# sha256 of a binary, remembered by path, size, mtime and inode (hashing ~600 MB of dev binaries
+# would otherwise be most of a run where nothing changed).
+hash_cache=$FLEXINFER_IMAGES_CACHE/.bin-sha256
+bin_sha256() {
+  local stamp h
+  stamp="$1 $(stat -c '%s %Y %i' "$1")"
+  h=$(awk -v s="$stamp" 'substr($0, 1, length(s) + 1) == s " " { print $NF }' "$hash_cache" 2>/dev/null | tail -1)
+  if [[ -z $h ]]; then
+    h=$(images_sha256 < "$1")
+    { grep -v "^$1 " "$hash_cache" 2>/dev/null || true; echo "$stamp $h"; } > "$hash_cache.new"
+    mv "$hash_cache.new" "$hash_cache"
+  fi
+  echo "$h"
+}
+
 summary=()
 for img in "${images[@]}"; do
   t0=$(date +%s)
@@ -107,7 +122,7 @@ for img in "${images[@]}"; do
       echo "script $(cat "$here/build.sh" "$here/lib.sh" | images_sha256)"
       echo "base $base $base_id"
       echo "epoch $SOURCE_DATE_EPOCH strip $strip ref $ref"
-      for b in ${files[$img]}; do echo "bin $b $(images_sha256 < "$bin_dir/$b")"; done
+      for b in ${files[$img]}; do echo "bin $b $(bin_sha256 "$bin_dir/$b")"; done
     } | images_sha256
   )
   if [[ -s $archive && -f $archive.info && -f $archive.key && $(cat "$archive.key") == "$key" ]]; then
