@@ -118,11 +118,11 @@ fi
 
 say "the artifact"
 "$E2E_CLI" -n "$NS" quantize status "$CACHE"
-ART=$DATA/$(kubectl get modelcache -n "$NS" "$CACHE" -o jsonpath='{.status.path}' | sed 's#^/cache/##')
+ART=$DATA/$(kubectl get modelcache -n "$NS" "$CACHE" -o jsonpath='{.status.path}' | sed 's#^[^:]*:##')   # status.path is <claim>:<path>
 echo "status.path on the node: $ART"; ls -la "$ART"
 echo "quality sidecar:"; cat "$ART/.quantization-quality.json"; echo
 echo "published: $(kubectl get modelcache -n "$NS" "$CACHE" -o jsonpath='{.status.publish.ociDigest}') at $TESTENV_REGISTRY/demo/$CACHE:v1"
-"$E2E_CLI" quantize validate-artifact "$ART"
+"$E2E_CLI" quantize validate-artifact --path "$ART"
 
 say "a gated canary Model for the artifact"
 kubectl apply -f - <<YAML

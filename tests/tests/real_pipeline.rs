@@ -174,20 +174,20 @@ fn sha256_file(p: &Path) -> Result<String> {
     Ok(hex::encode(h.finalize()))
 }
 
-/// Host directory of a `status.path` (absolute under the Jobs' `/cache` mount, or relative to the PVC root).
+/// Host directory of a `status.path` (`<claim>:<path in the claim>`) or of a mount's subPath (a path in the
+/// claim), for a claim backed by `storage`.
 fn host_dir(storage: &Path, status_path: &str) -> PathBuf {
-    storage.join(status_path.trim_start_matches("/cache").trim_start_matches('/'))
+    let rel = status_path.split_once(':').map_or(status_path, |(_, p)| p);
+    storage.join(rel.trim_start_matches('/'))
 }
 
-/// Tensor bytes of every safetensors file in `dir` (file size − 8 − header length).
-fn tensor_bytes(dir: &Path) -> Result<u64> {
+/// Bytes of the safetensors files in `dir` (what the engine reports as the original size).
+fn safetensors_bytes(dir: &Path) -> Result<u64> {
     let mut total = 0;
     for e in std::fs::read_dir(dir)? {
         let p = e?.path();
         if p.extension().is_some_and(|x| x == "safetensors") {
-            let b = std::fs::read(&p)?;
-            let n = u64::from_le_bytes(b[..8].try_into()?);
-            total += b.len() as u64 - 8 - n;
+            total += p.metadata()?.len();
         }
     }
     Ok(total)
@@ -290,14 +290,14 @@ async fn real_pipeline_download_abliterate_quantize_publish_and_serve() -> Resul
 
     // status.path is the complete artifact, and status.quantization describes this run.
     let path = st["path"].as_str().context("status.path")?;
+    ensure!(path == format!("{name}:tiny-llama/gptq-w4-g32"), "status.path {path}");
     let art = host_dir(&dir, path);
-    ensure!(art.ends_with("tiny-llama/gptq-w4-g32"), "status.path {path}");
     let sc = check_artifact(&art)?;
     let q = &st["quantization"];
     let shard_bytes: u64 = sc["shards"].as_array().into_iter().flatten().filter_map(|s| s["size_bytes"].as_u64()).sum();
     ensure!(q["compressedSizeBytes"].as_u64() == Some(shard_bytes), "compressedSizeBytes {} vs shards {shard_bytes}", q["compressedSizeBytes"]);
-    let input = tensor_bytes(&dir.join("tiny-llama/abliterated"))?;
-    ensure!(q["originalSizeBytes"].as_u64() == Some(input), "originalSizeBytes {} vs input tensors {input}", q["originalSizeBytes"]);
+    let input = safetensors_bytes(&dir.join("tiny-llama/abliterated"))?;
+    ensure!(q["originalSizeBytes"].as_u64() == Some(input), "originalSizeBytes {} vs the abliterated input's shards {input}", q["originalSizeBytes"]);
     let ratio = q["compressionRatio"].as_f64().context("compressionRatio")?;
     ensure!((ratio - input as f64 / shard_bytes as f64).abs() < 0.01 * ratio, "ratio {ratio}");
     let sidecar: Value = serde_json::from_slice(&std::fs::read(art.join(".quantization-quality.json"))?)?;
@@ -311,7 +311,7 @@ async fn real_pipeline_download_abliterate_quantize_publish_and_serve() -> Resul
     let digest = pull_and_compare(&e, &format!("e2e/{name}"), "v1", &art, pulled.path())?;
     ensure!(st["publish"]["ociDigest"] == digest.as_str(), "status.publish.ociDigest {} vs {digest}", st["publish"]["ociDigest"]);
     let v = Command::new(&e.cli)
-        .args(["quantize", "validate-artifact", &pulled.path().display().to_string()])
+        .args(["quantize", "validate-artifact", "--path", &pulled.path().display().to_string()])
         .output()?;
     ensure!(v.status.success(), "validate-artifact: {}{}", String::from_utf8_lossy(&v.stdout), String::from_utf8_lossy(&v.stderr));
 
@@ -460,8 +460,9 @@ async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
     // The retry ran inside the same Job: neither crash made the controller replace it.
     ensure!(jobs.get(&job_name).await?.metadata.uid == uid, "the quantize Job was replaced");
     check_pods(&e, &seen, &["download", "quantize"])?;
-    let art = host_dir(&dir, mc["status"]["path"].as_str().context("status.path")?);
-    ensure!(art.ends_with("small-llama/gptq-w4-g128"), "status.path {}", art.display());
+    let path = mc["status"]["path"].as_str().context("status.path")?;
+    ensure!(path == format!("{name}:small-llama/gptq-w4-g128"), "status.path {path}");
+    let art = host_dir(&dir, path);
     check_artifact(&art)?;
     // Progress advanced through values the worker reported while quantizing.
     let mid: BTreeSet<i64> = seen.progress.iter().filter(|(p, v)| p == "quantization" && *v > 0 && *v < 100).map(|(_, v)| *v).collect();
