@@ -71,7 +71,9 @@ async fn storage(c: &Client, e: &Env, name: &str) -> Result<PathBuf> {
         std::fs::remove_dir_all(&dir).with_context(|| format!("clear {}", dir.display()))?;
     }
     std::fs::create_dir_all(&dir)?;
-    let ok = Command::new("chown").args(["65532:65532", &dir.display().to_string()]).status()?;
+    let ok = Command::new("chown")
+        .args(["65532:65532", &dir.display().to_string()])
+        .status()?;
     ensure!(ok.success(), "chown {}", dir.display());
     let pv = json!({
         "apiVersion": "v1", "kind": "PersistentVolume",
@@ -102,7 +104,9 @@ async fn profile(c: &Client, e: &Env) -> Result<()> {
                  "quantization": {"images": {"GPTQ": e.worker_image}},
                  "runtime": {"images": {"vllm": e.standin_image}}},
     });
-    apply(c, &p, None, false).await.context("apply GPUProfile")?;
+    apply(c, &p, None, false)
+        .await
+        .context("apply GPUProfile")?;
     Ok(())
 }
 
@@ -111,7 +115,14 @@ async fn delete_cache(c: &Client, e: &Env, name: &str) {
     let _ = api.delete(name, &DeleteParams::foreground()).await;
     let _ = wait_for("old ModelCache gone", Duration::from_secs(60), || {
         let api = api.clone();
-        async move { api.get_opt(name).await.ok().flatten().is_none().then_some(()) }
+        async move {
+            api.get_opt(name)
+                .await
+                .ok()
+                .flatten()
+                .is_none()
+                .then_some(())
+        }
     })
     .await;
 }
@@ -140,7 +151,10 @@ async fn observe_once(c: &Client, e: &Env, name: &str, seen: &mut Observed) -> R
         .await?
     {
         let v = serde_json::to_value(&pod)?;
-        let n = v["metadata"]["name"].as_str().unwrap_or_default().to_string();
+        let n = v["metadata"]["name"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
         let phase = v["metadata"]["labels"]["flexinfer.ai/phase"]
             .as_str()
             .unwrap_or_default()
@@ -151,17 +165,29 @@ async fn observe_once(c: &Client, e: &Env, name: &str, seen: &mut Observed) -> R
 }
 
 /// Polls until `status.phase` is Ready (Failed is an error naming the status).
-async fn until_ready(c: &Client, e: &Env, name: &str, seen: &mut Observed, timeout: Duration) -> Result<Value> {
+async fn until_ready(
+    c: &Client,
+    e: &Env,
+    name: &str,
+    seen: &mut Observed,
+    timeout: Duration,
+) -> Result<Value> {
     let start = Instant::now();
     loop {
         let mc = observe_once(c, e, name, seen).await?;
         match mc["status"]["phase"].as_str() {
             Some("Ready") => return Ok(mc),
-            Some("Failed") => bail!("{name} Failed: {}", serde_json::to_string_pretty(&mc["status"])?),
+            Some("Failed") => bail!(
+                "{name} Failed: {}",
+                serde_json::to_string_pretty(&mc["status"])?
+            ),
             _ => {}
         }
         if start.elapsed() > timeout {
-            bail!("{name} not Ready after {timeout:?}: {}", serde_json::to_string_pretty(&mc["status"])?);
+            bail!(
+                "{name} not Ready after {timeout:?}: {}",
+                serde_json::to_string_pretty(&mc["status"])?
+            );
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
@@ -195,49 +221,94 @@ fn safetensors_bytes(dir: &Path) -> Result<u64> {
 
 /// The artifact at `dir` is complete: config, shards, index, `.save-complete` whose records match the bytes.
 fn check_artifact(dir: &Path) -> Result<Value> {
-    ensure!(dir.join("config.json").is_file(), "{}: no config.json", dir.display());
+    ensure!(
+        dir.join("config.json").is_file(),
+        "{}: no config.json",
+        dir.display()
+    );
     let sc: Value = serde_json::from_slice(&std::fs::read(dir.join(".save-complete"))?)
         .context(".save-complete")?;
     let shards = sc["shards"].as_array().context("shards")?;
     ensure!(!shards.is_empty(), "no shards recorded");
     for s in shards {
         let f = dir.join(s["name"].as_str().context("shard name")?);
-        ensure!(f.metadata()?.len() == s["size_bytes"].as_u64().unwrap_or(0), "{} size", f.display());
-        ensure!(sha256_file(&f)? == s["sha256"].as_str().unwrap_or_default(), "{} sha256", f.display());
+        ensure!(
+            f.metadata()?.len() == s["size_bytes"].as_u64().unwrap_or(0),
+            "{} size",
+            f.display()
+        );
+        ensure!(
+            sha256_file(&f)? == s["sha256"].as_str().unwrap_or_default(),
+            "{} sha256",
+            f.display()
+        );
     }
     let cfg: Value = serde_json::from_slice(&std::fs::read(dir.join("config.json"))?)?;
-    ensure!(cfg["quantization_config"]["quant_method"] == "gptq", "config.json is not a gptq checkpoint");
+    ensure!(
+        cfg["quantization_config"]["quant_method"] == "gptq",
+        "config.json is not a gptq checkpoint"
+    );
     Ok(sc)
 }
 
 fn curl(args: &[&str]) -> Result<Vec<u8>> {
-    let out = Command::new("curl").args(["-sSf", "--max-time", "60"]).args(args).output()?;
-    ensure!(out.status.success(), "curl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new("curl")
+        .args(["-sSf", "--max-time", "60"])
+        .args(args)
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "curl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     Ok(out.stdout)
 }
 
 /// Pulls `repo:tag` from the registry with plain HTTP (independent of the worker's OCI client), checks it
 /// against the artifact directory byte for byte, and writes the files under `into`.
-fn pull_and_compare(e: &Env, repo: &str, tag: &str, artifact: &Path, into: &Path) -> Result<String> {
+fn pull_and_compare(
+    e: &Env,
+    repo: &str,
+    tag: &str,
+    artifact: &Path,
+    into: &Path,
+) -> Result<String> {
     let url = format!("http://{}/v2/{repo}/manifests/{tag}", e.registry);
-    let manifest = curl(&["-H", "Accept: application/vnd.oci.image.manifest.v1+json", &url])?;
+    let manifest = curl(&[
+        "-H",
+        "Accept: application/vnd.oci.image.manifest.v1+json",
+        &url,
+    ])?;
     let digest = format!("sha256:{}", hex::encode(Sha256::digest(&manifest)));
     let m: Value = serde_json::from_slice(&manifest)?;
     let mut titles = BTreeSet::new();
     for l in m["layers"].as_array().context("layers")? {
-        let title = l["annotations"]["org.opencontainers.image.title"].as_str().context("layer title")?;
+        let title = l["annotations"]["org.opencontainers.image.title"]
+            .as_str()
+            .context("layer title")?;
         let d = l["digest"].as_str().context("layer digest")?;
         let blob = curl(&[&format!("http://{}/v2/{repo}/blobs/{d}", e.registry), "-L"])?;
-        ensure!(format!("sha256:{}", hex::encode(Sha256::digest(&blob))) == d, "{title}: blob digest");
-        let local = std::fs::read(artifact.join(title)).with_context(|| format!("{title} on disk"))?;
-        ensure!(blob == local, "{title}: registry bytes differ from {}", artifact.display());
+        ensure!(
+            format!("sha256:{}", hex::encode(Sha256::digest(&blob))) == d,
+            "{title}: blob digest"
+        );
+        let local =
+            std::fs::read(artifact.join(title)).with_context(|| format!("{title} on disk"))?;
+        ensure!(
+            blob == local,
+            "{title}: registry bytes differ from {}",
+            artifact.display()
+        );
         let dst = into.join(title);
         std::fs::create_dir_all(dst.parent().context("parent")?)?;
         std::fs::write(&dst, &blob)?;
         titles.insert(title.to_string());
     }
     for f in ["config.json", ".save-complete"] {
-        ensure!(titles.contains(f), "published artifact lacks {f}: {titles:?}");
+        ensure!(
+            titles.contains(f),
+            "published artifact lacks {f}: {titles:?}"
+        );
     }
     Ok(digest)
 }
@@ -245,16 +316,31 @@ fn pull_and_compare(e: &Env, repo: &str, tag: &str, artifact: &Path, into: &Path
 fn check_pods(e: &Env, seen: &Observed, phases: &[&str]) -> Result<()> {
     let mut ran = BTreeSet::new();
     for (name, (phase, pod)) in &seen.pods {
-        ensure!(pod["spec"]["nodeName"] == "localhost", "pod {name} ran on {} (not the real node)", pod["spec"]["nodeName"]);
-        ensure!(pod["spec"]["containers"][0]["image"] == e.worker_image.as_str(), "pod {name} image {}", pod["spec"]["containers"][0]["image"]);
+        ensure!(
+            pod["spec"]["nodeName"] == "localhost",
+            "pod {name} ran on {} (not the real node)",
+            pod["spec"]["nodeName"]
+        );
+        ensure!(
+            pod["spec"]["containers"][0]["image"] == e.worker_image.as_str(),
+            "pod {name} image {}",
+            pod["spec"]["containers"][0]["image"]
+        );
         let cs = &pod["status"]["containerStatuses"][0];
         if cs["state"]["terminated"]["exitCode"] == 0 {
-            ensure!(cs["imageID"].as_str().is_some_and(|s| !s.is_empty()), "pod {name}: no imageID");
+            ensure!(
+                cs["imageID"].as_str().is_some_and(|s| !s.is_empty()),
+                "pod {name}: no imageID"
+            );
             ran.insert(phase.clone());
         }
     }
     for p in phases {
-        ensure!(ran.contains(*p), "no pod of phase {p} succeeded on the real node: {:?}", seen.pods.keys());
+        ensure!(
+            ran.contains(*p),
+            "no pod of phase {p} succeeded on the real node: {:?}",
+            seen.pods.keys()
+        );
     }
     Ok(())
 }
@@ -282,38 +368,93 @@ async fn real_pipeline_download_abliterate_quantize_publish_and_serve() -> Resul
             "publish": {"targets": ["oci"], "ociRef": format!("{}/e2e/{name}:v1", e.registry), "insecure": true},
         },
     });
-    apply(&c, &mc, None, false).await.context("apply ModelCache")?;
+    apply(&c, &mc, None, false)
+        .await
+        .context("apply ModelCache")?;
     let mut seen = Observed::default();
     let mc = until_ready(&c, &e, name, &mut seen, Duration::from_secs(900)).await?;
     let st = &mc["status"];
-    check_pods(&e, &seen, &["download", "abliterate", "quantize", "publish"])?;
+    check_pods(
+        &e,
+        &seen,
+        &["download", "abliterate", "quantize", "publish"],
+    )?;
 
     // status.path is the complete artifact, and status.quantization describes this run.
     let path = st["path"].as_str().context("status.path")?;
-    ensure!(path == format!("{name}:tiny-llama/gptq-w4-g32"), "status.path {path}");
+    ensure!(
+        path == format!("{name}:tiny-llama/gptq-w4-g32"),
+        "status.path {path}"
+    );
     let art = host_dir(&dir, path);
     let sc = check_artifact(&art)?;
     let q = &st["quantization"];
-    let shard_bytes: u64 = sc["shards"].as_array().into_iter().flatten().filter_map(|s| s["size_bytes"].as_u64()).sum();
-    ensure!(q["compressedSizeBytes"].as_u64() == Some(shard_bytes), "compressedSizeBytes {} vs shards {shard_bytes}", q["compressedSizeBytes"]);
+    let shard_bytes: u64 = sc["shards"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|s| s["size_bytes"].as_u64())
+        .sum();
+    ensure!(
+        q["compressedSizeBytes"].as_u64() == Some(shard_bytes),
+        "compressedSizeBytes {} vs shards {shard_bytes}",
+        q["compressedSizeBytes"]
+    );
     let input = safetensors_bytes(&dir.join("tiny-llama/abliterated"))?;
-    ensure!(q["originalSizeBytes"].as_u64() == Some(input), "originalSizeBytes {} vs the abliterated input's shards {input}", q["originalSizeBytes"]);
+    ensure!(
+        q["originalSizeBytes"].as_u64() == Some(input),
+        "originalSizeBytes {} vs the abliterated input's shards {input}",
+        q["originalSizeBytes"]
+    );
     let ratio = q["compressionRatio"].as_f64().context("compressionRatio")?;
-    ensure!((ratio - input as f64 / shard_bytes as f64).abs() < 0.01 * ratio, "ratio {ratio}");
-    let sidecar: Value = serde_json::from_slice(&std::fs::read(art.join(".quantization-quality.json"))?)?;
-    for (k, f) in [("gptqModules", "gptqModules"), ("rtnFallbackModules", "rtnFallbackModules"), ("gate", "gate")] {
-        ensure!(q["quality"][k] == sidecar[f], "status.quantization.quality.{k} {} vs sidecar {}", q["quality"][k], sidecar[f]);
+    ensure!(
+        (ratio - input as f64 / shard_bytes as f64).abs() < 0.01 * ratio,
+        "ratio {ratio}"
+    );
+    let sidecar: Value =
+        serde_json::from_slice(&std::fs::read(art.join(".quantization-quality.json"))?)?;
+    for (k, f) in [
+        ("gptqModules", "gptqModules"),
+        ("rtnFallbackModules", "rtnFallbackModules"),
+        ("gate", "gate"),
+    ] {
+        ensure!(
+            q["quality"][k] == sidecar[f],
+            "status.quantization.quality.{k} {} vs sidecar {}",
+            q["quality"][k],
+            sidecar[f]
+        );
     }
-    ensure!(st["abliteration"]["layersModified"].as_i64().is_some_and(|n| n > 0), "abliteration status {}", st["abliteration"]);
+    ensure!(
+        st["abliteration"]["layersModified"]
+            .as_i64()
+            .is_some_and(|n| n > 0),
+        "abliteration status {}",
+        st["abliteration"]
+    );
 
     // Published: the registry holds exactly these bytes, and the pulled copy validates.
     let pulled = tempfile::tempdir()?;
     let digest = pull_and_compare(&e, &format!("e2e/{name}"), "v1", &art, pulled.path())?;
-    ensure!(st["publish"]["ociDigest"] == digest.as_str(), "status.publish.ociDigest {} vs {digest}", st["publish"]["ociDigest"]);
+    ensure!(
+        st["publish"]["ociDigest"] == digest.as_str(),
+        "status.publish.ociDigest {} vs {digest}",
+        st["publish"]["ociDigest"]
+    );
     let v = Command::new(&e.cli)
-        .args(["quantize", "validate-artifact", "--path", &pulled.path().display().to_string()])
+        .args([
+            "quantize",
+            "validate-artifact",
+            "--path",
+            &pulled.path().display().to_string(),
+        ])
         .output()?;
-    ensure!(v.status.success(), "validate-artifact: {}{}", String::from_utf8_lossy(&v.stdout), String::from_utf8_lossy(&v.stderr));
+    ensure!(
+        v.status.success(),
+        "validate-artifact: {}{}",
+        String::from_utf8_lossy(&v.stdout),
+        String::from_utf8_lossy(&v.stderr)
+    );
 
     // Served: a promoted Model mounts exactly status.path and answers through the stand-in.
     let model = json!({
@@ -325,37 +466,79 @@ async fn real_pipeline_download_abliterate_quantize_publish_and_serve() -> Resul
                  "resources": {"requests": {"memory": "256Mi"}, "limits": {"memory": "1Gi"}},
                  "nodeSelector": place["nodeSelector"], "tolerations": place["tolerations"]},
     });
-    apply(&c, &model, None, false).await.context("apply Model")?;
+    apply(&c, &model, None, false)
+        .await
+        .context("apply Model")?;
     let deps: Api<Deployment> = Api::namespaced(c.clone(), &e.ns);
-    let d = wait_for("the Model's Deployment available", Duration::from_secs(180), || {
-        let deps = deps.clone();
-        async move {
-            let d = deps.get_opt(name).await.ok().flatten()?;
-            (d.status.as_ref()?.available_replicas? >= 1).then_some(d)
-        }
-    })
+    let d = wait_for(
+        "the Model's Deployment available",
+        Duration::from_secs(180),
+        || {
+            let deps = deps.clone();
+            async move {
+                let d = deps.get_opt(name).await.ok().flatten()?;
+                (d.status.as_ref()?.available_replicas? >= 1).then_some(d)
+            }
+        },
+    )
     .await?;
     let dv = serde_json::to_value(&d)?;
     let pod_spec = &dv["spec"]["template"]["spec"];
-    let vol = pod_spec["volumes"].as_array().into_iter().flatten().find(|v| v["name"] == "model").context("model volume")?;
-    ensure!(vol["persistentVolumeClaim"]["claimName"] == name, "model volume {vol}");
-    let mount = pod_spec["containers"][0]["volumeMounts"].as_array().into_iter().flatten().find(|m| m["name"] == "model").context("model mount")?;
+    let vol = pod_spec["volumes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|v| v["name"] == "model")
+        .context("model volume")?;
+    ensure!(
+        vol["persistentVolumeClaim"]["claimName"] == name,
+        "model volume {vol}"
+    );
+    let mount = pod_spec["containers"][0]["volumeMounts"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|m| m["name"] == "model")
+        .context("model mount")?;
     ensure!(
         host_dir(&dir, mount["subPath"].as_str().unwrap_or_default()) == art,
-        "Deployment mounts subPath {} but status.path is {path}", mount["subPath"]
+        "Deployment mounts subPath {} but status.path is {path}",
+        mount["subPath"]
     );
     let pods: Api<Pod> = Api::namespaced(c.clone(), &e.ns);
-    let pod = pods.list(&ListParams::default().labels(&format!("flexinfer.ai/model={name}"))).await?
-        .items.into_iter().find(|p| p.metadata.deletion_timestamp.is_none()).context("serving pod")?;
+    let pod = pods
+        .list(&ListParams::default().labels(&format!("flexinfer.ai/model={name}")))
+        .await?
+        .items
+        .into_iter()
+        .find(|p| p.metadata.deletion_timestamp.is_none())
+        .context("serving pod")?;
     let ip = pod.status.and_then(|s| s.pod_ip).context("pod IP")?;
     let body = json!({"model": name, "prompt": "hello world", "max_tokens": 4}).to_string();
-    let out = curl(&["-H", "Content-Type: application/json", "-d", &body, &format!("http://{ip}:8000/v1/completions")])?;
+    let out = curl(&[
+        "-H",
+        "Content-Type: application/json",
+        "-d",
+        &body,
+        &format!("http://{ip}:8000/v1/completions"),
+    ])?;
     let r: Value = serde_json::from_slice(&out)?;
-    ensure!(r["usage"]["completion_tokens"] == 4 && r["choices"][0]["text"].is_string(), "completion {r}");
+    ensure!(
+        r["usage"]["completion_tokens"] == 4 && r["choices"][0]["text"].is_string(),
+        "completion {r}"
+    );
     let m: Api<Model> = Api::namespaced(c.clone(), &e.ns);
     let mv = serde_json::to_value(m.get(name).await?)?;
-    let gate = mv["status"]["conditions"].as_array().into_iter().flatten().find(|c| c["type"] == "PromotionGate").cloned();
-    ensure!(gate.as_ref().is_some_and(|g| g["status"] == "True"), "PromotionGate {gate:?}");
+    let gate = mv["status"]["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|c| c["type"] == "PromotionGate")
+        .cloned();
+    ensure!(
+        gate.as_ref().is_some_and(|g| g["status"] == "True"),
+        "PromotionGate {gate:?}"
+    );
     m.delete(name, &DeleteParams::background()).await?;
     Ok(())
 }
@@ -383,89 +566,197 @@ async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
                              "calibration": {"dataset": "flexinfer-demo/calibration", "maxSamples": 64, "maxSeqLen": 512}},
         },
     });
-    apply(&c, &mc, None, false).await.context("apply ModelCache")?;
+    apply(&c, &mc, None, false)
+        .await
+        .context("apply ModelCache")?;
     let mut seen = Observed::default();
     let manifest = dir.join("small-llama/.flexinfer-gptq-cache/layers/manifest.json");
     let cached_layers = |m: &Path| -> usize {
-        std::fs::read(m).ok().and_then(|b| serde_json::from_slice::<Value>(&b).ok())
-            .and_then(|v| v["layers"].as_array().map(Vec::len)).unwrap_or(0)
+        std::fs::read(m)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+            .and_then(|v| v["layers"].as_array().map(Vec::len))
+            .unwrap_or(0)
     };
     // Quantization under way: at least one layer cached.
     let start = Instant::now();
     while cached_layers(&manifest) < 1 {
         let mc = observe_once(&c, &e, name, &mut seen).await?;
-        ensure!(mc["status"]["phase"] != "Failed", "failed: {}", mc["status"]);
-        ensure!(mc["status"]["phase"] != "Ready", "quantization finished before the kills (model too small)");
-        ensure!(start.elapsed() < Duration::from_secs(600), "no layer cached after 10 min: {}", mc["status"]);
+        ensure!(
+            mc["status"]["phase"] != "Failed",
+            "failed: {}",
+            mc["status"]
+        );
+        ensure!(
+            mc["status"]["phase"] != "Ready",
+            "quantization finished before the kills (model too small)"
+        );
+        ensure!(
+            start.elapsed() < Duration::from_secs(600),
+            "no layer cached after 10 min: {}",
+            mc["status"]
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let jobs: Api<Job> = Api::namespaced(c.clone(), &e.ns);
     let job_name = format!("{name}-quantize");
-    let job = jobs.get(&job_name).await.with_context(|| format!("Job {job_name}"))?;
+    let job = jobs
+        .get(&job_name)
+        .await
+        .with_context(|| format!("Job {job_name}"))?;
     let uid = job.metadata.uid.clone();
 
     // 1. Kill the controller pod; its replacement adopts the running Job.
     let cpods: Api<Pod> = Api::namespaced(c.clone(), &e.controller_ns);
     let sel = ListParams::default().labels("app.kubernetes.io/component=controller");
-    let old: Vec<String> = cpods.list(&sel).await?.items.into_iter().filter_map(|p| p.metadata.name).collect();
+    let old: Vec<String> = cpods
+        .list(&sel)
+        .await?
+        .items
+        .into_iter()
+        .filter_map(|p| p.metadata.name)
+        .collect();
     ensure!(!old.is_empty(), "no controller pod in {}", e.controller_ns);
     for p in &old {
-        cpods.delete(p, &DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() }).await?;
+        cpods
+            .delete(
+                p,
+                &DeleteParams {
+                    grace_period_seconds: Some(0),
+                    ..DeleteParams::default()
+                },
+            )
+            .await?;
     }
-    wait_for("a new controller pod Ready", Duration::from_secs(120), || {
-        let cpods = cpods.clone();
-        let sel = sel.clone();
-        let old = old.clone();
-        async move {
-            let l = cpods.list(&sel).await.ok()?;
-            l.items.iter().any(|p| {
-                !old.contains(p.metadata.name.as_ref().unwrap_or(&String::new()))
-                    && p.status.as_ref().and_then(|s| s.conditions.as_ref()).is_some_and(|cs| {
-                        cs.iter().any(|c| c.type_ == "Ready" && c.status == "True")
+    wait_for(
+        "a new controller pod Ready",
+        Duration::from_secs(120),
+        || {
+            let cpods = cpods.clone();
+            let sel = sel.clone();
+            let old = old.clone();
+            async move {
+                let l = cpods.list(&sel).await.ok()?;
+                l.items
+                    .iter()
+                    .any(|p| {
+                        !old.contains(p.metadata.name.as_ref().unwrap_or(&String::new()))
+                            && p.status
+                                .as_ref()
+                                .and_then(|s| s.conditions.as_ref())
+                                .is_some_and(|cs| {
+                                    cs.iter().any(|c| c.type_ == "Ready" && c.status == "True")
+                                })
                     })
-            }).then_some(())
-        }
-    })
+                    .then_some(())
+            }
+        },
+    )
     .await?;
     let after = jobs.get(&job_name).await?;
-    ensure!(after.metadata.uid == uid, "the quantize Job was recreated after the controller restart");
+    ensure!(
+        after.metadata.uid == uid,
+        "the quantize Job was recreated after the controller restart"
+    );
 
     // 2. SIGKILL the worker container mid-quantization (through the node's containerd).
     let layers_before = cached_layers(&manifest);
     let pods: Api<Pod> = Api::namespaced(c.clone(), &e.ns);
-    let qsel = ListParams::default().labels(&format!("flexinfer.ai/cache={name},flexinfer.ai/phase=quantize"));
-    let running = pods.list(&qsel).await?.items.into_iter()
+    let qsel = ListParams::default().labels(&format!(
+        "flexinfer.ai/cache={name},flexinfer.ai/phase=quantize"
+    ));
+    let running = pods
+        .list(&qsel)
+        .await?
+        .items
+        .into_iter()
         .find(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
         .context("running quantize pod")?;
-    let cid = running.status.as_ref().and_then(|s| s.container_statuses.as_ref())
-        .and_then(|cs| cs.first()).and_then(|c| c.container_id.clone()).context("container id")?;
+    let cid = running
+        .status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|cs| cs.first())
+        .and_then(|c| c.container_id.clone())
+        .context("container id")?;
     let cid = cid.trim_start_matches("containerd://");
-    let k = Command::new("ctr").args(["--address", &e.containerd, "-n", "k8s.io", "tasks", "kill", "-s", "SIGKILL", cid]).output()?;
-    ensure!(k.status.success(), "ctr kill: {}", String::from_utf8_lossy(&k.stderr));
+    let k = Command::new("ctr")
+        .args([
+            "--address",
+            &e.containerd,
+            "-n",
+            "k8s.io",
+            "tasks",
+            "kill",
+            "-s",
+            "SIGKILL",
+            cid,
+        ])
+        .output()?;
+    ensure!(
+        k.status.success(),
+        "ctr kill: {}",
+        String::from_utf8_lossy(&k.stderr)
+    );
     let killed = running.metadata.name.clone().unwrap_or_default();
     let mc = until_ready(&c, &e, name, &mut seen, Duration::from_secs(900)).await?;
-    ensure!(layers_before < 12, "the kill came after the last layer ({layers_before} cached)");
+    ensure!(
+        layers_before < 12,
+        "the kill came after the last layer ({layers_before} cached)"
+    );
     let (_, kp) = seen.pods.get(&killed).context("killed pod observed")?;
     let code = kp["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"].as_i64();
     ensure!(code == Some(137), "killed worker exit code {code:?}");
-    let retry = seen.pods.iter().find(|(n, (ph, p))| *n != &killed && ph == "quantize"
-        && p["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0)
-        .map(|(n, _)| n.clone()).context("a retried quantize pod that succeeded")?;
-    let logs = Command::new("kubectl").args(["logs", "-n", &e.ns, &retry]).output()?;
+    let retry = seen
+        .pods
+        .iter()
+        .find(|(n, (ph, p))| {
+            *n != &killed
+                && ph == "quantize"
+                && p["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
+        })
+        .map(|(n, _)| n.clone())
+        .context("a retried quantize pod that succeeded")?;
+    let logs = Command::new("kubectl")
+        .args(["logs", "-n", &e.ns, &retry])
+        .output()?;
     let logs = String::from_utf8_lossy(&logs.stdout);
-    let resumed = logs.lines().filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .find(|v| v["event"] == "quantization_resume_loaded").context("no quantization_resume_loaded event in the retry's log")?;
-    ensure!(resumed["layers"].as_u64().is_some_and(|n| n as usize >= layers_before), "resumed {resumed}");
+    let resumed = logs
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|v| v["event"] == "quantization_resume_loaded")
+        .context("no quantization_resume_loaded event in the retry's log")?;
+    ensure!(
+        resumed["layers"]
+            .as_u64()
+            .is_some_and(|n| n as usize >= layers_before),
+        "resumed {resumed}"
+    );
 
     // The retry ran inside the same Job: neither crash made the controller replace it.
-    ensure!(jobs.get(&job_name).await?.metadata.uid == uid, "the quantize Job was replaced");
+    ensure!(
+        jobs.get(&job_name).await?.metadata.uid == uid,
+        "the quantize Job was replaced"
+    );
     check_pods(&e, &seen, &["download", "quantize"])?;
     let path = mc["status"]["path"].as_str().context("status.path")?;
-    ensure!(path == format!("{name}:small-llama/gptq-w4-g128"), "status.path {path}");
+    ensure!(
+        path == format!("{name}:small-llama/gptq-w4-g128"),
+        "status.path {path}"
+    );
     let art = host_dir(&dir, path);
     check_artifact(&art)?;
     // Progress advanced through values the worker reported while quantizing.
-    let mid: BTreeSet<i64> = seen.progress.iter().filter(|(p, v)| p == "quantization" && *v > 0 && *v < 100).map(|(_, v)| *v).collect();
-    ensure!(mid.len() >= 2, "intermediate quantize progress values {mid:?} (all: {:?})", seen.progress);
+    let mid: BTreeSet<i64> = seen
+        .progress
+        .iter()
+        .filter(|(p, v)| p == "quantization" && *v > 0 && *v < 100)
+        .map(|(_, v)| *v)
+        .collect();
+    ensure!(
+        mid.len() >= 2,
+        "intermediate quantize progress values {mid:?} (all: {:?})",
+        seen.progress
+    );
     Ok(())
 }

@@ -176,11 +176,7 @@ pub fn load_tokenizer(model_dir: &Path) -> Result<Tokenizer> {
 }
 
 /// Token ids of `text` (no special tokens added); errors say "encoding `what`".
-pub fn encode(
-    tokenizer: &Tokenizer,
-    text: &str,
-    what: &str,
-) -> Result<Vec<u32>> {
+pub fn encode(tokenizer: &Tokenizer, text: &str, what: &str) -> Result<Vec<u32>> {
     let opts = tokenizers::pipeline::EncodeOptions::default();
     let enc = tokenizer
         .encode(text, &opts)

@@ -305,10 +305,7 @@ fn resume_after_abort_is_byte_identical_and_corrupt_cache_is_wiped() {
         run(&j, &CpuBackend::default(), &MemorySink::default()),
         Err(QuantError::TestAbort(1))
     ));
-    assert!(
-        !resumed.exists(),
-        "no output before save"
-    );
+    assert!(!resumed.exists(), "no output before save");
     assert!(model
         .join(".flexinfer-gptq-cache/layers/layer-001.safetensors")
         .exists());
@@ -357,10 +354,7 @@ fn resume_after_abort_is_byte_identical_and_corrupt_cache_is_wiped() {
         sink.named("quantization_layer_cached").len(),
         common::LAYERS
     );
-    assert_eq!(
-        common::artifact_files(&corrupt),
-        expected
-    );
+    assert_eq!(common::artifact_files(&corrupt), expected);
 }
 
 #[test]

@@ -49,7 +49,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .into_iter()
         .map(|s| serde_json::json!({ "text": s }).to_string())
         .collect();
-    write(&ds.join("calibration/train.jsonl"), &(calib.join("\n") + "\n"))?;
+    write(
+        &ds.join("calibration/train.jsonl"),
+        &(calib.join("\n") + "\n"),
+    )?;
     write(
         &ds.join("calibration/README.md"),
         "Generated calibration text for the FlexInfer demo.\n",

@@ -301,14 +301,23 @@ impl Server {
 
     fn choice(chat: bool, text: &str, finish: Option<&str>, stream: bool) -> Value {
         match (chat, stream) {
-            (true, false) => json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}),
-            (true, true) => json!({"index": 0, "delta": {"content": text}, "finish_reason": finish}),
-            (false, _) => json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": null}),
+            (true, false) => {
+                json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish})
+            }
+            (true, true) => {
+                json!({"index": 0, "delta": {"content": text}, "finish_reason": finish})
+            }
+            (false, _) => {
+                json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": null})
+            }
         }
     }
 
     /// Handles one request (routing, validation, generation).
-    pub async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+    pub async fn handle(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+    ) -> Result<Response<Body>, Infallible> {
         let path = req.uri().path().to_string();
         let method = req.method().clone();
         Ok(match (method, path.as_str()) {
@@ -316,12 +325,19 @@ impl Server {
             (Method::GET, "/v1/models") => json_response(StatusCode::OK, &self.models()),
             (Method::POST, "/v1/completions") => self.complete(req, false).await,
             (Method::POST, "/v1/chat/completions") => self.complete(req, true).await,
-            _ => error(StatusCode::NOT_FOUND, "not_found_error", &format!("no route {path}")),
+            _ => error(
+                StatusCode::NOT_FOUND,
+                "not_found_error",
+                &format!("no route {path}"),
+            ),
         })
     }
 
     async fn complete(self: Arc<Self>, req: Request<Incoming>, chat: bool) -> Response<Body> {
-        let bytes = match Limited::new(req.into_body(), MAX_BODY_BYTES).collect().await {
+        let bytes = match Limited::new(req.into_body(), MAX_BODY_BYTES)
+            .collect()
+            .await
+        {
             Ok(b) => b.to_bytes(),
             Err(_) => {
                 return error(
@@ -341,12 +357,18 @@ impl Server {
                 )
             }
         };
-        let model = body.get("model").and_then(Value::as_str).unwrap_or_default();
+        let model = body
+            .get("model")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
         if model != self.served_name {
             return error(
                 StatusCode::NOT_FOUND,
                 "invalid_request_error",
-                &format!("The model `{model}` does not exist; this server serves `{}`", self.served_name),
+                &format!(
+                    "The model `{model}` does not exist; this server serves `{}`",
+                    self.served_name
+                ),
             );
         }
         let prompt = match prompt_of(chat, &body) {
@@ -368,7 +390,10 @@ impl Server {
         let created = jiff::Timestamp::now().as_second();
         if !stream {
             let me = self.clone();
-            let gen = tokio::task::spawn_blocking(move || me.engine.generate(&prompt, max_tokens, |_| {})).await;
+            let gen = tokio::task::spawn_blocking(move || {
+                me.engine.generate(&prompt, max_tokens, |_| {})
+            })
+            .await;
             return match gen {
                 Ok(Ok(g)) => json_response(
                     StatusCode::OK,
@@ -381,7 +406,11 @@ impl Server {
                     }),
                 ),
                 Ok(Err(e)) => error(StatusCode::BAD_REQUEST, "invalid_request_error", &e),
-                Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", &e.to_string()),
+                Err(e) => error(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "server_error",
+                    &e.to_string(),
+                ),
             };
         }
         // SSE: one chunk per token, then the final chunk and `[DONE]`. A closed client ends the generation.
@@ -409,7 +438,9 @@ impl Server {
             let _ = tx.blocking_send(Bytes::from_static(b"data: [DONE]\n\n"));
         });
         let s = futures::stream::unfold(rx, |mut rx| async move {
-            rx.recv().await.map(|b| (Ok::<_, Infallible>(Frame::data(b)), rx))
+            rx.recv()
+                .await
+                .map(|b| (Ok::<_, Infallible>(Frame::data(b)), rx))
         });
         let mut r = Response::new(StreamBody::new(s).boxed());
         r.headers_mut().insert(
@@ -448,7 +479,10 @@ pub async fn serve(args: Args) -> Result<(), String> {
         let (stream, _) = match listener.accept().await {
             Ok(s) => s,
             Err(e) => {
-                eprintln!("{}", json!({"event": "accept_error", "error": e.to_string()}));
+                eprintln!(
+                    "{}",
+                    json!({"event": "accept_error", "error": e.to_string()})
+                );
                 continue;
             }
         };
@@ -525,11 +559,16 @@ mod tests {
         assert_eq!(e.info["quantization"]["bits"], 4);
         assert!(e.info["verifiedShards"].as_u64().is_some_and(|n| n > 0));
         let mut pieces = Vec::new();
-        let g = e.generate("the cat", 4, |p| pieces.push(p.to_string())).expect("generate");
+        let g = e
+            .generate("the cat", 4, |p| pieces.push(p.to_string()))
+            .expect("generate");
         assert_eq!(g.completion_tokens, 4);
         assert_eq!(pieces.concat(), g.text);
         // Deterministic: the same prompt decodes to the same text.
-        assert_eq!(e.generate("the cat", 4, |_| {}).expect("again").text, g.text);
+        assert_eq!(
+            e.generate("the cat", 4, |_| {}).expect("again").text,
+            g.text
+        );
         // A damaged shard is refused at load, naming the record.
         let shard = std::fs::read_dir(&out)
             .expect("ls")

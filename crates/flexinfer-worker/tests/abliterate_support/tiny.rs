@@ -459,4 +459,3 @@ pub fn mixed_harmless(path: &Path, seed: u64) {
     }
     std::fs::write(path, s).unwrap();
 }
-
