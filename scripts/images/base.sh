@@ -15,8 +15,10 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 BASE_SUITE=${BASE_SUITE:-bookworm}
 BASE_ARCH=${BASE_ARCH:-$(dpkg --print-architecture)}
-BASE_MIRROR=${BASE_MIRROR:-http://deb.debian.org/debian}
-BASE_SECURITY_MIRROR=${BASE_SECURITY_MIRROR:-http://deb.debian.org/debian-security}
+# Mirrors: by default the archives the host's own apt uses (scripts/images/apt-mirror.py).
+BASE_MIRROR=${BASE_MIRROR:-$(python3 "$here/apt-mirror.py" "$BASE_SUITE")} || images_die "no mirror for $BASE_SUITE"
+BASE_SECURITY_MIRROR=${BASE_SECURITY_MIRROR:-$(python3 "$here/apt-mirror.py" "$BASE_SUITE-security")} \
+  || images_die "no security mirror for $BASE_SUITE"
 # Extracted with their dependencies (libc6 pulls libgcc-s1 and gcc-12-base).
 BASE_PACKAGES=${BASE_PACKAGES:-libc6,libgcc-s1}
 # Extracted without their dependencies (see base-customize.sh): base-files would pull mawk,
@@ -31,7 +33,7 @@ recipe() {
   printf 'version=%s\nsuite=%s\narch=%s\nmirror=%s\nsecurity=%s\npackages=%s\nnodeps=%s\nepoch=%s\n' \
     "$BASE_RECIPE_VERSION" "$BASE_SUITE" "$BASE_ARCH" "$BASE_MIRROR" "$BASE_SECURITY_MIRROR" \
     "$BASE_PACKAGES" "$BASE_NODEPS" "$SOURCE_DATE_EPOCH"
-  cat "$here/base.sh" "$here/base-customize.sh"
+  cat "$here/base.sh" "$here/base-customize.sh" "$here/apt-mirror.py"
 }
 hash=$(recipe | images_sha256 | cut -c1-12)
 name=localhost/flexinfer/base:$BASE_SUITE-$hash
