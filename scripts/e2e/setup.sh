@@ -25,8 +25,9 @@ log() { echo "e2e-setup: $* ($(( $(date +%s) - t0 )) s)" >&2; }
 free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
 
 log "binaries"
-cargo build -q -j2 -p flexinfer-controller -p flexinfer-cli -p flexinfer-worker --bins >&2
-cargo build -q -j2 -p flexinfer-worker --example hub_fixtures >&2
+# The same build as `make test`'s (bins and examples included): with the test profile's feature set, so
+# nothing is compiled twice; a no-op when the tests are built.
+cargo test -q -j2 --workspace --no-run >&2
 
 log "images"
 bash scripts/images/build.sh --bin-dir "$TARGET/debug" --tag "$TAG" --push "$REG" --load >&2
