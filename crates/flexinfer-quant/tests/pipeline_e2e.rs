@@ -70,7 +70,8 @@ fn quantize_tiny_llama_and_read_back_with_consumer_rules() {
         (8, 128, true, true, 0.999),
         (3, 64, true, false, 0.85),
     ] {
-        let out = tmp.path().join(format!("out{bits}"));
+        // OUT_DIR is the artifact directory itself.
+        let out = tmp.path().join(format!("out{bits}/gptq-w{bits}-g{gs}"));
         let sink = MemorySink::default();
         let params = GptqParams {
             bits,
@@ -85,7 +86,7 @@ fn quantize_tiny_llama_and_read_back_with_consumer_rules() {
             &sink,
         )
         .expect("quantize");
-        let dir = out.join(format!("gptq-w{bits}-g{gs}"));
+        let dir = out.clone();
         assert_eq!(outcome.output_dir, dir);
         for f in [
             "config.json",
