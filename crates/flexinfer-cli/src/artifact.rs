@@ -1,5 +1,5 @@
 //! `flexinfer quantize validate-artifact --layout vllm-gptq`: a native check that a GPTQ
-//! checkpoint directory is what vLLM (Marlin/ExLlama) and transformers load (GPTQ-NOTES §2),
+//! checkpoint directory is what vLLM (Marlin/ExLlama) and transformers load (docs/dev/gptq.md §2),
 //! that the save completed (`.save-complete` sizes and sha256) and that the quality gate passed.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -230,7 +230,7 @@ fn sha256_file(path: &Path) -> Result<String, String> {
     Ok(hex::encode(h.finalize()))
 }
 
-/// Parse and check `quantization_config` (config.json) against GPTQ-NOTES §2.5/2.6.
+/// Parse and check `quantization_config` (config.json) against docs/dev/gptq.md §2.4/§2.5.
 fn check_qconfig(r: &mut Report, qc: &Value, origin: &str) -> Option<Gptq> {
     let mut ok = true;
     match qc.get("quant_method").and_then(Value::as_str) {

@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 
 const BIN: &str = env!("CARGO_BIN_EXE_flexinfer");
 
-/// Fails loudly when no control plane is configured (see docs/dev/HELPERS.md).
+/// Fails loudly when no control plane is configured (see scripts/test.sh).
 async fn client() -> Client {
     if std::env::var_os("KUBECONFIG").is_none() {
         panic!(

@@ -1,13 +1,13 @@
 //! What every worker subcommand shares: the JSON-line event stream on stdout, the termination
-//! message, the version handshake, and the exit-code mapping (SPEC §4).
+//! message, the version handshake, and the exit-code mapping (docs/dev/architecture.md §2).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use flexinfer_api::contract::{
-    self, encode_termination, env, events, exit_codes, ProgressEvent, TerminationFailure,
-    TerminationSuccess, WorkerEvent,
+use flexinfer_contract::{
+    self as contract, encode_termination, env, events, exit_codes, ProgressEvent,
+    TerminationFailure, TerminationSuccess, WorkerEvent,
 };
 use serde::Serialize;
 

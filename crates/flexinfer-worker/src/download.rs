@@ -1,4 +1,4 @@
-//! `flexinfer-worker download`: fetch a model or dataset into `MODEL_DIR` (SPEC §4.1, §6).
+//! `flexinfer-worker download`: fetch a model or dataset into `MODEL_DIR` (docs/dev/architecture.md §2, §5).
 //!
 //! Sources: Hugging Face Hub (`HF://org/m`, `huggingface://org/m`, `org/m`), `oci://` artifacts
 //! (the layout `publish` writes) and `local://` paths under `FLEXINFER_LOCAL_SOURCE_ROOT`.
@@ -19,8 +19,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use flexinfer_api::contract::{
-    self, env, events, files, transfer_env, IntegrityFile, ProgressEvent, SourceIntegrity,
+use flexinfer_contract::{
+    self as contract, env, events, files, IntegrityFile, ProgressEvent, SourceIntegrity,
     TerminationSuccess,
 };
 use futures::{StreamExt, TryStreamExt};
@@ -71,13 +71,13 @@ pub struct DownloadArgs {
     #[arg(long, env = env::HF_TOKEN, hide_env_values = true)]
     pub hf_token: Option<String>,
     /// Files fetched in parallel.
-    #[arg(long, env = transfer_env::DOWNLOAD_CONCURRENCY, default_value_t = 4)]
+    #[arg(long, env = env::transfer::DOWNLOAD_CONCURRENCY, default_value_t = 4)]
     pub concurrency: usize,
     /// Consecutive failed attempts per file (without progress) before giving up.
-    #[arg(long, env = transfer_env::DOWNLOAD_RETRIES, default_value_t = 8)]
+    #[arg(long, env = env::transfer::DOWNLOAD_RETRIES, default_value_t = 8)]
     pub retries: u32,
     /// Seconds between progress events.
-    #[arg(long, env = transfer_env::PROGRESS_INTERVAL_SECONDS, default_value_t = 5.0)]
+    #[arg(long, env = env::transfer::PROGRESS_INTERVAL_SECONDS, default_value_t = 5.0)]
     pub progress_interval: f64,
     /// Calibration dataset: a hub dataset id is fetched into `MODEL_DIR/.datasets/<id>` after the
     /// model; a local file path is left alone.
@@ -90,7 +90,7 @@ pub struct DownloadArgs {
     #[arg(long, env = env::HARMLESS_DATASET)]
     pub harmless_dataset: Option<String>,
     /// Root that `local://` sources must stay inside.
-    #[arg(long, env = contract::controller_env::LOCAL_SOURCE_ROOT)]
+    #[arg(long, env = contract::env::controller::LOCAL_SOURCE_ROOT)]
     pub local_source_root: Option<PathBuf>,
     /// `oci://` sources: skip TLS verification and allow plain HTTP.
     #[arg(long, env = env::OCI_INSECURE, value_parser = parse_bool_arg, default_value = "false",

@@ -6,7 +6,7 @@ use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(
-    name = "flexinfer-worker",
+    name = "flexinfer-worker", // not-contract: the binary name
     version,
     about = "FlexInfer pipeline worker"
 )]
@@ -33,7 +33,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Version => {
-            println!("{}", flexinfer_api::contract::SCRIPT_VERSION);
+            println!("{}", flexinfer_contract::SCRIPT_VERSION);
             ExitCode::SUCCESS
         }
         Cmd::Download(args) => exit_code(flexinfer_worker::download::run(args)),

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use base64::Engine as _;
-use flexinfer_api::contract::{check_relative_path, oci_artifact};
+use flexinfer_contract::{check_relative_path, oci_artifact};
 use futures::TryStreamExt;
 use reqwest::header::{
     HeaderMap, AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE, LOCATION, WWW_AUTHENTICATE,

@@ -1,4 +1,4 @@
-//! `flexinfer-worker publish`: push a model directory as an OCI artifact (SPEC §6).
+//! `flexinfer-worker publish`: push a model directory as an OCI artifact (docs/user/download-and-publish.md).
 //!
 //! Layout: artifactType `application/vnd.flexinfer.model.v1`, the empty config, one layer per
 //! file titled with its relative path (so `oras pull` reproduces the tree). Files are hashed,
@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use flexinfer_api::contract::{self, env, events, oci_artifact, transfer_env, TerminationSuccess};
+use flexinfer_contract::{self as contract, env, events, oci_artifact, TerminationSuccess};
 use futures::{StreamExt, TryStreamExt};
 
 use crate::common::{self, Events, WorkerError};
@@ -46,9 +46,9 @@ pub struct PublishArgs {
     #[arg(long, env = env::DOCKER_CONFIG_JSON)]
     pub docker_config_json: Option<PathBuf>,
     /// Blobs uploaded in parallel.
-    #[arg(long, env = transfer_env::PUBLISH_CONCURRENCY, default_value_t = 4)]
+    #[arg(long, env = env::transfer::PUBLISH_CONCURRENCY, default_value_t = 4)]
     pub concurrency: usize,
-    #[arg(long, env = transfer_env::PROGRESS_INTERVAL_SECONDS, default_value_t = 5.0)]
+    #[arg(long, env = env::transfer::PROGRESS_INTERVAL_SECONDS, default_value_t = 5.0)]
     pub progress_interval: f64,
     #[arg(long, env = env::SCRIPT_VERSION)]
     pub script_version: Option<String>,

@@ -3,7 +3,7 @@
 mod abliterate_support;
 
 use abliterate_support::*;
-use flexinfer_api::contract::{abliteration as names, files, AbliterationStatusFile};
+use flexinfer_contract::{events, files, AbliterationStatusFile};
 use flexinfer_quant::tensors::TensorStore;
 
 fn status(model: &TinyModel) -> AbliterationStatusFile {
@@ -12,7 +12,8 @@ fn status(model: &TinyModel) -> AbliterationStatusFile {
 }
 
 fn manifest(out: &std::path::Path) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(out.join(names::MANIFEST)).unwrap()).unwrap()
+    serde_json::from_str(&std::fs::read_to_string(out.join(files::ABLITERATION_MANIFEST)).unwrap())
+        .unwrap()
 }
 
 fn direction(out: &std::path::Path) -> Vec<f32> {
@@ -134,10 +135,12 @@ fn planted_direction_is_found_removed_and_nothing_else_changes() {
         assert!(p >= last, "progress went backwards: {p} < {last}");
         last = p;
     }
-    assert!(evs.iter().any(|e| e["event"] == names::EVENT_DIRECTION));
     assert!(evs
         .iter()
-        .any(|e| e["event"] == names::EVENT_GATE && e["gate"] == "passed"));
+        .any(|e| e["event"] == events::ABLITERATION_DIRECTION));
+    assert!(evs
+        .iter()
+        .any(|e| e["event"] == events::ABLITERATION_GATE && e["gate"] == "passed"));
     assert_eq!(evs.last().unwrap()["event"], "complete");
 
     // A second run finds the finished output and recomputes nothing.
@@ -145,7 +148,7 @@ fn planted_direction_is_found_removed_and_nothing_else_changes() {
     assert_eq!(again.code, 0, "{}", again.stderr);
     assert!(events(&again.stdout)
         .iter()
-        .any(|e| e["event"] == names::EVENT_CACHED));
+        .any(|e| e["event"] == events::ABLITERATION_CACHED));
 }
 
 #[test]

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use abliterate_support::*;
-use flexinfer_api::contract::files;
+use flexinfer_contract::files;
 use flexinfer_quant::tensors::TensorStore;
 use flexinfer_worker::abliterate::edit::{self, Matrix, TargetLayers};
 use flexinfer_worker::abliterate::output::{self, RunResult};

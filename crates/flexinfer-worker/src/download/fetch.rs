@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use flexinfer_api::contract::IntegrityFile;
+use flexinfer_contract::IntegrityFile;
 use futures::StreamExt;
 use reqwest::StatusCode;
 use sha2::{Digest, Sha256};

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use flexinfer_api::contract::{self, files, SourceIntegrity};
+use flexinfer_contract::{self as contract, files, SourceIntegrity};
 
 use super::fetch::git_blob_sha1;
 use super::RemoteFile;

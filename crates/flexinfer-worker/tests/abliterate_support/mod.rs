@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use flexinfer_api::contract::env;
+use flexinfer_contract::env;
 use sha2::{Digest, Sha256};
 
 pub const HIDDEN: usize = 32;
