@@ -92,16 +92,9 @@ pub struct DownloadArgs {
     /// Root that `local://` sources must stay inside.
     #[arg(long, env = contract::env::controller::LOCAL_SOURCE_ROOT)]
     pub local_source_root: Option<PathBuf>,
-    /// `oci://` sources: skip TLS verification and allow plain HTTP.
-    #[arg(long, env = env::OCI_INSECURE, value_parser = parse_bool_arg, default_value = "false",
-        action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
-    pub insecure: bool,
-    #[arg(long, env = env::OCI_USERNAME)]
-    pub oci_username: Option<String>,
-    #[arg(long, env = env::OCI_PASSWORD, hide_env_values = true)]
-    pub oci_password: Option<String>,
-    #[arg(long, env = env::DOCKER_CONFIG_JSON)]
-    pub docker_config_json: Option<PathBuf>,
+    /// Registry flags of `oci://` sources.
+    #[command(flatten)]
+    pub registry: oci::RegistryArgs,
     /// Contract version expected by the controller.
     #[arg(long, env = env::SCRIPT_VERSION)]
     pub script_version: Option<String>,
@@ -122,11 +115,14 @@ pub fn run(args: DownloadArgs) -> i32 {
 
 /// Never let a secret reach the termination message.
 fn redact(e: WorkerError, args: &DownloadArgs) -> WorkerError {
-    let secrets: Vec<&str> = [args.hf_token.as_deref(), args.oci_password.as_deref()]
-        .into_iter()
-        .flatten()
-        .filter(|s| s.len() >= 4)
-        .collect();
+    let secrets: Vec<&str> = [
+        args.hf_token.as_deref(),
+        args.registry.oci_password.as_deref(),
+    ]
+    .into_iter()
+    .flatten()
+    .filter(|s| s.len() >= 4)
+    .collect();
     if secrets.is_empty() {
         return e;
     }
@@ -226,14 +222,11 @@ async fn run_async(
         Source::Oci { reference } => {
             let reference = oci::Reference::parse(&reference)
                 .map_err(|e| WorkerError::BadInput(e.to_string()))?;
-            let creds = oci::Credentials::resolve(
-                &reference.registry,
-                args.oci_username.as_deref(),
-                args.oci_password.as_deref(),
-                args.docker_config_json.as_deref(),
-            )
-            .map_err(|e| WorkerError::BadInput(e.to_string()))?;
-            let reg = oci::Registry::connect(&reference, creds, args.insecure)
+            let creds = args
+                .registry
+                .credentials(&reference.registry)
+                .map_err(|e| WorkerError::BadInput(e.to_string()))?;
+            let reg = oci::Registry::connect(&reference, creds, args.registry.insecure)
                 .await
                 .map_err(oci::worker_error)?;
             let (digest, listed) = reg

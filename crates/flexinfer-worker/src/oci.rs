@@ -51,7 +51,7 @@ mod auth;
 mod reference;
 
 use auth::parse_challenge;
-pub use auth::Credentials;
+pub use auth::{Credentials, RegistryArgs};
 pub use reference::{check_tag, is_sha256_digest, Reference};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -66,10 +66,7 @@ pub fn read_config(model_dir: &Path) -> Result<serde_json::Value, WorkerError> {
 }
 
 fn sha256_file(path: &Path) -> Result<String, WorkerError> {
-    let mut f = std::fs::File::open(path).map_err(|e| io_err(path, e))?;
-    let mut h = Sha256::new();
-    std::io::copy(&mut f, &mut h).map_err(|e| io_err(path, e))?;
-    Ok(hex::encode(h.finalize()))
+    flexinfer_fsutil::sha256_file(path).map_err(|e| io_err(path, e))
 }
 
 /// Identity of a run: source files (name, size, mtime), config, datasets, settings, contract version.

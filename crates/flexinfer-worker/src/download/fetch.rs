@@ -82,11 +82,6 @@ fn part_path(dest: &Path) -> PathBuf {
     dest.with_file_name(name)
 }
 
-/// sha256 of a whole file (blocking; call from `spawn_blocking`).
-pub fn sha256_file(path: &Path) -> std::io::Result<String> {
-    sha256_prefix(path, u64::MAX).map(|(h, _)| hex::encode(h.finalize()))
-}
-
 /// Hash the first `len` bytes of a file; returns the hasher and the bytes read.
 fn sha256_prefix(path: &Path, len: u64) -> std::io::Result<(Sha256, u64)> {
     use std::io::Read;
@@ -135,7 +130,7 @@ pub async fn fetch_file(
     if let Ok(meta) = tokio::fs::metadata(&dest).await {
         if meta.is_file() && meta.len() == f.size {
             let p = dest.clone();
-            let sha = blocking(move || sha256_file(&p))
+            let sha = blocking(move || flexinfer_fsutil::sha256_file(&p))
                 .await
                 .map_err(|e| io_err("hashing", &dest, e))?;
             if verify(f, &dest, &sha).await.is_ok() {

@@ -74,7 +74,7 @@ fn list_and_hash(src: &Path) -> std::io::Result<Vec<RemoteFile>> {
         if is_marker(&f.rel) || f.rel == files::ABLITERATION_STATUS {
             continue;
         }
-        let sha = super::fetch::sha256_file(&f.path)?;
+        let sha = flexinfer_fsutil::sha256_file(&f.path)?;
         out.push(RemoteFile {
             url: format!("file://{}", f.path.display()),
             path: f.rel,
