@@ -30,6 +30,7 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
+    init_tracing();
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Version => {
@@ -41,6 +42,18 @@ fn main() -> ExitCode {
         Cmd::Quantize(args) => exit_code(flexinfer_worker::quantize::run(args)),
         Cmd::Publish(args) => exit_code(flexinfer_worker::publish::run(args)),
     }
+}
+
+/// `tracing` output (the engine's and the transfers' warnings) as JSON lines on stderr; stdout
+/// stays the event stream. `RUST_LOG` sets the level (default `warn`).
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .json()
+        .with_writer(std::io::stderr)
+        .with_env_filter(filter)
+        .try_init();
 }
 
 fn exit_code(code: i32) -> ExitCode {
