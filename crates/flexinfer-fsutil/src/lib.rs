@@ -5,19 +5,33 @@ use sha2::{Digest, Sha256};
 use std::io::{Read, Write};
 use std::path::Path;
 
-/// sha256 (lower-case hex) of a whole file, read in 1 MiB chunks. Blocking.
+/// sha256 (lower-case hex) of a whole file. Blocking.
 pub fn sha256_file(path: &Path) -> std::io::Result<String> {
-    let mut f = std::fs::File::open(path)?;
     let mut h = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
+    hash_reader(std::fs::File::open(path)?, &mut h, 1 << 20, |_| Ok(()))?;
+    Ok(hex::encode(h.finalize()))
+}
+
+/// Feeds everything `r` yields into `h`, `chunk` bytes at a time, and hands each chunk to
+/// `each` (to copy or count it). Returns the bytes read. The one read-and-hash loop of the
+/// workspace; any `Digest` (sha256, git's sha1) works.
+pub fn hash_reader<D: Digest>(
+    mut r: impl Read,
+    h: &mut D,
+    chunk: usize,
+    mut each: impl FnMut(&[u8]) -> std::io::Result<()>,
+) -> std::io::Result<u64> {
+    let mut buf = vec![0u8; chunk.max(1)];
+    let mut total = 0u64;
     loop {
-        let n = f.read(&mut buf)?;
+        let n = r.read(&mut buf)?;
         if n == 0 {
-            break;
+            return Ok(total);
         }
         h.update(&buf[..n]);
+        each(&buf[..n])?;
+        total += n as u64;
     }
-    Ok(hex::encode(h.finalize()))
 }
 
 /// sha256 (lower-case hex) of bytes.
