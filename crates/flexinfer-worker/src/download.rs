@@ -464,15 +464,27 @@ fn spawn_ticker(
 ) -> tokio::task::JoinHandle<()> {
     let done = ctx.done.clone();
     let received = ctx.received.clone();
+    spawn_progress_ticker(events, interval, move |secs| {
+        let rate = received.load(Ordering::Relaxed) as f64 / secs;
+        let d = done.load(Ordering::Relaxed).min(total);
+        bytes_progress(d, total, rate, "downloading")
+    })
+}
+
+/// Every `interval` seconds (clamped to 0.05–3600), emit the `progress` event that `progress`
+/// builds from the seconds elapsed since the start. Shared by `download` and `publish`.
+pub fn spawn_progress_ticker(
+    events: Arc<Events>,
+    interval: f64,
+    progress: impl Fn(f64) -> ProgressEvent + Send + 'static,
+) -> tokio::task::JoinHandle<()> {
     let interval = Duration::from_secs_f64(interval.clamp(0.05, 3600.0));
     tokio::spawn(async move {
         let start = Instant::now();
         loop {
             tokio::time::sleep(interval).await;
             let secs = start.elapsed().as_secs_f64().max(1e-3);
-            let rate = received.load(Ordering::Relaxed) as f64 / secs;
-            let d = done.load(Ordering::Relaxed).min(total);
-            events.progress(bytes_progress(d, total, rate, "downloading"));
+            events.progress(progress(secs));
         }
     })
 }

@@ -8,13 +8,13 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use flexinfer_contract::{self as contract, env, events, oci_artifact, TerminationSuccess};
 use futures::{StreamExt, TryStreamExt};
 
 use crate::common::{self, Events, WorkerError};
-use crate::download::bytes_progress;
+use crate::download::{bytes_progress, spawn_progress_ticker};
 use crate::oci::{self, Descriptor, Manifest, Reference, Registry};
 
 /// Flags of `flexinfer-worker publish` (each also read from its env variable; flags win).
@@ -326,23 +326,17 @@ fn spawn_ticker(
     total: u64,
     interval: f64,
 ) -> tokio::task::JoinHandle<()> {
-    let interval = Duration::from_secs_f64(interval.clamp(0.05, 3600.0));
-    tokio::spawn(async move {
-        let start = Instant::now();
-        loop {
-            tokio::time::sleep(interval).await;
-            let secs = start.elapsed().as_secs_f64().max(1e-3);
-            let (h, s) = (hashed.load(Ordering::Relaxed), sent.load(Ordering::Relaxed));
-            // Hashing and uploading each count for half of the work.
-            let mut p = bytes_progress(
-                (h + s) / 2,
-                total,
-                s as f64 / secs,
-                if s == 0 { "hashing" } else { "uploading" },
-            );
-            p.done = Some(s as f64);
-            events.progress(p);
-        }
+    spawn_progress_ticker(events, interval, move |secs| {
+        let (h, s) = (hashed.load(Ordering::Relaxed), sent.load(Ordering::Relaxed));
+        // Hashing and uploading each count for half of the work.
+        let mut p = bytes_progress(
+            (h + s) / 2,
+            total,
+            s as f64 / secs,
+            if s == 0 { "hashing" } else { "uploading" },
+        );
+        p.done = Some(s as f64);
+        p
     })
 }
 
