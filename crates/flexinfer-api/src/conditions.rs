@@ -10,7 +10,7 @@ pub mod types {
     pub const DOWNLOADED: &str = "Downloaded";
     pub const ABLITERATED: &str = "Abliterated";
     pub const QUANTIZED: &str = "Quantized";
-    pub const PUBLISHED: &str = "Published";
+    pub const PUBLISHED: &str = "Published"; // not-contract: a condition type
     pub const CONFIG_VALID: &str = "ConfigValid";
     pub const CACHED: &str = "Cached";
     pub const PROMOTION_GATE: &str = "PromotionGate";

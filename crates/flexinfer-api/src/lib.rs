@@ -1,11 +1,12 @@
-//! FlexInfer API: the custom resources (`ai.flexinfer`), their defaults and validation, and the
-//! contract between the controller and the worker images.
+//! FlexInfer API: the custom resources (`ai.flexinfer`), their defaults and validation.
 //!
-//! Everything that more than one binary must agree on lives here: CRD types, annotation keys,
-//! environment variable names, event names, marker-file names and their serde types.
+//! The controller/worker contract (annotation keys, env names, event names, marker files and
+//! their serde types) lives in the serde-only `flexinfer-contract` crate, re-exported here as
+//! [`contract`] for the Kubernetes-side crates.
+
+pub use flexinfer_contract as contract;
 
 pub mod conditions;
-pub mod contract;
 pub mod crdgen;
 pub mod formats;
 pub mod gpuprofile;

@@ -1,5 +1,5 @@
 //! `flexinfer quantize validate-artifact --layout vllm-gptq`: a native check that a GPTQ
-//! checkpoint directory is what vLLM (Marlin/ExLlama) and transformers load (GPTQ-NOTES §2),
+//! checkpoint directory is what vLLM (Marlin/ExLlama) and transformers load (docs/dev/gptq.md §2),
 //! that the save completed (`.save-complete` sizes and sha256) and that the quality gate passed.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -10,7 +10,6 @@ use std::path::Path;
 use flexinfer_api::contract::{files, QualitySummary, SaveComplete};
 use serde::Serialize;
 use serde_json::Value;
-use sha2::{Digest, Sha256};
 
 /// One defect (or warning): which check and the precise message.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -215,22 +214,10 @@ fn i32s(b: &[u8]) -> impl Iterator<Item = i32> + '_ {
 }
 
 fn sha256_file(path: &Path) -> Result<String, String> {
-    let mut f = File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f
-            .read(&mut buf)
-            .map_err(|e| format!("{}: {e}", path.display()))?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-    }
-    Ok(hex::encode(h.finalize()))
+    flexinfer_fsutil::sha256_file(path).map_err(|e| format!("{}: {e}", path.display()))
 }
 
-/// Parse and check `quantization_config` (config.json) against GPTQ-NOTES §2.5/2.6.
+/// Parse and check `quantization_config` (config.json) against docs/dev/gptq.md §2.4/§2.5.
 fn check_qconfig(r: &mut Report, qc: &Value, origin: &str) -> Option<Gptq> {
     let mut ok = true;
     match qc.get("quant_method").and_then(Value::as_str) {
@@ -815,7 +802,7 @@ fn check_linear(
         if let Ok(b) = read_bytes(dir, sc) {
             let bad = b
                 .chunks_exact(2)
-                .map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
                 .position(|v| !v.is_finite() || v <= 0.0);
             if let Some(i) = bad {
                 r.defect(
@@ -824,24 +811,6 @@ fn check_linear(
                 );
             }
         }
-    }
-}
-
-/// IEEE half → f32 (no dependency needed for a range check).
-fn f16_to_f32(h: u16) -> f32 {
-    let sign = if h & 0x8000 != 0 { -1.0 } else { 1.0 };
-    let exp = ((h >> 10) & 0x1f) as i32;
-    let frac = (h & 0x3ff) as f32;
-    match exp {
-        0 => sign * frac * 2f32.powi(-24),
-        31 => {
-            if frac == 0.0 {
-                sign * f32::INFINITY
-            } else {
-                f32::NAN
-            }
-        }
-        e => sign * (1.0 + frac / 1024.0) * 2f32.powi(e - 15),
     }
 }
 

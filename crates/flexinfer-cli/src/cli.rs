@@ -133,7 +133,7 @@ pub struct RecommendArgs {
     #[arg(
         long,
         value_name = "URL",
-        env = "HF_ENDPOINT",
+        env = flexinfer_api::contract::env::HF_ENDPOINT,
         hide_env_values = true,
         default_value = "https://huggingface.co"
     )]
@@ -357,7 +357,7 @@ fn formats_cmd(out: Format) -> anyhow::Result<String> {
     Ok(output::table(
         &[
             "FORMAT",
-            "BITS",
+            "BITS", // not-contract: a column header
             "DEFAULT",
             "BACKENDS",
             "CALIBRATION",

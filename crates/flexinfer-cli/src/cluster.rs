@@ -448,7 +448,8 @@ pub async fn cache_status(g: &Global, all: bool) -> Result<String, CliError> {
         header.push("NAMESPACE");
     }
     header.extend([
-        "NAME", "PHASE", "STEP", "PROGRESS", "FORMAT", "RATIO", "SOURCE",
+        "NAME", "PHASE", "STEP", "PROGRESS", "FORMAT", "RATIO",
+        "SOURCE", // not-contract: headers
     ]);
     Ok(output::table(&header, &cells))
 }
@@ -561,7 +562,9 @@ async fn model_footprint(a: &RecommendArgs, mc: &ModelCache) -> Result<Footprint
     }
     match footprint::hub_id(&mc.spec.source) {
         Some(id) if !a.offline => {
-            let token = std::env::var("HF_TOKEN").ok().filter(|t| !t.is_empty());
+            let token = std::env::var(flexinfer_api::contract::env::HF_TOKEN)
+                .ok()
+                .filter(|t| !t.is_empty());
             match footprint::fetch_hub(&a.hub_endpoint, &id, token.as_deref()).await {
                 Ok(v) => match footprint::from_hub_json(&id, &v) {
                     Ok(f) => return Ok(f),

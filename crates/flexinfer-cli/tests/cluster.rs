@@ -1,6 +1,7 @@
 //! Integration tests of `quantize`, `quantize status`, `quantize recommend` and `cache status`
 //! against the local control plane (`scripts/testenv/up.sh api` + `kubectl apply --server-side -f
 //! deploy/crds/`). They run the real binary with the test's KUBECONFIG and their own namespace.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
 
 use std::process::Command;
 
@@ -13,7 +14,7 @@ use serde_json::{json, Value};
 
 const BIN: &str = env!("CARGO_BIN_EXE_flexinfer");
 
-/// Fails loudly when no control plane is configured (see docs/dev/HELPERS.md).
+/// Fails loudly when no control plane is configured (see scripts/test.sh).
 async fn client() -> Client {
     if std::env::var_os("KUBECONFIG").is_none() {
         panic!(

@@ -1,13 +1,20 @@
-//! A tiny HTTP/1.1 responder on tokio for `/metrics`, `/healthz` and `/readyz`. Hand-written to
-//! keep the controller's dependency tree small: it answers GETs of three fixed paths.
+//! The HTTP server of `/metrics`, `/healthz` and `/readyz` (hyper, HTTP/1.1). It answers GETs
+//! (and HEADs) of these fixed paths; every response closes its connection.
 
+use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use http_body_util::Full;
+use hyper::body::Bytes;
+use hyper::header::{CONNECTION, CONTENT_TYPE};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
-use tracing::warn;
+use tracing::{debug, warn};
 
 use crate::metrics::Metrics;
 
@@ -41,6 +48,29 @@ pub fn respond(
     }
 }
 
+/// The response to one request.
+fn handle<B>(
+    req: &Request<B>,
+    metrics: Option<&Metrics>,
+    health: &Health,
+) -> Response<Full<Bytes>> {
+    let (code, ctype, body) = match *req.method() {
+        Method::GET | Method::HEAD => respond(req.uri().path(), metrics, health),
+        _ => (405, "text/plain", "method not allowed\n".to_string()),
+    };
+    let body = if req.method() == Method::HEAD {
+        Bytes::new()
+    } else {
+        Bytes::from(body)
+    };
+    let mut resp = Response::new(Full::new(body));
+    *resp.status_mut() = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let headers = resp.headers_mut();
+    headers.insert(CONTENT_TYPE, hyper::header::HeaderValue::from_static(ctype));
+    headers.insert(CONNECTION, hyper::header::HeaderValue::from_static("close"));
+    resp
+}
+
 /// Serve until the process ends. With `metrics` it serves `/metrics`, else the probes.
 pub async fn serve(
     addr: SocketAddr,
@@ -49,7 +79,7 @@ pub async fn serve(
 ) -> anyhow::Result<()> {
     let listener = TcpListener::bind(addr).await?;
     loop {
-        let (mut sock, _) = match listener.accept().await {
+        let (sock, _) = match listener.accept().await {
             Ok(s) => s,
             Err(e) => {
                 warn!(error = %e, "accept failed");
@@ -59,44 +89,16 @@ pub async fn serve(
         let metrics = metrics.clone();
         let health = health.clone();
         tokio::spawn(async move {
-            let mut buf = vec![0u8; 4096];
-            let mut n = 0;
-            // Read until the end of the request head (or 4 KiB).
-            while n < buf.len() {
-                match sock.read(&mut buf[n..]).await {
-                    Ok(0) | Err(_) => break,
-                    Ok(k) => {
-                        n += k;
-                        if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
-                            break;
-                        }
-                    }
-                }
+            let service = service_fn(move |req| {
+                let resp = handle(&req, metrics.as_ref(), &health);
+                async move { Ok::<_, Infallible>(resp) }
+            });
+            if let Err(e) = http1::Builder::new()
+                .serve_connection(TokioIo::new(sock), service)
+                .await
+            {
+                debug!(error = %e, "http connection ended with an error");
             }
-            let head = String::from_utf8_lossy(&buf[..n]);
-            let mut parts = head.split_whitespace();
-            let method = parts.next().unwrap_or("");
-            let path = parts.next().unwrap_or("/").split('?').next().unwrap_or("/");
-            let (code, ctype, body) = if method == "GET" || method == "HEAD" {
-                respond(path, metrics.as_ref(), &health)
-            } else {
-                (405, "text/plain", "method not allowed\n".to_string())
-            };
-            let reason = match code {
-                200 => "OK",
-                404 => "Not Found",
-                405 => "Method Not Allowed",
-                _ => "Service Unavailable",
-            };
-            let head = format!(
-                "HTTP/1.1 {code} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                body.len()
-            );
-            let _ = sock.write_all(head.as_bytes()).await;
-            if method != "HEAD" {
-                let _ = sock.write_all(body.as_bytes()).await;
-            }
-            let _ = sock.shutdown().await;
         });
     }
 }
@@ -104,6 +106,7 @@ pub async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     #[test]
     fn probes_and_metrics() {
@@ -152,5 +155,38 @@ mod tests {
         }
         assert!(body.starts_with("HTTP/1.1 200 OK"), "{body}");
         assert!(body.ends_with("ok\n"));
+    }
+
+    #[tokio::test]
+    async fn head_has_no_body_and_other_methods_get_405() {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = probe.local_addr().expect("addr");
+        drop(probe);
+        tokio::spawn(serve(addr, None, Health::default()));
+        let mut replies = Vec::new();
+        for req in [
+            "HEAD /healthz HTTP/1.1\r\nHost: x\r\n\r\n",
+            "POST /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n",
+            "GET /nope HTTP/1.1\r\nHost: x\r\n\r\n",
+        ] {
+            let mut body = String::new();
+            for _ in 0..50 {
+                if let Ok(mut s) = tokio::net::TcpStream::connect(addr).await {
+                    s.write_all(req.as_bytes()).await.expect("write");
+                    s.read_to_string(&mut body).await.expect("read");
+                    break;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            replies.push(body);
+        }
+        assert!(replies[0].starts_with("HTTP/1.1 200 OK"), "{}", replies[0]);
+        assert!(
+            replies[0].ends_with("\r\n\r\n"),
+            "HEAD without a body: {}",
+            replies[0]
+        );
+        assert!(replies[1].starts_with("HTTP/1.1 405"), "{}", replies[1]);
+        assert!(replies[2].starts_with("HTTP/1.1 404"), "{}", replies[2]);
     }
 }

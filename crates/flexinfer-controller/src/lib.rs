@@ -1,6 +1,10 @@
 //! FlexInfer controller-manager library: pure planning code, Job/Deployment builders, and the
 //! thin reconcilers that observe the cluster, call the planners and apply their results.
 
+/// `app.kubernetes.io/version` of the objects this controller creates (not of their pod
+/// templates: an upgrade of the controller must not roll every serving pod).
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
 pub mod http;
 pub mod kube_client;
 pub mod leader;

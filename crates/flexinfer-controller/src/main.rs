@@ -1,11 +1,11 @@
-//! `flexinfer-controller`: the controller-manager binary (SPEC §8): JSON logs, leader election,
+//! `flexinfer-controller`: the controller-manager binary: JSON logs, leader election,
 //! `/metrics` on :8080, `/healthz` and `/readyz` on :8081, and the ModelCache and Model controllers.
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use clap::Parser;
-use flexinfer_api::contract::controller_env;
+use flexinfer_api::contract::env;
 use flexinfer_controller::http::{self, Health};
 use flexinfer_controller::leader::{Leadership, LeaseConfig};
 use flexinfer_controller::metrics::Metrics;
@@ -15,31 +15,31 @@ use tracing::{error, info};
 
 #[derive(Parser, Debug)]
 #[command(
-    name = "flexinfer-controller",
+    name = "flexinfer-controller", // not-contract: the binary name
     version,
     about = "FlexInfer controller-manager"
 )]
 struct Args {
     /// Address of the Prometheus `/metrics` endpoint.
-    #[arg(long, env = controller_env::METRICS_ADDR, default_value = "0.0.0.0:8080")]
+    #[arg(long, env = env::controller::METRICS_ADDR, default_value = "0.0.0.0:8080")]
     metrics_bind_address: SocketAddr,
     /// Address of `/healthz` and `/readyz`.
-    #[arg(long, env = controller_env::HEALTH_ADDR, default_value = "0.0.0.0:8081")]
+    #[arg(long, env = env::controller::HEALTH_ADDR, default_value = "0.0.0.0:8081")]
     health_probe_bind_address: SocketAddr,
     /// Run leader election on a Lease so only one replica reconciles.
-    #[arg(long, env = controller_env::LEADER_ELECT, default_value = "true", action = clap::ArgAction::Set)]
+    #[arg(long, env = env::controller::LEADER_ELECT, default_value = "true", action = clap::ArgAction::Set)]
     leader_elect: String,
     /// Namespace of the Lease (default: the watch namespace, else `flexinfer-system`).
-    #[arg(long, env = controller_env::NAMESPACE)]
+    #[arg(long, env = env::controller::NAMESPACE)]
     namespace: Option<String>,
     /// Only watch this namespace (default: all).
-    #[arg(long, env = controller_env::WATCH_NAMESPACE)]
+    #[arg(long, env = env::controller::WATCH_NAMESPACE)]
     watch_namespace: Option<String>,
     /// Lease name.
-    #[arg(long, env = controller_env::LEASE_NAME, default_value = "flexinfer-controller-leader")]
+    #[arg(long, env = env::controller::LEASE_NAME, default_value = "flexinfer-controller-leader")]
     lease_name: String,
     /// Lease duration in seconds.
-    #[arg(long, env = controller_env::LEASE_DURATION_SECONDS, default_value_t = 15)]
+    #[arg(long, env = env::controller::LEASE_DURATION_SECONDS, default_value_t = 15)]
     lease_duration_seconds: u64,
     /// Plain-text logs instead of JSON (for humans at a terminal).
     #[arg(long)]
@@ -88,9 +88,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
     info!(worker_image = ?config.worker_image, drift_grace_s = config.drift_grace.as_secs(), retry_base_s = config.retry_base.as_secs_f64(), watch_namespace = ?args.watch_namespace, "starting");
     let leader_elect = flexinfer_api::contract::parse_bool(&args.leader_elect).unwrap_or(true);
     let leadership = if leader_elect {
-        let identity = std::env::var(flexinfer_api::contract::serving::POD_NAME_ENV)
+        let identity = std::env::var(flexinfer_api::contract::env::controller::POD_NAME)
             .or_else(|_| std::env::var("HOSTNAME"))
-            .unwrap_or_else(|_| "flexinfer-controller".into());
+            .unwrap_or_else(|_| "flexinfer-controller".into()); // not-contract: lease identity
         let identity = format!("{identity}-{}", std::process::id());
         let namespace = args
             .namespace

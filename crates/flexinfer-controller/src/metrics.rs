@@ -1,4 +1,4 @@
-//! Prometheus metrics (names and labels follow the seed deployment; SPEC §8).
+//! Prometheus metrics (names and labels follow the seed deployment and the chart's alerts).
 
 use prometheus::{
     histogram_opts, opts, GaugeVec, HistogramVec, IntCounterVec, IntGaugeVec, Registry,

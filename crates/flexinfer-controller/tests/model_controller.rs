@@ -3,12 +3,14 @@
 //! in-process, scoped to its own namespace, and deletes the namespace at the end.
 //!
 //! Needs `KUBECONFIG` from `scripts/testenv/up.sh cluster` (`make test` sets it up).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use flexinfer_api::conditions::{self, types};
-use flexinfer_api::contract::{annotations, labels, model_reasons, serving};
+use flexinfer_api::contract::controller::FIELD_MANAGER;
+use flexinfer_api::contract::{annotations, labels, reasons};
 use flexinfer_api::model::ModelPhase;
 use flexinfer_api::{GPUProfile, Model, ModelCache};
 use flexinfer_controller::metrics::Metrics;
@@ -496,7 +498,7 @@ async fn model_backends_phases_and_metrics() {
             .filter_map(|f| f.manager.clone())
             .collect();
         assert!(
-            managers.iter().any(|m| m == serving::FIELD_MANAGER),
+            managers.iter().any(|m| m == FIELD_MANAGER),
             "{name}: {managers:?}"
         );
         let c = container(&d);
@@ -715,7 +717,7 @@ async fn model_backends_phases_and_metrics() {
     // Events on phase changes.
     let phase_event = |needle: &'static str| {
         move |e: &Event| {
-            e.reason.as_deref() == Some(model_reasons::PHASE_CHANGED)
+            e.reason.as_deref() == Some(reasons::PHASE_CHANGED)
                 && e.note.as_deref().is_some_and(|n| n.contains(needle))
         }
     };
@@ -949,9 +951,7 @@ async fn model_promotion_gate_cases() {
         .and_then(|m| m.annotations.clone())
         .unwrap_or_default();
     assert_eq!(
-        annos
-            .get(serving::GPU_PRIORITY_ANNOTATION)
-            .map(String::as_str),
+        annos.get(annotations::GPU_PRIORITY).map(String::as_str),
         Some("255")
     );
     env.wait_model(
@@ -967,7 +967,7 @@ async fn model_promotion_gate_cases() {
     )
     .await;
 
-    // Gate cases of SPEC §7 on GPUs of the sm89 node (no profile: vendor given).
+    // Gate cases of docs/user/promotion-gate.md on GPUs of the sm89 node (no profile: vendor given).
     let gated = [(annotations::PROMOTION_GATE, annotations::PROMOTION_GATE_V1)];
     let base = |extra: Value| {
         let mut s = json!({"backend": "vllm", "source": "pvc://w/x", "gpu": {"vendor": "nvidia"},
@@ -1043,7 +1043,7 @@ async fn model_promotion_gate_cases() {
         );
         let ev = env
             .wait_event(name, "PromotionBlocked", |e| {
-                e.reason.as_deref() == Some(model_reasons::PROMOTION_BLOCKED)
+                e.reason.as_deref() == Some(reasons::PROMOTION_BLOCKED)
             })
             .await;
         assert_eq!(ev.type_.as_deref(), Some("Warning"));

@@ -1,21 +1,16 @@
-//! Per-layer resume cache under `$MODEL_DIR/.flexinfer-gptq-cache/` (SPEC §4.2, runbook §8.1).
+//! Per-layer resume cache under `$MODEL_DIR/.flexinfer-gptq-cache/` (docs/dev/gptq.md §1.8).
 //! Any problem with the cache wipes it and the run proceeds from layer 0: resume never blocks a run.
 
 use crate::error::{QuantError, Result};
 use crate::events::{fields, EventSink};
 use crate::fsutil::{now_rfc3339, read_json, sha256_file, sha256_hex, write_json_atomic};
 use crate::writer::OutTensor;
+use flexinfer_contract::{events as names, files};
 use safetensors::tensor::TensorView;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-
-pub const CACHE_DIR: &str = ".flexinfer-gptq-cache";
-pub const EVENT_LAYER_CACHED: &str = "quantization_layer_cached";
-pub const EVENT_RESUME_LOADED: &str = "quantization_resume_loaded";
-pub const EVENT_RESUME_FALLBACK: &str = "quantization_resume_fallback";
-pub const EVENT_CACHE_RESET: &str = "quantization_layer_cache_reset";
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct LayerEntry {
@@ -40,14 +35,20 @@ pub struct Manifest {
 }
 
 pub struct LayerCache {
+    /// `$MODEL_DIR/.flexinfer-gptq-cache`.
     pub dir: PathBuf,
+    model_dir: PathBuf,
     pub manifest: Manifest,
     calibration_fingerprint: String,
 }
 
 impl LayerCache {
     fn layers_dir(&self) -> PathBuf {
-        self.dir.join("layers")
+        self.model_dir.join(files::GPTQ_LAYERS_DIR)
+    }
+
+    fn manifest_path(&self) -> PathBuf {
+        self.model_dir.join(files::GPTQ_LAYERS_MANIFEST)
     }
 
     /// Opens (or creates) the cache and validates it; on any problem the cache is wiped and events say why.
@@ -59,7 +60,7 @@ impl LayerCache {
         resume: bool,
         events: &dyn EventSink,
     ) -> Result<Self> {
-        let dir = model_dir.join(CACHE_DIR);
+        let dir = model_dir.join(files::GPTQ_CACHE_DIR);
         let fresh = Manifest {
             version: 1,
             config_hash: config_hash.to_string(),
@@ -68,10 +69,11 @@ impl LayerCache {
         };
         let mut cache = LayerCache {
             dir: dir.clone(),
+            model_dir: model_dir.to_path_buf(),
             manifest: fresh.clone(),
             calibration_fingerprint: calibration_fingerprint.into(),
         };
-        let manifest_path = dir.join("layers").join("manifest.json");
+        let manifest_path = model_dir.join(files::GPTQ_LAYERS_MANIFEST);
         if dir.exists() {
             let verdict: std::result::Result<Manifest, (String, bool)> = if !resume {
                 Err(("resume disabled".into(), false))
@@ -101,10 +103,16 @@ impl LayerCache {
                 }
                 Err((reason, fallback)) => {
                     if fallback {
-                        events.emit(EVENT_RESUME_FALLBACK, fields([("reason", json!(reason))]));
+                        events.emit(
+                            names::QUANTIZATION_RESUME_FALLBACK,
+                            fields([("reason", json!(reason))]),
+                        );
                     }
-                    if reason != "no manifest" || dir.join("layers").exists() {
-                        events.emit(EVENT_CACHE_RESET, fields([("reason", json!(reason))]));
+                    if reason != "no manifest" || cache.layers_dir().exists() {
+                        events.emit(
+                            names::QUANTIZATION_LAYER_CACHE_RESET,
+                            fields([("reason", json!(reason))]),
+                        );
                     }
                     std::fs::remove_dir_all(&dir).map_err(|e| QuantError::io(&dir, e))?;
                 }
@@ -115,7 +123,7 @@ impl LayerCache {
         cache.save_manifest()?;
         if !cache.manifest.layers.is_empty() {
             events.emit(
-                EVENT_RESUME_LOADED,
+                names::QUANTIZATION_RESUME_LOADED,
                 fields([("layers", json!(cache.manifest.layers.len()))]),
             );
         }
@@ -154,7 +162,7 @@ impl LayerCache {
             for e in rd.flatten() {
                 let name = e.file_name().to_string_lossy().to_string();
                 let known = self.manifest.layers.iter().any(|l| l.path == name);
-                if name != "manifest.json" && !known {
+                if !self.manifest_path().ends_with(&name) && !known {
                     let _ = std::fs::remove_file(e.path());
                 }
             }
@@ -166,12 +174,12 @@ impl LayerCache {
             path: self.layers_dir(),
             message: e.to_string(),
         })?;
-        write_json_atomic(&self.layers_dir().join("manifest.json"), &v)
+        write_json_atomic(&self.manifest_path(), &v)
     }
 
     pub fn write_checkpoint(&self, stage: &str, active_layer: Option<usize>) -> Result<()> {
         write_json_atomic(
-            &self.dir.join("checkpoint.json"),
+            &self.model_dir.join(files::GPTQ_CHECKPOINT),
             &json!({
                 "stage": stage,
                 "completed_layers": self.manifest.layers.len(),
@@ -238,7 +246,7 @@ impl LayerCache {
         self.save_manifest()?;
         self.write_checkpoint("quantizing", Some(layer + 1))?;
         events.emit(
-            EVENT_LAYER_CACHED,
+            names::QUANTIZATION_LAYER_CACHED,
             fields([
                 ("layer", json!(layer)),
                 ("path", json!(name)),

@@ -1,4 +1,4 @@
-//! The GPTQ column sweep (lazy batch updates) and the RTN fallback (GPTQ-NOTES §1.7–§1.10, §1.12).
+//! The GPTQ column sweep (lazy batch updates) and the RTN fallback (docs/dev/gptq.md §1.5–§1.7).
 
 use crate::hessian::PreparedFactor;
 use crate::linalg::LinalgBackend;

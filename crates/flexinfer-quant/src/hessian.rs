@@ -1,14 +1,12 @@
 //! Hessian preparation (sanitise, dead columns, act-order permutation) and the recovery loop that turns it into
-//! the sweep factor (one Cholesky factorisation; see [`crate::linalg`]) (SPEC §5, runbook §4).
+//! the sweep factor (one Cholesky factorisation; see [`crate::linalg`]) (docs/dev/gptq.md §1.2–§1.4).
 
 use crate::events::{fields, EventSink};
 use crate::linalg::{LinalgBackend, SweepFactor};
 use crate::params::{FloorMode, RecoveryParams};
 use faer::Mat;
+use flexinfer_contract::events as names;
 use serde_json::json;
-
-/// Event name of the recovery loop (SPEC §4.3).
-pub const EVENT_HESSIAN_RECOVERY: &str = "hessian_recovery";
 
 /// Everything the column sweep needs from one Hessian; shared by all modules that see the same input.
 #[derive(Clone, Debug)]
@@ -62,7 +60,7 @@ pub fn prepare_factor(
     let replaced = sanitize(&mut h);
     if replaced > 0 {
         events.emit(
-            EVENT_HESSIAN_RECOVERY,
+            names::HESSIAN_RECOVERY,
             fields([
                 ("module", json!(module)),
                 ("attempt", json!(0)),
@@ -136,7 +134,7 @@ pub fn recover(
         if try_factor(&mut work, &|i| diag[i] + add) {
             if failed_any {
                 events.emit(
-                    EVENT_HESSIAN_RECOVERY,
+                    names::HESSIAN_RECOVERY,
                     fields([
                         ("module", json!(module)),
                         ("attempt", json!(0)),
@@ -149,7 +147,7 @@ pub fn recover(
         }
         failed_any = true;
         events.emit(
-            EVENT_HESSIAN_RECOVERY,
+            names::HESSIAN_RECOVERY,
             fields([
                 ("module", json!(module)),
                 ("attempt", json!(0)),
@@ -177,7 +175,7 @@ pub fn recover(
             && floor > 0.0
             && try_factor(&mut work, &|i| (diag[i] + floor).max(floor));
         events.emit(
-            EVENT_HESSIAN_RECOVERY,
+            names::HESSIAN_RECOVERY,
             fields([
                 ("module", json!(module)),
                 ("attempt", json!(attempt)),
@@ -190,7 +188,7 @@ pub fn recover(
         }
     }
     events.emit(
-        EVENT_HESSIAN_RECOVERY,
+        names::HESSIAN_RECOVERY,
         fields([
             ("module", json!(module)),
             ("attempt", json!(rp.max_floor_attempts)),

@@ -1,4 +1,4 @@
-//! Quantization settings: the GPTQ format knobs and the Hessian-recovery tunables (SPEC §4.1, §5).
+//! Quantization settings: the GPTQ format knobs and the Hessian-recovery tunables (docs/dev/gptq.md §1).
 
 use crate::error::{QuantError, Result};
 use serde::{Deserialize, Serialize};

@@ -20,23 +20,21 @@ use crate::model::{
 use crate::pack::{pack, ZeroFormat};
 use crate::params::{GateParams, GptqParams, RecoveryParams};
 use crate::tensors::TensorStore;
-use crate::writer::{verify_save_complete, write_checkpoint, Extras, OutTensor, QUALITY_FILE};
+use crate::writer::{verify_save_complete, write_checkpoint, Extras, OutTensor};
 use faer::Mat;
+use flexinfer_contract::events as names;
+use flexinfer_contract::files::{self, QualitySummary};
 use safetensors::Dtype;
-use serde::{Deserialize, Serialize};
+
 use serde_json::{json, Value};
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-pub const EVENT_PROGRESS: &str = "progress";
 /// Samples whose activations are stacked into one Hessian update when `N_PARALLEL_CALIB_SAMPLES` is unset: one,
 /// so only one sample's activations of a stage are alive at a time (a sample's tokens already give the
 /// Hessian product a deep enough inner dimension).
 pub const DEFAULT_CALIB_BATCH: usize = 1;
-pub const EVENT_QUALITY: &str = "quantization_quality";
-pub const EVENT_QUALITY_UNAVAILABLE: &str = "quantization_quality_unavailable";
-pub const EVENT_CACHED: &str = "quantization_cached";
 
 /// Everything a quantize run needs.
 #[derive(Clone, Debug)]
@@ -63,45 +61,29 @@ pub struct QuantizeJob {
     pub abort_after_layer: Option<usize>,
 }
 
-/// The quality sidecar (`.quantization-quality.json`).
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(rename_all = "camelCase")]
-pub struct Quality {
-    pub gptq_modules: u64,
-    pub rtn_fallback_modules: u64,
-    pub rtn_fallback_percent: f64,
-    pub max_rtn_fallback_percent: f64,
-    pub minimum_modules: u64,
-    pub gate: String,
-}
-
-impl Quality {
-    pub fn evaluate(gptq: u64, rtn: u64, gate: &GateParams) -> Self {
-        let total = gptq + rtn;
-        let pct = if total == 0 {
-            0.0
-        } else {
-            100.0 * rtn as f64 / total as f64
-        };
-        let verdict = if total < gate.min_modules {
-            "insufficient-sample"
-        } else if pct > gate.max_rtn_fallback_percent {
-            "failed"
-        } else {
-            "passed"
-        };
-        Quality {
-            gptq_modules: gptq,
-            rtn_fallback_modules: rtn,
-            rtn_fallback_percent: pct,
-            max_rtn_fallback_percent: gate.max_rtn_fallback_percent,
-            minimum_modules: gate.min_modules,
-            gate: verdict.into(),
-        }
-    }
-
-    pub fn failed(&self) -> bool {
-        self.gate == "failed"
+/// The RTN-fallback gate over a run's module counts: the quality sidecar
+/// (`.quantization-quality.json`) and the termination message's `quality`.
+pub fn evaluate_quality(gptq: u64, rtn: u64, gate: &GateParams) -> QualitySummary {
+    let total = gptq + rtn;
+    let pct = if total == 0 {
+        0.0
+    } else {
+        100.0 * rtn as f64 / total as f64
+    };
+    let verdict = if total < gate.min_modules {
+        "insufficient-sample"
+    } else if pct > gate.max_rtn_fallback_percent {
+        "failed"
+    } else {
+        "passed"
+    };
+    QualitySummary {
+        gptq_modules: gptq,
+        rtn_fallback_modules: rtn,
+        rtn_fallback_percent: pct,
+        max_rtn_fallback_percent: gate.max_rtn_fallback_percent,
+        minimum_modules: gate.min_modules,
+        gate: verdict.into(),
     }
 }
 
@@ -113,7 +95,7 @@ pub struct Outcome {
     pub compressed_size_bytes: u64,
     pub seconds: f64,
     /// `None` for an older cached artifact without a sidecar.
-    pub quality: Option<Quality>,
+    pub quality: Option<QualitySummary>,
     pub cached: bool,
 }
 
@@ -211,7 +193,7 @@ impl Progress<'_> {
             ("detail", json!(detail)),
         ]);
         f.extend(extra);
-        self.events.emit(EVENT_PROGRESS, f);
+        self.events.emit(names::PROGRESS, f);
     }
 }
 
@@ -331,24 +313,24 @@ pub fn run(
 
     // A previous Job finished the save: verify, enforce the gate again, done.
     if let Some(sc) = verify_save_complete(&final_dir, job.verify_save_sha256) {
-        let quality = read_json(&final_dir.join(QUALITY_FILE))
+        let quality = read_json(&final_dir.join(files::QUANTIZATION_QUALITY))
             .ok()
-            .and_then(|v| serde_json::from_value::<Quality>(v).ok());
+            .and_then(|v| serde_json::from_value::<QualitySummary>(v).ok());
         match &quality {
             Some(q) => events.emit(
-                EVENT_QUALITY,
+                names::QUANTIZATION_QUALITY,
                 serde_json::to_value(q)
                     .ok()
                     .and_then(|v| v.as_object().cloned())
                     .unwrap_or_default(),
             ),
             None => events.emit(
-                EVENT_QUALITY_UNAVAILABLE,
+                names::QUANTIZATION_QUALITY_UNAVAILABLE,
                 fields([("outputDir", json!(final_dir.display().to_string()))]),
             ),
         }
         events.emit(
-            EVENT_CACHED,
+            names::QUANTIZATION_CACHED,
             fields([("outputDir", json!(final_dir.display().to_string()))]),
         );
         let original = TensorStore::open_dir(&job.model_dir)
@@ -654,7 +636,7 @@ pub fn run(
     release_free_memory();
     // Save.
     cache.write_checkpoint("saving", None)?;
-    let quality = Quality::evaluate(gptq_count, rtn_count, &job.gate);
+    let quality = evaluate_quality(gptq_count, rtn_count, &job.gate);
     let layer_stores: Vec<TensorStore> = (0..layers)
         .map(|l| {
             let p = cache
@@ -732,7 +714,7 @@ pub fn run(
     cache.remove()?;
     tracing::info!(output = %final_dir.display(), shards = records.len(), gate = %quality.gate, "checkpoint written");
     events.emit(
-        EVENT_QUALITY,
+        names::QUANTIZATION_QUALITY,
         quality_json.as_object().cloned().unwrap_or_default(),
     );
     Ok(Outcome {

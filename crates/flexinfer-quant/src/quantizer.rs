@@ -1,4 +1,4 @@
-//! Per-row min/max quantizer with the reference tools' conventions (GPTQ-NOTES §1.8).
+//! Per-row min/max quantizer with the reference tools' conventions (docs/dev/gptq.md §1.6).
 
 /// Scale and integer zero-point for each output row of one group.
 #[derive(Clone, Debug, PartialEq)]

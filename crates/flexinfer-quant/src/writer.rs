@@ -4,14 +4,12 @@
 
 use crate::error::{QuantError, Result};
 use crate::fsutil::{now_rfc3339, read_json, sha256_file, write_atomic, write_json_atomic};
+use flexinfer_contract::files::{self, SaveComplete, SaveShard};
 use safetensors::Dtype;
-use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::borrow::Cow;
 use std::path::Path;
 
-pub const SAVE_COMPLETE: &str = ".save-complete";
-pub const QUALITY_FILE: &str = ".quantization-quality.json";
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 
 /// Tokenizer and generation files copied next to the weights when present.
@@ -35,27 +33,9 @@ pub struct OutTensor<'a> {
     pub data: Cow<'a, [u8]>,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct ShardRecord {
-    pub name: String,
-    pub size_bytes: u64,
-    pub sha256: String,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct SaveComplete {
-    pub version: u32,
-    pub script_version: String,
-    pub completed_at: String,
-    pub shards: Vec<ShardRecord>,
-    pub has_index: bool,
-    pub has_config: bool,
-    pub has_quantize_config: bool,
-}
-
 /// Checks an output directory's `.save-complete`: every shard present with its exact size (and sha256 if asked).
 pub fn verify_save_complete(dir: &Path, check_sha: bool) -> Option<SaveComplete> {
-    let v = read_json(&dir.join(SAVE_COMPLETE)).ok()?;
+    let v = read_json(&dir.join(files::SAVE_COMPLETE)).ok()?;
     let sc: SaveComplete = serde_json::from_value(v).ok()?;
     if sc.shards.is_empty() {
         return None;
@@ -211,7 +191,7 @@ pub fn write_checkpoint(
     extras: &Extras<'_>,
     release_pages: &dyn Fn(),
     mut on_shard: impl FnMut(usize, usize),
-) -> Result<Vec<ShardRecord>> {
+) -> Result<Vec<SaveShard>> {
     let mut ticker = ReleaseTicker {
         release: release_pages,
         since: 0,
@@ -253,7 +233,7 @@ pub fn write_checkpoint(
             write_shard(&path, &header, &tensors, &order, &mut ticker)?;
         }
         let bytes_len = size;
-        records.push(ShardRecord {
+        records.push(SaveShard {
             name,
             size_bytes: bytes_len,
             sha256: sha,
@@ -278,7 +258,7 @@ pub fn write_checkpoint(
         &staging.join("quantize_config.json"),
         &extras.quantize_config,
     )?;
-    write_json_atomic(&staging.join(QUALITY_FILE), &extras.quality)?;
+    write_json_atomic(&staging.join(files::QUANTIZATION_QUALITY), &extras.quality)?;
     for f in TOKENIZER_FILES {
         let src = extras.source_dir.join(f);
         if src.is_file() {
@@ -296,10 +276,10 @@ pub fn write_checkpoint(
         has_quantize_config: true,
     };
     let v = serde_json::to_value(&sc).map_err(|e| QuantError::Json {
-        path: staging.join(SAVE_COMPLETE),
+        path: staging.join(files::SAVE_COMPLETE),
         message: e.to_string(),
     })?;
-    write_json_atomic(&staging.join(SAVE_COMPLETE), &v)?;
+    write_json_atomic(&staging.join(files::SAVE_COMPLETE), &v)?;
     if final_dir.exists() {
         std::fs::remove_dir_all(final_dir).map_err(|e| QuantError::io(final_dir, e))?;
     }

@@ -1,4 +1,4 @@
-//! `flexinfer-worker abliterate`: refusal-direction removal (SPEC §2.1 `spec.abliteration`, §4).
+//! `flexinfer-worker abliterate`: refusal-direction removal (`spec.abliteration`; docs/user/abliteration.md).
 //!
 //! 1. Plan: which decoder layers and which residual-writing matrices are modified, with the seeds'
 //!    guards (GDN/linear-attention layers, MoE experts, lm_head, vision/audio towers).
@@ -19,9 +19,8 @@ pub mod output;
 
 use std::path::{Path, PathBuf};
 
-use flexinfer_api::contract::{
-    self, abliteration as names, env, events, files, AbliterationStatusFile, ProgressEvent,
-    TerminationSuccess,
+use flexinfer_contract::{
+    self as contract, env, events, files, AbliterationStatusFile, ProgressEvent, TerminationSuccess,
 };
 use flexinfer_quant::QuantError;
 
@@ -228,7 +227,7 @@ fn run_inner(args: &AbliterateArgs, ev: &Events) -> Result<TerminationSuccess, W
     // A complete output of this exact run short-circuits.
     if let Some(done) = output::verify_complete(&out_dir, &fingerprint) {
         ev.emit(
-            names::EVENT_CACHED,
+            events::ABLITERATION_CACHED,
             &serde_json::json!({ "outDir": out_dir.display().to_string() }),
         );
         gate(&settings, &done.result, ev)?;
@@ -247,7 +246,7 @@ fn run_inner(args: &AbliterateArgs, ev: &Events) -> Result<TerminationSuccess, W
     let result = match &resumed {
         Some(m) => {
             ev.emit(
-                names::EVENT_RESUME_LOADED,
+                events::ABLITERATION_RESUME_LOADED,
                 &serde_json::json!({
                     "shardsCached": m.shards.len(),
                     "layer": m.result.layer,
@@ -310,7 +309,7 @@ fn gate(s: &Settings, r: &output::RunResult, ev: &Events) -> Result<(), WorkerEr
         && r.perplexity_after.is_finite()
         && r.perplexity_after <= limit;
     ev.emit(
-        names::EVENT_GATE,
+        events::ABLITERATION_GATE,
         &serde_json::json!({
             "gate": if norm_ok && ppl_ok { "passed" } else { "failed" },
             "layer": r.layer,

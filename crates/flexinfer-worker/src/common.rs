@@ -1,13 +1,13 @@
 //! What every worker subcommand shares: the JSON-line event stream on stdout, the termination
-//! message, the version handshake, and the exit-code mapping (SPEC §4).
+//! message, the version handshake, and the exit-code mapping (docs/dev/architecture.md §2).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use flexinfer_api::contract::{
-    self, encode_termination, env, events, exit_codes, ProgressEvent, TerminationFailure,
-    TerminationSuccess, WorkerEvent,
+use flexinfer_contract::{
+    self as contract, encode_termination, env, events, exit_codes, ProgressEvent,
+    TerminationFailure, TerminationSuccess, WorkerEvent,
 };
 use serde::Serialize;
 
@@ -39,13 +39,7 @@ impl WorkerError {
     }
 }
 
-/// Current time as RFC 3339 (UTC, seconds).
-pub fn now_rfc3339() -> String {
-    jiff::Timestamp::now()
-        .round(jiff::Unit::Second)
-        .map(|t| t.to_string())
-        .unwrap_or_default()
-}
+pub use flexinfer_fsutil::{now_rfc3339, write_atomic};
 
 /// Writes events to stdout and keeps `progress` monotonic within the process.
 pub struct Events {
@@ -182,17 +176,6 @@ pub fn finish(events: &Events, result: Result<TerminationSuccess, WorkerError>) 
             code
         }
     }
-}
-
-/// Write `bytes` to `path` atomically (temp file in the same directory + fsync + rename).
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path.parent().unwrap_or_else(|| Path::new("."));
-    std::fs::create_dir_all(dir)?;
-    let mut tmp = tempfile::NamedTempFile::new_in(dir)?;
-    tmp.write_all(bytes)?;
-    tmp.as_file().sync_all()?;
-    tmp.persist(path).map_err(|e| e.error)?;
-    Ok(())
 }
 
 /// Whether a directory under a model directory holds derived or in-progress artifacts (abliterated

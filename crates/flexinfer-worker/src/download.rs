@@ -1,4 +1,4 @@
-//! `flexinfer-worker download`: fetch a model or dataset into `MODEL_DIR` (SPEC §4.1, §6).
+//! `flexinfer-worker download`: fetch a model or dataset into `MODEL_DIR` (docs/dev/architecture.md §2, §5).
 //!
 //! Sources: Hugging Face Hub (`HF://org/m`, `huggingface://org/m`, `org/m`), `oci://` artifacts
 //! (the layout `publish` writes) and `local://` paths under `FLEXINFER_LOCAL_SOURCE_ROOT`.
@@ -19,8 +19,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use flexinfer_api::contract::{
-    self, env, events, files, transfer_env, IntegrityFile, ProgressEvent, SourceIntegrity,
+use flexinfer_contract::{
+    self as contract, env, events, files, IntegrityFile, ProgressEvent, SourceIntegrity,
     TerminationSuccess,
 };
 use futures::{StreamExt, TryStreamExt};
@@ -71,13 +71,13 @@ pub struct DownloadArgs {
     #[arg(long, env = env::HF_TOKEN, hide_env_values = true)]
     pub hf_token: Option<String>,
     /// Files fetched in parallel.
-    #[arg(long, env = transfer_env::DOWNLOAD_CONCURRENCY, default_value_t = 4)]
+    #[arg(long, env = env::transfer::DOWNLOAD_CONCURRENCY, default_value_t = 4)]
     pub concurrency: usize,
     /// Consecutive failed attempts per file (without progress) before giving up.
-    #[arg(long, env = transfer_env::DOWNLOAD_RETRIES, default_value_t = 8)]
+    #[arg(long, env = env::transfer::DOWNLOAD_RETRIES, default_value_t = 8)]
     pub retries: u32,
     /// Seconds between progress events.
-    #[arg(long, env = transfer_env::PROGRESS_INTERVAL_SECONDS, default_value_t = 5.0)]
+    #[arg(long, env = env::transfer::PROGRESS_INTERVAL_SECONDS, default_value_t = 5.0)]
     pub progress_interval: f64,
     /// Calibration dataset: a hub dataset id is fetched into `MODEL_DIR/.datasets/<id>` after the
     /// model; a local file path is left alone.
@@ -90,18 +90,11 @@ pub struct DownloadArgs {
     #[arg(long, env = env::HARMLESS_DATASET)]
     pub harmless_dataset: Option<String>,
     /// Root that `local://` sources must stay inside.
-    #[arg(long, env = contract::controller_env::LOCAL_SOURCE_ROOT)]
+    #[arg(long, env = contract::env::controller::LOCAL_SOURCE_ROOT)]
     pub local_source_root: Option<PathBuf>,
-    /// `oci://` sources: skip TLS verification and allow plain HTTP.
-    #[arg(long, env = env::OCI_INSECURE, value_parser = parse_bool_arg, default_value = "false",
-        action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
-    pub insecure: bool,
-    #[arg(long, env = env::OCI_USERNAME)]
-    pub oci_username: Option<String>,
-    #[arg(long, env = env::OCI_PASSWORD, hide_env_values = true)]
-    pub oci_password: Option<String>,
-    #[arg(long, env = env::DOCKER_CONFIG_JSON)]
-    pub docker_config_json: Option<PathBuf>,
+    /// Registry flags of `oci://` sources.
+    #[command(flatten)]
+    pub registry: oci::RegistryArgs,
     /// Contract version expected by the controller.
     #[arg(long, env = env::SCRIPT_VERSION)]
     pub script_version: Option<String>,
@@ -122,11 +115,14 @@ pub fn run(args: DownloadArgs) -> i32 {
 
 /// Never let a secret reach the termination message.
 fn redact(e: WorkerError, args: &DownloadArgs) -> WorkerError {
-    let secrets: Vec<&str> = [args.hf_token.as_deref(), args.oci_password.as_deref()]
-        .into_iter()
-        .flatten()
-        .filter(|s| s.len() >= 4)
-        .collect();
+    let secrets: Vec<&str> = [
+        args.hf_token.as_deref(),
+        args.registry.oci_password.as_deref(),
+    ]
+    .into_iter()
+    .flatten()
+    .filter(|s| s.len() >= 4)
+    .collect();
     if secrets.is_empty() {
         return e;
     }
@@ -226,14 +222,11 @@ async fn run_async(
         Source::Oci { reference } => {
             let reference = oci::Reference::parse(&reference)
                 .map_err(|e| WorkerError::BadInput(e.to_string()))?;
-            let creds = oci::Credentials::resolve(
-                &reference.registry,
-                args.oci_username.as_deref(),
-                args.oci_password.as_deref(),
-                args.docker_config_json.as_deref(),
-            )
-            .map_err(|e| WorkerError::BadInput(e.to_string()))?;
-            let reg = oci::Registry::connect(&reference, creds, args.insecure)
+            let creds = args
+                .registry
+                .credentials(&reference.registry)
+                .map_err(|e| WorkerError::BadInput(e.to_string()))?;
+            let reg = oci::Registry::connect(&reference, creds, args.registry.insecure)
                 .await
                 .map_err(oci::worker_error)?;
             let (digest, listed) = reg
@@ -471,15 +464,27 @@ fn spawn_ticker(
 ) -> tokio::task::JoinHandle<()> {
     let done = ctx.done.clone();
     let received = ctx.received.clone();
+    spawn_progress_ticker(events, interval, move |secs| {
+        let rate = received.load(Ordering::Relaxed) as f64 / secs;
+        let d = done.load(Ordering::Relaxed).min(total);
+        bytes_progress(d, total, rate, "downloading")
+    })
+}
+
+/// Every `interval` seconds (clamped to 0.05–3600), emit the `progress` event that `progress`
+/// builds from the seconds elapsed since the start. Shared by `download` and `publish`.
+pub fn spawn_progress_ticker(
+    events: Arc<Events>,
+    interval: f64,
+    progress: impl Fn(f64) -> ProgressEvent + Send + 'static,
+) -> tokio::task::JoinHandle<()> {
     let interval = Duration::from_secs_f64(interval.clamp(0.05, 3600.0));
     tokio::spawn(async move {
         let start = Instant::now();
         loop {
             tokio::time::sleep(interval).await;
             let secs = start.elapsed().as_secs_f64().max(1e-3);
-            let rate = received.load(Ordering::Relaxed) as f64 / secs;
-            let d = done.load(Ordering::Relaxed).min(total);
-            events.progress(bytes_progress(d, total, rate, "downloading"));
+            events.progress(progress(secs));
         }
     })
 }

@@ -1,6 +1,6 @@
 //! Hugging Face Hub HTTP API: list a repository's files at a revision and build download URLs.
 
-use flexinfer_api::contract::check_relative_path;
+use flexinfer_contract::check_relative_path;
 use serde::Deserialize;
 
 use crate::download::fetch::{classify_status, http_error, FetchError};

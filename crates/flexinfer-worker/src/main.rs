@@ -6,7 +6,7 @@ use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(
-    name = "flexinfer-worker",
+    name = "flexinfer-worker", // not-contract: the binary name
     version,
     about = "FlexInfer pipeline worker"
 )]
@@ -30,10 +30,11 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
+    init_tracing();
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Version => {
-            println!("{}", flexinfer_api::contract::SCRIPT_VERSION);
+            println!("{}", flexinfer_contract::SCRIPT_VERSION);
             ExitCode::SUCCESS
         }
         Cmd::Download(args) => exit_code(flexinfer_worker::download::run(args)),
@@ -41,6 +42,18 @@ fn main() -> ExitCode {
         Cmd::Quantize(args) => exit_code(flexinfer_worker::quantize::run(args)),
         Cmd::Publish(args) => exit_code(flexinfer_worker::publish::run(args)),
     }
+}
+
+/// `tracing` output (the engine's and the transfers' warnings) as JSON lines on stderr; stdout
+/// stays the event stream. `RUST_LOG` sets the level (default `warn`).
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .json()
+        .with_writer(std::io::stderr)
+        .with_env_filter(filter)
+        .try_init();
 }
 
 fn exit_code(code: i32) -> ExitCode {

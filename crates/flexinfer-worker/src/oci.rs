@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use base64::Engine as _;
-use flexinfer_api::contract::{check_relative_path, oci_artifact};
+use flexinfer_contract::{check_relative_path, oci_artifact};
 use futures::TryStreamExt;
 use reqwest::header::{
     HeaderMap, AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE, LOCATION, WWW_AUTHENTICATE,
@@ -51,7 +51,7 @@ mod auth;
 mod reference;
 
 use auth::parse_challenge;
-pub use auth::Credentials;
+pub use auth::{Credentials, RegistryArgs};
 pub use reference::{check_tag, is_sha256_digest, Reference};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -1,4 +1,4 @@
-//! `flexinfer-worker publish`: push a model directory as an OCI artifact (SPEC §6).
+//! `flexinfer-worker publish`: push a model directory as an OCI artifact (docs/user/download-and-publish.md).
 //!
 //! Layout: artifactType `application/vnd.flexinfer.model.v1`, the empty config, one layer per
 //! file titled with its relative path (so `oras pull` reproduces the tree). Files are hashed,
@@ -8,14 +8,14 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use flexinfer_api::contract::{self, env, events, oci_artifact, transfer_env, TerminationSuccess};
+use flexinfer_contract::{self as contract, env, events, oci_artifact, TerminationSuccess};
 use futures::{StreamExt, TryStreamExt};
 
 use crate::common::{self, Events, WorkerError};
-use crate::download::{bytes_progress, parse_bool_arg};
-use crate::oci::{self, Credentials, Descriptor, Manifest, Reference, Registry};
+use crate::download::{bytes_progress, spawn_progress_ticker};
+use crate::oci::{self, Descriptor, Manifest, Reference, Registry};
 
 /// Flags of `flexinfer-worker publish` (each also read from its env variable; flags win).
 #[derive(Debug, Clone, clap::Args)]
@@ -34,21 +34,12 @@ pub struct PublishArgs {
     /// Comma-separated extra tags for the same manifest.
     #[arg(long, env = env::OCI_ADDITIONAL_TAGS, default_value = "")]
     pub additional_tags: String,
-    /// Skip TLS verification and allow plain HTTP.
-    #[arg(long, env = env::OCI_INSECURE, value_parser = parse_bool_arg, default_value = "false",
-        action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
-    pub insecure: bool,
-    #[arg(long, env = env::OCI_USERNAME)]
-    pub oci_username: Option<String>,
-    #[arg(long, env = env::OCI_PASSWORD, hide_env_values = true)]
-    pub oci_password: Option<String>,
-    /// dockerconfigjson file (or a mounted Secret directory holding `.dockerconfigjson`).
-    #[arg(long, env = env::DOCKER_CONFIG_JSON)]
-    pub docker_config_json: Option<PathBuf>,
+    #[command(flatten)]
+    pub registry: crate::oci::RegistryArgs,
     /// Blobs uploaded in parallel.
-    #[arg(long, env = transfer_env::PUBLISH_CONCURRENCY, default_value_t = 4)]
+    #[arg(long, env = env::transfer::PUBLISH_CONCURRENCY, default_value_t = 4)]
     pub concurrency: usize,
-    #[arg(long, env = transfer_env::PROGRESS_INTERVAL_SECONDS, default_value_t = 5.0)]
+    #[arg(long, env = env::transfer::PROGRESS_INTERVAL_SECONDS, default_value_t = 5.0)]
     pub progress_interval: f64,
     #[arg(long, env = env::SCRIPT_VERSION)]
     pub script_version: Option<String>,
@@ -104,7 +95,7 @@ pub fn run(args: PublishArgs) -> i32 {
     let events = Arc::new(Events::new(contract::JobPhase::Publish.status_name()));
     let result =
         crate::download::runtime().and_then(|rt| rt.block_on(run_async(&args, events.clone())));
-    let result = result.map_err(|e| match (&args.oci_password, e) {
+    let result = result.map_err(|e| match (&args.registry.oci_password, e) {
         (Some(p), WorkerError::BadInput(m)) if p.len() >= 4 => {
             WorkerError::BadInput(m.replace(p, "<redacted>"))
         }
@@ -190,15 +181,12 @@ async fn run_async(
     );
 
     // Reach the registry first: a TLS or auth problem must not wait for hashing.
-    let creds = Credentials::resolve(
-        &reference.registry,
-        args.oci_username.as_deref(),
-        args.oci_password.as_deref(),
-        args.docker_config_json.as_deref(),
-    )
-    .map_err(oci::worker_error)?;
+    let creds = args
+        .registry
+        .credentials(&reference.registry)
+        .map_err(oci::worker_error)?;
     let reg = Arc::new(
-        Registry::connect(&reference, creds, args.insecure)
+        Registry::connect(&reference, creds, args.registry.insecure)
             .await
             .map_err(oci::worker_error)?,
     );
@@ -212,13 +200,10 @@ async fn run_async(
             let hashed = hashed.clone();
             async move {
                 let p = path.clone();
-                let sha =
-                    tokio::task::spawn_blocking(move || crate::download::fetch::sha256_file(&p))
-                        .await
-                        .map_err(|e| WorkerError::Other(e.to_string()))?
-                        .map_err(|e| {
-                            WorkerError::Other(format!("hashing {}: {e}", path.display()))
-                        })?;
+                let sha = tokio::task::spawn_blocking(move || flexinfer_fsutil::sha256_file(&p))
+                    .await
+                    .map_err(|e| WorkerError::Other(e.to_string()))?
+                    .map_err(|e| WorkerError::Other(format!("hashing {}: {e}", path.display())))?;
                 hashed.fetch_add(size, Ordering::Relaxed);
                 Ok::<_, WorkerError>(LocalFile {
                     rel,
@@ -341,23 +326,17 @@ fn spawn_ticker(
     total: u64,
     interval: f64,
 ) -> tokio::task::JoinHandle<()> {
-    let interval = Duration::from_secs_f64(interval.clamp(0.05, 3600.0));
-    tokio::spawn(async move {
-        let start = Instant::now();
-        loop {
-            tokio::time::sleep(interval).await;
-            let secs = start.elapsed().as_secs_f64().max(1e-3);
-            let (h, s) = (hashed.load(Ordering::Relaxed), sent.load(Ordering::Relaxed));
-            // Hashing and uploading each count for half of the work.
-            let mut p = bytes_progress(
-                (h + s) / 2,
-                total,
-                s as f64 / secs,
-                if s == 0 { "hashing" } else { "uploading" },
-            );
-            p.done = Some(s as f64);
-            events.progress(p);
-        }
+    spawn_progress_ticker(events, interval, move |secs| {
+        let (h, s) = (hashed.load(Ordering::Relaxed), sent.load(Ordering::Relaxed));
+        // Hashing and uploading each count for half of the work.
+        let mut p = bytes_progress(
+            (h + s) / 2,
+            total,
+            s as f64 / secs,
+            if s == 0 { "hashing" } else { "uploading" },
+        );
+        p.done = Some(s as f64);
+        p
     })
 }
 

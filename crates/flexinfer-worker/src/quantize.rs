@@ -1,11 +1,11 @@
-//! `flexinfer-worker quantize`: the GPTQ phase (SPEC §4, §5). Reads the env contract (every setting is also a
+//! `flexinfer-worker quantize`: the GPTQ phase (docs/dev/architecture.md §2, docs/dev/gptq.md). Reads the env contract (every setting is also a
 //! flag; flags win), runs the `flexinfer-quant` engine on the CPU backend, streams JSON-line events, writes the
 //! termination message, and exits 0 ok / 1 failure / 2 bad input / 3 quality gate / 4 version mismatch.
 
 use std::path::{Path, PathBuf};
 
-use flexinfer_api::contract::{
-    self, env, events, JobPhase, ProgressEvent, QualitySummary, TerminationSuccess,
+use flexinfer_contract::{
+    self as contract, env, events, JobPhase, ProgressEvent, TerminationSuccess,
 };
 use flexinfer_quant::calib::CalibSettings;
 use flexinfer_quant::events::EventSink;
@@ -257,14 +257,7 @@ fn run_inner(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess,
         Err(e) if e.is_bad_input() => return Err(bad(e.to_string())),
         Err(e) => return Err(WorkerError::Other(e.to_string())),
     };
-    let quality = outcome.quality.as_ref().map(|q| QualitySummary {
-        gptq_modules: q.gptq_modules,
-        rtn_fallback_modules: q.rtn_fallback_modules,
-        rtn_fallback_percent: q.rtn_fallback_percent,
-        max_rtn_fallback_percent: q.max_rtn_fallback_percent,
-        minimum_modules: q.minimum_modules,
-        gate: q.gate.clone(),
-    });
+    let quality = outcome.quality.clone();
     if let Some(q) = outcome.quality.as_ref().filter(|q| q.failed()) {
         return Err(WorkerError::QualityGate(format!(
             "RTN fallback gate failed: {} of {} modules ({:.1}%) fell back to RTN, limit {:.1}%",

@@ -1,9 +1,10 @@
 //! `flexinfer-worker abliterate` end to end on tiny generated models with a planted direction.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
 
 mod abliterate_support;
 
 use abliterate_support::*;
-use flexinfer_api::contract::{abliteration as names, files, AbliterationStatusFile};
+use flexinfer_contract::{events, files, AbliterationStatusFile};
 use flexinfer_quant::tensors::TensorStore;
 
 fn status(model: &TinyModel) -> AbliterationStatusFile {
@@ -12,7 +13,8 @@ fn status(model: &TinyModel) -> AbliterationStatusFile {
 }
 
 fn manifest(out: &std::path::Path) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(out.join(names::MANIFEST)).unwrap()).unwrap()
+    serde_json::from_str(&std::fs::read_to_string(out.join(files::ABLITERATION_MANIFEST)).unwrap())
+        .unwrap()
 }
 
 fn direction(out: &std::path::Path) -> Vec<f32> {
@@ -134,10 +136,12 @@ fn planted_direction_is_found_removed_and_nothing_else_changes() {
         assert!(p >= last, "progress went backwards: {p} < {last}");
         last = p;
     }
-    assert!(evs.iter().any(|e| e["event"] == names::EVENT_DIRECTION));
     assert!(evs
         .iter()
-        .any(|e| e["event"] == names::EVENT_GATE && e["gate"] == "passed"));
+        .any(|e| e["event"] == events::ABLITERATION_DIRECTION));
+    assert!(evs
+        .iter()
+        .any(|e| e["event"] == events::ABLITERATION_GATE && e["gate"] == "passed"));
     assert_eq!(evs.last().unwrap()["event"], "complete");
 
     // A second run finds the finished output and recomputes nothing.
@@ -145,7 +149,7 @@ fn planted_direction_is_found_removed_and_nothing_else_changes() {
     assert_eq!(again.code, 0, "{}", again.stderr);
     assert!(events(&again.stdout)
         .iter()
-        .any(|e| e["event"] == names::EVENT_CACHED));
+        .any(|e| e["event"] == events::ABLITERATION_CACHED));
 }
 
 #[test]

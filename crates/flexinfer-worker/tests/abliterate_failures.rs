@@ -1,11 +1,12 @@
 //! Quality gate failures (exit 3), kill and resume, bad input (exit 2).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
 
 mod abliterate_support;
 
 use std::os::unix::fs::MetadataExt;
 
 use abliterate_support::*;
-use flexinfer_api::contract::{abliteration as names, files};
+use flexinfer_contract::{events, files};
 
 fn assert_source_untouched(
     model: &TinyModel,
@@ -38,7 +39,7 @@ fn norm_above_threshold_fails_the_gate_with_exit_3() {
     assert_eq!(r.termination["phase"], "abliteration");
     assert!(events(&r.stdout)
         .iter()
-        .any(|e| e["event"] == names::EVENT_GATE && e["gate"] == "failed"));
+        .any(|e| e["event"] == events::ABLITERATION_GATE && e["gate"] == "failed"));
     assert_source_untouched(&model, &before, &out);
 }
 
@@ -61,7 +62,7 @@ fn perplexity_regression_fails_the_gate_with_exit_3() {
     assert!(msg.contains("perplexity"), "{msg}");
     let gate = events(&r.stdout)
         .into_iter()
-        .find(|e| e["event"] == names::EVENT_GATE)
+        .find(|e| e["event"] == events::ABLITERATION_GATE)
         .unwrap();
     let (ppl_before, ppl_after) = (
         gate["perplexityBefore"].as_f64().unwrap(),
@@ -100,9 +101,10 @@ fn killed_run_resumes_without_rewriting_finished_shards() {
     assert_eq!(r.code, 137, "{}\n{}", r.stdout, r.stderr);
     assert!(!out.exists());
     assert!(!model.dir.join(files::ABLITERATION_STATUS).exists());
-    let m: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(staging.join(names::MANIFEST)).unwrap())
-            .unwrap();
+    let m: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(staging.join(files::ABLITERATION_MANIFEST)).unwrap(),
+    )
+    .unwrap();
     let shards = m["shards"].as_array().unwrap();
     assert_eq!(shards.len(), 1);
     let first = shards[0]["name"].as_str().unwrap().to_string();
@@ -113,12 +115,15 @@ fn killed_run_resumes_without_rewriting_finished_shards() {
     assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
     let evs = events(&r.stdout);
     assert!(
-        evs.iter().any(|e| e["event"] == names::EVENT_RESUME_LOADED),
+        evs.iter()
+            .any(|e| e["event"] == events::ABLITERATION_RESUME_LOADED),
         "{}",
         r.stdout
     );
     // The direction was not recomputed and the finished shard was not rewritten.
-    assert!(!evs.iter().any(|e| e["event"] == names::EVENT_DIRECTION));
+    assert!(!evs
+        .iter()
+        .any(|e| e["event"] == events::ABLITERATION_DIRECTION));
     let meta = std::fs::metadata(out.join(&first)).unwrap();
     assert_eq!(
         (meta.ino(), meta.mtime_nsec()),

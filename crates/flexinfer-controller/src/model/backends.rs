@@ -1,6 +1,6 @@
 //! The serving container of each backend: image-independent command, args, env and probes.
 
-use flexinfer_api::contract::serving;
+use flexinfer_api::contract::{env, serving};
 use flexinfer_api::formats;
 use flexinfer_api::model::{Backend, KvCacheDtype};
 use flexinfer_api::modelcache::QuantFormat;
@@ -127,7 +127,7 @@ pub fn container(
                 a.extend(["--tensor-parallel-size".into(), spec.gpu.count.to_string()]);
             }
             if let Some(b) = cfg.attention_backend.as_ref().filter(|b| !b.is_empty()) {
-                env.push(json!({"name": serving::VLLM_ATTENTION_BACKEND, "value": b}));
+                env.push(json!({"name": env::serving::VLLM_ATTENTION_BACKEND, "value": b}));
             }
             (
                 vec![

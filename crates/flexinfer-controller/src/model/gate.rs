@@ -1,9 +1,9 @@
-//! The quantized-artifact promotion gate (SPEC §7, seed `000_…` "Controller enforcement").
+//! The quantized-artifact promotion gate (docs/user/promotion-gate.md).
 //!
 //! Pure: takes a Model, returns the decision. The reconciler turns the decision into the
 //! `PromotionGate` condition and, when blocked, serves the Model as a scale-to-zero canary.
 
-use flexinfer_api::contract::{annotations, serving};
+use flexinfer_api::contract::annotations;
 use flexinfer_api::model::{ModelSpec, WarmPolicy};
 use flexinfer_api::Model;
 
@@ -88,7 +88,7 @@ pub fn gate(model: &Model) -> GateDecision {
     let evidence = annotation(model, annotations::PROMOTION_EVIDENCE)
         .map(str::trim)
         .filter(|e| !e.is_empty());
-    let passed = validation == Some(serving::PROMOTION_VALIDATION_PASSED);
+    let passed = validation == Some(annotations::PROMOTION_VALIDATION_PASSED);
     match (passed, evidence) {
         (true, Some(ev)) => GateDecision::Validated {
             message: format!(

@@ -1,4 +1,4 @@
-//! Model controller (SPEC §2.2, §7): a Model becomes a Deployment and a Service for its backend,
+//! Model controller (docs/dev/architecture.md §4): a Model becomes a Deployment and a Service for its backend,
 //! scaled by the replica policy and guarded by the quantized-artifact promotion gate.
 //!
 //! The decisions live in pure modules (`gate`, `replicas`, `render`, `status`); this file only
@@ -19,7 +19,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use flexinfer_api::contract::{controller_env, labels, model_reasons, serving};
+use flexinfer_api::contract::controller::FIELD_MANAGER;
+use flexinfer_api::contract::{env, labels, reasons, serving};
 use flexinfer_api::model::ModelPhase;
 use flexinfer_api::{GPUProfile, Model, ModelCache};
 use futures::StreamExt;
@@ -66,7 +67,7 @@ impl Options {
     pub fn from_env() -> Self {
         Self {
             namespace: None,
-            profile_namespace: std::env::var(controller_env::NAMESPACE)
+            profile_namespace: std::env::var(env::controller::NAMESPACE)
                 .ok()
                 .filter(|s| !s.is_empty()),
             render: RenderConfig::from_env(),
@@ -109,8 +110,8 @@ pub async fn run_with(client: Client, metrics: Metrics, opts: Options) -> anyhow
         serving::COMPONENT
     ));
     let reporter = Reporter {
-        controller: serving::FIELD_MANAGER.to_string(),
-        instance: std::env::var(serving::POD_NAME_ENV).ok(),
+        controller: FIELD_MANAGER.to_string(),
+        instance: std::env::var(env::controller::POD_NAME).ok(),
     };
     let ctx = Arc::new(Ctx {
         client: client.clone(),
@@ -299,7 +300,7 @@ async fn reconcile(model: Arc<Model>, ctx: Arc<Ctx>) -> Result<Action, Error> {
             if let Some(spec) = r.deployment.spec.as_mut() {
                 spec.replicas = Some(wanted.replicas);
             }
-            let pp = PatchParams::apply(serving::FIELD_MANAGER).force();
+            let pp = PatchParams::apply(FIELD_MANAGER).force();
             let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
             let applied = deployments
                 .patch(&name, &pp, &Patch::Apply(&r.deployment))
@@ -386,7 +387,7 @@ async fn reconcile(model: Arc<Model>, ctx: Arc<Ctx>) -> Result<Action, Error> {
         Api::<Model>::namespaced(client.clone(), &ns)
             .patch_status(
                 &name,
-                &PatchParams::apply(serving::FIELD_MANAGER).force(),
+                &PatchParams::apply(FIELD_MANAGER).force(),
                 &Patch::Apply(&patch),
             )
             .await?;
@@ -409,7 +410,7 @@ async fn reconcile(model: Arc<Model>, ctx: Arc<Ctx>) -> Result<Action, Error> {
             } else {
                 EventType::Normal
             },
-            model_reasons::PHASE_CHANGED,
+            reasons::PHASE_CHANGED,
             &action,
             note,
         )
@@ -428,7 +429,7 @@ async fn reconcile(model: Arc<Model>, ctx: Arc<Ctx>) -> Result<Action, Error> {
             &ctx,
             &model,
             EventType::Warning,
-            model_reasons::PROMOTION_BLOCKED,
+            reasons::PROMOTION_BLOCKED,
             "PromotionGate",
             message.clone(),
         )

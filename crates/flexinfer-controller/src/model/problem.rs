@@ -67,7 +67,7 @@ impl ConfigProblem {
                 flexinfer_api::contract::reasons::CACHE_NOT_READY
             }
             ConfigProblem::CachePathInvalid(_) => "CachePathInvalid",
-            ConfigProblem::Invalid(_) => "InvalidSpec",
+            ConfigProblem::Invalid(_) => flexinfer_api::contract::reasons::INVALID_SPEC,
         }
     }
 
@@ -103,7 +103,7 @@ impl CachedState {
             CachedState::Pvc => Some((true, "PVCSource", format!("artifact on PVC {path}"))),
             CachedState::CacheReady { name } => Some((
                 true,
-                "CacheReady",
+                flexinfer_api::contract::reasons::CACHE_READY,
                 format!("ModelCache {name} is Ready; serving {path}"),
             )),
             CachedState::ServingPrevious { name, phase } => Some((

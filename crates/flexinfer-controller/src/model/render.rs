@@ -1,4 +1,4 @@
-//! Pure rendering of a Model into its Deployment and Service (SPEC §7).
+//! Pure rendering of a Model into its Deployment and Service (docs/dev/architecture.md §4).
 //!
 //! `render` takes the Model and what the reconciler looked up (the referenced ModelCache and
 //! GPUProfile, `None` when not found) and returns the children, or the configuration problem
@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use flexinfer_api::contract::{annotations, controller_env, labels, serving};
+use flexinfer_api::contract::{annotations, env, labels, serving};
 use flexinfer_api::formats;
 use flexinfer_api::gpuprofile::GpuVendor;
 use flexinfer_api::model::{Backend, GpuVendorChoice, ModelQuantization};
@@ -34,7 +34,7 @@ impl RenderConfig {
         let runtime_images = ALL_BACKENDS
             .iter()
             .filter_map(|b| {
-                std::env::var(controller_env::runtime_image(b.as_str()))
+                std::env::var(env::controller::runtime_image(b.as_str()))
                     .ok()
                     .filter(|v| !v.trim().is_empty())
                     .map(|v| (b.as_str().to_string(), v.trim().to_string()))
@@ -120,26 +120,23 @@ pub fn endpoint(name: &str, namespace: &str) -> String {
     format!("http://{name}.{namespace}.svc:{}/v1", serving::PORT)
 }
 
-/// Labels of every child and pod.
+/// Labels of the serving pods.
 pub fn child_labels(model: &Model) -> BTreeMap<String, String> {
+    child_label_builder(model).build()
+}
+
+/// Labels of the Deployment and Service: the pod labels plus `app.kubernetes.io/version`.
+pub fn object_labels(model: &Model) -> BTreeMap<String, String> {
+    child_label_builder(model).version(crate::VERSION).build()
+}
+
+fn child_label_builder(model: &Model) -> labels::Recommended {
     let name = model.name_any();
-    BTreeMap::from([
-        (
-            labels::NAME.to_string(),
-            model.spec.backend.as_str().to_string(),
-        ),
-        (labels::INSTANCE.to_string(), name.clone()),
-        (
-            labels::COMPONENT.to_string(),
-            serving::COMPONENT.to_string(),
-        ),
-        (
-            labels::MANAGED_BY.to_string(),
-            labels::MANAGED_BY_VALUE.to_string(),
-        ),
-        (labels::PART_OF.to_string(), "flexinfer".to_string()),
-        (labels::MODEL.to_string(), name),
-    ])
+    labels::Recommended::new()
+        .name(model.spec.backend.as_str())
+        .instance(&name)
+        .component(serving::COMPONENT)
+        .with(labels::MODEL, name)
 }
 
 /// Pod selector of the Deployment and Service (immutable: never depends on the backend).
@@ -394,24 +391,24 @@ pub fn render(
             .push(serde_json::to_value(t).map_err(|e| ConfigProblem::Invalid(e.to_string()))?);
     }
     let gpu_toleration = json!({
-        "key": flexinfer_api::contract::GPU_TOLERATION_KEY,
+        "key": flexinfer_api::contract::controller::GPU_TOLERATION_KEY,
         "operator": "Equal",
-        "value": flexinfer_api::contract::GPU_TOLERATION_VALUE,
-        "effect": flexinfer_api::contract::GPU_TOLERATION_EFFECT,
+        "value": flexinfer_api::contract::controller::GPU_TOLERATION_VALUE,
+        "effect": flexinfer_api::contract::controller::GPU_TOLERATION_EFFECT,
     });
     if !tolerations.contains(&gpu_toleration) {
         tolerations.push(gpu_toleration);
     }
 
     let mut pod_annotations = BTreeMap::from([(
-        serving::GPU_PRIORITY_ANNOTATION.to_string(),
+        annotations::GPU_PRIORITY.to_string(),
         spec.gpu.priority.to_string(),
     )]);
     if let Some(p) = &served_path {
         pod_annotations.insert(annotations::SERVED_PATH.to_string(), p.clone());
     }
     if let Some(g) = &spec.gpu.shared {
-        pod_annotations.insert(serving::SHARED_GROUP_ANNOTATION.to_string(), g.clone());
+        pod_annotations.insert(annotations::GPU_SHARED_GROUP.to_string(), g.clone());
     }
 
     let mut volumes = vec![json!({"name": "dshm", "emptyDir": {"medium": "Memory"}})];
@@ -428,6 +425,7 @@ pub fn render(
         .collect::<Vec<_>>();
     let ns = model.namespace();
     let child_labels = child_labels(model);
+    let object_labels = object_labels(model);
     let selector = selector(model);
     let deployment = json!({
         "apiVersion": "apps/v1",
@@ -435,7 +433,7 @@ pub fn render(
         "metadata": {
             "name": name,
             "namespace": ns,
-            "labels": child_labels,
+            "labels": object_labels,
             "ownerReferences": owner,
         },
         "spec": {
@@ -463,7 +461,7 @@ pub fn render(
         "metadata": {
             "name": name,
             "namespace": ns,
-            "labels": child_labels,
+            "labels": object_labels,
             "ownerReferences": owner,
         },
         "spec": {

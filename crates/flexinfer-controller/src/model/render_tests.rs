@@ -1,6 +1,6 @@
 //! Table-driven tests of `render` (args per backend, images, compatibility, sources, profiles).
 
-use flexinfer_api::contract::{annotations, labels, serving};
+use flexinfer_api::contract::{annotations, env, labels};
 use flexinfer_api::modelcache::CachePhase;
 use flexinfer_api::{GPUProfile, Model, ModelCache};
 use k8s_openapi::api::apps::v1::Deployment;
@@ -117,7 +117,7 @@ fn vllm_gemma4_canary_args() {
         Some("--enforce-eager")
     );
     assert_eq!(
-        env(&c, serving::VLLM_ATTENTION_BACKEND).as_deref(),
+        env(&c, env::serving::VLLM_ATTENTION_BACKEND).as_deref(),
         Some("TRITON_ATTN")
     );
     assert_eq!(
@@ -181,7 +181,7 @@ fn vllm_gemma4_canary_args() {
     );
     assert_eq!(
         tmpl_annos
-            .get(serving::GPU_PRIORITY_ANNOTATION)
+            .get(annotations::GPU_PRIORITY)
             .map(String::as_str),
         Some("255")
     );

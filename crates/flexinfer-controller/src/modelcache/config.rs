@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use flexinfer_api::contract::{controller_env, env};
+use flexinfer_api::contract::env;
 
 /// Settings that shape Jobs and timing. Environment lookups happen once, at start-up, so that
 /// `plan` and the Job builders stay pure.
@@ -32,7 +32,8 @@ impl Default for Config {
         Self {
             worker_image: None,
             image_env: BTreeMap::new(),
-            service_account: "flexinfer-worker".into(),
+            service_account: flexinfer_api::contract::controller::DEFAULT_WORKER_SERVICE_ACCOUNT
+                .into(),
             drift_grace: Duration::from_secs(600),
             retry_base: Duration::from_secs(30),
             progress_poll: Duration::from_secs(30),
@@ -58,16 +59,16 @@ impl Config {
         };
         let mut image_env = BTreeMap::new();
         let mut names = vec![
-            controller_env::QUANTIZER_GPTQ_IMAGE.to_string(),
-            controller_env::QUANTIZER_GPTQ_ROCM_IMAGE.to_string(),
+            env::controller::QUANTIZER_GPTQ_IMAGE.to_string(),
+            env::controller::QUANTIZER_GPTQ_ROCM_IMAGE.to_string(),
         ];
         for arch in [
             "gfx1100", "gfx906", "gfx90a", "gfx942", "gfx1030", "gfx1101", "gfx1201",
         ] {
-            names.push(controller_env::quantizer_gptq_rocm_arch_image(arch));
+            names.push(env::controller::quantizer_gptq_rocm_arch_image(arch));
         }
         for f in flexinfer_api::formats::FORMATS {
-            names.push(controller_env::quantizer_format_image(f.name));
+            names.push(env::controller::quantizer_format_image(f.name));
         }
         for n in names {
             if let Some(v) = nonempty(&n) {
@@ -82,13 +83,14 @@ impl Config {
             })
             .collect();
         Self {
-            worker_image: nonempty(controller_env::WORKER_IMAGE).map(|s| s.trim().to_string()),
+            worker_image: nonempty(env::controller::WORKER_IMAGE).map(|s| s.trim().to_string()),
             image_env,
-            service_account: nonempty(controller_env::WORKER_SERVICE_ACCOUNT)
-                .unwrap_or_else(|| "flexinfer-worker".into()),
-            drift_grace: secs(controller_env::IMAGE_DRIFT_GRACE_SECONDS, 600),
-            retry_base: secs(controller_env::RETRY_BASE_SECONDS, 30),
-            progress_poll: secs(controller_env::PROGRESS_POLL_SECONDS, 30),
+            service_account: nonempty(env::controller::WORKER_SERVICE_ACCOUNT).unwrap_or_else(
+                || flexinfer_api::contract::controller::DEFAULT_WORKER_SERVICE_ACCOUNT.into(),
+            ),
+            drift_grace: secs(env::controller::IMAGE_DRIFT_GRACE_SECONDS, 600),
+            retry_base: secs(env::controller::RETRY_BASE_SECONDS, 30),
+            progress_poll: secs(env::controller::PROGRESS_POLL_SECONDS, 30),
             gptq_tunables,
             hf_endpoint: nonempty(env::HF_ENDPOINT),
         }

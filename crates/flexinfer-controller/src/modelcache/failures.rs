@@ -1,6 +1,6 @@
 //! Failure classification and the failure text that goes into status and events (redacted).
 
-use flexinfer_api::contract::{self, TerminationMessage};
+use flexinfer_api::contract::{FailureReason, TerminationMessage};
 
 use super::observe::{JobState, ObservedJob};
 
@@ -71,35 +71,31 @@ fn last_lines(s: &str, n: usize) -> String {
 /// Classify a failed (or stuck) Job: `OOMKilled`, `DeadlineExceeded`, `ImagePullBackOff`,
 /// `BackoffLimitExceeded`, `BadInput`/`QualityGateFailed`/`ScriptVersionMismatch` (worker exit
 /// codes 2/3/4), else `JobFailed`.
-pub fn classify_failure(j: &ObservedJob) -> String {
+pub fn classify_failure(j: &ObservedJob) -> FailureReason {
     let pod = j.pod.as_ref();
-    if pod.and_then(|p| p.terminated_reason.as_deref()) == Some("OOMKilled") {
-        return "OOMKilled".into();
+    if pod.and_then(|p| p.terminated_reason.as_deref()) == Some(FailureReason::OomKilled.as_str()) {
+        return FailureReason::OomKilled;
     }
     let job_reason = match &j.state {
         JobState::Failed { reason, .. } => reason.as_str(),
         _ => "",
     };
-    if job_reason == "DeadlineExceeded" {
-        return "DeadlineExceeded".into();
+    if job_reason == FailureReason::DeadlineExceeded.as_str() {
+        return FailureReason::DeadlineExceeded;
     }
     if pod
         .and_then(|p| p.waiting_reason.as_deref())
         .is_some_and(is_image_pull_failure)
     {
-        return "ImagePullBackOff".into();
+        return FailureReason::ImagePullBackOff;
     }
-    if job_reason == "BackoffLimitExceeded" {
-        return "BackoffLimitExceeded".into();
+    if job_reason == FailureReason::BackoffLimitExceeded.as_str() {
+        return FailureReason::BackoffLimitExceeded;
     }
     // Deterministic worker exits end the Job at once through its podFailurePolicy.
-    match pod.and_then(|p| p.exit_code) {
-        Some(contract::exit_codes::BAD_INPUT) => return "BadInput".into(),
-        Some(contract::exit_codes::QUALITY_GATE) => return "QualityGateFailed".into(),
-        Some(contract::exit_codes::VERSION_MISMATCH) => return "ScriptVersionMismatch".into(),
-        _ => {}
-    }
-    "JobFailed".into()
+    pod.and_then(|p| p.exit_code)
+        .and_then(FailureReason::from_exit_code)
+        .unwrap_or(FailureReason::JobFailed)
 }
 
 pub(super) fn is_image_pull_failure(reason: &str) -> bool {

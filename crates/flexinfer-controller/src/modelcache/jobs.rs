@@ -1,11 +1,9 @@
-//! Pure builders of the pipeline Job and PVC objects (SPEC §3.1, §4.1, §10). What runs where
+//! Pure builders of the pipeline Job and PVC objects (docs/dev/architecture.md §3). What runs where
 //! (GPUProfile, image, node selector) and the spec hashes live in `target` and are re-exported here.
 
 use std::collections::BTreeMap;
 
-use flexinfer_api::contract::{
-    self, annotations, env, exit_codes, job_pod_annotations, labels, JobPhase,
-};
+use flexinfer_api::contract::{self, annotations, env, exit_codes, labels, JobPhase};
 use flexinfer_api::gpuprofile::GpuVendor;
 use flexinfer_api::modelcache::{defaults, ModelCache};
 use k8s_openapi::api::batch::v1::{
@@ -146,12 +144,12 @@ fn json_map_annotation(mc: &ModelCache, key: &str) -> BTreeMap<String, String> {
 pub fn invalid_pod_metadata_annotation(mc: &ModelCache) -> Option<String> {
     let ann = mc.metadata.annotations.as_ref()?;
     let mut keys = vec![
-        job_pod_annotations::JOB_POD_LABELS.to_string(),
-        job_pod_annotations::JOB_POD_ANNOTATIONS.to_string(),
+        annotations::JOB_POD_LABELS.to_string(),
+        annotations::JOB_POD_ANNOTATIONS.to_string(),
     ];
     for p in JobPhase::ALL {
-        keys.push(job_pod_annotations::phase_pod_labels(p.as_str()));
-        keys.push(job_pod_annotations::phase_pod_annotations(p.as_str()));
+        keys.push(annotations::phase_pod_labels(p.as_str()));
+        keys.push(annotations::phase_pod_annotations(p.as_str()));
     }
     keys.into_iter().find_map(|k| {
         let v = ann.get(&k)?;
@@ -166,18 +164,19 @@ pub fn invalid_pod_metadata_annotation(mc: &ModelCache) -> Option<String> {
 
 /// Labels every pipeline Job and its pods carry.
 pub fn job_labels(cache: &str, phase: JobPhase) -> BTreeMap<String, String> {
-    BTreeMap::from([
-        (
-            labels::MANAGED_BY.to_string(),
-            labels::MANAGED_BY_VALUE.to_string(),
-        ),
-        (labels::NAME.to_string(), "flexinfer-worker".to_string()),
-        (labels::INSTANCE.to_string(), cache.to_string()),
-        (labels::COMPONENT.to_string(), phase.as_str().to_string()),
-        (labels::PART_OF.to_string(), "flexinfer".to_string()),
-        (labels::CACHE.to_string(), cache.to_string()),
-        (labels::PHASE.to_string(), phase.as_str().to_string()),
-    ])
+    labels::Recommended::new()
+        .name(labels::WORKER_NAME)
+        .instance(cache)
+        .component(phase.as_str())
+        .with(labels::CACHE, cache)
+        .with(labels::PHASE, phase.as_str())
+        .build()
+}
+
+/// Object labels: the pod labels plus `app.kubernetes.io/version`.
+fn with_version(mut l: BTreeMap<String, String>) -> BTreeMap<String, String> {
+    l.insert(labels::VERSION.to_string(), crate::VERSION.to_string());
+    l
 }
 
 fn owner_ref(mc: &ModelCache) -> Option<OwnerReference> {
@@ -303,7 +302,7 @@ fn worker_env(mc: &ModelCache, t: &PhaseTarget, config: &Config) -> Vec<EnvVar> 
     e
 }
 
-/// Build the Job of one phase (SPEC §3.1).
+/// Build the Job of one phase.
 pub fn build_job(
     mc: &ModelCache,
     t: &PhaseTarget,
@@ -316,17 +315,17 @@ pub fn build_job(
     let name = phase.job_name(&cache);
     let labels = job_labels(&cache, phase);
     let mut pod_labels = labels.clone();
-    pod_labels.extend(json_map_annotation(mc, job_pod_annotations::JOB_POD_LABELS));
+    pod_labels.extend(json_map_annotation(mc, annotations::JOB_POD_LABELS));
     pod_labels.extend(json_map_annotation(
         mc,
-        &job_pod_annotations::phase_pod_labels(phase.as_str()),
+        &annotations::phase_pod_labels(phase.as_str()),
     ));
     // Identity labels always win over user-supplied ones.
     pod_labels.extend(labels.clone());
-    let mut pod_ann = json_map_annotation(mc, job_pod_annotations::JOB_POD_ANNOTATIONS);
+    let mut pod_ann = json_map_annotation(mc, annotations::JOB_POD_ANNOTATIONS);
     pod_ann.extend(json_map_annotation(
         mc,
-        &job_pod_annotations::phase_pod_annotations(phase.as_str()),
+        &annotations::phase_pod_annotations(phase.as_str()),
     ));
 
     let mut mem_mb = phase_memory_gb(mc, phase) * 1024;
@@ -351,10 +350,10 @@ pub fn build_job(
     let mut tolerations = Vec::new();
     if t.gpu {
         tolerations.push(Toleration {
-            key: Some(contract::GPU_TOLERATION_KEY.into()),
+            key: Some(contract::controller::GPU_TOLERATION_KEY.into()),
             operator: Some("Equal".into()),
-            value: Some(contract::GPU_TOLERATION_VALUE.into()),
-            effect: Some(contract::GPU_TOLERATION_EFFECT.into()),
+            value: Some(contract::controller::GPU_TOLERATION_VALUE.into()),
+            effect: Some(contract::controller::GPU_TOLERATION_EFFECT.into()),
             toleration_seconds: None,
         });
     }
@@ -373,7 +372,7 @@ pub fn build_job(
         None
     };
     let mut job_annotations = BTreeMap::from([(
-        contract::JOB_SPEC_HASH_ANNOTATION.to_string(),
+        contract::annotations::JOB_SPEC_HASH.to_string(),
         hash.to_string(),
     )]);
     if let Some(a) = &t.arch {
@@ -383,7 +382,7 @@ pub fn build_job(
         metadata: ObjectMeta {
             name: Some(name),
             namespace: mc.metadata.namespace.clone(),
-            labels: Some(labels),
+            labels: Some(with_version(labels)),
             annotations: Some(job_annotations),
             owner_references: owner_ref(mc).map(|o| vec![o]),
             ..Default::default()
@@ -488,14 +487,12 @@ pub fn build_pvc(mc: &ModelCache) -> PersistentVolumeClaim {
         metadata: ObjectMeta {
             name: Some(created_claim_name(&cache)),
             namespace: mc.metadata.namespace.clone(),
-            labels: Some(BTreeMap::from([
-                (
-                    labels::MANAGED_BY.to_string(),
-                    labels::MANAGED_BY_VALUE.to_string(),
-                ),
-                (labels::CACHE.to_string(), cache.clone()),
-                (labels::PART_OF.to_string(), "flexinfer".to_string()),
-            ])),
+            labels: Some(
+                labels::Recommended::new()
+                    .version(crate::VERSION)
+                    .with(labels::CACHE, &cache)
+                    .build(),
+            ),
             ..Default::default()
         },
         spec: Some(PersistentVolumeClaimSpec {

@@ -77,7 +77,10 @@ pub fn observe_job(job: &Job, pods: &[Pod]) -> Option<ObservedJob> {
         JobState::Succeeded
     } else if let Some(c) = is("Failed").or_else(|| is("FailureTarget")) {
         JobState::Failed {
-            reason: c.reason.clone().unwrap_or_else(|| "JobFailed".into()),
+            reason: c
+                .reason
+                .clone()
+                .unwrap_or_else(|| contract::FailureReason::JobFailed.as_str().into()),
             message: c.message.clone().unwrap_or_default(),
         }
     } else {
@@ -102,7 +105,7 @@ pub fn observe_job(job: &Job, pods: &[Pod]) -> Option<ObservedJob> {
             .metadata
             .annotations
             .as_ref()
-            .and_then(|a| a.get(contract::JOB_SPEC_HASH_ANNOTATION).cloned()),
+            .and_then(|a| a.get(contract::annotations::JOB_SPEC_HASH).cloned()),
         created,
         started,
         terminating: job.metadata.deletion_timestamp.is_some(),

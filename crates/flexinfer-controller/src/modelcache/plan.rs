@@ -1,4 +1,4 @@
-//! The ModelCache state machine (SPEC §3) as one pure function: `plan(cache, observed, config,
+//! The ModelCache state machine (docs/dev/architecture.md §3) as one pure function: `plan(cache, observed, config,
 //! now) -> Plan`. No I/O happens here; the reconciler observes, calls `plan`, and applies it.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -262,11 +262,10 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
     };
     let name = mc.metadata.name.clone().unwrap_or_default();
     let owns_pvc = mc.spec.existing_claim_name.is_none();
-    let has_finalizer = mc
-        .metadata
-        .finalizers
-        .as_ref()
-        .is_some_and(|f| f.iter().any(|x| x == contract::FINALIZER_CLEANUP));
+    let has_finalizer = mc.metadata.finalizers.as_ref().is_some_and(|f| {
+        f.iter()
+            .any(|x| x == contract::controller::FINALIZER_CLEANUP)
+    });
 
     // Deletion: clean up the PVC we created, then let the object go. Jobs go with their owner.
     if mc.metadata.deletion_timestamp.is_some() {

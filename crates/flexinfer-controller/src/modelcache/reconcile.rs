@@ -4,6 +4,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use flexinfer_api::contract::controller::FIELD_MANAGER;
 use flexinfer_api::contract::{self, labels, JobPhase};
 use flexinfer_api::gpuprofile::GPUProfile;
 use flexinfer_api::modelcache::{CachePhase, ModelCache};
@@ -26,8 +27,6 @@ use super::observe::{observe_job, JobState};
 use super::plan::{plan, Action, Observed, Plan};
 use crate::metrics::Metrics;
 
-/// Field manager of every write.
-pub const FIELD_MANAGER: &str = "flexinfer-controller";
 /// Bytes of pod log read per progress poll.
 const LOG_TAIL_BYTES: i64 = 64 * 1024;
 
@@ -93,7 +92,7 @@ pub async fn run(
     };
     let reporter = Reporter {
         controller: FIELD_MANAGER.into(),
-        instance: std::env::var(flexinfer_api::contract::serving::POD_NAME_ENV).ok(),
+        instance: std::env::var(flexinfer_api::contract::env::controller::POD_NAME).ok(),
     };
     let ctx = Arc::new(Context {
         recorder: Recorder::new(client.clone(), reporter),
@@ -287,7 +286,7 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
         match a {
             Action::AddFinalizer => {
                 let mut f = mc.finalizers().to_vec();
-                f.push(contract::FINALIZER_CLEANUP.to_string());
+                f.push(contract::controller::FINALIZER_CLEANUP.to_string());
                 let patch = serde_json::json!({"metadata": {"finalizers": f, "resourceVersion": mc.resource_version()}});
                 match caches
                     .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
@@ -303,7 +302,7 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
                 let f: Vec<String> = mc
                     .finalizers()
                     .iter()
-                    .filter(|x| x.as_str() != contract::FINALIZER_CLEANUP)
+                    .filter(|x| x.as_str() != contract::controller::FINALIZER_CLEANUP)
                     .cloned()
                     .collect();
                 let patch = serde_json::json!({"metadata": {"finalizers": f, "resourceVersion": mc.resource_version()}});

@@ -189,7 +189,7 @@ pub(super) fn record_failure(
     cx.st.last_failure_phase = Some(phase.status_name().to_string());
     cx.st.last_failure_time = Some(cx.now_t.clone());
     cx.actions.push(Action::DeleteJob(job.name.clone()));
-    cx.outcome.failed.push((phase, reason.clone()));
+    cx.outcome.failed.push((phase, reason.to_string()));
     let n = cx.st.retry_count.unwrap_or(0).max(0);
     if n < max_retries {
         let delay = cx.config.retry_delay(n as u32);
@@ -204,7 +204,7 @@ pub(super) fn record_failure(
             delay.as_secs()
         );
         cx.cond(types::PROGRESSING, true, reasons::RETRYING, &note);
-        cx.cond(types::DEGRADED, true, &reason, &msg);
+        cx.cond(types::DEGRADED, true, reason.as_str(), &msg);
         cx.job_event(true, reasons::RETRYING, note, Some(&job.name));
         cx.requeue(delay);
     } else {
@@ -218,7 +218,7 @@ pub(super) fn record_failure(
         );
         cx.cond(types::READY, false, &r, &msg);
         cx.cond(types::PROGRESSING, false, &r, &note);
-        cx.cond(types::DEGRADED, true, &reason, &msg);
+        cx.cond(types::DEGRADED, true, reason.as_str(), &msg);
         cx.job_event(true, reasons::PHASE_FAILED, note, Some(&job.name));
     }
 }

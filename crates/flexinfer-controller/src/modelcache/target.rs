@@ -1,9 +1,9 @@
-//! What each phase runs where (SPEC §3.2): enabled phases, GPUProfile and node selector, image
+//! What each phase runs where: enabled phases, GPUProfile and node selector, image
 //! resolution, the per-phase spec hashes (§3.3) and the directories inside the cache volume.
 
 use std::collections::BTreeMap;
 
-use flexinfer_api::contract::{self, controller_env, labels, JobPhase};
+use flexinfer_api::contract::{self, env, labels, JobPhase};
 use flexinfer_api::gpuprofile::{GPUProfile, GpuVendor};
 use flexinfer_api::modelcache::{ModelCache, QuantFormat};
 use sha2::{Digest, Sha256};
@@ -96,7 +96,7 @@ pub struct PhaseTarget {
     pub image: Result<String, String>,
 }
 
-/// Resolve profile, arch, node selector and image of one phase (SPEC §3.2).
+/// Resolve profile, arch, node selector and image of one phase (first hit wins: GPUProfile images, controller env, chart value).
 pub fn resolve_target(
     mc: &ModelCache,
     phase: JobPhase,
@@ -150,7 +150,7 @@ fn resolve_image(
         config.worker_image.clone().ok_or_else(|| {
             format!(
                 "no worker image: set {} on the controller",
-                controller_env::WORKER_IMAGE
+                env::controller::WORKER_IMAGE
             )
         })
     };
@@ -180,18 +180,18 @@ fn resolve_image(
             || arch.is_some_and(|a| a.starts_with("gfx"));
         if amd {
             if let Some(i) =
-                arch.and_then(|a| env_get(&controller_env::quantizer_gptq_rocm_arch_image(a)))
+                arch.and_then(|a| env_get(&env::controller::quantizer_gptq_rocm_arch_image(a)))
             {
                 return Ok(i);
             }
-            if let Some(i) = env_get(controller_env::QUANTIZER_GPTQ_ROCM_IMAGE) {
+            if let Some(i) = env_get(env::controller::QUANTIZER_GPTQ_ROCM_IMAGE) {
                 return Ok(i);
             }
-        } else if let Some(i) = env_get(controller_env::QUANTIZER_GPTQ_IMAGE) {
+        } else if let Some(i) = env_get(env::controller::QUANTIZER_GPTQ_IMAGE) {
             return Ok(i);
         }
     }
-    if let Some(i) = env_get(&controller_env::quantizer_format_image(fname)) {
+    if let Some(i) = env_get(&env::controller::quantizer_format_image(fname)) {
         return Ok(i);
     }
     if format == QuantFormat::Gptq {
@@ -203,8 +203,8 @@ fn resolve_image(
     Err(format!(
         "no {fname} quantizer image for arch {}: set GPUProfile spec.quantization.images.{fname}, {} or {}",
         arch.unwrap_or("<none>"),
-        controller_env::QUANTIZER_GPTQ_IMAGE,
-        controller_env::quantizer_format_image(fname)
+        env::controller::QUANTIZER_GPTQ_IMAGE,
+        env::controller::quantizer_format_image(fname)
     ))
 }
 

@@ -466,7 +466,7 @@ fn failures_are_classified() {
             pod,
             ..base.clone()
         };
-        assert_eq!(super::plan::classify_failure(&j), want);
+        assert_eq!(super::plan::classify_failure(&j).as_str(), want);
     }
 }
 

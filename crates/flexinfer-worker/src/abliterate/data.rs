@@ -5,7 +5,7 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use flexinfer_api::contract;
+use flexinfer_contract as contract;
 use flexinfer_quant::calib::{load_samples, CalibSettings};
 use serde_json::Value;
 

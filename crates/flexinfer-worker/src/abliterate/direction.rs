@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use faer::Mat;
-use flexinfer_api::contract::{abliteration as names, ProgressEvent};
+use flexinfer_contract::{events, ProgressEvent};
 use flexinfer_quant::llama::{embed, linear, rms_norm, Rope};
 use flexinfer_quant::model::{load_linear, ModelConfig};
 use flexinfer_quant::tensors::TensorStore;
@@ -261,7 +261,7 @@ pub fn compute(
         .ok_or_else(|| WorkerError::BadInput("no target layer to take the direction from".into()))?
         .clone();
     ev.emit(
-        names::EVENT_DIRECTION,
+        events::ABLITERATION_DIRECTION,
         &serde_json::json!({
             "layer": best.layer,
             "refusalDirNorm": best.norm,

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::io::{Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
-use flexinfer_api::contract::{self, abliteration as names, ProgressEvent};
+use flexinfer_contract::{self as contract, files, ProgressEvent};
 use flexinfer_quant::tensors::TensorStore;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -66,10 +66,7 @@ pub fn read_config(model_dir: &Path) -> Result<serde_json::Value, WorkerError> {
 }
 
 fn sha256_file(path: &Path) -> Result<String, WorkerError> {
-    let mut f = std::fs::File::open(path).map_err(|e| io_err(path, e))?;
-    let mut h = Sha256::new();
-    std::io::copy(&mut f, &mut h).map_err(|e| io_err(path, e))?;
-    Ok(hex::encode(h.finalize()))
+    flexinfer_fsutil::sha256_file(path).map_err(|e| io_err(path, e))
 }
 
 /// Identity of a run: source files (name, size, mtime), config, datasets, settings, contract version.
@@ -115,18 +112,18 @@ pub fn staging_dir(out_dir: &Path) -> PathBuf {
         .file_name()
         .map(|n| n.to_string_lossy().to_string())
         .unwrap_or_else(|| "abliterated".into());
-    out_dir.with_file_name(format!("{name}{}", names::STAGING_SUFFIX))
+    out_dir.with_file_name(format!("{name}{}", files::STAGING_SUFFIX))
 }
 
 fn read_manifest(dir: &Path) -> Option<Manifest> {
-    let text = std::fs::read_to_string(dir.join(names::MANIFEST)).ok()?;
+    let text = std::fs::read_to_string(dir.join(files::ABLITERATION_MANIFEST)).ok()?;
     serde_json::from_str(&text).ok()
 }
 
 fn write_manifest(dir: &Path, m: &Manifest) -> Result<(), WorkerError> {
     let bytes = serde_json::to_vec_pretty(m)
         .map_err(|e| WorkerError::Other(format!("encoding the manifest: {e}")))?;
-    let p = dir.join(names::MANIFEST);
+    let p = dir.join(files::ABLITERATION_MANIFEST);
     common::write_atomic(&p, &bytes).map_err(|e| io_err(&p, e))
 }
 

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use flexinfer_api::contract::IntegrityFile;
+use flexinfer_contract::IntegrityFile;
 use futures::StreamExt;
 use reqwest::StatusCode;
 use sha2::{Digest, Sha256};
@@ -82,27 +82,12 @@ fn part_path(dest: &Path) -> PathBuf {
     dest.with_file_name(name)
 }
 
-/// sha256 of a whole file (blocking; call from `spawn_blocking`).
-pub fn sha256_file(path: &Path) -> std::io::Result<String> {
-    sha256_prefix(path, u64::MAX).map(|(h, _)| hex::encode(h.finalize()))
-}
-
 /// Hash the first `len` bytes of a file; returns the hasher and the bytes read.
 fn sha256_prefix(path: &Path, len: u64) -> std::io::Result<(Sha256, u64)> {
     use std::io::Read;
     let f = std::fs::File::open(path)?;
-    let mut r = std::io::BufReader::with_capacity(1 << 20, f).take(len);
     let mut h = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    let mut n_total = 0u64;
-    loop {
-        let n = r.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-        n_total += n as u64;
-    }
+    let n_total = flexinfer_fsutil::hash_reader(f.take(len), &mut h, 1 << 20, |_| Ok(()))?;
     Ok((h, n_total))
 }
 
@@ -135,7 +120,7 @@ pub async fn fetch_file(
     if let Ok(meta) = tokio::fs::metadata(&dest).await {
         if meta.is_file() && meta.len() == f.size {
             let p = dest.clone();
-            let sha = blocking(move || sha256_file(&p))
+            let sha = blocking(move || flexinfer_fsutil::sha256_file(&p))
                 .await
                 .map_err(|e| io_err("hashing", &dest, e))?;
             if verify(f, &dest, &sha).await.is_ok() {
@@ -234,19 +219,11 @@ async fn verify(f: &RemoteFile, path: &Path, sha256: &str) -> Result<(), String>
 /// Git's object id of a file: sha1 over `blob <len>\0<content>`.
 pub fn git_blob_sha1(path: &Path) -> std::io::Result<String> {
     use sha1::Digest as _;
-    use std::io::Read;
-    let mut f = std::fs::File::open(path)?;
+    let f = std::fs::File::open(path)?;
     let len = f.metadata()?.len();
     let mut h = sha1::Sha1::new();
     h.update(format!("blob {len}\0").as_bytes());
-    let mut buf = vec![0u8; 1 << 16];
-    loop {
-        let n = f.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-    }
+    flexinfer_fsutil::hash_reader(f, &mut h, 1 << 16, |_| Ok(()))?;
     Ok(hex::encode(h.finalize()))
 }
 
@@ -427,22 +404,15 @@ async fn copy_local(
     sync_counted(ctx, counted, 0);
     let (src, part2, done) = (src.to_path_buf(), part.to_path_buf(), ctx.done.clone());
     let res = blocking(move || {
-        use std::io::{Read, Write};
-        let mut r = std::fs::File::open(&src)?;
+        use std::io::Write;
+        let r = std::fs::File::open(&src)?;
         let mut w = std::fs::File::create(&part2)?;
         let mut h = Sha256::new();
-        let mut buf = vec![0u8; 4 << 20];
-        let mut n_total = 0u64;
-        loop {
-            let n = r.read(&mut buf)?;
-            if n == 0 {
-                break;
-            }
-            h.update(&buf[..n]);
-            w.write_all(&buf[..n])?;
-            done.fetch_add(n as u64, Ordering::Relaxed);
-            n_total += n as u64;
-        }
+        let n_total = flexinfer_fsutil::hash_reader(r, &mut h, 4 << 20, |b| {
+            w.write_all(b)?;
+            done.fetch_add(b.len() as u64, Ordering::Relaxed);
+            Ok(())
+        })?;
         w.sync_all()?;
         Ok((hex::encode(h.finalize()), n_total))
     })

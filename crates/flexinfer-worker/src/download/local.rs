@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use flexinfer_api::contract::{self, files, TerminationSuccess};
+use flexinfer_contract::{self as contract, files, TerminationSuccess};
 
 use super::{fetch_all, is_marker, new_ctx, select, DownloadArgs, PatternFilter, RemoteFile};
 use crate::common::{Events, WorkerError};
@@ -17,7 +17,7 @@ pub async fn run(
     let root = args.local_source_root.as_ref().ok_or_else(|| {
         WorkerError::BadInput(format!(
             "local:// sources need {} (the directory local sources must stay inside)",
-            contract::controller_env::LOCAL_SOURCE_ROOT
+            contract::env::controller::LOCAL_SOURCE_ROOT
         ))
     })?;
     let root = std::fs::canonicalize(root).map_err(|e| {
@@ -74,7 +74,7 @@ fn list_and_hash(src: &Path) -> std::io::Result<Vec<RemoteFile>> {
         if is_marker(&f.rel) || f.rel == files::ABLITERATION_STATUS {
             continue;
         }
-        let sha = super::fetch::sha256_file(&f.path)?;
+        let sha = flexinfer_fsutil::sha256_file(&f.path)?;
         out.push(RemoteFile {
             url: format!("file://{}", f.path.display()),
             path: f.rel,

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use flexinfer_api::contract::{self, files, SourceIntegrity};
+use flexinfer_contract::{self as contract, files, SourceIntegrity};
 
 use super::fetch::git_blob_sha1;
 use super::RemoteFile;
@@ -201,16 +201,8 @@ pub fn bytes_needed(dir: &Path, remote: &[RemoteFile]) -> u64 {
 
 /// Free bytes for an unprivileged writer on the filesystem holding `dir`.
 pub fn available_bytes(dir: &Path) -> std::io::Result<u64> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).map_err(std::io::Error::other)?;
-    // SAFETY: statvfs writes into the zeroed struct we own; the path is NUL-terminated.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    let rc = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
-    if rc != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    #[allow(clippy::unnecessary_cast)]
-    Ok(st.f_bavail as u64 * st.f_frsize as u64)
+    let st = rustix::fs::statvfs(dir)?;
+    Ok(st.f_bavail.saturating_mul(st.f_frsize))
 }
 
 /// The error when `needed` bytes do not fit in `available`.

@@ -1,11 +1,13 @@
 //! Registry credentials (env or dockerconfigjson) and `WWW-Authenticate` challenge parsing.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use base64::Engine as _;
+use flexinfer_contract::env;
 use serde::Deserialize;
 
 use super::OciError;
+use crate::download::parse_bool_arg;
 
 #[derive(Clone, Default)]
 pub struct Credentials {
@@ -33,6 +35,34 @@ struct DockerAuth {
     username: Option<String>,
     #[serde(default)]
     password: Option<String>,
+}
+
+/// Registry flags shared by `download` (`oci://` sources) and `publish`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RegistryArgs {
+    /// Skip TLS verification and allow plain HTTP.
+    #[arg(long, env = env::OCI_INSECURE, value_parser = parse_bool_arg, default_value = "false",
+        action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub insecure: bool,
+    #[arg(long, env = env::OCI_USERNAME)]
+    pub oci_username: Option<String>,
+    #[arg(long, env = env::OCI_PASSWORD, hide_env_values = true)]
+    pub oci_password: Option<String>,
+    /// dockerconfigjson file (or a mounted Secret directory holding `.dockerconfigjson`).
+    #[arg(long, env = env::DOCKER_CONFIG_JSON)]
+    pub docker_config_json: Option<PathBuf>,
+}
+
+impl RegistryArgs {
+    /// The credentials these flags give for `registry`.
+    pub fn credentials(&self, registry: &str) -> Result<Option<Credentials>, OciError> {
+        Credentials::resolve(
+            registry,
+            self.oci_username.as_deref(),
+            self.oci_password.as_deref(),
+            self.docker_config_json.as_deref(),
+        )
+    }
 }
 
 impl Credentials {

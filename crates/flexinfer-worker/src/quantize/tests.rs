@@ -87,41 +87,6 @@ fn flags_parse_with_contract_spellings() {
 }
 
 #[test]
-fn engine_event_names_match_the_contract() {
-    use flexinfer_quant::{cache, hessian, pipeline as p};
-    assert_eq!(hessian::EVENT_HESSIAN_RECOVERY, events::HESSIAN_RECOVERY);
-    assert_eq!(cache::EVENT_LAYER_CACHED, events::QUANTIZATION_LAYER_CACHED);
-    assert_eq!(
-        cache::EVENT_RESUME_LOADED,
-        events::QUANTIZATION_RESUME_LOADED
-    );
-    assert_eq!(
-        cache::EVENT_RESUME_FALLBACK,
-        events::QUANTIZATION_RESUME_FALLBACK
-    );
-    assert_eq!(
-        cache::EVENT_CACHE_RESET,
-        events::QUANTIZATION_LAYER_CACHE_RESET
-    );
-    assert_eq!(p::EVENT_PROGRESS, events::PROGRESS);
-    assert_eq!(p::EVENT_QUALITY, events::QUANTIZATION_QUALITY);
-    assert_eq!(
-        p::EVENT_QUALITY_UNAVAILABLE,
-        events::QUANTIZATION_QUALITY_UNAVAILABLE
-    );
-    assert_eq!(p::EVENT_CACHED, events::QUANTIZATION_CACHED);
-    assert_eq!(cache::CACHE_DIR, contract::files::GPTQ_CACHE_DIR);
-    assert_eq!(
-        flexinfer_quant::writer::SAVE_COMPLETE,
-        contract::files::SAVE_COMPLETE
-    );
-    assert_eq!(
-        flexinfer_quant::writer::QUALITY_FILE,
-        contract::files::QUANTIZATION_QUALITY
-    );
-}
-
-#[test]
 fn version_mismatch_exits_4_before_touching_anything() {
     let mut f = fixture();
     f.args.script_version = Some("v1".into());

@@ -1,12 +1,13 @@
 //! Tiny generated Llama-architecture models with a planted refusal direction, their tokenizer and
 //! prompt datasets, and helpers to run `flexinfer-worker abliterate` against them.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 
-use flexinfer_api::contract::env;
+use flexinfer_contract::env;
 use sha2::{Digest, Sha256};
 
 #[path = "tiny.rs"]

@@ -1,0 +1,148 @@
+//! Environment variable names: what the worker reads (top level), what the controller reads
+//! ([`controller`]), the transfer tuning knobs ([`transfer`]) and serving-container env ([`serving`]).
+
+pub const SCRIPT_VERSION: &str = "FLEXINFER_SCRIPT_VERSION";
+pub const MODEL_DIR: &str = "MODEL_DIR";
+pub const OUT_DIR: &str = "OUT_DIR";
+pub const BITS: &str = "BITS";
+pub const GROUP_SIZE: &str = "GROUP_SIZE";
+pub const SYM: &str = "SYM";
+pub const DESC_ACT: &str = "DESC_ACT";
+pub const DYNAMIC_EXCLUSION: &str = "DYNAMIC_EXCLUSION";
+pub const MAX_SEQ_LEN: &str = "MAX_SEQ_LEN";
+pub const MAX_SAMPLES: &str = "MAX_SAMPLES";
+pub const DATASET: &str = "DATASET";
+pub const N_PARALLEL_CALIB_SAMPLES: &str = "N_PARALLEL_CALIB_SAMPLES";
+pub const MAX_MEMORY_GB: &str = "MAX_MEMORY_GB";
+pub const GPU_VRAM_MB: &str = "GPU_VRAM_MB";
+pub const GPU_MEMORY_FRACTION: &str = "GPU_MEMORY_FRACTION";
+pub const GPTQ_DAMP_PERCENT_OVERRIDE: &str = "GPTQ_DAMP_PERCENT_OVERRIDE";
+pub const GPTQ_DAMP_AUTO_INCREMENT_OVERRIDE: &str = "GPTQ_DAMP_AUTO_INCREMENT_OVERRIDE";
+pub const GPTQ_HESSIAN_DIAG_FLOOR_MODE: &str = "GPTQ_HESSIAN_DIAG_FLOOR_MODE";
+pub const GPTQ_HESSIAN_DIAG_FLOOR_SCALE: &str = "GPTQ_HESSIAN_DIAG_FLOOR_SCALE";
+pub const GPTQ_HESSIAN_FLOOR_MULTIPLIER: &str = "GPTQ_HESSIAN_FLOOR_MULTIPLIER";
+pub const GPTQ_HESSIAN_MAX_FLOOR_ATTEMPTS: &str = "GPTQ_HESSIAN_MAX_FLOOR_ATTEMPTS";
+pub const GPTQ_RESUME_LAYERS: &str = "GPTQ_RESUME_LAYERS";
+pub const GPTQ_MAX_RTN_FALLBACK_PERCENT: &str = "GPTQ_MAX_RTN_FALLBACK_PERCENT";
+pub const GPTQ_MIN_MODULES_FOR_FALLBACK_GATE: &str = "GPTQ_MIN_MODULES_FOR_FALLBACK_GATE";
+/// `true`: a restarted quantize Job re-hashes every shard of `.save-complete` before it
+/// short-circuits (default: exact sizes only).
+pub const GPTQ_VERIFY_SAVE_SHA256: &str = "GPTQ_VERIFY_SAVE_SHA256";
+pub const TELEMETRY: &str = "FLEXINFER_TELEMETRY";
+pub const HF_TOKEN: &str = "HF_TOKEN";
+pub const HF_ENDPOINT: &str = "HF_ENDPOINT";
+pub const SOURCE: &str = "SOURCE";
+pub const REVISION: &str = "REVISION";
+pub const REPO_TYPE: &str = "REPO_TYPE";
+pub const ALLOW_PATTERNS: &str = "ALLOW_PATTERNS";
+pub const IGNORE_PATTERNS: &str = "IGNORE_PATTERNS";
+pub const NUM_SAMPLES: &str = "NUM_SAMPLES";
+pub const TARGET_LAYERS: &str = "TARGET_LAYERS";
+pub const WEIGHT_MATRICES: &str = "WEIGHT_MATRICES";
+pub const SKIP_GDN_LAYERS: &str = "SKIP_GDN_LAYERS";
+pub const SKIP_VISION: &str = "SKIP_VISION";
+pub const NORM_THRESHOLD: &str = "NORM_THRESHOLD";
+pub const ABLITERATE_LM_HEAD: &str = "ABLITERATE_LM_HEAD";
+pub const MAX_PERPLEXITY_INCREASE_PERCENT: &str = "MAX_PERPLEXITY_INCREASE_PERCENT";
+pub const REFUSAL_DATASET: &str = "REFUSAL_DATASET";
+pub const HARMLESS_DATASET: &str = "HARMLESS_DATASET";
+pub const OCI_REF: &str = "OCI_REF";
+pub const OCI_TAG_POLICY: &str = "OCI_TAG_POLICY";
+pub const OCI_ADDITIONAL_TAGS: &str = "OCI_ADDITIONAL_TAGS";
+pub const OCI_INSECURE: &str = "OCI_INSECURE";
+pub const OCI_USERNAME: &str = "OCI_USERNAME";
+pub const OCI_PASSWORD: &str = "OCI_PASSWORD";
+/// Path of a mounted dockerconfigjson with registry credentials.
+pub const DOCKER_CONFIG_JSON: &str = "DOCKER_CONFIG_JSON";
+/// Where the worker writes its termination message (default `/dev/termination-log`).
+pub const TERMINATION_LOG: &str = "FLEXINFER_TERMINATION_LOG";
+/// Pipeline phase the Job runs (`download`, `abliterate`, `quantize`, `publish`).
+pub const PHASE: &str = "FLEXINFER_PHASE";
+/// AMD allocator setting injected into AMD GPU Jobs (not gfx906).
+pub const PYTORCH_HIP_ALLOC_CONF: &str = "PYTORCH_HIP_ALLOC_CONF";
+pub const PYTORCH_HIP_ALLOC_CONF_VALUE: &str = "expandable_segments:True";
+
+/// The `GPTQ_*` tunables with their defaults, in the order the controller emits them.
+/// The controller overrides each cluster-wide from its own env `FLEXINFER_<NAME>`.
+pub const GPTQ_TUNABLES: &[(&str, &str)] = &[
+    (GPTQ_DAMP_PERCENT_OVERRIDE, "0.05"),
+    (GPTQ_DAMP_AUTO_INCREMENT_OVERRIDE, "0.1"),
+    (GPTQ_HESSIAN_DIAG_FLOOR_MODE, "mean"),
+    (GPTQ_HESSIAN_DIAG_FLOOR_SCALE, "0.01"),
+    (GPTQ_HESSIAN_FLOOR_MULTIPLIER, "10"),
+    (GPTQ_HESSIAN_MAX_FLOOR_ATTEMPTS, "6"),
+    (GPTQ_RESUME_LAYERS, "true"),
+    (GPTQ_MAX_RTN_FALLBACK_PERCENT, "10"),
+    (GPTQ_MIN_MODULES_FOR_FALLBACK_GATE, "100"),
+    (GPTQ_VERIFY_SAVE_SHA256, "false"),
+];
+
+/// Controller env name that overrides a worker tunable cluster-wide (`FLEXINFER_<NAME>`).
+pub fn controller_override(name: &str) -> String {
+    format!("FLEXINFER_{name}")
+}
+
+/// Controller configuration environment (read by the controller binary, set by the chart).
+pub mod controller {
+    pub const QUANTIZER_GPTQ_IMAGE: &str = "FLEXINFER_QUANTIZER_GPTQ_IMAGE";
+    pub const QUANTIZER_GPTQ_ROCM_IMAGE: &str = "FLEXINFER_QUANTIZER_GPTQ_ROCM_IMAGE";
+    /// `FLEXINFER_QUANTIZER_GPTQ_ROCM_<ARCH>_IMAGE`, e.g. `..._GFX906_IMAGE`.
+    pub fn quantizer_gptq_rocm_arch_image(arch: &str) -> String {
+        format!(
+            "FLEXINFER_QUANTIZER_GPTQ_ROCM_{}_IMAGE",
+            arch.to_ascii_uppercase()
+        )
+    }
+    /// `FLEXINFER_QUANTIZER_IMAGE_<FORMAT>` (chart value `quantization.images.<format>`).
+    pub fn quantizer_format_image(format: &str) -> String {
+        format!("FLEXINFER_QUANTIZER_IMAGE_{}", format.to_ascii_uppercase())
+    }
+    /// Image of the download/publish worker (and CPU phases without a format image).
+    pub const WORKER_IMAGE: &str = "FLEXINFER_WORKER_IMAGE";
+    /// ServiceAccount of pipeline Jobs.
+    pub const WORKER_SERVICE_ACCOUNT: &str = "FLEXINFER_WORKER_SERVICE_ACCOUNT";
+    /// Image-drift grace window in seconds (default 600).
+    pub const IMAGE_DRIFT_GRACE_SECONDS: &str = "FLEXINFER_IMAGE_DRIFT_GRACE_SECONDS";
+    /// Retry backoff base in seconds (default 30).
+    pub const RETRY_BASE_SECONDS: &str = "FLEXINFER_RETRY_BASE_SECONDS";
+    pub const LEADER_ELECT: &str = "FLEXINFER_LEADER_ELECT";
+    pub const NAMESPACE: &str = "FLEXINFER_NAMESPACE";
+    /// Root directory `local://` sources are confined to.
+    pub const LOCAL_SOURCE_ROOT: &str = "FLEXINFER_LOCAL_SOURCE_ROOT";
+    /// Default serving image per backend: `FLEXINFER_RUNTIME_IMAGE_<BACKEND>`.
+    pub fn runtime_image(backend: &str) -> String {
+        format!("FLEXINFER_RUNTIME_IMAGE_{}", backend.to_ascii_uppercase())
+    }
+    /// Only watch this namespace (default: all namespaces).
+    pub const WATCH_NAMESPACE: &str = "FLEXINFER_WATCH_NAMESPACE";
+    /// Seconds between progress polls (pod log tail) of a running Job (default 30).
+    pub const PROGRESS_POLL_SECONDS: &str = "FLEXINFER_PROGRESS_POLL_SECONDS";
+    /// Leader-election Lease duration in seconds (default 15).
+    pub const LEASE_DURATION_SECONDS: &str = "FLEXINFER_LEASE_DURATION_SECONDS";
+    /// Name of the leader-election Lease (default `flexinfer-controller-leader`).
+    pub const LEASE_NAME: &str = "FLEXINFER_LEASE_NAME";
+    /// Address of `/metrics` (default `0.0.0.0:8080`).
+    pub const METRICS_ADDR: &str = "FLEXINFER_METRICS_ADDR";
+    /// Address of `/healthz` and `/readyz` (default `0.0.0.0:8081`).
+    pub const HEALTH_ADDR: &str = "FLEXINFER_HEALTH_ADDR";
+    /// Downward-API env naming the controller pod: Event `reportingInstance`, lease identity.
+    pub const POD_NAME: &str = "POD_NAME";
+}
+
+/// Optional tuning env of the transfer subcommands (each also a command-line flag).
+pub mod transfer {
+    /// Files fetched in parallel by `download` (default 4).
+    pub const DOWNLOAD_CONCURRENCY: &str = "FLEXINFER_DOWNLOAD_CONCURRENCY";
+    /// Consecutive failed attempts per file without progress before `download` gives up (default 8).
+    pub const DOWNLOAD_RETRIES: &str = "FLEXINFER_DOWNLOAD_RETRIES";
+    /// Blobs uploaded in parallel by `publish` (default 4).
+    pub const PUBLISH_CONCURRENCY: &str = "FLEXINFER_PUBLISH_CONCURRENCY";
+    /// Seconds between `progress` events of `download`/`publish` (default 5).
+    pub const PROGRESS_INTERVAL_SECONDS: &str = "FLEXINFER_PROGRESS_INTERVAL_SECONDS";
+}
+
+/// Environment of the serving containers.
+pub mod serving {
+    /// vLLM attention backend (`config.attentionBackend`).
+    pub const VLLM_ATTENTION_BACKEND: &str = "VLLM_ATTENTION_BACKEND";
+}

@@ -1,0 +1,104 @@
+//! Files the workers write and the controller and CLI read: the cache layout, marker files and
+//! their serde types. Every marker file is written atomically (temp file + rename).
+
+use serde::{Deserialize, Serialize};
+
+/// Mount point of the cache PVC in every pipeline Job.
+pub const CACHE_MOUNT: &str = "/cache";
+/// Subdirectory (under the model dir) of the abliterated model.
+pub const ABLITERATED_SUBDIR: &str = "abliterated";
+/// Subdirectory (under the model dir) where the download phase puts hub datasets.
+pub const DATASETS_SUBDIR: &str = ".datasets";
+
+pub const DOWNLOAD_COMPLETE: &str = ".download_complete";
+pub const SOURCE_INTEGRITY: &str = ".source-integrity.json";
+pub const ABLITERATION_STATUS: &str = ".abliteration-status.json";
+pub const GPTQ_CACHE_DIR: &str = ".flexinfer-gptq-cache";
+pub const GPTQ_CHECKPOINT: &str = ".flexinfer-gptq-cache/checkpoint.json";
+pub const GPTQ_LAYERS_DIR: &str = ".flexinfer-gptq-cache/layers";
+pub const GPTQ_LAYERS_MANIFEST: &str = ".flexinfer-gptq-cache/layers/manifest.json";
+pub const SAVE_COMPLETE: &str = ".save-complete";
+pub const QUANTIZATION_QUALITY: &str = ".quantization-quality.json";
+pub const DEFAULT_TERMINATION_LOG: &str = "/dev/termination-log";
+/// Kubernetes caps termination messages at 4096 bytes.
+pub const TERMINATION_MESSAGE_MAX_BYTES: usize = 4096;
+/// Resume manifest of the abliteration phase, inside the output (and its staging) directory.
+pub const ABLITERATION_MANIFEST: &str = ".abliteration-manifest.json";
+/// Suffix of the abliteration staging directory next to `OUT_DIR` (renamed into place when complete).
+pub const STAGING_SUFFIX: &str = ".partial";
+
+/// Quality summary of the RTN-fallback gate (`$OUT_DIR/.quantization-quality.json`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct QualitySummary {
+    pub gptq_modules: u64,
+    pub rtn_fallback_modules: u64,
+    pub rtn_fallback_percent: f64,
+    pub max_rtn_fallback_percent: f64,
+    pub minimum_modules: u64,
+    /// `passed`, `failed` or `insufficient-sample`.
+    pub gate: String,
+}
+
+impl QualitySummary {
+    /// The gate verdict is `failed`.
+    pub fn failed(&self) -> bool {
+        self.gate == "failed"
+    }
+}
+
+/// `.source-integrity.json`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SourceIntegrity {
+    pub files: Vec<IntegrityFile>,
+    pub weight_bytes: u64,
+    pub revision: String,
+    /// Source URI the files came from (a different source resets derived artifacts).
+    #[serde(default)]
+    pub source: String,
+}
+
+/// One file of `.source-integrity.json`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct IntegrityFile {
+    pub name: String,
+    pub size: u64,
+    pub sha256: String,
+}
+
+/// `.abliteration-status.json`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AbliterationStatusFile {
+    pub status: String,
+    pub layers_modified: u64,
+    pub refusal_dir_norm: f64,
+    pub layer: u64,
+    pub weight_matrices: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub perplexity_before: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub perplexity_after: Option<f64>,
+    pub completed_at: String,
+}
+
+/// `$OUT_DIR/.save-complete`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SaveComplete {
+    pub version: u32,
+    pub script_version: String,
+    pub completed_at: String,
+    pub shards: Vec<SaveShard>,
+    pub has_index: bool,
+    pub has_config: bool,
+    pub has_quantize_config: bool,
+}
+
+/// One shard of `.save-complete`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SaveShard {
+    pub name: String,
+    pub size_bytes: u64,
+    pub sha256: String,
+}

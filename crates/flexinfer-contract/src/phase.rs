@@ -1,0 +1,49 @@
+//! The four pipeline phases, as named in Job names, labels, status and worker subcommands.
+
+use serde::{Deserialize, Serialize};
+
+/// Pipeline phases as named in Job names/labels and the worker's subcommands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum JobPhase {
+    Download,
+    Abliterate,
+    Quantize,
+    Publish,
+}
+
+impl JobPhase {
+    pub const ALL: [JobPhase; 4] = [
+        JobPhase::Download,
+        JobPhase::Abliterate,
+        JobPhase::Quantize,
+        JobPhase::Publish,
+    ];
+    /// Job name suffix, label value and worker subcommand.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobPhase::Download => "download",
+            JobPhase::Abliterate => "abliterate",
+            JobPhase::Quantize => "quantize",
+            JobPhase::Publish => "publish",
+        }
+    }
+    /// `status.currentPhase` value and metrics `job_type`.
+    pub fn status_name(self) -> &'static str {
+        match self {
+            JobPhase::Download => "download",
+            JobPhase::Abliterate => "abliteration",
+            JobPhase::Quantize => "quantization",
+            JobPhase::Publish => "publish",
+        }
+    }
+    /// Name of the Job of this phase for a cache.
+    pub fn job_name(self, cache: &str) -> String {
+        format!("{cache}-{}", self.as_str())
+    }
+    pub fn parse(s: &str) -> Option<JobPhase> {
+        JobPhase::ALL
+            .into_iter()
+            .find(|p| p.as_str() == s || p.status_name() == s)
+    }
+}

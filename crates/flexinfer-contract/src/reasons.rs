@@ -1,0 +1,118 @@
+//! Reasons: of the Kubernetes Events and conditions the controller writes, and of a failed
+//! pipeline Job ([`FailureReason`]).
+
+use serde::{Deserialize, Serialize};
+
+// ModelCache pipeline.
+pub const DOWNLOAD_COMPLETE: &str = "DownloadComplete";
+pub const ABLITERATION_COMPLETE: &str = "AbliterationComplete";
+pub const QUANTIZATION_COMPLETE: &str = "QuantizationComplete";
+pub const PUBLISHED: &str = "Published";
+pub const CACHE_READY: &str = "CacheReady";
+pub const QUANTIZER_IMAGE_DRIFT: &str = "QuantizerImageDrift";
+pub const JOB_CREATED: &str = "JobCreated";
+pub const PHASE_FAILED: &str = "PhaseFailed";
+pub const RETRYING: &str = "Retrying";
+pub const UNSUPPORTED_FORMAT: &str = "UnsupportedFormat";
+pub const BACKEND_UNSUPPORTED: &str = "BackendUnsupported";
+pub const CACHE_NOT_READY: &str = "CacheNotReady";
+/// A trigger annotation or a spec change made a phase (and what follows) run again.
+pub const RERUN_REQUESTED: &str = "RerunRequested";
+/// `flexinfer.ai/reset-retries` cleared the retry state.
+pub const RETRIES_RESET: &str = "RetriesReset";
+/// The spec can't run (no image configured, bad annotation, bad path).
+pub const INVALID_SPEC: &str = "InvalidSpec";
+/// No image could be resolved for a phase.
+pub const IMAGE_NOT_CONFIGURED: &str = "ImageNotConfigured";
+
+// Model serving.
+/// A Model's phase changed (note: `Old -> New`).
+pub const PHASE_CHANGED: &str = "PhaseChanged";
+/// A gated Model asked for warm-primary service without validation.
+pub const PROMOTION_BLOCKED: &str = "PromotionBlocked";
+/// A Model's configuration is invalid (ConfigValid=False).
+pub const INVALID_CONFIG: &str = "InvalidConfig";
+
+/// Why a pipeline Job failed, as classified by the controller from the Job, its pod and the
+/// worker's exit code. The string form goes into the `Degraded` condition's reason, the failure
+/// message and metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum FailureReason {
+    /// The container was OOM-killed.
+    #[serde(rename = "OOMKilled")]
+    OomKilled,
+    /// The Job ran past `activeDeadlineSeconds`.
+    DeadlineExceeded,
+    /// The image could not be pulled.
+    ImagePullBackOff,
+    /// The Job's pods failed `backoffLimit` times.
+    BackoffLimitExceeded,
+    /// Worker exit code 2: the input is unusable.
+    BadInput,
+    /// Worker exit code 3: a quality gate failed.
+    QualityGateFailed,
+    /// Worker exit code 4: the worker image speaks another contract version.
+    ScriptVersionMismatch,
+    /// Anything else.
+    JobFailed,
+}
+
+impl FailureReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureReason::OomKilled => "OOMKilled",
+            FailureReason::DeadlineExceeded => "DeadlineExceeded",
+            FailureReason::ImagePullBackOff => "ImagePullBackOff",
+            FailureReason::BackoffLimitExceeded => "BackoffLimitExceeded",
+            FailureReason::BadInput => "BadInput",
+            FailureReason::QualityGateFailed => "QualityGateFailed",
+            FailureReason::ScriptVersionMismatch => "ScriptVersionMismatch",
+            FailureReason::JobFailed => "JobFailed",
+        }
+    }
+
+    /// The reason a deterministic worker exit code stands for.
+    pub fn from_exit_code(code: i32) -> Option<FailureReason> {
+        match code {
+            crate::exit_codes::BAD_INPUT => Some(FailureReason::BadInput),
+            crate::exit_codes::QUALITY_GATE => Some(FailureReason::QualityGateFailed),
+            crate::exit_codes::VERSION_MISMATCH => Some(FailureReason::ScriptVersionMismatch),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for FailureReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FailureReason;
+
+    #[test]
+    fn failure_reasons_serialize_as_their_names() {
+        for r in [
+            FailureReason::OomKilled,
+            FailureReason::DeadlineExceeded,
+            FailureReason::ImagePullBackOff,
+            FailureReason::BackoffLimitExceeded,
+            FailureReason::BadInput,
+            FailureReason::QualityGateFailed,
+            FailureReason::ScriptVersionMismatch,
+            FailureReason::JobFailed,
+        ] {
+            assert_eq!(
+                serde_json::to_value(r).ok(),
+                Some(serde_json::Value::String(r.as_str().into()))
+            );
+        }
+        assert_eq!(
+            FailureReason::from_exit_code(2),
+            Some(FailureReason::BadInput)
+        );
+        assert_eq!(FailureReason::from_exit_code(1), None);
+    }
+}

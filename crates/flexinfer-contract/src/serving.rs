@@ -1,0 +1,12 @@
+//! Names of the serving Deployment and Service the Model controller renders.
+
+/// `app.kubernetes.io/component` of serving Deployments, Services and pods.
+pub const COMPONENT: &str = "inference-server";
+/// Port of every backend's OpenAI-compatible HTTP server (container and Service).
+pub const PORT: i32 = 8000;
+/// Name of that port.
+pub const PORT_NAME: &str = "http";
+/// Where the artifact is mounted (read-only) in serving pods.
+pub const MODEL_MOUNT: &str = "/models";
+/// Name of the serving container.
+pub const CONTAINER: &str = "server";
