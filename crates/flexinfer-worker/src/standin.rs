@@ -115,7 +115,7 @@ fn err(path: &Path, e: impl std::fmt::Display) -> String {
 impl Engine {
     /// Loads `dir`; refuses an artifact whose `.save-complete` does not verify.
     pub fn load(dir: &Path) -> Result<Self, String> {
-        let sc_path = dir.join(flexinfer_quant::writer::SAVE_COMPLETE);
+        let sc_path = dir.join(flexinfer_contract::files::SAVE_COMPLETE);
         let verified = if sc_path.exists() {
             let sc = verify_save_complete(dir, true).ok_or_else(|| {
                 err(

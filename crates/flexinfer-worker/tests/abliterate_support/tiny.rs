@@ -1,6 +1,8 @@
 //! Tiny generated Llama-architecture models with a planted refusal direction, their tokenizer and
 //! prompt datasets. Shared by the abliteration tests and the `hub_fixtures` example.
 #![allow(dead_code)]
+// Test fixture generator: a failed write is a broken test setup, so it panics.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
