@@ -277,16 +277,21 @@ pub fn logits(store: &TensorStore, cfg: &ModelConfig, tokens: &[u32]) -> Result<
         &store.f32("model.norm.weight")?,
         cfg.rms_norm_eps,
     );
+    Ok(linear(xn.as_ref(), &lm_head(store, cfg)?))
+}
+
+/// The output projection `[vocab, hidden]`: `lm_head.weight`, or the embeddings when they are tied.
+pub fn lm_head(store: &TensorStore, cfg: &ModelConfig) -> Result<Linear> {
     let head_name = if store.contains("lm_head.weight") {
         "lm_head.weight"
     } else {
         "model.embed_tokens.weight"
     };
     let w = store.f32(head_name)?;
-    let vocab = w.len() / cfg.hidden_size;
-    let head = Linear {
-        w: Mat::from_fn(vocab, cfg.hidden_size, |r, c| w[r * cfg.hidden_size + c]),
+    let hs = cfg.hidden_size.max(1);
+    let vocab = w.len() / hs;
+    Ok(Linear {
+        w: Mat::from_fn(vocab, hs, |r, c| w[r * hs + c]),
         b: None,
-    };
-    Ok(linear(xn.as_ref(), &head))
+    })
 }

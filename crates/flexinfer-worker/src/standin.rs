@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use faer::Mat;
-use flexinfer_quant::llama::{embed, layer_forward, linear, rms_norm, Rope};
+use flexinfer_quant::llama::{embed, layer_forward, linear, lm_head, rms_norm, Rope};
 use flexinfer_quant::model::{load_layer, GptqReadConfig, LayerWeights, Linear, ModelConfig};
 use flexinfer_quant::tensors::TensorStore;
 use flexinfer_quant::writer::verify_save_complete;
@@ -134,18 +134,7 @@ impl Engine {
             .map(|l| load_layer(&store, &cfg, l, gq))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| e.to_string())?;
-        let head_name = if store.contains("lm_head.weight") {
-            "lm_head.weight"
-        } else {
-            "model.embed_tokens.weight"
-        };
-        let w = store.f32(head_name).map_err(|e| e.to_string())?;
-        let hs = cfg.hidden_size.max(1);
-        let vocab = w.len() / hs;
-        let head = Linear {
-            w: Mat::from_fn(vocab, hs, |r, c| w[r * hs + c]),
-            b: None,
-        };
+        let head = lm_head(&store, &cfg).map_err(|e| e.to_string())?;
         let norm = store.f32("model.norm.weight").map_err(|e| e.to_string())?;
         let tokenizer = flexinfer_quant::calib::load_tokenizer(dir).map_err(|e| e.to_string())?;
         let qc = cfg.raw.get("quantization_config").cloned();
@@ -187,12 +176,13 @@ impl Engine {
         Ok(best.0)
     }
 
-    /// Greedy decoding; `on_piece` gets the text of each new token as it is produced.
+    /// Greedy decoding; `on_piece` gets the text of each new token as it is produced and returns whether to
+    /// go on (a streaming client that went away ends the generation).
     pub fn generate(
         &self,
         prompt: &str,
         max_tokens: usize,
-        mut on_piece: impl FnMut(&str),
+        mut on_piece: impl FnMut(&str) -> bool,
     ) -> Result<Generation, String> {
         let mut tokens = flexinfer_quant::calib::encode(&self.tokenizer, prompt, "the prompt")
             .map_err(|e| e.to_string())?;
@@ -207,21 +197,25 @@ impl Engine {
             ));
         }
         let mut text = String::new();
-        for _ in 0..max_tokens {
+        let mut completion_tokens = 0;
+        while completion_tokens < max_tokens {
             let t = self.next_token(&tokens)?;
             tokens.push(t);
+            completion_tokens += 1;
             let piece = self
                 .tokenizer
                 .decode(&[t], false)
                 .map(|p| format!(" {p}"))
                 .unwrap_or_default();
-            on_piece(&piece);
             text.push_str(&piece);
+            if !on_piece(&piece) {
+                break;
+            }
         }
         Ok(Generation {
             text,
             prompt_tokens,
-            completion_tokens: max_tokens,
+            completion_tokens,
         })
     }
 }
@@ -391,7 +385,7 @@ impl Server {
         if !stream {
             let me = self.clone();
             let gen = tokio::task::spawn_blocking(move || {
-                me.engine.generate(&prompt, max_tokens, |_| {})
+                me.engine.generate(&prompt, max_tokens, |_| true)
             })
             .await;
             return match gen {
@@ -423,9 +417,9 @@ impl Server {
                                "choices": [Self::choice(chat, text, finish, true)]});
                 Bytes::from(format!("data: {v}\n\n"))
             };
-            let mut open = true;
+            // A failed send means the client closed the stream: generation stops there.
             let r = me.engine.generate(&prompt, max_tokens, |piece| {
-                open = open && tx.blocking_send(chunk(piece, None)).is_ok();
+                tx.blocking_send(chunk(piece, None)).is_ok()
             });
             let tail = match r {
                 Ok(_) => chunk("", Some("length")),
@@ -560,15 +554,22 @@ mod tests {
         assert!(e.info["verifiedShards"].as_u64().is_some_and(|n| n > 0));
         let mut pieces = Vec::new();
         let g = e
-            .generate("the cat", 4, |p| pieces.push(p.to_string()))
+            .generate("the cat", 4, |p| {
+                pieces.push(p.to_string());
+                true
+            })
             .expect("generate");
         assert_eq!(g.completion_tokens, 4);
         assert_eq!(pieces.concat(), g.text);
         // Deterministic: the same prompt decodes to the same text.
         assert_eq!(
-            e.generate("the cat", 4, |_| {}).expect("again").text,
+            e.generate("the cat", 4, |_| true).expect("again").text,
             g.text
         );
+        // A consumer that stops after the first piece stops the generation there.
+        let one = e.generate("the cat", 4, |_| false).expect("stopped");
+        assert_eq!(one.completion_tokens, 1);
+        assert_eq!(one.text, pieces[0]);
         // A damaged shard is refused at load, naming the record.
         let shard = std::fs::read_dir(&out)
             .expect("ls")
