@@ -13,13 +13,13 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context, Result};
 use flexinfer_api::{Model, ModelCache};
 use flexinfer_e2e::{apply, client, wait_for};
+use flexinfer_fsutil::{sha256_file, sha256_hex};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, ListParams};
 use kube::Client;
 use serde_json::{json, Value};
-use sha2::{Digest, Sha256};
 
 struct Env {
     ns: String,
@@ -193,13 +193,6 @@ async fn until_ready(
     }
 }
 
-fn sha256_file(p: &Path) -> Result<String> {
-    let mut f = std::fs::File::open(p).with_context(|| format!("open {}", p.display()))?;
-    let mut h = Sha256::new();
-    std::io::copy(&mut f, &mut h)?;
-    Ok(hex::encode(h.finalize()))
-}
-
 /// Host directory of a `status.path` (`<claim>:<path in the claim>`) or of a mount's subPath (a path in the
 /// claim), for a claim backed by `storage`.
 fn host_dir(storage: &Path, status_path: &str) -> PathBuf {
@@ -238,7 +231,8 @@ fn check_artifact(dir: &Path) -> Result<Value> {
             f.display()
         );
         ensure!(
-            sha256_file(&f)? == s["sha256"].as_str().unwrap_or_default(),
+            sha256_file(&f).with_context(|| format!("hash {}", f.display()))?
+                == s["sha256"].as_str().unwrap_or_default(),
             "{} sha256",
             f.display()
         );
@@ -279,7 +273,7 @@ fn pull_and_compare(
         "Accept: application/vnd.oci.image.manifest.v1+json",
         &url,
     ])?;
-    let digest = format!("sha256:{}", hex::encode(Sha256::digest(&manifest)));
+    let digest = format!("sha256:{}", sha256_hex(&manifest));
     let m: Value = serde_json::from_slice(&manifest)?;
     let mut titles = BTreeSet::new();
     for l in m["layers"].as_array().context("layers")? {
@@ -289,7 +283,7 @@ fn pull_and_compare(
         let d = l["digest"].as_str().context("layer digest")?;
         let blob = curl(&[&format!("http://{}/v2/{repo}/blobs/{d}", e.registry), "-L"])?;
         ensure!(
-            format!("sha256:{}", hex::encode(Sha256::digest(&blob))) == d,
+            format!("sha256:{}", sha256_hex(&blob)) == d,
             "{title}: blob digest"
         );
         let local =
@@ -345,32 +339,53 @@ fn check_pods(e: &Env, seen: &Observed, phases: &[&str]) -> Result<()> {
     Ok(())
 }
 
+/// Clears a previous run of cache `name`, gives it a hostPath claim and the real-node GPUProfile, and applies
+/// a ModelCache of hub repo `source` on the real node with the given phase specs (`abliteration`,
+/// `quantization`, `publish`). Returns the claim's host directory.
+async fn start_cache(
+    c: &Client,
+    e: &Env,
+    name: &str,
+    source: &str,
+    model_path: &str,
+    phases: Value,
+) -> Result<PathBuf> {
+    delete_cache(c, e, name).await;
+    let dir = storage(c, e, name).await?;
+    profile(c, e).await?;
+    let place = e.real_node_placement();
+    let mut spec = json!({
+        "source": source, "existingClaimName": name, "modelPath": model_path,
+        "nodeSelector": place["nodeSelector"], "tolerations": place["tolerations"],
+        "download": {"maxMemoryGB": 1},
+    });
+    for (k, v) in phases.as_object().into_iter().flatten() {
+        spec[k] = v.clone();
+    }
+    let mc = json!({
+        "apiVersion": "ai.flexinfer/v1alpha1", "kind": "ModelCache",
+        "metadata": {"name": name, "namespace": e.ns}, "spec": spec,
+    });
+    apply(c, &mc, None, false)
+        .await
+        .context("apply ModelCache")?;
+    Ok(dir)
+}
+
 #[tokio::test]
 async fn real_pipeline_download_abliterate_quantize_publish_and_serve() -> Result<()> {
     let e = Env::get()?;
     let c = client().await;
     let name = "tiny-full";
-    delete_cache(&c, &e, name).await;
-    let dir = storage(&c, &e, name).await?;
-    profile(&c, &e).await?;
+    let dir = start_cache(&c, &e, name, "flexinfer-demo/tiny-llama", "tiny-llama", json!({
+        "abliteration": {"refusalDataset": "flexinfer-demo/refusal", "harmlessDataset": "flexinfer-demo/harmless",
+                         "numSamples": 32, "maxMemoryGB": 2, "useGPU": true},
+        "quantization": {"format": "GPTQ", "bits": 4, "groupSize": 32, "maxMemoryGB": 2, "useGPU": true,
+                         "calibration": {"dataset": "flexinfer-demo/calibration", "maxSamples": 16, "maxSeqLen": 128}},
+        "publish": {"targets": ["oci"], "ociRef": format!("{}/e2e/{name}:v1", e.registry), "insecure": true},
+    }))
+    .await?;
     let place = e.real_node_placement();
-    let mc = json!({
-        "apiVersion": "ai.flexinfer/v1alpha1", "kind": "ModelCache",
-        "metadata": {"name": name, "namespace": e.ns},
-        "spec": {
-            "source": "flexinfer-demo/tiny-llama", "existingClaimName": name, "modelPath": "tiny-llama",
-            "nodeSelector": place["nodeSelector"], "tolerations": place["tolerations"],
-            "download": {"maxMemoryGB": 1},
-            "abliteration": {"refusalDataset": "flexinfer-demo/refusal", "harmlessDataset": "flexinfer-demo/harmless",
-                             "numSamples": 32, "maxMemoryGB": 2, "useGPU": true},
-            "quantization": {"format": "GPTQ", "bits": 4, "groupSize": 32, "maxMemoryGB": 2, "useGPU": true,
-                             "calibration": {"dataset": "flexinfer-demo/calibration", "maxSamples": 16, "maxSeqLen": 128}},
-            "publish": {"targets": ["oci"], "ociRef": format!("{}/e2e/{name}:v1", e.registry), "insecure": true},
-        },
-    });
-    apply(&c, &mc, None, false)
-        .await
-        .context("apply ModelCache")?;
     let mut seen = Observed::default();
     let mc = until_ready(&c, &e, name, &mut seen, Duration::from_secs(900)).await?;
     let st = &mc["status"];
@@ -551,24 +566,11 @@ async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
     let e = Env::get()?;
     let c = client().await;
     let name = "small-kill";
-    delete_cache(&c, &e, name).await;
-    let dir = storage(&c, &e, name).await?;
-    profile(&c, &e).await?;
-    let place = e.real_node_placement();
-    let mc = json!({
-        "apiVersion": "ai.flexinfer/v1alpha1", "kind": "ModelCache",
-        "metadata": {"name": name, "namespace": e.ns},
-        "spec": {
-            "source": "flexinfer-demo/small-llama", "existingClaimName": name, "modelPath": "small-llama",
-            "nodeSelector": place["nodeSelector"], "tolerations": place["tolerations"],
-            "download": {"maxMemoryGB": 1},
-            "quantization": {"format": "GPTQ", "bits": 4, "groupSize": 128, "maxMemoryGB": 4, "useGPU": true,
-                             "calibration": {"dataset": "flexinfer-demo/calibration", "maxSamples": 64, "maxSeqLen": 512}},
-        },
-    });
-    apply(&c, &mc, None, false)
-        .await
-        .context("apply ModelCache")?;
+    let dir = start_cache(&c, &e, name, "flexinfer-demo/small-llama", "small-llama", json!({
+        "quantization": {"format": "GPTQ", "bits": 4, "groupSize": 128, "maxMemoryGB": 4, "useGPU": true,
+                         "calibration": {"dataset": "flexinfer-demo/calibration", "maxSamples": 64, "maxSeqLen": 512}},
+    }))
+    .await?;
     let mut seen = Observed::default();
     let manifest = dir.join("small-llama/.flexinfer-gptq-cache/layers/manifest.json");
     let cached_layers = |m: &Path| -> usize {
