@@ -396,9 +396,13 @@ async fn real_pipeline_download_abliterate_quantize_publish_and_serve() -> Resul
     )?;
 
     // status.path is the complete artifact, and status.quantization describes this run.
+    // status.path names the promoted generation of the quantized output.
     let path = st["path"].as_str().context("status.path")?;
+    let generation = st["quantization"]["generation"]
+        .as_str()
+        .context("status.quantization.generation")?;
     ensure!(
-        path == format!("{name}:tiny-llama/gptq-w4-g32"),
+        path == format!("{name}:tiny-llama/gptq-w4-g32.{generation}"),
         "status.path {path}"
     );
     let art = host_dir(&dir, path);
@@ -415,7 +419,14 @@ async fn real_pipeline_download_abliterate_quantize_publish_and_serve() -> Resul
         "compressedSizeBytes {} vs shards {shard_bytes}",
         q["compressedSizeBytes"]
     );
-    let input = safetensors_bytes(&dir.join("tiny-llama/abliterated"))?;
+    let ablit = st["abliteration"]["outputDir"]
+        .as_str()
+        .context("status.abliteration.outputDir")?;
+    ensure!(
+        ablit.starts_with("tiny-llama/abliterated."),
+        "abliteration output {ablit}"
+    );
+    let input = safetensors_bytes(&dir.join(ablit))?;
     ensure!(
         q["originalSizeBytes"].as_u64() == Some(input),
         "originalSizeBytes {} vs the abliterated input's shards {input}",
@@ -743,7 +754,7 @@ async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
     check_pods(&e, &seen, &["download", "quantize"])?;
     let path = mc["status"]["path"].as_str().context("status.path")?;
     ensure!(
-        path == format!("{name}:small-llama/gptq-w4-g128"),
+        path.starts_with(&format!("{name}:small-llama/gptq-w4-g128.")),
         "status.path {path}"
     );
     let art = host_dir(&dir, path);
@@ -759,6 +770,216 @@ async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
         mid.len() >= 2,
         "intermediate quantize progress values {mid:?} (all: {:?})",
         seen.progress
+    );
+    Ok(())
+}
+
+/// sha256 of every file of a directory (name → digest).
+fn dir_digest(dir: &Path) -> Result<BTreeMap<String, String>> {
+    let mut m = BTreeMap::new();
+    for e in std::fs::read_dir(dir).with_context(|| format!("read {}", dir.display()))? {
+        let e = e?;
+        if e.file_type()?.is_file() {
+            m.insert(
+                e.file_name().to_string_lossy().to_string(),
+                sha256_file(&e.path())?,
+            );
+        }
+    }
+    Ok(m)
+}
+
+/// Waits until the cache is Ready with a `status.path` other than `old`, checking at every poll that
+/// `status.path` never leaves `old` before the new run is complete.
+async fn until_ready_at_new_path(
+    c: &Client,
+    e: &Env,
+    name: &str,
+    old: &str,
+    seen: &mut Observed,
+) -> Result<Value> {
+    let start = Instant::now();
+    let mut left_ready = false;
+    loop {
+        let mc = observe_once(c, e, name, seen).await?;
+        let st = &mc["status"];
+        let path = st["path"].as_str().unwrap_or_default();
+        match st["phase"].as_str() {
+            Some("Ready") if path != old => return Ok(mc),
+            Some("Ready") => {}
+            Some("Failed") => bail!("{name} Failed: {}", serde_json::to_string_pretty(st)?),
+            _ => {
+                left_ready = true;
+                ensure!(
+                    path == old,
+                    "status.path moved to {path} while the new run was at {}",
+                    st["currentPhase"]
+                );
+            }
+        }
+        ensure!(
+            start.elapsed() < Duration::from_secs(600),
+            "{name} not Ready at a new path (left Ready: {left_ready}): {}",
+            serde_json::to_string_pretty(st)?
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The artifact lifecycle on the real path: a changed `sym` and the `flexinfer.ai/requantize` annotation each
+/// produce a new generation (never a reuse of the old bytes under the new spec), `status.path` moves only
+/// when the new one is complete, the replaced generation stays on disk byte for byte, one older than that
+/// is collected, and a run-only edit (`timeoutSeconds`) does not replace the running Job.
+#[tokio::test]
+async fn real_pipeline_generations_config_bound_reuse_and_collection() -> Result<()> {
+    let e = Env::get()?;
+    let c = client().await;
+    let name = "tiny-gen";
+    let quant = json!({"format": "GPTQ", "bits": 4, "groupSize": 32, "sym": true, "maxMemoryGB": 2,
+                       "useGPU": true,
+                       "calibration": {"dataset": "flexinfer-demo/calibration", "maxSamples": 16, "maxSeqLen": 128}});
+    let dir = start_cache(
+        &c,
+        &e,
+        name,
+        "flexinfer-demo/tiny-llama",
+        "tiny-llama",
+        json!({"quantization": quant}),
+    )
+    .await?;
+    let mut seen = Observed::default();
+    let mc = until_ready(&c, &e, name, &mut seen, Duration::from_secs(600)).await?;
+    let p1 = mc["status"]["path"].as_str().context("path")?.to_string();
+    let d1 = host_dir(&dir, &p1);
+    let before = dir_digest(&d1)?;
+    let sc1: Value = serde_json::from_slice(&std::fs::read(d1.join(".save-complete"))?)?;
+    ensure!(
+        mc["status"]["quantization"]["configDigest"] == sc1["config_digest"],
+        "status configDigest {} vs .save-complete {}",
+        mc["status"]["quantization"]["configDigest"],
+        sc1["config_digest"]
+    );
+    ensure!(
+        mc["status"]["quantization"]["applied"]["sym"] == "true",
+        "applied {}",
+        mc["status"]["quantization"]["applied"]
+    );
+
+    // 1. sym true -> false: a new generation with the new configuration, the old one intact.
+    let api: Api<ModelCache> = Api::namespaced(c.clone(), &e.ns);
+    let pp = kube::api::PatchParams::default();
+    api.patch(
+        name,
+        &pp,
+        &kube::api::Patch::Merge(json!({"spec": {"quantization": {"sym": false}}})),
+    )
+    .await?;
+    let mc = until_ready_at_new_path(&c, &e, name, &p1, &mut seen).await?;
+    let st = &mc["status"];
+    let p2 = st["path"].as_str().context("path")?.to_string();
+    let d2 = host_dir(&dir, &p2);
+    let qc: Value = serde_json::from_slice(&std::fs::read(d2.join("quantize_config.json"))?)?;
+    ensure!(qc["sym"] == false, "new artifact's quantize_config {qc}");
+    ensure!(
+        st["quantization"]["applied"]["sym"] == "false",
+        "applied {}",
+        st["quantization"]["applied"]
+    );
+    let sc2: Value = serde_json::from_slice(&std::fs::read(d2.join(".save-complete"))?)?;
+    ensure!(
+        sc2["config_digest"] != sc1["config_digest"],
+        "config digest did not change"
+    );
+    ensure!(
+        dir_digest(&d1)? == before,
+        "the replaced generation changed on disk"
+    );
+    let rel1 = p1
+        .split_once(':')
+        .map(|(_, d)| d.to_string())
+        .unwrap_or_default();
+    ensure!(
+        st["quantization"]["previousOutputDirs"] == json!([rel1]),
+        "previousOutputDirs {}",
+        st["quantization"]["previousOutputDirs"]
+    );
+
+    // 2. The requantize annotation with an unchanged spec: a third generation, computed again; while it
+    //    runs, a deadline edit applies to the next attempt and does not replace the Job.
+    api.patch(
+        name,
+        &pp,
+        &kube::api::Patch::Merge(
+            json!({"metadata": {"annotations": {"flexinfer.ai/requantize": "true"}}}),
+        ),
+    )
+    .await?;
+    let jobs: Api<Job> = Api::namespaced(c.clone(), &e.ns);
+    let job_name = format!("{name}-quantize");
+    let uid = wait_for("the requantize Job", Duration::from_secs(120), || {
+        let jobs = jobs.clone();
+        let job_name = job_name.clone();
+        async move {
+            let j = jobs.get_opt(&job_name).await.ok().flatten()?;
+            (j.metadata.deletion_timestamp.is_none()
+                && j.status.as_ref().and_then(|s| s.succeeded).unwrap_or(0) == 0)
+                .then_some(j.metadata.uid)
+        }
+    })
+    .await?;
+    api.patch(
+        name,
+        &pp,
+        &kube::api::Patch::Merge(json!({"spec": {"quantization": {"timeoutSeconds": 7777}}})),
+    )
+    .await?;
+    let mc = until_ready_at_new_path(&c, &e, name, &p2, &mut seen).await?;
+    let st = &mc["status"];
+    let p3 = st["path"].as_str().context("path")?.to_string();
+    let job = jobs.get(&job_name).await?;
+    ensure!(
+        job.metadata.uid == uid,
+        "the timeoutSeconds edit replaced the running quantize Job"
+    );
+    let events = Command::new("kubectl")
+        .args([
+            "get",
+            "events",
+            "-n",
+            &e.ns,
+            "--field-selector",
+            &format!("involvedObject.name={name}"),
+            "-o",
+            "jsonpath={.items[*].reason}",
+        ])
+        .output()?;
+    let reasons = String::from_utf8_lossy(&events.stdout).to_string();
+    ensure!(
+        !reasons.contains("QuantizationCached"),
+        "the requantize run reused the old artifact: {reasons}"
+    );
+    let d3 = host_dir(&dir, &p3);
+    check_artifact(&d3)?;
+    // Keep one previous generation: the second stays, the first is collected by the third run.
+    ensure!(
+        d2.join(".save-complete").is_file(),
+        "previous generation {p2} was removed"
+    );
+    ensure!(
+        !d1.exists(),
+        "generation {p1} older than the kept one is still on disk"
+    );
+    let logs = Command::new("kubectl")
+        .args(["logs", "-n", &e.ns, &format!("job/{job_name}")])
+        .output()?;
+    let logs = String::from_utf8_lossy(&logs.stdout);
+    ensure!(
+        !logs.contains("\"quantization_cached\""),
+        "requantize reused the artifact"
+    );
+    ensure!(
+        logs.contains("\"generations_collected\""),
+        "no generations_collected event in the worker log"
     );
     Ok(())
 }

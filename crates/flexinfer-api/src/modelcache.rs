@@ -579,6 +579,10 @@ macro_rules! phase_status {
             /// Hash of the phase inputs (spec + image) the current artifact was or is being built from.
             #[serde(default, skip_serializing_if = "Option::is_none")]
             pub spec_hash: Option<String>,
+            /// Hash of the whole phase spec including run-only settings (deadline, memory) that the last
+            /// attempt ran with: a failed phase is tried again when only those change.
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub run_hash: Option<String>,
             /// Image of the Job that produced (or is producing) the artifact.
             #[serde(default, skip_serializing_if = "Option::is_none")]
             pub image: Option<String>,
@@ -627,6 +631,12 @@ phase_status!(
         pub perplexity_after: String,
         /// Directory (relative to the cache root) of the abliterated model.
         pub output_dir: String,
+        /// Generation of the run in flight or last run: its output is `<outputDir base>.<generation>`.
+        pub generation: String,
+        /// Earlier generations still on disk (kept for Models that serve them), newest first.
+        pub previous_output_dirs: Vec<String>,
+        /// The last generation a gate rejected; the promoted output (`outputDir`) was left untouched.
+        pub rejected_generation: String,
     }
 );
 
@@ -644,9 +654,19 @@ phase_status!(
         pub quantization_time: String,
         /// Calibration parameters that were used.
         pub calibration_params: BTreeMap<String, String>,
-        /// Directory (relative to the cache root) of the quantized artifact.
+        /// Directory (relative to the cache root) of the quantized artifact (the promoted generation).
         pub output_dir: String,
         pub quality: QualityStatus,
+        /// Digest of everything that determined the artifact's bytes (also in its `.save-complete`).
+        pub config_digest: String,
+        /// Settings the run used, as the worker reported them (not copied from the spec).
+        pub applied: BTreeMap<String, String>,
+        /// Generation of the run in flight or last run: its output is `<outputDir base>.<generation>`.
+        pub generation: String,
+        /// Earlier generations still on disk (kept for Models that serve them), newest first.
+        pub previous_output_dirs: Vec<String>,
+        /// The last generation a gate rejected; the promoted output (`outputDir`) was left untouched.
+        pub rejected_generation: String,
     }
 );
 

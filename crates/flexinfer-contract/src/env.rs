@@ -25,10 +25,18 @@ pub const GPTQ_HESSIAN_MAX_FLOOR_ATTEMPTS: &str = "GPTQ_HESSIAN_MAX_FLOOR_ATTEMP
 pub const GPTQ_RESUME_LAYERS: &str = "GPTQ_RESUME_LAYERS";
 pub const GPTQ_MAX_RTN_FALLBACK_PERCENT: &str = "GPTQ_MAX_RTN_FALLBACK_PERCENT";
 pub const GPTQ_MIN_MODULES_FOR_FALLBACK_GATE: &str = "GPTQ_MIN_MODULES_FOR_FALLBACK_GATE";
-/// `true`: a restarted quantize Job re-hashes every shard of `.save-complete` before it
-/// short-circuits (default: exact sizes only).
+/// `true` (the default): a quantize Job re-hashes every shard of an existing `.save-complete` before
+/// it reuses the artifact; `false`: exact sizes only.
 pub const GPTQ_VERIFY_SAVE_SHA256: &str = "GPTQ_VERIFY_SAVE_SHA256";
 pub const TELEMETRY: &str = "FLEXINFER_TELEMETRY";
+/// Who writes a phase's directory: the Job's UID (downward API, the pod label
+/// `batch.kubernetes.io/controller-uid`). Recorded in the directory's writer lock.
+pub const WRITER_ID: &str = "FLEXINFER_WRITER_ID";
+/// The writing pod's name (downward API), recorded in the writer lock.
+pub const WRITER_POD: &str = "FLEXINFER_WRITER_POD";
+/// Comma list of directories (relative to the cache mount) that a phase's garbage collection keeps:
+/// the new generation, the promoted one, earlier ones still kept, and every one a Model serves.
+pub const KEEP_DIRS: &str = "FLEXINFER_KEEP_DIRS";
 pub const HF_TOKEN: &str = "HF_TOKEN";
 pub const HF_ENDPOINT: &str = "HF_ENDPOINT";
 pub const SOURCE: &str = "SOURCE";
@@ -74,7 +82,7 @@ pub const GPTQ_TUNABLES: &[(&str, &str)] = &[
     (GPTQ_RESUME_LAYERS, "true"),
     (GPTQ_MAX_RTN_FALLBACK_PERCENT, "10"),
     (GPTQ_MIN_MODULES_FOR_FALLBACK_GATE, "100"),
-    (GPTQ_VERIFY_SAVE_SHA256, "false"),
+    (GPTQ_VERIFY_SAVE_SHA256, "true"),
 ];
 
 /// Controller env name that overrides a worker tunable cluster-wide (`FLEXINFER_<NAME>`).
@@ -125,6 +133,8 @@ pub mod controller {
     pub const METRICS_ADDR: &str = "FLEXINFER_METRICS_ADDR";
     /// Address of `/healthz` and `/readyz` (default `0.0.0.0:8081`).
     pub const HEALTH_ADDR: &str = "FLEXINFER_HEALTH_ADDR";
+    /// Earlier generations of an abliteration/quantization output kept on disk (default 1, at most 16).
+    pub const KEEP_GENERATIONS: &str = "FLEXINFER_KEEP_GENERATIONS";
     /// Downward-API env naming the controller pod: Event `reportingInstance`, lease identity.
     pub const POD_NAME: &str = "POD_NAME";
 }

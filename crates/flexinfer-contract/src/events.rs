@@ -12,6 +12,10 @@ pub const HESSIAN_RECOVERY: &str = "hessian_recovery";
 pub const QUANTIZATION_QUALITY: &str = "quantization_quality";
 pub const QUANTIZATION_QUALITY_UNAVAILABLE: &str = "quantization_quality_unavailable";
 pub const QUANTIZATION_CACHED: &str = "quantization_cached";
+/// Earlier generations of a phase's output that a successful run removed (`removed`, `kept`).
+pub const GENERATIONS_COLLECTED: &str = "generations_collected";
+/// An artifact exists at `OUT_DIR` but was made from another configuration: it is not reused.
+pub const QUANTIZATION_REUSE_REJECTED: &str = "quantization_reuse_rejected";
 pub const COMPLETE: &str = "complete";
 pub const ERROR: &str = "error";
 pub const WARNING: &str = "warning";

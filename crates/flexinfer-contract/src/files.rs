@@ -24,6 +24,53 @@ pub const DEFAULT_TERMINATION_LOG: &str = "/dev/termination-log";
 pub const TERMINATION_MESSAGE_MAX_BYTES: usize = 4096;
 /// Resume manifest of the abliteration phase, inside the output (and its staging) directory.
 pub const ABLITERATION_MANIFEST: &str = ".abliteration-manifest.json";
+/// Names a pipeline phase writes inside the cache. A source (hub repository, OCI artifact, local
+/// directory) that contains one of them is rejected: otherwise it could pre-seed a completion marker, a
+/// passed quality gate or a layer cache, and skip quantization and the gate.
+pub const RESERVED_NAMES: &[&str] = &[
+    DOWNLOAD_COMPLETE,
+    SOURCE_INTEGRITY,
+    ABLITERATION_STATUS,
+    ABLITERATION_MANIFEST,
+    GPTQ_CACHE_DIR,
+    SAVE_COMPLETE,
+    QUANTIZATION_QUALITY,
+    DATASETS_SUBDIR,
+    ".download-in-progress.json",
+];
+
+/// Whether a relative path received from a source names (or lies under) a file the pipeline writes:
+/// any component equal to a reserved name, a `gptq-*` or `abliterated` output directory, a staging
+/// (`*.partial`) or lock (`*.lock`) entry.
+pub fn is_reserved_path(rel: &str) -> Option<&'static str> {
+    let comps: Vec<&str> = rel.split('/').filter(|c| !c.is_empty()).collect();
+    for (i, c) in comps.iter().enumerate() {
+        if let Some(r) = RESERVED_NAMES.iter().find(|r| **r == *c) {
+            return Some(r);
+        }
+        let top = i == 0;
+        if top && (c.starts_with("gptq-") || c.starts_with(ABLITERATED_SUBDIR)) {
+            return Some("a pipeline output directory");
+        }
+        if c.ends_with(STAGING_SUFFIX) || c.ends_with(".lock") {
+            return Some("a staging or lock entry");
+        }
+    }
+    None
+}
+
+/// Separator of a phase output directory and its generation: `<modelPath>/gptq-w4-g128.<generation>`.
+/// Every run of a phase writes a new generation; `status.path` moves to it only when it is complete.
+pub const GENERATION_SEPARATOR: char = '.';
+
+/// `<subdir>.<generation>` (or `<subdir>` for an output written before generations existed).
+pub fn generation_dir(subdir: &str, generation: Option<&str>) -> String {
+    match generation.filter(|g| !g.is_empty()) {
+        Some(g) => format!("{subdir}{GENERATION_SEPARATOR}{g}"),
+        None => subdir.to_string(),
+    }
+}
+
 /// Suffix of the abliteration staging directory next to `OUT_DIR` (renamed into place when complete).
 pub const STAGING_SUFFIX: &str = ".partial";
 
@@ -93,6 +140,11 @@ pub struct SaveComplete {
     pub has_index: bool,
     pub has_config: bool,
     pub has_quantize_config: bool,
+    /// sha256 of everything that determines the bytes (input digest, GPTQ and recovery parameters,
+    /// calibration data and settings, exclusions, engine version). An artifact is reused only by a run
+    /// whose digest is the same; one without a digest (older engines) is never reused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_digest: Option<String>,
 }
 
 /// One shard of `.save-complete`.
@@ -101,4 +153,41 @@ pub struct SaveShard {
     pub name: String,
     pub size_bytes: u64,
     pub sha256: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reserved_paths_are_recognised() {
+        for p in [
+            ".save-complete",
+            "gptq-w4-g128/.save-complete",
+            "gptq-w4-g128.abc/model.safetensors",
+            "abliterated/config.json",
+            "sub/.quantization-quality.json",
+            ".flexinfer-gptq-cache/layers/manifest.json",
+            ".datasets/x/data.jsonl",
+            ".download_complete",
+            "x.partial/a",
+            "gptq-w4-g128.abc.lock",
+        ] {
+            assert!(is_reserved_path(p).is_some(), "{p} must be reserved");
+        }
+        for p in [
+            "model.safetensors",
+            "config.json",
+            "tokenizer.json",
+            "sub/gptq-notes.txt",
+            "original/consolidated.safetensors",
+        ] {
+            assert_eq!(is_reserved_path(p), None, "{p} is an ordinary file");
+        }
+        assert_eq!(
+            generation_dir("gptq-w4-g128", Some("ab12")),
+            "gptq-w4-g128.ab12"
+        );
+        assert_eq!(generation_dir("gptq-w4-g128", None), "gptq-w4-g128");
+    }
 }

@@ -22,6 +22,17 @@ pub const RERUN_REQUESTED: &str = "RerunRequested";
 pub const RETRIES_RESET: &str = "RetriesReset";
 /// The spec can't run (no image configured, bad annotation, bad path).
 pub const INVALID_SPEC: &str = "InvalidSpec";
+/// Another ModelCache already uses the same claim and `modelPath`: the two would overwrite each
+/// other's files.
+pub const CLAIM_CONFLICT: &str = "ClaimConflict";
+/// The PVC the cache created is kept on deletion because other caches use it (`existingClaimName`).
+pub const CLAIM_KEPT: &str = "ClaimKept";
+/// A gate rejected a new generation; the promoted artifact is unchanged.
+pub const GENERATION_REJECTED: &str = "GenerationRejected";
+/// A new generation passed its checks and is now the phase's output.
+pub const GENERATION_PROMOTED: &str = "GenerationPromoted";
+/// A spec change of a run-only setting (deadline, memory) applies to the next attempt.
+pub const APPLIES_NEXT_ATTEMPT: &str = "AppliesToNextAttempt";
 /// No image could be resolved for a phase.
 pub const IMAGE_NOT_CONFIGURED: &str = "ImageNotConfigured";
 

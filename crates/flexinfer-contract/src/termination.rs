@@ -22,6 +22,12 @@ pub struct TerminationSuccess {
     pub output_dir: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub quality: Option<QualitySummary>,
+    /// Quantize: the digest of everything that determined the artifact's bytes (`.save-complete`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_digest: Option<String>,
+    /// Quantize: the settings the run used (after defaults, overrides and resolution), by name.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub applied: std::collections::BTreeMap<String, String>,
     /// Download: bytes and files.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub size_bytes: Option<u64>,

@@ -86,7 +86,7 @@ fn render(mc: &ModelCache) -> String {
         let t = jobs::resolve_target(mc, phase, &profiles, &c);
         let image = t.image.clone().expect("image resolves");
         let hash = jobs::spec_hash(mc, phase, &image);
-        let job = jobs::build_job(mc, &t, &image, &hash, &c);
+        let job = jobs::build_job(mc, &Default::default(), &[], &t, &image, &hash, &c);
         out.push_str("---\n");
         out.push_str(&serde_yaml::to_string(&job).expect("yaml"));
     }

@@ -1,6 +1,12 @@
 //! File helpers shared by the engine, the worker and the CLI. Each returns `std::io::Result`; the
 //! callers put the path into their own error type.
 
+mod lock;
+mod replace;
+
+pub use lock::{lock_path, LockHolder, WriterLock, LOCK_SUFFIX};
+pub use replace::{fsync_dir, replace_dir};
+
 use sha2::{Digest, Sha256};
 use std::io::{Read, Write};
 use std::path::Path;
@@ -40,7 +46,7 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 }
 
 /// Writes `bytes` to `path` atomically: a temp file in the same directory (created if missing),
-/// fsync, rename. A reader sees the old content or the new one, never a part.
+/// fsync, rename, fsync of the directory. A reader sees the old content or the new one, never a part.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or_else(|| Path::new("."));
     std::fs::create_dir_all(dir)?;
@@ -48,7 +54,8 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     tmp.write_all(bytes)?;
     tmp.as_file().sync_all()?;
     tmp.persist(path).map_err(|e| e.error)?;
-    Ok(())
+    // The rename is durable only once the directory entry is.
+    fsync_dir(dir)
 }
 
 /// The current time as RFC 3339 in UTC, whole seconds (`2026-01-01T00:00:00Z`).

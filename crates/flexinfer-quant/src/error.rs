@@ -22,6 +22,9 @@ pub enum QuantError {
     Tokenizer(String),
     #[error("numerical failure: {0}")]
     Numeric(String),
+    /// The RTN-fallback gate rejected the run; nothing was written to the output directory.
+    #[error("RTN fallback gate failed: {} of {} modules ({:.1}%) fell back to RTN, limit {:.1}%", .0.rtn_fallback_modules, .0.gptq_modules + .0.rtn_fallback_modules, .0.rtn_fallback_percent, .0.max_rtn_fallback_percent)]
+    GateFailed(flexinfer_contract::files::QualitySummary),
     #[error("aborted by test hook after layer {0}")]
     TestAbort(usize),
 }

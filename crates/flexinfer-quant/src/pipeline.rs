@@ -97,6 +97,8 @@ pub struct Outcome {
     /// `None` for an older cached artifact without a sidecar.
     pub quality: Option<QualitySummary>,
     pub cached: bool,
+    /// [`config_digest`] of the run (also in `.save-complete`).
+    pub config_digest: String,
 }
 
 /// Default maximum bytes per output shard (also the worker's `--max-shard-bytes` default).
@@ -104,7 +106,7 @@ pub const DEFAULT_MAX_SHARD_BYTES: u64 = 4 << 30;
 
 impl QuantizeJob {
     /// A job with the engine's defaults for everything but the paths and the calibration size: default GPTQ,
-    /// recovery and gate parameters, no exclusion, layer resume on, size-only `.save-complete` check,
+    /// recovery and gate parameters, no exclusion, layer resume on, sha256 check of a `.save-complete` before reuse,
     /// [`DEFAULT_MAX_SHARD_BYTES`] shards. Change other fields with struct-update syntax.
     pub fn new(
         model_dir: &Path,
@@ -124,7 +126,7 @@ impl QuantizeJob {
             n_parallel_calib_samples: None,
             dynamic_exclusion: None,
             resume_layers: true,
-            verify_save_sha256: false,
+            verify_save_sha256: true,
             max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
             script_version: script_version.to_string(),
             abort_after_layer: None,
@@ -209,6 +211,95 @@ fn model_fingerprint(model_dir: &Path, store: &TensorStore) -> Result<String> {
         ));
     }
     Ok(sha256_hex(s.as_bytes()))
+}
+
+/// What the input weights are: the download's integrity record (per-file sha256 of the source), the
+/// abliteration manifest or a `.save-complete` when present, plus `config.json`; otherwise the names and
+/// sizes of the weight files.
+fn input_digest(model_dir: &Path, store: &TensorStore) -> Result<String> {
+    for marker in [
+        files::SOURCE_INTEGRITY,
+        files::ABLITERATION_MANIFEST,
+        files::SAVE_COMPLETE,
+    ] {
+        let p = model_dir.join(marker);
+        if p.is_file() {
+            let config = sha256_file(&model_dir.join("config.json"))?;
+            return Ok(sha256_hex(
+                format!("{marker}:{}|config:{config}", sha256_file(&p)?).as_bytes(),
+            ));
+        }
+    }
+    model_fingerprint(model_dir, store)
+}
+
+/// sha256 over everything that determines the output bytes (docs/dev/architecture.md, "Artifact
+/// lifecycle"): the input, the GPTQ, recovery and calibration settings, the exclusions, the engine
+/// version. The gate's thresholds are not part of it: they decide whether an artifact is promoted, not
+/// its bytes.
+pub fn config_digest(job: &QuantizeJob, calibration_fingerprint: &str, input: &str) -> String {
+    sha256_hex(
+        json!({
+            "params": job.params, "recovery": job.recovery, "calibration": calibration_fingerprint,
+            "calibBatch": job.n_parallel_calib_samples.unwrap_or(DEFAULT_CALIB_BATCH).max(1),
+            "model": input, "exclusion": job.dynamic_exclusion,
+            "script_version": job.script_version, "engine": env!("CARGO_PKG_VERSION"),
+        })
+        .to_string()
+        .as_bytes(),
+    )
+}
+
+/// The artifact at `final_dir` was made from this configuration: report it without recomputing.
+fn reuse_artifact(
+    job: &QuantizeJob,
+    final_dir: &Path,
+    sc: &files::SaveComplete,
+    store: &TensorStore,
+    config_hash: &str,
+    started: Instant,
+    progress: &mut Progress<'_>,
+) -> Result<Outcome> {
+    let events = progress.events;
+    let quality = read_json(&final_dir.join(files::QUANTIZATION_QUALITY))
+        .ok()
+        .and_then(|v| serde_json::from_value::<QualitySummary>(v).ok());
+    match &quality {
+        Some(q) => events.emit(
+            names::QUANTIZATION_QUALITY,
+            serde_json::to_value(q)
+                .ok()
+                .and_then(|v| v.as_object().cloned())
+                .unwrap_or_default(),
+        ),
+        None => events.emit(
+            names::QUANTIZATION_QUALITY_UNAVAILABLE,
+            fields([("outputDir", json!(final_dir.display().to_string()))]),
+        ),
+    }
+    events.emit(
+        names::QUANTIZATION_CACHED,
+        fields([
+            ("outputDir", json!(final_dir.display().to_string())),
+            ("configDigest", json!(config_hash)),
+            ("sha256Verified", json!(job.verify_save_sha256)),
+        ]),
+    );
+    progress.emit(
+        "complete",
+        100.0,
+        "cached artifact verified".into(),
+        Default::default(),
+    );
+    Ok(Outcome {
+        output_dir: final_dir.to_path_buf(),
+        original_size_bytes: store.total_bytes(),
+        compressed_size_bytes: sc.shards.iter().map(|s| s.size_bytes).sum(),
+        seconds: started.elapsed().as_secs_f64(),
+        quality,
+        cached: true,
+        config_digest: config_hash.to_string(),
+    })
 }
 
 fn quantize_config_json(job: &QuantizeJob, excluded: &[String]) -> Value {
@@ -311,49 +402,41 @@ pub fn run(
     let mut progress = Progress { events, last: 0.0 };
     let final_dir = job.output_dir();
 
-    // A previous Job finished the save: verify, enforce the gate again, done.
-    if let Some(sc) = verify_save_complete(&final_dir, job.verify_save_sha256) {
-        let quality = read_json(&final_dir.join(files::QUANTIZATION_QUALITY))
-            .ok()
-            .and_then(|v| serde_json::from_value::<QualitySummary>(v).ok());
-        match &quality {
-            Some(q) => events.emit(
-                names::QUANTIZATION_QUALITY,
-                serde_json::to_value(q)
-                    .ok()
-                    .and_then(|v| v.as_object().cloned())
-                    .unwrap_or_default(),
-            ),
-            None => events.emit(
-                names::QUANTIZATION_QUALITY_UNAVAILABLE,
-                fields([("outputDir", json!(final_dir.display().to_string()))]),
-            ),
-        }
-        events.emit(
-            names::QUANTIZATION_CACHED,
-            fields([("outputDir", json!(final_dir.display().to_string()))]),
-        );
-        let original = TensorStore::open_dir(&job.model_dir)
-            .map(|s| s.total_bytes())
-            .unwrap_or(0);
-        progress.emit(
-            "complete",
-            100.0,
-            "cached artifact verified".into(),
-            Default::default(),
-        );
-        return Ok(Outcome {
-            output_dir: final_dir,
-            original_size_bytes: original,
-            compressed_size_bytes: sc.shards.iter().map(|s| s.size_bytes).sum(),
-            seconds: started.elapsed().as_secs_f64(),
-            quality,
-            cached: true,
-        });
-    }
-
     let cfg = ModelConfig::load(&job.model_dir)?;
     let store = TensorStore::open_dir(&job.model_dir)?;
+    let dataset_sha = sha256_file(&job.dataset)?;
+    let calib_fp = sha256_hex(
+        format!(
+            "{dataset_sha}|{}|{}",
+            job.calib.max_samples, job.calib.max_seq_len
+        )
+        .as_bytes(),
+    );
+    let config_hash = config_digest(job, &calib_fp, &input_digest(&job.model_dir, &store)?);
+
+    // A previous run finished the save: reuse it only when it was made from exactly this configuration.
+    if let Some(sc) = verify_save_complete(&final_dir, job.verify_save_sha256) {
+        if sc.config_digest.as_deref() == Some(config_hash.as_str()) {
+            return reuse_artifact(
+                job,
+                &final_dir,
+                &sc,
+                &store,
+                &config_hash,
+                started,
+                &mut progress,
+            );
+        }
+        events.emit(
+            names::QUANTIZATION_REUSE_REJECTED,
+            fields([
+                ("outputDir", json!(final_dir.display().to_string())),
+                ("found", json!(sc.config_digest)),
+                ("configDigest", json!(config_hash)),
+            ]),
+        );
+    }
+
     let mut excluded = Vec::new();
     for layer in 0..cfg.num_layers {
         for (i, m) in LINEARS.iter().enumerate() {
@@ -375,23 +458,6 @@ pub fn run(
     }
     let samples = load_samples(&job.model_dir, &job.dataset, &job.calib)?;
     let n_tokens: usize = samples.iter().map(Vec::len).sum();
-    let dataset_sha = sha256_file(&job.dataset)?;
-    let calib_fp = sha256_hex(
-        format!(
-            "{dataset_sha}|{}|{}",
-            job.calib.max_samples, job.calib.max_seq_len
-        )
-        .as_bytes(),
-    );
-    let config_hash = sha256_hex(
-        json!({
-            "params": job.params, "recovery": job.recovery, "calibration": calib_fp,
-            "model": model_fingerprint(&job.model_dir, &store)?, "exclusion": job.dynamic_exclusion,
-            "script_version": job.script_version,
-        })
-        .to_string()
-        .as_bytes(),
-    );
     progress.emit(
         "calibration",
         0.0,
@@ -672,17 +738,34 @@ pub fn run(
             });
         }
     }
-    let qc = quantize_config_json(job, &excluded);
-    let mut config_json = cfg.raw.clone();
-    config_json["quantization_config"] = qc.clone();
     let quality_json =
         serde_json::to_value(&quality).map_err(|e| QuantError::Numeric(e.to_string()))?;
+    if quality.failed() {
+        // The gate runs before anything is written: a rejected run leaves the artifact at `out_dir` (and
+        // its status) untouched, writes no `.save-complete`, and removes its staging directory. The layer
+        // cache stays, so a run with a relaxed gate reuses the computed layers.
+        drop(layer_stores);
+        let staging = job.staging_dir();
+        if staging.exists() {
+            std::fs::remove_dir_all(&staging).map_err(|e| QuantError::io(&staging, e))?;
+        }
+        events.emit(
+            names::QUANTIZATION_QUALITY,
+            quality_json.as_object().cloned().unwrap_or_default(),
+        );
+        return Err(QuantError::GateFailed(quality));
+    }
+    let qc = quantize_config_json(job, &excluded);
+    let mut config_json = cfg.raw.clone();
+
+    config_json["quantization_config"] = qc.clone();
     let extras = Extras {
         config_json,
         quantize_config: qc,
         quality: quality_json.clone(),
         source_dir: &job.model_dir,
         script_version: &job.script_version,
+        config_digest: &config_hash,
     };
     let records = write_checkpoint(
         &job.staging_dir(),
@@ -724,5 +807,6 @@ pub fn run(
         seconds: started.elapsed().as_secs_f64(),
         quality: Some(quality),
         cached: false,
+        config_digest: config_hash,
     })
 }

@@ -64,6 +64,8 @@ pub struct Extras<'a> {
     pub quality: serde_json::Value,
     pub source_dir: &'a Path,
     pub script_version: &'a str,
+    /// Recorded in `.save-complete` (see [`crate::pipeline::config_digest`]).
+    pub config_digest: &'a str,
 }
 
 /// Safetensors header of one shard and the order its tensors' data follows (largest element size first, then
@@ -180,7 +182,7 @@ fn write_shard(
     Ok(())
 }
 
-/// Writes the checkpoint into `staging`, then renames it to `final_dir`. Returns the shard records.
+/// Writes the checkpoint into `staging`, then puts it at `final_dir` ([`flexinfer_fsutil::replace_dir`]). Returns the shard records.
 /// `release_pages` is called every few tens of MiB read from `tensors` (drop mapped pages from the resident
 /// set there); `on_shard(done, total)` after each shard.
 pub fn write_checkpoint(
@@ -274,15 +276,15 @@ pub fn write_checkpoint(
         has_index: true,
         has_config: true,
         has_quantize_config: true,
+        config_digest: Some(extras.config_digest.to_string()),
     };
     let v = serde_json::to_value(&sc).map_err(|e| QuantError::Json {
         path: staging.join(files::SAVE_COMPLETE),
         message: e.to_string(),
     })?;
     write_json_atomic(&staging.join(files::SAVE_COMPLETE), &v)?;
-    if final_dir.exists() {
-        std::fs::remove_dir_all(final_dir).map_err(|e| QuantError::io(final_dir, e))?;
-    }
-    std::fs::rename(staging, final_dir).map_err(|e| QuantError::io(final_dir, e))?;
+    // An existing directory at `final_dir` is exchanged atomically: it names a complete artifact at
+    // every instant.
+    flexinfer_fsutil::replace_dir(staging, final_dir).map_err(|e| QuantError::io(final_dir, e))?;
     Ok(records)
 }

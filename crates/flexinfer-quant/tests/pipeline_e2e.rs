@@ -220,7 +220,8 @@ fn save_complete_sha256_is_checked_when_asked() {
     let last = bad.len() - 1;
     bad[last] ^= 0xff;
     std::fs::write(&shard, &bad).unwrap();
-    // Sizes only (the default): the damage is not seen.
+    // Sizes only (opt-out): the damage is not seen.
+    j.verify_save_sha256 = false;
     assert!(
         run(&j, &CpuBackend::default(), &MemorySink::default())
             .unwrap()
@@ -389,23 +390,168 @@ fn exhausted_hessians_fall_back_to_rtn_and_fail_the_gate() {
         min_modules: 5,
     };
     let sink = MemorySink::default();
-    let o = run(&j, &CpuBackend::default(), &sink)
-        .expect("run completes despite failed factorisations");
-    let q = o.quality.expect("quality");
+    let q = match run(&j, &CpuBackend::default(), &sink) {
+        Err(QuantError::GateFailed(q)) => q,
+        other => panic!("expected the gate to reject the run, got {other:?}"),
+    };
     assert!(q.rtn_fallback_modules > 0, "{q:?}");
     assert_eq!(q.gate, "failed");
-    let side: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(o.output_dir.join(".quantization-quality.json")).expect("sidecar"),
-    )
-    .expect("json");
-    assert_eq!(side["gate"], "failed");
+    assert_eq!(sink.named("quantization_quality")[0]["gate"], "failed");
     assert!(sink
         .named("hessian_recovery")
         .iter()
         .any(|e| e["result"] == "exhausted"));
-    // The cached short circuit reports the same failed gate.
-    let again = run(&j, &CpuBackend::default(), &MemorySink::default()).expect("cached");
-    assert!(again.cached && again.quality.is_some_and(|q| q.failed()));
+    // Nothing was promoted: no artifact, no staging; a second run is rejected again (no cached pass).
+    assert!(!out.exists(), "a gated run must not write the artifact");
+    assert!(!tmp.path().join(".out.partial").exists());
+    assert!(matches!(
+        run(&j, &CpuBackend::default(), &MemorySink::default()),
+        Err(QuantError::GateFailed(_))
+    ));
+}
+
+/// sha256 of every file under `dir` (name → digest).
+fn tree_digest(dir: &Path) -> Vec<(String, String)> {
+    let mut v: Vec<(String, String)> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_type().unwrap().is_file())
+        .map(|e| {
+            (
+                e.file_name().to_string_lossy().to_string(),
+                flexinfer_fsutil::sha256_file(&e.path()).unwrap(),
+            )
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn a_gated_requantization_leaves_the_served_artifact_untouched() {
+    let (tmp, model, ds) = setup("gatekeep", "LlamaForCausalLM");
+    let out = tmp.path().join("out");
+    let params = GptqParams {
+        bits: 4,
+        group_size: 32,
+        ..Default::default()
+    };
+    let good = job(&model, &out, &ds, params.clone());
+    run(&good, &CpuBackend::default(), &MemorySink::default()).expect("first run");
+    let before = tree_digest(&out);
+    assert!(before.iter().any(|(n, _)| n == ".save-complete"));
+    // A re-quantization with another configuration whose factorisations all fail and whose gate fails.
+    let mut bad = job(&model, &out, &ds, params);
+    bad.calib = CalibSettings {
+        max_samples: 1,
+        max_seq_len: 6,
+    };
+    bad.recovery = RecoveryParams {
+        damp_percent: 0.0,
+        damp_auto_increment: 0.0,
+        max_floor_attempts: 0,
+        ..RecoveryParams::default()
+    };
+    bad.gate = GateParams {
+        max_rtn_fallback_percent: 10.0,
+        min_modules: 5,
+    };
+    let r = run(&bad, &CpuBackend::default(), &MemorySink::default());
+    assert!(matches!(r, Err(QuantError::GateFailed(_))), "{r:?}");
+    assert_eq!(
+        tree_digest(&out),
+        before,
+        "the artifact that passed its gate must survive a rejected re-run byte for byte"
+    );
+    // And it is still reusable by its own configuration.
+    assert!(
+        run(&good, &CpuBackend::default(), &MemorySink::default())
+            .unwrap()
+            .cached
+    );
+}
+
+#[test]
+fn an_artifact_is_reused_only_by_the_configuration_that_made_it() {
+    let (tmp, model, ds) = setup("digest", "LlamaForCausalLM");
+    let out = tmp.path().join("out");
+    let params = GptqParams {
+        bits: 4,
+        group_size: 32,
+        ..Default::default()
+    };
+    let base = job(&model, &out, &ds, params.clone());
+    let first = run(&base, &CpuBackend::default(), &MemorySink::default()).expect("first");
+    assert!(!first.cached);
+    let sc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join(".save-complete")).unwrap()).unwrap();
+    assert_eq!(sc["config_digest"], first.config_digest.as_str());
+    let again = run(&base, &CpuBackend::default(), &MemorySink::default()).unwrap();
+    assert!(again.cached && again.config_digest == first.config_digest);
+
+    let other_ds = tmp.path().join("other.jsonl");
+    common::write_dataset(&other_ds, 30);
+    let mut digests = vec![first.config_digest.clone()];
+    let variants: Vec<(&str, QuantizeJob)> = vec![
+        (
+            "sym",
+            job(
+                &model,
+                &out,
+                &ds,
+                GptqParams {
+                    sym: false,
+                    ..params.clone()
+                },
+            ),
+        ),
+        ("dataset", job(&model, &out, &other_ds, params.clone())),
+        (
+            "maxSamples",
+            QuantizeJob {
+                calib: CalibSettings {
+                    max_samples: 8,
+                    max_seq_len: 48,
+                },
+                ..job(&model, &out, &ds, params.clone())
+            },
+        ),
+        (
+            "damping",
+            QuantizeJob {
+                recovery: RecoveryParams {
+                    damp_percent: 0.02,
+                    ..RecoveryParams::default()
+                },
+                ..job(&model, &out, &ds, params.clone())
+            },
+        ),
+        (
+            "exclusion",
+            QuantizeJob {
+                dynamic_exclusion: Some("o_proj".into()),
+                ..job(&model, &out, &ds, params.clone())
+            },
+        ),
+    ];
+    for (what, j) in variants {
+        let sink = MemorySink::default();
+        let o = run(&j, &CpuBackend::default(), &sink).expect(what);
+        assert!(
+            !o.cached,
+            "a changed {what} must not reuse the old artifact"
+        );
+        assert_eq!(sink.named("quantization_reuse_rejected").len(), 1, "{what}");
+        assert!(
+            !digests.contains(&o.config_digest),
+            "{what}: digest must change"
+        );
+        digests.push(o.config_digest);
+    }
+    // The last variant's artifact is what `out` holds now, with its own configuration.
+    let qc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("quantize_config.json")).unwrap()).unwrap();
+    assert!(qc["dynamic"].is_object(), "{qc}");
 }
 
 #[test]

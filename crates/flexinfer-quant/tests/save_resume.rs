@@ -33,6 +33,7 @@ fn save(staging: &Path, out: &Path, src: &Path) -> Vec<String> {
         quality: json!({"gate": "passed"}),
         source_dir: src,
         script_version: "test",
+        config_digest: "d",
     };
     write_checkpoint(staging, out, tensors(), 9000, &extras, &|| {}, |_, _| {})
         .expect("save")

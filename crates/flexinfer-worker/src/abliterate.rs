@@ -185,14 +185,36 @@ fn run_inner(args: &AbliterateArgs, ev: &Events) -> Result<TerminationSuccess, W
             "weightMatrices": args.weight_matrices,
         }),
     );
+    // One writer per output directory (a replaced Job's pod may still be running).
+    let _lock = crate::generations::lock_output(&out_dir, ev)?;
+    let result = run_locked(args, ev, &settings, &model_dir, &out_dir, started);
+    if result.is_ok() {
+        crate::generations::collect_garbage(
+            &out_dir,
+            std::env::var(env::KEEP_DIRS).ok().as_deref(),
+            ev,
+        );
+    }
+    result
+}
+
+fn run_locked(
+    args: &AbliterateArgs,
+    ev: &Events,
+    settings: &Settings,
+    model_dir: &Path,
+    out_dir: &Path,
+    started: std::time::Instant,
+) -> Result<TerminationSuccess, WorkerError> {
+    let (model_dir, out_dir) = (model_dir.to_path_buf(), out_dir.to_path_buf());
     progress(ev, 1.0, "opening the model".into());
     let store = flexinfer_quant::tensors::TensorStore::open_dir(&model_dir).map_err(quant_err)?;
     let raw_config = output::read_config(&model_dir)?;
     let layout = edit::Layout::from_model(&store, &raw_config)?;
 
     // Plan first: a bad matrix or layer list fails before any expensive forward.
-    let targets = edit::select_target_layers(&layout, &settings)?;
-    let plan = edit::plan(&layout, &settings, &targets.layers)?;
+    let targets = edit::select_target_layers(&layout, settings)?;
+    let plan = edit::plan(&layout, settings, &targets.layers)?;
     for w in targets.warnings.iter().chain(plan.warnings.iter()) {
         ev.log(&format!("warning: {w}"));
         ev.emit(events::WARNING, &serde_json::json!({ "message": w }));
@@ -230,7 +252,7 @@ fn run_inner(args: &AbliterateArgs, ev: &Events) -> Result<TerminationSuccess, W
             events::ABLITERATION_CACHED,
             &serde_json::json!({ "outDir": out_dir.display().to_string() }),
         );
-        gate(&settings, &done.result, ev)?;
+        gate(settings, &done.result, ev)?;
         return finish_success(
             &model_dir,
             &out_dir,
@@ -274,7 +296,7 @@ fn run_inner(args: &AbliterateArgs, ev: &Events) -> Result<TerminationSuccess, W
             direction::compute(&store, &arch, &targets.layers, &plan, &prompts, ev)?
         }
     };
-    gate(&settings, &result, ev)?;
+    gate(settings, &result, ev)?;
 
     // Only now (gate passed) is anything written.
     let shards = output::write_output(

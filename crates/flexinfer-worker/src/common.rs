@@ -183,6 +183,7 @@ pub fn finish(events: &Events, result: Result<TerminationSuccess, WorkerError>) 
 /// model's own files.
 pub fn is_derived_dir(name: &str) -> bool {
     name == contract::ABLITERATED_SUBDIR
+        || name.starts_with(&format!("{}.", contract::ABLITERATED_SUBDIR))
         || name == contract::files::GPTQ_CACHE_DIR
         || name == contract::DATASETS_SUBDIR
         || name.starts_with("gptq-")

@@ -192,6 +192,8 @@ async fn run_async(
     std::fs::create_dir_all(&args.model_dir).map_err(|e| {
         WorkerError::Other(format!("cannot create {}: {e}", args.model_dir.display()))
     })?;
+    // One writer per directory (a replaced Job's pod may still be running).
+    let _lock = crate::generations::lock_output(&args.model_dir, &events)?;
     let model = match source {
         Source::Hub { repo } => {
             let kind = RepoType::parse(&args.repo_type).ok_or_else(|| {
@@ -317,8 +319,19 @@ fn select(listed: Vec<RemoteFile>, filter: &PatternFilter) -> Result<Vec<RemoteF
     let files: Vec<RemoteFile> = listed
         .into_iter()
         .filter(|f| filter.matches(&f.path))
-        .filter(|f| !is_marker(&f.path))
         .collect();
+    // A source must not pre-seed what the pipeline writes (completion markers, a passed quality gate,
+    // a layer cache, an output directory): that would skip quantization and its gate.
+    if let Some((f, what)) = files
+        .iter()
+        .find_map(|f| files::is_reserved_path(&f.path).map(|w| (f, w)))
+    {
+        return Err(WorkerError::BadInput(format!(
+            "the source contains {:?}, which is {what} that FlexInfer's pipeline writes itself; \
+             remove it from the source or exclude it with spec.download.ignorePatterns",
+            f.path
+        )));
+    }
     if files.is_empty() {
         return Err(WorkerError::BadInput(format!(
             "no files to download: the source lists {n} file(s) and none match the allow/ignore patterns"
@@ -389,6 +402,17 @@ async fn fetch_all(
     ticker.abort();
     let mut integrity_files = results.map_err(fetch_error)?;
     integrity_files.sort_by(|a, b| a.name.cmp(&b.name));
+    // The `.part` → final renames are durable only once their directories are.
+    let mut parents: Vec<PathBuf> = integrity_files
+        .iter()
+        .filter_map(|f| dir.join(&f.name).parent().map(Path::to_path_buf))
+        .collect();
+    parents.sort();
+    parents.dedup();
+    for p in parents {
+        flexinfer_fsutil::fsync_dir(&p)
+            .map_err(|e| WorkerError::Other(format!("cannot sync {}: {e}", p.display())))?;
+    }
     let secs = started.elapsed().as_secs_f64();
     let received = ctx.received.load(Ordering::Relaxed);
     events.progress(bytes_progress(

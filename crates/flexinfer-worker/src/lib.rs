@@ -3,6 +3,7 @@
 pub mod abliterate;
 pub mod common;
 pub mod download;
+pub mod generations;
 pub mod hf;
 pub mod oci;
 pub mod publish;

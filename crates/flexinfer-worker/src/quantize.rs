@@ -81,8 +81,8 @@ pub struct QuantizeArgs {
     pub max_floor_attempts: u32,
     #[arg(long, env = env::GPTQ_RESUME_LAYERS, value_parser = parse_bool_arg, action = clap::ArgAction::Set, default_value = "true")]
     pub resume_layers: bool,
-    /// Re-hash the shards of an existing `.save-complete` before short-circuiting.
-    #[arg(long, env = env::GPTQ_VERIFY_SAVE_SHA256, value_parser = parse_bool_arg, action = clap::ArgAction::Set, default_value = "false")]
+    /// Re-hash the shards of an existing `.save-complete` before reusing it (`false`: sizes only).
+    #[arg(long, env = env::GPTQ_VERIFY_SAVE_SHA256, value_parser = parse_bool_arg, action = clap::ArgAction::Set, default_value = "true")]
     pub verify_save_sha256: bool,
     #[arg(long, env = env::GPTQ_MAX_RTN_FALLBACK_PERCENT, default_value_t = 10.0)]
     pub max_rtn_fallback_percent: f64,
@@ -247,24 +247,48 @@ fn run_inner(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess,
         }),
     );
     let job = job_from_args(args)?;
+    // One writer per output directory (a replaced Job's pod may still be running).
+    let _lock = crate::generations::lock_output(&args.out_dir, events)?;
+    let result = run_locked(args, &job, events);
+    if result.is_ok() {
+        crate::generations::collect_garbage(
+            &args.out_dir,
+            std::env::var(env::KEEP_DIRS).ok().as_deref(),
+            events,
+        );
+    }
+    result
+}
+
+fn run_locked(
+    args: &QuantizeArgs,
+    job: &QuantizeJob,
+    events: &Events,
+) -> Result<TerminationSuccess, WorkerError> {
     let sink = WorkerSink(events);
-    let outcome = match pipeline::run(&job, &CpuBackend::default(), &sink) {
+    let outcome = match pipeline::run(job, &CpuBackend::default(), &sink) {
         Ok(o) => o,
         Err(QuantError::TestAbort(layer)) => {
             events.log(&format!("test hook: aborting after layer {layer}"));
             std::process::abort();
+        }
+        Err(QuantError::GateFailed(q)) => {
+            return Err(WorkerError::QualityGate(format!(
+                "{}; nothing was written to {} (the previous artifact, if any, is untouched)",
+                QuantError::GateFailed(q),
+                args.out_dir.display()
+            )))
         }
         Err(e) if e.is_bad_input() => return Err(bad(e.to_string())),
         Err(e) => return Err(WorkerError::Other(e.to_string())),
     };
     let quality = outcome.quality.clone();
     if let Some(q) = outcome.quality.as_ref().filter(|q| q.failed()) {
+        // An artifact promoted by an older engine whose sidecar records a failed gate.
         return Err(WorkerError::QualityGate(format!(
-            "RTN fallback gate failed: {} of {} modules ({:.1}%) fell back to RTN, limit {:.1}%",
-            q.rtn_fallback_modules,
-            q.gptq_modules + q.rtn_fallback_modules,
-            q.rtn_fallback_percent,
-            q.max_rtn_fallback_percent
+            "{} (recorded in {})",
+            QuantError::GateFailed(q.clone()),
+            outcome.output_dir.display()
         )));
     }
     Ok(TerminationSuccess {
@@ -274,6 +298,38 @@ fn run_inner(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess,
         quantization_time_seconds: Some((outcome.seconds * 10.0).round() / 10.0),
         output_dir: Some(outcome.output_dir.display().to_string()),
         quality,
+        config_digest: Some(outcome.config_digest.clone()),
+        applied: applied_settings(job),
         ..Default::default()
     })
+}
+
+/// The settings the engine ran with, as the controller reports them in `status.quantization.applied`.
+fn applied_settings(job: &QuantizeJob) -> std::collections::BTreeMap<String, String> {
+    let p = &job.params;
+    let r = &job.recovery;
+    [
+        ("bits", p.bits.to_string()),
+        ("groupSize", p.group_size.to_string()),
+        ("sym", p.sym.to_string()),
+        ("descAct", p.desc_act.to_string()),
+        ("staticGroups", p.static_groups.to_string()),
+        ("dampPercent", r.damp_percent.to_string()),
+        ("maxSamples", job.calib.max_samples.to_string()),
+        ("maxSeqLen", job.calib.max_seq_len.to_string()),
+        ("dataset", job.dataset.display().to_string()),
+        (
+            "dynamicExclusion",
+            job.dynamic_exclusion
+                .clone()
+                .unwrap_or_else(|| "none".into()),
+        ),
+        (
+            "maxRtnFallbackPercent",
+            job.gate.max_rtn_fallback_percent.to_string(),
+        ),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
 }

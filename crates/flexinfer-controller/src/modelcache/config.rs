@@ -25,6 +25,9 @@ pub struct Config {
     pub gptq_tunables: Vec<(String, String)>,
     /// `HF_ENDPOINT` passed through to workers when set on the controller.
     pub hf_endpoint: Option<String>,
+    /// `FLEXINFER_KEEP_GENERATIONS`: earlier generations of a phase's output kept on disk besides the
+    /// promoted one (default 1; generations a Model serves are always kept).
+    pub keep_generations: usize,
 }
 
 impl Default for Config {
@@ -42,6 +45,7 @@ impl Default for Config {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
             hf_endpoint: None,
+            keep_generations: 1,
         }
     }
 }
@@ -93,6 +97,10 @@ impl Config {
             progress_poll: secs(env::controller::PROGRESS_POLL_SECONDS, 30),
             gptq_tunables,
             hf_endpoint: nonempty(env::HF_ENDPOINT),
+            keep_generations: nonempty(env::controller::KEEP_GENERATIONS)
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .map(|n| n.min(16))
+                .unwrap_or(1),
         }
     }
 

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use flexinfer_api::contract::{self, annotations, env, exit_codes, labels, JobPhase};
 use flexinfer_api::gpuprofile::GpuVendor;
-use flexinfer_api::modelcache::{defaults, ModelCache};
+use flexinfer_api::modelcache::{defaults, ModelCache, ModelCacheStatus};
 use k8s_openapi::api::batch::v1::{
     Job, JobSpec, PodFailurePolicy, PodFailurePolicyOnExitCodesRequirement, PodFailurePolicyRule,
 };
@@ -183,10 +183,68 @@ fn owner_ref(mc: &ModelCache) -> Option<OwnerReference> {
     mc.controller_owner_ref(&())
 }
 
-fn worker_env(mc: &ModelCache, t: &PhaseTarget, config: &Config) -> Vec<EnvVar> {
+/// An env var from the pod's own metadata (downward API).
+fn field_ev(name: &str, path: &str) -> EnvVar {
+    EnvVar {
+        name: name.into(),
+        value: None,
+        value_from: Some(EnvVarSource {
+            field_ref: Some(k8s_openapi::api::core::v1::ObjectFieldSelector {
+                api_version: None,
+                field_path: path.into(),
+            }),
+            ..Default::default()
+        }),
+    }
+}
+
+/// Directories (relative to the PVC root) a phase run's garbage collection keeps: its own output, the
+/// promoted one, the `keep` newest earlier ones, and everything a Model serves from this claim.
+pub fn keep_dirs(
+    st: &ModelCacheStatus,
+    phase: JobPhase,
+    output: &str,
+    served: &[String],
+    keep: usize,
+) -> Vec<String> {
+    let mut v = vec![output.to_string()];
+    let previous = match phase {
+        JobPhase::Abliterate => st
+            .abliteration
+            .as_ref()
+            .and_then(|a| a.previous_output_dirs.clone()),
+        JobPhase::Quantize => st
+            .quantization
+            .as_ref()
+            .and_then(|q| q.previous_output_dirs.clone()),
+        _ => None,
+    }
+    .unwrap_or_default();
+    // The promoted output becomes the newest previous one when this run succeeds.
+    let promoted = super::target::promoted_dir(st, phase);
+    let budget = if promoted.is_some() {
+        keep.saturating_sub(1)
+    } else {
+        keep
+    };
+    v.extend(promoted);
+    v.extend(previous.into_iter().take(budget));
+    v.extend(served.iter().cloned());
+    v.sort();
+    v.dedup();
+    v
+}
+
+fn worker_env(
+    mc: &ModelCache,
+    st: &ModelCacheStatus,
+    served: &[String],
+    t: &PhaseTarget,
+    config: &Config,
+) -> Vec<EnvVar> {
     let s = &mc.spec;
     let phase = t.phase;
-    let (input, output) = phase_dirs(mc, phase);
+    let (input, output) = phase_dirs(mc, st, phase);
     let mut e = vec![
         ev(env::SCRIPT_VERSION, contract::SCRIPT_VERSION),
         ev(env::PHASE, phase.as_str()),
@@ -196,6 +254,15 @@ fn worker_env(mc: &ModelCache, t: &PhaseTarget, config: &Config) -> Vec<EnvVar> 
     ];
     if phase != JobPhase::Download && phase != JobPhase::Publish {
         e.push(ev(env::OUT_DIR, cache_path(&output)));
+        let keep = keep_dirs(st, phase, &output, served, config.keep_generations);
+        e.push(ev(env::KEEP_DIRS, keep.join(",")));
+    }
+    if phase != JobPhase::Publish {
+        e.push(field_ev(
+            env::WRITER_ID,
+            "metadata.labels['batch.kubernetes.io/controller-uid']",
+        ));
+        e.push(field_ev(env::WRITER_POD, "metadata.name"));
     }
     if let Some(ep) = &config.hf_endpoint {
         e.push(ev(env::HF_ENDPOINT, ep.clone()));
@@ -305,6 +372,8 @@ fn worker_env(mc: &ModelCache, t: &PhaseTarget, config: &Config) -> Vec<EnvVar> 
 /// Build the Job of one phase.
 pub fn build_job(
     mc: &ModelCache,
+    st: &ModelCacheStatus,
+    served: &[String],
     t: &PhaseTarget,
     image: &str,
     hash: &str,
@@ -435,7 +504,7 @@ pub fn build_job(
                         image: Some(image.to_string()),
                         image_pull_policy: pull_policy,
                         args: Some(vec![phase.as_str().to_string()]),
-                        env: Some(worker_env(mc, t, config)),
+                        env: Some(worker_env(mc, st, served, t, config)),
                         resources: Some(ResourceRequirements {
                             requests: Some(requests),
                             limits: Some(limits),

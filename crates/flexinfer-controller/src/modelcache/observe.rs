@@ -46,6 +46,8 @@ pub struct ObservedJob {
     pub terminating: bool,
     pub state: JobState,
     pub pod: Option<ObservedPod>,
+    /// `spec.activeDeadlineSeconds` the Job was created with (the deadline in force).
+    pub deadline_seconds: Option<i64>,
 }
 
 /// Summarise a Job and its pods. `None` for Jobs that are not pipeline Jobs.
@@ -97,7 +99,9 @@ pub fn observe_job(job: &Job, pods: &[Pod]) -> Option<ObservedJob> {
         })
         .max_by_key(|p| p.metadata.creation_timestamp.as_ref().map(|t| t.0))
         .map(observe_pod);
+    let deadline_seconds = spec.and_then(|s| s.active_deadline_seconds);
     Some(ObservedJob {
+        deadline_seconds,
         phase,
         name: job_name,
         image,

@@ -35,6 +35,21 @@ pub struct Observed {
     pub profiles: Vec<GPUProfile>,
     /// Bounded tail of the active Job's pod log: `None` = not read, `Some(Err)` = read failed.
     pub log_tail: Option<Result<String, String>>,
+    /// Directories on this cache's claim that Models serve (from their `status.servedPath`): kept by
+    /// generation garbage collection.
+    pub served_dirs: Vec<String>,
+    /// Other ModelCaches of the namespace that use the same claim: `(name, modelPath dir, created before
+    /// this one, uses it as existingClaimName)`.
+    pub claim_peers: Vec<ClaimPeer>,
+}
+
+/// Another cache on the same PersistentVolumeClaim.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ClaimPeer {
+    pub name: String,
+    pub model_dir: String,
+    /// Created before this cache (or same time and a smaller name): it keeps the directory.
+    pub older: bool,
 }
 
 /// One side effect of a reconcile.
@@ -85,6 +100,7 @@ pub struct Plan {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub(super) struct Common {
     pub(super) spec_hash: Option<String>,
+    pub(super) run_hash: Option<String>,
     pub(super) image: Option<String>,
     pub(super) started_at: Option<Time>,
     pub(super) completed_at: Option<Time>,
@@ -118,6 +134,7 @@ macro_rules! common_io {
 }
 common_io!(
     spec_hash,
+    run_hash,
     image,
     started_at,
     completed_at,
@@ -271,8 +288,25 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
     if mc.metadata.deletion_timestamp.is_some() {
         if has_finalizer {
             if owns_pvc && observed.pvc_exists {
-                cx.actions
-                    .push(Action::DeletePvc(jobs::created_claim_name(&name)));
+                if observed.claim_peers.is_empty() {
+                    cx.actions
+                        .push(Action::DeletePvc(jobs::created_claim_name(&name)));
+                } else {
+                    let users: Vec<&str> = observed
+                        .claim_peers
+                        .iter()
+                        .map(|p| p.name.as_str())
+                        .collect();
+                    cx.event(
+                        false,
+                        reasons::CLAIM_KEPT,
+                        format!(
+                            "PersistentVolumeClaim {} is kept: ModelCache {} use it",
+                            jobs::created_claim_name(&name),
+                            users.join(", ")
+                        ),
+                    );
+                }
             }
             cx.actions.push(Action::RemoveFinalizer);
         }
@@ -327,6 +361,21 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
     }
     if let Some(msg) = jobs::invalid_pod_metadata_annotation(mc) {
         cx.fail_config(reasons::INVALID_SPEC, &msg, None);
+        return finish(cx, &old);
+    }
+    let my_dir = jobs::model_dir(mc);
+    if let Some(p) = observed
+        .claim_peers
+        .iter()
+        .find(|p| p.older && p.model_dir == my_dir)
+    {
+        let msg = format!(
+            "ModelCache {} already uses claim {} with modelPath {my_dir:?}: the two would overwrite each \
+             other's files; set a different spec.modelPath",
+            p.name,
+            jobs::claim_name(mc)
+        );
+        cx.fail_config(reasons::CLAIM_CONFLICT, &msg, None);
         return finish(cx, &old);
     }
 
@@ -443,13 +492,22 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
         };
         let desired = jobs::spec_hash(mc, phase, &image);
         let mut c = get_common(&cx.st, phase);
-        let built_from_current_spec = c
-            .image
-            .as_deref()
-            .map(|img| jobs::spec_hash(mc, phase, img))
-            .is_some_and(|h| Some(h) == c.spec_hash);
+        let built_from_current_spec = c.image.as_deref().is_some_and(|img| {
+            c.spec_hash.as_deref() == Some(jobs::spec_hash(mc, phase, img).as_str())
+        });
+        // Completed under the hash of an older controller that also covered run-only settings: current.
+        let built_from_legacy_hash = c.image.as_deref().is_some_and(|img| {
+            c.spec_hash.as_deref() == Some(jobs::legacy_spec_hash(mc, phase, img).as_str())
+        });
         if c.completed_at.is_some() {
             if built_from_current_spec {
+                continue;
+            }
+            if built_from_legacy_hash {
+                if let Some(img) = c.image.clone() {
+                    c.spec_hash = Some(jobs::spec_hash(mc, phase, &img));
+                    set_common(&mut cx.st, phase, c);
+                }
                 continue;
             }
             // The phase's inputs changed: re-run it and what follows.
@@ -485,7 +543,9 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
                 .and_then(phase_from_status_name)
                 == Some(phase);
             if failed_here && cx.st.phase == Some(CachePhase::Failed) {
-                if c.spec_hash.as_deref() == Some(desired.as_str()) {
+                let run_hash = jobs::legacy_spec_hash(mc, phase, &image);
+                let same_run_settings = c.run_hash.as_deref().is_none_or(|h| h == run_hash);
+                if c.spec_hash.as_deref() == Some(desired.as_str()) && same_run_settings {
                     // Retries exhausted: stay Failed until reset-retries, the runbook status
                     // patch, or a change of this phase's spec or image.
                     break;
@@ -515,14 +575,16 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
             }
             // A (re)started phase makes the results of every later phase stale.
             invalidate(&mut cx, &phases[i + 1..], observed, &mut deleting);
-            create_job(&mut cx, &target, &image, &desired, c);
+            create_job(&mut cx, &target, &image, &desired, c, &observed.served_dirs);
             break;
         };
         // A running Job built from an older spec is replaced.
-        let job_spec_current = job
-            .spec_hash
-            .as_ref()
-            .is_some_and(|h| *h == jobs::spec_hash(mc, phase, &job.image));
+        // Only a change of what the artifact depends on replaces a running Job (a legacy hash of the same
+        // inputs is current too); deadlines and memory limits apply to the next attempt.
+        let job_spec_current = job.spec_hash.as_ref().is_some_and(|h| {
+            *h == jobs::spec_hash(mc, phase, &job.image)
+                || *h == jobs::legacy_spec_hash(mc, phase, &job.image)
+        });
         if !job_spec_current && job.state != JobState::Succeeded {
             cx.actions.push(Action::DeleteJob(job.name.clone()));
             cx.event(
@@ -579,12 +641,25 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
                     // Older than the grace window: let it finish; the new image applies next run.
                 }
                 update_progress(&mut cx, phase, job, observed, c);
-                cx.cond(
-                    types::PROGRESSING,
-                    true,
-                    running_phase(phase).as_str(),
-                    &format!("Job {} is running", job.name),
-                );
+                let spec_deadline = jobs::deadline_seconds(mc, phase);
+                match job.deadline_seconds.filter(|d| *d != spec_deadline) {
+                    // Run-only settings apply to the next attempt: say which value is in force.
+                    Some(d) => cx.cond(
+                        types::PROGRESSING,
+                        true,
+                        reasons::APPLIES_NEXT_ATTEMPT,
+                        &format!(
+                            "Job {} is running with its deadline of {d}s; the spec's {spec_deadline}s applies to the next attempt",
+                            job.name
+                        ),
+                    ),
+                    None => cx.cond(
+                        types::PROGRESSING,
+                        true,
+                        running_phase(phase).as_str(),
+                        &format!("Job {} is running", job.name),
+                    ),
+                }
                 if cx.st.path.is_none() {
                     cx.cond(
                         types::READY,
@@ -601,7 +676,11 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
 
     if all_done {
         let was_ready = old.phase == Some(CachePhase::Ready);
-        let path = format!("{}:{}", jobs::claim_name(mc), jobs::artifact_dir(mc));
+        let path = format!(
+            "{}:{}",
+            jobs::claim_name(mc),
+            jobs::artifact_dir(mc, &cx.st)
+        );
         cx.st.phase = Some(CachePhase::Ready);
         cx.st.current_phase = Some("ready".into());
         cx.st.progress = Some(100);
@@ -670,6 +749,34 @@ fn finish(cx: Ctx<'_>, old: &ModelCacheStatus) -> Plan {
     }
 }
 
+/// `<8 hex of the spec hash>-<UTC yyyymmddhhmmss>`: unique per run start, sortable by time, names the
+/// configuration it was made for.
+pub fn new_generation(hash: &str, now: Timestamp) -> String {
+    let t = now.strftime("%Y%m%d%H%M%S").to_string();
+    let h: String = hash
+        .chars()
+        .filter(|c| c.is_ascii_hexdigit())
+        .take(8)
+        .collect();
+    format!("{h}-{t}")
+}
+
+pub(super) fn set_generation(st: &mut ModelCacheStatus, phase: JobPhase, generation: String) {
+    match phase {
+        JobPhase::Abliterate => {
+            st.abliteration
+                .get_or_insert_with(AbliterationStatus::default)
+                .generation = Some(generation)
+        }
+        JobPhase::Quantize => {
+            st.quantization
+                .get_or_insert_with(QuantizationStatus::default)
+                .generation = Some(generation)
+        }
+        _ => {}
+    }
+}
+
 pub(super) fn reset_retries(st: &mut ModelCacheStatus) {
     st.retry_count = Some(0);
     st.last_failure_phase = None;
@@ -705,12 +812,22 @@ fn create_job(
     image: &str,
     hash: &str,
     mut c: Common,
+    served: &[String],
 ) {
     let phase = target.phase;
-    let job = jobs::build_job(cx.mc, target, image, hash, cx.config);
+    // A phase that writes generations gets a new one for a new run (new spec, trigger, changed input);
+    // a retry of the same run continues in its generation (and resumes from its files).
+    let retry_of_same_run = c.spec_hash.as_deref() == Some(hash);
+    if jobs::output_base(cx.mc, phase).is_some()
+        && (!retry_of_same_run || jobs::generation(&cx.st, phase).is_none())
+    {
+        set_generation(&mut cx.st, phase, new_generation(hash, cx.now));
+    }
+    let job = jobs::build_job(cx.mc, &cx.st, served, target, image, hash, cx.config);
     let jname = job.metadata.name.clone().unwrap_or_default();
     cx.actions.push(Action::CreateJob(Box::new(job)));
     c.spec_hash = Some(hash.to_string());
+    c.run_hash = Some(jobs::legacy_spec_hash(cx.mc, phase, image));
     c.image = Some(image.to_string());
     c.started_at = Some(cx.now_t.clone());
     c.completed_at = None;

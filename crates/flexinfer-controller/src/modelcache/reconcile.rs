@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use flexinfer_api::contract::controller::FIELD_MANAGER;
 use flexinfer_api::contract::{self, labels, JobPhase};
 use flexinfer_api::gpuprofile::GPUProfile;
+use flexinfer_api::model::Model;
 use flexinfer_api::modelcache::{CachePhase, ModelCache};
 use futures::StreamExt;
 use k8s_openapi::api::batch::v1::Job;
@@ -24,7 +25,7 @@ use tracing::{debug, info, warn};
 use super::config::Config;
 use super::jobs;
 use super::observe::{observe_job, JobState};
-use super::plan::{plan, Action, Observed, Plan};
+use super::plan::{plan, Action, ClaimPeer, Observed, Plan};
 use crate::metrics::Metrics;
 
 /// Bytes of pod log read per progress poll.
@@ -247,6 +248,40 @@ async fn observe(mc: &ModelCache, ctx: &Context, ns: &str) -> Result<Observed, E
         .as_ref()
         .is_some_and(|d| d.completed_at.is_some())
         && status.claim_name.is_some();
+    // Other caches on the same claim, and what Models serve from it.
+    let claim = jobs::claim_name(mc);
+    let caches: Api<ModelCache> = Api::namespaced(client.clone(), ns);
+    let me_created = mc.metadata.creation_timestamp.as_ref().map(|t| t.0);
+    for other in caches.list(&ListParams::default()).await?.items {
+        if other.metadata.uid == mc.metadata.uid || jobs::claim_name(&other) != claim {
+            continue;
+        }
+        let created = other.metadata.creation_timestamp.as_ref().map(|t| t.0);
+        let older = match (created, me_created) {
+            (Some(a), Some(b)) if a != b => a < b,
+            _ => other.name_any() < name,
+        };
+        observed.claim_peers.push(ClaimPeer {
+            name: other.name_any(),
+            model_dir: jobs::model_dir(&other),
+            older,
+        });
+    }
+    let models: Api<Model> = Api::namespaced(client.clone(), ns);
+    for m in models.list(&ListParams::default()).await?.items {
+        if let Some((c, dir)) = m
+            .status
+            .as_ref()
+            .and_then(|s| s.served_path.as_deref())
+            .and_then(|p| p.split_once(':'))
+        {
+            if c == claim {
+                observed
+                    .served_dirs
+                    .push(dir.trim_end_matches('/').to_string());
+            }
+        }
+    }
     if mc.spec.existing_claim_name.is_none() {
         observed.pvc_exists = if downloaded && mc.metadata.deletion_timestamp.is_none() {
             true
@@ -350,7 +385,9 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
             }
             Action::DeleteJob(jname) => {
                 let dp = DeleteParams {
-                    propagation_policy: Some(PropagationPolicy::Background),
+                    // Foreground: the Job stays (terminating) until its pods are gone, and the planner
+                    // creates a replacement only then, so two pods never write one directory.
+                    propagation_policy: Some(PropagationPolicy::Foreground),
                     ..Default::default()
                 };
                 match job_api.delete(jname, &dp).await {

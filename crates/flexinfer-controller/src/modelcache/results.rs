@@ -28,6 +28,26 @@ fn rel_output_dir(raw: &str) -> Option<String> {
         .map(|_| p.trim_end_matches('/').to_string())
 }
 
+/// `out` becomes the promoted output; the one it replaces heads the kept earlier generations (at most
+/// `keep`; the worker's garbage collection removes the rest from disk).
+fn promote(
+    current: &mut Option<String>,
+    previous: &mut Option<Vec<String>>,
+    out: String,
+    keep: usize,
+) {
+    if let Some(old) = current.take().filter(|o| *o != out && !o.is_empty()) {
+        let mut list = previous.take().unwrap_or_default();
+        list.retain(|x| *x != old && *x != out);
+        list.insert(0, old);
+        list.truncate(keep);
+        *previous = (!list.is_empty()).then_some(list);
+    } else if let Some(list) = previous.as_mut() {
+        list.retain(|x| *x != out);
+    }
+    *current = Some(out);
+}
+
 fn fmt_duration(secs: f64) -> String {
     let s = secs.max(0.0).round() as i64;
     let (h, m, s) = (s / 3600, (s % 3600) / 60, s % 60);
@@ -87,7 +107,20 @@ pub(super) fn record_success(cx: &mut Ctx<'_>, phase: JobPhase, job: &ObservedJo
             a.perplexity_after = term.perplexity_after.map(|v| format!("{v:.3}"));
             a.perplexity_before = term.perplexity_before.map(|v| format!("{v:.3}"));
             a.perplexity_after = term.perplexity_after.map(|v| format!("{v:.3}"));
-            a.output_dir = Some(jobs::phase_dirs(mc, phase).1);
+            let out = term
+                .output_dir
+                .as_deref()
+                .and_then(rel_output_dir)
+                .unwrap_or_else(|| jobs::phase_dirs(mc, &cx.st, phase).1);
+            let keep = cx.config.keep_generations;
+            let a = cx.st.abliteration.get_or_insert_with(Default::default);
+            promote(
+                &mut a.output_dir,
+                &mut a.previous_output_dirs,
+                out.clone(),
+                keep,
+            );
+            note.push_str(&format!(", output {out}"));
         }
         JobPhase::Quantize => {
             let started = get_common(&cx.st, phase).started_at.map(|t| t.0);
@@ -126,12 +159,24 @@ pub(super) fn record_success(cx: &mut Ctx<'_>, phase: JobPhase, job: &ObservedJo
                 }
                 q.calibration_params = Some(m);
             }
-            q.output_dir = Some(
-                term.output_dir
-                    .as_deref()
-                    .and_then(rel_output_dir)
-                    .unwrap_or_else(|| jobs::phase_dirs(mc, phase).1),
+            let out = term
+                .output_dir
+                .as_deref()
+                .and_then(rel_output_dir)
+                .unwrap_or_else(|| jobs::phase_dirs(mc, &cx.st, phase).1);
+            let keep = cx.config.keep_generations;
+            let q = cx.st.quantization.get_or_insert_with(Default::default);
+            promote(
+                &mut q.output_dir,
+                &mut q.previous_output_dirs,
+                out.clone(),
+                keep,
             );
+            q.config_digest = term.config_digest.clone();
+            if !term.applied.is_empty() {
+                q.applied = Some(term.applied.clone());
+            }
+            note.push_str(&format!(", output {out}"));
             q.quality = term.quality.as_ref().map(|g| QualityStatus {
                 gptq_modules: Some(g.gptq_modules as i64),
                 rtn_fallback_modules: Some(g.rtn_fallback_modules as i64),
@@ -184,6 +229,40 @@ pub(super) fn record_failure(
     let reason = classify_failure(job);
     let text = failure_text(job, observed.log_tail.as_ref());
     let msg = format!("{reason}: {text}");
+    if reason == contract::FailureReason::QualityGateFailed {
+        // The gate ran before anything was promoted: the served artifact and `status.path` stay.
+        let generation = jobs::generation(&cx.st, phase);
+        let kept = jobs::promoted_dir(&cx.st, phase);
+        match phase {
+            JobPhase::Abliterate => {
+                cx.st
+                    .abliteration
+                    .get_or_insert_with(Default::default)
+                    .rejected_generation = generation.clone()
+            }
+            JobPhase::Quantize => {
+                cx.st
+                    .quantization
+                    .get_or_insert_with(Default::default)
+                    .rejected_generation = generation.clone()
+            }
+            _ => {}
+        }
+        cx.job_event(
+            true,
+            reasons::GENERATION_REJECTED,
+            format!(
+                "{} generation {} was rejected by its gate; {}",
+                phase.status_name(),
+                generation.unwrap_or_default(),
+                match kept {
+                    Some(k) => format!("the promoted output {k} is unchanged"),
+                    None => "nothing was promoted".into(),
+                }
+            ),
+            Some(&job.name),
+        );
+    }
     c.failure_message = Some(msg.clone());
     set_common(&mut cx.st, phase, c);
     cx.st.last_failure_phase = Some(phase.status_name().to_string());
@@ -238,7 +317,10 @@ pub(super) fn update_progress(
         c.image = Some(job.image.clone());
     }
     let old = c.progress.unwrap_or(0);
-    let deadline = jobs::deadline_seconds(cx.mc, phase).max(1);
+    // The deadline in force is the running Job's; a changed spec applies to the next attempt.
+    let spec_deadline = jobs::deadline_seconds(cx.mc, phase);
+    let deadline = job.deadline_seconds.unwrap_or(spec_deadline).max(1);
+
     let elapsed = secs_between(job.started, now).max(0);
     cx.outcome.running = Some((phase, deadline, elapsed));
     let telemetry = match &observed.log_tail {

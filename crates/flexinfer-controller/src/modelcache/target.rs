@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use flexinfer_api::contract::{self, env, labels, JobPhase};
 use flexinfer_api::gpuprofile::{GPUProfile, GpuVendor};
-use flexinfer_api::modelcache::{ModelCache, QuantFormat};
+use flexinfer_api::modelcache::{ModelCache, ModelCacheStatus, QuantFormat};
 use sha2::{Digest, Sha256};
 
 use super::config::Config;
@@ -229,8 +229,41 @@ pub fn canonical_json(v: &serde_json::Value) -> String {
     serde_json::to_string(&canon(v)).unwrap_or_default()
 }
 
-/// The part of the spec a phase's output depends on.
+/// The part of the spec a phase's output depends on. Settings that only change how a run is carried out
+/// (deadlines, memory limits, GPU memory fraction, node selection) are left out: editing them never
+/// replaces a running Job or re-runs a finished phase; they apply to the next attempt.
 pub fn phase_inputs(mc: &ModelCache, phase: JobPhase) -> serde_json::Value {
+    let mut v = legacy_phase_inputs(mc, phase);
+    let drop: &[&str] = match phase {
+        JobPhase::Download => &[],
+        JobPhase::Abliterate => &["maxMemoryGB", "maxMemoryGb", "nodeSelector"],
+        JobPhase::Quantize => &[
+            "maxMemoryGB",
+            "maxMemoryGb",
+            "timeoutSeconds",
+            "nodeSelector",
+            "gpuMemoryFraction",
+        ],
+        JobPhase::Publish => &["timeoutSeconds"],
+    };
+    if let Some(o) = v.as_object_mut() {
+        for k in drop {
+            o.remove(*k);
+        }
+    }
+    if phase == JobPhase::Download {
+        if let Some(d) = v.get_mut("download").and_then(|d| d.as_object_mut()) {
+            for k in ["timeoutSeconds", "maxMemoryGB", "maxMemoryGb"] {
+                d.remove(k);
+            }
+        }
+    }
+    v
+}
+
+/// The inputs as hashed before run-only settings were left out: a phase completed under that hash is
+/// still current (no re-run after an upgrade).
+fn legacy_phase_inputs(mc: &ModelCache, phase: JobPhase) -> serde_json::Value {
     let s = &mc.spec;
     match phase {
         JobPhase::Download => serde_json::json!({
@@ -252,8 +285,17 @@ fn j<T: serde::Serialize>(v: &T) -> serde_json::Value {
 /// `sha256(canonical JSON of the phase inputs + "|" + image)`, first 16 hex characters. For
 /// quantization this is the seed's `quantSpecHashWithImage` over `spec.quantization`.
 pub fn spec_hash(mc: &ModelCache, phase: JobPhase, image: &str) -> String {
+    hash_inputs(&phase_inputs(mc, phase), image)
+}
+
+/// [`spec_hash`] as computed before run-only settings were left out of it.
+pub fn legacy_spec_hash(mc: &ModelCache, phase: JobPhase, image: &str) -> String {
+    hash_inputs(&legacy_phase_inputs(mc, phase), image)
+}
+
+fn hash_inputs(inputs: &serde_json::Value, image: &str) -> String {
     let mut h = Sha256::new();
-    h.update(canonical_json(&phase_inputs(mc, phase)).as_bytes());
+    h.update(canonical_json(inputs).as_bytes());
     h.update(b"|");
     h.update(image.as_bytes());
     hex::encode(h.finalize())[..16].to_string()
@@ -265,38 +307,79 @@ pub fn model_dir(mc: &ModelCache) -> String {
     mc.spec.model_dir_name(&name).trim_matches('/').to_string()
 }
 
-/// Relative (to the PVC root) input and output directories of a phase.
-pub fn phase_dirs(mc: &ModelCache, phase: JobPhase) -> (String, String) {
+/// Base output directory of a phase (relative to the PVC root), without a generation:
+/// `<modelPath>/abliterated`, `<modelPath>/gptq-w4-g128`.
+pub fn output_base(mc: &ModelCache, phase: JobPhase) -> Option<String> {
     let base = model_dir(mc);
-    let ablit = format!("{base}/{}", contract::ABLITERATED_SUBDIR);
+    match phase {
+        JobPhase::Abliterate => Some(format!("{base}/{}", contract::ABLITERATED_SUBDIR)),
+        JobPhase::Quantize => mc
+            .spec
+            .quantization
+            .as_ref()
+            .map(|q| format!("{base}/{}", q.output_subdir())),
+        _ => None,
+    }
+}
+
+/// Generation of the run in flight (or last run) of a phase that writes generations.
+pub fn generation(st: &ModelCacheStatus, phase: JobPhase) -> Option<String> {
+    match phase {
+        JobPhase::Abliterate => st.abliteration.as_ref().and_then(|a| a.generation.clone()),
+        JobPhase::Quantize => st.quantization.as_ref().and_then(|q| q.generation.clone()),
+        _ => None,
+    }
+}
+
+/// The promoted output of a phase (what later phases read and Models serve), if any.
+pub fn promoted_dir(st: &ModelCacheStatus, phase: JobPhase) -> Option<String> {
+    match phase {
+        JobPhase::Abliterate => st.abliteration.as_ref().and_then(|a| a.output_dir.clone()),
+        JobPhase::Quantize => st.quantization.as_ref().and_then(|q| q.output_dir.clone()),
+        _ => None,
+    }
+    .filter(|d| !d.is_empty())
+}
+
+/// Relative (to the PVC root) input and output directories of a phase run. Abliteration and
+/// quantization write a new generation (`<base>.<generation>` from status); a phase reads the promoted
+/// output of the phase before it.
+pub fn phase_dirs(mc: &ModelCache, st: &ModelCacheStatus, phase: JobPhase) -> (String, String) {
+    let base = model_dir(mc);
+    let out = |p: JobPhase| {
+        let b = output_base(mc, p).unwrap_or_else(|| base.clone());
+        contract::files::generation_dir(&b, generation(st, p).as_deref())
+    };
+    let ablit_in = promoted_dir(st, JobPhase::Abliterate)
+        .unwrap_or_else(|| format!("{base}/{}", contract::ABLITERATED_SUBDIR));
     let quant_in = if mc.spec.abliteration.is_some() {
-        ablit.clone()
+        ablit_in
     } else {
         base.clone()
     };
-    let quant_out = mc
-        .spec
-        .quantization
-        .as_ref()
-        .map(|q| format!("{base}/{}", q.output_subdir()));
     match phase {
         JobPhase::Download => (base.clone(), base),
-        JobPhase::Abliterate => (base, ablit),
-        JobPhase::Quantize => (quant_in.clone(), quant_out.unwrap_or(quant_in)),
+        JobPhase::Abliterate => (base.clone(), out(JobPhase::Abliterate)),
+        JobPhase::Quantize => (quant_in, out(JobPhase::Quantize)),
         JobPhase::Publish => {
-            let art = artifact_dir(mc);
+            let art = artifact_dir(mc, st);
             (art.clone(), art)
         }
     }
 }
 
-/// Directory (relative to the PVC root) of the artifact serving uses.
-pub fn artifact_dir(mc: &ModelCache) -> String {
-    if mc.spec.quantization.is_some() {
-        phase_dirs(mc, JobPhase::Quantize).1
+/// Directory (relative to the PVC root) of the artifact serving uses: the promoted output of the last
+/// phase that writes one.
+pub fn artifact_dir(mc: &ModelCache, st: &ModelCacheStatus) -> String {
+    let base = model_dir(mc);
+    let last = if mc.spec.quantization.is_some() {
+        JobPhase::Quantize
     } else if mc.spec.abliteration.is_some() {
-        phase_dirs(mc, JobPhase::Abliterate).1
+        JobPhase::Abliterate
     } else {
-        model_dir(mc)
-    }
+        return base;
+    };
+    promoted_dir(st, last)
+        .or_else(|| output_base(mc, last))
+        .unwrap_or(base)
 }

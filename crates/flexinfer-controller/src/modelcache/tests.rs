@@ -153,6 +153,7 @@ fn job_from(p: &Plan, phase: JobPhase, created: Timestamp, state: JobState) -> O
         terminating: false,
         state,
         pod: None,
+        deadline_seconds: None,
     }
 }
 
@@ -162,6 +163,7 @@ fn obs(jobs: Vec<ObservedJob>) -> Observed {
         pvc_exists: true,
         profiles: vec![profile("gfx1100", "q:a")],
         log_tail: None,
+        ..Default::default()
     }
 }
 
@@ -241,7 +243,12 @@ fn full_pipeline_walks_phases_in_order_and_ready_is_stable() {
         ]
     );
     assert_eq!(p.status.phase, Some(CachePhase::Ready));
-    assert_eq!(p.status.path.as_deref(), Some("mc-cache:mc/gptq-w4-g128"));
+    // The path names the promoted generation of the quantized output.
+    let q = p.status.quantization.clone().expect("quantization status");
+    let out = q.output_dir.clone().expect("outputDir");
+    let generation = q.generation.clone().expect("generation");
+    assert_eq!(out, format!("mc/gptq-w4-g128.{generation}"));
+    assert_eq!(p.status.path, Some(format!("mc-cache:{out}")));
     assert!(conditions::is_true(&p.status.conditions, "Ready"));
     for c in ["Downloaded", "Abliterated", "Quantized", "Published"] {
         assert!(conditions::is_true(&p.status.conditions, c), "{c}");
@@ -389,6 +396,7 @@ fn failures_are_classified() {
             message: String::new(),
         },
         pod: None,
+        deadline_seconds: None,
     };
     let pod = |term: Option<&str>, wait: Option<&str>| {
         Some(ObservedPod {
@@ -650,7 +658,12 @@ fn requantize_reruns_only_quantize_and_keeps_path_until_success() {
     let c = cfg();
     let ready = ready_simple();
     let old_path = ready.status.as_ref().and_then(|s| s.path.clone());
-    assert_eq!(old_path.as_deref(), Some("mc-cache:mc/gptq-w4-g128"));
+    assert!(
+        old_path
+            .as_deref()
+            .is_some_and(|p| p.starts_with("mc-cache:mc/gptq-w4-g128.")),
+        "{old_path:?}"
+    );
     // Change the spec (bits 4 -> 8): quantization re-runs, download does not.
     let mut mc = ready.clone();
     if let Some(q) = mc.spec.quantization.as_mut() {
@@ -671,6 +684,7 @@ fn requantize_reruns_only_quantize_and_keeps_path_until_success() {
         terminating: false,
         state: JobState::Succeeded,
         pod: None,
+        deadline_seconds: None,
     };
     let p = plan(&mc, &obs(vec![old_q]), &c, t(100));
     assert_eq!(deleted_jobs(&p), vec!["mc-quantize"]);
@@ -688,7 +702,22 @@ fn requantize_reruns_only_quantize_and_keeps_path_until_success() {
     let mc = applied(mc, &p);
     let p = plan(&mc, &obs(vec![q]), &c, t(120));
     assert_eq!(p.status.phase, Some(CachePhase::Ready));
-    assert_eq!(p.status.path.as_deref(), Some("mc-cache:mc/gptq-w8-g128"));
+    let new_path = p.status.path.clone().unwrap_or_default();
+    assert!(
+        new_path.starts_with("mc-cache:mc/gptq-w8-g128."),
+        "{new_path}"
+    );
+    // The replaced generation is kept (the default keeps one) and named in status.
+    assert_eq!(
+        p.status
+            .quantization
+            .as_ref()
+            .and_then(|q| q.previous_output_dirs.clone()),
+        old_path
+            .as_deref()
+            .and_then(|p| p.split_once(':'))
+            .map(|(_, d)| vec![d.to_string()])
+    );
 
     // The annotation: re-runs quantization with the same spec, and is removed.
     let mut mc = ready.clone();
@@ -702,6 +731,32 @@ fn requantize_reruns_only_quantize_and_keeps_path_until_success() {
     ])));
     assert_eq!(created_jobs(&p), vec!["mc-quantize"]);
     assert_eq!(p.status.path, old_path);
+    // A new generation: the re-run writes beside the served artifact instead of reusing it.
+    let out_dir = |p: &Plan| -> String {
+        p.actions
+            .iter()
+            .find_map(|a| match a {
+                Action::CreateJob(j) => j
+                    .spec
+                    .clone()
+                    .and_then(|s| s.template.spec)
+                    .and_then(|s| s.containers[0].env.clone())
+                    .and_then(|e| e.into_iter().find(|e| e.name == "OUT_DIR"))
+                    .and_then(|e| e.value),
+                _ => None,
+            })
+            .unwrap_or_default()
+    };
+    let old_dir = old_path
+        .as_deref()
+        .and_then(|p| p.split_once(':'))
+        .map(|(_, d)| d);
+    assert_ne!(Some(out_dir(&p).trim_start_matches("/cache/")), old_dir);
+    assert!(
+        out_dir(&p).starts_with("/cache/mc/gptq-w4-g128."),
+        "{}",
+        out_dir(&p)
+    );
     assert!(
         p.status
             .download
@@ -904,8 +959,36 @@ fn quant_spec_hash_matches_the_seed_formula() {
     let mut h = Sha256::new();
     h.update(format!("{canon}|q:a").as_bytes());
     let want = &hex::encode(h.finalize())[..16];
-    assert_eq!(jobs::spec_hash(&mc, JobPhase::Quantize, "q:a"), want);
-    assert_ne!(jobs::spec_hash(&mc, JobPhase::Quantize, "q:b"), want);
+    // The seed's formula over all of spec.quantization survives as the legacy hash (status written by
+    // an older controller stays current) …
+    assert_eq!(jobs::legacy_spec_hash(&mc, JobPhase::Quantize, "q:a"), want);
+    assert_ne!(jobs::legacy_spec_hash(&mc, JobPhase::Quantize, "q:b"), want);
+    // … and the artifact hash leaves run-only settings out: raising a deadline or a memory limit does
+    // not replace a running Job or re-run a finished phase; a setting of the artifact does.
+    let h = |m: &ModelCache| jobs::spec_hash(m, JobPhase::Quantize, "q:a");
+    let mut run_only = mc.clone();
+    if let Some(q) = run_only.spec.quantization.as_mut() {
+        q.timeout_seconds = Some(999_999);
+        q.max_memory_gb += 7;
+        q.gpu_memory_fraction = "0.5".into();
+    }
+    assert_eq!(h(&run_only), h(&mc));
+    assert_ne!(
+        jobs::legacy_spec_hash(&run_only, JobPhase::Quantize, "q:a"),
+        want
+    );
+    for edit in [
+        |q: &mut flexinfer_api::modelcache::QuantizationSpec| q.sym = !q.sym,
+        |q: &mut flexinfer_api::modelcache::QuantizationSpec| q.group_size = 32,
+        |q: &mut flexinfer_api::modelcache::QuantizationSpec| q.desc_act = !q.desc_act,
+    ] {
+        let mut m = mc.clone();
+        if let Some(q) = m.spec.quantization.as_mut() {
+            edit(q);
+        }
+        assert_ne!(h(&m), h(&mc));
+    }
+    assert_ne!(jobs::spec_hash(&mc, JobPhase::Quantize, "q:b"), h(&mc));
     // Key order does not matter.
     let a: serde_json::Value = serde_json::from_str(r#"{"b":1,"a":{"d":2,"c":3}}"#).expect("json");
     assert_eq!(jobs::canonical_json(&a), r#"{"a":{"c":3,"d":2},"b":1}"#);
@@ -1014,7 +1097,7 @@ fn quantize_reads_the_abliterated_model() {
     let c = cfg();
     let mc = cache(FULL);
     let t_ = jobs::resolve_target(&mc, JobPhase::Quantize, &[profile("gfx1100", "q")], &c);
-    let job = jobs::build_job(&mc, &t_, "q", "h", &c);
+    let job = jobs::build_job(&mc, &Default::default(), &[], &t_, "q", "h", &c);
     let env = job
         .spec
         .and_then(|s| s.template.spec)
@@ -1029,7 +1112,7 @@ fn quantize_reads_the_abliterated_model() {
     assert_eq!(get("OUT_DIR").as_deref(), Some("/cache/mc/gptq-w4-g128"));
     let simple = cache(SIMPLE);
     let t_ = jobs::resolve_target(&simple, JobPhase::Quantize, &[], &c);
-    let job = jobs::build_job(&simple, &t_, "q", "h", &c);
+    let job = jobs::build_job(&simple, &Default::default(), &[], &t_, "q", "h", &c);
     let env = job
         .spec
         .and_then(|s| s.template.spec)
@@ -1064,7 +1147,7 @@ fn pod_labels_and_annotations_from_cache_annotations() {
     ]));
     let build = |p: JobPhase| {
         let t_ = jobs::resolve_target(&mc, p, &[], &c);
-        jobs::build_job(&mc, &t_, "i", "h", &c)
+        jobs::build_job(&mc, &Default::default(), &[], &t_, "i", "h", &c)
             .spec
             .and_then(|s| s.template.metadata)
             .unwrap_or_default()
@@ -1161,9 +1244,10 @@ fn adding_or_removing_abliteration_reruns_quantize() {
             .unwrap_or_default(),
         _ => Vec::new(),
     };
+    let ablit = mc_ablit_dir(&p);
     assert!(env
         .iter()
-        .any(|e| e.name == "MODEL_DIR" && e.value.as_deref() == Some("/cache/mc/abliterated")));
+        .any(|e| e.name == "MODEL_DIR" && e.value.as_deref() == Some(ablit.as_str())));
     let mc = applied(mc, &p);
     let p = plan(&mc, &obs(vec![q]), &c, t(120));
     assert_eq!(p.status.phase, Some(CachePhase::Ready));
@@ -1223,7 +1307,13 @@ fn results_come_from_the_termination_message() {
     let a = p.status.abliteration.clone().expect("abliteration status");
     assert_eq!(a.layers_modified, Some(40));
     assert_eq!(a.perplexity_after.as_deref(), Some("7.500"));
-    assert_eq!(a.output_dir.as_deref(), Some("mc/abliterated"));
+    assert_eq!(
+        a.output_dir,
+        Some(format!(
+            "mc/abliterated.{}",
+            a.generation.clone().unwrap_or_default()
+        ))
+    );
     let mut q = job_from(&p, JobPhase::Quantize, t(2), JobState::Succeeded);
     q.pod = Some(ObservedPod {
         termination_message: Some(r#"{"type":"gptq-w4-g128","originalSizeBytes":4000,"compressedSizeBytes":1000,"quantizationTimeSeconds":3723,"outputDir":"/cache/mc/gptq-w4-g128","quality":{"gptqModules":400,"rtnFallbackModules":4,"rtnFallbackPercent":1.0,"maxRtnFallbackPercent":10.0,"minimumModules":100,"gate":"passed"}}"#.into()),
@@ -1258,4 +1348,16 @@ fn results_come_from_the_termination_message() {
         Some(vec!["latest".to_string(), "stable".to_string()])
     );
     assert_eq!(p.status.phase, Some(CachePhase::Ready));
+}
+
+/// `/cache/<promoted abliteration output>` of a plan's status.
+fn mc_ablit_dir(p: &Plan) -> String {
+    format!(
+        "/cache/{}",
+        p.status
+            .abliteration
+            .as_ref()
+            .and_then(|a| a.output_dir.clone())
+            .unwrap_or_default()
+    )
 }

@@ -310,25 +310,7 @@ pub fn write_output(
 
 /// Moves the finished staging directory into place (replacing an older output).
 pub fn commit(staging: &Path, out_dir: &Path) -> Result<(), WorkerError> {
-    if out_dir.exists() {
-        let old = out_dir.with_file_name(format!(
-            "{}.old",
-            out_dir
-                .file_name()
-                .map(|n| n.to_string_lossy().to_string())
-                .unwrap_or_default()
-        ));
-        if old.exists() {
-            std::fs::remove_dir_all(&old).map_err(|e| io_err(&old, e))?;
-        }
-        std::fs::rename(out_dir, &old).map_err(|e| io_err(out_dir, e))?;
-        std::fs::rename(staging, out_dir).map_err(|e| io_err(out_dir, e))?;
-        std::fs::remove_dir_all(&old).map_err(|e| io_err(&old, e))?;
-    } else {
-        if let Some(parent) = out_dir.parent() {
-            std::fs::create_dir_all(parent).map_err(|e| io_err(parent, e))?;
-        }
-        std::fs::rename(staging, out_dir).map_err(|e| io_err(out_dir, e))?;
-    }
-    Ok(())
+    // Durable and atomic: the staging directory's entries, then an exchange with any older output.
+    flexinfer_fsutil::fsync_dir(staging).map_err(|e| io_err(staging, e))?;
+    flexinfer_fsutil::replace_dir(staging, out_dir).map_err(|e| io_err(out_dir, e))
 }

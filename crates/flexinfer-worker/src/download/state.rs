@@ -131,19 +131,13 @@ pub fn invalidate(
     write_atomic(&dir.join(IN_PROGRESS), &body)
 }
 
-/// Remove what later phases derived from the downloaded weights.
+/// Remove the caches later phases keep next to the downloaded weights (the GPTQ layer cache, the
+/// abliteration status). Their outputs (`abliterated.<generation>`, `gptq-….<generation>`) stay: a Model
+/// may serve one while the new revision downloads, and the controller's garbage collection removes them
+/// once a newer generation is promoted.
 pub fn reset_derived(dir: &Path) -> std::io::Result<()> {
-    remove_if_exists(&dir.join(contract::ABLITERATED_SUBDIR))?;
     remove_if_exists(&dir.join(files::GPTQ_CACHE_DIR))?;
     remove_if_exists(&dir.join(files::ABLITERATION_STATUS))?;
-    if let Ok(rd) = std::fs::read_dir(dir) {
-        for e in rd.flatten() {
-            let name = e.file_name().to_string_lossy().to_string();
-            if name.starts_with("gptq-") && e.file_type().is_ok_and(|t| t.is_dir()) {
-                remove_if_exists(&e.path())?;
-            }
-        }
-    }
     Ok(())
 }
 
@@ -169,7 +163,7 @@ fn remove_part_files(dir: &Path) -> std::io::Result<()> {
         let t = e.file_type()?;
         let name = e.file_name();
         let name = name.to_string_lossy();
-        if t.is_dir() && !name.starts_with('.') && name != contract::ABLITERATED_SUBDIR {
+        if t.is_dir() && !name.starts_with('.') && !crate::common::is_derived_dir(&name) {
             remove_part_files(&e.path())?;
         } else if t.is_file() && name.ends_with(".part") {
             std::fs::remove_file(e.path())?;
@@ -274,9 +268,10 @@ mod tests {
         std::fs::write(p.join(".abliteration-status.json"), "{}").unwrap();
         std::fs::write(p.join("model.safetensors"), "w").unwrap();
         reset_derived(p).unwrap();
-        assert!(!p.join("abliterated").exists());
+        // Outputs a Model may be serving survive a new revision's download.
+        assert!(p.join("abliterated").exists());
+        assert!(p.join("gptq-w4-g128").exists());
         assert!(!p.join(".flexinfer-gptq-cache").exists());
-        assert!(!p.join("gptq-w4-g128").exists());
         assert!(!p.join(".abliteration-status.json").exists());
         assert!(p.join("keep").exists());
         assert!(p.join("model.safetensors").exists());

@@ -152,8 +152,10 @@ fn rtn_share_over_the_limit_exits_3() {
     let e = run_inner(&f.args, &Events::new("quantization")).expect_err("gate");
     assert_eq!(e.exit_code(), 3, "{e}");
     assert!(e.to_string().contains("RTN fallback gate failed"));
-    // The sidecar is written either way, and a restarted Job fails the same way.
-    assert!(f.args.out_dir.join(".quantization-quality.json").exists());
+    // The gate runs before the save: nothing is written to OUT_DIR, and a restarted Job fails the same
+    // way (there is no cached pass to short-circuit on).
+    assert!(!f.args.out_dir.join(".save-complete").exists());
+    assert!(!f.args.out_dir.join(".quantization-quality.json").exists());
     assert_eq!(
         run_inner(&f.args, &Events::new("quantization"))
             .expect_err("cached gate")

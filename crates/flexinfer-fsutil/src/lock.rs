@@ -1,0 +1,240 @@
+//! One writer per directory. A pipeline Job holds an exclusive `flock` on `<dir>.lock` (beside the
+//! directory, which may itself be renamed into place) for as long as it writes; the kernel drops the lock
+//! when the process dies, however it dies. The file also records who holds it and a heartbeat, so that on
+//! filesystems whose locks are not shared between nodes a second writer still sees a live holder.
+
+use serde::{Deserialize, Serialize};
+use std::io::{self, Read, Seek, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Suffix of the lock file beside a written directory: `<dir>.lock`.
+pub const LOCK_SUFFIX: &str = ".lock";
+
+/// Who holds a directory (the lock file's content).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LockHolder {
+    /// The Job's UID (or another id of the writer); a writer with the same id may take over.
+    pub owner: String,
+    #[serde(default)]
+    pub pod: String,
+    #[serde(default)]
+    pub pid: u32,
+    #[serde(default)]
+    pub acquired_at: String,
+    /// Refreshed every heartbeat interval while the lock is held.
+    #[serde(default)]
+    pub heartbeat_at: String,
+}
+
+/// A held lock; released on drop (and by the kernel when the process dies).
+#[derive(Debug)]
+pub struct WriterLock {
+    path: PathBuf,
+    stop: Arc<AtomicBool>,
+    heartbeat: Option<std::thread::JoinHandle<()>>,
+    // Keeps the flock.
+    _file: Arc<std::fs::File>,
+}
+
+/// The lock file of `dir`.
+pub fn lock_path(dir: &Path) -> PathBuf {
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    dir.with_file_name(format!("{name}{LOCK_SUFFIX}"))
+}
+
+fn read_holder(f: &mut std::fs::File) -> Option<LockHolder> {
+    let mut text = String::new();
+    f.seek(io::SeekFrom::Start(0)).ok()?;
+    f.take(64 << 10).read_to_string(&mut text).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
+fn write_holder(f: &std::fs::File, h: &LockHolder) -> io::Result<()> {
+    let body = serde_json::to_vec(h).map_err(io::Error::other)?;
+    let mut f = f;
+    f.set_len(0)?;
+    f.seek(io::SeekFrom::Start(0))?;
+    f.write_all(&body)?;
+    f.sync_data()
+}
+
+impl WriterLock {
+    /// Takes the lock of `dir` for `holder`. Fails with `WouldBlock` naming the live holder when another
+    /// process holds the flock, or when the file names another owner whose heartbeat is younger than
+    /// `stale_after`. The heartbeat is refreshed every `heartbeat` until the lock is dropped.
+    pub fn acquire(
+        dir: &Path,
+        mut holder: LockHolder,
+        heartbeat: Duration,
+        stale_after: Duration,
+    ) -> io::Result<WriterLock> {
+        let path = lock_path(dir);
+        if let Some(p) = path.parent() {
+            std::fs::create_dir_all(p)?;
+        }
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)?;
+        let busy = |h: Option<LockHolder>, why: &str| {
+            let who = h
+                .map(|h| {
+                    format!(
+                        "owner {} (pod {}, pid {}, heartbeat {})",
+                        h.owner, h.pod, h.pid, h.heartbeat_at
+                    )
+                })
+                .unwrap_or_else(|| "an unknown process".into());
+            io::Error::new(
+                io::ErrorKind::WouldBlock,
+                format!("{} is being written by {who}: {why}", dir.display()),
+            )
+        };
+        if let Err(e) =
+            rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive)
+        {
+            if e == rustix::io::Errno::WOULDBLOCK {
+                return Err(busy(read_holder(&mut file), "its lock is held"));
+            }
+            return Err(e.into());
+        }
+        if let Some(prev) = read_holder(&mut file) {
+            let fresh = prev
+                .heartbeat_at
+                .parse::<jiff::Timestamp>()
+                .ok()
+                .and_then(|t| jiff::Timestamp::now().duration_since(t).try_into().ok())
+                .is_some_and(|age: Duration| age < stale_after);
+            if prev.owner != holder.owner && !prev.owner.is_empty() && fresh {
+                return Err(busy(
+                    Some(prev),
+                    "its heartbeat is fresh (a writer on another node?)",
+                ));
+            }
+        }
+        let now = crate::now_rfc3339();
+        holder.pid = std::process::id();
+        holder.acquired_at = now.clone();
+        holder.heartbeat_at = now;
+        write_holder(&file, &holder)?;
+        let file = Arc::new(file);
+        let stop = Arc::new(AtomicBool::new(false));
+        let (f2, s2) = (file.clone(), stop.clone());
+        let beat = std::thread::Builder::new()
+            .name("writer-lock-heartbeat".into())
+            .spawn(move || {
+                let step = Duration::from_millis(200).min(heartbeat);
+                let mut waited = Duration::ZERO;
+                while !s2.load(Ordering::Relaxed) {
+                    std::thread::sleep(step);
+                    waited += step;
+                    if waited >= heartbeat {
+                        waited = Duration::ZERO;
+                        holder.heartbeat_at = crate::now_rfc3339();
+                        let _ = write_holder(&f2, &holder);
+                    }
+                }
+            })?;
+        Ok(WriterLock {
+            path,
+            stop,
+            heartbeat: Some(beat),
+            _file: file,
+        })
+    }
+
+    /// The lock file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for WriterLock {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.heartbeat.take() {
+            let _ = h.join();
+        }
+        // Leave the holder record stale (heartbeat stops), so a next writer is not refused; the file stays
+        // (removing a lock file races with a concurrent acquirer).
+        let mut f: &std::fs::File = &self._file;
+        let _ = f.set_len(0);
+        let _ = f.flush();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn holder(owner: &str) -> LockHolder {
+        LockHolder {
+            owner: owner.into(),
+            pod: "p".into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn second_writer_is_refused_until_the_first_drops() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let dir = d.path().join("out");
+        let long = Duration::from_secs(60);
+        let a = WriterLock::acquire(&dir, holder("job-a"), long, long).expect("first");
+        // Another open file description: flock conflicts even inside one process.
+        let e = WriterLock::acquire(&dir, holder("job-b"), long, long).expect_err("second");
+        assert_eq!(e.kind(), io::ErrorKind::WouldBlock);
+        assert!(e.to_string().contains("job-a"), "{e}");
+        drop(a);
+        let b = WriterLock::acquire(&dir, holder("job-b"), long, long).expect("after release");
+        assert_eq!(b.path(), d.path().join("out.lock"));
+    }
+
+    #[test]
+    fn a_fresh_heartbeat_of_another_owner_refuses_without_flock() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let dir = d.path().join("out");
+        // A record as a writer on another node (whose flock we cannot see) leaves it.
+        let rec = LockHolder {
+            owner: "job-remote".into(),
+            heartbeat_at: crate::now_rfc3339(),
+            ..Default::default()
+        };
+        std::fs::write(lock_path(&dir), serde_json::to_vec(&rec).expect("json")).expect("write");
+        let long = Duration::from_secs(60);
+        let e = WriterLock::acquire(&dir, holder("job-b"), long, long).expect_err("refused");
+        assert!(e.to_string().contains("job-remote"), "{e}");
+        // The same owner (a retry of that Job's pod) may take over; a stale record does not block.
+        WriterLock::acquire(&dir, holder("job-remote"), long, long).expect("same owner");
+        std::fs::write(lock_path(&dir), serde_json::to_vec(&rec).expect("json")).expect("write");
+        WriterLock::acquire(&dir, holder("job-b"), long, Duration::ZERO).expect("stale record");
+    }
+
+    #[test]
+    fn heartbeat_is_refreshed() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let dir = d.path().join("out");
+        let l = WriterLock::acquire(
+            &dir,
+            holder("job-a"),
+            Duration::from_millis(1100),
+            Duration::from_secs(60),
+        )
+        .expect("lock");
+        let read = || -> LockHolder {
+            serde_json::from_slice(&std::fs::read(l.path()).expect("read")).expect("json")
+        };
+        let first = read().heartbeat_at;
+        std::thread::sleep(Duration::from_millis(2600));
+        assert_ne!(read().heartbeat_at, first, "heartbeat moved on");
+    }
+}

@@ -1,0 +1,204 @@
+//! One writer per directory, and garbage collection of a phase's earlier generations
+//! (docs/dev/architecture.md, "Artifact lifecycle").
+
+use std::path::Path;
+use std::time::Duration;
+
+use flexinfer_contract::{env, files};
+use flexinfer_fsutil::{LockHolder, WriterLock};
+
+use crate::common::{Events, WorkerError};
+
+/// Heartbeat of a writer lock; a record older than [`STALE_AFTER`] without a live flock is stale.
+const HEARTBEAT: Duration = Duration::from_secs(20);
+const STALE_AFTER: Duration = Duration::from_secs(120);
+
+/// Takes the writer lock of `dir` (`<dir>.lock`) for this pod's Job (`FLEXINFER_WRITER_ID`, set by the
+/// controller from the pod's `controller-uid` label). Another live writer: exit 2 naming it.
+pub fn lock_output(dir: &Path, events: &Events) -> Result<WriterLock, WorkerError> {
+    let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+    let holder = LockHolder {
+        owner: var(env::WRITER_ID).unwrap_or_else(|| format!("pid-{}", std::process::id())),
+        pod: var(env::WRITER_POD).unwrap_or_default(),
+        ..Default::default()
+    };
+    match WriterLock::acquire(dir, holder, HEARTBEAT, STALE_AFTER) {
+        Ok(l) => {
+            events.log(&format!("holding the writer lock {}", l.path().display()));
+            Ok(l)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Err(WorkerError::BadInput(
+            format!("refusing to write: {e}. Another Job writes this directory; it must finish or be deleted first"),
+        )),
+        Err(e) => Err(WorkerError::Other(format!(
+            "cannot take the writer lock of {}: {e}",
+            dir.display()
+        ))),
+    }
+}
+
+/// The family of output directories `out_dir` belongs to: `gptq-…` or `abliterated…`.
+fn family(name: &str) -> Option<&'static str> {
+    if name.starts_with("gptq-") {
+        Some("gptq-")
+    } else if name.starts_with(flexinfer_contract::ABLITERATED_SUBDIR) {
+        Some(flexinfer_contract::ABLITERATED_SUBDIR)
+    } else {
+        None
+    }
+}
+
+/// After a successful run: removes the sibling generations of `out_dir` (same family, any quant type)
+/// that `FLEXINFER_KEEP_DIRS` does not name, with their staging directories and lock files; skips any
+/// that a live writer holds. Without `FLEXINFER_KEEP_DIRS` nothing is removed. Returns what was removed.
+pub fn collect_garbage(out_dir: &Path, keep: Option<&str>, events: &Events) -> Vec<String> {
+    let Some(keep) = keep else {
+        return Vec::new();
+    };
+    let keep: Vec<String> = keep
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .filter_map(|s| Path::new(s).file_name())
+        .map(|n| n.to_string_lossy().into_owned())
+        .collect();
+    let (Some(parent), Some(own)) = (out_dir.parent(), out_dir.file_name()) else {
+        return Vec::new();
+    };
+    let own = own.to_string_lossy().into_owned();
+    let Some(fam) = family(&own) else {
+        return Vec::new();
+    };
+    let Ok(rd) = std::fs::read_dir(parent) else {
+        return Vec::new();
+    };
+    let mut removed = Vec::new();
+    let mut targets = Vec::new();
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        // `<gen dir>`, `.<gen dir>.partial` (staging), `<gen dir>.lock`.
+        let target = name
+            .strip_prefix('.')
+            .and_then(|n| n.strip_suffix(files::STAGING_SUFFIX))
+            .or_else(|| name.strip_suffix(flexinfer_fsutil::LOCK_SUFFIX))
+            .unwrap_or(&name)
+            .to_string();
+        if !target.starts_with(fam) || target == own || keep.contains(&target) {
+            continue;
+        }
+        let gen_dir = parent.join(&target);
+        // A live writer (its flock held) keeps its directory.
+        let probe = LockHolder {
+            owner: "garbage-collection".into(),
+            ..Default::default()
+        };
+        let lock = match WriterLock::acquire(&gen_dir, probe, HEARTBEAT, STALE_AFTER) {
+            Ok(l) => l,
+            Err(_) => continue,
+        };
+        let p = e.path();
+        let res = match e.file_type() {
+            Ok(t) if t.is_dir() => std::fs::remove_dir_all(&p),
+            Ok(_) if p == lock.path() => Ok(()),
+            Ok(_) => std::fs::remove_file(&p),
+            Err(err) => Err(err),
+        };
+        drop(lock);
+        match res {
+            Ok(()) => {
+                if p != flexinfer_fsutil::lock_path(&gen_dir) {
+                    removed.push(name);
+                }
+                targets.push(gen_dir);
+            }
+            Err(err) => events.log(&format!(
+                "garbage collection: cannot remove {}: {err}",
+                p.display()
+            )),
+        }
+    }
+    // Lock files (including the probes') of generations that are gone.
+    for gen_dir in targets {
+        let lock = flexinfer_fsutil::lock_path(&gen_dir);
+        let staging = gen_dir.with_file_name(format!(
+            ".{}{}",
+            gen_dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            files::STAGING_SUFFIX
+        ));
+        if lock.is_file() && !gen_dir.exists() && !staging.exists() {
+            let _ = std::fs::remove_file(lock);
+        }
+    }
+    let _ = flexinfer_fsutil::fsync_dir(parent);
+    if !removed.is_empty() {
+        removed.sort();
+        events.emit(
+            flexinfer_contract::events::GENERATIONS_COLLECTED,
+            &serde_json::json!({"removed": removed, "kept": keep}),
+        );
+    }
+    removed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn garbage_collection_keeps_what_is_named_and_what_is_written() {
+        let d = tempfile::tempdir().expect("tmp");
+        let p = d.path();
+        for n in [
+            "gptq-w4-g128",
+            "gptq-w4-g128.aaaa-1",
+            "gptq-w4-g128.bbbb-2",
+            "gptq-w8-g128.cccc-3",
+            "gptq-w4-g128.dddd-4",
+            "abliterated.eeee-5",
+            ".gptq-w4-g128.ffff-6.partial",
+        ] {
+            std::fs::create_dir_all(p.join(n)).expect("mkdir");
+        }
+        std::fs::write(p.join("config.json"), "{}").expect("write");
+        let ev = Events::new("quantization");
+        // A live writer of one generation.
+        let live = WriterLock::acquire(
+            &p.join("gptq-w4-g128.bbbb-2"),
+            LockHolder {
+                owner: "other-job".into(),
+                ..Default::default()
+            },
+            HEARTBEAT,
+            STALE_AFTER,
+        )
+        .expect("lock");
+        let out = p.join("gptq-w4-g128.dddd-4");
+        // No keep list: nothing goes.
+        assert!(collect_garbage(&out, None, &ev).is_empty());
+        let removed = collect_garbage(
+            &out,
+            Some("m/gptq-w4-g128.aaaa-1,m/gptq-w4-g128.dddd-4"),
+            &ev,
+        );
+        let exists = |n: &str| p.join(n).exists();
+        assert!(exists("gptq-w4-g128.dddd-4"), "its own output");
+        assert!(exists("gptq-w4-g128.aaaa-1"), "named in the keep list");
+        assert!(exists("gptq-w4-g128.bbbb-2"), "held by a live writer");
+        assert!(exists("abliterated.eeee-5"), "another family");
+        assert!(exists("config.json"));
+        assert!(
+            !exists("gptq-w4-g128"),
+            "a legacy output not kept: {removed:?}"
+        );
+        assert!(!exists("gptq-w8-g128.cccc-3"), "an older quant type");
+        assert!(
+            !exists(".gptq-w4-g128.ffff-6.partial"),
+            "a stale staging dir"
+        );
+        assert!(!exists("gptq-w8-g128.cccc-3.lock") && !exists("gptq-w4-g128.ffff-6.lock"));
+        drop(live);
+    }
+}
