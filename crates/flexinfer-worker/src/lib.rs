@@ -4,6 +4,7 @@ pub mod abliterate;
 pub mod common;
 pub mod download;
 pub mod hf;
+pub mod http;
 pub mod oci;
 pub mod publish;
 pub mod quantize;
