@@ -44,33 +44,7 @@ pub fn weight_names(dir: &Path) -> Result<Vec<String>> {
     let index = dir.join(INDEX_FILE);
     if index.symlink_metadata().is_ok() {
         let v = read_json_within(dir, INDEX_FILE, limits::INDEX_JSON)?;
-        let map = v
-            .get("weight_map")
-            .and_then(|m| m.as_object())
-            .ok_or_else(|| QuantError::Json {
-                path: index.clone(),
-                message: "missing weight_map".into(),
-            })?;
-        let mut names = Vec::with_capacity(map.len());
-        for (tensor, file) in map {
-            let name = file.as_str().ok_or_else(|| QuantError::Json {
-                path: index.clone(),
-                message: format!("weight_map[{tensor:?}] is not a file name"),
-            })?;
-            flexinfer_fsutil::check_relative(Path::new(name)).map_err(|e| {
-                QuantError::Input(format!("{}: weight_map[{tensor:?}]: {e}", index.display()))
-            })?;
-            names.push(name.to_string());
-        }
-        names.sort();
-        names.dedup();
-        if names.is_empty() {
-            return Err(QuantError::Json {
-                path: index,
-                message: "weight_map names no file".into(),
-            });
-        }
-        return Ok(names);
+        return index_names(&index, &v);
     }
     let mut names = Vec::new();
     let rd = std::fs::read_dir(dir).map_err(|e| QuantError::io(dir, e))?;
@@ -88,6 +62,38 @@ pub fn weight_names(dir: &Path) -> Result<Vec<String>> {
             "no .safetensors weight files in {}",
             dir.display()
         )));
+    }
+    Ok(names)
+}
+
+/// The file names of a parsed `model.safetensors.index.json` (`path` names it in errors): sorted,
+/// deduplicated, each a plain relative name. Never panics, whatever the JSON.
+pub fn index_names(path: &Path, v: &serde_json::Value) -> Result<Vec<String>> {
+    let map = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| QuantError::Json {
+            path: path.to_path_buf(),
+            message: "missing weight_map".into(),
+        })?;
+    let mut names = Vec::with_capacity(map.len());
+    for (tensor, file) in map {
+        let name = file.as_str().ok_or_else(|| QuantError::Json {
+            path: path.to_path_buf(),
+            message: format!("weight_map[{tensor:?}] is not a file name"),
+        })?;
+        flexinfer_fsutil::check_relative(Path::new(name)).map_err(|e| {
+            QuantError::Input(format!("{}: weight_map[{tensor:?}]: {e}", path.display()))
+        })?;
+        names.push(name.to_string());
+    }
+    names.sort();
+    names.dedup();
+    if names.is_empty() {
+        return Err(QuantError::Json {
+            path: path.to_path_buf(),
+            message: "weight_map names no file".into(),
+        });
     }
     Ok(names)
 }
