@@ -8,6 +8,7 @@ use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
 
 use flexinfer_api::contract::{files, QualitySummary, SaveComplete};
+use flexinfer_fsutil::limits;
 use serde::Serialize;
 use serde_json::Value;
 
@@ -99,14 +100,25 @@ struct Gptq {
     v2: bool,
 }
 
-fn read_json(path: &Path) -> Result<Value, String> {
-    let bytes = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    serde_json::from_slice(&bytes).map_err(|e| format!("{} is not valid JSON: {e}", path.display()))
+/// `dir/name` parsed as JSON; the name stays inside `dir`, the file is regular and within `limit`.
+fn read_json(dir: &Path, name: &str, limit: flexinfer_fsutil::Limit) -> Result<Value, String> {
+    let bytes = read_file(dir, name, limit)?;
+    serde_json::from_slice(&bytes).map_err(|e| format!("{name} is not valid JSON: {e}"))
 }
 
-/// Parse one safetensors header, checking that offsets are in order and inside the file.
-fn read_header(path: &Path, shard: &str) -> Result<Vec<(String, TensorInfo)>, String> {
-    let mut f = File::open(path).map_err(|e| format!("{shard}: cannot open: {e}"))?;
+fn read_file(dir: &Path, name: &str, limit: flexinfer_fsutil::Limit) -> Result<Vec<u8>, String> {
+    flexinfer_fsutil::read_within(dir, name, limit).map_err(|e| format!("cannot read {name}: {e}"))
+}
+
+fn open_shard(dir: &Path, shard: &str) -> Result<File, String> {
+    flexinfer_fsutil::open_regular_within(dir, shard)
+        .map_err(|e| format!("{shard}: cannot open: {e}"))
+}
+
+/// Parse one safetensors header, checking that offsets are in order and inside the file (all
+/// arithmetic on the header's numbers is checked).
+fn read_header(dir: &Path, shard: &str) -> Result<Vec<(String, TensorInfo)>, String> {
+    let mut f = open_shard(dir, shard)?;
     let file_len = f
         .metadata()
         .map_err(|e| format!("{shard}: cannot stat: {e}"))?
@@ -115,7 +127,7 @@ fn read_header(path: &Path, shard: &str) -> Result<Vec<(String, TensorInfo)>, St
     f.read_exact(&mut len)
         .map_err(|_| format!("{shard}: shorter than the 8-byte safetensors header length"))?;
     let n = u64::from_le_bytes(len);
-    if n > 100 * 1024 * 1024 || 8 + n > file_len {
+    if n > limits::SAFETENSORS_HEADER.bytes || n.saturating_add(8) > file_len {
         return Err(format!(
             "{shard}: header length {n} is larger than the file ({file_len} bytes)"
         ));
@@ -157,16 +169,31 @@ fn read_header(path: &Path, shard: &str) -> Result<Vec<(String, TensorInfo)>, St
             _ => return Err(format!("{shard}: tensor {name} has bad data_offsets")),
         };
         let elem = dtype_size(&dtype);
-        let numel: u64 = shape.iter().product();
-        if let Some(sz) = elem {
-            if numel * sz != e - s {
+        let bytes = elem.and_then(|sz| {
+            shape
+                .iter()
+                .try_fold(1u64, |a, &d| a.checked_mul(d))
+                .and_then(|n| n.checked_mul(sz))
+        });
+        match (elem, bytes) {
+            (Some(_), None) => {
                 return Err(format!(
-                    "{shard}: tensor {name} {dtype} {shape:?} needs {} bytes but data_offsets span {}",
-                    numel * sz,
+                    "{shard}: tensor {name} {dtype} {shape:?} overflows a 64-bit size"
+                ))
+            }
+            (Some(_), Some(b)) if b != e - s => {
+                return Err(format!(
+                    "{shard}: tensor {name} {dtype} {shape:?} needs {b} bytes but data_offsets span {}",
                     e - s
                 ));
             }
+            _ => {}
         }
+        let (Some(start), Some(end)) = (base.checked_add(s), base.checked_add(e)) else {
+            return Err(format!(
+                "{shard}: tensor {name} has data_offsets past the file"
+            ));
+        };
         data_end = data_end.max(e);
         out.push((
             name,
@@ -174,15 +201,15 @@ fn read_header(path: &Path, shard: &str) -> Result<Vec<(String, TensorInfo)>, St
                 shard: shard.to_string(),
                 dtype,
                 shape,
-                start: base + s,
-                end: base + e,
+                start,
+                end,
             },
         ));
     }
-    if base + data_end > file_len {
+    let total = base.saturating_add(data_end);
+    if total > file_len {
         return Err(format!(
-            "{shard}: truncated: tensor data ends at byte {} but the file has {file_len} bytes",
-            base + data_end
+            "{shard}: truncated: tensor data ends at byte {total} but the file has {file_len} bytes"
         ));
     }
     Ok(out)
@@ -199,10 +226,12 @@ fn dtype_size(d: &str) -> Option<u64> {
 }
 
 fn read_bytes(dir: &Path, t: &TensorInfo) -> Result<Vec<u8>, String> {
-    let mut f = File::open(dir.join(&t.shard)).map_err(|e| format!("{}: {e}", t.shard))?;
+    let mut f = open_shard(dir, &t.shard)?;
     f.seek(SeekFrom::Start(t.start))
         .map_err(|e| format!("{}: {e}", t.shard))?;
-    let mut buf = vec![0u8; (t.end - t.start) as usize];
+    let len = usize::try_from(t.end.saturating_sub(t.start))
+        .map_err(|_| format!("{}: tensor too large for this machine", t.shard))?;
+    let mut buf = vec![0u8; len];
     f.read_exact(&mut buf)
         .map_err(|e| format!("{}: {e}", t.shard))?;
     Ok(buf)
@@ -348,7 +377,7 @@ pub fn validate_vllm_gptq(dir: &Path, opts: &Options) -> Report {
     };
 
     // --- config.json and quantize_config.json
-    let cfg = match read_json(&dir.join("config.json")) {
+    let cfg = match read_json(dir, "config.json", limits::CONFIG_JSON) {
         Ok(v) => Some(v),
         Err(e) => {
             r.defect("config", e);
@@ -379,31 +408,36 @@ pub fn validate_vllm_gptq(dir: &Path, opts: &Options) -> Report {
             }
         }
     }
-    let save_complete: Option<SaveComplete> = match std::fs::read(dir.join(files::SAVE_COMPLETE)) {
-        Ok(b) => match serde_json::from_slice(&b) {
-            Ok(s) => Some(s),
-            Err(e) => {
+    let save_complete: Option<SaveComplete> =
+        match read_file(dir, files::SAVE_COMPLETE, limits::CONFIG_JSON) {
+            Ok(b) => match serde_json::from_slice(&b) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    r.defect(
+                        "save-complete",
+                        format!("{} is not valid: {e}", files::SAVE_COMPLETE),
+                    );
+                    None
+                }
+            },
+            Err(_) if dir.join(files::SAVE_COMPLETE).symlink_metadata().is_err() => {
                 r.defect(
                     "save-complete",
-                    format!("{} is not valid: {e}", files::SAVE_COMPLETE),
+                    format!(
+                        "{} is missing: the save did not complete (or predates the marker)",
+                        files::SAVE_COMPLETE
+                    ),
                 );
                 None
             }
-        },
-        Err(_) => {
-            r.defect(
-                "save-complete",
-                format!(
-                    "{} is missing: the save did not complete (or predates the marker)",
-                    files::SAVE_COMPLETE
-                ),
-            );
-            None
-        }
-    };
+            Err(e) => {
+                r.defect("save-complete", e);
+                None
+            }
+        };
     let qcfg_path = dir.join("quantize_config.json");
-    if qcfg_path.exists() {
-        match read_json(&qcfg_path) {
+    if qcfg_path.symlink_metadata().is_ok() {
+        match read_json(dir, "quantize_config.json", limits::CONFIG_JSON) {
             Ok(q) => {
                 if let Some(main) = cfg.as_ref().and_then(|c| c.get("quantization_config")) {
                     for k in [
@@ -468,7 +502,7 @@ pub fn validate_vllm_gptq(dir: &Path, opts: &Options) -> Report {
     r.shards = shard_files.len();
     let mut tensors: BTreeMap<String, TensorInfo> = BTreeMap::new();
     for s in &shard_files {
-        match read_header(&dir.join(s), s) {
+        match read_header(dir, s) {
             Ok(list) => {
                 for (name, t) in list {
                     if let Some(prev) = tensors.get(&name) {
@@ -485,8 +519,8 @@ pub fn validate_vllm_gptq(dir: &Path, opts: &Options) -> Report {
     }
     r.tensors = tensors.len();
     let index_path = dir.join("model.safetensors.index.json");
-    if index_path.exists() {
-        match read_json(&index_path) {
+    if index_path.symlink_metadata().is_ok() {
+        match read_json(dir, "model.safetensors.index.json", limits::INDEX_JSON) {
             Ok(idx) => match idx.get("weight_map").and_then(Value::as_object) {
                 Some(map) => {
                     for (name, t) in &tensors {
@@ -561,7 +595,20 @@ pub fn validate_vllm_gptq(dir: &Path, opts: &Options) -> Report {
                 );
                 continue;
             }
-            let path = dir.join(&s.name);
+            let path = match flexinfer_fsutil::resolve_within(dir, &s.name) {
+                Ok(p) => p,
+                Err(e) if flexinfer_fsutil::is_refused(&e) => {
+                    r.defect("save-complete", format!("shard {}: {e}", s.name));
+                    continue;
+                }
+                Err(_) => {
+                    r.defect(
+                        "save-complete",
+                        format!("shard {} is recorded but missing", s.name),
+                    );
+                    continue;
+                }
+            };
             match std::fs::metadata(&path) {
                 Err(_) => r.defect(
                     "save-complete",
@@ -607,7 +654,15 @@ pub fn validate_vllm_gptq(dir: &Path, opts: &Options) -> Report {
     }
 
     // --- quality sidecar
-    match std::fs::read(dir.join(files::QUANTIZATION_QUALITY)) {
+    match read_file(dir, files::QUANTIZATION_QUALITY, limits::CONFIG_JSON) {
+        Err(e)
+            if dir
+                .join(files::QUANTIZATION_QUALITY)
+                .symlink_metadata()
+                .is_ok() =>
+        {
+            r.defect("quality", e)
+        }
         Err(_) => r.defect(
             "quality",
             format!("{} is missing", files::QUANTIZATION_QUALITY),

@@ -540,3 +540,62 @@ fn json_report_shape() {
     assert_eq!(v["defects"][0]["check"], "quality");
     assert_eq!(v["quantizedLinears"], 14);
 }
+
+#[test]
+fn files_escaping_the_artifact_are_defects_naming_them() {
+    let outside = tempfile::tempdir().unwrap();
+    std::fs::write(outside.path().join("config.json"), b"{}").unwrap();
+    // A shard and config.json that are symlinks out of the directory: neither is read.
+    let r = run(&good(), |d| {
+        let shard = d.join("model-00002-of-00002.safetensors");
+        let real = outside.path().join("shard.safetensors");
+        std::fs::rename(&shard, &real).unwrap();
+        std::os::unix::fs::symlink(&real, &shard).unwrap();
+        std::fs::remove_file(d.join("config.json")).unwrap();
+        std::os::unix::fs::symlink(outside.path().join("config.json"), d.join("config.json"))
+            .unwrap();
+    });
+    expect_defect(&r, "shards", "model-00002-of-00002.safetensors");
+    expect_defect(&r, "shards", "outside");
+    expect_defect(&r, "config", "config.json");
+    expect_defect(&r, "save-complete", "outside");
+    assert!(!r.ok);
+}
+
+#[test]
+fn a_fifo_shard_is_a_defect_not_a_hang() {
+    let r = run(&good(), |d| {
+        let shard = d.join("model-00001-of-00002.safetensors");
+        std::fs::remove_file(&shard).unwrap();
+        let c = std::ffi::CString::new(shard.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc_mkfifo(c.as_ptr(), 0o644) }, 0);
+    });
+    expect_defect(&r, "shards", "not a regular file (a FIFO)");
+}
+
+extern "C" {
+    #[link_name = "mkfifo"]
+    fn libc_mkfifo(path: *const std::ffi::c_char, mode: u32) -> i32;
+}
+
+#[test]
+fn overflowing_shapes_and_offsets_are_defects() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, header) in [
+        (
+            "shape.safetensors",
+            r#"{"t":{"dtype":"F32","shape":[4294967296,4294967296,16],"data_offsets":[0,0]}}"#,
+        ),
+        (
+            "offsets.safetensors",
+            r#"{"t":{"dtype":"U8","shape":[1],"data_offsets":[18446744073709551614,18446744073709551615]}}"#,
+        ),
+    ] {
+        let mut b = (header.len() as u64).to_le_bytes().to_vec();
+        b.extend_from_slice(header.as_bytes());
+        std::fs::write(dir.path().join(name), b).unwrap();
+        let e = read_header(dir.path(), name).unwrap_err();
+        assert!(e.contains(name), "{e}");
+    }
+}

@@ -97,12 +97,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
             .clone()
             .or_else(|| args.watch_namespace.clone())
             .unwrap_or_else(|| "flexinfer-system".into());
-        let cfg = LeaseConfig {
+        let cfg = LeaseConfig::new(
             namespace,
-            name: args.lease_name.clone(),
+            args.lease_name.clone(),
             identity,
-            duration: Duration::from_secs(args.lease_duration_seconds.max(1)),
-        };
+            Duration::from_secs(args.lease_duration_seconds.max(1)),
+        );
         Some(Leadership::acquire(client.clone(), cfg).await?)
     } else {
         None
@@ -129,6 +129,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         Some(l) => {
             tokio::select! {
                 r = controllers => { l.release().await; r?; }
+                // Lost, or not renewed within the renew deadline: stop reconciling at once.
                 _ = l.keep() => { anyhow::bail!("leadership lost; exiting so a fresh process re-elects"); }
             }
         }

@@ -202,3 +202,54 @@ fn snapshot_invariants() {
     );
     assert!(amd.contains("key: dedicated"));
 }
+
+/// Each phase gets only the secrets it uses: the hub token goes to the download alone (the only
+/// phase that talks to the hub); registry credentials go to the publish and to the download of an
+/// `oci://` source.
+#[test]
+fn secrets_go_only_to_the_phases_that_use_them() {
+    use k8s_openapi::api::batch::v1::Job;
+    let secret_envs = |job: &Job| -> Vec<String> {
+        let spec = job.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+        spec.containers[0]
+            .env
+            .iter()
+            .flatten()
+            .filter(|e| {
+                e.value_from
+                    .as_ref()
+                    .is_some_and(|v| v.secret_key_ref.is_some())
+            })
+            .map(|e| e.name.clone())
+            .collect()
+    };
+    let jobs_of = |mc: &ModelCache| -> Vec<(String, Vec<String>)> {
+        let c = config();
+        let profiles = profiles();
+        jobs::enabled_phases(mc)
+            .into_iter()
+            .map(|phase| {
+                let t = jobs::resolve_target(mc, phase, &profiles, &c);
+                let image = t.image.clone().expect("image resolves");
+                let hash = jobs::spec_hash(mc, phase, &image);
+                let job = jobs::build_job(mc, &Default::default(), &[], &t, &image, &hash, &c);
+                (phase.as_str().to_string(), secret_envs(&job))
+            })
+            .collect()
+    };
+    for (phase, envs) in jobs_of(&cache("s", None, false)) {
+        let want: &[&str] = match phase.as_str() {
+            "download" => &["HF_TOKEN"],
+            "publish" => &["OCI_USERNAME", "OCI_PASSWORD"],
+            _ => &[],
+        };
+        assert_eq!(envs, want, "{phase}");
+    }
+    let mut oci = cache("o", None, false);
+    oci.spec.source = "oci://registry.example.com/models/base:v1".into();
+    let download = jobs_of(&oci)
+        .into_iter()
+        .find(|(p, _)| p == "download")
+        .unwrap();
+    assert_eq!(download.1, ["HF_TOKEN", "OCI_USERNAME", "OCI_PASSWORD"]);
+}

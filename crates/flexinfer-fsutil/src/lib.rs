@@ -1,5 +1,9 @@
 //! File helpers shared by the engine, the worker and the CLI. Each returns `std::io::Result`; the
 //! callers put the path into their own error type.
+//!
+//! Untrusted files (docs/dev/architecture.md §8): every name taken from a downloaded file goes
+//! through [`open_regular_within`] (or [`read_within`]), and every file read whole goes through a
+//! [`Limit`].
 
 mod lock;
 mod replace;
@@ -10,6 +14,13 @@ pub use replace::{fsync_dir, replace_dir};
 use sha2::{Digest, Sha256};
 use std::io::{Read, Write};
 use std::path::Path;
+
+mod untrusted;
+pub use untrusted::{
+    check_relative, is_refused, limits, open_regular, open_regular_within, read_limited,
+    read_line_limited, read_regular, read_string_within, read_within, resolve_within, Limit,
+    Refused,
+};
 
 /// sha256 (lower-case hex) of a whole file. Blocking.
 pub fn sha256_file(path: &Path) -> std::io::Result<String> {

@@ -1,8 +1,9 @@
 //! Calibration data: a local JSONL, JSONL.zst, parquet or plain-text file, tokenized with the model's `tokenizer.json`.
 
 use crate::error::{QuantError, Result};
+use flexinfer_fsutil::limits;
 use serde_json::Value;
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader};
 use std::path::Path;
 
 /// Calibration settings (`MAX_SAMPLES`, `MAX_SEQ_LEN`).
@@ -16,7 +17,7 @@ pub struct CalibSettings {
 const TEXT_FIELDS: [&str; 4] = ["text", "content", "prompt", "document"];
 
 fn open_reader(path: &Path) -> Result<Box<dyn BufRead>> {
-    let file = std::fs::File::open(path).map_err(|e| {
+    let file = flexinfer_fsutil::open_regular(path).map_err(|e| {
         QuantError::Input(format!(
             "calibration dataset {} cannot be opened: {e}",
             path.display()
@@ -70,7 +71,8 @@ pub fn read_parquet_records(path: &Path, max_rows: usize) -> Result<Vec<Value>> 
             path.display()
         ))
     };
-    let file = std::fs::File::open(path).map_err(|e| QuantError::io(path, e))?;
+    let file =
+        flexinfer_fsutil::open_regular(path).map_err(|e| crate::fsutil::untrusted_err(path, e))?;
     let reader = SerializedFileReader::new(file).map_err(|e| bad(&e))?;
     let rows = reader.get_row_iter(None).map_err(|e| bad(&e))?;
     let mut out = Vec::new();
@@ -102,13 +104,23 @@ pub fn read_texts(path: &Path, max_texts: usize) -> Result<Vec<String>> {
         }
         return Ok(texts);
     }
-    let reader = open_reader(path)?;
+    let mut reader = open_reader(path)?;
     let mut texts = Vec::new();
     if name.contains(".jsonl") || name.contains(".json") {
-        for (i, line) in reader.lines().enumerate() {
-            let line = line.map_err(|e| {
-                QuantError::Input(format!("calibration dataset {}: {e}", path.display()))
-            })?;
+        let shown = format!("calibration dataset {}", path.display());
+        let mut line = String::new();
+        for i in 0usize.. {
+            let n = flexinfer_fsutil::read_line_limited(
+                &mut reader,
+                &mut line,
+                limits::JSON_LINE,
+                &shown,
+                i.saturating_add(1),
+            )
+            .map_err(|e| QuantError::Input(format!("{shown}: {e}")))?;
+            if n == 0 {
+                break;
+            }
             if line.trim().is_empty() {
                 continue;
             }
@@ -129,9 +141,17 @@ pub fn read_texts(path: &Path, max_texts: usize) -> Result<Vec<String>> {
             }
         }
     } else {
-        let mut all = String::new();
-        reader.take(1 << 30).read_to_string(&mut all).map_err(|e| {
-            QuantError::Input(format!("calibration dataset {}: {e}", path.display()))
+        let all = flexinfer_fsutil::read_limited(
+            reader,
+            limits::DATASET,
+            &format!("calibration dataset {}", path.display()),
+        )
+        .map_err(|e| QuantError::Input(e.to_string()))?;
+        let all = String::from_utf8(all).map_err(|_| {
+            QuantError::Input(format!(
+                "calibration dataset {} is not UTF-8 text",
+                path.display()
+            ))
         })?;
         for doc in all.split("\n\n") {
             if !doc.trim().is_empty() {
@@ -153,13 +173,14 @@ pub use tokenizers::pipeline::PipelineTokenizer as Tokenizer;
 /// canonicalising converter first).
 pub fn load_tokenizer(model_dir: &Path) -> Result<Tokenizer> {
     let tok_path = model_dir.join("tokenizer.json");
-    if !tok_path.exists() {
+    if tok_path.symlink_metadata().is_err() {
         return Err(QuantError::Input(format!(
             "tokenizer.json not found in model directory {}",
             model_dir.display()
         )));
     }
-    let text = std::fs::read_to_string(&tok_path).map_err(|e| QuantError::io(&tok_path, e))?;
+    let text = flexinfer_fsutil::read_string_within(model_dir, "tokenizer.json", limits::TOKENIZER)
+        .map_err(|e| crate::fsutil::untrusted_err(&tok_path, e))?;
     match tokenizers::from_json(&text) {
         Ok(t) => Ok(t),
         Err(first) => {

@@ -23,10 +23,47 @@ pub fn sha256_file(path: &Path) -> Result<String> {
     flexinfer_fsutil::sha256_file(path).map_err(|e| QuantError::io(path, e))
 }
 
+/// A JSON file the engine wrote itself (a marker), read whole within
+/// [`limits::CONFIG_JSON`](flexinfer_fsutil::limits::CONFIG_JSON).
 pub fn read_json(path: &Path) -> Result<serde_json::Value> {
-    let text = std::fs::read_to_string(path).map_err(|e| QuantError::io(path, e))?;
-    serde_json::from_str(&text).map_err(|e| QuantError::Json {
+    let bytes = flexinfer_fsutil::read_regular(path, flexinfer_fsutil::limits::CONFIG_JSON)
+        .map_err(|e| untrusted_err(path, e))?;
+    parse_json(path, &bytes)
+}
+
+/// `dir/rel` (a name from a downloaded model) parsed as JSON, after the containment, regular-file
+/// and size checks of [`flexinfer_fsutil::read_within`].
+pub fn read_json_within(
+    dir: &Path,
+    rel: &str,
+    limit: flexinfer_fsutil::Limit,
+) -> Result<serde_json::Value> {
+    let path = dir.join(rel);
+    let bytes =
+        flexinfer_fsutil::read_within(dir, rel, limit).map_err(|e| untrusted_err(&path, e))?;
+    parse_json(&path, &bytes)
+}
+
+/// `dir/rel` (a name from a downloaded model, copied as-is) whole, checked like
+/// [`read_json_within`], within [`limits::TOKENIZER`](flexinfer_fsutil::limits::TOKENIZER).
+pub fn read_within(dir: &Path, rel: &str) -> Result<Vec<u8>> {
+    flexinfer_fsutil::read_within(dir, rel, flexinfer_fsutil::limits::TOKENIZER)
+        .map_err(|e| untrusted_err(&dir.join(rel), e))
+}
+
+fn parse_json(path: &Path, bytes: &[u8]) -> Result<serde_json::Value> {
+    serde_json::from_slice(bytes).map_err(|e| QuantError::Json {
         path: path.to_path_buf(),
         message: e.to_string(),
     })
+}
+
+/// An error of the untrusted-file helpers: a refused file (escape, not regular, too large) is bad
+/// input (exit 2) and names the file; anything else is an I/O error on `path`.
+pub fn untrusted_err(path: &Path, e: std::io::Error) -> QuantError {
+    if flexinfer_fsutil::is_refused(&e) {
+        QuantError::Input(e.to_string())
+    } else {
+        QuantError::io(path, e)
+    }
 }

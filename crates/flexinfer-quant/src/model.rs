@@ -69,17 +69,17 @@ fn get_f32(v: &Value, key: &str, default: f32) -> f32 {
 impl ModelConfig {
     pub fn load(model_dir: &Path) -> Result<Self> {
         let path = model_dir.join("config.json");
-        if !path.exists() {
+        if path.symlink_metadata().is_err() {
             return Err(QuantError::Input(format!(
                 "config.json not found in model directory {}",
                 model_dir.display()
             )));
         }
-        let text = std::fs::read_to_string(&path).map_err(|e| QuantError::io(&path, e))?;
-        let raw: Value = serde_json::from_str(&text).map_err(|e| QuantError::Json {
-            path: path.clone(),
-            message: e.to_string(),
-        })?;
+        let raw = crate::fsutil::read_json_within(
+            model_dir,
+            "config.json",
+            flexinfer_fsutil::limits::CONFIG_JSON,
+        )?;
         Self::from_json(raw)
     }
 

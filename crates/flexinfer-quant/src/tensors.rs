@@ -1,6 +1,8 @@
 //! Memory-mapped safetensors reading (single file or sharded with an index).
 
 use crate::error::{QuantError, Result};
+use crate::fsutil::{read_json_within, untrusted_err};
+use flexinfer_fsutil::limits;
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 use std::collections::{BTreeMap, HashMap};
@@ -32,85 +34,124 @@ fn st_err(path: &Path, e: impl std::fmt::Display) -> QuantError {
     }
 }
 
-/// The `.safetensors` files of a model directory: those named by the index, else every one in the directory.
-pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
-    let index = dir.join("model.safetensors.index.json");
-    if index.exists() {
-        let text = std::fs::read_to_string(&index).map_err(|e| QuantError::io(&index, e))?;
-        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| QuantError::Json {
-            path: index.clone(),
-            message: e.to_string(),
-        })?;
-        let map = v
-            .get("weight_map")
-            .and_then(|m| m.as_object())
-            .ok_or_else(|| QuantError::Json {
-                path: index.clone(),
-                message: "missing weight_map".into(),
-            })?;
-        let mut names: Vec<String> = map
-            .values()
-            .filter_map(|f| f.as_str().map(str::to_string))
-            .collect();
-        names.sort();
-        names.dedup();
-        return Ok(names.into_iter().map(|n| dir.join(n)).collect());
+/// The name of the sharded-checkpoint index.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// The `.safetensors` files of a model directory, relative to it: those named by the index, else
+/// every one in the directory. Names from the index are checked ([`flexinfer_fsutil::check_relative`]);
+/// that each stays inside `dir` and is a regular file is checked when it is opened.
+pub fn weight_names(dir: &Path) -> Result<Vec<String>> {
+    let index = dir.join(INDEX_FILE);
+    if index.symlink_metadata().is_ok() {
+        let v = read_json_within(dir, INDEX_FILE, limits::INDEX_JSON)?;
+        return index_names(&index, &v);
     }
-    let mut files = Vec::new();
+    let mut names = Vec::new();
     let rd = std::fs::read_dir(dir).map_err(|e| QuantError::io(dir, e))?;
     for entry in rd {
         let entry = entry.map_err(|e| QuantError::io(dir, e))?;
-        let p = entry.path();
-        if p.extension().and_then(|e| e.to_str()) == Some("safetensors") {
-            files.push(p);
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if Path::new(name).extension().and_then(|e| e.to_str()) == Some("safetensors") {
+            names.push(name.to_string());
         }
     }
-    files.sort();
-    if files.is_empty() {
+    names.sort();
+    if names.is_empty() {
         return Err(QuantError::Input(format!(
             "no .safetensors weight files in {}",
             dir.display()
         )));
     }
-    Ok(files)
+    Ok(names)
+}
+
+/// The file names of a parsed `model.safetensors.index.json` (`path` names it in errors): sorted,
+/// deduplicated, each a plain relative name. Never panics, whatever the JSON.
+pub fn index_names(path: &Path, v: &serde_json::Value) -> Result<Vec<String>> {
+    let map = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| QuantError::Json {
+            path: path.to_path_buf(),
+            message: "missing weight_map".into(),
+        })?;
+    let mut names = Vec::with_capacity(map.len());
+    for (tensor, file) in map {
+        let name = file.as_str().ok_or_else(|| QuantError::Json {
+            path: path.to_path_buf(),
+            message: format!("weight_map[{tensor:?}] is not a file name"),
+        })?;
+        flexinfer_fsutil::check_relative(Path::new(name)).map_err(|e| {
+            QuantError::Input(format!("{}: weight_map[{tensor:?}]: {e}", path.display()))
+        })?;
+        names.push(name.to_string());
+    }
+    names.sort();
+    names.dedup();
+    if names.is_empty() {
+        return Err(QuantError::Json {
+            path: path.to_path_buf(),
+            message: "weight_map names no file".into(),
+        });
+    }
+    Ok(names)
+}
+
+/// [`weight_names`] as paths under `dir`, each checked to stay inside it and to be a regular file.
+pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    weight_names(dir)?
+        .into_iter()
+        .map(|n| {
+            let p = dir.join(&n);
+            flexinfer_fsutil::resolve_within(dir, &n).map_err(|e| untrusted_err(&p, e))?;
+            Ok(p)
+        })
+        .collect()
 }
 
 impl TensorStore {
+    /// The weight files of a model directory ([`weight_names`]), each opened with
+    /// [`flexinfer_fsutil::open_regular_within`]: no name escapes `dir`, only regular files are mapped.
     pub fn open_dir(dir: &Path) -> Result<Self> {
-        Self::open_files(weight_files(dir)?)
+        let mut opened = Vec::new();
+        for n in weight_names(dir)? {
+            let p = dir.join(&n);
+            let file =
+                flexinfer_fsutil::open_regular_within(dir, &n).map_err(|e| untrusted_err(&p, e))?;
+            opened.push((p, file));
+        }
+        Self::map_files(opened)
     }
 
+    /// Files the caller chose (the engine's own layer cache); each must be a regular file.
     pub fn open_files(files: Vec<PathBuf>) -> Result<Self> {
-        let mut maps = Vec::with_capacity(files.len());
+        let mut opened = Vec::with_capacity(files.len());
+        for p in files {
+            let file = flexinfer_fsutil::open_regular(&p).map_err(|e| untrusted_err(&p, e))?;
+            opened.push((p, file));
+        }
+        Self::map_files(opened)
+    }
+
+    fn map_files(opened: Vec<(PathBuf, File)>) -> Result<Self> {
+        let mut files = Vec::with_capacity(opened.len());
+        let mut maps = Vec::with_capacity(opened.len());
         let mut entries = BTreeMap::new();
-        for (fi, path) in files.iter().enumerate() {
-            let file = File::open(path).map_err(|e| QuantError::io(path, e))?;
+        for (fi, (path, file)) in opened.into_iter().enumerate() {
             // SAFETY: the model files are not modified while we run; a truncation would be caught by the length
             // checks below for the header, and the pipeline never writes into MODEL_DIR's weight files.
-            let map = unsafe { Mmap::map(&file) }.map_err(|e| QuantError::io(path, e))?;
-            let (n, meta) = SafeTensors::read_metadata(&map).map_err(|e| {
-                st_err(
-                    path,
-                    format!("{e:?} (the file may be truncated or not a safetensors file)"),
-                )
-            })?;
-            let base = 8 + n;
-            for (name, info) in meta.tensors() {
-                let entry = TensorEntry {
-                    file: fi,
-                    dtype: info.dtype,
-                    shape: info.shape.clone(),
-                    start: base + info.data_offsets.0,
-                    end: base + info.data_offsets.1,
-                };
+            let map = unsafe { Mmap::map(&file) }.map_err(|e| QuantError::io(&path, e))?;
+            for (name, entry) in parse_header(&map, fi).map_err(|m| st_err(&path, m))? {
                 if entries.insert(name.clone(), entry).is_some() {
                     return Err(st_err(
-                        path,
+                        &path,
                         format!("tensor {name} appears in more than one file"),
                     ));
                 }
             }
             maps.push(map);
+            files.push(path);
         }
         Ok(TensorStore {
             files,
@@ -131,7 +172,10 @@ impl TensorStore {
 
     pub fn raw(&self, name: &str) -> Result<&[u8]> {
         let e = self.entry(name)?;
-        Ok(&self.maps[e.file][e.start..e.end])
+        self.maps
+            .get(e.file)
+            .and_then(|m| m.get(e.start..e.end))
+            .ok_or_else(|| QuantError::Input(format!("tensor {name} lies outside its file")))
     }
 
     /// The tensor converted to f32 (BF16, F16, F32 sources); non-finite values are rejected.
@@ -164,11 +208,13 @@ impl TensorStore {
             )));
         }
         let raw = self.raw(name)?;
-        let bytes = raw
-            .get(row * width * size..(row + 1) * width * size)
-            .ok_or_else(|| QuantError::Input(format!("tensor {name} is truncated")))?;
+        let truncated = || QuantError::Input(format!("tensor {name} is truncated"));
+        let row_bytes = width.checked_mul(size).ok_or_else(truncated)?;
+        let start = row.checked_mul(row_bytes).ok_or_else(truncated)?;
+        let end = start.checked_add(row_bytes).ok_or_else(truncated)?;
+        let bytes = raw.get(start..end).ok_or_else(truncated)?;
         let out = convert_f32(name, e.dtype, bytes)?;
-        check_finite(name, &out, row * width)?;
+        check_finite(name, &out, row.saturating_mul(width))?;
         Ok(out)
     }
 
@@ -206,11 +252,63 @@ impl TensorStore {
 
     /// Safetensors metadata map of a file (string → string), if any.
     pub fn file_metadata(&self, file: usize) -> HashMap<String, String> {
-        SafeTensors::read_metadata(&self.maps[file])
-            .ok()
+        self.maps
+            .get(file)
+            .and_then(|m| SafeTensors::read_metadata(m).ok())
             .and_then(|(_, m)| m.metadata().clone())
             .unwrap_or_default()
     }
+}
+
+/// The tensors of one safetensors file (`bytes` is the whole file, `file` its index in the store):
+/// the header length and JSON are bounded and validated by the safetensors crate (offsets
+/// contiguous, `shape × dtype size` equal to the byte span, data inside the file), and every
+/// absolute offset is computed with checked arithmetic. Never panics, whatever the bytes.
+pub fn parse_header(
+    bytes: &[u8],
+    file: usize,
+) -> std::result::Result<Vec<(String, TensorEntry)>, String> {
+    let (n, meta) = SafeTensors::read_metadata(bytes)
+        .map_err(|e| format!("{e:?} (the file may be truncated or not a safetensors file)"))?;
+    let base = n
+        .checked_add(8)
+        .ok_or_else(|| format!("header length {n} overflows"))?;
+    let mut out = Vec::new();
+    for (name, info) in meta.tensors() {
+        let (s, e) = info.data_offsets;
+        let bad = || format!("tensor {name}: data_offsets {s}..{e} lie outside the file");
+        let start = base.checked_add(s).ok_or_else(bad)?;
+        let end = base.checked_add(e).ok_or_else(bad)?;
+        if start > end || end > bytes.len() {
+            return Err(bad());
+        }
+        let numel = info
+            .shape
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .and_then(|n| n.checked_mul(info.dtype.bitsize()))
+            .map(|bits| bits.div_ceil(8))
+            .ok_or_else(|| format!("tensor {name}: shape {:?} overflows", info.shape))?;
+        if numel != end - start {
+            return Err(format!(
+                "tensor {name}: shape {:?} × {:?} needs {numel} bytes, data_offsets span {}",
+                info.shape,
+                info.dtype,
+                end - start
+            ));
+        }
+        out.push((
+            name.clone(),
+            TensorEntry {
+                file,
+                dtype: info.dtype,
+                shape: info.shape.clone(),
+                start,
+                end,
+            },
+        ));
+    }
+    Ok(out)
 }
 
 /// Element size in bytes of the dtypes we write.
@@ -249,5 +347,92 @@ fn check_finite(name: &str, values: &[f32], offset: usize) -> Result<()> {
             offset + pos
         ))),
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shard(path: &Path, name: &str) {
+        let data = vec![0u8; 8];
+        let view = safetensors::tensor::TensorView::new(Dtype::F32, vec![2], &data).expect("view");
+        safetensors::serialize_to_file([(name, view)], None, path).expect("write");
+    }
+
+    fn index(dir: &Path, files: &[(&str, &str)]) {
+        let map: serde_json::Map<String, serde_json::Value> = files
+            .iter()
+            .map(|(t, f)| (t.to_string(), serde_json::Value::from(*f)))
+            .collect();
+        let v = serde_json::json!({ "metadata": {}, "weight_map": map });
+        std::fs::write(dir.join(INDEX_FILE), v.to_string()).expect("index");
+    }
+
+    #[test]
+    fn index_names_must_stay_inside_the_model_directory() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let model = root.path().join("model");
+        std::fs::create_dir_all(&model).expect("mkdir");
+        shard(&root.path().join("outside.safetensors"), "b");
+        shard(&model.join("a.safetensors"), "a");
+        index(&model, &[("a", "a.safetensors")]);
+        assert!(TensorStore::open_dir(&model).is_ok());
+
+        let abs = root.path().join("outside.safetensors");
+        let abs = abs.to_str().expect("utf-8");
+        std::os::unix::fs::symlink(
+            root.path().join("outside.safetensors"),
+            model.join("link.safetensors"),
+        )
+        .expect("symlink");
+        for bad in ["../outside.safetensors", abs, "link.safetensors"] {
+            index(&model, &[("a", "a.safetensors"), ("b", bad)]);
+            let e = TensorStore::open_dir(&model).err().expect(bad);
+            assert!(e.is_bad_input(), "{bad}: {e}");
+            let name = Path::new(bad)
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or(bad);
+            assert!(e.to_string().contains(name), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_fifo_or_a_symlink_out_is_not_mapped_without_an_index() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let model = root.path().join("model");
+        std::fs::create_dir_all(&model).expect("mkdir");
+        shard(&root.path().join("outside.safetensors"), "b");
+        std::os::unix::fs::symlink(
+            root.path().join("outside.safetensors"),
+            model.join("b.safetensors"),
+        )
+        .expect("symlink");
+        let e = TensorStore::open_dir(&model).err().expect("symlink out");
+        assert!(
+            e.is_bad_input() && e.to_string().contains("b.safetensors"),
+            "{e}"
+        );
+        std::fs::remove_file(model.join("b.safetensors")).expect("rm");
+        let fifo = model.join("c.safetensors");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).expect("cstring");
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { mkfifo(c.as_ptr(), 0o644) }, 0);
+        let e = TensorStore::open_dir(&model).err().expect("fifo");
+        assert!(e.is_bad_input() && e.to_string().contains("FIFO"), "{e}");
+    }
+
+    extern "C" {
+        fn mkfifo(path: *const std::ffi::c_char, mode: u32) -> i32;
+    }
+
+    #[test]
+    fn an_oversized_index_is_refused_naming_the_limit() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let f = std::fs::File::create(d.path().join(INDEX_FILE)).expect("create");
+        f.set_len(limits::INDEX_JSON.bytes + 1).expect("grow");
+        let e = TensorStore::open_dir(d.path()).err().expect("too large");
+        assert!(e.to_string().contains("safetensors index"), "{e}");
     }
 }

@@ -263,8 +263,8 @@ pub fn write_checkpoint(
     write_json_atomic(&staging.join(files::QUANTIZATION_QUALITY), &extras.quality)?;
     for f in TOKENIZER_FILES {
         let src = extras.source_dir.join(f);
-        if src.is_file() {
-            let bytes = std::fs::read(&src).map_err(|e| QuantError::io(&src, e))?;
+        if src.symlink_metadata().is_ok() {
+            let bytes = crate::fsutil::read_within(extras.source_dir, f)?;
             write_atomic(&staging.join(f), &bytes)?;
         }
     }

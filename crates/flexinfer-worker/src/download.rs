@@ -44,7 +44,7 @@ pub struct RemoteFile {
 }
 
 /// Flags of `flexinfer-worker download` (each also read from its env variable; flags win).
-#[derive(Debug, Clone, clap::Args)]
+#[derive(Clone, clap::Args)] // Debug (the token redacted): download/fetch.rs
 pub struct DownloadArgs {
     /// `HF://org/model`, `huggingface://org/model`, `org/model`, `oci://registry/repo:tag`, `local://path`.
     #[arg(long, env = env::SOURCE)]
@@ -216,7 +216,7 @@ async fn run_async(
             .await
             .map_err(fetch_error)?;
             let files = select(listed, &filter)?;
-            let ctx = new_ctx(client, token.map(|t| format!("Bearer {t}")), args.retries);
+            let ctx = new_ctx(client, hub_auth(args, token), args.retries);
             let canonical = format!("hf://{repo}");
             let dir = &args.model_dir;
             fetch_all(args, dir, &events, &ctx, &canonical, &args.revision, files).await
@@ -290,7 +290,7 @@ async fn fetch_dataset(
     .await
     .map_err(fetch_error)?;
     let files = select(listed, &PatternFilter::new("", "")?)?;
-    let ctx = new_ctx(client, token.map(|t| format!("Bearer {t}")), args.retries);
+    let ctx = new_ctx(client, hub_auth(args, token), args.retries);
     fetch_all(
         args,
         &dir,
@@ -304,7 +304,16 @@ async fn fetch_dataset(
     Ok(())
 }
 
-fn new_ctx(client: reqwest::Client, authorization: Option<String>, retries: u32) -> FetchCtx {
+/// The hub token, bound to the configured endpoint.
+fn hub_auth(args: &DownloadArgs, token: Option<&str>) -> Option<crate::http::ScopedAuth> {
+    token.and_then(|t| crate::http::ScopedAuth::new(format!("Bearer {t}"), &args.hf_endpoint))
+}
+
+fn new_ctx(
+    client: reqwest::Client,
+    authorization: Option<crate::http::ScopedAuth>,
+    retries: u32,
+) -> FetchCtx {
     FetchCtx {
         client,
         authorization,

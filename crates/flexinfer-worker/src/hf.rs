@@ -5,6 +5,7 @@ use serde::Deserialize;
 
 use crate::download::fetch::{classify_status, http_error, FetchError};
 use crate::download::RemoteFile;
+use crate::http::{self, ScopedAuth};
 
 /// Default hub endpoint when `HF_ENDPOINT` is unset.
 pub const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
@@ -112,7 +113,9 @@ pub fn resolve_url(
     )
 }
 
-/// List every file of `repo` at `revision` (follows `Link: rel="next"` pagination).
+/// List every file of `repo` at `revision` (follows `Link: rel="next"` pagination). The token is
+/// sent only to the configured endpoint's origin (scheme, host, port): a `Link` to another host
+/// is followed without it.
 pub async fn list_files(
     client: &reqwest::Client,
     endpoint: &str,
@@ -132,18 +135,32 @@ pub async fn list_files(
         "{} {repo}@{revision}",
         kind.api_segment().trim_end_matches('s')
     );
+    let auth = token.and_then(|t| ScopedAuth::new(format!("Bearer {t}"), endpoint));
     let mut out = Vec::new();
     for _page in 0..10_000 {
         let mut attempt = 0u32;
         let (entries, next): (Vec<TreeEntry>, Option<String>) = loop {
             let mut req = client.get(&url);
-            if let Some(t) = token {
-                req = req.bearer_auth(t);
+            if let Some(a) = auth.as_ref().and_then(|a| a.for_url(&url)) {
+                req = req.header(reqwest::header::AUTHORIZATION, a);
             }
             match req.send().await {
                 Ok(resp) if resp.status().is_success() => {
                     let next = next_link(resp.headers());
-                    match resp.json::<Vec<TreeEntry>>().await {
+                    let body = match http::read_body_limited(
+                        resp,
+                        http::limits::HUB_LISTING_PAGE,
+                        &format!("listing {what}"),
+                    )
+                    .await
+                    {
+                        Ok(b) => Ok(b),
+                        Err(http::BodyError::TooLarge(m)) => return Err(FetchError::Fatal(m)),
+                        Err(http::BodyError::Transport(m)) => Err(m),
+                    };
+                    match body.and_then(|b| {
+                        serde_json::from_slice::<Vec<TreeEntry>>(&b).map_err(|e| e.to_string())
+                    }) {
                         Ok(e) => break (e, next),
                         Err(e) if attempt < 4 => {
                             tracing::warn!(error = %e, "hub listing body failed; retrying");

@@ -5,6 +5,7 @@ pub mod common;
 pub mod download;
 pub mod generations;
 pub mod hf;
+pub mod http;
 pub mod oci;
 pub mod publish;
 pub mod quantize;

@@ -24,6 +24,7 @@ use tokio::sync::Mutex;
 use crate::common::WorkerError;
 use crate::download::fetch::strip_url;
 use crate::download::RemoteFile;
+use crate::http::{self, Origin, ScopedAuth};
 
 /// OCI client errors.
 #[derive(Debug, thiserror::Error)]
@@ -87,16 +88,42 @@ pub fn sha256_digest(bytes: &[u8]) -> String {
 }
 
 /// A connection to one repository of one registry.
+///
+/// Credentials follow the user, not the server: the negotiated `Authorization` goes only to the
+/// registry's own origin (scheme, host, port), never to an upload `Location`, tag-list `Link` or
+/// redirect elsewhere; basic credentials go to the registry and to a token realm on the same host,
+/// over https unless the registry was configured `insecure`; a realm on another host gets an
+/// anonymous token request.
 pub struct Registry {
     client: reqwest::Client,
     base: String,
+    origin: Origin,
+    insecure: bool,
     repository: String,
     creds: Option<Credentials>,
     auth: Mutex<Option<String>>,
 }
 
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registry")
+            .field("base", &self.base)
+            .field("repository", &self.repository)
+            .field("creds", &self.creds)
+            .field("auth", &"<redacted>")
+            .finish()
+    }
+}
+
 fn transport(what: &str, e: &reqwest::Error) -> OciError {
     OciError::Transport(format!("{what}: {}", strip_url(e)))
+}
+
+fn body_error(e: http::BodyError) -> OciError {
+    match e {
+        http::BodyError::TooLarge(m) => OciError::BadInput(m),
+        http::BodyError::Transport(m) => OciError::Transport(m),
+    }
 }
 
 impl Registry {
@@ -126,9 +153,17 @@ impl Registry {
             }
             // Anything else (refused, timeout) is retried by the requests that follow.
         }
+        let origin = Origin::parse(&base).ok_or_else(|| {
+            OciError::BadInput(format!(
+                "registry {} is not a host name",
+                reference.registry
+            ))
+        })?;
         Ok(Registry {
             client,
             base,
+            origin,
+            insecure,
             repository: reference.repository.clone(),
             creds,
             auth: Mutex::new(None),
@@ -139,8 +174,18 @@ impl Registry {
         &self.client
     }
 
-    /// The current `Authorization` value (after a request negotiated it).
-    pub async fn authorization(&self) -> Option<String> {
+    /// The current `Authorization` value (after a request negotiated it), bound to the registry's
+    /// origin.
+    pub async fn authorization(&self) -> Option<ScopedAuth> {
+        let value = self.auth.lock().await.clone()?;
+        Some(ScopedAuth::for_origin(value, self.origin.clone()))
+    }
+
+    /// The `Authorization` value for a request to `url`: only on the registry's origin.
+    async fn auth_for(&self, url: &reqwest::Url) -> Option<String> {
+        if !self.origin.matches(url) {
+            return None;
+        }
         self.auth.lock().await.clone()
     }
 
@@ -158,11 +203,16 @@ impl Registry {
         let mut authed = false;
         let mut attempt = 0u32;
         loop {
-            let mut req = build(&self.client);
-            if let Some(h) = self.auth.lock().await.clone() {
-                req = req.header(AUTHORIZATION, h);
+            let mut req = build(&self.client)
+                .build()
+                .map_err(|e| transport(what, &e))?;
+            if let Some(h) = self.auth_for(req.url()).await {
+                let value = reqwest::header::HeaderValue::from_str(&h).map_err(|_| {
+                    OciError::Auth("the registry token is not a header value".into())
+                })?;
+                req.headers_mut().insert(AUTHORIZATION, value);
             }
-            match req.send().await {
+            match self.client.execute(req).await {
                 Ok(resp) if resp.status() == StatusCode::UNAUTHORIZED && !authed => {
                     authed = true;
                     self.authenticate(resp.headers()).await?;
@@ -198,6 +248,13 @@ impl Registry {
         let lower = challenge.to_ascii_lowercase();
         if lower.starts_with("basic") {
             let c = self.creds.as_ref().ok_or_else(need_creds)?;
+            if !self.origin.is_https() && !self.insecure {
+                return Err(OciError::Auth(
+                    "the registry asks for basic credentials over plain http; set insecure only \
+                     for a registry you trust on this network"
+                        .into(),
+                ));
+            }
             let v = base64::engine::general_purpose::STANDARD
                 .encode(format!("{}:{}", c.username, c.password));
             *self.auth.lock().await = Some(format!("Basic {v}"));
@@ -227,9 +284,19 @@ impl Registry {
                 format!("repository:{}:pull,push", self.repository),
             ));
         }
-        let mut req = self.client.get(&realm).query(&query);
-        if let Some(c) = &self.creds {
-            req = req.basic_auth(&c.username, Some(&c.password));
+        let realm_url = reqwest::Url::parse(&realm).map_err(|_| {
+            OciError::Auth(format!("bearer challenge realm {realm:?} is not a URL"))
+        })?;
+        let mut req = self.client.get(realm_url.clone()).query(&query);
+        match &self.creds {
+            Some(c) if self.realm_may_get_credentials(&realm_url) => {
+                req = req.basic_auth(&c.username, Some(&c.password));
+            }
+            Some(_) => tracing::warn!(
+                realm = %realm_url.host_str().unwrap_or(""),
+                "token realm is not on the registry's host (or not https): anonymous token request"
+            ),
+            None => {}
         }
         let resp = req
             .send()
@@ -253,16 +320,26 @@ impl Registry {
             #[serde(default)]
             access_token: Option<String>,
         }
-        let t: Token = resp
-            .json()
+        let body = http::read_body_limited(resp, http::limits::TOKEN_RESPONSE, "token request")
             .await
-            .map_err(|e| transport("token response", &e))?;
+            .map_err(body_error)?;
+        let t: Token = serde_json::from_slice(&body)
+            .map_err(|e| OciError::Auth(format!("token response is not JSON: {e}")))?;
         let tok = t
             .token
             .or(t.access_token)
             .ok_or_else(|| OciError::Auth("token endpoint returned no token".into()))?;
         *self.auth.lock().await = Some(format!("Bearer {tok}"));
         Ok(())
+    }
+
+    /// Basic credentials go to a token realm only on the registry's host, and over https unless
+    /// the registry was configured insecure.
+    fn realm_may_get_credentials(&self, realm: &reqwest::Url) -> bool {
+        let same_host = realm
+            .host_str()
+            .is_some_and(|h| h.eq_ignore_ascii_case(self.origin.host()));
+        same_host && (realm.scheme() == "https" || self.insecure)
     }
 
     fn status_error(&self, what: &str, s: StatusCode, body: &str) -> OciError {
@@ -298,7 +375,7 @@ impl Registry {
             .await?;
         if resp.status() != StatusCode::ACCEPTED {
             let s = resp.status();
-            let body = resp.text().await.unwrap_or_default();
+            let body = http::error_text(resp).await;
             return Err(self.status_error("starting a blob upload", s, &body));
         }
         let loc = resp
@@ -335,7 +412,7 @@ impl Registry {
             .await?;
         if resp.status() != StatusCode::CREATED {
             let s = resp.status();
-            let body = resp.text().await.unwrap_or_default();
+            let body = http::error_text(resp).await;
             return Err(self.status_error("uploading a blob", s, &body));
         }
         Ok(digest)
@@ -395,7 +472,10 @@ impl Registry {
             .header(CONTENT_TYPE, "application/octet-stream")
             .header(CONTENT_LENGTH, size)
             .body(reqwest::Body::wrap_stream(stream));
-        if let Some(h) = self.auth.lock().await.clone() {
+        // An upload Location on another host (a storage backend) gets no registry credentials.
+        let target = reqwest::Url::parse(&url)
+            .map_err(|_| OciError::Transport(format!("upload location {url:?} is not a URL")))?;
+        if let Some(h) = self.auth_for(&target).await {
             req = req.header(AUTHORIZATION, h);
         }
         let resp = req
@@ -406,7 +486,7 @@ impl Registry {
             return Ok(());
         }
         let s = resp.status();
-        let body = resp.text().await.unwrap_or_default();
+        let body = http::error_text(resp).await;
         if s == StatusCode::UNAUTHORIZED {
             // Token expired mid-upload: renegotiate and let the caller retry.
             *self.auth.lock().await = None;
@@ -431,7 +511,7 @@ impl Registry {
             .await?;
         if resp.status() != StatusCode::CREATED {
             let s = resp.status();
-            let text = resp.text().await.unwrap_or_default();
+            let text = http::error_text(resp).await;
             return Err(self.status_error(&format!("pushing manifest {reference}"), s, &text));
         }
         Ok(resp
@@ -458,21 +538,18 @@ impl Registry {
             .await?;
         if !resp.status().is_success() {
             let s = resp.status();
-            let text = resp.text().await.unwrap_or_default();
+            let text = http::error_text(resp).await;
             return Err(self.status_error(
                 &format!("manifest {}:{reference}", self.repository),
                 s,
                 &text,
             ));
         }
-        let bytes = resp
-            .bytes()
+        let what = format!("manifest {}:{reference}", self.repository);
+        let bytes = http::read_body_limited(resp, http::limits::OCI_MANIFEST, &what)
             .await
-            .map_err(|e| transport("reading the manifest", &e))?;
-        if bytes.len() > 4 << 20 {
-            return Err(OciError::BadInput("manifest larger than 4 MiB".into()));
-        }
-        Ok((sha256_digest(&bytes), bytes.to_vec()))
+            .map_err(body_error)?;
+        Ok((sha256_digest(&bytes), bytes))
     }
 
     /// All tags of the repository.
@@ -502,7 +579,11 @@ impl Registry {
                     let e = v.find('>')?;
                     v.get(s..e).map(|u| self.absolute(u))
                 });
-            let t: Tags = resp.json().await.map_err(|e| transport("tag list", &e))?;
+            let body = http::read_body_limited(resp, http::limits::TAG_LIST, "listing tags")
+                .await
+                .map_err(body_error)?;
+            let t: Tags = serde_json::from_slice(&body)
+                .map_err(|e| OciError::Transport(format!("tag list is not JSON: {e}")))?;
             out.extend(t.tags.unwrap_or_default());
             match next {
                 Some(n) => url = n,

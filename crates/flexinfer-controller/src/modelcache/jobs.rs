@@ -286,6 +286,14 @@ fn worker_env(
                 e.push(ev(env::REFUSAL_DATASET, a.refusal_dataset.clone()));
                 e.push(ev(env::HARMLESS_DATASET, a.harmless_dataset.clone()));
             }
+            // Only the download talks to the hub; an `oci://` source needs the registry login.
+            if let Some(sec) = &s.secret_ref {
+                e.push(secret_ev(env::HF_TOKEN, sec, env::HF_TOKEN));
+                if s.source.trim().to_ascii_lowercase().starts_with("oci://") {
+                    e.push(secret_ev(env::OCI_USERNAME, sec, env::OCI_USERNAME));
+                    e.push(secret_ev(env::OCI_PASSWORD, sec, env::OCI_PASSWORD));
+                }
+            }
         }
         JobPhase::Abliterate => {
             if let Some(a) = &s.abliteration {
@@ -341,9 +349,6 @@ fn worker_env(
                 }
             }
         }
-    }
-    if let Some(sec) = &s.secret_ref {
-        e.push(secret_ev(env::HF_TOKEN, sec, env::HF_TOKEN));
     }
     if t.gpu {
         let amd = t

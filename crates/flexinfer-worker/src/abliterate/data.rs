@@ -6,6 +6,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use flexinfer_contract as contract;
+use flexinfer_fsutil::limits;
 use flexinfer_quant::calib::{load_samples, CalibSettings};
 use serde_json::Value;
 
@@ -76,14 +77,22 @@ fn find_data_file(dir: &Path) -> Option<PathBuf> {
             if hidden {
                 continue;
             }
-            if p.is_dir() {
+            // The file type of the entry itself: a symlinked directory is not walked.
+            let Ok(ft) = e.file_type() else { continue };
+            if ft.is_dir() {
                 stack.push(p);
             } else if p
                 .extension()
                 .and_then(|x| x.to_str())
                 .is_some_and(|x| DATA_EXTENSIONS.contains(&x.to_ascii_lowercase().as_str()))
             {
-                found.push(p);
+                // Names come from the hub: only regular files that stay inside the dataset.
+                let inside = p
+                    .strip_prefix(dir)
+                    .is_ok_and(|rel| flexinfer_fsutil::resolve_within(dir, rel).is_ok());
+                if inside {
+                    found.push(p);
+                }
             }
         }
     }
@@ -159,9 +168,15 @@ pub fn read_prompts(path: &Path, max: usize) -> Result<Vec<String>, WorkerError>
             .take(max)
             .collect());
     }
-    let text = std::fs::read_to_string(path).map_err(|e| {
+    let bytes = flexinfer_fsutil::read_regular(path, limits::DATASET).map_err(|e| {
         bad(format!(
             "cannot read prompt dataset {}: {e}",
+            path.display()
+        ))
+    })?;
+    let text = String::from_utf8(bytes).map_err(|_| {
+        bad(format!(
+            "prompt dataset {} is not UTF-8 text",
             path.display()
         ))
     })?;
@@ -184,6 +199,15 @@ pub fn read_prompts(path: &Path, max: usize) -> Result<Vec<String>, WorkerError>
         for (i, line) in text.lines().enumerate() {
             if line.trim().is_empty() {
                 continue;
+            }
+            if line.len() as u64 > limits::JSON_LINE.bytes {
+                return Err(bad(format!(
+                    "{} line {}: longer than the {} bytes allowed for a {}",
+                    path.display(),
+                    i + 1,
+                    limits::JSON_LINE.bytes,
+                    limits::JSON_LINE.what
+                )));
             }
             let v: Value = serde_json::from_str(line).map_err(|e| {
                 bad(format!(
@@ -278,7 +302,16 @@ impl ChatFormat {
 
 /// The model's chat template (`tokenizer_config.json` `chat_template`, or `chat_template.jinja`).
 pub fn chat_template(model_dir: &Path) -> Option<String> {
-    if let Ok(text) = std::fs::read_to_string(model_dir.join("tokenizer_config.json")) {
+    let read = |name: &str| {
+        flexinfer_fsutil::read_string_within(model_dir, name, limits::TOKENIZER)
+            .map_err(|e| {
+                if flexinfer_fsutil::is_refused(&e) {
+                    tracing::warn!(error = %e, "chat template file refused");
+                }
+            })
+            .ok()
+    };
+    if let Some(text) = read("tokenizer_config.json") {
         if let Ok(v) = serde_json::from_str::<Value>(&text) {
             match v.get("chat_template") {
                 Some(Value::String(s)) => return Some(s.clone()),
@@ -295,7 +328,7 @@ pub fn chat_template(model_dir: &Path) -> Option<String> {
             }
         }
     }
-    std::fs::read_to_string(model_dir.join("chat_template.jinja")).ok()
+    read("chat_template.jinja")
 }
 
 /// Tokenized prompt sets.

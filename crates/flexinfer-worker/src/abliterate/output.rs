@@ -7,6 +7,7 @@ use std::io::{Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use flexinfer_contract::{self as contract, files, ProgressEvent};
+use flexinfer_fsutil::limits;
 use flexinfer_quant::tensors::TensorStore;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -59,7 +60,7 @@ pub struct Manifest {
 /// `config.json` of the source.
 pub fn read_config(model_dir: &Path) -> Result<serde_json::Value, WorkerError> {
     let p = model_dir.join("config.json");
-    let text = std::fs::read_to_string(&p)
+    let text = flexinfer_fsutil::read_string_within(model_dir, "config.json", limits::CONFIG_JSON)
         .map_err(|e| WorkerError::BadInput(format!("cannot read {}: {e}", p.display())))?;
     serde_json::from_str(&text)
         .map_err(|e| WorkerError::BadInput(format!("{}: invalid JSON: {e}", p.display())))
@@ -116,8 +117,12 @@ pub fn staging_dir(out_dir: &Path) -> PathBuf {
 }
 
 fn read_manifest(dir: &Path) -> Option<Manifest> {
-    let text = std::fs::read_to_string(dir.join(files::ABLITERATION_MANIFEST)).ok()?;
-    serde_json::from_str(&text).ok()
+    let bytes = flexinfer_fsutil::read_regular(
+        &dir.join(files::ABLITERATION_MANIFEST),
+        limits::CONFIG_JSON,
+    )
+    .ok()?;
+    serde_json::from_slice(&bytes).ok()
 }
 
 fn write_manifest(dir: &Path, m: &Manifest) -> Result<(), WorkerError> {
@@ -287,9 +292,19 @@ pub fn write_output(
     for entry in rd.flatten() {
         let name = entry.file_name().to_string_lossy().to_string();
         let p = entry.path();
-        if p.is_file() && is_copied_aux(&name) {
+        // Everything but a directory: a symlink is copied only if it resolves to a regular file
+        // inside the model directory; read_within refuses the rest (FIFOs too), naming the file.
+        let listed = entry.file_type().is_ok_and(|t| !t.is_dir());
+        if listed && is_copied_aux(&name) {
             let dst = staging.join(&name);
-            let bytes = std::fs::read(&p).map_err(|e| io_err(&p, e))?;
+            let bytes = flexinfer_fsutil::read_within(model_dir, &name, limits::TOKENIZER)
+                .map_err(|e| {
+                    if flexinfer_fsutil::is_refused(&e) {
+                        WorkerError::BadInput(e.to_string())
+                    } else {
+                        io_err(&p, e)
+                    }
+                })?;
             common::write_atomic(&dst, &bytes).map_err(|e| io_err(&dst, e))?;
         }
     }

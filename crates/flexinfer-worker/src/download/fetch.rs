@@ -13,6 +13,28 @@ use sha2::{Digest, Sha256};
 use tokio::io::AsyncSeekExt;
 
 use super::RemoteFile;
+use crate::http::ScopedAuth;
+
+/// The flags as `Debug` shows them: the hub token redacted (the registry flags redact their own).
+impl std::fmt::Debug for super::DownloadArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DownloadArgs")
+            .field("source", &self.source)
+            .field("revision", &self.revision)
+            .field("repo_type", &self.repo_type)
+            .field("allow_patterns", &self.allow_patterns)
+            .field("ignore_patterns", &self.ignore_patterns)
+            .field("model_dir", &self.model_dir)
+            .field("hf_endpoint", &self.hf_endpoint)
+            .field("hf_token", &self.hf_token.as_ref().map(|_| "<redacted>"))
+            .field("dataset", &self.dataset)
+            .field("refusal_dataset", &self.refusal_dataset)
+            .field("harmless_dataset", &self.harmless_dataset)
+            .field("local_source_root", &self.local_source_root)
+            .field("registry", &self.registry)
+            .finish_non_exhaustive()
+    }
+}
 
 /// Why a transfer failed.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -63,8 +85,9 @@ pub fn http_error(what: &str, s: StatusCode, has_token: bool) -> FetchError {
 /// Shared state of one download run.
 pub struct FetchCtx {
     pub client: reqwest::Client,
-    /// Full `Authorization` header value for same-origin requests (never logged).
-    pub authorization: Option<String>,
+    /// The `Authorization` header and the one origin it goes to (the hub endpoint or the
+    /// registry): file URLs elsewhere, and redirects to other hosts, get none (never logged).
+    pub authorization: Option<ScopedAuth>,
     /// Bytes present on disk for the files of this run (progress).
     pub done: Arc<AtomicU64>,
     /// Consecutive failed attempts without progress before giving up.
@@ -266,7 +289,8 @@ async fn download_once(
         return Ok(hex::encode(hasher.finalize()));
     }
     let mut req = ctx.client.get(&f.url);
-    if let Some(a) = &ctx.authorization {
+    // reqwest drops the header itself on a redirect to another scheme, host or port.
+    if let Some(a) = ctx.authorization.as_ref().and_then(|a| a.for_url(&f.url)) {
         req = req.header(reqwest::header::AUTHORIZATION, a);
     }
     if have > 0 {
@@ -465,6 +489,36 @@ pub fn strip_url(e: &reqwest::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn debug_of_the_flags_redacts_secrets() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            a: super::super::DownloadArgs,
+        }
+        let cli = Cli::try_parse_from([
+            "x",
+            "--source",
+            "oci://reg.example/m:v1",
+            "--model-dir",
+            "/cache/m",
+            "--hf-token",
+            "hf_topsecret",
+            "--oci-username",
+            "bob",
+            "--oci-password",
+            "pw_topsecret",
+        ])
+        .unwrap();
+        let shown = format!("{:?}", cli.a);
+        assert!(
+            shown.contains("oci://reg.example/m:v1") && shown.contains("bob"),
+            "{shown}"
+        );
+        assert!(!shown.contains("topsecret"), "{shown}");
+    }
 
     #[test]
     fn content_range() {

@@ -37,8 +37,8 @@ struct DockerAuth {
     password: Option<String>,
 }
 
-/// Registry flags shared by `download` (`oci://` sources) and `publish`.
-#[derive(Debug, Clone, clap::Args)]
+/// Registry flags shared by `download` (`oci://` sources) and `publish`. `Debug` redacts the password.
+#[derive(Clone, clap::Args)]
 pub struct RegistryArgs {
     /// Skip TLS verification and allow plain HTTP.
     #[arg(long, env = env::OCI_INSECURE, value_parser = parse_bool_arg, default_value = "false",
@@ -51,6 +51,20 @@ pub struct RegistryArgs {
     /// dockerconfigjson file (or a mounted Secret directory holding `.dockerconfigjson`).
     #[arg(long, env = env::DOCKER_CONFIG_JSON)]
     pub docker_config_json: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for RegistryArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegistryArgs")
+            .field("insecure", &self.insecure)
+            .field("oci_username", &self.oci_username)
+            .field(
+                "oci_password",
+                &self.oci_password.as_ref().map(|_| "<redacted>"),
+            )
+            .field("docker_config_json", &self.docker_config_json)
+            .finish()
+    }
 }
 
 impl RegistryArgs {
@@ -94,10 +108,11 @@ impl Credentials {
         } else {
             path.to_path_buf()
         };
-        let text = std::fs::read_to_string(&file).map_err(|e| {
+        let text = flexinfer_fsutil::read_regular(&file, flexinfer_fsutil::limits::DOCKER_CONFIG)
+            .map_err(|e| {
             OciError::BadInput(format!("cannot read docker config {}: {e}", file.display()))
         })?;
-        let cfg: DockerConfig = serde_json::from_str(&text).map_err(|e| {
+        let cfg: DockerConfig = serde_json::from_slice(&text).map_err(|e| {
             OciError::BadInput(format!(
                 "docker config {} is not valid JSON: {e}",
                 file.display()
