@@ -34,6 +34,9 @@ pub const TELEMETRY: &str = "FLEXINFER_TELEMETRY";
 pub const WRITER_ID: &str = "FLEXINFER_WRITER_ID";
 /// The writing pod's name (downward API), recorded in the writer lock.
 pub const WRITER_POD: &str = "FLEXINFER_WRITER_POD";
+/// The node the writing pod runs on (downward API `spec.nodeName`): a fresh heartbeat of a writer on
+/// another node blocks a second writer even where flocks are not shared between nodes.
+pub const WRITER_NODE: &str = "FLEXINFER_WRITER_NODE";
 /// Comma list of directories (relative to the cache mount) that a phase's garbage collection keeps:
 /// the new generation, the promoted one, earlier ones still kept, and every one a Model serves.
 pub const KEEP_DIRS: &str = "FLEXINFER_KEEP_DIRS";

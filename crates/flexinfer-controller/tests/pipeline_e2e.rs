@@ -270,9 +270,14 @@ async fn full_pipeline_reaches_ready() -> Result<()> {
     w.cache("full", FULL_SPEC, "").await?;
     let m = w.wait_phase("full", CachePhase::Ready, &ctl).await?;
     let st = m.status.clone().context("status")?;
-    assert_eq!(st.path.as_deref(), Some("full-cache:full/gptq-w4-g128"));
     assert_eq!(st.current_phase.as_deref(), Some("ready"));
     let q = st.quantization.context("quantization status")?;
+    // The path names the promoted generation.
+    let generation = q.generation.clone().context("generation")?;
+    assert_eq!(
+        st.path,
+        Some(format!("full-cache:full/gptq-w4-g128.{generation}"))
+    );
     assert_eq!(q.spec_hash.as_deref().map(str::len), Some(16));
     assert_eq!(
         q.image.as_deref(),
@@ -491,7 +496,18 @@ async fn requantize_reruns_only_quantize_and_publish() -> Result<()> {
         !again.annotations().contains_key("flexinfer.ai/requantize"),
         "annotation not removed"
     );
-    assert_eq!(again.status.and_then(|s| s.path), path);
+    // The re-run wrote a new generation; the path moved to it once the run completed.
+    let new_path = again.status.and_then(|s| s.path);
+    assert_ne!(
+        new_path, path,
+        "requantize must not reuse the old generation"
+    );
+    assert!(
+        new_path
+            .as_deref()
+            .is_some_and(|p| p.starts_with("rq-cache:rq/gptq-w4-g128.")),
+        "{new_path:?}"
+    );
     Ok(())
 }
 

@@ -1,7 +1,9 @@
 //! One writer per directory. A pipeline Job holds an exclusive `flock` on `<dir>.lock` (beside the
 //! directory, which may itself be renamed into place) for as long as it writes; the kernel drops the lock
-//! when the process dies, however it dies. The file also records who holds it and a heartbeat, so that on
-//! filesystems whose locks are not shared between nodes a second writer still sees a live holder.
+//! when the process dies, however it dies. The file also records who holds it, on which node, and a
+//! heartbeat, so that on filesystems whose locks are not shared between nodes a writer on another node
+//! still sees a live holder. On one node the flock alone decides (a killed writer's fresh heartbeat does
+//! not block its replacement). The file is removed when the lock is released.
 
 use serde::{Deserialize, Serialize};
 use std::io::{self, Read, Seek, Write};
@@ -21,6 +23,9 @@ pub struct LockHolder {
     pub owner: String,
     #[serde(default)]
     pub pod: String,
+    /// The node the writer runs on (empty: unknown, the flock alone decides).
+    #[serde(default)]
+    pub node: String,
     #[serde(default)]
     pub pid: u32,
     #[serde(default)]
@@ -79,12 +84,15 @@ impl WriterLock {
         if let Some(p) = path.parent() {
             std::fs::create_dir_all(p)?;
         }
-        let mut file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&path)?;
+        let open = || {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&path)
+        };
+        let mut file = open()?;
         let busy = |h: Option<LockHolder>, why: &str| {
             let who = h
                 .map(|h| {
@@ -99,13 +107,27 @@ impl WriterLock {
                 format!("{} is being written by {who}: {why}", dir.display()),
             )
         };
-        if let Err(e) =
-            rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive)
-        {
-            if e == rustix::io::Errno::WOULDBLOCK {
-                return Err(busy(read_holder(&mut file), "its lock is held"));
+        // The file is unlinked by the holder on release: a lock taken on an inode that is no longer at
+        // `path` is retried on the new file.
+        let mut attempts = 0;
+        loop {
+            if let Err(e) =
+                rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive)
+            {
+                if e == rustix::io::Errno::WOULDBLOCK {
+                    return Err(busy(read_holder(&mut file), "its lock is held"));
+                }
+                return Err(e.into());
             }
-            return Err(e.into());
+            use std::os::unix::fs::MetadataExt;
+            let same = std::fs::metadata(&path)
+                .map(|m| m.ino() == file.metadata().map(|f| f.ino()).unwrap_or(0))
+                .unwrap_or(false);
+            attempts += 1;
+            if same || attempts > 8 {
+                break;
+            }
+            file = open()?;
         }
         if let Some(prev) = read_holder(&mut file) {
             let fresh = prev
@@ -114,7 +136,9 @@ impl WriterLock {
                 .ok()
                 .and_then(|t| jiff::Timestamp::now().duration_since(t).try_into().ok())
                 .is_some_and(|age: Duration| age < stale_after);
-            if prev.owner != holder.owner && !prev.owner.is_empty() && fresh {
+            let other_node =
+                !prev.node.is_empty() && !holder.node.is_empty() && prev.node != holder.node;
+            if prev.owner != holder.owner && !prev.owner.is_empty() && fresh && other_node {
                 return Err(busy(
                     Some(prev),
                     "its heartbeat is fresh (a writer on another node?)",
@@ -164,10 +188,9 @@ impl Drop for WriterLock {
         if let Some(h) = self.heartbeat.take() {
             let _ = h.join();
         }
-        // Leave the holder record stale (heartbeat stops), so a next writer is not refused; the file stays
-        // (removing a lock file races with a concurrent acquirer).
+        // Unlinked while still locked: an acquirer that opened the old inode notices and retries.
+        let _ = std::fs::remove_file(&self.path);
         let mut f: &std::fs::File = &self._file;
-        let _ = f.set_len(0);
         let _ = f.flush();
     }
 }
@@ -180,6 +203,7 @@ mod tests {
         LockHolder {
             owner: owner.into(),
             pod: "p".into(),
+            node: "node-a".into(),
             ..Default::default()
         }
     }
@@ -206,6 +230,7 @@ mod tests {
         // A record as a writer on another node (whose flock we cannot see) leaves it.
         let rec = LockHolder {
             owner: "job-remote".into(),
+            node: "node-b".into(),
             heartbeat_at: crate::now_rfc3339(),
             ..Default::default()
         };
@@ -213,6 +238,13 @@ mod tests {
         let long = Duration::from_secs(60);
         let e = WriterLock::acquire(&dir, holder("job-b"), long, long).expect_err("refused");
         assert!(e.to_string().contains("job-remote"), "{e}");
+        // On the same node the flock decides: a killed writer's fresh record does not block.
+        let local = LockHolder {
+            node: "node-b".into(),
+            ..holder("job-c")
+        };
+        drop(WriterLock::acquire(&dir, local, long, long).expect("same node, no flock"));
+        std::fs::write(lock_path(&dir), serde_json::to_vec(&rec).expect("json")).expect("write");
         // The same owner (a retry of that Job's pod) may take over; a stale record does not block.
         WriterLock::acquire(&dir, holder("job-remote"), long, long).expect("same owner");
         std::fs::write(lock_path(&dir), serde_json::to_vec(&rec).expect("json")).expect("write");

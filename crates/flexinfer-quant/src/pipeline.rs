@@ -404,6 +404,12 @@ pub fn run(
 
     let cfg = ModelConfig::load(&job.model_dir)?;
     let store = TensorStore::open_dir(&job.model_dir)?;
+    if !job.dataset.is_file() {
+        return Err(QuantError::Input(format!(
+            "calibration dataset {} does not exist or is not a regular file",
+            job.dataset.display()
+        )));
+    }
     let dataset_sha = sha256_file(&job.dataset)?;
     let calib_fp = sha256_hex(
         format!(

@@ -20,6 +20,7 @@ pub fn lock_output(dir: &Path, events: &Events) -> Result<WriterLock, WorkerErro
     let holder = LockHolder {
         owner: var(env::WRITER_ID).unwrap_or_else(|| format!("pid-{}", std::process::id())),
         pod: var(env::WRITER_POD).unwrap_or_default(),
+        node: var(env::WRITER_NODE).unwrap_or_default(),
         ..Default::default()
     };
     match WriterLock::acquire(dir, holder, HEARTBEAT, STALE_AFTER) {

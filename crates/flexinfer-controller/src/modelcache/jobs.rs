@@ -263,6 +263,7 @@ fn worker_env(
             "metadata.labels['batch.kubernetes.io/controller-uid']",
         ));
         e.push(field_ev(env::WRITER_POD, "metadata.name"));
+        e.push(field_ev(env::WRITER_NODE, "spec.nodeName"));
     }
     if let Some(ep) = &config.hf_endpoint {
         e.push(ev(env::HF_ENDPOINT, ep.clone()));
