@@ -171,7 +171,7 @@ mod tests {
             ".datasets/x/data.jsonl",
             ".download_complete",
             "x.partial/a",
-            "gptq-w4-g128.abc.lock",
+            ".gptq-w4-g128.abc.lock",
         ] {
             assert!(is_reserved_path(p).is_some(), "{p} must be reserved");
         }

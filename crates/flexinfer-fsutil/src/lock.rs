@@ -1,4 +1,4 @@
-//! One writer per directory. A pipeline Job holds an exclusive `flock` on `<dir>.lock` (beside the
+//! One writer per directory. A pipeline Job holds an exclusive `flock` on `.<dir>.lock` (beside the
 //! directory, which may itself be renamed into place) for as long as it writes; the kernel drops the lock
 //! when the process dies, however it dies. The file also records who holds it, on which node, and a
 //! heartbeat, so that on filesystems whose locks are not shared between nodes a writer on another node
@@ -12,7 +12,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Suffix of the lock file beside a written directory: `<dir>.lock`.
+/// Suffix of the lock file beside a written directory: `.<dir>.lock` (hidden, so listings of model files
+/// skip it).
 pub const LOCK_SUFFIX: &str = ".lock";
 
 /// Who holds a directory (the lock file's content).
@@ -45,13 +46,13 @@ pub struct WriterLock {
     _file: Arc<std::fs::File>,
 }
 
-/// The lock file of `dir`.
+/// The lock file of `dir`: `.<name>.lock` beside it.
 pub fn lock_path(dir: &Path) -> PathBuf {
     let name = dir
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    dir.with_file_name(format!("{name}{LOCK_SUFFIX}"))
+    dir.with_file_name(format!(".{name}{LOCK_SUFFIX}"))
 }
 
 fn read_holder(f: &mut std::fs::File) -> Option<LockHolder> {
@@ -220,7 +221,7 @@ mod tests {
         assert!(e.to_string().contains("job-a"), "{e}");
         drop(a);
         let b = WriterLock::acquire(&dir, holder("job-b"), long, long).expect("after release");
-        assert_eq!(b.path(), d.path().join("out.lock"));
+        assert_eq!(b.path(), d.path().join(".out.lock"));
     }
 
     #[test]

@@ -249,6 +249,10 @@ pub fn write_checkpoint(
             if fname.ends_with(".safetensors") && !records.iter().any(|r| r.name == fname) {
                 let _ = std::fs::remove_file(e.path());
             }
+            // Temporary files of a write a kill interrupted do not belong in the artifact.
+            if fname.starts_with(".tmp") {
+                let _ = std::fs::remove_file(e.path());
+            }
         }
     }
     write_json_atomic(

@@ -217,6 +217,14 @@ pub fn model_files(root: &Path) -> std::io::Result<Vec<ModelFile>> {
             {
                 continue;
             }
+            // The writer lock of a derived directory beside the model's files (`abliterated.<gen>.lock`).
+            if name
+                .strip_prefix('.')
+                .and_then(|n| n.strip_suffix(flexinfer_fsutil::LOCK_SUFFIX))
+                .is_some_and(is_derived_dir)
+            {
+                continue;
+            }
             let rel = e
                 .path()
                 .strip_prefix(root)

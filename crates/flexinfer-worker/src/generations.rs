@@ -14,7 +14,8 @@ const HEARTBEAT: Duration = Duration::from_secs(20);
 const STALE_AFTER: Duration = Duration::from_secs(120);
 
 /// Takes the writer lock of `dir` (`<dir>.lock`) for this pod's Job (`FLEXINFER_WRITER_ID`, set by the
-/// controller from the pod's `controller-uid` label). Another live writer: exit 2 naming it.
+/// controller from the pod's `controller-uid` label), in `.<dir>.lock`. Another live writer: exit 2
+/// naming it.
 pub fn lock_output(dir: &Path, events: &Events) -> Result<WriterLock, WorkerError> {
     let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
     let holder = LockHolder {
@@ -77,11 +78,13 @@ pub fn collect_garbage(out_dir: &Path, keep: Option<&str>, events: &Events) -> V
     let mut targets = Vec::new();
     for e in rd.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        // `<gen dir>`, `.<gen dir>.partial` (staging), `<gen dir>.lock`.
+        // `<gen dir>`, `.<gen dir>.partial` (staging), `.<gen dir>.lock`.
         let target = name
             .strip_prefix('.')
-            .and_then(|n| n.strip_suffix(files::STAGING_SUFFIX))
-            .or_else(|| name.strip_suffix(flexinfer_fsutil::LOCK_SUFFIX))
+            .and_then(|n| {
+                n.strip_suffix(files::STAGING_SUFFIX)
+                    .or_else(|| n.strip_suffix(flexinfer_fsutil::LOCK_SUFFIX))
+            })
             .unwrap_or(&name)
             .to_string();
         if !target.starts_with(fam) || target == own || keep.contains(&target) {
@@ -199,7 +202,7 @@ mod tests {
             !exists(".gptq-w4-g128.ffff-6.partial"),
             "a stale staging dir"
         );
-        assert!(!exists("gptq-w8-g128.cccc-3.lock") && !exists("gptq-w4-g128.ffff-6.lock"));
+        assert!(!exists(".gptq-w8-g128.cccc-3.lock") && !exists(".gptq-w4-g128.ffff-6.lock"));
         drop(live);
     }
 }

@@ -1,0 +1,222 @@
+//! Fault injection on the real worker binary: SIGKILL `quantize` and `abliterate` at seeded points of
+//! their run (calibration, layers, save, rename), then let a new process finish, as a restarted pod
+//! would. After every kill: the finished artifact is byte-identical to an uninterrupted run's, its
+//! `.save-complete` verifies, no staging or lock entry is left, and a previously promoted artifact beside
+//! it is untouched. The counts go to docs/benchmarks.md ("Reliability").
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+
+mod abliterate_support;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use abliterate_support::{build, checksums, TinyModel, TinyOpts};
+use flexinfer_contract::env;
+
+/// The environment of one phase's worker (paths and the small settings of these tests).
+fn command(phase: &str, m: &TinyModel, calib: &Path, out: &Path, term: &Path) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_flexinfer-worker"));
+    c.arg(phase)
+        .env_clear()
+        .env(env::MODEL_DIR, &m.dir)
+        .env(env::OUT_DIR, out)
+        .env(env::TERMINATION_LOG, term)
+        .env(env::TELEMETRY, "false")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    match phase {
+        "quantize" => {
+            c.env(env::DATASET, calib)
+                .env(env::GROUP_SIZE, "32")
+                .env(env::MAX_SAMPLES, "16")
+                .env(env::MAX_SEQ_LEN, "64");
+        }
+        _ => {
+            c.env(env::REFUSAL_DATASET, &m.refusal)
+                .env(env::HARMLESS_DATASET, &m.harmless)
+                .env(env::NUM_SAMPLES, "24");
+        }
+    }
+    c
+}
+
+/// Files whose bytes must match between runs (markers with timestamps are checked separately).
+fn payload(dir: &Path) -> BTreeMap<String, String> {
+    checksums(dir)
+        .into_iter()
+        .filter(|(k, _)| {
+            ![
+                ".save-complete",
+                ".abliteration-status.json",
+                ".abliteration-manifest.json",
+            ]
+            .contains(&k.as_str())
+        })
+        .collect()
+}
+
+/// Every shard `.save-complete` lists has its recorded size and sha256.
+fn save_complete_verifies(dir: &Path) -> bool {
+    let Ok(b) = std::fs::read(dir.join(".save-complete")) else {
+        return false;
+    };
+    let sc: serde_json::Value = serde_json::from_slice(&b).unwrap();
+    sc["shards"].as_array().is_some_and(|shards| {
+        !shards.is_empty()
+            && shards.iter().all(|s| {
+                let p = dir.join(s["name"].as_str().unwrap_or_default());
+                std::fs::metadata(&p).is_ok_and(|m| Some(m.len()) == s["size_bytes"].as_u64())
+                    && flexinfer_fsutil::sha256_file(&p).ok().as_deref() == s["sha256"].as_str()
+            })
+    })
+}
+
+/// Entries beside `out` that a finished run must not leave: its staging directory or its lock.
+fn leftovers(out: &Path) -> Vec<String> {
+    let name = out.file_name().unwrap().to_string_lossy().to_string();
+    std::fs::read_dir(out.parent().unwrap())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .filter(|n| *n == format!(".{name}.partial") || *n == format!(".{name}.lock"))
+        .collect()
+}
+
+struct Tally {
+    points: usize,
+    killed_mid_run: usize,
+    lost_or_different: usize,
+    unverified: usize,
+    leftovers: usize,
+    previous_changed: usize,
+}
+
+/// Deterministic fractions in (0.02, 1.1): kill points spread over the whole run and just after it.
+fn fraction(seed: u64) -> f64 {
+    let x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    0.02 + (x >> 11) as f64 / (1u64 << 53) as f64 * 1.08
+}
+
+fn inject(phase: &str, seeds: std::ops::Range<u64>, out_name: &str) -> Tally {
+    let m = build(&TinyOpts::default());
+    let calib = m.root.path().join("calib.jsonl");
+    let lines: Vec<String> = flexinfer_quant::testkit::sentences(3, 48)
+        .into_iter()
+        .map(|s| serde_json::json!({ "text": s }).to_string())
+        .collect();
+    std::fs::write(&calib, lines.join("\n") + "\n").unwrap();
+    let term = m.root.path().join("term.json");
+    let cache = m.dir.join(".flexinfer-gptq-cache");
+    let fresh = |p: &Path| {
+        let _ = std::fs::remove_dir_all(p);
+        let _ = std::fs::remove_dir_all(&cache);
+    };
+    // The uninterrupted reference, and its duration.
+    let reference: PathBuf = m.dir.join(format!("{out_name}.reference"));
+    let t0 = Instant::now();
+    let st = command(phase, &m, &calib, &reference, &term)
+        .status()
+        .unwrap();
+    assert!(st.success(), "{phase} reference run failed");
+    let full = t0.elapsed();
+    let want = payload(&reference);
+    // A promoted artifact of an earlier generation beside the runs (the reference itself).
+    let previous = checksums(&reference);
+    let mut t = Tally {
+        points: 0,
+        killed_mid_run: 0,
+        lost_or_different: 0,
+        unverified: 0,
+        leftovers: 0,
+        previous_changed: 0,
+    };
+    for seed in seeds {
+        let out = m.dir.join(format!("{out_name}.s{seed}"));
+        fresh(&out);
+        let mut child = command(phase, &m, &calib, &out, &term).spawn().unwrap();
+        std::thread::sleep(full.mul_f64(fraction(seed)));
+        if child.try_wait().unwrap().is_none() {
+            t.killed_mid_run += 1;
+        }
+        let _ = child.kill(); // SIGKILL
+        let _ = child.wait();
+        t.points += 1;
+        // The restarted pod.
+        let st = command(phase, &m, &calib, &out, &term).status().unwrap();
+        if !st.success() || payload(&out) != want {
+            let got = payload(&out);
+            let diff: Vec<&String> = want
+                .keys()
+                .chain(got.keys())
+                .filter(|k| want.get(*k) != got.get(*k))
+                .collect();
+            eprintln!("{phase} seed {seed}: exit {st}, differing files {diff:?}");
+            t.lost_or_different += 1;
+        }
+        if phase == "quantize" && !save_complete_verifies(&out) {
+            t.unverified += 1;
+        }
+        t.leftovers += leftovers(&out).len();
+        if checksums(&reference) != previous {
+            t.previous_changed += 1;
+        }
+        let _ = std::fs::remove_dir_all(&out);
+    }
+    eprintln!(
+        "fault injection {phase}: {} kill points ({} mid-run, run {:.2}s), {} lost or different, {} unverified, {} leftovers, {} previous changed",
+        t.points,
+        t.killed_mid_run,
+        full.as_secs_f64(),
+        t.lost_or_different,
+        t.unverified,
+        t.leftovers,
+        t.previous_changed
+    );
+    t
+}
+
+fn check(t: &Tally, min_mid_run: usize) {
+    assert_eq!(
+        t.lost_or_different, 0,
+        "artifacts lost or different after a kill"
+    );
+    assert_eq!(t.unverified, 0, ".save-complete that does not verify");
+    assert_eq!(t.leftovers, 0, "staging or lock entries left behind");
+    assert_eq!(
+        t.previous_changed, 0,
+        "the promoted artifact beside the runs changed"
+    );
+    assert!(
+        t.killed_mid_run >= min_mid_run,
+        "only {} of {} kills hit a running worker (the test would prove nothing)",
+        t.killed_mid_run,
+        t.points
+    );
+}
+
+#[test]
+fn quantize_killed_at_seeded_points_finishes_byte_identical() {
+    let t = inject("quantize", 0..14, "gptq-w4-g32");
+    check(&t, 5);
+}
+
+#[test]
+fn abliterate_killed_at_seeded_points_finishes_byte_identical() {
+    let t = inject("abliterate", 100..110, "abliterated");
+    check(&t, 3);
+}
+
+#[test]
+fn kill_points_cover_the_run() {
+    let f: Vec<f64> = (0..12).map(fraction).collect();
+    assert!(f.iter().all(|x| (0.02..1.1).contains(x)), "{f:?}");
+    assert!(
+        f.iter().any(|x| *x < 0.3) && f.iter().any(|x| *x > 0.7),
+        "{f:?}"
+    );
+    let _ = Duration::ZERO;
+}
