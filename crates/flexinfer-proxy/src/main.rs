@@ -13,10 +13,10 @@ use tracing::{error, info};
 
 #[derive(Parser, Debug)]
 #[command(
-    name = "flexinfer-proxy",
+    name = "flexinfer-proxy", // not-contract: the binary name
     version,
     about = "FlexInfer's OpenAI-compatible gateway"
-)] // not-contract: the binary name
+)]
 struct Args {
     /// Address of the OpenAI-compatible front.
     #[arg(long, env = env::proxy::LISTEN_ADDR, default_value = "0.0.0.0:8000")]
