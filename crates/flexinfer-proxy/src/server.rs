@@ -182,28 +182,14 @@ impl Proxy {
             }
         };
 
-        #[derive(Deserialize)]
-        struct Peek {
-            model: Option<serde_json::Value>,
-        }
-        let peek: Peek = serde_json::from_slice(&body).map_err(|e| {
-            ApiError::bad_request(format!("the request body is not a JSON object: {e}"))
-        })?;
-        let requested = match peek.model {
-            Some(serde_json::Value::String(s)) if !s.is_empty() => s,
-            _ => return Err(ApiError::missing_model()),
-        };
+        let requested = requested_model(&body)?;
         let route = match route::resolve(&self.cluster.models(), &requested) {
             Ok(r) => r,
             Err(RouteError::NotFound) => return Err(ApiError::model_not_found(&requested)),
             Err(RouteError::Ambiguous(c)) => return Err(ApiError::ambiguous_model(&requested, &c)),
         };
         let body = if route.rewrite {
-            // The backend answers to the served name only.
-            let mut v: serde_json::Value = serde_json::from_slice(&body)
-                .map_err(|e| ApiError::bad_request(format!("invalid JSON: {e}")))?;
-            v["model"] = serde_json::Value::String(route.name.clone());
-            Bytes::from(serde_json::to_vec(&v).map_err(|e| ApiError::bad_request(e.to_string()))?)
+            rewrite_model(&body, &route.name)?
         } else {
             body
         };
@@ -324,6 +310,42 @@ impl Proxy {
             Err(_) => Arc::new(RoundRobin::default()),
         }
     }
+}
+
+/// The `model` of a request body, which must be a JSON object (the body is bounded before this).
+pub fn requested_model(body: &[u8]) -> Result<String, ApiError> {
+    #[derive(Deserialize)]
+    struct Peek {
+        model: Option<serde_json::Value>,
+    }
+    // serde would also read a struct from a JSON array; only an object is a request.
+    if body.trim_ascii_start().first() != Some(&b'{') {
+        return Err(ApiError::bad_request(
+            "the request body must be a JSON object",
+        ));
+    }
+    let peek: Peek = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
+    match peek.model {
+        Some(serde_json::Value::String(s)) if !s.is_empty() => Ok(s),
+        _ => Err(ApiError::missing_model()),
+    }
+}
+
+/// The body with `model` set to the served name (everything else kept).
+pub fn rewrite_model(body: &[u8], served: &str) -> Result<Bytes, ApiError> {
+    let mut v: serde_json::Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
+    let obj = v
+        .as_object_mut()
+        .ok_or_else(|| ApiError::bad_request("the request body must be a JSON object"))?;
+    obj.insert(
+        "model".into(),
+        serde_json::Value::String(served.to_string()),
+    );
+    serde_json::to_vec(&v)
+        .map(Bytes::from)
+        .map_err(|e| ApiError::bad_request(e.to_string()))
 }
 
 const HOP_BY_HOP: [&str; 8] = [
@@ -447,6 +469,63 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn request_bodies_table() {
+        // (body, Ok(model) or Err(status))
+        let cases: Vec<(&[u8], Result<&str, u16>)> = vec![
+            (br#"{"model":"m","messages":[]}"#, Ok("m")),
+            (b"  \n {\"model\": \"a/b:c\"}", Ok("a/b:c")),
+            (br#"["m"]"#, Err(400)), // serde reads structs from arrays: refused before
+            (br#"{"model":7}"#, Err(400)),
+            (br#"{"model":""}"#, Err(400)),
+            (br#"{"prompt":"x"}"#, Err(400)),
+            (br#"{"model":"m""#, Err(400)),
+            (b"", Err(400)),
+            (b"\xff\xfe", Err(400)),
+            (br#""m""#, Err(400)),
+            (b"null", Err(400)),
+        ];
+        for (body, want) in cases {
+            let got = requested_model(body).map_err(|e| e.status.as_u16());
+            assert_eq!(
+                got.as_deref().map_err(|e| *e),
+                want,
+                "{:?}",
+                String::from_utf8_lossy(body)
+            );
+        }
+        // Deep nesting (a body limit's worth) neither overflows the stack when skipped nor
+        // when parsed for a rewrite (serde_json's recursion limit makes it an error).
+        let deep = format!(
+            "{{\"model\":\"m\",\"x\":{}{}}}",
+            "[".repeat(1_000_000),
+            "]".repeat(1_000_000)
+        );
+        assert_eq!(requested_model(deep.as_bytes()).ok().as_deref(), Some("m"));
+        assert_eq!(
+            rewrite_model(deep.as_bytes(), "s").map_err(|e| e.status.as_u16()),
+            Err(400)
+        );
+    }
+
+    #[test]
+    fn rewrite_keeps_the_rest_of_the_body() {
+        let out = rewrite_model(
+            br#"{"model":"alias","temperature":0.5,"stream":true}"#,
+            "served",
+        )
+        .unwrap_or_else(|e| panic!("{e:?}"));
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            v,
+            serde_json::json!({"model": "served", "temperature": 0.5, "stream": true})
+        );
+        assert_eq!(
+            rewrite_model(b"[1]", "s").map_err(|e| e.status.as_u16()),
+            Err(400)
+        );
+    }
 
     #[test]
     fn hop_by_hop_headers_are_not_forwarded() {

@@ -534,6 +534,15 @@ async fn proxy_routes_streams_and_authenticates() {
         .await
         .unwrap();
     error_of(r, 400).await;
+    let e = error_of(
+        post(url, "/v1/completions", Some(KEY), &json!(["alias-a"])).await,
+        400,
+    )
+    .await;
+    assert!(
+        e["message"].as_str().unwrap().contains("JSON object"),
+        "{e}"
+    );
     let big = json!({"model": "m-a", "prompt": "x".repeat(2 << 20)});
     let e = error_of(post(url, "/v1/completions", Some(KEY), &big).await, 413).await;
     assert_eq!(e["code"], "request_too_large");
