@@ -56,12 +56,31 @@ ENV = {
         "FLEXINFER_RETRY_BASE_SECONDS": "30",
     },
 }
+# The proxy (on by default) adds a Deployment, a Service, a ServiceAccount and a ClusterRole(Binding).
 KINDS = {
     "defaults": {
-        "ServiceAccount": 2, "ClusterRole": 1, "ClusterRoleBinding": 1, "Role": 1, "RoleBinding": 1,
-        "Deployment": 1, "Service": 1, "ValidatingAdmissionPolicy": 1, "ValidatingAdmissionPolicyBinding": 1,
+        "ServiceAccount": 3, "ClusterRole": 2, "ClusterRoleBinding": 2, "Role": 1, "RoleBinding": 1,
+        "Deployment": 2, "Service": 2, "ValidatingAdmissionPolicy": 1, "ValidatingAdmissionPolicyBinding": 1,
     },
 }
+PROXY_ENV = {
+    "defaults": {
+        "RUST_LOG": "info",
+        "FLEXINFER_PROXY_LISTEN_ADDR": "0.0.0.0:8000",
+        "FLEXINFER_PROXY_HEALTH_ADDR": "0.0.0.0:8081",
+        "FLEXINFER_PROXY_KEEPALIVE_INTERVAL": "30s",
+        "FLEXINFER_PROXY_MAX_BODY_BYTES": "8388608",
+    },
+}
+PROXY_ENV["allon"] = dict(PROXY_ENV["defaults"], FLEXINFER_PROXY_KEEPALIVE_INTERVAL="15s",
+                          FLEXINFER_PROXY_API_KEYS_FILE="/etc/flexinfer-proxy/auth/keys",
+                          FLEXINFER_PROXY_WATCH_NAMESPACE="models")
+# Exactly what the proxy calls: watch Models and EndpointSlices, patch models/status.
+PROXY_RULES = [
+    (["ai.flexinfer"], ["models"], ["get", "list", "watch"]),
+    (["ai.flexinfer"], ["models/status"], ["get", "patch"]),
+    (["discovery.k8s.io"], ["endpointslices"], ["list", "watch"]),
+]
 KINDS["allon"] = dict(KINDS["defaults"], PrometheusRule=1, ServiceMonitor=1, GPUProfile=3)
 
 errors = []
@@ -86,9 +105,13 @@ def env_of(dep):
     return out
 
 
-def check_env(dep, mode):
+def component(d):
+    return d["metadata"].get("labels", {}).get("app.kubernetes.io/component")
+
+
+def check_env(dep, mode, table=ENV):
     got = env_of(dep)
-    want = ENV[mode]
+    want = table[mode]
     for k, v in want.items():
         check(got.get(k) == v, f"env {k}: want {v!r}, got {got.get(k)!r}")
     extra = sorted(set(got) - set(want))
@@ -144,18 +167,18 @@ def check_wiring(docs):
     by = {}
     for d in docs:
         by.setdefault(d["kind"], []).append(d)
-    dep = by["Deployment"][0]
+    dep = [d for d in by["Deployment"] if component(d) == "controller"][0]
     pod = dep["spec"]["template"]
     check(subset(dep["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"]), "Deployment selector matches pod labels")
     sa = pod["spec"]["serviceAccountName"]
     check(any(d["metadata"]["name"] == sa for d in by.get("ServiceAccount", [])), f"pod ServiceAccount {sa} rendered")
     for kind in ("ClusterRoleBinding", "RoleBinding"):
-        for b in by.get(kind, []):
+        for b in [d for d in by.get(kind, []) if component(d) == "controller"]:
             check([s["name"] for s in b["subjects"]] == [sa], f"{kind} {b['metadata']['name']} binds {sa}")
             role = b["roleRef"]["name"]
             check(any(r["metadata"]["name"] == role for r in by.get(b["roleRef"]["kind"], [])), f"{kind} roleRef {role} rendered")
     ports = {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
-    for svc in by.get("Service", []):
+    for svc in [d for d in by.get("Service", []) if component(d) == "controller"]:
         check(subset(svc["spec"]["selector"], pod["metadata"]["labels"]), "metrics Service selects the controller pod")
         check(all(p["targetPort"] in ports for p in svc["spec"]["ports"]), "Service targetPort names a container port")
         for sm in by.get("ServiceMonitor", []):
@@ -168,14 +191,69 @@ def check_wiring(docs):
               "binding references the policy")
 
 
+def check_proxy(docs, mode):
+    """The proxy: Deployment (HA), Service, its own ServiceAccount and least-privilege ClusterRole."""
+    mine = [d for d in docs if component(d) == "proxy"]
+    by = {}
+    for d in mine:
+        by.setdefault(d["kind"], []).append(d)
+    check(sorted(by) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"],
+          f"proxy objects {sorted(by)}")
+    if "Deployment" not in by:
+        return
+    dep = by["Deployment"][0]
+    pod = dep["spec"]["template"]
+    spec = pod["spec"]
+    c = spec["containers"][0]
+    check(dep["spec"]["replicas"] == 2, "proxy replicas 2 (HA)")
+    check(dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0, "proxy rolls without losing capacity")
+    check(c["image"] == "ghcr.io/flexinfer/flexinfer-proxy:" + APP, f"proxy image {c['image']}")
+    check(subset(dep["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"]), "proxy selector matches its pods")
+    ctl = [d for d in docs if d["kind"] == "Deployment" and component(d) == "controller"][0]
+    check(not subset(dep["spec"]["selector"]["matchLabels"], ctl["spec"]["template"]["metadata"]["labels"]),
+          "proxy selector does not select controller pods")
+    ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+    check(ports == {"http": 8000, "health": 8081}, f"proxy ports {ports}")
+    check(c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}, "proxy readiness /readyz")
+    check(c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}, "proxy liveness /healthz")
+    sc = c.get("securityContext", {})
+    check(sc.get("readOnlyRootFilesystem") is True and sc.get("allowPrivilegeEscalation") is False
+          and sc.get("capabilities", {}).get("drop") == ["ALL"] and sc.get("runAsNonRoot") is True,
+          "proxy container security context")
+    check(spec.get("securityContext", {}).get("seccompProfile", {}).get("type") == "RuntimeDefault", "proxy pod seccomp")
+    check(spec["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"], "proxy replicas spread")
+    check_env(dep, mode, PROXY_ENV)
+    if mode == "allon":
+        mounts = {m["name"]: m for m in c.get("volumeMounts", [])}
+        vols = {v["name"]: v for v in spec.get("volumes", [])}
+        check(mounts.get("auth", {}).get("mountPath") == "/etc/flexinfer-proxy/auth"
+              and mounts["auth"].get("readOnly") is True, "API keys mounted read-only")
+        check(vols.get("auth", {}).get("secret", {}).get("secretName") == "proxy-api-keys", "API keys from the Secret")
+    else:
+        check(not c.get("volumeMounts") and not spec.get("volumes"), "no auth volume without auth.existingSecret")
+    sa = spec["serviceAccountName"]
+    check(sa.endswith("-proxy") and any(d["metadata"]["name"] == sa for d in by.get("ServiceAccount", [])),
+          f"proxy runs as its own ServiceAccount ({sa})")
+    svc = by["Service"][0]
+    check(svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"], "proxy Service selects the proxy pods")
+    check([(p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [(8000, "http")], "proxy Service port 8000 -> http")
+    role = by["ClusterRole"][0]
+    rules = [(r["apiGroups"], r["resources"], r["verbs"]) for r in role["rules"]]
+    check(rules == PROXY_RULES, f"proxy ClusterRole rules {rules}")
+    b = by["ClusterRoleBinding"][0]
+    check(b["roleRef"]["name"] == role["metadata"]["name"] and [s["name"] for s in b["subjects"]] == [sa],
+          "proxy ClusterRoleBinding binds its ServiceAccount to its role")
+
+
 def check_static(docs, mode):
     counts = {}
     for d in docs:
         counts[d["kind"]] = counts.get(d["kind"], 0) + 1
     check(counts == KINDS[mode], f"kinds: want {KINDS[mode]}, got {counts}")
-    deps = [d for d in docs if d["kind"] == "Deployment"]
+    deps = [d for d in docs if d["kind"] == "Deployment" and component(d) == "controller"]
     if deps:
         check_deployment(deps[0], mode)
+    check_proxy(docs, mode)
     for d in docs:
         if d["kind"] == "ServiceAccount" and d["metadata"]["name"] == "flexinfer-worker":
             check(d.get("automountServiceAccountToken") is False, "worker SA must not automount its token")

@@ -64,6 +64,10 @@ ts "schema rejects an image with whitespace" template x "$CHART" --set 'quantiza
 ts "schema rejects bad validationActions" template x "$CHART" --set 'admissionPolicy.validationActions={Reject}'
 t "toggles off: no admission policy, no RBAC" bash -c "out=\$('$HELM' template x '$CHART' --set admissionPolicy.enabled=false --set rbac.create=false) \
   && ! grep -qE 'kind: (ValidatingAdmissionPolicy|ClusterRole|Role)\$' <<<\"\$out\""
+t "proxy.enabled=false: no proxy objects" bash -c "out=\$('$HELM' template x '$CHART' --set proxy.enabled=false) \
+  && ! grep -q 'app.kubernetes.io/component: proxy' <<<\"\$out\" && grep -q 'component: controller' <<<\"\$out\""
+ts "schema rejects a bad proxy.keepaliveInterval" template x "$CHART" --set proxy.keepaliveInterval=often
+ts "schema rejects an unknown proxy key" template x "$CHART" --set proxy.bogus=1
 t "workerServiceAccount.additionalNamespaces creates SA per namespace" bash -c "'$HELM' template x '$CHART' -n a \
   --set 'workerServiceAccount.additionalNamespaces={b,c,a}' | python3 -c '
 import sys,yaml
@@ -241,6 +245,26 @@ wbad=$(for v in "get secrets" "get pods" "get modelcaches.ai.flexinfer" "create 
 [ "$(kubectl --kubeconfig="$T/worker.kubeconfig" auth whoami -o jsonpath='{.status.userInfo.username}' 2>/dev/null)" = "$WSA" ] \
   || wbad="$wbad worker token does not authenticate as $WSA"
 [ -z "$wbad" ] && pass "RBAC: worker ServiceAccount has no API access" || fail "RBAC: worker ServiceAccount" "$wbad"
+
+PSA=system:serviceaccount:$NS:$REL-flexinfer-proxy
+sa_kubeconfig "$REL-flexinfer-proxy" "$T/proxy.kubeconfig"
+pcan() { kubectl --kubeconfig="$T/proxy.kubeconfig" auth can-i "$@" 2>/dev/null; }
+proxy_yes=("get models.ai.flexinfer" "list models.ai.flexinfer" "watch models.ai.flexinfer"
+  "get models.ai.flexinfer --subresource=status" "patch models.ai.flexinfer --subresource=status"
+  "list endpointslices.discovery.k8s.io" "watch endpointslices.discovery.k8s.io")
+proxy_no=("get secrets" "list secrets" "patch models.ai.flexinfer" "update models.ai.flexinfer" "create models.ai.flexinfer"
+  "delete models.ai.flexinfer" "update models.ai.flexinfer --subresource=status" "get modelcaches.ai.flexinfer"
+  "create endpointslices.discovery.k8s.io" "patch deployments.apps" "create pods" "get pods" "create events")
+pbad=$(for v in "${proxy_yes[@]}"; do for n in "$NS" "$NS-other"; do
+  # shellcheck disable=SC2086
+  [ "$(pcan $v -n "$n")" = yes ] || echo "proxy may not: $v -n $n"; done; done
+  for v in "${proxy_no[@]}"; do for n in "$NS" kube-system; do
+  # shellcheck disable=SC2086
+  [ "$(pcan $v -n "$n")" = no ] || echo "proxy may: $v -n $n"; done; done)
+[ "$(kubectl --kubeconfig="$T/proxy.kubeconfig" auth whoami -o jsonpath='{.status.userInfo.username}' 2>/dev/null)" = "$PSA" ] \
+  || pbad="$pbad proxy token does not authenticate as $PSA"
+[ -z "$pbad" ] && pass "RBAC: proxy ServiceAccount: ${#proxy_yes[@]} needed verbs allowed, ${#proxy_no[@]} others (Secrets, Model specs) denied" \
+  || fail "RBAC: proxy ServiceAccount" "$pbad"
 
 echo "== live: promotion-gate admission policy"
 model() {  # model NAME ANNOTATIONS_JSON SERVERLESS_JSON CONFIG_JSON

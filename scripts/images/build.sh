@@ -13,10 +13,12 @@
 #     --push REG      also push to REG (host:port, plain http) as REG/flexinfer/<image>:TAG
 #     --load          also import into the test node's containerd (scripts/testenv/load-image.sh)
 #     --only NAME     build one image (repeatable): controller, worker, standin (the serving stand-in,
-#                     build/standin.Dockerfile; built by default when flexinfer-standin is in --bin-dir)
+#                     build/standin.Dockerfile; built by default when flexinfer-standin is in --bin-dir),
+#                     proxy (the gateway, build/proxy.Dockerfile; built by default when flexinfer-proxy
+#                     is in --bin-dir)
 #     --no-strip      keep debug info (by default binaries are copied with `strip --strip-debug`:
 #                     symbols, hence backtraces, stay)
-# Images: flexinfer/controller:TAG, flexinfer/worker:TAG, flexinfer/standin:TAG (archives tagged like that; the local
+# Images: flexinfer/controller:TAG, flexinfer/worker:TAG, flexinfer/standin:TAG, flexinfer/proxy:TAG (archives tagged like that; the local
 # store names them localhost/flexinfer/<image>:TAG). An image whose inputs (binaries, Dockerfile,
 # base, this script) are unchanged is not rebuilt: a key file sits next to each archive.
 set -euo pipefail
@@ -63,17 +65,20 @@ declare -A t_step=()
 
 # image -> binaries (a trailing ? marks an optional one)
 declare -A bins=([controller]="flexinfer-controller flexinfer" [worker]="flexinfer-worker flexinfer-standin?"
-  [standin]="flexinfer-standin")
+  [standin]="flexinfer-standin" [proxy]="flexinfer-proxy")
 images=(controller worker)
 if ((${#only[@]})); then
   for n in "${only[@]}"; do
-    [[ -n ${bins[$n]:-} && -f $root/build/$n.Dockerfile ]] || images_die "--only: no image $n (controller, worker, standin)"
+    [[ -n ${bins[$n]:-} && -f $root/build/$n.Dockerfile ]] || images_die "--only: no image $n (controller, worker, standin, proxy)"
   done
   images=("${only[@]}")
-elif [[ -f $root/build/standin.Dockerfile ]]; then
-  # The serving stand-in's own image, when its binary has been built.
-  if [[ -x $bin_dir/flexinfer-standin ]]; then images+=(standin)
-  else images_log "standin: $bin_dir/flexinfer-standin not built, no flexinfer/standin image"; fi
+else
+  # The serving stand-in's and the gateway's own images, when their binaries have been built.
+  for img in standin proxy; do
+    [[ -f $root/build/$img.Dockerfile ]] || continue
+    if [[ -x $bin_dir/flexinfer-$img ]]; then images+=("$img")
+    else images_log "$img: $bin_dir/flexinfer-$img not built, no flexinfer/$img image"; fi
+  done
 fi
 
 # Binaries first: fail before the base build if one is missing.

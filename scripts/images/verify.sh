@@ -48,10 +48,10 @@ ran() { [[ $2 == "$1: "* ]]; }
 bad() { printf '  FAIL  %s\n' "$*"; fail=1; }
 
 declare -A entry=([controller]=/usr/local/bin/flexinfer-controller [worker]=/usr/local/bin/flexinfer-worker
-  [standin]=/usr/local/bin/flexinfer-standin)
+  [standin]=/usr/local/bin/flexinfer-standin [proxy]=/usr/local/bin/flexinfer-proxy)
 declare -A helps=([controller]="flexinfer-controller flexinfer" [worker]="flexinfer-worker flexinfer-standin"
-  [standin]="flexinfer-standin")
-images=(controller worker standin)
+  [standin]="flexinfer-standin" [proxy]="flexinfer-proxy")
+images=(controller worker standin proxy)
 
 for img in "${images[@]}"; do
   archive=$out/flexinfer-$img-$tag.tar

@@ -72,3 +72,31 @@ severity: {{ index . 1 }}
 {{ $k }}: {{ $v | quote }}
 {{- end }}
 {{- end -}}
+
+{{/* flexinfer-proxy, the OpenAI-compatible gateway. */}}
+{{- define "flexinfer.proxyName" -}}
+{{- printf "%s-proxy" (include "flexinfer.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "flexinfer.proxySelectorLabels" -}}
+app.kubernetes.io/name: {{ include "flexinfer.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: proxy
+{{- end -}}
+
+{{- define "flexinfer.proxyLabels" -}}
+{{ include "flexinfer.labels" . }}
+app.kubernetes.io/component: proxy
+{{- end -}}
+
+{{- define "flexinfer.proxyServiceAccountName" -}}
+{{- if .Values.proxy.serviceAccount.create -}}
+{{- default (include "flexinfer.proxyName" .) .Values.proxy.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.proxy.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "flexinfer.proxyImage" -}}
+{{- printf "%s:%s" .Values.proxy.image.repository (default .Chart.AppVersion .Values.proxy.image.tag) -}}
+{{- end -}}

@@ -8,6 +8,7 @@ pub use flexinfer_contract as contract;
 
 pub mod conditions;
 pub mod crdgen;
+pub mod duration;
 pub mod formats;
 pub mod gpuprofile;
 pub mod model;

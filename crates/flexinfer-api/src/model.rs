@@ -41,6 +41,17 @@ pub struct ModelSpec {
     #[schemars(length(min = 3, max = 512))]
     pub source: String,
 
+    /// Other names `flexinfer-proxy` routes to this Model (the request's `model` field), besides
+    /// the Model's name. The proxy rewrites them to the served name before forwarding.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    #[schemars(extend("x-kubernetes-list-type" = "set"))]
+    #[schemars(inner(
+        length(min = 1, max = 256),
+        regex(pattern = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")
+    ))]
+    pub aliases: Vec<String>,
+
     /// Container image override; otherwise the GPUProfile's `runtime.images[backend]` or the
     /// controller default for the backend.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -163,6 +174,14 @@ pub struct ServerlessSpec {
          "message": "spec.serverless.coldStartTimeout must be a duration such as 60s or 5m"}
     ]))]
     pub cold_start_timeout: String,
+    /// How often `flexinfer-proxy` refreshes `status.lastActiveTime` while requests are in flight,
+    /// as a duration; unset: the proxy's default (30s), at most half of `idleTimeout`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("x-kubernetes-validations" = [
+        {"rule": "self.matches('^([0-9]+(\\\\.[0-9]+)?(ms|s|m|h))+$')",
+         "message": "spec.serverless.keepaliveInterval must be a duration such as 10s or 1m"}
+    ]))]
+    pub keepalive_interval: Option<String>,
 }
 
 impl Default for ServerlessSpec {
@@ -172,6 +191,7 @@ impl Default for ServerlessSpec {
             min_replicas: 0,
             idle_timeout: default_idle_timeout(),
             cold_start_timeout: default_cold_start_timeout(),
+            keepalive_interval: None,
         }
     }
 }

@@ -159,3 +159,22 @@ pub mod serving {
     /// vLLM attention backend (`config.attentionBackend`).
     pub const VLLM_ATTENTION_BACKEND: &str = "VLLM_ATTENTION_BACKEND";
 }
+
+/// Configuration environment of `flexinfer-proxy` (each also a command-line flag; set by the chart).
+pub mod proxy {
+    /// Address of the OpenAI-compatible front (default `0.0.0.0:8000`).
+    pub const LISTEN_ADDR: &str = "FLEXINFER_PROXY_LISTEN_ADDR";
+    /// Address of `/healthz` and `/readyz` (default `0.0.0.0:8081`).
+    pub const HEALTH_ADDR: &str = "FLEXINFER_PROXY_HEALTH_ADDR";
+    /// Only route to Models of this namespace (default: all namespaces).
+    pub const WATCH_NAMESPACE: &str = "FLEXINFER_PROXY_WATCH_NAMESPACE";
+    /// Accepted bearer tokens, comma- or newline-separated. Auth is off when neither this nor
+    /// [`API_KEYS_FILE`] is set.
+    pub const API_KEYS: &str = "FLEXINFER_PROXY_API_KEYS";
+    /// File with accepted bearer tokens, one per line (a mounted Secret key).
+    pub const API_KEYS_FILE: &str = "FLEXINFER_PROXY_API_KEYS_FILE";
+    /// Largest request body accepted, in bytes (default 8 MiB).
+    pub const MAX_BODY_BYTES: &str = "FLEXINFER_PROXY_MAX_BODY_BYTES";
+    /// Default keepalive interval when a Model sets none, as a duration (default `30s`).
+    pub const KEEPALIVE_INTERVAL: &str = "FLEXINFER_PROXY_KEEPALIVE_INTERVAL";
+}

@@ -15,6 +15,7 @@ pub mod files;
 pub mod labels;
 pub mod oci_artifact;
 pub mod phase;
+pub mod proxy;
 pub mod reasons;
 pub mod serving;
 pub mod termination;

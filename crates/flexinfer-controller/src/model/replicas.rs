@@ -16,38 +16,17 @@ pub struct ReplicaDecision {
     pub recheck_after: Option<Duration>,
 }
 
-/// Parse a Go-style duration made of `<number><unit>` parts (`ms`, `s`, `m`, `h`), e.g. `1h30m`.
-pub fn parse_duration(s: &str) -> Option<Duration> {
-    let s = s.trim();
-    if s.is_empty() {
-        return None;
+pub use flexinfer_api::duration::parse_duration;
+
+/// `status.lastActiveTime` as the idle computation uses it. A time slightly in the future (a
+/// writer's clock ahead of ours) counts as now. One more than `idleTimeout` ahead cannot come from
+/// clock skew and would otherwise keep the Model up until that time: it is ignored.
+pub fn clamp_last_active(last: Timestamp, now: Timestamp, idle: Duration) -> Option<Timestamp> {
+    if last <= now {
+        return Some(last);
     }
-    let mut total = 0f64;
-    let mut rest = s;
-    while !rest.is_empty() {
-        let num_len = rest
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .unwrap_or(rest.len());
-        if num_len == 0 {
-            return None;
-        }
-        let value: f64 = rest[..num_len].parse().ok()?;
-        rest = &rest[num_len..];
-        let (unit, len) = if rest.starts_with("ms") {
-            (0.001, 2)
-        } else if rest.starts_with('s') {
-            (1.0, 1)
-        } else if rest.starts_with('m') {
-            (60.0, 1)
-        } else if rest.starts_with('h') {
-            (3600.0, 1)
-        } else {
-            return None;
-        };
-        total += value * unit;
-        rest = &rest[len..];
-    }
-    Some(Duration::from_secs_f64(total))
+    let ahead = Duration::try_from(last.duration_since(now)).unwrap_or(Duration::MAX);
+    (ahead <= idle).then_some(now)
 }
 
 /// Desired replicas: serverless disabled → 1; enabled → `minReplicas`, raised to 1 while the
@@ -70,10 +49,8 @@ pub fn desired_replicas(
     }
     let idle = parse_duration(&spec.serverless.idle_timeout).unwrap_or(DEFAULT_IDLE_TIMEOUT);
     let mut recheck_after = None;
-    if let Some(last) = last_active {
-        let since = now.duration_since(last);
-        // A lastActiveTime in the future (clock skew) counts as active now.
-        let since = Duration::try_from(since).unwrap_or(Duration::ZERO);
+    if let Some(last) = last_active.and_then(|l| clamp_last_active(l, now, idle)) {
+        let since = Duration::try_from(now.duration_since(last)).unwrap_or(Duration::ZERO);
         if since < idle {
             let remaining = idle - since;
             if replicas < 1 {
@@ -147,6 +124,11 @@ mod tests {
             (true, 0, "5m", None, Some(3600), 0, None),
             (true, 0, "1h", None, Some(3599), 1, Some(1)),
             (true, 0, "5m", None, Some(-30), 1, Some(300)),
+            (true, 0, "5m", None, Some(-300), 1, Some(300)),
+            // Far in the future: not clock skew, ignored (else the Model stays up until then).
+            (true, 0, "5m", None, Some(-301), 0, None),
+            (true, 0, "5m", None, Some(-86_400 * 365), 0, None),
+            (true, 2, "5m", None, Some(-86_400), 2, None),
             (true, 0, "5m", Some(Primary), None, 1, None),
             (true, 0, "5m", Some(Primary), Some(10), 1, None),
             (true, 3, "5m", Some(Primary), None, 3, None),

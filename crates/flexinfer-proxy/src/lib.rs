@@ -1,0 +1,19 @@
+//! `flexinfer-proxy`: one OpenAI-compatible gateway in front of every Model (docs/user/serving.md,
+//! "The proxy"; docs/dev/architecture.md).
+//!
+//! Pure decisions (`route`, `endpoints`, `plan`, `auth`) are table-tested; `cluster` holds the
+//! watch-based caches and the `status.lastActiveTime` writer; `activity` counts in-flight requests
+//! and drives the keepalive; `server` is the HTTP front (hyper).
+
+pub mod activity;
+pub mod auth;
+pub mod body;
+pub mod cluster;
+pub mod endpoints;
+pub mod openai;
+pub mod plan;
+pub mod route;
+pub mod server;
+
+pub use cluster::Cluster;
+pub use server::{serve, Config, Proxy};

@@ -1,0 +1,555 @@
+//! The HTTP front: OpenAI's routes, auth, body limits, the cold-start hold and the streamed
+//! forwarding to a Model's backend.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, HeaderMap, HeaderName, Method, Request, Response, StatusCode, Uri};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client as HttpClient;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use serde::Deserialize;
+use tokio::net::TcpListener;
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+use crate::activity::Activity;
+use crate::auth::ApiKeys;
+use crate::body::{full, Guarded, ProxyBody};
+use crate::cluster::{Cluster, ModelKey};
+use crate::endpoints::RoundRobin;
+use crate::openai::{json_response, printable, ApiError, ModelEntry};
+use crate::plan::{self, Admission};
+use crate::route::{self, RouteError};
+
+/// Settings of the front.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub api_keys: ApiKeys,
+    /// Largest request body accepted.
+    pub max_body_bytes: usize,
+    /// Keepalive interval of Models that set none.
+    pub keepalive_interval: Duration,
+    /// TCP connect timeout towards a backend.
+    pub connect_timeout: Duration,
+    /// How long shutdown waits for in-flight requests.
+    pub drain_timeout: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            api_keys: ApiKeys::default(),
+            max_body_bytes: 8 << 20,
+            keepalive_interval: plan::DEFAULT_KEEPALIVE_INTERVAL,
+            connect_timeout: Duration::from_secs(5),
+            drain_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Routes whose body names a model and that are forwarded to it.
+const FORWARDED: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"];
+
+/// The proxy: cluster view, in-flight bookkeeping, backend client.
+pub struct Proxy {
+    pub cluster: Cluster,
+    pub activity: Activity,
+    config: Config,
+    client: HttpClient<HttpConnector, Full<Bytes>>,
+    balancers: Mutex<HashMap<ModelKey, Arc<RoundRobin>>>,
+}
+
+impl Proxy {
+    pub fn new(cluster: Cluster, config: Config) -> Arc<Self> {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(config.connect_timeout));
+        connector.set_nodelay(true);
+        let client = HttpClient::builder(TokioExecutor::new())
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .build(connector);
+        Arc::new(Self {
+            cluster,
+            activity: Activity::default(),
+            config,
+            client,
+            balancers: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Answer one request.
+    pub async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<ProxyBody> {
+        let method = req.method().clone();
+        let path = req.uri().path().to_string();
+        match self.route(req).await {
+            Ok(r) => r,
+            Err(e) => {
+                debug!(%method, path = %printable(&path), status = e.status.as_u16(), error = %e.message, "request refused");
+                e.into_response()
+            }
+        }
+    }
+
+    async fn route(
+        self: &Arc<Self>,
+        req: Request<Incoming>,
+    ) -> Result<Response<ProxyBody>, ApiError> {
+        let path = req.uri().path();
+        if !path.starts_with("/v1/") {
+            return Err(ApiError::not_found_path(path));
+        }
+        if !self.config.api_keys.allows(req.headers()) {
+            return Err(ApiError::unauthorized());
+        }
+        let is_get = req.method() == Method::GET;
+        let is_post = req.method() == Method::POST;
+        if path == "/v1/models" {
+            if !is_get {
+                return Err(ApiError::method_not_allowed(req.method().as_str(), path));
+            }
+            return Ok(json_response(
+                StatusCode::OK,
+                &route::model_list(&self.cluster.models()),
+            ));
+        }
+        if let Some(id) = path.strip_prefix("/v1/models/") {
+            if !is_get {
+                return Err(ApiError::method_not_allowed(req.method().as_str(), path));
+            }
+            return self.retrieve_model(id);
+        }
+        if FORWARDED.contains(&path) {
+            if !is_post {
+                return Err(ApiError::method_not_allowed(req.method().as_str(), path));
+            }
+            return self.forward(req).await;
+        }
+        Err(ApiError::not_found_path(path))
+    }
+
+    fn retrieve_model(&self, id: &str) -> Result<Response<ProxyBody>, ApiError> {
+        let models = self.cluster.models();
+        match route::resolve(&models, id) {
+            Ok(_) => {
+                let list = route::model_list(&models);
+                let entry: Option<&ModelEntry> = list.data.iter().find(|e| e.id == id);
+                match entry {
+                    Some(e) => Ok(json_response(StatusCode::OK, e)),
+                    None => Err(ApiError::model_not_found(id)),
+                }
+            }
+            Err(RouteError::NotFound) => Err(ApiError::model_not_found(id)),
+            Err(RouteError::Ambiguous(c)) => Err(ApiError::ambiguous_model(id, &c)),
+        }
+    }
+
+    async fn forward(
+        self: &Arc<Self>,
+        req: Request<Incoming>,
+    ) -> Result<Response<ProxyBody>, ApiError> {
+        let limit = self.config.max_body_bytes;
+        let declared = req
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > limit as u64) {
+            return Err(ApiError::too_large(limit));
+        }
+        let (parts, body) = req.into_parts();
+        let body = match Limited::new(body, limit).collect().await {
+            Ok(b) => b.to_bytes(),
+            Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+                return Err(ApiError::too_large(limit))
+            }
+            Err(e) => {
+                return Err(ApiError::bad_request(format!(
+                    "cannot read the request body: {e}"
+                )))
+            }
+        };
+
+        let requested = requested_model(&body)?;
+        let route = match route::resolve(&self.cluster.models(), &requested) {
+            Ok(r) => r,
+            Err(RouteError::NotFound) => return Err(ApiError::model_not_found(&requested)),
+            Err(RouteError::Ambiguous(c)) => return Err(ApiError::ambiguous_model(&requested, &c)),
+        };
+        let body = if route.rewrite {
+            rewrite_model(&body, &route.name)?
+        } else {
+            body
+        };
+        let key: ModelKey = (route.namespace.clone(), route.name.clone());
+
+        // From here on the request counts as activity of the Model (also while it waits).
+        let guard = self.activity.begin(&key);
+        let backends = self.await_backends(&key).await?;
+
+        let path_and_query = parts
+            .uri
+            .path_and_query()
+            .map(|p| p.as_str().to_string())
+            .unwrap_or_else(|| parts.uri.path().to_string());
+        let headers = forward_headers(&parts.headers, self.config.api_keys.is_enabled());
+        let balancer = self.balancer(&key);
+        let mut last_err = String::new();
+        for backend in balancer.order(&backends).into_iter().take(3) {
+            let uri: Uri = match format!("http://{backend}{path_and_query}").parse() {
+                Ok(u) => u,
+                Err(e) => {
+                    last_err = format!("bad backend address {backend}: {e}");
+                    continue;
+                }
+            };
+            let mut out = Request::new(Full::new(body.clone()));
+            *out.method_mut() = parts.method.clone();
+            *out.uri_mut() = uri;
+            *out.headers_mut() = headers.clone();
+            match self.client.request(out).await {
+                Ok(resp) => {
+                    let (mut rparts, rbody) = resp.into_parts();
+                    strip_hop_by_hop(&mut rparts.headers);
+                    info!(namespace = %key.0, model = %key.1, backend = %backend, status = rparts.status.as_u16(), "forwarded");
+                    let body = Guarded::new(rbody.boxed_unsync(), guard).boxed_unsync();
+                    return Ok(Response::from_parts(rparts, body));
+                }
+                Err(e) if e.is_connect() => {
+                    warn!(namespace = %key.0, model = %key.1, backend = %backend, error = %e, "backend connect failed, trying the next");
+                    last_err = format!("cannot connect to {backend}: {e}");
+                }
+                Err(e) => {
+                    return Err(ApiError::bad_gateway(format!(
+                        "Model {}/{}: backend {backend} failed: {e}",
+                        key.0, key.1
+                    )))
+                }
+            }
+        }
+        Err(ApiError::bad_gateway(format!(
+            "Model {}/{}: no backend reachable ({last_err})",
+            key.0, key.1
+        )))
+    }
+
+    /// Ready backends of the Model, waiting for a cold start when there are none.
+    async fn await_backends(&self, key: &ModelKey) -> Result<Vec<String>, ApiError> {
+        let mut changes = self.cluster.changes();
+        let mut deadline: Option<(Instant, Duration)> = None;
+        loop {
+            let _ = changes.borrow_and_update();
+            let Some(model) = self.cluster.model(key) else {
+                return Err(ApiError::unavailable(format!(
+                    "Model {}/{} was deleted",
+                    key.0, key.1
+                )));
+            };
+            let backends = self.cluster.backends(key);
+            let admission = plan::admit(&model, !backends.is_empty());
+            if deadline.is_none() {
+                // Request start: mark the Model active. A cold start needs the write before
+                // the controller scales up; a warm Model need not wait for it.
+                let touch = {
+                    let (cluster, key, interval) = (
+                        self.cluster.clone(),
+                        key.clone(),
+                        self.config.keepalive_interval,
+                    );
+                    async move {
+                        if let Err(e) = cluster.touch(&key, interval).await {
+                            warn!(namespace = %key.0, model = %key.1, error = %e, "cannot write lastActiveTime");
+                        }
+                    }
+                };
+                if admission == Admission::Wait {
+                    touch.await;
+                    let timeout = plan::cold_start_timeout(&model);
+                    info!(namespace = %key.0, model = %key.1, timeout_s = timeout.as_secs(), "no ready backend: waiting for a cold start");
+                    deadline = Some((Instant::now() + timeout, timeout));
+                } else {
+                    tokio::spawn(touch);
+                }
+            }
+            match admission {
+                Admission::Forward => return Ok(backends),
+                Admission::Reject(reason) => return Err(ApiError::unavailable(reason)),
+                Admission::Wait => {}
+            }
+            let Some((until, timeout)) = deadline else {
+                continue;
+            };
+            tokio::select! {
+                changed = changes.changed() => {
+                    if changed.is_err() {
+                        return Err(ApiError::unavailable("the proxy's cluster watch stopped"));
+                    }
+                }
+                _ = tokio::time::sleep_until(until) => {
+                    return Err(ApiError::cold_start_timeout(plan::not_ready_reason(&model, timeout)));
+                }
+            }
+        }
+    }
+
+    fn balancer(&self, key: &ModelKey) -> Arc<RoundRobin> {
+        match self.balancers.lock() {
+            Ok(mut b) => b.entry(key.clone()).or_default().clone(),
+            Err(_) => Arc::new(RoundRobin::default()),
+        }
+    }
+}
+
+/// The `model` of a request body, which must be a JSON object (the body is bounded before this).
+pub fn requested_model(body: &[u8]) -> Result<String, ApiError> {
+    #[derive(Deserialize)]
+    struct Peek {
+        model: Option<serde_json::Value>,
+    }
+    // serde would also read a struct from a JSON array; only an object is a request.
+    if body.trim_ascii_start().first() != Some(&b'{') {
+        return Err(ApiError::bad_request(
+            "the request body must be a JSON object",
+        ));
+    }
+    let peek: Peek = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
+    match peek.model {
+        Some(serde_json::Value::String(s)) if !s.is_empty() => Ok(s),
+        _ => Err(ApiError::missing_model()),
+    }
+}
+
+/// The body with `model` set to the served name (everything else kept).
+pub fn rewrite_model(body: &[u8], served: &str) -> Result<Bytes, ApiError> {
+    let mut v: serde_json::Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
+    let obj = v
+        .as_object_mut()
+        .ok_or_else(|| ApiError::bad_request("the request body must be a JSON object"))?;
+    obj.insert(
+        "model".into(),
+        serde_json::Value::String(served.to_string()),
+    );
+    serde_json::to_vec(&v)
+        .map(Bytes::from)
+        .map_err(|e| ApiError::bad_request(e.to_string()))
+}
+
+const HOP_BY_HOP: [&str; 8] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+fn strip_hop_by_hop(h: &mut HeaderMap) {
+    // Headers named by `Connection` are hop-by-hop too.
+    let named: Vec<HeaderName> = h
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for n in named {
+        h.remove(n);
+    }
+    for n in HOP_BY_HOP {
+        h.remove(n);
+    }
+}
+
+/// Request headers for the backend: hop-by-hop headers, `Host` and `Content-Length` (the
+/// client recomputes both) dropped; `Authorization` dropped when it carried the proxy's key.
+fn forward_headers(h: &HeaderMap, auth_enabled: bool) -> HeaderMap {
+    let mut out = h.clone();
+    strip_hop_by_hop(&mut out);
+    out.remove(header::HOST);
+    out.remove(header::CONTENT_LENGTH);
+    if auth_enabled {
+        out.remove(header::AUTHORIZATION);
+    }
+    out
+}
+
+/// Serve the OpenAI front on `listener` until `shutdown` resolves, then wait (at most the drain
+/// timeout) for in-flight requests.
+pub async fn serve(
+    listener: TcpListener,
+    proxy: Arc<Proxy>,
+    shutdown: impl Future<Output = ()>,
+) -> std::io::Result<()> {
+    futures::pin_mut!(shutdown);
+    loop {
+        let (stream, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut shutdown => break,
+        };
+        let p = proxy.clone();
+        tokio::spawn(async move {
+            let svc = service_fn(move |req| {
+                let p = p.clone();
+                async move { Ok::<_, Infallible>(p.handle(req).await) }
+            });
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(Duration::from_secs(30))
+                .serve_connection(TokioIo::new(stream), svc);
+            if let Err(e) = conn.await {
+                debug!(%peer, error = %e, "connection ended");
+            }
+        });
+    }
+    let until = Instant::now() + proxy.config.drain_timeout;
+    while proxy.activity.total_in_flight() > 0 && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(())
+}
+
+/// `/healthz` (alive) and `/readyz` (caches synced) on their own port.
+pub async fn serve_health(listener: TcpListener, cluster: Cluster) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        let c = cluster.clone();
+        tokio::spawn(async move {
+            let svc = service_fn(move |req: Request<Incoming>| {
+                let ready = c.is_ready();
+                async move {
+                    let (status, text) = match req.uri().path() {
+                        "/healthz" => (StatusCode::OK, "ok"),
+                        "/readyz" if ready => (StatusCode::OK, "ok"),
+                        "/readyz" => (StatusCode::SERVICE_UNAVAILABLE, "caches not synced"),
+                        _ => (StatusCode::NOT_FOUND, "not found"),
+                    };
+                    let mut r = Response::new(full(Bytes::from_static(text.as_bytes())));
+                    *r.status_mut() = status;
+                    Ok::<_, Infallible>(r)
+                }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}
+
+/// Bind `addr`.
+pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    TcpListener::bind(addr).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_bodies_table() {
+        // (body, Ok(model) or Err(status))
+        let cases: Vec<(&[u8], Result<&str, u16>)> = vec![
+            (br#"{"model":"m","messages":[]}"#, Ok("m")),
+            (b"  \n {\"model\": \"a/b:c\"}", Ok("a/b:c")),
+            (br#"["m"]"#, Err(400)), // serde reads structs from arrays: refused before
+            (br#"{"model":7}"#, Err(400)),
+            (br#"{"model":""}"#, Err(400)),
+            (br#"{"prompt":"x"}"#, Err(400)),
+            (br#"{"model":"m""#, Err(400)),
+            (b"", Err(400)),
+            (b"\xff\xfe", Err(400)),
+            (br#""m""#, Err(400)),
+            (b"null", Err(400)),
+        ];
+        for (body, want) in cases {
+            let got = requested_model(body).map_err(|e| e.status.as_u16());
+            assert_eq!(
+                got.as_deref().map_err(|e| *e),
+                want,
+                "{:?}",
+                String::from_utf8_lossy(body)
+            );
+        }
+        // Deep nesting (a body limit's worth) neither overflows the stack when skipped nor
+        // when parsed for a rewrite (serde_json's recursion limit makes it an error).
+        let deep = format!(
+            "{{\"model\":\"m\",\"x\":{}{}}}",
+            "[".repeat(1_000_000),
+            "]".repeat(1_000_000)
+        );
+        assert_eq!(requested_model(deep.as_bytes()).ok().as_deref(), Some("m"));
+        assert_eq!(
+            rewrite_model(deep.as_bytes(), "s").map_err(|e| e.status.as_u16()),
+            Err(400)
+        );
+    }
+
+    #[test]
+    fn rewrite_keeps_the_rest_of_the_body() {
+        let out = rewrite_model(
+            br#"{"model":"alias","temperature":0.5,"stream":true}"#,
+            "served",
+        )
+        .unwrap_or_else(|e| panic!("{e:?}"));
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            v,
+            serde_json::json!({"model": "served", "temperature": 0.5, "stream": true})
+        );
+        assert_eq!(
+            rewrite_model(b"[1]", "s").map_err(|e| e.status.as_u16()),
+            Err(400)
+        );
+    }
+
+    #[test]
+    fn hop_by_hop_headers_are_not_forwarded() {
+        let mut h = HeaderMap::new();
+        for (k, v) in [
+            ("connection", "keep-alive, x-secret-hop"),
+            ("x-secret-hop", "1"),
+            ("keep-alive", "timeout=5"),
+            ("transfer-encoding", "chunked"),
+            ("host", "proxy:8000"),
+            ("content-length", "12"),
+            ("authorization", "Bearer sk"),
+            ("content-type", "application/json"),
+            ("x-request-id", "abc"),
+        ] {
+            h.append(
+                HeaderName::from_static(k),
+                http::HeaderValue::from_static(v),
+            );
+        }
+        let out = forward_headers(&h, true);
+        let mut names: Vec<&str> = out.keys().map(|k| k.as_str()).collect();
+        names.sort();
+        assert_eq!(names, vec!["content-type", "x-request-id"]);
+        assert!(forward_headers(&h, false).contains_key("authorization"));
+    }
+}
