@@ -571,3 +571,33 @@ fn interrupted_download_of_another_source_is_discarded() {
     // The stale partial was not continued: one full request.
     assert_eq!(hub.state.requests("config.json")[0].range_start, None);
 }
+
+/// A repository that ships a name the pipeline writes (a completion marker of an output directory) is
+/// refused before anything is fetched: it could otherwise skip quantization and the gate.
+#[test]
+fn a_source_with_pipeline_file_names_is_rejected() {
+    let tmp = tempfile::tempdir().unwrap();
+    let extra = tmp.path().join("extra");
+    std::fs::create_dir_all(extra.join("gptq-w4-g128")).unwrap();
+    std::fs::write(
+        extra.join("gptq-w4-g128/.save-complete"),
+        r#"{"version":1,"shards":[]}"#,
+    )
+    .unwrap();
+    let mut files = fixture().clone();
+    files.extend(describe(&extra));
+    let hub = HubServer::start(REPO, vec![("main", files)]);
+    let dest = tmp.path().join("m");
+    let r = run(download(&hub, &dest, tmp.path()), tmp.path());
+    assert_eq!(r.code, 2, "{}", r.describe());
+    let msg = r.termination["error"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        msg.contains("gptq-w4-g128/.save-complete") && msg.contains("ignorePatterns"),
+        "{msg}"
+    );
+    assert!(!dest.join("gptq-w4-g128").exists());
+    assert!(!dest.join(".download_complete").exists());
+}

@@ -13,7 +13,7 @@ use sha2::{Digest, Sha256};
 use super::config::Config;
 use super::jobs;
 use super::observe::{JobState, ObservedJob, ObservedPod};
-use super::plan::{plan, redact, Action, Observed, Plan};
+use super::plan::{plan, redact, Action, ClaimPeer, Observed, Plan};
 
 fn t(s: i64) -> Timestamp {
     Timestamp::from_second(1_800_000_000 + s).unwrap_or_default()
@@ -1360,4 +1360,61 @@ fn mc_ablit_dir(p: &Plan) -> String {
             .and_then(|a| a.output_dir.clone())
             .unwrap_or_default()
     )
+}
+
+#[test]
+fn shared_claims_are_kept_and_a_second_cache_on_one_directory_is_refused() {
+    // Cache A created its PVC; cache B uses it as existingClaimName: deleting A keeps the PVC.
+    let mut a = cache(SIMPLE);
+    a.metadata.deletion_timestamp =
+        Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(t(0)));
+    let peer = |older: bool, dir: &str| ClaimPeer {
+        name: "b".into(),
+        model_dir: dir.into(),
+        older,
+    };
+    let o = Observed {
+        claim_peers: vec![peer(false, "other")],
+        ..obs(vec![])
+    };
+    let p = plan(&a, &o, &cfg(), t(0));
+    assert_eq!(
+        p.actions
+            .iter()
+            .filter(|a| !matches!(a, Action::Event { .. }))
+            .cloned()
+            .collect::<Vec<_>>(),
+        vec![Action::RemoveFinalizer],
+        "a PVC another cache uses must not be deleted"
+    );
+    assert!(p.actions.iter().any(
+        |a| matches!(a, Action::Event { reason, note, .. } if reason == "ClaimKept" && note.contains('b'))
+    ));
+    // Two caches on one claim and modelPath: the younger one fails and creates nothing.
+    let mc = cache(SIMPLE);
+    let dir = jobs::model_dir(&mc);
+    let o = Observed {
+        claim_peers: vec![peer(true, &dir)],
+        ..obs(vec![])
+    };
+    let p = plan(&mc, &o, &cfg(), t(0));
+    assert_eq!(p.status.phase, Some(CachePhase::Failed));
+    assert!(created_jobs(&p).is_empty());
+    let ready = conditions::find(&p.status.conditions, "Ready").expect("Ready");
+    assert_eq!(ready.reason, "ClaimConflict");
+    assert!(ready.message.contains("modelPath"), "{}", ready.message);
+    // The older one (peer younger) and a peer on another directory proceed.
+    for o in [
+        Observed {
+            claim_peers: vec![peer(false, &dir)],
+            ..obs(vec![])
+        },
+        Observed {
+            claim_peers: vec![peer(true, "elsewhere")],
+            ..obs(vec![])
+        },
+    ] {
+        let p = plan(&mc, &o, &cfg(), t(0));
+        assert_eq!(created_jobs(&p), vec!["mc-download"]);
+    }
 }
