@@ -360,21 +360,9 @@ fn resume_after_abort_is_byte_identical_and_corrupt_cache_is_wiped() {
     assert_eq!(common::artifact_files(&corrupt), expected);
 }
 
-#[test]
-fn exhausted_hessians_fall_back_to_rtn_and_fail_the_gate() {
-    let (tmp, model, ds) = setup("gate", "LlamaForCausalLM");
-    let out = tmp.path().join("out");
-    let mut j = job(
-        &model,
-        &out,
-        &ds,
-        GptqParams {
-            bits: 4,
-            group_size: 32,
-            ..Default::default()
-        },
-    );
-    // Too few tokens for a full-rank Hessian and no damping or floor allowed: every factorisation fails.
+/// Too few tokens for a full-rank Hessian and no damping or floor allowed: every factorisation fails, and
+/// a gate over at least 5 modules with a 10 % limit rejects the run.
+fn every_factorisation_fails(j: &mut QuantizeJob) {
     j.calib = CalibSettings {
         max_samples: 1,
         max_seq_len: 6,
@@ -389,6 +377,23 @@ fn exhausted_hessians_fall_back_to_rtn_and_fail_the_gate() {
         max_rtn_fallback_percent: 10.0,
         min_modules: 5,
     };
+}
+
+#[test]
+fn exhausted_hessians_fall_back_to_rtn_and_fail_the_gate() {
+    let (tmp, model, ds) = setup("gate", "LlamaForCausalLM");
+    let out = tmp.path().join("out");
+    let mut j = job(
+        &model,
+        &out,
+        &ds,
+        GptqParams {
+            bits: 4,
+            group_size: 32,
+            ..Default::default()
+        },
+    );
+    every_factorisation_fails(&mut j);
     let sink = MemorySink::default();
     let q = match run(&j, &CpuBackend::default(), &sink) {
         Err(QuantError::GateFailed(q)) => q,
@@ -442,20 +447,7 @@ fn a_gated_requantization_leaves_the_served_artifact_untouched() {
     assert!(before.iter().any(|(n, _)| n == ".save-complete"));
     // A re-quantization with another configuration whose factorisations all fail and whose gate fails.
     let mut bad = job(&model, &out, &ds, params);
-    bad.calib = CalibSettings {
-        max_samples: 1,
-        max_seq_len: 6,
-    };
-    bad.recovery = RecoveryParams {
-        damp_percent: 0.0,
-        damp_auto_increment: 0.0,
-        max_floor_attempts: 0,
-        ..RecoveryParams::default()
-    };
-    bad.gate = GateParams {
-        max_rtn_fallback_percent: 10.0,
-        min_modules: 5,
-    };
+    every_factorisation_fails(&mut bad);
     let r = run(&bad, &CpuBackend::default(), &MemorySink::default());
     assert!(matches!(r, Err(QuantError::GateFailed(_))), "{r:?}");
     assert_eq!(

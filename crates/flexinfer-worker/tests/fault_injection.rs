@@ -10,7 +10,7 @@ mod abliterate_support;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use abliterate_support::{build, checksums, TinyModel, TinyOpts};
 use flexinfer_contract::env;
@@ -218,5 +218,4 @@ fn kill_points_cover_the_run() {
         f.iter().any(|x| *x < 0.3) && f.iter().any(|x| *x > 0.7),
         "{f:?}"
     );
-    let _ = Duration::ZERO;
 }

@@ -38,8 +38,7 @@ pub struct Observed {
     /// Directories on this cache's claim that Models serve (from their `status.servedPath`): kept by
     /// generation garbage collection.
     pub served_dirs: Vec<String>,
-    /// Other ModelCaches of the namespace that use the same claim: `(name, modelPath dir, created before
-    /// this one, uses it as existingClaimName)`.
+    /// Other ModelCaches of the namespace that use the same claim.
     pub claim_peers: Vec<ClaimPeer>,
 }
 

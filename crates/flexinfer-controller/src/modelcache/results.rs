@@ -28,6 +28,28 @@ fn rel_output_dir(raw: &str) -> Option<String> {
         .map(|_| p.trim_end_matches('/').to_string())
 }
 
+/// The output a succeeded Job wrote (its termination message, else the generation in status) becomes
+/// the phase's promoted output; returns it.
+fn promote_output(cx: &mut Ctx<'_>, phase: JobPhase, reported: Option<&str>) -> String {
+    let out = reported
+        .and_then(rel_output_dir)
+        .unwrap_or_else(|| jobs::phase_dirs(cx.mc, &cx.st, phase).1);
+    let keep = cx.config.keep_generations;
+    let (current, previous) = match phase {
+        JobPhase::Abliterate => {
+            let a = cx.st.abliteration.get_or_insert_with(Default::default);
+            (&mut a.output_dir, &mut a.previous_output_dirs)
+        }
+        JobPhase::Quantize => {
+            let q = cx.st.quantization.get_or_insert_with(Default::default);
+            (&mut q.output_dir, &mut q.previous_output_dirs)
+        }
+        _ => return out,
+    };
+    promote(current, previous, out.clone(), keep);
+    out
+}
+
 /// `out` becomes the promoted output; the one it replaces heads the kept earlier generations (at most
 /// `keep`; the worker's garbage collection removes the rest from disk).
 fn promote(
@@ -105,21 +127,7 @@ pub(super) fn record_success(cx: &mut Ctx<'_>, phase: JobPhase, job: &ObservedJo
             a.layer = term.layer.map(|v| v as i64);
             a.perplexity_before = term.perplexity_before.map(|v| format!("{v:.3}"));
             a.perplexity_after = term.perplexity_after.map(|v| format!("{v:.3}"));
-            a.perplexity_before = term.perplexity_before.map(|v| format!("{v:.3}"));
-            a.perplexity_after = term.perplexity_after.map(|v| format!("{v:.3}"));
-            let out = term
-                .output_dir
-                .as_deref()
-                .and_then(rel_output_dir)
-                .unwrap_or_else(|| jobs::phase_dirs(mc, &cx.st, phase).1);
-            let keep = cx.config.keep_generations;
-            let a = cx.st.abliteration.get_or_insert_with(Default::default);
-            promote(
-                &mut a.output_dir,
-                &mut a.previous_output_dirs,
-                out.clone(),
-                keep,
-            );
+            let out = promote_output(cx, phase, term.output_dir.as_deref());
             note.push_str(&format!(", output {out}"));
         }
         JobPhase::Quantize => {
@@ -159,19 +167,8 @@ pub(super) fn record_success(cx: &mut Ctx<'_>, phase: JobPhase, job: &ObservedJo
                 }
                 q.calibration_params = Some(m);
             }
-            let out = term
-                .output_dir
-                .as_deref()
-                .and_then(rel_output_dir)
-                .unwrap_or_else(|| jobs::phase_dirs(mc, &cx.st, phase).1);
-            let keep = cx.config.keep_generations;
+            let out = promote_output(cx, phase, term.output_dir.as_deref());
             let q = cx.st.quantization.get_or_insert_with(Default::default);
-            promote(
-                &mut q.output_dir,
-                &mut q.previous_output_dirs,
-                out.clone(),
-                keep,
-            );
             q.config_digest = term.config_digest.clone();
             if !term.applied.is_empty() {
                 q.applied = Some(term.applied.clone());

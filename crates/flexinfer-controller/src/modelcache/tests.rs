@@ -1418,3 +1418,43 @@ fn shared_claims_are_kept_and_a_second_cache_on_one_directory_is_refused() {
         assert_eq!(created_jobs(&p), vec!["mc-download"]);
     }
 }
+
+/// A phase completed under the hash an older controller wrote (which also covered run-only settings) is
+/// current: no re-run after an upgrade, and status is migrated to the new hash.
+#[test]
+fn status_written_under_the_legacy_hash_is_current_and_migrated() {
+    let c = cfg();
+    let mut ready = ready_simple();
+    let spec = ready.clone();
+    let q = ready
+        .status
+        .as_mut()
+        .and_then(|s| s.quantization.as_mut())
+        .expect("quantization status");
+    let image = q.image.clone().expect("image");
+    let current = jobs::spec_hash(&spec, JobPhase::Quantize, &image);
+    let legacy = jobs::legacy_spec_hash(&spec, JobPhase::Quantize, &image);
+    assert_ne!(legacy, current, "the fixture must have run-only settings");
+    q.spec_hash = Some(legacy);
+    let p = plan(&ready, &obs(vec![]), &c, t(500));
+    assert!(created_jobs(&p).is_empty() && deleted_jobs(&p).is_empty());
+    assert_eq!(
+        p.status
+            .quantization
+            .as_ref()
+            .and_then(|q| q.spec_hash.clone()),
+        Some(current)
+    );
+    assert_eq!(
+        p.status.path,
+        ready.status.as_ref().and_then(|s| s.path.clone())
+    );
+    // An unrelated hash is a spec change: the phase re-runs.
+    if let Some(q) = ready.status.as_mut().and_then(|s| s.quantization.as_mut()) {
+        q.spec_hash = Some("0000000000000000".into());
+    }
+    assert!(
+        !deleted_jobs(&plan(&ready, &obs(vec![]), &c, t(501))).is_empty()
+            || !created_jobs(&plan(&ready, &obs(vec![]), &c, t(501))).is_empty()
+    );
+}
