@@ -34,3 +34,12 @@ lint:
 
 chart-tests:
 	bash scripts/chart-tests/run.sh
+
+# Regenerates tests/fixtures/oracle/ with Hugging Face transformers (issue #17). Not run in CI: needs a Python
+# with torch, transformers and safetensors, e.g.
+#   python3 -m venv ~/.cache/flexinfer/oracle-venv && ~/.cache/flexinfer/oracle-venv/bin/pip install torch transformers safetensors
+ORACLE_PYTHON ?= $(HOME)/.cache/flexinfer/oracle-venv/bin/python
+.PHONY: oracle
+oracle:
+	$(ORACLE_PYTHON) scripts/oracle/make_fixtures.py
+	cargo test -p flexinfer-quant --test oracle

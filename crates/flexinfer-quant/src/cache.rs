@@ -24,6 +24,21 @@ pub struct LayerEntry {
     pub gptq_modules: u64,
     #[serde(default)]
     pub rtn_modules: u64,
+    /// MoE layers: calibration tokens routed to each expert.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub expert_tokens: Vec<u64>,
+    /// MoE layers: modules that took RTN because their expert saw too few tokens.
+    #[serde(default)]
+    pub low_coverage_rtn_modules: u64,
+}
+
+/// Counts of one finished layer, kept in the manifest for a resumed run's report.
+#[derive(Clone, Debug, Default)]
+pub struct LayerStats {
+    pub gptq_modules: u64,
+    pub rtn_modules: u64,
+    pub expert_tokens: Vec<u64>,
+    pub low_coverage_rtn_modules: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -207,8 +222,7 @@ impl LayerCache {
         &mut self,
         layer: usize,
         tensors: &[OutTensor<'_>],
-        gptq_modules: u64,
-        rtn_modules: u64,
+        stats: LayerStats,
         events: &dyn EventSink,
     ) -> Result<()> {
         let name = format!("layer-{layer:03}.safetensors");
@@ -240,8 +254,10 @@ impl LayerCache {
             sha256: sha256_hex(&bytes),
             tensor_count: tensors.len(),
             completed_at: now_rfc3339(),
-            gptq_modules,
-            rtn_modules,
+            gptq_modules: stats.gptq_modules,
+            rtn_modules: stats.rtn_modules,
+            expert_tokens: stats.expert_tokens,
+            low_coverage_rtn_modules: stats.low_coverage_rtn_modules,
         });
         self.save_manifest()?;
         self.write_checkpoint("quantizing", Some(layer + 1))?;

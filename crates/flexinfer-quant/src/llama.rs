@@ -26,22 +26,42 @@ pub struct Rope {
     pub half: usize,
     pub cos: Vec<f32>,
     pub sin: Vec<f32>,
+    /// cos/sin of the local (sliding-window) layers when their rope differs (Gemma 3).
+    pub local: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+fn rope_tables(inv: &[f32], len: usize) -> (Vec<f32>, Vec<f32>) {
+    let half = inv.len();
+    let mut cos = vec![0.0; len * half];
+    let mut sin = vec![0.0; len * half];
+    for p in 0..len {
+        for (i, f) in inv.iter().enumerate() {
+            let a = p as f32 * f;
+            cos[p * half + i] = a.cos();
+            sin[p * half + i] = a.sin();
+        }
+    }
+    (cos, sin)
 }
 
 impl Rope {
     pub fn new(cfg: &ModelConfig, len: usize) -> Self {
         let inv = cfg.inv_freq();
-        let half = inv.len();
-        let mut cos = vec![0.0; len * half];
-        let mut sin = vec![0.0; len * half];
-        for p in 0..len {
-            for (i, f) in inv.iter().enumerate() {
-                let a = p as f32 * f;
-                cos[p * half + i] = a.cos();
-                sin[p * half + i] = a.sin();
-            }
+        let (cos, sin) = rope_tables(&inv, len);
+        Rope {
+            half: inv.len(),
+            cos,
+            sin,
+            local: cfg.local_inv_freq().map(|l| rope_tables(&l, len)),
         }
-        Rope { half, cos, sin }
+    }
+
+    /// The tables of a layer (`sliding`: a local layer).
+    fn tables(&self, sliding: bool) -> (&[f32], &[f32]) {
+        match (&self.local, sliding) {
+            (Some((c, s)), true) => (c, s),
+            _ => (&self.cos, &self.sin),
+        }
     }
 }
 
@@ -93,12 +113,13 @@ fn head_norm(x: &mut Mat<f32>, heads: usize, d: usize, w: &[f32], eps: f32) {
     }
 }
 
-fn apply_rope(x: &mut Mat<f32>, heads: usize, d: usize, rope: &Rope) {
+fn apply_rope(x: &mut Mat<f32>, heads: usize, d: usize, rope: &Rope, sliding: bool) {
     let half = rope.half;
+    let (cos, sin) = rope.tables(sliding);
     for r in 0..x.nrows() {
         for h in 0..heads {
             for i in 0..half {
-                let (c, s) = (rope.cos[r * half + i], rope.sin[r * half + i]);
+                let (c, s) = (cos[r * half + i], sin[r * half + i]);
                 let (a, b) = (x[(r, h * d + i)], x[(r, h * d + i + half)]);
                 x[(r, h * d + i)] = a * c - b * s;
                 x[(r, h * d + i + half)] = b * c + a * s;
@@ -125,9 +146,13 @@ pub fn attention(
     if let Some(w) = &lw.k_norm {
         head_norm(&mut k, nkv, d, w, cfg.rms_norm_eps);
     }
-    apply_rope(&mut q, nh, d, rope);
-    apply_rope(&mut k, nkv, d, rope);
-    let scale = 1.0 / (d as f32).sqrt();
+    apply_rope(&mut q, nh, d, rope, lw.sliding);
+    apply_rope(&mut k, nkv, d, rope, lw.sliding);
+    let gemma = cfg.gemma.as_ref();
+    let scale = 1.0 / gemma.map_or(d as f32, |g| g.query_pre_attn_scalar).sqrt();
+    let softcap = gemma.and_then(|g| g.attn_softcap);
+    // Sliding-window layers: query i sees keys i - window < j ≤ i.
+    let window = gemma.and_then(|g| g.sliding_window).filter(|_| lw.sliding);
     let mut out = Mat::<f32>::zeros(t, nh * d);
     let par = faer::get_global_parallelism();
     // Scores transposed (`st[j][i]` = key j · query i), so each query's causal softmax runs over one
@@ -142,6 +167,12 @@ pub fn attention(
         for i in 0..t {
             let c = &mut st.col_as_slice_mut(i)[..];
             let (live, masked) = c.split_at_mut(i + 1);
+            let lo = window.map_or(0, |w| (i + 1).saturating_sub(w));
+            let (before, live) = live.split_at_mut(lo);
+            before.fill(0.0);
+            if let Some(cap) = softcap {
+                live.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
+            }
             let m = live.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
             let mut sum = 0.0;
             for v in live.iter_mut() {
@@ -172,31 +203,76 @@ pub fn mlp_activation(cfg: &ModelConfig, lw: &LayerWeights, x1: MatRef<'_, f32>)
     let mut g = linear(h2.as_ref(), &lw.linears[4]);
     let u = linear(h2.as_ref(), &lw.linears[5]);
     drop(h2);
-    // SiLU(g)·u, written over g (no third intermediate-sized matrix).
+    // act(g)·u, written over g (no third intermediate-sized matrix): SiLU, or GELU-tanh for Gemma.
+    let gelu = cfg.gemma.is_some();
     for c in 0..g.ncols().min(u.ncols()) {
         let uc = u.col_as_slice(c);
         for (gv, &uv) in g.col_as_slice_mut(c).iter_mut().zip(uc) {
-            *gv = *gv / (1.0 + (-*gv).exp()) * uv;
+            *gv = if gelu {
+                gelu_tanh(*gv) * uv
+            } else {
+                *gv / (1.0 + (-*gv).exp()) * uv
+            };
         }
     }
     g
 }
 
-/// Residual stream after attention: `x + o_proj(att)`.
-pub fn attention_residual(lw: &LayerWeights, x: MatRef<'_, f32>, att: MatRef<'_, f32>) -> Mat<f32> {
+/// GELU with the tanh approximation (`gelu_pytorch_tanh`).
+pub fn gelu_tanh(x: f32) -> f32 {
+    const C: f32 = 0.797_884_6; // sqrt(2/π)
+    0.5 * x * (1.0 + (C * (x + 0.044_715 * x * x * x)).tanh())
+}
+
+/// What attention adds to the residual stream: `o_proj(att)`, RMS-normalised for Gemma.
+pub fn attention_delta(cfg: &ModelConfig, lw: &LayerWeights, att: MatRef<'_, f32>) -> Mat<f32> {
     let o = linear(att, &lw.linears[3]);
+    match &lw.attn_out_norm {
+        Some(w) => rms_norm(o.as_ref(), w, cfg.rms_norm_eps),
+        None => o,
+    }
+}
+
+/// Residual stream after attention: `x + attention_delta(att)`.
+pub fn attention_residual(
+    cfg: &ModelConfig,
+    lw: &LayerWeights,
+    x: MatRef<'_, f32>,
+    att: MatRef<'_, f32>,
+) -> Mat<f32> {
+    let o = attention_delta(cfg, lw, att);
     x + &o
 }
 
-/// Layer output from the residual stream after attention: `x1 + down_proj(mlp_activation(x1))`.
+/// The MLP's contribution for the residual stream `x1` (after attention): `down_proj(mlp_activation(x1))`, or
+/// the routed experts' weighted sum on a MoE layer.
+pub fn mlp_output(cfg: &ModelConfig, lw: &LayerWeights, x1: MatRef<'_, f32>) -> Mat<f32> {
+    match (&lw.moe, cfg.moe.as_ref()) {
+        (Some(m), Some(mc)) => {
+            let h2 = rms_norm(x1, &lw.post_norm, cfg.rms_norm_eps);
+            m.forward(h2.as_ref(), &mc.spec)
+        }
+        _ => {
+            let act = mlp_activation(cfg, lw, x1);
+            let dn = linear(act.as_ref(), &lw.linears[6]);
+            match &lw.mlp_out_norm {
+                Some(w) => rms_norm(dn.as_ref(), w, cfg.rms_norm_eps),
+                None => dn,
+            }
+        }
+    }
+}
+
+/// Layer output from the residual stream after attention: `x1 + mlp_output(x1)`.
 pub fn mlp_residual(cfg: &ModelConfig, lw: &LayerWeights, x1: MatRef<'_, f32>) -> Mat<f32> {
-    let act = mlp_activation(cfg, lw, x1);
-    let dn = linear(act.as_ref(), &lw.linears[6]);
+    let dn = mlp_output(cfg, lw, x1);
     x1 + &dn
 }
 
 /// Runs one decoder layer on one sequence `x` (`[tokens, hidden]`). With `stop`, returns the input of that
-/// module group instead of the layer output; the arithmetic up to that point is the same in both cases.
+/// module group instead of the layer output; the arithmetic up to that point is the same in both cases. A MoE
+/// layer has no single `down` input (each expert sees its own tokens): `Stage::Down` returns the `GateUp` input
+/// there.
 pub fn layer_forward(
     cfg: &ModelConfig,
     lw: &LayerWeights,
@@ -212,8 +288,8 @@ pub fn layer_forward(
     if stop == Some(Stage::O) {
         return att;
     }
-    let x1 = attention_residual(lw, x, att.as_ref());
-    if stop == Some(Stage::GateUp) {
+    let x1 = attention_residual(cfg, lw, x, att.as_ref());
+    if stop == Some(Stage::GateUp) || (stop == Some(Stage::Down) && lw.moe.is_some()) {
         return rms_norm(x1.as_ref(), &lw.post_norm, cfg.rms_norm_eps);
     }
     if stop == Some(Stage::Down) {
@@ -232,13 +308,14 @@ pub fn embed(
     const NAME: &str = "model.embed_tokens.weight";
     let hsz = cfg.hidden_size;
     let mut out = Mat::<f32>::zeros(tokens.len(), hsz);
+    let scale = embed_scale(store, cfg);
     match embed_table {
         Some(table) => {
             let vocab = table.len() / hsz.max(1);
             for (r, &tok) in tokens.iter().enumerate() {
                 let t = (tok as usize).min(vocab.saturating_sub(1));
                 for c in 0..hsz {
-                    out[(r, c)] = table[t * hsz + c];
+                    out[(r, c)] = table[t * hsz + c] * scale;
                 }
             }
         }
@@ -255,12 +332,43 @@ pub fn embed(
                     )));
                 }
                 for (c, v) in row.into_iter().enumerate() {
-                    out[(r, c)] = v;
+                    out[(r, c)] = v * scale;
                 }
             }
         }
     }
     Ok(out)
+}
+
+/// Gemma multiplies the embeddings by `sqrt(hidden_size)`, rounded to the embedding table's dtype as
+/// transformers does; 1 otherwise.
+pub fn embed_scale(store: &TensorStore, cfg: &ModelConfig) -> f32 {
+    if cfg.gemma.is_none() {
+        return 1.0;
+    }
+    let s = (cfg.hidden_size as f32).sqrt();
+    match store.entry("model.embed_tokens.weight").map(|e| e.dtype) {
+        Ok(safetensors::Dtype::BF16) => half::bf16::from_f32(s).to_f32(),
+        Ok(safetensors::Dtype::F16) => half::f16::from_f32(s).to_f32(),
+        _ => s,
+    }
+}
+
+/// The final norm's weight as multiplied (`1 + w` for Gemma).
+pub fn final_norm_weight(store: &TensorStore, cfg: &ModelConfig) -> Result<Vec<f32>> {
+    Ok(cfg.norm_weight(store.f32("model.norm.weight")?))
+}
+
+/// Gemma 2's final soft-capping of the logits, in place (nothing for other families).
+pub fn cap_logits(cfg: &ModelConfig, logits: &mut Mat<f32>) {
+    if let Some(cap) = cfg.gemma.as_ref().and_then(|g| g.final_softcap) {
+        for c in 0..logits.ncols() {
+            logits
+                .col_as_slice_mut(c)
+                .iter_mut()
+                .for_each(|v| *v = cap * (*v / cap).tanh());
+        }
+    }
 }
 
 /// Full-model logits `[tokens, vocab]` (used to compare a quantized artifact against its source).
@@ -274,10 +382,12 @@ pub fn logits(store: &TensorStore, cfg: &ModelConfig, tokens: &[u32]) -> Result<
     }
     let xn = rms_norm(
         x.as_ref(),
-        &store.f32("model.norm.weight")?,
+        &final_norm_weight(store, cfg)?,
         cfg.rms_norm_eps,
     );
-    Ok(linear(xn.as_ref(), &lm_head(store, cfg)?))
+    let mut l = linear(xn.as_ref(), &lm_head(store, cfg)?);
+    cap_logits(cfg, &mut l);
+    Ok(l)
 }
 
 /// The output projection `[vocab, hidden]`: `lm_head.weight`, or the embeddings when they are tied.

@@ -1,10 +1,11 @@
 //! The whole quantize job: validate, calibrate layer by layer (true sequential), GPTQ each module group,
 //! cache each finished layer, write the checkpoint, apply the RTN fallback gate.
 
-use crate::cache::LayerCache;
-use crate::calib::{load_samples, CalibSettings};
+use crate::cache::{LayerCache, LayerStats};
+use crate::calib::{load_samples_counted, CalibSettings};
 use crate::error::{QuantError, Result};
 use crate::events::{fields, EventSink};
+use crate::exclusion::Exclusion;
 use crate::fsutil::{read_json, sha256_file, sha256_hex};
 use crate::gptq::{
     dequantize_weight, gptq_quantize_in, rtn_quantize, Method, QuantizedLinear, Workspace,
@@ -12,11 +13,14 @@ use crate::gptq::{
 use crate::hessian::{prepare_factor, FactorOutcome};
 use crate::linalg::LinalgBackend;
 use crate::llama::{
-    attention, embed, layer_forward, linear, mlp_activation, rms_norm, Rope, Stage, STAGES,
+    attention, attention_delta, embed, layer_forward, mlp_activation, mlp_output, rms_norm, Rope,
+    Stage, STAGES,
 };
 use crate::model::{
-    linear_shape, load_layer, load_linear, GptqReadConfig, ModelConfig, INPUT_GROUPS, LINEARS,
+    layer_modules, load_layer, load_linear, GptqReadConfig, LayerWeights, ModelConfig, ModuleSpec,
+    MoeConfig, INPUT_GROUPS,
 };
+use crate::moe::{gather_rows, swiglu};
 use crate::pack::{pack, ZeroFormat};
 use crate::params::{GateParams, GptqParams, RecoveryParams};
 use crate::tensors::TensorStore;
@@ -36,6 +40,9 @@ use std::time::Instant;
 /// Hessian product a deep enough inner dimension).
 pub const DEFAULT_CALIB_BATCH: usize = 1;
 
+/// Default of [`QuantizeJob::expert_min_token_percent`].
+pub const DEFAULT_EXPERT_MIN_TOKEN_PERCENT: f64 = 0.5;
+
 /// Everything a quantize run needs.
 #[derive(Clone, Debug)]
 pub struct QuantizeJob {
@@ -52,6 +59,9 @@ pub struct QuantizeJob {
     pub n_parallel_calib_samples: Option<usize>,
     /// `gdn`, or a comma list of module-name substrings kept in full precision.
     pub dynamic_exclusion: Option<String>,
+    /// MoE: an expert routed fewer than this percentage of the calibration tokens takes RTN (counted in the
+    /// gate and in the sidecar's `expertCoverage`). Default [`DEFAULT_EXPERT_MIN_TOKEN_PERCENT`].
+    pub expert_min_token_percent: f64,
     pub resume_layers: bool,
     /// Re-hash every shard listed in `.save-complete` before short-circuiting (else sizes only).
     pub verify_save_sha256: bool,
@@ -125,6 +135,7 @@ impl QuantizeJob {
             calib,
             n_parallel_calib_samples: None,
             dynamic_exclusion: None,
+            expert_min_token_percent: DEFAULT_EXPERT_MIN_TOKEN_PERCENT,
             resume_layers: true,
             verify_save_sha256: true,
             max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
@@ -160,17 +171,9 @@ impl QuantizeJob {
         self.out_dir.with_file_name(format!(".{name}.partial"))
     }
 
-    /// Whether module `name` stays in full precision.
-    pub fn excluded(&self, name: &str) -> bool {
-        match self.dynamic_exclusion.as_deref().map(str::trim) {
-            None | Some("") | Some("none") => false,
-            Some("gdn") => name.contains("linear_attn"),
-            Some(list) => list
-                .split(',')
-                .map(str::trim)
-                .filter(|s| !s.is_empty())
-                .any(|s| name.contains(s)),
-        }
+    /// Whether module `name` stays in full precision (`hybrid`: see [`ModelConfig::hybrid`]).
+    pub fn excluded(&self, name: &str, hybrid: bool) -> Result<bool> {
+        Ok(Exclusion::parse(self.dynamic_exclusion.as_deref())?.excludes(name, hybrid))
     }
 }
 
@@ -238,16 +241,17 @@ fn input_digest(model_dir: &Path, store: &TensorStore) -> Result<String> {
 /// version. The gate's thresholds are not part of it: they decide whether an artifact is promoted, not
 /// its bytes.
 pub fn config_digest(job: &QuantizeJob, calibration_fingerprint: &str, input: &str) -> String {
-    sha256_hex(
-        json!({
-            "params": job.params, "recovery": job.recovery, "calibration": calibration_fingerprint,
-            "calibBatch": job.n_parallel_calib_samples.unwrap_or(DEFAULT_CALIB_BATCH).max(1),
-            "model": input, "exclusion": job.dynamic_exclusion,
-            "script_version": job.script_version, "engine": env!("CARGO_PKG_VERSION"),
-        })
-        .to_string()
-        .as_bytes(),
-    )
+    let mut v = json!({
+        "params": job.params, "recovery": job.recovery, "calibration": calibration_fingerprint,
+        "calibBatch": job.n_parallel_calib_samples.unwrap_or(DEFAULT_CALIB_BATCH).max(1),
+        "model": input, "exclusion": job.dynamic_exclusion,
+        "script_version": job.script_version, "engine": env!("CARGO_PKG_VERSION"),
+    });
+    // Only a non-default threshold enters the digest, so artifacts made before the setting existed stay valid.
+    if job.expert_min_token_percent != DEFAULT_EXPERT_MIN_TOKEN_PERCENT {
+        v["expertMinTokenPercent"] = json!(job.expert_min_token_percent);
+    }
+    sha256_hex(v.to_string().as_bytes())
 }
 
 /// The artifact at `final_dir` was made from this configuration: report it without recomputing.
@@ -302,7 +306,16 @@ fn reuse_artifact(
     })
 }
 
-fn quantize_config_json(job: &QuantizeJob, excluded: &[String]) -> Value {
+/// `quantization_config`: the GPTQ settings plus exactly what was quantized. `quantized[l]` are the
+/// block-relative names of the modules quantized in layer `l` (true-sequential order), `excluded` the full names
+/// of candidate linears kept in full precision. Every kept module gets a negative `dynamic` entry (GPTQModel /
+/// vLLM / transformers skip it); when every layer quantizes the same modules, `modules_in_block_to_quantize`
+/// lists them too (the form optimum / transformers read).
+fn quantize_config_json(
+    job: &QuantizeJob,
+    quantized: &[Vec<String>],
+    excluded: &[String],
+) -> Value {
     let p = &job.params;
     let mut qc = json!({
         "quant_method": "gptq",
@@ -327,6 +340,11 @@ fn quantize_config_json(job: &QuantizeJob, excluded: &[String]) -> Value {
             .map(|m| (format!("-:^{}$", m.replace('.', "\\.")), json!({})))
             .collect();
         qc["dynamic"] = Value::Object(dynamic);
+        if let Some(first) = quantized.first() {
+            if !first.is_empty() && quantized.iter().all(|l| l == first) {
+                qc["modules_in_block_to_quantize"] = json!([first]);
+            }
+        }
     }
     qc
 }
@@ -386,6 +404,250 @@ pub fn release_free_memory() {
     }
 }
 
+/// Factorises one input group's Hessian and quantizes its active modules (GPTQ, or RTN when the recovery
+/// loop is exhausted); the quantized weights replace the f32 ones in `lw` for the stages after it.
+#[allow(clippy::too_many_arguments)]
+fn solve_group(
+    job: &QuantizeJob,
+    backend: &dyn LinalgBackend,
+    events: &dyn EventSink,
+    mut h: Mat<f32>,
+    lw: &mut LayerWeights,
+    active: &[usize],
+    names: &[String],
+    results: &mut [Option<QuantizedLinear>],
+) -> Result<()> {
+    // The per-sample stage inputs are gone: hand their memory back before the factorisation.
+    release_free_memory();
+    backend.finish_hessian(h.as_mut());
+    let outcome = prepare_factor(
+        backend,
+        h,
+        job.params.desc_act,
+        &job.recovery,
+        &names.join(","),
+        events,
+    );
+    // The Hessian was consumed by the factorisation: hand its memory back before the sweep.
+    release_free_memory();
+    // The solver's buffers, shared by the modules of this input group (q/k/v, gate/up) and dropped with it,
+    // so they do not stay resident through the next stages' forward passes.
+    let mut workspace = Workspace::default();
+    for &i in active {
+        let missing = || QuantError::Numeric(format!("module index {i} of {}", names.join(",")));
+        let w = &lw.module(i).ok_or_else(missing)?.w;
+        let q = match &outcome {
+            FactorOutcome::Factor(f) => {
+                gptq_quantize_in(&mut workspace, backend, w, f, &job.params)
+            }
+            FactorOutcome::Exhausted => rtn_quantize(w, &job.params),
+        };
+        lw.module_mut(i).ok_or_else(missing)?.w = dequantize_weight(&q);
+        results[i] = Some(q);
+    }
+    release_free_memory();
+    Ok(())
+}
+
+/// What the expert loop of one MoE layer needs.
+struct ExpertCtx<'a> {
+    job: &'a QuantizeJob,
+    backend: &'a dyn LinalgBackend,
+    events: &'a dyn EventSink,
+    cfg: &'a ModelConfig,
+    moe: &'a MoeConfig,
+    prefix: &'a str,
+    specs: &'a [ModuleSpec],
+    exclusion: &'a Exclusion,
+    n_tokens: usize,
+}
+
+/// Expert GPTQ of one MoE layer. `hidden` holds each sample's residual after attention (already quantized
+/// attention). The router (full precision) picks each token's experts; each expert's gate/up Hessian comes from
+/// the post-attention-norm rows of the tokens routed to it, its down Hessian from its SwiGLU activation of those
+/// rows (with its gate/up already quantized). Experts are done one after another, so one expert's Hessians are
+/// alive at a time whatever the expert count. An expert whose tokens are fewer than
+/// `expert_min_token_percent` of the calibration tokens takes RTN. Returns the routed tokens per expert and the
+/// number of modules that took RTN for low coverage.
+fn quantize_experts(
+    ctx: &ExpertCtx<'_>,
+    hidden: &[Mat<f32>],
+    lw: &mut LayerWeights,
+    results: &mut [Option<QuantizedLinear>],
+) -> Result<(Vec<u64>, u64)> {
+    let (cfg, m) = (ctx.cfg, ctx.moe);
+    let eps = cfg.rms_norm_eps;
+    let moe_w = lw
+        .moe
+        .as_ref()
+        .ok_or_else(|| QuantError::Numeric(format!("{}: MoE weights not loaded", ctx.prefix)))?;
+    // Per sample, per expert: the routed token rows (the shared expert, if any, sees every token).
+    let mut routed: Vec<Vec<Vec<(usize, f32)>>> = Vec::with_capacity(hidden.len());
+    for x in hidden {
+        let h2 = rms_norm(x.as_ref(), &lw.post_norm, eps);
+        routed.push(moe_w.route(h2.as_ref(), &m.spec).per_expert(m.num_experts));
+    }
+    let post_norm = lw.post_norm.clone();
+    let tokens: Vec<u64> = (0..m.num_experts)
+        .map(|e| routed.iter().map(|r| r[e].len() as u64).sum())
+        .collect();
+    let n_units = m.num_experts + usize::from(m.shared_intermediate.is_some());
+    let mut low_rtn = 0u64;
+    for e in 0..n_units {
+        let shared = e == m.num_experts;
+        let n_e = if shared {
+            ctx.n_tokens as u64
+        } else {
+            tokens[e]
+        };
+        let [ig, iu, id] = [4 + 3 * e, 5 + 3 * e, 6 + 3 * e];
+        let is_active = |i: usize| {
+            !ctx.exclusion
+                .excludes(&format!("{}{}", ctx.prefix, ctx.specs[i].name), cfg.hybrid)
+        };
+        let gate_up: Vec<usize> = [ig, iu].into_iter().filter(|&i| is_active(i)).collect();
+        let down: Vec<usize> = [id].into_iter().filter(|&i| is_active(i)).collect();
+        if gate_up.is_empty() && down.is_empty() {
+            continue;
+        }
+        let percent = 100.0 * n_e as f64 / ctx.n_tokens.max(1) as f64;
+        if n_e == 0 || percent < ctx.job.expert_min_token_percent {
+            for &i in gate_up.iter().chain(&down) {
+                let w = &lw
+                    .module(i)
+                    .ok_or_else(|| QuantError::Numeric(format!("module index {i}")))?
+                    .w;
+                let q = rtn_quantize(w, &ctx.job.params);
+                if let Some(l) = lw.module_mut(i) {
+                    l.w = dequantize_weight(&q);
+                }
+                results[i] = Some(q);
+                low_rtn += 1;
+            }
+            continue;
+        }
+        // The rows this expert sees, post-attention-norm, one sample at a time.
+        let rows_of = |s: usize| -> Mat<f32> {
+            let x = hidden[s].as_ref();
+            if shared {
+                rms_norm(x, &post_norm, eps)
+            } else {
+                let sub = gather_rows(x, &routed[s][e]);
+                rms_norm(sub.as_ref(), &post_norm, eps)
+            }
+        };
+        let alpha = 2.0 / n_e as f32;
+        let name = |i: usize| format!("{}{}", ctx.prefix, ctx.specs[i].name);
+        if !gate_up.is_empty() {
+            let cols = cfg.hidden_size;
+            let mut h = Mat::<f32>::zeros(cols, cols);
+            for s in 0..hidden.len() {
+                let a = rows_of(s);
+                if a.nrows() > 0 {
+                    ctx.backend
+                        .accumulate_hessian(h.as_mut(), a.as_ref(), alpha);
+                }
+            }
+            let names: Vec<String> = gate_up.iter().map(|&i| name(i)).collect();
+            solve_group(
+                ctx.job,
+                ctx.backend,
+                ctx.events,
+                h,
+                lw,
+                &gate_up,
+                &names,
+                results,
+            )?;
+        }
+        if !down.is_empty() {
+            let (g, u) = match (lw.module(ig), lw.module(iu)) {
+                (Some(g), Some(u)) => (g, u),
+                _ => return Err(QuantError::Numeric(format!("{}: expert {e}", ctx.prefix))),
+            };
+            let cols = g.w.nrows();
+            let mut h = Mat::<f32>::zeros(cols, cols);
+            for s in 0..hidden.len() {
+                let a = rows_of(s);
+                if a.nrows() > 0 {
+                    let act = swiglu(g, u, a.as_ref());
+                    ctx.backend
+                        .accumulate_hessian(h.as_mut(), act.as_ref(), alpha);
+                }
+            }
+            let names: Vec<String> = down.iter().map(|&i| name(i)).collect();
+            solve_group(
+                ctx.job,
+                ctx.backend,
+                ctx.events,
+                h,
+                lw,
+                &down,
+                &names,
+                results,
+            )?;
+        }
+    }
+    Ok((tokens, low_rtn))
+}
+
+/// The expert-coverage report of a MoE run (quality sidecar `expertCoverage`).
+struct ExpertCoverage {
+    threshold_percent: f64,
+    n_tokens: usize,
+    layers: Vec<Value>,
+    experts: u64,
+    low_experts: u64,
+    low_modules: u64,
+    min_percent: f64,
+}
+
+impl ExpertCoverage {
+    fn new(threshold_percent: f64, n_tokens: usize) -> Self {
+        ExpertCoverage {
+            threshold_percent,
+            n_tokens,
+            layers: Vec::new(),
+            experts: 0,
+            low_experts: 0,
+            low_modules: 0,
+            min_percent: f64::INFINITY,
+        }
+    }
+
+    fn add_layer(&mut self, layer: usize, tokens: &[u64], low_modules: u64) {
+        if tokens.is_empty() {
+            return;
+        }
+        let pct = |t: u64| 100.0 * t as f64 / self.n_tokens.max(1) as f64;
+        self.experts += tokens.len() as u64;
+        self.low_experts += tokens
+            .iter()
+            .filter(|&&t| t == 0 || pct(t) < self.threshold_percent)
+            .count() as u64;
+        self.low_modules += low_modules;
+        for &t in tokens {
+            self.min_percent = self.min_percent.min(pct(t));
+        }
+        self.layers
+            .push(json!({"layer": layer, "tokensPerExpert": tokens}));
+    }
+
+    fn report(&self) -> Option<Value> {
+        (self.experts > 0).then(|| {
+            json!({
+                "thresholdPercent": self.threshold_percent,
+                "calibrationTokens": self.n_tokens,
+                "experts": self.experts,
+                "lowCoverageExperts": self.low_experts,
+                "lowCoverageRtnModules": self.low_modules,
+                "minExpertTokenPercent": (self.min_percent * 1000.0).round() / 1000.0,
+                "layers": self.layers,
+            })
+        })
+    }
+}
+
 pub fn run(
     job: &QuantizeJob,
     backend: &dyn LinalgBackend,
@@ -402,6 +664,7 @@ pub fn run(
     let mut progress = Progress { events, last: 0.0 };
     let final_dir = job.output_dir();
 
+    let exclusion = Exclusion::parse(job.dynamic_exclusion.as_deref())?;
     let cfg = ModelConfig::load(&job.model_dir)?;
     let store = TensorStore::open_dir(&job.model_dir)?;
     if !job.dataset.is_file() {
@@ -444,10 +707,14 @@ pub fn run(
     }
 
     let mut excluded = Vec::new();
+    // Block-relative names of the modules quantized in each layer (the written config lists them).
+    let mut quantized_names: Vec<Vec<String>> = Vec::with_capacity(cfg.num_layers);
     for layer in 0..cfg.num_layers {
-        for (i, m) in LINEARS.iter().enumerate() {
-            let name = format!("{}{m}", cfg.layer_prefix(layer));
-            let (rows, cols) = linear_shape(&cfg, i);
+        let prefix = cfg.layer_prefix(layer);
+        let mut names = Vec::new();
+        for spec in layer_modules(&cfg, layer) {
+            let name = format!("{prefix}{}", spec.name);
+            let (rows, cols) = spec.shape;
             let e = store.entry(&format!("{name}.weight"))?;
             if e.shape != [rows, cols] {
                 return Err(QuantError::Input(format!(
@@ -455,26 +722,52 @@ pub fn run(
                     e.shape
                 )));
             }
-            if job.excluded(&name) {
+            if exclusion.excludes(&name, cfg.hybrid) {
                 excluded.push(name);
             } else {
                 job.params.check_shape(&name, rows, cols)?;
+                names.push(spec.name);
             }
         }
+        if let Some(m) = cfg.sparse_layer(layer) {
+            let router = format!("{prefix}{}gate.weight", m.spec.style.base());
+            let e = store.entry(&router)?;
+            if e.shape != [m.num_experts, cfg.hidden_size] {
+                return Err(QuantError::Input(format!(
+                    "{router} has shape {:?}, config.json implies [{}, {}]",
+                    e.shape, m.num_experts, cfg.hidden_size
+                )));
+            }
+        }
+        quantized_names.push(names);
     }
-    let samples = load_samples(&job.model_dir, &job.dataset, &job.calib)?;
+    let loaded = load_samples_counted(&job.model_dir, &job.dataset, &job.calib)?;
+    if loaded.skipped_unencodable > 0 {
+        tracing::warn!(
+            skipped = loaded.skipped_unencodable,
+            "calibration samples skipped: their text needs bytes tokenizer.json's vocabulary lacks"
+        );
+    }
+    let skipped = loaded.skipped_unencodable;
+    let samples = loaded.ids;
     let n_tokens: usize = samples.iter().map(Vec::len).sum();
     progress.emit(
         "calibration",
         0.0,
         format!(
-            "{} samples, {n_tokens} tokens, backend {}",
+            "{} samples, {n_tokens} tokens, backend {}{}",
             samples.len(),
-            backend.name()
+            backend.name(),
+            if skipped > 0 {
+                format!(", {skipped} samples skipped (bytes the tokenizer vocabulary lacks)")
+            } else {
+                String::new()
+            }
         ),
         fields([
             ("samples", json!(samples.len())),
             ("tokens", json!(n_tokens)),
+            ("skippedSamples", json!(skipped)),
         ]),
     );
     let mut cache = LayerCache::open(
@@ -502,6 +795,7 @@ pub fn run(
     let layers = cfg.num_layers;
     let pct = |done: f64| 95.0 * done / layers.max(1) as f64;
     let (mut gptq_count, mut rtn_count) = (0u64, 0u64);
+    let mut coverage = ExpertCoverage::new(job.expert_min_token_percent, n_tokens);
 
     for layer in 0..layers {
         let prefix = cfg.layer_prefix(layer);
@@ -529,16 +823,19 @@ pub fn run(
                 bits: job.params.bits,
                 format: ZeroFormat::for_sym(job.params.sym),
             };
-            for (i, m) in LINEARS.iter().enumerate() {
-                let name = format!("{prefix}{m}");
+            for (i, spec) in layer_modules(&cfg, layer).iter().enumerate() {
+                let name = format!("{prefix}{}", spec.name);
                 if cstore.contains(&format!("{name}.qweight")) {
-                    lw.linears[i].w =
-                        load_linear(&cstore, &name, linear_shape(&cfg, i), Some(gq))?.w;
+                    let w = load_linear(&cstore, &name, spec.shape, Some(gq))?.w;
+                    if let Some(l) = lw.module_mut(i) {
+                        l.w = w;
+                    }
                 }
             }
             let entry = &cache.manifest.layers[layer];
             gptq_count += entry.gptq_modules;
             rtn_count += entry.rtn_modules;
+            coverage.add_layer(layer, &entry.expert_tokens, entry.low_coverage_rtn_modules);
             progress.emit(
                 "quantize",
                 pct(layer as f64 + 1.0),
@@ -546,17 +843,28 @@ pub fn run(
                 layer_extra(layer + 1),
             );
         } else {
-            let mut results: Vec<Option<QuantizedLinear>> = vec![None; 7];
+            let specs = layer_modules(&cfg, layer);
+            let mut results: Vec<Option<QuantizedLinear>> = vec![None; specs.len()];
+            let sparse = cfg.sparse_layer(layer).cloned();
+            let mut low_rtn = 0u64;
+            let mut expert_tokens = Vec::new();
             // True sequential: every stage sees the modules before it already quantized. The attention output
             // feeds two stages (o_proj's Hessian, then the residual for gate/up); it is computed again for the
             // second rather than kept, so the calibration activations are resident once, not twice.
             for (stage, group) in STAGES.iter().zip(INPUT_GROUPS.iter()) {
+                if sparse.is_some() && *stage == Stage::Down {
+                    break;
+                }
+                let moe_gate_up = sparse.is_some() && *stage == Stage::GateUp;
+                let group: &[usize] = if moe_gate_up { &[] } else { group };
                 let active: Vec<usize> = group
                     .iter()
                     .copied()
-                    .filter(|&i| !job.excluded(&format!("{prefix}{}", LINEARS[i])))
+                    .filter(|&i| {
+                        !exclusion.excludes(&format!("{prefix}{}", specs[i].name), cfg.hybrid)
+                    })
                     .collect();
-                let cols = lw.linears[group[0]].w.ncols();
+                let cols = group.first().map_or(0, |&g| lw.linears[g].w.ncols());
                 let mut h = Mat::<f32>::zeros(
                     if active.is_empty() { 0 } else { cols },
                     if active.is_empty() { 0 } else { cols },
@@ -578,10 +886,13 @@ pub fn run(
                                 drop(hn);
                                 // The residual after attention replaces the layer input in place (the input
                                 // is not needed any more; no second activation-sized buffer).
-                                let o = linear(att.as_ref(), &lw.linears[3]);
+                                let o = attention_delta(&cfg, &lw, att.as_ref());
                                 drop(att);
                                 add_in_place(x, &o);
                                 drop(o);
+                                if active.is_empty() {
+                                    continue;
+                                }
                                 rms_norm(x.as_ref(), &lw.post_norm, cfg.rms_norm_eps)
                             }
                             Stage::Down => mlp_activation(&cfg, &lw, x.as_ref()),
@@ -613,45 +924,46 @@ pub fn run(
                 if active.is_empty() {
                     continue;
                 }
-                // The per-sample stage inputs are gone: hand their memory back before the factorisation.
-                release_free_memory();
-                backend.finish_hessian(h.as_mut());
                 let names: Vec<String> = active
                     .iter()
-                    .map(|&i| format!("{prefix}{}", LINEARS[i]))
+                    .map(|&i| format!("{prefix}{}", specs[i].name))
                     .collect();
-                let outcome = prepare_factor(
+                solve_group(
+                    job,
                     backend,
-                    h,
-                    job.params.desc_act,
-                    &job.recovery,
-                    &names.join(","),
                     events,
-                );
-                // The Hessian was consumed by the factorisation: hand its memory back before the sweep.
-                release_free_memory();
-                // The solver's buffers, shared by the modules of this input group (q/k/v, gate/up) and
-                // dropped with it, so they do not stay resident through the next stages' forward passes.
-                let mut workspace = Workspace::default();
-                for &i in &active {
-                    let q = match &outcome {
-                        FactorOutcome::Factor(f) => gptq_quantize_in(
-                            &mut workspace,
-                            backend,
-                            &lw.linears[i].w,
-                            f,
-                            &job.params,
-                        ),
-                        FactorOutcome::Exhausted => rtn_quantize(&lw.linears[i].w, &job.params),
-                    };
-                    lw.linears[i].w = dequantize_weight(&q);
-                    results[i] = Some(q);
-                }
-                release_free_memory();
+                    h,
+                    &mut lw,
+                    &active,
+                    &names,
+                    &mut results,
+                )?;
                 progress.emit(
                     "quantize",
                     pct(layer as f64 + (*stage as usize + 1) as f64 / 5.0),
                     format!("layer {}/{layers}: {}", layer + 1, names.join(", ")),
+                    layer_extra(layer),
+                );
+            }
+            if let Some(m) = &sparse {
+                let ctx = ExpertCtx {
+                    job,
+                    backend,
+                    events,
+                    cfg: &cfg,
+                    moe: m,
+                    prefix: &prefix,
+                    specs: &specs,
+                    exclusion: &exclusion,
+                    n_tokens,
+                };
+                let (tokens, low) = quantize_experts(&ctx, &hidden, &mut lw, &mut results)?;
+                expert_tokens = tokens;
+                low_rtn = low;
+                progress.emit(
+                    "quantize",
+                    pct(layer as f64 + 0.9),
+                    format!("layer {}/{layers}: {} experts", layer + 1, m.num_experts),
                     layer_extra(layer),
                 );
             }
@@ -663,10 +975,21 @@ pub fn run(
                         Method::Gptq => g += 1,
                         Method::Rtn => r += 1,
                     }
-                    tensors.extend(module_tensors(&format!("{prefix}{}", LINEARS[i]), q));
+                    tensors.extend(module_tensors(&format!("{prefix}{}", specs[i].name), q));
                 }
             }
-            cache.write_layer(layer, &tensors, g, r, events)?;
+            coverage.add_layer(layer, &expert_tokens, low_rtn);
+            cache.write_layer(
+                layer,
+                &tensors,
+                LayerStats {
+                    gptq_modules: g,
+                    rtn_modules: r,
+                    expert_tokens,
+                    low_coverage_rtn_modules: low_rtn,
+                },
+                events,
+            )?;
             drop(tensors);
             release_free_memory();
             tracing::info!(
@@ -687,9 +1010,7 @@ pub fn run(
         }
         if hidden_is_x1 {
             for x in hidden.iter_mut() {
-                let act = mlp_activation(&cfg, &lw, x.as_ref());
-                let dn = linear(act.as_ref(), &lw.linears[6]);
-                drop(act);
+                let dn = mlp_output(&cfg, &lw, x.as_ref());
                 add_in_place(x, &dn);
             }
         } else {
@@ -744,8 +1065,11 @@ pub fn run(
             });
         }
     }
-    let quality_json =
+    let mut quality_json =
         serde_json::to_value(&quality).map_err(|e| QuantError::Numeric(e.to_string()))?;
+    if let (Some(report), Some(obj)) = (coverage.report(), quality_json.as_object_mut()) {
+        obj.insert("expertCoverage".into(), report);
+    }
     if quality.failed() {
         // The gate runs before anything is written: a rejected run leaves the artifact at `out_dir` (and
         // its status) untouched, writes no `.save-complete`, and removes its staging directory. The layer
@@ -761,7 +1085,7 @@ pub fn run(
         );
         return Err(QuantError::GateFailed(quality));
     }
-    let qc = quantize_config_json(job, &excluded);
+    let qc = quantize_config_json(job, &quantized_names, &excluded);
     let mut config_json = cfg.raw.clone();
 
     config_json["quantization_config"] = qc.clone();

@@ -47,9 +47,14 @@ pub struct QuantizeArgs {
     /// Compute all group parameters before the sweep (keeps g_idx monotonic with desc_act).
     #[arg(long, value_parser = parse_bool_arg, action = clap::ArgAction::Set, default_value = "false")]
     pub static_groups: bool,
-    /// `gdn`, or a comma list of module-name substrings kept in full precision.
+    /// `auto`, `gdn`, `none`, or a comma list of module-name substrings kept in full precision
+    /// (`flexinfer_quant::exclusion`).
     #[arg(long, env = env::DYNAMIC_EXCLUSION)]
     pub dynamic_exclusion: Option<String>,
+    /// MoE: experts routed fewer than this percentage of the calibration tokens take RTN (counted in the gate
+    /// and in the quality sidecar's `expertCoverage`).
+    #[arg(long, default_value_t = flexinfer_quant::pipeline::DEFAULT_EXPERT_MIN_TOKEN_PERCENT)]
+    pub expert_min_token_percent: f64,
     #[arg(long, env = env::MAX_SEQ_LEN, default_value_t = 2048)]
     pub max_seq_len: usize,
     #[arg(long, env = env::MAX_SAMPLES, default_value_t = 128)]
@@ -228,6 +233,7 @@ pub fn job_from_args(args: &QuantizeArgs) -> Result<QuantizeJob, WorkerError> {
             .dynamic_exclusion
             .clone()
             .filter(|s| !s.trim().is_empty()),
+        expert_min_token_percent: args.expert_min_token_percent,
         resume_layers: args.resume_layers,
         verify_save_sha256: args.verify_save_sha256,
         max_shard_bytes: args.max_shard_bytes.max(1),

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use faer::Mat;
 use flexinfer_contract::{events, ProgressEvent};
-use flexinfer_quant::llama::{embed, linear, rms_norm, Rope};
+use flexinfer_quant::llama::{cap_logits, embed, final_norm_weight, linear, rms_norm, Rope};
 use flexinfer_quant::model::{load_linear, ModelConfig};
 use flexinfer_quant::tensors::TensorStore;
 
@@ -89,7 +89,7 @@ fn perplexity(
     plan: &Plan,
     r: Option<&[f32]>,
 ) -> Result<f64, WorkerError> {
-    let norm_w = store.f32("model.norm.weight").map_err(quant_err)?;
+    let norm_w = final_norm_weight(store, cfg).map_err(quant_err)?;
     let head_name = if store.contains("lm_head.weight") {
         "lm_head"
     } else {
@@ -122,7 +122,8 @@ fn perplexity(
     let (mut nll, mut count) = (0f64, 0usize);
     for (x, toks) in hs.iter().zip(tokens) {
         let xn = rms_norm(x.as_ref(), &norm_w, cfg.rms_norm_eps);
-        let logits = linear(xn.as_ref(), &head);
+        let mut logits = linear(xn.as_ref(), &head);
+        cap_logits(cfg, &mut logits);
         for t in 0..toks.len().saturating_sub(1) {
             let target = toks[t + 1] as usize;
             if target >= logits.ncols() {

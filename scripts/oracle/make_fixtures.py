@@ -1,0 +1,271 @@
+#!/usr/bin/env python3
+"""Oracle fixtures for the engine's calibration forward (issue #17), generated with Hugging Face transformers.
+
+For each family: a tiny random-weight model is built with transformers (f32, eager attention), run on fixed
+token ids, and written to tests/fixtures/oracle/<name>/ as
+  config.json          the model's config (architectures set)
+  model.safetensors    the weights in the hub checkpoint layout (per-expert tensors, e.g. Mixtral's
+                       block_sparse_moe.experts.N.w1), the layout the engine reads
+  expected/expected.safetensors  hidden.<l> (the residual stream after decoder layer l, [tokens, hidden]) and
+                       logits (kept out of the model directory's own *.safetensors)
+  expected/expected.json  token ids, the router's top-k expert ids per token for every sparse layer, versions
+
+The written weights are loaded back with transformers' own from_pretrained (which converts the hub layout to its
+fused in-memory experts) and must give the same logits: that checks the layout conversion of this script.
+
+Run with `make oracle` (needs torch, transformers, safetensors; not part of CI). The Rust side is
+crates/flexinfer-quant/tests/oracle.rs. Deterministic: fixed seeds.
+"""
+
+import json
+import os
+import sys
+import tempfile
+
+import torch
+import transformers
+from safetensors.torch import save_file
+
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "fixtures", "oracle")
+
+COMMON = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=96,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+    attention_dropout=0.0,
+)
+
+FAMILIES = {
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+        ),
+    ),
+    "qwen3_moe_no_norm_topk": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=False,
+        ),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=None,
+        ),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            use_sliding_window=False,
+        ),
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(num_hidden_layers=2, intermediate_size=64),
+    ),
+    # Gemma: (1 + w) norms, embeddings × sqrt(hidden), GELU-tanh, post-attention / pre- and post-feedforward
+    # norms, query_pre_attn_scalar. A sliding window shorter than the token ids, so the local mask matters.
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            intermediate_size=128,
+            sliding_window=6,
+            query_pre_attn_scalar=24,
+            tie_word_embeddings=True,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+    ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            intermediate_size=128,
+            sliding_window=6,
+            query_pre_attn_scalar=24,
+            tie_word_embeddings=True,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        ),
+    ),
+}
+
+TOKENS = [3, 17, 42, 5, 88, 61, 0, 23, 23, 77, 9, 50, 31, 14, 95, 2, 66, 40, 11, 8]
+
+
+def init_weights(model, seed):
+    """Realistically scaled random weights: N(0, 1/fan_in) matrices, norms near 1, a sharper router."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                scale = 3.0 if name.endswith("mlp.gate.weight") else 1.0
+                p.copy_(scale * torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+
+
+def hub_state_dict(model, arch):
+    """The in-memory state dict in the hub checkpoint layout (one tensor per expert projection)."""
+    out = {}
+    tied = model.config.tie_word_embeddings
+    for k, v in model.state_dict().items():
+        if tied and k == "lm_head.weight":
+            continue
+        v = v.detach().contiguous()
+        if ".experts.gate_up_proj" in k:
+            base = k[: k.index(".experts.gate_up_proj")]
+            inter = v.shape[1] // 2
+            for e in range(v.shape[0]):
+                if arch == "MixtralForCausalLM":
+                    b = base.replace(".mlp", ".block_sparse_moe")
+                    out[f"{b}.experts.{e}.w1.weight"] = v[e, :inter].clone()
+                    out[f"{b}.experts.{e}.w3.weight"] = v[e, inter:].clone()
+                else:
+                    out[f"{base}.experts.{e}.gate_proj.weight"] = v[e, :inter].clone()
+                    out[f"{base}.experts.{e}.up_proj.weight"] = v[e, inter:].clone()
+        elif ".experts.down_proj" in k:
+            base = k[: k.index(".experts.down_proj")]
+            for e in range(v.shape[0]):
+                if arch == "MixtralForCausalLM":
+                    b = base.replace(".mlp", ".block_sparse_moe")
+                    out[f"{b}.experts.{e}.w2.weight"] = v[e].clone()
+                else:
+                    out[f"{base}.experts.{e}.down_proj.weight"] = v[e].clone()
+        elif arch == "MixtralForCausalLM" and ".mlp.gate." in k:
+            out[k.replace(".mlp.", ".block_sparse_moe.")] = v.clone()
+        else:
+            out[k] = v.clone()
+    return out
+
+
+def run_one(name, cfg_cls, arch, extra, seed):
+    common = dict(COMMON)
+    if "rope_parameters" in extra:
+        common.pop("rope_theta")
+    for k in extra:
+        common.pop(k, None)
+    cfg = getattr(transformers, cfg_cls)(**common, **extra)
+    cfg.architectures = [arch]
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(cfg).to(torch.float32)
+    model.config._attn_implementation = "eager"
+    init_weights(model, seed)
+    model.eval()
+
+    hidden, topk = {}, {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        def grab(_m, _inp, out, i=i):
+            hidden[i] = (out[0] if isinstance(out, tuple) else out)[0].detach().clone()
+        hooks.append(layer.register_forward_hook(grab))
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None and hasattr(gate, "top_k"):
+            def grab_router(_m, _inp, out, i=i):
+                topk[i] = out[2].detach().tolist()
+            hooks.append(gate.register_forward_hook(grab_router))
+    ids = torch.tensor([TOKENS])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].detach().clone()
+    for h in hooks:
+        h.remove()
+
+    d = os.path.join(OUT, name)
+    os.makedirs(d, exist_ok=True)
+    cfg_dict = cfg.to_dict()
+    cfg_dict.pop("_attn_implementation_autoset", None)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg_dict, f, indent=1, sort_keys=True)
+    save_file(hub_state_dict(model, arch), os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    expected = {f"hidden.{i}": t.contiguous() for i, t in hidden.items()}
+    expected["logits"] = logits.contiguous()
+    os.makedirs(os.path.join(d, "expected"), exist_ok=True)
+    save_file(expected, os.path.join(d, "expected", "expected.safetensors"))
+    with open(os.path.join(d, "expected", "expected.json"), "w") as f:
+        json.dump(
+            {
+                "tokens": TOKENS,
+                "router_topk": {str(k): v for k, v in sorted(topk.items())},
+                "transformers": transformers.__version__,
+                "torch": torch.__version__,
+                "seed": seed,
+            },
+            f,
+            indent=None,
+        )
+
+    # The hub layout written above must load into transformers and give the same logits.
+    reloaded = getattr(transformers, arch).from_pretrained(d, torch_dtype=torch.float32, attn_implementation="eager")
+    reloaded.eval()
+    with torch.no_grad():
+        again = reloaded(input_ids=ids).logits[0]
+    err = (again - logits).abs().max().item()
+    if err > 1e-5:
+        sys.exit(f"{name}: the written checkpoint reloads with logits differing by {err}")
+    print(f"{name}: {len(hidden)} layers, sparse layers {sorted(topk)}, reload max |Δlogits| {err:.2e}")
+
+
+def check_quantized(path):
+    """Whether transformers loads a gptq checkpoint written by the engine (needs a GPTQ backend package)."""
+    try:
+        m = transformers.AutoModelForCausalLM.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - the note records what happened
+        return f"not loaded: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return f"loaded as {type(m).__name__}"
+
+
+def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "--check-quantized":
+        for p in sys.argv[2:]:
+            print(f"{p}: {check_quantized(p)}")
+        return
+    for i, (name, (cfg_cls, arch, extra)) in enumerate(FAMILIES.items()):
+        run_one(name, cfg_cls, arch, extra, seed=1000 + i)
+
+
+if __name__ == "__main__":
+    main()
