@@ -27,7 +27,7 @@ impl Arch {
         let raw = super::output::read_config(model_dir)?;
         let cfg = ModelConfig::from_json(raw).map_err(|e| {
             WorkerError::BadInput(format!(
-                "estimating the refusal direction needs the engine's forward ({SUPPORTED}): {e}"
+                "estimating the refusal direction needs the engine's Llama-family forward ({SUPPORTED}): {e}"
             ))
         })?;
         if cfg.gemma.is_some() {
