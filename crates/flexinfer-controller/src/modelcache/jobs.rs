@@ -423,7 +423,7 @@ pub fn build_job(
     }
 
     let mut tolerations = Vec::new();
-    if t.gpu {
+    if t.gpu_pinned {
         tolerations.push(Toleration {
             key: Some(contract::controller::GPU_TOLERATION_KEY.into()),
             operator: Some("Equal".into()),

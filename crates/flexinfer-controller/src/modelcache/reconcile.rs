@@ -1,6 +1,6 @@
 //! The thin reconciler: observe (Jobs, pods, PVC, GPUProfiles, log tail), call [`plan`], apply.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -15,10 +15,11 @@ use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolumeClaim, Pod};
 use kube::api::{
     Api, DeleteParams, ListParams, LogParams, Patch, PatchParams, PostParams, PropagationPolicy,
 };
+use kube::core::PartialObjectMeta;
 use kube::runtime::controller::{Action as CtrlAction, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
-use kube::runtime::watcher;
+use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Client, Resource, ResourceExt};
 use tracing::{debug, info, warn};
 
@@ -102,6 +103,11 @@ pub async fn run(
         config,
         log_reads: Mutex::new(HashMap::new()),
     });
+    let cache_meta: Api<PartialObjectMeta<ModelCache>> = match &namespace {
+        Some(ns) => Api::namespaced(ctx.client.clone(), ns),
+        None => Api::all(ctx.client.clone()),
+    };
+    let forget = forget_deleted_caches(cache_meta, ctx.metrics.clone());
     let controller = Controller::new(caches, watcher::Config::default());
     let store = controller.store();
     let job_wc = watcher::Config::default().labels(&format!(
@@ -109,7 +115,7 @@ pub async fn run(
         labels::MANAGED_BY,
         labels::MANAGED_BY_VALUE
     ));
-    controller
+    let run = controller
         .owns(job_api, job_wc)
         .watches(
             profiles,
@@ -130,9 +136,42 @@ pub async fn run(
             if let Err(e) = res {
                 debug!(error = %e, "reconcile stream error");
             }
-        })
-        .await;
+        });
+    tokio::select! {
+        () = run => {}
+        () = forget => {}
+    }
     Ok(())
+}
+
+/// A cache deleted without a finalizer (existing claim) never reaches `reconcile`: watch the
+/// caches' metadata for deletions and drop their metric series; after every (re)list, drop the
+/// series of caches that disappeared while the watch was down.
+async fn forget_deleted_caches(caches: Api<PartialObjectMeta<ModelCache>>, m: Metrics) {
+    use kube::runtime::watcher::Event as WatchEvent;
+    let mut listed = BTreeSet::new();
+    let events = watcher(caches, watcher::Config::default()).default_backoff();
+    futures::pin_mut!(events);
+    while let Some(ev) = events.next().await {
+        match ev {
+            Ok(WatchEvent::Delete(obj)) => {
+                forget_cache_series(&m, &obj.name_any(), &obj.namespace().unwrap_or_default())
+            }
+            Ok(WatchEvent::Init) => listed.clear(),
+            Ok(WatchEvent::InitApply(obj)) => {
+                listed.insert((obj.name_any(), obj.namespace().unwrap_or_default()));
+            }
+            Ok(WatchEvent::InitDone) => {
+                for (name, ns) in cache_series_keys(&m) {
+                    if !listed.contains(&(name.clone(), ns.clone())) {
+                        forget_cache_series(&m, &name, &ns);
+                    }
+                }
+            }
+            Ok(WatchEvent::Apply(_)) => {}
+            Err(e) => debug!(error = %e, "cache deletion watch error"),
+        }
+    }
 }
 
 fn error_policy(mc: Arc<ModelCache>, err: &Error, ctx: Arc<Context>) -> CtrlAction {
@@ -471,23 +510,72 @@ fn forget_job_series(m: &crate::metrics::Metrics, name: &str, ns: &str, running:
     }
 }
 
+/// Drop every series of a cache: it is being deleted or is gone (deleted without a finalizer,
+/// or while the controller was away), so no alert may keep firing for it.
+pub(crate) fn forget_cache_series(m: &crate::metrics::Metrics, name: &str, ns: &str) {
+    forget_job_series(m, name, ns, None);
+    for ph in CachePhase::ALL {
+        let _ = m
+            .modelcache_phase
+            .remove_label_values(&[name, ns, ph.as_str()]);
+    }
+    for phase in JobPhase::ALL {
+        let _ = m
+            .job_progress_percent
+            .remove_label_values(&[name, ns, phase.status_name()]);
+    }
+    for r in contract::FailureReason::ALL {
+        let _ = m
+            .model_cache_failures_total
+            .remove_label_values(&[name, ns, r.as_str()]);
+    }
+    for status in ["succeeded", "failed"] {
+        let _ = m
+            .quantization_jobs_total
+            .remove_label_values(&[name, ns, status]);
+    }
+    let _ = m
+        .quantization_compression_ratio
+        .remove_label_values(&[name, ns]);
+    let _ = m
+        .quantization_duration_seconds
+        .remove_label_values(&[name, ns]);
+}
+
+/// `(cache, namespace)` of every cache that has per-cache series.
+fn cache_series_keys(m: &crate::metrics::Metrics) -> BTreeSet<(String, String)> {
+    use prometheus::core::Collector;
+    let mut out = BTreeSet::new();
+    let families = m
+        .modelcache_phase
+        .collect()
+        .into_iter()
+        .chain(m.job_progress_percent.collect());
+    for fam in families {
+        for metric in fam.get_metric() {
+            let label = |n: &str| {
+                metric
+                    .get_label()
+                    .iter()
+                    .find(|l| l.name() == n)
+                    .map(|l| l.value().to_string())
+            };
+            if let (Some(c), Some(ns)) = (
+                label("cache").or_else(|| label("model")),
+                label("namespace"),
+            ) {
+                out.insert((c, ns));
+            }
+        }
+    }
+    out
+}
+
 fn update_metrics(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) {
     let m = &ctx.metrics;
     let name = mc.name_any();
     if mc.metadata.deletion_timestamp.is_some() {
-        forget_job_series(m, &name, ns, None);
-        for ph in CachePhase::ALL {
-            let _ = m
-                .modelcache_phase
-                .remove_label_values(&[name.as_str(), ns, ph.as_str()]);
-        }
-        for phase in JobPhase::ALL {
-            let _ = m.job_progress_percent.remove_label_values(&[
-                name.as_str(),
-                ns,
-                phase.status_name(),
-            ]);
-        }
+        forget_cache_series(m, &name, ns);
         return;
     }
     forget_job_series(m, &name, ns, p.outcome.running.map(|(ph, _, _)| ph));
