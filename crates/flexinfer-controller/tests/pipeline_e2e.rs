@@ -768,6 +768,36 @@ async fn a_pod_no_node_can_take_fails_with_the_schedulers_message() -> Result<()
     Ok(())
 }
 
+/// Status is written only from the object it was planned from: a write from a stale copy is
+/// refused (409) and changes nothing, so `retryCount` cannot go backwards.
+#[tokio::test]
+async fn a_status_planned_from_a_stale_copy_is_refused() -> Result<()> {
+    use flexinfer_api::modelcache::ModelCacheStatus;
+    use flexinfer_controller::modelcache::reconcile::{write_status, Error as RecError};
+    let w = World::new("pl-stale").await?;
+    w.apply_yaml(
+        "apiVersion: ai.flexinfer/v1alpha1\nkind: ModelCache\nmetadata: {name: s}\nspec:\n  source: org/model\n",
+    )
+    .await?;
+    let stale = w.get("s").await.context("cache")?;
+    let rv = stale.resource_version();
+    let first = ModelCacheStatus {
+        retry_count: Some(2),
+        ..Default::default()
+    };
+    let newer = write_status(&w.caches(), "s", rv.as_deref(), &first).await?;
+    assert!(newer.is_some() && newer != rv);
+    let older = ModelCacheStatus {
+        retry_count: Some(1),
+        ..Default::default()
+    };
+    let r = write_status(&w.caches(), "s", rv.as_deref(), &older).await;
+    assert!(matches!(r, Err(RecError::Conflict)), "{r:?}");
+    let now = w.get("s").await.context("cache")?;
+    assert_eq!(now.status.and_then(|s| s.retry_count), Some(2));
+    Ok(())
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())

@@ -145,31 +145,53 @@ pub async fn run(
 }
 
 /// A cache deleted without a finalizer (existing claim) never reaches `reconcile`: watch the
-/// caches' metadata for deletions and drop their metric series; after every (re)list, drop the
-/// series of caches that disappeared while the watch was down.
+/// caches' metadata and drop the series of deleted ones. A reconcile that started before the
+/// deletion may set a series again after it, so the series are also compared with the caches that
+/// exist every few seconds (and after every relist, which covers deletions while the watch was down).
 async fn forget_deleted_caches(caches: Api<PartialObjectMeta<ModelCache>>, m: Metrics) {
     use kube::runtime::watcher::Event as WatchEvent;
-    let mut listed = BTreeSet::new();
+    let key = |o: &PartialObjectMeta<ModelCache>| (o.name_any(), o.namespace().unwrap_or_default());
+    let mut existing = BTreeSet::new();
+    let mut listing = BTreeSet::new();
+    let mut synced = false;
     let events = watcher(caches, watcher::Config::default()).default_backoff();
     futures::pin_mut!(events);
-    while let Some(ev) = events.next().await {
-        match ev {
-            Ok(WatchEvent::Delete(obj)) => {
-                forget_cache_series(&m, &obj.name_any(), &obj.namespace().unwrap_or_default())
-            }
-            Ok(WatchEvent::Init) => listed.clear(),
-            Ok(WatchEvent::InitApply(obj)) => {
-                listed.insert((obj.name_any(), obj.namespace().unwrap_or_default()));
-            }
-            Ok(WatchEvent::InitDone) => {
-                for (name, ns) in cache_series_keys(&m) {
-                    if !listed.contains(&(name.clone(), ns.clone())) {
-                        forget_cache_series(&m, &name, &ns);
-                    }
+    let mut tick = tokio::time::interval(Duration::from_secs(5));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            ev = events.next() => match ev {
+                None => return,
+                Some(Ok(WatchEvent::Delete(obj))) => {
+                    let (name, ns) = key(&obj);
+                    existing.remove(&(name.clone(), ns.clone()));
+                    forget_cache_series(&m, &name, &ns);
                 }
-            }
-            Ok(WatchEvent::Apply(_)) => {}
-            Err(e) => debug!(error = %e, "cache deletion watch error"),
+                Some(Ok(WatchEvent::Apply(obj))) => {
+                    existing.insert(key(&obj));
+                }
+                Some(Ok(WatchEvent::Init)) => listing.clear(),
+                Some(Ok(WatchEvent::InitApply(obj))) => {
+                    listing.insert(key(&obj));
+                }
+                Some(Ok(WatchEvent::InitDone)) => {
+                    existing = std::mem::take(&mut listing);
+                    synced = true;
+                    forget_absent(&m, &existing);
+                }
+                Some(Err(e)) => debug!(error = %e, "cache deletion watch error"),
+            },
+            _ = tick.tick() => if synced {
+                forget_absent(&m, &existing);
+            },
+        }
+    }
+}
+
+fn forget_absent(m: &Metrics, existing: &BTreeSet<(String, String)>) {
+    for k in cache_series_keys(m) {
+        if !existing.contains(&k) {
+            forget_cache_series(m, &k.0, &k.1);
         }
     }
 }
@@ -356,22 +378,31 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
     let job_api: Api<Job> = Api::namespaced(client.clone(), ns);
     let pvc_api: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
     let mut events = Vec::new();
+    // The resourceVersion the plan was made from: every write of the cache is conditional on it,
+    // so a plan made from a stale copy (the watch cache lags our own writes) changes nothing and
+    // is made again from a fresh one. Counters such as `retryCount` never go backwards.
+    let mut rv = mc.resource_version();
+    if p.actions.contains(&Action::AddFinalizer) {
+        let mut f = mc.finalizers().to_vec();
+        f.push(contract::controller::FINALIZER_CLEANUP.to_string());
+        let patch = serde_json::json!({"metadata": {"finalizers": f, "resourceVersion": rv}});
+        match caches
+            .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(updated) => rv = updated.resource_version(),
+            // Our copy is stale (resourceVersion precondition): look again shortly.
+            Err(kube::Error::Api(e)) if e.code == 409 => return Err(Error::Conflict),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    // Status before the Jobs and PVCs it describes: if it cannot be written, nothing is done.
+    if p.status_changed {
+        rv = write_status(&caches, &name, rv.as_deref(), &p.status).await?;
+    }
     for a in &p.actions {
         match a {
-            Action::AddFinalizer => {
-                let mut f = mc.finalizers().to_vec();
-                f.push(contract::controller::FINALIZER_CLEANUP.to_string());
-                let patch = serde_json::json!({"metadata": {"finalizers": f, "resourceVersion": mc.resource_version()}});
-                match caches
-                    .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
-                    .await
-                {
-                    Ok(_) => {}
-                    // Our copy is stale (resourceVersion precondition): look again shortly.
-                    Err(kube::Error::Api(e)) if e.code == 409 => return Err(Error::Conflict),
-                    Err(e) => return Err(e.into()),
-                }
-            }
+            Action::AddFinalizer => {}
             Action::RemoveFinalizer => {
                 let f: Vec<String> = mc
                     .finalizers()
@@ -379,7 +410,8 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
                     .filter(|x| x.as_str() != contract::controller::FINALIZER_CLEANUP)
                     .cloned()
                     .collect();
-                let patch = serde_json::json!({"metadata": {"finalizers": f, "resourceVersion": mc.resource_version()}});
+                let patch =
+                    serde_json::json!({"metadata": {"finalizers": f, "resourceVersion": rv}});
                 match caches
                     .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
                     .await
@@ -467,20 +499,6 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
             }),
         }
     }
-    if p.status_changed {
-        let patch = serde_json::json!({
-            "apiVersion": "ai.flexinfer/v1alpha1",
-            "kind": "ModelCache",
-            "status": p.status,
-        });
-        caches
-            .patch_status(
-                &name,
-                &PatchParams::apply(FIELD_MANAGER).force(),
-                &Patch::Apply(&patch),
-            )
-            .await?;
-    }
     let oref = mc.object_ref(&());
     for e in events {
         if let Err(err) = ctx.recorder.publish(&e, &oref).await {
@@ -488,6 +506,36 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
         }
     }
     Ok(())
+}
+
+/// Apply a cache's status, conditional on `resource_version` when given (409 → `Error::Conflict`).
+/// Returns the cache's new resourceVersion.
+pub async fn write_status(
+    caches: &Api<ModelCache>,
+    name: &str,
+    resource_version: Option<&str>,
+    status: &flexinfer_api::modelcache::ModelCacheStatus,
+) -> Result<Option<String>, Error> {
+    let mut patch = serde_json::json!({
+        "apiVersion": "ai.flexinfer/v1alpha1",
+        "kind": "ModelCache",
+        "status": status,
+    });
+    if let Some(rv) = resource_version {
+        patch["metadata"] = serde_json::json!({ "resourceVersion": rv });
+    }
+    match caches
+        .patch_status(
+            name,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&patch),
+        )
+        .await
+    {
+        Ok(updated) => Ok(updated.resource_version()),
+        Err(kube::Error::Api(e)) if e.code == 409 => Err(Error::Conflict),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// Drop per-Job series that no longer describe a running Job, so the deadline and stall alerts stop
