@@ -1635,3 +1635,49 @@ fn a_pod_that_cannot_start_fails_the_attempt_after_the_threshold() {
         }
     }
 }
+
+#[test]
+fn pod_annotations_cannot_loosen_confinement() {
+    // (annotation on the cache, refused)
+    let cases = [
+        (
+            "flexinfer.ai/job-pod-annotations",
+            r#"{"container.apparmor.security.beta.kubernetes.io/worker":"unconfined"}"#,
+            true,
+        ),
+        (
+            "flexinfer.ai/quantize-pod-annotations",
+            r#"{"seccomp.security.alpha.kubernetes.io/pod":"unconfined"}"#,
+            true,
+        ),
+        (
+            "flexinfer.ai/download-pod-annotations",
+            r#"{"Container.Seccomp.Security.Alpha.Kubernetes.io/worker":"unconfined"}"#,
+            true,
+        ),
+        (
+            "flexinfer.ai/job-pod-annotations",
+            r#"{"prometheus.io/scrape":"true"}"#,
+            false,
+        ),
+        // Labels are not annotations: a label with that name changes nothing.
+        ("flexinfer.ai/job-pod-labels", r#"{"team":"ml"}"#, false),
+    ];
+    for (key, value, refused) in cases {
+        let mut mc = cache(SIMPLE);
+        mc.metadata.annotations = Some(BTreeMap::from([(key.to_string(), value.to_string())]));
+        let p = plan(&mc, &obs(vec![]), &cfg(), t(0));
+        let r = conditions::find(&p.status.conditions, "Ready");
+        if refused {
+            assert_eq!(
+                r.map(|c| c.reason.as_str()),
+                Some("InvalidSpec"),
+                "{key}={value}"
+            );
+            assert!(r.is_some_and(|c| c.message.contains(key)), "{r:?}");
+            assert!(created_jobs(&p).is_empty(), "{key}={value}");
+        } else {
+            assert_eq!(created_jobs(&p), vec!["mc-download"], "{key}={value}");
+        }
+    }
+}
