@@ -53,6 +53,8 @@ pub struct Context {
     pub recorder: Recorder,
     /// Last pod-log read per cache.
     log_reads: Mutex<HashMap<(String, String), Instant>>,
+    /// Consecutive reconcile failures per cache (error requeue backoff).
+    failures: crate::backoff::Failures,
 }
 
 impl Context {
@@ -102,6 +104,7 @@ pub async fn run(
         metrics,
         config,
         log_reads: Mutex::new(HashMap::new()),
+        failures: Default::default(),
     });
     let cache_meta: Api<PartialObjectMeta<ModelCache>> = match &namespace {
         Some(ns) => Api::namespaced(ctx.client.clone(), ns),
@@ -205,13 +208,21 @@ fn error_policy(mc: Arc<ModelCache>, err: &Error, ctx: Arc<Context>) -> CtrlActi
         .reconcile_errors_total
         .with_label_values(&["modelcache"])
         .inc();
-    warn!(cache = %mc.name_any(), namespace = ?mc.namespace(), error = %err, "reconcile failed");
-    CtrlAction::requeue(Duration::from_secs(5))
+    let delay = ctx.failures.failed(&failure_key(&mc));
+    warn!(cache = %mc.name_any(), namespace = ?mc.namespace(), error = %err, retry_in_ms = delay.as_millis() as u64, "reconcile failed");
+    CtrlAction::requeue(delay)
+}
+
+fn failure_key(mc: &ModelCache) -> String {
+    format!("{}/{}", mc.namespace().unwrap_or_default(), mc.name_any())
 }
 
 async fn reconcile(mc: Arc<ModelCache>, ctx: Arc<Context>) -> Result<CtrlAction, Error> {
     let t0 = Instant::now();
     let res = reconcile_inner(&mc, &ctx).await;
+    if res.is_ok() {
+        ctx.failures.succeeded(&failure_key(&mc));
+    }
     ctx.metrics
         .reconcile_duration_seconds
         .with_label_values(&["modelcache"])
