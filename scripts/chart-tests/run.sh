@@ -298,6 +298,12 @@ admit "ungated warm Model" ungated '{"team":"ml"}' '{"enabled":false}' '{"warmPo
 admit "other gate value" othergate '{"flexinfer.ai/promotion-gate":"something-else"}' '{"enabled":false}' '{}'
 t "admission: promoting a canary without validation is denied on UPDATE" bash -c \
   "out=\$(kubectl -n '$NS' patch model canary --type merge -p '{\"spec\":{\"serverless\":{\"minReplicas\":1}}}' 2>&1) && exit 1; grep -q promotion-validation <<<\"\$out\""
+t "admission: removing the gate annotation without evidence is denied on UPDATE" bash -c \
+  "out=\$(kubectl -n '$NS' annotate model canary flexinfer.ai/promotion-gate- 2>&1) && exit 1; grep -q 'removing or changing' <<<\"\$out\""
+t "admission: changing the gate value without evidence is denied on UPDATE" bash -c \
+  "out=\$(kubectl -n '$NS' annotate --overwrite model canary flexinfer.ai/promotion-gate=off 2>&1) && exit 1; grep -q 'removing or changing' <<<\"\$out\""
+t "admission: a gated canary stays a canary (still gated after the refused updates)" bash -c \
+  "[ \"\$(kubectl -n '$NS' get model canary -o jsonpath='{.metadata.annotations.flexinfer\.ai/promotion-gate}')\" = quantized-artifact-v1 ]"
 t "admission: promoting after validation is admitted" bash -c \
   "kubectl -n '$NS' annotate model canary flexinfer.ai/promotion-validation=passed && \
    kubectl -n '$NS' patch model canary --type merge -p '{\"spec\":{\"serverless\":{\"minReplicas\":1}}}'"
