@@ -26,7 +26,8 @@ ts() { local n=$1 out; shift; if out=$("$HELM" "$@" 2>&1); then fail "$n" "unexp
 cleanup() {
   if [ "$LIVE" = 1 ]; then
     "$HELM" uninstall "$REL" -n "$NS" --wait=false >/dev/null 2>&1
-    kubectl delete ns "$NS" "$NS-other" --wait=false >/dev/null 2>&1
+    "$HELM" uninstall "$REL-scoped" -n "$NS-scoped" --wait=false >/dev/null 2>&1
+    kubectl delete ns "$NS" "$NS-other" "$NS-scoped" "$NS-watched" --wait=false >/dev/null 2>&1
     kubectl delete validatingadmissionpolicy,validatingadmissionpolicybinding -l "app.kubernetes.io/instance=$REL" >/dev/null 2>&1
     [ "$CREATED_STUBS" = 1 ] && kubectl delete -f "$HERE/fixtures/stub-crds.yaml" --timeout=60s >/dev/null 2>&1
   fi
@@ -174,9 +175,9 @@ t "metrics Service, ServiceMonitor, PrometheusRule, GPUProfiles, worker SAs exis
 
 echo "== live: RBAC matrix (as $SA, with a ServiceAccount token)"
 # sa_kubeconfig SA OUT: a kubeconfig that authenticates with a TokenRequest token of the ServiceAccount only.
-sa_kubeconfig() {
+sa_kubeconfig() {  # sa_kubeconfig SA OUT [NAMESPACE]
   local tok srv ca
-  tok=$(kubectl -n "$NS" create token "$1" --duration=15m) || return 1
+  tok=$(kubectl -n "${3:-$NS}" create token "$1" --duration=15m) || return 1
   srv=$(kubectl config view --minify --raw -o jsonpath='{.clusters[0].cluster.server}')
   ca=$(kubectl config view --minify --raw -o jsonpath='{.clusters[0].cluster.certificate-authority-data}')
   if [ -n "$ca" ]; then echo "$ca" | base64 -d > "$2.ca"
@@ -265,6 +266,45 @@ pbad=$(for v in "${proxy_yes[@]}"; do for n in "$NS" "$NS-other"; do
   || pbad="$pbad proxy token does not authenticate as $PSA"
 [ -z "$pbad" ] && pass "RBAC: proxy ServiceAccount: ${#proxy_yes[@]} needed verbs allowed, ${#proxy_no[@]} others (Secrets, Model specs) denied" \
   || fail "RBAC: proxy ServiceAccount" "$pbad"
+
+echo "== live: namespace-scoped install (watchNamespaces)"
+SREL=$REL-scoped
+kubectl create ns "$NS-scoped" >/dev/null && kubectl create ns "$NS-watched" >/dev/null
+t "helm install with watchNamespaces={$NS-watched}" "$HELM" install "$SREL" "$CHART" -n "$NS-scoped" \
+  --set "watchNamespaces={$NS-watched}" --set admissionPolicy.enabled=false
+t "namespace-scoped: no ClusterRole or ClusterRoleBinding of the release" bash -c \
+  "[ -z \"\$(kubectl get clusterroles,clusterrolebindings -l app.kubernetes.io/instance='$SREL' -o name)\" ]"
+t "namespace-scoped: controller and proxy watch only $NS-watched" bash -c "set -e
+  kubectl -n '$NS-scoped' get deploy '$SREL-flexinfer-controller' -o jsonpath='{.spec.template.spec.containers[0].env}' | grep -q '\"FLEXINFER_WATCH_NAMESPACE\",\"value\":\"$NS-watched\"'
+  kubectl -n '$NS-scoped' get deploy '$SREL-flexinfer-proxy' -o jsonpath='{.spec.template.spec.containers[0].env}' | grep -q '\"FLEXINFER_PROXY_WATCH_NAMESPACE\",\"value\":\"$NS-watched\"'
+  [ \"\$(kubectl -n '$NS-watched' get sa flexinfer-worker -o jsonpath='{.automountServiceAccountToken}')\" = false ]"
+sa_kubeconfig "$SREL-flexinfer-controller" "$T/ssa.kubeconfig" "$NS-scoped"
+sa_kubeconfig "$SREL-flexinfer-proxy" "$T/spsa.kubeconfig" "$NS-scoped"
+scan() { kubectl --kubeconfig="$T/ssa.kubeconfig" auth can-i "$@" 2>/dev/null; }
+spcan() { kubectl --kubeconfig="$T/spsa.kubeconfig" auth can-i "$@" 2>/dev/null; }
+sbad=""
+for v in "${rbac_yes[@]}"; do
+  # shellcheck disable=SC2086
+  [ "$(scan $v -n "$NS-watched")" = yes ] || sbad="$sbad|denied in $NS-watched: $v"
+  # shellcheck disable=SC2086
+  [ "$(scan $v -n "$NS-other")" = no ] || sbad="$sbad|allowed in $NS-other: $v"
+done
+for v in "list modelcaches.ai.flexinfer" "create jobs.batch" "delete persistentvolumeclaims" "create deployments.apps"; do
+  # shellcheck disable=SC2086
+  [ "$(scan $v --all-namespaces)" = no ] || sbad="$sbad|allowed cluster-wide: $v"
+done
+[ "$(scan get secrets -n "$NS-watched")" = no ] || sbad="$sbad|secrets allowed"
+[ "$(scan update leases.coordination.k8s.io -n "$NS-scoped")" = yes ] || sbad="$sbad|no Lease in the release namespace"
+for v in "list models.ai.flexinfer" "watch endpointslices.discovery.k8s.io" "patch models.ai.flexinfer --subresource=status"; do
+  # shellcheck disable=SC2086
+  [ "$(spcan $v -n "$NS-watched")" = yes ] || sbad="$sbad|proxy denied in $NS-watched: $v"
+  # shellcheck disable=SC2086
+  [ "$(spcan $v -n "$NS-other")" = no ] || sbad="$sbad|proxy allowed in $NS-other: $v"
+done
+[ -z "$sbad" ] && pass "RBAC (namespace-scoped): ${#rbac_yes[@]} controller verbs only in $NS-watched, nothing cluster-wide, proxy likewise" \
+  || fail "RBAC (namespace-scoped)" "${sbad//|/$'\n'}"
+t "namespace-scoped: helm uninstall" "$HELM" uninstall "$SREL" -n "$NS-scoped"
+kubectl delete ns "$NS-scoped" "$NS-watched" --wait=false >/dev/null 2>&1 || true
 
 echo "== live: promotion-gate admission policy"
 model() {  # model NAME ANNOTATIONS_JSON SERVERLESS_JSON CONFIG_JSON

@@ -301,7 +301,7 @@ struct TestProxy {
 }
 
 async fn start_proxy(client: &Client, ns: &str, keys: &str, keepalive: Duration) -> TestProxy {
-    let cluster = Cluster::start(client.clone(), Some(ns));
+    let cluster = Cluster::start(client.clone(), &[ns.to_string()]);
     assert!(cluster.wait_ready(WAIT).await, "proxy caches did not sync");
     let config = Config {
         api_keys: ApiKeys::parse(keys),
