@@ -93,15 +93,15 @@ async fn run(args: Args) -> anyhow::Result<()> {
         flexinfer_api::namespaces::parse_list(args.watch_namespace.as_deref().unwrap_or(""))
             .map_err(|e| anyhow::anyhow!("{}: {e}", env::proxy::WATCH_NAMESPACE))?;
     let cluster = Cluster::start(client, &namespaces);
-    let health = server::bind(args.health).await.context("bind health")?;
-    tokio::spawn(server::serve_health(health, cluster.clone()));
     let config = Config {
         api_keys: keys,
         max_body_bytes: args.max_body_bytes,
         keepalive_interval: keepalive,
         ..Config::default()
     };
-    let proxy = Proxy::new(cluster.clone(), config);
+    let proxy = Proxy::new(cluster.clone(), config).context("register metrics")?;
+    let health = server::bind(args.health).await.context("bind health")?;
+    tokio::spawn(server::serve_health(health, proxy.clone()));
     tokio::spawn(
         proxy
             .activity
