@@ -81,9 +81,24 @@ python3 "$HERE/extract-rules.py" "$T/rules-full.yaml" "$T/rules.yaml" < "$T/allo
   && pass "extract PrometheusRule groups" || fail "extract PrometheusRule groups" "$(cat "$T/err")"
 t "promtool check rules" promtool check rules "$T/rules-full.yaml"
 t "every alert present" bash -c "for a in FlexInferQuantizationDeadlineApproaching FlexInferQuantizationDeadlineCritical \
-  FlexInferQuantizationJobFailed FlexInferQuantizationStalled FlexInferModelCacheFailed FlexInferControllerDown; do \
+  FlexInferQuantizationJobFailed FlexInferQuantizationStalled FlexInferModelCacheFailed FlexInferProxyColdStartTimeouts \
+  FlexInferControllerDown; do \
   grep -q \"alert: \$a\$\" '$T/rules-full.yaml' || { echo missing \$a; exit 1; }; done; \
-  [ \$(grep -c 'runbook_url: .*gptq-quantization-runbook.md#' '$T/rules-full.yaml') = 6 ]"
+  [ \$(grep -c 'runbook_url: .*gptq-quantization-runbook.md#' '$T/rules-full.yaml') = 7 ]"
+t "Grafana dashboard: valid JSON, every panel queries a metric the binaries export" python3 -c "
+import json, re, glob, sys
+d = json.load(open('$CHART/dashboards/flexinfer.json'))
+src = ''.join(open(f).read() for f in glob.glob('crates/*/src/**/*.rs', recursive=True))
+used = set()
+for p in d['panels']:
+    for t in p.get('targets', []):
+        used |= {re.sub('_(bucket|sum|count)\$', '', m) for m in re.findall(r'flexinfer_[a-z_]+', t['expr'])}
+missing = sorted(m for m in used if '\"' + m + '\"' not in src)
+assert used and not missing, missing
+print(len(used), 'metrics')"
+t "Grafana dashboard ConfigMap renders the JSON" bash -c "'$HELM' template x '$CHART' --set grafanaDashboard.enabled=true \
+  --show-only templates/dashboard.yaml | python3 -c 'import sys, yaml, json; d = yaml.safe_load(sys.stdin); \
+  assert d[\"metadata\"][\"labels\"][\"grafana_dashboard\"] == \"1\"; json.loads(d[\"data\"][\"flexinfer.json\"])'"
 RUNBOOK=docs/user/gptq-quantization-runbook.md
 if [ -f "$RUNBOOK" ]; then
   t "runbook_url anchors name sections of $RUNBOOK" python3 "$HERE/check_runbook_anchors.py" "$T/rules-full.yaml" "$RUNBOOK"
@@ -101,9 +116,10 @@ mkdir -p "$T/broken"; cp "$HERE/alerts.test.yaml" "$T/broken/"
 "$HELM" template flexinfer "$CHART" --set alerting.enabled=true --set alerting.deadlineApproaching.threshold=1 \
   --set alerting.deadlineCritical.threshold=1 --set alerting.stalled.thresholdSeconds=999999 \
   --set alerting.jobFailed.window=1m --set alerting.controllerDown.upSelector='job="nope"' --set alerting.modelCacheFailed.for=1h \
+  --set alerting.proxyColdStartTimeouts.for=1h \
   | python3 "$HERE/extract-rules.py" "$T/broken/full.yaml" "$T/broken/rules.yaml" >/dev/null 2>&1
 t "promtool tests detect broken rules (mutation check)" bash -c "out=\$(promtool test rules '$T/broken/alerts.test.yaml' 2>&1); rc=\$?; \
-  [ \$rc -ne 0 ] || exit 1; for a in DeadlineApproaching DeadlineCritical JobFailed Stalled ModelCacheFailed ControllerDown; do \
+  [ \$rc -ne 0 ] || exit 1; for a in DeadlineApproaching DeadlineCritical JobFailed Stalled ModelCacheFailed ProxyColdStartTimeouts ControllerDown; do \
   grep -q \"FlexInferQuantization\$a\|FlexInfer\$a\" <<<\"\$out\" || { echo \"mutation of \$a not detected\"; exit 1; }; done"
 
 echo "== static: kustomize bases"
