@@ -32,7 +32,7 @@ struct Args {
     /// Namespace of the Lease (default: the watch namespace, else `flexinfer-system`).
     #[arg(long, env = env::controller::NAMESPACE)]
     namespace: Option<String>,
-    /// Only watch this namespace (default: all).
+    /// Only watch these namespaces, comma-separated (default: all).
     #[arg(long, env = env::controller::WATCH_NAMESPACE)]
     watch_namespace: Option<String>,
     /// Lease name.
@@ -84,8 +84,17 @@ async fn run(args: Args) -> anyhow::Result<()> {
     client.apiserver_version().await?;
     health.set_ready(true);
 
+    let watch =
+        flexinfer_api::namespaces::parse_list(args.watch_namespace.as_deref().unwrap_or(""))
+            .map_err(|e| anyhow::anyhow!("{}: {e}", env::controller::WATCH_NAMESPACE))?;
+    // One controller per watched namespace (a namespace-scoped install may not list cluster-wide).
+    let scopes: Vec<Option<String>> = if watch.is_empty() {
+        vec![None]
+    } else {
+        watch.iter().cloned().map(Some).collect()
+    };
     let config = Config::from_env();
-    info!(worker_image = ?config.worker_image, drift_grace_s = config.drift_grace.as_secs(), retry_base_s = config.retry_base.as_secs_f64(), watch_namespace = ?args.watch_namespace, "starting");
+    info!(worker_image = ?config.worker_image, drift_grace_s = config.drift_grace.as_secs(), retry_base_s = config.retry_base.as_secs_f64(), watch_namespaces = ?watch, "starting");
     let leader_elect = flexinfer_api::contract::parse_bool(&args.leader_elect).unwrap_or(true);
     let leadership = if leader_elect {
         let identity = std::env::var(flexinfer_api::contract::env::controller::POD_NAME)
@@ -95,7 +104,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         let namespace = args
             .namespace
             .clone()
-            .or_else(|| args.watch_namespace.clone())
+            .or_else(|| watch.first().cloned())
             .unwrap_or_else(|| "flexinfer-system".into());
         let cfg = LeaseConfig::new(
             namespace,
@@ -107,22 +116,26 @@ async fn run(args: Args) -> anyhow::Result<()> {
     } else {
         None
     };
-    let model_opts = model::Options {
-        namespace: args.watch_namespace.clone(),
-        ..model::Options::from_env()
-    };
-    let caches = modelcache::run(
-        client.clone(),
-        metrics.clone(),
-        config,
-        args.watch_namespace.clone(),
-    );
-    let models = model::run_with(client.clone(), metrics.clone(), model_opts);
+    let caches = futures::future::select_all(scopes.iter().map(|ns| {
+        Box::pin(modelcache::run(
+            client.clone(),
+            metrics.clone(),
+            config.clone(),
+            ns.clone(),
+        ))
+    }));
+    let models = futures::future::select_all(scopes.iter().map(|ns| {
+        let opts = model::Options {
+            namespace: ns.clone(),
+            ..model::Options::from_env()
+        };
+        Box::pin(model::run_with(client.clone(), metrics.clone(), opts))
+    }));
     // Both controllers run in this process; when one stops (shutdown signal or error) we stop.
     let controllers = async move {
         tokio::select! {
-            r = caches => r,
-            r = models => r,
+            (r, _, _) = caches => r,
+            (r, _, _) = models => r,
         }
     };
     match &leadership {
