@@ -17,10 +17,6 @@ pub mod status;
 #[cfg(test)]
 mod plan_tests;
 #[cfg(test)]
-mod render_equivalence_tests;
-#[cfg(test)]
-mod render_legacy;
-#[cfg(test)]
 mod render_tests;
 
 use std::collections::HashMap;

@@ -558,16 +558,3 @@ fn service(model: &Model) -> Service {
         status: None,
     }
 }
-
-#[cfg(test)]
-pub(super) fn model_format_for_legacy(q: ModelQuantization) -> Option<QuantFormat> {
-    model_format(q)
-}
-#[cfg(test)]
-pub(super) fn check_compat_for_legacy(f: QuantFormat, b: Backend) -> Result<(), ConfigProblem> {
-    check_compat(f, b)
-}
-#[cfg(test)]
-pub(super) fn is_dns1035_for_legacy(s: &str) -> bool {
-    is_dns1035(s)
-}
