@@ -15,7 +15,7 @@ use flexinfer_api::model::{ModelPhase, ModelStatus};
 use flexinfer_api::{GPUProfile, Model, ModelCache};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::events::EventType;
 use kube::ResourceExt;
@@ -25,6 +25,20 @@ use super::render::{self, ConfigProblem, RenderConfig, Rendered};
 use super::replicas::{self, ReplicaDecision};
 use super::status::{self, DeploymentObservation, Outcome};
 
+/// An object of the Model's name that already exists: what the planner needs to know about it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Existing {
+    pub owner_references: Vec<OwnerReference>,
+}
+
+impl Existing {
+    pub fn of(meta: &ObjectMeta) -> Self {
+        Self {
+            owner_references: meta.owner_references.clone().unwrap_or_default(),
+        }
+    }
+}
+
 /// What the reconciler observed before planning.
 #[derive(Debug, Clone, Default)]
 pub struct Observed {
@@ -32,6 +46,10 @@ pub struct Observed {
     pub cache: Option<ModelCache>,
     /// The GPUProfile the Model refers to, if found.
     pub profile: Option<GPUProfile>,
+    /// The Deployment named like the Model, if one exists.
+    pub deployment: Option<Existing>,
+    /// The Service named like the Model, if one exists.
+    pub service: Option<Existing>,
 }
 
 /// The decisions of one reconcile, before the apply.
@@ -89,6 +107,11 @@ pub fn plan(
         observed.profile.as_ref(),
         config,
     )
+    .and_then(|r| {
+        check_owner(model, "Deployment", observed.deployment.as_ref())?;
+        check_owner(model, "Service", observed.service.as_ref())?;
+        Ok(r)
+    })
     .map(|mut r| {
         if let Some(spec) = r.deployment.spec.as_mut() {
             spec.replicas = Some(replicas.replicas);
@@ -100,6 +123,42 @@ pub fn plan(
         replicas,
         children,
     }
+}
+
+/// Whether `owner` is this Model's controller reference.
+fn is_our_controller(model: &Model, owner: &OwnerReference) -> bool {
+    owner.controller == Some(true) && Some(owner.uid.as_str()) == model.metadata.uid.as_deref()
+}
+
+/// An existing child may be written only if this Model controls it (absent ones are created).
+pub fn check_owner(
+    model: &Model,
+    kind: &'static str,
+    existing: Option<&Existing>,
+) -> Result<(), ConfigProblem> {
+    let Some(existing) = existing else {
+        return Ok(());
+    };
+    let refs = &existing.owner_references;
+    if refs.iter().any(|o| is_our_controller(model, o)) {
+        return Ok(());
+    }
+    let owner = match refs.iter().find(|o| o.controller == Some(true)) {
+        Some(o) => format!("it is controlled by {} {} (uid {})", o.kind, o.name, o.uid),
+        None if refs.is_empty() => "it has no owner".to_string(),
+        None => format!(
+            "it has no controller; owners: {}",
+            refs.iter()
+                .map(|o| format!("{} {}", o.kind, o.name))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    };
+    Err(ConfigProblem::ResourceConflict {
+        kind,
+        name: model.name_any(),
+        owner,
+    })
 }
 
 /// The rollout as the applied Deployment shows it (`scheduled` is filled in from the pods).
@@ -197,6 +256,7 @@ impl ModelPlan {
         outcome: &Outcome,
     ) -> Vec<PlannedEvent> {
         let mut events = Vec::new();
+        let old_ready = old.and_then(|s| conditions::find(&s.conditions, types::READY));
         if previous != Some(phase) {
             let from = previous.map(|p| p.as_str()).unwrap_or("None");
             let note = match outcome {
@@ -214,6 +274,18 @@ impl ModelPlan {
                 action: format!("{from}To{}", phase.as_str()),
                 note,
             });
+        }
+        if let Outcome::Problem(p @ ConfigProblem::ResourceConflict { .. }) = outcome {
+            let note = p.to_string();
+            let known = old_ready.is_some_and(|c| c.reason == p.reason() && c.message == note);
+            if !known {
+                events.push(PlannedEvent {
+                    type_: EventType::Warning,
+                    reason: p.reason(),
+                    action: "Apply".into(),
+                    note,
+                });
+            }
         }
         let was_blocked = old
             .and_then(|s| conditions::find(&s.conditions, types::PROMOTION_GATE))

@@ -9,7 +9,7 @@ use flexinfer_api::modelcache::CachePhase;
 use flexinfer_api::{Model, ModelCache};
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentStatus};
 use k8s_openapi::api::core::v1::{Pod, PodSpec};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::events::EventType;
 use serde_json::{json, Value};
@@ -18,6 +18,7 @@ use super::plan::*;
 use super::render::RenderConfig;
 use super::status::DeploymentObservation;
 
+const UID: &str = "uid-model-1";
 const NOW: i64 = 1_800_000_000;
 
 fn ts(s: i64) -> Timestamp {
@@ -31,7 +32,7 @@ fn model(spec: Value, annos: &[(&str, &str)], last_active_ago: Option<i64>) -> M
         .collect();
     let mut m: Model = serde_json::from_value(json!({
         "apiVersion": "ai.flexinfer/v1alpha2", "kind": "Model",
-        "metadata": {"name": "m", "namespace": "ns", "uid": "uid-model-1", "generation": 2, "annotations": annos},
+        "metadata": {"name": "m", "namespace": "ns", "uid": UID, "generation": 2, "annotations": annos},
         "spec": spec,
     }))
     .unwrap_or_else(|e| panic!("model: {e}"));
@@ -53,6 +54,23 @@ fn pvc(extra: Value) -> Value {
         }
     }
     s
+}
+
+fn owner(kind: &str, name: &str, uid: &str, controller: Option<bool>) -> OwnerReference {
+    OwnerReference {
+        api_version: "ai.flexinfer/v1alpha2".into(),
+        kind: kind.into(),
+        name: name.into(),
+        uid: uid.into(),
+        controller,
+        block_owner_deletion: None,
+    }
+}
+
+fn existing(refs: Vec<OwnerReference>) -> Option<Existing> {
+    Some(Existing {
+        owner_references: refs,
+    })
 }
 
 fn cache(phase: &str) -> ModelCache {
@@ -95,6 +113,10 @@ const GATE: (&str, &str) = (annotations::PROMOTION_GATE, annotations::PROMOTION_
 
 fn cases() -> Vec<Case> {
     let on = || Observed::default();
+    let foreign_deploy = || Observed {
+        deployment: existing(vec![]),
+        ..Default::default()
+    };
     vec![
         Case {
             name: "new warm model, nothing scheduled yet",
@@ -249,6 +271,105 @@ fn cases() -> Vec<Case> {
             events: &[("PhaseChanged", N)],
             requeue_s: 300,
         },
+        Case {
+            name: "children controlled by this Model are updated",
+            model: model(pvc(json!({"serverless": {"minReplicas": 1}})), &[], None),
+            observed: Observed {
+                deployment: existing(vec![owner("Model", "m", UID, Some(true))]),
+                service: existing(vec![
+                    owner("Other", "x", "uid-x", None),
+                    owner("Model", "m", UID, Some(true)),
+                ]),
+                ..Default::default()
+            },
+            rollout: READY,
+            applies: true,
+            replicas: 1,
+            phase: ModelPhase::Ready,
+            ready: ("True", "Ready"),
+            message_has: &[],
+            events: &[("PhaseChanged", N)],
+            requeue_s: 300,
+        },
+        Case {
+            name: "foreign Deployment without owner is not adopted",
+            model: model(pvc(json!({"serverless": {"minReplicas": 1}})), &[], None),
+            observed: foreign_deploy(),
+            rollout: READY,
+            applies: false,
+            replicas: 1,
+            phase: ModelPhase::Failed,
+            ready: ("False", "ResourceConflict"),
+            message_has: &["Deployment m", "has no owner"],
+            events: &[("PhaseChanged", W), ("ResourceConflict", W)],
+            requeue_s: 120,
+        },
+        Case {
+            name: "foreign Service controlled by another object is not adopted",
+            model: model(pvc(json!({})), &[], None),
+            observed: Observed {
+                deployment: existing(vec![owner("Model", "m", UID, Some(true))]),
+                service: existing(vec![owner("HelmRelease", "web", "uid-h", Some(true))]),
+                ..Default::default()
+            },
+            rollout: READY,
+            applies: false,
+            replicas: 0,
+            phase: ModelPhase::Failed,
+            ready: ("False", "ResourceConflict"),
+            message_has: &["Service m", "controlled by HelmRelease web (uid uid-h)"],
+            events: &[("PhaseChanged", W), ("ResourceConflict", W)],
+            requeue_s: 120,
+        },
+        Case {
+            name: "an owner reference to this Model that is not the controller is not enough",
+            model: model(pvc(json!({})), &[], None),
+            observed: Observed {
+                deployment: existing(vec![owner("Model", "m", UID, None)]),
+                ..Default::default()
+            },
+            rollout: READY,
+            applies: false,
+            replicas: 0,
+            phase: ModelPhase::Failed,
+            ready: ("False", "ResourceConflict"),
+            message_has: &["no controller; owners: Model m"],
+            events: &[("PhaseChanged", W), ("ResourceConflict", W)],
+            requeue_s: 120,
+        },
+        Case {
+            name: "a Model of the same name but another uid (an earlier one) does not count",
+            model: model(pvc(json!({})), &[], None),
+            observed: Observed {
+                deployment: existing(vec![owner("Model", "m", "uid-old", Some(true))]),
+                ..Default::default()
+            },
+            rollout: READY,
+            applies: false,
+            replicas: 0,
+            phase: ModelPhase::Failed,
+            ready: ("False", "ResourceConflict"),
+            message_has: &["controlled by Model m (uid uid-old)"],
+            events: &[("PhaseChanged", W), ("ResourceConflict", W)],
+            requeue_s: 120,
+        },
+        Case {
+            name: "a configuration problem is reported before a conflict",
+            model: model(
+                json!({"backend": "vllm", "source": "pvc://m//etc", "gpu": {"vendor": "amd"}}),
+                &[],
+                None,
+            ),
+            observed: foreign_deploy(),
+            rollout: READY,
+            applies: false,
+            replicas: 0,
+            phase: ModelPhase::Failed,
+            ready: ("False", "InvalidSource"),
+            message_has: &[],
+            events: &[("PhaseChanged", W)],
+            requeue_s: 120,
+        },
     ]
 }
 
@@ -309,6 +430,13 @@ fn plan_table() {
         }
         let events: Vec<_> = out.events.iter().map(|e| (e.reason, e.type_)).collect();
         assert_eq!(events, c.events, "{n}");
+        if c.ready.1 == "ResourceConflict" {
+            let note = &out.events[1].note;
+            assert_eq!(
+                note, &ready.message,
+                "{n}: the event says what the condition says"
+            );
+        }
         assert_eq!(out.requeue, Duration::from_secs(c.requeue_s), "{n}");
     }
 }
@@ -333,6 +461,31 @@ fn settled_models_write_nothing() {
         assert_eq!(second.events, vec![], "{}", c.name);
         assert_eq!(second.previous, Some(c.phase), "{}", c.name);
     }
+}
+
+/// A conflict that goes away (the foreign object was removed) deploys and reports it.
+#[test]
+fn conflict_resolves_once_the_foreign_object_is_gone() {
+    let cases = cases();
+    let Some(mut c) = cases.into_iter().find(|c| c.ready.1 == "ResourceConflict") else {
+        panic!("no conflict case");
+    };
+    let (_, first) = run(&c);
+    c.model.status = first.status;
+    c.observed.deployment = None;
+    c.observed.service = None;
+    let (p, out) = run(&c);
+    assert!(p.children.is_ok());
+    assert_eq!(out.phase, ModelPhase::Ready);
+    let events: Vec<_> = out
+        .events
+        .iter()
+        .map(|e| (e.reason, e.note.clone()))
+        .collect();
+    assert_eq!(
+        events,
+        vec![("PhaseChanged", "Failed -> Ready".to_string())]
+    );
 }
 
 #[test]

@@ -1,5 +1,5 @@
-//! The thin Model reconciler: observe (the referenced ModelCache and GPUProfile),
-//! [`plan`](super::plan::plan), apply (children, then status, metrics and Events).
+//! The thin Model reconciler: observe (the referenced ModelCache and GPUProfile, the existing
+//! children), [`plan`](super::plan::plan), apply (children, then status, metrics and Events).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -18,7 +18,7 @@ use kube::{Resource, ResourceExt};
 use serde_json::json;
 use tracing::{info, warn};
 
-use super::plan::{self, Conclusion, ModelPlan, Observed, PlannedEvent};
+use super::plan::{self, Conclusion, Existing, ModelPlan, Observed, PlannedEvent};
 use super::render::{self, ProfileRef};
 use super::status::DeploymentObservation;
 use super::{Ctx, Error};
@@ -48,6 +48,7 @@ pub(super) async fn reconcile(model: Arc<Model>, ctx: Arc<Ctx>) -> Result<Action
 /// Everything the planner needs from the cluster.
 async fn observe(ctx: &Ctx, model: &Model, ns: &str) -> Result<Observed, Error> {
     let client = &ctx.client;
+    let name = model.name_any();
     let cache = match render::cache_name(model) {
         Some(c) => {
             Api::<ModelCache>::namespaced(client.clone(), ns)
@@ -57,7 +58,20 @@ async fn observe(ctx: &Ctx, model: &Model, ns: &str) -> Result<Observed, Error> 
         None => None,
     };
     let profile = get_profile(ctx, model, ns).await?;
-    Ok(Observed { cache, profile })
+    let deployment = Api::<Deployment>::namespaced(client.clone(), ns)
+        .get_metadata_opt(&name)
+        .await?
+        .map(|d| Existing::of(&d.metadata));
+    let service = Api::<Service>::namespaced(client.clone(), ns)
+        .get_metadata_opt(&name)
+        .await?
+        .map(|s| Existing::of(&s.metadata));
+    Ok(Observed {
+        cache,
+        profile,
+        deployment,
+        service,
+    })
 }
 
 async fn get_profile(ctx: &Ctx, model: &Model, ns: &str) -> Result<Option<GPUProfile>, Error> {
@@ -110,6 +124,7 @@ async fn apply_children(
         }
     };
     let client = &ctx.client;
+    // Force is safe: the planner only lets through children this Model controls or that are absent.
     let pp = PatchParams::apply(FIELD_MANAGER).force();
     let applied = Api::<Deployment>::namespaced(client.clone(), ns)
         .patch(&name, &pp, &Patch::Apply(&r.deployment))
