@@ -11,3 +11,4 @@ pub mod leader;
 pub mod metrics;
 pub mod model;
 pub mod modelcache;
+pub mod supervise;

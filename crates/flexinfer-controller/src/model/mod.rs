@@ -40,6 +40,7 @@ use kube::{Client, Resource, ResourceExt};
 use tracing::warn;
 
 use crate::metrics::Metrics;
+use crate::supervise::Guard;
 pub use plan::{plan, ModelPlan, Observed};
 use reconcile::reconcile;
 use render::{ProfileRef, RenderConfig};
@@ -92,6 +93,16 @@ pub async fn run(client: Client, metrics: Metrics) -> anyhow::Result<()> {
 
 /// Run the Model controller with explicit settings (tests scope it to one namespace).
 pub async fn run_with(client: Client, metrics: Metrics, opts: Options) -> anyhow::Result<()> {
+    run_until(client, metrics, opts, futures::future::pending()).await
+}
+
+/// Run the Model controller until `shutdown` resolves (in-flight reconciles finish first).
+pub async fn run_until(
+    client: Client,
+    metrics: Metrics,
+    opts: Options,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+) -> anyhow::Result<()> {
     fn api<K>(client: &Client, ns: Option<&str>) -> Api<K>
     where
         K: Resource<Scope = k8s_openapi::NamespaceResourceScope>,
@@ -123,6 +134,7 @@ pub async fn run_with(client: Client, metrics: Metrics, opts: Options) -> anyhow
         failures: Mutex::new(HashMap::new()),
     });
 
+    let guard = Guard::new("model", ctx.metrics.clone(), Some(ctx.recorder.clone()));
     // Deleted Models leave no metric series behind.
     let forget = forget_deleted_models(api::<Model>(&client, ns), ctx.metrics.clone());
     let controller = Controller::new(api::<Model>(&client, ns), watcher::Config::default());
@@ -173,7 +185,13 @@ pub async fn run_with(client: Client, metrics: Metrics, opts: Options) -> anyhow
                     .collect::<Vec<_>>()
             },
         )
-        .run(reconcile, error_policy, ctx)
+        .graceful_shutdown_on(shutdown)
+        // A panic in one Model's reconcile is an error of that Model, not of the process.
+        .run(
+            guard.reconcile(reconcile),
+            guard.error_policy(error_policy),
+            ctx,
+        )
         .for_each(|res| async move {
             if let Err(e) = res {
                 warn!(error = %e, "model reconcile failed");

@@ -102,6 +102,11 @@ pub async fn run(
         config,
         log_reads: Mutex::new(HashMap::new()),
     });
+    let guard = crate::supervise::Guard::new(
+        "modelcache",
+        ctx.metrics.clone(),
+        Some(ctx.recorder.clone()),
+    );
     let controller = Controller::new(caches, watcher::Config::default());
     let store = controller.store();
     let job_wc = watcher::Config::default().labels(&format!(
@@ -125,7 +130,12 @@ pub async fn run(
             },
         )
         .shutdown_on_signal()
-        .run(reconcile, error_policy, ctx)
+        // A panic in one cache's reconcile is an error of that cache, not of the process.
+        .run(
+            guard.reconcile(reconcile),
+            guard.error_policy(error_policy),
+            ctx,
+        )
         .for_each(|res| async move {
             if let Err(e) = res {
                 debug!(error = %e, "reconcile stream error");
