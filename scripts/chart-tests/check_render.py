@@ -60,7 +60,7 @@ ENV = {
 KINDS = {
     "defaults": {
         "ServiceAccount": 3, "ClusterRole": 2, "ClusterRoleBinding": 2, "Role": 1, "RoleBinding": 1,
-        "Deployment": 2, "Service": 2, "ValidatingAdmissionPolicy": 1, "ValidatingAdmissionPolicyBinding": 1,
+        "Deployment": 2, "Service": 3, "ValidatingAdmissionPolicy": 1, "ValidatingAdmissionPolicyBinding": 1,
     },
 }
 PROXY_ENV = {
@@ -81,7 +81,7 @@ PROXY_RULES = [
     (["ai.flexinfer"], ["models/status"], ["get", "patch"]),
     (["discovery.k8s.io"], ["endpointslices"], ["list", "watch"]),
 ]
-KINDS["allon"] = dict(KINDS["defaults"], PrometheusRule=1, ServiceMonitor=1, GPUProfile=3)
+KINDS["allon"] = dict(KINDS["defaults"], PrometheusRule=1, ServiceMonitor=2, GPUProfile=3, ConfigMap=1)
 
 errors = []
 
@@ -181,7 +181,7 @@ def check_wiring(docs):
     for svc in [d for d in by.get("Service", []) if component(d) == "controller"]:
         check(subset(svc["spec"]["selector"], pod["metadata"]["labels"]), "metrics Service selects the controller pod")
         check(all(p["targetPort"] in ports for p in svc["spec"]["ports"]), "Service targetPort names a container port")
-        for sm in by.get("ServiceMonitor", []):
+        for sm in [d for d in by.get("ServiceMonitor", []) if component(d) == "controller"]:
             check(subset(sm["spec"]["selector"]["matchLabels"], svc["metadata"]["labels"]), "ServiceMonitor selects the metrics Service")
             check({e["port"] for e in sm["spec"]["endpoints"]} <= {p["name"] for p in svc["spec"]["ports"]},
                   "ServiceMonitor endpoint port exists on the Service")
@@ -197,8 +197,10 @@ def check_proxy(docs, mode):
     by = {}
     for d in mine:
         by.setdefault(d["kind"], []).append(d)
-    check(sorted(by) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"],
-          f"proxy objects {sorted(by)}")
+    want = ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
+    if mode == "allon":
+        want = sorted(want + ["ServiceMonitor"])
+    check(sorted(by) == want, f"proxy objects {sorted(by)}")
     if "Deployment" not in by:
         return
     dep = by["Deployment"][0]
@@ -234,9 +236,19 @@ def check_proxy(docs, mode):
     sa = spec["serviceAccountName"]
     check(sa.endswith("-proxy") and any(d["metadata"]["name"] == sa for d in by.get("ServiceAccount", [])),
           f"proxy runs as its own ServiceAccount ({sa})")
-    svc = by["Service"][0]
+    svcs = {d["metadata"]["name"]: d for d in by["Service"]}
+    svc = svcs.get(sa, by["Service"][0])
     check(svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"], "proxy Service selects the proxy pods")
     check([(p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [(8000, "http")], "proxy Service port 8000 -> http")
+    msvc = svcs.get(sa + "-metrics")
+    check(msvc is not None and msvc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+          and [(p["name"], p["targetPort"]) for p in msvc["spec"]["ports"]] == [("metrics", "health")],
+          "proxy metrics Service -> health port (/metrics)")
+    for sm in by.get("ServiceMonitor", []):
+        check(msvc is not None and subset(sm["spec"]["selector"]["matchLabels"], msvc["metadata"]["labels"])
+              and not subset(sm["spec"]["selector"]["matchLabels"], ctl["metadata"]["labels"])
+              and [(e["port"], e.get("path")) for e in sm["spec"]["endpoints"]] == [("metrics", "/metrics")],
+              "proxy ServiceMonitor scrapes the proxy's /metrics")
     role = by["ClusterRole"][0]
     rules = [(r["apiGroups"], r["resources"], r["verbs"]) for r in role["rules"]]
     check(rules == PROXY_RULES, f"proxy ClusterRole rules {rules}")

@@ -26,7 +26,8 @@ ts() { local n=$1 out; shift; if out=$("$HELM" "$@" 2>&1); then fail "$n" "unexp
 cleanup() {
   if [ "$LIVE" = 1 ]; then
     "$HELM" uninstall "$REL" -n "$NS" --wait=false >/dev/null 2>&1
-    kubectl delete ns "$NS" "$NS-other" --wait=false >/dev/null 2>&1
+    "$HELM" uninstall "$REL-scoped" -n "$NS-scoped" --wait=false >/dev/null 2>&1
+    kubectl delete ns "$NS" "$NS-other" "$NS-scoped" "$NS-watched" --wait=false >/dev/null 2>&1
     kubectl delete validatingadmissionpolicy,validatingadmissionpolicybinding -l "app.kubernetes.io/instance=$REL" >/dev/null 2>&1
     [ "$CREATED_STUBS" = 1 ] && kubectl delete -f "$HERE/fixtures/stub-crds.yaml" --timeout=60s >/dev/null 2>&1
   fi
@@ -80,9 +81,24 @@ python3 "$HERE/extract-rules.py" "$T/rules-full.yaml" "$T/rules.yaml" < "$T/allo
   && pass "extract PrometheusRule groups" || fail "extract PrometheusRule groups" "$(cat "$T/err")"
 t "promtool check rules" promtool check rules "$T/rules-full.yaml"
 t "every alert present" bash -c "for a in FlexInferQuantizationDeadlineApproaching FlexInferQuantizationDeadlineCritical \
-  FlexInferQuantizationJobFailed FlexInferQuantizationStalled FlexInferModelCacheFailed FlexInferControllerDown; do \
+  FlexInferQuantizationJobFailed FlexInferQuantizationStalled FlexInferModelCacheFailed FlexInferProxyColdStartTimeouts \
+  FlexInferControllerDown; do \
   grep -q \"alert: \$a\$\" '$T/rules-full.yaml' || { echo missing \$a; exit 1; }; done; \
-  [ \$(grep -c 'runbook_url: .*gptq-quantization-runbook.md#' '$T/rules-full.yaml') = 6 ]"
+  [ \$(grep -c 'runbook_url: .*gptq-quantization-runbook.md#' '$T/rules-full.yaml') = 7 ]"
+t "Grafana dashboard: valid JSON, every panel queries a metric the binaries export" python3 -c "
+import json, re, glob, sys
+d = json.load(open('$CHART/dashboards/flexinfer.json'))
+src = ''.join(open(f).read() for f in glob.glob('crates/*/src/**/*.rs', recursive=True))
+used = set()
+for p in d['panels']:
+    for t in p.get('targets', []):
+        used |= {re.sub('_(bucket|sum|count)\$', '', m) for m in re.findall(r'flexinfer_[a-z_]+', t['expr'])}
+missing = sorted(m for m in used if '\"' + m + '\"' not in src)
+assert used and not missing, missing
+print(len(used), 'metrics')"
+t "Grafana dashboard ConfigMap renders the JSON" bash -c "'$HELM' template x '$CHART' --set grafanaDashboard.enabled=true \
+  --show-only templates/dashboard.yaml | python3 -c 'import sys, yaml, json; d = yaml.safe_load(sys.stdin); \
+  assert d[\"metadata\"][\"labels\"][\"grafana_dashboard\"] == \"1\"; json.loads(d[\"data\"][\"flexinfer.json\"])'"
 RUNBOOK=docs/user/gptq-quantization-runbook.md
 if [ -f "$RUNBOOK" ]; then
   t "runbook_url anchors name sections of $RUNBOOK" python3 "$HERE/check_runbook_anchors.py" "$T/rules-full.yaml" "$RUNBOOK"
@@ -100,9 +116,10 @@ mkdir -p "$T/broken"; cp "$HERE/alerts.test.yaml" "$T/broken/"
 "$HELM" template flexinfer "$CHART" --set alerting.enabled=true --set alerting.deadlineApproaching.threshold=1 \
   --set alerting.deadlineCritical.threshold=1 --set alerting.stalled.thresholdSeconds=999999 \
   --set alerting.jobFailed.window=1m --set alerting.controllerDown.upSelector='job="nope"' --set alerting.modelCacheFailed.for=1h \
+  --set alerting.proxyColdStartTimeouts.for=1h \
   | python3 "$HERE/extract-rules.py" "$T/broken/full.yaml" "$T/broken/rules.yaml" >/dev/null 2>&1
 t "promtool tests detect broken rules (mutation check)" bash -c "out=\$(promtool test rules '$T/broken/alerts.test.yaml' 2>&1); rc=\$?; \
-  [ \$rc -ne 0 ] || exit 1; for a in DeadlineApproaching DeadlineCritical JobFailed Stalled ModelCacheFailed ControllerDown; do \
+  [ \$rc -ne 0 ] || exit 1; for a in DeadlineApproaching DeadlineCritical JobFailed Stalled ModelCacheFailed ProxyColdStartTimeouts ControllerDown; do \
   grep -q \"FlexInferQuantization\$a\|FlexInfer\$a\" <<<\"\$out\" || { echo \"mutation of \$a not detected\"; exit 1; }; done"
 
 echo "== static: kustomize bases"
@@ -174,9 +191,9 @@ t "metrics Service, ServiceMonitor, PrometheusRule, GPUProfiles, worker SAs exis
 
 echo "== live: RBAC matrix (as $SA, with a ServiceAccount token)"
 # sa_kubeconfig SA OUT: a kubeconfig that authenticates with a TokenRequest token of the ServiceAccount only.
-sa_kubeconfig() {
+sa_kubeconfig() {  # sa_kubeconfig SA OUT [NAMESPACE]
   local tok srv ca
-  tok=$(kubectl -n "$NS" create token "$1" --duration=15m) || return 1
+  tok=$(kubectl -n "${3:-$NS}" create token "$1" --duration=15m) || return 1
   srv=$(kubectl config view --minify --raw -o jsonpath='{.clusters[0].cluster.server}')
   ca=$(kubectl config view --minify --raw -o jsonpath='{.clusters[0].cluster.certificate-authority-data}')
   if [ -n "$ca" ]; then echo "$ca" | base64 -d > "$2.ca"
@@ -266,6 +283,45 @@ pbad=$(for v in "${proxy_yes[@]}"; do for n in "$NS" "$NS-other"; do
 [ -z "$pbad" ] && pass "RBAC: proxy ServiceAccount: ${#proxy_yes[@]} needed verbs allowed, ${#proxy_no[@]} others (Secrets, Model specs) denied" \
   || fail "RBAC: proxy ServiceAccount" "$pbad"
 
+echo "== live: namespace-scoped install (watchNamespaces)"
+SREL=$REL-scoped
+kubectl create ns "$NS-scoped" >/dev/null && kubectl create ns "$NS-watched" >/dev/null
+t "helm install with watchNamespaces={$NS-watched}" "$HELM" install "$SREL" "$CHART" -n "$NS-scoped" \
+  --set "watchNamespaces={$NS-watched}" --set admissionPolicy.enabled=false
+t "namespace-scoped: no ClusterRole or ClusterRoleBinding of the release" bash -c \
+  "[ -z \"\$(kubectl get clusterroles,clusterrolebindings -l app.kubernetes.io/instance='$SREL' -o name)\" ]"
+t "namespace-scoped: controller and proxy watch only $NS-watched" bash -c "set -e
+  kubectl -n '$NS-scoped' get deploy '$SREL-flexinfer-controller' -o jsonpath='{.spec.template.spec.containers[0].env}' | grep -q '\"FLEXINFER_WATCH_NAMESPACE\",\"value\":\"$NS-watched\"'
+  kubectl -n '$NS-scoped' get deploy '$SREL-flexinfer-proxy' -o jsonpath='{.spec.template.spec.containers[0].env}' | grep -q '\"FLEXINFER_PROXY_WATCH_NAMESPACE\",\"value\":\"$NS-watched\"'
+  [ \"\$(kubectl -n '$NS-watched' get sa flexinfer-worker -o jsonpath='{.automountServiceAccountToken}')\" = false ]"
+sa_kubeconfig "$SREL-flexinfer-controller" "$T/ssa.kubeconfig" "$NS-scoped"
+sa_kubeconfig "$SREL-flexinfer-proxy" "$T/spsa.kubeconfig" "$NS-scoped"
+scan() { kubectl --kubeconfig="$T/ssa.kubeconfig" auth can-i "$@" 2>/dev/null; }
+spcan() { kubectl --kubeconfig="$T/spsa.kubeconfig" auth can-i "$@" 2>/dev/null; }
+sbad=""
+for v in "${rbac_yes[@]}"; do
+  # shellcheck disable=SC2086
+  [ "$(scan $v -n "$NS-watched")" = yes ] || sbad="$sbad|denied in $NS-watched: $v"
+  # shellcheck disable=SC2086
+  [ "$(scan $v -n "$NS-other")" = no ] || sbad="$sbad|allowed in $NS-other: $v"
+done
+for v in "list modelcaches.ai.flexinfer" "create jobs.batch" "delete persistentvolumeclaims" "create deployments.apps"; do
+  # shellcheck disable=SC2086
+  [ "$(scan $v --all-namespaces)" = no ] || sbad="$sbad|allowed cluster-wide: $v"
+done
+[ "$(scan get secrets -n "$NS-watched")" = no ] || sbad="$sbad|secrets allowed"
+[ "$(scan update leases.coordination.k8s.io -n "$NS-scoped")" = yes ] || sbad="$sbad|no Lease in the release namespace"
+for v in "list models.ai.flexinfer" "watch endpointslices.discovery.k8s.io" "patch models.ai.flexinfer --subresource=status"; do
+  # shellcheck disable=SC2086
+  [ "$(spcan $v -n "$NS-watched")" = yes ] || sbad="$sbad|proxy denied in $NS-watched: $v"
+  # shellcheck disable=SC2086
+  [ "$(spcan $v -n "$NS-other")" = no ] || sbad="$sbad|proxy allowed in $NS-other: $v"
+done
+[ -z "$sbad" ] && pass "RBAC (namespace-scoped): ${#rbac_yes[@]} controller verbs only in $NS-watched, nothing cluster-wide, proxy likewise" \
+  || fail "RBAC (namespace-scoped)" "${sbad//|/$'\n'}"
+t "namespace-scoped: helm uninstall" "$HELM" uninstall "$SREL" -n "$NS-scoped"
+kubectl delete ns "$NS-scoped" "$NS-watched" --wait=false >/dev/null 2>&1 || true
+
 echo "== live: promotion-gate admission policy"
 model() {  # model NAME ANNOTATIONS_JSON SERVERLESS_JSON CONFIG_JSON
   cat <<EOF
@@ -298,6 +354,12 @@ admit "ungated warm Model" ungated '{"team":"ml"}' '{"enabled":false}' '{"warmPo
 admit "other gate value" othergate '{"flexinfer.ai/promotion-gate":"something-else"}' '{"enabled":false}' '{}'
 t "admission: promoting a canary without validation is denied on UPDATE" bash -c \
   "out=\$(kubectl -n '$NS' patch model canary --type merge -p '{\"spec\":{\"serverless\":{\"minReplicas\":1}}}' 2>&1) && exit 1; grep -q promotion-validation <<<\"\$out\""
+t "admission: removing the gate annotation without evidence is denied on UPDATE" bash -c \
+  "out=\$(kubectl -n '$NS' annotate model canary flexinfer.ai/promotion-gate- 2>&1) && exit 1; grep -q 'removing or changing' <<<\"\$out\""
+t "admission: changing the gate value without evidence is denied on UPDATE" bash -c \
+  "out=\$(kubectl -n '$NS' annotate --overwrite model canary flexinfer.ai/promotion-gate=off 2>&1) && exit 1; grep -q 'removing or changing' <<<\"\$out\""
+t "admission: a gated canary stays a canary (still gated after the refused updates)" bash -c \
+  "[ \"\$(kubectl -n '$NS' get model canary -o jsonpath='{.metadata.annotations.flexinfer\.ai/promotion-gate}')\" = quantized-artifact-v1 ]"
 t "admission: promoting after validation is admitted" bash -c \
   "kubectl -n '$NS' annotate model canary flexinfer.ai/promotion-validation=passed && \
    kubectl -n '$NS' patch model canary --type merge -p '{\"spec\":{\"serverless\":{\"minReplicas\":1}}}'"

@@ -54,8 +54,10 @@ AP=$(kubectl config view --minify -o jsonpath='{.clusters[0].cluster.server}'); 
 NODE_IP=$(kubectl get node "$TESTENV_NODE" -o jsonpath='{.status.addresses[?(@.type=="InternalIP")].address}')
 export E2E_APISERVER_PORT=$AP E2E_LISTEN_HOST=${NODE_IP:-127.0.0.1} E2E_METRICS_PORT=$(free_port) E2E_HEALTH_PORT=$(free_port)
 WORKER=$REG/flexinfer/worker:$TAG
-WATCH_ENV=""
-[ -n "${E2E_WATCH_NAMESPACE:-}" ] && WATCH_ENV="    - {name: FLEXINFER_WATCH_NAMESPACE, value: \"$E2E_WATCH_NAMESPACE\"}"
+# E2E_WATCH_NAMESPACE set: the namespace-scoped install (watchNamespaces), so the real pipeline runs with Roles
+# only in that namespace (and the Lease Role in the release namespace) — no ClusterRole.
+WATCH_VALUES=""
+[ -n "${E2E_WATCH_NAMESPACE:-}" ] && WATCH_VALUES="watchNamespaces: [\"$E2E_WATCH_NAMESPACE\"]"
 helm upgrade --install flexinfer charts/flexinfer -n "$CNS" --create-namespace --wait --timeout 5m \
   --post-renderer scripts/e2e/post-render.py -f - >&2 <<VALUES
 image: {repository: $REG/flexinfer/controller, tag: "$TAG", pullPolicy: IfNotPresent}
@@ -72,7 +74,7 @@ controller:
     - {name: HF_ENDPOINT, value: "$HF"}
     - {name: FLEXINFER_PROGRESS_POLL_SECONDS, value: "1"}
     - {name: FLEXINFER_RETRY_BASE_SECONDS, value: "5"}
-$WATCH_ENV
+$WATCH_VALUES
 VALUES
 
 mkdir -p "$TESTENV_DIR/storage"

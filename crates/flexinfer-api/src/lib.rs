@@ -13,6 +13,7 @@ pub mod formats;
 pub mod gpuprofile;
 pub mod model;
 pub mod modelcache;
+pub mod namespaces;
 
 pub use gpuprofile::{GPUProfile, GPUProfileSpec, GPUProfileStatus};
 pub use model::{Model, ModelSpec, ModelStatus};

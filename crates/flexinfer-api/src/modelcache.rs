@@ -89,8 +89,9 @@ pub struct ModelCacheSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_selector: Option<BTreeMap<String, String>>,
 
-    /// Tolerations appended to the default GPU toleration `dedicated=gpu:NoSchedule` of GPU phases
-    /// (and used as-is by CPU phases).
+    /// Tolerations appended to the default GPU toleration `dedicated=gpu:NoSchedule`, which every
+    /// Job pinned to GPU nodes gets (GPU phases, and phases whose node selector names a GPU
+    /// architecture or a GPUProfile's selector); other phases use them as-is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tolerations: Option<Vec<Toleration>>,
 

@@ -114,6 +114,9 @@ pub mod controller {
     pub const WORKER_SERVICE_ACCOUNT: &str = "FLEXINFER_WORKER_SERVICE_ACCOUNT";
     /// Image-drift grace window in seconds (default 600).
     pub const IMAGE_DRIFT_GRACE_SECONDS: &str = "FLEXINFER_IMAGE_DRIFT_GRACE_SECONDS";
+    /// How long a pipeline pod may stay unschedulable or unable to pull its image before the
+    /// attempt counts as failed (seconds, default 300).
+    pub const STUCK_POD_SECONDS: &str = "FLEXINFER_STUCK_POD_SECONDS";
     /// Retry backoff base in seconds (default 30).
     pub const RETRY_BASE_SECONDS: &str = "FLEXINFER_RETRY_BASE_SECONDS";
     pub const LEADER_ELECT: &str = "FLEXINFER_LEADER_ELECT";

@@ -56,6 +56,9 @@ pub enum FailureReason {
     DeadlineExceeded,
     /// The image could not be pulled.
     ImagePullBackOff,
+    /// The pod could not be scheduled (no node fits its selector, tolerations or resources) within
+    /// the stuck-pod threshold.
+    Unschedulable,
     /// The Job's pods failed `backoffLimit` times.
     BackoffLimitExceeded,
     /// Worker exit code 2: the input is unusable.
@@ -69,11 +72,25 @@ pub enum FailureReason {
 }
 
 impl FailureReason {
+    /// Every reason, for code that must enumerate them (metric series cleanup, docs).
+    pub const ALL: [FailureReason; 9] = [
+        FailureReason::OomKilled,
+        FailureReason::DeadlineExceeded,
+        FailureReason::ImagePullBackOff,
+        FailureReason::Unschedulable,
+        FailureReason::BackoffLimitExceeded,
+        FailureReason::BadInput,
+        FailureReason::QualityGateFailed,
+        FailureReason::ScriptVersionMismatch,
+        FailureReason::JobFailed,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             FailureReason::OomKilled => "OOMKilled",
             FailureReason::DeadlineExceeded => "DeadlineExceeded",
             FailureReason::ImagePullBackOff => "ImagePullBackOff",
+            FailureReason::Unschedulable => "Unschedulable",
             FailureReason::BackoffLimitExceeded => "BackoffLimitExceeded",
             FailureReason::BadInput => "BadInput",
             FailureReason::QualityGateFailed => "QualityGateFailed",
@@ -105,16 +122,7 @@ mod tests {
 
     #[test]
     fn failure_reasons_serialize_as_their_names() {
-        for r in [
-            FailureReason::OomKilled,
-            FailureReason::DeadlineExceeded,
-            FailureReason::ImagePullBackOff,
-            FailureReason::BackoffLimitExceeded,
-            FailureReason::BadInput,
-            FailureReason::QualityGateFailed,
-            FailureReason::ScriptVersionMismatch,
-            FailureReason::JobFailed,
-        ] {
+        for r in FailureReason::ALL {
             assert_eq!(
                 serde_json::to_value(r).ok(),
                 Some(serde_json::Value::String(r.as_str().into()))

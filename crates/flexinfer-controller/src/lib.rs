@@ -5,6 +5,7 @@
 /// templates: an upgrade of the controller must not roll every serving pod).
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
+pub mod backoff;
 pub mod http;
 pub mod kube_client;
 pub mod leader;

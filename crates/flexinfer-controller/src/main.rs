@@ -34,7 +34,7 @@ struct Args {
     /// Namespace of the Lease (default: the watch namespace, else `flexinfer-system`).
     #[arg(long, env = env::controller::NAMESPACE)]
     namespace: Option<String>,
-    /// Only watch this namespace (default: all).
+    /// Only watch these namespaces, comma-separated (default: all).
     #[arg(long, env = env::controller::WATCH_NAMESPACE)]
     watch_namespace: Option<String>,
     /// Lease name.
@@ -86,9 +86,18 @@ async fn run(args: Args) -> anyhow::Result<()> {
     client.apiserver_version().await?;
     health.set_ready(true);
 
+    let watch =
+        flexinfer_api::namespaces::parse_list(args.watch_namespace.as_deref().unwrap_or(""))
+            .map_err(|e| anyhow::anyhow!("{}: {e}", env::controller::WATCH_NAMESPACE))?;
+    // One controller per watched namespace (a namespace-scoped install may not list cluster-wide).
+    let scopes: Vec<Option<String>> = if watch.is_empty() {
+        vec![None]
+    } else {
+        watch.iter().cloned().map(Some).collect()
+    };
     let config = Config::from_env();
-    info!(worker_image = ?config.worker_image, drift_grace_s = config.drift_grace.as_secs(), retry_base_s = config.retry_base.as_secs_f64(), watch_namespace = ?args.watch_namespace, "starting");
-    let leadership = elect(&args, &client).await?;
+    info!(worker_image = ?config.worker_image, drift_grace_s = config.drift_grace.as_secs(), retry_base_s = config.retry_base.as_secs_f64(), watch_namespaces = ?watch, "starting");
+    let leadership = elect(&args, watch.first(), &client).await?;
     // Each controller is its own supervised task: one that stops (an error, a panic, a stream
     // that ends) is restarted while the other keeps running, and /healthz reports it meanwhile.
     let shutdown = Shutdown::default();
@@ -100,7 +109,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
             shutdown.trigger();
         }
     });
-    let (caches, models) = spawn_controllers(&args, &client, &metrics, &health, &shutdown, config);
+    let (caches, models) =
+        spawn_controllers(&scopes, &client, &metrics, &health, &shutdown, config);
     match &leadership {
         Some(l) => {
             tokio::select! {
@@ -122,7 +132,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
 }
 
 /// Acquire the Lease when leader election is on (`None` when it is off).
-async fn elect(args: &Args, client: &kube::Client) -> anyhow::Result<Option<Leadership>> {
+async fn elect(
+    args: &Args,
+    first_watched: Option<&String>,
+    client: &kube::Client,
+) -> anyhow::Result<Option<Leadership>> {
     if !flexinfer_api::contract::parse_bool(&args.leader_elect).unwrap_or(true) {
         return Ok(None);
     }
@@ -133,7 +147,7 @@ async fn elect(args: &Args, client: &kube::Client) -> anyhow::Result<Option<Lead
     let namespace = args
         .namespace
         .clone()
-        .or_else(|| args.watch_namespace.clone())
+        .or_else(|| first_watched.cloned())
         .unwrap_or_else(|| "flexinfer-system".into());
     let cfg = LeaseConfig::new(
         namespace,
@@ -144,38 +158,55 @@ async fn elect(args: &Args, client: &kube::Client) -> anyhow::Result<Option<Lead
     Ok(Some(Leadership::acquire(client.clone(), cfg).await?))
 }
 
-/// The ModelCache and Model controllers, each under its own supervisor task.
+/// The ModelCache and Model controllers, each under its own supervisor task; each runs one
+/// kube-runtime Controller per watched namespace (`None`: all namespaces).
 fn spawn_controllers(
-    args: &Args,
+    scopes: &[Option<String>],
     client: &kube::Client,
     metrics: &Metrics,
     health: &Health,
     shutdown: &Shutdown,
     config: Config,
 ) -> (JoinHandle<()>, JoinHandle<()>) {
-    let model_opts = model::Options {
-        namespace: args.watch_namespace.clone(),
-        ..model::Options::from_env()
-    };
     let caches = tokio::spawn(supervise("modelcache", health.clone(), shutdown.clone(), {
-        let (client, metrics, ns) = (
-            client.clone(),
-            metrics.clone(),
-            args.watch_namespace.clone(),
-        );
+        let (client, metrics, scopes) = (client.clone(), metrics.clone(), scopes.to_vec());
         // The ModelCache controller stops on SIGTERM/SIGINT by itself (`shutdown_on_signal`).
-        move || modelcache::run(client.clone(), metrics.clone(), config.clone(), ns.clone())
+        move || {
+            let runs = scopes.iter().map(|ns| {
+                Box::pin(modelcache::run(
+                    client.clone(),
+                    metrics.clone(),
+                    config.clone(),
+                    ns.clone(),
+                ))
+            });
+            let all = futures::future::select_all(runs);
+            async move { all.await.0 }
+        }
     }));
     let models = tokio::spawn(supervise("model", health.clone(), shutdown.clone(), {
-        let (client, metrics, shutdown) = (client.clone(), metrics.clone(), shutdown.clone());
+        let (client, metrics, shutdown, scopes) = (
+            client.clone(),
+            metrics.clone(),
+            shutdown.clone(),
+            scopes.to_vec(),
+        );
         move || {
-            let shutdown = shutdown.clone();
-            model::run_until(
-                client.clone(),
-                metrics.clone(),
-                model_opts.clone(),
-                async move { shutdown.wait().await },
-            )
+            let runs = scopes.iter().map(|ns| {
+                let shutdown = shutdown.clone();
+                let opts = model::Options {
+                    namespace: ns.clone(),
+                    ..model::Options::from_env()
+                };
+                Box::pin(model::run_until(
+                    client.clone(),
+                    metrics.clone(),
+                    opts,
+                    async move { shutdown.wait().await },
+                ))
+            });
+            let all = futures::future::select_all(runs);
+            async move { all.await.0 }
         }
     }));
     (caches, models)

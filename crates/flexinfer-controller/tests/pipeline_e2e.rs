@@ -560,7 +560,9 @@ async fn controller_restart_mid_pipeline_creates_no_duplicates() -> Result<()> {
 #[tokio::test]
 async fn deleting_a_cache_removes_jobs_and_created_pvc_only() -> Result<()> {
     let mut w = World::new("pl-delete").await?;
-    let ctl = Controller::start(w.name(), &[]).await?;
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let ctl = Controller::start(w.name(), &[("FLEXINFER_METRICS_ADDR", &addr)]).await?;
     // A PVC the user owns.
     w.pv_for("shared").await?;
     w.apply_yaml(
@@ -580,9 +582,32 @@ async fn deleting_a_cache_removes_jobs_and_created_pvc_only() -> Result<()> {
         .any(|f| f == "flexinfer.ai/modelcache-cleanup"));
     let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(w.c.clone(), w.name());
     assert!(pvcs.get_opt("owned-cache").await?.is_some());
+    let series = |m: &str, cache: &str| {
+        m.lines()
+            .filter(|l| {
+                !l.starts_with('#')
+                    && (l.contains(&format!("cache=\"{cache}\""))
+                        || l.contains(&format!("model=\"{cache}\"")))
+            })
+            .count()
+    };
+    let before = wait_for("series of both caches", WAIT, || async {
+        let (_, m) = http_get(port, "/metrics").await?;
+        (series(&m, "owned") > 0 && series(&m, "borrowed") > 0).then_some(m)
+    })
+    .await?;
+    assert!(before.contains("flexinfer_modelcache_phase{cache=\"borrowed\""));
     for n in ["owned", "borrowed"] {
         w.caches().delete(n, &DeleteParams::background()).await?;
     }
+    // Both are gone from /metrics, including the one without a finalizer (never reconciled
+    // again after its deletion).
+    wait_for("no series of deleted caches", WAIT, || async {
+        let (_, m) = http_get(port, "/metrics").await?;
+        (series(&m, "owned") == 0 && series(&m, "borrowed") == 0).then_some(())
+    })
+    .await
+    .with_context(|| ctl.log_tail())?;
     wait_for("caches gone", WAIT, || async {
         (w.get("owned").await.is_none() && w.get("borrowed").await.is_none()).then_some(())
     })
@@ -674,6 +699,102 @@ async fn invalid_but_admitted_spec_gets_a_clear_condition() -> Result<()> {
         .await?;
     w.wait_phase("awq", CachePhase::Ready, &ctl).await?;
     ctl.kill().await;
+    Ok(())
+}
+
+/// A download pinned to a GPU architecture no node has: the Job tolerates the GPU taint, the
+/// real scheduler reports the pod Unschedulable, the cache says so at once, and the attempt fails
+/// after the stuck-pod threshold with the scheduler's message.
+#[tokio::test]
+async fn a_pod_no_node_can_take_fails_with_the_schedulers_message() -> Result<()> {
+    let mut w = World::new("pl-unsched").await?;
+    let ctl = Controller::start(w.name(), &[("FLEXINFER_STUCK_POD_SECONDS", "6")]).await?;
+    w.cache(
+        "nowhere",
+        "  source: org/model
+  maxRetries: 0
+  nodeSelector: {flexinfer.ai/gpu.arch: gfx1030}
+",
+        "",
+    )
+    .await?;
+    let job = wait_for("download Job", WAIT, || async {
+        w.job("nowhere-download").await
+    })
+    .await
+    .with_context(|| ctl.log_tail())?;
+    let tolerations = job
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .and_then(|p| p.tolerations.clone())
+        .unwrap_or_default();
+    assert!(
+        tolerations
+            .iter()
+            .any(|t| t.key.as_deref() == Some("dedicated")
+                && t.value.as_deref() == Some("gpu")
+                && t.effect.as_deref() == Some("NoSchedule")),
+        "{tolerations:?}"
+    );
+    let waiting = wait_for("Progressing=Unschedulable", WAIT, || async {
+        w.get("nowhere")
+            .await
+            .filter(|m| cond_reason(m, "Progressing").as_deref() == Some("Unschedulable"))
+    })
+    .await
+    .with_context(|| ctl.log_tail())?;
+    assert_ne!(
+        waiting.status.as_ref().and_then(|s| s.phase),
+        Some(CachePhase::Failed)
+    );
+    let m = w.wait_phase("nowhere", CachePhase::Failed, &ctl).await?;
+    assert_eq!(
+        cond_reason(&m, "Degraded").as_deref(),
+        Some("Unschedulable")
+    );
+    let msg = m
+        .status
+        .as_ref()
+        .and_then(|s| s.download.as_ref())
+        .and_then(|d| d.failure_message.clone())
+        .unwrap_or_default();
+    assert!(msg.starts_with("Unschedulable: "), "{msg}");
+    assert!(
+        msg.contains("node"),
+        "the scheduler's message is carried: {msg}"
+    );
+    assert!(!w.events("Unschedulable").await.is_empty());
+    Ok(())
+}
+
+/// Status is written only from the object it was planned from: a write from a stale copy is
+/// refused (409) and changes nothing, so `retryCount` cannot go backwards.
+#[tokio::test]
+async fn a_status_planned_from_a_stale_copy_is_refused() -> Result<()> {
+    use flexinfer_api::modelcache::ModelCacheStatus;
+    use flexinfer_controller::modelcache::reconcile::{write_status, Error as RecError};
+    let w = World::new("pl-stale").await?;
+    w.apply_yaml(
+        "apiVersion: ai.flexinfer/v1alpha1\nkind: ModelCache\nmetadata: {name: s}\nspec:\n  source: org/model\n",
+    )
+    .await?;
+    let stale = w.get("s").await.context("cache")?;
+    let rv = stale.resource_version();
+    let first = ModelCacheStatus {
+        retry_count: Some(2),
+        ..Default::default()
+    };
+    let newer = write_status(&w.caches(), "s", rv.as_deref(), &first).await?;
+    assert!(newer.is_some() && newer != rv);
+    let older = ModelCacheStatus {
+        retry_count: Some(1),
+        ..Default::default()
+    };
+    let r = write_status(&w.caches(), "s", rv.as_deref(), &older).await;
+    assert!(matches!(r, Err(RecError::Conflict)), "{r:?}");
+    let now = w.get("s").await.context("cache")?;
+    assert_eq!(now.status.and_then(|s| s.retry_count), Some(2));
     Ok(())
 }
 

@@ -67,6 +67,19 @@ impl Activity {
             .unwrap_or(0)
     }
 
+    /// Models with requests in flight, and how many.
+    pub fn snapshot(&self) -> Vec<(ModelKey, usize)> {
+        self.inner
+            .lock()
+            .map(|m| {
+                m.iter()
+                    .filter(|(_, e)| e.in_flight > 0)
+                    .map(|(k, e)| (k.clone(), e.in_flight))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     /// Requests in flight over all Models.
     pub fn total_in_flight(&self) -> usize {
         self.inner

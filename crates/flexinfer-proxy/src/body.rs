@@ -28,6 +28,8 @@ pub fn full(bytes: Bytes) -> ProxyBody {
 pub struct Guarded<B, G> {
     inner: B,
     _guard: G,
+    /// Called once, when the first data frame passes (time-to-first-byte).
+    on_first: Option<Box<dyn FnOnce() + Send>>,
 }
 
 impl<B, G> Guarded<B, G> {
@@ -35,7 +37,14 @@ impl<B, G> Guarded<B, G> {
         Self {
             inner,
             _guard: guard,
+            on_first: None,
         }
+    }
+
+    /// Call `f` when the first data frame is passed on.
+    pub fn on_first_frame(mut self, f: impl FnOnce() + Send + 'static) -> Self {
+        self.on_first = Some(Box::new(f));
+        self
     }
 }
 
@@ -55,7 +64,14 @@ where
         let this = self.get_mut();
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e.into()))),
-            Poll::Ready(Some(Ok(f))) => Poll::Ready(Some(Ok(f))),
+            Poll::Ready(Some(Ok(f))) => {
+                if f.is_data() {
+                    if let Some(first) = this.on_first.take() {
+                        first();
+                    }
+                }
+                Poll::Ready(Some(Ok(f)))
+            }
             Poll::Ready(None) => Poll::Ready(None),
             Poll::Pending => Poll::Pending,
         }

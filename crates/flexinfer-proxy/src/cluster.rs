@@ -30,8 +30,9 @@ pub type ModelKey = (String, String);
 #[derive(Clone)]
 pub struct Cluster {
     client: Client,
-    models: Store<Model>,
-    slices: Store<EndpointSlice>,
+    /// One store per watched namespace (one for all namespaces when none is set).
+    models: Vec<Store<Model>>,
+    slices: Vec<Store<EndpointSlice>>,
     changes: watch::Receiver<u64>,
     /// True once both caches have their initial lists.
     ready: watch::Receiver<bool>,
@@ -40,67 +41,98 @@ pub struct Cluster {
     writes: Arc<AtomicU64>,
 }
 
-impl Cluster {
-    /// Start the watches (in background tasks) for `namespace`, or all namespaces.
-    pub fn start(client: Client, namespace: Option<&str>) -> Self {
-        let (models_api, slices_api): (Api<Model>, Api<EndpointSlice>) = match namespace {
-            Some(ns) => (
-                Api::namespaced(client.clone(), ns),
-                Api::namespaced(client.clone(), ns),
-            ),
-            None => (Api::all(client.clone()), Api::all(client.clone())),
-        };
-        // Kubernetes copies a Service's labels onto its EndpointSlices: this selects the slices
-        // of Model Services only.
-        let slice_selector = format!(
-            "{}={},{}={}",
-            labels::MANAGED_BY,
-            labels::MANAGED_BY_VALUE,
-            labels::COMPONENT,
-            serving::COMPONENT
-        );
-        let (tx, changes) = watch::channel(0u64);
-        let tx = Arc::new(tx);
-        let (models, mw) = reflector::store();
-        let (slices, sw) = reflector::store();
-
-        let t = tx.clone();
-        tokio::spawn(
-            watcher(models_api, watcher::Config::default())
-                .default_backoff()
-                .reflect(mw)
-                .for_each(move |ev| {
-                    if let Err(e) = ev {
-                        warn!(error = %e, "Model watch");
-                    }
-                    t.send_modify(|n| *n = n.wrapping_add(1));
-                    futures::future::ready(())
-                }),
-        );
-        let t = tx;
-        tokio::spawn(
-            watcher(
-                slices_api,
-                watcher::Config::default().labels(&slice_selector),
-            )
+/// Watch the Models and Model-Service EndpointSlices of one namespace (or all) into two stores;
+/// every change bumps `tx`.
+fn watch_scope(
+    client: &Client,
+    namespace: Option<&str>,
+    tx: &Arc<watch::Sender<u64>>,
+) -> (Store<Model>, Store<EndpointSlice>) {
+    let (models_api, slices_api): (Api<Model>, Api<EndpointSlice>) = match namespace {
+        Some(ns) => (
+            Api::namespaced(client.clone(), ns),
+            Api::namespaced(client.clone(), ns),
+        ),
+        None => (Api::all(client.clone()), Api::all(client.clone())),
+    };
+    // Kubernetes copies a Service's labels onto its EndpointSlices: this selects the slices
+    // of Model Services only.
+    let slice_selector = format!(
+        "{}={},{}={}",
+        labels::MANAGED_BY,
+        labels::MANAGED_BY_VALUE,
+        labels::COMPONENT,
+        serving::COMPONENT
+    );
+    let (models, mw) = reflector::store();
+    let (slices, sw) = reflector::store();
+    let t = tx.clone();
+    tokio::spawn(
+        watcher(models_api, watcher::Config::default())
             .default_backoff()
-            .reflect(sw)
+            .reflect(mw)
             .for_each(move |ev| {
                 if let Err(e) = ev {
-                    warn!(error = %e, "EndpointSlice watch");
+                    warn!(error = %e, "Model watch");
                 }
                 t.send_modify(|n| *n = n.wrapping_add(1));
                 futures::future::ready(())
             }),
-        );
+    );
+    let t = tx.clone();
+    tokio::spawn(
+        watcher(
+            slices_api,
+            watcher::Config::default().labels(&slice_selector),
+        )
+        .default_backoff()
+        .reflect(sw)
+        .for_each(move |ev| {
+            if let Err(e) = ev {
+                warn!(error = %e, "EndpointSlice watch");
+            }
+            t.send_modify(|n| *n = n.wrapping_add(1));
+            futures::future::ready(())
+        }),
+    );
+    (models, slices)
+}
+
+impl Cluster {
+    /// Start the watches (in background tasks) for each of `namespaces`, or all namespaces when
+    /// the list is empty (one pair of watches per namespace: a namespace-scoped install has no
+    /// cluster-wide list permission).
+    pub fn start(client: Client, namespaces: &[String]) -> Self {
+        let (tx, changes) = watch::channel(0u64);
+        let tx = Arc::new(tx);
+        let scopes: Vec<Option<&str>> = if namespaces.is_empty() {
+            vec![None]
+        } else {
+            namespaces.iter().map(|n| Some(n.as_str())).collect()
+        };
+        let mut models = Vec::new();
+        let mut slices = Vec::new();
+        for ns in scopes {
+            let (m, s) = watch_scope(&client, ns, &tx);
+            models.push(m);
+            slices.push(s);
+        }
         // The only waiter on the stores' readiness: a store wakes one waiter only (its signal is
         // a oneshot channel), so everyone else waits on this channel.
         let (ready_tx, ready) = watch::channel(false);
         let (m, s) = (models.clone(), slices.clone());
         tokio::spawn(async move {
-            if m.wait_until_ready().await.is_ok() && s.wait_until_ready().await.is_ok() {
-                let _ = ready_tx.send(true);
+            for store in &m {
+                if store.wait_until_ready().await.is_err() {
+                    return;
+                }
             }
+            for store in &s {
+                if store.wait_until_ready().await.is_err() {
+                    return;
+                }
+            }
+            let _ = ready_tx.send(true);
         });
         Self {
             client,
@@ -133,16 +165,18 @@ impl Cluster {
     }
 
     pub fn models(&self) -> Vec<Arc<Model>> {
-        self.models.state()
+        self.models.iter().flat_map(|s| s.state()).collect()
     }
 
     pub fn model(&self, key: &ModelKey) -> Option<Arc<Model>> {
-        self.models.get(&ObjectRef::new(&key.1).within(&key.0))
+        let r = ObjectRef::new(&key.1).within(&key.0);
+        self.models.iter().find_map(|s| s.get(&r))
     }
 
     /// Ready backends (`host:port`) of a Model.
     pub fn backends(&self, key: &ModelKey) -> Vec<String> {
-        endpoints::ready_backends(&self.slices.state(), &key.0, &key.1)
+        let all: Vec<Arc<EndpointSlice>> = self.slices.iter().flat_map(|s| s.state()).collect();
+        endpoints::ready_backends(&all, &key.0, &key.1)
     }
 
     /// A receiver that changes whenever a Model or EndpointSlice changes.

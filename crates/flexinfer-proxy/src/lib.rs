@@ -10,6 +10,7 @@ pub mod auth;
 pub mod body;
 pub mod cluster;
 pub mod endpoints;
+pub mod metrics;
 pub mod openai;
 pub mod plan;
 pub mod route;

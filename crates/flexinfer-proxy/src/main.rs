@@ -24,7 +24,7 @@ struct Args {
     /// Address of `/healthz` and `/readyz`.
     #[arg(long, env = env::proxy::HEALTH_ADDR, default_value = "0.0.0.0:8081")]
     health: SocketAddr,
-    /// Only route to Models of this namespace (default: all namespaces).
+    /// Only route to Models of these namespaces, comma-separated (default: all namespaces).
     #[arg(long, env = env::proxy::WATCH_NAMESPACE)]
     watch_namespace: Option<String>,
     /// Accepted bearer tokens (comma/newline separated). Prefer the file.
@@ -89,16 +89,19 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let client = kube::Client::try_default()
         .await
         .context("build a Kubernetes client")?;
-    let cluster = Cluster::start(client, args.watch_namespace.as_deref());
-    let health = server::bind(args.health).await.context("bind health")?;
-    tokio::spawn(server::serve_health(health, cluster.clone()));
+    let namespaces =
+        flexinfer_api::namespaces::parse_list(args.watch_namespace.as_deref().unwrap_or(""))
+            .map_err(|e| anyhow::anyhow!("{}: {e}", env::proxy::WATCH_NAMESPACE))?;
+    let cluster = Cluster::start(client, &namespaces);
     let config = Config {
         api_keys: keys,
         max_body_bytes: args.max_body_bytes,
         keepalive_interval: keepalive,
         ..Config::default()
     };
-    let proxy = Proxy::new(cluster.clone(), config);
+    let proxy = Proxy::new(cluster.clone(), config).context("register metrics")?;
+    let health = server::bind(args.health).await.context("bind health")?;
+    tokio::spawn(server::serve_health(health, proxy.clone()));
     tokio::spawn(
         proxy
             .activity

@@ -26,6 +26,7 @@ use crate::auth::ApiKeys;
 use crate::body::{full, Guarded, ProxyBody};
 use crate::cluster::{Cluster, ModelKey};
 use crate::endpoints::RoundRobin;
+use crate::metrics::{ColdStart, Metrics};
 use crate::openai::{json_response, printable, ApiError, ModelEntry};
 use crate::plan::{self, Admission};
 use crate::route::{self, RouteError};
@@ -63,13 +64,14 @@ const FORWARDED: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/v1/em
 pub struct Proxy {
     pub cluster: Cluster,
     pub activity: Activity,
+    pub metrics: Metrics,
     config: Config,
     client: HttpClient<HttpConnector, Full<Bytes>>,
     balancers: Mutex<HashMap<ModelKey, Arc<RoundRobin>>>,
 }
 
 impl Proxy {
-    pub fn new(cluster: Cluster, config: Config) -> Arc<Self> {
+    pub fn new(cluster: Cluster, config: Config) -> Result<Arc<Self>, prometheus::Error> {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(config.connect_timeout));
         connector.set_nodelay(true);
@@ -77,13 +79,14 @@ impl Proxy {
             .pool_timer(TokioTimer::new())
             .pool_idle_timeout(Duration::from_secs(60))
             .build(connector);
-        Arc::new(Self {
+        Ok(Arc::new(Self {
             cluster,
             activity: Activity::default(),
+            metrics: Metrics::new()?,
             config,
             client,
             balancers: Mutex::new(HashMap::new()),
-        })
+        }))
     }
 
     pub fn config(&self) -> &Config {
@@ -94,18 +97,23 @@ impl Proxy {
     pub async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<ProxyBody> {
         let method = req.method().clone();
         let path = req.uri().path().to_string();
-        match self.route(req).await {
+        let mut key = None;
+        let resp = match self.route(req, &mut key).await {
             Ok(r) => r,
             Err(e) => {
                 debug!(%method, path = %printable(&path), status = e.status.as_u16(), error = %e.message, "request refused");
                 e.into_response()
             }
-        }
+        };
+        self.metrics.request(key.as_ref(), resp.status().as_u16());
+        resp
     }
 
+    /// `key` is set once the request is resolved to a Model (the metrics' labels).
     async fn route(
         self: &Arc<Self>,
         req: Request<Incoming>,
+        key: &mut Option<ModelKey>,
     ) -> Result<Response<ProxyBody>, ApiError> {
         let path = req.uri().path();
         if !path.starts_with("/v1/") {
@@ -135,7 +143,7 @@ impl Proxy {
             if !is_post {
                 return Err(ApiError::method_not_allowed(req.method().as_str(), path));
             }
-            return self.forward(req).await;
+            return self.forward(req, key).await;
         }
         Err(ApiError::not_found_path(path))
     }
@@ -159,7 +167,9 @@ impl Proxy {
     async fn forward(
         self: &Arc<Self>,
         req: Request<Incoming>,
+        resolved: &mut Option<ModelKey>,
     ) -> Result<Response<ProxyBody>, ApiError> {
+        let received = Instant::now();
         let limit = self.config.max_body_bytes;
         let declared = req
             .headers()
@@ -194,6 +204,7 @@ impl Proxy {
             body
         };
         let key: ModelKey = (route.namespace.clone(), route.name.clone());
+        *resolved = Some(key.clone());
 
         // From here on the request counts as activity of the Model (also while it waits).
         let guard = self.activity.begin(&key);
@@ -224,7 +235,10 @@ impl Proxy {
                     let (mut rparts, rbody) = resp.into_parts();
                     strip_hop_by_hop(&mut rparts.headers);
                     info!(namespace = %key.0, model = %key.1, backend = %backend, status = rparts.status.as_u16(), "forwarded");
-                    let body = Guarded::new(rbody.boxed_unsync(), guard).boxed_unsync();
+                    let (metrics, k) = (self.metrics.clone(), key.clone());
+                    let body = Guarded::new(rbody.boxed_unsync(), guard)
+                        .on_first_frame(move || metrics.first_byte(&k, received.elapsed()))
+                        .boxed_unsync();
                     return Ok(Response::from_parts(rparts, body));
                 }
                 Err(e) if e.is_connect() => {
@@ -249,9 +263,17 @@ impl Proxy {
     async fn await_backends(&self, key: &ModelKey) -> Result<Vec<String>, ApiError> {
         let mut changes = self.cluster.changes();
         let mut deadline: Option<(Instant, Duration)> = None;
+        // Set while this request waits for a cold start (the queue gauge and the wait's outcome).
+        let mut waiting: Option<(crate::metrics::Waiting, Instant)> = None;
+        let ended = |waiting: &mut Option<(crate::metrics::Waiting, Instant)>, r: ColdStart| {
+            if let Some((_, since)) = waiting.take() {
+                self.metrics.cold_start(key, r, since.elapsed());
+            }
+        };
         loop {
             let _ = changes.borrow_and_update();
             let Some(model) = self.cluster.model(key) else {
+                ended(&mut waiting, ColdStart::Failed);
                 return Err(ApiError::unavailable(format!(
                     "Model {}/{} was deleted",
                     key.0, key.1
@@ -279,13 +301,20 @@ impl Proxy {
                     let timeout = plan::cold_start_timeout(&model);
                     info!(namespace = %key.0, model = %key.1, timeout_s = timeout.as_secs(), "no ready backend: waiting for a cold start");
                     deadline = Some((Instant::now() + timeout, timeout));
+                    waiting = Some((self.metrics.waiting(key), Instant::now()));
                 } else {
                     tokio::spawn(touch);
                 }
             }
             match admission {
-                Admission::Forward => return Ok(backends),
-                Admission::Reject(reason) => return Err(ApiError::unavailable(reason)),
+                Admission::Forward => {
+                    ended(&mut waiting, ColdStart::Ready);
+                    return Ok(backends);
+                }
+                Admission::Reject(reason) => {
+                    ended(&mut waiting, ColdStart::Failed);
+                    return Err(ApiError::unavailable(reason));
+                }
                 Admission::Wait => {}
             }
             let Some((until, timeout)) = deadline else {
@@ -294,10 +323,12 @@ impl Proxy {
             tokio::select! {
                 changed = changes.changed() => {
                     if changed.is_err() {
+                        ended(&mut waiting, ColdStart::Failed);
                         return Err(ApiError::unavailable("the proxy's cluster watch stopped"));
                     }
                 }
                 _ = tokio::time::sleep_until(until) => {
+                    ended(&mut waiting, ColdStart::Timeout);
                     return Err(ApiError::cold_start_timeout(plan::not_ready_reason(&model, timeout)));
                 }
             }
@@ -431,25 +462,33 @@ pub async fn serve(
     Ok(())
 }
 
-/// `/healthz` (alive) and `/readyz` (caches synced) on their own port.
-pub async fn serve_health(listener: TcpListener, cluster: Cluster) {
+/// `/healthz` (alive), `/readyz` (caches synced) and `/metrics` (Prometheus) on their own port.
+pub async fn serve_health(listener: TcpListener, proxy: Arc<Proxy>) {
     loop {
         let Ok((stream, _)) = listener.accept().await else {
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
-        let c = cluster.clone();
+        let p = proxy.clone();
         tokio::spawn(async move {
             let svc = service_fn(move |req: Request<Incoming>| {
-                let ready = c.is_ready();
+                let p = p.clone();
                 async move {
-                    let (status, text) = match req.uri().path() {
-                        "/healthz" => (StatusCode::OK, "ok"),
-                        "/readyz" if ready => (StatusCode::OK, "ok"),
-                        "/readyz" => (StatusCode::SERVICE_UNAVAILABLE, "caches not synced"),
-                        _ => (StatusCode::NOT_FOUND, "not found"),
+                    let ready = p.cluster.is_ready();
+                    let (status, body) = match req.uri().path() {
+                        "/healthz" => (StatusCode::OK, Bytes::from_static(b"ok")),
+                        "/readyz" if ready => (StatusCode::OK, Bytes::from_static(b"ok")),
+                        "/readyz" => (
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            Bytes::from_static(b"caches not synced"),
+                        ),
+                        "/metrics" => (
+                            StatusCode::OK,
+                            Bytes::from(p.metrics.render(&p.activity.snapshot())),
+                        ),
+                        _ => (StatusCode::NOT_FOUND, Bytes::from_static(b"not found")),
                     };
-                    let mut r = Response::new(full(Bytes::from_static(text.as_bytes())));
+                    let mut r = Response::new(full(body));
                     *r.status_mut() = status;
                     Ok::<_, Infallible>(r)
                 }

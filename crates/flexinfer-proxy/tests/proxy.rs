@@ -301,7 +301,7 @@ struct TestProxy {
 }
 
 async fn start_proxy(client: &Client, ns: &str, keys: &str, keepalive: Duration) -> TestProxy {
-    let cluster = Cluster::start(client.clone(), Some(ns));
+    let cluster = Cluster::start(client.clone(), &[ns.to_string()]);
     assert!(cluster.wait_ready(WAIT).await, "proxy caches did not sync");
     let config = Config {
         api_keys: ApiKeys::parse(keys),
@@ -309,7 +309,7 @@ async fn start_proxy(client: &Client, ns: &str, keys: &str, keepalive: Duration)
         keepalive_interval: keepalive,
         ..Config::default()
     };
-    let proxy = Proxy::new(cluster.clone(), config);
+    let proxy = Proxy::new(cluster.clone(), config).unwrap();
     tokio::spawn(
         proxy
             .activity
@@ -747,6 +747,40 @@ async fn proxy_scales_from_zero_keeps_alive_and_lets_idle() {
     let (status, via) = tokio::time::timeout(WAIT, pending).await.unwrap().unwrap();
     assert_eq!(status, StatusCode::OK);
     assert_eq!(via.as_deref(), Some("cold"));
+    // The cold start is on /metrics: one wait that ended ready, nothing queued any more, the
+    // time to first byte includes the wait.
+    let text = String::from_utf8(p.proxy.metrics.render(&[])).unwrap();
+    let series = format!(r#"model="cold",namespace="{ns}""#);
+    assert!(
+        text.contains(&format!(
+            "flexinfer_proxy_cold_starts_total{{{series},result=\"ready\"}} 1"
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("flexinfer_proxy_waiting_requests{{{series}}} 0")),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "flexinfer_proxy_requests_total{{code=\"200\",{series}}} 1"
+        )),
+        "{text}"
+    );
+    let ttfb_sum: f64 = text
+        .lines()
+        .find(|l| {
+            l.starts_with(&format!(
+                "flexinfer_proxy_time_to_first_byte_seconds_sum{{{series}}}"
+            ))
+        })
+        .and_then(|l| l.split_whitespace().last())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
+    assert!(
+        ttfb_sum >= 0.5,
+        "first byte after the held wait: {ttfb_sum}\n{text}"
+    );
 
     // A streamed request longer than idleTimeout keeps the Model up and lastActiveTime fresh.
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
@@ -857,6 +891,19 @@ async fn proxy_cold_start_timeout_and_unservable_models() {
     .await;
     let waited = t0.elapsed();
     assert_eq!(e["code"], "cold_start_timeout");
+    let text = String::from_utf8(p.proxy.metrics.render(&[])).unwrap();
+    assert!(
+        text.contains(&format!(
+            r#"flexinfer_proxy_cold_starts_total{{model="never",namespace="{ns}",result="timeout"}} 1"#
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            r#"flexinfer_proxy_requests_total{{code="504",model="never",namespace="{ns}"}} 1"#
+        )),
+        "{text}"
+    );
     let msg = e["message"].as_str().unwrap();
     assert!(
         msg.contains(&format!("{ns}/never")) && msg.contains("coldStartTimeout"),

@@ -28,6 +28,9 @@ pub struct Config {
     /// `FLEXINFER_KEEP_GENERATIONS`: earlier generations of a phase's output kept on disk besides the
     /// promoted one (default 1; generations a Model serves are always kept).
     pub keep_generations: usize,
+    /// `FLEXINFER_STUCK_POD_SECONDS`: how long a pipeline pod may stay unschedulable or unable to
+    /// pull its image before the attempt counts as failed (default 300 s).
+    pub stuck_pod_after: Duration,
 }
 
 impl Default for Config {
@@ -46,6 +49,7 @@ impl Default for Config {
                 .collect(),
             hf_endpoint: None,
             keep_generations: 1,
+            stuck_pod_after: Duration::from_secs(300),
         }
     }
 }
@@ -57,8 +61,7 @@ impl Config {
         let secs = |k: &str, d: u64| {
             nonempty(k)
                 .and_then(|v| v.trim().parse::<f64>().ok())
-                .filter(|v| v.is_finite() && *v >= 0.0)
-                .map(Duration::from_secs_f64)
+                .and_then(|v| Duration::try_from_secs_f64(v).ok())
                 .unwrap_or(Duration::from_secs(d))
         };
         let mut image_env = BTreeMap::new();
@@ -94,6 +97,7 @@ impl Config {
             ),
             drift_grace: secs(env::controller::IMAGE_DRIFT_GRACE_SECONDS, 600),
             retry_base: secs(env::controller::RETRY_BASE_SECONDS, 30),
+            stuck_pod_after: secs(env::controller::STUCK_POD_SECONDS, 300),
             progress_poll: secs(env::controller::PROGRESS_POLL_SECONDS, 30),
             gptq_tunables,
             hf_endpoint: nonempty(env::HF_ENDPOINT),
@@ -140,6 +144,9 @@ mod tests {
             ("FLEXINFER_GPTQ_MAX_RTN_FALLBACK_PERCENT", "5"),
             ("FLEXINFER_IMAGE_DRIFT_GRACE_SECONDS", "3"),
             ("FLEXINFER_RETRY_BASE_SECONDS", "1"),
+            ("FLEXINFER_STUCK_POD_SECONDS", "45"),
+            // Out of range: the default applies rather than a panic.
+            ("FLEXINFER_PROGRESS_POLL_SECONDS", "1e300"),
         ]);
         let c = Config::from_lookup(|k| m.get(k).map(|s| s.to_string()));
         assert_eq!(c.worker_image.as_deref(), Some("w:1"));
@@ -156,6 +163,8 @@ mod tests {
             .gptq_tunables
             .contains(&("GPTQ_RESUME_LAYERS".into(), "true".into())));
         assert_eq!(c.drift_grace, Duration::from_secs(3));
+        assert_eq!(c.stuck_pod_after, Duration::from_secs(45));
+        assert_eq!(c.progress_poll, Duration::from_secs(30));
         assert_eq!(c.retry_delay(0), Duration::from_secs(1));
         assert_eq!(c.retry_delay(3), Duration::from_secs(8));
     }

@@ -89,6 +89,9 @@ pub fn classify_failure(j: &ObservedJob) -> FailureReason {
     {
         return FailureReason::ImagePullBackOff;
     }
+    if pod.is_some_and(|p| p.unschedulable.is_some()) {
+        return FailureReason::Unschedulable;
+    }
     if job_reason == FailureReason::BackoffLimitExceeded.as_str() {
         return FailureReason::BackoffLimitExceeded;
     }
@@ -96,6 +99,12 @@ pub fn classify_failure(j: &ObservedJob) -> FailureReason {
     pod.and_then(|p| p.exit_code)
         .and_then(FailureReason::from_exit_code)
         .unwrap_or(FailureReason::JobFailed)
+}
+
+/// Pull failures that a retry by the kubelet can still cure (registry down, credentials being
+/// fixed): they count as a failure only after the stuck-pod threshold.
+pub(super) fn is_transient_pull_failure(reason: &str) -> bool {
+    matches!(reason, "ImagePullBackOff" | "ErrImagePull")
 }
 
 pub(super) fn is_image_pull_failure(reason: &str) -> bool {
@@ -128,6 +137,7 @@ pub(super) fn failure_text(j: &ObservedJob, log_tail: Option<&Result<String, Str
             _ => None,
         })
         .or_else(|| pod.and_then(|p| p.waiting_message.clone()))
+        .or_else(|| pod.and_then(|p| p.unschedulable.clone()))
         .or_else(|| match &j.state {
             JobState::Failed { message, .. } if !message.is_empty() => Some(message.clone()),
             _ => None,

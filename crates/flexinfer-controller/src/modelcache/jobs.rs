@@ -154,12 +154,33 @@ pub fn invalid_pod_metadata_annotation(mc: &ModelCache) -> Option<String> {
     keys.into_iter().find_map(|k| {
         let v = ann.get(&k)?;
         match serde_json::from_str::<BTreeMap<String, serde_json::Value>>(v) {
+            Ok(m) if k.ends_with("-pod-annotations") => m
+                .keys()
+                .find(|a| is_security_annotation(a))
+                .map(|a| {
+                    format!(
+                        "annotation {k} may not set {a}: AppArmor and seccomp profiles of pipeline pods are set by the controller"
+                    )
+                }),
             Ok(_) => None,
             Err(e) => Some(format!(
                 "annotation {k} must be a JSON object of strings: {e}"
             )),
         }
     })
+}
+
+/// Pod annotations that change a pod's confinement (AppArmor, seccomp): never passed through from
+/// a cache's annotations.
+pub fn is_security_annotation(key: &str) -> bool {
+    const PREFIXES: [&str; 4] = [
+        "container.apparmor.security.beta.kubernetes.io/",
+        "apparmor.security.beta.kubernetes.io/",
+        "container.seccomp.security.alpha.kubernetes.io/",
+        "seccomp.security.alpha.kubernetes.io/",
+    ];
+    let k = key.to_ascii_lowercase();
+    PREFIXES.iter().any(|p| k.starts_with(p))
 }
 
 /// Labels every pipeline Job and its pods carry.
@@ -402,6 +423,8 @@ pub fn build_job(
         mc,
         &annotations::phase_pod_annotations(phase.as_str()),
     ));
+    // Belt and braces: the planner refuses such a cache before any Job is built.
+    pod_ann.retain(|k, _| !is_security_annotation(k));
 
     let mut mem_mb = phase_memory_gb(mc, phase) * 1024;
     let mut limits = BTreeMap::new();
@@ -423,7 +446,7 @@ pub fn build_job(
     }
 
     let mut tolerations = Vec::new();
-    if t.gpu {
+    if t.gpu_pinned {
         tolerations.push(Toleration {
             key: Some(contract::controller::GPU_TOLERATION_KEY.into()),
             operator: Some("Equal".into()),

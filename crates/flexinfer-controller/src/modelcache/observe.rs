@@ -30,6 +30,11 @@ pub struct ObservedPod {
     /// `state.waiting.reason` (`ImagePullBackOff`, `ErrImagePull`, …).
     pub waiting_reason: Option<String>,
     pub waiting_message: Option<String>,
+    /// `metadata.creationTimestamp` of the pod (how long it has been stuck, if it is).
+    pub created: Option<Timestamp>,
+    /// The scheduler's message when the pod's `PodScheduled` condition is `False` with reason
+    /// `Unschedulable`.
+    pub unschedulable: Option<String>,
 }
 
 /// One pipeline Job, summarised.
@@ -143,5 +148,37 @@ fn observe_pod(p: &Pod) -> ObservedPod {
             .filter(|m| !m.trim().is_empty()),
         waiting_reason: waiting.and_then(|w| w.reason.clone()),
         waiting_message: waiting.and_then(|w| w.message.clone()),
+        created: p.metadata.creation_timestamp.as_ref().map(|t| t.0),
+        unschedulable: st
+            .and_then(|s| s.conditions.as_ref())
+            .and_then(|cs| {
+                cs.iter().find(|c| {
+                    c.type_ == "PodScheduled"
+                        && c.status == "False"
+                        && c.reason.as_deref() == Some("Unschedulable")
+                })
+            })
+            .map(|c| c.message.clone().unwrap_or_else(|| "Unschedulable".into())),
+    }
+}
+
+/// Why a pod that has not started is stuck, if it is: the scheduler cannot place it, or the
+/// kubelet cannot pull its image. `(reason, message)`.
+pub fn stuck_reason(p: &ObservedPod) -> Option<(contract::FailureReason, String)> {
+    if p.running || p.terminated_reason.is_some() {
+        return None;
+    }
+    if let Some(m) = &p.unschedulable {
+        return Some((contract::FailureReason::Unschedulable, m.clone()));
+    }
+    match p.waiting_reason.as_deref() {
+        Some(r @ ("ImagePullBackOff" | "ErrImagePull")) => Some((
+            contract::FailureReason::ImagePullBackOff,
+            match &p.waiting_message {
+                Some(m) => format!("{r}: {m}"),
+                None => r.to_string(),
+            },
+        )),
+        _ => None,
     }
 }

@@ -18,9 +18,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
 use super::config::Config;
-use super::failures::{is_image_pull_failure, truncate};
+use super::failures::{is_image_pull_failure, is_transient_pull_failure, truncate};
 use super::jobs;
-use super::observe::{JobState, ObservedJob};
+use super::observe::{stuck_reason, JobState, ObservedJob};
 use super::results::{record_failure, record_success, update_progress};
 
 pub use super::failures::{classify_failure, redact};
@@ -189,6 +189,55 @@ pub(super) fn phase_from_status_name(s: &str) -> Option<JobPhase> {
 pub(super) fn ts_add(now: Timestamp, d: Duration) -> Timestamp {
     now.checked_add(SignedDuration::try_from(d).unwrap_or(SignedDuration::ZERO))
         .unwrap_or(now)
+}
+
+/// A pipeline pod that has not started because the scheduler cannot place it or its image
+/// cannot be pulled.
+struct StuckPod {
+    reason: contract::FailureReason,
+    message: String,
+    pod: String,
+    since: Timestamp,
+    /// Stuck for at least `Config::stuck_pod_after`: the attempt counts as failed.
+    expired: bool,
+    /// Time left before it does.
+    remaining: Duration,
+}
+
+fn stuck_pod(job: &ObservedJob, config: &Config, now: Timestamp) -> Option<StuckPod> {
+    let pod = job.pod.as_ref()?;
+    let (reason, message) = stuck_reason(pod)?;
+    let since = pod.created.unwrap_or(job.created);
+    let age = secs_between(since, now).max(0);
+    let limit = i64::try_from(config.stuck_pod_after.as_secs()).unwrap_or(i64::MAX);
+    Some(StuckPod {
+        reason,
+        message,
+        pod: pod.name.clone(),
+        since,
+        expired: age >= limit,
+        remaining: Duration::from_secs(u64::try_from(limit.saturating_sub(age)).unwrap_or(0)),
+    })
+}
+
+/// Say why the pod is waiting (condition; one event when it starts waiting) and come back when
+/// the threshold passes.
+fn report_stuck_pod(cx: &mut Ctx<'_>, job: &ObservedJob, stuck: &StuckPod) {
+    let limit = cx.config.stuck_pod_after.as_secs();
+    let msg = format!(
+        "pod {} of Job {} has been waiting since {}: {}; the attempt fails after {limit}s",
+        stuck.pod, job.name, stuck.since, stuck.message
+    );
+    let already = cx
+        .st
+        .conditions
+        .iter()
+        .any(|c| c.type_ == types::PROGRESSING && c.reason == stuck.reason.as_str());
+    cx.cond(types::PROGRESSING, true, stuck.reason.as_str(), &msg);
+    if !already {
+        cx.job_event(true, stuck.reason.as_str(), msg, Some(&job.name));
+    }
+    cx.requeue(stuck.remaining.min(cx.config.progress_poll));
 }
 
 pub(super) fn secs_between(a: Timestamp, b: Timestamp) -> i64 {
@@ -612,9 +661,18 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
                     .pod
                     .as_ref()
                     .and_then(|p| p.waiting_reason.as_deref())
-                    .is_some_and(|r| r != "ErrImagePull" && is_image_pull_failure(r))
+                    .is_some_and(|r| is_image_pull_failure(r) && !is_transient_pull_failure(r))
                 {
+                    // A malformed or never-pull image cannot recover by waiting.
                     record_failure(&mut cx, phase, job, observed, c, max_retries);
+                    break;
+                }
+                if let Some(stuck) = stuck_pod(job, config, now) {
+                    if stuck.expired {
+                        record_failure(&mut cx, phase, job, observed, c, max_retries);
+                    } else {
+                        report_stuck_pod(&mut cx, job, &stuck);
+                    }
                     break;
                 }
                 if phase == JobPhase::Quantize && job.image != image {

@@ -1,6 +1,6 @@
 //! The thin reconciler: observe (Jobs, pods, PVC, GPUProfiles, log tail), call [`plan`], apply.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -15,10 +15,11 @@ use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolumeClaim, Pod};
 use kube::api::{
     Api, DeleteParams, ListParams, LogParams, Patch, PatchParams, PostParams, PropagationPolicy,
 };
+use kube::core::PartialObjectMeta;
 use kube::runtime::controller::{Action as CtrlAction, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
-use kube::runtime::watcher;
+use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Client, Resource, ResourceExt};
 use tracing::{debug, info, warn};
 
@@ -52,6 +53,8 @@ pub struct Context {
     pub recorder: Recorder,
     /// Last pod-log read per cache.
     log_reads: Mutex<HashMap<(String, String), Instant>>,
+    /// Consecutive reconcile failures per cache (error requeue backoff).
+    failures: crate::backoff::Failures,
 }
 
 impl Context {
@@ -101,12 +104,18 @@ pub async fn run(
         metrics,
         config,
         log_reads: Mutex::new(HashMap::new()),
+        failures: Default::default(),
     });
     let guard = crate::supervise::Guard::new(
         "modelcache",
         ctx.metrics.clone(),
         Some(ctx.recorder.clone()),
     );
+    let cache_meta: Api<PartialObjectMeta<ModelCache>> = match &namespace {
+        Some(ns) => Api::namespaced(ctx.client.clone(), ns),
+        None => Api::all(ctx.client.clone()),
+    };
+    let forget = forget_deleted_caches(cache_meta, ctx.metrics.clone());
     let controller = Controller::new(caches, watcher::Config::default());
     let store = controller.store();
     let job_wc = watcher::Config::default().labels(&format!(
@@ -114,7 +123,7 @@ pub async fn run(
         labels::MANAGED_BY,
         labels::MANAGED_BY_VALUE
     ));
-    controller
+    let run = controller
         .owns(job_api, job_wc)
         .watches(
             profiles,
@@ -140,9 +149,64 @@ pub async fn run(
             if let Err(e) = res {
                 debug!(error = %e, "reconcile stream error");
             }
-        })
-        .await;
+        });
+    tokio::select! {
+        () = run => {}
+        () = forget => {}
+    }
     Ok(())
+}
+
+/// A cache deleted without a finalizer (existing claim) never reaches `reconcile`: watch the
+/// caches' metadata and drop the series of deleted ones. A reconcile that started before the
+/// deletion may set a series again after it, so the series are also compared with the caches that
+/// exist every few seconds (and after every relist, which covers deletions while the watch was down).
+async fn forget_deleted_caches(caches: Api<PartialObjectMeta<ModelCache>>, m: Metrics) {
+    use kube::runtime::watcher::Event as WatchEvent;
+    let key = |o: &PartialObjectMeta<ModelCache>| (o.name_any(), o.namespace().unwrap_or_default());
+    let mut existing = BTreeSet::new();
+    let mut listing = BTreeSet::new();
+    let mut synced = false;
+    let events = watcher(caches, watcher::Config::default()).default_backoff();
+    futures::pin_mut!(events);
+    let mut tick = tokio::time::interval(Duration::from_secs(5));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            ev = events.next() => match ev {
+                None => return,
+                Some(Ok(WatchEvent::Delete(obj))) => {
+                    let (name, ns) = key(&obj);
+                    existing.remove(&(name.clone(), ns.clone()));
+                    forget_cache_series(&m, &name, &ns);
+                }
+                Some(Ok(WatchEvent::Apply(obj))) => {
+                    existing.insert(key(&obj));
+                }
+                Some(Ok(WatchEvent::Init)) => listing.clear(),
+                Some(Ok(WatchEvent::InitApply(obj))) => {
+                    listing.insert(key(&obj));
+                }
+                Some(Ok(WatchEvent::InitDone)) => {
+                    existing = std::mem::take(&mut listing);
+                    synced = true;
+                    forget_absent(&m, &existing);
+                }
+                Some(Err(e)) => debug!(error = %e, "cache deletion watch error"),
+            },
+            _ = tick.tick() => if synced {
+                forget_absent(&m, &existing);
+            },
+        }
+    }
+}
+
+fn forget_absent(m: &Metrics, existing: &BTreeSet<(String, String)>) {
+    for k in cache_series_keys(m) {
+        if !existing.contains(&k) {
+            forget_cache_series(m, &k.0, &k.1);
+        }
+    }
 }
 
 fn error_policy(mc: Arc<ModelCache>, err: &Error, ctx: Arc<Context>) -> CtrlAction {
@@ -154,13 +218,21 @@ fn error_policy(mc: Arc<ModelCache>, err: &Error, ctx: Arc<Context>) -> CtrlActi
         .reconcile_errors_total
         .with_label_values(&["modelcache"])
         .inc();
-    warn!(cache = %mc.name_any(), namespace = ?mc.namespace(), error = %err, "reconcile failed");
-    CtrlAction::requeue(Duration::from_secs(5))
+    let delay = ctx.failures.failed(&failure_key(&mc));
+    warn!(cache = %mc.name_any(), namespace = ?mc.namespace(), error = %err, retry_in_ms = delay.as_millis() as u64, "reconcile failed");
+    CtrlAction::requeue(delay)
+}
+
+fn failure_key(mc: &ModelCache) -> String {
+    format!("{}/{}", mc.namespace().unwrap_or_default(), mc.name_any())
 }
 
 async fn reconcile(mc: Arc<ModelCache>, ctx: Arc<Context>) -> Result<CtrlAction, Error> {
     let t0 = Instant::now();
     let res = reconcile_inner(&mc, &ctx).await;
+    if res.is_ok() {
+        ctx.failures.succeeded(&failure_key(&mc));
+    }
     ctx.metrics
         .reconcile_duration_seconds
         .with_label_values(&["modelcache"])
@@ -327,22 +399,31 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
     let job_api: Api<Job> = Api::namespaced(client.clone(), ns);
     let pvc_api: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
     let mut events = Vec::new();
+    // The resourceVersion the plan was made from: every write of the cache is conditional on it,
+    // so a plan made from a stale copy (the watch cache lags our own writes) changes nothing and
+    // is made again from a fresh one. Counters such as `retryCount` never go backwards.
+    let mut rv = mc.resource_version();
+    if p.actions.contains(&Action::AddFinalizer) {
+        let mut f = mc.finalizers().to_vec();
+        f.push(contract::controller::FINALIZER_CLEANUP.to_string());
+        let patch = serde_json::json!({"metadata": {"finalizers": f, "resourceVersion": rv}});
+        match caches
+            .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(updated) => rv = updated.resource_version(),
+            // Our copy is stale (resourceVersion precondition): look again shortly.
+            Err(kube::Error::Api(e)) if e.code == 409 => return Err(Error::Conflict),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    // Status before the Jobs and PVCs it describes: if it cannot be written, nothing is done.
+    if p.status_changed {
+        rv = write_status(&caches, &name, rv.as_deref(), &p.status).await?;
+    }
     for a in &p.actions {
         match a {
-            Action::AddFinalizer => {
-                let mut f = mc.finalizers().to_vec();
-                f.push(contract::controller::FINALIZER_CLEANUP.to_string());
-                let patch = serde_json::json!({"metadata": {"finalizers": f, "resourceVersion": mc.resource_version()}});
-                match caches
-                    .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
-                    .await
-                {
-                    Ok(_) => {}
-                    // Our copy is stale (resourceVersion precondition): look again shortly.
-                    Err(kube::Error::Api(e)) if e.code == 409 => return Err(Error::Conflict),
-                    Err(e) => return Err(e.into()),
-                }
-            }
+            Action::AddFinalizer => {}
             Action::RemoveFinalizer => {
                 let f: Vec<String> = mc
                     .finalizers()
@@ -350,7 +431,8 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
                     .filter(|x| x.as_str() != contract::controller::FINALIZER_CLEANUP)
                     .cloned()
                     .collect();
-                let patch = serde_json::json!({"metadata": {"finalizers": f, "resourceVersion": mc.resource_version()}});
+                let patch =
+                    serde_json::json!({"metadata": {"finalizers": f, "resourceVersion": rv}});
                 match caches
                     .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
                     .await
@@ -438,20 +520,6 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
             }),
         }
     }
-    if p.status_changed {
-        let patch = serde_json::json!({
-            "apiVersion": "ai.flexinfer/v1alpha1",
-            "kind": "ModelCache",
-            "status": p.status,
-        });
-        caches
-            .patch_status(
-                &name,
-                &PatchParams::apply(FIELD_MANAGER).force(),
-                &Patch::Apply(&patch),
-            )
-            .await?;
-    }
     let oref = mc.object_ref(&());
     for e in events {
         if let Err(err) = ctx.recorder.publish(&e, &oref).await {
@@ -459,6 +527,36 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
         }
     }
     Ok(())
+}
+
+/// Apply a cache's status, conditional on `resource_version` when given (409 → `Error::Conflict`).
+/// Returns the cache's new resourceVersion.
+pub async fn write_status(
+    caches: &Api<ModelCache>,
+    name: &str,
+    resource_version: Option<&str>,
+    status: &flexinfer_api::modelcache::ModelCacheStatus,
+) -> Result<Option<String>, Error> {
+    let mut patch = serde_json::json!({
+        "apiVersion": "ai.flexinfer/v1alpha1",
+        "kind": "ModelCache",
+        "status": status,
+    });
+    if let Some(rv) = resource_version {
+        patch["metadata"] = serde_json::json!({ "resourceVersion": rv });
+    }
+    match caches
+        .patch_status(
+            name,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&patch),
+        )
+        .await
+    {
+        Ok(updated) => Ok(updated.resource_version()),
+        Err(kube::Error::Api(e)) if e.code == 409 => Err(Error::Conflict),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// Drop per-Job series that no longer describe a running Job, so the deadline and stall alerts stop
@@ -481,23 +579,72 @@ fn forget_job_series(m: &crate::metrics::Metrics, name: &str, ns: &str, running:
     }
 }
 
+/// Drop every series of a cache: it is being deleted or is gone (deleted without a finalizer,
+/// or while the controller was away), so no alert may keep firing for it.
+pub(crate) fn forget_cache_series(m: &crate::metrics::Metrics, name: &str, ns: &str) {
+    forget_job_series(m, name, ns, None);
+    for ph in CachePhase::ALL {
+        let _ = m
+            .modelcache_phase
+            .remove_label_values(&[name, ns, ph.as_str()]);
+    }
+    for phase in JobPhase::ALL {
+        let _ = m
+            .job_progress_percent
+            .remove_label_values(&[name, ns, phase.status_name()]);
+    }
+    for r in contract::FailureReason::ALL {
+        let _ = m
+            .model_cache_failures_total
+            .remove_label_values(&[name, ns, r.as_str()]);
+    }
+    for status in ["succeeded", "failed"] {
+        let _ = m
+            .quantization_jobs_total
+            .remove_label_values(&[name, ns, status]);
+    }
+    let _ = m
+        .quantization_compression_ratio
+        .remove_label_values(&[name, ns]);
+    let _ = m
+        .quantization_duration_seconds
+        .remove_label_values(&[name, ns]);
+}
+
+/// `(cache, namespace)` of every cache that has per-cache series.
+fn cache_series_keys(m: &crate::metrics::Metrics) -> BTreeSet<(String, String)> {
+    use prometheus::core::Collector;
+    let mut out = BTreeSet::new();
+    let families = m
+        .modelcache_phase
+        .collect()
+        .into_iter()
+        .chain(m.job_progress_percent.collect());
+    for fam in families {
+        for metric in fam.get_metric() {
+            let label = |n: &str| {
+                metric
+                    .get_label()
+                    .iter()
+                    .find(|l| l.name() == n)
+                    .map(|l| l.value().to_string())
+            };
+            if let (Some(c), Some(ns)) = (
+                label("cache").or_else(|| label("model")),
+                label("namespace"),
+            ) {
+                out.insert((c, ns));
+            }
+        }
+    }
+    out
+}
+
 fn update_metrics(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) {
     let m = &ctx.metrics;
     let name = mc.name_any();
     if mc.metadata.deletion_timestamp.is_some() {
-        forget_job_series(m, &name, ns, None);
-        for ph in CachePhase::ALL {
-            let _ = m
-                .modelcache_phase
-                .remove_label_values(&[name.as_str(), ns, ph.as_str()]);
-        }
-        for phase in JobPhase::ALL {
-            let _ = m.job_progress_percent.remove_label_values(&[
-                name.as_str(),
-                ns,
-                phase.status_name(),
-            ]);
-        }
+        forget_cache_series(m, &name, ns);
         return;
     }
     forget_job_series(m, &name, ns, p.outcome.running.map(|(ph, _, _)| ph));

@@ -83,6 +83,16 @@ pub fn profile_affects(mc: &ModelCache, profile: &GPUProfile) -> bool {
             .is_some_and(|n| arches.contains(n))
 }
 
+/// Whether a node selector pins pods to GPU nodes: it names a GPU architecture, or it contains
+/// every label of some GPUProfile's node selector.
+pub fn selects_gpu_nodes(sel: &BTreeMap<String, String>, profiles: &[GPUProfile]) -> bool {
+    sel.contains_key(labels::GPU_ARCH)
+        || profiles.iter().any(|p| {
+            let ps = p.spec.effective_node_selector();
+            !ps.is_empty() && ps.iter().all(|(k, v)| sel.get(k) == Some(v))
+        })
+}
+
 /// Where and with what a phase runs.
 #[derive(Debug, Clone)]
 pub struct PhaseTarget {
@@ -92,6 +102,10 @@ pub struct PhaseTarget {
     pub profile: Option<GPUProfile>,
     pub arch: Option<String>,
     pub node_selector: BTreeMap<String, String>,
+    /// The pod is pinned to GPU nodes: a GPU phase, or a node selector that names a GPU
+    /// architecture or contains a GPUProfile's node selector. Such pods get the default GPU
+    /// toleration (`dedicated=gpu:NoSchedule`), whatever their phase.
+    pub gpu_pinned: bool,
     /// Resolved image; `Err` names what to configure.
     pub image: Result<String, String>,
 }
@@ -129,9 +143,11 @@ pub fn resolve_target(
         .or_else(|| profile.as_ref().map(|p| p.spec.effective_node_selector()))
         .unwrap_or_default();
     let image = resolve_image(mc, phase, profile.as_ref(), arch.as_deref(), config);
+    let gpu_pinned = gpu || selects_gpu_nodes(&node_selector, profiles);
     PhaseTarget {
         phase,
         gpu,
+        gpu_pinned,
         profile,
         arch,
         node_selector,

@@ -1458,3 +1458,226 @@ fn status_written_under_the_legacy_hash_is_current_and_migrated() {
             || !created_jobs(&plan(&ready, &obs(vec![]), &c, t(501))).is_empty()
     );
 }
+
+fn tolerates_gpu_taint(p: &Plan) -> Vec<(String, bool)> {
+    p.actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::CreateJob(j) => Some((
+                j.metadata.name.clone().unwrap_or_default(),
+                j.spec
+                    .as_ref()
+                    .and_then(|s| s.template.spec.as_ref())
+                    .and_then(|s| s.tolerations.as_ref())
+                    .is_some_and(|ts| {
+                        ts.iter().any(|t| {
+                            t.key.as_deref() == Some("dedicated")
+                                && t.value.as_deref() == Some("gpu")
+                                && t.effect.as_deref() == Some("NoSchedule")
+                        })
+                    }),
+            )),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn every_job_pinned_to_gpu_nodes_tolerates_the_gpu_taint() {
+    // (case, manifest, profiles, download Job tolerates `dedicated=gpu:NoSchedule`)
+    let arch_pinned = SIMPLE.replace(
+        "  maxRetries: 2\n",
+        "  maxRetries: 2\n  nodeSelector: {flexinfer.ai/gpu.arch: gfx906}\n",
+    );
+    let profile_pinned = SIMPLE.replace(
+        "  maxRetries: 2\n",
+        "  maxRetries: 2\n  nodeSelector: {amd.com/gpu.product: rx7900, zone: a}\n",
+    );
+    let cpu_pinned = SIMPLE.replace(
+        "  maxRetries: 2\n",
+        "  maxRetries: 2\n  nodeSelector: {kubernetes.io/arch: amd64}\n",
+    );
+    let mut gpu_profile = profile("gfx1100", "q:a");
+    gpu_profile.spec.node_selector = Some(BTreeMap::from([(
+        "amd.com/gpu.product".to_string(),
+        "rx7900".to_string(),
+    )]));
+    let cases: Vec<(&str, String, Vec<GPUProfile>, bool)> = vec![
+        ("no selector", SIMPLE.to_string(), vec![], false),
+        ("selector names a GPU arch", arch_pinned, vec![], true),
+        (
+            "selector contains a GPUProfile's selector",
+            profile_pinned.clone(),
+            vec![gpu_profile],
+            true,
+        ),
+        (
+            "same selector, no profile names it",
+            profile_pinned,
+            vec![],
+            false,
+        ),
+        ("selector of CPU nodes", cpu_pinned, vec![], false),
+    ];
+    for (name, y, profiles, want) in cases {
+        let o = Observed {
+            profiles,
+            ..Default::default()
+        };
+        let p = plan(&cache(&y), &o, &cfg(), t(0));
+        assert_eq!(
+            tolerates_gpu_taint(&p),
+            vec![("mc-download".to_string(), want)],
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn a_pod_that_cannot_start_fails_the_attempt_after_the_threshold() {
+    let c = cfg();
+    let limit = c.stuck_pod_after.as_secs() as i64;
+    let unschedulable = ObservedPod {
+        name: "mc-download-x".into(),
+        created: Some(t(0)),
+        unschedulable: Some("0/5 nodes are available: 5 node(s) had untolerated taint".into()),
+        ..Default::default()
+    };
+    let backoff = ObservedPod {
+        name: "mc-download-x".into(),
+        created: Some(t(0)),
+        waiting_reason: Some("ImagePullBackOff".into()),
+        waiting_message: Some("Back-off pulling image \"worker:1\"".into()),
+        ..Default::default()
+    };
+    let invalid = ObservedPod {
+        waiting_reason: Some("InvalidImageName".into()),
+        ..backoff.clone()
+    };
+    // (case, pod, seconds since the pod was created, attempt failed, reason on the conditions)
+    let cases = vec![
+        (
+            "unschedulable, young",
+            unschedulable.clone(),
+            10,
+            false,
+            "Unschedulable",
+        ),
+        (
+            "unschedulable, at the limit",
+            unschedulable,
+            limit,
+            true,
+            "Unschedulable",
+        ),
+        (
+            "pull back-off, young",
+            backoff.clone(),
+            limit - 2,
+            false,
+            "ImagePullBackOff",
+        ),
+        (
+            "pull back-off, old",
+            backoff,
+            limit + 60,
+            true,
+            "ImagePullBackOff",
+        ),
+        (
+            "invalid image name fails at once",
+            invalid,
+            1,
+            true,
+            "ImagePullBackOff",
+        ),
+    ];
+    for (name, pod, age, fails, reason) in cases {
+        let mc = cache(SIMPLE);
+        let p0 = plan(&mc, &obs(vec![]), &c, t(0));
+        let mut j = job_from(&p0, JobPhase::Download, t(0), JobState::Active);
+        j.pod = Some(pod);
+        let mc = applied(mc, &p0);
+        let p = plan(&mc, &obs(vec![j.clone()]), &c, t(age));
+        let st = &p.status;
+        if fails {
+            assert_eq!(deleted_jobs(&p), vec![j.name.clone()], "{name}");
+            assert_eq!(
+                conditions::find(&st.conditions, "Degraded").map(|c| c.reason.as_str()),
+                Some(reason),
+                "{name}"
+            );
+            assert_eq!(st.retry_count, Some(1), "{name}");
+            assert!(events(&p).contains(&"Retrying".to_string()), "{name}");
+        } else {
+            assert!(deleted_jobs(&p).is_empty(), "{name}");
+            let prog = conditions::find(&st.conditions, "Progressing");
+            assert_eq!(prog.map(|c| c.reason.as_str()), Some(reason), "{name}");
+            assert!(
+                prog.is_some_and(|c| c.message.contains("mc-download-x")
+                    && c.message.contains(&format!("fails after {limit}s"))),
+                "{name}: {prog:?}"
+            );
+            assert_eq!(
+                events(&p).iter().filter(|e| *e == reason).count(),
+                1,
+                "{name}"
+            );
+            assert!(
+                p.requeue_after.is_some_and(|d| d <= c.progress_poll),
+                "{name}"
+            );
+            // The next reconcile keeps waiting without a second event or a status change.
+            let mc2 = applied(mc.clone(), &p);
+            let again = plan(&mc2, &obs(vec![j.clone()]), &c, t(age + 1));
+            assert!(!events(&again).iter().any(|e| e == reason), "{name}");
+            assert!(!again.status_changed, "{name}");
+        }
+    }
+}
+
+#[test]
+fn pod_annotations_cannot_loosen_confinement() {
+    // (annotation on the cache, refused)
+    let cases = [
+        (
+            "flexinfer.ai/job-pod-annotations",
+            r#"{"container.apparmor.security.beta.kubernetes.io/worker":"unconfined"}"#,
+            true,
+        ),
+        (
+            "flexinfer.ai/quantize-pod-annotations",
+            r#"{"seccomp.security.alpha.kubernetes.io/pod":"unconfined"}"#,
+            true,
+        ),
+        (
+            "flexinfer.ai/download-pod-annotations",
+            r#"{"Container.Seccomp.Security.Alpha.Kubernetes.io/worker":"unconfined"}"#,
+            true,
+        ),
+        (
+            "flexinfer.ai/job-pod-annotations",
+            r#"{"prometheus.io/scrape":"true"}"#,
+            false,
+        ),
+        // Labels are not annotations: a label with that name changes nothing.
+        ("flexinfer.ai/job-pod-labels", r#"{"team":"ml"}"#, false),
+    ];
+    for (key, value, refused) in cases {
+        let mut mc = cache(SIMPLE);
+        mc.metadata.annotations = Some(BTreeMap::from([(key.to_string(), value.to_string())]));
+        let p = plan(&mc, &obs(vec![]), &cfg(), t(0));
+        let r = conditions::find(&p.status.conditions, "Ready");
+        if refused {
+            assert_eq!(
+                r.map(|c| c.reason.as_str()),
+                Some("InvalidSpec"),
+                "{key}={value}"
+            );
+            assert!(r.is_some_and(|c| c.message.contains(key)), "{r:?}");
+            assert!(created_jobs(&p).is_empty(), "{key}={value}");
+        } else {
+            assert_eq!(created_jobs(&p), vec!["mc-download"], "{key}={value}");
+        }
+    }
+}
