@@ -1,10 +1,11 @@
 //! The HTTP server of `/metrics`, `/healthz` and `/readyz` (hyper, HTTP/1.1). It answers GETs
 //! (and HEADs) of these fixed paths; every response closes its connection.
 
+use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use http_body_util::Full;
 use hyper::body::Bytes;
@@ -18,10 +19,12 @@ use tracing::{debug, warn};
 
 use crate::metrics::Metrics;
 
-/// Readiness flags shared with the probes.
+/// Readiness and the state of each supervised controller, shared with the probes.
 #[derive(Clone, Default)]
 pub struct Health {
     ready: Arc<AtomicBool>,
+    /// Controller name → why it is down (`None`: running).
+    controllers: Arc<Mutex<BTreeMap<&'static str, Option<String>>>>,
 }
 
 impl Health {
@@ -30,6 +33,22 @@ impl Health {
     }
     pub fn is_ready(&self) -> bool {
         self.ready.load(Ordering::SeqCst)
+    }
+    /// Record that controller `name` runs (`down: None`) or is down, and why.
+    pub fn set_controller(&self, name: &'static str, down: Option<String>) {
+        if let Ok(mut c) = self.controllers.lock() {
+            c.insert(name, down);
+        }
+    }
+    /// `"<controller>: <why>"` for every controller that is down.
+    pub fn down(&self) -> Vec<String> {
+        match self.controllers.lock() {
+            Ok(c) => c
+                .iter()
+                .filter_map(|(name, why)| why.as_ref().map(|w| format!("{name}: {w}")))
+                .collect(),
+            Err(_) => vec!["controller state unavailable".to_string()],
+        }
     }
 }
 
@@ -41,7 +60,10 @@ pub fn respond(
 ) -> (u16, &'static str, String) {
     match (path, metrics) {
         ("/metrics", Some(m)) => (200, "text/plain; version=0.0.4", m.render()),
-        ("/healthz" | "/livez", None) => (200, "text/plain", "ok\n".into()),
+        ("/healthz" | "/livez", None) => match health.down() {
+            down if down.is_empty() => (200, "text/plain", "ok\n".into()),
+            down => (503, "text/plain", format!("down: {}\n", down.join("; "))),
+        },
         ("/readyz", None) if health.is_ready() => (200, "text/plain", "ok\n".into()),
         ("/readyz", None) => (503, "text/plain", "not ready\n".into()),
         _ => (404, "text/plain", "not found\n".into()),
@@ -115,6 +137,15 @@ mod tests {
         assert_eq!(respond("/readyz", None, &h).0, 503);
         h.set_ready(true);
         assert_eq!(respond("/readyz", None, &h).0, 200);
+        // A supervised controller that is down fails the liveness probe, naming it.
+        h.set_controller("model", None);
+        assert_eq!(respond("/healthz", None, &h).0, 200);
+        h.set_controller("model", Some("its watch stream ended".into()));
+        let (code, _, body) = respond("/healthz", None, &h);
+        assert_eq!(code, 503);
+        assert_eq!(body, "down: model: its watch stream ended\n");
+        h.set_controller("model", None);
+        assert_eq!(respond("/healthz", None, &h).0, 200);
         assert_eq!(
             respond("/metrics", None, &h).0,
             404,

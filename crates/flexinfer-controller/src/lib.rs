@@ -12,3 +12,4 @@ pub mod leader;
 pub mod metrics;
 pub mod model;
 pub mod modelcache;
+pub mod supervise;

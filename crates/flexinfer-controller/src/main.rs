@@ -11,6 +11,8 @@ use flexinfer_controller::leader::{Leadership, LeaseConfig};
 use flexinfer_controller::metrics::Metrics;
 use flexinfer_controller::model;
 use flexinfer_controller::modelcache::{self, Config};
+use flexinfer_controller::supervise::{supervise, Shutdown};
+use tokio::task::JoinHandle;
 use tracing::{error, info};
 
 #[derive(Parser, Debug)]
@@ -95,59 +97,141 @@ async fn run(args: Args) -> anyhow::Result<()> {
     };
     let config = Config::from_env();
     info!(worker_image = ?config.worker_image, drift_grace_s = config.drift_grace.as_secs(), retry_base_s = config.retry_base.as_secs_f64(), watch_namespaces = ?watch, "starting");
-    let leader_elect = flexinfer_api::contract::parse_bool(&args.leader_elect).unwrap_or(true);
-    let leadership = if leader_elect {
-        let identity = std::env::var(flexinfer_api::contract::env::controller::POD_NAME)
-            .or_else(|_| std::env::var("HOSTNAME"))
-            .unwrap_or_else(|_| "flexinfer-controller".into()); // not-contract: lease identity
-        let identity = format!("{identity}-{}", std::process::id());
-        let namespace = args
-            .namespace
-            .clone()
-            .or_else(|| watch.first().cloned())
-            .unwrap_or_else(|| "flexinfer-system".into());
-        let cfg = LeaseConfig::new(
-            namespace,
-            args.lease_name.clone(),
-            identity,
-            Duration::from_secs(args.lease_duration_seconds.max(1)),
-        );
-        Some(Leadership::acquire(client.clone(), cfg).await?)
-    } else {
-        None
-    };
-    let caches = futures::future::select_all(scopes.iter().map(|ns| {
-        Box::pin(modelcache::run(
-            client.clone(),
-            metrics.clone(),
-            config.clone(),
-            ns.clone(),
-        ))
-    }));
-    let models = futures::future::select_all(scopes.iter().map(|ns| {
-        let opts = model::Options {
-            namespace: ns.clone(),
-            ..model::Options::from_env()
-        };
-        Box::pin(model::run_with(client.clone(), metrics.clone(), opts))
-    }));
-    // Both controllers run in this process; when one stops (shutdown signal or error) we stop.
-    let controllers = async move {
-        tokio::select! {
-            (r, _, _) = caches => r,
-            (r, _, _) = models => r,
+    let leadership = elect(&args, watch.first(), &client).await?;
+    // Each controller is its own supervised task: one that stops (an error, a panic, a stream
+    // that ends) is restarted while the other keeps running, and /healthz reports it meanwhile.
+    let shutdown = Shutdown::default();
+    tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move {
+            shutdown_signal().await;
+            info!("shutdown signal received");
+            shutdown.trigger();
         }
-    };
+    });
+    let (caches, models) =
+        spawn_controllers(&scopes, &client, &metrics, &health, &shutdown, config);
     match &leadership {
         Some(l) => {
             tokio::select! {
-                r = controllers => { l.release().await; r?; }
+                () = shutdown.wait() => {}
                 // Lost, or not renewed within the renew deadline: stop reconciling at once.
                 _ = l.keep() => { anyhow::bail!("leadership lost; exiting so a fresh process re-elects"); }
             }
         }
-        None => controllers.await?,
+        None => shutdown.wait().await,
+    }
+    // The supervisors give their controllers a grace period to finish in-flight reconciles.
+    let _ = caches.await;
+    let _ = models.await;
+    if let Some(l) = &leadership {
+        l.release().await;
     }
     info!("shut down");
     Ok(())
+}
+
+/// Acquire the Lease when leader election is on (`None` when it is off).
+async fn elect(
+    args: &Args,
+    first_watched: Option<&String>,
+    client: &kube::Client,
+) -> anyhow::Result<Option<Leadership>> {
+    if !flexinfer_api::contract::parse_bool(&args.leader_elect).unwrap_or(true) {
+        return Ok(None);
+    }
+    let identity = std::env::var(flexinfer_api::contract::env::controller::POD_NAME)
+        .or_else(|_| std::env::var("HOSTNAME"))
+        .unwrap_or_else(|_| "flexinfer-controller".into()); // not-contract: lease identity
+    let identity = format!("{identity}-{}", std::process::id());
+    let namespace = args
+        .namespace
+        .clone()
+        .or_else(|| first_watched.cloned())
+        .unwrap_or_else(|| "flexinfer-system".into());
+    let cfg = LeaseConfig::new(
+        namespace,
+        args.lease_name.clone(),
+        identity,
+        Duration::from_secs(args.lease_duration_seconds.max(1)),
+    );
+    Ok(Some(Leadership::acquire(client.clone(), cfg).await?))
+}
+
+/// The ModelCache and Model controllers, each under its own supervisor task; each runs one
+/// kube-runtime Controller per watched namespace (`None`: all namespaces).
+fn spawn_controllers(
+    scopes: &[Option<String>],
+    client: &kube::Client,
+    metrics: &Metrics,
+    health: &Health,
+    shutdown: &Shutdown,
+    config: Config,
+) -> (JoinHandle<()>, JoinHandle<()>) {
+    let caches = tokio::spawn(supervise("modelcache", health.clone(), shutdown.clone(), {
+        let (client, metrics, scopes) = (client.clone(), metrics.clone(), scopes.to_vec());
+        // The ModelCache controller stops on SIGTERM/SIGINT by itself (`shutdown_on_signal`).
+        move || {
+            let runs = scopes.iter().map(|ns| {
+                Box::pin(modelcache::run(
+                    client.clone(),
+                    metrics.clone(),
+                    config.clone(),
+                    ns.clone(),
+                ))
+            });
+            let all = futures::future::select_all(runs);
+            async move { all.await.0 }
+        }
+    }));
+    let models = tokio::spawn(supervise("model", health.clone(), shutdown.clone(), {
+        let (client, metrics, shutdown, scopes) = (
+            client.clone(),
+            metrics.clone(),
+            shutdown.clone(),
+            scopes.to_vec(),
+        );
+        move || {
+            let runs = scopes.iter().map(|ns| {
+                let shutdown = shutdown.clone();
+                let opts = model::Options {
+                    namespace: ns.clone(),
+                    ..model::Options::from_env()
+                };
+                Box::pin(model::run_until(
+                    client.clone(),
+                    metrics.clone(),
+                    opts,
+                    async move { shutdown.wait().await },
+                ))
+            });
+            let all = futures::future::select_all(runs);
+            async move { all.await.0 }
+        }
+    }));
+    (caches, models)
+}
+
+/// SIGTERM (the kubelet) or SIGINT (a terminal).
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(e) => {
+                error!(error = %e, "cannot listen for SIGTERM; only SIGINT stops the controller");
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }

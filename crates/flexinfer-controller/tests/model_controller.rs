@@ -1277,3 +1277,180 @@ async fn model_bad_input_is_reported_not_crashlooped() {
     .await;
     env.cleanup().await;
 }
+
+/// Issue #15 class 4: a Model named like an existing Deployment and Service it does not control
+/// leaves them alone (no server-side apply, no owner reference, so no garbage collection when the
+/// Model goes), and says so in its Ready condition and a Warning Event.
+#[tokio::test]
+async fn model_leaves_foreign_objects_alone() {
+    let env = TestEnv::new("mdl-foreign").await;
+    let web = json!({"app": "web"});
+    // The selector and strategy the controller would render, so a forced apply would succeed (and
+    // take the Deployment over, as it did before #15).
+    let selector = json!({labels::INSTANCE: "taken", labels::MODEL: "taken"});
+    env.apply::<Deployment>(json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "taken", "labels": web},
+        "spec": {"replicas": 0, "selector": {"matchLabels": selector}, "strategy": {"type": "Recreate"},
+                 "template": {"metadata": {"labels": selector},
+                              "spec": {"containers": [{"name": "web", "image": "registry.example.com/web:1"}]}}}
+    }))
+    .await;
+    env.apply::<Service>(json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "taken", "labels": web},
+        "spec": {"selector": web, "ports": [{"name": "web", "port": 80, "targetPort": 8080}]}
+    }))
+    .await;
+    // Let the Deployment controller finish its own status writes before taking the snapshot.
+    let dep_before = env
+        .wait_deployment("taken", "settled by the Deployment controller", |d| {
+            let st = d.status.clone().unwrap_or_default();
+            st.observed_generation == d.metadata.generation
+                && st.conditions.iter().flatten().any(|c| {
+                    c.type_ == "Progressing"
+                        && c.reason.as_deref() == Some("NewReplicaSetAvailable")
+                })
+                && st
+                    .conditions
+                    .iter()
+                    .flatten()
+                    .any(|c| c.type_ == "Available")
+        })
+        .await;
+    let svc_before = env
+        .api::<Service>()
+        .get("taken")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+
+    let spec = |extra: Value| {
+        let mut s = json!({"backend": "vllm", "source": "pvc://w/x", "gpu": {"vendor": "nvidia"},
+            "nodeSelector": {"kubernetes.io/hostname": "kwok-sm89"}, "serverless": {"minReplicas": 1}});
+        if let (Some(s), Some(e)) = (s.as_object_mut(), extra.as_object()) {
+            for (k, v) in e {
+                s.insert(k.clone(), v.clone());
+            }
+        }
+        s
+    };
+    env.apply::<Model>(model_json("taken", &[], spec(json!({}))))
+        .await;
+    // A Model with children of its own: their garbage collection shows when GC has run.
+    env.apply::<Model>(model_json(
+        "mine",
+        &[],
+        spec(json!({"serverless": {"minReplicas": 0}})),
+    ))
+    .await;
+
+    let m = env
+        .wait_model(
+            "taken",
+            "Ready=False ResourceConflict",
+            cond_is(types::READY, "False", "ResourceConflict"),
+        )
+        .await;
+    assert_eq!(
+        m.status.as_ref().and_then(|s| s.phase),
+        Some(ModelPhase::Failed)
+    );
+    let msg = cond(&m, types::READY)
+        .map(|c| c.message.clone())
+        .unwrap_or_default();
+    assert!(
+        msg.contains("Deployment taken") && msg.contains("has no owner"),
+        "{msg}"
+    );
+    let ev = env
+        .wait_event("taken", "ResourceConflict", |e| {
+            e.reason.as_deref() == Some("ResourceConflict")
+        })
+        .await;
+    assert_eq!(ev.type_.as_deref(), Some("Warning"));
+    assert!(
+        ev.note
+            .as_deref()
+            .is_some_and(|n| n.contains("Deployment taken")),
+        "{:?}",
+        ev.note
+    );
+    env.wait_deployment("mine", "created", |_| true).await;
+    env.wait_for(
+        "mine",
+        "Service created",
+        |_: &Service| true,
+        |s: Option<Service>| format!("{s:?}"),
+    )
+    .await;
+
+    let untouched = |what: &str, dep: &Deployment, svc: &Service| {
+        assert_eq!(
+            dep.resource_version(),
+            dep_before.resource_version(),
+            "{what}: Deployment written"
+        );
+        assert_eq!(dep.spec, dep_before.spec, "{what}: Deployment spec changed");
+        assert_eq!(dep.metadata.owner_references, None, "{what}");
+        assert_eq!(
+            svc.resource_version(),
+            svc_before.resource_version(),
+            "{what}: Service written"
+        );
+        assert_eq!(svc.spec, svc_before.spec, "{what}: Service spec changed");
+        assert_eq!(svc.metadata.owner_references, None, "{what}");
+        for managed in [&dep.metadata.managed_fields, &svc.metadata.managed_fields] {
+            assert!(
+                !managed
+                    .iter()
+                    .flatten()
+                    .any(|f| f.manager.as_deref() == Some(FIELD_MANAGER)),
+                "{what}: the controller manages fields of a foreign object"
+            );
+        }
+    };
+    let get = || async {
+        let d = env.api::<Deployment>().get("taken").await;
+        let s = env.api::<Service>().get("taken").await;
+        (
+            d.unwrap_or_else(|e| panic!("foreign Deployment: {e}")),
+            s.unwrap_or_else(|e| panic!("foreign Service: {e}")),
+        )
+    };
+    let (d, s) = get().await;
+    untouched("after the Model was reconciled", &d, &s);
+
+    // Deleting the Models: "mine"'s children are collected, the foreign objects stay.
+    for name in ["taken", "mine"] {
+        env.api::<Model>()
+            .delete(name, &DeleteParams::default())
+            .await
+            .unwrap_or_else(|e| panic!("delete {name}: {e}"));
+    }
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let gone = env
+            .api::<Deployment>()
+            .get_opt("mine")
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .is_none()
+            && env
+                .api::<Service>()
+                .get_opt("mine")
+                .await
+                .unwrap_or_else(|e| panic!("{e}"))
+                .is_none();
+        if gone {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the owned children of a deleted Model were not garbage collected"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (d, s) = get().await;
+    untouched("after the Model was deleted", &d, &s);
+    env.cleanup().await;
+}

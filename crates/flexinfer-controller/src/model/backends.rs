@@ -5,10 +5,11 @@ use flexinfer_api::formats;
 use flexinfer_api::model::{Backend, KvCacheDtype};
 use flexinfer_api::modelcache::QuantFormat;
 use flexinfer_api::Model;
+use k8s_openapi::api::core::v1::{
+    Container, ContainerPort, EnvVar, ExecAction, HTTPGetAction, Probe, VolumeMount,
+};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::ResourceExt;
-use serde_json::{json, Value};
-
-use super::render::ConfigProblem;
 
 /// Where the weights come from inside the pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,7 +44,7 @@ fn ggml_kv_type(d: KvCacheDtype) -> Option<&'static str> {
 }
 
 /// Mount path of the artifact and the volume mount itself.
-fn mount(artifact: &Artifact) -> Option<(String, Value)> {
+fn mount(artifact: &Artifact) -> Option<(String, VolumeMount)> {
     match artifact {
         Artifact::Volume { sub_path, .. } => {
             let file = sub_path
@@ -55,21 +56,65 @@ fn mount(artifact: &Artifact) -> Option<(String, Value)> {
                 Some(f) => format!("{}/{f}", serving::MODEL_MOUNT),
                 None => format!("{}/model", serving::MODEL_MOUNT),
             };
-            let m =
-                json!({"name": "model", "mountPath": path, "subPath": sub_path, "readOnly": true});
+            let m = VolumeMount {
+                name: "model".into(),
+                mount_path: path.clone(),
+                sub_path: Some(sub_path.clone()),
+                read_only: Some(true),
+                ..Default::default()
+            };
             Some((path, m))
         }
         Artifact::Hub { .. } => None,
     }
 }
 
-fn http_probe(path: &str) -> Value {
-    json!({
-        "httpGet": {"path": path, "port": serving::PORT_NAME},
-        "periodSeconds": 10,
-        "timeoutSeconds": 5,
-        "failureThreshold": 3,
-    })
+/// Probe timings shared by every backend.
+fn probe(http_get: Option<HTTPGetAction>, exec: Option<ExecAction>) -> Probe {
+    Probe {
+        http_get,
+        exec,
+        period_seconds: Some(10),
+        timeout_seconds: Some(5),
+        failure_threshold: Some(3),
+        ..Default::default()
+    }
+}
+
+fn http_probe(path: &str) -> Probe {
+    let get = HTTPGetAction {
+        path: Some(path.to_string()),
+        port: IntOrString::String(serving::PORT_NAME.to_string()),
+        ..Default::default()
+    };
+    probe(Some(get), None)
+}
+
+fn env_var(name: &str, value: impl Into<String>) -> EnvVar {
+    EnvVar {
+        name: name.to_string(),
+        value: Some(value.into()),
+        ..Default::default()
+    }
+}
+
+/// What a backend runs: command, args, its own env and its readiness probe.
+struct Launch {
+    command: Vec<String>,
+    args: Vec<String>,
+    env: Vec<EnvVar>,
+    probe: Probe,
+}
+
+/// Inputs every backend needs.
+struct BackendInput<'a> {
+    model: &'a Model,
+    artifact: &'a Artifact,
+    format: Option<QuantFormat>,
+    /// `--model` argument: the mount path, or the hub id.
+    model_arg: String,
+    name: String,
+    port: String,
 }
 
 /// Build the serving container (without resources; env holds only the backend's variables).
@@ -78,13 +123,13 @@ pub fn container(
     artifact: &Artifact,
     format: Option<QuantFormat>,
     image: &str,
-) -> Result<Value, ConfigProblem> {
-    let spec = &model.spec;
-    let cfg = &spec.config;
-    let name = model.name_any();
-    let port = serving::PORT.to_string();
+) -> Container {
     let mounted = mount(artifact);
-    let mut mounts = vec![json!({"name": "dshm", "mountPath": "/dev/shm"})];
+    let mut mounts = vec![VolumeMount {
+        name: "dshm".into(),
+        mount_path: "/dev/shm".into(),
+        ..Default::default()
+    }];
     if let Some((_, m)) = &mounted {
         mounts.push(m.clone());
     }
@@ -93,184 +138,218 @@ pub fn container(
         (None, Artifact::Hub { repo }) => repo.clone(),
         (None, Artifact::Volume { .. }) => String::new(),
     };
-    let is_gguf_file = model_arg.ends_with(".gguf");
+    let input = BackendInput {
+        model,
+        artifact,
+        format,
+        model_arg,
+        name: model.name_any(),
+        port: serving::PORT.to_string(),
+    };
+    let mut launch = match model.spec.backend {
+        Backend::Vllm => vllm(&input),
+        Backend::Llamacpp => llamacpp(&input),
+        Backend::Ollama => ollama(&input),
+        Backend::Exllamav2 => exllamav2(&input),
+    };
+    launch
+        .args
+        .extend(model.spec.config.extra_args.iter().cloned());
+    Container {
+        name: serving::CONTAINER.to_string(),
+        image: Some(image.to_string()),
+        command: Some(launch.command),
+        args: Some(launch.args),
+        env: Some(launch.env),
+        ports: Some(vec![ContainerPort {
+            name: Some(serving::PORT_NAME.to_string()),
+            container_port: serving::PORT,
+            protocol: Some("TCP".into()),
+            ..Default::default()
+        }]),
+        readiness_probe: Some(launch.probe),
+        volume_mounts: Some(mounts),
+        ..Default::default()
+    }
+}
 
-    let mut env: Vec<Value> = Vec::new();
-    let (command, mut args, probe): (Vec<String>, Vec<String>, Value) = match spec.backend {
-        Backend::Vllm => {
-            let mut a = vec![
-                "--model".to_string(),
-                model_arg.clone(),
-                "--served-model-name".into(),
-                name.clone(),
-                "--host".into(),
-                "0.0.0.0".into(),
-                "--port".into(),
-                port.clone(),
-            ];
-            if let Some(v) = cfg.max_model_len {
-                a.extend(["--max-model-len".into(), v.to_string()]);
-            }
-            if let Some(v) = cfg.kv_cache_dtype {
-                a.extend(["--kv-cache-dtype".into(), kv_dtype_str(v).into()]);
-            }
-            if let Some(v) = cfg.gpu_memory_utilization {
-                a.extend(["--gpu-memory-utilization".into(), v.to_string()]);
-            }
-            if let Some(v) = cfg.max_num_batched_tokens {
-                a.extend(["--max-num-batched-tokens".into(), v.to_string()]);
-            }
-            if let Some(f) = format {
-                a.extend(["--quantization".into(), formats::info(f).model_name.into()]);
-            }
-            if spec.gpu.count > 1 {
-                a.extend(["--tensor-parallel-size".into(), spec.gpu.count.to_string()]);
-            }
-            if let Some(b) = cfg.attention_backend.as_ref().filter(|b| !b.is_empty()) {
-                env.push(json!({"name": env::serving::VLLM_ATTENTION_BACKEND, "value": b}));
-            }
-            (
-                vec![
-                    "python3".into(),
-                    "-m".into(),
-                    "vllm.entrypoints.openai.api_server".into(),
-                ],
-                a,
-                http_probe("/health"),
-            )
+fn vllm(i: &BackendInput) -> Launch {
+    let spec = &i.model.spec;
+    let cfg = &spec.config;
+    let mut a = vec![
+        "--model".to_string(),
+        i.model_arg.clone(),
+        "--served-model-name".into(),
+        i.name.clone(),
+        "--host".into(),
+        "0.0.0.0".into(),
+        "--port".into(),
+        i.port.clone(),
+    ];
+    if let Some(v) = cfg.max_model_len {
+        a.extend(["--max-model-len".into(), v.to_string()]);
+    }
+    if let Some(v) = cfg.kv_cache_dtype {
+        a.extend(["--kv-cache-dtype".into(), kv_dtype_str(v).into()]);
+    }
+    if let Some(v) = cfg.gpu_memory_utilization {
+        a.extend(["--gpu-memory-utilization".into(), v.to_string()]);
+    }
+    if let Some(v) = cfg.max_num_batched_tokens {
+        a.extend(["--max-num-batched-tokens".into(), v.to_string()]);
+    }
+    if let Some(f) = i.format {
+        a.extend(["--quantization".into(), formats::info(f).model_name.into()]);
+    }
+    if spec.gpu.count > 1 {
+        a.extend(["--tensor-parallel-size".into(), spec.gpu.count.to_string()]);
+    }
+    let mut env = Vec::new();
+    if let Some(b) = cfg.attention_backend.as_ref().filter(|b| !b.is_empty()) {
+        env.push(env_var(env::serving::VLLM_ATTENTION_BACKEND, b.clone()));
+    }
+    Launch {
+        command: vec![
+            "python3".into(),
+            "-m".into(),
+            "vllm.entrypoints.openai.api_server".into(),
+        ],
+        args: a,
+        env,
+        probe: http_probe("/health"),
+    }
+}
+
+fn llamacpp(i: &BackendInput) -> Launch {
+    let cfg = &i.model.spec.config;
+    let model_arg = &i.model_arg;
+    let mut a = vec![
+        "--host".to_string(),
+        "0.0.0.0".into(),
+        "--port".into(),
+        i.port.clone(),
+        "--alias".into(),
+        i.name.clone(),
+        "--n-gpu-layers".into(),
+        "999".into(),
+    ];
+    if let Some(v) = cfg.max_model_len {
+        a.extend(["--ctx-size".into(), v.to_string()]);
+    }
+    if let Some(t) = cfg.kv_cache_dtype.and_then(ggml_kv_type) {
+        a.extend([
+            "--cache-type-k".into(),
+            t.into(),
+            "--cache-type-v".into(),
+            t.into(),
+        ]);
+    }
+    if let Some(v) = cfg.max_num_batched_tokens {
+        a.extend(["--batch-size".into(), v.to_string()]);
+    }
+    let command = match i.artifact {
+        Artifact::Hub { repo } => {
+            a.extend(["--hf-repo".into(), repo.clone()]);
+            vec!["/app/llama-server".to_string()]
         }
-        Backend::Llamacpp => {
-            let mut a = vec![
-                "--host".to_string(),
-                "0.0.0.0".into(),
-                "--port".into(),
-                port.clone(),
-                "--alias".into(),
-                name.clone(),
-                "--n-gpu-layers".into(),
-                "999".into(),
-            ];
-            if let Some(v) = cfg.max_model_len {
-                a.extend(["--ctx-size".into(), v.to_string()]);
-            }
-            if let Some(t) = cfg.kv_cache_dtype.and_then(ggml_kv_type) {
-                a.extend([
-                    "--cache-type-k".into(),
-                    t.into(),
-                    "--cache-type-v".into(),
-                    t.into(),
-                ]);
-            }
-            if let Some(v) = cfg.max_num_batched_tokens {
-                a.extend(["--batch-size".into(), v.to_string()]);
-            }
-            let command = match artifact {
-                Artifact::Hub { repo } => {
-                    a.extend(["--hf-repo".into(), repo.clone()]);
-                    vec!["/app/llama-server".to_string()]
-                }
-                Artifact::Volume { .. } if is_gguf_file => {
-                    a.extend(["--model".into(), model_arg.clone()]);
-                    vec!["/app/llama-server".to_string()]
-                }
-                // A directory: serve its first .gguf file (split GGUFs start with -00001-of-).
-                Artifact::Volume { .. } => vec![
-                    "/bin/sh".into(),
-                    "-c".into(),
-                    format!(
-                        "exec /app/llama-server --model \"$(find {model_arg} -name '*.gguf' | sort | head -n 1)\" \"$@\""
-                    ),
-                    "llama-server".into(),
-                ],
-            };
-            (command, a, http_probe("/health"))
+        Artifact::Volume { .. } if model_arg.ends_with(".gguf") => {
+            a.extend(["--model".into(), model_arg.clone()]);
+            vec!["/app/llama-server".to_string()]
         }
-        Backend::Ollama => {
-            env.push(json!({"name": "OLLAMA_HOST", "value": format!("0.0.0.0:{port}")}));
-            if let Some(v) = cfg.max_model_len {
-                env.push(json!({"name": "OLLAMA_CONTEXT_LENGTH", "value": v.to_string()}));
-            }
-            if let Some(t) = cfg.kv_cache_dtype.and_then(ggml_kv_type) {
-                env.push(json!({"name": "OLLAMA_KV_CACHE_TYPE", "value": t}));
-                env.push(json!({"name": "OLLAMA_FLASH_ATTENTION", "value": "1"}));
-            }
-            let load = match artifact {
-                Artifact::Hub { repo } => {
-                    format!("ollama pull hf.co/{repo} && ollama cp hf.co/{repo} {name}")
-                }
-                Artifact::Volume { .. } => {
-                    let from = if is_gguf_file {
-                        format!("\"{model_arg}\"")
-                    } else {
-                        format!("\"$(find {model_arg} -name '*.gguf' | sort | head -n 1)\"")
-                    };
-                    format!("printf 'FROM %s\\n' {from} > /tmp/Modelfile && ollama create {name} -f /tmp/Modelfile")
-                }
-            };
-            let script = format!(
-                "ollama serve & pid=$!; until ollama list >/dev/null 2>&1; do sleep 1; done; {load} || exit 1; wait $pid"
-            );
-            (
-                vec!["/bin/sh".into(), "-c".into(), script],
-                Vec::new(),
-                json!({
-                    "exec": {"command": ["ollama", "show", name.clone()]},
-                    "periodSeconds": 10,
-                    "timeoutSeconds": 5,
-                    "failureThreshold": 3,
-                }),
-            )
+        // A directory: serve its first .gguf file (split GGUFs start with -00001-of-).
+        Artifact::Volume { .. } => vec![
+            "/bin/sh".into(),
+            "-c".into(),
+            format!(
+                "exec /app/llama-server --model \"$(find {model_arg} -name '*.gguf' | sort | head -n 1)\" \"$@\""
+            ),
+            "llama-server".into(),
+        ],
+    };
+    Launch {
+        command,
+        args: a,
+        env: Vec::new(),
+        probe: http_probe("/health"),
+    }
+}
+
+fn ollama(i: &BackendInput) -> Launch {
+    let cfg = &i.model.spec.config;
+    let (name, model_arg) = (&i.name, &i.model_arg);
+    let mut env = vec![env_var("OLLAMA_HOST", format!("0.0.0.0:{}", i.port))];
+    if let Some(v) = cfg.max_model_len {
+        env.push(env_var("OLLAMA_CONTEXT_LENGTH", v.to_string()));
+    }
+    if let Some(t) = cfg.kv_cache_dtype.and_then(ggml_kv_type) {
+        env.push(env_var("OLLAMA_KV_CACHE_TYPE", t));
+        env.push(env_var("OLLAMA_FLASH_ATTENTION", "1"));
+    }
+    let load = match i.artifact {
+        Artifact::Hub { repo } => {
+            format!("ollama pull hf.co/{repo} && ollama cp hf.co/{repo} {name}")
         }
-        Backend::Exllamav2 => {
-            // TabbyAPI, the OpenAI-compatible exllamav2 server.
-            let (dir, model_name) = match model_arg.rsplit_once('/') {
-                Some((d, n)) => (d.to_string(), n.to_string()),
-                None => (serving::MODEL_MOUNT.to_string(), model_arg.clone()),
+        Artifact::Volume { .. } => {
+            let from = if model_arg.ends_with(".gguf") {
+                format!("\"{model_arg}\"")
+            } else {
+                format!("\"$(find {model_arg} -name '*.gguf' | sort | head -n 1)\"")
             };
-            let mut a = vec![
-                "--host".to_string(),
-                "0.0.0.0".into(),
-                "--port".into(),
-                port.clone(),
-                "--disable-auth".into(),
-                "true".into(),
-                "--model-dir".into(),
-                dir,
-                "--model-name".into(),
-                model_name,
-            ];
-            if let Some(v) = cfg.max_model_len {
-                a.extend(["--max-seq-len".into(), v.to_string()]);
-            }
-            if let Some(d) = cfg.kv_cache_dtype {
-                let mode = match d {
-                    KvCacheDtype::Fp8 | KvCacheDtype::Fp8E4m3 | KvCacheDtype::Fp8E5m2 => Some("Q8"),
-                    KvCacheDtype::Float16 | KvCacheDtype::Bfloat16 => Some("FP16"),
-                    KvCacheDtype::Auto => None,
-                };
-                if let Some(m) = mode {
-                    a.extend(["--cache-mode".into(), m.into()]);
-                }
-            }
-            if spec.gpu.count > 1 {
-                a.extend(["--gpu-split-auto".into(), "true".into()]);
-            }
-            (
-                vec!["python3".into(), "main.py".into()],
-                a,
-                http_probe("/health"),
-            )
+            format!("printf 'FROM %s\\n' {from} > /tmp/Modelfile && ollama create {name} -f /tmp/Modelfile")
         }
     };
-    args.extend(cfg.extra_args.iter().cloned());
-    Ok(json!({
-        "name": serving::CONTAINER,
-        "image": image,
-        "command": command,
-        "args": args,
-        "env": env,
-        "ports": [{"name": serving::PORT_NAME, "containerPort": serving::PORT, "protocol": "TCP"}],
-        "readinessProbe": probe,
-        "volumeMounts": mounts,
-    }))
+    let script = format!(
+        "ollama serve & pid=$!; until ollama list >/dev/null 2>&1; do sleep 1; done; {load} || exit 1; wait $pid"
+    );
+    let show = ExecAction {
+        command: Some(vec!["ollama".into(), "show".into(), name.clone()]),
+    };
+    Launch {
+        command: vec!["/bin/sh".into(), "-c".into(), script],
+        args: Vec::new(),
+        env,
+        probe: probe(None, Some(show)),
+    }
+}
+
+/// TabbyAPI, the OpenAI-compatible exllamav2 server.
+fn exllamav2(i: &BackendInput) -> Launch {
+    let spec = &i.model.spec;
+    let cfg = &spec.config;
+    let (dir, model_name) = match i.model_arg.rsplit_once('/') {
+        Some((d, n)) => (d.to_string(), n.to_string()),
+        None => (serving::MODEL_MOUNT.to_string(), i.model_arg.clone()),
+    };
+    let mut a = vec![
+        "--host".to_string(),
+        "0.0.0.0".into(),
+        "--port".into(),
+        i.port.clone(),
+        "--disable-auth".into(),
+        "true".into(),
+        "--model-dir".into(),
+        dir,
+        "--model-name".into(),
+        model_name,
+    ];
+    if let Some(v) = cfg.max_model_len {
+        a.extend(["--max-seq-len".into(), v.to_string()]);
+    }
+    let mode = cfg.kv_cache_dtype.and_then(|d| match d {
+        KvCacheDtype::Fp8 | KvCacheDtype::Fp8E4m3 | KvCacheDtype::Fp8E5m2 => Some("Q8"),
+        KvCacheDtype::Float16 | KvCacheDtype::Bfloat16 => Some("FP16"),
+        KvCacheDtype::Auto => None,
+    });
+    if let Some(m) = mode {
+        a.extend(["--cache-mode".into(), m.into()]);
+    }
+    if spec.gpu.count > 1 {
+        a.extend(["--gpu-split-auto".into(), "true".into()]);
+    }
+    Launch {
+        command: vec!["python3".into(), "main.py".into()],
+        args: a,
+        env: Vec::new(),
+        probe: http_probe("/health"),
+    }
 }

@@ -38,7 +38,19 @@ pub enum ConfigProblem {
     CachePathInvalid(String),
     #[error("cannot build the Deployment: {0}")]
     Invalid(String),
+    #[error(
+        "{kind} {name} already exists and is not controlled by this Model ({owner}); it is left \
+         untouched: remove it or give the Model another name"
+    )]
+    ResourceConflict {
+        kind: &'static str,
+        name: String,
+        owner: String,
+    },
 }
+
+/// Reason of a child that exists but is not controlled by the Model.
+pub const RESOURCE_CONFLICT: &str = "ResourceConflict";
 
 impl ConfigProblem {
     /// Condition type the problem is reported on.
@@ -68,6 +80,7 @@ impl ConfigProblem {
             }
             ConfigProblem::CachePathInvalid(_) => "CachePathInvalid",
             ConfigProblem::Invalid(_) => flexinfer_api::contract::reasons::INVALID_SPEC,
+            ConfigProblem::ResourceConflict { .. } => RESOURCE_CONFLICT,
         }
     }
 

@@ -12,10 +12,15 @@ use flexinfer_api::gpuprofile::GpuVendor;
 use flexinfer_api::model::{Backend, GpuVendorChoice, ModelQuantization};
 use flexinfer_api::modelcache::{CachePhase, QuantFormat};
 use flexinfer_api::{GPUProfile, Model, ModelCache};
-use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStrategy};
+use k8s_openapi::api::core::v1::{
+    Container, EmptyDirVolumeSource, EnvVar, PersistentVolumeClaimVolumeSource, PodSpec,
+    PodTemplateSpec, ResourceRequirements, Service, ServicePort, ServiceSpec, Toleration, Volume,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::{Resource, ResourceExt};
-use serde_json::{json, Value};
 
 use super::backends::{self, Artifact};
 pub use super::problem::{CachedState, ConfigProblem};
@@ -199,19 +204,55 @@ pub fn render(
         return Err(ConfigProblem::InvalidName(name));
     }
     let source = parse_source(&spec.source).map_err(|e| ConfigProblem::InvalidSource(e.0))?;
+    let cache = match &source {
+        Source::Cache { name } => match cache {
+            Some(c) if c.name_any() == *name => Some(c),
+            _ => None,
+        },
+        _ => None,
+    };
+    let format = resolve_format(model, &source, cache)?;
+    let gpu = gpu_settings(model, profile)?;
+    let (artifact, served_path, cached) = artifact(model, &source, cache)?;
 
-    // Format and backend compatibility, from the Model first, then the referenced cache.
+    let image = spec
+        .image
+        .clone()
+        .filter(|i| !i.is_empty())
+        .or_else(|| gpu.image.clone())
+        .or_else(|| config.runtime_images.get(spec.backend.as_str()).cloned())
+        .unwrap_or_else(|| default_image(spec.backend).to_string());
+
+    let mut container = backends::container(model, &artifact, format, &image);
+    // Env: profile env, then the backend's (later names win, no duplicates).
+    let backend_env = container.env.take().unwrap_or_default();
+    container.env = Some(merge_env(gpu.env.iter().cloned().chain(backend_env)));
+    container.resources = Some(resources(model, &gpu));
+
+    let pod = pod_template(model, container, &artifact, gpu.node_selector, &served_path);
+    Ok(Rendered {
+        deployment: deployment(model, pod),
+        service: service(model),
+        served_path,
+        cached,
+        format,
+    })
+}
+
+/// Artifact format from the Model first, then the referenced cache, checked against the backend.
+fn resolve_format(
+    model: &Model,
+    source: &Source,
+    cache: Option<&ModelCache>,
+) -> Result<Option<QuantFormat>, ConfigProblem> {
+    let spec = &model.spec;
     let declared = spec.config.quantization.and_then(model_format);
     if let Some(f) = declared {
         check_compat(f, spec.backend)?;
     }
-    let cache = match &source {
-        Source::Cache { name } => match cache {
-            Some(c) if c.name_any() == *name => Some(c),
-            _ => return Err(ConfigProblem::CacheNotFound(name.clone())),
-        },
-        _ => None,
-    };
+    if let (Source::Cache { name }, None) = (source, cache) {
+        return Err(ConfigProblem::CacheNotFound(name.clone()));
+    }
     let cache_format = cache.and_then(|c| c.spec.quantization.as_ref().map(|q| q.format));
     if let (Some(m), Some(c), Some(cache)) = (declared, cache_format, cache) {
         if m != c {
@@ -226,264 +267,294 @@ pub fn render(
     if let Some(f) = format {
         check_compat(f, spec.backend)?;
     }
+    Ok(format)
+}
 
-    // GPU resource name, node selector and env from the GPUProfile.
-    let (resource_name, profile_selector, profile_env, profile_image, memory) =
-        match (profile_ref(model), profile) {
-            (ProfileRef::Named(_) | ProfileRef::Arch(_) | ProfileRef::Any, Some(p)) => (
-                p.spec.effective_resource_name(),
-                p.spec.effective_node_selector(),
-                p.spec.env.clone(),
-                p.spec
+/// What the GPUProfile (or the explicit vendor) contributes to the pod.
+struct GpuSettings {
+    resource_name: String,
+    node_selector: BTreeMap<String, String>,
+    env: Vec<EnvVar>,
+    image: Option<String>,
+    /// `(request, limit)` of container memory in MiB.
+    memory: Option<(i64, i64)>,
+}
+
+fn gpu_settings(model: &Model, profile: Option<&GPUProfile>) -> Result<GpuSettings, ConfigProblem> {
+    let not_found = |m: String| Err(ConfigProblem::GpuProfileNotFound(m));
+    match (profile_ref(model), profile) {
+        (ProfileRef::Named(_) | ProfileRef::Arch(_) | ProfileRef::Any, Some(p)) => {
+            let p = &p.spec;
+            Ok(GpuSettings {
+                resource_name: p.effective_resource_name(),
+                node_selector: p.effective_node_selector(),
+                env: p.env.clone(),
+                image: p
                     .runtime
                     .as_ref()
-                    .and_then(|r| r.images.get(spec.backend.as_str()).cloned()),
-                p.spec.container_memory_gb.map(|gb| {
+                    .and_then(|r| r.images.get(model.spec.backend.as_str()).cloned()),
+                memory: p.container_memory_gb.map(|gb| {
+                    let request = i64::from(gb).saturating_mul(1024);
                     (
-                        i64::from(gb) * 1024,
-                        i64::from(gb) * 1024 + p.spec.gpu_driver_memory_mb.unwrap_or(0),
+                        request,
+                        request.saturating_add(p.gpu_driver_memory_mb.unwrap_or(0)),
                     )
                 }),
-            ),
-            (ProfileRef::Named(n), None) => {
-                return Err(ConfigProblem::GpuProfileNotFound(format!(
-                    "GPUProfile {n} (spec.gpu.profile) not found"
-                )))
-            }
-            (ProfileRef::Arch(a), None) => {
-                return Err(ConfigProblem::GpuProfileNotFound(format!(
-                    "no GPUProfile with spec.architecture {a} (from nodeSelector {})",
-                    labels::GPU_ARCH
-                )))
-            }
-            (ProfileRef::Any, None) => {
-                return Err(ConfigProblem::GpuProfileNotFound(format!(
-                "no GPUProfile to use: set spec.gpu.profile, a {} nodeSelector or spec.gpu.vendor \
-                     (with gpu.vendor auto the namespace must hold exactly one GPUProfile)",
-                labels::GPU_ARCH
-            )))
-            }
-            (ProfileRef::None(vendor), _) => (
-                vendor.default_resource_name().to_string(),
-                BTreeMap::new(),
-                Vec::new(),
-                None,
-                None,
-            ),
-        };
+            })
+        }
+        (ProfileRef::Named(n), None) => {
+            not_found(format!("GPUProfile {n} (spec.gpu.profile) not found"))
+        }
+        (ProfileRef::Arch(a), None) => not_found(format!(
+            "no GPUProfile with spec.architecture {a} (from nodeSelector {})",
+            labels::GPU_ARCH
+        )),
+        (ProfileRef::Any, None) => not_found(format!(
+            "no GPUProfile to use: set spec.gpu.profile, a {} nodeSelector or spec.gpu.vendor \
+                 (with gpu.vendor auto the namespace must hold exactly one GPUProfile)",
+            labels::GPU_ARCH
+        )),
+        (ProfileRef::None(vendor), _) => Ok(GpuSettings {
+            resource_name: vendor.default_resource_name().to_string(),
+            node_selector: BTreeMap::new(),
+            env: Vec::new(),
+            image: None,
+            memory: None,
+        }),
+    }
+}
 
-    // The artifact.
-    let (artifact, served_path, cached) = match &source {
-        Source::Pvc { claim, path } => (
+/// The artifact to mount (or download), the served path and the `Cached` state.
+fn artifact(
+    model: &Model,
+    source: &Source,
+    cache: Option<&ModelCache>,
+) -> Result<(Artifact, Option<String>, CachedState), ConfigProblem> {
+    match source {
+        Source::Pvc { claim, path } => Ok((
             Artifact::Volume {
                 claim: claim.clone(),
                 sub_path: path.clone(),
             },
             Some(format!("{claim}:{path}")),
             CachedState::Pvc,
-        ),
+        )),
         Source::Hub { repo } => {
-            if spec.backend == Backend::Exllamav2 {
+            if model.spec.backend == Backend::Exllamav2 {
                 return Err(ConfigProblem::SourceUnsupported(format!(
                     "backend exllamav2 cannot download {repo}; use a pvc:// or modelcache:// source"
                 )));
             }
-            (
+            Ok((
                 Artifact::Hub { repo: repo.clone() },
                 None,
                 CachedState::NotApplicable,
-            )
+            ))
         }
         Source::Cache { name } => {
             let cache = cache.ok_or_else(|| ConfigProblem::CacheNotFound(name.clone()))?;
-            let status = cache.status.as_ref();
-            let phase = status.and_then(|s| s.phase);
-            let ready = phase == Some(CachePhase::Ready);
-            let cache_path = status
-                .and_then(|s| s.path.clone())
-                .filter(|p| !p.is_empty());
-            let previous = model.status.as_ref().and_then(|s| s.served_path.clone());
-            let phase_s = phase.map(|p| p.as_str()).unwrap_or("Pending").to_string();
-            let (path, state) = match (ready, cache_path, previous) {
-                (true, Some(p), _) => (p, CachedState::CacheReady { name: name.clone() }),
-                (true, None, _) => {
-                    return Err(ConfigProblem::CachePathInvalid(format!(
-                        "ModelCache {name} is Ready but has no status.path"
-                    )))
-                }
-                (false, _, Some(prev)) => (
-                    prev,
-                    CachedState::ServingPrevious {
-                        name: name.clone(),
-                        phase: phase_s,
-                    },
-                ),
-                (false, _, None) => {
-                    return Err(ConfigProblem::CacheNotReady {
-                        name: name.clone(),
-                        phase: phase_s,
-                    })
-                }
-            };
+            let (path, state) = cache_artifact(model, name, cache)?;
             let (claim, sub_path) =
                 parse_cache_path(&path).map_err(|e| ConfigProblem::CachePathInvalid(e.0))?;
-            (Artifact::Volume { claim, sub_path }, Some(path), state)
+            Ok((Artifact::Volume { claim, sub_path }, Some(path), state))
         }
-    };
+    }
+}
 
-    let image = spec
-        .image
-        .clone()
-        .filter(|i| !i.is_empty())
-        .or(profile_image)
-        .or_else(|| config.runtime_images.get(spec.backend.as_str()).cloned())
-        .unwrap_or_else(|| default_image(spec.backend).to_string());
+/// The path served from a ModelCache: its Ready path, else the previously served one.
+fn cache_artifact(
+    model: &Model,
+    name: &str,
+    cache: &ModelCache,
+) -> Result<(String, CachedState), ConfigProblem> {
+    let status = cache.status.as_ref();
+    let phase = status.and_then(|s| s.phase);
+    let ready = phase == Some(CachePhase::Ready);
+    let cache_path = status
+        .and_then(|s| s.path.clone())
+        .filter(|p| !p.is_empty());
+    let previous = model.status.as_ref().and_then(|s| s.served_path.clone());
+    let phase_s = phase.map(|p| p.as_str()).unwrap_or("Pending").to_string();
+    let name = name.to_string();
+    match (ready, cache_path, previous) {
+        (true, Some(p), _) => Ok((p, CachedState::CacheReady { name })),
+        (true, None, _) => Err(ConfigProblem::CachePathInvalid(format!(
+            "ModelCache {name} is Ready but has no status.path"
+        ))),
+        (false, _, Some(prev)) => Ok((
+            prev,
+            CachedState::ServingPrevious {
+                name,
+                phase: phase_s,
+            },
+        )),
+        (false, _, None) => Err(ConfigProblem::CacheNotReady {
+            name,
+            phase: phase_s,
+        }),
+    }
+}
 
-    let container = backends::container(model, &artifact, format, &image)?;
-    let mut container = container;
-
-    // Env: profile env, then the backend's (later names win, no duplicates).
-    let mut env: Vec<Value> = Vec::new();
-    let mut push_env = |v: Value| {
-        let key = v.get("name").cloned();
-        env.retain(|e| e.get("name") != key.as_ref());
+/// Later variables replace earlier ones of the same name (the replacement goes last).
+fn merge_env(vars: impl IntoIterator<Item = EnvVar>) -> Vec<EnvVar> {
+    let mut env: Vec<EnvVar> = Vec::new();
+    for v in vars {
+        env.retain(|e| e.name != v.name);
         env.push(v);
-    };
-    for e in &profile_env {
-        push_env(serde_json::to_value(e).map_err(|e| ConfigProblem::Invalid(e.to_string()))?);
     }
-    if let Some(Value::Array(items)) = container.get("env").cloned() {
-        for v in items {
-            push_env(v);
-        }
-    }
-    container["env"] = Value::Array(env);
+    env
+}
 
-    // Resources: the Model's, plus the GPUs, plus the profile's memory default.
-    let mut resources = match &spec.resources {
-        Some(r) => serde_json::to_value(r).map_err(|e| ConfigProblem::Invalid(e.to_string()))?,
-        None => json!({}),
-    };
-    for key in ["limits", "requests"] {
-        if !resources.get(key).is_some_and(Value::is_object) {
-            resources[key] = json!({});
+/// Resources: the Model's, plus the GPUs, plus the profile's memory default.
+fn resources(model: &Model, gpu: &GpuSettings) -> ResourceRequirements {
+    let spec = &model.spec;
+    let mut r = spec.resources.clone().unwrap_or_default();
+    let count = Quantity(spec.gpu.count.to_string());
+    let limits = r.limits.get_or_insert_with(BTreeMap::new);
+    limits.insert(gpu.resource_name.clone(), count.clone());
+    let requests = r.requests.get_or_insert_with(BTreeMap::new);
+    requests.insert(gpu.resource_name.clone(), count);
+    if let Some((request_mi, limit_mi)) = gpu.memory {
+        let has = |m: &Option<BTreeMap<String, Quantity>>| {
+            m.as_ref().is_some_and(|m| m.contains_key("memory"))
+        };
+        if !has(&r.limits) && !has(&r.requests) {
+            let (limits, requests) = (
+                r.limits.get_or_insert_with(BTreeMap::new),
+                r.requests.get_or_insert_with(BTreeMap::new),
+            );
+            requests.insert("memory".into(), Quantity(format!("{request_mi}Mi")));
+            limits.insert("memory".into(), Quantity(format!("{limit_mi}Mi")));
         }
-        resources[key][&resource_name] = json!(spec.gpu.count.to_string());
     }
-    if let Some((request_mi, limit_mi)) = memory {
-        if resources["limits"].get("memory").is_none()
-            && resources["requests"].get("memory").is_none()
-        {
-            resources["requests"]["memory"] = json!(format!("{request_mi}Mi"));
-            resources["limits"]["memory"] = json!(format!("{limit_mi}Mi"));
-        }
-    }
-    container["resources"] = resources;
+    r
+}
 
+/// The Model's tolerations plus the GPU node toleration (once).
+fn tolerations(model: &Model) -> Vec<Toleration> {
+    use flexinfer_api::contract::controller::{
+        GPU_TOLERATION_EFFECT, GPU_TOLERATION_KEY, GPU_TOLERATION_VALUE,
+    };
+    let mut tolerations: Vec<Toleration> = model.spec.tolerations.clone().unwrap_or_default();
+    let gpu = Toleration {
+        key: Some(GPU_TOLERATION_KEY.to_string()),
+        operator: Some("Equal".into()),
+        value: Some(GPU_TOLERATION_VALUE.to_string()),
+        effect: Some(GPU_TOLERATION_EFFECT.to_string()),
+        toleration_seconds: None,
+    };
+    if !tolerations.contains(&gpu) {
+        tolerations.push(gpu);
+    }
+    tolerations
+}
+
+fn pod_template(
+    model: &Model,
+    container: Container,
+    artifact: &Artifact,
+    profile_selector: BTreeMap<String, String>,
+    served_path: &Option<String>,
+) -> PodTemplateSpec {
+    let spec = &model.spec;
+    let mut annotations = BTreeMap::from([(
+        annotations::GPU_PRIORITY.to_string(),
+        spec.gpu.priority.to_string(),
+    )]);
+    if let Some(p) = served_path {
+        annotations.insert(annotations::SERVED_PATH.to_string(), p.clone());
+    }
+    if let Some(g) = &spec.gpu.shared {
+        annotations.insert(annotations::GPU_SHARED_GROUP.to_string(), g.clone());
+    }
+    let mut volumes = vec![Volume {
+        name: "dshm".into(),
+        empty_dir: Some(EmptyDirVolumeSource {
+            medium: Some("Memory".into()),
+            size_limit: None,
+        }),
+        ..Default::default()
+    }];
+    if let Artifact::Volume { claim, .. } = artifact {
+        volumes.push(Volume {
+            name: "model".into(),
+            persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                claim_name: claim.clone(),
+                read_only: Some(true),
+            }),
+            ..Default::default()
+        });
+    }
     let mut node_selector = profile_selector;
     for (k, v) in spec.node_selector.iter().flatten() {
         node_selector.insert(k.clone(), v.clone());
     }
+    PodTemplateSpec {
+        metadata: Some(ObjectMeta {
+            labels: Some(child_labels(model)),
+            annotations: Some(annotations),
+            ..Default::default()
+        }),
+        spec: Some(PodSpec {
+            containers: vec![container],
+            volumes: Some(volumes),
+            node_selector: Some(node_selector),
+            tolerations: Some(tolerations(model)),
+            enable_service_links: Some(false),
+            automount_service_account_token: Some(false),
+            termination_grace_period_seconds: Some(30),
+            ..Default::default()
+        }),
+    }
+}
 
-    let mut tolerations: Vec<Value> = Vec::new();
-    for t in spec.tolerations.iter().flatten() {
-        tolerations
-            .push(serde_json::to_value(t).map_err(|e| ConfigProblem::Invalid(e.to_string()))?);
+/// Name, namespace, labels and controller reference shared by both children.
+fn child_meta(model: &Model) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(model.name_any()),
+        namespace: model.namespace(),
+        labels: Some(object_labels(model)),
+        owner_references: Some(model.controller_owner_ref(&()).into_iter().collect()),
+        ..Default::default()
     }
-    let gpu_toleration = json!({
-        "key": flexinfer_api::contract::controller::GPU_TOLERATION_KEY,
-        "operator": "Equal",
-        "value": flexinfer_api::contract::controller::GPU_TOLERATION_VALUE,
-        "effect": flexinfer_api::contract::controller::GPU_TOLERATION_EFFECT,
-    });
-    if !tolerations.contains(&gpu_toleration) {
-        tolerations.push(gpu_toleration);
-    }
+}
 
-    let mut pod_annotations = BTreeMap::from([(
-        annotations::GPU_PRIORITY.to_string(),
-        spec.gpu.priority.to_string(),
-    )]);
-    if let Some(p) = &served_path {
-        pod_annotations.insert(annotations::SERVED_PATH.to_string(), p.clone());
-    }
-    if let Some(g) = &spec.gpu.shared {
-        pod_annotations.insert(annotations::GPU_SHARED_GROUP.to_string(), g.clone());
-    }
-
-    let mut volumes = vec![json!({"name": "dshm", "emptyDir": {"medium": "Memory"}})];
-    if let Artifact::Volume { claim, .. } = &artifact {
-        volumes.push(json!({
-            "name": "model",
-            "persistentVolumeClaim": {"claimName": claim, "readOnly": true}
-        }));
-    }
-
-    let owner = model
-        .controller_owner_ref(&())
-        .into_iter()
-        .collect::<Vec<_>>();
-    let ns = model.namespace();
-    let child_labels = child_labels(model);
-    let object_labels = object_labels(model);
-    let selector = selector(model);
-    let deployment = json!({
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {
-            "name": name,
-            "namespace": ns,
-            "labels": object_labels,
-            "ownerReferences": owner,
-        },
-        "spec": {
-            "selector": {"matchLabels": selector},
+fn deployment(model: &Model, template: PodTemplateSpec) -> Deployment {
+    Deployment {
+        metadata: child_meta(model),
+        spec: Some(DeploymentSpec {
+            selector: LabelSelector {
+                match_labels: Some(selector(model)),
+                match_expressions: None,
+            },
             // GPUs are exclusive: a surge pod could never be scheduled next to the old one.
-            "strategy": {"type": "Recreate"},
-            "revisionHistoryLimit": 3,
-            "template": {
-                "metadata": {"labels": child_labels, "annotations": pod_annotations},
-                "spec": {
-                    "containers": [container],
-                    "volumes": volumes,
-                    "nodeSelector": node_selector,
-                    "tolerations": tolerations,
-                    "enableServiceLinks": false,
-                    "automountServiceAccountToken": false,
-                    "terminationGracePeriodSeconds": 30,
-                }
-            }
-        }
-    });
-    let service = json!({
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {
-            "name": name,
-            "namespace": ns,
-            "labels": object_labels,
-            "ownerReferences": owner,
-        },
-        "spec": {
-            "type": "ClusterIP",
-            "selector": selector,
-            "ports": [{
-                "name": serving::PORT_NAME,
-                "port": serving::PORT,
-                "targetPort": serving::PORT_NAME,
-                "protocol": "TCP",
-            }]
-        }
-    });
-    let deployment: Deployment =
-        serde_json::from_value(deployment).map_err(|e| ConfigProblem::Invalid(e.to_string()))?;
-    let service: Service =
-        serde_json::from_value(service).map_err(|e| ConfigProblem::Invalid(e.to_string()))?;
-    Ok(Rendered {
-        deployment,
-        service,
-        served_path,
-        cached,
-        format,
-    })
+            strategy: Some(DeploymentStrategy {
+                type_: Some("Recreate".into()),
+                rolling_update: None,
+            }),
+            revision_history_limit: Some(3),
+            template,
+            ..Default::default()
+        }),
+        status: None,
+    }
+}
+
+fn service(model: &Model) -> Service {
+    Service {
+        metadata: child_meta(model),
+        spec: Some(ServiceSpec {
+            type_: Some("ClusterIP".into()),
+            selector: Some(selector(model)),
+            ports: Some(vec![ServicePort {
+                name: Some(serving::PORT_NAME.to_string()),
+                port: serving::PORT,
+                target_port: Some(IntOrString::String(serving::PORT_NAME.to_string())),
+                protocol: Some("TCP".into()),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        status: None,
+    }
 }

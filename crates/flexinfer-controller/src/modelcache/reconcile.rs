@@ -106,6 +106,11 @@ pub async fn run(
         log_reads: Mutex::new(HashMap::new()),
         failures: Default::default(),
     });
+    let guard = crate::supervise::Guard::new(
+        "modelcache",
+        ctx.metrics.clone(),
+        Some(ctx.recorder.clone()),
+    );
     let cache_meta: Api<PartialObjectMeta<ModelCache>> = match &namespace {
         Some(ns) => Api::namespaced(ctx.client.clone(), ns),
         None => Api::all(ctx.client.clone()),
@@ -134,7 +139,12 @@ pub async fn run(
             },
         )
         .shutdown_on_signal()
-        .run(reconcile, error_policy, ctx)
+        // A panic in one cache's reconcile is an error of that cache, not of the process.
+        .run(
+            guard.reconcile(reconcile),
+            guard.error_policy(error_policy),
+            ctx,
+        )
         .for_each(|res| async move {
             if let Err(e) = res {
                 debug!(error = %e, "reconcile stream error");

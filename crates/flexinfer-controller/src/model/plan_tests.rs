@@ -1,0 +1,558 @@
+//! Table tests of the Model planner: `plan` then `conclude`, as the reconciler runs them.
+
+use std::time::Duration;
+
+use flexinfer_api::conditions::{self, types};
+use flexinfer_api::contract::annotations;
+use flexinfer_api::model::ModelPhase;
+use flexinfer_api::modelcache::CachePhase;
+use flexinfer_api::{Model, ModelCache};
+use k8s_openapi::api::apps::v1::{Deployment, DeploymentStatus};
+use k8s_openapi::api::core::v1::{Pod, PodSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::runtime::events::EventType;
+use serde_json::{json, Value};
+
+use super::plan::*;
+use super::render::RenderConfig;
+use super::status::DeploymentObservation;
+
+const UID: &str = "uid-model-1";
+const NOW: i64 = 1_800_000_000;
+
+fn ts(s: i64) -> Timestamp {
+    Timestamp::from_second(s).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn model(spec: Value, annos: &[(&str, &str)], last_active_ago: Option<i64>) -> Model {
+    let annos: serde_json::Map<String, Value> = annos
+        .iter()
+        .map(|(k, v)| (k.to_string(), json!(v)))
+        .collect();
+    let mut m: Model = serde_json::from_value(json!({
+        "apiVersion": "ai.flexinfer/v1alpha2", "kind": "Model",
+        "metadata": {"name": "m", "namespace": "ns", "uid": UID, "generation": 2, "annotations": annos},
+        "spec": spec,
+    }))
+    .unwrap_or_else(|e| panic!("model: {e}"));
+    if let Some(ago) = last_active_ago {
+        m.status = Some(flexinfer_api::ModelStatus {
+            last_active_time: Some(Time(ts(NOW - ago))),
+            ..Default::default()
+        });
+    }
+    m
+}
+
+fn pvc(extra: Value) -> Value {
+    let mut s =
+        json!({"backend": "vllm", "source": "pvc://models/org/awq", "gpu": {"vendor": "amd"}});
+    if let (Some(s), Some(e)) = (s.as_object_mut(), extra.as_object()) {
+        for (k, v) in e {
+            s.insert(k.clone(), v.clone());
+        }
+    }
+    s
+}
+
+fn owner(kind: &str, name: &str, uid: &str, controller: Option<bool>) -> OwnerReference {
+    OwnerReference {
+        api_version: "ai.flexinfer/v1alpha2".into(),
+        kind: kind.into(),
+        name: name.into(),
+        uid: uid.into(),
+        controller,
+        block_owner_deletion: None,
+    }
+}
+
+fn existing(refs: Vec<OwnerReference>) -> Option<Existing> {
+    Some(Existing {
+        owner_references: refs,
+    })
+}
+
+fn cache(phase: &str) -> ModelCache {
+    let mut c: ModelCache = serde_json::from_value(json!({
+        "apiVersion": "ai.flexinfer/v1alpha1", "kind": "ModelCache",
+        "metadata": {"name": "llm", "namespace": "ns"}, "spec": {"source": "org/llm"},
+    }))
+    .unwrap_or_else(|e| panic!("cache: {e}"));
+    c.status = Some(flexinfer_api::ModelCacheStatus {
+        phase: CachePhase::ALL.into_iter().find(|p| p.as_str() == phase),
+        path: Some("cache-pvc:llm/gptq".into()),
+        ..Default::default()
+    });
+    c
+}
+
+/// The Deployment's answer to the apply: (ready, updated, observed the latest spec, scheduled pods).
+type Rollout = (i32, i32, bool, i32);
+
+struct Case {
+    name: &'static str,
+    model: Model,
+    observed: Observed,
+    rollout: Rollout,
+    // expected
+    applies: bool,
+    replicas: i32,
+    phase: ModelPhase,
+    ready: (&'static str, &'static str),
+    message_has: &'static [&'static str],
+    events: &'static [(&'static str, EventType)],
+    requeue_s: u64,
+}
+
+const NOT_READY: Rollout = (0, 0, true, 0);
+const READY: Rollout = (1, 1, true, 1);
+const W: EventType = EventType::Warning;
+const N: EventType = EventType::Normal;
+const GATE: (&str, &str) = (annotations::PROMOTION_GATE, annotations::PROMOTION_GATE_V1);
+
+fn cases() -> Vec<Case> {
+    let on = || Observed::default();
+    let foreign_deploy = || Observed {
+        deployment: existing(vec![]),
+        ..Default::default()
+    };
+    vec![
+        Case {
+            name: "new warm model, nothing scheduled yet",
+            model: model(pvc(json!({"serverless": {"enabled": false}})), &[], None),
+            observed: on(),
+            rollout: NOT_READY,
+            applies: true,
+            replicas: 1,
+            phase: ModelPhase::Pending,
+            ready: ("False", "Pending"),
+            message_has: &["0/1 replicas scheduled"],
+            events: &[("PhaseChanged", N)],
+            requeue_s: 15,
+        },
+        Case {
+            name: "scheduled, backend still loading",
+            model: model(pvc(json!({"serverless": {"minReplicas": 1}})), &[], None),
+            observed: on(),
+            rollout: (0, 1, true, 1),
+            applies: true,
+            replicas: 1,
+            phase: ModelPhase::Loading,
+            ready: ("False", "Loading"),
+            message_has: &["0/1 replicas ready"],
+            events: &[("PhaseChanged", N)],
+            requeue_s: 15,
+        },
+        Case {
+            name: "all replicas ready",
+            model: model(pvc(json!({"serverless": {"minReplicas": 1}})), &[], None),
+            observed: on(),
+            rollout: READY,
+            applies: true,
+            replicas: 1,
+            phase: ModelPhase::Ready,
+            ready: ("True", "Ready"),
+            message_has: &["1/1 replicas ready at http://m.ns.svc:8000/v1"],
+            events: &[("PhaseChanged", N)],
+            requeue_s: 300,
+        },
+        Case {
+            name: "ready replicas of an older spec are not Ready",
+            model: model(pvc(json!({"serverless": {"minReplicas": 1}})), &[], None),
+            observed: on(),
+            rollout: (1, 1, false, 1),
+            applies: true,
+            replicas: 1,
+            phase: ModelPhase::Loading,
+            ready: ("False", "Loading"),
+            message_has: &[],
+            events: &[("PhaseChanged", N)],
+            requeue_s: 15,
+        },
+        Case {
+            name: "scale-to-zero without traffic is Idle",
+            model: model(pvc(json!({})), &[], None),
+            observed: on(),
+            rollout: (0, 0, true, 0),
+            applies: true,
+            replicas: 0,
+            phase: ModelPhase::Idle,
+            ready: ("True", "Idle"),
+            message_has: &["scaled to zero"],
+            events: &[("PhaseChanged", N)],
+            requeue_s: 300,
+        },
+        Case {
+            name: "recent traffic scales up and rechecks when the idle timeout ends",
+            model: model(pvc(json!({})), &[], Some(10)),
+            observed: on(),
+            rollout: READY,
+            applies: true,
+            replicas: 1,
+            phase: ModelPhase::Ready,
+            ready: ("True", "Ready"),
+            message_has: &[],
+            events: &[("PhaseChanged", N)],
+            requeue_s: 291,
+        },
+        Case {
+            name: "gated warm primary without validation runs as a canary",
+            model: model(
+                pvc(json!({"serverless": {"minReplicas": 1}})),
+                &[GATE],
+                None,
+            ),
+            observed: on(),
+            rollout: (0, 0, true, 0),
+            applies: true,
+            replicas: 0,
+            phase: ModelPhase::Idle,
+            ready: ("True", "Idle"),
+            message_has: &[],
+            events: &[("PhaseChanged", N), ("PromotionBlocked", W)],
+            requeue_s: 300,
+        },
+        Case {
+            name: "invalid source: nothing applied",
+            model: model(
+                json!({"backend": "vllm", "source": "pvc://m//etc", "gpu": {"vendor": "amd"}}),
+                &[],
+                None,
+            ),
+            observed: on(),
+            rollout: READY,
+            applies: false,
+            replicas: 0,
+            phase: ModelPhase::Failed,
+            ready: ("False", "InvalidSource"),
+            message_has: &["absolute"],
+            events: &[("PhaseChanged", W)],
+            requeue_s: 120,
+        },
+        Case {
+            name: "cache not ready: nothing applied, Pending",
+            model: model(
+                json!({"backend": "vllm", "source": "modelcache://llm", "gpu": {"vendor": "amd"}}),
+                &[],
+                None,
+            ),
+            observed: Observed {
+                cache: Some(cache("Quantizing")),
+                ..Default::default()
+            },
+            rollout: READY,
+            applies: false,
+            replicas: 0,
+            phase: ModelPhase::Pending,
+            ready: ("False", "CacheNotReady"),
+            message_has: &["Quantizing"],
+            events: &[("PhaseChanged", N)],
+            requeue_s: 60,
+        },
+        Case {
+            name: "cache ready: applied",
+            model: model(
+                json!({"backend": "vllm", "source": "modelcache://llm", "gpu": {"vendor": "amd"},
+                "serverless": {"minReplicas": 1}}),
+                &[],
+                None,
+            ),
+            observed: Observed {
+                cache: Some(cache("Ready")),
+                ..Default::default()
+            },
+            rollout: READY,
+            applies: true,
+            replicas: 1,
+            phase: ModelPhase::Ready,
+            ready: ("True", "Ready"),
+            message_has: &[],
+            events: &[("PhaseChanged", N)],
+            requeue_s: 300,
+        },
+        Case {
+            name: "children controlled by this Model are updated",
+            model: model(pvc(json!({"serverless": {"minReplicas": 1}})), &[], None),
+            observed: Observed {
+                deployment: existing(vec![owner("Model", "m", UID, Some(true))]),
+                service: existing(vec![
+                    owner("Other", "x", "uid-x", None),
+                    owner("Model", "m", UID, Some(true)),
+                ]),
+                ..Default::default()
+            },
+            rollout: READY,
+            applies: true,
+            replicas: 1,
+            phase: ModelPhase::Ready,
+            ready: ("True", "Ready"),
+            message_has: &[],
+            events: &[("PhaseChanged", N)],
+            requeue_s: 300,
+        },
+        Case {
+            name: "foreign Deployment without owner is not adopted",
+            model: model(pvc(json!({"serverless": {"minReplicas": 1}})), &[], None),
+            observed: foreign_deploy(),
+            rollout: READY,
+            applies: false,
+            replicas: 1,
+            phase: ModelPhase::Failed,
+            ready: ("False", "ResourceConflict"),
+            message_has: &["Deployment m", "has no owner"],
+            events: &[("PhaseChanged", W), ("ResourceConflict", W)],
+            requeue_s: 120,
+        },
+        Case {
+            name: "foreign Service controlled by another object is not adopted",
+            model: model(pvc(json!({})), &[], None),
+            observed: Observed {
+                deployment: existing(vec![owner("Model", "m", UID, Some(true))]),
+                service: existing(vec![owner("HelmRelease", "web", "uid-h", Some(true))]),
+                ..Default::default()
+            },
+            rollout: READY,
+            applies: false,
+            replicas: 0,
+            phase: ModelPhase::Failed,
+            ready: ("False", "ResourceConflict"),
+            message_has: &["Service m", "controlled by HelmRelease web (uid uid-h)"],
+            events: &[("PhaseChanged", W), ("ResourceConflict", W)],
+            requeue_s: 120,
+        },
+        Case {
+            name: "an owner reference to this Model that is not the controller is not enough",
+            model: model(pvc(json!({})), &[], None),
+            observed: Observed {
+                deployment: existing(vec![owner("Model", "m", UID, None)]),
+                ..Default::default()
+            },
+            rollout: READY,
+            applies: false,
+            replicas: 0,
+            phase: ModelPhase::Failed,
+            ready: ("False", "ResourceConflict"),
+            message_has: &["no controller; owners: Model m"],
+            events: &[("PhaseChanged", W), ("ResourceConflict", W)],
+            requeue_s: 120,
+        },
+        Case {
+            name: "a Model of the same name but another uid (an earlier one) does not count",
+            model: model(pvc(json!({})), &[], None),
+            observed: Observed {
+                deployment: existing(vec![owner("Model", "m", "uid-old", Some(true))]),
+                ..Default::default()
+            },
+            rollout: READY,
+            applies: false,
+            replicas: 0,
+            phase: ModelPhase::Failed,
+            ready: ("False", "ResourceConflict"),
+            message_has: &["controlled by Model m (uid uid-old)"],
+            events: &[("PhaseChanged", W), ("ResourceConflict", W)],
+            requeue_s: 120,
+        },
+        Case {
+            name: "a configuration problem is reported before a conflict",
+            model: model(
+                json!({"backend": "vllm", "source": "pvc://m//etc", "gpu": {"vendor": "amd"}}),
+                &[],
+                None,
+            ),
+            observed: foreign_deploy(),
+            rollout: READY,
+            applies: false,
+            replicas: 0,
+            phase: ModelPhase::Failed,
+            ready: ("False", "InvalidSource"),
+            message_has: &[],
+            events: &[("PhaseChanged", W)],
+            requeue_s: 120,
+        },
+    ]
+}
+
+/// What the reconciler does between `plan` and `conclude`: apply, then read the rollout.
+fn run(c: &Case) -> (ModelPlan, Conclusion) {
+    let p = plan(&c.model, &c.observed, &RenderConfig::default(), ts(NOW));
+    let rollout = p.children.as_ref().ok().map(|_| {
+        let (ready, updated, current, scheduled) = c.rollout;
+        DeploymentObservation {
+            desired: p.replicas.replicas,
+            ready,
+            updated,
+            current,
+            scheduled,
+        }
+    });
+    let conclusion = p.conclude(&c.model, rollout, ts(NOW));
+    (p, conclusion)
+}
+
+#[test]
+fn plan_table() {
+    for c in cases() {
+        let (p, out) = run(&c);
+        let n = c.name;
+        assert_eq!(
+            p.children.is_ok(),
+            c.applies,
+            "{n}: {:?}",
+            p.children.as_ref().err()
+        );
+        assert_eq!(p.replicas.replicas, c.replicas, "{n}");
+        if let Ok(r) = &p.children {
+            let spec = r.deployment.spec.as_ref();
+            assert_eq!(spec.and_then(|s| s.replicas), Some(c.replicas), "{n}");
+        }
+        assert_eq!(out.phase, c.phase, "{n}");
+        assert_eq!(out.previous, None, "{n}");
+        let st = out
+            .status
+            .clone()
+            .unwrap_or_else(|| panic!("{n}: a first status is written"));
+        assert_eq!(st.phase, Some(c.phase), "{n}");
+        assert_eq!(st.observed_generation, Some(2), "{n}");
+        let ready = conditions::find(&st.conditions, types::READY)
+            .unwrap_or_else(|| panic!("{n}: no Ready condition"));
+        assert_eq!(
+            (ready.status.as_str(), ready.reason.as_str()),
+            c.ready,
+            "{n}"
+        );
+        for part in c.message_has {
+            assert!(
+                ready.message.contains(part),
+                "{n}: {:?} lacks {part:?}",
+                ready.message
+            );
+        }
+        let events: Vec<_> = out.events.iter().map(|e| (e.reason, e.type_)).collect();
+        assert_eq!(events, c.events, "{n}");
+        if c.ready.1 == "ResourceConflict" {
+            let note = &out.events[1].note;
+            assert_eq!(
+                note, &ready.message,
+                "{n}: the event says what the condition says"
+            );
+        }
+        assert_eq!(out.requeue, Duration::from_secs(c.requeue_s), "{n}");
+    }
+}
+
+/// A second reconcile that sees the status the first one wrote writes nothing and says nothing.
+#[test]
+fn settled_models_write_nothing() {
+    for mut c in cases() {
+        let (_, first) = run(&c);
+        let mut st = first
+            .status
+            .unwrap_or_else(|| panic!("{}: first status", c.name));
+        // The proxy's field survives (the controller never writes it).
+        st.last_active_time = c
+            .model
+            .status
+            .as_ref()
+            .and_then(|s| s.last_active_time.clone());
+        c.model.status = Some(st);
+        let (_, second) = run(&c);
+        assert!(second.status.is_none(), "{}: status rewritten", c.name);
+        assert_eq!(second.events, vec![], "{}", c.name);
+        assert_eq!(second.previous, Some(c.phase), "{}", c.name);
+    }
+}
+
+/// A conflict that goes away (the foreign object was removed) deploys and reports it.
+#[test]
+fn conflict_resolves_once_the_foreign_object_is_gone() {
+    let cases = cases();
+    let Some(mut c) = cases.into_iter().find(|c| c.ready.1 == "ResourceConflict") else {
+        panic!("no conflict case");
+    };
+    let (_, first) = run(&c);
+    c.model.status = first.status;
+    c.observed.deployment = None;
+    c.observed.service = None;
+    let (p, out) = run(&c);
+    assert!(p.children.is_ok());
+    assert_eq!(out.phase, ModelPhase::Ready);
+    let events: Vec<_> = out
+        .events
+        .iter()
+        .map(|e| (e.reason, e.note.clone()))
+        .collect();
+    assert_eq!(
+        events,
+        vec![("PhaseChanged", "Failed -> Ready".to_string())]
+    );
+}
+
+#[test]
+fn rollout_and_pod_count() {
+    let dep =
+        |gen: Option<i64>, observed: Option<i64>, ready: Option<i32>, updated: Option<i32>| {
+            let mut d = Deployment::default();
+            d.metadata.generation = gen;
+            d.status = Some(DeploymentStatus {
+                observed_generation: observed,
+                ready_replicas: ready,
+                updated_replicas: updated,
+                ..Default::default()
+            });
+            d
+        };
+    // (deployment, desired, want (ready, updated, current), want pods counted)
+    let cases = [
+        (
+            dep(Some(2), Some(2), Some(1), Some(1)),
+            1,
+            (1, 1, true),
+            false,
+        ),
+        (
+            dep(Some(3), Some(2), Some(1), Some(1)),
+            1,
+            (1, 1, false),
+            false,
+        ),
+        (dep(Some(2), None, None, None), 1, (0, 0, false), true),
+        (dep(Some(2), Some(2), None, None), 0, (0, 0, true), false),
+        (
+            dep(Some(2), Some(2), Some(1), Some(2)),
+            2,
+            (1, 2, true),
+            true,
+        ),
+    ];
+    for (i, (d, desired, (ready, updated, current), count)) in cases.into_iter().enumerate() {
+        let o = rollout(&d, desired);
+        assert_eq!(
+            (o.desired, o.ready, o.updated, o.current),
+            (desired, ready, updated, current),
+            "case {i}"
+        );
+        assert_eq!(needs_pod_count(&o), count, "case {i}");
+    }
+    let pod = |node: Option<&str>, deleting: bool| {
+        let mut p = Pod {
+            spec: Some(PodSpec {
+                node_name: node.map(str::to_string),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        if deleting {
+            p.metadata.deletion_timestamp = Some(Time(ts(NOW)));
+        }
+        p
+    };
+    let pods = [
+        pod(Some("n1"), false),
+        pod(None, false),
+        pod(Some("n2"), true),
+        pod(Some("n3"), false),
+    ];
+    assert_eq!(scheduled(&pods), 2);
+    assert_eq!(scheduled(&[]), 0);
+}

@@ -1,0 +1,198 @@
+//! The thin Model reconciler: observe (the referenced ModelCache and GPUProfile, the existing
+//! children), [`plan`](super::plan::plan), apply (children, then status, metrics and Events).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use flexinfer_api::contract::controller::FIELD_MANAGER;
+use flexinfer_api::contract::labels;
+use flexinfer_api::model::ModelPhase;
+use flexinfer_api::{GPUProfile, Model, ModelCache};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Pod, Service};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::runtime::controller::Action;
+use kube::runtime::events::Event;
+use kube::{Resource, ResourceExt};
+use serde_json::json;
+use tracing::{info, warn};
+
+use super::plan::{self, Conclusion, Existing, ModelPlan, Observed, PlannedEvent};
+use super::render::{self, ProfileRef};
+use super::status::DeploymentObservation;
+use super::{Ctx, Error};
+
+pub(super) async fn reconcile(model: Arc<Model>, ctx: Arc<Ctx>) -> Result<Action, Error> {
+    let started = Instant::now();
+    let ns = model
+        .namespace()
+        .ok_or_else(|| Error::Internal("Model without namespace".into()))?;
+    let observed = observe(&ctx, &model, &ns).await?;
+    let now = Timestamp::now();
+    let plan = plan::plan(&model, &observed, &ctx.opts.render, now);
+    let rollout = apply_children(&ctx, &model, &ns, &plan).await?;
+    let conclusion = plan.conclude(&model, rollout, now);
+    apply_conclusion(&ctx, &model, &ns, &conclusion).await?;
+
+    if let Ok(mut f) = ctx.failures.lock() {
+        f.remove(&(ns, model.name_any()));
+    }
+    ctx.metrics
+        .reconcile_duration_seconds
+        .with_label_values(&["model"])
+        .observe(started.elapsed().as_secs_f64());
+    Ok(Action::requeue(conclusion.requeue))
+}
+
+/// Everything the planner needs from the cluster.
+async fn observe(ctx: &Ctx, model: &Model, ns: &str) -> Result<Observed, Error> {
+    let client = &ctx.client;
+    let name = model.name_any();
+    let cache = match render::cache_name(model) {
+        Some(c) => {
+            Api::<ModelCache>::namespaced(client.clone(), ns)
+                .get_opt(&c)
+                .await?
+        }
+        None => None,
+    };
+    let profile = get_profile(ctx, model, ns).await?;
+    let deployment = Api::<Deployment>::namespaced(client.clone(), ns)
+        .get_metadata_opt(&name)
+        .await?
+        .map(|d| Existing::of(&d.metadata));
+    let service = Api::<Service>::namespaced(client.clone(), ns)
+        .get_metadata_opt(&name)
+        .await?
+        .map(|s| Existing::of(&s.metadata));
+    Ok(Observed {
+        cache,
+        profile,
+        deployment,
+        service,
+    })
+}
+
+async fn get_profile(ctx: &Ctx, model: &Model, ns: &str) -> Result<Option<GPUProfile>, Error> {
+    let mut namespaces = vec![ns.to_string()];
+    if let Some(p) = ctx.opts.profile_namespace.as_ref().filter(|p| *p != ns) {
+        namespaces.push(p.clone());
+    }
+    let reference = render::profile_ref(model);
+    for pns in namespaces {
+        let api: Api<GPUProfile> = Api::namespaced(ctx.client.clone(), &pns);
+        let found = match &reference {
+            ProfileRef::None(_) => return Ok(None),
+            ProfileRef::Any => {
+                let mut all = api.list(&ListParams::default()).await?.items;
+                if all.len() == 1 {
+                    all.pop()
+                } else {
+                    None
+                }
+            }
+            ProfileRef::Named(n) => api.get_opt(n).await?,
+            ProfileRef::Arch(a) => api
+                .list(&ListParams::default())
+                .await?
+                .items
+                .into_iter()
+                .find(|p| p.spec.architecture == *a),
+        };
+        if found.is_some() {
+            return Ok(found);
+        }
+    }
+    Ok(None)
+}
+
+/// Server-side apply the planned children; the rollout of the applied Deployment, or `None`
+/// when the plan applies nothing.
+async fn apply_children(
+    ctx: &Ctx,
+    model: &Model,
+    ns: &str,
+    plan: &ModelPlan,
+) -> Result<Option<DeploymentObservation>, Error> {
+    let name = model.name_any();
+    let r = match &plan.children {
+        Ok(r) => r,
+        Err(problem) => {
+            info!(model = %name, namespace = %ns, reason = problem.reason(), problem = %problem, "model not deployed");
+            return Ok(None);
+        }
+    };
+    let client = &ctx.client;
+    // Force is safe: the planner only lets through children this Model controls or that are absent.
+    let pp = PatchParams::apply(FIELD_MANAGER).force();
+    let applied = Api::<Deployment>::namespaced(client.clone(), ns)
+        .patch(&name, &pp, &Patch::Apply(&r.deployment))
+        .await?;
+    Api::<Service>::namespaced(client.clone(), ns)
+        .patch(&name, &pp, &Patch::Apply(&r.service))
+        .await?;
+    let mut rollout = plan::rollout(&applied, plan.replicas.replicas);
+    if plan::needs_pod_count(&rollout) {
+        let lp = ListParams::default().labels(&format!("{}={}", labels::MODEL, name));
+        let pods = Api::<Pod>::namespaced(client.clone(), ns).list(&lp).await?;
+        rollout.scheduled = plan::scheduled(&pods.items);
+    }
+    Ok(Some(rollout))
+}
+
+/// Metrics first (they describe the phase just computed), then the status, then Events.
+async fn apply_conclusion(ctx: &Ctx, model: &Model, ns: &str, c: &Conclusion) -> Result<(), Error> {
+    let name = model.name_any();
+    for p in ModelPhase::ALL {
+        ctx.metrics
+            .model_phase
+            .with_label_values(&[name.as_str(), ns, p.as_str()])
+            .set(i64::from(p == c.phase));
+    }
+    if c.previous != Some(c.phase) {
+        let from = c.previous.map(|p| p.as_str()).unwrap_or("None");
+        ctx.metrics
+            .model_phase_transitions_total
+            .with_label_values(&[name.as_str(), ns, from, c.phase.as_str()])
+            .inc();
+    }
+    if let Some(new) = &c.status {
+        let patch = json!({
+            "apiVersion": Model::api_version(&()),
+            "kind": Model::kind(&()),
+            "status": {
+                "phase": new.phase,
+                "conditions": new.conditions,
+                "endpoint": new.endpoint,
+                "replicas": new.replicas,
+                "observedGeneration": new.observed_generation,
+                "servedPath": new.served_path,
+            }
+        });
+        Api::<Model>::namespaced(ctx.client.clone(), ns)
+            .patch_status(
+                &name,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(&patch),
+            )
+            .await?;
+    }
+    for ev in &c.events {
+        publish(ctx, model, ev).await;
+    }
+    Ok(())
+}
+
+pub(super) async fn publish(ctx: &Ctx, model: &Model, ev: &PlannedEvent) {
+    let event = Event {
+        type_: ev.type_,
+        reason: ev.reason.to_string(),
+        note: Some(ev.note.chars().take(1000).collect()),
+        action: ev.action.clone(),
+        secondary: None,
+    };
+    if let Err(e) = ctx.recorder.publish(&event, &model.object_ref(&())).await {
+        warn!(model = %model.name_any(), error = %e, "cannot publish event");
+    }
+}
