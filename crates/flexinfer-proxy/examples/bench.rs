@@ -1,0 +1,323 @@
+//! Proxy benchmark (not a test; run by `scripts/bench/proxy/run.sh`): the `flexinfer-proxy`
+//! binary in front of a small in-process OpenAI-style backend on a local control plane, measured
+//! side by side with the same requests sent straight to the backend, in one run:
+//!
+//! 1. added latency: `LAT_N` sequential small chat completions, alternating direct / via proxy
+//!    on kept-alive connections → p50 / p99 of each and their difference;
+//! 2. streaming throughput: `STREAMS` concurrent SSE streams of `EVENTS` events each, direct then via
+//!    the proxy, `ROUNDS` times alternating → events per second and the ratio;
+//! 3. the proxy process's CPU time (from /proc) per phase and its peak RSS (VmHWM).
+//!
+//! Env: KUBECONFIG (the cluster), PROXY_BIN (the binary), BENCH_HOST_IP (a non-loopback address
+//! of this host for the EndpointSlice), LAT_N (2000), STREAMS (500), EVENTS (200), ROUNDS (2).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use http::{Request, Response};
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::Client;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+
+type BoxBody = http_body_util::combinators::UnsyncBoxBody<Bytes, Infallible>;
+
+fn env_or(k: &str, d: usize) -> usize {
+    std::env::var(k)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(d)
+}
+
+async fn backend(req: Request<Incoming>) -> Response<BoxBody> {
+    let body = req.into_body().collect().await.unwrap().to_bytes();
+    let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    if v["stream"] == true {
+        let n = v["max_tokens"].as_u64().unwrap_or(10) as usize;
+        let s = futures::stream::iter((0..=n).map(move |i| {
+            let text = if i == n {
+                "data: [DONE]\n\n".to_string()
+            } else {
+                format!("data: {{\"object\":\"chat.completion.chunk\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"tok{i}\"}}}}]}}\n\n")
+            };
+            Ok::<_, Infallible>(Frame::data(Bytes::from(text)))
+        }))
+        // One event per poll, like a token stream (not one write of everything).
+        .then(|f| async move {
+            tokio::task::yield_now().await;
+            f
+        });
+        let mut r = Response::new(StreamBody::new(s).boxed_unsync());
+        r.headers_mut()
+            .insert("content-type", "text/event-stream".parse().unwrap());
+        r
+    } else {
+        let out = json!({"id": "cmpl-1", "object": "chat.completion", "model": v["model"],
+                         "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}]});
+        let mut r = Response::new(Full::new(Bytes::from(out.to_string())).boxed_unsync());
+        r.headers_mut()
+            .insert("content-type", "application/json".parse().unwrap());
+        r
+    }
+}
+
+async fn start_backend(ip: std::net::IpAddr) -> SocketAddr {
+    let listener = TcpListener::bind(SocketAddr::new(ip, 0)).await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let _ = stream.set_nodelay(true);
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(|req| async move {
+                    Ok::<_, Infallible>(backend(req).await)
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+/// (utime + stime in seconds, VmHWM in KiB, VmRSS in KiB) of a process.
+fn proc_stats(pid: u32) -> (f64, u64, u64) {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<&str> = after.split_whitespace().collect();
+    // Fields after the command: state is [0]; utime is field 14 of the file → [11], stime → [12].
+    let tick = 100.0; // USER_HZ on Linux
+    let cpu = f.get(11).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0)
+        + f.get(12).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let kib = |key: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    (cpu / tick, kib("VmHWM:"), kib("VmRSS:"))
+}
+
+fn pct(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
+    v[i.min(v.len() - 1)]
+}
+
+async fn one_request(c: &reqwest::Client, url: &str) -> f64 {
+    let t = Instant::now();
+    let r = c
+        .post(format!("{url}/v1/chat/completions"))
+        .json(&json!({"model": "bench", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let _ = r.bytes().await.unwrap();
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+/// `streams` concurrent SSE streams of `events` events; returns (seconds, events received).
+async fn streams(url: &str, streams: usize, events: usize) -> (f64, usize) {
+    let c = reqwest::Client::builder()
+        .pool_max_idle_per_host(streams)
+        .build()
+        .unwrap();
+    let t = Instant::now();
+    let tasks: Vec<_> = (0..streams)
+        .map(|_| {
+            let (c, url) = (c.clone(), url.to_string());
+            tokio::spawn(async move {
+                let r = c
+                    .post(format!("{url}/v1/chat/completions"))
+                    .json(&json!({"model": "bench", "stream": true, "max_tokens": events, "messages": []}))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), 200);
+                let mut body = r.bytes_stream();
+                // Count event markers across chunk boundaries (a TCP read may split one).
+                let mut n = 0usize;
+                let mut carry: Vec<u8> = Vec::new();
+                while let Some(chunk) = body.next().await {
+                    carry.extend_from_slice(&chunk.unwrap());
+                    n += carry.windows(6).filter(|w| w == b"data: ").count();
+                    let keep = carry.len().saturating_sub(5);
+                    carry.drain(..keep);
+                }
+                n
+            })
+        })
+        .collect();
+    let mut total = 0;
+    for t in tasks {
+        total += t.await.unwrap();
+    }
+    (t.elapsed().as_secs_f64(), total)
+}
+
+#[tokio::main]
+async fn main() {
+    let lat_n = env_or("LAT_N", 2000);
+    let n_streams = env_or("STREAMS", 500);
+    let events = env_or("EVENTS", 200);
+    let rounds = env_or("ROUNDS", 2);
+    let ip: std::net::IpAddr = std::env::var("BENCH_HOST_IP")
+        .expect("BENCH_HOST_IP")
+        .parse()
+        .expect("BENCH_HOST_IP is an IP address");
+    let bin = std::env::var("PROXY_BIN").expect("PROXY_BIN");
+    let client = Client::try_default().await.expect("KUBECONFIG");
+
+    let ns = format!("proxy-bench-{}", std::process::id());
+    let nsapi: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(client.clone());
+    nsapi
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"metadata": {"name": ns}})).unwrap(),
+        )
+        .await
+        .unwrap();
+    let addr = start_backend(ip).await;
+    let pp = PatchParams::apply("flexinfer-proxy-bench").force();
+    let models: Api<flexinfer_api::Model> = Api::namespaced(client.clone(), &ns);
+    models
+        .patch("bench", &pp, &Patch::Apply(json!({"apiVersion": "ai.flexinfer/v1alpha2", "kind": "Model",
+            "metadata": {"name": "bench"},
+            "spec": {"backend": "vllm", "source": "pvc://models/m", "gpu": {"vendor": "nvidia"}, "serverless": {"enabled": false}}})))
+        .await
+        .unwrap();
+    let slices: Api<k8s_openapi::api::discovery::v1::EndpointSlice> =
+        Api::namespaced(client.clone(), &ns);
+    slices
+        .patch("bench-1", &pp, &Patch::Apply(json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": "bench-1", "labels": {"kubernetes.io/service-name": "bench",
+                "app.kubernetes.io/managed-by": "flexinfer", "app.kubernetes.io/component": "inference-server"}},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": addr.port(), "protocol": "TCP"}],
+            "endpoints": [{"addresses": [addr.ip().to_string()], "conditions": {"ready": true}}]})))
+        .await
+        .unwrap();
+
+    let free = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    };
+    let (pport, hport) = (free(), free());
+    let mut child = tokio::process::Command::new(&bin)
+        .env("FLEXINFER_PROXY_LISTEN_ADDR", format!("127.0.0.1:{pport}"))
+        .env("FLEXINFER_PROXY_HEALTH_ADDR", format!("127.0.0.1:{hport}"))
+        .env("FLEXINFER_PROXY_WATCH_NAMESPACE", &ns)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start the proxy");
+    let pid = child.id().unwrap();
+    let proxy = format!("http://127.0.0.1:{pport}");
+    let direct = format!("http://{addr}");
+    let c = reqwest::Client::new();
+    let t0 = Instant::now();
+    loop {
+        if let Ok(r) = c
+            .post(format!("{proxy}/v1/chat/completions"))
+            .json(&json!({"model": "bench", "messages": []}))
+            .send()
+            .await
+        {
+            if r.status() == 200 {
+                break;
+            }
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "proxy never routed");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (_, rss_idle, _) = proc_stats(pid);
+
+    // 1. Added latency, interleaved on kept-alive connections (after a warm-up).
+    let (cd, cp) = (reqwest::Client::new(), reqwest::Client::new());
+    for _ in 0..100 {
+        one_request(&cd, &direct).await;
+        one_request(&cp, &proxy).await;
+    }
+    let cpu0 = proc_stats(pid).0;
+    let (mut d, mut p) = (Vec::new(), Vec::new());
+    for _ in 0..lat_n {
+        d.push(one_request(&cd, &direct).await);
+        p.push(one_request(&cp, &proxy).await);
+    }
+    let cpu_lat = proc_stats(pid).0 - cpu0;
+    let (d50, d99, p50, p99) = (
+        pct(&mut d, 0.5),
+        pct(&mut d, 0.99),
+        pct(&mut p, 0.5),
+        pct(&mut p, 0.99),
+    );
+
+    // 2. Streams, alternating direct / proxy.
+    let mut rows = Vec::new();
+    let mut cpu_streams = 0.0;
+    for r in 0..rounds {
+        let (ds, dn) = streams(&direct, n_streams, events).await;
+        let c0 = proc_stats(pid).0;
+        let (ps, pn) = streams(&proxy, n_streams, events).await;
+        cpu_streams += proc_stats(pid).0 - c0;
+        let want = n_streams * (events + 1);
+        assert_eq!(
+            (dn, pn),
+            (want, want),
+            "every event of every stream arrived"
+        );
+        rows.push((r + 1, ds, ps, dn as f64 / ds, pn as f64 / ps));
+    }
+    let (_, hwm, rss) = proc_stats(pid);
+
+    println!("## proxy benchmark ({lat_n} sequential requests; {n_streams} concurrent SSE streams x {events} events, {rounds} rounds)\n");
+    println!("| figure | direct | via proxy | proxy − direct / ratio |");
+    println!("|---|---|---|---|");
+    println!(
+        "| latency p50 (ms) | {d50:.3} | {p50:.3} | +{:.3} ms |",
+        p50 - d50
+    );
+    println!(
+        "| latency p99 (ms) | {d99:.3} | {p99:.3} | +{:.3} ms |",
+        p99 - d99
+    );
+    for (r, ds, ps, de, pe) in &rows {
+        println!(
+            "| round {r}: {n_streams} streams wall time (s) / events per s | {ds:.2} s / {de:.0} | {ps:.2} s / {pe:.0} | {:.1} % of direct |",
+            pe / de * 100.0
+        );
+    }
+    println!(
+        "| proxy CPU time | — | {:.2} s for {lat_n} requests ({:.0} µs each); {:.2} s for {rounds}×{n_streams} streams | |",
+        cpu_lat,
+        cpu_lat / lat_n as f64 * 1e6,
+        cpu_streams
+    );
+    println!(
+        "| proxy RSS | — | idle {:.1} MiB, peak {:.1} MiB, after {:.1} MiB | |",
+        rss_idle as f64 / 1024.0,
+        hwm as f64 / 1024.0,
+        rss as f64 / 1024.0
+    );
+    let _ = child.kill().await;
+    let _ = nsapi.delete(&ns, &Default::default()).await;
+}
