@@ -19,9 +19,7 @@ mod plan_tests;
 #[cfg(test)]
 mod render_tests;
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::Arc;
 
 use flexinfer_api::contract::controller::FIELD_MANAGER;
 use flexinfer_api::contract::{env, labels, serving};
@@ -83,7 +81,17 @@ struct Ctx {
     metrics: Metrics,
     recorder: Recorder,
     opts: Options,
-    failures: Mutex<HashMap<(String, String), u32>>,
+    /// Consecutive reconcile failures per Model (error requeue backoff, shared with ModelCache).
+    failures: crate::backoff::Failures,
+}
+
+/// `namespace/name` of a Model, the key of its failure count.
+fn failure_key(model: &Model) -> String {
+    format!(
+        "{}/{}",
+        model.namespace().unwrap_or_default(),
+        model.name_any()
+    )
 }
 
 /// Run the Model controller until its stream ends.
@@ -131,7 +139,7 @@ pub async fn run_until(
         metrics,
         recorder: Recorder::new(client.clone(), reporter),
         opts,
-        failures: Mutex::new(HashMap::new()),
+        failures: Default::default(),
     });
 
     let guard = Guard::new("model", ctx.metrics.clone(), Some(ctx.recorder.clone()));
@@ -236,16 +244,7 @@ fn error_policy(model: Arc<Model>, err: &Error, ctx: Arc<Ctx>) -> Action {
         .reconcile_errors_total
         .with_label_values(&["model"])
         .inc();
-    let key = (model.namespace().unwrap_or_default(), model.name_any());
-    let n = match ctx.failures.lock() {
-        Ok(mut f) => {
-            let n = f.entry(key).or_insert(0);
-            *n = n.saturating_add(1);
-            *n
-        }
-        Err(_) => 1,
-    };
-    let delay = Duration::from_secs(2u64.saturating_pow(n.min(9)).min(300));
-    warn!(model = %model.name_any(), error = %err, retry_in_s = delay.as_secs(), "model reconcile error");
+    let delay = ctx.failures.failed(&failure_key(&model));
+    warn!(model = %model.name_any(), error = %err, retry_in_ms = delay.as_millis() as u64, "model reconcile error");
     Action::requeue(delay)
 }

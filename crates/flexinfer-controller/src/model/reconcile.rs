@@ -35,9 +35,7 @@ pub(super) async fn reconcile(model: Arc<Model>, ctx: Arc<Ctx>) -> Result<Action
     let conclusion = plan.conclude(&model, rollout, now);
     apply_conclusion(&ctx, &model, &ns, &conclusion).await?;
 
-    if let Ok(mut f) = ctx.failures.lock() {
-        f.remove(&(ns, model.name_any()));
-    }
+    ctx.failures.succeeded(&super::failure_key(&model));
     ctx.metrics
         .reconcile_duration_seconds
         .with_label_values(&["model"])
