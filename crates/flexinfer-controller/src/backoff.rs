@@ -35,16 +35,28 @@ pub struct Failures(Mutex<HashMap<String, u32>>);
 impl Failures {
     /// Record a failure of `key`; returns the delay before the next attempt.
     pub fn failed(&self, key: &str) -> Duration {
-        let n = match self.0.lock() {
+        delay(self.hit(key).saturating_sub(1))
+    }
+
+    /// Record a failure of `key`; returns how many in a row it has now (1 for the first).
+    pub fn hit(&self, key: &str) -> u32 {
+        match self.0.lock() {
             Ok(mut m) => {
                 let n = m.entry(key.to_string()).or_insert(0);
-                let cur = *n;
                 *n = n.saturating_add(1);
-                cur
+                *n
             }
-            Err(_) => 0,
-        };
-        delay(n)
+            Err(_) => 1,
+        }
+    }
+
+    /// Failures of `key` in a row (0 when its last reconcile succeeded).
+    pub fn count(&self, key: &str) -> u32 {
+        self.0
+            .lock()
+            .ok()
+            .and_then(|m| m.get(key).copied())
+            .unwrap_or(0)
     }
 
     /// A successful reconcile of `key`: the next failure starts again at `MIN_DELAY`.

@@ -2,10 +2,9 @@
 //! error for that object, and each controller runs as its own supervised task.
 
 use std::any::Any;
-use std::collections::HashMap;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
@@ -60,37 +59,13 @@ pub fn panic_backoff(n: u32) -> Duration {
     Duration::from_secs(secs.min(300))
 }
 
-/// Panics in a row per object (reset by a successful reconcile).
-#[derive(Default)]
-struct Strikes(Mutex<HashMap<String, u32>>);
-
-impl Strikes {
-    fn hit(&self, key: &str) -> u32 {
-        let Ok(mut m) = self.0.lock() else { return 1 };
-        let n = m.entry(key.to_string()).or_insert(0);
-        *n = n.saturating_add(1);
-        *n
-    }
-    fn get(&self, key: &str) -> u32 {
-        self.0
-            .lock()
-            .ok()
-            .and_then(|m| m.get(key).copied())
-            .unwrap_or(1)
-    }
-    fn clear(&self, key: &str) {
-        if let Ok(mut m) = self.0.lock() {
-            m.remove(key);
-        }
-    }
-}
-
 /// Wraps a controller's reconcile and error policy so a panic is caught per object.
 pub struct Guard {
     controller: &'static str,
     metrics: Metrics,
     recorder: Option<Recorder>,
-    strikes: Strikes,
+    /// Panics in a row per object (reset by a successful reconcile).
+    strikes: crate::backoff::Failures,
 }
 
 fn key<K: Resource<DynamicType = ()>>(obj: &K) -> String {
@@ -113,7 +88,7 @@ impl Guard {
             controller,
             metrics,
             recorder,
-            strikes: Strikes::default(),
+            strikes: Default::default(),
         })
     }
 
@@ -137,7 +112,7 @@ impl Guard {
                 let res = catch_panic(fut).await;
                 let key = key(&*obj);
                 match &res {
-                    Ok(_) => guard.strikes.clear(&key),
+                    Ok(_) => guard.strikes.succeeded(&key),
                     Err(Guarded::Panicked(msg)) => guard.panicked(&*obj, &key, msg).await,
                     Err(Guarded::Failed(_)) => {}
                 }
@@ -189,7 +164,7 @@ impl Guard {
                     .reconcile_errors_total
                     .with_label_values(&[guard.controller])
                     .inc();
-                Action::requeue(panic_backoff(guard.strikes.get(&key(&*obj))))
+                Action::requeue(panic_backoff(guard.strikes.count(&key(&*obj)).max(1)))
             }
         }
     }
