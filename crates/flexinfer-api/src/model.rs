@@ -184,6 +184,34 @@ pub struct ServerlessSpec {
     pub keepalive_interval: Option<String>,
 }
 
+/// `serverless.idleTimeout` when it cannot be parsed (the CRD rejects bad values).
+pub const DEFAULT_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
+/// The proxy's default keepalive interval (`FLEXINFER_PROXY_KEEPALIVE_INTERVAL`).
+pub const DEFAULT_KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(30);
+/// No Model's `lastActiveTime` is refreshed more often than this.
+pub const MIN_KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+
+impl ServerlessSpec {
+    /// `idleTimeout`, or [`DEFAULT_IDLE_TIMEOUT`] when it cannot be parsed.
+    pub fn idle_timeout(&self) -> std::time::Duration {
+        crate::duration::parse_duration(&self.idle_timeout).unwrap_or(DEFAULT_IDLE_TIMEOUT)
+    }
+
+    /// Interval of `lastActiveTime` refreshes while requests are in flight: `keepaliveInterval`,
+    /// else `default` (the proxy's setting); at most half of `idleTimeout` (so an in-flight request
+    /// always refreshes it before it expires) and at least [`MIN_KEEPALIVE_INTERVAL`].
+    pub fn keepalive_interval(&self, default: std::time::Duration) -> std::time::Duration {
+        let wanted = self
+            .keepalive_interval
+            .as_deref()
+            .and_then(crate::duration::parse_duration)
+            .unwrap_or(default);
+        wanted
+            .min(self.idle_timeout() / 2)
+            .max(MIN_KEEPALIVE_INTERVAL)
+    }
+}
+
 impl Default for ServerlessSpec {
     fn default() -> Self {
         Self {
@@ -288,6 +316,56 @@ pub struct ModelStatus {
     /// Artifact path currently served (`<pvc>:<subdir>`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub served_path: Option<String>,
+    /// Where the Model stands in its shared GPU group (`spec.gpu.shared`); absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared_group: Option<SharedGroupStatus>,
+}
+
+/// A Model's place in its shared GPU group: one Model of a group holds the GPU lane at a time.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SharedGroupStatus {
+    /// The group (`spec.gpu.shared`).
+    pub group: String,
+    pub state: SharedGroupState,
+    /// Place in the line for the lane (1 = next) while `Queued` or `Preempted`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_position: Option<i32>,
+    /// The higher-priority Model that took the lane (while `Preempted`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preempted_by: Option<String>,
+    /// The Model the lane is given to now (this one when `Active`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub active_model: Option<String>,
+    /// When `state` last changed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_transition_time: Option<Time>,
+}
+
+/// State of a Model in its shared GPU group.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash, JsonSchema)]
+pub enum SharedGroupState {
+    /// Holds the lane and runs its replicas.
+    Active,
+    /// Wants to run and waits for the lane (behind a Model of equal or higher priority, or for
+    /// the previous holder to release the GPU).
+    Queued,
+    /// Wanted to keep running but a higher-priority Model took the lane; back when that one idles.
+    Preempted,
+    /// No demand: holds no lane and waits for none.
+    #[default]
+    Idle,
+}
+
+impl SharedGroupState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SharedGroupState::Active => "Active",
+            SharedGroupState::Queued => "Queued",
+            SharedGroupState::Preempted => "Preempted",
+            SharedGroupState::Idle => "Idle",
+        }
+    }
 }
 
 /// Phase of a Model.

@@ -117,6 +117,9 @@ pub mod controller {
     /// How long a pipeline pod may stay unschedulable or unable to pull its image before the
     /// attempt counts as failed (seconds, default 300).
     pub const STUCK_POD_SECONDS: &str = "FLEXINFER_STUCK_POD_SECONDS";
+    /// How long a preempted Model of a shared GPU group keeps serving requests in flight before
+    /// it is scaled to zero (seconds, default 30).
+    pub const PREEMPTION_GRACE_SECONDS: &str = "FLEXINFER_PREEMPTION_GRACE_SECONDS";
     /// Retry backoff base in seconds (default 30).
     pub const RETRY_BASE_SECONDS: &str = "FLEXINFER_RETRY_BASE_SECONDS";
     pub const LEADER_ELECT: &str = "FLEXINFER_LEADER_ELECT";

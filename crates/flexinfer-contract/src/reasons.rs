@@ -43,6 +43,16 @@ pub const PHASE_CHANGED: &str = "PhaseChanged";
 pub const PROMOTION_BLOCKED: &str = "PromotionBlocked";
 /// A Model's configuration is invalid (ConfigValid=False).
 pub const INVALID_CONFIG: &str = "InvalidConfig";
+/// A Model of a shared GPU group took the lane (note names the group and the previous holder).
+pub const SHARED_GROUP_ACTIVE: &str = "SharedGroupActive";
+/// A Model of a shared GPU group waits for the lane (Ready=False reason `Queued` too).
+pub const SHARED_GROUP_QUEUED: &str = "SharedGroupQueued";
+/// A higher-priority Model took this Model's lane (Ready=False reason `Preempted` once drained).
+pub const SHARED_GROUP_PREEMPTED: &str = "SharedGroupPreempted";
+/// A Model of a shared GPU group has no demand any more and released the lane.
+pub const SHARED_GROUP_IDLE: &str = "SharedGroupIdle";
+// (A Model held back by its group has Ready=False with the group state's name as the reason:
+// `SharedGroupState::{Queued, Preempted}.as_str()`.)
 
 /// Why a pipeline Job failed, as classified by the controller from the Job, its pod and the
 /// worker's exit code. The string form goes into the `Degraded` condition's reason, the failure

@@ -34,6 +34,9 @@ pub struct Metrics {
     pub model_phase: IntGaugeVec,
     /// `flexinfer_model_phase_transitions_total{model,namespace,from,to}`.
     pub model_phase_transitions_total: IntCounterVec,
+    /// `flexinfer_model_preemptions_total{model,namespace,group}`: times a Model of a shared GPU
+    /// group lost its lane to a higher-priority one.
+    pub model_preemptions_total: IntCounterVec,
     /// `flexinfer_reconcile_duration_seconds{controller}`.
     pub reconcile_duration_seconds: HistogramVec,
     /// `flexinfer_reconcile_errors_total{controller}`.
@@ -142,6 +145,13 @@ impl Metrics {
                 ),
                 &["model", "namespace", "from", "to"],
             )?,
+            model_preemptions_total: IntCounterVec::new(
+                opts!(
+                    "flexinfer_model_preemptions_total",
+                    "Times a Model of a shared GPU group was preempted by a higher-priority one"
+                ),
+                &["model", "namespace", "group"],
+            )?,
             reconcile_duration_seconds: HistogramVec::new(
                 histogram_opts!(
                     "flexinfer_reconcile_duration_seconds",
@@ -180,6 +190,8 @@ impl Metrics {
         m.registry.register(Box::new(m.model_phase.clone()))?;
         m.registry
             .register(Box::new(m.model_phase_transitions_total.clone()))?;
+        m.registry
+            .register(Box::new(m.model_preemptions_total.clone()))?;
         m.registry
             .register(Box::new(m.reconcile_duration_seconds.clone()))?;
         m.registry

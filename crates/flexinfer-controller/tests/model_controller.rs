@@ -93,6 +93,7 @@ impl TestEnv {
             namespace: Some(ns.clone()),
             profile_namespace: None,
             render: RenderConfig::default(),
+            preemption_grace: None,
         };
         let (c, m) = (client.clone(), metrics.clone());
         let controller = tokio::spawn(async move {

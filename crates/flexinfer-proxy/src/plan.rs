@@ -12,12 +12,9 @@ use kube::ResourceExt;
 
 /// `serverless.coldStartTimeout` when it cannot be parsed (the CRD rejects bad values).
 pub const DEFAULT_COLD_START_TIMEOUT: Duration = Duration::from_secs(60);
-/// `serverless.idleTimeout` when it cannot be parsed (the controller's default too).
-pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
-/// Default keepalive interval (`FLEXINFER_PROXY_KEEPALIVE_INTERVAL`).
-pub const DEFAULT_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
-/// No Model's `lastActiveTime` is written more often than this.
-pub const MIN_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(1);
+pub use flexinfer_api::model::{
+    DEFAULT_IDLE_TIMEOUT, DEFAULT_KEEPALIVE_INTERVAL, MIN_KEEPALIVE_INTERVAL,
+};
 
 /// What to do with a request for a resolved Model.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -60,18 +57,10 @@ pub fn cold_start_timeout(model: &Model) -> Duration {
     parse_duration(&model.spec.serverless.cold_start_timeout).unwrap_or(DEFAULT_COLD_START_TIMEOUT)
 }
 
-/// Interval of `lastActiveTime` refreshes for a Model: `serverless.keepaliveInterval`, else the
-/// proxy's default; at most half of `idleTimeout` (so an in-flight request always refreshes it
-/// before it expires) and at least [`MIN_KEEPALIVE_INTERVAL`].
+/// Interval of `lastActiveTime` refreshes for a Model (the rule lives with the spec, so the
+/// controller's notion of "busy" uses the same one).
 pub fn keepalive_interval(model: &Model, default: Duration) -> Duration {
-    let s = &model.spec.serverless;
-    let idle = parse_duration(&s.idle_timeout).unwrap_or(DEFAULT_IDLE_TIMEOUT);
-    let wanted = s
-        .keepalive_interval
-        .as_deref()
-        .and_then(parse_duration)
-        .unwrap_or(default);
-    wanted.min(idle / 2).max(MIN_KEEPALIVE_INTERVAL)
+    model.spec.serverless.keepalive_interval(default)
 }
 
 /// Whether to write `lastActiveTime = now`, given the newest value known (from the API server or

@@ -11,6 +11,7 @@ pub mod problem;
 mod reconcile;
 pub mod render;
 pub mod replicas;
+pub mod shared;
 pub mod source;
 pub mod status;
 
@@ -61,6 +62,9 @@ pub struct Options {
     /// (`FLEXINFER_NAMESPACE`, the controller's namespace).
     pub profile_namespace: Option<String>,
     pub render: RenderConfig,
+    /// How long a preempted Model of a shared GPU group may finish in-flight requests
+    /// (`FLEXINFER_PREEMPTION_GRACE_SECONDS`; `None`: [`shared::DEFAULT_PREEMPTION_GRACE`]).
+    pub preemption_grace: Option<std::time::Duration>,
 }
 
 impl Options {
@@ -72,6 +76,10 @@ impl Options {
                 .ok()
                 .filter(|s| !s.is_empty()),
             render: RenderConfig::from_env(),
+            preemption_grace: std::env::var(env::controller::PREEMPTION_GRACE_SECONDS)
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .map(std::time::Duration::from_secs),
         }
     }
 }
@@ -149,14 +157,54 @@ pub async fn run_until(
     let store = controller.store();
     let cache_store = store.clone();
     let profile_store = store.clone();
+    let group_store = store.clone();
+    let deployment_group_store = store.clone();
+    let pod_group_store = store.clone();
     let running = controller
         .owns(api::<Deployment>(&client, ns), children.clone())
+        // A shared GPU group hands its lane over between Models: a member's change of demand
+        // (its status) or of running pods (its Deployment) is news for every other member.
+        .watches(
+            api::<Model>(&client, ns),
+            watcher::Config::default(),
+            move |m: Model| {
+                group_members(
+                    &group_store.state(),
+                    m.namespace(),
+                    m.spec.gpu.shared.as_deref(),
+                    &m.name_any(),
+                )
+            },
+        )
+        .watches(
+            api::<Deployment>(&client, ns),
+            children.clone(),
+            move |d: Deployment| {
+                let ns = d.namespace();
+                let name = d.name_any();
+                let all = deployment_group_store.state();
+                let group = all
+                    .iter()
+                    .find(|m| m.namespace() == ns && m.name_any() == name)
+                    .and_then(|m| m.spec.gpu.shared.clone());
+                group_members(&all, ns, group.as_deref(), &name)
+            },
+        )
         .owns(api::<Service>(&client, ns), children.clone())
-        .watches(api::<Pod>(&client, ns), children, |pod: Pod| {
+        .watches(api::<Pod>(&client, ns), children, move |pod: Pod| {
             let ns = pod.namespace();
-            pod.labels()
-                .get(labels::MODEL)
-                .map(|m| ObjectRef::<Model>::new(m).within(ns.as_deref().unwrap_or_default()))
+            let Some(model) = pod.labels().get(labels::MODEL).cloned() else {
+                return Vec::new();
+            };
+            // Its own Model, and the group members waiting for its GPU to be released.
+            let all = pod_group_store.state();
+            let group = all
+                .iter()
+                .find(|m| m.namespace() == ns && m.name_any() == model)
+                .and_then(|m| m.spec.gpu.shared.clone());
+            let mut refs = group_members(&all, ns.clone(), group.as_deref(), &model);
+            refs.push(ObjectRef::<Model>::new(&model).within(ns.as_deref().unwrap_or_default()));
+            refs
         })
         .watches(
             api::<ModelCache>(&client, ns),
@@ -209,6 +257,26 @@ pub async fn run_until(
     futures::pin_mut!(running, forget);
     futures::future::select(running, forget).await;
     Ok(())
+}
+
+/// The other Models of `name`'s shared GPU group (none when it has no group).
+fn group_members(
+    all: &[Arc<Model>],
+    ns: Option<String>,
+    group: Option<&str>,
+    name: &str,
+) -> Vec<ObjectRef<Model>> {
+    let Some(group) = group else {
+        return Vec::new();
+    };
+    all.iter()
+        .filter(|m| {
+            m.namespace() == ns
+                && m.name_any() != name
+                && m.spec.gpu.shared.as_deref() == Some(group)
+        })
+        .map(|m| ObjectRef::from_obj(&**m))
+        .collect()
 }
 
 /// Remove the metric series of Models as they are deleted.

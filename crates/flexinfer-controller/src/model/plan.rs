@@ -7,11 +7,14 @@
 //! half of the plan, [`ModelPlan::conclude`], turns that rollout observation into the status,
 //! the Events and the requeue interval.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use flexinfer_api::conditions::{self, types};
-use flexinfer_api::contract::reasons;
-use flexinfer_api::model::{ModelPhase, ModelStatus};
+use flexinfer_api::contract::{labels, reasons};
+use flexinfer_api::model::{
+    ModelPhase, ModelStatus, SharedGroupState, SharedGroupStatus, DEFAULT_KEEPALIVE_INTERVAL,
+};
 use flexinfer_api::{GPUProfile, Model, ModelCache};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
@@ -23,6 +26,7 @@ use kube::ResourceExt;
 use super::gate::{self, GateDecision};
 use super::render::{self, ConfigProblem, RenderConfig, Rendered};
 use super::replicas::{self, ReplicaDecision};
+use super::shared::{self, Lane};
 use super::status::{self, DeploymentObservation, Outcome};
 
 /// An object of the Model's name that already exists: what the planner needs to know about it.
@@ -50,6 +54,30 @@ pub struct Observed {
     pub deployment: Option<Existing>,
     /// The Service named like the Model, if one exists.
     pub service: Option<Existing>,
+    /// The Model's shared GPU group, when `spec.gpu.shared` is set.
+    pub shared: Option<SharedObservation>,
+}
+
+/// A shared GPU group as observed: the Models of the namespace with the same `gpu.shared` (this
+/// one may be missing or stale: the planner uses the object it plans instead) and the replicas
+/// each one's Deployment asks for or still has.
+#[derive(Debug, Clone, Default)]
+pub struct SharedObservation {
+    pub models: Vec<Model>,
+    /// Model name → max(Deployment spec.replicas, status.replicas).
+    pub running: BTreeMap<String, i32>,
+    /// How long a preempted Model may finish in-flight requests.
+    pub grace: Duration,
+}
+
+/// This Model's lane in its group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedLane {
+    pub group: String,
+    pub lane: Lane,
+    pub priority: i32,
+    /// Priority of the Model the lane is given to.
+    pub active_priority: Option<i32>,
 }
 
 /// The decisions of one reconcile, before the apply.
@@ -57,6 +85,8 @@ pub struct Observed {
 pub struct ModelPlan {
     pub gate: GateDecision,
     pub replicas: ReplicaDecision,
+    /// The Model's place in its shared GPU group (already applied to `replicas`).
+    pub shared: Option<SharedLane>,
     /// The children to apply (the Deployment with `spec.replicas` set), or why nothing is applied.
     pub children: Result<Rendered, ConfigProblem>,
 }
@@ -80,6 +110,8 @@ pub struct Conclusion {
     pub status: Option<ModelStatus>,
     pub events: Vec<PlannedEvent>,
     pub requeue: Duration,
+    /// The shared GPU group in which the Model was just preempted (counted in metrics).
+    pub preempted_in: Option<String>,
 }
 
 /// Plan one reconcile of `model`.
@@ -100,7 +132,15 @@ pub fn plan(
         .as_ref()
         .and_then(|s| s.last_active_time.as_ref())
         .map(|t| t.0);
-    let replicas = replicas::desired_replicas(&effective, last_active, now);
+    let mut replicas = replicas::desired_replicas(&effective, last_active, now);
+    let shared = shared_lane(model, observed.shared.as_ref(), now);
+    if let Some(s) = &shared {
+        replicas.replicas = s.lane.replicas;
+        replicas.recheck_after = match (replicas.recheck_after, s.lane.recheck_after) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+    }
     let children = render::render(
         model,
         observed.cache.as_ref(),
@@ -121,8 +161,135 @@ pub fn plan(
     ModelPlan {
         gate,
         replicas,
+        shared,
         children,
     }
+}
+
+/// What a member of a shared group wants on its own, and whether it is serving requests now.
+pub fn member_of(model: &Model, running: i32, now: Timestamp) -> shared::Member {
+    let gate = gate::gate(model);
+    let effective = if gate.is_blocked() {
+        gate::as_canary(&model.spec)
+    } else {
+        model.spec.clone()
+    };
+    let status = model.status.as_ref();
+    let last_active = status
+        .and_then(|s| s.last_active_time.as_ref())
+        .map(|t| t.0);
+    let wanted = replicas::desired_replicas(&effective, last_active, now).replicas;
+    // The proxy refreshes lastActiveTime every keepalive interval while requests are in flight:
+    // a value younger than two intervals means a request may still be running.
+    let window = model
+        .spec
+        .serverless
+        .keepalive_interval(DEFAULT_KEEPALIVE_INTERVAL)
+        .saturating_mul(2);
+    let busy = last_active.is_some_and(|t| {
+        t >= now || Duration::try_from(now.duration_since(t)).is_ok_and(|age| age < window)
+    });
+    let group = model.spec.gpu.shared.as_deref();
+    let previous = status
+        .and_then(|s| s.shared_group.as_ref())
+        .filter(|g| Some(g.group.as_str()) == group)
+        .map(|g| (g.state, g.last_transition_time.as_ref().map(|t| t.0)));
+    shared::Member {
+        name: model.name_any(),
+        priority: model.spec.gpu.priority,
+        wanted,
+        running,
+        busy,
+        previous,
+    }
+}
+
+/// Replicas each Model runs or is about to run: the larger of its Deployment's `spec.replicas`
+/// (only a Deployment this Model controls counts) and its pods that still exist, terminating ones
+/// included (a terminating pod may still hold the GPU; Deployment status does not count it).
+pub fn running_replicas(
+    models: &[Model],
+    deployments: &[Deployment],
+    pods: &[Pod],
+) -> BTreeMap<String, i32> {
+    let mut running: BTreeMap<String, i32> = BTreeMap::new();
+    for d in deployments {
+        let Some(name) = d.metadata.name.as_deref() else {
+            continue;
+        };
+        let Some(model) = models.iter().find(|m| m.name_any() == name) else {
+            continue;
+        };
+        let controlled = d
+            .metadata
+            .owner_references
+            .iter()
+            .flatten()
+            .any(|o| is_our_controller(model, o));
+        if controlled {
+            let spec = d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1).max(0);
+            running.insert(name.to_string(), spec);
+        }
+    }
+    let mut pod_counts: BTreeMap<&str, i32> = BTreeMap::new();
+    for p in pods {
+        let finished = p
+            .status
+            .as_ref()
+            .and_then(|s| s.phase.as_deref())
+            .is_some_and(|ph| ph == "Succeeded" || ph == "Failed");
+        if finished {
+            continue;
+        }
+        if let Some(m) = p
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(labels::MODEL))
+        {
+            let c = pod_counts.entry(m.as_str()).or_insert(0);
+            *c = c.saturating_add(1);
+        }
+    }
+    for (m, n) in pod_counts {
+        if models.iter().any(|x| x.name_any() == m) {
+            let e = running.entry(m.to_string()).or_insert(0);
+            *e = (*e).max(n);
+        }
+    }
+    running
+}
+
+/// The Model's lane: arbitrate over the group as observed, with this Model as it is now.
+fn shared_lane(
+    model: &Model,
+    observed: Option<&SharedObservation>,
+    now: Timestamp,
+) -> Option<SharedLane> {
+    let group = model.spec.gpu.shared.clone()?;
+    let empty = SharedObservation::default();
+    let obs = observed.unwrap_or(&empty);
+    let me = model.name_any();
+    let running = |name: &str| obs.running.get(name).copied().unwrap_or(0);
+    let mut members: Vec<shared::Member> = obs
+        .models
+        .iter()
+        .filter(|m| m.name_any() != me && m.spec.gpu.shared.as_deref() == Some(group.as_str()))
+        .map(|m| member_of(m, running(&m.name_any()), now))
+        .collect();
+    members.push(member_of(model, running(&me), now));
+    let lanes = shared::arbitrate(&members, now, obs.grace);
+    let active_priority = lanes
+        .last()
+        .and_then(|l| l.active_model.as_ref())
+        .and_then(|a| members.iter().find(|m| &m.name == a))
+        .map(|m| m.priority);
+    lanes.last().cloned().map(|lane| SharedLane {
+        group,
+        lane,
+        priority: model.spec.gpu.priority,
+        active_priority,
+    })
 }
 
 /// Whether `owner` is this Model's controller reference.
@@ -221,15 +388,18 @@ impl ModelPlan {
         let outcome = self.outcome(model, rollout);
         let old = model.status.as_ref();
         let previous = old.and_then(|s| s.phase);
-        let new = status::next_status(
+        let mut new = status::next_status(
             old,
             model.metadata.generation,
             &outcome,
             &self.gate,
             &Time(now),
         );
+        self.shared_status(&mut new, &outcome, model.metadata.generation, now);
         let phase = new.phase.unwrap_or(ModelPhase::Pending);
-        let events = self.events(old, previous, phase, &outcome);
+        let mut events = self.events(old, previous, phase, &outcome);
+        let (shared_events, preempted_in) = self.shared_events(old);
+        events.extend(shared_events);
         let mut requeue = match (&outcome, phase) {
             (Outcome::Problem(_), ModelPhase::Failed) => Duration::from_secs(120),
             (Outcome::Problem(_), _) => Duration::from_secs(60),
@@ -245,7 +415,139 @@ impl ModelPlan {
             status: status::owned_differs(old, &new).then_some(new),
             events,
             requeue,
+            preempted_in,
         }
+    }
+
+    /// `status.sharedGroup`, and the phase and Ready condition of a Model held at zero replicas
+    /// by its group (it wants to run: Pending, not Idle).
+    fn shared_status(
+        &self,
+        st: &mut ModelStatus,
+        outcome: &Outcome,
+        generation: Option<i64>,
+        now: Timestamp,
+    ) {
+        let Some(s) = &self.shared else {
+            st.shared_group = None;
+            return;
+        };
+        let l = &s.lane;
+        st.shared_group = Some(SharedGroupStatus {
+            group: s.group.clone(),
+            state: l.state,
+            queue_position: l.queue_position,
+            preempted_by: l.preempted_by.clone(),
+            active_model: l.active_model.clone(),
+            last_transition_time: Some(Time(l.since)),
+        });
+        let held_back = matches!(
+            l.state,
+            SharedGroupState::Queued | SharedGroupState::Preempted
+        ) && l.replicas == 0;
+        if !held_back || !matches!(outcome, Outcome::Deployed { .. }) {
+            return;
+        }
+        let (reason, message) = match l.state {
+            SharedGroupState::Preempted => (
+                SharedGroupState::Preempted.as_str(),
+                format!(
+                    "preempted by {} (priority {} > {}) in shared GPU group {}; it runs again \
+                     when that Model goes idle",
+                    l.preempted_by.as_deref().unwrap_or("another Model"),
+                    s.active_priority.unwrap_or(s.priority),
+                    s.priority,
+                    s.group
+                ),
+            ),
+            _ if l.queue_position == Some(1) => (
+                SharedGroupState::Queued.as_str(),
+                format!(
+                    "next in shared GPU group {}; waiting for the Model that holds the GPU to \
+                     release it",
+                    s.group
+                ),
+            ),
+            _ => (
+                SharedGroupState::Queued.as_str(),
+                format!(
+                    "queued at position {} in shared GPU group {} behind {} (priority {})",
+                    l.queue_position.unwrap_or(0),
+                    s.group,
+                    l.active_model.as_deref().unwrap_or("another Model"),
+                    s.active_priority.unwrap_or(s.priority),
+                ),
+            ),
+        };
+        st.phase = Some(ModelPhase::Pending);
+        conditions::set(
+            &mut st.conditions,
+            types::READY,
+            false,
+            reason,
+            &message,
+            generation,
+            &Time(now),
+        );
+    }
+
+    /// One Event per change of the Model's state in its group; the group when it was preempted.
+    fn shared_events(&self, old: Option<&ModelStatus>) -> (Vec<PlannedEvent>, Option<String>) {
+        let Some(s) = &self.shared else {
+            return (Vec::new(), None);
+        };
+        let before = old
+            .and_then(|o| o.shared_group.as_ref())
+            .filter(|g| g.group == s.group)
+            .map(|g| g.state)
+            .unwrap_or(SharedGroupState::Idle);
+        let l = &s.lane;
+        if before == l.state {
+            return (Vec::new(), None);
+        }
+        let g = &s.group;
+        let (reason, note) = match l.state {
+            SharedGroupState::Active => (
+                reasons::SHARED_GROUP_ACTIVE,
+                format!(
+                    "holds the GPU lane of shared group {g} (priority {}; was {})",
+                    s.priority,
+                    before.as_str()
+                ),
+            ),
+            SharedGroupState::Queued => (
+                reasons::SHARED_GROUP_QUEUED,
+                format!(
+                    "queued at position {} for shared GPU group {g}; the lane goes to {}",
+                    l.queue_position.unwrap_or(0),
+                    l.active_model.as_deref().unwrap_or("another Model")
+                ),
+            ),
+            SharedGroupState::Preempted => (
+                reasons::SHARED_GROUP_PREEMPTED,
+                format!(
+                    "preempted by {} (priority {} > {}) in shared GPU group {g}; requests in \
+                     flight may finish within the grace period",
+                    l.preempted_by.as_deref().unwrap_or("another Model"),
+                    s.active_priority.unwrap_or(s.priority),
+                    s.priority
+                ),
+            ),
+            SharedGroupState::Idle => (
+                reasons::SHARED_GROUP_IDLE,
+                format!("no demand; released its place in shared GPU group {g}"),
+            ),
+        };
+        let preempted = (l.state == SharedGroupState::Preempted).then(|| g.clone());
+        (
+            vec![PlannedEvent {
+                type_: EventType::Normal,
+                reason,
+                action: format!("SharedGroup{}", l.state.as_str()),
+                note,
+            }],
+            preempted,
+        )
     }
 
     fn events(

@@ -556,3 +556,295 @@ fn rollout_and_pod_count() {
     assert_eq!(scheduled(&pods), 2);
     assert_eq!(scheduled(&[]), 0);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Shared GPU groups: the seed's two-profile scenario, walked through the planner as two
+// reconcilers would run it (each reads the other's status and running replicas).
+
+struct Group {
+    models: Vec<Model>,
+    running: std::collections::BTreeMap<String, i32>,
+    /// (model, event reason) in the order they were planned.
+    events: Vec<(String, &'static str)>,
+    preemptions: Vec<(String, String)>,
+}
+
+fn member(name: &str, priority: i32, min_replicas: i32) -> Model {
+    let mut m = model(
+        pvc(
+            json!({"gpu": {"vendor": "amd", "shared": "gpu0", "priority": priority},
+                    "serverless": {"minReplicas": min_replicas, "idleTimeout": "5m",
+                                   "keepaliveInterval": "10s"}}),
+        ),
+        &[],
+        None,
+    );
+    m.metadata.name = Some(name.into());
+    m.metadata.uid = Some(format!("uid-{name}"));
+    m
+}
+
+impl Group {
+    fn new(models: Vec<Model>) -> Self {
+        Self {
+            models,
+            running: Default::default(),
+            events: Vec::new(),
+            preemptions: Vec::new(),
+        }
+    }
+
+    fn idx(&self, name: &str) -> usize {
+        self.models
+            .iter()
+            .position(|m| m.metadata.name.as_deref() == Some(name))
+            .unwrap_or_else(|| panic!("no member {name}"))
+    }
+
+    /// The proxy saw a request for `name` at `at`.
+    fn touch(&mut self, name: &str, at: i64) {
+        let i = self.idx(name);
+        let st = self.models[i].status.get_or_insert_with(Default::default);
+        st.last_active_time = Some(Time(ts(at)));
+    }
+
+    /// Reconcile `name` at `at`: plan, apply (its Deployment's replicas, pods follow at once
+    /// unless `pods_linger`), conclude, write the status. Returns the replicas applied.
+    fn reconcile(&mut self, name: &str, at: i64, pods_linger: bool) -> i32 {
+        let i = self.idx(name);
+        let observed = Observed {
+            shared: Some(SharedObservation {
+                models: self.models.clone(),
+                running: self.running.clone(),
+                grace: Duration::from_secs(30),
+            }),
+            ..Default::default()
+        };
+        let m = self.models[i].clone();
+        let p = plan(&m, &observed, &RenderConfig::default(), ts(at));
+        assert!(p.children.is_ok(), "{name}: {:?}", p.children.err());
+        let want = p.replicas.replicas;
+        let before = self.running.get(name).copied().unwrap_or(0);
+        let now_running = if pods_linger { before.max(want) } else { want };
+        self.running.insert(name.into(), now_running);
+        let rollout = DeploymentObservation {
+            desired: want,
+            ready: want,
+            updated: want,
+            current: true,
+            scheduled: want,
+        };
+        let out = p.conclude(&m, Some(rollout), ts(at));
+        for e in &out.events {
+            if e.reason.starts_with("SharedGroup") {
+                self.events.push((name.into(), e.reason));
+            }
+        }
+        if let Some(g) = out.preempted_in {
+            self.preemptions.push((name.into(), g));
+        }
+        if let Some(st) = out.status {
+            self.models[i].status = Some(st);
+        }
+        want
+    }
+
+    fn state(&self, name: &str) -> flexinfer_api::model::SharedGroupStatus {
+        self.models[self.idx(name)]
+            .status
+            .as_ref()
+            .and_then(|s| s.shared_group.clone())
+            .unwrap_or_else(|| panic!("{name}: no sharedGroup status"))
+    }
+
+    fn ready(&self, name: &str) -> (String, String, String) {
+        let st = self.models[self.idx(name)]
+            .status
+            .clone()
+            .unwrap_or_default();
+        let c = conditions::find(&st.conditions, types::READY)
+            .unwrap_or_else(|| panic!("{name}: no Ready"));
+        (c.status.clone(), c.reason.clone(), c.message.clone())
+    }
+
+    fn take_events(&mut self) -> Vec<(String, &'static str)> {
+        std::mem::take(&mut self.events)
+    }
+}
+
+#[test]
+fn shared_group_canary_preempts_the_primary_and_hands_the_lane_back() {
+    use flexinfer_api::model::SharedGroupState::*;
+    let s = |x: &str| x.to_string();
+    let mut g = Group::new(vec![member("primary", 250, 1), member("canary", 255, 0)]);
+    let t0 = NOW;
+
+    // Start: the warm primary takes the lane; the canary has no demand.
+    assert_eq!(g.reconcile("primary", t0, false), 1);
+    assert_eq!(g.reconcile("canary", t0, false), 0);
+    assert_eq!(g.state("primary").state, Active);
+    assert_eq!(g.state("canary").state, Idle);
+    assert_eq!(g.take_events(), vec![(s("primary"), "SharedGroupActive")]);
+
+    // Validation demand for the canary: it queues first in line while the primary runs; the
+    // idle primary is preempted at once, its pod terminates, then the canary starts.
+    let t1 = t0 + 600;
+    g.touch("canary", t1);
+    assert_eq!(g.reconcile("canary", t1, false), 0);
+    let c = g.state("canary");
+    assert_eq!((c.state, c.queue_position), (Queued, Some(1)));
+    assert_eq!(g.ready("canary").1, "Queued");
+    assert_eq!(g.reconcile("primary", t1, false), 0);
+    let p = g.state("primary");
+    assert_eq!(
+        (p.state, p.preempted_by.as_deref(), p.queue_position),
+        (Preempted, Some("canary"), Some(2))
+    );
+    let (ready, reason, message) = g.ready("primary");
+    assert_eq!((ready.as_str(), reason.as_str()), ("False", "Preempted"));
+    assert!(
+        message.contains("canary") && message.contains("255 > 250"),
+        "{message}"
+    );
+    assert_eq!(
+        g.models[g.idx("primary")]
+            .status
+            .as_ref()
+            .and_then(|s| s.phase),
+        Some(ModelPhase::Pending)
+    );
+    assert_eq!(g.reconcile("canary", t1 + 2, false), 1);
+    assert_eq!(g.state("canary").state, Active);
+    assert_eq!(
+        g.take_events(),
+        vec![
+            (s("canary"), "SharedGroupQueued"),
+            (s("primary"), "SharedGroupPreempted"),
+            (s("canary"), "SharedGroupActive"),
+        ]
+    );
+    assert_eq!(g.preemptions, vec![(s("primary"), s("gpu0"))]);
+    // Nothing changes while the canary serves: no status write, no event.
+    let before = g.models.clone();
+    g.touch("canary", t1 + 60);
+    assert_eq!(g.reconcile("primary", t1 + 60, false), 0);
+    assert_eq!(g.reconcile("canary", t1 + 60, false), 1);
+    assert!(g.take_events().is_empty());
+    assert_eq!(
+        g.state("primary").last_transition_time,
+        before[0].status.as_ref().and_then(|s| s
+            .shared_group
+            .as_ref()?
+            .last_transition_time
+            .clone())
+    );
+
+    // The canary idles out (idleTimeout 5m after its last request): it releases the lane; its
+    // pod still terminates, so the primary waits, then comes back.
+    let t2 = t1 + 60 + 301;
+    assert_eq!(g.reconcile("canary", t2, true), 0);
+    assert_eq!(g.state("canary").state, Idle);
+    assert_eq!(g.reconcile("primary", t2, false), 0);
+    assert_eq!(g.state("primary").state, Queued);
+    g.running.insert("canary".into(), 0); // the pod is gone
+    assert_eq!(g.reconcile("primary", t2 + 5, false), 1);
+    assert_eq!(g.state("primary").state, Active);
+    assert_eq!(g.ready("primary").0, "True");
+    assert_eq!(
+        g.take_events(),
+        vec![
+            (s("canary"), "SharedGroupIdle"),
+            (s("primary"), "SharedGroupQueued"),
+            (s("primary"), "SharedGroupActive"),
+        ]
+    );
+    assert_eq!(g.preemptions.len(), 1);
+}
+
+#[test]
+fn shared_group_busy_primary_drains_within_the_grace_period() {
+    use flexinfer_api::model::SharedGroupState::*;
+    let mut g = Group::new(vec![member("primary", 250, 1), member("canary", 255, 0)]);
+    let t0 = NOW;
+    assert_eq!(g.reconcile("primary", t0, false), 1);
+    // A request to the primary is in flight (refreshed 3 s ago, keepalive 10 s) when the canary
+    // is asked for.
+    g.touch("primary", t0 + 97);
+    g.touch("canary", t0 + 100);
+    assert_eq!(g.reconcile("canary", t0 + 100, false), 0);
+    assert_eq!(
+        g.reconcile("primary", t0 + 100, false),
+        1,
+        "keeps serving in flight"
+    );
+    assert_eq!(g.state("primary").state, Preempted);
+    assert_eq!(
+        g.ready("primary").1,
+        "Ready",
+        "still serving while it drains"
+    );
+    assert_eq!(
+        g.reconcile("canary", t0 + 110, false),
+        0,
+        "waits for the primary"
+    );
+    // The stream goes on (keepalive every 10 s) but the grace period (30 s) ends.
+    g.touch("primary", t0 + 125);
+    assert_eq!(g.reconcile("primary", t0 + 125, false), 1);
+    g.touch("primary", t0 + 131);
+    assert_eq!(
+        g.reconcile("primary", t0 + 131, false),
+        0,
+        "grace period over"
+    );
+    assert_eq!(g.reconcile("canary", t0 + 132, false), 1);
+    assert_eq!(g.state("canary").state, Active);
+}
+
+#[test]
+fn shared_group_lower_priority_demand_queues_and_says_behind_whom() {
+    use flexinfer_api::model::SharedGroupState::*;
+    let mut g = Group::new(vec![member("primary", 250, 1), member("batch", 100, 0)]);
+    assert_eq!(g.reconcile("primary", NOW, false), 1);
+    g.touch("batch", NOW + 10);
+    assert_eq!(g.reconcile("batch", NOW + 10, false), 0);
+    let b = g.state("batch");
+    assert_eq!(
+        (b.state, b.queue_position, b.active_model.as_deref()),
+        (Queued, Some(2), Some("primary"))
+    );
+    let (ready, reason, message) = g.ready("batch");
+    assert_eq!((ready.as_str(), reason.as_str()), ("False", "Queued"));
+    assert!(
+        message.contains("behind primary (priority 250)"),
+        "{message}"
+    );
+    // The primary is not disturbed.
+    assert_eq!(g.reconcile("primary", NOW + 10, false), 1);
+    assert_eq!(g.state("primary").state, Active);
+}
+
+#[test]
+fn leaving_a_shared_group_clears_its_status() {
+    let mut g = Group::new(vec![member("primary", 250, 1)]);
+    assert_eq!(g.reconcile("primary", NOW, false), 1);
+    assert!(g.models[0]
+        .status
+        .as_ref()
+        .and_then(|s| s.shared_group.as_ref())
+        .is_some());
+    g.models[0].spec.gpu.shared = None;
+    let m = g.models[0].clone();
+    let p = plan(
+        &m,
+        &Observed::default(),
+        &RenderConfig::default(),
+        ts(NOW + 1),
+    );
+    assert!(p.shared.is_none());
+    let out = p.conclude(&m, None, ts(NOW + 1));
+    let st = out
+        .status
+        .unwrap_or_else(|| panic!("the stale sharedGroup is removed"));
+    assert!(st.shared_group.is_none());
+}

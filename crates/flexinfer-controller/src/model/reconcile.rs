@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use flexinfer_api::contract::controller::FIELD_MANAGER;
-use flexinfer_api::contract::labels;
+use flexinfer_api::contract::{labels, serving};
 use flexinfer_api::model::ModelPhase;
 use flexinfer_api::{GPUProfile, Model, ModelCache};
 use k8s_openapi::api::apps::v1::Deployment;
@@ -18,7 +18,9 @@ use kube::{Resource, ResourceExt};
 use serde_json::json;
 use tracing::{info, warn};
 
-use super::plan::{self, Conclusion, Existing, ModelPlan, Observed, PlannedEvent};
+use super::plan::{
+    self, Conclusion, Existing, ModelPlan, Observed, PlannedEvent, SharedObservation,
+};
 use super::render::{self, ProfileRef};
 use super::status::DeploymentObservation;
 use super::{Ctx, Error};
@@ -64,11 +66,52 @@ async fn observe(ctx: &Ctx, model: &Model, ns: &str) -> Result<Observed, Error> 
         .get_metadata_opt(&name)
         .await?
         .map(|s| Existing::of(&s.metadata));
+    let shared = match model.spec.gpu.shared.as_deref() {
+        Some(group) => Some(observe_group(ctx, ns, group).await?),
+        None => None,
+    };
     Ok(Observed {
         cache,
         profile,
         deployment,
         service,
+        shared,
+    })
+}
+
+/// The Models of the namespace in `group` and what their Deployments run, read from the API
+/// server (not the watch cache: the hand-over must see the latest replicas).
+async fn observe_group(ctx: &Ctx, ns: &str, group: &str) -> Result<SharedObservation, Error> {
+    let models: Vec<Model> = Api::<Model>::namespaced(ctx.client.clone(), ns)
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|m| m.spec.gpu.shared.as_deref() == Some(group))
+        .collect();
+    let lp = ListParams::default().labels(&format!(
+        "{}={},{}={}",
+        labels::MANAGED_BY,
+        labels::MANAGED_BY_VALUE,
+        labels::COMPONENT,
+        serving::COMPONENT
+    ));
+    let deployments = Api::<Deployment>::namespaced(ctx.client.clone(), ns)
+        .list(&lp)
+        .await?
+        .items;
+    let pods = Api::<Pod>::namespaced(ctx.client.clone(), ns)
+        .list(&lp)
+        .await?
+        .items;
+    let running = plan::running_replicas(&models, &deployments, &pods);
+    Ok(SharedObservation {
+        models,
+        running,
+        grace: ctx
+            .opts
+            .preemption_grace
+            .unwrap_or(super::shared::DEFAULT_PREEMPTION_GRACE),
     })
 }
 
@@ -166,6 +209,7 @@ async fn apply_conclusion(ctx: &Ctx, model: &Model, ns: &str, c: &Conclusion) ->
                 "replicas": new.replicas,
                 "observedGeneration": new.observed_generation,
                 "servedPath": new.served_path,
+                "sharedGroup": new.shared_group,
             }
         });
         Api::<Model>::namespaced(ctx.client.clone(), ns)
@@ -175,6 +219,12 @@ async fn apply_conclusion(ctx: &Ctx, model: &Model, ns: &str, c: &Conclusion) ->
                 &Patch::Apply(&patch),
             )
             .await?;
+    }
+    if let Some(group) = &c.preempted_in {
+        ctx.metrics
+            .model_preemptions_total
+            .with_label_values(&[name.as_str(), ns, group.as_str()])
+            .inc();
     }
     for ev in &c.events {
         publish(ctx, model, ev).await;

@@ -5,8 +5,7 @@ use std::time::Duration;
 use flexinfer_api::model::{ModelSpec, WarmPolicy};
 use k8s_openapi::jiff::Timestamp;
 
-/// Idle timeout used when `serverless.idleTimeout` cannot be parsed (the CRD rejects bad values).
-pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
+pub use flexinfer_api::model::DEFAULT_IDLE_TIMEOUT;
 
 /// Replicas wanted now, and when to look again because the answer will change by itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,7 +46,7 @@ pub fn desired_replicas(
     if spec.config.warm_policy == Some(WarmPolicy::Primary) {
         replicas = replicas.max(1);
     }
-    let idle = parse_duration(&spec.serverless.idle_timeout).unwrap_or(DEFAULT_IDLE_TIMEOUT);
+    let idle = spec.serverless.idle_timeout();
     let mut recheck_after = None;
     if let Some(last) = last_active.and_then(|l| clamp_last_active(l, now, idle)) {
         let since = Duration::try_from(now.duration_since(last)).unwrap_or(Duration::ZERO);
