@@ -366,6 +366,24 @@ t "admission: promoting after validation is admitted" bash -c \
 t "admission: binding is scoped (other namespace not enforced)" bash -c \
   "kubectl create -f - <<<'$(model scoped "{$GATE}" '{"enabled":false}' '{}' | sed "s/\"namespace\":\"$NS\"/\"namespace\":\"$NS-other\"/")'"
 
+echo "== live: CRD limits"
+LIM=$(mktemp -d)
+long=$(printf 'x%.0s' $(seq 1 100))
+sel=$(for i in $(seq 1 33); do printf '"k%d":"v",' "$i"; done)
+cat >"$LIM/shared.json" <<EOF
+{"apiVersion":"ai.flexinfer/v1alpha2","kind":"Model","metadata":{"name":"long","namespace":"$NS"},
+ "spec":{"backend":"vllm","source":"pvc://c/p","gpu":{"shared":"$long"}}}
+EOF
+cat >"$LIM/selector.json" <<EOF
+{"apiVersion":"ai.flexinfer/v1alpha2","kind":"Model","metadata":{"name":"sel","namespace":"$NS"},
+ "spec":{"backend":"vllm","source":"pvc://c/p","nodeSelector":{${sel%,}}}}
+EOF
+rejected() {  # rejected FILE FIELD: a server-side dry run fails and the error names FIELD
+  local out; if out=$(kubectl apply --dry-run=server -f "$1" 2>&1); then echo "accepted: $out"; return 1; fi
+  grep -q "$2" <<<"$out" || { echo "$out"; return 1; }; }
+t "CRD limits: an over-long gpu.shared is rejected naming the field" rejected "$LIM/shared.json" 'spec.gpu.shared'
+t "CRD limits: 33 nodeSelector entries are rejected naming the field" rejected "$LIM/selector.json" 'spec.nodeSelector'
+
 echo "== live: helm upgrade"
 kubectl -n "$NS" apply -f - >/dev/null 2>&1 <<EOF
 apiVersion: ai.flexinfer/v1alpha1

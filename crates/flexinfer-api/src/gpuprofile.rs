@@ -32,6 +32,7 @@ pub struct GPUProfileSpec {
         {"rule": "self.matches('^(gfx[0-9a-f]{3,5}|sm_[0-9]{2,3}[a-z]?)$')",
          "message": "spec.architecture must be an AMD gfx target (gfx1100, gfx906, …) or an NVIDIA sm_XX target"}
     ]))]
+    #[schemars(length(max = 63))]
     pub architecture: String,
 
     /// GPU vendor.
@@ -44,14 +45,17 @@ pub struct GPUProfileSpec {
 
     /// How to find these nodes; default `flexinfer.ai/gpu.arch: <architecture>`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("maxProperties" = 32, "additionalProperties" = {"type": "string", "maxLength": 63}))]
     pub node_selector: Option<BTreeMap<String, String>>,
 
     /// Extended resource name of the GPU; default `amd.com/gpu` or `nvidia.com/gpu` by vendor.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
     pub resource_name: Option<String>,
 
     /// Environment injected into GPU Jobs and serving pods on this architecture.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64))]
     pub env: Vec<EnvVar>,
 
     /// Default container memory (GiB) for serving pods on these nodes.
@@ -108,6 +112,7 @@ pub struct ProfileQuantization {
         {"rule": "self.all(k, k in ['GGUF', 'AWQ', 'GPTQ', 'EXL2', 'FP8', 'COMPRESSED_TENSORS'])",
          "message": "spec.quantization.images keys must be formats: GGUF, AWQ, GPTQ, EXL2, FP8, COMPRESSED_TENSORS"}
     ]))]
+    #[schemars(extend("maxProperties" = 16, "additionalProperties" = {"type": "string", "maxLength": 512}))]
     pub images: BTreeMap<String, String>,
     /// Pull policy of quantizer images.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -124,6 +129,7 @@ pub struct ProfileRuntime {
         {"rule": "self.all(k, k in ['vllm', 'llamacpp', 'ollama', 'exllamav2'])",
          "message": "spec.runtime.images keys must be backends: vllm, llamacpp, ollama, exllamav2"}
     ]))]
+    #[schemars(extend("maxProperties" = 16, "additionalProperties" = {"type": "string", "maxLength": 512}))]
     pub images: BTreeMap<String, String>,
 }
 

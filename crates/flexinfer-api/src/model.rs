@@ -55,6 +55,7 @@ pub struct ModelSpec {
     /// Container image override; otherwise the GPUProfile's `runtime.images[backend]` or the
     /// controller default for the backend.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 512))]
     pub image: Option<String>,
 
     /// GPU request and sharing.
@@ -75,10 +76,12 @@ pub struct ModelSpec {
 
     /// Node selector of the serving pods (the GPUProfile's node selector is merged in).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("maxProperties" = 32, "additionalProperties" = {"type": "string", "maxLength": 63}))]
     pub node_selector: Option<BTreeMap<String, String>>,
 
     /// Tolerations of the serving pods.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 32))]
     pub tolerations: Option<Vec<Toleration>>,
 }
 
@@ -116,6 +119,7 @@ pub struct GpuSpec {
     pub count: i32,
     /// Shared GPU group: at most one Model of a group is active at a time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 63))]
     pub shared: Option<String>,
     /// Priority inside a shared group; higher demand preempts lower.
     #[serde(default = "default_priority")]
@@ -124,6 +128,7 @@ pub struct GpuSpec {
     /// GPUProfile to use (name). Otherwise the profile whose architecture matches the
     /// `flexinfer.ai/gpu.arch` node selector.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
     pub profile: Option<String>,
 }
 
@@ -166,6 +171,7 @@ pub struct ServerlessSpec {
         {"rule": "self.matches('^([0-9]+(\\\\.[0-9]+)?(ms|s|m|h))+$')",
          "message": "spec.serverless.idleTimeout must be a duration such as 30s, 5m or 1h"}
     ]))]
+    #[schemars(length(max = 32))]
     pub idle_timeout: String,
     /// How long a request waits for a cold start.
     #[serde(default = "default_cold_start_timeout")]
@@ -173,6 +179,7 @@ pub struct ServerlessSpec {
         {"rule": "self.matches('^([0-9]+(\\\\.[0-9]+)?(ms|s|m|h))+$')",
          "message": "spec.serverless.coldStartTimeout must be a duration such as 60s or 5m"}
     ]))]
+    #[schemars(length(max = 32))]
     pub cold_start_timeout: String,
     /// How often `flexinfer-proxy` refreshes `status.lastActiveTime` while requests are in flight,
     /// as a duration; unset: the proxy's default (30s), at most half of `idleTimeout`.
@@ -181,6 +188,7 @@ pub struct ServerlessSpec {
         {"rule": "self.matches('^([0-9]+(\\\\.[0-9]+)?(ms|s|m|h))+$')",
          "message": "spec.serverless.keepaliveInterval must be a duration such as 10s or 1m"}
     ]))]
+    #[schemars(length(max = 32))]
     pub keepalive_interval: Option<String>,
 }
 
@@ -252,9 +260,12 @@ pub struct ModelConfig {
     pub warm_policy: Option<WarmPolicy>,
     /// vLLM attention backend (`VLLM_ATTENTION_BACKEND`), e.g. `TRITON_ATTN`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 64))]
     pub attention_backend: Option<String>,
     /// Extra command-line arguments appended to the backend's arguments.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64))]
+    #[schemars(inner(length(max = 1024)))]
     pub extra_args: Vec<String>,
 }
 

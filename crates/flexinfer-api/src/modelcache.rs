@@ -64,10 +64,12 @@ pub struct ModelCacheSpec {
 
     /// StorageClass for the PVC the controller creates; cluster default when unset.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
     pub cluster_storage_class_name: Option<String>,
 
     /// Use this existing PVC instead of creating one. FlexInfer never deletes a PVC it did not create.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
     pub existing_claim_name: Option<String>,
 
     /// Directory inside the PVC for this cache; defaults to the cache name. Relative, no `..`.
@@ -82,17 +84,20 @@ pub struct ModelCacheSpec {
     /// Name of a Secret in the cache's namespace holding `HF_TOKEN` and optionally
     /// `OCI_USERNAME`/`OCI_PASSWORD`. Passed to workers only through `secretKeyRef`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
     pub secret_ref: Option<String>,
 
     /// Node selector applied to every pipeline Job (a phase's own `nodeSelector` wins).
     /// `flexinfer.ai/gpu.arch: <arch>` selects the GPUProfile for GPU phases.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("maxProperties" = 32, "additionalProperties" = {"type": "string", "maxLength": 63}))]
     pub node_selector: Option<BTreeMap<String, String>>,
 
     /// Tolerations appended to the default GPU toleration `dedicated=gpu:NoSchedule`, which every
     /// Job pinned to GPU nodes gets (GPU phases, and phases whose node selector names a GPU
     /// architecture or a GPUProfile's selector); other phases use them as-is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 32))]
     pub tolerations: Option<Vec<Toleration>>,
 
     /// Controller-level retries per phase after a Job has failed (each Job also has backoffLimit 2).
@@ -146,11 +151,13 @@ pub struct DownloadSpec {
     /// Only files matching one of these glob patterns are downloaded (e.g. `*.safetensors`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 64))]
+    #[schemars(inner(length(max = 256)))]
     pub allow_patterns: Vec<String>,
 
     /// Files matching one of these glob patterns are skipped (e.g. `*.bin`, `original/*`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 64))]
+    #[schemars(inner(length(max = 256)))]
     pub ignore_patterns: Vec<String>,
 }
 
@@ -196,6 +203,7 @@ pub struct AbliterationSpec {
         {"rule": "self.matches('^[0-9]+(\\\\.[0-9]+)?$') && double(self) > 0.0",
          "message": "spec.abliteration.normThreshold must be a positive decimal number such as \"100\""}
     ]))]
+    #[schemars(length(max = 32))]
     pub norm_threshold: String,
 
     /// Maximum perplexity increase on harmless text, in percent (decimal string).
@@ -204,14 +212,17 @@ pub struct AbliterationSpec {
         {"rule": "self.matches('^[0-9]+(\\\\.[0-9]+)?$')",
          "message": "spec.abliteration.maxPerplexityIncreasePercent must be a non-negative decimal number such as \"5\""}
     ]))]
+    #[schemars(length(max = 32))]
     pub max_perplexity_increase_percent: String,
 
     /// Dataset (hub id or local file under the cache) of prompts the model refuses.
     #[serde(default = "default_refusal_dataset")]
+    #[schemars(length(max = 512))]
     pub refusal_dataset: String,
 
     /// Dataset (hub id or local file under the cache) of harmless prompts.
     #[serde(default = "default_harmless_dataset")]
+    #[schemars(length(max = 512))]
     pub harmless_dataset: String,
 
     /// Skip linear-attention (GatedDeltaNet) layers when choosing and modifying layers.
@@ -243,6 +254,7 @@ pub struct AbliterationSpec {
 
     /// Node selector for this phase only (overrides `spec.nodeSelector`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("maxProperties" = 32, "additionalProperties" = {"type": "string", "maxLength": 63}))]
     pub node_selector: Option<BTreeMap<String, String>>,
 }
 
@@ -355,6 +367,7 @@ pub struct QuantizationSpec {
         {"rule": "self.matches('^(0(\\\\.[0-9]+)?|1(\\\\.0+)?)$') && double(self) > 0.0",
          "message": "spec.quantization.gpuMemoryFraction must be a decimal in (0, 1] such as \"0.80\""}
     ]))]
+    #[schemars(length(max = 32))]
     pub gpu_memory_fraction: String,
 
     /// Run on a GPU node (adds the GPU resource and the default GPU toleration).
@@ -374,6 +387,7 @@ pub struct QuantizationSpec {
 
     /// Node selector for this phase only (overrides `spec.nodeSelector`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("maxProperties" = 32, "additionalProperties" = {"type": "string", "maxLength": 63}))]
     pub node_selector: Option<BTreeMap<String, String>>,
 
     /// GGUF quantization type (GGUF only; default `Q4_K_M`).
@@ -382,6 +396,7 @@ pub struct QuantizationSpec {
         {"rule": "self.matches('^(Q[2-8]_[0-9A-Z_]+|IQ[1-4]_[A-Z_]+|F16|BF16|F32)$')",
          "message": "spec.quantization.ggufType must be a llama.cpp type such as Q4_K_M, Q5_K_S, Q8_0 or F16"}
     ]))]
+    #[schemars(length(max = 32))]
     pub gguf_type: Option<String>,
 
     /// Calibration data settings (AWQ, GPTQ).
@@ -444,10 +459,12 @@ pub struct PublishSpec {
         {"rule": "self.matches('^[a-zA-Z0-9.-]+(:[0-9]+)?/[a-z0-9._/-]+(:[A-Za-z0-9_][A-Za-z0-9._-]{0,127})?$')",
          "message": "spec.publish.ociRef must look like registry.example.com[:port]/repo[/path][:tag] (no scheme)"}
     ]))]
+    #[schemars(length(max = 512))]
     pub oci_ref: Option<String>,
 
     /// Secret (dockerconfigjson, or `OCI_USERNAME`/`OCI_PASSWORD` keys) with registry credentials.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
     pub secret_ref: Option<String>,
 
     /// How the pushed tag is chosen.
@@ -457,6 +474,7 @@ pub struct PublishSpec {
     /// Extra tags pushed for the same manifest.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 16))]
+    #[schemars(inner(length(max = 128)))]
     pub additional_tags: Vec<String>,
 
     /// Skip TLS verification and allow plain HTTP for this registry.
