@@ -37,5 +37,14 @@ if [ ${#need[@]} -gt 0 ]; then
     (systemctl disable --now containerd || service containerd stop) >/dev/null 2>&1 || true; fi
 fi
 python3 -c 'import yaml' 2>/dev/null || pip install -q pyyaml
+# The official `openai` Python client, for the proxy's client-compatibility test (cached by version).
+OPENAI_PY_VERSION=3.51.0
+OPENAI_VENV=$HOME/.cache/flexinfer/openai-venv-$OPENAI_PY_VERSION
+if ! "$OPENAI_VENV/bin/python" -c 'import openai' >/dev/null 2>&1; then
+  echo "install-deps: openai==$OPENAI_PY_VERSION into $OPENAI_VENV"
+  rm -rf "$OPENAI_VENV"
+  python3 -m venv "$OPENAI_VENV" && "$OPENAI_VENV/bin/pip" install -q "openai==$OPENAI_PY_VERSION" \
+    || { echo "install-deps: cannot install openai==$OPENAI_PY_VERSION from PyPI" >&2; exit 1; }
+fi
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
 bash "$(dirname "$0")/testenv/build-bins.sh"

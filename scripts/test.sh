@@ -13,6 +13,8 @@ stage() { echo; echo "==> $* ($(( $(date +%s) - t0 ))s)"; }
 
 stage "dependencies"
 bash scripts/install-deps.sh
+# The venv install-deps.sh made for the proxy's openai-client test.
+export FLEXINFER_OPENAI_PYTHON=${FLEXINFER_OPENAI_PYTHON:-$(ls -d "$HOME"/.cache/flexinfer/openai-venv-*/bin/python | tail -1)}
 
 stage "cargo fmt --check"
 cargo fmt --all -- --check

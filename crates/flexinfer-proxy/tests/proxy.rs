@@ -1254,3 +1254,61 @@ async fn proxy_shared_gpu_group_preempts_serves_and_hands_the_lane_back() {
     assert_eq!(r.headers().get("x-backend").unwrap(), "primary");
     controller.abort();
 }
+
+/// The official `openai` Python client (PyPI) against the proxy: model list, a chat completion,
+/// a streamed one (deltas in order), and the error classes it maps 404 and 401 to. The venv comes
+/// from scripts/install-deps.sh; `scripts/test.sh` exports `FLEXINFER_OPENAI_PYTHON`.
+#[tokio::test]
+async fn proxy_works_with_the_official_openai_python_client() {
+    let python = std::env::var("FLEXINFER_OPENAI_PYTHON").unwrap_or_else(|_| {
+        panic!(
+            "FLEXINFER_OPENAI_PYTHON is not set: run scripts/install-deps.sh and point it at \
+             ~/.cache/flexinfer/openai-venv-<version>/bin/python (scripts/test.sh does)"
+        )
+    });
+    let client = client().await;
+    install_crds(&client).await;
+    let tns = TestNamespace::new(&client, "proxy-openai").await.unwrap();
+    let ns = tns.name.clone();
+    let backend = start_backend("py").await;
+    apply_model(
+        &client,
+        &ns,
+        "py-model",
+        json!({"backend": "vllm", "source": "pvc://models/m", "gpu": {"vendor": "nvidia"},
+               "serverless": {"enabled": false}}),
+    )
+    .await;
+    publish_endpoint(&client, &ns, "py-model", backend.addr, true).await;
+    let p = start_proxy(&client, &ns, KEY, Duration::from_secs(30)).await;
+    p.wait_routable(&ns, "py-model", 1).await;
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../scripts/proxy/openai_client_check.py"
+    );
+    let out = tokio::process::Command::new(&python)
+        .args([script, p.url.as_str(), KEY, "py-model"])
+        .output()
+        .await
+        .unwrap_or_else(|e| panic!("run {python}: {e}"));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "openai client check failed:\n{stdout}\n{stderr}"
+    );
+    let seen: Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(
+        seen["stream"],
+        json!(["tok0", "tok1", "tok2", "tok3", "tok4"])
+    );
+    assert_eq!(seen["not_found"]["status"], 404);
+    // The backend saw the streamed request with the body the client wrote.
+    let reqs = backend.state.requests.lock().unwrap();
+    assert!(
+        reqs.iter()
+            .any(|(path, v, _)| path == "/v1/chat/completions" && v["stream"] == true),
+        "{:?}",
+        reqs.iter().map(|r| &r.0).collect::<Vec<_>>()
+    );
+}
