@@ -327,6 +327,11 @@ pub struct ModelStatus {
     /// Artifact path currently served (`<pvc>:<subdir>`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub served_path: Option<String>,
+    /// Digest of the artifact the promotion validation was accepted for (the ModelCache's
+    /// `configDigest`, else its published manifest digest). A different served artifact closes the
+    /// gate again until `flexinfer.ai/promotion-evidence` names the new digest.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub validated_artifact: Option<String>,
     /// Where the Model stands in its shared GPU group (`spec.gpu.shared`); absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shared_group: Option<SharedGroupStatus>,

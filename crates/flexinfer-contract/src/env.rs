@@ -120,6 +120,8 @@ pub mod controller {
     /// How long a preempted Model of a shared GPU group keeps serving requests in flight before
     /// it is scaled to zero (seconds, default 30).
     pub const PREEMPTION_GRACE_SECONDS: &str = "FLEXINFER_PREEMPTION_GRACE_SECONDS";
+    /// Longest `idleTimeout` a canary of the promotion gate keeps (seconds, default 900).
+    pub const CANARY_MAX_IDLE_SECONDS: &str = "FLEXINFER_CANARY_MAX_IDLE_SECONDS";
     /// Retry backoff base in seconds (default 30).
     pub const RETRY_BASE_SECONDS: &str = "FLEXINFER_RETRY_BASE_SECONDS";
     pub const LEADER_ELECT: &str = "FLEXINFER_LEADER_ELECT";

@@ -1455,3 +1455,90 @@ async fn model_leaves_foreign_objects_alone() {
     untouched("after the Model was deleted", &d, &s);
     env.cleanup().await;
 }
+
+/// A validation covers the artifact it was accepted for: a re-quantization that promotes a new
+/// artifact (new `configDigest`) closes the gate again until the evidence names the new digest.
+#[tokio::test]
+async fn model_gate_closes_when_the_cache_promotes_a_new_artifact() {
+    const D1: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+    const D2: &str = "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb";
+    let mut env = TestEnv::new("mdl-bind").await;
+    env.pvc("cache-pvc").await;
+    env.apply::<ModelCache>(json!({"apiVersion": "ai.flexinfer/v1alpha1", "kind": "ModelCache",
+        "metadata": {"name": "llm"}, "spec": {"source": "org/llm", "quantization": {"format": "GPTQ"}}}))
+        .await;
+    let set_digest = |digest: &'static str, path: &'static str| {
+        let api = env.api::<ModelCache>();
+        async move {
+            api.patch_status(
+                "llm",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"status": {"phase": "Ready", "path": path,
+                    "quantization": {"configDigest": digest}}})),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        }
+    };
+    set_digest(D1, "cache-pvc:llm/gptq.1").await;
+    env.apply::<Model>(model_json(
+        "llm",
+        &[
+            (annotations::PROMOTION_GATE, annotations::PROMOTION_GATE_V1),
+            (annotations::PROMOTION_VALIDATION, "passed"),
+        ],
+        json!({"backend": "vllm", "source": "modelcache://llm", "gpu": {"vendor": "amd"},
+               "serverless": {"minReplicas": 1}}),
+    ))
+    .await;
+    let recorded = |m: &Model| m.status.as_ref().and_then(|s| s.validated_artifact.clone());
+    let m = env
+        .wait_model(
+            "llm",
+            "Validated for D1",
+            cond_is(types::PROMOTION_GATE, "True", "Validated"),
+        )
+        .await;
+    assert_eq!(recorded(&m).as_deref(), Some(D1));
+    env.wait_deployment("llm", "warm (1 replica)", |d| replicas(d) == Some(1))
+        .await;
+
+    // A new artifact: the gate closes, the Model becomes a canary (0 replicas without demand).
+    set_digest(D2, "cache-pvc:llm/gptq.2").await;
+    let m = env
+        .wait_model(
+            "llm",
+            "Blocked on D2",
+            cond_is(types::PROMOTION_GATE, "False", "Blocked"),
+        )
+        .await;
+    let msg = cond(&m, types::PROMOTION_GATE)
+        .map(|c| c.message.clone())
+        .unwrap_or_default();
+    assert!(msg.contains(D1) && msg.contains(D2), "{msg}");
+    assert_eq!(recorded(&m).as_deref(), Some(D1), "kept while closed");
+    env.wait_deployment("llm", "canary (0 replicas)", |d| replicas(d) == Some(0))
+        .await;
+
+    // Evidence naming the new digest promotes it.
+    env.api::<Model>()
+        .patch(
+            "llm",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"annotations": {
+                annotations::PROMOTION_EVIDENCE: format!("eval run 3 sha256:{D2}")}}})),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let m = env
+        .wait_model(
+            "llm",
+            "Validated for D2",
+            cond_is(types::PROMOTION_GATE, "True", "Validated"),
+        )
+        .await;
+    assert_eq!(recorded(&m).as_deref(), Some(D2));
+    env.wait_deployment("llm", "warm again", |d| replicas(d) == Some(1))
+        .await;
+    env.cleanup().await;
+}

@@ -121,19 +121,16 @@ pub fn plan(
     config: &RenderConfig,
     now: Timestamp,
 ) -> ModelPlan {
-    let gate = gate::gate(model);
-    let effective = if gate.is_blocked() {
-        gate::as_canary(&model.spec)
-    } else {
-        model.spec.clone()
-    };
+    let served = gate::served_artifact(observed.cache.as_ref());
+    let gate = gate::gate(model, served.as_deref());
+    let effective = gate::effective_spec(model, &gate, config.canary_max_idle());
     let last_active = model
         .status
         .as_ref()
         .and_then(|s| s.last_active_time.as_ref())
         .map(|t| t.0);
     let mut replicas = replicas::desired_replicas(&effective, last_active, now);
-    let shared = shared_lane(model, observed.shared.as_ref(), now);
+    let shared = shared_lane(model, observed.shared.as_ref(), config, &gate, now);
     if let Some(s) = &shared {
         replicas.replicas = s.lane.replicas;
         replicas.recheck_after = match (replicas.recheck_after, s.lane.recheck_after) {
@@ -166,14 +163,16 @@ pub fn plan(
     }
 }
 
-/// What a member of a shared group wants on its own, and whether it is serving requests now.
-pub fn member_of(model: &Model, running: i32, now: Timestamp) -> shared::Member {
-    let gate = gate::gate(model);
-    let effective = if gate.is_blocked() {
-        gate::as_canary(&model.spec)
-    } else {
-        model.spec.clone()
-    };
+/// What a member of a shared group wants on its own (`gate`: its promotion gate decision), and
+/// whether it is serving requests now.
+pub fn member_of(
+    model: &Model,
+    gate: &GateDecision,
+    running: i32,
+    config: &RenderConfig,
+    now: Timestamp,
+) -> shared::Member {
+    let effective = gate::effective_spec(model, gate, config.canary_max_idle());
     let status = model.status.as_ref();
     let last_active = status
         .and_then(|s| s.last_active_time.as_ref())
@@ -264,6 +263,8 @@ pub fn running_replicas(
 fn shared_lane(
     model: &Model,
     observed: Option<&SharedObservation>,
+    config: &RenderConfig,
+    gate: &GateDecision,
     now: Timestamp,
 ) -> Option<SharedLane> {
     let group = model.spec.gpu.shared.clone()?;
@@ -275,9 +276,15 @@ fn shared_lane(
         .models
         .iter()
         .filter(|m| m.name_any() != me && m.spec.gpu.shared.as_deref() == Some(group.as_str()))
-        .map(|m| member_of(m, running(&m.name_any()), now))
+        .map(|m| {
+            // Another member's artifact is not observed here: its gate is judged against the
+            // artifact its own reconcile last accepted (its own reconcile decides for real).
+            let recorded = m.status.as_ref().and_then(|s| s.validated_artifact.clone());
+            let g = gate::gate(m, recorded.as_deref());
+            member_of(m, &g, running(&m.name_any()), config, now)
+        })
         .collect();
-    members.push(member_of(model, running(&me), now));
+    members.push(member_of(model, gate, running(&me), config, now));
     let lanes = shared::arbitrate(&members, now, obs.grace);
     let active_priority = lanes
         .last()
@@ -396,6 +403,7 @@ impl ModelPlan {
             &Time(now),
         );
         self.shared_status(&mut new, &outcome, model.metadata.generation, now);
+        new.validated_artifact = gate::recorded_artifact(model, &self.gate);
         let phase = new.phase.unwrap_or(ModelPhase::Pending);
         let mut events = self.events(old, previous, phase, &outcome);
         let (shared_events, preempted_in) = self.shared_events(old);

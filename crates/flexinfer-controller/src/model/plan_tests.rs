@@ -848,3 +848,75 @@ fn leaving_a_shared_group_clears_its_status() {
         .unwrap_or_else(|| panic!("the stale sharedGroup is removed"));
     assert!(st.shared_group.is_none());
 }
+
+// ---------------------------------------------------------------------------------------------
+// The promotion gate bound to the artifact: a validation covers the artifact served when it was
+// accepted; a new generation closes the gate until the evidence names the new digest.
+
+const D1: &str = "1111111111111111111111111111111111111111111111111111111111111111";
+const D2: &str = "2222222222222222222222222222222222222222222222222222222222222222";
+
+fn cache_with_digest(digest: &str) -> ModelCache {
+    let mut c = cache("Ready");
+    if let Some(st) = c.status.as_mut() {
+        st.quantization = Some(flexinfer_api::modelcache::QuantizationStatus {
+            config_digest: Some(digest.into()),
+            ..Default::default()
+        });
+    }
+    c
+}
+
+#[test]
+fn gate_closes_again_when_the_served_artifact_changes() {
+    let mut m = model(
+        json!({"backend": "vllm", "source": "modelcache://llm", "gpu": {"vendor": "amd"},
+               "serverless": {"minReplicas": 1}}),
+        &[GATE, (annotations::PROMOTION_VALIDATION, "passed")],
+        None,
+    );
+    let step = |m: &mut Model, digest: &str| {
+        let observed = Observed {
+            cache: Some(cache_with_digest(digest)),
+            ..Default::default()
+        };
+        let p = plan(m, &observed, &RenderConfig::default(), ts(NOW));
+        let out = p.conclude(m, None, ts(NOW));
+        if let Some(st) = out.status.clone() {
+            m.status = Some(st);
+        }
+        let st = m.status.clone().unwrap_or_default();
+        let gate = conditions::find(&st.conditions, types::PROMOTION_GATE)
+            .map(|c| (c.reason.clone(), c.message.clone()))
+            .unwrap_or_default();
+        (p.replicas.replicas, gate, st.validated_artifact, out.events)
+    };
+    // First accepted: bound to D1, served warm.
+    let (replicas, (reason, _), recorded, _) = step(&mut m, D1);
+    assert_eq!((replicas, reason.as_str()), (1, "Validated"));
+    assert_eq!(recorded.as_deref(), Some(D1));
+    // A new generation (D2) lands: the old validation does not cover it.
+    let (replicas, (reason, message), recorded, events) = step(&mut m, D2);
+    assert_eq!((replicas, reason.as_str()), (0, "Blocked"), "{message}");
+    assert!(message.contains(D1) && message.contains(D2), "{message}");
+    assert_eq!(
+        recorded.as_deref(),
+        Some(D1),
+        "the old record is kept while closed"
+    );
+    assert!(events.iter().any(|e| e.reason == "PromotionBlocked"));
+    // Still closed on the next reconcile (the record does not re-bind to D2 by itself).
+    let (replicas, (reason, _), _, _) = step(&mut m, D2);
+    assert_eq!((replicas, reason.as_str()), (0, "Blocked"));
+    // Evidence naming D2 re-opens it.
+    m.metadata
+        .annotations
+        .get_or_insert_with(Default::default)
+        .insert(
+            annotations::PROMOTION_EVIDENCE.into(),
+            format!("eval run 12, sha256:{D2}"),
+        );
+    let (replicas, (reason, _), recorded, _) = step(&mut m, D2);
+    assert_eq!((replicas, reason.as_str()), (1, "Validated"));
+    assert_eq!(recorded.as_deref(), Some(D2));
+}

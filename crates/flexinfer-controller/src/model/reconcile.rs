@@ -210,6 +210,7 @@ async fn apply_conclusion(ctx: &Ctx, model: &Model, ns: &str, c: &Conclusion) ->
                 "observedGeneration": new.observed_generation,
                 "servedPath": new.served_path,
                 "sharedGroup": new.shared_group,
+                "validatedArtifact": new.validated_artifact,
             }
         });
         Api::<Model>::namespaced(ctx.client.clone(), ns)

@@ -31,6 +31,9 @@ use super::source::{parse_cache_path, parse_source, Source};
 pub struct RenderConfig {
     /// Serving image per backend from `FLEXINFER_RUNTIME_IMAGE_<BACKEND>`.
     pub runtime_images: BTreeMap<String, String>,
+    /// Longest idle time of a gated canary (`FLEXINFER_CANARY_MAX_IDLE_SECONDS`; `None`:
+    /// [`super::gate::DEFAULT_CANARY_MAX_IDLE`]).
+    pub canary_max_idle: Option<std::time::Duration>,
 }
 
 impl RenderConfig {
@@ -45,7 +48,21 @@ impl RenderConfig {
                     .map(|v| (b.as_str().to_string(), v.trim().to_string()))
             })
             .collect();
-        Self { runtime_images }
+        let canary_max_idle = std::env::var(env::controller::CANARY_MAX_IDLE_SECONDS)
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .filter(|s| *s > 0)
+            .map(std::time::Duration::from_secs);
+        Self {
+            runtime_images,
+            canary_max_idle,
+        }
+    }
+
+    /// The canary idle cap in force.
+    pub fn canary_max_idle(&self) -> std::time::Duration {
+        self.canary_max_idle
+            .unwrap_or(super::gate::DEFAULT_CANARY_MAX_IDLE)
     }
 }
 

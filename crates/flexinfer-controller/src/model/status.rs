@@ -174,6 +174,7 @@ pub fn owned_differs(a: Option<&ModelStatus>, b: &ModelStatus) -> bool {
                 || a.observed_generation != b.observed_generation
                 || a.served_path != b.served_path
                 || a.shared_group != b.shared_group
+                || a.validated_artifact != b.validated_artifact
         }
     }
 }
