@@ -1542,3 +1542,49 @@ async fn model_gate_closes_when_the_cache_promotes_a_new_artifact() {
         .await;
     env.cleanup().await;
 }
+
+/// The controller's status write is conditional on the resourceVersion it planned from: a plan
+/// made from a stale object cannot overwrite a newer status (e.g. take back `validatedArtifact`).
+#[tokio::test]
+async fn model_status_write_from_a_stale_object_is_refused() {
+    use flexinfer_controller::model::{write_status, Error as ModelError};
+    let env = TestEnv::new("mdl-stale").await;
+    // No controller: the write itself is under test, and nothing else may write the status.
+    env.controller.abort();
+    let api = env.api::<Model>();
+    let created = api
+        .create(
+            &Default::default(),
+            &serde_json::from_value(model_json(
+                "s",
+                &[],
+                json!({"backend": "vllm", "source": "pvc://c/p"}),
+            ))
+            .unwrap_or_else(|e| panic!("{e}")),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("create: {e}"));
+    let stale_rv = created.resource_version();
+    let newer = flexinfer_api::ModelStatus {
+        phase: Some(ModelPhase::Ready),
+        validated_artifact: Some("sha256:new".into()),
+        ..Default::default()
+    };
+    write_status(&api, "s", stale_rv.as_deref(), &newer)
+        .await
+        .unwrap_or_else(|e| panic!("first write: {e}"));
+    let older = flexinfer_api::ModelStatus {
+        phase: Some(ModelPhase::Pending),
+        validated_artifact: Some("sha256:old".into()),
+        ..Default::default()
+    };
+    let r = write_status(&api, "s", stale_rv.as_deref(), &older).await;
+    assert!(matches!(r, Err(ModelError::Conflict)), "{r:?}");
+    let now = api.get("s").await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        now.status.and_then(|s| s.validated_artifact).as_deref(),
+        Some("sha256:new"),
+        "the newer status stands"
+    );
+    env.cleanup().await;
+}

@@ -42,6 +42,7 @@ use crate::metrics::Metrics;
 use crate::supervise::Guard;
 pub use plan::{plan, ModelPlan, Observed};
 use reconcile::reconcile;
+pub use reconcile::write_status;
 use render::{ProfileRef, RenderConfig};
 
 /// Errors of one reconcile (all retried with backoff).
@@ -51,6 +52,9 @@ pub enum Error {
     Kube(#[from] kube::Error),
     #[error("{0}")]
     Internal(String),
+    /// The status write found a newer object than the one planned from.
+    #[error("the Model changed since it was read; planning again")]
+    Conflict,
 }
 
 /// Settings of the Model controller.
@@ -308,6 +312,10 @@ async fn forget_deleted_models(api: Api<Model>, metrics: Metrics) {
 }
 
 fn error_policy(model: Arc<Model>, err: &Error, ctx: Arc<Ctx>) -> Action {
+    if matches!(err, Error::Conflict) {
+        tracing::debug!(model = %model.name_any(), "stale object; requeue");
+        return Action::requeue(std::time::Duration::from_millis(300));
+    }
     ctx.metrics
         .reconcile_errors_total
         .with_label_values(&["model"])

@@ -182,7 +182,8 @@ async fn apply_children(
     Ok(Some(rollout))
 }
 
-/// Metrics first (they describe the phase just computed), then the status, then Events.
+/// The phase gauges first (they describe the phase just computed), then the status (conditional on
+/// the resourceVersion planned from), then the counters and Events it records.
 async fn apply_conclusion(ctx: &Ctx, model: &Model, ns: &str, c: &Conclusion) -> Result<(), Error> {
     let name = model.name_any();
     for p in ModelPhase::ALL {
@@ -191,35 +192,18 @@ async fn apply_conclusion(ctx: &Ctx, model: &Model, ns: &str, c: &Conclusion) ->
             .with_label_values(&[name.as_str(), ns, p.as_str()])
             .set(i64::from(p == c.phase));
     }
+    if let Some(new) = &c.status {
+        let api = Api::<Model>::namespaced(ctx.client.clone(), ns);
+        write_status(&api, &name, model.resource_version().as_deref(), new).await?;
+    }
+    // Counted once the status that records them is written (a conflict re-plans and would count
+    // them twice).
     if c.previous != Some(c.phase) {
         let from = c.previous.map(|p| p.as_str()).unwrap_or("None");
         ctx.metrics
             .model_phase_transitions_total
             .with_label_values(&[name.as_str(), ns, from, c.phase.as_str()])
             .inc();
-    }
-    if let Some(new) = &c.status {
-        let patch = json!({
-            "apiVersion": Model::api_version(&()),
-            "kind": Model::kind(&()),
-            "status": {
-                "phase": new.phase,
-                "conditions": new.conditions,
-                "endpoint": new.endpoint,
-                "replicas": new.replicas,
-                "observedGeneration": new.observed_generation,
-                "servedPath": new.served_path,
-                "sharedGroup": new.shared_group,
-                "validatedArtifact": new.validated_artifact,
-            }
-        });
-        Api::<Model>::namespaced(ctx.client.clone(), ns)
-            .patch_status(
-                &name,
-                &PatchParams::apply(FIELD_MANAGER).force(),
-                &Patch::Apply(&patch),
-            )
-            .await?;
     }
     if let Some(group) = &c.preempted_in {
         ctx.metrics
@@ -231,6 +215,47 @@ async fn apply_conclusion(ctx: &Ctx, model: &Model, ns: &str, c: &Conclusion) ->
         publish(ctx, model, ev).await;
     }
     Ok(())
+}
+
+/// Apply the fields of a Model's status the controller owns, conditional on `resource_version`
+/// when given: `validatedArtifact` and the shared-group transition time are read-modify-write, so
+/// a plan made from a stale object must not overwrite a newer status (409 → [`Error::Conflict`],
+/// the reconcile runs again with the fresh object). `lastActiveTime` (the proxy's) is left alone.
+pub async fn write_status(
+    api: &Api<Model>,
+    name: &str,
+    resource_version: Option<&str>,
+    new: &flexinfer_api::ModelStatus,
+) -> Result<(), Error> {
+    let mut patch = json!({
+        "apiVersion": Model::api_version(&()),
+        "kind": Model::kind(&()),
+        "status": {
+            "phase": new.phase,
+            "conditions": new.conditions,
+            "endpoint": new.endpoint,
+            "replicas": new.replicas,
+            "observedGeneration": new.observed_generation,
+            "servedPath": new.served_path,
+            "sharedGroup": new.shared_group,
+            "validatedArtifact": new.validated_artifact,
+        }
+    });
+    if let Some(rv) = resource_version {
+        patch["metadata"] = json!({ "resourceVersion": rv });
+    }
+    match api
+        .patch_status(
+            name,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&patch),
+        )
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 409 => Err(Error::Conflict),
+        Err(e) => Err(e.into()),
+    }
 }
 
 pub(super) async fn publish(ctx: &Ctx, model: &Model, ev: &PlannedEvent) {
