@@ -1,7 +1,7 @@
 //! Shared helpers for the end-to-end tests. These tests talk to the real kube-apiserver started by
 //! `scripts/testenv/up.sh` (through `make test`, which exports `KUBECONFIG` and
 //! `FLEXINFER_TESTENV_DIR`). Run outside `make test` they fail with a message saying so.
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test helpers: a panic is the failure report
 
 use std::path::PathBuf;
 use std::time::Duration;

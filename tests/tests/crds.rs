@@ -1,7 +1,7 @@
 //! CRDs on a real kube-apiserver: install and become Established, `kubectl explain` shows the
 //! documented ranges, every example passes server-side dry-run, invalid manifests are rejected by
 //! the API server with a message that names the offending field, and defaults are applied.
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 use std::time::Duration;
 

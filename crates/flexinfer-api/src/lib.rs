@@ -3,6 +3,9 @@
 //! The controller/worker contract (annotation keys, env names, event names, marker files and
 //! their serde types) lives in the serde-only `flexinfer-contract` crate, re-exported here as
 //! [`contract`] for the Kubernetes-side crates.
+// Integer overflow from user or model values must be an error or saturate, never wrap or panic.
+#![deny(clippy::arithmetic_side_effects)]
+#![cfg_attr(test, allow(clippy::arithmetic_side_effects))]
 
 pub use flexinfer_contract as contract;
 

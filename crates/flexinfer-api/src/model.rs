@@ -215,7 +215,7 @@ impl ServerlessSpec {
             .and_then(crate::duration::parse_duration)
             .unwrap_or(default);
         wanted
-            .min(self.idle_timeout() / 2)
+            .min(self.idle_timeout().checked_div(2).unwrap_or_default())
             .max(MIN_KEEPALIVE_INTERVAL)
     }
 }

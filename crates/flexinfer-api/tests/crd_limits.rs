@@ -2,7 +2,7 @@
 //! CEL rule) an unbounded string, list or map: strings have `maxLength` (or are enums/formats),
 //! lists `maxItems`, maps `maxProperties` and bounded values. Embedded Kubernetes types
 //! (tolerations, resources, env vars) keep Kubernetes' own rules; their lists are bounded here.
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 use flexinfer_api::crdgen::crds;
 use serde_json::Value;

@@ -1,5 +1,5 @@
 //! The checked-in CRD YAML must be exactly what the types generate (`make crds`).
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 use std::path::PathBuf;
 

@@ -1,7 +1,7 @@
 //! Integration tests of `quantize`, `quantize status`, `quantize recommend` and `cache status`
 //! against the local control plane (`scripts/testenv/up.sh api` + `kubectl apply --server-side -f
 //! deploy/crds/`). They run the real binary with the test's KUBECONFIG and their own namespace.
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 use std::process::Command;
 

@@ -1,7 +1,7 @@
 //! `validate-artifact` on a real artifact: the engine (`flexinfer-quant`) quantizes its tiny
 //! Llama test model end to end, and the CLI must find no defect in what it wrote — and must find
 //! the defect after one shard is corrupted.
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 use std::path::Path;
 use std::process::Command;

@@ -1,5 +1,5 @@
 //! `--help` of every command matches docs/user/cli.md, and completions generate.
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 use std::process::Command;
 

@@ -6,6 +6,9 @@
 //! Serde only: no Kubernetes client, so the worker and the quantization engine depend on this
 //! without pulling in kube. Every string here is part of the wire contract; `scripts/check-contract-strings.sh`
 //! checks that production code spells each one only here.
+// Integer overflow from user or model values must be an error or saturate, never wrap or panic.
+#![deny(clippy::arithmetic_side_effects)]
+#![cfg_attr(test, allow(clippy::arithmetic_side_effects))]
 
 pub mod annotations;
 pub mod controller;

@@ -99,13 +99,15 @@ pub fn encode_termination<T: Serialize>(msg: &T) -> String {
         .collect()
 }
 
-fn tail_chars(s: &str, max_bytes: usize) -> String {
+/// The last at most `max_bytes` bytes of `s`, cut at a character boundary (the end of a message is
+/// where its reason is).
+pub fn tail_chars(s: &str, max_bytes: usize) -> String {
     if s.len() <= max_bytes {
         return s.to_string();
     }
-    let mut start = s.len() - max_bytes;
+    let mut start = s.len().saturating_sub(max_bytes);
     while !s.is_char_boundary(start) {
-        start += 1;
+        start = start.saturating_add(1);
     }
-    s[start..].to_string()
+    s.get(start..).unwrap_or_default().to_string()
 }

@@ -23,6 +23,11 @@ use kube::Client;
 use tokio::time::Instant;
 use tracing::{info, warn};
 
+/// `d · num / den` without overflow (saturating; `den` 0 gives `d`).
+fn fraction(d: Duration, num: u32, den: u32) -> Duration {
+    d.saturating_mul(num).checked_div(den).unwrap_or(d)
+}
+
 /// Lease settings.
 #[derive(Debug, Clone)]
 pub struct LeaseConfig {
@@ -46,8 +51,8 @@ impl LeaseConfig {
             namespace,
             name,
             identity,
-            renew_deadline: duration * 2 / 3,
-            retry_period: (duration * 2 / 15).max(Duration::from_millis(100)),
+            renew_deadline: fraction(duration, 2, 3),
+            retry_period: fraction(duration, 2, 15).max(Duration::from_millis(100)),
             duration,
         }
     }
@@ -57,17 +62,17 @@ impl LeaseConfig {
     fn checked(mut self) -> Self {
         self.duration = self.duration.max(Duration::from_secs(1));
         if self.renew_deadline.is_zero() || self.renew_deadline >= self.duration {
-            self.renew_deadline = self.duration * 2 / 3;
+            self.renew_deadline = fraction(self.duration, 2, 3);
         }
         if self.retry_period.is_zero() || self.retry_period >= self.renew_deadline {
-            self.retry_period = (self.renew_deadline / 5).max(Duration::from_millis(50));
+            self.retry_period = fraction(self.renew_deadline, 1, 5).max(Duration::from_millis(50));
         }
         self
     }
 
     /// The timeout of one API call: never longer than the renew deadline allows.
     fn call_timeout(&self) -> Duration {
-        (self.renew_deadline / 2).max(Duration::from_millis(50))
+        fraction(self.renew_deadline, 1, 2).max(Duration::from_millis(50))
     }
 }
 

@@ -1,5 +1,6 @@
 //! `flexinfer-controller`: the controller-manager binary: JSON logs, leader election,
 //! `/metrics` on :8080, `/healthz` and `/readyz` on :8081, and the ModelCache and Model controllers.
+#![deny(clippy::arithmetic_side_effects)]
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -2,7 +2,7 @@
 //! expiry is decided on the local monotonic clock from the last change of the lease record, never
 //! by comparing another replica's `renewTime` with our clock; a holder that cannot renew (the API
 //! server stops answering) gives up within the renew deadline.
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -3,7 +3,7 @@
 //! in-process, scoped to its own namespace, and deletes the namespace at the end.
 //!
 //! Needs `KUBECONFIG` from `scripts/testenv/up.sh cluster` (`make test` sets it up).
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 use std::collections::BTreeMap;
 use std::time::Duration;

@@ -4,7 +4,7 @@
 //! subprocess, one per test, watching only that test's namespace.
 //!
 //! Run: `eval "$(TESTENV_BIN=… bash scripts/testenv/up.sh cluster)"; cargo test -p flexinfer-controller --test pipeline_e2e`
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 use std::path::PathBuf;
 use std::process::Stdio;

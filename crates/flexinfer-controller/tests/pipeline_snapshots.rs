@@ -1,6 +1,6 @@
 //! Snapshot tests of the generated pipeline Jobs (gfx1100, gfx906, NVIDIA, CPU-only).
 //! Regenerate with `UPDATE_SNAPSHOTS=1 cargo test -p flexinfer-controller --test pipeline_snapshots`.
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

@@ -4,7 +4,7 @@
 //! with the same `supervise::Guard` the ModelCache and Model controllers use.
 //!
 //! Needs `KUBECONFIG` from `scripts/testenv/up.sh` (`make test` sets it up).
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};

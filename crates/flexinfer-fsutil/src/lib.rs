@@ -4,6 +4,9 @@
 //! Untrusted files (docs/dev/architecture.md §8): every name taken from a downloaded file goes
 //! through [`open_regular_within`] (or [`read_within`]), and every file read whole goes through a
 //! [`Limit`].
+// Integer overflow from user or model values must be an error or saturate, never wrap or panic.
+#![deny(clippy::arithmetic_side_effects)]
+#![cfg_attr(test, allow(clippy::arithmetic_side_effects))]
 
 mod lock;
 mod replace;
@@ -47,7 +50,7 @@ pub fn hash_reader<D: Digest>(
         }
         h.update(&buf[..n]);
         each(&buf[..n])?;
-        total += n as u64;
+        total = total.saturating_add(n as u64);
     }
 }
 

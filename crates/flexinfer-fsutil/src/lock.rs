@@ -110,7 +110,7 @@ impl WriterLock {
         };
         // The file is unlinked by the holder on release: a lock taken on an inode that is no longer at
         // `path` is retried on the new file.
-        let mut attempts = 0;
+        let mut attempts: u32 = 0;
         loop {
             if let Err(e) =
                 rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive)
@@ -124,7 +124,7 @@ impl WriterLock {
             let same = std::fs::metadata(&path)
                 .map(|m| m.ino() == file.metadata().map(|f| f.ino()).unwrap_or(0))
                 .unwrap_or(false);
-            attempts += 1;
+            attempts = attempts.saturating_add(1);
             if same || attempts > 8 {
                 break;
             }
@@ -161,7 +161,7 @@ impl WriterLock {
                 let mut waited = Duration::ZERO;
                 while !s2.load(Ordering::Relaxed) {
                     std::thread::sleep(step);
-                    waited += step;
+                    waited = waited.saturating_add(step);
                     if waited >= heartbeat {
                         waited = Duration::ZERO;
                         holder.heartbeat_at = crate::now_rfc3339();

@@ -10,7 +10,7 @@
 //!
 //! Env: KUBECONFIG (the cluster), PROXY_BIN (the binary), BENCH_HOST_IP (a non-loopback address
 //! of this host for the EndpointSlice), LAT_N (2000), STREAMS (500), EVENTS (200), ROUNDS (2).
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::convert::Infallible;
 use std::net::SocketAddr;

@@ -48,7 +48,7 @@ impl Activity {
     pub fn begin(&self, key: &ModelKey) -> InFlight {
         if let Ok(mut m) = self.inner.lock() {
             let e = m.entry(key.clone()).or_default();
-            e.in_flight += 1;
+            e.in_flight = e.in_flight.saturating_add(1);
             e.dirty = true;
             e.generation = e.generation.wrapping_add(1);
         }

@@ -73,8 +73,13 @@ impl RoundRobin {
         if backends.is_empty() {
             return Vec::new();
         }
-        let start = self.0.fetch_add(1, Ordering::Relaxed) % backends.len();
-        backends[start..].iter().chain(&backends[..start]).collect()
+        let start = self
+            .0
+            .fetch_add(1, Ordering::Relaxed)
+            .checked_rem(backends.len())
+            .unwrap_or(0);
+        let (head, tail) = backends.split_at(start);
+        tail.iter().chain(head).collect()
     }
 }
 

@@ -4,6 +4,9 @@
 //! Pure decisions (`route`, `endpoints`, `plan`, `auth`) are table-tested; `cluster` holds the
 //! watch-based caches and the `status.lastActiveTime` writer; `activity` counts in-flight requests
 //! and drives the keepalive; `server` is the HTTP front (hyper).
+// Integer overflow from user or model values must be an error or saturate, never wrap or panic.
+#![deny(clippy::arithmetic_side_effects)]
+#![cfg_attr(test, allow(clippy::arithmetic_side_effects))]
 
 pub mod activity;
 pub mod auth;

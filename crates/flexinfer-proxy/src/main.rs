@@ -1,4 +1,5 @@
 //! `flexinfer-proxy`: the OpenAI-compatible gateway binary (JSON logs, `/healthz` + `/readyz`).
+#![deny(clippy::arithmetic_side_effects)]
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -57,6 +57,14 @@ pub fn cold_start_timeout(model: &Model) -> Duration {
     parse_duration(&model.spec.serverless.cold_start_timeout).unwrap_or(DEFAULT_COLD_START_TIMEOUT)
 }
 
+/// When a wait of `timeout` from `now` ends. A `coldStartTimeout` past what the clock can
+/// represent (e.g. `4999999999999999h`) waits a year instead of overflowing.
+pub fn deadline(now: tokio::time::Instant, timeout: Duration) -> tokio::time::Instant {
+    now.checked_add(timeout)
+        .or_else(|| now.checked_add(Duration::from_secs(365 * 86_400)))
+        .unwrap_or(now)
+}
+
 /// Interval of `lastActiveTime` refreshes for a Model (the rule lives with the spec, so the
 /// controller's notion of "busy" uses the same one).
 pub fn keepalive_interval(model: &Model, default: Duration) -> Duration {
@@ -120,6 +128,19 @@ pub fn not_ready_reason(model: &Model, waited: Duration) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_huge_cold_start_timeout_does_not_overflow_the_clock() {
+        let now = tokio::time::Instant::now();
+        let d = parse_duration("4999999999999999h").unwrap_or(Duration::MAX);
+        let until = deadline(now, d);
+        assert!(until > now);
+        assert_eq!(deadline(now, Duration::MAX), until);
+        assert_eq!(
+            deadline(now, Duration::from_secs(60)),
+            now + Duration::from_secs(60)
+        );
+    }
     use crate::route::tests::model;
 
     fn ts(s: i64) -> Timestamp {

@@ -300,7 +300,7 @@ impl Proxy {
                     touch.await;
                     let timeout = plan::cold_start_timeout(&model);
                     info!(namespace = %key.0, model = %key.1, timeout_s = timeout.as_secs(), "no ready backend: waiting for a cold start");
-                    deadline = Some((Instant::now() + timeout, timeout));
+                    deadline = Some((plan::deadline(Instant::now(), timeout), timeout));
                     waiting = Some((self.metrics.waiting(key), Instant::now()));
                 } else {
                     tokio::spawn(touch);
@@ -455,7 +455,8 @@ pub async fn serve(
             }
         });
     }
-    let until = Instant::now() + proxy.config.drain_timeout;
+    let now = Instant::now();
+    let until = now.checked_add(proxy.config.drain_timeout).unwrap_or(now);
     while proxy.activity.total_in_flight() > 0 && Instant::now() < until {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

@@ -5,7 +5,7 @@
 //! publishes the endpoint once the Deployment is scaled up).
 //!
 //! Needs `KUBECONFIG` from `scripts/testenv/up.sh` (`api` is enough; `make test` sets it up).
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 use std::convert::Infallible;
 use std::net::{IpAddr, SocketAddr};

@@ -3,7 +3,7 @@
 //! FLOPs ÷ measured rate. Usage: `bench_gptq [runs] [shapes...]` with shapes as `OUTxIN` (default: the three
 //! Llama-7B shapes 4096x4096, 11008x4096, 4096x11008). `bench_gptq model [samples] [seq_len]` quantizes a
 //! generated ~110M-parameter model end to end and reports wall time and peak RSS.
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 use faer::dyn_stack::{MemBuffer, MemStack};
 use faer::linalg::cholesky::llt::factor::{cholesky_in_place, cholesky_in_place_scratch};

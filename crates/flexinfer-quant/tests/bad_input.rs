@@ -1,6 +1,6 @@
 //! Bad input: each case gives an error that names the problem, classified as bad input (exit 2),
 //! no output directory left behind, and the source untouched.
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 mod common;
 

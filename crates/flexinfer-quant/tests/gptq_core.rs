@@ -1,5 +1,5 @@
 //! The GPTQ solver against a straightforward, unblocked reference written here, plus properties.
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 use faer::{Mat, Side};
 use flexinfer_quant::events::{MemorySink, NullSink};

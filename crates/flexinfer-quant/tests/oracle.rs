@@ -4,7 +4,7 @@
 //! (f32, max |ours − transformers| ≤ 1e-4 × max |transformers| of that tensor), and each sparse layer's router
 //! top-k expert ids per token (exactly, in transformers' order). Then each family is quantized end to end and
 //! the artifact is read back with the consumer's rules.
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 use faer::Mat;
 use flexinfer_quant::calib::CalibSettings;

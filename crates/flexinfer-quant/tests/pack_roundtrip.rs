@@ -1,5 +1,5 @@
 //! Packing against the consumer's unpacking rules.
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 use faer::Mat;
 use flexinfer_quant::gptq::{dequantize_weight, rtn_quantize};

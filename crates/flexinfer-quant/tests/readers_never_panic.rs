@@ -1,7 +1,7 @@
 //! Property tests of the readers of untrusted model files: the safetensors header parser, the
 //! `model.safetensors.index.json` reader and the `config.json` reader return an error or a value
 //! for any input, and never panic (100 000 cases each; `PROPTEST_CASES` overrides).
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 use std::path::Path;
 

@@ -1,7 +1,7 @@
 //! Resume after a real SIGKILL: a child process (this test binary re-run on an ignored entry point) quantizes
 //! until layer 1 is cached and then hangs; the parent kills it with SIGKILL, restarts the job in-process, and
 //! compares the artifact with an uninterrupted run byte for byte.
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 mod common;
 

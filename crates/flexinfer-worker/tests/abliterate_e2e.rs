@@ -1,5 +1,5 @@
 //! `flexinfer-worker abliterate` end to end on tiny generated models with a planted direction.
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 mod abliterate_support;
 

@@ -1,5 +1,5 @@
 //! Quality gate failures (exit 3), kill and resume, bad input (exit 2).
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 mod abliterate_support;
 

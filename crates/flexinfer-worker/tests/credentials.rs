@@ -3,7 +3,7 @@
 //! The configured host gets the credential (the positive control in each test); another host
 //! named by a `Link`, a redirect, an upload `Location` or a token realm gets none.
 //! (`127.0.0.1` and `localhost` are different hosts to a URL, as two servers on one machine.)
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 use std::convert::Infallible;
 use std::sync::atomic::AtomicU64;

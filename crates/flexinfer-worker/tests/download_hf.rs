@@ -1,6 +1,6 @@
 //! `flexinfer-worker download` against a local Hugging Face Hub-compatible server with fault
 //! injection (dropped connections, corruption, 401/404, 500s, SIGKILL + restart).
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 mod download_support;
 

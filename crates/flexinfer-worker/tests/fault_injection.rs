@@ -3,7 +3,7 @@
 //! would. After every kill: the finished artifact is byte-identical to an uninterrupted run's, its
 //! `.save-complete` verifies, no staging or lock entry is left, and a previously promoted artifact beside
 //! it is untouched. The counts go to docs/benchmarks.md ("Reliability").
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 mod abliterate_support;
 

@@ -1,6 +1,6 @@
 //! `flexinfer-worker publish` (and `download` of `oci://` sources) against a real registry
 //! (Debian's docker-registry on loopback).
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 mod download_support;
 mod publish_support;

@@ -51,7 +51,7 @@ pub fn desired_replicas(
     if let Some(last) = last_active.and_then(|l| clamp_last_active(l, now, idle)) {
         let since = Duration::try_from(now.duration_since(last)).unwrap_or(Duration::ZERO);
         if since < idle {
-            let remaining = idle - since;
+            let remaining = idle.saturating_sub(since);
             if replicas < 1 {
                 replicas = 1;
                 recheck_after = Some(remaining);

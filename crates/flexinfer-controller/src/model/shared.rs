@@ -93,7 +93,7 @@ pub fn arbitrate(members: &[Member], now: Timestamp, grace: Duration) -> Vec<Lan
             let position = line
                 .iter()
                 .position(|o| o.name == m.name)
-                .and_then(|i| i32::try_from(i + 1).ok());
+                .and_then(|i| i32::try_from(i.saturating_add(1)).ok());
             let mut lane = Lane {
                 state: SharedGroupState::Idle,
                 replicas: 0,
@@ -134,7 +134,7 @@ pub fn arbitrate(members: &[Member], now: Timestamp, grace: Duration) -> Vec<Lan
                         Duration::try_from(now.duration_since(began)).unwrap_or(Duration::ZERO);
                     if m.busy && elapsed < grace {
                         lane.replicas = m.running.min(m.wanted);
-                        lane.recheck_after = Some(grace - elapsed);
+                        lane.recheck_after = Some(grace.saturating_sub(elapsed));
                     }
                 }
             }

@@ -34,7 +34,7 @@ pub fn redact(s: &str) -> String {
             let key = lower[..pos].trim_matches(|c: char| !c.is_ascii_alphanumeric());
             let key_flat: String = key.chars().filter(|c| c.is_ascii_alphanumeric()).collect();
             if KEYS.iter().any(|k| key_flat.ends_with(k)) {
-                if word[pos + 1..].is_empty() {
+                if word.get(pos.saturating_add(1)..).is_none_or(str::is_empty) {
                     redact_next = true;
                     word.to_string()
                 } else {
@@ -56,11 +56,7 @@ pub(super) fn truncate(s: &str, max: usize) -> String {
     if s.len() <= max {
         return s.to_string();
     }
-    let mut start = s.len() - max;
-    while !s.is_char_boundary(start) {
-        start += 1;
-    }
-    format!("…{}", &s[start..])
+    format!("…{}", flexinfer_api::contract::termination::tail_chars(s, max))
 }
 
 fn last_lines(s: &str, n: usize) -> String {

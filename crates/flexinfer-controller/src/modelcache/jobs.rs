@@ -426,11 +426,11 @@ pub fn build_job(
     // Belt and braces: the planner refuses such a cache before any Job is built.
     pod_ann.retain(|k, _| !is_security_annotation(k));
 
-    let mut mem_mb = phase_memory_gb(mc, phase) * 1024;
+    let mut mem_mb = phase_memory_gb(mc, phase).saturating_mul(1024);
     let mut limits = BTreeMap::new();
     if t.gpu {
         if let Some(p) = &t.profile {
-            mem_mb += p.spec.gpu_driver_memory_mb.unwrap_or(0);
+            mem_mb = mem_mb.saturating_add(p.spec.gpu_driver_memory_mb.unwrap_or(0));
             limits.insert(p.spec.effective_resource_name(), Quantity("1".into()));
         }
     }

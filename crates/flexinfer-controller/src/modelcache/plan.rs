@@ -622,7 +622,8 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
                 break;
             }
             // A (re)started phase makes the results of every later phase stale.
-            invalidate(&mut cx, &phases[i + 1..], observed, &mut deleting);
+            let later = phases.get(i.saturating_add(1)..).unwrap_or_default();
+            invalidate(&mut cx, later, observed, &mut deleting);
             create_job(&mut cx, &target, &image, &desired, c, &observed.served_dirs);
             break;
         };
@@ -899,7 +900,7 @@ fn create_job(
     let attempt = cx.st.retry_count.unwrap_or(0);
     let msg = format!(
         "created Job {jname} (image {image}, attempt {})",
-        attempt + 1
+        attempt.saturating_add(1)
     );
     cx.cond(
         types::PROGRESSING,

@@ -63,7 +63,7 @@ impl Context {
             return true;
         };
         let key = (ns.to_string(), name.to_string());
-        let min_gap = self.config.progress_poll / 2;
+        let min_gap = self.config.progress_poll.checked_div(2).unwrap_or_default();
         match m.get(&key) {
             Some(t) if t.elapsed() < min_gap => false,
             _ => {

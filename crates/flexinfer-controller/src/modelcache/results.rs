@@ -269,13 +269,13 @@ pub(super) fn record_failure(
     let n = cx.st.retry_count.unwrap_or(0).max(0);
     if n < max_retries {
         let delay = cx.config.retry_delay(n as u32);
-        cx.st.retry_count = Some(n + 1);
+        cx.st.retry_count = Some(n.saturating_add(1));
         cx.st.next_retry_at = Some(Time(ts_add(cx.now, delay)));
         cx.st.phase = Some(running_phase(phase));
         let note = format!(
             "{} failed ({reason}); retry {}/{} in {}s: {text}",
             phase.status_name(),
-            n + 1,
+            n.saturating_add(1),
             max_retries,
             delay.as_secs()
         );

@@ -1,5 +1,5 @@
 //! Test fixtures: the crate's testkit model plus a BPE tokenizer trained here.
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 #![allow(dead_code)]
 
 use serde_json::json;

@@ -1,6 +1,6 @@
 //! Tiny generated Llama-architecture models with a planted refusal direction, their tokenizer and
 //! prompt datasets, and helpers to run `flexinfer-worker abliterate` against them.
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;

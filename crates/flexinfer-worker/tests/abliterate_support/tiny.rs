@@ -2,7 +2,7 @@
 //! prompt datasets. Shared by the abliteration tests and the `hub_fixtures` example.
 #![allow(dead_code)]
 // Test fixture generator: a failed write is a broken test setup, so it panics.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

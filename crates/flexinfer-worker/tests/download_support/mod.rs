@@ -1,7 +1,7 @@
 //! Test helpers for the transfer tests: a Hugging Face Hub-compatible HTTP server over generated
 //! files with fault injection and per-file request accounting, generated data, and a runner for
 //! the worker binary.
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 #![allow(dead_code)]
 
 use std::collections::{BTreeMap, HashMap, HashSet};

@@ -1,6 +1,6 @@
 //! A real OCI registry for the tests: Debian's `docker-registry` (distribution 2.8) started on a
 //! free loopback port with a temporary storage dir; its request log lets tests count uploads.
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 #![allow(dead_code)]
 
 use std::io::Read;
