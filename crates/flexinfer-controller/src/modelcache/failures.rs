@@ -56,7 +56,10 @@ pub(super) fn truncate(s: &str, max: usize) -> String {
     if s.len() <= max {
         return s.to_string();
     }
-    format!("…{}", flexinfer_api::contract::termination::tail_chars(s, max))
+    format!(
+        "…{}",
+        flexinfer_api::contract::termination::tail_chars(s, max)
+    )
 }
 
 fn last_lines(s: &str, n: usize) -> String {
