@@ -30,6 +30,8 @@ struct Env {
     storage: PathBuf,
     containerd: String,
     cli: PathBuf,
+    /// flexinfer-proxy as the chart runs it on the real node.
+    proxy_url: String,
 }
 
 fn var(name: &str) -> Result<String> {
@@ -52,6 +54,7 @@ impl Env {
             storage: PathBuf::from(var("E2E_STORAGE")?),
             containerd: var("TESTENV_CONTAINERD_ADDRESS")?,
             cli: PathBuf::from(var("E2E_CLI")?),
+            proxy_url: var("E2E_PROXY_URL")?,
         })
     }
 
@@ -565,6 +568,49 @@ async fn real_pipeline_download_abliterate_quantize_publish_and_serve() -> Resul
         gate.as_ref().is_some_and(|g| g["status"] == "True"),
         "PromotionGate {gate:?}"
     );
+
+    // The same request through flexinfer-proxy, the chart's Deployment on the real node: it finds the
+    // Model's ready endpoint in the EndpointSlice Kubernetes made for its Service, forwards, and marks the
+    // Model active.
+    let via_proxy = wait_for(
+        "the proxy routes the Model",
+        Duration::from_secs(60),
+        || {
+            let url = format!("{}/v1/completions", e.proxy_url);
+            let body = body.clone();
+            async move {
+                let out =
+                    curl(&["-H", "Content-Type: application/json", "-d", &body, &url]).ok()?;
+                let r: Value = serde_json::from_slice(&out).ok()?;
+                (r["usage"]["completion_tokens"] == 4).then_some(r)
+            }
+        },
+    )
+    .await?;
+    ensure!(
+        via_proxy["choices"][0]["text"].is_string(),
+        "completion through the proxy {via_proxy}"
+    );
+    let models: Value = serde_json::from_slice(&curl(&[&format!("{}/v1/models", e.proxy_url)])?)?;
+    ensure!(
+        models["data"]
+            .as_array()
+            .is_some_and(|d| d.iter().any(|m| m["id"] == name)),
+        "/v1/models through the proxy lists {name}: {models}"
+    );
+    let active = wait_for(
+        "the proxy wrote status.lastActiveTime",
+        Duration::from_secs(30),
+        || {
+            let m = m.clone();
+            async move {
+                let mv = m.get(name).await.ok()?;
+                mv.status?.last_active_time
+            }
+        },
+    )
+    .await?;
+    ensure!(active.0.as_second() > 0, "lastActiveTime {active:?}");
     m.delete(name, &DeleteParams::background()).await?;
     Ok(())
 }
