@@ -5,7 +5,8 @@ For each family: a tiny random-weight model is built with transformers (f32, eag
 token ids, and written to tests/fixtures/oracle/<name>/ as
   config.json          the model's config (architectures set)
   model.safetensors    the weights in the hub checkpoint layout (per-expert tensors, e.g. Mixtral's
-                       block_sparse_moe.experts.N.w1), the layout the engine reads
+                       block_sparse_moe.experts.N.w1; Gemma 4 keeps its fused experts.gate_up_proj /
+                       experts.down_proj), the layout the engine reads
   expected/expected.safetensors  hidden.<l> (the residual stream after decoder layer l, [tokens, hidden]) and
                        logits (kept out of the model directory's own *.safetensors)
   expected/expected.json  token ids, the router's top-k expert ids per token for every sparse layer, versions
@@ -13,7 +14,8 @@ token ids, and written to tests/fixtures/oracle/<name>/ as
 The written weights are loaded back with transformers' own from_pretrained (which converts the hub layout to its
 fused in-memory experts) and must give the same logits: that checks the layout conversion of this script.
 
-Run with `make oracle` (needs torch, transformers, safetensors; not part of CI). The Rust side is
+Run with `make oracle` (needs torch, transformers, safetensors; not part of CI); `make_fixtures.py NAME...`
+regenerates only the named families (each family's seed is fixed by its position in FAMILIES). The Rust side is
 crates/flexinfer-quant/tests/oracle.rs. Deterministic: fixed seeds.
 """
 
