@@ -131,6 +131,8 @@ fn gemma_config(
             .get("sliding_window")
             .and_then(Value::as_u64)
             .map(|v| v as usize)
+            // Absent: transformers' Gemma 4 default.
+            .or(if gemma4 { Some(512) } else { None })
             .filter(|&v| v > 0),
         sliding,
         local_rope_theta,
@@ -176,17 +178,20 @@ fn gemma4_config(
     base: AttnShape,
     sliding: &[bool],
 ) -> Result<(Gemma4Config, Vec<AttnShape>)> {
-    for (key, what) in [
+    // Absent fields take transformers' Gemma4TextConfig defaults (per-layer inputs of 256 are on by default).
+    for (key, what, default) in [
         (
             "num_kv_shared_layers",
             "layers reusing an earlier layer's keys and values",
+            0,
         ),
         (
             "hidden_size_per_layer_input",
             "per-layer input embeddings (PLE)",
+            256,
         ),
     ] {
-        if let Some(n) = text_field_usize(raw, key)?.filter(|&n| n > 0) {
+        if let Some(n) = Some(text_field_usize(raw, key)?.unwrap_or(default)).filter(|&n| n > 0) {
             return Err(QuantError::Input(format!(
                 "config.json: {key} {n} ({what}, Gemma 4 E2B/E4B) is not supported by the calibration forward"
             )));
@@ -287,7 +292,17 @@ fn gemma4_config(
             )));
         }
     }
-    let rope = |t: &str| raw.get("rope_parameters").and_then(|r| r.get(t));
+    // Without `rope_parameters`: transformers' defaults (sliding: default rope, base 10 000; global:
+    // proportional, a quarter of the pairs rotating, base 1 000 000).
+    let defaults = serde_json::json!({
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+    });
+    let params = raw
+        .get("rope_parameters")
+        .filter(|r| r.is_object())
+        .unwrap_or(&defaults);
+    let rope = |t: &str| params.get(t);
     let rope_type = |t: &str| {
         rope(t)
             .and_then(|r| r.get("rope_type"))
@@ -611,6 +626,8 @@ impl ModelConfig {
             .unwrap_or(num_heads);
         let head_dim = match text.get("head_dim").and_then(Value::as_u64) {
             Some(d) => d as usize,
+            // transformers' Gemma4TextConfig default.
+            None if is_gemma4 => 256,
             None if num_heads > 0 => hidden_size / num_heads,
             None => 0,
         };
@@ -1485,6 +1502,31 @@ mod tests {
         // Without keys-as-values the global layers keep the model's kv heads.
         let cfg = ModelConfig::from_json(gemma4_hub(json!({"attention_k_eq_v": false}))).unwrap();
         assert_eq!((cfg.attn(5).kv_heads, cfg.attn(5).v_from_k), (2, false));
+    }
+
+    #[test]
+    fn gemma4_absent_fields_take_the_transformers_defaults() {
+        let mut v = gemma4_hub(json!({}));
+        let o = v.as_object_mut().unwrap();
+        for k in ["rope_parameters", "sliding_window", "head_dim"] {
+            o.remove(k);
+        }
+        let cfg = ModelConfig::from_json(v.clone()).unwrap();
+        let g = cfg.gemma.as_ref().unwrap();
+        assert_eq!(g.sliding_window, Some(512));
+        assert_eq!(cfg.attn(0).head_dim, 256);
+        let g4 = cfg.gemma4.as_ref().unwrap();
+        assert_eq!(
+            (g4.global_rope_theta, g4.global_rotary_fraction),
+            (1_000_000.0, 0.25)
+        );
+        assert_eq!(g.local_rope_theta, Some(10000.0));
+        // Per-layer inputs are on by default in transformers: refused when the field is absent.
+        v.as_object_mut()
+            .unwrap()
+            .remove("hidden_size_per_layer_input");
+        let e = ModelConfig::from_json(v).unwrap_err().to_string();
+        assert!(e.contains("hidden_size_per_layer_input 256"), "{e}");
     }
 
     #[test]
