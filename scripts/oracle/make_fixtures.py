@@ -5,7 +5,8 @@ For each family: a tiny random-weight model is built with transformers (f32, eag
 token ids, and written to tests/fixtures/oracle/<name>/ as
   config.json          the model's config (architectures set)
   model.safetensors    the weights in the hub checkpoint layout (per-expert tensors, e.g. Mixtral's
-                       block_sparse_moe.experts.N.w1), the layout the engine reads
+                       block_sparse_moe.experts.N.w1; Gemma 4 keeps its fused experts.gate_up_proj /
+                       experts.down_proj), the layout the engine reads
   expected/expected.safetensors  hidden.<l> (the residual stream after decoder layer l, [tokens, hidden]) and
                        logits (kept out of the model directory's own *.safetensors)
   expected/expected.json  token ids, the router's top-k expert ids per token for every sparse layer, versions
@@ -13,7 +14,8 @@ token ids, and written to tests/fixtures/oracle/<name>/ as
 The written weights are loaded back with transformers' own from_pretrained (which converts the hub layout to its
 fused in-memory experts) and must give the same logits: that checks the layout conversion of this script.
 
-Run with `make oracle` (needs torch, transformers, safetensors; not part of CI). The Rust side is
+Run with `make oracle` (needs torch, transformers, safetensors; not part of CI); `make_fixtures.py NAME...`
+regenerates only the named families (each family's seed is fixed by its position in FAMILIES). The Rust side is
 crates/flexinfer-quant/tests/oracle.rs. Deterministic: fixed seeds.
 """
 
@@ -130,6 +132,96 @@ FAMILIES = {
             },
         ),
     ),
+    # Gemma 4 (text): plain `w` norms, q/k RMSNorm and a scale-free v RMSNorm, attention scale 1, a wider head
+    # (global_head_dim) and fewer kv heads on the global layers, keys reused as values there (attention_k_eq_v),
+    # proportional rope (partial_rotary_factor) on the global layers, a per-layer output scalar, final
+    # soft-capping. Shaped like gemma-4-31B (dense) and gemma-4-26B-A4B (MoE: a dense MLP beside the routed
+    # experts, each with its own norms; a router with its own RMSNorm, scale and per-expert weight scale).
+    "gemma4_text": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            intermediate_size=64,
+            sliding_window=6,
+            tie_word_embeddings=True,
+            final_logit_softcapping=3.0,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            global_head_dim=32,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            hidden_size_per_layer_input=0,
+            num_kv_shared_layers=0,
+            rope_parameters={
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        ),
+    ),
+    "gemma4_moe": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            intermediate_size=32,
+            sliding_window=6,
+            tie_word_embeddings=True,
+            final_logit_softcapping=3.0,
+            layer_types=["sliding_attention", "full_attention"],
+            global_head_dim=32,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=False,
+            hidden_size_per_layer_input=0,
+            num_kv_shared_layers=0,
+            enable_moe_block=True,
+            num_experts=8,
+            top_k_experts=2,
+            moe_intermediate_size=16,
+            rope_parameters={
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        ),
+    ),
+    # The multimodal wrapper (Gemma4ForConditionalGeneration): text_config nested in config.json, the text stack
+    # under model.language_model.*, a (tiny) vision tower the engine must copy untouched. Run on text tokens only.
+    "gemma4_mm": (
+        "Gemma4Config",
+        "Gemma4ForConditionalGeneration",
+        dict(
+            text=dict(
+                num_hidden_layers=2,
+                intermediate_size=32,
+                sliding_window=6,
+                tie_word_embeddings=True,
+                final_logit_softcapping=3.0,
+                layer_types=["sliding_attention", "full_attention"],
+                global_head_dim=32,
+                num_global_key_value_heads=1,
+                attention_k_eq_v=True,
+                hidden_size_per_layer_input=0,
+                num_kv_shared_layers=0,
+                rope_parameters={
+                    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                },
+            ),
+            vision=dict(
+                hidden_size=16,
+                intermediate_size=16,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                head_dim=8,
+                patch_size=4,
+                position_embedding_size=16,
+                pooling_kernel_size=2,
+            ),
+            # Special tokens outside TOKENS (a multimodal placeholder id would be replaced by the pad id).
+            ids=dict(image_token_id=94, boi_token_id=93, eoi_token_id=92, video_token_id=91, boa_token_id=90,
+                     eoa_token_index=89, audio_token_id=87),
+        ),
+    ),
 }
 
 TOKENS = [3, 17, 42, 5, 88, 61, 0, 23, 23, 77, 9, 50, 31, 14, 95, 2, 66, 40, 11, 8]
@@ -145,14 +237,26 @@ def init_weights(model, seed):
             elif "embed_tokens" in name:
                 p.copy_(torch.randn(p.shape, generator=g))
             else:
-                scale = 3.0 if name.endswith("mlp.gate.weight") else 1.0
+                router = name.endswith("mlp.gate.weight") or name.endswith("router.proj.weight")
+                scale = 3.0 if router else 1.0
                 p.copy_(scale * torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+        # Gemma 4's per-layer output scalar is a (persistent) buffer: away from 1 so that it is exercised.
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(0.5 + torch.rand(b.shape, generator=g))
 
 
 def hub_state_dict(model, arch):
     """The in-memory state dict in the hub checkpoint layout (one tensor per expert projection)."""
     out = {}
     tied = model.config.tie_word_embeddings
+    if arch.startswith("Gemma4") and tied:
+        # The tied lm_head is not a tensor of the hub checkpoints.
+        return {k: v.detach().contiguous().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    if arch.startswith("Gemma4"):
+        # Gemma 4 checkpoints keep the fused expert tensors (experts.gate_up_proj [E, 2I, H], experts.down_proj).
+        return {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()
+                if not (tied and k == "lm_head.weight")}
     for k, v in model.state_dict().items():
         if tied and k == "lm_head.weight":
             continue
@@ -183,28 +287,47 @@ def hub_state_dict(model, arch):
     return out
 
 
-def run_one(name, cfg_cls, arch, extra, seed):
+def text_config(cfg_cls, extra):
     common = dict(COMMON)
     if "rope_parameters" in extra:
         common.pop("rope_theta")
     for k in extra:
         common.pop(k, None)
-    cfg = getattr(transformers, cfg_cls)(**common, **extra)
+    return getattr(transformers, cfg_cls)(**common, **extra)
+
+
+def decoder_layers(model):
+    inner = model.model
+    return getattr(inner, "language_model", inner).layers
+
+
+def run_one(name, cfg_cls, arch, extra, seed):
+    if cfg_cls == "Gemma4Config":
+        tc = text_config("Gemma4TextConfig", extra["text"])
+        vc = transformers.Gemma4VisionConfig(**extra["vision"])
+        cfg = transformers.Gemma4Config(text_config=tc.to_dict(), vision_config=vc.to_dict(), audio_config=None,
+                                        **extra["ids"])
+    else:
+        cfg = text_config(cfg_cls, extra)
     cfg.architectures = [arch]
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(cfg).to(torch.float32)
     model.config._attn_implementation = "eager"
+    if hasattr(model.config, "text_config"):
+        model.config.text_config._attn_implementation = "eager"
     init_weights(model, seed)
     model.eval()
 
     hidden, topk = {}, {}
     hooks = []
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(decoder_layers(model)):
         def grab(_m, _inp, out, i=i):
             hidden[i] = (out[0] if isinstance(out, tuple) else out)[0].detach().clone()
         hooks.append(layer.register_forward_hook(grab))
         gate = getattr(layer.mlp, "gate", None)
-        if gate is not None and hasattr(gate, "top_k"):
+        if getattr(layer, "router", None) is not None:
+            gate = layer.router  # Gemma 4: (probabilities, top-k weights, top-k ids)
+        if gate is not None and (hasattr(gate, "top_k") or gate is getattr(layer, "router", None)):
             def grab_router(_m, _inp, out, i=i):
                 topk[i] = out[2].detach().tolist()
             hooks.append(gate.register_forward_hook(grab_router))
@@ -263,8 +386,13 @@ def main():
         for p in sys.argv[2:]:
             print(f"{p}: {check_quantized(p)}")
         return
+    only = set(sys.argv[1:])  # optional family names: regenerate just those (seeds do not depend on it)
+    unknown = only - set(FAMILIES)
+    if unknown:
+        sys.exit(f"unknown families {sorted(unknown)}; known: {', '.join(FAMILIES)}")
     for i, (name, (cfg_cls, arch, extra)) in enumerate(FAMILIES.items()):
-        run_one(name, cfg_cls, arch, extra, seed=1000 + i)
+        if not only or name in only:
+            run_one(name, cfg_cls, arch, extra, seed=1000 + i)
 
 
 if __name__ == "__main__":

@@ -203,6 +203,34 @@ mod tests {
             classify("model.language_model.layers.1.mlp.down_proj"),
             ModuleKind::DenseMlp
         );
+        // Gemma 4 (MoE, multimodal layout): router, per-expert modules, the dense MLP beside the experts,
+        // vision tower and its projector.
+        for (n, k) in [
+            (
+                "model.language_model.layers.0.router.proj",
+                ModuleKind::Router,
+            ),
+            (
+                "model.language_model.layers.0.experts.5.gate_proj",
+                ModuleKind::Expert,
+            ),
+            ("model.layers.0.experts.5.down_proj", ModuleKind::Expert),
+            (
+                "model.language_model.layers.0.mlp.up_proj",
+                ModuleKind::DenseMlp,
+            ),
+            (
+                "model.language_model.layers.0.self_attn.k_proj",
+                ModuleKind::FullAttention,
+            ),
+            (
+                "model.vision_tower.encoder.layers.0.self_attn.q_proj.linear",
+                ModuleKind::Tower,
+            ),
+            ("model.embed_vision.embedding_projection", ModuleKind::Tower),
+        ] {
+            assert_eq!(classify(n), k, "{n}");
+        }
     }
 
     #[test]

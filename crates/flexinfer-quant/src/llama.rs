@@ -26,8 +26,10 @@ pub struct Rope {
     pub half: usize,
     pub cos: Vec<f32>,
     pub sin: Vec<f32>,
-    /// cos/sin of the local (sliding-window) layers when their rope differs (Gemma 3).
+    /// cos/sin of the local (sliding-window) layers when their rope differs (Gemma 3, Gemma 4).
     pub local: Option<(Vec<f32>, Vec<f32>)>,
+    /// Frequencies per position of the local tables (Gemma 4's local heads are narrower).
+    pub local_half: usize,
 }
 
 fn rope_tables(inv: &[f32], len: usize) -> (Vec<f32>, Vec<f32>) {
@@ -48,19 +50,21 @@ impl Rope {
     pub fn new(cfg: &ModelConfig, len: usize) -> Self {
         let inv = cfg.inv_freq();
         let (cos, sin) = rope_tables(&inv, len);
+        let local_inv = cfg.local_inv_freq();
         Rope {
             half: inv.len(),
             cos,
             sin,
-            local: cfg.local_inv_freq().map(|l| rope_tables(&l, len)),
+            local_half: local_inv.as_ref().map_or(inv.len(), Vec::len),
+            local: local_inv.map(|l| rope_tables(&l, len)),
         }
     }
 
-    /// The tables of a layer (`sliding`: a local layer).
-    fn tables(&self, sliding: bool) -> (&[f32], &[f32]) {
+    /// The tables of a layer (`sliding`: a local layer) and their frequencies per position.
+    fn tables(&self, sliding: bool) -> (usize, &[f32], &[f32]) {
         match (&self.local, sliding) {
-            (Some((c, s)), true) => (c, s),
-            _ => (&self.cos, &self.sin),
+            (Some((c, s)), true) => (self.local_half, c, s),
+            _ => (self.half, &self.cos, &self.sin),
         }
     }
 }
@@ -98,7 +102,8 @@ pub fn linear(x: MatRef<'_, f32>, l: &Linear) -> Mat<f32> {
     y
 }
 
-fn head_norm(x: &mut Mat<f32>, heads: usize, d: usize, w: &[f32], eps: f32) {
+/// RMSNorm of each head of `x` (`w`: per-dimension weight, `None`: none).
+fn head_norm(x: &mut Mat<f32>, heads: usize, d: usize, w: Option<&[f32]>, eps: f32) {
     for r in 0..x.nrows() {
         for h in 0..heads {
             let ss: f32 = (0..d)
@@ -107,15 +112,15 @@ fn head_norm(x: &mut Mat<f32>, heads: usize, d: usize, w: &[f32], eps: f32) {
                 / d as f32;
             let s = 1.0 / (ss + eps).sqrt();
             for i in 0..d {
-                x[(r, h * d + i)] = x[(r, h * d + i)] * s * w[i];
+                x[(r, h * d + i)] *= s * w.map_or(1.0, |w| w[i]);
             }
         }
     }
 }
 
 fn apply_rope(x: &mut Mat<f32>, heads: usize, d: usize, rope: &Rope, sliding: bool) {
-    let half = rope.half;
-    let (cos, sin) = rope.tables(sliding);
+    let (half, cos, sin) = rope.tables(sliding);
+    let half = half.min(d / 2);
     for r in 0..x.nrows() {
         for h in 0..heads {
             for i in 0..half {
@@ -135,21 +140,29 @@ pub fn attention(
     h: MatRef<'_, f32>,
     rope: &Rope,
 ) -> Mat<f32> {
-    let (t, d) = (h.nrows(), cfg.head_dim);
-    let (nh, nkv) = (cfg.num_heads, cfg.num_kv_heads);
+    let t = h.nrows();
+    let (nh, nkv, d) = (lw.attn.heads, lw.attn.kv_heads, lw.attn.head_dim);
     let mut q = linear(h, &lw.linears[0]);
     let mut k = linear(h, &lw.linears[1]);
-    let v = linear(h, &lw.linears[2]);
+    // Gemma 4 `attention_k_eq_v`: the values are the keys' projection before the key norm and rope.
+    let mut v = if lw.attn.v_from_k {
+        k.clone()
+    } else {
+        linear(h, &lw.linears[2])
+    };
     if let Some(w) = &lw.q_norm {
-        head_norm(&mut q, nh, d, w, cfg.rms_norm_eps);
+        head_norm(&mut q, nh, d, Some(w), cfg.rms_norm_eps);
     }
     if let Some(w) = &lw.k_norm {
-        head_norm(&mut k, nkv, d, w, cfg.rms_norm_eps);
+        head_norm(&mut k, nkv, d, Some(w), cfg.rms_norm_eps);
+    }
+    if lw.v_norm {
+        head_norm(&mut v, nkv, d, None, cfg.rms_norm_eps);
     }
     apply_rope(&mut q, nh, d, rope, lw.sliding);
     apply_rope(&mut k, nkv, d, rope, lw.sliding);
     let gemma = cfg.gemma.as_ref();
-    let scale = 1.0 / gemma.map_or(d as f32, |g| g.query_pre_attn_scalar).sqrt();
+    let scale = gemma.map_or(1.0 / (d as f32).sqrt(), |g| g.attn_scale);
     let softcap = gemma.and_then(|g| g.attn_softcap);
     // Sliding-window layers: query i sees keys i - window < j ≤ i.
     let window = gemma.and_then(|g| g.sliding_window).filter(|_| lw.sliding);
@@ -249,8 +262,11 @@ pub fn attention_residual(
 pub fn mlp_output(cfg: &ModelConfig, lw: &LayerWeights, x1: MatRef<'_, f32>) -> Mat<f32> {
     match (&lw.moe, cfg.moe.as_ref()) {
         (Some(m), Some(mc)) => {
-            let h2 = rms_norm(x1, &lw.post_norm, cfg.rms_norm_eps);
-            m.forward(h2.as_ref(), &mc.spec)
+            let y = m.forward_residual(x1, &lw.post_norm, cfg.rms_norm_eps, &mc.spec);
+            match &lw.mlp_out_norm {
+                Some(w) => rms_norm(y.as_ref(), w, cfg.rms_norm_eps),
+                None => y,
+            }
         }
         _ => {
             let act = mlp_activation(cfg, lw, x1);
@@ -263,10 +279,22 @@ pub fn mlp_output(cfg: &ModelConfig, lw: &LayerWeights, x1: MatRef<'_, f32>) -> 
     }
 }
 
-/// Layer output from the residual stream after attention: `x1 + mlp_output(x1)`.
+/// Layer output from the residual stream after attention: `x1 + mlp_output(x1)` (times Gemma 4's
+/// `layer_scalar`).
 pub fn mlp_residual(cfg: &ModelConfig, lw: &LayerWeights, x1: MatRef<'_, f32>) -> Mat<f32> {
     let dn = mlp_output(cfg, lw, x1);
-    x1 + &dn
+    let mut out = x1 + &dn;
+    scale_layer_output(lw, &mut out);
+    out
+}
+
+/// Gemma 4: multiplies the finished layer output (residual included) by `layer_scalar`.
+pub fn scale_layer_output(lw: &LayerWeights, x: &mut Mat<f32>) {
+    if let Some(s) = lw.layer_scalar {
+        for c in 0..x.ncols() {
+            x.col_as_slice_mut(c).iter_mut().for_each(|v| *v *= s);
+        }
+    }
 }
 
 /// Runs one decoder layer on one sequence `x` (`[tokens, hidden]`). With `stop`, returns the input of that
@@ -305,7 +333,8 @@ pub fn embed(
     embed_table: Option<&[f32]>,
     tokens: &[u32],
 ) -> Result<Mat<f32>> {
-    const NAME: &str = "model.embed_tokens.weight";
+    let name = cfg.embed_name();
+    let name = name.as_str();
     let hsz = cfg.hidden_size;
     let mut out = Mat::<f32>::zeros(tokens.len(), hsz);
     let scale = embed_scale(store, cfg);
@@ -321,13 +350,13 @@ pub fn embed(
         }
         None => {
             // Row by row from the mapping: the f32 table (vocabulary × hidden) is never built.
-            let vocab = store.entry(NAME)?.shape.first().copied().unwrap_or(0);
+            let vocab = store.entry(name)?.shape.first().copied().unwrap_or(0);
             for (r, &tok) in tokens.iter().enumerate() {
                 let t = (tok as usize).min(vocab.saturating_sub(1));
-                let row = store.f32_row(NAME, t)?;
+                let row = store.f32_row(name, t)?;
                 if row.len() != hsz {
                     return Err(crate::error::QuantError::Input(format!(
-                        "{NAME} rows have {} values, config.json hidden_size is {hsz}",
+                        "{name} rows have {} values, config.json hidden_size is {hsz}",
                         row.len()
                     )));
                 }
@@ -347,7 +376,7 @@ pub fn embed_scale(store: &TensorStore, cfg: &ModelConfig) -> f32 {
         return 1.0;
     }
     let s = (cfg.hidden_size as f32).sqrt();
-    match store.entry("model.embed_tokens.weight").map(|e| e.dtype) {
+    match store.entry(&cfg.embed_name()).map(|e| e.dtype) {
         Ok(safetensors::Dtype::BF16) => half::bf16::from_f32(s).to_f32(),
         Ok(safetensors::Dtype::F16) => half::f16::from_f32(s).to_f32(),
         _ => s,
@@ -356,10 +385,10 @@ pub fn embed_scale(store: &TensorStore, cfg: &ModelConfig) -> f32 {
 
 /// The final norm's weight as multiplied (`1 + w` for Gemma).
 pub fn final_norm_weight(store: &TensorStore, cfg: &ModelConfig) -> Result<Vec<f32>> {
-    Ok(cfg.norm_weight(store.f32("model.norm.weight")?))
+    Ok(cfg.norm_weight(store.f32(&cfg.final_norm_name())?))
 }
 
-/// Gemma 2's final soft-capping of the logits, in place (nothing for other families).
+/// Gemma 2 / Gemma 4's final soft-capping of the logits, in place (nothing for other families).
 pub fn cap_logits(cfg: &ModelConfig, logits: &mut Mat<f32>) {
     if let Some(cap) = cfg.gemma.as_ref().and_then(|g| g.final_softcap) {
         for c in 0..logits.ncols() {
@@ -392,10 +421,11 @@ pub fn logits(store: &TensorStore, cfg: &ModelConfig, tokens: &[u32]) -> Result<
 
 /// The output projection `[vocab, hidden]`: `lm_head.weight`, or the embeddings when they are tied.
 pub fn lm_head(store: &TensorStore, cfg: &ModelConfig) -> Result<Linear> {
+    let embed_name = cfg.embed_name();
     let head_name = if store.contains("lm_head.weight") {
         "lm_head.weight"
     } else {
-        "model.embed_tokens.weight"
+        embed_name.as_str()
     };
     let w = store.f32(head_name)?;
     let hs = cfg.hidden_size.max(1);

@@ -1,8 +1,14 @@
 //! Sparse-MoE MLPs: the router (softmax over the expert logits in f32, top-k, optional renormalisation of the
 //! k weights, as transformers' Mixtral / Qwen2-MoE / Qwen3-MoE blocks do) and the weighted sum of the chosen
 //! SwiGLU experts, plus the optional always-on shared expert behind a sigmoid gate (Qwen2-MoE).
+//!
+//! Gemma 4 routes differently: its router RMS-normalises the residual itself (no weight), multiplies it by a
+//! learned vector over `sqrt(hidden)`, takes softmax / top-k / renormalisation, then multiplies each chosen
+//! weight by a learned per-expert scale. Its experts are GELU-tanh gated and read their own normalisation of the
+//! residual; a dense MLP runs beside them on every token (kept here as the ungated shared unit), and both
+//! outputs are normalised before they are summed.
 
-use crate::llama::linear;
+use crate::llama::{linear, rms_norm};
 use crate::model::Linear;
 use faer::{Mat, MatRef};
 
@@ -13,6 +19,26 @@ pub enum MoeStyle {
     Qwen,
     /// `block_sparse_moe.gate`, `block_sparse_moe.experts.N.{w1,w3,w2}`.
     Mixtral,
+    /// `router.{proj,scale,per_expert_scale}`, `experts.N.{gate,up,down}_proj` (or the fused
+    /// `experts.gate_up_proj` / `experts.down_proj` of the hub checkpoints), the dense MLP `mlp.*`.
+    Gemma4,
+}
+
+/// The gating activation of an MLP: `act(gate(x)) · up(x)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    Silu,
+    /// GELU with the tanh approximation (`gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
+impl Activation {
+    pub fn apply(self, x: f32) -> f32 {
+        match self {
+            Activation::Silu => x / (1.0 + (-x).exp()),
+            Activation::GeluTanh => crate::llama::gelu_tanh(x),
+        }
+    }
 }
 
 impl MoeStyle {
@@ -21,14 +47,32 @@ impl MoeStyle {
         match self {
             MoeStyle::Qwen => "mlp.",
             MoeStyle::Mixtral => "block_sparse_moe.",
+            MoeStyle::Gemma4 => "",
         }
     }
 
     /// Names of an expert's gate, up and down projections.
     pub fn expert_names(self) -> [&'static str; 3] {
         match self {
-            MoeStyle::Qwen => ["gate_proj", "up_proj", "down_proj"],
+            MoeStyle::Qwen | MoeStyle::Gemma4 => ["gate_proj", "up_proj", "down_proj"],
             MoeStyle::Mixtral => ["w1", "w3", "w2"],
+        }
+    }
+
+    /// Block-relative prefix of the always-on (shared) unit's projections.
+    pub fn shared_prefix(self) -> &'static str {
+        match self {
+            MoeStyle::Gemma4 => "mlp.",
+            _ => "mlp.shared_expert.",
+        }
+    }
+
+    /// Block-relative name of the router linear.
+    pub fn router_name(self) -> &'static str {
+        match self {
+            MoeStyle::Qwen => "mlp.gate",
+            MoeStyle::Mixtral => "block_sparse_moe.gate",
+            MoeStyle::Gemma4 => "router.proj",
         }
     }
 }
@@ -39,6 +83,8 @@ pub struct MoeSpec {
     pub top_k: usize,
     /// Renormalize the top-k routing weights to sum to 1.
     pub renormalize: bool,
+    /// The experts' (and shared unit's) gating activation.
+    pub act: Activation,
 }
 
 /// A SwiGLU MLP.
@@ -51,12 +97,17 @@ pub struct Mlp {
 
 /// `silu(gate(x)) · up(x)`: the input of `down`.
 pub fn swiglu(gate: &Linear, up: &Linear, x: MatRef<'_, f32>) -> Mat<f32> {
+    gated(gate, up, x, Activation::Silu)
+}
+
+/// `act(gate(x)) · up(x)`: the input of `down`.
+pub fn gated(gate: &Linear, up: &Linear, x: MatRef<'_, f32>, act: Activation) -> Mat<f32> {
     let mut g = linear(x, gate);
     let u = linear(x, up);
     for c in 0..g.ncols().min(u.ncols()) {
         let uc = u.col_as_slice(c);
         for (gv, &uv) in g.col_as_slice_mut(c).iter_mut().zip(uc) {
-            *gv = *gv / (1.0 + (-*gv).exp()) * uv;
+            *gv = act.apply(*gv) * uv;
         }
     }
     g
@@ -64,9 +115,27 @@ pub fn swiglu(gate: &Linear, up: &Linear, x: MatRef<'_, f32>) -> Mat<f32> {
 
 impl Mlp {
     pub fn forward(&self, x: MatRef<'_, f32>) -> Mat<f32> {
-        let act = swiglu(&self.gate, &self.up, x);
-        linear(act.as_ref(), &self.down)
+        self.forward_act(x, Activation::Silu)
     }
+
+    pub fn forward_act(&self, x: MatRef<'_, f32>, act: Activation) -> Mat<f32> {
+        let a = gated(&self.gate, &self.up, x, act);
+        linear(a.as_ref(), &self.down)
+    }
+}
+
+/// Gemma 4's router and norms around its experts (norm weights as multiplied).
+#[derive(Clone, Debug)]
+pub struct Gemma4Moe {
+    /// `router.scale / sqrt(hidden)`: multiplies the RMS-normalised residual before `router.proj`.
+    pub router_scale: Vec<f32>,
+    /// `router.per_expert_scale`: multiplies each chosen expert's renormalised weight.
+    pub per_expert_scale: Vec<f32>,
+    /// `post_feedforward_layernorm_1`: the dense MLP's output norm (its input norm is the layer's `post_norm`).
+    pub shared_out_norm: Vec<f32>,
+    /// `pre_feedforward_layernorm_2` / `post_feedforward_layernorm_2`: the experts' input and output norms.
+    pub experts_in_norm: Vec<f32>,
+    pub experts_out_norm: Vec<f32>,
 }
 
 #[derive(Clone, Debug)]
@@ -75,6 +144,7 @@ pub struct MoeWeights {
     pub experts: Vec<Mlp>,
     pub shared: Option<Mlp>,
     pub shared_gate: Option<Linear>,
+    pub gemma4: Option<Gemma4Moe>,
 }
 
 /// The router's choice for each token: `top[t]` = the k (expert, weight) pairs, best first.
@@ -147,6 +217,78 @@ impl MoeWeights {
         route(linear(h, &self.router).as_ref(), spec)
     }
 
+    /// The routing of the residual stream after attention `x1`: from its `post_norm` normalisation (Qwen,
+    /// Mixtral), or through Gemma 4's own router normalisation and per-expert scale.
+    pub fn route_residual(
+        &self,
+        x1: MatRef<'_, f32>,
+        post_norm: &[f32],
+        eps: f32,
+        spec: &MoeSpec,
+    ) -> Routing {
+        match &self.gemma4 {
+            None => self.route(rms_norm(x1, post_norm, eps).as_ref(), spec),
+            Some(g) => {
+                let h = rms_norm(x1, &g.router_scale, eps);
+                let mut r = self.route(h.as_ref(), spec);
+                for top in r.top.iter_mut() {
+                    for (e, w) in top.iter_mut() {
+                        *w *= g.per_expert_scale.get(*e).copied().unwrap_or(1.0);
+                    }
+                }
+                r
+            }
+        }
+    }
+
+    /// The norm weights of the routed experts' input and of the shared unit's input, given the layer's
+    /// `post_norm` (the same for both but on Gemma 4).
+    pub fn input_norms(&self, post_norm: &[f32]) -> (Vec<f32>, Vec<f32>) {
+        match &self.gemma4 {
+            None => (post_norm.to_vec(), post_norm.to_vec()),
+            Some(g) => (g.experts_in_norm.clone(), post_norm.to_vec()),
+        }
+    }
+
+    /// The MoE MLP's contribution for the residual after attention `x1` (before the layer's MLP output norm).
+    pub fn forward_residual(
+        &self,
+        x1: MatRef<'_, f32>,
+        post_norm: &[f32],
+        eps: f32,
+        spec: &MoeSpec,
+    ) -> Mat<f32> {
+        let Some(g) = &self.gemma4 else {
+            return self.forward(rms_norm(x1, post_norm, eps).as_ref(), spec);
+        };
+        let (t, d) = (x1.nrows(), x1.ncols());
+        let assigned = self
+            .route_residual(x1, post_norm, eps, spec)
+            .per_expert(self.experts.len());
+        let h = rms_norm(x1, &g.experts_in_norm, eps);
+        let mut routed = Mat::<f32>::zeros(t, d);
+        for (j, toks) in assigned.iter().enumerate() {
+            if toks.is_empty() {
+                continue;
+            }
+            let sub = gather_rows(h.as_ref(), toks);
+            let y = self.experts[j].forward_act(sub.as_ref(), spec.act);
+            for (i, &(tok, w)) in toks.iter().enumerate() {
+                for c in 0..d {
+                    routed[(tok, c)] += w * y[(i, c)];
+                }
+            }
+        }
+        let mut out = rms_norm(routed.as_ref(), &g.experts_out_norm, eps);
+        if let Some(shared) = &self.shared {
+            let hs = rms_norm(x1, post_norm, eps);
+            let y = shared.forward_act(hs.as_ref(), spec.act);
+            let y = rms_norm(y.as_ref(), &g.shared_out_norm, eps);
+            out += &y;
+        }
+        out
+    }
+
     /// The MoE MLP's output for the normalised residual `h` (`[tokens, hidden]`).
     pub fn forward(&self, h: MatRef<'_, f32>, spec: &MoeSpec) -> Mat<f32> {
         let (t, d) = (h.nrows(), h.ncols());
@@ -157,7 +299,7 @@ impl MoeWeights {
                 continue;
             }
             let sub = gather_rows(h, toks);
-            let y = self.experts[j].forward(sub.as_ref());
+            let y = self.experts[j].forward_act(sub.as_ref(), spec.act);
             for (i, &(tok, w)) in toks.iter().enumerate() {
                 for c in 0..d {
                     out[(tok, c)] += w * y[(i, c)];
@@ -165,7 +307,7 @@ impl MoeWeights {
             }
         }
         if let Some(shared) = &self.shared {
-            let y = shared.forward(h);
+            let y = shared.forward_act(h, spec.act);
             let g = self.shared_gate.as_ref().map(|g| linear(h, g));
             for tok in 0..t {
                 let s = g
@@ -214,6 +356,7 @@ mod tests {
             experts: vec![mlp(1.0), mlp(2.0), mlp(3.0)],
             shared: Some(mlp(4.0)),
             shared_gate: Some(lin(1, 3, 0.9)),
+            gemma4: None,
         };
         let h = Mat::from_fn(4, 3, |r, c| ((r * 3 + c) as f32 * 0.71).cos());
         for renormalize in [false, true] {
@@ -221,6 +364,7 @@ mod tests {
                 style: MoeStyle::Qwen,
                 top_k: 2,
                 renormalize,
+                act: Activation::Silu,
             };
             let out = moe.forward(h.as_ref(), &spec);
             for t in 0..4 {
@@ -269,6 +413,7 @@ mod tests {
             style: MoeStyle::Mixtral,
             top_k: 2,
             renormalize: true,
+            act: Activation::Silu,
         };
         let r = route(logits.as_ref(), &spec);
         assert_eq!(r.top[0].iter().map(|x| x.0).collect::<Vec<_>>(), [1, 2]);

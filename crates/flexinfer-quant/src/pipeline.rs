@@ -13,14 +13,15 @@ use crate::gptq::{
 use crate::hessian::{prepare_factor, FactorOutcome};
 use crate::linalg::LinalgBackend;
 use crate::llama::{
-    attention, attention_delta, embed, layer_forward, mlp_activation, mlp_output, rms_norm, Rope,
-    Stage, STAGES,
+    attention, attention_delta, embed, layer_forward, mlp_activation, mlp_output, rms_norm,
+    scale_layer_output, Rope, Stage, STAGES,
 };
 use crate::model::{
-    layer_modules, load_layer, load_linear, GptqReadConfig, LayerWeights, ModelConfig, ModuleSpec,
+    check_fused_experts, check_source_module, fused_expert_names, layer_modules, load_layer,
+    load_linear, source_module_bytes, GptqReadConfig, LayerWeights, ModelConfig, ModuleSpec,
     MoeConfig, INPUT_GROUPS,
 };
-use crate::moe::{gather_rows, swiglu};
+use crate::moe::{gated, gather_rows};
 use crate::pack::{pack, ZeroFormat};
 use crate::params::{GateParams, GptqParams, RecoveryParams};
 use crate::tensors::TensorStore;
@@ -445,6 +446,7 @@ fn solve_group(
         lw.module_mut(i).ok_or_else(missing)?.w = dequantize_weight(&q);
         results[i] = Some(q);
     }
+    lw.sync_tied();
     release_free_memory();
     Ok(())
 }
@@ -484,10 +486,14 @@ fn quantize_experts(
     // Per sample, per expert: the routed token rows (the shared expert, if any, sees every token).
     let mut routed: Vec<Vec<Vec<(usize, f32)>>> = Vec::with_capacity(hidden.len());
     for x in hidden {
-        let h2 = rms_norm(x.as_ref(), &lw.post_norm, eps);
-        routed.push(moe_w.route(h2.as_ref(), &m.spec).per_expert(m.num_experts));
+        routed.push(
+            moe_w
+                .route_residual(x.as_ref(), &lw.post_norm, eps, &m.spec)
+                .per_expert(m.num_experts),
+        );
     }
-    let post_norm = lw.post_norm.clone();
+    // The input norms of the routed experts and of the shared unit (they differ on Gemma 4).
+    let (expert_norm, shared_norm) = moe_w.input_norms(&lw.post_norm);
     let tokens: Vec<u64> = (0..m.num_experts)
         .map(|e| routed.iter().map(|r| r[e].len() as u64).sum())
         .collect();
@@ -502,8 +508,10 @@ fn quantize_experts(
         };
         let [ig, iu, id] = [4 + 3 * e, 5 + 3 * e, 6 + 3 * e];
         let is_active = |i: usize| {
-            !ctx.exclusion
-                .excludes(&format!("{}{}", ctx.prefix, ctx.specs[i].name), cfg.hybrid)
+            !ctx.specs[i].tied
+                && !ctx
+                    .exclusion
+                    .excludes(&format!("{}{}", ctx.prefix, ctx.specs[i].name), cfg.hybrid)
         };
         let gate_up: Vec<usize> = [ig, iu].into_iter().filter(|&i| is_active(i)).collect();
         let down: Vec<usize> = [id].into_iter().filter(|&i| is_active(i)).collect();
@@ -530,10 +538,10 @@ fn quantize_experts(
         let rows_of = |s: usize| -> Mat<f32> {
             let x = hidden[s].as_ref();
             if shared {
-                rms_norm(x, &post_norm, eps)
+                rms_norm(x, &shared_norm, eps)
             } else {
                 let sub = gather_rows(x, &routed[s][e]);
-                rms_norm(sub.as_ref(), &post_norm, eps)
+                rms_norm(sub.as_ref(), &expert_norm, eps)
             }
         };
         let alpha = 2.0 / n_e as f32;
@@ -570,7 +578,7 @@ fn quantize_experts(
             for s in 0..hidden.len() {
                 let a = rows_of(s);
                 if a.nrows() > 0 {
-                    let act = swiglu(g, u, a.as_ref());
+                    let act = gated(g, u, a.as_ref(), m.spec.act);
                     ctx.backend
                         .accumulate_hessian(h.as_mut(), act.as_ref(), alpha);
                 }
@@ -712,16 +720,14 @@ pub fn run(
     for layer in 0..cfg.num_layers {
         let prefix = cfg.layer_prefix(layer);
         let mut names = Vec::new();
+        check_fused_experts(&store, &cfg, layer)?;
         for spec in layer_modules(&cfg, layer) {
+            if spec.tied {
+                continue;
+            }
             let name = format!("{prefix}{}", spec.name);
             let (rows, cols) = spec.shape;
-            let e = store.entry(&format!("{name}.weight"))?;
-            if e.shape != [rows, cols] {
-                return Err(QuantError::Input(format!(
-                    "{name}.weight has shape {:?}, config.json implies [{rows}, {cols}]",
-                    e.shape
-                )));
-            }
+            check_source_module(&store, &cfg, layer, &spec)?;
             if exclusion.excludes(&name, cfg.hybrid) {
                 excluded.push(name);
             } else {
@@ -730,7 +736,7 @@ pub fn run(
             }
         }
         if let Some(m) = cfg.sparse_layer(layer) {
-            let router = format!("{prefix}{}gate.weight", m.spec.style.base());
+            let router = format!("{prefix}{}.weight", m.spec.style.router_name());
             let e = store.entry(&router)?;
             if e.shape != [m.num_experts, cfg.hidden_size] {
                 return Err(QuantError::Input(format!(
@@ -832,6 +838,7 @@ pub fn run(
                     }
                 }
             }
+            lw.sync_tied();
             let entry = &cache.manifest.layers[layer];
             gptq_count += entry.gptq_modules;
             rtn_count += entry.rtn_modules;
@@ -861,7 +868,9 @@ pub fn run(
                     .iter()
                     .copied()
                     .filter(|&i| {
-                        !exclusion.excludes(&format!("{prefix}{}", specs[i].name), cfg.hybrid)
+                        !specs[i].tied
+                            && !exclusion
+                                .excludes(&format!("{prefix}{}", specs[i].name), cfg.hybrid)
                     })
                     .collect();
                 let cols = group.first().map_or(0, |&g| lw.linears[g].w.ncols());
@@ -1012,6 +1021,7 @@ pub fn run(
             for x in hidden.iter_mut() {
                 let dn = mlp_output(&cfg, &lw, x.as_ref());
                 add_in_place(x, &dn);
+                scale_layer_output(&lw, x);
             }
         } else {
             for x in hidden.iter_mut() {
@@ -1039,7 +1049,37 @@ pub fn run(
         })
         .collect::<Result<_>>()?;
     let mut tensors: Vec<OutTensor<'_>> = Vec::new();
+    // Gemma 4's fused expert tensors are written per expert: packed where quantized, the source rows (same
+    // dtype) where an expert module was kept in full precision.
+    let mut fused: std::collections::BTreeSet<String> = Default::default();
+    for (layer, ls) in layer_stores.iter().enumerate() {
+        let Some(names) = fused_expert_names(&store, &cfg, layer) else {
+            continue;
+        };
+        fused.extend(names);
+        let prefix = cfg.layer_prefix(layer);
+        for spec in layer_modules(&cfg, layer) {
+            if !spec.name.starts_with("experts.")
+                || ls.contains(&format!("{prefix}{}.qweight", spec.name))
+            {
+                continue;
+            }
+            if let Some((name, dtype, shape, data)) =
+                source_module_bytes(&store, &cfg, layer, &spec)?
+            {
+                tensors.push(OutTensor {
+                    name,
+                    dtype,
+                    shape,
+                    data: Cow::Borrowed(data),
+                });
+            }
+        }
+    }
     for (name, e) in &store.entries {
+        if fused.contains(name) {
+            continue;
+        }
         if let Some(stem) = name.strip_suffix(".weight") {
             let quantized = layer_stores
                 .iter()

@@ -218,6 +218,60 @@ impl TensorStore {
         Ok(out)
     }
 
+    /// Rows `row0 .. row0 + nrows` of slice `index` of a 3-D tensor `[n, rows, cols]` (one expert of a fused
+    /// expert tensor), as its raw little-endian bytes (the tensor's own dtype), with `cols`.
+    pub fn raw_block(
+        &self,
+        name: &str,
+        index: usize,
+        row0: usize,
+        nrows: usize,
+    ) -> Result<(&[u8], usize)> {
+        let e = self.entry(name)?;
+        let (n, rows, cols) = match e.shape.as_slice() {
+            [n, r, c] => (*n, *r, *c),
+            other => {
+                return Err(QuantError::Input(format!(
+                    "tensor {name} has shape {other:?}; expected 3 dimensions"
+                )))
+            }
+        };
+        let end_row = row0.checked_add(nrows);
+        if index >= n || end_row.is_none_or(|r| r > rows) {
+            return Err(QuantError::Input(format!(
+                "rows {row0}..{row0}+{nrows} of slice {index} are outside tensor {name} {:?}",
+                e.shape
+            )));
+        }
+        let size = dtype_size(e.dtype);
+        let bad = || QuantError::Input(format!("tensor {name} is truncated"));
+        let row_bytes = cols.checked_mul(size).ok_or_else(bad)?;
+        let start = index
+            .checked_mul(rows)
+            .and_then(|v| v.checked_add(row0))
+            .and_then(|v| v.checked_mul(row_bytes))
+            .ok_or_else(bad)?;
+        let len = nrows.checked_mul(row_bytes).ok_or_else(bad)?;
+        let end = start.checked_add(len).ok_or_else(bad)?;
+        let raw = self.raw(name)?;
+        Ok((raw.get(start..end).ok_or_else(bad)?, cols))
+    }
+
+    /// [`TensorStore::raw_block`] converted to f32 (row-major `nrows × cols`); non-finite values are rejected.
+    pub fn f32_block(
+        &self,
+        name: &str,
+        index: usize,
+        row0: usize,
+        nrows: usize,
+    ) -> Result<Vec<f32>> {
+        let dtype = self.entry(name)?.dtype;
+        let (bytes, _) = self.raw_block(name, index, row0, nrows)?;
+        let out = convert_f32(name, dtype, bytes)?;
+        check_finite(name, &out, 0)?;
+        Ok(out)
+    }
+
     /// I32 tensor (gptq packed data).
     pub fn i32(&self, name: &str) -> Result<Vec<i32>> {
         let e = self.entry(name)?;

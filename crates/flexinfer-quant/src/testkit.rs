@@ -233,7 +233,203 @@ pub fn write_model_sized(
             ));
         }
     }
-    // Two shards split by name.
+    write_shards(dir, tensors)?;
+    let mut cfg = json!({
+        "architectures": [arch], "model_type": "llama", "hidden_size": size.hidden, "intermediate_size": size.inter,
+        "num_hidden_layers": size.layers, "num_attention_heads": size.heads, "num_key_value_heads": size.kv_heads,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "vocab_size": vocab, "tie_word_embeddings": false,
+        "torch_dtype": "bfloat16", "max_position_embeddings": 2048,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64},
+    });
+    if qwen3 {
+        cfg["head_dim"] = json!(head_dim);
+    }
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_vec_pretty(&cfg).map_err(|e| e.to_string())?,
+    )
+    .map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+/// What [`write_gemma4_model`] generates.
+#[derive(Clone, Copy, Debug)]
+pub struct Gemma4Options {
+    /// Routed experts beside each layer's dense MLP (`enable_moe_block`), in the hub's fused layout.
+    pub moe: bool,
+    /// `Gemma4ForConditionalGeneration`: `text_config`, `model.language_model.*`, a small vision tower.
+    pub multimodal: bool,
+}
+
+/// A Gemma 4 text model shaped like the published ones, small (hidden 128, 4 layers alternating sliding and
+/// global, the global ones with a wider head, one kv head and keys as values; MoE: 8 experts, top 2), BF16 in two shards + index,
+/// with the char tokenizer. Random weights: for the pipeline's plumbing; the forward itself is checked against
+/// transformers by the oracle fixtures.
+pub fn write_gemma4_model(dir: &Path, opts: Gemma4Options, seed: u64) -> Result<(), String> {
+    const H: usize = 128;
+    const INTER: usize = 128;
+    const LAYERS: usize = 4;
+    const HEADS: usize = 4;
+    const KV: usize = 2;
+    const HD: usize = 32;
+    const GLOBAL_HD: usize = 64;
+    const GLOBAL_KV: usize = 1;
+    const EXPERTS: usize = 8;
+    const MOE_INTER: usize = 64;
+    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+    write_char_tokenizer(dir)?;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut randn =
+        |n: usize, std: f32| -> Vec<f32> { (0..n).map(|_| std * gauss(&mut rng)).collect() };
+    let text = if opts.multimodal {
+        "model.language_model."
+    } else {
+        "model."
+    };
+    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+    let mut push = |name: String, shape: Vec<usize>, v: Vec<f32>| tensors.push((name, shape, v));
+    push(
+        format!("{text}embed_tokens.weight"),
+        vec![VOCAB, H],
+        randn(VOCAB * H, 0.05),
+    );
+    push(format!("{text}norm.weight"), vec![H], vec![1.0; H]);
+    let norm = |n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|i| 1.0 + 0.1 * ((i * 37 % 11) as f32 / 11.0 - 0.5))
+            .collect()
+    };
+    for l in 0..LAYERS {
+        let p = format!("{text}layers.{l}.");
+        let global = l % 2 == 1;
+        let (hd, kv) = if global {
+            (GLOBAL_HD, GLOBAL_KV)
+        } else {
+            (HD, KV)
+        };
+        let mut lin = |m: &str, out: usize, inp: usize| {
+            (
+                format!("{p}{m}.weight"),
+                vec![out, inp],
+                randn(out * inp, 1.0 / (inp as f32).sqrt()),
+            )
+        };
+        let mut layer = vec![
+            lin("self_attn.q_proj", HEADS * hd, H),
+            lin("self_attn.k_proj", kv * hd, H),
+            lin("self_attn.o_proj", H, HEADS * hd),
+            lin("mlp.gate_proj", INTER, H),
+            lin("mlp.up_proj", INTER, H),
+            lin("mlp.down_proj", H, INTER),
+        ];
+        if !global {
+            layer.push(lin("self_attn.v_proj", kv * hd, H));
+        }
+        if opts.moe {
+            layer.push(lin("router.proj", EXPERTS, H));
+        }
+        for t in layer {
+            push(t.0, t.1, t.2);
+        }
+        for n in [
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ] {
+            push(format!("{p}{n}.weight"), vec![H], norm(H));
+        }
+        // The scores are not scaled by 1/sqrt(d): small q/k norm weights keep them in a trained model's range
+        // (with weights near 1 a random model's attention is nearly one-hot, and 4-bit noise flips it).
+        let small = |n: usize| norm(n).into_iter().map(|v| 0.3 * v).collect::<Vec<f32>>();
+        push(format!("{p}self_attn.q_norm.weight"), vec![hd], small(hd));
+        push(format!("{p}self_attn.k_norm.weight"), vec![hd], small(hd));
+        push(format!("{p}layer_scalar"), vec![1], vec![0.75]);
+        if opts.moe {
+            for n in [
+                "post_feedforward_layernorm_1",
+                "post_feedforward_layernorm_2",
+                "pre_feedforward_layernorm_2",
+            ] {
+                push(format!("{p}{n}.weight"), vec![H], norm(H));
+            }
+            push(format!("{p}router.scale"), vec![H], norm(H));
+            push(
+                format!("{p}router.per_expert_scale"),
+                vec![EXPERTS],
+                norm(EXPERTS),
+            );
+            push(
+                format!("{p}experts.gate_up_proj"),
+                vec![EXPERTS, 2 * MOE_INTER, H],
+                randn(EXPERTS * 2 * MOE_INTER * H, 1.0 / (H as f32).sqrt()),
+            );
+            push(
+                format!("{p}experts.down_proj"),
+                vec![EXPERTS, H, MOE_INTER],
+                randn(EXPERTS * H * MOE_INTER, 1.0 / (MOE_INTER as f32).sqrt()),
+            );
+        }
+    }
+    if opts.multimodal {
+        for (n, shape) in [
+            (
+                "model.vision_tower.encoder.layers.0.self_attn.q_proj.linear.weight",
+                vec![32, 32],
+            ),
+            (
+                "model.vision_tower.encoder.layers.0.mlp.down_proj.linear.weight",
+                vec![32, 32],
+            ),
+            (
+                "model.embed_vision.embedding_projection.weight",
+                vec![H, 32],
+            ),
+        ] {
+            let len = shape.iter().product();
+            push(n.to_string(), shape, randn(len, 0.1));
+        }
+    }
+    write_shards(dir, tensors)?;
+    let mut text_cfg = json!({
+        "model_type": "gemma4_text", "hidden_size": H, "intermediate_size": INTER,
+        "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": KV, "head_dim": HD,
+        "global_head_dim": GLOBAL_HD, "num_global_key_value_heads": GLOBAL_KV, "attention_k_eq_v": true,
+        "vocab_size": VOCAB, "rms_norm_eps": 1e-6, "sliding_window": 16, "final_logit_softcapping": 30.0,
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
+        "tie_word_embeddings": true, "max_position_embeddings": 2048,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}
+        },
+    });
+    if opts.moe {
+        text_cfg["enable_moe_block"] = json!(true);
+        text_cfg["num_experts"] = json!(EXPERTS);
+        text_cfg["top_k_experts"] = json!(2);
+        text_cfg["moe_intermediate_size"] = json!(MOE_INTER);
+    }
+    let cfg = if opts.multimodal {
+        json!({"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
+               "text_config": text_cfg, "vision_config": {"hidden_size": 32}, "tie_word_embeddings": true})
+    } else {
+        text_cfg["architectures"] = json!(["Gemma4ForCausalLM"]);
+        text_cfg
+    };
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_vec_pretty(&cfg).map_err(|e| e.to_string())?,
+    )
+    .map_err(|e| e.to_string())
+}
+
+/// Two BF16 shards split by name, plus `model.safetensors.index.json`.
+fn write_shards(
+    dir: &Path,
+    mut tensors: Vec<(String, Vec<usize>, Vec<f32>)>,
+) -> Result<(), String> {
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     let half_n = tensors.len() / 2;
     let mut weight_map = serde_json::Map::new();
@@ -269,24 +465,7 @@ pub fn write_model_sized(
         serde_json::to_vec(&json!({"metadata": {}, "weight_map": weight_map}))
             .map_err(|e| e.to_string())?,
     )
-    .map_err(|e| e.to_string())?;
-    let mut cfg = json!({
-        "architectures": [arch], "model_type": "llama", "hidden_size": size.hidden, "intermediate_size": size.inter,
-        "num_hidden_layers": size.layers, "num_attention_heads": size.heads, "num_key_value_heads": size.kv_heads,
-        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "vocab_size": vocab, "tie_word_embeddings": false,
-        "torch_dtype": "bfloat16", "max_position_embeddings": 2048,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 64},
-    });
-    if qwen3 {
-        cfg["head_dim"] = json!(head_dim);
-    }
-    std::fs::write(
-        dir.join("config.json"),
-        serde_json::to_vec_pretty(&cfg).map_err(|e| e.to_string())?,
-    )
-    .map_err(|e| e.to_string())?;
-    Ok(())
+    .map_err(|e| e.to_string())
 }
 
 pub fn write_dataset(path: &Path, n: usize) -> Result<(), String> {

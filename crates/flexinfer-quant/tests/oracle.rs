@@ -10,9 +10,7 @@ use faer::Mat;
 use flexinfer_quant::calib::CalibSettings;
 use flexinfer_quant::events::MemorySink;
 use flexinfer_quant::linalg::CpuBackend;
-use flexinfer_quant::llama::{
-    attention_residual, embed, layer_forward, logits, rms_norm, Rope, Stage,
-};
+use flexinfer_quant::llama::{attention_residual, embed, layer_forward, logits, Rope, Stage};
 use flexinfer_quant::model::{load_layer, GptqReadConfig, ModelConfig};
 use flexinfer_quant::params::{GateParams, GptqParams};
 use flexinfer_quant::pipeline::{run, QuantizeJob};
@@ -28,6 +26,9 @@ const FAMILIES: &[&str] = &[
     "qwen3",
     "gemma2",
     "gemma3_text",
+    "gemma4_text",
+    "gemma4_moe",
+    "gemma4_mm",
 ];
 
 /// Relative tolerance against the largest magnitude of the expected tensor.
@@ -95,9 +96,8 @@ fn forward_matches_transformers() {
                 // The router's choice on our own residual after attention.
                 let att = layer_forward(&cfg, &lw, x.as_ref(), &rope, Some(Stage::O));
                 let x1 = attention_residual(&cfg, &lw, x.as_ref(), att.as_ref());
-                let h2 = rms_norm(x1.as_ref(), &lw.post_norm, cfg.rms_norm_eps);
                 let ours: Vec<Vec<u64>> = moe
-                    .route(h2.as_ref(), &mc.spec)
+                    .route_residual(x1.as_ref(), &lw.post_norm, cfg.rms_norm_eps, &mc.spec)
                     .top
                     .iter()
                     .map(|t| t.iter().map(|&(e, _)| e as u64).collect())
@@ -136,6 +136,15 @@ fn forward_matches_transformers() {
     }
 }
 
+/// The GPTQ group size used for a fixture: 32, or 16 where an input dimension is 16 (gemma4_moe's experts).
+fn group_size(fam: &str) -> i32 {
+    if fam == "gemma4_moe" {
+        16
+    } else {
+        32
+    }
+}
+
 /// A copy of a fixture model with the test kit's tokenizer (letters only, ids < the fixtures' vocabulary).
 fn model_copy(fam: &str, dst: &Path) {
     std::fs::create_dir_all(dst).unwrap();
@@ -157,7 +166,7 @@ fn quantize(
     let out = tmp.join(format!("{fam}-gptq"));
     let job = QuantizeJob {
         params: GptqParams {
-            group_size: 32,
+            group_size: group_size(fam),
             ..Default::default()
         },
         gate: GateParams {
@@ -208,18 +217,64 @@ fn each_family_quantizes_and_reads_back() {
         // Every candidate linear is packed; routers and the shared-expert gate stay as they were.
         for layer in 0..cfg.num_layers {
             for spec in flexinfer_quant::model::layer_modules(&cfg, layer) {
-                let n = format!("model.layers.{layer}.{}", spec.name);
+                let n = format!("{}{}", cfg.layer_prefix(layer), spec.name);
+                if spec.tied {
+                    // Gemma 4 keys-as-values: no v_proj in the source, none written.
+                    assert!(!qstore.contains(&format!("{n}.qweight")), "{fam}: {n}");
+                    assert!(!sstore.contains(&format!("{n}.weight")), "{fam}: {n}");
+                    continue;
+                }
                 assert!(qstore.contains(&format!("{n}.qweight")), "{fam}: {n}");
                 assert!(!qstore.contains(&format!("{n}.weight")), "{fam}: {n}");
             }
             if let Some(m) = cfg.sparse_layer(layer) {
-                let r = format!("model.layers.{layer}.{}gate.weight", m.spec.style.base());
+                let r = format!(
+                    "{}{}.weight",
+                    cfg.layer_prefix(layer),
+                    m.spec.style.router_name()
+                );
                 assert_eq!(
                     qstore.raw(&r).unwrap(),
                     sstore.raw(&r).unwrap(),
                     "{fam}: {r}"
                 );
             }
+        }
+        // Everything that is not a quantized linear is copied byte for byte (norms, router scales, Gemma 4's
+        // layer scalars, vision towers); fused expert tensors are replaced by per-expert modules.
+        let mut copied = 0;
+        for name in sstore.entries.keys() {
+            if name.contains(".experts.gate_up_proj") || name.contains(".experts.down_proj") {
+                assert!(!qstore.contains(name), "{fam}: {name} still fused");
+                continue;
+            }
+            let stem = name.strip_suffix(".weight").unwrap_or(name);
+            if qstore.contains(&format!("{stem}.qweight")) {
+                continue;
+            }
+            assert_eq!(
+                qstore.raw(name).unwrap(),
+                sstore.raw(name).unwrap(),
+                "{fam}: {name}"
+            );
+            copied += 1;
+        }
+        assert!(copied > 0, "{fam}");
+        if *fam == "gemma4_mm" {
+            assert!(
+                qstore
+                    .entries
+                    .keys()
+                    .any(|n| n.starts_with("model.vision_tower.")),
+                "{fam}: the vision tower is copied"
+            );
+            assert!(
+                !qstore
+                    .entries
+                    .keys()
+                    .any(|n| n.starts_with("model.vision_tower.") && n.ends_with(".qweight")),
+                "{fam}: the vision tower is not quantized"
+            );
         }
         let lq = logits(&qstore, &cfg, &tokens).unwrap();
         let ls = logits(&sstore, &scfg, &tokens).unwrap();
@@ -296,7 +351,7 @@ fn quantize_with_exclusion(fam: &str, tmp: &Path, mode: &str) -> Value {
     let out = tmp.join(format!("{fam}-{mode}-gptq"));
     let job = QuantizeJob {
         params: GptqParams {
-            group_size: 32,
+            group_size: group_size(fam),
             ..Default::default()
         },
         gate: GateParams {
@@ -353,4 +408,58 @@ fn written_config_says_what_was_quantized() {
             "mlp.down_proj"
         ]])
     );
+}
+
+/// Gemma 4 MoE under `dynamicExclusion`: `auto` on this plain (non-hybrid) MoE quantizes every decoder linear
+/// (attention, the dense MLP beside the experts, every expert) and never the router; an explicit list keeps the
+/// named expert in full precision, written per expert from the fused source rows, with its negative overrides.
+#[test]
+fn gemma4_moe_exclusion_modes() {
+    let tmp = tempfile::tempdir().unwrap();
+    for mode in ["auto", "none"] {
+        let qc = quantize_with_exclusion("gemma4_moe", tmp.path(), mode);
+        assert!(qc.get("dynamic").is_none(), "{mode}: {qc}");
+        let out = tmp.path().join(format!("gemma4_moe-{mode}-gptq"));
+        let q = TensorStore::open_dir(&out).unwrap();
+        for l in 0..2 {
+            for m in [
+                "self_attn.q_proj",
+                "mlp.gate_proj",
+                "experts.0.gate_proj",
+                "experts.7.down_proj",
+            ] {
+                assert!(
+                    q.contains(&format!("model.layers.{l}.{m}.qweight")),
+                    "{mode}: {m}"
+                );
+            }
+            assert!(q.contains(&format!("model.layers.{l}.router.proj.weight")));
+            assert!(!q.contains(&format!("model.layers.{l}.router.proj.qweight")));
+        }
+    }
+    let qc = quantize_with_exclusion("gemma4_moe", tmp.path(), "experts.3.");
+    let dynamic = qc["dynamic"].as_object().unwrap();
+    // 2 layers × expert 3's gate, up, down.
+    assert_eq!(dynamic.len(), 6, "{qc}");
+    assert!(
+        dynamic.contains_key("-:^model\\.layers\\.1\\.experts\\.3\\.up_proj$"),
+        "{qc}"
+    );
+    let out = tmp.path().join("gemma4_moe-experts.3.-gptq");
+    let q = TensorStore::open_dir(&out).unwrap();
+    let src = TensorStore::open_dir(&fixture("gemma4_moe")).unwrap();
+    let cfg = ModelConfig::load(&out).unwrap();
+    // The kept expert's rows, byte for byte from the fused tensor (gate = rows 0..I of gate_up_proj).
+    let (want, _) = src
+        .raw_block("model.layers.1.experts.gate_up_proj", 3, 16, 16)
+        .unwrap();
+    assert_eq!(
+        q.raw("model.layers.1.experts.3.up_proj.weight").unwrap(),
+        want
+    );
+    assert!(!q.contains("model.layers.1.experts.3.up_proj.qweight"));
+    assert!(q.contains("model.layers.1.experts.2.up_proj.qweight"));
+    // Our reader loads the mixed checkpoint.
+    let tokens: Vec<u32> = (0..12).collect();
+    logits(&q, &cfg, &tokens).unwrap();
 }

@@ -181,4 +181,52 @@ proptest! {
     ]) {
         let _ = ModelConfig::from_json(v);
     }
+
+    /// Gemma 4 configs (text, or nested under `text_config` of the multimodal wrapper): a valid one with a few
+    /// fields replaced by arbitrary values.
+    #[test]
+    fn gemma4_config_json(
+        over in prop::collection::btree_map(
+            prop::sample::select(vec![
+                "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "global_head_dim",
+                "num_global_key_value_heads", "attention_k_eq_v", "num_hidden_layers", "intermediate_size",
+                "layer_types", "per_layer_config", "rope_parameters", "enable_moe_block", "num_experts",
+                "top_k_experts", "moe_intermediate_size", "sliding_window", "num_kv_shared_layers",
+                "hidden_size_per_layer_input", "final_logit_softcapping", "use_bidirectional_attention",
+            ]).prop_map(String::from),
+            prop_oneof![number(), value()],
+            0..5,
+        ),
+        wrapped in any::<bool>(),
+    ) {
+        let mut text = json!({
+            "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32, "num_global_key_value_heads": 1,
+            "attention_k_eq_v": true, "vocab_size": 96, "sliding_window": 8, "enable_moe_block": true,
+            "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 16,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "full_attention"],
+            "per_layer_config": {"2": {"head_dim": 32}, "3": {"head_dim": 32, "num_key_value_heads": 1}},
+            "rope_parameters": {
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}
+            }
+        });
+        for (k, v) in over {
+            text[k] = v;
+        }
+        let v = if wrapped {
+            json!({"architectures": ["Gemma4ForConditionalGeneration"], "text_config": text})
+        } else {
+            text["architectures"] = json!(["Gemma4ForCausalLM"]);
+            text
+        };
+        if let Ok(cfg) = ModelConfig::from_json(v) {
+            // What the engine derives from a config it accepted must not panic either.
+            let _ = cfg.inv_freq();
+            let _ = cfg.local_inv_freq();
+            for l in 0..cfg.num_layers.min(8) {
+                let _ = flexinfer_quant::model::layer_modules(&cfg, l);
+            }
+        }
+    }
 }

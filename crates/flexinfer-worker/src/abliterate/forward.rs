@@ -31,10 +31,11 @@ impl Arch {
             ))
         })?;
         if cfg.gemma.is_some() {
-            // The engine runs Gemma's forward, but the edit does not carry over: Gemma normalises the attention
-            // and MLP outputs (`post_attention_layernorm`, `post_feedforward_layernorm`, per-channel `1 + w`)
-            // before the residual, so projecting the direction out of o_proj / down_proj does not project it
-            // out of what reaches the residual stream.
+            // The engine runs Gemma's forward (2, 3 and 4), but the edit does not carry over: Gemma normalises the
+            // attention and MLP outputs (`post_attention_layernorm`, `post_feedforward_layernorm`, per-channel
+            // `1 + w`, Gemma 4: `w`; Gemma 4 MoE normalises the dense MLP and the experts separately, then their
+            // sum) before the residual, so projecting the direction out of o_proj / down_proj does not project
+            // it out of what reaches the residual stream.
             return Err(WorkerError::BadInput(format!(
                 "{}: abliteration does not support Gemma yet (its post-attention / post-feedforward norms \
                  rescale the edited outputs per channel, so the projection would not remove the direction)",
@@ -87,5 +88,37 @@ impl LayerModel {
             _ => return None,
         };
         Some((l, bias))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Gemma 2/3/4 (the engine's oracle fixtures: Gemma 4 dense, MoE and the multimodal wrapper) are refused with
+    /// a bad-input error naming Gemma, before anything is loaded or written.
+    #[test]
+    fn gemma_models_are_refused_as_bad_input() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/oracle");
+        for fam in [
+            "gemma2",
+            "gemma3_text",
+            "gemma4_text",
+            "gemma4_moe",
+            "gemma4_mm",
+        ] {
+            let dir = root.join(fam);
+            let store = TensorStore::open_dir(&dir).unwrap_or_else(|e| panic!("{fam}: {e}"));
+            let raw =
+                super::super::output::read_config(&dir).unwrap_or_else(|e| panic!("{fam}: {e}"));
+            let layout = Layout::from_model(&store, &raw).unwrap_or_else(|e| panic!("{fam}: {e}"));
+            match Arch::load(&dir, &layout) {
+                Err(WorkerError::BadInput(m)) => {
+                    assert!(m.contains("does not support Gemma"), "{fam}: {m}")
+                }
+                Err(e) => panic!("{fam}: {e}"),
+                Ok(_) => panic!("{fam}: accepted"),
+            }
+        }
     }
 }
