@@ -551,7 +551,7 @@ pub fn select_device(
                 },
                 Err(reason) => {
                     return Err(QuantError::DeviceUnavailable(format!(
-                        "GPTQ_DEVICE={}: no usable {} device: {reason} (set GPTQ_DEVICE=cpu or auto to run on the CPU)",
+                        "GPTQ_DEVICE={}: no {} device this build can use: {reason} (set GPTQ_DEVICE=cpu or auto to run on the CPU)",
                         kind.as_str(),
                         if kind == DeviceKind::Hip { "AMD (HIP)" } else { "NVIDIA (CUDA)" },
                     )))
