@@ -47,4 +47,15 @@ if ! "$OPENAI_VENV/bin/python" -c 'import openai' >/dev/null 2>&1; then
     || { echo "install-deps: cannot install openai==$OPENAI_PY_VERSION from PyPI" >&2; exit 1; }
 fi
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
+# NVRTC for the CUDA kernel compile test (crates/flexinfer-quant/tests/kernels.rs loads it at run time): the
+# PyPI wheel in a venv cached by version; nothing else of CUDA is installed (no driver, no GPU needed).
+NVRTC_VERSION=${NVRTC_VERSION:-13.0.88}
+nvrtc_dir="$HOME/.cache/flexinfer/nvrtc-$NVRTC_VERSION"
+if ! compgen -G "$nvrtc_dir/lib/python3*/site-packages/nvidia/*/lib/libnvrtc.so*" >/dev/null; then
+  echo "install-deps: pip install nvidia-cuda-nvrtc==$NVRTC_VERSION into $nvrtc_dir"
+  rm -rf "$nvrtc_dir"
+  python3 -m venv "$nvrtc_dir" \
+    && "$nvrtc_dir/bin/pip" install -q --disable-pip-version-check "nvidia-cuda-nvrtc==$NVRTC_VERSION" \
+    || { echo "install-deps: installing nvidia-cuda-nvrtc==$NVRTC_VERSION failed" >&2; exit 1; }
+fi
 bash "$(dirname "$0")/testenv/build-bins.sh"

@@ -16,6 +16,8 @@ pub const N_PARALLEL_CALIB_SAMPLES: &str = "N_PARALLEL_CALIB_SAMPLES";
 pub const MAX_MEMORY_GB: &str = "MAX_MEMORY_GB";
 pub const GPU_VRAM_MB: &str = "GPU_VRAM_MB";
 pub const GPU_MEMORY_FRACTION: &str = "GPU_MEMORY_FRACTION";
+/// Where the GPTQ solve runs: `auto` (default), `cpu`, `hip` or `cuda`.
+pub const GPTQ_DEVICE: &str = "GPTQ_DEVICE";
 pub const GPTQ_DAMP_PERCENT_OVERRIDE: &str = "GPTQ_DAMP_PERCENT_OVERRIDE";
 pub const GPTQ_DAMP_AUTO_INCREMENT_OVERRIDE: &str = "GPTQ_DAMP_AUTO_INCREMENT_OVERRIDE";
 pub const GPTQ_HESSIAN_DIAG_FLOOR_MODE: &str = "GPTQ_HESSIAN_DIAG_FLOOR_MODE";

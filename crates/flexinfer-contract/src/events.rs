@@ -16,6 +16,12 @@ pub const QUANTIZATION_CACHED: &str = "quantization_cached";
 pub const GENERATIONS_COLLECTED: &str = "generations_collected";
 /// An artifact exists at `OUT_DIR` but was made from another configuration: it is not reused.
 pub const QUANTIZATION_REUSE_REJECTED: &str = "quantization_reuse_rejected";
+/// Quantize: which GPTQ device the run uses and why (`requested`, `device`, `reason`, `probes`).
+pub const GPTQ_DEVICE_SELECTED: &str = "gptq_device_selected";
+/// Quantize: a device operation failed and the device was reset (`module`, `device`, `op`, `error`, `reset`).
+pub const GPTQ_DEVICE_ERROR: &str = "gptq_device_error";
+/// Quantize: an input group's solve moved from the device to the CPU (`module`, `device`, `error`).
+pub const GPTQ_DEVICE_FALLBACK: &str = "gptq_device_fallback";
 pub const COMPLETE: &str = "complete";
 pub const ERROR: &str = "error";
 pub const WARNING: &str = "warning";

@@ -25,6 +25,12 @@ pub enum QuantError {
     /// The RTN-fallback gate rejected the run; nothing was written to the output directory.
     #[error("RTN fallback gate failed: {} of {} modules ({:.1}%) fell back to RTN, limit {:.1}%", .0.rtn_fallback_modules, .0.gptq_modules + .0.rtn_fallback_modules, .0.rtn_fallback_percent, .0.max_rtn_fallback_percent)]
     GateFailed(flexinfer_contract::files::QualitySummary),
+    /// The requested GPTQ device cannot be used (`GPTQ_DEVICE`); configuration, so the worker exits 2.
+    #[error("GPTQ device unavailable: {0}")]
+    DeviceUnavailable(String),
+    /// A device operation failed where no CPU fallback was possible.
+    #[error("GPTQ device failure: {0}")]
+    Device(String),
     #[error("aborted by test hook after layer {0}")]
     TestAbort(usize),
 }
@@ -38,6 +44,7 @@ impl QuantError {
                 | QuantError::Safetensors { .. }
                 | QuantError::Json { .. }
                 | QuantError::Tokenizer(_)
+                | QuantError::DeviceUnavailable(_)
         )
     }
 

@@ -446,6 +446,58 @@ fn block_snapshot<'a, 'b>(
     snap.as_ref().subcols(0, m)
 }
 
+/// The CPU backend's in-block sweep on explicit inputs, tile by tile as [`gptq_quantize_in`] runs it: the
+/// reference of the device sweep kernel's parity test (`kernels/gptq.cu`, `tests/kernels.rs`). `w` holds the
+/// block's `count` columns as the block starts, `w0` the same columns before the sweep; `coef` is the
+/// block's row-major coefficients, `rdiag2` its `R_ii²`, `col_param[i]` the index into `params` of column
+/// `i`'s group parameters. Returns the codes (`codes[i * rows + r]`), the deltas `W₀ − Q` and the block's
+/// loss contribution.
+#[doc(hidden)]
+pub fn sweep_block_cpu(
+    w: &Mat<f32>,
+    w0: &Mat<f32>,
+    coef: &[f32],
+    rdiag2: &[f32],
+    params: &[GroupParams],
+    col_param: &[Option<usize>],
+    maxq: f32,
+) -> (Vec<u8>, Mat<f32>, f64) {
+    let (rows, count) = (w.nrows(), w.ncols());
+    let blk = Block {
+        count,
+        params,
+        col_param,
+        coef,
+        rdiag2,
+        maxq,
+    };
+    let mut w = w.clone();
+    let mut delta = Mat::<f32>::zeros(rows, count);
+    let mut codes = vec![0u8; rows * count];
+    let mut loss = 0.0f64;
+    let mut scratch = vec![TileCol([0f32; TILE]); count];
+    let mut r0 = 0;
+    while r0 < rows {
+        let len = TILE.min(rows - r0);
+        let w0s: Vec<&[f32]> = (0..count)
+            .map(|i| &w0.col_as_slice(i)[r0..r0 + len])
+            .collect();
+        let (c, l) = blk.sweep_tile(
+            w.as_mut().subrows_mut(r0, len),
+            delta.as_mut().subrows_mut(r0, len),
+            &w0s,
+            r0,
+            &mut scratch,
+        );
+        for i in 0..count {
+            codes[i * rows + r0..i * rows + r0 + len].copy_from_slice(&c[i * len..(i + 1) * len]);
+        }
+        loss += l;
+        r0 += len;
+    }
+    (codes, delta, loss)
+}
+
 /// What every row tile of one block shares.
 struct Block<'a> {
     count: usize,

@@ -50,12 +50,43 @@ pub fn sanitize(h: &mut Mat<f32>) -> usize {
 /// Prepares `h` (consumed) and runs the recovery loop. `module` names the input group in events.
 pub fn prepare_factor(
     backend: &dyn LinalgBackend,
-    mut h: Mat<f32>,
+    h: Mat<f32>,
     desc_act: bool,
     recovery: &RecoveryParams,
     module: &str,
     events: &dyn EventSink,
 ) -> FactorOutcome {
+    let prepared = prepare_hessian(h, desc_act, module, events);
+    match recover(backend, &prepared.h, recovery, module, events) {
+        Some((f, damp)) => FactorOutcome::Factor(PreparedFactor {
+            f,
+            perm: prepared.perm,
+            dead: prepared.dead,
+            damp,
+        }),
+        None => FactorOutcome::Exhausted,
+    }
+}
+
+/// A Hessian after [`prepare_hessian`]: what every factorisation attempt starts from.
+#[derive(Clone, Debug)]
+pub struct PreparedHessian {
+    /// Sanitised, dead diagonal entries set to one, permuted into sweep order when act-order is on.
+    pub h: Mat<f32>,
+    /// See [`PreparedFactor::perm`].
+    pub perm: Option<Vec<usize>>,
+    /// See [`PreparedFactor::dead`].
+    pub dead: Vec<bool>,
+}
+
+/// The part of [`prepare_factor`] before the recovery loop: non-finite entries replaced (with an event),
+/// dead columns marked, act-order permutation applied.
+pub fn prepare_hessian(
+    mut h: Mat<f32>,
+    desc_act: bool,
+    module: &str,
+    events: &dyn EventSink,
+) -> PreparedHessian {
     let n = h.nrows();
     let replaced = sanitize(&mut h);
     if replaced > 0 {
@@ -91,15 +122,7 @@ pub fn prepare_factor(
     } else {
         None
     };
-    match recover(backend, &h, recovery, module, events) {
-        Some((f, damp)) => FactorOutcome::Factor(PreparedFactor {
-            f,
-            perm,
-            dead,
-            damp,
-        }),
-        None => FactorOutcome::Exhausted,
-    }
+    PreparedHessian { h, perm, dead }
 }
 
 /// The damp sweep, then the diagonal-floor attempts. Returns `(sweep factor, damp)`. `h` is only read: every
@@ -116,14 +139,40 @@ pub fn recover(
         return None;
     }
     let diag: Vec<f32> = (0..n).map(|i| h[(i, i)]).collect();
-    let mean = (diag.iter().map(|&d| d as f64).sum::<f64>() / n as f64) as f32;
     let mut work = SweepFactor::new(n);
+    let outcome = recover_with(&diag, rp, module, events, |d| {
+        Ok::<bool, std::convert::Infallible>(backend.sweep_factor(h.as_ref(), d, &mut work))
+    });
+    match outcome {
+        Ok(Some(damp)) => Some((work, damp)),
+        Ok(None) => None,
+        Err(never) => match never {},
+    }
+}
+
+/// The recovery loop itself, for any factorisation routine: `attempt(diagonal)` factors the prepared Hessian
+/// with that diagonal (its off-diagonal part is the attempt's business: host memory for the CPU, device memory
+/// for a GPU session) and says whether the factor is usable. Returns the damp that succeeded (0 for a floor),
+/// `None` when every attempt failed, and the first error of `attempt` (a device failure, not a numerical one)
+/// as it is.
+pub fn recover_with<E>(
+    diag: &[f32],
+    rp: &RecoveryParams,
+    module: &str,
+    events: &dyn EventSink,
+    mut factor_attempt: impl FnMut(&[f32]) -> Result<bool, E>,
+) -> Result<Option<f32>, E> {
+    let n = diag.len();
+    if n == 0 {
+        return Ok(None);
+    }
+    let mean = (diag.iter().map(|&d| d as f64).sum::<f64>() / n as f64) as f32;
     let mut attempt_diag = vec![0f32; n];
-    let mut try_factor = |work: &mut SweepFactor, f: &dyn Fn(usize) -> f32| -> bool {
+    let mut try_factor = |f: &dyn Fn(usize) -> f32| -> Result<bool, E> {
         for (i, d) in attempt_diag.iter_mut().enumerate() {
             *d = f(i);
         }
-        backend.sweep_factor(h.as_ref(), &attempt_diag, work)
+        factor_attempt(&attempt_diag)
     };
 
     // Attempt 0: damp sweep from damp_percent in steps of damp_auto_increment while damp < 1.
@@ -131,7 +180,7 @@ pub fn recover(
     let mut failed_any = false;
     loop {
         let add = damp * mean;
-        if try_factor(&mut work, &|i| diag[i] + add) {
+        if try_factor(&|i| diag[i] + add)? {
             if failed_any {
                 events.emit(
                     names::HESSIAN_RECOVERY,
@@ -143,7 +192,7 @@ pub fn recover(
                     ]),
                 );
             }
-            return Some((work, damp));
+            return Ok(Some(damp));
         }
         failed_any = true;
         events.emit(
@@ -171,9 +220,7 @@ pub fn recover(
     };
     for attempt in 1..=rp.max_floor_attempts {
         let floor = base * rp.floor_multiplier.powi(attempt as i32 - 1);
-        let ok = floor.is_finite()
-            && floor > 0.0
-            && try_factor(&mut work, &|i| (diag[i] + floor).max(floor));
+        let ok = floor.is_finite() && floor > 0.0 && try_factor(&|i| (diag[i] + floor).max(floor))?;
         events.emit(
             names::HESSIAN_RECOVERY,
             fields([
@@ -184,7 +231,7 @@ pub fn recover(
             ]),
         );
         if ok {
-            return Some((work, 0.0));
+            return Ok(Some(0.0));
         }
     }
     events.emit(
@@ -195,5 +242,5 @@ pub fn recover(
             ("result", json!("exhausted")),
         ]),
     );
-    None
+    Ok(None)
 }

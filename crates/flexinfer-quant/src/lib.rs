@@ -3,6 +3,7 @@
 //! The pieces, bottom-up: [`quantizer`] (min/max grid), [`linalg`] (device interface + faer CPU backend),
 //! [`hessian`] (preparation + recovery loop), [`gptq`] (column sweep, RTN), [`pack`] (gptq checkpoint packing).
 
+pub mod device;
 pub mod error;
 pub mod events;
 pub mod gptq;

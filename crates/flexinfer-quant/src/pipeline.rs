@@ -3,15 +3,12 @@
 
 use crate::cache::{LayerCache, LayerStats};
 use crate::calib::{load_samples_counted, CalibSettings};
+use crate::device::{solve_with_fallback, Device, Session, SolveSpec};
 use crate::error::{QuantError, Result};
 use crate::events::{fields, EventSink};
 use crate::exclusion::Exclusion;
 use crate::fsutil::{read_json, sha256_file, sha256_hex};
-use crate::gptq::{
-    dequantize_weight, gptq_quantize_in, rtn_quantize, Method, QuantizedLinear, Workspace,
-};
-use crate::hessian::{prepare_factor, FactorOutcome};
-use crate::linalg::LinalgBackend;
+use crate::gptq::{dequantize_weight, rtn_quantize, Method, QuantizedLinear};
 use crate::llama::{
     attention, attention_delta, embed, layer_forward, mlp_activation, mlp_output, rms_norm,
     scale_layer_output, Rope, Stage, STAGES,
@@ -406,44 +403,43 @@ pub fn release_free_memory() {
 }
 
 /// Factorises one input group's Hessian and quantizes its active modules (GPTQ, or RTN when the recovery
-/// loop is exhausted); the quantized weights replace the f32 ones in `lw` for the stages after it.
+/// loop is exhausted) in one device session (`session` holds the accumulated Hessian); the quantized weights
+/// replace the f32 ones in `lw` for the stages after it.
 #[allow(clippy::too_many_arguments)]
 fn solve_group(
     job: &QuantizeJob,
-    backend: &dyn LinalgBackend,
+    device: &dyn Device,
     events: &dyn EventSink,
-    mut h: Mat<f32>,
+    mut session: Box<dyn Session + '_>,
     lw: &mut LayerWeights,
     active: &[usize],
     names: &[String],
     results: &mut [Option<QuantizedLinear>],
 ) -> Result<()> {
-    // The per-sample stage inputs are gone: hand their memory back before the factorisation.
-    release_free_memory();
-    backend.finish_hessian(h.as_mut());
-    let outcome = prepare_factor(
-        backend,
-        h,
-        job.params.desc_act,
-        &job.recovery,
-        &names.join(","),
-        events,
-    );
-    // The Hessian was consumed by the factorisation: hand its memory back before the sweep.
-    release_free_memory();
-    // The solver's buffers, shared by the modules of this input group (q/k/v, gate/up) and dropped with it,
-    // so they do not stay resident through the next stages' forward passes.
-    let mut workspace = Workspace::default();
-    for &i in active {
-        let missing = || QuantError::Numeric(format!("module index {i} of {}", names.join(",")));
-        let w = &lw.module(i).ok_or_else(missing)?.w;
-        let q = match &outcome {
-            FactorOutcome::Factor(f) => {
-                gptq_quantize_in(&mut workspace, backend, w, f, &job.params)
-            }
-            FactorOutcome::Exhausted => rtn_quantize(w, &job.params),
-        };
-        lw.module_mut(i).ok_or_else(missing)?.w = dequantize_weight(&q);
+    let missing =
+        |i: usize| QuantError::Numeric(format!("module index {i} of {}", names.join(",")));
+    let module = names.join(",");
+    let spec = SolveSpec {
+        params: &job.params,
+        recovery: &job.recovery,
+        module: &module,
+    };
+    let quantized = {
+        let weights = active
+            .iter()
+            .map(|&i| lw.module(i).map(|l| &l.w).ok_or_else(|| missing(i)))
+            .collect::<Result<Vec<_>>>()?;
+        solve_with_fallback(
+            &device.describe(),
+            session.as_mut(),
+            &weights,
+            &spec,
+            events,
+        )?
+    };
+    drop(session);
+    for (&i, q) in active.iter().zip(quantized) {
+        lw.module_mut(i).ok_or_else(|| missing(i))?.w = dequantize_weight(&q);
         results[i] = Some(q);
     }
     lw.sync_tied();
@@ -454,7 +450,7 @@ fn solve_group(
 /// What the expert loop of one MoE layer needs.
 struct ExpertCtx<'a> {
     job: &'a QuantizeJob,
-    backend: &'a dyn LinalgBackend,
+    device: &'a dyn Device,
     events: &'a dyn EventSink,
     cfg: &'a ModelConfig,
     moe: &'a MoeConfig,
@@ -548,24 +544,16 @@ fn quantize_experts(
         let name = |i: usize| format!("{}{}", ctx.prefix, ctx.specs[i].name);
         if !gate_up.is_empty() {
             let cols = cfg.hidden_size;
-            let mut h = Mat::<f32>::zeros(cols, cols);
+            let mut h = ctx.device.open(cols)?;
             for s in 0..hidden.len() {
                 let a = rows_of(s);
                 if a.nrows() > 0 {
-                    ctx.backend
-                        .accumulate_hessian(h.as_mut(), a.as_ref(), alpha);
+                    h.accumulate(a.as_ref(), alpha)?;
                 }
             }
             let names: Vec<String> = gate_up.iter().map(|&i| name(i)).collect();
             solve_group(
-                ctx.job,
-                ctx.backend,
-                ctx.events,
-                h,
-                lw,
-                &gate_up,
-                &names,
-                results,
+                ctx.job, ctx.device, ctx.events, h, lw, &gate_up, &names, results,
             )?;
         }
         if !down.is_empty() {
@@ -574,25 +562,17 @@ fn quantize_experts(
                 _ => return Err(QuantError::Numeric(format!("{}: expert {e}", ctx.prefix))),
             };
             let cols = g.w.nrows();
-            let mut h = Mat::<f32>::zeros(cols, cols);
+            let mut h = ctx.device.open(cols)?;
             for s in 0..hidden.len() {
                 let a = rows_of(s);
                 if a.nrows() > 0 {
                     let act = gated(g, u, a.as_ref(), m.spec.act);
-                    ctx.backend
-                        .accumulate_hessian(h.as_mut(), act.as_ref(), alpha);
+                    h.accumulate(act.as_ref(), alpha)?;
                 }
             }
             let names: Vec<String> = down.iter().map(|&i| name(i)).collect();
             solve_group(
-                ctx.job,
-                ctx.backend,
-                ctx.events,
-                h,
-                lw,
-                &down,
-                &names,
-                results,
+                ctx.job, ctx.device, ctx.events, h, lw, &down, &names, results,
             )?;
         }
     }
@@ -656,11 +636,7 @@ impl ExpertCoverage {
     }
 }
 
-pub fn run(
-    job: &QuantizeJob,
-    backend: &dyn LinalgBackend,
-    events: &dyn EventSink,
-) -> Result<Outcome> {
+pub fn run(job: &QuantizeJob, device: &dyn Device, events: &dyn EventSink) -> Result<Outcome> {
     let started = Instant::now();
     job.params.validate()?;
     job.recovery.validate()?;
@@ -763,7 +739,7 @@ pub fn run(
         format!(
             "{} samples, {n_tokens} tokens, backend {}{}",
             samples.len(),
-            backend.name(),
+            device.describe(),
             if skipped > 0 {
                 format!(", {skipped} samples skipped (bytes the tokenizer vocabulary lacks)")
             } else {
@@ -874,10 +850,12 @@ pub fn run(
                     })
                     .collect();
                 let cols = group.first().map_or(0, |&g| lw.linears[g].w.ncols());
-                let mut h = Mat::<f32>::zeros(
-                    if active.is_empty() { 0 } else { cols },
-                    if active.is_empty() { 0 } else { cols },
-                );
+                // The group's device session (its Hessian); none when every module of the group is excluded.
+                let mut h = if active.is_empty() {
+                    None
+                } else {
+                    Some(device.open(cols)?)
+                };
                 // Up to `batch` samples' activations are stacked into one product (bounded memory, better GEMM).
                 for chunk in hidden.chunks_mut(batch) {
                     let mut acts: Vec<Mat<f32>> = Vec::with_capacity(chunk.len());
@@ -910,11 +888,11 @@ pub fn run(
                             acts.push(a);
                         }
                     }
-                    if active.is_empty() {
+                    let Some(h) = h.as_mut() else {
                         continue;
-                    }
+                    };
                     if let [one] = acts.as_slice() {
-                        backend.accumulate_hessian(h.as_mut(), one.as_ref(), 2.0 / n_tokens as f32);
+                        h.accumulate(one.as_ref(), 2.0 / n_tokens as f32)?;
                         continue;
                     }
                     let rows: usize = acts.iter().map(|a| a.nrows()).sum();
@@ -924,22 +902,22 @@ pub fn run(
                         stacked.subrows_mut(r0, a.nrows()).copy_from(&a);
                         r0 += a.nrows();
                     }
-                    backend.accumulate_hessian(h.as_mut(), stacked.as_ref(), 2.0 / n_tokens as f32);
+                    h.accumulate(stacked.as_ref(), 2.0 / n_tokens as f32)?;
                 }
                 release_free_memory();
                 if *stage == Stage::GateUp {
                     hidden_is_x1 = true;
                 }
-                if active.is_empty() {
+                let Some(h) = h else {
                     continue;
-                }
+                };
                 let names: Vec<String> = active
                     .iter()
                     .map(|&i| format!("{prefix}{}", specs[i].name))
                     .collect();
                 solve_group(
                     job,
-                    backend,
+                    device,
                     events,
                     h,
                     &mut lw,
@@ -957,7 +935,7 @@ pub fn run(
             if let Some(m) = &sparse {
                 let ctx = ExpertCtx {
                     job,
-                    backend,
+                    device,
                     events,
                     cfg: &cfg,
                     moe: m,

@@ -1,5 +1,6 @@
 //! `flexinfer-worker quantize`: the GPTQ phase (docs/dev/architecture.md §2, docs/dev/gptq.md). Reads the env contract (every setting is also a
-//! flag; flags win), runs the `flexinfer-quant` engine on the CPU backend, streams JSON-line events, writes the
+//! flag; flags win), runs the `flexinfer-quant` engine on the device `GPTQ_DEVICE` selects (today always the
+//! CPU backend: see docs/dev/gptq-device.md), streams JSON-line events, writes the
 //! termination message, and exits 0 ok / 1 failure / 2 bad input / 3 quality gate / 4 version mismatch.
 
 use std::path::{Path, PathBuf};
@@ -8,8 +9,8 @@ use flexinfer_contract::{
     self as contract, env, events, JobPhase, ProgressEvent, TerminationSuccess,
 };
 use flexinfer_quant::calib::CalibSettings;
+use flexinfer_quant::device::{select_device, Device, SystemPlatform};
 use flexinfer_quant::events::EventSink;
-use flexinfer_quant::linalg::CpuBackend;
 use flexinfer_quant::params::{FloorMode, GateParams, GptqParams, RecoveryParams};
 use flexinfer_quant::pipeline::{self, QuantizeJob};
 use flexinfer_quant::QuantError;
@@ -67,6 +68,10 @@ pub struct QuantizeArgs {
     /// Informational on the CPU backend (recorded in the start event).
     #[arg(long, env = env::MAX_MEMORY_GB)]
     pub max_memory_gb: Option<f64>,
+    /// Where the GPTQ solve runs: `auto` (HIP, else CUDA, else CPU), `cpu`, `hip`, `cuda`. An explicit GPU that
+    /// cannot be used is bad configuration (exit 2).
+    #[arg(long, env = env::GPTQ_DEVICE, default_value = "auto")]
+    pub gptq_device: String,
     #[arg(long, env = env::GPU_VRAM_MB)]
     pub gpu_vram_mb: Option<u64>,
     #[arg(long, env = env::GPU_MEMORY_FRACTION)]
@@ -253,9 +258,20 @@ fn run_inner(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess,
         }),
     );
     let job = job_from_args(args)?;
+    let selection = select_device(
+        Some(args.gptq_device.as_str()),
+        &SystemPlatform,
+        &WorkerSink(events),
+    )
+    .map_err(|e| bad(e.to_string()))?;
+    events.log(&format!(
+        "GPTQ device: {} ({})",
+        selection.device.describe(),
+        selection.reason
+    ));
     // One writer per output directory (a replaced Job's pod may still be running).
     let _lock = crate::generations::lock_output(&args.out_dir, events)?;
-    let result = run_locked(args, &job, events);
+    let result = run_locked(args, &job, selection.device.as_ref(), events);
     if result.is_ok() {
         crate::generations::collect_garbage(
             &args.out_dir,
@@ -269,10 +285,11 @@ fn run_inner(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess,
 fn run_locked(
     args: &QuantizeArgs,
     job: &QuantizeJob,
+    device: &dyn Device,
     events: &Events,
 ) -> Result<TerminationSuccess, WorkerError> {
     let sink = WorkerSink(events);
-    let outcome = match pipeline::run(job, &CpuBackend::default(), &sink) {
+    let outcome = match pipeline::run(job, device, &sink) {
         Ok(o) => o,
         Err(QuantError::TestAbort(layer)) => {
             events.log(&format!("test hook: aborting after layer {layer}"));

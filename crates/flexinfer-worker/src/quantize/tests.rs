@@ -141,6 +141,34 @@ fn bad_input_exits_2_and_success_reports_sizes_and_quality() {
 }
 
 #[test]
+fn gptq_device_cuda_without_a_usable_device_exits_2_and_auto_runs_on_the_cpu() {
+    let f = fixture();
+    // This build has no GPU session, so an explicit GPU is refused on every machine (with or without one).
+    for dev in ["cuda", "hip"] {
+        let mut a = f.args.clone();
+        a.gptq_device = dev.into();
+        let e = run_inner(&a, &Events::new("quantization")).expect_err(dev);
+        assert_eq!(e.exit_code(), 2, "{e}");
+        let m = e.to_string();
+        assert!(
+            m.contains(&format!("GPTQ_DEVICE={dev}")) && m.contains("GPTQ_DEVICE=cpu or auto"),
+            "{m}"
+        );
+    }
+    let mut bad = f.args.clone();
+    bad.gptq_device = "tpu".into();
+    let e = run_inner(&bad, &Events::new("quantization")).expect_err("tpu");
+    assert_eq!(e.exit_code(), 2);
+    assert!(
+        e.to_string().contains("expected auto, cpu, hip or cuda"),
+        "{e}"
+    );
+    assert!(!f.args.out_dir.exists());
+    assert_eq!(parse(&[]).gptq_device, "auto");
+    assert_eq!(parse(&["--gptq-device", "cpu"]).gptq_device, "cpu");
+}
+
+#[test]
 fn rtn_share_over_the_limit_exits_3() {
     let mut f = fixture();
     f.args.max_samples = 1;

@@ -1,0 +1,153 @@
+/*
+ * GPTQ device kernels, one source for CUDA (compiled at run time by NVRTC) and HIP (same dialect). With
+ * GPTQ_HOST defined it is also plain C: kernels/host_harness.c includes it and runs each launch on host
+ * threads (one per device thread, a barrier for __syncthreads), so tests/kernels.rs checks these exact
+ * kernels against the CPU backend without a GPU (docs/dev/gptq-device.md).
+ *
+ * Layout: every matrix is column-major with a leading dimension `ld*` (floats between columns), as the
+ * engine's faer matrices are. Indices that can exceed 2^31 are computed in long long.
+ *
+ * Rounding: the in-block sweep must give the CPU backend's bits (crates/flexinfer-quant/src/gptq.rs,
+ * TileKernel): every product and sum is rounded on its own (GPTQ_MUL/GPTQ_ADD: __fmul_rn/__fadd_rn on the
+ * device, which the compiler never fuses into an FMA). The Hessian and block-update GEMMs may contract
+ * (their summation order differs from faer's anyway; the tests state the tolerance).
+ *
+ * Cholesky of the reversed Hessian is left to the vendor solver (cuSOLVER / rocSOLVER potrf, loaded at run
+ * time) and is not in this file.
+ */
+
+#ifndef GPTQ_HOST
+#define GPTQ_KERNEL extern "C" __global__
+#define GPTQ_MUL(a, b) __fmul_rn((a), (b))
+#define GPTQ_ADD(a, b) __fadd_rn((a), (b))
+#define GPTQ_SUB(a, b) __fsub_rn((a), (b))
+#define GPTQ_DIV(a, b) __fdiv_rn((a), (b))
+#endif
+
+/* Edge of the square thread blocks of the GEMM-like kernels (block = GPTQ_TILE x GPTQ_TILE threads). */
+#define GPTQ_TILE 16
+/* Largest in-block column count of the sweep kernel (the engine's block size is 128). */
+#define GPTQ_MAX_BLOCK 128
+/* Threads per block of the sweep kernel (one thread per row). */
+#define GPTQ_SWEEP_THREADS 128
+
+/*
+ * H += alpha * X^T X on the lower triangle (diagonal included) of the n x n matrix H (ldh); X is tokens x n
+ * (ldx), one calibration batch. Grid (ceil(n/16), ceil(n/16)), block (16, 16): block (bx, by) owns the tile of
+ * rows by*16.. and columns bx*16..; tiles wholly above the diagonal return at once (the whole block, before
+ * any barrier). Each step stages 16 tokens of the tile's row and column features in shared memory, loaded
+ * along the token axis (contiguous in X).
+ */
+GPTQ_KERNEL void gptq_hessian_lower(float *h, int ldh, const float *x, int ldx, int tokens, int n,
+                                    float alpha)
+{
+    __shared__ float xa[GPTQ_TILE][GPTQ_TILE + 1]; /* xa[k][c] = X[t0 + k, row0 + c] */
+    __shared__ float xb[GPTQ_TILE][GPTQ_TILE + 1]; /* xb[k][c] = X[t0 + k, col0 + c] */
+    int bx = blockIdx.x, by = blockIdx.y;
+    if (bx > by)
+        return;
+    int tx = threadIdx.x, ty = threadIdx.y;
+    int row0 = by * GPTQ_TILE, col0 = bx * GPTQ_TILE;
+    int i = row0 + ty, j = col0 + tx;
+    float acc = 0.0f;
+    for (int t0 = 0; t0 < tokens; t0 += GPTQ_TILE) {
+        int t = t0 + tx;
+        int fa = row0 + ty, fb = col0 + ty;
+        xa[tx][ty] = (t < tokens && fa < n) ? x[(long long)fa * ldx + t] : 0.0f;
+        xb[tx][ty] = (t < tokens && fb < n) ? x[(long long)fb * ldx + t] : 0.0f;
+        __syncthreads();
+        for (int k = 0; k < GPTQ_TILE; ++k)
+            acc += xa[k][ty] * xb[k][tx];
+        __syncthreads();
+    }
+    if (i < n && j < n && i >= j)
+        h[(long long)j * ldh + i] += alpha * acc;
+}
+
+/*
+ * Copies the strict lower triangle of the n x n matrix H (ldh) into the upper one (finish_hessian).
+ * Grid (ceil(n/16), ceil(n/16)), block (16, 16); thread (tx, ty) of block (bx, by) handles H[i, j] with
+ * i = by*16 + tx (contiguous reads) and j = bx*16 + ty.
+ */
+GPTQ_KERNEL void gptq_mirror_lower(float *h, int ldh, int n)
+{
+    int i = blockIdx.y * GPTQ_TILE + threadIdx.x;
+    int j = blockIdx.x * GPTQ_TILE + threadIdx.y;
+    if (i < n && j < n && i > j)
+        h[(long long)i * ldh + j] = h[(long long)j * ldh + i];
+}
+
+/*
+ * The lazy-batch block update W += D * F: W is rows x cols (ldw), D is rows x k (ldd), and F(u, c) is at
+ * f[u * f_rs + c * f_cs] (signed strides, so the sweep factor can be read through its reversed view).
+ * Grid (ceil(cols/16), ceil(rows/16)), block (16, 16); thread x runs along rows (contiguous in W and D).
+ */
+GPTQ_KERNEL void gptq_block_update(float *w, int ldw, const float *d, int ldd, const float *f,
+                                   long long f_rs, long long f_cs, int rows, int k, int cols)
+{
+    __shared__ float ds[GPTQ_TILE][GPTQ_TILE + 1]; /* ds[r][u] = D[row0 + r, u0 + u] */
+    __shared__ float fs[GPTQ_TILE][GPTQ_TILE + 1]; /* fs[u][c] = F[u0 + u, col0 + c] */
+    int tx = threadIdx.x, ty = threadIdx.y;
+    int row0 = blockIdx.y * GPTQ_TILE, col0 = blockIdx.x * GPTQ_TILE;
+    int r = row0 + tx, c = col0 + ty;
+    float acc = 0.0f;
+    for (int u0 = 0; u0 < k; u0 += GPTQ_TILE) {
+        int ud = u0 + ty, uf = u0 + tx;
+        ds[tx][ty] = (r < rows && ud < k) ? d[(long long)ud * ldd + r] : 0.0f;
+        fs[tx][ty] = (uf < k && c < cols) ? f[(long long)uf * f_rs + (long long)c * f_cs] : 0.0f;
+        __syncthreads();
+        for (int u = 0; u < GPTQ_TILE; ++u)
+            acc += ds[tx][u] * fs[u][ty];
+        __syncthreads();
+    }
+    if (r < rows && c < cols)
+        w[(long long)c * ldw + r] += acc;
+}
+
+/*
+ * The in-block column sweep of one block of `count` columns (count <= GPTQ_MAX_BLOCK), one thread per row,
+ * columns in order; the same values as gptq.rs's TileKernel to the bit.
+ *   w      the block's columns of the working W as the block starts (ldw); read only
+ *   w0     the same columns of W before the sweep (ld0): deltas are W0 - Q (see linalg.rs)
+ *   d      out: W0 - Q per column (ldd), 0 for a column without group parameters
+ *   codes  out: column i of the block at codes[i * ldq + r]
+ *   coef   count x count row-major sweep coefficients, coef[i * count + j] used for j > i
+ *   rdiag2 R_ii^2 per column (turns a squared error into its loss)
+ *   param  index of each column's group parameters in scale/zero (p * rows + r); -1 for none
+ *   acc    out: per row, the sum over the block of (w~ - q)^2 * R_ii^2 (the host halves and sums it)
+ * Grid ceil(rows / GPTQ_SWEEP_THREADS), block GPTQ_SWEEP_THREADS.
+ */
+GPTQ_KERNEL void gptq_sweep_block(const float *w, int ldw, const float *w0, int ld0, float *d, int ldd,
+                                  unsigned char *codes, int ldq, const float *coef, const float *rdiag2,
+                                  const int *param, const float *scale, const float *zero, int rows,
+                                  int count, float maxq, float *acc)
+{
+    int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows || count > GPTQ_MAX_BLOCK)
+        return;
+    float x[GPTQ_MAX_BLOCK];
+    for (int i = 0; i < count; ++i)
+        x[i] = w[(long long)i * ldw + r];
+    float a = 0.0f;
+    for (int i = 0; i < count; ++i) {
+        float dl = 0.0f;
+        unsigned char code = 0;
+        int p = param[i];
+        if (p >= 0) {
+            float s = scale[(long long)p * rows + r];
+            float z = zero[(long long)p * rows + r];
+            /* quantizer.rs quantize_code: clamp(round_ties_even(x / s) + z, 0, maxq); NaN gives 0. */
+            float q = fminf(fmaxf(GPTQ_ADD(rintf(GPTQ_DIV(x[i], s)), z), 0.0f), maxq);
+            float dq = GPTQ_MUL(s, GPTQ_SUB(q, z));
+            float diff = GPTQ_SUB(x[i], dq);
+            a = GPTQ_ADD(a, GPTQ_MUL(GPTQ_MUL(diff, diff), rdiag2[i]));
+            dl = GPTQ_SUB(w0[(long long)i * ld0 + r], dq);
+            code = (unsigned char)q;
+        }
+        codes[(long long)i * ldq + r] = code;
+        d[(long long)i * ldd + r] = dl;
+        for (int j = i + 1; j < count; ++j)
+            x[j] = GPTQ_ADD(x[j], GPTQ_MUL(dl, coef[i * count + j]));
+    }
+    acc[r] = a;
+}

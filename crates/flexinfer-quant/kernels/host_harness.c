@@ -1,0 +1,204 @@
+/*
+ * Runs the kernels of gptq.cu on the host, for tests/kernels.rs (no GPU needed): the file is included as
+ * C with GPTQ_HOST, and each launch runs every block in turn with one host thread per device thread.
+ * __syncthreads is a barrier over the block's threads, __shared__ arrays are static (one block runs at a
+ * time, so they are the block's shared memory), threadIdx/blockIdx are thread-local. Products and sums are
+ * plain C operations; the test build passes -ffp-contract=off so none is fused, like __fmul_rn/__fadd_rn.
+ *
+ * Build (the test does this): cc -std=c11 -O2 -ffp-contract=off -fPIC -shared -pthread host_harness.c -lm
+ * Each exported gptq_host_* function returns 0, or -1 when a thread could not be started.
+ */
+#define GPTQ_HOST 1
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+
+typedef struct {
+    int x, y, z;
+} gptq_dim3;
+
+static _Thread_local gptq_dim3 threadIdx, blockIdx;
+static gptq_dim3 blockDim, gridDim;
+static pthread_barrier_t gptq_barrier;
+/* One launch at a time in the process: the barrier, the shared arrays and blockDim are global. */
+static pthread_mutex_t gptq_launch_lock = PTHREAD_MUTEX_INITIALIZER;
+
+#define __syncthreads() pthread_barrier_wait(&gptq_barrier)
+#define __shared__ static
+#define GPTQ_KERNEL static
+#define GPTQ_MUL(a, b) ((a) * (b))
+#define GPTQ_ADD(a, b) ((a) + (b))
+#define GPTQ_SUB(a, b) ((a) - (b))
+#define GPTQ_DIV(a, b) ((a) / (b))
+
+#include "gptq.cu"
+
+typedef void (*gptq_body)(void *args);
+
+struct thread_ctx {
+    gptq_dim3 tid, bid;
+    gptq_body body;
+    void *args;
+};
+
+static void *thread_main(void *p)
+{
+    struct thread_ctx *c = (struct thread_ctx *)p;
+    threadIdx = c->tid;
+    blockIdx = c->bid;
+    c->body(c->args);
+    return NULL;
+}
+
+/* Emulated launch: blocks one after another, each block's threads concurrently. */
+static int launch(gptq_dim3 grid, gptq_dim3 block, gptq_body body, void *args)
+{
+    int nt = block.x * block.y * block.z;
+    pthread_t *th = (pthread_t *)calloc((size_t)nt, sizeof(pthread_t));
+    struct thread_ctx *ctx = (struct thread_ctx *)calloc((size_t)nt, sizeof(struct thread_ctx));
+    int rc = 0;
+    if (!th || !ctx) {
+        free(th);
+        free(ctx);
+        return -1;
+    }
+    pthread_mutex_lock(&gptq_launch_lock);
+    gridDim = grid;
+    blockDim = block;
+    for (int bz = 0; bz < grid.z && rc == 0; ++bz)
+        for (int by = 0; by < grid.y && rc == 0; ++by)
+            for (int bx = 0; bx < grid.x && rc == 0; ++bx) {
+                int started = 0;
+                pthread_barrier_init(&gptq_barrier, NULL, (unsigned)nt);
+                for (int tz = 0; tz < block.z; ++tz)
+                    for (int ty = 0; ty < block.y; ++ty)
+                        for (int tx = 0; tx < block.x; ++tx) {
+                            struct thread_ctx *c = &ctx[started];
+                            c->tid.x = tx;
+                            c->tid.y = ty;
+                            c->tid.z = tz;
+                            c->bid.x = bx;
+                            c->bid.y = by;
+                            c->bid.z = bz;
+                            c->body = body;
+                            c->args = args;
+                            if (pthread_create(&th[started], NULL, thread_main, c) != 0) {
+                                rc = -1;
+                                break;
+                            }
+                            ++started;
+                        }
+                /* A block whose threads could not all start would wait at its barrier for ever. */
+                if (rc != 0)
+                    abort();
+                for (int t = 0; t < started; ++t)
+                    pthread_join(th[t], NULL);
+                pthread_barrier_destroy(&gptq_barrier);
+            }
+    pthread_mutex_unlock(&gptq_launch_lock);
+    free(th);
+    free(ctx);
+    return rc;
+}
+
+static int cdiv(int a, int b) { return (a + b - 1) / b; }
+
+struct hessian_args {
+    float *h;
+    int ldh;
+    const float *x;
+    int ldx, tokens, n;
+    float alpha;
+};
+
+static void hessian_body(void *p)
+{
+    struct hessian_args *a = (struct hessian_args *)p;
+    gptq_hessian_lower(a->h, a->ldh, a->x, a->ldx, a->tokens, a->n, a->alpha);
+}
+
+int gptq_host_hessian_lower(float *h, int ldh, const float *x, int ldx, int tokens, int n, float alpha)
+{
+    struct hessian_args a = {h, ldh, x, ldx, tokens, n, alpha};
+    gptq_dim3 grid = {cdiv(n, GPTQ_TILE), cdiv(n, GPTQ_TILE), 1}, block = {GPTQ_TILE, GPTQ_TILE, 1};
+    return launch(grid, block, hessian_body, &a);
+}
+
+struct mirror_args {
+    float *h;
+    int ldh, n;
+};
+
+static void mirror_body(void *p)
+{
+    struct mirror_args *a = (struct mirror_args *)p;
+    gptq_mirror_lower(a->h, a->ldh, a->n);
+}
+
+int gptq_host_mirror_lower(float *h, int ldh, int n)
+{
+    struct mirror_args a = {h, ldh, n};
+    gptq_dim3 grid = {cdiv(n, GPTQ_TILE), cdiv(n, GPTQ_TILE), 1}, block = {GPTQ_TILE, GPTQ_TILE, 1};
+    return launch(grid, block, mirror_body, &a);
+}
+
+struct update_args {
+    float *w;
+    int ldw;
+    const float *d;
+    int ldd;
+    const float *f;
+    long long f_rs, f_cs;
+    int rows, k, cols;
+};
+
+static void update_body(void *p)
+{
+    struct update_args *a = (struct update_args *)p;
+    gptq_block_update(a->w, a->ldw, a->d, a->ldd, a->f, a->f_rs, a->f_cs, a->rows, a->k, a->cols);
+}
+
+int gptq_host_block_update(float *w, int ldw, const float *d, int ldd, const float *f, long long f_rs,
+                           long long f_cs, int rows, int k, int cols)
+{
+    struct update_args a = {w, ldw, d, ldd, f, f_rs, f_cs, rows, k, cols};
+    gptq_dim3 grid = {cdiv(cols, GPTQ_TILE), cdiv(rows, GPTQ_TILE), 1}, block = {GPTQ_TILE, GPTQ_TILE, 1};
+    return launch(grid, block, update_body, &a);
+}
+
+struct sweep_args {
+    const float *w;
+    int ldw;
+    const float *w0;
+    int ld0;
+    float *d;
+    int ldd;
+    unsigned char *codes;
+    int ldq;
+    const float *coef, *rdiag2;
+    const int *param;
+    const float *scale, *zero;
+    int rows, count;
+    float maxq;
+    float *acc;
+};
+
+static void sweep_body(void *p)
+{
+    struct sweep_args *a = (struct sweep_args *)p;
+    gptq_sweep_block(a->w, a->ldw, a->w0, a->ld0, a->d, a->ldd, a->codes, a->ldq, a->coef, a->rdiag2, a->param,
+                     a->scale, a->zero, a->rows, a->count, a->maxq, a->acc);
+}
+
+int gptq_host_sweep_block(const float *w, int ldw, const float *w0, int ld0, float *d, int ldd,
+                          unsigned char *codes, int ldq, const float *coef, const float *rdiag2, const int *param,
+                          const float *scale, const float *zero, int rows, int count, float maxq, float *acc)
+{
+    struct sweep_args a = {w, ldw, w0, ld0, d, ldd, codes, ldq, coef, rdiag2, param, scale, zero, rows, count, maxq, acc};
+    gptq_dim3 grid = {cdiv(rows, GPTQ_SWEEP_THREADS), 1, 1}, block = {GPTQ_SWEEP_THREADS, 1, 1};
+    return launch(grid, block, sweep_body, &a);
+}
+
+/* The kernels' block geometry, so the test can check it against what it assumes. */
+int gptq_host_max_block(void) { return GPTQ_MAX_BLOCK; }

@@ -1,0 +1,619 @@
+//! The device-resident solve interface (`flexinfer_quant::device`): the session path gives the old
+//! per-operation path's bytes; device failures drive reset/retry and the CPU fallback with events; a whole
+//! quantize run through a device; `GPTQ_DEVICE` selection.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
+
+use faer::Mat;
+use flexinfer_quant::device::fake::{FakeDevice, Faults};
+use flexinfer_quant::device::{
+    select_device, solve_with_fallback, Device, DeviceKind, GpuInfo, Platform, SolveSpec,
+    SystemPlatform, MAX_DEVICE_RESETS,
+};
+use flexinfer_quant::events::{EventSink, MemorySink};
+use flexinfer_quant::gptq::{gptq_quantize_in, rtn_quantize, QuantizedLinear, Workspace};
+use flexinfer_quant::hessian::{prepare_factor, FactorOutcome};
+use flexinfer_quant::linalg::{CpuBackend, LinalgBackend};
+use flexinfer_quant::params::{GptqParams, RecoveryParams};
+use flexinfer_quant::QuantError;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+fn random(rows: usize, cols: usize, seed: u64) -> Mat<f32> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    Mat::from_fn(rows, cols, |_, _| rng.random_range(-1.0f32..1.0))
+}
+
+/// Correlated activations (low-rank signal plus noise), a dead input column, split into batches.
+fn batches(tokens: usize, n: usize, seed: u64) -> Vec<Mat<f32>> {
+    let latent = random(tokens, 8, seed);
+    let mix = random(8, n, seed + 1);
+    let noise = random(tokens, n, seed + 2);
+    let x = Mat::from_fn(tokens, n, |t, c| {
+        if c == n / 3 {
+            return 0.0;
+        }
+        let s: f32 = (0..8).map(|k| latent[(t, k)] * mix[(k, c)]).sum();
+        s + 0.1 * noise[(t, c)]
+    });
+    let step = tokens.div_ceil(3);
+    (0..tokens)
+        .step_by(step)
+        .map(|t0| x.subrows(t0, step.min(tokens - t0)).to_owned())
+        .collect()
+}
+
+struct Case {
+    rows: usize,
+    cols: usize,
+    tokens: usize,
+    params: GptqParams,
+    recovery: RecoveryParams,
+}
+
+fn cases() -> Vec<Case> {
+    let p = |bits, group_size, sym, desc_act, static_groups| GptqParams {
+        bits,
+        group_size,
+        sym,
+        desc_act,
+        static_groups,
+        block_size: 128,
+    };
+    let rp = RecoveryParams::default();
+    vec![
+        Case {
+            rows: 40,
+            cols: 96,
+            tokens: 300,
+            params: p(4, 32, false, false, false),
+            recovery: rp.clone(),
+        },
+        Case {
+            rows: 33,
+            cols: 130,
+            tokens: 200,
+            params: p(4, -1, true, true, false),
+            recovery: rp.clone(),
+        },
+        Case {
+            rows: 70,
+            cols: 256,
+            tokens: 400,
+            params: p(3, 128, false, true, true),
+            recovery: rp.clone(),
+        },
+        Case {
+            rows: 17,
+            cols: 600,
+            tokens: 700,
+            params: p(8, 64, true, true, false),
+            recovery: rp.clone(),
+        },
+        // Fewer tokens than features and no damp: the first attempts fail, the floor recovers.
+        Case {
+            rows: 24,
+            cols: 160,
+            tokens: 40,
+            params: p(4, 32, false, false, false),
+            recovery: RecoveryParams {
+                damp_percent: 0.0,
+                damp_auto_increment: 0.0,
+                ..rp.clone()
+            },
+        },
+        // Nothing can succeed: RTN for every module.
+        Case {
+            rows: 24,
+            cols: 64,
+            tokens: 10,
+            params: p(4, 32, false, false, false),
+            recovery: RecoveryParams {
+                damp_percent: 0.0,
+                damp_auto_increment: 0.0,
+                max_floor_attempts: 0,
+                ..rp
+            },
+        },
+    ]
+}
+
+/// The per-operation path the pipeline used before the device interface.
+fn old_path(c: &Case, xs: &[Mat<f32>], ws: &[Mat<f32>], sink: &MemorySink) -> Vec<QuantizedLinear> {
+    let b = CpuBackend::default();
+    let mut h = Mat::<f32>::zeros(c.cols, c.cols);
+    for x in xs {
+        b.accumulate_hessian(h.as_mut(), x.as_ref(), 2.0 / c.tokens as f32);
+    }
+    b.finish_hessian(h.as_mut());
+    let outcome = prepare_factor(&b, h, c.params.desc_act, &c.recovery, "m", sink);
+    let mut workspace = Workspace::default();
+    ws.iter()
+        .map(|w| match &outcome {
+            FactorOutcome::Factor(f) => gptq_quantize_in(&mut workspace, &b, w, f, &c.params),
+            FactorOutcome::Exhausted => rtn_quantize(w, &c.params),
+        })
+        .collect()
+}
+
+fn session_path(
+    dev: &dyn Device,
+    c: &Case,
+    xs: &[Mat<f32>],
+    ws: &[Mat<f32>],
+    sink: &MemorySink,
+) -> Result<Vec<QuantizedLinear>, QuantError> {
+    let mut s = dev.open(c.cols)?;
+    for x in xs {
+        s.accumulate(x.as_ref(), 2.0 / c.tokens as f32)?;
+    }
+    let refs: Vec<&Mat<f32>> = ws.iter().collect();
+    let spec = SolveSpec {
+        params: &c.params,
+        recovery: &c.recovery,
+        module: "m",
+    };
+    solve_with_fallback(&dev.describe(), s.as_mut(), &refs, &spec, sink)
+}
+
+fn assert_same_bytes(a: &[QuantizedLinear], b: &[QuantizedLinear], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: module count");
+    for (k, (x, y)) in a.iter().zip(b).enumerate() {
+        assert_eq!(x.method, y.method, "{what}: module {k} method");
+        assert_eq!(x.codes, y.codes, "{what}: module {k} codes");
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&x.scales),
+            bits(&y.scales),
+            "{what}: module {k} scales"
+        );
+        assert_eq!(x.zeros, y.zeros, "{what}: module {k} zeros");
+        assert_eq!(x.g_idx, y.g_idx, "{what}: module {k} g_idx");
+        assert_eq!(
+            x.loss.to_bits(),
+            y.loss.to_bits(),
+            "{what}: module {k} loss"
+        );
+        assert_eq!(
+            x.damp.to_bits(),
+            y.damp.to_bits(),
+            "{what}: module {k} damp"
+        );
+    }
+}
+
+/// Events without the device-only ones, for comparing a device run's recovery events with the CPU's.
+fn recovery_events(sink: &MemorySink) -> Vec<serde_json::Map<String, serde_json::Value>> {
+    sink.named(flexinfer_contract::events::HESSIAN_RECOVERY)
+}
+
+fn weights(c: &Case, seed: u64) -> Vec<Mat<f32>> {
+    (0..3)
+        .map(|k| random(c.rows + k, c.cols, seed + k as u64) * faer::Scale(0.05))
+        .collect()
+}
+
+#[test]
+fn cpu_session_and_fake_device_give_the_old_paths_bytes() {
+    let mut methods = Vec::new();
+    for (i, c) in cases().iter().enumerate() {
+        let xs = batches(c.tokens, c.cols, 10 + i as u64);
+        let ws = weights(c, 100 + 10 * i as u64);
+        let old_sink = MemorySink::default();
+        let old = old_path(c, &xs, &ws, &old_sink);
+        methods.push(old[0].method);
+
+        let cpu_sink = MemorySink::default();
+        let cpu =
+            session_path(&CpuBackend::default(), c, &xs, &ws, &cpu_sink).expect("cpu session");
+        assert_same_bytes(&old, &cpu, &format!("case {i} cpu session"));
+        assert_eq!(
+            recovery_events(&old_sink),
+            recovery_events(&cpu_sink),
+            "case {i} events"
+        );
+
+        let fake = FakeDevice::new(Faults::default());
+        let fake_sink = MemorySink::default();
+        let on_fake = session_path(&fake, c, &xs, &ws, &fake_sink).expect("fake session");
+        assert_same_bytes(&old, &on_fake, &format!("case {i} fake device"));
+        assert_eq!(
+            recovery_events(&old_sink),
+            recovery_events(&fake_sink),
+            "case {i} fake events"
+        );
+        assert!(fake_sink
+            .named(flexinfer_contract::events::GPTQ_DEVICE_ERROR)
+            .is_empty());
+    }
+    // The cases cover GPTQ after recovery and the exhausted (RTN) outcome.
+    use flexinfer_quant::gptq::Method;
+    assert!(
+        methods.contains(&Method::Gptq) && methods.contains(&Method::Rtn),
+        "{methods:?}"
+    );
+    let floor_case = &cases()[4];
+    let sink = MemorySink::default();
+    old_path(
+        floor_case,
+        &batches(floor_case.tokens, floor_case.cols, 14),
+        &weights(floor_case, 140),
+        &sink,
+    );
+    let ev = recovery_events(&sink);
+    assert!(
+        ev.iter().any(|e| e["result"] == "failed"),
+        "floor case must fail first: {ev:?}"
+    );
+    assert!(ev.iter().any(|e| e["result"] == "recovered"), "{ev:?}");
+}
+
+fn run_fake(
+    faults: Faults,
+) -> (
+    FakeDevice,
+    MemorySink,
+    Result<Vec<QuantizedLinear>, QuantError>,
+    Vec<QuantizedLinear>,
+) {
+    let c = &cases()[0];
+    let xs = batches(c.tokens, c.cols, 10);
+    let ws = weights(c, 100);
+    let old = old_path(c, &xs, &ws, &MemorySink::default());
+    let fake = FakeDevice::new(faults);
+    let sink = MemorySink::default();
+    let r = session_path(&fake, c, &xs, &ws, &sink);
+    (fake, sink, r, old)
+}
+
+#[test]
+fn a_failed_factorisation_call_resets_the_device_and_retries() {
+    let (fake, sink, r, old) = run_fake(Faults {
+        factor: vec![1],
+        ..Default::default()
+    });
+    assert_same_bytes(&old, &r.expect("solve"), "after one reset");
+    let errs = sink.named(flexinfer_contract::events::GPTQ_DEVICE_ERROR);
+    assert_eq!(errs.len(), 1, "{errs:?}");
+    assert_eq!(errs[0]["op"], "factor");
+    assert_eq!(errs[0]["reset"], 1);
+    assert!(errs[0]["error"]
+        .as_str()
+        .unwrap()
+        .contains("injected failure of call 1"));
+    assert!(sink
+        .named(flexinfer_contract::events::GPTQ_DEVICE_FALLBACK)
+        .is_empty());
+    let log = fake.log();
+    let i = log
+        .iter()
+        .position(|s| s == "factor-error")
+        .expect("factor-error");
+    assert_eq!(
+        &log[i + 1..i + 4],
+        ["reset", "restore", "factor"],
+        "{log:?}"
+    );
+}
+
+#[test]
+fn a_poisoned_context_fails_every_call_until_the_reset() {
+    // Call 2 (the first sweep's factor is call 1) fails; the reset clears the poison and the factor is redone
+    // with the diagonal that succeeded before it.
+    let (fake, sink, r, old) = run_fake(Faults {
+        sweep: vec![2],
+        ..Default::default()
+    });
+    assert_same_bytes(&old, &r.expect("solve"), "after a sweep reset");
+    let errs = sink.named(flexinfer_contract::events::GPTQ_DEVICE_ERROR);
+    assert_eq!(errs.len(), 1, "{errs:?}");
+    assert_eq!(errs[0]["op"], "sweep");
+    let log = fake.log();
+    let i = log
+        .iter()
+        .position(|s| s == "sweep-error")
+        .expect("sweep-error");
+    assert_eq!(
+        &log[i + 1..i + 5],
+        ["reset", "restore", "factor", "sweep"],
+        "{log:?}"
+    );
+}
+
+#[test]
+fn repeated_device_failures_fall_back_to_the_cpu_with_an_event() {
+    let fails: Vec<usize> = (1..=MAX_DEVICE_RESETS + 1).collect();
+    let (fake, sink, r, old) = run_fake(Faults {
+        factor: fails,
+        ..Default::default()
+    });
+    assert_same_bytes(&old, &r.expect("solve via fallback"), "CPU fallback");
+    let errs = sink.named(flexinfer_contract::events::GPTQ_DEVICE_ERROR);
+    assert_eq!(errs.len(), MAX_DEVICE_RESETS + 1, "{errs:?}");
+    assert!(
+        errs.last().unwrap()["reset"].is_null(),
+        "the last error gives up: {errs:?}"
+    );
+    let fb = sink.named(flexinfer_contract::events::GPTQ_DEVICE_FALLBACK);
+    assert_eq!(fb.len(), 1, "{fb:?}");
+    assert_eq!(fb[0]["to"], "cpu");
+    assert_eq!(fb[0]["device"], "fake");
+    assert!(
+        fb[0]["error"].as_str().unwrap().contains("factor failed"),
+        "{fb:?}"
+    );
+    assert_eq!(
+        fake.log().iter().filter(|s| *s == "reset").count(),
+        MAX_DEVICE_RESETS
+    );
+}
+
+#[test]
+fn a_failing_reset_falls_back_and_an_accumulation_failure_is_an_error() {
+    let (_, sink, r, old) = run_fake(Faults {
+        sweep: vec![1],
+        reset: true,
+        ..Default::default()
+    });
+    assert_same_bytes(&old, &r.expect("fallback"), "fallback after a failed reset");
+    assert_eq!(
+        sink.named(flexinfer_contract::events::GPTQ_DEVICE_FALLBACK)
+            .len(),
+        1
+    );
+
+    let (_, _, r, _) = run_fake(Faults {
+        accumulate: vec![2],
+        ..Default::default()
+    });
+    match r {
+        Err(QuantError::Device(m)) => assert!(m.contains("accumulate failed"), "{m}"),
+        other => panic!("expected a device error, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_quantize_run_on_a_device_writes_the_cpu_runs_artifact() {
+    use flexinfer_quant::calib::CalibSettings;
+    use flexinfer_quant::pipeline::{run, QuantizeJob};
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    flexinfer_quant::testkit::write_model(&model, "LlamaForCausalLM", 7).unwrap();
+    let ds = tmp.path().join("calib.jsonl");
+    flexinfer_quant::testkit::write_dataset(&ds, 12).unwrap();
+    let job = |out: &str| QuantizeJob {
+        params: GptqParams {
+            bits: 4,
+            group_size: 32,
+            desc_act: true,
+            ..Default::default()
+        },
+        ..QuantizeJob::new(
+            &model,
+            &tmp.path().join(out).join("gptq-w4-g32"),
+            &ds,
+            CalibSettings {
+                max_samples: 8,
+                max_seq_len: 32,
+            },
+            "test",
+        )
+    };
+    let cpu = run(&job("cpu"), &CpuBackend::default(), &MemorySink::default()).expect("cpu run");
+    // The first group's device fails three times in a row (its solve falls back to the CPU); after that every
+    // fifth factorisation call fails (a reset and a retry).
+    let factor: Vec<usize> = (1..=3).chain((4..400).filter(|k| k % 5 == 0)).collect();
+    let fake = FakeDevice::new(Faults {
+        factor,
+        ..Default::default()
+    });
+    let sink = MemorySink::default();
+    let dev = run(&job("dev"), &fake, &sink).expect("device run");
+    assert!(
+        sink.named(flexinfer_contract::events::GPTQ_DEVICE_ERROR)
+            .len()
+            >= 4
+    );
+    assert_eq!(
+        sink.named(flexinfer_contract::events::GPTQ_DEVICE_FALLBACK)
+            .len(),
+        1
+    );
+    let files = |dir: &std::path::Path| {
+        let mut v: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .collect();
+        v.sort();
+        v
+    };
+    let (a, b) = (files(&cpu.output_dir), files(&dev.output_dir));
+    assert!(!a.is_empty());
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(&b) {
+        assert!(
+            std::fs::read(x).unwrap() == std::fs::read(y).unwrap(),
+            "{} differs",
+            x.display()
+        );
+    }
+
+    let broken = FakeDevice::new(Faults {
+        accumulate: vec![1],
+        ..Default::default()
+    });
+    match run(&job("broken"), &broken, &MemorySink::default()) {
+        Err(QuantError::Device(m)) => assert!(m.contains("accumulate"), "{m}"),
+        other => panic!(
+            "expected a device error, got {:?}",
+            other.map(|o| o.output_dir)
+        ),
+    }
+}
+
+/// A platform whose runtimes answer as told.
+struct FakePlatform {
+    hip: Result<(), String>,
+    cuda: Result<(), String>,
+    /// Whether `open` gives a device for a usable runtime.
+    can_open: bool,
+}
+
+impl Platform for FakePlatform {
+    fn probe(&self, kind: DeviceKind) -> Result<GpuInfo, String> {
+        let r = match kind {
+            DeviceKind::Hip => &self.hip,
+            DeviceKind::Cuda => &self.cuda,
+            DeviceKind::Cpu => panic!("the CPU is never probed"),
+        };
+        r.clone().map(|()| GpuInfo {
+            kind,
+            library: format!("lib{}", kind.as_str()),
+            devices: 1,
+            name: "card".into(),
+        })
+    }
+    fn open(&self, info: &GpuInfo) -> Result<Box<dyn Device>, String> {
+        if self.can_open {
+            let _ = info;
+            Ok(Box::new(FakeDevice::new(Faults::default())))
+        } else {
+            Err("no session in this build".into())
+        }
+    }
+}
+
+fn selected(sink: &MemorySink) -> serde_json::Map<String, serde_json::Value> {
+    let ev = sink.named(flexinfer_contract::events::GPTQ_DEVICE_SELECTED);
+    assert_eq!(ev.len(), 1, "{ev:?}");
+    ev[0].clone()
+}
+
+#[test]
+fn gptq_device_selection() {
+    let none = || FakePlatform {
+        hip: Err("libamdhip64.so: not found".into()),
+        cuda: Err("libcuda.so.1: not found".into()),
+        can_open: true,
+    };
+    // auto, nothing usable: the CPU, every reason in the event.
+    let sink = MemorySink::default();
+    let s = select_device(None, &none(), &sink).unwrap();
+    assert_eq!(s.device.kind(), DeviceKind::Cpu);
+    let ev = selected(&sink);
+    assert_eq!(ev["device"], "cpu-faer");
+    assert_eq!(ev["requested"], "auto");
+    let reason = ev["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("libamdhip64.so: not found") && reason.contains("libcuda.so.1: not found"),
+        "{reason}"
+    );
+    assert_eq!(ev["probes"].as_array().unwrap().len(), 2);
+
+    // auto prefers HIP, then CUDA.
+    let both = FakePlatform {
+        hip: Ok(()),
+        cuda: Ok(()),
+        can_open: true,
+    };
+    let sink = MemorySink::default();
+    let s = select_device(Some("auto"), &both, &sink).unwrap();
+    assert_eq!(s.device.describe(), "fake");
+    assert_eq!(selected(&sink)["reason"], "auto: hip usable");
+    assert_eq!(
+        selected(&sink)["probes"].as_array().unwrap().len(),
+        1,
+        "CUDA is not probed once HIP is usable"
+    );
+    let cuda_only = FakePlatform {
+        hip: Err("no AMD GPU".into()),
+        cuda: Ok(()),
+        can_open: true,
+    };
+    let sink = MemorySink::default();
+    select_device(Some("AUTO"), &cuda_only, &sink).unwrap();
+    let r = selected(&sink)["reason"].as_str().unwrap().to_string();
+    assert!(
+        r.starts_with("auto: cuda usable") && r.contains("hip: no AMD GPU"),
+        "{r}"
+    );
+
+    // A runtime that answers but that this build cannot use: auto says so and takes the CPU.
+    let no_session = FakePlatform {
+        hip: Err("x".into()),
+        cuda: Ok(()),
+        can_open: false,
+    };
+    let sink = MemorySink::default();
+    let s = select_device(Some("auto"), &no_session, &sink).unwrap();
+    assert_eq!(s.device.kind(), DeviceKind::Cpu);
+    assert!(
+        s.reason
+            .contains("card (1 device(s), libcuda) is usable, but no session in this build"),
+        "{}",
+        s.reason
+    );
+
+    // Explicit GPUs without a usable device: an error naming the setting and the reason (bad input: exit 2).
+    for (setting, needle) in [
+        ("hip", "libamdhip64.so: not found"),
+        ("cuda", "libcuda.so.1: not found"),
+    ] {
+        let e = select_device(Some(setting), &none(), &MemorySink::default())
+            .err()
+            .expect("error");
+        assert!(e.is_bad_input(), "{e}");
+        let m = e.to_string();
+        assert!(
+            m.contains(&format!("GPTQ_DEVICE={setting}")) && m.contains(needle),
+            "{m}"
+        );
+    }
+    assert!(select_device(Some("cuda"), &no_session, &MemorySink::default()).is_err());
+    assert_eq!(
+        select_device(Some("cuda"), &both, &MemorySink::default())
+            .unwrap()
+            .device
+            .describe(),
+        "fake"
+    );
+    // cpu: nothing probed (FakePlatform panics on a CPU probe, and a GPU probe would be recorded).
+    let sink = MemorySink::default();
+    let s = select_device(Some(" cpu "), &none(), &sink).unwrap();
+    assert_eq!(s.device.kind(), DeviceKind::Cpu);
+    assert!(selected(&sink)["probes"].as_array().unwrap().is_empty());
+    // Anything else is bad input.
+    let e = select_device(Some("gpu"), &none(), &MemorySink::default())
+        .err()
+        .expect("error");
+    assert!(
+        e.is_bad_input() && e.to_string().contains("expected auto, cpu, hip or cuda"),
+        "{e}"
+    );
+}
+
+#[test]
+fn the_system_platform_loads_runtimes_at_run_time() {
+    // On a machine without a GPU runtime (CI) auto takes the CPU and names what it looked for; on one with a
+    // runtime, this build still has no GPU session, so auto says that instead. Either way: the CPU.
+    let sink = MemorySink::default();
+    let s = select_device(Some("auto"), &SystemPlatform, &sink).unwrap();
+    assert_eq!(s.device.kind(), DeviceKind::Cpu);
+    let reason = selected(&sink)["reason"].as_str().unwrap().to_string();
+    println!("GPTQ_DEVICE=auto on this machine: {reason}");
+    assert!(
+        reason.contains("hip:") && reason.contains("cuda:"),
+        "{reason}"
+    );
+    assert!(
+        reason.contains("libamdhip64") || reason.contains("hipInit") || reason.contains("HIP"),
+        "{reason}"
+    );
+    for setting in ["hip", "cuda"] {
+        let e = select_device(Some(setting), &SystemPlatform, &MemorySink::default())
+            .err()
+            .expect("no GPU session");
+        assert!(matches!(e, QuantError::DeviceUnavailable(_)), "{e}");
+    }
+    let _: &dyn EventSink = &sink;
+}

@@ -1,0 +1,605 @@
+//! The device kernels of `kernels/gptq.cu`, without a GPU:
+//! - compiled for the host from the same source (`kernels/host_harness.c` emulates the launches on threads)
+//!   and checked against the CPU backend: the in-block sweep to the bit, the Hessian and block-update GEMMs
+//!   within a stated tolerance, the mirror exactly;
+//! - compiled to PTX through NVRTC, loaded at run time (`scripts/install-deps.sh` installs the PyPI wheel
+//!   under `~/.cache/flexinfer/nvrtc-<version>`; `FLEXINFER_NVRTC` names another libnvrtc). The NVRTC test
+//!   is skipped, with a message, only when no libnvrtc can be found.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
+
+use faer::{Mat, MatRef};
+use flexinfer_quant::gptq::sweep_block_cpu;
+use flexinfer_quant::linalg::{CpuBackend, LinalgBackend, SweepFactor};
+use flexinfer_quant::quantizer::{find_params, maxq, GroupParams};
+use libloading::{Library, Symbol};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::ffi::{c_char, c_int, c_void, CString};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+const KERNELS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/kernels");
+
+fn random(rows: usize, cols: usize, seed: u64) -> Mat<f32> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    Mat::from_fn(rows, cols, |_, _| rng.random_range(-1.0f32..1.0))
+}
+
+/// The host build of the kernels (compiled once per test binary with the system C compiler).
+fn host() -> &'static Library {
+    static LIB: OnceLock<Library> = OnceLock::new();
+    LIB.get_or_init(|| {
+        let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("gptq-kernels-host");
+        std::fs::create_dir_all(&out).unwrap();
+        let so = out.join(format!("libgptq_host_{}.so", std::process::id()));
+        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_string());
+        let status = std::process::Command::new(&cc)
+            .args([
+                "-std=c11",
+                "-O2",
+                "-ffp-contract=off",
+                "-fPIC",
+                "-shared",
+                "-pthread",
+                "-Wall",
+                "-Werror",
+                "-o",
+            ])
+            .arg(&so)
+            .arg(Path::new(KERNELS).join("host_harness.c"))
+            .arg("-lm")
+            .status()
+            .unwrap_or_else(|e| {
+                panic!("running the C compiler {cc:?} (scripts/install-deps.sh installs gcc): {e}")
+            });
+        assert!(
+            status.success(),
+            "compiling kernels/host_harness.c failed: {status}"
+        );
+        // SAFETY: the library was just built from this crate's harness; loading runs no initialisers of note.
+        unsafe { Library::new(&so) }.unwrap()
+    })
+}
+
+fn sym<T>(name: &[u8]) -> Symbol<'static, T> {
+    // SAFETY: each caller declares the C signature of the harness function it names.
+    unsafe { host().get(name) }.unwrap()
+}
+
+type HessianFn =
+    unsafe extern "C" fn(*mut f32, c_int, *const f32, c_int, c_int, c_int, f32) -> c_int;
+type MirrorFn = unsafe extern "C" fn(*mut f32, c_int, c_int) -> c_int;
+type UpdateFn = unsafe extern "C" fn(
+    *mut f32,
+    c_int,
+    *const f32,
+    c_int,
+    *const f32,
+    i64,
+    i64,
+    c_int,
+    c_int,
+    c_int,
+) -> c_int;
+type SweepFn = unsafe extern "C" fn(
+    *const f32,
+    c_int,
+    *const f32,
+    c_int,
+    *mut f32,
+    c_int,
+    *mut u8,
+    c_int,
+    *const f32,
+    *const f32,
+    *const c_int,
+    *const f32,
+    *const f32,
+    c_int,
+    c_int,
+    f32,
+    *mut f32,
+) -> c_int;
+
+fn ld(m: MatRef<'_, f32>) -> c_int {
+    assert_eq!(m.row_stride(), 1);
+    m.col_stride() as c_int
+}
+
+#[test]
+fn hessian_and_mirror_kernels_match_the_cpu_backend() {
+    let hess: Symbol<HessianFn> = sym(b"gptq_host_hessian_lower\0");
+    let mirror: Symbol<MirrorFn> = sym(b"gptq_host_mirror_lower\0");
+    let cpu = CpuBackend::default();
+    for (n, tokens, seed) in [(17usize, 5usize, 1u64), (50, 37, 2), (96, 300, 3)] {
+        let batches = [
+            random(tokens, n, seed),
+            random(tokens / 2 + 1, n, seed + 10),
+        ];
+        let alpha = 2.0 / tokens as f32;
+        let mut want = Mat::<f32>::zeros(n, n);
+        let mut got = Mat::<f32>::zeros(n, n);
+        let mut bound = Mat::<f64>::zeros(n, n);
+        for x in &batches {
+            cpu.accumulate_hessian(want.as_mut(), x.as_ref(), alpha);
+            let ldh = ld(got.as_ref());
+            // SAFETY: pointers and leading dimensions of live faer matrices of the stated shapes.
+            let rc = unsafe {
+                hess(
+                    got.as_ptr_mut(),
+                    ldh,
+                    x.as_ptr(),
+                    ld(x.as_ref()),
+                    x.nrows() as c_int,
+                    n as c_int,
+                    alpha,
+                )
+            };
+            assert_eq!(rc, 0);
+            for j in 0..n {
+                for i in 0..n {
+                    bound[(i, j)] += (0..x.nrows())
+                        .map(|t| (x[(t, i)] as f64 * x[(t, j)] as f64).abs())
+                        .sum::<f64>()
+                        * alpha as f64;
+                }
+            }
+        }
+        // Tolerance: f32 sums of `tokens` products in another order; 8·tokens·ε of the sum of magnitudes.
+        let eps = f32::EPSILON as f64 * 8.0 * (tokens + tokens / 2 + 1) as f64;
+        let mut worst = 0.0f64;
+        for j in 0..n {
+            for i in 0..n {
+                if i >= j {
+                    let d = (got[(i, j)] as f64 - want[(i, j)] as f64).abs();
+                    assert!(
+                        d <= eps * bound[(i, j)] + 1e-30,
+                        "n={n} H[{i},{j}]: kernel {} cpu {}",
+                        got[(i, j)],
+                        want[(i, j)]
+                    );
+                    worst = worst.max(d / bound[(i, j)].max(1e-30));
+                } else {
+                    assert_eq!(
+                        got[(i, j)],
+                        0.0,
+                        "n={n}: the kernel wrote above the diagonal at ({i},{j})"
+                    );
+                }
+            }
+        }
+        println!("hessian n={n} tokens={tokens}: worst |kernel - cpu| / sum|x_i x_j| = {worst:.2e} (bound {eps:.2e})");
+        cpu.finish_hessian(want.as_mut());
+        let ldh = ld(got.as_ref());
+        // SAFETY: as above.
+        assert_eq!(unsafe { mirror(got.as_ptr_mut(), ldh, n as c_int) }, 0);
+        for j in 0..n {
+            for i in 0..j {
+                assert_eq!(
+                    got[(i, j)].to_bits(),
+                    got[(j, i)].to_bits(),
+                    "mirror ({i},{j})"
+                );
+            }
+        }
+    }
+}
+
+/// A sweep factor of a random positive-definite Hessian of dimension `n`.
+fn factor(n: usize, seed: u64) -> SweepFactor {
+    let x = random(3 * n, n, seed);
+    let mut h = Mat::<f32>::zeros(n, n);
+    let cpu = CpuBackend::default();
+    cpu.accumulate_hessian(h.as_mut(), x.as_ref(), 1.0 / n as f32);
+    cpu.finish_hessian(h.as_mut());
+    let diag: Vec<f32> = (0..n).map(|i| h[(i, i)] * 1.01).collect();
+    let mut f = SweepFactor::new(n);
+    assert!(cpu.sweep_factor(h.as_ref(), &diag, &mut f));
+    f
+}
+
+#[test]
+fn block_update_kernel_matches_the_cpu_backend_through_the_reversed_view() {
+    let update: Symbol<UpdateFn> = sym(b"gptq_host_block_update\0");
+    let cpu = CpuBackend::default();
+    let n = 300;
+    let f = factor(n, 5);
+    let coef = f.coef();
+    assert!(
+        coef.row_stride() < 0 && coef.col_stride() < 0,
+        "the factor is a reversed view"
+    );
+    for (rows, i1, k, seed) in [
+        (45usize, 0usize, 128usize, 1u64),
+        (70, 128, 37, 2),
+        (33, 10, 5, 3),
+    ] {
+        let cols = n - i1 - k;
+        let sub = coef.submatrix(i1, i1 + k, k, cols);
+        let d = random(rows, k, seed) * faer::Scale(0.01);
+        let w = random(rows, cols, seed + 1);
+        let mut want = w.clone();
+        cpu.block_update(want.as_mut(), d.as_ref(), sub);
+        let mut got = w.clone();
+        let ldw = ld(got.as_ref());
+        // SAFETY: live matrices; F is read at sub.as_ptr() + u·row_stride + c·col_stride inside `coef`'s buffer.
+        let rc = unsafe {
+            update(
+                got.as_ptr_mut(),
+                ldw,
+                d.as_ptr(),
+                ld(d.as_ref()),
+                sub.as_ptr(),
+                sub.row_stride() as i64,
+                sub.col_stride() as i64,
+                rows as c_int,
+                k as c_int,
+                cols as c_int,
+            )
+        };
+        assert_eq!(rc, 0);
+        let mut worst = 0.0f64;
+        for c in 0..cols {
+            for r in 0..rows {
+                let mag: f64 = w[(r, c)].abs() as f64
+                    + (0..k)
+                        .map(|u| (d[(r, u)] as f64 * sub[(u, c)] as f64).abs())
+                        .sum::<f64>();
+                let diff = (got[(r, c)] as f64 - want[(r, c)] as f64).abs();
+                let tol = f32::EPSILON as f64 * 4.0 * (k + 1) as f64 * mag;
+                assert!(
+                    diff <= tol,
+                    "W[{r},{c}]: kernel {} cpu {} (tol {tol:e})",
+                    got[(r, c)],
+                    want[(r, c)]
+                );
+                worst = worst.max(diff / mag.max(1e-30));
+            }
+        }
+        println!("block update {rows}x{k}x{cols}: worst relative difference {worst:.2e}");
+    }
+}
+
+#[test]
+fn sweep_kernel_matches_the_cpu_sweep_to_the_bit() {
+    let sweep: Symbol<SweepFn> = sym(b"gptq_host_sweep_block\0");
+    let max_block: Symbol<unsafe extern "C" fn() -> c_int> = sym(b"gptq_host_max_block\0");
+    // SAFETY: no arguments.
+    assert_eq!(unsafe { max_block() }, 128);
+    let n = 400;
+    let f = factor(n, 9);
+    let coef_all = f.coef();
+    let r_diag = f.r_diag();
+    // (rows, first column, columns, bits, group size, sym, leading columns without parameters, a NaN row)
+    for (rows, i1, count, bits, gs, sym, unparam, nan) in [
+        (
+            200usize, 0usize, 128usize, 4u32, 64usize, false, 0usize, false,
+        ),
+        (131, 128, 128, 3, 32, true, 0, true),
+        (64, 256, 37, 8, 128, false, 5, false),
+        (1, 300, 100, 2, 16, false, 0, false),
+    ] {
+        let mut w = random(rows, count, 100 + i1 as u64) * faer::Scale(0.1);
+        if nan {
+            w[(rows / 2, 3)] = f32::NAN;
+        }
+        let w0 = Mat::from_fn(rows, count, |r, c| {
+            w[(r, c)] + 0.01 * ((r * 7 + c) % 5) as f32 - 0.02
+        });
+        let mut coef = vec![0f32; count * count];
+        let mut rdiag2 = vec![0f32; count];
+        for j in 0..count {
+            for i in 0..j {
+                coef[i * count + j] = coef_all[(i1 + i, i1 + j)];
+            }
+            rdiag2[j] = r_diag[i1 + j] * r_diag[i1 + j];
+        }
+        let groups = count.div_ceil(gs);
+        let params: Vec<GroupParams> = (0..groups)
+            .map(|g| {
+                find_params(
+                    rows,
+                    (g * gs..((g + 1) * gs).min(count)).map(|c| w0.col_as_slice(c)),
+                    bits,
+                    sym,
+                )
+            })
+            .collect();
+        let col_param: Vec<Option<usize>> = (0..count)
+            .map(|c| (c >= unparam).then_some(c / gs))
+            .collect();
+        let mq = maxq(bits);
+        let (want_codes, want_delta, want_loss) =
+            sweep_block_cpu(&w, &w0, &coef, &rdiag2, &params, &col_param, mq);
+
+        let scale: Vec<f32> = params
+            .iter()
+            .flat_map(|p| p.scale.iter().copied())
+            .collect();
+        let zero: Vec<f32> = params.iter().flat_map(|p| p.zero.iter().copied()).collect();
+        let param: Vec<c_int> = col_param
+            .iter()
+            .map(|p| p.map_or(-1, |i| i as c_int))
+            .collect();
+        let mut delta = Mat::<f32>::from_fn(rows, count, |_, _| f32::NAN);
+        let mut codes = vec![0xAAu8; rows * count];
+        let mut acc = vec![f32::NAN; rows];
+        let ldd = ld(delta.as_ref());
+        // SAFETY: every buffer is live and of the size the kernel's documentation states.
+        let rc = unsafe {
+            sweep(
+                w.as_ptr(),
+                ld(w.as_ref()),
+                w0.as_ptr(),
+                ld(w0.as_ref()),
+                delta.as_ptr_mut(),
+                ldd,
+                codes.as_mut_ptr(),
+                rows as c_int,
+                coef.as_ptr(),
+                rdiag2.as_ptr(),
+                param.as_ptr(),
+                scale.as_ptr(),
+                zero.as_ptr(),
+                rows as c_int,
+                count as c_int,
+                mq,
+                acc.as_mut_ptr(),
+            )
+        };
+        assert_eq!(rc, 0);
+        let case = format!("rows={rows} cols {i1}+{count} bits={bits} g{gs} sym={sym}");
+        assert_eq!(codes, want_codes, "{case}: codes");
+        for c in 0..count {
+            for r in 0..rows {
+                assert_eq!(
+                    delta[(r, c)].to_bits(),
+                    want_delta[(r, c)].to_bits(),
+                    "{case}: delta[{r},{c}]"
+                );
+            }
+        }
+        // The CPU sums each 64-row tile's per-row losses in f64 and halves it; the host does the same with
+        // the kernel's per-row sums.
+        let loss: f64 = acc
+            .chunks(64)
+            .map(|t| t.iter().map(|&v| v as f64).sum::<f64>() / 2.0)
+            .fold(0.0, |a, b| a + b);
+        if nan {
+            assert!(
+                loss.is_nan() && want_loss.is_nan(),
+                "{case}: NaN input gives a NaN loss on both"
+            );
+        } else {
+            assert_eq!(
+                loss.to_bits(),
+                want_loss.to_bits(),
+                "{case}: loss {loss} vs {want_loss}"
+            );
+        }
+        let distinct: std::collections::BTreeSet<u8> = codes.iter().copied().collect();
+        assert!(distinct.len() > 2, "{case}: the case exercises the grid");
+    }
+}
+
+// --- NVRTC -------------------------------------------------------------------------------------------
+
+/// libnvrtc: `FLEXINFER_NVRTC`, else the wheel unpacked by scripts/install-deps.sh, else the system's.
+fn find_nvrtc() -> Vec<PathBuf> {
+    if let Ok(p) = std::env::var("FLEXINFER_NVRTC") {
+        return vec![PathBuf::from(p)];
+    }
+    let mut found = Vec::new();
+    let cache = PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/flexinfer");
+    let mut stack: Vec<(PathBuf, usize)> = std::fs::read_dir(&cache)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("nvrtc-"))
+        .map(|e| (e.path(), 0))
+        .collect();
+    while let Some((dir, depth)) = stack.pop() {
+        for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let p = e.path();
+            let name = e.file_name().to_string_lossy().to_string();
+            if p.is_dir() && depth < 8 {
+                stack.push((p, depth + 1));
+            } else if name.starts_with("libnvrtc.so") && !name.contains("alt") {
+                found.push(p);
+            }
+        }
+    }
+    found.sort();
+    found.push(PathBuf::from("libnvrtc.so"));
+    found
+}
+
+type NvrtcProgram = *mut c_void;
+
+struct Nvrtc {
+    lib: Library,
+    path: PathBuf,
+    /// NVRTC opens `libnvrtc-builtins.so.<ver>` by name at compile time; a wheel's copy is not on the library
+    /// path, so it is loaded first from beside libnvrtc (the dynamic loader then finds it by its soname).
+    _builtins: Option<Library>,
+}
+
+impl Nvrtc {
+    fn load() -> Option<Nvrtc> {
+        for p in find_nvrtc() {
+            let builtins = p.parent().and_then(|dir| {
+                let mut names: Vec<PathBuf> = std::fs::read_dir(dir)
+                    .ok()?
+                    .flatten()
+                    .map(|e| e.path())
+                    .filter(|f| {
+                        let n = f
+                            .file_name()
+                            .unwrap_or_default()
+                            .to_string_lossy()
+                            .to_string();
+                        n.starts_with("libnvrtc-builtins.so") && !n.contains("alt")
+                    })
+                    .collect();
+                names.sort();
+                // SAFETY: NVRTC's own companion library, loaded as NVRTC itself would load it.
+                names
+                    .into_iter()
+                    .find_map(|f| unsafe { Library::new(&f) }.ok())
+            });
+            // SAFETY: loading NVRTC runs its initialisers, which are made for run-time loading.
+            if let Ok(lib) = unsafe { Library::new(&p) } {
+                return Some(Nvrtc {
+                    lib,
+                    path: p,
+                    _builtins: builtins,
+                });
+            }
+        }
+        None
+    }
+    fn f<T>(&self, name: &[u8]) -> Symbol<'_, T> {
+        // SAFETY: the callers declare NVRTC's documented C signatures.
+        unsafe { self.lib.get(name) }.unwrap_or_else(|e| panic!("{}: {e}", self.path.display()))
+    }
+    fn version(&self) -> (c_int, c_int) {
+        let v: Symbol<unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int> =
+            self.f(b"nvrtcVersion\0");
+        let (mut a, mut b) = (0, 0);
+        // SAFETY: two valid out-pointers.
+        assert_eq!(unsafe { v(&mut a, &mut b) }, 0);
+        (a, b)
+    }
+    /// Compiles `src` with `opts`; `Ok(ptx)` or `Err(log)`.
+    fn compile(&self, src: &str, name: &str, opts: &[&str]) -> Result<String, String> {
+        let create: Symbol<
+            unsafe extern "C" fn(
+                *mut NvrtcProgram,
+                *const c_char,
+                *const c_char,
+                c_int,
+                *const *const c_char,
+                *const *const c_char,
+            ) -> c_int,
+        > = self.f(b"nvrtcCreateProgram\0");
+        let compile: Symbol<
+            unsafe extern "C" fn(NvrtcProgram, c_int, *const *const c_char) -> c_int,
+        > = self.f(b"nvrtcCompileProgram\0");
+        let log_size: Symbol<unsafe extern "C" fn(NvrtcProgram, *mut usize) -> c_int> =
+            self.f(b"nvrtcGetProgramLogSize\0");
+        let get_log: Symbol<unsafe extern "C" fn(NvrtcProgram, *mut c_char) -> c_int> =
+            self.f(b"nvrtcGetProgramLog\0");
+        let ptx_size: Symbol<unsafe extern "C" fn(NvrtcProgram, *mut usize) -> c_int> =
+            self.f(b"nvrtcGetPTXSize\0");
+        let get_ptx: Symbol<unsafe extern "C" fn(NvrtcProgram, *mut c_char) -> c_int> =
+            self.f(b"nvrtcGetPTX\0");
+        let destroy: Symbol<unsafe extern "C" fn(*mut NvrtcProgram) -> c_int> =
+            self.f(b"nvrtcDestroyProgram\0");
+        let src_c = CString::new(src).unwrap();
+        let name_c = CString::new(name).unwrap();
+        let opts_c: Vec<CString> = opts.iter().map(|o| CString::new(*o).unwrap()).collect();
+        let opt_ptrs: Vec<*const c_char> = opts_c.iter().map(|o| o.as_ptr()).collect();
+        let mut prog: NvrtcProgram = std::ptr::null_mut();
+        // SAFETY: NVRTC's C API with valid NUL-terminated strings and out-pointers; the program is destroyed
+        // before returning.
+        unsafe {
+            assert_eq!(
+                create(
+                    &mut prog,
+                    src_c.as_ptr(),
+                    name_c.as_ptr(),
+                    0,
+                    std::ptr::null(),
+                    std::ptr::null()
+                ),
+                0
+            );
+            let rc = compile(prog, opt_ptrs.len() as c_int, opt_ptrs.as_ptr());
+            let mut n = 0usize;
+            assert_eq!(log_size(prog, &mut n), 0);
+            let mut log = vec![0u8; n.max(1)];
+            assert_eq!(get_log(prog, log.as_mut_ptr() as *mut c_char), 0);
+            let log = String::from_utf8_lossy(&log)
+                .trim_end_matches('\0')
+                .to_string();
+            let out = if rc == 0 {
+                let mut n = 0usize;
+                assert_eq!(ptx_size(prog, &mut n), 0);
+                let mut ptx = vec![0u8; n.max(1)];
+                assert_eq!(get_ptx(prog, ptx.as_mut_ptr() as *mut c_char), 0);
+                Ok(String::from_utf8_lossy(&ptx)
+                    .trim_end_matches('\0')
+                    .to_string())
+            } else {
+                Err(format!("nvrtcCompileProgram returned {rc}:\n{log}"))
+            };
+            destroy(&mut prog);
+            out
+        }
+    }
+}
+
+/// The PTX text of one kernel (from its `.entry` to the next one).
+fn entry<'a>(ptx: &'a str, name: &str) -> &'a str {
+    let start = ptx
+        .find(&format!(".entry {name}("))
+        .unwrap_or_else(|| panic!("no .entry {name} in the PTX"));
+    let rest = &ptx[start + 1..];
+    &ptx[start..start + 1 + rest.find(".entry ").unwrap_or(rest.len())]
+}
+
+#[test]
+fn kernels_compile_through_nvrtc_loaded_at_run_time() {
+    let Some(nvrtc) = Nvrtc::load() else {
+        println!(
+            "SKIPPED kernels_compile_through_nvrtc_loaded_at_run_time: no libnvrtc found (looked in FLEXINFER_NVRTC, \
+             ~/.cache/flexinfer/nvrtc-*/ and the system library path); scripts/install-deps.sh installs it"
+        );
+        return;
+    };
+    let (major, minor) = nvrtc.version();
+    println!("NVRTC {major}.{minor} from {}", nvrtc.path.display());
+    let src = std::fs::read_to_string(Path::new(KERNELS).join("gptq.cu")).unwrap();
+    // NVIDIA targets of the kinds the device tool and the seeds' users have (Ampere, Hopper).
+    for arch in ["compute_80", "compute_90"] {
+        let opt = format!("--gpu-architecture={arch}");
+        let ptx = nvrtc
+            .compile(&src, "gptq.cu", &[&opt, "--std=c++17"])
+            .unwrap_or_else(|log| panic!("{arch}: {log}"));
+        assert!(
+            ptx.contains(&format!(".target sm_{}", &arch["compute_".len()..])),
+            "{arch}: target line"
+        );
+        for k in [
+            "gptq_hessian_lower",
+            "gptq_mirror_lower",
+            "gptq_block_update",
+            "gptq_sweep_block",
+        ] {
+            let body = entry(&ptx, k);
+            assert!(body.len() > 100, "{arch}: {k} is empty");
+        }
+        // The bit-exactness rule: no fused multiply-add in the sweep; the GEMMs may fuse.
+        let sweep = entry(&ptx, "gptq_sweep_block");
+        assert!(
+            !sweep.contains("fma."),
+            "{arch}: the sweep kernel contains an FMA"
+        );
+        assert!(
+            sweep.contains("mul.rn.f32") && sweep.contains("add.rn.f32"),
+            "{arch}: explicit rounding"
+        );
+        assert!(
+            sweep.contains("cvt.rni.f32.f32"),
+            "{arch}: round-half-even (rintf)"
+        );
+        println!("{arch}: {} bytes of PTX, 4 kernels", ptx.len());
+    }
+    // A broken source is reported (the test can fail): NVRTC's log names the error.
+    let bad = nvrtc.compile(
+        "extern \"C\" __global__ void k() { undefined_thing(); }",
+        "bad.cu",
+        &["--gpu-architecture=compute_80"],
+    );
+    assert!(bad.is_err_and(|log| log.contains("undefined_thing")));
+}
