@@ -283,32 +283,101 @@ fn group_members(
         .collect()
 }
 
-/// Remove the metric series of Models as they are deleted.
+/// Remove the metric series of Models as they are deleted, and after a re-list (a watch gap) those
+/// of Models that are gone, so no alert or dashboard keeps showing a Model that no longer exists.
 async fn forget_deleted_models(api: Api<Model>, metrics: Metrics) {
+    use std::collections::BTreeSet;
+    let key = |m: &Model| (m.name_any(), m.namespace().unwrap_or_default());
+    let mut listing: BTreeSet<(String, String)> = BTreeSet::new();
     watcher(api, watcher::Config::default())
         .default_backoff()
         .for_each(|ev| {
-            if let Ok(watcher::Event::Delete(m)) = ev {
-                let (name, ns) = (m.name_any(), m.namespace().unwrap_or_default());
-                for to in ModelPhase::ALL {
-                    let _ = metrics.model_phase.remove_label_values(&[
-                        name.as_str(),
-                        ns.as_str(),
-                        to.as_str(),
-                    ]);
-                    for from in ModelPhase::ALL.iter().map(|p| p.as_str()).chain(["None"]) {
-                        let _ = metrics.model_phase_transitions_total.remove_label_values(&[
-                            name.as_str(),
-                            ns.as_str(),
-                            from,
-                            to.as_str(),
-                        ]);
+            match ev {
+                Ok(watcher::Event::Delete(m)) => {
+                    let (name, ns) = key(&m);
+                    forget_model_series(&metrics, &name, &ns);
+                }
+                Ok(watcher::Event::Init) => listing.clear(),
+                Ok(watcher::Event::InitApply(m)) => {
+                    listing.insert(key(&m));
+                }
+                Ok(watcher::Event::InitDone) => {
+                    for (name, ns) in model_series_keys(&metrics) {
+                        if !listing.contains(&(name.clone(), ns.clone())) {
+                            forget_model_series(&metrics, &name, &ns);
+                        }
                     }
                 }
+                _ => {}
             }
             futures::future::ready(())
         })
         .await;
+}
+
+/// `(model, namespace)` of every Model series the controller exports.
+fn model_series_keys(metrics: &Metrics) -> std::collections::BTreeSet<(String, String)> {
+    use prometheus::core::Collector;
+    let mut out = std::collections::BTreeSet::new();
+    let families = metrics
+        .model_phase
+        .collect()
+        .into_iter()
+        .chain(metrics.model_phase_transitions_total.collect())
+        .chain(metrics.model_preemptions_total.collect());
+    for fam in families {
+        for m in fam.get_metric() {
+            let label = |n: &str| {
+                m.get_label()
+                    .iter()
+                    .find(|l| l.name() == n)
+                    .map(|l| l.value().to_string())
+            };
+            if let (Some(name), Some(ns)) = (label("model"), label("namespace")) {
+                out.insert((name, ns));
+            }
+        }
+    }
+    out
+}
+
+/// Drop every series of one Model (phase, transitions, preemptions in any group).
+fn forget_model_series(metrics: &Metrics, name: &str, ns: &str) {
+    use prometheus::core::Collector;
+    for to in ModelPhase::ALL {
+        let _ = metrics
+            .model_phase
+            .remove_label_values(&[name, ns, to.as_str()]);
+        for from in ModelPhase::ALL.iter().map(|p| p.as_str()).chain(["None"]) {
+            let _ = metrics.model_phase_transitions_total.remove_label_values(&[
+                name,
+                ns,
+                from,
+                to.as_str(),
+            ]);
+        }
+    }
+    let groups: Vec<String> = metrics
+        .model_preemptions_total
+        .collect()
+        .iter()
+        .flat_map(|f| f.get_metric().iter())
+        .filter_map(|m| {
+            let label = |n: &str| {
+                m.get_label()
+                    .iter()
+                    .find(|l| l.name() == n)
+                    .map(|l| l.value())
+            };
+            (label("model") == Some(name) && label("namespace") == Some(ns))
+                .then(|| label("group").unwrap_or_default().to_string())
+        })
+        .collect();
+    for g in groups {
+        let _ = metrics
+            .model_preemptions_total
+            .remove_label_values(&[name, ns, g.as_str()]);
+    }
 }
 
 fn error_policy(model: Arc<Model>, err: &Error, ctx: Arc<Ctx>) -> Action {
@@ -323,4 +392,40 @@ fn error_policy(model: Arc<Model>, err: &Error, ctx: Arc<Ctx>) -> Action {
     let delay = ctx.failures.failed(&failure_key(&model));
     warn!(model = %model.name_any(), error = %err, retry_in_ms = delay.as_millis() as u64, "model reconcile error");
     Action::requeue(delay)
+}
+
+#[cfg(test)]
+mod series_tests {
+    use super::*;
+
+    #[test]
+    fn forgetting_a_model_drops_its_phase_transition_and_preemption_series_only() {
+        let m = Metrics::new().unwrap_or_else(|e| panic!("{e}"));
+        for model in ["a", "b"] {
+            m.model_phase
+                .with_label_values(&[model, "ns", "Ready"])
+                .set(1);
+            m.model_phase_transitions_total
+                .with_label_values(&[model, "ns", "None", "Ready"])
+                .inc();
+            m.model_preemptions_total
+                .with_label_values(&[model, "ns", "gpu0"])
+                .inc();
+        }
+        m.model_preemptions_total
+            .with_label_values(&["a", "ns", "gpu1"])
+            .inc();
+        forget_model_series(&m, "a", "ns");
+        let text = m.render();
+        assert!(!text.contains("model=\"a\""), "{text}");
+        assert_eq!(
+            text.matches("model=\"b\"").count(),
+            3,
+            "b's series stay: {text}"
+        );
+        assert_eq!(
+            model_series_keys(&m).into_iter().collect::<Vec<_>>(),
+            vec![("b".to_string(), "ns".to_string())]
+        );
+    }
 }
