@@ -667,18 +667,34 @@ mod dl {
         let answer = hip_query(&lib);
         // The runtime stays loaded (unloading a GPU runtime after init is not supported by every vendor).
         std::mem::forget(lib);
-        let (rc, n, name) = answer?;
+        gpu_info(
+            DeviceKind::Hip,
+            library,
+            answer?,
+            "HIP",
+            "hipInit/hipGetDeviceCount",
+            "hipError",
+        )
+    }
+
+    /// A probe's answer `(status, device count, name)` as a usable device or the reason it is not one.
+    fn gpu_info(
+        kind: DeviceKind,
+        library: String,
+        (rc, n, name): (c_int, c_int, String),
+        vendor: &str,
+        calls: &str,
+        code: &str,
+    ) -> Result<GpuInfo, String> {
         match (rc, n) {
             (0, n) if n > 0 => Ok(GpuInfo {
-                kind: DeviceKind::Hip,
+                kind,
                 library,
                 devices: n as usize,
                 name,
             }),
-            (0, _) => Err(format!("{library}: no HIP device")),
-            (rc, _) => Err(format!(
-                "{library}: hipInit/hipGetDeviceCount returned hipError {rc}"
-            )),
+            (0, _) => Err(format!("{library}: no {vendor} device")),
+            (rc, _) => Err(format!("{library}: {calls} returned {code} {rc}")),
         }
     }
 
@@ -706,19 +722,14 @@ mod dl {
         let (lib, library) = load(CUDA_LIBRARIES)?;
         let answer = cuda_query(&lib);
         std::mem::forget(lib);
-        let (rc, n, name) = answer?;
-        match (rc, n) {
-            (0, n) if n > 0 => Ok(GpuInfo {
-                kind: DeviceKind::Cuda,
-                library,
-                devices: n as usize,
-                name,
-            }),
-            (0, _) => Err(format!("{library}: no CUDA device")),
-            (rc, _) => Err(format!(
-                "{library}: cuInit/cuDeviceGetCount returned CUresult {rc}"
-            )),
-        }
+        gpu_info(
+            DeviceKind::Cuda,
+            library,
+            answer?,
+            "CUDA",
+            "cuInit/cuDeviceGetCount",
+            "CUresult",
+        )
     }
 
     /// `(status, device count, name of device 0)`.

@@ -94,6 +94,16 @@ fn annotation<'a>(model: &'a Model, key: &str) -> Option<&'a str> {
         .map(String::as_str)
 }
 
+/// Whether the Model carries `promotion-validation: passed`, and its non-empty evidence.
+fn validation_of(model: &Model) -> (bool, Option<&str>) {
+    let passed = annotation(model, annotations::PROMOTION_VALIDATION)
+        == Some(annotations::PROMOTION_VALIDATION_PASSED);
+    let evidence = annotation(model, annotations::PROMOTION_EVIDENCE)
+        .map(str::trim)
+        .filter(|e| !e.is_empty());
+    (passed, evidence)
+}
+
 /// The digest that identifies the artifact a `modelcache://` Model serves: the quantization's
 /// `configDigest`, else the published manifest digest; `None` when the cache has neither.
 pub fn served_artifact(cache: Option<&ModelCache>) -> Option<String> {
@@ -139,10 +149,7 @@ pub fn gate(model: &Model, served: Option<&str>) -> GateDecision {
         return GateDecision::Canary;
     }
     let validation = annotation(model, annotations::PROMOTION_VALIDATION);
-    let evidence = annotation(model, annotations::PROMOTION_EVIDENCE)
-        .map(str::trim)
-        .filter(|e| !e.is_empty());
-    let passed = validation == Some(annotations::PROMOTION_VALIDATION_PASSED);
+    let (passed, evidence) = validation_of(model);
     if !passed && evidence.is_none() {
         let validation_note = match validation {
             Some(v) => format!(
@@ -225,11 +232,8 @@ pub fn recorded_artifact(model: &Model, decision: &GateDecision) -> Option<Strin
     match decision {
         GateDecision::Validated { artifact, .. } => artifact.clone(),
         GateDecision::Blocked { .. } => {
-            let has_validation = annotation(model, annotations::PROMOTION_VALIDATION)
-                == Some(annotations::PROMOTION_VALIDATION_PASSED)
-                || annotation(model, annotations::PROMOTION_EVIDENCE)
-                    .is_some_and(|e| !e.trim().is_empty());
-            if has_validation {
+            let (passed, evidence) = validation_of(model);
+            if passed || evidence.is_some() {
                 model
                     .status
                     .as_ref()

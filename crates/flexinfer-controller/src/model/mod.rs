@@ -97,6 +97,17 @@ struct Ctx {
     failures: crate::backoff::Failures,
 }
 
+/// Label selector of the serving Deployments, Services and pods this controller makes.
+fn serving_selector() -> String {
+    format!(
+        "{}={},{}={}",
+        labels::MANAGED_BY,
+        labels::MANAGED_BY_VALUE,
+        labels::COMPONENT,
+        serving::COMPONENT
+    )
+}
+
 /// `namespace/name` of a Model, the key of its failure count.
 fn failure_key(model: &Model) -> String {
     format!(
@@ -135,13 +146,7 @@ pub async fn run_until(
     }
     let ns = opts.namespace.clone();
     let ns = ns.as_deref();
-    let children = watcher::Config::default().labels(&format!(
-        "{}={},{}={}",
-        labels::MANAGED_BY,
-        labels::MANAGED_BY_VALUE,
-        labels::COMPONENT,
-        serving::COMPONENT
-    ));
+    let children = watcher::Config::default().labels(&serving_selector());
     let reporter = Reporter {
         controller: FIELD_MANAGER.to_string(),
         instance: std::env::var(env::controller::POD_NAME).ok(),

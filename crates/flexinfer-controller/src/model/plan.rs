@@ -124,13 +124,14 @@ pub fn plan(
     let served = gate::served_artifact(observed.cache.as_ref());
     let gate = gate::gate(model, served.as_deref());
     let effective = gate::effective_spec(model, &gate, config.canary_max_idle());
-    let last_active = model
-        .status
-        .as_ref()
-        .and_then(|s| s.last_active_time.as_ref())
-        .map(|t| t.0);
-    let mut replicas = replicas::desired_replicas(&effective, last_active, now);
-    let shared = shared_lane(model, observed.shared.as_ref(), config, &gate, now);
+    let mut replicas = replicas::desired_replicas(&effective, last_active(model), now);
+    let shared = shared_lane(
+        model,
+        observed.shared.as_ref(),
+        config,
+        replicas.replicas,
+        now,
+    );
     if let Some(s) = &shared {
         replicas.replicas = s.lane.replicas;
         replicas.recheck_after = match (replicas.recheck_after, s.lane.recheck_after) {
@@ -163,21 +164,11 @@ pub fn plan(
     }
 }
 
-/// What a member of a shared group wants on its own (`gate`: its promotion gate decision), and
-/// whether it is serving requests now.
-pub fn member_of(
-    model: &Model,
-    gate: &GateDecision,
-    running: i32,
-    config: &RenderConfig,
-    now: Timestamp,
-) -> shared::Member {
-    let effective = gate::effective_spec(model, gate, config.canary_max_idle());
+/// A member of a shared group: `wanted` is what its own replica policy asks for (for the Model
+/// being planned, the plan's own decision; for the others, [`wanted_replicas`]).
+pub fn member_of(model: &Model, wanted: i32, running: i32, now: Timestamp) -> shared::Member {
     let status = model.status.as_ref();
-    let last_active = status
-        .and_then(|s| s.last_active_time.as_ref())
-        .map(|t| t.0);
-    let wanted = replicas::desired_replicas(&effective, last_active, now).replicas;
+    let last_active = last_active(model);
     // The proxy refreshes lastActiveTime every keepalive interval while requests are in flight:
     // a value younger than two intervals means a request may still be running.
     let window = model
@@ -201,6 +192,27 @@ pub fn member_of(
         busy,
         previous,
     }
+}
+
+/// `status.lastActiveTime` of a Model.
+fn last_active(model: &Model) -> Option<Timestamp> {
+    model
+        .status
+        .as_ref()
+        .and_then(|s| s.last_active_time.as_ref())
+        .map(|t| t.0)
+}
+
+/// What another member's own policy asks for, with its gate judged against the artifact its own
+/// reconcile last accepted (its artifact is not observed here; its own reconcile decides for real).
+fn wanted_replicas(model: &Model, config: &RenderConfig, now: Timestamp) -> i32 {
+    let recorded = model
+        .status
+        .as_ref()
+        .and_then(|s| s.validated_artifact.clone());
+    let g = gate::gate(model, recorded.as_deref());
+    let effective = gate::effective_spec(model, &g, config.canary_max_idle());
+    replicas::desired_replicas(&effective, last_active(model), now).replicas
 }
 
 /// Replicas each Model runs or is about to run: the larger of its Deployment's `spec.replicas`
@@ -264,7 +276,7 @@ fn shared_lane(
     model: &Model,
     observed: Option<&SharedObservation>,
     config: &RenderConfig,
-    gate: &GateDecision,
+    own_wanted: i32,
     now: Timestamp,
 ) -> Option<SharedLane> {
     let group = model.spec.gpu.shared.clone()?;
@@ -277,14 +289,11 @@ fn shared_lane(
         .iter()
         .filter(|m| m.name_any() != me && m.spec.gpu.shared.as_deref() == Some(group.as_str()))
         .map(|m| {
-            // Another member's artifact is not observed here: its gate is judged against the
-            // artifact its own reconcile last accepted (its own reconcile decides for real).
-            let recorded = m.status.as_ref().and_then(|s| s.validated_artifact.clone());
-            let g = gate::gate(m, recorded.as_deref());
-            member_of(m, &g, running(&m.name_any()), config, now)
+            let wanted = wanted_replicas(m, config, now);
+            member_of(m, wanted, running(&m.name_any()), now)
         })
         .collect();
-    members.push(member_of(model, gate, running(&me), config, now));
+    members.push(member_of(model, own_wanted, running(&me), now));
     let lanes = shared::arbitrate(&members, now, obs.grace);
     let active_priority = lanes
         .last()

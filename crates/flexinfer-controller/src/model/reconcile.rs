@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use flexinfer_api::contract::controller::FIELD_MANAGER;
-use flexinfer_api::contract::{labels, serving};
+use flexinfer_api::contract::labels;
 use flexinfer_api::model::ModelPhase;
 use flexinfer_api::{GPUProfile, Model, ModelCache};
 use k8s_openapi::api::apps::v1::Deployment;
@@ -89,13 +89,7 @@ async fn observe_group(ctx: &Ctx, ns: &str, group: &str) -> Result<SharedObserva
         .into_iter()
         .filter(|m| m.spec.gpu.shared.as_deref() == Some(group))
         .collect();
-    let lp = ListParams::default().labels(&format!(
-        "{}={},{}={}",
-        labels::MANAGED_BY,
-        labels::MANAGED_BY_VALUE,
-        labels::COMPONENT,
-        serving::COMPONENT
-    ));
+    let lp = ListParams::default().labels(&super::serving_selector());
     let deployments = Api::<Deployment>::namespaced(ctx.client.clone(), ns)
         .list(&lp)
         .await?
