@@ -706,13 +706,22 @@ async fn model_backends_phases_and_metrics() {
             .get(),
         1
     );
-    assert!(
+    // The transition is counted once its status is written (after the write returns, so a watcher
+    // may see the status a moment before the counter moves).
+    let counted = || {
         env.metrics
             .model_phase_transitions_total
             .with_label_values(&["vllm-m", env.ns.as_str(), "Ready", "Loading"])
             .get()
-            >= 1
-    );
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while counted() < 1 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the Ready -> Loading transition was not counted"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     assert!(env.metrics.render().contains("flexinfer_model_phase{"));
 
     // Events on phase changes.
