@@ -1012,3 +1012,94 @@ async fn real_pipeline_generations_config_bound_reuse_and_collection() -> Result
     );
     Ok(())
 }
+
+/// Downloads have generations too, on the real path: a new revision downloads into a new
+/// `source.<generation>` beside the one `status.path` names, which stays byte for byte and keeps being
+/// the path until the new one is complete; unchanged files are hard links to the earlier generation's;
+/// the replaced generation is kept (one previous by default) and the one before it is collected.
+#[tokio::test]
+async fn real_pipeline_a_new_revision_downloads_beside_the_served_one() -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let e = Env::get()?;
+    let c = client().await;
+    let name = "tiny-rev";
+    let dir = start_cache(
+        &c,
+        &e,
+        name,
+        "flexinfer-demo/tiny-llama",
+        "tiny-rev",
+        json!({}),
+    )
+    .await?;
+    let mut seen = Observed::default();
+    let mc = until_ready(&c, &e, name, &mut seen, Duration::from_secs(300)).await?;
+    let st = &mc["status"];
+    let p1 = st["path"].as_str().context("path")?.to_string();
+    let rel1 = st["download"]["outputDir"]
+        .as_str()
+        .context("status.download.outputDir")?
+        .to_string();
+    ensure!(
+        p1.ends_with(&format!(":{rel1}")) && rel1.starts_with("tiny-rev/source."),
+        "path {p1} vs download.outputDir {rel1}"
+    );
+    let d1 = host_dir(&dir, &p1);
+    ensure!(
+        d1.join("config.json").is_file() && d1.join(".download_complete").is_file(),
+        "{} holds no complete download",
+        d1.display()
+    );
+    ensure!(
+        !dir.join("tiny-rev/config.json").exists(),
+        "the model's files were written into the cache directory itself"
+    );
+    let before = dir_digest(&d1)?;
+
+    let api: Api<ModelCache> = Api::namespaced(c.clone(), &e.ns);
+    let pp = kube::api::PatchParams::default();
+    let mut paths = vec![p1.clone()];
+    for rev in ["r2", "r3"] {
+        api.patch(
+            name,
+            &pp,
+            &kube::api::Patch::Merge(json!({"spec": {"revision": rev}})),
+        )
+        .await?;
+        let old = paths.last().cloned().unwrap_or_default();
+        let mc = until_ready_at_new_path(&c, &e, name, &old, &mut seen).await?;
+        let st = &mc["status"];
+        ensure!(
+            st["download"]["revision"] == rev,
+            "download.revision {}",
+            st["download"]["revision"]
+        );
+        let new = st["path"].as_str().context("path")?.to_string();
+        let prev_rel = old.split_once(':').map(|(_, d)| d.to_string());
+        ensure!(
+            st["download"]["previousOutputDirs"] == json!([prev_rel]),
+            "previousOutputDirs {}",
+            st["download"]["previousOutputDirs"]
+        );
+        let (dn, dold) = (host_dir(&dir, &new), host_dir(&dir, &old));
+        let cfg_new = std::fs::metadata(dn.join("config.json"))?.ino();
+        let cfg_old = std::fs::metadata(dold.join("config.json"))?.ino();
+        ensure!(
+            cfg_new == cfg_old,
+            "config.json of {new} is not a hard link to the earlier generation's"
+        );
+        paths.push(new);
+    }
+    // r2 replaced the first generation and kept it; r3 kept r2 and collected the first.
+    ensure!(
+        !d1.exists(),
+        "generation {p1} older than the kept one is still on disk"
+    );
+    let d2 = host_dir(&dir, &paths[1]);
+    ensure!(
+        dir_digest(&d2)?.len() == before.len() && d2.join(".download_complete").is_file(),
+        "the kept generation {} is not whole",
+        paths[1]
+    );
+    Ok(())
+}

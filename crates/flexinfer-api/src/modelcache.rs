@@ -635,6 +635,14 @@ phase_status!(
         pub file_count: i64,
         /// Revision that was downloaded.
         pub revision: String,
+        /// Directory (relative to the cache root) of the downloaded files (the promoted generation,
+        /// `<modelPath>/source.<generation>`; absent for a cache downloaded into `<modelPath>` itself
+        /// before downloads had generations).
+        pub output_dir: String,
+        /// Generation of the run in flight or last run: it writes `<modelPath>/source.<generation>`.
+        pub generation: String,
+        /// Earlier downloads still on disk (kept for Models that serve them), newest first.
+        pub previous_output_dirs: Vec<String>,
     }
 );
 

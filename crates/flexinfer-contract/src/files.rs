@@ -7,6 +7,9 @@ use serde::{Deserialize, Serialize};
 pub const CACHE_MOUNT: &str = "/cache";
 /// Subdirectory (under the model dir) of the abliterated model.
 pub const ABLITERATED_SUBDIR: &str = "abliterated";
+/// Base name (under the model dir) of the download phase's generations: `<modelPath>/source.<generation>`
+/// holds the model's files. A cache downloaded before generations existed has them in `<modelPath>`.
+pub const SOURCE_SUBDIR: &str = "source";
 /// Subdirectory (under the model dir) where the download phase puts hub datasets.
 pub const DATASETS_SUBDIR: &str = ".datasets";
 
@@ -49,7 +52,11 @@ pub fn is_reserved_path(rel: &str) -> Option<&'static str> {
             return Some(r);
         }
         let top = i == 0;
-        if top && (c.starts_with("gptq-") || c.starts_with(ABLITERATED_SUBDIR)) {
+        if top
+            && (c.starts_with("gptq-")
+                || c.starts_with(ABLITERATED_SUBDIR)
+                || is_generation_of(c, SOURCE_SUBDIR))
+        {
             return Some("a pipeline output directory");
         }
         if c.ends_with(STAGING_SUFFIX) || c.ends_with(".lock") {
@@ -69,6 +76,25 @@ pub fn generation_dir(subdir: &str, generation: Option<&str>) -> String {
         Some(g) => format!("{subdir}{GENERATION_SEPARATOR}{g}"),
         None => subdir.to_string(),
     }
+}
+
+/// Whether `name` is a generation directory of `base` exactly as the controller names them:
+/// `<base>.<8 hex>-<14 digits>` (see [`generation_dir`]). Strict, so a model file such as `source.spm`
+/// is never taken for one.
+pub fn is_generation_of(name: &str, base: &str) -> bool {
+    let Some(rest) = name
+        .strip_prefix(base)
+        .and_then(|r| r.strip_prefix(GENERATION_SEPARATOR))
+    else {
+        return false;
+    };
+    let Some((hash, time)) = rest.split_once('-') else {
+        return false;
+    };
+    hash.len() == 8
+        && hash.chars().all(|c| c.is_ascii_hexdigit())
+        && time.len() == 14
+        && time.chars().all(|c| c.is_ascii_digit())
 }
 
 /// Suffix of the abliteration staging directory next to `OUT_DIR` (renamed into place when complete).
@@ -160,6 +186,29 @@ mod tests {
     use super::*;
 
     #[test]
+    fn generation_names_follow_the_controller_grammar() {
+        assert!(is_generation_of(
+            "source.0a1b2c3d-20261201203000",
+            SOURCE_SUBDIR
+        ));
+        assert!(is_generation_of(
+            &generation_dir("gptq-w4-g128", Some("deadbeef-20260101000000")),
+            "gptq-w4-g128"
+        ));
+        for n in [
+            "source.spm",
+            "source",
+            "source.0a1b2c3d",
+            "source.0a1b2c3g-20261201203000",
+            "source.0a1b2c3d-2026120120300",
+            "source.0a1b2c3d-2026120120300x",
+            "sources.0a1b2c3d-20261201203000",
+        ] {
+            assert!(!is_generation_of(n, SOURCE_SUBDIR), "{n}");
+        }
+    }
+
+    #[test]
     fn reserved_paths_are_recognised() {
         for p in [
             ".save-complete",
@@ -172,6 +221,7 @@ mod tests {
             ".download_complete",
             "x.partial/a",
             ".gptq-w4-g128.abc.lock",
+            "source.0a1b2c3d-20261201203000/config.json",
         ] {
             assert!(is_reserved_path(p).is_some(), "{p} must be reserved");
         }
@@ -181,6 +231,7 @@ mod tests {
             "tokenizer.json",
             "sub/gptq-notes.txt",
             "original/consolidated.safetensors",
+            "source.spm",
         ] {
             assert_eq!(is_reserved_path(p), None, "{p} is an ordinary file");
         }

@@ -28,7 +28,7 @@ pub use files::{
     AbliterationStatusFile, IntegrityFile, QualitySummary, SaveComplete, SaveShard, SourceIntegrity,
 };
 /// The cache layout, also at the root: every phase needs it.
-pub use files::{ABLITERATED_SUBDIR, CACHE_MOUNT, DATASETS_SUBDIR};
+pub use files::{ABLITERATED_SUBDIR, CACHE_MOUNT, DATASETS_SUBDIR, SOURCE_SUBDIR};
 pub use phase::JobPhase;
 pub use reasons::FailureReason;
 pub use termination::{

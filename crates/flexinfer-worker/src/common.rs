@@ -187,6 +187,7 @@ pub fn is_derived_dir(name: &str) -> bool {
         || name == contract::files::GPTQ_CACHE_DIR
         || name == contract::DATASETS_SUBDIR
         || name.starts_with("gptq-")
+        || contract::files::is_generation_of(name, contract::SOURCE_SUBDIR)
         || name.ends_with(".partial")
         || name.ends_with(".old")
 }

@@ -7,6 +7,7 @@
 
 pub mod fetch;
 mod local;
+mod reuse;
 mod source;
 mod state;
 
@@ -61,9 +62,15 @@ pub struct DownloadArgs {
     /// Comma-separated globs of files to skip.
     #[arg(long, env = env::IGNORE_PATTERNS, default_value = "")]
     pub ignore_patterns: String,
-    /// Destination directory.
+    /// The cache's model directory (`<modelPath>`): hub datasets go to its `.datasets/`, and the model's
+    /// files too unless `--out-dir` is given.
     #[arg(long, env = env::MODEL_DIR)]
     pub model_dir: PathBuf,
+    /// Directory of this run's files: a new generation `<modelPath>/source.<generation>` (the
+    /// controller sets it). Files an earlier complete download under `--model-dir` already holds with
+    /// the same digest are hard-linked and re-verified instead of fetched again.
+    #[arg(long, env = env::OUT_DIR)]
+    pub out_dir: Option<PathBuf>,
     /// Hub endpoint.
     #[arg(long, env = env::HF_ENDPOINT, default_value = hf::DEFAULT_ENDPOINT)]
     pub hf_endpoint: String,
@@ -187,13 +194,24 @@ async fn run_async(
             "source": args.source,
             "revision": args.revision,
             "modelDir": args.model_dir.display().to_string(),
+            "outDir": args.out_dir.as_ref().map(|d| d.display().to_string()),
         }),
     );
-    std::fs::create_dir_all(&args.model_dir).map_err(|e| {
-        WorkerError::Other(format!("cannot create {}: {e}", args.model_dir.display()))
-    })?;
-    // One writer per directory (a replaced Job's pod may still be running).
+    let out = args
+        .out_dir
+        .clone()
+        .unwrap_or_else(|| args.model_dir.clone());
+    for d in [&args.model_dir, &out] {
+        std::fs::create_dir_all(d)
+            .map_err(|e| WorkerError::Other(format!("cannot create {}: {e}", d.display())))?;
+    }
+    // One writer per directory (a replaced Job's pod may still be running): the model directory (its
+    // datasets) and this run's generation.
     let _lock = crate::generations::lock_output(&args.model_dir, &events)?;
+    let _out_lock = match out != args.model_dir {
+        true => Some(crate::generations::lock_output(&out, &events)?),
+        false => None,
+    };
     let model = match source {
         Source::Hub { repo } => {
             let kind = RepoType::parse(&args.repo_type).ok_or_else(|| {
@@ -218,8 +236,7 @@ async fn run_async(
             let files = select(listed, &filter)?;
             let ctx = new_ctx(client, hub_auth(args, token), args.retries);
             let canonical = format!("hf://{repo}");
-            let dir = &args.model_dir;
-            fetch_all(args, dir, &events, &ctx, &canonical, &args.revision, files).await
+            fetch_all(args, &out, &events, &ctx, &canonical, &args.revision, files).await
         }
         Source::Oci { reference } => {
             let reference = oci::Reference::parse(&reference)
@@ -243,7 +260,7 @@ async fn run_async(
             );
             fetch_all(
                 args,
-                &args.model_dir,
+                &out,
                 &events,
                 &ctx,
                 &format!("oci://{reference}"),
@@ -252,7 +269,7 @@ async fn run_async(
             )
             .await
         }
-        Source::Local { path } => local::run(args, &events, &path).await,
+        Source::Local { path } => local::run(args, &out, &events, &path).await,
     }?;
     let mut fetched = Vec::new();
     for id in [&args.dataset, &args.refusal_dataset, &args.harmless_dataset]
@@ -263,6 +280,13 @@ async fn run_async(
             fetch_dataset(args, &events, &id).await?;
             fetched.push(id);
         }
+    }
+    if out != args.model_dir {
+        crate::generations::collect_garbage(
+            &out,
+            std::env::var(env::KEEP_DIRS).ok().as_deref(),
+            &events,
+        );
     }
     Ok(model)
 }
@@ -393,6 +417,16 @@ async fn fetch_all(
     }
     state::invalidate(dir, prev.as_ref(), source, revision, &files, events)
         .map_err(|e| WorkerError::Other(format!("cannot reset {}: {e}", dir.display())))?;
+    // A new generation starts from the files earlier complete downloads already hold.
+    let linked = reuse::link_from_earlier(dir, &args.model_dir, &files);
+    if linked.files > 0 {
+        events.log(&format!(
+            "{} file(s), {} bytes, hard-linked from {}; each is re-verified before it counts",
+            linked.files,
+            linked.bytes,
+            linked.from.join(", ")
+        ));
+    }
     state::check_free_space(dir, &files)?;
     events.log(&format!(
         "downloading {} file(s), {} bytes from {source}@{revision} into {}",

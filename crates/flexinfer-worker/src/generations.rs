@@ -39,14 +39,37 @@ pub fn lock_output(dir: &Path, events: &Events) -> Result<WriterLock, WorkerErro
     }
 }
 
-/// The family of output directories `out_dir` belongs to: `gptq-…` or `abliterated…`.
-fn family(name: &str) -> Option<&'static str> {
-    if name.starts_with("gptq-") {
-        Some("gptq-")
-    } else if name.starts_with(flexinfer_contract::ABLITERATED_SUBDIR) {
-        Some(flexinfer_contract::ABLITERATED_SUBDIR)
-    } else {
-        None
+/// The family of output directories `out_dir` belongs to: `gptq-…`, `abliterated…` or the download's
+/// `source.<generation>`.
+#[derive(Clone, Copy, PartialEq)]
+enum Family {
+    Gptq,
+    Abliterated,
+    Source,
+}
+
+impl Family {
+    fn of(name: &str) -> Option<Family> {
+        if name.starts_with("gptq-") {
+            Some(Family::Gptq)
+        } else if name.starts_with(flexinfer_contract::ABLITERATED_SUBDIR) {
+            Some(Family::Abliterated)
+        } else if files::is_generation_of(name, flexinfer_contract::SOURCE_SUBDIR) {
+            Some(Family::Source)
+        } else {
+            None
+        }
+    }
+
+    /// Whether a sibling entry (a directory name) is a generation of this family. Download generations
+    /// must match the generation grammar exactly: beside them may lie the model's own files of a
+    /// download made before generations existed (`source.spm`, …).
+    fn contains(self, name: &str) -> bool {
+        match self {
+            Family::Gptq => name.starts_with("gptq-"),
+            Family::Abliterated => name.starts_with(flexinfer_contract::ABLITERATED_SUBDIR),
+            Family::Source => files::is_generation_of(name, flexinfer_contract::SOURCE_SUBDIR),
+        }
     }
 }
 
@@ -68,7 +91,7 @@ pub fn collect_garbage(out_dir: &Path, keep: Option<&str>, events: &Events) -> V
         return Vec::new();
     };
     let own = own.to_string_lossy().into_owned();
-    let Some(fam) = family(&own) else {
+    let Some(fam) = Family::of(&own) else {
         return Vec::new();
     };
     let Ok(rd) = std::fs::read_dir(parent) else {
@@ -87,7 +110,7 @@ pub fn collect_garbage(out_dir: &Path, keep: Option<&str>, events: &Events) -> V
             })
             .unwrap_or(&name)
             .to_string();
-        if !target.starts_with(fam) || target == own || keep.contains(&target) {
+        if !fam.contains(&target) || target == own || keep.contains(&target) {
             continue;
         }
         let gen_dir = parent.join(&target);
@@ -136,6 +159,21 @@ pub fn collect_garbage(out_dir: &Path, keep: Option<&str>, events: &Events) -> V
             let _ = std::fs::remove_file(lock);
         }
     }
+    // A download made before generations existed lives in the model directory itself.
+    if fam == Family::Source {
+        let root = parent
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if !keep.contains(&root) {
+            if let Some(n) = collect_legacy_download(parent, events) {
+                removed.push(format!(
+                    "{n} file(s) of the download in {}",
+                    parent.display()
+                ));
+            }
+        }
+    }
     let _ = flexinfer_fsutil::fsync_dir(parent);
     if !removed.is_empty() {
         removed.sort();
@@ -145,6 +183,59 @@ pub fn collect_garbage(out_dir: &Path, keep: Option<&str>, events: &Events) -> V
         );
     }
     removed
+}
+
+/// Removes the files a download made before generations existed left in `root` (exactly those its
+/// `.source-integrity.json` names, then its markers), and the directories that leaves empty. The caller
+/// holds `root`'s writer lock. Returns how many files went, or `None` when there is no such download.
+fn collect_legacy_download(root: &Path, events: &Events) -> Option<usize> {
+    if !root.join(files::DOWNLOAD_COMPLETE).is_file() {
+        return None;
+    }
+    let text = std::fs::read_to_string(root.join(files::SOURCE_INTEGRITY)).ok()?;
+    let integrity: flexinfer_contract::SourceIntegrity = serde_json::from_str(&text).ok()?;
+    // The completion marker goes first: an interrupted collection never leaves a download that looks
+    // complete with files missing.
+    if let Err(e) = std::fs::remove_file(root.join(files::DOWNLOAD_COMPLETE)) {
+        events.log(&format!(
+            "garbage collection: cannot retire the download in {}: {e}",
+            root.display()
+        ));
+        return None;
+    }
+    let _ = flexinfer_fsutil::fsync_dir(root);
+    let mut n = 0usize;
+    let mut parents = Vec::new();
+    for f in &integrity.files {
+        if flexinfer_contract::check_relative_path(&f.name).is_err()
+            || files::is_reserved_path(&f.name).is_some()
+        {
+            continue;
+        }
+        let p = root.join(&f.name);
+        // Only regular files (a symlink is removed as a link, never followed).
+        let is_file = std::fs::symlink_metadata(&p).is_ok_and(|m| !m.is_dir());
+        if is_file && std::fs::remove_file(&p).is_ok() {
+            n = n.saturating_add(1);
+            if let Some(parent) = p.parent().filter(|d| *d != root) {
+                parents.push(parent.to_path_buf());
+            }
+        }
+    }
+    // Deepest first; `remove_dir` only removes empty directories.
+    parents.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    parents.dedup();
+    for d in parents {
+        let mut cur = Some(d.as_path());
+        while let Some(c) = cur.filter(|c| c.starts_with(root) && *c != root) {
+            if std::fs::remove_dir(c).is_err() {
+                break;
+            }
+            cur = c.parent();
+        }
+    }
+    let _ = std::fs::remove_file(root.join(files::SOURCE_INTEGRITY));
+    Some(n)
 }
 
 #[cfg(test)]

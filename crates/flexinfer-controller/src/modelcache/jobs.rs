@@ -230,6 +230,10 @@ pub fn keep_dirs(
 ) -> Vec<String> {
     let mut v = vec![output.to_string()];
     let previous = match phase {
+        JobPhase::Download => st
+            .download
+            .as_ref()
+            .and_then(|d| d.previous_output_dirs.clone()),
         JobPhase::Abliterate => st
             .abliteration
             .as_ref()
@@ -241,8 +245,18 @@ pub fn keep_dirs(
         _ => None,
     }
     .unwrap_or_default();
-    // The promoted output becomes the newest previous one when this run succeeds.
-    let promoted = super::target::promoted_dir(st, phase);
+    // The promoted output becomes the newest previous one when this run succeeds. A cache downloaded
+    // before downloads had generations has its files in `<modelPath>` itself (the parent of `output`).
+    let legacy_download = phase == JobPhase::Download
+        && st
+            .download
+            .as_ref()
+            .is_some_and(|d| d.output_dir.is_none() && d.size_bytes.is_some());
+    let promoted = super::target::promoted_dir(st, phase).or_else(|| {
+        legacy_download
+            .then(|| output.rsplit_once('/').map(|(root, _)| root.to_string()))
+            .flatten()
+    });
     let budget = if promoted.is_some() {
         keep.saturating_sub(1)
     } else {
@@ -273,7 +287,7 @@ fn worker_env(
         ev(env::TELEMETRY, "true"),
         ev(env::MAX_MEMORY_GB, phase_memory_gb(mc, phase).to_string()),
     ];
-    if phase != JobPhase::Download && phase != JobPhase::Publish {
+    if phase != JobPhase::Publish {
         e.push(ev(env::OUT_DIR, cache_path(&output)));
         let keep = keep_dirs(st, phase, &output, served, config.keep_generations);
         e.push(ev(env::KEEP_DIRS, keep.join(",")));

@@ -53,6 +53,34 @@ pub struct ObservedJob {
     pub pod: Option<ObservedPod>,
     /// `spec.activeDeadlineSeconds` the Job was created with (the deadline in force).
     pub deadline_seconds: Option<i64>,
+    /// The directory (relative to the claim) the Job writes: its `OUT_DIR`.
+    pub out_dir: Option<String>,
+}
+
+/// The `OUT_DIR` of a pipeline Job's worker container, relative to the claim.
+pub fn job_out_dir(job: &Job) -> Option<String> {
+    let c = job
+        .spec
+        .as_ref()?
+        .template
+        .spec
+        .as_ref()?
+        .containers
+        .first()?;
+    let v = c
+        .env
+        .as_ref()?
+        .iter()
+        .find(|e| e.name == contract::env::OUT_DIR)?
+        .value
+        .as_deref()?;
+    let rel = v
+        .strip_prefix(contract::CACHE_MOUNT)
+        .unwrap_or(v)
+        .trim_matches('/');
+    contract::check_relative_path(rel)
+        .ok()
+        .map(|_| rel.to_string())
 }
 
 /// Summarise a Job and its pods. `None` for Jobs that are not pipeline Jobs.
@@ -107,6 +135,7 @@ pub fn observe_job(job: &Job, pods: &[Pod]) -> Option<ObservedJob> {
     let deadline_seconds = spec.and_then(|s| s.active_deadline_seconds);
     Some(ObservedJob {
         deadline_seconds,
+        out_dir: job_out_dir(job),
         phase,
         name: job_name,
         image,

@@ -821,6 +821,11 @@ pub fn new_generation(hash: &str, now: Timestamp) -> String {
 
 pub(super) fn set_generation(st: &mut ModelCacheStatus, phase: JobPhase, generation: String) {
     match phase {
+        JobPhase::Download => {
+            st.download
+                .get_or_insert_with(DownloadStatus::default)
+                .generation = Some(generation)
+        }
         JobPhase::Abliterate => {
             st.abliteration
                 .get_or_insert_with(AbliterationStatus::default)

@@ -36,6 +36,10 @@ fn promote_output(cx: &mut Ctx<'_>, phase: JobPhase, reported: Option<&str>) -> 
         .unwrap_or_else(|| jobs::phase_dirs(cx.mc, &cx.st, phase).1);
     let keep = cx.config.keep_generations;
     let (current, previous) = match phase {
+        JobPhase::Download => {
+            let d = cx.st.download.get_or_insert_with(Default::default);
+            (&mut d.output_dir, &mut d.previous_output_dirs)
+        }
         JobPhase::Abliterate => {
             let a = cx.st.abliteration.get_or_insert_with(Default::default);
             (&mut a.output_dir, &mut a.previous_output_dirs)
@@ -82,7 +86,26 @@ fn fmt_duration(secs: f64) -> String {
     }
 }
 
+/// A Job adopted after its status write was lost (a controller restart, a conflict) writes a generation
+/// that status does not name: take it from the Job's `OUT_DIR`, so status names what is being written.
+fn adopt_generation(cx: &mut Ctx<'_>, phase: JobPhase, job: &ObservedJob) {
+    let (Some(out), Some(base)) = (job.out_dir.as_deref(), jobs::output_base(cx.mc, phase)) else {
+        return;
+    };
+    let Some(g) = out
+        .strip_prefix(base.as_str())
+        .and_then(|r| r.strip_prefix(contract::files::GENERATION_SEPARATOR))
+        .filter(|g| !g.is_empty())
+    else {
+        return;
+    };
+    if jobs::generation(&cx.st, phase).as_deref() != Some(g) {
+        super::plan::set_generation(&mut cx.st, phase, g.to_string());
+    }
+}
+
 pub(super) fn record_success(cx: &mut Ctx<'_>, phase: JobPhase, job: &ObservedJob, mut c: Common) {
+    adopt_generation(cx, phase, job);
     let now = cx.now_t.clone();
     c.completed_at = Some(now.clone());
     c.spec_hash = job.spec_hash.clone();
@@ -109,6 +132,10 @@ pub(super) fn record_success(cx: &mut Ctx<'_>, phase: JobPhase, job: &ObservedJo
     match phase {
         JobPhase::Download => {
             let d = cx.st.download.get_or_insert_with(Default::default);
+            // Downloaded before downloads had generations: `<modelPath>` itself is what is replaced.
+            if d.output_dir.is_none() && d.size_bytes.is_some() {
+                d.output_dir = Some(jobs::model_dir(mc));
+            }
             d.size_bytes = term
                 .size_bytes
                 .or(term.original_size_bytes)
@@ -119,6 +146,8 @@ pub(super) fn record_success(cx: &mut Ctx<'_>, phase: JobPhase, job: &ObservedJo
                     .clone()
                     .unwrap_or_else(|| mc.spec.revision.clone()),
             );
+            let out = promote_output(cx, phase, term.output_dir.as_deref());
+            note.push_str(&format!(", output {out}"));
         }
         JobPhase::Abliterate => {
             let a = cx.st.abliteration.get_or_insert_with(Default::default);
@@ -223,6 +252,7 @@ pub(super) fn record_failure(
     mut c: Common,
     max_retries: i32,
 ) {
+    adopt_generation(cx, phase, job);
     let reason = classify_failure(job);
     let text = failure_text(job, observed.log_tail.as_ref());
     let msg = format!("{reason}: {text}");
@@ -307,6 +337,7 @@ pub(super) fn update_progress(
     mut c: Common,
 ) {
     let now = cx.now;
+    adopt_generation(cx, phase, job);
     // Adopt a Job created before a status write was lost (e.g. controller restart).
     if c.started_at.is_none() {
         c.started_at = Some(Time(job.created));

@@ -324,10 +324,11 @@ pub fn model_dir(mc: &ModelCache) -> String {
 }
 
 /// Base output directory of a phase (relative to the PVC root), without a generation:
-/// `<modelPath>/abliterated`, `<modelPath>/gptq-w4-g128`.
+/// `<modelPath>/source`, `<modelPath>/abliterated`, `<modelPath>/gptq-w4-g128`.
 pub fn output_base(mc: &ModelCache, phase: JobPhase) -> Option<String> {
     let base = model_dir(mc);
     match phase {
+        JobPhase::Download => Some(format!("{base}/{}", contract::SOURCE_SUBDIR)),
         JobPhase::Abliterate => Some(format!("{base}/{}", contract::ABLITERATED_SUBDIR)),
         JobPhase::Quantize => mc
             .spec
@@ -341,6 +342,7 @@ pub fn output_base(mc: &ModelCache, phase: JobPhase) -> Option<String> {
 /// Generation of the run in flight (or last run) of a phase that writes generations.
 pub fn generation(st: &ModelCacheStatus, phase: JobPhase) -> Option<String> {
     match phase {
+        JobPhase::Download => st.download.as_ref().and_then(|d| d.generation.clone()),
         JobPhase::Abliterate => st.abliteration.as_ref().and_then(|a| a.generation.clone()),
         JobPhase::Quantize => st.quantization.as_ref().and_then(|q| q.generation.clone()),
         _ => None,
@@ -350,6 +352,7 @@ pub fn generation(st: &ModelCacheStatus, phase: JobPhase) -> Option<String> {
 /// The promoted output of a phase (what later phases read and Models serve), if any.
 pub fn promoted_dir(st: &ModelCacheStatus, phase: JobPhase) -> Option<String> {
     match phase {
+        JobPhase::Download => st.download.as_ref().and_then(|d| d.output_dir.clone()),
         JobPhase::Abliterate => st.abliteration.as_ref().and_then(|a| a.output_dir.clone()),
         JobPhase::Quantize => st.quantization.as_ref().and_then(|q| q.output_dir.clone()),
         _ => None,
@@ -357,25 +360,33 @@ pub fn promoted_dir(st: &ModelCacheStatus, phase: JobPhase) -> Option<String> {
     .filter(|d| !d.is_empty())
 }
 
-/// Relative (to the PVC root) input and output directories of a phase run. Abliteration and
+/// The downloaded model's directory: the promoted download generation, else `<modelPath>` itself (a
+/// cache downloaded before downloads had generations).
+pub fn source_dir(mc: &ModelCache, st: &ModelCacheStatus) -> String {
+    promoted_dir(st, JobPhase::Download).unwrap_or_else(|| model_dir(mc))
+}
+
+/// Relative (to the PVC root) input and output directories of a phase run. Download, abliteration and
 /// quantization write a new generation (`<base>.<generation>` from status); a phase reads the promoted
-/// output of the phase before it.
+/// output of the phase before it. The download's "input" is `<modelPath>`, where it keeps the hub
+/// datasets (`.datasets/`) that later phases find beside their input.
 pub fn phase_dirs(mc: &ModelCache, st: &ModelCacheStatus, phase: JobPhase) -> (String, String) {
     let base = model_dir(mc);
     let out = |p: JobPhase| {
         let b = output_base(mc, p).unwrap_or_else(|| base.clone());
         contract::files::generation_dir(&b, generation(st, p).as_deref())
     };
+    let source = source_dir(mc, st);
     let ablit_in = promoted_dir(st, JobPhase::Abliterate)
         .unwrap_or_else(|| format!("{base}/{}", contract::ABLITERATED_SUBDIR));
     let quant_in = if mc.spec.abliteration.is_some() {
         ablit_in
     } else {
-        base.clone()
+        source.clone()
     };
     match phase {
-        JobPhase::Download => (base.clone(), base),
-        JobPhase::Abliterate => (base.clone(), out(JobPhase::Abliterate)),
+        JobPhase::Download => (base.clone(), out(JobPhase::Download)),
+        JobPhase::Abliterate => (source, out(JobPhase::Abliterate)),
         JobPhase::Quantize => (quant_in, out(JobPhase::Quantize)),
         JobPhase::Publish => {
             let art = artifact_dir(mc, st);
@@ -393,7 +404,7 @@ pub fn artifact_dir(mc: &ModelCache, st: &ModelCacheStatus) -> String {
     } else if mc.spec.abliteration.is_some() {
         JobPhase::Abliterate
     } else {
-        return base;
+        return source_dir(mc, st);
     };
     promoted_dir(st, last)
         .or_else(|| output_base(mc, last))

@@ -154,6 +154,7 @@ fn job_from(p: &Plan, phase: JobPhase, created: Timestamp, state: JobState) -> O
         state,
         pod: None,
         deadline_seconds: None,
+        out_dir: super::observe::job_out_dir(&j),
     }
 }
 
@@ -397,6 +398,7 @@ fn failures_are_classified() {
         },
         pod: None,
         deadline_seconds: None,
+        out_dir: None,
     };
     let pod = |term: Option<&str>, wait: Option<&str>| {
         Some(ObservedPod {
@@ -685,6 +687,7 @@ fn requantize_reruns_only_quantize_and_keeps_path_until_success() {
         state: JobState::Succeeded,
         pod: None,
         deadline_seconds: None,
+        out_dir: None,
     };
     let p = plan(&mc, &obs(vec![old_q]), &c, t(100));
     assert_eq!(deleted_jobs(&p), vec!["mc-quantize"]);
@@ -907,6 +910,7 @@ fn restart_adopts_running_job_without_duplicates() {
     let mc = cache(SIMPLE);
     let p = plan(&mc, &obs(vec![]), &c, t(0));
     let j = job_from(&p, JobPhase::Download, t(1), JobState::Active);
+    let written = j.out_dir.clone().expect("the download Job's OUT_DIR");
     // Status write was lost: the object has no status at all.
     let p = plan(&mc, &obs(vec![j]), &c, t(30));
     assert!(
@@ -915,6 +919,14 @@ fn restart_adopts_running_job_without_duplicates() {
         p.actions
     );
     assert_eq!(p.status.phase, Some(CachePhase::Downloading));
+    // Status names the generation the adopted Job writes, not none (nor a new one).
+    let generation = p
+        .status
+        .download
+        .as_ref()
+        .and_then(|d| d.generation.clone())
+        .expect("the adopted Job's generation");
+    assert_eq!(written, format!("mc/source.{generation}"));
 }
 
 #[test]

@@ -25,6 +25,7 @@ impl std::fmt::Debug for super::DownloadArgs {
             .field("allow_patterns", &self.allow_patterns)
             .field("ignore_patterns", &self.ignore_patterns)
             .field("model_dir", &self.model_dir)
+            .field("out_dir", &self.out_dir)
             .field("hf_endpoint", &self.hf_endpoint)
             .field("hf_token", &self.hf_token.as_ref().map(|_| "<redacted>"))
             .field("dataset", &self.dataset)
@@ -166,20 +167,28 @@ pub async fn fetch_file(
         let before = counted;
         let res = download_once(ctx, f, &part, &mut counted).await;
         match res {
-            Ok(sha) => {
-                if let Err(why) = verify(f, &part, &sha).await {
-                    let _ = tokio::fs::remove_file(&part).await;
-                    ctx.done.fetch_sub(counted, Ordering::Relaxed);
-                    counted = 0;
-                    verify_failures += 1;
-                    let msg = format!("{why}; the partial file was removed");
-                    tracing::warn!(file = %f.path, "verification failed");
-                    eprintln!("{msg}");
-                    if verify_failures >= 2 {
-                        return Err(FetchError::Failed(msg));
+            Ok(streamed) => {
+                // What counts is what is on disk, not what went through the stream: re-read it.
+                let checked = match on_disk_sha256(&part, &streamed).await? {
+                    Ok(sha) => verify(f, &part, &sha).await.map(|()| sha),
+                    Err(why) => Err(format!("{}: {why}", f.path)),
+                };
+                let sha = match checked {
+                    Ok(sha) => sha,
+                    Err(why) => {
+                        let _ = tokio::fs::remove_file(&part).await;
+                        ctx.done.fetch_sub(counted, Ordering::Relaxed);
+                        counted = 0;
+                        verify_failures += 1;
+                        let msg = format!("{why}; the partial file was removed");
+                        tracing::warn!(file = %f.path, "verification failed");
+                        eprintln!("{msg}");
+                        if verify_failures >= 2 {
+                            return Err(FetchError::Failed(msg));
+                        }
+                        continue;
                     }
-                    continue;
-                }
+                };
                 tokio::fs::rename(&part, &dest)
                     .await
                     .map_err(|e| io_err("renaming", &part, e))?;
@@ -210,6 +219,22 @@ pub async fn fetch_file(
             }
             Err(e) => return Err(e),
         }
+    }
+}
+
+/// The sha256 of `part` as it is on disk, once it equals the hash of the received stream; otherwise the
+/// mismatch (another writer, or the disk, changed the file) as `Ok(Err(..))`.
+async fn on_disk_sha256(part: &Path, streamed: &str) -> Result<Result<String, String>, FetchError> {
+    let p = part.to_path_buf();
+    let on_disk = blocking(move || flexinfer_fsutil::sha256_file(&p))
+        .await
+        .map_err(|e| io_err("re-hashing", part, e))?;
+    if on_disk == streamed {
+        Ok(Ok(on_disk))
+    } else {
+        Ok(Err(format!(
+            "the bytes on disk differ from the bytes received (sha256 {on_disk} on disk, {streamed} received)"
+        )))
     }
 }
 

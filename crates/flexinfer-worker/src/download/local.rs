@@ -11,6 +11,7 @@ use crate::common::{Events, WorkerError};
 
 pub async fn run(
     args: &DownloadArgs,
+    out: &Path,
     events: &Arc<Events>,
     path: &str,
 ) -> Result<TerminationSuccess, WorkerError> {
@@ -56,7 +57,7 @@ pub async fn run(
     let revision = "local".to_string();
     fetch_all(
         args,
-        &args.model_dir,
+        out,
         events,
         &ctx,
         &format!("local://{path}"),
