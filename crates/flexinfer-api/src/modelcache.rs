@@ -2,6 +2,7 @@
 //! quantized and published as an OCI artifact.
 
 use std::collections::BTreeMap;
+use std::ops::{Deref, DerefMut};
 
 use k8s_openapi::api::core::v1::Toleration;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -588,125 +589,214 @@ impl CachePhase {
     }
 }
 
-/// Progress fields shared by every phase status (kept flat in each phase for `kubectl` readability).
-macro_rules! phase_status {
-    ($(#[$m:meta])* $name:ident { $($(#[$fm:meta])* pub $f:ident : $t:ty,)* }) => {
-        $(#[$m])*
-        #[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
-        #[serde(rename_all = "camelCase")]
-        pub struct $name {
-            /// Hash of the phase inputs (spec + image) the current artifact was or is being built from.
-            #[serde(default, skip_serializing_if = "Option::is_none")]
-            pub spec_hash: Option<String>,
-            /// Hash of the whole phase spec including run-only settings (deadline, memory) that the last
-            /// attempt ran with: a failed phase is tried again when only those change.
-            #[serde(default, skip_serializing_if = "Option::is_none")]
-            pub run_hash: Option<String>,
-            /// Image of the Job that produced (or is producing) the artifact.
-            #[serde(default, skip_serializing_if = "Option::is_none")]
-            pub image: Option<String>,
-            #[serde(default, skip_serializing_if = "Option::is_none")]
-            pub started_at: Option<Time>,
-            #[serde(default, skip_serializing_if = "Option::is_none")]
-            pub completed_at: Option<Time>,
-            /// 0–100, never decreases within one run.
-            #[serde(default, skip_serializing_if = "Option::is_none")]
-            pub progress: Option<i32>,
-            #[serde(default, skip_serializing_if = "Option::is_none")]
-            pub progress_detail: Option<String>,
-            /// `telemetry` (worker events) or `elapsed-estimate` (time used / deadline, capped at 99).
-            #[serde(default, skip_serializing_if = "Option::is_none")]
-            pub progress_source: Option<String>,
-            #[serde(default, skip_serializing_if = "Option::is_none")]
-            pub last_progress_at: Option<Time>,
-            /// Why the last attempt failed (termination message or log tail).
-            #[serde(default, skip_serializing_if = "Option::is_none")]
-            pub failure_message: Option<String>,
-            $($(#[$fm])* #[serde(default, skip_serializing_if = "Option::is_none")] pub $f: Option<$t>,)*
-        }
-    };
+/// Progress fields shared by every phase status, flattened into each one (so they stay flat in
+/// each phase for `kubectl` readability). The phase statuses dereference to it, so
+/// `status.download.completed_at` reads it directly.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PhaseProgress {
+    /// Hash of the phase inputs (spec + image) the current artifact was or is being built from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spec_hash: Option<String>,
+    /// Hash of the whole phase spec including run-only settings (deadline, memory) that the last
+    /// attempt ran with: a failed phase is tried again when only those change.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_hash: Option<String>,
+    /// Image of the Job that produced (or is producing) the artifact.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<Time>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completed_at: Option<Time>,
+    /// 0–100, never decreases within one run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<i32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress_detail: Option<String>,
+    /// `telemetry` (worker events) or `elapsed-estimate` (time used / deadline, capped at 99).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress_source: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_progress_at: Option<Time>,
+    /// Why the last attempt failed (termination message or log tail).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure_message: Option<String>,
 }
 
-phase_status!(
-    /// Download phase status.
-    DownloadStatus {
-        /// Total bytes of the downloaded files.
-        pub size_bytes: i64,
-        pub file_count: i64,
-        /// Revision that was downloaded.
-        pub revision: String,
-        /// Directory (relative to the cache root) of the downloaded files (the promoted generation,
-        /// `<modelPath>/source.<generation>`; absent for a cache downloaded into `<modelPath>` itself
-        /// before downloads had generations).
-        pub output_dir: String,
-        /// Generation of the run in flight or last run: it writes `<modelPath>/source.<generation>`.
-        pub generation: String,
-        /// Earlier downloads still on disk (kept for Models that serve them), newest first.
-        pub previous_output_dirs: Vec<String>,
-    }
-);
+/// Download phase status.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DownloadStatus {
+    #[serde(flatten)]
+    pub run: PhaseProgress,
+    /// Total bytes of the downloaded files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size_bytes: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file_count: Option<i64>,
+    /// Revision that was downloaded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<String>,
+    /// Directory (relative to the cache root) of the downloaded files (the promoted generation,
+    /// `<modelPath>/source.<generation>`; absent for a cache downloaded into `<modelPath>` itself
+    /// before downloads had generations).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_dir: Option<String>,
+    /// Generation of the run in flight or last run: it writes `<modelPath>/source.<generation>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<String>,
+    /// Earlier downloads still on disk (kept for Models that serve them), newest first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_output_dirs: Option<Vec<String>>,
+}
 
-phase_status!(
-    /// Abliteration phase status.
-    AbliterationStatus {
-        pub layers_modified: i64,
-        /// Norm of the raw refusal direction (decimal string).
-        pub refusal_dir_norm: String,
-        /// Layer whose direction was used.
-        pub layer: i64,
-        pub perplexity_before: String,
-        pub perplexity_after: String,
-        /// Directory (relative to the cache root) of the abliterated model.
-        pub output_dir: String,
-        /// Generation of the run in flight or last run: its output is `<outputDir base>.<generation>`.
-        pub generation: String,
-        /// Earlier generations still on disk (kept for Models that serve them), newest first.
-        pub previous_output_dirs: Vec<String>,
-        /// The last generation a gate rejected; the promoted output (`outputDir`) was left untouched.
-        pub rejected_generation: String,
+impl Deref for DownloadStatus {
+    type Target = PhaseProgress;
+    fn deref(&self) -> &PhaseProgress {
+        &self.run
     }
-);
+}
 
-phase_status!(
-    /// Quantization phase status.
-    QuantizationStatus {
-        pub format: String,
-        /// e.g. `gptq-w4-g128`.
-        #[serde(rename = "type")]
-        pub quant_type: String,
-        pub original_size_bytes: i64,
-        pub compressed_size_bytes: i64,
-        pub compression_ratio: f64,
-        /// Duration, e.g. `1h2m3s`.
-        pub quantization_time: String,
-        /// Calibration parameters that were used.
-        pub calibration_params: BTreeMap<String, String>,
-        /// Directory (relative to the cache root) of the quantized artifact (the promoted generation).
-        pub output_dir: String,
-        pub quality: QualityStatus,
-        /// Digest of everything that determined the artifact's bytes (also in its `.save-complete`).
-        pub config_digest: String,
-        /// Settings the run used, as the worker reported them (not copied from the spec).
-        pub applied: BTreeMap<String, String>,
-        /// Generation of the run in flight or last run: its output is `<outputDir base>.<generation>`.
-        pub generation: String,
-        /// Earlier generations still on disk (kept for Models that serve them), newest first.
-        pub previous_output_dirs: Vec<String>,
-        /// The last generation a gate rejected; the promoted output (`outputDir`) was left untouched.
-        pub rejected_generation: String,
+impl DerefMut for DownloadStatus {
+    fn deref_mut(&mut self) -> &mut PhaseProgress {
+        &mut self.run
     }
-);
+}
 
-phase_status!(
-    /// Publish phase status.
-    PublishStatus {
-        pub oci_digest: String,
-        pub published_tags: Vec<String>,
-        pub published_at: Time,
-        /// Up to five earlier digests, newest first.
-        pub previous_digests: Vec<String>,
+/// Abliteration phase status.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AbliterationStatus {
+    #[serde(flatten)]
+    pub run: PhaseProgress,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layers_modified: Option<i64>,
+    /// Norm of the raw refusal direction (decimal string).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refusal_dir_norm: Option<String>,
+    /// Layer whose direction was used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub perplexity_before: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub perplexity_after: Option<String>,
+    /// Directory (relative to the cache root) of the abliterated model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_dir: Option<String>,
+    /// Generation of the run in flight or last run: its output is `<outputDir base>.<generation>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<String>,
+    /// Earlier generations still on disk (kept for Models that serve them), newest first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_output_dirs: Option<Vec<String>>,
+    /// The last generation a gate rejected; the promoted output (`outputDir`) was left untouched.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rejected_generation: Option<String>,
+}
+
+impl Deref for AbliterationStatus {
+    type Target = PhaseProgress;
+    fn deref(&self) -> &PhaseProgress {
+        &self.run
     }
-);
+}
+
+impl DerefMut for AbliterationStatus {
+    fn deref_mut(&mut self) -> &mut PhaseProgress {
+        &mut self.run
+    }
+}
+
+/// Quantization phase status.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct QuantizationStatus {
+    #[serde(flatten)]
+    pub run: PhaseProgress,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format: Option<String>,
+    /// e.g. `gptq-w4-g128`.
+    #[serde(rename = "type")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quant_type: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub original_size_bytes: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compressed_size_bytes: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compression_ratio: Option<f64>,
+    /// Duration, e.g. `1h2m3s`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantization_time: Option<String>,
+    /// Calibration parameters that were used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calibration_params: Option<BTreeMap<String, String>>,
+    /// Directory (relative to the cache root) of the quantized artifact (the promoted generation).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_dir: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quality: Option<QualityStatus>,
+    /// Digest of everything that determined the artifact's bytes (also in its `.save-complete`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_digest: Option<String>,
+    /// Settings the run used, as the worker reported them (not copied from the spec).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub applied: Option<BTreeMap<String, String>>,
+    /// Generation of the run in flight or last run: its output is `<outputDir base>.<generation>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<String>,
+    /// Earlier generations still on disk (kept for Models that serve them), newest first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_output_dirs: Option<Vec<String>>,
+    /// The last generation a gate rejected; the promoted output (`outputDir`) was left untouched.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rejected_generation: Option<String>,
+}
+
+impl Deref for QuantizationStatus {
+    type Target = PhaseProgress;
+    fn deref(&self) -> &PhaseProgress {
+        &self.run
+    }
+}
+
+impl DerefMut for QuantizationStatus {
+    fn deref_mut(&mut self) -> &mut PhaseProgress {
+        &mut self.run
+    }
+}
+
+/// Publish phase status.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PublishStatus {
+    #[serde(flatten)]
+    pub run: PhaseProgress,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oci_digest: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub published_tags: Option<Vec<String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub published_at: Option<Time>,
+    /// Up to five earlier digests, newest first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_digests: Option<Vec<String>>,
+}
+
+impl Deref for PublishStatus {
+    type Target = PhaseProgress;
+    fn deref(&self) -> &PhaseProgress {
+        &self.run
+    }
+}
+
+impl DerefMut for PublishStatus {
+    fn deref_mut(&mut self) -> &mut PhaseProgress {
+        &mut self.run
+    }
+}
 
 /// Result of the RTN-fallback quality gate.
 #[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
@@ -844,5 +934,68 @@ impl ModelCacheSpec {
     /// Directory of this cache inside the PVC (`modelPath`, else the cache name).
     pub fn model_dir_name<'a>(&'a self, cache_name: &'a str) -> &'a str {
         self.model_path.as_deref().unwrap_or(cache_name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The flattened progress fields stay flat, first, and in their order, for every phase status.
+    #[test]
+    fn phase_statuses_serialize_flat_with_progress_first() {
+        let run = PhaseProgress {
+            spec_hash: Some("h".into()),
+            progress: Some(40),
+            failure_message: Some("oom".into()),
+            ..Default::default()
+        };
+        let cases: [(String, &str); 4] = [
+            (
+                serde_json::to_string(&DownloadStatus {
+                    run: run.clone(),
+                    file_count: Some(3),
+                    ..Default::default()
+                })
+                .unwrap(),
+                r#"{"specHash":"h","progress":40,"failureMessage":"oom","fileCount":3}"#,
+            ),
+            (
+                serde_json::to_string(&AbliterationStatus {
+                    run: run.clone(),
+                    layer: Some(7),
+                    ..Default::default()
+                })
+                .unwrap(),
+                r#"{"specHash":"h","progress":40,"failureMessage":"oom","layer":7}"#,
+            ),
+            (
+                serde_json::to_string(&QuantizationStatus {
+                    run: run.clone(),
+                    quant_type: Some("gptq-w4-g128".into()),
+                    ..Default::default()
+                })
+                .unwrap(),
+                r#"{"specHash":"h","progress":40,"failureMessage":"oom","type":"gptq-w4-g128"}"#,
+            ),
+            (
+                serde_json::to_string(&PublishStatus {
+                    run: run.clone(),
+                    oci_digest: Some("sha256:x".into()),
+                    ..Default::default()
+                })
+                .unwrap(),
+                r#"{"specHash":"h","progress":40,"failureMessage":"oom","ociDigest":"sha256:x"}"#,
+            ),
+        ];
+        for (json, want) in cases {
+            assert_eq!(json, want);
+        }
+        let back: QuantizationStatus = serde_json::from_str(
+            r#"{"specHash":"h","progress":40,"failureMessage":"oom","type":"gptq-w4-g128"}"#,
+        )
+        .unwrap();
+        assert_eq!(back.run, run);
+        assert_eq!(back.spec_hash.as_deref(), Some("h"), "reads through Deref");
     }
 }

@@ -334,7 +334,7 @@ async fn phase_fails_then_succeeds_on_retry() -> Result<()> {
     assert_eq!(st.last_failure_phase.as_deref(), Some("download"));
     let msg = st
         .download
-        .and_then(|d| d.failure_message)
+        .and_then(|d| d.run.failure_message)
         .context("failureMessage")?;
     assert!(msg.starts_with("BackoffLimitExceeded"), "{msg}");
     assert!(msg.contains("simulated failure"), "{msg}");
@@ -449,7 +449,7 @@ async fn gpuprofile_image_change_recreates_young_quantize_job() -> Result<()> {
     assert_eq!(
         m.status
             .and_then(|s| s.quantization)
-            .and_then(|q| q.image)
+            .and_then(|q| q.run.image)
             .as_deref(),
         Some("example.com/flexinfer/worker:rocm-gfx1100-b")
     );

@@ -9,7 +9,7 @@ use flexinfer_api::contract::{self, annotations, reasons, JobPhase, ProgressEven
 use flexinfer_api::formats;
 use flexinfer_api::gpuprofile::GPUProfile;
 use flexinfer_api::modelcache::{
-    AbliterationStatus, CachePhase, DownloadStatus, ModelCache, ModelCacheStatus, PublishStatus,
+    AbliterationStatus, CachePhase, DownloadStatus, ModelCache, ModelCacheStatus, PhaseProgress,
     QuantizationStatus,
 };
 use k8s_openapi::api::batch::v1::Job;
@@ -95,54 +95,27 @@ pub struct Plan {
     pub outcome: Outcome,
 }
 
-/// Fields every phase status has.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub(super) struct Common {
-    pub(super) spec_hash: Option<String>,
-    pub(super) run_hash: Option<String>,
-    pub(super) image: Option<String>,
-    pub(super) started_at: Option<Time>,
-    pub(super) completed_at: Option<Time>,
-    pub(super) progress: Option<i32>,
-    pub(super) progress_detail: Option<String>,
-    pub(super) progress_source: Option<String>,
-    pub(super) last_progress_at: Option<Time>,
-    pub(super) failure_message: Option<String>,
+/// The progress fields of phase `p` (default when the phase has no status yet).
+pub(super) fn get_common(st: &ModelCacheStatus, p: JobPhase) -> PhaseProgress {
+    match p {
+        JobPhase::Download => st.download.as_ref().map(|s| s.run.clone()),
+        JobPhase::Abliterate => st.abliteration.as_ref().map(|s| s.run.clone()),
+        JobPhase::Quantize => st.quantization.as_ref().map(|s| s.run.clone()),
+        JobPhase::Publish => st.publish.as_ref().map(|s| s.run.clone()),
+    }
+    .unwrap_or_default()
 }
 
-macro_rules! common_io {
-    ($($field:ident),*) => {
-        pub(super) fn get_common(st: &ModelCacheStatus, p: JobPhase) -> Common {
-            match p {
-                JobPhase::Download => st.download.as_ref().map(|s| Common { $($field: s.$field.clone()),* }),
-                JobPhase::Abliterate => st.abliteration.as_ref().map(|s| Common { $($field: s.$field.clone()),* }),
-                JobPhase::Quantize => st.quantization.as_ref().map(|s| Common { $($field: s.$field.clone()),* }),
-                JobPhase::Publish => st.publish.as_ref().map(|s| Common { $($field: s.$field.clone()),* }),
-            }
-            .unwrap_or_default()
-        }
-        pub(super) fn set_common(st: &mut ModelCacheStatus, p: JobPhase, c: Common) {
-            match p {
-                JobPhase::Download => { let s = st.download.get_or_insert_with(DownloadStatus::default); $(s.$field = c.$field.clone();)* }
-                JobPhase::Abliterate => { let s = st.abliteration.get_or_insert_with(AbliterationStatus::default); $(s.$field = c.$field.clone();)* }
-                JobPhase::Quantize => { let s = st.quantization.get_or_insert_with(QuantizationStatus::default); $(s.$field = c.$field.clone();)* }
-                JobPhase::Publish => { let s = st.publish.get_or_insert_with(PublishStatus::default); $(s.$field = c.$field.clone();)* }
-            }
-        }
+/// Replace the progress fields of phase `p`, creating its status if needed.
+pub(super) fn set_common(st: &mut ModelCacheStatus, p: JobPhase, c: PhaseProgress) {
+    let run = match p {
+        JobPhase::Download => &mut st.download.get_or_insert_with(Default::default).run,
+        JobPhase::Abliterate => &mut st.abliteration.get_or_insert_with(Default::default).run,
+        JobPhase::Quantize => &mut st.quantization.get_or_insert_with(Default::default).run,
+        JobPhase::Publish => &mut st.publish.get_or_insert_with(Default::default).run,
     };
+    *run = c;
 }
-common_io!(
-    spec_hash,
-    run_hash,
-    image,
-    started_at,
-    completed_at,
-    progress,
-    progress_detail,
-    progress_source,
-    last_progress_at,
-    failure_message
-);
 
 /// `Downloading`, `Abliterating`, … for a Job phase.
 pub fn running_phase(p: JobPhase) -> CachePhase {
@@ -874,7 +847,7 @@ fn create_job(
     target: &jobs::PhaseTarget,
     image: &str,
     hash: &str,
-    mut c: Common,
+    mut c: PhaseProgress,
     served: &[String],
 ) {
     let phase = target.phase;

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use flexinfer_api::conditions::types;
 use flexinfer_api::contract::{self, reasons, JobPhase, TerminationMessage};
 use flexinfer_api::formats;
-use flexinfer_api::modelcache::{CachePhase, QualityStatus};
+use flexinfer_api::modelcache::{CachePhase, PhaseProgress, QualityStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 
@@ -15,7 +15,7 @@ use super::jobs;
 use super::observe::ObservedJob;
 use super::plan::{
     complete_reason, failed_reason, get_common, phase_from_status_name, reset_retries,
-    running_phase, secs_between, set_common, ts_add, Action, Common, Ctx, Observed,
+    running_phase, secs_between, set_common, ts_add, Action, Ctx, Observed,
 };
 
 fn rel_output_dir(raw: &str) -> Option<String> {
@@ -104,7 +104,12 @@ fn adopt_generation(cx: &mut Ctx<'_>, phase: JobPhase, job: &ObservedJob) {
     }
 }
 
-pub(super) fn record_success(cx: &mut Ctx<'_>, phase: JobPhase, job: &ObservedJob, mut c: Common) {
+pub(super) fn record_success(
+    cx: &mut Ctx<'_>,
+    phase: JobPhase,
+    job: &ObservedJob,
+    mut c: PhaseProgress,
+) {
     adopt_generation(cx, phase, job);
     let now = cx.now_t.clone();
     c.completed_at = Some(now.clone());
@@ -249,7 +254,7 @@ pub(super) fn record_failure(
     phase: JobPhase,
     job: &ObservedJob,
     observed: &Observed,
-    mut c: Common,
+    mut c: PhaseProgress,
     max_retries: i32,
 ) {
     adopt_generation(cx, phase, job);
@@ -334,7 +339,7 @@ pub(super) fn update_progress(
     phase: JobPhase,
     job: &ObservedJob,
     observed: &Observed,
-    mut c: Common,
+    mut c: PhaseProgress,
 ) {
     let now = cx.now;
     adopt_generation(cx, phase, job);

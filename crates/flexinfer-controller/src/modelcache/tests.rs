@@ -860,7 +860,7 @@ fn failure_message_from_termination_message_or_log_tail_is_redacted() {
     let msg = p
         .status
         .download
-        .and_then(|d| d.failure_message)
+        .and_then(|d| d.run.failure_message)
         .expect("failure message");
     assert!(
         msg.starts_with("BackoffLimitExceeded: exit 2: 401"),
@@ -883,7 +883,7 @@ fn failure_message_from_termination_message_or_log_tail_is_redacted() {
     let msg = p
         .status
         .download
-        .and_then(|d| d.failure_message)
+        .and_then(|d| d.run.failure_message)
         .expect("failure message");
     assert!(msg.contains("Script version mismatch"), "{msg}");
     assert!(!msg.contains("hunter2"), "{msg}");
