@@ -79,7 +79,7 @@ impl Drop for TestNamespace {
 /// Parse a multi-document YAML string into JSON values (empty documents skipped).
 pub fn yaml_docs(text: &str) -> Result<Vec<serde_json::Value>> {
     let mut out = Vec::new();
-    for doc in serde_yaml::Deserializer::from_str(text) {
+    for doc in serde_norway::Deserializer::from_str(text) {
         let v: serde_json::Value = serde::Deserialize::deserialize(doc)?;
         if !v.is_null() {
             out.push(v);

@@ -321,7 +321,7 @@ fn example(file: &str) -> Value {
         .join(file);
     let text =
         std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
-    serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("parse {}: {e}", path.display()))
+    serde_norway::from_str(&text).unwrap_or_else(|e| panic!("parse {}: {e}", path.display()))
 }
 
 fn model_json(name: &str, annotations: &[(&str, &str)], spec: Value) -> Value {

@@ -50,7 +50,7 @@ fn profiles() -> Vec<GPUProfile> {
   metadata: {name: sm89, namespace: flexinfer-system}
   spec: {architecture: sm_89, vendor: nvidia, vramMB: 24576, nodeSelector: {flexinfer.ai/gpu.arch: sm_89}}
 "#;
-    serde_yaml::from_str(y).expect("profiles")
+    serde_norway::from_str(y).expect("profiles")
 }
 
 fn cache(name: &str, selector: Option<&str>, gpu: bool) -> ModelCache {
@@ -75,7 +75,7 @@ spec:
   publish: {{ociRef: registry.example.com/models/{name}, additionalTags: [stable]}}
 "#
     );
-    serde_yaml::from_str(&y).expect("cache")
+    serde_norway::from_str(&y).expect("cache")
 }
 
 fn render(mc: &ModelCache) -> String {
@@ -88,7 +88,7 @@ fn render(mc: &ModelCache) -> String {
         let hash = jobs::spec_hash(mc, phase, &image);
         let job = jobs::build_job(mc, &Default::default(), &[], &t, &image, &hash, &c);
         out.push_str("---\n");
-        out.push_str(&serde_yaml::to_string(&job).expect("yaml"));
+        out.push_str(&serde_norway::to_string(&job).expect("yaml"));
     }
     out
 }

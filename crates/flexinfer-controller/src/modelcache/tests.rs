@@ -50,11 +50,11 @@ spec:
 "#;
 
 fn cache(y: &str) -> ModelCache {
-    serde_yaml::from_str(y).expect("test manifest")
+    serde_norway::from_str(y).expect("test manifest")
 }
 
 fn profile(arch: &str, image: &str) -> GPUProfile {
-    serde_yaml::from_str(&format!(
+    serde_norway::from_str(&format!(
         "apiVersion: ai.flexinfer/v1alpha2\nkind: GPUProfile\nmetadata: {{name: {arch}, namespace: ns}}\n\
          spec: {{architecture: {arch}, vendor: amd, gpuDriverMemoryMB: 12288, vramMB: 24576,\n\
          env: [{{name: HSA_OVERRIDE_GFX_VERSION, value: '11.0.0'}}],\n\
