@@ -1,14 +1,21 @@
 //! ModelCache pipeline controller (docs/dev/architecture.md §3): pure planning ([`plan`]), Job builders ([`jobs`]),
 //! and the thin reconciler ([`reconcile`]).
 
+mod advance;
+mod conditions;
 pub mod config;
+mod ctx;
+mod deletion;
 mod failures;
 pub mod jobs;
 pub mod observe;
+mod phase;
 pub mod plan;
 pub mod reconcile;
 mod results;
 pub mod target;
+mod triggers;
+mod validation;
 
 pub use config::Config;
 pub use plan::{plan, Action, Observed, Plan};

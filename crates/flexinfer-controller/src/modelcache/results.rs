@@ -10,13 +10,15 @@ use flexinfer_api::modelcache::{CachePhase, PhaseProgress, QualityStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 
+use super::ctx::Ctx;
 use super::failures::{classify_failure, failure_text};
 use super::jobs;
 use super::observe::ObservedJob;
-use super::plan::{
+use super::phase::{
     complete_reason, failed_reason, get_common, phase_from_status_name, reset_retries,
-    running_phase, secs_between, set_common, ts_add, Action, Ctx, Observed,
+    running_phase, secs_between, set_common, ts_add,
 };
+use super::plan::{Action, Observed};
 
 fn rel_output_dir(raw: &str) -> Option<String> {
     let p = raw
@@ -100,7 +102,7 @@ fn adopt_generation(cx: &mut Ctx<'_>, phase: JobPhase, job: &ObservedJob) {
         return;
     };
     if jobs::generation(&cx.st, phase).as_deref() != Some(g) {
-        super::plan::set_generation(&mut cx.st, phase, g.to_string());
+        super::phase::set_generation(&mut cx.st, phase, g.to_string());
     }
 }
 

@@ -1,0 +1,63 @@
+//! Planning step 2: specs the API admitted but no engine or configuration can run.
+
+use flexinfer_api::contract::{self, reasons, JobPhase};
+use flexinfer_api::formats;
+use flexinfer_api::modelcache::ModelCache;
+
+use super::jobs;
+use super::plan::Observed;
+
+/// Why the spec cannot run: the cache fails with `reason` (no retry can fix it).
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct SpecProblem {
+    pub(super) reason: &'static str,
+    pub(super) message: String,
+    /// The phase whose spec is at fault, when it is one phase's.
+    pub(super) phase: Option<JobPhase>,
+}
+
+/// The first problem of the spec, in the order: format, modelPath, pod metadata, claim conflict.
+pub(super) fn spec_problem(mc: &ModelCache, observed: &Observed) -> Option<SpecProblem> {
+    if let Some(q) = &mc.spec.quantization {
+        let info = formats::info(q.format);
+        if !info.implemented {
+            let message = format!(
+                "spec.quantization.format {} has no quantization engine in this FlexInfer version (supported: GPTQ); \
+                 change the format or remove spec.quantization",
+                info.name
+            );
+            return Some(SpecProblem {
+                reason: reasons::UNSUPPORTED_FORMAT,
+                message,
+                phase: Some(JobPhase::Quantize),
+            });
+        }
+    }
+    let invalid = |message: String| SpecProblem {
+        reason: reasons::INVALID_SPEC,
+        message,
+        phase: None,
+    };
+    if let Err(e) = contract::check_relative_path(&jobs::model_dir(mc)) {
+        return Some(invalid(format!("spec.modelPath: {e}")));
+    }
+    if let Some(msg) = jobs::invalid_pod_metadata_annotation(mc) {
+        return Some(invalid(msg));
+    }
+    let my_dir = jobs::model_dir(mc);
+    let peer = observed
+        .claim_peers
+        .iter()
+        .find(|p| p.older && p.model_dir == my_dir)?;
+    let message = format!(
+        "ModelCache {} already uses claim {} with modelPath {my_dir:?}: the two would overwrite each \
+         other's files; set a different spec.modelPath",
+        peer.name,
+        jobs::claim_name(mc)
+    );
+    Some(SpecProblem {
+        reason: reasons::CLAIM_CONFLICT,
+        message,
+        phase: None,
+    })
+}
