@@ -13,6 +13,7 @@ mod phase;
 pub mod plan;
 pub mod reconcile;
 mod results;
+mod series;
 pub mod target;
 mod triggers;
 mod validation;

@@ -1,9 +1,17 @@
-//! Pure summaries of what the reconciler observed (Jobs and their pods), in the shape `plan` needs.
+//! Pure summaries of what the reconciler observed (Jobs and their pods), in the shape `plan` needs,
+//! and the pure decisions of what to read: which Jobs' pods, which log tails and how often, which
+//! caches share the claim, which directories Models serve.
+
+use std::time::{Duration, Instant};
 
 use flexinfer_api::contract::{self, JobPhase};
+use flexinfer_api::modelcache::{ModelCache, ModelCacheStatus};
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
+
+use super::jobs;
+use super::phase::get_common;
 
 /// Lifecycle of a pipeline Job.
 #[derive(Debug, Clone, PartialEq)]
@@ -210,4 +218,66 @@ pub fn stuck_reason(p: &ObservedPod) -> Option<(contract::FailureReason, String)
         )),
         _ => None,
     }
+}
+
+/// GPUProfiles are listed only for a live cache with a GPU phase.
+pub fn needs_profiles(mc: &ModelCache) -> bool {
+    mc.metadata.deletion_timestamp.is_none() && JobPhase::ALL.iter().any(|p| jobs::uses_gpu(mc, *p))
+}
+
+/// Pods are read only for Jobs whose outcome or progress matters now: not being deleted, and not a
+/// success that status already recorded.
+pub fn needs_pods(job: &ObservedJob, status: &ModelCacheStatus) -> bool {
+    let recorded = get_common(status, job.phase).completed_at.is_some();
+    !job.terminating
+        && match job.state {
+            JobState::Succeeded => !recorded,
+            _ => true,
+        }
+}
+
+/// A pod log tail is wanted for a running pod (progress) or a failed pod without a termination
+/// message (the failure text).
+pub fn wants_log_tail(job: &ObservedJob) -> bool {
+    match (&job.state, &job.pod) {
+        (JobState::Active, Some(p)) => p.running,
+        (JobState::Failed { .. }, Some(p)) => p.termination_message.is_none(),
+        _ => false,
+    }
+}
+
+/// Running pods: at most one log read per half poll interval per cache (every Job status change
+/// triggers a reconcile; progress does not need them all). `last` is the cache's last read.
+pub fn log_read_due(last: Option<Instant>, now: Instant, progress_poll: Duration) -> bool {
+    let min_gap = progress_poll.checked_div(2).unwrap_or_default();
+    last.is_none_or(|t| now.duration_since(t) >= min_gap)
+}
+
+/// Of two caches on one claim, whether `other` is the older one (it keeps the directory): created
+/// earlier, or, at the same or an unknown time, the smaller name.
+pub fn is_older_peer(other: (Option<Timestamp>, &str), me: (Option<Timestamp>, &str)) -> bool {
+    match (other.0, me.0) {
+        (Some(a), Some(b)) if a != b => a < b,
+        _ => other.1 < me.1,
+    }
+}
+
+/// The directory a Model's `status.servedPath` (`<claim>:<dir>`) serves from `claim`, if on it.
+pub fn served_dir_on(served_path: &str, claim: &str) -> Option<String> {
+    let (c, dir) = served_path.split_once(':')?;
+    (c == claim).then(|| dir.trim_end_matches('/').to_string())
+}
+
+/// Once the download completed on it, the created PVC exists: it is read only before that, and
+/// while the cache is being deleted (deletion checks again itself).
+pub fn pvc_known_to_exist(mc: &ModelCache) -> bool {
+    let Some(status) = mc.status.as_ref() else {
+        return false;
+    };
+    let downloaded = status
+        .download
+        .as_ref()
+        .is_some_and(|d| d.completed_at.is_some())
+        && status.claim_name.is_some();
+    downloaded && mc.metadata.deletion_timestamp.is_none()
 }

@@ -1,14 +1,14 @@
 //! The thin reconciler: observe (Jobs, pods, PVC, GPUProfiles, log tail), call [`plan`], apply.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use flexinfer_api::contract::controller::FIELD_MANAGER;
-use flexinfer_api::contract::{self, labels, JobPhase};
+use flexinfer_api::contract::{self, labels};
 use flexinfer_api::gpuprofile::GPUProfile;
 use flexinfer_api::model::Model;
-use flexinfer_api::modelcache::{CachePhase, ModelCache};
+use flexinfer_api::modelcache::ModelCache;
 use futures::StreamExt;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolumeClaim, Pod};
@@ -19,14 +19,18 @@ use kube::core::PartialObjectMeta;
 use kube::runtime::controller::{Action as CtrlAction, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
-use kube::runtime::{watcher, WatchStreamExt};
+use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt};
 use tracing::{debug, info, warn};
 
 use super::config::Config;
 use super::jobs;
-use super::observe::{observe_job, JobState};
+use super::observe::{
+    is_older_peer, log_read_due, needs_pods, needs_profiles, observe_job, pvc_known_to_exist,
+    served_dir_on, wants_log_tail, JobState,
+};
 use super::plan::{plan, Action, ClaimPeer, Observed, Plan};
+use super::series::{forget_deleted_caches, update_metrics};
 use crate::metrics::Metrics;
 
 /// Bytes of pod log read per progress poll.
@@ -58,19 +62,18 @@ pub struct Context {
 }
 
 impl Context {
+    /// Whether a running pod's log may be read now (see [`log_read_due`]); records the read.
     fn log_read_due(&self, ns: &str, name: &str) -> bool {
         let Ok(mut m) = self.log_reads.lock() else {
             return true;
         };
         let key = (ns.to_string(), name.to_string());
-        let min_gap = self.config.progress_poll.checked_div(2).unwrap_or_default();
-        match m.get(&key) {
-            Some(t) if t.elapsed() < min_gap => false,
-            _ => {
-                m.insert(key, Instant::now());
-                true
-            }
+        let now = Instant::now();
+        let due = log_read_due(m.get(&key).copied(), now, self.config.progress_poll);
+        if due {
+            m.insert(key, now);
         }
+        due
     }
 }
 
@@ -156,59 +159,6 @@ pub async fn run(
     }
     Ok(())
 }
-
-/// A cache deleted without a finalizer (existing claim) never reaches `reconcile`: watch the
-/// caches' metadata and drop the series of deleted ones. A reconcile that started before the
-/// deletion may set a series again after it, so the series are also compared with the caches that
-/// exist every few seconds (and after every relist, which covers deletions while the watch was down).
-async fn forget_deleted_caches(caches: Api<PartialObjectMeta<ModelCache>>, m: Metrics) {
-    use kube::runtime::watcher::Event as WatchEvent;
-    let key = |o: &PartialObjectMeta<ModelCache>| (o.name_any(), o.namespace().unwrap_or_default());
-    let mut existing = BTreeSet::new();
-    let mut listing = BTreeSet::new();
-    let mut synced = false;
-    let events = watcher(caches, watcher::Config::default()).default_backoff();
-    futures::pin_mut!(events);
-    let mut tick = tokio::time::interval(Duration::from_secs(5));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            ev = events.next() => match ev {
-                None => return,
-                Some(Ok(WatchEvent::Delete(obj))) => {
-                    let (name, ns) = key(&obj);
-                    existing.remove(&(name.clone(), ns.clone()));
-                    forget_cache_series(&m, &name, &ns);
-                }
-                Some(Ok(WatchEvent::Apply(obj))) => {
-                    existing.insert(key(&obj));
-                }
-                Some(Ok(WatchEvent::Init)) => listing.clear(),
-                Some(Ok(WatchEvent::InitApply(obj))) => {
-                    listing.insert(key(&obj));
-                }
-                Some(Ok(WatchEvent::InitDone)) => {
-                    existing = std::mem::take(&mut listing);
-                    synced = true;
-                    forget_absent(&m, &existing);
-                }
-                Some(Err(e)) => debug!(error = %e, "cache deletion watch error"),
-            },
-            _ = tick.tick() => if synced {
-                forget_absent(&m, &existing);
-            },
-        }
-    }
-}
-
-fn forget_absent(m: &Metrics, existing: &BTreeSet<(String, String)>) {
-    for k in cache_series_keys(m) {
-        if !existing.contains(&k) {
-            forget_cache_series(m, &k.0, &k.1);
-        }
-    }
-}
-
 fn error_policy(mc: Arc<ModelCache>, err: &Error, ctx: Arc<Context>) -> CtrlAction {
     if matches!(err, Error::Conflict) {
         debug!(cache = %mc.name_any(), "stale object; requeue");
@@ -243,7 +193,35 @@ async fn reconcile(mc: Arc<ModelCache>, ctx: Arc<Context>) -> Result<CtrlAction,
 async fn observe(mc: &ModelCache, ctx: &Context, ns: &str) -> Result<Observed, Error> {
     let name = mc.name_any();
     let client = &ctx.client;
-    let job_api: Api<Job> = Api::namespaced(client.clone(), ns);
+    let mut observed = Observed::default();
+    if needs_profiles(mc) {
+        let gp: Api<GPUProfile> = Api::namespaced(client.clone(), ns);
+        observed.profiles = gp.list(&ListParams::default()).await?.items;
+    }
+    observe_jobs(mc, ctx, ns, &mut observed).await?;
+    observe_claim_users(mc, client, ns, &mut observed).await?;
+    if mc.spec.existing_claim_name.is_none() {
+        observed.pvc_exists = if pvc_known_to_exist(mc) {
+            true
+        } else {
+            let pvc: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
+            pvc.get_opt(&jobs::created_claim_name(&name))
+                .await?
+                .is_some()
+        };
+    }
+    Ok(observed)
+}
+
+/// The cache's own Jobs, with their newest pod and a log tail where they matter now.
+async fn observe_jobs(
+    mc: &ModelCache,
+    ctx: &Context,
+    ns: &str,
+    observed: &mut Observed,
+) -> Result<(), Error> {
+    let name = mc.name_any();
+    let job_api: Api<Job> = Api::namespaced(ctx.client.clone(), ns);
     let sel = format!("{}={}", labels::CACHE, name);
     let job_list = job_api.list(&ListParams::default().labels(&sel)).await?;
     let owned: Vec<Job> = job_list
@@ -255,41 +233,13 @@ async fn observe(mc: &ModelCache, ctx: &Context, ns: &str) -> Result<Observed, E
                 .any(|o| Some(o.uid.as_str()) == mc.metadata.uid.as_deref())
         })
         .collect();
-    let mut observed = Observed::default();
-    // GPUProfiles only matter to caches with GPU phases.
-    let gpu = JobPhase::ALL.iter().any(|p| jobs::uses_gpu(mc, *p));
-    if mc.metadata.deletion_timestamp.is_none() && gpu {
-        let gp: Api<GPUProfile> = Api::namespaced(client.clone(), ns);
-        observed.profiles = gp.list(&ListParams::default()).await?.items;
-    }
-    // Pods only for Jobs whose outcome or progress matters now: not-yet-recorded ones.
-    let pod_api: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let pod_api: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
     let status = mc.status.clone().unwrap_or_default();
     for j in &owned {
         let Some(mut oj) = observe_job(j, &[]) else {
             continue;
         };
-        let recorded = match oj.phase {
-            JobPhase::Download => status
-                .download
-                .as_ref()
-                .and_then(|s| s.completed_at.clone()),
-            JobPhase::Abliterate => status
-                .abliteration
-                .as_ref()
-                .and_then(|s| s.completed_at.clone()),
-            JobPhase::Quantize => status
-                .quantization
-                .as_ref()
-                .and_then(|s| s.completed_at.clone()),
-            JobPhase::Publish => status.publish.as_ref().and_then(|s| s.completed_at.clone()),
-        };
-        let needs_pods = !oj.terminating
-            && match oj.state {
-                JobState::Succeeded => recorded.is_none(),
-                _ => true,
-            };
-        if needs_pods {
+        if needs_pods(&oj, &status) {
             let pods = pod_api
                 .list(
                     &ListParams::default()
@@ -300,16 +250,8 @@ async fn observe(mc: &ModelCache, ctx: &Context, ns: &str) -> Result<Observed, E
             if let Some(o) = observe_job(j, &pods) {
                 oj = o;
             }
-            // Log tail: running pod (progress) or failed pod without a termination message.
-            let want_log = match (&oj.state, &oj.pod) {
-                (JobState::Active, Some(p)) => p.running,
-                (JobState::Failed { .. }, Some(p)) => p.termination_message.is_none(),
-                _ => false,
-            };
-            // Running pods: at most one log read per half poll interval per cache (every Job
-            // status change triggers a reconcile; progress does not need them all).
-            let want_log =
-                want_log && (!matches!(oj.state, JobState::Active) || ctx.log_read_due(ns, &name));
+            let want_log = wants_log_tail(&oj)
+                && (!matches!(oj.state, JobState::Active) || ctx.log_read_due(ns, &name));
             if want_log {
                 if let Some(p) = &oj.pod {
                     let lp = LogParams {
@@ -324,13 +266,17 @@ async fn observe(mc: &ModelCache, ctx: &Context, ns: &str) -> Result<Observed, E
         }
         observed.jobs.insert(oj.phase, oj);
     }
-    // Once the download completed on it, the PVC exists; deletion checks again itself.
-    let downloaded = status
-        .download
-        .as_ref()
-        .is_some_and(|d| d.completed_at.is_some())
-        && status.claim_name.is_some();
-    // Other caches on the same claim, and what Models serve from it.
+    Ok(())
+}
+
+/// Other caches on the same claim, and the directories Models serve from it.
+async fn observe_claim_users(
+    mc: &ModelCache,
+    client: &Client,
+    ns: &str,
+    observed: &mut Observed,
+) -> Result<(), Error> {
+    let name = mc.name_any();
     let claim = jobs::claim_name(mc);
     let caches: Api<ModelCache> = Api::namespaced(client.clone(), ns);
     let me_created = mc.metadata.creation_timestamp.as_ref().map(|t| t.0);
@@ -339,42 +285,25 @@ async fn observe(mc: &ModelCache, ctx: &Context, ns: &str) -> Result<Observed, E
             continue;
         }
         let created = other.metadata.creation_timestamp.as_ref().map(|t| t.0);
-        let older = match (created, me_created) {
-            (Some(a), Some(b)) if a != b => a < b,
-            _ => other.name_any() < name,
-        };
+        let other_name = other.name_any();
         observed.claim_peers.push(ClaimPeer {
-            name: other.name_any(),
+            older: is_older_peer((created, &other_name), (me_created, &name)),
+            name: other_name,
             model_dir: jobs::model_dir(&other),
-            older,
         });
     }
     let models: Api<Model> = Api::namespaced(client.clone(), ns);
     for m in models.list(&ListParams::default()).await?.items {
-        if let Some((c, dir)) = m
+        if let Some(dir) = m
             .status
             .as_ref()
             .and_then(|s| s.served_path.as_deref())
-            .and_then(|p| p.split_once(':'))
+            .and_then(|p| served_dir_on(p, &claim))
         {
-            if c == claim {
-                observed
-                    .served_dirs
-                    .push(dir.trim_end_matches('/').to_string());
-            }
+            observed.served_dirs.push(dir);
         }
     }
-    if mc.spec.existing_claim_name.is_none() {
-        observed.pvc_exists = if downloaded && mc.metadata.deletion_timestamp.is_none() {
-            true
-        } else {
-            let pvc: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
-            pvc.get_opt(&jobs::created_claim_name(&name))
-                .await?
-                .is_some()
-        };
-    }
-    Ok(observed)
+    Ok(())
 }
 
 async fn reconcile_inner(mc: &ModelCache, ctx: &Context) -> Result<CtrlAction, Error> {
@@ -384,7 +313,7 @@ async fn reconcile_inner(mc: &ModelCache, ctx: &Context) -> Result<CtrlAction, E
     let now = k8s_openapi::jiff::Timestamp::now();
     let p = plan(mc, &observed, &ctx.config, now);
     apply(mc, ctx, &ns, &p).await?;
-    update_metrics(mc, ctx, &ns, &p);
+    update_metrics(mc, &ctx.metrics, &ns, &p);
     debug!(cache = %name, namespace = %ns, phase = ?p.status.phase, actions = p.actions.len(), status_changed = p.status_changed, "reconciled");
     Ok(match p.requeue_after {
         Some(d) => CtrlAction::requeue(d),
@@ -556,227 +485,5 @@ pub async fn write_status(
         Ok(updated) => Ok(updated.resource_version()),
         Err(kube::Error::Api(e)) if e.code == 409 => Err(Error::Conflict),
         Err(e) => Err(e.into()),
-    }
-}
-
-/// Drop per-Job series that no longer describe a running Job, so the deadline and stall alerts stop
-/// once a Job ends (or the cache is being deleted).
-fn forget_job_series(m: &crate::metrics::Metrics, name: &str, ns: &str, running: Option<JobPhase>) {
-    for phase in JobPhase::ALL {
-        if Some(phase) == running {
-            continue;
-        }
-        let jt = phase.status_name();
-        let _ = m.job_deadline_seconds.remove_label_values(&[name, ns, jt]);
-        let _ = m.job_elapsed_seconds.remove_label_values(&[name, ns, jt]);
-    }
-    if running != Some(JobPhase::Quantize) {
-        let _ = m.quantization_layer_index.remove_label_values(&[name, ns]);
-        let _ = m.quantization_layer_total.remove_label_values(&[name, ns]);
-        let _ = m
-            .quantization_last_progress_timestamp
-            .remove_label_values(&[name, ns]);
-    }
-}
-
-/// Drop every series of a cache: it is being deleted or is gone (deleted without a finalizer,
-/// or while the controller was away), so no alert may keep firing for it.
-pub(crate) fn forget_cache_series(m: &crate::metrics::Metrics, name: &str, ns: &str) {
-    forget_job_series(m, name, ns, None);
-    for ph in CachePhase::ALL {
-        let _ = m
-            .modelcache_phase
-            .remove_label_values(&[name, ns, ph.as_str()]);
-    }
-    for phase in JobPhase::ALL {
-        let _ = m
-            .job_progress_percent
-            .remove_label_values(&[name, ns, phase.status_name()]);
-    }
-    for r in contract::FailureReason::ALL {
-        let _ = m
-            .model_cache_failures_total
-            .remove_label_values(&[name, ns, r.as_str()]);
-    }
-    for status in ["succeeded", "failed"] {
-        let _ = m
-            .quantization_jobs_total
-            .remove_label_values(&[name, ns, status]);
-    }
-    let _ = m
-        .quantization_compression_ratio
-        .remove_label_values(&[name, ns]);
-    let _ = m
-        .quantization_duration_seconds
-        .remove_label_values(&[name, ns]);
-}
-
-/// `(cache, namespace)` of every cache that has per-cache series.
-fn cache_series_keys(m: &crate::metrics::Metrics) -> BTreeSet<(String, String)> {
-    use prometheus::core::Collector;
-    let mut out = BTreeSet::new();
-    let families = m
-        .modelcache_phase
-        .collect()
-        .into_iter()
-        .chain(m.job_progress_percent.collect());
-    for fam in families {
-        for metric in fam.get_metric() {
-            let label = |n: &str| {
-                metric
-                    .get_label()
-                    .iter()
-                    .find(|l| l.name() == n)
-                    .map(|l| l.value().to_string())
-            };
-            if let (Some(c), Some(ns)) = (
-                label("cache").or_else(|| label("model")),
-                label("namespace"),
-            ) {
-                out.insert((c, ns));
-            }
-        }
-    }
-    out
-}
-
-fn update_metrics(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) {
-    let m = &ctx.metrics;
-    let name = mc.name_any();
-    if mc.metadata.deletion_timestamp.is_some() {
-        forget_cache_series(m, &name, ns);
-        return;
-    }
-    forget_job_series(m, &name, ns, p.outcome.running.map(|(ph, _, _)| ph));
-    if let Some(phase) = p.status.phase {
-        for ph in CachePhase::ALL {
-            m.modelcache_phase
-                .with_label_values(&[name.as_str(), ns, ph.as_str()])
-                .set(i64::from(ph == phase));
-        }
-    }
-    for (phase, reason) in &p.outcome.failed {
-        m.model_cache_failures_total
-            .with_label_values(&[name.as_str(), ns, reason.as_str()])
-            .inc();
-        if *phase == JobPhase::Quantize {
-            m.quantization_jobs_total
-                .with_label_values(&[name.as_str(), ns, "failed"])
-                .inc();
-        }
-    }
-    for phase in &p.outcome.completed {
-        let jt = phase.status_name();
-        m.job_progress_percent
-            .with_label_values(&[name.as_str(), ns, jt])
-            .set(100.0);
-        if *phase == JobPhase::Quantize {
-            m.quantization_jobs_total
-                .with_label_values(&[name.as_str(), ns, "succeeded"])
-                .inc();
-            if let Some(q) = &p.status.quantization {
-                if let Some(r) = q.compression_ratio {
-                    m.quantization_compression_ratio
-                        .with_label_values(&[name.as_str(), ns])
-                        .set(r);
-                }
-                if let (Some(s), Some(c)) = (&q.started_at, &q.completed_at) {
-                    let secs = c.0.duration_since(s.0).as_secs_f64().max(0.0);
-                    m.quantization_duration_seconds
-                        .with_label_values(&[name.as_str(), ns])
-                        .observe(secs);
-                }
-            }
-        }
-    }
-    if let Some((phase, deadline, elapsed)) = p.outcome.running {
-        let jt = phase.status_name();
-        m.job_deadline_seconds
-            .with_label_values(&[name.as_str(), ns, jt])
-            .set(deadline as f64);
-        m.job_elapsed_seconds
-            .with_label_values(&[name.as_str(), ns, jt])
-            .set(elapsed as f64);
-        if let Some(pr) = p.status.progress {
-            m.job_progress_percent
-                .with_label_values(&[name.as_str(), ns, jt])
-                .set(pr as f64);
-        }
-        if phase == JobPhase::Quantize {
-            // "No layer progress since the Job started" counts as a stall too: start the clock at
-            // the Job's start when no newer progress was seen.
-            let started = k8s_openapi::jiff::Timestamp::now().as_second() as f64 - elapsed as f64;
-            let last = m
-                .quantization_last_progress_timestamp
-                .with_label_values(&[name.as_str(), ns]);
-            if last.get() < started {
-                last.set(started);
-            }
-            if let Some(t) = &p.outcome.telemetry {
-                if let Some(l) = t.layer {
-                    let prev = m
-                        .quantization_layer_index
-                        .with_label_values(&[name.as_str(), ns])
-                        .get();
-                    m.quantization_layer_index
-                        .with_label_values(&[name.as_str(), ns])
-                        .set(l);
-                    if prev != l {
-                        m.quantization_last_progress_timestamp
-                            .with_label_values(&[name.as_str(), ns])
-                            .set(k8s_openapi::jiff::Timestamp::now().as_second() as f64);
-                    }
-                }
-                if let Some(l) = t.layers {
-                    m.quantization_layer_total
-                        .with_label_values(&[name.as_str(), ns])
-                        .set(l);
-                }
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod metric_cleanup_tests {
-    use super::*;
-
-    fn has(m: &crate::metrics::Metrics, needle: &str) -> bool {
-        m.render()
-            .lines()
-            .any(|l| !l.starts_with('#') && l.contains(needle))
-    }
-
-    #[test]
-    fn job_series_are_dropped_when_the_job_is_not_running() {
-        let m = crate::metrics::Metrics::new().expect("metrics");
-        for jt in ["download", "quantization"] {
-            m.job_deadline_seconds
-                .with_label_values(&["c", "ns", jt])
-                .set(100.0);
-            m.job_elapsed_seconds
-                .with_label_values(&["c", "ns", jt])
-                .set(10.0);
-        }
-        m.quantization_last_progress_timestamp
-            .with_label_values(&["c", "ns"])
-            .set(1.0);
-        forget_job_series(&m, "c", "ns", Some(JobPhase::Quantize));
-        assert!(!has(&m, "job_type=\"download\""), "{}", m.render());
-        assert!(has(
-            &m,
-            "flexinfer_job_deadline_seconds{job_type=\"quantization\""
-        ));
-        assert!(has(
-            &m,
-            "flexinfer_quantization_last_progress_timestamp_seconds"
-        ));
-        forget_job_series(&m, "c", "ns", None);
-        assert!(!has(&m, "flexinfer_job_deadline_seconds"), "{}", m.render());
-        assert!(!has(&m, "flexinfer_job_elapsed_seconds"));
-        assert!(!has(
-            &m,
-            "flexinfer_quantization_last_progress_timestamp_seconds"
-        ));
     }
 }
