@@ -1,0 +1,367 @@
+//! The Job builders: spec hash, image and node-selector resolution, pod metadata, GPU tolerations.
+
+use super::*;
+
+#[test]
+fn quant_spec_hash_matches_the_seed_formula() {
+    let mc = cache(FULL);
+    let q = serde_json::to_value(&mc.spec.quantization).expect("json");
+    let canon = jobs::canonical_json(&q);
+    let mut h = Sha256::new();
+    h.update(format!("{canon}|q:a").as_bytes());
+    let want = &hex::encode(h.finalize())[..16];
+    // The seed's formula over all of spec.quantization survives as the legacy hash (status written by
+    // an older controller stays current) …
+    assert_eq!(jobs::legacy_spec_hash(&mc, JobPhase::Quantize, "q:a"), want);
+    assert_ne!(jobs::legacy_spec_hash(&mc, JobPhase::Quantize, "q:b"), want);
+    // … and the artifact hash leaves run-only settings out: raising a deadline or a memory limit does
+    // not replace a running Job or re-run a finished phase; a setting of the artifact does.
+    let h = |m: &ModelCache| jobs::spec_hash(m, JobPhase::Quantize, "q:a");
+    let mut run_only = mc.clone();
+    if let Some(q) = run_only.spec.quantization.as_mut() {
+        q.timeout_seconds = Some(999_999);
+        q.max_memory_gb += 7;
+        q.gpu_memory_fraction = "0.5".into();
+    }
+    assert_eq!(h(&run_only), h(&mc));
+    assert_ne!(
+        jobs::legacy_spec_hash(&run_only, JobPhase::Quantize, "q:a"),
+        want
+    );
+    for edit in [
+        |q: &mut flexinfer_api::modelcache::QuantizationSpec| q.sym = !q.sym,
+        |q: &mut flexinfer_api::modelcache::QuantizationSpec| q.group_size = 32,
+        |q: &mut flexinfer_api::modelcache::QuantizationSpec| q.desc_act = !q.desc_act,
+    ] {
+        let mut m = mc.clone();
+        if let Some(q) = m.spec.quantization.as_mut() {
+            edit(q);
+        }
+        assert_ne!(h(&m), h(&mc));
+    }
+    assert_ne!(jobs::spec_hash(&mc, JobPhase::Quantize, "q:b"), h(&mc));
+    // Key order does not matter.
+    let a: serde_json::Value = serde_json::from_str(r#"{"b":1,"a":{"d":2,"c":3}}"#).expect("json");
+    assert_eq!(jobs::canonical_json(&a), r#"{"a":{"c":3,"d":2},"b":1}"#);
+}
+
+#[test]
+fn image_resolution_order() {
+    let mc = cache(FULL);
+    let env = |pairs: &[(&str, &str)]| {
+        let m: BTreeMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Config::from_lookup(|k| m.get(k).cloned())
+    };
+    let all = env(&[
+        ("FLEXINFER_WORKER_IMAGE", "w"),
+        ("FLEXINFER_QUANTIZER_GPTQ_ROCM_GFX1100_IMAGE", "rocm-1100"),
+        ("FLEXINFER_QUANTIZER_GPTQ_ROCM_IMAGE", "rocm"),
+        ("FLEXINFER_QUANTIZER_GPTQ_IMAGE", "gptq"),
+        ("FLEXINFER_QUANTIZER_IMAGE_GPTQ", "chart"),
+    ]);
+    let img = |profiles: &[GPUProfile], c: &Config| {
+        jobs::resolve_target(&mc, JobPhase::Quantize, profiles, c).image
+    };
+    assert_eq!(img(&[profile("gfx1100", "prof")], &all), Ok("prof".into()));
+    assert_eq!(img(&[], &all), Ok("rocm-1100".into()));
+    let no_arch = env(&[
+        ("FLEXINFER_WORKER_IMAGE", "w"),
+        ("FLEXINFER_QUANTIZER_GPTQ_ROCM_IMAGE", "rocm"),
+        ("FLEXINFER_QUANTIZER_GPTQ_IMAGE", "gptq"),
+    ]);
+    assert_eq!(img(&[], &no_arch), Ok("rocm".into()));
+    let chart = env(&[
+        ("FLEXINFER_WORKER_IMAGE", "w"),
+        ("FLEXINFER_QUANTIZER_GPTQ_IMAGE", "gptq"),
+        ("FLEXINFER_QUANTIZER_IMAGE_GPTQ", "chart"),
+    ]);
+    assert_eq!(
+        img(&[], &chart),
+        Ok("chart".into()),
+        "AMD arch skips the non-ROCm GPTQ image"
+    );
+    let nv = cache(&FULL.replace("gfx1100", "sm_89"));
+    assert_eq!(
+        jobs::resolve_target(&nv, JobPhase::Quantize, &[], &chart).image,
+        Ok("gptq".into())
+    );
+    assert_eq!(
+        jobs::resolve_target(&mc, JobPhase::Download, &[profile("gfx1100", "prof")], &all).image,
+        Ok("w".into())
+    );
+    assert_eq!(
+        jobs::resolve_target(&mc, JobPhase::Publish, &[], &all).image,
+        Ok("w".into())
+    );
+}
+
+#[test]
+fn node_selector_precedence_and_profile_fallback() {
+    let c = cfg();
+    let mut mc = cache(FULL);
+    let sel = |mc: &ModelCache, p: JobPhase, profs: &[GPUProfile]| {
+        jobs::resolve_target(mc, p, profs, &c).node_selector
+    };
+    assert_eq!(
+        sel(&mc, JobPhase::Quantize, &[])
+            .get("flexinfer.ai/gpu.arch")
+            .map(String::as_str),
+        Some("gfx1100")
+    );
+    if let Some(q) = mc.spec.quantization.as_mut() {
+        q.node_selector = Some(BTreeMap::from([
+            ("flexinfer.ai/gpu.arch".into(), "gfx906".into()),
+            ("big".into(), "ram".into()),
+        ]));
+    }
+    let s = sel(&mc, JobPhase::Quantize, &[]);
+    assert_eq!(
+        s.get("flexinfer.ai/gpu.arch").map(String::as_str),
+        Some("gfx906")
+    );
+    assert_eq!(s.get("big").map(String::as_str), Some("ram"));
+    assert_eq!(
+        sel(&mc, JobPhase::Download, &[])
+            .get("flexinfer.ai/gpu.arch")
+            .map(String::as_str),
+        Some("gfx1100")
+    );
+    // No selector anywhere: the single GPUProfile's selector.
+    mc.spec.node_selector = None;
+    if let Some(q) = mc.spec.quantization.as_mut() {
+        q.node_selector = None;
+    }
+    assert_eq!(
+        sel(&mc, JobPhase::Quantize, &[profile("gfx1100", "x")])
+            .get("flexinfer.ai/gpu.arch")
+            .map(String::as_str),
+        Some("gfx1100")
+    );
+    assert!(sel(&mc, JobPhase::Download, &[profile("gfx1100", "x")]).is_empty());
+}
+
+#[test]
+fn quantize_reads_the_abliterated_model() {
+    let c = cfg();
+    let mc = cache(FULL);
+    let t_ = jobs::resolve_target(&mc, JobPhase::Quantize, &[profile("gfx1100", "q")], &c);
+    let job = jobs::build_job(&mc, &Default::default(), &[], &t_, "q", "h", &c);
+    let env = job
+        .spec
+        .and_then(|s| s.template.spec)
+        .map(|s| s.containers[0].env.clone().unwrap_or_default())
+        .unwrap_or_default();
+    let get = |n: &str| {
+        env.iter()
+            .find(|e| e.name == n)
+            .and_then(|e| e.value.clone())
+    };
+    assert_eq!(get("MODEL_DIR").as_deref(), Some("/cache/mc/abliterated"));
+    assert_eq!(get("OUT_DIR").as_deref(), Some("/cache/mc/gptq-w4-g128"));
+    let simple = cache(SIMPLE);
+    let t_ = jobs::resolve_target(&simple, JobPhase::Quantize, &[], &c);
+    let job = jobs::build_job(&simple, &Default::default(), &[], &t_, "q", "h", &c);
+    let env = job
+        .spec
+        .and_then(|s| s.template.spec)
+        .map(|s| s.containers[0].env.clone().unwrap_or_default())
+        .unwrap_or_default();
+    assert_eq!(
+        env.iter()
+            .find(|e| e.name == "MODEL_DIR")
+            .and_then(|e| e.value.clone())
+            .as_deref(),
+        Some("/cache/mc")
+    );
+}
+
+#[test]
+fn pod_labels_and_annotations_from_cache_annotations() {
+    let c = cfg();
+    let mut mc = cache(SIMPLE);
+    mc.metadata.annotations = Some(BTreeMap::from([
+        (
+            "flexinfer.ai/job-pod-labels".into(),
+            r#"{"cost-center":"ml","flexinfer.ai/phase":"spoof"}"#.into(),
+        ),
+        (
+            "flexinfer.ai/quantize-pod-labels".into(),
+            r#"{"sim.kwok.test/outcome":"fail"}"#.into(),
+        ),
+        (
+            "flexinfer.ai/job-pod-annotations".into(),
+            r#"{"sidecar.istio.io/inject":"false"}"#.into(),
+        ),
+    ]));
+    let build = |p: JobPhase| {
+        let t_ = jobs::resolve_target(&mc, p, &[], &c);
+        jobs::build_job(&mc, &Default::default(), &[], &t_, "i", "h", &c)
+            .spec
+            .and_then(|s| s.template.metadata)
+            .unwrap_or_default()
+    };
+    let q = build(JobPhase::Quantize);
+    let l = q.labels.unwrap_or_default();
+    assert_eq!(l.get("cost-center").map(String::as_str), Some("ml"));
+    assert_eq!(
+        l.get("sim.kwok.test/outcome").map(String::as_str),
+        Some("fail")
+    );
+    assert_eq!(
+        l.get("flexinfer.ai/phase").map(String::as_str),
+        Some("quantize"),
+        "identity labels win"
+    );
+    assert_eq!(
+        q.annotations
+            .unwrap_or_default()
+            .get("sidecar.istio.io/inject")
+            .map(String::as_str),
+        Some("false")
+    );
+    let d = build(JobPhase::Download).labels.unwrap_or_default();
+    assert!(!d.contains_key("sim.kwok.test/outcome"));
+    assert_eq!(d.get("cost-center").map(String::as_str), Some("ml"));
+}
+
+#[test]
+fn gpuprofile_changes_map_only_to_matching_caches() {
+    let gfx1100 = profile("gfx1100", "x");
+    let gfx906 = profile("gfx906", "x");
+    let full = cache(FULL);
+    assert!(jobs::profile_affects(&full, &gfx1100));
+    assert!(!jobs::profile_affects(&full, &gfx906));
+    // CPU-only cache: no profile matters.
+    assert!(!jobs::profile_affects(&cache(SIMPLE), &gfx1100));
+    // GPU phase without an arch selector: any profile of the namespace may be the one.
+    let mut no_arch = cache(FULL);
+    no_arch.spec.node_selector = None;
+    assert!(jobs::profile_affects(&no_arch, &gfx906));
+    // Other namespace: never.
+    let mut other = gfx1100.clone();
+    other.metadata.namespace = Some("elsewhere".into());
+    assert!(!jobs::profile_affects(&full, &other));
+}
+
+fn tolerates_gpu_taint(p: &Plan) -> Vec<(String, bool)> {
+    p.actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::CreateJob(j) => Some((
+                j.metadata.name.clone().unwrap_or_default(),
+                j.spec
+                    .as_ref()
+                    .and_then(|s| s.template.spec.as_ref())
+                    .and_then(|s| s.tolerations.as_ref())
+                    .is_some_and(|ts| {
+                        ts.iter().any(|t| {
+                            t.key.as_deref() == Some("dedicated")
+                                && t.value.as_deref() == Some("gpu")
+                                && t.effect.as_deref() == Some("NoSchedule")
+                        })
+                    }),
+            )),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn every_job_pinned_to_gpu_nodes_tolerates_the_gpu_taint() {
+    // (case, manifest, profiles, download Job tolerates `dedicated=gpu:NoSchedule`)
+    let arch_pinned = SIMPLE.replace(
+        "  maxRetries: 2\n",
+        "  maxRetries: 2\n  nodeSelector: {flexinfer.ai/gpu.arch: gfx906}\n",
+    );
+    let profile_pinned = SIMPLE.replace(
+        "  maxRetries: 2\n",
+        "  maxRetries: 2\n  nodeSelector: {amd.com/gpu.product: rx7900, zone: a}\n",
+    );
+    let cpu_pinned = SIMPLE.replace(
+        "  maxRetries: 2\n",
+        "  maxRetries: 2\n  nodeSelector: {kubernetes.io/arch: amd64}\n",
+    );
+    let mut gpu_profile = profile("gfx1100", "q:a");
+    gpu_profile.spec.node_selector = Some(BTreeMap::from([(
+        "amd.com/gpu.product".to_string(),
+        "rx7900".to_string(),
+    )]));
+    let cases: Vec<(&str, String, Vec<GPUProfile>, bool)> = vec![
+        ("no selector", SIMPLE.to_string(), vec![], false),
+        ("selector names a GPU arch", arch_pinned, vec![], true),
+        (
+            "selector contains a GPUProfile's selector",
+            profile_pinned.clone(),
+            vec![gpu_profile],
+            true,
+        ),
+        (
+            "same selector, no profile names it",
+            profile_pinned,
+            vec![],
+            false,
+        ),
+        ("selector of CPU nodes", cpu_pinned, vec![], false),
+    ];
+    for (name, y, profiles, want) in cases {
+        let o = Observed {
+            profiles,
+            ..Default::default()
+        };
+        let p = plan(&cache(&y), &o, &cfg(), t(0));
+        assert_eq!(
+            tolerates_gpu_taint(&p),
+            vec![("mc-download".to_string(), want)],
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn pod_annotations_cannot_loosen_confinement() {
+    // (annotation on the cache, refused)
+    let cases = [
+        (
+            "flexinfer.ai/job-pod-annotations",
+            r#"{"container.apparmor.security.beta.kubernetes.io/worker":"unconfined"}"#,
+            true,
+        ),
+        (
+            "flexinfer.ai/quantize-pod-annotations",
+            r#"{"seccomp.security.alpha.kubernetes.io/pod":"unconfined"}"#,
+            true,
+        ),
+        (
+            "flexinfer.ai/download-pod-annotations",
+            r#"{"Container.Seccomp.Security.Alpha.Kubernetes.io/worker":"unconfined"}"#,
+            true,
+        ),
+        (
+            "flexinfer.ai/job-pod-annotations",
+            r#"{"prometheus.io/scrape":"true"}"#,
+            false,
+        ),
+        // Labels are not annotations: a label with that name changes nothing.
+        ("flexinfer.ai/job-pod-labels", r#"{"team":"ml"}"#, false),
+    ];
+    for (key, value, refused) in cases {
+        let mut mc = cache(SIMPLE);
+        mc.metadata.annotations = Some(BTreeMap::from([(key.to_string(), value.to_string())]));
+        let p = plan(&mc, &obs(vec![]), &cfg(), t(0));
+        let r = conditions::find(&p.status.conditions, "Ready");
+        if refused {
+            assert_eq!(
+                r.map(|c| c.reason.as_str()),
+                Some("InvalidSpec"),
+                "{key}={value}"
+            );
+            assert!(r.is_some_and(|c| c.message.contains(key)), "{r:?}");
+            assert!(created_jobs(&p).is_empty(), "{key}={value}");
+        } else {
+            assert_eq!(created_jobs(&p), vec!["mc-download"], "{key}={value}");
+        }
+    }
+}

@@ -1,0 +1,190 @@
+//! A cache from creation to Ready and deletion: finalizer, claim, Jobs in order, restarts, shared claims.
+
+use super::*;
+
+#[test]
+fn fresh_cache_gets_finalizer_pvc_and_download_job() {
+    let p = plan(&cache(FULL), &Observed::default(), &cfg(), t(0));
+    assert!(p.actions.contains(&Action::AddFinalizer));
+    assert!(p.actions.iter().any(|a| matches!(a, Action::CreatePvc(_))));
+    assert_eq!(created_jobs(&p), vec!["mc-download"]);
+    assert_eq!(p.status.phase, Some(CachePhase::Downloading));
+    assert_eq!(p.status.current_phase.as_deref(), Some("download"));
+    assert_eq!(p.status.claim_name.as_deref(), Some("mc-cache"));
+    assert!(p.status_changed);
+    assert!(events(&p).contains(&"JobCreated".to_string()));
+}
+
+#[test]
+fn existing_claim_gets_no_finalizer_and_no_pvc() {
+    let y = SIMPLE.replace(
+        "source: org/model",
+        "source: org/model\n  existingClaimName: shared",
+    );
+    let mut mc = cache(&y);
+    mc.metadata.finalizers = None;
+    let p = plan(&mc, &Observed::default(), &cfg(), t(0));
+    assert!(!p
+        .actions
+        .iter()
+        .any(|a| matches!(a, Action::AddFinalizer | Action::CreatePvc(_))));
+    assert_eq!(p.status.claim_name.as_deref(), Some("shared"));
+}
+
+#[test]
+fn full_pipeline_walks_phases_in_order_and_ready_is_stable() {
+    let c = cfg();
+    let mut mc = cache(FULL);
+    let mut seen = Vec::new();
+    let mut done: Vec<ObservedJob> = Vec::new();
+    let mut now = 0;
+    let mut p = plan(&mc, &obs(vec![]), &c, t(now));
+    for phase in [
+        JobPhase::Download,
+        JobPhase::Abliterate,
+        JobPhase::Quantize,
+        JobPhase::Publish,
+    ] {
+        seen.push(p.status.phase);
+        assert_eq!(created_jobs(&p), vec![phase.job_name("mc")], "at {phase:?}");
+        let j = job_from(&p, phase, t(now + 1), JobState::Succeeded);
+        mc = applied(mc, &p);
+        done.push(j);
+        now += 10;
+        p = plan(&mc, &obs(done.clone()), &c, t(now));
+    }
+    assert_eq!(
+        seen,
+        vec![
+            Some(CachePhase::Downloading),
+            Some(CachePhase::Abliterating),
+            Some(CachePhase::Quantizing),
+            Some(CachePhase::Publishing)
+        ]
+    );
+    assert_eq!(p.status.phase, Some(CachePhase::Ready));
+    // The path names the promoted generation of the quantized output.
+    let q = p.status.quantization.clone().expect("quantization status");
+    let out = q.output_dir.clone().expect("outputDir");
+    let generation = q.generation.clone().expect("generation");
+    assert_eq!(out, format!("mc/gptq-w4-g128.{generation}"));
+    assert_eq!(p.status.path, Some(format!("mc-cache:{out}")));
+    assert!(conditions::is_true(&p.status.conditions, "Ready"));
+    for c in ["Downloaded", "Abliterated", "Quantized", "Published"] {
+        assert!(conditions::is_true(&p.status.conditions, c), "{c}");
+    }
+    assert!(events(&p).contains(&"CacheReady".to_string()));
+    // Next reconcile: nothing to do, nothing to write.
+    mc = applied(mc, &p);
+    let again = plan(&mc, &obs(done.clone()), &c, t(now + 100));
+    assert!(!again.status_changed, "status rewritten without change");
+    assert!(again.actions.is_empty(), "{:?}", again.actions);
+    // Jobs garbage-collected after success: phases do not re-run.
+    let gc = plan(&mc, &obs(vec![]), &c, t(now + 200));
+    assert!(created_jobs(&gc).is_empty());
+    assert!(!gc.status_changed);
+}
+
+#[test]
+fn restart_adopts_running_job_without_duplicates() {
+    let c = cfg();
+    let mc = cache(SIMPLE);
+    let p = plan(&mc, &obs(vec![]), &c, t(0));
+    let j = job_from(&p, JobPhase::Download, t(1), JobState::Active);
+    let written = j.out_dir.clone().expect("the download Job's OUT_DIR");
+    // Status write was lost: the object has no status at all.
+    let p = plan(&mc, &obs(vec![j]), &c, t(30));
+    assert!(
+        created_jobs(&p).is_empty() && deleted_jobs(&p).is_empty(),
+        "{:?}",
+        p.actions
+    );
+    assert_eq!(p.status.phase, Some(CachePhase::Downloading));
+    // Status names the generation the adopted Job writes, not none (nor a new one).
+    let generation = p
+        .status
+        .download
+        .as_ref()
+        .and_then(|d| d.generation.clone())
+        .expect("the adopted Job's generation");
+    assert_eq!(written, format!("mc/source.{generation}"));
+}
+
+#[test]
+fn deletion_removes_created_pvc_but_never_an_existing_claim() {
+    let mut mc = cache(SIMPLE);
+    mc.metadata.deletion_timestamp =
+        Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(t(0)));
+    let p = plan(&mc, &obs(vec![]), &cfg(), t(0));
+    assert_eq!(
+        p.actions,
+        vec![
+            Action::DeletePvc("mc-cache".into()),
+            Action::RemoveFinalizer
+        ]
+    );
+    let mut ex = cache(&SIMPLE.replace(
+        "source: org/model",
+        "source: org/model\n  existingClaimName: keep",
+    ));
+    ex.metadata.deletion_timestamp = mc.metadata.deletion_timestamp.clone();
+    let p = plan(&ex, &obs(vec![]), &cfg(), t(0));
+    assert_eq!(p.actions, vec![Action::RemoveFinalizer]);
+}
+
+#[test]
+fn shared_claims_are_kept_and_a_second_cache_on_one_directory_is_refused() {
+    // Cache A created its PVC; cache B uses it as existingClaimName: deleting A keeps the PVC.
+    let mut a = cache(SIMPLE);
+    a.metadata.deletion_timestamp =
+        Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(t(0)));
+    let peer = |older: bool, dir: &str| ClaimPeer {
+        name: "b".into(),
+        model_dir: dir.into(),
+        older,
+    };
+    let o = Observed {
+        claim_peers: vec![peer(false, "other")],
+        ..obs(vec![])
+    };
+    let p = plan(&a, &o, &cfg(), t(0));
+    assert_eq!(
+        p.actions
+            .iter()
+            .filter(|a| !matches!(a, Action::Event { .. }))
+            .cloned()
+            .collect::<Vec<_>>(),
+        vec![Action::RemoveFinalizer],
+        "a PVC another cache uses must not be deleted"
+    );
+    assert!(p.actions.iter().any(
+        |a| matches!(a, Action::Event { reason, note, .. } if reason == "ClaimKept" && note.contains('b'))
+    ));
+    // Two caches on one claim and modelPath: the younger one fails and creates nothing.
+    let mc = cache(SIMPLE);
+    let dir = jobs::model_dir(&mc);
+    let o = Observed {
+        claim_peers: vec![peer(true, &dir)],
+        ..obs(vec![])
+    };
+    let p = plan(&mc, &o, &cfg(), t(0));
+    assert_eq!(p.status.phase, Some(CachePhase::Failed));
+    assert!(created_jobs(&p).is_empty());
+    let ready = conditions::find(&p.status.conditions, "Ready").expect("Ready");
+    assert_eq!(ready.reason, "ClaimConflict");
+    assert!(ready.message.contains("modelPath"), "{}", ready.message);
+    // The older one (peer younger) and a peer on another directory proceed.
+    for o in [
+        Observed {
+            claim_peers: vec![peer(false, &dir)],
+            ..obs(vec![])
+        },
+        Observed {
+            claim_peers: vec![peer(true, "elsewhere")],
+            ..obs(vec![])
+        },
+    ] {
+        let p = plan(&mc, &o, &cfg(), t(0));
+        assert_eq!(created_jobs(&p), vec!["mc-download"]);
+    }
+}

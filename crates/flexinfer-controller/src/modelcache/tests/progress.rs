@@ -1,0 +1,146 @@
+//! Progress of running Jobs and the results of finished ones.
+
+use super::*;
+
+#[test]
+fn progress_is_monotonic_and_keeps_last_value_on_log_failure() {
+    let mc = downloaded();
+    let log = |pct: f64| {
+        Some(Ok(format!(
+            "noise\n{{\"ts\":\"2026-01-01T00:00:00Z\",\"event\":\"progress\",\"phase\":\"quantization\",\"percent\":{pct},\"detail\":\"layer\",\"layer\":3,\"layers\":10}}\n"
+        )))
+    };
+    let (p, _) = running_quantize(log(40.0), &mc, 60);
+    let q = p.status.quantization.clone().expect("quant status");
+    assert_eq!(q.progress, Some(40));
+    assert_eq!(q.progress_source.as_deref(), Some("telemetry"));
+    let mc40 = applied(mc.clone(), &p);
+    let c = cfg();
+    let job = |mc: &ModelCache| {
+        let mut j = job_from(
+            &plan(&downloaded(), &obs(vec![]), &c, t(0)),
+            JobPhase::Quantize,
+            t(0),
+            JobState::Active,
+        );
+        j.pod = Some(ObservedPod {
+            name: "p".into(),
+            running: true,
+            ..Default::default()
+        });
+        let _ = mc;
+        j
+    };
+    // Lower telemetry: never backwards.
+    let mut o = obs(vec![job(&mc40)]);
+    o.log_tail = log(30.0);
+    let p = plan(&mc40, &o, &c, t(120));
+    assert_eq!(
+        p.status.quantization.as_ref().and_then(|q| q.progress),
+        Some(40)
+    );
+    assert!(!p.status_changed, "no change, no write");
+    // Failed log read: keeps the last trustworthy value and source.
+    o.log_tail = Some(Err("connection refused".into()));
+    let p = plan(&mc40, &o, &c, t(180));
+    let q = p.status.quantization.clone().expect("quant");
+    assert_eq!(
+        (q.progress, q.progress_source.as_deref()),
+        (Some(40), Some("telemetry"))
+    );
+    assert!(!p.status_changed);
+    // Higher telemetry moves forward.
+    o.log_tail = log(55.5);
+    let p = plan(&mc40, &o, &c, t(240));
+    assert_eq!(
+        p.status.quantization.as_ref().and_then(|q| q.progress),
+        Some(55)
+    );
+    assert_eq!(p.status.progress, Some(55));
+    assert_eq!(p.outcome.telemetry.as_ref().and_then(|t| t.layer), Some(3));
+}
+
+#[test]
+fn elapsed_estimate_without_telemetry_is_capped_at_99() {
+    let mc = downloaded();
+    // Quantize deadline defaults to 86400 s: 8640 s elapsed = 10 %.
+    let (p, _) = running_quantize(None, &mc, 8640);
+    let q = p.status.quantization.clone().expect("quant");
+    assert_eq!(q.progress, Some(10));
+    assert_eq!(q.progress_source.as_deref(), Some("elapsed-estimate"));
+    let (p, _) = running_quantize(Some(Err("x".into())), &mc, 200_000);
+    assert_eq!(p.status.quantization.and_then(|q| q.progress), Some(99));
+    assert_eq!(p.requeue_after, Some(Duration::from_secs(30)));
+}
+
+#[test]
+fn results_come_from_the_termination_message() {
+    let c = cfg();
+    let mc = cache(FULL);
+    let p = plan(&mc, &obs(vec![]), &c, t(0));
+    let mut dl = job_from(&p, JobPhase::Download, t(0), JobState::Succeeded);
+    dl.pod = Some(ObservedPod {
+        termination_message: Some(
+            r#"{"type":"download","sizeBytes":1000,"fileCount":7,"revision":"abc123"}"#.into(),
+        ),
+        ..Default::default()
+    });
+    let mc = applied(mc, &p);
+    let p = plan(&mc, &obs(vec![dl.clone()]), &c, t(1));
+    let d = p.status.download.clone().expect("download status");
+    assert_eq!(
+        (d.size_bytes, d.file_count, d.revision.as_deref()),
+        (Some(1000), Some(7), Some("abc123"))
+    );
+    let mut ab = job_from(&p, JobPhase::Abliterate, t(1), JobState::Succeeded);
+    ab.pod = Some(ObservedPod {
+        termination_message: Some(r#"{"type":"abliterate","layersModified":40,"refusalDirNorm":12.5,"layer":20,"perplexityBefore":7.25,"perplexityAfter":7.5}"#.into()),
+        ..Default::default()
+    });
+    let mc = applied(mc, &p);
+    let p = plan(&mc, &obs(vec![dl.clone(), ab.clone()]), &c, t(2));
+    let a = p.status.abliteration.clone().expect("abliteration status");
+    assert_eq!(a.layers_modified, Some(40));
+    assert_eq!(a.perplexity_after.as_deref(), Some("7.500"));
+    assert_eq!(
+        a.output_dir,
+        Some(format!(
+            "mc/abliterated.{}",
+            a.generation.clone().unwrap_or_default()
+        ))
+    );
+    let mut q = job_from(&p, JobPhase::Quantize, t(2), JobState::Succeeded);
+    q.pod = Some(ObservedPod {
+        termination_message: Some(r#"{"type":"gptq-w4-g128","originalSizeBytes":4000,"compressedSizeBytes":1000,"quantizationTimeSeconds":3723,"outputDir":"/cache/mc/gptq-w4-g128","quality":{"gptqModules":400,"rtnFallbackModules":4,"rtnFallbackPercent":1.0,"maxRtnFallbackPercent":10.0,"minimumModules":100,"gate":"passed"}}"#.into()),
+        ..Default::default()
+    });
+    let mc = applied(mc, &p);
+    let p = plan(&mc, &obs(vec![dl.clone(), ab.clone(), q.clone()]), &c, t(3));
+    let qs = p.status.quantization.clone().expect("quantization status");
+    assert_eq!(qs.compression_ratio, Some(4.0));
+    assert_eq!(qs.quantization_time.as_deref(), Some("1h2m3s"));
+    assert_eq!(qs.output_dir.as_deref(), Some("mc/gptq-w4-g128"));
+    assert_eq!(qs.quality.and_then(|g| g.gate).as_deref(), Some("passed"));
+    assert_eq!(qs.format.as_deref(), Some("GPTQ"));
+    // Publish: digest, tags; an earlier digest moves to previousDigests.
+    let mut pb = job_from(&p, JobPhase::Publish, t(3), JobState::Succeeded);
+    pb.pod = Some(ObservedPod {
+        termination_message: Some(
+            r#"{"type":"publish","digest":"sha256:new","tags":["latest","stable"]}"#.into(),
+        ),
+        ..Default::default()
+    });
+    let mut mc = applied(mc, &p);
+    if let Some(ps) = mc.status.as_mut().and_then(|s| s.publish.as_mut()) {
+        ps.oci_digest = Some("sha256:old".into());
+    }
+    let p = plan(&mc, &obs(vec![dl, ab, q, pb]), &c, t(4));
+    let ps = p.status.publish.clone().expect("publish status");
+    assert_eq!(ps.oci_digest.as_deref(), Some("sha256:new"));
+    assert_eq!(ps.previous_digests, Some(vec!["sha256:old".to_string()]));
+    assert_eq!(
+        ps.published_tags,
+        Some(vec!["latest".to_string(), "stable".to_string()])
+    );
+    assert_eq!(p.status.phase, Some(CachePhase::Ready));
+}
