@@ -85,17 +85,6 @@ mod tests {
     }
 
     #[test]
-    fn durations() {
-        assert_eq!(parse_duration("5m"), Some(Duration::from_secs(300)));
-        assert_eq!(parse_duration("1h30m"), Some(Duration::from_secs(5400)));
-        assert_eq!(parse_duration("1.5s"), Some(Duration::from_millis(1500)));
-        assert_eq!(parse_duration("250ms"), Some(Duration::from_millis(250)));
-        for bad in ["", "5", "m", "5d", "-5m", "5m3"] {
-            assert_eq!(parse_duration(bad), None, "{bad}");
-        }
-    }
-
-    #[test]
     fn replica_table() {
         use WarmPolicy::*;
         let now = ts(10_000);

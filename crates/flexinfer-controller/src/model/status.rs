@@ -68,6 +68,17 @@ pub fn next_status(
     st.observed_generation = generation;
     let conds = &mut st.conditions;
     let g = generation;
+    let config_valid = |conds: &mut Vec<_>| {
+        conditions::set(
+            conds,
+            types::CONFIG_VALID,
+            true,
+            "Valid",
+            "configuration is valid",
+            g,
+            now,
+        );
+    };
 
     match outcome {
         Outcome::Problem(p) => {
@@ -75,15 +86,7 @@ pub fn next_status(
             if p.condition_type() == types::CONFIG_VALID {
                 conditions::set(conds, types::CONFIG_VALID, false, p.reason(), &msg, g, now);
             } else {
-                conditions::set(
-                    conds,
-                    types::CONFIG_VALID,
-                    true,
-                    "Valid",
-                    "configuration is valid",
-                    g,
-                    now,
-                );
+                config_valid(conds);
                 conditions::set(conds, types::CACHED, false, p.reason(), &msg, g, now);
             }
             conditions::set(conds, types::READY, false, p.reason(), &msg, g, now);
@@ -94,15 +97,7 @@ pub fn next_status(
             served_path,
             endpoint,
         } => {
-            conditions::set(
-                conds,
-                types::CONFIG_VALID,
-                true,
-                "Valid",
-                "configuration is valid",
-                g,
-                now,
-            );
+            config_valid(conds);
             match cached.condition(served_path.as_deref()) {
                 Some((s, r, m)) => {
                     conditions::set(conds, types::CACHED, s, r, &m, g, now);

@@ -333,14 +333,7 @@ fn report_running(cx: &mut Ctx<'_>, phase: JobPhase, job: &ObservedJob) {
             &format!("Job {} is running", job.name),
         ),
     }
-    if cx.st.path.is_none() {
-        cx.cond(
-            types::READY,
-            false,
-            running_phase(phase).as_str(),
-            &format!("pipeline is at {}", phase.status_name()),
-        );
-    }
+    cx.ready_pending_at(phase);
     cx.requeue(cx.config.progress_poll);
 }
 

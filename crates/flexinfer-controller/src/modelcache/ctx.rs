@@ -12,7 +12,7 @@ use k8s_openapi::jiff::Timestamp;
 
 use super::config::Config;
 use super::failures::{redact, truncate};
-use super::phase::{get_common, phase_condition, set_common};
+use super::phase::{get_common, phase_condition, running_phase, set_common};
 use super::plan::{Action, Observed, Outcome};
 
 /// An event action; its note is redacted and bounded.
@@ -82,6 +82,17 @@ impl<'a> Ctx<'a> {
             self.gen,
             &now,
         );
+    }
+    /// While no artifact is served yet, `Ready` says which phase the pipeline is at.
+    pub(super) fn ready_pending_at(&mut self, phase: JobPhase) {
+        if self.st.path.is_none() {
+            self.cond(
+                types::READY,
+                false,
+                running_phase(phase).as_str(),
+                &format!("pipeline is at {}", phase.status_name()),
+            );
+        }
     }
     pub(super) fn ready_reason(&self) -> Option<String> {
         conditions::find(&self.st.conditions, types::READY).map(|c| c.reason.clone())

@@ -199,13 +199,6 @@ pub(super) fn create_job(
         running_phase(phase).as_str(),
         &msg,
     );
-    if cx.st.path.is_none() {
-        cx.cond(
-            types::READY,
-            false,
-            running_phase(phase).as_str(),
-            &format!("pipeline is at {}", phase.status_name()),
-        );
-    }
+    cx.ready_pending_at(phase);
     cx.job_event(false, reasons::JOB_CREATED, msg, Some(&jname));
 }
