@@ -271,17 +271,20 @@ fn failure_message_from_termination_message_or_log_tail_is_redacted() {
 
 #[test]
 fn redaction_rules() {
-    assert_eq!(redact("token=abc def"), "token=[REDACTED] def");
-    assert_eq!(
-        redact("Authorization: Bearer xyz ok"),
-        "Authorization: Bearer [REDACTED] ok"
-    );
-    assert_eq!(
-        redact("using hf_0123456789abcdef now"),
-        "using [REDACTED] now"
-    );
-    assert_eq!(redact("HF_TOKEN=hf_x1234567890"), "HF_TOKEN=[REDACTED]");
-    assert_eq!(redact("layer=3 of 10"), "layer=3 of 10");
+    let cases = [
+        // (text, redacted)
+        ("token=abc def", "token=[REDACTED] def"),
+        (
+            "Authorization: Bearer xyz ok",
+            "Authorization: Bearer [REDACTED] ok",
+        ),
+        ("using hf_0123456789abcdef now", "using [REDACTED] now"),
+        ("HF_TOKEN=hf_x1234567890", "HF_TOKEN=[REDACTED]"),
+        ("layer=3 of 10", "layer=3 of 10"),
+    ];
+    for (text, want) in cases {
+        assert_eq!(redact(text), want, "{text}");
+    }
 }
 
 #[test]

@@ -47,7 +47,8 @@ fn quant_spec_hash_matches_the_seed_formula() {
 
 #[test]
 fn image_resolution_order() {
-    let mc = cache(FULL);
+    let amd = cache(FULL);
+    let nv = cache(&FULL.replace("gfx1100", "sm_89"));
     let env = |pairs: &[(&str, &str)]| {
         let m: BTreeMap<String, String> = pairs
             .iter()
@@ -62,40 +63,84 @@ fn image_resolution_order() {
         ("FLEXINFER_QUANTIZER_GPTQ_IMAGE", "gptq"),
         ("FLEXINFER_QUANTIZER_IMAGE_GPTQ", "chart"),
     ]);
-    let img = |profiles: &[GPUProfile], c: &Config| {
-        jobs::resolve_target(&mc, JobPhase::Quantize, profiles, c).image
-    };
-    assert_eq!(img(&[profile("gfx1100", "prof")], &all), Ok("prof".into()));
-    assert_eq!(img(&[], &all), Ok("rocm-1100".into()));
     let no_arch = env(&[
         ("FLEXINFER_WORKER_IMAGE", "w"),
         ("FLEXINFER_QUANTIZER_GPTQ_ROCM_IMAGE", "rocm"),
         ("FLEXINFER_QUANTIZER_GPTQ_IMAGE", "gptq"),
     ]);
-    assert_eq!(img(&[], &no_arch), Ok("rocm".into()));
     let chart = env(&[
         ("FLEXINFER_WORKER_IMAGE", "w"),
         ("FLEXINFER_QUANTIZER_GPTQ_IMAGE", "gptq"),
         ("FLEXINFER_QUANTIZER_IMAGE_GPTQ", "chart"),
     ]);
-    assert_eq!(
-        img(&[], &chart),
-        Ok("chart".into()),
-        "AMD arch skips the non-ROCm GPTQ image"
-    );
-    let nv = cache(&FULL.replace("gfx1100", "sm_89"));
-    assert_eq!(
-        jobs::resolve_target(&nv, JobPhase::Quantize, &[], &chart).image,
-        Ok("gptq".into())
-    );
-    assert_eq!(
-        jobs::resolve_target(&mc, JobPhase::Download, &[profile("gfx1100", "prof")], &all).image,
-        Ok("w".into())
-    );
-    assert_eq!(
-        jobs::resolve_target(&mc, JobPhase::Publish, &[], &all).image,
-        Ok("w".into())
-    );
+    let prof = vec![profile("gfx1100", "prof")];
+    let none: Vec<GPUProfile> = Vec::new();
+    let cases = [
+        // (cache, phase, profiles, settings, image, why)
+        (
+            &amd,
+            JobPhase::Quantize,
+            &prof,
+            &all,
+            "prof",
+            "the GPUProfile's image first",
+        ),
+        (
+            &amd,
+            JobPhase::Quantize,
+            &none,
+            &all,
+            "rocm-1100",
+            "then the arch-specific ROCm image",
+        ),
+        (
+            &amd,
+            JobPhase::Quantize,
+            &none,
+            &no_arch,
+            "rocm",
+            "then the ROCm image",
+        ),
+        (
+            &amd,
+            JobPhase::Quantize,
+            &none,
+            &chart,
+            "chart",
+            "AMD arch skips the non-ROCm GPTQ image",
+        ),
+        (
+            &nv,
+            JobPhase::Quantize,
+            &none,
+            &chart,
+            "gptq",
+            "an NVIDIA arch takes the GPTQ image",
+        ),
+        (
+            &amd,
+            JobPhase::Download,
+            &prof,
+            &all,
+            "w",
+            "download: the worker image",
+        ),
+        (
+            &amd,
+            JobPhase::Publish,
+            &none,
+            &all,
+            "w",
+            "publish: the worker image",
+        ),
+    ];
+    for (mc, phase, profiles, c, want, why) in cases {
+        assert_eq!(
+            jobs::resolve_target(mc, phase, profiles, c).image,
+            Ok(want.to_string()),
+            "{why}"
+        );
+    }
 }
 
 #[test]

@@ -306,3 +306,102 @@ fn status_written_under_the_legacy_hash_is_current_and_migrated() {
             || !created_jobs(&plan(&ready, &obs(vec![]), &c, t(501))).is_empty()
     );
 }
+
+#[test]
+fn trigger_annotations_are_read_against_the_enabled_phases() {
+    use crate::modelcache::triggers::{read_triggers, Triggers};
+    let with = |y: &str, pairs: &[(&str, &str)]| {
+        let mut mc = cache(y);
+        mc.metadata.annotations = Some(
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        );
+        mc
+    };
+    let (rd, rq, ra, rr) = (
+        annotations::REDOWNLOAD,
+        annotations::REQUANTIZE,
+        annotations::REABLITERATE,
+        annotations::RESET_RETRIES,
+    );
+    let cases = [
+        // (cache, annotations, re-runs, earliest index, reset retries, removed, why)
+        (SIMPLE, vec![], vec![], None, false, vec![], "none"),
+        (
+            SIMPLE,
+            vec![(rq, "true")],
+            vec![(rq, JobPhase::Quantize)],
+            Some(1),
+            false,
+            vec![rq],
+            "requantize",
+        ),
+        (
+            SIMPLE,
+            vec![(rq, "false")],
+            vec![],
+            None,
+            false,
+            vec![rq],
+            "a false trigger is removed only",
+        ),
+        (
+            SIMPLE,
+            vec![(ra, "true")],
+            vec![],
+            None,
+            false,
+            vec![ra],
+            "a trigger of a disabled phase is removed only",
+        ),
+        (
+            FULL,
+            vec![(rq, "true"), (rd, "true")],
+            vec![(rd, JobPhase::Download), (rq, JobPhase::Quantize)],
+            Some(0),
+            false,
+            vec![rd, rq],
+            "the earliest phase wins; trigger order",
+        ),
+        (
+            FULL,
+            vec![(ra, "true")],
+            vec![(ra, JobPhase::Abliterate)],
+            Some(1),
+            false,
+            vec![ra],
+            "reabliterate",
+        ),
+        (
+            SIMPLE,
+            vec![(rr, "true")],
+            vec![],
+            None,
+            true,
+            vec![rr],
+            "reset-retries",
+        ),
+        (
+            SIMPLE,
+            vec![(rr, "no")],
+            vec![],
+            None,
+            false,
+            vec![rr],
+            "reset-retries not true",
+        ),
+    ];
+    for (y, pairs, reruns, rerun_from, reset_retries, remove, why) in cases {
+        let mc = with(y, &pairs);
+        let phases = jobs::enabled_phases(&mc);
+        let want = Triggers {
+            remove: remove.into_iter().map(String::from).collect(),
+            reruns,
+            rerun_from,
+            reset_retries,
+        };
+        assert_eq!(read_triggers(&mc, &phases), want, "{why}");
+    }
+}

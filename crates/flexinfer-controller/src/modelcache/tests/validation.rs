@@ -33,19 +33,100 @@ fn unsupported_format_fails_clearly_once() {
 
 #[test]
 fn missing_image_and_bad_annotations_become_conditions() {
-    let no_image = Config::default();
-    let p = plan(&cache(SIMPLE), &obs(vec![]), &no_image, t(0));
-    assert_eq!(p.status.phase, Some(CachePhase::Failed));
-    let r = conditions::find(&p.status.conditions, "Ready").expect("cond");
-    assert_eq!(r.reason, "ImageNotConfigured");
-    assert!(r.message.contains("FLEXINFER_WORKER_IMAGE"));
-    let mut mc = cache(SIMPLE);
-    mc.metadata.annotations = Some(BTreeMap::from([(
-        "flexinfer.ai/job-pod-labels".into(),
-        "{not json".into(),
-    )]));
-    let p = plan(&mc, &obs(vec![]), &cfg(), t(0));
-    let r = conditions::find(&p.status.conditions, "Ready").expect("cond");
-    assert_eq!(r.reason, "InvalidSpec");
-    assert!(r.message.contains("flexinfer.ai/job-pod-labels"));
+    let annotated = |k: &str, v: &str| {
+        let mut mc = cache(SIMPLE);
+        mc.metadata.annotations = Some(BTreeMap::from([(k.to_string(), v.to_string())]));
+        mc
+    };
+    let mut bad_path = cache(SIMPLE);
+    bad_path.spec.model_path = Some("../elsewhere".into());
+    let peer_on_my_dir = Observed {
+        claim_peers: vec![ClaimPeer {
+            name: "first".into(),
+            model_dir: "mc".into(),
+            older: true,
+        }],
+        pvc_exists: true,
+        ..Observed::default()
+    };
+    let younger_peer = Observed {
+        claim_peers: vec![ClaimPeer {
+            older: false,
+            ..peer_on_my_dir.claim_peers[0].clone()
+        }],
+        ..peer_on_my_dir.clone()
+    };
+    let none = obs(vec![]);
+    let cases = [
+        // (cache, config, observed, Ready reason, in its message)
+        (
+            cache(SIMPLE),
+            Config::default(),
+            &none,
+            Some("ImageNotConfigured"),
+            "FLEXINFER_WORKER_IMAGE",
+        ),
+        (
+            annotated("flexinfer.ai/job-pod-labels", "{not json"),
+            cfg(),
+            &none,
+            Some("InvalidSpec"),
+            "flexinfer.ai/job-pod-labels",
+        ),
+        (
+            annotated(
+                "flexinfer.ai/job-pod-annotations",
+                r#"{"container.apparmor.security.beta.kubernetes.io/worker": "unconfined"}"#,
+            ),
+            cfg(),
+            &none,
+            Some("InvalidSpec"),
+            "AppArmor",
+        ),
+        (
+            bad_path,
+            cfg(),
+            &none,
+            Some("InvalidSpec"),
+            "spec.modelPath",
+        ),
+        (
+            cache(&SIMPLE.replace("format: GPTQ", "format: AWQ")),
+            cfg(),
+            &none,
+            Some("UnsupportedFormat"),
+            "AWQ",
+        ),
+        (
+            cache(SIMPLE),
+            cfg(),
+            &peer_on_my_dir,
+            Some("ClaimConflict"),
+            "ModelCache first already uses claim",
+        ),
+        (
+            cache(SIMPLE),
+            cfg(),
+            &younger_peer,
+            None,
+            "the younger cache yields: no problem here",
+        ),
+    ];
+    for (mc, config, observed, reason, needle) in cases {
+        let p = plan(&mc, observed, &config, t(0));
+        let ready = conditions::find(&p.status.conditions, "Ready");
+        match reason {
+            Some(reason) => {
+                let r = ready.expect("Ready condition");
+                assert_eq!(p.status.phase, Some(CachePhase::Failed), "{reason}");
+                assert_eq!(r.reason, reason);
+                assert!(r.message.contains(needle), "{reason}: {}", r.message);
+                assert!(created_jobs(&p).is_empty(), "{reason}");
+            }
+            None => {
+                assert_ne!(p.status.phase, Some(CachePhase::Failed), "{needle}");
+                assert_eq!(created_jobs(&p), vec!["mc-download"], "{needle}");
+            }
+        }
+    }
 }
