@@ -333,18 +333,7 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
     // is made again from a fresh one. Counters such as `retryCount` never go backwards.
     let mut rv = mc.resource_version();
     if p.actions.contains(&Action::AddFinalizer) {
-        let mut f = mc.finalizers().to_vec();
-        f.push(contract::controller::FINALIZER_CLEANUP.to_string());
-        let patch = serde_json::json!({"metadata": {"finalizers": f, "resourceVersion": rv}});
-        match caches
-            .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-        {
-            Ok(updated) => rv = updated.resource_version(),
-            // Our copy is stale (resourceVersion precondition): look again shortly.
-            Err(kube::Error::Api(e)) if e.code == 409 => return Err(Error::Conflict),
-            Err(e) => return Err(e.into()),
-        }
+        rv = add_finalizer(&caches, mc, &rv).await?;
     }
     // Status before the Jobs and PVCs it describes: if it cannot be written, nothing is done.
     if p.status_changed {
@@ -353,47 +342,13 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
     for a in &p.actions {
         match a {
             Action::AddFinalizer => {}
-            Action::RemoveFinalizer => {
-                let f: Vec<String> = mc
-                    .finalizers()
-                    .iter()
-                    .filter(|x| x.as_str() != contract::controller::FINALIZER_CLEANUP)
-                    .cloned()
-                    .collect();
-                let patch =
-                    serde_json::json!({"metadata": {"finalizers": f, "resourceVersion": rv}});
-                match caches
-                    .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
-                    .await
-                {
-                    Ok(_) => {}
-                    Err(kube::Error::Api(e)) if e.code == 404 => {}
-                    Err(kube::Error::Api(e)) if e.code == 409 => return Err(Error::Conflict),
-                    Err(e) => return Err(e.into()),
-                }
-            }
+            Action::RemoveFinalizer => remove_finalizer(&caches, mc, &rv).await?,
             Action::CreatePvc(pvc) => match pvc_api.create(&PostParams::default(), pvc).await {
                 Ok(_) => info!(cache = %name, namespace = %ns, "created PVC"),
                 Err(kube::Error::Api(e)) if e.code == 409 => {}
                 Err(e) => return Err(e.into()),
             },
-            Action::DeletePvc(pvc) => {
-                // Only a PVC this controller created (labels prove it).
-                if let Some(obj) = pvc_api.get_opt(pvc).await? {
-                    let ours = obj.labels().get(labels::CACHE) == Some(&name)
-                        && obj.labels().get(labels::MANAGED_BY).map(String::as_str)
-                            == Some(labels::MANAGED_BY_VALUE);
-                    if ours {
-                        match pvc_api.delete(pvc, &DeleteParams::background()).await {
-                            Ok(_) => {
-                                info!(cache = %name, namespace = %ns, pvc = %pvc, "deleted PVC")
-                            }
-                            Err(kube::Error::Api(e)) if e.code == 404 => {}
-                            Err(e) => return Err(e.into()),
-                        }
-                    }
-                }
-            }
+            Action::DeletePvc(pvc) => delete_created_pvc(&pvc_api, pvc, &name, ns).await?,
             Action::CreateJob(job) => {
                 let jname = job.metadata.name.clone().unwrap_or_default();
                 match job_api.create(&PostParams::default(), job).await {
@@ -430,23 +385,7 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
                 reason,
                 note,
                 job,
-            } => events.push(Event {
-                type_: if *warning {
-                    EventType::Warning
-                } else {
-                    EventType::Normal
-                },
-                reason: reason.clone(),
-                note: Some(note.clone()),
-                action: "Reconcile".into(),
-                secondary: job.as_ref().map(|j| ObjectReference {
-                    api_version: Some("batch/v1".into()),
-                    kind: Some("Job".into()),
-                    name: Some(j.clone()),
-                    namespace: Some(ns.to_string()),
-                    ..Default::default()
-                }),
-            }),
+            } => events.push(kube_event(*warning, reason, note, job.as_deref(), ns)),
         }
     }
     let oref = mc.object_ref(&());
@@ -456,6 +395,105 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
         }
     }
     Ok(())
+}
+
+/// Add the cleanup finalizer, conditional on `rv`. Returns the cache's new resourceVersion.
+async fn add_finalizer(
+    caches: &Api<ModelCache>,
+    mc: &ModelCache,
+    rv: &Option<String>,
+) -> Result<Option<String>, Error> {
+    let mut f = mc.finalizers().to_vec();
+    f.push(contract::controller::FINALIZER_CLEANUP.to_string());
+    let patch = serde_json::json!({"metadata": {"finalizers": f, "resourceVersion": rv}});
+    match caches
+        .patch(
+            &mc.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await
+    {
+        Ok(updated) => Ok(updated.resource_version()),
+        // Our copy is stale (resourceVersion precondition): look again shortly.
+        Err(kube::Error::Api(e)) if e.code == 409 => Err(Error::Conflict),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Drop the cleanup finalizer, conditional on `rv` (a cache already gone is fine).
+async fn remove_finalizer(
+    caches: &Api<ModelCache>,
+    mc: &ModelCache,
+    rv: &Option<String>,
+) -> Result<(), Error> {
+    let f: Vec<String> = mc
+        .finalizers()
+        .iter()
+        .filter(|x| x.as_str() != contract::controller::FINALIZER_CLEANUP)
+        .cloned()
+        .collect();
+    let patch = serde_json::json!({"metadata": {"finalizers": f, "resourceVersion": rv}});
+    match caches
+        .patch(
+            &mc.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 409 => Err(Error::Conflict),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Delete the PVC `pvc` of cache `name`, only if this controller created it (labels prove it).
+async fn delete_created_pvc(
+    pvc_api: &Api<PersistentVolumeClaim>,
+    pvc: &str,
+    name: &str,
+    ns: &str,
+) -> Result<(), Error> {
+    let Some(obj) = pvc_api.get_opt(pvc).await? else {
+        return Ok(());
+    };
+    let ours = obj.labels().get(labels::CACHE).map(String::as_str) == Some(name)
+        && obj.labels().get(labels::MANAGED_BY).map(String::as_str)
+            == Some(labels::MANAGED_BY_VALUE);
+    if !ours {
+        return Ok(());
+    }
+    match pvc_api.delete(pvc, &DeleteParams::background()).await {
+        Ok(_) => {
+            info!(cache = %name, namespace = %ns, pvc = %pvc, "deleted PVC");
+            Ok(())
+        }
+        Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The Kubernetes event of a planned [`Action::Event`]; `job` becomes the related object.
+fn kube_event(warning: bool, reason: &str, note: &str, job: Option<&str>, ns: &str) -> Event {
+    Event {
+        type_: if warning {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        },
+        reason: reason.to_string(),
+        note: Some(note.to_string()),
+        action: "Reconcile".into(),
+        secondary: job.map(|j| ObjectReference {
+            api_version: Some("batch/v1".into()),
+            kind: Some("Job".into()),
+            name: Some(j.to_string()),
+            namespace: Some(ns.to_string()),
+            ..Default::default()
+        }),
+    }
 }
 
 /// Apply a cache's status, conditional on `resource_version` when given (409 → `Error::Conflict`).

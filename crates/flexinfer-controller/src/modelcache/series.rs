@@ -197,49 +197,61 @@ pub(super) fn update_metrics(mc: &ModelCache, m: &Metrics, ns: &str, p: &Plan) {
             }
         }
     }
-    if let Some((phase, deadline, elapsed)) = p.outcome.running {
-        let jt = phase.status_name();
-        m.job_deadline_seconds
-            .with_label_values(&[name.as_str(), ns, jt])
-            .set(deadline as f64);
-        m.job_elapsed_seconds
-            .with_label_values(&[name.as_str(), ns, jt])
-            .set(elapsed as f64);
-        if let Some(pr) = p.status.progress {
-            m.job_progress_percent
-                .with_label_values(&[name.as_str(), ns, jt])
-                .set(pr as f64);
+    if let Some(running) = p.outcome.running {
+        set_running_series(m, &name, ns, p, running);
+    }
+}
+
+/// The series of the running Job: deadline, elapsed, progress, and for quantization the layer
+/// and the time of the last layer progress (the stall alert).
+fn set_running_series(
+    m: &Metrics,
+    name: &str,
+    ns: &str,
+    p: &Plan,
+    (phase, deadline, elapsed): (JobPhase, i64, i64),
+) {
+    let jt = phase.status_name();
+    m.job_deadline_seconds
+        .with_label_values(&[name, ns, jt])
+        .set(deadline as f64);
+    m.job_elapsed_seconds
+        .with_label_values(&[name, ns, jt])
+        .set(elapsed as f64);
+    if let Some(pr) = p.status.progress {
+        m.job_progress_percent
+            .with_label_values(&[name, ns, jt])
+            .set(pr as f64);
+    }
+    if phase == JobPhase::Quantize {
+        // "No layer progress since the Job started" counts as a stall too: start the clock at
+        // the Job's start when no newer progress was seen.
+        let started = k8s_openapi::jiff::Timestamp::now().as_second() as f64 - elapsed as f64;
+        let last = m
+            .quantization_last_progress_timestamp
+            .with_label_values(&[name, ns]);
+        if last.get() < started {
+            last.set(started);
         }
-        if phase == JobPhase::Quantize {
-            // "No layer progress since the Job started" counts as a stall too: start the clock at
-            // the Job's start when no newer progress was seen.
-            let started = k8s_openapi::jiff::Timestamp::now().as_second() as f64 - elapsed as f64;
-            let last = m
-                .quantization_last_progress_timestamp
-                .with_label_values(&[name.as_str(), ns]);
-            if last.get() < started {
-                last.set(started);
+        if let Some(t) = &p.outcome.telemetry {
+            if let Some(l) = t.layer {
+                let prev = m
+                    .quantization_layer_index
+                    .with_label_values(&[name, ns])
+                    .get();
+                m.quantization_layer_index
+                    .with_label_values(&[name, ns])
+                    .set(l);
+                if prev != l {
+                    m.quantization_last_progress_timestamp
+                        .with_label_values(&[name, ns])
+                        .set(k8s_openapi::jiff::Timestamp::now().as_second() as f64);
+                }
             }
-            if let Some(t) = &p.outcome.telemetry {
-                if let Some(l) = t.layer {
-                    let prev = m
-                        .quantization_layer_index
-                        .with_label_values(&[name.as_str(), ns])
-                        .get();
-                    m.quantization_layer_index
-                        .with_label_values(&[name.as_str(), ns])
-                        .set(l);
-                    if prev != l {
-                        m.quantization_last_progress_timestamp
-                            .with_label_values(&[name.as_str(), ns])
-                            .set(k8s_openapi::jiff::Timestamp::now().as_second() as f64);
-                    }
-                }
-                if let Some(l) = t.layers {
-                    m.quantization_layer_total
-                        .with_label_values(&[name.as_str(), ns])
-                        .set(l);
-                }
+            if let Some(l) = t.layers {
+                m.quantization_layer_total
+                    .with_label_values(&[name, ns])
+                    .set(l);
             }
         }
     }
