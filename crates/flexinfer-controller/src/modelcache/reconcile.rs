@@ -405,20 +405,7 @@ async fn add_finalizer(
 ) -> Result<Option<String>, Error> {
     let mut f = mc.finalizers().to_vec();
     f.push(contract::controller::FINALIZER_CLEANUP.to_string());
-    let patch = serde_json::json!({"metadata": {"finalizers": f, "resourceVersion": rv}});
-    match caches
-        .patch(
-            &mc.name_any(),
-            &PatchParams::default(),
-            &Patch::Merge(&patch),
-        )
-        .await
-    {
-        Ok(updated) => Ok(updated.resource_version()),
-        // Our copy is stale (resourceVersion precondition): look again shortly.
-        Err(kube::Error::Api(e)) if e.code == 409 => Err(Error::Conflict),
-        Err(e) => Err(e.into()),
-    }
+    patch_finalizers(caches, mc, f, rv).await
 }
 
 /// Drop the cleanup finalizer, conditional on `rv` (a cache already gone is fine).
@@ -433,7 +420,21 @@ async fn remove_finalizer(
         .filter(|x| x.as_str() != contract::controller::FINALIZER_CLEANUP)
         .cloned()
         .collect();
-    let patch = serde_json::json!({"metadata": {"finalizers": f, "resourceVersion": rv}});
+    match patch_finalizers(caches, mc, f, rv).await {
+        Ok(_) => Ok(()),
+        Err(Error::Kube(kube::Error::Api(e))) if e.code == 404 => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Set the cache's finalizers, conditional on `rv`. Returns the cache's new resourceVersion.
+async fn patch_finalizers(
+    caches: &Api<ModelCache>,
+    mc: &ModelCache,
+    finalizers: Vec<String>,
+    rv: &Option<String>,
+) -> Result<Option<String>, Error> {
+    let patch = serde_json::json!({"metadata": {"finalizers": finalizers, "resourceVersion": rv}});
     match caches
         .patch(
             &mc.name_any(),
@@ -442,8 +443,8 @@ async fn remove_finalizer(
         )
         .await
     {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+        Ok(updated) => Ok(updated.resource_version()),
+        // Our copy is stale (resourceVersion precondition): look again shortly.
         Err(kube::Error::Api(e)) if e.code == 409 => Err(Error::Conflict),
         Err(e) => Err(e.into()),
     }
