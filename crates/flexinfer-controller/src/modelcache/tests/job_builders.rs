@@ -146,46 +146,66 @@ fn image_resolution_order() {
 #[test]
 fn node_selector_precedence_and_profile_fallback() {
     let c = cfg();
-    let mut mc = cache(FULL);
-    let sel = |mc: &ModelCache, p: JobPhase, profs: &[GPUProfile]| {
-        jobs::resolve_target(mc, p, profs, &c).node_selector
-    };
-    assert_eq!(
-        sel(&mc, JobPhase::Quantize, &[])
-            .get("flexinfer.ai/gpu.arch")
-            .map(String::as_str),
-        Some("gfx1100")
-    );
-    if let Some(q) = mc.spec.quantization.as_mut() {
+    let full = cache(FULL);
+    let mut phase_selector = cache(FULL);
+    if let Some(q) = phase_selector.spec.quantization.as_mut() {
         q.node_selector = Some(BTreeMap::from([
             ("flexinfer.ai/gpu.arch".into(), "gfx906".into()),
             ("big".into(), "ram".into()),
         ]));
     }
-    let s = sel(&mc, JobPhase::Quantize, &[]);
-    assert_eq!(
-        s.get("flexinfer.ai/gpu.arch").map(String::as_str),
-        Some("gfx906")
-    );
-    assert_eq!(s.get("big").map(String::as_str), Some("ram"));
-    assert_eq!(
-        sel(&mc, JobPhase::Download, &[])
-            .get("flexinfer.ai/gpu.arch")
-            .map(String::as_str),
-        Some("gfx1100")
-    );
-    // No selector anywhere: the single GPUProfile's selector.
-    mc.spec.node_selector = None;
-    if let Some(q) = mc.spec.quantization.as_mut() {
-        q.node_selector = None;
+    let mut no_selector = cache(FULL);
+    no_selector.spec.node_selector = None;
+    let prof = vec![profile("gfx1100", "x")];
+    let none: Vec<GPUProfile> = Vec::new();
+    let arch = |a: &str| vec![("flexinfer.ai/gpu.arch", a.to_string())];
+    let cases = [
+        // (cache, phase, profiles, selector, why)
+        (
+            &full,
+            JobPhase::Quantize,
+            &none,
+            arch("gfx1100"),
+            "the cache's selector",
+        ),
+        (
+            &phase_selector,
+            JobPhase::Quantize,
+            &none,
+            vec![
+                ("big", "ram".into()),
+                ("flexinfer.ai/gpu.arch", "gfx906".into()),
+            ],
+            "the phase's own selector wins",
+        ),
+        (
+            &phase_selector,
+            JobPhase::Download,
+            &none,
+            arch("gfx1100"),
+            "other phases keep the cache's",
+        ),
+        (
+            &no_selector,
+            JobPhase::Quantize,
+            &prof,
+            arch("gfx1100"),
+            "no selector anywhere: the single GPUProfile's",
+        ),
+        (
+            &no_selector,
+            JobPhase::Download,
+            &prof,
+            vec![],
+            "a CPU phase gets no GPUProfile selector",
+        ),
+    ];
+    for (mc, phase, profiles, want, why) in cases {
+        let got = jobs::resolve_target(mc, phase, profiles, &c).node_selector;
+        let want: BTreeMap<String, String> =
+            want.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+        assert_eq!(got, want, "{why}");
     }
-    assert_eq!(
-        sel(&mc, JobPhase::Quantize, &[profile("gfx1100", "x")])
-            .get("flexinfer.ai/gpu.arch")
-            .map(String::as_str),
-        Some("gfx1100")
-    );
-    assert!(sel(&mc, JobPhase::Download, &[profile("gfx1100", "x")]).is_empty());
 }
 
 #[test]
