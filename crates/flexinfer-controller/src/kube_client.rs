@@ -30,3 +30,15 @@ pub async fn counting_client(metrics: &Metrics) -> anyhow::Result<kube::Client> 
         .with_layer(&layer)
         .build())
 }
+
+/// The API of `K` in namespace `ns`, or across all namespaces when `None` (a controller's watch).
+pub fn api_in<K>(client: &kube::Client, ns: Option<&str>) -> kube::Api<K>
+where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+    K::DynamicType: Default,
+{
+    match ns {
+        Some(ns) => kube::Api::namespaced(client.clone(), ns),
+        None => kube::Api::all(client.clone()),
+    }
+}

@@ -35,7 +35,7 @@ use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher::{self, watcher};
 use kube::runtime::WatchStreamExt;
-use kube::{Client, Resource, ResourceExt};
+use kube::{Client, ResourceExt};
 use tracing::warn;
 
 use crate::metrics::Metrics;
@@ -134,16 +134,7 @@ pub async fn run_until(
     opts: Options,
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
 ) -> anyhow::Result<()> {
-    fn api<K>(client: &Client, ns: Option<&str>) -> Api<K>
-    where
-        K: Resource<Scope = k8s_openapi::NamespaceResourceScope>,
-        K::DynamicType: Default,
-    {
-        match ns {
-            Some(ns) => Api::namespaced(client.clone(), ns),
-            None => Api::all(client.clone()),
-        }
-    }
+    use crate::kube_client::api_in as api;
     let ns = opts.namespace.clone();
     let ns = ns.as_deref();
     let children = watcher::Config::default().labels(&serving_selector());

@@ -31,6 +31,7 @@ use super::observe::{
 };
 use super::plan::{plan, Action, ClaimPeer, Observed, Plan};
 use super::series::{forget_deleted_caches, update_metrics};
+use crate::kube_client::api_in;
 use crate::metrics::Metrics;
 
 /// Bytes of pod log read per progress poll.
@@ -84,19 +85,12 @@ pub async fn run(
     config: Config,
     namespace: Option<String>,
 ) -> anyhow::Result<()> {
-    let (caches, job_api, profiles): (Api<ModelCache>, Api<Job>, Api<GPUProfile>) = match &namespace
-    {
-        Some(ns) => (
-            Api::namespaced(client.clone(), ns),
-            Api::namespaced(client.clone(), ns),
-            Api::namespaced(client.clone(), ns),
-        ),
-        None => (
-            Api::all(client.clone()),
-            Api::all(client.clone()),
-            Api::all(client.clone()),
-        ),
-    };
+    let ns = namespace.as_deref();
+    let (caches, job_api, profiles): (Api<ModelCache>, Api<Job>, Api<GPUProfile>) = (
+        api_in(&client, ns),
+        api_in(&client, ns),
+        api_in(&client, ns),
+    );
     let reporter = Reporter {
         controller: FIELD_MANAGER.into(),
         instance: std::env::var(flexinfer_api::contract::env::controller::POD_NAME).ok(),
@@ -114,10 +108,7 @@ pub async fn run(
         ctx.metrics.clone(),
         Some(ctx.recorder.clone()),
     );
-    let cache_meta: Api<PartialObjectMeta<ModelCache>> = match &namespace {
-        Some(ns) => Api::namespaced(ctx.client.clone(), ns),
-        None => Api::all(ctx.client.clone()),
-    };
+    let cache_meta: Api<PartialObjectMeta<ModelCache>> = api_in(&ctx.client, ns);
     let forget = forget_deleted_caches(cache_meta, ctx.metrics.clone());
     let controller = Controller::new(caches, watcher::Config::default());
     let store = controller.store();
