@@ -1,10 +1,10 @@
 //! The ModelCache state machine (docs/dev/architecture.md §3) as one pure function: `plan(cache, observed, config,
 //! now) -> Plan`. No I/O happens here; the reconciler observes, calls `plan`, and applies it.
 //!
-//! `plan` runs named steps, each in its own module: [deletion](super::deletion) (finalizer and
-//! claim), [validation](super::validation) (specs no engine can run), [triggers](super::triggers)
-//! (removed phases and trigger annotations), [phase advance](super::advance) (the first phase that
-//! is not done), and [conditions](super::conditions) (Ready and the per-phase conditions).
+//! `plan` runs named steps, each in its own module: `deletion` (finalizer and claim),
+//! `validation` (specs no engine can run), `triggers` (removed phases and trigger annotations),
+//! `advance` (the first phase that is not done) and `conditions` (Ready and the per-phase
+//! conditions).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
