@@ -377,6 +377,7 @@ async fn start_cache(
 
 #[tokio::test]
 async fn real_pipeline_download_abliterate_quantize_publish_and_serve() -> Result<()> {
+    let _node = NODE.read().await;
     let e = Env::get()?;
     let c = client().await;
     let name = "tiny-full";
@@ -620,6 +621,7 @@ async fn real_pipeline_download_abliterate_quantize_publish_and_serve() -> Resul
 /// retry resumes from the per-layer cache).
 #[tokio::test]
 async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
+    let _node = NODE.read().await;
     let e = Env::get()?;
     let c = client().await;
     let name = "small-kill";
@@ -629,7 +631,8 @@ async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
     }))
     .await?;
     let mut seen = Observed::default();
-    let manifest = dir.join("small-llama/.flexinfer-gptq-cache/layers/manifest.json");
+    // The layer cache lives beside the quantize input: the promoted download generation.
+    let mut manifest = PathBuf::new();
     let cached_layers = |m: &Path| -> usize {
         std::fs::read(m)
             .ok()
@@ -641,6 +644,11 @@ async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
     let start = Instant::now();
     while cached_layers(&manifest) < 1 {
         let mc = observe_once(&c, &e, name, &mut seen).await?;
+        if let Some(d) = mc["status"]["download"]["outputDir"].as_str() {
+            manifest = dir
+                .join(d)
+                .join(".flexinfer-gptq-cache/layers/manifest.json");
+        }
         ensure!(
             mc["status"]["phase"] != "Failed",
             "failed: {}",
@@ -878,6 +886,7 @@ async fn until_ready_at_new_path(
 /// is collected, and a run-only edit (`timeoutSeconds`) does not replace the running Job.
 #[tokio::test]
 async fn real_pipeline_generations_config_bound_reuse_and_collection() -> Result<()> {
+    let _node = NODE.read().await;
     let e = Env::get()?;
     let c = client().await;
     let name = "tiny-gen";
@@ -1020,6 +1029,7 @@ async fn real_pipeline_generations_config_bound_reuse_and_collection() -> Result
 #[tokio::test]
 async fn real_pipeline_a_new_revision_downloads_beside_the_served_one() -> Result<()> {
     use std::os::unix::fs::MetadataExt;
+    let _node = NODE.read().await;
     let e = Env::get()?;
     let c = client().await;
     let name = "tiny-rev";
@@ -1101,5 +1111,191 @@ async fn real_pipeline_a_new_revision_downloads_beside_the_served_one() -> Resul
         "the kept generation {} is not whole",
         paths[1]
     );
+    Ok(())
+}
+
+/// Tests that share the real node take this lock for reading; the concurrent-pipelines test takes it for
+/// writing, so its controller kills never land in another test's run.
+static NODE: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
+/// Every shard `.save-complete` lists has its recorded size and sha256 on disk.
+fn save_complete_verifies(dir: &Path) -> Result<()> {
+    let sc: Value = serde_json::from_slice(
+        &std::fs::read(dir.join(".save-complete"))
+            .with_context(|| format!("{}/.save-complete", dir.display()))?,
+    )?;
+    let shards = sc["shards"].as_array().context(".save-complete shards")?;
+    ensure!(!shards.is_empty(), "{}: no shards", dir.display());
+    for s in shards {
+        let name = s["name"].as_str().context("shard name")?;
+        let p = dir.join(name);
+        let len = std::fs::metadata(&p)
+            .with_context(|| p.display().to_string())?
+            .len();
+        ensure!(
+            Some(len) == s["size_bytes"].as_u64(),
+            "{}: size {len}",
+            p.display()
+        );
+        ensure!(
+            Some(sha256_file(&p)?.as_str()) == s["sha256"].as_str(),
+            "{}: sha256 differs from .save-complete",
+            p.display()
+        );
+    }
+    Ok(())
+}
+
+/// The controller is killed (its pod deleted with no grace) at seeded moments while
+/// `E2E_CONCURRENT_PIPELINES` (default 20) download → quantize pipelines run on the real node. Then every
+/// cache must finish: zero lost artifacts, zero `status.path` naming a missing or unverified directory
+/// (checked whenever a path appears), zero moments with two live pods of one phase of one cache
+/// (sampled throughout), every served artifact byte-identical to its `.save-complete` record.
+#[tokio::test]
+async fn real_pipeline_controller_killed_during_concurrent_pipelines() -> Result<()> {
+    let _node = NODE.write().await;
+    let e = Env::get()?;
+    let c = client().await;
+    let n: usize = std::env::var("E2E_CONCURRENT_PIPELINES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20);
+    let quant = json!({"format": "GPTQ", "bits": 4, "groupSize": 32, "maxMemoryGB": 1, "useGPU": true,
+                       "calibration": {"dataset": "flexinfer-demo/calibration", "maxSamples": 16, "maxSeqLen": 128}});
+    let mut dirs = BTreeMap::new();
+    for i in 0..n {
+        let name = format!("conc-{i:02}");
+        let dir = start_cache(
+            &c,
+            &e,
+            &name,
+            "flexinfer-demo/tiny-llama",
+            "tiny-llama",
+            json!({"quantization": quant}),
+        )
+        .await?;
+        dirs.insert(name, dir);
+    }
+    let api: Api<ModelCache> = Api::namespaced(c.clone(), &e.ns);
+    let pods: Api<Pod> = Api::namespaced(c.clone(), &e.ns);
+    let cpods: Api<Pod> = Api::namespaced(c.clone(), &e.controller_ns);
+    let csel = ListParams::default().labels("app.kubernetes.io/component=controller");
+    let psel = ListParams::default().labels("flexinfer.ai/cache");
+    // Seeded kill moments (seconds after the start), spread over the first minutes of the run.
+    let mut x: u64 = 0x5eed_c0de;
+    let mut kills_at: Vec<f64> = (0..5)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            8.0 + (x % 1000) as f64 / 1000.0 * 150.0
+        })
+        .collect();
+    kills_at.sort_by(f64::total_cmp);
+    let start = Instant::now();
+    let mut kills = 0usize;
+    let mut verified_paths: BTreeSet<String> = BTreeSet::new();
+    let mut double_pods: Vec<String> = Vec::new();
+    let mut samples = 0usize;
+    loop {
+        let t = start.elapsed().as_secs_f64();
+        if kills_at.first().is_some_and(|k| *k <= t) {
+            kills_at.remove(0);
+            for p in cpods.list(&csel).await?.items {
+                let name = p.metadata.name.unwrap_or_default();
+                let _ = cpods
+                    .delete(
+                        &name,
+                        &DeleteParams {
+                            grace_period_seconds: Some(0),
+                            ..DeleteParams::default()
+                        },
+                    )
+                    .await;
+            }
+            kills += 1;
+        }
+        // Live pods (not finished, terminating included) per cache and phase.
+        samples += 1;
+        let mut live: BTreeMap<(String, String), Vec<String>> = BTreeMap::new();
+        for p in pods.list(&psel).await?.items {
+            let phase = p
+                .status
+                .as_ref()
+                .and_then(|s| s.phase.clone())
+                .unwrap_or_default();
+            if phase == "Succeeded" || phase == "Failed" {
+                continue;
+            }
+            let l = p.metadata.labels.clone().unwrap_or_default();
+            let key = (
+                l.get("flexinfer.ai/cache").cloned().unwrap_or_default(),
+                l.get("flexinfer.ai/phase").cloned().unwrap_or_default(),
+            );
+            live.entry(key)
+                .or_default()
+                .push(p.metadata.name.unwrap_or_default());
+        }
+        for ((cache, phase), names) in &live {
+            if names.len() > 1 {
+                double_pods.push(format!("{cache}/{phase}: {names:?} at {t:.1}s"));
+            }
+        }
+        // Every path a status names must be a complete, verified artifact the moment it is named.
+        let mut ready = 0usize;
+        for mc in api.list(&ListParams::default()).await?.items {
+            let name = mc.metadata.name.clone().unwrap_or_default();
+            let Some(dir) = dirs.get(&name) else { continue };
+            let st = mc.status.clone().unwrap_or_default();
+            ensure!(
+                st.phase != Some(flexinfer_api::modelcache::CachePhase::Failed),
+                "{name} Failed: {}",
+                serde_json::to_string_pretty(&st)?
+            );
+            if let Some(p) = st.path.clone() {
+                if verified_paths.insert(p.clone()) {
+                    save_complete_verifies(&host_dir(dir, &p))
+                        .with_context(|| format!("{name}: status.path {p}"))?;
+                }
+            }
+            if st.phase == Some(flexinfer_api::modelcache::CachePhase::Ready) {
+                ready += 1;
+            }
+        }
+        if ready == n && kills_at.is_empty() {
+            break;
+        }
+        ensure!(
+            start.elapsed() < Duration::from_secs(1500),
+            "{ready}/{n} Ready after {:?} ({kills} controller kills)",
+            start.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    ensure!(
+        double_pods.is_empty(),
+        "two live pods of one phase: {double_pods:?}"
+    );
+    // The end state: every served artifact whole and equal to its record; one path per cache.
+    let mut artifacts = 0usize;
+    for mc in api.list(&ListParams::default()).await?.items {
+        let name = mc.metadata.name.clone().unwrap_or_default();
+        let Some(dir) = dirs.get(&name) else { continue };
+        let p = mc.status.and_then(|s| s.path).context("status.path")?;
+        let art = host_dir(dir, &p);
+        save_complete_verifies(&art)?;
+        check_artifact(&art)?;
+        artifacts += 1;
+    }
+    ensure!(artifacts == n, "{artifacts} artifacts for {n} caches");
+    eprintln!(
+        "concurrent pipelines: {n} caches Ready in {:.0}s, {kills} controller kills, {samples} samples, \
+         0 double pods, {} paths verified when named, {artifacts} artifacts verified at the end",
+        start.elapsed().as_secs_f64(),
+        verified_paths.len()
+    );
+    for name in dirs.keys() {
+        delete_cache(&c, &e, name).await;
+    }
     Ok(())
 }
