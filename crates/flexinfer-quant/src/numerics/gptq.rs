@@ -1,10 +1,10 @@
 //! The GPTQ column sweep (lazy batch updates) and the RTN fallback (docs/dev/gptq.md §1.5–§1.7).
 
-use crate::hessian::PreparedFactor;
-use crate::linalg::LinalgBackend;
-use crate::linalg::{col, par_columns};
+use crate::numerics::hessian::PreparedFactor;
+use crate::numerics::linalg::LinalgBackend;
+use crate::numerics::linalg::{col, par_columns};
+use crate::numerics::quantizer::{dequantize, find_params, maxq, quantize_code, GroupParams};
 use crate::params::GptqParams;
-use crate::quantizer::{dequantize, find_params, maxq, quantize_code, GroupParams};
 use faer::{Mat, MatMut, MatRef};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -52,6 +52,32 @@ pub struct QuantizedLinear {
 }
 
 impl QuantizedLinear {
+    /// Codes and group parameters made with `p`'s bit width and symmetry, labelled RTN (no loss, no
+    /// damp); the GPTQ sweep sets its own method, loss and damp on top.
+    fn rtn(
+        p: &GptqParams,
+        rows: usize,
+        cols: usize,
+        codes: Vec<u8>,
+        scales: Vec<f32>,
+        zeros: Vec<u8>,
+        g_idx: Vec<i32>,
+    ) -> Self {
+        QuantizedLinear {
+            rows,
+            cols,
+            bits: p.bits,
+            sym: p.sym,
+            codes,
+            scales,
+            zeros,
+            g_idx,
+            method: Method::Rtn,
+            loss: 0.0,
+            damp: 0.0,
+        }
+    }
+
     pub fn groups(&self) -> usize {
         self.scales.len() / self.rows.max(1)
     }
@@ -77,7 +103,7 @@ const TILE: usize = 64;
 #[repr(align(64))]
 struct TileCol([f32; TILE]);
 
-/// GPTQ on `w` (`[rows=out, cols=in]`) with a prepared sweep factor (see [`crate::linalg`]).
+/// GPTQ on `w` (`[rows=out, cols=in]`) with a prepared sweep factor (see [`crate::numerics::linalg`]).
 pub fn gptq_quantize(
     backend: &dyn LinalgBackend,
     w_in: &Mat<f32>,
@@ -376,17 +402,10 @@ pub fn gptq_quantize_in(
         }
     }
     QuantizedLinear {
-        rows,
-        cols,
-        bits: p.bits,
-        sym: p.sym,
-        codes,
-        scales,
-        zeros,
-        g_idx,
         method: Method::Gptq,
         loss,
         damp: factor.damp,
+        ..QuantizedLinear::rtn(p, rows, cols, codes, scales, zeros, g_idx)
     }
 }
 
@@ -661,19 +680,7 @@ pub fn rtn_quantize(w: &Mat<f32>, p: &GptqParams) -> QuantizedLinear {
             }
         }
     }
-    QuantizedLinear {
-        rows,
-        cols,
-        bits: p.bits,
-        sym: p.sym,
-        codes,
-        scales,
-        zeros,
-        g_idx,
-        method: Method::Rtn,
-        loss: 0.0,
-        damp: 0.0,
-    }
+    QuantizedLinear::rtn(p, rows, cols, codes, scales, zeros, g_idx)
 }
 
 /// The weight the consumer reconstructs: `scale_f16 · (code − zero)` with the group from `g_idx`.

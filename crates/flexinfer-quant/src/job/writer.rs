@@ -64,7 +64,7 @@ pub struct Extras<'a> {
     pub quality: serde_json::Value,
     pub source_dir: &'a Path,
     pub script_version: &'a str,
-    /// Recorded in `.save-complete` (see [`crate::pipeline::config_digest`]).
+    /// Recorded in `.save-complete` (see [`crate::job::config_digest`]).
     pub config_digest: &'a str,
 }
 
