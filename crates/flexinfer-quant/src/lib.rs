@@ -7,7 +7,7 @@
 //! - [`device`]: where the Hessian products and sweeps run (CPU, HIP/CUDA, the fault-injecting fake);
 //! - [`model`]: reading a source model: [`tensors`] (safetensors), [`model::config`] (the supported
 //!   architectures' `config.json`), [`model::weights`] (one layer's weights), [`llama`] and [`moe`]
-//!   (the f32 forward), [`calib`] (calibration data);
+//!   (the f32 forward), [`calib`] and [`model::dataset`] (calibration data);
 //! - [`job`]: one quantize run: calibrate, quantize each layer, [`cache`] each finished layer,
 //!   [`writer`] the checkpoint;
 //! - cross-cutting: [`params`], [`exclusion`], [`events`], [`error`], [`fsutil`].

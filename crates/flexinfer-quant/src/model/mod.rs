@@ -1,9 +1,10 @@
 //! Reading a source model: the safetensors store ([`tensors`]), the architecture's `config.json`
 //! ([`config`]), one decoder layer's weights ([`weights`]), the f32 calibration forward ([`llama`],
-//! [`moe`]) and the calibration data ([`calib`]).
+//! [`moe`]), the calibration data ([`calib`]) and the dataset reader every use shares ([`dataset`]).
 
 pub mod calib;
 pub mod config;
+pub mod dataset;
 pub mod llama;
 pub mod moe;
 pub mod tensors;
