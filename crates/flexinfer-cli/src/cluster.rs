@@ -61,7 +61,7 @@ pub async fn quantize(
     let (client, ns) = connect(g).await?;
     let api: Api<ModelCache> = Api::namespaced(client, &ns);
     get_cache(&api, &name, &ns).await?;
-    let patch = crate::cli::request_patch(r, info);
+    let patch = crate::request::request_patch(r, info);
     let updated = api
         .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
         .await
