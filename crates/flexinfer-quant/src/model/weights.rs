@@ -2,7 +2,7 @@
 //! loading them from a source checkpoint or dequantized from a `gptq` checkpoint with the
 //! consumer's rules.
 
-use super::config::{AttnShape, ModelConfig};
+use super::config::{AttnShape, ModelConfig, MoeConfig};
 use crate::error::{QuantError, Result};
 use crate::model::moe::{Gemma4Moe, Mlp, MoeStyle, MoeWeights};
 use crate::model::tensors::TensorStore;
@@ -451,75 +451,7 @@ pub fn load_layer(
     };
     let moe = match cfg.sparse_layer(layer) {
         None => None,
-        Some(m) => {
-            let base = format!("{p}{}", m.spec.style.base());
-            let mut rest = loaded.split_off(4).into_iter();
-            let mut next = || -> Result<Linear> {
-                rest.next().ok_or_else(|| {
-                    QuantError::Numeric(format!(
-                        "layer {layer}: expert list shorter than its config"
-                    ))
-                })
-            };
-            let mut experts = Vec::with_capacity(m.num_experts);
-            for _ in 0..m.num_experts + usize::from(m.shared_intermediate.is_some()) {
-                experts.push(Mlp {
-                    gate: next()?,
-                    up: next()?,
-                    down: next()?,
-                });
-            }
-            let shared = if m.shared_intermediate.is_some() {
-                experts.pop()
-            } else {
-                None
-            };
-            let shared_gate_name = format!("{base}shared_expert_gate");
-            let shared_gate = if store.contains(&format!("{shared_gate_name}.weight")) {
-                Some(load_linear(
-                    store,
-                    &shared_gate_name,
-                    (1, cfg.hidden_size),
-                    None,
-                )?)
-            } else {
-                None
-            };
-            let gemma4 = match m.spec.style {
-                MoeStyle::Gemma4 => {
-                    // The router normalises its input itself and multiplies it by `scale / sqrt(hidden)`.
-                    let inv_sqrt = 1.0 / (h as f32).sqrt();
-                    let scale = load_vec(store, &format!("{p}router.scale"), h)?
-                        .into_iter()
-                        .map(|v| v * inv_sqrt)
-                        .collect();
-                    Some(Gemma4Moe {
-                        router_scale: scale,
-                        per_expert_scale: load_vec(
-                            store,
-                            &format!("{p}router.per_expert_scale"),
-                            m.num_experts,
-                        )?,
-                        shared_out_norm: norm_of("post_feedforward_layernorm_1.weight")?,
-                        experts_in_norm: norm_of("pre_feedforward_layernorm_2.weight")?,
-                        experts_out_norm: norm_of("post_feedforward_layernorm_2.weight")?,
-                    })
-                }
-                _ => None,
-            };
-            Some(MoeWeights {
-                router: load_linear(
-                    store,
-                    &format!("{p}{}", m.spec.style.router_name()),
-                    (m.num_experts, cfg.hidden_size),
-                    None,
-                )?,
-                experts,
-                shared,
-                shared_gate,
-                gemma4,
-            })
-        }
+        Some(m) => Some(load_moe(store, cfg, layer, m, loaded.split_off(4))?),
     };
     let head_norm = |n: &str| -> Result<Option<Vec<f32>>> {
         let name = format!("{p}{n}");
@@ -572,4 +504,91 @@ pub fn load_layer(
     };
     lw.sync_tied();
     Ok(lw)
+}
+
+/// The sparse MLP of `layer`: the routed experts (and the shared one) from `experts`, the modules
+/// after attention in [`layer_modules`] order, the router, the shared expert's gate, Gemma 4's extras.
+fn load_moe(
+    store: &TensorStore,
+    cfg: &ModelConfig,
+    layer: usize,
+    m: &MoeConfig,
+    experts_in: Vec<Linear>,
+) -> Result<MoeWeights> {
+    let p = cfg.layer_prefix(layer);
+    let base = format!("{p}{}", m.spec.style.base());
+    let mut rest = experts_in.into_iter();
+    let mut next = || -> Result<Linear> {
+        rest.next().ok_or_else(|| {
+            QuantError::Numeric(format!(
+                "layer {layer}: expert list shorter than its config"
+            ))
+        })
+    };
+    let mut experts = Vec::with_capacity(m.num_experts);
+    for _ in 0..m.num_experts + usize::from(m.shared_intermediate.is_some()) {
+        experts.push(Mlp {
+            gate: next()?,
+            up: next()?,
+            down: next()?,
+        });
+    }
+    let shared = if m.shared_intermediate.is_some() {
+        experts.pop()
+    } else {
+        None
+    };
+    let shared_gate_name = format!("{base}shared_expert_gate");
+    let shared_gate = if store.contains(&format!("{shared_gate_name}.weight")) {
+        Some(load_linear(
+            store,
+            &shared_gate_name,
+            (1, cfg.hidden_size),
+            None,
+        )?)
+    } else {
+        None
+    };
+    let gemma4 = match m.spec.style {
+        MoeStyle::Gemma4 => Some(load_gemma4_moe(store, cfg, &p, m)?),
+        _ => None,
+    };
+    Ok(MoeWeights {
+        router: load_linear(
+            store,
+            &format!("{p}{}", m.spec.style.router_name()),
+            (m.num_experts, cfg.hidden_size),
+            None,
+        )?,
+        experts,
+        shared,
+        shared_gate,
+        gemma4,
+    })
+}
+
+/// Gemma 4's router scales and the norms around its experts and dense unit.
+fn load_gemma4_moe(
+    store: &TensorStore,
+    cfg: &ModelConfig,
+    p: &str,
+    m: &MoeConfig,
+) -> Result<Gemma4Moe> {
+    let h = cfg.hidden_size;
+    let norm_of = |n: &str| -> Result<Vec<f32>> {
+        Ok(cfg.norm_weight(load_vec(store, &format!("{p}{n}"), h)?))
+    };
+    // The router normalises its input itself and multiplies it by `scale / sqrt(hidden)`.
+    let inv_sqrt = 1.0 / (h as f32).sqrt();
+    let scale = load_vec(store, &format!("{p}router.scale"), h)?
+        .into_iter()
+        .map(|v| v * inv_sqrt)
+        .collect();
+    Ok(Gemma4Moe {
+        router_scale: scale,
+        per_expert_scale: load_vec(store, &format!("{p}router.per_expert_scale"), m.num_experts)?,
+        shared_out_norm: norm_of("post_feedforward_layernorm_1.weight")?,
+        experts_in_norm: norm_of("pre_feedforward_layernorm_2.weight")?,
+        experts_out_norm: norm_of("post_feedforward_layernorm_2.weight")?,
+    })
 }

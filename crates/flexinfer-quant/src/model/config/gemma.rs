@@ -147,6 +147,19 @@ pub(super) fn gemma4_config(
     base: AttnShape,
     sliding: &[bool],
 ) -> Result<(Gemma4Config, Vec<AttnShape>)> {
+    refuse_unsupported(raw)?;
+    let k_eq_v = raw
+        .get("attention_k_eq_v")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let shapes = layer_shapes(raw, num_layers, base, sliding, k_eq_v)?;
+    let cfg = global_rope(raw)?;
+    Ok((cfg, shapes))
+}
+
+/// What the calibration forward does not implement: shared key/value layers, per-layer input
+/// embeddings, bidirectional attention, another activation.
+fn refuse_unsupported(raw: &Value) -> Result<()> {
     // Absent fields take transformers' Gemma4TextConfig defaults (per-layer inputs of 256 are on by default).
     for (key, what, default) in [
         (
@@ -183,10 +196,19 @@ pub(super) fn gemma4_config(
             )));
         }
     }
-    let k_eq_v = raw
-        .get("attention_k_eq_v")
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
+    Ok(())
+}
+
+/// The attention shape of every layer: the base shape on sliding layers, the global shape (from
+/// `per_layer_config`, or `global_head_dim` and `num_global_key_value_heads`) on the others; each
+/// kind shares one head dimension.
+fn layer_shapes(
+    raw: &Value,
+    num_layers: usize,
+    base: AttnShape,
+    sliding: &[bool],
+    k_eq_v: bool,
+) -> Result<Vec<AttnShape>> {
     // The global layers' shape: transformers writes `per_layer_config` (layer index → head_dim /
     // num_key_value_heads); the hub configs give `global_head_dim` (default 512) and, when keys are
     // values, `num_global_key_value_heads`.
@@ -261,6 +283,11 @@ pub(super) fn gemma4_config(
             )));
         }
     }
+    Ok(shapes)
+}
+
+/// The rope of the global layers (the sliding layers' must be the default one).
+fn global_rope(raw: &Value) -> Result<Gemma4Config> {
     // Without `rope_parameters`: transformers' defaults (sliding: default rope, base 10 000; global:
     // proportional, a quarter of the pairs rotating, base 1 000 000).
     let defaults = serde_json::json!({
@@ -320,5 +347,5 @@ pub(super) fn gemma4_config(
             g
         )));
     }
-    Ok((cfg, shapes))
+    Ok(cfg)
 }
