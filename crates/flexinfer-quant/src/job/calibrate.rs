@@ -2,6 +2,7 @@
 //! embeddings, each input group's Hessian from the activations of the layer being quantized, and
 //! moving the activations on to the next layer.
 
+use super::layer::LayerRun;
 use super::{release_free_memory, Progress, QuantizeJob};
 use crate::device::{Device, Session};
 use crate::error::{QuantError, Result};
@@ -128,15 +129,11 @@ pub(super) fn embed_samples(
 
 /// Where one input group's Hessian comes from.
 pub(super) struct StageInput<'a> {
-    pub(super) cfg: &'a ModelConfig,
+    pub(super) layer: &'a LayerRun<'a>,
     pub(super) lw: &'a LayerWeights,
-    pub(super) rope: &'a Rope,
     pub(super) stage: Stage,
     /// Some module of the group is quantized (else no Hessian is made).
     pub(super) active: bool,
-    /// Samples whose activations are stacked into one product.
-    pub(super) batch: usize,
-    pub(super) n_tokens: usize,
 }
 
 /// The device session holding the Hessian of one input group over every sample (`None` when every
@@ -154,7 +151,7 @@ pub(super) fn accumulate_stage<'d>(
     } else {
         None
     };
-    for chunk in hidden.chunks_mut(s.batch) {
+    for chunk in hidden.chunks_mut(s.layer.batch) {
         let mut acts: Vec<Mat<f32>> = Vec::with_capacity(chunk.len());
         for x in chunk.iter_mut() {
             let Some(a) = stage_activation(s, x) else {
@@ -167,24 +164,24 @@ pub(super) fn accumulate_stage<'d>(
         let Some(h) = h.as_mut() else {
             continue;
         };
-        accumulate_stacked(&mut **h, acts, cols, 2.0 / s.n_tokens as f32)?;
+        accumulate_stacked(&mut **h, acts, cols, 2.0 / s.layer.n_tokens as f32)?;
     }
     Ok(h)
 }
 
 /// The input of the stage's modules for one sample; `None` where the stage has nothing to add.
 fn stage_activation(s: &StageInput<'_>, x: &mut Mat<f32>) -> Option<Mat<f32>> {
-    let (cfg, lw) = (s.cfg, s.lw);
+    let (cfg, lw) = (s.layer.run.cfg, s.lw);
     Some(match s.stage {
         Stage::Qkv => rms_norm(x.as_ref(), &lw.input_norm, cfg.rms_norm_eps),
         Stage::O if !s.active => return None,
         Stage::O => {
             let hn = rms_norm(x.as_ref(), &lw.input_norm, cfg.rms_norm_eps);
-            attention(cfg, lw, hn.as_ref(), s.rope)
+            attention(cfg, lw, hn.as_ref(), s.layer.rope)
         }
         Stage::GateUp => {
             let hn = rms_norm(x.as_ref(), &lw.input_norm, cfg.rms_norm_eps);
-            let att = attention(cfg, lw, hn.as_ref(), s.rope);
+            let att = attention(cfg, lw, hn.as_ref(), s.layer.rope);
             drop(hn);
             // The residual after attention replaces the layer input in place (the input
             // is not needed any more; no second activation-sized buffer).

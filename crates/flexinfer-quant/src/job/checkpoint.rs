@@ -4,9 +4,9 @@
 
 use super::calibrate::ModulePlan;
 use super::layer::Totals;
-use super::{evaluate_quality, Outcome, Progress, QuantizeJob};
+use super::{evaluate_quality, Outcome, Progress, QuantizeJob, Run};
 use crate::error::{QuantError, Result};
-use crate::events::{fields, EventSink};
+use crate::events::fields;
 use crate::fsutil::read_json;
 use crate::job::cache::LayerCache;
 use crate::job::writer::{write_checkpoint, Extras, OutTensor};
@@ -117,13 +117,9 @@ fn quantize_config_json(
 
 /// Everything the save needs beyond the job.
 pub(super) struct SaveInput<'a> {
-    pub(super) job: &'a QuantizeJob,
-    pub(super) events: &'a dyn EventSink,
-    pub(super) cfg: &'a ModelConfig,
-    pub(super) store: &'a TensorStore,
+    pub(super) run: &'a Run<'a>,
     pub(super) plan: &'a ModulePlan,
     pub(super) config_hash: &'a str,
-    pub(super) started: Instant,
 }
 
 /// Applies the gate and writes the checkpoint from the source and the cached layers. A rejected run
@@ -134,7 +130,7 @@ pub(super) fn save(
     totals: &Totals,
     progress: &mut Progress<'_>,
 ) -> Result<Outcome> {
-    let (job, events, cfg, store) = (s.job, s.events, s.cfg, s.store);
+    let (job, events, cfg, store) = (s.run.job, s.run.events, s.run.cfg, s.run.store);
     let final_dir = job.output_dir();
     cache.write_checkpoint("saving", None)?;
     let quality = evaluate_quality(totals.gptq, totals.rtn, &job.gate);
@@ -216,7 +212,7 @@ pub(super) fn save(
         output_dir: final_dir,
         original_size_bytes: store.total_bytes(),
         compressed_size_bytes: records.iter().map(|r| r.size_bytes).sum(),
-        seconds: s.started.elapsed().as_secs_f64(),
+        seconds: s.run.started.elapsed().as_secs_f64(),
         quality: Some(quality),
         cached: false,
         config_digest: s.config_hash.to_string(),

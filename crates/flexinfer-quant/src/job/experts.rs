@@ -2,29 +2,21 @@
 //! time, RTN for an expert too few tokens reach, and the run's expert-coverage report.
 
 use super::layer::solve_group;
-use super::QuantizeJob;
-use crate::device::Device;
+use super::layer::LayerRun;
 use crate::error::{QuantError, Result};
-use crate::events::EventSink;
-use crate::exclusion::Exclusion;
 use crate::model::llama::rms_norm;
 use crate::model::moe::{gated, gather_rows};
-use crate::model::{LayerWeights, ModelConfig, ModuleSpec, MoeConfig};
+use crate::model::{LayerWeights, ModuleSpec, MoeConfig};
 use crate::numerics::gptq::{dequantize_weight, rtn_quantize, QuantizedLinear};
 use faer::Mat;
 use serde_json::{json, Value};
 
 /// What the expert loop of one MoE layer needs.
 pub(super) struct ExpertCtx<'a> {
-    pub(super) job: &'a QuantizeJob,
-    pub(super) device: &'a dyn Device,
-    pub(super) events: &'a dyn EventSink,
-    pub(super) cfg: &'a ModelConfig,
+    pub(super) layer: &'a LayerRun<'a>,
     pub(super) moe: &'a MoeConfig,
     pub(super) prefix: &'a str,
     pub(super) specs: &'a [ModuleSpec],
-    pub(super) exclusion: &'a Exclusion,
-    pub(super) n_tokens: usize,
 }
 
 /// Expert GPTQ of one MoE layer. `hidden` holds each sample's residual after attention (already quantized
@@ -40,7 +32,7 @@ pub(super) fn quantize_experts(
     lw: &mut LayerWeights,
     results: &mut [Option<QuantizedLinear>],
 ) -> Result<(Vec<u64>, u64)> {
-    let (cfg, m) = (ctx.cfg, ctx.moe);
+    let (cfg, m) = (ctx.layer.run.cfg, ctx.moe);
     let eps = cfg.rms_norm_eps;
     let moe_w = lw
         .moe
@@ -65,7 +57,7 @@ pub(super) fn quantize_experts(
     for e in 0..n_units {
         let shared = e == m.num_experts;
         let n_e = if shared {
-            ctx.n_tokens as u64
+            ctx.layer.n_tokens as u64
         } else {
             tokens[e]
         };
@@ -73,6 +65,8 @@ pub(super) fn quantize_experts(
         let is_active = |i: usize| {
             !ctx.specs[i].tied
                 && !ctx
+                    .layer
+                    .run
                     .exclusion
                     .excludes(&format!("{}{}", ctx.prefix, ctx.specs[i].name), cfg.hybrid)
         };
@@ -81,14 +75,14 @@ pub(super) fn quantize_experts(
         if gate_up.is_empty() && down.is_empty() {
             continue;
         }
-        let percent = 100.0 * n_e as f64 / ctx.n_tokens.max(1) as f64;
-        if n_e == 0 || percent < ctx.job.expert_min_token_percent {
+        let percent = 100.0 * n_e as f64 / ctx.layer.n_tokens.max(1) as f64;
+        if n_e == 0 || percent < ctx.layer.run.job.expert_min_token_percent {
             for &i in gate_up.iter().chain(&down) {
                 let w = &lw
                     .module(i)
                     .ok_or_else(|| QuantError::Numeric(format!("module index {i}")))?
                     .w;
-                let q = rtn_quantize(w, &ctx.job.params);
+                let q = rtn_quantize(w, &ctx.layer.run.job.params);
                 if let Some(l) = lw.module_mut(i) {
                     l.w = dequantize_weight(&q);
                 }
@@ -111,7 +105,7 @@ pub(super) fn quantize_experts(
         let name = |i: usize| format!("{}{}", ctx.prefix, ctx.specs[i].name);
         if !gate_up.is_empty() {
             let cols = cfg.hidden_size;
-            let mut h = ctx.device.open(cols)?;
+            let mut h = ctx.layer.run.device.open(cols)?;
             for s in 0..hidden.len() {
                 let a = rows_of(s);
                 if a.nrows() > 0 {
@@ -119,9 +113,7 @@ pub(super) fn quantize_experts(
                 }
             }
             let names: Vec<String> = gate_up.iter().map(|&i| name(i)).collect();
-            solve_group(
-                ctx.job, ctx.device, ctx.events, h, lw, &gate_up, &names, results,
-            )?;
+            solve_group(ctx.layer.run, h, lw, &gate_up, &names, results)?;
         }
         if !down.is_empty() {
             let (g, u) = match (lw.module(ig), lw.module(iu)) {
@@ -129,7 +121,7 @@ pub(super) fn quantize_experts(
                 _ => return Err(QuantError::Numeric(format!("{}: expert {e}", ctx.prefix))),
             };
             let cols = g.w.nrows();
-            let mut h = ctx.device.open(cols)?;
+            let mut h = ctx.layer.run.device.open(cols)?;
             for s in 0..hidden.len() {
                 let a = rows_of(s);
                 if a.nrows() > 0 {
@@ -138,9 +130,7 @@ pub(super) fn quantize_experts(
                 }
             }
             let names: Vec<String> = down.iter().map(|&i| name(i)).collect();
-            solve_group(
-                ctx.job, ctx.device, ctx.events, h, lw, &down, &names, results,
-            )?;
+            solve_group(ctx.layer.run, h, lw, &down, &names, results)?;
         }
     }
     Ok((tokens, low_rtn))

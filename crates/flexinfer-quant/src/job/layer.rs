@@ -4,18 +4,16 @@
 
 use super::calibrate::{accumulate_stage, advance, StageInput};
 use super::experts::{quantize_experts, ExpertCoverage, ExpertCtx};
-use super::{release_free_memory, Progress, QuantizeJob};
-use crate::device::{solve_with_fallback, Device, Session, SolveSpec};
+use super::{release_free_memory, Progress, Run};
+use crate::device::{solve_with_fallback, Session, SolveSpec};
 use crate::error::{QuantError, Result};
-use crate::events::{fields, EventSink};
-use crate::exclusion::Exclusion;
+use crate::events::fields;
 use crate::job::cache::{LayerCache, LayerStats};
 use crate::job::writer::OutTensor;
 use crate::model::llama::{Rope, Stage, STAGES};
 use crate::model::tensors::TensorStore;
 use crate::model::{
-    layer_modules, load_layer, load_linear, GptqReadConfig, LayerWeights, ModelConfig, ModuleSpec,
-    INPUT_GROUPS,
+    layer_modules, load_layer, load_linear, GptqReadConfig, LayerWeights, ModuleSpec, INPUT_GROUPS,
 };
 use crate::numerics::gptq::{dequantize_weight, Method, QuantizedLinear};
 use crate::numerics::pack::{pack, ZeroFormat};
@@ -23,22 +21,15 @@ use faer::Mat;
 use safetensors::Dtype;
 use serde_json::{json, Value};
 use std::borrow::Cow;
-use std::time::Instant;
 
-/// What the layer loop reads; fixed for the whole run.
+/// What the layer loop reads beyond the run: the rope tables and the calibration batch.
 pub(super) struct LayerRun<'a> {
-    pub(super) job: &'a QuantizeJob,
-    pub(super) device: &'a dyn Device,
-    pub(super) events: &'a dyn EventSink,
-    pub(super) cfg: &'a ModelConfig,
-    pub(super) store: &'a TensorStore,
-    pub(super) exclusion: &'a Exclusion,
+    pub(super) run: &'a Run<'a>,
     pub(super) rope: &'a Rope,
     /// Samples whose activations are stacked per Hessian update.
     pub(super) batch: usize,
     /// Calibration tokens over all samples.
     pub(super) n_tokens: usize,
-    pub(super) started: Instant,
 }
 
 /// What the layer loop adds up: the module counts of the gate and the expert coverage.
@@ -67,7 +58,7 @@ fn layer_fields(layer: usize, layers: usize, done: usize) -> serde_json::Map<Str
 /// Every layer in order: cached ones are read back, the others quantized and cached; `hidden` moves
 /// through each layer with its quantized weights.
 pub(super) fn quantize_layers(
-    run: &LayerRun<'_>,
+    lr: &LayerRun<'_>,
     cache: &mut LayerCache,
     progress: &mut Progress<'_>,
     hidden: &mut [Mat<f32>],
@@ -75,22 +66,22 @@ pub(super) fn quantize_layers(
     let mut totals = Totals {
         gptq: 0,
         rtn: 0,
-        coverage: ExpertCoverage::new(run.job.expert_min_token_percent, run.n_tokens),
+        coverage: ExpertCoverage::new(lr.run.job.expert_min_token_percent, lr.n_tokens),
     };
-    let (cfg, store) = (run.cfg, run.store);
+    let (cfg, store) = (lr.run.cfg, lr.run.store);
     for layer in 0..cfg.num_layers {
         let mut lw = load_layer(store, cfg, layer, None)?;
         store.release_pages();
         release_free_memory();
         // True once `hidden` holds each sample's residual after attention (a freshly quantized layer).
         let hidden_is_x1 = if layer < cache.completed_layers() {
-            load_cached_layer(run, cache, layer, &mut lw, &mut totals, progress)?;
+            load_cached_layer(lr, cache, layer, &mut lw, &mut totals, progress)?;
             false
         } else {
-            quantize_layer(run, cache, layer, &mut lw, hidden, &mut totals, progress)?
+            quantize_layer(lr, cache, layer, &mut lw, hidden, &mut totals, progress)?
         };
-        advance(cfg, &lw, run.rope, hidden, hidden_is_x1);
-        if run.job.abort_after_layer == Some(layer) {
+        advance(cfg, &lw, lr.rope, hidden, hidden_is_x1);
+        if lr.run.job.abort_after_layer == Some(layer) {
             return Err(QuantError::TestAbort(layer));
         }
     }
@@ -99,14 +90,14 @@ pub(super) fn quantize_layers(
 
 /// Resume: the cached packed modules replace the source weights, read with the consumer's rules.
 fn load_cached_layer(
-    run: &LayerRun<'_>,
+    lr: &LayerRun<'_>,
     cache: &LayerCache,
     layer: usize,
     lw: &mut LayerWeights,
     totals: &mut Totals,
     progress: &mut Progress<'_>,
 ) -> Result<()> {
-    let (cfg, job) = (run.cfg, run.job);
+    let (cfg, job) = (lr.run.cfg, lr.run.job);
     let layers = cfg.num_layers;
     let prefix = cfg.layer_prefix(layer);
     let path = cache
@@ -145,7 +136,7 @@ fn load_cached_layer(
 /// Quantizes one layer from the calibration activations `hidden` (its input) and caches it.
 /// Returns whether `hidden` now holds the residual after attention.
 fn quantize_layer(
-    run: &LayerRun<'_>,
+    lr: &LayerRun<'_>,
     cache: &mut LayerCache,
     layer: usize,
     lw: &mut LayerWeights,
@@ -153,7 +144,7 @@ fn quantize_layer(
     totals: &mut Totals,
     progress: &mut Progress<'_>,
 ) -> Result<bool> {
-    let cfg = run.cfg;
+    let cfg = lr.run.cfg;
     let layers = cfg.num_layers;
     let prefix = cfg.layer_prefix(layer);
     let specs = layer_modules(cfg, layer);
@@ -161,7 +152,7 @@ fn quantize_layer(
     let sparse = cfg.sparse_layer(layer).cloned();
     let (mut low_rtn, mut expert_tokens) = (0u64, Vec::new());
     let hidden_is_x1 = quantize_stages(
-        run,
+        lr,
         layer,
         &specs,
         lw,
@@ -172,15 +163,10 @@ fn quantize_layer(
     )?;
     if let Some(m) = &sparse {
         let ctx = ExpertCtx {
-            job: run.job,
-            device: run.device,
-            events: run.events,
-            cfg,
+            layer: lr,
             moe: m,
             prefix: &prefix,
             specs: &specs,
-            exclusion: run.exclusion,
-            n_tokens: run.n_tokens,
         };
         let (tokens, low) = quantize_experts(&ctx, hidden, lw, &mut results)?;
         expert_tokens = tokens;
@@ -193,7 +179,7 @@ fn quantize_layer(
         );
     }
     cache_layer(
-        run,
+        lr,
         cache,
         layer,
         &specs,
@@ -218,7 +204,7 @@ fn quantize_layer(
 /// Returns whether `hidden` now holds the residual after attention.
 #[allow(clippy::too_many_arguments)]
 fn quantize_stages(
-    run: &LayerRun<'_>,
+    lr: &LayerRun<'_>,
     layer: usize,
     specs: &[ModuleSpec],
     lw: &mut LayerWeights,
@@ -227,7 +213,7 @@ fn quantize_stages(
     sparse: bool,
     progress: &mut Progress<'_>,
 ) -> Result<bool> {
-    let cfg = run.cfg;
+    let cfg = lr.run.cfg;
     let layers = cfg.num_layers;
     let prefix = cfg.layer_prefix(layer);
     let mut hidden_is_x1 = false;
@@ -242,7 +228,8 @@ fn quantize_stages(
             .copied()
             .filter(|&i| {
                 !specs[i].tied
-                    && !run
+                    && !lr
+                        .run
                         .exclusion
                         .excludes(&format!("{prefix}{}", specs[i].name), cfg.hybrid)
             })
@@ -250,15 +237,12 @@ fn quantize_stages(
         let cols = group.first().map_or(0, |&g| lw.linears[g].w.ncols());
         // The group's device session (its Hessian); none when every module of the group is excluded.
         let input = StageInput {
-            cfg,
+            layer: lr,
             lw,
-            rope: run.rope,
             stage: *stage,
             active: !active.is_empty(),
-            batch: run.batch,
-            n_tokens: run.n_tokens,
         };
-        let h = accumulate_stage(run.device, &input, cols, hidden)?;
+        let h = accumulate_stage(lr.run.device, &input, cols, hidden)?;
         release_free_memory();
         if *stage == Stage::GateUp {
             hidden_is_x1 = true;
@@ -270,9 +254,7 @@ fn quantize_stages(
             .iter()
             .map(|&i| format!("{prefix}{}", specs[i].name))
             .collect();
-        solve_group(
-            run.job, run.device, run.events, h, lw, &active, &names, results,
-        )?;
+        solve_group(lr.run, h, lw, &active, &names, results)?;
         progress.emit(
             "quantize",
             layer_percent(layer as f64 + (*stage as usize + 1) as f64 / 5.0, layers),
@@ -286,7 +268,7 @@ fn quantize_stages(
 /// Packs the layer's quantized modules into the cache and adds its counts to `totals`.
 #[allow(clippy::too_many_arguments)]
 fn cache_layer(
-    run: &LayerRun<'_>,
+    lr: &LayerRun<'_>,
     cache: &mut LayerCache,
     layer: usize,
     specs: &[ModuleSpec],
@@ -295,7 +277,7 @@ fn cache_layer(
     low_rtn: u64,
     totals: &mut Totals,
 ) -> Result<()> {
-    let prefix = run.cfg.layer_prefix(layer);
+    let prefix = lr.run.cfg.layer_prefix(layer);
     let mut tensors = Vec::new();
     let (mut g, mut r) = (0u64, 0u64);
     for (i, q) in results.iter().enumerate() {
@@ -317,7 +299,7 @@ fn cache_layer(
             expert_tokens,
             low_coverage_rtn_modules: low_rtn,
         },
-        run.events,
+        lr.run.events,
     )?;
     drop(tensors);
     release_free_memory();
@@ -325,7 +307,7 @@ fn cache_layer(
         layer,
         gptq = g,
         rtn = r,
-        elapsed_s = run.started.elapsed().as_secs_f64(),
+        elapsed_s = lr.run.started.elapsed().as_secs_f64(),
         "layer quantized"
     );
     totals.gptq += g;
@@ -336,11 +318,8 @@ fn cache_layer(
 /// Factorises one input group's Hessian and quantizes its active modules (GPTQ, or RTN when the recovery
 /// loop is exhausted) in one device session (`session` holds the accumulated Hessian); the quantized weights
 /// replace the f32 ones in `lw` for the stages after it.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn solve_group(
-    job: &QuantizeJob,
-    device: &dyn Device,
-    events: &dyn EventSink,
+    run: &Run<'_>,
     mut session: Box<dyn Session + '_>,
     lw: &mut LayerWeights,
     active: &[usize],
@@ -351,8 +330,8 @@ pub(super) fn solve_group(
         |i: usize| QuantError::Numeric(format!("module index {i} of {}", names.join(",")));
     let module = names.join(",");
     let spec = SolveSpec {
-        params: &job.params,
-        recovery: &job.recovery,
+        params: &run.job.params,
+        recovery: &run.job.recovery,
         module: &module,
     };
     let quantized = {
@@ -361,11 +340,11 @@ pub(super) fn solve_group(
             .map(|&i| lw.module(i).map(|l| &l.w).ok_or_else(|| missing(i)))
             .collect::<Result<Vec<_>>>()?;
         solve_with_fallback(
-            &device.describe(),
+            &run.device.describe(),
             session.as_mut(),
             &weights,
             &spec,
-            events,
+            run.events,
         )?
     };
     drop(session);

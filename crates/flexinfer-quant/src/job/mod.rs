@@ -175,6 +175,17 @@ impl QuantizeJob {
     }
 }
 
+/// What every step of a run reads; fixed for the whole run.
+struct Run<'a> {
+    job: &'a QuantizeJob,
+    device: &'a dyn Device,
+    events: &'a dyn EventSink,
+    cfg: &'a ModelConfig,
+    store: &'a TensorStore,
+    exclusion: &'a Exclusion,
+    started: Instant,
+}
+
 struct Progress<'a> {
     events: &'a dyn EventSink,
     last: f64,
@@ -274,20 +285,23 @@ pub fn run(job: &QuantizeJob, device: &dyn Device, events: &dyn EventSink) -> Re
     let max_len = samples.iter().map(Vec::len).max().unwrap_or(0);
     let rope = Rope::new(&cfg, max_len);
     let mut hidden = calibrate::embed_samples(&store, &cfg, &samples)?;
-    let layer_run = layer::LayerRun {
+    let run = Run {
         job,
         device,
         events,
         cfg: &cfg,
         store: &store,
         exclusion: &exclusion,
+        started,
+    };
+    let layer_run = layer::LayerRun {
+        run: &run,
         rope: &rope,
         batch: job
             .n_parallel_calib_samples
             .unwrap_or(DEFAULT_CALIB_BATCH)
             .max(1),
         n_tokens,
-        started,
     };
     let totals = layer::quantize_layers(&layer_run, &mut cache, &mut progress, &mut hidden)?;
 
@@ -295,13 +309,9 @@ pub fn run(job: &QuantizeJob, device: &dyn Device, events: &dyn EventSink) -> Re
     drop(hidden);
     release_free_memory();
     let save = checkpoint::SaveInput {
-        job,
-        events,
-        cfg: &cfg,
-        store: &store,
+        run: &run,
         plan: &plan,
         config_hash: &config_hash,
-        started,
     };
     checkpoint::save(&save, cache, &totals, &mut progress)
 }

@@ -30,12 +30,7 @@ pub use tokenizers::pipeline::PipelineTokenizer as Tokenizer;
 /// canonicalising converter first).
 pub fn load_tokenizer(model_dir: &Path) -> Result<Tokenizer> {
     let tok_path = model_dir.join("tokenizer.json");
-    if tok_path.symlink_metadata().is_err() {
-        return Err(QuantError::Input(format!(
-            "tokenizer.json not found in model directory {}",
-            model_dir.display()
-        )));
-    }
+    crate::fsutil::require_in_model_dir(model_dir, "tokenizer.json")?;
     let text = flexinfer_fsutil::read_string_within(model_dir, "tokenizer.json", limits::TOKENIZER)
         .map_err(|e| crate::fsutil::untrusted_err(&tok_path, e))?;
     match tokenizers::from_json(&text) {

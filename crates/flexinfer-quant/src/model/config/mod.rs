@@ -127,13 +127,7 @@ pub(super) fn get_f32(v: &Value, key: &str, default: f32) -> f32 {
 
 impl ModelConfig {
     pub fn load(model_dir: &Path) -> Result<Self> {
-        let path = model_dir.join("config.json");
-        if path.symlink_metadata().is_err() {
-            return Err(QuantError::Input(format!(
-                "config.json not found in model directory {}",
-                model_dir.display()
-            )));
-        }
+        crate::fsutil::require_in_model_dir(model_dir, "config.json")?;
         let raw = crate::fsutil::read_json_within(
             model_dir,
             "config.json",
