@@ -126,6 +126,45 @@ pub fn recommend(model: &Footprint, gpu: &GpuTarget) -> Recommendation {
     let b = model.params / 1e9;
     let vram_gb = gpu.vram_mb.map(|m| m as f64 / 1024.0);
     let arch = gpu.arch.as_deref().unwrap_or("");
+    let mut reasons = describe(model, gpu, b, vram_gb);
+
+    // Format: GPTQ is the only built-in engine, and the fast serving path on ROCm.
+    let format = "GPTQ";
+    reasons.push(format_reason(arch));
+
+    let (size_class, class) = size_classes(b, vram_gb, &mut reasons);
+    let fit = fit_bits(model, vram_gb, &mut reasons);
+    let (mut cal, frac) = calibration_recipe(class, &mut reasons);
+    let max_mem = host_memory(size_class, b, &mut reasons);
+    if model.moe {
+        cal.max_samples = cal.max_samples.max(512);
+        reasons.push(
+            "maxSamples 512: mixture of experts needs enough tokens routed to every expert".into(),
+        );
+    }
+    let (minutes, timeout) = time_estimate(b, model.moe, &cal, &mut reasons);
+
+    Recommendation {
+        format,
+        bits: fit.bits,
+        group_size: fit.group_size,
+        sym: true,
+        desc_act: false,
+        dynamic_exclusion: fit.exclusion,
+        gpu_memory_fraction: frac.to_string(),
+        use_gpu: gpu.vram_mb.is_some() || gpu.arch.is_some(),
+        max_memory_gb: max_mem,
+        timeout_seconds: timeout,
+        calibration: cal,
+        estimated_artifact_gb: (fit.size * 10.0).round() / 10.0,
+        estimated_minutes: minutes.round(),
+        fits: fit.fits,
+        reasons,
+    }
+}
+
+/// The first reasons: what the model and the target GPU are.
+fn describe(model: &Footprint, gpu: &GpuTarget, b: f64, vram_gb: Option<f64>) -> Vec<String> {
     let mut reasons = vec![format!(
         "model: {:.1}B parameters ({}){}{}",
         b,
@@ -150,23 +189,23 @@ pub fn recommend(model: &Footprint, gpu: &GpuTarget) -> Recommendation {
                 .into(),
         ),
     }
+    reasons
+}
 
-    // Format: GPTQ is the only built-in engine, and the fast serving path on ROCm.
-    let format = "GPTQ";
+fn format_reason(arch: &str) -> String {
     if arch == "gfx1100" {
-        reasons.push(
-            "format GPTQ sym=true descAct=false: on gfx1100 this routes through the HIP ExLlama kernels \
-             (~7x AWQ decode); GGUF would leave vLLM for llama.cpp"
-                .into(),
-        );
+        "format GPTQ sym=true descAct=false: on gfx1100 this routes through the HIP ExLlama kernels \
+         (~7x AWQ decode); GGUF would leave vLLM for llama.cpp"
+            .into()
     } else {
-        reasons.push(
-            "format GPTQ: the built-in engine (other formats are planned), served by vLLM (Marlin/ExLlama need sym=true)"
-                .into(),
-        );
+        "format GPTQ: the built-in engine (other formats are planned), served by vLLM (Marlin/ExLlama need sym=true)"
+            .into()
     }
+}
 
-    // Size class: the seed tables are for 24 GB cards; a smaller card moves one class up.
+/// The model's size class, and the class whose calibration is used: the seed tables are for 24 GB
+/// cards; a smaller card moves one class up.
+fn size_classes(b: f64, vram_gb: Option<f64>, reasons: &mut Vec<String>) -> (Class, Class) {
     let size_class = if b <= 10.0 {
         Class::Small
     } else if b <= 20.0 {
@@ -187,8 +226,20 @@ pub fn recommend(model: &Footprint, gpu: &GpuTarget) -> Recommendation {
             ));
         }
     }
+    (size_class, class)
+}
 
-    // Bits and exclusion: 4-bit g128 unless the artifact does not fit next to a KV cache.
+/// Bits, group size and exclusion, and the artifact size they give (GB).
+struct Fit {
+    bits: i32,
+    group_size: i32,
+    exclusion: &'static str,
+    size: f64,
+    fits: Option<bool>,
+}
+
+/// Bits and exclusion: 4-bit g128 unless the artifact does not fit next to a KV cache.
+fn fit_bits(model: &Footprint, vram_gb: Option<f64>, reasons: &mut Vec<String>) -> Fit {
     let budget = vram_gb.map(|v| v * 1.073_741_824 * 0.85); // GB (10^9) usable for weights
     let group_size = 128;
     let mut bits = 4;
@@ -236,9 +287,18 @@ pub fn recommend(model: &Footprint, gpu: &GpuTarget) -> Recommendation {
             }
         ));
     }
+    Fit {
+        bits,
+        group_size,
+        exclusion,
+        size,
+        fits,
+    }
+}
 
-    // Calibration and memory from the seed's recipes.
-    let (mut cal, _, frac) = match class {
+/// Calibration and the GPU memory fraction from the seed's recipes.
+fn calibration_recipe(class: Class, reasons: &mut Vec<String>) -> (CalibrationRec, &'static str) {
+    let (cal, _, frac) = match class {
         Class::Small => (
             CalibrationRec {
                 max_seq_len: 4096,
@@ -272,7 +332,12 @@ pub fn recommend(model: &Footprint, gpu: &GpuTarget) -> Recommendation {
         Class::Medium => "calibration 256 @ 4096 with nParallelCalibSamples 32: the seed's 14B-on-24GB recipe".to_string(),
         Class::Large => "calibration 128 @ 2048 with nParallelCalibSamples 16, gpuMemoryFraction 0.80: the seed's 27B+ single-GPU recipe".to_string(),
     });
-    // Host memory follows the model size (seed: 8B 32Gi, 14B 56, 27B 96).
+    (cal, frac)
+}
+
+/// Host memory follows the model size (seed: 8B 32Gi, 14B 56, 27B 96), and beyond the table about
+/// 3.5 GB per billion parameters.
+fn host_memory(size_class: Class, b: f64, reasons: &mut Vec<String>) -> i32 {
     let mut max_mem = match size_class {
         Class::Small => 32,
         Class::Medium => 56,
@@ -281,7 +346,6 @@ pub fn recommend(model: &Footprint, gpu: &GpuTarget) -> Recommendation {
     reasons.push(format!(
         "maxMemoryGB {max_mem}: the seed's host-memory recipe for this model size"
     ));
-    // Host memory grows with the model beyond the table (about 3.5 GB per billion parameters).
     let scaled = ((b * 3.5 / 8.0).ceil() * 8.0) as i32;
     if scaled > max_mem {
         max_mem = scaled.min(1024);
@@ -289,17 +353,15 @@ pub fn recommend(model: &Footprint, gpu: &GpuTarget) -> Recommendation {
             "maxMemoryGB {max_mem}: scaled with the model size beyond the seed table"
         ));
     }
-    if model.moe {
-        cal.max_samples = cal.max_samples.max(512);
-        reasons.push(
-            "maxSamples 512: mixture of experts needs enough tokens routed to every expert".into(),
-        );
-    }
+    max_mem
+}
 
-    // Time: seed 8B ≈ 30 min, 14B ≈ 73 min at full calibration; fewer tokens shorten calibration.
+/// Estimated minutes and the timeout: seed 8B ≈ 30 min, 14B ≈ 73 min at full calibration; fewer
+/// tokens shorten calibration.
+fn time_estimate(b: f64, moe: bool, cal: &CalibrationRec, reasons: &mut Vec<String>) -> (f64, i64) {
     let tokens = (cal.max_samples as f64 * cal.max_seq_len as f64) / (256.0 * 4096.0);
     let mut minutes = 30.0 * (b / 8.0).max(0.05).powf(1.6) * (0.5 + 0.5 * tokens.min(2.0));
-    if model.moe {
+    if moe {
         minutes *= 2.0;
     }
     let timeout = ((minutes * 3.0 * 60.0 / 3600.0).ceil() as i64 * 3600).clamp(3600, 172_800);
@@ -307,24 +369,7 @@ pub fn recommend(model: &Footprint, gpu: &GpuTarget) -> Recommendation {
         "timeoutSeconds {timeout}: about 3x the estimated {:.0} min",
         minutes
     ));
-
-    Recommendation {
-        format,
-        bits,
-        group_size,
-        sym: true,
-        desc_act: false,
-        dynamic_exclusion: exclusion,
-        gpu_memory_fraction: frac.to_string(),
-        use_gpu: gpu.vram_mb.is_some() || gpu.arch.is_some(),
-        max_memory_gb: max_mem,
-        timeout_seconds: timeout,
-        calibration: cal,
-        estimated_artifact_gb: (size * 10.0).round() / 10.0,
-        estimated_minutes: minutes.round(),
-        fits,
-        reasons,
-    }
+    (minutes, timeout)
 }
 
 #[cfg(test)]
