@@ -143,25 +143,10 @@ pub(super) fn save(
         })
         .collect::<Result<_>>()?;
     let tensors = output_tensors(cfg, store, &layer_stores)?;
-    let mut quality_json =
-        serde_json::to_value(&quality).map_err(|e| QuantError::Numeric(e.to_string()))?;
-    if let (Some(report), Some(obj)) = (totals.coverage.report(), quality_json.as_object_mut()) {
-        obj.insert("expertCoverage".into(), report);
-    }
+    let quality_json = quality_sidecar(&quality, totals)?;
     if quality.failed() {
-        // The gate runs before anything is written: a rejected run leaves the artifact at `out_dir` (and
-        // its status) untouched, writes no `.save-complete`, and removes its staging directory. The layer
-        // cache stays, so a run with a relaxed gate reuses the computed layers.
         drop(layer_stores);
-        let staging = job.staging_dir();
-        if staging.exists() {
-            std::fs::remove_dir_all(&staging).map_err(|e| QuantError::io(&staging, e))?;
-        }
-        events.emit(
-            names::QUANTIZATION_QUALITY,
-            quality_json.as_object().cloned().unwrap_or_default(),
-        );
-        return Err(QuantError::GateFailed(quality));
+        return reject(job, quality, &quality_json, events);
     }
     let qc = quantize_config_json(job, &s.plan.quantized, &s.plan.excluded);
     let mut config_json = cfg.raw.clone();
@@ -217,6 +202,36 @@ pub(super) fn save(
         cached: false,
         config_digest: s.config_hash.to_string(),
     })
+}
+
+/// The quality sidecar: the gate's summary plus, for a MoE run, the expert coverage.
+fn quality_sidecar(quality: &QualitySummary, totals: &Totals) -> Result<Value> {
+    let mut quality_json =
+        serde_json::to_value(quality).map_err(|e| QuantError::Numeric(e.to_string()))?;
+    if let (Some(report), Some(obj)) = (totals.coverage.report(), quality_json.as_object_mut()) {
+        obj.insert("expertCoverage".into(), report);
+    }
+    Ok(quality_json)
+}
+
+/// The gate runs before anything is written: a rejected run leaves the artifact at `out_dir` (and its
+/// status) untouched, writes no `.save-complete`, and removes its staging directory. The layer cache
+/// stays, so a run with a relaxed gate reuses the computed layers.
+fn reject(
+    job: &QuantizeJob,
+    quality: QualitySummary,
+    quality_json: &Value,
+    events: &dyn crate::events::EventSink,
+) -> Result<Outcome> {
+    let staging = job.staging_dir();
+    if staging.exists() {
+        std::fs::remove_dir_all(&staging).map_err(|e| QuantError::io(&staging, e))?;
+    }
+    events.emit(
+        names::QUANTIZATION_QUALITY,
+        quality_json.as_object().cloned().unwrap_or_default(),
+    );
+    Err(QuantError::GateFailed(quality))
 }
 
 /// The checkpoint's tensors: the source tensors that were not quantized, then each cached layer's

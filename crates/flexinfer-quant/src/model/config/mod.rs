@@ -137,19 +137,7 @@ impl ModelConfig {
     }
 
     pub fn from_json(raw: Value) -> Result<Self> {
-        let arch = raw
-            .get("architectures")
-            .and_then(|a| a.as_array())
-            .and_then(|a| a.first())
-            .and_then(|a| a.as_str())
-            .unwrap_or("")
-            .to_string();
-        if !SUPPORTED_ARCHITECTURES.contains(&arch.as_str()) {
-            return Err(QuantError::Input(format!(
-                "unsupported architecture {arch:?} in config.json; supported: {}",
-                SUPPORTED_ARCHITECTURES.join(", ")
-            )));
-        }
+        let arch = architecture(&raw)?;
         // Multimodal Gemma 4: the text stack's fields are under `text_config`, its tensors under
         // `model.language_model.`; the vision / audio towers are not read (the writer copies them).
         let multimodal = arch == "Gemma4ForConditionalGeneration";
@@ -172,31 +160,7 @@ impl ModelConfig {
             "model."
         };
         let is_gemma4 = arch.starts_with("Gemma4");
-        let hidden_size = get_usize(text, "hidden_size")?;
-        let num_heads = get_usize(text, "num_attention_heads")?;
-        let num_kv_heads = text
-            .get("num_key_value_heads")
-            .and_then(Value::as_u64)
-            .map(|x| x as usize)
-            .unwrap_or(num_heads);
-        let head_dim = match text.get("head_dim").and_then(Value::as_u64) {
-            Some(d) => d as usize,
-            // transformers' Gemma4TextConfig default.
-            None if is_gemma4 => 256,
-            None if num_heads > 0 => hidden_size / num_heads,
-            None => 0,
-        };
-        if num_heads == 0
-            || num_kv_heads == 0
-            || num_heads % num_kv_heads != 0
-            || head_dim == 0
-            || head_dim % 2 != 0
-            || head_dim > MAX_HEAD_DIM
-        {
-            return Err(QuantError::Input(format!(
-                "config.json: inconsistent attention shape (heads {num_heads}, kv heads {num_kv_heads}, head_dim {head_dim})"
-            )));
-        }
+        let (hidden_size, num_heads, num_kv_heads, head_dim) = attention_dims(text, is_gemma4)?;
         // transformers 5 writes `rope_parameters` (`rope_theta` and the scaling in one object) in place of
         // `rope_theta` / `rope_scaling`.
         // Gemma 3 under transformers 5: one object per attention type; the global layers' is the model's rope.
@@ -209,38 +173,7 @@ impl ModelConfig {
             .map(|v| v.get("full_attention").unwrap_or(v))
             .filter(|v| v.is_object());
         // Gemma 4's two ropes are read by `gemma4_config`.
-        let rope_scaling = match text
-            .get("rope_scaling")
-            .filter(|v| !v.is_null())
-            .or(rope_params)
-            .filter(|_| !is_gemma4)
-        {
-            None | Some(Value::Null) => RopeScaling::None,
-            Some(rs) => {
-                let kind = rs
-                    .get("rope_type")
-                    .or_else(|| rs.get("type"))
-                    .and_then(Value::as_str)
-                    .unwrap_or("default");
-                match kind {
-                    "default" => RopeScaling::None,
-                    // Dynamic NTK only changes frequencies beyond the trained length; calibration stays inside it.
-                    "dynamic" => RopeScaling::None,
-                    "linear" => RopeScaling::Linear { factor: get_f32(rs, "factor", 1.0) },
-                    "llama3" => RopeScaling::Llama3 {
-                        factor: get_f32(rs, "factor", 8.0),
-                        low_freq_factor: get_f32(rs, "low_freq_factor", 1.0),
-                        high_freq_factor: get_f32(rs, "high_freq_factor", 4.0),
-                        original_max_position_embeddings: get_f32(rs, "original_max_position_embeddings", 8192.0),
-                    },
-                    other => {
-                        return Err(QuantError::Input(format!(
-                            "config.json: rope_scaling type {other:?} is not supported (default, linear, dynamic, llama3)"
-                        )))
-                    }
-                }
-            }
-        };
+        let rope_scaling = rope_scaling(text, rope_params, is_gemma4)?;
         let num_layers = get_usize(text, "num_hidden_layers")?;
         if num_layers > MAX_LAYERS {
             return Err(QuantError::Input(format!(
@@ -423,6 +356,92 @@ impl ModelConfig {
             .as_ref()
             .filter(|m| m.sparse.get(layer).copied().unwrap_or(false))
     }
+}
+
+/// The first of `architectures`, when it is supported.
+fn architecture(raw: &Value) -> Result<String> {
+    let arch = raw
+        .get("architectures")
+        .and_then(|a| a.as_array())
+        .and_then(|a| a.first())
+        .and_then(|a| a.as_str())
+        .unwrap_or("")
+        .to_string();
+    if !SUPPORTED_ARCHITECTURES.contains(&arch.as_str()) {
+        return Err(QuantError::Input(format!(
+            "unsupported architecture {arch:?} in config.json; supported: {}",
+            SUPPORTED_ARCHITECTURES.join(", ")
+        )));
+    }
+    Ok(arch)
+}
+
+/// `(hidden_size, heads, kv heads, head_dim)` of the text config, checked for a usable attention.
+fn attention_dims(text: &Value, is_gemma4: bool) -> Result<(usize, usize, usize, usize)> {
+    let hidden_size = get_usize(text, "hidden_size")?;
+    let num_heads = get_usize(text, "num_attention_heads")?;
+    let num_kv_heads = text
+        .get("num_key_value_heads")
+        .and_then(Value::as_u64)
+        .map(|x| x as usize)
+        .unwrap_or(num_heads);
+    let head_dim = match text.get("head_dim").and_then(Value::as_u64) {
+        Some(d) => d as usize,
+        // transformers' Gemma4TextConfig default.
+        None if is_gemma4 => 256,
+        None if num_heads > 0 => hidden_size / num_heads,
+        None => 0,
+    };
+    if num_heads == 0
+        || num_kv_heads == 0
+        || num_heads % num_kv_heads != 0
+        || head_dim == 0
+        || head_dim % 2 != 0
+        || head_dim > MAX_HEAD_DIM
+    {
+        return Err(QuantError::Input(format!(
+            "config.json: inconsistent attention shape (heads {num_heads}, kv heads {num_kv_heads}, head_dim {head_dim})"
+        )));
+    }
+    Ok((hidden_size, num_heads, num_kv_heads, head_dim))
+}
+
+/// `rope_scaling` (or transformers 5's `rope_parameters`); none for Gemma 4, whose two ropes
+/// [`gemma4_config`] reads.
+fn rope_scaling(text: &Value, rope_params: Option<&Value>, is_gemma4: bool) -> Result<RopeScaling> {
+    let scaling = match text
+        .get("rope_scaling")
+        .filter(|v| !v.is_null())
+        .or(rope_params)
+        .filter(|_| !is_gemma4)
+    {
+        None | Some(Value::Null) => RopeScaling::None,
+        Some(rs) => {
+            let kind = rs
+                .get("rope_type")
+                .or_else(|| rs.get("type"))
+                .and_then(Value::as_str)
+                .unwrap_or("default");
+            match kind {
+                "default" => RopeScaling::None,
+                // Dynamic NTK only changes frequencies beyond the trained length; calibration stays inside it.
+                "dynamic" => RopeScaling::None,
+                "linear" => RopeScaling::Linear { factor: get_f32(rs, "factor", 1.0) },
+                "llama3" => RopeScaling::Llama3 {
+                    factor: get_f32(rs, "factor", 8.0),
+                    low_freq_factor: get_f32(rs, "low_freq_factor", 1.0),
+                    high_freq_factor: get_f32(rs, "high_freq_factor", 4.0),
+                    original_max_position_embeddings: get_f32(rs, "original_max_position_embeddings", 8192.0),
+                },
+                other => {
+                    return Err(QuantError::Input(format!(
+                        "config.json: rope_scaling type {other:?} is not supported (default, linear, dynamic, llama3)"
+                    )))
+                }
+            }
+        }
+    };
+    Ok(scaling)
 }
 
 fn base_inv_freq(theta: f32, d: usize) -> Vec<f32> {
