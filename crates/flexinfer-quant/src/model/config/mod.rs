@@ -243,27 +243,24 @@ impl ModelConfig {
 
     /// Head dimension of the sliding-window layers (all layers but Gemma 4's global ones).
     fn local_head_dim(&self) -> usize {
-        let sliding = |l: usize| {
+        self.first_head_dim(true)
+    }
+
+    /// Head dimension of the global layers.
+    fn global_head_dim(&self) -> usize {
+        self.first_head_dim(false)
+    }
+
+    /// Head dimension of the first layer that is (`sliding`) or is not a sliding-window layer; the
+    /// config's `head_dim` when there is none.
+    fn first_head_dim(&self, sliding: bool) -> usize {
+        let is_sliding = |l: usize| {
             self.gemma
                 .as_ref()
                 .is_some_and(|g| g.sliding.get(l).copied().unwrap_or(false))
         };
         (0..self.num_layers)
-            .find(|&l| sliding(l))
-            .and_then(|l| self.layer_attn.get(l))
-            .map_or(self.head_dim, |a| a.head_dim)
-    }
-
-    /// Head dimension of the global layers.
-    fn global_head_dim(&self) -> usize {
-        let global = |l: usize| {
-            !self
-                .gemma
-                .as_ref()
-                .is_some_and(|g| g.sliding.get(l).copied().unwrap_or(false))
-        };
-        (0..self.num_layers)
-            .find(|&l| global(l))
+            .find(|&l| is_sliding(l) == sliding)
             .and_then(|l| self.layer_attn.get(l))
             .map_or(self.head_dim, |a| a.head_dim)
     }
