@@ -39,14 +39,14 @@ pub(super) fn quantize_experts(
         .as_ref()
         .ok_or_else(|| QuantError::Numeric(format!("{}: MoE weights not loaded", ctx.prefix)))?;
     // Per sample, per expert: the routed token rows (the shared expert, if any, sees every token).
-    let mut routed: Vec<Vec<Vec<(usize, f32)>>> = Vec::with_capacity(hidden.len());
-    for x in hidden {
-        routed.push(
+    let routed: Vec<Vec<Vec<(usize, f32)>>> = hidden
+        .iter()
+        .map(|x| {
             moe_w
                 .route_residual(x.as_ref(), &lw.post_norm, eps, &m.spec)
-                .per_expert(m.num_experts),
-        );
-    }
+                .per_expert(m.num_experts)
+        })
+        .collect();
     // The input norms of the routed experts and of the shared unit (they differ on Gemma 4).
     let (expert_norm, shared_norm) = moe_w.input_norms(&lw.post_norm);
     let tokens: Vec<u64> = (0..m.num_experts)
@@ -77,18 +77,7 @@ pub(super) fn quantize_experts(
         }
         let percent = 100.0 * n_e as f64 / ctx.layer.n_tokens.max(1) as f64;
         if n_e == 0 || percent < ctx.layer.run.job.expert_min_token_percent {
-            for &i in gate_up.iter().chain(&down) {
-                let w = &lw
-                    .module(i)
-                    .ok_or_else(|| QuantError::Numeric(format!("module index {i}")))?
-                    .w;
-                let q = rtn_quantize(w, &ctx.layer.run.job.params);
-                if let Some(l) = lw.module_mut(i) {
-                    l.w = dequantize_weight(&q);
-                }
-                results[i] = Some(q);
-                low_rtn += 1;
-            }
+            low_rtn += rtn_modules(ctx, lw, results, gate_up.iter().chain(&down))?;
             continue;
         }
         // The rows this expert sees, post-attention-norm, one sample at a time.
@@ -134,6 +123,29 @@ pub(super) fn quantize_experts(
         }
     }
     Ok((tokens, low_rtn))
+}
+
+/// RTN for `modules` (an expert too few calibration tokens reach); returns how many.
+fn rtn_modules<'i>(
+    ctx: &ExpertCtx<'_>,
+    lw: &mut LayerWeights,
+    results: &mut [Option<QuantizedLinear>],
+    modules: impl Iterator<Item = &'i usize>,
+) -> Result<u64> {
+    let mut n = 0u64;
+    for &i in modules {
+        let w = &lw
+            .module(i)
+            .ok_or_else(|| QuantError::Numeric(format!("module index {i}")))?
+            .w;
+        let q = rtn_quantize(w, &ctx.layer.run.job.params);
+        if let Some(l) = lw.module_mut(i) {
+            l.w = dequantize_weight(&q);
+        }
+        results[i] = Some(q);
+        n += 1;
+    }
+    Ok(n)
 }
 
 /// The expert-coverage report of a MoE run (quality sidecar `expertCoverage`).
