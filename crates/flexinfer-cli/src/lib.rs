@@ -9,6 +9,7 @@ pub mod cluster;
 pub mod footprint;
 pub mod output;
 pub mod recommend;
+pub mod request;
 pub mod validate;
 
 pub use cli::Cli;

@@ -23,6 +23,17 @@ pub fn sha256_file(path: &Path) -> Result<String> {
     flexinfer_fsutil::sha256_file(path).map_err(|e| QuantError::io(path, e))
 }
 
+/// Bad input unless `model_dir/name` exists (a link counts: what it points at is checked when read).
+pub fn require_in_model_dir(model_dir: &Path, name: &str) -> Result<()> {
+    if model_dir.join(name).symlink_metadata().is_err() {
+        return Err(QuantError::Input(format!(
+            "{name} not found in model directory {}",
+            model_dir.display()
+        )));
+    }
+    Ok(())
+}
+
 /// A JSON file the engine wrote itself (a marker), read whole within
 /// [`limits::CONFIG_JSON`](flexinfer_fsutil::limits::CONFIG_JSON).
 pub fn read_json(path: &Path) -> Result<serde_json::Value> {

@@ -1,27 +1,34 @@
 //! FlexInfer's GPTQ quantization engine.
 //!
-//! The pieces, bottom-up: [`quantizer`] (min/max grid), [`linalg`] (device interface + faer CPU backend),
-//! [`hessian`] (preparation + recovery loop), [`gptq`] (column sweep, RTN), [`pack`] (gptq checkpoint packing).
+//! The folders follow the architecture (docs/dev/architecture.md, "The quantization engine"):
+//! - [`numerics`]: the maths, bottom-up: [`quantizer`] (min/max grid), [`linalg`] (dense steps behind
+//!   the device interface, faer CPU backend), [`hessian`] (preparation + recovery loop), [`gptq`]
+//!   (column sweep, RTN), [`pack`] (gptq checkpoint packing);
+//! - [`device`]: where the Hessian products and sweeps run (CPU, HIP/CUDA, the fault-injecting fake);
+//! - [`model`]: reading a source model: [`tensors`] (safetensors), [`model::config`] (the supported
+//!   architectures' `config.json`), [`model::weights`] (one layer's weights), [`llama`] and [`moe`]
+//!   (the f32 forward), [`calib`] and [`model::dataset`] (calibration data);
+//! - [`job`]: one quantize run: calibrate, quantize each layer, [`cache`] each finished layer,
+//!   [`writer`] the checkpoint;
+//! - cross-cutting: [`params`], [`exclusion`], [`events`], [`error`], [`fsutil`].
+//!
+//! The old flat module paths (`flexinfer_quant::gptq`, `::pipeline`, …) stay as re-exports.
 
 pub mod device;
 pub mod error;
 pub mod events;
-pub mod gptq;
-pub mod hessian;
-pub mod linalg;
-pub mod pack;
-pub mod params;
-pub mod quantizer;
-
-pub use error::{QuantError, Result};
-pub mod cache;
-pub mod calib;
 pub mod exclusion;
 pub mod fsutil;
-pub mod llama;
+pub mod job;
 pub mod model;
-pub mod moe;
-pub mod pipeline;
-pub mod tensors;
+pub mod numerics;
+pub mod params;
+#[cfg(any(test, feature = "testkit"))]
 pub mod testkit;
-pub mod writer;
+
+pub use error::{QuantError, Result};
+/// The quantize job under its former name.
+pub use job as pipeline;
+pub use job::{cache, writer};
+pub use model::{calib, llama, moe, tensors};
+pub use numerics::{gptq, hessian, linalg, pack, quantizer};

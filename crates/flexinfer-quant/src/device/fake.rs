@@ -7,9 +7,9 @@ use super::{
     DevResult, Device, DeviceError, DeviceKind, DeviceOps, OpsSession, PreparedMeta, Session,
 };
 use crate::events::NullSink;
-use crate::gptq::{gptq_quantize_in, QuantizedLinear, Workspace};
-use crate::hessian::{prepare_hessian, sanitize, PreparedFactor};
-use crate::linalg::{CpuBackend, LinalgBackend, SweepFactor};
+use crate::numerics::gptq::{gptq_quantize_in, QuantizedLinear, Workspace};
+use crate::numerics::hessian::{prepare_hessian, sanitize, PreparedFactor};
+use crate::numerics::linalg::{CpuBackend, LinalgBackend, SweepFactor};
 use crate::params::GptqParams;
 use faer::{Mat, MatRef};
 use std::sync::Mutex;

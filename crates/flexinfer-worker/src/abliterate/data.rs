@@ -8,19 +8,13 @@ use std::path::{Path, PathBuf};
 use flexinfer_contract as contract;
 use flexinfer_fsutil::limits;
 use flexinfer_quant::calib::{load_samples, CalibSettings};
+use flexinfer_quant::model::dataset;
 use serde_json::Value;
 
 use crate::common::WorkerError;
 
 /// Fields tried, in order, for a prompt in a JSON record or a CSV header.
-pub const PROMPT_FIELDS: [&str; 6] = [
-    "prompt",
-    "instruction",
-    "text",
-    "goal",
-    "question",
-    "content",
-];
+pub const PROMPT_FIELDS: &[&str] = dataset::PROMPTS.fields;
 
 const DATA_EXTENSIONS: [&str; 5] = ["jsonl", "json", "csv", "txt", "parquet"];
 
@@ -105,144 +99,12 @@ fn find_data_file(dir: &Path) -> Option<PathBuf> {
         .cloned()
 }
 
-fn record_prompt(v: &Value) -> Option<String> {
-    match v {
-        Value::String(s) => Some(s.clone()),
-        Value::Object(o) => {
-            for f in PROMPT_FIELDS {
-                if let Some(Value::String(s)) = o.get(f) {
-                    if f == "instruction" {
-                        if let Some(Value::String(input)) = o.get("input") {
-                            if !input.trim().is_empty() {
-                                return Some(format!("{s}\n\n{input}"));
-                            }
-                        }
-                    }
-                    return Some(s.clone());
-                }
-            }
-            None
-        }
-        _ => None,
-    }
-}
-
-/// Splits one CSV line (RFC 4180 quoting, no embedded newlines).
-fn csv_fields(line: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut cur = String::new();
-    let mut quoted = false;
-    let mut chars = line.chars().peekable();
-    while let Some(c) = chars.next() {
-        match (c, quoted) {
-            ('"', true) if chars.peek() == Some(&'"') => {
-                cur.push('"');
-                chars.next();
-            }
-            ('"', _) => quoted = !quoted,
-            (',', false) => out.push(std::mem::take(&mut cur)),
-            (c, _) => cur.push(c),
-        }
-    }
-    out.push(cur);
-    out
-}
-
 /// Up to `max` non-empty prompts of a dataset file: JSONL (one string or object per line; fields
-/// [`PROMPT_FIELDS`]), a JSON array, CSV with a header naming one of those fields, or plain text
-/// with one prompt per line.
+/// [`PROMPT_FIELDS`]), a JSON array, CSV with a header naming one of those fields, parquet, or
+/// plain text with one prompt per line; read by the engine's dataset reader with its
+/// [`dataset::PROMPTS`] rules (formats in [`flexinfer_quant::model::dataset`]).
 pub fn read_prompts(path: &Path, max: usize) -> Result<Vec<String>, WorkerError> {
-    let name = path
-        .file_name()
-        .and_then(|n| n.to_str())
-        .unwrap_or("")
-        .to_ascii_lowercase();
-    if name.ends_with(".parquet") {
-        let rows = flexinfer_quant::calib::read_parquet_records(path, usize::MAX)
-            .map_err(|e| bad(e.to_string()))?;
-        return Ok(rows
-            .iter()
-            .filter_map(record_prompt)
-            .map(|p| p.trim().to_string())
-            .filter(|p| !p.is_empty())
-            .take(max)
-            .collect());
-    }
-    let bytes = flexinfer_fsutil::read_regular(path, limits::DATASET).map_err(|e| {
-        bad(format!(
-            "cannot read prompt dataset {}: {e}",
-            path.display()
-        ))
-    })?;
-    let text = String::from_utf8(bytes).map_err(|_| {
-        bad(format!(
-            "prompt dataset {} is not UTF-8 text",
-            path.display()
-        ))
-    })?;
-    let mut out = Vec::new();
-    let mut push = |s: String| {
-        let s = s.trim().to_string();
-        if !s.is_empty() && out.len() < max {
-            out.push(s);
-        }
-    };
-    if name.ends_with(".json") && text.trim_start().starts_with('[') {
-        let v: Value = serde_json::from_str(&text)
-            .map_err(|e| bad(format!("{}: invalid JSON: {e}", path.display())))?;
-        for item in v.as_array().into_iter().flatten() {
-            if let Some(p) = record_prompt(item) {
-                push(p);
-            }
-        }
-    } else if name.ends_with(".jsonl") || name.ends_with(".json") {
-        for (i, line) in text.lines().enumerate() {
-            if line.trim().is_empty() {
-                continue;
-            }
-            if line.len() as u64 > limits::JSON_LINE.bytes {
-                return Err(bad(format!(
-                    "{} line {}: longer than the {} bytes allowed for a {}",
-                    path.display(),
-                    i + 1,
-                    limits::JSON_LINE.bytes,
-                    limits::JSON_LINE.what
-                )));
-            }
-            let v: Value = serde_json::from_str(line).map_err(|e| {
-                bad(format!(
-                    "{} line {}: invalid JSON: {e}",
-                    path.display(),
-                    i + 1
-                ))
-            })?;
-            if let Some(p) = record_prompt(&v) {
-                push(p);
-            }
-        }
-    } else if name.ends_with(".csv") {
-        let mut lines = text.lines();
-        let header = csv_fields(lines.next().unwrap_or(""));
-        let col = PROMPT_FIELDS
-            .iter()
-            .find_map(|f| header.iter().position(|h| h.trim().eq_ignore_ascii_case(f)))
-            .ok_or_else(|| {
-                bad(format!(
-                    "{}: the CSV header has none of the prompt columns {PROMPT_FIELDS:?}",
-                    path.display()
-                ))
-            })?;
-        for line in lines {
-            if let Some(v) = csv_fields(line).into_iter().nth(col) {
-                push(v);
-            }
-        }
-    } else {
-        for line in text.lines() {
-            push(line.to_string());
-        }
-    }
-    Ok(out)
+    dataset::read_texts(path, max, &dataset::PROMPTS).map_err(|e| bad(e.to_string()))
 }
 
 /// Chat formats recognized in a tokenizer's `chat_template`.

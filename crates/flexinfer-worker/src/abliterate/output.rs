@@ -167,6 +167,18 @@ fn is_copied_aux(name: &str) -> bool {
     !name.starts_with('.') && !WEIGHT_EXT.iter().any(|x| name.ends_with(x))
 }
 
+/// A progress event of the shard loop: `done` of `total` files.
+fn file_progress(percent: f64, detail: String, done: usize, total: usize) -> ProgressEvent {
+    ProgressEvent {
+        percent,
+        detail: Some(detail),
+        unit: Some("files".into()),
+        done: Some(done as f64),
+        total: Some(total as f64),
+        ..Default::default()
+    }
+}
+
 /// Writes every shard (skipping those an interrupted run already wrote) and the other files into
 /// `staging`. Returns the number of shards.
 #[allow(clippy::too_many_arguments)]
@@ -220,14 +232,12 @@ pub fn write_output(
             .is_some_and(|s| shard_ok(staging, s));
         let percent = 70.0 + 28.0 * (fi + 1) as f64 / n as f64;
         if done {
-            ev.progress(ProgressEvent {
+            ev.progress(file_progress(
                 percent,
-                detail: Some(format!("shard {rel} already written (sha256 verified)")),
-                unit: Some("files".into()),
-                done: Some((fi + 1) as f64),
-                total: Some(n as f64),
-                ..Default::default()
-            });
+                format!("shard {rel} already written (sha256 verified)"),
+                fi + 1,
+                n,
+            ));
             continue;
         }
         let dst = staging.join(&rel);
@@ -273,14 +283,12 @@ pub fn write_output(
         manifest.shards.retain(|s| s.name != rel);
         manifest.shards.push(rec);
         write_manifest(staging, &manifest)?;
-        ev.progress(ProgressEvent {
+        ev.progress(file_progress(
             percent,
-            detail: Some(format!("wrote shard {rel}")),
-            unit: Some("files".into()),
-            done: Some((fi + 1) as f64),
-            total: Some(n as f64),
-            ..Default::default()
-        });
+            format!("wrote shard {rel}"),
+            fi + 1,
+            n,
+        ));
         written_now += 1;
         if abort_after_shards.is_some_and(|k| written_now >= k) {
             ev.log("test hook: aborting after a written shard");

@@ -6,7 +6,7 @@ use crate::error::{QuantError, Result};
 use crate::fsutil::{now_rfc3339, read_json, sha256_file, write_atomic, write_json_atomic};
 use flexinfer_contract::files::{self, SaveComplete, SaveShard};
 use safetensors::Dtype;
-use serde_json::json;
+use serde_json::{json, Value};
 use std::borrow::Cow;
 use std::path::Path;
 
@@ -64,7 +64,7 @@ pub struct Extras<'a> {
     pub quality: serde_json::Value,
     pub source_dir: &'a Path,
     pub script_version: &'a str,
-    /// Recorded in `.save-complete` (see [`crate::pipeline::config_digest`]).
+    /// Recorded in `.save-complete` (see [`crate::job::config_digest`]).
     pub config_digest: &'a str,
 }
 
@@ -200,20 +200,7 @@ pub fn write_checkpoint(
     };
     std::fs::create_dir_all(staging).map_err(|e| QuantError::io(staging, e))?;
     tensors.sort_by(|a, b| a.name.cmp(&b.name));
-    // Greedy shard plan in name order.
-    let mut plan: Vec<Vec<usize>> = vec![Vec::new()];
-    let mut cur = 0u64;
-    for (i, t) in tensors.iter().enumerate() {
-        let sz = t.data.len() as u64;
-        if cur > 0 && cur + sz > max_shard_bytes {
-            plan.push(Vec::new());
-            cur = 0;
-        }
-        if let Some(last) = plan.last_mut() {
-            last.push(i);
-        }
-        cur += sz;
-    }
+    let plan = shard_plan(&tensors, max_shard_bytes);
     let n = plan.len();
     let mut records = Vec::with_capacity(n);
     let mut weight_map = serde_json::Map::new();
@@ -242,7 +229,36 @@ pub fn write_checkpoint(
         });
         on_shard(si + 1, n);
     }
-    // Remove shards of an older plan left in the staging directory.
+    remove_stale(staging, &records);
+    write_side_files(staging, extras, total, weight_map, &records)?;
+    // An existing directory at `final_dir` is exchanged atomically: it names a complete artifact at
+    // every instant.
+    flexinfer_fsutil::replace_dir(staging, final_dir).map_err(|e| QuantError::io(final_dir, e))?;
+    Ok(records)
+}
+
+/// Greedy shard plan in name order: tensor indices per shard, each shard within `max_shard_bytes`
+/// unless one tensor alone is larger.
+fn shard_plan(tensors: &[OutTensor<'_>], max_shard_bytes: u64) -> Vec<Vec<usize>> {
+    let mut plan: Vec<Vec<usize>> = vec![Vec::new()];
+    let mut cur = 0u64;
+    for (i, t) in tensors.iter().enumerate() {
+        let sz = t.data.len() as u64;
+        if cur > 0 && cur + sz > max_shard_bytes {
+            plan.push(Vec::new());
+            cur = 0;
+        }
+        if let Some(last) = plan.last_mut() {
+            last.push(i);
+        }
+        cur += sz;
+    }
+    plan
+}
+
+/// Removes what does not belong in the artifact from the staging directory: shards of an older plan
+/// and the temporary files of a write a kill interrupted.
+fn remove_stale(staging: &Path, records: &[SaveShard]) {
     if let Ok(rd) = std::fs::read_dir(staging) {
         for e in rd.flatten() {
             let fname = e.file_name().to_string_lossy().to_string();
@@ -255,6 +271,17 @@ pub fn write_checkpoint(
             }
         }
     }
+}
+
+/// Everything beside the shards: the index, the configs, the quality sidecar, the tokenizer files,
+/// and last `.save-complete`.
+fn write_side_files(
+    staging: &Path,
+    extras: &Extras<'_>,
+    total: u64,
+    weight_map: serde_json::Map<String, Value>,
+    records: &[SaveShard],
+) -> Result<()> {
     write_json_atomic(
         &staging.join(INDEX_FILE),
         &json!({"metadata": {"total_size": total}, "weight_map": weight_map}),
@@ -276,7 +303,7 @@ pub fn write_checkpoint(
         version: 1,
         script_version: extras.script_version.to_string(),
         completed_at: now_rfc3339(),
-        shards: records.clone(),
+        shards: records.to_vec(),
         has_index: true,
         has_config: true,
         has_quantize_config: true,
@@ -287,8 +314,5 @@ pub fn write_checkpoint(
         message: e.to_string(),
     })?;
     write_json_atomic(&staging.join(files::SAVE_COMPLETE), &v)?;
-    // An existing directory at `final_dir` is exchanged atomically: it names a complete artifact at
-    // every instant.
-    flexinfer_fsutil::replace_dir(staging, final_dir).map_err(|e| QuantError::io(final_dir, e))?;
-    Ok(records)
+    Ok(())
 }

@@ -1,17 +1,17 @@
 //! Hessian preparation (sanitise, dead columns, act-order permutation) and the recovery loop that turns it into
-//! the sweep factor (one Cholesky factorisation; see [`crate::linalg`]) (docs/dev/gptq.md §1.2–§1.4).
+//! the sweep factor (one Cholesky factorisation; see [`crate::numerics::linalg`]) (docs/dev/gptq.md §1.2–§1.4).
 
 use crate::events::{fields, EventSink};
-use crate::linalg::{LinalgBackend, SweepFactor};
+use crate::numerics::linalg::{LinalgBackend, SweepFactor};
 use crate::params::{FloorMode, RecoveryParams};
 use faer::Mat;
 use flexinfer_contract::events as names;
-use serde_json::json;
+use serde_json::{json, Value};
 
 /// Everything the column sweep needs from one Hessian; shared by all modules that see the same input.
 #[derive(Clone, Debug)]
 pub struct PreparedFactor {
-    /// Sweep factor of the (permuted, damped) Hessian (see [`crate::linalg`]).
+    /// Sweep factor of the (permuted, damped) Hessian (see [`crate::numerics::linalg`]).
     pub f: SweepFactor,
     /// `perm[k]` = original column at sweep position k (act-order); `None` = identity.
     pub perm: Option<Vec<usize>>,
@@ -90,14 +90,12 @@ pub fn prepare_hessian(
     let n = h.nrows();
     let replaced = sanitize(&mut h);
     if replaced > 0 {
-        events.emit(
-            names::HESSIAN_RECOVERY,
-            fields([
-                ("module", json!(module)),
-                ("attempt", json!(0)),
-                ("sanitized", json!(replaced)),
-                ("result", json!("sanitized")),
-            ]),
+        recovery_event(
+            events,
+            module,
+            0,
+            Some(("sanitized", json!(replaced))),
+            "sanitized",
         );
     }
     // Dead columns: only the diagonal entry is set to one (the torch mask idiom).
@@ -182,28 +180,12 @@ pub fn recover_with<E>(
         let add = damp * mean;
         if try_factor(&|i| diag[i] + add)? {
             if failed_any {
-                events.emit(
-                    names::HESSIAN_RECOVERY,
-                    fields([
-                        ("module", json!(module)),
-                        ("attempt", json!(0)),
-                        ("damp", json!(damp)),
-                        ("result", json!("recovered")),
-                    ]),
-                );
+                recovery_event(events, module, 0, Some(("damp", json!(damp))), "recovered");
             }
             return Ok(Some(damp));
         }
         failed_any = true;
-        events.emit(
-            names::HESSIAN_RECOVERY,
-            fields([
-                ("module", json!(module)),
-                ("attempt", json!(0)),
-                ("damp", json!(damp)),
-                ("result", json!("failed")),
-            ]),
-        );
+        recovery_event(events, module, 0, Some(("damp", json!(damp))), "failed");
         if rp.damp_auto_increment <= 0.0 {
             break;
         }
@@ -221,26 +203,34 @@ pub fn recover_with<E>(
     for attempt in 1..=rp.max_floor_attempts {
         let floor = base * rp.floor_multiplier.powi(attempt as i32 - 1);
         let ok = floor.is_finite() && floor > 0.0 && try_factor(&|i| (diag[i] + floor).max(floor))?;
-        events.emit(
-            names::HESSIAN_RECOVERY,
-            fields([
-                ("module", json!(module)),
-                ("attempt", json!(attempt)),
-                ("floor", json!(floor)),
-                ("result", json!(if ok { "recovered" } else { "failed" })),
-            ]),
+        recovery_event(
+            events,
+            module,
+            attempt,
+            Some(("floor", json!(floor))),
+            if ok { "recovered" } else { "failed" },
         );
         if ok {
             return Ok(Some(0.0));
         }
     }
-    events.emit(
-        names::HESSIAN_RECOVERY,
-        fields([
-            ("module", json!(module)),
-            ("attempt", json!(rp.max_floor_attempts)),
-            ("result", json!("exhausted")),
-        ]),
-    );
+    recovery_event(events, module, rp.max_floor_attempts, None, "exhausted");
     Ok(None)
+}
+
+/// One `HessianRecovery` event: the module, the attempt, what it tried (damp, floor or the count of
+/// sanitised entries) and its result.
+fn recovery_event(
+    events: &dyn EventSink,
+    module: &str,
+    attempt: u32,
+    tried: Option<(&str, Value)>,
+    result: &str,
+) {
+    let mut f = fields([("module", json!(module)), ("attempt", json!(attempt))]);
+    if let Some((k, v)) = tried {
+        f.insert(k.to_string(), v);
+    }
+    f.insert("result".to_string(), json!(result));
+    events.emit(names::HESSIAN_RECOVERY, f);
 }

@@ -8,6 +8,7 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use super::*;
+use flexinfer_api::contract::files;
 
 const HIDDEN: usize = 64;
 const HEADS: usize = 4;

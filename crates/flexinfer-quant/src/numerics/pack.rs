@@ -4,7 +4,7 @@
 //! `k·bits .. (k+1)·bits` of the stream, words in order. For 2/4/8 bits this is the usual nibble order; for
 //! 3 bits it is exactly the 10|1|10|1|10 scheme of the reference packers.
 
-use crate::gptq::QuantizedLinear;
+use crate::numerics::gptq::QuantizedLinear;
 
 /// Zero-point convention on disk.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,8 +1,8 @@
 //! Llama-family decoder forward in f32 (RMSNorm, RoPE, grouped-query causal attention, SwiGLU), one layer at a time.
 
 use crate::error::Result;
+use crate::model::tensors::TensorStore;
 use crate::model::{load_layer, GptqReadConfig, LayerWeights, Linear, ModelConfig};
-use crate::tensors::TensorStore;
 use faer::linalg::matmul::matmul;
 use faer::{Accum, Mat, MatRef};
 

@@ -4,7 +4,7 @@
 use crate::error::{QuantError, Result};
 use crate::events::{fields, EventSink};
 use crate::fsutil::{now_rfc3339, read_json, sha256_file, sha256_hex, write_json_atomic};
-use crate::writer::OutTensor;
+use crate::job::writer::OutTensor;
 use flexinfer_contract::{events as names, files};
 use safetensors::tensor::TensorView;
 use serde::{Deserialize, Serialize};

@@ -1,0 +1,238 @@
+//! The configs: `config.json`'s `quantization_config` (the settings vLLM and transformers read), the
+//! expected model family, and `quantize_config.json` agreeing with it.
+
+use std::path::Path;
+
+use flexinfer_api::contract::SaveComplete;
+use flexinfer_fsutil::limits;
+use serde_json::Value;
+
+use super::read::read_json;
+use super::{Options, Report};
+
+/// GPTQ settings from `quantization_config`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct Gptq {
+    pub(super) bits: u32,
+    pub(super) group_size: i64,
+    pub(super) sym: bool,
+    pub(super) desc_act: bool,
+    pub(super) v2: bool,
+}
+
+/// `config.json`: present and valid, its `quantization_config` usable, its `model_type` matching
+/// `--family`. Returns the config and the GPTQ settings when they are usable.
+pub(super) fn check_config(
+    r: &mut Report,
+    dir: &Path,
+    opts: &Options,
+) -> (Option<Value>, Option<Gptq>) {
+    let cfg = match read_json(dir, "config.json", limits::CONFIG_JSON) {
+        Ok(v) => Some(v),
+        Err(e) => {
+            r.defect("config", e);
+            None
+        }
+    };
+    let mut gptq = None;
+    if let Some(cfg) = &cfg {
+        match cfg.get("quantization_config") {
+            Some(qc) if qc.is_object() => gptq = check_qconfig(r, qc, "config.json quantization_config"),
+            _ => r.defect(
+                "config",
+                "config.json has no quantization_config object (vLLM and transformers read the GPTQ settings from it)",
+            ),
+        }
+        if let Some(fam) = &opts.family {
+            let want = norm(fam.split('-').next().unwrap_or(fam));
+            match cfg.get("model_type").and_then(Value::as_str) {
+                Some(mt) if norm(mt).contains(&want) || want.contains(&norm(mt)) => {}
+                Some(mt) => r.defect(
+                    "family",
+                    format!("config.json model_type {mt:?} does not match --family {fam}"),
+                ),
+                None => r.defect(
+                    "family",
+                    format!("config.json has no model_type to match --family {fam}"),
+                ),
+            }
+        }
+    }
+    (cfg, gptq)
+}
+
+/// `quantize_config.json`: when present, the same settings as `config.json`; when missing, a defect
+/// if `.save-complete` says it was written, else a warning.
+pub(super) fn check_quantize_config(
+    r: &mut Report,
+    dir: &Path,
+    cfg: Option<&Value>,
+    save_complete: Option<&SaveComplete>,
+) {
+    let qcfg_path = dir.join("quantize_config.json");
+    if qcfg_path.symlink_metadata().is_ok() {
+        match read_json(dir, "quantize_config.json", limits::CONFIG_JSON) {
+            Ok(q) => {
+                if let Some(main) = cfg.and_then(|c| c.get("quantization_config")) {
+                    for k in [
+                        "quant_method",
+                        "bits",
+                        "group_size",
+                        "sym",
+                        "desc_act",
+                        "checkpoint_format",
+                    ] {
+                        let (a, b) = (main.get(k), q.get(k));
+                        // quantize_config.json may omit quant_method/checkpoint_format (defaults).
+                        if b.is_none() && (k == "quant_method" || k == "checkpoint_format") {
+                            continue;
+                        }
+                        if a != b {
+                            r.defect(
+                                "config",
+                                format!(
+                                    "{k} differs: config.json quantization_config has {}, quantize_config.json has {}",
+                                    a.map_or("nothing".to_string(), Value::to_string),
+                                    b.map_or("nothing".to_string(), Value::to_string)
+                                ),
+                            );
+                        }
+                    }
+                }
+            }
+            Err(e) => r.defect("config", e),
+        }
+    } else if save_complete.is_some_and(|s| s.has_quantize_config) {
+        r.defect(
+            "config",
+            "quantize_config.json is missing but .save-complete records has_quantize_config",
+        );
+    } else {
+        r.warn(
+            "config",
+            "quantize_config.json is missing (GPTQModel/AutoGPTQ loaders read it)",
+        );
+    }
+}
+
+/// Parse and check `quantization_config` (config.json) against docs/dev/gptq.md §2.4/§2.5.
+fn check_qconfig(r: &mut Report, qc: &Value, origin: &str) -> Option<Gptq> {
+    let mut ok = true;
+    match qc.get("quant_method").and_then(Value::as_str) {
+        Some("gptq") => {}
+        Some(m) => {
+            r.defect(
+                "config",
+                format!("{origin}: quant_method is {m:?}, expected \"gptq\""),
+            );
+            ok = false;
+        }
+        None => {
+            r.defect(
+                "config",
+                format!("{origin}: quant_method is missing (vLLM routes on quant_method \"gptq\")"),
+            );
+            ok = false;
+        }
+    }
+    let bits = match qc.get("bits").and_then(Value::as_u64) {
+        Some(b) if [2, 3, 4, 8].contains(&b) => Some(b as u32),
+        Some(b) => {
+            r.defect("config", format!("{origin}: bits {b} is not 2, 3, 4 or 8"));
+            None
+        }
+        None => {
+            r.defect("config", format!("{origin}: bits is missing (vLLM Marlin needs bits, group_size, sym and desc_act)"));
+            None
+        }
+    };
+    let group = match qc.get("group_size").and_then(Value::as_i64) {
+        Some(g) if g == -1 || (g > 0 && (g as u64).is_power_of_two()) => Some(g),
+        Some(g) => {
+            r.defect(
+                "config",
+                format!("{origin}: group_size {g} is not -1 or a power of two"),
+            );
+            None
+        }
+        None => {
+            r.defect("config", format!("{origin}: group_size is missing (vLLM Marlin needs bits, group_size, sym and desc_act)"));
+            None
+        }
+    };
+    let mut flag = |name: &str| match qc.get(name) {
+        Some(Value::Bool(b)) => Some(*b),
+        Some(v) => {
+            r.defect(
+                "config",
+                format!("{origin}: {name} is {v}, expected true or false"),
+            );
+            None
+        }
+        None => {
+            r.defect("config", format!("{origin}: {name} is missing (vLLM Marlin needs bits, group_size, sym and desc_act)"));
+            None
+        }
+    };
+    let sym = flag("sym");
+    let desc_act = flag("desc_act");
+    let v2 = match qc.get("checkpoint_format").and_then(Value::as_str) {
+        None | Some("gptq") => false,
+        Some("gptq_v2") => true,
+        Some(other) => {
+            r.defect(
+                "config",
+                format!("{origin}: checkpoint_format {other:?} is not \"gptq\" or \"gptq_v2\""),
+            );
+            ok = false;
+            false
+        }
+    };
+    match (ok, bits, group, sym, desc_act) {
+        (true, Some(bits), Some(group_size), Some(sym), Some(desc_act)) => Some(Gptq {
+            bits,
+            group_size,
+            sym,
+            desc_act,
+            v2,
+        }),
+        _ => None,
+    }
+}
+
+/// Expected (in, out) of well-known decoder linears, from the text config.
+pub(super) fn expected_shape(cfg: &Value, module: &str) -> Option<(u64, u64)> {
+    let t = match cfg.get("text_config") {
+        Some(t) if t.is_object() => t,
+        _ => cfg,
+    };
+    let g = |k: &str| t.get(k).and_then(Value::as_u64);
+    let h = g("hidden_size")?;
+    let heads = g("num_attention_heads");
+    let kv = g("num_key_value_heads").or(heads);
+    let hd = g("head_dim").or_else(|| heads.map(|n| h / n.max(1)));
+    if module.contains("experts") || module.contains("linear_attn") || module.contains("vision") {
+        return None;
+    }
+    let leaf = module.rsplit('.').next()?;
+    let parent = module.rsplit('.').nth(1).unwrap_or("");
+    if parent != "self_attn" && parent != "mlp" {
+        return None;
+    }
+    Some(match leaf {
+        "q_proj" => (h, heads? * hd?),
+        "k_proj" | "v_proj" => (h, kv? * hd?),
+        "o_proj" => (heads? * hd?, h),
+        "gate_proj" | "up_proj" => (h, g("intermediate_size")?),
+        "down_proj" => (g("intermediate_size")?, h),
+        _ => return None,
+    })
+}
+
+/// Normalized alphanumerics for the family match.
+fn norm(s: &str) -> String {
+    s.chars()
+        .filter(char::is_ascii_alphanumeric)
+        .collect::<String>()
+        .to_ascii_lowercase()
+}

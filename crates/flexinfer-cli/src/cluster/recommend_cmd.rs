@@ -1,0 +1,229 @@
+//! `quantize recommend`: the target GPU (from a GPUProfile or the cache's nodeSelector), the model's
+//! footprint (local copy, hub metadata or `--params`), the recommendation, and `--apply`.
+
+use anyhow::anyhow;
+use flexinfer_api::contract::labels;
+use flexinfer_api::{GPUProfile, ModelCache};
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::Client;
+
+use crate::cli::{Global, RecommendArgs};
+use crate::footprint::{self, Footprint};
+use crate::output::{self, Format};
+use crate::recommend::{self, GpuTarget};
+use crate::{bad, CliError};
+
+use super::{connect, get_cache};
+
+/// The effective gpu arch of the quantize phase (phase nodeSelector, then spec.nodeSelector).
+fn cache_arch(mc: &ModelCache) -> Option<String> {
+    mc.spec
+        .quantization
+        .as_ref()
+        .and_then(|q| q.node_selector.as_ref())
+        .and_then(|s| s.get(labels::GPU_ARCH))
+        .or_else(|| {
+            mc.spec
+                .node_selector
+                .as_ref()
+                .and_then(|s| s.get(labels::GPU_ARCH))
+        })
+        .cloned()
+}
+
+fn target_from_profile(p: &GPUProfile) -> GpuTarget {
+    let name = p.metadata.name.clone().unwrap_or_default();
+    let vendor = serde_json::to_value(p.spec.vendor)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string));
+    GpuTarget {
+        arch: Some(p.spec.architecture.clone()),
+        vram_mb: p
+            .spec
+            .vram_mb
+            .or_else(|| recommend::known_arch(&p.spec.architecture).map(|k| k.1)),
+        vendor,
+        source: format!("GPUProfile {name}"),
+    }
+}
+
+async fn gpu_target(
+    client: &Client,
+    ns: &str,
+    mc: &ModelCache,
+    flag: Option<&str>,
+) -> Result<GpuTarget, CliError> {
+    let api: Api<GPUProfile> = Api::namespaced(client.clone(), ns);
+    if let Some(name) = flag {
+        return match api.get_opt(name).await {
+            Ok(Some(p)) => Ok(target_from_profile(&p)),
+            Ok(None) => Err(bad(format!(
+                "--gpu-profile {name}: no GPUProfile {name} in namespace {ns}"
+            ))),
+            Err(e) => Err(CliError::Failed(anyhow!("get gpuprofile {ns}/{name}: {e}"))),
+        };
+    }
+    let Some(arch) = cache_arch(mc) else {
+        return Ok(GpuTarget::default());
+    };
+    // A profile named after the arch, else any profile with that architecture (this namespace first).
+    if let Ok(Some(p)) = api.get_opt(&arch).await {
+        return Ok(target_from_profile(&p));
+    }
+    for list_api in [api, Api::<GPUProfile>::all(client.clone())] {
+        if let Ok(list) = list_api.list(&ListParams::default()).await {
+            if let Some(p) = list.items.iter().find(|p| p.spec.architecture == arch) {
+                return Ok(target_from_profile(p));
+            }
+        }
+    }
+    Ok(match recommend::known_arch(&arch) {
+        Some((vendor, vram)) => GpuTarget {
+            arch: Some(arch.clone()),
+            vendor: Some(vendor.into()),
+            vram_mb: Some(vram),
+            source: format!(
+                "nodeSelector {}={arch}, no GPUProfile; built-in VRAM for {arch}",
+                labels::GPU_ARCH
+            ),
+        },
+        None => GpuTarget {
+            arch: Some(arch.clone()),
+            vendor: None,
+            vram_mb: None,
+            source: format!("nodeSelector {}={arch}, no GPUProfile", labels::GPU_ARCH),
+        },
+    })
+}
+
+/// Footprint: `--params`, else `--model-dir`, else the hub (for hub sources).
+async fn model_footprint(a: &RecommendArgs, mc: &ModelCache) -> Result<Footprint, CliError> {
+    if let Some(p) = &a.params {
+        let params = footprint::parse_params(p).map_err(|e| bad(e.to_string()))?;
+        let mut f = Footprint {
+            params,
+            source: format!("--params {p}"),
+            ..Default::default()
+        };
+        if let Some(dir) = &a.model_dir {
+            if let Ok(local) = footprint::from_dir(dir) {
+                f.model_type = local.model_type;
+                f.moe = local.moe;
+                f.hybrid = local.hybrid;
+            }
+        }
+        return Ok(f);
+    }
+    let mut tried = Vec::new();
+    if let Some(dir) = &a.model_dir {
+        match footprint::from_dir(dir) {
+            Ok(f) => return Ok(f),
+            Err(e) => tried.push(format!("{e:#}")),
+        }
+    }
+    match footprint::hub_id(&mc.spec.source) {
+        Some(id) if !a.offline => {
+            let token = std::env::var(flexinfer_api::contract::env::HF_TOKEN)
+                .ok()
+                .filter(|t| !t.is_empty());
+            match footprint::fetch_hub(&a.hub_endpoint, &id, token.as_deref()).await {
+                Ok(v) => match footprint::from_hub_json(&id, &v) {
+                    Ok(f) => return Ok(f),
+                    Err(e) => tried.push(format!("{e:#}")),
+                },
+                Err(e) => tried.push(format!("hub metadata: {e:#}")),
+            }
+        }
+        Some(_) => tried.push("hub lookup disabled (--offline)".into()),
+        None => tried.push(format!("source {} is not a hub model", mc.spec.source)),
+    }
+    if a.model_dir.is_none() {
+        tried.push("no --model-dir given".into());
+    }
+    Err(bad(format!(
+        "cannot determine the parameter count of {} ({}); pass --params, e.g. --params 8B",
+        mc.spec.source,
+        tried.join("; ")
+    )))
+}
+
+/// `flexinfer quantize recommend <cache> [--apply]`.
+pub async fn recommend(g: &Global, a: &RecommendArgs) -> Result<String, CliError> {
+    let (client, ns) = connect(g).await?;
+    let api: Api<ModelCache> = Api::namespaced(client.clone(), &ns);
+    let mc = get_cache(&api, &a.cache, &ns).await?;
+    let model = model_footprint(a, &mc).await?;
+    let gpu = gpu_target(&client, &ns, &mc, a.gpu_profile.as_deref()).await?;
+    let rec = recommend::recommend(&model, &gpu);
+    if a.apply {
+        api.patch(
+            &a.cache,
+            &PatchParams::default(),
+            &Patch::Merge(&rec.spec_patch()),
+        )
+        .await
+        .map_err(|e| anyhow!("patch modelcache {ns}/{}: {e}", a.cache))?;
+    }
+    if g.output != Format::Table {
+        return Ok(output::structured(g.output, &rec)?);
+    }
+    let mut s = format!("Recommendation for modelcache {ns}/{}:\n", a.cache);
+    let npar = rec
+        .calibration
+        .n_parallel_calib_samples
+        .map(|n| n.to_string())
+        .unwrap_or_else(|| "unset (engine chooses)".into());
+    s.push_str(&output::kv(&[
+        ("format", rec.format.to_string()),
+        ("bits", rec.bits.to_string()),
+        ("groupSize", rec.group_size.to_string()),
+        ("sym", rec.sym.to_string()),
+        ("descAct", rec.desc_act.to_string()),
+        ("dynamicExclusion", rec.dynamic_exclusion.to_string()),
+        ("gpuMemoryFraction", rec.gpu_memory_fraction.clone()),
+        ("useGPU", rec.use_gpu.to_string()),
+        ("maxMemoryGB", rec.max_memory_gb.to_string()),
+        ("timeoutSeconds", rec.timeout_seconds.to_string()),
+        (
+            "calibration.maxSeqLen",
+            rec.calibration.max_seq_len.to_string(),
+        ),
+        (
+            "calibration.maxSamples",
+            rec.calibration.max_samples.to_string(),
+        ),
+        ("calibration.nParallelCalibSamples", npar),
+        (
+            "estimated artifact",
+            format!("~{:.1} GB", rec.estimated_artifact_gb),
+        ),
+        (
+            "estimated time",
+            format!("~{:.0} min", rec.estimated_minutes),
+        ),
+        (
+            "fits target GPU",
+            match rec.fits {
+                Some(true) => "yes".into(),
+                Some(false) => "NO".into(),
+                None => "unknown".into(),
+            },
+        ),
+    ]));
+    s.push_str("Why:\n");
+    for r in &rec.reasons {
+        s.push_str(&format!("  - {r}\n"));
+    }
+    if a.apply {
+        s.push_str(&format!(
+            "Applied to modelcache/{} spec.quantization. Watch: flexinfer quantize status {} -n {ns}\n",
+            a.cache, a.cache
+        ));
+    } else {
+        s.push_str(&format!(
+            "Preview only. Apply with: flexinfer quantize recommend {} -n {ns} --apply\n",
+            a.cache
+        ));
+    }
+    Ok(s)
+}

@@ -1,0 +1,284 @@
+use super::*;
+
+fn model(b: f64, moe: bool, hybrid: bool) -> Footprint {
+    Footprint {
+        params: b * 1e9,
+        source: "test".into(),
+        model_type: None,
+        moe,
+        hybrid,
+    }
+}
+
+fn gpu(arch: &str) -> GpuTarget {
+    let (vendor, vram) = known_arch(arch).unwrap();
+    GpuTarget {
+        arch: Some(arch.into()),
+        vendor: Some(vendor.into()),
+        vram_mb: Some(vram),
+        source: "test".into(),
+    }
+}
+
+struct Row {
+    b: f64,
+    moe: bool,
+    hybrid: bool,
+    arch: &'static str,
+    bits: i32,
+    excl: &'static str,
+    seq: i32,
+    samples: i32,
+    npar: Option<i32>,
+    mem: i32,
+    fits: bool,
+}
+
+/// Models × GPUs. The 24 GB rows are the seed's tables; 16 GB rows move a class up.
+#[test]
+fn table_of_models_and_gpus() {
+    let rows = [
+        // seed: 8B GPTQ INT4 on 24 GB: defaults, 32Gi
+        Row {
+            b: 8.0,
+            moe: false,
+            hybrid: false,
+            arch: "gfx1100",
+            bits: 4,
+            excl: "auto",
+            seq: 4096,
+            samples: 256,
+            npar: None,
+            mem: 32,
+            fits: true,
+        },
+        // seed: 14B GPTQ on 24 GB: 256 @ 4096, nParallel 32, maxMemoryGB 56
+        Row {
+            b: 14.0,
+            moe: false,
+            hybrid: false,
+            arch: "gfx1100",
+            bits: 4,
+            excl: "auto",
+            seq: 4096,
+            samples: 256,
+            npar: Some(32),
+            mem: 56,
+            fits: true,
+        },
+        // seed: 27B single GPU: 128 @ 2048, nParallel 16, 96Gi; hybrid auto (~28 GB) does not fit → none (~15 GB)
+        Row {
+            b: 27.0,
+            moe: false,
+            hybrid: true,
+            arch: "gfx1100",
+            bits: 4,
+            excl: "none",
+            seq: 2048,
+            samples: 128,
+            npar: Some(16),
+            mem: 96,
+            fits: true,
+        },
+        // dense 27B at 4 bit fits 24 GB
+        Row {
+            b: 27.0,
+            moe: false,
+            hybrid: false,
+            arch: "gfx1100",
+            bits: 4,
+            excl: "auto",
+            seq: 2048,
+            samples: 128,
+            npar: Some(16),
+            mem: 96,
+            fits: true,
+        },
+        // 26B MoE hybrid: 512 samples for expert coverage
+        Row {
+            b: 25.2,
+            moe: true,
+            hybrid: true,
+            arch: "gfx1100",
+            bits: 4,
+            excl: "none",
+            seq: 2048,
+            samples: 512,
+            npar: Some(16),
+            mem: 96,
+            fits: true,
+        },
+        // 9B hybrid: auto fits 24 GB
+        Row {
+            b: 9.0,
+            moe: false,
+            hybrid: true,
+            arch: "gfx1100",
+            bits: 4,
+            excl: "auto",
+            seq: 4096,
+            samples: 256,
+            npar: None,
+            mem: 32,
+            fits: true,
+        },
+        // gfx906 16 GB: 8B moves to the 14B calibration recipe; host memory stays the 8B one
+        Row {
+            b: 8.0,
+            moe: false,
+            hybrid: false,
+            arch: "gfx906",
+            bits: 4,
+            excl: "auto",
+            seq: 4096,
+            samples: 256,
+            npar: Some(32),
+            mem: 32,
+            fits: true,
+        },
+        // 14B on 16 GB: 27B calibration recipe
+        Row {
+            b: 14.0,
+            moe: false,
+            hybrid: false,
+            arch: "gfx906",
+            bits: 4,
+            excl: "auto",
+            seq: 2048,
+            samples: 128,
+            npar: Some(16),
+            mem: 56,
+            fits: true,
+        },
+        // 27B on 16 GB: 4-bit (~15 GB) exceeds 85% of 16 GB → 3 bit
+        Row {
+            b: 27.0,
+            moe: false,
+            hybrid: false,
+            arch: "gfx906",
+            bits: 3,
+            excl: "none",
+            seq: 2048,
+            samples: 128,
+            npar: Some(16),
+            mem: 96,
+            fits: true,
+        },
+        // 70B on 24 GB: does not fit even at 3 bit
+        Row {
+            b: 70.0,
+            moe: false,
+            hybrid: false,
+            arch: "gfx1100",
+            bits: 4,
+            excl: "auto",
+            seq: 2048,
+            samples: 128,
+            npar: Some(16),
+            mem: 248,
+            fits: false,
+        },
+        // 70B on an 80 GB H100: fits at 4 bit
+        Row {
+            b: 70.0,
+            moe: false,
+            hybrid: false,
+            arch: "sm_90",
+            bits: 4,
+            excl: "auto",
+            seq: 2048,
+            samples: 128,
+            npar: Some(16),
+            mem: 248,
+            fits: true,
+        },
+        // 8B on an 80 GB H100: defaults
+        Row {
+            b: 8.0,
+            moe: false,
+            hybrid: false,
+            arch: "sm_90",
+            bits: 4,
+            excl: "auto",
+            seq: 4096,
+            samples: 256,
+            npar: None,
+            mem: 32,
+            fits: true,
+        },
+    ];
+    for (i, r) in rows.iter().enumerate() {
+        let rec = recommend(&model(r.b, r.moe, r.hybrid), &gpu(r.arch));
+        let ctx = format!("row {i} ({}B on {}): {rec:#?}", r.b, r.arch);
+        assert_eq!(rec.format, "GPTQ", "{ctx}");
+        assert!(rec.sym && !rec.desc_act, "{ctx}");
+        assert_eq!(rec.group_size, 128, "{ctx}");
+        assert_eq!(rec.bits, r.bits, "{ctx}");
+        assert_eq!(rec.dynamic_exclusion, r.excl, "{ctx}");
+        assert_eq!(rec.calibration.max_seq_len, r.seq, "{ctx}");
+        assert_eq!(rec.calibration.max_samples, r.samples, "{ctx}");
+        assert_eq!(rec.calibration.n_parallel_calib_samples, r.npar, "{ctx}");
+        assert_eq!(rec.max_memory_gb, r.mem, "{ctx}");
+        assert_eq!(rec.fits, Some(r.fits), "{ctx}");
+        assert!(rec.use_gpu, "{ctx}");
+        assert!((3600..=172_800).contains(&rec.timeout_seconds), "{ctx}");
+        assert!(rec.reasons.len() >= 4, "{ctx}");
+    }
+}
+
+#[test]
+fn gfx1100_reason_names_exllama_and_seed_times() {
+    let rec = recommend(&model(8.0, false, false), &gpu("gfx1100"));
+    assert!(
+        rec.reasons.iter().any(|r| r.contains("ExLlama")),
+        "{:?}",
+        rec.reasons
+    );
+    // seed: 8B ≈ 30 min, 14B ≈ 73 min
+    assert!(
+        (25.0..=35.0).contains(&rec.estimated_minutes),
+        "{}",
+        rec.estimated_minutes
+    );
+    let rec = recommend(&model(14.0, false, false), &gpu("gfx1100"));
+    assert!(
+        (60.0..=85.0).contains(&rec.estimated_minutes),
+        "{}",
+        rec.estimated_minutes
+    );
+    // seed: 27B hybrid auto ~28 GB, none ~15 GB
+    let rec = recommend(&model(27.0, false, true), &gpu("gfx1100"));
+    assert!(
+        (13.0..=17.0).contains(&rec.estimated_artifact_gb),
+        "{}",
+        rec.estimated_artifact_gb
+    );
+    assert!(rec.reasons.iter().any(|r| r.contains("does not fit")));
+}
+
+#[test]
+fn no_gpu_means_fit_unknown() {
+    let rec = recommend(&model(8.0, false, false), &GpuTarget::default());
+    assert_eq!(rec.fits, None);
+    assert!(!rec.use_gpu);
+    assert!(rec.reasons.iter().any(|r| r.contains("fit not checked")));
+}
+
+#[test]
+fn patch_sets_quantization_fields() {
+    let rec = recommend(&model(14.0, false, false), &gpu("gfx1100"));
+    let p = rec.spec_patch();
+    let q = &p["spec"]["quantization"];
+    assert_eq!(q["format"], "GPTQ");
+    assert_eq!(q["bits"], 4);
+    assert_eq!(q["maxMemoryGB"], 56);
+    assert_eq!(q["calibration"]["nParallelCalibSamples"], 32);
+    assert!(q["ggufType"].is_null());
+    let rec = recommend(&model(8.0, false, false), &gpu("gfx1100"));
+    let p = rec.spec_patch();
+    // merge patch null: clears a previous nParallelCalibSamples
+    assert!(p["spec"]["quantization"]["calibration"]
+        .as_object()
+        .unwrap()
+        .contains_key("nParallelCalibSamples"));
+}

@@ -1,0 +1,283 @@
+//! Where an input group's whole GPTQ solve runs (docs/dev/gptq-device.md).
+//!
+//! [`crate::numerics::linalg::LinalgBackend`] is the per-operation interface: every call takes host matrices. A GPU that
+//! received H, W and the factor across the bus for each call would spend most of its time copying, so the
+//! pipeline talks to a [`Device`] instead: [`Device::open`] gives a [`Session`] that owns the group's buffers
+//! (on the device, for a GPU), [`Session::accumulate`] uploads one calibration batch and adds its `xᵀx`, and
+//! [`Session::solve`] does everything after it (mirror, sanitise, dead columns, act-order, the damp/floor
+//! recovery attempts, the sweep factor, the lazy-batch sweep and block updates of every module of the group)
+//! with one upload of each module's W and one download of its codes and scales.
+//!
+//! Backends:
+//! - [`CpuBackend`] is a [`Device`] whose session runs the existing CPU code (bit-identical to calling
+//!   [`crate::numerics::hessian::prepare_factor`] and [`crate::numerics::gptq::gptq_quantize_in`] directly).
+//! - A device whose buffers live elsewhere implements the smaller [`DeviceOps`]; [`OpsSession`] turns it into a
+//!   [`Session`] with the recovery rules of a real card: a failed operation (not a failed factorisation, which
+//!   is numerical and handled by the damp/floor loop) resets the device context, restores the prepared Hessian
+//!   from the host checkpoint and retries; after [`MAX_DEVICE_RESETS`] resets the error goes to
+//!   [`solve_with_fallback`], which solves the group on the CPU from the same checkpoint and says so in an event.
+//! - [`fake::FakeDevice`] is such a device on the host, with scripted failures (tests).
+//!
+//! [`select_device`] implements `GPTQ_DEVICE=auto|cpu|hip|cuda`; [`SystemPlatform`] looks for vendor runtimes
+//! with `dlopen` at run time, so the binary needs no GPU SDK to build, link or run.
+
+pub mod fake;
+mod ops;
+mod select;
+
+pub use ops::{DeviceOps, OpsSession, PreparedMeta, MAX_DEVICE_RESETS};
+pub use select::{
+    select_device, DeviceChoice, GpuInfo, Platform, Selection, SystemPlatform, CUDA_LIBRARIES,
+    HIP_LIBRARIES,
+};
+
+use crate::error::QuantError;
+use crate::events::{fields, EventSink};
+use crate::numerics::gptq::{gptq_quantize_in, rtn_quantize, QuantizedLinear, Workspace};
+use crate::numerics::hessian::{
+    prepare_factor, recover, FactorOutcome, PreparedFactor, PreparedHessian,
+};
+use crate::numerics::linalg::{CpuBackend, LinalgBackend};
+use crate::params::{GptqParams, RecoveryParams};
+use faer::{Mat, MatRef};
+use flexinfer_contract::events as names;
+use serde_json::json;
+
+/// The kinds of device `GPTQ_DEVICE` can name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceKind {
+    Cpu,
+    Hip,
+    Cuda,
+}
+
+impl DeviceKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeviceKind::Cpu => "cpu",
+            DeviceKind::Hip => "hip",
+            DeviceKind::Cuda => "cuda",
+        }
+    }
+}
+
+/// A device operation that failed (a runtime or kernel error, never a matrix that is not positive definite).
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("{device}: {op} failed: {message}")]
+pub struct DeviceError {
+    pub device: String,
+    /// The operation (`accumulate`, `prepare`, `factor`, `sweep`, `reset`, …).
+    pub op: String,
+    pub message: String,
+}
+
+impl DeviceError {
+    pub fn new(
+        device: impl Into<String>,
+        op: impl Into<String>,
+        message: impl Into<String>,
+    ) -> Self {
+        DeviceError {
+            device: device.into(),
+            op: op.into(),
+            message: message.into(),
+        }
+    }
+}
+
+impl From<DeviceError> for QuantError {
+    fn from(e: DeviceError) -> Self {
+        QuantError::Device(e.to_string())
+    }
+}
+
+pub type DevResult<T> = std::result::Result<T, DeviceError>;
+
+/// What the solve of one input group needs besides its buffers.
+#[derive(Clone, Copy, Debug)]
+pub struct SolveSpec<'a> {
+    pub params: &'a GptqParams,
+    pub recovery: &'a RecoveryParams,
+    /// The group's module names (comma list), for events.
+    pub module: &'a str,
+}
+
+/// Something that runs whole input-group solves.
+pub trait Device: Send + Sync {
+    /// Names the device in events and logs (`cpu-faer`, `cuda:0 NVIDIA …`).
+    fn describe(&self) -> String;
+    fn kind(&self) -> DeviceKind;
+    /// Buffers for one input group whose modules have `n` input features (the Hessian is n × n).
+    fn open(&self, n: usize) -> DevResult<Box<dyn Session + '_>>;
+}
+
+/// One input group's solve: accumulation batches, then one [`Session::solve`].
+pub trait Session {
+    /// `H += alpha · xᵀx` for activations `x` (`[tokens, n]`): one upload of `x`.
+    fn accumulate(&mut self, x: MatRef<'_, f32>, alpha: f32) -> DevResult<()>;
+    /// The rest of the group's GPTQ: preparation, recovery loop, sweep factor and the sweep of each of
+    /// `weights` (`[out, n]`, one upload each), results in the same order (one download each). Recovery that
+    /// is exhausted gives RTN results, as on the CPU. Called once.
+    fn solve(
+        &mut self,
+        weights: &[&Mat<f32>],
+        spec: &SolveSpec<'_>,
+        events: &dyn EventSink,
+    ) -> DevResult<Vec<QuantizedLinear>>;
+    /// After `solve` failed: the prepared Hessian as the host has it, for the CPU to finish the group; `None`
+    /// when the failure came before the host had a copy.
+    fn fallback_hessian(&mut self) -> Option<PreparedHessian>;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// CPU
+
+impl Device for CpuBackend {
+    fn describe(&self) -> String {
+        LinalgBackend::name(self).to_string()
+    }
+    fn kind(&self) -> DeviceKind {
+        DeviceKind::Cpu
+    }
+    fn open(&self, n: usize) -> DevResult<Box<dyn Session + '_>> {
+        Ok(Box::new(CpuSession {
+            backend: self,
+            h: Some(Mat::zeros(n, n)),
+        }))
+    }
+}
+
+/// The CPU session: the Hessian in host memory, the existing solver.
+struct CpuSession<'a> {
+    backend: &'a CpuBackend,
+    h: Option<Mat<f32>>,
+}
+
+impl Session for CpuSession<'_> {
+    fn accumulate(&mut self, x: MatRef<'_, f32>, alpha: f32) -> DevResult<()> {
+        match self.h.as_mut() {
+            Some(h) => {
+                self.backend.accumulate_hessian(h.as_mut(), x, alpha);
+                Ok(())
+            }
+            None => Err(DeviceError::new(
+                "cpu-faer",
+                "accumulate",
+                "the session was already solved",
+            )),
+        }
+    }
+
+    fn solve(
+        &mut self,
+        weights: &[&Mat<f32>],
+        spec: &SolveSpec<'_>,
+        events: &dyn EventSink,
+    ) -> DevResult<Vec<QuantizedLinear>> {
+        let Some(mut h) = self.h.take() else {
+            return Err(DeviceError::new(
+                "cpu-faer",
+                "solve",
+                "the session was already solved",
+            ));
+        };
+        // The per-sample stage inputs are gone: hand their memory back before the factorisation.
+        crate::job::release_free_memory();
+        self.backend.finish_hessian(h.as_mut());
+        let outcome = prepare_factor(
+            self.backend,
+            h,
+            spec.params.desc_act,
+            spec.recovery,
+            spec.module,
+            events,
+        );
+        Ok(sweep_all(self.backend, &outcome, weights, spec.params))
+    }
+
+    fn fallback_hessian(&mut self) -> Option<PreparedHessian> {
+        None
+    }
+}
+
+/// The sweep of every module of a group on the CPU (RTN when recovery was exhausted).
+fn sweep_all(
+    backend: &CpuBackend,
+    outcome: &FactorOutcome,
+    weights: &[&Mat<f32>],
+    p: &GptqParams,
+) -> Vec<QuantizedLinear> {
+    // The Hessian was consumed by the factorisation: hand its memory back before the sweep.
+    crate::job::release_free_memory();
+    // The solver's buffers, shared by the modules of this input group (q/k/v, gate/up) and dropped with it.
+    let mut workspace = Workspace::default();
+    weights
+        .iter()
+        .map(|w| match outcome {
+            FactorOutcome::Factor(f) => gptq_quantize_in(&mut workspace, backend, w, f, p),
+            FactorOutcome::Exhausted => rtn_quantize(w, p),
+        })
+        .collect()
+}
+
+/// The group's solve on the CPU from an already prepared Hessian (the fallback after a device failure): the
+/// same recovery loop and sweep as [`CpuBackend`]'s session.
+pub fn solve_prepared_on_cpu(
+    backend: &CpuBackend,
+    prepared: PreparedHessian,
+    weights: &[&Mat<f32>],
+    spec: &SolveSpec<'_>,
+    events: &dyn EventSink,
+) -> Vec<QuantizedLinear> {
+    let PreparedHessian { h, perm, dead } = prepared;
+    let outcome = match recover(backend, &h, spec.recovery, spec.module, events) {
+        Some((f, damp)) => FactorOutcome::Factor(PreparedFactor {
+            f,
+            perm,
+            dead,
+            damp,
+        }),
+        None => FactorOutcome::Exhausted,
+    };
+    drop(h);
+    sweep_all(backend, &outcome, weights, spec.params)
+}
+
+/// Runs `session.solve`; when the device gives up, emits [`names::GPTQ_DEVICE_FALLBACK`] and solves the group
+/// on the CPU from the session's host checkpoint. An error only when there is no checkpoint to fall back to.
+pub fn solve_with_fallback(
+    device_name: &str,
+    session: &mut dyn Session,
+    weights: &[&Mat<f32>],
+    spec: &SolveSpec<'_>,
+    events: &dyn EventSink,
+) -> Result<Vec<QuantizedLinear>, QuantError> {
+    match session.solve(weights, spec, events) {
+        Ok(r) => Ok(r),
+        Err(e) => {
+            let prepared = session.fallback_hessian();
+            events.emit(
+                names::GPTQ_DEVICE_FALLBACK,
+                fields([
+                    ("module", json!(spec.module)),
+                    ("device", json!(device_name)),
+                    ("error", json!(e.to_string())),
+                    ("to", json!(if prepared.is_some() { "cpu" } else { "none" })),
+                ]),
+            );
+            match prepared {
+                Some(p) => Ok(solve_prepared_on_cpu(
+                    &CpuBackend::default(),
+                    p,
+                    weights,
+                    spec,
+                    events,
+                )),
+                None => Err(QuantError::Device(format!(
+                    "{}: {e}; no host copy of the Hessian to finish on the CPU",
+                    spec.module
+                ))),
+            }
+        }
+    }
+}

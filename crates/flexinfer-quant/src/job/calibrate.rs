@@ -1,0 +1,254 @@
+//! The calibration side of a run: which modules are quantized, the tokenized samples and their
+//! embeddings, each input group's Hessian from the activations of the layer being quantized, and
+//! moving the activations on to the next layer.
+
+use super::layer::LayerRun;
+use super::{release_free_memory, Progress, QuantizeJob};
+use crate::device::{Device, Session};
+use crate::error::{QuantError, Result};
+use crate::events::fields;
+use crate::exclusion::Exclusion;
+use crate::model::calib::load_samples_counted;
+use crate::model::llama::{
+    attention, attention_delta, embed, layer_forward, mlp_activation, mlp_output, rms_norm,
+    scale_layer_output, Rope, Stage,
+};
+use crate::model::tensors::TensorStore;
+use crate::model::{
+    check_fused_experts, check_source_module, layer_modules, LayerWeights, ModelConfig,
+};
+use faer::Mat;
+use serde_json::json;
+
+/// What the run quantizes, checked against the source before anything is computed.
+pub(super) struct ModulePlan {
+    /// Full names of the candidate linears kept in full precision.
+    pub(super) excluded: Vec<String>,
+    /// Block-relative names of the modules quantized in each layer (the written config lists them).
+    pub(super) quantized: Vec<Vec<String>>,
+}
+
+/// Checks every layer's modules (shapes, fused experts, routers) and splits them into quantized and
+/// excluded.
+pub(super) fn plan_modules(
+    job: &QuantizeJob,
+    cfg: &ModelConfig,
+    store: &TensorStore,
+    exclusion: &Exclusion,
+) -> Result<ModulePlan> {
+    let mut excluded = Vec::new();
+    let mut quantized_names: Vec<Vec<String>> = Vec::with_capacity(cfg.num_layers);
+    for layer in 0..cfg.num_layers {
+        let prefix = cfg.layer_prefix(layer);
+        let mut names = Vec::new();
+        check_fused_experts(store, cfg, layer)?;
+        for spec in layer_modules(cfg, layer) {
+            if spec.tied {
+                continue;
+            }
+            let name = format!("{prefix}{}", spec.name);
+            let (rows, cols) = spec.shape;
+            check_source_module(store, cfg, layer, &spec)?;
+            if exclusion.excludes(&name, cfg.hybrid) {
+                excluded.push(name);
+            } else {
+                job.params.check_shape(&name, rows, cols)?;
+                names.push(spec.name);
+            }
+        }
+        if let Some(m) = cfg.sparse_layer(layer) {
+            let router = format!("{prefix}{}.weight", m.spec.style.router_name());
+            let e = store.entry(&router)?;
+            if e.shape != [m.num_experts, cfg.hidden_size] {
+                return Err(QuantError::Input(format!(
+                    "{router} has shape {:?}, config.json implies [{}, {}]",
+                    e.shape, m.num_experts, cfg.hidden_size
+                )));
+            }
+        }
+        quantized_names.push(names);
+    }
+    Ok(ModulePlan {
+        excluded,
+        quantized: quantized_names,
+    })
+}
+
+/// The tokenized calibration samples, reported as the `calibration` progress step.
+pub(super) fn load_calibration(
+    job: &QuantizeJob,
+    device: &dyn Device,
+    progress: &mut Progress<'_>,
+) -> Result<Vec<Vec<u32>>> {
+    let loaded = load_samples_counted(&job.model_dir, &job.dataset, &job.calib)?;
+    if loaded.skipped_unencodable > 0 {
+        tracing::warn!(
+            skipped = loaded.skipped_unencodable,
+            "calibration samples skipped: their text needs bytes tokenizer.json's vocabulary lacks"
+        );
+    }
+    let skipped = loaded.skipped_unencodable;
+    let samples = loaded.ids;
+    let n_tokens: usize = samples.iter().map(Vec::len).sum();
+    progress.emit(
+        "calibration",
+        0.0,
+        format!(
+            "{} samples, {n_tokens} tokens, backend {}{}",
+            samples.len(),
+            device.describe(),
+            if skipped > 0 {
+                format!(", {skipped} samples skipped (bytes the tokenizer vocabulary lacks)")
+            } else {
+                String::new()
+            }
+        ),
+        fields([
+            ("samples", json!(samples.len())),
+            ("tokens", json!(n_tokens)),
+            ("skippedSamples", json!(skipped)),
+        ]),
+    );
+    Ok(samples)
+}
+
+/// Each sample's embeddings, the input of layer 0. Embedding rows are read one token at a time from
+/// the mapping (no f32 copy of the whole table).
+pub(super) fn embed_samples(
+    store: &TensorStore,
+    cfg: &ModelConfig,
+    samples: &[Vec<u32>],
+) -> Result<Vec<Mat<f32>>> {
+    let hidden = samples
+        .iter()
+        .map(|s| embed(store, cfg, None, s))
+        .collect::<Result<_>>()?;
+    store.release_pages();
+    Ok(hidden)
+}
+
+/// Where one input group's Hessian comes from.
+pub(super) struct StageInput<'a> {
+    pub(super) layer: &'a LayerRun<'a>,
+    pub(super) lw: &'a LayerWeights,
+    pub(super) stage: Stage,
+    /// Some module of the group is quantized (else no Hessian is made).
+    pub(super) active: bool,
+}
+
+/// The device session holding the Hessian of one input group over every sample (`None` when every
+/// module of the group is excluded). The [`Stage::GateUp`] stage also turns `hidden` into each
+/// sample's residual after attention. Up to `batch` samples' activations are stacked into one
+/// product (bounded memory, better GEMM).
+pub(super) fn accumulate_stage<'d>(
+    device: &'d dyn Device,
+    s: &StageInput<'_>,
+    cols: usize,
+    hidden: &mut [Mat<f32>],
+) -> Result<Option<Box<dyn Session + 'd>>> {
+    let mut h = if s.active {
+        Some(device.open(cols)?)
+    } else {
+        None
+    };
+    for chunk in hidden.chunks_mut(s.layer.batch) {
+        let mut acts: Vec<Mat<f32>> = Vec::with_capacity(chunk.len());
+        for x in chunk.iter_mut() {
+            let Some(a) = stage_activation(s, x) else {
+                continue;
+            };
+            if s.active {
+                acts.push(a);
+            }
+        }
+        let Some(h) = h.as_mut() else {
+            continue;
+        };
+        accumulate_stacked(&mut **h, acts, cols, 2.0 / s.layer.n_tokens as f32)?;
+    }
+    Ok(h)
+}
+
+/// The input of the stage's modules for one sample; `None` where the stage has nothing to add.
+fn stage_activation(s: &StageInput<'_>, x: &mut Mat<f32>) -> Option<Mat<f32>> {
+    let (cfg, lw) = (s.layer.run.cfg, s.lw);
+    Some(match s.stage {
+        Stage::Qkv => rms_norm(x.as_ref(), &lw.input_norm, cfg.rms_norm_eps),
+        Stage::O if !s.active => return None,
+        Stage::O => {
+            let hn = rms_norm(x.as_ref(), &lw.input_norm, cfg.rms_norm_eps);
+            attention(cfg, lw, hn.as_ref(), s.layer.rope)
+        }
+        Stage::GateUp => {
+            let hn = rms_norm(x.as_ref(), &lw.input_norm, cfg.rms_norm_eps);
+            let att = attention(cfg, lw, hn.as_ref(), s.layer.rope);
+            drop(hn);
+            // The residual after attention replaces the layer input in place (the input
+            // is not needed any more; no second activation-sized buffer).
+            let o = attention_delta(cfg, lw, att.as_ref());
+            drop(att);
+            add_in_place(x, &o);
+            drop(o);
+            if !s.active {
+                return None;
+            }
+            rms_norm(x.as_ref(), &lw.post_norm, cfg.rms_norm_eps)
+        }
+        Stage::Down => mlp_activation(cfg, lw, x.as_ref()),
+    })
+}
+
+/// Adds the activations of one batch of samples to the Hessian: one product of the stacked rows.
+fn accumulate_stacked(
+    h: &mut dyn Session,
+    mut acts: Vec<Mat<f32>>,
+    cols: usize,
+    alpha: f32,
+) -> Result<()> {
+    if let [one] = acts.as_slice() {
+        h.accumulate(one.as_ref(), alpha)?;
+        return Ok(());
+    }
+    let rows: usize = acts.iter().map(|a| a.nrows()).sum();
+    let mut stacked = Mat::<f32>::zeros(rows, cols);
+    let mut r0 = 0;
+    for a in acts.drain(..) {
+        stacked.subrows_mut(r0, a.nrows()).copy_from(&a);
+        r0 += a.nrows();
+    }
+    h.accumulate(stacked.as_ref(), alpha)?;
+    Ok(())
+}
+
+/// Moves every sample's activations through the (now quantized or cached) layer: from the residual
+/// after attention when `hidden_is_x1`, else from the layer input.
+pub(super) fn advance(
+    cfg: &ModelConfig,
+    lw: &LayerWeights,
+    rope: &Rope,
+    hidden: &mut [Mat<f32>],
+    hidden_is_x1: bool,
+) {
+    if hidden_is_x1 {
+        for x in hidden.iter_mut() {
+            let dn = mlp_output(cfg, lw, x.as_ref());
+            add_in_place(x, &dn);
+            scale_layer_output(lw, x);
+        }
+    } else {
+        for x in hidden.iter_mut() {
+            *x = layer_forward(cfg, lw, x.as_ref(), rope, None);
+        }
+    }
+    release_free_memory();
+}
+
+/// `x += y` (same shape), elementwise: the same sums as `x + y`, without a new matrix.
+fn add_in_place(x: &mut Mat<f32>, y: &Mat<f32>) {
+    for j in 0..x.ncols().min(y.ncols()) {
+        let yc = y.col_as_slice(j);
+        for (a, b) in x.col_as_slice_mut(j).iter_mut().zip(yc) {
+            *a += *b;
+        }
+    }
+}

@@ -1,0 +1,300 @@
+//! The end of a run: reporting a finished artifact made from the same configuration instead of
+//! recomputing it, and the save: the gate, `quantization_config`, the checkpoint from the source and
+//! the cached layers.
+
+use super::calibrate::ModulePlan;
+use super::layer::Totals;
+use super::{evaluate_quality, Outcome, Progress, QuantizeJob, Run};
+use crate::error::{QuantError, Result};
+use crate::events::fields;
+use crate::fsutil::read_json;
+use crate::job::cache::LayerCache;
+use crate::job::writer::{write_checkpoint, Extras, OutTensor};
+use crate::model::tensors::TensorStore;
+use crate::model::{fused_expert_names, layer_modules, source_module_bytes, ModelConfig};
+use crate::numerics::pack::ZeroFormat;
+use flexinfer_contract::events as names;
+use flexinfer_contract::files::{self, QualitySummary};
+use serde_json::{json, Value};
+use std::borrow::Cow;
+use std::path::Path;
+use std::time::Instant;
+
+/// The artifact at `final_dir` was made from this configuration: report it without recomputing.
+pub(super) fn reuse_artifact(
+    job: &QuantizeJob,
+    final_dir: &Path,
+    sc: &files::SaveComplete,
+    store: &TensorStore,
+    config_hash: &str,
+    started: Instant,
+    progress: &mut Progress<'_>,
+) -> Result<Outcome> {
+    let events = progress.events;
+    let quality = read_json(&final_dir.join(files::QUANTIZATION_QUALITY))
+        .ok()
+        .and_then(|v| serde_json::from_value::<QualitySummary>(v).ok());
+    match &quality {
+        Some(q) => events.emit(
+            names::QUANTIZATION_QUALITY,
+            serde_json::to_value(q)
+                .ok()
+                .and_then(|v| v.as_object().cloned())
+                .unwrap_or_default(),
+        ),
+        None => events.emit(
+            names::QUANTIZATION_QUALITY_UNAVAILABLE,
+            fields([("outputDir", json!(final_dir.display().to_string()))]),
+        ),
+    }
+    events.emit(
+        names::QUANTIZATION_CACHED,
+        fields([
+            ("outputDir", json!(final_dir.display().to_string())),
+            ("configDigest", json!(config_hash)),
+            ("sha256Verified", json!(job.verify_save_sha256)),
+        ]),
+    );
+    progress.emit(
+        "complete",
+        100.0,
+        "cached artifact verified".into(),
+        Default::default(),
+    );
+    Ok(Outcome {
+        output_dir: final_dir.to_path_buf(),
+        original_size_bytes: store.total_bytes(),
+        compressed_size_bytes: sc.shards.iter().map(|s| s.size_bytes).sum(),
+        seconds: started.elapsed().as_secs_f64(),
+        quality,
+        cached: true,
+        config_digest: config_hash.to_string(),
+    })
+}
+
+/// `quantization_config`: the GPTQ settings plus exactly what was quantized. `quantized[l]` are the
+/// block-relative names of the modules quantized in layer `l` (true-sequential order), `excluded` the full names
+/// of candidate linears kept in full precision. Every kept module gets a negative `dynamic` entry (GPTQModel /
+/// vLLM / transformers skip it); when every layer quantizes the same modules, `modules_in_block_to_quantize`
+/// lists them too (the form optimum / transformers read).
+fn quantize_config_json(
+    job: &QuantizeJob,
+    quantized: &[Vec<String>],
+    excluded: &[String],
+) -> Value {
+    let p = &job.params;
+    let mut qc = json!({
+        "quant_method": "gptq",
+        "bits": p.bits,
+        "group_size": p.group_size,
+        "desc_act": p.desc_act,
+        "sym": p.sym,
+        "lm_head": false,
+        "checkpoint_format": ZeroFormat::for_sym(p.sym).checkpoint_format(),
+        "damp_percent": job.recovery.damp_percent,
+        "true_sequential": true,
+        "static_groups": p.static_groups,
+        "pack_dtype": "int32",
+        "meta": {
+            "quantizer": [format!("flexinfer-quant:{}", env!("CARGO_PKG_VERSION"))],
+            "damp_auto_increment": job.recovery.damp_auto_increment,
+        },
+    });
+    if !excluded.is_empty() {
+        let dynamic: serde_json::Map<String, Value> = excluded
+            .iter()
+            .map(|m| (format!("-:^{}$", m.replace('.', "\\.")), json!({})))
+            .collect();
+        qc["dynamic"] = Value::Object(dynamic);
+        if let Some(first) = quantized.first() {
+            if !first.is_empty() && quantized.iter().all(|l| l == first) {
+                qc["modules_in_block_to_quantize"] = json!([first]);
+            }
+        }
+    }
+    qc
+}
+
+/// Everything the save needs beyond the job.
+pub(super) struct SaveInput<'a> {
+    pub(super) run: &'a Run<'a>,
+    pub(super) plan: &'a ModulePlan,
+    pub(super) config_hash: &'a str,
+}
+
+/// Applies the gate and writes the checkpoint from the source and the cached layers. A rejected run
+/// writes nothing (see below); the layer cache is removed once the checkpoint is in place.
+pub(super) fn save(
+    s: &SaveInput<'_>,
+    cache: LayerCache,
+    totals: &Totals,
+    progress: &mut Progress<'_>,
+) -> Result<Outcome> {
+    let (job, events, cfg, store) = (s.run.job, s.run.events, s.run.cfg, s.run.store);
+    let final_dir = job.output_dir();
+    cache.write_checkpoint("saving", None)?;
+    let quality = evaluate_quality(totals.gptq, totals.rtn, &job.gate);
+    let layer_stores: Vec<TensorStore> = (0..cfg.num_layers)
+        .map(|l| {
+            let p = cache
+                .layer_path(l)
+                .ok_or_else(|| QuantError::Numeric(format!("layer {l} missing from cache")))?;
+            TensorStore::open_files(vec![p])
+        })
+        .collect::<Result<_>>()?;
+    let tensors = output_tensors(cfg, store, &layer_stores)?;
+    let quality_json = quality_sidecar(&quality, totals)?;
+    if quality.failed() {
+        drop(layer_stores);
+        return reject(job, quality, &quality_json, events);
+    }
+    let qc = quantize_config_json(job, &s.plan.quantized, &s.plan.excluded);
+    let mut config_json = cfg.raw.clone();
+
+    config_json["quantization_config"] = qc.clone();
+    let extras = Extras {
+        config_json,
+        quantize_config: qc,
+        quality: quality_json.clone(),
+        source_dir: &job.model_dir,
+        script_version: &job.script_version,
+        config_digest: s.config_hash,
+    };
+    let records = write_checkpoint(
+        &job.staging_dir(),
+        &final_dir,
+        tensors,
+        job.max_shard_bytes,
+        &extras,
+        &|| {
+            // Pages already hashed or written are read again at most once, from the page cache.
+            store.release_pages();
+            layer_stores.iter().for_each(TensorStore::release_pages);
+        },
+        |done, total| {
+            store.release_pages();
+            layer_stores.iter().for_each(TensorStore::release_pages);
+            progress.emit(
+                "save",
+                95.0 + 5.0 * done as f64 / total as f64,
+                format!("shard {done}/{total}"),
+                fields([
+                    ("unit", json!("shards")),
+                    ("done", json!(done)),
+                    ("total", json!(total)),
+                ]),
+            );
+        },
+    )?;
+    drop(layer_stores);
+    cache.remove()?;
+    tracing::info!(output = %final_dir.display(), shards = records.len(), gate = %quality.gate, "checkpoint written");
+    events.emit(
+        names::QUANTIZATION_QUALITY,
+        quality_json.as_object().cloned().unwrap_or_default(),
+    );
+    Ok(Outcome {
+        output_dir: final_dir,
+        original_size_bytes: store.total_bytes(),
+        compressed_size_bytes: records.iter().map(|r| r.size_bytes).sum(),
+        seconds: s.run.started.elapsed().as_secs_f64(),
+        quality: Some(quality),
+        cached: false,
+        config_digest: s.config_hash.to_string(),
+    })
+}
+
+/// The quality sidecar: the gate's summary plus, for a MoE run, the expert coverage.
+fn quality_sidecar(quality: &QualitySummary, totals: &Totals) -> Result<Value> {
+    let mut quality_json =
+        serde_json::to_value(quality).map_err(|e| QuantError::Numeric(e.to_string()))?;
+    if let (Some(report), Some(obj)) = (totals.coverage.report(), quality_json.as_object_mut()) {
+        obj.insert("expertCoverage".into(), report);
+    }
+    Ok(quality_json)
+}
+
+/// The gate runs before anything is written: a rejected run leaves the artifact at `out_dir` (and its
+/// status) untouched, writes no `.save-complete`, and removes its staging directory. The layer cache
+/// stays, so a run with a relaxed gate reuses the computed layers.
+fn reject(
+    job: &QuantizeJob,
+    quality: QualitySummary,
+    quality_json: &Value,
+    events: &dyn crate::events::EventSink,
+) -> Result<Outcome> {
+    let staging = job.staging_dir();
+    if staging.exists() {
+        std::fs::remove_dir_all(&staging).map_err(|e| QuantError::io(&staging, e))?;
+    }
+    events.emit(
+        names::QUANTIZATION_QUALITY,
+        quality_json.as_object().cloned().unwrap_or_default(),
+    );
+    Err(QuantError::GateFailed(quality))
+}
+
+/// The checkpoint's tensors: the source tensors that were not quantized, then each cached layer's
+/// packed modules. Gemma 4's fused expert tensors are written per expert: packed where quantized, the
+/// source rows (same dtype) where an expert module was kept in full precision.
+fn output_tensors<'s>(
+    cfg: &ModelConfig,
+    store: &'s TensorStore,
+    layer_stores: &'s [TensorStore],
+) -> Result<Vec<OutTensor<'s>>> {
+    let mut tensors: Vec<OutTensor<'_>> = Vec::new();
+    let mut fused: std::collections::BTreeSet<String> = Default::default();
+    for (layer, ls) in layer_stores.iter().enumerate() {
+        let Some(names) = fused_expert_names(store, cfg, layer) else {
+            continue;
+        };
+        fused.extend(names);
+        let prefix = cfg.layer_prefix(layer);
+        for spec in layer_modules(cfg, layer) {
+            if !spec.name.starts_with("experts.")
+                || ls.contains(&format!("{prefix}{}.qweight", spec.name))
+            {
+                continue;
+            }
+            if let Some((name, dtype, shape, data)) = source_module_bytes(store, cfg, layer, &spec)?
+            {
+                tensors.push(OutTensor {
+                    name,
+                    dtype,
+                    shape,
+                    data: Cow::Borrowed(data),
+                });
+            }
+        }
+    }
+    for (name, e) in &store.entries {
+        if fused.contains(name) {
+            continue;
+        }
+        if let Some(stem) = name.strip_suffix(".weight") {
+            let quantized = layer_stores
+                .iter()
+                .any(|ls| ls.contains(&format!("{stem}.qweight")));
+            if quantized {
+                continue;
+            }
+        }
+        tensors.push(OutTensor {
+            name: name.clone(),
+            dtype: e.dtype,
+            shape: e.shape.clone(),
+            data: Cow::Borrowed(store.raw(name)?),
+        });
+    }
+    for ls in layer_stores {
+        for (name, e) in &ls.entries {
+            tensors.push(OutTensor {
+                name: name.clone(),
+                dtype: e.dtype,
+                shape: e.shape.clone(),
+                data: Cow::Borrowed(ls.raw(name)?),
+            });
+        }
+    }
+    Ok(tensors)
+}

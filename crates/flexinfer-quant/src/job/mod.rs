@@ -1,0 +1,317 @@
+//! The whole quantize job: validate, calibrate layer by layer (true sequential), GPTQ each module group,
+//! cache each finished layer, write the checkpoint, apply the RTN fallback gate.
+//!
+//! The steps, in the order [`run`] takes them: [`digest`] (what the run is made from), a finished
+//! artifact of the same digest is reused ([`checkpoint`]), [`calibrate`] (module plan, samples,
+//! embeddings, each group's Hessian), [`layer`] (each layer quantized or read back from the [`cache`],
+//! [`experts`] for sparse MoE layers), [`checkpoint`] (gate and save through the [`writer`]).
+
+pub mod cache;
+mod calibrate;
+mod checkpoint;
+mod digest;
+mod experts;
+mod layer;
+pub mod writer;
+
+pub use digest::config_digest;
+
+use crate::device::Device;
+use crate::error::{QuantError, Result};
+use crate::events::{fields, EventSink};
+use crate::exclusion::Exclusion;
+use crate::job::cache::LayerCache;
+use crate::job::writer::verify_save_complete;
+use crate::model::calib::CalibSettings;
+use crate::model::llama::Rope;
+use crate::model::tensors::TensorStore;
+use crate::model::ModelConfig;
+use crate::params::{GateParams, GptqParams, RecoveryParams};
+use flexinfer_contract::events as names;
+use flexinfer_contract::files::QualitySummary;
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// Samples whose activations are stacked into one Hessian update when `N_PARALLEL_CALIB_SAMPLES` is unset: one,
+/// so only one sample's activations of a stage are alive at a time (a sample's tokens already give the
+/// Hessian product a deep enough inner dimension).
+pub const DEFAULT_CALIB_BATCH: usize = 1;
+
+/// Default of [`QuantizeJob::expert_min_token_percent`].
+pub const DEFAULT_EXPERT_MIN_TOKEN_PERCENT: f64 = 0.5;
+
+/// Everything a quantize run needs.
+#[derive(Clone, Debug)]
+pub struct QuantizeJob {
+    pub model_dir: PathBuf,
+    /// The artifact directory itself (the worker contract's `OUT_DIR`). It is written complete or not at
+    /// all: the checkpoint is staged beside it (`.<name>.partial`) and renamed into place.
+    pub out_dir: PathBuf,
+    pub dataset: PathBuf,
+    pub params: GptqParams,
+    pub recovery: RecoveryParams,
+    pub gate: GateParams,
+    pub calib: CalibSettings,
+    /// Samples whose activations are stacked per Hessian update (default [`DEFAULT_CALIB_BATCH`]).
+    pub n_parallel_calib_samples: Option<usize>,
+    /// `gdn`, or a comma list of module-name substrings kept in full precision.
+    pub dynamic_exclusion: Option<String>,
+    /// MoE: an expert routed fewer than this percentage of the calibration tokens takes RTN (counted in the
+    /// gate and in the sidecar's `expertCoverage`). Default [`DEFAULT_EXPERT_MIN_TOKEN_PERCENT`].
+    pub expert_min_token_percent: f64,
+    pub resume_layers: bool,
+    /// Re-hash every shard listed in `.save-complete` before short-circuiting (else sizes only).
+    pub verify_save_sha256: bool,
+    pub max_shard_bytes: u64,
+    pub script_version: String,
+    /// Test hook: stop (as if killed) right after layer k is cached.
+    pub abort_after_layer: Option<usize>,
+}
+
+/// The RTN-fallback gate over a run's module counts: the quality sidecar
+/// (`.quantization-quality.json`) and the termination message's `quality`.
+pub fn evaluate_quality(gptq: u64, rtn: u64, gate: &GateParams) -> QualitySummary {
+    let total = gptq + rtn;
+    let pct = if total == 0 {
+        0.0
+    } else {
+        100.0 * rtn as f64 / total as f64
+    };
+    let verdict = if total < gate.min_modules {
+        "insufficient-sample"
+    } else if pct > gate.max_rtn_fallback_percent {
+        "failed"
+    } else {
+        "passed"
+    };
+    QualitySummary {
+        gptq_modules: gptq,
+        rtn_fallback_modules: rtn,
+        rtn_fallback_percent: pct,
+        max_rtn_fallback_percent: gate.max_rtn_fallback_percent,
+        minimum_modules: gate.min_modules,
+        gate: verdict.into(),
+    }
+}
+
+/// What a finished run reports (the worker's termination message).
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    pub output_dir: PathBuf,
+    pub original_size_bytes: u64,
+    pub compressed_size_bytes: u64,
+    pub seconds: f64,
+    /// `None` for an older cached artifact without a sidecar.
+    pub quality: Option<QualitySummary>,
+    pub cached: bool,
+    /// [`config_digest`] of the run (also in `.save-complete`).
+    pub config_digest: String,
+}
+
+/// Default maximum bytes per output shard (also the worker's `--max-shard-bytes` default).
+pub const DEFAULT_MAX_SHARD_BYTES: u64 = 4 << 30;
+
+impl QuantizeJob {
+    /// A job with the engine's defaults for everything but the paths and the calibration size: default GPTQ,
+    /// recovery and gate parameters, no exclusion, layer resume on, sha256 check of a `.save-complete` before reuse,
+    /// [`DEFAULT_MAX_SHARD_BYTES`] shards. Change other fields with struct-update syntax.
+    pub fn new(
+        model_dir: &Path,
+        out_dir: &Path,
+        dataset: &Path,
+        calib: CalibSettings,
+        script_version: &str,
+    ) -> Self {
+        QuantizeJob {
+            model_dir: model_dir.to_path_buf(),
+            out_dir: out_dir.to_path_buf(),
+            dataset: dataset.to_path_buf(),
+            params: GptqParams::default(),
+            recovery: RecoveryParams::default(),
+            gate: GateParams::default(),
+            calib,
+            n_parallel_calib_samples: None,
+            dynamic_exclusion: None,
+            expert_min_token_percent: DEFAULT_EXPERT_MIN_TOKEN_PERCENT,
+            resume_layers: true,
+            verify_save_sha256: true,
+            max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
+            script_version: script_version.to_string(),
+            abort_after_layer: None,
+        }
+    }
+
+    pub fn subdir_name(&self) -> String {
+        let gdn = if self.dynamic_exclusion.as_deref().map(str::trim) == Some("gdn") {
+            "-gdn"
+        } else {
+            ""
+        };
+        format!(
+            "gptq-w{}-g{}{gdn}",
+            self.params.bits, self.params.group_size
+        )
+    }
+
+    /// Where the checkpoint lands: `out_dir` itself.
+    pub fn output_dir(&self) -> PathBuf {
+        self.out_dir.clone()
+    }
+
+    /// The staging directory beside `out_dir`, renamed onto it when the save is complete.
+    fn staging_dir(&self) -> PathBuf {
+        let name = self
+            .out_dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| self.subdir_name());
+        self.out_dir.with_file_name(format!(".{name}.partial"))
+    }
+
+    /// Whether module `name` stays in full precision (`hybrid`: see [`ModelConfig::hybrid`]).
+    pub fn excluded(&self, name: &str, hybrid: bool) -> Result<bool> {
+        Ok(Exclusion::parse(self.dynamic_exclusion.as_deref())?.excludes(name, hybrid))
+    }
+}
+
+/// What every step of a run reads; fixed for the whole run.
+struct Run<'a> {
+    job: &'a QuantizeJob,
+    device: &'a dyn Device,
+    events: &'a dyn EventSink,
+    cfg: &'a ModelConfig,
+    store: &'a TensorStore,
+    exclusion: &'a Exclusion,
+    started: Instant,
+}
+
+struct Progress<'a> {
+    events: &'a dyn EventSink,
+    last: f64,
+}
+
+impl Progress<'_> {
+    fn emit(
+        &mut self,
+        phase: &str,
+        percent: f64,
+        detail: String,
+        extra: serde_json::Map<String, Value>,
+    ) {
+        let p = percent.clamp(self.last, 100.0);
+        self.last = p;
+        let mut f = fields([
+            ("phase", json!(phase)),
+            ("percent", json!((p * 10.0).round() / 10.0)),
+            ("detail", json!(detail)),
+        ]);
+        f.extend(extra);
+        self.events.emit(names::PROGRESS, f);
+    }
+}
+
+/// Hands memory the allocator holds after frees back to the system. The calibration forward allocates and
+/// frees many activation-sized buffers from several threads; glibc keeps the freed space in per-thread
+/// arenas, so without this the resident set only ever grows (docs/benchmarks.md). Called between stages,
+/// where little is live.
+pub fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free heap memory to the kernel; it does not touch live allocations.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+/// Runs the job. Bad input is reported before anything is written to `out_dir`.
+pub fn run(job: &QuantizeJob, device: &dyn Device, events: &dyn EventSink) -> Result<Outcome> {
+    let started = Instant::now();
+    job.params.validate()?;
+    job.recovery.validate()?;
+    if job.calib.max_samples == 0 || job.calib.max_seq_len < 2 {
+        return Err(QuantError::Input(
+            "MAX_SAMPLES must be ≥ 1 and MAX_SEQ_LEN ≥ 2".into(),
+        ));
+    }
+    let mut progress = Progress { events, last: 0.0 };
+    let final_dir = job.output_dir();
+
+    let exclusion = Exclusion::parse(job.dynamic_exclusion.as_deref())?;
+    let cfg = ModelConfig::load(&job.model_dir)?;
+    let store = TensorStore::open_dir(&job.model_dir)?;
+    if !job.dataset.is_file() {
+        return Err(QuantError::Input(format!(
+            "calibration dataset {} does not exist or is not a regular file",
+            job.dataset.display()
+        )));
+    }
+    let (calib_fp, config_hash) = digest::run_digests(job, &store)?;
+
+    // A previous run finished the save: reuse it only when it was made from exactly this configuration.
+    if let Some(sc) = verify_save_complete(&final_dir, job.verify_save_sha256) {
+        if sc.config_digest.as_deref() == Some(config_hash.as_str()) {
+            return checkpoint::reuse_artifact(
+                job,
+                &final_dir,
+                &sc,
+                &store,
+                &config_hash,
+                started,
+                &mut progress,
+            );
+        }
+        events.emit(
+            names::QUANTIZATION_REUSE_REJECTED,
+            fields([
+                ("outputDir", json!(final_dir.display().to_string())),
+                ("found", json!(sc.config_digest)),
+                ("configDigest", json!(config_hash)),
+            ]),
+        );
+    }
+
+    let plan = calibrate::plan_modules(job, &cfg, &store, &exclusion)?;
+    let samples = calibrate::load_calibration(job, device, &mut progress)?;
+    let n_tokens: usize = samples.iter().map(Vec::len).sum();
+    let mut cache = LayerCache::open(
+        &job.model_dir,
+        &config_hash,
+        &calib_fp,
+        &job.script_version,
+        job.resume_layers,
+        events,
+    )?;
+
+    let max_len = samples.iter().map(Vec::len).max().unwrap_or(0);
+    let rope = Rope::new(&cfg, max_len);
+    let mut hidden = calibrate::embed_samples(&store, &cfg, &samples)?;
+    let run = Run {
+        job,
+        device,
+        events,
+        cfg: &cfg,
+        store: &store,
+        exclusion: &exclusion,
+        started,
+    };
+    let layer_run = layer::LayerRun {
+        run: &run,
+        rope: &rope,
+        batch: job
+            .n_parallel_calib_samples
+            .unwrap_or(DEFAULT_CALIB_BATCH)
+            .max(1),
+        n_tokens,
+    };
+    let totals = layer::quantize_layers(&layer_run, &mut cache, &mut progress, &mut hidden)?;
+
+    // The activations are not needed for the save.
+    drop(hidden);
+    release_free_memory();
+    let save = checkpoint::SaveInput {
+        run: &run,
+        plan: &plan,
+        config_hash: &config_hash,
+    };
+    checkpoint::save(&save, cache, &totals, &mut progress)
+}

@@ -1,0 +1,448 @@
+//! `config.json` of the supported Llama-family architectures: the attention and rope shape
+//! ([`ModelConfig`]), the Gemma specifics ([`gemma`]) and the sparse-MoE routing ([`moe`]).
+
+mod gemma;
+mod moe;
+#[cfg(test)]
+mod tests;
+
+pub use gemma::{Gemma4Config, GemmaConfig};
+pub use moe::MoeConfig;
+
+use crate::error::{QuantError, Result};
+use gemma::{gemma4_config, gemma_config};
+use moe::moe_config;
+use serde_json::Value;
+use std::path::Path;
+
+/// Architectures whose decoder is Llama-shaped (Qwen3 adds q/k RMSNorm; Qwen2 adds q/k/v bias), dense or
+/// with a sparse-MoE MLP ([`crate::model::moe`]).
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &[
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma4ForCausalLM",
+    "Gemma4ForConditionalGeneration",
+];
+
+/// Query / key / value shape of one attention layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnShape {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// The values are the keys' projection (Gemma 4 `attention_k_eq_v` on global layers): no `v_proj` tensor.
+    pub v_from_k: bool,
+}
+
+/// Largest attention head dimension accepted from a `config.json` (published models use up to 512).
+pub const MAX_HEAD_DIM: usize = 1 << 16;
+
+/// Largest decoder layer count accepted from a `config.json` (published models have at most a few hundred).
+pub const MAX_LAYERS: usize = 4096;
+
+/// Largest expert count accepted from a `config.json` (the largest published models have a few hundred).
+pub const MAX_EXPERTS: usize = 4096;
+
+/// Gated delta-net hybrids: some layers use linear attention (`layer_types` names `linear_attention`).
+fn is_hybrid(raw: &Value) -> bool {
+    let model_type = raw.get("model_type").and_then(Value::as_str).unwrap_or("");
+    let text = raw.get("text_config").unwrap_or(raw);
+    model_type.starts_with("qwen3_next")
+        || model_type.starts_with("qwen3_5")
+        || text
+            .get("layer_types")
+            .and_then(Value::as_array)
+            .is_some_and(|a| a.iter().any(|t| t.as_str() == Some("linear_attention")))
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum RopeScaling {
+    None,
+    Linear {
+        factor: f32,
+    },
+    Llama3 {
+        factor: f32,
+        low_freq_factor: f32,
+        high_freq_factor: f32,
+        original_max_position_embeddings: f32,
+    },
+}
+
+#[derive(Clone, Debug)]
+pub struct ModelConfig {
+    pub architecture: String,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f32,
+    pub rope_scaling: RopeScaling,
+    pub vocab_size: usize,
+    pub tie_word_embeddings: bool,
+    /// `config.json`'s `model_type`.
+    pub model_type: String,
+    /// Linear-attention layers beside full attention (see [`crate::exclusion`]).
+    pub hybrid: bool,
+    pub moe: Option<MoeConfig>,
+    /// Gemma 2 / Gemma 3 / Gemma 4 text specifics.
+    pub gemma: Option<GemmaConfig>,
+    /// Gemma 4 specifics (then `gemma` is set too).
+    pub gemma4: Option<Gemma4Config>,
+    /// Per layer: the attention shape (the same for every layer but on Gemma 4's global layers).
+    pub layer_attn: Vec<AttnShape>,
+    /// Where the text stack's tensors are: `model.`, or `model.language_model.` in a multimodal checkpoint.
+    pub text_prefix: String,
+    /// The parsed config.json, kept to write it back with `quantization_config`.
+    pub raw: Value,
+}
+
+pub(super) fn get_usize(v: &Value, key: &str) -> Result<usize> {
+    v.get(key)
+        .and_then(Value::as_u64)
+        .map(|x| x as usize)
+        .ok_or_else(|| {
+            QuantError::Input(format!(
+                "config.json: missing or invalid integer field {key:?}"
+            ))
+        })
+}
+
+pub(super) fn get_f32(v: &Value, key: &str, default: f32) -> f32 {
+    v.get(key)
+        .and_then(Value::as_f64)
+        .map(|x| x as f32)
+        .unwrap_or(default)
+}
+
+impl ModelConfig {
+    pub fn load(model_dir: &Path) -> Result<Self> {
+        crate::fsutil::require_in_model_dir(model_dir, "config.json")?;
+        let raw = crate::fsutil::read_json_within(
+            model_dir,
+            "config.json",
+            flexinfer_fsutil::limits::CONFIG_JSON,
+        )?;
+        Self::from_json(raw)
+    }
+
+    pub fn from_json(raw: Value) -> Result<Self> {
+        let arch = architecture(&raw)?;
+        // Multimodal Gemma 4: the text stack's fields are under `text_config`, its tensors under
+        // `model.language_model.`; the vision / audio towers are not read (the writer copies them).
+        let multimodal = arch == "Gemma4ForConditionalGeneration";
+        let text_owned;
+        let text: &Value = if multimodal {
+            text_owned = raw
+                .get("text_config")
+                .filter(|t| t.is_object())
+                .cloned()
+                .ok_or_else(|| {
+                    QuantError::Input(format!("config.json: {arch} has no text_config object"))
+                })?;
+            &text_owned
+        } else {
+            &raw
+        };
+        let text_prefix = if multimodal {
+            "model.language_model."
+        } else {
+            "model."
+        };
+        let is_gemma4 = arch.starts_with("Gemma4");
+        let (hidden_size, num_heads, num_kv_heads, head_dim) = attention_dims(text, is_gemma4)?;
+        // transformers 5 writes `rope_parameters` (`rope_theta` and the scaling in one object) in place of
+        // `rope_theta` / `rope_scaling`.
+        // Gemma 3 under transformers 5: one object per attention type; the global layers' is the model's rope.
+        let rope_by_type = text
+            .get("rope_parameters")
+            .and_then(|v| v.get("full_attention"))
+            .is_some();
+        let rope_params = text
+            .get("rope_parameters")
+            .map(|v| v.get("full_attention").unwrap_or(v))
+            .filter(|v| v.is_object());
+        // Gemma 4's two ropes are read by `gemma4_config`.
+        let rope_scaling = rope_scaling(text, rope_params, is_gemma4)?;
+        let num_layers = get_usize(text, "num_hidden_layers")?;
+        if num_layers > MAX_LAYERS {
+            return Err(QuantError::Input(format!(
+                "config.json: num_hidden_layers {num_layers} is larger than {MAX_LAYERS}"
+            )));
+        }
+        let moe = moe_config(text, &arch, num_layers)?;
+        let gemma = gemma_config(text, &arch, num_layers, head_dim, rope_by_type)?;
+        let base_shape = AttnShape {
+            heads: num_heads,
+            kv_heads: num_kv_heads,
+            head_dim,
+            v_from_k: false,
+        };
+        let (gemma4, layer_attn) = match &gemma {
+            Some(g) if is_gemma4 => {
+                let (g4, shapes) = gemma4_config(text, num_layers, base_shape, &g.sliding)?;
+                (Some(g4), shapes)
+            }
+            _ => (None, vec![base_shape; num_layers]),
+        };
+        let intermediate_size = match (&moe, text.get("intermediate_size")) {
+            (Some(m), None) => m.expert_intermediate,
+            _ => get_usize(text, "intermediate_size")?,
+        };
+        Ok(ModelConfig {
+            architecture: arch,
+            hidden_size,
+            intermediate_size,
+            num_layers,
+            model_type: raw
+                .get("model_type")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_string(),
+            hybrid: is_hybrid(&raw),
+            moe,
+            gemma,
+            gemma4,
+            layer_attn,
+            text_prefix: text_prefix.to_string(),
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            rms_norm_eps: get_f32(text, "rms_norm_eps", 1e-6),
+            rope_theta: match (text.get("rope_theta"), rope_params) {
+                (None, Some(rp)) => get_f32(rp, "rope_theta", 10000.0),
+                _ => get_f32(text, "rope_theta", 10000.0),
+            },
+            rope_scaling,
+            vocab_size: get_usize(text, "vocab_size")?,
+            tie_word_embeddings: text
+                .get("tie_word_embeddings")
+                .or_else(|| raw.get("tie_word_embeddings"))
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+            raw,
+        })
+    }
+
+    /// Inverse frequencies of the local (sliding-window) layers, when their rope differs (Gemma 3).
+    pub fn local_inv_freq(&self) -> Option<Vec<f32>> {
+        let theta = self.gemma.as_ref()?.local_rope_theta?;
+        let d = self.local_head_dim();
+        Some(base_inv_freq(theta, d))
+    }
+
+    /// Head dimension of the sliding-window layers (all layers but Gemma 4's global ones).
+    fn local_head_dim(&self) -> usize {
+        self.first_head_dim(true)
+    }
+
+    /// Head dimension of the global layers.
+    fn global_head_dim(&self) -> usize {
+        self.first_head_dim(false)
+    }
+
+    /// Head dimension of the first layer that is (`sliding`) or is not a sliding-window layer; the
+    /// config's `head_dim` when there is none.
+    fn first_head_dim(&self, sliding: bool) -> usize {
+        let is_sliding = |l: usize| {
+            self.gemma
+                .as_ref()
+                .is_some_and(|g| g.sliding.get(l).copied().unwrap_or(false))
+        };
+        (0..self.num_layers)
+            .find(|&l| is_sliding(l) == sliding)
+            .and_then(|l| self.layer_attn.get(l))
+            .map_or(self.head_dim, |a| a.head_dim)
+    }
+
+    /// The attention shape of `layer`.
+    pub fn attn(&self, layer: usize) -> AttnShape {
+        self.layer_attn.get(layer).copied().unwrap_or(AttnShape {
+            heads: self.num_heads,
+            kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+            v_from_k: false,
+        })
+    }
+
+    /// The token embedding table's tensor name.
+    pub fn embed_name(&self) -> String {
+        format!("{}embed_tokens.weight", self.text_prefix)
+    }
+
+    /// The final norm's tensor name.
+    pub fn final_norm_name(&self) -> String {
+        format!("{}norm.weight", self.text_prefix)
+    }
+
+    /// Norm weights as multiplied: `1 + w` for Gemma 2/3, `w` otherwise (Gemma 4 included).
+    pub fn norm_weight(&self, mut w: Vec<f32>) -> Vec<f32> {
+        if self.gemma.is_some() && self.gemma4.is_none() {
+            w.iter_mut().for_each(|v| *v += 1.0);
+        }
+        w
+    }
+
+    /// Inverse frequencies after rope scaling (of the global layers where local and global differ).
+    pub fn inv_freq(&self) -> Vec<f32> {
+        if let Some(g4) = &self.gemma4 {
+            // Proportional rope: the first `fraction × d/2` pairs rotate with the usual frequencies of a
+            // d-dimensional head, the remaining pairs get frequency 0 (they pass unchanged).
+            let d = self.global_head_dim();
+            let rotated = ((g4.global_rotary_fraction as f64 * d as f64) / 2.0).floor() as usize;
+            let base = base_inv_freq(g4.global_rope_theta, d);
+            return base
+                .iter()
+                .enumerate()
+                .map(|(i, f)| {
+                    if i < rotated {
+                        f / g4.global_rope_factor
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
+        }
+        let base = base_inv_freq(self.rope_theta, self.head_dim);
+        match self.rope_scaling {
+            RopeScaling::None => base,
+            RopeScaling::Linear { factor } => base.iter().map(|f| f / factor).collect(),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                let low_wl = original_max_position_embeddings / low_freq_factor;
+                let high_wl = original_max_position_embeddings / high_freq_factor;
+                base.iter()
+                    .map(|&f| {
+                        let wl = 2.0 * std::f32::consts::PI / f;
+                        if wl < high_wl {
+                            f
+                        } else if wl > low_wl {
+                            f / factor
+                        } else {
+                            let smooth = (original_max_position_embeddings / wl - low_freq_factor)
+                                / (high_freq_factor - low_freq_factor);
+                            (1.0 - smooth) * f / factor + smooth * f
+                        }
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    pub fn layer_prefix(&self, layer: usize) -> String {
+        format!("{}layers.{layer}.", self.text_prefix)
+    }
+
+    /// The MoE config when `layer` has a sparse MLP.
+    pub fn sparse_layer(&self, layer: usize) -> Option<&MoeConfig> {
+        self.moe
+            .as_ref()
+            .filter(|m| m.sparse.get(layer).copied().unwrap_or(false))
+    }
+}
+
+/// The first of `architectures`, when it is supported.
+fn architecture(raw: &Value) -> Result<String> {
+    let arch = raw
+        .get("architectures")
+        .and_then(|a| a.as_array())
+        .and_then(|a| a.first())
+        .and_then(|a| a.as_str())
+        .unwrap_or("")
+        .to_string();
+    if !SUPPORTED_ARCHITECTURES.contains(&arch.as_str()) {
+        return Err(QuantError::Input(format!(
+            "unsupported architecture {arch:?} in config.json; supported: {}",
+            SUPPORTED_ARCHITECTURES.join(", ")
+        )));
+    }
+    Ok(arch)
+}
+
+/// `(hidden_size, heads, kv heads, head_dim)` of the text config, checked for a usable attention.
+fn attention_dims(text: &Value, is_gemma4: bool) -> Result<(usize, usize, usize, usize)> {
+    let hidden_size = get_usize(text, "hidden_size")?;
+    let num_heads = get_usize(text, "num_attention_heads")?;
+    let num_kv_heads = text
+        .get("num_key_value_heads")
+        .and_then(Value::as_u64)
+        .map(|x| x as usize)
+        .unwrap_or(num_heads);
+    let head_dim = match text.get("head_dim").and_then(Value::as_u64) {
+        Some(d) => d as usize,
+        // transformers' Gemma4TextConfig default.
+        None if is_gemma4 => 256,
+        None if num_heads > 0 => hidden_size / num_heads,
+        None => 0,
+    };
+    if num_heads == 0
+        || num_kv_heads == 0
+        || num_heads % num_kv_heads != 0
+        || head_dim == 0
+        || head_dim % 2 != 0
+        || head_dim > MAX_HEAD_DIM
+    {
+        return Err(QuantError::Input(format!(
+            "config.json: inconsistent attention shape (heads {num_heads}, kv heads {num_kv_heads}, head_dim {head_dim})"
+        )));
+    }
+    Ok((hidden_size, num_heads, num_kv_heads, head_dim))
+}
+
+/// `rope_scaling` (or transformers 5's `rope_parameters`); none for Gemma 4, whose two ropes
+/// [`gemma4_config`] reads.
+fn rope_scaling(text: &Value, rope_params: Option<&Value>, is_gemma4: bool) -> Result<RopeScaling> {
+    let scaling = match text
+        .get("rope_scaling")
+        .filter(|v| !v.is_null())
+        .or(rope_params)
+        .filter(|_| !is_gemma4)
+    {
+        None | Some(Value::Null) => RopeScaling::None,
+        Some(rs) => {
+            let kind = rs
+                .get("rope_type")
+                .or_else(|| rs.get("type"))
+                .and_then(Value::as_str)
+                .unwrap_or("default");
+            match kind {
+                "default" => RopeScaling::None,
+                // Dynamic NTK only changes frequencies beyond the trained length; calibration stays inside it.
+                "dynamic" => RopeScaling::None,
+                "linear" => RopeScaling::Linear { factor: get_f32(rs, "factor", 1.0) },
+                "llama3" => RopeScaling::Llama3 {
+                    factor: get_f32(rs, "factor", 8.0),
+                    low_freq_factor: get_f32(rs, "low_freq_factor", 1.0),
+                    high_freq_factor: get_f32(rs, "high_freq_factor", 4.0),
+                    original_max_position_embeddings: get_f32(rs, "original_max_position_embeddings", 8192.0),
+                },
+                other => {
+                    return Err(QuantError::Input(format!(
+                        "config.json: rope_scaling type {other:?} is not supported (default, linear, dynamic, llama3)"
+                    )))
+                }
+            }
+        }
+    };
+    Ok(scaling)
+}
+
+fn base_inv_freq(theta: f32, d: usize) -> Vec<f32> {
+    (0..d / 2)
+        .map(|i| 1.0 / (theta as f64).powf(2.0 * i as f64 / d as f64) as f32)
+        .collect()
+}

@@ -1,0 +1,133 @@
+//! The sparse-MoE part of a config: expert count, top-k and renormalisation, expert widths, which
+//! layers are sparse (Mixtral, Qwen2/3-MoE, Gemma 4's `enable_moe_block`).
+
+use super::{get_usize, MAX_EXPERTS};
+use crate::error::{QuantError, Result};
+use crate::model::moe::{Activation, MoeSpec, MoeStyle};
+use serde_json::Value;
+
+/// The sparse-MoE part of a config.
+#[derive(Clone, Debug)]
+pub struct MoeConfig {
+    pub spec: MoeSpec,
+    pub num_experts: usize,
+    /// Inner width of each routed expert.
+    pub expert_intermediate: usize,
+    /// Inner width of the always-on shared expert (Qwen2-MoE), if there is one.
+    pub shared_intermediate: Option<usize>,
+    /// Per layer: whether it has the sparse MLP (the others have a dense one of `intermediate_size`).
+    pub sparse: Vec<bool>,
+}
+
+pub(super) fn moe_config(raw: &Value, arch: &str, num_layers: usize) -> Result<Option<MoeConfig>> {
+    let style = match arch {
+        "MixtralForCausalLM" => MoeStyle::Mixtral,
+        "Qwen2MoeForCausalLM" | "Qwen3MoeForCausalLM" => MoeStyle::Qwen,
+        "Gemma4ForCausalLM" | "Gemma4ForConditionalGeneration" => {
+            return gemma4_moe_config(raw, num_layers)
+        }
+        _ => return Ok(None),
+    };
+    let (experts_key, inter_key) = match style {
+        MoeStyle::Mixtral => ("num_local_experts", "intermediate_size"),
+        _ => ("num_experts", "moe_intermediate_size"),
+    };
+    // transformers 5 writes Qwen3-MoE's count as `num_local_experts`; the hub checkpoints as `num_experts`.
+    let alias = match style {
+        MoeStyle::Mixtral => "num_experts",
+        _ => "num_local_experts",
+    };
+    let experts_key = if raw.get(experts_key).is_none() && raw.get(alias).is_some() {
+        alias
+    } else {
+        experts_key
+    };
+    let num_experts = get_usize(raw, experts_key)?;
+    let top_k = get_usize(raw, "num_experts_per_tok")?;
+    if num_experts == 0 || num_experts > MAX_EXPERTS || top_k == 0 || top_k > num_experts {
+        return Err(QuantError::Input(format!(
+            "config.json: {experts_key} {num_experts} / num_experts_per_tok {top_k} is not a valid routing \
+             (1 ≤ top-k ≤ experts ≤ {MAX_EXPERTS})"
+        )));
+    }
+    let expert_intermediate = get_usize(raw, inter_key)?;
+    // transformers: Mixtral always renormalises the top-k weights; the Qwen MoE blocks only with norm_topk_prob.
+    let renormalize = match style {
+        MoeStyle::Mixtral | MoeStyle::Gemma4 => true,
+        MoeStyle::Qwen => raw
+            .get("norm_topk_prob")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+    };
+    let shared_intermediate = match arch {
+        "Qwen2MoeForCausalLM" => Some(get_usize(raw, "shared_expert_intermediate_size")?),
+        _ => None,
+    }
+    .filter(|&i| i > 0);
+    let step = raw
+        .get("decoder_sparse_step")
+        .and_then(Value::as_u64)
+        .unwrap_or(1)
+        .max(1) as usize;
+    let mlp_only: Vec<usize> = raw
+        .get("mlp_only_layers")
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .filter_map(Value::as_u64)
+                .map(|v| v as usize)
+                .collect()
+        })
+        .unwrap_or_default();
+    let sparse = (0..num_layers)
+        .map(|l| match style {
+            MoeStyle::Qwen => !mlp_only.contains(&l) && (l + 1).is_multiple_of(step),
+            _ => true,
+        })
+        .collect();
+    Ok(Some(MoeConfig {
+        spec: MoeSpec {
+            style,
+            top_k,
+            renormalize,
+            act: Activation::Silu,
+        },
+        num_experts,
+        expert_intermediate,
+        shared_intermediate,
+        sparse,
+    }))
+}
+
+/// Gemma 4 with `enable_moe_block`: every layer has the routed experts (`num_experts`, `top_k_experts`,
+/// `moe_intermediate_size`, renormalised top-k) beside its dense MLP of `intermediate_size`, which is kept as the
+/// layer's always-on unit ([`MoeConfig::shared_intermediate`], ungated).
+fn gemma4_moe_config(raw: &Value, num_layers: usize) -> Result<Option<MoeConfig>> {
+    if !raw
+        .get("enable_moe_block")
+        .and_then(Value::as_bool)
+        .unwrap_or(false)
+    {
+        return Ok(None);
+    }
+    let num_experts = get_usize(raw, "num_experts")?;
+    let top_k = get_usize(raw, "top_k_experts")?;
+    if num_experts == 0 || num_experts > MAX_EXPERTS || top_k == 0 || top_k > num_experts {
+        return Err(QuantError::Input(format!(
+            "config.json: num_experts {num_experts} / top_k_experts {top_k} is not a valid routing \
+             (1 ≤ top-k ≤ experts ≤ {MAX_EXPERTS})"
+        )));
+    }
+    Ok(Some(MoeConfig {
+        spec: MoeSpec {
+            style: MoeStyle::Gemma4,
+            top_k,
+            renormalize: true,
+            act: Activation::GeluTanh,
+        },
+        num_experts,
+        expert_intermediate: get_usize(raw, "moe_intermediate_size")?,
+        shared_intermediate: Some(get_usize(raw, "intermediate_size")?),
+        sparse: vec![true; num_layers],
+    }))
+}
