@@ -17,7 +17,7 @@ pub enum Format {
 pub fn structured<T: Serialize>(fmt: Format, v: &T) -> anyhow::Result<String> {
     Ok(match fmt {
         Format::Json => format!("{}\n", serde_json::to_string_pretty(v)?),
-        Format::Yaml => serde_yaml::to_string(v)?,
+        Format::Yaml => serde_norway::to_string(v)?,
         Format::Table => String::new(),
     })
 }

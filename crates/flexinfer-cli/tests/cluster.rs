@@ -355,7 +355,7 @@ async fn quantize_status_shows_requested_applied_job_progress_and_quality() {
     assert_eq!(o.code, 0, "{}", o.stderr);
     let o = flexinfer(&["quantize", "status", "qwen", "-n", &ns.name, "-o", "yaml"]);
     assert_eq!(o.code, 0, "{}", o.stderr);
-    let v: Value = serde_yaml::from_str(&o.stdout).unwrap();
+    let v: Value = serde_norway::from_str(&o.stdout).unwrap();
     assert_eq!(v["requestedType"], "gptq-w8-g128");
     assert_eq!(v["upToDate"], false);
 
