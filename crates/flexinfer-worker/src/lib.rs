@@ -2,6 +2,7 @@
 
 pub mod abliterate;
 pub mod common;
+pub mod datasets;
 pub mod download;
 pub mod generations;
 pub mod hf;

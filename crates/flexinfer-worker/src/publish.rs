@@ -217,6 +217,9 @@ async fn run_async(
         .try_collect()
         .await?;
     files.sort_by(|a, b| a.rel.cmp(&b.rel));
+    // What is pushed must be what the pipeline recorded: the layer digests are the files' sha256, so
+    // they are checked against `.save-complete` / `.source-integrity.json` before any upload.
+    check_records(&dir, &files)?;
 
     // 2. Blobs.
     let skipped = Arc::new(AtomicU64::new(0));
@@ -284,6 +287,74 @@ async fn run_async(
         tags,
         ..Default::default()
     })
+}
+
+/// Every file that the directory's `.save-complete` (quantized artifacts) or `.source-integrity.json`
+/// (downloads) records is among the files to publish with the recorded size and sha256. A mismatch
+/// (a changed or truncated shard) refuses the push with exit 2: publishing cannot repair it; the
+/// artifact has to be made again.
+fn check_records(dir: &Path, files: &[LocalFile]) -> Result<(), WorkerError> {
+    let mut recorded: Vec<(&'static str, String, u64, String)> = Vec::new();
+    let read = |name: &str| -> Result<Option<Vec<u8>>, WorkerError> {
+        let p = dir.join(name);
+        match std::fs::symlink_metadata(&p) {
+            Err(_) => Ok(None),
+            Ok(_) => flexinfer_fsutil::read_regular(&p, flexinfer_fsutil::limits::CONFIG_JSON)
+                .map(Some)
+                .map_err(|e| WorkerError::BadInput(format!("cannot read {}: {e}", p.display()))),
+        }
+    };
+    if let Some(b) = read(contract::files::SAVE_COMPLETE)? {
+        let sc: contract::SaveComplete = serde_json::from_slice(&b).map_err(|e| {
+            WorkerError::BadInput(format!(
+                "{} in {} is not valid: {e}",
+                contract::files::SAVE_COMPLETE,
+                dir.display()
+            ))
+        })?;
+        for sh in sc.shards {
+            recorded.push((
+                contract::files::SAVE_COMPLETE,
+                sh.name,
+                sh.size_bytes,
+                sh.sha256,
+            ));
+        }
+    }
+    if let Some(b) = read(contract::files::SOURCE_INTEGRITY)? {
+        let si: contract::SourceIntegrity = serde_json::from_slice(&b).map_err(|e| {
+            WorkerError::BadInput(format!(
+                "{} in {} is not valid: {e}",
+                contract::files::SOURCE_INTEGRITY,
+                dir.display()
+            ))
+        })?;
+        for f in si.files {
+            recorded.push((contract::files::SOURCE_INTEGRITY, f.name, f.size, f.sha256));
+        }
+    }
+    for (record, name, size, sha) in recorded {
+        let want = format!("sha256:{sha}");
+        match files.iter().find(|f| f.rel == name) {
+            Some(f) if f.size == size && f.digest == want => {}
+            Some(f) => {
+                return Err(WorkerError::BadInput(format!(
+                    "refusing to publish {}: {name} does not match its {record} record \
+                     ({size} bytes, {want} recorded; {} bytes, {} on disk); the artifact must be made again",
+                    dir.display(),
+                    f.size,
+                    f.digest
+                )))
+            }
+            None => {
+                return Err(WorkerError::BadInput(format!(
+                    "refusing to publish {}: {name}, which {record} records, is missing",
+                    dir.display()
+                )))
+            }
+        }
+    }
+    Ok(())
 }
 
 fn build_manifest(files: &[LocalFile], config_digest: &str) -> Manifest {

@@ -136,66 +136,9 @@ fn bad(msg: impl Into<String>) -> WorkerError {
     WorkerError::BadInput(msg.into())
 }
 
-/// `DATASET`: a file, a directory holding one, or a hub dataset id that the download phase fetched to
-/// `<download dir>/.datasets/<id>`. The download dir is `MODEL_DIR` itself when quantization reads the
-/// downloaded model, and its parent when it reads the abliterated copy (`<download dir>/abliterated`).
+/// `DATASET`: resolved by the rules every phase shares ([`crate::datasets::resolve`]).
 pub fn resolve_dataset(dataset: &str, model_dir: &Path) -> Result<PathBuf, WorkerError> {
-    let direct = PathBuf::from(dataset);
-    let mut candidates = vec![direct.clone()];
-    if !direct.is_absolute() {
-        candidates.push(model_dir.join(contract::DATASETS_SUBDIR).join(dataset));
-        candidates.push(
-            Path::new(contract::CACHE_MOUNT)
-                .join(contract::DATASETS_SUBDIR)
-                .join(dataset),
-        );
-        if let Some(parent) = model_dir.parent() {
-            candidates.push(parent.join(contract::DATASETS_SUBDIR).join(dataset));
-        }
-    }
-    for c in candidates {
-        if c.is_file() {
-            return Ok(c);
-        }
-        if c.is_dir() {
-            return pick_dataset_file(&c).ok_or_else(|| {
-                bad(format!(
-                    "dataset directory {} holds no .jsonl, .jsonl.zst, .json, .txt or .parquet file",
-                    c.display()
-                ))
-            });
-        }
-    }
-    Err(bad(format!(
-        "calibration dataset {dataset:?} not found (neither a file nor a fetched dataset)"
-    )))
-}
-
-fn pick_dataset_file(dir: &Path) -> Option<PathBuf> {
-    let mut files = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).ok()?.flatten() {
-            let p = e.path();
-            let name = p
-                .file_name()
-                .map(|n| n.to_string_lossy().to_ascii_lowercase())
-                .unwrap_or_default();
-            if name.starts_with('.') {
-                continue;
-            }
-            if p.is_dir() {
-                stack.push(p);
-            } else if [".jsonl", ".jsonl.zst", ".json", ".txt", ".parquet"]
-                .iter()
-                .any(|s| name.ends_with(s))
-            {
-                files.push(p);
-            }
-        }
-    }
-    files.sort();
-    files.into_iter().next()
+    crate::datasets::resolve(dataset, model_dir, "calibration")
 }
 
 /// Builds the engine job from the arguments (validation of values happens here and in the engine).

@@ -378,3 +378,56 @@ fn interrupted_push_resumes_without_reuploading_finished_blobs() {
         r.describe()
     );
 }
+
+#[test]
+fn an_artifact_that_does_not_match_its_save_complete_is_never_pushed() {
+    let reg = Registry::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("out");
+    let sha = write_data(&src.join("model.safetensors"), 2 << 20, 21);
+    std::fs::write(
+        src.join("config.json"),
+        r#"{"quantization_config":{"bits":4}}"#,
+    )
+    .unwrap();
+    let record = |sha: &str| {
+        serde_json::json!({
+            "version": 1, "script_version": "x", "completed_at": "2026-12-01T00:00:00Z",
+            "shards": [{"name": "model.safetensors", "size_bytes": 2u64 << 20, "sha256": sha}],
+            "has_index": false, "has_config": true, "has_quantize_config": false,
+        })
+        .to_string()
+    };
+    // The record matches: published.
+    std::fs::write(src.join(".save-complete"), record(&sha)).unwrap();
+    let r = run(
+        publish(&reg, &src, "flexinfer/checked:v1", tmp.path()),
+        tmp.path(),
+    );
+    assert_eq!(r.code, 0, "{}", r.describe());
+    let before = reg.uploaded_digests().len();
+    // The shard changed after it was recorded (a bit flip, a partial copy): refused, nothing uploaded.
+    write_data(&src.join("model.safetensors"), 2 << 20, 22);
+    let r = run(
+        publish(&reg, &src, "flexinfer/checked:v2", tmp.path()),
+        tmp.path(),
+    );
+    assert_eq!(r.code, 2, "{}", r.describe());
+    assert!(
+        r.termination
+            .to_string()
+            .contains("model.safetensors does not match its .save-complete record"),
+        "{}",
+        r.describe()
+    );
+    assert_eq!(reg.uploaded_digests().len(), before, "a blob was uploaded");
+    assert_eq!(reg.tags("flexinfer/checked"), vec!["v1".to_string()]);
+    // A recorded shard that is missing is refused the same way.
+    std::fs::remove_file(src.join("model.safetensors")).unwrap();
+    let r = run(
+        publish(&reg, &src, "flexinfer/checked:v3", tmp.path()),
+        tmp.path(),
+    );
+    assert_eq!(r.code, 2, "{}", r.describe());
+    assert!(r.describe().contains("is missing"), "{}", r.describe());
+}

@@ -5,7 +5,6 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use flexinfer_contract as contract;
 use flexinfer_fsutil::limits;
 use flexinfer_quant::calib::{load_samples, CalibSettings};
 use flexinfer_quant::model::dataset;
@@ -16,87 +15,13 @@ use crate::common::WorkerError;
 /// Fields tried, in order, for a prompt in a JSON record or a CSV header.
 pub const PROMPT_FIELDS: &[&str] = dataset::PROMPTS.fields;
 
-const DATA_EXTENSIONS: [&str; 5] = ["jsonl", "json", "csv", "txt", "parquet"];
-
 fn bad(m: String) -> WorkerError {
     WorkerError::BadInput(m)
 }
 
-/// A local file, a directory holding one, or a hub dataset id fetched under
-/// `$MODEL_DIR/.datasets/<id>` (or `<cache root>/.datasets/<id>`).
+/// A prompt set: resolved by the rules every phase shares ([`crate::datasets::resolve`]).
 pub fn resolve_dataset(spec: &str, model_dir: &Path, what: &str) -> Result<PathBuf, WorkerError> {
-    let s = spec.trim();
-    if s.is_empty() {
-        return Err(bad(format!("the {what} dataset is not set")));
-    }
-    let mut candidates = vec![PathBuf::from(s)];
-    if contract::check_relative_path(s).is_ok() {
-        candidates.push(model_dir.join(contract::DATASETS_SUBDIR).join(s));
-        if let Some(parent) = model_dir.parent() {
-            candidates.push(parent.join(contract::DATASETS_SUBDIR).join(s));
-        }
-    }
-    for c in &candidates {
-        if c.is_file() {
-            return Ok(c.clone());
-        }
-        if c.is_dir() {
-            return find_data_file(c).ok_or_else(|| {
-                bad(format!(
-                    "the {what} dataset directory {} holds no .jsonl, .json, .csv, .txt or .parquet file",
-                    c.display()
-                ))
-            });
-        }
-    }
-    Err(bad(format!(
-        "the {what} dataset {s:?} was not found: not a local file or directory, and not fetched under {}",
-        model_dir.join(contract::DATASETS_SUBDIR).join(s).display()
-    )))
-}
-
-fn find_data_file(dir: &Path) -> Option<PathBuf> {
-    let mut found = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        let Ok(rd) = std::fs::read_dir(&d) else {
-            continue;
-        };
-        for e in rd.flatten() {
-            let p = e.path();
-            let hidden = p
-                .file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with('.'));
-            if hidden {
-                continue;
-            }
-            // The file type of the entry itself: a symlinked directory is not walked.
-            let Ok(ft) = e.file_type() else { continue };
-            if ft.is_dir() {
-                stack.push(p);
-            } else if p
-                .extension()
-                .and_then(|x| x.to_str())
-                .is_some_and(|x| DATA_EXTENSIONS.contains(&x.to_ascii_lowercase().as_str()))
-            {
-                // Names come from the hub: only regular files that stay inside the dataset.
-                let inside = p
-                    .strip_prefix(dir)
-                    .is_ok_and(|rel| flexinfer_fsutil::resolve_within(dir, rel).is_ok());
-                if inside {
-                    found.push(p);
-                }
-            }
-        }
-    }
-    found.sort();
-    // Prefer a training split when there are several.
-    found
-        .iter()
-        .find(|p| p.to_string_lossy().contains("train"))
-        .or(found.first())
-        .cloned()
+    crate::datasets::resolve(spec, model_dir, what)
 }
 
 /// Up to `max` non-empty prompts of a dataset file: JSONL (one string or object per line; fields
