@@ -78,6 +78,17 @@ pub fn generation_dir(subdir: &str, generation: Option<&str>) -> String {
     }
 }
 
+/// A generation id, `<first 8 hex of the spec hash>-<UTC yyyymmddhhmmss>`: unique per run start,
+/// sortable by time, naming the configuration it was made for. [`is_generation_of`] reads it back.
+pub fn generation_id(spec_hash: &str, utc_stamp: &str) -> String {
+    let h: String = spec_hash
+        .chars()
+        .filter(|c| c.is_ascii_hexdigit())
+        .take(8)
+        .collect();
+    format!("{h}-{utc_stamp}")
+}
+
 /// Whether `name` is a generation directory of `base` exactly as the controller names them:
 /// `<base>.<8 hex>-<14 digits>` (see [`generation_dir`]). Strict, so a model file such as `source.spm`
 /// is never taken for one.

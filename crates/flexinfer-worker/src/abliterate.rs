@@ -228,8 +228,8 @@ fn run_locked(
     let arch = forward::Arch::load(&model_dir, &layout)?;
 
     // Datasets and the resume fingerprint (source identity + everything that shapes the result).
-    let refusal_path = data::resolve_dataset(&args.refusal_dataset, &model_dir, "refusal")?;
-    let harmless_path = data::resolve_dataset(&args.harmless_dataset, &model_dir, "harmless")?;
+    let refusal_path = crate::datasets::resolve(&args.refusal_dataset, &model_dir, "refusal")?;
+    let harmless_path = crate::datasets::resolve(&args.harmless_dataset, &model_dir, "harmless")?;
     let fingerprint = output::fingerprint(
         &store,
         &model_dir,

@@ -208,10 +208,9 @@ async fn run_async(
     // One writer per directory (a replaced Job's pod may still be running): the model directory (its
     // datasets) and this run's generation.
     let _lock = crate::generations::lock_output(&args.model_dir, &events)?;
-    let _out_lock = match out != args.model_dir {
-        true => Some(crate::generations::lock_output(&out, &events)?),
-        false => None,
-    };
+    let _out_lock = (out != args.model_dir)
+        .then(|| crate::generations::lock_output(&out, &events))
+        .transpose()?;
     let model = match source {
         Source::Hub { repo } => {
             let kind = RepoType::parse(&args.repo_type).ok_or_else(|| {

@@ -3,7 +3,7 @@
 //! CPU backend: see docs/dev/gptq-device.md), streams JSON-line events, writes the
 //! termination message, and exits 0 ok / 1 failure / 2 bad input / 3 quality gate / 4 version mismatch.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use flexinfer_contract::{
     self as contract, env, events, JobPhase, ProgressEvent, TerminationSuccess,
@@ -136,18 +136,13 @@ fn bad(msg: impl Into<String>) -> WorkerError {
     WorkerError::BadInput(msg.into())
 }
 
-/// `DATASET`: resolved by the rules every phase shares ([`crate::datasets::resolve`]).
-pub fn resolve_dataset(dataset: &str, model_dir: &Path) -> Result<PathBuf, WorkerError> {
-    crate::datasets::resolve(dataset, model_dir, "calibration")
-}
-
 /// Builds the engine job from the arguments (validation of values happens here and in the engine).
 pub fn job_from_args(args: &QuantizeArgs) -> Result<QuantizeJob, WorkerError> {
     let floor_mode: FloorMode = args
         .diag_floor_mode
         .parse()
         .map_err(|e: QuantError| bad(e.to_string()))?;
-    let dataset = resolve_dataset(&args.dataset, &args.model_dir)?;
+    let dataset = crate::datasets::resolve(&args.dataset, &args.model_dir, "calibration")?;
     Ok(QuantizeJob {
         model_dir: args.model_dir.clone(),
         out_dir: args.out_dir.clone(),

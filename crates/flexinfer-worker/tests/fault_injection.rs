@@ -6,6 +6,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 mod abliterate_support;
+mod fault_support;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -13,6 +14,7 @@ use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use abliterate_support::{build, checksums, TinyModel, TinyOpts};
+use fault_support::{check, fraction, Tally};
 use flexinfer_contract::env;
 
 /// The environment of one phase's worker (paths and the small settings of these tests).
@@ -84,23 +86,6 @@ fn leftovers(out: &Path) -> Vec<String> {
         .collect()
 }
 
-struct Tally {
-    points: usize,
-    killed_mid_run: usize,
-    lost_or_different: usize,
-    unverified: usize,
-    leftovers: usize,
-    previous_changed: usize,
-}
-
-/// Deterministic fractions in (0.02, 1.1): kill points spread over the whole run and just after it.
-fn fraction(seed: u64) -> f64 {
-    let x = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    0.02 + (x >> 11) as f64 / (1u64 << 53) as f64 * 1.08
-}
-
 fn inject(phase: &str, seeds: std::ops::Range<u64>, out_name: &str) -> Tally {
     let m = build(&TinyOpts::default());
     let calib = m.root.path().join("calib.jsonl");
@@ -126,14 +111,7 @@ fn inject(phase: &str, seeds: std::ops::Range<u64>, out_name: &str) -> Tally {
     let want = payload(&reference);
     // A promoted artifact of an earlier generation beside the runs (the reference itself).
     let previous = checksums(&reference);
-    let mut t = Tally {
-        points: 0,
-        killed_mid_run: 0,
-        lost_or_different: 0,
-        unverified: 0,
-        leftovers: 0,
-        previous_changed: 0,
-    };
+    let mut t = Tally::default();
     for seed in seeds {
         let out = m.dir.join(format!("{out_name}.s{seed}"));
         fresh(&out);
@@ -179,35 +157,16 @@ fn inject(phase: &str, seeds: std::ops::Range<u64>, out_name: &str) -> Tally {
     t
 }
 
-fn check(t: &Tally, min_mid_run: usize) {
-    assert_eq!(
-        t.lost_or_different, 0,
-        "artifacts lost or different after a kill"
-    );
-    assert_eq!(t.unverified, 0, ".save-complete that does not verify");
-    assert_eq!(t.leftovers, 0, "staging or lock entries left behind");
-    assert_eq!(
-        t.previous_changed, 0,
-        "the promoted artifact beside the runs changed"
-    );
-    assert!(
-        t.killed_mid_run >= min_mid_run,
-        "only {} of {} kills hit a running worker (the test would prove nothing)",
-        t.killed_mid_run,
-        t.points
-    );
-}
-
 #[test]
 fn quantize_killed_at_seeded_points_finishes_byte_identical() {
     let t = inject("quantize", 0..14, "gptq-w4-g32");
-    check(&t, 5);
+    check("quantize", &t, 5);
 }
 
 #[test]
 fn abliterate_killed_at_seeded_points_finishes_byte_identical() {
     let t = inject("abliterate", 100..110, "abliterated");
-    check(&t, 3);
+    check("abliterate", &t, 3);
 }
 
 #[test]

@@ -8,6 +8,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 mod download_support;
+mod fault_support;
 mod publish_support;
 
 use std::collections::BTreeMap;
@@ -16,28 +17,11 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use download_support::*;
+use fault_support::{check, fraction, Tally};
 use publish_support::Registry;
 
 const REPO: &str = "acme/fault-llama";
 const MARKERS: &[&str] = &[".source-integrity.json", ".download_complete"];
-
-#[derive(Debug, Default)]
-struct Tally {
-    points: usize,
-    killed_mid_run: usize,
-    lost_or_different: usize,
-    unverified: usize,
-    leftovers: usize,
-    previous_changed: usize,
-}
-
-/// Deterministic fractions in (0.02, 1.1): kill points spread over the whole run and just after it.
-fn fraction(seed: u64) -> f64 {
-    let x = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    0.02 + (x >> 11) as f64 / (1u64 << 53) as f64 * 1.08
-}
 
 /// Runs `make()` to completion once (the reference duration), then for every seed: spawn, SIGKILL at
 /// the seed's fraction of that duration, and hand the result to `after` (which restarts and checks).
@@ -64,29 +48,6 @@ fn kill_at_seeds(
         after(seed, &mut t);
     }
     t
-}
-
-fn check(what: &str, t: &Tally, min_mid_run: usize) {
-    eprintln!("fault injection {what}: {t:?}");
-    assert_eq!(
-        t.lost_or_different, 0,
-        "{what}: lost or different after a kill"
-    );
-    assert_eq!(t.unverified, 0, "{what}: files that do not verify");
-    assert_eq!(
-        t.leftovers, 0,
-        "{what}: partial or lock entries left behind"
-    );
-    assert_eq!(
-        t.previous_changed, 0,
-        "{what}: the promoted neighbour changed"
-    );
-    assert!(
-        t.killed_mid_run >= min_mid_run,
-        "{what}: only {} of {} kills hit a running worker (the test would prove nothing)",
-        t.killed_mid_run,
-        t.points
-    );
 }
 
 /// Every file `.source-integrity.json` lists has its recorded size and sha256 on disk, and the record

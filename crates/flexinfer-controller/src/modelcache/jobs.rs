@@ -222,6 +222,7 @@ fn field_ev(name: &str, path: &str) -> EnvVar {
 /// Directories (relative to the PVC root) a phase run's garbage collection keeps: its own output, the
 /// promoted one, the `keep` newest earlier ones, and everything a Model serves from this claim.
 pub fn keep_dirs(
+    mc: &ModelCache,
     st: &ModelCacheStatus,
     phase: JobPhase,
     output: &str,
@@ -229,34 +230,9 @@ pub fn keep_dirs(
     keep: usize,
 ) -> Vec<String> {
     let mut v = vec![output.to_string()];
-    let previous = match phase {
-        JobPhase::Download => st
-            .download
-            .as_ref()
-            .and_then(|d| d.previous_output_dirs.clone()),
-        JobPhase::Abliterate => st
-            .abliteration
-            .as_ref()
-            .and_then(|a| a.previous_output_dirs.clone()),
-        JobPhase::Quantize => st
-            .quantization
-            .as_ref()
-            .and_then(|q| q.previous_output_dirs.clone()),
-        _ => None,
-    }
-    .unwrap_or_default();
-    // The promoted output becomes the newest previous one when this run succeeds. A cache downloaded
-    // before downloads had generations has its files in `<modelPath>` itself (the parent of `output`).
-    let legacy_download = phase == JobPhase::Download
-        && st
-            .download
-            .as_ref()
-            .is_some_and(|d| d.output_dir.is_none() && d.size_bytes.is_some());
-    let promoted = super::target::promoted_dir(st, phase).or_else(|| {
-        legacy_download
-            .then(|| output.rsplit_once('/').map(|(root, _)| root.to_string()))
-            .flatten()
-    });
+    let previous = super::target::previous_dirs(st, phase);
+    // The promoted output becomes the newest previous one when this run succeeds.
+    let promoted = super::target::promoted_output(mc, st, phase);
     let budget = if promoted.is_some() {
         keep.saturating_sub(1)
     } else {
@@ -289,7 +265,7 @@ fn worker_env(
     ];
     if phase != JobPhase::Publish {
         e.push(ev(env::OUT_DIR, cache_path(&output)));
-        let keep = keep_dirs(st, phase, &output, served, config.keep_generations);
+        let keep = keep_dirs(mc, st, phase, &output, served, config.keep_generations);
         e.push(ev(env::KEEP_DIRS, keep.join(",")));
     }
     if phase != JobPhase::Publish {

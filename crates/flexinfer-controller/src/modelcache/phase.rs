@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use flexinfer_api::conditions::types;
-use flexinfer_api::contract::{reasons, JobPhase};
+use flexinfer_api::contract::{self, reasons, JobPhase};
 use flexinfer_api::modelcache::{
     AbliterationStatus, CachePhase, DownloadStatus, ModelCacheStatus, PhaseProgress,
     QuantizationStatus,
@@ -87,13 +87,7 @@ pub(super) fn secs_between(a: Timestamp, b: Timestamp) -> i64 {
 /// `<8 hex of the spec hash>-<UTC yyyymmddhhmmss>`: unique per run start, sortable by time, names the
 /// configuration it was made for.
 pub fn new_generation(hash: &str, now: Timestamp) -> String {
-    let t = now.strftime("%Y%m%d%H%M%S").to_string();
-    let h: String = hash
-        .chars()
-        .filter(|c| c.is_ascii_hexdigit())
-        .take(8)
-        .collect();
-    format!("{h}-{t}")
+    contract::files::generation_id(hash, &now.strftime("%Y%m%d%H%M%S").to_string())
 }
 
 pub(super) fn set_generation(st: &mut ModelCacheStatus, phase: JobPhase, generation: String) {

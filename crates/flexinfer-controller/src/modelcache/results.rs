@@ -138,10 +138,11 @@ pub(super) fn record_success(
     let mut note = format!("{} complete (Job {})", phase.status_name(), job.name);
     match phase {
         JobPhase::Download => {
-            let d = cx.st.download.get_or_insert_with(Default::default);
             // Downloaded before downloads had generations: `<modelPath>` itself is what is replaced.
-            if d.output_dir.is_none() && d.size_bytes.is_some() {
-                d.output_dir = Some(jobs::model_dir(mc));
+            let legacy = jobs::legacy_download_root(mc, &cx.st);
+            let d = cx.st.download.get_or_insert_with(Default::default);
+            if legacy.is_some() {
+                d.output_dir = legacy;
             }
             d.size_bytes = term
                 .size_bytes

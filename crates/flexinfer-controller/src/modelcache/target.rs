@@ -363,7 +363,45 @@ pub fn promoted_dir(st: &ModelCacheStatus, phase: JobPhase) -> Option<String> {
 /// The downloaded model's directory: the promoted download generation, else `<modelPath>` itself (a
 /// cache downloaded before downloads had generations).
 pub fn source_dir(mc: &ModelCache, st: &ModelCacheStatus) -> String {
-    promoted_dir(st, JobPhase::Download).unwrap_or_else(|| model_dir(mc))
+    promoted_output(mc, st, JobPhase::Download).unwrap_or_else(|| model_dir(mc))
+}
+
+/// A cache downloaded before downloads had generations: status records a downloaded revision (set on
+/// every successful download) but no `download.outputDir`, and the files are in `<modelPath>` itself,
+/// which is then its promoted download.
+pub fn legacy_download_root(mc: &ModelCache, st: &ModelCacheStatus) -> Option<String> {
+    st.download
+        .as_ref()
+        .filter(|d| d.output_dir.is_none() && d.revision.is_some())
+        .map(|_| model_dir(mc))
+}
+
+/// [`promoted_dir`], with a pre-generation download's `<modelPath>` as the promoted download.
+pub fn promoted_output(mc: &ModelCache, st: &ModelCacheStatus, phase: JobPhase) -> Option<String> {
+    promoted_dir(st, phase).or_else(|| match phase {
+        JobPhase::Download => legacy_download_root(mc, st),
+        _ => None,
+    })
+}
+
+/// Earlier outputs of a phase still on disk, newest first.
+pub fn previous_dirs(st: &ModelCacheStatus, phase: JobPhase) -> Vec<String> {
+    match phase {
+        JobPhase::Download => st
+            .download
+            .as_ref()
+            .and_then(|d| d.previous_output_dirs.clone()),
+        JobPhase::Abliterate => st
+            .abliteration
+            .as_ref()
+            .and_then(|a| a.previous_output_dirs.clone()),
+        JobPhase::Quantize => st
+            .quantization
+            .as_ref()
+            .and_then(|q| q.previous_output_dirs.clone()),
+        JobPhase::Publish => None,
+    }
+    .unwrap_or_default()
 }
 
 /// Relative (to the PVC root) input and output directories of a phase run. Download, abliteration and

@@ -3,7 +3,7 @@
 //! tokenize the same way).
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use flexinfer_fsutil::limits;
 use flexinfer_quant::calib::{load_samples, CalibSettings};
@@ -17,11 +17,6 @@ pub const PROMPT_FIELDS: &[&str] = dataset::PROMPTS.fields;
 
 fn bad(m: String) -> WorkerError {
     WorkerError::BadInput(m)
-}
-
-/// A prompt set: resolved by the rules every phase shares ([`crate::datasets::resolve`]).
-pub fn resolve_dataset(spec: &str, model_dir: &Path, what: &str) -> Result<PathBuf, WorkerError> {
-    crate::datasets::resolve(spec, model_dir, what)
 }
 
 /// Up to `max` non-empty prompts of a dataset file: JSONL (one string or object per line; fields
@@ -278,7 +273,7 @@ mod tests {
         c.close().unwrap();
         rg.close().unwrap();
         w.close().unwrap();
-        let found = resolve_dataset("org/prompts", d.path(), "refusal").unwrap();
+        let found = crate::datasets::resolve("org/prompts", d.path(), "refusal").unwrap();
         assert_eq!(found, p);
         assert_eq!(read_prompts(&found, 10).unwrap(), vec!["p one", "p two"]);
     }
@@ -289,9 +284,9 @@ mod tests {
         let ds = d.path().join(".datasets/org/set/data");
         std::fs::create_dir_all(&ds).unwrap();
         std::fs::write(ds.join("train.jsonl"), "\"x\"\n").unwrap();
-        let p = resolve_dataset("org/set", d.path(), "refusal").unwrap();
+        let p = crate::datasets::resolve("org/set", d.path(), "refusal").unwrap();
         assert!(p.ends_with("data/train.jsonl"));
-        let e = resolve_dataset("org/missing", d.path(), "refusal").unwrap_err();
+        let e = crate::datasets::resolve("org/missing", d.path(), "refusal").unwrap_err();
         assert_eq!(e.exit_code(), 2);
         assert!(e.to_string().contains("refusal dataset"));
     }

@@ -203,14 +203,19 @@ fn hub_dataset_fetched_by_download_is_found_with_and_without_abliteration() {
     std::fs::write(fetched.join("data/train.jsonl"), "{\"text\":\"a\"}\n").expect("write");
     let want = fetched.join("data/train.jsonl");
     assert_eq!(
-        resolve_dataset("org/calib", &download).expect("without abliteration"),
+        crate::datasets::resolve("org/calib", &download, "calibration")
+            .expect("without abliteration"),
         want
     );
     assert_eq!(
-        resolve_dataset("org/calib", &download.join(contract::ABLITERATED_SUBDIR))
-            .expect("with abliteration"),
+        crate::datasets::resolve(
+            "org/calib",
+            &download.join(contract::ABLITERATED_SUBDIR),
+            "calibration"
+        )
+        .expect("with abliteration"),
         want
     );
-    let e = resolve_dataset("org/other", &download).expect_err("missing");
+    let e = crate::datasets::resolve("org/other", &download, "calibration").expect_err("missing");
     assert!(e.to_string().contains("org/other"), "{e}");
 }

@@ -405,3 +405,74 @@ fn trigger_annotations_are_read_against_the_enabled_phases() {
         assert_eq!(read_triggers(&mc, &phases), want, "{why}");
     }
 }
+
+/// A cache downloaded before downloads had generations (files in `<modelPath>`, no
+/// `download.outputDir`): a new revision downloads into a generation while `<modelPath>` is kept (it is
+/// the promoted download), and once it succeeds `<modelPath>` is named as the replaced download. A
+/// first download names no previous one.
+#[test]
+fn a_pre_generation_download_is_kept_then_becomes_the_previous_one() {
+    let c = cfg();
+    let first = ready_simple();
+    let d1 = first
+        .status
+        .as_ref()
+        .and_then(|s| s.download.clone())
+        .expect("download");
+    assert!(
+        d1.output_dir
+            .as_deref()
+            .is_some_and(|o| o.starts_with("mc/source.")),
+        "{d1:?}"
+    );
+    assert_eq!(
+        d1.previous_output_dirs, None,
+        "a first download replaces nothing"
+    );
+
+    let mut mc = first;
+    if let Some(d) = mc.status.as_mut().and_then(|s| s.download.as_mut()) {
+        d.output_dir = None;
+        d.generation = None;
+        d.previous_output_dirs = None;
+        d.revision = Some("main".into());
+    }
+    mc.spec.revision = "v2".into();
+    let p = plan(&mc, &obs(vec![]), &c, t(100));
+    assert_eq!(created_jobs(&p), vec!["mc-download"]);
+    let job = p
+        .actions
+        .iter()
+        .find_map(|a| match a {
+            Action::CreateJob(j) => Some(j.clone()),
+            _ => None,
+        })
+        .expect("download Job");
+    let env = job
+        .spec
+        .and_then(|s| s.template.spec)
+        .expect("pod")
+        .containers[0]
+        .env
+        .clone()
+        .unwrap_or_default();
+    let get = |k: &str| {
+        env.iter()
+            .find(|e| e.name == k)
+            .and_then(|e| e.value.clone())
+    };
+    let out = get("OUT_DIR").expect("OUT_DIR");
+    assert!(out.starts_with("/cache/mc/source."), "{out}");
+    let keep = get("FLEXINFER_KEEP_DIRS").expect("keep list");
+    let keep: Vec<&str> = keep.split(',').collect();
+    assert!(
+        keep.contains(&"mc"),
+        "the pre-generation download is not kept: {keep:?}"
+    );
+    let dl = job_from(&p, JobPhase::Download, t(101), JobState::Succeeded);
+    let mc = applied(mc, &p);
+    let p = plan(&mc, &obs(vec![dl]), &c, t(110));
+    let d = p.status.download.expect("download");
+    assert_eq!(d.output_dir.as_deref(), out.strip_prefix("/cache/"));
+    assert_eq!(d.previous_output_dirs, Some(vec!["mc".to_string()]));
+}
