@@ -52,6 +52,7 @@ ENV = {
         "FLEXINFER_QUANTIZER_IMAGE_FP8": R + "fp8",
         "FLEXINFER_GPTQ_MAX_RTN_FALLBACK_PERCENT": "5",
         "FLEXINFER_GPTQ_RESUME_LAYERS": "false",
+        "FLEXINFER_GPU_SUPPLEMENTAL_GROUPS": "44,110",
         "FLEXINFER_RUNTIME_IMAGE_VLLM": "registry.example.com/vllm/vllm-openai:v0.9.2",
         "FLEXINFER_RETRY_BASE_SECONDS": "30",
     },

@@ -543,6 +543,18 @@ async fn real_pipeline_download_abliterate_quantize_publish_and_serve() -> Resul
         .into_iter()
         .find(|p| p.metadata.deletion_timestamp.is_none())
         .context("serving pod")?;
+    // The serving pod runs hardened like the Jobs (non-root 65532, no escalation, no
+    // capabilities) and still serves: the kubelet enforced what the controller asked for.
+    let psc = serde_json::to_value(pod.spec.as_ref().map(|s| &s.security_context))?;
+    let csc = serde_json::to_value(pod.spec.as_ref().map(|s| &s.containers[0].security_context))?;
+    ensure!(
+        psc["runAsNonRoot"] == true && psc["runAsUser"] == 65532,
+        "serving pod security context {psc}"
+    );
+    ensure!(
+        csc["allowPrivilegeEscalation"] == false && csc["capabilities"]["drop"] == json!(["ALL"]),
+        "serving container security context {csc}"
+    );
     let ip = pod.status.and_then(|s| s.pod_ip).context("pod IP")?;
     let body = json!({"model": name, "prompt": "hello world", "max_tokens": 4}).to_string();
     let out = curl(&[

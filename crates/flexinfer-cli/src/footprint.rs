@@ -41,7 +41,11 @@ pub fn parse_params(s: &str) -> Result<f64> {
     if !v.is_finite() || v <= 0.0 {
         bail!("--params {s:?}: must be greater than zero");
     }
-    Ok(v * mult)
+    let count = v * mult;
+    if !count.is_finite() {
+        bail!("--params {s:?}: too large");
+    }
+    Ok(count)
 }
 
 /// The text config (`text_config` of multimodal configs, else the top level).
@@ -110,7 +114,8 @@ pub fn params_from_config(cfg: &Value) -> Option<f64> {
         .and_then(Value::as_bool)
         .unwrap_or(false);
     let embed = vocab * h * if tied { 1.0 } else { 2.0 };
-    Some(layers * (attn + mlp) + embed)
+    // Negative, zero or overflowing sizes are not a model.
+    Some(layers * (attn + mlp) + embed).filter(|p| p.is_finite() && *p > 0.0)
 }
 
 /// Elements described by one safetensors header (the file's first 8 + n bytes).
@@ -198,6 +203,9 @@ pub fn from_hub_json(id: &str, v: &Value) -> Result<Footprint> {
         .pointer("/safetensors/total")
         .and_then(Value::as_f64)
         .ok_or_else(|| anyhow!("hub metadata of {id} has no safetensors.total"))?;
+    if !total.is_finite() || total <= 0.0 {
+        bail!("hub metadata of {id}: safetensors.total {total} is not a parameter count");
+    }
     let model_type = v
         .pointer("/config/model_type")
         .and_then(Value::as_str)

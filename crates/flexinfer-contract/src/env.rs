@@ -124,6 +124,9 @@ pub mod controller {
     pub const PREEMPTION_GRACE_SECONDS: &str = "FLEXINFER_PREEMPTION_GRACE_SECONDS";
     /// Longest `idleTimeout` a canary of the promotion gate keeps (seconds, default 900).
     pub const CANARY_MAX_IDLE_SECONDS: &str = "FLEXINFER_CANARY_MAX_IDLE_SECONDS";
+    /// Supplemental group ids of every pod that requests a GPU (comma-separated; e.g. the AMD
+    /// nodes' `render` and `video` gids, which own `/dev/kfd` and `/dev/dri`). Default: none.
+    pub const GPU_SUPPLEMENTAL_GROUPS: &str = "FLEXINFER_GPU_SUPPLEMENTAL_GROUPS";
     /// Retry backoff base in seconds (default 30).
     pub const RETRY_BASE_SECONDS: &str = "FLEXINFER_RETRY_BASE_SECONDS";
     pub const LEADER_ELECT: &str = "FLEXINFER_LEADER_ELECT";

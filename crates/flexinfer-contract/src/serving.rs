@@ -10,3 +10,8 @@ pub const PORT_NAME: &str = "http";
 pub const MODEL_MOUNT: &str = "/models";
 /// Name of the serving container.
 pub const CONTAINER: &str = "server";
+/// `HOME` of serving pods: a writable scratch volume (the pod runs as a non-root user that the
+/// image may not know, whose home would be `/`).
+pub const HOME: &str = "/var/lib/flexinfer-home";
+/// Name of that volume.
+pub const HOME_VOLUME: &str = "home";

@@ -15,4 +15,5 @@ pub mod leader;
 pub mod metrics;
 pub mod model;
 pub mod modelcache;
+pub mod pod_security;
 pub mod supervise;

@@ -364,7 +364,15 @@ fn time_estimate(b: f64, moe: bool, cal: &CalibrationRec, reasons: &mut Vec<Stri
     if moe {
         minutes *= 2.0;
     }
-    let timeout = ((minutes * 3.0 * 60.0 / 3600.0).ceil() as i64 * 3600).clamp(3600, 172_800);
+    // Whole hours, 1 to 48, computed in floating point so that an absurd estimate (a hub's or a
+    // config's size) cannot overflow the integer conversion.
+    let hours = (minutes * 3.0 / 60.0).ceil();
+    let hours = if hours.is_finite() {
+        hours.clamp(1.0, 48.0)
+    } else {
+        48.0
+    };
+    let timeout = hours as i64 * 3600;
     reasons.push(format!(
         "timeoutSeconds {timeout}: about 3x the estimated {:.0} min",
         minutes

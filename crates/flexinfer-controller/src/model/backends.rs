@@ -125,11 +125,18 @@ pub fn container(
     image: &str,
 ) -> Container {
     let mounted = mount(artifact);
-    let mut mounts = vec![VolumeMount {
-        name: "dshm".into(),
-        mount_path: "/dev/shm".into(),
-        ..Default::default()
-    }];
+    let mut mounts = vec![
+        VolumeMount {
+            name: "dshm".into(),
+            mount_path: "/dev/shm".into(),
+            ..Default::default()
+        },
+        VolumeMount {
+            name: serving::HOME_VOLUME.into(),
+            mount_path: serving::HOME.into(),
+            ..Default::default()
+        },
+    ];
     if let Some((_, m)) = &mounted {
         mounts.push(m.clone());
     }

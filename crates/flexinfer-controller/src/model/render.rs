@@ -34,6 +34,8 @@ pub struct RenderConfig {
     /// Longest idle time of a gated canary (`FLEXINFER_CANARY_MAX_IDLE_SECONDS`; `None`:
     /// [`super::gate::DEFAULT_CANARY_MAX_IDLE`]).
     pub canary_max_idle: Option<std::time::Duration>,
+    /// `FLEXINFER_GPU_SUPPLEMENTAL_GROUPS`: supplemental groups of serving pods that request a GPU.
+    pub gpu_supplemental_groups: Vec<i64>,
 }
 
 impl RenderConfig {
@@ -56,6 +58,9 @@ impl RenderConfig {
         Self {
             runtime_images,
             canary_max_idle,
+            gpu_supplemental_groups: crate::pod_security::groups_from_lookup(|k| {
+                std::env::var(k).ok()
+            }),
         }
     }
 
@@ -241,12 +246,31 @@ pub fn render(
         .unwrap_or_else(|| default_image(spec.backend).to_string());
 
     let mut container = backends::container(model, &artifact, format, &image);
-    // Env: profile env, then the backend's (later names win, no duplicates).
+    // Env: the writable home, then the profile env, then the backend's (later names win, no
+    // duplicates).
     let backend_env = container.env.take().unwrap_or_default();
-    container.env = Some(merge_env(gpu.env.iter().cloned().chain(backend_env)));
+    container.env = Some(merge_env(
+        serving_home_env()
+            .into_iter()
+            .chain(gpu.env.iter().cloned())
+            .chain(backend_env),
+    ));
     container.resources = Some(resources(model, &gpu));
+    container.security_context = Some(crate::pod_security::container_context());
 
-    let pod = pod_template(model, container, &artifact, gpu.node_selector, &served_path);
+    let groups: &[i64] = if spec.gpu.count > 0 {
+        &config.gpu_supplemental_groups
+    } else {
+        &[]
+    };
+    let pod = pod_template(
+        model,
+        container,
+        &artifact,
+        gpu.node_selector,
+        &served_path,
+        groups,
+    );
     Ok(Rendered {
         deployment: deployment(model, pod),
         service: service(model),
@@ -413,6 +437,18 @@ fn cache_artifact(
 }
 
 /// Later variables replace earlier ones of the same name (the replacement goes last).
+/// The serving pod runs as a user that the image's `/etc/passwd` may not know, so its `HOME`
+/// would be `/`, which it cannot write: backends keep caches under `$HOME/.cache` (vLLM's compile
+/// cache, the hub cache of hub-sourced Models, Ollama's `~/.ollama`). `HOME` is the pod's own
+/// writable scratch volume instead; a profile or backend env may still set it.
+fn serving_home_env() -> Vec<EnvVar> {
+    vec![EnvVar {
+        name: "HOME".into(),
+        value: Some(serving::HOME.into()),
+        value_from: None,
+    }]
+}
+
 fn merge_env(vars: impl IntoIterator<Item = EnvVar>) -> Vec<EnvVar> {
     let mut env: Vec<EnvVar> = Vec::new();
     for v in vars {
@@ -472,6 +508,7 @@ fn pod_template(
     artifact: &Artifact,
     profile_selector: BTreeMap<String, String>,
     served_path: &Option<String>,
+    supplemental_groups: &[i64],
 ) -> PodTemplateSpec {
     let spec = &model.spec;
     let mut annotations = BTreeMap::from([(
@@ -484,14 +521,21 @@ fn pod_template(
     if let Some(g) = &spec.gpu.shared {
         annotations.insert(annotations::GPU_SHARED_GROUP.to_string(), g.clone());
     }
-    let mut volumes = vec![Volume {
-        name: "dshm".into(),
-        empty_dir: Some(EmptyDirVolumeSource {
-            medium: Some("Memory".into()),
-            size_limit: None,
-        }),
-        ..Default::default()
-    }];
+    let mut volumes = vec![
+        Volume {
+            name: "dshm".into(),
+            empty_dir: Some(EmptyDirVolumeSource {
+                medium: Some("Memory".into()),
+                size_limit: None,
+            }),
+            ..Default::default()
+        },
+        Volume {
+            name: serving::HOME_VOLUME.into(),
+            empty_dir: Some(EmptyDirVolumeSource::default()),
+            ..Default::default()
+        },
+    ];
     if let Artifact::Volume { claim, .. } = artifact {
         volumes.push(Volume {
             name: "model".into(),
@@ -519,6 +563,7 @@ fn pod_template(
             tolerations: Some(tolerations(model)),
             enable_service_links: Some(false),
             automount_service_account_token: Some(false),
+            security_context: Some(crate::pod_security::pod_context(supplemental_groups)),
             termination_grace_period_seconds: Some(30),
             ..Default::default()
         }),

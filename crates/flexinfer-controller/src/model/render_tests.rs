@@ -503,3 +503,77 @@ fn bad_input() {
         Some("SourceUnsupported")
     );
 }
+
+/// Serving pods get the pipeline Jobs' hardening (non-root, no escalation, no capabilities,
+/// seccomp RuntimeDefault), a writable `HOME` that a profile may still override, and the
+/// configured GPU supplemental groups only when configured.
+#[test]
+fn serving_pods_are_hardened_like_jobs() {
+    use crate::pod_security::NONROOT_ID;
+    let m = model(
+        "m",
+        serde_json::json!({"backend": "vllm", "source": "org/model", "gpu": {"profile": "gfx1100"}}),
+    );
+    let p = profile();
+    let pod = |cfg: &RenderConfig, p: &GPUProfile| {
+        let r = render(&m, None, Some(p), cfg).unwrap_or_else(|e| panic!("{e}"));
+        r.deployment
+            .spec
+            .and_then(|s| s.template.spec)
+            .unwrap_or_else(|| panic!("no pod spec"))
+    };
+    let spec = pod(&RenderConfig::default(), &p);
+    let sc = spec.security_context.clone().unwrap_or_default();
+    assert_eq!(sc.run_as_non_root, Some(true));
+    assert_eq!(sc.run_as_user, Some(NONROOT_ID));
+    assert_eq!(sc.fs_group, Some(NONROOT_ID));
+    assert_eq!(
+        sc.seccomp_profile.map(|s| s.type_).as_deref(),
+        Some("RuntimeDefault")
+    );
+    assert_eq!(sc.supplemental_groups, None, "no groups unless configured");
+    let c = &spec.containers[0];
+    let csc = c.security_context.clone().unwrap_or_default();
+    assert_eq!(csc.allow_privilege_escalation, Some(false));
+    assert_eq!(csc.privileged, Some(false));
+    assert_eq!(
+        csc.capabilities.and_then(|c| c.drop),
+        Some(vec!["ALL".to_string()])
+    );
+    // HOME is a mounted scratch volume of the pod.
+    assert_eq!(
+        env(c, "HOME").as_deref(),
+        Some(flexinfer_api::contract::serving::HOME)
+    );
+    let mount = c
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|v| v.mount_path == flexinfer_api::contract::serving::HOME)
+        .unwrap_or_else(|| panic!("HOME is not mounted"));
+    assert!(spec
+        .volumes
+        .iter()
+        .flatten()
+        .any(|v| v.name == mount.name && v.empty_dir.is_some()));
+
+    let cfg = RenderConfig {
+        gpu_supplemental_groups: vec![44, 109],
+        ..Default::default()
+    };
+    let spec = pod(&cfg, &p);
+    assert_eq!(
+        spec.security_context.and_then(|s| s.supplemental_groups),
+        Some(vec![44, 109])
+    );
+
+    // A profile's HOME wins over the default.
+    let mut p2 = p.clone();
+    p2.spec.env.push(k8s_openapi::api::core::v1::EnvVar {
+        name: "HOME".into(),
+        value: Some("/root".into()),
+        value_from: None,
+    });
+    let spec = pod(&RenderConfig::default(), &p2);
+    assert_eq!(env(&spec.containers[0], "HOME").as_deref(), Some("/root"));
+}

@@ -31,6 +31,8 @@ pub struct Config {
     /// `FLEXINFER_STUCK_POD_SECONDS`: how long a pipeline pod may stay unschedulable or unable to
     /// pull its image before the attempt counts as failed (default 300 s).
     pub stuck_pod_after: Duration,
+    /// `FLEXINFER_GPU_SUPPLEMENTAL_GROUPS`: supplemental groups of pods that request a GPU.
+    pub gpu_supplemental_groups: Vec<i64>,
 }
 
 impl Default for Config {
@@ -50,6 +52,7 @@ impl Default for Config {
             hf_endpoint: None,
             keep_generations: 1,
             stuck_pod_after: Duration::from_secs(300),
+            gpu_supplemental_groups: Vec::new(),
         }
     }
 }
@@ -105,6 +108,7 @@ impl Config {
                 .and_then(|v| v.trim().parse::<usize>().ok())
                 .map(|n| n.min(16))
                 .unwrap_or(1),
+            gpu_supplemental_groups: crate::pod_security::groups_from_lookup(&get),
         }
     }
 

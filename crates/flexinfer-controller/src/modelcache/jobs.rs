@@ -10,10 +10,9 @@ use k8s_openapi::api::batch::v1::{
     Job, JobSpec, PodFailurePolicy, PodFailurePolicyOnExitCodesRequirement, PodFailurePolicyRule,
 };
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, EnvVar, EnvVarSource, PersistentVolumeClaim,
-    PersistentVolumeClaimSpec, PersistentVolumeClaimVolumeSource, PodSecurityContext, PodSpec,
-    PodTemplateSpec, ResourceRequirements, SeccompProfile, SecretKeySelector, SecurityContext,
-    Toleration, Volume, VolumeMount, VolumeResourceRequirements,
+    Container, EnvVar, EnvVarSource, PersistentVolumeClaim, PersistentVolumeClaimSpec,
+    PersistentVolumeClaimVolumeSource, PodSpec, PodTemplateSpec, ResourceRequirements,
+    SecretKeySelector, Toleration, Volume, VolumeMount, VolumeResourceRequirements,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
@@ -434,6 +433,12 @@ pub fn build_job(
     {
         requests.insert(gpu.0, gpu.1);
     }
+    // A pod with a GPU resource gets the device nodes' groups (AMD: render, video).
+    let gpu_groups: &[i64] = if requests.keys().any(|k| k != "memory") {
+        &config.gpu_supplemental_groups
+    } else {
+        &[]
+    };
 
     let mut tolerations = Vec::new();
     if t.gpu_pinned {
@@ -507,17 +512,7 @@ pub fn build_job(
                     automount_service_account_token: Some(false),
                     node_selector: (!t.node_selector.is_empty()).then(|| t.node_selector.clone()),
                     tolerations: (!tolerations.is_empty()).then_some(tolerations),
-                    security_context: Some(PodSecurityContext {
-                        run_as_non_root: Some(true),
-                        run_as_user: Some(65532),
-                        run_as_group: Some(65532),
-                        fs_group: Some(65532),
-                        seccomp_profile: Some(SeccompProfile {
-                            type_: "RuntimeDefault".into(),
-                            localhost_profile: None,
-                        }),
-                        ..Default::default()
-                    }),
+                    security_context: Some(crate::pod_security::pod_context(gpu_groups)),
                     containers: vec![Container {
                         name: "worker".into(),
                         image: Some(image.to_string()),
@@ -534,20 +529,7 @@ pub fn build_job(
                             mount_path: contract::CACHE_MOUNT.into(),
                             ..Default::default()
                         }]),
-                        security_context: Some(SecurityContext {
-                            allow_privilege_escalation: Some(false),
-                            privileged: Some(false),
-                            run_as_non_root: Some(true),
-                            capabilities: Some(Capabilities {
-                                drop: Some(vec!["ALL".into()]),
-                                add: None,
-                            }),
-                            seccomp_profile: Some(SeccompProfile {
-                                type_: "RuntimeDefault".into(),
-                                localhost_profile: None,
-                            }),
-                            ..Default::default()
-                        }),
+                        security_context: Some(crate::pod_security::container_context()),
                         termination_message_policy: Some("FallbackToLogsOnError".into()),
                         ..Default::default()
                     }],

@@ -430,3 +430,28 @@ fn pod_annotations_cannot_loosen_confinement() {
         }
     }
 }
+
+#[test]
+fn gpu_jobs_get_the_configured_supplemental_groups_and_cpu_jobs_none() {
+    let mut c = cfg();
+    c.gpu_supplemental_groups = vec![44, 110];
+    let mc = cache(FULL);
+    let profiles = [profile("gfx1100", "q")];
+    let pod_groups = |phase: JobPhase, c: &Config| {
+        let t_ = jobs::resolve_target(&mc, phase, &profiles, c);
+        let job = jobs::build_job(&mc, &Default::default(), &[], &t_, "q", "h", c);
+        let sc = job
+            .spec
+            .and_then(|s| s.template.spec)
+            .and_then(|s| s.security_context)
+            .unwrap_or_else(|| panic!("{phase:?}: no pod security context"));
+        assert_eq!(sc.run_as_non_root, Some(true), "{phase:?}");
+        sc.supplemental_groups
+    };
+    // Quantize requests the profile's GPU; download and publish never request one.
+    assert_eq!(pod_groups(JobPhase::Quantize, &c), Some(vec![44, 110]));
+    assert_eq!(pod_groups(JobPhase::Download, &c), None);
+    assert_eq!(pod_groups(JobPhase::Publish, &c), None);
+    // Unset: no groups anywhere (and the Job hash inputs stay as before).
+    assert_eq!(pod_groups(JobPhase::Quantize, &cfg()), None);
+}

@@ -1,0 +1,139 @@
+//! The one pod hardening of every pod the controller creates: pipeline Jobs and serving
+//! Deployments run as a non-root user, without privilege escalation, with every capability
+//! dropped and the runtime's default seccomp profile (docs/user/install.md, "Pod security").
+//!
+//! GPU access comes from the device plugin's resource, never from privileged mode. AMD device
+//! nodes (`/dev/kfd`, `/dev/dri/renderD*`) are usually group-owned (`render`, `video`) with mode
+//! 0660, so a non-root pod on an AMD node needs those groups: `FLEXINFER_GPU_SUPPLEMENTAL_GROUPS`
+//! (chart value `gpuSupplementalGroups`) adds them to every pod that requests a GPU.
+
+use k8s_openapi::api::core::v1::{
+    Capabilities, PodSecurityContext, SeccompProfile, SecurityContext,
+};
+
+use flexinfer_api::contract::env;
+
+/// User and group every FlexInfer pod runs as (the `nonroot` user of distroless-style images).
+pub const NONROOT_ID: i64 = 65532;
+
+/// Most supplemental groups accepted from `FLEXINFER_GPU_SUPPLEMENTAL_GROUPS`.
+pub const MAX_SUPPLEMENTAL_GROUPS: usize = 16;
+
+fn runtime_default() -> SeccompProfile {
+    SeccompProfile {
+        type_: "RuntimeDefault".into(),
+        localhost_profile: None,
+    }
+}
+
+/// Pod-level context: non-root user/group, `fsGroup` so the pod can read and write its volumes,
+/// seccomp `RuntimeDefault`, and `groups` as supplemental groups (none when empty).
+pub fn pod_context(groups: &[i64]) -> PodSecurityContext {
+    PodSecurityContext {
+        run_as_non_root: Some(true),
+        run_as_user: Some(NONROOT_ID),
+        run_as_group: Some(NONROOT_ID),
+        fs_group: Some(NONROOT_ID),
+        supplemental_groups: (!groups.is_empty()).then(|| groups.to_vec()),
+        seccomp_profile: Some(runtime_default()),
+        ..Default::default()
+    }
+}
+
+/// Container-level context: no privilege escalation, not privileged, every capability dropped.
+pub fn container_context() -> SecurityContext {
+    SecurityContext {
+        allow_privilege_escalation: Some(false),
+        privileged: Some(false),
+        run_as_non_root: Some(true),
+        capabilities: Some(Capabilities {
+            drop: Some(vec!["ALL".into()]),
+            add: None,
+        }),
+        seccomp_profile: Some(runtime_default()),
+        ..Default::default()
+    }
+}
+
+/// Parses `FLEXINFER_GPU_SUPPLEMENTAL_GROUPS` (comma- or space-separated group ids). Group 0
+/// (root) and anything that is not a positive 32-bit id are refused, naming the entry.
+pub fn parse_groups(value: &str) -> Result<Vec<i64>, String> {
+    let mut out = Vec::new();
+    for part in value
+        .split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|p| !p.is_empty())
+    {
+        let id: u32 = part.parse().map_err(|_| {
+            format!(
+                "{}: {part:?} is not a group id (a number such as the node's `render` gid)",
+                env::controller::GPU_SUPPLEMENTAL_GROUPS
+            )
+        })?;
+        if id == 0 {
+            return Err(format!(
+                "{}: group 0 (root) is not allowed",
+                env::controller::GPU_SUPPLEMENTAL_GROUPS
+            ));
+        }
+        if !out.contains(&i64::from(id)) {
+            out.push(i64::from(id));
+        }
+        if out.len() > MAX_SUPPLEMENTAL_GROUPS {
+            return Err(format!(
+                "{}: more than {MAX_SUPPLEMENTAL_GROUPS} groups",
+                env::controller::GPU_SUPPLEMENTAL_GROUPS
+            ));
+        }
+    }
+    Ok(out)
+}
+
+/// `FLEXINFER_GPU_SUPPLEMENTAL_GROUPS` from an environment lookup; an invalid value is logged
+/// and ignored (the pods then run without extra groups, as if it were unset).
+pub fn groups_from_lookup(get: impl Fn(&str) -> Option<String>) -> Vec<i64> {
+    let Some(v) = get(env::controller::GPU_SUPPLEMENTAL_GROUPS) else {
+        return Vec::new();
+    };
+    match parse_groups(&v) {
+        Ok(g) => g,
+        Err(e) => {
+            tracing::error!("{e}; no supplemental groups are added to GPU pods");
+            Vec::new()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn groups_parse_and_refuse_root_and_junk() {
+        assert_eq!(parse_groups("").unwrap(), Vec::<i64>::new());
+        assert_eq!(parse_groups("44, 109 44").unwrap(), vec![44, 109]);
+        assert!(parse_groups("0").unwrap_err().contains("root"));
+        assert!(parse_groups("render").unwrap_err().contains("\"render\""));
+        assert!(parse_groups("-5").is_err());
+        assert!(parse_groups("99999999999").is_err());
+        let many = (1..=17)
+            .map(|i| i.to_string())
+            .collect::<Vec<_>>()
+            .join(",");
+        assert!(parse_groups(&many).unwrap_err().contains("more than"));
+    }
+
+    #[test]
+    fn pod_context_is_non_root_with_groups_only_when_given() {
+        let p = pod_context(&[]);
+        assert_eq!(p.run_as_non_root, Some(true));
+        assert_eq!(p.run_as_user, Some(NONROOT_ID));
+        assert_eq!(p.supplemental_groups, None);
+        assert_eq!(pod_context(&[44]).supplemental_groups, Some(vec![44]));
+        let c = container_context();
+        assert_eq!(c.allow_privilege_escalation, Some(false));
+        assert_eq!(
+            c.capabilities.and_then(|c| c.drop),
+            Some(vec!["ALL".to_string()])
+        );
+    }
+}

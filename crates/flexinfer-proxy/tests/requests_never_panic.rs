@@ -1,0 +1,149 @@
+//! Property tests (issue #15, class 1) over what a client or a Model author controls in the proxy:
+//! request bodies (the `model` peek and the rewrite), `Authorization` headers against the key
+//! list, the requested model name against the routing table, and a Model's serverless timings
+//! (cold-start wait, keepalive, the lastActiveTime write decision). None may panic.
+//!
+//! 100 000 cases per property by default (`PROPTEST_CASES` overrides).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use flexinfer_api::Model;
+use flexinfer_proxy::auth::ApiKeys;
+use flexinfer_proxy::{plan, route, server};
+use k8s_openapi::jiff::Timestamp;
+use proptest::prelude::*;
+
+fn cases() -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100_000)
+}
+
+/// Bodies: arbitrary bytes, JSON objects with odd `model` values, deep nesting, huge numbers.
+fn body() -> impl Strategy<Value = Vec<u8>> {
+    prop_oneof![
+        prop::collection::vec(any::<u8>(), 0..200),
+        "\\PC{0,120}".prop_map(String::into_bytes),
+        (
+            prop_oneof![
+                ".{0,40}".prop_map(serde_json::Value::from),
+                any::<f64>().prop_map(serde_json::Value::from),
+                Just(serde_json::Value::Null),
+                Just(serde_json::json!({"a": [1, 2]})),
+            ],
+            ".{0,30}"
+        )
+            .prop_map(|(model, extra)| {
+                serde_json::to_vec(
+                    &serde_json::json!({"model": model, "prompt": extra, "stream": true}),
+                )
+                .unwrap_or_default()
+            }),
+        (1usize..200)
+            .prop_map(|n| format!("{}{}", "{\"a\":[".repeat(n), "]}".repeat(n)).into_bytes()),
+        Just(b"{\"model\": 1e999999}".to_vec()),
+        Just(b"  \n{\"model\":\"m\"".to_vec()),
+    ]
+}
+
+fn model(
+    name: &str,
+    aliases: &[String],
+    cold: &str,
+    keepalive: &str,
+    idle: &str,
+) -> Option<Arc<Model>> {
+    serde_json::from_value::<Model>(serde_json::json!({
+        "apiVersion": "ai.flexinfer/v1alpha2", "kind": "Model",
+        "metadata": {"name": name, "namespace": "ns"},
+        "spec": {"backend": "vllm", "source": "pvc://c/p", "aliases": aliases,
+                 "serverless": {"enabled": true, "minReplicas": 0, "coldStartTimeout": cold,
+                                "keepaliveInterval": keepalive, "idleTimeout": idle}}
+    }))
+    .ok()
+    .map(Arc::new)
+}
+
+fn duration_text() -> impl Strategy<Value = String> {
+    prop_oneof![
+        ".{0,20}",
+        "[0-9]{1,30}(ms|s|m|h|d)?",
+        Just("4999999999999999h".to_string()),
+        Just("0s".to_string()),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
+
+    #[test]
+    fn request_bodies_never_panic(b in body(), served in ".{0,40}") {
+        let peeked = server::requested_model(&b);
+        let rewritten = server::rewrite_model(&b, &served);
+        // A body whose model could be read is a JSON object, so it can be rewritten, and the
+        // rewrite names the served model.
+        if peeked.is_ok() {
+            let out = rewritten.unwrap_or_else(|e| panic!("peeked but not rewritten: {e:?}"));
+            let v: serde_json::Value = serde_json::from_slice(&out).unwrap_or_default();
+            prop_assert_eq!(v["model"].as_str(), Some(served.as_str()));
+        }
+    }
+
+    #[test]
+    fn auth_headers_never_panic(
+        keys in "\\PC{0,80}",
+        header in prop::collection::vec(any::<u8>(), 0..80),
+        bearer in ".{0,40}",
+    ) {
+        let k = ApiKeys::parse(&keys);
+        for value in [header.clone(), format!("Bearer {bearer}").into_bytes(), b"bearer ".to_vec()] {
+            let mut h = http::HeaderMap::new();
+            if let Ok(v) = http::HeaderValue::from_bytes(&value) {
+                h.insert(http::header::AUTHORIZATION, v);
+            }
+            let _ = k.allows(&h);
+        }
+        // A listed key is always accepted.
+        if let Some(first) = keys
+            .lines()
+            .filter(|l| !l.trim_start().starts_with('#'))
+            .flat_map(|l| l.split(','))
+            .map(str::trim)
+            .find(|k| !k.is_empty())
+        {
+            if let Ok(v) = http::HeaderValue::from_str(&format!("Bearer {first}")) {
+                let mut h = http::HeaderMap::new();
+                h.insert(http::header::AUTHORIZATION, v);
+                prop_assert!(k.allows(&h), "key {first:?} of {keys:?} refused");
+            }
+        }
+    }
+
+    #[test]
+    fn routing_and_serverless_timings_never_panic(
+        requested in prop_oneof!["\\PC{0,60}", "[a-z/]{0,20}"],
+        aliases in prop::collection::vec("[a-z0-9./-]{0,20}", 0..4),
+        cold in duration_text(),
+        keepalive in duration_text(),
+        idle in duration_text(),
+        current in prop::option::of(-10_000_000_000i64..10_000_000_000),
+        now in -10_000_000_000i64..10_000_000_000,
+        interval_ms in any::<u64>(),
+        waited_s in any::<u64>(),
+    ) {
+        let Some(m) = model("m", &aliases, &cold, &keepalive, &idle) else { return Ok(()); };
+        let models = vec![m.clone(), model("other", &[], "1s", "1s", "1s").unwrap_or_else(|| m.clone())];
+        let _ = route::resolve(&models, &requested);
+        let _ = route::model_list(&models);
+        let _ = plan::admit(&m, false);
+        let timeout = plan::cold_start_timeout(&m);
+        let _ = plan::deadline(tokio::time::Instant::now(), timeout);
+        let ka = plan::keepalive_interval(&m, Duration::from_millis(interval_ms));
+        let ts = |s: i64| Timestamp::from_second(s).unwrap_or_default();
+        let _ = plan::should_write(current.map(ts), ts(now), ka);
+        let _ = plan::written_at_most(ts(now));
+        let _ = plan::not_ready_reason(&m, Duration::from_secs(waited_s));
+    }
+}
