@@ -35,10 +35,12 @@ pub use flexinfer_fsutil::{now_rfc3339, write_atomic};
 
 mod events;
 mod fs;
+mod retry;
 mod termination;
 
 pub use events::Events;
 pub use fs::{is_derived_dir, model_files, ModelFile};
+pub use retry::Retry;
 pub use termination::{check_version, finish, termination_log_path};
 
 #[cfg(test)]

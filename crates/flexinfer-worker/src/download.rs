@@ -503,7 +503,7 @@ pub fn bytes_progress(done: u64, total: u64, rate: f64, what: &str) -> ProgressE
         done as f64 * 100.0 / total as f64
     };
     let eta = if rate > 0.0 && done < total {
-        format!(", ETA {:.0}s", (total - done) as f64 / rate)
+        format!(", ETA {:.0}s", total.saturating_sub(done) as f64 / rate)
     } else {
         String::new()
     };

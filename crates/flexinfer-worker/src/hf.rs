@@ -1,8 +1,11 @@
 //! Hugging Face Hub HTTP API: list a repository's files at a revision and build download URLs.
 
+use std::time::Duration;
+
 use flexinfer_contract::check_relative_path;
 use serde::Deserialize;
 
+use crate::common::Retry;
 use crate::download::fetch::{classify_status, http_error, FetchError};
 use crate::download::RemoteFile;
 use crate::http::{self, ScopedAuth};
@@ -138,15 +141,15 @@ pub async fn list_files(
     let auth = token.and_then(|t| ScopedAuth::new(format!("Bearer {t}"), endpoint));
     let mut out = Vec::new();
     for _page in 0..10_000 {
-        let mut attempt = 0u32;
+        let mut retry = Retry::new(Duration::from_secs(1), Duration::from_secs(8), 4);
         let (entries, next): (Vec<TreeEntry>, Option<String>) = loop {
             let mut req = client.get(&url);
             if let Some(a) = auth.as_ref().and_then(|a| a.for_url(&url)) {
                 req = req.header(reqwest::header::AUTHORIZATION, a);
             }
-            match req.send().await {
+            let failure = match req.send().await {
                 Ok(resp) if resp.status().is_success() => {
-                    let next = next_link(resp.headers());
+                    let next = http::next_link(resp.headers());
                     let body = match http::read_body_limited(
                         resp,
                         http::limits::HUB_LISTING_PAGE,
@@ -162,33 +165,24 @@ pub async fn list_files(
                         serde_json::from_slice::<Vec<TreeEntry>>(&b).map_err(|e| e.to_string())
                     }) {
                         Ok(e) => break (e, next),
-                        Err(e) if attempt < 4 => {
-                            tracing::warn!(error = %e, "hub listing body failed; retrying");
-                        }
                         Err(e) => {
-                            return Err(FetchError::Retryable(format!(
-                                "listing {what}: bad response body: {e}"
-                            )))
+                            FetchError::Retryable(format!("listing {what}: bad response body: {e}"))
                         }
                     }
                 }
                 Ok(resp) => {
                     let err = http_error(&what, resp.status(), token.is_some());
-                    if !matches!(classify_status(resp.status()), FetchError::Retryable(_))
-                        || attempt >= 4
-                    {
+                    if !matches!(classify_status(resp.status()), FetchError::Retryable(_)) {
                         return Err(err);
                     }
+                    err
                 }
-                Err(e) if attempt < 4 => {
-                    tracing::warn!(error = %e, "hub listing request failed; retrying");
-                }
-                Err(e) => {
-                    return Err(FetchError::Retryable(format!("listing {what}: {e}")));
-                }
+                Err(e) => FetchError::Retryable(format!("listing {what}: {e}")),
+            };
+            tracing::warn!(error = %failure, "hub listing failed");
+            if !retry.wait().await {
+                return Err(failure);
             }
-            attempt += 1;
-            tokio::time::sleep(std::time::Duration::from_millis(500 << attempt)).await;
         };
         for e in entries {
             if e.kind != "file" {
@@ -218,19 +212,6 @@ pub async fn list_files(
 }
 
 /// `Link: <url>; rel="next"`.
-fn next_link(h: &reqwest::header::HeaderMap) -> Option<String> {
-    let v = h.get(reqwest::header::LINK)?.to_str().ok()?;
-    v.split(',').find_map(|part| {
-        let part = part.trim();
-        if !part.contains("rel=\"next\"") {
-            return None;
-        }
-        let start = part.find('<')? + 1;
-        let end = part.find('>')?;
-        part.get(start..end).map(String::from)
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -278,7 +259,7 @@ mod tests {
                 .unwrap(),
         );
         assert_eq!(
-            next_link(&h).as_deref(),
+            http::next_link(&h).as_deref(),
             Some("https://h/api/models/a/tree/main?cursor=x")
         );
     }

@@ -130,6 +130,20 @@ pub async fn read_body_limited(
 }
 
 /// The start of an error body, for a message (never more than [`limits::ERROR_BODY`] is read).
+/// The target of the `rel="next"` entry of a `Link` header (pagination of hub listings and registry
+/// tag lists), as written: it may be relative, and the caller decides which host it may go to.
+pub fn next_link(h: &reqwest::header::HeaderMap) -> Option<String> {
+    let v = h.get(reqwest::header::LINK)?.to_str().ok()?;
+    v.split(',').find_map(|part| {
+        let part = part.trim();
+        if !part.contains("rel=\"next\"") {
+            return None;
+        }
+        let (_, rest) = part.split_once('<')?;
+        rest.split_once('>').map(|(url, _)| url.to_string())
+    })
+}
+
 pub async fn error_text(resp: reqwest::Response) -> String {
     match read_body_limited(resp, limits::ERROR_BODY, "error").await {
         Ok(b) => String::from_utf8_lossy(&b).chars().take(300).collect(),

@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tokio::sync::Mutex;
 
-use crate::common::WorkerError;
+use crate::common::{Retry, WorkerError};
 use crate::download::fetch::strip_url;
 use crate::download::RemoteFile;
 use crate::http::{self, Origin, ScopedAuth};
@@ -201,7 +201,7 @@ impl Registry {
         build: impl Fn(&reqwest::Client) -> reqwest::RequestBuilder,
     ) -> Result<reqwest::Response, OciError> {
         let mut authed = false;
-        let mut attempt = 0u32;
+        let mut retry = Retry::new(Duration::from_millis(600), Duration::from_secs(5), 4);
         loop {
             let mut req = build(&self.client)
                 .build()
@@ -217,15 +217,18 @@ impl Registry {
                     authed = true;
                     self.authenticate(resp.headers()).await?;
                 }
-                Ok(resp) if resp.status().is_server_error() && attempt < 4 => {
-                    attempt += 1;
-                    tokio::time::sleep(Duration::from_millis(300 << attempt)).await;
+                // A 5xx is retried; once the retries are used it is answered as it is.
+                Ok(resp) if resp.status().is_server_error() => {
+                    if !retry.wait().await {
+                        return Ok(resp);
+                    }
                 }
                 Ok(resp) => return Ok(resp),
-                Err(e) if attempt < 4 && !e.is_builder() => {
-                    attempt += 1;
-                    tracing::warn!(error = %strip_url(&e), "registry request failed; retrying");
-                    tokio::time::sleep(Duration::from_millis(300 << attempt)).await;
+                Err(e) if !e.is_builder() => {
+                    tracing::warn!(error = %strip_url(&e), "registry request failed");
+                    if !retry.wait().await {
+                        return Err(transport(what, &e));
+                    }
                 }
                 Err(e) => return Err(transport(what, &e)),
             }
@@ -427,22 +430,25 @@ impl Registry {
         size: u64,
         sent: Arc<AtomicU64>,
     ) -> Result<(), OciError> {
-        let mut attempt = 0u32;
+        let mut retry = Retry::new(Duration::from_secs(1), Duration::from_secs(10), 4);
         loop {
             let before = sent.load(Ordering::Relaxed);
             match self.push_file_once(path, digest, size, &sent).await {
                 Ok(()) => return Ok(()),
-                Err(OciError::Transport(m)) if attempt < 4 => {
-                    attempt += 1;
+                Err(OciError::Transport(m)) => {
                     // Bytes of the failed attempt do not count.
                     let now = sent.load(Ordering::Relaxed);
                     sent.fetch_sub(now.saturating_sub(before), Ordering::Relaxed);
+                    let Some(delay) = retry.next_delay() else {
+                        return Err(OciError::Transport(m));
+                    };
+                    let attempt = retry.attempt();
                     tracing::warn!(error = %m, attempt, "blob upload failed; retrying");
                     eprintln!(
-                        "retrying upload of {} (attempt {attempt}): {m}",
+                        "retrying upload of {} in {delay:.1?} (attempt {attempt}): {m}",
                         path.display()
                     );
-                    tokio::time::sleep(Duration::from_millis(500 << attempt)).await;
+                    tokio::time::sleep(delay).await;
                 }
                 Err(e) => return Err(e),
             }
@@ -570,15 +576,7 @@ impl Registry {
                 let s = resp.status();
                 return Err(self.status_error("listing tags", s, ""));
             }
-            let next = resp
-                .headers()
-                .get(reqwest::header::LINK)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| {
-                    let s = v.find('<')? + 1;
-                    let e = v.find('>')?;
-                    v.get(s..e).map(|u| self.absolute(u))
-                });
+            let next = http::next_link(resp.headers()).map(|u| self.absolute(&u));
             let body = http::read_body_limited(resp, http::limits::TAG_LIST, "listing tags")
                 .await
                 .map_err(body_error)?;

@@ -401,7 +401,7 @@ fn spawn_ticker(
         let (h, s) = (hashed.load(Ordering::Relaxed), sent.load(Ordering::Relaxed));
         // Hashing and uploading each count for half of the work.
         let mut p = bytes_progress(
-            (h + s) / 2,
+            h.saturating_add(s) / 2,
             total,
             s as f64 / secs,
             if s == 0 { "hashing" } else { "uploading" },

@@ -191,17 +191,17 @@ impl Engine {
         }
         let prompt_tokens = tokens.len();
         let max_tokens = max_tokens.min(MAX_NEW_TOKENS);
-        if prompt_tokens + max_tokens > MAX_CONTEXT {
+        if prompt_tokens.saturating_add(max_tokens) > MAX_CONTEXT {
             return Err(format!(
                 "prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the stand-in's context of {MAX_CONTEXT}"
             ));
         }
         let mut text = String::new();
-        let mut completion_tokens = 0;
+        let mut completion_tokens = 0usize;
         while completion_tokens < max_tokens {
             let t = self.next_token(&tokens)?;
             tokens.push(t);
-            completion_tokens += 1;
+            completion_tokens = completion_tokens.saturating_add(1);
             let piece = self
                 .tokenizer
                 .decode(&[t], false)
@@ -396,7 +396,7 @@ impl Server {
                         "system_fingerprint": "flexinfer-standin",
                         "choices": [Self::choice(chat, &g.text, Some("length"), false)],
                         "usage": {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens,
-                                  "total_tokens": g.prompt_tokens + g.completion_tokens},
+                                  "total_tokens": g.prompt_tokens.saturating_add(g.completion_tokens)},
                     }),
                 ),
                 Ok(Err(e)) => error(StatusCode::BAD_REQUEST, "invalid_request_error", &e),

@@ -13,6 +13,7 @@ use sha2::{Digest, Sha256};
 use tokio::io::AsyncSeekExt;
 
 use super::RemoteFile;
+use crate::common::Retry;
 use crate::http::ScopedAuth;
 
 /// The flags as `Debug` shows them: the hub token redacted (the registry flags redact their own).
@@ -161,7 +162,11 @@ pub async fn fetch_file(
             .map_err(|e| io_err("removing stale", &dest, e))?;
     }
     let mut counted = 0u64; // bytes of this file included in ctx.done
-    let mut attempts = 0u32;
+    let mut retry = Retry::new(
+        Duration::from_millis(500),
+        Duration::from_secs(30),
+        ctx.max_retries as usize,
+    );
     let mut verify_failures = 0u32;
     loop {
         let before = counted;
@@ -179,7 +184,7 @@ pub async fn fetch_file(
                         let _ = tokio::fs::remove_file(&part).await;
                         ctx.done.fetch_sub(counted, Ordering::Relaxed);
                         counted = 0;
-                        verify_failures += 1;
+                        verify_failures = verify_failures.saturating_add(1);
                         let msg = format!("{why}; the partial file was removed");
                         tracing::warn!(file = %f.path, "verification failed");
                         eprintln!("{msg}");
@@ -199,21 +204,22 @@ pub async fn fetch_file(
                 });
             }
             Err(FetchError::Retryable(msg)) => {
+                // Only failures in a row without progress count against the file.
                 if counted > before {
-                    attempts = 0;
+                    retry.reset();
                 }
-                attempts += 1;
-                if attempts > ctx.max_retries {
+                let Some(delay) = retry.next_delay() else {
                     return Err(FetchError::Failed(format!(
                         "{}: giving up after {} attempts: {msg}",
-                        f.path, attempts
+                        f.path,
+                        retry.attempt().saturating_add(1)
                     )));
-                }
-                let delay = Duration::from_millis((250u64 << attempts.min(7)).min(30_000));
-                tracing::warn!(file = %f.path, attempt = attempts, error = %msg, "retrying");
+                };
+                let attempt = retry.attempt();
+                tracing::warn!(file = %f.path, attempt, error = %msg, "retrying");
                 eprintln!(
-                    "retrying {} in {:?} (attempt {attempts}): {msg}",
-                    f.path, delay
+                    "retrying {} in {delay:.1?} (attempt {attempt}): {msg}",
+                    f.path
                 );
                 tokio::time::sleep(delay).await;
             }
@@ -381,7 +387,7 @@ async fn download_once(
                 break;
             }
         };
-        if pos + chunk.len() as u64 > f.size {
+        if pos.saturating_add(chunk.len() as u64) > f.size {
             failure = Some(FetchError::Retryable(format!(
                 "{}: server sent more than the listed {} bytes",
                 f.path, f.size
@@ -389,7 +395,8 @@ async fn download_once(
             pos = 0;
             break;
         }
-        pos += chunk.len() as u64;
+        // Bounded by the listed size (checked above).
+        pos = pos.saturating_add(chunk.len() as u64);
         ctx.received
             .fetch_add(chunk.len() as u64, Ordering::Relaxed);
         if tx.send(chunk).await.is_err() {
@@ -483,9 +490,11 @@ async fn set_len(file: &mut tokio::fs::File, part: &Path, len: u64) -> Result<()
 
 fn sync_counted(ctx: &FetchCtx, counted: &mut u64, now: u64) {
     if now >= *counted {
-        ctx.done.fetch_add(now - *counted, Ordering::Relaxed);
+        ctx.done
+            .fetch_add(now.saturating_sub(*counted), Ordering::Relaxed);
     } else {
-        ctx.done.fetch_sub(*counted - now, Ordering::Relaxed);
+        ctx.done
+            .fetch_sub(counted.saturating_sub(now), Ordering::Relaxed);
     }
     *counted = now;
 }

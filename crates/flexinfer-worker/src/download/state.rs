@@ -188,7 +188,7 @@ pub fn bytes_needed(dir: &Path, remote: &[RemoteFile]) -> u64 {
                         .unwrap_or(0)
                 }
             };
-            f.size - have
+            f.size.saturating_sub(have)
         })
         .sum()
 }

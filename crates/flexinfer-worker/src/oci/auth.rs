@@ -169,18 +169,21 @@ pub(super) fn parse_challenge(s: &str) -> Vec<(String, String)> {
     let mut out = Vec::new();
     let mut rest = s.trim();
     while !rest.is_empty() {
-        let Some(eq) = rest.find('=') else { break };
-        let key = rest[..eq]
+        let Some((key, after)) = rest.split_once('=') else {
+            break;
+        };
+        let key = key
             .trim()
             .trim_start_matches(',')
             .trim()
             .to_ascii_lowercase();
-        rest = &rest[eq + 1..];
+        rest = after;
         let value;
         if let Some(r) = rest.strip_prefix('"') {
-            let end = r.find('"').unwrap_or(r.len());
-            value = r[..end].to_string();
-            rest = r.get(end + 1..).unwrap_or("");
+            // Up to the closing quote (or the end, when there is none).
+            let (v, tail) = r.split_once('"').unwrap_or((r, ""));
+            value = v.to_string();
+            rest = tail;
         } else {
             let end = rest.find(',').unwrap_or(rest.len());
             value = rest[..end].trim().to_string();
