@@ -210,13 +210,12 @@ pub fn compute(
         .collect();
     let max_len = seqs.iter().map(|s| s.len()).max().unwrap_or(1).max(1);
     let rope = Rope::new(cfg, max_len);
-    let table = store.f32(&cfg.embed_name()).map_err(quant_err)?;
+    // Row by row from the mapped table (Gemma's 262k-token vocabulary would be GiBs in f32).
     let mut hs: Vec<Mat<f32>> = seqs
         .iter()
-        .map(|s| embed(store, cfg, Some(&table), s))
+        .map(|s| embed(store, cfg, None, s))
         .collect::<Result<_, _>>()
         .map_err(quant_err)?;
-    drop(table);
     let first_mod = plan.layers_modified.first().copied().unwrap_or(n_layers);
     let (cr, ch) = (nr.min(CHECK_PROMPTS), nh.min(CHECK_PROMPTS));
     let check_idx: Vec<usize> = (0..cr).chain(nr..nr + ch).collect();

@@ -774,6 +774,133 @@ mod tests {
     }
 
     #[test]
+    fn writer_without_output_norm_is_the_plain_projection_bit_for_bit() {
+        let r = {
+            let mut v: Vec<f32> = (0..7).map(|i| (i as f32 * 1.3).sin()).collect();
+            let n = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+            v.iter_mut().for_each(|x| *x /= n);
+            v
+        };
+        let w: Vec<f32> = (0..7 * 5).map(|i| (i as f32 * 0.37).cos()).collect();
+        let (mut a, mut b) = (w.clone(), w);
+        orthogonalize_write(&mut a, 5, &r);
+        orthogonalize_writer(&mut b, 5, &r, None);
+        assert_eq!(
+            a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            b.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+        assert_eq!(writer_direction(&r, None).unwrap(), r);
+    }
+
+    #[test]
+    fn normalised_writer_adds_nothing_along_r_only_with_the_scaled_direction() {
+        // Residual contribution of writer output x under an output norm g: g ⊙ x / rms(x).
+        let contribution = |w: &[f32], a: &[f32], g: &[f32]| -> Vec<f64> {
+            let x: Vec<f64> = (0..3)
+                .map(|i| (0..2).map(|j| w[i * 2 + j] as f64 * a[j] as f64).sum())
+                .collect();
+            let rms = (x.iter().map(|v| v * v).sum::<f64>() / 3.0).sqrt();
+            x.iter()
+                .zip(g)
+                .map(|(v, &gv)| gv as f64 * v / rms)
+                .collect()
+        };
+        let r = [0.6f32, 0.0, 0.8];
+        let g = [0.5f32, 1.0, 2.0];
+        let w0 = vec![1.0f32, 2.0, -3.0, 0.5, 4.0, 1.5];
+        let a = [0.7f32, -1.1];
+        let along = |c: &[f64]| c.iter().zip(&r).map(|(x, &y)| x * y as f64).sum::<f64>();
+        let mut aware = w0.clone();
+        orthogonalize_writer(&mut aware, 2, &r, Some(&g));
+        assert!(along(&contribution(&aware, &a, &g)).abs() < 1e-6);
+        let mut naive = w0;
+        orthogonalize_writer(&mut naive, 2, &r, None);
+        assert!(along(&contribution(&naive, &a, &g)).abs() > 0.1);
+        let v = writer_direction(&r, Some(&g)).unwrap();
+        let n: f32 = v.iter().map(|x| x * x).sum();
+        assert!((n - 1.0).abs() < 1e-6);
+        // A writer that cannot reach r (g ⊙ r = 0) is left as it is.
+        assert!(writer_direction(&r, Some(&[0.0, 1.0, 0.0])).is_none());
+        let mut w = vec![1.0f32; 6];
+        orthogonalize_writer(&mut w, 2, &r, Some(&[0.0, 1.0, 0.0]));
+        assert_eq!(w, vec![1.0f32; 6]);
+    }
+
+    #[test]
+    fn output_norms_follow_each_gemma_convention() {
+        let root =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/oracle");
+        let settings = |n: usize| super::super::Settings {
+            target: TargetLayers::List((0..n).collect()),
+            matrices: vec![Matrix::OProj, Matrix::DownProj],
+            skip_gdn: true,
+            skip_vision: true,
+            lm_head: false,
+            norm_threshold: 100.0,
+            max_ppl_increase_percent: 5.0,
+        };
+        for (fam, prefix, one_plus, moe) in [
+            ("gemma2", "model.", true, false),
+            ("gemma3_text", "model.", true, false),
+            ("gemma4_text", "model.", false, false),
+            ("gemma4_moe", "model.", false, true),
+            ("gemma4_mm", "model.language_model.", false, false),
+            ("qwen3", "model.", false, false),
+        ] {
+            let dir = root.join(fam);
+            let store = TensorStore::open_dir(&dir).unwrap();
+            let raw = super::super::output::read_config(&dir).unwrap();
+            let layout = Layout::from_model(&store, &raw).unwrap();
+            let cfg = flexinfer_quant::model::ModelConfig::from_json(raw).unwrap();
+            let s = settings(cfg.num_layers);
+            let mut p = plan(&layout, &s, &(0..cfg.num_layers).collect::<Vec<_>>()).unwrap();
+            attach_output_norms(&mut p, &store, &cfg).unwrap();
+            assert_eq!(p.edits.len(), 2 * cfg.num_layers, "{fam}");
+            for e in &p.edits {
+                let Some(n) = &e.out_norm else {
+                    assert_eq!(fam, "qwen3", "{}", e.tensor);
+                    continue;
+                };
+                assert!(e.tensor.starts_with(prefix), "{}", e.tensor);
+                let l = e.layer.unwrap();
+                let lp = format!("{prefix}layers.{l}.");
+                let read = |name: &str| store.f32(&format!("{lp}{name}.weight")).unwrap();
+                let want: Vec<f32> = if e.tensor.ends_with("o_proj.weight") {
+                    read("post_attention_layernorm")
+                } else if moe {
+                    let (a, b) = (
+                        read("post_feedforward_layernorm_1"),
+                        read("post_feedforward_layernorm"),
+                    );
+                    a.iter().zip(&b).map(|(x, y)| x * y).collect()
+                } else {
+                    read("post_feedforward_layernorm")
+                };
+                let want: Vec<f32> = if one_plus {
+                    want.iter().map(|v| v + 1.0).collect()
+                } else {
+                    want
+                };
+                assert_eq!(n.scale, want, "{fam} {}", e.tensor);
+                assert_eq!(
+                    n.norms.len(),
+                    if moe && e.tensor.contains("mlp") {
+                        2
+                    } else {
+                        1
+                    }
+                );
+            }
+            if moe {
+                assert!(
+                    p.guarded_experts > 0,
+                    "the fused experts are counted as guarded"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn half_precision_conversions_round_to_nearest_even() {
         for &x in &[
             0.0f32, 1.0, -2.5, 0.1, 65504.0, 1e-5, -3.0e-7, 1234.5678, 6.1e-5,
