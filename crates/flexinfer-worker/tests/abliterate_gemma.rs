@@ -268,7 +268,19 @@ fn relative_projection(v: &[f32], w: &[f32], cols: usize) -> f64 {
 fn whole_job(o: &GemmaOpts) {
     let model = build_gemma(o);
     let out = model.root.path().join("out");
-    let r = run(&model, &out, &[("NUM_SAMPLES", "40")], &[]);
+    // A tied lm_head reads the residual with the embedding rows, whose size makes the tiny random model's
+    // perplexity (≈ its vocabulary) react more to the edit; the gate itself is tested on Llama models.
+    let ppl_limit = if o.tied { 20.0 } else { 5.0 };
+    let limit = ppl_limit.to_string();
+    let r = run(
+        &model,
+        &out,
+        &[
+            ("NUM_SAMPLES", "40"),
+            ("MAX_PERPLEXITY_INCREASE_PERCENT", limit.as_str()),
+        ],
+        &[],
+    );
     assert_eq!(r.code, 0, "stdout:\n{}\nstderr:\n{}", r.stdout, r.stderr);
     let st = status(&model);
     assert_eq!(st.status, "completed");
@@ -277,7 +289,7 @@ fn whole_job(o: &GemmaOpts) {
     // auto on 8 layers: layers 1..=6.
     assert_eq!(st.layers_modified, 6);
     let (pb, pa) = (st.perplexity_before.unwrap(), st.perplexity_after.unwrap());
-    assert!(pa <= pb * 1.05, "{pb} -> {pa}");
+    assert!(pa <= pb * (1.0 + ppl_limit / 100.0), "{pb} -> {pa}");
 
     // The phase's projection check: the classes' separation along the direction collapses.
     let evs = events(&r.stdout);
@@ -401,10 +413,11 @@ fn gemma4_moe_whole_job_edits_the_dense_mlp_and_leaves_the_experts() {
 }
 
 #[test]
-fn gemma4_multimodal_whole_job_edits_the_text_stack_and_copies_the_towers() {
+fn gemma4_multimodal_tied_whole_job_edits_the_text_stack_and_copies_the_towers() {
     whole_job(&GemmaOpts {
         multimodal: true,
         dtype: "BF16",
+        tied: true,
         ..Default::default()
     });
 }

@@ -31,6 +31,8 @@ pub struct GemmaOpts {
     pub multimodal: bool,
     /// Standard deviation of the log of the post-norm weights (0 = all ones).
     pub norm_spread: f32,
+    /// The lm_head is the embedding table (Gemma's default); otherwise an own `lm_head.weight` with small rows.
+    pub tied: bool,
     pub seed: u64,
 }
 
@@ -43,6 +45,7 @@ impl Default for GemmaOpts {
             moe_experts: 0,
             multimodal: false,
             norm_spread: 0.6,
+            tied: false,
             seed: 5,
         }
     }
@@ -287,12 +290,13 @@ pub fn build_gemma(o: &GemmaOpts) -> TinyModel {
         }
     }
     put(format!("{tp}norm.weight"), vec![h], vec![1.0; h]);
-    // An own lm_head with small rows (tied Gemma embeddings would make the tiny model's logits extreme).
-    put(
-        "lm_head.weight".into(),
-        vec![vocab.len(), h],
-        rand_vec(&mut rng, vocab.len() * h, 0.05),
-    );
+    if !o.tied {
+        put(
+            "lm_head.weight".into(),
+            vec![vocab.len(), h],
+            rand_vec(&mut rng, vocab.len() * h, 0.05),
+        );
+    }
     if o.multimodal {
         for (name, shape) in TOWER_TENSORS.iter().zip([[h, h], [h, G_INTER], [h, 16]]) {
             let n = shape[0] * shape[1];
@@ -333,7 +337,7 @@ pub fn build_gemma(o: &GemmaOpts) -> TinyModel {
             "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
         },
         "vocab_size": vocab.len(),
-        "tie_word_embeddings": false,
+        "tie_word_embeddings": o.tied,
         "enable_moe_block": o.moe_experts > 0,
         "torch_dtype": if o.dtype == "F32" { "float32" } else { "bfloat16" },
     });
@@ -350,7 +354,7 @@ pub fn build_gemma(o: &GemmaOpts) -> TinyModel {
             "model_type": "gemma4",
             "text_config": tc,
             "vision_config": {"hidden_size": h, "model_type": "gemma4_vision"},
-            "tie_word_embeddings": false,
+            "tie_word_embeddings": o.tied,
         })
     } else {
         text
