@@ -3,11 +3,15 @@
 //! 1. Plan: which decoder layers and which residual-writing matrices are modified, with the seeds'
 //!    guards (GDN/linear-attention layers, MoE experts, lm_head, vision/audio towers).
 //! 2. Direction: refusal and harmless prompts run through the model (the quantization engine's
-//!    Llama-family forward, one layer at a time); per layer the last-token residual means of both
-//!    classes; the normalized difference of the best-separating target layer is the direction.
+//!    forward: Llama family, Gemma 2/3/4, one layer at a time); per layer the last-token residual means
+//!    of both classes; the normalized difference of the best-separating target layer is the direction.
+//!    Each writer is orthogonalized so that what reaches the residual has no component along it: against the
+//!    direction itself, or (Gemma, whose post-norms scale each writer's output per channel by `g`) against
+//!    `g ⊙ r` ([`edit::orthogonalize_writer`]).
 //! 3. Gate: raw direction norm finite and within `normThreshold`; perplexity on harmless text
 //!    within `maxPerplexityIncreasePercent` of the original (computed with the edited weights,
-//!    rounded to the source dtype exactly as written).
+//!    rounded to the source dtype exactly as written). Reported beside it: the projection check (the
+//!    classes' separation along the direction at its layer, before and after the edit).
 //! 4. Output: a new directory mirroring the source shards (same names, dtypes, headers), written
 //!    through a resumable staging directory; `.abliteration-status.json` last.
 
@@ -214,7 +218,7 @@ fn run_locked(
 
     // Plan first: a bad matrix or layer list fails before any expensive forward.
     let targets = edit::select_target_layers(&layout, settings)?;
-    let plan = edit::plan(&layout, settings, &targets.layers)?;
+    let mut plan = edit::plan(&layout, settings, &targets.layers)?;
     for w in targets.warnings.iter().chain(plan.warnings.iter()) {
         ev.log(&format!("warning: {w}"));
         ev.emit(events::WARNING, &serde_json::json!({ "message": w }));
@@ -226,6 +230,8 @@ fn run_locked(
         .collect();
     // The direction needs the engine's forward: refuse other architectures before any work.
     let arch = forward::Arch::load(&model_dir, &layout)?;
+    // Gemma: each writer is orthogonalized against its output norm's `g ⊙ r`, not `r`.
+    edit::attach_output_norms(&mut plan, &store, &arch.cfg)?;
 
     // Datasets and the resume fingerprint (source identity + everything that shapes the result).
     let refusal_path = crate::datasets::resolve(&args.refusal_dataset, &model_dir, "refusal")?;
@@ -340,8 +346,22 @@ fn gate(s: &Settings, r: &output::RunResult, ev: &Events) -> Result<(), WorkerEr
             "perplexityBefore": r.perplexity_before,
             "perplexityAfter": r.perplexity_after,
             "maxPerplexityIncreasePercent": s.max_ppl_increase_percent,
+            "refusalProjectionBefore": r.refusal_projection_before,
+            "refusalProjectionAfter": r.refusal_projection_after,
         }),
     );
+    if let (Some(b), Some(a)) = (r.refusal_projection_before, r.refusal_projection_after) {
+        // Not a gate (the guards may leave writers such as MoE experts unedited), but worth a warning.
+        if b.abs() > 0.0 && a.abs() > 0.5 * b.abs() {
+            let w = format!(
+                "projection check: the refusal/harmless separation along the direction at layer {} only fell \
+                 from {b:.4} to {a:.4}; unedited writers (experts, skipped layers or matrices) still carry it",
+                r.layer
+            );
+            ev.log(&format!("warning: {w}"));
+            ev.emit(events::WARNING, &serde_json::json!({ "message": w }));
+        }
+    }
     if !norm_ok {
         return Err(WorkerError::QualityGate(format!(
             "abliteration quality gate failed: refusal direction norm {} at layer {} is {} the normThreshold {} \

@@ -142,6 +142,18 @@ fn planted_direction_is_found_removed_and_nothing_else_changes() {
     assert!(evs
         .iter()
         .any(|e| e["event"] == events::ABLITERATION_GATE && e["gate"] == "passed"));
+    // The projection check: the classes' separation along the direction collapses with the edit.
+    let gate = evs
+        .iter()
+        .find(|e| e["event"] == events::ABLITERATION_GATE)
+        .unwrap();
+    let before = gate["refusalProjectionBefore"].as_f64().unwrap();
+    let after = gate["refusalProjectionAfter"].as_f64().unwrap();
+    assert!(
+        (before - st.refusal_dir_norm).abs() < 1e-3 * before,
+        "{before}"
+    );
+    assert!(after.abs() < 0.05 * before, "{before} -> {after}");
     assert_eq!(evs.last().unwrap()["event"], "complete");
 
     // A second run finds the finished output and recomputes nothing.

@@ -247,6 +247,8 @@ fn apply(f: &Fake, s: &Settings, out_name: &str) -> (TensorStore, TensorStore, e
         perplexity_before: 1.0,
         perplexity_after: 1.0,
         layers_modified: plan.layers_modified.clone(),
+        refusal_projection_before: None,
+        refusal_projection_after: None,
     };
     let out = f.dir.parent().unwrap().join(out_name);
     let staging = output::staging_dir(&out);

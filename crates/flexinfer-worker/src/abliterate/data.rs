@@ -36,8 +36,10 @@ pub enum ChatFormat {
     ChatMl,
     /// `<|start_header_id|>user<|end_header_id|> … <|eot_id|>` (Llama 3).
     Llama3,
-    /// `<start_of_turn>user … <end_of_turn> <start_of_turn>model` (Gemma).
+    /// `<start_of_turn>user … <end_of_turn> <start_of_turn>model` (Gemma 2, Gemma 3).
     Gemma,
+    /// `<|turn>user … <turn|> <|turn>model` (Gemma 4).
+    Gemma4,
     /// `[INST] … [/INST]` (Llama 2, Mistral).
     Inst,
     /// `<|user|> … <|end|> <|assistant|>` (Phi-3).
@@ -52,6 +54,8 @@ impl ChatFormat {
             Some(ChatFormat::ChatMl)
         } else if t.contains("<|start_header_id|>") {
             Some(ChatFormat::Llama3)
+        } else if t.contains("<|turn>") {
+            Some(ChatFormat::Gemma4)
         } else if t.contains("<start_of_turn>") {
             Some(ChatFormat::Gemma)
         } else if t.contains("[INST]") {
@@ -76,6 +80,7 @@ impl ChatFormat {
             ChatFormat::Gemma => {
                 format!("<start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n")
             }
+            ChatFormat::Gemma4 => format!("<|turn>user\n{prompt}<turn|>\n<|turn>model\n"),
             ChatFormat::Inst => format!("[INST] {prompt} [/INST]"),
             ChatFormat::Phi3 => format!("<|user|>\n{prompt}<|end|>\n<|assistant|>\n"),
         }
@@ -300,6 +305,14 @@ mod tests {
         assert_eq!(
             ChatFormat::detect("<start_of_turn>{{ role }}"),
             Some(ChatFormat::Gemma)
+        );
+        assert_eq!(
+            ChatFormat::detect("{{ bos_token }}{{ '<|turn>' + role + '\\n' }}<start_of_turn>"),
+            Some(ChatFormat::Gemma4)
+        );
+        assert_eq!(
+            ChatFormat::Gemma4.apply("hi"),
+            "<|turn>user\nhi<turn|>\n<|turn>model\n"
         );
         assert_eq!(ChatFormat::detect("{{ messages }}"), None);
         assert_eq!(

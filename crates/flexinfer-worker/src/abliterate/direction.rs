@@ -1,5 +1,6 @@
 //! The refusal direction (difference of last-token residual means, per layer), the layer choice,
-//! and the perplexity of harmless text before and after the edit.
+//! the perplexity of harmless text before and after the edit, and the projection check: how far the refusal
+//! and harmless prompts' last-token residuals still separate along the direction once the edit is applied.
 
 use std::collections::BTreeMap;
 
@@ -31,6 +32,32 @@ struct LayerStats {
     sum_r: Vec<f64>,
     sum_h: Vec<f64>,
     norm_sum: f64,
+    /// The same sums over the prompts of the projection check (the first [`CHECK_PROMPTS`] of each class).
+    check_r: Vec<f64>,
+    check_h: Vec<f64>,
+}
+
+/// Prompts per class whose residuals the projection check follows through the edited layers.
+pub const CHECK_PROMPTS: usize = 32;
+
+/// `⟨mean(refusal) − mean(harmless), r⟩` from per-class sums of `nr` and `nh` vectors.
+fn separation(sum_r: &[f64], sum_h: &[f64], nr: usize, nh: usize, r: &[f32]) -> f64 {
+    sum_r
+        .iter()
+        .zip(sum_h)
+        .zip(r)
+        .map(|((a, b), &u)| (a / nr.max(1) as f64 - b / nh.max(1) as f64) * u as f64)
+        .sum()
+}
+
+/// Adds the last row of each of `hs` to `sum`.
+fn add_last_rows<'a>(sum: &mut [f64], hs: impl Iterator<Item = &'a Mat<f32>>) {
+    for h in hs {
+        let last = h.nrows() - 1;
+        for (c, s) in sum.iter_mut().enumerate() {
+            *s += h[(last, c)] as f64;
+        }
+    }
 }
 
 fn progress(ev: &Events, percent: f64, detail: String, layer: usize, layers: usize) {
@@ -90,10 +117,12 @@ fn perplexity(
     r: Option<&[f32]>,
 ) -> Result<f64, WorkerError> {
     let norm_w = final_norm_weight(store, cfg).map_err(quant_err)?;
+    // The lm_head, or the embeddings when tied (under `model.language_model.` in a multimodal checkpoint).
+    let embed_name = cfg.embed_name();
     let head_name = if store.contains("lm_head.weight") {
         "lm_head"
     } else {
-        "model.embed_tokens"
+        embed_name.strip_suffix(".weight").unwrap_or(&embed_name)
     };
     let vocab = store
         .entry(&format!("{head_name}.weight"))
@@ -181,20 +210,23 @@ pub fn compute(
         .collect();
     let max_len = seqs.iter().map(|s| s.len()).max().unwrap_or(1).max(1);
     let rope = Rope::new(cfg, max_len);
-    let table = store.f32("model.embed_tokens.weight").map_err(quant_err)?;
+    // Row by row from the mapped table (Gemma's 262k-token vocabulary would be GiBs in f32).
     let mut hs: Vec<Mat<f32>> = seqs
         .iter()
-        .map(|s| embed(store, cfg, Some(&table), s))
+        .map(|s| embed(store, cfg, None, s))
         .collect::<Result<_, _>>()
         .map_err(quant_err)?;
-    drop(table);
     let first_mod = plan.layers_modified.first().copied().unwrap_or(n_layers);
+    let (cr, ch) = (nr.min(CHECK_PROMPTS), nh.min(CHECK_PROMPTS));
+    let check_idx: Vec<usize> = (0..cr).chain(nr..nr + ch).collect();
     let mut saved: Option<Vec<Mat<f32>>> = None;
+    let mut saved_check: Option<Vec<Mat<f32>>> = None;
     let mut stats: BTreeMap<usize, LayerStats> = BTreeMap::new();
     let d = cfg.hidden_size;
     for layer in 0..n_layers {
         if layer == first_mod {
             saved = Some(hs[nr + nh..].to_vec());
+            saved_check = Some(check_idx.iter().map(|&i| hs[i].clone()).collect());
         }
         let lm = LayerModel::load(store, arch, layer)?;
         for h in hs.iter_mut() {
@@ -205,7 +237,11 @@ pub fn compute(
                 sum_r: vec![0.0; d],
                 sum_h: vec![0.0; d],
                 norm_sum: 0.0,
+                check_r: vec![0.0; d],
+                check_h: vec![0.0; d],
             };
+            add_last_rows(&mut st.check_r, hs[..cr].iter());
+            add_last_rows(&mut st.check_h, hs[nr..nr + ch].iter());
             for (i, h) in hs[..nr + nh].iter().enumerate() {
                 let last = h.nrows() - 1;
                 let sum = if i < nr { &mut st.sum_r } else { &mut st.sum_h };
@@ -280,14 +316,36 @@ pub fn compute(
         vec![0.0; d]
     };
 
-    // Perplexity after: from the saved input of the first modified layer, with the edits applied.
+    // The projection check before the edit: the separation along the direction at its layer.
+    let usable = best.norm.is_finite() && best.norm > 0.0;
+    let proj_before = stats
+        .get(&best.layer)
+        .map(|st| separation(&st.check_r, &st.check_h, cr, ch, &unit))
+        .filter(|_| usable);
+    let mut proj_after = proj_before.filter(|_| best.layer < first_mod);
+
+    // Perplexity after: from the saved input of the first modified layer, with the edits applied; the check's
+    // prompts go through the edited layers up to the direction's layer.
     let mut after_hs = saved.unwrap_or_else(|| hs[nr + nh..].to_vec());
-    let after = if best.norm.is_finite() && best.norm > 0.0 {
+    let mut check_hs = saved_check.filter(|_| best.layer >= first_mod);
+    let after = if usable {
         for layer in first_mod..n_layers {
             let mut lm = LayerModel::load(store, arch, layer)?;
             edit_layer(store, cfg, layer, &mut lm, plan, &unit)?;
             for h in after_hs.iter_mut() {
                 *h = lm.forward(arch, h.as_ref(), &rope);
+            }
+            if let Some(chs) = check_hs.as_mut() {
+                for h in chs.iter_mut() {
+                    *h = lm.forward(arch, h.as_ref(), &rope);
+                }
+                if layer == best.layer {
+                    let (mut sr, mut sh) = (vec![0f64; d], vec![0f64; d]);
+                    add_last_rows(&mut sr, chs[..cr].iter());
+                    add_last_rows(&mut sh, chs[cr..].iter());
+                    proj_after = Some(separation(&sr, &sh, cr, ch, &unit));
+                    check_hs = None;
+                }
             }
             progress(
                 ev,
@@ -309,5 +367,7 @@ pub fn compute(
         perplexity_before: before,
         perplexity_after: after,
         layers_modified: plan.layers_modified.clone(),
+        refusal_projection_before: proj_before,
+        refusal_projection_after: proj_after,
     })
 }

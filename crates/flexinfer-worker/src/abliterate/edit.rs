@@ -293,6 +293,19 @@ pub struct Edit {
     pub tensor: String,
     pub layer: Option<usize>,
     pub kind: EditKind,
+    /// What the model multiplies this writer's (RMS-normalised) output by, per channel, before the residual add;
+    /// `None` when the output reaches the residual as it is (Llama family; filled by [`attach_output_norms`]).
+    pub out_norm: Option<OutNorm>,
+}
+
+/// The per-channel scale between a writer and the residual stream (Gemma's post-norms).
+#[derive(Debug, Clone, PartialEq)]
+pub struct OutNorm {
+    /// The norm tensors, innermost first (Gemma 4 MoE's dense MLP: `post_feedforward_layernorm_1`, then
+    /// `post_feedforward_layernorm`, which normalises the sum of both branches).
+    pub norms: Vec<String>,
+    /// The product of their weights as the forward multiplies them (`1 + w` in Gemma 2/3, `w` in Gemma 4).
+    pub scale: Vec<f32>,
 }
 
 /// Everything that will be modified; every other tensor is copied byte for byte.
@@ -342,18 +355,21 @@ pub fn plan(layout: &Layout, s: &super::Settings, targets: &[usize]) -> Result<P
                 }
                 None => continue,
             };
-            if !is_param(&rest) {
-                continue;
-            }
             let gdn = layer.is_some_and(|i| layout.linear_attention.contains(&i));
             if !module_matches(&rest, m, gdn) {
                 continue;
             }
-            exists = true;
+            // Expert weights are never modified (also the fused `experts.down_proj` of Gemma 4 / Qwen3.5 hub
+            // checkpoints, which has no `.weight` suffix).
             if is_expert(&rest) {
+                exists = true;
                 guarded += 1;
                 continue;
             }
+            if !is_param(&rest) {
+                continue;
+            }
+            exists = true;
             if tower {
                 if s.skip_vision || shape.first() != Some(&layout.hidden) {
                     continue;
@@ -381,6 +397,7 @@ pub fn plan(layout: &Layout, s: &super::Settings, targets: &[usize]) -> Result<P
                 tensor: name.clone(),
                 layer,
                 kind: EditKind::Write,
+                out_norm: None,
             });
         }
         if !exists {
@@ -419,6 +436,7 @@ pub fn plan(layout: &Layout, s: &super::Settings, targets: &[usize]) -> Result<P
                     tensor: name.clone(),
                     layer: None,
                     kind: EditKind::Read,
+                    out_norm: None,
                 });
             }
             None => p.warnings.push(
@@ -451,6 +469,114 @@ pub fn orthogonalize_write(w: &mut [f32], cols: usize, r: &[f32]) {
             *v = (*v as f64 - ri * p) as f32;
         }
     }
+}
+
+/// The direction a writer's output `x` must be orthogonal to so that what it adds to the residual has no
+/// component along the unit direction `r`.
+///
+/// Without an output norm the residual receives `x` itself: that direction is `r`. With one (Gemma) it receives
+/// `g ⊙ x / rms(x)` for the per-channel scale `g`, whose component along `r` is `(g ⊙ r)ᵀ x / rms(x)`: the
+/// direction is the unit vector of `g ⊙ r`. `None` when `g ⊙ r` is zero (the writer cannot reach `r` at all).
+pub fn writer_direction(r: &[f32], g: Option<&[f32]>) -> Option<Vec<f32>> {
+    let Some(g) = g else {
+        return Some(r.to_vec());
+    };
+    let v: Vec<f64> = r
+        .iter()
+        .zip(g)
+        .map(|(&a, &b)| a as f64 * b as f64)
+        .collect();
+    let n = v.iter().map(|x| x * x).sum::<f64>().sqrt();
+    (n.is_finite() && n > 0.0).then(|| v.iter().map(|x| (x / n) as f32).collect())
+}
+
+/// Orthogonalizes a residual writer (row-major `[rows, cols]`, `rows == r.len()`; a bias has `cols == 1`) so
+/// that its contribution to the residual stream, after the optional per-channel output scale `g`, has no
+/// component along `r`: `W ← W − v (vᵀ W)` with `v` = [`writer_direction`]`(r, g)`. With `g` absent this is
+/// exactly [`orthogonalize_write`] with `r`.
+pub fn orthogonalize_writer(w: &mut [f32], cols: usize, r: &[f32], g: Option<&[f32]>) {
+    match g {
+        None => orthogonalize_write(w, cols, r),
+        Some(_) => {
+            if let Some(v) = writer_direction(r, g) {
+                orthogonalize_write(w, cols, &v)
+            }
+        }
+    }
+}
+
+/// Gemma: the norms between each planned writer of a decoder layer and the residual, read from the source with
+/// the forward's convention (`cfg.norm_weight`). Other families: nothing (their writers add to the residual
+/// directly; scalars such as a shared expert's sigmoid gate, Gemma's embedding scale or Gemma 4's
+/// `layer_scalar` multiply whole vectors and do not change what is orthogonal to `r`).
+pub fn attach_output_norms(
+    plan: &mut Plan,
+    store: &TensorStore,
+    cfg: &flexinfer_quant::model::ModelConfig,
+) -> Result<(), WorkerError> {
+    if cfg.gemma.is_none() {
+        return Ok(());
+    }
+    for e in plan.edits.iter_mut() {
+        let (EditKind::Write, Some(layer)) = (e.kind, e.layer) else {
+            continue;
+        };
+        let prefix = cfg.layer_prefix(layer);
+        let rest = e.tensor.strip_prefix(&prefix).ok_or_else(|| {
+            WorkerError::BadInput(format!(
+                "{}: not a tensor of the text stack's layer {layer} ({prefix}…)",
+                e.tensor
+            ))
+        })?;
+        let module = rest
+            .strip_suffix(".weight")
+            .or_else(|| rest.strip_suffix(".bias"))
+            .unwrap_or(rest);
+        let gemma4_moe = cfg
+            .sparse_layer(layer)
+            .is_some_and(|m| m.spec.style == flexinfer_quant::moe::MoeStyle::Gemma4);
+        let norms: &[&str] = match module {
+            "self_attn.o_proj" => &["post_attention_layernorm"],
+            // Gemma 4 MoE: the dense MLP's output is normalised on its own, added to the experts' (normalised
+            // on their own), and the sum normalised again.
+            "mlp.down_proj" if gemma4_moe => {
+                &["post_feedforward_layernorm_1", "post_feedforward_layernorm"]
+            }
+            "mlp.down_proj" => &["post_feedforward_layernorm"],
+            other => {
+                return Err(WorkerError::BadInput(format!(
+                    "{}: {other} is not a Gemma residual writer whose output norm is known \
+                     (self_attn.o_proj, mlp.down_proj)",
+                    e.tensor
+                )))
+            }
+        };
+        let mut scale = vec![1f32; cfg.hidden_size];
+        let mut names = Vec::new();
+        for n in norms {
+            let name = format!("{prefix}{n}.weight");
+            let w = cfg.norm_weight(store.f32(&name).map_err(super::quant_err)?);
+            if w.len() != scale.len() || w.iter().any(|v| !v.is_finite()) {
+                return Err(WorkerError::BadInput(format!(
+                    "{name}: expected {} finite values, found {} ({})",
+                    scale.len(),
+                    w.len(),
+                    if w.len() == scale.len() {
+                        "not all finite"
+                    } else {
+                        "wrong length"
+                    }
+                )));
+            }
+            scale.iter_mut().zip(&w).for_each(|(s, v)| *s *= v);
+            names.push(name);
+        }
+        e.out_norm = Some(OutNorm {
+            norms: names,
+            scale,
+        });
+    }
+    Ok(())
 }
 
 /// `W ← W − (W r) rᵀ` for row-major `[rows, cols]` with `cols == r.len()`.
@@ -551,11 +677,12 @@ pub fn edited_tensor(
     let e = store.entry(&edit.tensor).map_err(super::quant_err)?;
     let shape = e.shape.clone();
     let mut w = store.f32(&edit.tensor).map_err(super::quant_err)?;
+    let g = edit.out_norm.as_ref().map(|n| n.scale.as_slice());
     match (edit.kind, shape.as_slice()) {
         (EditKind::Write, [rows, cols]) if *rows == r.len() => {
-            orthogonalize_write(&mut w, *cols, r)
+            orthogonalize_writer(&mut w, *cols, r, g)
         }
-        (EditKind::Write, [rows]) if *rows == r.len() => orthogonalize_write(&mut w, 1, r),
+        (EditKind::Write, [rows]) if *rows == r.len() => orthogonalize_writer(&mut w, 1, r, g),
         (EditKind::Read, [_, cols]) if *cols == r.len() => orthogonalize_read(&mut w, r),
         _ => {
             return Err(WorkerError::BadInput(format!(
@@ -643,6 +770,133 @@ mod tests {
         for row in h.chunks(3) {
             let d: f32 = row.iter().zip(&r).map(|(a, b)| a * b).sum();
             assert!(d.abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn writer_without_output_norm_is_the_plain_projection_bit_for_bit() {
+        let r = {
+            let mut v: Vec<f32> = (0..7).map(|i| (i as f32 * 1.3).sin()).collect();
+            let n = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+            v.iter_mut().for_each(|x| *x /= n);
+            v
+        };
+        let w: Vec<f32> = (0..7 * 5).map(|i| (i as f32 * 0.37).cos()).collect();
+        let (mut a, mut b) = (w.clone(), w);
+        orthogonalize_write(&mut a, 5, &r);
+        orthogonalize_writer(&mut b, 5, &r, None);
+        assert_eq!(
+            a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            b.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+        assert_eq!(writer_direction(&r, None).unwrap(), r);
+    }
+
+    #[test]
+    fn normalised_writer_adds_nothing_along_r_only_with_the_scaled_direction() {
+        // Residual contribution of writer output x under an output norm g: g ⊙ x / rms(x).
+        let contribution = |w: &[f32], a: &[f32], g: &[f32]| -> Vec<f64> {
+            let x: Vec<f64> = (0..3)
+                .map(|i| (0..2).map(|j| w[i * 2 + j] as f64 * a[j] as f64).sum())
+                .collect();
+            let rms = (x.iter().map(|v| v * v).sum::<f64>() / 3.0).sqrt();
+            x.iter()
+                .zip(g)
+                .map(|(v, &gv)| gv as f64 * v / rms)
+                .collect()
+        };
+        let r = [0.6f32, 0.0, 0.8];
+        let g = [0.5f32, 1.0, 2.0];
+        let w0 = vec![1.0f32, 2.0, -3.0, 0.5, 4.0, 1.5];
+        let a = [0.7f32, -1.1];
+        let along = |c: &[f64]| c.iter().zip(&r).map(|(x, &y)| x * y as f64).sum::<f64>();
+        let mut aware = w0.clone();
+        orthogonalize_writer(&mut aware, 2, &r, Some(&g));
+        assert!(along(&contribution(&aware, &a, &g)).abs() < 1e-6);
+        let mut naive = w0;
+        orthogonalize_writer(&mut naive, 2, &r, None);
+        assert!(along(&contribution(&naive, &a, &g)).abs() > 0.1);
+        let v = writer_direction(&r, Some(&g)).unwrap();
+        let n: f32 = v.iter().map(|x| x * x).sum();
+        assert!((n - 1.0).abs() < 1e-6);
+        // A writer that cannot reach r (g ⊙ r = 0) is left as it is.
+        assert!(writer_direction(&r, Some(&[0.0, 1.0, 0.0])).is_none());
+        let mut w = vec![1.0f32; 6];
+        orthogonalize_writer(&mut w, 2, &r, Some(&[0.0, 1.0, 0.0]));
+        assert_eq!(w, vec![1.0f32; 6]);
+    }
+
+    #[test]
+    fn output_norms_follow_each_gemma_convention() {
+        let root =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/oracle");
+        let settings = |n: usize| super::super::Settings {
+            target: TargetLayers::List((0..n).collect()),
+            matrices: vec![Matrix::OProj, Matrix::DownProj],
+            skip_gdn: true,
+            skip_vision: true,
+            lm_head: false,
+            norm_threshold: 100.0,
+            max_ppl_increase_percent: 5.0,
+        };
+        for (fam, prefix, one_plus, moe) in [
+            ("gemma2", "model.", true, false),
+            ("gemma3_text", "model.", true, false),
+            ("gemma4_text", "model.", false, false),
+            ("gemma4_moe", "model.", false, true),
+            ("gemma4_mm", "model.language_model.", false, false),
+            ("qwen3", "model.", false, false),
+        ] {
+            let dir = root.join(fam);
+            let store = TensorStore::open_dir(&dir).unwrap();
+            let raw = super::super::output::read_config(&dir).unwrap();
+            let layout = Layout::from_model(&store, &raw).unwrap();
+            let cfg = flexinfer_quant::model::ModelConfig::from_json(raw).unwrap();
+            let s = settings(cfg.num_layers);
+            let mut p = plan(&layout, &s, &(0..cfg.num_layers).collect::<Vec<_>>()).unwrap();
+            attach_output_norms(&mut p, &store, &cfg).unwrap();
+            assert_eq!(p.edits.len(), 2 * cfg.num_layers, "{fam}");
+            for e in &p.edits {
+                let Some(n) = &e.out_norm else {
+                    assert_eq!(fam, "qwen3", "{}", e.tensor);
+                    continue;
+                };
+                assert!(e.tensor.starts_with(prefix), "{}", e.tensor);
+                let l = e.layer.unwrap();
+                let lp = format!("{prefix}layers.{l}.");
+                let read = |name: &str| store.f32(&format!("{lp}{name}.weight")).unwrap();
+                let want: Vec<f32> = if e.tensor.ends_with("o_proj.weight") {
+                    read("post_attention_layernorm")
+                } else if moe {
+                    let (a, b) = (
+                        read("post_feedforward_layernorm_1"),
+                        read("post_feedforward_layernorm"),
+                    );
+                    a.iter().zip(&b).map(|(x, y)| x * y).collect()
+                } else {
+                    read("post_feedforward_layernorm")
+                };
+                let want: Vec<f32> = if one_plus {
+                    want.iter().map(|v| v + 1.0).collect()
+                } else {
+                    want
+                };
+                assert_eq!(n.scale, want, "{fam} {}", e.tensor);
+                assert_eq!(
+                    n.norms.len(),
+                    if moe && e.tensor.contains("mlp") {
+                        2
+                    } else {
+                        1
+                    }
+                );
+            }
+            if moe {
+                assert!(
+                    p.guarded_experts > 0,
+                    "the fused experts are counted as guarded"
+                );
+            }
         }
     }
 

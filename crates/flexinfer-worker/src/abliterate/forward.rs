@@ -1,6 +1,8 @@
 //! Decoder layers for the direction search and the perplexity gate: the quantization engine's forward
 //! (`flexinfer_quant::llama` / `flexinfer_quant::moe`: Llama-family attention, dense SwiGLU or sparse-MoE MLPs
-//! of Qwen2-MoE / Qwen3-MoE / Mixtral), so abliteration and calibration run one implementation.
+//! of Qwen2-MoE / Qwen3-MoE / Mixtral, and Gemma 2 / 3 / 4 with their output norms, Gemma 4's experts beside
+//! the dense MLP), so abliteration and calibration run one implementation. Gemma's post-attention /
+//! post-feedforward norms are why the edit is norm-aware (`edit::attach_output_norms`).
 
 use std::path::Path;
 
@@ -19,7 +21,8 @@ pub struct Arch {
     pub cfg: ModelConfig,
 }
 
-const SUPPORTED: &str = "Llama, Mistral, Qwen2/2.5/3 dense, Qwen2-MoE, Qwen3-MoE, Mixtral";
+const SUPPORTED: &str = "Llama, Mistral, Qwen2/2.5/3 dense, Qwen2-MoE, Qwen3-MoE, Mixtral, \
+                         Gemma 2, Gemma 3 (text), Gemma 4 (dense, MoE, multimodal)";
 
 impl Arch {
     /// Loads `config.json`; anything but a full-precision supported architecture is refused.
@@ -30,18 +33,6 @@ impl Arch {
                 "estimating the refusal direction needs the engine's Llama-family forward ({SUPPORTED}): {e}"
             ))
         })?;
-        if cfg.gemma.is_some() {
-            // The engine runs Gemma's forward (2, 3 and 4), but the edit does not carry over: Gemma normalises the
-            // attention and MLP outputs (`post_attention_layernorm`, `post_feedforward_layernorm`, per-channel
-            // `1 + w`, Gemma 4: `w`; Gemma 4 MoE normalises the dense MLP and the experts separately, then their
-            // sum) before the residual, so projecting the direction out of o_proj / down_proj does not project
-            // it out of what reaches the residual stream.
-            return Err(WorkerError::BadInput(format!(
-                "{}: abliteration does not support Gemma yet (its post-attention / post-feedforward norms \
-                 rescale the edited outputs per channel, so the projection would not remove the direction)",
-                cfg.architecture
-            )));
-        }
         if GptqReadConfig::from_config(&cfg).is_some() {
             return Err(WorkerError::BadInput(
                 "the source is a quantized (gptq) checkpoint; abliterate the full-precision model"
@@ -84,41 +75,13 @@ impl LayerModel {
         let l = match module {
             "self_attn.o_proj" => &mut self.lw.linears[3],
             "mlp.down_proj" if self.lw.moe.is_none() => &mut self.lw.linears[6],
+            // Gemma 4 MoE: the dense MLP beside the experts is the layer's always-on (shared) unit.
+            "mlp.down_proj" if self.lw.moe.as_ref()?.gemma4.is_some() => {
+                &mut self.lw.moe.as_mut()?.shared.as_mut()?.down
+            }
             "mlp.shared_expert.down_proj" => &mut self.lw.moe.as_mut()?.shared.as_mut()?.down,
             _ => return None,
         };
         Some((l, bias))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Gemma 2/3/4 (the engine's oracle fixtures: Gemma 4 dense, MoE and the multimodal wrapper) are refused with
-    /// a bad-input error naming Gemma, before anything is loaded or written.
-    #[test]
-    fn gemma_models_are_refused_as_bad_input() {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/oracle");
-        for fam in [
-            "gemma2",
-            "gemma3_text",
-            "gemma4_text",
-            "gemma4_moe",
-            "gemma4_mm",
-        ] {
-            let dir = root.join(fam);
-            let store = TensorStore::open_dir(&dir).unwrap_or_else(|e| panic!("{fam}: {e}"));
-            let raw =
-                super::super::output::read_config(&dir).unwrap_or_else(|e| panic!("{fam}: {e}"));
-            let layout = Layout::from_model(&store, &raw).unwrap_or_else(|e| panic!("{fam}: {e}"));
-            match Arch::load(&dir, &layout) {
-                Err(WorkerError::BadInput(m)) => {
-                    assert!(m.contains("does not support Gemma"), "{fam}: {m}")
-                }
-                Err(e) => panic!("{fam}: {e}"),
-                Ok(_) => panic!("{fam}: accepted"),
-            }
-        }
     }
 }

@@ -30,6 +30,12 @@ pub struct RunResult {
     pub perplexity_before: f64,
     pub perplexity_after: f64,
     pub layers_modified: Vec<usize>,
+    /// The projection check at the direction's layer: `⟨mean(refusal) − mean(harmless), r⟩` of the check prompts'
+    /// last-token residuals with the source weights, and with the edited weights (as written).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refusal_projection_before: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refusal_projection_after: Option<f64>,
 }
 
 /// One written shard.

@@ -1,4 +1,4 @@
-//! Tiny generated Llama-architecture models with a planted refusal direction, their tokenizer and
+//! Tiny generated Llama-architecture and Gemma 4 models with a planted refusal direction, their tokenizer and
 //! prompt datasets, and helpers to run `flexinfer-worker abliterate` against them.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 #![allow(dead_code)]
@@ -13,6 +13,10 @@ use sha2::{Digest, Sha256};
 #[path = "tiny.rs"]
 mod tiny;
 pub use tiny::*;
+#[path = "gemma.rs"]
+mod gemma;
+#[allow(unused_imports)] // not every test binary that includes this module builds Gemma models
+pub use gemma::*;
 
 pub struct RunOutput {
     pub code: i32,

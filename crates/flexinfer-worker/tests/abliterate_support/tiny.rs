@@ -48,7 +48,7 @@ pub fn normalize(v: &mut [f32]) {
     v.iter_mut().for_each(|x| *x /= n);
 }
 
-fn project_out(v: &mut [f32], dir: &[f32]) {
+pub fn project_out(v: &mut [f32], dir: &[f32]) {
     let d = dot(v, dir);
     v.iter_mut().zip(dir).for_each(|(x, r)| *x -= d * r);
 }
@@ -184,7 +184,7 @@ pub fn tokenizer_json() -> String {
     .to_string()
 }
 
-fn prompt(rng: &mut Rng, upper: bool) -> String {
+pub fn prompt(rng: &mut Rng, upper: bool) -> String {
     let n = 5 + rng.below(6);
     (0..n)
         .map(|_| {
