@@ -16,4 +16,5 @@ pub mod metrics;
 pub mod model;
 pub mod modelcache;
 pub mod pod_security;
+pub mod settings;
 pub mod supervise;

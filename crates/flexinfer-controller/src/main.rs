@@ -70,6 +70,27 @@ async fn main() {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
+    // Settings are read once, strictly and before anything else: a value that does not parse stops
+    // the start-up here, naming the variable.
+    let watch =
+        flexinfer_api::namespaces::parse_list(args.watch_namespace.as_deref().unwrap_or(""))
+            .map_err(|e| anyhow::anyhow!("{}: {e}", env::controller::WATCH_NAMESPACE))?;
+    // One controller per watched namespace (a namespace-scoped install may not list cluster-wide).
+    let scopes: Vec<Option<String>> = if watch.is_empty() {
+        vec![None]
+    } else {
+        watch.iter().cloned().map(Some).collect()
+    };
+    let config = Config::from_env()?;
+    let model_opts = model::Options::from_env()?;
+    let leader_elect =
+        flexinfer_api::contract::parse_bool(&args.leader_elect).ok_or_else(|| {
+            anyhow::anyhow!(
+                "{}={:?}: expected true or false",
+                env::controller::LEADER_ELECT,
+                args.leader_elect
+            )
+        })?;
     let metrics = Metrics::new()?;
     let health = Health::default();
     let client = flexinfer_controller::kube_client::counting_client(&metrics).await?;
@@ -87,18 +108,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
     client.apiserver_version().await?;
     health.set_ready(true);
 
-    let watch =
-        flexinfer_api::namespaces::parse_list(args.watch_namespace.as_deref().unwrap_or(""))
-            .map_err(|e| anyhow::anyhow!("{}: {e}", env::controller::WATCH_NAMESPACE))?;
-    // One controller per watched namespace (a namespace-scoped install may not list cluster-wide).
-    let scopes: Vec<Option<String>> = if watch.is_empty() {
-        vec![None]
-    } else {
-        watch.iter().cloned().map(Some).collect()
-    };
-    let config = Config::from_env();
     info!(worker_image = ?config.worker_image, drift_grace_s = config.drift_grace.as_secs(), retry_base_s = config.retry_base.as_secs_f64(), watch_namespaces = ?watch, "starting");
-    let leadership = elect(&args, watch.first(), &client).await?;
+    let leadership = elect(&args, leader_elect, watch.first(), &client).await?;
     // Each controller is its own supervised task: one that stops (an error, a panic, a stream
     // that ends) is restarted while the other keeps running, and /healthz reports it meanwhile.
     let shutdown = Shutdown::default();
@@ -110,8 +121,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
             shutdown.trigger();
         }
     });
-    let (caches, models) =
-        spawn_controllers(&scopes, &client, &metrics, &health, &shutdown, config);
+    let (caches, models) = spawn_controllers(
+        &scopes, &client, &metrics, &health, &shutdown, config, model_opts,
+    );
     match &leadership {
         Some(l) => {
             tokio::select! {
@@ -135,10 +147,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
 /// Acquire the Lease when leader election is on (`None` when it is off).
 async fn elect(
     args: &Args,
+    leader_elect: bool,
     first_watched: Option<&String>,
     client: &kube::Client,
 ) -> anyhow::Result<Option<Leadership>> {
-    if !flexinfer_api::contract::parse_bool(&args.leader_elect).unwrap_or(true) {
+    if !leader_elect {
         return Ok(None);
     }
     let identity = std::env::var(flexinfer_api::contract::env::controller::POD_NAME)
@@ -168,6 +181,7 @@ fn spawn_controllers(
     health: &Health,
     shutdown: &Shutdown,
     config: Config,
+    model_opts: model::Options,
 ) -> (JoinHandle<()>, JoinHandle<()>) {
     let caches = tokio::spawn(supervise("modelcache", health.clone(), shutdown.clone(), {
         let (client, metrics, scopes) = (client.clone(), metrics.clone(), scopes.to_vec());
@@ -197,7 +211,7 @@ fn spawn_controllers(
                 let shutdown = shutdown.clone();
                 let opts = model::Options {
                     namespace: ns.clone(),
-                    ..model::Options::from_env()
+                    ..model_opts.clone()
                 };
                 Box::pin(model::run_until(
                     client.clone(),

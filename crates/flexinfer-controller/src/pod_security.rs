@@ -88,21 +88,6 @@ pub fn parse_groups(value: &str) -> Result<Vec<i64>, String> {
     Ok(out)
 }
 
-/// `FLEXINFER_GPU_SUPPLEMENTAL_GROUPS` from an environment lookup; an invalid value is logged
-/// and ignored (the pods then run without extra groups, as if it were unset).
-pub fn groups_from_lookup(get: impl Fn(&str) -> Option<String>) -> Vec<i64> {
-    let Some(v) = get(env::controller::GPU_SUPPLEMENTAL_GROUPS) else {
-        return Vec::new();
-    };
-    match parse_groups(&v) {
-        Ok(g) => g,
-        Err(e) => {
-            tracing::error!("{e}; no supplemental groups are added to GPU pods");
-            Vec::new()
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -25,7 +25,7 @@ fn config() -> Config {
         ),
         ("FLEXINFER_GPTQ_MAX_RTN_FALLBACK_PERCENT", "5"),
     ]);
-    Config::from_lookup(|k| env.get(k).map(|s| s.to_string()))
+    Config::from_lookup(|k| env.get(k).map(|s| s.to_string())).unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn profiles() -> Vec<GPUProfile> {

@@ -73,18 +73,22 @@ pub struct Options {
 
 impl Options {
     /// Settings from the controller environment.
-    pub fn from_env() -> Self {
-        Self {
+    /// From the process environment; a set value that does not parse is an error naming the
+    /// variable.
+    pub fn from_env() -> Result<Self, crate::settings::SettingError> {
+        let s = crate::settings::process_env();
+        Ok(Self {
             namespace: None,
-            profile_namespace: std::env::var(env::controller::NAMESPACE)
-                .ok()
-                .filter(|s| !s.is_empty()),
-            render: RenderConfig::from_env(),
-            preemption_grace: std::env::var(env::controller::PREEMPTION_GRACE_SECONDS)
-                .ok()
-                .and_then(|v| v.trim().parse::<u64>().ok())
-                .map(std::time::Duration::from_secs),
-        }
+            profile_namespace: s.text(env::controller::NAMESPACE),
+            render: RenderConfig::from_settings(&s)?,
+            preemption_grace: s
+                .seconds(
+                    env::controller::PREEMPTION_GRACE_SECONDS,
+                    shared::DEFAULT_PREEMPTION_GRACE,
+                    std::time::Duration::from_secs(86_400),
+                )
+                .map(Some)?,
+        })
     }
 }
 
@@ -119,7 +123,7 @@ fn failure_key(model: &Model) -> String {
 
 /// Run the Model controller until its stream ends.
 pub async fn run(client: Client, metrics: Metrics) -> anyhow::Result<()> {
-    run_with(client, metrics, Options::from_env()).await
+    run_with(client, metrics, Options::from_env()?).await
 }
 
 /// Run the Model controller with explicit settings (tests scope it to one namespace).

@@ -39,29 +39,35 @@ pub struct RenderConfig {
 }
 
 impl RenderConfig {
-    /// Read `FLEXINFER_RUNTIME_IMAGE_<BACKEND>` for every backend.
-    pub fn from_env() -> Self {
+    /// Read `FLEXINFER_RUNTIME_IMAGE_<BACKEND>` for every backend, the canary idle cap and the GPU
+    /// groups; a set value that does not parse is an error naming the variable.
+    pub fn from_env() -> Result<Self, crate::settings::SettingError> {
+        Self::from_settings(&crate::settings::process_env())
+    }
+
+    pub fn from_settings<F: Fn(&str) -> Option<String>>(
+        s: &crate::settings::Settings<F>,
+    ) -> Result<Self, crate::settings::SettingError> {
         let runtime_images = ALL_BACKENDS
             .iter()
             .filter_map(|b| {
-                std::env::var(env::controller::runtime_image(b.as_str()))
-                    .ok()
-                    .filter(|v| !v.trim().is_empty())
-                    .map(|v| (b.as_str().to_string(), v.trim().to_string()))
+                s.text(&env::controller::runtime_image(b.as_str()))
+                    .map(|v| (b.as_str().to_string(), v))
             })
             .collect();
-        let canary_max_idle = std::env::var(env::controller::CANARY_MAX_IDLE_SECONDS)
-            .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .filter(|s| *s > 0)
-            .map(std::time::Duration::from_secs);
-        Self {
+        Ok(Self {
             runtime_images,
-            canary_max_idle,
-            gpu_supplemental_groups: crate::pod_security::groups_from_lookup(|k| {
-                std::env::var(k).ok()
-            }),
-        }
+            canary_max_idle: s.positive_seconds(
+                env::controller::CANARY_MAX_IDLE_SECONDS,
+                std::time::Duration::from_secs(7 * 86_400),
+            )?,
+            gpu_supplemental_groups: s
+                .parsed(
+                    env::controller::GPU_SUPPLEMENTAL_GROUPS,
+                    crate::pod_security::parse_groups,
+                )?
+                .unwrap_or_default(),
+        })
     }
 
     /// The canary idle cap in force.

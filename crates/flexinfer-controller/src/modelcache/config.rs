@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use flexinfer_api::contract::env;
 
+use crate::settings::{SettingError, Settings};
+
 /// Settings that shape Jobs and timing. Environment lookups happen once, at start-up, so that
 /// `plan` and the Job builders stay pure.
 #[derive(Debug, Clone, PartialEq)]
@@ -58,15 +60,11 @@ impl Default for Config {
 }
 
 impl Config {
-    /// Read from an environment lookup (`std::env::var` in the binary, a map in tests).
-    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Self {
-        let nonempty = |k: &str| get(k).filter(|v| !v.trim().is_empty());
-        let secs = |k: &str, d: u64| {
-            nonempty(k)
-                .and_then(|v| v.trim().parse::<f64>().ok())
-                .and_then(|v| Duration::try_from_secs_f64(v).ok())
-                .unwrap_or(Duration::from_secs(d))
-        };
+    /// Read from an environment lookup (`std::env::var` in the binary, a map in tests). A set value
+    /// that does not parse is an error naming the variable.
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self, SettingError> {
+        let s = Settings::new(get);
+        let day = Duration::from_secs(86_400);
         let mut image_env = BTreeMap::new();
         let mut names = vec![
             env::controller::QUANTIZER_GPTQ_IMAGE.to_string(),
@@ -81,41 +79,63 @@ impl Config {
             names.push(env::controller::quantizer_format_image(f.name));
         }
         for n in names {
-            if let Some(v) = nonempty(&n) {
-                image_env.insert(n, v.trim().to_string());
+            if let Some(v) = s.text(&n) {
+                image_env.insert(n, v);
             }
         }
         let gptq_tunables = env::GPTQ_TUNABLES
             .iter()
             .map(|(k, d)| {
-                let v = nonempty(&env::controller_override(k)).unwrap_or_else(|| d.to_string());
-                (k.to_string(), v.trim().to_string())
+                let v = s
+                    .text(&env::controller_override(k))
+                    .unwrap_or_else(|| d.to_string());
+                (k.to_string(), v)
             })
             .collect();
-        Self {
-            worker_image: nonempty(env::controller::WORKER_IMAGE).map(|s| s.trim().to_string()),
+        Ok(Self {
+            worker_image: s.text(env::controller::WORKER_IMAGE),
             image_env,
-            service_account: nonempty(env::controller::WORKER_SERVICE_ACCOUNT).unwrap_or_else(
-                || flexinfer_api::contract::controller::DEFAULT_WORKER_SERVICE_ACCOUNT.into(),
-            ),
-            drift_grace: secs(env::controller::IMAGE_DRIFT_GRACE_SECONDS, 600),
-            retry_base: secs(env::controller::RETRY_BASE_SECONDS, 30),
-            stuck_pod_after: secs(env::controller::STUCK_POD_SECONDS, 300),
-            progress_poll: secs(env::controller::PROGRESS_POLL_SECONDS, 30),
+            service_account: s
+                .text(env::controller::WORKER_SERVICE_ACCOUNT)
+                .unwrap_or_else(|| {
+                    flexinfer_api::contract::controller::DEFAULT_WORKER_SERVICE_ACCOUNT.into()
+                }),
+            drift_grace: s.seconds(
+                env::controller::IMAGE_DRIFT_GRACE_SECONDS,
+                Duration::from_secs(600),
+                day,
+            )?,
+            retry_base: s.seconds(
+                env::controller::RETRY_BASE_SECONDS,
+                Duration::from_secs(30),
+                Duration::from_secs(600),
+            )?,
+            stuck_pod_after: s.seconds(
+                env::controller::STUCK_POD_SECONDS,
+                Duration::from_secs(300),
+                day,
+            )?,
+            progress_poll: s.seconds(
+                env::controller::PROGRESS_POLL_SECONDS,
+                Duration::from_secs(30),
+                Duration::from_secs(3600),
+            )?,
             gptq_tunables,
-            hf_endpoint: nonempty(env::HF_ENDPOINT),
-            keep_generations: nonempty(env::controller::KEEP_GENERATIONS)
-                .and_then(|v| v.trim().parse::<usize>().ok())
-                .map(|n| n.min(16))
-                .unwrap_or(1),
-            gpu_supplemental_groups: crate::pod_security::groups_from_lookup(&get),
-        }
+            hf_endpoint: s.text(env::HF_ENDPOINT),
+            keep_generations: s.count(env::controller::KEEP_GENERATIONS, 1, 16)?,
+            gpu_supplemental_groups: s
+                .parsed(
+                    env::controller::GPU_SUPPLEMENTAL_GROUPS,
+                    crate::pod_security::parse_groups,
+                )?
+                .unwrap_or_default(),
+        })
     }
 
     /// Read from the process environment. Arbitrary-arch `FLEXINFER_QUANTIZER_GPTQ_ROCM_<ARCH>_IMAGE`
     /// variables are picked up too.
-    pub fn from_env() -> Self {
-        let mut c = Self::from_lookup(|k| std::env::var(k).ok());
+    pub fn from_env() -> Result<Self, SettingError> {
+        let mut c = Self::from_lookup(|k| std::env::var(k).ok())?;
         for (k, v) in std::env::vars() {
             if k.starts_with("FLEXINFER_QUANTIZER_")
                 && k.ends_with("_IMAGE")
@@ -124,7 +144,7 @@ impl Config {
                 c.image_env.insert(k, v.trim().to_string());
             }
         }
-        c
+        Ok(c)
     }
 
     /// Retry delay after the `n`-th failure (0-based): `min(base·2^n, 10m)`.
@@ -149,10 +169,9 @@ mod tests {
             ("FLEXINFER_IMAGE_DRIFT_GRACE_SECONDS", "3"),
             ("FLEXINFER_RETRY_BASE_SECONDS", "1"),
             ("FLEXINFER_STUCK_POD_SECONDS", "45"),
-            // Out of range: the default applies rather than a panic.
-            ("FLEXINFER_PROGRESS_POLL_SECONDS", "1e300"),
         ]);
-        let c = Config::from_lookup(|k| m.get(k).map(|s| s.to_string()));
+        let c = Config::from_lookup(|k| m.get(k).map(|s| s.to_string()))
+            .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(c.worker_image.as_deref(), Some("w:1"));
         assert_eq!(
             c.image_env
@@ -171,6 +190,30 @@ mod tests {
         assert_eq!(c.progress_poll, Duration::from_secs(30));
         assert_eq!(c.retry_delay(0), Duration::from_secs(1));
         assert_eq!(c.retry_delay(3), Duration::from_secs(8));
+    }
+
+    /// A typo or an out-of-range value stops the start-up with the variable's name instead of
+    /// silently becoming the default.
+    #[test]
+    fn invalid_settings_are_errors_naming_the_variable() {
+        let cases = [
+            ("FLEXINFER_PROGRESS_POLL_SECONDS", "1e300"),
+            ("FLEXINFER_RETRY_BASE_SECONDS", "30s"),
+            ("FLEXINFER_STUCK_POD_SECONDS", "-5"),
+            ("FLEXINFER_IMAGE_DRIFT_GRACE_SECONDS", "ten"),
+            ("FLEXINFER_KEEP_GENERATIONS", "17"),
+            ("FLEXINFER_GPU_SUPPLEMENTAL_GROUPS", "render"),
+        ];
+        for (name, value) in cases {
+            let e =
+                Config::from_lookup(|k| (k == name).then(|| value.to_string())).expect_err(name);
+            assert_eq!(e.name, name);
+            assert_eq!(e.value, value);
+        }
+        // Unset and empty values take the defaults.
+        let c = Config::from_lookup(|k| (k == "FLEXINFER_RETRY_BASE_SECONDS").then(String::new))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(c, Config::default());
     }
 
     #[test]

@@ -54,7 +54,7 @@ fn image_resolution_order() {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        Config::from_lookup(|k| m.get(k).cloned())
+        Config::from_lookup(|k| m.get(k).cloned()).unwrap_or_else(|e| panic!("{e}"))
     };
     let all = env(&[
         ("FLEXINFER_WORKER_IMAGE", "w"),
