@@ -1,0 +1,313 @@
+//! Observed state of a ModelCache: the pipeline phase, per-phase progress and results, and the
+//! quality sidecar's summary.
+
+use std::collections::BTreeMap;
+use std::ops::{Deref, DerefMut};
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// Observed state of a ModelCache.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelCacheStatus {
+    /// Pipeline phase.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<CachePhase>,
+    /// Current step: `download`, `abliteration`, `quantization`, `publish` or `ready`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub current_phase: Option<String>,
+    /// Progress (0–100) of the current step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<i32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// `Ready`, `Progressing`, `Degraded`, and per phase `Downloaded`, `Abliterated`, `Quantized`, `Published`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+    /// Failed attempts of the current phase so far.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_count: Option<i32>,
+    /// Phase of the last failure.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_failure_phase: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_failure_time: Option<Time>,
+    /// Earliest time the failed phase is re-attempted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_retry_at: Option<Time>,
+    /// `<pvc>:<subdir>` of the artifact serving should use.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    /// PVC holding the cache.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub download: Option<DownloadStatus>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub abliteration: Option<AbliterationStatus>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantization: Option<QuantizationStatus>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub publish: Option<PublishStatus>,
+}
+
+/// Pipeline phase of a ModelCache.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema)]
+pub enum CachePhase {
+    Pending,
+    Downloading,
+    Abliterating,
+    Quantizing,
+    Publishing,
+    Ready,
+    Failed,
+}
+
+impl CachePhase {
+    pub const ALL: [CachePhase; 7] = [
+        CachePhase::Pending,
+        CachePhase::Downloading,
+        CachePhase::Abliterating,
+        CachePhase::Quantizing,
+        CachePhase::Publishing,
+        CachePhase::Ready,
+        CachePhase::Failed,
+    ];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CachePhase::Pending => "Pending",
+            CachePhase::Downloading => "Downloading",
+            CachePhase::Abliterating => "Abliterating",
+            CachePhase::Quantizing => "Quantizing",
+            CachePhase::Publishing => "Publishing",
+            CachePhase::Ready => "Ready",
+            CachePhase::Failed => "Failed",
+        }
+    }
+}
+
+/// Progress fields shared by every phase status, flattened into each one (so they stay flat in
+/// each phase for `kubectl` readability). The phase statuses dereference to it, so
+/// `status.download.completed_at` reads it directly.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PhaseProgress {
+    /// Hash of the phase inputs (spec + image) the current artifact was or is being built from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spec_hash: Option<String>,
+    /// Hash of the whole phase spec including run-only settings (deadline, memory) that the last
+    /// attempt ran with: a failed phase is tried again when only those change.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_hash: Option<String>,
+    /// Image of the Job that produced (or is producing) the artifact.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<Time>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completed_at: Option<Time>,
+    /// 0–100, never decreases within one run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<i32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress_detail: Option<String>,
+    /// `telemetry` (worker events) or `elapsed-estimate` (time used / deadline, capped at 99).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress_source: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_progress_at: Option<Time>,
+    /// Why the last attempt failed (termination message or log tail).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure_message: Option<String>,
+}
+
+/// Download phase status.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DownloadStatus {
+    #[serde(flatten)]
+    pub run: PhaseProgress,
+    /// Total bytes of the downloaded files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size_bytes: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file_count: Option<i64>,
+    /// Revision that was downloaded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<String>,
+    /// Directory (relative to the cache root) of the downloaded files (the promoted generation,
+    /// `<modelPath>/source.<generation>`; absent for a cache downloaded into `<modelPath>` itself
+    /// before downloads had generations).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_dir: Option<String>,
+    /// Generation of the run in flight or last run: it writes `<modelPath>/source.<generation>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<String>,
+    /// Earlier downloads still on disk (kept for Models that serve them), newest first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_output_dirs: Option<Vec<String>>,
+}
+
+impl Deref for DownloadStatus {
+    type Target = PhaseProgress;
+    fn deref(&self) -> &PhaseProgress {
+        &self.run
+    }
+}
+
+impl DerefMut for DownloadStatus {
+    fn deref_mut(&mut self) -> &mut PhaseProgress {
+        &mut self.run
+    }
+}
+
+/// Abliteration phase status.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AbliterationStatus {
+    #[serde(flatten)]
+    pub run: PhaseProgress,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layers_modified: Option<i64>,
+    /// Norm of the raw refusal direction (decimal string).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refusal_dir_norm: Option<String>,
+    /// Layer whose direction was used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub perplexity_before: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub perplexity_after: Option<String>,
+    /// Directory (relative to the cache root) of the abliterated model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_dir: Option<String>,
+    /// Generation of the run in flight or last run: its output is `<outputDir base>.<generation>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<String>,
+    /// Earlier generations still on disk (kept for Models that serve them), newest first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_output_dirs: Option<Vec<String>>,
+    /// The last generation a gate rejected; the promoted output (`outputDir`) was left untouched.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rejected_generation: Option<String>,
+}
+
+impl Deref for AbliterationStatus {
+    type Target = PhaseProgress;
+    fn deref(&self) -> &PhaseProgress {
+        &self.run
+    }
+}
+
+impl DerefMut for AbliterationStatus {
+    fn deref_mut(&mut self) -> &mut PhaseProgress {
+        &mut self.run
+    }
+}
+
+/// Quantization phase status.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct QuantizationStatus {
+    #[serde(flatten)]
+    pub run: PhaseProgress,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format: Option<String>,
+    /// e.g. `gptq-w4-g128`.
+    #[serde(rename = "type")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quant_type: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub original_size_bytes: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compressed_size_bytes: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compression_ratio: Option<f64>,
+    /// Duration, e.g. `1h2m3s`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantization_time: Option<String>,
+    /// Calibration parameters that were used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calibration_params: Option<BTreeMap<String, String>>,
+    /// Directory (relative to the cache root) of the quantized artifact (the promoted generation).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_dir: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quality: Option<QualityStatus>,
+    /// Digest of everything that determined the artifact's bytes (also in its `.save-complete`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_digest: Option<String>,
+    /// Settings the run used, as the worker reported them (not copied from the spec).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub applied: Option<BTreeMap<String, String>>,
+    /// Generation of the run in flight or last run: its output is `<outputDir base>.<generation>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<String>,
+    /// Earlier generations still on disk (kept for Models that serve them), newest first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_output_dirs: Option<Vec<String>>,
+    /// The last generation a gate rejected; the promoted output (`outputDir`) was left untouched.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rejected_generation: Option<String>,
+}
+
+impl Deref for QuantizationStatus {
+    type Target = PhaseProgress;
+    fn deref(&self) -> &PhaseProgress {
+        &self.run
+    }
+}
+
+impl DerefMut for QuantizationStatus {
+    fn deref_mut(&mut self) -> &mut PhaseProgress {
+        &mut self.run
+    }
+}
+
+/// Publish phase status.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PublishStatus {
+    #[serde(flatten)]
+    pub run: PhaseProgress,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oci_digest: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub published_tags: Option<Vec<String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub published_at: Option<Time>,
+    /// Up to five earlier digests, newest first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_digests: Option<Vec<String>>,
+}
+
+impl Deref for PublishStatus {
+    type Target = PhaseProgress;
+    fn deref(&self) -> &PhaseProgress {
+        &self.run
+    }
+}
+
+impl DerefMut for PublishStatus {
+    fn deref_mut(&mut self) -> &mut PhaseProgress {
+        &mut self.run
+    }
+}
+
+/// Result of the RTN-fallback quality gate.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct QualityStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gptq_modules: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rtn_fallback_modules: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rtn_fallback_percent: Option<f64>,
+    /// `passed`, `failed` or `insufficient-sample`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gate: Option<String>,
+}
