@@ -51,9 +51,17 @@ kubectl label namespace "$NS" flexinfer.ai/e2e=true --overwrite >/dev/null
 
 log "helm install (controller on the real node)"
 AP=$(kubectl config view --minify -o jsonpath='{.clusters[0].cluster.server}'); AP=${AP##*:}
+# The proxy pods use the pod network (two replicas, each with its own IP, as users run it); they reach the
+# API server, which listens on the host's loopback only, through a TCP relay on the host's bridge address.
+rm -f "$TESTENV_DIR/relay.port"
+nohup python3 scripts/e2e/tcp-relay.py "$TESTENV_HOST_IP" "127.0.0.1:$AP" "$TESTENV_DIR/relay.port" \
+  > "$TESTENV_DIR/logs/relay.log" 2>&1 &
+echo "$! apiserver-relay" >> "$TESTENV_DIR/pids"
+for _ in $(seq 1 100); do [ -s "$TESTENV_DIR/relay.port" ] && break; sleep 0.1; done
+[ -s "$TESTENV_DIR/relay.port" ] || { echo "e2e-setup: API server relay did not start" >&2; exit 1; }
+export E2E_APISERVER_RELAY=$TESTENV_HOST_IP:$(cat "$TESTENV_DIR/relay.port") E2E_RELEASE_NAMESPACE=$CNS
 NODE_IP=$(kubectl get node "$TESTENV_NODE" -o jsonpath='{.status.addresses[?(@.type=="InternalIP")].address}')
-export E2E_APISERVER_PORT=$AP E2E_LISTEN_HOST=${NODE_IP:-127.0.0.1} E2E_METRICS_PORT=$(free_port) E2E_HEALTH_PORT=$(free_port) \
-  E2E_PROXY_PORT=$(free_port) E2E_PROXY_HEALTH_PORT=$(free_port)
+export E2E_APISERVER_PORT=$AP E2E_LISTEN_HOST=${NODE_IP:-127.0.0.1} E2E_METRICS_PORT=$(free_port) E2E_HEALTH_PORT=$(free_port)
 WORKER=$REG/flexinfer/worker:$TAG
 # E2E_WATCH_NAMESPACE set: the namespace-scoped install (watchNamespaces), so the real pipeline runs with Roles
 # only in that namespace (and the Lease Role in the release namespace) — no ClusterRole.
@@ -68,9 +76,9 @@ quantization:
 workerServiceAccount: {additionalNamespaces: ["$NS"]}
 admissionPolicy:
   namespaceSelector: {matchLabels: {flexinfer.ai/e2e: "true"}}
-# The proxy runs on the real node too (one replica: it shares the node's network there).
+# The proxy runs on the real node too: the chart's two replicas, on the pod network.
 proxy:
-  replicas: 1
+  replicas: 2
   image: {repository: $REG/flexinfer/proxy, tag: "$TAG", pullPolicy: IfNotPresent}
   nodeSelector: {flexinfer.ai/testenv-node: real}
   tolerations: [{key: flexinfer.ai/testenv-node, operator: Equal, value: real, effect: NoSchedule}]
@@ -90,4 +98,4 @@ log "ready: hub $HF, registry $REG, controller in $CNS"
 echo "export E2E_NAMESPACE=$NS E2E_CONTROLLER_NAMESPACE=$CNS E2E_HF_ENDPOINT=$HF E2E_WORKER_IMAGE=$WORKER" \
   "E2E_CONTROLLER_IMAGE=$REG/flexinfer/controller:$TAG E2E_STANDIN_IMAGE=$REG/flexinfer/standin:$TAG" \
   "E2E_STORAGE=$TESTENV_DIR/storage E2E_CLI=$TARGET/debug/flexinfer" \
-  "E2E_PROXY_URL=http://$E2E_LISTEN_HOST:$E2E_PROXY_PORT"
+  "E2E_PROXY_SELECTOR=app.kubernetes.io/component=proxy"

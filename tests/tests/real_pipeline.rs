@@ -30,8 +30,8 @@ struct Env {
     storage: PathBuf,
     containerd: String,
     cli: PathBuf,
-    /// flexinfer-proxy as the chart runs it on the real node.
-    proxy_url: String,
+    /// Label selector of the flexinfer-proxy pods (the chart's two replicas on the real node).
+    proxy_selector: String,
 }
 
 fn var(name: &str) -> Result<String> {
@@ -54,7 +54,7 @@ impl Env {
             storage: PathBuf::from(var("E2E_STORAGE")?),
             containerd: var("TESTENV_CONTAINERD_ADDRESS")?,
             cli: PathBuf::from(var("E2E_CLI")?),
-            proxy_url: var("E2E_PROXY_URL")?,
+            proxy_selector: var("E2E_PROXY_SELECTOR")?,
         })
     }
 
@@ -65,6 +65,30 @@ impl Env {
                              "effect": "NoSchedule"}],
         })
     }
+}
+
+/// The ready flexinfer-proxy pods (name, `http://<pod IP>:8000`), sorted by name.
+async fn proxy_pods(c: &Client, e: &Env) -> Result<Vec<(String, String)>> {
+    let pods: Api<Pod> = Api::namespaced(c.clone(), &e.controller_ns);
+    let mut out: Vec<(String, String)> = pods
+        .list(&ListParams::default().labels(&e.proxy_selector))
+        .await?
+        .items
+        .into_iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .filter(|p| {
+            p.status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+        })
+        .filter_map(|p| {
+            let ip = p.status.as_ref()?.pod_ip.clone()?;
+            Some((p.metadata.name.clone()?, format!("http://{ip}:8000")))
+        })
+        .collect();
+    out.sort();
+    Ok(out)
 }
 
 /// A hostPath PV (a directory of the host, writable by the Jobs' uid 65532) and a PVC bound to it.
@@ -493,6 +517,8 @@ async fn real_pipeline_download_abliterate_quantize_publish_and_serve() -> Resul
             "flexinfer.ai/promotion-gate": "quantized-artifact-v1", "flexinfer.ai/promotion-validation": "passed"}},
         "spec": {"backend": "vllm", "source": format!("modelcache://{name}"), "image": e.standin_image,
                  "gpu": {"count": 1, "profile": "e2e-gfx1100"}, "serverless": {"enabled": false},
+                 // A slow stand-in (one token per 60 ms) so that a stream outlives a proxy replica.
+                 "config": {"extraArgs": ["--token-delay-ms", "60"]},
                  "resources": {"requests": {"memory": "256Mi"}, "limits": {"memory": "1Gi"}},
                  "nodeSelector": place["nodeSelector"], "tolerations": place["tolerations"]},
     });
@@ -582,34 +608,112 @@ async fn real_pipeline_download_abliterate_quantize_publish_and_serve() -> Resul
         "PromotionGate {gate:?}"
     );
 
-    // The same request through flexinfer-proxy, the chart's Deployment on the real node: it finds the
-    // Model's ready endpoint in the EndpointSlice Kubernetes made for its Service, forwards, and marks the
-    // Model active.
-    let via_proxy = wait_for(
-        "the proxy routes the Model",
-        Duration::from_secs(60),
+    // The same request through flexinfer-proxy, the chart's Deployment on the real node (two replicas on
+    // the pod network): each finds the Model's ready endpoint in the EndpointSlice Kubernetes made for its
+    // Service, forwards, and marks the Model active.
+    let proxies = proxy_pods(&c, &e).await?;
+    ensure!(proxies.len() == 2, "two ready proxy pods: {proxies:?}");
+    let completes = |url: String| {
+        let body = body.clone();
+        async move {
+            let out = curl(&["-H", "Content-Type: application/json", "-d", &body, &url]).ok()?;
+            let r: Value = serde_json::from_slice(&out).ok()?;
+            (r["usage"]["completion_tokens"] == 4).then_some(r)
+        }
+    };
+    for (pod, base) in &proxies {
+        let via_proxy = wait_for(
+            &format!("the proxy {pod} routes the Model"),
+            Duration::from_secs(60),
+            || completes(format!("{base}/v1/completions")),
+        )
+        .await?;
+        ensure!(
+            via_proxy["choices"][0]["text"].is_string(),
+            "completion through the proxy {pod}: {via_proxy}"
+        );
+        let models: Value = serde_json::from_slice(&curl(&[&format!("{base}/v1/models")])?)?;
+        ensure!(
+            models["data"]
+                .as_array()
+                .is_some_and(|d| d.iter().any(|m| m["id"] == name)),
+            "/v1/models through the proxy {pod} lists {name}: {models}"
+        );
+    }
+
+    // HA: one proxy pod is killed in the middle of a stream. That client's stream ends early (no
+    // `[DONE]`); the other replica serves new requests, streamed and not, at once.
+    let (killed, via_killed) = &proxies[0];
+    let (other, via_other) = &proxies[1];
+    let stream_body =
+        json!({"model": name, "prompt": "hello world", "max_tokens": 150, "stream": true})
+            .to_string();
+    let stream_out = tempfile::NamedTempFile::new()?;
+    let mut stream = Command::new("curl")
+        .args([
+            "-sSN",
+            "--max-time",
+            "60",
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            &stream_body,
+        ])
+        .arg(format!("{via_killed}/v1/completions"))
+        .stdout(stream_out.reopen()?)
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    wait_for(
+        "the stream through the first proxy started",
+        Duration::from_secs(30),
         || {
-            let url = format!("{}/v1/completions", e.proxy_url);
-            let body = body.clone();
+            let path = stream_out.path().to_path_buf();
             async move {
-                let out =
-                    curl(&["-H", "Content-Type: application/json", "-d", &body, &url]).ok()?;
-                let r: Value = serde_json::from_slice(&out).ok()?;
-                (r["usage"]["completion_tokens"] == 4).then_some(r)
+                let text = std::fs::read_to_string(path).ok()?;
+                (text.matches("data: ").count() >= 3).then_some(())
             }
         },
     )
     .await?;
+    let proxy_api: Api<Pod> = Api::namespaced(c.clone(), &e.controller_ns);
+    proxy_api
+        .delete(
+            killed,
+            &DeleteParams {
+                grace_period_seconds: Some(0),
+                ..DeleteParams::default()
+            },
+        )
+        .await?;
+    let status = tokio::task::spawn_blocking(move || stream.wait()).await??;
+    let streamed = std::fs::read_to_string(stream_out.path())?;
     ensure!(
-        via_proxy["choices"][0]["text"].is_string(),
-        "completion through the proxy {via_proxy}"
+        !streamed.contains("[DONE]") && streamed.matches("data: ").count() < 150,
+        "the stream through the killed proxy {killed} ran to its end ({status}): {} events",
+        streamed.matches("data: ").count()
     );
-    let models: Value = serde_json::from_slice(&curl(&[&format!("{}/v1/models", e.proxy_url)])?)?;
+    let r = completes(format!("{via_other}/v1/completions"))
+        .await
+        .with_context(|| format!("a completion through {other} after {killed} was killed"))?;
     ensure!(
-        models["data"]
-            .as_array()
-            .is_some_and(|d| d.iter().any(|m| m["id"] == name)),
-        "/v1/models through the proxy lists {name}: {models}"
+        r["choices"][0]["text"].is_string(),
+        "completion through {other}: {r}"
+    );
+    let short_stream =
+        json!({"model": name, "prompt": "hello world", "max_tokens": 3, "stream": true})
+            .to_string();
+    let out = curl(&[
+        "-N",
+        "-H",
+        "Content-Type: application/json",
+        "-d",
+        &short_stream,
+        &format!("{via_other}/v1/completions"),
+    ])?;
+    let text = String::from_utf8_lossy(&out);
+    ensure!(
+        text.contains("[DONE]") && text.matches("data: ").count() >= 4,
+        "a stream through {other} after {killed} was killed: {text}"
     );
     let active = wait_for(
         "the proxy wrote status.lastActiveTime",

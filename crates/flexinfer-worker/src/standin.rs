@@ -39,6 +39,9 @@ pub struct Args {
     pub served_model_name: Option<String>,
     pub host: String,
     pub port: u16,
+    /// `--token-delay-ms`: a pause before each streamed token, to stand in for a slow model (long
+    /// streams in tests of keepalive, back-pressure and replica failure). Default 0.
+    pub token_delay: std::time::Duration,
     /// vLLM flags it accepts and ignores (logged at start).
     pub ignored: Vec<String>,
 }
@@ -50,6 +53,7 @@ pub fn parse_args<I: IntoIterator<Item = String>>(argv: I) -> Result<Args, Strin
     let mut name = None;
     let mut host = "0.0.0.0".to_string();
     let mut port = 8000u16;
+    let mut token_delay = std::time::Duration::ZERO;
     let mut ignored = Vec::new();
     let mut it = argv.into_iter().peekable();
     while let Some(a) = it.next() {
@@ -75,6 +79,15 @@ pub fn parse_args<I: IntoIterator<Item = String>>(argv: I) -> Result<Args, Strin
                     .parse()
                     .map_err(|_| format!("--port must be a port number, got {v:?}"))?;
             }
+            "--token-delay-ms" => {
+                let v = value("--token-delay-ms")?;
+                let ms: u64 = v
+                    .parse()
+                    .ok()
+                    .filter(|ms| *ms <= 60_000)
+                    .ok_or_else(|| format!("--token-delay-ms must be 0 to 60000, got {v:?}"))?;
+                token_delay = std::time::Duration::from_millis(ms);
+            }
             "-m" => ignored.push(format!("-m {}", value("-m")?)),
             f if f.starts_with('-') => {
                 if inline.is_some() || (takes_value(f) && next_is_value) {
@@ -92,6 +105,7 @@ pub fn parse_args<I: IntoIterator<Item = String>>(argv: I) -> Result<Args, Strin
         served_model_name: name,
         host,
         port,
+        token_delay,
         ignored,
     })
 }
@@ -257,6 +271,8 @@ pub struct Server {
     pub engine: Engine,
     pub served_name: String,
     pub created: i64,
+    /// Pause before each streamed token (`--token-delay-ms`).
+    pub token_delay: std::time::Duration,
 }
 
 /// The prompt of a completion or chat request: chat messages are joined by newlines.
@@ -419,6 +435,9 @@ impl Server {
             };
             // A failed send means the client closed the stream: generation stops there.
             let r = me.engine.generate(&prompt, max_tokens, |piece| {
+                if !me.token_delay.is_zero() {
+                    std::thread::sleep(me.token_delay);
+                }
                 tx.blocking_send(chunk(piece, None)).is_ok()
             });
             let tail = match r {
@@ -468,6 +487,7 @@ pub async fn serve(args: Args) -> Result<(), String> {
         engine,
         served_name,
         created: jiff::Timestamp::now().as_second(),
+        token_delay: args.token_delay,
     });
     loop {
         let (stream, _) = match listener.accept().await {
@@ -518,6 +538,16 @@ mod tests {
             ]
         );
         assert_eq!(args("--model=/m --port=9").expect("inline").port, 9);
+        assert_eq!(a.token_delay, std::time::Duration::ZERO);
+        assert_eq!(
+            args("--model /m --token-delay-ms 25")
+                .expect("delay")
+                .token_delay,
+            std::time::Duration::from_millis(25)
+        );
+        assert!(args("--model /m --token-delay-ms 1e9")
+            .unwrap_err()
+            .contains("--token-delay-ms"));
         assert!(args("--port 8000").unwrap_err().contains("--model"));
         assert!(args("--model /m --port x").unwrap_err().contains("--port"));
         assert!(args("--model").unwrap_err().contains("needs a value"));
