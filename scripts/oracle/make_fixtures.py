@@ -222,6 +222,88 @@ FAMILIES = {
                      eoa_token_index=89, audio_token_id=87),
         ),
     ),
+    # Gated delta-net hybrids (Qwen3-Next, Qwen3.5): linear-attention layers (fused in_proj_qkvz / in_proj_ba on
+    # Qwen3-Next, split in_proj_qkv / _z / _b / _a on Qwen3.5; causal depthwise conv, gated delta rule, gated
+    # RMSNorm) beside full-attention layers (an output gate in q_proj, q/k norms, partial rope); (1 + w) norms.
+    # More value heads than key heads, so the key heads are shared. At least 8 value heads on Qwen3.5, so that
+    # in_proj_b / in_proj_a (one row per value head) pack at 4 bits when every linear is quantized.
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[2],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.25},
+        ),
+    ),
+    "qwen3_5": (
+        "Qwen3_5TextConfig",
+        "Qwen3_5ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+            intermediate_size=64,
+            head_dim=32,
+            tie_word_embeddings=True,
+            linear_num_key_heads=2,
+            linear_num_value_heads=8,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.5,
+                             "mrope_section": [3, 3, 2], "mrope_interleaved": True},
+        ),
+    ),
+    # The multimodal Qwen3.5-MoE wrapper: text_config nested, the text stack under model.language_model.*, a tiny
+    # vision tower (model.visual.*) and MTP tensors (mtp.*, which transformers ignores) the engine copies untouched.
+    "qwen3_5_moe_mm": (
+        "Qwen3_5MoeConfig",
+        "Qwen3_5MoeForConditionalGeneration",
+        dict(
+            text=dict(
+                num_hidden_layers=3,
+                layer_types=["linear_attention", "full_attention", "linear_attention"],
+                moe_intermediate_size=16,
+                shared_expert_intermediate_size=32,
+                num_experts=8,
+                num_experts_per_tok=3,
+                linear_num_key_heads=2,
+                linear_num_value_heads=8,
+                linear_key_head_dim=16,
+                linear_value_head_dim=8,
+                linear_conv_kernel_dim=4,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [1, 1, 0], "mrope_interleaved": True},
+            ),
+            vision=dict(
+                depth=1,
+                hidden_size=16,
+                intermediate_size=16,
+                num_heads=2,
+                patch_size=4,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+                out_hidden_size=64,
+                num_position_embeddings=16,
+            ),
+            ids=dict(image_token_id=94, video_token_id=93, vision_start_token_id=92, vision_end_token_id=91),
+            mtp={"mtp.fc.weight": [64, 128], "mtp.layers.0.mlp.experts.0.up_proj.weight": [16, 64],
+                 "mtp.norm.weight": [64]},
+        ),
+    ),
 }
 
 TOKENS = [3, 17, 42, 5, 88, 61, 0, 23, 23, 77, 9, 50, 31, 14, 95, 2, 66, 40, 11, 8]
@@ -307,6 +389,10 @@ def run_one(name, cfg_cls, arch, extra, seed):
         vc = transformers.Gemma4VisionConfig(**extra["vision"])
         cfg = transformers.Gemma4Config(text_config=tc.to_dict(), vision_config=vc.to_dict(), audio_config=None,
                                         **extra["ids"])
+    elif cfg_cls == "Qwen3_5MoeConfig":
+        tc = text_config("Qwen3_5MoeTextConfig", extra["text"])
+        vc = transformers.Qwen3_5MoeVisionConfig(**extra["vision"])
+        cfg = transformers.Qwen3_5MoeConfig(text_config=tc.to_dict(), vision_config=vc.to_dict(), **extra["ids"])
     else:
         cfg = text_config(cfg_cls, extra)
     cfg.architectures = [arch]
@@ -343,7 +429,13 @@ def run_one(name, cfg_cls, arch, extra, seed):
     cfg_dict.pop("_attn_implementation_autoset", None)
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(cfg_dict, f, indent=1, sort_keys=True)
-    save_file(hub_state_dict(model, arch), os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    weights = hub_state_dict(model, arch)
+    # Extra tensors of the hub checkpoints that transformers does not load (Qwen3.5's MTP head): random, copied
+    # untouched by the engine.
+    g = torch.Generator().manual_seed(seed + 1)
+    for k, shape in (extra.get("mtp") or {}).items():
+        weights[k] = torch.randn(shape, generator=g)
+    save_file(weights, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
     expected = {f"hidden.{i}": t.contiguous() for i, t in hidden.items()}
     expected["logits"] = logits.contiguous()
     os.makedirs(os.path.join(d, "expected"), exist_ok=True)

@@ -2,7 +2,9 @@
 //! solve per module with 2048-token Hessians, and reports each time as a ratio to the lower bound
 //! FLOPs ÷ measured rate. Usage: `bench_gptq [runs] [shapes...]` with shapes as `OUTxIN` (default: the three
 //! Llama-7B shapes 4096x4096, 11008x4096, 4096x11008). `bench_gptq model [samples] [seq_len]` quantizes a
-//! generated ~110M-parameter model end to end and reports wall time and peak RSS.
+//! generated ~110M-parameter model end to end and reports wall time and peak RSS; `bench_gptq hybrid [samples]
+//! [seq_len]` does the same for a generated Qwen3.5-MoE-hybrid-shaped model (8 layers, 6 linear attention and 2
+//! full attention, 32 experts top 4 with a shared expert).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 use faer::dyn_stack::{MemBuffer, MemStack};
@@ -107,7 +109,95 @@ fn bench_model(samples: usize, seq_len: usize) {
     );
 }
 
+/// Whole-model run on a generated Qwen3.5-MoE-shaped gated delta-net hybrid.
+fn bench_hybrid(samples: usize, seq_len: usize) {
+    use flexinfer_quant::calib::CalibSettings;
+    use flexinfer_quant::pipeline::{run, QuantizeJob};
+    use flexinfer_quant::testkit::{self, HybridSize};
+    let size = HybridSize {
+        hidden: 768,
+        layers: 8,
+        full_attention_interval: 4,
+        heads: 8,
+        kv_heads: 2,
+        head_dim: 128,
+        linear_k_heads: 8,
+        linear_v_heads: 16,
+        linear_k_dim: 64,
+        linear_v_dim: 64,
+        inter: 256,
+        experts: 32,
+        top_k: 4,
+        vocab: 16384,
+        multimodal: true,
+    };
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let model = tmp.path().join("model");
+    let t = Instant::now();
+    testkit::write_hybrid_model(&model, &size, 7).expect("generate model");
+    let params: u64 = flexinfer_quant::tensors::TensorStore::open_dir(&model)
+        .expect("open")
+        .entries
+        .values()
+        .map(|e| e.shape.iter().product::<usize>() as u64)
+        .sum();
+    let ds = tmp.path().join("calib.txt");
+    let text: Vec<String> = testkit::sentences(9, samples)
+        .into_iter()
+        .map(|s| s.repeat(seq_len / 40 + 1))
+        .collect();
+    std::fs::write(&ds, text.join("\n\n")).expect("dataset");
+    println!(
+        "generated {params} parameters in {:.1} s; peak RSS so far {:.0} MiB",
+        t.elapsed().as_secs_f64(),
+        peak_rss_mib()
+    );
+    let job = QuantizeJob {
+        dynamic_exclusion: Some("auto".into()),
+        ..QuantizeJob::new(
+            &model,
+            &tmp.path().join("out"),
+            &ds,
+            CalibSettings {
+                max_samples: samples,
+                max_seq_len: seq_len,
+            },
+            "bench",
+        )
+    };
+    flexinfer_quant::pipeline::release_free_memory();
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+    let baseline = rss_mib();
+    let t = Instant::now();
+    let sink = RssSink::start();
+    let o = run(&job, &CpuBackend::default(), &sink).expect("quantize");
+    sink.report();
+    let secs = t.elapsed().as_secs_f64();
+    let q = o.quality.expect("quality");
+    let peak = peak_rss_mib();
+    println!(
+        "hybrid whole model (dynamicExclusion auto): {samples} x {seq_len} tokens, {} layers: {secs:.1} s; \
+         {} GPTQ + {} RTN modules; artifact {} -> {} bytes; peak RSS {peak:.0} MiB, of which {baseline:.0} MiB \
+         resident before the run",
+        size.layers,
+        q.gptq_modules,
+        q.rtn_fallback_modules,
+        o.original_size_bytes,
+        o.compressed_size_bytes
+    );
+}
+
 fn main() {
+    if std::env::args().nth(1).as_deref() == Some("hybrid") {
+        let arg = |i: usize, d: usize| {
+            std::env::args()
+                .nth(i)
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(d)
+        };
+        bench_hybrid(arg(2, 32), arg(3, 512));
+        return;
+    }
     if std::env::args().nth(1).as_deref() == Some("model") {
         let samples = std::env::args()
             .nth(2)

@@ -29,6 +29,9 @@ const FAMILIES: &[&str] = &[
     "gemma4_text",
     "gemma4_moe",
     "gemma4_mm",
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe_mm",
 ];
 
 /// Relative tolerance against the largest magnitude of the expected tensor.
@@ -136,9 +139,10 @@ fn forward_matches_transformers() {
     }
 }
 
-/// The GPTQ group size used for a fixture: 32, or 16 where an input dimension is 16 (gemma4_moe's experts).
+/// The GPTQ group size used for a fixture: 32, or 16 where an input dimension is 16 (the experts of
+/// gemma4_moe and of the hybrid MoE fixtures).
 fn group_size(fam: &str) -> i32 {
-    if fam == "gemma4_moe" {
+    if matches!(fam, "gemma4_moe" | "qwen3_next" | "qwen3_5_moe_mm") {
         16
     } else {
         32
@@ -260,20 +264,22 @@ fn each_family_quantizes_and_reads_back() {
             copied += 1;
         }
         assert!(copied > 0, "{fam}");
-        if *fam == "gemma4_mm" {
+        let untouched: &[&str] = match *fam {
+            "gemma4_mm" => &["model.vision_tower."],
+            "qwen3_5_moe_mm" => &["model.visual.", "mtp."],
+            _ => &[],
+        };
+        for stem in untouched {
             assert!(
-                qstore
-                    .entries
-                    .keys()
-                    .any(|n| n.starts_with("model.vision_tower.")),
-                "{fam}: the vision tower is copied"
+                qstore.entries.keys().any(|n| n.starts_with(stem)),
+                "{fam}: {stem}* is copied"
             );
             assert!(
                 !qstore
                     .entries
                     .keys()
-                    .any(|n| n.starts_with("model.vision_tower.") && n.ends_with(".qweight")),
-                "{fam}: the vision tower is not quantized"
+                    .any(|n| n.starts_with(stem) && n.ends_with(".qweight")),
+                "{fam}: {stem}* is not quantized"
             );
         }
         let lq = logits(&qstore, &cfg, &tokens).unwrap();

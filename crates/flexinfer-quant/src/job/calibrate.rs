@@ -10,8 +10,8 @@ use crate::events::fields;
 use crate::exclusion::Exclusion;
 use crate::model::calib::load_samples_counted;
 use crate::model::llama::{
-    attention, attention_delta, embed, layer_forward, mlp_activation, mlp_output, rms_norm,
-    scale_layer_output, Rope, Stage,
+    attention_delta, embed, layer_forward, mlp_activation, mlp_output, rms_norm,
+    scale_layer_output, token_mixer, Rope, Stage,
 };
 use crate::model::tensors::TensorStore;
 use crate::model::{
@@ -177,11 +177,11 @@ fn stage_activation(s: &StageInput<'_>, x: &mut Mat<f32>) -> Option<Mat<f32>> {
         Stage::O if !s.active => return None,
         Stage::O => {
             let hn = rms_norm(x.as_ref(), &lw.input_norm, cfg.rms_norm_eps);
-            attention(cfg, lw, hn.as_ref(), s.layer.rope)
+            token_mixer(cfg, lw, hn.as_ref(), s.layer.rope)
         }
         Stage::GateUp => {
             let hn = rms_norm(x.as_ref(), &lw.input_norm, cfg.rms_norm_eps);
-            let att = attention(cfg, lw, hn.as_ref(), s.layer.rope);
+            let att = token_mixer(cfg, lw, hn.as_ref(), s.layer.rope);
             drop(hn);
             // The residual after attention replaces the layer input in place (the input
             // is not needed any more; no second activation-sized buffer).

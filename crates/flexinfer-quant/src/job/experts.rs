@@ -61,7 +61,8 @@ pub(super) fn quantize_experts(
         } else {
             tokens[e]
         };
-        let [ig, iu, id] = [4 + 3 * e, 5 + 3 * e, 6 + 3 * e];
+        let n = lw.mixer;
+        let [ig, iu, id] = [n + 3 * e, n + 1 + 3 * e, n + 2 + 3 * e];
         let is_active = |i: usize| {
             !ctx.specs[i].tied
                 && !ctx

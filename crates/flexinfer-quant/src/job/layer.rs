@@ -13,7 +13,7 @@ use crate::job::writer::OutTensor;
 use crate::model::llama::{Rope, Stage, STAGES};
 use crate::model::tensors::TensorStore;
 use crate::model::{
-    layer_modules, load_layer, load_linear, GptqReadConfig, LayerWeights, ModuleSpec, INPUT_GROUPS,
+    input_groups, layer_modules, load_layer, load_linear, GptqReadConfig, LayerWeights, ModuleSpec,
 };
 use crate::numerics::gptq::{dequantize_weight, Method, QuantizedLinear};
 use crate::numerics::pack::{pack, ZeroFormat};
@@ -217,12 +217,13 @@ fn quantize_stages(
     let layers = cfg.num_layers;
     let prefix = cfg.layer_prefix(layer);
     let mut hidden_is_x1 = false;
-    for (stage, group) in STAGES.iter().zip(INPUT_GROUPS.iter()) {
+    let groups = input_groups(cfg, layer);
+    for (stage, group) in STAGES.iter().zip(groups.iter()) {
         if sparse && *stage == Stage::Down {
             break;
         }
         let moe_gate_up = sparse && *stage == Stage::GateUp;
-        let group: &[usize] = if moe_gate_up { &[] } else { group };
+        let group: &[usize] = if moe_gate_up { &[] } else { group.as_slice() };
         let active: Vec<usize> = group
             .iter()
             .copied()

@@ -1,4 +1,6 @@
 //! Llama-family decoder forward in f32 (RMSNorm, RoPE, grouped-query causal attention, SwiGLU), one layer at a time.
+//! The hybrids' linear-attention layers run the gated delta-net mixer ([`crate::model::gdn`]) in place of
+//! attention; everything around it is shared.
 
 use crate::error::Result;
 use crate::model::tensors::TensorStore;
@@ -9,9 +11,9 @@ use faer::{Accum, Mat, MatRef};
 /// Where a partial forward stops: the input of one shared-input module group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stage {
-    /// Input of q/k/v (after input_layernorm).
+    /// Input of q/k/v (after input_layernorm); of a linear-attention layer's input projections.
     Qkv = 0,
-    /// Input of o_proj (attention output).
+    /// Input of o_proj (attention output); of a linear-attention layer's `out_proj` (its gated-norm output).
     O = 1,
     /// Input of gate/up (after post_attention_layernorm).
     GateUp = 2,
@@ -142,7 +144,15 @@ pub fn attention(
 ) -> Mat<f32> {
     let t = h.nrows();
     let (nh, nkv, d) = (lw.attn.heads, lw.attn.kv_heads, lw.attn.head_dim);
-    let mut q = linear(h, &lw.linears[0]);
+    let qg = linear(h, &lw.linears[0]);
+    // Qwen3-Next / Qwen3.5: each head's q_proj rows are [query | output gate].
+    let (mut q, gate) = if lw.attn.output_gate && qg.ncols() == 2 * nh * d {
+        let q = Mat::from_fn(t, nh * d, |r, c| qg[(r, (c / d) * 2 * d + c % d)]);
+        let g = Mat::from_fn(t, nh * d, |r, c| qg[(r, (c / d) * 2 * d + d + c % d)]);
+        (q, Some(g))
+    } else {
+        (qg, None)
+    };
     let mut k = linear(h, &lw.linears[1]);
     // Gemma 4 `attention_k_eq_v`: the values are the keys' projection before the key norm and rope.
     let mut v = if lw.attn.v_from_k {
@@ -207,14 +217,37 @@ pub fn attention(
             par,
         );
     }
+    if let Some(g) = gate {
+        for c in 0..out.ncols() {
+            let gc = g.col_as_slice(c);
+            for (o, &gv) in out.col_as_slice_mut(c).iter_mut().zip(gc) {
+                *o /= 1.0 + (-gv).exp();
+            }
+        }
+    }
     out
+}
+
+/// The layer's token mixer on the normalised residual `h`: attention, or a linear-attention layer's gated
+/// delta net; returns the input of its output projection.
+pub fn token_mixer(
+    cfg: &ModelConfig,
+    lw: &LayerWeights,
+    h: MatRef<'_, f32>,
+    rope: &Rope,
+) -> Mat<f32> {
+    if lw.gdn.is_some() {
+        crate::model::gdn::gdn_mixer(cfg, lw, h)
+    } else {
+        attention(cfg, lw, h, rope)
+    }
 }
 
 /// SwiGLU input of down_proj for the residual stream `x1` (after attention).
 pub fn mlp_activation(cfg: &ModelConfig, lw: &LayerWeights, x1: MatRef<'_, f32>) -> Mat<f32> {
     let h2 = rms_norm(x1, &lw.post_norm, cfg.rms_norm_eps);
-    let mut g = linear(h2.as_ref(), &lw.linears[4]);
-    let u = linear(h2.as_ref(), &lw.linears[5]);
+    let mut g = linear(h2.as_ref(), &lw.linears[lw.mixer]);
+    let u = linear(h2.as_ref(), &lw.linears[lw.mixer + 1]);
     drop(h2);
     // act(g)·u, written over g (no third intermediate-sized matrix): SiLU, or GELU-tanh for Gemma.
     let gelu = cfg.gemma.is_some();
@@ -237,9 +270,10 @@ pub fn gelu_tanh(x: f32) -> f32 {
     0.5 * x * (1.0 + (C * (x + 0.044_715 * x * x * x)).tanh())
 }
 
-/// What attention adds to the residual stream: `o_proj(att)`, RMS-normalised for Gemma.
+/// What attention adds to the residual stream: `o_proj(att)` (`out_proj` on a linear-attention layer),
+/// RMS-normalised for Gemma.
 pub fn attention_delta(cfg: &ModelConfig, lw: &LayerWeights, att: MatRef<'_, f32>) -> Mat<f32> {
-    let o = linear(att, &lw.linears[3]);
+    let o = linear(att, &lw.linears[lw.mixer - 1]);
     match &lw.attn_out_norm {
         Some(w) => rms_norm(o.as_ref(), w, cfg.rms_norm_eps),
         None => o,
@@ -270,7 +304,7 @@ pub fn mlp_output(cfg: &ModelConfig, lw: &LayerWeights, x1: MatRef<'_, f32>) -> 
         }
         _ => {
             let act = mlp_activation(cfg, lw, x1);
-            let dn = linear(act.as_ref(), &lw.linears[6]);
+            let dn = linear(act.as_ref(), &lw.linears[lw.mixer + 2]);
             match &lw.mlp_out_norm {
                 Some(w) => rms_norm(dn.as_ref(), w, cfg.rms_norm_eps),
                 None => dn,
@@ -312,7 +346,7 @@ pub fn layer_forward(
     if stop == Some(Stage::Qkv) {
         return h;
     }
-    let att = attention(cfg, lw, h.as_ref(), rope);
+    let att = token_mixer(cfg, lw, h.as_ref(), rope);
     if stop == Some(Stage::O) {
         return att;
     }

@@ -2,7 +2,7 @@
 //! loading them from a source checkpoint or dequantized from a `gptq` checkpoint with the
 //! consumer's rules.
 
-use super::config::{AttnShape, ModelConfig, MoeConfig};
+use super::config::{AttnShape, GdnLayout, ModelConfig, MoeConfig};
 use crate::error::{QuantError, Result};
 use crate::model::moe::{Gemma4Moe, Mlp, MoeStyle, MoeWeights};
 use crate::model::tensors::TensorStore;
@@ -22,18 +22,82 @@ pub struct ModuleSpec {
     pub tied: bool,
 }
 
-/// The linears of `layer` in true-sequential order: q, k, v, o, then the dense MLP's gate, up, down, or each
-/// routed expert's gate, up, down and the shared expert's (Gemma 4: the dense MLP beside the experts, named
-/// `mlp.*`). Routers are not among them (never quantized). Index `i` of this list is [`LayerWeights::module`] `i`.
+/// The linear-attention modules of a gated delta-net layer, in forward order (the input projections, then
+/// `out_proj`), with their `[out, in]` shapes.
+pub fn gdn_modules(cfg: &ModelConfig) -> Vec<(&'static str, (usize, usize))> {
+    let Some(g) = &cfg.gdn else {
+        return Vec::new();
+    };
+    let h = cfg.hidden_size;
+    let out = ("linear_attn.out_proj", (h, g.value_dim));
+    match g.layout {
+        GdnLayout::Fused => vec![
+            (
+                "linear_attn.in_proj_qkvz",
+                (g.conv_dim.saturating_add(g.value_dim), h),
+            ),
+            (
+                "linear_attn.in_proj_ba",
+                (g.num_v_heads.saturating_mul(2), h),
+            ),
+            out,
+        ],
+        GdnLayout::Split => vec![
+            ("linear_attn.in_proj_qkv", (g.conv_dim, h)),
+            ("linear_attn.in_proj_z", (g.value_dim, h)),
+            ("linear_attn.in_proj_b", (g.num_v_heads, h)),
+            ("linear_attn.in_proj_a", (g.num_v_heads, h)),
+            out,
+        ],
+    }
+}
+
+/// How many of `layer`'s modules belong to its token mixer (attention: q, k, v, o; linear attention: its input
+/// projections and `out_proj`); the MLP's follow them.
+pub fn mixer_len(cfg: &ModelConfig, layer: usize) -> usize {
+    if cfg.is_linear_attention(layer) {
+        gdn_modules(cfg).len()
+    } else {
+        4
+    }
+}
+
+/// Module indices of `layer` that share an input (one Hessian each), in forward order: the token mixer's input
+/// projections, its output projection, the dense MLP's gate/up, its down (cf. [`INPUT_GROUPS`]).
+pub fn input_groups(cfg: &ModelConfig, layer: usize) -> [Vec<usize>; 4] {
+    let n = mixer_len(cfg, layer);
+    [
+        (0..n - 1).collect(),
+        vec![n - 1],
+        vec![n, n + 1],
+        vec![n + 2],
+    ]
+}
+
+/// The linears of `layer` in true-sequential order: q, k, v, o (or a linear-attention layer's projections, see
+/// [`gdn_modules`]), then the dense MLP's gate, up, down, or each routed expert's gate, up, down and the shared
+/// expert's (Gemma 4: the dense MLP beside the experts, named `mlp.*`). Routers and the shared expert's gate are
+/// not among them (never quantized). Index `i` of this list is [`LayerWeights::module`] `i`.
 pub fn layer_modules(cfg: &ModelConfig, layer: usize) -> Vec<ModuleSpec> {
     let a = cfg.attn(layer);
-    let mut out: Vec<ModuleSpec> = (0..4)
-        .map(|i| ModuleSpec {
-            name: LINEARS[i].to_string(),
-            shape: linear_shape(cfg, layer, i),
-            tied: i == 2 && a.v_from_k,
-        })
-        .collect();
+    let mut out: Vec<ModuleSpec> = if cfg.is_linear_attention(layer) {
+        gdn_modules(cfg)
+            .into_iter()
+            .map(|(name, shape)| ModuleSpec {
+                name: name.to_string(),
+                shape,
+                tied: false,
+            })
+            .collect()
+    } else {
+        (0..4)
+            .map(|i| ModuleSpec {
+                name: LINEARS[i].to_string(),
+                shape: linear_shape(cfg, layer, i),
+                tied: i == 2 && a.v_from_k,
+            })
+            .collect()
+    };
     let h = cfg.hidden_size;
     let spec = |name: String, shape: (usize, usize)| ModuleSpec {
         name,
@@ -87,10 +151,28 @@ pub struct Linear {
     pub b: Option<Vec<f32>>,
 }
 
+/// A gated delta-net layer's tensors beside its linears.
+#[derive(Clone, Debug)]
+pub struct GdnWeights {
+    /// The causal depthwise convolution, `[conv_dim][kernel]` row-major (`conv1d.weight` `[conv_dim, 1, kernel]`).
+    pub conv: Vec<f32>,
+    /// `dt_bias` per value head.
+    pub dt_bias: Vec<f32>,
+    /// `-exp(A_log)` per value head: the decay rate.
+    pub neg_a: Vec<f32>,
+    /// The gated RMSNorm's weight (`norm.weight`, multiplied as `w`), per value-head dimension.
+    pub norm: Vec<f32>,
+}
+
 /// One decoder layer in f32.
 #[derive(Clone, Debug)]
 pub struct LayerWeights {
+    /// The token mixer's modules (the first [`LayerWeights::mixer`]), then the dense MLP's gate, up, down.
     pub linears: Vec<Linear>,
+    /// How many of `linears` belong to the token mixer (4 for attention).
+    pub mixer: usize,
+    /// A linear-attention layer's convolution, decay and norm (then `linears` starts with its projections).
+    pub gdn: Option<GdnWeights>,
     pub input_norm: Vec<f32>,
     pub post_norm: Vec<f32>,
     pub q_norm: Option<Vec<f32>>,
@@ -114,11 +196,12 @@ pub struct LayerWeights {
 impl LayerWeights {
     /// Module `i` of [`layer_modules`].
     pub fn module(&self, i: usize) -> Option<&Linear> {
+        let n = self.mixer;
         match &self.moe {
             None => self.linears.get(i),
-            Some(_) if i < 4 => self.linears.get(i),
+            Some(_) if i < n => self.linears.get(i),
             Some(m) => {
-                let (e, j) = ((i - 4) / 3, (i - 4) % 3);
+                let (e, j) = ((i - n) / 3, (i - n) % 3);
                 let mlp = m.experts.get(e).or(if e == m.experts.len() {
                     m.shared.as_ref()
                 } else {
@@ -130,11 +213,12 @@ impl LayerWeights {
     }
 
     pub fn module_mut(&mut self, i: usize) -> Option<&mut Linear> {
+        let n = self.mixer;
         match &mut self.moe {
             None => self.linears.get_mut(i),
-            Some(_) if i < 4 => self.linears.get_mut(i),
+            Some(_) if i < n => self.linears.get_mut(i),
             Some(m) => {
-                let (e, j) = ((i - 4) / 3, (i - 4) % 3);
+                let (e, j) = ((i - n) / 3, (i - n) % 3);
                 let n = m.experts.len();
                 let mlp = if e < n {
                     m.experts.get_mut(e)
@@ -173,6 +257,7 @@ pub fn linear_shape(cfg: &ModelConfig, layer: usize, idx: usize) -> (usize, usiz
         a.kv_heads.saturating_mul(a.head_dim),
     );
     match idx {
+        0 if a.output_gate => (q.saturating_mul(2), h),
         0 => (q, h),
         1 | 2 => (kv, h),
         3 => (h, q),
@@ -449,9 +534,15 @@ pub fn load_layer(
     let norm_of = |n: &str| -> Result<Vec<f32>> {
         Ok(cfg.norm_weight(load_vec(store, &format!("{p}{n}"), h)?))
     };
+    let mixer = mixer_len(cfg, layer);
     let moe = match cfg.sparse_layer(layer) {
         None => None,
-        Some(m) => Some(load_moe(store, cfg, layer, m, loaded.split_off(4))?),
+        Some(m) => Some(load_moe(store, cfg, layer, m, loaded.split_off(mixer))?),
+    };
+    let gdn = if cfg.is_linear_attention(layer) {
+        Some(load_gdn(store, cfg, &p)?)
+    } else {
+        None
     };
     let head_norm = |n: &str| -> Result<Option<Vec<f32>>> {
         let name = format!("{p}{n}");
@@ -488,6 +579,8 @@ pub fn load_layer(
     };
     let mut lw = LayerWeights {
         linears: loaded,
+        mixer,
+        gdn,
         input_norm: norm_of("input_layernorm.weight")?,
         post_norm,
         q_norm: head_norm("self_attn.q_norm.weight")?,
@@ -504,6 +597,29 @@ pub fn load_layer(
     };
     lw.sync_tied();
     Ok(lw)
+}
+
+/// A linear-attention layer's convolution, decay and gated-norm tensors (prefix `p`: the layer's).
+fn load_gdn(store: &TensorStore, cfg: &ModelConfig, p: &str) -> Result<GdnWeights> {
+    let Some(g) = &cfg.gdn else {
+        return Err(QuantError::Numeric(format!("{p}: not a hybrid model")));
+    };
+    let conv_len = g.conv_dim.checked_mul(g.conv_kernel).ok_or_else(|| {
+        QuantError::Input("config.json: the linear-attention convolution is too large".into())
+    })?;
+    let conv_name = format!("{p}linear_attn.conv1d.weight");
+    let conv = load_vec(store, &conv_name, conv_len)?;
+    let nv = g.num_v_heads;
+    let neg_a = load_vec(store, &format!("{p}linear_attn.A_log"), nv)?
+        .into_iter()
+        .map(|a| -a.exp())
+        .collect();
+    Ok(GdnWeights {
+        conv,
+        dt_bias: load_vec(store, &format!("{p}linear_attn.dt_bias"), nv)?,
+        neg_a,
+        norm: load_vec(store, &format!("{p}linear_attn.norm.weight"), g.head_v_dim)?,
+    })
 }
 
 /// The sparse MLP of `layer`: the routed experts (and the shared one) from `experts`, the modules

@@ -1,16 +1,20 @@
 //! `config.json` of the supported Llama-family architectures: the attention and rope shape
-//! ([`ModelConfig`]), the Gemma specifics ([`gemma`]) and the sparse-MoE routing ([`moe`]).
+//! ([`ModelConfig`]), the Gemma specifics ([`gemma`]), the sparse-MoE routing ([`moe`]) and the gated
+//! delta-net hybrids' linear attention ([`hybrid`]).
 
 mod gemma;
+mod hybrid;
 mod moe;
 #[cfg(test)]
 mod tests;
 
 pub use gemma::{Gemma4Config, GemmaConfig};
+pub use hybrid::{GdnConfig, GdnLayout};
 pub use moe::MoeConfig;
 
 use crate::error::{QuantError, Result};
 use gemma::{gemma4_config, gemma_config};
+use hybrid::{gdn_config, partial_rotary_factor};
 use moe::moe_config;
 use serde_json::Value;
 use std::path::Path;
@@ -29,6 +33,11 @@ pub const SUPPORTED_ARCHITECTURES: &[&str] = &[
     "Gemma3ForCausalLM",
     "Gemma4ForCausalLM",
     "Gemma4ForConditionalGeneration",
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration",
 ];
 
 /// Query / key / value shape of one attention layer.
@@ -39,6 +48,9 @@ pub struct AttnShape {
     pub head_dim: usize,
     /// The values are the keys' projection (Gemma 4 `attention_k_eq_v` on global layers): no `v_proj` tensor.
     pub v_from_k: bool,
+    /// `q_proj` also gives a per-head output gate (Qwen3-Next / Qwen3.5 full attention): `[query | gate]` per
+    /// head, `2 × heads × head_dim` rows; the attention output is multiplied by `sigmoid(gate)` before `o_proj`.
+    pub output_gate: bool,
 }
 
 /// Largest attention head dimension accepted from a `config.json` (published models use up to 512).
@@ -103,6 +115,10 @@ pub struct ModelConfig {
     pub layer_attn: Vec<AttnShape>,
     /// Where the text stack's tensors are: `model.`, or `model.language_model.` in a multimodal checkpoint.
     pub text_prefix: String,
+    /// Gated delta-net hybrids (Qwen3-Next, Qwen3.5): the linear-attention layers' shape.
+    pub gdn: Option<GdnConfig>,
+    /// Dimensions of each head that rotate (`partial_rotary_factor × head_dim`; `head_dim` but on the hybrids).
+    pub rotary_dim: usize,
     /// The parsed config.json, kept to write it back with `quantization_config`.
     pub raw: Value,
 }
@@ -138,9 +154,9 @@ impl ModelConfig {
 
     pub fn from_json(raw: Value) -> Result<Self> {
         let arch = architecture(&raw)?;
-        // Multimodal Gemma 4: the text stack's fields are under `text_config`, its tensors under
-        // `model.language_model.`; the vision / audio towers are not read (the writer copies them).
-        let multimodal = arch == "Gemma4ForConditionalGeneration";
+        // Multimodal Gemma 4 / Qwen3.5: the text stack's fields are under `text_config`, its tensors under
+        // `model.language_model.`; the vision / audio towers and MTP heads are not read (the writer copies them).
+        let multimodal = arch.ends_with("ForConditionalGeneration");
         let text_owned;
         let text: &Value = if multimodal {
             text_owned = raw
@@ -182,11 +198,38 @@ impl ModelConfig {
         }
         let moe = moe_config(text, &arch, num_layers)?;
         let gemma = gemma_config(text, &arch, num_layers, head_dim, rope_by_type)?;
+        let gdn = gdn_config(text, &arch, num_layers)?;
+        let rotary_dim = match &gdn {
+            None => head_dim,
+            Some(_) => {
+                let f = partial_rotary_factor(text, rope_params)?;
+                let d = (head_dim as f64 * f as f64).floor() as usize;
+                if d == 0 || d % 2 != 0 || d > head_dim {
+                    return Err(QuantError::Input(format!(
+                        "config.json: partial_rotary_factor {f} × head_dim {head_dim} gives {d} rotating \
+                         dimensions; a positive even number is needed"
+                    )));
+                }
+                d
+            }
+        };
+        let gated = gdn.is_some();
+        if gated
+            && (num_heads
+                .checked_mul(head_dim)
+                .and_then(|q| q.checked_mul(2)))
+            .is_none()
+        {
+            return Err(QuantError::Input(
+                "config.json: num_attention_heads × head_dim is too large".into(),
+            ));
+        }
         let base_shape = AttnShape {
             heads: num_heads,
             kv_heads: num_kv_heads,
             head_dim,
             v_from_k: false,
+            output_gate: gated,
         };
         let (gemma4, layer_attn) = match &gemma {
             Some(g) if is_gemma4 => {
@@ -209,7 +252,9 @@ impl ModelConfig {
                 .and_then(Value::as_str)
                 .unwrap_or("")
                 .to_string(),
-            hybrid: is_hybrid(&raw),
+            hybrid: gdn.is_some() || is_hybrid(&raw),
+            gdn,
+            rotary_dim,
             moe,
             gemma,
             gemma4,
@@ -272,6 +317,7 @@ impl ModelConfig {
             kv_heads: self.num_kv_heads,
             head_dim: self.head_dim,
             v_from_k: false,
+            output_gate: self.gdn.is_some(),
         })
     }
 
@@ -285,9 +331,10 @@ impl ModelConfig {
         format!("{}norm.weight", self.text_prefix)
     }
 
-    /// Norm weights as multiplied: `1 + w` for Gemma 2/3, `w` otherwise (Gemma 4 included).
+    /// Norm weights as multiplied: `1 + w` for Gemma 2/3 and the Qwen3-Next / Qwen3.5 hybrids (zero-centred
+    /// RMSNorm weights), `w` otherwise (Gemma 4 included). Not the hybrids' gated RMSNorm, which multiplies by `w`.
     pub fn norm_weight(&self, mut w: Vec<f32>) -> Vec<f32> {
-        if self.gemma.is_some() && self.gemma4.is_none() {
+        if (self.gemma.is_some() && self.gemma4.is_none()) || self.gdn.is_some() {
             w.iter_mut().for_each(|v| *v += 1.0);
         }
         w
@@ -313,7 +360,9 @@ impl ModelConfig {
                 })
                 .collect();
         }
-        let base = base_inv_freq(self.rope_theta, self.head_dim);
+        // Partial rope (the hybrids): the first `rotary_dim` dimensions of each head rotate, in pairs
+        // (i, i + rotary_dim / 2); the rest pass unchanged.
+        let base = base_inv_freq(self.rope_theta, self.rotary_dim);
         match self.rope_scaling {
             RopeScaling::None => base,
             RopeScaling::Linear { factor } => base.iter().map(|f| f / factor).collect(),
@@ -345,6 +394,13 @@ impl ModelConfig {
 
     pub fn layer_prefix(&self, layer: usize) -> String {
         format!("{}layers.{layer}.", self.text_prefix)
+    }
+
+    /// Whether `layer` is a gated delta-net (linear-attention) layer.
+    pub fn is_linear_attention(&self, layer: usize) -> bool {
+        self.gdn
+            .as_ref()
+            .is_some_and(|g| g.linear.get(layer).copied().unwrap_or(false))
     }
 
     /// The MoE config when `layer` has a sparse MLP.

@@ -20,9 +20,22 @@ pub struct MoeConfig {
 }
 
 pub(super) fn moe_config(raw: &Value, arch: &str, num_layers: usize) -> Result<Option<MoeConfig>> {
+    // Qwen3-Next and Qwen3.5-MoE: Qwen's layout with a gated shared expert beside the routed ones.
+    let (qwen_next, qwen35_moe) = (
+        arch == "Qwen3NextForCausalLM",
+        matches!(
+            arch,
+            "Qwen3_5MoeForCausalLM" | "Qwen3_5MoeForConditionalGeneration"
+        ),
+    );
+    if qwen_next && raw.get("num_experts").and_then(Value::as_u64) == Some(0) {
+        // transformers: no experts, every layer has the dense MLP.
+        return Ok(None);
+    }
     let style = match arch {
         "MixtralForCausalLM" => MoeStyle::Mixtral,
         "Qwen2MoeForCausalLM" | "Qwen3MoeForCausalLM" => MoeStyle::Qwen,
+        _ if qwen_next || qwen35_moe => MoeStyle::Qwen,
         "Gemma4ForCausalLM" | "Gemma4ForConditionalGeneration" => {
             return gemma4_moe_config(raw, num_layers)
         }
@@ -51,16 +64,19 @@ pub(super) fn moe_config(raw: &Value, arch: &str, num_layers: usize) -> Result<O
         )));
     }
     let expert_intermediate = get_usize(raw, inter_key)?;
-    // transformers: Mixtral always renormalises the top-k weights; the Qwen MoE blocks only with norm_topk_prob.
+    // transformers: Mixtral and Qwen3.5-MoE always renormalise the top-k weights; the other Qwen MoE blocks only
+    // with norm_topk_prob (default false, true on Qwen3-Next).
     let renormalize = match style {
         MoeStyle::Mixtral | MoeStyle::Gemma4 => true,
+        MoeStyle::Qwen if qwen35_moe => true,
         MoeStyle::Qwen => raw
             .get("norm_topk_prob")
             .and_then(Value::as_bool)
-            .unwrap_or(false),
+            .unwrap_or(qwen_next),
     };
     let shared_intermediate = match arch {
         "Qwen2MoeForCausalLM" => Some(get_usize(raw, "shared_expert_intermediate_size")?),
+        _ if qwen_next || qwen35_moe => Some(get_usize(raw, "shared_expert_intermediate_size")?),
         _ => None,
     }
     .filter(|&i| i > 0);
@@ -81,6 +97,8 @@ pub(super) fn moe_config(raw: &Value, arch: &str, num_layers: usize) -> Result<O
         .unwrap_or_default();
     let sparse = (0..num_layers)
         .map(|l| match style {
+            // Qwen3.5-MoE: every decoder layer has the sparse block.
+            MoeStyle::Qwen if qwen35_moe => true,
             MoeStyle::Qwen => !mlp_only.contains(&l) && (l + 1).is_multiple_of(step),
             _ => true,
         })

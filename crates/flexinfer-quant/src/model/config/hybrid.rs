@@ -1,0 +1,182 @@
+//! The gated delta-net hybrids (Qwen3-Next, Qwen3.5 dense and MoE): which layers use linear attention, the
+//! linear-attention shape, and how its input projections are laid out in the checkpoint.
+
+use super::{get_usize, MAX_HEAD_DIM};
+use crate::error::{QuantError, Result};
+use serde_json::Value;
+
+/// Largest head count accepted for the linear-attention layers.
+const MAX_LINEAR_HEADS: usize = 1 << 16;
+/// Largest causal-convolution kernel accepted (published models use 4).
+const MAX_CONV_KERNEL: usize = 1 << 10;
+
+/// How a linear-attention layer's input projections are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GdnLayout {
+    /// Qwen3-Next: `in_proj_qkvz` (per key head: q, k, then its value heads' v and z) and `in_proj_ba` (per key
+    /// head: its value heads' b, then a).
+    Fused,
+    /// Qwen3.5: `in_proj_qkv` (all q, all k, all v), `in_proj_z`, `in_proj_b`, `in_proj_a`.
+    Split,
+}
+
+/// The linear-attention (gated delta-net) part of a hybrid config.
+#[derive(Clone, Debug)]
+pub struct GdnConfig {
+    pub layout: GdnLayout,
+    pub num_k_heads: usize,
+    pub num_v_heads: usize,
+    pub head_k_dim: usize,
+    pub head_v_dim: usize,
+    pub conv_kernel: usize,
+    /// `num_k_heads × head_k_dim`.
+    pub key_dim: usize,
+    /// `num_v_heads × head_v_dim`.
+    pub value_dim: usize,
+    /// Channels of the causal convolution: `2 × key_dim + value_dim` (q, k and v).
+    pub conv_dim: usize,
+    /// Per layer: linear attention (else gated full attention).
+    pub linear: Vec<bool>,
+}
+
+impl GdnConfig {
+    /// Value heads per key head.
+    pub fn group(&self) -> usize {
+        self.num_v_heads / self.num_k_heads.max(1)
+    }
+}
+
+fn checked(what: &str, v: Option<usize>) -> Result<usize> {
+    v.ok_or_else(|| QuantError::Input(format!("config.json: {what} is too large")))
+}
+
+/// The gated delta-net config of `arch` (none for the other architectures). `text` is the text config.
+pub(super) fn gdn_config(text: &Value, arch: &str, num_layers: usize) -> Result<Option<GdnConfig>> {
+    let layout = match arch {
+        "Qwen3NextForCausalLM" => GdnLayout::Fused,
+        "Qwen3_5ForCausalLM"
+        | "Qwen3_5ForConditionalGeneration"
+        | "Qwen3_5MoeForCausalLM"
+        | "Qwen3_5MoeForConditionalGeneration" => GdnLayout::Split,
+        _ => return Ok(None),
+    };
+    let linear = match text.get("layer_types").and_then(Value::as_array) {
+        Some(a) => {
+            if a.len() != num_layers {
+                return Err(QuantError::Input(format!(
+                    "config.json: layer_types has {} entries, num_hidden_layers is {num_layers}",
+                    a.len()
+                )));
+            }
+            a.iter()
+                .map(|t| match t.as_str() {
+                    Some("linear_attention") => Ok(true),
+                    Some("full_attention") => Ok(false),
+                    other => Err(QuantError::Input(format!(
+                        "config.json: layer_types entry {other:?} is not linear_attention or full_attention"
+                    ))),
+                })
+                .collect::<Result<Vec<bool>>>()?
+        }
+        // transformers' default: one full-attention layer in every `full_attention_interval` (4).
+        None => {
+            let interval = match text.get("full_attention_interval") {
+                None | Some(Value::Null) => 4,
+                Some(v) => v.as_u64().filter(|&n| n > 0).ok_or_else(|| {
+                    QuantError::Input(format!(
+                        "config.json: full_attention_interval must be a positive integer, found {v}"
+                    ))
+                })? as usize,
+            };
+            (0..num_layers)
+                .map(|l| !(l + 1).is_multiple_of(interval))
+                .collect()
+        }
+    };
+    if let Some(act) = text.get("hidden_act").and_then(Value::as_str) {
+        if act != "silu" {
+            return Err(QuantError::Input(format!(
+                "config.json: hidden_act {act:?} is not supported for {arch} (silu)"
+            )));
+        }
+    }
+    let num_k_heads = get_usize(text, "linear_num_key_heads")?;
+    let num_v_heads = get_usize(text, "linear_num_value_heads")?;
+    let head_k_dim = get_usize(text, "linear_key_head_dim")?;
+    let head_v_dim = get_usize(text, "linear_value_head_dim")?;
+    let conv_kernel = get_usize(text, "linear_conv_kernel_dim")?;
+    if num_k_heads == 0
+        || num_v_heads == 0
+        || num_k_heads > MAX_LINEAR_HEADS
+        || num_v_heads > MAX_LINEAR_HEADS
+        || !num_v_heads.is_multiple_of(num_k_heads)
+    {
+        return Err(QuantError::Input(format!(
+            "config.json: linear_num_value_heads {num_v_heads} must be a positive multiple of \
+             linear_num_key_heads {num_k_heads} (at most {MAX_LINEAR_HEADS})"
+        )));
+    }
+    for (key, d) in [
+        ("linear_key_head_dim", head_k_dim),
+        ("linear_value_head_dim", head_v_dim),
+    ] {
+        if d == 0 || d > MAX_HEAD_DIM {
+            return Err(QuantError::Input(format!(
+                "config.json: {key} {d} is out of range (1..={MAX_HEAD_DIM})"
+            )));
+        }
+    }
+    if conv_kernel == 0 || conv_kernel > MAX_CONV_KERNEL {
+        return Err(QuantError::Input(format!(
+            "config.json: linear_conv_kernel_dim {conv_kernel} is out of range (1..={MAX_CONV_KERNEL})"
+        )));
+    }
+    let key_dim = checked(
+        "linear_num_key_heads × linear_key_head_dim",
+        num_k_heads.checked_mul(head_k_dim),
+    )?;
+    let value_dim = checked(
+        "linear_num_value_heads × linear_value_head_dim",
+        num_v_heads.checked_mul(head_v_dim),
+    )?;
+    let conv_dim = checked(
+        "the linear-attention projection width",
+        key_dim
+            .checked_mul(2)
+            .and_then(|k| k.checked_add(value_dim))
+            // The fused qkvz projection (2 key_dim + 2 value_dim) must fit too.
+            .filter(|c| c.checked_add(value_dim).is_some()),
+    )?;
+    Ok(Some(GdnConfig {
+        layout,
+        num_k_heads,
+        num_v_heads,
+        head_k_dim,
+        head_v_dim,
+        conv_kernel,
+        key_dim,
+        value_dim,
+        conv_dim,
+        linear,
+    }))
+}
+
+/// The fraction of each full-attention head's dimensions that rotate (`partial_rotary_factor`, in
+/// `rope_parameters` or at the top of the text config); 1 when absent.
+pub(super) fn partial_rotary_factor(text: &Value, rope_params: Option<&Value>) -> Result<f32> {
+    let v = rope_params
+        .and_then(|r| r.get("partial_rotary_factor"))
+        .or_else(|| text.get("partial_rotary_factor"));
+    match v {
+        None | Some(Value::Null) => Ok(1.0),
+        Some(x) => x
+            .as_f64()
+            .map(|f| f as f32)
+            .filter(|f| *f > 0.0 && *f <= 1.0)
+            .ok_or_else(|| {
+                QuantError::Input(format!(
+                    "config.json: partial_rotary_factor {x} is out of range (0, 1]"
+                ))
+            }),
+    }
+}
