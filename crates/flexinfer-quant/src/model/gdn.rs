@@ -112,6 +112,9 @@ fn causal_conv_silu(x: &mut Mat<f32>, w: &[f32], kernel: usize) {
     }
 }
 
+/// One vector per token.
+type Rows = Vec<Vec<f32>>;
+
 /// Row `r`'s columns `c0..c0 + n` of `x`, L2-normalised (`x / sqrt(Σx² + 1e-6)`) and multiplied by `scale`.
 fn l2_row(x: &Mat<f32>, r: usize, c0: usize, n: usize, scale: f32) -> Vec<f32> {
     let v: Vec<f32> = (0..n).map(|i| x[(r, c0 + i)]).collect();
@@ -168,7 +171,7 @@ pub fn gdn_mixer(cfg: &ModelConfig, lw: &LayerWeights, h: MatRef<'_, f32>) -> Ma
     let (dk, dv, r) = (g.head_k_dim, g.head_v_dim, g.group());
     let q_scale = 1.0 / (dk as f32).sqrt();
     // Per key head, per token: the normalised query and key.
-    let qk: Vec<(Vec<Vec<f32>>, Vec<Vec<f32>>)> = (0..g.num_k_heads)
+    let qk: Vec<(Rows, Rows)> = (0..g.num_k_heads)
         .map(|kh| {
             let q = (0..t)
                 .map(|s| l2_row(&p.qkv, s, kh * dk, dk, q_scale))

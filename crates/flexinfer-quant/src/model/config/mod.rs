@@ -149,7 +149,26 @@ impl ModelConfig {
             "config.json",
             flexinfer_fsutil::limits::CONFIG_JSON,
         )?;
-        Self::from_json(raw)
+        let mut cfg = Self::from_json(raw)?;
+        cfg.text_prefix_from_checkpoint(model_dir);
+        Ok(cfg)
+    }
+
+    /// A text-only Qwen3.5 checkpoint saved by transformers 5 keeps the multimodal prefix
+    /// (`model.language_model.*`) although its config names `*ForCausalLM`: the prefix follows the tensors
+    /// when the embeddings are found only there. Nothing changes when the weights cannot be opened.
+    fn text_prefix_from_checkpoint(&mut self, model_dir: &Path) {
+        const WRAPPED: &str = "model.language_model.";
+        if self.gdn.is_none() || self.text_prefix == WRAPPED {
+            return;
+        }
+        let Ok(store) = crate::model::tensors::TensorStore::open_dir(model_dir) else {
+            return;
+        };
+        let wrapped = format!("{WRAPPED}embed_tokens.weight");
+        if !store.contains(&self.embed_name()) && store.contains(&wrapped) {
+            self.text_prefix = WRAPPED.to_string();
+        }
     }
 
     pub fn from_json(raw: Value) -> Result<Self> {
@@ -204,7 +223,7 @@ impl ModelConfig {
             Some(_) => {
                 let f = partial_rotary_factor(text, rope_params)?;
                 let d = (head_dim as f64 * f as f64).floor() as usize;
-                if d == 0 || d % 2 != 0 || d > head_dim {
+                if d == 0 || !d.is_multiple_of(2) || d > head_dim {
                     return Err(QuantError::Input(format!(
                         "config.json: partial_rotary_factor {f} × head_dim {head_dim} gives {d} rotating \
                          dimensions; a positive even number is needed"
