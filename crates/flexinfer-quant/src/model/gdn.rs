@@ -142,10 +142,14 @@ fn delta_rule_head(
         let beta = sigmoid(p.b[(s, head)]);
         let decay = (w.neg_a[head] * softplus(p.a[(s, head)] + w.dt_bias[head])).exp();
         state.iter_mut().for_each(|x| *x *= decay);
-        // delta = β (v − Sᵀk)
+        // delta = β (v − Sᵀk), Sᵀk summed row by row (contiguous rows of S).
+        delta.fill(0.0);
+        for (i, &ki) in ks.iter().enumerate() {
+            let row = &state[i * dv..(i + 1) * dv];
+            delta.iter_mut().zip(row).for_each(|(d, &sv)| *d += sv * ki);
+        }
         for (j, d) in delta.iter_mut().enumerate() {
-            let mem: f32 = (0..dk).map(|i| state[i * dv + j] * ks[i]).sum();
-            *d = (p.qkv[(s, v0 + j)] - mem) * beta;
+            *d = (p.qkv[(s, v0 + j)] - *d) * beta;
         }
         for (i, &ki) in ks.iter().enumerate() {
             let row = &mut state[i * dv..(i + 1) * dv];
