@@ -33,6 +33,16 @@ impl Arch {
                 "estimating the refusal direction needs the engine's Llama-family forward ({SUPPORTED}): {e}"
             ))
         })?;
+        if cfg.hybrid || cfg.gdn.is_some() {
+            // The engine runs the gated delta-net forward (calibration), but the edit's mapping of
+            // writers onto the forward's modules (for the perplexity gate) is not done for the
+            // linear-attention layers' `linear_attn.out_proj` nor checked against these models.
+            return Err(WorkerError::BadInput(format!(
+                "{}: abliteration does not support linear-attention hybrids (Qwen3-Next, Qwen3.5) yet; \
+                 quantize the model without an abliteration block",
+                cfg.architecture
+            )));
+        }
         if GptqReadConfig::from_config(&cfg).is_some() {
             return Err(WorkerError::BadInput(
                 "the source is a quantized (gptq) checkpoint; abliterate the full-precision model"
@@ -83,5 +93,31 @@ impl LayerModel {
             _ => return None,
         };
         Some((l, bias))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The gated delta-net hybrids (the engine's oracle fixtures) are refused with a bad-input
+    /// error naming them, before anything is loaded or written.
+    #[test]
+    fn hybrid_models_are_refused_as_bad_input() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/oracle");
+        for fam in ["qwen3_next", "qwen3_5", "qwen3_5_moe_mm"] {
+            let dir = root.join(fam);
+            let store = TensorStore::open_dir(&dir).unwrap_or_else(|e| panic!("{fam}: {e}"));
+            let raw =
+                super::super::output::read_config(&dir).unwrap_or_else(|e| panic!("{fam}: {e}"));
+            let layout = Layout::from_model(&store, &raw).unwrap_or_else(|e| panic!("{fam}: {e}"));
+            match Arch::load(&dir, &layout) {
+                Err(WorkerError::BadInput(m)) => {
+                    assert!(m.contains("linear-attention hybrids"), "{fam}: {m}")
+                }
+                Err(e) => panic!("{fam}: {e}"),
+                Ok(_) => panic!("{fam}: accepted"),
+            }
+        }
     }
 }
