@@ -1,4 +1,8 @@
 //! Quantization settings: the GPTQ format knobs and the Hessian-recovery tunables (docs/dev/gptq.md §1).
+// Sizes, head counts and offsets come from untrusted model files: overflow must be an error or
+// saturate, never wrap or panic (the numeric kernels are outside the lint).
+#![deny(clippy::arithmetic_side_effects)]
+#![cfg_attr(test, allow(clippy::arithmetic_side_effects))]
 
 use crate::error::{QuantError, Result};
 use serde::{Deserialize, Serialize};
@@ -91,7 +95,7 @@ impl GptqParams {
         let pack = if self.bits == 3 {
             32
         } else {
-            (32 / self.bits) as usize
+            32u32.checked_div(self.bits).unwrap_or(32) as usize
         };
         if !cols.is_multiple_of(pack) || !rows.is_multiple_of(pack) {
             return Err(QuantError::Input(format!(

@@ -1,5 +1,9 @@
 //! Per-layer resume cache under `$MODEL_DIR/.flexinfer-gptq-cache/` (docs/dev/gptq.md §1.8).
 //! Any problem with the cache wipes it and the run proceeds from layer 0: resume never blocks a run.
+// Sizes, head counts and offsets come from untrusted model files: overflow must be an error or
+// saturate, never wrap or panic (the numeric kernels are outside the lint).
+#![deny(clippy::arithmetic_side_effects)]
+#![cfg_attr(test, allow(clippy::arithmetic_side_effects))]
 
 use crate::error::{QuantError, Result};
 use crate::events::{fields, EventSink};
@@ -260,7 +264,7 @@ impl LayerCache {
             low_coverage_rtn_modules: stats.low_coverage_rtn_modules,
         });
         self.save_manifest()?;
-        self.write_checkpoint("quantizing", Some(layer + 1))?;
+        self.write_checkpoint("quantizing", Some(layer.saturating_add(1)))?;
         events.emit(
             names::QUANTIZATION_LAYER_CACHED,
             fields([

@@ -1,5 +1,9 @@
 //! Calibration data: a local dataset file (JSONL, JSON, CSV, parquet or plain text, optionally
 //! zstd-compressed; read by [`super::dataset`]), tokenized with the model's `tokenizer.json`.
+// Sizes, head counts and offsets come from untrusted model files: overflow must be an error or
+// saturate, never wrap or panic (the numeric kernels are outside the lint).
+#![deny(clippy::arithmetic_side_effects)]
+#![cfg_attr(test, allow(clippy::arithmetic_side_effects))]
 
 use super::dataset;
 use crate::error::{QuantError, Result};
@@ -74,8 +78,8 @@ pub fn byte_level_symbols() -> [char; 256] {
         let cp = if printable(b) {
             b
         } else {
-            n += 1;
-            255 + n
+            n = n.saturating_add(1);
+            n.saturating_add(255)
         };
         *slot = char::from_u32(cp).unwrap_or('\0');
     }
@@ -218,7 +222,11 @@ pub fn load_samples_counted(
     let mut out = Samples::default();
     let mut first_bad: Option<(usize, Vec<u8>)> = None;
     for (i, t) in texts.iter().enumerate() {
-        let mut ids = encode(&ct.tokenizer, t, &format!("calibration sample {}", i + 1))?;
+        let mut ids = encode(
+            &ct.tokenizer,
+            t,
+            &format!("calibration sample {}", i.saturating_add(1)),
+        )?;
         let needs: Vec<u8> = ct
             .missing_bytes
             .iter()
@@ -226,8 +234,8 @@ pub fn load_samples_counted(
             .map(|&(_, b)| b)
             .collect();
         if !needs.is_empty() {
-            out.skipped_unencodable += 1;
-            first_bad.get_or_insert((i + 1, needs));
+            out.skipped_unencodable = out.skipped_unencodable.saturating_add(1);
+            first_bad.get_or_insert((i.saturating_add(1), needs));
             continue;
         }
         ids.truncate(s.max_seq_len);

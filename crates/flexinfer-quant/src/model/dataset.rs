@@ -15,6 +15,10 @@
 //! is a string (its text) or an object; what differs between the uses is only which field of an
 //! object holds the text and how plain text divides into texts, and that is the use's
 //! [`TextRules`], declared side by side below.
+// Sizes, head counts and offsets come from untrusted model files: overflow must be an error or
+// saturate, never wrap or panic (the numeric kernels are outside the lint).
+#![deny(clippy::arithmetic_side_effects)]
+#![cfg_attr(test, allow(clippy::arithmetic_side_effects))]
 
 use crate::error::{QuantError, Result};
 use flexinfer_fsutil::limits;

@@ -1,4 +1,8 @@
 //! Memory-mapped safetensors reading (single file or sharded with an index).
+// Sizes, head counts and offsets come from untrusted model files: overflow must be an error or
+// saturate, never wrap or panic (the numeric kernels are outside the lint).
+#![deny(clippy::arithmetic_side_effects)]
+#![cfg_attr(test, allow(clippy::arithmetic_side_effects))]
 
 use crate::error::{QuantError, Result};
 use crate::fsutil::{read_json_within, untrusted_err};
@@ -343,12 +347,12 @@ pub fn parse_header(
             .and_then(|n| n.checked_mul(info.dtype.bitsize()))
             .map(|bits| bits.div_ceil(8))
             .ok_or_else(|| format!("tensor {name}: shape {:?} overflows", info.shape))?;
-        if numel != end - start {
+        // start <= end was checked above.
+        let span = end.saturating_sub(start);
+        if numel != span {
             return Err(format!(
-                "tensor {name}: shape {:?} × {:?} needs {numel} bytes, data_offsets span {}",
-                info.shape,
-                info.dtype,
-                end - start
+                "tensor {name}: shape {:?} × {:?} needs {numel} bytes, data_offsets span {span}",
+                info.shape, info.dtype,
             ));
         }
         out.push((
@@ -398,7 +402,7 @@ fn check_finite(name: &str, values: &[f32], offset: usize) -> Result<()> {
     match values.iter().position(|v| !v.is_finite()) {
         Some(pos) => Err(QuantError::Input(format!(
             "tensor {name} contains a non-finite value (NaN/Inf) at element {}; the source weights are corrupt",
-            offset + pos
+            offset.saturating_add(pos)
         ))),
         None => Ok(()),
     }

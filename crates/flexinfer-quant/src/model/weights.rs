@@ -1,6 +1,10 @@
 //! One decoder layer's weights: the quantizable modules of a layer in true-sequential order, and
 //! loading them from a source checkpoint or dequantized from a `gptq` checkpoint with the
 //! consumer's rules.
+// Sizes, head counts and offsets come from untrusted model files: overflow must be an error or
+// saturate, never wrap or panic (the numeric kernels are outside the lint).
+#![deny(clippy::arithmetic_side_effects)]
+#![cfg_attr(test, allow(clippy::arithmetic_side_effects))]
 
 use super::config::{AttnShape, GdnLayout, ModelConfig, MoeConfig};
 use crate::error::{QuantError, Result};
@@ -67,10 +71,10 @@ pub fn mixer_len(cfg: &ModelConfig, layer: usize) -> usize {
 pub fn input_groups(cfg: &ModelConfig, layer: usize) -> [Vec<usize>; 4] {
     let n = mixer_len(cfg, layer);
     [
-        (0..n - 1).collect(),
-        vec![n - 1],
-        vec![n, n + 1],
-        vec![n + 2],
+        (0..n.saturating_sub(1)).collect(),
+        vec![n.saturating_sub(1)],
+        vec![n, n.saturating_add(1)],
+        vec![n.saturating_add(2)],
     ]
 }
 
@@ -201,7 +205,8 @@ impl LayerWeights {
             None => self.linears.get(i),
             Some(_) if i < n => self.linears.get(i),
             Some(m) => {
-                let (e, j) = ((i - n) / 3, (i - n) % 3);
+                let k = i.saturating_sub(n);
+                let (e, j) = (k / 3, k % 3);
                 let mlp = m.experts.get(e).or(if e == m.experts.len() {
                     m.shared.as_ref()
                 } else {
@@ -218,7 +223,8 @@ impl LayerWeights {
             None => self.linears.get_mut(i),
             Some(_) if i < n => self.linears.get_mut(i),
             Some(m) => {
-                let (e, j) = ((i - n) / 3, (i - n) % 3);
+                let k = i.saturating_sub(n);
+                let (e, j) = (k / 3, k % 3);
                 let n = m.experts.len();
                 let mlp = if e < n {
                     m.experts.get_mut(e)
@@ -245,7 +251,10 @@ impl LayerWeights {
 }
 
 fn mat_from_row_major(data: &[f32], rows: usize, cols: usize) -> Mat<f32> {
-    Mat::from_fn(rows, cols, |r, c| data[r * cols + c])
+    // The caller checked data.len() == rows × cols.
+    Mat::from_fn(rows, cols, |r, c| {
+        data[r.saturating_mul(cols).saturating_add(c)]
+    })
 }
 
 /// Expected `[out, in]` of each of the seven dense linears of `layer`.
@@ -305,7 +314,7 @@ pub fn load_linear(
             .chunks_exact(2)
             .map(|c| half::f16::from_le_bytes([c[0], c[1]]))
             .collect();
-        let groups = scales.len() / rows.max(1);
+        let groups = scales.len().checked_div(rows.max(1)).unwrap_or(0);
         let packed = PackedLinear {
             qweight: store.i32(&format!("{name}.qweight"))?,
             qzeros: store.i32(&format!("{name}.qzeros"))?,
@@ -642,7 +651,10 @@ fn load_moe(
         })
     };
     let mut experts = Vec::with_capacity(m.num_experts);
-    for _ in 0..m.num_experts + usize::from(m.shared_intermediate.is_some()) {
+    for _ in 0..m
+        .num_experts
+        .saturating_add(usize::from(m.shared_intermediate.is_some()))
+    {
         experts.push(Mlp {
             gate: next()?,
             up: next()?,

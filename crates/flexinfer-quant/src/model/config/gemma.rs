@@ -69,7 +69,7 @@ pub(super) fn gemma_config(
                 .unwrap_or(6)
                 .max(1) as usize;
             (0..num_layers)
-                .map(|l| !(l + 1).is_multiple_of(pattern))
+                .map(|l| !l.saturating_add(1).is_multiple_of(pattern))
                 .collect()
         }
         None => (0..num_layers).map(|l| l.is_multiple_of(2)).collect(),

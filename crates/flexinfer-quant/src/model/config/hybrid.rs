@@ -42,7 +42,9 @@ pub struct GdnConfig {
 impl GdnConfig {
     /// Value heads per key head.
     pub fn group(&self) -> usize {
-        self.num_v_heads / self.num_k_heads.max(1)
+        self.num_v_heads
+            .checked_div(self.num_k_heads.max(1))
+            .unwrap_or(self.num_v_heads)
     }
 }
 
@@ -89,7 +91,7 @@ pub(super) fn gdn_config(text: &Value, arch: &str, num_layers: usize) -> Result<
                 })? as usize,
             };
             (0..num_layers)
-                .map(|l| !(l + 1).is_multiple_of(interval))
+                .map(|l| !l.saturating_add(1).is_multiple_of(interval))
                 .collect()
         }
     };

@@ -1,6 +1,10 @@
 //! `config.json` of the supported Llama-family architectures: the attention and rope shape
 //! ([`ModelConfig`]), the Gemma specifics ([`gemma`]), the sparse-MoE routing ([`moe`]) and the gated
 //! delta-net hybrids' linear attention ([`hybrid`]).
+// Sizes, head counts and offsets come from untrusted model files: overflow must be an error or
+// saturate, never wrap or panic (the numeric kernels are outside the lint).
+#![deny(clippy::arithmetic_side_effects)]
+#![cfg_attr(test, allow(clippy::arithmetic_side_effects))]
 
 mod gemma;
 mod hybrid;
@@ -461,12 +465,12 @@ fn attention_dims(text: &Value, is_gemma4: bool) -> Result<(usize, usize, usize,
         Some(d) => d as usize,
         // transformers' Gemma4TextConfig default.
         None if is_gemma4 => 256,
-        None if num_heads > 0 => hidden_size / num_heads,
+        None if num_heads > 0 => hidden_size.checked_div(num_heads).unwrap_or(0),
         None => 0,
     };
     if num_heads == 0
         || num_kv_heads == 0
-        || num_heads % num_kv_heads != 0
+        || !num_heads.is_multiple_of(num_kv_heads)
         || head_dim == 0
         || head_dim % 2 != 0
         || head_dim > MAX_HEAD_DIM

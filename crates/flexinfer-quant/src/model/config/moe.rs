@@ -99,7 +99,7 @@ pub(super) fn moe_config(raw: &Value, arch: &str, num_layers: usize) -> Result<O
         .map(|l| match style {
             // Qwen3.5-MoE: every decoder layer has the sparse block.
             MoeStyle::Qwen if qwen35_moe => true,
-            MoeStyle::Qwen => !mlp_only.contains(&l) && (l + 1).is_multiple_of(step),
+            MoeStyle::Qwen => !mlp_only.contains(&l) && l.saturating_add(1).is_multiple_of(step),
             _ => true,
         })
         .collect();
