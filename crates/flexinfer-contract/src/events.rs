@@ -16,6 +16,8 @@ pub const QUANTIZATION_CACHED: &str = "quantization_cached";
 pub const GENERATIONS_COLLECTED: &str = "generations_collected";
 /// An artifact exists at `OUT_DIR` but was made from another configuration: it is not reused.
 pub const QUANTIZATION_REUSE_REJECTED: &str = "quantization_reuse_rejected";
+/// Quantize: a per-family model policy applied to this run (`policy`, `message`, `advice`).
+pub const MODEL_POLICY: &str = "model_policy";
 /// Quantize: which GPTQ device the run uses and why (`requested`, `device`, `reason`, `probes`).
 pub const GPTQ_DEVICE_SELECTED: &str = "gptq_device_selected";
 /// Quantize: a device operation failed and the device was reset (`module`, `device`, `op`, `error`, `reset`).

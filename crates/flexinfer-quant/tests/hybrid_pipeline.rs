@@ -42,7 +42,19 @@ fn quantize(model: &Path, out: &Path, mode: Option<&str>, group: i32) -> Outcome
             "test",
         )
     };
-    run(&job, &CpuBackend::default(), &MemorySink::default()).unwrap_or_else(|e| panic!("{e}"))
+    let sink = MemorySink::default();
+    let o = run(&job, &CpuBackend::default(), &sink).unwrap_or_else(|e| panic!("{e}"));
+    // The run announced the family's policies (every model here is a hybrid).
+    let policies: Vec<String> = sink
+        .named("model_policy")
+        .iter()
+        .filter_map(|f| f.get("policy").and_then(|p| p.as_str()).map(str::to_string))
+        .collect();
+    assert!(
+        policies.iter().any(|p| p == "hybrid-linear-attention"),
+        "{policies:?}"
+    );
+    o
 }
 
 /// What a decoder-layer linear is, by the documented naming (independent of the engine's classifier).

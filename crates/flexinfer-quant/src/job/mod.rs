@@ -12,6 +12,7 @@ mod checkpoint;
 mod digest;
 mod experts;
 mod layer;
+pub mod policy;
 pub mod writer;
 
 pub use digest::config_digest;
@@ -270,6 +271,20 @@ pub fn run(job: &QuantizeJob, device: &dyn Device, events: &dyn EventSink) -> Re
         );
     }
 
+    for p in policy::applied(&policy::Facts {
+        cfg: &cfg,
+        calib: &job.calib,
+        exclusion: &exclusion,
+    }) {
+        events.emit(
+            names::MODEL_POLICY,
+            fields([
+                ("policy", json!(p.policy)),
+                ("message", json!(p.message)),
+                ("advice", json!(p.advice)),
+            ]),
+        );
+    }
     let plan = calibrate::plan_modules(job, &cfg, &store, &exclusion)?;
     let samples = calibrate::load_calibration(job, device, &mut progress)?;
     let n_tokens: usize = samples.iter().map(Vec::len).sum();
