@@ -105,28 +105,31 @@ fn moe_calibration(f: &Facts) -> Option<Applied> {
 }
 
 /// The seeds offloaded Gemma 4's expert Hessians to disk because all of them together exceed a
-/// card's memory. The engine accumulates and solves one sparse layer at a time, so only one layer's
-/// expert Hessians are resident; this rule states that figure.
+/// card's memory. The engine quantizes the experts of a sparse layer one after another
+/// ([`super::experts`]), so one expert's Hessians are alive at a time whatever the expert count;
+/// this rule states both figures.
 fn moe_hessians(f: &Facts) -> Option<Applied> {
     let moe = f.cfg.moe.as_ref()?;
     let h = f.cfg.hidden_size;
     let i = moe.expert_intermediate;
-    // gate/up share one h×h Hessian per expert, down one i×i; f64 entries.
+    // gate/up share one h×h Hessian per expert, down has one i×i; f32 entries.
     let per_expert = h
         .saturating_mul(h)
         .saturating_add(i.saturating_mul(i))
-        .saturating_mul(8);
-    let per_layer = per_expert.saturating_mul(moe.num_experts);
+        .saturating_mul(4);
     let sparse = moe.sparse.iter().filter(|s| **s).count();
-    let all = per_layer.saturating_mul(sparse);
-    let mib = |b: usize| b / (1 << 20);
+    let all = per_expert
+        .saturating_mul(moe.num_experts)
+        .saturating_mul(sparse);
+    let mib = |b: usize| b.div_ceil(1 << 20);
     Some(Applied {
         policy: "moe-expert-hessians",
         message: format!(
-            "expert Hessians are accumulated and solved one sparse layer at a time: {} MiB resident per \
-             layer instead of {} MiB for all {sparse} sparse layers together (no disk offload needed)",
-            mib(per_layer),
-            mib(all)
+            "experts are quantized one after another: {} MiB of expert Hessians alive at a time, instead of \
+             {} MiB for all {} experts of the {sparse} sparse layers together (no disk offload needed)",
+            mib(per_expert),
+            mib(all),
+            moe.num_experts
         ),
         advice: None,
     })
