@@ -33,7 +33,7 @@ impl Arch {
                 "estimating the refusal direction needs the engine's Llama-family forward ({SUPPORTED}): {e}"
             ))
         })?;
-        if cfg.hybrid || cfg.gdn.is_some() {
+        if cfg.gdn.is_some() {
             // The engine runs the gated delta-net forward (calibration), but the edit's mapping of
             // writers onto the forward's modules (for the perplexity gate) is not done for the
             // linear-attention layers' `linear_attn.out_proj` nor checked against these models.
