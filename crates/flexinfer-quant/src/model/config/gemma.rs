@@ -1,6 +1,6 @@
 //! What the Gemma 2 / 3 / 4 (text) configs add to the Llama shape.
 
-use super::{AttnShape, MAX_HEAD_DIM};
+use super::{layer_types, one_full_layer_in_every, AttnShape, MAX_HEAD_DIM};
 use crate::error::{QuantError, Result};
 use serde_json::Value;
 
@@ -41,24 +41,8 @@ pub(super) fn gemma_config(
         _ => return Ok(None),
     };
     let opt_f32 = |k: &str| raw.get(k).and_then(Value::as_f64).map(|v| v as f32);
-    let sliding = match raw.get("layer_types").and_then(Value::as_array) {
-        Some(a) => {
-            if a.len() != num_layers {
-                return Err(QuantError::Input(format!(
-                    "config.json: layer_types has {} entries, num_hidden_layers is {num_layers}",
-                    a.len()
-                )));
-            }
-            a.iter()
-                .map(|t| match t.as_str() {
-                    Some("sliding_attention") => Ok(true),
-                    Some("full_attention") => Ok(false),
-                    other => Err(QuantError::Input(format!(
-                        "config.json: layer_types entry {other:?} is not sliding_attention or full_attention"
-                    ))),
-                })
-                .collect::<Result<Vec<bool>>>()?
-        }
+    let sliding = match layer_types(raw, num_layers, "sliding_attention")? {
+        Some(l) => l,
         // Before `layer_types`: Gemma 2 alternates local / global from layer 0; Gemma 3 (and Gemma 4, which has
         // no such field) has one global layer in every `sliding_window_pattern` (6).
         None if gemma3 || gemma4 => {
@@ -68,9 +52,7 @@ pub(super) fn gemma_config(
                 .and_then(Value::as_u64)
                 .unwrap_or(6)
                 .max(1) as usize;
-            (0..num_layers)
-                .map(|l| !l.saturating_add(1).is_multiple_of(pattern))
-                .collect()
+            one_full_layer_in_every(pattern, num_layers)
         }
         None => (0..num_layers).map(|l| l.is_multiple_of(2)).collect(),
     };

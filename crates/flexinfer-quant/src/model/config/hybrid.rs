@@ -1,7 +1,7 @@
 //! The gated delta-net hybrids (Qwen3-Next, Qwen3.5 dense and MoE): which layers use linear attention, the
 //! linear-attention shape, and how its input projections are laid out in the checkpoint.
 
-use super::{get_usize, MAX_HEAD_DIM};
+use super::{get_usize, layer_types, one_full_layer_in_every, MAX_HEAD_DIM};
 use crate::error::{QuantError, Result};
 use serde_json::Value;
 
@@ -62,24 +62,8 @@ pub(super) fn gdn_config(text: &Value, arch: &str, num_layers: usize) -> Result<
         | "Qwen3_5MoeForConditionalGeneration" => GdnLayout::Split,
         _ => return Ok(None),
     };
-    let linear = match text.get("layer_types").and_then(Value::as_array) {
-        Some(a) => {
-            if a.len() != num_layers {
-                return Err(QuantError::Input(format!(
-                    "config.json: layer_types has {} entries, num_hidden_layers is {num_layers}",
-                    a.len()
-                )));
-            }
-            a.iter()
-                .map(|t| match t.as_str() {
-                    Some("linear_attention") => Ok(true),
-                    Some("full_attention") => Ok(false),
-                    other => Err(QuantError::Input(format!(
-                        "config.json: layer_types entry {other:?} is not linear_attention or full_attention"
-                    ))),
-                })
-                .collect::<Result<Vec<bool>>>()?
-        }
+    let linear = match layer_types(text, num_layers, "linear_attention")? {
+        Some(l) => l,
         // transformers' default: one full-attention layer in every `full_attention_interval` (4).
         None => {
             let interval = match text.get("full_attention_interval") {
@@ -90,9 +74,7 @@ pub(super) fn gdn_config(text: &Value, arch: &str, num_layers: usize) -> Result<
                     ))
                 })? as usize,
             };
-            (0..num_layers)
-                .map(|l| !l.saturating_add(1).is_multiple_of(interval))
-                .collect()
+            one_full_layer_in_every(interval, num_layers)
         }
     };
     if let Some(act) = text.get("hidden_act").and_then(Value::as_str) {

@@ -138,6 +138,43 @@ pub(super) fn get_usize(v: &Value, key: &str) -> Result<usize> {
         })
 }
 
+/// `layer_types` as one flag per layer (`true`: `other`, e.g. `sliding_attention`; `false`:
+/// `full_attention`); `None` when the config has none. Any other entry, or a count that is not
+/// the layer count, is an error naming the field.
+pub(super) fn layer_types(
+    text: &Value,
+    num_layers: usize,
+    other: &str,
+) -> Result<Option<Vec<bool>>> {
+    let Some(a) = text.get("layer_types").and_then(Value::as_array) else {
+        return Ok(None);
+    };
+    if a.len() != num_layers {
+        return Err(QuantError::Input(format!(
+            "config.json: layer_types has {} entries, num_hidden_layers is {num_layers}",
+            a.len()
+        )));
+    }
+    a.iter()
+        .map(|t| match t.as_str() {
+            Some(s) if s == other => Ok(true),
+            Some("full_attention") => Ok(false),
+            found => Err(QuantError::Input(format!(
+                "config.json: layer_types entry {found:?} is not {other} or full_attention"
+            ))),
+        })
+        .collect::<Result<Vec<bool>>>()
+        .map(Some)
+}
+
+/// The layer pattern "one full-attention layer in every `n`" (layers n-1, 2n-1, … are full):
+/// `true` for the other layers.
+pub(super) fn one_full_layer_in_every(n: usize, num_layers: usize) -> Vec<bool> {
+    (0..num_layers)
+        .map(|l| !l.saturating_add(1).is_multiple_of(n.max(1)))
+        .collect()
+}
+
 pub(super) fn get_f32(v: &Value, key: &str, default: f32) -> f32 {
     v.get(key)
         .and_then(Value::as_f64)
