@@ -55,7 +55,7 @@ fn rss_mib() -> f64 {
 /// Whole-model run on a generated ~110M-parameter Llama-layout model.
 fn bench_model(samples: usize, seq_len: usize) {
     use flexinfer_quant::calib::CalibSettings;
-    use flexinfer_quant::pipeline::{run, QuantizeJob};
+    use flexinfer_quant::pipeline::QuantizeJob;
     use flexinfer_quant::testkit::{self, ModelSize};
     let size = ModelSize::SMALL_100M;
     let Ok(tmp) = tempfile::tempdir() else {
@@ -87,16 +87,7 @@ fn bench_model(samples: usize, seq_len: usize) {
         },
         "bench",
     );
-    // Return the generator's freed memory, then reset the peak-RSS counter so the figure covers the quantize
-    // run (Linux clear_refs, value 5); what is resident at this point is reported as the baseline.
-    flexinfer_quant::pipeline::release_free_memory();
-    let _ = std::fs::write("/proc/self/clear_refs", "5");
-    let baseline = rss_mib();
-    let t = Instant::now();
-    let sink = RssSink::start();
-    let o = run(&job, &CpuBackend::default(), &sink).expect("quantize");
-    sink.report();
-    let secs = t.elapsed().as_secs_f64();
+    let (o, secs, baseline) = measured_run(&job);
     let hd = size.hidden / size.heads;
     let layer_f32 = 4 * size.hidden * (hd * (2 * size.heads + 2 * size.kv_heads) + 3 * size.inter);
     let acts = 4 * samples * seq_len * size.hidden;
@@ -109,10 +100,27 @@ fn bench_model(samples: usize, seq_len: usize) {
     );
 }
 
+/// One measured quantize run: returns the outcome, its wall seconds and the RSS resident before it.
+/// The generator's freed memory is returned first, then the peak-RSS counter is reset so the peak
+/// covers the run (Linux clear_refs, value 5); what is resident then is the baseline.
+fn measured_run(
+    job: &flexinfer_quant::pipeline::QuantizeJob,
+) -> (flexinfer_quant::pipeline::Outcome, f64, f64) {
+    use flexinfer_quant::pipeline::run;
+    flexinfer_quant::pipeline::release_free_memory();
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+    let baseline = rss_mib();
+    let t = Instant::now();
+    let sink = RssSink::start();
+    let o = run(job, &CpuBackend::default(), &sink).expect("quantize");
+    sink.report();
+    (o, t.elapsed().as_secs_f64(), baseline)
+}
+
 /// Whole-model run on a generated Qwen3.5-MoE-shaped gated delta-net hybrid.
 fn bench_hybrid(samples: usize, seq_len: usize) {
     use flexinfer_quant::calib::CalibSettings;
-    use flexinfer_quant::pipeline::{run, QuantizeJob};
+    use flexinfer_quant::pipeline::QuantizeJob;
     use flexinfer_quant::testkit::{self, HybridSize};
     let size = HybridSize {
         hidden: 768,
@@ -165,14 +173,7 @@ fn bench_hybrid(samples: usize, seq_len: usize) {
             "bench",
         )
     };
-    flexinfer_quant::pipeline::release_free_memory();
-    let _ = std::fs::write("/proc/self/clear_refs", "5");
-    let baseline = rss_mib();
-    let t = Instant::now();
-    let sink = RssSink::start();
-    let o = run(&job, &CpuBackend::default(), &sink).expect("quantize");
-    sink.report();
-    let secs = t.elapsed().as_secs_f64();
+    let (o, secs, baseline) = measured_run(&job);
     let q = o.quality.expect("quality");
     let peak = peak_rss_mib();
     println!(
