@@ -76,6 +76,8 @@ quantization:
 workerServiceAccount: {additionalNamespaces: ["$NS"]}
 admissionPolicy:
   namespaceSelector: {matchLabels: {flexinfer.ai/e2e: "true"}}
+# GPU pods get this group (the real node's 'video' gid on Debian; any gid works for the test).
+gpuSupplementalGroups: [44]
 # The proxy runs on the real node too: the chart's two replicas, on the pod network.
 proxy:
   replicas: 2

@@ -347,6 +347,19 @@ fn check_pods(e: &Env, seen: &Observed, phases: &[&str]) -> Result<()> {
             "pod {name} image {}",
             pod["spec"]["containers"][0]["image"]
         );
+        // Pods that request a GPU run with the install's GPU group (44); the others with none.
+        let gpu = pod["spec"]["containers"][0]["resources"]["limits"]
+            .as_object()
+            .is_some_and(|l| l.keys().any(|k| k.ends_with("/gpu")));
+        let groups = &pod["spec"]["securityContext"]["supplementalGroups"];
+        ensure!(
+            if gpu {
+                *groups == json!([44])
+            } else {
+                groups.is_null()
+            },
+            "pod {name} (GPU: {gpu}): supplementalGroups {groups}"
+        );
         let cs = &pod["status"]["containerStatuses"][0];
         if cs["state"]["terminated"]["exitCode"] == 0 {
             ensure!(
@@ -574,8 +587,10 @@ async fn real_pipeline_download_abliterate_quantize_publish_and_serve() -> Resul
     let psc = serde_json::to_value(pod.spec.as_ref().map(|s| &s.security_context))?;
     let csc = serde_json::to_value(pod.spec.as_ref().map(|s| &s.containers[0].security_context))?;
     ensure!(
-        psc["runAsNonRoot"] == true && psc["runAsUser"] == 65532,
-        "serving pod security context {psc}"
+        psc["runAsNonRoot"] == true
+            && psc["runAsUser"] == 65532
+            && psc["supplementalGroups"] == json!([44]),
+        "serving pod security context (runAsUser 65532, the install's GPU group 44) {psc}"
     );
     ensure!(
         csc["allowPrivilegeEscalation"] == false && csc["capabilities"]["drop"] == json!(["ALL"]),
