@@ -16,6 +16,10 @@ bash scripts/install-deps.sh
 # The venv install-deps.sh made for the proxy's openai-client test.
 export FLEXINFER_OPENAI_PYTHON=${FLEXINFER_OPENAI_PYTHON:-$(ls -d "$HOME"/.cache/flexinfer/openai-venv-*/bin/python | tail -1)}
 
+stage "HIP code objects for gfx1100 and gfx906 (Debian trixie hipcc in an mmdebstrap root, cached)"
+FLEXINFER_HIP_CODE_OBJECTS=$(bash scripts/hip/build-code-objects.sh)
+export FLEXINFER_HIP_CODE_OBJECTS FLEXINFER_REQUIRE_HIP=1
+
 stage "cargo fmt --check"
 cargo fmt --all -- --check
 

@@ -8,15 +8,25 @@
  * engine's faer matrices are. Indices that can exceed 2^31 are computed in long long.
  *
  * Rounding: the in-block sweep must give the CPU backend's bits (crates/flexinfer-quant/src/gptq.rs,
- * TileKernel): every product and sum is rounded on its own (GPTQ_MUL/GPTQ_ADD: __fmul_rn/__fadd_rn on the
- * device, which the compiler never fuses into an FMA). The Hessian and block-update GEMMs may contract
- * (their summation order differs from faer's anyway; the tests state the tolerance).
+ * TileKernel): every product and sum is rounded on its own (GPTQ_MUL/GPTQ_ADD). Under NVRTC they are
+ * __fmul_rn/__fadd_rn, which the compiler never fuses into an FMA. HIP's __fmul_rn & co. are plain `x * y`
+ * inline functions, which clang's HIP default (-ffp-contract=fast-honor-pragmas) does fuse (seen in the
+ * gfx906/gfx1100 disassembly), so for HIP this file turns contraction off itself and spells the operators
+ * out (scripts/hip/build-code-objects.sh also passes -ffp-contract=off). The Hessian and block-update GEMMs
+ * may contract (their summation order differs from faer's anyway; the tests state the tolerance).
  *
  * Cholesky of the reversed Hessian is left to the vendor solver (cuSOLVER / rocSOLVER potrf, loaded at run
  * time) and is not in this file.
  */
 
-#ifndef GPTQ_HOST
+#if defined(__HIP__) && !defined(GPTQ_HOST)
+#pragma clang fp contract(off)
+#define GPTQ_KERNEL extern "C" __global__
+#define GPTQ_MUL(a, b) ((a) * (b))
+#define GPTQ_ADD(a, b) ((a) + (b))
+#define GPTQ_SUB(a, b) ((a) - (b))
+#define GPTQ_DIV(a, b) ((a) / (b))
+#elif !defined(GPTQ_HOST)
 #define GPTQ_KERNEL extern "C" __global__
 #define GPTQ_MUL(a, b) __fmul_rn((a), (b))
 #define GPTQ_ADD(a, b) __fadd_rn((a), (b))
