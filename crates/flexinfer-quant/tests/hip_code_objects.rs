@@ -10,6 +10,8 @@
 //! arithmetic; the only FMAs allowed are the ones inside the IEEE division sequence (v_div_scale .. v_rcp ..
 //! v_div_fixup), which produces the correctly rounded quotient.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
