@@ -4,7 +4,9 @@
 //! Llama-7B shapes 4096x4096, 11008x4096, 4096x11008). `bench_gptq model [samples] [seq_len]` quantizes a
 //! generated ~110M-parameter model end to end and reports wall time and peak RSS; `bench_gptq hybrid [samples]
 //! [seq_len]` does the same for a generated Qwen3.5-MoE-hybrid-shaped model (8 layers, 6 linear attention and 2
-//! full attention, 32 experts top 4 with a shared expert).
+//! full attention, 32 experts top 4 with a shared expert); `bench_gptq gemma4-moe [samples] [seq_len]` for a
+//! generated Gemma-4-MoE-shaped model (8 layers, 32 experts top 4 beside a dense MLP). With
+//! `BENCH_MEMORY_LIMIT_MIB=N` the last two quantize under an enforced memory limit (a cgroup; root).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 use faer::dyn_stack::{MemBuffer, MemStack};
@@ -119,8 +121,6 @@ fn measured_run(
 
 /// Whole-model run on a generated Qwen3.5-MoE-shaped gated delta-net hybrid.
 fn bench_hybrid(samples: usize, seq_len: usize) {
-    use flexinfer_quant::calib::CalibSettings;
-    use flexinfer_quant::pipeline::QuantizeJob;
     use flexinfer_quant::testkit::{self, HybridSize};
     let size = HybridSize {
         hidden: 768,
@@ -139,10 +139,92 @@ fn bench_hybrid(samples: usize, seq_len: usize) {
         vocab: 16384,
         multimodal: true,
     };
+    // Per expert: the gate/up Hessian (hidden²) and the down Hessian (inter²), f32.
+    let hessians = size.layers * size.experts * (size.hidden.pow(2) + size.inter.pow(2)) * 4;
+    bench_generated(
+        "hybrid",
+        size.layers,
+        hessians,
+        |dir| testkit::write_hybrid_model(dir, &size, 7).expect("generate model"),
+        samples,
+        seq_len,
+    );
+}
+
+/// Whole-model run on a generated Gemma-4-MoE-shaped model (8 layers, 2 of them global; a dense MLP
+/// beside 32 routed experts top 4 in every layer; multimodal wrapper).
+fn bench_gemma4_moe(samples: usize, seq_len: usize) {
+    use flexinfer_quant::testkit::{self, Gemma4Options, Gemma4Size};
+    let size = Gemma4Size {
+        hidden: 768,
+        inter: 1024,
+        layers: 8,
+        global_every: 4,
+        heads: 8,
+        kv_heads: 2,
+        head_dim: 128,
+        global_kv_heads: 1,
+        global_head_dim: 256,
+        experts: 32,
+        moe_inter: 256,
+        top_k: 4,
+        vocab: 16384,
+    };
+    let opts = Gemma4Options {
+        moe: true,
+        multimodal: true,
+    };
+    let hessians = size.layers * size.experts * (size.hidden.pow(2) + size.moe_inter.pow(2)) * 4;
+    bench_generated(
+        "gemma4-moe",
+        size.layers,
+        hessians,
+        |dir| testkit::write_gemma4_model_sized(dir, opts, &size, 7).expect("generate model"),
+        samples,
+        seq_len,
+    );
+}
+
+/// Puts this process into a new cgroup-v1 memory group limited to `mib` (what the process allocates
+/// from now on counts against it; going over it gets the process killed by the kernel's OOM killer).
+/// Returns the group's directory, whose `memory.max_usage_in_bytes` is the peak under the limit.
+fn enforce_memory_limit(mib: usize) -> std::path::PathBuf {
+    let root = std::path::Path::new("/sys/fs/cgroup/memory");
+    assert!(
+        root.join("memory.limit_in_bytes").exists(),
+        "BENCH_MEMORY_LIMIT_MIB needs the cgroup-v1 memory controller at {} (and root)",
+        root.display()
+    );
+    let group = root.join(format!("flexinfer-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&group).expect("create the memory cgroup");
+    let bytes = (mib << 20).to_string();
+    std::fs::write(group.join("memory.limit_in_bytes"), &bytes).expect("set memory.limit_in_bytes");
+    // No swap on these machines; where there is, forbid it too so the limit is a real one.
+    let _ = std::fs::write(group.join("memory.memsw.limit_in_bytes"), &bytes);
+    let _ = std::fs::write(group.join("memory.swappiness"), "0");
+    std::fs::write(group.join("cgroup.procs"), std::process::id().to_string())
+        .expect("join the memory cgroup");
+    group
+}
+
+/// Generates a model, then quantizes it (`dynamicExclusion: auto`) and reports wall time, modules, artifact
+/// size and peak RSS. `BENCH_MEMORY_LIMIT_MIB=N` runs the quantization under an enforced memory limit of N MiB
+/// (a cgroup, joined after the model is generated) and reports the group's peak.
+fn bench_generated(
+    name: &str,
+    layers: usize,
+    expert_hessian_bytes: usize,
+    generate: impl FnOnce(&std::path::Path),
+    samples: usize,
+    seq_len: usize,
+) {
+    use flexinfer_quant::calib::CalibSettings;
+    use flexinfer_quant::pipeline::QuantizeJob;
+    use flexinfer_quant::testkit;
     let tmp = tempfile::tempdir().expect("tempdir");
     let model = tmp.path().join("model");
     let t = Instant::now();
-    testkit::write_hybrid_model(&model, &size, 7).expect("generate model");
+    generate(&model);
     let params: u64 = flexinfer_quant::tensors::TensorStore::open_dir(&model)
         .expect("open")
         .entries
@@ -156,9 +238,11 @@ fn bench_hybrid(samples: usize, seq_len: usize) {
         .collect();
     std::fs::write(&ds, text.join("\n\n")).expect("dataset");
     println!(
-        "generated {params} parameters in {:.1} s; peak RSS so far {:.0} MiB",
+        "{name}: generated {params} parameters in {:.1} s; peak RSS so far {:.0} MiB; all expert Hessians \
+         together {:.0} MiB",
         t.elapsed().as_secs_f64(),
-        peak_rss_mib()
+        peak_rss_mib(),
+        expert_hessian_bytes as f64 / (1 << 20) as f64
     );
     let job = QuantizeJob {
         dynamic_exclusion: Some("auto".into()),
@@ -173,31 +257,64 @@ fn bench_hybrid(samples: usize, seq_len: usize) {
             "bench",
         )
     };
+    let limit: Option<usize> = std::env::var("BENCH_MEMORY_LIMIT_MIB").ok().map(|v| {
+        v.parse()
+            .expect("BENCH_MEMORY_LIMIT_MIB is a number of MiB")
+    });
+    let group = limit.map(|mib| {
+        flexinfer_quant::pipeline::release_free_memory();
+        let g = enforce_memory_limit(mib);
+        println!(
+            "{name}: quantizing under an enforced memory limit of {mib} MiB ({})",
+            g.display()
+        );
+        g
+    });
     let (o, secs, baseline) = measured_run(&job);
     let q = o.quality.expect("quality");
     let peak = peak_rss_mib();
     println!(
-        "hybrid whole model (dynamicExclusion auto): {samples} x {seq_len} tokens, {} layers: {secs:.1} s; \
+        "{name} whole model (dynamicExclusion auto): {samples} x {seq_len} tokens, {layers} layers: {secs:.1} s; \
          {} GPTQ + {} RTN modules; artifact {} -> {} bytes; peak RSS {peak:.0} MiB, of which {baseline:.0} MiB \
          resident before the run",
-        size.layers,
         q.gptq_modules,
         q.rtn_fallback_modules,
         o.original_size_bytes,
         o.compressed_size_bytes
     );
+    if let (Some(mib), Some(g)) = (limit, group) {
+        let read = |f: &str| {
+            std::fs::read_to_string(g.join(f))
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        println!(
+            "{name}: under the {mib} MiB limit: cgroup peak {:.0} MiB (anonymous memory and page cache), \
+             limit reached {} times",
+            read("memory.max_usage_in_bytes") as f64 / (1 << 20) as f64,
+            read("memory.failcnt")
+        );
+        // Leave the group so it can be removed.
+        let _ = std::fs::write(
+            "/sys/fs/cgroup/memory/cgroup.procs",
+            std::process::id().to_string(),
+        );
+        let _ = std::fs::remove_dir(&g);
+    }
 }
 
 fn main() {
-    if std::env::args().nth(1).as_deref() == Some("hybrid") {
-        let arg = |i: usize, d: usize| {
-            std::env::args()
-                .nth(i)
-                .and_then(|s| s.parse().ok())
-                .unwrap_or(d)
-        };
-        bench_hybrid(arg(2, 32), arg(3, 512));
-        return;
+    let arg = |i: usize, d: usize| {
+        std::env::args()
+            .nth(i)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(d)
+    };
+    match std::env::args().nth(1).as_deref() {
+        Some("hybrid") => return bench_hybrid(arg(2, 32), arg(3, 512)),
+        Some("gemma4-moe") => return bench_gemma4_moe(arg(2, 32), arg(3, 512)),
+        _ => {}
     }
     if std::env::args().nth(1).as_deref() == Some("model") {
         let samples = std::env::args()

@@ -262,21 +262,77 @@ pub struct Gemma4Options {
     pub multimodal: bool,
 }
 
-/// A Gemma 4 text model shaped like the published ones, small (hidden 128, 4 layers alternating sliding and
-/// global, the global ones with a wider head, one kv head and keys as values; MoE: 8 experts, top 2), BF16 in two shards + index,
-/// with the char tokenizer. Random weights: for the pipeline's plumbing; the forward itself is checked against
-/// transformers by the oracle fixtures.
+/// Shape of a generated Gemma 4 text stack ([`write_gemma4_model_sized`]).
+#[derive(Clone, Debug)]
+pub struct Gemma4Size {
+    pub hidden: usize,
+    /// The dense MLP's width (every layer has one; MoE layers add the experts beside it).
+    pub inter: usize,
+    pub layers: usize,
+    /// Layer `l` is global (full attention) when `(l + 1) % global_every == 0`, else sliding.
+    pub global_every: usize,
+    pub heads: usize,
+    /// Key/value heads and head width of the sliding layers.
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Key/value heads and head width of the global layers (keys double as values there).
+    pub global_kv_heads: usize,
+    pub global_head_dim: usize,
+    /// Routed experts with `moe`, their width and how many each token takes.
+    pub experts: usize,
+    pub moe_inter: usize,
+    pub top_k: usize,
+    pub vocab: usize,
+}
+
+impl Gemma4Size {
+    /// The small model of the pipeline tests: hidden 128, 4 layers alternating sliding and global, the
+    /// global ones with a wider head and one kv head; MoE: 8 experts of width 64, top 2.
+    pub const TINY: Gemma4Size = Gemma4Size {
+        hidden: 128,
+        inter: 128,
+        layers: 4,
+        global_every: 2,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 32,
+        global_kv_heads: 1,
+        global_head_dim: 64,
+        experts: 8,
+        moe_inter: 64,
+        top_k: 2,
+        vocab: VOCAB,
+    };
+}
+
+/// A Gemma 4 text model shaped like the published ones, small ([`Gemma4Size::TINY`]), BF16 in two shards +
+/// index, with the char tokenizer. Random weights: for the pipeline's plumbing; the forward itself is checked
+/// against transformers by the oracle fixtures.
 pub fn write_gemma4_model(dir: &Path, opts: Gemma4Options, seed: u64) -> Result<(), String> {
-    const H: usize = 128;
-    const INTER: usize = 128;
-    const LAYERS: usize = 4;
-    const HEADS: usize = 4;
-    const KV: usize = 2;
-    const HD: usize = 32;
-    const GLOBAL_HD: usize = 64;
-    const GLOBAL_KV: usize = 1;
-    const EXPERTS: usize = 8;
-    const MOE_INTER: usize = 64;
+    write_gemma4_model_sized(dir, opts, &Gemma4Size::TINY, seed)
+}
+
+/// [`write_gemma4_model`] at another size (the benchmark's larger MoE model).
+pub fn write_gemma4_model_sized(
+    dir: &Path,
+    opts: Gemma4Options,
+    size: &Gemma4Size,
+    seed: u64,
+) -> Result<(), String> {
+    let Gemma4Size {
+        global_every,
+        top_k,
+        vocab,
+        ..
+    } = *size;
+    let (h, inter, layers, heads) = (size.hidden, size.inter, size.layers, size.heads);
+    let (kv_heads, head_dim) = (size.kv_heads, size.head_dim);
+    let (global_kv, global_hd) = (size.global_kv_heads, size.global_head_dim);
+    let (experts, moe_inter) = (size.experts, size.moe_inter);
+    if global_every == 0 {
+        return Err("global_every must be at least 1".into());
+    }
+    let is_global = |l: usize| (l + 1) % global_every == 0;
     std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
     write_char_tokenizer(dir)?;
     let mut rng = StdRng::seed_from_u64(seed);
@@ -291,22 +347,22 @@ pub fn write_gemma4_model(dir: &Path, opts: Gemma4Options, seed: u64) -> Result<
     let mut push = |name: String, shape: Vec<usize>, v: Vec<f32>| tensors.push((name, shape, v));
     push(
         format!("{text}embed_tokens.weight"),
-        vec![VOCAB, H],
-        randn(VOCAB * H, 0.05),
+        vec![vocab, h],
+        randn(vocab * h, 0.05),
     );
-    push(format!("{text}norm.weight"), vec![H], vec![1.0; H]);
+    push(format!("{text}norm.weight"), vec![h], vec![1.0; h]);
     let norm = |n: usize| -> Vec<f32> {
         (0..n)
             .map(|i| 1.0 + 0.1 * ((i * 37 % 11) as f32 / 11.0 - 0.5))
             .collect()
     };
-    for l in 0..LAYERS {
+    for l in 0..layers {
         let p = format!("{text}layers.{l}.");
-        let global = l % 2 == 1;
+        let global = is_global(l);
         let (hd, kv) = if global {
-            (GLOBAL_HD, GLOBAL_KV)
+            (global_hd, global_kv)
         } else {
-            (HD, KV)
+            (head_dim, kv_heads)
         };
         let mut lin = |m: &str, out: usize, inp: usize| {
             (
@@ -316,18 +372,18 @@ pub fn write_gemma4_model(dir: &Path, opts: Gemma4Options, seed: u64) -> Result<
             )
         };
         let mut layer = vec![
-            lin("self_attn.q_proj", HEADS * hd, H),
-            lin("self_attn.k_proj", kv * hd, H),
-            lin("self_attn.o_proj", H, HEADS * hd),
-            lin("mlp.gate_proj", INTER, H),
-            lin("mlp.up_proj", INTER, H),
-            lin("mlp.down_proj", H, INTER),
+            lin("self_attn.q_proj", heads * hd, h),
+            lin("self_attn.k_proj", kv * hd, h),
+            lin("self_attn.o_proj", h, heads * hd),
+            lin("mlp.gate_proj", inter, h),
+            lin("mlp.up_proj", inter, h),
+            lin("mlp.down_proj", h, inter),
         ];
         if !global {
-            layer.push(lin("self_attn.v_proj", kv * hd, H));
+            layer.push(lin("self_attn.v_proj", kv * hd, h));
         }
         if opts.moe {
-            layer.push(lin("router.proj", EXPERTS, H));
+            layer.push(lin("router.proj", experts, h));
         }
         for t in layer {
             push(t.0, t.1, t.2);
@@ -338,7 +394,7 @@ pub fn write_gemma4_model(dir: &Path, opts: Gemma4Options, seed: u64) -> Result<
             "pre_feedforward_layernorm",
             "post_feedforward_layernorm",
         ] {
-            push(format!("{p}{n}.weight"), vec![H], norm(H));
+            push(format!("{p}{n}.weight"), vec![h], norm(h));
         }
         // The scores are not scaled by 1/sqrt(d): small q/k norm weights keep them in a trained model's range
         // (with weights near 1 a random model's attention is nearly one-hot, and 4-bit noise flips it).
@@ -352,23 +408,23 @@ pub fn write_gemma4_model(dir: &Path, opts: Gemma4Options, seed: u64) -> Result<
                 "post_feedforward_layernorm_2",
                 "pre_feedforward_layernorm_2",
             ] {
-                push(format!("{p}{n}.weight"), vec![H], norm(H));
+                push(format!("{p}{n}.weight"), vec![h], norm(h));
             }
-            push(format!("{p}router.scale"), vec![H], norm(H));
+            push(format!("{p}router.scale"), vec![h], norm(h));
             push(
                 format!("{p}router.per_expert_scale"),
-                vec![EXPERTS],
-                norm(EXPERTS),
+                vec![experts],
+                norm(experts),
             );
             push(
                 format!("{p}experts.gate_up_proj"),
-                vec![EXPERTS, 2 * MOE_INTER, H],
-                randn(EXPERTS * 2 * MOE_INTER * H, 1.0 / (H as f32).sqrt()),
+                vec![experts, 2 * moe_inter, h],
+                randn(experts * 2 * moe_inter * h, 1.0 / (h as f32).sqrt()),
             );
             push(
                 format!("{p}experts.down_proj"),
-                vec![EXPERTS, H, MOE_INTER],
-                randn(EXPERTS * H * MOE_INTER, 1.0 / (MOE_INTER as f32).sqrt()),
+                vec![experts, h, moe_inter],
+                randn(experts * h * moe_inter, 1.0 / (moe_inter as f32).sqrt()),
             );
         }
     }
@@ -384,7 +440,7 @@ pub fn write_gemma4_model(dir: &Path, opts: Gemma4Options, seed: u64) -> Result<
             ),
             (
                 "model.embed_vision.embedding_projection.weight",
-                vec![H, 32],
+                vec![h, 32],
             ),
         ] {
             let len = shape.iter().product();
@@ -393,13 +449,15 @@ pub fn write_gemma4_model(dir: &Path, opts: Gemma4Options, seed: u64) -> Result<
     }
     write_shards(dir, tensors)?;
     let mut text_cfg = json!({
-        "model_type": "gemma4_text", "hidden_size": H, "intermediate_size": INTER,
-        "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": KV, "head_dim": HD,
-        "global_head_dim": GLOBAL_HD, "num_global_key_value_heads": GLOBAL_KV, "attention_k_eq_v": true,
-        "vocab_size": VOCAB, "rms_norm_eps": 1e-6, "sliding_window": 16, "final_logit_softcapping": 30.0,
+        "model_type": "gemma4_text", "hidden_size": h, "intermediate_size": inter,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "global_head_dim": global_hd, "num_global_key_value_heads": global_kv, "attention_k_eq_v": true,
+        "vocab_size": vocab, "rms_norm_eps": 1e-6, "sliding_window": 16, "final_logit_softcapping": 30.0,
         "hidden_activation": "gelu_pytorch_tanh", "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
         "tie_word_embeddings": true, "max_position_embeddings": 2048,
-        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        "layer_types": (0..layers)
+            .map(|l| if is_global(l) { "full_attention" } else { "sliding_attention" })
+            .collect::<Vec<_>>(),
         "rope_parameters": {
             "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}
@@ -407,9 +465,9 @@ pub fn write_gemma4_model(dir: &Path, opts: Gemma4Options, seed: u64) -> Result<
     });
     if opts.moe {
         text_cfg["enable_moe_block"] = json!(true);
-        text_cfg["num_experts"] = json!(EXPERTS);
-        text_cfg["top_k_experts"] = json!(2);
-        text_cfg["moe_intermediate_size"] = json!(MOE_INTER);
+        text_cfg["num_experts"] = json!(experts);
+        text_cfg["top_k_experts"] = json!(top_k);
+        text_cfg["moe_intermediate_size"] = json!(moe_inter);
     }
     let cfg = if opts.multimodal {
         json!({"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
