@@ -11,7 +11,7 @@ use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use kube::core::GroupVersionKind;
 use kube::discovery::{ApiCapabilities, ApiResource, Discovery, Scope};
-use kube::Client;
+use kube::{Client, Resource, ResourceExt};
 
 /// Repository root (the `tests` crate lives one level below it).
 pub fn repo_root() -> PathBuf {
@@ -163,4 +163,72 @@ where
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// `flexinfer_reconciles_total{controller="<controller>"}` in a Prometheus text exposition: the
+/// reconcile calls that controller finished, success or error (0 when the series is absent).
+pub fn reconciles_total(metrics: &str, controller: &str) -> u64 {
+    let series = format!("flexinfer_reconciles_total{{controller=\"{controller}\"}}");
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(series.as_str()))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map_or(0, |v| v as u64)
+}
+
+/// Annotation the "no status churn" checks patch onto the object under test: a change the
+/// controller reconciles (it watches every change of its objects, metadata included) and has no
+/// reason to answer with a write.
+pub const NUDGE_ANNOTATION: &str = "e2e.flexinfer.ai/nudge";
+
+/// The "no status churn" check: `nudges` times, patch [`NUDGE_ANNOTATION`] onto `name`, wait until
+/// `controller` finished at least one more reconcile (`reconciles` reads its
+/// `flexinfer_reconciles_total`, see [`reconciles_total`]), then require that the object's
+/// resourceVersion is still the one the patch returned: the reconciles wrote nothing.
+///
+/// The counter is per controller, not per object: a reconcile of another object (or one already
+/// running when the patch landed) can satisfy one wait. Nudging more than once, and the nudge
+/// making the object itself due at once, keeps that from hiding a rewrite in practice; a check
+/// whose namespace holds only the object under test is exact.
+pub async fn assert_no_status_churn<K, F, Fut>(
+    api: &Api<K>,
+    name: &str,
+    controller: &str,
+    nudges: u32,
+    mut reconciles: F,
+) -> Result<()>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = u64>,
+{
+    for i in 1..=nudges {
+        let before = reconciles().await;
+        let patch =
+            serde_json::json!({"metadata": {"annotations": {NUDGE_ANNOTATION: i.to_string()}}});
+        let nudged = api
+            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .with_context(|| format!("annotate {name}"))?;
+        let rv = nudged.resource_version();
+        let what =
+            format!("a {controller} reconcile after nudge {i} of {name} (counter was {before})");
+        wait_for(&what, Duration::from_secs(60), || {
+            let seen = reconciles();
+            async move { (seen.await > before).then_some(()) }
+        })
+        .await?;
+        let now = api
+            .get(name)
+            .await
+            .with_context(|| format!("get {name}"))?
+            .resource_version();
+        if now != rv {
+            bail!(
+                "{name} was rewritten by a reconcile without a change (nudge {i}): \
+                 resourceVersion {rv:?} -> {now:?}"
+            );
+        }
+    }
+    Ok(())
 }

@@ -39,6 +39,9 @@ pub struct Metrics {
     pub model_preemptions_total: IntCounterVec,
     /// `flexinfer_reconcile_duration_seconds{controller}`.
     pub reconcile_duration_seconds: HistogramVec,
+    /// `flexinfer_reconciles_total{controller}`: finished reconcile calls, success or error (a
+    /// panic included).
+    pub reconciles_total: IntCounterVec,
     /// `flexinfer_reconcile_errors_total{controller}`.
     pub reconcile_errors_total: IntCounterVec,
 }
@@ -160,6 +163,13 @@ impl Metrics {
                 ),
                 &["controller"],
             )?,
+            reconciles_total: IntCounterVec::new(
+                opts!(
+                    "flexinfer_reconciles_total",
+                    "Finished reconciles (success or error)"
+                ),
+                &["controller"],
+            )?,
             reconcile_errors_total: IntCounterVec::new(
                 opts!("flexinfer_reconcile_errors_total", "Failed reconciles"),
                 &["controller"],
@@ -194,6 +204,7 @@ impl Metrics {
             .register(Box::new(m.model_preemptions_total.clone()))?;
         m.registry
             .register(Box::new(m.reconcile_duration_seconds.clone()))?;
+        m.registry.register(Box::new(m.reconciles_total.clone()))?;
         m.registry
             .register(Box::new(m.reconcile_errors_total.clone()))?;
         Ok(m)

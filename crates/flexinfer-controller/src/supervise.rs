@@ -110,6 +110,12 @@ impl Guard {
             let fut = reconcile(obj.clone(), ctx);
             async move {
                 let res = catch_panic(fut).await;
+                // Every finished call counts, success, error or panic (tests wait on it).
+                guard
+                    .metrics
+                    .reconciles_total
+                    .with_label_values(&[guard.controller])
+                    .inc();
                 let key = key(&*obj);
                 match &res {
                     Ok(_) => guard.strikes.succeeded(&key),
@@ -339,6 +345,12 @@ mod tests {
             .with_label_values(&["test"])
             .get();
         assert_eq!(errors, 4, "each panic counts as a reconcile error");
+        let calls_counted = guard
+            .metrics
+            .reconciles_total
+            .with_label_values(&["test"])
+            .get();
+        assert_eq!(calls_counted, 8, "every call counts as a reconcile");
     }
 
     #[test]

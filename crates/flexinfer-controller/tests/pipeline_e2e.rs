@@ -13,7 +13,9 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use flexinfer_api::gpuprofile::GPUProfile;
 use flexinfer_api::modelcache::{CachePhase, ModelCache};
-use flexinfer_e2e::{apply, client, wait_for, yaml_docs, TestNamespace};
+use flexinfer_e2e::{
+    apply, assert_no_status_churn, client, reconciles_total, wait_for, yaml_docs, TestNamespace,
+};
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Event, PersistentVolume, PersistentVolumeClaim};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
@@ -47,6 +49,8 @@ async fn install_crds(c: &Client) -> Result<()> {
 struct Controller {
     child: Child,
     log: PathBuf,
+    /// Port of its `/metrics`.
+    metrics_port: u16,
 }
 
 impl Controller {
@@ -58,10 +62,22 @@ impl Controller {
             .append(true)
             .open(&log)?;
         let err = out.try_clone()?;
+        let metrics_addr = extra
+            .iter()
+            .find(|(k, _)| *k == "FLEXINFER_METRICS_ADDR")
+            .map_or_else(
+                || format!("127.0.0.1:{}", free_port()),
+                |(_, v)| v.to_string(),
+            );
+        let metrics_port = metrics_addr
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .context("metrics port")?;
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_flexinfer-controller"));
         cmd.env("FLEXINFER_WATCH_NAMESPACE", ns)
             .env("FLEXINFER_LEADER_ELECT", "false")
-            .env("FLEXINFER_METRICS_ADDR", "127.0.0.1:0")
+            .env("FLEXINFER_METRICS_ADDR", &metrics_addr)
             .env("FLEXINFER_HEALTH_ADDR", "127.0.0.1:0")
             .env("FLEXINFER_WORKER_IMAGE", "example.com/flexinfer/worker:cpu")
             .env("FLEXINFER_RETRY_BASE_SECONDS", "1")
@@ -76,7 +92,14 @@ impl Controller {
         Ok(Self {
             child: cmd.spawn()?,
             log,
+            metrics_port,
         })
+    }
+    /// Its `flexinfer_reconciles_total{controller="modelcache"}` (0 while `/metrics` is not up).
+    async fn reconciles(&self) -> u64 {
+        http_get(self.metrics_port, "/metrics")
+            .await
+            .map_or(0, |(_, body)| reconciles_total(&body, "modelcache"))
     }
     async fn kill(&mut self) {
         let _ = self.child.kill().await;
@@ -301,14 +324,11 @@ async fn full_pipeline_reaches_ready() -> Result<()> {
     assert_eq!(cond_reason(&m, "Ready").as_deref(), Some("CacheReady"));
     assert!(!w.events("CacheReady").await.is_empty());
     assert!(!w.events("QuantizationComplete").await.is_empty());
-    // Ready is stable: no writes without change.
-    let rv = m.resource_version();
-    tokio::time::sleep(Duration::from_secs(4)).await;
-    assert_eq!(
-        w.get("full").await.map(|m| m.resource_version()),
-        Some(rv),
-        "status rewritten while Ready"
-    );
+    // Ready is stable: reconciles of it write nothing (the namespace holds only this cache, so
+    // every counted reconcile is one of it).
+    assert_no_status_churn(&w.caches(), "full", "modelcache", 2, || ctl.reconciles())
+        .await
+        .with_context(|| format!("status rewritten while Ready\n{}", ctl.log_tail()))?;
     Ok(())
 }
 
@@ -678,11 +698,12 @@ async fn invalid_but_admitted_spec_gets_a_clear_condition() -> Result<()> {
         w.job("awq-download").await.is_none(),
         "a Job was created for an unsupported format"
     );
-    // No crash loop, no event spam, no status churn.
-    let rv = m.resource_version();
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    // No crash loop, no event spam, no status churn: reconciles of the settled cache write
+    // nothing (the namespace also holds `badlabels`, whose reconciles count too).
+    assert_no_status_churn(&w.caches(), "awq", "modelcache", 3, || ctl.reconciles())
+        .await
+        .with_context(|| ctl.log_tail())?;
     assert!(ctl.alive(), "controller exited:\n{}", ctl.log_tail());
-    assert_eq!(w.get("awq").await.map(|m| m.resource_version()), Some(rv));
     let ev = w.events("UnsupportedFormat").await;
     assert_eq!(
         ev.iter().map(|e| e.count.unwrap_or(1).max(1)).sum::<i32>(),
@@ -810,7 +831,7 @@ async fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
         .await
         .ok()?;
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
         .await
         .ok()?;
     let mut buf = String::new();
@@ -819,15 +840,8 @@ async fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     Some((code, buf))
 }
 
-fn reconciles(metrics: &str) -> f64 {
-    metrics
-        .lines()
-        .find(|l| {
-            l.starts_with("flexinfer_reconcile_duration_seconds_count{controller=\"modelcache\"}")
-        })
-        .and_then(|l| l.split_whitespace().last())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0)
+fn reconciles(metrics: &str) -> u64 {
+    reconciles_total(metrics, "modelcache")
 }
 
 #[tokio::test]
@@ -867,7 +881,7 @@ async fn leader_election_lets_one_replica_reconcile_and_fails_over() -> Result<(
     let active: Vec<usize> = counts
         .iter()
         .enumerate()
-        .filter(|(_, c)| **c > 0.0)
+        .filter(|(_, c)| **c > 0)
         .map(|(i, _)| i)
         .collect();
     assert_eq!(active.len(), 1, "reconcile counts per replica: {counts:?}");
@@ -881,7 +895,7 @@ async fn leader_election_lets_one_replica_reconcile_and_fails_over() -> Result<(
     let (_, body) = http_get(ports[standby].0, "/metrics")
         .await
         .context("metrics")?;
-    assert!(reconciles(&body) > 0.0);
+    assert!(reconciles(&body) > 0);
     assert!(
         body.contains("flexinfer_modelcache_phase{cache=\"two\""),
         "phase metric missing"
