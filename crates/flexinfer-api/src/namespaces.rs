@@ -2,10 +2,26 @@
 //! (`FLEXINFER_WATCH_NAMESPACE`, `FLEXINFER_PROXY_WATCH_NAMESPACE`): empty means all namespaces,
 //! else a comma-separated list of namespace names (a namespace-scoped install).
 
+/// An entry of the list that is not a namespace name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NotANamespace(pub String);
+
+impl std::fmt::Display for NotANamespace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:?} is not a namespace name (lower-case letters, digits and '-', at most 63, starting and ending alphanumeric)",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for NotANamespace {}
+
 /// Parse a comma-separated list of namespace names (blanks around names are ignored, duplicates
 /// dropped, order kept). Empty input → empty list (all namespaces). A name that is not a valid
 /// namespace (RFC 1123 label) is an error naming it.
-pub fn parse_list(s: &str) -> Result<Vec<String>, String> {
+pub fn parse_list(s: &str) -> Result<Vec<String>, NotANamespace> {
     let mut out: Vec<String> = Vec::new();
     for part in s.split(',') {
         let n = part.trim();
@@ -13,9 +29,7 @@ pub fn parse_list(s: &str) -> Result<Vec<String>, String> {
             continue;
         }
         if !is_namespace_name(n) {
-            return Err(format!(
-                "{n:?} is not a namespace name (lower-case letters, digits and '-', at most 63, starting and ending alphanumeric)"
-            ));
+            return Err(NotANamespace(n.to_string()));
         }
         if !out.iter().any(|o| o == n) {
             out.push(n.to_string());
@@ -52,7 +66,7 @@ mod tests {
         for (input, want) in cases {
             match (parse_list(input), want) {
                 (Ok(got), Ok(w)) => assert_eq!(got, w, "{input:?}"),
-                (Err(e), Err(w)) => assert!(e.contains(w), "{input:?}: {e}"),
+                (Err(e), Err(w)) => assert!(e.to_string().contains(w), "{input:?}: {e}"),
                 (got, w) => panic!("{input:?}: got {got:?}, want {w:?}"),
             }
         }

@@ -300,7 +300,7 @@ fn validate_artifact_cmd(a: &ValidateArtifactArgs, out: Format) -> Result<(Strin
             skip_sha256: a.no_sha256,
         },
     )
-    .map_err(bad)?;
+    .map_err(|e| bad(e.to_string()))?;
     let code = if report.ok { EXIT_OK } else { EXIT_FAIL };
     let text = if a.json || out == Format::Json {
         output::structured(Format::Json, &report)?

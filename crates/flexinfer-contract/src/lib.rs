@@ -58,20 +58,42 @@ pub fn parse_bool(s: &str) -> Option<bool> {
     }
 }
 
+/// Why a relative path from a spec, a hub listing or a manifest is refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PathError {
+    Empty,
+    Nul(String),
+    Absolute(String),
+    ParentDir(String),
+}
+
+impl std::fmt::Display for PathError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PathError::Empty => write!(f, "empty path"),
+            PathError::Nul(p) => write!(f, "path {p:?} contains a NUL byte"),
+            PathError::Absolute(p) => write!(f, "path {p:?} is absolute"),
+            PathError::ParentDir(p) => write!(f, "path {p:?} contains '..'"),
+        }
+    }
+}
+
+impl std::error::Error for PathError {}
+
 /// Validate a relative path that came from a spec, a hub listing or a manifest: non-empty, not
 /// absolute, no `..` component, no NUL. Returns the reason when invalid.
-pub fn check_relative_path(p: &str) -> Result<(), String> {
+pub fn check_relative_path(p: &str) -> Result<(), PathError> {
     if p.is_empty() {
-        return Err("empty path".into());
+        return Err(PathError::Empty);
     }
     if p.contains('\0') {
-        return Err(format!("path {p:?} contains a NUL byte"));
+        return Err(PathError::Nul(p.to_string()));
     }
     if p.starts_with('/') || p.starts_with('\\') {
-        return Err(format!("path {p:?} is absolute"));
+        return Err(PathError::Absolute(p.to_string()));
     }
     if p.split(['/', '\\']).any(|c| c == "..") {
-        return Err(format!("path {p:?} contains '..'"));
+        return Err(PathError::ParentDir(p.to_string()));
     }
     Ok(())
 }

@@ -55,34 +55,46 @@ pub fn container_context() -> SecurityContext {
     }
 }
 
+/// Why `FLEXINFER_GPU_SUPPLEMENTAL_GROUPS` is refused (the text names the variable).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GroupsError {
+    #[error(
+        "{var}: {0:?} is not a group id (a number such as the node's `render` gid)",
+        var = env::controller::GPU_SUPPLEMENTAL_GROUPS
+    )]
+    NotAGroupId(String),
+    #[error(
+        "{}: group 0 (root) is not allowed",
+        env::controller::GPU_SUPPLEMENTAL_GROUPS
+    )]
+    Root,
+    #[error(
+        "{}: more than {} groups",
+        env::controller::GPU_SUPPLEMENTAL_GROUPS,
+        MAX_SUPPLEMENTAL_GROUPS
+    )]
+    TooMany,
+}
+
 /// Parses `FLEXINFER_GPU_SUPPLEMENTAL_GROUPS` (comma- or space-separated group ids). Group 0
 /// (root) and anything that is not a positive 32-bit id are refused, naming the entry.
-pub fn parse_groups(value: &str) -> Result<Vec<i64>, String> {
+pub fn parse_groups(value: &str) -> Result<Vec<i64>, GroupsError> {
     let mut out = Vec::new();
     for part in value
         .split(|c: char| c == ',' || c.is_whitespace())
         .filter(|p| !p.is_empty())
     {
-        let id: u32 = part.parse().map_err(|_| {
-            format!(
-                "{}: {part:?} is not a group id (a number such as the node's `render` gid)",
-                env::controller::GPU_SUPPLEMENTAL_GROUPS
-            )
-        })?;
+        let id: u32 = part
+            .parse()
+            .map_err(|_| GroupsError::NotAGroupId(part.to_string()))?;
         if id == 0 {
-            return Err(format!(
-                "{}: group 0 (root) is not allowed",
-                env::controller::GPU_SUPPLEMENTAL_GROUPS
-            ));
+            return Err(GroupsError::Root);
         }
         if !out.contains(&i64::from(id)) {
             out.push(i64::from(id));
         }
         if out.len() > MAX_SUPPLEMENTAL_GROUPS {
-            return Err(format!(
-                "{}: more than {MAX_SUPPLEMENTAL_GROUPS} groups",
-                env::controller::GPU_SUPPLEMENTAL_GROUPS
-            ));
+            return Err(GroupsError::TooMany);
         }
     }
     Ok(out)
@@ -96,15 +108,21 @@ mod tests {
     fn groups_parse_and_refuse_root_and_junk() {
         assert_eq!(parse_groups("").unwrap(), Vec::<i64>::new());
         assert_eq!(parse_groups("44, 109 44").unwrap(), vec![44, 109]);
-        assert!(parse_groups("0").unwrap_err().contains("root"));
-        assert!(parse_groups("render").unwrap_err().contains("\"render\""));
+        assert!(parse_groups("0").unwrap_err().to_string().contains("root"));
+        assert!(parse_groups("render")
+            .unwrap_err()
+            .to_string()
+            .contains("\"render\""));
         assert!(parse_groups("-5").is_err());
         assert!(parse_groups("99999999999").is_err());
         let many = (1..=17)
             .map(|i| i.to_string())
             .collect::<Vec<_>>()
             .join(",");
-        assert!(parse_groups(&many).unwrap_err().contains("more than"));
+        assert!(parse_groups(&many)
+            .unwrap_err()
+            .to_string()
+            .contains("more than"));
     }
 
     #[test]

@@ -94,15 +94,17 @@ impl<F: Fn(&str) -> Option<String>> Settings<F> {
     }
 
     /// A value checked by `parse`, whose error text says what was expected; `None` when unset.
-    pub fn parsed<T>(
+    pub fn parsed<T, E: std::fmt::Display>(
         &self,
         name: &str,
-        parse: impl Fn(&str) -> Result<T, String>,
+        parse: impl Fn(&str) -> Result<T, E>,
     ) -> Result<Option<T>, SettingError> {
         let Some(v) = self.text(name) else {
             return Ok(None);
         };
-        parse(&v).map(Some).map_err(|e| Self::invalid(name, &v, e))
+        parse(&v)
+            .map(Some)
+            .map_err(|e| Self::invalid(name, &v, e.to_string()))
     }
 }
 

@@ -13,6 +13,7 @@ use flexinfer_api::contract::{annotations, JobPhase};
 use flexinfer_api::{Model, ModelCache};
 use flexinfer_controller::model::render::RenderConfig;
 use flexinfer_controller::modelcache::observe::{JobState, ObservedJob, ObservedPod};
+use flexinfer_controller::modelcache::plan::LogTail;
 use flexinfer_controller::modelcache::Config;
 use k8s_openapi::jiff::Timestamp;
 use proptest::prelude::*;
@@ -172,9 +173,9 @@ proptest! {
         ann in annotation_map(),
         jobs in prop::collection::vec(observed_job(), 0..3),
         log in prop::option::of(prop_oneof![
-            "\\PC{0,300}".prop_map(Ok),
-            Just(Ok(r#"{"event":"progress","percent":1e308,"layer":18446744073709551615,"total":0}"#.to_string())),
-            ".{0,30}".prop_map(Err),
+            "\\PC{0,300}".prop_map(LogTail::Read),
+            Just(LogTail::Read(r#"{"event":"progress","percent":1e308,"layer":18446744073709551615,"total":0}"#.to_string())),
+            Just(LogTail::Unreadable),
         ]),
         served in prop::collection::vec("[a-z0-9./-]{0,40}", 0..3),
         now in -100_000i64..10_000_000,

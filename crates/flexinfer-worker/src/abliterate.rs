@@ -28,7 +28,7 @@ use flexinfer_contract::{
 };
 use flexinfer_quant::QuantError;
 
-use crate::common::{self, Events, WorkerError};
+use crate::common::{self, Events, ExitKind, WorkerError};
 use crate::download::parse_bool_arg;
 
 /// Flags of `flexinfer-worker abliterate` (each also read from its env variable; flags win).
@@ -125,15 +125,15 @@ fn parse_positive(s: &str, name: &str, zero_ok: bool) -> Result<f64, WorkerError
 
 /// Map an engine error: the caller's fault → exit 2, anything else → exit 1.
 pub fn quant_err(e: QuantError) -> WorkerError {
-    if e.is_bad_input() {
-        WorkerError::BadInput(e.to_string())
-    } else {
-        WorkerError::Other(e.to_string())
-    }
+    WorkerError::Quant(e)
 }
 
 pub(crate) fn io_err(path: &Path, e: std::io::Error) -> WorkerError {
-    WorkerError::Other(format!("{}: {e}", path.display()))
+    WorkerError::Io {
+        kind: ExitKind::Failure,
+        context: path.display().to_string(),
+        source: e,
+    }
 }
 
 /// Run the subcommand; returns the process exit code.
@@ -405,8 +405,10 @@ fn finish_success(
         perplexity_after: Some(r.perplexity_after),
         completed_at: common::now_rfc3339(),
     };
-    let bytes = serde_json::to_vec_pretty(&status)
-        .map_err(|e| WorkerError::Other(format!("encoding the status file: {e}")))?;
+    let bytes = serde_json::to_vec_pretty(&status).map_err(WorkerError::json(
+        ExitKind::Failure,
+        "encoding the status file",
+    ))?;
     let path = model_dir.join(files::ABLITERATION_STATUS);
     common::write_atomic(&path, &bytes).map_err(|e| io_err(&path, e))?;
     Ok(TerminationSuccess {

@@ -3,10 +3,36 @@
 
 use flexinfer_contract::exit_codes;
 
-/// A worker failure with the exit code it maps to.
+/// The exit-code class of a worker failure (the controller reads the code, not the text).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExitKind {
+    /// Bad input or configuration (exit 2).
+    BadInput,
+    /// A quality gate failed (exit 3).
+    QualityGate,
+    /// The image and the controller disagree on the contract version (exit 4).
+    VersionMismatch,
+    /// Anything else (exit 1).
+    Failure,
+}
+
+impl ExitKind {
+    pub fn code(self) -> i32 {
+        match self {
+            ExitKind::BadInput => exit_codes::BAD_INPUT,
+            ExitKind::QualityGate => exit_codes::QUALITY_GATE,
+            ExitKind::VersionMismatch => exit_codes::VERSION_MISMATCH,
+            ExitKind::Failure => exit_codes::FAILURE,
+        }
+    }
+}
+
+/// A worker failure with the exit code it maps to ([`WorkerError::kind`]). Its text is what the
+/// termination message and the cache's status show; where an underlying error exists it is the
+/// variant's `#[source]`, and the text names the file or field and ends in that error's text.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
-    /// Bad input or configuration (exit 2).
+    /// Bad input or configuration, with no underlying error (exit 2).
     #[error("{0}")]
     BadInput(String),
     /// A quality gate failed (exit 3).
@@ -15,18 +41,176 @@ pub enum WorkerError {
     /// The image and the controller disagree on the contract version (exit 4).
     #[error("{0}")]
     VersionMismatch(String),
-    /// Anything else (exit 1).
+    /// Anything else, with no underlying error (exit 1).
     #[error("{0}")]
     Other(String),
+    /// A file-system call failed; `context` names the operation and the path.
+    #[error("{context}: {source}")]
+    Io {
+        kind: ExitKind,
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A JSON document could not be parsed or encoded; `context` names it.
+    #[error("{context}: {source}")]
+    Json {
+        kind: ExitKind,
+        context: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    /// Another underlying error (a path or reference that does not parse, a model config the
+    /// engine refuses, …); `context` names the field or file.
+    #[error("{context}: {source}")]
+    Caused {
+        kind: ExitKind,
+        context: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// An underlying error whose own text already names the file or field (a refused read, a
+    /// dataset the reader cannot use, a device that cannot be selected).
+    #[error("{source}")]
+    Wrapped {
+        kind: ExitKind,
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// Another Job holds the writer lock of the output directory (exit 2).
+    #[error(
+        "refusing to write: {0}. Another Job writes this directory; it must finish or be deleted first"
+    )]
+    Locked(#[source] std::io::Error),
+    /// A file pattern (`allowPatterns`, `ignorePatterns`) does not compile (exit 2).
+    #[error("{context}: {source}")]
+    Pattern {
+        context: String,
+        #[source]
+        source: globset::Error,
+    },
+    /// The HTTP client could not be built (exit 1).
+    #[error("cannot build the HTTP client: {0}")]
+    HttpClient(#[source] reqwest::Error),
+    /// A blocking task of the async runtime failed (exit 1).
+    #[error("{0}")]
+    Task(#[from] tokio::task::JoinError),
+    /// A transfer failed (exit 2 when retrying cannot help, else 1).
+    #[error(transparent)]
+    Fetch(#[from] crate::download::fetch::FetchError),
+    /// An OCI registry operation failed (exit 2 for a bad reference, artifact or credentials, else 1).
+    #[error(transparent)]
+    Oci(#[from] crate::oci::OciError),
+    /// The engine failed (exit 2 when the input is at fault, else 1).
+    #[error(transparent)]
+    Quant(#[from] flexinfer_quant::QuantError),
 }
 
 impl WorkerError {
-    pub fn exit_code(&self) -> i32 {
+    /// A plain-message failure of class `kind`.
+    pub fn message(kind: ExitKind, message: String) -> Self {
+        match kind {
+            ExitKind::BadInput => WorkerError::BadInput(message),
+            ExitKind::QualityGate => WorkerError::QualityGate(message),
+            ExitKind::VersionMismatch => WorkerError::VersionMismatch(message),
+            ExitKind::Failure => WorkerError::Other(message),
+        }
+    }
+
+    /// `map_err` for a file-system call: `context` names the operation and the path.
+    pub fn io(kind: ExitKind, context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Self {
+        let context = context.into();
+        move |source| WorkerError::Io {
+            kind,
+            context,
+            source,
+        }
+    }
+
+    /// `map_err` for a JSON parse or encode: `context` names the document.
+    pub fn json(
+        kind: ExitKind,
+        context: impl Into<String>,
+    ) -> impl FnOnce(serde_json::Error) -> Self {
+        let context = context.into();
+        move |source| WorkerError::Json {
+            kind,
+            context,
+            source,
+        }
+    }
+
+    /// `map_err` for any other underlying error: `context` names the field or file.
+    pub fn caused<E: std::error::Error + Send + Sync + 'static>(
+        kind: ExitKind,
+        context: impl Into<String>,
+    ) -> impl FnOnce(E) -> Self {
+        let context = context.into();
+        move |source| WorkerError::Caused {
+            kind,
+            context,
+            source: Box::new(source),
+        }
+    }
+
+    /// `map_err` for an underlying error whose text already names what failed.
+    pub fn wrap<E: std::error::Error + Send + Sync + 'static>(
+        kind: ExitKind,
+    ) -> impl FnOnce(E) -> Self {
+        move |source| WorkerError::Wrapped {
+            kind,
+            source: Box::new(source),
+        }
+    }
+
+    pub fn kind(&self) -> ExitKind {
+        use crate::download::fetch::FetchError;
+        use crate::oci::OciError;
         match self {
-            WorkerError::BadInput(_) => exit_codes::BAD_INPUT,
-            WorkerError::QualityGate(_) => exit_codes::QUALITY_GATE,
-            WorkerError::VersionMismatch(_) => exit_codes::VERSION_MISMATCH,
-            WorkerError::Other(_) => exit_codes::FAILURE,
+            WorkerError::BadInput(_) | WorkerError::Locked(_) | WorkerError::Pattern { .. } => {
+                ExitKind::BadInput
+            }
+            WorkerError::QualityGate(_) => ExitKind::QualityGate,
+            WorkerError::VersionMismatch(_) => ExitKind::VersionMismatch,
+            WorkerError::Other(_) | WorkerError::HttpClient(_) | WorkerError::Task(_) => {
+                ExitKind::Failure
+            }
+            WorkerError::Io { kind, .. }
+            | WorkerError::Json { kind, .. }
+            | WorkerError::Caused { kind, .. }
+            | WorkerError::Wrapped { kind, .. } => *kind,
+            WorkerError::Fetch(FetchError::Fatal(_)) => ExitKind::BadInput,
+            WorkerError::Fetch(FetchError::Retryable(_) | FetchError::Failed(_)) => {
+                ExitKind::Failure
+            }
+            WorkerError::Oci(OciError::BadInput(_) | OciError::Auth(_)) => ExitKind::BadInput,
+            WorkerError::Oci(OciError::Transport(_)) => ExitKind::Failure,
+            WorkerError::Quant(e) if e.is_bad_input() => ExitKind::BadInput,
+            WorkerError::Quant(_) => ExitKind::Failure,
+        }
+    }
+
+    pub fn exit_code(&self) -> i32 {
+        self.kind().code()
+    }
+
+    /// The same failure (same exit code) with its text rewritten by `f` (scrubbing secrets before
+    /// the termination message). A structured error whose text `f` changes becomes a plain message
+    /// of its class: its cause is in the text, and the original is not kept, secret included.
+    pub fn map_message(self, f: impl Fn(String) -> String) -> Self {
+        match self {
+            WorkerError::BadInput(m) => WorkerError::BadInput(f(m)),
+            WorkerError::QualityGate(m) => WorkerError::QualityGate(f(m)),
+            WorkerError::VersionMismatch(m) => WorkerError::VersionMismatch(f(m)),
+            WorkerError::Other(m) => WorkerError::Other(f(m)),
+            structured => {
+                let text = structured.to_string();
+                let scrubbed = f(text.clone());
+                if scrubbed == text {
+                    structured
+                } else {
+                    WorkerError::message(structured.kind(), scrubbed)
+                }
+            }
         }
     }
 }

@@ -26,7 +26,7 @@ use flexinfer_contract::{
 };
 use futures::{StreamExt, TryStreamExt};
 
-use crate::common::{self, Events, WorkerError};
+use crate::common::{self, Events, ExitKind, WorkerError};
 use crate::hf::{self, RepoType};
 use crate::oci;
 use fetch::{FetchCtx, FetchError};
@@ -107,9 +107,14 @@ pub struct DownloadArgs {
     pub script_version: Option<String>,
 }
 
+/// A flag value that is not a boolean.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("not a boolean: {0:?} (use true/false/1/0)")]
+pub struct NotABool(pub String);
+
 /// clap parser for SPEC booleans (`True`, `false`, `1`, `0`, …).
-pub fn parse_bool_arg(s: &str) -> Result<bool, String> {
-    contract::parse_bool(s).ok_or_else(|| format!("not a boolean: {s:?} (use true/false/1/0)"))
+pub fn parse_bool_arg(s: &str) -> Result<bool, NotABool> {
+    contract::parse_bool(s).ok_or_else(|| NotABool(s.to_string()))
 }
 
 /// Where the files come from.
@@ -133,13 +138,7 @@ fn redact(e: WorkerError, args: &DownloadArgs) -> WorkerError {
     if secrets.is_empty() {
         return e;
     }
-    let clean = |m: String| secrets.iter().fold(m, |m, s| m.replace(s, "<redacted>"));
-    match e {
-        WorkerError::BadInput(m) => WorkerError::BadInput(clean(m)),
-        WorkerError::QualityGate(m) => WorkerError::QualityGate(clean(m)),
-        WorkerError::VersionMismatch(m) => WorkerError::VersionMismatch(clean(m)),
-        WorkerError::Other(m) => WorkerError::Other(clean(m)),
-    }
+    e.map_message(|m| secrets.iter().fold(m, |m, s| m.replace(s, "<redacted>")))
 }
 
 /// A multi-threaded runtime for the transfer subcommands.
@@ -152,7 +151,10 @@ pub fn runtime() -> Result<tokio::runtime::Runtime, WorkerError> {
         .worker_threads(threads)
         .enable_all()
         .build()
-        .map_err(|e| WorkerError::Other(format!("cannot start the async runtime: {e}")))
+        .map_err(WorkerError::io(
+            ExitKind::Failure,
+            "cannot start the async runtime",
+        ))
 }
 
 /// HTTP client: rustls with the ring provider, system roots; `insecure` disables verification.
@@ -165,14 +167,12 @@ pub fn http_client(insecure: bool) -> Result<reqwest::Client, WorkerError> {
         .pool_max_idle_per_host(16)
         .user_agent(concat!("flexinfer-worker/", env!("CARGO_PKG_VERSION")))
         .build()
-        .map_err(|e| WorkerError::Other(format!("cannot build the HTTP client: {e}")))
+        .map_err(WorkerError::HttpClient)
 }
 
+/// A transfer failure: exit 2 when retrying cannot help, else 1 ([`WorkerError::kind`]).
 pub fn fetch_error(e: FetchError) -> WorkerError {
-    match e {
-        FetchError::Fatal(m) => WorkerError::BadInput(m),
-        FetchError::Retryable(m) | FetchError::Failed(m) => WorkerError::Other(m),
-    }
+    WorkerError::Fetch(e)
 }
 
 async fn run_async(
@@ -202,8 +202,10 @@ async fn run_async(
         .clone()
         .unwrap_or_else(|| args.model_dir.clone());
     for d in [&args.model_dir, &out] {
-        std::fs::create_dir_all(d)
-            .map_err(|e| WorkerError::Other(format!("cannot create {}: {e}", d.display())))?;
+        std::fs::create_dir_all(d).map_err(WorkerError::io(
+            ExitKind::Failure,
+            format!("cannot create {}", d.display()),
+        ))?;
     }
     // One writer per directory (a replaced Job's pod may still be running): the model directory (its
     // datasets) and this run's generation.
@@ -238,12 +240,11 @@ async fn run_async(
             fetch_all(args, &out, &events, &ctx, &canonical, &args.revision, files).await
         }
         Source::Oci { reference } => {
-            let reference = oci::Reference::parse(&reference)
-                .map_err(|e| WorkerError::BadInput(e.to_string()))?;
+            let reference = oci::Reference::parse(&reference).map_err(oci::worker_error)?;
             let creds = args
                 .registry
                 .credentials(&reference.registry)
-                .map_err(|e| WorkerError::BadInput(e.to_string()))?;
+                .map_err(oci::worker_error)?;
             let reg = oci::Registry::connect(&reference, creds, args.registry.insecure)
                 .await
                 .map_err(oci::worker_error)?;
@@ -297,8 +298,10 @@ async fn fetch_dataset(
     id: &str,
 ) -> Result<(), WorkerError> {
     let dir = args.model_dir.join(contract::DATASETS_SUBDIR).join(id);
-    std::fs::create_dir_all(&dir)
-        .map_err(|e| WorkerError::Other(format!("cannot create {}: {e}", dir.display())))?;
+    std::fs::create_dir_all(&dir).map_err(WorkerError::io(
+        ExitKind::Failure,
+        format!("cannot create {}", dir.display()),
+    ))?;
     events.log(&format!("fetching dataset {id} into {}", dir.display()));
     let client = http_client(false)?;
     let token = args.hf_token.as_deref().filter(|t| !t.is_empty());
@@ -414,8 +417,9 @@ async fn fetch_all(
             return Ok(success(p, dir));
         }
     }
-    state::invalidate(dir, prev.as_ref(), source, revision, &files, events)
-        .map_err(|e| WorkerError::Other(format!("cannot reset {}: {e}", dir.display())))?;
+    state::invalidate(dir, prev.as_ref(), source, revision, &files, events).map_err(
+        WorkerError::io(ExitKind::Failure, format!("cannot reset {}", dir.display())),
+    )?;
     // A new generation starts from the files earlier complete downloads already hold.
     let linked = reuse::link_from_earlier(dir, &args.model_dir, &files);
     if linked.files > 0 {
@@ -452,8 +456,10 @@ async fn fetch_all(
     parents.sort();
     parents.dedup();
     for p in parents {
-        flexinfer_fsutil::fsync_dir(&p)
-            .map_err(|e| WorkerError::Other(format!("cannot sync {}: {e}", p.display())))?;
+        flexinfer_fsutil::fsync_dir(&p).map_err(WorkerError::io(
+            ExitKind::Failure,
+            format!("cannot sync {}", p.display()),
+        ))?;
     }
     let secs = started.elapsed().as_secs_f64();
     let received = ctx.received.load(Ordering::Relaxed);
@@ -473,9 +479,10 @@ async fn fetch_all(
         revision: revision.to_string(),
         source: source.to_string(),
     };
-    state::write_markers(dir, &integrity).map_err(|e| {
-        WorkerError::Other(format!("cannot write markers in {}: {e}", dir.display()))
-    })?;
+    state::write_markers(dir, &integrity).map_err(WorkerError::io(
+        ExitKind::Failure,
+        format!("cannot write markers in {}", dir.display()),
+    ))?;
     events.log(&format!(
         "downloaded {received} bytes in {secs:.1}s ({:.1} MiB/s); {} file(s) verified",
         received as f64 / secs.max(1e-3) / 1048576.0,

@@ -7,7 +7,7 @@ use std::time::Duration;
 use flexinfer_contract::{env, files};
 use flexinfer_fsutil::{LockHolder, WriterLock};
 
-use crate::common::{Events, WorkerError};
+use crate::common::{Events, ExitKind, WorkerError};
 
 /// Heartbeat of a writer lock; a record older than [`STALE_AFTER`] without a live flock is stale.
 const HEARTBEAT: Duration = Duration::from_secs(20);
@@ -29,13 +29,12 @@ pub fn lock_output(dir: &Path, events: &Events) -> Result<WriterLock, WorkerErro
             events.log(&format!("holding the writer lock {}", l.path().display()));
             Ok(l)
         }
-        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Err(WorkerError::BadInput(
-            format!("refusing to write: {e}. Another Job writes this directory; it must finish or be deleted first"),
-        )),
-        Err(e) => Err(WorkerError::Other(format!(
-            "cannot take the writer lock of {}: {e}",
-            dir.display()
-        ))),
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Err(WorkerError::Locked(e)),
+        Err(e) => Err(WorkerError::Io {
+            kind: ExitKind::Failure,
+            context: format!("cannot take the writer lock of {}", dir.display()),
+            source: e,
+        }),
     }
 }
 

@@ -87,13 +87,20 @@ fn encode_repo(repo: &str) -> String {
     encode_path(repo)
 }
 
+/// Why a hub repo id is refused.
+#[derive(Debug, thiserror::Error)]
+pub enum RepoIdError {
+    #[error(transparent)]
+    Path(#[from] flexinfer_contract::PathError),
+    #[error("invalid Hugging Face repo id {0:?} (expected org/name)")]
+    Shape(String),
+}
+
 /// Validate a hub repo id (`org/name` or `name`).
-pub fn check_repo_id(repo: &str) -> Result<(), String> {
+pub fn check_repo_id(repo: &str) -> Result<(), RepoIdError> {
     check_relative_path(repo)?;
     if repo.split('/').count() > 2 || repo.split('/').any(|c| c.is_empty() || c == ".") {
-        return Err(format!(
-            "invalid Hugging Face repo id {repo:?} (expected org/name)"
-        ));
+        return Err(RepoIdError::Shape(repo.to_string()));
     }
     Ok(())
 }

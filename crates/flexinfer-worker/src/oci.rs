@@ -40,11 +40,10 @@ pub enum OciError {
     Transport(String),
 }
 
+/// A registry failure: exit 2 for a bad reference, artifact or credentials, else 1
+/// ([`WorkerError::kind`]).
 pub fn worker_error(e: OciError) -> WorkerError {
-    match e {
-        OciError::BadInput(m) | OciError::Auth(m) => WorkerError::BadInput(m),
-        OciError::Transport(m) => WorkerError::Other(m),
-    }
+    WorkerError::Oci(e)
 }
 
 /// `registry[:port]/repo/path[:tag][@sha256:…]`.
@@ -53,7 +52,7 @@ mod reference;
 
 use auth::parse_challenge;
 pub use auth::{Credentials, RegistryArgs};
-pub use reference::{check_tag, is_sha256_digest, Reference};
+pub use reference::{check_tag, is_sha256_digest, InvalidTag, Reference};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]

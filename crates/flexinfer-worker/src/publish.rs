@@ -13,7 +13,7 @@ use std::time::Instant;
 use flexinfer_contract::{self as contract, env, events, oci_artifact, TerminationSuccess};
 use futures::{StreamExt, TryStreamExt};
 
-use crate::common::{self, Events, WorkerError};
+use crate::common::{self, Events, ExitKind, WorkerError};
 use crate::download::{bytes_progress, spawn_progress_ticker};
 use crate::oci::{self, Descriptor, Manifest, Reference, Registry};
 
@@ -95,14 +95,10 @@ pub fn run(args: PublishArgs) -> i32 {
     let events = Arc::new(Events::new(contract::JobPhase::Publish.status_name()));
     let result =
         crate::download::runtime().and_then(|rt| rt.block_on(run_async(&args, events.clone())));
-    let result = result.map_err(|e| match (&args.registry.oci_password, e) {
-        (Some(p), WorkerError::BadInput(m)) if p.len() >= 4 => {
-            WorkerError::BadInput(m.replace(p, "<redacted>"))
-        }
-        (Some(p), WorkerError::Other(m)) if p.len() >= 4 => {
-            WorkerError::Other(m.replace(p, "<redacted>"))
-        }
-        (_, e) => e,
+    // Never let the password reach the termination message.
+    let result = result.map_err(|e| match &args.registry.oci_password {
+        Some(p) if p.len() >= 4 => e.map_message(|m| m.replace(p, "<redacted>")),
+        _ => e,
     });
     common::finish(&events, result)
 }
@@ -140,7 +136,7 @@ async fn run_async(
         .map(String::from)
         .collect();
     for t in &extra {
-        oci::check_tag(t).map_err(WorkerError::BadInput)?;
+        oci::check_tag(t).map_err(WorkerError::wrap(ExitKind::BadInput))?;
     }
     if args.concurrency == 0 {
         return Err(WorkerError::BadInput(
@@ -159,9 +155,11 @@ async fn run_async(
     );
     let dir2 = dir.clone();
     let listed = tokio::task::spawn_blocking(move || list_files(&dir2))
-        .await
-        .map_err(|e| WorkerError::Other(e.to_string()))?
-        .map_err(|e| WorkerError::Other(format!("reading {}: {e}", dir.display())))?;
+        .await?
+        .map_err(WorkerError::io(
+            ExitKind::Failure,
+            format!("reading {}", dir.display()),
+        ))?;
     if listed.is_empty() {
         return Err(WorkerError::BadInput(format!(
             "{} has no files to publish",
@@ -201,9 +199,11 @@ async fn run_async(
             async move {
                 let p = path.clone();
                 let sha = tokio::task::spawn_blocking(move || flexinfer_fsutil::sha256_file(&p))
-                    .await
-                    .map_err(|e| WorkerError::Other(e.to_string()))?
-                    .map_err(|e| WorkerError::Other(format!("hashing {}: {e}", path.display())))?;
+                    .await?
+                    .map_err(WorkerError::io(
+                        ExitKind::Failure,
+                        format!("hashing {}", path.display()),
+                    ))?;
                 hashed.fetch_add(size, Ordering::Relaxed);
                 Ok::<_, WorkerError>(LocalFile {
                     rel,
@@ -241,7 +241,10 @@ async fn run_async(
 
     // 3. Manifest and tags.
     let manifest = build_manifest(&files, &config_digest);
-    let body = serde_json::to_vec(&manifest).map_err(|e| WorkerError::Other(e.to_string()))?;
+    let body = serde_json::to_vec(&manifest).map_err(WorkerError::json(
+        ExitKind::Failure,
+        "encoding the OCI manifest",
+    ))?;
     let digest = oci::sha256_digest(&body);
     let mut tags = vec![policy.tag(&base_tag, &digest, jiff::Timestamp::now())];
     for t in extra {
@@ -250,7 +253,7 @@ async fn run_async(
         }
     }
     for t in &tags {
-        oci::check_tag(t).map_err(WorkerError::BadInput)?;
+        oci::check_tag(t).map_err(WorkerError::wrap(ExitKind::BadInput))?;
         let got = reg
             .put_manifest(t, &body)
             .await
@@ -301,17 +304,21 @@ fn check_records(dir: &Path, files: &[LocalFile]) -> Result<(), WorkerError> {
             Err(_) => Ok(None),
             Ok(_) => flexinfer_fsutil::read_regular(&p, flexinfer_fsutil::limits::CONFIG_JSON)
                 .map(Some)
-                .map_err(|e| WorkerError::BadInput(format!("cannot read {}: {e}", p.display()))),
+                .map_err(WorkerError::io(
+                    ExitKind::BadInput,
+                    format!("cannot read {}", p.display()),
+                )),
         }
     };
     if let Some(b) = read(contract::files::SAVE_COMPLETE)? {
-        let sc: contract::SaveComplete = serde_json::from_slice(&b).map_err(|e| {
-            WorkerError::BadInput(format!(
-                "{} in {} is not valid: {e}",
+        let sc: contract::SaveComplete = serde_json::from_slice(&b).map_err(WorkerError::json(
+            ExitKind::BadInput,
+            format!(
+                "{} in {} is not valid",
                 contract::files::SAVE_COMPLETE,
                 dir.display()
-            ))
-        })?;
+            ),
+        ))?;
         for sh in sc.shards {
             recorded.push((
                 contract::files::SAVE_COMPLETE,
@@ -322,13 +329,15 @@ fn check_records(dir: &Path, files: &[LocalFile]) -> Result<(), WorkerError> {
         }
     }
     if let Some(b) = read(contract::files::SOURCE_INTEGRITY)? {
-        let si: contract::SourceIntegrity = serde_json::from_slice(&b).map_err(|e| {
-            WorkerError::BadInput(format!(
-                "{} in {} is not valid: {e}",
-                contract::files::SOURCE_INTEGRITY,
-                dir.display()
-            ))
-        })?;
+        let si: contract::SourceIntegrity =
+            serde_json::from_slice(&b).map_err(WorkerError::json(
+                ExitKind::BadInput,
+                format!(
+                    "{} in {} is not valid",
+                    contract::files::SOURCE_INTEGRITY,
+                    dir.display()
+                ),
+            ))?;
         for f in si.files {
             recorded.push((contract::files::SOURCE_INTEGRITY, f.name, f.size, f.sha256));
         }

@@ -15,7 +15,7 @@ use flexinfer_quant::params::{FloorMode, GateParams, GptqParams, RecoveryParams}
 use flexinfer_quant::pipeline::{self, QuantizeJob};
 use flexinfer_quant::QuantError;
 
-use crate::common::{self, Events, WorkerError};
+use crate::common::{self, Events, ExitKind, WorkerError};
 use crate::download::parse_bool_arg;
 
 #[cfg(test)]
@@ -132,16 +132,12 @@ pub fn run(args: QuantizeArgs) -> i32 {
     common::finish(&events, result)
 }
 
-fn bad(msg: impl Into<String>) -> WorkerError {
-    WorkerError::BadInput(msg.into())
-}
-
 /// Builds the engine job from the arguments (validation of values happens here and in the engine).
 pub fn job_from_args(args: &QuantizeArgs) -> Result<QuantizeJob, WorkerError> {
     let floor_mode: FloorMode = args
         .diag_floor_mode
         .parse()
-        .map_err(|e: QuantError| bad(e.to_string()))?;
+        .map_err(WorkerError::wrap::<QuantError>(ExitKind::BadInput))?;
     let dataset = crate::datasets::resolve(&args.dataset, &args.model_dir, "calibration")?;
     Ok(QuantizeJob {
         model_dir: args.model_dir.clone(),
@@ -201,7 +197,7 @@ fn run_inner(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess,
         &SystemPlatform,
         &WorkerSink(events),
     )
-    .map_err(|e| bad(e.to_string()))?;
+    .map_err(WorkerError::wrap(ExitKind::BadInput))?;
     events.log(&format!(
         "GPTQ device: {} ({})",
         selection.device.describe(),
@@ -240,8 +236,8 @@ fn run_locked(
                 args.out_dir.display()
             )))
         }
-        Err(e) if e.is_bad_input() => return Err(bad(e.to_string())),
-        Err(e) => return Err(WorkerError::Other(e.to_string())),
+        // Exit 2 when the input is at fault, else 1 (WorkerError::kind).
+        Err(e) => return Err(WorkerError::Quant(e)),
     };
     let quality = outcome.quality.clone();
     if let Some(q) = outcome.quality.as_ref().filter(|q| q.failed()) {

@@ -48,7 +48,7 @@ pub struct Args {
 
 /// Parses vLLM's spelling (`--flag value` or `--flag=value`; `-m module` and unknown flags are accepted and
 /// ignored, so the Model controller's rendering works unchanged).
-pub fn parse_args<I: IntoIterator<Item = String>>(argv: I) -> Result<Args, String> {
+pub fn parse_args<I: IntoIterator<Item = String>>(argv: I) -> Result<Args, StandinError> {
     let mut model = None;
     let mut name = None;
     let mut host = "0.0.0.0".to_string();
@@ -63,11 +63,11 @@ pub fn parse_args<I: IntoIterator<Item = String>>(argv: I) -> Result<Args, Strin
         };
         let takes_value = |f: &str| !matches!(f, "--trust-remote-code" | "--enforce-eager");
         let next_is_value = it.peek().is_some_and(|n| !n.starts_with("--"));
-        let mut value = |flag: &str| -> Result<String, String> {
+        let mut value = |flag: &str| -> Result<String, StandinError> {
             inline
                 .clone()
                 .or_else(|| it.next())
-                .ok_or_else(|| format!("{flag} needs a value"))
+                .ok_or_else(|| StandinError::Usage(format!("{flag} needs a value")))
         };
         match flag.as_str() {
             "--model" => model = Some(PathBuf::from(value("--model")?)),
@@ -75,17 +75,15 @@ pub fn parse_args<I: IntoIterator<Item = String>>(argv: I) -> Result<Args, Strin
             "--host" => host = value("--host")?,
             "--port" => {
                 let v = value("--port")?;
-                port = v
-                    .parse()
-                    .map_err(|_| format!("--port must be a port number, got {v:?}"))?;
+                port = v.parse().map_err(|_| {
+                    StandinError::Usage(format!("--port must be a port number, got {v:?}"))
+                })?;
             }
             "--token-delay-ms" => {
                 let v = value("--token-delay-ms")?;
-                let ms: u64 = v
-                    .parse()
-                    .ok()
-                    .filter(|ms| *ms <= 60_000)
-                    .ok_or_else(|| format!("--token-delay-ms must be 0 to 60000, got {v:?}"))?;
+                let ms: u64 = v.parse().ok().filter(|ms| *ms <= 60_000).ok_or_else(|| {
+                    StandinError::Usage(format!("--token-delay-ms must be 0 to 60000, got {v:?}"))
+                })?;
                 token_delay = std::time::Duration::from_millis(ms);
             }
             "-m" => ignored.push(format!("-m {}", value("-m")?)),
@@ -99,7 +97,7 @@ pub fn parse_args<I: IntoIterator<Item = String>>(argv: I) -> Result<Args, Strin
             other => ignored.push(other.to_string()),
         }
     }
-    let model = model.ok_or("--model DIR is required")?;
+    let model = model.ok_or_else(|| StandinError::Usage("--model DIR is required".into()))?;
     Ok(Args {
         model,
         served_model_name: name,
@@ -122,35 +120,59 @@ pub struct Engine {
     pub info: Value,
 }
 
-fn err(path: &Path, e: impl std::fmt::Display) -> String {
-    format!("{}: {e}", path.display())
+/// A stand-in failure; its text is what the log line or the HTTP error body shows.
+#[derive(Debug, thiserror::Error)]
+pub enum StandinError {
+    /// A command-line flag that is missing or does not parse (the text names it).
+    #[error("{0}")]
+    Usage(String),
+    /// The artifact's `.save-complete` does not match its files.
+    #[error(
+        "{}: does not match the files (a shard is missing, truncated or has another sha256)",
+        .0.display()
+    )]
+    Unverified(PathBuf),
+    /// The engine cannot load the artifact or run the prompt.
+    #[error(transparent)]
+    Engine(#[from] flexinfer_quant::QuantError),
+    /// A token id beyond `u32`.
+    #[error(transparent)]
+    TokenId(#[from] std::num::TryFromIntError),
+    /// A request the stand-in cannot serve (the text says why).
+    #[error("{0}")]
+    Request(String),
+    /// `--host`/`--port` do not form an address.
+    #[error("--host/--port: {0}")]
+    Address(#[source] std::net::AddrParseError),
+    /// The listening socket cannot be bound.
+    #[error("bind {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 impl Engine {
     /// Loads `dir`; refuses an artifact whose `.save-complete` does not verify.
-    pub fn load(dir: &Path) -> Result<Self, String> {
+    pub fn load(dir: &Path) -> Result<Self, StandinError> {
         let sc_path = dir.join(flexinfer_contract::files::SAVE_COMPLETE);
         let verified = if sc_path.exists() {
-            let sc = verify_save_complete(dir, true).ok_or_else(|| {
-                err(
-                    &sc_path,
-                    "does not match the files (a shard is missing, truncated or has another sha256)",
-                )
-            })?;
+            let sc = verify_save_complete(dir, true)
+                .ok_or_else(|| StandinError::Unverified(sc_path.clone()))?;
             Some(sc.shards.len())
         } else {
             None
         };
-        let cfg = ModelConfig::load(dir).map_err(|e| e.to_string())?;
-        let store = TensorStore::open_dir(dir).map_err(|e| e.to_string())?;
+        let cfg = ModelConfig::load(dir)?;
+        let store = TensorStore::open_dir(dir)?;
         let gq = GptqReadConfig::from_config(&cfg);
         let layers = (0..cfg.num_layers)
             .map(|l| load_layer(&store, &cfg, l, gq))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| e.to_string())?;
-        let head = lm_head(&store, &cfg).map_err(|e| e.to_string())?;
-        let norm = store.f32("model.norm.weight").map_err(|e| e.to_string())?;
-        let tokenizer = flexinfer_quant::calib::load_tokenizer(dir).map_err(|e| e.to_string())?;
+            .collect::<Result<Vec<_>, _>>()?;
+        let head = lm_head(&store, &cfg)?;
+        let norm = store.f32("model.norm.weight")?;
+        let tokenizer = flexinfer_quant::calib::load_tokenizer(dir)?;
         let qc = cfg.raw.get("quantization_config").cloned();
         let info = json!({
             "architecture": cfg.architecture,
@@ -170,13 +192,16 @@ impl Engine {
         })
     }
 
-    fn next_token(&self, tokens: &[u32]) -> Result<u32, String> {
+    fn next_token(&self, tokens: &[u32]) -> Result<u32, StandinError> {
         let rope = Rope::new(&self.cfg, tokens.len());
-        let mut x = embed(&self.store, &self.cfg, None, tokens).map_err(|e| e.to_string())?;
+        let mut x = embed(&self.store, &self.cfg, None, tokens)?;
         for lw in &self.layers {
             x = layer_forward(&self.cfg, lw, x.as_ref(), &rope, None);
         }
-        let last = x.nrows().checked_sub(1).ok_or("empty prompt")?;
+        let last = x
+            .nrows()
+            .checked_sub(1)
+            .ok_or_else(|| StandinError::Request("empty prompt".into()))?;
         let xl = Mat::from_fn(1, x.ncols(), |_, c| x[(last, c)]);
         let xn = rms_norm(xl.as_ref(), &self.norm, self.cfg.rms_norm_eps);
         let logits = linear(xn.as_ref(), &self.head);
@@ -184,7 +209,7 @@ impl Engine {
         for c in 0..logits.ncols() {
             let v = logits[(0, c)];
             if v > best.1 {
-                best = (u32::try_from(c).map_err(|e| e.to_string())?, v);
+                best = (u32::try_from(c)?, v);
             }
         }
         Ok(best.0)
@@ -197,18 +222,17 @@ impl Engine {
         prompt: &str,
         max_tokens: usize,
         mut on_piece: impl FnMut(&str) -> bool,
-    ) -> Result<Generation, String> {
-        let mut tokens = flexinfer_quant::calib::encode(&self.tokenizer, prompt, "the prompt")
-            .map_err(|e| e.to_string())?;
+    ) -> Result<Generation, StandinError> {
+        let mut tokens = flexinfer_quant::calib::encode(&self.tokenizer, prompt, "the prompt")?;
         if tokens.is_empty() {
-            return Err("the prompt has no tokens".into());
+            return Err(StandinError::Request("the prompt has no tokens".into()));
         }
         let prompt_tokens = tokens.len();
         let max_tokens = max_tokens.min(MAX_NEW_TOKENS);
         if prompt_tokens.saturating_add(max_tokens) > MAX_CONTEXT {
-            return Err(format!(
+            return Err(StandinError::Request(format!(
                 "prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the stand-in's context of {MAX_CONTEXT}"
-            ));
+            )));
         }
         let mut text = String::new();
         let mut completion_tokens = 0usize;
@@ -276,18 +300,19 @@ pub struct Server {
 }
 
 /// The prompt of a completion or chat request: chat messages are joined by newlines.
-fn prompt_of(chat: bool, body: &Value) -> Result<String, String> {
+fn prompt_of(chat: bool, body: &Value) -> Result<String, StandinError> {
+    let bad = |m: &str| StandinError::Request(m.to_string());
     if chat {
         let msgs = body
             .get("messages")
             .and_then(Value::as_array)
-            .ok_or("messages must be an array")?;
+            .ok_or_else(|| bad("messages must be an array"))?;
         let parts: Vec<&str> = msgs
             .iter()
             .filter_map(|m| m.get("content").and_then(Value::as_str))
             .collect();
         if parts.is_empty() {
-            return Err("messages hold no text content".into());
+            return Err(bad("messages hold no text content"));
         }
         Ok(parts.join("\n"))
     } else {
@@ -296,7 +321,7 @@ fn prompt_of(chat: bool, body: &Value) -> Result<String, String> {
             Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
                 Ok(a[0].as_str().unwrap_or_default().to_string())
             }
-            _ => Err("prompt must be a string".into()),
+            _ => Err(bad("prompt must be a string")),
         }
     }
 }
@@ -383,7 +408,13 @@ impl Server {
         }
         let prompt = match prompt_of(chat, &body) {
             Ok(p) => p,
-            Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_request_error", &e),
+            Err(e) => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_request_error",
+                    &e.to_string(),
+                )
+            }
         };
         let max_tokens = body
             .get("max_tokens")
@@ -415,7 +446,11 @@ impl Server {
                                   "total_tokens": g.prompt_tokens.saturating_add(g.completion_tokens)},
                     }),
                 ),
-                Ok(Err(e)) => error(StatusCode::BAD_REQUEST, "invalid_request_error", &e),
+                Ok(Err(e)) => error(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_request_error",
+                    &e.to_string(),
+                ),
                 Err(e) => error(
                     StatusCode::INTERNAL_SERVER_ERROR,
                     "server_error",
@@ -444,7 +479,7 @@ impl Server {
                 Ok(_) => chunk("", Some("length")),
                 Err(e) => Bytes::from(format!(
                     "data: {}\n\n",
-                    json!({"error": {"message": e, "type": "invalid_request_error"}})
+                    json!({"error": {"message": e.to_string(), "type": "invalid_request_error"}})
                 )),
             };
             let _ = tx.blocking_send(tail);
@@ -465,7 +500,7 @@ impl Server {
 }
 
 /// Loads the artifact and serves until the process is stopped.
-pub async fn serve(args: Args) -> Result<(), String> {
+pub async fn serve(args: Args) -> Result<(), StandinError> {
     let engine = Engine::load(&args.model)?;
     let served_name = args
         .served_model_name
@@ -473,10 +508,10 @@ pub async fn serve(args: Args) -> Result<(), String> {
         .unwrap_or_else(|| args.model.display().to_string());
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()
-        .map_err(|e| format!("--host/--port: {e}"))?;
+        .map_err(StandinError::Address)?;
     let listener = tokio::net::TcpListener::bind(addr)
         .await
-        .map_err(|e| format!("bind {addr}: {e}"))?;
+        .map_err(|source| StandinError::Bind { addr, source })?;
     eprintln!(
         "{}",
         json!({"event": "standin_ready", "model": served_name, "dir": args.model, "listen": addr.to_string(),
@@ -515,7 +550,8 @@ mod tests {
     use super::*;
 
     fn args(s: &str) -> Result<Args, String> {
-        parse_args(s.split_whitespace().map(String::from))
+        // The messages, for the assertions below.
+        parse_args(s.split_whitespace().map(String::from)).map_err(|e| e.to_string())
     }
 
     #[test]
@@ -611,7 +647,7 @@ mod tests {
         let n = b.len() - 1;
         b[n] ^= 0xff;
         std::fs::write(&shard, b).expect("write");
-        let msg = Engine::load(&out).err().expect("refused");
+        let msg = Engine::load(&out).err().expect("refused").to_string();
         assert!(msg.contains(".save-complete"), "{msg}");
     }
 }

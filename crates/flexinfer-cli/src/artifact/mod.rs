@@ -42,16 +42,16 @@ pub struct Report {
 }
 
 impl Report {
-    fn defect(&mut self, check: &'static str, message: impl Into<String>) {
+    fn defect(&mut self, check: &'static str, message: impl std::fmt::Display) {
         self.defects.push(Finding {
             check,
-            message: message.into(),
+            message: message.to_string(),
         });
     }
-    fn warn(&mut self, check: &'static str, message: impl Into<String>) {
+    fn warn(&mut self, check: &'static str, message: impl std::fmt::Display) {
         self.warnings.push(Finding {
             check,
-            message: message.into(),
+            message: message.to_string(),
         });
     }
 
@@ -108,13 +108,22 @@ pub fn validate_vllm_gptq(dir: &Path, opts: &Options) -> Report {
     r
 }
 
+/// Flags the validator cannot run with.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum UsageError {
+    #[error("--layout {0}: only vllm-gptq is supported")]
+    Layout(String),
+    #[error("--path {}: not a directory", .0.display())]
+    NotADirectory(std::path::PathBuf),
+}
+
 /// Entry point used by the command: validates the layout name first.
-pub fn validate(dir: &Path, layout: &str, opts: &Options) -> Result<Report, String> {
+pub fn validate(dir: &Path, layout: &str, opts: &Options) -> Result<Report, UsageError> {
     if layout != "vllm-gptq" {
-        return Err(format!("--layout {layout}: only vllm-gptq is supported"));
+        return Err(UsageError::Layout(layout.to_string()));
     }
     if !dir.is_dir() {
-        return Err(format!("--path {}: not a directory", dir.display()));
+        return Err(UsageError::NotADirectory(dir.to_path_buf()));
     }
     Ok(validate_vllm_gptq(dir, opts))
 }

@@ -245,10 +245,12 @@ fn layout_and_path_are_bad_input() {
     let dir = tempfile::tempdir().unwrap();
     assert!(validate(dir.path(), "gguf", &Options::default())
         .unwrap_err()
+        .to_string()
         .contains("--layout gguf"));
     assert!(
         validate(&dir.path().join("nope"), "vllm-gptq", &Options::default())
             .unwrap_err()
+            .to_string()
             .contains("--path")
     );
 }
@@ -597,6 +599,6 @@ fn overflowing_shapes_and_offsets_are_defects() {
         b.extend_from_slice(header.as_bytes());
         std::fs::write(dir.path().join(name), b).unwrap();
         let e = read_header(dir.path(), name).unwrap_err();
-        assert!(e.contains(name), "{e}");
+        assert!(e.to_string().contains(name), "{e}");
     }
 }

@@ -93,15 +93,24 @@ fn check_path(source: &str, path: &str) -> Result<(), SourceError> {
     Ok(())
 }
 
+/// A path character outside the safe alphabet of [`check_chars`].
+#[derive(Debug, thiserror::Error)]
+#[error("path {path:?} contains {c:?} (allowed: letters, digits, ._-/+@=)")]
+struct UnsafeChar {
+    path: String,
+    c: char,
+}
+
 /// Artifact paths end up in mounts and (quoted) shell arguments: keep them to a safe alphabet.
-fn check_chars(path: &str) -> Result<(), String> {
+fn check_chars(path: &str) -> Result<(), UnsafeChar> {
     match path
         .chars()
         .find(|c| !(c.is_ascii_alphanumeric() || "._-/+@=".contains(*c)))
     {
-        Some(c) => Err(format!(
-            "path {path:?} contains {c:?} (allowed: letters, digits, ._-/+@=)"
-        )),
+        Some(c) => Err(UnsafeChar {
+            path: path.to_string(),
+            c,
+        }),
         None => Ok(()),
     }
 }
@@ -118,9 +127,10 @@ pub fn parse_cache_path(path: &str) -> Result<(String, String), SourceError> {
             "ModelCache status.path {path:?}: {claim:?} is not a valid PersistentVolumeClaim name"
         )));
     }
-    check_relative_path(subdir)
-        .and_then(|()| check_chars(subdir))
-        .map_err(|e| SourceError(format!("ModelCache status.path {path:?}: {e}")))?;
+    let bad =
+        |e: &dyn std::fmt::Display| SourceError(format!("ModelCache status.path {path:?}: {e}"));
+    check_relative_path(subdir).map_err(|e| bad(&e))?;
+    check_chars(subdir).map_err(|e| bad(&e))?;
     Ok((claim.to_string(), subdir.trim_end_matches('/').to_string()))
 }
 

@@ -39,9 +39,9 @@ pub(super) fn advance(cx: &mut Ctx<'_>, phases: &[JobPhase], observed: &Observed
         let target = jobs::resolve_target(cx.mc, phase, &observed.profiles, cx.config);
         let image = match &target.image {
             Ok(img) => img.clone(),
-            Err(msg) => {
+            Err(e) => {
                 all_done = false;
-                cx.fail_config(reasons::IMAGE_NOT_CONFIGURED, msg, Some(phase));
+                cx.fail_config(reasons::IMAGE_NOT_CONFIGURED, &e.to_string(), Some(phase));
                 break;
             }
         };

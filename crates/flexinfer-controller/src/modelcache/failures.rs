@@ -3,6 +3,7 @@
 use flexinfer_api::contract::{FailureReason, TerminationMessage};
 
 use super::observe::{JobState, ObservedJob};
+use super::plan::LogTail;
 
 /// Remove secrets from text that goes into status, events or logs: Hugging Face tokens,
 /// bearer tokens, and `key=value` / `key: value` pairs whose key names a credential.
@@ -114,7 +115,7 @@ pub(super) fn is_image_pull_failure(reason: &str) -> bool {
 }
 
 /// Human failure text: termination message, else the log tail, else the Job condition message.
-pub(super) fn failure_text(j: &ObservedJob, log_tail: Option<&Result<String, String>>) -> String {
+pub(super) fn failure_text(j: &ObservedJob, log_tail: Option<&LogTail>) -> String {
     let pod = j.pod.as_ref();
     let from_term =
         pod.and_then(|p| p.termination_message.as_deref()).map(
@@ -132,7 +133,7 @@ pub(super) fn failure_text(j: &ObservedJob, log_tail: Option<&Result<String, Str
         );
     let text = from_term
         .or_else(|| match log_tail {
-            Some(Ok(t)) if !t.trim().is_empty() => Some(last_lines(t, 10)),
+            Some(LogTail::Read(t)) if !t.trim().is_empty() => Some(last_lines(t, 10)),
             _ => None,
         })
         .or_else(|| pod.and_then(|p| p.waiting_message.clone()))

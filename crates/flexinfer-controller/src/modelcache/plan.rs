@@ -38,13 +38,21 @@ pub struct Observed {
     pub pvc_exists: bool,
     /// GPUProfiles visible to the cache.
     pub profiles: Vec<GPUProfile>,
-    /// Bounded tail of the active Job's pod log: `None` = not read, `Some(Err)` = read failed.
-    pub log_tail: Option<Result<String, String>>,
+    /// Bounded tail of the active Job's pod log: `None` = not read.
+    pub log_tail: Option<LogTail>,
     /// Directories on this cache's claim that Models serve (from their `status.servedPath`): kept by
     /// generation garbage collection.
     pub served_dirs: Vec<String>,
     /// Other ModelCaches of the namespace that use the same claim.
     pub claim_peers: Vec<ClaimPeer>,
+}
+
+/// The pod log tail as the reconciler read it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LogTail {
+    Read(String),
+    /// The read failed (the reconciler logs why): progress keeps its last trustworthy value.
+    Unreadable,
 }
 
 /// Another cache on the same PersistentVolumeClaim.

@@ -29,7 +29,7 @@ use super::observe::{
     is_older_peer, log_read_due, needs_pods, needs_profiles, observe_job, pvc_known_to_exist,
     served_dir_on, wants_log_tail, JobState,
 };
-use super::plan::{plan, Action, ClaimPeer, Observed, Plan};
+use super::plan::{plan, Action, ClaimPeer, LogTail, Observed, Plan};
 use super::series::{forget_deleted_caches, update_metrics};
 use crate::kube_client::api_in;
 use crate::metrics::Metrics;
@@ -250,8 +250,13 @@ async fn observe_jobs(
                         tail_lines: Some(400),
                         ..Default::default()
                     };
-                    observed.log_tail =
-                        Some(pod_api.logs(&p.name, &lp).await.map_err(|e| e.to_string()));
+                    observed.log_tail = Some(match pod_api.logs(&p.name, &lp).await {
+                        Ok(text) => LogTail::Read(text),
+                        Err(e) => {
+                            debug!(pod = %p.name, error = %e, "cannot read the pod log tail");
+                            LogTail::Unreadable
+                        }
+                    });
                 }
             }
         }

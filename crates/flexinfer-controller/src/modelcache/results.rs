@@ -18,7 +18,7 @@ use super::phase::{
     complete_reason, failed_reason, get_common, phase_from_status_name, reset_retries,
     running_phase, secs_between, set_common, ts_add,
 };
-use super::plan::{Action, Observed};
+use super::plan::{Action, LogTail, Observed};
 
 fn rel_output_dir(raw: &str) -> Option<String> {
     let p = raw
@@ -360,7 +360,7 @@ pub(super) fn update_progress(
     let elapsed = secs_between(job.started, now).max(0);
     cx.outcome.running = Some((phase, deadline, elapsed));
     let telemetry = match &observed.log_tail {
-        Some(Ok(text)) => contract::latest_progress(text).filter(|(_, p)| {
+        Some(LogTail::Read(text)) => contract::latest_progress(text).filter(|(_, p)| {
             p.phase
                 .as_deref()
                 .is_none_or(|ph| ph == phase.status_name() || ph == phase.as_str())

@@ -107,7 +107,28 @@ pub struct PhaseTarget {
     /// toleration (`dedicated=gpu:NoSchedule`), whatever their phase.
     pub gpu_pinned: bool,
     /// Resolved image; `Err` names what to configure.
-    pub image: Result<String, String>,
+    pub image: Result<String, ImageError>,
+}
+
+/// No image is configured for a phase; the text (the `ImageNotConfigured` condition message)
+/// names what to set.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ImageError {
+    #[error(
+        "no worker image: set {} on the controller",
+        env::controller::WORKER_IMAGE
+    )]
+    NoWorkerImage,
+    #[error(
+        "no {format} quantizer image for arch {}: set GPUProfile spec.quantization.images.{format}, {} or {}",
+        .arch.as_deref().unwrap_or("<none>"),
+        env::controller::QUANTIZER_GPTQ_IMAGE,
+        env::controller::quantizer_format_image(.format)
+    )]
+    NoQuantizerImage {
+        format: &'static str,
+        arch: Option<String>,
+    },
 }
 
 /// Resolve profile, arch, node selector and image of one phase (first hit wins: GPUProfile images, controller env, chart value).
@@ -161,15 +182,8 @@ fn resolve_image(
     profile: Option<&GPUProfile>,
     arch: Option<&str>,
     config: &Config,
-) -> Result<String, String> {
-    let worker = || {
-        config.worker_image.clone().ok_or_else(|| {
-            format!(
-                "no worker image: set {} on the controller",
-                env::controller::WORKER_IMAGE
-            )
-        })
-    };
+) -> Result<String, ImageError> {
+    let worker = || config.worker_image.clone().ok_or(ImageError::NoWorkerImage);
     let format = match phase {
         JobPhase::Download | JobPhase::Publish => return worker(),
         JobPhase::Abliterate if !uses_gpu(mc, phase) => return worker(),
@@ -216,12 +230,10 @@ fn resolve_image(
             return Ok(i);
         }
     }
-    Err(format!(
-        "no {fname} quantizer image for arch {}: set GPUProfile spec.quantization.images.{fname}, {} or {}",
-        arch.unwrap_or("<none>"),
-        env::controller::QUANTIZER_GPTQ_IMAGE,
-        env::controller::quantizer_format_image(fname)
-    ))
+    Err(ImageError::NoQuantizerImage {
+        format: fname,
+        arch: arch.map(str::to_string),
+    })
 }
 
 /// JSON with object keys sorted at every level (serde_json's default map is ordered, but the

@@ -16,6 +16,29 @@ use serde_json::json;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+/// Why the cached layers cannot be resumed from (the text is the resume-fallback event's reason).
+#[derive(Debug, thiserror::Error)]
+enum StaleLayer {
+    #[error("cached layers are not a prefix (entry {entry} is layer {layer})")]
+    NotAPrefix { entry: usize, layer: usize },
+    #[error("{path} missing")]
+    Missing {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path} has size {size}, manifest says {recorded}")]
+    Size {
+        path: String,
+        size: u64,
+        recorded: u64,
+    },
+    #[error(transparent)]
+    Unreadable(#[from] Box<QuantError>),
+    #[error("{0} sha256 mismatch (corrupted)")]
+    Corrupted(String),
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct LayerEntry {
     pub layer_idx: usize,
@@ -111,7 +134,7 @@ impl LayerCache {
                     }
                     Ok(m) => match cache.verify_layers(&m) {
                         Ok(()) => Ok(m),
-                        Err(reason) => Err((reason, true)),
+                        Err(reason) => Err((reason.to_string(), true)),
                     },
                 }
             };
@@ -150,27 +173,32 @@ impl LayerCache {
         Ok(cache)
     }
 
-    fn verify_layers(&self, m: &Manifest) -> std::result::Result<(), String> {
+    fn verify_layers(&self, m: &Manifest) -> std::result::Result<(), StaleLayer> {
         for (i, l) in m.layers.iter().enumerate() {
             if l.layer_idx != i {
-                return Err(format!(
-                    "cached layers are not a prefix (entry {i} is layer {})",
-                    l.layer_idx
-                ));
+                return Err(StaleLayer::NotAPrefix {
+                    entry: i,
+                    layer: l.layer_idx,
+                });
             }
             let p = self.layers_dir().join(&l.path);
-            let size = std::fs::metadata(&p)
-                .map(|m| m.len())
-                .map_err(|_| format!("{} missing", l.path))?;
+            let size =
+                std::fs::metadata(&p)
+                    .map(|m| m.len())
+                    .map_err(|source| StaleLayer::Missing {
+                        path: l.path.clone(),
+                        source,
+                    })?;
             if size != l.size_bytes {
-                return Err(format!(
-                    "{} has size {size}, manifest says {}",
-                    l.path, l.size_bytes
-                ));
+                return Err(StaleLayer::Size {
+                    path: l.path.clone(),
+                    size,
+                    recorded: l.size_bytes,
+                });
             }
-            let sha = sha256_file(&p).map_err(|e| e.to_string())?;
+            let sha = sha256_file(&p).map_err(Box::new)?;
             if sha != l.sha256 {
-                return Err(format!("{} sha256 mismatch (corrupted)", l.path));
+                return Err(StaleLayer::Corrupted(l.path.clone()));
             }
         }
         Ok(())

@@ -318,6 +318,31 @@ impl TensorStore {
     }
 }
 
+/// Why a safetensors header is refused.
+#[derive(Debug, thiserror::Error)]
+pub enum HeaderError {
+    #[error("{0:?} (the file may be truncated or not a safetensors file)")]
+    Unreadable(#[source] safetensors::SafeTensorError),
+    #[error("header length {0} overflows")]
+    LengthOverflow(usize),
+    #[error("tensor {tensor}: data_offsets {start}..{end} lie outside the file")]
+    OutsideFile {
+        tensor: String,
+        start: usize,
+        end: usize,
+    },
+    #[error("tensor {tensor}: shape {shape:?} overflows")]
+    ShapeOverflow { tensor: String, shape: Vec<usize> },
+    #[error("tensor {tensor}: shape {shape:?} × {dtype:?} needs {needs} bytes, data_offsets span {span}")]
+    Span {
+        tensor: String,
+        shape: Vec<usize>,
+        dtype: Dtype,
+        needs: usize,
+        span: usize,
+    },
+}
+
 /// The tensors of one safetensors file (`bytes` is the whole file, `file` its index in the store):
 /// the header length and JSON are bounded and validated by the safetensors crate (offsets
 /// contiguous, `shape × dtype size` equal to the byte span, data inside the file), and every
@@ -325,16 +350,17 @@ impl TensorStore {
 pub fn parse_header(
     bytes: &[u8],
     file: usize,
-) -> std::result::Result<Vec<(String, TensorEntry)>, String> {
-    let (n, meta) = SafeTensors::read_metadata(bytes)
-        .map_err(|e| format!("{e:?} (the file may be truncated or not a safetensors file)"))?;
-    let base = n
-        .checked_add(8)
-        .ok_or_else(|| format!("header length {n} overflows"))?;
+) -> std::result::Result<Vec<(String, TensorEntry)>, HeaderError> {
+    let (n, meta) = SafeTensors::read_metadata(bytes).map_err(HeaderError::Unreadable)?;
+    let base = n.checked_add(8).ok_or(HeaderError::LengthOverflow(n))?;
     let mut out = Vec::new();
     for (name, info) in meta.tensors() {
         let (s, e) = info.data_offsets;
-        let bad = || format!("tensor {name}: data_offsets {s}..{e} lie outside the file");
+        let bad = || HeaderError::OutsideFile {
+            tensor: name.clone(),
+            start: s,
+            end: e,
+        };
         let start = base.checked_add(s).ok_or_else(bad)?;
         let end = base.checked_add(e).ok_or_else(bad)?;
         if start > end || end > bytes.len() {
@@ -346,14 +372,20 @@ pub fn parse_header(
             .try_fold(1usize, |a, &d| a.checked_mul(d))
             .and_then(|n| n.checked_mul(info.dtype.bitsize()))
             .map(|bits| bits.div_ceil(8))
-            .ok_or_else(|| format!("tensor {name}: shape {:?} overflows", info.shape))?;
+            .ok_or_else(|| HeaderError::ShapeOverflow {
+                tensor: name.clone(),
+                shape: info.shape.clone(),
+            })?;
         // start <= end was checked above.
         let span = end.saturating_sub(start);
         if numel != span {
-            return Err(format!(
-                "tensor {name}: shape {:?} × {:?} needs {numel} bytes, data_offsets span {span}",
-                info.shape, info.dtype,
-            ));
+            return Err(HeaderError::Span {
+                tensor: name.clone(),
+                shape: info.shape.clone(),
+                dtype: info.dtype,
+                needs: numel,
+                span,
+            });
         }
         out.push((
             name.clone(),

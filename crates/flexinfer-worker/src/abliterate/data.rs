@@ -10,7 +10,7 @@ use flexinfer_quant::calib::{load_samples, CalibSettings};
 use flexinfer_quant::model::dataset;
 use serde_json::Value;
 
-use crate::common::WorkerError;
+use crate::common::{ExitKind, WorkerError};
 
 /// Fields tried, in order, for a prompt in a JSON record or a CSV header.
 pub const PROMPT_FIELDS: &[&str] = dataset::PROMPTS.fields;
@@ -24,7 +24,7 @@ fn bad(m: String) -> WorkerError {
 /// plain text with one prompt per line; read by the engine's dataset reader with its
 /// [`dataset::PROMPTS`] rules (formats in [`flexinfer_quant::model::dataset`]).
 pub fn read_prompts(path: &Path, max: usize) -> Result<Vec<String>, WorkerError> {
-    dataset::read_texts(path, max, &dataset::PROMPTS).map_err(|e| bad(e.to_string()))
+    dataset::read_texts(path, max, &dataset::PROMPTS).map_err(WorkerError::wrap(ExitKind::BadInput))
 }
 
 /// Chat formats recognized in a tokenizer's `chat_template`.
@@ -139,8 +139,10 @@ fn tokenize(
     max_seq_len: usize,
     keep_end: bool,
 ) -> Result<Vec<Vec<u32>>, WorkerError> {
-    let dir = tempfile::tempdir()
-        .map_err(|e| WorkerError::Other(format!("cannot create a temporary directory: {e}")))?;
+    let dir = tempfile::tempdir().map_err(WorkerError::io(
+        ExitKind::Failure,
+        "cannot create a temporary directory",
+    ))?;
     let path = dir.path().join("prompts.jsonl");
     let mut f = std::fs::File::create(&path).map_err(|e| super::io_err(&path, e))?;
     for t in texts {

@@ -13,7 +13,7 @@ use flexinfer_quant::tensors::TensorStore;
 
 use super::edit::Layout;
 use super::quant_err;
-use crate::common::WorkerError;
+use crate::common::{ExitKind, WorkerError};
 
 /// The model as the forward sees it.
 #[derive(Debug, Clone)]
@@ -28,11 +28,12 @@ impl Arch {
     /// Loads `config.json`; anything but a full-precision supported architecture is refused.
     pub fn load(model_dir: &Path, layout: &Layout) -> Result<Self, WorkerError> {
         let raw = super::output::read_config(model_dir)?;
-        let cfg = ModelConfig::from_json(raw).map_err(|e| {
-            WorkerError::BadInput(format!(
-                "estimating the refusal direction needs the engine's Llama-family forward ({SUPPORTED}): {e}"
-            ))
-        })?;
+        let cfg = ModelConfig::from_json(raw).map_err(WorkerError::caused(
+            ExitKind::BadInput,
+            format!(
+                "estimating the refusal direction needs the engine's Llama-family forward ({SUPPORTED})"
+            ),
+        ))?;
         if cfg.gdn.is_some() {
             // The engine runs the gated delta-net forward (calibration), but the edit's mapping of
             // writers onto the forward's modules (for the perplexity gate) is not done for the

@@ -14,7 +14,7 @@ use sha2::{Digest, Sha256};
 
 use super::edit::{edited_tensor, Plan};
 use super::io_err;
-use crate::common::{self, Events, WorkerError};
+use crate::common::{self, Events, ExitKind, WorkerError};
 
 /// What the direction search and the gate measured.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -67,9 +67,14 @@ pub struct Manifest {
 pub fn read_config(model_dir: &Path) -> Result<serde_json::Value, WorkerError> {
     let p = model_dir.join("config.json");
     let text = flexinfer_fsutil::read_string_within(model_dir, "config.json", limits::CONFIG_JSON)
-        .map_err(|e| WorkerError::BadInput(format!("cannot read {}: {e}", p.display())))?;
-    serde_json::from_str(&text)
-        .map_err(|e| WorkerError::BadInput(format!("{}: invalid JSON: {e}", p.display())))
+        .map_err(WorkerError::io(
+            ExitKind::BadInput,
+            format!("cannot read {}", p.display()),
+        ))?;
+    serde_json::from_str(&text).map_err(WorkerError::json(
+        ExitKind::BadInput,
+        format!("{}: invalid JSON", p.display()),
+    ))
 }
 
 fn sha256_file(path: &Path) -> Result<String, WorkerError> {
@@ -132,8 +137,10 @@ fn read_manifest(dir: &Path) -> Option<Manifest> {
 }
 
 fn write_manifest(dir: &Path, m: &Manifest) -> Result<(), WorkerError> {
-    let bytes = serde_json::to_vec_pretty(m)
-        .map_err(|e| WorkerError::Other(format!("encoding the manifest: {e}")))?;
+    let bytes = serde_json::to_vec_pretty(m).map_err(WorkerError::json(
+        ExitKind::Failure,
+        "encoding the manifest",
+    ))?;
     let p = dir.join(files::ABLITERATION_MANIFEST);
     common::write_atomic(&p, &bytes).map_err(|e| io_err(&p, e))
 }
@@ -229,8 +236,10 @@ pub fn write_output(
     let mut written_now = 0usize;
     for (fi, src) in store.files.iter().enumerate() {
         let rel = rel_name(model_dir, src);
-        contract::check_relative_path(&rel)
-            .map_err(|e| WorkerError::BadInput(format!("weight file {}: {e}", src.display())))?;
+        contract::check_relative_path(&rel).map_err(WorkerError::caused(
+            ExitKind::BadInput,
+            format!("weight file {}", src.display()),
+        ))?;
         let done = manifest
             .shards
             .iter()
@@ -314,7 +323,7 @@ pub fn write_output(
             let bytes = flexinfer_fsutil::read_within(model_dir, &name, limits::TOKENIZER)
                 .map_err(|e| {
                     if flexinfer_fsutil::is_refused(&e) {
-                        WorkerError::BadInput(e.to_string())
+                        WorkerError::wrap(ExitKind::BadInput)(e)
                     } else {
                         io_err(&p, e)
                     }

@@ -174,9 +174,9 @@ pub async fn fetch_file(
         match res {
             Ok(streamed) => {
                 // What counts is what is on disk, not what went through the stream: re-read it.
-                let checked = match on_disk_sha256(&part, &streamed).await? {
+                let checked = match on_disk_sha256(&f.path, &part, &streamed).await? {
                     Ok(sha) => verify(f, &part, &sha).await.map(|()| sha),
-                    Err(why) => Err(format!("{}: {why}", f.path)),
+                    Err(why) => Err(why),
                 };
                 let sha = match checked {
                     Ok(sha) => sha,
@@ -228,9 +228,44 @@ pub async fn fetch_file(
     }
 }
 
+/// A downloaded file that is not what the source promised (the partial file is removed and the
+/// download retried once).
+#[derive(Debug, thiserror::Error)]
+enum VerifyError {
+    /// Another writer, or the disk, changed the file while it was written.
+    #[error("{file}: the bytes on disk differ from the bytes received (sha256 {on_disk} on disk, {streamed} received)")]
+    ChangedOnDisk {
+        file: String,
+        on_disk: String,
+        streamed: String,
+    },
+    #[error("sha256 mismatch for {file}: expected {want}, got {got}")]
+    Sha256 {
+        file: String,
+        want: String,
+        got: String,
+    },
+    #[error("git blob sha1 mismatch for {file}: expected {want}, got {got}")]
+    GitSha1 {
+        file: String,
+        want: String,
+        got: String,
+    },
+    #[error("hashing {file}: {source}")]
+    Hashing {
+        file: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
 /// The sha256 of `part` as it is on disk, once it equals the hash of the received stream; otherwise the
 /// mismatch (another writer, or the disk, changed the file) as `Ok(Err(..))`.
-async fn on_disk_sha256(part: &Path, streamed: &str) -> Result<Result<String, String>, FetchError> {
+async fn on_disk_sha256(
+    file: &str,
+    part: &Path,
+    streamed: &str,
+) -> Result<Result<String, VerifyError>, FetchError> {
     let p = part.to_path_buf();
     let on_disk = blocking(move || flexinfer_fsutil::sha256_file(&p))
         .await
@@ -238,20 +273,23 @@ async fn on_disk_sha256(part: &Path, streamed: &str) -> Result<Result<String, St
     if on_disk == streamed {
         Ok(Ok(on_disk))
     } else {
-        Ok(Err(format!(
-            "the bytes on disk differ from the bytes received (sha256 {on_disk} on disk, {streamed} received)"
-        )))
+        Ok(Err(VerifyError::ChangedOnDisk {
+            file: file.to_string(),
+            on_disk,
+            streamed: streamed.to_string(),
+        }))
     }
 }
 
 /// Check a file against what the source promised: LFS sha256, else the git blob sha1.
-async fn verify(f: &RemoteFile, path: &Path, sha256: &str) -> Result<(), String> {
+async fn verify(f: &RemoteFile, path: &Path, sha256: &str) -> Result<(), VerifyError> {
     if let Some(want) = &f.sha256 {
         if want != sha256 {
-            return Err(format!(
-                "sha256 mismatch for {}: expected {want}, got {sha256}",
-                f.path
-            ));
+            return Err(VerifyError::Sha256 {
+                file: f.path.clone(),
+                want: want.clone(),
+                got: sha256.to_string(),
+            });
         }
         return Ok(());
     }
@@ -259,12 +297,16 @@ async fn verify(f: &RemoteFile, path: &Path, sha256: &str) -> Result<(), String>
         let p = path.to_path_buf();
         let got = blocking(move || git_blob_sha1(&p))
             .await
-            .map_err(|e| format!("hashing {}: {e}", f.path))?;
+            .map_err(|source| VerifyError::Hashing {
+                file: f.path.clone(),
+                source,
+            })?;
         if *want != got {
-            return Err(format!(
-                "git blob sha1 mismatch for {}: expected {want}, got {got}",
-                f.path
-            ));
+            return Err(VerifyError::GitSha1 {
+                file: f.path.clone(),
+                want: want.clone(),
+                got,
+            });
         }
     }
     Ok(())

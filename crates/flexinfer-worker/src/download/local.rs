@@ -7,7 +7,7 @@ use std::sync::Arc;
 use flexinfer_contract::{self as contract, files, TerminationSuccess};
 
 use super::{fetch_all, is_marker, new_ctx, select, DownloadArgs, PatternFilter, RemoteFile};
-use crate::common::{Events, WorkerError};
+use crate::common::{Events, ExitKind, WorkerError};
 
 pub async fn run(
     args: &DownloadArgs,
@@ -21,20 +21,19 @@ pub async fn run(
             contract::env::controller::LOCAL_SOURCE_ROOT
         ))
     })?;
-    let root = std::fs::canonicalize(root).map_err(|e| {
-        WorkerError::BadInput(format!(
-            "local source root {} is not usable: {e}",
-            root.display()
-        ))
-    })?;
+    let root = std::fs::canonicalize(root).map_err(WorkerError::io(
+        ExitKind::BadInput,
+        format!("local source root {} is not usable", root.display()),
+    ))?;
     let candidate = if Path::new(path).is_absolute() {
         PathBuf::from(path)
     } else {
         root.join(path)
     };
-    let src = std::fs::canonicalize(&candidate).map_err(|e| {
-        WorkerError::BadInput(format!("local source {path:?} is not readable: {e}"))
-    })?;
+    let src = std::fs::canonicalize(&candidate).map_err(WorkerError::io(
+        ExitKind::BadInput,
+        format!("local source {path:?} is not readable"),
+    ))?;
     if !src.starts_with(&root) {
         return Err(WorkerError::BadInput(format!(
             "local source {path:?} resolves outside the allowed root {}",
@@ -49,9 +48,11 @@ pub async fn run(
     let filter = PatternFilter::new(&args.allow_patterns, &args.ignore_patterns)?;
     let src2 = src.clone();
     let listed = tokio::task::spawn_blocking(move || list_and_hash(&src2))
-        .await
-        .map_err(|e| WorkerError::Other(e.to_string()))?
-        .map_err(|e| WorkerError::Other(format!("reading local source {}: {e}", src.display())))?;
+        .await?
+        .map_err(WorkerError::io(
+            ExitKind::Failure,
+            format!("reading local source {}", src.display()),
+        ))?;
     let files = select(listed, &filter)?;
     let ctx = new_ctx(super::http_client(false)?, None, args.retries);
     let revision = "local".to_string();

@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use crate::common::WorkerError;
+use crate::common::{ExitKind, WorkerError};
 use crate::hf;
 use crate::oci;
 
@@ -17,17 +17,19 @@ impl Source {
     pub fn parse(s: &str) -> Result<Source, WorkerError> {
         let s = s.trim();
         let lower = s.to_ascii_lowercase();
-        let bad = |why: String| WorkerError::BadInput(format!("invalid source {s:?}: {why}"));
+        let context = || format!("invalid source {s:?}");
         for prefix in ["hf://", "huggingface://"] {
             if lower.starts_with(prefix) {
                 let repo = s[prefix.len()..].trim_matches('/').to_string();
-                hf::check_repo_id(&repo).map_err(bad)?;
+                hf::check_repo_id(&repo)
+                    .map_err(WorkerError::caused(ExitKind::BadInput, context()))?;
                 return Ok(Source::Hub { repo });
             }
         }
         if lower.starts_with("oci://") {
             let reference = s["oci://".len()..].to_string();
-            oci::Reference::parse(&reference).map_err(|e| bad(e.to_string()))?;
+            oci::Reference::parse(&reference)
+                .map_err(WorkerError::caused(ExitKind::BadInput, context()))?;
             return Ok(Source::Oci { reference });
         }
         if lower.starts_with("local://") {
@@ -36,11 +38,12 @@ impl Source {
             });
         }
         if s.contains("://") {
-            return Err(bad(
-                "unknown scheme (use HF://, huggingface://, oci:// or local://)".into(),
-            ));
+            return Err(WorkerError::BadInput(format!(
+                "{}: unknown scheme (use HF://, huggingface://, oci:// or local://)",
+                context()
+            )));
         }
-        hf::check_repo_id(s).map_err(bad)?;
+        hf::check_repo_id(s).map_err(WorkerError::caused(ExitKind::BadInput, context()))?;
         Ok(Source::Hub {
             repo: s.to_string(),
         })
@@ -86,12 +89,16 @@ fn build_globs(list: &str) -> Result<Option<globset::GlobSet>, WorkerError> {
         let g = globset::GlobBuilder::new(&p)
             .literal_separator(false)
             .build()
-            .map_err(|e| WorkerError::BadInput(format!("invalid pattern {p:?}: {e}")))?;
+            .map_err(|source| WorkerError::Pattern {
+                context: format!("invalid pattern {p:?}"),
+                source,
+            })?;
         b.add(g);
     }
-    b.build()
-        .map(Some)
-        .map_err(|e| WorkerError::BadInput(format!("invalid patterns: {e}")))
+    b.build().map(Some).map_err(|source| WorkerError::Pattern {
+        context: "invalid patterns".into(),
+        source,
+    })
 }
 
 /// A `DATASET` value that names a hub dataset (not a local file).

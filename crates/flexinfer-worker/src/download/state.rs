@@ -7,7 +7,7 @@ use flexinfer_contract::{self as contract, files, SourceIntegrity};
 
 use super::fetch::git_blob_sha1;
 use super::RemoteFile;
-use crate::common::{write_atomic, Events, WorkerError};
+use crate::common::{write_atomic, Events, ExitKind, WorkerError};
 
 /// Internal record of the source a run is fetching (so `.part` files of another source are never
 /// resumed). Not part of the controller contract.
@@ -213,8 +213,10 @@ pub fn space_error(dir: &Path, needed: u64, available: u64) -> Option<WorkerErro
 
 pub fn check_free_space(dir: &Path, remote: &[RemoteFile]) -> Result<(), WorkerError> {
     let needed = bytes_needed(dir, remote);
-    let available = available_bytes(dir)
-        .map_err(|e| WorkerError::Other(format!("cannot stat {}: {e}", dir.display())))?;
+    let available = available_bytes(dir).map_err(WorkerError::io(
+        ExitKind::Failure,
+        format!("cannot stat {}", dir.display()),
+    ))?;
     match space_error(dir, needed, available) {
         Some(e) => Err(e),
         None => Ok(()),

@@ -48,7 +48,7 @@ impl Reference {
             ));
         }
         if let Some(t) = &tag {
-            check_tag(t).map_err(|e| bad(&e))?;
+            check_tag(t).map_err(|e| bad(&e.to_string()))?;
         }
         Ok(Reference {
             registry: registry.to_string(),
@@ -72,8 +72,13 @@ impl std::fmt::Display for Reference {
     }
 }
 
+/// A tag outside the OCI tag grammar.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid tag {0:?} (allowed: [A-Za-z0-9_][A-Za-z0-9._-]{{0,127}})")]
+pub struct InvalidTag(pub String);
+
 /// OCI tag grammar `[A-Za-z0-9_][A-Za-z0-9._-]{0,127}`.
-pub fn check_tag(t: &str) -> Result<(), String> {
+pub fn check_tag(t: &str) -> Result<(), InvalidTag> {
     let ok = !t.is_empty()
         && t.len() <= 128
         && t.bytes()
@@ -84,9 +89,7 @@ pub fn check_tag(t: &str) -> Result<(), String> {
     if ok {
         Ok(())
     } else {
-        Err(format!(
-            "invalid tag {t:?} (allowed: [A-Za-z0-9_][A-Za-z0-9._-]{{0,127}})"
-        ))
+        Err(InvalidTag(t.to_string()))
     }
 }
 

@@ -256,7 +256,7 @@ fn failure_message_from_termination_message_or_log_tail_is_redacted() {
         ..Default::default()
     });
     let mut o = obs(vec![j]);
-    o.log_tail = Some(Ok(
+    o.log_tail = Some(LogTail::Read(
         "line1\nFATAL: Script version mismatch (image=v1 controller=v14) password=hunter2\n".into(),
     ));
     let p = plan(&mc, &o, &c, t(5));

@@ -13,7 +13,7 @@ use sha2::{Digest, Sha256};
 use super::config::Config;
 use super::jobs;
 use super::observe::{JobState, ObservedJob, ObservedPod};
-use super::plan::{classify_failure, plan, redact, Action, ClaimPeer, Observed, Plan};
+use super::plan::{classify_failure, plan, redact, Action, ClaimPeer, LogTail, Observed, Plan};
 
 mod failures;
 mod job_builders;
@@ -191,11 +191,7 @@ fn ready_simple() -> ModelCache {
     applied(mc, &p)
 }
 
-fn running_quantize(
-    log: Option<Result<String, String>>,
-    mc: &ModelCache,
-    now: i64,
-) -> (Plan, ObservedJob) {
+fn running_quantize(log: Option<LogTail>, mc: &ModelCache, now: i64) -> (Plan, ObservedJob) {
     let c = cfg();
     let p0 = plan(mc, &obs(vec![]), &c, t(0));
     let mut j = job_from(&p0, JobPhase::Quantize, t(0), JobState::Active);

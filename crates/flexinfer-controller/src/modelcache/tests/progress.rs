@@ -6,7 +6,7 @@ use super::*;
 fn progress_is_monotonic_and_keeps_last_value_on_log_failure() {
     let mc = downloaded();
     let log = |pct: f64| {
-        Some(Ok(format!(
+        Some(LogTail::Read(format!(
             "noise\n{{\"ts\":\"2026-01-01T00:00:00Z\",\"event\":\"progress\",\"phase\":\"quantization\",\"percent\":{pct},\"detail\":\"layer\",\"layer\":3,\"layers\":10}}\n"
         )))
     };
@@ -41,7 +41,7 @@ fn progress_is_monotonic_and_keeps_last_value_on_log_failure() {
     );
     assert!(!p.status_changed, "no change, no write");
     // Failed log read: keeps the last trustworthy value and source.
-    o.log_tail = Some(Err("connection refused".into()));
+    o.log_tail = Some(LogTail::Unreadable);
     let p = plan(&mc40, &o, &c, t(180));
     let q = p.status.quantization.clone().expect("quant");
     assert_eq!(
@@ -68,7 +68,7 @@ fn elapsed_estimate_without_telemetry_is_capped_at_99() {
     let q = p.status.quantization.clone().expect("quant");
     assert_eq!(q.progress, Some(10));
     assert_eq!(q.progress_source.as_deref(), Some("elapsed-estimate"));
-    let (p, _) = running_quantize(Some(Err("x".into())), &mc, 200_000);
+    let (p, _) = running_quantize(Some(LogTail::Unreadable), &mc, 200_000);
     assert_eq!(p.status.quantization.and_then(|q| q.progress), Some(99));
     assert_eq!(p.requeue_after, Some(Duration::from_secs(30)));
 }
