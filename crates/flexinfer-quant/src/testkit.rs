@@ -332,7 +332,7 @@ pub fn write_gemma4_model_sized(
     if global_every == 0 {
         return Err("global_every must be at least 1".into());
     }
-    let is_global = |l: usize| (l + 1) % global_every == 0;
+    let is_global = |l: usize| (l + 1).is_multiple_of(global_every);
     std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
     write_char_tokenizer(dir)?;
     let mut rng = StdRng::seed_from_u64(seed);
