@@ -2,7 +2,10 @@
 //! (`flexinfer_quant::llama` / `flexinfer_quant::moe`: Llama-family attention, dense SwiGLU or sparse-MoE MLPs
 //! of Qwen2-MoE / Qwen3-MoE / Mixtral, and Gemma 2 / 3 / 4 with their output norms, Gemma 4's experts beside
 //! the dense MLP), so abliteration and calibration run one implementation. Gemma's post-attention /
-//! post-feedforward norms are why the edit is norm-aware (`edit::attach_output_norms`).
+//! post-feedforward norms are why the edit is norm-aware (`edit::attach_output_norms`). The gated delta-net
+//! hybrids (Qwen3-Next, Qwen3.5) run the engine's linear-attention mixer in their linear layers; their
+//! writers are `linear_attn.out_proj` there (edited only with `skipGDNLayers: false`) and `self_attn.o_proj`
+//! in the full-attention layers.
 
 use std::path::Path;
 
@@ -22,7 +25,8 @@ pub struct Arch {
 }
 
 const SUPPORTED: &str = "Llama, Mistral, Qwen2/2.5/3 dense, Qwen2-MoE, Qwen3-MoE, Mixtral, \
-                         Gemma 2, Gemma 3 (text), Gemma 4 (dense, MoE, multimodal)";
+                         Gemma 2, Gemma 3 (text), Gemma 4 (dense, MoE, multimodal), \
+                         Qwen3-Next, Qwen3.5 (dense, MoE, multimodal)";
 
 impl Arch {
     /// Loads `config.json`; anything but a full-precision supported architecture is refused.
@@ -34,16 +38,6 @@ impl Arch {
                 "estimating the refusal direction needs the engine's Llama-family forward ({SUPPORTED})"
             ),
         ))?;
-        if cfg.gdn.is_some() {
-            // The engine runs the gated delta-net forward (calibration), but the edit's mapping of
-            // writers onto the forward's modules (for the perplexity gate) is not done for the
-            // linear-attention layers' `linear_attn.out_proj` nor checked against these models.
-            return Err(WorkerError::BadInput(format!(
-                "{}: abliteration does not support linear-attention hybrids (Qwen3-Next, Qwen3.5) yet; \
-                 quantize the model without an abliteration block",
-                cfg.architecture
-            )));
-        }
         if GptqReadConfig::from_config(&cfg).is_some() {
             return Err(WorkerError::BadInput(
                 "the source is a quantized (gptq) checkpoint; abliterate the full-precision model"
@@ -83,9 +77,19 @@ impl LayerModel {
             Some(m) => (m, true),
             None => (rest.strip_suffix(".weight")?, false),
         };
+        // The token mixer's linears come first (attention: q, k, v, o; linear attention: its input
+        // projections, then out_proj), then the dense MLP's gate, up, down.
+        let mixer = self.lw.mixer;
         let l = match module {
-            "self_attn.o_proj" => &mut self.lw.linears[3],
-            "mlp.down_proj" if self.lw.moe.is_none() => &mut self.lw.linears[6],
+            "self_attn.o_proj" if self.lw.gdn.is_none() => {
+                self.lw.linears.get_mut(mixer.checked_sub(1)?)?
+            }
+            "linear_attn.out_proj" if self.lw.gdn.is_some() => {
+                self.lw.linears.get_mut(mixer.checked_sub(1)?)?
+            }
+            "mlp.down_proj" if self.lw.moe.is_none() => {
+                self.lw.linears.get_mut(mixer.checked_add(2)?)?
+            }
             // Gemma 4 MoE: the dense MLP beside the experts is the layer's always-on (shared) unit.
             "mlp.down_proj" if self.lw.moe.as_ref()?.gemma4.is_some() => {
                 &mut self.lw.moe.as_mut()?.shared.as_mut()?.down
@@ -101,10 +105,11 @@ impl LayerModel {
 mod tests {
     use super::*;
 
-    /// The gated delta-net hybrids (the engine's oracle fixtures) are refused with a bad-input
-    /// error naming them, before anything is loaded or written.
+    /// The gated delta-net hybrids (the engine's oracle fixtures) load, and every residual writer the
+    /// edit plans (full attention's o_proj, linear attention's out_proj, the dense or shared-expert
+    /// down_proj) is found in the forward's layer with the tensor's shape.
     #[test]
-    fn hybrid_models_are_refused_as_bad_input() {
+    fn hybrid_writers_map_onto_the_forward() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/oracle");
         for fam in ["qwen3_next", "qwen3_5", "qwen3_5_moe_mm"] {
             let dir = root.join(fam);
@@ -112,13 +117,49 @@ mod tests {
             let raw =
                 super::super::output::read_config(&dir).unwrap_or_else(|e| panic!("{fam}: {e}"));
             let layout = Layout::from_model(&store, &raw).unwrap_or_else(|e| panic!("{fam}: {e}"));
-            match Arch::load(&dir, &layout) {
-                Err(WorkerError::BadInput(m)) => {
-                    assert!(m.contains("linear-attention hybrids"), "{fam}: {m}")
+            let arch = Arch::load(&dir, &layout).unwrap_or_else(|e| panic!("{fam}: {e}"));
+            let (mut attn, mut linear) = (0, 0);
+            for layer in 0..arch.cfg.num_layers {
+                let mut lm =
+                    LayerModel::load(&store, &arch, layer).unwrap_or_else(|e| panic!("{e}"));
+                let prefix = arch.cfg.layer_prefix(layer);
+                for (name, shape) in &layout.shapes {
+                    let Some(rest) = name.strip_prefix(&prefix) else {
+                        continue;
+                    };
+                    let writer = ["self_attn.o_proj.weight", "linear_attn.out_proj.weight"]
+                        .contains(&rest)
+                        || rest == "mlp.down_proj.weight"
+                        || rest == "mlp.shared_expert.down_proj.weight";
+                    if !writer {
+                        continue;
+                    }
+                    let (lin, bias) = lm
+                        .linear_mut(rest)
+                        .unwrap_or_else(|| panic!("{fam}: {name} has no linear in the forward"));
+                    assert!(!bias);
+                    assert_eq!(vec![lin.w.nrows(), lin.w.ncols()], *shape, "{fam}: {name}");
+                    match rest {
+                        "self_attn.o_proj.weight" => attn += 1,
+                        "linear_attn.out_proj.weight" => linear += 1,
+                        _ => {}
+                    }
                 }
-                Err(e) => panic!("{fam}: {e}"),
-                Ok(_) => panic!("{fam}: accepted"),
+                // A module of the other kind of mixer is not found in this layer.
+                let other = if lm.lw.gdn.is_some() {
+                    "self_attn.o_proj.weight"
+                } else {
+                    "linear_attn.out_proj.weight"
+                };
+                assert!(
+                    lm.linear_mut(other).is_none(),
+                    "{fam}: layer {layer} {other}"
+                );
             }
+            assert!(
+                attn > 0 && linear > 0,
+                "{fam}: {attn} attention, {linear} linear"
+            );
         }
     }
 }
