@@ -71,9 +71,6 @@ pub const DOCKER_CONFIG_JSON: &str = "DOCKER_CONFIG_JSON";
 pub const TERMINATION_LOG: &str = "FLEXINFER_TERMINATION_LOG";
 /// Pipeline phase the Job runs (`download`, `abliterate`, `quantize`, `publish`).
 pub const PHASE: &str = "FLEXINFER_PHASE";
-/// AMD allocator setting injected into AMD GPU Jobs (not gfx906).
-pub const PYTORCH_HIP_ALLOC_CONF: &str = "PYTORCH_HIP_ALLOC_CONF";
-pub const PYTORCH_HIP_ALLOC_CONF_VALUE: &str = "expandable_segments:True";
 
 /// The `GPTQ_*` tunables with their defaults, in the order the controller emits them.
 /// The controller overrides each cluster-wide from its own env `FLEXINFER_<NAME>`.

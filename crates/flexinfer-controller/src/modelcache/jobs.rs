@@ -4,7 +4,6 @@
 use std::collections::BTreeMap;
 
 use flexinfer_api::contract::{self, annotations, env, exit_codes, labels, JobPhase};
-use flexinfer_api::gpuprofile::GpuVendor;
 use flexinfer_api::modelcache::{defaults, ModelCache, ModelCacheStatus};
 use k8s_openapi::api::batch::v1::{
     Job, JobSpec, PodFailurePolicy, PodFailurePolicyOnExitCodesRequirement, PodFailurePolicyRule,
@@ -361,19 +360,10 @@ fn worker_env(
             }
         }
     }
+    // No PyTorch runs in the worker, so no allocator settings of PyTorch's (the seeds'
+    // `PYTORCH_HIP_ALLOC_CONF`) are injected; the device memory budget is `GPU_VRAM_MB` and
+    // `GPU_MEMORY_FRACTION` above.
     if t.gpu {
-        let amd = t
-            .profile
-            .as_ref()
-            .map(|p| p.spec.vendor == GpuVendor::Amd)
-            .unwrap_or(false)
-            || t.arch.as_deref().is_some_and(|a| a.starts_with("gfx"));
-        if amd && t.arch.as_deref() != Some("gfx906") {
-            e.push(ev(
-                env::PYTORCH_HIP_ALLOC_CONF,
-                env::PYTORCH_HIP_ALLOC_CONF_VALUE,
-            ));
-        }
         if let Some(p) = &t.profile {
             for pe in &p.spec.env {
                 // Profile env may override defaults above (same name wins last).
