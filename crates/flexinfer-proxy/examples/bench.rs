@@ -6,10 +6,15 @@
 //!    on kept-alive connections → p50 / p99 of each and their difference;
 //! 2. streaming throughput: `STREAMS` concurrent SSE streams of `EVENTS` events each, direct then via
 //!    the proxy, `ROUNDS` times alternating → events per second and the ratio;
-//! 3. the proxy process's CPU time (from /proc) per phase and its peak RSS (VmHWM).
+//! 3. paced streaming: the same streams with the backend emitting one event every `PACE_MS`
+//!    milliseconds (a model decoding at 1000 / PACE_MS tokens per second per stream), direct then
+//!    via the proxy → wall time, events per second and the ratio: whether the proxy keeps up with
+//!    a realistic aggregate token rate, where (2) measures the saturated machine;
+//! 4. the proxy process's CPU time (from /proc) per phase and its peak RSS (VmHWM).
 //!
 //! Env: KUBECONFIG (the cluster), PROXY_BIN (the binary), BENCH_HOST_IP (a non-loopback address
-//! of this host for the EndpointSlice), LAT_N (2000), STREAMS (500), EVENTS (200), ROUNDS (2).
+//! of this host for the EndpointSlice), LAT_N (2000), STREAMS (500), EVENTS (200), ROUNDS (2),
+//! PACE_MS (20; 0 skips the paced phase).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::convert::Infallible;
@@ -36,23 +41,48 @@ fn env_or(k: &str, d: usize) -> usize {
         .unwrap_or(d)
 }
 
+/// Microseconds since the first call (the backend and the client are this one process).
+fn now_us() -> u64 {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_micros() as u64
+}
+
+/// The `"t":` send time of one event, if it has one.
+fn sent_us(event: &[u8]) -> Option<u64> {
+    let at = event.windows(4).position(|w| w == b"\"t\":")? + 4;
+    let digits: Vec<u8> = event[at..]
+        .iter()
+        .copied()
+        .take_while(u8::is_ascii_digit)
+        .collect();
+    std::str::from_utf8(&digits).ok()?.parse().ok()
+}
+
 async fn backend(req: Request<Incoming>) -> Response<BoxBody> {
     let body = req.into_body().collect().await.unwrap().to_bytes();
     let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     if v["stream"] == true {
         let n = v["max_tokens"].as_u64().unwrap_or(10) as usize;
-        let s = futures::stream::iter((0..=n).map(move |i| {
+        // `pace_ms` (a field of this benchmark only): the time between two events, like a model
+        // decoding at 1000 / pace_ms tokens per second; 0: as fast as the machine allows.
+        let pace = Duration::from_millis(v["pace_ms"].as_u64().unwrap_or(0));
+        // Paced events carry the time they were sent (`"t"`, µs on this process's clock, which the
+        // client shares), so the client measures each event's delivery latency.
+        let s = futures::stream::iter(0..=n).then(move |i| async move {
+            if pace.is_zero() {
+                tokio::task::yield_now().await;
+            } else {
+                tokio::time::sleep(pace).await;
+            }
             let text = if i == n {
                 "data: [DONE]\n\n".to_string()
-            } else {
+            } else if pace.is_zero() {
                 format!("data: {{\"object\":\"chat.completion.chunk\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"tok{i}\"}}}}]}}\n\n")
+            } else {
+                format!("data: {{\"object\":\"chat.completion.chunk\",\"t\":{},\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"tok{i}\"}}}}]}}\n\n", now_us())
             };
+            // One event per poll, like a token stream (not one write of everything).
             Ok::<_, Infallible>(Frame::data(Bytes::from(text)))
-        }))
-        // One event per poll, like a token stream (not one write of everything).
-        .then(|f| async move {
-            tokio::task::yield_now().await;
-            f
         });
         let mut r = Response::new(StreamBody::new(s).boxed_unsync());
         r.headers_mut()
@@ -130,8 +160,9 @@ async fn one_request(c: &reqwest::Client, url: &str) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
 
-/// `streams` concurrent SSE streams of `events` events; returns (seconds, events received).
-async fn streams(url: &str, streams: usize, events: usize) -> (f64, usize) {
+/// `streams` concurrent SSE streams of `events` events; returns (seconds, events received, delivery
+/// latencies in ms of the events that carry their send time).
+async fn streams(url: &str, streams: usize, events: usize, pace_ms: u64) -> (f64, usize, Vec<f64>) {
     let c = reqwest::Client::builder()
         .pool_max_idle_per_host(streams)
         .build()
@@ -143,30 +174,39 @@ async fn streams(url: &str, streams: usize, events: usize) -> (f64, usize) {
             tokio::spawn(async move {
                 let r = c
                     .post(format!("{url}/v1/chat/completions"))
-                    .json(&json!({"model": "bench", "stream": true, "max_tokens": events, "messages": []}))
+                    .json(&json!({"model": "bench", "stream": true, "max_tokens": events, "pace_ms": pace_ms, "messages": []}))
                     .send()
                     .await
                     .unwrap();
                 assert_eq!(r.status(), 200);
                 let mut body = r.bytes_stream();
-                // Count event markers across chunk boundaries (a TCP read may split one).
-                let mut n = 0usize;
+                // Whole events (a TCP read may split one or carry several).
+                let (mut n, mut lat) = (0usize, Vec::new());
                 let mut carry: Vec<u8> = Vec::new();
                 while let Some(chunk) = body.next().await {
                     carry.extend_from_slice(&chunk.unwrap());
-                    n += carry.windows(6).filter(|w| w == b"data: ").count();
-                    let keep = carry.len().saturating_sub(5);
-                    carry.drain(..keep);
+                    let arrived = now_us();
+                    while let Some(end) = carry.windows(2).position(|w| w == b"\n\n") {
+                        let ev: Vec<u8> = carry.drain(..end + 2).collect();
+                        if ev.starts_with(b"data: ") {
+                            n += 1;
+                            if let Some(sent) = sent_us(&ev) {
+                                lat.push(arrived.saturating_sub(sent) as f64 / 1e3);
+                            }
+                        }
+                    }
                 }
-                n
+                (n, lat)
             })
         })
         .collect();
-    let mut total = 0;
+    let (mut total, mut lat) = (0, Vec::new());
     for t in tasks {
-        total += t.await.unwrap();
+        let (n, l) = t.await.unwrap();
+        total += n;
+        lat.extend(l);
     }
-    (t.elapsed().as_secs_f64(), total)
+    (t.elapsed().as_secs_f64(), total, lat)
 }
 
 #[tokio::main]
@@ -175,6 +215,7 @@ async fn main() {
     let n_streams = env_or("STREAMS", 500);
     let events = env_or("EVENTS", 200);
     let rounds = env_or("ROUNDS", 2);
+    let pace_ms = env_or("PACE_MS", 20) as u64;
     let ip: std::net::IpAddr = std::env::var("BENCH_HOST_IP")
         .expect("BENCH_HOST_IP")
         .parse()
@@ -275,9 +316,9 @@ async fn main() {
     let mut rows = Vec::new();
     let mut cpu_streams = 0.0;
     for r in 0..rounds {
-        let (ds, dn) = streams(&direct, n_streams, events).await;
+        let (ds, dn, _) = streams(&direct, n_streams, events, 0).await;
         let c0 = proc_stats(pid).0;
-        let (ps, pn) = streams(&proxy, n_streams, events).await;
+        let (ps, pn, _) = streams(&proxy, n_streams, events, 0).await;
         cpu_streams += proc_stats(pid).0 - c0;
         let want = n_streams * (events + 1);
         assert_eq!(
@@ -286,6 +327,27 @@ async fn main() {
             "every event of every stream arrived"
         );
         rows.push((r + 1, ds, ps, dn as f64 / ds, pn as f64 / ps));
+    }
+    // 3. Paced streams, direct then via the proxy.
+    let mut paced = None;
+    if pace_ms > 0 {
+        let (ds, dn, mut dl) = streams(&direct, n_streams, events, pace_ms).await;
+        let c0 = proc_stats(pid).0;
+        let (ps, pn, mut pl) = streams(&proxy, n_streams, events, pace_ms).await;
+        let cpu = proc_stats(pid).0 - c0;
+        let want = n_streams * (events + 1);
+        assert_eq!((dn, pn), (want, want), "every paced event arrived");
+        assert_eq!(
+            (dl.len(), pl.len()),
+            (n_streams * events, n_streams * events)
+        );
+        let lat = (
+            pct(&mut dl, 0.5),
+            pct(&mut dl, 0.99),
+            pct(&mut pl, 0.5),
+            pct(&mut pl, 0.99),
+        );
+        paced = Some((ds, ps, dn as f64 / ds, pn as f64 / ps, cpu, lat));
     }
     let (_, hwm, rss) = proc_stats(pid);
 
@@ -304,6 +366,20 @@ async fn main() {
         println!(
             "| round {r}: {n_streams} streams wall time (s) / events per s | {ds:.2} s / {de:.0} | {ps:.2} s / {pe:.0} | {:.1} % of direct |",
             pe / de * 100.0
+        );
+    }
+    if let Some((ds, ps, de, pe, cpu, (d50, d99, p50, p99))) = paced {
+        // The floor: events × pace, the time a stream takes at the backend's rate alone.
+        let floor = (events + 1) as f64 * pace_ms as f64 / 1e3;
+        println!(
+            "| paced ({pace_ms} ms per event; floor {floor:.2} s): {n_streams} streams wall time (s) / events per s | {ds:.2} s / {de:.0} | {ps:.2} s / {pe:.0} | {:.1} % of direct (proxy CPU {cpu:.2} s, {:.1} µs per event) |",
+            pe / de * 100.0,
+            cpu / (n_streams * (events + 1)) as f64 * 1e6
+        );
+        println!(
+            "| paced: event delivery latency p50 / p99 (ms, send → client) | {d50:.3} / {d99:.3} | {p50:.3} / {p99:.3} | +{:.3} / +{:.3} ms |",
+            p50 - d50,
+            p99 - d99
         );
     }
     println!(

@@ -440,6 +440,11 @@ pub async fn serve(
             },
             _ = &mut shutdown => break,
         };
+        // Token events are small writes: without TCP_NODELAY, Nagle's algorithm holds one back until
+        // the client acknowledges the previous one (up to its delayed-ACK time, ~40 ms on Linux).
+        if let Err(e) = stream.set_nodelay(true) {
+            debug!(%peer, error = %e, "cannot set TCP_NODELAY");
+        }
         let p = proxy.clone();
         tokio::spawn(async move {
             let svc = service_fn(move |req| {

@@ -2,7 +2,8 @@
 # Proxy benchmark (not a test): flexinfer-proxy in front of an in-process OpenAI-style backend,
 # measured side by side with the same requests sent straight to the backend: added latency p50/p99, throughput of
 # 500 concurrent SSE streams, the proxy's CPU time and RSS. A local control plane (api mode) is started and torn
-# down. Usage: scripts/bench/proxy/run.sh   (env: LAT_N, STREAMS, EVENTS, ROUNDS; see examples/bench.rs)
+# down. Usage: scripts/bench/proxy/run.sh   (env: LAT_N, STREAMS, EVENTS, ROUNDS, PACE_MS, PROXY_BIN; see
+# examples/bench.rs)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd); cd "$ROOT"
 export TESTENV_BIN=${TESTENV_BIN:-$HOME/.cache/testenv/v1.34.4/bin}
@@ -25,5 +26,6 @@ kubectl wait --for=condition=Established crd/models.ai.flexinfer --timeout=60s >
 IP=$(python3 -c 'import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.connect(("10.255.255.254", 9)); print(s.getsockname()[0])')
 echo "load before: $(cut -d' ' -f1-3 /proc/loadavg), $(nproc) CPUs"
 echo "profile: $PROFILE"
-PROXY_BIN="$OUT/flexinfer-proxy" BENCH_HOST_IP="$IP" "$OUT/examples/bench"
+# PROXY_BIN overrides the proxy binary (e.g. a build of another commit, for a before/after comparison).
+PROXY_BIN="${PROXY_BIN:-$OUT/flexinfer-proxy}" BENCH_HOST_IP="$IP" "$OUT/examples/bench"
 echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"
