@@ -22,6 +22,11 @@ command -v gcc >/dev/null || need+=(gcc)
 { [ -x /bin/busybox ] && ! ldd /bin/busybox >/dev/null 2>&1; } || need+=(busybox-static)   # static: it goes into an image
 command -v umoci >/dev/null || need+=(umoci)
 command -v skopeo >/dev/null || need+=(skopeo)
+# The images (scripts/images): buildah builds them daemonless, mmdebstrap makes their Debian base, jq reads
+# the manifests.
+command -v buildah >/dev/null || need+=(buildah)
+command -v mmdebstrap >/dev/null || need+=(mmdebstrap)
+command -v jq >/dev/null || need+=(jq)
 command -v kubectl >/dev/null || { echo "install-deps: kubectl is not on PATH (it comes with the machine image; install it from your distribution)" >&2; exit 1; }
 if [ ${#need[@]} -gt 0 ]; then
   echo "install-deps: apt-get install ${need[*]}"
