@@ -13,7 +13,7 @@ mod abliterate_support;
 use std::path::{Path, PathBuf};
 
 use abliterate_support::*;
-use faer::{Mat, MatRef};
+use faer::Mat;
 use flexinfer_contract::{events, files, AbliterationStatusFile};
 use flexinfer_quant::llama::{
     attention_delta, embed, layer_forward, logits, mlp_output, Rope, Stage,
@@ -59,23 +59,6 @@ fn unit_direction(d: usize, seed: u64) -> Vec<f32> {
     let mut r: Vec<f32> = (0..d).map(|_| rng.gauss()).collect();
     normalize(&mut r);
     r
-}
-
-/// Per token: `|⟨c_t, r⟩| / ‖c_t‖`; the largest.
-fn worst_alignment(c: MatRef<'_, f32>, r: &[f32]) -> f64 {
-    let mut worst = 0f64;
-    for t in 0..c.nrows() {
-        let (mut along, mut sq) = (0f64, 0f64);
-        for (j, &rv) in r.iter().enumerate() {
-            let v = c[(t, j)] as f64;
-            along += v * rv as f64;
-            sq += v * v;
-        }
-        if sq > 0.0 {
-            worst = worst.max(along.abs() / sq.sqrt());
-        }
-    }
-    worst
 }
 
 struct Measured {
@@ -247,21 +230,6 @@ fn manifest_direction(out: &Path) -> Vec<f32> {
         .iter()
         .map(|v| v.as_f64().unwrap() as f32)
         .collect()
-}
-
-/// Largest `|vᵀ W[:, j]|` over the columns of a `[rows, cols]` matrix, relative to its largest entry.
-fn relative_projection(v: &[f32], w: &[f32], cols: usize) -> f64 {
-    let max = w.iter().fold(0f64, |a, b| a.max(b.abs() as f64));
-    let mut worst = 0f64;
-    for j in 0..cols {
-        let p: f64 = v
-            .iter()
-            .enumerate()
-            .map(|(i, &x)| x as f64 * w[i * cols + j] as f64)
-            .sum();
-        worst = worst.max(p.abs());
-    }
-    worst / max.max(f64::MIN_POSITIVE)
 }
 
 /// Runs a whole abliterate job on a generated Gemma 4 model and checks the output.

@@ -15,7 +15,7 @@ mod abliterate_support;
 use std::path::{Path, PathBuf};
 
 use abliterate_support::*;
-use faer::{Mat, MatRef};
+use faer::Mat;
 use flexinfer_quant::llama::{attention_delta, embed, layer_forward, logits, Rope, Stage};
 use flexinfer_quant::model::ModelConfig;
 use flexinfer_quant::tensors::TensorStore;
@@ -45,38 +45,6 @@ fn settings(layers: usize, skip_gdn: bool) -> Settings {
         norm_threshold: 100.0,
         max_ppl_increase_percent: 5.0,
     }
-}
-
-/// Per token `|⟨c_t, r⟩| / ‖c_t‖`; the largest.
-fn worst_alignment(c: MatRef<'_, f32>, r: &[f32]) -> f64 {
-    let mut worst = 0f64;
-    for t in 0..c.nrows() {
-        let (mut along, mut sq) = (0f64, 0f64);
-        for (j, &rv) in r.iter().enumerate() {
-            let v = c[(t, j)] as f64;
-            along += v * rv as f64;
-            sq += v * v;
-        }
-        if sq > 0.0 {
-            worst = worst.max(along.abs() / sq.sqrt());
-        }
-    }
-    worst
-}
-
-/// Largest `|rᵀ W[:, j]|` of a `[rows, cols]` matrix, relative to its largest entry.
-fn relative_projection(r: &[f32], w: &[f32], cols: usize) -> f64 {
-    let max = w.iter().fold(0f64, |a, b| a.max(b.abs() as f64));
-    let mut worst = 0f64;
-    for j in 0..cols {
-        let p: f64 = r
-            .iter()
-            .enumerate()
-            .map(|(i, &x)| x as f64 * w[i * cols + j] as f64)
-            .sum();
-        worst = worst.max(p.abs());
-    }
-    worst / max.max(f64::MIN_POSITIVE)
 }
 
 #[derive(Default, Debug)]

@@ -39,6 +39,38 @@ impl Rng {
     }
 }
 
+/// Per token (row of `c`): `|⟨c_t, r⟩| / ‖c_t‖`; the largest.
+pub fn worst_alignment(c: faer::MatRef<'_, f32>, r: &[f32]) -> f64 {
+    let mut worst = 0f64;
+    for t in 0..c.nrows() {
+        let (mut along, mut sq) = (0f64, 0f64);
+        for (j, &rv) in r.iter().enumerate() {
+            let v = c[(t, j)] as f64;
+            along += v * rv as f64;
+            sq += v * v;
+        }
+        if sq > 0.0 {
+            worst = worst.max(along.abs() / sq.sqrt());
+        }
+    }
+    worst
+}
+
+/// Largest `|vᵀ W[:, j]|` over the columns of a row-major `[rows, cols]` matrix, relative to its largest entry.
+pub fn relative_projection(v: &[f32], w: &[f32], cols: usize) -> f64 {
+    let max = w.iter().fold(0f64, |a, b| a.max(b.abs() as f64));
+    let mut worst = 0f64;
+    for j in 0..cols {
+        let p: f64 = v
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| x as f64 * w[i * cols + j] as f64)
+            .sum();
+        worst = worst.max(p.abs());
+    }
+    worst / max.max(f64::MIN_POSITIVE)
+}
+
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
