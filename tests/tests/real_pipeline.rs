@@ -747,9 +747,10 @@ async fn real_pipeline_download_abliterate_quantize_publish_and_serve() -> Resul
     Ok(())
 }
 
-/// GPTQ without abliteration, and the two crashes a long quantization must survive: the controller pod is
-/// killed (the running Job is kept, not restarted) and then the worker container is SIGKILLed (the Job's
-/// retry resumes from the per-layer cache).
+/// GPTQ without abliteration, and the two crashes a long quantization must survive: the worker container is
+/// SIGKILLed mid-quantization (the Job's retry resumes from the per-layer cache), and the controller pod is
+/// killed while the Job still has that retry to run (the running Job is kept, not restarted). The worker is
+/// killed first, as soon as a running container has cached a layer, so neither kill races the quantization.
 #[tokio::test]
 async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
     let _node = NODE.read().await;
@@ -771,9 +772,17 @@ async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
             .and_then(|v| v["layers"].as_array().map(Vec::len))
             .unwrap_or(0)
     };
-    // Quantization under way: at least one layer cached.
+    let jobs: Api<Job> = Api::namespaced(c.clone(), &e.ns);
+    let job_name = format!("{name}-quantize");
+    let pods: Api<Pod> = Api::namespaced(c.clone(), &e.ns);
+    let qsel = ListParams::default().labels(&format!(
+        "flexinfer.ai/cache={name},flexinfer.ai/phase=quantize"
+    ));
+    // Quantization under way: a running quantize container that has cached at least one layer. The worker
+    // is killed first, the moment that holds, so the kill never depends on how fast this machine quantizes;
+    // the controller is killed next, while the Job must still run the retry (the kill left work undone).
     let start = Instant::now();
-    while cached_layers(&manifest) < 1 {
+    let (running, cid) = loop {
         let mc = observe_once(&c, &e, name, &mut seen).await?;
         if let Some(d) = mc["status"]["download"]["outputDir"].as_str() {
             manifest = dir
@@ -791,20 +800,58 @@ async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
         );
         ensure!(
             start.elapsed() < Duration::from_secs(600),
-            "no layer cached after 10 min: {}",
+            "no running quantize container with a cached layer after 10 min: {}",
             mc["status"]
         );
+        if cached_layers(&manifest) >= 1 {
+            let found = pods.list(&qsel).await?.items.into_iter().find_map(|p| {
+                let st = p.status.as_ref()?;
+                (st.phase.as_deref() == Some("Running")).then_some(())?;
+                let cid = st
+                    .container_statuses
+                    .as_ref()?
+                    .first()?
+                    .container_id
+                    .clone()?;
+                Some((p, cid))
+            });
+            if let Some(found) = found {
+                break found;
+            }
+        }
         tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let jobs: Api<Job> = Api::namespaced(c.clone(), &e.ns);
-    let job_name = format!("{name}-quantize");
+    };
     let job = jobs
         .get(&job_name)
         .await
         .with_context(|| format!("Job {job_name}"))?;
     let uid = job.metadata.uid.clone();
 
-    // 1. Kill the controller pod; its replacement adopts the running Job.
+    // 1. SIGKILL the worker container mid-quantization (through the node's containerd).
+    let layers_before = cached_layers(&manifest);
+    let cid = cid.trim_start_matches("containerd://");
+    let k = Command::new("ctr")
+        .args([
+            "--address",
+            &e.containerd,
+            "-n",
+            "k8s.io",
+            "tasks",
+            "kill",
+            "-s",
+            "SIGKILL",
+            cid,
+        ])
+        .output()?;
+    ensure!(
+        k.status.success(),
+        "ctr kill: {}",
+        String::from_utf8_lossy(&k.stderr)
+    );
+    let killed = running.metadata.name.clone().unwrap_or_default();
+
+    // 2. Kill the controller pod while the Job still has the retry to run; its replacement adopts the
+    // running Job.
     let cpods: Api<Pod> = Api::namespaced(c.clone(), &e.controller_ns);
     let sel = ListParams::default().labels("app.kubernetes.io/component=controller");
     let old: Vec<String> = cpods
@@ -856,47 +903,6 @@ async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
         after.metadata.uid == uid,
         "the quantize Job was recreated after the controller restart"
     );
-
-    // 2. SIGKILL the worker container mid-quantization (through the node's containerd).
-    let layers_before = cached_layers(&manifest);
-    let pods: Api<Pod> = Api::namespaced(c.clone(), &e.ns);
-    let qsel = ListParams::default().labels(&format!(
-        "flexinfer.ai/cache={name},flexinfer.ai/phase=quantize"
-    ));
-    let running = pods
-        .list(&qsel)
-        .await?
-        .items
-        .into_iter()
-        .find(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
-        .context("running quantize pod")?;
-    let cid = running
-        .status
-        .as_ref()
-        .and_then(|s| s.container_statuses.as_ref())
-        .and_then(|cs| cs.first())
-        .and_then(|c| c.container_id.clone())
-        .context("container id")?;
-    let cid = cid.trim_start_matches("containerd://");
-    let k = Command::new("ctr")
-        .args([
-            "--address",
-            &e.containerd,
-            "-n",
-            "k8s.io",
-            "tasks",
-            "kill",
-            "-s",
-            "SIGKILL",
-            cid,
-        ])
-        .output()?;
-    ensure!(
-        k.status.success(),
-        "ctr kill: {}",
-        String::from_utf8_lossy(&k.stderr)
-    );
-    let killed = running.metadata.name.clone().unwrap_or_default();
     let mc = until_ready(&c, &e, name, &mut seen, Duration::from_secs(900)).await?;
     ensure!(
         layers_before < 12,
