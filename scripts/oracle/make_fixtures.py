@@ -477,19 +477,180 @@ def run_one(name, cfg_cls, arch, extra, seed):
     print(f"{name}: {len(hidden)} layers, sparse layers {sorted(topk)}, reload max |Δlogits| {err:.2e}")
 
 
-def check_quantized(path):
-    """Whether transformers loads a gptq checkpoint written by the engine (needs a GPTQ backend package)."""
+def unpack_stream(words, bits, n):
+    """Values 0..2^bits-1 from int32 words read as one little-endian bit stream along dim 0 (value k at bits
+    k*bits .. (k+1)*bits, words in order): the packing of every GPTQ bit width, 3 bits included. Returns [n, ...]."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(32, dtype=torch.int64).view(1, 32, *([1] * (w.dim() - 1)))
+    bitstream = ((w.unsqueeze(1) >> shifts) & 1).reshape(w.shape[0] * 32, *w.shape[1:])
+    bitstream = bitstream[: n * bits].reshape(n, bits, *w.shape[1:])
+    weights = (1 << torch.arange(bits, dtype=torch.int64)).view(1, bits, *([1] * (w.dim() - 1)))
+    return (bitstream * weights).sum(1)
+
+
+def gptq_dequant(t, stem, bits, v1):
+    """The [out, in] f32 weight of one packed linear, by the GPTQ rules written out by hand: qweight [in*bits/32,
+    out], qzeros [groups, out*bits/32], scales [groups, out], g_idx [in]; W[o, i] = scale[g, o] * (q[i, o] -
+    z[g, o]) with g = g_idx[i] and z the stored zero + 1 in the v1 format (checkpoint_format "gptq")."""
+    scales = t[f"{stem}.scales"].to(torch.float32)
+    g_idx = t[f"{stem}.g_idx"].to(torch.int64)
+    n_in, n_out = g_idx.shape[0], scales.shape[1]
+    q = unpack_stream(t[f"{stem}.qweight"], bits, n_in)  # [in, out]
+    z = unpack_stream(t[f"{stem}.qzeros"].T.contiguous(), bits, n_out).T  # [groups, out]
+    if v1:
+        z = z + 1
+    return (scales[g_idx] * (q - z[g_idx]).to(torch.float32)).T.contiguous()
+
+
+def read_safetensors_dir(path):
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, f)))
+    return out
+
+
+def logit_stats(got, want):
+    got, want = got.to(torch.float64), want.to(torch.float64)
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0).item()
+    top1 = (got.argmax(-1) == want.argmax(-1)).to(torch.float64).mean().item()
+    return cos, top1
+
+
+def model_class(path):
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    return getattr(transformers, cfg["architectures"][0]), cfg
+
+
+def check_quantized(path, family=None):
+    """Loads a gptq checkpoint written by the engine with transformers (GPTQ backend: optimum + gptqmodel, CPU)
+    and measures it. `family` (default: the directory's name) names the oracle fixture it was quantized from.
+    Returns a dict: whether it loaded (and the exact error if not), parameters transformers left uninitialised or
+    ignored, the quantized modules and their kernel class; and, when it loaded:
+      - fixture: cosine and top-1 agreement of its logits on the fixture's token ids with the fixture's f32 logits;
+      - dequant: over the packed modules, the largest max |our hand-written GPTQ dequantization - the linear map the
+        backend computes (its kernel applied to the identity)| relative to max |W| (the packing read by the
+        consumer's rules);
+      - reference: the fixture's f32 model with every packed weight replaced by our dequantization, run by
+        transformers: its logits against the backend's (same weights, different kernels) and against the fixture
+        (the quantization error alone)."""
+    family = family or os.path.basename(os.path.normpath(path))
+    fixture = os.path.join(OUT, family)
+    res = {"family": family, "path": path}
+    cls, cfg = model_class(path)
+    qc = cfg.get("quantization_config", {})
+    bits, v1 = qc.get("bits", 4), qc.get("checkpoint_format", "gptq") == "gptq"
     try:
-        m = transformers.AutoModelForCausalLM.from_pretrained(path)
+        m, info = cls.from_pretrained(path, dtype=torch.float32, device_map="cpu", attn_implementation="eager",
+                                      output_loading_info=True)
     except Exception as e:  # noqa: BLE001 - the note records what happened
-        return f"not loaded: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    return f"loaded as {type(m).__name__}"
+        import traceback
+
+        res["loaded"] = False
+        res["error"] = f"{type(e).__name__}: {str(e).strip()[:600]}"
+        res["traceback_tail"] = traceback.format_exc().strip().splitlines()[-6:]
+        return res
+    m.eval()
+    res["loaded"] = True
+    res["class"] = type(m).__name__
+    res["missing_keys"] = sorted(info.get("missing_keys", []))
+    res["unexpected_keys"] = sorted(info.get("unexpected_keys", []))
+    res["mismatched_keys"] = [str(k) for k in info.get("mismatched_keys", [])]
+    qmods = {n: mod for n, mod in m.named_modules() if hasattr(mod, "qweight") and hasattr(mod, "dequantize_weight")}
+    res["quant_modules"] = len(qmods)
+    res["kernels"] = sorted({type(mod).__name__ for mod in qmods.values()})
+
+    tensors = read_safetensors_dir(path)
+    stems = sorted(k[: -len(".qweight")] for k in tensors if k.endswith(".qweight"))
+    res["packed_in_checkpoint"] = len(stems)
+    # Parameter names of the in-memory model may differ from the checkpoint's (e.g. a renamed prefix):
+    # match a packed stem to a loaded quant module by its longest common suffix of dotted parts.
+    def find_module(stem):
+        if stem in qmods:
+            return stem
+        parts = stem.split(".")
+        for k in range(len(parts) - 1, 1, -1):
+            suffix = "." + ".".join(parts[-k:])
+            hits = [n for n in qmods if n.endswith(suffix)]
+            if len(hits) == 1:
+                return hits[0]
+        return None
+
+    worst, unmatched, ours = 0.0, [], {}
+    for stem in stems:
+        w = gptq_dequant(tensors, stem, bits, v1)
+        ours[stem] = w
+        name = find_module(stem)
+        if name is None:
+            unmatched.append(stem)
+            continue
+        # The linear map the backend's kernel computes, probed with the identity (kernel-agnostic: some CPU
+        # kernels repack the weights, so their dequantize_weight() no longer reads the checkpoint layout).
+        mod = qmods[name]
+        with torch.no_grad():
+            eye = torch.eye(w.shape[1], dtype=torch.float32)
+            zero = torch.zeros(1, w.shape[1], dtype=torch.float32)
+            b = (mod(eye) - mod(zero)).to(torch.float32).T
+        worst = max(worst, ((b - w).abs().max() / w.abs().max().clamp_min(1e-30)).item())
+    res["dequant_max_rel_diff"] = worst
+    res["packed_not_loaded"] = unmatched
+
+    with open(os.path.join(fixture, "expected", "expected.json")) as f:
+        tokens = json.load(f)["tokens"]
+    from safetensors.torch import load_file
+
+    want = load_file(os.path.join(fixture, "expected", "expected.safetensors"))["logits"]
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        got = m(input_ids=ids).logits[0].to(torch.float32)
+    res["fixture_cosine"], res["fixture_top1"] = logit_stats(got, want)
+
+    # The reference: the source model with our dequantized weights, run by transformers in f32.
+    ref = cls.from_pretrained(fixture, dtype=torch.float32, attn_implementation="eager")
+    ref.eval()
+    params = dict(ref.named_parameters())
+    replaced = 0
+    with torch.no_grad():
+        for stem, w in ours.items():
+            p = params.get(f"{stem}.weight")
+            if p is None:
+                cands = [n for n in params if n.endswith("." + ".".join(stem.split(".")[-3:]) + ".weight")]
+                p = params[cands[0]] if len(cands) == 1 else None
+            if p is not None and p.shape == w.shape:
+                p.copy_(w)
+                replaced += 1
+        ref_logits = ref(input_ids=ids).logits[0].to(torch.float32)
+    res["reference_replaced"] = replaced
+    res["backend_vs_reference_cosine"], res["backend_vs_reference_top1"] = logit_stats(got, ref_logits)
+    res["backend_vs_reference_max_abs"] = (got - ref_logits).abs().max().item()
+    res["reference_vs_fixture_cosine"], res["reference_vs_fixture_top1"] = logit_stats(ref_logits, want)
+    return res
 
 
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--check-quantized":
-        for p in sys.argv[2:]:
-            print(f"{p}: {check_quantized(p)}")
+        # --check-quantized [--json FILE] PATH[=FAMILY]...  (FAMILY defaults to PATH's directory name)
+        args, out = sys.argv[2:], None
+        if args[:1] == ["--json"]:
+            out, args = args[1], args[2:]
+        import importlib.metadata
+
+        import gptqmodel
+
+        results = {"versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                                "gptqmodel": gptqmodel.__version__, "optimum": importlib.metadata.version("optimum")},
+                   "checks": []}
+        for a in args:
+            p, _, fam = a.partition("=")
+            r = check_quantized(p, fam or None)
+            results["checks"].append(r)
+            print(json.dumps(r, indent=1), flush=True)
+        if out:
+            with open(out, "w") as f:
+                json.dump(results, f, indent=1)
         return
     only = set(sys.argv[1:])  # optional family names: regenerate just those (seeds do not depend on it)
     unknown = only - set(FAMILIES)
