@@ -525,7 +525,7 @@ def model_class(path):
     return getattr(transformers, cfg["architectures"][0]), cfg
 
 
-def check_quantized(path, family=None):
+def check_quantized(path, family=None, defuse=False):
     """Loads a gptq checkpoint written by the engine with transformers (GPTQ backend: optimum + gptqmodel, CPU)
     and measures it. `family` (default: the directory's name) names the oracle fixture it was quantized from.
     Returns a dict: whether it loaded (and the exact error if not), parameters transformers left uninitialised or
@@ -539,8 +539,17 @@ def check_quantized(path, family=None):
         (the quantization error alone)."""
     family = family or os.path.basename(os.path.normpath(path))
     fixture = os.path.join(OUT, family)
-    res = {"family": family, "path": path}
+    res = {"family": family, "path": path, "defused": defuse}
     cls, cfg = model_class(path)
+    if defuse:
+        # What GPTQModel's own loader does before instantiating a model whose experts transformers fuses into
+        # 3-D parameters (optimum's convert_model only replaces nn.Linear): patch the classes so that transformers
+        # builds one nn.Linear per expert, which the GPTQ integration then replaces. Process-global: one family
+        # per process.
+        import defuser
+
+        types = [cfg.get("model_type")] + [cfg.get(k, {}).get("model_type") for k in ("text_config",)]
+        res["defuser_patched"] = {t: bool(defuser.replace_fused_blocks(t)) for t in types if t}
     qc = cfg.get("quantization_config", {})
     bits, v1 = qc.get("bits", 4), qc.get("checkpoint_format", "gptq") == "gptq"
     try:
@@ -630,24 +639,52 @@ def check_quantized(path, family=None):
     return res
 
 
+def summary_line(r):
+    head = f"{r['family']} ({'defused' if r.get('defused') else 'plain'})"
+    if not r.get("loaded"):
+        return f"{head}: NOT LOADED: {r.get('error')}"
+    f = lambda k: "-" if r.get(k) is None else f"{r[k]:.4f}"  # noqa: E731
+    return (f"{head}: loaded as {r['class']} [{', '.join(r['kernels'])}], {r['quant_modules']} quant modules, "
+            f"{r['packed_in_checkpoint']} packed, {len(r['packed_not_loaded'])} packed not loaded, {len(r['missing_keys'])} missing keys; "
+            f"logits vs fixture cos {f('fixture_cosine')} top1 {f('fixture_top1')}; our dequant vs backend max rel "
+            f"{r['dequant_max_rel_diff']:.2e}; backend vs our-dequant reference cos {f('backend_vs_reference_cosine')}"
+            f" top1 {f('backend_vs_reference_top1')} ({r['reference_replaced']} weights replaced); reference vs fixture cos {f('reference_vs_fixture_cosine')}")
+
+
 def main():
+    if len(sys.argv) == 5 and sys.argv[1] == "--check-one":
+        r = check_quantized(sys.argv[3], sys.argv[4], defuse=sys.argv[2] == "defused")
+        print("CHECK-RESULT " + json.dumps(r), flush=True)
+        return
     if len(sys.argv) > 2 and sys.argv[1] == "--check-quantized":
-        # --check-quantized [--json FILE] PATH[=FAMILY]...  (FAMILY defaults to PATH's directory name)
+        # --check-quantized [--json FILE] PATH[=FAMILY]...  (FAMILY defaults to PATH's directory name). Each
+        # checkpoint is loaded in its own process, first as transformers loads it; where that leaves packed
+        # modules unloaded (fused MoE experts), again with GPTQModel's defuser patches.
+        import importlib.metadata
+        import subprocess
+
         args, out = sys.argv[2:], None
         if args[:1] == ["--json"]:
             out, args = args[1], args[2:]
-        import importlib.metadata
-
-        import gptqmodel
-
-        results = {"versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                                "gptqmodel": gptqmodel.__version__, "optimum": importlib.metadata.version("optimum")},
-                   "checks": []}
+        versions = {p: importlib.metadata.version(p) for p in ("torch", "transformers", "optimum", "gptqmodel",
+                                                                "defuser", "safetensors")}
+        results = {"versions": versions, "checks": []}
         for a in args:
             p, _, fam = a.partition("=")
-            r = check_quantized(p, fam or None)
-            results["checks"].append(r)
-            print(json.dumps(r, indent=1), flush=True)
+            fam = fam or os.path.basename(os.path.normpath(p))
+            for mode in ("plain", "defused"):
+                proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--check-one", mode, p, fam],
+                                      capture_output=True, text=True)
+                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CHECK-RESULT ")]
+                if lines:
+                    r = json.loads(lines[-1][len("CHECK-RESULT "):])
+                else:
+                    r = {"family": fam, "path": p, "defused": mode == "defused", "loaded": False,
+                         "error": f"check process exited {proc.returncode}", "stderr_tail": proc.stderr[-2000:]}
+                results["checks"].append(r)
+                print(summary_line(r), flush=True)
+                if r.get("loaded") and not r.get("packed_not_loaded") and not r.get("missing_keys"):
+                    break
         if out:
             with open(out, "w") as f:
                 json.dump(results, f, indent=1)
