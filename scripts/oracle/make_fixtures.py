@@ -525,7 +525,7 @@ def model_class(path):
     return getattr(transformers, cfg["architectures"][0]), cfg
 
 
-def check_quantized(path, family=None, defuse=False):
+def check_quantized(path, family=None, defuse=False, backend="auto"):
     """Loads a gptq checkpoint written by the engine with transformers (GPTQ backend: optimum + gptqmodel, CPU)
     and measures it. `family` (default: the directory's name) names the oracle fixture it was quantized from.
     Returns a dict: whether it loaded (and the exact error if not), parameters transformers left uninitialised or
@@ -539,7 +539,7 @@ def check_quantized(path, family=None, defuse=False):
         (the quantization error alone)."""
     family = family or os.path.basename(os.path.normpath(path))
     fixture = os.path.join(OUT, family)
-    res = {"family": family, "path": path, "defused": defuse}
+    res = {"family": family, "path": path, "defused": defuse, "backend": backend}
     cls, cfg = model_class(path)
     if defuse:
         # What GPTQModel's own loader does before instantiating a model whose experts transformers fuses into
@@ -553,8 +553,12 @@ def check_quantized(path, family=None, defuse=False):
     qc = cfg.get("quantization_config", {})
     bits, v1 = qc.get("bits", 4), qc.get("checkpoint_format", "gptq") == "gptq"
     try:
+        kw = {}
+        if backend != "auto":
+            # A loading attribute: merged into the checkpoint's quantization_config, nothing else is overridden.
+            kw["quantization_config"] = transformers.GPTQConfig(bits=bits, backend=backend)
         m, info = cls.from_pretrained(path, dtype=torch.float32, device_map="cpu", attn_implementation="eager",
-                                      output_loading_info=True)
+                                      output_loading_info=True, **kw)
     except Exception as e:  # noqa: BLE001 - the note records what happened
         import traceback
 
@@ -572,6 +576,18 @@ def check_quantized(path, family=None, defuse=False):
     res["quant_modules"] = len(qmods)
     res["kernels"] = sorted({type(mod).__name__ for mod in qmods.values()})
 
+    try:
+        measure(res, m, cls, path, fixture, bits, v1)
+    except Exception as e:  # noqa: BLE001 - the note records what happened
+        import traceback
+
+        res["measure_error"] = f"{type(e).__name__}: {str(e).strip()[:600]}"
+        res["traceback_tail"] = traceback.format_exc().strip().splitlines()[-6:]
+    return res
+
+
+def measure(res, m, cls, path, fixture, bits, v1):
+    qmods = {n: mod for n, mod in m.named_modules() if hasattr(mod, "qweight") and hasattr(mod, "dequantize_weight")}
     tensors = read_safetensors_dir(path)
     stems = sorted(k[: -len(".qweight")] for k in tensors if k.endswith(".qweight"))
     res["packed_in_checkpoint"] = len(stems)
@@ -636,13 +652,15 @@ def check_quantized(path, family=None, defuse=False):
     res["backend_vs_reference_cosine"], res["backend_vs_reference_top1"] = logit_stats(got, ref_logits)
     res["backend_vs_reference_max_abs"] = (got - ref_logits).abs().max().item()
     res["reference_vs_fixture_cosine"], res["reference_vs_fixture_top1"] = logit_stats(ref_logits, want)
-    return res
 
 
 def summary_line(r):
-    head = f"{r['family']} ({'defused' if r.get('defused') else 'plain'})"
+    head = f"{r['family']} ({'defused' if r.get('defused') else 'plain'}, backend {r.get('backend')})"
     if not r.get("loaded"):
         return f"{head}: NOT LOADED: {r.get('error')}"
+    if r.get("measure_error"):
+        return (f"{head}: loaded as {r['class']}, {len(r.get('missing_keys', []))} missing keys, "
+                f"{len(r.get('unexpected_keys', []))} unexpected keys; running it failed: {r['measure_error']}")
     f = lambda k: "-" if r.get(k) is None else f"{r[k]:.4f}"  # noqa: E731
     return (f"{head}: loaded as {r['class']} [{', '.join(r['kernels'])}], {r['quant_modules']} quant modules, "
             f"{r['packed_in_checkpoint']} packed, {len(r['packed_not_loaded'])} packed not loaded, {len(r['missing_keys'])} missing keys; "
@@ -652,38 +670,49 @@ def summary_line(r):
 
 
 def main():
-    if len(sys.argv) == 5 and sys.argv[1] == "--check-one":
-        r = check_quantized(sys.argv[3], sys.argv[4], defuse=sys.argv[2] == "defused")
+    if len(sys.argv) == 6 and sys.argv[1] == "--check-one":
+        r = check_quantized(sys.argv[4], sys.argv[5], defuse=sys.argv[2] == "defused", backend=sys.argv[3])
         print("CHECK-RESULT " + json.dumps(r), flush=True)
         return
     if len(sys.argv) > 2 and sys.argv[1] == "--check-quantized":
-        # --check-quantized [--json FILE] PATH[=FAMILY]...  (FAMILY defaults to PATH's directory name). Each
-        # checkpoint is loaded in its own process, first as transformers loads it; where that leaves packed
-        # modules unloaded (fused MoE experts), again with GPTQModel's defuser patches.
+        # --check-quantized [--json FILE] [--backend B] PATH[=FAMILY]...  (FAMILY defaults to PATH's directory
+        # name; B is GPTQModel's kernel choice, default auto). Each checkpoint is loaded in its own process, first
+        # as transformers loads it; where the chosen kernel rejects a module's shape, again with the pure-torch
+        # kernel (backend torch); where packed modules stay unloaded (fused MoE experts), again with GPTQModel's
+        # defuser patches.
         import importlib.metadata
         import subprocess
 
-        args, out = sys.argv[2:], None
-        if args[:1] == ["--json"]:
-            out, args = args[1], args[2:]
+        args, out, backend = sys.argv[2:], None, "auto"
+        while args[:1] in (["--json"], ["--backend"]):
+            if args[0] == "--json":
+                out = args[1]
+            else:
+                backend = args[1]
+            args = args[2:]
         versions = {p: importlib.metadata.version(p) for p in ("torch", "transformers", "optimum", "gptqmodel",
                                                                 "defuser", "safetensors")}
         results = {"versions": versions, "checks": []}
         for a in args:
             p, _, fam = a.partition("=")
             fam = fam or os.path.basename(os.path.normpath(p))
-            for mode in ("plain", "defused"):
-                proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--check-one", mode, p, fam],
+            mode, kernel = "plain", backend
+            for _ in range(4):
+                proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--check-one", mode, kernel, p, fam],
                                       capture_output=True, text=True)
                 lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CHECK-RESULT ")]
                 if lines:
                     r = json.loads(lines[-1][len("CHECK-RESULT "):])
                 else:
-                    r = {"family": fam, "path": p, "defused": mode == "defused", "loaded": False,
-                         "error": f"check process exited {proc.returncode}", "stderr_tail": proc.stderr[-2000:]}
+                    r = {"family": fam, "path": p, "defused": mode == "defused", "backend": kernel, "loaded": False,
+                         "error": f"check process exited {proc.returncode}", "stderr_tail": proc.stderr[-3000:]}
                 results["checks"].append(r)
                 print(summary_line(r), flush=True)
-                if r.get("loaded") and not r.get("packed_not_loaded") and not r.get("missing_keys"):
+                if not r.get("loaded") and "must be divisible" in r.get("error", "") and kernel != "torch":
+                    kernel = "torch"
+                elif r.get("loaded") and (r.get("packed_not_loaded") or r.get("missing_keys")) and mode == "plain":
+                    mode = "defused"
+                else:
                     break
         if out:
             with open(out, "w") as f:
