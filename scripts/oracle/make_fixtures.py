@@ -533,7 +533,8 @@ def check_quantized(path, family=None, defuse=False, backend="auto"):
       - fixture: cosine and top-1 agreement of its logits on the fixture's token ids with the fixture's f32 logits;
       - dequant: over the packed modules, the largest max |our hand-written GPTQ dequantization - the linear map the
         backend computes (its kernel applied to the identity)| relative to max |W| (the packing read by the
-        consumer's rules);
+        consumer's rules); with the pure-torch kernel (TorchLinear) also its own dequantize_weight() against ours
+        rounded to its dtype (max |difference|, 0 when the packing is read identically);
       - reference: the fixture's f32 model with every packed weight replaced by our dequantization, run by
         transformers: its logits against the backend's (same weights, different kernels) and against the fixture
         (the quantization error alone)."""
@@ -604,7 +605,7 @@ def measure(res, m, cls, path, fixture, bits, v1):
                 return hits[0]
         return None
 
-    worst, unmatched, ours = 0.0, [], {}
+    worst, unmatched, ours, exact, n_exact = 0.0, [], {}, 0.0, 0
     for stem in stems:
         w = gptq_dequant(tensors, stem, bits, v1)
         ours[stem] = w
@@ -620,7 +621,17 @@ def measure(res, m, cls, path, fixture, bits, v1):
             zero = torch.zeros(1, w.shape[1], dtype=torch.float32)
             b = (mod(eye) - mod(zero)).to(torch.float32).T
         worst = max(worst, ((b - w).abs().max() / w.abs().max().clamp_min(1e-30)).item())
+        if type(mod).__name__ == "TorchLinear":
+            # The pure-torch kernel keeps the checkpoint layout: its own dequantization, element by element, in its
+            # dtype (f16: the scales' dtype), against ours rounded to that dtype.
+            with torch.no_grad():
+                d = mod.dequantize_weight().T  # [in, out] -> [out, in]
+            exact = max(exact, (d.float() - w.to(d.dtype).float()).abs().max().item())
+            res["dequantize_weight_dtype"] = str(d.dtype)
+            n_exact += 1
     res["dequant_max_rel_diff"] = worst
+    if n_exact:
+        res["dequantize_weight_max_abs_diff"], res["dequantize_weight_modules"] = exact, n_exact
     res["packed_not_loaded"] = unmatched
 
     with open(os.path.join(fixture, "expected", "expected.json")) as f:
@@ -665,7 +676,11 @@ def summary_line(r):
     return (f"{head}: loaded as {r['class']} [{', '.join(r['kernels'])}], {r['quant_modules']} quant modules, "
             f"{r['packed_in_checkpoint']} packed, {len(r['packed_not_loaded'])} packed not loaded, {len(r['missing_keys'])} missing keys; "
             f"logits vs fixture cos {f('fixture_cosine')} top1 {f('fixture_top1')}; our dequant vs backend max rel "
-            f"{r['dequant_max_rel_diff']:.2e}; backend vs our-dequant reference cos {f('backend_vs_reference_cosine')}"
+            f"{r['dequant_max_rel_diff']:.2e}"
+            + (f" (dequantize_weight vs ours in {r['dequantize_weight_dtype']}: max |diff| "
+               f"{r['dequantize_weight_max_abs_diff']:.1e} over {r['dequantize_weight_modules']} modules)"
+               if "dequantize_weight_modules" in r else "")
+            + f"; backend vs our-dequant reference cos {f('backend_vs_reference_cosine')}"
             f" top1 {f('backend_vs_reference_top1')} ({r['reference_replaced']} weights replaced); reference vs fixture cos {f('reference_vs_fixture_cosine')}")
 
 
