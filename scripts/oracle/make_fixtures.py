@@ -17,6 +17,11 @@ fused in-memory experts) and must give the same logits: that checks the layout c
 Run with `make oracle` (needs torch, transformers, safetensors; not part of CI); `make_fixtures.py NAME...`
 regenerates only the named families (each family's seed is fixed by its position in FAMILIES). The Rust side is
 crates/flexinfer-quant/tests/oracle.rs. Deterministic: fixed seeds.
+
+`make_fixtures.py --check-quantized [--json FILE] [--backend auto|torch] DIR[=FAMILY]...` (`make oracle-check`)
+loads gptq checkpoints the engine wrote from these fixtures with transformers' GPTQ loader (needs optimum and
+gptqmodel as well) and measures them against the fixture: see check_quantized and docs/user/gptq-engine.md
+"Loaded by transformers".
 """
 
 import json
