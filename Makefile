@@ -36,10 +36,31 @@ chart-tests:
 	bash scripts/chart-tests/run.sh
 
 # Regenerates tests/fixtures/oracle/ with Hugging Face transformers (issue #17). Not run in CI: needs a Python
-# with torch, transformers and safetensors, e.g.
+# with torch, transformers and safetensors (make oracle-check below also needs optimum and gptqmodel), e.g.
 #   python3 -m venv ~/.cache/flexinfer/oracle-venv && ~/.cache/flexinfer/oracle-venv/bin/pip install torch transformers safetensors
 ORACLE_PYTHON ?= $(HOME)/.cache/flexinfer/oracle-venv/bin/python
 .PHONY: oracle
 oracle:
 	$(ORACLE_PYTHON) scripts/oracle/make_fixtures.py
 	cargo test -p flexinfer-quant --test oracle
+
+# Whether transformers loads the engine's gptq checkpoints (issue #17; not in CI, see docs/user/gptq-engine.md
+# "Loaded by transformers"): quantizes every oracle fixture (examples/quantize_dir: 4 bits, group 32, or 16 where
+# an input dimension is 16) into ORACLE_CHECK_DIR and runs make_fixtures.py --check-quantized on the results:
+# loaded or not, logits against the fixture's, our dequantization against the backend's. The venv also needs a
+# GPTQ backend for CPU: ~/.cache/flexinfer/oracle-venv/bin/pip install optimum gptqmodel (GPTQModel's kernel
+# choice: ORACLE_GPTQ_BACKEND, auto or torch, the pure-torch kernel).
+ORACLE_CHECK_DIR ?= $(HOME)/.cache/flexinfer/oracle-gptq
+ORACLE_GPTQ_BACKEND ?= auto
+ORACLE_FAMILIES ?= qwen3 qwen3_moe qwen3_moe_no_norm_topk mixtral qwen2_moe gemma2 gemma3_text gemma4_text \
+	gemma4_moe gemma4_mm qwen3_next qwen3_5 qwen3_5_moe_mm
+.PHONY: oracle-check
+oracle-check:
+	cargo build -p flexinfer-quant --example quantize_dir
+	set -e; for f in $(ORACLE_FAMILIES); do \
+	  case $$f in gemma4_moe|qwen3_next|qwen3_5_moe_mm) g=16;; *) g=32;; esac; \
+	  cargo run -q -p flexinfer-quant --example quantize_dir -- tests/fixtures/oracle/$$f $(ORACLE_CHECK_DIR)/$$f $$g 4; \
+	done
+	$(ORACLE_PYTHON) scripts/oracle/make_fixtures.py --check-quantized --json $(ORACLE_CHECK_DIR)/check.json \
+	  --backend $(ORACLE_GPTQ_BACKEND) \
+	  $(addprefix $(ORACLE_CHECK_DIR)/,$(ORACLE_FAMILIES))

@@ -17,6 +17,11 @@ fused in-memory experts) and must give the same logits: that checks the layout c
 Run with `make oracle` (needs torch, transformers, safetensors; not part of CI); `make_fixtures.py NAME...`
 regenerates only the named families (each family's seed is fixed by its position in FAMILIES). The Rust side is
 crates/flexinfer-quant/tests/oracle.rs. Deterministic: fixed seeds.
+
+`make_fixtures.py --check-quantized [--json FILE] [--backend auto|torch] DIR[=FAMILY]...` (`make oracle-check`)
+loads gptq checkpoints the engine wrote from these fixtures with transformers' GPTQ loader (needs optimum and
+gptqmodel as well) and measures them against the fixture: see check_quantized and docs/user/gptq-engine.md
+"Loaded by transformers".
 """
 
 import json
@@ -477,19 +482,261 @@ def run_one(name, cfg_cls, arch, extra, seed):
     print(f"{name}: {len(hidden)} layers, sparse layers {sorted(topk)}, reload max |Δlogits| {err:.2e}")
 
 
-def check_quantized(path):
-    """Whether transformers loads a gptq checkpoint written by the engine (needs a GPTQ backend package)."""
+def unpack_stream(words, bits, n):
+    """Values 0..2^bits-1 from int32 words read as one little-endian bit stream along dim 0 (value k at bits
+    k*bits .. (k+1)*bits, words in order): the packing of every GPTQ bit width, 3 bits included. Returns [n, ...]."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(32, dtype=torch.int64).view(1, 32, *([1] * (w.dim() - 1)))
+    bitstream = ((w.unsqueeze(1) >> shifts) & 1).reshape(w.shape[0] * 32, *w.shape[1:])
+    bitstream = bitstream[: n * bits].reshape(n, bits, *w.shape[1:])
+    weights = (1 << torch.arange(bits, dtype=torch.int64)).view(1, bits, *([1] * (w.dim() - 1)))
+    return (bitstream * weights).sum(1)
+
+
+def gptq_dequant(t, stem, bits, v1):
+    """The [out, in] f32 weight of one packed linear, by the GPTQ rules written out by hand: qweight [in*bits/32,
+    out], qzeros [groups, out*bits/32], scales [groups, out], g_idx [in]; W[o, i] = scale[g, o] * (q[i, o] -
+    z[g, o]) with g = g_idx[i] and z the stored zero + 1 in the v1 format (checkpoint_format "gptq")."""
+    scales = t[f"{stem}.scales"].to(torch.float32)
+    g_idx = t[f"{stem}.g_idx"].to(torch.int64)
+    n_in, n_out = g_idx.shape[0], scales.shape[1]
+    q = unpack_stream(t[f"{stem}.qweight"], bits, n_in)  # [in, out]
+    z = unpack_stream(t[f"{stem}.qzeros"].T.contiguous(), bits, n_out).T  # [groups, out]
+    if v1:
+        z = z + 1
+    return (scales[g_idx] * (q - z[g_idx]).to(torch.float32)).T.contiguous()
+
+
+def read_safetensors_dir(path):
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, f)))
+    return out
+
+
+def logit_stats(got, want):
+    got, want = got.to(torch.float64), want.to(torch.float64)
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0).item()
+    top1 = (got.argmax(-1) == want.argmax(-1)).to(torch.float64).mean().item()
+    return cos, top1
+
+
+def model_class(path):
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    return getattr(transformers, cfg["architectures"][0]), cfg
+
+
+def check_quantized(path, family=None, defuse=False, backend="auto"):
+    """Loads a gptq checkpoint written by the engine with transformers (GPTQ backend: optimum + gptqmodel, CPU)
+    and measures it. `family` (default: the directory's name) names the oracle fixture it was quantized from.
+    Returns a dict: whether it loaded (and the exact error if not), parameters transformers left uninitialised or
+    ignored, the quantized modules and their kernel class; and, when it loaded:
+      - fixture: cosine and top-1 agreement of its logits on the fixture's token ids with the fixture's f32 logits;
+      - dequant: over the packed modules, the largest max |our hand-written GPTQ dequantization - the linear map the
+        backend computes (its kernel applied to the identity)| relative to max |W| (the packing read by the
+        consumer's rules); with the pure-torch kernel (TorchLinear) also its own dequantize_weight() against ours
+        rounded to its dtype (max |difference|, 0 when the packing is read identically);
+      - reference: the fixture's f32 model with every packed weight replaced by our dequantization, run by
+        transformers: its logits against the backend's (same weights, different kernels) and against the fixture
+        (the quantization error alone)."""
+    family = family or os.path.basename(os.path.normpath(path))
+    fixture = os.path.join(OUT, family)
+    res = {"family": family, "path": path, "defused": defuse, "backend": backend}
+    cls, cfg = model_class(path)
+    if defuse:
+        # What GPTQModel's own loader does before instantiating a model whose experts transformers fuses into
+        # 3-D parameters (optimum's convert_model only replaces nn.Linear): patch the classes so that transformers
+        # builds one nn.Linear per expert, which the GPTQ integration then replaces. Process-global: one family
+        # per process.
+        import defuser
+
+        types = [cfg.get("model_type")] + [cfg.get(k, {}).get("model_type") for k in ("text_config",)]
+        res["defuser_patched"] = {t: bool(defuser.replace_fused_blocks(t)) for t in types if t}
+    qc = cfg.get("quantization_config", {})
+    bits, v1 = qc.get("bits", 4), qc.get("checkpoint_format", "gptq") == "gptq"
     try:
-        m = transformers.AutoModelForCausalLM.from_pretrained(path)
+        kw = {}
+        if backend != "auto":
+            # A loading attribute: merged into the checkpoint's quantization_config, nothing else is overridden.
+            kw["quantization_config"] = transformers.GPTQConfig(bits=bits, backend=backend)
+        m, info = cls.from_pretrained(path, dtype=torch.float32, device_map="cpu", attn_implementation="eager",
+                                      output_loading_info=True, **kw)
     except Exception as e:  # noqa: BLE001 - the note records what happened
-        return f"not loaded: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    return f"loaded as {type(m).__name__}"
+        import traceback
+
+        res["loaded"] = False
+        res["error"] = f"{type(e).__name__}: {str(e).strip()[:600]}"
+        res["traceback_tail"] = traceback.format_exc().strip().splitlines()[-6:]
+        return res
+    m.eval()
+    res["loaded"] = True
+    res["class"] = type(m).__name__
+    res["missing_keys"] = sorted(info.get("missing_keys", []))
+    res["unexpected_keys"] = sorted(info.get("unexpected_keys", []))
+    res["mismatched_keys"] = [str(k) for k in info.get("mismatched_keys", [])]
+    qmods = {n: mod for n, mod in m.named_modules() if hasattr(mod, "qweight") and hasattr(mod, "dequantize_weight")}
+    res["quant_modules"] = len(qmods)
+    res["kernels"] = sorted({type(mod).__name__ for mod in qmods.values()})
+
+    try:
+        measure(res, m, cls, path, fixture, bits, v1)
+    except Exception as e:  # noqa: BLE001 - the note records what happened
+        import traceback
+
+        res["measure_error"] = f"{type(e).__name__}: {str(e).strip()[:600]}"
+        res["traceback_tail"] = traceback.format_exc().strip().splitlines()[-6:]
+    return res
+
+
+def measure(res, m, cls, path, fixture, bits, v1):
+    qmods = {n: mod for n, mod in m.named_modules() if hasattr(mod, "qweight") and hasattr(mod, "dequantize_weight")}
+    tensors = read_safetensors_dir(path)
+    stems = sorted(k[: -len(".qweight")] for k in tensors if k.endswith(".qweight"))
+    res["packed_in_checkpoint"] = len(stems)
+    # Parameter names of the in-memory model may differ from the checkpoint's (e.g. a renamed prefix):
+    # match a packed stem to a loaded quant module by its longest common suffix of dotted parts.
+    def find_module(stem):
+        if stem in qmods:
+            return stem
+        parts = stem.split(".")
+        for k in range(len(parts) - 1, 1, -1):
+            suffix = "." + ".".join(parts[-k:])
+            hits = [n for n in qmods if n.endswith(suffix)]
+            if len(hits) == 1:
+                return hits[0]
+        return None
+
+    worst, unmatched, ours, exact, n_exact = 0.0, [], {}, 0.0, 0
+    for stem in stems:
+        w = gptq_dequant(tensors, stem, bits, v1)
+        ours[stem] = w
+        name = find_module(stem)
+        if name is None:
+            unmatched.append(stem)
+            continue
+        # The linear map the backend's kernel computes, probed with the identity (kernel-agnostic: some CPU
+        # kernels repack the weights, so their dequantize_weight() no longer reads the checkpoint layout).
+        mod = qmods[name]
+        with torch.no_grad():
+            eye = torch.eye(w.shape[1], dtype=torch.float32)
+            zero = torch.zeros(1, w.shape[1], dtype=torch.float32)
+            b = (mod(eye) - mod(zero)).to(torch.float32).T
+        worst = max(worst, ((b - w).abs().max() / w.abs().max().clamp_min(1e-30)).item())
+        if type(mod).__name__ == "TorchLinear":
+            # The pure-torch kernel keeps the checkpoint layout: its own dequantization, element by element, in its
+            # dtype (f16: the scales' dtype), against ours rounded to that dtype.
+            with torch.no_grad():
+                d = mod.dequantize_weight().T  # [in, out] -> [out, in]
+            exact = max(exact, (d.float() - w.to(d.dtype).float()).abs().max().item())
+            res["dequantize_weight_dtype"] = str(d.dtype)
+            n_exact += 1
+    res["dequant_max_rel_diff"] = worst
+    if n_exact:
+        res["dequantize_weight_max_abs_diff"], res["dequantize_weight_modules"] = exact, n_exact
+    res["packed_not_loaded"] = unmatched
+
+    with open(os.path.join(fixture, "expected", "expected.json")) as f:
+        tokens = json.load(f)["tokens"]
+    from safetensors.torch import load_file
+
+    want = load_file(os.path.join(fixture, "expected", "expected.safetensors"))["logits"]
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        got = m(input_ids=ids).logits[0].to(torch.float32)
+    res["fixture_cosine"], res["fixture_top1"] = logit_stats(got, want)
+
+    # The reference: the source model with our dequantized weights, run by transformers in f32.
+    ref = cls.from_pretrained(fixture, dtype=torch.float32, attn_implementation="eager")
+    ref.eval()
+    params = dict(ref.named_parameters())
+    replaced = 0
+    with torch.no_grad():
+        for stem, w in ours.items():
+            p = params.get(f"{stem}.weight")
+            if p is None:
+                cands = [n for n in params if n.endswith("." + ".".join(stem.split(".")[-3:]) + ".weight")]
+                p = params[cands[0]] if len(cands) == 1 else None
+            if p is not None and p.shape == w.shape:
+                p.copy_(w)
+                replaced += 1
+        ref_logits = ref(input_ids=ids).logits[0].to(torch.float32)
+    res["reference_replaced"] = replaced
+    res["backend_vs_reference_cosine"], res["backend_vs_reference_top1"] = logit_stats(got, ref_logits)
+    res["backend_vs_reference_max_abs"] = (got - ref_logits).abs().max().item()
+    res["reference_vs_fixture_cosine"], res["reference_vs_fixture_top1"] = logit_stats(ref_logits, want)
+
+
+def summary_line(r):
+    head = f"{r['family']} ({'defused' if r.get('defused') else 'plain'}, backend {r.get('backend')})"
+    if not r.get("loaded"):
+        return f"{head}: NOT LOADED: {r.get('error')}"
+    if r.get("measure_error"):
+        return (f"{head}: loaded as {r['class']}, {len(r.get('missing_keys', []))} missing keys, "
+                f"{len(r.get('unexpected_keys', []))} unexpected keys; running it failed: {r['measure_error']}")
+    f = lambda k: "-" if r.get(k) is None else f"{r[k]:.4f}"  # noqa: E731
+    return (f"{head}: loaded as {r['class']} [{', '.join(r['kernels'])}], {r['quant_modules']} quant modules, "
+            f"{r['packed_in_checkpoint']} packed, {len(r['packed_not_loaded'])} packed not loaded, {len(r['missing_keys'])} missing keys; "
+            f"logits vs fixture cos {f('fixture_cosine')} top1 {f('fixture_top1')}; our dequant vs backend max rel "
+            f"{r['dequant_max_rel_diff']:.2e}"
+            + (f" (dequantize_weight vs ours in {r['dequantize_weight_dtype']}: max |diff| "
+               f"{r['dequantize_weight_max_abs_diff']:.1e} over {r['dequantize_weight_modules']} modules)"
+               if "dequantize_weight_modules" in r else "")
+            + f"; backend vs our-dequant reference cos {f('backend_vs_reference_cosine')}"
+            f" top1 {f('backend_vs_reference_top1')} ({r['reference_replaced']} weights replaced); reference vs fixture cos {f('reference_vs_fixture_cosine')}")
 
 
 def main():
+    if len(sys.argv) == 6 and sys.argv[1] == "--check-one":
+        r = check_quantized(sys.argv[4], sys.argv[5], defuse=sys.argv[2] == "defused", backend=sys.argv[3])
+        print("CHECK-RESULT " + json.dumps(r), flush=True)
+        return
     if len(sys.argv) > 2 and sys.argv[1] == "--check-quantized":
-        for p in sys.argv[2:]:
-            print(f"{p}: {check_quantized(p)}")
+        # --check-quantized [--json FILE] [--backend B] PATH[=FAMILY]...  (FAMILY defaults to PATH's directory
+        # name; B is GPTQModel's kernel choice, default auto). Each checkpoint is loaded in its own process, first
+        # as transformers loads it; where the chosen kernel rejects a module's shape, again with the pure-torch
+        # kernel (backend torch); where packed modules stay unloaded (fused MoE experts), again with GPTQModel's
+        # defuser patches.
+        import importlib.metadata
+        import subprocess
+
+        args, out, backend = sys.argv[2:], None, "auto"
+        while args[:1] in (["--json"], ["--backend"]):
+            if args[0] == "--json":
+                out = args[1]
+            else:
+                backend = args[1]
+            args = args[2:]
+        versions = {p: importlib.metadata.version(p) for p in ("torch", "transformers", "optimum", "gptqmodel",
+                                                                "defuser", "safetensors")}
+        results = {"versions": versions, "checks": []}
+        for a in args:
+            p, _, fam = a.partition("=")
+            fam = fam or os.path.basename(os.path.normpath(p))
+            mode, kernel = "plain", backend
+            for _ in range(4):
+                proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--check-one", mode, kernel, p, fam],
+                                      capture_output=True, text=True)
+                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CHECK-RESULT ")]
+                if lines:
+                    r = json.loads(lines[-1][len("CHECK-RESULT "):])
+                else:
+                    r = {"family": fam, "path": p, "defused": mode == "defused", "backend": kernel, "loaded": False,
+                         "error": f"check process exited {proc.returncode}", "stderr_tail": proc.stderr[-3000:]}
+                results["checks"].append(r)
+                print(summary_line(r), flush=True)
+                if not r.get("loaded") and "must be divisible" in r.get("error", "") and kernel != "torch":
+                    kernel = "torch"
+                elif r.get("loaded") and (r.get("packed_not_loaded") or r.get("missing_keys")) and mode == "plain":
+                    mode = "defused"
+                else:
+                    break
+        if out:
+            with open(out, "w") as f:
+                json.dump(results, f, indent=1)
         return
     only = set(sys.argv[1:])  # optional family names: regenerate just those (seeds do not depend on it)
     unknown = only - set(FAMILIES)

@@ -403,15 +403,54 @@ fn quantize_with_exclusion(fam: &str, tmp: &Path, mode: &str) -> Value {
 #[test]
 fn written_config_says_what_was_quantized() {
     let tmp = tempfile::tempdir().unwrap();
-    // `auto` on a dense model (and on a plain MoE) quantizes every decoder linear: no overrides.
-    for fam in ["qwen3", "mixtral"] {
-        let qc = quantize_with_exclusion(fam, tmp.path(), "auto");
-        assert!(qc.get("dynamic").is_none(), "{fam}: {qc}");
-        assert!(
-            qc.get("modules_in_block_to_quantize").is_none(),
-            "{fam}: {qc}"
-        );
-    }
+    // `auto` on a dense model (and on a plain MoE) quantizes every decoder linear: no overrides, and the block
+    // list names every quantized module (transformers' GPTQ loader converts exactly these).
+    let block = |qc: &Value| -> Vec<String> {
+        let b = qc["modules_in_block_to_quantize"].as_array().unwrap();
+        assert_eq!(b.len(), 1, "{qc}");
+        b[0].as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_str().unwrap().to_string())
+            .collect()
+    };
+    let qc = quantize_with_exclusion("qwen3", tmp.path(), "auto");
+    assert!(qc.get("dynamic").is_none(), "{qc}");
+    assert_eq!(
+        block(&qc),
+        [
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj"
+        ]
+    );
+    let qc = quantize_with_exclusion("mixtral", tmp.path(), "auto");
+    assert!(qc.get("dynamic").is_none(), "{qc}");
+    let b = block(&qc);
+    assert_eq!(b.len(), 4 + 8 * 3, "{qc}");
+    assert!(
+        b.contains(&"block_sparse_moe.experts.7.w3".to_string()),
+        "{qc}"
+    );
+    assert!(!b.iter().any(|n| n.ends_with(".gate")), "{qc}");
+    // Qwen2-MoE: the shared expert's gate is a plain linear the engine never quantizes. Without the list,
+    // transformers (optimum) would convert it too and leave it uninitialised (make oracle-check found that).
+    let qc = quantize_with_exclusion("qwen2_moe", tmp.path(), "auto");
+    let b = block(&qc);
+    assert!(
+        b.contains(&"mlp.shared_expert.down_proj".to_string()),
+        "{qc}"
+    );
+    assert!(!b.iter().any(|n| n.contains("shared_expert_gate")), "{qc}");
+    // Different modules per layer (qwen3_moe's layer 1 is dense): the union.
+    let qc = quantize_with_exclusion("qwen3_moe", tmp.path(), "auto");
+    let b = block(&qc);
+    assert!(b.contains(&"mlp.gate_proj".to_string()), "{qc}");
+    assert!(b.contains(&"mlp.experts.0.gate_proj".to_string()), "{qc}");
     // An explicit list that hits the same module in every layer: per-module negative overrides, and the
     // block-relative list of what was quantized.
     let qc = quantize_with_exclusion("qwen3", tmp.path(), "o_proj");
@@ -432,6 +471,11 @@ fn written_config_says_what_was_quantized() {
             "mlp.down_proj"
         ]])
     );
+    // A module kept in one layer and quantized in another: a suffix list cannot say that, so none is written
+    // (`dynamic` still does, for GPTQModel and vLLM).
+    let qc = quantize_with_exclusion("qwen3", tmp.path(), "layers.1.self_attn.o_proj");
+    assert_eq!(qc["dynamic"].as_object().unwrap().len(), 1, "{qc}");
+    assert!(qc.get("modules_in_block_to_quantize").is_none(), "{qc}");
 }
 
 /// Gemma 4 MoE under `dynamicExclusion`: `auto` on this plain (non-hybrid) MoE quantizes every decoder linear

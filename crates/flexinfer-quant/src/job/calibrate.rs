@@ -26,6 +26,8 @@ pub(super) struct ModulePlan {
     pub(super) excluded: Vec<String>,
     /// Block-relative names of the modules quantized in each layer (the written config lists them).
     pub(super) quantized: Vec<Vec<String>>,
+    /// Block-relative names of the candidate linears kept in full precision in each layer.
+    pub(super) kept: Vec<Vec<String>>,
 }
 
 /// Checks every layer's modules (shapes, fused experts, routers) and splits them into quantized and
@@ -38,9 +40,11 @@ pub(super) fn plan_modules(
 ) -> Result<ModulePlan> {
     let mut excluded = Vec::new();
     let mut quantized_names: Vec<Vec<String>> = Vec::with_capacity(cfg.num_layers);
+    let mut kept: Vec<Vec<String>> = Vec::with_capacity(cfg.num_layers);
     for layer in 0..cfg.num_layers {
         let prefix = cfg.layer_prefix(layer);
         let mut names = Vec::new();
+        let mut kept_here = Vec::new();
         check_fused_experts(store, cfg, layer)?;
         for spec in layer_modules(cfg, layer) {
             if spec.tied {
@@ -51,6 +55,7 @@ pub(super) fn plan_modules(
             check_source_module(store, cfg, layer, &spec)?;
             if exclusion.excludes(&name, cfg.hybrid) {
                 excluded.push(name);
+                kept_here.push(spec.name);
             } else {
                 job.params.check_shape(&name, rows, cols)?;
                 names.push(spec.name);
@@ -67,10 +72,12 @@ pub(super) fn plan_modules(
             }
         }
         quantized_names.push(names);
+        kept.push(kept_here);
     }
     Ok(ModulePlan {
         excluded,
         quantized: quantized_names,
+        kept,
     })
 }
 

@@ -73,13 +73,19 @@ pub(super) fn reuse_artifact(
 }
 
 /// `quantization_config`: the GPTQ settings plus exactly what was quantized. `quantized[l]` are the
-/// block-relative names of the modules quantized in layer `l` (true-sequential order), `excluded` the full names
-/// of candidate linears kept in full precision. Every kept module gets a negative `dynamic` entry (GPTQModel /
-/// vLLM / transformers skip it); when every layer quantizes the same modules, `modules_in_block_to_quantize`
-/// lists them too (the form optimum / transformers read).
+/// block-relative names of the modules quantized in layer `l` (true-sequential order), `kept[l]` those of the
+/// candidate linears it keeps in full precision, `excluded` the full names of all kept candidates. Every kept
+/// module gets a negative `dynamic` entry (GPTQModel / vLLM skip it). `modules_in_block_to_quantize` lists the
+/// union of the layers' quantized modules (first-seen order) whenever no listed name is kept in some layer: the
+/// form optimum / transformers read (they ignore `dynamic`), matched by name suffix inside each decoder layer, so
+/// a layer converts just the listed modules it has. It is needed even when nothing is excluded: transformers'
+/// GPTQ loader otherwise converts every plain `nn.Linear` of a layer, non-candidates such as Qwen2-MoE /
+/// Qwen3-Next's `mlp.shared_expert_gate` (kept in full precision by the engine) included, and would leave them
+/// uninitialised.
 fn quantize_config_json(
     job: &QuantizeJob,
     quantized: &[Vec<String>],
+    kept: &[Vec<String>],
     excluded: &[String],
 ) -> Value {
     let p = &job.params;
@@ -106,13 +112,25 @@ fn quantize_config_json(
             .map(|m| (format!("-:^{}$", m.replace('.', "\\.")), json!({})))
             .collect();
         qc["dynamic"] = Value::Object(dynamic);
-        if let Some(first) = quantized.first() {
-            if !first.is_empty() && quantized.iter().all(|l| l == first) {
-                qc["modules_in_block_to_quantize"] = json!([first]);
-            }
-        }
+    }
+    if let Some(block) = block_modules(quantized, kept) {
+        qc["modules_in_block_to_quantize"] = json!([block]);
     }
     qc
+}
+
+/// The union of the layers' quantized block-relative names in first-seen order, or `None` when it is empty
+/// or some listed name is kept in full precision in another layer (a suffix list cannot say that).
+fn block_modules(quantized: &[Vec<String>], kept: &[Vec<String>]) -> Option<Vec<String>> {
+    let mut seen = std::collections::HashSet::new();
+    let mut union: Vec<String> = Vec::new();
+    for name in quantized.iter().flatten() {
+        if seen.insert(name.as_str()) {
+            union.push(name.clone());
+        }
+    }
+    let conflict = kept.iter().flatten().any(|k| seen.contains(k.as_str()));
+    (!union.is_empty() && !conflict).then_some(union)
 }
 
 /// Everything the save needs beyond the job.
@@ -148,7 +166,7 @@ pub(super) fn save(
         drop(layer_stores);
         return reject(job, quality, &quality_json, events);
     }
-    let qc = quantize_config_json(job, &s.plan.quantized, &s.plan.excluded);
+    let qc = quantize_config_json(job, &s.plan.quantized, &s.plan.kept, &s.plan.excluded);
     let mut config_json = cfg.raw.clone();
 
     config_json["quantization_config"] = qc.clone();
@@ -297,4 +315,38 @@ fn output_tensors<'s>(
         }
     }
     Ok(tensors)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::block_modules;
+
+    fn names(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn block_list_is_the_union_unless_a_listed_module_is_kept_somewhere() {
+        // Dense layer 0, MoE layer 1, nothing kept: the union in first-seen order.
+        let q = [
+            names(&["self_attn.q_proj", "mlp.gate_proj"]),
+            names(&["self_attn.q_proj", "mlp.experts.0.up_proj"]),
+        ];
+        assert_eq!(
+            block_modules(&q, &[vec![], vec![]]),
+            Some(names(&[
+                "self_attn.q_proj",
+                "mlp.gate_proj",
+                "mlp.experts.0.up_proj"
+            ]))
+        );
+        // Kept modules no layer quantizes (linear attention of a hybrid): still the union.
+        let kept = [names(&["linear_attn.in_proj_qkvz"]), vec![]];
+        assert!(block_modules(&q, &kept).is_some());
+        // q_proj kept in layer 1 but quantized in layer 0: a suffix list cannot say that.
+        let kept = [vec![], names(&["self_attn.q_proj"])];
+        assert_eq!(block_modules(&q, &kept), None);
+        // Nothing quantized: no list.
+        assert_eq!(block_modules(&[vec![], vec![]], &[vec![], vec![]]), None);
+    }
 }
