@@ -296,7 +296,7 @@ async fn full_pipeline_reaches_ready() -> Result<()> {
     assert_eq!(st.current_phase.as_deref(), Some("ready"));
     let q = st.quantization.context("quantization status")?;
     // The path names the promoted generation.
-    let generation = q.generation.clone().context("generation")?;
+    let generation = q.generations.generation.clone().context("generation")?;
     assert_eq!(
         st.path,
         Some(format!("full-cache:full/gptq-w4-g128.{generation}"))
