@@ -15,9 +15,10 @@ use flexinfer_api::model::ModelPhase;
 use flexinfer_api::{GPUProfile, Model, ModelCache};
 use flexinfer_controller::metrics::Metrics;
 use flexinfer_controller::model::{self, render::RenderConfig, Options};
+use flexinfer_e2e::{cleanup_off_runtime, TestNamespace};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{
-    Container, Namespace, PersistentVolume, PersistentVolumeClaim, Pod, Service,
+    Container, PersistentVolume, PersistentVolumeClaim, Pod, Service,
 };
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -31,7 +32,7 @@ const WAIT: Duration = Duration::from_secs(90);
 
 struct TestEnv {
     client: Client,
-    ns: String,
+    ns: TestNamespace,
     metrics: Metrics,
     controller: tokio::task::JoinHandle<()>,
     pvs: Vec<String>,
@@ -74,23 +75,12 @@ impl TestEnv {
     async fn new(prefix: &str) -> Self {
         let client = client().await;
         install_crds(&client).await;
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos())
-            .unwrap_or(0);
-        let ns = format!("{prefix}-{:06x}", (nanos ^ std::process::id()) & 0xffffff);
-        let nsapi: Api<Namespace> = Api::all(client.clone());
-        let nsobj: Namespace = serde_json::from_value(json!({
-            "metadata": {"name": ns, "labels": {"flexinfer.ai/test": "true"}}
-        }))
-        .unwrap_or_else(|e| panic!("{e}"));
-        nsapi
-            .create(&PostParams::default(), &nsobj)
+        let ns = TestNamespace::new(&client, prefix)
             .await
-            .unwrap_or_else(|e| panic!("create namespace {ns}: {e}"));
+            .unwrap_or_else(|e| panic!("create namespace: {e:#}"));
         let metrics = Metrics::new().unwrap_or_else(|e| panic!("metrics: {e}"));
         let opts = Options {
-            namespace: Some(ns.clone()),
+            namespace: Some(ns.name.clone()),
             profile_namespace: None,
             render: RenderConfig::default(),
             preemption_grace: None,
@@ -115,7 +105,7 @@ impl TestEnv {
         K: Resource<Scope = k8s_openapi::NamespaceResourceScope>,
         K::DynamicType: Default,
     {
-        Api::namespaced(self.client.clone(), &self.ns)
+        Api::namespaced(self.client.clone(), &self.ns.name)
     }
 
     /// Server-side apply a namespaced object (JSON with apiVersion/kind/metadata.name).
@@ -128,7 +118,7 @@ impl TestEnv {
             + std::fmt::Debug,
         K::DynamicType: Default,
     {
-        obj["metadata"]["namespace"] = json!(self.ns);
+        obj["metadata"]["namespace"] = json!(self.ns.name);
         let name = obj["metadata"]["name"]
             .as_str()
             .unwrap_or_default()
@@ -145,13 +135,13 @@ impl TestEnv {
 
     /// A PersistentVolumeClaim pre-bound to a hostPath PersistentVolume (no provisioner here).
     async fn pvc(&mut self, claim: &str) {
-        let pv_name = format!("{}-{claim}", self.ns);
+        let pv_name = format!("{}-{claim}", self.ns.name);
         let pvs: Api<PersistentVolume> = Api::all(self.client.clone());
         let pv: PersistentVolume = serde_json::from_value(json!({
             "metadata": {"name": pv_name, "labels": {"flexinfer.ai/test": "true"}},
             "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"], "storageClassName": "",
                      "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": "/tmp/flexinfer-model-tests"},
-                     "claimRef": {"namespace": self.ns, "name": claim}}
+                     "claimRef": {"namespace": self.ns.name, "name": claim}}
         }))
         .unwrap_or_else(|e| panic!("{e}"));
         pvs.create(&PostParams::default(), &pv)
@@ -274,44 +264,28 @@ impl TestEnv {
 
     async fn cleanup(mut self) {
         self.controller.abort();
-        delete_test_objects(&self.client, &self.ns, &self.pvs).await;
+        delete_pvs(&self.client, &self.pvs).await;
         self.pvs.clear();
-        self.ns.clear();
     }
 }
 
-async fn delete_test_objects(client: &Client, ns: &str, pvs: &[String]) {
-    let nsapi: Api<Namespace> = Api::all(client.clone());
-    let _ = nsapi.delete(ns, &DeleteParams::background()).await;
+async fn delete_pvs(client: &Client, pvs: &[String]) {
     let pvapi: Api<PersistentVolume> = Api::all(client.clone());
     for pv in pvs {
         let _ = pvapi.delete(pv, &DeleteParams::background()).await;
     }
 }
 
-/// A failed test still removes its namespace (and so its pods and their GPUs). The test's own
-/// runtime is blocked here, so the deletes run on a fresh client in a helper thread.
+/// A failed test still removes its PVs (and, through [`TestNamespace`], its namespace with its pods
+/// and their GPUs).
 impl Drop for TestEnv {
     fn drop(&mut self) {
         self.controller.abort();
-        if self.ns.is_empty() {
+        if self.pvs.is_empty() {
             return;
         }
-        let (ns, pvs) = (std::mem::take(&mut self.ns), std::mem::take(&mut self.pvs));
-        let cleanup = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
-                return;
-            };
-            rt.block_on(async move {
-                if let Ok(client) = Client::try_default().await {
-                    delete_test_objects(&client, &ns, &pvs).await;
-                }
-            });
-        });
-        let _ = cleanup.join();
+        let pvs = std::mem::take(&mut self.pvs);
+        cleanup_off_runtime(move |client| async move { delete_pvs(&client, &pvs).await });
     }
 }
 
@@ -439,7 +413,7 @@ async fn model_backends_phases_and_metrics() {
         assert_eq!(st.replicas, Some(1), "{name}");
         assert_eq!(
             st.endpoint,
-            Some(format!("http://{name}.{}.svc:8000/v1", env.ns)),
+            Some(format!("http://{name}.{}.svc:8000/v1", env.ns.name)),
             "{name}"
         );
         assert_eq!(st.observed_generation, m.metadata.generation, "{name}");
@@ -535,7 +509,7 @@ async fn model_backends_phases_and_metrics() {
         let get = |p: &str| {
             env.metrics
                 .model_phase
-                .with_label_values(&[*name, env.ns.as_str(), p])
+                .with_label_values(&[*name, env.ns.name.as_str(), p])
                 .get()
         };
         assert_eq!(get("Ready"), 1, "{name}");
@@ -702,7 +676,7 @@ async fn model_backends_phases_and_metrics() {
     assert_eq!(
         env.metrics
             .model_phase
-            .with_label_values(&["vllm-m", env.ns.as_str(), "Loading"])
+            .with_label_values(&["vllm-m", env.ns.name.as_str(), "Loading"])
             .get(),
         1
     );
@@ -711,7 +685,7 @@ async fn model_backends_phases_and_metrics() {
     let counted = || {
         env.metrics
             .model_phase_transitions_total
-            .with_label_values(&["vllm-m", env.ns.as_str(), "Ready", "Loading"])
+            .with_label_values(&["vllm-m", env.ns.name.as_str(), "Ready", "Loading"])
             .get()
     };
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -1218,7 +1192,7 @@ async fn model_bad_input_is_reported_not_crashlooped() {
     let err = env
         .api::<Model>()
         .patch("dotdot", &PatchParams::apply(MANAGER), &Patch::Apply(json!({"apiVersion": "ai.flexinfer/v1alpha2", "kind": "Model",
-            "metadata": {"name": "dotdot", "namespace": env.ns}, "spec": {"backend": "vllm", "source": "pvc://m/../etc"}})))
+            "metadata": {"name": "dotdot", "namespace": env.ns.name}, "spec": {"backend": "vllm", "source": "pvc://m/../etc"}})))
         .await
         .err()
         .unwrap_or_else(|| panic!("pvc:// with '..' was admitted"));
