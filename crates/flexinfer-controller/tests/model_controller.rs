@@ -15,7 +15,7 @@ use flexinfer_api::model::ModelPhase;
 use flexinfer_api::{GPUProfile, Model, ModelCache};
 use flexinfer_controller::metrics::Metrics;
 use flexinfer_controller::model::{self, render::RenderConfig, Options};
-use flexinfer_e2e::{cleanup_off_runtime, TestNamespace};
+use flexinfer_e2e::{cleanup_off_runtime, wait_for, TestNamespace};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{
     Container, PersistentVolume, PersistentVolumeClaim, Pod, Service,
@@ -173,7 +173,7 @@ impl TestEnv {
     }
 
     /// Wait until the object `name` satisfies `cond`; on timeout, fail with `describe` of what is there.
-    async fn wait_for<K>(
+    async fn wait_object<K>(
         &self,
         name: &str,
         what: &str,
@@ -214,7 +214,7 @@ impl TestEnv {
         what: &str,
         cond: impl Fn(&Model) -> bool + Send + 'static,
     ) -> Model {
-        self.wait_for(name, what, cond, |m: Option<Model>| {
+        self.wait_object(name, what, cond, |m: Option<Model>| {
             format!("status: {:#?}", m.and_then(|m| m.status))
         })
         .await
@@ -226,7 +226,7 @@ impl TestEnv {
         what: &str,
         cond: impl Fn(&Deployment) -> bool + Send + 'static,
     ) -> Deployment {
-        self.wait_for(name, what, cond, |d: Option<Deployment>| {
+        self.wait_object(name, what, cond, |d: Option<Deployment>| {
             format!("{:#?}", d.map(|d| (d.spec.map(|s| s.replicas), d.status)))
         })
         .await
@@ -688,14 +688,16 @@ async fn model_backends_phases_and_metrics() {
             .with_label_values(&["vllm-m", env.ns.name.as_str(), "Ready", "Loading"])
             .get()
     };
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while counted() < 1 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the Ready -> Loading transition was not counted"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for(
+        "the Ready -> Loading transition to be counted",
+        Duration::from_secs(10),
+        || {
+            let n = counted();
+            async move { (n >= 1).then_some(()) }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
     assert!(env.metrics.render().contains("flexinfer_model_phase{"));
 
     // Events on phase changes.
@@ -1220,14 +1222,16 @@ async fn model_bad_input_is_reported_not_crashlooped() {
         .delete("exl2-on-ollama", &DeleteParams::default())
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while env.metrics.render().contains("model=\"exl2-on-ollama\"") {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "metrics of a deleted Model were kept"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_for(
+        "the metrics of the deleted Model to go",
+        Duration::from_secs(30),
+        || {
+            let kept = env.metrics.render().contains("model=\"exl2-on-ollama\"");
+            async move { (!kept).then_some(()) }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
 
     // Fixing the input recovers without a restart: the missing GPUProfile appears.
     let mut profile = example("gpuprofile-gfx906.yaml");
@@ -1360,7 +1364,7 @@ async fn model_leaves_foreign_objects_alone() {
         ev.note
     );
     env.wait_deployment("mine", "created", |_| true).await;
-    env.wait_for(
+    env.wait_object(
         "mine",
         "Service created",
         |_: &Service| true,
@@ -1411,29 +1415,28 @@ async fn model_leaves_foreign_objects_alone() {
             .await
             .unwrap_or_else(|e| panic!("delete {name}: {e}"));
     }
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        let gone = env
-            .api::<Deployment>()
-            .get_opt("mine")
-            .await
-            .unwrap_or_else(|e| panic!("{e}"))
-            .is_none()
-            && env
-                .api::<Service>()
-                .get_opt("mine")
-                .await
-                .unwrap_or_else(|e| panic!("{e}"))
-                .is_none();
-        if gone {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the owned children of a deleted Model were not garbage collected"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    wait_for(
+        "the owned children of the deleted Model to be garbage collected",
+        WAIT,
+        || {
+            let (deployments, services) = (env.api::<Deployment>(), env.api::<Service>());
+            async move {
+                let gone = deployments
+                    .get_opt("mine")
+                    .await
+                    .unwrap_or_else(|e| panic!("{e}"))
+                    .is_none()
+                    && services
+                        .get_opt("mine")
+                        .await
+                        .unwrap_or_else(|e| panic!("{e}"))
+                        .is_none();
+                gone.then_some(())
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
     let (d, s) = get().await;
     untouched("after the Model was deleted", &d, &s);
     env.cleanup().await;
