@@ -34,10 +34,10 @@ pub async fn client() -> Client {
         .expect("cannot build a client from KUBECONFIG (is the test control plane running?)")
 }
 
-/// A namespace created for one test and deleted (in the background) when dropped.
+/// A namespace created for one test (labelled `flexinfer.ai/test=true`) and deleted (in the
+/// background) when dropped, also when the test fails.
 pub struct TestNamespace {
     pub name: String,
-    client: Client,
 }
 
 impl TestNamespace {
@@ -57,23 +57,42 @@ impl TestNamespace {
         api.create(&PostParams::default(), &ns)
             .await
             .with_context(|| format!("create namespace {name}"))?;
-        Ok(Self {
-            name,
-            client: client.clone(),
-        })
+        Ok(Self { name })
     }
 }
 
 impl Drop for TestNamespace {
     fn drop(&mut self) {
-        let api: Api<Namespace> = Api::all(self.client.clone());
-        let name = self.name.clone();
-        if let Ok(handle) = tokio::runtime::Handle::try_current() {
-            handle.spawn(async move {
-                let _ = api.delete(&name, &DeleteParams::background()).await;
-            });
-        }
+        let name = std::mem::take(&mut self.name);
+        cleanup_off_runtime(move |client| async move {
+            let api: Api<Namespace> = Api::all(client);
+            let _ = api.delete(&name, &DeleteParams::background()).await;
+        });
     }
+}
+
+/// Run `cleanup` to completion with a fresh client on a helper thread with its own runtime: from a
+/// `Drop` of a test object the test's runtime is blocked (or already gone), so a task spawned on
+/// it might never run. Does nothing when no client can be built.
+pub fn cleanup_off_runtime<F, Fut>(cleanup: F)
+where
+    F: FnOnce(Client) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()>,
+{
+    let helper = std::thread::spawn(move || {
+        let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        else {
+            return;
+        };
+        rt.block_on(async move {
+            if let Ok(client) = Client::try_default().await {
+                cleanup(client).await;
+            }
+        });
+    });
+    let _ = helper.join();
 }
 
 /// Parse a multi-document YAML string into JSON values (empty documents skipped).

@@ -5,9 +5,9 @@
 
 use std::process::Command;
 
+use flexinfer_e2e::TestNamespace;
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::Namespace;
-use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
+use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
 use kube::Client;
 use serde_json::{json, Value};
@@ -25,52 +25,6 @@ async fn client() -> Client {
     Client::try_default()
         .await
         .expect("cannot build a client from KUBECONFIG (is the test control plane running?)")
-}
-
-/// A namespace for one test; deleted when dropped.
-struct Ns {
-    name: String,
-}
-
-impl Ns {
-    async fn new(client: &Client, prefix: &str) -> Ns {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos())
-            .unwrap_or(0);
-        let name = format!("{prefix}-{:08x}", nanos ^ std::process::id());
-        let api: Api<Namespace> = Api::all(client.clone());
-        let ns: Namespace = serde_json::from_value(
-            json!({"metadata": {"name": name, "labels": {"flexinfer.ai/test": "true"}}}),
-        )
-        .unwrap();
-        api.create(&PostParams::default(), &ns)
-            .await
-            .expect("create namespace");
-        Ns { name }
-    }
-}
-
-impl Drop for Ns {
-    fn drop(&mut self) {
-        let name = self.name.clone();
-        // The test's runtime is blocked while we are dropped (and drives `self.client`), so clean
-        // up from another thread with its own runtime and client.
-        let _ = std::thread::spawn(move || {
-            if let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            {
-                rt.block_on(async move {
-                    if let Ok(c) = Client::try_default().await {
-                        let api: Api<Namespace> = Api::all(c);
-                        let _ = api.delete(&name, &DeleteParams::background()).await;
-                    }
-                });
-            }
-        })
-        .join();
-    }
 }
 
 fn ar(kind: &str, plural: &str, version: &str) -> ApiResource {
@@ -139,7 +93,9 @@ fn flexinfer(args: &[&str]) -> Out {
 #[tokio::test]
 async fn quantize_validates_and_patches_the_spec() {
     let c = client().await;
-    let ns = Ns::new(&c, "cli-quantize").await;
+    let ns = TestNamespace::new(&c, "cli-quantize")
+        .await
+        .expect("create namespace");
     create_cache(
         &c,
         &ns.name,
@@ -266,7 +222,9 @@ async fn quantize_validates_and_patches_the_spec() {
 #[tokio::test]
 async fn quantize_status_shows_requested_applied_job_progress_and_quality() {
     let c = client().await;
-    let ns = Ns::new(&c, "cli-qstatus").await;
+    let ns = TestNamespace::new(&c, "cli-qstatus")
+        .await
+        .expect("create namespace");
     create_cache(
         &c,
         &ns.name,
@@ -366,7 +324,9 @@ async fn quantize_status_shows_requested_applied_job_progress_and_quality() {
 #[tokio::test]
 async fn cache_status_lists_caches() {
     let c = client().await;
-    let ns = Ns::new(&c, "cli-cstatus").await;
+    let ns = TestNamespace::new(&c, "cli-cstatus")
+        .await
+        .expect("create namespace");
     create_cache(
         &c,
         &ns.name,
@@ -448,7 +408,9 @@ async fn cache_status_lists_caches() {
     assert_eq!(v[0]["name"], "a-ready");
     assert_eq!(v[1]["progress"], 37);
 
-    let empty = Ns::new(&c, "cli-empty").await;
+    let empty = TestNamespace::new(&c, "cli-empty")
+        .await
+        .expect("create namespace");
     let o = flexinfer(&["cache", "status", "-n", &empty.name]);
     assert_eq!(o.code, 0);
     assert!(o.stdout.contains("No ModelCaches found"), "{}", o.stdout);
@@ -457,7 +419,9 @@ async fn cache_status_lists_caches() {
 #[tokio::test]
 async fn recommend_uses_the_gpu_profile_and_applies() {
     let c = client().await;
-    let ns = Ns::new(&c, "cli-recommend").await;
+    let ns = TestNamespace::new(&c, "cli-recommend")
+        .await
+        .expect("create namespace");
     let profiles: Api<DynamicObject> = Api::namespaced_with(
         c.clone(),
         &ns.name,
@@ -531,7 +495,9 @@ async fn recommend_uses_the_gpu_profile_and_applies() {
 async fn recommend_reads_hub_metadata() {
     use std::io::{Read, Write};
     let c = client().await;
-    let ns = Ns::new(&c, "cli-hub").await;
+    let ns = TestNamespace::new(&c, "cli-hub")
+        .await
+        .expect("create namespace");
     create_cache(
         &c,
         &ns.name,

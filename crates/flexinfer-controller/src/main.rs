@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use flexinfer_api::contract::env;
+use flexinfer_api::process;
 use flexinfer_controller::http::{self, Health};
 use flexinfer_controller::leader::{Leadership, LeaseConfig};
 use flexinfer_controller::metrics::Metrics;
@@ -14,7 +15,7 @@ use flexinfer_controller::model;
 use flexinfer_controller::modelcache::{self, Config};
 use flexinfer_controller::supervise::{supervise, Shutdown};
 use tokio::task::JoinHandle;
-use tracing::{error, info};
+use tracing::info;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -52,21 +53,8 @@ struct Args {
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,kube=warn"));
-    if args.log_text {
-        tracing_subscriber::fmt().with_env_filter(filter).init();
-    } else {
-        tracing_subscriber::fmt()
-            .json()
-            .flatten_event(true)
-            .with_env_filter(filter)
-            .init();
-    }
-    if let Err(e) = run(args).await {
-        error!(error = %format!("{e:#}"), "controller exited");
-        std::process::exit(1);
-    }
+    process::init_logging(args.log_text);
+    process::exit_on_error("controller", run(args).await);
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
@@ -116,7 +104,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     tokio::spawn({
         let shutdown = shutdown.clone();
         async move {
-            shutdown_signal().await;
+            process::shutdown_signal().await;
             info!("shutdown signal received");
             shutdown.trigger();
         }
@@ -225,28 +213,4 @@ fn spawn_controllers(
         }
     }));
     (caches, models)
-}
-
-/// SIGTERM (the kubelet) or SIGINT (a terminal).
-async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = tokio::signal::ctrl_c() => {}
-                }
-            }
-            Err(e) => {
-                error!(error = %e, "cannot listen for SIGTERM; only SIGINT stops the controller");
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-    }
 }

@@ -1,8 +1,19 @@
 //! Prometheus metrics (names and labels follow the seed deployment and the chart's alerts).
 
+use prometheus::core::Collector;
 use prometheus::{
     histogram_opts, opts, GaugeVec, HistogramVec, IntCounterVec, IntGaugeVec, Registry,
 };
+
+/// `c`, registered in `registry`.
+fn registered<C: Collector + Clone + 'static>(
+    registry: &Registry,
+    c: Result<C, prometheus::Error>,
+) -> Result<C, prometheus::Error> {
+    let c = c?;
+    registry.register(Box::new(c.clone()))?;
+    Ok(c)
+}
 
 /// Every metric the controller exports.
 #[derive(Clone)]
@@ -52,162 +63,181 @@ impl Metrics {
         let registry = Registry::new();
         let mj = ["model", "namespace", "job_type"];
         let mn = ["model", "namespace"];
-        let m = Metrics {
-            job_progress_percent: GaugeVec::new(
-                opts!(
-                    "flexinfer_job_progress_percent",
-                    "Progress of the running pipeline Job (0-100)"
+        Ok(Metrics {
+            job_progress_percent: registered(
+                &registry,
+                GaugeVec::new(
+                    opts!(
+                        "flexinfer_job_progress_percent",
+                        "Progress of the running pipeline Job (0-100)"
+                    ),
+                    &mj,
                 ),
-                &mj,
             )?,
-            quantization_layer_index: IntGaugeVec::new(
-                opts!(
-                    "flexinfer_quantization_layer_index",
-                    "Decoder layer the quantizer is working on"
+            quantization_layer_index: registered(
+                &registry,
+                IntGaugeVec::new(
+                    opts!(
+                        "flexinfer_quantization_layer_index",
+                        "Decoder layer the quantizer is working on"
+                    ),
+                    &mn,
                 ),
-                &mn,
             )?,
-            quantization_layer_total: IntGaugeVec::new(
-                opts!(
-                    "flexinfer_quantization_layer_total",
-                    "Decoder layers of the model being quantized"
+            quantization_layer_total: registered(
+                &registry,
+                IntGaugeVec::new(
+                    opts!(
+                        "flexinfer_quantization_layer_total",
+                        "Decoder layers of the model being quantized"
+                    ),
+                    &mn,
                 ),
-                &mn,
             )?,
-            job_deadline_seconds: GaugeVec::new(
-                opts!(
-                    "flexinfer_job_deadline_seconds",
-                    "activeDeadlineSeconds of the running pipeline Job"
+            job_deadline_seconds: registered(
+                &registry,
+                GaugeVec::new(
+                    opts!(
+                        "flexinfer_job_deadline_seconds",
+                        "activeDeadlineSeconds of the running pipeline Job"
+                    ),
+                    &mj,
                 ),
-                &mj,
             )?,
-            job_elapsed_seconds: GaugeVec::new(
-                opts!(
-                    "flexinfer_job_elapsed_seconds",
-                    "Seconds since the running pipeline Job started"
+            job_elapsed_seconds: registered(
+                &registry,
+                GaugeVec::new(
+                    opts!(
+                        "flexinfer_job_elapsed_seconds",
+                        "Seconds since the running pipeline Job started"
+                    ),
+                    &mj,
                 ),
-                &mj,
             )?,
-            quantization_last_progress_timestamp: GaugeVec::new(
-                opts!(
-                    "flexinfer_quantization_last_progress_timestamp_seconds",
-                    "Unix time of the last quantization layer progress"
+            quantization_last_progress_timestamp: registered(
+                &registry,
+                GaugeVec::new(
+                    opts!(
+                        "flexinfer_quantization_last_progress_timestamp_seconds",
+                        "Unix time of the last quantization layer progress"
+                    ),
+                    &mn,
                 ),
-                &mn,
             )?,
-            quantization_jobs_total: IntCounterVec::new(
-                opts!(
-                    "flexinfer_quantization_jobs_total",
-                    "Finished quantization Jobs by outcome"
+            quantization_jobs_total: registered(
+                &registry,
+                IntCounterVec::new(
+                    opts!(
+                        "flexinfer_quantization_jobs_total",
+                        "Finished quantization Jobs by outcome"
+                    ),
+                    &["model", "namespace", "status"],
                 ),
-                &["model", "namespace", "status"],
             )?,
-            quantization_duration_seconds: HistogramVec::new(
-                histogram_opts!(
-                    "flexinfer_quantization_duration_seconds",
-                    "Wall time of successful quantization runs",
-                    vec![
-                        60.0, 300.0, 900.0, 1800.0, 3600.0, 7200.0, 14400.0, 28800.0, 57600.0,
-                        86400.0, 172800.0
-                    ]
+            quantization_duration_seconds: registered(
+                &registry,
+                HistogramVec::new(
+                    histogram_opts!(
+                        "flexinfer_quantization_duration_seconds",
+                        "Wall time of successful quantization runs",
+                        vec![
+                            60.0, 300.0, 900.0, 1800.0, 3600.0, 7200.0, 14400.0, 28800.0, 57600.0,
+                            86400.0, 172800.0
+                        ]
+                    ),
+                    &mn,
                 ),
-                &mn,
             )?,
-            quantization_compression_ratio: GaugeVec::new(
-                opts!(
-                    "flexinfer_quantization_compression_ratio",
-                    "Original size / quantized size"
+            quantization_compression_ratio: registered(
+                &registry,
+                GaugeVec::new(
+                    opts!(
+                        "flexinfer_quantization_compression_ratio",
+                        "Original size / quantized size"
+                    ),
+                    &mn,
                 ),
-                &mn,
             )?,
-            model_cache_failures_total: IntCounterVec::new(
-                opts!(
-                    "flexinfer_model_cache_failures_total",
-                    "Pipeline phase failures by reason"
+            model_cache_failures_total: registered(
+                &registry,
+                IntCounterVec::new(
+                    opts!(
+                        "flexinfer_model_cache_failures_total",
+                        "Pipeline phase failures by reason"
+                    ),
+                    &["model", "namespace", "reason"],
                 ),
-                &["model", "namespace", "reason"],
             )?,
-            modelcache_phase: IntGaugeVec::new(
-                opts!(
-                    "flexinfer_modelcache_phase",
-                    "Current phase of each ModelCache (1 = current)"
+            modelcache_phase: registered(
+                &registry,
+                IntGaugeVec::new(
+                    opts!(
+                        "flexinfer_modelcache_phase",
+                        "Current phase of each ModelCache (1 = current)"
+                    ),
+                    &["cache", "namespace", "phase"],
                 ),
-                &["cache", "namespace", "phase"],
             )?,
-            model_phase: IntGaugeVec::new(
-                opts!(
-                    "flexinfer_model_phase",
-                    "Current phase of each Model (1 = current)"
+            model_phase: registered(
+                &registry,
+                IntGaugeVec::new(
+                    opts!(
+                        "flexinfer_model_phase",
+                        "Current phase of each Model (1 = current)"
+                    ),
+                    &["model", "namespace", "phase"],
                 ),
-                &["model", "namespace", "phase"],
             )?,
-            model_phase_transitions_total: IntCounterVec::new(
-                opts!(
-                    "flexinfer_model_phase_transitions_total",
-                    "Model phase transitions"
+            model_phase_transitions_total: registered(
+                &registry,
+                IntCounterVec::new(
+                    opts!(
+                        "flexinfer_model_phase_transitions_total",
+                        "Model phase transitions"
+                    ),
+                    &["model", "namespace", "from", "to"],
                 ),
-                &["model", "namespace", "from", "to"],
             )?,
-            model_preemptions_total: IntCounterVec::new(
-                opts!(
+            model_preemptions_total: registered(
+                &registry,
+                IntCounterVec::new(
+                    opts!(
                     "flexinfer_model_preemptions_total",
                     "Times a Model of a shared GPU group was preempted by a higher-priority one"
                 ),
-                &["model", "namespace", "group"],
-            )?,
-            reconcile_duration_seconds: HistogramVec::new(
-                histogram_opts!(
-                    "flexinfer_reconcile_duration_seconds",
-                    "Duration of one reconcile",
-                    vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
+                    &["model", "namespace", "group"],
                 ),
-                &["controller"],
             )?,
-            reconciles_total: IntCounterVec::new(
-                opts!(
-                    "flexinfer_reconciles_total",
-                    "Finished reconciles (success or error)"
+            reconcile_duration_seconds: registered(
+                &registry,
+                HistogramVec::new(
+                    histogram_opts!(
+                        "flexinfer_reconcile_duration_seconds",
+                        "Duration of one reconcile",
+                        vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
+                    ),
+                    &["controller"],
                 ),
-                &["controller"],
             )?,
-            reconcile_errors_total: IntCounterVec::new(
-                opts!("flexinfer_reconcile_errors_total", "Failed reconciles"),
-                &["controller"],
+            reconciles_total: registered(
+                &registry,
+                IntCounterVec::new(
+                    opts!(
+                        "flexinfer_reconciles_total",
+                        "Finished reconciles (success or error)"
+                    ),
+                    &["controller"],
+                ),
+            )?,
+            reconcile_errors_total: registered(
+                &registry,
+                IntCounterVec::new(
+                    opts!("flexinfer_reconcile_errors_total", "Failed reconciles"),
+                    &["controller"],
+                ),
             )?,
             registry,
-        };
-        m.registry
-            .register(Box::new(m.job_progress_percent.clone()))?;
-        m.registry
-            .register(Box::new(m.quantization_layer_index.clone()))?;
-        m.registry
-            .register(Box::new(m.quantization_layer_total.clone()))?;
-        m.registry
-            .register(Box::new(m.job_deadline_seconds.clone()))?;
-        m.registry
-            .register(Box::new(m.job_elapsed_seconds.clone()))?;
-        m.registry
-            .register(Box::new(m.quantization_last_progress_timestamp.clone()))?;
-        m.registry
-            .register(Box::new(m.quantization_jobs_total.clone()))?;
-        m.registry
-            .register(Box::new(m.quantization_duration_seconds.clone()))?;
-        m.registry
-            .register(Box::new(m.quantization_compression_ratio.clone()))?;
-        m.registry
-            .register(Box::new(m.model_cache_failures_total.clone()))?;
-        m.registry.register(Box::new(m.modelcache_phase.clone()))?;
-        m.registry.register(Box::new(m.model_phase.clone()))?;
-        m.registry
-            .register(Box::new(m.model_phase_transitions_total.clone()))?;
-        m.registry
-            .register(Box::new(m.model_preemptions_total.clone()))?;
-        m.registry
-            .register(Box::new(m.reconcile_duration_seconds.clone()))?;
-        m.registry.register(Box::new(m.reconciles_total.clone()))?;
-        m.registry
-            .register(Box::new(m.reconcile_errors_total.clone()))?;
-        Ok(m)
+        })
     }
 
     /// Prometheus text exposition of every metric.

@@ -2,16 +2,20 @@
 //! error for that object, and each controller runs as its own supervised task.
 
 use std::any::Any;
+use std::fmt::Debug;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
-use futures::FutureExt;
-use kube::runtime::controller::Action;
+use futures::{FutureExt, Stream};
+use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
+use serde::de::DeserializeOwned;
 use tokio::sync::watch;
 use tracing::{error, info, warn};
 
@@ -29,6 +33,10 @@ pub enum Guarded<E: std::error::Error + 'static> {
     #[error("reconcile panicked: {0}")]
     Panicked(String),
 }
+
+/// One item of a guarded controller's stream ([`Guard::run`]).
+pub type ControllerResult<K, E> =
+    Result<(ObjectRef<K>, Action), controller::Error<Guarded<E>, watcher::Error>>;
 
 /// Await `fut`; a panic while polling it becomes [`Guarded::Panicked`].
 pub async fn catch_panic<F, T, E>(fut: F) -> Result<T, Guarded<E>>
@@ -149,6 +157,31 @@ impl Guard {
         if let Err(e) = recorder.publish(&ev, &obj.object_ref(&())).await {
             warn!(object = %key, error = %e, "cannot publish event");
         }
+    }
+
+    /// `controller` run with `reconcile` and `error_policy` guarded ([`Guard::reconcile`],
+    /// [`Guard::error_policy`]): a panic in one object's reconcile is an error of that object, not
+    /// of the process. The stream's items are the caller's to log.
+    pub fn run<K, C, E, F, Fut, P>(
+        self: &Arc<Self>,
+        controller: Controller<K>,
+        reconcile: F,
+        error_policy: P,
+        ctx: Arc<C>,
+    ) -> impl Stream<Item = ControllerResult<K, E>>
+    where
+        K: Clone + Resource<DynamicType = ()> + DeserializeOwned + Debug + Send + Sync + 'static,
+        C: Send + Sync + 'static,
+        E: std::error::Error + Send + 'static,
+        F: Fn(Arc<K>, Arc<C>) -> Fut,
+        Fut: Future<Output = Result<Action, E>> + Send + 'static,
+        P: Fn(Arc<K>, &E, Arc<C>) -> Action,
+    {
+        controller.run(
+            self.reconcile(reconcile),
+            self.error_policy(error_policy),
+            ctx,
+        )
     }
 
     /// `error_policy` for [`Guarded`] errors: panics back off per object, the rest go to `inner`.

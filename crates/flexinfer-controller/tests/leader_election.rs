@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use flexinfer_controller::leader::{Leadership, LeaseConfig};
+use flexinfer_e2e::TestNamespace;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
-use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{Api, DeleteParams, PostParams};
@@ -23,39 +23,6 @@ async fn client() -> Client {
         );
     }
     Client::try_default().await.expect("client from KUBECONFIG")
-}
-
-struct Ns {
-    client: Client,
-    name: String,
-}
-
-impl Ns {
-    async fn new(prefix: &str) -> Ns {
-        let client = client().await;
-        let name = format!("{prefix}-{}", std::process::id());
-        let api: Api<Namespace> = Api::all(client.clone());
-        let ns = Namespace {
-            metadata: ObjectMeta {
-                name: Some(name.clone()),
-                ..Default::default()
-            },
-            ..Default::default()
-        };
-        api.create(&PostParams::default(), &ns)
-            .await
-            .expect("namespace");
-        Ns { client, name }
-    }
-
-    fn leases(&self) -> Api<Lease> {
-        Api::namespaced(self.client.clone(), &self.name)
-    }
-
-    async fn delete(self) {
-        let api: Api<Namespace> = Api::all(self.client.clone());
-        let _ = api.delete(&self.name, &DeleteParams::default()).await;
-    }
 }
 
 fn cfg(ns: &str, identity: &str, secs: u64) -> LeaseConfig {
@@ -85,8 +52,11 @@ fn foreign(renew: Timestamp) -> Lease {
 
 #[tokio::test]
 async fn expiry_ignores_the_holders_clock_and_follows_changes_of_the_record() {
-    let ns = Ns::new("leader-skew").await;
-    let leases = ns.leases();
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "leader-skew")
+        .await
+        .expect("namespace");
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
     // The holder's clock is an hour behind: its renewTime always looks long expired to us.
     let behind = Timestamp::now() - SignedDuration::from_hours(1);
     leases
@@ -110,7 +80,7 @@ async fn expiry_ignores_the_holders_clock_and_follows_changes_of_the_record() {
             }
         })
     };
-    let c = ns.client.clone();
+    let c = client.clone();
     let name = ns.name.clone();
     let mut me = tokio::spawn(async move { Leadership::acquire(c, cfg(&name, "me", 2)).await });
     // While the holder keeps renewing, we never take over (old code: at once, by the clocks).
@@ -146,7 +116,7 @@ async fn expiry_ignores_the_holders_clock_and_follows_changes_of_the_record() {
     let started = std::time::Instant::now();
     let held = tokio::time::timeout(
         Duration::from_secs(8),
-        Leadership::acquire(ns.client.clone(), cfg(&ns.name, "me", 2)),
+        Leadership::acquire(client.clone(), cfg(&ns.name, "me", 2)),
     )
     .await
     .expect("a dead holder with a clock ahead does not block us")
@@ -156,7 +126,7 @@ async fn expiry_ignores_the_holders_clock_and_follows_changes_of_the_record() {
         "waited a lease duration"
     );
     held.release().await;
-    ns.delete().await;
+    drop(ns);
 }
 
 /// A TCP relay to the API server that can stop answering: existing connections are cut and new
@@ -207,7 +177,10 @@ impl Relay {
 
 #[tokio::test]
 async fn a_holder_that_cannot_renew_stops_within_the_renew_deadline() {
-    let ns = Ns::new("leader-deadline").await;
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "leader-deadline")
+        .await
+        .expect("namespace");
     let mut config = kube::Config::infer().await.unwrap();
     let upstream = config.cluster_url.authority().unwrap().to_string();
     let relay = Relay::start(upstream).await;
@@ -232,5 +205,5 @@ async fn a_holder_that_cannot_renew_stops_within_the_renew_deadline() {
     assert!(took <= deadline + Duration::from_secs(1), "took {took:?}");
     // Before any standby could consider the lease (3 s) expired.
     assert!(took < Duration::from_secs(3), "took {took:?}");
-    ns.delete().await;
+    drop(ns);
 }

@@ -15,9 +15,10 @@ use flexinfer_api::model::ModelPhase;
 use flexinfer_api::{GPUProfile, Model, ModelCache};
 use flexinfer_controller::metrics::Metrics;
 use flexinfer_controller::model::{self, render::RenderConfig, Options};
+use flexinfer_e2e::{cleanup_off_runtime, wait_for, TestNamespace};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{
-    Container, Namespace, PersistentVolume, PersistentVolumeClaim, Pod, Service,
+    Container, PersistentVolume, PersistentVolumeClaim, Pod, Service,
 };
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -31,7 +32,7 @@ const WAIT: Duration = Duration::from_secs(90);
 
 struct TestEnv {
     client: Client,
-    ns: String,
+    ns: TestNamespace,
     metrics: Metrics,
     controller: tokio::task::JoinHandle<()>,
     pvs: Vec<String>,
@@ -74,23 +75,12 @@ impl TestEnv {
     async fn new(prefix: &str) -> Self {
         let client = client().await;
         install_crds(&client).await;
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos())
-            .unwrap_or(0);
-        let ns = format!("{prefix}-{:06x}", (nanos ^ std::process::id()) & 0xffffff);
-        let nsapi: Api<Namespace> = Api::all(client.clone());
-        let nsobj: Namespace = serde_json::from_value(json!({
-            "metadata": {"name": ns, "labels": {"flexinfer.ai/test": "true"}}
-        }))
-        .unwrap_or_else(|e| panic!("{e}"));
-        nsapi
-            .create(&PostParams::default(), &nsobj)
+        let ns = TestNamespace::new(&client, prefix)
             .await
-            .unwrap_or_else(|e| panic!("create namespace {ns}: {e}"));
+            .unwrap_or_else(|e| panic!("create namespace: {e:#}"));
         let metrics = Metrics::new().unwrap_or_else(|e| panic!("metrics: {e}"));
         let opts = Options {
-            namespace: Some(ns.clone()),
+            namespace: Some(ns.name.clone()),
             profile_namespace: None,
             render: RenderConfig::default(),
             preemption_grace: None,
@@ -115,7 +105,7 @@ impl TestEnv {
         K: Resource<Scope = k8s_openapi::NamespaceResourceScope>,
         K::DynamicType: Default,
     {
-        Api::namespaced(self.client.clone(), &self.ns)
+        Api::namespaced(self.client.clone(), &self.ns.name)
     }
 
     /// Server-side apply a namespaced object (JSON with apiVersion/kind/metadata.name).
@@ -128,7 +118,7 @@ impl TestEnv {
             + std::fmt::Debug,
         K::DynamicType: Default,
     {
-        obj["metadata"]["namespace"] = json!(self.ns);
+        obj["metadata"]["namespace"] = json!(self.ns.name);
         let name = obj["metadata"]["name"]
             .as_str()
             .unwrap_or_default()
@@ -145,13 +135,13 @@ impl TestEnv {
 
     /// A PersistentVolumeClaim pre-bound to a hostPath PersistentVolume (no provisioner here).
     async fn pvc(&mut self, claim: &str) {
-        let pv_name = format!("{}-{claim}", self.ns);
+        let pv_name = format!("{}-{claim}", self.ns.name);
         let pvs: Api<PersistentVolume> = Api::all(self.client.clone());
         let pv: PersistentVolume = serde_json::from_value(json!({
             "metadata": {"name": pv_name, "labels": {"flexinfer.ai/test": "true"}},
             "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"], "storageClassName": "",
                      "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": "/tmp/flexinfer-model-tests"},
-                     "claimRef": {"namespace": self.ns, "name": claim}}
+                     "claimRef": {"namespace": self.ns.name, "name": claim}}
         }))
         .unwrap_or_else(|e| panic!("{e}"));
         pvs.create(&PostParams::default(), &pv)
@@ -183,7 +173,7 @@ impl TestEnv {
     }
 
     /// Wait until the object `name` satisfies `cond`; on timeout, fail with `describe` of what is there.
-    async fn wait_for<K>(
+    async fn wait_object<K>(
         &self,
         name: &str,
         what: &str,
@@ -224,7 +214,7 @@ impl TestEnv {
         what: &str,
         cond: impl Fn(&Model) -> bool + Send + 'static,
     ) -> Model {
-        self.wait_for(name, what, cond, |m: Option<Model>| {
+        self.wait_object(name, what, cond, |m: Option<Model>| {
             format!("status: {:#?}", m.and_then(|m| m.status))
         })
         .await
@@ -236,7 +226,7 @@ impl TestEnv {
         what: &str,
         cond: impl Fn(&Deployment) -> bool + Send + 'static,
     ) -> Deployment {
-        self.wait_for(name, what, cond, |d: Option<Deployment>| {
+        self.wait_object(name, what, cond, |d: Option<Deployment>| {
             format!("{:#?}", d.map(|d| (d.spec.map(|s| s.replicas), d.status)))
         })
         .await
@@ -274,44 +264,28 @@ impl TestEnv {
 
     async fn cleanup(mut self) {
         self.controller.abort();
-        delete_test_objects(&self.client, &self.ns, &self.pvs).await;
+        delete_pvs(&self.client, &self.pvs).await;
         self.pvs.clear();
-        self.ns.clear();
     }
 }
 
-async fn delete_test_objects(client: &Client, ns: &str, pvs: &[String]) {
-    let nsapi: Api<Namespace> = Api::all(client.clone());
-    let _ = nsapi.delete(ns, &DeleteParams::background()).await;
+async fn delete_pvs(client: &Client, pvs: &[String]) {
     let pvapi: Api<PersistentVolume> = Api::all(client.clone());
     for pv in pvs {
         let _ = pvapi.delete(pv, &DeleteParams::background()).await;
     }
 }
 
-/// A failed test still removes its namespace (and so its pods and their GPUs). The test's own
-/// runtime is blocked here, so the deletes run on a fresh client in a helper thread.
+/// A failed test still removes its PVs (and, through [`TestNamespace`], its namespace with its pods
+/// and their GPUs).
 impl Drop for TestEnv {
     fn drop(&mut self) {
         self.controller.abort();
-        if self.ns.is_empty() {
+        if self.pvs.is_empty() {
             return;
         }
-        let (ns, pvs) = (std::mem::take(&mut self.ns), std::mem::take(&mut self.pvs));
-        let cleanup = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
-                return;
-            };
-            rt.block_on(async move {
-                if let Ok(client) = Client::try_default().await {
-                    delete_test_objects(&client, &ns, &pvs).await;
-                }
-            });
-        });
-        let _ = cleanup.join();
+        let pvs = std::mem::take(&mut self.pvs);
+        cleanup_off_runtime(move |client| async move { delete_pvs(&client, &pvs).await });
     }
 }
 
@@ -439,7 +413,7 @@ async fn model_backends_phases_and_metrics() {
         assert_eq!(st.replicas, Some(1), "{name}");
         assert_eq!(
             st.endpoint,
-            Some(format!("http://{name}.{}.svc:8000/v1", env.ns)),
+            Some(format!("http://{name}.{}.svc:8000/v1", env.ns.name)),
             "{name}"
         );
         assert_eq!(st.observed_generation, m.metadata.generation, "{name}");
@@ -535,7 +509,7 @@ async fn model_backends_phases_and_metrics() {
         let get = |p: &str| {
             env.metrics
                 .model_phase
-                .with_label_values(&[*name, env.ns.as_str(), p])
+                .with_label_values(&[*name, env.ns.name.as_str(), p])
                 .get()
         };
         assert_eq!(get("Ready"), 1, "{name}");
@@ -702,7 +676,7 @@ async fn model_backends_phases_and_metrics() {
     assert_eq!(
         env.metrics
             .model_phase
-            .with_label_values(&["vllm-m", env.ns.as_str(), "Loading"])
+            .with_label_values(&["vllm-m", env.ns.name.as_str(), "Loading"])
             .get(),
         1
     );
@@ -711,17 +685,19 @@ async fn model_backends_phases_and_metrics() {
     let counted = || {
         env.metrics
             .model_phase_transitions_total
-            .with_label_values(&["vllm-m", env.ns.as_str(), "Ready", "Loading"])
+            .with_label_values(&["vllm-m", env.ns.name.as_str(), "Ready", "Loading"])
             .get()
     };
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while counted() < 1 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the Ready -> Loading transition was not counted"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for(
+        "the Ready -> Loading transition to be counted",
+        Duration::from_secs(10),
+        || {
+            let n = counted();
+            async move { (n >= 1).then_some(()) }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
     assert!(env.metrics.render().contains("flexinfer_model_phase{"));
 
     // Events on phase changes.
@@ -1218,7 +1194,7 @@ async fn model_bad_input_is_reported_not_crashlooped() {
     let err = env
         .api::<Model>()
         .patch("dotdot", &PatchParams::apply(MANAGER), &Patch::Apply(json!({"apiVersion": "ai.flexinfer/v1alpha2", "kind": "Model",
-            "metadata": {"name": "dotdot", "namespace": env.ns}, "spec": {"backend": "vllm", "source": "pvc://m/../etc"}})))
+            "metadata": {"name": "dotdot", "namespace": env.ns.name}, "spec": {"backend": "vllm", "source": "pvc://m/../etc"}})))
         .await
         .err()
         .unwrap_or_else(|| panic!("pvc:// with '..' was admitted"));
@@ -1246,14 +1222,16 @@ async fn model_bad_input_is_reported_not_crashlooped() {
         .delete("exl2-on-ollama", &DeleteParams::default())
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while env.metrics.render().contains("model=\"exl2-on-ollama\"") {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "metrics of a deleted Model were kept"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_for(
+        "the metrics of the deleted Model to go",
+        Duration::from_secs(30),
+        || {
+            let kept = env.metrics.render().contains("model=\"exl2-on-ollama\"");
+            async move { (!kept).then_some(()) }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
 
     // Fixing the input recovers without a restart: the missing GPUProfile appears.
     let mut profile = example("gpuprofile-gfx906.yaml");
@@ -1386,7 +1364,7 @@ async fn model_leaves_foreign_objects_alone() {
         ev.note
     );
     env.wait_deployment("mine", "created", |_| true).await;
-    env.wait_for(
+    env.wait_object(
         "mine",
         "Service created",
         |_: &Service| true,
@@ -1437,29 +1415,28 @@ async fn model_leaves_foreign_objects_alone() {
             .await
             .unwrap_or_else(|e| panic!("delete {name}: {e}"));
     }
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        let gone = env
-            .api::<Deployment>()
-            .get_opt("mine")
-            .await
-            .unwrap_or_else(|e| panic!("{e}"))
-            .is_none()
-            && env
-                .api::<Service>()
-                .get_opt("mine")
-                .await
-                .unwrap_or_else(|e| panic!("{e}"))
-                .is_none();
-        if gone {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the owned children of a deleted Model were not garbage collected"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    wait_for(
+        "the owned children of the deleted Model to be garbage collected",
+        WAIT,
+        || {
+            let (deployments, services) = (env.api::<Deployment>(), env.api::<Service>());
+            async move {
+                let gone = deployments
+                    .get_opt("mine")
+                    .await
+                    .unwrap_or_else(|e| panic!("{e}"))
+                    .is_none()
+                    && services
+                        .get_opt("mine")
+                        .await
+                        .unwrap_or_else(|e| panic!("{e}"))
+                        .is_none();
+                gone.then_some(())
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
     let (d, s) = get().await;
     untouched("after the Model was deleted", &d, &s);
     env.cleanup().await;

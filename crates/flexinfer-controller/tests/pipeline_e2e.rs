@@ -14,7 +14,8 @@ use anyhow::{Context, Result};
 use flexinfer_api::gpuprofile::GPUProfile;
 use flexinfer_api::modelcache::{CachePhase, ModelCache};
 use flexinfer_e2e::{
-    apply, assert_no_status_churn, client, reconciles_total, wait_for, yaml_docs, TestNamespace,
+    apply, assert_no_status_churn, cleanup_off_runtime, client, reconciles_total, wait_for,
+    yaml_docs, TestNamespace,
 };
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Event, PersistentVolume, PersistentVolumeClaim};
@@ -225,41 +226,27 @@ spec:
 }
 
 impl Drop for World {
-    /// Remove the namespace and PVs. Runs on its own thread and runtime with a fresh client: the
-    /// test's runtime is shutting down. ModelCache finalizers are stripped first because the
-    /// controller subprocess may already be gone.
+    /// Remove the PVs (the namespace goes with `self.ns` after this). Runs on its own thread and
+    /// runtime with a fresh client: the test's runtime is shutting down. ModelCache finalizers are
+    /// stripped first because the controller subprocess may already be gone.
     fn drop(&mut self) {
         let ns = self.ns.name.clone();
         let pvs = std::mem::take(&mut self.pvs);
-        let cleanup = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
-                return;
-            };
-            rt.block_on(async move {
-                let Ok(c) = Client::try_default().await else {
-                    return;
-                };
-                let caches: Api<ModelCache> = Api::namespaced(c.clone(), &ns);
-                if let Ok(list) = caches.list(&ListParams::default()).await {
-                    for m in list.items {
-                        let p = serde_json::json!({"metadata": {"finalizers": null}});
-                        let _ = caches
-                            .patch(&m.name_any(), &PatchParams::default(), &Patch::Merge(&p))
-                            .await;
-                    }
+        cleanup_off_runtime(move |c| async move {
+            let caches: Api<ModelCache> = Api::namespaced(c.clone(), &ns);
+            if let Ok(list) = caches.list(&ListParams::default()).await {
+                for m in list.items {
+                    let p = serde_json::json!({"metadata": {"finalizers": null}});
+                    let _ = caches
+                        .patch(&m.name_any(), &PatchParams::default(), &Patch::Merge(&p))
+                        .await;
                 }
-                let nsapi: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(c.clone());
-                let _ = nsapi.delete(&ns, &DeleteParams::background()).await;
-                let pvapi: Api<PersistentVolume> = Api::all(c);
-                for pv in pvs {
-                    let _ = pvapi.delete(&pv, &DeleteParams::background()).await;
-                }
-            });
+            }
+            let pvapi: Api<PersistentVolume> = Api::all(c);
+            for pv in pvs {
+                let _ = pvapi.delete(&pv, &DeleteParams::background()).await;
+            }
         });
-        let _ = cleanup.join();
     }
 }
 
@@ -296,7 +283,7 @@ async fn full_pipeline_reaches_ready() -> Result<()> {
     assert_eq!(st.current_phase.as_deref(), Some("ready"));
     let q = st.quantization.context("quantization status")?;
     // The path names the promoted generation.
-    let generation = q.generation.clone().context("generation")?;
+    let generation = q.generations.generation.clone().context("generation")?;
     assert_eq!(
         st.path,
         Some(format!("full-cache:full/gptq-w4-g128.{generation}"))

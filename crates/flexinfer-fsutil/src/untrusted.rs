@@ -45,45 +45,30 @@ pub struct Limit {
     pub what: &'static str,
 }
 
+impl Limit {
+    pub const fn new(bytes: u64, what: &'static str) -> Self {
+        Self { bytes, what }
+    }
+}
+
 /// The limit of each kind of file read whole.
 pub mod limits {
     use super::Limit;
     const MIB: u64 = 1 << 20;
     /// `config.json`, `generation_config.json`, `quantize_config.json`, our marker files.
-    pub const CONFIG_JSON: Limit = Limit {
-        bytes: 16 * MIB,
-        what: "JSON config file",
-    };
+    pub const CONFIG_JSON: Limit = Limit::new(16 * MIB, "JSON config file");
     /// `model.safetensors.index.json` (a weight map of a few hundred thousand tensors).
-    pub const INDEX_JSON: Limit = Limit {
-        bytes: 64 * MIB,
-        what: "safetensors index",
-    };
+    pub const INDEX_JSON: Limit = Limit::new(64 * MIB, "safetensors index");
     /// `tokenizer.json`, `tokenizer_config.json`, chat templates and the other files copied as-is.
-    pub const TOKENIZER: Limit = Limit {
-        bytes: 256 * MIB,
-        what: "tokenizer file",
-    };
+    pub const TOKENIZER: Limit = Limit::new(256 * MIB, "tokenizer file");
     /// The JSON header of a `.safetensors` file (the same bound as the safetensors crate).
-    pub const SAFETENSORS_HEADER: Limit = Limit {
-        bytes: 100_000_000,
-        what: "safetensors header",
-    };
+    pub const SAFETENSORS_HEADER: Limit = Limit::new(100_000_000, "safetensors header");
     /// A prompt or calibration dataset read whole (plain text, a JSON array, CSV).
-    pub const DATASET: Limit = Limit {
-        bytes: 1024 * MIB,
-        what: "dataset file",
-    };
+    pub const DATASET: Limit = Limit::new(1024 * MIB, "dataset file");
     /// One line of a JSON-lines dataset.
-    pub const JSON_LINE: Limit = Limit {
-        bytes: 16 * MIB,
-        what: "JSON line",
-    };
+    pub const JSON_LINE: Limit = Limit::new(16 * MIB, "JSON line");
     /// A dockerconfigjson file.
-    pub const DOCKER_CONFIG: Limit = Limit {
-        bytes: 4 * MIB,
-        what: "docker config",
-    };
+    pub const DOCKER_CONFIG: Limit = Limit::new(4 * MIB, "docker config");
 }
 
 /// Checks `rel` without touching the disk: relative, not empty, plain components only (`.` is

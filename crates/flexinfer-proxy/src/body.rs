@@ -18,6 +18,8 @@ use http_body_util::{BodyExt, Full};
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// Body of every response the proxy sends.
 pub type ProxyBody = UnsyncBoxBody<Bytes, BoxError>;
+/// One answer of a body's `poll_frame`.
+pub type Polled = Poll<Option<Result<Frame<Bytes>, BoxError>>>;
 
 /// A complete in-memory body.
 pub fn full(bytes: Bytes) -> ProxyBody {
@@ -72,10 +74,7 @@ where
     type Data = Bytes;
     type Error = BoxError;
 
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Polled {
         let this = self.get_mut();
         if let Some(held) = this.held.take() {
             return Poll::Ready(held);
@@ -152,19 +151,13 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
 
-    /// One answer of a scripted body's poll.
-    type Step = Poll<Option<Result<Frame<Bytes>, BoxError>>>;
-
     /// A body that answers its polls from a script; `Pending` entries wake the task at once.
-    struct Scripted(VecDeque<Step>);
+    struct Scripted(VecDeque<Polled>);
 
     impl Body for Scripted {
         type Data = Bytes;
         type Error = BoxError;
-        fn poll_frame(
-            self: Pin<&mut Self>,
-            cx: &mut Context<'_>,
-        ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Polled {
             match self.get_mut().0.pop_front() {
                 Some(Poll::Pending) => {
                     cx.waker().wake_by_ref();
@@ -179,12 +172,12 @@ mod tests {
         }
     }
 
-    fn data(s: &str) -> Step {
+    fn data(s: &str) -> Polled {
         Poll::Ready(Some(Ok(Frame::data(Bytes::from(s.to_string())))))
     }
 
     /// What the client side sees: each frame as data text, `T` for trailers, `E:<msg>` for an error.
-    async fn frames(script: Vec<Step>) -> Vec<String> {
+    async fn frames(script: Vec<Polled>) -> Vec<String> {
         let mut b = Guarded::new(Scripted(script.into()), ());
         let mut out = Vec::new();
         while let Some(f) = b.frame().await {

@@ -8,9 +8,10 @@ use anyhow::Context;
 use clap::Parser;
 use flexinfer_api::contract::env;
 use flexinfer_api::duration::parse_duration;
+use flexinfer_api::process;
 use flexinfer_proxy::auth::ApiKeys;
 use flexinfer_proxy::{server, Cluster, Config, Proxy};
-use tracing::{error, info};
+use tracing::info;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -48,21 +49,8 @@ struct Args {
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,kube=warn"));
-    if args.log_text {
-        tracing_subscriber::fmt().with_env_filter(filter).init();
-    } else {
-        tracing_subscriber::fmt()
-            .json()
-            .flatten_event(true)
-            .with_env_filter(filter)
-            .init();
-    }
-    if let Err(e) = run(args).await {
-        error!(error = %format!("{e:#}"), "proxy exited");
-        std::process::exit(1);
-    }
+    process::init_logging(args.log_text);
+    process::exit_on_error("proxy", run(args).await);
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
@@ -110,27 +98,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             .run(cluster.clone(), keepalive, Duration::from_secs(1)),
     );
     let listener = server::bind(args.listen).await.context("bind listener")?;
-    server::serve(listener, proxy, shutdown_signal()).await?;
+    server::serve(listener, proxy, process::shutdown_signal()).await?;
     info!("stopped");
     Ok(())
-}
-
-async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(t) => t,
-                Err(_) => {
-                    let _ = tokio::signal::ctrl_c().await;
-                    return;
-                }
-            };
-        tokio::select! {
-            _ = term.recv() => {},
-            _ = tokio::signal::ctrl_c() => {},
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = tokio::signal::ctrl_c().await;
 }

@@ -2,6 +2,8 @@
 
 use std::path::PathBuf;
 
+use crate::device::{DeviceError, DeviceKind, ProbeError};
+
 /// Everything that can go wrong in the engine. `Input` means the caller handed us something we cannot quantize
 /// (bad model, bad config, bad dataset): the worker maps it to exit code 2.
 #[derive(Debug, thiserror::Error)]
@@ -26,11 +28,29 @@ pub enum QuantError {
     #[error("RTN fallback gate failed: {} of {} modules ({:.1}%) fell back to RTN, limit {:.1}%", .0.rtn_fallback_modules, .0.gptq_modules + .0.rtn_fallback_modules, .0.rtn_fallback_percent, .0.max_rtn_fallback_percent)]
     GateFailed(flexinfer_contract::files::QualitySummary),
     /// The requested GPTQ device cannot be used (`GPTQ_DEVICE`); configuration, so the worker exits 2.
-    #[error("GPTQ device unavailable: {0}")]
-    DeviceUnavailable(String),
+    #[error(
+        "GPTQ device unavailable: GPTQ_DEVICE={}: no {} device this build can use: {reason} (set GPTQ_DEVICE=cpu or auto to run on the CPU)",
+        .kind.as_str(),
+        if *.kind == DeviceKind::Hip { "AMD (HIP)" } else { "NVIDIA (CUDA)" }
+    )]
+    DeviceUnavailable {
+        kind: DeviceKind,
+        #[source]
+        reason: ProbeError,
+    },
     /// A device operation failed where no CPU fallback was possible.
     #[error("GPTQ device failure: {0}")]
-    Device(String),
+    Device(#[from] DeviceError),
+    /// A device operation failed after the Hessian's host copy was gone: the module cannot finish
+    /// on the CPU.
+    #[error(
+        "GPTQ device failure: {module}: {source}; no host copy of the Hessian to finish on the CPU"
+    )]
+    DeviceLost {
+        module: String,
+        #[source]
+        source: DeviceError,
+    },
     #[error("aborted by test hook after layer {0}")]
     TestAbort(usize),
 }
@@ -44,7 +64,7 @@ impl QuantError {
                 | QuantError::Safetensors { .. }
                 | QuantError::Json { .. }
                 | QuantError::Tokenizer(_)
-                | QuantError::DeviceUnavailable(_)
+                | QuantError::DeviceUnavailable { .. }
         )
     }
 

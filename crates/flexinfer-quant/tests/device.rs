@@ -6,8 +6,8 @@
 use faer::Mat;
 use flexinfer_quant::device::fake::{FakeDevice, Faults};
 use flexinfer_quant::device::{
-    select_device, solve_with_fallback, Device, DeviceKind, GpuInfo, Platform, SolveSpec,
-    SystemPlatform, MAX_DEVICE_RESETS,
+    select_device, solve_with_fallback, Device, DeviceKind, GpuInfo, Platform, ProbeError,
+    SolveSpec, SystemPlatform, MAX_DEVICE_RESETS,
 };
 use flexinfer_quant::events::{EventSink, MemorySink};
 use flexinfer_quant::gptq::{gptq_quantize_in, rtn_quantize, QuantizedLinear, Workspace};
@@ -366,7 +366,9 @@ fn a_failing_reset_falls_back_and_an_accumulation_failure_is_an_error() {
         ..Default::default()
     });
     match r {
-        Err(QuantError::Device(m)) => assert!(m.contains("accumulate failed"), "{m}"),
+        Err(e @ (QuantError::Device(_) | QuantError::DeviceLost { .. })) => {
+            assert!(e.to_string().contains("accumulate failed"), "{e}")
+        }
         other => panic!("expected a device error, got {other:?}"),
     }
 }
@@ -443,7 +445,9 @@ fn a_quantize_run_on_a_device_writes_the_cpu_runs_artifact() {
         ..Default::default()
     });
     match run(&job("broken"), &broken, &MemorySink::default()) {
-        Err(QuantError::Device(m)) => assert!(m.contains("accumulate"), "{m}"),
+        Err(e @ (QuantError::Device(_) | QuantError::DeviceLost { .. })) => {
+            assert!(e.to_string().contains("accumulate"), "{e}")
+        }
         other => panic!(
             "expected a device error, got {:?}",
             other.map(|o| o.output_dir)
@@ -451,34 +455,38 @@ fn a_quantize_run_on_a_device_writes_the_cpu_runs_artifact() {
     }
 }
 
-/// A platform whose runtimes answer as told.
+/// A platform whose runtimes answer as told: usable, or no device in the named library.
 struct FakePlatform {
-    hip: Result<(), String>,
-    cuda: Result<(), String>,
+    hip: Result<(), &'static str>,
+    cuda: Result<(), &'static str>,
     /// Whether `open` gives a device for a usable runtime.
     can_open: bool,
 }
 
 impl Platform for FakePlatform {
-    fn probe(&self, kind: DeviceKind) -> Result<GpuInfo, String> {
+    fn probe(&self, kind: DeviceKind) -> Result<GpuInfo, ProbeError> {
         let r = match kind {
-            DeviceKind::Hip => &self.hip,
-            DeviceKind::Cuda => &self.cuda,
+            DeviceKind::Hip => self.hip,
+            DeviceKind::Cuda => self.cuda,
             DeviceKind::Cpu => panic!("the CPU is never probed"),
         };
-        r.clone().map(|()| GpuInfo {
+        let vendor = kind.as_str();
+        r.map_err(|library| ProbeError::NoDevice {
+            library: library.into(),
+            vendor,
+        })?;
+        Ok(GpuInfo {
             kind,
             library: format!("lib{}", kind.as_str()),
             devices: 1,
             name: "card".into(),
         })
     }
-    fn open(&self, info: &GpuInfo) -> Result<Box<dyn Device>, String> {
+    fn open(&self, info: &GpuInfo) -> Result<Box<dyn Device>, ProbeError> {
         if self.can_open {
-            let _ = info;
             Ok(Box::new(FakeDevice::new(Faults::default())))
         } else {
-            Err("no session in this build".into())
+            Err(ProbeError::NoSession { kind: info.kind })
         }
     }
 }
@@ -492,8 +500,8 @@ fn selected(sink: &MemorySink) -> serde_json::Map<String, serde_json::Value> {
 #[test]
 fn gptq_device_selection() {
     let none = || FakePlatform {
-        hip: Err("libamdhip64.so: not found".into()),
-        cuda: Err("libcuda.so.1: not found".into()),
+        hip: Err("libamdhip64.so"),
+        cuda: Err("libcuda.so.1"),
         can_open: true,
     };
     // auto, nothing usable: the CPU, every reason in the event.
@@ -505,7 +513,8 @@ fn gptq_device_selection() {
     assert_eq!(ev["requested"], "auto");
     let reason = ev["reason"].as_str().unwrap();
     assert!(
-        reason.contains("libamdhip64.so: not found") && reason.contains("libcuda.so.1: not found"),
+        reason.contains("libamdhip64.so: no hip device")
+            && reason.contains("libcuda.so.1: no cuda device"),
         "{reason}"
     );
     assert_eq!(ev["probes"].as_array().unwrap().len(), 2);
@@ -526,7 +535,7 @@ fn gptq_device_selection() {
         "CUDA is not probed once HIP is usable"
     );
     let cuda_only = FakePlatform {
-        hip: Err("no AMD GPU".into()),
+        hip: Err("libamdhip64.so"),
         cuda: Ok(()),
         can_open: true,
     };
@@ -534,13 +543,13 @@ fn gptq_device_selection() {
     select_device(Some("AUTO"), &cuda_only, &sink).unwrap();
     let r = selected(&sink)["reason"].as_str().unwrap().to_string();
     assert!(
-        r.starts_with("auto: cuda usable") && r.contains("hip: no AMD GPU"),
+        r.starts_with("auto: cuda usable") && r.contains("hip: libamdhip64.so: no hip device"),
         "{r}"
     );
 
     // A runtime that answers but that this build cannot use: auto says so and takes the CPU.
     let no_session = FakePlatform {
-        hip: Err("x".into()),
+        hip: Err("x"),
         cuda: Ok(()),
         can_open: false,
     };
@@ -548,16 +557,17 @@ fn gptq_device_selection() {
     let s = select_device(Some("auto"), &no_session, &sink).unwrap();
     assert_eq!(s.device.kind(), DeviceKind::Cpu);
     assert!(
-        s.reason
-            .contains("card (1 device(s), libcuda) is usable, but no session in this build"),
+        s.reason.contains(
+            "card (1 device(s), libcuda) is usable, but this build has no cuda solve session"
+        ),
         "{}",
         s.reason
     );
 
     // Explicit GPUs without a usable device: an error naming the setting and the reason (bad input: exit 2).
     for (setting, needle) in [
-        ("hip", "libamdhip64.so: not found"),
-        ("cuda", "libcuda.so.1: not found"),
+        ("hip", "libamdhip64.so: no hip device"),
+        ("cuda", "libcuda.so.1: no cuda device"),
     ] {
         let e = select_device(Some(setting), &none(), &MemorySink::default())
             .err()
@@ -613,7 +623,7 @@ fn the_system_platform_loads_runtimes_at_run_time() {
         let e = select_device(Some(setting), &SystemPlatform, &MemorySink::default())
             .err()
             .expect("no GPU session");
-        assert!(matches!(e, QuantError::DeviceUnavailable(_)), "{e}");
+        assert!(matches!(e, QuantError::DeviceUnavailable { .. }), "{e}");
     }
     let _: &dyn EventSink = &sink;
 }

@@ -163,8 +163,6 @@ impl WorkerError {
     }
 
     pub fn kind(&self) -> ExitKind {
-        use crate::download::fetch::FetchError;
-        use crate::oci::OciError;
         match self {
             WorkerError::BadInput(_) | WorkerError::Locked(_) | WorkerError::Pattern { .. } => {
                 ExitKind::BadInput
@@ -178,12 +176,10 @@ impl WorkerError {
             | WorkerError::Json { kind, .. }
             | WorkerError::Caused { kind, .. }
             | WorkerError::Wrapped { kind, .. } => *kind,
-            WorkerError::Fetch(FetchError::Fatal(_)) => ExitKind::BadInput,
-            WorkerError::Fetch(FetchError::Retryable(_) | FetchError::Failed(_)) => {
-                ExitKind::Failure
-            }
-            WorkerError::Oci(OciError::BadInput(_) | OciError::Auth(_)) => ExitKind::BadInput,
-            WorkerError::Oci(OciError::Transport(_)) => ExitKind::Failure,
+            WorkerError::Fetch(e) if e.is_fatal() => ExitKind::BadInput,
+            WorkerError::Fetch(_) => ExitKind::Failure,
+            WorkerError::Oci(e) if e.is_bad_input() => ExitKind::BadInput,
+            WorkerError::Oci(_) => ExitKind::Failure,
             WorkerError::Quant(e) if e.is_bad_input() => ExitKind::BadInput,
             WorkerError::Quant(_) => ExitKind::Failure,
         }

@@ -159,6 +159,11 @@ pub fn runtime() -> Result<tokio::runtime::Runtime, WorkerError> {
 
 /// HTTP client: rustls with the ring provider, system roots; `insecure` disables verification.
 pub fn http_client(insecure: bool) -> Result<reqwest::Client, WorkerError> {
+    build_http_client(insecure).map_err(WorkerError::HttpClient)
+}
+
+/// [`http_client`], its error as reqwest's.
+pub fn build_http_client(insecure: bool) -> Result<reqwest::Client, reqwest::Error> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     reqwest::Client::builder()
         .tls_danger_accept_invalid_certs(insecure)
@@ -167,7 +172,6 @@ pub fn http_client(insecure: bool) -> Result<reqwest::Client, WorkerError> {
         .pool_max_idle_per_host(16)
         .user_agent(concat!("flexinfer-worker/", env!("CARGO_PKG_VERSION")))
         .build()
-        .map_err(WorkerError::HttpClient)
 }
 
 /// A transfer failure: exit 2 when retrying cannot help, else 1 ([`WorkerError::kind`]).
@@ -222,20 +226,7 @@ async fn run_async(
                     args.repo_type
                 ))
             })?;
-            let client = http_client(false)?;
-            let token = args.hf_token.as_deref().filter(|t| !t.is_empty());
-            let listed = hf::list_files(
-                &client,
-                &args.hf_endpoint,
-                token,
-                kind,
-                &repo,
-                &args.revision,
-            )
-            .await
-            .map_err(fetch_error)?;
-            let files = select(listed, &filter)?;
-            let ctx = new_ctx(client, hub_auth(args, token), args.retries);
+            let (files, ctx) = hub_files(args, kind, &repo, &args.revision, &filter).await?;
             let canonical = format!("hf://{repo}");
             fetch_all(args, &out, &events, &ctx, &canonical, &args.revision, files).await
         }
@@ -303,20 +294,8 @@ async fn fetch_dataset(
         format!("cannot create {}", dir.display()),
     ))?;
     events.log(&format!("fetching dataset {id} into {}", dir.display()));
-    let client = http_client(false)?;
-    let token = args.hf_token.as_deref().filter(|t| !t.is_empty());
-    let listed = hf::list_files(
-        &client,
-        &args.hf_endpoint,
-        token,
-        RepoType::Dataset,
-        id,
-        "main",
-    )
-    .await
-    .map_err(fetch_error)?;
-    let files = select(listed, &PatternFilter::new("", "")?)?;
-    let ctx = new_ctx(client, hub_auth(args, token), args.retries);
+    let all = PatternFilter::new("", "")?;
+    let (files, ctx) = hub_files(args, RepoType::Dataset, id, "main", &all).await?;
     fetch_all(
         args,
         &dir,
@@ -328,6 +307,24 @@ async fn fetch_dataset(
     )
     .await?;
     Ok(())
+}
+
+/// The files of a hub repository at `revision` that `filter` selects, and the fetch context (the
+/// hub token goes only to the configured endpoint).
+async fn hub_files(
+    args: &DownloadArgs,
+    kind: RepoType,
+    repo: &str,
+    revision: &str,
+    filter: &PatternFilter,
+) -> Result<(Vec<RemoteFile>, FetchCtx), WorkerError> {
+    let client = http_client(false)?;
+    let token = args.hf_token.as_deref().filter(|t| !t.is_empty());
+    let listed = hf::list_files(&client, &args.hf_endpoint, token, kind, repo, revision)
+        .await
+        .map_err(fetch_error)?;
+    let files = select(listed, filter)?;
+    Ok((files, new_ctx(client, hub_auth(args, token), args.retries)))
 }
 
 /// The hub token, bound to the configured endpoint.

@@ -6,7 +6,7 @@ use flexinfer_contract::check_relative_path;
 use serde::Deserialize;
 
 use crate::common::Retry;
-use crate::download::fetch::{classify_status, http_error, FetchError};
+use crate::download::fetch::{http_error, BadBody, FetchError};
 use crate::download::RemoteFile;
 use crate::http::{self, ScopedAuth};
 
@@ -165,26 +165,30 @@ pub async fn list_files(
                     .await
                     {
                         Ok(b) => Ok(b),
-                        Err(http::BodyError::TooLarge(m)) => return Err(FetchError::Fatal(m)),
-                        Err(http::BodyError::Transport(m)) => Err(m),
-                    };
-                    match body.and_then(|b| {
-                        serde_json::from_slice::<Vec<TreeEntry>>(&b).map_err(|e| e.to_string())
-                    }) {
-                        Ok(e) => break (e, next),
-                        Err(e) => {
-                            FetchError::Retryable(format!("listing {what}: bad response body: {e}"))
+                        Err(e @ http::BodyError::TooLarge { .. }) => {
+                            return Err(FetchError::TooLarge(e))
                         }
+                        Err(e @ http::BodyError::Transport { .. }) => Err(BadBody::Read(e)),
+                    };
+                    match body.and_then(|b| Ok(serde_json::from_slice::<Vec<TreeEntry>>(&b)?)) {
+                        Ok(e) => break (e, next),
+                        Err(source) => FetchError::ListingBody {
+                            what: what.clone(),
+                            source,
+                        },
                     }
                 }
                 Ok(resp) => {
                     let err = http_error(&what, resp.status(), token.is_some());
-                    if !matches!(classify_status(resp.status()), FetchError::Retryable(_)) {
+                    if !err.is_retryable() {
                         return Err(err);
                     }
                     err
                 }
-                Err(e) => FetchError::Retryable(format!("listing {what}: {e}")),
+                Err(source) => FetchError::Listing {
+                    what: what.clone(),
+                    source,
+                },
             };
             tracing::warn!(error = %failure, "hub listing failed");
             if !retry.wait().await {
@@ -195,8 +199,7 @@ pub async fn list_files(
             if e.kind != "file" {
                 continue;
             }
-            check_relative_path(&e.path)
-                .map_err(|r| FetchError::Fatal(format!("hub listed an unsafe file name: {r}")))?;
+            check_relative_path(&e.path).map_err(FetchError::UnsafeName)?;
             let (size, sha256, git_sha1) = match e.lfs {
                 Some(l) => (l.size, Some(l.oid.to_ascii_lowercase()), None),
                 None => (e.size, None, e.oid.map(|o| o.to_ascii_lowercase())),

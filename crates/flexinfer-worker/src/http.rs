@@ -104,25 +104,25 @@ pub async fn read_body_limited(
     what: &str,
 ) -> Result<Vec<u8>, BodyError> {
     let (max, kind) = limit;
-    let too_large = |n: String| {
-        BodyError::TooLarge(format!(
-            "{what}: the {kind} is {n} bytes, over the {max} allowed"
-        ))
+    let too_large = |size: Option<u64>| BodyError::TooLarge {
+        what: what.to_string(),
+        kind: kind.to_string(),
+        size,
+        max,
     };
     if let Some(n) = resp.content_length().filter(|n| *n > max) {
-        return Err(too_large(n.to_string()));
+        return Err(too_large(Some(n)));
     }
     let mut out = Vec::new();
     let mut stream = resp.bytes_stream();
     while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(|e| {
-            BodyError::Transport(format!(
-                "{what}: reading the {kind}: {}",
-                crate::download::fetch::strip_url(&e)
-            ))
+        let chunk = chunk.map_err(|e| BodyError::Transport {
+            what: what.to_string(),
+            kind: kind.to_string(),
+            source: crate::download::fetch::Transport(e),
         })?;
         if (out.len() as u64).saturating_add(chunk.len() as u64) > max {
-            return Err(too_large(format!("more than {max}")));
+            return Err(too_large(None));
         }
         out.extend_from_slice(&chunk);
     }
@@ -152,14 +152,32 @@ pub async fn error_text(resp: reqwest::Response) -> String {
 }
 
 /// Why a body could not be read.
-#[derive(Debug, Clone, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 pub enum BodyError {
-    /// Over the limit: the server (or its data) is bad, retrying will not help.
-    #[error("{0}")]
-    TooLarge(String),
+    /// Over the limit: the server (or its data) is bad, retrying will not help. `size`: the
+    /// announced length (`None`: the stream went past `max`).
+    #[error("{what}: the {kind} is {} bytes, over the {max} allowed", shown_size(*.size, *.max))]
+    TooLarge {
+        what: String,
+        kind: String,
+        size: Option<u64>,
+        max: u64,
+    },
     /// The connection failed while reading.
-    #[error("{0}")]
-    Transport(String),
+    #[error("{what}: reading the {kind}: {source}")]
+    Transport {
+        what: String,
+        kind: String,
+        #[source]
+        source: crate::download::fetch::Transport,
+    },
+}
+
+fn shown_size(size: Option<u64>, max: u64) -> String {
+    match size {
+        Some(n) => n.to_string(),
+        None => format!("more than {max}"),
+    }
 }
 
 #[cfg(test)]

@@ -5,13 +5,13 @@
 //! resume/verify/progress code, which needs plain blob URLs plus the negotiated auth header; see
 //! docs/user/download-and-publish.md.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use base64::Engine as _;
-use flexinfer_contract::{check_relative_path, oci_artifact};
+use flexinfer_contract::{check_relative_path, oci_artifact, PathError};
 use futures::TryStreamExt;
 use reqwest::header::{
     HeaderMap, AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE, LOCATION, WWW_AUTHENTICATE,
@@ -22,22 +22,171 @@ use sha2::{Digest, Sha256};
 use tokio::sync::Mutex;
 
 use crate::common::{Retry, WorkerError};
-use crate::download::fetch::strip_url;
+use crate::download::fetch::{strip_url, Transport};
 use crate::download::RemoteFile;
 use crate::http::{self, Origin, ScopedAuth};
 
-/// OCI client errors.
+/// OCI client errors: a bad reference, artifact or credentials ([`OciError::is_bad_input`], exit
+/// 2), else a transport or registry failure (exit 1; a blob upload retries those).
 #[derive(Debug, thiserror::Error)]
 pub enum OciError {
-    /// Bad reference, credentials or artifact (exit 2).
-    #[error("{0}")]
-    BadInput(String),
-    /// Authentication failed (exit 2).
-    #[error("{0}")]
-    Auth(String),
-    /// Transport or registry error (exit 1).
-    #[error("{0}")]
-    Transport(String),
+    #[error("invalid OCI reference {reference:?}: {problem}")]
+    Reference {
+        reference: String,
+        #[source]
+        problem: ReferenceProblem,
+    },
+    #[error("cannot read docker config {}: {source}", .path.display())]
+    DockerConfigRead {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("docker config {} is not valid JSON: {source}", .path.display())]
+    DockerConfigJson {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("docker config entry for {registry}: auth is not base64")]
+    AuthNotBase64 {
+        registry: String,
+        #[source]
+        source: base64::DecodeError,
+    },
+    #[error("docker config entry for {registry}: auth is not UTF-8")]
+    AuthNotUtf8 {
+        registry: String,
+        #[source]
+        source: std::string::FromUtf8Error,
+    },
+    #[error("docker config entry for {registry} has neither username/password nor auth")]
+    NoCredentialsInEntry { registry: String },
+    #[error(
+        "TLS with {base} failed ({source}); if this registry speaks plain HTTP or uses a \
+         certificate you do not trust, set publish.insecure: true (OCI_INSECURE)"
+    )]
+    Tls {
+        base: String,
+        #[source]
+        source: Transport,
+    },
+    #[error("registry {registry} is not a host name")]
+    NotAHost { registry: String },
+    #[error("{what}: not found (HTTP 404)")]
+    NotFound { what: String },
+    #[error("manifest digest mismatch: asked for {want}, registry served {served}")]
+    DigestMismatch { want: String, served: String },
+    #[error("{reference} is not an OCI image manifest: {source}")]
+    NotAManifest {
+        reference: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("artifact layer has an unsafe title: {0}")]
+    UnsafeTitle(#[source] PathError),
+    #[error("layer {title}: unsupported digest {digest}")]
+    UnsupportedDigest { title: String, digest: String },
+    #[error("{reference} has no titled file layers")]
+    NoFileLayers { reference: String },
+    #[error("the registry token is not a header value")]
+    TokenNotAHeader,
+    #[error(
+        "registry requires authentication: set OCI_USERNAME/OCI_PASSWORD or DOCKER_CONFIG_JSON"
+    )]
+    NeedCredentials,
+    #[error(
+        "the registry asks for basic credentials over plain http; set insecure only \
+         for a registry you trust on this network"
+    )]
+    BasicOverHttp,
+    #[error("registry rejected the credentials (HTTP 401)")]
+    CredentialsRejected,
+    #[error("bearer challenge without realm")]
+    NoRealm,
+    #[error("bearer challenge realm {realm:?} is not a URL")]
+    RealmNotAUrl { realm: String },
+    /// `anonymous`: no credentials were configured (the message says how to set them).
+    #[error(
+        "token endpoint refused the request (HTTP {}){}",
+        .status.as_u16(),
+        if *.anonymous { ": set OCI_USERNAME/OCI_PASSWORD or DOCKER_CONFIG_JSON" } else { "" }
+    )]
+    TokenRefused { status: StatusCode, anonymous: bool },
+    #[error("token response is not JSON: {0}")]
+    TokenNotJson(#[source] serde_json::Error),
+    #[error("token endpoint returned no token")]
+    NoToken,
+    #[error(
+        "{what}: access denied (HTTP {}); check OCI_USERNAME/OCI_PASSWORD or DOCKER_CONFIG_JSON",
+        .status.as_u16()
+    )]
+    AccessDenied { what: String, status: StatusCode },
+    /// A body over its limit (bad input) or cut off while read (transport).
+    #[error(transparent)]
+    Body(http::BodyError),
+    #[error("cannot build the HTTP client: {0}")]
+    HttpClient(#[source] reqwest::Error),
+    #[error("{what}: {source}")]
+    Request {
+        what: String,
+        #[source]
+        source: Transport,
+    },
+    /// `body`: the start of the registry's answer.
+    #[error("{what}: registry answered HTTP {} {body}", .status.as_u16())]
+    Status {
+        what: String,
+        status: StatusCode,
+        body: String,
+    },
+    #[error("upload session without Location")]
+    NoUploadLocation,
+    #[error("opening {}: {source}", .path.display())]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("upload location {url:?} is not a URL")]
+    UploadLocationNotAUrl { url: String },
+    #[error("uploading {}: token expired (HTTP 401)", .path.display())]
+    TokenExpired { path: PathBuf },
+    #[error("tag list is not JSON: {0}")]
+    TagListNotJson(#[source] serde_json::Error),
+}
+
+impl OciError {
+    /// A bad reference, artifact or credentials: retrying will not help (exit 2).
+    pub fn is_bad_input(&self) -> bool {
+        match self {
+            OciError::Body(b) => matches!(b, http::BodyError::TooLarge { .. }),
+            OciError::HttpClient(_)
+            | OciError::Request { .. }
+            | OciError::Status { .. }
+            | OciError::NoUploadLocation
+            | OciError::Open { .. }
+            | OciError::UploadLocationNotAUrl { .. }
+            | OciError::TokenExpired { .. }
+            | OciError::TagListNotJson(_) => false,
+            _ => true,
+        }
+    }
+}
+
+/// Why an OCI reference is not one.
+#[derive(Debug, thiserror::Error)]
+pub enum ReferenceProblem {
+    #[error("digest must be sha256:<64 hex>")]
+    Digest,
+    #[error("expected registry/repository")]
+    NoRepository,
+    #[error("the first component must be a registry host (e.g. ghcr.io or host:5000)")]
+    NoRegistry,
+    #[error("repository must be lowercase [a-z0-9._-] path components")]
+    Repository,
+    #[error(transparent)]
+    Tag(#[from] InvalidTag),
 }
 
 /// A registry failure: exit 2 for a bad reference, artifact or credentials, else 1
@@ -114,14 +263,10 @@ impl std::fmt::Debug for Registry {
     }
 }
 
-fn transport(what: &str, e: &reqwest::Error) -> OciError {
-    OciError::Transport(format!("{what}: {}", strip_url(e)))
-}
-
-fn body_error(e: http::BodyError) -> OciError {
-    match e {
-        http::BodyError::TooLarge(m) => OciError::BadInput(m),
-        http::BodyError::Transport(m) => OciError::Transport(m),
+fn transport(what: &str, e: reqwest::Error) -> OciError {
+    OciError::Request {
+        what: what.to_string(),
+        source: Transport(e),
     }
 }
 
@@ -132,8 +277,7 @@ impl Registry {
         creds: Option<Credentials>,
         insecure: bool,
     ) -> Result<Registry, OciError> {
-        let client = crate::download::http_client(insecure)
-            .map_err(|e| OciError::Transport(e.to_string()))?;
+        let client = crate::download::build_http_client(insecure).map_err(OciError::HttpClient)?;
         let mut base = format!("https://{}", reference.registry);
         let probe = client
             .get(format!("{base}/v2/"))
@@ -144,19 +288,15 @@ impl Registry {
             if insecure {
                 base = format!("http://{}", reference.registry);
             } else if is_tls_error(&e) {
-                return Err(OciError::BadInput(format!(
-                    "TLS with {base} failed ({}); if this registry speaks plain HTTP or uses a \
-                     certificate you do not trust, set publish.insecure: true (OCI_INSECURE)",
-                    strip_url(&e)
-                )));
+                return Err(OciError::Tls {
+                    base,
+                    source: Transport(e),
+                });
             }
             // Anything else (refused, timeout) is retried by the requests that follow.
         }
-        let origin = Origin::parse(&base).ok_or_else(|| {
-            OciError::BadInput(format!(
-                "registry {} is not a host name",
-                reference.registry
-            ))
+        let origin = Origin::parse(&base).ok_or_else(|| OciError::NotAHost {
+            registry: reference.registry.clone(),
         })?;
         Ok(Registry {
             client,
@@ -204,11 +344,10 @@ impl Registry {
         loop {
             let mut req = build(&self.client)
                 .build()
-                .map_err(|e| transport(what, &e))?;
+                .map_err(|e| transport(what, e))?;
             if let Some(h) = self.auth_for(req.url()).await {
-                let value = reqwest::header::HeaderValue::from_str(&h).map_err(|_| {
-                    OciError::Auth("the registry token is not a header value".into())
-                })?;
+                let value = reqwest::header::HeaderValue::from_str(&h)
+                    .map_err(|_| OciError::TokenNotAHeader)?;
                 req.headers_mut().insert(AUTHORIZATION, value);
             }
             match self.client.execute(req).await {
@@ -226,10 +365,10 @@ impl Registry {
                 Err(e) if !e.is_builder() => {
                     tracing::warn!(error = %strip_url(&e), "registry request failed");
                     if !retry.wait().await {
-                        return Err(transport(what, &e));
+                        return Err(transport(what, e));
                     }
                 }
-                Err(e) => return Err(transport(what, &e)),
+                Err(e) => return Err(transport(what, e)),
             }
         }
     }
@@ -241,21 +380,11 @@ impl Registry {
             .and_then(|v| v.to_str().ok())
             .unwrap_or("")
             .to_string();
-        let need_creds = || {
-            OciError::Auth(
-                "registry requires authentication: set OCI_USERNAME/OCI_PASSWORD or DOCKER_CONFIG_JSON"
-                    .to_string(),
-            )
-        };
         let lower = challenge.to_ascii_lowercase();
         if lower.starts_with("basic") {
-            let c = self.creds.as_ref().ok_or_else(need_creds)?;
+            let c = self.creds.as_ref().ok_or(OciError::NeedCredentials)?;
             if !self.origin.is_https() && !self.insecure {
-                return Err(OciError::Auth(
-                    "the registry asks for basic credentials over plain http; set insecure only \
-                     for a registry you trust on this network"
-                        .into(),
-                ));
+                return Err(OciError::BasicOverHttp);
             }
             let v = base64::engine::general_purpose::STANDARD
                 .encode(format!("{}:{}", c.username, c.password));
@@ -264,8 +393,8 @@ impl Registry {
         }
         if !lower.starts_with("bearer") {
             return Err(match &self.creds {
-                Some(_) => OciError::Auth("registry rejected the credentials (HTTP 401)".into()),
-                None => need_creds(),
+                Some(_) => OciError::CredentialsRejected,
+                None => OciError::NeedCredentials,
             });
         }
         let params = parse_challenge(&challenge["bearer".len()..]);
@@ -273,7 +402,7 @@ impl Registry {
             .iter()
             .find(|(k, _)| k == "realm")
             .map(|(_, v)| v.clone())
-            .ok_or_else(|| OciError::Auth("bearer challenge without realm".into()))?;
+            .ok_or(OciError::NoRealm)?;
         let mut query: Vec<(String, String)> = Vec::new();
         for key in ["service", "scope"] {
             if let Some((_, v)) = params.iter().find(|(k, _)| k == key) {
@@ -286,8 +415,8 @@ impl Registry {
                 format!("repository:{}:pull,push", self.repository),
             ));
         }
-        let realm_url = reqwest::Url::parse(&realm).map_err(|_| {
-            OciError::Auth(format!("bearer challenge realm {realm:?} is not a URL"))
+        let realm_url = reqwest::Url::parse(&realm).map_err(|_| OciError::RealmNotAUrl {
+            realm: realm.clone(),
         })?;
         let mut req = self.client.get(realm_url.clone()).query(&query);
         match &self.creds {
@@ -303,17 +432,12 @@ impl Registry {
         let resp = req
             .send()
             .await
-            .map_err(|e| transport("token request", &e))?;
+            .map_err(|e| transport("token request", e))?;
         if !resp.status().is_success() {
-            return Err(OciError::Auth(format!(
-                "token endpoint refused the request (HTTP {}){}",
-                resp.status().as_u16(),
-                if self.creds.is_none() {
-                    ": set OCI_USERNAME/OCI_PASSWORD or DOCKER_CONFIG_JSON"
-                } else {
-                    ""
-                }
-            )));
+            return Err(OciError::TokenRefused {
+                status: resp.status(),
+                anonymous: self.creds.is_none(),
+            });
         }
         #[derive(Deserialize)]
         struct Token {
@@ -324,13 +448,9 @@ impl Registry {
         }
         let body = http::read_body_limited(resp, http::limits::TOKEN_RESPONSE, "token request")
             .await
-            .map_err(body_error)?;
-        let t: Token = serde_json::from_slice(&body)
-            .map_err(|e| OciError::Auth(format!("token response is not JSON: {e}")))?;
-        let tok = t
-            .token
-            .or(t.access_token)
-            .ok_or_else(|| OciError::Auth("token endpoint returned no token".into()))?;
+            .map_err(OciError::Body)?;
+        let t: Token = serde_json::from_slice(&body).map_err(OciError::TokenNotJson)?;
+        let tok = t.token.or(t.access_token).ok_or(OciError::NoToken)?;
         *self.auth.lock().await = Some(format!("Bearer {tok}"));
         Ok(())
     }
@@ -345,15 +465,17 @@ impl Registry {
     }
 
     fn status_error(&self, what: &str, s: StatusCode, body: &str) -> OciError {
-        let body: String = body.chars().take(300).collect();
-        let msg = format!("{what}: registry answered HTTP {} {body}", s.as_u16());
+        let what = what.to_string();
         match s {
-            StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => OciError::Auth(format!(
-                "{what}: access denied (HTTP {}); check OCI_USERNAME/OCI_PASSWORD or DOCKER_CONFIG_JSON",
-                s.as_u16()
-            )),
-            StatusCode::NOT_FOUND => OciError::BadInput(format!("{what}: not found (HTTP 404)")),
-            _ => OciError::Transport(msg),
+            StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => {
+                OciError::AccessDenied { what, status: s }
+            }
+            StatusCode::NOT_FOUND => OciError::NotFound { what },
+            _ => OciError::Status {
+                what,
+                status: s,
+                body: body.chars().take(300).collect(),
+            },
         }
     }
 
@@ -384,7 +506,7 @@ impl Registry {
             .headers()
             .get(LOCATION)
             .and_then(|v| v.to_str().ok())
-            .ok_or_else(|| OciError::Transport("upload session without Location".into()))?;
+            .ok_or(OciError::NoUploadLocation)?;
         Ok(self.absolute(loc))
     }
 
@@ -434,12 +556,12 @@ impl Registry {
             let before = sent.load(Ordering::Relaxed);
             match self.push_file_once(path, digest, size, &sent).await {
                 Ok(()) => return Ok(()),
-                Err(OciError::Transport(m)) => {
+                Err(m) if !m.is_bad_input() => {
                     // Bytes of the failed attempt do not count.
                     let now = sent.load(Ordering::Relaxed);
                     sent.fetch_sub(now.saturating_sub(before), Ordering::Relaxed);
                     let Some(delay) = retry.next_delay() else {
-                        return Err(OciError::Transport(m));
+                        return Err(m);
                     };
                     let attempt = retry.attempt();
                     tracing::warn!(error = %m, attempt, "blob upload failed; retrying");
@@ -465,7 +587,10 @@ impl Registry {
         let url = with_digest(&loc, digest);
         let file = tokio::fs::File::open(path)
             .await
-            .map_err(|e| OciError::Transport(format!("opening {}: {e}", path.display())))?;
+            .map_err(|source| OciError::Open {
+                path: path.to_path_buf(),
+                source,
+            })?;
         let counter = sent.clone();
         let stream =
             tokio_util::io::ReaderStream::with_capacity(file, 1 << 20).inspect_ok(move |b| {
@@ -479,14 +604,14 @@ impl Registry {
             .body(reqwest::Body::wrap_stream(stream));
         // An upload Location on another host (a storage backend) gets no registry credentials.
         let target = reqwest::Url::parse(&url)
-            .map_err(|_| OciError::Transport(format!("upload location {url:?} is not a URL")))?;
+            .map_err(|_| OciError::UploadLocationNotAUrl { url: url.clone() })?;
         if let Some(h) = self.auth_for(&target).await {
             req = req.header(AUTHORIZATION, h);
         }
         let resp = req
             .send()
             .await
-            .map_err(|e| transport("uploading a blob", &e))?;
+            .map_err(|e| transport("uploading a blob", e))?;
         if resp.status() == StatusCode::CREATED {
             return Ok(());
         }
@@ -495,10 +620,9 @@ impl Registry {
         if s == StatusCode::UNAUTHORIZED {
             // Token expired mid-upload: renegotiate and let the caller retry.
             *self.auth.lock().await = None;
-            return Err(OciError::Transport(format!(
-                "uploading {}: token expired (HTTP 401)",
-                path.display()
-            )));
+            return Err(OciError::TokenExpired {
+                path: path.to_path_buf(),
+            });
         }
         Err(self.status_error(&format!("uploading {}", path.display()), s, &body))
     }
@@ -553,7 +677,7 @@ impl Registry {
         let what = format!("manifest {}:{reference}", self.repository);
         let bytes = http::read_body_limited(resp, http::limits::OCI_MANIFEST, &what)
             .await
-            .map_err(body_error)?;
+            .map_err(OciError::Body)?;
         Ok((sha256_digest(&bytes), bytes))
     }
 
@@ -578,9 +702,8 @@ impl Registry {
             let next = http::next_link(resp.headers()).map(|u| self.absolute(&u));
             let body = http::read_body_limited(resp, http::limits::TAG_LIST, "listing tags")
                 .await
-                .map_err(body_error)?;
-            let t: Tags = serde_json::from_slice(&body)
-                .map_err(|e| OciError::Transport(format!("tag list is not JSON: {e}")))?;
+                .map_err(OciError::Body)?;
+            let t: Tags = serde_json::from_slice(&body).map_err(OciError::TagListNotJson)?;
             out.extend(t.tags.unwrap_or_default());
             match next {
                 Some(n) => url = n,
@@ -603,28 +726,29 @@ impl Registry {
         let (digest, bytes) = self.get_manifest(&what).await?;
         if let Some(want) = &reference.digest {
             if *want != digest {
-                return Err(OciError::BadInput(format!(
-                    "manifest digest mismatch: asked for {want}, registry served {digest}"
-                )));
+                return Err(OciError::DigestMismatch {
+                    want: want.clone(),
+                    served: digest,
+                });
             }
         }
-        let m: Manifest = serde_json::from_slice(&bytes).map_err(|e| {
-            OciError::BadInput(format!("{reference} is not an OCI image manifest: {e}"))
-        })?;
+        let m: Manifest =
+            serde_json::from_slice(&bytes).map_err(|source| OciError::NotAManifest {
+                reference: reference.to_string(),
+                source,
+            })?;
         let mut files = Vec::new();
         for l in &m.layers {
             let Some(title) = l.annotations.get(oci_artifact::TITLE_ANNOTATION) else {
                 tracing::warn!(digest = %l.digest, "layer without a title annotation skipped");
                 continue;
             };
-            check_relative_path(title).map_err(|r| {
-                OciError::BadInput(format!("artifact layer has an unsafe title: {r}"))
-            })?;
+            check_relative_path(title).map_err(OciError::UnsafeTitle)?;
             if !is_sha256_digest(&l.digest) {
-                return Err(OciError::BadInput(format!(
-                    "layer {title}: unsupported digest {}",
-                    l.digest
-                )));
+                return Err(OciError::UnsupportedDigest {
+                    title: title.clone(),
+                    digest: l.digest.clone(),
+                });
             }
             files.push(RemoteFile {
                 path: title.clone(),
@@ -635,9 +759,9 @@ impl Registry {
             });
         }
         if files.is_empty() {
-            return Err(OciError::BadInput(format!(
-                "{reference} has no titled file layers"
-            )));
+            return Err(OciError::NoFileLayers {
+                reference: reference.to_string(),
+            });
         }
         Ok((digest, files))
     }

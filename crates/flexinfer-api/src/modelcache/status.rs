@@ -150,19 +150,6 @@ pub struct DownloadStatus {
     pub previous_output_dirs: Option<Vec<String>>,
 }
 
-impl Deref for DownloadStatus {
-    type Target = PhaseProgress;
-    fn deref(&self) -> &PhaseProgress {
-        &self.run
-    }
-}
-
-impl DerefMut for DownloadStatus {
-    fn deref_mut(&mut self) -> &mut PhaseProgress {
-        &mut self.run
-    }
-}
-
 /// Abliteration phase status.
 #[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -184,28 +171,8 @@ pub struct AbliterationStatus {
     /// Directory (relative to the cache root) of the abliterated model.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_dir: Option<String>,
-    /// Generation of the run in flight or last run: its output is `<outputDir base>.<generation>`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub generation: Option<String>,
-    /// Earlier generations still on disk (kept for Models that serve them), newest first.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub previous_output_dirs: Option<Vec<String>>,
-    /// The last generation a gate rejected; the promoted output (`outputDir`) was left untouched.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rejected_generation: Option<String>,
-}
-
-impl Deref for AbliterationStatus {
-    type Target = PhaseProgress;
-    fn deref(&self) -> &PhaseProgress {
-        &self.run
-    }
-}
-
-impl DerefMut for AbliterationStatus {
-    fn deref_mut(&mut self) -> &mut PhaseProgress {
-        &mut self.run
-    }
+    #[serde(flatten)]
+    pub generations: Generations,
 }
 
 /// Quantization phase status.
@@ -243,28 +210,8 @@ pub struct QuantizationStatus {
     /// Settings the run used, as the worker reported them (not copied from the spec).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub applied: Option<BTreeMap<String, String>>,
-    /// Generation of the run in flight or last run: its output is `<outputDir base>.<generation>`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub generation: Option<String>,
-    /// Earlier generations still on disk (kept for Models that serve them), newest first.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub previous_output_dirs: Option<Vec<String>>,
-    /// The last generation a gate rejected; the promoted output (`outputDir`) was left untouched.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rejected_generation: Option<String>,
-}
-
-impl Deref for QuantizationStatus {
-    type Target = PhaseProgress;
-    fn deref(&self) -> &PhaseProgress {
-        &self.run
-    }
-}
-
-impl DerefMut for QuantizationStatus {
-    fn deref_mut(&mut self) -> &mut PhaseProgress {
-        &mut self.run
-    }
+    #[serde(flatten)]
+    pub generations: Generations,
 }
 
 /// Publish phase status.
@@ -284,18 +231,46 @@ pub struct PublishStatus {
     pub previous_digests: Option<Vec<String>>,
 }
 
-impl Deref for PublishStatus {
-    type Target = PhaseProgress;
-    fn deref(&self) -> &PhaseProgress {
-        &self.run
-    }
+/// The generations of a phase whose output a gate may reject (abliteration, quantization), flattened
+/// into its status after the phase's own fields.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Generations {
+    /// Generation of the run in flight or last run: its output is `<outputDir base>.<generation>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<String>,
+    /// Earlier generations still on disk (kept for Models that serve them), newest first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_output_dirs: Option<Vec<String>>,
+    /// The last generation a gate rejected; the promoted output (`outputDir`) was left untouched.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rejected_generation: Option<String>,
 }
 
-impl DerefMut for PublishStatus {
-    fn deref_mut(&mut self) -> &mut PhaseProgress {
-        &mut self.run
-    }
+/// The phase statuses dereference to their [`PhaseProgress`].
+macro_rules! deref_to_progress {
+    ($($status:ty),*) => {$(
+        impl Deref for $status {
+            type Target = PhaseProgress;
+            fn deref(&self) -> &PhaseProgress {
+                &self.run
+            }
+        }
+
+        impl DerefMut for $status {
+            fn deref_mut(&mut self) -> &mut PhaseProgress {
+                &mut self.run
+            }
+        }
+    )*};
 }
+
+deref_to_progress!(
+    DownloadStatus,
+    AbliterationStatus,
+    QuantizationStatus,
+    PublishStatus
+);
 
 /// Result of the RTN-fallback quality gate.
 #[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]

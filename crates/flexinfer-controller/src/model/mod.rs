@@ -164,7 +164,7 @@ pub async fn run_until(
     let group_store = store.clone();
     let deployment_group_store = store.clone();
     let pod_group_store = store.clone();
-    let running = controller
+    let controller = controller
         .owns(api::<Deployment>(&client, ns), children.clone())
         // A shared GPU group hands its lane over between Models: a member's change of demand
         // (its status) or of running pods (its Deployment) is news for every other member.
@@ -245,13 +245,9 @@ pub async fn run_until(
                     .collect::<Vec<_>>()
             },
         )
-        .graceful_shutdown_on(shutdown)
-        // A panic in one Model's reconcile is an error of that Model, not of the process.
-        .run(
-            guard.reconcile(reconcile),
-            guard.error_policy(error_policy),
-            ctx,
-        )
+        .graceful_shutdown_on(shutdown);
+    let running = guard
+        .run(controller, reconcile, error_policy, ctx)
         .for_each(|res| async move {
             if let Err(e) = res {
                 warn!(error = %e, "model reconcile failed");

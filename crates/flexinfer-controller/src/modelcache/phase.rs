@@ -100,11 +100,13 @@ pub(super) fn set_generation(st: &mut ModelCacheStatus, phase: JobPhase, generat
         JobPhase::Abliterate => {
             st.abliteration
                 .get_or_insert_with(AbliterationStatus::default)
+                .generations
                 .generation = Some(generation)
         }
         JobPhase::Quantize => {
             st.quantization
                 .get_or_insert_with(QuantizationStatus::default)
+                .generations
                 .generation = Some(generation)
         }
         _ => {}

@@ -117,7 +117,7 @@ pub async fn run(
         labels::MANAGED_BY,
         labels::MANAGED_BY_VALUE
     ));
-    let run = controller
+    let controller = controller
         .owns(job_api, job_wc)
         .watches(
             profiles,
@@ -132,13 +132,9 @@ pub async fn run(
                     .collect::<Vec<_>>()
             },
         )
-        .shutdown_on_signal()
-        // A panic in one cache's reconcile is an error of that cache, not of the process.
-        .run(
-            guard.reconcile(reconcile),
-            guard.error_policy(error_policy),
-            ctx,
-        )
+        .shutdown_on_signal();
+    let run = guard
+        .run(controller, reconcile, error_policy, ctx)
         .for_each(|res| async move {
             if let Err(e) = res {
                 debug!(error = %e, "reconcile stream error");

@@ -44,11 +44,11 @@ fn promote_output(cx: &mut Ctx<'_>, phase: JobPhase, reported: Option<&str>) -> 
         }
         JobPhase::Abliterate => {
             let a = cx.st.abliteration.get_or_insert_with(Default::default);
-            (&mut a.output_dir, &mut a.previous_output_dirs)
+            (&mut a.output_dir, &mut a.generations.previous_output_dirs)
         }
         JobPhase::Quantize => {
             let q = cx.st.quantization.get_or_insert_with(Default::default);
-            (&mut q.output_dir, &mut q.previous_output_dirs)
+            (&mut q.output_dir, &mut q.generations.previous_output_dirs)
         }
         _ => return out,
     };
@@ -273,12 +273,14 @@ pub(super) fn record_failure(
                 cx.st
                     .abliteration
                     .get_or_insert_with(Default::default)
+                    .generations
                     .rejected_generation = generation.clone()
             }
             JobPhase::Quantize => {
                 cx.st
                     .quantization
                     .get_or_insert_with(Default::default)
+                    .generations
                     .rejected_generation = generation.clone()
             }
             _ => {}

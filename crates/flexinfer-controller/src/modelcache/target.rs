@@ -355,8 +355,14 @@ pub fn output_base(mc: &ModelCache, phase: JobPhase) -> Option<String> {
 pub fn generation(st: &ModelCacheStatus, phase: JobPhase) -> Option<String> {
     match phase {
         JobPhase::Download => st.download.as_ref().and_then(|d| d.generation.clone()),
-        JobPhase::Abliterate => st.abliteration.as_ref().and_then(|a| a.generation.clone()),
-        JobPhase::Quantize => st.quantization.as_ref().and_then(|q| q.generation.clone()),
+        JobPhase::Abliterate => st
+            .abliteration
+            .as_ref()
+            .and_then(|a| a.generations.generation.clone()),
+        JobPhase::Quantize => st
+            .quantization
+            .as_ref()
+            .and_then(|q| q.generations.generation.clone()),
         _ => None,
     }
 }
@@ -406,11 +412,11 @@ pub fn previous_dirs(st: &ModelCacheStatus, phase: JobPhase) -> Vec<String> {
         JobPhase::Abliterate => st
             .abliteration
             .as_ref()
-            .and_then(|a| a.previous_output_dirs.clone()),
+            .and_then(|a| a.generations.previous_output_dirs.clone()),
         JobPhase::Quantize => st
             .quantization
             .as_ref()
-            .and_then(|q| q.previous_output_dirs.clone()),
+            .and_then(|q| q.generations.previous_output_dirs.clone()),
         JobPhase::Publish => None,
     }
     .unwrap_or_default()

@@ -27,8 +27,8 @@ mod select;
 
 pub use ops::{DeviceOps, OpsSession, PreparedMeta, MAX_DEVICE_RESETS};
 pub use select::{
-    select_device, DeviceChoice, GpuInfo, Platform, Selection, SystemPlatform, CUDA_LIBRARIES,
-    HIP_LIBRARIES,
+    select_device, DeviceChoice, GpuInfo, Platform, ProbeError, Selection, SystemPlatform,
+    CUDA_LIBRARIES, HIP_LIBRARIES,
 };
 
 use crate::error::QuantError;
@@ -82,12 +82,6 @@ impl DeviceError {
             op: op.into(),
             message: message.into(),
         }
-    }
-}
-
-impl From<DeviceError> for QuantError {
-    fn from(e: DeviceError) -> Self {
-        QuantError::Device(e.to_string())
     }
 }
 
@@ -273,10 +267,10 @@ pub fn solve_with_fallback(
                     spec,
                     events,
                 )),
-                None => Err(QuantError::Device(format!(
-                    "{}: {e}; no host copy of the Hessian to finish on the CPU",
-                    spec.module
-                ))),
+                None => Err(QuantError::DeviceLost {
+                    module: spec.module.to_string(),
+                    source: e,
+                }),
             }
         }
     }

@@ -43,12 +43,62 @@ pub struct GpuInfo {
     pub name: String,
 }
 
+/// Why a GPU runtime, or a device on it, cannot be used (the reason in [`select_device`]'s event and
+/// in [`QuantError::DeviceUnavailable`]).
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    /// The CPU was probed as if it were a GPU runtime.
+    #[error("not a GPU")]
+    NotAGpu,
+    /// None of the runtime's libraries could be loaded: each name's loader error, in order.
+    #[error("{}", join(.0))]
+    NotLoaded(Vec<libloading::Error>),
+    /// The runtime lacks an entry point it must have.
+    #[error(transparent)]
+    MissingSymbol(#[from] libloading::Error),
+    /// The runtime answered but reports no device.
+    #[error("{library}: no {vendor} device")]
+    NoDevice {
+        library: String,
+        vendor: &'static str,
+    },
+    /// Initialising the runtime or counting its devices returned an error status.
+    #[error("{library}: {calls} returned {code} {status}")]
+    Status {
+        library: String,
+        /// The calls made (`hipInit/hipGetDeviceCount`).
+        calls: &'static str,
+        /// The status type of the vendor API (`hipError`, `CUresult`).
+        code: &'static str,
+        status: i32,
+    },
+    /// The runtime is usable, but this build has no solve session for it.
+    #[error(
+        "this build has no {} solve session yet: the kernels exist as source (kernels/gptq.cu, compiled \
+         by the NVRTC test) but their launch code is not written (issue #18)",
+        .kind.as_str()
+    )]
+    NoSession { kind: DeviceKind },
+    /// A usable runtime whose device could not be opened.
+    #[error("{} ({} device(s), {}) is usable, but {source}", .info.name, .info.devices, .info.library)]
+    NotOpened {
+        info: GpuInfo,
+        #[source]
+        source: Box<ProbeError>,
+    },
+}
+
+fn join(errors: &[libloading::Error]) -> String {
+    let texts: Vec<String> = errors.iter().map(ToString::to_string).collect();
+    texts.join("; ")
+}
+
 /// What [`select_device`] asks of the machine: whether a vendor runtime is usable, and a device on it.
 pub trait Platform {
-    /// `Err(reason)` when the runtime cannot be loaded or reports no device.
-    fn probe(&self, kind: DeviceKind) -> Result<GpuInfo, String>;
-    /// A solve device on a usable runtime; `Err(reason)` when this build cannot run on it.
-    fn open(&self, info: &GpuInfo) -> Result<Box<dyn Device>, String>;
+    /// Why not, when the runtime cannot be loaded or reports no device.
+    fn probe(&self, kind: DeviceKind) -> Result<GpuInfo, ProbeError>;
+    /// A solve device on a usable runtime; why not when this build cannot run on it.
+    fn open(&self, info: &GpuInfo) -> Result<Box<dyn Device>, ProbeError>;
 }
 
 /// The device chosen and why.
@@ -68,23 +118,21 @@ pub fn select_device(
     let choice: DeviceChoice = setting.unwrap_or("auto").parse()?;
     let requested = setting.unwrap_or("auto").trim().to_ascii_lowercase();
     let mut probes: Vec<Value> = Vec::new();
-    let attempt = |kind: DeviceKind, probes: &mut Vec<Value>| -> Result<Box<dyn Device>, String> {
-        let r = platform.probe(kind).and_then(|info| {
-            let name = format!(
-                "{} ({} device(s), {})",
-                info.name, info.devices, info.library
-            );
-            platform
-                .open(&info)
-                .map_err(|e| format!("{name} is usable, but {e}"))
-        });
-        probes.push(json!({
-            "kind": kind.as_str(),
-            "usable": r.is_ok(),
-            "reason": r.as_ref().err(),
-        }));
-        r
-    };
+    let attempt =
+        |kind: DeviceKind, probes: &mut Vec<Value>| -> Result<Box<dyn Device>, ProbeError> {
+            let r = platform.probe(kind).and_then(|info| {
+                platform.open(&info).map_err(|e| ProbeError::NotOpened {
+                    info,
+                    source: Box::new(e),
+                })
+            });
+            probes.push(json!({
+                "kind": kind.as_str(),
+                "usable": r.is_ok(),
+                "reason": r.as_ref().err().map(ToString::to_string),
+            }));
+            r
+        };
     let selection = match choice {
         DeviceChoice::Cpu => Selection {
             device: Box::new(CpuBackend::default()),
@@ -101,13 +149,7 @@ pub fn select_device(
                     reason: format!("GPTQ_DEVICE={}", kind.as_str()),
                     device,
                 },
-                Err(reason) => {
-                    return Err(QuantError::DeviceUnavailable(format!(
-                        "GPTQ_DEVICE={}: no {} device this build can use: {reason} (set GPTQ_DEVICE=cpu or auto to run on the CPU)",
-                        kind.as_str(),
-                        if kind == DeviceKind::Hip { "AMD (HIP)" } else { "NVIDIA (CUDA)" },
-                    )))
-                }
+                Err(reason) => return Err(QuantError::DeviceUnavailable { kind, reason }),
             }
         }
         DeviceChoice::Auto => {
@@ -160,44 +202,40 @@ pub const HIP_LIBRARIES: &[&str] = &["libamdhip64.so", "libamdhip64.so.6", "liba
 pub const CUDA_LIBRARIES: &[&str] = &["libcuda.so.1", "libcuda.so"];
 
 impl Platform for SystemPlatform {
-    fn probe(&self, kind: DeviceKind) -> Result<GpuInfo, String> {
+    fn probe(&self, kind: DeviceKind) -> Result<GpuInfo, ProbeError> {
         match kind {
-            DeviceKind::Cpu => Err("not a GPU".to_string()),
+            DeviceKind::Cpu => Err(ProbeError::NotAGpu),
             DeviceKind::Hip => dl::probe_hip(),
             DeviceKind::Cuda => dl::probe_cuda(),
         }
     }
-    fn open(&self, info: &GpuInfo) -> Result<Box<dyn Device>, String> {
-        Err(format!(
-            "this build has no {} solve session yet: the kernels exist as source (kernels/gptq.cu, compiled \
-             by the NVRTC test) but their launch code is not written (issue #18)",
-            info.kind.as_str()
-        ))
+    fn open(&self, info: &GpuInfo) -> Result<Box<dyn Device>, ProbeError> {
+        Err(ProbeError::NoSession { kind: info.kind })
     }
 }
 
 /// Run-time loading of the vendor runtimes (probing only).
 mod dl {
-    use super::{DeviceKind, GpuInfo, CUDA_LIBRARIES, HIP_LIBRARIES};
+    use super::{DeviceKind, GpuInfo, ProbeError, CUDA_LIBRARIES, HIP_LIBRARIES};
     use libloading::{Library, Symbol};
     use std::ffi::{c_char, c_int, c_uint, CStr};
 
-    fn load(names: &[&str]) -> Result<(Library, String), String> {
+    fn load(names: &[&str]) -> Result<(Library, String), ProbeError> {
         let mut errors = Vec::new();
         for name in names {
             // SAFETY: loading a vendor runtime runs its initialisers; these libraries are made to be loaded
             // by applications at run time.
             match unsafe { Library::new(name) } {
                 Ok(lib) => return Ok((lib, name.to_string())),
-                Err(e) => errors.push(e.to_string()),
+                Err(e) => errors.push(e),
             }
         }
-        Err(errors.join("; "))
+        Err(ProbeError::NotLoaded(errors))
     }
 
-    fn sym<'l, T>(lib: &'l Library, name: &[u8]) -> Result<Symbol<'l, T>, String> {
+    fn sym<'l, T>(lib: &'l Library, name: &[u8]) -> Result<Symbol<'l, T>, ProbeError> {
         // SAFETY: the caller names a symbol of the vendor API with the C signature `T` it declares.
-        unsafe { lib.get(name) }.map_err(|e| e.to_string())
+        Ok(unsafe { lib.get(name) }?)
     }
 
     fn name_from(buf: &[c_char]) -> String {
@@ -213,7 +251,7 @@ mod dl {
 
     type InitFn = unsafe extern "C" fn(c_uint) -> c_int;
     /// `(status, device count, name of device 0)`, or why the runtime's entry points are missing.
-    type Answer = Result<(c_int, c_int, String), String>;
+    type Answer = Result<(c_int, c_int, String), ProbeError>;
     type CountFn = unsafe extern "C" fn(*mut c_int) -> c_int;
 
     /// A vendor runtime: where to find it, how to ask it for its devices, and how its errors read.
@@ -226,7 +264,7 @@ mod dl {
         code: &'static str,
     }
 
-    pub(super) fn probe_hip() -> Result<GpuInfo, String> {
+    pub(super) fn probe_hip() -> Result<GpuInfo, ProbeError> {
         probe(&Runtime {
             kind: DeviceKind::Hip,
             libraries: HIP_LIBRARIES,
@@ -237,7 +275,7 @@ mod dl {
         })
     }
 
-    pub(super) fn probe_cuda() -> Result<GpuInfo, String> {
+    pub(super) fn probe_cuda() -> Result<GpuInfo, ProbeError> {
         probe(&Runtime {
             kind: DeviceKind::Cuda,
             libraries: CUDA_LIBRARIES,
@@ -249,7 +287,7 @@ mod dl {
     }
 
     /// Loads the runtime and turns its answer into a usable device or the reason it is not one.
-    fn probe(rt: &Runtime) -> Result<GpuInfo, String> {
+    fn probe(rt: &Runtime) -> Result<GpuInfo, ProbeError> {
         let (lib, library) = load(rt.libraries)?;
         let answer = (rt.query)(&lib);
         // The runtime stays loaded (unloading a GPU runtime after init is not supported by every vendor).
@@ -261,8 +299,16 @@ mod dl {
                 devices: n as usize,
                 name,
             }),
-            (0, _, _) => Err(format!("{library}: no {} device", rt.vendor)),
-            (rc, _, _) => Err(format!("{library}: {} returned {} {rc}", rt.calls, rt.code)),
+            (0, _, _) => Err(ProbeError::NoDevice {
+                library,
+                vendor: rt.vendor,
+            }),
+            (status, _, _) => Err(ProbeError::Status {
+                library,
+                calls: rt.calls,
+                code: rt.code,
+                status,
+            }),
         }
     }
 

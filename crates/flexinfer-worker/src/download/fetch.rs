@@ -38,33 +38,151 @@ impl std::fmt::Debug for super::DownloadArgs {
     }
 }
 
-/// Why a transfer failed.
-#[derive(Debug, Clone, thiserror::Error)]
+/// Why a transfer failed. Each failure is of one class ([`FetchError::is_fatal`],
+/// [`FetchError::is_retryable`]): fatal ones (401/403/404, unsafe names) will not get better by
+/// retrying and exit 2; transient ones (5xx, 429, a dropped connection) are retried with backoff;
+/// the rest (verification failed, retries exhausted, the disk) exit 1.
+#[derive(Debug, thiserror::Error)]
 pub enum FetchError {
-    /// Will not get better by retrying (401/403/404, unsafe names): exit 2.
-    #[error("{0}")]
-    Fatal(String),
-    /// Transient (5xx, 429, dropped connection): retried with backoff.
-    #[error("{0}")]
-    Retryable(String),
-    /// Verification failed or retries exhausted: exit 1.
-    #[error("{0}")]
-    Failed(String),
+    /// An HTTP error status; fatal unless [`status_is_retryable`].
+    #[error("{}", status_message(.what, *.status, *.has_token))]
+    Status {
+        what: String,
+        status: StatusCode,
+        has_token: bool,
+    },
+    /// The request was not answered.
+    #[error("{file}: request failed: {source}")]
+    Request {
+        file: String,
+        #[source]
+        source: Transport,
+    },
+    #[error("{file}: server answered a different range; restarting the file")]
+    WrongRange { file: String },
+    #[error("{file}: range not satisfiable; restarting")]
+    RangeNotSatisfiable { file: String },
+    #[error("{file}: connection dropped at byte {at} of {size}: {source}")]
+    Dropped {
+        file: String,
+        at: u64,
+        size: u64,
+        #[source]
+        source: Transport,
+    },
+    #[error("{file}: server sent more than the listed {size} bytes")]
+    TooLong { file: String, size: u64 },
+    #[error("{file}: connection closed at byte {at} of {size}")]
+    Closed { file: String, at: u64, size: u64 },
+    /// A hub listing page that was not answered.
+    #[error("listing {what}: {source}")]
+    Listing {
+        what: String,
+        #[source]
+        source: reqwest::Error,
+    },
+    /// A hub listing page that could not be read or parsed.
+    #[error("listing {what}: bad response body: {source}")]
+    ListingBody {
+        what: String,
+        #[source]
+        source: BadBody,
+    },
+    /// A body over its limit: the server (or its data) is bad.
+    #[error(transparent)]
+    TooLarge(crate::http::BodyError),
+    /// The hub listed a name that would leave the download directory.
+    #[error("hub listed an unsafe file name: {0}")]
+    UnsafeName(#[source] flexinfer_contract::PathError),
+    /// The local file system.
+    #[error("{what} {}: {source}", .path.display())]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The blocking writer task did not finish.
+    #[error(transparent)]
+    Writer(#[from] tokio::task::JoinError),
+    /// The file failed verification twice.
+    #[error("{0}; the partial file was removed")]
+    Verify(#[source] VerifyError),
+    /// Transient failures in a row until the retries ran out.
+    #[error("{file}: giving up after {attempts} attempts: {last}")]
+    GaveUp {
+        file: String,
+        attempts: u32,
+        #[source]
+        last: Box<FetchError>,
+    },
 }
 
-/// The class of an HTTP error status (message filled by [`http_error`]).
-pub fn classify_status(s: StatusCode) -> FetchError {
-    if s.is_server_error() || s == StatusCode::TOO_MANY_REQUESTS || s == StatusCode::REQUEST_TIMEOUT
-    {
-        FetchError::Retryable(String::new())
-    } else {
-        FetchError::Fatal(String::new())
+impl FetchError {
+    /// Will not get better by retrying (exit 2).
+    pub fn is_fatal(&self) -> bool {
+        match self {
+            FetchError::Status { status, .. } => !status_is_retryable(*status),
+            FetchError::TooLarge(_) | FetchError::UnsafeName(_) => true,
+            _ => false,
+        }
     }
+
+    /// Transient: retried with backoff.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            FetchError::Status { status, .. } => status_is_retryable(*status),
+            FetchError::Request { .. }
+            | FetchError::WrongRange { .. }
+            | FetchError::RangeNotSatisfiable { .. }
+            | FetchError::Dropped { .. }
+            | FetchError::TooLong { .. }
+            | FetchError::Closed { .. }
+            | FetchError::Listing { .. }
+            | FetchError::ListingBody { .. } => true,
+            _ => false,
+        }
+    }
+}
+
+/// A transport error of reqwest shown without its URL (which may carry a signed query), its causes
+/// inline ([`strip_url`]).
+#[derive(Debug)]
+pub struct Transport(pub reqwest::Error);
+
+impl std::fmt::Display for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&strip_url(&self.0))
+    }
+}
+
+impl std::error::Error for Transport {}
+
+/// Why a hub listing page was unusable.
+#[derive(Debug, thiserror::Error)]
+pub enum BadBody {
+    #[error(transparent)]
+    Read(crate::http::BodyError),
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+}
+
+/// 5xx, 429 and 408 are transient; other error statuses are not.
+pub fn status_is_retryable(s: StatusCode) -> bool {
+    s.is_server_error() || s == StatusCode::TOO_MANY_REQUESTS || s == StatusCode::REQUEST_TIMEOUT
 }
 
 /// A clear error for an HTTP status; never contains credentials.
 pub fn http_error(what: &str, s: StatusCode, has_token: bool) -> FetchError {
-    let msg = match s {
+    FetchError::Status {
+        what: what.to_string(),
+        status: s,
+        has_token,
+    }
+}
+
+fn status_message(what: &str, s: StatusCode, has_token: bool) -> String {
+    match s {
         StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => {
             let hint = if has_token {
                 "the token was rejected or lacks access (gated repos need their terms accepted)"
@@ -77,10 +195,6 @@ pub fn http_error(what: &str, s: StatusCode, has_token: bool) -> FetchError {
             format!("{what} not found (HTTP 404): check the repository id, repo type and revision")
         }
         _ => format!("{what}: HTTP {}", s.as_u16()),
-    };
-    match classify_status(s) {
-        FetchError::Retryable(_) => FetchError::Retryable(msg),
-        _ => FetchError::Fatal(msg),
     }
 }
 
@@ -124,8 +238,12 @@ async fn blocking<T: Send + 'static>(
         .map_err(|e| std::io::Error::other(e.to_string()))?
 }
 
-fn io_err(what: &str, p: &Path, e: std::io::Error) -> FetchError {
-    FetchError::Failed(format!("{what} {}: {e}", p.display()))
+fn io_err(what: &'static str, p: &Path, e: std::io::Error) -> FetchError {
+    FetchError::Io {
+        what,
+        path: p.to_path_buf(),
+        source: e,
+    }
 }
 
 /// Fetch `f` into `dir/f.path`, resuming from its `.part` file. Returns its integrity record.
@@ -185,11 +303,11 @@ pub async fn fetch_file(
                         ctx.done.fetch_sub(counted, Ordering::Relaxed);
                         counted = 0;
                         verify_failures = verify_failures.saturating_add(1);
-                        let msg = format!("{why}; the partial file was removed");
+                        let err = FetchError::Verify(why);
                         tracing::warn!(file = %f.path, "verification failed");
-                        eprintln!("{msg}");
+                        eprintln!("{err}");
                         if verify_failures >= 2 {
-                            return Err(FetchError::Failed(msg));
+                            return Err(err);
                         }
                         continue;
                     }
@@ -203,17 +321,17 @@ pub async fn fetch_file(
                     sha256: sha,
                 });
             }
-            Err(FetchError::Retryable(msg)) => {
+            Err(msg) if msg.is_retryable() => {
                 // Only failures in a row without progress count against the file.
                 if counted > before {
                     retry.reset();
                 }
                 let Some(delay) = retry.next_delay() else {
-                    return Err(FetchError::Failed(format!(
-                        "{}: giving up after {} attempts: {msg}",
-                        f.path,
-                        retry.attempt().saturating_add(1)
-                    )));
+                    return Err(FetchError::GaveUp {
+                        file: f.path.clone(),
+                        attempts: retry.attempt().saturating_add(1),
+                        last: Box::new(msg),
+                    });
                 };
                 let attempt = retry.attempt();
                 tracing::warn!(file = %f.path, attempt, error = %msg, "retrying");
@@ -231,7 +349,7 @@ pub async fn fetch_file(
 /// A downloaded file that is not what the source promised (the partial file is removed and the
 /// download retried once).
 #[derive(Debug, thiserror::Error)]
-enum VerifyError {
+pub enum VerifyError {
     /// Another writer, or the disk, changed the file while it was written.
     #[error("{file}: the bytes on disk differ from the bytes received (sha256 {on_disk} on disk, {streamed} received)")]
     ChangedOnDisk {
@@ -369,8 +487,9 @@ async fn download_once(
     if have > 0 {
         req = req.header(reqwest::header::RANGE, format!("bytes={have}-"));
     }
-    let resp = req.send().await.map_err(|e| {
-        FetchError::Retryable(format!("{}: request failed: {}", f.path, strip_url(&e)))
+    let resp = req.send().await.map_err(|e| FetchError::Request {
+        file: f.path.clone(),
+        source: Transport(e),
     })?;
     let status = resp.status();
     match status {
@@ -384,10 +503,9 @@ async fn download_once(
                 // Not the range we asked for: start over.
                 set_len(&mut file, part, 0).await?;
                 sync_counted(ctx, counted, 0);
-                return Err(FetchError::Retryable(format!(
-                    "{}: server answered a different range; restarting the file",
-                    f.path
-                )));
+                return Err(FetchError::WrongRange {
+                    file: f.path.clone(),
+                });
             }
         }
         s if s.is_success() => {
@@ -402,10 +520,9 @@ async fn download_once(
         StatusCode::RANGE_NOT_SATISFIABLE => {
             set_len(&mut file, part, 0).await?;
             sync_counted(ctx, counted, 0);
-            return Err(FetchError::Retryable(format!(
-                "{}: range not satisfiable; restarting",
-                f.path
-            )));
+            return Err(FetchError::RangeNotSatisfiable {
+                file: f.path.clone(),
+            });
         }
         s => return Err(http_error(&f.path, s, ctx.authorization.is_some())),
     }
@@ -420,20 +537,20 @@ async fn download_once(
         let chunk = match chunk {
             Ok(c) => c,
             Err(e) => {
-                failure = Some(FetchError::Retryable(format!(
-                    "{}: connection dropped at byte {pos} of {}: {}",
-                    f.path,
-                    f.size,
-                    strip_url(&e)
-                )));
+                failure = Some(FetchError::Dropped {
+                    file: f.path.clone(),
+                    at: pos,
+                    size: f.size,
+                    source: Transport(e),
+                });
                 break;
             }
         };
         if pos.saturating_add(chunk.len() as u64) > f.size {
-            failure = Some(FetchError::Retryable(format!(
-                "{}: server sent more than the listed {} bytes",
-                f.path, f.size
-            )));
+            failure = Some(FetchError::TooLong {
+                file: f.path.clone(),
+                size: f.size,
+            });
             pos = 0;
             break;
         }
@@ -449,7 +566,7 @@ async fn download_once(
     drop(tx);
     let written = writer
         .await
-        .map_err(|e| FetchError::Failed(e.to_string()))
+        .map_err(FetchError::Writer)
         .and_then(|r| r.map_err(|e| io_err("writing", part, e)));
     let hasher = match written {
         Ok(h) => h,
@@ -467,10 +584,11 @@ async fn download_once(
         return Err(e);
     }
     if pos != f.size {
-        return Err(FetchError::Retryable(format!(
-            "{}: connection closed at byte {pos} of {}",
-            f.path, f.size
-        )));
+        return Err(FetchError::Closed {
+            file: f.path.clone(),
+            at: pos,
+            size: f.size,
+        });
     }
     Ok(hex::encode(hasher.finalize()))
 }
@@ -606,15 +724,15 @@ mod tests {
     fn statuses() {
         assert!(matches!(
             http_error("x", StatusCode::UNAUTHORIZED, false),
-            FetchError::Fatal(m) if m.contains("HF_TOKEN")
+            e if e.is_fatal() && e.to_string().contains("HF_TOKEN")
         ));
         assert!(matches!(
             http_error("x", StatusCode::NOT_FOUND, true),
-            FetchError::Fatal(_)
+            e if e.is_fatal()
         ));
         assert!(matches!(
             http_error("x", StatusCode::BAD_GATEWAY, true),
-            FetchError::Retryable(_)
+            e if e.is_retryable()
         ));
     }
 }

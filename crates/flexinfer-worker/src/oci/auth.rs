@@ -109,15 +109,15 @@ impl Credentials {
             path.to_path_buf()
         };
         let text = flexinfer_fsutil::read_regular(&file, flexinfer_fsutil::limits::DOCKER_CONFIG)
-            .map_err(|e| {
-            OciError::BadInput(format!("cannot read docker config {}: {e}", file.display()))
+            .map_err(|source| OciError::DockerConfigRead {
+            path: file.clone(),
+            source,
         })?;
-        let cfg: DockerConfig = serde_json::from_slice(&text).map_err(|e| {
-            OciError::BadInput(format!(
-                "docker config {} is not valid JSON: {e}",
-                file.display()
-            ))
-        })?;
+        let cfg: DockerConfig =
+            serde_json::from_slice(&text).map_err(|source| OciError::DockerConfigJson {
+                path: file.clone(),
+                source,
+            })?;
         let host_of = |k: &str| {
             let k = k
                 .trim_start_matches("https://")
@@ -141,15 +141,13 @@ impl Credentials {
         if let Some(a) = &entry.auth {
             let raw = base64::engine::general_purpose::STANDARD
                 .decode(a.trim())
-                .map_err(|_| {
-                    OciError::BadInput(format!(
-                        "docker config entry for {registry}: auth is not base64"
-                    ))
+                .map_err(|source| OciError::AuthNotBase64 {
+                    registry: registry.to_string(),
+                    source,
                 })?;
-            let s = String::from_utf8(raw).map_err(|_| {
-                OciError::BadInput(format!(
-                    "docker config entry for {registry}: auth is not UTF-8"
-                ))
+            let s = String::from_utf8(raw).map_err(|source| OciError::AuthNotUtf8 {
+                registry: registry.to_string(),
+                source,
             })?;
             if let Some((u, p)) = s.split_once(':') {
                 return Ok(Some(Credentials {
@@ -158,9 +156,9 @@ impl Credentials {
                 }));
             }
         }
-        Err(OciError::BadInput(format!(
-            "docker config entry for {registry} has neither username/password nor auth"
-        )))
+        Err(OciError::NoCredentialsInEntry {
+            registry: registry.to_string(),
+        })
     }
 }
 

@@ -1,6 +1,6 @@
 //! OCI references: `registry[:port]/repository[:tag][@sha256:…]`.
 
-use super::OciError;
+use super::{OciError, ReferenceProblem};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reference {
@@ -12,12 +12,15 @@ pub struct Reference {
 
 impl Reference {
     pub fn parse(s: &str) -> Result<Reference, OciError> {
-        let bad = |why: &str| OciError::BadInput(format!("invalid OCI reference {s:?}: {why}"));
+        let bad = |problem: ReferenceProblem| OciError::Reference {
+            reference: s.to_string(),
+            problem,
+        };
         let s = s.trim().trim_start_matches("oci://");
         let (rest, digest) = match s.split_once('@') {
             Some((r, d)) => {
                 if !is_sha256_digest(d) {
-                    return Err(bad("digest must be sha256:<64 hex>"));
+                    return Err(bad(ReferenceProblem::Digest));
                 }
                 (r, Some(d.to_string()))
             }
@@ -25,11 +28,9 @@ impl Reference {
         };
         let (registry, path) = rest
             .split_once('/')
-            .ok_or_else(|| bad("expected registry/repository"))?;
+            .ok_or_else(|| bad(ReferenceProblem::NoRepository))?;
         if !(registry.contains('.') || registry.contains(':') || registry == "localhost") {
-            return Err(bad(
-                "the first component must be a registry host (e.g. ghcr.io or host:5000)",
-            ));
+            return Err(bad(ReferenceProblem::NoRegistry));
         }
         let (repository, tag) = match path.rsplit_once(':') {
             Some((r, t)) if !t.contains('/') => (r, Some(t.to_string())),
@@ -43,12 +44,10 @@ impl Reference {
                     })
             });
         if !repo_ok {
-            return Err(bad(
-                "repository must be lowercase [a-z0-9._-] path components",
-            ));
+            return Err(bad(ReferenceProblem::Repository));
         }
         if let Some(t) = &tag {
-            check_tag(t).map_err(|e| bad(&e.to_string()))?;
+            check_tag(t).map_err(|e| bad(e.into()))?;
         }
         Ok(Reference {
             registry: registry.to_string(),

@@ -66,7 +66,7 @@ fn full_pipeline_walks_phases_in_order_and_ready_is_stable() {
     // The path names the promoted generation of the quantized output.
     let q = p.status.quantization.clone().expect("quantization status");
     let out = q.output_dir.clone().expect("outputDir");
-    let generation = q.generation.clone().expect("generation");
+    let generation = q.generations.generation.clone().expect("generation");
     assert_eq!(out, format!("mc/gptq-w4-g128.{generation}"));
     assert_eq!(p.status.path, Some(format!("mc-cache:{out}")));
     assert!(conditions::is_true(&p.status.conditions, "Ready"));

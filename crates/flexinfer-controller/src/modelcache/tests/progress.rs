@@ -106,7 +106,7 @@ fn results_come_from_the_termination_message() {
         a.output_dir,
         Some(format!(
             "mc/abliterated.{}",
-            a.generation.clone().unwrap_or_default()
+            a.generations.generation.clone().unwrap_or_default()
         ))
     );
     let mut q = job_from(&p, JobPhase::Quantize, t(2), JobState::Succeeded);

@@ -131,7 +131,7 @@ fn requantize_reruns_only_quantize_and_keeps_path_until_success() {
         p.status
             .quantization
             .as_ref()
-            .and_then(|q| q.previous_output_dirs.clone()),
+            .and_then(|q| q.generations.previous_output_dirs.clone()),
         old_path
             .as_deref()
             .and_then(|p| p.split_once(':'))
