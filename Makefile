@@ -64,3 +64,13 @@ oracle-check:
 	$(ORACLE_PYTHON) scripts/oracle/make_fixtures.py --check-quantized --json $(ORACLE_CHECK_DIR)/check.json \
 	  --backend $(ORACLE_GPTQ_BACKEND) \
 	  $(addprefix $(ORACLE_CHECK_DIR)/,$(ORACLE_FAMILIES))
+
+# Build and push the worker (quantizer) image, point the GPUProfiles of QUANTIZER_ARCH at it (pinned by digest),
+# optionally move a running quantization onto it: make deploy-quantizer QUANTIZER_ARCH=gfx1100 REGISTRY=host:port
+# [DRY_RUN=1] [RESTART_JOB=namespace/cache] [NAMESPACE=ns]. See scripts/deploy-quantizer.sh --help.
+.PHONY: deploy-quantizer
+deploy-quantizer:
+	@test -n "$(QUANTIZER_ARCH)" || { echo "QUANTIZER_ARCH is required (e.g. gfx1100)"; exit 2; }
+	@test -n "$(REGISTRY)" || { echo "REGISTRY is required (host:port the cluster pulls from)"; exit 2; }
+	bash scripts/deploy-quantizer.sh $(QUANTIZER_ARCH) --registry $(REGISTRY) \
+	  $(if $(NAMESPACE),-n $(NAMESPACE)) $(if $(RESTART_JOB),--restart $(RESTART_JOB)) $(if $(DRY_RUN),--dry-run)

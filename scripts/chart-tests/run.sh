@@ -422,6 +422,40 @@ yaml.safe_dump_all(docs, open(sys.argv[2] + ".ns.yaml", "w"))
   t "server-side dry-run $b" kubectl apply --dry-run=server -f "$o.ns.yaml"
 done
 
+echo "== live: make deploy-quantizer (scripts/deploy-quantizer.sh)"
+# A GPUProfile of an architecture no other test uses, in the test namespace only.
+DQ_ARCH=gfx1103
+DQ_IMG() { kubectl -n "$NS" get gpuprofile dq -o jsonpath='{.spec.quantization.images.GPTQ}'; }
+kubectl -n "$NS" apply -f - >/dev/null <<YAML
+apiVersion: ai.flexinfer/v1alpha2
+kind: GPUProfile
+metadata: {name: dq}
+spec:
+  architecture: $DQ_ARCH
+  vendor: amd
+  quantization: {images: {GPTQ: "registry.example.com/flexinfer/worker:old"}}
+YAML
+t "deploy-quantizer refuses an architecture without a GPUProfile, naming it" bash -c "
+  if out=\$(bash scripts/deploy-quantizer.sh gfx1151 --registry r.example:5000 -n '$NS' --dry-run 2>&1); then
+    echo \"succeeded: \$out\"; exit 1; fi
+  grep -q 'no GPUProfile with spec.architecture=gfx1151 in namespace $NS' <<<\"\$out\" || { echo \"\$out\"; exit 1; }"
+tn "deploy-quantizer refuses a malformed --restart" bash scripts/deploy-quantizer.sh "$DQ_ARCH" --registry r.example:5000 -n "$NS" --restart nocache --dry-run
+t "deploy-quantizer --dry-run checks the patch server-side and changes nothing" bash -c "set -e
+  out=\$(bash scripts/deploy-quantizer.sh '$DQ_ARCH' --registry r.example:5000 --tag t1 -n '$NS' --dry-run 2>&1)
+  grep -q 'GPUProfile $NS/dq: quantization.images.GPTQ registry.example.com/flexinfer/worker:old -> r.example:5000/flexinfer/worker:t1 (server-side dry run' <<<\"\$out\"
+  [ \"\$(kubectl -n '$NS' get gpuprofile dq -o jsonpath='{.spec.quantization.images.GPTQ}')\" = registry.example.com/flexinfer/worker:old ]"
+if [ -n "${TESTENV_REGISTRY:-}" ]; then
+  # The real thing: build (cached) and push the worker image to the local registry, patch the profile.
+  t "deploy-quantizer pushes the worker image and pins the GPUProfile to its digest" bash -c "set -e
+    bash scripts/deploy-quantizer.sh '$DQ_ARCH' --registry '$TESTENV_REGISTRY' --tag dq-$RUN_ID -n '$NS' >/dev/null 2>'$T/dq.err' \
+      || { cat '$T/dq.err'; exit 1; }
+    img=\$(kubectl -n '$NS' get gpuprofile dq -o jsonpath='{.spec.quantization.images.GPTQ}')
+    d=\$(skopeo inspect --tls-verify=false 'docker://$TESTENV_REGISTRY/flexinfer/worker:dq-$RUN_ID' | python3 -c 'import json,sys; print(json.load(sys.stdin)[\"Digest\"])')
+    [ \"\$img\" = '$TESTENV_REGISTRY/flexinfer/worker:dq-$RUN_ID'@\$d ] || { echo \"profile has \$img, registry digest \$d\"; exit 1; }"
+else
+  fail "deploy-quantizer push" "TESTENV_REGISTRY is not set (start the testenv in cluster mode)"
+fi
+
 echo "== live: helm uninstall"
 t "helm uninstall keeps CRDs and custom resources" bash -c "set -e
   '$HELM' uninstall '$REL' -n '$NS' --wait >/dev/null

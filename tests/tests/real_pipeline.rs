@@ -747,43 +747,34 @@ async fn real_pipeline_download_abliterate_quantize_publish_and_serve() -> Resul
     Ok(())
 }
 
-/// GPTQ without abliteration, and the two crashes a long quantization must survive: the worker container is
-/// SIGKILLed mid-quantization (the Job's retry resumes from the per-layer cache), and the controller pod is
-/// killed while the Job still has that retry to run (the running Job is kept, not restarted). The worker is
-/// killed first, as soon as a running container has cached a layer, so neither kill races the quantization.
-#[tokio::test]
-async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
-    let _node = NODE.read().await;
-    let e = Env::get()?;
-    let c = client().await;
-    let name = "small-kill";
-    let dir = start_cache(&c, &e, name, "flexinfer-demo/small-llama", "small-llama", json!({
-        "quantization": {"format": "GPTQ", "bits": 4, "groupSize": 128, "maxMemoryGB": 4, "useGPU": true,
-                         "calibration": {"dataset": "flexinfer-demo/calibration", "maxSamples": 64, "maxSeqLen": 512}},
-    }))
-    .await?;
-    let mut seen = Observed::default();
-    // The layer cache lives beside the quantize input: the promoted download generation.
-    let mut manifest = PathBuf::new();
-    let cached_layers = |m: &Path| -> usize {
-        std::fs::read(m)
-            .ok()
-            .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
-            .and_then(|v| v["layers"].as_array().map(Vec::len))
-            .unwrap_or(0)
-    };
-    let jobs: Api<Job> = Api::namespaced(c.clone(), &e.ns);
-    let job_name = format!("{name}-quantize");
+/// Layers in the per-layer cache's manifest (0 while there is none).
+fn cached_layers(manifest: &Path) -> usize {
+    std::fs::read(manifest)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+        .and_then(|v| v["layers"].as_array().map(Vec::len))
+        .unwrap_or(0)
+}
+
+/// Waits (10 min at most) for quantization of `name` to be under way: a quantize pod Running whose container
+/// has put at least one layer into the per-layer cache (which lives beside the quantize input, the promoted
+/// download generation). Returns the pod, its container id and the cache manifest's path. Failed, or Ready
+/// before that (a model too small to catch mid-run), is an error.
+async fn running_quantize_with_a_cached_layer(
+    c: &Client,
+    e: &Env,
+    name: &str,
+    dir: &Path,
+    seen: &mut Observed,
+) -> Result<(Pod, String, PathBuf)> {
     let pods: Api<Pod> = Api::namespaced(c.clone(), &e.ns);
     let qsel = ListParams::default().labels(&format!(
         "flexinfer.ai/cache={name},flexinfer.ai/phase=quantize"
     ));
-    // Quantization under way: a running quantize container that has cached at least one layer. The worker
-    // is killed first, the moment that holds, so the kill never depends on how fast this machine quantizes;
-    // the controller is killed next, while the Job must still run the retry (the kill left work undone).
+    let mut manifest = PathBuf::new();
     let start = Instant::now();
-    let (running, cid) = loop {
-        let mc = observe_once(&c, &e, name, &mut seen).await?;
+    loop {
+        let mc = observe_once(c, e, name, seen).await?;
         if let Some(d) = mc["status"]["download"]["outputDir"].as_str() {
             manifest = dir
                 .join(d)
@@ -796,7 +787,7 @@ async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
         );
         ensure!(
             mc["status"]["phase"] != "Ready",
-            "quantization finished before the kills (model too small)"
+            "quantization finished before it could be interrupted (model too small)"
         );
         ensure!(
             start.elapsed() < Duration::from_secs(600),
@@ -815,12 +806,37 @@ async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
                     .clone()?;
                 Some((p, cid))
             });
-            if let Some(found) = found {
-                break found;
+            if let Some((pod, cid)) = found {
+                return Ok((pod, cid, manifest));
             }
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    }
+}
+
+/// GPTQ without abliteration, and the two crashes a long quantization must survive: the worker container is
+/// SIGKILLed mid-quantization (the Job's retry resumes from the per-layer cache), and the controller pod is
+/// killed while the Job still has that retry to run (the running Job is kept, not restarted). The worker is
+/// killed first, as soon as a running container has cached a layer, so neither kill races the quantization.
+#[tokio::test]
+async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
+    let _node = NODE.read().await;
+    let e = Env::get()?;
+    let c = client().await;
+    let name = "small-kill";
+    let dir = start_cache(&c, &e, name, "flexinfer-demo/small-llama", "small-llama", json!({
+        "quantization": {"format": "GPTQ", "bits": 4, "groupSize": 128, "maxMemoryGB": 4, "useGPU": true,
+                         "calibration": {"dataset": "flexinfer-demo/calibration", "maxSamples": 64, "maxSeqLen": 512}},
+    }))
+    .await?;
+    let mut seen = Observed::default();
+    let jobs: Api<Job> = Api::namespaced(c.clone(), &e.ns);
+    let job_name = format!("{name}-quantize");
+    // The worker is killed first, the moment a running container has cached a layer, so the kill never
+    // depends on how fast this machine quantizes; the controller is killed next, while the Job must still run
+    // the retry (the kill left work undone).
+    let (running, cid, manifest) =
+        running_quantize_with_a_cached_layer(&c, &e, name, &dir, &mut seen).await?;
     let job = jobs
         .get(&job_name)
         .await
@@ -962,6 +978,133 @@ async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
         "intermediate quantize progress values {mid:?} (all: {:?})",
         seen.progress
     );
+    Ok(())
+}
+
+/// `make deploy-quantizer` on the real path: while a quantization runs on the real node,
+/// `scripts/deploy-quantizer.sh gfx1100 --restart` builds and pushes the worker image to the local registry,
+/// pins the namespace's gfx1100 GPUProfile to it by digest and moves the running quantization onto it (the
+/// controller replaces the drifted Job; the new one resumes from the layer cache), then removes the
+/// `force-image-update` annotation; the cache ends Ready with a verified artifact. Takes the node for itself:
+/// it changes the GPUProfile the other tests use (restored at the end).
+#[tokio::test]
+async fn real_pipeline_deploy_quantizer_moves_a_running_quantization_to_the_new_image() -> Result<()>
+{
+    let _node = NODE.write().await;
+    let e = Env::get()?;
+    let c = client().await;
+    let result = deploy_quantizer_mid_run(&c, &e).await;
+    // Back to the image the other tests expect, whatever happened.
+    profile(&c, &e).await?;
+    result
+}
+
+async fn deploy_quantizer_mid_run(c: &Client, e: &Env) -> Result<()> {
+    let name = "small-deploy";
+    let dir = start_cache(c, e, name, "flexinfer-demo/small-llama", "small-llama", json!({
+        "quantization": {"format": "GPTQ", "bits": 4, "groupSize": 128, "maxMemoryGB": 4, "useGPU": true,
+                         "calibration": {"dataset": "flexinfer-demo/calibration", "maxSamples": 64, "maxSeqLen": 512}},
+    }))
+    .await?;
+    let mut seen = Observed::default();
+    let (running, _, _) = running_quantize_with_a_cached_layer(c, e, name, &dir, &mut seen).await?;
+    let jobs: Api<Job> = Api::namespaced(c.clone(), &e.ns);
+    let job_name = format!("{name}-quantize");
+    let old_uid = jobs.get(&job_name).await?.metadata.uid;
+    let tag = format!("deploy-e2e-{}", std::process::id());
+
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .context("repository root")?;
+    let out = Command::new("bash")
+        .current_dir(root)
+        .args(["scripts/deploy-quantizer.sh", "gfx1100", "--registry"])
+        .arg(&e.registry)
+        .args(["--tag", &tag, "-n", &e.ns, "--wait", "300", "--restart"])
+        .arg(format!("{}/{name}", e.ns))
+        .output()?;
+    let log = String::from_utf8_lossy(&out.stderr);
+    ensure!(out.status.success(), "deploy-quantizer failed: {log}");
+
+    // The profile is pinned to what the registry holds under the tag.
+    let inspect = Command::new("skopeo")
+        .args(["inspect", "--tls-verify=false"])
+        .arg(format!("docker://{}/flexinfer/worker:{tag}", e.registry))
+        .output()?;
+    ensure!(
+        inspect.status.success(),
+        "skopeo inspect: {}",
+        String::from_utf8_lossy(&inspect.stderr)
+    );
+    let digest = serde_json::from_slice::<Value>(&inspect.stdout)?["Digest"]
+        .as_str()
+        .context("Digest")?
+        .to_string();
+    let image = format!("{}/flexinfer/worker:{tag}@{digest}", e.registry);
+    let profiles: Api<flexinfer_api::GPUProfile> = Api::namespaced(c.clone(), &e.ns);
+    let pinned = profiles
+        .get("e2e-gfx1100")
+        .await?
+        .spec
+        .quantization
+        .and_then(|q| q.images.get("GPTQ").cloned());
+    ensure!(
+        pinned.as_deref() == Some(image.as_str()),
+        "GPUProfile GPTQ image {pinned:?}, expected {image}; log: {log}"
+    );
+    // The running Job was replaced by one on the new image; the annotation is gone again.
+    let job = jobs.get(&job_name).await?;
+    ensure!(
+        job.metadata.uid != old_uid,
+        "the quantize Job was not replaced"
+    );
+    let job_image = job
+        .spec
+        .and_then(|s| s.template.spec)
+        .and_then(|s| s.containers.first().and_then(|c| c.image.clone()));
+    ensure!(
+        job_image.as_deref() == Some(image.as_str()),
+        "new Job image {job_image:?}"
+    );
+    let caches: Api<ModelCache> = Api::namespaced(c.clone(), &e.ns);
+    let annotations = caches
+        .get(name)
+        .await?
+        .metadata
+        .annotations
+        .unwrap_or_default();
+    ensure!(
+        !annotations.contains_key("flexinfer.ai/force-image-update"),
+        "force-image-update left on the cache: {annotations:?}"
+    );
+
+    let mc = until_ready(c, e, name, &mut seen, Duration::from_secs(900)).await?;
+    // The replacement resumed from the layers the first Job had cached.
+    let old_pod = running.metadata.name.unwrap_or_default();
+    let new_pod = seen
+        .pods
+        .iter()
+        .find(|(n, (ph, p))| {
+            **n != old_pod
+                && ph == "quantize"
+                && p["spec"]["containers"][0]["image"] == image.as_str()
+                && p["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
+        })
+        .map(|(n, _)| n.clone())
+        .context("a quantize pod on the new image that succeeded")?;
+    let logs = Command::new("kubectl")
+        .args(["logs", "-n", &e.ns, &new_pod])
+        .output()?;
+    ensure!(
+        String::from_utf8_lossy(&logs.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .any(|v| v["event"] == "quantization_resume_loaded"),
+        "the Job on the new image did not resume from the layer cache"
+    );
+    let path = mc["status"]["path"].as_str().context("status.path")?;
+    check_artifact(&host_dir(&dir, path))?;
+    delete_cache(c, e, name).await;
     Ok(())
 }
 

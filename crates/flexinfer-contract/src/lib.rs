@@ -47,6 +47,9 @@ pub mod exit_codes {
     pub const BAD_INPUT: i32 = 2;
     pub const QUALITY_GATE: i32 = 3;
     pub const VERSION_MISMATCH: i32 = 4;
+    /// Stopped by SIGTERM (its Job or pod was deleted, the node drained): 128 + 15, like a shell. Not
+    /// deterministic: the Job's retry (if any) resumes from what was kept.
+    pub const TERMINATED: i32 = 143;
 }
 
 /// Parse a boolean env/flag value: `true`/`false` in any letter case, `1`/`0`, `yes`/`no`.

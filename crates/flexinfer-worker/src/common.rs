@@ -221,7 +221,7 @@ mod termination;
 pub use events::Events;
 pub use fs::{is_derived_dir, model_files, ModelFile};
 pub use retry::Retry;
-pub use termination::{check_version, finish, termination_log_path};
+pub use termination::{check_version, exit_on_sigterm, finish, termination_log_path};
 
 #[cfg(test)]
 mod tests {

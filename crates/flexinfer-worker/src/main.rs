@@ -3,6 +3,8 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use flexinfer_contract::JobPhase;
+use flexinfer_worker::common::exit_on_sigterm;
 
 #[derive(Parser)]
 #[command(
@@ -37,10 +39,22 @@ fn main() -> ExitCode {
             println!("{}", flexinfer_contract::SCRIPT_VERSION);
             ExitCode::SUCCESS
         }
-        Cmd::Download(args) => exit_code(flexinfer_worker::download::run(args)),
-        Cmd::Abliterate(args) => exit_code(flexinfer_worker::abliterate::run(args)),
-        Cmd::Quantize(args) => exit_code(flexinfer_worker::quantize::run(args)),
-        Cmd::Publish(args) => exit_code(flexinfer_worker::publish::run(args)),
+        Cmd::Download(args) => {
+            exit_on_sigterm(JobPhase::Download.status_name());
+            exit_code(flexinfer_worker::download::run(args))
+        }
+        Cmd::Abliterate(args) => {
+            exit_on_sigterm(JobPhase::Abliterate.status_name());
+            exit_code(flexinfer_worker::abliterate::run(args))
+        }
+        Cmd::Quantize(args) => {
+            exit_on_sigterm(JobPhase::Quantize.status_name());
+            exit_code(flexinfer_worker::quantize::run(args))
+        }
+        Cmd::Publish(args) => {
+            exit_on_sigterm(JobPhase::Publish.status_name());
+            exit_code(flexinfer_worker::publish::run(args))
+        }
     }
 }
 

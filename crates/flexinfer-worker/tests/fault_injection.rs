@@ -178,3 +178,73 @@ fn kill_points_cover_the_run() {
         "{f:?}"
     );
 }
+
+/// SIGTERM (a deleted Job or pod, a drained node) stops a quantize at once with exit 143 and a termination
+/// message that says so, keeping its per-layer cache: the restarted run resumes and ends byte-identical to
+/// an uninterrupted one. Without the worker's handler the process would die by the signal itself (no exit
+/// code, no message) here, or — as PID 1 of a container, which ignores SIGTERM — run on until SIGKILL.
+#[test]
+fn quantize_stopped_by_sigterm_exits_143_and_its_restart_resumes() {
+    let m = build(&TinyOpts::default());
+    let calib = m.root.path().join("calib.jsonl");
+    let lines: Vec<String> = flexinfer_quant::testkit::sentences(3, 48)
+        .into_iter()
+        .map(|s| serde_json::json!({ "text": s }).to_string())
+        .collect();
+    std::fs::write(&calib, lines.join("\n") + "\n").unwrap();
+    let term = m.root.path().join("term.json");
+    let reference = m.dir.join("gptq-w4-g32.reference");
+    assert!(command("quantize", &m, &calib, &reference, &term)
+        .status()
+        .unwrap()
+        .success());
+    let _ = std::fs::remove_file(&term);
+
+    let out = m.dir.join("gptq-w4-g32.term");
+    let manifest = m.dir.join(".flexinfer-gptq-cache/layers/manifest.json");
+    let layers = || -> usize {
+        std::fs::read(&manifest)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+            .and_then(|v| v["layers"].as_array().map(Vec::len))
+            .unwrap_or(0)
+    };
+    let mut child = command("quantize", &m, &calib, &out, &term)
+        .spawn()
+        .unwrap();
+    // Once a layer is cached (calibration is done, the handler long installed), before the run ends.
+    while layers() == 0 {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run ended before a layer was cached"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert!(Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let st = child.wait().unwrap();
+    assert_eq!(st.code(), Some(143), "exit status after SIGTERM: {st}");
+    let msg: serde_json::Value = serde_json::from_slice(&std::fs::read(&term).unwrap()).unwrap();
+    assert_eq!(msg["exitCode"], 143, "{msg}");
+    assert_eq!(msg["phase"], "quantization", "{msg}");
+    assert!(
+        msg["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("SIGTERM"),
+        "{msg}"
+    );
+    assert!(layers() >= 1, "the layer cache was not kept");
+    assert!(
+        command("quantize", &m, &calib, &out, &term)
+            .status()
+            .unwrap()
+            .success(),
+        "the restarted run failed"
+    );
+    assert_eq!(payload(&out), payload(&reference));
+    assert!(save_complete_verifies(&out));
+}

@@ -66,3 +66,47 @@ pub fn finish(events: &Events, result: Result<TerminationSuccess, WorkerError>) 
         }
     }
 }
+
+/// Ends the process at once, as SIGKILL would, when SIGTERM arrives (its Job or pod was deleted, the node
+/// is drained): the termination message says so and the exit code is [`exit_codes::TERMINATED`]. What the
+/// run wrote so far stays for the next run exactly as after SIGKILL (partial downloads, the per-layer GPTQ
+/// cache, staged outputs; every write that matters is atomic or verified on resume). Without it the worker,
+/// PID 1 of its container and so deaf to SIGTERM, would run on until the grace period's SIGKILL: a replaced
+/// quantize Job (new quantizer image) could even finish into an output nobody uses and clear the layer cache
+/// its replacement was to resume from. Called once by the worker binary, not by the library's tests.
+pub fn exit_on_sigterm(phase: &'static str) {
+    let spawned = std::thread::Builder::new()
+        .name("sigterm".into())
+        .spawn(move || {
+            let waited = tokio::runtime::Builder::new_current_thread()
+                .enable_io()
+                .build()
+                .map_err(|e| e.to_string())
+                .and_then(|rt| {
+                    rt.block_on(async {
+                        let mut term = tokio::signal::unix::signal(
+                            tokio::signal::unix::SignalKind::terminate(),
+                        )
+                        .map_err(|e| e.to_string())?;
+                        term.recv().await;
+                        Ok(())
+                    })
+                });
+            if let Err(e) = waited {
+                eprintln!("warning: cannot listen for SIGTERM ({e}); the worker stops at SIGKILL");
+                return;
+            }
+            let msg = TerminationFailure {
+                error: "stopped by SIGTERM (the Job or pod was deleted, or the node drained); what was written so far is kept for the next run".into(),
+                phase: phase.to_string(),
+                exit_code: exit_codes::TERMINATED,
+                tail: String::new(),
+            };
+            eprintln!("error: {}", msg.error);
+            write_termination(&encode_termination(&msg));
+            std::process::exit(exit_codes::TERMINATED);
+        });
+    if let Err(e) = spawned {
+        eprintln!("warning: cannot start the SIGTERM listener ({e}); the worker stops at SIGKILL");
+    }
+}
