@@ -1001,9 +1001,10 @@ async fn real_pipeline_deploy_quantizer_moves_a_running_quantization_to_the_new_
 
 async fn deploy_quantizer_mid_run(c: &Client, e: &Env) -> Result<()> {
     let name = "small-deploy";
+    // 128 samples (the kill test's 64 doubled): the run must outlast the image push and the hand-over.
     let dir = start_cache(c, e, name, "flexinfer-demo/small-llama", "small-llama", json!({
         "quantization": {"format": "GPTQ", "bits": 4, "groupSize": 128, "maxMemoryGB": 4, "useGPU": true,
-                         "calibration": {"dataset": "flexinfer-demo/calibration", "maxSamples": 64, "maxSeqLen": 512}},
+                         "calibration": {"dataset": "flexinfer-demo/calibration", "maxSamples": 128, "maxSeqLen": 512}},
     }))
     .await?;
     let mut seen = Observed::default();
