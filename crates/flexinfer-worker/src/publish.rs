@@ -103,11 +103,101 @@ pub fn run(args: PublishArgs) -> i32 {
     common::finish(&events, result)
 }
 
+/// What `publish` was asked to push, checked before anything is read or sent.
+struct Target {
+    dir: PathBuf,
+    reference: Reference,
+    policy: TagPolicy,
+    base_tag: String,
+    extra: Vec<String>,
+}
+
 async fn run_async(
     args: &PublishArgs,
     events: Arc<Events>,
 ) -> Result<TerminationSuccess, WorkerError> {
     common::check_version(args.script_version.as_deref())?;
+    let Target {
+        dir,
+        reference,
+        policy,
+        base_tag,
+        extra,
+    } = check_target(args)?;
+    events.emit(
+        events::START,
+        &serde_json::json!({"phase": events.phase(), "ociRef": reference.to_string(), "dir": dir.display().to_string()}),
+    );
+    let listed = list_dir(&dir).await?;
+    let total: u64 = listed.iter().map(|(_, _, s)| *s).sum();
+    let hashed = Arc::new(AtomicU64::new(0));
+    let sent = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let ticker = spawn_ticker(
+        events.clone(),
+        hashed.clone(),
+        sent.clone(),
+        total,
+        args.progress_interval,
+    );
+
+    // Reach the registry first: a TLS or auth problem must not wait for hashing.
+    let creds = args
+        .registry
+        .credentials(&reference.registry)
+        .map_err(oci::worker_error)?;
+    let reg = Arc::new(
+        Registry::connect(&reference, creds, args.registry.insecure)
+            .await
+            .map_err(oci::worker_error)?,
+    );
+    let config_digest = reg
+        .push_bytes(oci::EMPTY_CONFIG)
+        .await
+        .map_err(oci::worker_error)?;
+    // 1. Digests (the registry must be asked by digest before anything is uploaded).
+    let files = hash_files(listed, &hashed, args.concurrency).await?;
+    // What is pushed must be what the pipeline recorded: the layer digests are the files' sha256, so
+    // they are checked against `.save-complete` / `.source-integrity.json` before any upload.
+    check_records(&dir, &files)?;
+
+    // 2. Blobs.
+    let n_skipped = push_blobs(&reg, &files, &sent, args.concurrency).await?;
+
+    // 3. Manifest and tags.
+    let (digest, tags) =
+        push_manifest(&reg, &files, &config_digest, policy, &base_tag, extra).await?;
+    ticker.abort();
+    let secs = started.elapsed().as_secs_f64().max(1e-3);
+    events.progress(bytes_progress(
+        total,
+        total,
+        total as f64 / secs,
+        "published",
+    ));
+    events.log(&format!(
+        "published {} file(s), {total} bytes ({} already in the registry) as {}/{}@{digest} tags {:?} in {secs:.1}s",
+        files.len(),
+        n_skipped,
+        reference.registry,
+        reference.repository,
+        tags
+    ));
+    Ok(TerminationSuccess {
+        kind: contract::JobPhase::Publish.as_str().to_string(),
+        size_bytes: Some(total),
+        file_count: Some(files.len() as u64),
+        output_dir: Some(format!("{}/{}", reference.registry, reference.repository)),
+        digest: Some(digest),
+        tags,
+        ..Default::default()
+    })
+}
+
+/// Checks the flags (in this order: the directory is named, the reference is a tag not a digest,
+/// the tag policy, the extra tags, the concurrency, the directory exists) and returns what to push.
+/// Every refusal is a bad-input error; nothing is read or sent yet.
+fn check_target(args: &PublishArgs) -> Result<Target, WorkerError> {
     let dir = args
         .model_dir
         .clone()
@@ -149,11 +239,18 @@ async fn run_async(
             dir.display()
         )));
     }
-    events.emit(
-        events::START,
-        &serde_json::json!({"phase": events.phase(), "ociRef": reference.to_string(), "dir": dir.display().to_string()}),
-    );
-    let dir2 = dir.clone();
+    Ok(Target {
+        dir,
+        reference,
+        policy,
+        base_tag,
+        extra,
+    })
+}
+
+/// Lists the files under `dir` (relative path, path, size); an empty directory is bad input.
+async fn list_dir(dir: &Path) -> Result<Vec<(String, PathBuf, u64)>, WorkerError> {
+    let dir2 = dir.to_path_buf();
     let listed = tokio::task::spawn_blocking(move || list_files(&dir2))
         .await?
         .map_err(WorkerError::io(
@@ -166,33 +263,16 @@ async fn run_async(
             dir.display()
         )));
     }
-    let total: u64 = listed.iter().map(|(_, _, s)| *s).sum();
-    let hashed = Arc::new(AtomicU64::new(0));
-    let sent = Arc::new(AtomicU64::new(0));
-    let started = Instant::now();
-    let ticker = spawn_ticker(
-        events.clone(),
-        hashed.clone(),
-        sent.clone(),
-        total,
-        args.progress_interval,
-    );
+    Ok(listed)
+}
 
-    // Reach the registry first: a TLS or auth problem must not wait for hashing.
-    let creds = args
-        .registry
-        .credentials(&reference.registry)
-        .map_err(oci::worker_error)?;
-    let reg = Arc::new(
-        Registry::connect(&reference, creds, args.registry.insecure)
-            .await
-            .map_err(oci::worker_error)?,
-    );
-    let config_digest = reg
-        .push_bytes(oci::EMPTY_CONFIG)
-        .await
-        .map_err(oci::worker_error)?;
-    // 1. Digests (the registry must be asked by digest before anything is uploaded).
+/// Hashes the listed files (at most 4 at a time, counting the bytes into `hashed`) and returns
+/// them sorted by relative path, so the manifest does not depend on which hash finished first.
+async fn hash_files(
+    listed: Vec<(String, PathBuf, u64)>,
+    hashed: &Arc<AtomicU64>,
+    concurrency: usize,
+) -> Result<Vec<LocalFile>, WorkerError> {
     let mut files: Vec<LocalFile> =
         futures::stream::iter(listed.into_iter().map(|(rel, path, size)| {
             let hashed = hashed.clone();
@@ -213,15 +293,21 @@ async fn run_async(
                 })
             }
         }))
-        .buffer_unordered(args.concurrency.min(4))
+        .buffer_unordered(concurrency.min(4))
         .try_collect()
         .await?;
     files.sort_by(|a, b| a.rel.cmp(&b.rel));
-    // What is pushed must be what the pipeline recorded: the layer digests are the files' sha256, so
-    // they are checked against `.save-complete` / `.source-integrity.json` before any upload.
-    check_records(&dir, &files)?;
+    Ok(files)
+}
 
-    // 2. Blobs.
+/// Uploads every blob the registry does not already have (counting bytes into `sent`, skipped
+/// blobs included) and returns how many were skipped.
+async fn push_blobs(
+    reg: &Arc<Registry>,
+    files: &[LocalFile],
+    sent: &Arc<AtomicU64>,
+    concurrency: usize,
+) -> Result<u64, WorkerError> {
     let skipped = Arc::new(AtomicU64::new(0));
     futures::stream::iter(files.iter().map(|f| {
         let (reg, sent, skipped) = (reg.clone(), sent.clone(), skipped.clone());
@@ -234,19 +320,31 @@ async fn run_async(
             reg.push_file(&f.path, &f.digest, f.size, sent).await
         }
     }))
-    .buffer_unordered(args.concurrency)
+    .buffer_unordered(concurrency)
     .try_collect::<Vec<()>>()
     .await
     .map_err(oci::worker_error)?;
+    Ok(skipped.load(Ordering::Relaxed))
+}
 
-    // 3. Manifest and tags.
-    let manifest = build_manifest(&files, &config_digest);
+/// Encodes the manifest and puts it under the policy's primary tag, then each extra tag not
+/// already pushed; a registry that stores a different digest than the one computed here fails the
+/// publish. Returns the manifest digest and the tags pushed.
+async fn push_manifest(
+    reg: &Registry,
+    files: &[LocalFile],
+    config_digest: &str,
+    policy: TagPolicy,
+    base_tag: &str,
+    extra: Vec<String>,
+) -> Result<(String, Vec<String>), WorkerError> {
+    let manifest = build_manifest(files, config_digest);
     let body = serde_json::to_vec(&manifest).map_err(WorkerError::json(
         ExitKind::Failure,
         "encoding the OCI manifest",
     ))?;
     let digest = oci::sha256_digest(&body);
-    let mut tags = vec![policy.tag(&base_tag, &digest, jiff::Timestamp::now())];
+    let mut tags = vec![policy.tag(base_tag, &digest, jiff::Timestamp::now())];
     for t in extra {
         if !tags.contains(&t) {
             tags.push(t);
@@ -264,32 +362,7 @@ async fn run_async(
             )));
         }
     }
-    ticker.abort();
-    let secs = started.elapsed().as_secs_f64().max(1e-3);
-    let n_skipped = skipped.load(Ordering::Relaxed);
-    events.progress(bytes_progress(
-        total,
-        total,
-        total as f64 / secs,
-        "published",
-    ));
-    events.log(&format!(
-        "published {} file(s), {total} bytes ({} already in the registry) as {}/{}@{digest} tags {:?} in {secs:.1}s",
-        files.len(),
-        n_skipped,
-        reference.registry,
-        reference.repository,
-        tags
-    ));
-    Ok(TerminationSuccess {
-        kind: contract::JobPhase::Publish.as_str().to_string(),
-        size_bytes: Some(total),
-        file_count: Some(files.len() as u64),
-        output_dir: Some(format!("{}/{}", reference.registry, reference.repository)),
-        digest: Some(digest),
-        tags,
-        ..Default::default()
-    })
+    Ok((digest, tags))
 }
 
 /// Every file that the directory's `.save-complete` (quantized artifacts) or `.source-integrity.json`
