@@ -206,32 +206,8 @@ pub fn write_output(
     abort_after_shards: Option<usize>,
     ev: &Events,
 ) -> Result<usize, WorkerError> {
-    let mut manifest = match resumed {
-        Some(m) => m.clone(),
-        None => {
-            if staging.exists() {
-                std::fs::remove_dir_all(staging).map_err(|e| io_err(staging, e))?;
-            }
-            Manifest {
-                version: 1,
-                fingerprint: fingerprint.to_string(),
-                script_version: contract::SCRIPT_VERSION.to_string(),
-                result: result.clone(),
-                edits: plan.edits.iter().map(|e| e.tensor.clone()).collect(),
-                shards: Vec::new(),
-                complete: false,
-                completed_at: None,
-            }
-        }
-    };
-    std::fs::create_dir_all(staging).map_err(|e| io_err(staging, e))?;
-    write_manifest(staging, &manifest)?;
-
-    let mut by_file: BTreeMap<usize, Vec<&super::edit::Edit>> = BTreeMap::new();
-    for e in &plan.edits {
-        let entry = store.entry(&e.tensor).map_err(super::quant_err)?;
-        by_file.entry(entry.file).or_default().push(e);
-    }
+    let mut manifest = start_manifest(staging, plan, result, fingerprint, resumed)?;
+    let by_file = edits_by_file(store, plan)?;
     let n = store.files.len();
     let mut written_now = 0usize;
     for (fi, src) in store.files.iter().enumerate() {
@@ -256,39 +232,8 @@ pub fn write_output(
             continue;
         }
         let dst = staging.join(&rel);
-        if let Some(parent) = dst.parent() {
-            std::fs::create_dir_all(parent).map_err(|e| io_err(parent, e))?;
-        }
-        let tmp = dst.with_file_name(format!(
-            ".{}.tmp",
-            dst.file_name()
-                .map(|n| n.to_string_lossy().to_string())
-                .unwrap_or_default()
-        ));
-        std::fs::copy(src, &tmp).map_err(|e| io_err(&tmp, e))?;
-        {
-            let mut f = std::fs::OpenOptions::new()
-                .write(true)
-                .open(&tmp)
-                .map_err(|e| io_err(&tmp, e))?;
-            for e in by_file.get(&fi).into_iter().flatten() {
-                let entry = store.entry(&e.tensor).map_err(super::quant_err)?;
-                let (bytes, _) = edited_tensor(store, e, &result.direction)?;
-                if bytes.len() != entry.end - entry.start {
-                    return Err(WorkerError::Other(format!(
-                        "{}: edited size {} differs from the source's {}",
-                        e.tensor,
-                        bytes.len(),
-                        entry.end - entry.start
-                    )));
-                }
-                f.seek(SeekFrom::Start(entry.start as u64))
-                    .map_err(|e| io_err(&tmp, e))?;
-                f.write_all(&bytes).map_err(|e| io_err(&tmp, e))?;
-            }
-            f.sync_all().map_err(|e| io_err(&tmp, e))?;
-        }
-        std::fs::rename(&tmp, &dst).map_err(|e| io_err(&dst, e))?;
+        let edits = by_file.get(&fi).map(Vec::as_slice).unwrap_or_default();
+        write_shard(store, src, &dst, edits, result)?;
         let size = std::fs::metadata(&dst).map_err(|e| io_err(&dst, e))?.len();
         let rec = ShardRecord {
             name: rel.clone(),
@@ -310,6 +255,107 @@ pub fn write_output(
             std::process::exit(137);
         }
     }
+    copy_aux_files(model_dir, staging)?;
+    remove_tmp_leftovers(staging);
+    manifest.complete = true;
+    manifest.completed_at = Some(common::now_rfc3339());
+    write_manifest(staging, &manifest)?;
+    Ok(n)
+}
+
+/// The manifest the shards are recorded in: the interrupted run's when resuming, else a fresh one
+/// in an emptied staging directory. It is written before any shard.
+fn start_manifest(
+    staging: &Path,
+    plan: &Plan,
+    result: &RunResult,
+    fingerprint: &str,
+    resumed: Option<&Manifest>,
+) -> Result<Manifest, WorkerError> {
+    let manifest = match resumed {
+        Some(m) => m.clone(),
+        None => {
+            if staging.exists() {
+                std::fs::remove_dir_all(staging).map_err(|e| io_err(staging, e))?;
+            }
+            Manifest {
+                version: 1,
+                fingerprint: fingerprint.to_string(),
+                script_version: contract::SCRIPT_VERSION.to_string(),
+                result: result.clone(),
+                edits: plan.edits.iter().map(|e| e.tensor.clone()).collect(),
+                shards: Vec::new(),
+                complete: false,
+                completed_at: None,
+            }
+        }
+    };
+    std::fs::create_dir_all(staging).map_err(|e| io_err(staging, e))?;
+    write_manifest(staging, &manifest)?;
+    Ok(manifest)
+}
+
+/// The plan's edits grouped by the index of the weight file that holds each tensor.
+fn edits_by_file<'p>(
+    store: &TensorStore,
+    plan: &'p Plan,
+) -> Result<BTreeMap<usize, Vec<&'p super::edit::Edit>>, WorkerError> {
+    let mut by_file: BTreeMap<usize, Vec<&super::edit::Edit>> = BTreeMap::new();
+    for e in &plan.edits {
+        let entry = store.entry(&e.tensor).map_err(super::quant_err)?;
+        by_file.entry(entry.file).or_default().push(e);
+    }
+    Ok(by_file)
+}
+
+/// Writes `dst` as a copy of `src` with the edited tensors overwritten in place: into a temporary
+/// file beside it, synced, then renamed. An edited tensor whose size differs from the source's
+/// fails the write.
+fn write_shard(
+    store: &TensorStore,
+    src: &Path,
+    dst: &Path,
+    edits: &[&super::edit::Edit],
+    result: &RunResult,
+) -> Result<(), WorkerError> {
+    if let Some(parent) = dst.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| io_err(parent, e))?;
+    }
+    let tmp = dst.with_file_name(format!(
+        ".{}.tmp",
+        dst.file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_default()
+    ));
+    std::fs::copy(src, &tmp).map_err(|e| io_err(&tmp, e))?;
+    {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&tmp)
+            .map_err(|e| io_err(&tmp, e))?;
+        for e in edits {
+            let entry = store.entry(&e.tensor).map_err(super::quant_err)?;
+            let (bytes, _) = edited_tensor(store, e, &result.direction)?;
+            if bytes.len() != entry.end - entry.start {
+                return Err(WorkerError::Other(format!(
+                    "{}: edited size {} differs from the source's {}",
+                    e.tensor,
+                    bytes.len(),
+                    entry.end - entry.start
+                )));
+            }
+            f.seek(SeekFrom::Start(entry.start as u64))
+                .map_err(|e| io_err(&tmp, e))?;
+            f.write_all(&bytes).map_err(|e| io_err(&tmp, e))?;
+        }
+        f.sync_all().map_err(|e| io_err(&tmp, e))?;
+    }
+    std::fs::rename(&tmp, dst).map_err(|e| io_err(dst, e))
+}
+
+/// Copies config, tokenizer and the other small files of the model directory unchanged. A
+/// symlink is copied only if it resolves to a regular file inside the model directory.
+fn copy_aux_files(model_dir: &Path, staging: &Path) -> Result<(), WorkerError> {
     // Config, tokenizer and the other small files, unchanged.
     let rd = std::fs::read_dir(model_dir).map_err(|e| io_err(model_dir, e))?;
     for entry in rd.flatten() {
@@ -331,6 +377,11 @@ pub fn write_output(
             common::write_atomic(&dst, &bytes).map_err(|e| io_err(&dst, e))?;
         }
     }
+    Ok(())
+}
+
+/// Removes temporary files a write interrupted by a kill left in `staging` (best effort).
+fn remove_tmp_leftovers(staging: &Path) {
     // Leftovers of a write interrupted by a kill (temporary files) do not belong in the output.
     if let Ok(rd) = std::fs::read_dir(staging) {
         for e in rd.flatten() {
@@ -340,10 +391,6 @@ pub fn write_output(
             }
         }
     }
-    manifest.complete = true;
-    manifest.completed_at = Some(common::now_rfc3339());
-    write_manifest(staging, &manifest)?;
-    Ok(n)
 }
 
 /// Moves the finished staging directory into place (replacing an older output).
