@@ -217,12 +217,7 @@ fn run_locked(
     let layout = edit::Layout::from_model(&store, &raw_config)?;
 
     // Plan first: a bad matrix or layer list fails before any expensive forward.
-    let targets = edit::select_target_layers(&layout, settings)?;
-    let mut plan = edit::plan(&layout, settings, &targets.layers)?;
-    for w in targets.warnings.iter().chain(plan.warnings.iter()) {
-        ev.log(&format!("warning: {w}"));
-        ev.emit(events::WARNING, &serde_json::json!({ "message": w }));
-    }
+    let (targets, mut plan) = plan_edits(&layout, settings, ev)?;
     let matrices: Vec<String> = settings
         .matrices
         .iter()
@@ -240,16 +235,7 @@ fn run_locked(
         &store,
         &model_dir,
         &[&refusal_path, &harmless_path],
-        &serde_json::json!({
-            "numSamples": args.num_samples,
-            "targets": targets.layers,
-            "matrices": matrices,
-            "skipGdn": settings.skip_gdn,
-            "skipVision": settings.skip_vision,
-            "lmHead": settings.lm_head,
-            "maxSeqLen": args.max_seq_len,
-            "edits": plan.edits.iter().map(|e| &e.tensor).collect::<Vec<_>>(),
-        }),
+        &result_shape(args, settings, &targets.layers, &matrices, &plan),
     )?;
 
     // A complete output of this exact run short-circuits.
@@ -272,33 +258,9 @@ fn run_locked(
     let staging = output::staging_dir(&out_dir);
     let resumed = output::load_staging(&staging, &fingerprint);
     let result = match &resumed {
-        Some(m) => {
-            ev.emit(
-                events::ABLITERATION_RESUME_LOADED,
-                &serde_json::json!({
-                    "shardsCached": m.shards.len(),
-                    "layer": m.result.layer,
-                }),
-            );
-            progress(
-                ev,
-                70.0,
-                "resumed: direction and gate results loaded".into(),
-            );
-            m.result.clone()
-        }
+        Some(m) => resumed_result(ev, m),
         None => {
-            let prompts = data::load_prompt_sets(
-                &model_dir,
-                &refusal_path,
-                &harmless_path,
-                args.num_samples,
-                args.max_seq_len,
-            )?;
-            for w in &prompts.warnings {
-                ev.log(&format!("warning: {w}"));
-                ev.emit(events::WARNING, &serde_json::json!({ "message": w }));
-            }
+            let prompts = load_prompts(args, ev, &model_dir, &refusal_path, &harmless_path)?;
             direction::compute(&store, &arch, &targets.layers, &plan, &prompts, ev)?
         }
     };
@@ -319,6 +281,83 @@ fn run_locked(
     output::commit(&staging, &out_dir)?;
     progress(ev, 99.0, format!("wrote {} shards", shards));
     finish_success(&model_dir, &out_dir, &result, &matrices, &store, started)
+}
+
+/// Chooses the target layers and plans the edits (failing on a bad matrix or layer list before
+/// any expensive forward); the warnings of both are logged and emitted as warning events.
+fn plan_edits(
+    layout: &edit::Layout,
+    settings: &Settings,
+    ev: &Events,
+) -> Result<(edit::Targets, edit::Plan), WorkerError> {
+    let targets = edit::select_target_layers(layout, settings)?;
+    let plan = edit::plan(layout, settings, &targets.layers)?;
+    for w in targets.warnings.iter().chain(plan.warnings.iter()) {
+        ev.log(&format!("warning: {w}"));
+        ev.emit(events::WARNING, &serde_json::json!({ "message": w }));
+    }
+    Ok((targets, plan))
+}
+
+/// Everything besides the source and the datasets that shapes the result: part of the resume
+/// fingerprint, so a change to any of it starts over.
+fn result_shape(
+    args: &AbliterateArgs,
+    settings: &Settings,
+    layers: &[usize],
+    matrices: &[String],
+    plan: &edit::Plan,
+) -> serde_json::Value {
+    serde_json::json!({
+        "numSamples": args.num_samples,
+        "targets": layers,
+        "matrices": matrices,
+        "skipGdn": settings.skip_gdn,
+        "skipVision": settings.skip_vision,
+        "lmHead": settings.lm_head,
+        "maxSeqLen": args.max_seq_len,
+        "edits": plan.edits.iter().map(|e| &e.tensor).collect::<Vec<_>>(),
+    })
+}
+
+/// The direction and gate results an interrupted run recorded in its staging manifest (announced
+/// as a resume event).
+fn resumed_result(ev: &Events, m: &output::Manifest) -> output::RunResult {
+    ev.emit(
+        events::ABLITERATION_RESUME_LOADED,
+        &serde_json::json!({
+            "shardsCached": m.shards.len(),
+            "layer": m.result.layer,
+        }),
+    );
+    progress(
+        ev,
+        70.0,
+        "resumed: direction and gate results loaded".into(),
+    );
+    m.result.clone()
+}
+
+/// Loads the refusal and harmless prompt sets; their warnings are logged and emitted.
+fn load_prompts(
+    args: &AbliterateArgs,
+    ev: &Events,
+    model_dir: &Path,
+    refusal_path: &Path,
+    harmless_path: &Path,
+) -> Result<data::PromptSets, WorkerError> {
+    let prompts = data::load_prompt_sets(
+        model_dir,
+        refusal_path,
+        harmless_path,
+        args.num_samples,
+        args.max_seq_len,
+    )?;
+    for w in &prompts.warnings {
+        ev.log(&format!("warning: {w}"));
+        ev.emit(events::WARNING, &serde_json::json!({ "message": w }));
+    }
+    Ok(prompts)
 }
 
 /// True when `out` is `model` or one of its ancestors (replacing it would delete the source).
