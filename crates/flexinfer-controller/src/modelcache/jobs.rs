@@ -417,40 +417,8 @@ pub fn build_job(
     let phase = t.phase;
     let name = phase.job_name(&cache);
     let labels = job_labels(&cache, phase);
-    let mut pod_labels = labels.clone();
-    pod_labels.extend(json_map_annotation(mc, annotations::JOB_POD_LABELS));
-    pod_labels.extend(json_map_annotation(
-        mc,
-        &annotations::phase_pod_labels(phase.as_str()),
-    ));
-    // Identity labels always win over user-supplied ones.
-    pod_labels.extend(labels.clone());
-    let mut pod_ann = json_map_annotation(mc, annotations::JOB_POD_ANNOTATIONS);
-    pod_ann.extend(json_map_annotation(
-        mc,
-        &annotations::phase_pod_annotations(phase.as_str()),
-    ));
-    // Belt and braces: the planner refuses such a cache before any Job is built.
-    pod_ann.retain(|k, _| !is_security_annotation(k));
-
-    let mut mem_mb = phase_memory_gb(mc, phase).saturating_mul(1024);
-    let mut limits = BTreeMap::new();
-    if t.gpu {
-        if let Some(p) = &t.profile {
-            mem_mb = mem_mb.saturating_add(p.spec.gpu_driver_memory_mb.unwrap_or(0));
-            limits.insert(p.spec.effective_resource_name(), Quantity("1".into()));
-        }
-    }
-    let mem = Quantity(format!("{mem_mb}Mi"));
-    let mut requests = BTreeMap::from([("memory".to_string(), mem.clone())]);
-    limits.insert("memory".to_string(), mem);
-    if let Some(gpu) = limits
-        .iter()
-        .find(|(k, _)| k.as_str() != "memory")
-        .map(|(k, v)| (k.clone(), v.clone()))
-    {
-        requests.insert(gpu.0, gpu.1);
-    }
+    let (pod_labels, pod_ann) = pod_metadata(mc, phase, &labels);
+    let (requests, limits) = worker_resources(mc, t);
     // A pod with a GPU resource gets the device nodes' groups (AMD: render, video).
     let gpu_groups: &[i64] = if requests.keys().any(|k| k != "memory") {
         &config.gpu_supplemental_groups
@@ -458,30 +426,8 @@ pub fn build_job(
         &[]
     };
 
-    let mut tolerations = Vec::new();
-    if t.gpu_pinned {
-        tolerations.push(Toleration {
-            key: Some(contract::controller::GPU_TOLERATION_KEY.into()),
-            operator: Some("Equal".into()),
-            value: Some(contract::controller::GPU_TOLERATION_VALUE.into()),
-            effect: Some(contract::controller::GPU_TOLERATION_EFFECT.into()),
-            toleration_seconds: None,
-        });
-    }
-    for tol in mc.spec.tolerations.clone().unwrap_or_default() {
-        if !tolerations.contains(&tol) {
-            tolerations.push(tol);
-        }
-    }
-    let pull_policy = if t.gpu && phase == JobPhase::Quantize {
-        t.profile
-            .as_ref()
-            .and_then(|p| p.spec.quantization.as_ref())
-            .and_then(|q| q.image_pull_policy)
-            .map(|p| p.as_str().to_string())
-    } else {
-        None
-    };
+    let tolerations = job_tolerations(mc, t);
+    let pull_policy = quantize_pull_policy(t);
     let mut job_annotations = BTreeMap::from([(
         contract::annotations::JOB_SPEC_HASH.to_string(),
         hash.to_string(),
@@ -500,23 +446,7 @@ pub fn build_job(
         },
         spec: Some(JobSpec {
             backoff_limit: Some(2),
-            // Exit codes 2 (bad input), 3 (quality gate) and 4 (version mismatch) are deterministic:
-            // re-running the pod inside the same Job cannot help.
-            pod_failure_policy: Some(PodFailurePolicy {
-                rules: vec![PodFailurePolicyRule {
-                    action: "FailJob".into(),
-                    on_exit_codes: Some(PodFailurePolicyOnExitCodesRequirement {
-                        container_name: Some("worker".into()),
-                        operator: "In".into(),
-                        values: vec![
-                            exit_codes::BAD_INPUT,
-                            exit_codes::QUALITY_GATE,
-                            exit_codes::VERSION_MISMATCH,
-                        ],
-                    }),
-                    on_pod_conditions: None,
-                }],
-            }),
+            pod_failure_policy: Some(deterministic_failures()),
             active_deadline_seconds: Some(phase_deadline(mc, phase)),
             template: PodTemplateSpec {
                 metadata: Some(ObjectMeta {
@@ -531,40 +461,169 @@ pub fn build_job(
                     node_selector: (!t.node_selector.is_empty()).then(|| t.node_selector.clone()),
                     tolerations: (!tolerations.is_empty()).then_some(tolerations),
                     security_context: Some(crate::pod_security::pod_context(gpu_groups)),
-                    containers: vec![Container {
-                        name: "worker".into(),
-                        image: Some(image.to_string()),
-                        image_pull_policy: pull_policy,
-                        args: Some(vec![phase.as_str().to_string()]),
-                        env: Some(worker_env(mc, st, served, t, config)),
-                        resources: Some(ResourceRequirements {
+                    containers: vec![worker_container(
+                        image,
+                        pull_policy,
+                        phase,
+                        worker_env(mc, st, served, t, config),
+                        ResourceRequirements {
                             requests: Some(requests),
                             limits: Some(limits),
                             ..Default::default()
-                        }),
-                        volume_mounts: Some(vec![VolumeMount {
-                            name: "cache".into(),
-                            mount_path: contract::CACHE_MOUNT.into(),
-                            ..Default::default()
-                        }]),
-                        security_context: Some(crate::pod_security::container_context()),
-                        termination_message_policy: Some("FallbackToLogsOnError".into()),
-                        ..Default::default()
-                    }],
-                    volumes: Some(vec![Volume {
-                        name: "cache".into(),
-                        persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
-                            claim_name: claim_name(mc),
-                            read_only: Some(false),
-                        }),
-                        ..Default::default()
-                    }]),
+                        },
+                    )],
+                    volumes: Some(vec![cache_volume(mc)]),
                     ..Default::default()
                 }),
             },
             ..Default::default()
         }),
         status: None,
+    }
+}
+
+/// The worker pod's labels and annotations: the cache's `JOB_POD_*` annotations, then the phase's,
+/// with the Job's identity labels winning over user-supplied ones and security annotations dropped.
+fn pod_metadata(
+    mc: &ModelCache,
+    phase: JobPhase,
+    labels: &BTreeMap<String, String>,
+) -> (BTreeMap<String, String>, BTreeMap<String, String>) {
+    let mut pod_labels = labels.clone();
+    pod_labels.extend(json_map_annotation(mc, annotations::JOB_POD_LABELS));
+    pod_labels.extend(json_map_annotation(
+        mc,
+        &annotations::phase_pod_labels(phase.as_str()),
+    ));
+    // Identity labels always win over user-supplied ones.
+    pod_labels.extend(labels.clone());
+    let mut pod_ann = json_map_annotation(mc, annotations::JOB_POD_ANNOTATIONS);
+    pod_ann.extend(json_map_annotation(
+        mc,
+        &annotations::phase_pod_annotations(phase.as_str()),
+    ));
+    // Belt and braces: the planner refuses such a cache before any Job is built.
+    pod_ann.retain(|k, _| !is_security_annotation(k));
+    (pod_labels, pod_ann)
+}
+
+/// The worker container's requests and limits: the phase's memory (plus the GPU driver's share on
+/// a GPU), and on a GPU one of the profile's device resource, requested as well as limited.
+fn worker_resources(
+    mc: &ModelCache,
+    t: &PhaseTarget,
+) -> (BTreeMap<String, Quantity>, BTreeMap<String, Quantity>) {
+    let mut mem_mb = phase_memory_gb(mc, t.phase).saturating_mul(1024);
+    let mut limits = BTreeMap::new();
+    if t.gpu {
+        if let Some(p) = &t.profile {
+            mem_mb = mem_mb.saturating_add(p.spec.gpu_driver_memory_mb.unwrap_or(0));
+            limits.insert(p.spec.effective_resource_name(), Quantity("1".into()));
+        }
+    }
+    let mem = Quantity(format!("{mem_mb}Mi"));
+    let mut requests = BTreeMap::from([("memory".to_string(), mem.clone())]);
+    limits.insert("memory".to_string(), mem);
+    if let Some(gpu) = limits
+        .iter()
+        .find(|(k, _)| k.as_str() != "memory")
+        .map(|(k, v)| (k.clone(), v.clone()))
+    {
+        requests.insert(gpu.0, gpu.1);
+    }
+    (requests, limits)
+}
+
+/// The pod's tolerations: the GPU taint's when the phase is pinned to a GPU node, then the cache's
+/// own (duplicates dropped).
+fn job_tolerations(mc: &ModelCache, t: &PhaseTarget) -> Vec<Toleration> {
+    let mut tolerations = Vec::new();
+    if t.gpu_pinned {
+        tolerations.push(Toleration {
+            key: Some(contract::controller::GPU_TOLERATION_KEY.into()),
+            operator: Some("Equal".into()),
+            value: Some(contract::controller::GPU_TOLERATION_VALUE.into()),
+            effect: Some(contract::controller::GPU_TOLERATION_EFFECT.into()),
+            toleration_seconds: None,
+        });
+    }
+    for tol in mc.spec.tolerations.clone().unwrap_or_default() {
+        if !tolerations.contains(&tol) {
+            tolerations.push(tol);
+        }
+    }
+    tolerations
+}
+
+/// The image pull policy the GPU profile sets for quantization; none for other phases or on CPU.
+fn quantize_pull_policy(t: &PhaseTarget) -> Option<String> {
+    if t.gpu && t.phase == JobPhase::Quantize {
+        t.profile
+            .as_ref()
+            .and_then(|p| p.spec.quantization.as_ref())
+            .and_then(|q| q.image_pull_policy)
+            .map(|p| p.as_str().to_string())
+    } else {
+        None
+    }
+}
+
+/// The worker container: the image running the phase's subcommand with the cache volume mounted,
+/// under the restricted security context.
+fn worker_container(
+    image: &str,
+    pull_policy: Option<String>,
+    phase: JobPhase,
+    env: Vec<EnvVar>,
+    resources: ResourceRequirements,
+) -> Container {
+    Container {
+        name: "worker".into(),
+        image: Some(image.to_string()),
+        image_pull_policy: pull_policy,
+        args: Some(vec![phase.as_str().to_string()]),
+        env: Some(env),
+        resources: Some(resources),
+        volume_mounts: Some(vec![VolumeMount {
+            name: "cache".into(),
+            mount_path: contract::CACHE_MOUNT.into(),
+            ..Default::default()
+        }]),
+        security_context: Some(crate::pod_security::container_context()),
+        termination_message_policy: Some("FallbackToLogsOnError".into()),
+        ..Default::default()
+    }
+}
+
+/// The cache's claim, mounted read-write.
+fn cache_volume(mc: &ModelCache) -> Volume {
+    Volume {
+        name: "cache".into(),
+        persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+            claim_name: claim_name(mc),
+            read_only: Some(false),
+        }),
+        ..Default::default()
+    }
+}
+
+/// Exit codes 2 (bad input), 3 (quality gate) and 4 (version mismatch) are deterministic:
+/// re-running the pod inside the same Job cannot help, so they fail the Job at once.
+fn deterministic_failures() -> PodFailurePolicy {
+    PodFailurePolicy {
+        rules: vec![PodFailurePolicyRule {
+            action: "FailJob".into(),
+            on_exit_codes: Some(PodFailurePolicyOnExitCodesRequirement {
+                container_name: Some("worker".into()),
+                operator: "In".into(),
+                values: vec![
+                    exit_codes::BAD_INPUT,
+                    exit_codes::QUALITY_GATE,
+                    exit_codes::VERSION_MISMATCH,
+                ],
+            }),
+            on_pod_conditions: None,
+        }],
     }
 }
 
