@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use flexinfer_api::conditions::types;
-use flexinfer_api::contract::{self, reasons, JobPhase, TerminationMessage};
+use flexinfer_api::contract::{self, reasons, JobPhase, TerminationMessage, TerminationSuccess};
 use flexinfer_api::formats;
 use flexinfer_api::modelcache::{CachePhase, PhaseProgress, QualityStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -124,119 +124,13 @@ pub(super) fn record_success(
     c.failure_message = None;
     c.last_progress_at = Some(now.clone());
     set_common(&mut cx.st, phase, c);
-    let term = job
-        .pod
-        .as_ref()
-        .and_then(|p| p.termination_message.as_deref())
-        .and_then(TerminationMessage::parse)
-        .and_then(|m| match m {
-            TerminationMessage::Success(s) => Some(s),
-            TerminationMessage::Failure(_) => None,
-        })
-        .unwrap_or_default();
-    let mc = cx.mc;
+    let term = success_message(job);
     let mut note = format!("{} complete (Job {})", phase.status_name(), job.name);
     match phase {
-        JobPhase::Download => {
-            // Downloaded before downloads had generations: `<modelPath>` itself is what is replaced.
-            let legacy = jobs::legacy_download_root(mc, &cx.st);
-            let d = cx.st.download.get_or_insert_with(Default::default);
-            if legacy.is_some() {
-                d.output_dir = legacy;
-            }
-            d.size_bytes = term
-                .size_bytes
-                .or(term.original_size_bytes)
-                .map(|v| v as i64);
-            d.file_count = term.file_count.map(|v| v as i64);
-            d.revision = Some(
-                term.revision
-                    .clone()
-                    .unwrap_or_else(|| mc.spec.revision.clone()),
-            );
-            let out = promote_output(cx, phase, term.output_dir.as_deref());
-            note.push_str(&format!(", output {out}"));
-        }
-        JobPhase::Abliterate => {
-            let a = cx.st.abliteration.get_or_insert_with(Default::default);
-            a.layers_modified = term.layers_modified.map(|v| v as i64);
-            a.refusal_dir_norm = term.refusal_dir_norm.map(|v| format!("{v:.3}"));
-            a.layer = term.layer.map(|v| v as i64);
-            a.perplexity_before = term.perplexity_before.map(|v| format!("{v:.3}"));
-            a.perplexity_after = term.perplexity_after.map(|v| format!("{v:.3}"));
-            let out = promote_output(cx, phase, term.output_dir.as_deref());
-            note.push_str(&format!(", output {out}"));
-        }
-        JobPhase::Quantize => {
-            let started = get_common(&cx.st, phase).started_at.map(|t| t.0);
-            let q = cx.st.quantization.get_or_insert_with(Default::default);
-            let spec = mc.spec.quantization.clone();
-            q.format = spec
-                .as_ref()
-                .map(|s| formats::info(s.format).name.to_string());
-            q.quant_type = Some(
-                spec.as_ref()
-                    .map(|s| s.output_subdir())
-                    .filter(|_| term.kind.is_empty() || term.kind == "quantize")
-                    .unwrap_or_else(|| term.kind.clone()),
-            );
-            q.original_size_bytes = term.original_size_bytes.map(|v| v as i64);
-            q.compressed_size_bytes = term.compressed_size_bytes.map(|v| v as i64);
-            q.compression_ratio = match (term.original_size_bytes, term.compressed_size_bytes) {
-                (Some(o), Some(c)) if c > 0 => {
-                    Some(((o as f64 / c as f64) * 100.0).round() / 100.0)
-                }
-                _ => None,
-            };
-            let secs = term
-                .quantization_time_seconds
-                .or_else(|| started.map(|s| cx.now.duration_since(s).as_secs_f64()));
-            q.quantization_time = secs.map(fmt_duration);
-            if let Some(s) = &spec {
-                let cal = s.effective_calibration();
-                let mut m = BTreeMap::from([
-                    ("maxSeqLen".to_string(), cal.max_seq_len.to_string()),
-                    ("maxSamples".to_string(), cal.max_samples.to_string()),
-                    ("dataset".to_string(), cal.dataset.clone()),
-                ]);
-                if let Some(n) = cal.n_parallel_calib_samples {
-                    m.insert("nParallelCalibSamples".into(), n.to_string());
-                }
-                q.calibration_params = Some(m);
-            }
-            let out = promote_output(cx, phase, term.output_dir.as_deref());
-            let q = cx.st.quantization.get_or_insert_with(Default::default);
-            q.config_digest = term.config_digest.clone();
-            if !term.applied.is_empty() {
-                q.applied = Some(term.applied.clone());
-            }
-            note.push_str(&format!(", output {out}"));
-            q.quality = term.quality.as_ref().map(|g| QualityStatus {
-                gptq_modules: Some(g.gptq_modules as i64),
-                rtn_fallback_modules: Some(g.rtn_fallback_modules as i64),
-                rtn_fallback_percent: Some(g.rtn_fallback_percent),
-                gate: Some(g.gate.clone()),
-            });
-            if let Some(r) = q.compression_ratio {
-                note.push_str(&format!(", compression ratio {r}"));
-            }
-        }
-        JobPhase::Publish => {
-            let p = cx.st.publish.get_or_insert_with(Default::default);
-            if let Some(d) = &term.digest {
-                if let Some(prev) = p.oci_digest.clone().filter(|x| x != d) {
-                    let mut list = p.previous_digests.clone().unwrap_or_default();
-                    list.retain(|x| *x != prev);
-                    list.insert(0, prev);
-                    list.truncate(5);
-                    p.previous_digests = Some(list);
-                }
-                p.oci_digest = Some(d.clone());
-                note.push_str(&format!(", digest {d}"));
-            }
-            p.published_tags = (!term.tags.is_empty()).then(|| term.tags.clone());
-            p.published_at = Some(now.clone());
-        }
+        JobPhase::Download => record_download(cx, &term, &mut note),
+        JobPhase::Abliterate => record_abliteration(cx, &term, &mut note),
+        JobPhase::Quantize => record_quantization(cx, &term, &mut note),
+        JobPhase::Publish => record_publish(cx, &term, &now, &mut note),
     }
     if cx
         .st
@@ -250,6 +144,134 @@ pub(super) fn record_success(
     cx.st.retry_count = Some(0);
     cx.outcome.completed.push(phase);
     cx.job_event(false, complete_reason(phase), note, Some(&job.name));
+}
+
+/// The worker's success termination message (empty when the pod left none, or a failure).
+fn success_message(job: &ObservedJob) -> TerminationSuccess {
+    job.pod
+        .as_ref()
+        .and_then(|p| p.termination_message.as_deref())
+        .and_then(TerminationMessage::parse)
+        .and_then(|m| match m {
+            TerminationMessage::Success(s) => Some(s),
+            TerminationMessage::Failure(_) => None,
+        })
+        .unwrap_or_default()
+}
+
+/// Records a finished download: its output (the model path itself for a download made before
+/// generations), size, file count and revision.
+fn record_download(cx: &mut Ctx<'_>, term: &TerminationSuccess, note: &mut String) {
+    let phase = JobPhase::Download;
+    let mc = cx.mc;
+    // Downloaded before downloads had generations: `<modelPath>` itself is what is replaced.
+    let legacy = jobs::legacy_download_root(mc, &cx.st);
+    let d = cx.st.download.get_or_insert_with(Default::default);
+    if legacy.is_some() {
+        d.output_dir = legacy;
+    }
+    d.size_bytes = term
+        .size_bytes
+        .or(term.original_size_bytes)
+        .map(|v| v as i64);
+    d.file_count = term.file_count.map(|v| v as i64);
+    d.revision = Some(
+        term.revision
+            .clone()
+            .unwrap_or_else(|| mc.spec.revision.clone()),
+    );
+    let out = promote_output(cx, phase, term.output_dir.as_deref());
+    note.push_str(&format!(", output {out}"));
+}
+
+/// Records a finished abliteration: the layers modified, the direction's layer and norm, the
+/// perplexity before and after, and its output.
+fn record_abliteration(cx: &mut Ctx<'_>, term: &TerminationSuccess, note: &mut String) {
+    let phase = JobPhase::Abliterate;
+    let a = cx.st.abliteration.get_or_insert_with(Default::default);
+    a.layers_modified = term.layers_modified.map(|v| v as i64);
+    a.refusal_dir_norm = term.refusal_dir_norm.map(|v| format!("{v:.3}"));
+    a.layer = term.layer.map(|v| v as i64);
+    a.perplexity_before = term.perplexity_before.map(|v| format!("{v:.3}"));
+    a.perplexity_after = term.perplexity_after.map(|v| format!("{v:.3}"));
+    let out = promote_output(cx, phase, term.output_dir.as_deref());
+    note.push_str(&format!(", output {out}"));
+}
+
+/// Records a finished quantization: format, quant type, sizes and compression ratio, time,
+/// calibration, its output, the applied settings and the quality gate.
+fn record_quantization(cx: &mut Ctx<'_>, term: &TerminationSuccess, note: &mut String) {
+    let phase = JobPhase::Quantize;
+    let mc = cx.mc;
+    let started = get_common(&cx.st, phase).started_at.map(|t| t.0);
+    let q = cx.st.quantization.get_or_insert_with(Default::default);
+    let spec = mc.spec.quantization.clone();
+    q.format = spec
+        .as_ref()
+        .map(|s| formats::info(s.format).name.to_string());
+    q.quant_type = Some(
+        spec.as_ref()
+            .map(|s| s.output_subdir())
+            .filter(|_| term.kind.is_empty() || term.kind == "quantize")
+            .unwrap_or_else(|| term.kind.clone()),
+    );
+    q.original_size_bytes = term.original_size_bytes.map(|v| v as i64);
+    q.compressed_size_bytes = term.compressed_size_bytes.map(|v| v as i64);
+    q.compression_ratio = match (term.original_size_bytes, term.compressed_size_bytes) {
+        (Some(o), Some(c)) if c > 0 => Some(((o as f64 / c as f64) * 100.0).round() / 100.0),
+        _ => None,
+    };
+    let secs = term
+        .quantization_time_seconds
+        .or_else(|| started.map(|s| cx.now.duration_since(s).as_secs_f64()));
+    q.quantization_time = secs.map(fmt_duration);
+    if let Some(s) = &spec {
+        let cal = s.effective_calibration();
+        let mut m = BTreeMap::from([
+            ("maxSeqLen".to_string(), cal.max_seq_len.to_string()),
+            ("maxSamples".to_string(), cal.max_samples.to_string()),
+            ("dataset".to_string(), cal.dataset.clone()),
+        ]);
+        if let Some(n) = cal.n_parallel_calib_samples {
+            m.insert("nParallelCalibSamples".into(), n.to_string());
+        }
+        q.calibration_params = Some(m);
+    }
+    let out = promote_output(cx, phase, term.output_dir.as_deref());
+    let q = cx.st.quantization.get_or_insert_with(Default::default);
+    q.config_digest = term.config_digest.clone();
+    if !term.applied.is_empty() {
+        q.applied = Some(term.applied.clone());
+    }
+    note.push_str(&format!(", output {out}"));
+    q.quality = term.quality.as_ref().map(|g| QualityStatus {
+        gptq_modules: Some(g.gptq_modules as i64),
+        rtn_fallback_modules: Some(g.rtn_fallback_modules as i64),
+        rtn_fallback_percent: Some(g.rtn_fallback_percent),
+        gate: Some(g.gate.clone()),
+    });
+    if let Some(r) = q.compression_ratio {
+        note.push_str(&format!(", compression ratio {r}"));
+    }
+}
+
+/// Records a finished publish: the pushed digest (the one it replaces goes first in the previous
+/// digests, five kept), the tags and the time.
+fn record_publish(cx: &mut Ctx<'_>, term: &TerminationSuccess, now: &Time, note: &mut String) {
+    let p = cx.st.publish.get_or_insert_with(Default::default);
+    if let Some(d) = &term.digest {
+        if let Some(prev) = p.oci_digest.clone().filter(|x| x != d) {
+            let mut list = p.previous_digests.clone().unwrap_or_default();
+            list.retain(|x| *x != prev);
+            list.insert(0, prev);
+            list.truncate(5);
+            p.previous_digests = Some(list);
+        }
+        p.oci_digest = Some(d.clone());
+        note.push_str(&format!(", digest {d}"));
+    }
+    p.published_tags = (!term.tags.is_empty()).then(|| term.tags.clone());
+    p.published_at = Some(now.clone());
 }
 
 pub(super) fn record_failure(
