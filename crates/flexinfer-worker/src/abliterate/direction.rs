@@ -51,6 +51,98 @@ fn separation(sum_r: &[f64], sum_h: &[f64], nr: usize, nh: usize, r: &[f32]) -> 
 }
 
 /// Adds the last row of each of `hs` to `sum`.
+/// The last-token residual sums of one target layer's outputs `hs` (refusal prompts first, then
+/// harmless, then the perplexity texts): per class, with the sum of their norms, and over the first
+/// `cr`/`ch` prompts of each class for the projection check.
+fn layer_stats(
+    hs: &[Mat<f32>],
+    (nr, nh): (usize, usize),
+    (cr, ch): (usize, usize),
+    d: usize,
+) -> LayerStats {
+    let mut st = LayerStats {
+        sum_r: vec![0.0; d],
+        sum_h: vec![0.0; d],
+        norm_sum: 0.0,
+        check_r: vec![0.0; d],
+        check_h: vec![0.0; d],
+    };
+    add_last_rows(&mut st.check_r, hs[..cr].iter());
+    add_last_rows(&mut st.check_h, hs[nr..nr + ch].iter());
+    for (i, h) in hs[..nr + nh].iter().enumerate() {
+        let last = h.nrows() - 1;
+        let sum = if i < nr { &mut st.sum_r } else { &mut st.sum_h };
+        let mut sq = 0f64;
+        for (c, s) in sum.iter_mut().enumerate() {
+            let v = h[(last, c)] as f64;
+            *s += v;
+            sq += v * v;
+        }
+        st.norm_sum += sq.sqrt();
+    }
+    st
+}
+
+/// One candidate per target layer: the difference of the class means, its norm, and its score
+/// (the norm over the mean residual norm; NaN when that is zero).
+fn candidates(stats: &BTreeMap<usize, LayerStats>, nr: usize, nh: usize) -> Vec<Candidate> {
+    stats
+        .iter()
+        .map(|(&layer, st)| {
+            let diff: Vec<f32> = st
+                .sum_r
+                .iter()
+                .zip(&st.sum_h)
+                .map(|(r, h)| (r / nr as f64 - h / nh as f64) as f32)
+                .collect();
+            let norm = diff
+                .iter()
+                .map(|v| (*v as f64) * (*v as f64))
+                .sum::<f64>()
+                .sqrt();
+            let mean_norm = st.norm_sum / (nr + nh) as f64;
+            let score = if mean_norm > 0.0 {
+                norm / mean_norm
+            } else {
+                f64::NAN
+            };
+            Candidate {
+                layer,
+                diff,
+                norm,
+                score,
+            }
+        })
+        .collect()
+}
+
+/// Announces the chosen direction with every candidate's score and norm.
+fn emit_direction(ev: &Events, best: &Candidate, cands: &[Candidate]) {
+    ev.emit(
+        events::ABLITERATION_DIRECTION,
+        &serde_json::json!({
+            "layer": best.layer,
+            "refusalDirNorm": best.norm,
+            "score": best.score,
+            "scores": cands.iter().map(|c| serde_json::json!({"layer": c.layer, "score": c.score, "norm": c.norm})).collect::<Vec<_>>(),
+        }),
+    );
+}
+
+/// The chosen difference scaled to unit length; zeros when its norm is zero or not finite (the
+/// gate rejects that result; the direction stays finite).
+fn unit_direction(best: &Candidate, d: usize) -> Vec<f32> {
+    if best.norm.is_finite() && best.norm > 0.0 {
+        best.diff
+            .iter()
+            .map(|v| (*v as f64 / best.norm) as f32)
+            .collect()
+    } else {
+        // The gate rejects this result; keep the (useless) direction finite.
+        vec![0.0; d]
+    }
+}
+
 fn add_last_rows<'a>(sum: &mut [f64], hs: impl Iterator<Item = &'a Mat<f32>>) {
     for h in hs {
         let last = h.nrows() - 1;
@@ -233,27 +325,7 @@ pub fn compute(
             *h = lm.forward(arch, h.as_ref(), &rope);
         }
         if targets.contains(&layer) {
-            let mut st = LayerStats {
-                sum_r: vec![0.0; d],
-                sum_h: vec![0.0; d],
-                norm_sum: 0.0,
-                check_r: vec![0.0; d],
-                check_h: vec![0.0; d],
-            };
-            add_last_rows(&mut st.check_r, hs[..cr].iter());
-            add_last_rows(&mut st.check_h, hs[nr..nr + ch].iter());
-            for (i, h) in hs[..nr + nh].iter().enumerate() {
-                let last = h.nrows() - 1;
-                let sum = if i < nr { &mut st.sum_r } else { &mut st.sum_h };
-                let mut sq = 0f64;
-                for (c, s) in sum.iter_mut().enumerate() {
-                    let v = h[(last, c)] as f64;
-                    *s += v;
-                    sq += v * v;
-                }
-                st.norm_sum += sq.sqrt();
-            }
-            stats.insert(layer, st);
+            stats.insert(layer, layer_stats(&hs, (nr, nh), (cr, ch), d));
         }
         progress(
             ev,
@@ -266,55 +338,12 @@ pub fn compute(
     let ppl_texts = &prompts.ppl;
     let before = perplexity(store, cfg, &hs[nr + nh..], ppl_texts, plan, None)?;
 
-    let cands: Vec<Candidate> = stats
-        .iter()
-        .map(|(&layer, st)| {
-            let diff: Vec<f32> = st
-                .sum_r
-                .iter()
-                .zip(&st.sum_h)
-                .map(|(r, h)| (r / nr as f64 - h / nh as f64) as f32)
-                .collect();
-            let norm = diff
-                .iter()
-                .map(|v| (*v as f64) * (*v as f64))
-                .sum::<f64>()
-                .sqrt();
-            let mean_norm = st.norm_sum / (nr + nh) as f64;
-            let score = if mean_norm > 0.0 {
-                norm / mean_norm
-            } else {
-                f64::NAN
-            };
-            Candidate {
-                layer,
-                diff,
-                norm,
-                score,
-            }
-        })
-        .collect();
+    let cands = candidates(&stats, nr, nh);
     let best = choose(&cands)
         .ok_or_else(|| WorkerError::BadInput("no target layer to take the direction from".into()))?
         .clone();
-    ev.emit(
-        events::ABLITERATION_DIRECTION,
-        &serde_json::json!({
-            "layer": best.layer,
-            "refusalDirNorm": best.norm,
-            "score": best.score,
-            "scores": cands.iter().map(|c| serde_json::json!({"layer": c.layer, "score": c.score, "norm": c.norm})).collect::<Vec<_>>(),
-        }),
-    );
-    let unit: Vec<f32> = if best.norm.is_finite() && best.norm > 0.0 {
-        best.diff
-            .iter()
-            .map(|v| (*v as f64 / best.norm) as f32)
-            .collect()
-    } else {
-        // The gate rejects this result; keep the (useless) direction finite.
-        vec![0.0; d]
-    };
+    emit_direction(ev, &best, &cands);
+    let unit = unit_direction(&best, d);
 
     // The projection check before the edit: the separation along the direction at its layer.
     let usable = best.norm.is_finite() && best.norm > 0.0;
