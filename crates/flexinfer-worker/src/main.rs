@@ -39,22 +39,12 @@ fn main() -> ExitCode {
             println!("{}", flexinfer_contract::SCRIPT_VERSION);
             ExitCode::SUCCESS
         }
-        Cmd::Download(args) => {
-            exit_on_sigterm(JobPhase::Download.status_name());
-            exit_code(flexinfer_worker::download::run(args))
-        }
-        Cmd::Abliterate(args) => {
-            exit_on_sigterm(JobPhase::Abliterate.status_name());
-            exit_code(flexinfer_worker::abliterate::run(args))
-        }
-        Cmd::Quantize(args) => {
-            exit_on_sigterm(JobPhase::Quantize.status_name());
-            exit_code(flexinfer_worker::quantize::run(args))
-        }
-        Cmd::Publish(args) => {
-            exit_on_sigterm(JobPhase::Publish.status_name());
-            exit_code(flexinfer_worker::publish::run(args))
-        }
+        Cmd::Download(args) => phase(JobPhase::Download, || flexinfer_worker::download::run(args)),
+        Cmd::Abliterate(args) => phase(JobPhase::Abliterate, || {
+            flexinfer_worker::abliterate::run(args)
+        }),
+        Cmd::Quantize(args) => phase(JobPhase::Quantize, || flexinfer_worker::quantize::run(args)),
+        Cmd::Publish(args) => phase(JobPhase::Publish, || flexinfer_worker::publish::run(args)),
     }
 }
 
@@ -68,6 +58,12 @@ fn init_tracing() {
         .with_writer(std::io::stderr)
         .with_env_filter(filter)
         .try_init();
+}
+
+/// Runs one pipeline phase; SIGTERM ends it at once (`exit_on_sigterm`).
+fn phase(p: JobPhase, run: impl FnOnce() -> i32) -> ExitCode {
+    exit_on_sigterm(p.status_name());
+    exit_code(run())
 }
 
 fn exit_code(code: i32) -> ExitCode {

@@ -86,14 +86,20 @@ fn leftovers(out: &Path) -> Vec<String> {
         .collect()
 }
 
-fn inject(phase: &str, seeds: std::ops::Range<u64>, out_name: &str) -> Tally {
-    let m = build(&TinyOpts::default());
+/// A small calibration dataset beside the model.
+fn calibration_file(m: &TinyModel) -> PathBuf {
     let calib = m.root.path().join("calib.jsonl");
     let lines: Vec<String> = flexinfer_quant::testkit::sentences(3, 48)
         .into_iter()
         .map(|s| serde_json::json!({ "text": s }).to_string())
         .collect();
     std::fs::write(&calib, lines.join("\n") + "\n").unwrap();
+    calib
+}
+
+fn inject(phase: &str, seeds: std::ops::Range<u64>, out_name: &str) -> Tally {
+    let m = build(&TinyOpts::default());
+    let calib = calibration_file(&m);
     let term = m.root.path().join("term.json");
     let cache = m.dir.join(".flexinfer-gptq-cache");
     let fresh = |p: &Path| {
@@ -186,12 +192,7 @@ fn kill_points_cover_the_run() {
 #[test]
 fn quantize_stopped_by_sigterm_exits_143_and_its_restart_resumes() {
     let m = build(&TinyOpts::default());
-    let calib = m.root.path().join("calib.jsonl");
-    let lines: Vec<String> = flexinfer_quant::testkit::sentences(3, 48)
-        .into_iter()
-        .map(|s| serde_json::json!({ "text": s }).to_string())
-        .collect();
-    std::fs::write(&calib, lines.join("\n") + "\n").unwrap();
+    let calib = calibration_file(&m);
     let term = m.root.path().join("term.json");
     let reference = m.dir.join("gptq-w4-g32.reference");
     assert!(command("quantize", &m, &calib, &reference, &term)
