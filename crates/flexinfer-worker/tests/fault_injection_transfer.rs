@@ -160,9 +160,15 @@ fn download_killed_at_seeded_points_finishes_verified_beside_the_promoted_genera
         |seed, t| {
             let out = out_of(seed);
             let r = cmd("main", &out, &keep(&out)).output().unwrap();
-            if !r.status.success() || tree(&out, MARKERS) != want {
+            let got = tree(&out, MARKERS);
+            if !r.status.success() || got != want {
+                let diff: Vec<&String> = want
+                    .keys()
+                    .chain(got.keys())
+                    .filter(|k| want.get(*k) != got.get(*k))
+                    .collect();
                 eprintln!(
-                    "download seed {seed}: {}\n{}",
+                    "download seed {seed}: {}, differing files {diff:?}\n{}",
                     r.status,
                     String::from_utf8_lossy(&r.stderr)
                 );
