@@ -1,7 +1,7 @@
 //! One writer per directory, and garbage collection of a phase's earlier generations
 //! (docs/dev/architecture.md, "Artifact lifecycle").
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use flexinfer_contract::{env, files};
@@ -79,7 +79,13 @@ pub fn collect_garbage(out_dir: &Path, keep: Option<&str>, events: &Events) -> V
     let Some(keep) = keep else {
         return Vec::new();
     };
-    let keep = keep_names(keep);
+    let keep: Vec<String> = keep
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .filter_map(|s| Path::new(s).file_name())
+        .map(|n| n.to_string_lossy().into_owned())
+        .collect();
     let (Some(parent), Some(own)) = (out_dir.parent(), out_dir.file_name()) else {
         return Vec::new();
     };
@@ -94,14 +100,36 @@ pub fn collect_garbage(out_dir: &Path, keep: Option<&str>, events: &Events) -> V
     let mut targets = Vec::new();
     for e in rd.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        let target = generation_of(&name);
+        // `<gen dir>`, `.<gen dir>.partial` (staging), `.<gen dir>.lock`.
+        let target = name
+            .strip_prefix('.')
+            .and_then(|n| {
+                n.strip_suffix(files::STAGING_SUFFIX)
+                    .or_else(|| n.strip_suffix(flexinfer_fsutil::LOCK_SUFFIX))
+            })
+            .unwrap_or(&name)
+            .to_string();
         if !fam.contains(&target) || target == own || keep.contains(&target) {
             continue;
         }
         let gen_dir = parent.join(&target);
-        let Some((p, res)) = remove_unless_held(&e, &gen_dir) else {
-            continue;
+        // A live writer (its flock held) keeps its directory.
+        let probe = LockHolder {
+            owner: "garbage-collection".into(),
+            ..Default::default()
         };
+        let lock = match WriterLock::acquire(&gen_dir, probe, HEARTBEAT, STALE_AFTER) {
+            Ok(l) => l,
+            Err(_) => continue,
+        };
+        let p = e.path();
+        let res = match e.file_type() {
+            Ok(t) if t.is_dir() => std::fs::remove_dir_all(&p),
+            Ok(_) if p == lock.path() => Ok(()),
+            Ok(_) => std::fs::remove_file(&p),
+            Err(err) => Err(err),
+        };
+        drop(lock);
         match res {
             Ok(()) => {
                 if p != flexinfer_fsutil::lock_path(&gen_dir) {
@@ -115,74 +143,7 @@ pub fn collect_garbage(out_dir: &Path, keep: Option<&str>, events: &Events) -> V
             )),
         }
     }
-    remove_orphan_locks(targets);
-    // A download made before generations existed lives in the model directory itself.
-    if fam == Family::Source {
-        if let Some(r) = collect_root_download(parent, &keep, events) {
-            removed.push(r);
-        }
-    }
-    let _ = flexinfer_fsutil::fsync_dir(parent);
-    if !removed.is_empty() {
-        removed.sort();
-        events.emit(
-            flexinfer_contract::events::GENERATIONS_COLLECTED,
-            &serde_json::json!({"removed": removed, "kept": keep}),
-        );
-    }
-    removed
-}
-
-/// The directory names `FLEXINFER_KEEP_DIRS` keeps (comma-separated paths; only their last
-/// component counts).
-fn keep_names(keep: &str) -> Vec<String> {
-    keep.split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .filter_map(|s| Path::new(s).file_name())
-        .map(|n| n.to_string_lossy().into_owned())
-        .collect()
-}
-
-/// The generation directory a sibling entry belongs to: `<gen dir>` itself, `.<gen dir>.partial`
-/// (its staging) or `.<gen dir>.lock`.
-fn generation_of(name: &str) -> String {
-    name.strip_prefix('.')
-        .and_then(|n| {
-            n.strip_suffix(files::STAGING_SUFFIX)
-                .or_else(|| n.strip_suffix(flexinfer_fsutil::LOCK_SUFFIX))
-        })
-        .unwrap_or(name)
-        .to_string()
-}
-
-/// Removes the entry `e` of generation `gen_dir` while holding its writer lock (the lock file
-/// itself is left to the probe). Returns `None`, removing nothing, when a live writer holds the
-/// lock; else the entry's path and how its removal went.
-fn remove_unless_held(
-    e: &std::fs::DirEntry,
-    gen_dir: &Path,
-) -> Option<(PathBuf, std::io::Result<()>)> {
-    // A live writer (its flock held) keeps its directory.
-    let probe = LockHolder {
-        owner: "garbage-collection".into(),
-        ..Default::default()
-    };
-    let lock = WriterLock::acquire(gen_dir, probe, HEARTBEAT, STALE_AFTER).ok()?;
-    let p = e.path();
-    let res = match e.file_type() {
-        Ok(t) if t.is_dir() => std::fs::remove_dir_all(&p),
-        Ok(_) if p == lock.path() => Ok(()),
-        Ok(_) => std::fs::remove_file(&p),
-        Err(err) => Err(err),
-    };
-    drop(lock);
-    Some((p, res))
-}
-
-/// Removes the lock files (including the probes') of generations that are gone, directory and
-/// staging both.
-fn remove_orphan_locks(targets: Vec<PathBuf>) {
+    // Lock files (including the probes') of generations that are gone.
     for gen_dir in targets {
         let lock = flexinfer_fsutil::lock_path(&gen_dir);
         let staging = gen_dir.with_file_name(format!(
@@ -197,23 +158,30 @@ fn remove_orphan_locks(targets: Vec<PathBuf>) {
             let _ = std::fs::remove_file(lock);
         }
     }
-}
-
-/// Removes a download made before generations existed from the model directory `parent` itself,
-/// unless `keep` names that directory. Returns what was removed, for the report.
-fn collect_root_download(parent: &Path, keep: &[String], events: &Events) -> Option<String> {
-    let root = parent
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    if keep.contains(&root) {
-        return None;
+    // A download made before generations existed lives in the model directory itself.
+    if fam == Family::Source {
+        let root = parent
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if !keep.contains(&root) {
+            if let Some(n) = collect_legacy_download(parent, events) {
+                removed.push(format!(
+                    "{n} file(s) of the download in {}",
+                    parent.display()
+                ));
+            }
+        }
     }
-    let n = collect_legacy_download(parent, events)?;
-    Some(format!(
-        "{n} file(s) of the download in {}",
-        parent.display()
-    ))
+    let _ = flexinfer_fsutil::fsync_dir(parent);
+    if !removed.is_empty() {
+        removed.sort();
+        events.emit(
+            flexinfer_contract::events::GENERATIONS_COLLECTED,
+            &serde_json::json!({"removed": removed, "kept": keep}),
+        );
+    }
+    removed
 }
 
 /// Removes the files a download made before generations existed left in `root` (exactly those its
