@@ -21,7 +21,7 @@ use tokio::net::TcpListener;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use crate::activity::Activity;
+use crate::activity::{Activity, InFlight};
 use crate::auth::ApiKeys;
 use crate::body::{full, Guarded, ProxyBody};
 use crate::cluster::{Cluster, ModelKey};
@@ -54,6 +54,56 @@ impl Default for Config {
             connect_timeout: Duration::from_secs(5),
             drain_timeout: Duration::from_secs(30),
         }
+    }
+}
+
+/// The request head and its whole body; too large when it declares or has over `limit` bytes.
+async fn read_body(
+    req: Request<Incoming>,
+    limit: usize,
+) -> Result<(http::request::Parts, Bytes), ApiError> {
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(ApiError::too_large(limit));
+    }
+    let (parts, body) = req.into_parts();
+    let body = match Limited::new(body, limit).collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            return Err(ApiError::too_large(limit))
+        }
+        Err(e) => {
+            return Err(ApiError::bad_request(format!(
+                "cannot read the request body: {e}"
+            )))
+        }
+    };
+    Ok((parts, body))
+}
+
+/// What is sent to a backend: the client's method, path, query, forwarded headers and body.
+struct Outgoing {
+    method: Method,
+    path_and_query: String,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Outgoing {
+    /// The request for `backend` (`host:port`); the error text when that is no valid address.
+    fn to(&self, backend: &str) -> Result<Request<Full<Bytes>>, String> {
+        let uri: Uri = format!("http://{backend}{}", self.path_and_query)
+            .parse()
+            .map_err(|e| format!("bad backend address {backend}: {e}"))?;
+        let mut out = Request::new(Full::new(self.body.clone()));
+        *out.method_mut() = self.method.clone();
+        *out.uri_mut() = uri;
+        *out.headers_mut() = self.headers.clone();
+        Ok(out)
     }
 }
 
@@ -164,34 +214,37 @@ impl Proxy {
         }
     }
 
+    /// Forwards a request for a Model (`resolved` is set once the body names one) to one of its
+    /// ready backends, waiting for a cold start when there are none.
     async fn forward(
         self: &Arc<Self>,
         req: Request<Incoming>,
         resolved: &mut Option<ModelKey>,
     ) -> Result<Response<ProxyBody>, ApiError> {
         let received = Instant::now();
-        let limit = self.config.max_body_bytes;
-        let declared = req
-            .headers()
-            .get(header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok());
-        if declared.is_some_and(|n| n > limit as u64) {
-            return Err(ApiError::too_large(limit));
-        }
-        let (parts, body) = req.into_parts();
-        let body = match Limited::new(body, limit).collect().await {
-            Ok(b) => b.to_bytes(),
-            Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-                return Err(ApiError::too_large(limit))
-            }
-            Err(e) => {
-                return Err(ApiError::bad_request(format!(
-                    "cannot read the request body: {e}"
-                )))
-            }
-        };
+        let (parts, body) = read_body(req, self.config.max_body_bytes).await?;
+        let (key, body) = self.resolve_model(body)?;
+        *resolved = Some(key.clone());
 
+        // From here on the request counts as activity of the Model (also while it waits).
+        let guard = self.activity.begin(&key);
+        let backends = self.await_backends(&key).await?;
+        let out = Outgoing {
+            method: parts.method.clone(),
+            path_and_query: parts
+                .uri
+                .path_and_query()
+                .map(|p| p.as_str().to_string())
+                .unwrap_or_else(|| parts.uri.path().to_string()),
+            headers: forward_headers(&parts.headers, self.config.api_keys.is_enabled()),
+            body,
+        };
+        self.send(&key, &backends, out, guard, received).await
+    }
+
+    /// The Model the body names (resolved against the cluster's Models), and the body to send
+    /// it: with the model field rewritten to the served name when the route asks for that.
+    fn resolve_model(&self, body: Bytes) -> Result<(ModelKey, Bytes), ApiError> {
         let requested = requested_model(&body)?;
         let route = match route::resolve(&self.cluster.models(), &requested) {
             Ok(r) => r,
@@ -203,34 +256,31 @@ impl Proxy {
         } else {
             body
         };
-        let key: ModelKey = (route.namespace.clone(), route.name.clone());
-        *resolved = Some(key.clone());
+        Ok(((route.namespace.clone(), route.name.clone()), body))
+    }
 
-        // From here on the request counts as activity of the Model (also while it waits).
-        let guard = self.activity.begin(&key);
-        let backends = self.await_backends(&key).await?;
-
-        let path_and_query = parts
-            .uri
-            .path_and_query()
-            .map(|p| p.as_str().to_string())
-            .unwrap_or_else(|| parts.uri.path().to_string());
-        let headers = forward_headers(&parts.headers, self.config.api_keys.is_enabled());
-        let balancer = self.balancer(&key);
+    /// Sends `out` to the Model's backends in balancer order, up to three of them, moving on
+    /// only when one cannot be connected to. The response body holds `guard` (the request's
+    /// activity) until it ends and records the time to its first byte.
+    async fn send(
+        &self,
+        key: &ModelKey,
+        backends: &[String],
+        out: Outgoing,
+        guard: InFlight,
+        received: Instant,
+    ) -> Result<Response<ProxyBody>, ApiError> {
+        let balancer = self.balancer(key);
         let mut last_err = String::new();
-        for backend in balancer.order(&backends).into_iter().take(3) {
-            let uri: Uri = match format!("http://{backend}{path_and_query}").parse() {
-                Ok(u) => u,
+        for backend in balancer.order(backends).into_iter().take(3) {
+            let req = match out.to(backend) {
+                Ok(r) => r,
                 Err(e) => {
-                    last_err = format!("bad backend address {backend}: {e}");
+                    last_err = e;
                     continue;
                 }
             };
-            let mut out = Request::new(Full::new(body.clone()));
-            *out.method_mut() = parts.method.clone();
-            *out.uri_mut() = uri;
-            *out.headers_mut() = headers.clone();
-            match self.client.request(out).await {
+            match self.client.request(req).await {
                 Ok(resp) => {
                     let (mut rparts, rbody) = resp.into_parts();
                     strip_hop_by_hop(&mut rparts.headers);

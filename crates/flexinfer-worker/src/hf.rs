@@ -141,60 +141,122 @@ pub async fn list_files(
         encode_repo(repo),
         encode_segment(revision)
     );
-    let what = format!(
-        "{} {repo}@{revision}",
-        kind.api_segment().trim_end_matches('s')
-    );
-    let auth = token.and_then(|t| ScopedAuth::new(format!("Bearer {t}"), endpoint));
+    let listing = Listing {
+        client,
+        endpoint,
+        has_token: token.is_some(),
+        kind,
+        repo,
+        revision,
+        what: format!(
+            "{} {repo}@{revision}",
+            kind.api_segment().trim_end_matches('s')
+        ),
+        auth: token.and_then(|t| ScopedAuth::new(format!("Bearer {t}"), endpoint)),
+    };
     let mut out = Vec::new();
     for _page in 0..10_000 {
+        let (entries, next) = listing.page(&url).await?;
+        listing.push_files(entries, &mut out)?;
+        match next {
+            Some(n) => url = n,
+            None => break,
+        }
+    }
+    out.sort_by(|a, b| a.path.cmp(&b.path));
+    Ok(out)
+}
+
+/// One page of a listing: its entries and the next page's URL.
+type Page = (Vec<TreeEntry>, Option<String>);
+
+/// A listing in progress: the repository at a revision, and the token scoped to the endpoint.
+struct Listing<'a> {
+    client: &'a reqwest::Client,
+    endpoint: &'a str,
+    has_token: bool,
+    kind: RepoType,
+    repo: &'a str,
+    revision: &'a str,
+    /// `model org/name@rev`, for messages.
+    what: String,
+    auth: Option<ScopedAuth>,
+}
+
+impl Listing<'_> {
+    /// The page at `url`, retried with backoff while the failure is worth retrying.
+    async fn page(&self, url: &str) -> Result<Page, FetchError> {
         let mut retry = Retry::new(Duration::from_secs(1), Duration::from_secs(8), 4);
-        let (entries, next): (Vec<TreeEntry>, Option<String>) = loop {
-            let mut req = client.get(&url);
-            if let Some(a) = auth.as_ref().and_then(|a| a.for_url(&url)) {
-                req = req.header(reqwest::header::AUTHORIZATION, a);
-            }
-            let failure = match req.send().await {
-                Ok(resp) if resp.status().is_success() => {
-                    let next = http::next_link(resp.headers());
-                    let body = match http::read_body_limited(
-                        resp,
-                        http::limits::HUB_LISTING_PAGE,
-                        &format!("listing {what}"),
-                    )
-                    .await
-                    {
-                        Ok(b) => Ok(b),
-                        Err(e @ http::BodyError::TooLarge { .. }) => {
-                            return Err(FetchError::TooLarge(e))
-                        }
-                        Err(e @ http::BodyError::Transport { .. }) => Err(BadBody::Read(e)),
-                    };
-                    match body.and_then(|b| Ok(serde_json::from_slice::<Vec<TreeEntry>>(&b)?)) {
-                        Ok(e) => break (e, next),
-                        Err(source) => FetchError::ListingBody {
-                            what: what.clone(),
-                            source,
-                        },
-                    }
-                }
-                Ok(resp) => {
-                    let err = http_error(&what, resp.status(), token.is_some());
-                    if !err.is_retryable() {
-                        return Err(err);
-                    }
-                    err
-                }
-                Err(source) => FetchError::Listing {
-                    what: what.clone(),
-                    source,
-                },
+        loop {
+            let failure = match self.attempt(url).await? {
+                Ok(page) => return Ok(page),
+                Err(failure) => failure,
             };
             tracing::warn!(error = %failure, "hub listing failed");
             if !retry.wait().await {
                 return Err(failure);
             }
+        }
+    }
+
+    /// One request for the page at `url`: `Ok(Err(_))` is a failure worth retrying (transport,
+    /// unreadable body, retryable status), `Err(_)` one that is not.
+    async fn attempt(&self, url: &str) -> Result<Result<Page, FetchError>, FetchError> {
+        let mut req = self.client.get(url);
+        if let Some(a) = self.auth.as_ref().and_then(|a| a.for_url(url)) {
+            req = req.header(reqwest::header::AUTHORIZATION, a);
+        }
+        match req.send().await {
+            Ok(resp) if resp.status().is_success() => self.read_page(resp).await,
+            Ok(resp) => {
+                let err = http_error(&self.what, resp.status(), self.has_token);
+                if !err.is_retryable() {
+                    return Err(err);
+                }
+                Ok(Err(err))
+            }
+            Err(source) => Ok(Err(FetchError::Listing {
+                what: self.what.clone(),
+                source,
+            })),
+        }
+    }
+
+    /// The entries and next link of a successful response; a body over the page limit is not
+    /// worth retrying, an unreadable or unparsable one is.
+    async fn read_page(
+        &self,
+        resp: reqwest::Response,
+    ) -> Result<Result<Page, FetchError>, FetchError> {
+        let next = http::next_link(resp.headers());
+        let body = match http::read_body_limited(
+            resp,
+            http::limits::HUB_LISTING_PAGE,
+            &format!("listing {}", self.what),
+        )
+        .await
+        {
+            Ok(b) => Ok(b),
+            Err(e @ http::BodyError::TooLarge { .. }) => return Err(FetchError::TooLarge(e)),
+            Err(e @ http::BodyError::Transport { .. }) => Err(BadBody::Read(e)),
         };
+        Ok(
+            match body.and_then(|b| Ok(serde_json::from_slice::<Vec<TreeEntry>>(&b)?)) {
+                Ok(e) => Ok((e, next)),
+                Err(source) => Err(FetchError::ListingBody {
+                    what: self.what.clone(),
+                    source,
+                }),
+            },
+        )
+    }
+
+    /// Appends the files among `entries` (not directories) to `out`; an unsafe path is an error.
+    fn push_files(
+        &self,
+        entries: Vec<TreeEntry>,
+        out: &mut Vec<RemoteFile>,
+    ) -> Result<(), FetchError> {
         for e in entries {
             if e.kind != "file" {
                 continue;
@@ -205,20 +267,15 @@ pub async fn list_files(
                 None => (e.size, None, e.oid.map(|o| o.to_ascii_lowercase())),
             };
             out.push(RemoteFile {
-                url: resolve_url(endpoint, kind, repo, revision, &e.path),
+                url: resolve_url(self.endpoint, self.kind, self.repo, self.revision, &e.path),
                 path: e.path,
                 size,
                 sha256,
                 git_sha1,
             });
         }
-        match next {
-            Some(n) => url = n,
-            None => break,
-        }
+        Ok(())
     }
-    out.sort_by(|a, b| a.path.cmp(&b.path));
-    Ok(out)
 }
 
 /// `Link: <url>; rel="next"`.

@@ -142,19 +142,7 @@ async fn run_async(
     );
 
     // Reach the registry first: a TLS or auth problem must not wait for hashing.
-    let creds = args
-        .registry
-        .credentials(&reference.registry)
-        .map_err(oci::worker_error)?;
-    let reg = Arc::new(
-        Registry::connect(&reference, creds, args.registry.insecure)
-            .await
-            .map_err(oci::worker_error)?,
-    );
-    let config_digest = reg
-        .push_bytes(oci::EMPTY_CONFIG)
-        .await
-        .map_err(oci::worker_error)?;
+    let (reg, config_digest) = connect_registry(args, &reference).await?;
     // 1. Digests (the registry must be asked by digest before anything is uploaded).
     let files = hash_files(listed, &hashed, args.concurrency).await?;
     // What is pushed must be what the pipeline recorded: the layer digests are the files' sha256, so
@@ -162,36 +150,96 @@ async fn run_async(
     check_records(&dir, &files)?;
 
     // 2. Blobs.
-    let n_skipped = push_blobs(&reg, &files, &sent, args.concurrency).await?;
+    let skipped = push_blobs(&reg, &files, &sent, args.concurrency).await?;
 
     // 3. Manifest and tags.
     let (digest, tags) =
         push_manifest(&reg, &files, &config_digest, policy, &base_tag, extra).await?;
     ticker.abort();
-    let secs = started.elapsed().as_secs_f64().max(1e-3);
-    events.progress(bytes_progress(
+    let published = Published {
+        file_count: files.len(),
         total,
-        total,
-        total as f64 / secs,
-        "published",
-    ));
-    events.log(&format!(
-        "published {} file(s), {total} bytes ({} already in the registry) as {}/{}@{digest} tags {:?} in {secs:.1}s",
-        files.len(),
-        n_skipped,
-        reference.registry,
-        reference.repository,
-        tags
-    ));
-    Ok(TerminationSuccess {
-        kind: contract::JobPhase::Publish.as_str().to_string(),
-        size_bytes: Some(total),
-        file_count: Some(files.len() as u64),
-        output_dir: Some(format!("{}/{}", reference.registry, reference.repository)),
-        digest: Some(digest),
+        skipped,
+        digest,
         tags,
-        ..Default::default()
-    })
+    };
+    Ok(published.report(&events, &reference, started))
+}
+
+/// Connects to the reference's registry with the configured credentials and pushes the empty
+/// config blob; returns the registry and the config's digest.
+async fn connect_registry(
+    args: &PublishArgs,
+    reference: &Reference,
+) -> Result<(Arc<Registry>, String), WorkerError> {
+    let creds = args
+        .registry
+        .credentials(&reference.registry)
+        .map_err(oci::worker_error)?;
+    let reg = Arc::new(
+        Registry::connect(reference, creds, args.registry.insecure)
+            .await
+            .map_err(oci::worker_error)?,
+    );
+    let config_digest = reg
+        .push_bytes(oci::EMPTY_CONFIG)
+        .await
+        .map_err(oci::worker_error)?;
+    Ok((reg, config_digest))
+}
+
+/// What a finished publish pushed.
+struct Published {
+    file_count: usize,
+    /// Bytes of all files.
+    total: u64,
+    /// Blobs the registry already had.
+    skipped: u64,
+    /// Manifest digest.
+    digest: String,
+    tags: Vec<String>,
+}
+
+impl Published {
+    /// Reports the publish (final progress, a summary log line) and returns its result.
+    fn report(
+        self,
+        events: &Events,
+        reference: &Reference,
+        started: Instant,
+    ) -> TerminationSuccess {
+        let Published {
+            file_count,
+            total,
+            skipped,
+            digest,
+            tags,
+        } = self;
+        let secs = started.elapsed().as_secs_f64().max(1e-3);
+        events.progress(bytes_progress(
+            total,
+            total,
+            total as f64 / secs,
+            "published",
+        ));
+        events.log(&format!(
+            "published {} file(s), {total} bytes ({} already in the registry) as {}/{}@{digest} tags {:?} in {secs:.1}s",
+            file_count,
+            skipped,
+            reference.registry,
+            reference.repository,
+            tags
+        ));
+        TerminationSuccess {
+            kind: contract::JobPhase::Publish.as_str().to_string(),
+            size_bytes: Some(total),
+            file_count: Some(file_count as u64),
+            output_dir: Some(format!("{}/{}", reference.registry, reference.repository)),
+            digest: Some(digest),
+            tags,
+            ..Default::default()
+        }
+    }
 }
 
 /// Checks the flags (in this order: the directory is named, the reference is a tag not a digest,

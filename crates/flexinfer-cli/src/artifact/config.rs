@@ -117,77 +117,14 @@ pub(super) fn check_quantize_config(
 
 /// Parse and check `quantization_config` (config.json) against docs/dev/gptq.md §2.4/§2.5.
 fn check_qconfig(r: &mut Report, qc: &Value, origin: &str) -> Option<Gptq> {
-    let mut ok = true;
-    match qc.get("quant_method").and_then(Value::as_str) {
-        Some("gptq") => {}
-        Some(m) => {
-            r.defect(
-                "config",
-                format!("{origin}: quant_method is {m:?}, expected \"gptq\""),
-            );
-            ok = false;
-        }
-        None => {
-            r.defect(
-                "config",
-                format!("{origin}: quant_method is missing (vLLM routes on quant_method \"gptq\")"),
-            );
-            ok = false;
-        }
-    }
-    let bits = match qc.get("bits").and_then(Value::as_u64) {
-        Some(b) if [2, 3, 4, 8].contains(&b) => Some(b as u32),
-        Some(b) => {
-            r.defect("config", format!("{origin}: bits {b} is not 2, 3, 4 or 8"));
-            None
-        }
-        None => {
-            r.defect("config", format!("{origin}: bits is missing (vLLM Marlin needs bits, group_size, sym and desc_act)"));
-            None
-        }
-    };
-    let group = match qc.get("group_size").and_then(Value::as_i64) {
-        Some(g) if g == -1 || (g > 0 && (g as u64).is_power_of_two()) => Some(g),
-        Some(g) => {
-            r.defect(
-                "config",
-                format!("{origin}: group_size {g} is not -1 or a power of two"),
-            );
-            None
-        }
-        None => {
-            r.defect("config", format!("{origin}: group_size is missing (vLLM Marlin needs bits, group_size, sym and desc_act)"));
-            None
-        }
-    };
-    let mut flag = |name: &str| match qc.get(name) {
-        Some(Value::Bool(b)) => Some(*b),
-        Some(v) => {
-            r.defect(
-                "config",
-                format!("{origin}: {name} is {v}, expected true or false"),
-            );
-            None
-        }
-        None => {
-            r.defect("config", format!("{origin}: {name} is missing (vLLM Marlin needs bits, group_size, sym and desc_act)"));
-            None
-        }
-    };
-    let sym = flag("sym");
-    let desc_act = flag("desc_act");
-    let v2 = match qc.get("checkpoint_format").and_then(Value::as_str) {
-        None | Some("gptq") => false,
-        Some("gptq_v2") => true,
-        Some(other) => {
-            r.defect(
-                "config",
-                format!("{origin}: checkpoint_format {other:?} is not \"gptq\" or \"gptq_v2\""),
-            );
-            ok = false;
-            false
-        }
-    };
+    let method_ok = check_quant_method(r, qc, origin);
+    let bits = check_bits(r, qc, origin);
+    let group = check_group_size(r, qc, origin);
+    let sym = check_flag(r, qc, origin, "sym");
+    let desc_act = check_flag(r, qc, origin, "desc_act");
+    let format = check_checkpoint_format(r, qc, origin);
+    let ok = method_ok && format.is_some();
+    let v2 = format.unwrap_or(false);
     match (ok, bits, group, sym, desc_act) {
         (true, Some(bits), Some(group_size), Some(sym), Some(desc_act)) => Some(Gptq {
             bits,
@@ -197,6 +134,104 @@ fn check_qconfig(r: &mut Report, qc: &Value, origin: &str) -> Option<Gptq> {
             v2,
         }),
         _ => None,
+    }
+}
+
+/// `quant_method` must be `"gptq"`; false (after a defect) otherwise.
+fn check_quant_method(r: &mut Report, qc: &Value, origin: &str) -> bool {
+    match qc.get("quant_method").and_then(Value::as_str) {
+        Some("gptq") => true,
+        Some(m) => {
+            r.defect(
+                "config",
+                format!("{origin}: quant_method is {m:?}, expected \"gptq\""),
+            );
+            false
+        }
+        None => {
+            r.defect(
+                "config",
+                format!("{origin}: quant_method is missing (vLLM routes on quant_method \"gptq\")"),
+            );
+            false
+        }
+    }
+}
+
+/// Defect: setting `name`, which vLLM's Marlin kernels need, is missing.
+fn marlin_setting_missing(r: &mut Report, origin: &str, name: &str) {
+    r.defect(
+        "config",
+        format!(
+            "{origin}: {name} is missing (vLLM Marlin needs bits, group_size, sym and desc_act)"
+        ),
+    );
+}
+
+/// `bits`: 2, 3, 4 or 8.
+fn check_bits(r: &mut Report, qc: &Value, origin: &str) -> Option<u32> {
+    match qc.get("bits").and_then(Value::as_u64) {
+        Some(b) if [2, 3, 4, 8].contains(&b) => Some(b as u32),
+        Some(b) => {
+            r.defect("config", format!("{origin}: bits {b} is not 2, 3, 4 or 8"));
+            None
+        }
+        None => {
+            marlin_setting_missing(r, origin, "bits");
+            None
+        }
+    }
+}
+
+/// `group_size`: -1 or a power of two.
+fn check_group_size(r: &mut Report, qc: &Value, origin: &str) -> Option<i64> {
+    match qc.get("group_size").and_then(Value::as_i64) {
+        Some(g) if g == -1 || (g > 0 && (g as u64).is_power_of_two()) => Some(g),
+        Some(g) => {
+            r.defect(
+                "config",
+                format!("{origin}: group_size {g} is not -1 or a power of two"),
+            );
+            None
+        }
+        None => {
+            marlin_setting_missing(r, origin, "group_size");
+            None
+        }
+    }
+}
+
+/// A boolean setting (`sym`, `desc_act`).
+fn check_flag(r: &mut Report, qc: &Value, origin: &str, name: &str) -> Option<bool> {
+    match qc.get(name) {
+        Some(Value::Bool(b)) => Some(*b),
+        Some(v) => {
+            r.defect(
+                "config",
+                format!("{origin}: {name} is {v}, expected true or false"),
+            );
+            None
+        }
+        None => {
+            marlin_setting_missing(r, origin, name);
+            None
+        }
+    }
+}
+
+/// `checkpoint_format`: whether it is `gptq_v2` (absent means `gptq`); `None` (after a defect)
+/// for any other value.
+fn check_checkpoint_format(r: &mut Report, qc: &Value, origin: &str) -> Option<bool> {
+    match qc.get("checkpoint_format").and_then(Value::as_str) {
+        None | Some("gptq") => Some(false),
+        Some("gptq_v2") => Some(true),
+        Some(other) => {
+            r.defect(
+                "config",
+                format!("{origin}: checkpoint_format {other:?} is not \"gptq\" or \"gptq_v2\""),
+            );
+            None
+        }
     }
 }
 

@@ -148,41 +148,11 @@ pub fn gate(model: &Model, served: Option<&str>) -> GateDecision {
     if !wants_warm_primary(&model.spec) {
         return GateDecision::Canary;
     }
-    let validation = annotation(model, annotations::PROMOTION_VALIDATION);
     let (passed, evidence) = validation_of(model);
     if !passed && evidence.is_none() {
-        let validation_note = match validation {
-            Some(v) => format!(
-                " ({} is {v:?}, not \"passed\")",
-                annotations::PROMOTION_VALIDATION
-            ),
-            None => String::new(),
-        };
-        return GateDecision::Blocked {
-            message: format!(
-                "gate {}: warm-primary service ({}) needs annotation {}: passed or a non-empty {}; \
-                 missing{validation_note}. Running as a scale-to-zero canary until validated",
-                annotations::PROMOTION_GATE_V1,
-                warm_reason(&model.spec),
-                annotations::PROMOTION_VALIDATION,
-                annotations::PROMOTION_EVIDENCE,
-            ),
-        };
+        return missing_validation(model);
     }
-    let how = match (passed, evidence) {
-        (true, Some(ev)) => format!(
-            "{}: passed, {}: {ev}",
-            annotations::PROMOTION_VALIDATION,
-            annotations::PROMOTION_EVIDENCE
-        ),
-        (true, None) => format!("{}: passed", annotations::PROMOTION_VALIDATION),
-        (false, ev) => format!(
-            "by evidence, {}: {}",
-            annotations::PROMOTION_EVIDENCE,
-            ev.unwrap_or_default()
-        ),
-    };
-    let named = evidence.map(named_digests).unwrap_or_default();
+    let how = validation_how(passed, evidence);
     let recorded = model
         .status
         .as_ref()
@@ -194,6 +164,54 @@ pub fn gate(model: &Model, served: Option<&str>) -> GateDecision {
             artifact: recorded.map(str::to_string),
         };
     };
+    let named = evidence.map(named_digests).unwrap_or_default();
+    bound_decision(served, &how, &named, recorded)
+}
+
+/// A gated Model that asks for warm-primary service without validation: blocked, with a message
+/// that names the missing annotations (and the validation value that is not `passed`, if any).
+fn missing_validation(model: &Model) -> GateDecision {
+    let validation = annotation(model, annotations::PROMOTION_VALIDATION);
+    let validation_note = match validation {
+        Some(v) => format!(
+            " ({} is {v:?}, not \"passed\")",
+            annotations::PROMOTION_VALIDATION
+        ),
+        None => String::new(),
+    };
+    GateDecision::Blocked {
+        message: format!(
+            "gate {}: warm-primary service ({}) needs annotation {}: passed or a non-empty {}; \
+             missing{validation_note}. Running as a scale-to-zero canary until validated",
+            annotations::PROMOTION_GATE_V1,
+            warm_reason(&model.spec),
+            annotations::PROMOTION_VALIDATION,
+            annotations::PROMOTION_EVIDENCE,
+        ),
+    }
+}
+
+/// How the Model was validated (validation annotation, evidence or both), for the message.
+fn validation_how(passed: bool, evidence: Option<&str>) -> String {
+    match (passed, evidence) {
+        (true, Some(ev)) => format!(
+            "{}: passed, {}: {ev}",
+            annotations::PROMOTION_VALIDATION,
+            annotations::PROMOTION_EVIDENCE
+        ),
+        (true, None) => format!("{}: passed", annotations::PROMOTION_VALIDATION),
+        (false, ev) => format!(
+            "by evidence, {}: {}",
+            annotations::PROMOTION_EVIDENCE,
+            ev.unwrap_or_default()
+        ),
+    }
+}
+
+/// The decision for a validated Model whose served artifact is known (`served`): evidence that
+/// names digests (`named`) must name `served`; a validation that names none holds for the
+/// artifact it was first accepted for (`recorded`), or for `served` when none is recorded yet.
+fn bound_decision(served: &str, how: &str, named: &[&str], recorded: Option<&str>) -> GateDecision {
     let reblock = |why: String| GateDecision::Blocked {
         message: format!(
             "gate {}: {why}; running as a scale-to-zero canary until {} names {served}",

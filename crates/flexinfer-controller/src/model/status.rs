@@ -2,7 +2,7 @@
 
 use flexinfer_api::conditions::{self, types};
 use flexinfer_api::model::{ModelPhase, ModelStatus};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
 use super::gate::GateDecision;
 use super::render::{CachedState, ConfigProblem};
@@ -66,95 +66,123 @@ pub fn next_status(
     let phase = phase(outcome);
     st.phase = Some(phase);
     st.observed_generation = generation;
-    let conds = &mut st.conditions;
-    let g = generation;
-    let config_valid = |conds: &mut Vec<_>| {
-        conditions::set(
-            conds,
-            types::CONFIG_VALID,
-            true,
-            "Valid",
-            "configuration is valid",
-            g,
-            now,
-        );
+    let mut conds = Conditions {
+        list: &mut st.conditions,
+        generation,
+        now,
     };
-
     match outcome {
-        Outcome::Problem(p) => {
-            let msg = p.to_string();
-            if p.condition_type() == types::CONFIG_VALID {
-                conditions::set(conds, types::CONFIG_VALID, false, p.reason(), &msg, g, now);
-            } else {
-                config_valid(conds);
-                conditions::set(conds, types::CACHED, false, p.reason(), &msg, g, now);
-            }
-            conditions::set(conds, types::READY, false, p.reason(), &msg, g, now);
-        }
+        Outcome::Problem(p) => conds.problem(p),
         Outcome::Deployed {
             observed,
             cached,
             served_path,
             endpoint,
         } => {
-            config_valid(conds);
-            match cached.condition(served_path.as_deref()) {
-                Some((s, r, m)) => {
-                    conditions::set(conds, types::CACHED, s, r, &m, g, now);
-                }
-                None => {
-                    conditions::remove(conds, types::CACHED);
-                }
-            }
-            let (ready, reason, msg) = match phase {
-                ModelPhase::Idle => (
-                    true,
-                    "Idle",
-                    "scaled to zero; started on demand".to_string(),
-                ),
-                ModelPhase::Ready => (
-                    true,
-                    "Ready",
-                    format!(
-                        "{}/{} replicas ready at {endpoint}",
-                        observed.ready, observed.desired
-                    ),
-                ),
-                ModelPhase::Loading => (
-                    false,
-                    "Loading",
-                    format!(
-                        "{}/{} replicas ready; the backend is loading the model",
-                        observed.ready, observed.desired
-                    ),
-                ),
-                _ => (
-                    false,
-                    "Pending",
-                    format!(
-                        "0/{} replicas scheduled; waiting for a node with a free GPU",
-                        observed.desired
-                    ),
-                ),
-            };
-            conditions::set(conds, types::READY, ready, reason, &msg, g, now);
+            conds.config_valid();
+            conds.set_or_remove(types::CACHED, cached.condition(served_path.as_deref()));
+            let (ready, reason, msg) = ready_condition(phase, observed, endpoint);
+            conds.set(types::READY, ready, reason, &msg);
             st.endpoint = Some(endpoint.clone());
             st.served_path = served_path.clone();
             st.replicas = Some(observed.ready);
         }
     }
-    match gate.condition() {
-        Some((s, r, m)) => {
-            conditions::set(conds, types::PROMOTION_GATE, s, r, &m, g, now);
-        }
-        None => {
-            conditions::remove(conds, types::PROMOTION_GATE);
-        }
-    }
+    conds.set_or_remove(types::PROMOTION_GATE, gate.condition());
     if st.replicas.is_none() {
         st.replicas = Some(0);
     }
     st
+}
+
+/// The status conditions being written, with the generation and time every change is stamped
+/// with.
+struct Conditions<'a> {
+    list: &'a mut Vec<Condition>,
+    generation: Option<i64>,
+    now: &'a Time,
+}
+
+impl Conditions<'_> {
+    /// Sets condition `type_`.
+    fn set(&mut self, type_: &str, status: bool, reason: &str, message: &str) {
+        conditions::set(
+            self.list,
+            type_,
+            status,
+            reason,
+            message,
+            self.generation,
+            self.now,
+        );
+    }
+
+    /// Sets condition `type_` to `cond` (status, reason, message), or removes it when `None`.
+    fn set_or_remove(&mut self, type_: &str, cond: Option<(bool, &str, String)>) {
+        match cond {
+            Some((s, r, m)) => self.set(type_, s, r, &m),
+            None => {
+                conditions::remove(self.list, type_);
+            }
+        }
+    }
+
+    /// `ConfigValid=True`.
+    fn config_valid(&mut self) {
+        self.set(types::CONFIG_VALID, true, "Valid", "configuration is valid");
+    }
+
+    /// A problem fails the condition it belongs to (`ConfigValid`, else `Cached` with the
+    /// configuration valid) and `Ready`.
+    fn problem(&mut self, p: &ConfigProblem) {
+        let msg = p.to_string();
+        if p.condition_type() == types::CONFIG_VALID {
+            self.set(types::CONFIG_VALID, false, p.reason(), &msg);
+        } else {
+            self.config_valid();
+            self.set(types::CACHED, false, p.reason(), &msg);
+        }
+        self.set(types::READY, false, p.reason(), &msg);
+    }
+}
+
+/// `Ready`'s status, reason and message for a deployed Model in `phase`.
+fn ready_condition(
+    phase: ModelPhase,
+    observed: &DeploymentObservation,
+    endpoint: &str,
+) -> (bool, &'static str, String) {
+    match phase {
+        ModelPhase::Idle => (
+            true,
+            "Idle",
+            "scaled to zero; started on demand".to_string(),
+        ),
+        ModelPhase::Ready => (
+            true,
+            "Ready",
+            format!(
+                "{}/{} replicas ready at {endpoint}",
+                observed.ready, observed.desired
+            ),
+        ),
+        ModelPhase::Loading => (
+            false,
+            "Loading",
+            format!(
+                "{}/{} replicas ready; the backend is loading the model",
+                observed.ready, observed.desired
+            ),
+        ),
+        _ => (
+            false,
+            "Pending",
+            format!(
+                "0/{} replicas scheduled; waiting for a node with a free GPU",
+                observed.desired
+            ),
+        ),
+    }
 }
 
 /// Whether two statuses differ in what the controller owns.

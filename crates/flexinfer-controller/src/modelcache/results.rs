@@ -285,44 +285,15 @@ pub(super) fn record_failure(
     adopt_generation(cx, phase, job);
     let reason = classify_failure(job);
     let text = failure_text(job, observed.log_tail.as_ref());
-    let msg = format!("{reason}: {text}");
+    let failure = Failure {
+        msg: format!("{reason}: {text}"),
+        reason,
+        text,
+    };
     if reason == contract::FailureReason::QualityGateFailed {
-        // The gate ran before anything was promoted: the served artifact and `status.path` stay.
-        let generation = jobs::generation(&cx.st, phase);
-        let kept = jobs::promoted_dir(&cx.st, phase);
-        match phase {
-            JobPhase::Abliterate => {
-                cx.st
-                    .abliteration
-                    .get_or_insert_with(Default::default)
-                    .generations
-                    .rejected_generation = generation.clone()
-            }
-            JobPhase::Quantize => {
-                cx.st
-                    .quantization
-                    .get_or_insert_with(Default::default)
-                    .generations
-                    .rejected_generation = generation.clone()
-            }
-            _ => {}
-        }
-        cx.job_event(
-            true,
-            reasons::GENERATION_REJECTED,
-            format!(
-                "{} generation {} was rejected by its gate; {}",
-                phase.status_name(),
-                generation.unwrap_or_default(),
-                match kept {
-                    Some(k) => format!("the promoted output {k} is unchanged"),
-                    None => "nothing was promoted".into(),
-                }
-            ),
-            Some(&job.name),
-        );
+        reject_generation(cx, phase, job);
     }
-    c.failure_message = Some(msg.clone());
+    c.failure_message = Some(failure.msg.clone());
     set_common(&mut cx.st, phase, c);
     cx.st.last_failure_phase = Some(phase.status_name().to_string());
     cx.st.last_failure_time = Some(cx.now_t.clone());
@@ -330,35 +301,103 @@ pub(super) fn record_failure(
     cx.outcome.failed.push((phase, reason.to_string()));
     let n = cx.st.retry_count.unwrap_or(0).max(0);
     if n < max_retries {
-        let delay = cx.config.retry_delay(n as u32);
-        cx.st.retry_count = Some(n.saturating_add(1));
-        cx.st.next_retry_at = Some(Time(ts_add(cx.now, delay)));
-        cx.st.phase = Some(running_phase(phase));
-        let note = format!(
-            "{} failed ({reason}); retry {}/{} in {}s: {text}",
-            phase.status_name(),
-            n.saturating_add(1),
-            max_retries,
-            delay.as_secs()
-        );
-        cx.cond(types::PROGRESSING, true, reasons::RETRYING, &note);
-        cx.cond(types::DEGRADED, true, reason.as_str(), &msg);
-        cx.job_event(true, reasons::RETRYING, note, Some(&job.name));
-        cx.requeue(delay);
+        schedule_retry(cx, phase, job, &failure, n, max_retries);
     } else {
-        let r = failed_reason(phase);
-        cx.st.phase = Some(CachePhase::Failed);
-        cx.st.next_retry_at = None;
-        let note = format!(
-            "{} failed after {} retries ({reason}): {text}",
-            phase.status_name(),
-            max_retries
-        );
-        cx.cond(types::READY, false, &r, &msg);
-        cx.cond(types::PROGRESSING, false, &r, &note);
-        cx.cond(types::DEGRADED, true, reason.as_str(), &msg);
-        cx.job_event(true, reasons::PHASE_FAILED, note, Some(&job.name));
+        give_up(cx, phase, job, &failure, max_retries);
     }
+}
+
+/// Why a Job failed: the classified reason, the failure text, and `<reason>: <text>`.
+struct Failure {
+    reason: contract::FailureReason,
+    text: String,
+    msg: String,
+}
+
+/// A gate rejected the run's generation. The gate ran before anything was promoted, so the
+/// served artifact and `status.path` stay: records the rejected generation and says so in an
+/// event.
+fn reject_generation(cx: &mut Ctx<'_>, phase: JobPhase, job: &ObservedJob) {
+    let generation = jobs::generation(&cx.st, phase);
+    let kept = jobs::promoted_dir(&cx.st, phase);
+    match phase {
+        JobPhase::Abliterate => {
+            cx.st
+                .abliteration
+                .get_or_insert_with(Default::default)
+                .generations
+                .rejected_generation = generation.clone()
+        }
+        JobPhase::Quantize => {
+            cx.st
+                .quantization
+                .get_or_insert_with(Default::default)
+                .generations
+                .rejected_generation = generation.clone()
+        }
+        _ => {}
+    }
+    cx.job_event(
+        true,
+        reasons::GENERATION_REJECTED,
+        format!(
+            "{} generation {} was rejected by its gate; {}",
+            phase.status_name(),
+            generation.unwrap_or_default(),
+            match kept {
+                Some(k) => format!("the promoted output {k} is unchanged"),
+                None => "nothing was promoted".into(),
+            }
+        ),
+        Some(&job.name),
+    );
+}
+
+/// Retries left (`n` of `max_retries` used): schedules attempt `n + 1` after the backoff delay
+/// and reports it as progressing but degraded.
+fn schedule_retry(
+    cx: &mut Ctx<'_>,
+    phase: JobPhase,
+    job: &ObservedJob,
+    f: &Failure,
+    n: i32,
+    max_retries: i32,
+) {
+    let reason = f.reason;
+    let delay = cx.config.retry_delay(n as u32);
+    cx.st.retry_count = Some(n.saturating_add(1));
+    cx.st.next_retry_at = Some(Time(ts_add(cx.now, delay)));
+    cx.st.phase = Some(running_phase(phase));
+    let note = format!(
+        "{} failed ({reason}); retry {}/{} in {}s: {}",
+        phase.status_name(),
+        n.saturating_add(1),
+        max_retries,
+        delay.as_secs(),
+        f.text
+    );
+    cx.cond(types::PROGRESSING, true, reasons::RETRYING, &note);
+    cx.cond(types::DEGRADED, true, reason.as_str(), &f.msg);
+    cx.job_event(true, reasons::RETRYING, note, Some(&job.name));
+    cx.requeue(delay);
+}
+
+/// No retries left: the cache fails (not ready, not progressing, degraded).
+fn give_up(cx: &mut Ctx<'_>, phase: JobPhase, job: &ObservedJob, f: &Failure, max_retries: i32) {
+    let reason = f.reason;
+    let r = failed_reason(phase);
+    cx.st.phase = Some(CachePhase::Failed);
+    cx.st.next_retry_at = None;
+    let note = format!(
+        "{} failed after {} retries ({reason}): {}",
+        phase.status_name(),
+        max_retries,
+        f.text
+    );
+    cx.cond(types::READY, false, &r, &f.msg);
+    cx.cond(types::PROGRESSING, false, &r, &note);
+    cx.cond(types::DEGRADED, true, reason.as_str(), &f.msg);
+    cx.job_event(true, reasons::PHASE_FAILED, note, Some(&job.name));
 }
 
 pub(super) fn update_progress(

@@ -342,107 +342,10 @@ pub fn plan(layout: &Layout, s: &super::Settings, targets: &[usize]) -> Result<P
     let mut p = Plan::default();
     let mut modified = BTreeSet::new();
     for &m in &s.matrices {
-        let mut exists = false;
-        let mut guarded = 0usize;
-        let mut chosen = 0usize;
-        for (name, shape) in &layout.shapes {
-            let tower = is_tower(name);
-            let (layer, rest) = match decoder_layer(name) {
-                Some((i, rest)) => (Some(i), rest),
-                None if tower => {
-                    let rest = name.clone();
-                    (None, rest)
-                }
-                None => continue,
-            };
-            let gdn = layer.is_some_and(|i| layout.linear_attention.contains(&i));
-            if !module_matches(&rest, m, gdn) {
-                continue;
-            }
-            // Expert weights are never modified (also the fused `experts.down_proj` of Gemma 4 / Qwen3.5 hub
-            // checkpoints, which has no `.weight` suffix).
-            if is_expert(&rest) {
-                exists = true;
-                guarded += 1;
-                continue;
-            }
-            if !is_param(&rest) {
-                continue;
-            }
-            exists = true;
-            if tower {
-                if s.skip_vision || shape.first() != Some(&layout.hidden) {
-                    continue;
-                }
-            } else if let Some(i) = layer {
-                if !targets.contains(&i) || (gdn && s.skip_gdn) {
-                    continue;
-                }
-            }
-            let ok_shape = match shape.as_slice() {
-                [rows, _] | [rows] => *rows == layout.hidden,
-                _ => false,
-            };
-            if !ok_shape {
-                return Err(WorkerError::BadInput(format!(
-                    "{name} has shape {shape:?}; a residual-writing matrix must have {} rows",
-                    layout.hidden
-                )));
-            }
-            if let Some(i) = layer {
-                modified.insert(i);
-            }
-            chosen += 1;
-            p.edits.push(Edit {
-                tensor: name.clone(),
-                layer,
-                kind: EditKind::Write,
-                out_norm: None,
-            });
-        }
-        if !exists {
-            return Err(WorkerError::BadInput(format!(
-                "the model has no {} tensors (…layers.N.….{}.weight); weightMatrices must name matrices the model has",
-                m.as_str(),
-                m.as_str()
-            )));
-        }
-        if guarded > 0 {
-            p.guarded_experts += guarded;
-            p.warnings.push(format!(
-                "MoE model: {guarded} expert {} tensors are never modified; {chosen} shared/dense {} tensors are",
-                m.as_str(),
-                m.as_str()
-            ));
-        }
-        if chosen == 0 {
-            p.warnings.push(format!(
-                "no {} tensor in the targeted layers can be modified; only the other matrices are",
-                m.as_str()
-            ));
-        }
+        plan_matrix(layout, s, &targets, m, &mut p, &mut modified)?;
     }
     if s.lm_head {
-        match &layout.lm_head {
-            Some(name) => {
-                let ok = matches!(layout.shapes.get(name).map(Vec::as_slice), Some([_, h]) if *h == layout.hidden);
-                if !ok {
-                    return Err(WorkerError::BadInput(format!(
-                        "{name} does not have shape [vocab, {}]",
-                        layout.hidden
-                    )));
-                }
-                p.edits.push(Edit {
-                    tensor: name.clone(),
-                    layer: None,
-                    kind: EditKind::Read,
-                    out_norm: None,
-                });
-            }
-            None => p.warnings.push(
-                "ablitateLmHead: the lm_head is tied to embed_tokens; it is not modified".into(),
-            ),
-        }
+        plan_lm_head(layout, &mut p)?;
     }
     if p.edits.is_empty() {
         return Err(WorkerError::BadInput(
@@ -451,6 +354,155 @@ pub fn plan(layout: &Layout, s: &super::Settings, targets: &[usize]) -> Result<P
     }
     p.layers_modified = modified.into_iter().collect();
     Ok(p)
+}
+
+/// What [`plan`] does with one tensor for one requested matrix kind.
+enum Candidate {
+    /// Not a tensor of this matrix kind.
+    Other,
+    /// An expert weight of this kind: never modified (counted for the MoE warning).
+    Expert,
+    /// A tensor of this kind that the settings or the targeted layers leave alone.
+    Skipped,
+    /// A tensor to modify, in this decoder layer (`None`: a vision-tower tensor).
+    Edit(Option<usize>),
+}
+
+/// Classifies the tensor `name` for the matrix kind `m` (see [`Candidate`]).
+fn classify(
+    layout: &Layout,
+    s: &super::Settings,
+    targets: &BTreeSet<usize>,
+    m: Matrix,
+    name: &str,
+    shape: &[usize],
+) -> Candidate {
+    let tower = is_tower(name);
+    let (layer, rest) = match decoder_layer(name) {
+        Some((i, rest)) => (Some(i), rest),
+        None if tower => (None, name.to_string()),
+        None => return Candidate::Other,
+    };
+    let gdn = layer.is_some_and(|i| layout.linear_attention.contains(&i));
+    if !module_matches(&rest, m, gdn) {
+        return Candidate::Other;
+    }
+    // Expert weights are never modified (also the fused `experts.down_proj` of Gemma 4 / Qwen3.5 hub
+    // checkpoints, which has no `.weight` suffix).
+    if is_expert(&rest) {
+        return Candidate::Expert;
+    }
+    if !is_param(&rest) {
+        return Candidate::Other;
+    }
+    let skipped = if tower {
+        s.skip_vision || shape.first() != Some(&layout.hidden)
+    } else {
+        layer.is_some_and(|i| !targets.contains(&i) || (gdn && s.skip_gdn))
+    };
+    if skipped {
+        Candidate::Skipped
+    } else {
+        Candidate::Edit(layer)
+    }
+}
+
+/// The edits of one matrix kind, with its warnings; an error when the model has no such tensor or one of
+/// them cannot write the residual stream.
+fn plan_matrix(
+    layout: &Layout,
+    s: &super::Settings,
+    targets: &BTreeSet<usize>,
+    m: Matrix,
+    p: &mut Plan,
+    modified: &mut BTreeSet<usize>,
+) -> Result<(), WorkerError> {
+    let mut exists = false;
+    let mut guarded = 0usize;
+    let mut chosen = 0usize;
+    for (name, shape) in &layout.shapes {
+        let layer = match classify(layout, s, targets, m, name, shape) {
+            Candidate::Other => continue,
+            Candidate::Expert => {
+                exists = true;
+                guarded += 1;
+                continue;
+            }
+            Candidate::Skipped => {
+                exists = true;
+                continue;
+            }
+            Candidate::Edit(layer) => layer,
+        };
+        exists = true;
+        let ok_shape = match shape.as_slice() {
+            [rows, _] | [rows] => *rows == layout.hidden,
+            _ => false,
+        };
+        if !ok_shape {
+            return Err(WorkerError::BadInput(format!(
+                "{name} has shape {shape:?}; a residual-writing matrix must have {} rows",
+                layout.hidden
+            )));
+        }
+        if let Some(i) = layer {
+            modified.insert(i);
+        }
+        chosen += 1;
+        p.edits.push(Edit {
+            tensor: name.clone(),
+            layer,
+            kind: EditKind::Write,
+            out_norm: None,
+        });
+    }
+    if !exists {
+        return Err(WorkerError::BadInput(format!(
+            "the model has no {} tensors (…layers.N.….{}.weight); weightMatrices must name matrices the model has",
+            m.as_str(),
+            m.as_str()
+        )));
+    }
+    if guarded > 0 {
+        p.guarded_experts += guarded;
+        p.warnings.push(format!(
+            "MoE model: {guarded} expert {} tensors are never modified; {chosen} shared/dense {} tensors are",
+            m.as_str(),
+            m.as_str()
+        ));
+    }
+    if chosen == 0 {
+        p.warnings.push(format!(
+            "no {} tensor in the targeted layers can be modified; only the other matrices are",
+            m.as_str()
+        ));
+    }
+    Ok(())
+}
+
+/// The read-only lm_head edit of `ablitateLmHead` (a warning when it is tied to the embeddings).
+fn plan_lm_head(layout: &Layout, p: &mut Plan) -> Result<(), WorkerError> {
+    match &layout.lm_head {
+        Some(name) => {
+            let ok = matches!(layout.shapes.get(name).map(Vec::as_slice), Some([_, h]) if *h == layout.hidden);
+            if !ok {
+                return Err(WorkerError::BadInput(format!(
+                    "{name} does not have shape [vocab, {}]",
+                    layout.hidden
+                )));
+            }
+            p.edits.push(Edit {
+                tensor: name.clone(),
+                layer: None,
+                kind: EditKind::Read,
+                out_norm: None,
+            });
+        }
+        None => p
+            .warnings
+            .push("ablitateLmHead: the lm_head is tied to embed_tokens; it is not modified".into()),
+    }
+    Ok(())
 }
 
 /// `W ← W − r (rᵀ W)` for row-major `[rows, cols]` with `rows == r.len()` (a bias has `cols == 1`).
