@@ -11,7 +11,7 @@
 //! In every mode routers (`mlp.gate`, `block_sparse_moe.gate`), vision/audio towers and MTP heads are never
 //! quantized: the serving engines load those layers unquantized whatever the checkpoint says.
 
-use crate::error::{QuantError, Result};
+use crate::error::{Result, SpecError};
 
 /// What a linear is, from its checkpoint name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -100,9 +100,11 @@ impl Exclusion {
                     .iter()
                     .find(|i| matches!(i.as_str(), "auto" | "gdn" | "none"))
                 {
-                    return Err(QuantError::Input(format!(
-                        "DYNAMIC_EXCLUSION: {bad:?} is a mode and cannot be part of a module list ({list:?})"
-                    )));
+                    return Err(SpecError::ExclusionMode {
+                        item: bad.clone(),
+                        list: list.to_string(),
+                    }
+                    .into());
                 }
                 Exclusion::List(items)
             }

@@ -1,6 +1,6 @@
 //! The engine's file helpers: `flexinfer-fsutil` with [`QuantError`]s, and JSON files.
 
-use crate::error::{QuantError, Result};
+use crate::error::{FileError, QuantError, Result};
 use std::path::Path;
 
 /// [`flexinfer_fsutil::write_atomic`] with the path in the error.
@@ -26,10 +26,11 @@ pub fn sha256_file(path: &Path) -> Result<String> {
 /// Bad input unless `model_dir/name` exists (a link counts: what it points at is checked when read).
 pub fn require_in_model_dir(model_dir: &Path, name: &str) -> Result<()> {
     if model_dir.join(name).symlink_metadata().is_err() {
-        return Err(QuantError::Input(format!(
-            "{name} not found in model directory {}",
-            model_dir.display()
-        )));
+        return Err(FileError::Missing {
+            name: name.to_string(),
+            dir: model_dir.to_path_buf(),
+        }
+        .into());
     }
     Ok(())
 }
@@ -73,7 +74,11 @@ fn parse_json(path: &Path, bytes: &[u8]) -> Result<serde_json::Value> {
 /// input (exit 2) and names the file; anything else is an I/O error on `path`.
 pub fn untrusted_err(path: &Path, e: std::io::Error) -> QuantError {
     if flexinfer_fsutil::is_refused(&e) {
-        QuantError::Input(e.to_string())
+        FileError::Refused {
+            path: path.to_path_buf(),
+            source: e,
+        }
+        .into()
     } else {
         QuantError::io(path, e)
     }

@@ -26,7 +26,10 @@ pub mod params;
 #[cfg(any(test, feature = "testkit"))]
 pub mod testkit;
 
-pub use error::{QuantError, Result};
+pub use error::{
+    ConfigError, DatasetError, FileError, NumericError, QuantError, Result, SpecError, TensorError,
+    TokenizerError,
+};
 /// The quantize job under its former name.
 pub use job as pipeline;
 pub use job::{cache, writer};

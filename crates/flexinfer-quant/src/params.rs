@@ -4,7 +4,7 @@
 #![deny(clippy::arithmetic_side_effects)]
 #![cfg_attr(test, allow(clippy::arithmetic_side_effects))]
 
-use crate::error::{QuantError, Result};
+use crate::error::{QuantError, Result, SpecError};
 use serde::{Deserialize, Serialize};
 
 /// How the diagonal floor of the recovery loop is scaled.
@@ -23,9 +23,10 @@ impl std::str::FromStr for FloorMode {
         match s.trim().to_ascii_lowercase().as_str() {
             "mean" => Ok(FloorMode::Mean),
             "abs_max" | "absmax" => Ok(FloorMode::AbsMax),
-            other => Err(QuantError::Input(format!(
-                "GPTQ_HESSIAN_DIAG_FLOOR_MODE must be mean or abs_max, got {other:?}"
-            ))),
+            other => Err(SpecError::FloorMode {
+                got: other.to_string(),
+            }
+            .into()),
         }
     }
 }
@@ -58,19 +59,16 @@ impl Default for GptqParams {
 impl GptqParams {
     pub fn validate(&self) -> Result<()> {
         if !matches!(self.bits, 2 | 3 | 4 | 8) {
-            return Err(QuantError::Input(format!(
-                "bits must be one of 2, 3, 4, 8 (got {})",
-                self.bits
-            )));
+            return Err(SpecError::Bits { bits: self.bits }.into());
         }
         if !(self.group_size == -1 || self.group_size > 0) {
-            return Err(QuantError::Input(format!(
-                "group size must be -1 or positive (got {})",
-                self.group_size
-            )));
+            return Err(SpecError::GroupSize {
+                group_size: self.group_size,
+            }
+            .into());
         }
         if self.block_size == 0 {
-            return Err(QuantError::Input("block size must be positive".into()));
+            return Err(SpecError::BlockSize.into());
         }
         Ok(())
     }
@@ -87,10 +85,12 @@ impl GptqParams {
     /// Checks that a linear with `cols` inputs and `rows` outputs can be stored in the gptq format.
     pub fn check_shape(&self, name: &str, rows: usize, cols: usize) -> Result<()> {
         if self.group_size > 0 && !cols.is_multiple_of(self.group_size as usize) {
-            return Err(QuantError::Input(format!(
-                "group size {} does not divide the input dimension {cols} of {name}",
-                self.group_size
-            )));
+            return Err(SpecError::GroupDivides {
+                module: name.to_string(),
+                group_size: self.group_size,
+                cols,
+            }
+            .into());
         }
         let pack = if self.bits == 3 {
             32
@@ -98,10 +98,14 @@ impl GptqParams {
             32u32.checked_div(self.bits).unwrap_or(32) as usize
         };
         if !cols.is_multiple_of(pack) || !rows.is_multiple_of(pack) {
-            return Err(QuantError::Input(format!(
-                "{name} has shape [{rows}, {cols}]; {}-bit packing needs both dimensions to be multiples of {pack}",
-                self.bits
-            )));
+            return Err(SpecError::Packing {
+                module: name.to_string(),
+                rows,
+                cols,
+                bits: self.bits,
+                pack,
+            }
+            .into());
         }
         Ok(())
     }
@@ -140,9 +144,7 @@ impl RecoveryParams {
             self.floor_multiplier,
         ];
         if finite.iter().any(|v| !v.is_finite() || *v < 0.0) {
-            return Err(QuantError::Input(
-                "GPTQ recovery tunables must be finite and non-negative".into(),
-            ));
+            return Err(SpecError::Recovery.into());
         }
         Ok(())
     }

@@ -5,7 +5,7 @@
 use super::layer::LayerRun;
 use super::{release_free_memory, Progress, QuantizeJob};
 use crate::device::{Device, Session};
-use crate::error::{QuantError, Result};
+use crate::error::{Result, TensorError};
 use crate::events::fields;
 use crate::exclusion::Exclusion;
 use crate::model::calib::load_samples_counted;
@@ -65,10 +65,12 @@ pub(super) fn plan_modules(
             let router = format!("{prefix}{}.weight", m.spec.style.router_name());
             let e = store.entry(&router)?;
             if e.shape != [m.num_experts, cfg.hidden_size] {
-                return Err(QuantError::Input(format!(
-                    "{router} has shape {:?}, config.json implies [{}, {}]",
-                    e.shape, m.num_experts, cfg.hidden_size
-                )));
+                return Err(TensorError::Shape {
+                    name: router,
+                    shape: e.shape.clone(),
+                    expected: vec![m.num_experts, cfg.hidden_size],
+                }
+                .into());
             }
         }
         quantized_names.push(names);

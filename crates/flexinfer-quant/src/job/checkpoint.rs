@@ -5,7 +5,7 @@
 use super::calibrate::ModulePlan;
 use super::layer::Totals;
 use super::{evaluate_quality, Outcome, Progress, QuantizeJob, Run};
-use crate::error::{QuantError, Result};
+use crate::error::{NumericError, QuantError, Result};
 use crate::events::fields;
 use crate::fsutil::read_json;
 use crate::job::cache::LayerCache;
@@ -156,7 +156,7 @@ pub(super) fn save(
         .map(|l| {
             let p = cache
                 .layer_path(l)
-                .ok_or_else(|| QuantError::Numeric(format!("layer {l} missing from cache")))?;
+                .ok_or(NumericError::LayerNotCached { layer: l })?;
             TensorStore::open_files(vec![p])
         })
         .collect::<Result<_>>()?;
@@ -225,7 +225,10 @@ pub(super) fn save(
 /// The quality sidecar: the gate's summary plus, for a MoE run, the expert coverage.
 fn quality_sidecar(quality: &QualitySummary, totals: &Totals) -> Result<Value> {
     let mut quality_json =
-        serde_json::to_value(quality).map_err(|e| QuantError::Numeric(e.to_string()))?;
+        serde_json::to_value(quality).map_err(|source| NumericError::Encode {
+            what: "the quality summary",
+            source,
+        })?;
     if let (Some(report), Some(obj)) = (totals.coverage.report(), quality_json.as_object_mut()) {
         obj.insert("expertCoverage".into(), report);
     }

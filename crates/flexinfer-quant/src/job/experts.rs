@@ -3,7 +3,7 @@
 
 use super::layer::solve_group;
 use super::layer::LayerRun;
-use crate::error::{QuantError, Result};
+use crate::error::{NumericError, Result};
 use crate::model::llama::rms_norm;
 use crate::model::moe::{gated, gather_rows};
 use crate::model::{LayerWeights, ModuleSpec, MoeConfig};
@@ -34,10 +34,9 @@ pub(super) fn quantize_experts(
 ) -> Result<(Vec<u64>, u64)> {
     let (cfg, m) = (ctx.layer.run.cfg, ctx.moe);
     let eps = cfg.rms_norm_eps;
-    let moe_w = lw
-        .moe
-        .as_ref()
-        .ok_or_else(|| QuantError::Numeric(format!("{}: MoE weights not loaded", ctx.prefix)))?;
+    let moe_w = lw.moe.as_ref().ok_or_else(|| NumericError::MoeNotLoaded {
+        layer_prefix: ctx.prefix.to_string(),
+    })?;
     // Per sample, per expert: the routed token rows (the shared expert, if any, sees every token).
     let routed: Vec<Vec<Vec<(usize, f32)>>> = hidden
         .iter()
@@ -108,7 +107,13 @@ pub(super) fn quantize_experts(
         if !down.is_empty() {
             let (g, u) = match (lw.module(ig), lw.module(iu)) {
                 (Some(g), Some(u)) => (g, u),
-                _ => return Err(QuantError::Numeric(format!("{}: expert {e}", ctx.prefix))),
+                _ => {
+                    return Err(NumericError::ExpertMissing {
+                        layer_prefix: ctx.prefix.to_string(),
+                        expert: e,
+                    }
+                    .into())
+                }
             };
             let cols = g.w.nrows();
             let mut h = ctx.layer.run.device.open(cols)?;
@@ -137,7 +142,10 @@ fn rtn_modules<'i>(
     for &i in modules {
         let w = &lw
             .module(i)
-            .ok_or_else(|| QuantError::Numeric(format!("module index {i}")))?
+            .ok_or(NumericError::ModuleMissing {
+                index: i,
+                group: None,
+            })?
             .w;
         let q = rtn_quantize(w, &ctx.layer.run.job.params);
         if let Some(l) = lw.module_mut(i) {

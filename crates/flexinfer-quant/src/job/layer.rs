@@ -6,7 +6,7 @@ use super::calibrate::{accumulate_stage, advance, StageInput};
 use super::experts::{quantize_experts, ExpertCoverage, ExpertCtx};
 use super::{release_free_memory, Progress, Run};
 use crate::device::{solve_with_fallback, Session, SolveSpec};
-use crate::error::{QuantError, Result};
+use crate::error::{NumericError, QuantError, Result};
 use crate::events::fields;
 use crate::job::cache::{LayerCache, LayerStats};
 use crate::job::writer::OutTensor;
@@ -102,7 +102,7 @@ fn load_cached_layer(
     let prefix = cfg.layer_prefix(layer);
     let path = cache
         .layer_path(layer)
-        .ok_or_else(|| QuantError::Numeric("cache index".into()))?;
+        .ok_or(NumericError::LayerNotCached { layer })?;
     let cstore = TensorStore::open_files(vec![path])?;
     let gq = GptqReadConfig {
         bits: job.params.bits,
@@ -327,8 +327,12 @@ pub(super) fn solve_group(
     names: &[String],
     results: &mut [Option<QuantizedLinear>],
 ) -> Result<()> {
-    let missing =
-        |i: usize| QuantError::Numeric(format!("module index {i} of {}", names.join(",")));
+    let missing = |i: usize| {
+        QuantError::from(NumericError::ModuleMissing {
+            index: i,
+            group: Some(names.join(",")),
+        })
+    };
     let module = names.join(",");
     let spec = SolveSpec {
         params: &run.job.params,

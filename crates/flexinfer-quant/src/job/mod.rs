@@ -18,7 +18,7 @@ pub mod writer;
 pub use digest::config_digest;
 
 use crate::device::Device;
-use crate::error::{QuantError, Result};
+use crate::error::{DatasetError, Result, SpecError};
 use crate::events::{fields, EventSink};
 use crate::exclusion::Exclusion;
 use crate::job::cache::LayerCache;
@@ -230,9 +230,11 @@ pub fn run(job: &QuantizeJob, device: &dyn Device, events: &dyn EventSink) -> Re
     job.params.validate()?;
     job.recovery.validate()?;
     if job.calib.max_samples == 0 || job.calib.max_seq_len < 2 {
-        return Err(QuantError::Input(
-            "MAX_SAMPLES must be ≥ 1 and MAX_SEQ_LEN ≥ 2".into(),
-        ));
+        return Err(SpecError::Samples {
+            max_samples: job.calib.max_samples,
+            max_seq_len: job.calib.max_seq_len,
+        }
+        .into());
     }
     let mut progress = Progress { events, last: 0.0 };
     let final_dir = job.output_dir();
@@ -241,10 +243,11 @@ pub fn run(job: &QuantizeJob, device: &dyn Device, events: &dyn EventSink) -> Re
     let cfg = ModelConfig::load(&job.model_dir)?;
     let store = TensorStore::open_dir(&job.model_dir)?;
     if !job.dataset.is_file() {
-        return Err(QuantError::Input(format!(
-            "calibration dataset {} does not exist or is not a regular file",
-            job.dataset.display()
-        )));
+        return Err(DatasetError::NotAFile {
+            what: crate::model::dataset::CALIBRATION.what,
+            path: job.dataset.clone(),
+        }
+        .into());
     }
     let (calib_fp, config_hash) = digest::run_digests(job, &store)?;
 

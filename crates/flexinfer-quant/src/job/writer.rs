@@ -2,7 +2,7 @@
 //! Shards are written into a staging directory that survives restarts (a shard whose size and sha256 already
 //! match is not rewritten), and the directory is renamed into place at the end.
 
-use crate::error::{QuantError, Result};
+use crate::error::{NumericError, QuantError, Result};
 use crate::fsutil::{now_rfc3339, read_json, sha256_file, write_atomic, write_json_atomic};
 use flexinfer_contract::files::{self, SaveComplete, SaveShard};
 use safetensors::Dtype;
@@ -86,12 +86,12 @@ fn shard_layout(tensors: &[OutTensor<'_>], idxs: &[usize]) -> Result<(Vec<u8>, V
         let t = &tensors[i];
         let expected = t.shape.iter().product::<usize>() * t.dtype.bitsize() / 8;
         if expected != t.data.len() {
-            return Err(QuantError::Numeric(format!(
-                "{}: {} bytes for shape {:?}",
-                t.name,
-                t.data.len(),
-                t.shape
-            )));
+            return Err(NumericError::TensorBytes {
+                name: t.name.clone(),
+                bytes: t.data.len(),
+                shape: t.shape.clone(),
+            }
+            .into());
         }
         header.insert(
             t.name.clone(),
@@ -99,8 +99,10 @@ fn shard_layout(tensors: &[OutTensor<'_>], idxs: &[usize]) -> Result<(Vec<u8>, V
         );
         offset += t.data.len();
     }
-    let mut text =
-        serde_json::to_string(&header).map_err(|e| QuantError::Numeric(e.to_string()))?;
+    let mut text = serde_json::to_string(&header).map_err(|source| NumericError::Encode {
+        what: "the safetensors header",
+        source,
+    })?;
     while (8 + text.len()) % 8 != 0 {
         text.push(' ');
     }

@@ -6,7 +6,7 @@
 #![cfg_attr(test, allow(clippy::arithmetic_side_effects))]
 
 use super::dataset;
-use crate::error::{QuantError, Result};
+use crate::error::{BoxError, DatasetError, Result, TokenizerError};
 use flexinfer_fsutil::limits;
 use serde_json::Value;
 use std::path::Path;
@@ -40,14 +40,19 @@ pub fn load_tokenizer(model_dir: &Path) -> Result<Tokenizer> {
     match tokenizers::from_json(&text) {
         Ok(t) => Ok(t),
         Err(first) => {
-            let canonical = tokenizers::canonicalize_str(&text).map_err(|e| {
-                QuantError::Tokenizer(format!(
-                    "{}: {first}; conversion failed: {e}",
-                    tok_path.display()
-                ))
-            })?;
-            tokenizers::from_json(&canonical)
-                .map_err(|e| QuantError::Tokenizer(format!("{}: {e}", tok_path.display())))
+            let canonical =
+                tokenizers::canonicalize_str(&text).map_err(|source| TokenizerError::Convert {
+                    path: tok_path.clone(),
+                    first,
+                    source,
+                })?;
+            tokenizers::from_json(&canonical).map_err(|source| {
+                TokenizerError::Load {
+                    path: tok_path,
+                    source,
+                }
+                .into()
+            })
         }
     }
 }
@@ -58,7 +63,10 @@ pub fn encode(tokenizer: &Tokenizer, text: &str, what: &str) -> Result<Vec<u32>>
     let enc = tokenizer
         .encode(text, &opts)
         .wait()
-        .map_err(|e| QuantError::Tokenizer(format!("encoding {what}: {e}")))?;
+        .map_err(|source| TokenizerError::Encode {
+            what: what.to_string(),
+            source,
+        })?;
     Ok(enc
         .into_iter()
         .next()
@@ -181,14 +189,13 @@ pub fn load_calib_tokenizer(model_dir: &Path) -> Result<CalibTokenizer> {
             let tokenizer = tokenizers::from_json(&patched)
                 .or_else(|_| {
                     tokenizers::canonicalize_str(&patched)
-                        .map_err(|e| e.to_string())
-                        .and_then(|c| tokenizers::from_json(&c).map_err(|e| e.to_string()))
+                        .map_err(BoxError::from)
+                        .and_then(|c| tokenizers::from_json(&c))
                 })
-                .map_err(|e| {
-                    QuantError::Tokenizer(format!(
-                        "{}: {first}; with the missing byte symbols added: {e}",
-                        tok_path.display()
-                    ))
+                .map_err(|source| TokenizerError::ByteSymbols {
+                    path: tok_path,
+                    first: Box::new(first),
+                    source,
                 })?;
             Ok(CalibTokenizer {
                 tokenizer,
@@ -245,20 +252,19 @@ pub fn load_samples_counted(
     }
     if out.ids.is_empty() {
         if let Some((i, bytes)) = first_bad {
-            let shown: Vec<String> = bytes.iter().map(|b| format!("0x{b:02x}")).collect();
-            return Err(QuantError::Input(format!(
-                "calibration dataset {}: no sample can be encoded; sample {i} needs bytes {} that \
-                 tokenizer.json's byte-level vocabulary lacks ({} samples skipped)",
-                dataset.display(),
-                shown.join(", "),
-                out.skipped_unencodable
-            )));
+            return Err(DatasetError::Unencodable {
+                path: dataset.to_path_buf(),
+                sample: i,
+                bytes,
+                skipped: out.skipped_unencodable,
+            }
+            .into());
         }
-        return Err(QuantError::Input(format!(
-            "calibration dataset {} yielded no usable samples (empty, or no text field among {:?})",
-            dataset.display(),
-            dataset::CALIBRATION.fields
-        )));
+        return Err(DatasetError::NoSamples {
+            path: dataset.to_path_buf(),
+            fields: dataset::CALIBRATION.fields,
+        }
+        .into());
     }
     Ok(out)
 }

@@ -20,7 +20,7 @@
 #![deny(clippy::arithmetic_side_effects)]
 #![cfg_attr(test, allow(clippy::arithmetic_side_effects))]
 
-use crate::error::{QuantError, Result};
+use crate::error::{DatasetError, QuantError, Result};
 use flexinfer_fsutil::limits;
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
@@ -136,13 +136,18 @@ pub fn read_texts(path: &Path, max: usize, rules: &TextRules) -> Result<Vec<Stri
         _ => false,
     };
     match format {
-        _ if lines => read_json_lines(reader, &shown, &mut out)?,
+        _ if lines => read_json_lines(reader, path, &shown, &mut out)?,
         _ => {
-            let text = read_whole(reader, &shown)?;
+            let text = read_whole(reader, path, rules.what, &shown)?;
             match format {
                 Format::Json { .. } => {
-                    let v: Value = serde_json::from_str(&text)
-                        .map_err(|e| QuantError::Input(format!("{shown}: invalid JSON: {e}")))?;
+                    let v: Value =
+                        serde_json::from_str(&text).map_err(|source| DatasetError::Json {
+                            what: rules.what,
+                            path: path.to_path_buf(),
+                            line: None,
+                            source,
+                        })?;
                     for item in v.as_array().into_iter().flatten() {
                         if out.full() {
                             break;
@@ -150,7 +155,7 @@ pub fn read_texts(path: &Path, max: usize, rules: &TextRules) -> Result<Vec<Stri
                         out.value(item);
                     }
                 }
-                Format::Csv => csv_texts(&text, &shown, &mut out)?,
+                Format::Csv => csv_texts(&text, path, &mut out)?,
                 _ => out.plain_text(&text),
             }
         }
@@ -162,19 +167,17 @@ pub fn read_texts(path: &Path, max: usize, rules: &TextRules) -> Result<Vec<Stri
 /// of JSON values apply to them unchanged.
 pub fn read_parquet_records(path: &Path, max_rows: usize) -> Result<Vec<Value>> {
     use parquet::file::reader::{FileReader, SerializedFileReader};
-    let bad = |e: &dyn std::fmt::Display| {
-        QuantError::Input(format!(
-            "dataset {}: not a readable parquet file: {e}",
-            path.display()
-        ))
+    let bad = |source| DatasetError::Parquet {
+        path: path.to_path_buf(),
+        source,
     };
     let file =
         flexinfer_fsutil::open_regular(path).map_err(|e| crate::fsutil::untrusted_err(path, e))?;
-    let reader = SerializedFileReader::new(file).map_err(|e| bad(&e))?;
-    let rows = reader.get_row_iter(None).map_err(|e| bad(&e))?;
+    let reader = SerializedFileReader::new(file).map_err(bad)?;
+    let rows = reader.get_row_iter(None).map_err(bad)?;
     let mut out = Vec::new();
     for row in rows.take(max_rows) {
-        out.push(row.map_err(|e| bad(&e))?.to_json_value());
+        out.push(row.map_err(bad)?.to_json_value());
     }
     Ok(out)
 }
@@ -253,12 +256,10 @@ fn value_text(v: &Value, rules: &TextRules) -> Option<String> {
 }
 
 fn open_reader(path: &Path, zst: bool, rules: &TextRules) -> Result<Box<dyn BufRead>> {
-    let file = flexinfer_fsutil::open_regular(path).map_err(|e| {
-        QuantError::Input(format!(
-            "{} {} cannot be opened: {e}",
-            rules.what,
-            path.display()
-        ))
+    let file = flexinfer_fsutil::open_regular(path).map_err(|source| DatasetError::Open {
+        what: rules.what,
+        path: path.to_path_buf(),
+        source,
     })?;
     if zst {
         let dec = zstd::stream::read::Decoder::new(file).map_err(|e| QuantError::io(path, e))?;
@@ -276,7 +277,12 @@ fn starts_with_bracket(r: &mut Box<dyn BufRead>) -> bool {
         == Some(b'[')
 }
 
-fn read_json_lines(mut reader: Box<dyn BufRead>, shown: &str, out: &mut Texts<'_>) -> Result<()> {
+fn read_json_lines(
+    mut reader: Box<dyn BufRead>,
+    path: &Path,
+    shown: &str,
+    out: &mut Texts<'_>,
+) -> Result<()> {
     let mut line = String::new();
     for i in 0usize.. {
         if out.full() {
@@ -289,42 +295,64 @@ fn read_json_lines(mut reader: Box<dyn BufRead>, shown: &str, out: &mut Texts<'_
             shown,
             i.saturating_add(1),
         )
-        .map_err(|e| QuantError::Input(format!("{shown}: {e}")))?;
+        .map_err(|source| DatasetError::Line {
+            what: out.rules.what,
+            path: path.to_path_buf(),
+            line: i.saturating_add(1),
+            source,
+        })?;
         if n == 0 {
             break;
         }
         if line.trim().is_empty() {
             continue;
         }
-        let v: Value = serde_json::from_str(&line).map_err(|e| {
-            QuantError::Input(format!(
-                "{shown} line {}: invalid JSON: {e}",
-                i.saturating_add(1)
-            ))
+        let v: Value = serde_json::from_str(&line).map_err(|source| DatasetError::Json {
+            what: out.rules.what,
+            path: path.to_path_buf(),
+            line: Some(i.saturating_add(1)),
+            source,
         })?;
         out.value(&v);
     }
     Ok(())
 }
 
-fn read_whole(reader: Box<dyn BufRead>, shown: &str) -> Result<String> {
-    let all = flexinfer_fsutil::read_limited(reader, limits::DATASET, shown)
-        .map_err(|e| QuantError::Input(e.to_string()))?;
-    String::from_utf8(all).map_err(|_| QuantError::Input(format!("{shown} is not UTF-8 text")))
+fn read_whole(
+    reader: Box<dyn BufRead>,
+    path: &Path,
+    what: &'static str,
+    shown: &str,
+) -> Result<String> {
+    let all = flexinfer_fsutil::read_limited(reader, limits::DATASET, shown).map_err(|source| {
+        DatasetError::Read {
+            what,
+            path: path.to_path_buf(),
+            source,
+        }
+    })?;
+    String::from_utf8(all).map_err(|source| {
+        DatasetError::NotUtf8 {
+            what,
+            path: path.to_path_buf(),
+            source,
+        }
+        .into()
+    })
 }
 
 /// The column of the first of the rules' fields the header names, then that column of each row.
-fn csv_texts(text: &str, shown: &str, out: &mut Texts<'_>) -> Result<()> {
+fn csv_texts(text: &str, path: &Path, out: &mut Texts<'_>) -> Result<()> {
     let mut lines = text.lines();
     let header = csv_fields(lines.next().unwrap_or(""));
     let fields = out.rules.fields;
     let col = fields
         .iter()
         .find_map(|f| header.iter().position(|h| h.trim().eq_ignore_ascii_case(f)))
-        .ok_or_else(|| {
-            QuantError::Input(format!(
-                "{shown}: the CSV header has none of the columns {fields:?}"
-            ))
+        .ok_or_else(|| DatasetError::CsvHeader {
+            what: out.rules.what,
+            path: path.to_path_buf(),
+            fields,
         })?;
     for line in lines {
         if out.full() {

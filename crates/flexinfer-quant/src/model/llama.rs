@@ -389,10 +389,12 @@ pub fn embed(
                 let t = (tok as usize).min(vocab.saturating_sub(1));
                 let row = store.f32_row(name, t)?;
                 if row.len() != hsz {
-                    return Err(crate::error::QuantError::Input(format!(
-                        "{name} rows have {} values, config.json hidden_size is {hsz}",
-                        row.len()
-                    )));
+                    return Err(crate::error::TensorError::RowWidth {
+                        name: name.to_string(),
+                        len: row.len(),
+                        hidden_size: hsz,
+                    }
+                    .into());
                 }
                 for (c, v) in row.into_iter().enumerate() {
                     out[(r, c)] = v * scale;

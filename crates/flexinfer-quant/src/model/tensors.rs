@@ -4,7 +4,7 @@
 #![deny(clippy::arithmetic_side_effects)]
 #![cfg_attr(test, allow(clippy::arithmetic_side_effects))]
 
-use crate::error::{QuantError, Result};
+use crate::error::{FileError, QuantError, Result, TensorError};
 use crate::fsutil::{read_json_within, untrusted_err};
 use flexinfer_fsutil::limits;
 use memmap2::Mmap;
@@ -62,10 +62,10 @@ pub fn weight_names(dir: &Path) -> Result<Vec<String>> {
     }
     names.sort();
     if names.is_empty() {
-        return Err(QuantError::Input(format!(
-            "no .safetensors weight files in {}",
-            dir.display()
-        )));
+        return Err(FileError::NoWeightFiles {
+            dir: dir.to_path_buf(),
+        }
+        .into());
     }
     Ok(names)
 }
@@ -86,8 +86,12 @@ pub fn index_names(path: &Path, v: &serde_json::Value) -> Result<Vec<String>> {
             path: path.to_path_buf(),
             message: format!("weight_map[{tensor:?}] is not a file name"),
         })?;
-        flexinfer_fsutil::check_relative(Path::new(name)).map_err(|e| {
-            QuantError::Input(format!("{}: weight_map[{tensor:?}]: {e}", path.display()))
+        flexinfer_fsutil::check_relative(Path::new(name)).map_err(|source| {
+            FileError::IndexEntry {
+                path: path.to_path_buf(),
+                tensor: tensor.clone(),
+                source,
+            }
         })?;
         names.push(name.to_string());
     }
@@ -169,9 +173,12 @@ impl TensorStore {
     }
 
     pub fn entry(&self, name: &str) -> Result<&TensorEntry> {
-        self.entries
-            .get(name)
-            .ok_or_else(|| QuantError::Input(format!("tensor {name} not found in the model")))
+        self.entries.get(name).ok_or_else(|| {
+            TensorError::NotFound {
+                name: name.to_string(),
+            }
+            .into()
+        })
     }
 
     pub fn raw(&self, name: &str) -> Result<&[u8]> {
@@ -179,7 +186,12 @@ impl TensorStore {
         self.maps
             .get(e.file)
             .and_then(|m| m.get(e.start..e.end))
-            .ok_or_else(|| QuantError::Input(format!("tensor {name} lies outside its file")))
+            .ok_or_else(|| {
+                TensorError::OutsideFile {
+                    name: name.to_string(),
+                }
+                .into()
+            })
     }
 
     /// The tensor converted to f32 (BF16, F16, F32 sources); non-finite values are rejected.
@@ -197,9 +209,12 @@ impl TensorStore {
         let (rows, width) = match e.shape.as_slice() {
             [r, w] => (*r, *w),
             other => {
-                return Err(QuantError::Input(format!(
-                    "tensor {name} has shape {other:?}; expected 2 dimensions"
-                )))
+                return Err(TensorError::Rank {
+                    name: name.to_string(),
+                    shape: other.to_vec(),
+                    dims: 2,
+                }
+                .into())
             }
         };
         let size = match e.dtype {
@@ -207,12 +222,17 @@ impl TensorStore {
             _ => 2,
         };
         if row >= rows {
-            return Err(QuantError::Input(format!(
-                "row {row} is outside tensor {name} ({rows} rows)"
-            )));
+            return Err(TensorError::RowOutside {
+                name: name.to_string(),
+                row,
+                rows,
+            }
+            .into());
         }
         let raw = self.raw(name)?;
-        let truncated = || QuantError::Input(format!("tensor {name} is truncated"));
+        let truncated = || TensorError::Truncated {
+            name: name.to_string(),
+        };
         let row_bytes = width.checked_mul(size).ok_or_else(truncated)?;
         let start = row.checked_mul(row_bytes).ok_or_else(truncated)?;
         let end = start.checked_add(row_bytes).ok_or_else(truncated)?;
@@ -235,20 +255,29 @@ impl TensorStore {
         let (n, rows, cols) = match e.shape.as_slice() {
             [n, r, c] => (*n, *r, *c),
             other => {
-                return Err(QuantError::Input(format!(
-                    "tensor {name} has shape {other:?}; expected 3 dimensions"
-                )))
+                return Err(TensorError::Rank {
+                    name: name.to_string(),
+                    shape: other.to_vec(),
+                    dims: 3,
+                }
+                .into())
             }
         };
         let end_row = row0.checked_add(nrows);
         if index >= n || end_row.is_none_or(|r| r > rows) {
-            return Err(QuantError::Input(format!(
-                "rows {row0}..{row0}+{nrows} of slice {index} are outside tensor {name} {:?}",
-                e.shape
-            )));
+            return Err(TensorError::BlockOutside {
+                name: name.to_string(),
+                index,
+                row0,
+                nrows,
+                shape: e.shape.clone(),
+            }
+            .into());
         }
         let size = dtype_size(e.dtype);
-        let bad = || QuantError::Input(format!("tensor {name} is truncated"));
+        let bad = || TensorError::Truncated {
+            name: name.to_string(),
+        };
         let row_bytes = cols.checked_mul(size).ok_or_else(bad)?;
         let start = index
             .checked_mul(rows)
@@ -280,10 +309,12 @@ impl TensorStore {
     pub fn i32(&self, name: &str) -> Result<Vec<i32>> {
         let e = self.entry(name)?;
         if e.dtype != Dtype::I32 {
-            return Err(QuantError::Input(format!(
-                "tensor {name} has dtype {:?}; expected I32",
-                e.dtype
-            )));
+            return Err(TensorError::Dtype {
+                name: name.to_string(),
+                dtype: e.dtype,
+                expected: "I32",
+            }
+            .into());
         }
         Ok(self
             .raw(name)?
@@ -422,9 +453,12 @@ fn convert_f32(name: &str, dtype: Dtype, raw: &[u8]) -> Result<Vec<f32>> {
             .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
             .collect(),
         other => {
-            return Err(QuantError::Input(format!(
-                "tensor {name} has dtype {other:?}; expected BF16, F16 or F32"
-            )))
+            return Err(TensorError::Dtype {
+                name: name.to_string(),
+                dtype: other,
+                expected: "BF16, F16 or F32",
+            }
+            .into())
         }
     })
 }
@@ -432,10 +466,11 @@ fn convert_f32(name: &str, dtype: Dtype, raw: &[u8]) -> Result<Vec<f32>> {
 /// Rejects NaN/Inf weights; `offset` is the index of `values[0]` in the tensor.
 fn check_finite(name: &str, values: &[f32], offset: usize) -> Result<()> {
     match values.iter().position(|v| !v.is_finite()) {
-        Some(pos) => Err(QuantError::Input(format!(
-            "tensor {name} contains a non-finite value (NaN/Inf) at element {}; the source weights are corrupt",
-            offset.saturating_add(pos)
-        ))),
+        Some(pos) => Err(TensorError::NonFinite {
+            name: name.to_string(),
+            element: offset.saturating_add(pos),
+        }
+        .into()),
         None => Ok(()),
     }
 }

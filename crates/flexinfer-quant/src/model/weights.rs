@@ -7,7 +7,7 @@
 #![cfg_attr(test, allow(clippy::arithmetic_side_effects))]
 
 use super::config::{AttnShape, GdnLayout, ModelConfig, MoeConfig};
-use crate::error::{QuantError, Result};
+use crate::error::{ConfigError, NumericError, Result, TensorError};
 use crate::model::moe::{Gemma4Moe, Mlp, MoeStyle, MoeWeights};
 use crate::model::tensors::TensorStore;
 use crate::numerics::pack::{dequantize_packed, PackedLinear, ZeroFormat};
@@ -327,9 +327,10 @@ pub fn load_linear(
         };
         if packed.g_idx.len() != cols || packed.g_idx.iter().any(|&g| g < 0 || g as usize >= groups)
         {
-            return Err(QuantError::Input(format!(
-                "{name}.g_idx is inconsistent with its scales"
-            )));
+            return Err(TensorError::GroupIndex {
+                module: name.to_string(),
+            }
+            .into());
         }
         let w = dequantize_packed(&packed, gq.format);
         return Ok(Linear {
@@ -339,10 +340,12 @@ pub fn load_linear(
     }
     let e = store.entry(&format!("{name}.weight"))?;
     if e.shape != [rows, cols] {
-        return Err(QuantError::Input(format!(
-            "{name}.weight has shape {:?}, config.json implies [{rows}, {cols}]",
-            e.shape
-        )));
+        return Err(TensorError::Shape {
+            name: format!("{name}.weight"),
+            shape: e.shape.clone(),
+            expected: vec![rows, cols],
+        }
+        .into());
     }
     let w = store.f32(&format!("{name}.weight"))?;
     Ok(Linear {
@@ -379,15 +382,18 @@ pub fn check_fused_experts(store: &TensorStore, cfg: &ModelConfig, layer: usize)
         return Ok(());
     };
     let (e, i, h) = (m.num_experts, m.expert_intermediate, cfg.hidden_size);
-    let two_i = i.checked_mul(2).ok_or_else(|| {
-        QuantError::Input("config.json: moe_intermediate_size is too large".into())
+    let two_i = i.checked_mul(2).ok_or_else(|| ConfigError::TooLarge {
+        field: "moe_intermediate_size".into(),
     })?;
     for (name, want) in names.iter().zip([[e, two_i, h], [e, h, i]]) {
         let got = &store.entry(name)?.shape;
         if got.as_slice() != want {
-            return Err(QuantError::Input(format!(
-                "{name} has shape {got:?}, config.json implies {want:?}"
-            )));
+            return Err(TensorError::Shape {
+                name: name.clone(),
+                shape: got.clone(),
+                expected: want.to_vec(),
+            }
+            .into());
         }
     }
     Ok(())
@@ -465,10 +471,12 @@ pub fn check_source_module(
     let (rows, cols) = spec.shape;
     let e = store.entry(&format!("{name}.weight"))?;
     if e.shape != [rows, cols] {
-        return Err(QuantError::Input(format!(
-            "{name}.weight has shape {:?}, config.json implies [{rows}, {cols}]",
-            e.shape
-        )));
+        return Err(TensorError::Shape {
+            name: format!("{name}.weight"),
+            shape: e.shape.clone(),
+            expected: vec![rows, cols],
+        }
+        .into());
     }
     Ok(())
 }
@@ -493,10 +501,14 @@ fn load_module(
         if let Some((fused, e, row0)) = fused_source(store, cfg, layer, spec) {
             let w = store.f32_block(&fused, e, row0, rows)?;
             if w.len() != rows.saturating_mul(cols) {
-                return Err(QuantError::Input(format!(
-                    "{fused}: expert {e} has {} values where config.json implies {rows} × {cols}",
-                    w.len()
-                )));
+                return Err(TensorError::ExpertSize {
+                    name: fused,
+                    expert: e,
+                    len: w.len(),
+                    rows,
+                    cols,
+                }
+                .into());
             }
             return Ok(Linear {
                 w: mat_from_row_major(&w, rows, cols),
@@ -510,10 +522,12 @@ fn load_module(
 fn load_vec(store: &TensorStore, name: &str, len: usize) -> Result<Vec<f32>> {
     let v = store.f32(name)?;
     if v.len() != len {
-        return Err(QuantError::Input(format!(
-            "{name} has {} values, config.json implies {len}",
-            v.len()
-        )));
+        return Err(TensorError::Length {
+            name: name.to_string(),
+            len: v.len(),
+            expected: len,
+        }
+        .into());
     }
     Ok(v)
 }
@@ -576,10 +590,12 @@ pub fn load_layer(
         Some(_) => match opt("layer_scalar")? {
             Some(v) if v.len() == 1 => Some(v[0]),
             Some(v) => {
-                return Err(QuantError::Input(format!(
-                    "{p}layer_scalar has {} values; expected 1",
-                    v.len()
-                )))
+                return Err(TensorError::Count {
+                    name: format!("{p}layer_scalar"),
+                    len: v.len(),
+                    expected: 1,
+                }
+                .into())
             }
             // Absent: transformers initialises it to 1.
             None => None,
@@ -611,11 +627,17 @@ pub fn load_layer(
 /// A linear-attention layer's convolution, decay and gated-norm tensors (prefix `p`: the layer's).
 fn load_gdn(store: &TensorStore, cfg: &ModelConfig, p: &str) -> Result<GdnWeights> {
     let Some(g) = &cfg.gdn else {
-        return Err(QuantError::Numeric(format!("{p}: not a hybrid model")));
+        return Err(NumericError::NotHybrid {
+            layer_prefix: p.to_string(),
+        }
+        .into());
     };
-    let conv_len = g.conv_dim.checked_mul(g.conv_kernel).ok_or_else(|| {
-        QuantError::Input("config.json: the linear-attention convolution is too large".into())
-    })?;
+    let conv_len = g
+        .conv_dim
+        .checked_mul(g.conv_kernel)
+        .ok_or_else(|| ConfigError::TooLarge {
+            field: "the linear-attention convolution".into(),
+        })?;
     let conv_name = format!("{p}linear_attn.conv1d.weight");
     let conv = load_vec(store, &conv_name, conv_len)?;
     let nv = g.num_v_heads;
@@ -644,11 +666,8 @@ fn load_moe(
     let base = format!("{p}{}", m.spec.style.base());
     let mut rest = experts_in.into_iter();
     let mut next = || -> Result<Linear> {
-        rest.next().ok_or_else(|| {
-            QuantError::Numeric(format!(
-                "layer {layer}: expert list shorter than its config"
-            ))
-        })
+        rest.next()
+            .ok_or_else(|| NumericError::ExpertListShort { layer }.into())
     };
     let mut experts = Vec::with_capacity(m.num_experts);
     for _ in 0..m

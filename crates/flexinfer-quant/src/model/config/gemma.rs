@@ -1,7 +1,7 @@
 //! What the Gemma 2 / 3 / 4 (text) configs add to the Llama shape.
 
 use super::{layer_types, one_full_layer_in_every, AttnShape, MAX_HEAD_DIM};
-use crate::error::{QuantError, Result};
+use crate::error::{ConfigError, Result};
 use serde_json::Value;
 
 /// What Gemma 2 / Gemma 3 (text) do differently from Llama: norms scale by `1 + w`, the embeddings are
@@ -111,12 +111,20 @@ pub struct Gemma4Config {
 }
 
 fn text_field_usize(raw: &Value, key: &str) -> Result<Option<usize>> {
+    field_usize(raw, key, || key.to_string())
+}
+
+/// `raw[key]` as a non-negative integer (none when absent); `field` names it in the error.
+fn field_usize(raw: &Value, key: &str, field: impl FnOnce() -> String) -> Result<Option<usize>> {
     match raw.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(v) => v.as_u64().map(|x| Some(x as usize)).ok_or_else(|| {
-            QuantError::Input(format!(
-                "config.json: {key} must be a non-negative integer, found {v}"
-            ))
+            ConfigError::WrongType {
+                field: field(),
+                expected: "a non-negative integer",
+                found: Some(v.clone()),
+            }
+            .into()
         }),
     }
 }
@@ -156,9 +164,12 @@ fn refuse_unsupported(raw: &Value) -> Result<()> {
         ),
     ] {
         if let Some(n) = Some(text_field_usize(raw, key)?.unwrap_or(default)).filter(|&n| n > 0) {
-            return Err(QuantError::Input(format!(
-                "config.json: {key} {n} ({what}, Gemma 4 E2B/E4B) is not supported by the calibration forward"
-            )));
+            return Err(ConfigError::UnsupportedFeature {
+                field: key.to_string(),
+                value: n.to_string(),
+                feature: format!("{what}, Gemma 4 E2B/E4B"),
+            }
+            .into());
         }
     }
     if let Some(b) = raw
@@ -166,16 +177,23 @@ fn refuse_unsupported(raw: &Value) -> Result<()> {
         .and_then(Value::as_str)
     {
         if b == "all" {
-            return Err(QuantError::Input(
-                "config.json: use_bidirectional_attention \"all\" (non-causal attention) is not supported".into(),
-            ));
+            return Err(ConfigError::UnsupportedFeature {
+                field: "use_bidirectional_attention".into(),
+                value: format!("{b:?}"),
+                feature: "non-causal attention".into(),
+            }
+            .into());
         }
     }
     if let Some(act) = raw.get("hidden_activation").and_then(Value::as_str) {
         if act != "gelu_pytorch_tanh" {
-            return Err(QuantError::Input(format!(
-                "config.json: hidden_activation {act:?} is not supported for Gemma 4 (gelu_pytorch_tanh)"
-            )));
+            return Err(ConfigError::Unsupported {
+                field: "hidden_activation".into(),
+                value: format!("{act:?}"),
+                model: Some("Gemma 4".into()),
+                supported: "gelu_pytorch_tanh",
+            }
+            .into());
         }
     }
     Ok(())
@@ -208,11 +226,7 @@ fn layer_shapes(
             Some(map) => {
                 if let Some(o) = map.get(&l.to_string()) {
                     let field = |k: &str| -> Result<Option<usize>> {
-                        text_field_usize(o, k).map_err(|_| {
-                            QuantError::Input(format!(
-                                "config.json: per_layer_config.{l}.{k} must be a non-negative integer"
-                            ))
-                        })
+                        field_usize(o, k, || format!("per_layer_config.{l}.{k}"))
                     };
                     if let Some(d) = field("head_dim")? {
                         s.head_dim = d;
@@ -238,10 +252,13 @@ fn layer_shapes(
             || s.head_dim > MAX_HEAD_DIM
             || s.heads.checked_mul(s.head_dim).is_none()
         {
-            return Err(QuantError::Input(format!(
-                "config.json: layer {l}: inconsistent attention shape (heads {}, kv heads {}, head_dim {})",
-                s.heads, s.kv_heads, s.head_dim
-            )));
+            return Err(ConfigError::AttentionShape {
+                layer: Some(l),
+                heads: s.heads,
+                kv_heads: s.kv_heads,
+                head_dim: s.head_dim,
+            }
+            .into());
         }
         shapes.push(s);
     }
@@ -260,9 +277,11 @@ fn layer_shapes(
         .collect();
     for (what, dims) in [("global", &global_dims), ("sliding", &local_dims)] {
         if dims.windows(2).any(|w| w[0] != w[1]) {
-            return Err(QuantError::Input(format!(
-                "config.json: the {what} layers have different head_dim values {dims:?}"
-            )));
+            return Err(ConfigError::MixedHeadDims {
+                kind: what,
+                dims: dims.clone(),
+            }
+            .into());
         }
     }
     Ok(shapes)
@@ -290,9 +309,13 @@ fn global_rope(raw: &Value) -> Result<Gemma4Config> {
     };
     let local_type = rope_type("sliding_attention");
     if local_type != "default" {
-        return Err(QuantError::Input(format!(
-            "config.json: rope_parameters.sliding_attention.rope_type {local_type:?} is not supported (default)"
-        )));
+        return Err(ConfigError::Unsupported {
+            field: "rope_parameters.sliding_attention.rope_type".into(),
+            value: format!("{local_type:?}"),
+            model: None,
+            supported: "default",
+        }
+        .into());
     }
     let global_type = rope_type("full_attention");
     let g = rope("full_attention");
@@ -313,10 +336,13 @@ fn global_rope(raw: &Value) -> Result<Gemma4Config> {
             global_rope_factor: 1.0,
         },
         other => {
-            return Err(QuantError::Input(format!(
-                "config.json: rope_parameters.full_attention.rope_type {other:?} is not supported \
-                 (proportional, default)"
-            )))
+            return Err(ConfigError::Unsupported {
+                field: "rope_parameters.full_attention.rope_type".into(),
+                value: format!("{other:?}"),
+                model: None,
+                supported: "proportional, default",
+            }
+            .into())
         }
     };
     let ok = |v: f32| v.is_finite() && v > 0.0;
@@ -324,10 +350,11 @@ fn global_rope(raw: &Value) -> Result<Gemma4Config> {
         || !ok(cfg.global_rope_factor)
         || !(0.0..=1.0).contains(&cfg.global_rotary_fraction)
     {
-        return Err(QuantError::Input(format!(
-            "config.json: rope_parameters.full_attention {:?} is out of range",
-            g
-        )));
+        return Err(ConfigError::Invalid {
+            field: "rope_parameters.full_attention".into(),
+            value: format!("{g:?}"),
+        }
+        .into());
     }
     Ok(cfg)
 }

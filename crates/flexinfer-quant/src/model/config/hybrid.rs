@@ -2,7 +2,7 @@
 //! linear-attention shape, and how its input projections are laid out in the checkpoint.
 
 use super::{get_usize, layer_types, one_full_layer_in_every, MAX_HEAD_DIM};
-use crate::error::{QuantError, Result};
+use crate::error::{ConfigError, Result};
 use serde_json::Value;
 
 /// Largest head count accepted for the linear-attention layers.
@@ -49,7 +49,12 @@ impl GdnConfig {
 }
 
 fn checked(what: &str, v: Option<usize>) -> Result<usize> {
-    v.ok_or_else(|| QuantError::Input(format!("config.json: {what} is too large")))
+    v.ok_or_else(|| {
+        ConfigError::TooLarge {
+            field: what.to_string(),
+        }
+        .into()
+    })
 }
 
 /// The gated delta-net config of `arch` (none for the other architectures). `text` is the text config.
@@ -68,20 +73,27 @@ pub(super) fn gdn_config(text: &Value, arch: &str, num_layers: usize) -> Result<
         None => {
             let interval = match text.get("full_attention_interval") {
                 None | Some(Value::Null) => 4,
-                Some(v) => v.as_u64().filter(|&n| n > 0).ok_or_else(|| {
-                    QuantError::Input(format!(
-                        "config.json: full_attention_interval must be a positive integer, found {v}"
-                    ))
-                })? as usize,
+                Some(v) => v
+                    .as_u64()
+                    .filter(|&n| n > 0)
+                    .ok_or_else(|| ConfigError::WrongType {
+                        field: "full_attention_interval".into(),
+                        expected: "a positive integer",
+                        found: Some(v.clone()),
+                    })? as usize,
             };
             one_full_layer_in_every(interval, num_layers)
         }
     };
     if let Some(act) = text.get("hidden_act").and_then(Value::as_str) {
         if act != "silu" {
-            return Err(QuantError::Input(format!(
-                "config.json: hidden_act {act:?} is not supported for {arch} (silu)"
-            )));
+            return Err(ConfigError::Unsupported {
+                field: "hidden_act".into(),
+                value: format!("{act:?}"),
+                model: Some(arch.to_string()),
+                supported: "silu",
+            }
+            .into());
         }
     }
     let num_k_heads = get_usize(text, "linear_num_key_heads")?;
@@ -95,25 +107,33 @@ pub(super) fn gdn_config(text: &Value, arch: &str, num_layers: usize) -> Result<
         || num_v_heads > MAX_LINEAR_HEADS
         || !num_v_heads.is_multiple_of(num_k_heads)
     {
-        return Err(QuantError::Input(format!(
-            "config.json: linear_num_value_heads {num_v_heads} must be a positive multiple of \
-             linear_num_key_heads {num_k_heads} (at most {MAX_LINEAR_HEADS})"
-        )));
+        return Err(ConfigError::LinearHeads {
+            value_heads: num_v_heads,
+            key_heads: num_k_heads,
+            max: MAX_LINEAR_HEADS,
+        }
+        .into());
     }
     for (key, d) in [
         ("linear_key_head_dim", head_k_dim),
         ("linear_value_head_dim", head_v_dim),
     ] {
         if d == 0 || d > MAX_HEAD_DIM {
-            return Err(QuantError::Input(format!(
-                "config.json: {key} {d} is out of range (1..={MAX_HEAD_DIM})"
-            )));
+            return Err(ConfigError::OutOfRange {
+                field: key.to_string(),
+                value: d.to_string(),
+                range: format!("(1..={MAX_HEAD_DIM})"),
+            }
+            .into());
         }
     }
     if conv_kernel == 0 || conv_kernel > MAX_CONV_KERNEL {
-        return Err(QuantError::Input(format!(
-            "config.json: linear_conv_kernel_dim {conv_kernel} is out of range (1..={MAX_CONV_KERNEL})"
-        )));
+        return Err(ConfigError::OutOfRange {
+            field: "linear_conv_kernel_dim".into(),
+            value: conv_kernel.to_string(),
+            range: format!("(1..={MAX_CONV_KERNEL})"),
+        }
+        .into());
     }
     let key_dim = checked(
         "linear_num_key_heads × linear_key_head_dim",
@@ -158,9 +178,12 @@ pub(super) fn partial_rotary_factor(text: &Value, rope_params: Option<&Value>) -
             .map(|f| f as f32)
             .filter(|f| *f > 0.0 && *f <= 1.0)
             .ok_or_else(|| {
-                QuantError::Input(format!(
-                    "config.json: partial_rotary_factor {x} is out of range (0, 1]"
-                ))
+                ConfigError::OutOfRange {
+                    field: "partial_rotary_factor".into(),
+                    value: x.to_string(),
+                    range: "(0, 1]".into(),
+                }
+                .into()
             }),
     }
 }

@@ -16,7 +16,7 @@ pub use gemma::{Gemma4Config, GemmaConfig};
 pub use hybrid::{GdnConfig, GdnLayout};
 pub use moe::MoeConfig;
 
-use crate::error::{QuantError, Result};
+use crate::error::{ConfigError, Result};
 use gemma::{gemma4_config, gemma_config};
 use hybrid::{gdn_config, partial_rotary_factor};
 use moe::moe_config;
@@ -132,9 +132,10 @@ pub(super) fn get_usize(v: &Value, key: &str) -> Result<usize> {
         .and_then(Value::as_u64)
         .map(|x| x as usize)
         .ok_or_else(|| {
-            QuantError::Input(format!(
-                "config.json: missing or invalid integer field {key:?}"
-            ))
+            ConfigError::MissingInteger {
+                field: key.to_string(),
+            }
+            .into()
         })
 }
 
@@ -150,18 +151,21 @@ pub(super) fn layer_types(
         return Ok(None);
     };
     if a.len() != num_layers {
-        return Err(QuantError::Input(format!(
-            "config.json: layer_types has {} entries, num_hidden_layers is {num_layers}",
-            a.len()
-        )));
+        return Err(ConfigError::LayerTypesCount {
+            entries: a.len(),
+            layers: num_layers,
+        }
+        .into());
     }
     a.iter()
         .map(|t| match t.as_str() {
             Some(s) if s == other => Ok(true),
             Some("full_attention") => Ok(false),
-            found => Err(QuantError::Input(format!(
-                "config.json: layer_types entry {found:?} is not {other} or full_attention"
-            ))),
+            found => Err(ConfigError::LayerTypesEntry {
+                found: found.map(str::to_string),
+                other: other.to_string(),
+            }
+            .into()),
         })
         .collect::<Result<Vec<bool>>>()
         .map(Some)
@@ -223,9 +227,7 @@ impl ModelConfig {
                 .get("text_config")
                 .filter(|t| t.is_object())
                 .cloned()
-                .ok_or_else(|| {
-                    QuantError::Input(format!("config.json: {arch} has no text_config object"))
-                })?;
+                .ok_or_else(|| ConfigError::NoTextConfig { arch: arch.clone() })?;
             &text_owned
         } else {
             &raw
@@ -252,9 +254,11 @@ impl ModelConfig {
         let rope_scaling = rope_scaling(text, rope_params, is_gemma4)?;
         let num_layers = get_usize(text, "num_hidden_layers")?;
         if num_layers > MAX_LAYERS {
-            return Err(QuantError::Input(format!(
-                "config.json: num_hidden_layers {num_layers} is larger than {MAX_LAYERS}"
-            )));
+            return Err(ConfigError::TooManyLayers {
+                layers: num_layers,
+                max: MAX_LAYERS,
+            }
+            .into());
         }
         let moe = moe_config(text, &arch, num_layers)?;
         let gemma = gemma_config(text, &arch, num_layers, head_dim, rope_by_type)?;
@@ -265,10 +269,12 @@ impl ModelConfig {
                 let f = partial_rotary_factor(text, rope_params)?;
                 let d = (head_dim as f64 * f as f64).floor() as usize;
                 if d == 0 || !d.is_multiple_of(2) || d > head_dim {
-                    return Err(QuantError::Input(format!(
-                        "config.json: partial_rotary_factor {f} × head_dim {head_dim} gives {d} rotating \
-                         dimensions; a positive even number is needed"
-                    )));
+                    return Err(ConfigError::RotaryDims {
+                        factor: f,
+                        head_dim,
+                        dims: d,
+                    }
+                    .into());
                 }
                 d
             }
@@ -280,9 +286,10 @@ impl ModelConfig {
                 .and_then(|q| q.checked_mul(2)))
             .is_none()
         {
-            return Err(QuantError::Input(
-                "config.json: num_attention_heads × head_dim is too large".into(),
-            ));
+            return Err(ConfigError::TooLarge {
+                field: "num_attention_heads × head_dim".into(),
+            }
+            .into());
         }
         let base_shape = AttnShape {
             heads: num_heads,
@@ -481,10 +488,11 @@ fn architecture(raw: &Value) -> Result<String> {
         .unwrap_or("")
         .to_string();
     if !SUPPORTED_ARCHITECTURES.contains(&arch.as_str()) {
-        return Err(QuantError::Input(format!(
-            "unsupported architecture {arch:?} in config.json; supported: {}",
-            SUPPORTED_ARCHITECTURES.join(", ")
-        )));
+        return Err(ConfigError::Architecture {
+            arch,
+            supported: SUPPORTED_ARCHITECTURES,
+        }
+        .into());
     }
     Ok(arch)
 }
@@ -512,9 +520,13 @@ fn attention_dims(text: &Value, is_gemma4: bool) -> Result<(usize, usize, usize,
         || head_dim % 2 != 0
         || head_dim > MAX_HEAD_DIM
     {
-        return Err(QuantError::Input(format!(
-            "config.json: inconsistent attention shape (heads {num_heads}, kv heads {num_kv_heads}, head_dim {head_dim})"
-        )));
+        return Err(ConfigError::AttentionShape {
+            layer: None,
+            heads: num_heads,
+            kv_heads: num_kv_heads,
+            head_dim,
+        }
+        .into());
     }
     Ok((hidden_size, num_heads, num_kv_heads, head_dim))
 }
@@ -539,17 +551,27 @@ fn rope_scaling(text: &Value, rope_params: Option<&Value>, is_gemma4: bool) -> R
                 "default" => RopeScaling::None,
                 // Dynamic NTK only changes frequencies beyond the trained length; calibration stays inside it.
                 "dynamic" => RopeScaling::None,
-                "linear" => RopeScaling::Linear { factor: get_f32(rs, "factor", 1.0) },
+                "linear" => RopeScaling::Linear {
+                    factor: get_f32(rs, "factor", 1.0),
+                },
                 "llama3" => RopeScaling::Llama3 {
                     factor: get_f32(rs, "factor", 8.0),
                     low_freq_factor: get_f32(rs, "low_freq_factor", 1.0),
                     high_freq_factor: get_f32(rs, "high_freq_factor", 4.0),
-                    original_max_position_embeddings: get_f32(rs, "original_max_position_embeddings", 8192.0),
+                    original_max_position_embeddings: get_f32(
+                        rs,
+                        "original_max_position_embeddings",
+                        8192.0,
+                    ),
                 },
                 other => {
-                    return Err(QuantError::Input(format!(
-                        "config.json: rope_scaling type {other:?} is not supported (default, linear, dynamic, llama3)"
-                    )))
+                    return Err(ConfigError::Unsupported {
+                        field: "rope_scaling type".into(),
+                        value: format!("{other:?}"),
+                        model: None,
+                        supported: "default, linear, dynamic, llama3",
+                    }
+                    .into())
                 }
             }
         }

@@ -2,7 +2,7 @@
 //! layers are sparse (Mixtral, Qwen2/3-MoE, Gemma 4's `enable_moe_block`).
 
 use super::{get_usize, MAX_EXPERTS};
-use crate::error::{QuantError, Result};
+use crate::error::{ConfigError, Result};
 use crate::model::moe::{Activation, MoeSpec, MoeStyle};
 use serde_json::Value;
 
@@ -58,10 +58,14 @@ pub(super) fn moe_config(raw: &Value, arch: &str, num_layers: usize) -> Result<O
     let num_experts = get_usize(raw, experts_key)?;
     let top_k = get_usize(raw, "num_experts_per_tok")?;
     if num_experts == 0 || num_experts > MAX_EXPERTS || top_k == 0 || top_k > num_experts {
-        return Err(QuantError::Input(format!(
-            "config.json: {experts_key} {num_experts} / num_experts_per_tok {top_k} is not a valid routing \
-             (1 ≤ top-k ≤ experts ≤ {MAX_EXPERTS})"
-        )));
+        return Err(ConfigError::Routing {
+            experts_field: experts_key.to_string(),
+            experts: num_experts,
+            top_k_field: "num_experts_per_tok",
+            top_k,
+            max: MAX_EXPERTS,
+        }
+        .into());
     }
     let expert_intermediate = get_usize(raw, inter_key)?;
     // transformers: Mixtral and Qwen3.5-MoE always renormalise the top-k weights; the other Qwen MoE blocks only
@@ -131,10 +135,14 @@ fn gemma4_moe_config(raw: &Value, num_layers: usize) -> Result<Option<MoeConfig>
     let num_experts = get_usize(raw, "num_experts")?;
     let top_k = get_usize(raw, "top_k_experts")?;
     if num_experts == 0 || num_experts > MAX_EXPERTS || top_k == 0 || top_k > num_experts {
-        return Err(QuantError::Input(format!(
-            "config.json: num_experts {num_experts} / top_k_experts {top_k} is not a valid routing \
-             (1 ≤ top-k ≤ experts ≤ {MAX_EXPERTS})"
-        )));
+        return Err(ConfigError::Routing {
+            experts_field: "num_experts".into(),
+            experts: num_experts,
+            top_k_field: "top_k_experts",
+            top_k,
+            max: MAX_EXPERTS,
+        }
+        .into());
     }
     Ok(Some(MoeConfig {
         spec: MoeSpec {

@@ -148,7 +148,6 @@ pub fn gptq_quantize_in(
     let rows = w_in.nrows();
     let cols = w_in.ncols();
     let gs = p.effective_group(cols);
-    let n_groups = cols.div_ceil(gs);
     let maxq = maxq(p.bits);
     let zero_col = vec![0f32; rows];
     // Column `c` (original order) after the dead-column fix: the sweep's `W_c` (module docs of `linalg`).
@@ -160,26 +159,7 @@ pub fn gptq_quantize_in(
         }
     };
 
-    // With one group per row the parameters come from W before the dead-column fix (IST order).
-    let mut current: Option<GroupParams> = if p.group_size <= 0 {
-        Some(find_params(rows, col_slices(w_in, 0, cols), p.bits, p.sym))
-    } else {
-        None
-    };
-    let static_groups: Vec<GroupParams> = if p.static_groups && p.group_size > 0 {
-        (0..n_groups)
-            .map(|g| {
-                find_params(
-                    rows,
-                    (g * gs..((g + 1) * gs).min(cols)).map(orig_col),
-                    p.bits,
-                    p.sym,
-                )
-            })
-            .collect()
-    } else {
-        Vec::new()
-    };
+    let mut groups = Groups::new(p, w_in, &orig_col);
     let perm: Vec<usize> = factor.perm.clone().unwrap_or_else(|| (0..cols).collect());
     let w0_col = |k: usize| orig_col(perm[k]);
     // The working copy, in sweep order, written by all threads.
@@ -192,18 +172,9 @@ pub fn gptq_quantize_in(
     let mut w = MatMut::from_column_major_slice_mut(w_store, rows, cols);
 
     let mut codes_sweep = vec![0u8; rows * cols];
-    let mut scales = vec![0f32; n_groups * rows];
-    let mut zeros = vec![0u8; n_groups * rows];
-    let mut g_idx = vec![0i32; cols];
     let f = factor.f.coef();
     let r_diag = factor.f.r_diag();
     let mut loss = 0.0f64;
-    if let (Some(cur), true) = (&current, p.group_size <= 0) {
-        push_group(&mut scales, &mut zeros, 0, rows, cur);
-    }
-    for (g, sg) in static_groups.iter().enumerate() {
-        push_group(&mut scales, &mut zeros, g, rows, sg);
-    }
 
     let bs = p.block_size;
     // Two-level lazy batching: inner blocks of `bs` columns (the reference's semantics, including where group
@@ -231,27 +202,8 @@ pub fn gptq_quantize_in(
         while i1 < o2 {
             let i2 = (i1 + bs).min(o2);
             let count = i2 - i1;
-            // Group parameters of every column of the block are fixed before the sweep: they are read from the
-            // global W as the block starts (the reference's quirk, kept for parity).
-            let mut block_params: Vec<GroupParams> = Vec::new();
-            let mut col_param: Vec<Option<usize>> = vec![None; count];
-            let mut cur_idx: Option<usize> = current.as_ref().map(|c| {
-                block_params.push(c.clone());
-                0
-            });
-            let mut cur_static: Option<usize> = None;
-            // The reference reads a group's parameters from W as it stands at the start of the block (every
-            // earlier block's error propagated). Our W holds the same values only where a column is next in
-            // line; `snapshot` rebuilds the reference's view of the columns the block's groups span.
-            let snapshot: Option<MatRef<'_, f32>> = (p.group_size > 0
-                && !p.static_groups
-                && (i1..i2).any(|k| k % gs == 0))
-            .then(|| {
-                let m = if gs <= count {
-                    count
-                } else {
-                    gs.min(cols - i1)
-                };
+            // The block's snapshot of W, when a group starts in it (see `Groups`).
+            let snapshot: Option<MatRef<'_, f32>> = groups.snapshot_width(i1, i2).map(|m| {
                 let width = bs.max(gs).min(cols);
                 if snap_bufs
                     .as_ref()
@@ -262,44 +214,15 @@ pub fn gptq_quantize_in(
                 let Some(bufs) = snap_bufs.as_mut() else {
                     unreachable!("set just above")
                 };
-                block_snapshot(backend, w.as_ref(), &w0_col, f, i1, m, bufs)
+                block_snapshot(
+                    backend,
+                    w.as_ref().subcols(i1, m),
+                    &|j| w0_col(i1 + j),
+                    f.submatrix(i1, i1, m, m),
+                    bufs,
+                )
             });
-            for (i, slot) in col_param.iter_mut().enumerate() {
-                let k = i1 + i;
-                let orig = perm[k];
-                let group_of_k;
-                if p.group_size > 0 {
-                    if p.static_groups {
-                        group_of_k = orig / gs;
-                        if cur_static != Some(group_of_k) {
-                            block_params.push(static_groups[group_of_k].clone());
-                            cur_idx = Some(block_params.len() - 1);
-                            cur_static = Some(group_of_k);
-                        }
-                    } else {
-                        group_of_k = k / gs;
-                        if k % gs == 0 {
-                            let Some(snap) = snapshot.as_ref() else {
-                                unreachable!("a group starts in this block, so the snapshot exists")
-                            };
-                            let gp = find_params(
-                                rows,
-                                (k..(k + gs).min(cols)).map(|c| col(*snap, c - i1)),
-                                p.bits,
-                                p.sym,
-                            );
-                            push_group(&mut scales, &mut zeros, group_of_k, rows, &gp);
-                            block_params.push(gp);
-                            cur_idx = Some(block_params.len() - 1);
-                        }
-                    }
-                } else {
-                    group_of_k = 0;
-                }
-                g_idx[orig] = group_of_k as i32;
-                *slot = cur_idx;
-            }
-            current = cur_idx.map(|i| block_params[i].clone());
+            let (block_params, col_param) = groups.block(i1, i2, &perm, snapshot);
             // The block's coefficients, dense row-major (`coef[i * count + j]`, zero on and below the diagonal),
             // and the squared diagonal `R_ii²` that turns a column's squared error into its loss.
             let mut coef = vec![0f32; count * count];
@@ -391,11 +314,7 @@ pub fn gptq_quantize_in(
             codes
         }
     };
-    if p.static_groups && p.group_size > 0 {
-        for (c, gi) in g_idx.iter_mut().enumerate() {
-            *gi = (c / gs) as i32;
-        }
-    }
+    let (scales, zeros, g_idx) = groups.finish();
     QuantizedLinear {
         method: Method::Gptq,
         loss,
@@ -411,17 +330,20 @@ pub fn gptq_quantize_in(
 /// value is `W + δ₁·R₁₂·R₂₂⁻¹` where ours is `W + δ₁·R₁₂·D₂₂⁻¹`. On the first `m` columns of the trailing part
 /// only the leading `m × m` block of `R₂₂` matters, hence `snapshot = W₀ + (P − W₀)·F̂⁻¹` with `F̂` the unit
 /// upper-triangular block of `F` (`F̂ = R·D⁻¹`). For `m = 1` the two agree, as they must.
-fn block_snapshot<'a, 'b>(
+///
+/// `p`: the block's `m` columns of P; `w0_col(j)`: column `i1 + j` of W₀; `f`: the `m × m` block of F at
+/// `(i1, i1)` (only its strict upper triangle is read). The GPU session calls this with P and the F block
+/// downloaded from the device.
+pub(crate) fn block_snapshot<'a, 'b>(
     backend: &dyn LinalgBackend,
-    w: MatRef<'_, f32>,
+    p: MatRef<'_, f32>,
     w0_col: &(dyn Fn(usize) -> &'a [f32] + Sync),
     f: MatRef<'_, f32>,
-    i1: usize,
-    m: usize,
     bufs: &'b mut (Mat<f32>, Mat<f32>),
 ) -> MatRef<'b, f32> {
+    let m = f.nrows();
     let fhat = Mat::<f32>::from_fn(m, m, |a, b| match a.cmp(&b) {
-        std::cmp::Ordering::Less => f[(i1 + a, i1 + b)],
+        std::cmp::Ordering::Less => f[(a, b)],
         std::cmp::Ordering::Equal => 1.0,
         std::cmp::Ordering::Greater => 0.0,
     });
@@ -439,13 +361,13 @@ fn block_snapshot<'a, 'b>(
         .zip(snap.as_mut().subcols_mut(0, m).par_col_iter_mut())
         .enumerate()
         .for_each(|(j, (cc, sc))| {
-            let (p, w0) = (col(w, i1 + j), w0_col(i1 + j));
+            let (pc, w0) = (col(p, j), w0_col(j));
             if let (Some(cc), Some(sc)) = (cc.try_as_col_major_mut(), sc.try_as_col_major_mut()) {
                 for ((cv, sv), (&pv, &wv)) in cc
                     .as_slice_mut()
                     .iter_mut()
                     .zip(sc.as_slice_mut())
-                    .zip(p.iter().zip(w0))
+                    .zip(pc.iter().zip(w0))
                 {
                     *cv = pv - wv;
                     *sv = pv;
@@ -458,6 +380,155 @@ fn block_snapshot<'a, 'b>(
         t.as_ref(),
     );
     snap.as_ref().subcols(0, m)
+}
+
+/// The group bookkeeping of one module's sweep, shared by the CPU sweep and the GPU session: the parameters
+/// fixed before the sweep (one group per row from W as given; static groups from W after the dead-column fix),
+/// those found from each block's snapshot as the sweep reaches a group's first column, and where every group's
+/// scales, zeros and `g_idx` go in the result.
+pub(crate) struct Groups<'p> {
+    p: &'p GptqParams,
+    rows: usize,
+    cols: usize,
+    gs: usize,
+    /// The parameters in force (one group per row, or the last group started).
+    current: Option<GroupParams>,
+    static_groups: Vec<GroupParams>,
+    scales: Vec<f32>,
+    zeros: Vec<u8>,
+    g_idx: Vec<i32>,
+}
+
+impl<'p> Groups<'p> {
+    /// `w_in`: the module's W as given; `orig_col(c)`: column `c` after the dead-column fix.
+    pub(crate) fn new<'a>(
+        p: &'p GptqParams,
+        w_in: &Mat<f32>,
+        orig_col: &dyn Fn(usize) -> &'a [f32],
+    ) -> Self {
+        let (rows, cols) = (w_in.nrows(), w_in.ncols());
+        let gs = p.effective_group(cols);
+        let n_groups = cols.div_ceil(gs);
+        // With one group per row the parameters come from W before the dead-column fix (IST order).
+        let current: Option<GroupParams> = if p.group_size <= 0 {
+            Some(find_params(rows, col_slices(w_in, 0, cols), p.bits, p.sym))
+        } else {
+            None
+        };
+        let static_groups: Vec<GroupParams> = if p.static_groups && p.group_size > 0 {
+            (0..n_groups)
+                .map(|g| {
+                    find_params(
+                        rows,
+                        (g * gs..((g + 1) * gs).min(cols)).map(orig_col),
+                        p.bits,
+                        p.sym,
+                    )
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let mut groups = Groups {
+            p,
+            rows,
+            cols,
+            gs,
+            current,
+            static_groups,
+            scales: vec![0f32; n_groups * rows],
+            zeros: vec![0u8; n_groups * rows],
+            g_idx: vec![0i32; cols],
+        };
+        if let (Some(cur), true) = (&groups.current, p.group_size <= 0) {
+            push_group(&mut groups.scales, &mut groups.zeros, 0, rows, cur);
+        }
+        for (g, sg) in groups.static_groups.iter().enumerate() {
+            push_group(&mut groups.scales, &mut groups.zeros, g, rows, sg);
+        }
+        groups
+    }
+
+    /// How many columns from `i1` on the snapshot of the block `[i1, i2)` must cover (see
+    /// [`block_snapshot`]); `None` when no group starts in the block, so no snapshot is needed.
+    pub(crate) fn snapshot_width(&self, i1: usize, i2: usize) -> Option<usize> {
+        let (p, gs, count) = (self.p, self.gs, i2 - i1);
+        (p.group_size > 0 && !p.static_groups && (i1..i2).any(|k| k % gs == 0)).then(|| {
+            if gs <= count {
+                count
+            } else {
+                gs.min(self.cols - i1)
+            }
+        })
+    }
+
+    /// The group parameters of the block `[i1, i2)` (sweep order; `perm[k]` = original column) and, per
+    /// column, the index of its parameters among them. Group parameters of every column of the block are
+    /// fixed before the sweep: they are read from W as the block starts (the reference's quirk, kept for
+    /// parity), i.e. from `snapshot` (the first [`Groups::snapshot_width`] columns from `i1`).
+    pub(crate) fn block(
+        &mut self,
+        i1: usize,
+        i2: usize,
+        perm: &[usize],
+        snapshot: Option<MatRef<'_, f32>>,
+    ) -> (Vec<GroupParams>, Vec<Option<usize>>) {
+        let (p, gs, rows, cols) = (self.p, self.gs, self.rows, self.cols);
+        let mut block_params: Vec<GroupParams> = Vec::new();
+        let mut col_param: Vec<Option<usize>> = vec![None; i2 - i1];
+        let mut cur_idx: Option<usize> = self.current.as_ref().map(|c| {
+            block_params.push(c.clone());
+            0
+        });
+        let mut cur_static: Option<usize> = None;
+        for (i, slot) in col_param.iter_mut().enumerate() {
+            let k = i1 + i;
+            let orig = perm[k];
+            let group_of_k;
+            if p.group_size > 0 {
+                if p.static_groups {
+                    group_of_k = orig / gs;
+                    if cur_static != Some(group_of_k) {
+                        block_params.push(self.static_groups[group_of_k].clone());
+                        cur_idx = Some(block_params.len() - 1);
+                        cur_static = Some(group_of_k);
+                    }
+                } else {
+                    group_of_k = k / gs;
+                    if k.is_multiple_of(gs) {
+                        let Some(snap) = snapshot.as_ref() else {
+                            unreachable!("a group starts in this block, so the snapshot exists")
+                        };
+                        let gp = find_params(
+                            rows,
+                            (k..(k + gs).min(cols)).map(|c| col(*snap, c - i1)),
+                            p.bits,
+                            p.sym,
+                        );
+                        push_group(&mut self.scales, &mut self.zeros, group_of_k, rows, &gp);
+                        block_params.push(gp);
+                        cur_idx = Some(block_params.len() - 1);
+                    }
+                }
+            } else {
+                group_of_k = 0;
+            }
+            self.g_idx[orig] = group_of_k as i32;
+            *slot = cur_idx;
+        }
+        self.current = cur_idx.map(|i| block_params[i].clone());
+        (block_params, col_param)
+    }
+
+    /// Scales, zeros and `g_idx` of the module.
+    pub(crate) fn finish(mut self) -> (Vec<f32>, Vec<u8>, Vec<i32>) {
+        if self.p.static_groups && self.p.group_size > 0 {
+            for (c, gi) in self.g_idx.iter_mut().enumerate() {
+                *gi = (c / self.gs) as i32;
+            }
+        }
+        (self.scales, self.zeros, self.g_idx)
+    }
 }
 
 /// Round-to-nearest per group, no Hessian (the fallback when recovery is exhausted).
