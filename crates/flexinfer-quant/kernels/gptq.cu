@@ -15,8 +15,9 @@
  * out (scripts/hip/build-code-objects.sh also passes -ffp-contract=off). The Hessian and block-update GEMMs
  * may contract (their summation order differs from faer's anyway; the tests state the tolerance).
  *
- * Cholesky of the reversed Hessian is left to the vendor solver (cuSOLVER / rocSOLVER potrf, loaded at run
- * time) and is not in this file.
+ * The sweep factor (the Cholesky factor of the reversed Hessian, columns scaled by their diagonal; see
+ * src/numerics/linalg.rs) is computed here too, column by column (gptq_factor_fill, then gptq_chol_update and
+ * gptq_chol_pivot for each column, then gptq_factor_scale), so no vendor solver library is needed.
  */
 
 #if defined(__HIP__) && !defined(GPTQ_HOST)
@@ -40,6 +41,10 @@
 #define GPTQ_MAX_BLOCK 128
 /* Threads per block of the sweep kernel (one thread per row). */
 #define GPTQ_SWEEP_THREADS 128
+/* Threads per block of the column kernels of the factorisation (one thread per row). */
+#define GPTQ_COLUMN_THREADS 256
+/* Finite test without math headers (NVRTC has none): x - x is 0 exactly for a finite x, NaN otherwise. */
+#define GPTQ_FINITE(x) ((x) - (x) == 0.0f)
 
 /*
  * H += alpha * X^T X on the lower triangle (diagonal included) of the n x n matrix H (ldh); X is tokens x n
@@ -160,4 +165,92 @@ GPTQ_KERNEL void gptq_sweep_block(const float *w, int ldw, const float *w0, int 
             x[j] = GPTQ_ADD(x[j], GPTQ_MUL(dl, coef[i * count + j]));
     }
     acc[r] = a;
+}
+
+/*
+ * The factorisation's starting matrix: the lower triangle (diagonal included) of J*H*J with the diagonal
+ * `diag` (given in H's order), J reversing rows and columns: M[i, j] = H[n-1-i, n-1-j] for i > j (read from
+ * H's strict upper triangle) and M[j, j] = diag[n-1-j]. M (ldm) and H (ldh) are different buffers; H is not
+ * modified, so a failed attempt can be retried with another diagonal. Grid (ceil(n/16), ceil(n/16)),
+ * block (16, 16); thread x runs along i (contiguous in M).
+ */
+GPTQ_KERNEL void gptq_factor_fill(float *m, int ldm, const float *h, int ldh, const float *diag, int n)
+{
+    int i = blockIdx.y * GPTQ_TILE + threadIdx.x;
+    int j = blockIdx.x * GPTQ_TILE + threadIdx.y;
+    if (i >= n || j >= n || i < j)
+        return;
+    m[(long long)j * ldm + i] =
+        (i == j) ? diag[n - 1 - j] : h[(long long)(n - 1 - j) * ldh + (n - 1 - i)];
+}
+
+/*
+ * Column j of the left-looking Cholesky factorisation of M (lower, ldm), step 1: M[i, j] -= sum over k < j of
+ * L[i, k] * L[j, k] for i >= j (columns k < j already hold L). Does nothing once status[0] is set (an earlier
+ * column failed). Grid ceil((n - j) / GPTQ_COLUMN_THREADS), block GPTQ_COLUMN_THREADS.
+ */
+GPTQ_KERNEL void gptq_chol_update(float *m, int ldm, int n, int j, const int *status)
+{
+    int i = j + blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n || status[0] != 0)
+        return;
+    float s = m[(long long)j * ldm + i];
+    for (int k = 0; k < j; ++k)
+        s -= m[(long long)k * ldm + i] * m[(long long)k * ldm + j];
+    m[(long long)j * ldm + i] = s;
+}
+
+/*
+ * Step 2 of column j: the pivot d = sqrt(M[j, j]). When d is not a positive finite number the matrix is not
+ * (numerically) positive definite: the thread of row j records j + 1 in status[0] if no earlier column did.
+ * Otherwise L[i, j] = M[i, j] / d below the diagonal and r[n-1-j] = d (the sweep factor's R diagonal, see
+ * linalg.rs); M[j, j] keeps its value (every thread reads it). Grid and block as gptq_chol_update.
+ */
+GPTQ_KERNEL void gptq_chol_pivot(float *m, int ldm, int n, int j, float *r, int *status)
+{
+    int i = j + blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n)
+        return;
+    float d = sqrtf(m[(long long)j * ldm + j]);
+    int ok = d > 0.0f && GPTQ_FINITE(d);
+    if (i == j) {
+        if (!ok && status[0] == 0)
+            status[0] = j + 1;
+        r[n - 1 - j] = d;
+    } else if (ok) {
+        m[(long long)j * ldm + i] = GPTQ_DIV(m[(long long)j * ldm + i], d);
+    }
+}
+
+/*
+ * The sweep factor from L: each column's entries below the diagonal times 1 / L[j, j] (= 1 / r[n-1-j]), as
+ * linalg.rs's scale_columns; a result that is not finite sets status[1]. Grid (ceil(n/16), ceil(n/16)),
+ * block (16, 16) as gptq_factor_fill.
+ */
+GPTQ_KERNEL void gptq_factor_scale(float *m, int ldm, int n, const float *r, int *status)
+{
+    int i = blockIdx.y * GPTQ_TILE + threadIdx.x;
+    int j = blockIdx.x * GPTQ_TILE + threadIdx.y;
+    if (i >= n || j >= n || i <= j || status[0] != 0)
+        return;
+    float inv = GPTQ_DIV(1.0f, r[n - 1 - j]);
+    float v = GPTQ_MUL(m[(long long)j * ldm + i], inv);
+    m[(long long)j * ldm + i] = v;
+    if (!GPTQ_FINITE(v))
+        status[1] = 1;
+}
+
+/*
+ * The sweep coefficients of the `count` columns from i1 on, dense and row-major as gptq_sweep_block reads
+ * them: coef[a * count + b] = F(i1 + a, i1 + b) for a < b and 0 otherwise, where F(u, c) = M[n-1-u, n-1-c]
+ * (the factor through its reversed view). Grid (ceil(count/16), ceil(count/16)), block (16, 16).
+ */
+GPTQ_KERNEL void gptq_gather_coef(float *coef, const float *m, int ldm, int n, int i1, int count)
+{
+    int a = blockIdx.y * GPTQ_TILE + threadIdx.y;
+    int b = blockIdx.x * GPTQ_TILE + threadIdx.x;
+    if (a >= count || b >= count)
+        return;
+    coef[a * count + b] =
+        (a < b) ? m[(long long)(n - 1 - i1 - b) * ldm + (n - 1 - i1 - a)] : 0.0f;
 }

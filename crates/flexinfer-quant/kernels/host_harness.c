@@ -13,6 +13,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
+#include <string.h>
 
 typedef struct {
     int x, y, z;
@@ -202,3 +203,58 @@ int gptq_host_sweep_block(const float *w, int ldw, const float *w0, int ld0, flo
 
 /* The kernels' block geometry, so the test can check it against what it assumes. */
 int gptq_host_max_block(void) { return GPTQ_MAX_BLOCK; }
+
+/*
+ * Launch by entry name with the driver APIs' calling convention (cuLaunchKernel / hipModuleLaunchKernel):
+ * `params[i]` points at the value of argument i. This is what the device session's host vendor calls
+ * (tests/gpu_session.rs), so the session's argument lists and launch geometry are the ones a GPU gets.
+ * Returns 0, -1 when a thread could not be started, -2 for an unknown name or a count that is not the
+ * kernel's.
+ */
+#define P(i, t) (*(t *)params[i])
+#define BODY(name, call)                                                                                       \
+    static void name##_launch(void *a)                                                                         \
+    {                                                                                                          \
+        void **params = (void **)a;                                                                            \
+        call;                                                                                                  \
+    }
+BODY(hessian, gptq_hessian_lower(P(0, float *), P(1, int), P(2, const float *), P(3, int), P(4, int), P(5, int),
+                                 P(6, float)))
+BODY(mirror, gptq_mirror_lower(P(0, float *), P(1, int), P(2, int)))
+BODY(update, gptq_block_update(P(0, float *), P(1, int), P(2, const float *), P(3, int), P(4, const float *),
+                               P(5, long long), P(6, long long), P(7, int), P(8, int), P(9, int)))
+BODY(sweep, gptq_sweep_block(P(0, const float *), P(1, int), P(2, const float *), P(3, int), P(4, float *),
+                             P(5, int), P(6, unsigned char *), P(7, int), P(8, const float *), P(9, const float *),
+                             P(10, const int *), P(11, const float *), P(12, const float *), P(13, int), P(14, int),
+                             P(15, float), P(16, float *)))
+BODY(fill, gptq_factor_fill(P(0, float *), P(1, int), P(2, const float *), P(3, int), P(4, const float *),
+                            P(5, int)))
+BODY(chol_update, gptq_chol_update(P(0, float *), P(1, int), P(2, int), P(3, int), P(4, const int *)))
+BODY(chol_pivot, gptq_chol_pivot(P(0, float *), P(1, int), P(2, int), P(3, int), P(4, float *), P(5, int *)))
+BODY(scale, gptq_factor_scale(P(0, float *), P(1, int), P(2, int), P(3, const float *), P(4, int *)))
+BODY(gather, gptq_gather_coef(P(0, float *), P(1, const float *), P(2, int), P(3, int), P(4, int), P(5, int)))
+
+static const struct {
+    const char *name;
+    gptq_body body;
+    int nargs;
+} gptq_entries[] = {
+    {"gptq_hessian_lower", hessian_launch, 7},  {"gptq_mirror_lower", mirror_launch, 3},
+    {"gptq_block_update", update_launch, 10},   {"gptq_sweep_block", sweep_launch, 17},
+    {"gptq_factor_fill", fill_launch, 6},       {"gptq_chol_update", chol_update_launch, 5},
+    {"gptq_chol_pivot", chol_pivot_launch, 6},  {"gptq_factor_scale", scale_launch, 5},
+    {"gptq_gather_coef", gather_launch, 6},
+};
+
+int gptq_host_launch(const char *name, int nargs, int gx, int gy, int gz, int bx, int by, int bz, void **params)
+{
+    for (size_t e = 0; e < sizeof gptq_entries / sizeof gptq_entries[0]; ++e) {
+        if (strcmp(gptq_entries[e].name, name) != 0)
+            continue;
+        if (nargs != gptq_entries[e].nargs)
+            return -2;
+        gptq_dim3 grid = {gx, gy, gz}, block = {bx, by, bz};
+        return launch(grid, block, gptq_entries[e].body, params);
+    }
+    return -2;
+}

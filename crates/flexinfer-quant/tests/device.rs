@@ -486,7 +486,13 @@ impl Platform for FakePlatform {
         if self.can_open {
             Ok(Box::new(FakeDevice::new(Faults::default())))
         } else {
-            Err(ProbeError::NoSession { kind: info.kind })
+            Err(ProbeError::Session(
+                flexinfer_quant::device::DeviceError::new(
+                    info.kind.as_str(),
+                    "load",
+                    "no code object loads on this device",
+                ),
+            ))
         }
     }
 }
@@ -558,7 +564,7 @@ fn gptq_device_selection() {
     assert_eq!(s.device.kind(), DeviceKind::Cpu);
     assert!(
         s.reason.contains(
-            "card (1 device(s), libcuda) is usable, but this build has no cuda solve session"
+            "card (1 device(s), libcuda) is usable, but opening the solve session failed: cuda: load failed: no code object loads on this device"
         ),
         "{}",
         s.reason
@@ -607,7 +613,7 @@ fn the_system_platform_loads_runtimes_at_run_time() {
     // On a machine without a GPU runtime (CI) auto takes the CPU and names what it looked for; on one with a
     // runtime, this build still has no GPU session, so auto says that instead. Either way: the CPU.
     let sink = MemorySink::default();
-    let s = select_device(Some("auto"), &SystemPlatform, &sink).unwrap();
+    let s = select_device(Some("auto"), &SystemPlatform::default(), &sink).unwrap();
     assert_eq!(s.device.kind(), DeviceKind::Cpu);
     let reason = selected(&sink)["reason"].as_str().unwrap().to_string();
     println!("GPTQ_DEVICE=auto on this machine: {reason}");
@@ -620,9 +626,13 @@ fn the_system_platform_loads_runtimes_at_run_time() {
         "{reason}"
     );
     for setting in ["hip", "cuda"] {
-        let e = select_device(Some(setting), &SystemPlatform, &MemorySink::default())
-            .err()
-            .expect("no GPU session");
+        let e = select_device(
+            Some(setting),
+            &SystemPlatform::default(),
+            &MemorySink::default(),
+        )
+        .err()
+        .expect("no GPU session");
         assert!(matches!(e, QuantError::DeviceUnavailable { .. }), "{e}");
     }
     let _: &dyn EventSink = &sink;

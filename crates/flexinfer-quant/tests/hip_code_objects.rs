@@ -15,12 +15,13 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-const KERNELS: [&str; 4] = [
-    "gptq_hessian_lower",
-    "gptq_mirror_lower",
-    "gptq_block_update",
-    "gptq_sweep_block",
-];
+/// Every kernel the GPU session launches (`device::kernel::Kernel::ALL`).
+fn kernels() -> Vec<&'static str> {
+    flexinfer_quant::device::kernel::Kernel::ALL
+        .iter()
+        .map(|k| k.entry())
+        .collect()
+}
 /// Target and its EF_AMDGPU_MACH value (LLVM AMDGPUUsage, "AMDGPU ELF Header"; also
 /// /usr/include/hsa/amd_hsa_elf.h of the trixie root).
 const TARGETS: [(&str, u32); 2] = [("gfx1100", 0x041), ("gfx906", 0x02f)];
@@ -337,7 +338,7 @@ fn check_target(dir: &Path, target: &str, mach: u32) -> Result<(), String> {
             .find(|s| s.name == name && s.kind == kind)
     };
     let mut code: BTreeMap<&str, &Symbol> = BTreeMap::new();
-    for k in KERNELS {
+    for k in kernels() {
         let kd =
             find(&format!("{k}.kd"), 1).ok_or(format!("{target}: no kernel descriptor {k}.kd"))?;
         if kd.size != 64 {
@@ -393,7 +394,7 @@ fn hip_code_objects_are_amdgpu_elfs_with_the_kernels_and_a_sweep_without_fma() {
     let Some(dir) = code_object_dir() else { return };
     let src =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/gptq.cu")).unwrap();
-    for k in KERNELS {
+    for k in kernels() {
         assert!(
             src.contains(&format!("GPTQ_KERNEL void {k}(")),
             "gptq.cu declares no {k}"

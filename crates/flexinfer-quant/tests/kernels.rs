@@ -8,62 +8,23 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 use faer::{Mat, MatRef};
+use flexinfer_quant::device::driver::Nvrtc;
+use flexinfer_quant::device::kernel::{Kernel, KERNEL_SOURCE};
 use flexinfer_quant::gptq::sweep_block_cpu;
 use flexinfer_quant::linalg::{CpuBackend, LinalgBackend, SweepFactor};
 use flexinfer_quant::quantizer::{find_params, maxq, GroupParams};
-use libloading::{Library, Symbol};
+use libloading::Symbol;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use std::ffi::{c_char, c_int, c_void, CString};
+use std::ffi::c_int;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 
-const KERNELS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/kernels");
+mod host_kernels;
+use host_kernels::{sym, KERNELS};
 
 fn random(rows: usize, cols: usize, seed: u64) -> Mat<f32> {
     let mut rng = StdRng::seed_from_u64(seed);
     Mat::from_fn(rows, cols, |_, _| rng.random_range(-1.0f32..1.0))
-}
-
-/// The host build of the kernels (compiled once per test binary with the system C compiler).
-fn host() -> &'static Library {
-    static LIB: OnceLock<Library> = OnceLock::new();
-    LIB.get_or_init(|| {
-        let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("gptq-kernels-host");
-        std::fs::create_dir_all(&out).unwrap();
-        let so = out.join(format!("libgptq_host_{}.so", std::process::id()));
-        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_string());
-        let status = std::process::Command::new(&cc)
-            .args([
-                "-std=c11",
-                "-O2",
-                "-ffp-contract=off",
-                "-fPIC",
-                "-shared",
-                "-pthread",
-                "-Wall",
-                "-Werror",
-                "-o",
-            ])
-            .arg(&so)
-            .arg(Path::new(KERNELS).join("host_harness.c"))
-            .arg("-lm")
-            .status()
-            .unwrap_or_else(|e| {
-                panic!("running the C compiler {cc:?} (scripts/install-deps.sh installs gcc): {e}")
-            });
-        assert!(
-            status.success(),
-            "compiling kernels/host_harness.c failed: {status}"
-        );
-        // SAFETY: the library was just built from this crate's harness; loading runs no initialisers of note.
-        unsafe { Library::new(&so) }.unwrap()
-    })
-}
-
-fn sym<T>(name: &[u8]) -> Symbol<'static, T> {
-    // SAFETY: each caller declares the C signature of the harness function it names.
-    unsafe { host().get(name) }.unwrap()
 }
 
 type HessianFn =
@@ -414,129 +375,11 @@ fn find_nvrtc() -> Vec<PathBuf> {
     found
 }
 
-type NvrtcProgram = *mut c_void;
-
-struct Nvrtc {
-    lib: Library,
-    path: PathBuf,
-    /// NVRTC opens `libnvrtc-builtins.so.<ver>` by name at compile time; a wheel's copy is not on the library
-    /// path, so it is loaded first from beside libnvrtc (the dynamic loader then finds it by its soname).
-    _builtins: Option<Library>,
-}
-
-impl Nvrtc {
-    fn load() -> Option<Nvrtc> {
-        for p in find_nvrtc() {
-            let builtins = p.parent().and_then(|dir| {
-                let mut names: Vec<PathBuf> = std::fs::read_dir(dir)
-                    .ok()?
-                    .flatten()
-                    .map(|e| e.path())
-                    .filter(|f| {
-                        let n = f
-                            .file_name()
-                            .unwrap_or_default()
-                            .to_string_lossy()
-                            .to_string();
-                        n.starts_with("libnvrtc-builtins.so") && !n.contains("alt")
-                    })
-                    .collect();
-                names.sort();
-                // SAFETY: NVRTC's own companion library, loaded as NVRTC itself would load it.
-                names
-                    .into_iter()
-                    .find_map(|f| unsafe { Library::new(&f) }.ok())
-            });
-            // SAFETY: loading NVRTC runs its initialisers, which are made for run-time loading.
-            if let Ok(lib) = unsafe { Library::new(&p) } {
-                return Some(Nvrtc {
-                    lib,
-                    path: p,
-                    _builtins: builtins,
-                });
-            }
-        }
-        None
-    }
-    fn f<T>(&self, name: &[u8]) -> Symbol<'_, T> {
-        // SAFETY: the callers declare NVRTC's documented C signatures.
-        unsafe { self.lib.get(name) }.unwrap_or_else(|e| panic!("{}: {e}", self.path.display()))
-    }
-    fn version(&self) -> (c_int, c_int) {
-        let v: Symbol<unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int> =
-            self.f(b"nvrtcVersion\0");
-        let (mut a, mut b) = (0, 0);
-        // SAFETY: two valid out-pointers.
-        assert_eq!(unsafe { v(&mut a, &mut b) }, 0);
-        (a, b)
-    }
-    /// Compiles `src` with `opts`; `Ok(ptx)` or `Err(log)`.
-    fn compile(&self, src: &str, name: &str, opts: &[&str]) -> Result<String, String> {
-        let create: Symbol<
-            unsafe extern "C" fn(
-                *mut NvrtcProgram,
-                *const c_char,
-                *const c_char,
-                c_int,
-                *const *const c_char,
-                *const *const c_char,
-            ) -> c_int,
-        > = self.f(b"nvrtcCreateProgram\0");
-        let compile: Symbol<
-            unsafe extern "C" fn(NvrtcProgram, c_int, *const *const c_char) -> c_int,
-        > = self.f(b"nvrtcCompileProgram\0");
-        let log_size: Symbol<unsafe extern "C" fn(NvrtcProgram, *mut usize) -> c_int> =
-            self.f(b"nvrtcGetProgramLogSize\0");
-        let get_log: Symbol<unsafe extern "C" fn(NvrtcProgram, *mut c_char) -> c_int> =
-            self.f(b"nvrtcGetProgramLog\0");
-        let ptx_size: Symbol<unsafe extern "C" fn(NvrtcProgram, *mut usize) -> c_int> =
-            self.f(b"nvrtcGetPTXSize\0");
-        let get_ptx: Symbol<unsafe extern "C" fn(NvrtcProgram, *mut c_char) -> c_int> =
-            self.f(b"nvrtcGetPTX\0");
-        let destroy: Symbol<unsafe extern "C" fn(*mut NvrtcProgram) -> c_int> =
-            self.f(b"nvrtcDestroyProgram\0");
-        let src_c = CString::new(src).unwrap();
-        let name_c = CString::new(name).unwrap();
-        let opts_c: Vec<CString> = opts.iter().map(|o| CString::new(*o).unwrap()).collect();
-        let opt_ptrs: Vec<*const c_char> = opts_c.iter().map(|o| o.as_ptr()).collect();
-        let mut prog: NvrtcProgram = std::ptr::null_mut();
-        // SAFETY: NVRTC's C API with valid NUL-terminated strings and out-pointers; the program is destroyed
-        // before returning.
-        unsafe {
-            assert_eq!(
-                create(
-                    &mut prog,
-                    src_c.as_ptr(),
-                    name_c.as_ptr(),
-                    0,
-                    std::ptr::null(),
-                    std::ptr::null()
-                ),
-                0
-            );
-            let rc = compile(prog, opt_ptrs.len() as c_int, opt_ptrs.as_ptr());
-            let mut n = 0usize;
-            assert_eq!(log_size(prog, &mut n), 0);
-            let mut log = vec![0u8; n.max(1)];
-            assert_eq!(get_log(prog, log.as_mut_ptr() as *mut c_char), 0);
-            let log = String::from_utf8_lossy(&log)
-                .trim_end_matches('\0')
-                .to_string();
-            let out = if rc == 0 {
-                let mut n = 0usize;
-                assert_eq!(ptx_size(prog, &mut n), 0);
-                let mut ptx = vec![0u8; n.max(1)];
-                assert_eq!(get_ptx(prog, ptx.as_mut_ptr() as *mut c_char), 0);
-                Ok(String::from_utf8_lossy(&ptx)
-                    .trim_end_matches('\0')
-                    .to_string())
-            } else {
-                Err(format!("nvrtcCompileProgram returned {rc}:\n{log}"))
-            };
-            destroy(&mut prog);
-            out
-        }
-    }
+/// NVRTC from [`find_nvrtc`]'s candidates, through the library's loader (the one the CUDA session uses).
+fn load_nvrtc() -> Option<Nvrtc> {
+    find_nvrtc()
+        .into_iter()
+        .find_map(|p| Nvrtc::load_from(&p).ok())
 }
 
 /// The PTX text of one kernel (from its `.entry` to the next one).
@@ -550,16 +393,17 @@ fn entry<'a>(ptx: &'a str, name: &str) -> &'a str {
 
 #[test]
 fn kernels_compile_through_nvrtc_loaded_at_run_time() {
-    let Some(nvrtc) = Nvrtc::load() else {
+    let Some(nvrtc) = load_nvrtc() else {
         println!(
             "SKIPPED kernels_compile_through_nvrtc_loaded_at_run_time: no libnvrtc found (looked in FLEXINFER_NVRTC, \
              ~/.cache/flexinfer/nvrtc-*/ and the system library path); scripts/install-deps.sh installs it"
         );
         return;
     };
-    let (major, minor) = nvrtc.version();
+    let (major, minor) = nvrtc.version().unwrap();
     println!("NVRTC {major}.{minor} from {}", nvrtc.path.display());
     let src = std::fs::read_to_string(Path::new(KERNELS).join("gptq.cu")).unwrap();
+    assert_eq!(src, KERNEL_SOURCE, "the library embeds kernels/gptq.cu");
     // NVIDIA targets of the kinds the device tool and the seeds' users have (Ampere, Hopper).
     for arch in ["compute_80", "compute_90"] {
         let opt = format!("--gpu-architecture={arch}");
@@ -570,14 +414,9 @@ fn kernels_compile_through_nvrtc_loaded_at_run_time() {
             ptx.contains(&format!(".target sm_{}", &arch["compute_".len()..])),
             "{arch}: target line"
         );
-        for k in [
-            "gptq_hessian_lower",
-            "gptq_mirror_lower",
-            "gptq_block_update",
-            "gptq_sweep_block",
-        ] {
-            let body = entry(&ptx, k);
-            assert!(body.len() > 100, "{arch}: {k} is empty");
+        for k in Kernel::ALL {
+            let body = entry(&ptx, k.entry());
+            assert!(body.len() > 100, "{arch}: {} is empty", k.entry());
         }
         // The bit-exactness rule: no fused multiply-add in the sweep; the GEMMs may fuse.
         let sweep = entry(&ptx, "gptq_sweep_block");
@@ -593,7 +432,11 @@ fn kernels_compile_through_nvrtc_loaded_at_run_time() {
             sweep.contains("cvt.rni.f32.f32"),
             "{arch}: round-half-even (rintf)"
         );
-        println!("{arch}: {} bytes of PTX, 4 kernels", ptx.len());
+        println!(
+            "{arch}: {} bytes of PTX, {} kernels",
+            ptx.len(),
+            Kernel::ALL.len()
+        );
     }
     // A broken source is reported (the test can fail): NVRTC's log names the error.
     let bad = nvrtc.compile(

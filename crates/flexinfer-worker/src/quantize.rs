@@ -9,7 +9,7 @@ use flexinfer_contract::{
     self as contract, env, events, JobPhase, ProgressEvent, TerminationSuccess,
 };
 use flexinfer_quant::calib::CalibSettings;
-use flexinfer_quant::device::{select_device, Device, SystemPlatform};
+use flexinfer_quant::device::{select_device, Device, MemoryBudget, SystemPlatform};
 use flexinfer_quant::events::EventSink;
 use flexinfer_quant::params::{FloorMode, GateParams, GptqParams, RecoveryParams};
 use flexinfer_quant::pipeline::{self, QuantizeJob};
@@ -72,9 +72,12 @@ pub struct QuantizeArgs {
     /// cannot be used is bad configuration (exit 2).
     #[arg(long, env = env::GPTQ_DEVICE, default_value = "auto")]
     pub gptq_device: String,
+    /// The card's memory in MiB, for the device memory budget (gfx906 reports its own unreliably).
     #[arg(long, env = env::GPU_VRAM_MB)]
     pub gpu_vram_mb: Option<u64>,
-    #[arg(long, env = env::GPU_MEMORY_FRACTION)]
+    /// The share of the card's memory an input group's solve may use (0 < f ≤ 1; default 0.80); a group
+    /// that does not fit is solved on the CPU with a `gptq_device_fallback` event.
+    #[arg(long, env = env::GPU_MEMORY_FRACTION, value_parser = parse_fraction)]
     pub gpu_memory_fraction: Option<f64>,
     #[arg(long, env = env::GPTQ_DAMP_PERCENT_OVERRIDE, default_value_t = 0.05)]
     pub damp_percent: f32,
@@ -181,6 +184,15 @@ pub fn job_from_args(args: &QuantizeArgs) -> Result<QuantizeJob, WorkerError> {
     })
 }
 
+fn parse_fraction(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(f) if f > 0.0 && f <= 1.0 => Ok(f),
+        _ => Err(format!(
+            "{s:?}: expected a number greater than 0 and at most 1"
+        )),
+    }
+}
+
 fn run_inner(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess, WorkerError> {
     common::check_version(args.script_version.as_deref())?;
     events.emit(
@@ -194,7 +206,14 @@ fn run_inner(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess,
     let job = job_from_args(args)?;
     let selection = select_device(
         Some(args.gptq_device.as_str()),
-        &SystemPlatform,
+        &SystemPlatform {
+            budget: MemoryBudget {
+                vram_mb: args.gpu_vram_mb,
+                fraction: args
+                    .gpu_memory_fraction
+                    .unwrap_or(MemoryBudget::default().fraction),
+            },
+        },
         &WorkerSink(events),
     )
     .map_err(WorkerError::wrap(ExitKind::BadInput))?;

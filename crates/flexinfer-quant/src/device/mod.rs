@@ -21,14 +21,17 @@
 //! [`select_device`] implements `GPTQ_DEVICE=auto|cpu|hip|cuda`; [`SystemPlatform`] looks for vendor runtimes
 //! with `dlopen` at run time, so the binary needs no GPU SDK to build, link or run.
 
+pub mod check;
+pub mod driver;
 pub mod fake;
+pub mod kernel;
 mod ops;
 mod select;
 
 pub use ops::{DeviceOps, OpsSession, PreparedMeta, MAX_DEVICE_RESETS};
 pub use select::{
-    select_device, DeviceChoice, GpuInfo, Platform, ProbeError, Selection, SystemPlatform,
-    CUDA_LIBRARIES, HIP_LIBRARIES,
+    select_device, DeviceChoice, GpuInfo, MemoryBudget, Platform, ProbeError, Selection,
+    SystemPlatform, CUDA_LIBRARIES, HIP_LIBRARIES,
 };
 
 use crate::error::QuantError;

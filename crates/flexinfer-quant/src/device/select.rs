@@ -25,9 +25,7 @@ impl std::str::FromStr for DeviceChoice {
             "cpu" => Ok(DeviceChoice::Cpu),
             "hip" | "rocm" => Ok(DeviceChoice::Hip),
             "cuda" => Ok(DeviceChoice::Cuda),
-            other => Err(QuantError::Input(format!(
-                "GPTQ_DEVICE={other:?}: expected auto, cpu, hip or cuda"
-            ))),
+            other => Err(crate::error::SpecError::Device { got: other.into() }.into()),
         }
     }
 }
@@ -72,13 +70,9 @@ pub enum ProbeError {
         code: &'static str,
         status: i32,
     },
-    /// The runtime is usable, but this build has no solve session for it.
-    #[error(
-        "this build has no {} solve session yet: the kernels exist as source (kernels/gptq.cu, compiled \
-         by the NVRTC test) but their launch code is not written (issue #18)",
-        .kind.as_str()
-    )]
-    NoSession { kind: DeviceKind },
+    /// The runtime is usable, but the solve session could not be set up on it (context, kernels).
+    #[error("opening the solve session failed: {0}")]
+    Session(#[source] super::DeviceError),
     /// A usable runtime whose device could not be opened.
     #[error("{} ({} device(s), {}) is usable, but {source}", .info.name, .info.devices, .info.library)]
     NotOpened {
@@ -194,8 +188,39 @@ pub fn select_device(
     Ok(selection)
 }
 
-/// The real machine: vendor runtimes found with `dlopen`.
-pub struct SystemPlatform;
+/// The device memory an input group may use: `fraction` of `GPU_VRAM_MB` when it is set (gfx906 cards
+/// report their memory unreliably), else of the total the runtime reports.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MemoryBudget {
+    /// `GPU_VRAM_MB`.
+    pub vram_mb: Option<u64>,
+    /// `GPU_MEMORY_FRACTION` (0 < f ≤ 1; the CRD's default is 0.80).
+    pub fraction: f64,
+}
+
+impl Default for MemoryBudget {
+    fn default() -> Self {
+        MemoryBudget {
+            vram_mb: None,
+            fraction: 0.8,
+        }
+    }
+}
+
+impl MemoryBudget {
+    /// The budget in bytes given the runtime's reported total; `None` when neither is known.
+    pub fn bytes(&self, reported_total: Option<u64>) -> Option<u64> {
+        let total = self.vram_mb.map(|mb| mb << 20).or(reported_total)?;
+        Some((total as f64 * self.fraction.clamp(0.0, 1.0)) as u64)
+    }
+}
+
+/// The real machine: vendor runtimes found with `dlopen`, solve sessions on
+/// [`super::driver::DriverVendor`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SystemPlatform {
+    pub budget: MemoryBudget,
+}
 
 /// Library names tried for each runtime, in order.
 pub const HIP_LIBRARIES: &[&str] = &["libamdhip64.so", "libamdhip64.so.6", "libamdhip64.so.5"];
@@ -210,7 +235,28 @@ impl Platform for SystemPlatform {
         }
     }
     fn open(&self, info: &GpuInfo) -> Result<Box<dyn Device>, ProbeError> {
-        Err(ProbeError::NoSession { kind: info.kind })
+        Ok(Box::new(self.kernel_device(info)?))
+    }
+}
+
+impl SystemPlatform {
+    /// The solve device on the runtime that `info` names, with this platform's memory budget: what
+    /// [`Platform::open`] returns boxed; `examples/gpu_check.rs` drives its steps directly.
+    pub fn kernel_device(
+        &self,
+        info: &GpuInfo,
+    ) -> Result<super::kernel::KernelDevice<super::driver::DriverVendor>, ProbeError> {
+        use super::driver::DriverVendor;
+        use super::kernel::{KernelDevice, Vendor};
+        let libraries = match info.kind {
+            DeviceKind::Hip => HIP_LIBRARIES,
+            DeviceKind::Cuda => CUDA_LIBRARIES,
+            DeviceKind::Cpu => return Err(ProbeError::NotAGpu),
+        };
+        let mut vendor =
+            DriverVendor::open(info.kind, libraries, &info.name).map_err(ProbeError::Session)?;
+        let budget = self.budget.bytes(vendor.memory().map(|(_, total)| total));
+        Ok(KernelDevice::new(vendor, info.kind, budget))
     }
 }
 

@@ -1,0 +1,713 @@
+//! The CUDA driver API and HIP's module API, loaded at run time with `dlopen`, as one [`Vendor`]: the two
+//! APIs have the same shape (allocate, copy, load a code image, get a function, launch with `kernelParams`),
+//! so one implementation serves both and only initialisation, reset and error texts differ.
+//!
+//! Code images: for CUDA, `kernels/gptq.cu` compiled by NVRTC (also loaded at run time, [`Nvrtc`]) to PTX
+//! for the device's compute capability; for HIP, the code objects built offline by
+//! `scripts/hip/build-code-objects.sh` (`gptq-<gfx>.hsaco`), looked up in `$FLEXINFER_KERNEL_DIR`
+//! (default [`DEFAULT_KERNEL_DIR`], where the `rocm-*` worker images put them).
+//!
+//! Nothing here can be run without a GPU; what is tested without one is the session logic through the
+//! host vendor (tests/gpu_session.rs), the NVRTC compile of the same source (tests/kernels.rs) and the HIP
+//! code objects (tests/hip_code_objects.rs).
+
+use super::kernel::{Arg, DevPtr, Kernel, Vendor, KERNEL_SOURCE};
+use super::{DevResult, DeviceError, DeviceKind};
+use libloading::Library;
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Where the `rocm-*` worker images put the HIP code objects.
+pub const DEFAULT_KERNEL_DIR: &str = "/usr/lib/flexinfer/kernels";
+/// Environment variable naming another directory of HIP code objects.
+pub const KERNEL_DIR_ENV: &str = "FLEXINFER_KERNEL_DIR";
+/// libnvrtc names tried in order after `$FLEXINFER_NVRTC`.
+pub const NVRTC_LIBRARIES: &[&str] = &[
+    "libnvrtc.so",
+    "libnvrtc.so.13",
+    "libnvrtc.so.12",
+    "libnvrtc.so.11.2",
+];
+
+type Raw = *mut c_void;
+type AllocFn = unsafe extern "C" fn(*mut DevPtr, usize) -> c_int;
+type FreeFn = unsafe extern "C" fn(DevPtr) -> c_int;
+type HtoDFn = unsafe extern "C" fn(DevPtr, *const c_void, usize) -> c_int;
+type DtoHFn = unsafe extern "C" fn(*mut c_void, DevPtr, usize) -> c_int;
+type DtoDFn = unsafe extern "C" fn(DevPtr, DevPtr, usize) -> c_int;
+type LoadFn = unsafe extern "C" fn(*mut Raw, *const c_void) -> c_int;
+type UnloadFn = unsafe extern "C" fn(Raw) -> c_int;
+type GetFnFn = unsafe extern "C" fn(*mut Raw, Raw, *const c_char) -> c_int;
+type LaunchFn = unsafe extern "C" fn(
+    Raw,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    Raw,
+    *mut *mut c_void,
+    *mut *mut c_void,
+) -> c_int;
+type SyncFn = unsafe extern "C" fn() -> c_int;
+type MemInfoFn = unsafe extern "C" fn(*mut usize, *mut usize) -> c_int;
+type InitFn = unsafe extern "C" fn(c_uint) -> c_int;
+
+/// The entry points of one runtime (names in [`Flavor::names`]).
+struct Api {
+    _lib: Library,
+    init: InitFn,
+    alloc: AllocFn,
+    free: FreeFn,
+    htod: HtoDFn,
+    dtoh: DtoHFn,
+    dtod: DtoDFn,
+    load: LoadFn,
+    unload: UnloadFn,
+    get_function: GetFnFn,
+    launch: LaunchFn,
+    synchronize: SyncFn,
+    mem_info: MemInfoFn,
+    /// CUDA: cuDeviceGet, cuCtxCreate_v2, cuCtxDestroy_v2, cuCtxSetCurrent, cuGetErrorString,
+    /// cuDeviceGetAttribute. HIP: hipSetDevice, hipDeviceReset, hipGetErrorString.
+    extra: Extra,
+}
+
+enum Extra {
+    Cuda {
+        device_get: unsafe extern "C" fn(*mut c_int, c_int) -> c_int,
+        ctx_create: unsafe extern "C" fn(*mut Raw, c_uint, c_int) -> c_int,
+        ctx_destroy: unsafe extern "C" fn(Raw) -> c_int,
+        ctx_set_current: unsafe extern "C" fn(Raw) -> c_int,
+        error_string: unsafe extern "C" fn(c_int, *mut *const c_char) -> c_int,
+        attribute: unsafe extern "C" fn(*mut c_int, c_int, c_int) -> c_int,
+    },
+    Hip {
+        set_device: unsafe extern "C" fn(c_int) -> c_int,
+        device_reset: unsafe extern "C" fn() -> c_int,
+        error_string: unsafe extern "C" fn(c_int) -> *const c_char,
+    },
+}
+
+/// The symbol names of each runtime, in the order [`Api::load`] reads them.
+pub fn symbol_names(kind: DeviceKind) -> &'static [&'static str] {
+    match kind {
+        DeviceKind::Cuda => &[
+            "cuInit",
+            "cuMemAlloc_v2",
+            "cuMemFree_v2",
+            "cuMemcpyHtoD_v2",
+            "cuMemcpyDtoH_v2",
+            "cuMemcpyDtoD_v2",
+            "cuModuleLoadData",
+            "cuModuleUnload",
+            "cuModuleGetFunction",
+            "cuLaunchKernel",
+            "cuCtxSynchronize",
+            "cuMemGetInfo_v2",
+            "cuDeviceGet",
+            "cuCtxCreate_v2",
+            "cuCtxDestroy_v2",
+            "cuCtxSetCurrent",
+            "cuGetErrorString",
+            "cuDeviceGetAttribute",
+        ],
+        DeviceKind::Hip => &[
+            "hipInit",
+            "hipMalloc",
+            "hipFree",
+            "hipMemcpyHtoD",
+            "hipMemcpyDtoH",
+            "hipMemcpyDtoD",
+            "hipModuleLoadData",
+            "hipModuleUnload",
+            "hipModuleGetFunction",
+            "hipModuleLaunchKernel",
+            "hipDeviceSynchronize",
+            "hipMemGetInfo",
+            "hipSetDevice",
+            "hipDeviceReset",
+            "hipGetErrorString",
+        ],
+        DeviceKind::Cpu => &[],
+    }
+}
+
+fn sym<T: Copy>(lib: &Library, library: &str, name: &str) -> DevResult<T> {
+    let c = CString::new(name).map_err(|e| DeviceError::new(library, "load", e.to_string()))?;
+    // SAFETY: `T` is the C signature of `name` in the vendor's API (the type aliases above, from the CUDA
+    // driver API and HIP runtime headers); the library stays loaded as long as `Api` holds it.
+    unsafe { lib.get::<T>(c.as_bytes_with_nul()) }
+        .map(|s| *s)
+        .map_err(|e| DeviceError::new(library, "load", format!("{name}: {e}")))
+}
+
+impl Api {
+    fn load(kind: DeviceKind, names: &[&str]) -> DevResult<Api> {
+        let mut errors = Vec::new();
+        for name in names {
+            // SAFETY: loading a vendor runtime runs its initialisers; it is made to be loaded at run time.
+            match unsafe { Library::new(name) } {
+                Ok(lib) => return Api::from_library(kind, lib, name),
+                Err(e) => errors.push(e.to_string()),
+            }
+        }
+        Err(DeviceError::new(kind.as_str(), "load", errors.join("; ")))
+    }
+
+    fn from_library(kind: DeviceKind, lib: Library, library: &str) -> DevResult<Api> {
+        let n = symbol_names(kind);
+        let s = |i: usize| n[i];
+        let extra = match kind {
+            DeviceKind::Cuda => Extra::Cuda {
+                device_get: sym(&lib, library, s(12))?,
+                ctx_create: sym(&lib, library, s(13))?,
+                ctx_destroy: sym(&lib, library, s(14))?,
+                ctx_set_current: sym(&lib, library, s(15))?,
+                error_string: sym(&lib, library, s(16))?,
+                attribute: sym(&lib, library, s(17))?,
+            },
+            DeviceKind::Hip => Extra::Hip {
+                set_device: sym(&lib, library, s(12))?,
+                device_reset: sym(&lib, library, s(13))?,
+                error_string: sym(&lib, library, s(14))?,
+            },
+            DeviceKind::Cpu => {
+                return Err(DeviceError::new("cpu", "load", "not a GPU runtime"));
+            }
+        };
+        Ok(Api {
+            init: sym(&lib, library, s(0))?,
+            alloc: sym(&lib, library, s(1))?,
+            free: sym(&lib, library, s(2))?,
+            htod: sym(&lib, library, s(3))?,
+            dtoh: sym(&lib, library, s(4))?,
+            dtod: sym(&lib, library, s(5))?,
+            load: sym(&lib, library, s(6))?,
+            unload: sym(&lib, library, s(7))?,
+            get_function: sym(&lib, library, s(8))?,
+            launch: sym(&lib, library, s(9))?,
+            synchronize: sym(&lib, library, s(10))?,
+            mem_info: sym(&lib, library, s(11))?,
+            extra,
+            _lib: lib,
+        })
+    }
+
+    /// `call returned <code> (<text>)`.
+    fn describe(&self, call: &str, code: c_int) -> String {
+        let text = match self.extra {
+            Extra::Cuda { error_string, .. } => {
+                let mut p: *const c_char = std::ptr::null();
+                // SAFETY: an out-pointer to a static string owned by the driver.
+                let rc = unsafe { error_string(code, &mut p) };
+                (rc == 0 && !p.is_null()).then(|| {
+                    // SAFETY: the driver returns a NUL-terminated static string.
+                    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+                })
+            }
+            Extra::Hip { error_string, .. } => {
+                // SAFETY: returns a NUL-terminated static string for any code.
+                let p = unsafe { error_string(code) };
+                (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+            }
+        };
+        format!("{call} returned {code} ({})", text.unwrap_or_default())
+    }
+}
+
+/// One device of a CUDA or HIP runtime with the kernels loaded: a [`Vendor`].
+pub struct DriverVendor {
+    api: Arc<Api>,
+    device: c_int,
+    /// CUDA context (null for HIP, whose device context is implicit).
+    ctx: Raw,
+    module: Raw,
+    functions: HashMap<Kernel, Raw>,
+    /// The code image (PTX or code object), kept to load it again after a reset.
+    image: Vec<u8>,
+    name: String,
+}
+
+// SAFETY: the raw handles are the runtime's; every call makes the context current on the calling thread
+// first (CUDA) or uses the runtime's per-process device context (HIP), and the session serialises calls
+// through a mutex.
+unsafe impl Send for DriverVendor {}
+
+impl DriverVendor {
+    /// Opens device 0 of `kind`'s runtime and loads the kernels (`describe` names the device in events).
+    pub fn open(kind: DeviceKind, libraries: &[&str], describe: &str) -> DevResult<DriverVendor> {
+        let api = Arc::new(Api::load(kind, libraries)?);
+        let mut v = DriverVendor {
+            api,
+            device: 0,
+            ctx: std::ptr::null_mut(),
+            module: std::ptr::null_mut(),
+            functions: HashMap::new(),
+            image: Vec::new(),
+            name: format!("{}:0 {describe}", kind.as_str()),
+        };
+        v.start()?;
+        v.image = match kind {
+            DeviceKind::Cuda => v.cuda_image()?,
+            _ => Vec::new(),
+        };
+        match kind {
+            DeviceKind::Hip => v.load_hip_code_object()?,
+            _ => {
+                let image = std::mem::take(&mut v.image);
+                v.load_module(&image)?;
+                v.image = image;
+            }
+        }
+        Ok(v)
+    }
+
+    fn check(&self, call: &str, op: &str, code: c_int) -> DevResult<()> {
+        if code == 0 {
+            Ok(())
+        } else {
+            Err(DeviceError::new(
+                self.name.clone(),
+                op,
+                self.api.describe(call, code),
+            ))
+        }
+    }
+
+    /// Initialises the runtime and (CUDA) creates the context.
+    fn start(&mut self) -> DevResult<()> {
+        let api = Arc::clone(&self.api);
+        // SAFETY: C calls of the runtime with valid out-pointers.
+        unsafe {
+            self.check("init", "init", (api.init)(0))?;
+            match api.extra {
+                Extra::Cuda {
+                    device_get,
+                    ctx_create,
+                    ..
+                } => {
+                    let mut dev: c_int = 0;
+                    self.check("cuDeviceGet", "init", device_get(&mut dev, 0))?;
+                    self.device = dev;
+                    let mut ctx: Raw = std::ptr::null_mut();
+                    self.check("cuCtxCreate_v2", "init", ctx_create(&mut ctx, 0, dev))?;
+                    self.ctx = ctx;
+                }
+                Extra::Hip { set_device, .. } => {
+                    self.check("hipSetDevice", "init", set_device(0))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes the context current on this thread (CUDA; nothing for HIP).
+    fn current(&self, op: &str) -> DevResult<()> {
+        if let Extra::Cuda {
+            ctx_set_current, ..
+        } = self.api.extra
+        {
+            // SAFETY: the context handle was created by this vendor and not destroyed.
+            self.check("cuCtxSetCurrent", op, unsafe { ctx_set_current(self.ctx) })?;
+        }
+        Ok(())
+    }
+
+    /// Loads a code image and looks up every kernel in it.
+    fn load_module(&mut self, image: &[u8]) -> DevResult<()> {
+        self.current("load")?;
+        let mut module: Raw = std::ptr::null_mut();
+        // SAFETY: `image` is a PTX text (NUL-terminated) or an ELF code object, alive during the call.
+        let rc = unsafe { (self.api.load)(&mut module, image.as_ptr() as *const c_void) };
+        self.check("moduleLoadData", "load", rc)?;
+        let mut functions = HashMap::new();
+        for k in Kernel::ALL {
+            let name = CString::new(k.entry())
+                .map_err(|e| DeviceError::new(self.name.clone(), "load", e.to_string()))?;
+            let mut f: Raw = std::ptr::null_mut();
+            // SAFETY: a loaded module and a NUL-terminated name.
+            let rc = unsafe { (self.api.get_function)(&mut f, module, name.as_ptr()) };
+            if let Err(e) = self.check(&format!("moduleGetFunction({})", k.entry()), "load", rc) {
+                // SAFETY: the module was loaded just above and nothing uses it.
+                unsafe { (self.api.unload)(module) };
+                return Err(e);
+            }
+            functions.insert(k, f);
+        }
+        self.module = module;
+        self.functions = functions;
+        Ok(())
+    }
+
+    /// PTX of the kernels for this device's compute capability, compiled by NVRTC.
+    fn cuda_image(&self) -> DevResult<Vec<u8>> {
+        let Extra::Cuda { attribute, .. } = self.api.extra else {
+            return Err(DeviceError::new(self.name.clone(), "load", "not CUDA"));
+        };
+        // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR / _MINOR.
+        let (mut major, mut minor) = (0, 0);
+        // SAFETY: out-pointers and a device ordinal from cuDeviceGet.
+        unsafe {
+            self.check(
+                "cuDeviceGetAttribute",
+                "load",
+                attribute(&mut major, 75, self.device),
+            )?;
+            self.check(
+                "cuDeviceGetAttribute",
+                "load",
+                attribute(&mut minor, 76, self.device),
+            )?;
+        }
+        let nvrtc = Nvrtc::load().map_err(|e| DeviceError::new(self.name.clone(), "load", e))?;
+        let arch = format!("--gpu-architecture=compute_{major}{minor}");
+        let ptx = nvrtc
+            .compile(KERNEL_SOURCE, "gptq.cu", &[&arch, "--std=c++17"])
+            .map_err(|log| DeviceError::new(self.name.clone(), "compile", log))?;
+        let mut bytes = ptx.into_bytes();
+        bytes.push(0);
+        Ok(bytes)
+    }
+
+    /// The first code object in the kernel directory that the device loads.
+    fn load_hip_code_object(&mut self) -> DevResult<()> {
+        let dir = std::env::var_os(KERNEL_DIR_ENV)
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(DEFAULT_KERNEL_DIR));
+        let mut files = hip_code_objects(&dir);
+        files.sort();
+        let mut tried = Vec::new();
+        for f in files {
+            let image = match std::fs::read(&f) {
+                Ok(b) => b,
+                Err(e) => {
+                    tried.push(format!("{}: {e}", f.display()));
+                    continue;
+                }
+            };
+            match self.load_module(&image) {
+                Ok(()) => {
+                    self.image = image;
+                    self.name = format!("{} ({})", self.name, f.display());
+                    return Ok(());
+                }
+                Err(e) => tried.push(format!("{}: {}", f.display(), e.message)),
+            }
+        }
+        Err(DeviceError::new(
+            self.name.clone(),
+            "load",
+            if tried.is_empty() {
+                format!(
+                    "no gptq-<gfx>.hsaco code object in {} (set {KERNEL_DIR_ENV}; the rocm-* worker images ship them)",
+                    dir.display()
+                )
+            } else {
+                format!("no code object loads on this device: {}", tried.join("; "))
+            },
+        ))
+    }
+}
+
+/// The `gptq-*.hsaco` files of `dir`.
+pub fn hip_code_objects(dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            let n = p.file_name().unwrap_or_default().to_string_lossy();
+            n.starts_with("gptq-") && n.ends_with(".hsaco")
+        })
+        .collect()
+}
+
+impl Vendor for DriverVendor {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+    fn alloc(&mut self, bytes: usize) -> DevResult<DevPtr> {
+        self.current("alloc")?;
+        let mut p: DevPtr = 0;
+        // SAFETY: an out-pointer and a size.
+        let rc = unsafe { (self.api.alloc)(&mut p, bytes) };
+        self.check("memAlloc", "alloc", rc)?;
+        Ok(p)
+    }
+    fn free(&mut self, ptr: DevPtr) {
+        if self.current("free").is_ok() {
+            // SAFETY: a pointer from `alloc` of the current context.
+            unsafe { (self.api.free)(ptr) };
+        }
+    }
+    fn upload(&mut self, dst: DevPtr, src: &[u8]) -> DevResult<()> {
+        self.current("upload")?;
+        // SAFETY: `dst` has at least `src.len()` bytes (the session's allocation); `src` is a live slice.
+        let rc = unsafe { (self.api.htod)(dst, src.as_ptr() as *const c_void, src.len()) };
+        self.check("memcpyHtoD", "upload", rc)
+    }
+    fn download(&mut self, src: DevPtr, dst: &mut [u8]) -> DevResult<()> {
+        self.current("download")?;
+        // SAFETY: `src` has at least `dst.len()` bytes; `dst` is a live, writable slice.
+        let rc = unsafe { (self.api.dtoh)(dst.as_mut_ptr() as *mut c_void, src, dst.len()) };
+        self.check("memcpyDtoH", "download", rc)
+    }
+    fn copy(&mut self, dst: DevPtr, src: DevPtr, bytes: usize) -> DevResult<()> {
+        self.current("copy")?;
+        // SAFETY: two device buffers of at least `bytes` bytes.
+        let rc = unsafe { (self.api.dtod)(dst, src, bytes) };
+        self.check("memcpyDtoD", "copy", rc)
+    }
+    fn launch(
+        &mut self,
+        kernel: Kernel,
+        grid: [u32; 3],
+        block: [u32; 3],
+        args: &[Arg],
+    ) -> DevResult<()> {
+        self.current("launch")?;
+        let f = *self.functions.get(&kernel).ok_or_else(|| {
+            DeviceError::new(
+                self.name.clone(),
+                "launch",
+                format!("{} not loaded", kernel.entry()),
+            )
+        })?;
+        // Each argument's value in its own 8-byte slot; `params[i]` points at slot i.
+        let mut slots: Vec<[u8; 8]> = args
+            .iter()
+            .map(|a| {
+                let mut s = [0u8; 8];
+                match *a {
+                    Arg::Ptr(p) => s.copy_from_slice(&p.to_ne_bytes()),
+                    Arg::I64(v) => s.copy_from_slice(&v.to_ne_bytes()),
+                    Arg::I32(v) => s[..4].copy_from_slice(&v.to_ne_bytes()),
+                    Arg::F32(v) => s[..4].copy_from_slice(&v.to_ne_bytes()),
+                }
+                s
+            })
+            .collect();
+        let mut params: Vec<*mut c_void> = slots
+            .iter_mut()
+            .map(|s| s.as_mut_ptr() as *mut c_void)
+            .collect();
+        // SAFETY: a function of the loaded module, its arguments in the order and types of its C signature
+        // (the session builds them from kernels/gptq.cu), every slot alive during the call.
+        let rc = unsafe {
+            (self.api.launch)(
+                f,
+                grid[0],
+                grid[1],
+                grid[2],
+                block[0],
+                block[1],
+                block[2],
+                0,
+                std::ptr::null_mut(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
+        self.check(&format!("launchKernel({})", kernel.entry()), "launch", rc)
+    }
+    fn reset(&mut self) -> DevResult<()> {
+        let api = Arc::clone(&self.api);
+        // SAFETY: the context/device handles of this vendor; buffers of the old context are not used again.
+        unsafe {
+            match api.extra {
+                Extra::Cuda { ctx_destroy, .. } => {
+                    if !self.ctx.is_null() {
+                        ctx_destroy(self.ctx);
+                    }
+                    self.ctx = std::ptr::null_mut();
+                }
+                Extra::Hip { device_reset, .. } => {
+                    self.check("hipDeviceReset", "reset", device_reset())?;
+                }
+            }
+        }
+        self.module = std::ptr::null_mut();
+        self.functions.clear();
+        self.start()?;
+        let image = std::mem::take(&mut self.image);
+        let r = self.load_module(&image);
+        self.image = image;
+        r
+    }
+    fn memory(&mut self) -> Option<(u64, u64)> {
+        self.current("memory").ok()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: two out-pointers.
+        let rc = unsafe { (self.api.mem_info)(&mut free, &mut total) };
+        (rc == 0).then_some((free as u64, total as u64))
+    }
+}
+
+impl Drop for DriverVendor {
+    fn drop(&mut self) {
+        if let Extra::Cuda { ctx_destroy, .. } = self.api.extra {
+            if !self.ctx.is_null() && self.current("drop").is_ok() {
+                // SAFETY: waits for the context's work, then destroys the context this vendor created, once.
+                unsafe {
+                    (self.api.synchronize)();
+                    ctx_destroy(self.ctx);
+                }
+            }
+        }
+    }
+}
+
+type NvrtcProgram = *mut c_void;
+
+/// NVRTC, loaded at run time: compiles `kernels/gptq.cu` to PTX.
+pub struct Nvrtc {
+    lib: Library,
+    pub path: PathBuf,
+    /// NVRTC opens `libnvrtc-builtins.so.<ver>` by name at compile time; a copy beside libnvrtc that is not
+    /// on the library path is loaded first (the dynamic loader then finds it by its soname).
+    _builtins: Option<Library>,
+}
+
+impl Nvrtc {
+    /// `$FLEXINFER_NVRTC`, else [`NVRTC_LIBRARIES`] on the library path.
+    pub fn load() -> Result<Nvrtc, String> {
+        let mut candidates: Vec<PathBuf> = Vec::new();
+        if let Some(p) = std::env::var_os("FLEXINFER_NVRTC") {
+            candidates.push(PathBuf::from(p));
+        }
+        candidates.extend(NVRTC_LIBRARIES.iter().map(PathBuf::from));
+        let mut errors = Vec::new();
+        for p in candidates {
+            match Nvrtc::load_from(&p) {
+                Ok(n) => return Ok(n),
+                Err(e) => errors.push(e),
+            }
+        }
+        Err(format!("NVRTC not found: {}", errors.join("; ")))
+    }
+
+    /// libnvrtc at `path` (a file, or a name the dynamic loader resolves).
+    pub fn load_from(path: &Path) -> Result<Nvrtc, String> {
+        let builtins = path.parent().and_then(|dir| {
+            let mut names: Vec<PathBuf> = std::fs::read_dir(dir)
+                .ok()?
+                .flatten()
+                .map(|e| e.path())
+                .filter(|f| {
+                    let n = f
+                        .file_name()
+                        .unwrap_or_default()
+                        .to_string_lossy()
+                        .to_string();
+                    n.starts_with("libnvrtc-builtins.so") && !n.contains("alt")
+                })
+                .collect();
+            names.sort();
+            // SAFETY: NVRTC's own companion library, loaded as NVRTC itself would load it.
+            names
+                .into_iter()
+                .find_map(|f| unsafe { Library::new(&f) }.ok())
+        });
+        // SAFETY: loading NVRTC runs its initialisers, which are made for run-time loading.
+        let lib = unsafe { Library::new(path) }.map_err(|e| format!("{}: {e}", path.display()))?;
+        Ok(Nvrtc {
+            lib,
+            path: path.to_path_buf(),
+            _builtins: builtins,
+        })
+    }
+
+    fn f<T: Copy>(&self, name: &str) -> Result<T, String> {
+        sym::<T>(&self.lib, &self.path.display().to_string(), name).map_err(|e| e.message)
+    }
+
+    /// NVRTC's version `(major, minor)`.
+    pub fn version(&self) -> Result<(i32, i32), String> {
+        let v: unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int = self.f("nvrtcVersion")?;
+        let (mut a, mut b) = (0, 0);
+        // SAFETY: two valid out-pointers.
+        match unsafe { v(&mut a, &mut b) } {
+            0 => Ok((a, b)),
+            rc => Err(format!("nvrtcVersion returned {rc}")),
+        }
+    }
+
+    /// Compiles `src` with `opts`: the PTX, or the compiler's log.
+    pub fn compile(&self, src: &str, name: &str, opts: &[&str]) -> Result<String, String> {
+        type Create = unsafe extern "C" fn(
+            *mut NvrtcProgram,
+            *const c_char,
+            *const c_char,
+            c_int,
+            *const *const c_char,
+            *const *const c_char,
+        ) -> c_int;
+        type Compile = unsafe extern "C" fn(NvrtcProgram, c_int, *const *const c_char) -> c_int;
+        type Size = unsafe extern "C" fn(NvrtcProgram, *mut usize) -> c_int;
+        type Get = unsafe extern "C" fn(NvrtcProgram, *mut c_char) -> c_int;
+        type Destroy = unsafe extern "C" fn(*mut NvrtcProgram) -> c_int;
+        let create: Create = self.f("nvrtcCreateProgram")?;
+        let compile: Compile = self.f("nvrtcCompileProgram")?;
+        let log_size: Size = self.f("nvrtcGetProgramLogSize")?;
+        let get_log: Get = self.f("nvrtcGetProgramLog")?;
+        let ptx_size: Size = self.f("nvrtcGetPTXSize")?;
+        let get_ptx: Get = self.f("nvrtcGetPTX")?;
+        let destroy: Destroy = self.f("nvrtcDestroyProgram")?;
+        let cstr = |s: &str| CString::new(s).map_err(|e| format!("{name}: {e}"));
+        let src_c = cstr(src)?;
+        let name_c = cstr(name)?;
+        let opts_c = opts
+            .iter()
+            .map(|o| cstr(o))
+            .collect::<Result<Vec<_>, _>>()?;
+        let opt_ptrs: Vec<*const c_char> = opts_c.iter().map(|o| o.as_ptr()).collect();
+        let mut prog: NvrtcProgram = std::ptr::null_mut();
+        // SAFETY: NVRTC's C API with valid NUL-terminated strings and out-pointers; the program is destroyed
+        // before returning.
+        unsafe {
+            let rc = create(
+                &mut prog,
+                src_c.as_ptr(),
+                name_c.as_ptr(),
+                0,
+                std::ptr::null(),
+                std::ptr::null(),
+            );
+            if rc != 0 {
+                return Err(format!("nvrtcCreateProgram returned {rc}"));
+            }
+            let rc = compile(prog, opt_ptrs.len() as c_int, opt_ptrs.as_ptr());
+            let mut n = 0usize;
+            let mut log = String::new();
+            if log_size(prog, &mut n) == 0 {
+                let mut buf = vec![0u8; n.max(1)];
+                if get_log(prog, buf.as_mut_ptr() as *mut c_char) == 0 {
+                    log = String::from_utf8_lossy(&buf)
+                        .trim_end_matches('\0')
+                        .to_string();
+                }
+            }
+            let out = if rc == 0 {
+                let mut n = 0usize;
+                let mut ptx = vec![0u8; 1];
+                if ptx_size(prog, &mut n) == 0 {
+                    ptx = vec![0u8; n.max(1)];
+                    get_ptx(prog, ptx.as_mut_ptr() as *mut c_char);
+                }
+                Ok(String::from_utf8_lossy(&ptx)
+                    .trim_end_matches('\0')
+                    .to_string())
+            } else {
+                Err(format!("nvrtcCompileProgram returned {rc}:\n{log}"))
+            };
+            destroy(&mut prog);
+            out
+        }
+    }
+}

@@ -1,0 +1,627 @@
+//! The GPU solve session: [`KernelOps`] implements [`DeviceOps`] with the kernels of `kernels/gptq.cu`,
+//! launched through a [`Vendor`] (device memory, copies, launches by entry name). The CUDA and HIP runtimes
+//! are vendors ([`super::driver`]); so is the host build of the same kernel source in the tests, which is
+//! how this file is tested without a GPU (docs/dev/gptq-device.md).
+//!
+//! Where each step runs:
+//! - accumulation: `gptq_hessian_lower` on the device (one upload of each batch);
+//! - preparation: `gptq_mirror_lower` on the device, then the prepared Hessian is made on the host from one
+//!   download (sanitise, dead columns, act-order: the CPU's own code) and uploaded again. The download is the
+//!   host checkpoint that [`OpsSession`] needs anyway; the upload is the one extra n² transfer;
+//! - each factorisation attempt: only the diagonal is uploaded; `gptq_factor_fill`, then per column
+//!   `gptq_chol_update` + `gptq_chol_pivot`, then `gptq_factor_scale`; the status word and the n pivots are
+//!   downloaded;
+//! - each module's sweep: W uploaded once (in sweep order, dead columns zeroed); per block of ≤ 128 columns
+//!   `gptq_gather_coef`, `gptq_sweep_block` and `gptq_block_update` of all later columns; the codes are
+//!   downloaded once. Group parameters are found on the host (the CPU's `find_params`) from the block-start
+//!   snapshot, which needs the block's columns of W and the F block downloaded at each group start (for
+//!   g128 about one W-sized download in all); per block the row losses are downloaded.
+//!
+//! Numerics: the sweep kernel gives the CPU's bits for the same inputs; the factorisation and the GEMMs sum
+//! in another order than faer, so the result is close to the CPU's, not equal (tests/gpu_session.rs states
+//! the bounds).
+
+use super::{
+    DevResult, Device, DeviceError, DeviceKind, DeviceOps, OpsSession, PreparedMeta, Session,
+    SolveSpec,
+};
+use crate::events::{fields, EventSink, NullSink};
+use crate::numerics::gptq::QuantizedLinear;
+use crate::numerics::hessian::{prepare_hessian, sanitize};
+use crate::numerics::linalg::CpuBackend;
+use crate::params::GptqParams;
+use faer::{Mat, MatRef};
+use flexinfer_contract::events as names;
+use serde_json::json;
+use std::sync::{Mutex, MutexGuard};
+
+mod sweep;
+
+/// A device address (an offset into the device's address space; the host vendor uses host addresses).
+pub type DevPtr = u64;
+
+/// One kernel argument, passed by value as the driver APIs' `kernelParams` expect.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Arg {
+    Ptr(DevPtr),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+}
+
+/// The kernels of `kernels/gptq.cu`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    HessianLower,
+    MirrorLower,
+    BlockUpdate,
+    SweepBlock,
+    FactorFill,
+    CholUpdate,
+    CholPivot,
+    FactorScale,
+    GatherCoef,
+}
+
+impl Kernel {
+    pub const ALL: [Kernel; 9] = [
+        Kernel::HessianLower,
+        Kernel::MirrorLower,
+        Kernel::BlockUpdate,
+        Kernel::SweepBlock,
+        Kernel::FactorFill,
+        Kernel::CholUpdate,
+        Kernel::CholPivot,
+        Kernel::FactorScale,
+        Kernel::GatherCoef,
+    ];
+    /// The `extern "C"` entry name.
+    pub fn entry(self) -> &'static str {
+        match self {
+            Kernel::HessianLower => "gptq_hessian_lower",
+            Kernel::MirrorLower => "gptq_mirror_lower",
+            Kernel::BlockUpdate => "gptq_block_update",
+            Kernel::SweepBlock => "gptq_sweep_block",
+            Kernel::FactorFill => "gptq_factor_fill",
+            Kernel::CholUpdate => "gptq_chol_update",
+            Kernel::CholPivot => "gptq_chol_pivot",
+            Kernel::FactorScale => "gptq_factor_scale",
+            Kernel::GatherCoef => "gptq_gather_coef",
+        }
+    }
+}
+
+/// The kernel source, for run-time compilation (NVRTC) and the host build in tests.
+pub const KERNEL_SOURCE: &str = include_str!("../../../kernels/gptq.cu");
+
+/// Thread-block edge of the square kernels (`GPTQ_TILE`).
+const TILE: u32 = 16;
+/// Threads per block of the sweep kernel (`GPTQ_SWEEP_THREADS`).
+const SWEEP_THREADS: u32 = 128;
+/// Threads per block of the factorisation's column kernels (`GPTQ_COLUMN_THREADS`).
+const COLUMN_THREADS: u32 = 256;
+/// Largest block of the sweep kernel (`GPTQ_MAX_BLOCK`).
+pub const MAX_BLOCK: usize = 128;
+
+/// A GPU runtime as the session needs it. Every call may fail with a [`DeviceError`]; after a failure the
+/// session resets the vendor ([`Vendor::reset`]), after which no earlier allocation is valid.
+pub trait Vendor {
+    /// Names the device in events (`cuda:0 NVIDIA H200`, `hip:0 gfx1100`).
+    fn name(&self) -> String;
+    fn alloc(&mut self, bytes: usize) -> DevResult<DevPtr>;
+    fn free(&mut self, ptr: DevPtr);
+    fn upload(&mut self, dst: DevPtr, src: &[u8]) -> DevResult<()>;
+    /// Waits for the work queued before it (so an asynchronous kernel fault surfaces here).
+    fn download(&mut self, src: DevPtr, dst: &mut [u8]) -> DevResult<()>;
+    fn copy(&mut self, dst: DevPtr, src: DevPtr, bytes: usize) -> DevResult<()>;
+    fn launch(
+        &mut self,
+        kernel: Kernel,
+        grid: [u32; 3],
+        block: [u32; 3],
+        args: &[Arg],
+    ) -> DevResult<()>;
+    /// A fresh context (the old one may be poisoned by a kernel fault); every allocation is gone.
+    fn reset(&mut self) -> DevResult<()>;
+    /// Free and total device memory in bytes, when the runtime can tell.
+    fn memory(&mut self) -> Option<(u64, u64)>;
+}
+
+/// The vendor shared by the sessions of one device, and which context generation is current.
+struct Shared<V> {
+    vendor: V,
+    generation: u64,
+}
+
+/// A [`Device`] whose sessions run the kernels through the vendor `V` (one context for all sessions).
+pub struct KernelDevice<V: Vendor + Send> {
+    shared: Mutex<Shared<V>>,
+    kind: DeviceKind,
+    name: String,
+    /// Device memory an input group may use, bytes (`None`: no limit known).
+    budget: Option<u64>,
+}
+
+impl<V: Vendor + Send> KernelDevice<V> {
+    pub fn new(vendor: V, kind: DeviceKind, budget: Option<u64>) -> Self {
+        let name = vendor.name();
+        KernelDevice {
+            shared: Mutex::new(Shared {
+                vendor,
+                generation: 0,
+            }),
+            kind,
+            name,
+            budget,
+        }
+    }
+    /// The device memory budget in bytes.
+    pub fn budget(&self) -> Option<u64> {
+        self.budget
+    }
+}
+
+/// Device bytes one input group of `n` input features needs at least: the Hessian and the factor (n² f32
+/// each); the weights of the largest module come on top and are checked by the sweep.
+pub fn group_bytes(n: usize) -> u64 {
+    2 * (n as u64) * (n as u64) * 4
+}
+
+/// Device bytes the sweep of a `rows × cols` module adds: W and W₀ (f32), the codes, the block's deltas.
+pub fn sweep_bytes(rows: usize, cols: usize) -> u64 {
+    let (r, c) = (rows as u64, cols as u64);
+    r * c * 9 + r * MAX_BLOCK as u64 * 4
+}
+
+impl<V: Vendor + Send> Device for KernelDevice<V> {
+    fn describe(&self) -> String {
+        self.name.clone()
+    }
+    fn kind(&self) -> DeviceKind {
+        self.kind
+    }
+    fn open(&self, n: usize) -> DevResult<Box<dyn Session + '_>> {
+        let need = group_bytes(n);
+        if let Some(budget) = self.budget.filter(|&b| need > b) {
+            return Ok(Box::new(OverBudget {
+                cpu: CpuBackend::default(),
+                h: Some(Mat::zeros(n, n)),
+                device: self.name.clone(),
+                reason: format!(
+                    "the input group's Hessian and factor need {} MiB of device memory, over the budget of {} MiB (GPU_VRAM_MB × GPU_MEMORY_FRACTION)",
+                    need.div_ceil(1 << 20),
+                    budget >> 20
+                ),
+            }));
+        }
+        Ok(Box::new(OpsSession::new(self.ops(n)?)))
+    }
+}
+
+impl<V: Vendor + Send> KernelDevice<V> {
+    /// The device steps of one input group of `n` features without [`OpsSession`]'s recovery rules: what
+    /// [`Device::open`] wraps, and what the kernel checks ([`crate::device::check`]) drive step by step.
+    pub fn ops(&self, n: usize) -> DevResult<KernelOps<'_, V>> {
+        let generation = lock(&self.shared)?.generation;
+        Ok(KernelOps {
+            shared: &self.shared,
+            generation,
+            n,
+            budget: self.budget,
+            h: None,
+            m: None,
+            scratch: None,
+            r: Vec::new(),
+            factored: false,
+            started: false,
+            host_prepared: None,
+            live: Vec::new(),
+        })
+    }
+    /// Runs `f` on the vendor (the device's context), e.g. to time a vendor library on the same device.
+    /// Allocations made here are not tracked by any session.
+    pub fn with_vendor<R>(&self, f: impl FnOnce(&mut V) -> R) -> DevResult<R> {
+        Ok(f(&mut lock(&self.shared)?.vendor))
+    }
+}
+
+fn lock<V>(m: &Mutex<Shared<V>>) -> DevResult<MutexGuard<'_, Shared<V>>> {
+    m.lock()
+        .map_err(|_| DeviceError::new("gpu", "lock", "an earlier device call panicked"))
+}
+
+/// An input group too large for the device budget: accumulated and solved on the CPU; the solve says so in
+/// a [`names::GPTQ_DEVICE_FALLBACK`] event.
+struct OverBudget {
+    cpu: CpuBackend,
+    h: Option<Mat<f32>>,
+    device: String,
+    reason: String,
+}
+
+impl Session for OverBudget {
+    fn accumulate(&mut self, x: MatRef<'_, f32>, alpha: f32) -> DevResult<()> {
+        use crate::numerics::linalg::LinalgBackend;
+        let h = self
+            .h
+            .as_mut()
+            .ok_or_else(|| DeviceError::new("cpu-faer", "accumulate", "already solved"))?;
+        self.cpu.accumulate_hessian(h.as_mut(), x, alpha);
+        Ok(())
+    }
+    fn solve(
+        &mut self,
+        weights: &[&Mat<f32>],
+        spec: &SolveSpec<'_>,
+        events: &dyn EventSink,
+    ) -> DevResult<Vec<QuantizedLinear>> {
+        use crate::numerics::linalg::LinalgBackend;
+        let mut h = self
+            .h
+            .take()
+            .ok_or_else(|| DeviceError::new("cpu-faer", "solve", "already solved"))?;
+        events.emit(
+            names::GPTQ_DEVICE_FALLBACK,
+            fields([
+                ("module", json!(spec.module)),
+                ("device", json!(self.device)),
+                ("error", json!(self.reason)),
+                ("to", json!("cpu")),
+            ]),
+        );
+        self.cpu.finish_hessian(h.as_mut());
+        let prepared = prepare_hessian(h, spec.params.desc_act, spec.module, events);
+        Ok(super::solve_prepared_on_cpu(
+            &self.cpu, prepared, weights, spec, events,
+        ))
+    }
+    fn fallback_hessian(&mut self) -> Option<crate::numerics::hessian::PreparedHessian> {
+        None
+    }
+}
+
+/// One input group's buffers on the device (see the module docs).
+pub struct KernelOps<'d, V: Vendor> {
+    shared: &'d Mutex<Shared<V>>,
+    /// The context generation the buffers below belong to.
+    generation: u64,
+    n: usize,
+    budget: Option<u64>,
+    /// The Hessian (n × n): accumulated, then prepared.
+    h: Option<DevPtr>,
+    /// The factor (n × n), the pivots (n) and the status words (2 i32).
+    m: Option<(DevPtr, DevPtr, DevPtr)>,
+    /// Upload buffer of the calibration batches, and its size in bytes.
+    scratch: Option<(DevPtr, usize)>,
+    /// The factor's `R` diagonal (host copy).
+    r: Vec<f32>,
+    factored: bool,
+    /// Whether a batch was accumulated (a Hessian that is gone after that cannot be started again).
+    started: bool,
+    host_prepared: Option<Mat<f32>>,
+    /// Every allocation of this session in the current generation (freed on drop).
+    live: Vec<DevPtr>,
+}
+
+fn bytes_of<T: bytemuck::Pod>(v: &[T]) -> &[u8] {
+    bytemuck::cast_slice(v)
+}
+
+fn dims(what: &str, v: usize) -> DevResult<i32> {
+    i32::try_from(v)
+        .map_err(|_| DeviceError::new("gpu", what, format!("dimension {v} exceeds i32")))
+}
+
+fn blocks(n: usize, per: u32) -> u32 {
+    n.div_ceil(per as usize).max(1) as u32
+}
+
+/// Column-major contiguous copy of a matrix (faer may pad columns).
+fn packed(m: MatRef<'_, f32>) -> Vec<f32> {
+    let mut v = Vec::with_capacity(m.nrows() * m.ncols());
+    for j in 0..m.ncols() {
+        v.extend(m.col(j).iter().copied());
+    }
+    v
+}
+
+impl<V: Vendor> KernelOps<'_, V> {
+    /// The vendor, after dropping this session's buffers if another session reset the context.
+    fn vendor(&mut self) -> DevResult<MutexGuard<'_, Shared<V>>> {
+        let guard = lock(self.shared)?;
+        if guard.generation != self.generation {
+            self.generation = guard.generation;
+            self.forget();
+        }
+        Ok(guard)
+    }
+    /// Drops every buffer reference (the context that held them is gone).
+    fn forget(&mut self) {
+        self.h = None;
+        self.m = None;
+        self.scratch = None;
+        self.factored = false;
+        self.live.clear();
+    }
+    fn alloc(&mut self, bytes: usize) -> DevResult<DevPtr> {
+        let p = self.vendor()?.vendor.alloc(bytes.max(4))?;
+        self.live.push(p);
+        Ok(p)
+    }
+    fn release(&mut self, p: DevPtr) {
+        if let Ok(mut g) = lock(self.shared) {
+            if g.generation == self.generation {
+                g.vendor.free(p);
+            }
+        }
+        self.live.retain(|&q| q != p);
+    }
+    fn upload(&mut self, dst: DevPtr, src: &[u8]) -> DevResult<()> {
+        self.vendor()?.vendor.upload(dst, src)
+    }
+    fn upload_new(&mut self, src: &[u8]) -> DevResult<DevPtr> {
+        let p = self.alloc(src.len())?;
+        self.upload(p, src)?;
+        Ok(p)
+    }
+    fn download_f32(&mut self, src: DevPtr, len: usize) -> DevResult<Vec<f32>> {
+        let mut v = vec![0f32; len];
+        self.vendor()?
+            .vendor
+            .download(src, bytemuck::cast_slice_mut(&mut v))?;
+        Ok(v)
+    }
+    fn launch(
+        &mut self,
+        k: Kernel,
+        grid: [u32; 3],
+        block: [u32; 3],
+        args: &[Arg],
+    ) -> DevResult<()> {
+        self.vendor()?.vendor.launch(k, grid, block, args)
+    }
+    fn lost(&self, op: &str) -> DeviceError {
+        DeviceError::new(
+            self.name(),
+            op,
+            "the buffer is not on the device (the context was reset)",
+        )
+    }
+    fn n32(&self, op: &str) -> DevResult<i32> {
+        dims(op, self.n)
+    }
+    /// The square grid over an n × n matrix.
+    fn square(n: usize) -> [u32; 3] {
+        [blocks(n, TILE), blocks(n, TILE), 1]
+    }
+
+    /// The factor buffers (allocated on first use).
+    fn factor_buffers(&mut self) -> DevResult<(DevPtr, DevPtr, DevPtr)> {
+        if let Some(m) = self.m {
+            return Ok(m);
+        }
+        let n = self.n;
+        let m = self.alloc(n * n * 4)?;
+        let r = self.alloc(n * 4)?;
+        let s = self.alloc(8)?;
+        self.m = Some((m, r, s));
+        Ok((m, r, s))
+    }
+
+    /// Whether a `rows × cols` sweep fits the budget next to the Hessian and the factor.
+    fn check_fits(&self, rows: usize, cols: usize) -> DevResult<()> {
+        let need = group_bytes(self.n) + sweep_bytes(rows, cols);
+        match self.budget {
+            Some(b) if need > b => Err(DeviceError::new(
+                self.name(),
+                "sweep",
+                format!(
+                    "a {rows} × {cols} module needs {} MiB of device memory with its Hessian, over the budget of {} MiB",
+                    need.div_ceil(1 << 20),
+                    b >> 20
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl<V: Vendor> Drop for KernelOps<'_, V> {
+    fn drop(&mut self) {
+        if let Ok(mut g) = lock(self.shared) {
+            if g.generation == self.generation {
+                for p in self.live.drain(..) {
+                    g.vendor.free(p);
+                }
+            }
+        }
+    }
+}
+
+impl<V: Vendor> DeviceOps for KernelOps<'_, V> {
+    fn name(&self) -> String {
+        lock(self.shared)
+            .map(|g| g.vendor.name())
+            .unwrap_or_else(|_| "gpu".to_string())
+    }
+
+    fn accumulate(&mut self, x: MatRef<'_, f32>, alpha: f32) -> DevResult<()> {
+        let (tokens, n) = (x.nrows(), x.ncols());
+        if n != self.n {
+            return Err(DeviceError::new(
+                self.name(),
+                "accumulate",
+                format!("activations have {n} features, the session {}", self.n),
+            ));
+        }
+        let (t32, n32) = (dims("accumulate", tokens)?, self.n32("accumulate")?);
+        let h = match self.h {
+            Some(h) => h,
+            None if !self.started => {
+                self.started = true;
+                let zeros = vec![0f32; n * n];
+                let h = self.upload_new(bytes_of(&zeros))?;
+                self.h = Some(h);
+                h
+            }
+            None => return Err(self.lost("accumulate")),
+        };
+        let data = packed(x);
+        let bytes = data.len() * 4;
+        let buf = match self.scratch {
+            Some((p, len)) if len >= bytes => p,
+            old => {
+                if let Some((p, _)) = old {
+                    self.release(p);
+                }
+                let p = self.alloc(bytes)?;
+                self.scratch = Some((p, bytes));
+                p
+            }
+        };
+        self.upload(buf, bytes_of(&data))?;
+        self.launch(
+            Kernel::HessianLower,
+            Self::square(n),
+            [TILE, TILE, 1],
+            &[
+                Arg::Ptr(h),
+                Arg::I32(n32),
+                Arg::Ptr(buf),
+                Arg::I32(t32),
+                Arg::I32(t32),
+                Arg::I32(n32),
+                Arg::F32(alpha),
+            ],
+        )
+    }
+
+    fn prepare(&mut self, desc_act: bool) -> DevResult<PreparedMeta> {
+        let n = self.n;
+        let n32 = self.n32("prepare")?;
+        let h = self.h.ok_or_else(|| self.lost("prepare"))?;
+        if let Some((p, _)) = self.scratch.take() {
+            self.release(p);
+        }
+        self.launch(
+            Kernel::MirrorLower,
+            Self::square(n),
+            [TILE, TILE, 1],
+            &[Arg::Ptr(h), Arg::I32(n32), Arg::I32(n32)],
+        )?;
+        let host = self.download_f32(h, n * n)?;
+        let mut hm = Mat::from_fn(n, n, |i, j| host[j * n + i]);
+        drop(host);
+        let sanitized = sanitize(&mut hm);
+        let p = prepare_hessian(hm, desc_act, "", &NullSink);
+        self.upload(h, bytes_of(&packed(p.h.as_ref())))?;
+        let diag = (0..n).map(|i| p.h[(i, i)]).collect();
+        self.host_prepared = Some(p.h);
+        Ok(PreparedMeta {
+            diag,
+            perm: p.perm,
+            dead: p.dead,
+            sanitized,
+        })
+    }
+
+    fn checkpoint(&mut self) -> DevResult<Mat<f32>> {
+        if let Some(h) = self.host_prepared.take() {
+            return Ok(h);
+        }
+        let n = self.n;
+        let h = self.h.ok_or_else(|| self.lost("checkpoint"))?;
+        let host = self.download_f32(h, n * n)?;
+        Ok(Mat::from_fn(n, n, |i, j| host[j * n + i]))
+    }
+
+    fn restore(&mut self, prepared: &Mat<f32>) -> DevResult<()> {
+        drop(self.vendor()?);
+        let data = packed(prepared.as_ref());
+        match self.h {
+            Some(h) => self.upload(h, bytes_of(&data)),
+            None => {
+                self.h = Some(self.upload_new(bytes_of(&data))?);
+                Ok(())
+            }
+        }
+    }
+
+    fn try_factor(&mut self, diag: &[f32]) -> DevResult<bool> {
+        let n = self.n;
+        let n32 = self.n32("factor")?;
+        if diag.len() != n {
+            return Err(DeviceError::new(
+                self.name(),
+                "factor",
+                format!(
+                    "diagonal of {} entries for an {n} × {n} Hessian",
+                    diag.len()
+                ),
+            ));
+        }
+        self.factored = false;
+        let h = self.h.ok_or_else(|| self.lost("factor"))?;
+        let (m, r, status) = self.factor_buffers()?;
+        self.upload(status, bytes_of(&[0i32, 0]))?;
+        let d = self.upload_new(bytes_of(diag))?;
+        let result = self.factor_with(h, m, r, status, d, n, n32);
+        self.release(d);
+        let ok = result?;
+        self.factored = ok;
+        Ok(ok)
+    }
+
+    fn has_factor(&self) -> bool {
+        self.factored && self.m.is_some()
+    }
+
+    fn sweep(
+        &mut self,
+        w: &Mat<f32>,
+        meta: &PreparedMeta,
+        damp: f32,
+        p: &GptqParams,
+    ) -> DevResult<QuantizedLinear> {
+        let (rows, cols) = (w.nrows(), w.ncols());
+        if cols != self.n {
+            return Err(DeviceError::new(
+                self.name(),
+                "sweep",
+                format!("a module with {cols} inputs in a session of {}", self.n),
+            ));
+        }
+        if p.block_size > MAX_BLOCK {
+            return Err(DeviceError::new(
+                self.name(),
+                "sweep",
+                format!(
+                    "block size {} is over the sweep kernel's {MAX_BLOCK}",
+                    p.block_size
+                ),
+            ));
+        }
+        self.check_fits(rows, cols)?;
+        let (m, _, _) = self
+            .m
+            .filter(|_| self.factored)
+            .ok_or_else(|| self.lost("sweep"))?;
+        let mut bufs = Vec::new();
+        let result = self.sweep_with(w, meta, damp, p, m, &mut bufs);
+        for b in bufs {
+            self.release(b);
+        }
+        result
+    }
+
+    fn reset(&mut self) -> DevResult<()> {
+        let mut g = lock(self.shared)?;
+        g.vendor.reset()?;
+        g.generation += 1;
+        self.generation = g.generation;
+        drop(g);
+        self.forget();
+        self.host_prepared = None;
+        Ok(())
+    }
+}

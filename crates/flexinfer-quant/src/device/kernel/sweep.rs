@@ -1,0 +1,314 @@
+//! The factorisation and the sweep of [`KernelOps`]: the launches of one factorisation attempt and of one
+//! module's blocked sweep (the module docs of [`super`] say where each step runs).
+
+use super::{
+    blocks, bytes_of, dims, Arg, DevPtr, DevResult, Kernel, KernelOps, Vendor, COLUMN_THREADS,
+    SWEEP_THREADS, TILE,
+};
+use crate::device::PreparedMeta;
+use crate::numerics::gptq::{block_snapshot, Groups, Method, QuantizedLinear};
+use crate::numerics::linalg::CpuBackend;
+use crate::numerics::quantizer::maxq;
+use crate::params::GptqParams;
+use faer::Mat;
+
+impl<V: Vendor> KernelOps<'_, V> {
+    /// The factor of the last successful [`crate::device::DeviceOps::try_factor`], downloaded: `M` (n × n,
+    /// column-major; its strict lower triangle is meaningful) and the pivots `r` (`r[n-1-j]` = `L[j,j]` of
+    /// the reversed Hessian's Cholesky factor `L`), as [`crate::numerics::linalg::SweepFactor`] holds them
+    /// on the CPU. For checks; the sweep reads the factor on the device.
+    pub fn factor_host(&mut self) -> DevResult<(Mat<f32>, Vec<f32>)> {
+        let n = self.n;
+        let (m, _, _) = self
+            .m
+            .filter(|_| self.factored)
+            .ok_or_else(|| self.lost("factor"))?;
+        let host = self.download_f32(m, n * n)?;
+        Ok((Mat::from_fn(n, n, |i, j| host[j * n + i]), self.r.clone()))
+    }
+
+    /// One factorisation attempt (see the module docs); `Ok(false)` when the matrix is not positive
+    /// definite or the factor not finite.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn factor_with(
+        &mut self,
+        h: DevPtr,
+        m: DevPtr,
+        r: DevPtr,
+        status: DevPtr,
+        d: DevPtr,
+        n: usize,
+        n32: i32,
+    ) -> DevResult<bool> {
+        self.launch(
+            Kernel::FactorFill,
+            Self::square(n),
+            [TILE, TILE, 1],
+            &[
+                Arg::Ptr(m),
+                Arg::I32(n32),
+                Arg::Ptr(h),
+                Arg::I32(n32),
+                Arg::Ptr(d),
+                Arg::I32(n32),
+            ],
+        )?;
+        for j in 0..n {
+            let grid = [blocks(n - j, COLUMN_THREADS), 1, 1];
+            let block = [COLUMN_THREADS, 1, 1];
+            let j32 = j as i32;
+            self.launch(
+                Kernel::CholUpdate,
+                grid,
+                block,
+                &[
+                    Arg::Ptr(m),
+                    Arg::I32(n32),
+                    Arg::I32(n32),
+                    Arg::I32(j32),
+                    Arg::Ptr(status),
+                ],
+            )?;
+            self.launch(
+                Kernel::CholPivot,
+                grid,
+                block,
+                &[
+                    Arg::Ptr(m),
+                    Arg::I32(n32),
+                    Arg::I32(n32),
+                    Arg::I32(j32),
+                    Arg::Ptr(r),
+                    Arg::Ptr(status),
+                ],
+            )?;
+        }
+        self.launch(
+            Kernel::FactorScale,
+            Self::square(n),
+            [TILE, TILE, 1],
+            &[
+                Arg::Ptr(m),
+                Arg::I32(n32),
+                Arg::I32(n32),
+                Arg::Ptr(r),
+                Arg::Ptr(status),
+            ],
+        )?;
+        let mut st = [0i32; 2];
+        self.vendor()?
+            .vendor
+            .download(status, bytemuck::cast_slice_mut(&mut st))?;
+        if st != [0, 0] {
+            return Ok(false);
+        }
+        self.r = self.download_f32(r, n)?;
+        Ok(true)
+    }
+
+    /// The `count × count` (row-major) coefficients of the block at `i1` into a new buffer.
+    pub(super) fn gather(
+        &mut self,
+        m: DevPtr,
+        i1: usize,
+        count: usize,
+        bufs: &mut Vec<DevPtr>,
+    ) -> DevResult<DevPtr> {
+        let c = self.alloc(count * count * 4)?;
+        bufs.push(c);
+        let n32 = self.n32("sweep")?;
+        self.launch(
+            Kernel::GatherCoef,
+            Self::square(count),
+            [TILE, TILE, 1],
+            &[
+                Arg::Ptr(c),
+                Arg::Ptr(m),
+                Arg::I32(n32),
+                Arg::I32(n32),
+                Arg::I32(i1 as i32),
+                Arg::I32(count as i32),
+            ],
+        )?;
+        Ok(c)
+    }
+
+    /// The sweep of one module (module docs); every buffer it allocates is pushed to `bufs`.
+    pub(super) fn sweep_with(
+        &mut self,
+        w_in: &Mat<f32>,
+        meta: &PreparedMeta,
+        damp: f32,
+        p: &GptqParams,
+        m: DevPtr,
+        bufs: &mut Vec<DevPtr>,
+    ) -> DevResult<QuantizedLinear> {
+        let (rows, cols, n) = (w_in.nrows(), w_in.ncols(), self.n);
+        let (r32, n32) = (dims("sweep", rows)?, self.n32("sweep")?);
+        let zero_col = vec![0f32; rows];
+        let orig_col = |c: usize| -> &[f32] {
+            if meta.dead.get(c).copied().unwrap_or(false) {
+                &zero_col
+            } else {
+                w_in.col_as_slice(c)
+            }
+        };
+        let mut groups = Groups::new(p, w_in, &orig_col);
+        let perm: Vec<usize> = meta.perm.clone().unwrap_or_else(|| (0..cols).collect());
+        let mut w0 = Vec::with_capacity(rows * cols);
+        for &c in &perm {
+            w0.extend_from_slice(orig_col(c));
+        }
+        let w0_col = |k: usize| &w0[k * rows..(k + 1) * rows];
+        // W₀ and the working W, one upload.
+        let dw0 = self.upload_new(bytes_of(&w0))?;
+        bufs.push(dw0);
+        let dw = self.alloc(rows * cols * 4)?;
+        bufs.push(dw);
+        self.vendor()?.vendor.copy(dw, dw0, rows * cols * 4)?;
+        let bs = p.block_size.max(1);
+        let dd = self.alloc(rows * bs * 4)?;
+        bufs.push(dd);
+        let dcodes = self.alloc(rows * cols)?;
+        bufs.push(dcodes);
+        let dacc = self.alloc(rows * 4)?;
+        bufs.push(dacc);
+        let mq = maxq(p.bits);
+        let mut loss = 0.0f64;
+        let mut snap_bufs = (Mat::<f32>::zeros(0, 0), Mat::<f32>::zeros(0, 0));
+        let off = |col: usize| (col * rows * 4) as u64;
+        let mut i1 = 0;
+        while i1 < cols {
+            let i2 = (i1 + bs).min(cols);
+            let count = i2 - i1;
+            // The block-start snapshot, from the block's columns of W and the F block.
+            let snapshot = match groups.snapshot_width(i1, i2) {
+                None => None,
+                Some(width) => {
+                    let pcols = self.download_f32(dw + off(i1), rows * width)?;
+                    let cm = self.gather(m, i1, width, bufs)?;
+                    let coef = self.download_f32(cm, width * width)?;
+                    let pm = Mat::from_fn(rows, width, |r, c| pcols[c * rows + r]);
+                    let fm = Mat::from_fn(width, width, |a, b| coef[a * width + b]);
+                    if snap_bufs.0.nrows() != rows || snap_bufs.0.ncols() < width {
+                        snap_bufs = (Mat::zeros(rows, width), Mat::zeros(rows, width));
+                    }
+                    Some(
+                        block_snapshot(
+                            &CpuBackend::default(),
+                            pm.as_ref(),
+                            &|j| w0_col(i1 + j),
+                            fm.as_ref(),
+                            &mut snap_bufs,
+                        )
+                        .to_owned(),
+                    )
+                }
+            };
+            let (block_params, col_param) =
+                groups.block(i1, i2, &perm, snapshot.as_ref().map(|s| s.as_ref()));
+            let coef = self.gather(m, i1, count, bufs)?;
+            let rdiag2: Vec<f32> = (i1..i2).map(|k| self.r[k] * self.r[k]).collect();
+            let param: Vec<i32> = col_param
+                .iter()
+                .map(|c| c.map_or(-1, |i| i as i32))
+                .collect();
+            let scale: Vec<f32> = block_params
+                .iter()
+                .flat_map(|g| g.scale.iter().copied())
+                .collect();
+            let zero: Vec<f32> = block_params
+                .iter()
+                .flat_map(|g| g.zero.iter().copied())
+                .collect();
+            let drd = self.upload_new(bytes_of(&rdiag2))?;
+            let dpar = self.upload_new(bytes_of(&param))?;
+            let dsc = self.upload_new(bytes_of(&scale))?;
+            let dze = self.upload_new(bytes_of(&zero))?;
+            bufs.extend([drd, dpar, dsc, dze]);
+            self.launch(
+                Kernel::SweepBlock,
+                [blocks(rows, SWEEP_THREADS), 1, 1],
+                [SWEEP_THREADS, 1, 1],
+                &[
+                    Arg::Ptr(dw + off(i1)),
+                    Arg::I32(r32),
+                    Arg::Ptr(dw0 + off(i1)),
+                    Arg::I32(r32),
+                    Arg::Ptr(dd),
+                    Arg::I32(r32),
+                    Arg::Ptr(dcodes + (i1 * rows) as u64),
+                    Arg::I32(r32),
+                    Arg::Ptr(coef),
+                    Arg::Ptr(drd),
+                    Arg::Ptr(dpar),
+                    Arg::Ptr(dsc),
+                    Arg::Ptr(dze),
+                    Arg::I32(r32),
+                    Arg::I32(count as i32),
+                    Arg::F32(mq),
+                    Arg::Ptr(dacc),
+                ],
+            )?;
+            let acc = self.download_f32(dacc, rows)?;
+            // As the CPU: per 64-row tile, the sum of the row losses in f64, halved.
+            loss += acc
+                .chunks(64)
+                .map(|t| t.iter().map(|&v| v as f64).sum::<f64>() / 2.0)
+                .sum::<f64>();
+            for b in [coef, drd, dpar, dsc, dze] {
+                self.release(b);
+                bufs.retain(|&x| x != b);
+            }
+            if i2 < cols {
+                // F(i1, i2) = M[n-1-i1, n-1-i2]; F's row stride is −1 and its column stride −n.
+                let f = m + (((n - 1 - i2) * n + (n - 1 - i1)) * 4) as u64;
+                self.launch(
+                    Kernel::BlockUpdate,
+                    [blocks(cols - i2, TILE), blocks(rows, TILE), 1],
+                    [TILE, TILE, 1],
+                    &[
+                        Arg::Ptr(dw + off(i2)),
+                        Arg::I32(r32),
+                        Arg::Ptr(dd),
+                        Arg::I32(r32),
+                        Arg::Ptr(f),
+                        Arg::I64(-1),
+                        Arg::I64(-(n32 as i64)),
+                        Arg::I32(r32),
+                        Arg::I32(count as i32),
+                        Arg::I32((cols - i2) as i32),
+                    ],
+                )?;
+            }
+            i1 = i2;
+        }
+        let mut codes_sweep = vec![0u8; rows * cols];
+        self.vendor()?.vendor.download(dcodes, &mut codes_sweep)?;
+        let codes = match &meta.perm {
+            None => codes_sweep,
+            Some(perm) => {
+                let mut codes = vec![0u8; rows * cols];
+                for (k, &orig) in perm.iter().enumerate() {
+                    codes[orig * rows..(orig + 1) * rows]
+                        .copy_from_slice(&codes_sweep[k * rows..(k + 1) * rows]);
+                }
+                codes
+            }
+        };
+        let (scales, zeros, g_idx) = groups.finish();
+        Ok(QuantizedLinear {
+            rows,
+            cols,
+            bits: p.bits,
+            sym: p.sym,
+            codes,
+            scales,
+            zeros,
+            g_idx,
+            method: Method::Gptq,
+            loss,
+            damp,
+        })
+    }
+}

@@ -1,0 +1,583 @@
+//! The GPU solve session (`device::kernel::KernelOps` over a `Vendor`) without a GPU: the vendor here is the
+//! host build of `kernels/gptq.cu` (`kernels/host_harness.c`), launched by entry name with the driver APIs'
+//! `kernelParams` convention, so the session's buffers, argument lists, launch geometry and orchestration are
+//! the ones a card gets; only the runtime underneath differs. Every device address the session passes is
+//! checked against the live allocations (a reset frees them all), so a stale or out-of-range buffer is an
+//! error here, not memory corruption.
+//!
+//! Checked: the whole input-group solve against the CPU session (bounds below), device faults (reset,
+//! restore, retry; give up → CPU fallback), the memory budget (a group that does not fit runs on the CPU
+//! with an event).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
+
+mod host_kernels;
+
+use faer::Mat;
+use flexinfer_contract::events as names;
+use flexinfer_quant::device::kernel::{Arg, DevPtr, Kernel, KernelDevice, Vendor};
+use flexinfer_quant::device::{
+    check, solve_with_fallback, DevResult, Device, DeviceError, DeviceKind, SolveSpec,
+};
+use flexinfer_quant::events::MemorySink;
+use flexinfer_quant::gptq::{Method, QuantizedLinear};
+use flexinfer_quant::linalg::CpuBackend;
+use flexinfer_quant::params::{GptqParams, RecoveryParams};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::collections::BTreeMap;
+use std::ffi::{c_char, c_int, c_void, CString};
+use std::sync::{Arc, Mutex};
+
+type LaunchFn = unsafe extern "C" fn(
+    *const c_char,
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    *mut *mut c_void,
+) -> c_int;
+
+/// What the host vendor did, shared with the test.
+#[derive(Default)]
+struct Log {
+    launches: usize,
+    resets: usize,
+    /// Launch numbers (1-based, over the vendor's life) that fail.
+    fail_launches: Vec<usize>,
+    /// Every launch from this number on fails (a card that stays broken).
+    fail_from: Option<usize>,
+    kernels: BTreeMap<&'static str, usize>,
+    /// After every launch of this kernel, its output is corrupted (`corrupt`): a vendor whose kernel is
+    /// wrong, for the checks of `device::check` to catch.
+    corrupt: Option<Kernel>,
+}
+
+/// Corrupts what `kernel` just wrote: the second entry of the Hessian or the factor (below the diagonal)
+/// times 1.01, or the block's first code with its bit 2 flipped (4 steps away).
+fn corrupt(kernel: Kernel, args: &[Arg]) {
+    let ptr = |i: usize| match args[i] {
+        Arg::Ptr(p) => p,
+        _ => panic!("argument {i} of {} is not a pointer", kernel.entry()),
+    };
+    // SAFETY: the launch just succeeded with these buffers, each a live host allocation that holds the
+    // entries touched here (the Hessian and factor are n × n with n ≥ 2; the codes block is rows × count).
+    unsafe {
+        match kernel {
+            Kernel::HessianLower | Kernel::FactorScale => *(ptr(0) as *mut f32).add(1) *= 1.01,
+            Kernel::SweepBlock => *(ptr(6) as *mut u8) ^= 4,
+            other => panic!("no corruption for {}", other.entry()),
+        }
+    }
+}
+
+/// The host "device": allocations are host buffers (8-byte aligned); after a failed launch every call fails
+/// until a reset, as a HIP context after a kernel fault; a reset frees every allocation.
+struct HostVendor {
+    allocs: BTreeMap<u64, Vec<u64>>,
+    poisoned: bool,
+    log: Arc<Mutex<Log>>,
+    total: Option<u64>,
+}
+
+impl HostVendor {
+    fn new(log: Arc<Mutex<Log>>) -> Self {
+        HostVendor {
+            allocs: BTreeMap::new(),
+            poisoned: false,
+            log,
+            total: None,
+        }
+    }
+    fn err(op: &str, msg: impl Into<String>) -> DeviceError {
+        DeviceError::new("host", op, msg)
+    }
+    /// The allocation holding `[p, p + len)`.
+    fn check(&self, op: &str, p: DevPtr, len: usize) -> DevResult<()> {
+        let (base, buf) = self
+            .allocs
+            .range(..=p)
+            .next_back()
+            .ok_or_else(|| Self::err(op, format!("{p:#x} is not an allocation")))?;
+        if p + len as u64 > base + (buf.len() * 8) as u64 {
+            return Err(Self::err(
+                op,
+                format!("{p:#x}+{len} is outside its allocation"),
+            ));
+        }
+        Ok(())
+    }
+    fn live(&self, op: &str) -> DevResult<()> {
+        if self.poisoned {
+            Err(Self::err(op, "context poisoned by an earlier fault"))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+impl Vendor for HostVendor {
+    fn name(&self) -> String {
+        "host".into()
+    }
+    fn alloc(&mut self, bytes: usize) -> DevResult<DevPtr> {
+        self.live("alloc")?;
+        let buf = vec![0u64; bytes.div_ceil(8)];
+        let p = buf.as_ptr() as u64;
+        self.allocs.insert(p, buf);
+        Ok(p)
+    }
+    fn free(&mut self, ptr: DevPtr) {
+        self.allocs.remove(&ptr);
+    }
+    fn upload(&mut self, dst: DevPtr, src: &[u8]) -> DevResult<()> {
+        self.live("upload")?;
+        self.check("upload", dst, src.len())?;
+        // SAFETY: `[dst, dst + len)` lies in a live allocation (checked above).
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
+        Ok(())
+    }
+    fn download(&mut self, src: DevPtr, dst: &mut [u8]) -> DevResult<()> {
+        self.live("download")?;
+        self.check("download", src, dst.len())?;
+        // SAFETY: as in upload.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+    fn copy(&mut self, dst: DevPtr, src: DevPtr, bytes: usize) -> DevResult<()> {
+        self.live("copy")?;
+        self.check("copy", dst, bytes)?;
+        self.check("copy", src, bytes)?;
+        // SAFETY: both ranges lie in live allocations; the session never copies a buffer onto itself.
+        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+        Ok(())
+    }
+    fn launch(
+        &mut self,
+        kernel: Kernel,
+        grid: [u32; 3],
+        block: [u32; 3],
+        args: &[Arg],
+    ) -> DevResult<()> {
+        self.live("launch")?;
+        let n = {
+            let mut log = self.log.lock().unwrap();
+            log.launches += 1;
+            *log.kernels.entry(kernel.entry()).or_default() += 1;
+            let n = log.launches;
+            if log.fail_launches.contains(&n) || log.fail_from.is_some_and(|f| n >= f) {
+                drop(log);
+                self.poisoned = true;
+                return Err(Self::err(
+                    "launch",
+                    format!("injected fault in launch {n} ({})", kernel.entry()),
+                ));
+            }
+            n
+        };
+        for a in args {
+            if let Arg::Ptr(p) = a {
+                self.check("launch", *p, 0)
+                    .map_err(|e| Self::err("launch", format!("launch {n}: {}", e.message)))?;
+            }
+        }
+        let mut slots: Vec<[u8; 8]> = args
+            .iter()
+            .map(|a| {
+                let mut s = [0u8; 8];
+                match *a {
+                    Arg::Ptr(p) => s.copy_from_slice(&p.to_ne_bytes()),
+                    Arg::I64(v) => s.copy_from_slice(&v.to_ne_bytes()),
+                    Arg::I32(v) => s[..4].copy_from_slice(&v.to_ne_bytes()),
+                    Arg::F32(v) => s[..4].copy_from_slice(&v.to_ne_bytes()),
+                }
+                s
+            })
+            .collect();
+        let mut params: Vec<*mut c_void> = slots
+            .iter_mut()
+            .map(|s| s.as_mut_ptr() as *mut c_void)
+            .collect();
+        let name = CString::new(kernel.entry()).unwrap();
+        let launch: libloading::Symbol<LaunchFn> = host_kernels::sym(b"gptq_host_launch\0");
+        let g = |v: u32| v as c_int;
+        // SAFETY: the harness unpacks `params` with the kernel's C signature; every pointer argument lies in a
+        // live allocation (checked above) and the session sizes the buffers for the launch it makes.
+        let rc = unsafe {
+            launch(
+                name.as_ptr(),
+                args.len() as c_int,
+                g(grid[0]),
+                g(grid[1]),
+                g(grid[2]),
+                g(block[0]),
+                g(block[1]),
+                g(block[2]),
+                params.as_mut_ptr(),
+            )
+        };
+        if rc != 0 {
+            return Err(Self::err(
+                "launch",
+                format!("{} returned {rc}", kernel.entry()),
+            ));
+        }
+        if self.log.lock().unwrap().corrupt == Some(kernel) {
+            corrupt(kernel, args);
+        }
+        Ok(())
+    }
+    fn reset(&mut self) -> DevResult<()> {
+        self.log.lock().unwrap().resets += 1;
+        self.allocs.clear();
+        self.poisoned = false;
+        Ok(())
+    }
+    fn memory(&mut self) -> Option<(u64, u64)> {
+        self.total.map(|t| (t, t))
+    }
+}
+
+fn random(rows: usize, cols: usize, seed: u64) -> Mat<f32> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    Mat::from_fn(rows, cols, |_, _| rng.random_range(-1.0f32..1.0))
+}
+
+/// Correlated activations (low-rank signal plus noise) with a dead input column, in three batches.
+fn batches(tokens: usize, n: usize, seed: u64) -> Vec<Mat<f32>> {
+    let latent = random(tokens, 8, seed);
+    let mix = random(8, n, seed + 1);
+    let noise = random(tokens, n, seed + 2);
+    let x = Mat::from_fn(tokens, n, |t, c| {
+        if c == n / 3 {
+            return 0.0;
+        }
+        let s: f32 = (0..8).map(|k| latent[(t, k)] * mix[(k, c)]).sum();
+        s + 0.1 * noise[(t, c)]
+    });
+    let step = tokens.div_ceil(3);
+    (0..tokens)
+        .step_by(step)
+        .map(|t0| x.subrows(t0, step.min(tokens - t0)).to_owned())
+        .collect()
+}
+
+struct Case {
+    name: &'static str,
+    rows: usize,
+    cols: usize,
+    tokens: usize,
+    params: GptqParams,
+    recovery: RecoveryParams,
+}
+
+fn cases() -> Vec<Case> {
+    let p = |bits, group_size, sym, desc_act, static_groups, block_size| GptqParams {
+        bits,
+        group_size,
+        sym,
+        desc_act,
+        static_groups,
+        block_size,
+    };
+    let rp = RecoveryParams::default();
+    vec![
+        Case {
+            name: "g32 asym, 3 blocks of 32",
+            rows: 40,
+            cols: 96,
+            tokens: 300,
+            params: p(4, 32, false, false, false, 32),
+            recovery: rp.clone(),
+        },
+        Case {
+            name: "per-row sym act-order, n=130 (ragged block)",
+            rows: 33,
+            cols: 130,
+            tokens: 200,
+            params: p(4, -1, true, true, false, 128),
+            recovery: rp.clone(),
+        },
+        Case {
+            name: "g64 3-bit static groups act-order, groups wider than blocks",
+            rows: 20,
+            cols: 128,
+            tokens: 300,
+            params: p(3, 64, false, true, true, 32),
+            recovery: rp.clone(),
+        },
+        Case {
+            name: "g64 over blocks of 32 (snapshot wider than the block)",
+            rows: 24,
+            cols: 128,
+            tokens: 300,
+            params: p(8, 64, true, false, false, 32),
+            recovery: rp.clone(),
+        },
+        Case {
+            name: "fewer tokens than features, no damp: the floor recovers",
+            rows: 24,
+            cols: 96,
+            tokens: 40,
+            params: p(4, 32, false, false, false, 32),
+            recovery: RecoveryParams {
+                damp_percent: 0.0,
+                damp_auto_increment: 0.0,
+                ..rp.clone()
+            },
+        },
+        Case {
+            name: "nothing succeeds: RTN",
+            rows: 24,
+            cols: 64,
+            tokens: 10,
+            params: p(4, 32, false, false, false, 128),
+            recovery: RecoveryParams {
+                damp_percent: 0.0,
+                damp_auto_increment: 0.0,
+                max_floor_attempts: 0,
+                ..rp
+            },
+        },
+    ]
+}
+
+fn weights(c: &Case, seed: u64) -> Vec<Mat<f32>> {
+    (0..2)
+        .map(|k| random(c.rows + k, c.cols, seed + k as u64) * faer::Scale(0.05))
+        .collect()
+}
+
+fn solve(
+    dev: &dyn Device,
+    c: &Case,
+    xs: &[Mat<f32>],
+    ws: &[Mat<f32>],
+    sink: &MemorySink,
+) -> Vec<QuantizedLinear> {
+    let mut s = dev.open(c.cols).unwrap();
+    for x in xs {
+        s.accumulate(x.as_ref(), 2.0 / c.tokens as f32).unwrap();
+    }
+    let refs: Vec<&Mat<f32>> = ws.iter().collect();
+    let spec = SolveSpec {
+        params: &c.params,
+        recovery: &c.recovery,
+        module: "m",
+    };
+    solve_with_fallback(&dev.describe(), s.as_mut(), &refs, &spec, sink).unwrap()
+}
+
+fn host_device(log: &Arc<Mutex<Log>>, budget: Option<u64>) -> KernelDevice<HostVendor> {
+    KernelDevice::new(HostVendor::new(Arc::clone(log)), DeviceKind::Cuda, budget)
+}
+
+/// The device result is the CPU's up to the summation order of the Hessian, factor and block-update GEMMs:
+/// `device::check::compare` states the bounds (the same the card check applies), and the zero-points too.
+fn assert_close(case: &str, dev: &[QuantizedLinear], cpu: &[QuantizedLinear]) {
+    let c = check::compare(case, dev, cpu);
+    assert!(c.passed, "{c}");
+    for (k, (d, c)) in dev.iter().zip(cpu).enumerate() {
+        let zeros_moved = d.zeros.iter().zip(&c.zeros).filter(|(a, b)| a != b).count();
+        assert!(
+            zeros_moved * 100 <= d.zeros.len().max(100),
+            "{case}: module {k}: {zeros_moved} zeros differ"
+        );
+    }
+}
+
+#[test]
+fn the_kernel_session_solves_like_the_cpu_session() {
+    for (i, c) in cases().iter().enumerate() {
+        let xs = batches(c.tokens, c.cols, 10 + i as u64);
+        let ws = weights(c, 100 + 10 * i as u64);
+        let cpu_sink = MemorySink::default();
+        let cpu = solve(&CpuBackend::default(), c, &xs, &ws, &cpu_sink);
+        let log = Arc::new(Mutex::new(Log::default()));
+        let dev = host_device(&log, None);
+        let dev_sink = MemorySink::default();
+        let got = solve(&dev, c, &xs, &ws, &dev_sink);
+        assert_close(c.name, &got, &cpu);
+        // The same recovery path, attempt by attempt.
+        assert_eq!(
+            dev_sink.named(names::HESSIAN_RECOVERY),
+            cpu_sink.named(names::HESSIAN_RECOVERY),
+            "{}: recovery events",
+            c.name
+        );
+        assert!(dev_sink.named(names::GPTQ_DEVICE_ERROR).is_empty());
+        assert!(dev_sink.named(names::GPTQ_DEVICE_FALLBACK).is_empty());
+        let log = log.lock().unwrap();
+        // Every kernel ran (the RTN case never sweeps).
+        let expected: &[Kernel] = if got[0].method == Method::Rtn {
+            &[
+                Kernel::HessianLower,
+                Kernel::MirrorLower,
+                Kernel::FactorFill,
+                Kernel::CholUpdate,
+                Kernel::CholPivot,
+                Kernel::FactorScale,
+            ]
+        } else {
+            &Kernel::ALL
+        };
+        for k in expected {
+            assert!(
+                log.kernels.contains_key(k.entry()),
+                "{}: {} never launched",
+                c.name,
+                k.entry()
+            );
+        }
+        println!("{}: {} launches {:?}", c.name, log.launches, log.kernels);
+    }
+}
+
+#[test]
+fn a_device_fault_resets_restores_and_retries_and_a_broken_card_falls_back_to_the_cpu() {
+    let c = &cases()[0];
+    let xs = batches(c.tokens, c.cols, 10);
+    let ws = weights(c, 100);
+    // The fault-free run, and how many launches it makes.
+    let log = Arc::new(Mutex::new(Log::default()));
+    let clean = solve(
+        &host_device(&log, None),
+        c,
+        &xs,
+        &ws,
+        &MemorySink::default(),
+    );
+    let total = log.lock().unwrap().launches;
+    let factor_launches = {
+        let l = log.lock().unwrap();
+        l.kernels["gptq_chol_update"] + l.kernels["gptq_chol_pivot"]
+    };
+    assert!(
+        total > factor_launches + 10,
+        "the sweep launches kernels too"
+    );
+
+    // One fault in the factorisation and one in the second module's sweep: two resets, the same bytes.
+    let log = Arc::new(Mutex::new(Log {
+        fail_launches: vec![20, total - 3],
+        ..Default::default()
+    }));
+    let sink = MemorySink::default();
+    let got = solve(&host_device(&log, None), c, &xs, &ws, &sink);
+    assert_eq!(got, clean, "a retried solve gives the fault-free result");
+    assert_eq!(log.lock().unwrap().resets, 2);
+    let errs = sink.named(names::GPTQ_DEVICE_ERROR);
+    assert_eq!(errs.len(), 2, "{errs:?}");
+    assert_eq!(errs[0]["op"], "factor");
+    assert_eq!(errs[1]["op"], "sweep");
+    assert!(errs[0]["error"]
+        .as_str()
+        .unwrap()
+        .contains("injected fault"));
+    assert!(sink.named(names::GPTQ_DEVICE_FALLBACK).is_empty());
+
+    // A card that stays broken after the Hessian is prepared: MAX_DEVICE_RESETS resets, then the group is
+    // solved on the CPU from the host checkpoint, with an event.
+    // Launches 1–3 accumulate the three batches and 4 mirrors the Hessian; from 5 on (the factorisation)
+    // every launch fails.
+    let log = Arc::new(Mutex::new(Log {
+        fail_from: Some(5),
+        ..Default::default()
+    }));
+    let sink = MemorySink::default();
+    let got = solve(&host_device(&log, None), c, &xs, &ws, &sink);
+    let fb = sink.named(names::GPTQ_DEVICE_FALLBACK);
+    assert_eq!(fb.len(), 1, "{fb:?}");
+    assert_eq!(fb[0]["to"], "cpu");
+    assert_eq!(
+        log.lock().unwrap().resets,
+        flexinfer_quant::device::MAX_DEVICE_RESETS
+    );
+    let cpu = solve(&CpuBackend::default(), c, &xs, &ws, &MemorySink::default());
+    assert_close("fallback", &got, &cpu);
+}
+
+#[test]
+fn a_group_over_the_memory_budget_runs_on_the_cpu_with_an_event() {
+    let c = &cases()[1];
+    let xs = batches(c.tokens, c.cols, 11);
+    let ws = weights(c, 110);
+    let cpu_sink = MemorySink::default();
+    let cpu = solve(&CpuBackend::default(), c, &xs, &ws, &cpu_sink);
+    let need = flexinfer_quant::device::kernel::group_bytes(c.cols);
+    // Just under what the Hessian and the factor need.
+    let log = Arc::new(Mutex::new(Log::default()));
+    let dev = host_device(&log, Some(need - 1));
+    let sink = MemorySink::default();
+    let got = solve(&dev, c, &xs, &ws, &sink);
+    assert_eq!(got, cpu, "the CPU's own result");
+    assert_eq!(log.lock().unwrap().launches, 0, "nothing ran on the device");
+    let fb = sink.named(names::GPTQ_DEVICE_FALLBACK);
+    assert_eq!(fb.len(), 1);
+    assert!(
+        fb[0]["error"].as_str().unwrap().contains("over the budget"),
+        "{fb:?}"
+    );
+    // The weights are checked too: a budget that holds the Hessian and the factor but not the sweep's
+    // buffers gives device errors and the CPU fallback from the checkpoint.
+    let log = Arc::new(Mutex::new(Log::default()));
+    let dev = host_device(&log, Some(need + 1024));
+    let sink = MemorySink::default();
+    let got = solve(&dev, c, &xs, &ws, &sink);
+    let fb = sink.named(names::GPTQ_DEVICE_FALLBACK);
+    assert_eq!(fb.len(), 1, "{fb:?}");
+    assert!(
+        fb[0]["error"].as_str().unwrap().contains("module needs"),
+        "{fb:?}"
+    );
+    assert_close("sweep over budget", &got, &cpu);
+    // With room for all of it, the device solves.
+    let dev = host_device(&log, Some(need * 4));
+    let sink = MemorySink::default();
+    solve(&dev, c, &xs, &ws, &sink);
+    assert!(sink.named(names::GPTQ_DEVICE_FALLBACK).is_empty());
+}
+
+/// The card checks of `scripts/gpu-check.sh` (`device::check`) on the host build of the kernels: they pass,
+/// and each fails when the kernel it covers is wrong.
+#[test]
+fn the_card_checks_pass_on_correct_kernels_and_fail_on_a_corrupted_one() {
+    let dev_with = |corrupt: Option<Kernel>| {
+        let log = Arc::new(Mutex::new(Log {
+            corrupt,
+            ..Default::default()
+        }));
+        host_device(&log, None)
+    };
+    let dev = dev_with(None);
+    let [h, f] = check::hessian_and_factor(&dev, 48, 120, 1).unwrap();
+    assert!(h.passed, "{h}");
+    assert!(f.passed, "{f}");
+    println!("{h}\n{f}");
+    for (i, case) in check::cases(48, 16).iter().enumerate() {
+        let s = check::solve_case(&dev, case, 3 + i as u64).unwrap();
+        let c = check::compare(&case.name, &s.device, &s.cpu);
+        assert!(c.passed, "{c}");
+        println!("{c}");
+    }
+    let ft = check::time_factor(&dev, 40, 80, 7, true).unwrap();
+    let b = ft.backward_error.unwrap();
+    assert!(b <= 1.0, "the timed factor's backward error {b}");
+
+    let [h, f] =
+        check::hessian_and_factor(&dev_with(Some(Kernel::HessianLower)), 48, 120, 1).unwrap();
+    assert!(!h.passed, "a corrupted Hessian kernel passed: {h}");
+    assert!(h.worst > 10.0, "{h}");
+    // The factor of the corrupted (still symmetric positive definite) Hessian is itself right.
+    assert!(f.passed, "{f}");
+    let [h, f] =
+        check::hessian_and_factor(&dev_with(Some(Kernel::FactorScale)), 48, 120, 1).unwrap();
+    assert!(h.passed, "{h}");
+    assert!(!f.passed, "a corrupted factor passed: {f}");
+    let case = &check::cases(48, 16)[0];
+    let s = check::solve_case(&dev_with(Some(Kernel::SweepBlock)), case, 3).unwrap();
+    let c = check::compare(&case.name, &s.device, &s.cpu);
+    assert!(!c.passed, "corrupted codes passed: {c}");
+}
