@@ -65,12 +65,27 @@ oracle-check:
 	  --backend $(ORACLE_GPTQ_BACKEND) \
 	  $(addprefix $(ORACLE_CHECK_DIR)/,$(ORACLE_FAMILIES))
 
-# Build and push the worker (quantizer) image, point the GPUProfiles of QUANTIZER_ARCH at it (pinned by digest),
-# optionally move a running quantization onto it: make deploy-quantizer QUANTIZER_ARCH=gfx1100 REGISTRY=host:port
-# [DRY_RUN=1] [RESTART_JOB=namespace/cache] [NAMESPACE=ns]. See scripts/deploy-quantizer.sh --help.
+# Build and push the worker (quantizer) image variant of QUANTIZER_ARCH (gfx1100 -> rocm-gfx1100, gfx906 ->
+# rocm-gfx906, sm_XX -> cuda; QUANTIZER_VARIANT=cpu|cuda|rocm-gfx1100|rocm-gfx906 overrides), point the
+# GPUProfiles of QUANTIZER_ARCH at it (pinned by digest), optionally move a running quantization onto it:
+# make deploy-quantizer QUANTIZER_ARCH=gfx1100 REGISTRY=host:port [QUANTIZER_VARIANT=…] [DRY_RUN=1]
+# [RESTART_JOB=namespace/cache] [NAMESPACE=ns]. See scripts/deploy-quantizer.sh --help.
 .PHONY: deploy-quantizer
 deploy-quantizer:
 	@test -n "$(QUANTIZER_ARCH)" || { echo "QUANTIZER_ARCH is required (e.g. gfx1100)"; exit 2; }
 	@test -n "$(REGISTRY)" || { echo "REGISTRY is required (host:port the cluster pulls from)"; exit 2; }
 	bash scripts/deploy-quantizer.sh $(QUANTIZER_ARCH) --registry $(REGISTRY) \
+	  $(if $(QUANTIZER_VARIANT),--variant $(QUANTIZER_VARIANT)) \
 	  $(if $(NAMESPACE),-n $(NAMESPACE)) $(if $(RESTART_JOB),--restart $(RESTART_JOB)) $(if $(DRY_RUN),--dry-run)
+
+# The worker image's GPU variants (scripts/images/variants.sh), daemonless from the built worker binary, into
+# scripts/images/build.sh's archive directory: flexinfer/worker:$(IMAGE_TAG)-<variant> (cpu: $(IMAGE_TAG)).
+# Needs root (mmdebstrap, chroot); the ROCm variants run scripts/hip/build-code-objects.sh (cached). Not part
+# of `make test` (hundreds of MB of packages). make worker-images [VARIANTS="cuda rocm-gfx1100"] [IMAGE_TAG=dev]
+# [BIN_DIR=…] [PUSH=host:port]
+VARIANTS ?= cuda rocm-gfx1100 rocm-gfx906
+IMAGE_TAG ?= dev
+.PHONY: worker-images
+worker-images:
+	bash scripts/images/build.sh --tag $(IMAGE_TAG) $(foreach v,$(VARIANTS),--variant $(v)) \
+	  $(if $(BIN_DIR),--bin-dir $(BIN_DIR)) $(if $(PUSH),--push $(PUSH))

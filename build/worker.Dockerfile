@@ -1,12 +1,15 @@
 # Worker image: one `flexinfer-worker` binary for download, abliterate, quantize and publish (plus
 # `flexinfer-standin`, the OpenAI-compatible stand-in server, where it is built). Runs as 65532, the
 # uid/gid the controller's Jobs run their pods as (runAsNonRoot).
-# The same binary runs on every base; BASE selects the GPU runtime the (future) GPU backends load at
-# run time. Today the engine computes on the CPU (faer) on every base.
+# The same binary runs on every base; BASE selects the GPU runtime the GPU sessions load at run time
+# (dlopen). scripts/images/build.sh --variant cpu|cuda|rocm-gfx1100|rocm-gfx906 builds the variants from
+# Debian packages (scripts/images/variants.sh); the docker lines below are the public-base equivalents.
 #   docker build -f build/worker.Dockerfile -t flexinfer/worker .                                       # CPU
 #   docker build -f build/worker.Dockerfile --build-arg BASE=nvidia/cuda:12.4.1-runtime-ubuntu22.04 -t flexinfer/worker:cuda .
 #   docker build -f build/worker.Dockerfile --build-arg BASE=rocm/dev-ubuntu-22.04:6.4.1 -t flexinfer/worker:rocm-gfx1100 .
 #   docker build -f build/worker.Dockerfile --build-arg BASE=rocm/dev-ubuntu-22.04:6.2.3 -t flexinfer/worker:rocm-gfx906 .
+# (the rocm lines give no HIP code objects: the HIP session then needs FLEXINFER_KERNEL_DIR pointing at
+# the output of scripts/hip/build-code-objects.sh; build.sh's ROCm variants carry them.)
 # Prebuilt binaries instead of compiling (what scripts/images/build.sh does, daemonless, with the
 # base built from Debian packages by scripts/images/base.sh):
 #   buildah bud -f build/worker.Dockerfile --target runtime-prebuilt \
@@ -22,6 +25,13 @@ ARG BIN_DIR=target/release
 COPY ${BIN_DIR}/flexinfer-worker ${BIN_DIR}/flexinfer-standin* /usr/local/bin/
 USER 65532:65532
 ENTRYPOINT ["/usr/local/bin/flexinfer-worker"]
+
+# --- the same plus the HIP code objects of the ROCm variants (KERNEL_DIR: gptq-<gfx>.hsaco from
+# scripts/hip/build-code-objects.sh), where the HIP session looks by default ($FLEXINFER_KERNEL_DIR);
+# scripts/images/build.sh --variant rocm-<gfx> builds this target on the trixie base with libamdhip64 ---
+FROM runtime-prebuilt AS runtime-prebuilt-kernels
+ARG KERNEL_DIR=kernels
+COPY ${KERNEL_DIR}/ /usr/lib/flexinfer/kernels/
 
 # --- full build ---
 FROM ${RUST_IMAGE} AS build

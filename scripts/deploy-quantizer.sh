@@ -2,11 +2,15 @@
 # Build the worker (quantizer) image, push it, point the GPUProfile(s) of one GPU architecture at it, and
 # optionally move a running quantization onto it. `make deploy-quantizer QUANTIZER_ARCH=gfx1100 REGISTRY=…`.
 #
-#   scripts/deploy-quantizer.sh ARCH --registry REG [--tag TAG] [--format FMT] [-n NAMESPACE] [--bin-dir DIR]
-#                                    [--restart NAMESPACE/CACHE] [--wait SECONDS] [--dry-run]
+#   scripts/deploy-quantizer.sh ARCH --registry REG [--variant V] [--tag TAG] [--format FMT] [-n NAMESPACE]
+#                                    [--bin-dir DIR] [--restart NAMESPACE/CACHE] [--wait SECONDS] [--dry-run]
 #     ARCH            the GPUProfiles whose spec.architecture is ARCH are updated (all namespaces, or -n's)
 #     --registry REG  host[:port] the image is pushed to (plain http, as scripts/images/build.sh pushes)
-#     --tag TAG       image tag; default ARCH-<git short commit>[-dirty]
+#     --variant V     the worker image variant built (scripts/images/variants.sh); default from ARCH:
+#                     gfx1100 -> rocm-gfx1100, gfx906 -> rocm-gfx906, sm_XX -> cuda; other AMD targets have
+#                     no HIP code object and need it given (cpu, or rocm-gfx1100 with an HSA override)
+#     --tag TAG       image tag; default <git short commit>[-dirty]; the image pushed is
+#                     REG/flexinfer/worker:TAG-V (cpu: TAG, the plain worker image)
 #     --format FMT    the spec.quantization.images key to set; default GPTQ
 #     -n NAMESPACE    only GPUProfiles in NAMESPACE
 #     --bin-dir DIR   the built binaries (default: build.sh's, the debug build of the workspace)
@@ -14,21 +18,24 @@
 #                     quantize Job is replaced by one on the new image even past the drift grace window; the
 #                     script waits (--wait, default 300 s) for the Job to run the new image, then removes the
 #                     annotation again
-#     --dry-run       build and push nothing; print the image it would push and check every patch with a
-#                     server-side dry run (the GPUProfiles and caches are not changed)
-# The image reference written is pinned by digest (REG/flexinfer/worker:TAG@sha256:…), so the controller sees a
-# new image even when a tag is reused. Every image holds the one worker binary; which GPU runtime it can load
-# depends on the image's base (docs/user/gptq-engine.md).
+#     --dry-run       build and push nothing; print the variant and the image it would push and check every
+#                     patch with a server-side dry run (the GPUProfiles and caches are not changed)
+# The image reference written is pinned by digest (REG/flexinfer/worker:TAG-V@sha256:…), so the controller sees
+# a new image even when a tag is reused. Every variant holds the one worker binary; which GPU runtime it can load
+# depends on the variant's base (docs/user/install.md, "Worker image variants").
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd); cd "$ROOT"
 die() { echo "deploy-quantizer: $*" >&2; exit 2; }
 say() { echo "deploy-quantizer: $*" >&2; }
+# shellcheck source=scripts/images/variants.sh
+. scripts/images/variants.sh
 usage() { sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; }
 
-arch="" registry="" tag="" format=GPTQ ns="" bin_dir="" restart="" wait_s=300 dry=0
+arch="" variant="" registry="" tag="" format=GPTQ ns="" bin_dir="" restart="" wait_s=300 dry=0
 while (($#)); do
   case $1 in
     --registry) registry=${2:?}; shift 2 ;;
+    --variant) variant=${2:?}; shift 2 ;;
     --tag) tag=${2:?}; shift 2 ;;
     --format) format=${2:?}; shift 2 ;;
     -n | --namespace) ns=${2:?}; shift 2 ;;
@@ -44,6 +51,12 @@ done
 [[ -n $arch ]] || { usage >&2; die "no architecture given (e.g. gfx1100)"; }
 [[ $arch =~ ^(gfx[0-9a-f]{3,5}|sm_[0-9]{2,3}[a-z]?)$ ]] \
   || die "bad architecture '$arch': an AMD gfx target (gfx1100, gfx906, …) or an NVIDIA sm_XX target, as in GPUProfile spec.architecture"
+if [[ -n $variant ]]; then
+  images_variant_valid "$variant" || die "bad --variant '$variant' (${IMAGES_VARIANTS[*]})"
+else
+  variant=$(images_arch_variant "$arch") \
+    || die "no worker image variant for $arch: HIP code objects are built for gfx1100 and gfx906 only; give --variant (${IMAGES_VARIANTS[*]})"
+fi
 [[ -n $registry ]] || die "--registry is required (where the cluster pulls images from)"
 registry=${registry%/}; registry=${registry#http://}
 [[ $format =~ ^(GPTQ|AWQ|GGUF|EXL2|FP8|COMPRESSED_TENSORS)$ ]] || die "bad --format '$format' (GPTQ, AWQ, GGUF, EXL2, FP8, COMPRESSED_TENSORS)"
@@ -54,7 +67,7 @@ if [[ -n $restart ]]; then
   restart_ns=${BASH_REMATCH[1]} restart_name=${BASH_REMATCH[2]}
 fi
 if [[ -z $tag ]]; then
-  tag="$arch-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  tag=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
   [[ -z $(git status --porcelain --untracked-files=no 2>/dev/null) ]] || tag="$tag-dirty"
 fi
 for t in kubectl jq; do command -v $t >/dev/null || die "$t not installed"; done
@@ -75,17 +88,18 @@ fi
 
 # 2. Build and push (or, dry run, name what would be pushed).
 repo=$registry/flexinfer/worker
+itag=$(images_variant_tag "$tag" "$variant")
 if ((dry)); then
-  image=$repo:$tag
-  say "dry run: would build and push $image (scripts/images/build.sh --only worker --tag $tag --push $registry)"
+  image=$repo:$itag
+  say "dry run: would build and push $image (variant $variant for $arch: scripts/images/build.sh --only worker --variant $variant --tag $tag --push $registry)"
 else
   command -v skopeo >/dev/null || die "skopeo not installed"
-  say "building and pushing $repo:$tag"
-  bash scripts/images/build.sh --only worker --tag "$tag" --push "$registry" ${bin_dir:+--bin-dir "$bin_dir"} >&2
+  say "building and pushing $repo:$itag (variant $variant for $arch)"
+  bash scripts/images/build.sh --only worker --variant "$variant" --tag "$tag" --push "$registry" ${bin_dir:+--bin-dir "$bin_dir"} >&2
   # build.sh pushes over plain http; read the digest the same way.
-  digest=$(skopeo inspect --tls-verify=false "docker://$repo:$tag" | jq -r .Digest)
-  [[ $digest =~ ^sha256:[0-9a-f]{64}$ ]] || die "could not read the pushed image's digest ($repo:$tag): '$digest'"
-  image=$repo:$tag@$digest
+  digest=$(skopeo inspect --tls-verify=false "docker://$repo:$itag" | jq -r .Digest)
+  [[ $digest =~ ^sha256:[0-9a-f]{64}$ ]] || die "could not read the pushed image's digest ($repo:$itag): '$digest'"
+  image=$repo:$itag@$digest
   say "pushed $image"
 fi
 

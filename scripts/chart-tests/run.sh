@@ -131,6 +131,15 @@ for b in "${BASES[@]}"; do
 done
 t "kustomize output: cluster-scoped objects carry no namespace" python3 "$HERE/check_cluster_scoped.py" "$T"/kz-*.yaml
 
+echo "== static: deploy-quantizer worker image variants (refused before any cluster call)"
+# rejected_dq MESSAGE ARGS...: deploy-quantizer exits non-zero and names MESSAGE
+rejected_dq() { local m=$1 out; shift
+  if out=$(bash scripts/deploy-quantizer.sh "$@" --registry r.example:5000 --dry-run 2>&1); then echo "succeeded: $out"; return 1; fi
+  grep -qF "$m" <<<"$out" || { echo "$out"; return 1; }; }
+t "deploy-quantizer refuses an AMD target without a code object unless --variant is given" \
+  rejected_dq "no worker image variant for gfx1103: HIP code objects are built for gfx1100 and gfx906 only" gfx1103
+t "deploy-quantizer refuses an unknown --variant" rejected_dq "bad --variant 'rocm-gfx1103'" gfx1100 --variant rocm-gfx1103
+
 if [ -z "${KUBECONFIG:-}" ]; then
   if [ "${CHART_TESTS_STATIC_ONLY:-0}" = 1 ]; then
     echo "CHART_TESTS_STATIC_ONLY=1: live API-server checks skipped"
@@ -436,18 +445,43 @@ spec:
   quantization: {images: {GPTQ: "registry.example.com/flexinfer/worker:old"}}
 YAML
 t "deploy-quantizer refuses an architecture without a GPUProfile, naming it" bash -c "
-  if out=\$(bash scripts/deploy-quantizer.sh gfx1151 --registry r.example:5000 -n '$NS' --dry-run 2>&1); then
+  if out=\$(bash scripts/deploy-quantizer.sh gfx1151 --variant cpu --registry r.example:5000 -n '$NS' --dry-run 2>&1); then
     echo \"succeeded: \$out\"; exit 1; fi
   grep -q 'no GPUProfile with spec.architecture=gfx1151 in namespace $NS' <<<\"\$out\" || { echo \"\$out\"; exit 1; }"
-tn "deploy-quantizer refuses a malformed --restart" bash scripts/deploy-quantizer.sh "$DQ_ARCH" --registry r.example:5000 -n "$NS" --restart nocache --dry-run
+tn "deploy-quantizer refuses a malformed --restart" bash scripts/deploy-quantizer.sh "$DQ_ARCH" --variant cpu --registry r.example:5000 -n "$NS" --restart nocache --dry-run
 t "deploy-quantizer --dry-run checks the patch server-side and changes nothing" bash -c "set -e
-  out=\$(bash scripts/deploy-quantizer.sh '$DQ_ARCH' --registry r.example:5000 --tag t1 -n '$NS' --dry-run 2>&1)
+  out=\$(bash scripts/deploy-quantizer.sh '$DQ_ARCH' --variant cpu --registry r.example:5000 --tag t1 -n '$NS' --dry-run 2>&1)
   grep -q 'GPUProfile $NS/dq: quantization.images.GPTQ registry.example.com/flexinfer/worker:old -> r.example:5000/flexinfer/worker:t1 (server-side dry run' <<<\"\$out\"
   [ \"\$(kubectl -n '$NS' get gpuprofile dq -o jsonpath='{.spec.quantization.images.GPTQ}')\" = registry.example.com/flexinfer/worker:old ]"
+# The worker image variant follows the architecture (scripts/images/variants.sh): one profile per mapped
+# architecture, the plan line and the patched reference checked for each.
+for a in gfx1100 gfx906 sm_90; do
+  kubectl -n "$NS" apply -f - >/dev/null <<YAML
+apiVersion: ai.flexinfer/v1alpha2
+kind: GPUProfile
+metadata: {name: dq-${a//_/-}}
+spec:
+  architecture: $a
+  vendor: $([ "${a#sm_}" != "$a" ] && echo nvidia || echo amd)
+  quantization: {images: {GPTQ: "registry.example.com/flexinfer/worker:old"}}
+YAML
+done
+# dq_variant ARCH VARIANT IMAGE [ARGS...]: the dry run plans VARIANT, would push IMAGE and patches dq-ARCH with it
+dq_variant() { local a=$1 v=$2 img=$3 out; shift 3
+  out=$(bash scripts/deploy-quantizer.sh "$a" --registry r.example:5000 --tag t1 -n "$NS" "$@" --dry-run 2>&1) || { echo "$out"; return 1; }
+  grep -qF "dry run: would build and push $img (variant $v for $a: scripts/images/build.sh --only worker --variant $v --tag t1 --push r.example:5000)" <<<"$out" \
+    || { echo "no plan line for $v / $img: $out"; return 1; }
+  grep -qF "GPUProfile $NS/dq-${a//_/-}: quantization.images.GPTQ registry.example.com/flexinfer/worker:old -> $img (server-side dry run" <<<"$out" \
+    || { echo "no patch line for $img: $out"; return 1; }
+  [ "$(kubectl -n "$NS" get gpuprofile "dq-${a//_/-}" -o jsonpath='{.spec.quantization.images.GPTQ}')" = registry.example.com/flexinfer/worker:old ]; }
+t "deploy-quantizer gfx1100 -> worker variant rocm-gfx1100 (dry run)" dq_variant gfx1100 rocm-gfx1100 r.example:5000/flexinfer/worker:t1-rocm-gfx1100
+t "deploy-quantizer gfx906 -> worker variant rocm-gfx906 (dry run)" dq_variant gfx906 rocm-gfx906 r.example:5000/flexinfer/worker:t1-rocm-gfx906
+t "deploy-quantizer sm_90 -> worker variant cuda (dry run)" dq_variant sm_90 cuda r.example:5000/flexinfer/worker:t1-cuda
+t "deploy-quantizer --variant cpu -> the plain worker image (dry run)" dq_variant gfx1100 cpu r.example:5000/flexinfer/worker:t1 --variant cpu
 if [ -n "${TESTENV_REGISTRY:-}" ]; then
   # The real thing: build (cached) and push the worker image to the local registry, patch the profile.
   t "deploy-quantizer pushes the worker image and pins the GPUProfile to its digest" bash -c "set -e
-    bash scripts/deploy-quantizer.sh '$DQ_ARCH' --registry '$TESTENV_REGISTRY' --tag dq-$RUN_ID -n '$NS' >/dev/null 2>'$T/dq.err' \
+    bash scripts/deploy-quantizer.sh '$DQ_ARCH' --variant cpu --registry '$TESTENV_REGISTRY' --tag dq-$RUN_ID -n '$NS' >/dev/null 2>'$T/dq.err' \
       || { cat '$T/dq.err'; exit 1; }
     img=\$(kubectl -n '$NS' get gpuprofile dq -o jsonpath='{.spec.quantization.images.GPTQ}')
     d=\$(skopeo inspect --tls-verify=false 'docker://$TESTENV_REGISTRY/flexinfer/worker:dq-$RUN_ID' | python3 -c 'import json,sys; print(json.load(sys.stdin)[\"Digest\"])')

@@ -1,26 +1,38 @@
 #!/usr/bin/env bash
 # Build (once per machine) the FlexInfer base root filesystem from Debian packages with mmdebstrap
-# and import it into the private buildah store as localhost/flexinfer/base:<suite>-<hash>.
+# and import it into the private buildah store as localhost/flexinfer/base:<id>-<hash>, <id> being
+# <suite> or, with BASE_FLAVOR, <suite>-<flavor>.
 #
 #   bash scripts/images/base.sh            # prints the image name on stdout
 #   BASE_REBUILD=1 bash scripts/images/base.sh   # ignore the cached archive (e.g. for security updates)
+#   BASE_SUITE=trixie BASE_FLAVOR=rocm BASE_PACKAGES=libc6,libgcc-s1,libamdhip64-5 bash scripts/images/base.sh
+#                                          # a base with more libraries (the worker's GPU variants,
+#                                          # scripts/images/variants.sh; BASE_COMPONENTS="main non-free"
+#                                          # for packages outside main)
 #
-# The archive is cached as $FLEXINFER_IMAGES_CACHE/base-<suite>-<hash>.tar; <hash> covers the recipe
-# (suite, mirrors, package lists, SOURCE_DATE_EPOCH, this script and its hook). The package versions
-# are whatever the mirror served when the archive was built: see base-<suite>-<hash>.packages.
+# The archive is cached as $FLEXINFER_IMAGES_CACHE/base-<id>-<hash>.tar; <hash> covers the recipe
+# (suite, flavor, components, mirrors, package lists, SOURCE_DATE_EPOCH, this script and its hook). The
+# package versions are whatever the mirror served when the archive was built: see base-<id>-<hash>.packages.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=scripts/images/lib.sh
 . "$here/lib.sh"
 
 BASE_SUITE=${BASE_SUITE:-bookworm}
+# A name for a package set other than the default one: each flavor has its own archive and image.
+BASE_FLAVOR=${BASE_FLAVOR:-}
+[[ $BASE_FLAVOR =~ ^([a-z0-9][a-z0-9.-]{0,30})?$ ]] || images_die "bad BASE_FLAVOR: $BASE_FLAVOR"
+# Archive components (e.g. "main non-free" for NVIDIA's NVRTC).
+BASE_COMPONENTS=${BASE_COMPONENTS:-main}
 BASE_ARCH=${BASE_ARCH:-$(dpkg --print-architecture)}
 # Mirrors: by default the archives the host's own apt uses (scripts/images/apt-mirror.py).
 BASE_MIRROR=${BASE_MIRROR:-$(python3 "$here/apt-mirror.py" "$BASE_SUITE")} || images_die "no mirror for $BASE_SUITE"
 BASE_SECURITY_MIRROR=${BASE_SECURITY_MIRROR:-$(python3 "$here/apt-mirror.py" "$BASE_SUITE-security")} \
   || images_die "no security mirror for $BASE_SUITE"
-# Extracted with their dependencies (libc6 pulls libgcc-s1 and gcc-12-base).
+# Extracted with their dependencies (libc6 pulls libgcc-s1 and gcc-12-base), without recommends (mmdebstrap's default).
 BASE_PACKAGES=${BASE_PACKAGES:-libc6,libgcc-s1}
+# One line of the image's description: what the packages are for.
+BASE_DESCRIPTION=${BASE_DESCRIPTION:-glibc, libgcc, CA certificates, nonroot 65532}
 # Extracted without their dependencies (see base-customize.sh): base-files would pull mawk,
 # ca-certificates openssl + debconf + perl-base, none of which a shell-less image can use.
 BASE_NODEPS=${BASE_NODEPS:-base-files netbase ca-certificates}
@@ -30,14 +42,15 @@ export SOURCE_DATE_EPOCH BASE_NODEPS
 BASE_RECIPE_VERSION=1
 
 recipe() {
-  printf 'version=%s\nsuite=%s\narch=%s\nmirror=%s\nsecurity=%s\npackages=%s\nnodeps=%s\nepoch=%s\n' \
-    "$BASE_RECIPE_VERSION" "$BASE_SUITE" "$BASE_ARCH" "$BASE_MIRROR" "$BASE_SECURITY_MIRROR" \
-    "$BASE_PACKAGES" "$BASE_NODEPS" "$SOURCE_DATE_EPOCH"
+  printf 'version=%s\nsuite=%s\nflavor=%s\ncomponents=%s\narch=%s\nmirror=%s\nsecurity=%s\npackages=%s\nnodeps=%s\nepoch=%s\ndescription=%s\n' \
+    "$BASE_RECIPE_VERSION" "$BASE_SUITE" "$BASE_FLAVOR" "$BASE_COMPONENTS" "$BASE_ARCH" "$BASE_MIRROR" \
+    "$BASE_SECURITY_MIRROR" "$BASE_PACKAGES" "$BASE_NODEPS" "$SOURCE_DATE_EPOCH" "$BASE_DESCRIPTION"
   cat "$here/base.sh" "$here/base-customize.sh" "$here/apt-mirror.py"
 }
 hash=$(recipe | images_sha256 | cut -c1-12)
-name=localhost/flexinfer/base:$BASE_SUITE-$hash
-archive=$FLEXINFER_IMAGES_CACHE/base-$BASE_SUITE-$hash.tar
+id=$BASE_SUITE${BASE_FLAVOR:+-$BASE_FLAVOR}
+name=localhost/flexinfer/base:$id-$hash
+archive=$FLEXINFER_IMAGES_CACHE/base-$id-$hash.tar
 mkdir -p "$FLEXINFER_IMAGES_CACHE"
 
 # One builder at a time per cache dir (a second concurrent run waits, then finds the cache).
@@ -49,7 +62,7 @@ if [[ ${BASE_REBUILD:-0} == 1 ]]; then rm -f "$archive"; bah rmi -f "$name" >/de
 if [[ ! -s $archive ]]; then
   command -v mmdebstrap >/dev/null || images_die "mmdebstrap not installed (apt-get install mmdebstrap)"
   [[ $(id -u) == 0 ]] || images_die "base.sh needs root (mmdebstrap root mode, file ownership)"
-  images_log "building base rootfs $BASE_SUITE ($BASE_PACKAGES + nodeps $BASE_NODEPS) -> $archive"
+  images_log "building base rootfs $id ($BASE_PACKAGES + nodeps $BASE_NODEPS) -> $archive"
   t0=$(date +%s)
   work=$(mktemp -d "$FLEXINFER_IMAGES_CACHE/.base-XXXXXX")
   trap 'rm -rf "$work"' EXIT
@@ -57,9 +70,9 @@ if [[ ! -s $archive ]]; then
     --include="$BASE_PACKAGES" \
     --extract-hook="$here/base-customize.sh \"\$1\"" \
     "$BASE_SUITE" "$work/rootfs" \
-    "deb $BASE_MIRROR $BASE_SUITE main" \
-    "deb $BASE_MIRROR $BASE_SUITE-updates main" \
-    "deb $BASE_SECURITY_MIRROR $BASE_SUITE-security main" >&2
+    "deb $BASE_MIRROR $BASE_SUITE $BASE_COMPONENTS" \
+    "deb $BASE_MIRROR $BASE_SUITE-updates $BASE_COMPONENTS" \
+    "deb $BASE_SECURITY_MIRROR $BASE_SUITE-security $BASE_COMPONENTS" >&2
   r=$work/rootfs
   # What mmdebstrap leaves for its own apt: no package manager in the image.
   rm -rf "$r"/etc/apt "$r"/var/lib/apt "$r"/var/cache/apt "$r"/var/log/apt "$r"/var/cache/ldconfig \
@@ -79,14 +92,14 @@ else
   images_log "base rootfs cached: $archive"
 fi
 
-# Older recipes of this suite: their archives and images are dead weight.
-for old in "$FLEXINFER_IMAGES_CACHE/base-$BASE_SUITE"-*.tar; do
-  [[ -e $old && $old != "$archive" ]] || continue
+# Older recipes of this suite and flavor: their archives and images are dead weight.
+for old in "$FLEXINFER_IMAGES_CACHE/base-$id"-*.tar; do
+  [[ -e $old && $old != "$archive" && ${old##*/} =~ ^base-$id-[0-9a-f]{12}\.tar$ ]] || continue
   images_log "removing the archive of an older recipe: $old"
   rm -f "$old" "${old%.tar}.packages"
 done
 bah images --format '{{.Name}}:{{.Tag}}' | while read -r old; do
-  [[ $old =~ ^localhost/flexinfer/base:$BASE_SUITE-[0-9a-f]{12}$ && $old != "$name" ]] || continue
+  [[ $old =~ ^localhost/flexinfer/base:$id-[0-9a-f]{12}$ && $old != "$name" ]] || continue
   bah rmi "$old" >/dev/null 2>&1 || true # still the parent of a built image: stays until that goes
 done
 
@@ -100,7 +113,7 @@ ADD base.tar /
 ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt
 LABEL org.opencontainers.image.title="flexinfer base" \
-      org.opencontainers.image.description="Debian $BASE_SUITE: glibc, libgcc, CA certificates, nonroot 65532" \
+      org.opencontainers.image.description="Debian $BASE_SUITE: $BASE_DESCRIPTION" \
       dev.flexinfer.base.recipe="$hash"
 USER 65532:65532
 WORKDIR /home/nonroot

@@ -4,28 +4,41 @@
 # already built (no compile in the image), buildah builds the Dockerfiles' `runtime-prebuilt` target.
 #
 #   bash scripts/images/build.sh [--bin-dir DIR] [--tag TAG] [--out DIR] [--push REGISTRY] [--load]
-#                                [--only controller|worker] [--no-strip]
+#                                [--only controller|worker] [--variant V]... [--kernels DIR] [--no-strip]
 #     --bin-dir DIR   where flexinfer-controller, flexinfer, flexinfer-worker (and flexinfer-standin,
 #                     if built) are; default ${CARGO_TARGET_DIR:-~/.cache/flexinfer/target}/debug
 #     --tag TAG       image tag; default dev
 #     --out DIR       archives (docker-archive, importable with `ctr images import`, `docker load`,
 #                     skopeo); default $FLEXINFER_IMAGES_CACHE/out
-#     --push REG      also push to REG (host:port, plain http) as REG/flexinfer/<image>:TAG
+#     --push REG      also push to REG (host:port, plain http) as REG/flexinfer/<image>:TAG (variants: TAG-V)
 #     --load          also import into the test node's containerd (scripts/testenv/load-image.sh)
 #     --only NAME     build one image (repeatable): controller, worker, standin (the serving stand-in,
 #                     build/standin.Dockerfile; built by default when flexinfer-standin is in --bin-dir),
 #                     proxy (the gateway, build/proxy.Dockerfile; built by default when flexinfer-proxy
 #                     is in --bin-dir)
+#     --variant V     build the worker image's variant V (repeatable): cpu, cuda, rocm-gfx1100, rocm-gfx906
+#                     (scripts/images/variants.sh), tagged TAG-V (cpu: TAG, the default worker image); with
+#                     --variant and no --only, only the worker is built. Each variant's base is built by
+#                     base.sh from its own package list and cached like the default base (the two ROCm
+#                     variants share one)
+#     --kernels DIR   the HIP code objects (gptq-<gfx>.hsaco) for the ROCm variants; default
+#                     $FLEXINFER_HIP_CODE_OBJECTS, else scripts/hip/build-code-objects.sh is run (root;
+#                     cached)
 #     --no-strip      keep debug info (by default binaries are copied with `strip --strip-debug`:
 #                     symbols, hence backtraces, stay)
 # Images: flexinfer/controller:TAG, flexinfer/worker:TAG, flexinfer/standin:TAG, flexinfer/proxy:TAG (archives tagged like that; the local
-# store names them localhost/flexinfer/<image>:TAG). An image whose inputs (binaries, Dockerfile,
+# store names them localhost/flexinfer/<image>:TAG); the worker's variants flexinfer/worker:TAG-V. Worker
+# images carry the label dev.flexinfer.script-version (`flexinfer-worker version`, the contract version the
+# controller's FLEXINFER_SCRIPT_VERSION must match), GPU variants dev.flexinfer.variant and
+# dev.flexinfer.runtime (the runtime package and version). An image whose inputs (binaries, Dockerfile,
 # base, this script) are unchanged is not rebuilt: a key file sits next to each archive.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)
 # shellcheck source=scripts/images/lib.sh
 . "$here/lib.sh"
+# shellcheck source=scripts/images/variants.sh
+. "$here/variants.sh"
 
 bin_dir=${CARGO_TARGET_DIR:-$HOME/.cache/flexinfer/target}/debug # the default of .ci/run and scripts/demo.sh
 tag=dev
@@ -34,6 +47,8 @@ push=""
 load=0
 strip=1
 only=()
+variants=()
+kernels=${FLEXINFER_HIP_CODE_OBJECTS:-}
 usage() { sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; }
 while (($#)); do
   case $1 in
@@ -43,12 +58,18 @@ while (($#)); do
     --push) push=${2%/}; push=${push#http://}; shift 2 ;;
     --load) load=1; shift ;;
     --only) only+=("$2"); shift 2 ;;
+    --variant) variants+=("$2"); shift 2 ;;
+    --kernels) kernels=$2; shift 2 ;;
     --no-strip) strip=0; shift ;;
     -h | --help) usage; exit 0 ;;
     *) usage >&2; images_die "unknown argument: $1" ;;
   esac
 done
 [[ $tag =~ ^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$ ]] || images_die "bad tag: $tag"
+for v in "${variants[@]}"; do
+  images_variant_valid "$v" || images_die "--variant: no variant $v (${IMAGES_VARIANTS[*]})"
+  [[ $(images_variant_tag "$tag" "$v") =~ ^.{1,128}$ ]] || images_die "tag too long for --variant $v: $tag"
+done
 for t in buildah skopeo jq; do command -v $t >/dev/null || images_die "$t not installed (apt-get install $t)"; done
 bin_dir=$(cd "$bin_dir" && pwd) || images_die "no such --bin-dir"
 mkdir -p "$out"
@@ -67,7 +88,9 @@ declare -A t_step=()
 declare -A bins=([controller]="flexinfer-controller flexinfer" [worker]="flexinfer-worker flexinfer-standin?"
   [standin]="flexinfer-standin" [proxy]="flexinfer-proxy")
 images=(controller worker)
-if ((${#only[@]})); then
+if ((${#variants[@]})) && ! ((${#only[@]})); then
+  images=(worker)
+elif ((${#only[@]})); then
   for n in "${only[@]}"; do
     [[ -n ${bins[$n]:-} && -f $root/build/$n.Dockerfile ]] || images_die "--only: no image $n (controller, worker, standin, proxy)"
   done
@@ -95,9 +118,61 @@ for img in "${images[@]}"; do
   files[$img]=${list[*]}
 done
 
+# Build units: image[@variant]; the worker's variants replace the plain worker when --variant is given
+# (variant cpu is the plain worker).
+units=()
+for img in "${images[@]}"; do
+  if [[ $img == worker ]] && ((${#variants[@]})); then
+    for v in "${variants[@]}"; do
+      u=worker@$v
+      [[ $v == cpu ]] && u=worker # the plain worker image, built exactly as without --variant
+      [[ " ${units[*]} " == *" $u "* ]] || units+=("$u")
+    done
+  else
+    units+=("$img")
+  fi
+done
+
+# The contract version, baked into the worker images as a label.
+script_version=""
+if [[ -n ${files[worker]:-} ]]; then
+  script_version=$("$bin_dir/flexinfer-worker" version 2>/dev/null) || script_version=""
+  [[ $script_version =~ ^v[0-9]+$ ]] || { images_log "worker: \`flexinfer-worker version\` gave '$script_version', no script-version label"; script_version=""; }
+fi
+
+# The HIP code objects, when a ROCm variant is built.
+if [[ " ${units[*]} " == *" worker@rocm-"* ]]; then
+  if [[ -z $kernels ]]; then
+    images_log "HIP code objects: scripts/hip/build-code-objects.sh (cached)"
+    kernels=$(bash "$root/scripts/hip/build-code-objects.sh") || images_die "scripts/hip/build-code-objects.sh failed"
+  fi
+  kernels=$(cd "$kernels" && pwd) || images_die "no such --kernels directory"
+  for u in "${units[@]}"; do
+    [[ $u == worker@rocm-* ]] || continue
+    g=$(images_variant_gfx "${u#worker@}")
+    [[ -s $kernels/gptq-$g.hsaco ]] || images_die "$u: no $kernels/gptq-$g.hsaco (scripts/hip/build-code-objects.sh)"
+  done
+fi
+
+# Bases: the default one, and one per distinct variant recipe (base.sh caches each).
+declare -A bases=() base_ids=() base_pkgs=() base_of_env=()
+base_for() { # base_for VARIANT -> sets the base of that variant in bases[VARIANT] (cpu: the default base)
+  local v=$1 envs=() line
+  while IFS= read -r line; do [[ -n $line ]] && envs+=("$line"); done < <(images_variant_base_env "$v")
+  # variants with the same recipe share one base.sh run (BASE_REBUILD=1 rebuilds it once)
+  local k="recipe ${envs[*]}" # never empty (the default recipe has no lines)
+  [[ -n ${base_of_env[$k]:-} ]] || base_of_env[$k]=$(env "${envs[@]}" bash "$here/base.sh")
+  bases[$v]=${base_of_env[$k]}
+  base_ids[$v]=$(bah inspect --type image --format '{{.FromImageID}}' "${bases[$v]}")
+  local id=${bases[$v]##*:}
+  base_pkgs[$v]=$FLEXINFER_IMAGES_CACHE/base-$id.packages
+}
 t0=$(date +%s)
-base=$(bash "$here/base.sh")
-base_id=$(bah inspect --type image --format '{{.FromImageID}}' "$base")
+for u in "${units[@]}"; do
+  v=cpu; [[ $u == *@* ]] && v=${u#*@}
+  [[ -n ${bases[$v]:-} ]] || base_for "$v"
+done
+base=${bases[cpu]:-}
 t_step[base]=$(($(date +%s) - t0))
 
 # sha256 of a binary, remembered by path, size, mtime and inode (hashing ~600 MB of dev binaries
@@ -116,25 +191,53 @@ bin_sha256() {
 }
 
 summary=()
-for img in "${images[@]}"; do
+for unit in "${units[@]}"; do
   t0=$(date +%s)
+  img=${unit%@*}
+  variant=""; [[ $unit == *@* ]] && variant=${unit#*@}
   dockerfile=$root/build/$img.Dockerfile
-  ref=flexinfer/$img:$tag
-  archive=$out/flexinfer-$img-$tag.tar
+  itag=$tag
+  [[ -n $variant ]] && itag=$(images_variant_tag "$tag" "$variant")
+  ref=flexinfer/$img:$itag
+  archive=$out/flexinfer-$img-$itag.tar
+  ubase=${bases[${variant:-cpu}]} ubase_id=${base_ids[${variant:-cpu}]}
+  # Labels and build arguments beyond the common ones.
+  extra=() target=runtime-prebuilt gfx=""
+  if [[ $img == worker && -n $script_version ]]; then
+    extra+=(--label "dev.flexinfer.script-version=$script_version")
+  fi
+  if [[ -n $variant && $variant != cpu ]]; then
+    extra+=(--label "dev.flexinfer.variant=$variant")
+    read -r rpkg _ <<<"$(images_variant_runtime "$variant")"
+    rver=$(awk -v p="$rpkg" '$1 == p { print $2 }' "${base_pkgs[$variant]}" 2>/dev/null)
+    [[ -n $rver ]] || images_die "$unit: $rpkg not in the base ${ubase} (${base_pkgs[$variant]})"
+    extra+=(--label "dev.flexinfer.runtime=$rpkg=$rver")
+    gfx=$(images_variant_gfx "$variant")
+    if [[ -n $gfx ]]; then
+      target=runtime-prebuilt-kernels
+      extra+=(--build-arg KERNEL_DIR=kernels)
+    fi
+  fi
   key=$(
     {
       echo "dockerfile $(images_sha256 < "$dockerfile")"
-      echo "script $(cat "$here/build.sh" "$here/lib.sh" | images_sha256)"
-      echo "base $base $base_id"
+      if [[ -n $variant ]]; then
+        echo "script $(cat "$here/build.sh" "$here/lib.sh" "$here/variants.sh" | images_sha256)"
+      else
+        echo "script $(cat "$here/build.sh" "$here/lib.sh" | images_sha256)"
+      fi
+      echo "base $ubase $ubase_id"
       echo "epoch $SOURCE_DATE_EPOCH strip $strip ref $ref"
       for b in ${files[$img]}; do echo "bin $b $(bin_sha256 "$bin_dir/$b")"; done
+      [[ -z $gfx ]] || echo "kernel gptq-$gfx.hsaco $(images_sha256 < "$kernels/gptq-$gfx.hsaco")"
+      echo "extra ${extra[*]}"
     } | images_sha256
   )
   if [[ -s $archive && -f $archive.info && -f $archive.key && $(cat "$archive.key") == "$key" ]]; then
-    images_log "$img: inputs unchanged, keeping $archive"
+    images_log "$unit: inputs unchanged, keeping $archive"
     status=cached
   else
-    images_log "$img: building $ref (${files[$img]}) on $base"
+    images_log "$unit: building $ref (${files[$img]}${gfx:+ gptq-$gfx.hsaco}) on $ubase"
     rm -f "$archive.key" "$archive.info"
     ctx=$(mktemp -d "$FLEXINFER_IMAGES_CACHE/.ctx-XXXXXX")
     trap 'rm -rf "$ctx"' EXIT
@@ -144,12 +247,16 @@ for img in "${images[@]}"; do
       else cp "$bin_dir/$b" "$ctx/bin/$b"; fi
       chmod 0755 "$ctx/bin/$b"
     done
+    if [[ -n $gfx ]]; then
+      mkdir "$ctx/kernels"
+      install -m 0644 "$kernels/gptq-$gfx.hsaco" "$ctx/kernels/gptq-$gfx.hsaco"
+    fi
     bah bud --quiet --isolation chroot --pull=never --timestamp "$SOURCE_DATE_EPOCH" \
-      --identity-label=false --target runtime-prebuilt \
-      --build-arg "BASE=$base" --build-arg BIN_DIR=bin \
+      --identity-label=false --target "$target" \
+      --build-arg "BASE=$ubase" --build-arg BIN_DIR=bin \
       --label "org.opencontainers.image.title=flexinfer-$img" \
-      --label "org.opencontainers.image.version=$tag" \
-      --label "dev.flexinfer.base=$base" \
+      --label "org.opencontainers.image.version=$itag" \
+      --label "dev.flexinfer.base=$ubase" "${extra[@]}" \
       -f "$dockerfile" -t "localhost/$ref" "$ctx" >/dev/null
     rm -rf "$ctx"
     trap - EXIT
@@ -163,26 +270,26 @@ for img in "${images[@]}"; do
     status=built
   fi
   read -r id size < "$archive.info" || { id="sha256:?" size="?"; }
-  t_step[$img]=$(($(date +%s) - t0))
-  line="$ref  $status  image $size, archive $(images_size "$archive")  id ${id:7:12}  $archive  (${t_step[$img]} s)"
+  t_step[$unit]=$(($(date +%s) - t0))
+  line="$ref  $status  image $size, archive $(images_size "$archive")  id ${id:7:12}  $archive  (${t_step[$unit]} s)"
 
   if [[ -n $push ]]; then
     t0=$(date +%s)
-    dest=docker://$push/flexinfer/$img:$tag
-    images_log "$img: pushing to $dest"
+    dest=docker://$push/flexinfer/$img:$itag
+    images_log "$unit: pushing to $dest"
     skopeo copy --quiet --dest-tls-verify=false "docker-archive:$archive" "$dest"
     pushed=$(skopeo inspect --tls-verify=false --format '{{.Digest}}' "$dest")
-    line+=$'\n'"    pushed $push/flexinfer/$img:$tag @ $pushed ($(($(date +%s) - t0)) s)"
+    line+=$'\n'"    pushed $push/flexinfer/$img:$itag @ $pushed ($(($(date +%s) - t0)) s)"
   fi
   if ((load)); then
     loader=$root/scripts/testenv/load-image.sh
     if [[ -f $loader ]]; then
       t0=$(date +%s)
-      images_log "$img: loading into the test node: $loader $archive $ref"
+      images_log "$unit: loading into the test node: $loader $archive $ref"
       bash "$loader" "$archive" "$ref"
       line+=$'\n'"    loaded into the test node ($(($(date +%s) - t0)) s)"
     else
-      images_log "$img: --load skipped: $loader does not exist yet"
+      images_log "$unit: --load skipped: $loader does not exist yet"
       line+=$'\n'"    --load skipped (no scripts/testenv/load-image.sh)"
     fi
   fi
@@ -190,6 +297,13 @@ for img in "${images[@]}"; do
 done
 
 bah rmi --prune >/dev/null 2>&1 || true # the images these tags pointed to before
-echo "base   $base  ($(images_size "$FLEXINFER_IMAGES_CACHE/base-${base##*:}.tar" 2>/dev/null || echo ?) rootfs, ${t_step[base]} s)"
+if [[ -n $base ]]; then
+  echo "base   $base  ($(images_size "$FLEXINFER_IMAGES_CACHE/base-${base##*:}.tar" 2>/dev/null || echo ?) rootfs, ${t_step[base]} s)"
+fi
+for v in "${variants[@]}"; do
+  [[ $v == cpu ]] && continue
+  echo "base   ${bases[$v]}  ($(images_size "$FLEXINFER_IMAGES_CACHE/base-${bases[$v]##*:}.tar" 2>/dev/null || echo ?) rootfs) for $v"
+done
+[[ -n $base ]] || echo "bases  ${t_step[base]} s"
 for l in "${summary[@]}"; do echo "$l"; done
 echo "total  $(($(date +%s) - t_start)) s"

@@ -10,17 +10,26 @@
 #      only) with `ctr images import`, as scripts/testenv/load-image.sh would, and run --help there.
 #
 #   bash scripts/images/verify.sh [--out DIR] [--tag TAG]     # same defaults as build.sh
+#   bash scripts/images/verify.sh --variant cuda [--variant rocm-gfx1100 …] [--out DIR] [--tag TAG]
+#     the worker variants (build.sh --variant) instead: steps 1 and 2 for flexinfer/worker:TAG-V, plus its
+#     labels, the runtime library the GPU session dlopens (its soname file present, all of its dependencies
+#     resolved by the image's own loader: `ld.so --list`, no "not found"), no libcuda in the image, and for
+#     ROCm the code object in /usr/lib/flexinfer/kernels (an AMDGPU ELF of the right gfx target).
 # shellcheck disable=SC2015  # `test && ok || bad`: ok only prints, it cannot fail
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=scripts/images/lib.sh
 . "$here/lib.sh"
+# shellcheck source=scripts/images/variants.sh
+. "$here/variants.sh"
 out=$FLEXINFER_IMAGES_CACHE/out
 tag=dev
+variants=()
 while (($#)); do
   case $1 in
     --out) out=$2; shift 2 ;;
     --tag) tag=$2; shift 2 ;;
+    --variant) images_variant_valid "$2" || images_die "no variant $2 (${IMAGES_VARIANTS[*]})"; variants+=("$2"); shift 2 ;;
     *) images_die "unknown argument: $1" ;;
   esac
 done
@@ -52,24 +61,72 @@ declare -A entry=([controller]=/usr/local/bin/flexinfer-controller [worker]=/usr
 declare -A helps=([controller]="flexinfer-controller flexinfer" [worker]="flexinfer-worker flexinfer-standin"
   [standin]="flexinfer-standin" [proxy]="flexinfer-proxy")
 images=(controller worker standin proxy)
+declare -A itags=() ivariant=()
+for img in "${images[@]}"; do itags[$img]=$tag; done
+if ((${#variants[@]})); then
+  # units named worker@V; everything below reads the archive of itags[unit]
+  images=()
+  for v in "${variants[@]}"; do
+    images+=("worker@$v"); itags[worker@$v]=$(images_variant_tag "$tag" "$v")
+    [[ $v == cpu ]] || ivariant[worker@$v]=$v # cpu: the plain worker image
+    entry[worker@$v]=${entry[worker]} helps[worker@$v]=${helps[worker]}
+  done
+fi
+# e_flags & 0xff of an AMDGPU code object (EF_AMDGPU_MACH_AMDGCN_*), as tests/hip_code_objects.rs checks
+declare -A gfx_mach=([gfx1100]=65 [gfx906]=47)
 
-for img in "${images[@]}"; do
-  archive=$out/flexinfer-$img-$tag.tar
+for unit in "${images[@]}"; do
+  img=${unit%@*} itag=${itags[$unit]} variant=${ivariant[$unit]:-}
+  archive=$out/flexinfer-$img-$itag.tar
   [[ -s $archive ]] || { echo "  skip  $archive missing (run scripts/images/build.sh first)"; continue; }
   checked=$((checked + 1))
-  echo "flexinfer/$img:$tag ($archive)"
+  echo "flexinfer/$img:$itag ($archive)"
   cfg=$(skopeo inspect --config "docker-archive:$archive")
   user=$(jq -r '.config.User' <<<"$cfg")
   ep=$(jq -c '.config.Entrypoint' <<<"$cfg")
   [[ $user == 65532:65532 ]] && ok "user $user" || bad "user $user (want 65532:65532)"
   [[ $ep == "[\"${entry[$img]}\"]" ]] && ok "entrypoint $ep" || bad "entrypoint $ep (want [\"${entry[$img]}\"])"
+  if [[ $img == worker ]]; then
+    sv=$(jq -r '.config.Labels["dev.flexinfer.script-version"] // ""' <<<"$cfg")
+    [[ $sv =~ ^v[0-9]+$ ]] && ok "label dev.flexinfer.script-version=$sv" || bad "label dev.flexinfer.script-version '$sv'"
+  fi
 
-  skopeo copy --quiet "docker-archive:$archive" "oci:$tmp/oci-$img:$tag"
-  umoci unpack --image "$tmp/oci-$img:$tag" "$tmp/bundle-$img" >/dev/null
-  rootfs=$tmp/bundle-$img/rootfs
-  [[ $(jq -r '.process.user | "\(.uid):\(.gid)"' "$tmp/bundle-$img/config.json") == 65532:65532 ]] \
+  bd=bundle-${unit/@/-}
+  skopeo copy --quiet "docker-archive:$archive" "oci:$tmp/oci-$img:$itag"
+  umoci unpack --image "$tmp/oci-$img:$itag" "$tmp/$bd" >/dev/null
+  rootfs=$tmp/$bd/rootfs
+  if [[ -n $variant ]]; then
+    lv=$(jq -r '.config.Labels["dev.flexinfer.variant"] // ""' <<<"$cfg")
+    lr=$(jq -r '.config.Labels["dev.flexinfer.runtime"] // ""' <<<"$cfg")
+    [[ $lv == "$variant" ]] && ok "label dev.flexinfer.variant=$lv" || bad "label dev.flexinfer.variant '$lv' (want $variant)"
+    read -r rpkg soname <<<"$(images_variant_runtime "$variant")"
+    [[ $lr == "$rpkg="?* ]] && ok "label dev.flexinfer.runtime=$lr" || bad "label dev.flexinfer.runtime '$lr' (want $rpkg=<version>)"
+    lib=$(cd "$rootfs" && find usr/lib -name "$soname" 2>/dev/null | head -1 || true)
+    if [[ -z $lib ]]; then bad "$soname not in the image"
+    else
+      libs=$(chroot "$rootfs" /lib64/ld-linux-x86-64.so.2 --list "/$lib" 2>&1) || true
+      if grep -q 'not found' <<<"$libs" || ! grep -q 'libc.so.6' <<<"$libs"; then bad "/$lib dependencies: $libs"
+      else ok "/$lib -> $(readlink -f "$rootfs/$lib" | sed "s|^$rootfs||"), $(wc -l <<<"$libs") libraries resolved in the image: $(awk '{print $1}' <<<"$libs" | grep -v '^/' | tr '\n' ' ')"; fi
+    fi
+    cuda=$(cd "$rootfs" && find . -name 'libcuda.so*' 2>/dev/null | head -3 | tr '\n' ' ' || true)
+    [[ -z $cuda ]] && ok "no libcuda.so* in the image (the host driver's is mounted at run time)" || bad "libcuda in the image: $cuda"
+    gfx=$(images_variant_gfx "$variant")
+    ks=$(cd "$rootfs" && find ".$IMAGES_KERNEL_DIR" -type f 2>/dev/null | sed 's|^\./|/|' | LC_ALL=C sort | tr '\n' ' ' || true)
+    if [[ -n $gfx ]]; then
+      co=$rootfs$IMAGES_KERNEL_DIR/gptq-$gfx.hsaco
+      # ELF magic, ELFCLASS64, e_machine 224 (EM_AMDGPU) at 18, e_flags at 48
+      if [[ -s $co && $(od -An -tx1 -N4 "$co" | tr -d ' ') == 7f454c46 && $(od -An -tu1 -j4 -N1 "$co" | tr -d ' ') == 2 \
+        && $(od -An -tu2 -j18 -N2 "$co" | tr -d ' ') == 224 && $(( $(od -An -tu4 -j48 -N4 "$co" | tr -d ' ') & 255 )) == "${gfx_mach[$gfx]}" ]]; then
+        ok "$IMAGES_KERNEL_DIR/gptq-$gfx.hsaco: AMDGPU code object for $gfx ($(stat -c %s "$co") bytes)"
+      else bad "$IMAGES_KERNEL_DIR/gptq-$gfx.hsaco missing or not an AMDGPU $gfx code object"; fi
+      [[ $ks == "$IMAGES_KERNEL_DIR/gptq-$gfx.hsaco " ]] && ok "only that code object in $IMAGES_KERNEL_DIR" || bad "$IMAGES_KERNEL_DIR holds: $ks"
+    else
+      [[ -z $ks ]] && ok "no code objects ($variant)" || bad "code objects in a $variant image: $ks"
+    fi
+  fi
+  [[ $(jq -r '.process.user | "\(.uid):\(.gid)"' "$tmp/$bd/config.json") == 65532:65532 ]] \
     && ok "umoci bundle runs as 65532:65532" || bad "umoci bundle user"
-  for b in ${helps[$img]}; do
+  for b in ${helps[$unit]}; do
     if [[ ! -e $rootfs/usr/local/bin/$b ]]; then
       [[ $b == flexinfer-standin ]] && { ok "$b not in the image (not built)"; continue; }
       bad "$b missing"; continue
@@ -85,8 +142,8 @@ for img in "${images[@]}"; do
   done
   if command -v runc >/dev/null; then
     jq --arg b "${entry[$img]}" '.process.args=[$b,"--help"] | .process.terminal=false' \
-      "$tmp/bundle-$img/config.json" > "$tmp/config.json" && mv "$tmp/config.json" "$tmp/bundle-$img/config.json"
-    if o=$(cd "$tmp/bundle-$img" && timeout 60 runc --root "$tmp/runc" run "fi-verify-$img-$$" 2>&1); then
+      "$tmp/$bd/config.json" > "$tmp/config.json" && mv "$tmp/config.json" "$tmp/$bd/config.json"
+    if o=$(cd "$tmp/$bd" && timeout 60 runc --root "$tmp/runc" run "fi-verify-${unit/@/-}-$$" 2>&1); then
       ok "runc (uid 65532, own netns): ${entry[$img]##*/} --help: $(head -1 <<<"$o")"
     elif ran "${entry[$img]##*/}" "$o"; then
       ok "runc (uid 65532, own netns): ${entry[$img]##*/} ran: $(head -1 <<<"$o")"
@@ -110,19 +167,20 @@ R
   for _ in $(seq 50); do curl -fsS "http://127.0.0.1:$port/v2/" >/dev/null 2>&1 && break; sleep 0.2; done
   reg=127.0.0.1:$port
   echo "registry $reg (pid $reg_pid)"
-  for img in "${images[@]}"; do
-    archive=$out/flexinfer-$img-$tag.tar
+  for unit in "${images[@]}"; do
+    img=${unit%@*} itag=${itags[$unit]}
+    archive=$out/flexinfer-$img-$itag.tar
     [[ -s $archive ]] || continue
-    dest=docker://$reg/flexinfer/$img:$tag
+    dest=docker://$reg/flexinfer/$img:$itag
     skopeo copy --quiet --dest-tls-verify=false "docker-archive:$archive" "$dest"
     pushed=$(skopeo inspect --tls-verify=false --format '{{.Digest}}' "$dest")
     # dir: keeps the registry's manifest byte for byte (oci: would convert it to OCI)
-    skopeo copy --quiet --src-tls-verify=false "$dest" "dir:$tmp/back-$img"
-    back=sha256:$(images_sha256 < "$tmp/back-$img/manifest.json")
+    skopeo copy --quiet --src-tls-verify=false "$dest" "dir:$tmp/back-$img-$itag"
+    back=sha256:$(images_sha256 < "$tmp/back-$img-$itag/manifest.json")
     c0=$(skopeo inspect --raw "docker-archive:$archive" | jq -r .config.digest)
     c1=$(skopeo inspect --raw --tls-verify=false "$dest" | jq -r .config.digest)
-    c2=$(jq -r .config.digest "$tmp/back-$img/manifest.json")
-    [[ $pushed == "$back" ]] && ok "$img: pushed $reg/flexinfer/$img:$tag @ $pushed, copied back: same manifest digest" \
+    c2=$(jq -r .config.digest "$tmp/back-$img-$itag/manifest.json")
+    [[ $pushed == "$back" ]] && ok "$img: pushed $reg/flexinfer/$img:$itag @ $pushed, copied back: same manifest digest" \
       || bad "$img: pushed $pushed, copied back $back"
     [[ $c0 == "$c1" && $c1 == "$c2" ]] && ok "$img: same config (image id) archive/registry/copy: $c0" \
       || bad "$img: config digests $c0 / $c1 / $c2"
@@ -152,13 +210,14 @@ C
   ctrd_pid=$!
   c() { ctr --address "$tmp/ctrd/sock" --namespace flexinfer-verify "$@"; }
   for _ in $(seq 50); do c version >/dev/null 2>&1 && break; sleep 0.2; done
-  for img in "${images[@]}"; do
-    archive=$out/flexinfer-$img-$tag.tar
+  for unit in "${images[@]}"; do
+    img=${unit%@*} itag=${itags[$unit]}
+    archive=$out/flexinfer-$img-$itag.tar
     [[ -s $archive ]] || continue
     if ! o=$(c images import "$archive" 2>&1); then bad "ctr images import $img: $o"; continue; fi
-    name=$(c images ls -q | grep "flexinfer/$img:$tag" || true)
-    [[ $name == "docker.io/flexinfer/$img:$tag" ]] && ok "ctr images import: $name" || bad "ctr import named it '$name'"
-    if o=$(timeout 60 ctr --address "$tmp/ctrd/sock" --namespace flexinfer-verify run --rm "$name" "fi-verify-$img-$$" "${entry[$img]}" --help 2>&1); then
+    name=$(c images ls -q | grep -x "docker.io/flexinfer/$img:$itag" || true)
+    [[ $name == "docker.io/flexinfer/$img:$itag" ]] && ok "ctr images import: $name" || bad "ctr import named it '$name'"
+    if o=$(timeout 60 ctr --address "$tmp/ctrd/sock" --namespace flexinfer-verify run --rm "$name" "fi-verify-${unit/@/-}-$$" "${entry[$img]}" --help 2>&1); then
       ok "ctr run (image user 65532): ${entry[$img]##*/} --help: $(head -1 <<<"$o")"
     elif ran "${entry[$img]##*/}" "$o"; then
       ok "ctr run (image user 65532): ${entry[$img]##*/} ran: $(head -1 <<<"$o")"

@@ -1017,9 +1017,18 @@ async fn deploy_quantizer_mid_run(c: &Client, e: &Env) -> Result<()> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .context("repository root")?;
+    // `--variant cpu`: gfx1100 maps to the rocm-gfx1100 image (tag `<tag>-rocm-gfx1100`, a 300 MB trixie
+    // base with the HIP runtime), which this GPU-less node has no use for; the mapping itself is checked by
+    // the chart tests (scripts/chart-tests/run.sh, deploy-quantizer --dry-run). The cpu variant keeps `<tag>`.
     let out = Command::new("bash")
         .current_dir(root)
-        .args(["scripts/deploy-quantizer.sh", "gfx1100", "--registry"])
+        .args([
+            "scripts/deploy-quantizer.sh",
+            "gfx1100",
+            "--variant",
+            "cpu",
+            "--registry",
+        ])
         .arg(&e.registry)
         .args(["--tag", &tag, "-n", &e.ns, "--wait", "300", "--restart"])
         .arg(format!("{}/{name}", e.ns))

@@ -1,0 +1,73 @@
+# shellcheck shell=bash
+# The worker image's variants (sourced by build.sh, verify.sh and deploy-quantizer.sh, not run).
+#
+# Every variant holds the same flexinfer-worker binary; they differ in the base (the runtime libraries the
+# GPU sessions of crates/flexinfer-quant/src/device/ load with dlopen) and, for ROCm, the HIP code object of
+# one architecture (scripts/hip/build-code-objects.sh) in /usr/lib/flexinfer/kernels/, the default of
+# $FLEXINFER_KERNEL_DIR.
+#
+#   cpu            the default worker image, unchanged: bookworm base (glibc, libgcc), tag TAG
+#   cuda           trixie + non-free libnvrtc12 (NVRTC 12.4: compute_50 … compute_90); libcuda.so.1 is the
+#                  host driver's, mounted by the NVIDIA container runtime, never shipped; tag TAG-cuda
+#   rocm-gfx1100   trixie + libamdhip64-5 (HIP 5.7.1) and its dependencies (HSA runtime, comgr + LLVM 17),
+#                  gptq-gfx1100.hsaco; tag TAG-rocm-gfx1100
+#   rocm-gfx906    the same base, gptq-gfx906.hsaco; tag TAG-rocm-gfx906
+# rocBLAS / rocSOLVER, cuBLAS / cuSOLVER are not in any image: no session loads them yet.
+
+IMAGES_VARIANTS=(cpu cuda rocm-gfx1100 rocm-gfx906)
+# Where the HIP code objects go in the image (the GPU sessions' default FLEXINFER_KERNEL_DIR).
+# shellcheck disable=SC2034  # used by verify.sh
+IMAGES_KERNEL_DIR=/usr/lib/flexinfer/kernels
+
+# images_variant_valid V: exit 0 when V is a variant.
+images_variant_valid() {
+  local v
+  for v in "${IMAGES_VARIANTS[@]}"; do [[ $1 == "$v" ]] && return 0; done
+  return 1
+}
+
+# images_variant_tag TAG V: the tag of variant V's image (cpu keeps TAG: it is the plain worker image).
+images_variant_tag() {
+  if [[ $2 == cpu ]]; then echo "$1"; else echo "$1-$2"; fi
+}
+
+# images_variant_base_env V: the base.sh environment of variant V, one NAME=value per line (empty for cpu:
+# base.sh's defaults). Variants with the same lines share one cached base.
+images_variant_base_env() {
+  case $1 in
+    cpu) ;;
+    cuda)
+      printf '%s\n' BASE_SUITE=trixie BASE_FLAVOR=cuda "BASE_COMPONENTS=main non-free" \
+        BASE_PACKAGES=libc6,libgcc-s1,libnvrtc12 \
+        "BASE_DESCRIPTION=glibc, libgcc, NVRTC 12 (libnvrtc12, non-free), CA certificates, nonroot 65532" ;;
+    rocm-*)
+      printf '%s\n' BASE_SUITE=trixie BASE_FLAVOR=rocm BASE_PACKAGES=libc6,libgcc-s1,libamdhip64-5 \
+        "BASE_DESCRIPTION=glibc, libgcc, HIP runtime (libamdhip64-5), CA certificates, nonroot 65532" ;;
+    *) return 1 ;;
+  esac
+}
+
+# images_variant_gfx V: the AMD target whose code object variant V carries (nothing for cpu and cuda).
+images_variant_gfx() {
+  case $1 in rocm-*) echo "${1#rocm-}" ;; esac
+}
+
+# images_variant_runtime V: the packages whose versions the image names in its dev.flexinfer.runtime label
+# and that verify.sh checks, and the library (soname) the session dlopens from it.
+images_variant_runtime() {
+  case $1 in
+    cuda) echo "libnvrtc12 libnvrtc.so.12" ;;
+    rocm-*) echo "libamdhip64-5 libamdhip64.so.5" ;;
+  esac
+}
+
+# images_arch_variant ARCH: the variant for a GPUProfile architecture (deploy-quantizer.sh): gfx1100 and
+# gfx906 -> their ROCm variant, any sm_XX -> cuda (NVRTC compiles for the card at run time). Other AMD
+# targets have no code object: nothing is printed and the status is 1.
+images_arch_variant() {
+  case $1 in
+    gfx1100 | gfx906) echo "rocm-$1" ;;
+    sm_*) echo cuda ;;
+    *) return 1 ;;
+  esac
+}
