@@ -16,8 +16,9 @@
  * may contract (their summation order differs from faer's anyway; the tests state the tolerance).
  *
  * The sweep factor (the Cholesky factor of the reversed Hessian, columns scaled by their diagonal; see
- * src/numerics/linalg.rs) is computed here too, column by column (gptq_factor_fill, then gptq_chol_update and
- * gptq_chol_pivot for each column, then gptq_factor_scale), so no vendor solver library is needed.
+ * src/numerics/linalg.rs) is computed here too, blocked by panels of columns (gptq_factor_fill; per panel
+ * gptq_chol_update and gptq_chol_pivot for each of its columns, then gptq_chol_trailing; then
+ * gptq_factor_scale), so no vendor solver library is needed.
  */
 
 #if defined(__HIP__) && !defined(GPTQ_HOST)
@@ -185,19 +186,56 @@ GPTQ_KERNEL void gptq_factor_fill(float *m, int ldm, const float *h, int ldh, co
 }
 
 /*
- * Column j of the left-looking Cholesky factorisation of M (lower, ldm), step 1: M[i, j] -= sum over k < j of
- * L[i, k] * L[j, k] for i >= j (columns k < j already hold L). Does nothing once status[0] is set (an earlier
- * column failed). Grid ceil((n - j) / GPTQ_COLUMN_THREADS), block GPTQ_COLUMN_THREADS.
+ * The factorisation is blocked by panels of columns [k0, k1): inside a panel it is left-looking, column by
+ * column (gptq_chol_update, gptq_chol_pivot); after the panel, gptq_chol_trailing subtracts the panel's
+ * contribution from the trailing lower triangle in one tiled launch. Every column j of a panel has then
+ * already received the contributions of the columns before k0.
+ *
+ * Column j of a panel starting at k0, step 1: M[i, j] -= sum over k0 <= k < j of L[i, k] * L[j, k] for i >= j
+ * (columns k < j already hold L). Does nothing once status[0] is set (an earlier column failed). Grid
+ * ceil((n - j) / GPTQ_COLUMN_THREADS), block GPTQ_COLUMN_THREADS.
  */
-GPTQ_KERNEL void gptq_chol_update(float *m, int ldm, int n, int j, const int *status)
+GPTQ_KERNEL void gptq_chol_update(float *m, int ldm, int n, int k0, int j, const int *status)
 {
     int i = j + blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n || status[0] != 0)
         return;
     float s = m[(long long)j * ldm + i];
-    for (int k = 0; k < j; ++k)
+    for (int k = k0; k < j; ++k)
         s -= m[(long long)k * ldm + i] * m[(long long)k * ldm + j];
     m[(long long)j * ldm + i] = s;
+}
+
+/*
+ * After the panel [k0, k1) is factored: M[i, j] -= sum over k0 <= k < k1 of L[i, k] * L[j, k] for
+ * k1 <= j <= i < n (the trailing lower triangle). Grid (ceil((n-k1)/16), ceil((n-k1)/16)), block (16, 16):
+ * block (bx, by) owns rows k1 + by*16.. and columns k1 + bx*16..; tiles wholly above the diagonal, and every
+ * tile once status[0] is set, return at once (the whole block, before any barrier). Each step stages 16 panel
+ * columns of the tile's rows and of its columns in shared memory, loaded down the columns (contiguous in M).
+ */
+GPTQ_KERNEL void gptq_chol_trailing(float *m, int ldm, int n, int k0, int k1, const int *status)
+{
+    __shared__ float la[GPTQ_TILE][GPTQ_TILE + 1]; /* la[k][r] = L[row0 + r, kc + k] */
+    __shared__ float lb[GPTQ_TILE][GPTQ_TILE + 1]; /* lb[k][c] = L[col0 + c, kc + k] */
+    int bx = blockIdx.x, by = blockIdx.y;
+    if (bx > by || status[0] != 0)
+        return;
+    int tx = threadIdx.x, ty = threadIdx.y;
+    int row0 = k1 + by * GPTQ_TILE, col0 = k1 + bx * GPTQ_TILE;
+    int i = row0 + ty, j = col0 + tx;
+    float acc = 0.0f;
+    for (int kc = k0; kc < k1; kc += GPTQ_TILE) {
+        int k = kc + ty;
+        int ra = row0 + tx, rb = col0 + tx;
+        la[ty][tx] = (k < k1 && ra < n) ? m[(long long)k * ldm + ra] : 0.0f;
+        lb[ty][tx] = (k < k1 && rb < n) ? m[(long long)k * ldm + rb] : 0.0f;
+        __syncthreads();
+        for (int kk = 0; kk < GPTQ_TILE; ++kk)
+            acc += la[kk][ty] * lb[kk][tx];
+        __syncthreads();
+    }
+    if (i < n && j < n && i >= j)
+        m[(long long)j * ldm + i] -= acc;
 }
 
 /*

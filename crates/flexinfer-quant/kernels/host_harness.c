@@ -229,7 +229,9 @@ BODY(sweep, gptq_sweep_block(P(0, const float *), P(1, int), P(2, const float *)
                              P(15, float), P(16, float *)))
 BODY(fill, gptq_factor_fill(P(0, float *), P(1, int), P(2, const float *), P(3, int), P(4, const float *),
                             P(5, int)))
-BODY(chol_update, gptq_chol_update(P(0, float *), P(1, int), P(2, int), P(3, int), P(4, const int *)))
+BODY(chol_update, gptq_chol_update(P(0, float *), P(1, int), P(2, int), P(3, int), P(4, int), P(5, const int *)))
+BODY(chol_trailing,
+     gptq_chol_trailing(P(0, float *), P(1, int), P(2, int), P(3, int), P(4, int), P(5, const int *)))
 BODY(chol_pivot, gptq_chol_pivot(P(0, float *), P(1, int), P(2, int), P(3, int), P(4, float *), P(5, int *)))
 BODY(scale, gptq_factor_scale(P(0, float *), P(1, int), P(2, int), P(3, const float *), P(4, int *)))
 BODY(gather, gptq_gather_coef(P(0, float *), P(1, const float *), P(2, int), P(3, int), P(4, int), P(5, int)))
@@ -241,9 +243,9 @@ static const struct {
 } gptq_entries[] = {
     {"gptq_hessian_lower", hessian_launch, 7},  {"gptq_mirror_lower", mirror_launch, 3},
     {"gptq_block_update", update_launch, 10},   {"gptq_sweep_block", sweep_launch, 17},
-    {"gptq_factor_fill", fill_launch, 6},       {"gptq_chol_update", chol_update_launch, 5},
+    {"gptq_factor_fill", fill_launch, 6},       {"gptq_chol_update", chol_update_launch, 6},
     {"gptq_chol_pivot", chol_pivot_launch, 6},  {"gptq_factor_scale", scale_launch, 5},
-    {"gptq_gather_coef", gather_launch, 6},
+    {"gptq_gather_coef", gather_launch, 6},     {"gptq_chol_trailing", chol_trailing_launch, 6},
 };
 
 int gptq_host_launch(const char *name, int nargs, int gx, int gy, int gz, int bx, int by, int bz, void **params)

@@ -183,19 +183,7 @@ impl Vendor for HostVendor {
                     .map_err(|e| Self::err("launch", format!("launch {n}: {}", e.message)))?;
             }
         }
-        let mut slots: Vec<[u8; 8]> = args
-            .iter()
-            .map(|a| {
-                let mut s = [0u8; 8];
-                match *a {
-                    Arg::Ptr(p) => s.copy_from_slice(&p.to_ne_bytes()),
-                    Arg::I64(v) => s.copy_from_slice(&v.to_ne_bytes()),
-                    Arg::I32(v) => s[..4].copy_from_slice(&v.to_ne_bytes()),
-                    Arg::F32(v) => s[..4].copy_from_slice(&v.to_ne_bytes()),
-                }
-                s
-            })
-            .collect();
+        let mut slots = Arg::slots(args);
         let mut params: Vec<*mut c_void> = slots
             .iter_mut()
             .map(|s| s.as_mut_ptr() as *mut c_void)
@@ -418,6 +406,7 @@ fn the_kernel_session_solves_like_the_cpu_session() {
                 Kernel::FactorFill,
                 Kernel::CholUpdate,
                 Kernel::CholPivot,
+                Kernel::CholTrailing,
                 Kernel::FactorScale,
             ]
         } else {

@@ -480,19 +480,7 @@ impl Vendor for DriverVendor {
             )
         })?;
         // Each argument's value in its own 8-byte slot; `params[i]` points at slot i.
-        let mut slots: Vec<[u8; 8]> = args
-            .iter()
-            .map(|a| {
-                let mut s = [0u8; 8];
-                match *a {
-                    Arg::Ptr(p) => s.copy_from_slice(&p.to_ne_bytes()),
-                    Arg::I64(v) => s.copy_from_slice(&v.to_ne_bytes()),
-                    Arg::I32(v) => s[..4].copy_from_slice(&v.to_ne_bytes()),
-                    Arg::F32(v) => s[..4].copy_from_slice(&v.to_ne_bytes()),
-                }
-                s
-            })
-            .collect();
+        let mut slots = Arg::slots(args);
         let mut params: Vec<*mut c_void> = slots
             .iter_mut()
             .map(|s| s.as_mut_ptr() as *mut c_void)

@@ -6,9 +6,8 @@
 use super::{
     DevResult, Device, DeviceError, DeviceKind, DeviceOps, OpsSession, PreparedMeta, Session,
 };
-use crate::events::NullSink;
 use crate::numerics::gptq::{gptq_quantize_in, QuantizedLinear, Workspace};
-use crate::numerics::hessian::{prepare_hessian, sanitize, PreparedFactor};
+use crate::numerics::hessian::PreparedFactor;
 use crate::numerics::linalg::{CpuBackend, LinalgBackend, SweepFactor};
 use crate::params::GptqParams;
 use faer::{Mat, MatRef};
@@ -151,17 +150,9 @@ impl DeviceOps for FakeOps<'_> {
     fn prepare(&mut self, desc_act: bool) -> DevResult<PreparedMeta> {
         let mut h = self.h.take().ok_or_else(|| Self::lost("prepare"))?;
         self.dev.backend.finish_hessian(h.as_mut());
-        let sanitized = sanitize(&mut h);
-        let p = prepare_hessian(h, desc_act, "", &NullSink);
-        let n = p.h.nrows();
-        let diag = (0..n).map(|i| p.h[(i, i)]).collect();
-        self.prepared = Some(p.h);
-        Ok(PreparedMeta {
-            diag,
-            perm: p.perm,
-            dead: p.dead,
-            sanitized,
-        })
+        let (prepared, meta) = PreparedMeta::prepare_on_host(h, desc_act);
+        self.prepared = Some(prepared);
+        Ok(meta)
     }
     fn checkpoint(&mut self) -> DevResult<Mat<f32>> {
         self.prepared

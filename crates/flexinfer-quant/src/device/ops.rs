@@ -2,9 +2,10 @@
 //! card's recovery rules to them ([`OpsSession`]).
 
 use super::{DevResult, DeviceError, Session, SolveSpec};
+use crate::events::NullSink;
 use crate::events::{fields, EventSink};
 use crate::numerics::gptq::{rtn_quantize, QuantizedLinear};
-use crate::numerics::hessian::PreparedHessian;
+use crate::numerics::hessian::{prepare_hessian, sanitize, PreparedHessian};
 use crate::params::GptqParams;
 use faer::{Mat, MatRef};
 use flexinfer_contract::events as names;
@@ -19,6 +20,25 @@ pub struct PreparedMeta {
     pub dead: Vec<bool>,
     /// Non-finite entries replaced by zero.
     pub sanitized: usize,
+}
+
+impl PreparedMeta {
+    /// The host half of [`DeviceOps::prepare`] for devices that prepare on the host: sanitise the
+    /// mirrored Hessian, then the CPU's dead-column fix and act-order permutation. Returns the prepared
+    /// matrix (to keep or upload) and its facts.
+    pub fn prepare_on_host(mut h: Mat<f32>, desc_act: bool) -> (Mat<f32>, PreparedMeta) {
+        let sanitized = sanitize(&mut h);
+        let p = prepare_hessian(h, desc_act, "", &NullSink);
+        let n = p.h.nrows();
+        let diag = (0..n).map(|i| p.h[(i, i)]).collect();
+        let meta = PreparedMeta {
+            diag,
+            perm: p.perm,
+            dead: p.dead,
+            sanitized,
+        };
+        (p.h, meta)
+    }
 }
 
 /// The primitive steps of a solve on a device with its own memory. Every buffer named here lives on the

@@ -338,15 +338,7 @@ pub fn load_linear(
             b,
         });
     }
-    let e = store.entry(&format!("{name}.weight"))?;
-    if e.shape != [rows, cols] {
-        return Err(TensorError::Shape {
-            name: format!("{name}.weight"),
-            shape: e.shape.clone(),
-            expected: vec![rows, cols],
-        }
-        .into());
-    }
+    check_weight_shape(store, name, rows, cols)?;
     let w = store.f32(&format!("{name}.weight"))?;
     Ok(Linear {
         w: mat_from_row_major(&w, rows, cols),
@@ -469,6 +461,11 @@ pub fn check_source_module(
     }
     let name = format!("{}{}", cfg.layer_prefix(layer), spec.name);
     let (rows, cols) = spec.shape;
+    check_weight_shape(store, &name, rows, cols)
+}
+
+/// `{name}.weight` exists and is `rows × cols`; the error names the tensor and both shapes.
+fn check_weight_shape(store: &TensorStore, name: &str, rows: usize, cols: usize) -> Result<()> {
     let e = store.entry(&format!("{name}.weight"))?;
     if e.shape != [rows, cols] {
         return Err(TensorError::Shape {

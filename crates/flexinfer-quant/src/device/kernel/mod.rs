@@ -25,9 +25,9 @@ use super::{
     DevResult, Device, DeviceError, DeviceKind, DeviceOps, OpsSession, PreparedMeta, Session,
     SolveSpec,
 };
-use crate::events::{fields, EventSink, NullSink};
+use crate::events::{fields, EventSink};
 use crate::numerics::gptq::QuantizedLinear;
-use crate::numerics::hessian::{prepare_hessian, sanitize};
+use crate::numerics::hessian::prepare_hessian;
 use crate::numerics::linalg::CpuBackend;
 use crate::params::GptqParams;
 use faer::{Mat, MatRef};
@@ -49,6 +49,25 @@ pub enum Arg {
     F32(f32),
 }
 
+impl Arg {
+    /// The argument's value in an 8-byte slot (native byte order, low bytes for 4-byte values).
+    pub fn slot(&self) -> [u8; 8] {
+        let mut s = [0u8; 8];
+        match *self {
+            Arg::Ptr(p) => s.copy_from_slice(&p.to_ne_bytes()),
+            Arg::I64(v) => s.copy_from_slice(&v.to_ne_bytes()),
+            Arg::I32(v) => s[..4].copy_from_slice(&v.to_ne_bytes()),
+            Arg::F32(v) => s[..4].copy_from_slice(&v.to_ne_bytes()),
+        }
+        s
+    }
+
+    /// Each argument in its own slot, for a launch's `kernelParams` (`params[i]` points at slot `i`).
+    pub fn slots(args: &[Arg]) -> Vec<[u8; 8]> {
+        args.iter().map(Arg::slot).collect()
+    }
+}
+
 /// The kernels of `kernels/gptq.cu`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Kernel {
@@ -61,10 +80,11 @@ pub enum Kernel {
     CholPivot,
     FactorScale,
     GatherCoef,
+    CholTrailing,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 9] = [
+    pub const ALL: [Kernel; 10] = [
         Kernel::HessianLower,
         Kernel::MirrorLower,
         Kernel::BlockUpdate,
@@ -74,6 +94,7 @@ impl Kernel {
         Kernel::CholPivot,
         Kernel::FactorScale,
         Kernel::GatherCoef,
+        Kernel::CholTrailing,
     ];
     /// The `extern "C"` entry name.
     pub fn entry(self) -> &'static str {
@@ -87,6 +108,7 @@ impl Kernel {
             Kernel::CholPivot => "gptq_chol_pivot",
             Kernel::FactorScale => "gptq_factor_scale",
             Kernel::GatherCoef => "gptq_gather_coef",
+            Kernel::CholTrailing => "gptq_chol_trailing",
         }
     }
 }
@@ -510,19 +532,12 @@ impl<V: Vendor> DeviceOps for KernelOps<'_, V> {
             &[Arg::Ptr(h), Arg::I32(n32), Arg::I32(n32)],
         )?;
         let host = self.download_f32(h, n * n)?;
-        let mut hm = Mat::from_fn(n, n, |i, j| host[j * n + i]);
+        let hm = Mat::from_fn(n, n, |i, j| host[j * n + i]);
         drop(host);
-        let sanitized = sanitize(&mut hm);
-        let p = prepare_hessian(hm, desc_act, "", &NullSink);
-        self.upload(h, bytes_of(&packed(p.h.as_ref())))?;
-        let diag = (0..n).map(|i| p.h[(i, i)]).collect();
-        self.host_prepared = Some(p.h);
-        Ok(PreparedMeta {
-            diag,
-            perm: p.perm,
-            dead: p.dead,
-            sanitized,
-        })
+        let (prepared, meta) = PreparedMeta::prepare_on_host(hm, desc_act);
+        self.upload(h, bytes_of(&packed(prepared.as_ref())))?;
+        self.host_prepared = Some(prepared);
+        Ok(meta)
     }
 
     fn checkpoint(&mut self) -> DevResult<Mat<f32>> {

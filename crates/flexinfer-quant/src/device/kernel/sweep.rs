@@ -6,11 +6,19 @@ use super::{
     SWEEP_THREADS, TILE,
 };
 use crate::device::PreparedMeta;
-use crate::numerics::gptq::{block_snapshot, Groups, Method, QuantizedLinear};
+use crate::numerics::gptq::{block_snapshot, DeadFixed, Groups, Method, QuantizedLinear};
 use crate::numerics::linalg::CpuBackend;
 use crate::numerics::quantizer::maxq;
 use crate::params::GptqParams;
 use faer::Mat;
+
+/// Columns per panel of the blocked factorisation: a quarter of n in multiples of the tile, between 16 and
+/// 128. Wide panels make the trailing update (a tiled product over the panel's columns) most of the work;
+/// small matrices still get several panels, so every kernel of the factorisation runs on them too.
+pub fn factor_panel(n: usize) -> usize {
+    let tile = TILE as usize;
+    (n / 4 / tile * tile).clamp(tile, 128)
+}
 
 impl<V: Vendor> KernelOps<'_, V> {
     /// The factor of the last successful [`crate::device::DeviceOps::try_factor`], downloaded: `M` (n × n,
@@ -53,35 +61,55 @@ impl<V: Vendor> KernelOps<'_, V> {
                 Arg::I32(n32),
             ],
         )?;
-        for j in 0..n {
-            let grid = [blocks(n - j, COLUMN_THREADS), 1, 1];
-            let block = [COLUMN_THREADS, 1, 1];
-            let j32 = j as i32;
-            self.launch(
-                Kernel::CholUpdate,
-                grid,
-                block,
-                &[
-                    Arg::Ptr(m),
-                    Arg::I32(n32),
-                    Arg::I32(n32),
-                    Arg::I32(j32),
-                    Arg::Ptr(status),
-                ],
-            )?;
-            self.launch(
-                Kernel::CholPivot,
-                grid,
-                block,
-                &[
-                    Arg::Ptr(m),
-                    Arg::I32(n32),
-                    Arg::I32(n32),
-                    Arg::I32(j32),
-                    Arg::Ptr(r),
-                    Arg::Ptr(status),
-                ],
-            )?;
+        let panel = factor_panel(n);
+        for k0 in (0..n).step_by(panel) {
+            let k1 = (k0 + panel).min(n);
+            for j in k0..k1 {
+                let grid = [blocks(n - j, COLUMN_THREADS), 1, 1];
+                let block = [COLUMN_THREADS, 1, 1];
+                let j32 = j as i32;
+                self.launch(
+                    Kernel::CholUpdate,
+                    grid,
+                    block,
+                    &[
+                        Arg::Ptr(m),
+                        Arg::I32(n32),
+                        Arg::I32(n32),
+                        Arg::I32(k0 as i32),
+                        Arg::I32(j32),
+                        Arg::Ptr(status),
+                    ],
+                )?;
+                self.launch(
+                    Kernel::CholPivot,
+                    grid,
+                    block,
+                    &[
+                        Arg::Ptr(m),
+                        Arg::I32(n32),
+                        Arg::I32(n32),
+                        Arg::I32(j32),
+                        Arg::Ptr(r),
+                        Arg::Ptr(status),
+                    ],
+                )?;
+            }
+            if k1 < n {
+                self.launch(
+                    Kernel::CholTrailing,
+                    Self::square(n - k1),
+                    [TILE, TILE, 1],
+                    &[
+                        Arg::Ptr(m),
+                        Arg::I32(n32),
+                        Arg::I32(n32),
+                        Arg::I32(k0 as i32),
+                        Arg::I32(k1 as i32),
+                        Arg::Ptr(status),
+                    ],
+                )?;
+            }
         }
         self.launch(
             Kernel::FactorScale,
@@ -145,14 +173,8 @@ impl<V: Vendor> KernelOps<'_, V> {
     ) -> DevResult<QuantizedLinear> {
         let (rows, cols, n) = (w_in.nrows(), w_in.ncols(), self.n);
         let (r32, n32) = (dims("sweep", rows)?, self.n32("sweep")?);
-        let zero_col = vec![0f32; rows];
-        let orig_col = |c: usize| -> &[f32] {
-            if meta.dead.get(c).copied().unwrap_or(false) {
-                &zero_col
-            } else {
-                w_in.col_as_slice(c)
-            }
-        };
+        let fixed = DeadFixed::new(w_in, &meta.dead);
+        let orig_col = |c: usize| fixed.col(c);
         let mut groups = Groups::new(p, w_in, &orig_col);
         let perm: Vec<usize> = meta.perm.clone().unwrap_or_else(|| (0..cols).collect());
         let mut w0 = Vec::with_capacity(rows * cols);
@@ -298,17 +320,10 @@ impl<V: Vendor> KernelOps<'_, V> {
         };
         let (scales, zeros, g_idx) = groups.finish();
         Ok(QuantizedLinear {
-            rows,
-            cols,
-            bits: p.bits,
-            sym: p.sym,
-            codes,
-            scales,
-            zeros,
-            g_idx,
             method: Method::Gptq,
             loss,
             damp,
+            ..QuantizedLinear::rtn(p, rows, cols, codes, scales, zeros, g_idx)
         })
     }
 }

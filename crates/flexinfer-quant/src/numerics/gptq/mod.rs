@@ -57,8 +57,8 @@ pub struct QuantizedLinear {
 
 impl QuantizedLinear {
     /// Codes and group parameters made with `p`'s bit width and symmetry, labelled RTN (no loss, no
-    /// damp); the GPTQ sweep sets its own method, loss and damp on top.
-    fn rtn(
+    /// damp); the GPTQ sweeps (CPU and device) set their own method, loss and damp on top.
+    pub(crate) fn rtn(
         p: &GptqParams,
         rows: usize,
         cols: usize,
@@ -149,15 +149,9 @@ pub fn gptq_quantize_in(
     let cols = w_in.ncols();
     let gs = p.effective_group(cols);
     let maxq = maxq(p.bits);
-    let zero_col = vec![0f32; rows];
     // Column `c` (original order) after the dead-column fix: the sweep's `W_c` (module docs of `linalg`).
-    let orig_col = |c: usize| -> &[f32] {
-        if factor.dead.get(c).copied().unwrap_or(false) {
-            &zero_col
-        } else {
-            w_in.col_as_slice(c)
-        }
-    };
+    let fixed = DeadFixed::new(w_in, &factor.dead);
+    let orig_col = |c: usize| fixed.col(c);
 
     let mut groups = Groups::new(p, w_in, &orig_col);
     let perm: Vec<usize> = factor.perm.clone().unwrap_or_else(|| (0..cols).collect());
@@ -397,6 +391,33 @@ pub(crate) struct Groups<'p> {
     scales: Vec<f32>,
     zeros: Vec<u8>,
     g_idx: Vec<i32>,
+}
+
+/// A module's W with its dead columns (those the Hessian preparation zeroed) read as zero: the columns
+/// the sweep starts from, on the CPU and on a device.
+pub(crate) struct DeadFixed<'a> {
+    w: &'a Mat<f32>,
+    dead: &'a [bool],
+    zero: Vec<f32>,
+}
+
+impl<'a> DeadFixed<'a> {
+    pub(crate) fn new(w: &'a Mat<f32>, dead: &'a [bool]) -> Self {
+        DeadFixed {
+            w,
+            dead,
+            zero: vec![0f32; w.nrows()],
+        }
+    }
+
+    /// Column `c` in the original order, zero when it is dead.
+    pub(crate) fn col(&self, c: usize) -> &[f32] {
+        if self.dead.get(c).copied().unwrap_or(false) {
+            &self.zero
+        } else {
+            self.w.col_as_slice(c)
+        }
+    }
 }
 
 impl<'p> Groups<'p> {
