@@ -5,13 +5,13 @@
 //! resume/verify/progress code, which needs plain blob URLs plus the negotiated auth header; see
 //! docs/user/download-and-publish.md.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use base64::Engine as _;
-use flexinfer_contract::{check_relative_path, oci_artifact, PathError};
+use flexinfer_contract::{check_relative_path, oci_artifact};
 use futures::TryStreamExt;
 use reqwest::header::{
     HeaderMap, AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE, LOCATION, WWW_AUTHENTICATE,
@@ -21,186 +21,19 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tokio::sync::Mutex;
 
-use crate::common::{Retry, WorkerError};
+use crate::common::Retry;
 use crate::download::fetch::{strip_url, Transport};
 use crate::download::RemoteFile;
 use crate::http::{self, Origin, ScopedAuth};
 
-/// OCI client errors: a bad reference, artifact or credentials ([`OciError::is_bad_input`], exit
-/// 2), else a transport or registry failure (exit 1; a blob upload retries those).
-#[derive(Debug, thiserror::Error)]
-pub enum OciError {
-    #[error("invalid OCI reference {reference:?}: {problem}")]
-    Reference {
-        reference: String,
-        #[source]
-        problem: ReferenceProblem,
-    },
-    #[error("cannot read docker config {}: {source}", .path.display())]
-    DockerConfigRead {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("docker config {} is not valid JSON: {source}", .path.display())]
-    DockerConfigJson {
-        path: PathBuf,
-        #[source]
-        source: serde_json::Error,
-    },
-    #[error("docker config entry for {registry}: auth is not base64")]
-    AuthNotBase64 {
-        registry: String,
-        #[source]
-        source: base64::DecodeError,
-    },
-    #[error("docker config entry for {registry}: auth is not UTF-8")]
-    AuthNotUtf8 {
-        registry: String,
-        #[source]
-        source: std::string::FromUtf8Error,
-    },
-    #[error("docker config entry for {registry} has neither username/password nor auth")]
-    NoCredentialsInEntry { registry: String },
-    #[error(
-        "TLS with {base} failed ({source}); if this registry speaks plain HTTP or uses a \
-         certificate you do not trust, set publish.insecure: true (OCI_INSECURE)"
-    )]
-    Tls {
-        base: String,
-        #[source]
-        source: Transport,
-    },
-    #[error("registry {registry} is not a host name")]
-    NotAHost { registry: String },
-    #[error("{what}: not found (HTTP 404)")]
-    NotFound { what: String },
-    #[error("manifest digest mismatch: asked for {want}, registry served {served}")]
-    DigestMismatch { want: String, served: String },
-    #[error("{reference} is not an OCI image manifest: {source}")]
-    NotAManifest {
-        reference: String,
-        #[source]
-        source: serde_json::Error,
-    },
-    #[error("artifact layer has an unsafe title: {0}")]
-    UnsafeTitle(#[source] PathError),
-    #[error("layer {title}: unsupported digest {digest}")]
-    UnsupportedDigest { title: String, digest: String },
-    #[error("{reference} has no titled file layers")]
-    NoFileLayers { reference: String },
-    #[error("the registry token is not a header value")]
-    TokenNotAHeader,
-    #[error(
-        "registry requires authentication: set OCI_USERNAME/OCI_PASSWORD or DOCKER_CONFIG_JSON"
-    )]
-    NeedCredentials,
-    #[error(
-        "the registry asks for basic credentials over plain http; set insecure only \
-         for a registry you trust on this network"
-    )]
-    BasicOverHttp,
-    #[error("registry rejected the credentials (HTTP 401)")]
-    CredentialsRejected,
-    #[error("bearer challenge without realm")]
-    NoRealm,
-    #[error("bearer challenge realm {realm:?} is not a URL")]
-    RealmNotAUrl { realm: String },
-    /// `anonymous`: no credentials were configured (the message says how to set them).
-    #[error(
-        "token endpoint refused the request (HTTP {}){}",
-        .status.as_u16(),
-        if *.anonymous { ": set OCI_USERNAME/OCI_PASSWORD or DOCKER_CONFIG_JSON" } else { "" }
-    )]
-    TokenRefused { status: StatusCode, anonymous: bool },
-    #[error("token response is not JSON: {0}")]
-    TokenNotJson(#[source] serde_json::Error),
-    #[error("token endpoint returned no token")]
-    NoToken,
-    #[error(
-        "{what}: access denied (HTTP {}); check OCI_USERNAME/OCI_PASSWORD or DOCKER_CONFIG_JSON",
-        .status.as_u16()
-    )]
-    AccessDenied { what: String, status: StatusCode },
-    /// A body over its limit (bad input) or cut off while read (transport).
-    #[error(transparent)]
-    Body(http::BodyError),
-    #[error("cannot build the HTTP client: {0}")]
-    HttpClient(#[source] reqwest::Error),
-    #[error("{what}: {source}")]
-    Request {
-        what: String,
-        #[source]
-        source: Transport,
-    },
-    /// `body`: the start of the registry's answer.
-    #[error("{what}: registry answered HTTP {} {body}", .status.as_u16())]
-    Status {
-        what: String,
-        status: StatusCode,
-        body: String,
-    },
-    #[error("upload session without Location")]
-    NoUploadLocation,
-    #[error("opening {}: {source}", .path.display())]
-    Open {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("upload location {url:?} is not a URL")]
-    UploadLocationNotAUrl { url: String },
-    #[error("uploading {}: token expired (HTTP 401)", .path.display())]
-    TokenExpired { path: PathBuf },
-    #[error("tag list is not JSON: {0}")]
-    TagListNotJson(#[source] serde_json::Error),
-}
-
-impl OciError {
-    /// A bad reference, artifact or credentials: retrying will not help (exit 2).
-    pub fn is_bad_input(&self) -> bool {
-        match self {
-            OciError::Body(b) => matches!(b, http::BodyError::TooLarge { .. }),
-            OciError::HttpClient(_)
-            | OciError::Request { .. }
-            | OciError::Status { .. }
-            | OciError::NoUploadLocation
-            | OciError::Open { .. }
-            | OciError::UploadLocationNotAUrl { .. }
-            | OciError::TokenExpired { .. }
-            | OciError::TagListNotJson(_) => false,
-            _ => true,
-        }
-    }
-}
-
-/// Why an OCI reference is not one.
-#[derive(Debug, thiserror::Error)]
-pub enum ReferenceProblem {
-    #[error("digest must be sha256:<64 hex>")]
-    Digest,
-    #[error("expected registry/repository")]
-    NoRepository,
-    #[error("the first component must be a registry host (e.g. ghcr.io or host:5000)")]
-    NoRegistry,
-    #[error("repository must be lowercase [a-z0-9._-] path components")]
-    Repository,
-    #[error(transparent)]
-    Tag(#[from] InvalidTag),
-}
-
-/// A registry failure: exit 2 for a bad reference, artifact or credentials, else 1
-/// ([`WorkerError::kind`]).
-pub fn worker_error(e: OciError) -> WorkerError {
-    WorkerError::Oci(e)
-}
-
 /// `registry[:port]/repo/path[:tag][@sha256:…]`.
 mod auth;
+mod error;
 mod reference;
 
 use auth::parse_challenge;
 pub use auth::{Credentials, RegistryArgs};
+pub use error::{worker_error, OciError, ReferenceProblem};
 pub use reference::{check_tag, is_sha256_digest, InvalidTag, Reference};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
