@@ -17,6 +17,7 @@
 
 pub mod data;
 pub mod direction;
+pub mod dtype;
 pub mod edit;
 pub mod forward;
 pub mod output;
