@@ -64,12 +64,48 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or_else(|| Path::new("."));
     std::fs::create_dir_all(dir)?;
-    let mut tmp = tempfile::NamedTempFile::new_in(dir)?;
+    let mut tmp = temp_file_in(dir)?;
     tmp.write_all(bytes)?;
     tmp.as_file().sync_all()?;
     tmp.persist(path).map_err(|e| e.error)?;
     // The rename is durable only once the directory entry is.
     fsync_dir(dir)
+}
+
+/// The name prefix of the temporary files the workspace writes before a rename ([`write_atomic`],
+/// [`temp_file_in`]). A kill between create and rename leaves one behind; [`is_write_leftover`] and
+/// [`remove_write_leftovers`] are the one rule for recognising and removing them.
+pub const WRITE_TMP_PREFIX: &str = ".tmp";
+
+/// A temporary file in `dir` named with [`WRITE_TMP_PREFIX`], removed on drop unless persisted.
+pub fn temp_file_in(dir: &Path) -> std::io::Result<tempfile::NamedTempFile> {
+    tempfile::Builder::new()
+        .prefix(WRITE_TMP_PREFIX)
+        .tempfile_in(dir)
+}
+
+/// Whether a directory entry named `name` is the temporary file of a write a kill interrupted.
+pub fn is_write_leftover(name: &str) -> bool {
+    name.starts_with(WRITE_TMP_PREFIX)
+}
+
+/// Removes the temporary files interrupted writes left directly in `dir` (not below it); returns how
+/// many. A missing `dir` has none. Only regular files are removed.
+pub fn remove_write_leftovers(dir: &Path) -> std::io::Result<usize> {
+    let rd = match std::fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(e),
+    };
+    let mut n = 0usize;
+    for e in rd {
+        let e = e?;
+        if is_write_leftover(&e.file_name().to_string_lossy()) && e.file_type()?.is_file() {
+            std::fs::remove_file(e.path())?;
+            n = n.saturating_add(1);
+        }
+    }
+    Ok(n)
 }
 
 /// The current time as RFC 3339 in UTC, whole seconds (`2026-01-01T00:00:00Z`).
@@ -83,6 +119,26 @@ pub fn now_rfc3339() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_interrupted_write_leaves_a_file_that_remove_write_leftovers_removes() {
+        let d = tempfile::tempdir().expect("tempdir");
+        write_atomic(&d.path().join("kept.json"), b"{}").expect("write");
+        // What a kill between create and rename leaves: the temporary file, kept.
+        let (_, left) = temp_file_in(d.path()).expect("tmp").keep().expect("keep");
+        assert!(is_write_leftover(
+            &left.file_name().expect("name").to_string_lossy()
+        ));
+        std::fs::create_dir(d.path().join(".tmpdir")).expect("dir");
+        assert_eq!(remove_write_leftovers(d.path()).expect("remove"), 1);
+        assert!(!left.exists());
+        assert!(d.path().join("kept.json").is_file());
+        assert!(d.path().join(".tmpdir").is_dir(), "only regular files go");
+        assert_eq!(
+            remove_write_leftovers(&d.path().join("absent")).expect("absent"),
+            0
+        );
+    }
 
     #[test]
     fn sha256_of_a_file_and_of_bytes_agree() {

@@ -164,7 +164,7 @@ fn write_shard(
 ) -> Result<()> {
     use std::io::Write;
     let dir = path.parent().unwrap_or(Path::new("."));
-    let tmp = tempfile::NamedTempFile::new_in(dir).map_err(|e| QuantError::io(dir, e))?;
+    let tmp = flexinfer_fsutil::temp_file_in(dir).map_err(|e| QuantError::io(dir, e))?;
     {
         let mut w = std::io::BufWriter::with_capacity(8 << 20, tmp.as_file());
         w.write_all(header).map_err(|e| QuantError::io(path, e))?;
@@ -268,7 +268,7 @@ fn remove_stale(staging: &Path, records: &[SaveShard]) {
                 let _ = std::fs::remove_file(e.path());
             }
             // Temporary files of a write a kill interrupted do not belong in the artifact.
-            if fname.starts_with(".tmp") {
+            if flexinfer_fsutil::is_write_leftover(&fname) {
                 let _ = std::fs::remove_file(e.path());
             }
         }

@@ -322,7 +322,8 @@ fn write_shard(
         std::fs::create_dir_all(parent).map_err(|e| io_err(parent, e))?;
     }
     let tmp = dst.with_file_name(format!(
-        ".{}.tmp",
+        "{}.{}",
+        flexinfer_fsutil::WRITE_TMP_PREFIX,
         dst.file_name()
             .map(|n| n.to_string_lossy().to_string())
             .unwrap_or_default()
@@ -383,10 +384,12 @@ fn copy_aux_files(model_dir: &Path, staging: &Path) -> Result<(), WorkerError> {
 /// Removes temporary files a write interrupted by a kill left in `staging` (best effort).
 fn remove_tmp_leftovers(staging: &Path) {
     // Leftovers of a write interrupted by a kill (temporary files) do not belong in the output.
+    let _ = flexinfer_fsutil::remove_write_leftovers(staging);
+    // Releases before this one named a shard's temporary file `.<shard>.tmp`.
     if let Ok(rd) = std::fs::read_dir(staging) {
         for e in rd.flatten() {
             let name = e.file_name().to_string_lossy().to_string();
-            if name.starts_with(".tmp") || (name.starts_with('.') && name.ends_with(".tmp")) {
+            if name.starts_with('.') && name.ends_with(".safetensors.tmp") {
                 let _ = std::fs::remove_file(e.path());
             }
         }

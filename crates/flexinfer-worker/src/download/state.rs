@@ -89,6 +89,8 @@ pub fn invalidate(
         revision: revision.into(),
         files: remote.iter().map(|f| f.path.clone()).collect(),
     };
+    // A kill inside a marker's write leaves its temporary file; it is not part of the download.
+    flexinfer_fsutil::remove_write_leftovers(dir)?;
     let in_progress: Option<InProgress> = std::fs::read_to_string(dir.join(IN_PROGRESS))
         .ok()
         .and_then(|t| serde_json::from_str(&t).ok());
@@ -253,6 +255,27 @@ mod tests {
         assert!(space_error(Path::new("/x"), 1, 2).is_none());
         let d = tempfile::tempdir().unwrap();
         assert!(available_bytes(d.path()).unwrap() > 0);
+    }
+
+    #[test]
+    fn invalidate_removes_what_a_kill_inside_a_marker_write_left() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path();
+        std::fs::write(p.join("config.json"), "{}").unwrap();
+        // A kill between a marker's temporary file and its rename leaves this behind.
+        let (_, left) = flexinfer_fsutil::temp_file_in(p).unwrap().keep().unwrap();
+        let remote = [RemoteFile {
+            path: "config.json".into(),
+            size: 2,
+            sha256: None,
+            url: String::new(),
+            git_sha1: None,
+        }];
+        let events = Events::new("download");
+        invalidate(p, None, "hf://a/b", "main", &remote, &events).unwrap();
+        assert!(!left.exists(), "{} is left", left.display());
+        assert!(p.join("config.json").is_file());
+        assert!(p.join(IN_PROGRESS).is_file());
     }
 
     #[test]
