@@ -146,34 +146,7 @@ pub fn select_device(
                 Err(reason) => return Err(QuantError::DeviceUnavailable { kind, reason }),
             }
         }
-        DeviceChoice::Auto => {
-            let mut reasons = Vec::new();
-            let mut picked = None;
-            for kind in [DeviceKind::Hip, DeviceKind::Cuda] {
-                match attempt(kind, &mut probes) {
-                    Ok(device) => {
-                        picked = Some(Selection {
-                            reason: format!("auto: {} usable", kind.as_str()),
-                            device,
-                        });
-                        break;
-                    }
-                    Err(r) => reasons.push(format!("{}: {r}", kind.as_str())),
-                }
-            }
-            match picked {
-                Some(mut s) => {
-                    if !reasons.is_empty() {
-                        s.reason = format!("{} ({})", s.reason, reasons.join("; "));
-                    }
-                    s
-                }
-                None => Selection {
-                    device: Box::new(CpuBackend::default()),
-                    reason: format!("auto: no usable GPU ({})", reasons.join("; ")),
-                },
-            }
-        }
+        DeviceChoice::Auto => auto(|kind| attempt(kind, &mut probes)),
     };
     events.emit(
         names::GPTQ_DEVICE_SELECTED,
@@ -186,6 +159,28 @@ pub fn select_device(
         ]),
     );
     Ok(selection)
+}
+
+/// `auto`: the first of HIP and CUDA that `attempt` opens, else the CPU; the reason names every probe that
+/// failed.
+fn auto(mut attempt: impl FnMut(DeviceKind) -> Result<Box<dyn Device>, ProbeError>) -> Selection {
+    let mut reasons = Vec::new();
+    for kind in [DeviceKind::Hip, DeviceKind::Cuda] {
+        match attempt(kind) {
+            Ok(device) => {
+                let mut reason = format!("auto: {} usable", kind.as_str());
+                if !reasons.is_empty() {
+                    reason = format!("{reason} ({})", reasons.join("; "));
+                }
+                return Selection { device, reason };
+            }
+            Err(r) => reasons.push(format!("{}: {r}", kind.as_str())),
+        }
+    }
+    Selection {
+        device: Box::new(CpuBackend::default()),
+        reason: format!("auto: no usable GPU ({})", reasons.join("; ")),
+    }
 }
 
 /// The device memory an input group may use: `fraction` of `GPU_VRAM_MB` when it is set (gfx906 cards

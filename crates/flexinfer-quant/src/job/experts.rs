@@ -90,45 +90,79 @@ pub(super) fn quantize_experts(
                 rms_norm(sub.as_ref(), &expert_norm, eps)
             }
         };
-        let alpha = 2.0 / n_e as f32;
-        let name = |i: usize| format!("{}{}", ctx.prefix, ctx.specs[i].name);
-        if !gate_up.is_empty() {
-            let cols = cfg.hidden_size;
-            let mut h = ctx.layer.run.device.open(cols)?;
-            for s in 0..hidden.len() {
-                let a = rows_of(s);
-                if a.nrows() > 0 {
-                    h.accumulate(a.as_ref(), alpha)?;
-                }
-            }
-            let names: Vec<String> = gate_up.iter().map(|&i| name(i)).collect();
-            solve_group(ctx.layer.run, h, lw, &gate_up, &names, results)?;
-        }
-        if !down.is_empty() {
-            let (g, u) = match (lw.module(ig), lw.module(iu)) {
-                (Some(g), Some(u)) => (g, u),
-                _ => {
-                    return Err(NumericError::ExpertMissing {
-                        layer_prefix: ctx.prefix.to_string(),
-                        expert: e,
-                    }
-                    .into())
-                }
-            };
-            let cols = g.w.nrows();
-            let mut h = ctx.layer.run.device.open(cols)?;
-            for s in 0..hidden.len() {
-                let a = rows_of(s);
-                if a.nrows() > 0 {
-                    let act = gated(g, u, a.as_ref(), m.spec.act);
-                    h.accumulate(act.as_ref(), alpha)?;
-                }
-            }
-            let names: Vec<String> = down.iter().map(|&i| name(i)).collect();
-            solve_group(ctx.layer.run, h, lw, &down, &names, results)?;
-        }
+        let unit = Unit {
+            expert: e,
+            modules: [ig, iu, id],
+            gate_up,
+            down,
+            alpha: 2.0 / n_e as f32,
+            rows_of: &rows_of,
+        };
+        solve_unit(ctx, hidden.len(), lw, results, &unit)?;
     }
     Ok((tokens, low_rtn))
+}
+
+/// One unit of a MoE layer (a routed expert, or the shared one) with enough tokens for GPTQ.
+struct Unit<'a> {
+    expert: usize,
+    /// Its gate, up and down modules (indices into the layer's specs).
+    modules: [usize; 3],
+    /// The active ones among gate/up, and among down.
+    gate_up: Vec<usize>,
+    down: Vec<usize>,
+    /// The Hessians' weight per row: 2 / the unit's token count.
+    alpha: f32,
+    /// The rows the unit sees in sample `s`, post-attention-norm.
+    rows_of: &'a dyn Fn(usize) -> Mat<f32>,
+}
+
+/// A unit's GPTQ: gate/up from the rows it sees, then down from their SwiGLU activation through the
+/// already-quantized gate/up. `samples` is the number of calibration samples.
+fn solve_unit(
+    ctx: &ExpertCtx<'_>,
+    samples: usize,
+    lw: &mut LayerWeights,
+    results: &mut [Option<QuantizedLinear>],
+    unit: &Unit<'_>,
+) -> Result<()> {
+    let (cfg, m) = (ctx.layer.run.cfg, ctx.moe);
+    let name = |i: usize| format!("{}{}", ctx.prefix, ctx.specs[i].name);
+    let [ig, iu, _] = unit.modules;
+    if !unit.gate_up.is_empty() {
+        let mut h = ctx.layer.run.device.open(cfg.hidden_size)?;
+        for s in 0..samples {
+            let a = (unit.rows_of)(s);
+            if a.nrows() > 0 {
+                h.accumulate(a.as_ref(), unit.alpha)?;
+            }
+        }
+        let names: Vec<String> = unit.gate_up.iter().map(|&i| name(i)).collect();
+        solve_group(ctx.layer.run, h, lw, &unit.gate_up, &names, results)?;
+    }
+    if !unit.down.is_empty() {
+        let (g, u) = match (lw.module(ig), lw.module(iu)) {
+            (Some(g), Some(u)) => (g, u),
+            _ => {
+                return Err(NumericError::ExpertMissing {
+                    layer_prefix: ctx.prefix.to_string(),
+                    expert: unit.expert,
+                }
+                .into())
+            }
+        };
+        let mut h = ctx.layer.run.device.open(g.w.nrows())?;
+        for s in 0..samples {
+            let a = (unit.rows_of)(s);
+            if a.nrows() > 0 {
+                let act = gated(g, u, a.as_ref(), m.spec.act);
+                h.accumulate(act.as_ref(), unit.alpha)?;
+            }
+        }
+        let names: Vec<String> = unit.down.iter().map(|&i| name(i)).collect();
+        solve_group(ctx.layer.run, h, lw, &unit.down, &names, results)?;
+    }
+    Ok(())
 }
 
 /// RTN for `modules` (an expert too few calibration tokens reach); returns how many.

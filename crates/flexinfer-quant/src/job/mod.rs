@@ -224,9 +224,8 @@ pub fn release_free_memory() {
     }
 }
 
-/// Runs the job. Bad input is reported before anything is written to `out_dir`.
-pub fn run(job: &QuantizeJob, device: &dyn Device, events: &dyn EventSink) -> Result<Outcome> {
-    let started = Instant::now();
+/// The job's own settings: the GPTQ parameters, the recovery ladder and the calibration sizes.
+fn validate(job: &QuantizeJob) -> Result<()> {
     job.params.validate()?;
     job.recovery.validate()?;
     if job.calib.max_samples == 0 || job.calib.max_seq_len < 2 {
@@ -236,6 +235,59 @@ pub fn run(job: &QuantizeJob, device: &dyn Device, events: &dyn EventSink) -> Re
         }
         .into());
     }
+    Ok(())
+}
+
+/// A previous run's finished save in `final_dir`, when it was made from exactly this configuration; one
+/// made from another is reported (`quantization_reuse_rejected`) and not reused.
+fn reusable_save(
+    job: &QuantizeJob,
+    final_dir: &Path,
+    config_hash: &str,
+    events: &dyn EventSink,
+) -> Option<flexinfer_contract::files::SaveComplete> {
+    let sc = verify_save_complete(final_dir, job.verify_save_sha256)?;
+    if sc.config_digest.as_deref() == Some(config_hash) {
+        return Some(sc);
+    }
+    events.emit(
+        names::QUANTIZATION_REUSE_REJECTED,
+        fields([
+            ("outputDir", json!(final_dir.display().to_string())),
+            ("found", json!(sc.config_digest)),
+            ("configDigest", json!(config_hash)),
+        ]),
+    );
+    None
+}
+
+/// One `model_policy` event for each model policy that applies to this model and calibration.
+fn emit_policies(
+    job: &QuantizeJob,
+    cfg: &ModelConfig,
+    exclusion: &Exclusion,
+    events: &dyn EventSink,
+) {
+    for p in policy::applied(&policy::Facts {
+        cfg,
+        calib: &job.calib,
+        exclusion,
+    }) {
+        events.emit(
+            names::MODEL_POLICY,
+            fields([
+                ("policy", json!(p.policy)),
+                ("message", json!(p.message)),
+                ("advice", json!(p.advice)),
+            ]),
+        );
+    }
+}
+
+/// Runs the job. Bad input is reported before anything is written to `out_dir`.
+pub fn run(job: &QuantizeJob, device: &dyn Device, events: &dyn EventSink) -> Result<Outcome> {
+    let started = Instant::now();
+    validate(job)?;
     let mut progress = Progress { events, last: 0.0 };
     let final_dir = job.output_dir();
 
@@ -251,43 +303,19 @@ pub fn run(job: &QuantizeJob, device: &dyn Device, events: &dyn EventSink) -> Re
     }
     let (calib_fp, config_hash) = digest::run_digests(job, &store)?;
 
-    // A previous run finished the save: reuse it only when it was made from exactly this configuration.
-    if let Some(sc) = verify_save_complete(&final_dir, job.verify_save_sha256) {
-        if sc.config_digest.as_deref() == Some(config_hash.as_str()) {
-            return checkpoint::reuse_artifact(
-                job,
-                &final_dir,
-                &sc,
-                &store,
-                &config_hash,
-                started,
-                &mut progress,
-            );
-        }
-        events.emit(
-            names::QUANTIZATION_REUSE_REJECTED,
-            fields([
-                ("outputDir", json!(final_dir.display().to_string())),
-                ("found", json!(sc.config_digest)),
-                ("configDigest", json!(config_hash)),
-            ]),
+    if let Some(sc) = reusable_save(job, &final_dir, &config_hash, events) {
+        return checkpoint::reuse_artifact(
+            job,
+            &final_dir,
+            &sc,
+            &store,
+            &config_hash,
+            started,
+            &mut progress,
         );
     }
 
-    for p in policy::applied(&policy::Facts {
-        cfg: &cfg,
-        calib: &job.calib,
-        exclusion: &exclusion,
-    }) {
-        events.emit(
-            names::MODEL_POLICY,
-            fields([
-                ("policy", json!(p.policy)),
-                ("message", json!(p.message)),
-                ("advice", json!(p.advice)),
-            ]),
-        );
-    }
+    emit_policies(job, &cfg, &exclusion, events);
     let plan = calibrate::plan_modules(job, &cfg, &store, &exclusion)?;
     let samples = calibrate::load_calibration(job, device, &mut progress)?;
     let n_tokens: usize = samples.iter().map(Vec::len).sum();

@@ -147,9 +147,9 @@ pub fn attention(
     let qg = linear(h, &lw.linears[0]);
     // Qwen3-Next / Qwen3.5: each head's q_proj rows are [query | output gate].
     let (mut q, gate) = if lw.attn.output_gate && qg.ncols() == 2 * nh * d {
-        let q = Mat::from_fn(t, nh * d, |r, c| qg[(r, (c / d) * 2 * d + c % d)]);
-        let g = Mat::from_fn(t, nh * d, |r, c| qg[(r, (c / d) * 2 * d + d + c % d)]);
-        (q, Some(g))
+        let half =
+            |off: usize| Mat::from_fn(t, nh * d, |r, c| qg[(r, (c / d) * 2 * d + off + c % d)]);
+        (half(0), Some(half(d)))
     } else {
         (qg, None)
     };
@@ -188,25 +188,7 @@ pub fn attention(
         let vh = v.subcols(kvh * d, d);
         matmul(st.as_mut(), Accum::Replace, kh, qh.transpose(), scale, par);
         for i in 0..t {
-            let c = &mut st.col_as_slice_mut(i)[..];
-            let (live, masked) = c.split_at_mut(i + 1);
-            let lo = window.map_or(0, |w| (i + 1).saturating_sub(w));
-            let (before, live) = live.split_at_mut(lo);
-            before.fill(0.0);
-            if let Some(cap) = softcap {
-                live.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
-            }
-            let m = live.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-            let mut sum = 0.0;
-            for v in live.iter_mut() {
-                let e = (*v - m).exp();
-                *v = e;
-                sum += e;
-            }
-            for v in live.iter_mut() {
-                *v /= sum;
-            }
-            masked.fill(0.0);
+            causal_softmax(st.col_as_slice_mut(i), i, window, softcap);
         }
         matmul(
             out.subcols_mut(head * d, d),
@@ -226,6 +208,30 @@ pub fn attention(
         }
     }
     out
+}
+
+/// Query `i`'s scores over the keys (`c[j]` = key j · query i) turned into its attention weights in place: keys
+/// after `i` and, on a sliding-window layer, keys at or before `i − window` get 0; the others are soft-capped
+/// (Gemma 2) and softmaxed.
+fn causal_softmax(c: &mut [f32], i: usize, window: Option<usize>, softcap: Option<f32>) {
+    let (live, masked) = c.split_at_mut(i + 1);
+    let lo = window.map_or(0, |w| (i + 1).saturating_sub(w));
+    let (before, live) = live.split_at_mut(lo);
+    before.fill(0.0);
+    if let Some(cap) = softcap {
+        live.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
+    }
+    let m = live.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let mut sum = 0.0;
+    for v in live.iter_mut() {
+        let e = (*v - m).exp();
+        *v = e;
+        sum += e;
+    }
+    for v in live.iter_mut() {
+        *v /= sum;
+    }
+    masked.fill(0.0);
 }
 
 /// The layer's token mixer on the normalised residual `h`: attention, or a linear-attention layer's gated

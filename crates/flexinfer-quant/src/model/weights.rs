@@ -390,14 +390,6 @@ pub fn load_layer(
     for s in &specs {
         loaded.push(load_module(store, cfg, layer, s, gq)?);
     }
-    let opt = |n: &str| -> Result<Option<Vec<f32>>> {
-        let name = format!("{p}{n}");
-        if store.contains(&name) {
-            Ok(Some(store.f32(&name)?))
-        } else {
-            Ok(None)
-        }
-    };
     let h = cfg.hidden_size;
     let norm_of = |n: &str| -> Result<Vec<f32>> {
         Ok(cfg.norm_weight(load_vec(store, &format!("{p}{n}"), h)?))
@@ -432,19 +424,7 @@ pub fn load_layer(
         None => (norm_of("post_attention_layernorm.weight")?, None, None),
     };
     let layer_scalar = match &cfg.gemma4 {
-        Some(_) => match opt("layer_scalar")? {
-            Some(v) if v.len() == 1 => Some(v[0]),
-            Some(v) => {
-                return Err(TensorError::Count {
-                    name: format!("{p}layer_scalar"),
-                    len: v.len(),
-                    expected: 1,
-                }
-                .into())
-            }
-            // Absent: transformers initialises it to 1.
-            None => None,
-        },
+        Some(_) => layer_scalar(store, &p)?,
         None => None,
     };
     let mut lw = LayerWeights {
@@ -467,6 +447,23 @@ pub fn load_layer(
     };
     lw.sync_tied();
     Ok(lw)
+}
+
+/// Gemma 4's per-layer `layer_scalar` (one value; absent: transformers initialises it to 1, `None`).
+fn layer_scalar(store: &TensorStore, p: &str) -> Result<Option<f32>> {
+    let name = format!("{p}layer_scalar");
+    if !store.contains(&name) {
+        return Ok(None);
+    }
+    match store.f32(&name)? {
+        v if v.len() == 1 => Ok(Some(v[0])),
+        v => Err(TensorError::Count {
+            name,
+            len: v.len(),
+            expected: 1,
+        }
+        .into()),
+    }
 }
 
 /// A linear-attention layer's convolution, decay and gated-norm tensors (prefix `p`: the layer's).

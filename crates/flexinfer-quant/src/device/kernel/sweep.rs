@@ -6,9 +6,11 @@ use super::{
     SWEEP_THREADS, TILE,
 };
 use crate::device::PreparedMeta;
-use crate::numerics::gptq::{block_snapshot, DeadFixed, Groups, Method, QuantizedLinear};
+use crate::numerics::gptq::{
+    block_snapshot, codes_in_original_order, DeadFixed, Groups, Method, QuantizedLinear,
+};
 use crate::numerics::linalg::CpuBackend;
-use crate::numerics::quantizer::maxq;
+use crate::numerics::quantizer::{maxq, GroupParams};
 use crate::params::GptqParams;
 use faer::Mat;
 
@@ -65,35 +67,7 @@ impl<V: Vendor> KernelOps<'_, V> {
         for k0 in (0..n).step_by(panel) {
             let k1 = (k0 + panel).min(n);
             for j in k0..k1 {
-                let grid = [blocks(n - j, COLUMN_THREADS), 1, 1];
-                let block = [COLUMN_THREADS, 1, 1];
-                let j32 = j as i32;
-                self.launch(
-                    Kernel::CholUpdate,
-                    grid,
-                    block,
-                    &[
-                        Arg::Ptr(m),
-                        Arg::I32(n32),
-                        Arg::I32(n32),
-                        Arg::I32(k0 as i32),
-                        Arg::I32(j32),
-                        Arg::Ptr(status),
-                    ],
-                )?;
-                self.launch(
-                    Kernel::CholPivot,
-                    grid,
-                    block,
-                    &[
-                        Arg::Ptr(m),
-                        Arg::I32(n32),
-                        Arg::I32(n32),
-                        Arg::I32(j32),
-                        Arg::Ptr(r),
-                        Arg::Ptr(status),
-                    ],
-                )?;
+                self.factor_column(m, r, status, n, k0, j)?;
             }
             if k1 < n {
                 self.launch(
@@ -134,6 +108,48 @@ impl<V: Vendor> KernelOps<'_, V> {
         Ok(true)
     }
 
+    /// Column `j` of the panel starting at `k0`: its update by the panel's earlier columns (left-looking), then
+    /// its pivot (`r[j]`, the column scaled; a non-positive pivot is recorded in `status`).
+    fn factor_column(
+        &mut self,
+        m: DevPtr,
+        r: DevPtr,
+        status: DevPtr,
+        n: usize,
+        k0: usize,
+        j: usize,
+    ) -> DevResult<()> {
+        let grid = [blocks(n - j, COLUMN_THREADS), 1, 1];
+        let block = [COLUMN_THREADS, 1, 1];
+        let (n32, j32) = (n as i32, j as i32);
+        self.launch(
+            Kernel::CholUpdate,
+            grid,
+            block,
+            &[
+                Arg::Ptr(m),
+                Arg::I32(n32),
+                Arg::I32(n32),
+                Arg::I32(k0 as i32),
+                Arg::I32(j32),
+                Arg::Ptr(status),
+            ],
+        )?;
+        self.launch(
+            Kernel::CholPivot,
+            grid,
+            block,
+            &[
+                Arg::Ptr(m),
+                Arg::I32(n32),
+                Arg::I32(n32),
+                Arg::I32(j32),
+                Arg::Ptr(r),
+                Arg::Ptr(status),
+            ],
+        )
+    }
+
     /// The `count × count` (row-major) coefficients of the block at `i1` into a new buffer.
     pub(super) fn gather(
         &mut self,
@@ -171,8 +187,7 @@ impl<V: Vendor> KernelOps<'_, V> {
         m: DevPtr,
         bufs: &mut Vec<DevPtr>,
     ) -> DevResult<QuantizedLinear> {
-        let (rows, cols, n) = (w_in.nrows(), w_in.ncols(), self.n);
-        let (r32, n32) = (dims("sweep", rows)?, self.n32("sweep")?);
+        let (rows, cols) = (w_in.nrows(), w_in.ncols());
         let fixed = DeadFixed::new(w_in, &meta.dead);
         let orig_col = |c: usize| fixed.col(c);
         let mut groups = Groups::new(p, w_in, &orig_col);
@@ -181,7 +196,6 @@ impl<V: Vendor> KernelOps<'_, V> {
         for &c in &perm {
             w0.extend_from_slice(orig_col(c));
         }
-        let w0_col = |k: usize| &w0[k * rows..(k + 1) * rows];
         // W₀ and the working W, one upload.
         let dw0 = self.upload_new(bytes_of(&w0))?;
         bufs.push(dw0);
@@ -189,135 +203,50 @@ impl<V: Vendor> KernelOps<'_, V> {
         bufs.push(dw);
         self.vendor()?.vendor.copy(dw, dw0, rows * cols * 4)?;
         let bs = p.block_size.max(1);
-        let dd = self.alloc(rows * bs * 4)?;
-        bufs.push(dd);
-        let dcodes = self.alloc(rows * cols)?;
-        bufs.push(dcodes);
-        let dacc = self.alloc(rows * 4)?;
-        bufs.push(dacc);
-        let mq = maxq(p.bits);
+        let mut scratch = [0; 3];
+        for (b, bytes) in scratch
+            .iter_mut()
+            .zip([rows * bs * 4, rows * cols, rows * 4])
+        {
+            *b = self.alloc(bytes)?;
+            bufs.push(*b);
+        }
+        let [dd, dcodes, dacc] = scratch;
+        let s = SweepBufs {
+            m,
+            dw,
+            dw0,
+            dd,
+            dcodes,
+            dacc,
+            rows,
+            cols,
+            maxq: maxq(p.bits),
+        };
         let mut loss = 0.0f64;
         let mut snap_bufs = (Mat::<f32>::zeros(0, 0), Mat::<f32>::zeros(0, 0));
-        let off = |col: usize| (col * rows * 4) as u64;
         let mut i1 = 0;
         while i1 < cols {
             let i2 = (i1 + bs).min(cols);
-            let count = i2 - i1;
             // The block-start snapshot, from the block's columns of W and the F block.
             let snapshot = match groups.snapshot_width(i1, i2) {
                 None => None,
                 Some(width) => {
-                    let pcols = self.download_f32(dw + off(i1), rows * width)?;
-                    let cm = self.gather(m, i1, width, bufs)?;
-                    let coef = self.download_f32(cm, width * width)?;
-                    let pm = Mat::from_fn(rows, width, |r, c| pcols[c * rows + r]);
-                    let fm = Mat::from_fn(width, width, |a, b| coef[a * width + b]);
-                    if snap_bufs.0.nrows() != rows || snap_bufs.0.ncols() < width {
-                        snap_bufs = (Mat::zeros(rows, width), Mat::zeros(rows, width));
-                    }
-                    Some(
-                        block_snapshot(
-                            &CpuBackend::default(),
-                            pm.as_ref(),
-                            &|j| w0_col(i1 + j),
-                            fm.as_ref(),
-                            &mut snap_bufs,
-                        )
-                        .to_owned(),
-                    )
+                    let w0_block = &w0[i1 * rows..(i1 + width) * rows];
+                    Some(self.snapshot(&s, i1, width, w0_block, &mut snap_bufs, bufs)?)
                 }
             };
             let (block_params, col_param) =
                 groups.block(i1, i2, &perm, snapshot.as_ref().map(|s| s.as_ref()));
-            let coef = self.gather(m, i1, count, bufs)?;
-            let rdiag2: Vec<f32> = (i1..i2).map(|k| self.r[k] * self.r[k]).collect();
-            let param: Vec<i32> = col_param
-                .iter()
-                .map(|c| c.map_or(-1, |i| i as i32))
-                .collect();
-            let scale: Vec<f32> = block_params
-                .iter()
-                .flat_map(|g| g.scale.iter().copied())
-                .collect();
-            let zero: Vec<f32> = block_params
-                .iter()
-                .flat_map(|g| g.zero.iter().copied())
-                .collect();
-            let drd = self.upload_new(bytes_of(&rdiag2))?;
-            let dpar = self.upload_new(bytes_of(&param))?;
-            let dsc = self.upload_new(bytes_of(&scale))?;
-            let dze = self.upload_new(bytes_of(&zero))?;
-            bufs.extend([drd, dpar, dsc, dze]);
-            self.launch(
-                Kernel::SweepBlock,
-                [blocks(rows, SWEEP_THREADS), 1, 1],
-                [SWEEP_THREADS, 1, 1],
-                &[
-                    Arg::Ptr(dw + off(i1)),
-                    Arg::I32(r32),
-                    Arg::Ptr(dw0 + off(i1)),
-                    Arg::I32(r32),
-                    Arg::Ptr(dd),
-                    Arg::I32(r32),
-                    Arg::Ptr(dcodes + (i1 * rows) as u64),
-                    Arg::I32(r32),
-                    Arg::Ptr(coef),
-                    Arg::Ptr(drd),
-                    Arg::Ptr(dpar),
-                    Arg::Ptr(dsc),
-                    Arg::Ptr(dze),
-                    Arg::I32(r32),
-                    Arg::I32(count as i32),
-                    Arg::F32(mq),
-                    Arg::Ptr(dacc),
-                ],
-            )?;
-            let acc = self.download_f32(dacc, rows)?;
-            // As the CPU: per 64-row tile, the sum of the row losses in f64, halved.
-            loss += acc
-                .chunks(64)
-                .map(|t| t.iter().map(|&v| v as f64).sum::<f64>() / 2.0)
-                .sum::<f64>();
-            for b in [coef, drd, dpar, dsc, dze] {
-                self.release(b);
-                bufs.retain(|&x| x != b);
-            }
+            loss += self.sweep_block(&s, i1, i2, &block_params, &col_param, bufs)?;
             if i2 < cols {
-                // F(i1, i2) = M[n-1-i1, n-1-i2]; F's row stride is −1 and its column stride −n.
-                let f = m + (((n - 1 - i2) * n + (n - 1 - i1)) * 4) as u64;
-                self.launch(
-                    Kernel::BlockUpdate,
-                    [blocks(cols - i2, TILE), blocks(rows, TILE), 1],
-                    [TILE, TILE, 1],
-                    &[
-                        Arg::Ptr(dw + off(i2)),
-                        Arg::I32(r32),
-                        Arg::Ptr(dd),
-                        Arg::I32(r32),
-                        Arg::Ptr(f),
-                        Arg::I64(-1),
-                        Arg::I64(-(n32 as i64)),
-                        Arg::I32(r32),
-                        Arg::I32(count as i32),
-                        Arg::I32((cols - i2) as i32),
-                    ],
-                )?;
+                self.block_update(&s, i1, i2)?;
             }
             i1 = i2;
         }
         let mut codes_sweep = vec![0u8; rows * cols];
-        self.vendor()?.vendor.download(dcodes, &mut codes_sweep)?;
-        let codes = match &meta.perm {
-            None => codes_sweep,
-            Some(perm) => {
-                let mut codes = vec![0u8; rows * cols];
-                for (k, &orig) in perm.iter().enumerate() {
-                    codes[orig * rows..(orig + 1) * rows]
-                        .copy_from_slice(&codes_sweep[k * rows..(k + 1) * rows]);
-                }
-                codes
-            }
-        };
+        self.vendor()?.vendor.download(s.dcodes, &mut codes_sweep)?;
+        let codes = codes_in_original_order(codes_sweep, meta.perm.as_deref(), rows, cols);
         let (scales, zeros, g_idx) = groups.finish();
         Ok(QuantizedLinear {
             method: Method::Gptq,
@@ -325,5 +254,149 @@ impl<V: Vendor> KernelOps<'_, V> {
             damp,
             ..QuantizedLinear::rtn(p, rows, cols, codes, scales, zeros, g_idx)
         })
+    }
+
+    /// The block-start snapshot of the `width` columns at `i1`: the block's columns of the working W and its
+    /// F block downloaded, combined with W₀'s columns (`w0_block`) on the host ([`block_snapshot`]).
+    fn snapshot(
+        &mut self,
+        s: &SweepBufs,
+        i1: usize,
+        width: usize,
+        w0_block: &[f32],
+        snap_bufs: &mut (Mat<f32>, Mat<f32>),
+        bufs: &mut Vec<DevPtr>,
+    ) -> DevResult<Mat<f32>> {
+        let rows = s.rows;
+        let pcols = self.download_f32(s.dw + s.off(i1), rows * width)?;
+        let cm = self.gather(s.m, i1, width, bufs)?;
+        let coef = self.download_f32(cm, width * width)?;
+        let pm = Mat::from_fn(rows, width, |r, c| pcols[c * rows + r]);
+        let fm = Mat::from_fn(width, width, |a, b| coef[a * width + b]);
+        if snap_bufs.0.nrows() != rows || snap_bufs.0.ncols() < width {
+            *snap_bufs = (Mat::zeros(rows, width), Mat::zeros(rows, width));
+        }
+        Ok(block_snapshot(
+            &CpuBackend::default(),
+            pm.as_ref(),
+            &|j| &w0_block[j * rows..(j + 1) * rows],
+            fm.as_ref(),
+            snap_bufs,
+        )
+        .to_owned())
+    }
+
+    /// The in-block sweep of columns `[i1, i2)` with the block's group parameters: one launch, its
+    /// per-row losses downloaded and summed as the CPU sums them. Returns the block's loss.
+    fn sweep_block(
+        &mut self,
+        s: &SweepBufs,
+        i1: usize,
+        i2: usize,
+        block_params: &[GroupParams],
+        col_param: &[Option<usize>],
+        bufs: &mut Vec<DevPtr>,
+    ) -> DevResult<f64> {
+        let (rows, count) = (s.rows, i2 - i1);
+        let r32 = dims("sweep", rows)?;
+        let coef = self.gather(s.m, i1, count, bufs)?;
+        let rdiag2: Vec<f32> = (i1..i2).map(|k| self.r[k] * self.r[k]).collect();
+        let param: Vec<i32> = col_param
+            .iter()
+            .map(|c| c.map_or(-1, |i| i as i32))
+            .collect();
+        let scale: Vec<f32> = block_params
+            .iter()
+            .flat_map(|g| g.scale.iter().copied())
+            .collect();
+        let zero: Vec<f32> = block_params
+            .iter()
+            .flat_map(|g| g.zero.iter().copied())
+            .collect();
+        let drd = self.upload_new(bytes_of(&rdiag2))?;
+        let dpar = self.upload_new(bytes_of(&param))?;
+        let dsc = self.upload_new(bytes_of(&scale))?;
+        let dze = self.upload_new(bytes_of(&zero))?;
+        bufs.extend([drd, dpar, dsc, dze]);
+        self.launch(
+            Kernel::SweepBlock,
+            [blocks(rows, SWEEP_THREADS), 1, 1],
+            [SWEEP_THREADS, 1, 1],
+            &[
+                Arg::Ptr(s.dw + s.off(i1)),
+                Arg::I32(r32),
+                Arg::Ptr(s.dw0 + s.off(i1)),
+                Arg::I32(r32),
+                Arg::Ptr(s.dd),
+                Arg::I32(r32),
+                Arg::Ptr(s.dcodes + (i1 * rows) as u64),
+                Arg::I32(r32),
+                Arg::Ptr(coef),
+                Arg::Ptr(drd),
+                Arg::Ptr(dpar),
+                Arg::Ptr(dsc),
+                Arg::Ptr(dze),
+                Arg::I32(r32),
+                Arg::I32(count as i32),
+                Arg::F32(s.maxq),
+                Arg::Ptr(s.dacc),
+            ],
+        )?;
+        let acc = self.download_f32(s.dacc, rows)?;
+        for b in [coef, drd, dpar, dsc, dze] {
+            self.release(b);
+            bufs.retain(|&x| x != b);
+        }
+        // As the CPU: per 64-row tile, the sum of the row losses in f64, halved.
+        Ok(acc
+            .chunks(64)
+            .map(|t| t.iter().map(|&v| v as f64).sum::<f64>() / 2.0)
+            .sum::<f64>())
+    }
+
+    /// The lazy-batch update of the columns after the block `[i1, i2)`: `W[:, i2..] −= Δ · F(i1.., i2..)`.
+    fn block_update(&mut self, s: &SweepBufs, i1: usize, i2: usize) -> DevResult<()> {
+        let (n, rows, cols) = (self.n, s.rows, s.cols);
+        let (r32, n32) = (dims("sweep", rows)?, self.n32("sweep")?);
+        // F(i1, i2) = M[n-1-i1, n-1-i2]; F's row stride is −1 and its column stride −n.
+        let f = s.m + (((n - 1 - i2) * n + (n - 1 - i1)) * 4) as u64;
+        self.launch(
+            Kernel::BlockUpdate,
+            [blocks(cols - i2, TILE), blocks(rows, TILE), 1],
+            [TILE, TILE, 1],
+            &[
+                Arg::Ptr(s.dw + s.off(i2)),
+                Arg::I32(r32),
+                Arg::Ptr(s.dd),
+                Arg::I32(r32),
+                Arg::Ptr(f),
+                Arg::I64(-1),
+                Arg::I64(-(n32 as i64)),
+                Arg::I32(r32),
+                Arg::I32((i2 - i1) as i32),
+                Arg::I32((cols - i2) as i32),
+            ],
+        )
+    }
+}
+
+/// The device buffers of one module's sweep: the factor `m`, the working W `dw` and W₀ `dw0` (column-major,
+/// sweep order), the block's deltas `dd`, the codes `dcodes`, the per-row loss accumulator `dacc`.
+struct SweepBufs {
+    m: DevPtr,
+    dw: DevPtr,
+    dw0: DevPtr,
+    dd: DevPtr,
+    dcodes: DevPtr,
+    dacc: DevPtr,
+    rows: usize,
+    cols: usize,
+    maxq: f32,
+}
+
+impl SweepBufs {
+    /// The byte offset of column `col` in W or W₀.
+    fn off(&self, col: usize) -> u64 {
+        (col * self.rows * 4) as u64
     }
 }

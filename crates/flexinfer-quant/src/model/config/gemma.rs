@@ -262,7 +262,12 @@ fn layer_shapes(
         }
         shapes.push(s);
     }
-    // Global layers that share one shape, and local ones: the rope tables are per attention type.
+    check_one_head_dim_per_kind(&shapes, sliding)?;
+    Ok(shapes)
+}
+
+/// Global layers share one head dimension, and so do the sliding ones: the rope tables are per attention type.
+fn check_one_head_dim_per_kind(shapes: &[AttnShape], sliding: &[bool]) -> Result<()> {
     let global_dims: Vec<usize> = shapes
         .iter()
         .zip(sliding)
@@ -284,7 +289,7 @@ fn layer_shapes(
             .into());
         }
     }
-    Ok(shapes)
+    Ok(())
 }
 
 /// The rope of the global layers (the sliding layers' must be the default one).

@@ -57,50 +57,35 @@ fn checked(what: &str, v: Option<usize>) -> Result<usize> {
     })
 }
 
-/// The gated delta-net config of `arch` (none for the other architectures). `text` is the text config.
-pub(super) fn gdn_config(text: &Value, arch: &str, num_layers: usize) -> Result<Option<GdnConfig>> {
-    let layout = match arch {
-        "Qwen3NextForCausalLM" => GdnLayout::Fused,
-        "Qwen3_5ForCausalLM"
-        | "Qwen3_5ForConditionalGeneration"
-        | "Qwen3_5MoeForCausalLM"
-        | "Qwen3_5MoeForConditionalGeneration" => GdnLayout::Split,
-        _ => return Ok(None),
-    };
-    let linear = match layer_types(text, num_layers, "linear_attention")? {
-        Some(l) => l,
-        // transformers' default: one full-attention layer in every `full_attention_interval` (4).
-        None => {
-            let interval = match text.get("full_attention_interval") {
-                None | Some(Value::Null) => 4,
-                Some(v) => v
-                    .as_u64()
-                    .filter(|&n| n > 0)
-                    .ok_or_else(|| ConfigError::WrongType {
-                        field: "full_attention_interval".into(),
-                        expected: "a positive integer",
-                        found: Some(v.clone()),
-                    })? as usize,
-            };
-            one_full_layer_in_every(interval, num_layers)
-        }
-    };
-    if let Some(act) = text.get("hidden_act").and_then(Value::as_str) {
-        if act != "silu" {
-            return Err(ConfigError::Unsupported {
-                field: "hidden_act".into(),
-                value: format!("{act:?}"),
-                model: Some(arch.to_string()),
-                supported: "silu",
-            }
-            .into());
-        }
+/// Which layers are linear attention: `layer_types`, else transformers' default of one full-attention layer
+/// in every `full_attention_interval` (4).
+fn linear_layers(text: &Value, num_layers: usize) -> Result<Vec<bool>> {
+    if let Some(l) = layer_types(text, num_layers, "linear_attention")? {
+        return Ok(l);
     }
-    let num_k_heads = get_usize(text, "linear_num_key_heads")?;
-    let num_v_heads = get_usize(text, "linear_num_value_heads")?;
-    let head_k_dim = get_usize(text, "linear_key_head_dim")?;
-    let head_v_dim = get_usize(text, "linear_value_head_dim")?;
-    let conv_kernel = get_usize(text, "linear_conv_kernel_dim")?;
+    let interval = match text.get("full_attention_interval") {
+        None | Some(Value::Null) => 4,
+        Some(v) => v
+            .as_u64()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| ConfigError::WrongType {
+                field: "full_attention_interval".into(),
+                expected: "a positive integer",
+                found: Some(v.clone()),
+            })? as usize,
+    };
+    Ok(one_full_layer_in_every(interval, num_layers))
+}
+
+/// The linear-attention heads and sizes in range: value heads a multiple of key heads, each count at most
+/// [`MAX_LINEAR_HEADS`], head dimensions at most [`MAX_HEAD_DIM`], the convolution at most [`MAX_CONV_KERNEL`].
+fn check_linear_shape(
+    num_k_heads: usize,
+    num_v_heads: usize,
+    head_k_dim: usize,
+    head_v_dim: usize,
+    conv_kernel: usize,
+) -> Result<()> {
     if num_k_heads == 0
         || num_v_heads == 0
         || num_k_heads > MAX_LINEAR_HEADS
@@ -135,6 +120,43 @@ pub(super) fn gdn_config(text: &Value, arch: &str, num_layers: usize) -> Result<
         }
         .into());
     }
+    Ok(())
+}
+
+/// The gated delta-net config of `arch` (none for the other architectures). `text` is the text config.
+pub(super) fn gdn_config(text: &Value, arch: &str, num_layers: usize) -> Result<Option<GdnConfig>> {
+    let layout = match arch {
+        "Qwen3NextForCausalLM" => GdnLayout::Fused,
+        "Qwen3_5ForCausalLM"
+        | "Qwen3_5ForConditionalGeneration"
+        | "Qwen3_5MoeForCausalLM"
+        | "Qwen3_5MoeForConditionalGeneration" => GdnLayout::Split,
+        _ => return Ok(None),
+    };
+    let linear = linear_layers(text, num_layers)?;
+    if let Some(act) = text.get("hidden_act").and_then(Value::as_str) {
+        if act != "silu" {
+            return Err(ConfigError::Unsupported {
+                field: "hidden_act".into(),
+                value: format!("{act:?}"),
+                model: Some(arch.to_string()),
+                supported: "silu",
+            }
+            .into());
+        }
+    }
+    let num_k_heads = get_usize(text, "linear_num_key_heads")?;
+    let num_v_heads = get_usize(text, "linear_num_value_heads")?;
+    let head_k_dim = get_usize(text, "linear_key_head_dim")?;
+    let head_v_dim = get_usize(text, "linear_value_head_dim")?;
+    let conv_kernel = get_usize(text, "linear_conv_kernel_dim")?;
+    check_linear_shape(
+        num_k_heads,
+        num_v_heads,
+        head_k_dim,
+        head_v_dim,
+        conv_kernel,
+    )?;
     let key_dim = checked(
         "linear_num_key_heads × linear_key_head_dim",
         num_k_heads.checked_mul(head_k_dim),

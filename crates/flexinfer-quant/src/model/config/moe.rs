@@ -41,14 +41,51 @@ pub(super) fn moe_config(raw: &Value, arch: &str, num_layers: usize) -> Result<O
         }
         _ => return Ok(None),
     };
-    let (experts_key, inter_key) = match style {
-        MoeStyle::Mixtral => ("num_local_experts", "intermediate_size"),
-        _ => ("num_experts", "moe_intermediate_size"),
+    let inter_key = match style {
+        MoeStyle::Mixtral => "intermediate_size",
+        _ => "moe_intermediate_size",
     };
-    // transformers 5 writes Qwen3-MoE's count as `num_local_experts`; the hub checkpoints as `num_experts`.
-    let alias = match style {
-        MoeStyle::Mixtral => "num_experts",
-        _ => "num_local_experts",
+    let (num_experts, top_k) = routing(raw, style)?;
+    let expert_intermediate = get_usize(raw, inter_key)?;
+    // transformers: Mixtral and Qwen3.5-MoE always renormalise the top-k weights; the other Qwen MoE blocks only
+    // with norm_topk_prob (default false, true on Qwen3-Next).
+    let renormalize = match style {
+        MoeStyle::Mixtral | MoeStyle::Gemma4 => true,
+        MoeStyle::Qwen if qwen35_moe => true,
+        MoeStyle::Qwen => raw
+            .get("norm_topk_prob")
+            .and_then(Value::as_bool)
+            .unwrap_or(qwen_next),
+    };
+    let shared_intermediate = match arch {
+        "Qwen2MoeForCausalLM" => Some(get_usize(raw, "shared_expert_intermediate_size")?),
+        _ if qwen_next || qwen35_moe => Some(get_usize(raw, "shared_expert_intermediate_size")?),
+        _ => None,
+    }
+    .filter(|&i| i > 0);
+    let sparse = sparse_layers(raw, style, qwen35_moe, num_layers);
+    Ok(Some(MoeConfig {
+        spec: MoeSpec {
+            style,
+            top_k,
+            renormalize,
+            act: Activation::Silu,
+        },
+        num_experts,
+        expert_intermediate,
+        shared_intermediate,
+        sparse,
+    }))
+}
+
+/// The expert count (`num_local_experts` for Mixtral, `num_experts` for Qwen, each accepting the other's
+/// name) and `num_experts_per_tok`, checked: at least one expert, at most [`MAX_EXPERTS`], and
+/// `1 ≤ top_k ≤ experts`.
+fn routing(raw: &Value, style: MoeStyle) -> Result<(usize, usize)> {
+    let (experts_key, alias) = match style {
+        MoeStyle::Mixtral => ("num_local_experts", "num_experts"),
+        // transformers 5 writes Qwen3-MoE's count as `num_local_experts`; the hub checkpoints as `num_experts`.
+        _ => ("num_experts", "num_local_experts"),
     };
     let experts_key = if raw.get(experts_key).is_none() && raw.get(alias).is_some() {
         alias
@@ -67,23 +104,12 @@ pub(super) fn moe_config(raw: &Value, arch: &str, num_layers: usize) -> Result<O
         }
         .into());
     }
-    let expert_intermediate = get_usize(raw, inter_key)?;
-    // transformers: Mixtral and Qwen3.5-MoE always renormalise the top-k weights; the other Qwen MoE blocks only
-    // with norm_topk_prob (default false, true on Qwen3-Next).
-    let renormalize = match style {
-        MoeStyle::Mixtral | MoeStyle::Gemma4 => true,
-        MoeStyle::Qwen if qwen35_moe => true,
-        MoeStyle::Qwen => raw
-            .get("norm_topk_prob")
-            .and_then(Value::as_bool)
-            .unwrap_or(qwen_next),
-    };
-    let shared_intermediate = match arch {
-        "Qwen2MoeForCausalLM" => Some(get_usize(raw, "shared_expert_intermediate_size")?),
-        _ if qwen_next || qwen35_moe => Some(get_usize(raw, "shared_expert_intermediate_size")?),
-        _ => None,
-    }
-    .filter(|&i| i > 0);
+    Ok((num_experts, top_k))
+}
+
+/// Which decoder layers have the sparse block: all of them, except for Qwen2/3-MoE, where a layer is sparse
+/// when it is not in `mlp_only_layers` and its 1-based index is a multiple of `decoder_sparse_step`.
+fn sparse_layers(raw: &Value, style: MoeStyle, qwen35_moe: bool, num_layers: usize) -> Vec<bool> {
     let step = raw
         .get("decoder_sparse_step")
         .and_then(Value::as_u64)
@@ -99,26 +125,14 @@ pub(super) fn moe_config(raw: &Value, arch: &str, num_layers: usize) -> Result<O
                 .collect()
         })
         .unwrap_or_default();
-    let sparse = (0..num_layers)
+    (0..num_layers)
         .map(|l| match style {
             // Qwen3.5-MoE: every decoder layer has the sparse block.
             MoeStyle::Qwen if qwen35_moe => true,
             MoeStyle::Qwen => !mlp_only.contains(&l) && l.saturating_add(1).is_multiple_of(step),
             _ => true,
         })
-        .collect();
-    Ok(Some(MoeConfig {
-        spec: MoeSpec {
-            style,
-            top_k,
-            renormalize,
-            act: Activation::Silu,
-        },
-        num_experts,
-        expert_intermediate,
-        shared_intermediate,
-        sparse,
-    }))
+        .collect()
 }
 
 /// Gemma 4 with `enable_moe_block`: every layer has the routed experts (`num_experts`, `top_k_experts`,

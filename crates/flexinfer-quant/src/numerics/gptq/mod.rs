@@ -173,21 +173,12 @@ pub fn gptq_quantize_in(
     let bs = p.block_size;
     // Two-level lazy batching: inner blocks of `bs` columns (the reference's semantics, including where group
     // parameters are read), and the update of the columns beyond an outer block deferred to one wide GEMM.
-    // Columns inside the outer block get every inner update before their block starts, and an outer block is a
-    // multiple of the group size, so each group still sees W exactly as the single-level sweep would.
-    let lcm = |a: usize, b: usize| a / gcd(a, b) * b;
-    let unit = if p.group_size > 0 && !p.static_groups {
-        lcm(bs, gs)
-    } else {
-        bs
-    };
-    let outer = unit * OUTER_BLOCK.div_ceil(unit).max(1);
+    let outer = outer_width(p, gs);
     // `W_k − Q_k` of the current outer block's columns.
     // Every column of a block is written by the sweep before the block's deltas are read.
     let delta_store = reuse_columns(delta_buf, rows, outer.min(cols), |_, c| c.fill(0.0));
     let mut delta = MatMut::from_column_major_slice_mut(delta_store, rows, outer.min(cols));
     let tiles = rows.div_ceil(TILE);
-    // Buffers of the block snapshot (`(P − W₀, snapshot)`), allocated on first use.
     let min_tiles_per_task = (tiles / (4 * rayon::current_num_threads().max(1))).max(1);
     let mut o1 = 0;
     while o1 < cols {
@@ -198,35 +189,16 @@ pub fn gptq_quantize_in(
             let count = i2 - i1;
             // The block's snapshot of W, when a group starts in it (see `Groups`).
             let snapshot: Option<MatRef<'_, f32>> = groups.snapshot_width(i1, i2).map(|m| {
-                let width = bs.max(gs).min(cols);
-                if snap_bufs
-                    .as_ref()
-                    .is_none_or(|(a, _)| a.nrows() != rows || a.ncols() < width)
-                {
-                    *snap_bufs = Some((Mat::zeros(rows, width), Mat::zeros(rows, width)));
-                }
-                let Some(bufs) = snap_bufs.as_mut() else {
-                    unreachable!("set just above")
-                };
                 block_snapshot(
                     backend,
                     w.as_ref().subcols(i1, m),
                     &|j| w0_col(i1 + j),
                     f.submatrix(i1, i1, m, m),
-                    bufs,
+                    snapshot_buffers(snap_bufs, rows, bs.max(gs).min(cols)),
                 )
             });
             let (block_params, col_param) = groups.block(i1, i2, &perm, snapshot);
-            // The block's coefficients, dense row-major (`coef[i * count + j]`, zero on and below the diagonal),
-            // and the squared diagonal `R_ii²` that turns a column's squared error into its loss.
-            let mut coef = vec![0f32; count * count];
-            let mut rdiag2 = vec![0f32; count];
-            for j in 0..count {
-                for i in 0..j {
-                    coef[i * count + j] = f[(i1 + i, i1 + j)];
-                }
-                rdiag2[j] = r_diag[i1 + j] * r_diag[i1 + j];
-            }
+            let (coef, rdiag2) = block_coefficients(f, r_diag, i1, count);
             let blk = Block {
                 count,
                 params: &block_params,
@@ -235,46 +207,14 @@ pub fn gptq_quantize_in(
                 rdiag2: &rdiag2,
                 maxq,
             };
-            // Rows are independent inside a block: sweep row tiles in parallel.
-            let mut parts = Vec::with_capacity(tiles);
-            let (mut wr, mut dr) = (
+            loss += sweep_rows(
+                &blk,
                 w.as_mut().subcols_mut(i1, count),
                 delta.as_mut().subcols_mut(i1 - o1, count),
+                |i| w0_col(i1 + i),
+                &mut codes_sweep[i1 * rows..i2 * rows],
+                min_tiles_per_task,
             );
-            let mut r0 = 0;
-            while r0 < rows {
-                let len = TILE.min(rows - r0);
-                let (wa, wb) = wr.split_at_row_mut(len);
-                let (da, db) = dr.split_at_row_mut(len);
-                let w0: Vec<&[f32]> = (0..count).map(|i| &w0_col(i1 + i)[r0..r0 + len]).collect();
-                parts.push((r0, wa, da, w0));
-                wr = wb;
-                dr = db;
-                r0 += len;
-            }
-            let swept: Vec<(usize, Vec<u8>, f64)> = parts
-                .into_par_iter()
-                .with_min_len(min_tiles_per_task)
-                .map_init(
-                    || vec![TileCol([0f32; TILE]); count],
-                    |scratch, (r0, wp, dp, w0)| {
-                        let (c, l) = blk.sweep_tile(wp, dp, &w0, r0, scratch);
-                        (r0, c, l)
-                    },
-                )
-                .collect();
-            loss += swept.iter().map(|(_, _, l)| l).sum::<f64>();
-            // Codes in sweep order here (a block's columns are contiguous, so they are filled in parallel);
-            // put into original column order at the end.
-            codes_sweep[i1 * rows..i2 * rows]
-                .par_chunks_mut(rows)
-                .enumerate()
-                .for_each(|(i, dst)| {
-                    for (r0, local, _) in &swept {
-                        let len = local.len() / count.max(1);
-                        dst[*r0..r0 + len].copy_from_slice(&local[i * len..(i + 1) * len]);
-                    }
-                });
             if i2 < o2 {
                 backend.block_update(
                     w.as_mut().subcols_mut(i2, o2 - i2),
@@ -293,21 +233,7 @@ pub fn gptq_quantize_in(
         }
         o1 = o2;
     }
-    let codes = match &factor.perm {
-        None => codes_sweep,
-        Some(perm) => {
-            let mut inv = vec![0usize; cols];
-            for (k, &orig) in perm.iter().enumerate() {
-                inv[orig] = k;
-            }
-            let mut codes = vec![0u8; rows * cols];
-            codes
-                .par_chunks_mut(rows.max(1))
-                .zip(inv.par_iter())
-                .for_each(|(dst, &k)| dst.copy_from_slice(&codes_sweep[k * rows..(k + 1) * rows]));
-            codes
-        }
-    };
+    let codes = codes_in_original_order(codes_sweep, factor.perm.as_deref(), rows, cols);
     let (scales, zeros, g_idx) = groups.finish();
     QuantizedLinear {
         method: Method::Gptq,
@@ -315,6 +241,128 @@ pub fn gptq_quantize_in(
         damp: factor.damp,
         ..QuantizedLinear::rtn(p, rows, cols, codes, scales, zeros, g_idx)
     }
+}
+
+/// Columns per outer block of the two-level sweep: [`OUTER_BLOCK`] rounded up to a multiple of the inner block
+/// and, with dynamic groups, of the group size. Columns inside an outer block get every inner update before their
+/// block starts, and a group never straddles two outer blocks, so each group sees W exactly as the single-level
+/// sweep would.
+fn outer_width(p: &GptqParams, gs: usize) -> usize {
+    let bs = p.block_size;
+    let lcm = |a: usize, b: usize| a / gcd(a, b) * b;
+    let unit = if p.group_size > 0 && !p.static_groups {
+        lcm(bs, gs)
+    } else {
+        bs
+    };
+    unit * OUTER_BLOCK.div_ceil(unit).max(1)
+}
+
+/// The snapshot's buffers (`(P − W₀, snapshot)`, `rows × width`), allocated on first use and when a module of
+/// another shape needs more.
+fn snapshot_buffers(
+    bufs: &mut Option<(Mat<f32>, Mat<f32>)>,
+    rows: usize,
+    width: usize,
+) -> &mut (Mat<f32>, Mat<f32>) {
+    if bufs
+        .as_ref()
+        .is_none_or(|(a, _)| a.nrows() != rows || a.ncols() < width)
+    {
+        *bufs = None;
+    }
+    bufs.get_or_insert_with(|| (Mat::zeros(rows, width), Mat::zeros(rows, width)))
+}
+
+/// The block's coefficients at `(i1, i1)`, dense row-major (`coef[i * count + j]`, zero on and below the
+/// diagonal), and the squared diagonal `R_ii²` that turns a column's squared error into its loss.
+fn block_coefficients(
+    f: MatRef<'_, f32>,
+    r_diag: &[f32],
+    i1: usize,
+    count: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let mut coef = vec![0f32; count * count];
+    let mut rdiag2 = vec![0f32; count];
+    for j in 0..count {
+        for i in 0..j {
+            coef[i * count + j] = f[(i1 + i, i1 + j)];
+        }
+        rdiag2[j] = r_diag[i1 + j] * r_diag[i1 + j];
+    }
+    (coef, rdiag2)
+}
+
+/// One inner block's sweep over row tiles in parallel (rows are independent inside a block): `w` and `delta` are
+/// the block's columns, `w0(i)` the block's column `i` of W₀, and `codes` receives the block's codes (its columns
+/// contiguous, in sweep order). Returns the block's loss.
+fn sweep_rows<'a>(
+    blk: &Block<'_>,
+    mut wr: MatMut<'_, f32>,
+    mut dr: MatMut<'_, f32>,
+    w0: impl Fn(usize) -> &'a [f32],
+    codes: &mut [u8],
+    min_tiles_per_task: usize,
+) -> f64 {
+    let (rows, count) = (wr.nrows(), blk.count);
+    let mut parts = Vec::with_capacity(rows.div_ceil(TILE));
+    let mut r0 = 0;
+    while r0 < rows {
+        let len = TILE.min(rows - r0);
+        let (wa, wb) = wr.split_at_row_mut(len);
+        let (da, db) = dr.split_at_row_mut(len);
+        let w0: Vec<&[f32]> = (0..count).map(|i| &w0(i)[r0..r0 + len]).collect();
+        parts.push((r0, wa, da, w0));
+        wr = wb;
+        dr = db;
+        r0 += len;
+    }
+    let swept: Vec<(usize, Vec<u8>, f64)> = parts
+        .into_par_iter()
+        .with_min_len(min_tiles_per_task)
+        .map_init(
+            || vec![TileCol([0f32; TILE]); count],
+            |scratch, (r0, wp, dp, w0)| {
+                let (c, l) = blk.sweep_tile(wp, dp, &w0, r0, scratch);
+                (r0, c, l)
+            },
+        )
+        .collect();
+    // A block's columns are contiguous in `codes`, so they are filled in parallel.
+    codes
+        .par_chunks_mut(rows.max(1))
+        .enumerate()
+        .for_each(|(i, dst)| {
+            for (r0, local, _) in &swept {
+                let len = local.len() / count.max(1);
+                dst[*r0..r0 + len].copy_from_slice(&local[i * len..(i + 1) * len]);
+            }
+        });
+    swept.iter().map(|(_, _, l)| l).sum::<f64>()
+}
+
+/// Codes in sweep order (`codes[k * rows + r]` for the k-th swept column) put into original column order:
+/// column `perm[k]` gets the k-th. Without act-order the two orders are the same. Both sweeps (CPU and device)
+/// end with this.
+pub(crate) fn codes_in_original_order(
+    codes_sweep: Vec<u8>,
+    perm: Option<&[usize]>,
+    rows: usize,
+    cols: usize,
+) -> Vec<u8> {
+    let Some(perm) = perm else {
+        return codes_sweep;
+    };
+    let mut inv = vec![0usize; cols];
+    for (k, &orig) in perm.iter().enumerate() {
+        inv[orig] = k;
+    }
+    let mut codes = vec![0u8; rows * cols];
+    codes
+        .par_chunks_mut(rows.max(1))
+        .zip(inv.par_iter())
+        .for_each(|(dst, &k)| dst.copy_from_slice(&codes_sweep[k * rows..(k + 1) * rows]));
+    codes
 }
 
 /// W as the reference sees it at the start of the block `[i1, …)`, for its first `m` columns.

@@ -1,0 +1,157 @@
+//! NVRTC, loaded at run time: the CUDA kernels are compiled from `kernels/gptq.cu` to PTX for the device's
+//! compute capability.
+
+use super::api::sym;
+use super::NVRTC_LIBRARIES;
+use libloading::Library;
+use std::ffi::{c_char, c_int, c_void, CString};
+use std::path::{Path, PathBuf};
+
+type NvrtcProgram = *mut c_void;
+
+/// NVRTC, loaded at run time: compiles `kernels/gptq.cu` to PTX.
+pub struct Nvrtc {
+    lib: Library,
+    pub path: PathBuf,
+    /// NVRTC opens `libnvrtc-builtins.so.<ver>` by name at compile time; a copy beside libnvrtc that is not
+    /// on the library path is loaded first (the dynamic loader then finds it by its soname).
+    _builtins: Option<Library>,
+}
+
+impl Nvrtc {
+    /// `$FLEXINFER_NVRTC`, else [`NVRTC_LIBRARIES`] on the library path.
+    pub fn load() -> Result<Nvrtc, String> {
+        let mut candidates: Vec<PathBuf> = Vec::new();
+        if let Some(p) = std::env::var_os("FLEXINFER_NVRTC") {
+            candidates.push(PathBuf::from(p));
+        }
+        candidates.extend(NVRTC_LIBRARIES.iter().map(PathBuf::from));
+        let mut errors = Vec::new();
+        for p in candidates {
+            match Nvrtc::load_from(&p) {
+                Ok(n) => return Ok(n),
+                Err(e) => errors.push(e),
+            }
+        }
+        Err(format!("NVRTC not found: {}", errors.join("; ")))
+    }
+
+    /// libnvrtc at `path` (a file, or a name the dynamic loader resolves).
+    pub fn load_from(path: &Path) -> Result<Nvrtc, String> {
+        let builtins = path.parent().and_then(|dir| {
+            let mut names: Vec<PathBuf> = std::fs::read_dir(dir)
+                .ok()?
+                .flatten()
+                .map(|e| e.path())
+                .filter(|f| {
+                    let n = f
+                        .file_name()
+                        .unwrap_or_default()
+                        .to_string_lossy()
+                        .to_string();
+                    n.starts_with("libnvrtc-builtins.so") && !n.contains("alt")
+                })
+                .collect();
+            names.sort();
+            // SAFETY: NVRTC's own companion library, loaded as NVRTC itself would load it.
+            names
+                .into_iter()
+                .find_map(|f| unsafe { Library::new(&f) }.ok())
+        });
+        // SAFETY: loading NVRTC runs its initialisers, which are made for run-time loading.
+        let lib = unsafe { Library::new(path) }.map_err(|e| format!("{}: {e}", path.display()))?;
+        Ok(Nvrtc {
+            lib,
+            path: path.to_path_buf(),
+            _builtins: builtins,
+        })
+    }
+
+    fn f<T: Copy>(&self, name: &str) -> Result<T, String> {
+        sym::<T>(&self.lib, &self.path.display().to_string(), name).map_err(|e| e.message)
+    }
+
+    /// NVRTC's version `(major, minor)`.
+    pub fn version(&self) -> Result<(i32, i32), String> {
+        let v: unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int = self.f("nvrtcVersion")?;
+        let (mut a, mut b) = (0, 0);
+        // SAFETY: two valid out-pointers.
+        match unsafe { v(&mut a, &mut b) } {
+            0 => Ok((a, b)),
+            rc => Err(format!("nvrtcVersion returned {rc}")),
+        }
+    }
+
+    /// Compiles `src` with `opts`: the PTX, or the compiler's log.
+    pub fn compile(&self, src: &str, name: &str, opts: &[&str]) -> Result<String, String> {
+        type Create = unsafe extern "C" fn(
+            *mut NvrtcProgram,
+            *const c_char,
+            *const c_char,
+            c_int,
+            *const *const c_char,
+            *const *const c_char,
+        ) -> c_int;
+        type Compile = unsafe extern "C" fn(NvrtcProgram, c_int, *const *const c_char) -> c_int;
+        type Size = unsafe extern "C" fn(NvrtcProgram, *mut usize) -> c_int;
+        type Get = unsafe extern "C" fn(NvrtcProgram, *mut c_char) -> c_int;
+        type Destroy = unsafe extern "C" fn(*mut NvrtcProgram) -> c_int;
+        let create: Create = self.f("nvrtcCreateProgram")?;
+        let compile: Compile = self.f("nvrtcCompileProgram")?;
+        let log_size: Size = self.f("nvrtcGetProgramLogSize")?;
+        let get_log: Get = self.f("nvrtcGetProgramLog")?;
+        let ptx_size: Size = self.f("nvrtcGetPTXSize")?;
+        let get_ptx: Get = self.f("nvrtcGetPTX")?;
+        let destroy: Destroy = self.f("nvrtcDestroyProgram")?;
+        let cstr = |s: &str| CString::new(s).map_err(|e| format!("{name}: {e}"));
+        let src_c = cstr(src)?;
+        let name_c = cstr(name)?;
+        let opts_c = opts
+            .iter()
+            .map(|o| cstr(o))
+            .collect::<Result<Vec<_>, _>>()?;
+        let opt_ptrs: Vec<*const c_char> = opts_c.iter().map(|o| o.as_ptr()).collect();
+        let mut prog: NvrtcProgram = std::ptr::null_mut();
+        // SAFETY: NVRTC's C API with valid NUL-terminated strings and out-pointers; the program is destroyed
+        // before returning.
+        unsafe {
+            let rc = create(
+                &mut prog,
+                src_c.as_ptr(),
+                name_c.as_ptr(),
+                0,
+                std::ptr::null(),
+                std::ptr::null(),
+            );
+            if rc != 0 {
+                return Err(format!("nvrtcCreateProgram returned {rc}"));
+            }
+            let rc = compile(prog, opt_ptrs.len() as c_int, opt_ptrs.as_ptr());
+            let mut n = 0usize;
+            let mut log = String::new();
+            if log_size(prog, &mut n) == 0 {
+                let mut buf = vec![0u8; n.max(1)];
+                if get_log(prog, buf.as_mut_ptr() as *mut c_char) == 0 {
+                    log = String::from_utf8_lossy(&buf)
+                        .trim_end_matches('\0')
+                        .to_string();
+                }
+            }
+            let out = if rc == 0 {
+                let mut n = 0usize;
+                let mut ptx = vec![0u8; 1];
+                if ptx_size(prog, &mut n) == 0 {
+                    ptx = vec![0u8; n.max(1)];
+                    get_ptx(prog, ptx.as_mut_ptr() as *mut c_char);
+                }
+                Ok(String::from_utf8_lossy(&ptx)
+                    .trim_end_matches('\0')
+                    .to_string())
+            } else {
+                Err(format!("nvrtcCompileProgram returned {rc}:\n{log}"))
+            };
+            destroy(&mut prog);
+            out
+        }
+    }
+}
