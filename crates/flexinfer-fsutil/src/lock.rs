@@ -6,6 +6,7 @@
 //! not block its replacement). The file is removed when the lock is released.
 
 use serde::{Deserialize, Serialize};
+use std::fs::File;
 use std::io::{self, Read, Seek, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -71,6 +72,103 @@ fn write_holder(f: &std::fs::File, h: &LockHolder) -> io::Result<()> {
     f.sync_data()
 }
 
+/// The error of a directory another writer holds: who (from the lock file, when readable) and why.
+fn busy(dir: &Path, h: Option<LockHolder>, why: &str) -> io::Error {
+    let who = h
+        .map(|h| {
+            format!(
+                "owner {} (pod {}, pid {}, heartbeat {})",
+                h.owner, h.pod, h.pid, h.heartbeat_at
+            )
+        })
+        .unwrap_or_else(|| "an unknown process".into());
+    io::Error::new(
+        io::ErrorKind::WouldBlock,
+        format!("{} is being written by {who}: {why}", dir.display()),
+    )
+}
+
+/// Why [`flock_current`] did not get the lock.
+enum Flock {
+    /// Another process holds the flock (its file, to read the holder from).
+    Held(File),
+    Io(io::Error),
+}
+
+/// The lock file at `path`, created if missing, with its exclusive flock taken. The file is unlinked by the
+/// holder on release: a lock taken on an inode that is no longer at `path` is retried on the new file (up to
+/// eight times).
+fn flock_current(path: &Path) -> Result<File, Flock> {
+    let open = || {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .map_err(Flock::Io)
+    };
+    let mut file = open()?;
+    let mut attempts: u32 = 0;
+    loop {
+        if let Err(e) =
+            rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive)
+        {
+            if e == rustix::io::Errno::WOULDBLOCK {
+                return Err(Flock::Held(file));
+            }
+            return Err(Flock::Io(e.into()));
+        }
+        use std::os::unix::fs::MetadataExt;
+        let same = std::fs::metadata(path)
+            .map(|m| m.ino() == file.metadata().map(|f| f.ino()).unwrap_or(0))
+            .unwrap_or(false);
+        attempts = attempts.saturating_add(1);
+        if same || attempts > 8 {
+            return Ok(file);
+        }
+        file = open()?;
+    }
+}
+
+/// Whether the previous holder recorded in the lock file is a live writer on another node: another owner,
+/// a heartbeat younger than `stale_after`, and both nodes known and different. (On one node the flock
+/// alone decides.)
+fn live_elsewhere(prev: &LockHolder, holder: &LockHolder, stale_after: Duration) -> bool {
+    let fresh = prev
+        .heartbeat_at
+        .parse::<jiff::Timestamp>()
+        .ok()
+        .and_then(|t| jiff::Timestamp::now().duration_since(t).try_into().ok())
+        .is_some_and(|age: Duration| age < stale_after);
+    let other_node = !prev.node.is_empty() && !holder.node.is_empty() && prev.node != holder.node;
+    prev.owner != holder.owner && !prev.owner.is_empty() && fresh && other_node
+}
+
+/// The thread that rewrites the holder's heartbeat every `heartbeat` until `stop` is set.
+fn spawn_heartbeat(
+    file: Arc<File>,
+    stop: Arc<AtomicBool>,
+    mut holder: LockHolder,
+    heartbeat: Duration,
+) -> io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("writer-lock-heartbeat".into())
+        .spawn(move || {
+            let step = Duration::from_millis(200).min(heartbeat);
+            let mut waited = Duration::ZERO;
+            while !stop.load(Ordering::Relaxed) {
+                std::thread::sleep(step);
+                waited = waited.saturating_add(step);
+                if waited >= heartbeat {
+                    waited = Duration::ZERO;
+                    holder.heartbeat_at = crate::now_rfc3339();
+                    let _ = write_holder(&file, &holder);
+                }
+            }
+        })
+}
+
 impl WriterLock {
     /// Takes the lock of `dir` for `holder`. Fails with `WouldBlock` naming the live holder when another
     /// process holds the flock, or when the file names another owner whose heartbeat is younger than
@@ -85,62 +183,14 @@ impl WriterLock {
         if let Some(p) = path.parent() {
             std::fs::create_dir_all(p)?;
         }
-        let open = || {
-            std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(false)
-                .open(&path)
-        };
-        let mut file = open()?;
-        let busy = |h: Option<LockHolder>, why: &str| {
-            let who = h
-                .map(|h| {
-                    format!(
-                        "owner {} (pod {}, pid {}, heartbeat {})",
-                        h.owner, h.pod, h.pid, h.heartbeat_at
-                    )
-                })
-                .unwrap_or_else(|| "an unknown process".into());
-            io::Error::new(
-                io::ErrorKind::WouldBlock,
-                format!("{} is being written by {who}: {why}", dir.display()),
-            )
-        };
-        // The file is unlinked by the holder on release: a lock taken on an inode that is no longer at
-        // `path` is retried on the new file.
-        let mut attempts: u32 = 0;
-        loop {
-            if let Err(e) =
-                rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive)
-            {
-                if e == rustix::io::Errno::WOULDBLOCK {
-                    return Err(busy(read_holder(&mut file), "its lock is held"));
-                }
-                return Err(e.into());
-            }
-            use std::os::unix::fs::MetadataExt;
-            let same = std::fs::metadata(&path)
-                .map(|m| m.ino() == file.metadata().map(|f| f.ino()).unwrap_or(0))
-                .unwrap_or(false);
-            attempts = attempts.saturating_add(1);
-            if same || attempts > 8 {
-                break;
-            }
-            file = open()?;
-        }
+        let mut file = flock_current(&path).map_err(|e| match e {
+            Flock::Held(mut file) => busy(dir, read_holder(&mut file), "its lock is held"),
+            Flock::Io(e) => e,
+        })?;
         if let Some(prev) = read_holder(&mut file) {
-            let fresh = prev
-                .heartbeat_at
-                .parse::<jiff::Timestamp>()
-                .ok()
-                .and_then(|t| jiff::Timestamp::now().duration_since(t).try_into().ok())
-                .is_some_and(|age: Duration| age < stale_after);
-            let other_node =
-                !prev.node.is_empty() && !holder.node.is_empty() && prev.node != holder.node;
-            if prev.owner != holder.owner && !prev.owner.is_empty() && fresh && other_node {
+            if live_elsewhere(&prev, &holder, stale_after) {
                 return Err(busy(
+                    dir,
                     Some(prev),
                     "its heartbeat is fresh (a writer on another node?)",
                 ));
@@ -153,22 +203,7 @@ impl WriterLock {
         write_holder(&file, &holder)?;
         let file = Arc::new(file);
         let stop = Arc::new(AtomicBool::new(false));
-        let (f2, s2) = (file.clone(), stop.clone());
-        let beat = std::thread::Builder::new()
-            .name("writer-lock-heartbeat".into())
-            .spawn(move || {
-                let step = Duration::from_millis(200).min(heartbeat);
-                let mut waited = Duration::ZERO;
-                while !s2.load(Ordering::Relaxed) {
-                    std::thread::sleep(step);
-                    waited = waited.saturating_add(step);
-                    if waited >= heartbeat {
-                        waited = Duration::ZERO;
-                        holder.heartbeat_at = crate::now_rfc3339();
-                        let _ = write_holder(&f2, &holder);
-                    }
-                }
-            })?;
+        let beat = spawn_heartbeat(file.clone(), stop.clone(), holder, heartbeat)?;
         Ok(WriterLock {
             path,
             stop,

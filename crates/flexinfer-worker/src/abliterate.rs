@@ -20,6 +20,7 @@ pub mod direction;
 pub mod dtype;
 pub mod edit;
 pub mod forward;
+pub mod ortho;
 pub mod output;
 
 use std::path::{Path, PathBuf};

@@ -217,51 +217,7 @@ async fn run_async(
     let _out_lock = (out != args.model_dir)
         .then(|| crate::generations::lock_output(&out, &events))
         .transpose()?;
-    let model = match source {
-        Source::Hub { repo } => {
-            let kind = RepoType::parse(&args.repo_type).ok_or_else(|| {
-                WorkerError::BadInput(format!(
-                    "{} must be model or dataset, got {:?}",
-                    env::REPO_TYPE,
-                    args.repo_type
-                ))
-            })?;
-            let (files, ctx) = hub_files(args, kind, &repo, &args.revision, &filter).await?;
-            let canonical = format!("hf://{repo}");
-            fetch_all(args, &out, &events, &ctx, &canonical, &args.revision, files).await
-        }
-        Source::Oci { reference } => {
-            let reference = oci::Reference::parse(&reference).map_err(oci::worker_error)?;
-            let creds = args
-                .registry
-                .credentials(&reference.registry)
-                .map_err(oci::worker_error)?;
-            let reg = oci::Registry::connect(&reference, creds, args.registry.insecure)
-                .await
-                .map_err(oci::worker_error)?;
-            let (digest, listed) = reg
-                .artifact_files(&reference)
-                .await
-                .map_err(oci::worker_error)?;
-            let files = select(listed, &filter)?;
-            let ctx = new_ctx(
-                reg.client().clone(),
-                reg.authorization().await,
-                args.retries,
-            );
-            fetch_all(
-                args,
-                &out,
-                &events,
-                &ctx,
-                &format!("oci://{reference}"),
-                &digest,
-                files,
-            )
-            .await
-        }
-        Source::Local { path } => local::run(args, &out, &events, &path).await,
-    }?;
+    let model = fetch_source(args, source, &filter, &out, &events).await?;
     let mut fetched = Vec::new();
     for id in [&args.dataset, &args.refusal_dataset, &args.harmless_dataset]
         .into_iter()
@@ -280,6 +236,79 @@ async fn run_async(
         );
     }
     Ok(model)
+}
+
+/// The `.part` → final renames are durable only once their directories are: fsync each directory that
+/// received a file.
+fn sync_parents(dir: &Path, files: &[IntegrityFile]) -> Result<(), WorkerError> {
+    let mut parents: Vec<PathBuf> = files
+        .iter()
+        .filter_map(|f| dir.join(&f.name).parent().map(Path::to_path_buf))
+        .collect();
+    parents.sort();
+    parents.dedup();
+    for p in parents {
+        flexinfer_fsutil::fsync_dir(&p).map_err(WorkerError::io(
+            ExitKind::Failure,
+            format!("cannot sync {}", p.display()),
+        ))?;
+    }
+    Ok(())
+}
+
+/// The model's files from its source (hub, registry or a local directory) into the generation `out`.
+async fn fetch_source(
+    args: &DownloadArgs,
+    source: Source,
+    filter: &PatternFilter,
+    out: &Path,
+    events: &Arc<Events>,
+) -> Result<TerminationSuccess, WorkerError> {
+    match source {
+        Source::Hub { repo } => {
+            let kind = RepoType::parse(&args.repo_type).ok_or_else(|| {
+                WorkerError::BadInput(format!(
+                    "{} must be model or dataset, got {:?}",
+                    env::REPO_TYPE,
+                    args.repo_type
+                ))
+            })?;
+            let (files, ctx) = hub_files(args, kind, &repo, &args.revision, filter).await?;
+            let canonical = format!("hf://{repo}");
+            fetch_all(args, out, events, &ctx, &canonical, &args.revision, files).await
+        }
+        Source::Oci { reference } => {
+            let reference = oci::Reference::parse(&reference).map_err(oci::worker_error)?;
+            let creds = args
+                .registry
+                .credentials(&reference.registry)
+                .map_err(oci::worker_error)?;
+            let reg = oci::Registry::connect(&reference, creds, args.registry.insecure)
+                .await
+                .map_err(oci::worker_error)?;
+            let (digest, listed) = reg
+                .artifact_files(&reference)
+                .await
+                .map_err(oci::worker_error)?;
+            let files = select(listed, filter)?;
+            let ctx = new_ctx(
+                reg.client().clone(),
+                reg.authorization().await,
+                args.retries,
+            );
+            fetch_all(
+                args,
+                out,
+                events,
+                &ctx,
+                &format!("oci://{reference}"),
+                &digest,
+                files,
+            )
+            .await
+        }
+        Source::Local { path } => local::run(args, out, events, &path).await,
+    }
 }
 
 /// Fetch the calibration dataset into `MODEL_DIR/.datasets/<id>` (own markers, own resume).
@@ -445,19 +474,7 @@ async fn fetch_all(
     ticker.abort();
     let mut integrity_files = results.map_err(fetch_error)?;
     integrity_files.sort_by(|a, b| a.name.cmp(&b.name));
-    // The `.part` → final renames are durable only once their directories are.
-    let mut parents: Vec<PathBuf> = integrity_files
-        .iter()
-        .filter_map(|f| dir.join(&f.name).parent().map(Path::to_path_buf))
-        .collect();
-    parents.sort();
-    parents.dedup();
-    for p in parents {
-        flexinfer_fsutil::fsync_dir(&p).map_err(WorkerError::io(
-            ExitKind::Failure,
-            format!("cannot sync {}", p.display()),
-        ))?;
-    }
+    sync_parents(dir, &integrity_files)?;
     let secs = started.elapsed().as_secs_f64();
     let received = ctx.received.load(Ordering::Relaxed);
     events.progress(bytes_progress(

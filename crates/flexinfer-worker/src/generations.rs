@@ -1,7 +1,7 @@
 //! One writer per directory, and garbage collection of a phase's earlier generations
 //! (docs/dev/architecture.md, "Artifact lifecycle").
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use flexinfer_contract::{env, files};
@@ -79,13 +79,7 @@ pub fn collect_garbage(out_dir: &Path, keep: Option<&str>, events: &Events) -> V
     let Some(keep) = keep else {
         return Vec::new();
     };
-    let keep: Vec<String> = keep
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .filter_map(|s| Path::new(s).file_name())
-        .map(|n| n.to_string_lossy().into_owned())
-        .collect();
+    let keep = keep_names(keep);
     let (Some(parent), Some(own)) = (out_dir.parent(), out_dir.file_name()) else {
         return Vec::new();
     };
@@ -100,36 +94,15 @@ pub fn collect_garbage(out_dir: &Path, keep: Option<&str>, events: &Events) -> V
     let mut targets = Vec::new();
     for e in rd.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        // `<gen dir>`, `.<gen dir>.partial` (staging), `.<gen dir>.lock`.
-        let target = name
-            .strip_prefix('.')
-            .and_then(|n| {
-                n.strip_suffix(files::STAGING_SUFFIX)
-                    .or_else(|| n.strip_suffix(flexinfer_fsutil::LOCK_SUFFIX))
-            })
-            .unwrap_or(&name)
-            .to_string();
+        let target = generation_of_entry(&name);
         if !fam.contains(&target) || target == own || keep.contains(&target) {
             continue;
         }
         let gen_dir = parent.join(&target);
-        // A live writer (its flock held) keeps its directory.
-        let probe = LockHolder {
-            owner: "garbage-collection".into(),
-            ..Default::default()
-        };
-        let lock = match WriterLock::acquire(&gen_dir, probe, HEARTBEAT, STALE_AFTER) {
-            Ok(l) => l,
-            Err(_) => continue,
-        };
         let p = e.path();
-        let res = match e.file_type() {
-            Ok(t) if t.is_dir() => std::fs::remove_dir_all(&p),
-            Ok(_) if p == lock.path() => Ok(()),
-            Ok(_) => std::fs::remove_file(&p),
-            Err(err) => Err(err),
+        let Some(res) = remove_unless_written(&e, &gen_dir) else {
+            continue;
         };
-        drop(lock);
         match res {
             Ok(()) => {
                 if p != flexinfer_fsutil::lock_path(&gen_dir) {
@@ -143,21 +116,7 @@ pub fn collect_garbage(out_dir: &Path, keep: Option<&str>, events: &Events) -> V
             )),
         }
     }
-    // Lock files (including the probes') of generations that are gone.
-    for gen_dir in targets {
-        let lock = flexinfer_fsutil::lock_path(&gen_dir);
-        let staging = gen_dir.with_file_name(format!(
-            ".{}{}",
-            gen_dir
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default(),
-            files::STAGING_SUFFIX
-        ));
-        if lock.is_file() && !gen_dir.exists() && !staging.exists() {
-            let _ = std::fs::remove_file(lock);
-        }
-    }
+    remove_orphan_locks(targets);
     // A download made before generations existed lives in the model directory itself.
     if fam == Family::Source {
         let root = parent
@@ -182,6 +141,67 @@ pub fn collect_garbage(out_dir: &Path, keep: Option<&str>, events: &Events) -> V
         );
     }
     removed
+}
+
+/// The generation names `FLEXINFER_KEEP_DIRS` lists (its comma-separated paths' last components).
+fn keep_names(keep: &str) -> Vec<String> {
+    keep.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .filter_map(|s| Path::new(s).file_name())
+        .map(|n| n.to_string_lossy().into_owned())
+        .collect()
+}
+
+/// The generation a sibling entry belongs to: `<gen dir>` itself, `.<gen dir>.partial` (its staging) or
+/// `.<gen dir>.lock`.
+fn generation_of_entry(name: &str) -> String {
+    name.strip_prefix('.')
+        .and_then(|n| {
+            n.strip_suffix(files::STAGING_SUFFIX)
+                .or_else(|| n.strip_suffix(flexinfer_fsutil::LOCK_SUFFIX))
+        })
+        .unwrap_or(name)
+        .to_string()
+}
+
+/// Removes the entry `e` of the generation `gen_dir` while holding that generation's writer lock; `None` when a
+/// live writer holds it (its directory is kept). The lock file the probe itself holds is left for
+/// [`remove_orphan_locks`].
+fn remove_unless_written(e: &std::fs::DirEntry, gen_dir: &Path) -> Option<std::io::Result<()>> {
+    let probe = LockHolder {
+        owner: "garbage-collection".into(),
+        ..Default::default()
+    };
+    let lock = WriterLock::acquire(gen_dir, probe, HEARTBEAT, STALE_AFTER).ok()?;
+    let p = e.path();
+    let res = match e.file_type() {
+        Ok(t) if t.is_dir() => std::fs::remove_dir_all(&p),
+        Ok(_) if p == lock.path() => Ok(()),
+        Ok(_) => std::fs::remove_file(&p),
+        Err(err) => Err(err),
+    };
+    drop(lock);
+    Some(res)
+}
+
+/// Lock files (including the garbage collection's probes') of the generations that are gone, with no
+/// staging directory left either.
+fn remove_orphan_locks(targets: Vec<PathBuf>) {
+    for gen_dir in targets {
+        let lock = flexinfer_fsutil::lock_path(&gen_dir);
+        let staging = gen_dir.with_file_name(format!(
+            ".{}{}",
+            gen_dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            files::STAGING_SUFFIX
+        ));
+        if lock.is_file() && !gen_dir.exists() && !staging.exists() {
+            let _ = std::fs::remove_file(lock);
+        }
+    }
 }
 
 /// Removes the files a download made before generations existed left in `root` (exactly those its

@@ -369,107 +369,122 @@ impl Server {
     }
 
     async fn complete(self: Arc<Self>, req: Request<Incoming>, chat: bool) -> Response<Body> {
+        let ask = match self.read_request(req, chat).await {
+            Ok(a) => a,
+            Err(refused) => return refused,
+        };
+        let object = match (chat, ask.stream) {
+            (true, true) => "chat.completion.chunk",
+            (true, false) => "chat.completion",
+            (false, _) => "text_completion",
+        };
+        let head = Head {
+            id: format!("cmpl-standin-{}", jiff::Timestamp::now().as_nanosecond()),
+            object,
+            created: jiff::Timestamp::now().as_second(),
+            chat,
+        };
+        if ask.stream {
+            self.stream(ask, head)
+        } else {
+            self.answer(ask, head).await
+        }
+    }
+
+    /// The request's body read (bounded), parsed and checked: the served model, the prompt, `max_tokens`
+    /// (or `max_completion_tokens`) and `stream`. A refusal is the OpenAI-style error response.
+    async fn read_request(
+        &self,
+        req: Request<Incoming>,
+        chat: bool,
+    ) -> Result<Ask, Response<Body>> {
+        let invalid = |status, m: &str| error(status, "invalid_request_error", m);
         let bytes = match Limited::new(req.into_body(), MAX_BODY_BYTES)
             .collect()
             .await
         {
             Ok(b) => b.to_bytes(),
             Err(_) => {
-                return error(
+                return Err(invalid(
                     StatusCode::PAYLOAD_TOO_LARGE,
-                    "invalid_request_error",
                     &format!("request body over {MAX_BODY_BYTES} bytes or unreadable"),
-                )
+                ))
             }
         };
-        let body: Value = match serde_json::from_slice(&bytes) {
-            Ok(v) => v,
-            Err(e) => {
-                return error(
-                    StatusCode::BAD_REQUEST,
-                    "invalid_request_error",
-                    &format!("body is not JSON: {e}"),
-                )
-            }
-        };
+        let body: Value = serde_json::from_slice(&bytes)
+            .map_err(|e| invalid(StatusCode::BAD_REQUEST, &format!("body is not JSON: {e}")))?;
         let model = body
             .get("model")
             .and_then(Value::as_str)
             .unwrap_or_default();
         if model != self.served_name {
-            return error(
+            return Err(invalid(
                 StatusCode::NOT_FOUND,
-                "invalid_request_error",
                 &format!(
                     "The model `{model}` does not exist; this server serves `{}`",
                     self.served_name
                 ),
-            );
+            ));
         }
-        let prompt = match prompt_of(chat, &body) {
-            Ok(p) => p,
-            Err(e) => {
-                return error(
-                    StatusCode::BAD_REQUEST,
-                    "invalid_request_error",
-                    &e.to_string(),
-                )
-            }
-        };
+        let prompt =
+            prompt_of(chat, &body).map_err(|e| invalid(StatusCode::BAD_REQUEST, &e.to_string()))?;
         let max_tokens = body
             .get("max_tokens")
             .or_else(|| body.get("max_completion_tokens"))
             .and_then(Value::as_u64)
             .map_or(16, |n| usize::try_from(n).unwrap_or(MAX_NEW_TOKENS));
         let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
-        let id = format!("cmpl-standin-{}", jiff::Timestamp::now().as_nanosecond());
-        let object = match (chat, stream) {
-            (true, true) => "chat.completion.chunk",
-            (true, false) => "chat.completion",
-            (false, _) => "text_completion",
-        };
-        let created = jiff::Timestamp::now().as_second();
-        if !stream {
-            let me = self.clone();
-            let gen = tokio::task::spawn_blocking(move || {
-                me.engine.generate(&prompt, max_tokens, |_| true)
-            })
-            .await;
-            return match gen {
-                Ok(Ok(g)) => json_response(
-                    StatusCode::OK,
-                    &json!({
-                        "id": id, "object": object, "created": created, "model": self.served_name,
-                        "system_fingerprint": "flexinfer-standin",
-                        "choices": [Self::choice(chat, &g.text, Some("length"), false)],
-                        "usage": {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens,
-                                  "total_tokens": g.prompt_tokens.saturating_add(g.completion_tokens)},
-                    }),
-                ),
-                Ok(Err(e)) => error(
-                    StatusCode::BAD_REQUEST,
-                    "invalid_request_error",
-                    &e.to_string(),
-                ),
-                Err(e) => error(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "server_error",
-                    &e.to_string(),
-                ),
-            };
+        Ok(Ask {
+            prompt,
+            max_tokens,
+            stream,
+        })
+    }
+
+    /// The whole completion in one JSON response.
+    async fn answer(self: Arc<Self>, ask: Ask, head: Head) -> Response<Body> {
+        let me = self.clone();
+        let gen = tokio::task::spawn_blocking(move || {
+            me.engine.generate(&ask.prompt, ask.max_tokens, |_| true)
+        })
+        .await;
+        match gen {
+            Ok(Ok(g)) => json_response(
+                StatusCode::OK,
+                &json!({
+                    "id": head.id, "object": head.object, "created": head.created, "model": self.served_name,
+                    "system_fingerprint": "flexinfer-standin",
+                    "choices": [Self::choice(head.chat, &g.text, Some("length"), false)],
+                    "usage": {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens,
+                              "total_tokens": g.prompt_tokens.saturating_add(g.completion_tokens)},
+                }),
+            ),
+            Ok(Err(e)) => error(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                &e.to_string(),
+            ),
+            Err(e) => error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                &e.to_string(),
+            ),
         }
-        // SSE: one chunk per token, then the final chunk and `[DONE]`. A closed client ends the generation.
+    }
+
+    /// SSE: one chunk per token, then the final chunk and `[DONE]`. A closed client ends the generation.
+    fn stream(self: Arc<Self>, ask: Ask, head: Head) -> Response<Body> {
         let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(16);
         let me = self.clone();
         tokio::task::spawn_blocking(move || {
             let chunk = |text: &str, finish: Option<&str>| {
-                let v = json!({"id": id, "object": object, "created": created, "model": me.served_name,
-                               "system_fingerprint": "flexinfer-standin",
-                               "choices": [Self::choice(chat, text, finish, true)]});
+                let v = json!({"id": head.id, "object": head.object, "created": head.created,
+                               "model": me.served_name, "system_fingerprint": "flexinfer-standin",
+                               "choices": [Self::choice(head.chat, text, finish, true)]});
                 Bytes::from(format!("data: {v}\n\n"))
             };
             // A failed send means the client closed the stream: generation stops there.
-            let r = me.engine.generate(&prompt, max_tokens, |piece| {
+            let r = me.engine.generate(&ask.prompt, ask.max_tokens, |piece| {
                 if !me.token_delay.is_zero() {
                     std::thread::sleep(me.token_delay);
                 }
@@ -497,6 +512,21 @@ impl Server {
         );
         r
     }
+}
+
+/// A completion request, read and checked.
+struct Ask {
+    prompt: String,
+    max_tokens: usize,
+    stream: bool,
+}
+
+/// What every response object of one request repeats.
+struct Head {
+    id: String,
+    object: &'static str,
+    created: i64,
+    chat: bool,
 }
 
 /// Loads the artifact and serves until the process is stopped.

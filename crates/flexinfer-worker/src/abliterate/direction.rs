@@ -292,7 +292,6 @@ pub fn compute(
     ev: &Events,
 ) -> Result<RunResult, WorkerError> {
     let cfg = &arch.cfg;
-    let n_layers = cfg.num_layers;
     let (nr, nh) = (prompts.refusal.len(), prompts.harmless.len());
     let seqs: Vec<&Vec<u32>> = prompts
         .refusal
@@ -301,44 +300,29 @@ pub fn compute(
         .chain(&prompts.ppl)
         .collect();
     let max_len = seqs.iter().map(|s| s.len()).max().unwrap_or(1).max(1);
-    let rope = Rope::new(cfg, max_len);
-    // Row by row from the mapped table (Gemma's 262k-token vocabulary would be GiBs in f32).
-    let mut hs: Vec<Mat<f32>> = seqs
-        .iter()
-        .map(|s| embed(store, cfg, None, s))
-        .collect::<Result<_, _>>()
-        .map_err(quant_err)?;
-    let first_mod = plan.layers_modified.first().copied().unwrap_or(n_layers);
-    let (cr, ch) = (nr.min(CHECK_PROMPTS), nh.min(CHECK_PROMPTS));
-    let check_idx: Vec<usize> = (0..cr).chain(nr..nr + ch).collect();
-    let mut saved: Option<Vec<Mat<f32>>> = None;
-    let mut saved_check: Option<Vec<Mat<f32>>> = None;
-    let mut stats: BTreeMap<usize, LayerStats> = BTreeMap::new();
-    let d = cfg.hidden_size;
-    for layer in 0..n_layers {
-        if layer == first_mod {
-            saved = Some(hs[nr + nh..].to_vec());
-            saved_check = Some(check_idx.iter().map(|&i| hs[i].clone()).collect());
-        }
-        let lm = LayerModel::load(store, arch, layer)?;
-        for h in hs.iter_mut() {
-            *h = lm.forward(arch, h.as_ref(), &rope);
-        }
-        if targets.contains(&layer) {
-            stats.insert(layer, layer_stats(&hs, (nr, nh), (cr, ch), d));
-        }
-        progress(
-            ev,
-            5.0 + 40.0 * (layer + 1) as f64 / n_layers as f64,
-            format!("residual stream: layer {}/{n_layers}", layer + 1),
-            layer,
-            n_layers,
-        );
-    }
+    let run = Run {
+        store,
+        arch,
+        plan,
+        ev,
+        rope: Rope::new(cfg, max_len),
+        n_layers: cfg.num_layers,
+        first_mod: plan
+            .layers_modified
+            .first()
+            .copied()
+            .unwrap_or(cfg.num_layers),
+        nr,
+        nh,
+        cr: nr.min(CHECK_PROMPTS),
+        ch: nh.min(CHECK_PROMPTS),
+    };
+    let (cr, ch, d) = (run.cr, run.ch, cfg.hidden_size);
+    let pass = run.unedited(&seqs, targets)?;
     let ppl_texts = &prompts.ppl;
-    let before = perplexity(store, cfg, &hs[nr + nh..], ppl_texts, plan, None)?;
+    let before = perplexity(store, cfg, &pass.hs[nr + nh..], ppl_texts, plan, None)?;
 
-    let cands = candidates(&stats, nr, nh);
+    let cands = candidates(&pass.stats, nr, nh);
     let best = choose(&cands)
         .ok_or_else(|| WorkerError::BadInput("no target layer to take the direction from".into()))?
         .clone();
@@ -347,42 +331,20 @@ pub fn compute(
 
     // The projection check before the edit: the separation along the direction at its layer.
     let usable = best.norm.is_finite() && best.norm > 0.0;
-    let proj_before = stats
+    let proj_before = pass
+        .stats
         .get(&best.layer)
         .map(|st| separation(&st.check_r, &st.check_h, cr, ch, &unit))
         .filter(|_| usable);
-    let mut proj_after = proj_before.filter(|_| best.layer < first_mod);
+    let mut proj_after = proj_before.filter(|_| best.layer < run.first_mod);
 
     // Perplexity after: from the saved input of the first modified layer, with the edits applied; the check's
     // prompts go through the edited layers up to the direction's layer.
-    let mut after_hs = saved.unwrap_or_else(|| hs[nr + nh..].to_vec());
-    let mut check_hs = saved_check.filter(|_| best.layer >= first_mod);
+    let mut after_hs = pass.saved.unwrap_or_else(|| pass.hs[nr + nh..].to_vec());
+    let check_hs = pass.saved_check.filter(|_| best.layer >= run.first_mod);
     let after = if usable {
-        for layer in first_mod..n_layers {
-            let mut lm = LayerModel::load(store, arch, layer)?;
-            edit_layer(store, cfg, layer, &mut lm, plan, &unit)?;
-            for h in after_hs.iter_mut() {
-                *h = lm.forward(arch, h.as_ref(), &rope);
-            }
-            if let Some(chs) = check_hs.as_mut() {
-                for h in chs.iter_mut() {
-                    *h = lm.forward(arch, h.as_ref(), &rope);
-                }
-                if layer == best.layer {
-                    let (mut sr, mut sh) = (vec![0f64; d], vec![0f64; d]);
-                    add_last_rows(&mut sr, chs[..cr].iter());
-                    add_last_rows(&mut sh, chs[cr..].iter());
-                    proj_after = Some(separation(&sr, &sh, cr, ch, &unit));
-                    check_hs = None;
-                }
-            }
-            progress(
-                ev,
-                45.0 + 25.0 * (layer + 1 - first_mod) as f64 / (n_layers - first_mod).max(1) as f64,
-                format!("perplexity with the edit: layer {}/{n_layers}", layer + 1),
-                layer,
-                n_layers,
-            );
+        if let Some(p) = run.edited(&mut after_hs, check_hs, best.layer, &unit)? {
+            proj_after = Some(p);
         }
         perplexity(store, cfg, &after_hs, ppl_texts, plan, Some(&unit))?
     } else {
@@ -399,4 +361,116 @@ pub fn compute(
         refusal_projection_before: proj_before,
         refusal_projection_after: proj_after,
     })
+}
+
+/// One direction run: the model, the plan, and how the residual streams are laid out (`nr` refusal prompts,
+/// then `nh` harmless ones, then the perplexity texts; the first `cr` / `ch` of each set are the projection
+/// check's).
+struct Run<'a> {
+    store: &'a TensorStore,
+    arch: &'a Arch,
+    plan: &'a Plan,
+    ev: &'a Events,
+    rope: Rope,
+    n_layers: usize,
+    /// The first layer the plan modifies (`n_layers` when none).
+    first_mod: usize,
+    nr: usize,
+    nh: usize,
+    cr: usize,
+    ch: usize,
+}
+
+/// The residual streams after the unedited model, the target layers' statistics, and the inputs of the first
+/// modified layer saved for the edited pass (perplexity texts; check prompts).
+struct Unedited {
+    hs: Vec<Mat<f32>>,
+    stats: BTreeMap<usize, LayerStats>,
+    saved: Option<Vec<Mat<f32>>>,
+    saved_check: Option<Vec<Mat<f32>>>,
+}
+
+impl Run<'_> {
+    /// Every sequence through every layer of the unedited model.
+    fn unedited(&self, seqs: &[&Vec<u32>], targets: &[usize]) -> Result<Unedited, WorkerError> {
+        let (cfg, n_layers) = (&self.arch.cfg, self.n_layers);
+        let (nr, nh, cr, ch) = (self.nr, self.nh, self.cr, self.ch);
+        // Row by row from the mapped table (Gemma's 262k-token vocabulary would be GiBs in f32).
+        let mut hs: Vec<Mat<f32>> = seqs
+            .iter()
+            .map(|s| embed(self.store, cfg, None, s))
+            .collect::<Result<_, _>>()
+            .map_err(quant_err)?;
+        let check_idx: Vec<usize> = (0..cr).chain(nr..nr + ch).collect();
+        let (mut saved, mut saved_check) = (None, None);
+        let mut stats: BTreeMap<usize, LayerStats> = BTreeMap::new();
+        for layer in 0..n_layers {
+            if layer == self.first_mod {
+                saved = Some(hs[nr + nh..].to_vec());
+                saved_check = Some(check_idx.iter().map(|&i| hs[i].clone()).collect());
+            }
+            let lm = LayerModel::load(self.store, self.arch, layer)?;
+            for h in hs.iter_mut() {
+                *h = lm.forward(self.arch, h.as_ref(), &self.rope);
+            }
+            if targets.contains(&layer) {
+                stats.insert(layer, layer_stats(&hs, (nr, nh), (cr, ch), cfg.hidden_size));
+            }
+            progress(
+                self.ev,
+                5.0 + 40.0 * (layer + 1) as f64 / n_layers as f64,
+                format!("residual stream: layer {}/{n_layers}", layer + 1),
+                layer,
+                n_layers,
+            );
+        }
+        Ok(Unedited {
+            hs,
+            stats,
+            saved,
+            saved_check,
+        })
+    }
+
+    /// The perplexity texts' streams (`after_hs`, the first modified layer's inputs) through the edited layers;
+    /// the check prompts' (`check_hs`) up to the direction's layer `best_layer`, where their separation along
+    /// `unit` is measured. Returns that separation when it was measured.
+    fn edited(
+        &self,
+        after_hs: &mut [Mat<f32>],
+        mut check_hs: Option<Vec<Mat<f32>>>,
+        best_layer: usize,
+        unit: &[f32],
+    ) -> Result<Option<f64>, WorkerError> {
+        let (cfg, n_layers, first_mod) = (&self.arch.cfg, self.n_layers, self.first_mod);
+        let (cr, ch, d) = (self.cr, self.ch, cfg.hidden_size);
+        let mut proj_after = None;
+        for layer in first_mod..n_layers {
+            let mut lm = LayerModel::load(self.store, self.arch, layer)?;
+            edit_layer(self.store, cfg, layer, &mut lm, self.plan, unit)?;
+            for h in after_hs.iter_mut() {
+                *h = lm.forward(self.arch, h.as_ref(), &self.rope);
+            }
+            if let Some(chs) = check_hs.as_mut() {
+                for h in chs.iter_mut() {
+                    *h = lm.forward(self.arch, h.as_ref(), &self.rope);
+                }
+                if layer == best_layer {
+                    let (mut sr, mut sh) = (vec![0f64; d], vec![0f64; d]);
+                    add_last_rows(&mut sr, chs[..cr].iter());
+                    add_last_rows(&mut sh, chs[cr..].iter());
+                    proj_after = Some(separation(&sr, &sh, cr, ch, unit));
+                    check_hs = None;
+                }
+            }
+            progress(
+                self.ev,
+                45.0 + 25.0 * (layer + 1 - first_mod) as f64 / (n_layers - first_mod).max(1) as f64,
+                format!("perplexity with the edit: layer {}/{n_layers}", layer + 1),
+                layer,
+                n_layers,
+            );
+        }
+        Ok(proj_after)
+    }
 }

@@ -16,6 +16,15 @@ use super::RemoteFile;
 use crate::common::Retry;
 use crate::http::ScopedAuth;
 
+mod error;
+mod verify;
+
+pub use error::{
+    http_error, status_is_retryable, strip_url, BadBody, FetchError, Transport, VerifyError,
+};
+pub use verify::git_blob_sha1;
+use verify::{on_disk_sha256, verify};
+
 /// The flags as `Debug` shows them: the hub token redacted (the registry flags redact their own).
 impl std::fmt::Debug for super::DownloadArgs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -35,166 +44,6 @@ impl std::fmt::Debug for super::DownloadArgs {
             .field("local_source_root", &self.local_source_root)
             .field("registry", &self.registry)
             .finish_non_exhaustive()
-    }
-}
-
-/// Why a transfer failed. Each failure is of one class ([`FetchError::is_fatal`],
-/// [`FetchError::is_retryable`]): fatal ones (401/403/404, unsafe names) will not get better by
-/// retrying and exit 2; transient ones (5xx, 429, a dropped connection) are retried with backoff;
-/// the rest (verification failed, retries exhausted, the disk) exit 1.
-#[derive(Debug, thiserror::Error)]
-pub enum FetchError {
-    /// An HTTP error status; fatal unless [`status_is_retryable`].
-    #[error("{}", status_message(.what, *.status, *.has_token))]
-    Status {
-        what: String,
-        status: StatusCode,
-        has_token: bool,
-    },
-    /// The request was not answered.
-    #[error("{file}: request failed: {source}")]
-    Request {
-        file: String,
-        #[source]
-        source: Transport,
-    },
-    #[error("{file}: server answered a different range; restarting the file")]
-    WrongRange { file: String },
-    #[error("{file}: range not satisfiable; restarting")]
-    RangeNotSatisfiable { file: String },
-    #[error("{file}: connection dropped at byte {at} of {size}: {source}")]
-    Dropped {
-        file: String,
-        at: u64,
-        size: u64,
-        #[source]
-        source: Transport,
-    },
-    #[error("{file}: server sent more than the listed {size} bytes")]
-    TooLong { file: String, size: u64 },
-    #[error("{file}: connection closed at byte {at} of {size}")]
-    Closed { file: String, at: u64, size: u64 },
-    /// A hub listing page that was not answered.
-    #[error("listing {what}: {source}")]
-    Listing {
-        what: String,
-        #[source]
-        source: reqwest::Error,
-    },
-    /// A hub listing page that could not be read or parsed.
-    #[error("listing {what}: bad response body: {source}")]
-    ListingBody {
-        what: String,
-        #[source]
-        source: BadBody,
-    },
-    /// A body over its limit: the server (or its data) is bad.
-    #[error(transparent)]
-    TooLarge(crate::http::BodyError),
-    /// The hub listed a name that would leave the download directory.
-    #[error("hub listed an unsafe file name: {0}")]
-    UnsafeName(#[source] flexinfer_contract::PathError),
-    /// The local file system.
-    #[error("{what} {}: {source}", .path.display())]
-    Io {
-        what: &'static str,
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    /// The blocking writer task did not finish.
-    #[error(transparent)]
-    Writer(#[from] tokio::task::JoinError),
-    /// The file failed verification twice.
-    #[error("{0}; the partial file was removed")]
-    Verify(#[source] VerifyError),
-    /// Transient failures in a row until the retries ran out.
-    #[error("{file}: giving up after {attempts} attempts: {last}")]
-    GaveUp {
-        file: String,
-        attempts: u32,
-        #[source]
-        last: Box<FetchError>,
-    },
-}
-
-impl FetchError {
-    /// Will not get better by retrying (exit 2).
-    pub fn is_fatal(&self) -> bool {
-        match self {
-            FetchError::Status { status, .. } => !status_is_retryable(*status),
-            FetchError::TooLarge(_) | FetchError::UnsafeName(_) => true,
-            _ => false,
-        }
-    }
-
-    /// Transient: retried with backoff.
-    pub fn is_retryable(&self) -> bool {
-        match self {
-            FetchError::Status { status, .. } => status_is_retryable(*status),
-            FetchError::Request { .. }
-            | FetchError::WrongRange { .. }
-            | FetchError::RangeNotSatisfiable { .. }
-            | FetchError::Dropped { .. }
-            | FetchError::TooLong { .. }
-            | FetchError::Closed { .. }
-            | FetchError::Listing { .. }
-            | FetchError::ListingBody { .. } => true,
-            _ => false,
-        }
-    }
-}
-
-/// A transport error of reqwest shown without its URL (which may carry a signed query), its causes
-/// inline ([`strip_url`]).
-#[derive(Debug)]
-pub struct Transport(pub reqwest::Error);
-
-impl std::fmt::Display for Transport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&strip_url(&self.0))
-    }
-}
-
-impl std::error::Error for Transport {}
-
-/// Why a hub listing page was unusable.
-#[derive(Debug, thiserror::Error)]
-pub enum BadBody {
-    #[error(transparent)]
-    Read(crate::http::BodyError),
-    #[error(transparent)]
-    Json(#[from] serde_json::Error),
-}
-
-/// 5xx, 429 and 408 are transient; other error statuses are not.
-pub fn status_is_retryable(s: StatusCode) -> bool {
-    s.is_server_error() || s == StatusCode::TOO_MANY_REQUESTS || s == StatusCode::REQUEST_TIMEOUT
-}
-
-/// A clear error for an HTTP status; never contains credentials.
-pub fn http_error(what: &str, s: StatusCode, has_token: bool) -> FetchError {
-    FetchError::Status {
-        what: what.to_string(),
-        status: s,
-        has_token,
-    }
-}
-
-fn status_message(what: &str, s: StatusCode, has_token: bool) -> String {
-    match s {
-        StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => {
-            let hint = if has_token {
-                "the token was rejected or lacks access (gated repos need their terms accepted)"
-            } else {
-                "set HF_TOKEN (secretRef) for private or gated repositories"
-            };
-            format!("access denied to {what} (HTTP {}): {hint}", s.as_u16())
-        }
-        StatusCode::NOT_FOUND => {
-            format!("{what} not found (HTTP 404): check the repository id, repo type and revision")
-        }
-        _ => format!("{what}: HTTP {}", s.as_u16()),
     }
 }
 
@@ -259,25 +108,8 @@ pub async fn fetch_file(
             .await
             .map_err(|e| io_err("creating", parent, e))?;
     }
-    // A finished file from an earlier run: verify it instead of fetching it again.
-    if let Ok(meta) = tokio::fs::metadata(&dest).await {
-        if meta.is_file() && meta.len() == f.size {
-            let p = dest.clone();
-            let sha = blocking(move || flexinfer_fsutil::sha256_file(&p))
-                .await
-                .map_err(|e| io_err("hashing", &dest, e))?;
-            if verify(f, &dest, &sha).await.is_ok() {
-                ctx.done.fetch_add(f.size, Ordering::Relaxed);
-                return Ok(IntegrityFile {
-                    name: f.path.clone(),
-                    size: f.size,
-                    sha256: sha,
-                });
-            }
-        }
-        tokio::fs::remove_file(&dest)
-            .await
-            .map_err(|e| io_err("removing stale", &dest, e))?;
+    if let Some(done) = keep_finished(ctx, f, &dest).await? {
+        return Ok(done);
     }
     let mut counted = 0u64; // bytes of this file included in ctx.done
     let mut retry = Retry::new(
@@ -290,157 +122,121 @@ pub async fn fetch_file(
         let before = counted;
         let res = download_once(ctx, f, &part, &mut counted).await;
         match res {
-            Ok(streamed) => {
-                // What counts is what is on disk, not what went through the stream: re-read it.
-                let checked = match on_disk_sha256(&f.path, &part, &streamed).await? {
-                    Ok(sha) => verify(f, &part, &sha).await.map(|()| sha),
-                    Err(why) => Err(why),
-                };
-                let sha = match checked {
-                    Ok(sha) => sha,
-                    Err(why) => {
-                        let _ = tokio::fs::remove_file(&part).await;
-                        ctx.done.fetch_sub(counted, Ordering::Relaxed);
-                        counted = 0;
-                        verify_failures = verify_failures.saturating_add(1);
-                        let err = FetchError::Verify(why);
-                        tracing::warn!(file = %f.path, "verification failed");
-                        eprintln!("{err}");
-                        if verify_failures >= 2 {
-                            return Err(err);
-                        }
-                        continue;
+            Ok(streamed) => match check_part(f, &part, &streamed).await? {
+                Ok(sha) => {
+                    tokio::fs::rename(&part, &dest)
+                        .await
+                        .map_err(|e| io_err("renaming", &part, e))?;
+                    return Ok(record(f, sha));
+                }
+                Err(why) => {
+                    let _ = tokio::fs::remove_file(&part).await;
+                    ctx.done.fetch_sub(counted, Ordering::Relaxed);
+                    counted = 0;
+                    verify_failures = verify_failures.saturating_add(1);
+                    let err = FetchError::Verify(why);
+                    tracing::warn!(file = %f.path, "verification failed");
+                    eprintln!("{err}");
+                    if verify_failures >= 2 {
+                        return Err(err);
                     }
-                };
-                tokio::fs::rename(&part, &dest)
-                    .await
-                    .map_err(|e| io_err("renaming", &part, e))?;
-                return Ok(IntegrityFile {
-                    name: f.path.clone(),
-                    size: f.size,
-                    sha256: sha,
-                });
-            }
+                }
+            },
             Err(msg) if msg.is_retryable() => {
                 // Only failures in a row without progress count against the file.
                 if counted > before {
                     retry.reset();
                 }
-                let Some(delay) = retry.next_delay() else {
-                    return Err(FetchError::GaveUp {
-                        file: f.path.clone(),
-                        attempts: retry.attempt().saturating_add(1),
-                        last: Box::new(msg),
-                    });
-                };
-                let attempt = retry.attempt();
-                tracing::warn!(file = %f.path, attempt, error = %msg, "retrying");
-                eprintln!(
-                    "retrying {} in {delay:.1?} (attempt {attempt}): {msg}",
-                    f.path
-                );
-                tokio::time::sleep(delay).await;
+                tokio::time::sleep(next_delay(&mut retry, f, msg)?).await;
             }
             Err(e) => return Err(e),
         }
     }
 }
 
-/// A downloaded file that is not what the source promised (the partial file is removed and the
-/// download retried once).
-#[derive(Debug, thiserror::Error)]
-pub enum VerifyError {
-    /// Another writer, or the disk, changed the file while it was written.
-    #[error("{file}: the bytes on disk differ from the bytes received (sha256 {on_disk} on disk, {streamed} received)")]
-    ChangedOnDisk {
-        file: String,
-        on_disk: String,
-        streamed: String,
-    },
-    #[error("sha256 mismatch for {file}: expected {want}, got {got}")]
-    Sha256 {
-        file: String,
-        want: String,
-        got: String,
-    },
-    #[error("git blob sha1 mismatch for {file}: expected {want}, got {got}")]
-    GitSha1 {
-        file: String,
-        want: String,
-        got: String,
-    },
-    #[error("hashing {file}: {source}")]
-    Hashing {
-        file: String,
-        #[source]
-        source: std::io::Error,
-    },
+/// The integrity record of a verified file.
+fn record(f: &RemoteFile, sha256: String) -> IntegrityFile {
+    IntegrityFile {
+        name: f.path.clone(),
+        size: f.size,
+        sha256,
+    }
 }
 
-/// The sha256 of `part` as it is on disk, once it equals the hash of the received stream; otherwise the
-/// mismatch (another writer, or the disk, changed the file) as `Ok(Err(..))`.
-async fn on_disk_sha256(
-    file: &str,
+/// A finished file from an earlier run: verified instead of fetched again (its record), or removed
+/// when it is not what the source promised.
+async fn keep_finished(
+    ctx: &FetchCtx,
+    f: &RemoteFile,
+    dest: &Path,
+) -> Result<Option<IntegrityFile>, FetchError> {
+    let Ok(meta) = tokio::fs::metadata(dest).await else {
+        return Ok(None);
+    };
+    if meta.is_file() && meta.len() == f.size {
+        let p = dest.to_path_buf();
+        let sha = blocking(move || flexinfer_fsutil::sha256_file(&p))
+            .await
+            .map_err(|e| io_err("hashing", dest, e))?;
+        if verify(f, dest, &sha).await.is_ok() {
+            ctx.done.fetch_add(f.size, Ordering::Relaxed);
+            return Ok(Some(record(f, sha)));
+        }
+    }
+    tokio::fs::remove_file(dest)
+        .await
+        .map_err(|e| io_err("removing stale", dest, e))?;
+    Ok(None)
+}
+
+/// The finished `.part` file checked: what counts is what is on disk, not what went through the
+/// stream, so it is re-read, then verified against the source. Its sha256, or why it failed.
+async fn check_part(
+    f: &RemoteFile,
     part: &Path,
     streamed: &str,
 ) -> Result<Result<String, VerifyError>, FetchError> {
-    let p = part.to_path_buf();
-    let on_disk = blocking(move || flexinfer_fsutil::sha256_file(&p))
-        .await
-        .map_err(|e| io_err("re-hashing", part, e))?;
-    if on_disk == streamed {
-        Ok(Ok(on_disk))
-    } else {
-        Ok(Err(VerifyError::ChangedOnDisk {
-            file: file.to_string(),
-            on_disk,
-            streamed: streamed.to_string(),
-        }))
-    }
+    Ok(match on_disk_sha256(&f.path, part, streamed).await? {
+        Ok(sha) => verify(f, part, &sha).await.map(|()| sha),
+        Err(why) => Err(why),
+    })
 }
 
-/// Check a file against what the source promised: LFS sha256, else the git blob sha1.
-async fn verify(f: &RemoteFile, path: &Path, sha256: &str) -> Result<(), VerifyError> {
-    if let Some(want) = &f.sha256 {
-        if want != sha256 {
-            return Err(VerifyError::Sha256 {
-                file: f.path.clone(),
-                want: want.clone(),
-                got: sha256.to_string(),
-            });
-        }
-        return Ok(());
-    }
-    if let Some(want) = &f.git_sha1 {
-        let p = path.to_path_buf();
-        let got = blocking(move || git_blob_sha1(&p))
-            .await
-            .map_err(|source| VerifyError::Hashing {
-                file: f.path.clone(),
-                source,
-            })?;
-        if *want != got {
-            return Err(VerifyError::GitSha1 {
-                file: f.path.clone(),
-                want: want.clone(),
-                got,
-            });
-        }
-    }
-    Ok(())
+/// The wait before the next attempt after the transient failure `msg`, or the error that gives up.
+fn next_delay(retry: &mut Retry, f: &RemoteFile, msg: FetchError) -> Result<Duration, FetchError> {
+    let Some(delay) = retry.next_delay() else {
+        return Err(FetchError::GaveUp {
+            file: f.path.clone(),
+            attempts: retry.attempt().saturating_add(1),
+            last: Box::new(msg),
+        });
+    };
+    let attempt = retry.attempt();
+    tracing::warn!(file = %f.path, attempt, error = %msg, "retrying");
+    eprintln!(
+        "retrying {} in {delay:.1?} (attempt {attempt}): {msg}",
+        f.path
+    );
+    Ok(delay)
 }
 
-/// Git's object id of a file: sha1 over `blob <len>\0<content>`.
-pub fn git_blob_sha1(path: &Path) -> std::io::Result<String> {
-    use sha1::Digest as _;
-    let f = std::fs::File::open(path)?;
-    let len = f.metadata()?.len();
-    let mut h = sha1::Sha1::new();
-    h.update(format!("blob {len}\0").as_bytes());
-    flexinfer_fsutil::hash_reader(f, &mut h, 1 << 16, |_| Ok(()))?;
-    Ok(hex::encode(h.finalize()))
+/// One attempt at one file: the `.part` file, the bytes of it counted in [`FetchCtx::done`].
+struct Attempt<'a> {
+    ctx: &'a FetchCtx,
+    f: &'a RemoteFile,
+    part: &'a Path,
+    counted: &'a mut u64,
 }
 
+/// The `.part` file open for appending, and the hash of the `have` bytes it already holds.
+struct Resume {
+    file: tokio::fs::File,
+    hasher: Sha256,
+    have: u64,
+}
+
+/// One attempt (see [`Attempt`]): resume the `.part` file, request the rest, receive it. Returns the
+/// sha256 of the whole received file.
 async fn download_once(
     ctx: &FetchCtx,
     f: &RemoteFile,
@@ -450,147 +246,205 @@ async fn download_once(
     if let Some(src) = f.url.strip_prefix("file://") {
         return copy_local(ctx, Path::new(src), part, counted).await;
     }
-    let mut have = match tokio::fs::metadata(part).await {
-        Ok(m) => m.len(),
-        Err(_) => 0,
+    let mut a = Attempt {
+        ctx,
+        f,
+        part,
+        counted,
     };
-    let mut file = tokio::fs::OpenOptions::new()
-        .create(true)
-        .write(true)
-        .truncate(false)
-        .open(part)
-        .await
-        .map_err(|e| io_err("opening", part, e))?;
-    if have > f.size {
-        have = 0;
+    let mut r = a.resume().await?;
+    if r.have == f.size && r.have > 0 {
+        return Ok(hex::encode(r.hasher.finalize()));
     }
-    // Hash what is already on disk (resume).
-    let (mut hasher, hashed) = if have > 0 {
-        let p = part.to_path_buf();
-        blocking(move || sha256_prefix(&p, have))
+    let resp = a.request(r.have).await?;
+    a.accept(&resp, &mut r).await?;
+    a.receive(resp, r).await
+}
+
+impl Attempt<'_> {
+    fn sync(&mut self, now: u64) {
+        sync_counted(self.ctx, self.counted, now);
+    }
+
+    /// Opens the `.part` file and hashes what it already holds (at most the listed size).
+    async fn resume(&mut self) -> Result<Resume, FetchError> {
+        let part = self.part;
+        let mut have = match tokio::fs::metadata(part).await {
+            Ok(m) => m.len(),
+            Err(_) => 0,
+        };
+        let mut file = tokio::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .truncate(false)
+            .open(part)
             .await
-            .map_err(|e| io_err("hashing", part, e))?
-    } else {
-        (Sha256::new(), 0)
-    };
-    have = hashed;
-    set_len(&mut file, part, have).await?;
-    sync_counted(ctx, counted, have);
-    if have == f.size && have > 0 {
-        return Ok(hex::encode(hasher.finalize()));
+            .map_err(|e| io_err("opening", part, e))?;
+        if have > self.f.size {
+            have = 0;
+        }
+        let (hasher, hashed) = if have > 0 {
+            let p = part.to_path_buf();
+            blocking(move || sha256_prefix(&p, have))
+                .await
+                .map_err(|e| io_err("hashing", part, e))?
+        } else {
+            (Sha256::new(), 0)
+        };
+        set_len(&mut file, part, hashed).await?;
+        self.sync(hashed);
+        Ok(Resume {
+            file,
+            hasher,
+            have: hashed,
+        })
     }
-    let mut req = ctx.client.get(&f.url);
-    // reqwest drops the header itself on a redirect to another scheme, host or port.
-    if let Some(a) = ctx.authorization.as_ref().and_then(|a| a.for_url(&f.url)) {
-        req = req.header(reqwest::header::AUTHORIZATION, a);
+
+    /// The GET of the file from byte `have`, with the credential only where it is scoped to go.
+    async fn request(&self, have: u64) -> Result<reqwest::Response, FetchError> {
+        let f = self.f;
+        let mut req = self.ctx.client.get(&f.url);
+        // reqwest drops the header itself on a redirect to another scheme, host or port.
+        if let Some(a) = self
+            .ctx
+            .authorization
+            .as_ref()
+            .and_then(|a| a.for_url(&f.url))
+        {
+            req = req.header(reqwest::header::AUTHORIZATION, a);
+        }
+        if have > 0 {
+            req = req.header(reqwest::header::RANGE, format!("bytes={have}-"));
+        }
+        req.send().await.map_err(|e| FetchError::Request {
+            file: f.path.clone(),
+            source: Transport(e),
+        })
     }
-    if have > 0 {
-        req = req.header(reqwest::header::RANGE, format!("bytes={have}-"));
-    }
-    let resp = req.send().await.map_err(|e| FetchError::Request {
-        file: f.path.clone(),
-        source: Transport(e),
-    })?;
-    let status = resp.status();
-    match status {
-        StatusCode::PARTIAL_CONTENT if have > 0 => {
-            let start = resp
-                .headers()
-                .get(reqwest::header::CONTENT_RANGE)
-                .and_then(|v| v.to_str().ok())
-                .and_then(parse_content_range_start);
-            if start != Some(have) {
-                // Not the range we asked for: start over.
-                set_len(&mut file, part, 0).await?;
-                sync_counted(ctx, counted, 0);
-                return Err(FetchError::WrongRange {
-                    file: f.path.clone(),
-                });
+
+    /// What the answer's status means for the resume: the body continues the `.part` file, or
+    /// replaces it (the file is emptied), or the attempt fails.
+    async fn accept(&mut self, resp: &reqwest::Response, r: &mut Resume) -> Result<(), FetchError> {
+        let file = || self.f.path.clone();
+        match resp.status() {
+            StatusCode::PARTIAL_CONTENT if r.have > 0 => {
+                let start = resp
+                    .headers()
+                    .get(reqwest::header::CONTENT_RANGE)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(parse_content_range_start);
+                if start != Some(r.have) {
+                    // Not the range we asked for: start over.
+                    set_len(&mut r.file, self.part, 0).await?;
+                    self.sync(0);
+                    return Err(FetchError::WrongRange { file: file() });
+                }
+            }
+            s if s.is_success() => {
+                if r.have > 0 {
+                    // The server ignored the Range header: take the whole body.
+                    r.have = 0;
+                    r.hasher = Sha256::new();
+                    set_len(&mut r.file, self.part, 0).await?;
+                    self.sync(0);
+                }
+            }
+            StatusCode::RANGE_NOT_SATISFIABLE => {
+                set_len(&mut r.file, self.part, 0).await?;
+                self.sync(0);
+                return Err(FetchError::RangeNotSatisfiable { file: file() });
+            }
+            s => {
+                return Err(http_error(
+                    &self.f.path,
+                    s,
+                    self.ctx.authorization.is_some(),
+                ))
             }
         }
-        s if s.is_success() => {
-            if have > 0 {
-                // The server ignored the Range header: take the whole body.
-                have = 0;
-                hasher = Sha256::new();
-                set_len(&mut file, part, 0).await?;
-                sync_counted(ctx, counted, 0);
-            }
-        }
-        StatusCode::RANGE_NOT_SATISFIABLE => {
-            set_len(&mut file, part, 0).await?;
-            sync_counted(ctx, counted, 0);
-            return Err(FetchError::RangeNotSatisfiable {
-                file: f.path.clone(),
-            });
-        }
-        s => return Err(http_error(&f.path, s, ctx.authorization.is_some())),
+        Ok(())
     }
-    // Receive on the runtime, hash and write on a blocking thread: the two overlap.
-    let (tx, rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(64);
-    let std_file = file.into_std().await;
-    let writer = tokio::task::spawn_blocking(move || write_chunks(std_file, hasher, rx));
-    let mut stream = resp.bytes_stream();
-    let mut pos = have;
-    let mut failure = None;
-    while let Some(chunk) = stream.next().await {
-        let chunk = match chunk {
-            Ok(c) => c,
+
+    /// Receives the body after `r.have` into the `.part` file: received on the runtime, hashed and
+    /// written on a blocking thread, the two overlapping. The sha256 of the whole file.
+    async fn receive(&mut self, resp: reqwest::Response, r: Resume) -> Result<String, FetchError> {
+        let (tx, rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(64);
+        let std_file = r.file.into_std().await;
+        let hasher = r.hasher;
+        let writer = tokio::task::spawn_blocking(move || write_chunks(std_file, hasher, rx));
+        let (pos, failure) = self.pump(resp, r.have, tx).await;
+        let written = writer
+            .await
+            .map_err(FetchError::Writer)
+            .and_then(|res| res.map_err(|e| io_err("writing", self.part, e)));
+        let hasher = match written {
+            Ok(h) => h,
             Err(e) => {
-                failure = Some(FetchError::Dropped {
-                    file: f.path.clone(),
-                    at: pos,
-                    size: f.size,
-                    source: Transport(e),
-                });
-                break;
+                self.sync(0);
+                let _ = tokio::fs::remove_file(self.part).await;
+                return Err(e);
             }
         };
-        if pos.saturating_add(chunk.len() as u64) > f.size {
-            failure = Some(FetchError::TooLong {
-                file: f.path.clone(),
-                size: f.size,
-            });
-            pos = 0;
-            break;
-        }
-        // Bounded by the listed size (checked above).
-        pos = pos.saturating_add(chunk.len() as u64);
-        ctx.received
-            .fetch_add(chunk.len() as u64, Ordering::Relaxed);
-        if tx.send(chunk).await.is_err() {
-            break; // the writer failed; its error is reported below
-        }
-        sync_counted(ctx, counted, pos);
-    }
-    drop(tx);
-    let written = writer
-        .await
-        .map_err(FetchError::Writer)
-        .and_then(|r| r.map_err(|e| io_err("writing", part, e)));
-    let hasher = match written {
-        Ok(h) => h,
-        Err(e) => {
-            sync_counted(ctx, counted, 0);
-            let _ = tokio::fs::remove_file(part).await;
+        if let Some(e) = failure {
+            if pos == 0 {
+                let _ = tokio::fs::remove_file(self.part).await;
+                self.sync(0);
+            }
             return Err(e);
         }
-    };
-    if let Some(e) = failure {
-        if pos == 0 {
-            let _ = tokio::fs::remove_file(part).await;
-            sync_counted(ctx, counted, 0);
+        if pos != self.f.size {
+            return Err(FetchError::Closed {
+                file: self.f.path.clone(),
+                at: pos,
+                size: self.f.size,
+            });
         }
-        return Err(e);
+        Ok(hex::encode(hasher.finalize()))
     }
-    if pos != f.size {
-        return Err(FetchError::Closed {
-            file: f.path.clone(),
-            at: pos,
-            size: f.size,
-        });
+
+    /// The chunk loop: every chunk of the body to the writer, bounded by the listed size. Returns the
+    /// position reached (0 when the `.part` file must start over) and the failure that stopped it.
+    /// Dropping `tx` at the end tells the writer the body is complete.
+    async fn pump(
+        &mut self,
+        resp: reqwest::Response,
+        mut pos: u64,
+        tx: tokio::sync::mpsc::Sender<bytes::Bytes>,
+    ) -> (u64, Option<FetchError>) {
+        let f = self.f;
+        let mut stream = resp.bytes_stream();
+        while let Some(chunk) = stream.next().await {
+            let chunk = match chunk {
+                Ok(c) => c,
+                Err(e) => {
+                    let dropped = FetchError::Dropped {
+                        file: f.path.clone(),
+                        at: pos,
+                        size: f.size,
+                        source: Transport(e),
+                    };
+                    return (pos, Some(dropped));
+                }
+            };
+            if pos.saturating_add(chunk.len() as u64) > f.size {
+                let too_long = FetchError::TooLong {
+                    file: f.path.clone(),
+                    size: f.size,
+                };
+                return (0, Some(too_long));
+            }
+            // Bounded by the listed size (checked above).
+            pos = pos.saturating_add(chunk.len() as u64);
+            self.ctx
+                .received
+                .fetch_add(chunk.len() as u64, Ordering::Relaxed);
+            if tx.send(chunk).await.is_err() {
+                break; // the writer failed; its error is reported by the caller
+            }
+            self.sync(pos);
+        }
+        (pos, None)
     }
-    Ok(hex::encode(hasher.finalize()))
 }
 
 /// The blocking half of a transfer: hash and append every chunk, then flush and fsync.
@@ -663,21 +517,6 @@ fn sync_counted(ctx: &FetchCtx, counted: &mut u64, now: u64) {
 fn parse_content_range_start(v: &str) -> Option<u64> {
     let rest = v.trim().strip_prefix("bytes")?.trim();
     rest.split('-').next()?.trim().parse().ok()
-}
-
-/// A reqwest error without its URL (URLs may carry presigned query strings).
-pub fn strip_url(e: &reqwest::Error) -> String {
-    let mut s = e.to_string();
-    if let Some(u) = e.url() {
-        s = s.replace(u.as_str(), "<url>");
-    }
-    let mut src = std::error::Error::source(e);
-    while let Some(inner) = src {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        src = inner.source();
-    }
-    s
 }
 
 #[cfg(test)]
