@@ -14,7 +14,7 @@ mod host_kernels;
 
 use faer::Mat;
 use flexinfer_contract::events as names;
-use flexinfer_quant::device::kernel::{Arg, DevPtr, Kernel, KernelDevice, Vendor};
+use flexinfer_quant::device::kernel::{Arg, DevPtr, Kernel, KernelDevice, Launch, Vendor};
 use flexinfer_quant::device::{
     check, solve_with_fallback, DevResult, Device, DeviceError, DeviceKind, SolveSpec,
 };
@@ -152,13 +152,12 @@ impl Vendor for HostVendor {
         unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
         Ok(())
     }
-    fn launch(
-        &mut self,
-        kernel: Kernel,
-        grid: [u32; 3],
-        block: [u32; 3],
-        args: &[Arg],
-    ) -> DevResult<()> {
+    fn launch(&mut self, launch: Launch, args: &[Arg]) -> DevResult<()> {
+        let Launch {
+            kernel,
+            grid,
+            block,
+        } = launch;
         self.live("launch")?;
         let n = {
             let mut log = self.log.lock().unwrap();

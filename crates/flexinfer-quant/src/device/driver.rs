@@ -11,7 +11,7 @@
 //! host vendor (tests/gpu_session.rs), the NVRTC compile of the same source (tests/kernels.rs) and the HIP
 //! code objects (tests/hip_code_objects.rs).
 
-use super::kernel::{Arg, DevPtr, Kernel, Vendor, KERNEL_SOURCE};
+use super::kernel::{Arg, DevPtr, Kernel, Launch, Vendor, KERNEL_SOURCE};
 use super::{DevResult, DeviceError, DeviceKind};
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void, CString};
@@ -281,13 +281,12 @@ impl Vendor for DriverVendor {
         let rc = unsafe { (self.api.dtod)(dst, src, bytes) };
         self.check("memcpyDtoD", "copy", rc)
     }
-    fn launch(
-        &mut self,
-        kernel: Kernel,
-        grid: [u32; 3],
-        block: [u32; 3],
-        args: &[Arg],
-    ) -> DevResult<()> {
+    fn launch(&mut self, launch: Launch, args: &[Arg]) -> DevResult<()> {
+        let Launch {
+            kernel,
+            grid,
+            block,
+        } = launch;
         self.current("launch")?;
         let f = *self.functions.get(&kernel).ok_or_else(|| {
             DeviceError::new(

@@ -38,7 +38,7 @@ use crate::error::QuantError;
 use crate::events::{fields, EventSink};
 use crate::numerics::gptq::{gptq_quantize_in, rtn_quantize, QuantizedLinear, Workspace};
 use crate::numerics::hessian::{
-    prepare_factor, recover, FactorOutcome, PreparedFactor, PreparedHessian,
+    prepare_hessian, recover, FactorOutcome, PreparedFactor, PreparedHessian,
 };
 use crate::numerics::linalg::{CpuBackend, LinalgBackend};
 use crate::params::{GptqParams, RecoveryParams};
@@ -137,32 +137,45 @@ impl Device for CpuBackend {
         DeviceKind::Cpu
     }
     fn open(&self, n: usize) -> DevResult<Box<dyn Session + '_>> {
-        Ok(Box::new(CpuSession {
-            backend: self,
-            h: Some(Mat::zeros(n, n)),
-        }))
+        Ok(Box::new(CpuSession::new(self.clone(), n, None)))
     }
 }
 
-/// The CPU session: the Hessian in host memory, the existing solver.
-struct CpuSession<'a> {
-    backend: &'a CpuBackend,
-    h: Option<Mat<f32>>,
+/// Why a GPU device handed an input group to the CPU before starting it (it does not fit the budget).
+pub(crate) struct Handover {
+    /// The device that gave the group up ([`Device::describe`]).
+    pub device: String,
+    pub reason: String,
 }
 
-impl Session for CpuSession<'_> {
-    fn accumulate(&mut self, x: MatRef<'_, f32>, alpha: f32) -> DevResult<()> {
-        match self.h.as_mut() {
-            Some(h) => {
-                self.backend.accumulate_hessian(h.as_mut(), x, alpha);
-                Ok(())
-            }
-            None => Err(DeviceError::new(
-                "cpu-faer",
-                "accumulate",
-                "the session was already solved",
-            )),
+/// The CPU session: the Hessian in host memory, the existing solver. It is also the session a GPU device
+/// opens for an input group too large for its memory budget; then `handover` says which device and why, and
+/// the solve reports it in a [`names::GPTQ_DEVICE_FALLBACK`] event.
+pub(crate) struct CpuSession {
+    backend: CpuBackend,
+    h: Option<Mat<f32>>,
+    handover: Option<Handover>,
+}
+
+impl CpuSession {
+    pub(crate) fn new(backend: CpuBackend, n: usize, handover: Option<Handover>) -> CpuSession {
+        CpuSession {
+            backend,
+            h: Some(Mat::zeros(n, n)),
+            handover,
         }
+    }
+
+    fn solved(op: &str) -> DeviceError {
+        DeviceError::new("cpu-faer", op, "the session was already solved")
+    }
+}
+
+impl Session for CpuSession {
+    fn accumulate(&mut self, x: MatRef<'_, f32>, alpha: f32) -> DevResult<()> {
+        let h = self.h.as_mut().ok_or_else(|| Self::solved("accumulate"))?;
+        self.backend.accumulate_hessian(h.as_mut(), x, alpha);
+        Ok(())
     }
 
     fn solve(
@@ -171,30 +184,40 @@ impl Session for CpuSession<'_> {
         spec: &SolveSpec<'_>,
         events: &dyn EventSink,
     ) -> DevResult<Vec<QuantizedLinear>> {
-        let Some(mut h) = self.h.take() else {
-            return Err(DeviceError::new(
-                "cpu-faer",
-                "solve",
-                "the session was already solved",
-            ));
-        };
+        let mut h = self.h.take().ok_or_else(|| Self::solved("solve"))?;
+        if let Some(Handover { device, reason }) = &self.handover {
+            fallback_event(events, spec.module, device, reason, "cpu");
+        }
         // The per-sample stage inputs are gone: hand their memory back before the factorisation.
         crate::job::release_free_memory();
         self.backend.finish_hessian(h.as_mut());
-        let outcome = prepare_factor(
-            self.backend,
-            h,
-            spec.params.desc_act,
-            spec.recovery,
-            spec.module,
+        let prepared = prepare_hessian(h, spec.params.desc_act, spec.module, events);
+        Ok(solve_prepared_on_cpu(
+            &self.backend,
+            prepared,
+            weights,
+            spec,
             events,
-        );
-        Ok(sweep_all(self.backend, &outcome, weights, spec.params))
+        ))
     }
 
     fn fallback_hessian(&mut self) -> Option<PreparedHessian> {
         None
     }
+}
+
+/// The [`names::GPTQ_DEVICE_FALLBACK`] event: `device` gave up `module` because of `error`; it goes `to` the
+/// CPU (or to `none` when nothing could be saved).
+fn fallback_event(events: &dyn EventSink, module: &str, device: &str, error: &str, to: &str) {
+    events.emit(
+        names::GPTQ_DEVICE_FALLBACK,
+        fields([
+            ("module", json!(module)),
+            ("device", json!(device)),
+            ("error", json!(error)),
+            ("to", json!(to)),
+        ]),
+    );
 }
 
 /// The sweep of every module of a group on the CPU (RTN when recovery was exhausted).
@@ -253,15 +276,8 @@ pub fn solve_with_fallback(
         Ok(r) => Ok(r),
         Err(e) => {
             let prepared = session.fallback_hessian();
-            events.emit(
-                names::GPTQ_DEVICE_FALLBACK,
-                fields([
-                    ("module", json!(spec.module)),
-                    ("device", json!(device_name)),
-                    ("error", json!(e.to_string())),
-                    ("to", json!(if prepared.is_some() { "cpu" } else { "none" })),
-                ]),
-            );
+            let to = if prepared.is_some() { "cpu" } else { "none" };
+            fallback_event(events, spec.module, device_name, &e.to_string(), to);
             match prepared {
                 Some(p) => Ok(solve_prepared_on_cpu(
                     &CpuBackend::default(),

@@ -22,17 +22,13 @@
 //! the bounds).
 
 use super::{
-    DevResult, Device, DeviceError, DeviceKind, DeviceOps, OpsSession, PreparedMeta, Session,
-    SolveSpec,
+    CpuSession, DevResult, Device, DeviceError, DeviceKind, DeviceOps, Handover, OpsSession,
+    PreparedMeta, Session,
 };
-use crate::events::{fields, EventSink};
 use crate::numerics::gptq::QuantizedLinear;
-use crate::numerics::hessian::prepare_hessian;
 use crate::numerics::linalg::CpuBackend;
 use crate::params::GptqParams;
 use faer::{Mat, MatRef};
-use flexinfer_contract::events as names;
-use serde_json::json;
 use std::sync::{Mutex, MutexGuard};
 
 mod sweep;
@@ -125,6 +121,37 @@ const COLUMN_THREADS: u32 = 256;
 /// Largest block of the sweep kernel (`GPTQ_MAX_BLOCK`).
 pub const MAX_BLOCK: usize = 128;
 
+/// The shape of one kernel launch: the kernel, its grid and its thread block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Launch {
+    pub kernel: Kernel,
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+}
+
+impl Launch {
+    /// `TILE × TILE` blocks over `cols × rows` elements (grid x over columns, y over rows).
+    pub fn tiles(kernel: Kernel, cols: usize, rows: usize) -> Launch {
+        Launch {
+            kernel,
+            grid: [blocks(cols, TILE), blocks(rows, TILE), 1],
+            block: [TILE, TILE, 1],
+        }
+    }
+    /// `TILE × TILE` blocks over an `n × n` matrix.
+    pub fn square(kernel: Kernel, n: usize) -> Launch {
+        Launch::tiles(kernel, n, n)
+    }
+    /// One-dimensional blocks of `threads` over `n` elements.
+    pub fn rows(kernel: Kernel, n: usize, threads: u32) -> Launch {
+        Launch {
+            kernel,
+            grid: [blocks(n, threads), 1, 1],
+            block: [threads, 1, 1],
+        }
+    }
+}
+
 /// A GPU runtime as the session needs it. Every call may fail with a [`DeviceError`]; after a failure the
 /// session resets the vendor ([`Vendor::reset`]), after which no earlier allocation is valid.
 pub trait Vendor {
@@ -136,13 +163,7 @@ pub trait Vendor {
     /// Waits for the work queued before it (so an asynchronous kernel fault surfaces here).
     fn download(&mut self, src: DevPtr, dst: &mut [u8]) -> DevResult<()>;
     fn copy(&mut self, dst: DevPtr, src: DevPtr, bytes: usize) -> DevResult<()>;
-    fn launch(
-        &mut self,
-        kernel: Kernel,
-        grid: [u32; 3],
-        block: [u32; 3],
-        args: &[Arg],
-    ) -> DevResult<()>;
+    fn launch(&mut self, launch: Launch, args: &[Arg]) -> DevResult<()>;
     /// A fresh context (the old one may be poisoned by a kernel fault); every allocation is gone.
     fn reset(&mut self) -> DevResult<()>;
     /// Free and total device memory in bytes, when the runtime can tell.
@@ -205,16 +226,18 @@ impl<V: Vendor + Send> Device for KernelDevice<V> {
     fn open(&self, n: usize) -> DevResult<Box<dyn Session + '_>> {
         let need = group_bytes(n);
         if let Some(budget) = self.budget.filter(|&b| need > b) {
-            return Ok(Box::new(OverBudget {
-                cpu: CpuBackend::default(),
-                h: Some(Mat::zeros(n, n)),
-                device: self.name.clone(),
-                reason: format!(
-                    "the input group's Hessian and factor need {} MiB of device memory, over the budget of {} MiB (GPU_VRAM_MB × GPU_MEMORY_FRACTION)",
-                    need.div_ceil(1 << 20),
-                    budget >> 20
-                ),
-            }));
+            let reason = format!(
+                "the input group's Hessian and factor need {} MiB of device memory, over the budget of {} MiB (GPU_VRAM_MB × GPU_MEMORY_FRACTION)",
+                need.div_ceil(1 << 20),
+                budget >> 20
+            );
+            let device = self.name.clone();
+            let handover = Some(Handover { device, reason });
+            return Ok(Box::new(CpuSession::new(
+                CpuBackend::default(),
+                n,
+                handover,
+            )));
         }
         Ok(Box::new(OpsSession::new(self.ops(n)?)))
     }
@@ -250,56 +273,6 @@ impl<V: Vendor + Send> KernelDevice<V> {
 fn lock<V>(m: &Mutex<Shared<V>>) -> DevResult<MutexGuard<'_, Shared<V>>> {
     m.lock()
         .map_err(|_| DeviceError::new("gpu", "lock", "an earlier device call panicked"))
-}
-
-/// An input group too large for the device budget: accumulated and solved on the CPU; the solve says so in
-/// a [`names::GPTQ_DEVICE_FALLBACK`] event.
-struct OverBudget {
-    cpu: CpuBackend,
-    h: Option<Mat<f32>>,
-    device: String,
-    reason: String,
-}
-
-impl Session for OverBudget {
-    fn accumulate(&mut self, x: MatRef<'_, f32>, alpha: f32) -> DevResult<()> {
-        use crate::numerics::linalg::LinalgBackend;
-        let h = self
-            .h
-            .as_mut()
-            .ok_or_else(|| DeviceError::new("cpu-faer", "accumulate", "already solved"))?;
-        self.cpu.accumulate_hessian(h.as_mut(), x, alpha);
-        Ok(())
-    }
-    fn solve(
-        &mut self,
-        weights: &[&Mat<f32>],
-        spec: &SolveSpec<'_>,
-        events: &dyn EventSink,
-    ) -> DevResult<Vec<QuantizedLinear>> {
-        use crate::numerics::linalg::LinalgBackend;
-        let mut h = self
-            .h
-            .take()
-            .ok_or_else(|| DeviceError::new("cpu-faer", "solve", "already solved"))?;
-        events.emit(
-            names::GPTQ_DEVICE_FALLBACK,
-            fields([
-                ("module", json!(spec.module)),
-                ("device", json!(self.device)),
-                ("error", json!(self.reason)),
-                ("to", json!("cpu")),
-            ]),
-        );
-        self.cpu.finish_hessian(h.as_mut());
-        let prepared = prepare_hessian(h, spec.params.desc_act, spec.module, events);
-        Ok(super::solve_prepared_on_cpu(
-            &self.cpu, prepared, weights, spec, events,
-        ))
-    }
-    fn fallback_hessian(&mut self) -> Option<crate::numerics::hessian::PreparedHessian> {
-        None
-    }
 }
 
 /// One input group's buffers on the device (see the module docs).
@@ -393,14 +366,8 @@ impl<V: Vendor> KernelOps<'_, V> {
             .download(src, bytemuck::cast_slice_mut(&mut v))?;
         Ok(v)
     }
-    fn launch(
-        &mut self,
-        k: Kernel,
-        grid: [u32; 3],
-        block: [u32; 3],
-        args: &[Arg],
-    ) -> DevResult<()> {
-        self.vendor()?.vendor.launch(k, grid, block, args)
+    fn launch(&mut self, launch: Launch, args: &[Arg]) -> DevResult<()> {
+        self.vendor()?.vendor.launch(launch, args)
     }
     fn lost(&self, op: &str) -> DeviceError {
         DeviceError::new(
@@ -411,10 +378,6 @@ impl<V: Vendor> KernelOps<'_, V> {
     }
     fn n32(&self, op: &str) -> DevResult<i32> {
         dims(op, self.n)
-    }
-    /// The square grid over an n × n matrix.
-    fn square(n: usize) -> [u32; 3] {
-        [blocks(n, TILE), blocks(n, TILE), 1]
     }
 
     /// The factor buffers (allocated on first use).
@@ -503,9 +466,7 @@ impl<V: Vendor> DeviceOps for KernelOps<'_, V> {
         };
         self.upload(buf, bytes_of(&data))?;
         self.launch(
-            Kernel::HessianLower,
-            Self::square(n),
-            [TILE, TILE, 1],
+            Launch::square(Kernel::HessianLower, n),
             &[
                 Arg::Ptr(h),
                 Arg::I32(n32),
@@ -526,9 +487,7 @@ impl<V: Vendor> DeviceOps for KernelOps<'_, V> {
             self.release(p);
         }
         self.launch(
-            Kernel::MirrorLower,
-            Self::square(n),
-            [TILE, TILE, 1],
+            Launch::square(Kernel::MirrorLower, n),
             &[Arg::Ptr(h), Arg::I32(n32), Arg::I32(n32)],
         )?;
         let host = self.download_f32(h, n * n)?;

@@ -2,7 +2,7 @@
 //! module's blocked sweep (the module docs of [`super`] say where each step runs).
 
 use super::{
-    blocks, bytes_of, dims, Arg, DevPtr, DevResult, Kernel, KernelOps, Vendor, COLUMN_THREADS,
+    bytes_of, dims, Arg, DevPtr, DevResult, Kernel, KernelOps, Launch, Vendor, COLUMN_THREADS,
     SWEEP_THREADS, TILE,
 };
 use crate::device::PreparedMeta;
@@ -51,9 +51,7 @@ impl<V: Vendor> KernelOps<'_, V> {
         n32: i32,
     ) -> DevResult<bool> {
         self.launch(
-            Kernel::FactorFill,
-            Self::square(n),
-            [TILE, TILE, 1],
+            Launch::square(Kernel::FactorFill, n),
             &[
                 Arg::Ptr(m),
                 Arg::I32(n32),
@@ -71,9 +69,7 @@ impl<V: Vendor> KernelOps<'_, V> {
             }
             if k1 < n {
                 self.launch(
-                    Kernel::CholTrailing,
-                    Self::square(n - k1),
-                    [TILE, TILE, 1],
+                    Launch::square(Kernel::CholTrailing, n - k1),
                     &[
                         Arg::Ptr(m),
                         Arg::I32(n32),
@@ -86,9 +82,7 @@ impl<V: Vendor> KernelOps<'_, V> {
             }
         }
         self.launch(
-            Kernel::FactorScale,
-            Self::square(n),
-            [TILE, TILE, 1],
+            Launch::square(Kernel::FactorScale, n),
             &[
                 Arg::Ptr(m),
                 Arg::I32(n32),
@@ -119,13 +113,9 @@ impl<V: Vendor> KernelOps<'_, V> {
         k0: usize,
         j: usize,
     ) -> DevResult<()> {
-        let grid = [blocks(n - j, COLUMN_THREADS), 1, 1];
-        let block = [COLUMN_THREADS, 1, 1];
         let (n32, j32) = (n as i32, j as i32);
         self.launch(
-            Kernel::CholUpdate,
-            grid,
-            block,
+            Launch::rows(Kernel::CholUpdate, n - j, COLUMN_THREADS),
             &[
                 Arg::Ptr(m),
                 Arg::I32(n32),
@@ -136,9 +126,7 @@ impl<V: Vendor> KernelOps<'_, V> {
             ],
         )?;
         self.launch(
-            Kernel::CholPivot,
-            grid,
-            block,
+            Launch::rows(Kernel::CholPivot, n - j, COLUMN_THREADS),
             &[
                 Arg::Ptr(m),
                 Arg::I32(n32),
@@ -162,9 +150,7 @@ impl<V: Vendor> KernelOps<'_, V> {
         bufs.push(c);
         let n32 = self.n32("sweep")?;
         self.launch(
-            Kernel::GatherCoef,
-            Self::square(count),
-            [TILE, TILE, 1],
+            Launch::square(Kernel::GatherCoef, count),
             &[
                 Arg::Ptr(c),
                 Arg::Ptr(m),
@@ -319,9 +305,7 @@ impl<V: Vendor> KernelOps<'_, V> {
         let dze = self.upload_new(bytes_of(&zero))?;
         bufs.extend([drd, dpar, dsc, dze]);
         self.launch(
-            Kernel::SweepBlock,
-            [blocks(rows, SWEEP_THREADS), 1, 1],
-            [SWEEP_THREADS, 1, 1],
+            Launch::rows(Kernel::SweepBlock, rows, SWEEP_THREADS),
             &[
                 Arg::Ptr(s.dw + s.off(i1)),
                 Arg::I32(r32),
@@ -361,9 +345,7 @@ impl<V: Vendor> KernelOps<'_, V> {
         // F(i1, i2) = M[n-1-i1, n-1-i2]; F's row stride is −1 and its column stride −n.
         let f = s.m + (((n - 1 - i2) * n + (n - 1 - i1)) * 4) as u64;
         self.launch(
-            Kernel::BlockUpdate,
-            [blocks(cols - i2, TILE), blocks(rows, TILE), 1],
-            [TILE, TILE, 1],
+            Launch::tiles(Kernel::BlockUpdate, cols - i2, rows),
             &[
                 Arg::Ptr(s.dw + s.off(i2)),
                 Arg::I32(r32),
