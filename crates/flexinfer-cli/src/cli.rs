@@ -20,34 +20,19 @@ pub struct Cli {
 
 /// Connection and output flags shared by every command.
 #[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Global options")]
 pub struct Global {
     /// Path to the kubeconfig file (default: $KUBECONFIG, then ~/.kube/config)
-    #[arg(
-        long,
-        global = true,
-        value_name = "PATH",
-        help_heading = "Global options"
-    )]
+    #[arg(long, global = true, value_name = "PATH")]
     pub kubeconfig: Option<PathBuf>,
     /// Kubeconfig context to use (default: the current context)
-    #[arg(
-        long,
-        global = true,
-        value_name = "NAME",
-        help_heading = "Global options"
-    )]
+    #[arg(long, global = true, value_name = "NAME")]
     pub context: Option<String>,
     /// Namespace (default: the context's namespace, else "default")
-    #[arg(
-        short = 'n',
-        long,
-        global = true,
-        value_name = "NAME",
-        help_heading = "Global options"
-    )]
+    #[arg(short = 'n', long, global = true, value_name = "NAME")]
     pub namespace: Option<String>,
     /// Output format: table (human), json or yaml
-    #[arg(short = 'o', long, global = true, value_enum, default_value_t = Format::Table, help_heading = "Global options")]
+    #[arg(short = 'o', long, global = true, value_enum, default_value_t = Format::Table)]
     pub output: Format,
 }
 
