@@ -1,0 +1,184 @@
+//! The group bookkeeping of a module's sweep ([`Groups`]) and the dead-column view of its weights
+//! ([`DeadFixed`]), shared by the CPU sweep and the GPU session.
+
+use super::{col_slices, push_group};
+use crate::numerics::linalg::col;
+use crate::numerics::quantizer::{find_params, GroupParams};
+use crate::params::GptqParams;
+use faer::{Mat, MatRef};
+
+/// The group bookkeeping of one module's sweep, shared by the CPU sweep and the GPU session: the parameters
+/// fixed before the sweep (one group per row from W as given; static groups from W after the dead-column fix),
+/// those found from each block's snapshot as the sweep reaches a group's first column, and where every group's
+/// scales, zeros and `g_idx` go in the result.
+pub(crate) struct Groups<'p> {
+    p: &'p GptqParams,
+    rows: usize,
+    cols: usize,
+    gs: usize,
+    /// The parameters in force (one group per row, or the last group started).
+    current: Option<GroupParams>,
+    static_groups: Vec<GroupParams>,
+    scales: Vec<f32>,
+    zeros: Vec<u8>,
+    g_idx: Vec<i32>,
+}
+
+/// A module's W with its dead columns (those the Hessian preparation zeroed) read as zero: the columns
+/// the sweep starts from, on the CPU and on a device.
+pub(crate) struct DeadFixed<'a> {
+    w: &'a Mat<f32>,
+    dead: &'a [bool],
+    zero: Vec<f32>,
+}
+
+impl<'a> DeadFixed<'a> {
+    pub(crate) fn new(w: &'a Mat<f32>, dead: &'a [bool]) -> Self {
+        DeadFixed {
+            w,
+            dead,
+            zero: vec![0f32; w.nrows()],
+        }
+    }
+
+    /// Column `c` in the original order, zero when it is dead.
+    pub(crate) fn col(&self, c: usize) -> &[f32] {
+        if self.dead.get(c).copied().unwrap_or(false) {
+            &self.zero
+        } else {
+            self.w.col_as_slice(c)
+        }
+    }
+}
+
+impl<'p> Groups<'p> {
+    /// `w_in`: the module's W as given; `orig_col(c)`: column `c` after the dead-column fix.
+    pub(crate) fn new<'a>(
+        p: &'p GptqParams,
+        w_in: &Mat<f32>,
+        orig_col: &dyn Fn(usize) -> &'a [f32],
+    ) -> Self {
+        let (rows, cols) = (w_in.nrows(), w_in.ncols());
+        let gs = p.effective_group(cols);
+        let n_groups = cols.div_ceil(gs);
+        // With one group per row the parameters come from W before the dead-column fix (IST order).
+        let current: Option<GroupParams> = if p.group_size <= 0 {
+            Some(find_params(rows, col_slices(w_in, 0, cols), p.bits, p.sym))
+        } else {
+            None
+        };
+        let static_groups: Vec<GroupParams> = if p.static_groups && p.group_size > 0 {
+            (0..n_groups)
+                .map(|g| {
+                    find_params(
+                        rows,
+                        (g * gs..((g + 1) * gs).min(cols)).map(orig_col),
+                        p.bits,
+                        p.sym,
+                    )
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let mut groups = Groups {
+            p,
+            rows,
+            cols,
+            gs,
+            current,
+            static_groups,
+            scales: vec![0f32; n_groups * rows],
+            zeros: vec![0u8; n_groups * rows],
+            g_idx: vec![0i32; cols],
+        };
+        if let (Some(cur), true) = (&groups.current, p.group_size <= 0) {
+            push_group(&mut groups.scales, &mut groups.zeros, 0, rows, cur);
+        }
+        for (g, sg) in groups.static_groups.iter().enumerate() {
+            push_group(&mut groups.scales, &mut groups.zeros, g, rows, sg);
+        }
+        groups
+    }
+
+    /// How many columns from `i1` on the snapshot of the block `[i1, i2)` must cover (see
+    /// [`block_snapshot`]); `None` when no group starts in the block, so no snapshot is needed.
+    pub(crate) fn snapshot_width(&self, i1: usize, i2: usize) -> Option<usize> {
+        let (p, gs, count) = (self.p, self.gs, i2 - i1);
+        (p.group_size > 0 && !p.static_groups && (i1..i2).any(|k| k % gs == 0)).then(|| {
+            if gs <= count {
+                count
+            } else {
+                gs.min(self.cols - i1)
+            }
+        })
+    }
+
+    /// The group parameters of the block `[i1, i2)` (sweep order; `perm[k]` = original column) and, per
+    /// column, the index of its parameters among them. Group parameters of every column of the block are
+    /// fixed before the sweep: they are read from W as the block starts (the reference's quirk, kept for
+    /// parity), i.e. from `snapshot` (the first [`Groups::snapshot_width`] columns from `i1`).
+    pub(crate) fn block(
+        &mut self,
+        i1: usize,
+        i2: usize,
+        perm: &[usize],
+        snapshot: Option<MatRef<'_, f32>>,
+    ) -> (Vec<GroupParams>, Vec<Option<usize>>) {
+        let (p, gs, rows, cols) = (self.p, self.gs, self.rows, self.cols);
+        let mut block_params: Vec<GroupParams> = Vec::new();
+        let mut col_param: Vec<Option<usize>> = vec![None; i2 - i1];
+        let mut cur_idx: Option<usize> = self.current.as_ref().map(|c| {
+            block_params.push(c.clone());
+            0
+        });
+        let mut cur_static: Option<usize> = None;
+        for (i, slot) in col_param.iter_mut().enumerate() {
+            let k = i1 + i;
+            let orig = perm[k];
+            let group_of_k;
+            if p.group_size > 0 {
+                if p.static_groups {
+                    group_of_k = orig / gs;
+                    if cur_static != Some(group_of_k) {
+                        block_params.push(self.static_groups[group_of_k].clone());
+                        cur_idx = Some(block_params.len() - 1);
+                        cur_static = Some(group_of_k);
+                    }
+                } else {
+                    group_of_k = k / gs;
+                    if k.is_multiple_of(gs) {
+                        let Some(snap) = snapshot.as_ref() else {
+                            unreachable!("a group starts in this block, so the snapshot exists")
+                        };
+                        let gp = find_params(
+                            rows,
+                            (k..(k + gs).min(cols)).map(|c| col(*snap, c - i1)),
+                            p.bits,
+                            p.sym,
+                        );
+                        push_group(&mut self.scales, &mut self.zeros, group_of_k, rows, &gp);
+                        block_params.push(gp);
+                        cur_idx = Some(block_params.len() - 1);
+                    }
+                }
+            } else {
+                group_of_k = 0;
+            }
+            self.g_idx[orig] = group_of_k as i32;
+            *slot = cur_idx;
+        }
+        self.current = cur_idx.map(|i| block_params[i].clone());
+        (block_params, col_param)
+    }
+
+    /// Scales, zeros and `g_idx` of the module.
+    pub(crate) fn finish(mut self) -> (Vec<f32>, Vec<u8>, Vec<i32>) {
+        if self.p.static_groups && self.p.group_size > 0 {
+            for (c, gi) in self.g_idx.iter_mut().enumerate() {
+                *gi = (c / self.gs) as i32;
+            }
+        }
+        (self.scales, self.zeros, self.g_idx)
+    }
+}
