@@ -66,13 +66,7 @@ fn bench_model(samples: usize, seq_len: usize) {
     let model = tmp.path().join("model");
     let t = Instant::now();
     testkit::write_model_sized(&model, "LlamaForCausalLM", 7, &size).expect("generate model");
-    let ds = tmp.path().join("calib.txt");
-    // Plain text, blank-line separated; long enough to fill seq_len character tokens.
-    let text: Vec<String> = testkit::sentences(9, samples)
-        .into_iter()
-        .map(|s| s.repeat(seq_len / 40 + 1))
-        .collect();
-    std::fs::write(&ds, text.join("\n\n")).expect("dataset");
+    let ds = write_calibration(tmp.path(), samples, seq_len);
     println!(
         "generated {} parameters in {:.1} s; peak RSS so far {:.0} MiB",
         size.parameters(),
@@ -220,7 +214,6 @@ fn bench_generated(
 ) {
     use flexinfer_quant::calib::CalibSettings;
     use flexinfer_quant::pipeline::QuantizeJob;
-    use flexinfer_quant::testkit;
     let tmp = tempfile::tempdir().expect("tempdir");
     let model = tmp.path().join("model");
     let t = Instant::now();
@@ -231,12 +224,7 @@ fn bench_generated(
         .values()
         .map(|e| e.shape.iter().product::<usize>() as u64)
         .sum();
-    let ds = tmp.path().join("calib.txt");
-    let text: Vec<String> = testkit::sentences(9, samples)
-        .into_iter()
-        .map(|s| s.repeat(seq_len / 40 + 1))
-        .collect();
-    std::fs::write(&ds, text.join("\n\n")).expect("dataset");
+    let ds = write_calibration(tmp.path(), samples, seq_len);
     println!(
         "{name}: generated {params} parameters in {:.1} s; peak RSS so far {:.0} MiB; all expert Hessians \
          together {:.0} MiB",
@@ -546,4 +534,16 @@ impl flexinfer_quant::events::EventSink for RssSink {
             g.0 = label;
         }
     }
+}
+
+/// The calibration text of the benchmarks: plain text, blank-line separated, each sample long enough to
+/// fill `seq_len` character tokens.
+fn write_calibration(dir: &std::path::Path, samples: usize, seq_len: usize) -> std::path::PathBuf {
+    let ds = dir.join("calib.txt");
+    let text: Vec<String> = flexinfer_quant::testkit::sentences(9, samples)
+        .into_iter()
+        .map(|s| s.repeat(seq_len / 40 + 1))
+        .collect();
+    std::fs::write(&ds, text.join("\n\n")).expect("dataset");
+    ds
 }
