@@ -150,27 +150,22 @@ pub fn gptq_quantize_in(
     let rows = w_in.nrows();
     let cols = w_in.ncols();
     let gs = p.effective_group(cols);
-    let maxq = maxq(p.bits);
     // Column `c` (original order) after the dead-column fix: the sweep's `W_c` (module docs of `linalg`).
     let fixed = DeadFixed::new(w_in, &factor.dead);
     let orig_col = |c: usize| fixed.col(c);
-
-    let mut groups = Groups::new(p, w_in, &orig_col);
+    let groups = Groups::new(p, w_in, &orig_col);
     let perm: Vec<usize> = factor.perm.clone().unwrap_or_else(|| (0..cols).collect());
-    let w0_col = |k: usize| orig_col(perm[k]);
     // The working copy, in sweep order, written by all threads.
     let Workspace {
         w: w_buf,
         delta: delta_buf,
         snap: snap_bufs,
     } = ws;
-    let w_store = reuse_columns(w_buf, rows, cols, |k, dst| dst.copy_from_slice(w0_col(k)));
+    let w_store = reuse_columns(w_buf, rows, cols, |k, dst| {
+        dst.copy_from_slice(orig_col(perm[k]))
+    });
     let mut w = MatMut::from_column_major_slice_mut(w_store, rows, cols);
-
     let mut codes_sweep = vec![0u8; rows * cols];
-    let f = factor.f.coef();
-    let r_diag = factor.f.r_diag();
-    let mut loss = 0.0f64;
 
     let bs = p.block_size;
     // Two-level lazy batching: inner blocks of `bs` columns (the reference's semantics, including where group
@@ -181,49 +176,26 @@ pub fn gptq_quantize_in(
     let delta_store = reuse_columns(delta_buf, rows, outer.min(cols), |_, c| c.fill(0.0));
     let mut delta = MatMut::from_column_major_slice_mut(delta_store, rows, outer.min(cols));
     let tiles = rows.div_ceil(TILE);
-    let min_tiles_per_task = (tiles / (4 * rayon::current_num_threads().max(1))).max(1);
+    let mut sweep = Sweep {
+        backend,
+        fixed: &fixed,
+        perm: &perm,
+        factor,
+        groups,
+        maxq: maxq(p.bits),
+        snapshot_width: bs.max(gs).min(cols),
+        min_tiles_per_task: (tiles / (4 * rayon::current_num_threads().max(1))).max(1),
+    };
+    let f = factor.f.coef();
+    let mut loss = 0.0f64;
     let mut o1 = 0;
     while o1 < cols {
         let o2 = (o1 + outer).min(cols);
         let mut i1 = o1;
         while i1 < o2 {
             let i2 = (i1 + bs).min(o2);
-            let count = i2 - i1;
-            // The block's snapshot of W, when a group starts in it (see `Groups`).
-            let snapshot: Option<MatRef<'_, f32>> = groups.snapshot_width(i1, i2).map(|m| {
-                block_snapshot(
-                    backend,
-                    w.as_ref().subcols(i1, m),
-                    &|j| w0_col(i1 + j),
-                    f.submatrix(i1, i1, m, m),
-                    snapshot_buffers(snap_bufs, rows, bs.max(gs).min(cols)),
-                )
-            });
-            let (block_params, col_param) = groups.block(i1, i2, &perm, snapshot);
-            let (coef, rdiag2) = block_coefficients(f, r_diag, i1, count);
-            let blk = Block {
-                count,
-                params: &block_params,
-                col_param: &col_param,
-                coef: &coef,
-                rdiag2: &rdiag2,
-                maxq,
-            };
-            loss += sweep_rows(
-                &blk,
-                w.as_mut().subcols_mut(i1, count),
-                delta.as_mut().subcols_mut(i1 - o1, count),
-                |i| w0_col(i1 + i),
-                &mut codes_sweep[i1 * rows..i2 * rows],
-                min_tiles_per_task,
-            );
-            if i2 < o2 {
-                backend.block_update(
-                    w.as_mut().subcols_mut(i2, o2 - i2),
-                    delta.as_ref().subcols(i1 - o1, count),
-                    f.submatrix(i1, i2, count, o2 - i2),
-                );
-            }
+            let (w, d, c) = (&mut w, &mut delta, &mut codes_sweep);
+            loss += sweep.inner_block(w, d, c, snap_bufs, o1, (i1, i2), o2);
             i1 = i2;
         }
         if o2 < cols {
@@ -236,12 +208,84 @@ pub fn gptq_quantize_in(
         o1 = o2;
     }
     let codes = codes_in_original_order(codes_sweep, factor.perm.as_deref(), rows, cols);
-    let (scales, zeros, g_idx) = groups.finish();
+    let (scales, zeros, g_idx) = sweep.groups.finish();
     QuantizedLinear {
         method: Method::Gptq,
         loss,
         damp: factor.damp,
         ..QuantizedLinear::rtn(p, rows, cols, codes, scales, zeros, g_idx)
+    }
+}
+
+/// What the inner blocks of one module's sweep read, and the group bookkeeping they advance.
+struct Sweep<'s, 'p> {
+    backend: &'s dyn LinalgBackend,
+    fixed: &'s DeadFixed<'s>,
+    /// `perm[k]`: the original column of sweep position `k`.
+    perm: &'s [usize],
+    factor: &'s PreparedFactor,
+    groups: Groups<'p>,
+    maxq: f32,
+    /// Columns the snapshot buffers must hold (a block, or a group when groups are wider).
+    snapshot_width: usize,
+    min_tiles_per_task: usize,
+}
+
+impl Sweep<'_, '_> {
+    /// The inner block `[i1, i2)` of the outer block `[o1, o2)`: its group parameters (from the block's
+    /// snapshot of `w` when a group starts in it), the sweep of its rows (codes into `codes`, sweep order), and,
+    /// while the outer block goes on, the update of the outer block's later columns. Returns the block's loss.
+    #[allow(clippy::too_many_arguments)] // the sweep's buffers and the block's place in it
+    fn inner_block(
+        &mut self,
+        w: &mut MatMut<'_, f32>,
+        delta: &mut MatMut<'_, f32>,
+        codes: &mut [u8],
+        snap_bufs: &mut Option<(Mat<f32>, Mat<f32>)>,
+        o1: usize,
+        (i1, i2): (usize, usize),
+        o2: usize,
+    ) -> f64 {
+        let (rows, count) = (w.nrows(), i2 - i1);
+        let (fixed, perm) = (self.fixed, self.perm);
+        let w0_col = move |k: usize| fixed.col(perm[k]);
+        let f = self.factor.f.coef();
+        // The block's snapshot of W, when a group starts in it (see `Groups`).
+        let snapshot: Option<MatRef<'_, f32>> = self.groups.snapshot_width(i1, i2).map(|m| {
+            block_snapshot(
+                self.backend,
+                w.as_ref().subcols(i1, m),
+                &|j| w0_col(i1 + j),
+                f.submatrix(i1, i1, m, m),
+                snapshot_buffers(snap_bufs, rows, self.snapshot_width),
+            )
+        });
+        let (block_params, col_param) = self.groups.block(i1, i2, perm, snapshot);
+        let (coef, rdiag2) = block_coefficients(f, self.factor.f.r_diag(), i1, count);
+        let blk = Block {
+            count,
+            params: &block_params,
+            col_param: &col_param,
+            coef: &coef,
+            rdiag2: &rdiag2,
+            maxq: self.maxq,
+        };
+        let loss = sweep_rows(
+            &blk,
+            w.as_mut().subcols_mut(i1, count),
+            delta.as_mut().subcols_mut(i1 - o1, count),
+            |i| w0_col(i1 + i),
+            &mut codes[i1 * rows..i2 * rows],
+            self.min_tiles_per_task,
+        );
+        if i2 < o2 {
+            self.backend.block_update(
+                w.as_mut().subcols_mut(i2, o2 - i2),
+                delta.as_ref().subcols(i1 - o1, count),
+                f.submatrix(i1, i2, count, o2 - i2),
+            );
+        }
+        loss
     }
 }
 
