@@ -1,0 +1,76 @@
+//! Unit tests of `error.rs`.
+
+use super::*;
+use std::error::Error as _;
+
+#[test]
+fn the_caller_s_errors_are_bad_input_and_the_engine_s_are_not() {
+    let bad: Vec<QuantError> = vec![
+        ConfigError::TooLarge {
+            field: "hidden_size".into(),
+        }
+        .into(),
+        TensorError::NotFound { name: "w".into() }.into(),
+        DatasetError::NotAFile {
+            what: "calibration dataset",
+            path: "d.txt".into(),
+        }
+        .into(),
+        SpecError::BlockSize.into(),
+        FileError::NoWeightFiles { dir: "m".into() }.into(),
+        TokenizerError::Encode {
+            what: "a prompt".into(),
+            source: "no model".into(),
+        }
+        .into(),
+    ];
+    for e in &bad {
+        assert!(e.is_bad_input(), "{e}");
+    }
+    let numeric: QuantError = NumericError::LayerNotCached { layer: 3 }.into();
+    assert!(!numeric.is_bad_input());
+    assert_eq!(
+        numeric.to_string(),
+        "numerical failure: layer 3 missing from cache"
+    );
+}
+
+#[test]
+fn messages_name_the_field_and_keep_the_underlying_error_as_source() {
+    let e: QuantError = ConfigError::WrongType {
+        field: "per_layer_config.2.head_dim".into(),
+        expected: "a non-negative integer",
+        found: Some(serde_json::json!("x")),
+    }
+    .into();
+    assert_eq!(
+        e.to_string(),
+        "invalid input: config.json: per_layer_config.2.head_dim must be a non-negative integer, found \"x\""
+    );
+    let source = serde_json::from_str::<Value>("{").unwrap_err();
+    let e: QuantError = DatasetError::Json {
+        what: "prompt dataset",
+        path: "p.jsonl".into(),
+        line: Some(4),
+        source,
+    }
+    .into();
+    assert!(
+        e.to_string()
+            .starts_with("invalid input: prompt dataset p.jsonl line 4: invalid JSON: "),
+        "{e}"
+    );
+    let inner = e.source().and_then(|d| d.source());
+    assert!(inner.is_some_and(|s| s.is::<serde_json::Error>()), "{e:?}");
+    let e: QuantError = ConfigError::AttentionShape {
+        layer: Some(1),
+        heads: 8,
+        kv_heads: 3,
+        head_dim: 64,
+    }
+    .into();
+    assert_eq!(
+        e.to_string(),
+        "invalid input: config.json: layer 1: inconsistent attention shape (heads 8, kv heads 3, head_dim 64)"
+    );
+}
