@@ -153,11 +153,7 @@ impl Vendor for HostVendor {
         Ok(())
     }
     fn launch(&mut self, launch: Launch, args: &[Arg]) -> DevResult<()> {
-        let Launch {
-            kernel,
-            grid,
-            block,
-        } = launch;
+        let (kernel, grid, block) = (launch.kernel, launch.grid, launch.block);
         self.live("launch")?;
         let n = {
             let mut log = self.log.lock().unwrap();

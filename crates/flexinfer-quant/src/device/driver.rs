@@ -282,11 +282,7 @@ impl Vendor for DriverVendor {
         self.check("memcpyDtoD", "copy", rc)
     }
     fn launch(&mut self, launch: Launch, args: &[Arg]) -> DevResult<()> {
-        let Launch {
-            kernel,
-            grid,
-            block,
-        } = launch;
+        let (kernel, grid, block) = (launch.kernel, launch.grid, launch.block);
         self.current("launch")?;
         let f = *self.functions.get(&kernel).ok_or_else(|| {
             DeviceError::new(

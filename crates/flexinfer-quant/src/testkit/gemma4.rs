@@ -1,7 +1,5 @@
 //! A generated Gemma 4 model ([`write_gemma4_model`]): dense or with routed experts.
 
-use rand::rngs::StdRng;
-use rand::SeedableRng;
 use serde_json::json;
 use std::path::Path;
 
@@ -87,16 +85,9 @@ pub fn write_gemma4_model_sized(
         return Err("global_every must be at least 1".into());
     }
     let is_global = |l: usize| (l + 1).is_multiple_of(global_every);
-    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
-    write_char_tokenizer(dir)?;
-    let mut rng = StdRng::seed_from_u64(seed);
+    let (mut rng, text) = start_model(dir, seed, opts.multimodal)?;
     let mut randn =
         |n: usize, std: f32| -> Vec<f32> { (0..n).map(|_| std * gauss(&mut rng)).collect() };
-    let text = if opts.multimodal {
-        "model.language_model."
-    } else {
-        "model."
-    };
     let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
     let mut push = |name: String, shape: Vec<usize>, v: Vec<f32>| tensors.push((name, shape, v));
     push(

@@ -1,7 +1,5 @@
 //! A generated Qwen3.5-style gated delta-net hybrid ([`write_hybrid_model`]).
 
-use rand::rngs::StdRng;
-use rand::SeedableRng;
 use serde_json::json;
 use std::path::Path;
 
@@ -64,16 +62,9 @@ pub fn write_hybrid_model(dir: &Path, size: &HybridSize, seed: u64) -> Result<()
         size.linear_v_heads * size.linear_v_dim,
     );
     let nv = size.linear_v_heads;
-    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
-    write_char_tokenizer(dir)?;
-    let mut rng = StdRng::seed_from_u64(seed);
+    let (mut rng, text) = start_model(dir, seed, size.multimodal)?;
     let mut randn =
         |n: usize, std: f32| -> Vec<f32> { (0..n).map(|_| std * gauss(&mut rng)).collect() };
-    let text = if size.multimodal {
-        "model.language_model."
-    } else {
-        "model."
-    };
     let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
     let mut push = |name: String, shape: Vec<usize>, v: Vec<f32>| tensors.push((name, shape, v));
     push(

@@ -145,6 +145,19 @@ pub fn write_char_tokenizer(dir: &Path) -> Result<(), String> {
     .map_err(|e| e.to_string())
 }
 
+/// The start of a generated model in `dir`: the directory and its tokenizer, the seeded random source, and the
+/// prefix of the text model's tensor names (`model.language_model.` in a multimodal checkpoint).
+fn start_model(dir: &Path, seed: u64, multimodal: bool) -> Result<(StdRng, &'static str), String> {
+    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+    write_char_tokenizer(dir)?;
+    let prefix = if multimodal {
+        "model.language_model."
+    } else {
+        "model."
+    };
+    Ok((StdRng::seed_from_u64(seed), prefix))
+}
+
 fn bf16_bytes(v: &[f32]) -> Vec<u8> {
     v.iter()
         .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
