@@ -56,8 +56,6 @@ fn rss_mib() -> f64 {
 
 /// Whole-model run on a generated ~110M-parameter Llama-layout model.
 fn bench_model(samples: usize, seq_len: usize) {
-    use flexinfer_quant::calib::CalibSettings;
-    use flexinfer_quant::pipeline::QuantizeJob;
     use flexinfer_quant::testkit::{self, ModelSize};
     let size = ModelSize::SMALL_100M;
     let Ok(tmp) = tempfile::tempdir() else {
@@ -73,16 +71,7 @@ fn bench_model(samples: usize, seq_len: usize) {
         t.elapsed().as_secs_f64(),
         peak_rss_mib()
     );
-    let job = QuantizeJob::new(
-        &model,
-        &tmp.path().join("out"),
-        &ds,
-        CalibSettings {
-            max_samples: samples,
-            max_seq_len: seq_len,
-        },
-        "bench",
-    );
+    let job = bench_job(&model, tmp.path(), &ds, samples, seq_len);
     let (o, secs, baseline) = measured_run(&job);
     let hd = size.hidden / size.heads;
     let layer_f32 = 4 * size.hidden * (hd * (2 * size.heads + 2 * size.kv_heads) + 3 * size.inter);
@@ -212,7 +201,6 @@ fn bench_generated(
     samples: usize,
     seq_len: usize,
 ) {
-    use flexinfer_quant::calib::CalibSettings;
     use flexinfer_quant::pipeline::QuantizeJob;
     let tmp = tempfile::tempdir().expect("tempdir");
     let model = tmp.path().join("model");
@@ -234,16 +222,7 @@ fn bench_generated(
     );
     let job = QuantizeJob {
         dynamic_exclusion: Some("auto".into()),
-        ..QuantizeJob::new(
-            &model,
-            &tmp.path().join("out"),
-            &ds,
-            CalibSettings {
-                max_samples: samples,
-                max_seq_len: seq_len,
-            },
-            "bench",
-        )
+        ..bench_job(&model, tmp.path(), &ds, samples, seq_len)
     };
     let limit: Option<usize> = std::env::var("BENCH_MEMORY_LIMIT_MIB").ok().map(|v| {
         v.parse()
@@ -546,4 +525,24 @@ fn write_calibration(dir: &std::path::Path, samples: usize, seq_len: usize) -> s
         .collect();
     std::fs::write(&ds, text.join("\n\n")).expect("dataset");
     ds
+}
+
+/// The benchmarks' quantize job: `model` into `<dir>/out`, calibrated on `ds`.
+fn bench_job(
+    model: &std::path::Path,
+    dir: &std::path::Path,
+    ds: &std::path::Path,
+    samples: usize,
+    seq_len: usize,
+) -> flexinfer_quant::pipeline::QuantizeJob {
+    flexinfer_quant::pipeline::QuantizeJob::new(
+        model,
+        &dir.join("out"),
+        ds,
+        flexinfer_quant::calib::CalibSettings {
+            max_samples: samples,
+            max_seq_len: seq_len,
+        },
+        "bench",
+    )
 }
