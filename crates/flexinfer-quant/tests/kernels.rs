@@ -446,3 +446,39 @@ fn kernels_compile_through_nvrtc_loaded_at_run_time() {
     );
     assert!(bad.is_err_and(|log| log.contains("undefined_thing")));
 }
+
+/// The CUBIN route of the CUDA device (`DriverVendor` loads a CUBIN for the card's architecture first, PTX
+/// second): NVRTC makes a CUDA ELF for each architecture with every kernel in its symbol table.
+#[test]
+fn kernels_compile_to_cubin_through_nvrtc() {
+    let Some(nvrtc) = load_nvrtc() else {
+        println!("SKIPPED kernels_compile_to_cubin_through_nvrtc: no libnvrtc found (see the test above)");
+        return;
+    };
+    for arch in ["sm_80", "sm_90"] {
+        let opt = format!("--gpu-architecture={arch}");
+        let cubin = nvrtc
+            .compile_cubin(KERNEL_SOURCE, "gptq.cu", &[&opt, "--std=c++17"])
+            .unwrap_or_else(|log| panic!("{arch}: {log}"));
+        assert_eq!(&cubin[..4], b"\x7fELF", "{arch}: a CUBIN is an ELF file");
+        // ELF e_machine (offset 18, little-endian) 190 is EM_CUDA.
+        assert_eq!(
+            u16::from_le_bytes([cubin[18], cubin[19]]),
+            190,
+            "{arch}: EM_CUDA"
+        );
+        for k in Kernel::ALL {
+            let name = k.entry().as_bytes();
+            assert!(
+                cubin.windows(name.len()).any(|w| w == name),
+                "{arch}: {} is not in the CUBIN",
+                k.entry()
+            );
+        }
+        println!("{arch}: {} bytes of CUBIN", cubin.len());
+    }
+    // A compute_XY target has no machine code: NVRTC refuses a CUBIN for it (the test can fail).
+    assert!(nvrtc
+        .compile_cubin(KERNEL_SOURCE, "gptq.cu", &["--gpu-architecture=compute_80"])
+        .is_err());
+}

@@ -2,8 +2,9 @@
 //! APIs have the same shape (allocate, copy, load a code image, get a function, launch with `kernelParams`),
 //! so one implementation serves both and only initialisation, reset and error texts differ.
 //!
-//! Code images: for CUDA, `kernels/gptq.cu` compiled by NVRTC (also loaded at run time, [`Nvrtc`]) to PTX
-//! for the device's compute capability; for HIP, the code objects built offline by
+//! Code images: for CUDA, `kernels/gptq.cu` compiled by NVRTC (also loaded at run time, [`Nvrtc`]) to a
+//! CUBIN for the device's architecture, or to PTX for its compute capability where the CUBIN does not
+//! load; for HIP, the code objects built offline by
 //! `scripts/hip/build-code-objects.sh` (`gptq-<gfx>.hsaco`), looked up in `$FLEXINFER_KERNEL_DIR`
 //! (default [`DEFAULT_KERNEL_DIR`], where the `rocm-*` worker images put them).
 //!
@@ -21,7 +22,7 @@ use std::sync::Arc;
 mod api;
 mod nvrtc;
 
-pub use api::symbol_names;
+pub use api::{host_symbol_names, memset_symbol_name, symbol_names};
 use api::{Api, Extra, Raw};
 pub use nvrtc::Nvrtc;
 
@@ -48,7 +49,16 @@ pub struct DriverVendor {
     /// The code image (PTX or code object), kept to load it again after a reset.
     image: Vec<u8>,
     name: String,
+    /// The page-locked staging buffer of large copies (allocated at the first one; gone with a reset).
+    staging: Option<Raw>,
+    /// The runtime refused page-locked memory once: copies go from pageable memory from then on.
+    staging_refused: bool,
 }
+
+/// Copies of more than this many bytes go through the page-locked staging buffer.
+pub const STAGE_OVER: usize = 1 << 20;
+/// Size of the page-locked staging buffer (large copies go through it in chunks of this size).
+pub const STAGING_BYTES: usize = 32 << 20;
 
 // SAFETY: the raw handles are the runtime's; every call makes the context current on the calling thread
 // first (CUDA) or uses the runtime's per-process device context (HIP), and the session serialises calls
@@ -67,21 +77,95 @@ impl DriverVendor {
             functions: HashMap::new(),
             image: Vec::new(),
             name: format!("{}:0 {describe}", kind.as_str()),
+            staging: None,
+            staging_refused: false,
         };
         v.start()?;
-        v.image = match kind {
-            DeviceKind::Cuda => v.cuda_image()?,
-            _ => Vec::new(),
-        };
         match kind {
             DeviceKind::Hip => v.load_hip_code_object()?,
-            _ => {
-                let image = std::mem::take(&mut v.image);
-                v.load_module(&image)?;
-                v.image = image;
-            }
+            _ => v.load_cuda_images()?,
         }
         Ok(v)
+    }
+
+    /// Compiles the kernels with NVRTC for this device and loads the first image that the driver takes: a
+    /// CUBIN for its architecture (loads on a driver older than NVRTC within the major version), else PTX
+    /// (JIT-compiled by the driver; needs a driver at least as new as NVRTC's PTX ISA).
+    fn load_cuda_images(&mut self) -> DevResult<()> {
+        let (major, minor) = self.compute_capability()?;
+        let nvrtc = Nvrtc::load().map_err(|e| DeviceError::new(self.name.clone(), "load", e))?;
+        let mut tried = Vec::new();
+        for what in [
+            format!("cubin sm_{major}{minor}"),
+            format!("ptx compute_{major}{minor}"),
+        ] {
+            let image = if what.starts_with("cubin") {
+                let arch = format!("--gpu-architecture=sm_{major}{minor}");
+                nvrtc.compile_cubin(KERNEL_SOURCE, "gptq.cu", &[&arch, "--std=c++17"])
+            } else {
+                let arch = format!("--gpu-architecture=compute_{major}{minor}");
+                nvrtc
+                    .compile(KERNEL_SOURCE, "gptq.cu", &[&arch, "--std=c++17"])
+                    .map(|p| {
+                        let mut bytes = p.into_bytes();
+                        bytes.push(0);
+                        bytes
+                    })
+            };
+            let image = match image {
+                Ok(image) => image,
+                Err(e) => {
+                    tried.push(format!("{what}: {e}"));
+                    continue;
+                }
+            };
+            match self.load_module(&image) {
+                Ok(()) => {
+                    self.image = image;
+                    self.name = format!("{} ({what})", self.name);
+                    return Ok(());
+                }
+                Err(e) => tried.push(format!("{what}: {}", e.message)),
+            }
+        }
+        Err(DeviceError::new(
+            self.name.clone(),
+            "load",
+            format!("no kernel image loads on this device: {}", tried.join("; ")),
+        ))
+    }
+
+    /// The staging buffer, allocated now if need be; `None` when the runtime has no page-locked memory for
+    /// it (then large copies go from pageable memory, slower but the same).
+    fn staging(&mut self) -> Option<*mut u8> {
+        if let Some(p) = self.staging {
+            return Some(p as *mut u8);
+        }
+        let host = self.api.host?;
+        if self.staging_refused || self.current("stage").is_err() {
+            return None;
+        }
+        // SAFETY: the runtime is initialised and (CUDA) this vendor's context is current.
+        match unsafe { host.alloc(STAGING_BYTES) } {
+            Ok(p) => {
+                self.staging = Some(p);
+                Some(p as *mut u8)
+            }
+            Err(_) => {
+                self.staging_refused = true;
+                None
+            }
+        }
+    }
+
+    /// Frees the staging buffer (before its context goes).
+    fn free_staging(&mut self) {
+        if let (Some(p), Some(host)) = (self.staging.take(), self.api.host) {
+            if self.current("stage").is_ok() {
+                // SAFETY: allocated by `staging` in this context; no copy is in flight (copies are synchronous).
+                unsafe { host.free(p) };
+            }
+        }
     }
 
     fn check(&self, call: &str, op: &str, code: c_int) -> DevResult<()> {
@@ -161,8 +245,8 @@ impl DriverVendor {
         Ok(())
     }
 
-    /// PTX of the kernels for this device's compute capability, compiled by NVRTC.
-    fn cuda_image(&self) -> DevResult<Vec<u8>> {
+    /// The device's compute capability `(major, minor)`.
+    fn compute_capability(&self) -> DevResult<(c_int, c_int)> {
         let Extra::Cuda { attribute, .. } = self.api.extra else {
             return Err(DeviceError::new(self.name.clone(), "load", "not CUDA"));
         };
@@ -181,14 +265,7 @@ impl DriverVendor {
                 attribute(&mut minor, 76, self.device),
             )?;
         }
-        let nvrtc = Nvrtc::load().map_err(|e| DeviceError::new(self.name.clone(), "load", e))?;
-        let arch = format!("--gpu-architecture=compute_{major}{minor}");
-        let ptx = nvrtc
-            .compile(KERNEL_SOURCE, "gptq.cu", &[&arch, "--std=c++17"])
-            .map_err(|log| DeviceError::new(self.name.clone(), "compile", log))?;
-        let mut bytes = ptx.into_bytes();
-        bytes.push(0);
-        Ok(bytes)
+        Ok((major, minor))
     }
 
     /// The first code object in the kernel directory that the device loads.
@@ -265,15 +342,66 @@ impl Vendor for DriverVendor {
     }
     fn upload(&mut self, dst: DevPtr, src: &[u8]) -> DevResult<()> {
         self.current("upload")?;
-        // SAFETY: `dst` has at least `src.len()` bytes (the session's allocation); `src` is a live slice.
-        let rc = unsafe { (self.api.htod)(dst, src.as_ptr() as *const c_void, src.len()) };
-        self.check("memcpyHtoD", "upload", rc)
+        let staging = if src.len() > STAGE_OVER {
+            self.staging()
+        } else {
+            None
+        };
+        let Some(stage) = staging else {
+            // SAFETY: `dst` has at least `src.len()` bytes (the session's allocation); `src` is a live slice.
+            let rc = unsafe { (self.api.htod)(dst, src.as_ptr() as *const c_void, src.len()) };
+            return self.check("memcpyHtoD", "upload", rc);
+        };
+        for (i, chunk) in src.chunks(STAGING_BYTES).enumerate() {
+            // SAFETY: the staging buffer holds STAGING_BYTES ≥ chunk.len() bytes and is not used elsewhere; a
+            // copy from page-locked memory returns when it is done, so the buffer is free for the next chunk.
+            let rc = unsafe {
+                std::ptr::copy_nonoverlapping(chunk.as_ptr(), stage, chunk.len());
+                (self.api.htod)(
+                    dst + (i * STAGING_BYTES) as DevPtr,
+                    stage as *const c_void,
+                    chunk.len(),
+                )
+            };
+            self.check("memcpyHtoD", "upload", rc)?;
+        }
+        Ok(())
     }
     fn download(&mut self, src: DevPtr, dst: &mut [u8]) -> DevResult<()> {
         self.current("download")?;
-        // SAFETY: `src` has at least `dst.len()` bytes; `dst` is a live, writable slice.
-        let rc = unsafe { (self.api.dtoh)(dst.as_mut_ptr() as *mut c_void, src, dst.len()) };
-        self.check("memcpyDtoH", "download", rc)
+        let staging = if dst.len() > STAGE_OVER {
+            self.staging()
+        } else {
+            None
+        };
+        let Some(stage) = staging else {
+            // SAFETY: `src` has at least `dst.len()` bytes; `dst` is a live, writable slice.
+            let rc = unsafe { (self.api.dtoh)(dst.as_mut_ptr() as *mut c_void, src, dst.len()) };
+            return self.check("memcpyDtoH", "download", rc);
+        };
+        for (i, chunk) in dst.chunks_mut(STAGING_BYTES).enumerate() {
+            // SAFETY: as in `upload`; a device-to-host copy returns when it is complete.
+            let rc = unsafe {
+                (self.api.dtoh)(
+                    stage as *mut c_void,
+                    src + (i * STAGING_BYTES) as DevPtr,
+                    chunk.len(),
+                )
+            };
+            self.check("memcpyDtoH", "download", rc)?;
+            // SAFETY: the staging buffer now holds chunk.len() bytes of the download.
+            unsafe { std::ptr::copy_nonoverlapping(stage, chunk.as_mut_ptr(), chunk.len()) };
+        }
+        Ok(())
+    }
+    fn zero(&mut self, dst: DevPtr, bytes: usize) -> DevResult<()> {
+        let Some(memset) = self.api.memset else {
+            return super::kernel::zero_by_upload(self, dst, bytes);
+        };
+        self.current("zero")?;
+        // SAFETY: `dst` is an allocation of the current context with at least `bytes` bytes.
+        let rc = unsafe { memset.zero(dst, bytes) };
+        self.check("memset", "zero", rc)
     }
     fn copy(&mut self, dst: DevPtr, src: DevPtr, bytes: usize) -> DevResult<()> {
         self.current("copy")?;
@@ -317,6 +445,8 @@ impl Vendor for DriverVendor {
         self.check(&format!("launchKernel({})", kernel.entry()), "launch", rc)
     }
     fn reset(&mut self) -> DevResult<()> {
+        // The staging buffer goes with the context (freed by its destruction or the device reset).
+        self.staging = None;
         let api = Arc::clone(&self.api);
         // SAFETY: the context/device handles of this vendor; buffers of the old context are not used again.
         unsafe {
@@ -351,6 +481,7 @@ impl Vendor for DriverVendor {
 
 impl Drop for DriverVendor {
     fn drop(&mut self) {
+        self.free_staging();
         if let Extra::Cuda { ctx_destroy, .. } = self.api.extra {
             if !self.ctx.is_null() && self.current("drop").is_ok() {
                 // SAFETY: waits for the context's work, then destroys the context this vendor created, once.

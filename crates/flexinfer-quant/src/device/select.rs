@@ -236,7 +236,7 @@ impl Platform for SystemPlatform {
 
 impl SystemPlatform {
     /// The solve device on the runtime that `info` names, with this platform's memory budget: what
-    /// [`Platform::open`] returns boxed; `examples/gpu_check.rs` drives its steps directly.
+    /// [`Platform::open`] returns boxed; `examples/gpu_check/` drives its steps directly.
     pub fn kernel_device(
         &self,
         info: &GpuInfo,

@@ -82,8 +82,29 @@ impl Nvrtc {
         }
     }
 
-    /// Compiles `src` with `opts`: the PTX, or the compiler's log.
+    /// Compiles `src` with `opts` (`--gpu-architecture=compute_XY`): the PTX, or the compiler's log.
     pub fn compile(&self, src: &str, name: &str, opts: &[&str]) -> Result<String, String> {
+        let ptx = self.compile_to(src, name, opts, Output::Ptx)?;
+        Ok(String::from_utf8_lossy(&ptx)
+            .trim_end_matches('\0')
+            .to_string())
+    }
+
+    /// Compiles `src` with `opts` (`--gpu-architecture=sm_XY`) to a CUBIN (machine code for that
+    /// architecture), or the compiler's log. A CUBIN loads on a driver older than this NVRTC within its
+    /// major version, where PTX of a newer ISA does not (`CUDA_ERROR_UNSUPPORTED_PTX_VERSION`); NVRTC
+    /// before 11.1 has no CUBIN output (an error here).
+    pub fn compile_cubin(&self, src: &str, name: &str, opts: &[&str]) -> Result<Vec<u8>, String> {
+        self.compile_to(src, name, opts, Output::Cubin)
+    }
+
+    fn compile_to(
+        &self,
+        src: &str,
+        name: &str,
+        opts: &[&str],
+        output: Output,
+    ) -> Result<Vec<u8>, String> {
         type Create = unsafe extern "C" fn(
             *mut NvrtcProgram,
             *const c_char,
@@ -96,12 +117,16 @@ impl Nvrtc {
         type Size = unsafe extern "C" fn(NvrtcProgram, *mut usize) -> c_int;
         type Get = unsafe extern "C" fn(NvrtcProgram, *mut c_char) -> c_int;
         type Destroy = unsafe extern "C" fn(*mut NvrtcProgram) -> c_int;
+        let (size_name, get_name) = match output {
+            Output::Ptx => ("nvrtcGetPTXSize", "nvrtcGetPTX"),
+            Output::Cubin => ("nvrtcGetCUBINSize", "nvrtcGetCUBIN"),
+        };
         let create: Create = self.f("nvrtcCreateProgram")?;
         let compile: Compile = self.f("nvrtcCompileProgram")?;
         let log_size: Size = self.f("nvrtcGetProgramLogSize")?;
         let get_log: Get = self.f("nvrtcGetProgramLog")?;
-        let ptx_size: Size = self.f("nvrtcGetPTXSize")?;
-        let get_ptx: Get = self.f("nvrtcGetPTX")?;
+        let out_size: Size = self.f(size_name)?;
+        let get_out: Get = self.f(get_name)?;
         let destroy: Destroy = self.f("nvrtcDestroyProgram")?;
         let cstr = |s: &str| CString::new(s).map_err(|e| format!("{name}: {e}"));
         let src_c = cstr(src)?;
@@ -139,14 +164,19 @@ impl Nvrtc {
             }
             let out = if rc == 0 {
                 let mut n = 0usize;
-                let mut ptx = vec![0u8; 1];
-                if ptx_size(prog, &mut n) == 0 {
-                    ptx = vec![0u8; n.max(1)];
-                    get_ptx(prog, ptx.as_mut_ptr() as *mut c_char);
+                match out_size(prog, &mut n) {
+                    0 if n == 0 => Err(format!(
+                        "{get_name}: no output (a CUBIN needs a real architecture, sm_XY)"
+                    )),
+                    0 => {
+                        let mut bytes = vec![0u8; n.max(1)];
+                        match get_out(prog, bytes.as_mut_ptr() as *mut c_char) {
+                            0 => Ok(bytes),
+                            rc => Err(format!("{get_name} returned {rc}")),
+                        }
+                    }
+                    rc => Err(format!("{size_name} returned {rc}")),
                 }
-                Ok(String::from_utf8_lossy(&ptx)
-                    .trim_end_matches('\0')
-                    .to_string())
             } else {
                 Err(format!("nvrtcCompileProgram returned {rc}:\n{log}"))
             };
@@ -154,4 +184,11 @@ impl Nvrtc {
             out
         }
     }
+}
+
+/// What [`Nvrtc::compile_to`] returns.
+#[derive(Clone, Copy)]
+enum Output {
+    Ptx,
+    Cubin,
 }

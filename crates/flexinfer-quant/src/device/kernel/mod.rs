@@ -6,8 +6,8 @@
 //! Where each step runs:
 //! - accumulation: `gptq_hessian_lower` on the device (one upload of each batch);
 //! - preparation: `gptq_mirror_lower` on the device, then the prepared Hessian is made on the host from one
-//!   download (sanitise, dead columns, act-order: the CPU's own code) and uploaded again. The download is the
-//!   host checkpoint that [`OpsSession`] needs anyway; the upload is the one extra n² transfer;
+//!   download (sanitise, dead columns, act-order: the CPU's own code), uploaded again only when that changed
+//!   it. The download is the host checkpoint that [`OpsSession`] needs anyway;
 //! - each factorisation attempt: only the diagonal is uploaded; `gptq_factor_fill`, then per column
 //!   `gptq_chol_update` + `gptq_chol_pivot`, then `gptq_factor_scale`; the status word and the n pivots are
 //!   downloaded;
@@ -31,144 +31,11 @@ use crate::params::GptqParams;
 use faer::{Mat, MatRef};
 use std::sync::{Mutex, MutexGuard};
 
+mod launch;
 mod sweep;
 
-/// A device address (an offset into the device's address space; the host vendor uses host addresses).
-pub type DevPtr = u64;
-
-/// One kernel argument, passed by value as the driver APIs' `kernelParams` expect.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Arg {
-    Ptr(DevPtr),
-    I32(i32),
-    I64(i64),
-    F32(f32),
-}
-
-impl Arg {
-    /// The argument's value in an 8-byte slot (native byte order, low bytes for 4-byte values).
-    pub fn slot(&self) -> [u8; 8] {
-        let mut s = [0u8; 8];
-        match *self {
-            Arg::Ptr(p) => s.copy_from_slice(&p.to_ne_bytes()),
-            Arg::I64(v) => s.copy_from_slice(&v.to_ne_bytes()),
-            Arg::I32(v) => s[..4].copy_from_slice(&v.to_ne_bytes()),
-            Arg::F32(v) => s[..4].copy_from_slice(&v.to_ne_bytes()),
-        }
-        s
-    }
-
-    /// Each argument in its own slot, for a launch's `kernelParams` (`params[i]` points at slot `i`).
-    pub fn slots(args: &[Arg]) -> Vec<[u8; 8]> {
-        args.iter().map(Arg::slot).collect()
-    }
-}
-
-/// The kernels of `kernels/gptq.cu`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Kernel {
-    HessianLower,
-    MirrorLower,
-    BlockUpdate,
-    SweepBlock,
-    FactorFill,
-    CholUpdate,
-    CholPivot,
-    FactorScale,
-    GatherCoef,
-    CholTrailing,
-}
-
-impl Kernel {
-    pub const ALL: [Kernel; 10] = [
-        Kernel::HessianLower,
-        Kernel::MirrorLower,
-        Kernel::BlockUpdate,
-        Kernel::SweepBlock,
-        Kernel::FactorFill,
-        Kernel::CholUpdate,
-        Kernel::CholPivot,
-        Kernel::FactorScale,
-        Kernel::GatherCoef,
-        Kernel::CholTrailing,
-    ];
-    /// The `extern "C"` entry name.
-    pub fn entry(self) -> &'static str {
-        match self {
-            Kernel::HessianLower => "gptq_hessian_lower",
-            Kernel::MirrorLower => "gptq_mirror_lower",
-            Kernel::BlockUpdate => "gptq_block_update",
-            Kernel::SweepBlock => "gptq_sweep_block",
-            Kernel::FactorFill => "gptq_factor_fill",
-            Kernel::CholUpdate => "gptq_chol_update",
-            Kernel::CholPivot => "gptq_chol_pivot",
-            Kernel::FactorScale => "gptq_factor_scale",
-            Kernel::GatherCoef => "gptq_gather_coef",
-            Kernel::CholTrailing => "gptq_chol_trailing",
-        }
-    }
-}
-
-/// The kernel source, for run-time compilation (NVRTC) and the host build in tests.
-pub const KERNEL_SOURCE: &str = include_str!("../../../kernels/gptq.cu");
-
-/// Thread-block edge of the square kernels (`GPTQ_TILE`).
-const TILE: u32 = 16;
-/// Threads per block of the sweep kernel (`GPTQ_SWEEP_THREADS`).
-const SWEEP_THREADS: u32 = 128;
-/// Threads per block of the factorisation's column kernels (`GPTQ_COLUMN_THREADS`).
-const COLUMN_THREADS: u32 = 256;
-/// Largest block of the sweep kernel (`GPTQ_MAX_BLOCK`).
-pub const MAX_BLOCK: usize = 128;
-
-/// The shape of one kernel launch: the kernel, its grid and its thread block.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Launch {
-    pub kernel: Kernel,
-    pub grid: [u32; 3],
-    pub block: [u32; 3],
-}
-
-impl Launch {
-    /// `TILE × TILE` blocks over `cols × rows` elements (grid x over columns, y over rows).
-    pub fn tiles(kernel: Kernel, cols: usize, rows: usize) -> Launch {
-        Launch {
-            kernel,
-            grid: [blocks(cols, TILE), blocks(rows, TILE), 1],
-            block: [TILE, TILE, 1],
-        }
-    }
-    /// `TILE × TILE` blocks over an `n × n` matrix.
-    pub fn square(kernel: Kernel, n: usize) -> Launch {
-        Launch::tiles(kernel, n, n)
-    }
-    /// One-dimensional blocks of `threads` over `n` elements.
-    pub fn rows(kernel: Kernel, n: usize, threads: u32) -> Launch {
-        Launch {
-            kernel,
-            grid: [blocks(n, threads), 1, 1],
-            block: [threads, 1, 1],
-        }
-    }
-}
-
-/// A GPU runtime as the session needs it. Every call may fail with a [`DeviceError`]; after a failure the
-/// session resets the vendor ([`Vendor::reset`]), after which no earlier allocation is valid.
-pub trait Vendor {
-    /// Names the device in events (`cuda:0 NVIDIA H200`, `hip:0 gfx1100`).
-    fn name(&self) -> String;
-    fn alloc(&mut self, bytes: usize) -> DevResult<DevPtr>;
-    fn free(&mut self, ptr: DevPtr);
-    fn upload(&mut self, dst: DevPtr, src: &[u8]) -> DevResult<()>;
-    /// Waits for the work queued before it (so an asynchronous kernel fault surfaces here).
-    fn download(&mut self, src: DevPtr, dst: &mut [u8]) -> DevResult<()>;
-    fn copy(&mut self, dst: DevPtr, src: DevPtr, bytes: usize) -> DevResult<()>;
-    fn launch(&mut self, launch: Launch, args: &[Arg]) -> DevResult<()>;
-    /// A fresh context (the old one may be poisoned by a kernel fault); every allocation is gone.
-    fn reset(&mut self) -> DevResult<()>;
-    /// Free and total device memory in bytes, when the runtime can tell.
-    fn memory(&mut self) -> Option<(u64, u64)>;
-}
+pub use launch::{zero_by_upload, Arg, DevPtr, Kernel, Launch, Vendor, KERNEL_SOURCE, MAX_BLOCK};
+use launch::{COLUMN_THREADS, SWEEP_THREADS, TILE};
 
 /// The vendor shared by the sessions of one device, and which context generation is current.
 struct Shared<V> {
@@ -307,10 +174,6 @@ fn dims(what: &str, v: usize) -> DevResult<i32> {
         .map_err(|_| DeviceError::new("gpu", what, format!("dimension {v} exceeds i32")))
 }
 
-fn blocks(n: usize, per: u32) -> u32 {
-    n.div_ceil(per as usize).max(1) as u32
-}
-
 /// Column-major contiguous copy of a matrix (faer may pad columns).
 fn packed(m: MatRef<'_, f32>) -> Vec<f32> {
     let mut v = Vec::with_capacity(m.nrows() * m.ncols());
@@ -358,6 +221,22 @@ impl<V: Vendor> KernelOps<'_, V> {
         let p = self.alloc(src.len())?;
         self.upload(p, src)?;
         Ok(p)
+    }
+    /// The `n × n` column-major matrix at `src`, downloaded straight into a `Mat`'s storage when its
+    /// columns are contiguous (no second host copy of an n² buffer).
+    fn download_mat(&mut self, src: DevPtr, n: usize) -> DevResult<Mat<f32>> {
+        let mut m = Mat::<f32>::zeros(n, n);
+        if n > 0 && m.col_stride() == n as isize && m.row_stride() == 1 {
+            // SAFETY: with unit row stride and a column stride of n, the n columns of n initialised f32 each
+            // are one contiguous run of n·n values starting at `as_ptr_mut`, owned by `m` for this borrow.
+            let all = unsafe { std::slice::from_raw_parts_mut(m.as_ptr_mut(), n * n) };
+            self.vendor()?
+                .vendor
+                .download(src, bytemuck::cast_slice_mut(all))?;
+            return Ok(m);
+        }
+        let host = self.download_f32(src, n * n)?;
+        Ok(MatRef::from_column_major_slice(&host, n, n).to_owned())
     }
     fn download_f32(&mut self, src: DevPtr, len: usize) -> DevResult<Vec<f32>> {
         let mut v = vec![0f32; len];
@@ -444,8 +323,8 @@ impl<V: Vendor> DeviceOps for KernelOps<'_, V> {
             Some(h) => h,
             None if !self.started => {
                 self.started = true;
-                let zeros = vec![0f32; n * n];
-                let h = self.upload_new(bytes_of(&zeros))?;
+                let h = self.alloc(n * n * 4)?;
+                self.vendor()?.vendor.zero(h, n * n * 4)?;
                 self.h = Some(h);
                 h
             }
@@ -490,11 +369,13 @@ impl<V: Vendor> DeviceOps for KernelOps<'_, V> {
             Launch::square(Kernel::MirrorLower, n),
             &[Arg::Ptr(h), Arg::I32(n32), Arg::I32(n32)],
         )?;
-        let host = self.download_f32(h, n * n)?;
-        let hm = Mat::from_fn(n, n, |i, j| host[j * n + i]);
-        drop(host);
+        let hm = self.download_mat(h, n)?;
         let (prepared, meta) = PreparedMeta::prepare_on_host(hm, desc_act);
-        self.upload(h, bytes_of(&packed(prepared.as_ref())))?;
+        // The device already holds the prepared matrix when preparing changed nothing (all entries finite,
+        // no dead column, no act-order permutation): the common case needs no upload back.
+        if meta.sanitized > 0 || meta.perm.is_some() || meta.dead.iter().any(|d| *d) {
+            self.upload(h, bytes_of(&packed(prepared.as_ref())))?;
+        }
         self.host_prepared = Some(prepared);
         Ok(meta)
     }
@@ -505,8 +386,7 @@ impl<V: Vendor> DeviceOps for KernelOps<'_, V> {
         }
         let n = self.n;
         let h = self.h.ok_or_else(|| self.lost("checkpoint"))?;
-        let host = self.download_f32(h, n * n)?;
-        Ok(Mat::from_fn(n, n, |i, j| host[j * n + i]))
+        self.download_mat(h, n)
     }
 
     fn restore(&mut self, prepared: &Mat<f32>) -> DevResult<()> {

@@ -1,0 +1,165 @@
+//! What the session hands a [`Vendor`]: device addresses, kernel arguments, the kernels of `kernels/gptq.cu`
+//! and their launch shapes, and the vendor interface itself.
+
+use super::super::DevResult;
+
+/// A device address (an offset into the device's address space; the host vendor uses host addresses).
+pub type DevPtr = u64;
+
+/// One kernel argument, passed by value as the driver APIs' `kernelParams` expect.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Arg {
+    Ptr(DevPtr),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+}
+
+impl Arg {
+    /// The argument's value in an 8-byte slot (native byte order, low bytes for 4-byte values).
+    pub fn slot(&self) -> [u8; 8] {
+        let mut s = [0u8; 8];
+        match *self {
+            Arg::Ptr(p) => s.copy_from_slice(&p.to_ne_bytes()),
+            Arg::I64(v) => s.copy_from_slice(&v.to_ne_bytes()),
+            Arg::I32(v) => s[..4].copy_from_slice(&v.to_ne_bytes()),
+            Arg::F32(v) => s[..4].copy_from_slice(&v.to_ne_bytes()),
+        }
+        s
+    }
+
+    /// Each argument in its own slot, for a launch's `kernelParams` (`params[i]` points at slot `i`).
+    pub fn slots(args: &[Arg]) -> Vec<[u8; 8]> {
+        args.iter().map(Arg::slot).collect()
+    }
+}
+
+/// The kernels of `kernels/gptq.cu`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    HessianLower,
+    MirrorLower,
+    BlockUpdate,
+    SweepBlock,
+    FactorFill,
+    CholUpdate,
+    CholPivot,
+    FactorScale,
+    GatherCoef,
+    CholTrailing,
+}
+
+impl Kernel {
+    pub const ALL: [Kernel; 10] = [
+        Kernel::HessianLower,
+        Kernel::MirrorLower,
+        Kernel::BlockUpdate,
+        Kernel::SweepBlock,
+        Kernel::FactorFill,
+        Kernel::CholUpdate,
+        Kernel::CholPivot,
+        Kernel::FactorScale,
+        Kernel::GatherCoef,
+        Kernel::CholTrailing,
+    ];
+    /// The `extern "C"` entry name.
+    pub fn entry(self) -> &'static str {
+        match self {
+            Kernel::HessianLower => "gptq_hessian_lower",
+            Kernel::MirrorLower => "gptq_mirror_lower",
+            Kernel::BlockUpdate => "gptq_block_update",
+            Kernel::SweepBlock => "gptq_sweep_block",
+            Kernel::FactorFill => "gptq_factor_fill",
+            Kernel::CholUpdate => "gptq_chol_update",
+            Kernel::CholPivot => "gptq_chol_pivot",
+            Kernel::FactorScale => "gptq_factor_scale",
+            Kernel::GatherCoef => "gptq_gather_coef",
+            Kernel::CholTrailing => "gptq_chol_trailing",
+        }
+    }
+}
+
+/// The kernel source, for run-time compilation (NVRTC) and the host build in tests.
+pub const KERNEL_SOURCE: &str = include_str!("../../../kernels/gptq.cu");
+
+/// Thread-block edge of the square kernels (`GPTQ_TILE`).
+pub(super) const TILE: u32 = 16;
+/// Threads per block of the sweep kernel (`GPTQ_SWEEP_THREADS`).
+pub(super) const SWEEP_THREADS: u32 = 128;
+/// Threads per block of the factorisation's column kernels (`GPTQ_COLUMN_THREADS`).
+pub(super) const COLUMN_THREADS: u32 = 256;
+/// Largest block of the sweep kernel (`GPTQ_MAX_BLOCK`).
+pub const MAX_BLOCK: usize = 128;
+
+/// The shape of one kernel launch: the kernel, its grid and its thread block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Launch {
+    pub kernel: Kernel,
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+}
+
+impl Launch {
+    /// `TILE × TILE` blocks over `cols × rows` elements (grid x over columns, y over rows).
+    pub fn tiles(kernel: Kernel, cols: usize, rows: usize) -> Launch {
+        Launch {
+            kernel,
+            grid: [blocks(cols, TILE), blocks(rows, TILE), 1],
+            block: [TILE, TILE, 1],
+        }
+    }
+    /// `TILE × TILE` blocks over an `n × n` matrix.
+    pub fn square(kernel: Kernel, n: usize) -> Launch {
+        Launch::tiles(kernel, n, n)
+    }
+    /// One-dimensional blocks of `threads` over `n` elements.
+    pub fn rows(kernel: Kernel, n: usize, threads: u32) -> Launch {
+        Launch {
+            kernel,
+            grid: [blocks(n, threads), 1, 1],
+            block: [threads, 1, 1],
+        }
+    }
+}
+
+/// A GPU runtime as the session needs it. Every call may fail with a [`DeviceError`]; after a failure the
+/// session resets the vendor ([`Vendor::reset`]), after which no earlier allocation is valid.
+pub trait Vendor {
+    /// Names the device in events (`cuda:0 NVIDIA H200`, `hip:0 gfx1100`).
+    fn name(&self) -> String;
+    fn alloc(&mut self, bytes: usize) -> DevResult<DevPtr>;
+    fn free(&mut self, ptr: DevPtr);
+    fn upload(&mut self, dst: DevPtr, src: &[u8]) -> DevResult<()>;
+    /// Waits for the work queued before it (so an asynchronous kernel fault surfaces here).
+    fn download(&mut self, src: DevPtr, dst: &mut [u8]) -> DevResult<()>;
+    fn copy(&mut self, dst: DevPtr, src: DevPtr, bytes: usize) -> DevResult<()>;
+    /// Sets `bytes` bytes at `dst` to zero (default: uploads zeros, 32 MiB at a time; a runtime's memset
+    /// does it without the bus).
+    fn zero(&mut self, dst: DevPtr, bytes: usize) -> DevResult<()>
+    where
+        Self: Sized,
+    {
+        zero_by_upload(self, dst, bytes)
+    }
+    fn launch(&mut self, launch: Launch, args: &[Arg]) -> DevResult<()>;
+    /// A fresh context (the old one may be poisoned by a kernel fault); every allocation is gone.
+    fn reset(&mut self) -> DevResult<()>;
+    /// Free and total device memory in bytes, when the runtime can tell.
+    fn memory(&mut self) -> Option<(u64, u64)>;
+}
+
+/// [`Vendor::zero`] through uploads of zeros, 32 MiB at a time (for a runtime without a memset).
+pub fn zero_by_upload<V: Vendor>(v: &mut V, dst: DevPtr, bytes: usize) -> DevResult<()> {
+    let chunk = vec![0u8; bytes.min(32 << 20)];
+    let mut done = 0;
+    while done < bytes {
+        let len = chunk.len().min(bytes - done);
+        v.upload(dst + done as DevPtr, &chunk[..len])?;
+        done += len;
+    }
+    Ok(())
+}
+
+fn blocks(n: usize, per: u32) -> u32 {
+    n.div_ceil(per as usize).max(1) as u32
+}
