@@ -614,3 +614,95 @@ fn the_system_platform_loads_runtimes_at_run_time() {
     }
     let _: &dyn EventSink = &sink;
 }
+
+/// The card check's whole-solve comparison (`device::check::compare_in_order`): a row may diverge after a
+/// one-step tie (its later codes and scales then differ freely); a first difference of two steps, a scale
+/// off in a row whose codes agree, a loss off by more than 1 % or more than 1 % of the codes moved fail.
+#[test]
+fn the_card_comparison_allows_a_rows_divergence_after_a_one_step_tie_and_nothing_else() {
+    use flexinfer_quant::device::check::compare_in_order;
+    // 4 rows × 64 columns, 4-bit, groups of 32 (2 groups): codes[c * rows + r], scales[g * rows + r].
+    let base = card_module(4, 64, 32);
+    let with = |f: &dyn Fn(&mut QuantizedLinear)| {
+        let mut q = base.clone();
+        f(&mut q);
+        vec![q]
+    };
+    let cpu = vec![base.clone()];
+    // (name, the device's result, the sweep order, passes)
+    type Row = (&'static str, Vec<QuantizedLinear>, Option<Vec<usize>>, bool);
+    let table: Vec<Row> = vec![
+        ("identical", cpu.clone(), None, true),
+        (
+            // Row 1: column 2 one step off, then column 5 three steps off, and its second group's scale.
+            "a row diverges after a one-step tie",
+            with(&|q| {
+                q.codes[2 * 4 + 1] += 1;
+                q.codes[5 * 4 + 1] += 3;
+                q.scales[4 + 1] *= 1.5;
+            }),
+            None,
+            true,
+        ),
+        (
+            "a first difference of two steps",
+            with(&|q| q.codes[2 * 4 + 1] += 2),
+            None,
+            false,
+        ),
+        (
+            // In sweep order 63, 62, …, 0 column 5 comes before column 2: its 3-step move is the first.
+            "the first difference in sweep order is the later column",
+            with(&|q| {
+                q.codes[2 * 4 + 1] += 1;
+                q.codes[5 * 4 + 1] += 3;
+            }),
+            Some((0..64).rev().collect()),
+            false,
+        ),
+        (
+            "a scale off in a row whose codes agree",
+            with(&|q| q.scales[4 + 2] *= 1.01),
+            None,
+            false,
+        ),
+        ("a loss 2 % off", with(&|q| q.loss *= 1.02), None, false),
+    ];
+    for (name, dev, order, pass) in table {
+        let c = compare_in_order(name, &dev, &cpu, order.as_deref());
+        assert_eq!(c.passed, pass, "{name}: {c}");
+    }
+    // Over 1 % of the codes moved (one step each, each the first of its row): 4 of 400.
+    let big = card_module(40, 10, 10);
+    let mut moved = big.clone();
+    for r in 0..5 {
+        moved.codes[r] += 1;
+    }
+    let c = compare_in_order("5 of 400 moved", &[moved], std::slice::from_ref(&big), None);
+    assert!(!c.passed, "{c}");
+    let mut moved = big.clone();
+    moved.codes[0] += 1;
+    moved.codes[1] += 1;
+    moved.codes[2] += 1;
+    moved.codes[3] += 1;
+    assert!(compare_in_order("4 of 400", &[moved], &[big], None).passed);
+}
+
+/// A 4-bit GPTQ module of `rows` × `cols` with groups of `group` columns: every code 5, every scale 0.01,
+/// loss 1.
+fn card_module(rows: usize, cols: usize, group: usize) -> QuantizedLinear {
+    let groups = cols.div_ceil(group);
+    QuantizedLinear {
+        rows,
+        cols,
+        bits: 4,
+        sym: true,
+        codes: vec![5; rows * cols],
+        scales: vec![0.01; groups * rows],
+        zeros: vec![8; groups * rows],
+        g_idx: (0..cols).map(|c| (c / group) as i32).collect(),
+        method: flexinfer_quant::gptq::Method::Gptq,
+        loss: 1.0,
+        damp: 0.01,
+    }
+}

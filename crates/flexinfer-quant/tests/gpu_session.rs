@@ -519,7 +519,7 @@ fn the_card_checks_pass_on_correct_kernels_and_fail_on_a_corrupted_one() {
     println!("{h}\n{f}");
     for (i, case) in check::cases(48, 16).iter().enumerate() {
         let s = check::solve_case(&dev, case, 3 + i as u64).unwrap();
-        let c = check::compare(&case.name, &s.device, &s.cpu);
+        let c = s.compare(&case.name);
         assert!(c.passed, "{c}");
         println!("{c}");
     }
@@ -539,6 +539,6 @@ fn the_card_checks_pass_on_correct_kernels_and_fail_on_a_corrupted_one() {
     assert!(!f.passed, "a corrupted factor passed: {f}");
     let case = &check::cases(48, 16)[0];
     let s = check::solve_case(&dev_with(Some(Kernel::SweepBlock)), case, 3).unwrap();
-    let c = check::compare(&case.name, &s.device, &s.cpu);
+    let c = s.compare(&case.name);
     assert!(!c.passed, "corrupted codes passed: {c}");
 }

@@ -1,0 +1,289 @@
+//! The GPU check of `scripts/gpu-check.sh` (not a test; needs a card). On the first usable device (HIP, then
+//! CUDA; `--device` picks one):
+//! 1. the kernel checks of `flexinfer_quant::device::check` (Hessian, factorisation; stated bounds there);
+//! 2. whole input-group solves against the CPU session (`check::cases`, `check::compare`);
+//! 3. a full GPTQ of a generated Llama-shaped model on the device and on the CPU: layer 0's q/k/v (the same
+//!    inputs on both sides) with the bounds of 2, every module's relative weight error within 1 % of the
+//!    CPU artifact's (`whole::compare_artifacts`);
+//! 4. timings: the Hessian accumulation at each size (2048 tokens); one factorisation at n = 4096, 11008
+//!    and 21504 on the device, on the CPU and with the vendor's solver (cuSOLVER `potrf`, loaded at run time
+//!    from `FLEXINFER_CUSOLVER` or `libcusolver.so.*`, when there is one); the whole solve of a 4096 × 11008
+//!    module (2048 tokens, g128) against the CPU, and its steps on the device.
+//!
+//! Usage: `gpu_check [--device auto|cuda|hip|cpu] [--quick] [--sizes 4096,11008,21504] [--json FILE]`.
+//! `--quick` uses small sizes (a smoke run); `--device cpu` runs only the whole-model comparison with the CPU
+//! on both sides (a check of the check that needs no card). Each section runs even when one before it
+//! stopped on a device error or a panic (recorded as an error); `--json` is rewritten after every record, so
+//! a run stopped by its timeout keeps what it measured. Exit status: 0 all checks passed, 1 a check failed or a section stopped on an
+//! error, 3 no usable GPU.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a tool: a panic is the failure report
+
+mod artifact;
+mod cusolver;
+mod report;
+mod timing;
+mod whole;
+
+use flexinfer_quant::device::check::{self, Check};
+use flexinfer_quant::device::driver::DriverVendor;
+use flexinfer_quant::device::kernel::KernelDevice;
+use flexinfer_quant::device::{Device, DeviceKind, Platform, SystemPlatform};
+use flexinfer_quant::events::MemorySink;
+use flexinfer_quant::linalg::CpuBackend;
+use flexinfer_quant::params::GptqParams;
+use report::Report;
+use serde_json::{json, Value};
+use std::time::Instant;
+use timing::{module_steps, time_hessian};
+use whole::whole_model;
+
+struct Opts {
+    device: String,
+    quick: bool,
+    sizes: Vec<usize>,
+    json: Option<String>,
+}
+
+fn opts() -> Opts {
+    let mut o = Opts {
+        device: "auto".into(),
+        quick: false,
+        sizes: vec![4096, 11008, 21504],
+        json: None,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--device" => o.device = args.next().expect("--device VALUE"),
+            "--quick" => o.quick = true,
+            "--sizes" => {
+                o.sizes = args
+                    .next()
+                    .expect("--sizes N,N,…")
+                    .split(',')
+                    .map(|s| s.trim().parse().expect("--sizes: numbers"))
+                    .collect()
+            }
+            "--json" => o.json = Some(args.next().expect("--json FILE")),
+            other => {
+                eprintln!("gpu_check: unknown argument {other:?}");
+                std::process::exit(2);
+            }
+        }
+    }
+    o
+}
+
+/// The device `--device` names, or exit 3 with the probes' reasons.
+fn open(setting: &str) -> KernelDevice<DriverVendor> {
+    let kinds: &[DeviceKind] = match setting {
+        "auto" => &[DeviceKind::Hip, DeviceKind::Cuda],
+        "hip" => &[DeviceKind::Hip],
+        "cuda" => &[DeviceKind::Cuda],
+        other => {
+            eprintln!("gpu_check: --device {other:?}: expected auto, cuda or hip");
+            std::process::exit(2);
+        }
+    };
+    let platform = SystemPlatform::default();
+    let mut reasons = Vec::new();
+    for &kind in kinds {
+        match platform
+            .probe(kind)
+            .and_then(|info| platform.kernel_device(&info))
+        {
+            Ok(dev) => return dev,
+            Err(e) => reasons.push(format!("{}: {e}", kind.as_str())),
+        }
+    }
+    println!("no usable GPU: {}", reasons.join("; "));
+    std::process::exit(3);
+}
+
+fn main() {
+    let o = opts();
+    let t0 = Instant::now();
+    if o.device == "cpu" {
+        // The check of the check, without a card: the whole-model comparison of two CPU runs must pass.
+        let c = whole_model(&CpuBackend::default(), o.quick);
+        println!("{c}");
+        std::process::exit(i32::from(!c.passed));
+    }
+    let dev = open(&o.device);
+    println!(
+        "device: {} (budget {:?} MiB)",
+        dev.describe(),
+        dev.budget().map(|b| b >> 20)
+    );
+    let mut report = Report {
+        checks: Vec::new(),
+        records: Vec::new(),
+        errors: 0,
+        device: dev.describe(),
+        json: o.json.clone(),
+    };
+    checks(&mut report, &dev, &o);
+    timings(&mut report, &dev, &o);
+
+    let failed = report.checks.iter().filter(|c| !c.passed).count();
+    println!(
+        "{} checks, {failed} failed, {} sections stopped by an error, {:.0}s",
+        report.checks.len(),
+        report.errors,
+        t0.elapsed().as_secs_f64()
+    );
+    report.save();
+    std::process::exit(i32::from(failed > 0 || report.errors > 0));
+}
+
+/// Sections 1–3 (module docs): the device's choice, the kernel checks, the group solves, the whole model.
+fn checks(report: &mut Report, dev: &KernelDevice<DriverVendor>, o: &Opts) {
+    let (n, tokens, rows) = if o.quick {
+        (96, 200, 24)
+    } else {
+        (1024, 2048, 512)
+    };
+    let de = |e: flexinfer_quant::device::DeviceError| e.to_string();
+
+    // The worker's own choice (`GPTQ_DEVICE=auto`, what a quantize Job does): it must take this card and
+    // say why in its event.
+    report.section("auto selection", |r| {
+        let events = MemorySink::default();
+        let sel = flexinfer_quant::device::select_device(
+            Some("auto"),
+            &SystemPlatform::default(),
+            &events,
+        )
+        .map_err(|e| e.to_string())?;
+        let kind = sel.device.kind();
+        let recorded = events.named(flexinfer_contract::events::GPTQ_DEVICE_SELECTED);
+        let c = Check {
+            name: "auto selection".into(),
+            passed: kind == dev.kind(),
+            worst: 0.0,
+            detail: format!(
+                "GPTQ_DEVICE=auto chose {} ({}): {}",
+                kind.as_str(),
+                sel.device.describe(),
+                sel.reason
+            ),
+        };
+        println!(
+            "selection events: {}",
+            serde_json::to_string(&recorded).unwrap_or_default()
+        );
+        r.check(c, 0.0);
+        Ok(())
+    });
+
+    report.section("kernel checks", |r| {
+        let t = Instant::now();
+        let [h, f] = check::hessian_and_factor(dev, n, tokens, 1).map_err(de)?;
+        let s = t.elapsed().as_secs_f64();
+        r.check(h, s);
+        r.check(f, s);
+        Ok(())
+    });
+
+    for (i, case) in check::cases(n, rows).iter().enumerate() {
+        report.section(&case.name.clone(), |r| {
+            let solved = check::solve_case(dev, case, 10 + i as u64).map_err(|e| e.to_string())?;
+            let c = solved.compare(&case.name);
+            r.check(c, solved.device_seconds + solved.cpu_seconds);
+            Ok(())
+        });
+    }
+
+    report.section("whole model", |r| {
+        let t = Instant::now();
+        let c = whole_model(dev, o.quick);
+        r.check(c, t.elapsed().as_secs_f64());
+        Ok(())
+    });
+}
+
+/// Section 4 (module docs): the timings.
+fn timings(report: &mut Report, dev: &KernelDevice<DriverVendor>, o: &Opts) {
+    let de = |e: flexinfer_quant::device::DeviceError| e.to_string();
+    let sizes = if o.quick {
+        vec![128, 200]
+    } else {
+        o.sizes.clone()
+    };
+    for &n in &sizes {
+        report.section(&format!("hessian timing n={n}"), |r| {
+            r.timing(time_hessian(dev, n, if o.quick { 256 } else { 2048 })?);
+            Ok(())
+        });
+    }
+
+    let cusolver = cusolver::Solver::load();
+    if let Err(e) = &cusolver {
+        println!("vendor solver: none ({e})");
+    }
+    for &n in &sizes {
+        report.section(&format!("factor timing n={n}"), |r| {
+            let ft = check::time_factor(dev, n, n.min(2048), 7, n <= 4096).map_err(de)?;
+            let vendor = match (&cusolver, dev.kind()) {
+                (Ok(s), DeviceKind::Cuda) => Some(
+                    dev.with_vendor(|v| s.potrf_seconds(v, &ft.hessian, &ft.diag))
+                        .map_err(de)?,
+                ),
+                _ => None,
+            };
+            let flops = (n as f64).powi(3) / 3.0;
+            let rate = |s: f64| flops / s / 1e9;
+            if let Some(b) = ft.backward_error.filter(|b| *b > 1.0) {
+                r.check(
+                    Check {
+                        name: format!("factor n={n}"),
+                        passed: false,
+                        worst: b,
+                        detail: format!("backward error {b:.3} over its bound"),
+                    },
+                    ft.device_seconds,
+                );
+            }
+            let vendor_json = match &vendor {
+                Some(Ok(s)) => json!({"seconds": s, "gflops": rate(*s)}),
+                Some(Err(e)) => json!({"error": e}),
+                None => Value::Null,
+            };
+            r.timing(json!({
+                "timing": "factor", "n": n,
+                "device_seconds": ft.device_seconds, "device_gflops": rate(ft.device_seconds),
+                "cpu_seconds": ft.cpu_seconds, "cpu_gflops": rate(ft.cpu_seconds),
+                "vendor_potrf": vendor_json, "backward_error": ft.backward_error,
+            }));
+            Ok(())
+        });
+    }
+
+    let module = if o.quick {
+        (48, 160, 256)
+    } else {
+        (4096, 11008, 2048)
+    };
+    report.section("module solve", |r| {
+        let case = check::Case {
+            name: format!("module {} x {}", module.0, module.1),
+            rows: vec![module.0],
+            n: module.1,
+            tokens: module.2,
+            params: GptqParams::default(),
+            recovery: Default::default(),
+        };
+        let solved = check::solve_case(dev, &case, 99).map_err(|e| e.to_string())?;
+        r.check(
+            solved.compare(&case.name),
+            solved.device_seconds + solved.cpu_seconds,
+        );
+        r.timing(module_steps(dev, module.0, module.1, module.2)?);
+        r.timing(json!({
+            "timing": "module solve", "rows": module.0, "n": module.1, "tokens": module.2,
+            "device_seconds": solved.device_seconds, "cpu_seconds": solved.cpu_seconds,
+            "speedup": solved.cpu_seconds / solved.device_seconds,
+        }));
+        Ok(())
+    });
+}

@@ -1,0 +1,132 @@
+//! Section 3 of the check: a whole generated model quantized on the device and on the CPU, compared.
+
+use crate::artifact;
+use flexinfer_quant::calib::CalibSettings;
+use flexinfer_quant::device::check::{self, Check};
+use flexinfer_quant::device::Device;
+use flexinfer_quant::events::MemorySink;
+use flexinfer_quant::linalg::CpuBackend;
+use flexinfer_quant::params::{GateParams, GptqParams};
+use flexinfer_quant::pipeline::{run, QuantizeJob};
+use flexinfer_quant::testkit::{self, ModelSize};
+use std::path::Path;
+
+/// Quantizes a generated model on `dev` and on the CPU and compares the artifacts (module docs, 3).
+pub fn whole_model(dev: &dyn Device, quick: bool) -> Check {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    let size = if quick {
+        ModelSize::TINY
+    } else {
+        ModelSize {
+            hidden: 1024,
+            inter: 2816,
+            layers: 2,
+            heads: 8,
+            kv_heads: 4,
+            ..ModelSize::TINY
+        }
+    };
+    testkit::write_model_sized(&model, "LlamaForCausalLM", 5, &size).unwrap();
+    let ds = tmp.path().join("calib.jsonl");
+    testkit::write_dataset(&ds, 64).unwrap();
+    let quantize = |d: &dyn Device, out: &Path| {
+        let job = QuantizeJob {
+            params: GptqParams::default(),
+            gate: GateParams {
+                max_rtn_fallback_percent: 100.0,
+                min_modules: 1,
+            },
+            resume_layers: false,
+            ..QuantizeJob::new(
+                &model,
+                out,
+                &ds,
+                CalibSettings {
+                    max_samples: 64,
+                    max_seq_len: 64,
+                },
+                "gpu_check",
+            )
+        };
+        run(&job, d, &MemorySink::default())
+            .unwrap_or_else(|e| panic!("quantize on {}: {e}", d.describe()))
+    };
+    let (a, b) = (tmp.path().join("device"), tmp.path().join("cpu"));
+    quantize(dev, &a);
+    quantize(&CpuBackend::default(), &b);
+    compare_artifacts(
+        &format!("whole model hidden={} layers={}", size.hidden, size.layers),
+        &model,
+        &artifact::read(&a),
+        &artifact::read(&b),
+    )
+}
+
+/// The whole-model comparison. Layer 0's first input group (q, k, v: the same calibration inputs on both
+/// sides) is held to the per-group rules of [`check::compare`]. Every later module sees inputs computed
+/// through the already quantized modules before it, which differ between the two runs, so its codes may
+/// differ widely; it is held to the artifact's quality instead: its relative weight error
+/// `‖W − Ŵ‖_F / ‖W‖_F` (W the source weights, Ŵ the dequantized checkpoint) within 1 % of the CPU
+/// artifact's.
+fn compare_artifacts(
+    name: &str,
+    model: &Path,
+    dev: &std::collections::BTreeMap<String, artifact::Module>,
+    cpu: &std::collections::BTreeMap<String, artifact::Module>,
+) -> Check {
+    let fail = |detail: String| Check {
+        name: name.to_string(),
+        passed: false,
+        worst: f64::INFINITY,
+        detail,
+    };
+    if dev.keys().ne(cpu.keys()) || dev.is_empty() {
+        return fail(format!(
+            "the artifacts quantize different modules: {} vs {}",
+            dev.len(),
+            cpu.len()
+        ));
+    }
+    let first: Vec<&String> = cpu
+        .keys()
+        .filter(|k| {
+            ["q_proj", "k_proj", "v_proj"]
+                .iter()
+                .any(|m| k.ends_with(&format!("layers.0.self_attn.{m}")))
+        })
+        .collect();
+    let strict = check::compare(
+        "layer 0 q/k/v",
+        &first.iter().map(|k| dev[*k].linear()).collect::<Vec<_>>(),
+        &first.iter().map(|k| cpu[*k].linear()).collect::<Vec<_>>(),
+    );
+    let source = artifact::source_weights(model);
+    let (mut worst, mut at, mut sum_dev, mut sum_cpu) = (0f64, String::new(), 0f64, 0f64);
+    for (k, d) in dev {
+        let Some(w) = source.get(k) else {
+            return fail(format!("{k}: no {k}.weight in the source model"));
+        };
+        let (ed, ec) = (d.relative_error(w), cpu[k].relative_error(w));
+        sum_dev += ed;
+        sum_cpu += ec;
+        let r = (ed / ec - 1.0).abs() / 0.01;
+        let r = if r.is_nan() { f64::INFINITY } else { r };
+        if r > worst || at.is_empty() {
+            (worst, at) = (r, k.clone());
+        }
+    }
+    Check {
+        name: name.to_string(),
+        passed: strict.passed && worst <= 1.0,
+        worst: worst.max(strict.worst),
+        detail: format!(
+            "{} modules; mean relative weight error device {:.5} vs CPU {:.5}, worst |ratio − 1|/1 % {worst:.3} ({at}); {}: {}",
+            dev.len(),
+            sum_dev / dev.len() as f64,
+            sum_cpu / cpu.len() as f64,
+            if strict.passed { "ok" } else { "FAIL" },
+            strict.detail
+        ),
+    }
+}
