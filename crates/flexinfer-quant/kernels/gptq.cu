@@ -47,37 +47,64 @@
 /* Finite test without math headers (NVRTC has none): x - x is 0 exactly for a finite x, NaN otherwise. */
 #define GPTQ_FINITE(x) ((x) - (x) == 0.0f)
 
+/* Output tile edge of gptq_hessian_lower: a 16 x 16 thread block computes a 64 x 64 tile, 4 x 4 per thread. */
+#define GPTQ_HESSIAN_TILE 64
+/* Tokens staged in shared memory per step of gptq_hessian_lower. */
+#define GPTQ_HESSIAN_STEP 16
+
 /*
  * H += alpha * X^T X on the lower triangle (diagonal included) of the n x n matrix H (ldh); X is tokens x n
- * (ldx), one calibration batch. Grid (ceil(n/16), ceil(n/16)), block (16, 16): block (bx, by) owns the tile of
- * rows by*16.. and columns bx*16..; tiles wholly above the diagonal return at once (the whole block, before
- * any barrier). Each step stages 16 tokens of the tile's row and column features in shared memory, loaded
- * along the token axis (contiguous in X).
+ * (ldx), one calibration batch. Grid (ceil(n/64), ceil(n/64)), block (16, 16): block (bx, by) owns the
+ * 64 x 64 tile of rows by*64.. and columns bx*64..; tiles wholly above the diagonal return at once (the whole
+ * block, before any barrier). Thread (tx, ty) accumulates the 4 x 4 entries of rows ty + 16p and columns
+ * tx + 16q (p, q < 4) in registers. Each step stages 16 tokens of the tile's 64 row and 64 column features
+ * in shared memory (4 loads per thread per matrix), read along the token axis (contiguous in X).
  */
 GPTQ_KERNEL void gptq_hessian_lower(float *h, int ldh, const float *x, int ldx, int tokens, int n,
                                     float alpha)
 {
-    __shared__ float xa[GPTQ_TILE][GPTQ_TILE + 1]; /* xa[k][c] = X[t0 + k, row0 + c] */
-    __shared__ float xb[GPTQ_TILE][GPTQ_TILE + 1]; /* xb[k][c] = X[t0 + k, col0 + c] */
+    /* xa[k][c] = X[t0 + k, row0 + c], xb[k][c] = X[t0 + k, col0 + c] */
+    __shared__ float xa[GPTQ_HESSIAN_STEP][GPTQ_HESSIAN_TILE + 1];
+    __shared__ float xb[GPTQ_HESSIAN_STEP][GPTQ_HESSIAN_TILE + 1];
     int bx = blockIdx.x, by = blockIdx.y;
     if (bx > by)
         return;
     int tx = threadIdx.x, ty = threadIdx.y;
-    int row0 = by * GPTQ_TILE, col0 = bx * GPTQ_TILE;
-    int i = row0 + ty, j = col0 + tx;
-    float acc = 0.0f;
-    for (int t0 = 0; t0 < tokens; t0 += GPTQ_TILE) {
-        int t = t0 + tx;
-        int fa = row0 + ty, fb = col0 + ty;
-        xa[tx][ty] = (t < tokens && fa < n) ? x[(long long)fa * ldx + t] : 0.0f;
-        xb[tx][ty] = (t < tokens && fb < n) ? x[(long long)fb * ldx + t] : 0.0f;
+    int tid = ty * GPTQ_TILE + tx;
+    int row0 = by * GPTQ_HESSIAN_TILE, col0 = bx * GPTQ_HESSIAN_TILE;
+    float acc[4][4];
+    for (int p = 0; p < 4; ++p)
+        for (int q = 0; q < 4; ++q)
+            acc[p][q] = 0.0f;
+    for (int t0 = 0; t0 < tokens; t0 += GPTQ_HESSIAN_STEP) {
+        for (int l = 0; l < 4; ++l) {
+            int idx = tid + l * GPTQ_TILE * GPTQ_TILE; /* 0 .. 1023: token fastest */
+            int k = idx % GPTQ_HESSIAN_STEP, c = idx / GPTQ_HESSIAN_STEP;
+            int t = t0 + k, fa = row0 + c, fb = col0 + c;
+            xa[k][c] = (t < tokens && fa < n) ? x[(long long)fa * ldx + t] : 0.0f;
+            xb[k][c] = (t < tokens && fb < n) ? x[(long long)fb * ldx + t] : 0.0f;
+        }
         __syncthreads();
-        for (int k = 0; k < GPTQ_TILE; ++k)
-            acc += xa[k][ty] * xb[k][tx];
+        for (int k = 0; k < GPTQ_HESSIAN_STEP; ++k) {
+            float a[4], b[4];
+            for (int p = 0; p < 4; ++p)
+                a[p] = xa[k][ty + GPTQ_TILE * p];
+            for (int q = 0; q < 4; ++q)
+                b[q] = xb[k][tx + GPTQ_TILE * q];
+            for (int p = 0; p < 4; ++p)
+                for (int q = 0; q < 4; ++q)
+                    acc[p][q] += a[p] * b[q];
+        }
         __syncthreads();
     }
-    if (i < n && j < n && i >= j)
-        h[(long long)j * ldh + i] += alpha * acc;
+    for (int p = 0; p < 4; ++p) {
+        int i = row0 + ty + GPTQ_TILE * p;
+        for (int q = 0; q < 4; ++q) {
+            int j = col0 + tx + GPTQ_TILE * q;
+            if (i < n && j < n && i >= j)
+                h[(long long)j * ldh + i] += alpha * acc[p][q];
+        }
+    }
 }
 
 /*

@@ -122,7 +122,8 @@ static void hessian_body(void *p)
 int gptq_host_hessian_lower(float *h, int ldh, const float *x, int ldx, int tokens, int n, float alpha)
 {
     struct hessian_args a = {h, ldh, x, ldx, tokens, n, alpha};
-    gptq_dim3 grid = {cdiv(n, GPTQ_TILE), cdiv(n, GPTQ_TILE), 1}, block = {GPTQ_TILE, GPTQ_TILE, 1};
+    gptq_dim3 grid = {cdiv(n, GPTQ_HESSIAN_TILE), cdiv(n, GPTQ_HESSIAN_TILE), 1},
+              block = {GPTQ_TILE, GPTQ_TILE, 1};
     return launch(grid, block, hessian_body, &a);
 }
 

@@ -204,7 +204,6 @@ fn checks(report: &mut Report, dev: &KernelDevice<DriverVendor>, o: &Opts) {
 
 /// Section 4 (module docs): the timings.
 fn timings(report: &mut Report, dev: &KernelDevice<DriverVendor>, o: &Opts) {
-    let de = |e: flexinfer_quant::device::DeviceError| e.to_string();
     let sizes = if o.quick {
         vec![128, 200]
     } else {
@@ -223,39 +222,7 @@ fn timings(report: &mut Report, dev: &KernelDevice<DriverVendor>, o: &Opts) {
     }
     for &n in &sizes {
         report.section(&format!("factor timing n={n}"), |r| {
-            let ft = check::time_factor(dev, n, n.min(2048), 7, n <= 4096).map_err(de)?;
-            let vendor = match (&cusolver, dev.kind()) {
-                (Ok(s), DeviceKind::Cuda) => Some(
-                    dev.with_vendor(|v| s.potrf_seconds(v, &ft.hessian, &ft.diag))
-                        .map_err(de)?,
-                ),
-                _ => None,
-            };
-            let flops = (n as f64).powi(3) / 3.0;
-            let rate = |s: f64| flops / s / 1e9;
-            if let Some(b) = ft.backward_error.filter(|b| *b > 1.0) {
-                r.check(
-                    Check {
-                        name: format!("factor n={n}"),
-                        passed: false,
-                        worst: b,
-                        detail: format!("backward error {b:.3} over its bound"),
-                    },
-                    ft.device_seconds,
-                );
-            }
-            let vendor_json = match &vendor {
-                Some(Ok(s)) => json!({"seconds": s, "gflops": rate(*s)}),
-                Some(Err(e)) => json!({"error": e}),
-                None => Value::Null,
-            };
-            r.timing(json!({
-                "timing": "factor", "n": n,
-                "device_seconds": ft.device_seconds, "device_gflops": rate(ft.device_seconds),
-                "cpu_seconds": ft.cpu_seconds, "cpu_gflops": rate(ft.cpu_seconds),
-                "vendor_potrf": vendor_json, "backward_error": ft.backward_error,
-            }));
-            Ok(())
+            factor_timing(r, dev, &cusolver, n)
         });
     }
 
@@ -286,4 +253,47 @@ fn timings(report: &mut Report, dev: &KernelDevice<DriverVendor>, o: &Opts) {
         }));
         Ok(())
     });
+}
+
+/// One factorisation at `n` on the device, on the CPU and with the vendor's solver (section 4).
+fn factor_timing(
+    r: &mut Report,
+    dev: &KernelDevice<DriverVendor>,
+    cusolver: &Result<cusolver::Solver, String>,
+    n: usize,
+) -> Result<(), String> {
+    let de = |e: flexinfer_quant::device::DeviceError| e.to_string();
+    let ft = check::time_factor(dev, n, n.min(2048), 7, n <= 4096).map_err(de)?;
+    let vendor = match (&cusolver, dev.kind()) {
+        (Ok(s), DeviceKind::Cuda) => Some(
+            dev.with_vendor(|v| s.potrf_seconds(v, &ft.hessian, &ft.diag))
+                .map_err(de)?,
+        ),
+        _ => None,
+    };
+    let flops = (n as f64).powi(3) / 3.0;
+    let rate = |s: f64| flops / s / 1e9;
+    if let Some(b) = ft.backward_error.filter(|b| *b > 1.0) {
+        r.check(
+            Check {
+                name: format!("factor n={n}"),
+                passed: false,
+                worst: b,
+                detail: format!("backward error {b:.3} over its bound"),
+            },
+            ft.device_seconds,
+        );
+    }
+    let vendor_json = match &vendor {
+        Some(Ok(s)) => json!({"seconds": s, "gflops": rate(*s)}),
+        Some(Err(e)) => json!({"error": e}),
+        None => Value::Null,
+    };
+    r.timing(json!({
+        "timing": "factor", "n": n,
+        "device_seconds": ft.device_seconds, "device_gflops": rate(ft.device_seconds),
+        "cpu_seconds": ft.cpu_seconds, "cpu_gflops": rate(ft.cpu_seconds),
+        "vendor_potrf": vendor_json, "backward_error": ft.backward_error,
+    }));
+    Ok(())
 }

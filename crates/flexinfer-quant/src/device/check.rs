@@ -330,28 +330,12 @@ pub fn compare_in_order(
                 c.cols
             ));
         }
-        let (rows, cols) = (c.rows, c.cols);
-        let mut moved = 0;
-        let mut row_moved = vec![false; rows];
-        for (r, row_moved) in row_moved.iter_mut().enumerate() {
-            for p in 0..cols {
-                let col = order.map_or(p, |o| o[p]);
-                let i = col * rows + r;
-                let diff = (d.codes[i] as i32 - c.codes[i] as i32).abs();
-                if diff == 0 {
-                    continue;
-                }
-                moved += 1;
-                max_step = max_step.max(diff);
-                if !*row_moved && diff > 1 {
-                    return fail(format!(
-                        "module {k}: row {r}'s first differing code (column {col}, sweep position {p}) moved by {diff} ({} vs {}): a rounding tie moves one step",
-                        d.codes[i], c.codes[i]
-                    ));
-                }
-                *row_moved = true;
-            }
-        }
+        let rows = c.rows;
+        let (moved, row_moved, step) = match code_rows(d, c, order) {
+            Ok(v) => v,
+            Err(why) => return fail(format!("module {k}: {why}")),
+        };
+        max_step = max_step.max(step);
         if moved * 100 > d.codes.len() {
             return fail(format!(
                 "module {k}: {moved} of {} codes differ (over 1 %)",
@@ -390,6 +374,38 @@ pub fn compare_in_order(
             "{moved_total} of {codes_total} codes differ (in {rows_moved} of {rows_total} rows, each row's first by one step; largest {max_step}); worst scale of the other rows |Δ|/1e-3 rel {worst_scale:.3}, loss |Δ|/1 % {worst_loss:.3}"
         ),
     )
+}
+
+/// The codes of `dev` against `cpu` row by row in sweep order: how many differ, which rows have a difference,
+/// and the largest difference; an error when a row's first difference is more than one step.
+fn code_rows(
+    dev: &QuantizedLinear,
+    cpu: &QuantizedLinear,
+    order: Option<&[usize]>,
+) -> Result<(usize, Vec<bool>, i32), String> {
+    let (rows, cols) = (cpu.rows, cpu.cols);
+    let (mut moved, mut max_step) = (0usize, 0i32);
+    let mut row_moved = vec![false; rows];
+    for (r, row_moved) in row_moved.iter_mut().enumerate() {
+        for p in 0..cols {
+            let col = order.map_or(p, |o| o[p]);
+            let i = col * rows + r;
+            let diff = (dev.codes[i] as i32 - cpu.codes[i] as i32).abs();
+            if diff == 0 {
+                continue;
+            }
+            moved += 1;
+            max_step = max_step.max(diff);
+            if !*row_moved && diff > 1 {
+                return Err(format!(
+                    "row {r}'s first differing code (column {col}, sweep position {p}) moved by {diff} ({} vs {}): a rounding tie moves one step",
+                    dev.codes[i], cpu.codes[i]
+                ));
+            }
+            *row_moved = true;
+        }
+    }
+    Ok((moved, row_moved, max_step))
 }
 
 /// One input-group solve for [`solve_case`] and the timings.

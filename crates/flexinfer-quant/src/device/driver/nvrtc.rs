@@ -163,26 +163,40 @@ impl Nvrtc {
                 }
             }
             let out = if rc == 0 {
-                let mut n = 0usize;
-                match out_size(prog, &mut n) {
-                    0 if n == 0 => Err(format!(
-                        "{get_name}: no output (a CUBIN needs a real architecture, sm_XY)"
-                    )),
-                    0 => {
-                        let mut bytes = vec![0u8; n.max(1)];
-                        match get_out(prog, bytes.as_mut_ptr() as *mut c_char) {
-                            0 => Ok(bytes),
-                            rc => Err(format!("{get_name} returned {rc}")),
-                        }
-                    }
-                    rc => Err(format!("{size_name} returned {rc}")),
-                }
+                program_output(prog, out_size, get_out, size_name, get_name)
             } else {
                 Err(format!("nvrtcCompileProgram returned {rc}:\n{log}"))
             };
             destroy(&mut prog);
             out
         }
+    }
+}
+
+/// The compiled program's output through NVRTC's `size` / `get` pair (PTX or CUBIN).
+///
+/// # Safety
+/// `prog` is a compiled NVRTC program; `size` and `get` are the named NVRTC entry points.
+unsafe fn program_output(
+    prog: NvrtcProgram,
+    size: unsafe extern "C" fn(NvrtcProgram, *mut usize) -> c_int,
+    get: unsafe extern "C" fn(NvrtcProgram, *mut c_char) -> c_int,
+    size_name: &str,
+    get_name: &str,
+) -> Result<Vec<u8>, String> {
+    let mut n = 0usize;
+    match size(prog, &mut n) {
+        0 if n == 0 => Err(format!(
+            "{get_name}: no output (a CUBIN needs a real architecture, sm_XY)"
+        )),
+        0 => {
+            let mut bytes = vec![0u8; n];
+            match get(prog, bytes.as_mut_ptr() as *mut c_char) {
+                0 => Ok(bytes),
+                rc => Err(format!("{get_name} returned {rc}")),
+            }
+        }
+        rc => Err(format!("{size_name} returned {rc}")),
     }
 }
 

@@ -84,6 +84,8 @@ pub const KERNEL_SOURCE: &str = include_str!("../../../kernels/gptq.cu");
 
 /// Thread-block edge of the square kernels (`GPTQ_TILE`).
 pub(super) const TILE: u32 = 16;
+/// Output tile edge of the Hessian kernel (`GPTQ_HESSIAN_TILE`; its blocks are `TILE × TILE` threads).
+pub(super) const HESSIAN_TILE: u32 = 64;
 /// Threads per block of the sweep kernel (`GPTQ_SWEEP_THREADS`).
 pub(super) const SWEEP_THREADS: u32 = 128;
 /// Threads per block of the factorisation's column kernels (`GPTQ_COLUMN_THREADS`).
@@ -111,6 +113,14 @@ impl Launch {
     /// `TILE × TILE` blocks over an `n × n` matrix.
     pub fn square(kernel: Kernel, n: usize) -> Launch {
         Launch::tiles(kernel, n, n)
+    }
+    /// The Hessian kernel over an `n × n` matrix: `TILE × TILE` threads per `HESSIAN_TILE` square.
+    pub fn hessian(n: usize) -> Launch {
+        Launch {
+            kernel: Kernel::HessianLower,
+            grid: [blocks(n, HESSIAN_TILE), blocks(n, HESSIAN_TILE), 1],
+            block: [TILE, TILE, 1],
+        }
     }
     /// One-dimensional blocks of `threads` over `n` elements.
     pub fn rows(kernel: Kernel, n: usize, threads: u32) -> Launch {

@@ -345,7 +345,7 @@ impl<V: Vendor> DeviceOps for KernelOps<'_, V> {
         };
         self.upload(buf, bytes_of(&data))?;
         self.launch(
-            Launch::square(Kernel::HessianLower, n),
+            Launch::hessian(n),
             &[
                 Arg::Ptr(h),
                 Arg::I32(n32),
