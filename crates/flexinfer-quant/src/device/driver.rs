@@ -24,7 +24,7 @@ mod nvrtc;
 
 pub use api::{host_symbol_names, memset_symbol_name, symbol_names};
 use api::{Api, Extra, Raw};
-pub use nvrtc::Nvrtc;
+pub use nvrtc::{Nvrtc, NvrtcError};
 
 /// Where the `rocm-*` worker images put the HIP code objects.
 pub const DEFAULT_KERNEL_DIR: &str = "/usr/lib/flexinfer/kernels";
@@ -93,7 +93,8 @@ impl DriverVendor {
     /// (JIT-compiled by the driver; needs a driver at least as new as NVRTC's PTX ISA).
     fn load_cuda_images(&mut self) -> DevResult<()> {
         let (major, minor) = self.compute_capability()?;
-        let nvrtc = Nvrtc::load().map_err(|e| DeviceError::new(self.name.clone(), "load", e))?;
+        let nvrtc = Nvrtc::load()
+            .map_err(|e| DeviceError::new(self.name.clone(), "load", e.to_string()))?;
         let mut tried = Vec::new();
         for what in [
             format!("cubin sm_{major}{minor}"),

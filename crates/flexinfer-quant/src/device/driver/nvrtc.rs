@@ -1,5 +1,5 @@
-//! NVRTC, loaded at run time: the CUDA kernels are compiled from `kernels/gptq.cu` to PTX for the device's
-//! compute capability.
+//! NVRTC, loaded at run time: the CUDA kernels are compiled from `kernels/gptq.cu` to a CUBIN for the
+//! device's architecture or to PTX for its compute capability.
 
 use super::api::sym;
 use super::NVRTC_LIBRARIES;
@@ -8,6 +8,39 @@ use std::ffi::{c_char, c_int, c_void, CString};
 use std::path::{Path, PathBuf};
 
 type NvrtcProgram = *mut c_void;
+
+/// Why NVRTC could not be loaded or could not compile.
+#[derive(Debug, thiserror::Error)]
+pub enum NvrtcError {
+    /// No candidate library loaded (each candidate's error).
+    #[error("NVRTC not found: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+    NotFound(Vec<NvrtcError>),
+    #[error("{}: {source}", path.display())]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: libloading::Error,
+    },
+    /// An entry point is missing from the library.
+    #[error("{0}")]
+    Symbol(String),
+    /// An NVRTC call other than the compile failed (`nvrtcResult` code).
+    #[error("{call} returned {code}")]
+    Call { call: String, code: c_int },
+    /// The compiler refused the source; `log` is its message.
+    #[error("nvrtcCompileProgram returned {code}:\n{log}")]
+    Compile { code: c_int, log: String },
+    /// The compile succeeded but produced no output of the kind asked for.
+    #[error("{0}: no output (a CUBIN needs a real architecture, sm_XY)")]
+    NoOutput(String),
+    /// A source, name or option with a NUL byte.
+    #[error("{what}: {source}")]
+    Nul {
+        what: String,
+        #[source]
+        source: std::ffi::NulError,
+    },
+}
 
 /// NVRTC, loaded at run time: compiles `kernels/gptq.cu` to PTX.
 pub struct Nvrtc {
@@ -20,7 +53,7 @@ pub struct Nvrtc {
 
 impl Nvrtc {
     /// `$FLEXINFER_NVRTC`, else [`NVRTC_LIBRARIES`] on the library path.
-    pub fn load() -> Result<Nvrtc, String> {
+    pub fn load() -> Result<Nvrtc, NvrtcError> {
         let mut candidates: Vec<PathBuf> = Vec::new();
         if let Some(p) = std::env::var_os("FLEXINFER_NVRTC") {
             candidates.push(PathBuf::from(p));
@@ -33,11 +66,11 @@ impl Nvrtc {
                 Err(e) => errors.push(e),
             }
         }
-        Err(format!("NVRTC not found: {}", errors.join("; ")))
+        Err(NvrtcError::NotFound(errors))
     }
 
     /// libnvrtc at `path` (a file, or a name the dynamic loader resolves).
-    pub fn load_from(path: &Path) -> Result<Nvrtc, String> {
+    pub fn load_from(path: &Path) -> Result<Nvrtc, NvrtcError> {
         let builtins = path.parent().and_then(|dir| {
             let mut names: Vec<PathBuf> = std::fs::read_dir(dir)
                 .ok()?
@@ -59,7 +92,10 @@ impl Nvrtc {
                 .find_map(|f| unsafe { Library::new(&f) }.ok())
         });
         // SAFETY: loading NVRTC runs its initialisers, which are made for run-time loading.
-        let lib = unsafe { Library::new(path) }.map_err(|e| format!("{}: {e}", path.display()))?;
+        let lib = unsafe { Library::new(path) }.map_err(|source| NvrtcError::Open {
+            path: path.to_path_buf(),
+            source,
+        })?;
         Ok(Nvrtc {
             lib,
             path: path.to_path_buf(),
@@ -67,23 +103,27 @@ impl Nvrtc {
         })
     }
 
-    fn f<T: Copy>(&self, name: &str) -> Result<T, String> {
-        sym::<T>(&self.lib, &self.path.display().to_string(), name).map_err(|e| e.message)
+    fn f<T: Copy>(&self, name: &str) -> Result<T, NvrtcError> {
+        sym::<T>(&self.lib, &self.path.display().to_string(), name)
+            .map_err(|e| NvrtcError::Symbol(e.message))
     }
 
     /// NVRTC's version `(major, minor)`.
-    pub fn version(&self) -> Result<(i32, i32), String> {
+    pub fn version(&self) -> Result<(i32, i32), NvrtcError> {
         let v: unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int = self.f("nvrtcVersion")?;
         let (mut a, mut b) = (0, 0);
         // SAFETY: two valid out-pointers.
         match unsafe { v(&mut a, &mut b) } {
             0 => Ok((a, b)),
-            rc => Err(format!("nvrtcVersion returned {rc}")),
+            code => Err(NvrtcError::Call {
+                call: "nvrtcVersion".into(),
+                code,
+            }),
         }
     }
 
     /// Compiles `src` with `opts` (`--gpu-architecture=compute_XY`): the PTX, or the compiler's log.
-    pub fn compile(&self, src: &str, name: &str, opts: &[&str]) -> Result<String, String> {
+    pub fn compile(&self, src: &str, name: &str, opts: &[&str]) -> Result<String, NvrtcError> {
         let ptx = self.compile_to(src, name, opts, Output::Ptx)?;
         Ok(String::from_utf8_lossy(&ptx)
             .trim_end_matches('\0')
@@ -94,7 +134,12 @@ impl Nvrtc {
     /// architecture), or the compiler's log. A CUBIN loads on a driver older than this NVRTC within its
     /// major version, where PTX of a newer ISA does not (`CUDA_ERROR_UNSUPPORTED_PTX_VERSION`); NVRTC
     /// before 11.1 has no CUBIN output (an error here).
-    pub fn compile_cubin(&self, src: &str, name: &str, opts: &[&str]) -> Result<Vec<u8>, String> {
+    pub fn compile_cubin(
+        &self,
+        src: &str,
+        name: &str,
+        opts: &[&str],
+    ) -> Result<Vec<u8>, NvrtcError> {
         self.compile_to(src, name, opts, Output::Cubin)
     }
 
@@ -104,7 +149,7 @@ impl Nvrtc {
         name: &str,
         opts: &[&str],
         output: Output,
-    ) -> Result<Vec<u8>, String> {
+    ) -> Result<Vec<u8>, NvrtcError> {
         type Create = unsafe extern "C" fn(
             *mut NvrtcProgram,
             *const c_char,
@@ -128,7 +173,12 @@ impl Nvrtc {
         let out_size: Size = self.f(size_name)?;
         let get_out: Get = self.f(get_name)?;
         let destroy: Destroy = self.f("nvrtcDestroyProgram")?;
-        let cstr = |s: &str| CString::new(s).map_err(|e| format!("{name}: {e}"));
+        let cstr = |s: &str| {
+            CString::new(s).map_err(|source| NvrtcError::Nul {
+                what: name.to_string(),
+                source,
+            })
+        };
         let src_c = cstr(src)?;
         let name_c = cstr(name)?;
         let opts_c = opts
@@ -149,7 +199,10 @@ impl Nvrtc {
                 std::ptr::null(),
             );
             if rc != 0 {
-                return Err(format!("nvrtcCreateProgram returned {rc}"));
+                return Err(NvrtcError::Call {
+                    call: "nvrtcCreateProgram".into(),
+                    code: rc,
+                });
             }
             let rc = compile(prog, opt_ptrs.len() as c_int, opt_ptrs.as_ptr());
             let mut n = 0usize;
@@ -165,7 +218,7 @@ impl Nvrtc {
             let out = if rc == 0 {
                 program_output(prog, out_size, get_out, size_name, get_name)
             } else {
-                Err(format!("nvrtcCompileProgram returned {rc}:\n{log}"))
+                Err(NvrtcError::Compile { code: rc, log })
             };
             destroy(&mut prog);
             out
@@ -183,20 +236,24 @@ unsafe fn program_output(
     get: unsafe extern "C" fn(NvrtcProgram, *mut c_char) -> c_int,
     size_name: &str,
     get_name: &str,
-) -> Result<Vec<u8>, String> {
+) -> Result<Vec<u8>, NvrtcError> {
     let mut n = 0usize;
     match size(prog, &mut n) {
-        0 if n == 0 => Err(format!(
-            "{get_name}: no output (a CUBIN needs a real architecture, sm_XY)"
-        )),
+        0 if n == 0 => Err(NvrtcError::NoOutput(get_name.to_string())),
         0 => {
             let mut bytes = vec![0u8; n];
             match get(prog, bytes.as_mut_ptr() as *mut c_char) {
                 0 => Ok(bytes),
-                rc => Err(format!("{get_name} returned {rc}")),
+                code => Err(NvrtcError::Call {
+                    call: get_name.to_string(),
+                    code,
+                }),
             }
         }
-        rc => Err(format!("{size_name} returned {rc}")),
+        code => Err(NvrtcError::Call {
+            call: size_name.to_string(),
+            code,
+        }),
     }
 }
 
