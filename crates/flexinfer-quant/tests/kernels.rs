@@ -8,7 +8,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 use faer::{Mat, MatRef};
-use flexinfer_quant::device::driver::Nvrtc;
+use flexinfer_quant::device::driver::{Nvrtc, NvrtcOutput};
 use flexinfer_quant::device::kernel::{Kernel, KERNEL_SOURCE};
 use flexinfer_quant::gptq::sweep_block_cpu;
 use flexinfer_quant::linalg::{CpuBackend, LinalgBackend, SweepFactor};
@@ -458,7 +458,12 @@ fn kernels_compile_to_cubin_through_nvrtc() {
     for arch in ["sm_80", "sm_90"] {
         let opt = format!("--gpu-architecture={arch}");
         let cubin = nvrtc
-            .compile_cubin(KERNEL_SOURCE, "gptq.cu", &[&opt, "--std=c++17"])
+            .compile_image(
+                KERNEL_SOURCE,
+                "gptq.cu",
+                &[&opt, "--std=c++17"],
+                NvrtcOutput::Cubin,
+            )
             .unwrap_or_else(|log| panic!("{arch}: {log}"));
         assert_eq!(&cubin[..4], b"\x7fELF", "{arch}: a CUBIN is an ELF file");
         // ELF e_machine (offset 18, little-endian) 190 is EM_CUDA.
@@ -478,7 +483,12 @@ fn kernels_compile_to_cubin_through_nvrtc() {
         println!("{arch}: {} bytes of CUBIN", cubin.len());
     }
     // A compute_XY target has no machine code: NVRTC refuses a CUBIN for it (the test can fail).
-    let virt = nvrtc.compile_cubin(KERNEL_SOURCE, "gptq.cu", &["--gpu-architecture=compute_80"]);
+    let virt = nvrtc.compile_image(
+        KERNEL_SOURCE,
+        "gptq.cu",
+        &["--gpu-architecture=compute_80"],
+        NvrtcOutput::Cubin,
+    );
     println!("compute_80 as a CUBIN: {virt:?}");
     assert!(virt.is_err());
 }

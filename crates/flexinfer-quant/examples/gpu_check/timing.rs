@@ -65,8 +65,7 @@ pub fn module_steps(
     }
     let meta = ops.prepare(false).map_err(e)?;
     let prepare = t.elapsed().as_secs_f64();
-    let mean = meta.diag.iter().map(|d| *d as f64).sum::<f64>() / n.max(1) as f64;
-    let diag: Vec<f32> = meta.diag.iter().map(|d| d + (0.01 * mean) as f32).collect();
+    let diag = check::damp_diagonal(&meta.diag, 0.01);
     let t = Instant::now();
     let ok = ops.try_factor(&diag).map_err(e)?;
     let factor = t.elapsed().as_secs_f64();

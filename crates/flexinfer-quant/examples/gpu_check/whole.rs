@@ -1,11 +1,12 @@
 //! Section 3 of the check: a whole generated model quantized on the device and on the CPU, compared.
 
-use crate::artifact;
+use crate::artifact::{relative_error, Artifact};
 use flexinfer_quant::calib::CalibSettings;
 use flexinfer_quant::device::check::{self, Check};
 use flexinfer_quant::device::Device;
 use flexinfer_quant::events::MemorySink;
 use flexinfer_quant::linalg::CpuBackend;
+use flexinfer_quant::model::tensors::TensorStore;
 use flexinfer_quant::params::{GateParams, GptqParams};
 use flexinfer_quant::pipeline::{run, QuantizeJob};
 use flexinfer_quant::testkit::{self, ModelSize};
@@ -58,8 +59,8 @@ pub fn whole_model(dev: &dyn Device, quick: bool) -> Check {
     compare_artifacts(
         &format!("whole model hidden={} layers={}", size.hidden, size.layers),
         &model,
-        &artifact::read(&a),
-        &artifact::read(&b),
+        &Artifact::open(&a),
+        &Artifact::open(&b),
     )
 }
 
@@ -69,27 +70,23 @@ pub fn whole_model(dev: &dyn Device, quick: bool) -> Check {
 /// differ widely; it is held to the artifact's quality instead: its relative weight error
 /// `‖W − Ŵ‖_F / ‖W‖_F` (W the source weights, Ŵ the dequantized checkpoint) within max(1 %, 4/√(2N)) of the
 /// CPU artifact's, N the module's weights (the second term matters for the small modules of `--quick`).
-fn compare_artifacts(
-    name: &str,
-    model: &Path,
-    dev: &std::collections::BTreeMap<String, artifact::Module>,
-    cpu: &std::collections::BTreeMap<String, artifact::Module>,
-) -> Check {
+fn compare_artifacts(name: &str, model: &Path, dev: &Artifact, cpu: &Artifact) -> Check {
     let fail = |detail: String| Check {
         name: name.to_string(),
         passed: false,
         worst: f64::INFINITY,
         detail,
     };
-    if dev.keys().ne(cpu.keys()) || dev.is_empty() {
+    let modules = cpu.modules();
+    if dev.modules() != modules || modules.is_empty() {
         return fail(format!(
             "the artifacts quantize different modules: {} vs {}",
-            dev.len(),
-            cpu.len()
+            dev.modules().len(),
+            modules.len()
         ));
     }
-    let first: Vec<&String> = cpu
-        .keys()
+    let first: Vec<&String> = modules
+        .iter()
         .filter(|k| {
             ["q_proj", "k_proj", "v_proj"]
                 .iter()
@@ -98,16 +95,19 @@ fn compare_artifacts(
         .collect();
     let strict = check::compare(
         "layer 0 q/k/v",
-        &first.iter().map(|k| dev[*k].linear()).collect::<Vec<_>>(),
-        &first.iter().map(|k| cpu[*k].linear()).collect::<Vec<_>>(),
+        &first.iter().map(|k| dev.linear(k)).collect::<Vec<_>>(),
+        &first.iter().map(|k| cpu.linear(k)).collect::<Vec<_>>(),
     );
-    let source = artifact::source_weights(model);
+    let source = TensorStore::open_dir(model).unwrap();
     let (mut worst, mut at, mut sum_dev, mut sum_cpu) = (0f64, String::new(), 0f64, 0f64);
-    for (k, d) in dev {
-        let Some(w) = source.get(k) else {
+    for k in &modules {
+        let Ok(w) = source.f32(&format!("{k}.weight")) else {
             return fail(format!("{k}: no {k}.weight in the source model"));
         };
-        let (ed, ec) = (d.relative_error(w), cpu[k].relative_error(w));
+        let (ed, ec) = (
+            relative_error(&dev.weights(k), &w),
+            relative_error(&cpu.weights(k), &w),
+        );
         sum_dev += ed;
         sum_cpu += ec;
         // Two equally good quantizations of N weights differ in their relative error by about
@@ -125,9 +125,9 @@ fn compare_artifacts(
         worst: worst.max(strict.worst),
         detail: format!(
             "{} modules; mean relative weight error device {:.5} vs CPU {:.5}, worst |ratio − 1|/tolerance {worst:.3} ({at}); {}: {}",
-            dev.len(),
-            sum_dev / dev.len() as f64,
-            sum_cpu / cpu.len() as f64,
+            modules.len(),
+            sum_dev / modules.len() as f64,
+            sum_cpu / modules.len() as f64,
             if strict.passed { "ok" } else { "FAIL" },
             strict.detail
         ),

@@ -28,7 +28,7 @@ use super::kernel::{KernelDevice, KernelOps, Vendor};
 use super::{solve_with_fallback, DevResult, Device, DeviceOps, SolveSpec};
 use crate::events::NullSink;
 use crate::numerics::gptq::{Method, QuantizedLinear};
-use crate::numerics::hessian::prepare_hessian;
+use crate::numerics::hessian::{prepare_hessian, PreparedHessian};
 use crate::numerics::linalg::{CpuBackend, LinalgBackend, SweepFactor};
 use crate::params::{GptqParams, RecoveryParams};
 use faer::{Mat, MatRef};
@@ -102,9 +102,13 @@ const EPS: f64 = f32::EPSILON as f64 / 2.0;
 
 /// A factorisation attempt's diagonal: `h`'s diagonal plus `damp` times its mean (as the engine damps).
 fn damped(h: &Mat<f32>, damp: f64) -> Vec<f32> {
-    let n = h.nrows();
-    let mean = (0..n).map(|i| h[(i, i)] as f64).sum::<f64>() / n.max(1) as f64;
-    (0..n).map(|i| h[(i, i)] + (damp * mean) as f32).collect()
+    damp_diagonal(&(0..h.nrows()).map(|i| h[(i, i)]).collect::<Vec<_>>(), damp)
+}
+
+/// `diag` plus `damp` times its mean (an attempt's diagonal, as the engine damps).
+pub fn damp_diagonal(diag: &[f32], damp: f64) -> Vec<f32> {
+    let mean = diag.iter().map(|d| *d as f64).sum::<f64>() / diag.len().max(1) as f64;
+    diag.iter().map(|d| d + (damp * mean) as f32).collect()
 }
 
 /// A ratio to its bound, with NaN (a non-finite result) as the worst possible.
@@ -116,15 +120,20 @@ fn not_nan(r: f64) -> f64 {
     }
 }
 
-/// The CPU's prepared Hessian of `batches` (accumulated with weight `alpha`).
-fn cpu_hessian(n: usize, batches: &[Mat<f32>], alpha: f32) -> Mat<f32> {
+/// The CPU's prepared Hessian of `batches` (accumulated with weight `alpha`; act-order when `desc_act`).
+fn cpu_prepared(n: usize, batches: &[Mat<f32>], alpha: f32, desc_act: bool) -> PreparedHessian {
     let cpu = CpuBackend::default();
     let mut h = Mat::zeros(n, n);
     for x in batches {
         cpu.accumulate_hessian(h.as_mut(), x.as_ref(), alpha);
     }
     cpu.finish_hessian(h.as_mut());
-    prepare_hessian(h, false, "", &NullSink).h
+    prepare_hessian(h, desc_act, "", &NullSink)
+}
+
+/// The CPU's prepared Hessian of `batches` without act-order.
+fn cpu_hessian(n: usize, batches: &[Mat<f32>], alpha: f32) -> Mat<f32> {
+    cpu_prepared(n, batches, alpha, false).h
 }
 
 /// Accumulates `batches` on the device and prepares the Hessian (no act-order); returns the device's
@@ -502,15 +511,10 @@ pub fn solve_case(dev: &dyn Device, case: &Case, seed: u64) -> crate::Result<Sol
     };
     let (device, device_seconds) = run(dev)?;
     let (cpu, cpu_seconds) = run(&CpuBackend::default())?;
-    let order = case.params.desc_act.then(|| {
-        let cpu = CpuBackend::default();
-        let mut h = Mat::zeros(case.n, case.n);
-        for x in &batches {
-            cpu.accumulate_hessian(h.as_mut(), x.as_ref(), 2.0 / case.tokens as f32);
-        }
-        cpu.finish_hessian(h.as_mut());
-        prepare_hessian(h, true, "", &NullSink).perm
-    });
+    let order = case
+        .params
+        .desc_act
+        .then(|| cpu_prepared(case.n, &batches, 2.0 / case.tokens as f32, true).perm);
     Ok(Solved {
         device,
         cpu,

@@ -22,9 +22,9 @@ use std::sync::Arc;
 mod api;
 mod nvrtc;
 
-pub use api::{host_symbol_names, memset_symbol_name, symbol_names};
+pub use api::symbol_names;
 use api::{Api, Extra, Raw};
-pub use nvrtc::{Nvrtc, NvrtcError};
+pub use nvrtc::{Nvrtc, NvrtcError, Output as NvrtcOutput};
 
 /// Where the `rocm-*` worker images put the HIP code objects.
 pub const DEFAULT_KERNEL_DIR: &str = "/usr/lib/flexinfer/kernels";
@@ -96,23 +96,15 @@ impl DriverVendor {
         let nvrtc = Nvrtc::load()
             .map_err(|e| DeviceError::new(self.name.clone(), "load", e.to_string()))?;
         let mut tried = Vec::new();
-        for what in [
-            format!("cubin sm_{major}{minor}"),
-            format!("ptx compute_{major}{minor}"),
-        ] {
-            let image = if what.starts_with("cubin") {
-                let arch = format!("--gpu-architecture=sm_{major}{minor}");
-                nvrtc.compile_cubin(KERNEL_SOURCE, "gptq.cu", &[&arch, "--std=c++17"])
-            } else {
-                let arch = format!("--gpu-architecture=compute_{major}{minor}");
-                nvrtc
-                    .compile(KERNEL_SOURCE, "gptq.cu", &[&arch, "--std=c++17"])
-                    .map(|p| {
-                        let mut bytes = p.into_bytes();
-                        bytes.push(0);
-                        bytes
-                    })
-            };
+        for output in [NvrtcOutput::Cubin, NvrtcOutput::Ptx] {
+            let arch = output.arch(major, minor);
+            let what = format!(
+                "{} {}",
+                format!("{output:?}").to_lowercase(),
+                arch.trim_start_matches("--gpu-architecture=")
+            );
+            let image =
+                nvrtc.compile_image(KERNEL_SOURCE, "gptq.cu", &[&arch, "--std=c++17"], output);
             let image = match image {
                 Ok(image) => image,
                 Err(e) => {

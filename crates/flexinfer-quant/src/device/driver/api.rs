@@ -80,7 +80,7 @@ impl Memset {
 }
 
 /// The memset entry point of each runtime (optional).
-pub fn memset_symbol_name(kind: DeviceKind) -> &'static str {
+fn memset_symbol_name(kind: DeviceKind) -> &'static str {
     match kind {
         DeviceKind::Cuda => "cuMemsetD8_v2",
         DeviceKind::Hip => "hipMemset",
@@ -135,8 +135,37 @@ impl HostMemory {
     }
 }
 
+/// The optional entry points of `kind`'s runtime in `lib`: page-locked host memory and memset (`None` where
+/// the library lacks them).
+fn optional(
+    kind: DeviceKind,
+    lib: &Library,
+    library: &str,
+) -> (Option<HostMemory>, Option<Memset>) {
+    fn f<T: Copy>(lib: &Library, library: &str, name: &str) -> Option<T> {
+        sym(lib, library, name).ok()
+    }
+    let h = host_symbol_names(kind);
+    let memset = memset_symbol_name(kind);
+    match kind {
+        DeviceKind::Cuda => (
+            f(lib, library, h[0])
+                .zip(f(lib, library, h[1]))
+                .map(|(alloc, free)| HostMemory::Cuda { alloc, free }),
+            f(lib, library, memset).map(Memset::Cuda),
+        ),
+        DeviceKind::Hip => (
+            f(lib, library, h[0])
+                .zip(f(lib, library, h[1]))
+                .map(|(alloc, free)| HostMemory::Hip { alloc, free }),
+            f(lib, library, memset).map(Memset::Hip),
+        ),
+        DeviceKind::Cpu => (None, None),
+    }
+}
+
 /// The optional host-memory entry points of each runtime (`[alloc, free]`).
-pub fn host_symbol_names(kind: DeviceKind) -> &'static [&'static str] {
+fn host_symbol_names(kind: DeviceKind) -> &'static [&'static str] {
     match kind {
         DeviceKind::Cuda => &["cuMemAllocHost_v2", "cuMemFreeHost"],
         DeviceKind::Hip => &["hipHostMalloc", "hipHostFree"],
@@ -247,29 +276,7 @@ impl Api {
                 return Err(DeviceError::new("cpu", "load", "not a GPU runtime"));
             }
         };
-        let h = host_symbol_names(kind);
-        let host = match kind {
-            DeviceKind::Cuda => (|| {
-                Some(HostMemory::Cuda {
-                    alloc: sym(&lib, library, h[0]).ok()?,
-                    free: sym(&lib, library, h[1]).ok()?,
-                })
-            })(),
-            _ => (|| {
-                Some(HostMemory::Hip {
-                    alloc: sym(&lib, library, h[0]).ok()?,
-                    free: sym(&lib, library, h[1]).ok()?,
-                })
-            })(),
-        };
-        let memset = match kind {
-            DeviceKind::Cuda => sym(&lib, library, memset_symbol_name(kind))
-                .ok()
-                .map(Memset::Cuda),
-            _ => sym(&lib, library, memset_symbol_name(kind))
-                .ok()
-                .map(Memset::Hip),
-        };
+        let (host, memset) = optional(kind, &lib, library);
         Ok(Api {
             host,
             memset,

@@ -122,28 +122,19 @@ impl Nvrtc {
         }
     }
 
-    /// Compiles `src` with `opts` (`--gpu-architecture=compute_XY`): the PTX, or the compiler's log.
+    /// Compiles `src` with `opts` (`--gpu-architecture=compute_XY`): the PTX text, or the compiler's log.
     pub fn compile(&self, src: &str, name: &str, opts: &[&str]) -> Result<String, NvrtcError> {
-        let ptx = self.compile_to(src, name, opts, Output::Ptx)?;
+        let ptx = self.compile_image(src, name, opts, Output::Ptx)?;
         Ok(String::from_utf8_lossy(&ptx)
             .trim_end_matches('\0')
             .to_string())
     }
 
-    /// Compiles `src` with `opts` (`--gpu-architecture=sm_XY`) to a CUBIN (machine code for that
-    /// architecture), or the compiler's log. A CUBIN loads on a driver older than this NVRTC within its
-    /// major version, where PTX of a newer ISA does not (`CUDA_ERROR_UNSUPPORTED_PTX_VERSION`); NVRTC
-    /// before 11.1 has no CUBIN output (an error here).
-    pub fn compile_cubin(
-        &self,
-        src: &str,
-        name: &str,
-        opts: &[&str],
-    ) -> Result<Vec<u8>, NvrtcError> {
-        self.compile_to(src, name, opts, Output::Cubin)
-    }
-
-    fn compile_to(
+    /// Compiles `src` with `opts` to `output`: the image as NVRTC returns it (PTX NUL-terminated, ready for
+    /// the driver's module load), or the compiler's log. A CUBIN needs `--gpu-architecture=sm_XY`; it loads
+    /// on a driver older than this NVRTC within its major version, where PTX of a newer ISA does not
+    /// (`CUDA_ERROR_UNSUPPORTED_PTX_VERSION`); NVRTC before 11.1 has no CUBIN output (an error here).
+    pub fn compile_image(
         &self,
         src: &str,
         name: &str,
@@ -257,9 +248,21 @@ unsafe fn program_output(
     }
 }
 
-/// What [`Nvrtc::compile_to`] returns.
-#[derive(Clone, Copy)]
-enum Output {
+/// What [`Nvrtc::compile_image`] makes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Output {
+    /// PTX for `compute_XY`, compiled by the driver when it loads it.
     Ptx,
+    /// Machine code for `sm_XY`.
     Cubin,
+}
+
+impl Output {
+    /// `--gpu-architecture=` for compute capability `major.minor`.
+    pub fn arch(self, major: i32, minor: i32) -> String {
+        match self {
+            Output::Ptx => format!("--gpu-architecture=compute_{major}{minor}"),
+            Output::Cubin => format!("--gpu-architecture=sm_{major}{minor}"),
+        }
+    }
 }
