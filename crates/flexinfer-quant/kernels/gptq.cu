@@ -17,8 +17,10 @@
  *
  * The sweep factor (the Cholesky factor of the reversed Hessian, columns scaled by their diagonal; see
  * src/numerics/linalg.rs) is computed here too, blocked by panels of columns (gptq_factor_fill; per panel
- * gptq_chol_update and gptq_chol_pivot for each of its columns, then gptq_chol_trailing; then
- * gptq_factor_scale), so no vendor solver library is needed.
+ * gptq_chol_panel_diag, gptq_chol_panel_rows and gptq_chol_trailing; then gptq_factor_scale), so no vendor
+ * solver library is needed. The group parameters of the sweep are found here
+ * as well (gptq_block_snapshot, gptq_group_params), so a module's sweep needs no transfer between its
+ * upload and its results.
  */
 
 #if defined(__HIP__) && !defined(GPTQ_HOST)
@@ -42,8 +44,10 @@
 #define GPTQ_MAX_BLOCK 128
 /* Threads per block of the sweep kernel (one thread per row). */
 #define GPTQ_SWEEP_THREADS 128
-/* Threads per block of the column kernels of the factorisation (one thread per row). */
+/* Threads per block of gptq_chol_panel_rows (one thread per row). */
 #define GPTQ_COLUMN_THREADS 256
+/* Threads of gptq_chol_panel_diag's one block: the widest panel of the factorisation. */
+#define GPTQ_PANEL_THREADS 128
 /* Finite test without math headers (NVRTC has none): x - x is 0 exactly for a finite x, NaN otherwise. */
 #define GPTQ_FINITE(x) ((x) - (x) == 0.0f)
 
@@ -196,6 +200,68 @@ GPTQ_KERNEL void gptq_sweep_block(const float *w, int ldw, const float *w0, int 
 }
 
 /*
+ * The block-start snapshot of the `width` columns at the block's start (gptq.rs block_snapshot): W as the
+ * reference sees it there, S = P + C * (F^-1 - I) with C = P - W0, where F is the unit upper-triangular
+ * `width` x `width` block of the sweep factor (`coef`, row-major as gptq_gather_coef writes it; only its
+ * strict upper triangle is read). Instead of inverting F, each row solves X * F = C by forward substitution
+ * (x_j = c_j - sum over a < j of x_a * F[a, j]); then Y = X - C = -sum x_a * F[a, j] and S_j = P_j + Y_j, so
+ * the first column is P's exactly, as on the CPU.
+ *   snap  out: S (lds)           xs   out: X, scratch (ldx)
+ *   p     the columns of the working W as the block starts (ldp)    w0  the same columns of W0 (ld0)
+ * One thread per row, no shared memory. Grid ceil(rows / GPTQ_SWEEP_THREADS), block GPTQ_SWEEP_THREADS.
+ */
+GPTQ_KERNEL void gptq_block_snapshot(float *snap, int lds, float *xs, int ldx, const float *p, int ldp,
+                                     const float *w0, int ld0, const float *coef, int width, int rows)
+{
+    int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows)
+        return;
+    for (int j = 0; j < width; ++j) {
+        float pj = p[(long long)j * ldp + r];
+        float c = pj - w0[(long long)j * ld0 + r];
+        float y = 0.0f;
+        for (int a = 0; a < j; ++a)
+            y -= xs[(long long)a * ldx + r] * coef[(long long)a * width + j];
+        xs[(long long)j * ldx + r] = c + y;
+        snap[(long long)j * lds + r] = pj + y;
+    }
+}
+
+/*
+ * One group's parameters from `ncols` columns of the snapshot (lds), per row, as quantizer.rs find_params and
+ * params_from_range compute them, to the bit: the range starts at [0, 0] and NaN values are skipped
+ * (fminf/fmaxf, like f32::min/max); symmetric groups widen it to [-m, m]; an all-zero range becomes [-1, 1];
+ * scale = (hi - lo) / maxq; zero = round_ties_even(-lo / scale), or (maxq + 1) / 2 when symmetric.
+ * Writes scale[r] and zero[r] (the group's slices). Grid ceil(rows / GPTQ_SWEEP_THREADS), block
+ * GPTQ_SWEEP_THREADS.
+ */
+GPTQ_KERNEL void gptq_group_params(const float *snap, int lds, int ncols, int rows, float maxq, int sym,
+                                   float *scale, float *zero)
+{
+    int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows)
+        return;
+    float lo = 0.0f, hi = 0.0f;
+    for (int c = 0; c < ncols; ++c) {
+        float v = snap[(long long)c * lds + r];
+        lo = fminf(lo, v);
+        hi = fmaxf(hi, v);
+    }
+    if (sym) {
+        hi = fmaxf(hi, fabsf(lo));
+        if (lo < 0.0f)
+            lo = -hi;
+    }
+    if (lo == 0.0f && hi == 0.0f) {
+        lo = -1.0f;
+        hi = 1.0f;
+    }
+    float s = GPTQ_DIV(GPTQ_SUB(hi, lo), maxq);
+    scale[r] = s;
+    zero[r] = sym ? GPTQ_DIV(GPTQ_ADD(maxq, 1.0f), 2.0f) : rintf(GPTQ_DIV(-lo, s));
+}
+
+/*
  * The factorisation's starting matrix: the lower triangle (diagonal included) of J*H*J with the diagonal
  * `diag` (given in H's order), J reversing rows and columns: M[i, j] = H[n-1-i, n-1-j] for i > j (read from
  * H's strict upper triangle) and M[j, j] = diag[n-1-j]. M (ldm) and H (ldh) are different buffers; H is not
@@ -213,24 +279,67 @@ GPTQ_KERNEL void gptq_factor_fill(float *m, int ldm, const float *h, int ldh, co
 }
 
 /*
- * The factorisation is blocked by panels of columns [k0, k1): inside a panel it is left-looking, column by
- * column (gptq_chol_update, gptq_chol_pivot); after the panel, gptq_chol_trailing subtracts the panel's
- * contribution from the trailing lower triangle in one tiled launch. Every column j of a panel has then
- * already received the contributions of the columns before k0.
+ * The factorisation is blocked by panels of columns [k0, k1), right-looking: when a panel starts, every one
+ * of its columns has already received the contributions of the columns before k0. The panel's square
+ * diagonal block is factored by one thread block (gptq_chol_panel_diag), the panel's rows below it by one
+ * thread per row (gptq_chol_panel_rows), and the panel's contribution is then subtracted from the trailing
+ * lower triangle in one tiled launch (gptq_chol_trailing): three launches per panel.
  *
- * Column j of a panel starting at k0, step 1: M[i, j] -= sum over k0 <= k < j of L[i, k] * L[j, k] for i >= j
- * (columns k < j already hold L). Does nothing once status[0] is set (an earlier column failed). Grid
- * ceil((n - j) / GPTQ_COLUMN_THREADS), block GPTQ_COLUMN_THREADS.
+ * Both panel kernels compute each entry the same way: L[i, j] = (M[i, j] - sum over k0 <= k < j of
+ * L[i, k] * L[j, k]) / L[j, j], the sum in increasing k, with L[j, j] = sqrt(M[j, j] - the same sum for i = j).
+ *
+ * gptq_chol_panel_diag: one block of GPTQ_PANEL_THREADS threads (k1 - k0 <= GPTQ_PANEL_THREADS), column by
+ * column; thread t owns row k0 + t. A pivot that is not a positive finite number means the matrix is not
+ * (numerically) positive definite: status[0] = j + 1 and the kernel stops (every thread sees the same pivot,
+ * so they stop together). r[n-1-j] = L[j, j] (the sweep factor's R diagonal, see linalg.rs); M[j, j] keeps
+ * the value before the square root. Does nothing once status[0] is set (an earlier panel failed).
+ * Grid 1, block GPTQ_PANEL_THREADS.
  */
-GPTQ_KERNEL void gptq_chol_update(float *m, int ldm, int n, int k0, int j, const int *status)
+GPTQ_KERNEL void gptq_chol_panel_diag(float *m, int ldm, int n, int k0, int k1, float *r, int *status)
 {
-    int i = j + blockIdx.x * blockDim.x + threadIdx.x;
+    int i = k0 + threadIdx.x;
+    if (status[0] != 0)
+        return;
+    for (int j = k0; j < k1; ++j) {
+        if (i >= j && i < k1) {
+            float s = m[(long long)j * ldm + i];
+            for (int k = k0; k < j; ++k)
+                s -= m[(long long)k * ldm + i] * m[(long long)k * ldm + j];
+            m[(long long)j * ldm + i] = s;
+        }
+        __syncthreads();
+        float d = sqrtf(m[(long long)j * ldm + j]);
+        if (!(d > 0.0f && GPTQ_FINITE(d))) {
+            if (threadIdx.x == 0)
+                status[0] = j + 1;
+            return;
+        }
+        if (i == j)
+            r[n - 1 - j] = d;
+        else if (i > j && i < k1)
+            m[(long long)j * ldm + i] = GPTQ_DIV(m[(long long)j * ldm + i], d);
+        __syncthreads();
+    }
+}
+
+/*
+ * gptq_chol_panel_rows: the panel's columns for the rows below its diagonal block, i in [k1, n), one thread
+ * per row, after gptq_chol_panel_diag: L[i, j] = (M[i, j] - sum over k0 <= k < j of L[i, k] * L[j, k]) /
+ * r[n-1-j], column after column. Does nothing once status[0] is set. Grid ceil((n - k1) /
+ * GPTQ_COLUMN_THREADS), block GPTQ_COLUMN_THREADS.
+ */
+GPTQ_KERNEL void gptq_chol_panel_rows(float *m, int ldm, int n, int k0, int k1, const float *r,
+                                      const int *status)
+{
+    int i = k1 + blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n || status[0] != 0)
         return;
-    float s = m[(long long)j * ldm + i];
-    for (int k = k0; k < j; ++k)
-        s -= m[(long long)k * ldm + i] * m[(long long)k * ldm + j];
-    m[(long long)j * ldm + i] = s;
+    for (int j = k0; j < k1; ++j) {
+        float s = m[(long long)j * ldm + i];
+        for (int k = k0; k < j; ++k)
+            s -= m[(long long)k * ldm + i] * m[(long long)k * ldm + j];
+        m[(long long)j * ldm + i] = GPTQ_DIV(s, r[n - 1 - j]);
+    }
 }
 
 /*
@@ -263,28 +372,6 @@ GPTQ_KERNEL void gptq_chol_trailing(float *m, int ldm, int n, int k0, int k1, co
     }
     if (i < n && j < n && i >= j)
         m[(long long)j * ldm + i] -= acc;
-}
-
-/*
- * Step 2 of column j: the pivot d = sqrt(M[j, j]). When d is not a positive finite number the matrix is not
- * (numerically) positive definite: the thread of row j records j + 1 in status[0] if no earlier column did.
- * Otherwise L[i, j] = M[i, j] / d below the diagonal and r[n-1-j] = d (the sweep factor's R diagonal, see
- * linalg.rs); M[j, j] keeps its value (every thread reads it). Grid and block as gptq_chol_update.
- */
-GPTQ_KERNEL void gptq_chol_pivot(float *m, int ldm, int n, int j, float *r, int *status)
-{
-    int i = j + blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n)
-        return;
-    float d = sqrtf(m[(long long)j * ldm + j]);
-    int ok = d > 0.0f && GPTQ_FINITE(d);
-    if (i == j) {
-        if (!ok && status[0] == 0)
-            status[0] = j + 1;
-        r[n - 1 - j] = d;
-    } else if (ok) {
-        m[(long long)j * ldm + i] = GPTQ_DIV(m[(long long)j * ldm + i], d);
-    }
 }
 
 /*

@@ -202,6 +202,55 @@ int gptq_host_sweep_block(const float *w, int ldw, const float *w0, int ld0, flo
     return launch(grid, block, sweep_body, &a);
 }
 
+struct snapshot_args {
+    float *snap;
+    int lds;
+    float *xs;
+    int ldx;
+    const float *p;
+    int ldp;
+    const float *w0;
+    int ld0;
+    const float *coef;
+    int width, rows;
+};
+
+static void snapshot_body(void *p)
+{
+    struct snapshot_args *a = (struct snapshot_args *)p;
+    gptq_block_snapshot(a->snap, a->lds, a->xs, a->ldx, a->p, a->ldp, a->w0, a->ld0, a->coef, a->width, a->rows);
+}
+
+int gptq_host_block_snapshot(float *snap, int lds, float *xs, int ldx, const float *p, int ldp, const float *w0,
+                             int ld0, const float *coef, int width, int rows)
+{
+    struct snapshot_args a = {snap, lds, xs, ldx, p, ldp, w0, ld0, coef, width, rows};
+    gptq_dim3 grid = {cdiv(rows, GPTQ_SWEEP_THREADS), 1, 1}, block = {GPTQ_SWEEP_THREADS, 1, 1};
+    return launch(grid, block, snapshot_body, &a);
+}
+
+struct params_args {
+    const float *snap;
+    int lds, ncols, rows;
+    float maxq;
+    int sym;
+    float *scale, *zero;
+};
+
+static void params_body(void *p)
+{
+    struct params_args *a = (struct params_args *)p;
+    gptq_group_params(a->snap, a->lds, a->ncols, a->rows, a->maxq, a->sym, a->scale, a->zero);
+}
+
+int gptq_host_group_params(const float *snap, int lds, int ncols, int rows, float maxq, int sym, float *scale,
+                           float *zero)
+{
+    struct params_args a = {snap, lds, ncols, rows, maxq, sym, scale, zero};
+    gptq_dim3 grid = {cdiv(rows, GPTQ_SWEEP_THREADS), 1, 1}, block = {GPTQ_SWEEP_THREADS, 1, 1};
+    return launch(grid, block, params_body, &a);
+}
+
 /* The kernels' block geometry, so the test can check it against what it assumes. */
 int gptq_host_max_block(void) { return GPTQ_MAX_BLOCK; }
 
@@ -230,12 +279,19 @@ BODY(sweep, gptq_sweep_block(P(0, const float *), P(1, int), P(2, const float *)
                              P(15, float), P(16, float *)))
 BODY(fill, gptq_factor_fill(P(0, float *), P(1, int), P(2, const float *), P(3, int), P(4, const float *),
                             P(5, int)))
-BODY(chol_update, gptq_chol_update(P(0, float *), P(1, int), P(2, int), P(3, int), P(4, int), P(5, const int *)))
+BODY(panel_diag, gptq_chol_panel_diag(P(0, float *), P(1, int), P(2, int), P(3, int), P(4, int), P(5, float *),
+                                     P(6, int *)))
+BODY(panel_rows, gptq_chol_panel_rows(P(0, float *), P(1, int), P(2, int), P(3, int), P(4, int), P(5, const float *),
+                                     P(6, const int *)))
 BODY(chol_trailing,
      gptq_chol_trailing(P(0, float *), P(1, int), P(2, int), P(3, int), P(4, int), P(5, const int *)))
-BODY(chol_pivot, gptq_chol_pivot(P(0, float *), P(1, int), P(2, int), P(3, int), P(4, float *), P(5, int *)))
 BODY(scale, gptq_factor_scale(P(0, float *), P(1, int), P(2, int), P(3, const float *), P(4, int *)))
 BODY(gather, gptq_gather_coef(P(0, float *), P(1, const float *), P(2, int), P(3, int), P(4, int), P(5, int)))
+BODY(snapshot, gptq_block_snapshot(P(0, float *), P(1, int), P(2, float *), P(3, int), P(4, const float *),
+                                   P(5, int), P(6, const float *), P(7, int), P(8, const float *), P(9, int),
+                                   P(10, int)))
+BODY(group_params, gptq_group_params(P(0, const float *), P(1, int), P(2, int), P(3, int), P(4, float), P(5, int),
+                                     P(6, float *), P(7, float *)))
 
 static const struct {
     const char *name;
@@ -244,9 +300,10 @@ static const struct {
 } gptq_entries[] = {
     {"gptq_hessian_lower", hessian_launch, 7},  {"gptq_mirror_lower", mirror_launch, 3},
     {"gptq_block_update", update_launch, 10},   {"gptq_sweep_block", sweep_launch, 17},
-    {"gptq_factor_fill", fill_launch, 6},       {"gptq_chol_update", chol_update_launch, 6},
-    {"gptq_chol_pivot", chol_pivot_launch, 6},  {"gptq_factor_scale", scale_launch, 5},
+    {"gptq_factor_fill", fill_launch, 6},       {"gptq_chol_panel_diag", panel_diag_launch, 7},
+    {"gptq_chol_panel_rows", panel_rows_launch, 7}, {"gptq_factor_scale", scale_launch, 5},
     {"gptq_gather_coef", gather_launch, 6},     {"gptq_chol_trailing", chol_trailing_launch, 6},
+    {"gptq_block_snapshot", snapshot_launch, 11}, {"gptq_group_params", group_params_launch, 8},
 };
 
 int gptq_host_launch(const char *name, int nargs, int gx, int gy, int gz, int bx, int by, int bz, void **params)

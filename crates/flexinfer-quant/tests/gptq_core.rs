@@ -145,7 +145,7 @@ fn reference_gptq(w0: &Mat<f32>, h0: &Mat<f32>, p: &GptqParams, damp: f32) -> (V
     let mut snapshot = w.clone();
     let mut cur = global.clone();
     for k in 0..cols {
-        if k % 128 == 0 {
+        if k % p.block_size == 0 {
             snapshot = w.clone();
         }
         if p.group_size > 0 {
@@ -293,6 +293,25 @@ fn matches_unblocked_reference_across_settings() {
     for (i, p) in cases.into_iter().enumerate() {
         check_case(10 + i as u64, 64, 256, i % 2 == 0, p.clone());
         check_case(100 + i as u64, 32, 384, i % 2 == 1, p);
+    }
+}
+
+/// Group sizes that the block size does not divide (nor they it): a group that starts inside a block reads
+/// the block-start W past the block's end, as the reference does.
+#[test]
+fn groups_the_block_size_does_not_divide_match_the_reference() {
+    for (i, (gs, bs)) in [(48i32, 128usize), (48, 32), (96, 64)]
+        .into_iter()
+        .enumerate()
+    {
+        let p = GptqParams {
+            bits: 4,
+            group_size: gs,
+            block_size: bs,
+            sym: i % 2 == 0,
+            ..Default::default()
+        };
+        check_case(200 + i as u64, 32, 384, i % 2 == 1, p);
     }
 }
 

@@ -48,6 +48,8 @@ struct Log {
     /// Every launch from this number on fails (a card that stays broken).
     fail_from: Option<usize>,
     kernels: BTreeMap<&'static str, usize>,
+    /// The kernel of every launch, in order.
+    sequence: Vec<Kernel>,
     /// After every launch of this kernel, its output is corrupted (`corrupt`): a vendor whose kernel is
     /// wrong, for the checks of `device::check` to catch.
     corrupt: Option<Kernel>,
@@ -159,6 +161,7 @@ impl Vendor for HostVendor {
             let mut log = self.log.lock().unwrap();
             log.launches += 1;
             *log.kernels.entry(kernel.entry()).or_default() += 1;
+            log.sequence.push(kernel);
             let n = log.launches;
             if log.fail_launches.contains(&n) || log.fail_from.is_some_and(|f| n >= f) {
                 drop(log);
@@ -277,6 +280,16 @@ fn cases() -> Vec<Case> {
             recovery: rp.clone(),
         },
         Case {
+            // Block [32, 64) starts the group 48..96, which reaches past the block's end and past the
+            // group size: its snapshot must cover columns 32..96.
+            name: "g48 over blocks of 32 (a group that the block size does not divide)",
+            rows: 24,
+            cols: 96,
+            tokens: 300,
+            params: p(4, 48, false, false, false, 32),
+            recovery: rp.clone(),
+        },
+        Case {
             name: "fewer tokens than features, no damp: the floor recovers",
             rows: 24,
             cols: 96,
@@ -370,27 +383,45 @@ fn the_kernel_session_solves_like_the_cpu_session() {
         assert!(dev_sink.named(names::GPTQ_DEVICE_ERROR).is_empty());
         assert!(dev_sink.named(names::GPTQ_DEVICE_FALLBACK).is_empty());
         let log = log.lock().unwrap();
-        // Every kernel ran (the RTN case never sweeps).
-        let expected: &[Kernel] = if got[0].method == Method::Rtn {
-            &[
-                Kernel::HessianLower,
-                Kernel::MirrorLower,
-                Kernel::FactorFill,
-                Kernel::CholUpdate,
-                Kernel::CholPivot,
-                Kernel::CholTrailing,
-                Kernel::FactorScale,
-            ]
+        // Every kernel ran: the RTN case never sweeps, and the snapshot kernels run only where the sweep
+        // finds group parameters (not one group per row, not static groups).
+        let factor = [
+            Kernel::HessianLower,
+            Kernel::MirrorLower,
+            Kernel::FactorFill,
+            Kernel::CholPanelDiag,
+            Kernel::CholPanelRows,
+            Kernel::CholTrailing,
+            Kernel::FactorScale,
+        ];
+        let found_in_sweep = c.params.group_size > 0 && !c.params.static_groups;
+        let expected: Vec<Kernel> = if got[0].method == Method::Rtn {
+            factor.to_vec()
         } else {
-            &Kernel::ALL
+            Kernel::ALL
+                .into_iter()
+                .filter(|k| {
+                    found_in_sweep || !matches!(k, Kernel::BlockSnapshot | Kernel::GroupParams)
+                })
+                .collect()
         };
-        for k in expected {
+        for k in &expected {
             assert!(
                 log.kernels.contains_key(k.entry()),
                 "{}: {} never launched",
                 c.name,
                 k.entry()
             );
+        }
+        if !found_in_sweep {
+            for k in [Kernel::BlockSnapshot, Kernel::GroupParams] {
+                assert!(
+                    !log.kernels.contains_key(k.entry()),
+                    "{}: {} launched without groups to find",
+                    c.name,
+                    k.entry()
+                );
+            }
         }
         println!("{}: {} launches {:?}", c.name, log.launches, log.kernels);
     }
@@ -410,19 +441,23 @@ fn a_device_fault_resets_restores_and_retries_and_a_broken_card_falls_back_to_th
         &ws,
         &MemorySink::default(),
     );
-    let total = log.lock().unwrap().launches;
-    let factor_launches = {
+    let (total, in_factor) = {
         let l = log.lock().unwrap();
-        l.kernels["gptq_chol_update"] + l.kernels["gptq_chol_pivot"]
+        // The first launch (1-based) of a panel's rows below its diagonal block: inside the factorisation.
+        let at = l.sequence.iter().position(|&k| k == Kernel::CholPanelRows);
+        (
+            l.launches,
+            at.expect("the factorisation has several panels") + 1,
+        )
     };
     assert!(
-        total > factor_launches + 10,
-        "the sweep launches kernels too"
+        total > in_factor + 10,
+        "the sweep launches kernels after the factorisation"
     );
 
     // One fault in the factorisation and one in the second module's sweep: two resets, the same bytes.
     let log = Arc::new(Mutex::new(Log {
-        fail_launches: vec![20, total - 3],
+        fail_launches: vec![in_factor, total - 3],
         ..Default::default()
     }));
     let sink = MemorySink::default();

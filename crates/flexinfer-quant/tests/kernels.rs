@@ -10,7 +10,7 @@
 use faer::{Mat, MatRef};
 use flexinfer_quant::device::driver::{Nvrtc, NvrtcOutput};
 use flexinfer_quant::device::kernel::{Kernel, KERNEL_SOURCE};
-use flexinfer_quant::gptq::sweep_block_cpu;
+use flexinfer_quant::gptq::{block_snapshot_cpu, sweep_block_cpu};
 use flexinfer_quant::linalg::{CpuBackend, LinalgBackend, SweepFactor};
 use flexinfer_quant::quantizer::{find_params, maxq, GroupParams};
 use libloading::Symbol;
@@ -61,6 +61,22 @@ type SweepFn = unsafe extern "C" fn(
     f32,
     *mut f32,
 ) -> c_int;
+
+type SnapshotFn = unsafe extern "C" fn(
+    *mut f32,
+    c_int,
+    *mut f32,
+    c_int,
+    *const f32,
+    c_int,
+    *const f32,
+    c_int,
+    *const f32,
+    c_int,
+    c_int,
+) -> c_int;
+type ParamsFn =
+    unsafe extern "C" fn(*const f32, c_int, c_int, c_int, f32, c_int, *mut f32, *mut f32) -> c_int;
 
 fn ld(m: MatRef<'_, f32>) -> c_int {
     assert_eq!(m.row_stride(), 1);
@@ -340,6 +356,186 @@ fn sweep_kernel_matches_the_cpu_sweep_to_the_bit() {
         }
         let distinct: std::collections::BTreeSet<u8> = codes.iter().copied().collect();
         assert!(distinct.len() > 2, "{case}: the case exercises the grid");
+    }
+}
+
+#[test]
+fn group_params_kernel_matches_find_params_to_the_bit() {
+    let params: Symbol<ParamsFn> = sym(b"gptq_host_group_params\0");
+    // (rows, columns of the group, bits, symmetric, seed); the group starts at column 3 of a wider matrix
+    for (rows, ncols, bits, symmetric, seed) in [
+        (200usize, 128usize, 4u32, false, 1u64),
+        (131, 32, 3, true, 2),
+        (64, 64, 8, false, 3),
+        (1, 16, 2, false, 4),
+        (70, 128, 4, true, 5),
+    ] {
+        let mut m = random(rows, ncols + 5, seed) * faer::Scale(0.1);
+        // Rows that take the quantizer's special paths: all zero ([-1, 1]), a NaN (skipped), all positive
+        // (the range keeps 0 as its low end), all negative, a −0.0 among zeros, an infinity.
+        let special = |r: usize, c: usize, v: f32| match r {
+            0 => 0.0,
+            1 if c == 7 => f32::NAN,
+            2 => v.abs(),
+            3 => -v.abs(),
+            4 => {
+                if c == 4 {
+                    -0.0
+                } else {
+                    0.0
+                }
+            }
+            5 if c == 9 => f32::INFINITY,
+            _ => v,
+        };
+        for c in 0..m.ncols() {
+            for r in 0..rows {
+                m[(r, c)] = special(r, c, m[(r, c)]);
+            }
+        }
+        let want = find_params(
+            rows,
+            (3..3 + ncols).map(|c| m.col_as_slice(c)),
+            bits,
+            symmetric,
+        );
+        let (mut scale, mut zero) = (vec![f32::NAN; rows], vec![f32::NAN; rows]);
+        let lds = ld(m.as_ref());
+        // SAFETY: column 3 of a live matrix with `ncols` more columns; outputs of `rows` floats each.
+        let rc = unsafe {
+            params(
+                m.as_ptr().add(3 * lds as usize),
+                lds,
+                ncols as c_int,
+                rows as c_int,
+                maxq(bits),
+                c_int::from(symmetric),
+                scale.as_mut_ptr(),
+                zero.as_mut_ptr(),
+            )
+        };
+        assert_eq!(rc, 0);
+        for r in 0..rows {
+            let case = format!("rows={rows} g{ncols} bits={bits} sym={symmetric} row {r}");
+            assert_eq!(
+                scale[r].to_bits(),
+                want.scale[r].to_bits(),
+                "{case}: scale {} vs {}",
+                scale[r],
+                want.scale[r]
+            );
+            // ±0 may come out either way from a min/max of zeros; both store as code 0.
+            assert!(
+                zero[r].to_bits() == want.zero[r].to_bits()
+                    || (zero[r] == 0.0 && want.zero[r] == 0.0),
+                "{case}: zero {} vs {}",
+                zero[r],
+                want.zero[r]
+            );
+        }
+    }
+}
+
+#[test]
+fn snapshot_kernel_solves_for_the_block_start_snapshot_like_the_cpu() {
+    let snapshot: Symbol<SnapshotFn> = sym(b"gptq_host_block_snapshot\0");
+    let n = 400;
+    let f = factor(n, 11);
+    let coef_all = f.coef();
+    for (rows, i1, width, seed) in [
+        (150usize, 0usize, 128usize, 1u64),
+        (33, 128, 64, 2),
+        (70, 190, 200, 3),
+        (1, 300, 17, 4),
+    ] {
+        let p = random(rows, width, seed) * faer::Scale(0.1);
+        // W₀ is P before the earlier blocks' updates: close to P, as in a sweep.
+        let w0 = Mat::from_fn(rows, width, |r, c| {
+            p[(r, c)] - 0.01 * (((r * 5 + c * 3) % 7) as f32 - 3.0)
+        });
+        let fb = Mat::from_fn(width, width, |a, b| coef_all[(i1 + a, i1 + b)]);
+        let coef: Vec<f32> = (0..width * width)
+            .map(|i| {
+                let (a, b) = (i / width, i % width);
+                if a < b {
+                    fb[(a, b)]
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let want = block_snapshot_cpu(&p, &w0, fb.as_ref());
+        let mut snap = Mat::<f32>::from_fn(rows, width, |_, _| f32::NAN);
+        let mut xs = Mat::<f32>::from_fn(rows, width, |_, _| f32::NAN);
+        let (lds, ldx) = (ld(snap.as_ref()), ld(xs.as_ref()));
+        // SAFETY: live matrices of `rows × width`, `coef` of width² floats.
+        let rc = unsafe {
+            snapshot(
+                snap.as_ptr_mut(),
+                lds,
+                xs.as_ptr_mut(),
+                ldx,
+                p.as_ptr(),
+                ld(p.as_ref()),
+                w0.as_ptr(),
+                ld(w0.as_ref()),
+                coef.as_ptr(),
+                width as c_int,
+                rows as c_int,
+            )
+        };
+        assert_eq!(rc, 0);
+        let case = format!("rows={rows} block {i1}+{width}");
+        let (mut worst_kernel, mut worst_cpu) = (0f64, 0f64);
+        for r in 0..rows {
+            assert_eq!(
+                snap[(r, 0)].to_bits(),
+                p[(r, 0)].to_bits(),
+                "{case}: the first column is P's"
+            );
+            // The exact snapshot (f64) of the same inputs, by the same substitution.
+            let c: Vec<f64> = (0..width)
+                .map(|j| p[(r, j)] as f64 - w0[(r, j)] as f64)
+                .collect();
+            let mut x = vec![0f64; width];
+            for j in 0..width {
+                let (mut y, mut mag) = (0f64, p[(r, j)].abs() as f64 + c[j].abs());
+                for a in 0..j {
+                    y -= x[a] * fb[(a, j)] as f64;
+                    mag += (x[a] * fb[(a, j)] as f64).abs();
+                }
+                x[j] = c[j] + y;
+                let exact = p[(r, j)] as f64 + y;
+                // Backward error of the kernel's own X: X·F̂ = C row by row, to γ_{j+2} of the magnitudes.
+                let xk: f64 = xs[(r, j)] as f64
+                    + (0..j)
+                        .map(|a| xs[(r, a)] as f64 * fb[(a, j)] as f64)
+                        .sum::<f64>();
+                let xmag = c[j].abs()
+                    + (0..j)
+                        .map(|a| (xs[(r, a)] as f64 * fb[(a, j)] as f64).abs())
+                        .sum::<f64>();
+                let gamma = 2.0 * (j + 2) as f64 * f32::EPSILON as f64;
+                assert!(
+                    (xk - c[j]).abs() <= gamma * xmag + 1e-30,
+                    "{case}: X·F̂ = C residual at ({r},{j}): {:e} over {:e}",
+                    (xk - c[j]).abs(),
+                    gamma * xmag
+                );
+                let ek = (snap[(r, j)] as f64 - exact).abs() / mag.max(1e-30);
+                let ec = (want[(r, j)] as f64 - exact).abs() / mag.max(1e-30);
+                worst_kernel = worst_kernel.max(ek);
+                worst_cpu = worst_cpu.max(ec);
+            }
+        }
+        // Both are f32 computations of the same exact value: the kernel's error may not exceed the CPU's
+        // (explicit inverse, then a product) by more than 4×, or a few ε·width where the CPU's is tiny.
+        let floor = 8.0 * width as f64 * f32::EPSILON as f64;
+        println!("snapshot {case}: worst error / magnitude: kernel {worst_kernel:.2e}, cpu {worst_cpu:.2e}");
+        assert!(
+            worst_kernel <= (4.0 * worst_cpu).max(floor),
+            "{case}: kernel error {worst_kernel:e}, cpu {worst_cpu:e}"
+        );
     }
 }
 

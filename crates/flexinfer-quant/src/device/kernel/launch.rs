@@ -42,25 +42,29 @@ pub enum Kernel {
     BlockUpdate,
     SweepBlock,
     FactorFill,
-    CholUpdate,
-    CholPivot,
+    CholPanelDiag,
+    CholPanelRows,
     FactorScale,
     GatherCoef,
     CholTrailing,
+    BlockSnapshot,
+    GroupParams,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 10] = [
+    pub const ALL: [Kernel; 12] = [
         Kernel::HessianLower,
         Kernel::MirrorLower,
         Kernel::BlockUpdate,
         Kernel::SweepBlock,
         Kernel::FactorFill,
-        Kernel::CholUpdate,
-        Kernel::CholPivot,
+        Kernel::CholPanelDiag,
+        Kernel::CholPanelRows,
         Kernel::FactorScale,
         Kernel::GatherCoef,
         Kernel::CholTrailing,
+        Kernel::BlockSnapshot,
+        Kernel::GroupParams,
     ];
     /// The `extern "C"` entry name.
     pub fn entry(self) -> &'static str {
@@ -70,11 +74,13 @@ impl Kernel {
             Kernel::BlockUpdate => "gptq_block_update",
             Kernel::SweepBlock => "gptq_sweep_block",
             Kernel::FactorFill => "gptq_factor_fill",
-            Kernel::CholUpdate => "gptq_chol_update",
-            Kernel::CholPivot => "gptq_chol_pivot",
+            Kernel::CholPanelDiag => "gptq_chol_panel_diag",
+            Kernel::CholPanelRows => "gptq_chol_panel_rows",
             Kernel::FactorScale => "gptq_factor_scale",
             Kernel::GatherCoef => "gptq_gather_coef",
             Kernel::CholTrailing => "gptq_chol_trailing",
+            Kernel::BlockSnapshot => "gptq_block_snapshot",
+            Kernel::GroupParams => "gptq_group_params",
         }
     }
 }
@@ -88,8 +94,10 @@ pub(super) const TILE: u32 = 16;
 pub(super) const HESSIAN_TILE: u32 = 64;
 /// Threads per block of the sweep kernel (`GPTQ_SWEEP_THREADS`).
 pub(super) const SWEEP_THREADS: u32 = 128;
-/// Threads per block of the factorisation's column kernels (`GPTQ_COLUMN_THREADS`).
+/// Threads per block of the factorisation's row kernel (`GPTQ_COLUMN_THREADS`).
 pub(super) const COLUMN_THREADS: u32 = 256;
+/// Threads of the factorisation's diagonal-block kernel (`GPTQ_PANEL_THREADS`): the widest panel.
+pub(super) const PANEL_THREADS: u32 = 128;
 /// Largest block of the sweep kernel (`GPTQ_MAX_BLOCK`).
 pub const MAX_BLOCK: usize = 128;
 

@@ -8,14 +8,16 @@
 //! - preparation: `gptq_mirror_lower` on the device, then the prepared Hessian is made on the host from one
 //!   download (sanitise, dead columns, act-order: the CPU's own code), uploaded again only when that changed
 //!   it. The download is the host checkpoint that [`OpsSession`] needs anyway;
-//! - each factorisation attempt: only the diagonal is uploaded; `gptq_factor_fill`, then per column
-//!   `gptq_chol_update` + `gptq_chol_pivot`, then `gptq_factor_scale`; the status word and the n pivots are
-//!   downloaded;
-//! - each module's sweep: W uploaded once (in sweep order, dead columns zeroed); per block of ≤ 128 columns
-//!   `gptq_gather_coef`, `gptq_sweep_block` and `gptq_block_update` of all later columns; the codes are
-//!   downloaded once. Group parameters are found on the host (the CPU's `find_params`) from the block-start
-//!   snapshot, which needs the block's columns of W and the F block downloaded at each group start (for
-//!   g128 about one W-sized download in all); per block the row losses are downloaded.
+//! - each factorisation attempt: only the diagonal is uploaded; `gptq_factor_fill`, then per panel of ≤ 128
+//!   columns `gptq_chol_panel_diag`, `gptq_chol_panel_rows` and `gptq_chol_trailing`, then
+//!   `gptq_factor_scale`; the status words and the n pivots are downloaded;
+//! - each module's sweep: W, `R²` and the group of each column uploaded once (with the group parameters
+//!   fixed before the sweep: one group per row, static groups); per block of ≤ 128 columns, where groups
+//!   start, `gptq_gather_coef`, `gptq_block_snapshot` and `gptq_group_params` (the block-start snapshot and
+//!   each group's parameters, on the device), then `gptq_gather_coef`, `gptq_sweep_block` and
+//!   `gptq_block_update` of all later columns; nothing is transferred until the codes, the group
+//!   parameters and every block's row losses are downloaded at the end, so the launches are queued
+//!   without waiting.
 //!
 //! Numerics: the sweep kernel gives the CPU's bits for the same inputs; the factorisation and the GEMMs sum
 //! in another order than faer, so the result is close to the CPU's, not equal (tests/gpu_session.rs states
@@ -35,7 +37,7 @@ mod launch;
 mod sweep;
 
 pub use launch::{zero_by_upload, Arg, DevPtr, Kernel, Launch, Vendor, KERNEL_SOURCE, MAX_BLOCK};
-use launch::{COLUMN_THREADS, SWEEP_THREADS, TILE};
+use launch::{COLUMN_THREADS, PANEL_THREADS, SWEEP_THREADS, TILE};
 
 /// The vendor shared by the sessions of one device, and which context generation is current.
 struct Shared<V> {
@@ -77,10 +79,25 @@ pub fn group_bytes(n: usize) -> u64 {
     2 * (n as u64) * (n as u64) * 4
 }
 
-/// Device bytes the sweep of a `rows × cols` module adds: W and W₀ (f32), the codes, the block's deltas.
-pub fn sweep_bytes(rows: usize, cols: usize) -> u64 {
+/// Device bytes the sweep of a `rows × cols` module with parameters `p` adds: W and W₀ (f32), the codes, the
+/// block's deltas, every block's row losses, every group's scales and zeros, `R²` and the group of each
+/// column, the coefficients of a block (or of a snapshot), and the snapshot with its scratch.
+pub fn sweep_bytes(rows: usize, cols: usize, p: &GptqParams) -> u64 {
     let (r, c) = (rows as u64, cols as u64);
-    r * c * 9 + r * MAX_BLOCK as u64 * 4
+    let bs = p.block_size.max(1) as u64;
+    let groups = c.div_ceil(p.effective_group(cols).max(1) as u64);
+    let snapshot = if p.group_size > 0 && !p.static_groups {
+        bs.max(p.group_size as u64).min(c)
+    } else {
+        0
+    };
+    r * c * 9
+        + r * bs * 4
+        + r * c.div_ceil(bs) * 4
+        + r * groups * 8
+        + c * 8
+        + bs.max(snapshot).pow(2) * 4
+        + r * snapshot * 8
 }
 
 impl<V: Vendor + Send> Device for KernelDevice<V> {
@@ -273,8 +290,8 @@ impl<V: Vendor> KernelOps<'_, V> {
     }
 
     /// Whether a `rows × cols` sweep fits the budget next to the Hessian and the factor.
-    fn check_fits(&self, rows: usize, cols: usize) -> DevResult<()> {
-        let need = group_bytes(self.n) + sweep_bytes(rows, cols);
+    fn check_fits(&self, rows: usize, cols: usize, p: &GptqParams) -> DevResult<()> {
+        let need = group_bytes(self.n) + sweep_bytes(rows, cols, p);
         match self.budget {
             Some(b) if need > b => Err(DeviceError::new(
                 self.name(),
@@ -455,7 +472,7 @@ impl<V: Vendor> DeviceOps for KernelOps<'_, V> {
                 ),
             ));
         }
-        self.check_fits(rows, cols)?;
+        self.check_fits(rows, cols, p)?;
         let (m, _, _) = self
             .m
             .filter(|_| self.factored)

@@ -3,23 +3,21 @@
 
 use super::{
     bytes_of, dims, Arg, DevPtr, DevResult, Kernel, KernelOps, Launch, Vendor, COLUMN_THREADS,
-    SWEEP_THREADS, TILE,
+    PANEL_THREADS, SWEEP_THREADS, TILE,
 };
 use crate::device::PreparedMeta;
-use crate::numerics::gptq::{
-    block_snapshot, codes_in_original_order, DeadFixed, Groups, Method, QuantizedLinear,
-};
-use crate::numerics::linalg::CpuBackend;
+use crate::numerics::gptq::{codes_in_original_order, DeadFixed, Groups, Method, QuantizedLinear};
 use crate::numerics::quantizer::{maxq, GroupParams};
 use crate::params::GptqParams;
 use faer::Mat;
 
 /// Columns per panel of the blocked factorisation: a quarter of n in multiples of the tile, between 16 and
-/// 128. Wide panels make the trailing update (a tiled product over the panel's columns) most of the work;
-/// small matrices still get several panels, so every kernel of the factorisation runs on them too.
+/// 128 (`PANEL_THREADS`: the diagonal-block kernel has a thread per panel column). Wide panels make the
+/// trailing update (a tiled product over the panel's columns) most of the work; small matrices still get
+/// several panels, so every kernel of the factorisation runs on them too.
 pub fn factor_panel(n: usize) -> usize {
     let tile = TILE as usize;
-    (n / 4 / tile * tile).clamp(tile, 128)
+    (n / 4 / tile * tile).clamp(tile, PANEL_THREADS as usize)
 }
 
 impl<V: Vendor> KernelOps<'_, V> {
@@ -64,22 +62,7 @@ impl<V: Vendor> KernelOps<'_, V> {
         let panel = factor_panel(n);
         for k0 in (0..n).step_by(panel) {
             let k1 = (k0 + panel).min(n);
-            for j in k0..k1 {
-                self.factor_column(m, r, status, n, k0, j)?;
-            }
-            if k1 < n {
-                self.launch(
-                    Launch::square(Kernel::CholTrailing, n - k1),
-                    &[
-                        Arg::Ptr(m),
-                        Arg::I32(n32),
-                        Arg::I32(n32),
-                        Arg::I32(k0 as i32),
-                        Arg::I32(k1 as i32),
-                        Arg::Ptr(status),
-                    ],
-                )?;
-            }
+            self.factor_panel_at(m, r, status, n, k0, k1)?;
         }
         self.launch(
             Launch::square(Kernel::FactorScale, n),
@@ -102,52 +85,44 @@ impl<V: Vendor> KernelOps<'_, V> {
         Ok(true)
     }
 
-    /// Column `j` of the panel starting at `k0`: its update by the panel's earlier columns (left-looking), then
-    /// its pivot (`r[j]`, the column scaled; a non-positive pivot is recorded in `status`).
-    fn factor_column(
+    /// The panel of columns `[k0, k1)`: its diagonal block (one thread block, the pivots into `r`, a
+    /// non-positive pivot recorded in `status`), its rows below that block, then its contribution to the
+    /// trailing lower triangle.
+    fn factor_panel_at(
         &mut self,
         m: DevPtr,
         r: DevPtr,
         status: DevPtr,
         n: usize,
         k0: usize,
-        j: usize,
+        k1: usize,
     ) -> DevResult<()> {
-        let (n32, j32) = (n as i32, j as i32);
+        let n32 = n as i32;
+        let panel = [
+            Arg::Ptr(m),
+            Arg::I32(n32),
+            Arg::I32(n32),
+            Arg::I32(k0 as i32),
+            Arg::I32(k1 as i32),
+        ];
+        let with = |extra: &[Arg]| -> Vec<Arg> { panel.iter().chain(extra).copied().collect() };
+        let pivots = with(&[Arg::Ptr(r), Arg::Ptr(status)]);
+        let one_block = PANEL_THREADS as usize;
         self.launch(
-            Launch::rows(Kernel::CholUpdate, n - j, COLUMN_THREADS),
-            &[
-                Arg::Ptr(m),
-                Arg::I32(n32),
-                Arg::I32(n32),
-                Arg::I32(k0 as i32),
-                Arg::I32(j32),
-                Arg::Ptr(status),
-            ],
+            Launch::rows(Kernel::CholPanelDiag, one_block, PANEL_THREADS),
+            &pivots,
         )?;
-        self.launch(
-            Launch::rows(Kernel::CholPivot, n - j, COLUMN_THREADS),
-            &[
-                Arg::Ptr(m),
-                Arg::I32(n32),
-                Arg::I32(n32),
-                Arg::I32(j32),
-                Arg::Ptr(r),
-                Arg::Ptr(status),
-            ],
-        )
+        if k1 < n {
+            let below = Launch::rows(Kernel::CholPanelRows, n - k1, COLUMN_THREADS);
+            self.launch(below, &pivots)?;
+            let trailing = Launch::square(Kernel::CholTrailing, n - k1);
+            self.launch(trailing, &with(&[Arg::Ptr(status)]))?;
+        }
+        Ok(())
     }
 
-    /// The `count × count` (row-major) coefficients of the block at `i1` into a new buffer.
-    pub(super) fn gather(
-        &mut self,
-        m: DevPtr,
-        i1: usize,
-        count: usize,
-        bufs: &mut Vec<DevPtr>,
-    ) -> DevResult<DevPtr> {
-        let c = self.alloc(count * count * 4)?;
-        bufs.push(c);
+    /// The `count × count` (row-major) coefficients of the block at `i1` into `c`.
+    fn gather_into(&mut self, c: DevPtr, m: DevPtr, i1: usize, count: usize) -> DevResult<()> {
         let n32 = self.n32("sweep")?;
         self.launch(
             Launch::square(Kernel::GatherCoef, count),
@@ -159,11 +134,12 @@ impl<V: Vendor> KernelOps<'_, V> {
                 Arg::I32(i1 as i32),
                 Arg::I32(count as i32),
             ],
-        )?;
-        Ok(c)
+        )
     }
 
-    /// The sweep of one module (module docs); every buffer it allocates is pushed to `bufs`.
+    /// The sweep of one module (module docs); every buffer it allocates is pushed to `bufs`. Between the
+    /// uploads at its start and the downloads at its end nothing crosses the bus: the group parameters are
+    /// found on the device, and the launches are queued without waiting for them.
     pub(super) fn sweep_with(
         &mut self,
         w_in: &Mat<f32>,
@@ -178,53 +154,19 @@ impl<V: Vendor> KernelOps<'_, V> {
         let orig_col = |c: usize| fixed.col(c);
         let mut groups = Groups::new(p, w_in, &orig_col);
         let perm: Vec<usize> = meta.perm.clone().unwrap_or_else(|| (0..cols).collect());
-        let mut w0 = Vec::with_capacity(rows * cols);
-        for &c in &perm {
-            w0.extend_from_slice(orig_col(c));
-        }
-        // W₀ and the working W, one upload.
-        let dw0 = self.upload_new(bytes_of(&w0))?;
-        bufs.push(dw0);
-        let dw = self.alloc(rows * cols * 4)?;
-        bufs.push(dw);
-        self.vendor()?.vendor.copy(dw, dw0, rows * cols * 4)?;
         let bs = p.block_size.max(1);
-        let mut scratch = [0; 3];
-        for (b, bytes) in scratch
-            .iter_mut()
-            .zip([rows * bs * 4, rows * cols, rows * 4])
-        {
-            *b = self.alloc(bytes)?;
-            bufs.push(*b);
-        }
-        let [dd, dcodes, dacc] = scratch;
-        let s = SweepBufs {
-            m,
-            dw,
-            dw0,
-            dd,
-            dcodes,
-            dacc,
-            rows,
-            cols,
-            maxq: maxq(p.bits),
-        };
-        let mut loss = 0.0f64;
-        let mut snap_bufs = (Mat::<f32>::zeros(0, 0), Mat::<f32>::zeros(0, 0));
+        let s = self.sweep_buffers(w_in, &orig_col, &perm, &mut groups, p, m, bufs)?;
         let mut i1 = 0;
         while i1 < cols {
             let i2 = (i1 + bs).min(cols);
-            // The block-start snapshot, from the block's columns of W and the F block.
-            let snapshot = match groups.snapshot_width(i1, i2) {
-                None => None,
-                Some(width) => {
-                    let w0_block = &w0[i1 * rows..(i1 + width) * rows];
-                    Some(self.snapshot(&s, i1, width, w0_block, &mut snap_bufs, bufs)?)
-                }
-            };
-            let (block_params, col_param) =
-                groups.block(i1, i2, &perm, snapshot.as_ref().map(|s| s.as_ref()));
-            loss += self.sweep_block(&s, i1, i2, &block_params, &col_param, bufs)?;
+            let width = groups.snapshot_width(i1, i2);
+            if let Some(width) = width {
+                self.find_group_params(&s, &groups, i1, i2, width)?;
+            }
+            if width != Some(i2 - i1) {
+                self.gather_into(s.coef, s.m, i1, i2 - i1)?;
+            }
+            self.sweep_block(&s, i1, i2, i1 / bs)?;
             if i2 < cols {
                 self.block_update(&s, i1, i2)?;
             }
@@ -232,78 +174,164 @@ impl<V: Vendor> KernelOps<'_, V> {
         }
         let mut codes_sweep = vec![0u8; rows * cols];
         self.vendor()?.vendor.download(s.dcodes, &mut codes_sweep)?;
+        let acc = self.download_f32(s.dacc, rows * cols.div_ceil(bs))?;
+        let (scale, zero) = (
+            self.download_f32(s.dscale, rows * groups.count())?,
+            self.download_f32(s.dzero, rows * groups.count())?,
+        );
+        let found: Vec<usize> = (0..cols)
+            .filter_map(|k| Some(groups.starts_at(k)?.0))
+            .collect();
+        for g in found {
+            let part = |v: &[f32]| v[g * rows..(g + 1) * rows].to_vec();
+            let (scale, zero) = (part(&scale), part(&zero));
+            groups.record(g, &GroupParams { scale, zero });
+        }
         let codes = codes_in_original_order(codes_sweep, meta.perm.as_deref(), rows, cols);
         let (scales, zeros, g_idx) = groups.finish();
         Ok(QuantizedLinear {
             method: Method::Gptq,
-            loss,
+            loss: block_losses(&acc, rows),
             damp,
             ..QuantizedLinear::rtn(p, rows, cols, codes, scales, zeros, g_idx)
         })
     }
 
-    /// The block-start snapshot of the `width` columns at `i1`: the block's columns of the working W and its
-    /// F block downloaded, combined with W₀'s columns (`w0_block`) on the host ([`block_snapshot`]).
-    fn snapshot(
+    /// The sweep's buffers, with what is known before it uploaded: W₀ (sweep order, dead columns zeroed) and
+    /// the working W (a device copy of it), `R_kk²` and the group of every column, the group parameters
+    /// fixed before the sweep (the others are found into the same arrays as the sweep reaches them).
+    #[allow(clippy::too_many_arguments)] // the module, its groups and the factor
+    fn sweep_buffers<'a>(
         &mut self,
-        s: &SweepBufs,
-        i1: usize,
-        width: usize,
-        w0_block: &[f32],
-        snap_bufs: &mut (Mat<f32>, Mat<f32>),
+        w_in: &Mat<f32>,
+        orig_col: &dyn Fn(usize) -> &'a [f32],
+        perm: &[usize],
+        groups: &mut Groups<'_>,
+        p: &GptqParams,
+        m: DevPtr,
         bufs: &mut Vec<DevPtr>,
-    ) -> DevResult<Mat<f32>> {
-        let rows = s.rows;
-        let pcols = self.download_f32(s.dw + s.off(i1), rows * width)?;
-        let cm = self.gather(s.m, i1, width, bufs)?;
-        let coef = self.download_f32(cm, width * width)?;
-        let pm = Mat::from_fn(rows, width, |r, c| pcols[c * rows + r]);
-        let fm = Mat::from_fn(width, width, |a, b| coef[a * width + b]);
-        if snap_bufs.0.nrows() != rows || snap_bufs.0.ncols() < width {
-            *snap_bufs = (Mat::zeros(rows, width), Mat::zeros(rows, width));
+    ) -> DevResult<SweepBufs> {
+        let (rows, cols) = (w_in.nrows(), w_in.ncols());
+        let mut w0 = Vec::with_capacity(rows * cols);
+        for &c in perm {
+            w0.extend_from_slice(orig_col(c));
         }
-        Ok(block_snapshot(
-            &CpuBackend::default(),
-            pm.as_ref(),
-            &|j| &w0_block[j * rows..(j + 1) * rows],
-            fm.as_ref(),
-            snap_bufs,
-        )
-        .to_owned())
+        let (of, fixed) = groups.plan_all(perm);
+        let n_groups = cols.div_ceil(p.effective_group(cols));
+        let (mut scale, mut zero) = (vec![0f32; n_groups * rows], vec![0f32; n_groups * rows]);
+        for (g, gp) in fixed {
+            scale[g * rows..(g + 1) * rows].copy_from_slice(&gp.scale);
+            zero[g * rows..(g + 1) * rows].copy_from_slice(&gp.zero);
+        }
+        let param = of
+            .iter()
+            .map(|&g| dims("sweep", g))
+            .collect::<DevResult<Vec<i32>>>()?;
+        let rdiag2: Vec<f32> = match self.r.get(..cols) {
+            Some(r) => r.iter().map(|r| r * r).collect(),
+            None => return Err(self.lost("sweep")),
+        };
+        let mut up = |ops: &mut Self, data: &[u8]| -> DevResult<DevPtr> {
+            let b = ops.upload_new(data)?;
+            bufs.push(b);
+            Ok(b)
+        };
+        let dw0 = up(self, bytes_of(&w0))?;
+        let (drd, dpar) = (up(self, bytes_of(&rdiag2))?, up(self, bytes_of(&param))?);
+        let (dscale, dzero) = (up(self, bytes_of(&scale))?, up(self, bytes_of(&zero))?);
+        let bs = p.block_size.max(1);
+        // The widest block the sweep gathers coefficients for: a block, or a snapshot.
+        let width = groups.max_snapshot_width(bs);
+        let mut alloc = |ops: &mut Self, bytes: usize| -> DevResult<DevPtr> {
+            let b = ops.alloc(bytes)?;
+            bufs.push(b);
+            Ok(b)
+        };
+        let dw = alloc(self, rows * cols * 4)?;
+        self.vendor()?.vendor.copy(dw, dw0, rows * cols * 4)?;
+        let (dd, dcodes) = (alloc(self, rows * bs * 4)?, alloc(self, rows * cols)?);
+        let dacc = alloc(self, rows * cols.div_ceil(bs) * 4)?;
+        let coef = alloc(self, width.max(bs).pow(2) * 4)?;
+        let (snap, xs) = (
+            alloc(self, rows * width * 4)?,
+            alloc(self, rows * width * 4)?,
+        );
+        Ok(SweepBufs {
+            m,
+            dw,
+            dw0,
+            dd,
+            dcodes,
+            dacc,
+            drd,
+            dpar,
+            dscale,
+            dzero,
+            coef,
+            snap,
+            xs,
+            rows,
+            cols,
+            maxq: maxq(p.bits),
+            sym: p.sym,
+        })
     }
 
-    /// The in-block sweep of columns `[i1, i2)` with the block's group parameters: one launch, its
-    /// per-row losses downloaded and summed as the CPU sums them. Returns the block's loss.
-    fn sweep_block(
+    /// The parameters of the groups that start in the block `[i1, i2)`, from its snapshot of `width` columns
+    /// (`gptq_gather_coef`, `gptq_block_snapshot`, then `gptq_group_params` per group), into the sweep's
+    /// parameter arrays. The coefficient buffer then holds the block's `width × width` coefficients.
+    fn find_group_params(
         &mut self,
         s: &SweepBufs,
+        groups: &Groups<'_>,
         i1: usize,
         i2: usize,
-        block_params: &[GroupParams],
-        col_param: &[Option<usize>],
-        bufs: &mut Vec<DevPtr>,
-    ) -> DevResult<f64> {
+        width: usize,
+    ) -> DevResult<()> {
+        let rows = s.rows;
+        let (r32, w32) = (dims("sweep", rows)?, dims("sweep", width)?);
+        self.gather_into(s.coef, s.m, i1, width)?;
+        self.launch(
+            Launch::rows(Kernel::BlockSnapshot, rows, SWEEP_THREADS),
+            &[
+                Arg::Ptr(s.snap),
+                Arg::I32(r32),
+                Arg::Ptr(s.xs),
+                Arg::I32(r32),
+                Arg::Ptr(s.dw + s.off(i1)),
+                Arg::I32(r32),
+                Arg::Ptr(s.dw0 + s.off(i1)),
+                Arg::I32(r32),
+                Arg::Ptr(s.coef),
+                Arg::I32(w32),
+                Arg::I32(r32),
+            ],
+        )?;
+        // The snapshot covers every group that starts in the block (`Groups::snapshot_width`).
+        for (k, (g, len)) in (i1..i2).filter_map(|k| Some((k, groups.starts_at(k)?))) {
+            let at = (g * rows * 4) as u64;
+            self.launch(
+                Launch::rows(Kernel::GroupParams, rows, SWEEP_THREADS),
+                &[
+                    Arg::Ptr(s.snap + s.off(k - i1)),
+                    Arg::I32(r32),
+                    Arg::I32(dims("sweep", len)?),
+                    Arg::I32(r32),
+                    Arg::F32(s.maxq),
+                    Arg::I32(i32::from(s.sym)),
+                    Arg::Ptr(s.dscale + at),
+                    Arg::Ptr(s.dzero + at),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The in-block sweep of columns `[i1, i2)` (block number `b`) with the coefficients in `s.coef`: one
+    /// launch, its per-row losses into the block's slice of the loss buffer.
+    fn sweep_block(&mut self, s: &SweepBufs, i1: usize, i2: usize, b: usize) -> DevResult<()> {
         let (rows, count) = (s.rows, i2 - i1);
         let r32 = dims("sweep", rows)?;
-        let coef = self.gather(s.m, i1, count, bufs)?;
-        let rdiag2: Vec<f32> = (i1..i2).map(|k| self.r[k] * self.r[k]).collect();
-        let param: Vec<i32> = col_param
-            .iter()
-            .map(|c| c.map_or(-1, |i| i as i32))
-            .collect();
-        let scale: Vec<f32> = block_params
-            .iter()
-            .flat_map(|g| g.scale.iter().copied())
-            .collect();
-        let zero: Vec<f32> = block_params
-            .iter()
-            .flat_map(|g| g.zero.iter().copied())
-            .collect();
-        let drd = self.upload_new(bytes_of(&rdiag2))?;
-        let dpar = self.upload_new(bytes_of(&param))?;
-        let dsc = self.upload_new(bytes_of(&scale))?;
-        let dze = self.upload_new(bytes_of(&zero))?;
-        bufs.extend([drd, dpar, dsc, dze]);
         self.launch(
             Launch::rows(Kernel::SweepBlock, rows, SWEEP_THREADS),
             &[
@@ -315,27 +343,17 @@ impl<V: Vendor> KernelOps<'_, V> {
                 Arg::I32(r32),
                 Arg::Ptr(s.dcodes + (i1 * rows) as u64),
                 Arg::I32(r32),
-                Arg::Ptr(coef),
-                Arg::Ptr(drd),
-                Arg::Ptr(dpar),
-                Arg::Ptr(dsc),
-                Arg::Ptr(dze),
+                Arg::Ptr(s.coef),
+                Arg::Ptr(s.drd + (i1 * 4) as u64),
+                Arg::Ptr(s.dpar + (i1 * 4) as u64),
+                Arg::Ptr(s.dscale),
+                Arg::Ptr(s.dzero),
                 Arg::I32(r32),
                 Arg::I32(count as i32),
                 Arg::F32(s.maxq),
-                Arg::Ptr(s.dacc),
+                Arg::Ptr(s.dacc + (b * rows * 4) as u64),
             ],
-        )?;
-        let acc = self.download_f32(s.dacc, rows)?;
-        for b in [coef, drd, dpar, dsc, dze] {
-            self.release(b);
-            bufs.retain(|&x| x != b);
-        }
-        // As the CPU: per 64-row tile, the sum of the row losses in f64, halved.
-        Ok(acc
-            .chunks(64)
-            .map(|t| t.iter().map(|&v| v as f64).sum::<f64>() / 2.0)
-            .sum::<f64>())
+        )
     }
 
     /// The lazy-batch update of the columns after the block `[i1, i2)`: `W[:, i2..] −= Δ · F(i1.., i2..)`.
@@ -362,8 +380,24 @@ impl<V: Vendor> KernelOps<'_, V> {
     }
 }
 
+/// The loss of a module from the per-row losses of its blocks (`acc`: block after block, `rows` each), summed
+/// as the CPU sums them: per block, per 64-row tile, the tile's row losses in f64, halved.
+fn block_losses(acc: &[f32], rows: usize) -> f64 {
+    acc.chunks(rows.max(1))
+        .map(|block| {
+            block
+                .chunks(64)
+                .map(|t| t.iter().map(|&v| v as f64).sum::<f64>() / 2.0)
+                .sum::<f64>()
+        })
+        .fold(0.0, |a, b| a + b)
+}
+
 /// The device buffers of one module's sweep: the factor `m`, the working W `dw` and W₀ `dw0` (column-major,
-/// sweep order), the block's deltas `dd`, the codes `dcodes`, the per-row loss accumulator `dacc`.
+/// sweep order), the block's deltas `dd`, the codes `dcodes`, the per-row losses of every block `dacc`,
+/// `R_kk²` per column `drd`, the group of each column `dpar`, every group's scales and zeros (`dscale`,
+/// `dzero`: `rows` values per group), the coefficients of the current block or snapshot `coef`, and the
+/// snapshot `snap` with its scratch `xs`.
 struct SweepBufs {
     m: DevPtr,
     dw: DevPtr,
@@ -371,13 +405,21 @@ struct SweepBufs {
     dd: DevPtr,
     dcodes: DevPtr,
     dacc: DevPtr,
+    drd: DevPtr,
+    dpar: DevPtr,
+    dscale: DevPtr,
+    dzero: DevPtr,
+    coef: DevPtr,
+    snap: DevPtr,
+    xs: DevPtr,
     rows: usize,
     cols: usize,
     maxq: f32,
+    sym: bool,
 }
 
 impl SweepBufs {
-    /// The byte offset of column `col` in W or W₀.
+    /// The byte offset of column `col` in W or W₀ (or of column `col` of the snapshot).
     fn off(&self, col: usize) -> u64 {
         (col * self.rows * 4) as u64
     }

@@ -102,16 +102,42 @@ impl<'p> Groups<'p> {
     }
 
     /// How many columns from `i1` on the snapshot of the block `[i1, i2)` must cover (see
-    /// [`block_snapshot`]); `None` when no group starts in the block, so no snapshot is needed.
+    /// [`block_snapshot`]): the block, and every group that starts in it to its end (a group wider than the
+    /// block, or one that a block size it does not divide cuts); `None` when no group starts in the block, so
+    /// no snapshot is needed.
     pub(crate) fn snapshot_width(&self, i1: usize, i2: usize) -> Option<usize> {
-        let (p, gs, count) = (self.p, self.gs, i2 - i1);
-        (p.group_size > 0 && !p.static_groups && (i1..i2).any(|k| k % gs == 0)).then(|| {
-            if gs <= count {
-                count
-            } else {
-                gs.min(self.cols - i1)
-            }
-        })
+        (i1..i2)
+            .filter_map(|k| self.starts_at(k).map(|(_, len)| k + len - i1))
+            .max()
+            .map(|w| w.max(i2 - i1))
+    }
+
+    /// The widest snapshot of a sweep in blocks of `bs` columns (0 when no group starts in the sweep).
+    pub(crate) fn max_snapshot_width(&self, bs: usize) -> usize {
+        let bs = bs.max(1);
+        (0..self.cols)
+            .step_by(bs)
+            .filter_map(|i1| self.snapshot_width(i1, (i1 + bs).min(self.cols)))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The group of sweep position `k` (original column `orig`): the index of the parameters its codes use
+    /// among the module's groups, which is also its `g_idx`.
+    fn group_of(&self, k: usize, orig: usize) -> usize {
+        match (self.p.group_size > 0, self.p.static_groups) {
+            (false, _) => 0,
+            (true, true) => orig / self.gs,
+            (true, false) => k / self.gs,
+        }
+    }
+
+    /// The group whose parameters the sweep finds at sweep position `k` (from the snapshot of its block),
+    /// and its columns `k..k + len`: `Some((group, len))` at the first column of each group, unless the
+    /// groups are fixed before the sweep.
+    pub(crate) fn starts_at(&self, k: usize) -> Option<(usize, usize)> {
+        (self.p.group_size > 0 && !self.p.static_groups && k.is_multiple_of(self.gs))
+            .then(|| (k / self.gs, self.gs.min(self.cols - k)))
     }
 
     /// The group parameters of the block `[i1, i2)` (sweep order; `perm[k]` = original column) and, per
@@ -125,7 +151,7 @@ impl<'p> Groups<'p> {
         perm: &[usize],
         snapshot: Option<MatRef<'_, f32>>,
     ) -> (Vec<GroupParams>, Vec<Option<usize>>) {
-        let (p, gs, rows, cols) = (self.p, self.gs, self.rows, self.cols);
+        let (p, rows) = (self.p, self.rows);
         let mut block_params: Vec<GroupParams> = Vec::new();
         let mut col_param: Vec<Option<usize>> = vec![None; i2 - i1];
         let mut cur_idx: Option<usize> = self.current.as_ref().map(|c| {
@@ -136,40 +162,58 @@ impl<'p> Groups<'p> {
         for (i, slot) in col_param.iter_mut().enumerate() {
             let k = i1 + i;
             let orig = perm[k];
-            let group_of_k;
-            if p.group_size > 0 {
-                if p.static_groups {
-                    group_of_k = orig / gs;
-                    if cur_static != Some(group_of_k) {
-                        block_params.push(self.static_groups[group_of_k].clone());
-                        cur_idx = Some(block_params.len() - 1);
-                        cur_static = Some(group_of_k);
-                    }
-                } else {
-                    group_of_k = k / gs;
-                    if k.is_multiple_of(gs) {
-                        let Some(snap) = snapshot.as_ref() else {
-                            unreachable!("a group starts in this block, so the snapshot exists")
-                        };
-                        let gp = find_params(
-                            rows,
-                            (k..(k + gs).min(cols)).map(|c| col(*snap, c - i1)),
-                            p.bits,
-                            p.sym,
-                        );
-                        push_group(&mut self.scales, &mut self.zeros, group_of_k, rows, &gp);
-                        block_params.push(gp);
-                        cur_idx = Some(block_params.len() - 1);
-                    }
+            let group_of_k = self.group_of(k, orig);
+            if p.group_size > 0 && p.static_groups {
+                if cur_static != Some(group_of_k) {
+                    block_params.push(self.static_groups[group_of_k].clone());
+                    cur_idx = Some(block_params.len() - 1);
+                    cur_static = Some(group_of_k);
                 }
-            } else {
-                group_of_k = 0;
+            } else if let Some((g, len)) = self.starts_at(k) {
+                let Some(snap) = snapshot.as_ref() else {
+                    unreachable!("a group starts in this block, so the snapshot exists")
+                };
+                let gp = find_params(
+                    rows,
+                    (k..k + len).map(|c| col(*snap, c - i1)),
+                    p.bits,
+                    p.sym,
+                );
+                self.record(g, &gp);
+                block_params.push(gp);
+                cur_idx = Some(block_params.len() - 1);
             }
             self.g_idx[orig] = group_of_k as i32;
             *slot = cur_idx;
         }
         self.current = cur_idx.map(|i| block_params[i].clone());
         (block_params, col_param)
+    }
+
+    /// For a sweep that finds the group parameters on a device: the group of every sweep position (`perm[k]`
+    /// = original column), with `g_idx` recorded for every column, and the parameters fixed before the sweep
+    /// by group (one group per row; static groups). The groups that start in the sweep
+    /// ([`Groups::starts_at`]) are the device's to find and to [`Groups::record`].
+    pub(crate) fn plan_all(&mut self, perm: &[usize]) -> (Vec<usize>, Vec<(usize, &GroupParams)>) {
+        let of: Vec<usize> = (0..self.cols).map(|k| self.group_of(k, perm[k])).collect();
+        for (k, &g) in of.iter().enumerate() {
+            self.g_idx[perm[k]] = g as i32;
+        }
+        let fixed = match (&self.current, self.p.group_size > 0) {
+            (Some(cur), false) => vec![(0, cur)],
+            _ => self.static_groups.iter().enumerate().collect(),
+        };
+        (of, fixed)
+    }
+
+    /// Records the parameters of group `g` (found from its snapshot) for the result.
+    pub(crate) fn record(&mut self, g: usize, gp: &GroupParams) {
+        push_group(&mut self.scales, &mut self.zeros, g, self.rows, gp);
+    }
+
+    /// How many groups the module has (the result's scales and zeros hold `groups × rows` values).
+    pub(crate) fn count(&self) -> usize {
+        self.cols.div_ceil(self.gs)
     }
 
     /// Scales, zeros and `g_idx` of the module.

@@ -154,6 +154,7 @@ pub fn gptq_quantize_in(
     let fixed = DeadFixed::new(w_in, &factor.dead);
     let orig_col = |c: usize| fixed.col(c);
     let groups = Groups::new(p, w_in, &orig_col);
+    let snapshot_width = groups.max_snapshot_width(p.block_size);
     let perm: Vec<usize> = factor.perm.clone().unwrap_or_else(|| (0..cols).collect());
     // The working copy, in sweep order, written by all threads.
     let Workspace {
@@ -183,7 +184,7 @@ pub fn gptq_quantize_in(
         factor,
         groups,
         maxq: maxq(p.bits),
-        snapshot_width: bs.max(gs).min(cols),
+        snapshot_width,
         min_tiles_per_task: (tiles / (4 * rayon::current_num_threads().max(1))).max(1),
     };
     let f = factor.f.coef();
@@ -226,7 +227,7 @@ struct Sweep<'s, 'p> {
     factor: &'s PreparedFactor,
     groups: Groups<'p>,
     maxq: f32,
-    /// Columns the snapshot buffers must hold (a block, or a group when groups are wider).
+    /// Columns the snapshot buffers must hold ([`Groups::max_snapshot_width`]).
     snapshot_width: usize,
     min_tiles_per_task: usize,
 }
@@ -468,6 +469,23 @@ pub(crate) fn block_snapshot<'a, 'b>(
         t.as_ref(),
     );
     snap.as_ref().subcols(0, m)
+}
+
+/// [`block_snapshot`] on explicit inputs with the CPU backend: the reference of the device snapshot kernel's
+/// test (`kernels/gptq.cu`, `tests/kernels.rs`). `p`: the block's columns of the working W; `w0`: the same
+/// columns of W₀; `f`: the `m × m` block of F (strict upper triangle read).
+#[doc(hidden)]
+pub fn block_snapshot_cpu(p: &Mat<f32>, w0: &Mat<f32>, f: MatRef<'_, f32>) -> Mat<f32> {
+    let (rows, m) = (p.nrows(), f.nrows());
+    let mut bufs = (Mat::zeros(rows, m), Mat::zeros(rows, m));
+    block_snapshot(
+        &crate::numerics::linalg::CpuBackend::default(),
+        p.as_ref(),
+        &|j| w0.col_as_slice(j),
+        f,
+        &mut bufs,
+    )
+    .to_owned()
 }
 
 /// Round-to-nearest per group, no Hessian (the fallback when recovery is exhausted).
