@@ -6,6 +6,7 @@
 //! place; `.source-integrity.json` and `.download_complete` are written last.
 
 pub mod fetch;
+mod generation;
 mod local;
 mod reuse;
 mod source;
@@ -16,20 +17,17 @@ pub use source::{hub_dataset_id, PatternFilter, Source};
 pub use state::IN_PROGRESS as IN_PROGRESS_FILE;
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use flexinfer_contract::{
-    self as contract, env, events, files, IntegrityFile, ProgressEvent, SourceIntegrity,
-    TerminationSuccess,
-};
-use futures::{StreamExt, TryStreamExt};
+use flexinfer_contract::{self as contract, env, events, files, ProgressEvent, TerminationSuccess};
 
 use crate::common::{self, Events, ExitKind, WorkerError};
 use crate::hf::{self, RepoType};
 use crate::oci;
 use fetch::{FetchCtx, FetchError};
+use generation::fetch_all;
 
 /// One file a source offers.
 #[derive(Debug, Clone, PartialEq)]
@@ -238,24 +236,6 @@ async fn run_async(
     Ok(model)
 }
 
-/// The `.part` → final renames are durable only once their directories are: fsync each directory that
-/// received a file.
-fn sync_parents(dir: &Path, files: &[IntegrityFile]) -> Result<(), WorkerError> {
-    let mut parents: Vec<PathBuf> = files
-        .iter()
-        .filter_map(|f| dir.join(&f.name).parent().map(Path::to_path_buf))
-        .collect();
-    parents.sort();
-    parents.dedup();
-    for p in parents {
-        flexinfer_fsutil::fsync_dir(&p).map_err(WorkerError::io(
-            ExitKind::Failure,
-            format!("cannot sync {}", p.display()),
-        ))?;
-    }
-    Ok(())
-}
-
 /// The model's files from its source (hub, registry or a local directory) into the generation `out`.
 async fn fetch_source(
     args: &DownloadArgs,
@@ -423,99 +403,6 @@ pub fn is_weight_file(name: &str) -> bool {
     .any(|ext| name.ends_with(ext))
 }
 
-async fn fetch_all(
-    args: &DownloadArgs,
-    dir: &Path,
-    events: &Arc<Events>,
-    ctx: &FetchCtx,
-    source: &str,
-    revision: &str,
-    files: Vec<RemoteFile>,
-) -> Result<TerminationSuccess, WorkerError> {
-    let total: u64 = files.iter().map(|f| f.size).sum();
-    let prev = state::read_previous(dir);
-    if let Some(p) = &prev {
-        if state::is_complete(dir) && state::still_valid(dir, p, source, revision, &files).await {
-            events.log(&format!(
-                "{source}@{revision} is already downloaded and verified; nothing to do"
-            ));
-            events.progress(bytes_progress(total, total, 0.0, "already complete"));
-            return Ok(success(p, dir));
-        }
-    }
-    state::invalidate(dir, prev.as_ref(), source, revision, &files, events).map_err(
-        WorkerError::io(ExitKind::Failure, format!("cannot reset {}", dir.display())),
-    )?;
-    // A new generation starts from the files earlier complete downloads already hold.
-    let linked = reuse::link_from_earlier(dir, &args.model_dir, &files);
-    if linked.files > 0 {
-        events.log(&format!(
-            "{} file(s), {} bytes, hard-linked from {}; each is re-verified before it counts",
-            linked.files,
-            linked.bytes,
-            linked.from.join(", ")
-        ));
-    }
-    state::check_free_space(dir, &files)?;
-    events.log(&format!(
-        "downloading {} file(s), {} bytes from {source}@{revision} into {}",
-        files.len(),
-        total,
-        dir.display()
-    ));
-
-    let started = Instant::now();
-    let ticker = spawn_ticker(events.clone(), ctx, total, args.progress_interval);
-    let results: Result<Vec<IntegrityFile>, FetchError> = futures::stream::iter(files.iter())
-        .map(|f| fetch::fetch_file(ctx, dir, f))
-        .buffer_unordered(args.concurrency)
-        .try_collect()
-        .await;
-    ticker.abort();
-    let mut integrity_files = results.map_err(fetch_error)?;
-    integrity_files.sort_by(|a, b| a.name.cmp(&b.name));
-    sync_parents(dir, &integrity_files)?;
-    let secs = started.elapsed().as_secs_f64();
-    let received = ctx.received.load(Ordering::Relaxed);
-    events.progress(bytes_progress(
-        total,
-        total,
-        received as f64 / secs.max(1e-3),
-        "verified",
-    ));
-    let integrity = SourceIntegrity {
-        weight_bytes: integrity_files
-            .iter()
-            .filter(|f| is_weight_file(&f.name))
-            .map(|f| f.size)
-            .sum(),
-        files: integrity_files,
-        revision: revision.to_string(),
-        source: source.to_string(),
-    };
-    state::write_markers(dir, &integrity).map_err(WorkerError::io(
-        ExitKind::Failure,
-        format!("cannot write markers in {}", dir.display()),
-    ))?;
-    events.log(&format!(
-        "downloaded {received} bytes in {secs:.1}s ({:.1} MiB/s); {} file(s) verified",
-        received as f64 / secs.max(1e-3) / 1048576.0,
-        integrity.files.len()
-    ));
-    Ok(success(&integrity, dir))
-}
-
-fn success(i: &SourceIntegrity, dir: &Path) -> TerminationSuccess {
-    TerminationSuccess {
-        kind: contract::JobPhase::Download.as_str().to_string(),
-        size_bytes: Some(i.files.iter().map(|f| f.size).sum()),
-        file_count: Some(i.files.len() as u64),
-        revision: Some(i.revision.clone()),
-        output_dir: Some(dir.display().to_string()),
-        ..Default::default()
-    }
-}
-
 /// A `progress` event in bytes with rate and ETA in `detail`.
 pub fn bytes_progress(done: u64, total: u64, rate: f64, what: &str) -> ProgressEvent {
     let percent = if total == 0 {
@@ -541,21 +428,6 @@ pub fn bytes_progress(done: u64, total: u64, rate: f64, what: &str) -> ProgressE
         total: Some(total as f64),
         ..Default::default()
     }
-}
-
-fn spawn_ticker(
-    events: Arc<Events>,
-    ctx: &FetchCtx,
-    total: u64,
-    interval: f64,
-) -> tokio::task::JoinHandle<()> {
-    let done = ctx.done.clone();
-    let received = ctx.received.clone();
-    spawn_progress_ticker(events, interval, move |secs| {
-        let rate = received.load(Ordering::Relaxed) as f64 / secs;
-        let d = done.load(Ordering::Relaxed).min(total);
-        bytes_progress(d, total, rate, "downloading")
-    })
 }
 
 /// Every `interval` seconds (clamped to 0.05–3600), emit the `progress` event that `progress`

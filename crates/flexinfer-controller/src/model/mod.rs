@@ -32,7 +32,7 @@ use k8s_openapi::api::core::v1::{Pod, Service};
 use kube::api::Api;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Recorder, Reporter};
-use kube::runtime::reflector::ObjectRef;
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher::{self, watcher};
 use kube::runtime::WatchStreamExt;
 use kube::{Client, ResourceExt};
@@ -141,111 +141,12 @@ pub async fn run_until(
     use crate::kube_client::api_in as api;
     let ns = opts.namespace.clone();
     let ns = ns.as_deref();
-    let children = watcher::Config::default().labels(&serving_selector());
-    let reporter = Reporter {
-        controller: FIELD_MANAGER.to_string(),
-        instance: std::env::var(env::controller::POD_NAME).ok(),
-    };
-    let ctx = Arc::new(Ctx {
-        client: client.clone(),
-        metrics,
-        recorder: Recorder::new(client.clone(), reporter),
-        opts,
-        failures: Default::default(),
-    });
-
+    let ctx = context(&client, metrics, opts);
     let guard = Guard::new("model", ctx.metrics.clone(), Some(ctx.recorder.clone()));
     // Deleted Models leave no metric series behind.
     let forget = forget_deleted_models(api::<Model>(&client, ns), ctx.metrics.clone());
     let controller = Controller::new(api::<Model>(&client, ns), watcher::Config::default());
-    let store = controller.store();
-    let cache_store = store.clone();
-    let profile_store = store.clone();
-    let group_store = store.clone();
-    let deployment_group_store = store.clone();
-    let pod_group_store = store.clone();
-    let controller = controller
-        .owns(api::<Deployment>(&client, ns), children.clone())
-        // A shared GPU group hands its lane over between Models: a member's change of demand
-        // (its status) or of running pods (its Deployment) is news for every other member.
-        .watches(
-            api::<Model>(&client, ns),
-            watcher::Config::default(),
-            move |m: Model| {
-                group_members(
-                    &group_store.state(),
-                    m.namespace(),
-                    m.spec.gpu.shared.as_deref(),
-                    &m.name_any(),
-                )
-            },
-        )
-        .watches(
-            api::<Deployment>(&client, ns),
-            children.clone(),
-            move |d: Deployment| {
-                let ns = d.namespace();
-                let name = d.name_any();
-                let all = deployment_group_store.state();
-                let group = all
-                    .iter()
-                    .find(|m| m.namespace() == ns && m.name_any() == name)
-                    .and_then(|m| m.spec.gpu.shared.clone());
-                group_members(&all, ns, group.as_deref(), &name)
-            },
-        )
-        .owns(api::<Service>(&client, ns), children.clone())
-        .watches(api::<Pod>(&client, ns), children, move |pod: Pod| {
-            let ns = pod.namespace();
-            let Some(model) = pod.labels().get(labels::MODEL).cloned() else {
-                return Vec::new();
-            };
-            // Its own Model, and the group members waiting for its GPU to be released.
-            let all = pod_group_store.state();
-            let group = all
-                .iter()
-                .find(|m| m.namespace() == ns && m.name_any() == model)
-                .and_then(|m| m.spec.gpu.shared.clone());
-            let mut refs = group_members(&all, ns.clone(), group.as_deref(), &model);
-            refs.push(ObjectRef::<Model>::new(&model).within(ns.as_deref().unwrap_or_default()));
-            refs
-        })
-        .watches(
-            api::<ModelCache>(&client, ns),
-            watcher::Config::default(),
-            move |cache: ModelCache| {
-                let name = cache.name_any();
-                let ns = cache.namespace();
-                cache_store
-                    .state()
-                    .into_iter()
-                    .filter(|m| {
-                        m.namespace() == ns && render::cache_name(m).as_deref() == Some(&name)
-                    })
-                    .map(|m| ObjectRef::from_obj(&*m))
-                    .collect::<Vec<_>>()
-            },
-        )
-        .watches(
-            api::<GPUProfile>(&client, ns),
-            watcher::Config::default(),
-            move |profile: GPUProfile| {
-                let name = profile.name_any();
-                let arch = profile.spec.architecture.clone();
-                profile_store
-                    .state()
-                    .into_iter()
-                    .filter(|m| match render::profile_ref(m) {
-                        ProfileRef::Named(n) => n == name,
-                        ProfileRef::Arch(a) => a == arch,
-                        ProfileRef::Any => true,
-                        ProfileRef::None(_) => false,
-                    })
-                    .map(|m| ObjectRef::from_obj(&*m))
-                    .collect::<Vec<_>>()
-            },
-        )
-        .graceful_shutdown_on(shutdown);
+    let controller = watch_related(controller, &client, ns).graceful_shutdown_on(shutdown);
     let running = guard
         .run(controller, reconcile, error_policy, ctx)
         .for_each(|res| async move {
@@ -257,6 +158,145 @@ pub async fn run_until(
     futures::pin_mut!(running, forget);
     futures::future::select(running, forget).await;
     Ok(())
+}
+
+/// The reconcile context: the client, the metrics, an event recorder reporting as the controller's
+/// field manager (and its pod, `POD_NAME`), the settings and no failures yet.
+fn context(client: &Client, metrics: Metrics, opts: Options) -> Arc<Ctx> {
+    let reporter = Reporter {
+        controller: FIELD_MANAGER.to_string(),
+        instance: std::env::var(env::controller::POD_NAME).ok(),
+    };
+    Arc::new(Ctx {
+        client: client.clone(),
+        metrics,
+        recorder: Recorder::new(client.clone(), reporter),
+        opts,
+        failures: Default::default(),
+    })
+}
+
+/// What else makes a Model reconcile: the Deployments and Services it owns, the other members of
+/// its shared GPU group (their status, Deployments and pods), its serving pods, its ModelCache and
+/// the GPUProfiles it may use; the children are the serving ones ([`serving_selector`]).
+fn watch_related(
+    controller: Controller<Model>,
+    client: &Client,
+    ns: Option<&str>,
+) -> Controller<Model> {
+    use crate::kube_client::api_in as api;
+    let children = watcher::Config::default().labels(&serving_selector());
+    let store = controller.store();
+    controller
+        .owns(api::<Deployment>(client, ns), children.clone())
+        // A shared GPU group hands its lane over between Models: a member's change of demand
+        // (its status) or of running pods (its Deployment) is news for every other member.
+        .watches(
+            api::<Model>(client, ns),
+            watcher::Config::default(),
+            peers_of_model(store.clone()),
+        )
+        .watches(
+            api::<Deployment>(client, ns),
+            children.clone(),
+            peers_of_deployment(store.clone()),
+        )
+        .owns(api::<Service>(client, ns), children.clone())
+        .watches(
+            api::<Pod>(client, ns),
+            children,
+            models_of_pod(store.clone()),
+        )
+        .watches(
+            api::<ModelCache>(client, ns),
+            watcher::Config::default(),
+            users_of_cache(store.clone()),
+        )
+        .watches(
+            api::<GPUProfile>(client, ns),
+            watcher::Config::default(),
+            users_of_profile(store),
+        )
+}
+
+/// A Model's change is news for the other members of its shared GPU group.
+fn peers_of_model(store: Store<Model>) -> impl Fn(Model) -> Vec<ObjectRef<Model>> {
+    move |m: Model| {
+        group_members(
+            &store.state(),
+            m.namespace(),
+            m.spec.gpu.shared.as_deref(),
+            &m.name_any(),
+        )
+    }
+}
+
+/// A serving Deployment's change is news for the other members of its Model's shared GPU group.
+fn peers_of_deployment(store: Store<Model>) -> impl Fn(Deployment) -> Vec<ObjectRef<Model>> {
+    move |d: Deployment| {
+        let ns = d.namespace();
+        let name = d.name_any();
+        let all = store.state();
+        let group = shared_group(&all, &ns, &name);
+        group_members(&all, ns, group.as_deref(), &name)
+    }
+}
+
+/// A serving pod's change is news for its own Model (its `MODEL` label) and for the members of that
+/// Model's shared GPU group waiting for its GPU to be released; a pod without the label for none.
+fn models_of_pod(store: Store<Model>) -> impl Fn(Pod) -> Vec<ObjectRef<Model>> {
+    move |pod: Pod| {
+        let ns = pod.namespace();
+        let Some(model) = pod.labels().get(labels::MODEL).cloned() else {
+            return Vec::new();
+        };
+        let all = store.state();
+        let group = shared_group(&all, &ns, &model);
+        let mut refs = group_members(&all, ns.clone(), group.as_deref(), &model);
+        refs.push(ObjectRef::<Model>::new(&model).within(ns.as_deref().unwrap_or_default()));
+        refs
+    }
+}
+
+/// A ModelCache's change is news for the Models of its namespace that use it.
+fn users_of_cache(store: Store<Model>) -> impl Fn(ModelCache) -> Vec<ObjectRef<Model>> {
+    move |cache: ModelCache| {
+        let name = cache.name_any();
+        let ns = cache.namespace();
+        store
+            .state()
+            .into_iter()
+            .filter(|m| m.namespace() == ns && render::cache_name(m).as_deref() == Some(&name))
+            .map(|m| ObjectRef::from_obj(&*m))
+            .collect::<Vec<_>>()
+    }
+}
+
+/// A GPUProfile's change is news for the Models that name it, ask for its architecture or take any
+/// profile.
+fn users_of_profile(store: Store<Model>) -> impl Fn(GPUProfile) -> Vec<ObjectRef<Model>> {
+    move |profile: GPUProfile| {
+        let name = profile.name_any();
+        let arch = profile.spec.architecture.clone();
+        store
+            .state()
+            .into_iter()
+            .filter(|m| match render::profile_ref(m) {
+                ProfileRef::Named(n) => n == name,
+                ProfileRef::Arch(a) => a == arch,
+                ProfileRef::Any => true,
+                ProfileRef::None(_) => false,
+            })
+            .map(|m| ObjectRef::from_obj(&*m))
+            .collect::<Vec<_>>()
+    }
+}
+
+/// The shared GPU group of the Model `name` in `ns`, when the store has it and it has one.
+fn shared_group(all: &[Arc<Model>], ns: &Option<String>, name: &str) -> Option<String> {
+    all.iter()
+        .find(|m| m.namespace() == *ns && m.name_any() == name)
+        .and_then(|m| m.spec.gpu.shared.clone())
 }
 
 /// The other Models of `name`'s shared GPU group (none when it has no group).

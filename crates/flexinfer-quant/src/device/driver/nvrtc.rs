@@ -141,47 +141,14 @@ impl Nvrtc {
         opts: &[&str],
         output: Output,
     ) -> Result<Vec<u8>, NvrtcError> {
-        type Create = unsafe extern "C" fn(
-            *mut NvrtcProgram,
-            *const c_char,
-            *const c_char,
-            c_int,
-            *const *const c_char,
-            *const *const c_char,
-        ) -> c_int;
-        type Compile = unsafe extern "C" fn(NvrtcProgram, c_int, *const *const c_char) -> c_int;
-        type Size = unsafe extern "C" fn(NvrtcProgram, *mut usize) -> c_int;
-        type Get = unsafe extern "C" fn(NvrtcProgram, *mut c_char) -> c_int;
-        type Destroy = unsafe extern "C" fn(*mut NvrtcProgram) -> c_int;
-        let (size_name, get_name) = match output {
-            Output::Ptx => ("nvrtcGetPTXSize", "nvrtcGetPTX"),
-            Output::Cubin => ("nvrtcGetCUBINSize", "nvrtcGetCUBIN"),
-        };
-        let create: Create = self.f("nvrtcCreateProgram")?;
-        let compile: Compile = self.f("nvrtcCompileProgram")?;
-        let log_size: Size = self.f("nvrtcGetProgramLogSize")?;
-        let get_log: Get = self.f("nvrtcGetProgramLog")?;
-        let out_size: Size = self.f(size_name)?;
-        let get_out: Get = self.f(get_name)?;
-        let destroy: Destroy = self.f("nvrtcDestroyProgram")?;
-        let cstr = |s: &str| {
-            CString::new(s).map_err(|source| NvrtcError::Nul {
-                what: name.to_string(),
-                source,
-            })
-        };
-        let src_c = cstr(src)?;
-        let name_c = cstr(name)?;
-        let opts_c = opts
-            .iter()
-            .map(|o| cstr(o))
-            .collect::<Result<Vec<_>, _>>()?;
+        let e = self.entries(output)?;
+        let (src_c, name_c, opts_c) = c_strings(src, name, opts)?;
         let opt_ptrs: Vec<*const c_char> = opts_c.iter().map(|o| o.as_ptr()).collect();
         let mut prog: NvrtcProgram = std::ptr::null_mut();
         // SAFETY: NVRTC's C API with valid NUL-terminated strings and out-pointers; the program is destroyed
         // before returning.
         unsafe {
-            let rc = create(
+            let rc = (e.create)(
                 &mut prog,
                 src_c.as_ptr(),
                 name_c.as_ptr(),
@@ -195,54 +162,126 @@ impl Nvrtc {
                     code: rc,
                 });
             }
-            let rc = compile(prog, opt_ptrs.len() as c_int, opt_ptrs.as_ptr());
-            let mut n = 0usize;
-            let mut log = String::new();
-            if log_size(prog, &mut n) == 0 {
-                let mut buf = vec![0u8; n.max(1)];
-                if get_log(prog, buf.as_mut_ptr() as *mut c_char) == 0 {
-                    log = String::from_utf8_lossy(&buf)
-                        .trim_end_matches('\0')
-                        .to_string();
-                }
-            }
+            let rc = (e.compile)(prog, opt_ptrs.len() as c_int, opt_ptrs.as_ptr());
+            let log = program_log(prog, &e);
             let out = if rc == 0 {
-                program_output(prog, out_size, get_out, size_name, get_name)
+                program_output(prog, &e)
             } else {
                 Err(NvrtcError::Compile { code: rc, log })
             };
-            destroy(&mut prog);
+            (e.destroy)(&mut prog);
             out
         }
     }
+
+    /// The NVRTC entry points one compile to `output` calls, looked up in the order of their use (the
+    /// first missing one is the error).
+    fn entries(&self, output: Output) -> Result<Entries, NvrtcError> {
+        let (size_name, get_name) = match output {
+            Output::Ptx => ("nvrtcGetPTXSize", "nvrtcGetPTX"),
+            Output::Cubin => ("nvrtcGetCUBINSize", "nvrtcGetCUBIN"),
+        };
+        Ok(Entries {
+            create: self.f("nvrtcCreateProgram")?,
+            compile: self.f("nvrtcCompileProgram")?,
+            log_size: self.f("nvrtcGetProgramLogSize")?,
+            get_log: self.f("nvrtcGetProgramLog")?,
+            out_size: self.f(size_name)?,
+            get_out: self.f(get_name)?,
+            destroy: self.f("nvrtcDestroyProgram")?,
+            size_name,
+            get_name,
+        })
+    }
+}
+
+type CreateFn = unsafe extern "C" fn(
+    *mut NvrtcProgram,
+    *const c_char,
+    *const c_char,
+    c_int,
+    *const *const c_char,
+    *const *const c_char,
+) -> c_int;
+type CompileFn = unsafe extern "C" fn(NvrtcProgram, c_int, *const *const c_char) -> c_int;
+type SizeFn = unsafe extern "C" fn(NvrtcProgram, *mut usize) -> c_int;
+type GetFn = unsafe extern "C" fn(NvrtcProgram, *mut c_char) -> c_int;
+type DestroyFn = unsafe extern "C" fn(*mut NvrtcProgram) -> c_int;
+
+/// NVRTC's entry points for one compile, with the names of the output's `size` / `get` pair (PTX or
+/// CUBIN) for its errors.
+struct Entries {
+    create: CreateFn,
+    compile: CompileFn,
+    log_size: SizeFn,
+    get_log: GetFn,
+    out_size: SizeFn,
+    get_out: GetFn,
+    destroy: DestroyFn,
+    size_name: &'static str,
+    get_name: &'static str,
+}
+
+/// `src`, `name` and each of `opts` as C strings; one with a NUL byte is an error naming the program
+/// (`name`).
+fn c_strings(
+    src: &str,
+    name: &str,
+    opts: &[&str],
+) -> Result<(CString, CString, Vec<CString>), NvrtcError> {
+    let cstr = |s: &str| {
+        CString::new(s).map_err(|source| NvrtcError::Nul {
+            what: name.to_string(),
+            source,
+        })
+    };
+    let src_c = cstr(src)?;
+    let name_c = cstr(name)?;
+    let opts_c = opts
+        .iter()
+        .map(|o| cstr(o))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((src_c, name_c, opts_c))
+}
+
+/// The compiler's log of `prog`, without its trailing NULs; empty when NVRTC cannot give it.
+///
+/// # Safety
+/// `prog` is an NVRTC program made by `e.create`; `e` holds the named NVRTC entry points.
+unsafe fn program_log(prog: NvrtcProgram, e: &Entries) -> String {
+    let mut n = 0usize;
+    if (e.log_size)(prog, &mut n) != 0 {
+        return String::new();
+    }
+    let mut buf = vec![0u8; n.max(1)];
+    if (e.get_log)(prog, buf.as_mut_ptr() as *mut c_char) != 0 {
+        return String::new();
+    }
+    String::from_utf8_lossy(&buf)
+        .trim_end_matches('\0')
+        .to_string()
 }
 
 /// The compiled program's output through NVRTC's `size` / `get` pair (PTX or CUBIN).
 ///
 /// # Safety
-/// `prog` is a compiled NVRTC program; `size` and `get` are the named NVRTC entry points.
-unsafe fn program_output(
-    prog: NvrtcProgram,
-    size: unsafe extern "C" fn(NvrtcProgram, *mut usize) -> c_int,
-    get: unsafe extern "C" fn(NvrtcProgram, *mut c_char) -> c_int,
-    size_name: &str,
-    get_name: &str,
-) -> Result<Vec<u8>, NvrtcError> {
+/// `prog` is a compiled NVRTC program; `e` holds the named NVRTC entry points.
+unsafe fn program_output(prog: NvrtcProgram, e: &Entries) -> Result<Vec<u8>, NvrtcError> {
     let mut n = 0usize;
-    match size(prog, &mut n) {
-        0 if n == 0 => Err(NvrtcError::NoOutput(get_name.to_string())),
+    match (e.out_size)(prog, &mut n) {
+        0 if n == 0 => Err(NvrtcError::NoOutput(e.get_name.to_string())),
         0 => {
             let mut bytes = vec![0u8; n];
-            match get(prog, bytes.as_mut_ptr() as *mut c_char) {
+            match (e.get_out)(prog, bytes.as_mut_ptr() as *mut c_char) {
                 0 => Ok(bytes),
                 code => Err(NvrtcError::Call {
-                    call: get_name.to_string(),
+                    call: e.get_name.to_string(),
                     code,
                 }),
             }
         }
         code => Err(NvrtcError::Call {
-            call: size_name.to_string(),
+            call: e.size_name.to_string(),
             code,
         }),
     }

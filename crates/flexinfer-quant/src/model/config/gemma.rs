@@ -147,6 +147,24 @@ pub(super) fn gemma4_config(
     Ok((cfg, shapes))
 }
 
+/// Per layer: the attention shape, and the Gemma 4 config (`is_gemma4` with a Gemma config `gemma`; then
+/// [`gemma4_config`] reads them); `base` on every layer otherwise.
+pub(super) fn attention_shapes(
+    text: &Value,
+    num_layers: usize,
+    base: AttnShape,
+    gemma: Option<&GemmaConfig>,
+    is_gemma4: bool,
+) -> Result<(Option<Gemma4Config>, Vec<AttnShape>)> {
+    match gemma {
+        Some(g) if is_gemma4 => {
+            let (g4, shapes) = gemma4_config(text, num_layers, base, &g.sliding)?;
+            Ok((Some(g4), shapes))
+        }
+        _ => Ok((None, vec![base; num_layers])),
+    }
+}
+
 /// What the calibration forward does not implement: shared key/value layers, per-layer input
 /// embeddings, bidirectional attention, another activation.
 fn refuse_unsupported(raw: &Value) -> Result<()> {

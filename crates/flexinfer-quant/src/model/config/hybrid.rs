@@ -187,9 +187,50 @@ pub(super) fn gdn_config(text: &Value, arch: &str, num_layers: usize) -> Result<
     }))
 }
 
+/// Dimensions of each head that rotate: all of `head_dim`, but on the hybrids (`gated`)
+/// `floor(partial_rotary_factor × head_dim)`, which must be even, non-zero and at most `head_dim`.
+pub(super) fn rotary_dim(
+    text: &Value,
+    rope_params: Option<&Value>,
+    head_dim: usize,
+    gated: bool,
+) -> Result<usize> {
+    if !gated {
+        return Ok(head_dim);
+    }
+    let f = partial_rotary_factor(text, rope_params)?;
+    let d = (head_dim as f64 * f as f64).floor() as usize;
+    if d == 0 || !d.is_multiple_of(2) || d > head_dim {
+        return Err(ConfigError::RotaryDims {
+            factor: f,
+            head_dim,
+            dims: d,
+        }
+        .into());
+    }
+    Ok(d)
+}
+
+/// A gated full attention (`gated`: the hybrids) has `2 × heads × head_dim` query rows (query and
+/// output gate): an error when that count overflows.
+pub(super) fn check_gated_query(num_heads: usize, head_dim: usize, gated: bool) -> Result<()> {
+    if gated
+        && (num_heads
+            .checked_mul(head_dim)
+            .and_then(|q| q.checked_mul(2)))
+        .is_none()
+    {
+        return Err(ConfigError::TooLarge {
+            field: "num_attention_heads × head_dim".into(),
+        }
+        .into());
+    }
+    Ok(())
+}
+
 /// The fraction of each full-attention head's dimensions that rotate (`partial_rotary_factor`, in
 /// `rope_parameters` or at the top of the text config); 1 when absent.
-pub(super) fn partial_rotary_factor(text: &Value, rope_params: Option<&Value>) -> Result<f32> {
+fn partial_rotary_factor(text: &Value, rope_params: Option<&Value>) -> Result<f32> {
     let v = rope_params
         .and_then(|r| r.get("partial_rotary_factor"))
         .or_else(|| text.get("partial_rotary_factor"));

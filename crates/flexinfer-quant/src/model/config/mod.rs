@@ -17,10 +17,11 @@ pub use hybrid::{GdnConfig, GdnLayout};
 pub use moe::MoeConfig;
 
 use crate::error::{ConfigError, Result};
-use gemma::{gemma4_config, gemma_config};
-use hybrid::{gdn_config, partial_rotary_factor};
-use moe::moe_config;
+use gemma::{attention_shapes, gemma_config};
+use hybrid::{check_gated_query, gdn_config, rotary_dim};
+use moe::{intermediate_size, moe_config};
 use serde_json::Value;
+use std::borrow::Cow;
 use std::path::Path;
 
 /// Architectures whose decoder is Llama-shaped (Qwen3 adds q/k RMSNorm; Qwen2 adds q/k/v bias), dense or
@@ -218,79 +219,20 @@ impl ModelConfig {
 
     pub fn from_json(raw: Value) -> Result<Self> {
         let arch = architecture(&raw)?;
-        // Multimodal Gemma 4 / Qwen3.5: the text stack's fields are under `text_config`, its tensors under
-        // `model.language_model.`; the vision / audio towers and MTP heads are not read (the writer copies them).
-        let multimodal = arch.ends_with("ForConditionalGeneration");
-        let text_owned;
-        let text: &Value = if multimodal {
-            text_owned = raw
-                .get("text_config")
-                .filter(|t| t.is_object())
-                .cloned()
-                .ok_or_else(|| ConfigError::NoTextConfig { arch: arch.clone() })?;
-            &text_owned
-        } else {
-            &raw
-        };
-        let text_prefix = if multimodal {
-            "model.language_model."
-        } else {
-            "model."
-        };
+        let (text, text_prefix) = text_stack(&raw, &arch)?;
+        let text: &Value = &text;
         let is_gemma4 = arch.starts_with("Gemma4");
         let (hidden_size, num_heads, num_kv_heads, head_dim) = attention_dims(text, is_gemma4)?;
-        // transformers 5 writes `rope_parameters` (`rope_theta` and the scaling in one object) in place of
-        // `rope_theta` / `rope_scaling`.
-        // Gemma 3 under transformers 5: one object per attention type; the global layers' is the model's rope.
-        let rope_by_type = text
-            .get("rope_parameters")
-            .and_then(|v| v.get("full_attention"))
-            .is_some();
-        let rope_params = text
-            .get("rope_parameters")
-            .map(|v| v.get("full_attention").unwrap_or(v))
-            .filter(|v| v.is_object());
+        let (rope_params, rope_by_type) = rope_parameters(text);
         // Gemma 4's two ropes are read by `gemma4_config`.
         let rope_scaling = rope_scaling(text, rope_params, is_gemma4)?;
-        let num_layers = get_usize(text, "num_hidden_layers")?;
-        if num_layers > MAX_LAYERS {
-            return Err(ConfigError::TooManyLayers {
-                layers: num_layers,
-                max: MAX_LAYERS,
-            }
-            .into());
-        }
+        let num_layers = layer_count(text)?;
         let moe = moe_config(text, &arch, num_layers)?;
         let gemma = gemma_config(text, &arch, num_layers, head_dim, rope_by_type)?;
         let gdn = gdn_config(text, &arch, num_layers)?;
-        let rotary_dim = match &gdn {
-            None => head_dim,
-            Some(_) => {
-                let f = partial_rotary_factor(text, rope_params)?;
-                let d = (head_dim as f64 * f as f64).floor() as usize;
-                if d == 0 || !d.is_multiple_of(2) || d > head_dim {
-                    return Err(ConfigError::RotaryDims {
-                        factor: f,
-                        head_dim,
-                        dims: d,
-                    }
-                    .into());
-                }
-                d
-            }
-        };
+        let rotary_dim = rotary_dim(text, rope_params, head_dim, gdn.is_some())?;
         let gated = gdn.is_some();
-        if gated
-            && (num_heads
-                .checked_mul(head_dim)
-                .and_then(|q| q.checked_mul(2)))
-            .is_none()
-        {
-            return Err(ConfigError::TooLarge {
-                field: "num_attention_heads × head_dim".into(),
-            }
-            .into());
-        }
+        check_gated_query(num_heads, head_dim, gated)?;
         let base_shape = AttnShape {
             heads: num_heads,
             kv_heads: num_kv_heads,
@@ -298,17 +240,9 @@ impl ModelConfig {
             v_from_k: false,
             output_gate: gated,
         };
-        let (gemma4, layer_attn) = match &gemma {
-            Some(g) if is_gemma4 => {
-                let (g4, shapes) = gemma4_config(text, num_layers, base_shape, &g.sliding)?;
-                (Some(g4), shapes)
-            }
-            _ => (None, vec![base_shape; num_layers]),
-        };
-        let intermediate_size = match (&moe, text.get("intermediate_size")) {
-            (Some(m), None) => m.expert_intermediate,
-            _ => get_usize(text, "intermediate_size")?,
-        };
+        let (gemma4, layer_attn) =
+            attention_shapes(text, num_layers, base_shape, gemma.as_ref(), is_gemma4)?;
+        let intermediate_size = intermediate_size(text, moe.as_ref())?;
         Ok(ModelConfig {
             architecture: arch,
             hidden_size,
@@ -331,17 +265,10 @@ impl ModelConfig {
             num_kv_heads,
             head_dim,
             rms_norm_eps: get_f32(text, "rms_norm_eps", 1e-6),
-            rope_theta: match (text.get("rope_theta"), rope_params) {
-                (None, Some(rp)) => get_f32(rp, "rope_theta", 10000.0),
-                _ => get_f32(text, "rope_theta", 10000.0),
-            },
+            rope_theta: rope_theta(text, rope_params),
             rope_scaling,
             vocab_size: get_usize(text, "vocab_size")?,
-            tie_word_embeddings: text
-                .get("tie_word_embeddings")
-                .or_else(|| raw.get("tie_word_embeddings"))
-                .and_then(Value::as_bool)
-                .unwrap_or(false),
+            tie_word_embeddings: tie_word_embeddings(text, &raw),
             raw,
         })
     }
@@ -497,6 +424,68 @@ fn architecture(raw: &Value) -> Result<String> {
     Ok(arch)
 }
 
+/// The text stack's fields and tensor prefix: the config itself under `model.`, or, for a multimodal
+/// Gemma 4 / Qwen3.5 (`*ForConditionalGeneration`), its `text_config` under `model.language_model.` (the
+/// vision / audio towers and MTP heads are not read; the writer copies them). A multimodal config
+/// without a `text_config` object is an error.
+fn text_stack<'a>(raw: &'a Value, arch: &str) -> Result<(Cow<'a, Value>, &'static str)> {
+    if !arch.ends_with("ForConditionalGeneration") {
+        return Ok((Cow::Borrowed(raw), "model."));
+    }
+    let text = raw
+        .get("text_config")
+        .filter(|t| t.is_object())
+        .cloned()
+        .ok_or_else(|| ConfigError::NoTextConfig {
+            arch: arch.to_string(),
+        })?;
+    Ok((Cow::Owned(text), "model.language_model."))
+}
+
+/// transformers 5's `rope_parameters` (`rope_theta` and the scaling in one object, in place of
+/// `rope_theta` / `rope_scaling`), when it is an object, and whether it is given per attention type
+/// (Gemma 3 under transformers 5: then the global layers' object is the model's rope).
+fn rope_parameters(text: &Value) -> (Option<&Value>, bool) {
+    let rope_by_type = text
+        .get("rope_parameters")
+        .and_then(|v| v.get("full_attention"))
+        .is_some();
+    let rope_params = text
+        .get("rope_parameters")
+        .map(|v| v.get("full_attention").unwrap_or(v))
+        .filter(|v| v.is_object());
+    (rope_params, rope_by_type)
+}
+
+/// `num_hidden_layers`, refused above [`MAX_LAYERS`].
+fn layer_count(text: &Value) -> Result<usize> {
+    let num_layers = get_usize(text, "num_hidden_layers")?;
+    if num_layers > MAX_LAYERS {
+        return Err(ConfigError::TooManyLayers {
+            layers: num_layers,
+            max: MAX_LAYERS,
+        }
+        .into());
+    }
+    Ok(num_layers)
+}
+
+/// `rope_theta`; from `rope_parameters` when only that has it; 10000 when neither does.
+fn rope_theta(text: &Value, rope_params: Option<&Value>) -> f32 {
+    match (text.get("rope_theta"), rope_params) {
+        (None, Some(rp)) => get_f32(rp, "rope_theta", 10000.0),
+        _ => get_f32(text, "rope_theta", 10000.0),
+    }
+}
+
+/// `tie_word_embeddings` of the text config, else of the top-level config; false when neither has it.
+fn tie_word_embeddings(text: &Value, raw: &Value) -> bool {
+    text.get("tie_word_embeddings")
+        .or_else(|| raw.get("tie_word_embeddings"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false)
+}
+
 /// `(hidden_size, heads, kv heads, head_dim)` of the text config, checked for a usable attention.
 fn attention_dims(text: &Value, is_gemma4: bool) -> Result<(usize, usize, usize, usize)> {
     let hidden_size = get_usize(text, "hidden_size")?;
@@ -532,7 +521,7 @@ fn attention_dims(text: &Value, is_gemma4: bool) -> Result<(usize, usize, usize,
 }
 
 /// `rope_scaling` (or transformers 5's `rope_parameters`); none for Gemma 4, whose two ropes
-/// [`gemma4_config`] reads.
+/// [`gemma4_config`](gemma::gemma4_config) reads.
 fn rope_scaling(text: &Value, rope_params: Option<&Value>, is_gemma4: bool) -> Result<RopeScaling> {
     let scaling = match text
         .get("rope_scaling")

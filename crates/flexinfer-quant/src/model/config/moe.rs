@@ -19,6 +19,14 @@ pub struct MoeConfig {
     pub sparse: Vec<bool>,
 }
 
+/// `intermediate_size` (the dense MLP's width); a sparse-MoE config without it uses its experts' width.
+pub(super) fn intermediate_size(text: &Value, moe: Option<&MoeConfig>) -> Result<usize> {
+    match (moe, text.get("intermediate_size")) {
+        (Some(m), None) => Ok(m.expert_intermediate),
+        _ => get_usize(text, "intermediate_size"),
+    }
+}
+
 pub(super) fn moe_config(raw: &Value, arch: &str, num_layers: usize) -> Result<Option<MoeConfig>> {
     // Qwen3-Next and Qwen3.5-MoE: Qwen's layout with a gated shared expert beside the routed ones.
     let (qwen_next, qwen35_moe) = (
