@@ -51,60 +51,62 @@
 /* Finite test without math headers (NVRTC has none): x - x is 0 exactly for a finite x, NaN otherwise. */
 #define GPTQ_FINITE(x) ((x) - (x) == 0.0f)
 
-/* Output tile edge of gptq_hessian_lower: a 16 x 16 thread block computes a 64 x 64 tile, 4 x 4 per thread. */
-#define GPTQ_HESSIAN_TILE 64
-/* Tokens staged in shared memory per step of gptq_hessian_lower. */
-#define GPTQ_HESSIAN_STEP 16
+/* Output tile edge of the product kernels (gptq_hessian_lower, gptq_block_update, gptq_chol_trailing): a
+ * 16 x 16 thread block computes a 64 x 64 tile, 4 x 4 entries per thread in registers; thread (tx, ty) owns
+ * rows tx + 16p and columns ty + 16q (p, q < 4), so its writes to a column-major output are contiguous
+ * across the threads of a warp. */
+#define GPTQ_WIDE_TILE 64
+/* Summation indices (tokens, or the inner dimension) staged in shared memory per step of those kernels. */
+#define GPTQ_WIDE_STEP 16
 
 /*
  * H += alpha * X^T X on the lower triangle (diagonal included) of the n x n matrix H (ldh); X is tokens x n
  * (ldx), one calibration batch. Grid (ceil(n/64), ceil(n/64)), block (16, 16): block (bx, by) owns the
  * 64 x 64 tile of rows by*64.. and columns bx*64..; tiles wholly above the diagonal return at once (the whole
- * block, before any barrier). Thread (tx, ty) accumulates the 4 x 4 entries of rows ty + 16p and columns
- * tx + 16q (p, q < 4) in registers. Each step stages 16 tokens of the tile's 64 row and 64 column features
- * in shared memory (4 loads per thread per matrix), read along the token axis (contiguous in X).
+ * block, before any barrier). Each step stages 16 tokens of the tile's 64 row and 64 column features in
+ * shared memory (4 loads per thread per matrix), read along the token axis (contiguous in X).
  */
 GPTQ_KERNEL void gptq_hessian_lower(float *h, int ldh, const float *x, int ldx, int tokens, int n,
                                     float alpha)
 {
     /* xa[k][c] = X[t0 + k, row0 + c], xb[k][c] = X[t0 + k, col0 + c] */
-    __shared__ float xa[GPTQ_HESSIAN_STEP][GPTQ_HESSIAN_TILE + 1];
-    __shared__ float xb[GPTQ_HESSIAN_STEP][GPTQ_HESSIAN_TILE + 1];
+    __shared__ float xa[GPTQ_WIDE_STEP][GPTQ_WIDE_TILE + 1];
+    __shared__ float xb[GPTQ_WIDE_STEP][GPTQ_WIDE_TILE + 1];
     int bx = blockIdx.x, by = blockIdx.y;
     if (bx > by)
         return;
     int tx = threadIdx.x, ty = threadIdx.y;
     int tid = ty * GPTQ_TILE + tx;
-    int row0 = by * GPTQ_HESSIAN_TILE, col0 = bx * GPTQ_HESSIAN_TILE;
+    int row0 = by * GPTQ_WIDE_TILE, col0 = bx * GPTQ_WIDE_TILE;
     float acc[4][4];
     for (int p = 0; p < 4; ++p)
         for (int q = 0; q < 4; ++q)
             acc[p][q] = 0.0f;
-    for (int t0 = 0; t0 < tokens; t0 += GPTQ_HESSIAN_STEP) {
+    for (int t0 = 0; t0 < tokens; t0 += GPTQ_WIDE_STEP) {
         for (int l = 0; l < 4; ++l) {
             int idx = tid + l * GPTQ_TILE * GPTQ_TILE; /* 0 .. 1023: token fastest */
-            int k = idx % GPTQ_HESSIAN_STEP, c = idx / GPTQ_HESSIAN_STEP;
+            int k = idx % GPTQ_WIDE_STEP, c = idx / GPTQ_WIDE_STEP;
             int t = t0 + k, fa = row0 + c, fb = col0 + c;
             xa[k][c] = (t < tokens && fa < n) ? x[(long long)fa * ldx + t] : 0.0f;
             xb[k][c] = (t < tokens && fb < n) ? x[(long long)fb * ldx + t] : 0.0f;
         }
         __syncthreads();
-        for (int k = 0; k < GPTQ_HESSIAN_STEP; ++k) {
+        for (int k = 0; k < GPTQ_WIDE_STEP; ++k) {
             float a[4], b[4];
             for (int p = 0; p < 4; ++p)
-                a[p] = xa[k][ty + GPTQ_TILE * p];
+                a[p] = xa[k][tx + GPTQ_TILE * p];
             for (int q = 0; q < 4; ++q)
-                b[q] = xb[k][tx + GPTQ_TILE * q];
+                b[q] = xb[k][ty + GPTQ_TILE * q];
             for (int p = 0; p < 4; ++p)
                 for (int q = 0; q < 4; ++q)
                     acc[p][q] += a[p] * b[q];
         }
         __syncthreads();
     }
-    for (int p = 0; p < 4; ++p) {
-        int i = row0 + ty + GPTQ_TILE * p;
-        for (int q = 0; q < 4; ++q) {
-            int j = col0 + tx + GPTQ_TILE * q;
+    for (int q = 0; q < 4; ++q) {
+        int j = col0 + ty + GPTQ_TILE * q;
+        for (int p = 0; p < 4; ++p) {
+            int i = row0 + tx + GPTQ_TILE * p;
             if (i < n && j < n && i >= j)
                 h[(long long)j * ldh + i] += alpha * acc[p][q];
         }
@@ -127,28 +129,53 @@ GPTQ_KERNEL void gptq_mirror_lower(float *h, int ldh, int n)
 /*
  * The lazy-batch block update W += D * F: W is rows x cols (ldw), D is rows x k (ldd), and F(u, c) is at
  * f[u * f_rs + c * f_cs] (signed strides, so the sweep factor can be read through its reversed view).
- * Grid (ceil(cols/16), ceil(rows/16)), block (16, 16); thread x runs along rows (contiguous in W and D).
+ * Grid (ceil(cols/64), ceil(rows/64)), block (16, 16): block (bx, by) owns the 64 x 64 tile of W's rows
+ * by*64.. and columns bx*64..; each step stages 16 values of the inner dimension u of the tile's D rows
+ * (loaded down D's columns) and F columns (loaded along u) in shared memory.
  */
 GPTQ_KERNEL void gptq_block_update(float *w, int ldw, const float *d, int ldd, const float *f,
                                    long long f_rs, long long f_cs, int rows, int k, int cols)
 {
-    __shared__ float ds[GPTQ_TILE][GPTQ_TILE + 1]; /* ds[r][u] = D[row0 + r, u0 + u] */
-    __shared__ float fs[GPTQ_TILE][GPTQ_TILE + 1]; /* fs[u][c] = F[u0 + u, col0 + c] */
+    __shared__ float ds[GPTQ_WIDE_STEP][GPTQ_WIDE_TILE + 1]; /* ds[u][r] = D[row0 + r, u0 + u] */
+    __shared__ float fs[GPTQ_WIDE_STEP][GPTQ_WIDE_TILE + 1]; /* fs[u][c] = F[u0 + u, col0 + c] */
     int tx = threadIdx.x, ty = threadIdx.y;
-    int row0 = blockIdx.y * GPTQ_TILE, col0 = blockIdx.x * GPTQ_TILE;
-    int r = row0 + tx, c = col0 + ty;
-    float acc = 0.0f;
-    for (int u0 = 0; u0 < k; u0 += GPTQ_TILE) {
-        int ud = u0 + ty, uf = u0 + tx;
-        ds[tx][ty] = (r < rows && ud < k) ? d[(long long)ud * ldd + r] : 0.0f;
-        fs[tx][ty] = (uf < k && c < cols) ? f[(long long)uf * f_rs + (long long)c * f_cs] : 0.0f;
+    int tid = ty * GPTQ_TILE + tx;
+    int row0 = blockIdx.y * GPTQ_WIDE_TILE, col0 = blockIdx.x * GPTQ_WIDE_TILE;
+    float acc[4][4];
+    for (int p = 0; p < 4; ++p)
+        for (int q = 0; q < 4; ++q)
+            acc[p][q] = 0.0f;
+    for (int u0 = 0; u0 < k; u0 += GPTQ_WIDE_STEP) {
+        for (int l = 0; l < 4; ++l) {
+            int idx = tid + l * GPTQ_TILE * GPTQ_TILE; /* 0 .. 1023 */
+            int r = idx % GPTQ_WIDE_TILE, ud = idx / GPTQ_WIDE_TILE; /* D: rows fastest */
+            int uf = idx % GPTQ_WIDE_STEP, c = idx / GPTQ_WIDE_STEP; /* F: u fastest */
+            ds[ud][r] = (row0 + r < rows && u0 + ud < k) ? d[(long long)(u0 + ud) * ldd + row0 + r] : 0.0f;
+            fs[uf][c] = (u0 + uf < k && col0 + c < cols)
+                            ? f[(long long)(u0 + uf) * f_rs + (long long)(col0 + c) * f_cs]
+                            : 0.0f;
+        }
         __syncthreads();
-        for (int u = 0; u < GPTQ_TILE; ++u)
-            acc += ds[tx][u] * fs[u][ty];
+        for (int u = 0; u < GPTQ_WIDE_STEP; ++u) {
+            float a[4], b[4];
+            for (int p = 0; p < 4; ++p)
+                a[p] = ds[u][tx + GPTQ_TILE * p];
+            for (int q = 0; q < 4; ++q)
+                b[q] = fs[u][ty + GPTQ_TILE * q];
+            for (int p = 0; p < 4; ++p)
+                for (int q = 0; q < 4; ++q)
+                    acc[p][q] += a[p] * b[q];
+        }
         __syncthreads();
     }
-    if (r < rows && c < cols)
-        w[(long long)c * ldw + r] += acc;
+    for (int q = 0; q < 4; ++q) {
+        int c = col0 + ty + GPTQ_TILE * q;
+        for (int p = 0; p < 4; ++p) {
+            int r = row0 + tx + GPTQ_TILE * p;
+            if (r < rows && c < cols)
+                w[(long long)c * ldw + r] += acc[p][q];
+        }
+    }
 }
 
 /*
@@ -344,34 +371,54 @@ GPTQ_KERNEL void gptq_chol_panel_rows(float *m, int ldm, int n, int k0, int k1, 
 
 /*
  * After the panel [k0, k1) is factored: M[i, j] -= sum over k0 <= k < k1 of L[i, k] * L[j, k] for
- * k1 <= j <= i < n (the trailing lower triangle). Grid (ceil((n-k1)/16), ceil((n-k1)/16)), block (16, 16):
- * block (bx, by) owns rows k1 + by*16.. and columns k1 + bx*16..; tiles wholly above the diagonal, and every
+ * k1 <= j <= i < n (the trailing lower triangle). Grid (ceil((n-k1)/64), ceil((n-k1)/64)), block (16, 16):
+ * block (bx, by) owns rows k1 + by*64.. and columns k1 + bx*64..; tiles wholly above the diagonal, and every
  * tile once status[0] is set, return at once (the whole block, before any barrier). Each step stages 16 panel
  * columns of the tile's rows and of its columns in shared memory, loaded down the columns (contiguous in M).
  */
 GPTQ_KERNEL void gptq_chol_trailing(float *m, int ldm, int n, int k0, int k1, const int *status)
 {
-    __shared__ float la[GPTQ_TILE][GPTQ_TILE + 1]; /* la[k][r] = L[row0 + r, kc + k] */
-    __shared__ float lb[GPTQ_TILE][GPTQ_TILE + 1]; /* lb[k][c] = L[col0 + c, kc + k] */
+    __shared__ float la[GPTQ_WIDE_STEP][GPTQ_WIDE_TILE + 1]; /* la[k][r] = L[row0 + r, kc + k] */
+    __shared__ float lb[GPTQ_WIDE_STEP][GPTQ_WIDE_TILE + 1]; /* lb[k][c] = L[col0 + c, kc + k] */
     int bx = blockIdx.x, by = blockIdx.y;
     if (bx > by || status[0] != 0)
         return;
     int tx = threadIdx.x, ty = threadIdx.y;
-    int row0 = k1 + by * GPTQ_TILE, col0 = k1 + bx * GPTQ_TILE;
-    int i = row0 + ty, j = col0 + tx;
-    float acc = 0.0f;
-    for (int kc = k0; kc < k1; kc += GPTQ_TILE) {
-        int k = kc + ty;
-        int ra = row0 + tx, rb = col0 + tx;
-        la[ty][tx] = (k < k1 && ra < n) ? m[(long long)k * ldm + ra] : 0.0f;
-        lb[ty][tx] = (k < k1 && rb < n) ? m[(long long)k * ldm + rb] : 0.0f;
+    int tid = ty * GPTQ_TILE + tx;
+    int row0 = k1 + by * GPTQ_WIDE_TILE, col0 = k1 + bx * GPTQ_WIDE_TILE;
+    float acc[4][4];
+    for (int p = 0; p < 4; ++p)
+        for (int q = 0; q < 4; ++q)
+            acc[p][q] = 0.0f;
+    for (int kc = k0; kc < k1; kc += GPTQ_WIDE_STEP) {
+        for (int l = 0; l < 4; ++l) {
+            int idx = tid + l * GPTQ_TILE * GPTQ_TILE; /* 0 .. 1023: rows fastest */
+            int r = idx % GPTQ_WIDE_TILE, kk = idx / GPTQ_WIDE_TILE;
+            int k = kc + kk;
+            la[kk][r] = (k < k1 && row0 + r < n) ? m[(long long)k * ldm + row0 + r] : 0.0f;
+            lb[kk][r] = (k < k1 && col0 + r < n) ? m[(long long)k * ldm + col0 + r] : 0.0f;
+        }
         __syncthreads();
-        for (int kk = 0; kk < GPTQ_TILE; ++kk)
-            acc += la[kk][ty] * lb[kk][tx];
+        for (int kk = 0; kk < GPTQ_WIDE_STEP; ++kk) {
+            float a[4], b[4];
+            for (int p = 0; p < 4; ++p)
+                a[p] = la[kk][tx + GPTQ_TILE * p];
+            for (int q = 0; q < 4; ++q)
+                b[q] = lb[kk][ty + GPTQ_TILE * q];
+            for (int p = 0; p < 4; ++p)
+                for (int q = 0; q < 4; ++q)
+                    acc[p][q] += a[p] * b[q];
+        }
         __syncthreads();
     }
-    if (i < n && j < n && i >= j)
-        m[(long long)j * ldm + i] -= acc;
+    for (int q = 0; q < 4; ++q) {
+        int j = col0 + ty + GPTQ_TILE * q;
+        for (int p = 0; p < 4; ++p) {
+            int i = row0 + tx + GPTQ_TILE * p;
+            if (i < n && j < n && i >= j)
+                m[(long long)j * ldm + i] -= acc[p][q];
+        }
+    }
 }
 
 /*

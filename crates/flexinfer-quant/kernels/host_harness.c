@@ -122,7 +122,7 @@ static void hessian_body(void *p)
 int gptq_host_hessian_lower(float *h, int ldh, const float *x, int ldx, int tokens, int n, float alpha)
 {
     struct hessian_args a = {h, ldh, x, ldx, tokens, n, alpha};
-    gptq_dim3 grid = {cdiv(n, GPTQ_HESSIAN_TILE), cdiv(n, GPTQ_HESSIAN_TILE), 1},
+    gptq_dim3 grid = {cdiv(n, GPTQ_WIDE_TILE), cdiv(n, GPTQ_WIDE_TILE), 1},
               block = {GPTQ_TILE, GPTQ_TILE, 1};
     return launch(grid, block, hessian_body, &a);
 }
@@ -165,7 +165,8 @@ int gptq_host_block_update(float *w, int ldw, const float *d, int ldd, const flo
                            long long f_cs, int rows, int k, int cols)
 {
     struct update_args a = {w, ldw, d, ldd, f, f_rs, f_cs, rows, k, cols};
-    gptq_dim3 grid = {cdiv(cols, GPTQ_TILE), cdiv(rows, GPTQ_TILE), 1}, block = {GPTQ_TILE, GPTQ_TILE, 1};
+    gptq_dim3 grid = {cdiv(cols, GPTQ_WIDE_TILE), cdiv(rows, GPTQ_WIDE_TILE), 1},
+              block = {GPTQ_TILE, GPTQ_TILE, 1};
     return launch(grid, block, update_body, &a);
 }
 

@@ -90,8 +90,8 @@ pub const KERNEL_SOURCE: &str = include_str!("../../../kernels/gptq.cu");
 
 /// Thread-block edge of the square kernels (`GPTQ_TILE`).
 pub(super) const TILE: u32 = 16;
-/// Output tile edge of the Hessian kernel (`GPTQ_HESSIAN_TILE`; its blocks are `TILE × TILE` threads).
-pub(super) const HESSIAN_TILE: u32 = 64;
+/// Output tile edge of the product kernels (`GPTQ_WIDE_TILE`; their blocks are `TILE × TILE` threads).
+pub(super) const WIDE_TILE: u32 = 64;
 /// Threads per block of the sweep kernel (`GPTQ_SWEEP_THREADS`).
 pub(super) const SWEEP_THREADS: u32 = 128;
 /// Threads per block of the factorisation's row kernel (`GPTQ_COLUMN_THREADS`).
@@ -122,11 +122,12 @@ impl Launch {
     pub fn square(kernel: Kernel, n: usize) -> Launch {
         Launch::tiles(kernel, n, n)
     }
-    /// The Hessian kernel over an `n × n` matrix: `TILE × TILE` threads per `HESSIAN_TILE` square.
-    pub fn hessian(n: usize) -> Launch {
+    /// A product kernel (Hessian, block update, trailing update) over `cols × rows` outputs: `TILE × TILE`
+    /// threads per `WIDE_TILE` square (grid x over columns, y over rows).
+    pub fn wide(kernel: Kernel, cols: usize, rows: usize) -> Launch {
         Launch {
-            kernel: Kernel::HessianLower,
-            grid: [blocks(n, HESSIAN_TILE), blocks(n, HESSIAN_TILE), 1],
+            kernel,
+            grid: [blocks(cols, WIDE_TILE), blocks(rows, WIDE_TILE), 1],
             block: [TILE, TILE, 1],
         }
     }

@@ -362,7 +362,7 @@ impl<V: Vendor> DeviceOps for KernelOps<'_, V> {
         };
         self.upload(buf, bytes_of(&data))?;
         self.launch(
-            Launch::hessian(n),
+            Launch::wide(Kernel::HessianLower, n, n),
             &[
                 Arg::Ptr(h),
                 Arg::I32(n32),

@@ -115,7 +115,7 @@ impl<V: Vendor> KernelOps<'_, V> {
         if k1 < n {
             let below = Launch::rows(Kernel::CholPanelRows, n - k1, COLUMN_THREADS);
             self.launch(below, &pivots)?;
-            let trailing = Launch::square(Kernel::CholTrailing, n - k1);
+            let trailing = Launch::wide(Kernel::CholTrailing, n - k1, n - k1);
             self.launch(trailing, &with(&[Arg::Ptr(status)]))?;
         }
         Ok(())
@@ -363,7 +363,7 @@ impl<V: Vendor> KernelOps<'_, V> {
         // F(i1, i2) = M[n-1-i1, n-1-i2]; F's row stride is −1 and its column stride −n.
         let f = s.m + (((n - 1 - i2) * n + (n - 1 - i1)) * 4) as u64;
         self.launch(
-            Launch::tiles(Kernel::BlockUpdate, cols - i2, rows),
+            Launch::wide(Kernel::BlockUpdate, cols - i2, rows),
             &[
                 Arg::Ptr(s.dw + s.off(i2)),
                 Arg::I32(r32),
