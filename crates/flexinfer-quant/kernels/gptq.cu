@@ -26,12 +26,14 @@
 #if defined(__HIP__) && !defined(GPTQ_HOST)
 #pragma clang fp contract(off)
 #define GPTQ_KERNEL extern "C" __global__
+#define GPTQ_DEVICE static __device__ __forceinline__
 #define GPTQ_MUL(a, b) ((a) * (b))
 #define GPTQ_ADD(a, b) ((a) + (b))
 #define GPTQ_SUB(a, b) ((a) - (b))
 #define GPTQ_DIV(a, b) ((a) / (b))
 #elif !defined(GPTQ_HOST)
 #define GPTQ_KERNEL extern "C" __global__
+#define GPTQ_DEVICE static __device__ __forceinline__
 #define GPTQ_MUL(a, b) __fmul_rn((a), (b))
 #define GPTQ_ADD(a, b) __fadd_rn((a), (b))
 #define GPTQ_SUB(a, b) __fsub_rn((a), (b))
@@ -59,6 +61,31 @@
 /* Summation indices (tokens, or the inner dimension) staged in shared memory per step of those kernels. */
 #define GPTQ_WIDE_STEP 16
 
+/* One staged step of a product kernel: acc[p][q] += sum over the GPTQ_WIDE_STEP staged indices k of
+ * a[k][tx + 16p] * b[k][ty + 16q] (a and b are the block's shared tiles, index-major). */
+GPTQ_DEVICE void gptq_wide_step(float acc[4][4], float (*a)[GPTQ_WIDE_TILE + 1],
+                                float (*b)[GPTQ_WIDE_TILE + 1], int tx, int ty)
+{
+    for (int k = 0; k < GPTQ_WIDE_STEP; ++k) {
+        float x[4], y[4];
+        for (int p = 0; p < 4; ++p)
+            x[p] = a[k][tx + GPTQ_TILE * p];
+        for (int q = 0; q < 4; ++q)
+            y[q] = b[k][ty + GPTQ_TILE * q];
+        for (int p = 0; p < 4; ++p)
+            for (int q = 0; q < 4; ++q)
+                acc[p][q] += x[p] * y[q];
+    }
+}
+
+/* Zeroes a product kernel's 4 x 4 accumulators. */
+GPTQ_DEVICE void gptq_wide_zero(float acc[4][4])
+{
+    for (int p = 0; p < 4; ++p)
+        for (int q = 0; q < 4; ++q)
+            acc[p][q] = 0.0f;
+}
+
 /*
  * H += alpha * X^T X on the lower triangle (diagonal included) of the n x n matrix H (ldh); X is tokens x n
  * (ldx), one calibration batch. Grid (ceil(n/64), ceil(n/64)), block (16, 16): block (bx, by) owns the
@@ -79,9 +106,7 @@ GPTQ_KERNEL void gptq_hessian_lower(float *h, int ldh, const float *x, int ldx, 
     int tid = ty * GPTQ_TILE + tx;
     int row0 = by * GPTQ_WIDE_TILE, col0 = bx * GPTQ_WIDE_TILE;
     float acc[4][4];
-    for (int p = 0; p < 4; ++p)
-        for (int q = 0; q < 4; ++q)
-            acc[p][q] = 0.0f;
+    gptq_wide_zero(acc);
     for (int t0 = 0; t0 < tokens; t0 += GPTQ_WIDE_STEP) {
         for (int l = 0; l < 4; ++l) {
             int idx = tid + l * GPTQ_TILE * GPTQ_TILE; /* 0 .. 1023: token fastest */
@@ -91,16 +116,7 @@ GPTQ_KERNEL void gptq_hessian_lower(float *h, int ldh, const float *x, int ldx, 
             xb[k][c] = (t < tokens && fb < n) ? x[(long long)fb * ldx + t] : 0.0f;
         }
         __syncthreads();
-        for (int k = 0; k < GPTQ_WIDE_STEP; ++k) {
-            float a[4], b[4];
-            for (int p = 0; p < 4; ++p)
-                a[p] = xa[k][tx + GPTQ_TILE * p];
-            for (int q = 0; q < 4; ++q)
-                b[q] = xb[k][ty + GPTQ_TILE * q];
-            for (int p = 0; p < 4; ++p)
-                for (int q = 0; q < 4; ++q)
-                    acc[p][q] += a[p] * b[q];
-        }
+        gptq_wide_step(acc, xa, xb, tx, ty);
         __syncthreads();
     }
     for (int q = 0; q < 4; ++q) {
@@ -142,9 +158,7 @@ GPTQ_KERNEL void gptq_block_update(float *w, int ldw, const float *d, int ldd, c
     int tid = ty * GPTQ_TILE + tx;
     int row0 = blockIdx.y * GPTQ_WIDE_TILE, col0 = blockIdx.x * GPTQ_WIDE_TILE;
     float acc[4][4];
-    for (int p = 0; p < 4; ++p)
-        for (int q = 0; q < 4; ++q)
-            acc[p][q] = 0.0f;
+    gptq_wide_zero(acc);
     for (int u0 = 0; u0 < k; u0 += GPTQ_WIDE_STEP) {
         for (int l = 0; l < 4; ++l) {
             int idx = tid + l * GPTQ_TILE * GPTQ_TILE; /* 0 .. 1023 */
@@ -156,16 +170,7 @@ GPTQ_KERNEL void gptq_block_update(float *w, int ldw, const float *d, int ldd, c
                             : 0.0f;
         }
         __syncthreads();
-        for (int u = 0; u < GPTQ_WIDE_STEP; ++u) {
-            float a[4], b[4];
-            for (int p = 0; p < 4; ++p)
-                a[p] = ds[u][tx + GPTQ_TILE * p];
-            for (int q = 0; q < 4; ++q)
-                b[q] = fs[u][ty + GPTQ_TILE * q];
-            for (int p = 0; p < 4; ++p)
-                for (int q = 0; q < 4; ++q)
-                    acc[p][q] += a[p] * b[q];
-        }
+        gptq_wide_step(acc, ds, fs, tx, ty);
         __syncthreads();
     }
     for (int q = 0; q < 4; ++q) {
@@ -387,9 +392,7 @@ GPTQ_KERNEL void gptq_chol_trailing(float *m, int ldm, int n, int k0, int k1, co
     int tid = ty * GPTQ_TILE + tx;
     int row0 = k1 + by * GPTQ_WIDE_TILE, col0 = k1 + bx * GPTQ_WIDE_TILE;
     float acc[4][4];
-    for (int p = 0; p < 4; ++p)
-        for (int q = 0; q < 4; ++q)
-            acc[p][q] = 0.0f;
+    gptq_wide_zero(acc);
     for (int kc = k0; kc < k1; kc += GPTQ_WIDE_STEP) {
         for (int l = 0; l < 4; ++l) {
             int idx = tid + l * GPTQ_TILE * GPTQ_TILE; /* 0 .. 1023: rows fastest */
@@ -399,16 +402,7 @@ GPTQ_KERNEL void gptq_chol_trailing(float *m, int ldm, int n, int k0, int k1, co
             lb[kk][r] = (k < k1 && col0 + r < n) ? m[(long long)k * ldm + col0 + r] : 0.0f;
         }
         __syncthreads();
-        for (int kk = 0; kk < GPTQ_WIDE_STEP; ++kk) {
-            float a[4], b[4];
-            for (int p = 0; p < 4; ++p)
-                a[p] = la[kk][tx + GPTQ_TILE * p];
-            for (int q = 0; q < 4; ++q)
-                b[q] = lb[kk][ty + GPTQ_TILE * q];
-            for (int p = 0; p < 4; ++p)
-                for (int q = 0; q < 4; ++q)
-                    acc[p][q] += a[p] * b[q];
-        }
+        gptq_wide_step(acc, la, lb, tx, ty);
         __syncthreads();
     }
     for (int q = 0; q < 4; ++q) {

@@ -28,6 +28,7 @@ static pthread_mutex_t gptq_launch_lock = PTHREAD_MUTEX_INITIALIZER;
 #define __syncthreads() pthread_barrier_wait(&gptq_barrier)
 #define __shared__ static
 #define GPTQ_KERNEL static
+#define GPTQ_DEVICE static inline
 #define GPTQ_MUL(a, b) ((a) * (b))
 #define GPTQ_ADD(a, b) ((a) + (b))
 #define GPTQ_SUB(a, b) ((a) - (b))
