@@ -7,7 +7,7 @@
  * Layout: every matrix is column-major with a leading dimension `ld*` (floats between columns), as the
  * engine's faer matrices are. Indices that can exceed 2^31 are computed in long long.
  *
- * Rounding: the in-block sweep must give the CPU backend's bits (crates/flexinfer-quant/src/gptq.rs,
+ * Rounding: the in-block sweep must give the CPU backend's bits (src/numerics/gptq/tile.rs,
  * TileKernel): every product and sum is rounded on its own (GPTQ_MUL/GPTQ_ADD). Under NVRTC they are
  * __fmul_rn/__fadd_rn, which the compiler never fuses into an FMA. HIP's __fmul_rn & co. are plain `x * y`
  * inline functions, which clang's HIP default (-ffp-contract=fast-honor-pragmas) does fuse (seen in the
@@ -185,7 +185,7 @@ GPTQ_KERNEL void gptq_block_update(float *w, int ldw, const float *d, int ldd, c
 
 /*
  * The in-block column sweep of one block of `count` columns (count <= GPTQ_MAX_BLOCK), one thread per row,
- * columns in order; the same values as gptq.rs's TileKernel to the bit.
+ * columns in order; the same values as src/numerics/gptq/tile.rs's TileKernel to the bit.
  *   w      the block's columns of the working W as the block starts (ldw); read only
  *   w0     the same columns of W before the sweep (ld0): deltas are W0 - Q (see linalg.rs)
  *   d      out: W0 - Q per column (ldd), 0 for a column without group parameters
@@ -232,12 +232,12 @@ GPTQ_KERNEL void gptq_sweep_block(const float *w, int ldw, const float *w0, int 
 }
 
 /*
- * The block-start snapshot of the `width` columns at the block's start (gptq.rs block_snapshot): W as the
- * reference sees it there, S = P + C * (F^-1 - I) with C = P - W0, where F is the unit upper-triangular
- * `width` x `width` block of the sweep factor (`coef`, row-major as gptq_gather_coef writes it; only its
- * strict upper triangle is read). Instead of inverting F, each row solves X * F = C by forward substitution
- * (x_j = c_j - sum over a < j of x_a * F[a, j]); then Y = X - C = -sum x_a * F[a, j] and S_j = P_j + Y_j, so
- * the first column is P's exactly, as on the CPU.
+ * The block-start snapshot of the `width` columns at the block's start (src/numerics/gptq/mod.rs,
+ * block_snapshot): W as the reference sees it there, S = P + C * (F^-1 - I) with C = P - W0, where F is the
+ * unit upper-triangular `width` x `width` block of the sweep factor (`coef`, row-major as gptq_gather_coef
+ * writes it; only its strict upper triangle is read). Instead of inverting F, each row solves X * F = C by
+ * forward substitution (x_j = c_j - sum over a < j of x_a * F[a, j]); then Y = X - C = -sum x_a * F[a, j]
+ * and S_j = P_j + Y_j, so the first column is P's exactly, as on the CPU.
  *   snap  out: S (lds)           xs   out: X, scratch (ldx)
  *   p     the columns of the working W as the block starts (ldp)    w0  the same columns of W0 (ld0)
  * One thread per row, no shared memory. Grid ceil(rows / GPTQ_SWEEP_THREADS), block GPTQ_SWEEP_THREADS.
