@@ -34,7 +34,7 @@ use flexinfer_quant::params::GptqParams;
 use report::Report;
 use serde_json::{json, Value};
 use std::time::Instant;
-use timing::{module_steps, time_hessian};
+use timing::{module_steps, time_block_update, time_hessian};
 use whole::whole_model;
 
 struct Opts {
@@ -231,6 +231,11 @@ fn timings(report: &mut Report, dev: &KernelDevice<DriverVendor>, o: &Opts) {
     } else {
         (4096, 11008, 2048)
     };
+    report.section("block update timing", |r| {
+        // The first block of the module below: 128 deltas into the module's other columns.
+        r.timing(time_block_update(dev, module.0, 128, module.1 - 128)?);
+        Ok(())
+    });
     report.section("module solve", |r| {
         let case = check::Case {
             name: format!("module {} x {}", module.0, module.1),

@@ -83,3 +83,75 @@ pub fn module_steps(
         "loss": q.loss,
     }))
 }
+
+/// Seconds and rate of the sweep's block update (`gptq_block_update`, `W += D·F`) alone, at the shape of a
+/// module's first block: `rows × k` deltas times a `k × cols` factor block into `rows × cols` weights, all on
+/// the device (buffers filled once, not timed). After a warm-up launch, `reps` launches are timed up to a
+/// 4-byte download that waits for them; `2·rows·k·cols` flops a launch.
+pub fn time_block_update(
+    dev: &KernelDevice<DriverVendor>,
+    rows: usize,
+    k: usize,
+    cols: usize,
+) -> Result<Value, String> {
+    use flexinfer_quant::device::kernel::{Arg, Kernel, Launch, Vendor};
+    let e = |e: flexinfer_quant::device::DeviceError| e.to_string();
+    let dim = |v: usize| i32::try_from(v).map_err(|_| format!("{v} exceeds i32"));
+    let (r32, k32, c32) = (dim(rows)?, dim(k)?, dim(cols)?);
+    let mut rng = check::Rng::new(5);
+    let filled = |n: usize, rng: &mut check::Rng| -> Vec<u8> {
+        let m = rng.matrix(n, 1, 0.05);
+        (0..n).flat_map(|i| m[(i, 0)].to_ne_bytes()).collect()
+    };
+    let (w, d, f) = (
+        filled(rows * cols, &mut rng),
+        filled(rows * k, &mut rng),
+        filled(k * cols, &mut rng),
+    );
+    let reps = 5;
+    dev.with_vendor(|v| -> Result<Value, String> {
+        let mut bufs = Vec::new();
+        let run = (|| -> Result<Value, String> {
+            let mut put = |v: &mut DriverVendor, data: &[u8]| -> Result<u64, String> {
+                let p = v.alloc(data.len()).map_err(e)?;
+                bufs.push(p);
+                v.upload(p, data).map_err(e)?;
+                Ok(p)
+            };
+            let (dw, dd, df) = (put(v, &w)?, put(v, &d)?, put(v, &f)?);
+            // F column-major k × cols: F(u, c) at f[u + c·k].
+            let args = [
+                Arg::Ptr(dw),
+                Arg::I32(r32),
+                Arg::Ptr(dd),
+                Arg::I32(r32),
+                Arg::Ptr(df),
+                Arg::I64(1),
+                Arg::I64(k as i64),
+                Arg::I32(r32),
+                Arg::I32(k32),
+                Arg::I32(c32),
+            ];
+            let launch = Launch::wide(Kernel::BlockUpdate, cols, rows);
+            let mut sync = [0u8; 4];
+            v.launch(launch, &args).map_err(e)?;
+            v.download(dw, &mut sync).map_err(e)?;
+            let t = Instant::now();
+            for _ in 0..reps {
+                v.launch(launch, &args).map_err(e)?;
+            }
+            v.download(dw, &mut sync).map_err(e)?;
+            let seconds = (t.elapsed().as_secs_f64() / reps as f64).max(1e-9);
+            let flops = 2.0 * rows as f64 * k as f64 * cols as f64;
+            Ok(json!({
+                "timing": "block update", "rows": rows, "k": k, "cols": cols,
+                "seconds": seconds, "gflops": flops / seconds / 1e9,
+            }))
+        })();
+        for p in bufs {
+            v.free(p);
+        }
+        run
+    })
+    .map_err(e)?
+}
