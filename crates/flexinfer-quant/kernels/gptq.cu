@@ -78,6 +78,21 @@ GPTQ_DEVICE void gptq_wide_step(float acc[4][4], float (*a)[GPTQ_WIDE_TILE + 1],
     }
 }
 
+/* Adds alpha * acc to the lower triangle (i >= j, both < n) of the n x n matrix out (ld) at the thread's
+ * entries of the tile at (row0, col0): rows row0 + tx + 16p, columns col0 + ty + 16q. */
+GPTQ_DEVICE void gptq_wide_store_lower(float *out, int ld, int n, int row0, int col0, float acc[4][4],
+                                       float alpha, int tx, int ty)
+{
+    for (int q = 0; q < 4; ++q) {
+        int j = col0 + ty + GPTQ_TILE * q;
+        for (int p = 0; p < 4; ++p) {
+            int i = row0 + tx + GPTQ_TILE * p;
+            if (i < n && j < n && i >= j)
+                out[(long long)j * ld + i] += alpha * acc[p][q];
+        }
+    }
+}
+
 /* Zeroes a product kernel's 4 x 4 accumulators. */
 GPTQ_DEVICE void gptq_wide_zero(float acc[4][4])
 {
@@ -119,14 +134,7 @@ GPTQ_KERNEL void gptq_hessian_lower(float *h, int ldh, const float *x, int ldx, 
         gptq_wide_step(acc, xa, xb, tx, ty);
         __syncthreads();
     }
-    for (int q = 0; q < 4; ++q) {
-        int j = col0 + ty + GPTQ_TILE * q;
-        for (int p = 0; p < 4; ++p) {
-            int i = row0 + tx + GPTQ_TILE * p;
-            if (i < n && j < n && i >= j)
-                h[(long long)j * ldh + i] += alpha * acc[p][q];
-        }
-    }
+    gptq_wide_store_lower(h, ldh, n, row0, col0, acc, alpha, tx, ty);
 }
 
 /*
@@ -405,14 +413,8 @@ GPTQ_KERNEL void gptq_chol_trailing(float *m, int ldm, int n, int k0, int k1, co
         gptq_wide_step(acc, la, lb, tx, ty);
         __syncthreads();
     }
-    for (int q = 0; q < 4; ++q) {
-        int j = col0 + ty + GPTQ_TILE * q;
-        for (int p = 0; p < 4; ++p) {
-            int i = row0 + tx + GPTQ_TILE * p;
-            if (i < n && j < n && i >= j)
-                m[(long long)j * ldm + i] -= acc[p][q];
-        }
-    }
+    /* -1 * acc is exact, so this subtracts acc. */
+    gptq_wide_store_lower(m, ldm, n, row0, col0, acc, -1.0f, tx, ty);
 }
 
 /*

@@ -128,8 +128,9 @@ fn session_path(
         params: &c.params,
         recovery: &c.recovery,
         module: "m",
+        events: sink,
     };
-    solve_with_fallback(&dev.describe(), s.as_mut(), &refs, &spec, sink)
+    solve_with_fallback(&dev.describe(), s.as_mut(), &refs, &spec)
 }
 
 fn assert_same_bytes(a: &[QuantizedLinear], b: &[QuantizedLinear], what: &str) {

@@ -339,8 +339,9 @@ fn solve(
         params: &c.params,
         recovery: &c.recovery,
         module: "m",
+        events: sink,
     };
-    solve_with_fallback(&dev.describe(), s.as_mut(), &refs, &spec, sink).unwrap()
+    solve_with_fallback(&dev.describe(), s.as_mut(), &refs, &spec).unwrap()
 }
 
 fn host_device(log: &Arc<Mutex<Log>>, budget: Option<u64>) -> KernelDevice<HostVendor> {

@@ -73,9 +73,12 @@ pub fn module_steps(
         return Err("the factorisation attempt failed".into());
     }
     let t = Instant::now();
-    let q = ops
-        .sweep(&w, &meta, 0.01, &GptqParams::default())
-        .map_err(e)?;
+    let job = flexinfer_quant::device::SweepJob {
+        meta: &meta,
+        damp: 0.01,
+        params: &GptqParams::default(),
+    };
+    let q = ops.sweep(&w, &job).map_err(e)?;
     let sweep = t.elapsed().as_secs_f64();
     Ok(json!({
         "timing": "module steps", "rows": rows, "n": n, "tokens": tokens,

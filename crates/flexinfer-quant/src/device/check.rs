@@ -505,8 +505,9 @@ pub fn solve_case(dev: &dyn Device, case: &Case, seed: u64) -> crate::Result<Sol
             params: &case.params,
             recovery: &case.recovery,
             module: &case.name,
+            events: &NullSink,
         };
-        let q = solve_with_fallback(&d.describe(), s.as_mut(), &refs, &spec, &NullSink)?;
+        let q = solve_with_fallback(&d.describe(), s.as_mut(), &refs, &spec)?;
         Ok((q, t.elapsed().as_secs_f64()))
     };
     let (device, device_seconds) = run(dev)?;

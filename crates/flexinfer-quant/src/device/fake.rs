@@ -5,11 +5,11 @@
 
 use super::{
     DevResult, Device, DeviceError, DeviceKind, DeviceOps, OpsSession, PreparedMeta, Session,
+    SweepJob,
 };
 use crate::numerics::gptq::{gptq_quantize_in, QuantizedLinear, Workspace};
 use crate::numerics::hessian::PreparedFactor;
 use crate::numerics::linalg::{CpuBackend, LinalgBackend, SweepFactor};
-use crate::params::GptqParams;
 use faer::{Mat, MatRef};
 use std::sync::Mutex;
 
@@ -180,22 +180,16 @@ impl DeviceOps for FakeOps<'_> {
     fn has_factor(&self) -> bool {
         self.factor.is_some()
     }
-    fn sweep(
-        &mut self,
-        w: &Mat<f32>,
-        meta: &PreparedMeta,
-        damp: f32,
-        p: &GptqParams,
-    ) -> DevResult<QuantizedLinear> {
+    fn sweep(&mut self, w: &Mat<f32>, job: &SweepJob<'_>) -> DevResult<QuantizedLinear> {
         self.check(2, "sweep")?;
         let f = self.factor.take().ok_or_else(|| Self::lost("sweep"))?;
         let pf = PreparedFactor {
             f,
-            perm: meta.perm.clone(),
-            dead: meta.dead.clone(),
-            damp,
+            perm: job.meta.perm.clone(),
+            dead: job.meta.dead.clone(),
+            damp: job.damp,
         };
-        let q = gptq_quantize_in(&mut self.ws, &self.dev.backend, w, &pf, p);
+        let q = gptq_quantize_in(&mut self.ws, &self.dev.backend, w, &pf, job.params);
         self.factor = Some(pf.f);
         Ok(q)
     }

@@ -28,7 +28,7 @@ pub mod kernel;
 mod ops;
 mod select;
 
-pub use ops::{DeviceOps, OpsSession, PreparedMeta, MAX_DEVICE_RESETS};
+pub use ops::{DeviceOps, OpsSession, PreparedMeta, SweepJob, MAX_DEVICE_RESETS};
 pub use select::{
     select_device, DeviceChoice, GpuInfo, MemoryBudget, Platform, ProbeError, Selection,
     SystemPlatform, CUDA_LIBRARIES, HIP_LIBRARIES,
@@ -90,13 +90,14 @@ impl DeviceError {
 
 pub type DevResult<T> = std::result::Result<T, DeviceError>;
 
-/// What the solve of one input group needs besides its buffers.
-#[derive(Clone, Copy, Debug)]
+/// What the solve of one input group needs besides its buffers, and where its events go.
+#[derive(Clone, Copy)]
 pub struct SolveSpec<'a> {
     pub params: &'a GptqParams,
     pub recovery: &'a RecoveryParams,
     /// The group's module names (comma list), for events.
     pub module: &'a str,
+    pub events: &'a dyn EventSink,
 }
 
 /// Something that runs whole input-group solves.
@@ -119,7 +120,6 @@ pub trait Session {
         &mut self,
         weights: &[&Mat<f32>],
         spec: &SolveSpec<'_>,
-        events: &dyn EventSink,
     ) -> DevResult<Vec<QuantizedLinear>>;
     /// After `solve` failed: the prepared Hessian as the host has it, for the CPU to finish the group; `None`
     /// when the failure came before the host had a copy.
@@ -182,8 +182,8 @@ impl Session for CpuSession {
         &mut self,
         weights: &[&Mat<f32>],
         spec: &SolveSpec<'_>,
-        events: &dyn EventSink,
     ) -> DevResult<Vec<QuantizedLinear>> {
+        let events = spec.events;
         let mut h = self.h.take().ok_or_else(|| Self::solved("solve"))?;
         if let Some(Handover { device, reason }) = &self.handover {
             fallback_event(events, spec.module, device, reason, "cpu");
@@ -197,7 +197,6 @@ impl Session for CpuSession {
             prepared,
             weights,
             spec,
-            events,
         ))
     }
 
@@ -247,10 +246,9 @@ pub fn solve_prepared_on_cpu(
     prepared: PreparedHessian,
     weights: &[&Mat<f32>],
     spec: &SolveSpec<'_>,
-    events: &dyn EventSink,
 ) -> Vec<QuantizedLinear> {
     let PreparedHessian { h, perm, dead } = prepared;
-    let outcome = match recover(backend, &h, spec.recovery, spec.module, events) {
+    let outcome = match recover(backend, &h, spec.recovery, spec.module, spec.events) {
         Some((f, damp)) => FactorOutcome::Factor(PreparedFactor {
             f,
             perm,
@@ -270,21 +268,19 @@ pub fn solve_with_fallback(
     session: &mut dyn Session,
     weights: &[&Mat<f32>],
     spec: &SolveSpec<'_>,
-    events: &dyn EventSink,
 ) -> Result<Vec<QuantizedLinear>, QuantError> {
-    match session.solve(weights, spec, events) {
+    match session.solve(weights, spec) {
         Ok(r) => Ok(r),
         Err(e) => {
             let prepared = session.fallback_hessian();
             let to = if prepared.is_some() { "cpu" } else { "none" };
-            fallback_event(events, spec.module, device_name, &e.to_string(), to);
+            fallback_event(spec.events, spec.module, device_name, &e.to_string(), to);
             match prepared {
                 Some(p) => Ok(solve_prepared_on_cpu(
                     &CpuBackend::default(),
                     p,
                     weights,
                     spec,
-                    events,
                 )),
                 None => Err(QuantError::DeviceLost {
                     module: spec.module.to_string(),

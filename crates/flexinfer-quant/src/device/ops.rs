@@ -22,6 +22,15 @@ pub struct PreparedMeta {
     pub sanitized: usize,
 }
 
+/// What every module of an input group is swept with: the preparation's facts, the damp of the
+/// factorisation attempt that succeeded (recorded in each result) and the quantization parameters.
+#[derive(Clone, Copy, Debug)]
+pub struct SweepJob<'a> {
+    pub meta: &'a PreparedMeta,
+    pub damp: f32,
+    pub params: &'a GptqParams,
+}
+
 impl PreparedMeta {
     /// The host half of [`DeviceOps::prepare`] for devices that prepare on the host: sanitise the
     /// mirrored Hessian, then the CPU's dead-column fix and act-order permutation. Returns the prepared
@@ -59,13 +68,7 @@ pub trait DeviceOps {
     /// Whether a usable factor from the last successful [`DeviceOps::try_factor`] is on the device.
     fn has_factor(&self) -> bool;
     /// The sweep of one module with the current factor: W uploaded, codes/scales/zeros downloaded.
-    fn sweep(
-        &mut self,
-        w: &Mat<f32>,
-        meta: &PreparedMeta,
-        damp: f32,
-        p: &GptqParams,
-    ) -> DevResult<QuantizedLinear>;
+    fn sweep(&mut self, w: &Mat<f32>, job: &SweepJob<'_>) -> DevResult<QuantizedLinear>;
     /// A fresh context and stream (after an error that may have poisoned the old one); device buffers are
     /// gone afterwards.
     fn reset(&mut self) -> DevResult<()>;
@@ -152,8 +155,8 @@ impl<O: DeviceOps> Session for OpsSession<O> {
         &mut self,
         weights: &[&Mat<f32>],
         spec: &SolveSpec<'_>,
-        events: &dyn EventSink,
     ) -> DevResult<Vec<QuantizedLinear>> {
+        let events = spec.events;
         let meta = self.ops.prepare(spec.params.desc_act)?;
         if meta.sanitized > 0 {
             events.emit(
@@ -192,6 +195,11 @@ impl<O: DeviceOps> Session for OpsSession<O> {
                 .map(|w| rtn_quantize(w, spec.params))
                 .collect());
         };
+        let job = SweepJob {
+            meta: &meta,
+            damp,
+            params: spec.params,
+        };
         let mut out = Vec::with_capacity(weights.len());
         for w in weights {
             let q = self.retry("sweep", spec.module, events, |o| {
@@ -203,7 +211,7 @@ impl<O: DeviceOps> Session for OpsSession<O> {
                         "the diagonal that succeeded before the reset failed after it",
                     ));
                 }
-                o.sweep(w, &meta, damp, spec.params)
+                o.sweep(w, &job)
             })?;
             out.push(q);
         }

@@ -338,19 +338,14 @@ pub(super) fn solve_group(
         params: &run.job.params,
         recovery: &run.job.recovery,
         module: &module,
+        events: run.events,
     };
     let quantized = {
         let weights = active
             .iter()
             .map(|&i| lw.module(i).map(|l| &l.w).ok_or_else(|| missing(i)))
             .collect::<Result<Vec<_>>>()?;
-        solve_with_fallback(
-            &run.device.describe(),
-            session.as_mut(),
-            &weights,
-            &spec,
-            run.events,
-        )?
+        solve_with_fallback(&run.device.describe(), session.as_mut(), &weights, &spec)?
     };
     drop(session);
     for (&i, q) in active.iter().zip(quantized) {

@@ -25,7 +25,7 @@
 
 use super::{
     CpuSession, DevResult, Device, DeviceError, DeviceKind, DeviceOps, Handover, OpsSession,
-    PreparedMeta, Session,
+    PreparedMeta, Session, SweepJob,
 };
 use crate::numerics::gptq::QuantizedLinear;
 use crate::numerics::linalg::CpuBackend;
@@ -447,14 +447,8 @@ impl<V: Vendor> DeviceOps for KernelOps<'_, V> {
         self.factored && self.m.is_some()
     }
 
-    fn sweep(
-        &mut self,
-        w: &Mat<f32>,
-        meta: &PreparedMeta,
-        damp: f32,
-        p: &GptqParams,
-    ) -> DevResult<QuantizedLinear> {
-        let (rows, cols) = (w.nrows(), w.ncols());
+    fn sweep(&mut self, w: &Mat<f32>, job: &SweepJob<'_>) -> DevResult<QuantizedLinear> {
+        let (rows, cols, p) = (w.nrows(), w.ncols(), job.params);
         if cols != self.n {
             return Err(DeviceError::new(
                 self.name(),
@@ -478,7 +472,7 @@ impl<V: Vendor> DeviceOps for KernelOps<'_, V> {
             .filter(|_| self.factored)
             .ok_or_else(|| self.lost("sweep"))?;
         let mut bufs = Vec::new();
-        let result = self.sweep_with(w, meta, damp, p, m, &mut bufs);
+        let result = self.sweep_with(w, job, m, &mut bufs);
         for b in bufs {
             self.release(b);
         }

@@ -5,7 +5,7 @@ use super::{
     bytes_of, dims, Arg, DevPtr, DevResult, Kernel, KernelOps, Launch, Vendor, COLUMN_THREADS,
     PANEL_THREADS, SWEEP_THREADS, TILE,
 };
-use crate::device::PreparedMeta;
+use crate::device::SweepJob;
 use crate::numerics::gptq::{codes_in_original_order, DeadFixed, Groups, Method, QuantizedLinear};
 use crate::numerics::quantizer::{maxq, GroupParams};
 use crate::params::GptqParams;
@@ -143,13 +143,12 @@ impl<V: Vendor> KernelOps<'_, V> {
     pub(super) fn sweep_with(
         &mut self,
         w_in: &Mat<f32>,
-        meta: &PreparedMeta,
-        damp: f32,
-        p: &GptqParams,
+        job: &SweepJob<'_>,
         m: DevPtr,
         bufs: &mut Vec<DevPtr>,
     ) -> DevResult<QuantizedLinear> {
         let (rows, cols) = (w_in.nrows(), w_in.ncols());
+        let (meta, p) = (job.meta, job.params);
         let fixed = DeadFixed::new(w_in, &meta.dead);
         let orig_col = |c: usize| fixed.col(c);
         let mut groups = Groups::new(p, w_in, &orig_col);
@@ -192,7 +191,7 @@ impl<V: Vendor> KernelOps<'_, V> {
         Ok(QuantizedLinear {
             method: Method::Gptq,
             loss: block_losses(&acc, rows),
-            damp,
+            damp: job.damp,
             ..QuantizedLinear::rtn(p, rows, cols, codes, scales, zeros, g_idx)
         })
     }
