@@ -85,16 +85,9 @@ pub fn write_gemma4_model_sized(
         return Err("global_every must be at least 1".into());
     }
     let is_global = |l: usize| (l + 1).is_multiple_of(global_every);
-    let (mut rng, text) = start_model(dir, seed, opts.multimodal)?;
-    let mut randn =
-        |n: usize, std: f32| -> Vec<f32> { (0..n).map(|_| std * gauss(&mut rng)).collect() };
-    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+    let (mut rng, text, mut tensors) = start_model(dir, seed, opts.multimodal, (vocab, h, 0.05))?;
+    let mut randn = |n: usize, std: f32| normal_samples(&mut rng, n, std);
     let mut push = |name: String, shape: Vec<usize>, v: Vec<f32>| tensors.push((name, shape, v));
-    push(
-        format!("{text}embed_tokens.weight"),
-        vec![vocab, h],
-        randn(vocab * h, 0.05),
-    );
     push(format!("{text}norm.weight"), vec![h], vec![1.0; h]);
     let norm = |n: usize| -> Vec<f32> {
         (0..n)

@@ -62,16 +62,10 @@ pub fn write_hybrid_model(dir: &Path, size: &HybridSize, seed: u64) -> Result<()
         size.linear_v_heads * size.linear_v_dim,
     );
     let nv = size.linear_v_heads;
-    let (mut rng, text) = start_model(dir, seed, size.multimodal)?;
-    let mut randn =
-        |n: usize, std: f32| -> Vec<f32> { (0..n).map(|_| std * gauss(&mut rng)).collect() };
-    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+    let (mut rng, text, mut tensors) =
+        start_model(dir, seed, size.multimodal, (size.vocab, h, 1.0))?;
+    let mut randn = |n: usize, std: f32| normal_samples(&mut rng, n, std);
     let mut push = |name: String, shape: Vec<usize>, v: Vec<f32>| tensors.push((name, shape, v));
-    push(
-        format!("{text}embed_tokens.weight"),
-        vec![size.vocab, h],
-        randn(size.vocab * h, 1.0),
-    );
     push(
         "lm_head.weight".into(),
         vec![size.vocab, h],

@@ -145,17 +145,39 @@ pub fn write_char_tokenizer(dir: &Path) -> Result<(), String> {
     .map_err(|e| e.to_string())
 }
 
-/// The start of a generated model in `dir`: the directory and its tokenizer, the seeded random source, and the
-/// prefix of the text model's tensor names (`model.language_model.` in a multimodal checkpoint).
-fn start_model(dir: &Path, seed: u64, multimodal: bool) -> Result<(StdRng, &'static str), String> {
+/// A generated model's tensors in the order they are written: (name, shape, values).
+type Tensors = Vec<(String, Vec<usize>, Vec<f32>)>;
+
+/// `n` samples of a normal distribution with standard deviation `std`.
+fn normal_samples(rng: &mut StdRng, n: usize, std: f32) -> Vec<f32> {
+    (0..n).map(|_| std * gauss(rng)).collect()
+}
+
+/// The start of a generated model in `dir`: the directory and its tokenizer, the seeded random source, the
+/// prefix of the text model's tensor names (`model.language_model.` in a multimodal checkpoint), and the
+/// tensor list holding the `vocab × hidden` token embedding drawn with `embed_std` (the random source's first
+/// draws).
+fn start_model(
+    dir: &Path,
+    seed: u64,
+    multimodal: bool,
+    (vocab, hidden, embed_std): (usize, usize, f32),
+) -> Result<(StdRng, &'static str, Tensors), String> {
     std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
     write_char_tokenizer(dir)?;
-    let prefix = if multimodal {
+    let text = if multimodal {
         "model.language_model."
     } else {
         "model."
     };
-    Ok((StdRng::seed_from_u64(seed), prefix))
+    let mut rng = StdRng::seed_from_u64(seed);
+    let embed = normal_samples(&mut rng, vocab * hidden, embed_std);
+    let tensors = vec![(
+        format!("{text}embed_tokens.weight"),
+        vec![vocab, hidden],
+        embed,
+    )];
+    Ok((rng, text, tensors))
 }
 
 fn bf16_bytes(v: &[f32]) -> Vec<u8> {
@@ -176,20 +198,10 @@ pub fn write_model_sized(
     seed: u64,
     size: &ModelSize,
 ) -> Result<(), String> {
-    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
-    write_char_tokenizer(dir)?;
     let vocab = size.vocab;
-    let mut rng = StdRng::seed_from_u64(seed);
+    let (mut rng, _, mut tensors) = start_model(dir, seed, false, (vocab, size.hidden, 1.0))?;
     let head_dim = size.hidden / size.heads;
-    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
-    let mut randn = |rows: usize, cols: usize, std: f32| -> Vec<f32> {
-        (0..rows * cols).map(|_| std * gauss(&mut rng)).collect()
-    };
-    tensors.push((
-        "model.embed_tokens.weight".into(),
-        vec![vocab, size.hidden],
-        randn(vocab, size.hidden, 1.0),
-    ));
+    let mut randn = |rows: usize, cols: usize, std: f32| normal_samples(&mut rng, rows * cols, std);
     tensors.push((
         "lm_head.weight".into(),
         vec![vocab, size.hidden],
@@ -272,10 +284,7 @@ pub fn write_model_sized(
 }
 
 /// Two BF16 shards split by name, plus `model.safetensors.index.json`.
-fn write_shards(
-    dir: &Path,
-    mut tensors: Vec<(String, Vec<usize>, Vec<f32>)>,
-) -> Result<(), String> {
+fn write_shards(dir: &Path, mut tensors: Tensors) -> Result<(), String> {
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     let half_n = tensors.len() / 2;
     let mut weight_map = serde_json::Map::new();
