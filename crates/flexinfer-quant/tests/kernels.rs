@@ -14,18 +14,13 @@ use flexinfer_quant::gptq::{block_snapshot_cpu, sweep_block_cpu};
 use flexinfer_quant::linalg::{CpuBackend, LinalgBackend, SweepFactor};
 use flexinfer_quant::quantizer::{find_params, maxq, GroupParams};
 use libloading::Symbol;
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 use std::ffi::c_int;
 use std::path::{Path, PathBuf};
 
 mod host_kernels;
+mod support;
 use host_kernels::{sym, KERNELS};
-
-fn random(rows: usize, cols: usize, seed: u64) -> Mat<f32> {
-    let mut rng = StdRng::seed_from_u64(seed);
-    Mat::from_fn(rows, cols, |_, _| rng.random_range(-1.0f32..1.0))
-}
+use support::random;
 
 type HessianFn =
     unsafe extern "C" fn(*mut f32, c_int, *const f32, c_int, c_int, c_int, f32) -> c_int;

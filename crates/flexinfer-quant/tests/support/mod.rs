@@ -1,4 +1,4 @@
-//! Test data shared by tests/device.rs and tests/gpu_session.rs.
+//! Test data shared by tests/device.rs, tests/gpu_session.rs and tests/kernels.rs.
 #![allow(dead_code)]
 
 use faer::Mat;
