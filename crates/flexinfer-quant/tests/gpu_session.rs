@@ -50,6 +50,8 @@ struct Log {
     kernels: BTreeMap<&'static str, usize>,
     /// The kernel of every launch, in order.
     sequence: Vec<Kernel>,
+    /// The device bytes the session held (as it asked for them) at each launch of a module's sweep.
+    sweep_live_bytes: Vec<u64>,
     /// After every launch of this kernel, its output is corrupted (`corrupt`): a vendor whose kernel is
     /// wrong, for the checks of `device::check` to catch.
     corrupt: Option<Kernel>,
@@ -77,6 +79,8 @@ fn corrupt(kernel: Kernel, args: &[Arg]) {
 /// until a reset, as a HIP context after a kernel fault; a reset frees every allocation.
 struct HostVendor {
     allocs: BTreeMap<u64, Vec<u64>>,
+    /// The bytes asked for, per live allocation.
+    asked: BTreeMap<u64, u64>,
     poisoned: bool,
     log: Arc<Mutex<Log>>,
     total: Option<u64>,
@@ -86,6 +90,7 @@ impl HostVendor {
     fn new(log: Arc<Mutex<Log>>) -> Self {
         HostVendor {
             allocs: BTreeMap::new(),
+            asked: BTreeMap::new(),
             poisoned: false,
             log,
             total: None,
@@ -127,10 +132,12 @@ impl Vendor for HostVendor {
         let buf = vec![0u64; bytes.div_ceil(8)];
         let p = buf.as_ptr() as u64;
         self.allocs.insert(p, buf);
+        self.asked.insert(p, bytes as u64);
         Ok(p)
     }
     fn free(&mut self, ptr: DevPtr) {
         self.allocs.remove(&ptr);
+        self.asked.remove(&ptr);
     }
     fn upload(&mut self, dst: DevPtr, src: &[u8]) -> DevResult<()> {
         self.live("upload")?;
@@ -162,6 +169,15 @@ impl Vendor for HostVendor {
             log.launches += 1;
             *log.kernels.entry(kernel.entry()).or_default() += 1;
             log.sequence.push(kernel);
+            let sweep = [
+                Kernel::BlockSnapshot,
+                Kernel::GroupParams,
+                Kernel::SweepBlock,
+                Kernel::BlockUpdate,
+            ];
+            if sweep.contains(&kernel) {
+                log.sweep_live_bytes.push(self.asked.values().sum());
+            }
             let n = log.launches;
             if log.fail_launches.contains(&n) || log.fail_from.is_some_and(|f| n >= f) {
                 drop(log);
@@ -216,6 +232,7 @@ impl Vendor for HostVendor {
     fn reset(&mut self) -> DevResult<()> {
         self.log.lock().unwrap().resets += 1;
         self.allocs.clear();
+        self.asked.clear();
         self.poisoned = false;
         Ok(())
     }
@@ -424,7 +441,20 @@ fn the_kernel_session_solves_like_the_cpu_session() {
                 );
             }
         }
-        println!("{}: {} launches {:?}", c.name, log.launches, log.kernels);
+        // The memory budget's estimate covers what the sweep of the widest module holds on the device.
+        let widest = ws.iter().map(|w| w.nrows()).max().unwrap();
+        let budget = flexinfer_quant::device::kernel::group_bytes(c.cols)
+            + flexinfer_quant::device::kernel::sweep_bytes(widest, c.cols, &c.params);
+        let held = log.sweep_live_bytes.iter().copied().max().unwrap_or(0);
+        assert!(
+            held <= budget,
+            "{}: the sweep held {held} device bytes, the budget check counts {budget}",
+            c.name
+        );
+        println!(
+            "{}: {} launches {:?}; sweep held {held} of {budget} bytes counted",
+            c.name, log.launches, log.kernels
+        );
     }
 }
 

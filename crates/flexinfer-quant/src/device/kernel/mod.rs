@@ -27,7 +27,7 @@ use super::{
     CpuSession, DevResult, Device, DeviceError, DeviceKind, DeviceOps, Handover, OpsSession,
     PreparedMeta, Session, SweepJob,
 };
-use crate::numerics::gptq::QuantizedLinear;
+use crate::numerics::gptq::{GroupLayout, QuantizedLinear};
 use crate::numerics::linalg::CpuBackend;
 use crate::params::GptqParams;
 use faer::{Mat, MatRef};
@@ -73,31 +73,26 @@ impl<V: Vendor + Send> KernelDevice<V> {
     }
 }
 
+/// The smallest allocation the session asks a vendor for (an empty buffer still gets an address).
+const MIN_ALLOC: usize = 4;
+
+/// The factorisation's status words (two `i32`: a non-positive pivot, a non-finite entry).
+const STATUS_BYTES: usize = 8;
+
 /// Device bytes one input group of `n` input features needs at least: the Hessian and the factor (n² f32
-/// each); the weights of the largest module come on top and are checked by the sweep.
+/// each), the factor's pivots (n f32) and its status words; the weights of the largest module come on top
+/// and are checked by the sweep.
 pub fn group_bytes(n: usize) -> u64 {
-    2 * (n as u64) * (n as u64) * 4
+    let n = n as u64;
+    2 * n * n * 4 + n * 4 + STATUS_BYTES as u64
 }
 
 /// Device bytes the sweep of a `rows × cols` module with parameters `p` adds: W and W₀ (f32), the codes, the
 /// block's deltas, every block's row losses, every group's scales and zeros, `R²` and the group of each
-/// column, the coefficients of a block (or of a snapshot), and the snapshot with its scratch.
+/// column, the coefficients of a block (or of a snapshot), and the snapshot with its scratch
+/// (`sweep::SweepSizes`, the sizes the sweep allocates).
 pub fn sweep_bytes(rows: usize, cols: usize, p: &GptqParams) -> u64 {
-    let (r, c) = (rows as u64, cols as u64);
-    let bs = p.block_size.max(1) as u64;
-    let groups = c.div_ceil(p.effective_group(cols).max(1) as u64);
-    let snapshot = if p.group_size > 0 && !p.static_groups {
-        bs.max(p.group_size as u64).min(c)
-    } else {
-        0
-    };
-    r * c * 9
-        + r * bs * 4
-        + r * c.div_ceil(bs) * 4
-        + r * groups * 8
-        + c * 8
-        + bs.max(snapshot).pow(2) * 4
-        + r * snapshot * 8
+    sweep::SweepSizes::new(rows, &GroupLayout::new(p, cols), p).total()
 }
 
 impl<V: Vendor + Send> Device for KernelDevice<V> {
@@ -219,7 +214,7 @@ impl<V: Vendor> KernelOps<'_, V> {
         self.live.clear();
     }
     fn alloc(&mut self, bytes: usize) -> DevResult<DevPtr> {
-        let p = self.vendor()?.vendor.alloc(bytes.max(4))?;
+        let p = self.vendor()?.vendor.alloc(bytes.max(MIN_ALLOC))?;
         self.live.push(p);
         Ok(p)
     }
@@ -284,7 +279,7 @@ impl<V: Vendor> KernelOps<'_, V> {
         let n = self.n;
         let m = self.alloc(n * n * 4)?;
         let r = self.alloc(n * 4)?;
-        let s = self.alloc(8)?;
+        let s = self.alloc(STATUS_BYTES)?;
         self.m = Some((m, r, s));
         Ok((m, r, s))
     }

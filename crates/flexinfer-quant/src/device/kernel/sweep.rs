@@ -3,10 +3,12 @@
 
 use super::{
     bytes_of, dims, Arg, DevPtr, DevResult, Kernel, KernelOps, Launch, Vendor, COLUMN_THREADS,
-    PANEL_THREADS, SWEEP_THREADS, TILE,
+    MIN_ALLOC, PANEL_THREADS, STATUS_BYTES, SWEEP_THREADS, TILE,
 };
 use crate::device::SweepJob;
-use crate::numerics::gptq::{codes_in_original_order, DeadFixed, Groups, Method, QuantizedLinear};
+use crate::numerics::gptq::{
+    codes_in_original_order, DeadFixed, GroupLayout, Groups, Method, QuantizedLinear,
+};
 use crate::numerics::quantizer::{maxq, GroupParams};
 use crate::params::GptqParams;
 use faer::Mat;
@@ -74,7 +76,7 @@ impl<V: Vendor> KernelOps<'_, V> {
                 Arg::Ptr(status),
             ],
         )?;
-        let mut st = [0i32; 2];
+        let mut st = [0i32; STATUS_BYTES / 4];
         self.vendor()?
             .vendor
             .download(status, bytemuck::cast_slice_mut(&mut st))?;
@@ -158,7 +160,7 @@ impl<V: Vendor> KernelOps<'_, V> {
         let mut i1 = 0;
         while i1 < cols {
             let i2 = (i1 + bs).min(cols);
-            let width = groups.snapshot_width(i1, i2);
+            let width = groups.layout.snapshot_width(i1, i2);
             if let Some(width) = width {
                 self.find_group_params(&s, &groups, i1, i2, width)?;
             }
@@ -175,11 +177,11 @@ impl<V: Vendor> KernelOps<'_, V> {
         self.vendor()?.vendor.download(s.dcodes, &mut codes_sweep)?;
         let acc = self.download_f32(s.dacc, rows * cols.div_ceil(bs))?;
         let (scale, zero) = (
-            self.download_f32(s.dscale, rows * groups.count())?,
-            self.download_f32(s.dzero, rows * groups.count())?,
+            self.download_f32(s.dscale, rows * groups.layout.count())?,
+            self.download_f32(s.dzero, rows * groups.layout.count())?,
         );
         let found: Vec<usize> = (0..cols)
-            .filter_map(|k| Some(groups.starts_at(k)?.0))
+            .filter_map(|k| Some(groups.layout.starts_at(k)?.0))
             .collect();
         for g in found {
             let part = |v: &[f32]| v[g * rows..(g + 1) * rows].to_vec();
@@ -215,8 +217,8 @@ impl<V: Vendor> KernelOps<'_, V> {
         for &c in perm {
             w0.extend_from_slice(orig_col(c));
         }
+        let n_groups = groups.layout.count();
         let (of, fixed) = groups.plan_all(perm);
-        let n_groups = cols.div_ceil(p.effective_group(cols));
         let (mut scale, mut zero) = (vec![0f32; n_groups * rows], vec![0f32; n_groups * rows]);
         for (g, gp) in fixed {
             scale[g * rows..(g + 1) * rows].copy_from_slice(&gp.scale);
@@ -238,23 +240,18 @@ impl<V: Vendor> KernelOps<'_, V> {
         let dw0 = up(self, bytes_of(&w0))?;
         let (drd, dpar) = (up(self, bytes_of(&rdiag2))?, up(self, bytes_of(&param))?);
         let (dscale, dzero) = (up(self, bytes_of(&scale))?, up(self, bytes_of(&zero))?);
-        let bs = p.block_size.max(1);
-        // The widest block the sweep gathers coefficients for: a block, or a snapshot.
-        let width = groups.max_snapshot_width(bs);
+        let size = SweepSizes::new(rows, &groups.layout, p);
         let mut alloc = |ops: &mut Self, bytes: usize| -> DevResult<DevPtr> {
             let b = ops.alloc(bytes)?;
             bufs.push(b);
             Ok(b)
         };
-        let dw = alloc(self, rows * cols * 4)?;
-        self.vendor()?.vendor.copy(dw, dw0, rows * cols * 4)?;
-        let (dd, dcodes) = (alloc(self, rows * bs * 4)?, alloc(self, rows * cols)?);
-        let dacc = alloc(self, rows * cols.div_ceil(bs) * 4)?;
-        let coef = alloc(self, width.max(bs).pow(2) * 4)?;
-        let (snap, xs) = (
-            alloc(self, rows * width * 4)?,
-            alloc(self, rows * width * 4)?,
-        );
+        let dw = alloc(self, size.w)?;
+        self.vendor()?.vendor.copy(dw, dw0, size.w)?;
+        let (dd, dcodes) = (alloc(self, size.deltas)?, alloc(self, size.codes)?);
+        let dacc = alloc(self, size.losses)?;
+        let coef = alloc(self, size.coef)?;
+        let (snap, xs) = (alloc(self, size.snapshot)?, alloc(self, size.snapshot)?);
         Ok(SweepBufs {
             m,
             dw,
@@ -306,8 +303,8 @@ impl<V: Vendor> KernelOps<'_, V> {
                 Arg::I32(r32),
             ],
         )?;
-        // The snapshot covers every group that starts in the block (`Groups::snapshot_width`).
-        for (k, (g, len)) in (i1..i2).filter_map(|k| Some((k, groups.starts_at(k)?))) {
+        // The snapshot covers every group that starts in the block (`GroupLayout::snapshot_width`).
+        for (k, (g, len)) in (i1..i2).filter_map(|k| Some((k, groups.layout.starts_at(k)?))) {
             let at = (g * rows * 4) as u64;
             self.launch(
                 Launch::rows(Kernel::GroupParams, rows, SWEEP_THREADS),
@@ -390,6 +387,65 @@ fn block_losses(acc: &[f32], rows: usize) -> f64 {
                 .sum::<f64>()
         })
         .fold(0.0, |a, b| a + b)
+}
+
+/// The bytes of the device buffers a `rows`-row module's sweep allocates ([`SweepBufs`]), in one place
+/// for the sweep and for the memory budget ([`super::sweep_bytes`]).
+pub(super) struct SweepSizes {
+    /// W and W₀ (f32), each.
+    w: usize,
+    codes: usize,
+    /// One block's deltas.
+    deltas: usize,
+    /// Every block's row losses.
+    losses: usize,
+    /// `R_kk²` and the group of each column, each.
+    per_column: usize,
+    /// Every group's scales and zeros, each.
+    group_params: usize,
+    /// The coefficients of a block or of the widest snapshot.
+    coef: usize,
+    /// The widest snapshot and its scratch, each.
+    snapshot: usize,
+}
+
+impl SweepSizes {
+    pub(super) fn new(rows: usize, layout: &GroupLayout, p: &GptqParams) -> Self {
+        let (cols, bs) = (layout.cols(), p.block_size.max(1));
+        let width = layout.max_snapshot_width(bs);
+        SweepSizes {
+            w: rows * cols * 4,
+            codes: rows * cols,
+            deltas: rows * bs * 4,
+            losses: rows * cols.div_ceil(bs) * 4,
+            per_column: cols * 4,
+            group_params: rows * layout.count() * 4,
+            coef: width.max(bs).pow(2) * 4,
+            snapshot: rows * width * 4,
+        }
+    }
+
+    /// All of them, as [`KernelOps`] allocates them (at least [`MIN_ALLOC`] bytes each).
+    pub(super) fn total(&self) -> u64 {
+        let s = self;
+        [
+            s.w,
+            s.w,
+            s.codes,
+            s.deltas,
+            s.losses,
+            s.per_column,
+            s.per_column,
+            s.group_params,
+            s.group_params,
+            s.coef,
+            s.snapshot,
+            s.snapshot,
+        ]
+        .iter()
+        .map(|&b| b.max(MIN_ALLOC) as u64)
+        .sum()
+    }
 }
 
 /// The device buffers of one module's sweep: the factor `m`, the working W `dw` and W₀ `dw0` (column-major,

@@ -14,14 +14,75 @@ use faer::{Mat, MatRef};
 pub(crate) struct Groups<'p> {
     p: &'p GptqParams,
     rows: usize,
-    cols: usize,
-    gs: usize,
+    /// Where the groups start and how wide their snapshots are.
+    pub(crate) layout: GroupLayout,
     /// The parameters in force (one group per row, or the last group started).
     current: Option<GroupParams>,
     static_groups: Vec<GroupParams>,
     scales: Vec<f32>,
     zeros: Vec<u8>,
     g_idx: Vec<i32>,
+}
+
+/// Where a module's groups start and how wide the block-start snapshots that find their parameters are:
+/// what follows from the parameters and the module's width alone, so the device memory budget
+/// (`device::kernel::sweep_bytes`) reads the same widths the sweeps use.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct GroupLayout {
+    cols: usize,
+    /// The group size in force (`cols` with one group per row).
+    gs: usize,
+    /// Whether the sweep finds each group's parameters as it reaches it (grouped, not static groups).
+    found_in_sweep: bool,
+}
+
+impl GroupLayout {
+    pub(crate) fn new(p: &GptqParams, cols: usize) -> Self {
+        GroupLayout {
+            cols,
+            gs: p.effective_group(cols).max(1),
+            found_in_sweep: p.group_size > 0 && !p.static_groups,
+        }
+    }
+
+    /// The module's input features.
+    pub(crate) fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// How many groups the module has (the result's scales and zeros hold `groups × rows` values).
+    pub(crate) fn count(&self) -> usize {
+        self.cols.div_ceil(self.gs)
+    }
+
+    /// The group whose parameters the sweep finds at sweep position `k` (from the snapshot of its block),
+    /// and its columns `k..k + len`: `Some((group, len))` at the first column of each group, unless the
+    /// groups are fixed before the sweep.
+    pub(crate) fn starts_at(&self, k: usize) -> Option<(usize, usize)> {
+        (self.found_in_sweep && k.is_multiple_of(self.gs))
+            .then(|| (k / self.gs, self.gs.min(self.cols - k)))
+    }
+
+    /// How many columns from `i1` on the snapshot of the block `[i1, i2)` must cover (see
+    /// [`block_snapshot`]): the block, and every group that starts in it to its end (a group wider than the
+    /// block, or one that a block size it does not divide cuts); `None` when no group starts in the block, so
+    /// no snapshot is needed.
+    pub(crate) fn snapshot_width(&self, i1: usize, i2: usize) -> Option<usize> {
+        (i1..i2)
+            .filter_map(|k| self.starts_at(k).map(|(_, len)| k + len - i1))
+            .max()
+            .map(|w| w.max(i2 - i1))
+    }
+
+    /// The widest snapshot of a sweep in blocks of `bs` columns (0 when no group starts in the sweep).
+    pub(crate) fn max_snapshot_width(&self, bs: usize) -> usize {
+        let bs = bs.max(1);
+        (0..self.cols)
+            .step_by(bs)
+            .filter_map(|i1| self.snapshot_width(i1, (i1 + bs).min(self.cols)))
+            .max()
+            .unwrap_or(0)
+    }
 }
 
 /// A module's W with its dead columns (those the Hessian preparation zeroed) read as zero: the columns
@@ -59,8 +120,8 @@ impl<'p> Groups<'p> {
         orig_col: &dyn Fn(usize) -> &'a [f32],
     ) -> Self {
         let (rows, cols) = (w_in.nrows(), w_in.ncols());
-        let gs = p.effective_group(cols);
-        let n_groups = cols.div_ceil(gs);
+        let layout = GroupLayout::new(p, cols);
+        let (gs, n_groups) = (layout.gs, layout.count());
         // With one group per row the parameters come from W before the dead-column fix (IST order).
         let current: Option<GroupParams> = if p.group_size <= 0 {
             Some(find_params(rows, col_slices(w_in, 0, cols), p.bits, p.sym))
@@ -84,8 +145,7 @@ impl<'p> Groups<'p> {
         let mut groups = Groups {
             p,
             rows,
-            cols,
-            gs,
+            layout,
             current,
             static_groups,
             scales: vec![0f32; n_groups * rows],
@@ -101,49 +161,20 @@ impl<'p> Groups<'p> {
         groups
     }
 
-    /// How many columns from `i1` on the snapshot of the block `[i1, i2)` must cover (see
-    /// [`block_snapshot`]): the block, and every group that starts in it to its end (a group wider than the
-    /// block, or one that a block size it does not divide cuts); `None` when no group starts in the block, so
-    /// no snapshot is needed.
-    pub(crate) fn snapshot_width(&self, i1: usize, i2: usize) -> Option<usize> {
-        (i1..i2)
-            .filter_map(|k| self.starts_at(k).map(|(_, len)| k + len - i1))
-            .max()
-            .map(|w| w.max(i2 - i1))
-    }
-
-    /// The widest snapshot of a sweep in blocks of `bs` columns (0 when no group starts in the sweep).
-    pub(crate) fn max_snapshot_width(&self, bs: usize) -> usize {
-        let bs = bs.max(1);
-        (0..self.cols)
-            .step_by(bs)
-            .filter_map(|i1| self.snapshot_width(i1, (i1 + bs).min(self.cols)))
-            .max()
-            .unwrap_or(0)
-    }
-
     /// The group of sweep position `k` (original column `orig`): the index of the parameters its codes use
     /// among the module's groups, which is also its `g_idx`.
     fn group_of(&self, k: usize, orig: usize) -> usize {
         match (self.p.group_size > 0, self.p.static_groups) {
             (false, _) => 0,
-            (true, true) => orig / self.gs,
-            (true, false) => k / self.gs,
+            (true, true) => orig / self.layout.gs,
+            (true, false) => k / self.layout.gs,
         }
-    }
-
-    /// The group whose parameters the sweep finds at sweep position `k` (from the snapshot of its block),
-    /// and its columns `k..k + len`: `Some((group, len))` at the first column of each group, unless the
-    /// groups are fixed before the sweep.
-    pub(crate) fn starts_at(&self, k: usize) -> Option<(usize, usize)> {
-        (self.p.group_size > 0 && !self.p.static_groups && k.is_multiple_of(self.gs))
-            .then(|| (k / self.gs, self.gs.min(self.cols - k)))
     }
 
     /// The group parameters of the block `[i1, i2)` (sweep order; `perm[k]` = original column) and, per
     /// column, the index of its parameters among them. Group parameters of every column of the block are
     /// fixed before the sweep: they are read from W as the block starts (the reference's quirk, kept for
-    /// parity), i.e. from `snapshot` (the first [`Groups::snapshot_width`] columns from `i1`).
+    /// parity), i.e. from `snapshot` (the first [`GroupLayout::snapshot_width`] columns from `i1`).
     pub(crate) fn block(
         &mut self,
         i1: usize,
@@ -169,7 +200,7 @@ impl<'p> Groups<'p> {
                     cur_idx = Some(block_params.len() - 1);
                     cur_static = Some(group_of_k);
                 }
-            } else if let Some((g, len)) = self.starts_at(k) {
+            } else if let Some((g, len)) = self.layout.starts_at(k) {
                 let Some(snap) = snapshot.as_ref() else {
                     unreachable!("a group starts in this block, so the snapshot exists")
                 };
@@ -193,9 +224,11 @@ impl<'p> Groups<'p> {
     /// For a sweep that finds the group parameters on a device: the group of every sweep position (`perm[k]`
     /// = original column), with `g_idx` recorded for every column, and the parameters fixed before the sweep
     /// by group (one group per row; static groups). The groups that start in the sweep
-    /// ([`Groups::starts_at`]) are the device's to find and to [`Groups::record`].
+    /// ([`GroupLayout::starts_at`]) are the device's to find and to [`Groups::record`].
     pub(crate) fn plan_all(&mut self, perm: &[usize]) -> (Vec<usize>, Vec<(usize, &GroupParams)>) {
-        let of: Vec<usize> = (0..self.cols).map(|k| self.group_of(k, perm[k])).collect();
+        let of: Vec<usize> = (0..self.layout.cols)
+            .map(|k| self.group_of(k, perm[k]))
+            .collect();
         for (k, &g) in of.iter().enumerate() {
             self.g_idx[perm[k]] = g as i32;
         }
@@ -211,16 +244,11 @@ impl<'p> Groups<'p> {
         push_group(&mut self.scales, &mut self.zeros, g, self.rows, gp);
     }
 
-    /// How many groups the module has (the result's scales and zeros hold `groups × rows` values).
-    pub(crate) fn count(&self) -> usize {
-        self.cols.div_ceil(self.gs)
-    }
-
     /// Scales, zeros and `g_idx` of the module.
     pub(crate) fn finish(mut self) -> (Vec<f32>, Vec<u8>, Vec<i32>) {
         if self.p.static_groups && self.p.group_size > 0 {
             for (c, gi) in self.g_idx.iter_mut().enumerate() {
-                *gi = (c / self.gs) as i32;
+                *gi = (c / self.layout.gs) as i32;
             }
         }
         (self.scales, self.zeros, self.g_idx)

@@ -12,7 +12,7 @@ use tile::{Block, TileCol, TILE};
 
 mod groups;
 mod tile;
-pub(crate) use groups::{DeadFixed, Groups};
+pub(crate) use groups::{DeadFixed, GroupLayout, Groups};
 pub use tile::sweep_block_cpu;
 
 /// Columns per outer block of the two-level sweep (rounded up to a multiple of the block and group size).
@@ -154,7 +154,7 @@ pub fn gptq_quantize_in(
     let fixed = DeadFixed::new(w_in, &factor.dead);
     let orig_col = |c: usize| fixed.col(c);
     let groups = Groups::new(p, w_in, &orig_col);
-    let snapshot_width = groups.max_snapshot_width(p.block_size);
+    let snapshot_width = groups.layout.max_snapshot_width(p.block_size);
     let perm: Vec<usize> = factor.perm.clone().unwrap_or_else(|| (0..cols).collect());
     // The working copy, in sweep order, written by all threads.
     let Workspace {
@@ -227,7 +227,7 @@ struct Sweep<'s, 'p> {
     factor: &'s PreparedFactor,
     groups: Groups<'p>,
     maxq: f32,
-    /// Columns the snapshot buffers must hold ([`Groups::max_snapshot_width`]).
+    /// Columns the snapshot buffers must hold ([`GroupLayout::max_snapshot_width`]).
     snapshot_width: usize,
     min_tiles_per_task: usize,
 }
@@ -252,15 +252,16 @@ impl Sweep<'_, '_> {
         let w0_col = move |k: usize| fixed.col(perm[k]);
         let f = self.factor.f.coef();
         // The block's snapshot of W, when a group starts in it (see `Groups`).
-        let snapshot: Option<MatRef<'_, f32>> = self.groups.snapshot_width(i1, i2).map(|m| {
-            block_snapshot(
-                self.backend,
-                w.as_ref().subcols(i1, m),
-                &|j| w0_col(i1 + j),
-                f.submatrix(i1, i1, m, m),
-                snapshot_buffers(snap_bufs, rows, self.snapshot_width),
-            )
-        });
+        let snapshot: Option<MatRef<'_, f32>> =
+            self.groups.layout.snapshot_width(i1, i2).map(|m| {
+                block_snapshot(
+                    self.backend,
+                    w.as_ref().subcols(i1, m),
+                    &|j| w0_col(i1 + j),
+                    f.submatrix(i1, i1, m, m),
+                    snapshot_buffers(snap_bufs, rows, self.snapshot_width),
+                )
+            });
         let (block_params, col_param) = self.groups.block(i1, i2, perm, snapshot);
         let (coef, rdiag2) = block_coefficients(f, self.factor.f.r_diag(), i1, count);
         let blk = Block {
