@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check of the quantization engine (issue #18; docs/dev/gptq-device.md §7): on a machine with a card,
 # the kernel checks against the CPU backend, whole-group solves, a full GPTQ of a generated model on the
-# device and on the CPU, and the timings (factorisation at n = 4096, 11008, 21504 against the CPU and
-# cuSOLVER potrf; a 4096 × 11008 module solve against the CPU). One run is meant to finish in under
+# device and on the CPU, and the timings (Hessian, factorisation at n = 4096, 11008, 21504 and block update,
+# the engine's own kernels against the vendor's libraries and the CPU; a 4096 × 11008 module solve against
+# the CPU). Where cuBLAS/cuSOLVER (rocBLAS/rocSOLVER) load, every check runs twice: with them, as a Job
+# would, and with GPTQ_VENDOR_LIBS=off's own kernels. One run is meant to finish in under
 # 5 minutes; it is stopped after GPU_CHECK_TIMEOUT seconds (default 290).
 #
 #   scripts/gpu-check.sh --build-only        # here: build the check (release) into .gpu-check/gpu_check
@@ -10,8 +12,9 @@
 #
 # The binary: $GPU_CHECK_BIN, else .gpu-check/gpu_check (built with --build-only and carried to a machine
 # without cargo), else built with cargo now. The vendor libraries are loaded at run time: the driver
-# (libcuda.so.1 / libamdhip64.so*) from the system; NVRTC (CUDA) and cuSOLVER from $FLEXINFER_NVRTC /
-# $FLEXINFER_CUSOLVER, else the first libnvrtc.so* / libcusolver.so* found in $GPU_CHECK_LIB_DIRS
+# (libcuda.so.1 / libamdhip64.so*) from the system; NVRTC, cuBLAS and cuSOLVER (CUDA) from $FLEXINFER_NVRTC /
+# $FLEXINFER_CUBLAS / $FLEXINFER_CUSOLVER, else the first libnvrtc.so* / libcublas.so* / libcusolver.so*
+# found in $GPU_CHECK_LIB_DIRS
 # (colon-separated), the Python environment's nvidia wheels, /usr/local/cuda*/lib64, or the loader's cache.
 # Writes $OUT/gpu-check.json (or $GPU_CHECK_JSON) with every check and timing.
 # Exit status: 0 all checks passed, 1 a check failed, 2 usage or no binary, 3 no usable GPU, 124 timeout.
@@ -80,11 +83,14 @@ fi
 if [[ -z ${FLEXINFER_CUSOLVER:-} ]]; then
   FLEXINFER_CUSOLVER=$(find_lib 'libcusolver.so.[0-9]*' || true)
 fi
-export FLEXINFER_NVRTC FLEXINFER_CUSOLVER
+if [[ -z ${FLEXINFER_CUBLAS:-} ]]; then
+  FLEXINFER_CUBLAS=$(find_lib 'libcublas.so.[0-9]*' || true)
+fi
+export FLEXINFER_NVRTC FLEXINFER_CUSOLVER FLEXINFER_CUBLAS
 # cuSOLVER's own dependencies (cuBLAS, cuBLASLt, cuSPARSE, nvJitLink) sit beside it or in sibling wheels.
 extra=$(lib_dirs | paste -sd: -)
 export LD_LIBRARY_PATH=${extra}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-echo "gpu-check: binary $BIN; NVRTC ${FLEXINFER_NVRTC:-none found}; cuSOLVER ${FLEXINFER_CUSOLVER:-none found}"
+echo "gpu-check: binary $BIN; NVRTC ${FLEXINFER_NVRTC:-none found}; cuBLAS ${FLEXINFER_CUBLAS:-none found}; cuSOLVER ${FLEXINFER_CUSOLVER:-none found}"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 
 JSON=${GPU_CHECK_JSON:-${OUT:+$OUT/gpu-check.json}}

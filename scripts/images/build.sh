@@ -212,6 +212,14 @@ for unit in "${units[@]}"; do
     rver=$(awk -v p="$rpkg" '$1 == p { print $2 }' "${base_pkgs[$variant]}" 2>/dev/null)
     [[ -n $rver ]] || images_die "$unit: $rpkg not in the base ${ubase} (${base_pkgs[$variant]})"
     extra+=(--label "dev.flexinfer.runtime=$rpkg=$rver")
+    math=""
+    while read -r mpkg _; do
+      [[ -n $mpkg ]] || continue
+      mver=$(awk -v p="$mpkg" '$1 == p { print $2 }' "${base_pkgs[$variant]}" 2>/dev/null)
+      [[ -n $mver ]] || images_die "$unit: $mpkg not in the base ${ubase} (${base_pkgs[$variant]})"
+      math+="${math:+,}$mpkg=$mver"
+    done < <(images_variant_math "$variant")
+    [[ -z $math ]] || extra+=(--label "dev.flexinfer.math=$math")
     gfx=$(images_variant_gfx "$variant")
     if [[ -n $gfx ]]; then
       target=runtime-prebuilt-kernels

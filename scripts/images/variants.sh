@@ -7,12 +7,15 @@
 # $FLEXINFER_KERNEL_DIR.
 #
 #   cpu            the default worker image, unchanged: bookworm base (glibc, libgcc), tag TAG
-#   cuda           trixie + non-free libnvrtc12 (NVRTC 12.4: compute_50 … compute_90); libcuda.so.1 is the
-#                  host driver's, mounted by the NVIDIA container runtime, never shipped; tag TAG-cuda
+#   cuda           trixie + non-free libnvrtc12 (NVRTC 12.4: compute_50 … compute_90), libcublas12 and
+#                  libcusolver11 (CUDA 12.4); libcuda.so.1 is the host driver's, mounted by the NVIDIA
+#                  container runtime, never shipped; tag TAG-cuda
 #   rocm-gfx1100   trixie + libamdhip64-5 (HIP 5.7.1) and its dependencies (HSA runtime, comgr + LLVM 17),
-#                  gptq-gfx1100.hsaco; tag TAG-rocm-gfx1100
+#                  librocblas0 and librocsolver0 (5.5.1, with gfx1100 and gfx906 code), gptq-gfx1100.hsaco;
+#                  tag TAG-rocm-gfx1100
 #   rocm-gfx906    the same base, gptq-gfx906.hsaco; tag TAG-rocm-gfx906
-# rocBLAS / rocSOLVER, cuBLAS / cuSOLVER are not in any image: no session loads them yet.
+# The BLAS and solver libraries are what the GPU session loads for GPTQ_VENDOR_LIBS=auto (the default); a
+# session without them runs its own kernels.
 
 IMAGES_VARIANTS=(cpu cuda rocm-gfx1100 rocm-gfx906)
 # Where the HIP code objects go in the image (the GPU sessions' default FLEXINFER_KERNEL_DIR).
@@ -38,11 +41,12 @@ images_variant_base_env() {
     cpu) ;;
     cuda)
       printf '%s\n' BASE_SUITE=trixie BASE_FLAVOR=cuda "BASE_COMPONENTS=main non-free" \
-        BASE_PACKAGES=libc6,libgcc-s1,libnvrtc12 \
-        "BASE_DESCRIPTION=glibc, libgcc, NVRTC 12 (libnvrtc12, non-free), CA certificates, nonroot 65532" ;;
+        BASE_PACKAGES=libc6,libgcc-s1,libnvrtc12,libcublas12,libcusolver11 \
+        "BASE_DESCRIPTION=glibc, libgcc, NVRTC 12, cuBLAS, cuSOLVER (non-free), CA certificates, nonroot 65532" ;;
     rocm-*)
-      printf '%s\n' BASE_SUITE=trixie BASE_FLAVOR=rocm BASE_PACKAGES=libc6,libgcc-s1,libamdhip64-5 \
-        "BASE_DESCRIPTION=glibc, libgcc, HIP runtime (libamdhip64-5), CA certificates, nonroot 65532" ;;
+      printf '%s\n' BASE_SUITE=trixie BASE_FLAVOR=rocm \
+        BASE_PACKAGES=libc6,libgcc-s1,libamdhip64-5,librocblas0,librocsolver0 \
+        "BASE_DESCRIPTION=glibc, libgcc, HIP runtime, rocBLAS, rocSOLVER, CA certificates, nonroot 65532" ;;
     *) return 1 ;;
   esac
 }
@@ -58,6 +62,15 @@ images_variant_runtime() {
   case $1 in
     cuda) echo "libnvrtc12 libnvrtc.so.12" ;;
     rocm-*) echo "libamdhip64-5 libamdhip64.so.5" ;;
+  esac
+}
+
+# images_variant_math V: the vendor BLAS and solver packages of variant V, one "package soname" per line
+# (named with their versions in the dev.flexinfer.math label; verify.sh checks each soname resolves).
+images_variant_math() {
+  case $1 in
+    cuda) printf '%s\n' "libcublas12 libcublas.so.12" "libcusolver11 libcusolver.so.11" ;;
+    rocm-*) printf '%s\n' "librocblas0 librocblas.so.0" "librocsolver0 librocsolver.so.0" ;;
   esac
 }
 

@@ -101,13 +101,17 @@ for unit in "${images[@]}"; do
     [[ $lv == "$variant" ]] && ok "label dev.flexinfer.variant=$lv" || bad "label dev.flexinfer.variant '$lv' (want $variant)"
     read -r rpkg soname <<<"$(images_variant_runtime "$variant")"
     [[ $lr == "$rpkg="?* ]] && ok "label dev.flexinfer.runtime=$lr" || bad "label dev.flexinfer.runtime '$lr' (want $rpkg=<version>)"
-    lib=$(cd "$rootfs" && find usr/lib -name "$soname" 2>/dev/null | head -1 || true)
-    if [[ -z $lib ]]; then bad "$soname not in the image"
-    else
+    lm=$(jq -r '.config.Labels["dev.flexinfer.math"] // ""' <<<"$cfg")
+    want_math=$(images_variant_math "$variant" | awk '{print $1}' | paste -sd, -)
+    [[ $(sed -E 's/=[^,]*//g' <<<"$lm") == "$want_math" ]] && ok "label dev.flexinfer.math=$lm" \
+      || bad "label dev.flexinfer.math '$lm' (want $want_math with versions)"
+    for so in "$soname" $(images_variant_math "$variant" | awk '{print $2}'); do
+      lib=$(cd "$rootfs" && find usr/lib -name "$so" 2>/dev/null | head -1 || true)
+      if [[ -z $lib ]]; then bad "$so not in the image"; continue; fi
       libs=$(chroot "$rootfs" /lib64/ld-linux-x86-64.so.2 --list "/$lib" 2>&1) || true
       if grep -q 'not found' <<<"$libs" || ! grep -q 'libc.so.6' <<<"$libs"; then bad "/$lib dependencies: $libs"
       else ok "/$lib -> $(readlink -f "$rootfs/$lib" | sed "s|^$rootfs||"), $(wc -l <<<"$libs") libraries resolved in the image: $(awk '{print $1}' <<<"$libs" | grep -v '^/' | tr '\n' ' ')"; fi
-    fi
+    done
     cuda=$(cd "$rootfs" && find . -name 'libcuda.so*' 2>/dev/null | head -3 | tr '\n' ' ' || true)
     [[ -z $cuda ]] && ok "no libcuda.so* in the image (the host driver's is mounted at run time)" || bad "libcuda in the image: $cuda"
     gfx=$(images_variant_gfx "$variant")

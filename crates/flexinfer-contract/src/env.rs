@@ -18,6 +18,9 @@ pub const GPU_VRAM_MB: &str = "GPU_VRAM_MB";
 pub const GPU_MEMORY_FRACTION: &str = "GPU_MEMORY_FRACTION";
 /// Where the GPTQ solve runs: `auto` (default), `cpu`, `hip` or `cuda`.
 pub const GPTQ_DEVICE: &str = "GPTQ_DEVICE";
+/// Whether a GPU solve uses the vendor's BLAS and solver libraries where installed: `auto` (default) or
+/// `off` (the engine's own kernels only).
+pub const GPTQ_VENDOR_LIBS: &str = "GPTQ_VENDOR_LIBS";
 pub const GPTQ_DAMP_PERCENT_OVERRIDE: &str = "GPTQ_DAMP_PERCENT_OVERRIDE";
 pub const GPTQ_DAMP_AUTO_INCREMENT_OVERRIDE: &str = "GPTQ_DAMP_AUTO_INCREMENT_OVERRIDE";
 pub const GPTQ_HESSIAN_DIAG_FLOOR_MODE: &str = "GPTQ_HESSIAN_DIAG_FLOOR_MODE";

@@ -18,7 +18,8 @@
  * The sweep factor (the Cholesky factor of the reversed Hessian, columns scaled by their diagonal; see
  * src/numerics/linalg.rs) is computed here too, blocked by panels of columns (gptq_factor_fill; per panel
  * gptq_chol_panel_diag, gptq_chol_panel_rows and gptq_chol_trailing; then gptq_factor_scale), so no vendor
- * solver library is needed. The group parameters of the sweep are found here
+ * solver library is needed; where one is loaded, its potrf replaces the panels (gptq_factor_pivots reads the
+ * pivots from its result) and its BLAS the Hessian and block-update products (gptq_gather_panel). The group parameters of the sweep are found here
  * as well (gptq_block_snapshot, gptq_group_params), so a module's sweep needs no transfer between its
  * upload and its results.
  */
@@ -433,6 +434,41 @@ GPTQ_KERNEL void gptq_factor_scale(float *m, int ldm, int n, const float *r, int
     m[(long long)j * ldm + i] = v;
     if (!GPTQ_FINITE(v))
         status[1] = 1;
+}
+
+/*
+ * After the vendor's potrf (cuSOLVER / rocSOLVER, lower, in place) of gptq_factor_fill's matrix: the pivots
+ * r[n-1-j] = L[j, j] from M's diagonal, which potrf overwrote with L's; a pivot that is not a positive finite
+ * number sets status[0] (potrf's own info may already have; nothing is done then). One thread per column:
+ * grid ceil(n / GPTQ_COLUMN_THREADS), block GPTQ_COLUMN_THREADS. Then gptq_factor_scale as after the
+ * kernels' own factorisation.
+ */
+GPTQ_KERNEL void gptq_factor_pivots(const float *m, int ldm, int n, float *r, int *status)
+{
+    int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= n || status[0] != 0)
+        return;
+    float d = m[(long long)j * ldm + j];
+    if (!(d > 0.0f && GPTQ_FINITE(d)))
+        status[0] = j + 1;
+    else
+        r[n - 1 - j] = d;
+}
+
+/*
+ * For the vendor's sgemm, the block update's factor panel dense and column-major: g[u + c * ldg] = F(i1 + u,
+ * i2 + c) = M[n-1-i1-u, n-1-i2-c] for u < k, c < ncols (the factor through its reversed view, which a BLAS
+ * cannot read: its strides are negative). Grid (ceil(k/16), ceil(ncols/16)), block (16, 16); thread x runs
+ * along u (contiguous in g, and in M going down).
+ */
+GPTQ_KERNEL void gptq_gather_panel(float *g, int ldg, const float *m, int ldm, int n, int i1, int k, int i2,
+                                   int ncols)
+{
+    int u = blockIdx.x * GPTQ_TILE + threadIdx.x;
+    int c = blockIdx.y * GPTQ_TILE + threadIdx.y;
+    if (u >= k || c >= ncols)
+        return;
+    g[(long long)c * ldg + u] = m[(long long)(n - 1 - i2 - c) * ldm + (n - 1 - i1 - u)];
 }
 
 /*

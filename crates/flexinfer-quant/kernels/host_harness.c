@@ -294,6 +294,9 @@ BODY(snapshot, gptq_block_snapshot(P(0, float *), P(1, int), P(2, float *), P(3,
                                    P(10, int)))
 BODY(group_params, gptq_group_params(P(0, const float *), P(1, int), P(2, int), P(3, int), P(4, float), P(5, int),
                                      P(6, float *), P(7, float *)))
+BODY(pivots, gptq_factor_pivots(P(0, const float *), P(1, int), P(2, int), P(3, float *), P(4, int *)))
+BODY(gather_panel, gptq_gather_panel(P(0, float *), P(1, int), P(2, const float *), P(3, int), P(4, int), P(5, int),
+                                     P(6, int), P(7, int), P(8, int)))
 
 static const struct {
     const char *name;
@@ -306,6 +309,7 @@ static const struct {
     {"gptq_chol_panel_rows", panel_rows_launch, 7}, {"gptq_factor_scale", scale_launch, 5},
     {"gptq_gather_coef", gather_launch, 6},     {"gptq_chol_trailing", chol_trailing_launch, 6},
     {"gptq_block_snapshot", snapshot_launch, 11}, {"gptq_group_params", group_params_launch, 8},
+    {"gptq_factor_pivots", pivots_launch, 5},   {"gptq_gather_panel", gather_panel_launch, 9},
 };
 
 int gptq_host_launch(const char *name, int nargs, int gx, int gy, int gz, int bx, int by, int bz, void **params)

@@ -616,6 +616,62 @@ fn the_system_platform_loads_runtimes_at_run_time() {
     let _: &dyn EventSink = &sink;
 }
 
+/// The vendor math libraries are found at run time like the runtimes: each library that does not load is
+/// named with every file tried, one whose entry points are missing is named with the missing symbol, and
+/// rocSOLVER is not used without rocBLAS (it runs on a rocBLAS handle). The only test that sets
+/// `FLEXINFER_CUBLAS` / `FLEXINFER_ROCBLAS` (read by no other test).
+#[test]
+fn vendor_math_libraries_load_at_run_time_and_name_what_is_missing() {
+    use flexinfer_quant::device::driver::{
+        math_libraries, CUBLAS_LIBRARIES, CUSOLVER_LIBRARIES, ROCBLAS_LIBRARIES,
+    };
+    use flexinfer_quant::device::kernel::MathLibs;
+    let (cuda, why) = math_libraries(DeviceKind::Cuda);
+    println!("CUDA math libraries here: {cuda:?} {why:?}");
+    let text = why.join("; ");
+    if !cuda.blas {
+        for name in CUBLAS_LIBRARIES {
+            assert!(text.contains(name), "{text}");
+        }
+    }
+    if !cuda.solver {
+        for name in CUSOLVER_LIBRARIES {
+            assert!(text.contains(name), "{text}");
+        }
+    }
+    let (hip, why) = math_libraries(DeviceKind::Hip);
+    let text = why.join("; ");
+    if !hip.blas {
+        for name in ROCBLAS_LIBRARIES {
+            assert!(text.contains(name), "{text}");
+        }
+        assert!(
+            !hip.solver && text.contains("rocSOLVER needs rocBLAS"),
+            "{text}"
+        );
+    }
+    // A library that loads but is not the vendor's: its first missing entry point is named.
+    let libm = "libm.so.6";
+    std::env::set_var("FLEXINFER_CUBLAS", libm);
+    std::env::set_var("FLEXINFER_ROCBLAS", libm);
+    let (cuda, why) = math_libraries(DeviceKind::Cuda);
+    let (hip, hwhy) = math_libraries(DeviceKind::Hip);
+    std::env::remove_var("FLEXINFER_CUBLAS");
+    std::env::remove_var("FLEXINFER_ROCBLAS");
+    assert!(!cuda.blas, "{why:?}");
+    assert!(
+        why.iter()
+            .any(|w| w.contains("libm.so.6: cublasCreate_v2") && w.starts_with("BLAS:")),
+        "{why:?}"
+    );
+    assert_eq!(hip, MathLibs::default(), "{hwhy:?}");
+    assert!(
+        hwhy.iter()
+            .any(|w| w.contains("libm.so.6: rocblas_create_handle")),
+        "{hwhy:?}"
+    );
+}
+
 /// The card check's whole-solve comparison (`device::check::compare_in_order`): a row may diverge after a
 /// one-step tie (its later codes and scales then differ freely); a first difference of two steps, a scale
 /// off in a row whose codes agree, a loss off by more than 1 % or more than 1 % of the codes moved fail.

@@ -14,7 +14,9 @@ mod host_kernels;
 
 use faer::Mat;
 use flexinfer_contract::events as names;
-use flexinfer_quant::device::kernel::{Arg, DevPtr, Kernel, KernelDevice, Launch, Vendor};
+use flexinfer_quant::device::kernel::{
+    Arg, DevPtr, Gemm, Kernel, KernelDevice, Launch, MathLibs, Syrk, Vendor,
+};
 use flexinfer_quant::device::{
     check, solve_with_fallback, DevResult, Device, DeviceError, DeviceKind, SolveSpec,
 };
@@ -23,20 +25,7 @@ use flexinfer_quant::gptq::{Method, QuantizedLinear};
 use flexinfer_quant::linalg::CpuBackend;
 use flexinfer_quant::params::{GptqParams, RecoveryParams};
 use std::collections::BTreeMap;
-use std::ffi::{c_char, c_int, c_void, CString};
 use std::sync::{Arc, Mutex};
-
-type LaunchFn = unsafe extern "C" fn(
-    *const c_char,
-    c_int,
-    c_int,
-    c_int,
-    c_int,
-    c_int,
-    c_int,
-    c_int,
-    *mut *mut c_void,
-) -> c_int;
 
 /// What the host vendor did, shared with the test.
 #[derive(Default)]
@@ -55,6 +44,13 @@ struct Log {
     /// After every launch of this kernel, its output is corrupted (`corrupt`): a vendor whose kernel is
     /// wrong, for the checks of `device::check` to catch.
     corrupt: Option<Kernel>,
+    /// The "vendor libraries" this host vendor offers (`ssyrk`, `sgemm`, `spotrf` computed here by
+    /// straightforward loops), as cuBLAS/cuSOLVER or rocBLAS/rocSOLVER would on a card.
+    math: MathLibs,
+    /// Library calls by name.
+    math_calls: BTreeMap<&'static str, usize>,
+    /// The first call of this library routine fails (once), as a library returning an error status.
+    fail_math_once: Option<&'static str>,
 }
 
 /// Corrupts what `kernel` just wrote: the second entry of the Hessian or the factor (below the diagonal)
@@ -162,7 +158,7 @@ impl Vendor for HostVendor {
         Ok(())
     }
     fn launch(&mut self, launch: Launch, args: &[Arg]) -> DevResult<()> {
-        let (kernel, grid, block) = (launch.kernel, launch.grid, launch.block);
+        let kernel = launch.kernel;
         self.live("launch")?;
         let n = {
             let mut log = self.log.lock().unwrap();
@@ -174,6 +170,7 @@ impl Vendor for HostVendor {
                 Kernel::GroupParams,
                 Kernel::SweepBlock,
                 Kernel::BlockUpdate,
+                Kernel::GatherPanel,
             ];
             if sweep.contains(&kernel) {
                 log.sweep_live_bytes.push(self.asked.values().sum());
@@ -195,29 +192,9 @@ impl Vendor for HostVendor {
                     .map_err(|e| Self::err("launch", format!("launch {n}: {}", e.message)))?;
             }
         }
-        let mut slots = Arg::slots(args);
-        let mut params: Vec<*mut c_void> = slots
-            .iter_mut()
-            .map(|s| s.as_mut_ptr() as *mut c_void)
-            .collect();
-        let name = CString::new(kernel.entry()).unwrap();
-        let launch: libloading::Symbol<LaunchFn> = host_kernels::sym(b"gptq_host_launch\0");
-        let g = |v: u32| v as c_int;
-        // SAFETY: the harness unpacks `params` with the kernel's C signature; every pointer argument lies in a
-        // live allocation (checked above) and the session sizes the buffers for the launch it makes.
-        let rc = unsafe {
-            launch(
-                name.as_ptr(),
-                args.len() as c_int,
-                g(grid[0]),
-                g(grid[1]),
-                g(grid[2]),
-                g(block[0]),
-                g(block[1]),
-                g(block[2]),
-                params.as_mut_ptr(),
-            )
-        };
+        // SAFETY: the harness unpacks the arguments with the kernel's C signature; every pointer argument lies
+        // in a live allocation (checked above) and the session sizes the buffers for the launch it makes.
+        let rc = unsafe { host_kernels::launch(launch, args) };
         if rc != 0 {
             return Err(Self::err(
                 "launch",
@@ -238,6 +215,107 @@ impl Vendor for HostVendor {
     }
     fn memory(&mut self) -> Option<(u64, u64)> {
         self.total.map(|t| (t, t))
+    }
+    fn math(&self) -> MathLibs {
+        self.log.lock().unwrap().math
+    }
+    fn syrk_lower(&mut self, op: &Syrk) -> DevResult<()> {
+        self.math_call("ssyrk")?;
+        let (n, k) = (op.n, op.k);
+        self.check("ssyrk", op.c, (op.ldc * (n - 1) + n) * 4)?;
+        self.check("ssyrk", op.a, (op.lda * (n - 1) + k) * 4)?;
+        let (a, c) = (op.a as *const f32, op.c as *mut f32);
+        // SAFETY: both ranges were checked against live allocations just above.
+        unsafe {
+            for j in 0..n {
+                for i in j..n {
+                    let mut s = 0f32;
+                    for t in 0..k {
+                        s += *a.add(t + i * op.lda) * *a.add(t + j * op.lda);
+                    }
+                    *c.add(i + j * op.ldc) += op.alpha * s;
+                }
+            }
+        }
+        Ok(())
+    }
+    fn gemm_acc(&mut self, op: &Gemm) -> DevResult<()> {
+        self.math_call("sgemm")?;
+        self.check("sgemm", op.a, (op.lda * (op.k - 1) + op.m) * 4)?;
+        self.check("sgemm", op.b, (op.ldb * (op.n - 1) + op.k) * 4)?;
+        self.check("sgemm", op.c, (op.ldc * (op.n - 1) + op.m) * 4)?;
+        let (a, b, c) = (op.a as *const f32, op.b as *const f32, op.c as *mut f32);
+        // SAFETY: the three ranges were checked against live allocations just above.
+        unsafe {
+            for j in 0..op.n {
+                for i in 0..op.m {
+                    let mut s = 0f32;
+                    for u in 0..op.k {
+                        s += *a.add(i + u * op.lda) * *b.add(u + j * op.ldb);
+                    }
+                    *c.add(i + j * op.ldc) += s;
+                }
+            }
+        }
+        Ok(())
+    }
+    fn potrf_lower(&mut self, a: DevPtr, lda: usize, n: usize, info: DevPtr) -> DevResult<()> {
+        self.math_call("spotrf")?;
+        self.check("spotrf", a, (lda * (n - 1) + n) * 4)?;
+        self.check("spotrf", info, 4)?;
+        let (a, info) = (a as *mut f32, info as *mut i32);
+        // SAFETY: checked above; the unblocked Cholesky of LAPACK's reference, lower, stopping at the first
+        // pivot that is not positive (info = j + 1).
+        unsafe {
+            let at = |i: usize, j: usize| a.add(i + j * lda);
+            for j in 0..n {
+                let mut d = *at(j, j);
+                for k in 0..j {
+                    d -= *at(j, k) * *at(j, k);
+                }
+                if !(d > 0.0 && d.is_finite()) {
+                    *at(j, j) = d;
+                    *info = j as i32 + 1;
+                    return Ok(());
+                }
+                let d = d.sqrt();
+                *at(j, j) = d;
+                for i in j + 1..n {
+                    let mut s = *at(i, j);
+                    for k in 0..j {
+                        s -= *at(i, k) * *at(j, k);
+                    }
+                    *at(i, j) = s / d;
+                }
+            }
+            *info = 0;
+        }
+        Ok(())
+    }
+}
+
+impl HostVendor {
+    /// A library call: counted as a launch (so injected faults reach it), and failing once where the test
+    /// says so.
+    fn math_call(&mut self, name: &'static str) -> DevResult<()> {
+        self.live(name)?;
+        let mut log = self.log.lock().unwrap();
+        log.launches += 1;
+        *log.math_calls.entry(name).or_default() += 1;
+        let n = log.launches;
+        if log.fail_math_once == Some(name) {
+            log.fail_math_once = None;
+            return Err(Self::err(name, format!("{name} returned status 13")));
+        }
+        if log.fail_launches.contains(&n) || log.fail_from.is_some_and(|f| n >= f) {
+            drop(log);
+            self.poisoned = true;
+            return Err(Self::err(
+                name,
+                format!("injected fault in launch {n} ({name})"),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -379,18 +457,48 @@ fn assert_close(case: &str, dev: &[QuantizedLinear], cpu: &[QuantizedLinear]) {
     }
 }
 
+/// The vendor libraries a host device offers in the solve comparisons: none (the kernels do everything),
+/// and BLAS and solver (`ssyrk`, `spotrf` and `sgemm` replace the Hessian, factorisation and block-update
+/// kernels).
+const MATH: [MathLibs; 2] = [
+    MathLibs {
+        blas: false,
+        solver: false,
+    },
+    MathLibs {
+        blas: true,
+        solver: true,
+    },
+];
+
+fn host_device_with(
+    log: &Arc<Mutex<Log>>,
+    budget: Option<u64>,
+    math: MathLibs,
+) -> KernelDevice<HostVendor> {
+    log.lock().unwrap().math = math;
+    host_device(log, budget)
+}
+
 #[test]
 fn the_kernel_session_solves_like_the_cpu_session() {
+    for math in MATH {
+        solves_like_the_cpu_session(math);
+    }
+}
+
+fn solves_like_the_cpu_session(math: MathLibs) {
     for (i, c) in cases().iter().enumerate() {
         let xs = batches(c.tokens, c.cols, 10 + i as u64);
         let ws = weights(c, 100 + 10 * i as u64);
         let cpu_sink = MemorySink::default();
         let cpu = solve(&CpuBackend::default(), c, &xs, &ws, &cpu_sink);
         let log = Arc::new(Mutex::new(Log::default()));
-        let dev = host_device(&log, None);
+        let dev = host_device_with(&log, None, math);
         let dev_sink = MemorySink::default();
         let got = solve(&dev, c, &xs, &ws, &dev_sink);
-        assert_close(c.name, &got, &cpu);
+        let name = format!("{} ({math:?})", c.name);
+        assert_close(&name, &got, &cpu);
         // The same recovery path, attempt by attempt.
         assert_eq!(
             dev_sink.named(names::HESSIAN_RECOVERY),
@@ -401,8 +509,18 @@ fn the_kernel_session_solves_like_the_cpu_session() {
         assert!(dev_sink.named(names::GPTQ_DEVICE_ERROR).is_empty());
         assert!(dev_sink.named(names::GPTQ_DEVICE_FALLBACK).is_empty());
         let log = log.lock().unwrap();
-        // Every kernel ran: the RTN case never sweeps, and the snapshot kernels run only where the sweep
-        // finds group parameters (not one group per row, not static groups).
+        // Every kernel ran that this configuration uses, and no other: the RTN case never sweeps, the
+        // snapshot kernels run only where the sweep finds group parameters (not one group per row, not
+        // static groups), and the vendor's libraries replace the Hessian, panel and block-update kernels.
+        let replaced_by = |k: &Kernel| match k {
+            Kernel::HessianLower | Kernel::BlockUpdate => Some(math.blas),
+            Kernel::GatherPanel => Some(!math.blas),
+            Kernel::CholPanelDiag | Kernel::CholPanelRows | Kernel::CholTrailing => {
+                Some(math.solver)
+            }
+            Kernel::FactorPivots => Some(!math.solver),
+            _ => None,
+        };
         let factor = [
             Kernel::HessianLower,
             Kernel::MirrorLower,
@@ -410,33 +528,45 @@ fn the_kernel_session_solves_like_the_cpu_session() {
             Kernel::CholPanelDiag,
             Kernel::CholPanelRows,
             Kernel::CholTrailing,
+            Kernel::FactorPivots,
             Kernel::FactorScale,
         ];
         let found_in_sweep = c.params.group_size > 0 && !c.params.static_groups;
-        let expected: Vec<Kernel> = if got[0].method == Method::Rtn {
-            factor.to_vec()
-        } else {
+        let swept = got[0].method != Method::Rtn;
+        let expected: Vec<Kernel> = if swept {
             Kernel::ALL
                 .into_iter()
                 .filter(|k| {
                     found_in_sweep || !matches!(k, Kernel::BlockSnapshot | Kernel::GroupParams)
                 })
                 .collect()
+        } else {
+            factor.to_vec()
         };
-        for k in &expected {
-            assert!(
+        for k in Kernel::ALL {
+            let used = expected.contains(&k) && replaced_by(&k) != Some(true);
+            assert_eq!(
                 log.kernels.contains_key(k.entry()),
-                "{}: {} never launched",
-                c.name,
-                k.entry()
+                used,
+                "{name}: {} launched: {:?}",
+                k.entry(),
+                log.kernels
             );
         }
+        let calls = |f: &str| log.math_calls.get(f).copied().unwrap_or(0);
+        assert_eq!(
+            calls("ssyrk") > 0,
+            math.blas,
+            "{name}: {:?}",
+            log.math_calls
+        );
+        assert_eq!(calls("spotrf") > 0, math.solver, "{name}");
+        assert_eq!(calls("sgemm") > 0, math.blas && swept, "{name}");
         if !found_in_sweep {
             for k in [Kernel::BlockSnapshot, Kernel::GroupParams] {
                 assert!(
                     !log.kernels.contains_key(k.entry()),
-                    "{}: {} launched without groups to find",
-                    c.name,
+                    "{name}: {} launched without groups to find",
                     k.entry()
                 );
             }
@@ -444,16 +574,15 @@ fn the_kernel_session_solves_like_the_cpu_session() {
         // The memory budget's estimate covers what the sweep of the widest module holds on the device.
         let widest = ws.iter().map(|w| w.nrows()).max().unwrap();
         let budget = flexinfer_quant::device::kernel::group_bytes(c.cols)
-            + flexinfer_quant::device::kernel::sweep_bytes(widest, c.cols, &c.params);
+            + flexinfer_quant::device::kernel::sweep_bytes(widest, c.cols, &c.params, math.blas);
         let held = log.sweep_live_bytes.iter().copied().max().unwrap_or(0);
         assert!(
             held <= budget,
-            "{}: the sweep held {held} device bytes, the budget check counts {budget}",
-            c.name
+            "{name}: the sweep held {held} device bytes, the budget check counts {budget}"
         );
         println!(
-            "{}: {} launches {:?}; sweep held {held} of {budget} bytes counted",
-            c.name, log.launches, log.kernels
+            "{name}: {} launches {:?} {:?}; sweep held {held} of {budget} bytes counted",
+            log.launches, log.kernels, log.math_calls
         );
     }
 }
@@ -524,6 +653,77 @@ fn a_device_fault_resets_restores_and_retries_and_a_broken_card_falls_back_to_th
     );
     let cpu = solve(&CpuBackend::default(), c, &xs, &ws, &MemorySink::default());
     assert_close("fallback", &got, &cpu);
+}
+
+/// A vendor library that returns an error: a device error (reset, retry), and that library is not called
+/// again; the kernels do its work, and the result is what they give.
+#[test]
+fn a_failing_vendor_library_is_switched_off_and_the_kernels_take_over() {
+    let c = &cases()[0];
+    let xs = batches(c.tokens, c.cols, 10);
+    let ws = weights(c, 100);
+    let run = |math: MathLibs, fail: Option<&'static str>| {
+        let log = Arc::new(Mutex::new(Log {
+            fail_math_once: fail,
+            ..Default::default()
+        }));
+        let dev = host_device_with(&log, None, math);
+        let sink = MemorySink::default();
+        let got = solve(&dev, c, &xs, &ws, &sink);
+        // A second group on the same device: it sees what the first left switched off.
+        let again = solve(&dev, c, &xs, &ws, &MemorySink::default());
+        let l = log.lock().unwrap();
+        (got, again, sink, l.math_calls.clone(), l.resets)
+    };
+    let both = MATH[1];
+    // The solver fails once: the factorisation is retried on the kernels, from the same Hessian (ssyrk's).
+    let (got, again, sink, calls, resets) = run(both, Some("spotrf"));
+    let blas_only = MathLibs {
+        blas: true,
+        solver: false,
+    };
+    let (expected, ..) = run(blas_only, None);
+    assert_eq!(
+        got, expected,
+        "the kernels' factorisation after the solver failed"
+    );
+    assert_eq!(
+        again, expected,
+        "the next group does not call the solver either"
+    );
+    assert_eq!(resets, 1);
+    assert_eq!(calls.get("spotrf"), Some(&1), "{calls:?}");
+    let errs = sink.named(names::GPTQ_DEVICE_ERROR);
+    assert_eq!(errs.len(), 1, "{errs:?}");
+    assert_eq!(errs[0]["op"], "factor");
+    let text = errs[0]["error"].as_str().unwrap();
+    assert!(
+        text.contains("spotrf returned status 13")
+            && text.contains("solver library is not used again"),
+        "{text}"
+    );
+    assert!(sink.named(names::GPTQ_DEVICE_FALLBACK).is_empty());
+
+    // The BLAS fails in the first block update: the sweep is retried with the block-update kernel, and
+    // the next group accumulates its Hessian with the Hessian kernel.
+    let (got, again, sink, calls, _) = run(both, Some("sgemm"));
+    let cpu = solve(&CpuBackend::default(), c, &xs, &ws, &MemorySink::default());
+    assert_close("after sgemm failed", &got, &cpu);
+    let solver_only = MathLibs {
+        blas: false,
+        solver: true,
+    };
+    let (expected, ..) = run(solver_only, None);
+    assert_eq!(again, expected, "the next group runs without the BLAS");
+    assert_eq!(calls.get("sgemm"), Some(&1), "{calls:?}");
+    assert_eq!(
+        calls.get("ssyrk"),
+        Some(&3),
+        "the first group's three batches only"
+    );
+    let errs = sink.named(names::GPTQ_DEVICE_ERROR);
+    assert_eq!(errs.len(), 1, "{errs:?}");
+    assert_eq!(errs[0]["op"], "sweep");
 }
 
 #[test]

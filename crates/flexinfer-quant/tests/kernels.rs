@@ -9,7 +9,7 @@
 
 use faer::{Mat, MatRef};
 use flexinfer_quant::device::driver::{Nvrtc, NvrtcOutput};
-use flexinfer_quant::device::kernel::{Kernel, KERNEL_SOURCE};
+use flexinfer_quant::device::kernel::{Arg, Kernel, Launch, KERNEL_SOURCE};
 use flexinfer_quant::gptq::{block_snapshot_cpu, sweep_block_cpu};
 use flexinfer_quant::linalg::{CpuBackend, LinalgBackend, SweepFactor};
 use flexinfer_quant::quantizer::{find_params, maxq, GroupParams};
@@ -682,4 +682,97 @@ fn kernels_compile_to_cubin_through_nvrtc() {
     );
     println!("compute_80 as a CUBIN: {virt:?}");
     assert!(virt.is_err());
+}
+
+/// Launches `kernel` through the harness's generic entry, as the session does.
+fn host_launch(launch: Launch, args: &[Arg]) {
+    // SAFETY: the callers' buffers hold what the launch touches.
+    let rc = unsafe { host_kernels::launch(launch, args) };
+    assert_eq!(rc, 0, "{}", launch.kernel.entry());
+}
+
+/// `gptq_factor_pivots` (after a vendor potrf): the pivots from the factor's diagonal in reversed order; a
+/// pivot that is not positive and finite sets the status word, and a status already set stops it.
+#[test]
+fn pivots_kernel_reads_the_vendor_factor_diagonal_and_flags_bad_pivots() {
+    let run = |diag: &[f32], status0: i32| {
+        let n = diag.len();
+        let mut m = vec![7.0f32; n * n];
+        for (j, d) in diag.iter().enumerate() {
+            m[j * n + j] = *d;
+        }
+        let mut r = vec![-1.0f32; n];
+        let mut status = [status0, 0];
+        let ptr = |p: *const u8| Arg::Ptr(p as u64);
+        host_launch(
+            Launch::rows(Kernel::FactorPivots, n, 256),
+            &[
+                ptr(m.as_ptr() as *const u8),
+                Arg::I32(n as i32),
+                Arg::I32(n as i32),
+                ptr(r.as_mut_ptr() as *const u8),
+                ptr(status.as_mut_ptr() as *const u8),
+            ],
+        );
+        (r, status)
+    };
+    let (r, status) = run(&[2.0, 3.0, 5.0], 0);
+    assert_eq!(r, vec![5.0, 3.0, 2.0]);
+    assert_eq!(status, [0, 0]);
+    for bad in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+        let (_, status) = run(&[2.0, bad, 5.0], 0);
+        assert_eq!(status, [2, 0], "pivot {bad}");
+    }
+    let (r, status) = run(&[2.0, 3.0, 5.0], 3);
+    assert_eq!(
+        (r, status),
+        (vec![-1.0; 3], [3, 0]),
+        "potrf's info already set"
+    );
+}
+
+/// `gptq_gather_panel`: the block update's factor rows, dense and column-major, equal the reversed view's.
+#[test]
+fn gather_panel_kernel_copies_the_reversed_view_dense() {
+    let n = 70;
+    let f = factor(n, 9);
+    let coef = f.coef();
+    for (i1, k) in [(0usize, 32usize), (32, 32), (64, 3)] {
+        let i2 = i1 + k;
+        let ncols = n - i2;
+        // The factor's storage M: coef(u, c) = M[n-1-u, n-1-c].
+        let m: Vec<f32> = (0..n * n)
+            .map(|idx| {
+                let (i, j) = (idx % n, idx / n);
+                coef[(n - 1 - i, n - 1 - j)]
+            })
+            .collect();
+        let mut g = vec![f32::NAN; k * ncols.max(1)];
+        let ptr = |p: *const u8| Arg::Ptr(p as u64);
+        host_launch(
+            Launch::tiles(Kernel::GatherPanel, k, ncols),
+            &[
+                ptr(g.as_mut_ptr() as *const u8),
+                Arg::I32(k as i32),
+                ptr(m.as_ptr() as *const u8),
+                Arg::I32(n as i32),
+                Arg::I32(n as i32),
+                Arg::I32(i1 as i32),
+                Arg::I32(k as i32),
+                Arg::I32(i2 as i32),
+                Arg::I32(ncols as i32),
+            ],
+        );
+        for c in 0..ncols {
+            for u in 0..k {
+                assert_eq!(
+                    g[u + c * k].to_bits(),
+                    coef[(i1 + u, i2 + c)].to_bits(),
+                    "block {i1}+{k}: F({}, {})",
+                    i1 + u,
+                    i2 + c
+                );
+            }
+        }
+    }
 }

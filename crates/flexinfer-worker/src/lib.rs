@@ -9,6 +9,7 @@
 pub mod abliterate;
 pub mod common;
 pub mod datasets;
+pub mod devices;
 pub mod download;
 pub mod generations;
 pub mod hf;

@@ -1,4 +1,5 @@
-//! `flexinfer-worker <download|abliterate|quantize|publish>`: runs one pipeline phase inside a Job.
+//! `flexinfer-worker <download|abliterate|quantize|publish>`: runs one pipeline phase inside a Job;
+//! `version` and `devices` print what the worker is and what it finds.
 
 use std::process::ExitCode;
 
@@ -21,6 +22,8 @@ struct Cli {
 enum Cmd {
     /// Print the worker contract version.
     Version,
+    /// Print, as JSON, the GPU runtimes and vendor BLAS/solver libraries this worker finds here.
+    Devices,
     /// Download a model or dataset (Hugging Face Hub, oci://, local://) into MODEL_DIR.
     Download(flexinfer_worker::download::DownloadArgs),
     /// Remove the refusal direction from MODEL_DIR into a new full-precision model (OUT_DIR).
@@ -37,6 +40,10 @@ fn main() -> ExitCode {
     match cli.cmd {
         Cmd::Version => {
             println!("{}", flexinfer_contract::SCRIPT_VERSION);
+            ExitCode::SUCCESS
+        }
+        Cmd::Devices => {
+            println!("{}", flexinfer_worker::devices::report());
             ExitCode::SUCCESS
         }
         Cmd::Download(args) => phase(JobPhase::Download, || flexinfer_worker::download::run(args)),

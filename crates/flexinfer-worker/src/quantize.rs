@@ -9,7 +9,7 @@ use flexinfer_contract::{
     self as contract, env, events, JobPhase, ProgressEvent, TerminationSuccess,
 };
 use flexinfer_quant::calib::CalibSettings;
-use flexinfer_quant::device::{select_device, Device, MemoryBudget, SystemPlatform};
+use flexinfer_quant::device::{select_device, Device, MemoryBudget, SystemPlatform, VendorLibs};
 use flexinfer_quant::events::EventSink;
 use flexinfer_quant::params::{FloorMode, GateParams, GptqParams, RecoveryParams};
 use flexinfer_quant::pipeline::{self, QuantizeJob};
@@ -72,6 +72,10 @@ pub struct QuantizeArgs {
     /// cannot be used is bad configuration (exit 2).
     #[arg(long, env = env::GPTQ_DEVICE, default_value = "auto")]
     pub gptq_device: String,
+    /// `auto` (default): a GPU session uses the vendor's BLAS and solver libraries (cuBLAS + cuSOLVER,
+    /// rocBLAS + rocSOLVER) where they are installed; `off`: the engine's own kernels for everything.
+    #[arg(long, env = env::GPTQ_VENDOR_LIBS, default_value = "auto")]
+    pub gptq_vendor_libs: VendorLibs,
     /// The card's memory in MiB, for the device memory budget (gfx906 reports its own unreliably).
     #[arg(long, env = env::GPU_VRAM_MB)]
     pub gpu_vram_mb: Option<u64>,
@@ -213,6 +217,7 @@ fn run_inner(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess,
                     .gpu_memory_fraction
                     .unwrap_or(MemoryBudget::default().fraction),
             },
+            vendor_libs: args.gptq_vendor_libs,
         },
         &WorkerSink(events),
     )

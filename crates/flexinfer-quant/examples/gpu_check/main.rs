@@ -6,9 +6,13 @@
 //!    inputs on both sides) with the bounds of 2, every module's relative weight error within
 //!    max(1 %, 4/√(2N)) of the CPU artifact's (`whole::compare_artifacts`);
 //! 4. timings: the Hessian accumulation at each size (2048 tokens); one factorisation at n = 4096, 11008
-//!    and 21504 on the device, on the CPU and with the vendor's solver (cuSOLVER `potrf`, loaded at run time
-//!    from `FLEXINFER_CUSOLVER` or `libcusolver.so.*`, when there is one); the whole solve of a 4096 × 11008
-//!    module (2048 tokens, g128) against the CPU, and its steps on the device.
+//!    and 21504 on the device and on the CPU; the block update at a module's first block; the whole solve
+//!    of a 4096 × 11008 module (2048 tokens, g128) against the CPU, and its steps on the device.
+//!
+//! Where the vendor's BLAS or solver library loads (cuBLAS / cuSOLVER, rocBLAS / rocSOLVER: what a Job with
+//! `GPTQ_VENDOR_LIBS=auto` uses), sections 1, 2 and 4 run twice, first with the libraries (names ending in
+//! `[vendor libs]`) and then with the engine's own kernels only (`[own kernels]`, `GPTQ_VENDOR_LIBS=off`),
+//! so one run checks both paths and times them side by side; the whole model runs with the libraries.
 //!
 //! Usage: `gpu_check [--device auto|cuda|hip|cpu] [--quick] [--sizes 4096,11008,21504] [--json FILE]`.
 //! `--quick` uses small sizes (a smoke run); `--device cpu` runs only the whole-model comparison with the CPU
@@ -19,14 +23,13 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a tool: a panic is the failure report
 
 mod artifact;
-mod cusolver;
 mod report;
 mod timing;
 mod whole;
 
 use flexinfer_quant::device::check::{self, Check};
 use flexinfer_quant::device::driver::DriverVendor;
-use flexinfer_quant::device::kernel::KernelDevice;
+use flexinfer_quant::device::kernel::{KernelDevice, MathLibs};
 use flexinfer_quant::device::{Device, DeviceKind, Platform, SystemPlatform};
 use flexinfer_quant::events::MemorySink;
 use flexinfer_quant::linalg::CpuBackend;
@@ -115,6 +118,12 @@ fn main() {
         dev.describe(),
         dev.budget().map(|b| b >> 20)
     );
+    for why in dev
+        .with_vendor(|v| v.math_missing().to_vec())
+        .unwrap_or_default()
+    {
+        println!("vendor library not used: {why}");
+    }
     let mut report = Report {
         checks: Vec::new(),
         records: Vec::new(),
@@ -122,8 +131,22 @@ fn main() {
         device: dev.describe(),
         json: o.json.clone(),
     };
-    checks(&mut report, &dev, &o);
-    timings(&mut report, &dev, &o);
+    let libs = dev.math().unwrap_or_default();
+    let own = (" [own kernels]", MathLibs::default());
+    let configs = if libs == MathLibs::default() {
+        vec![("", libs)]
+    } else {
+        vec![(" [vendor libs]", libs), own]
+    };
+    for (i, &(label, math)) in configs.iter().enumerate() {
+        dev.use_math(math).expect("the device lock");
+        let run = Run {
+            label,
+            whole: i == 0,
+        };
+        checks(&mut report, &dev, &o, &run);
+        timings(&mut report, &dev, &o, &run);
+    }
 
     let failed = report.checks.iter().filter(|c| !c.passed).count();
     println!(
@@ -136,8 +159,29 @@ fn main() {
     std::process::exit(i32::from(failed > 0 || report.errors > 0));
 }
 
+/// One pass over the sections: the suffix of its section and check names (which libraries), and whether
+/// it runs the whole-model comparison.
+struct Run {
+    label: &'static str,
+    whole: bool,
+}
+
+impl Run {
+    fn name(&self, s: &str) -> String {
+        format!("{s}{}", self.label)
+    }
+    /// A timing record with the pass's libraries in `"libs"`.
+    fn tag(&self, mut v: Value) -> Value {
+        let libs = self.label.trim().trim_matches(|c| c == '[' || c == ']');
+        if let Some(m) = v.as_object_mut() {
+            m.insert("libs".into(), json!(libs));
+        }
+        v
+    }
+}
+
 /// Sections 1–3 (module docs): the device's choice, the kernel checks, the group solves, the whole model.
-fn checks(report: &mut Report, dev: &KernelDevice<DriverVendor>, o: &Opts) {
+fn checks(report: &mut Report, dev: &KernelDevice<DriverVendor>, o: &Opts, run: &Run) {
     let (n, tokens, rows) = if o.quick {
         (96, 200, 24)
     } else {
@@ -147,7 +191,7 @@ fn checks(report: &mut Report, dev: &KernelDevice<DriverVendor>, o: &Opts) {
 
     // The worker's own choice (`GPTQ_DEVICE=auto`, what a quantize Job does): it must take this card and
     // say why in its event.
-    report.section("auto selection", |r| {
+    report.section(&run.name("auto selection"), |r| {
         let events = MemorySink::default();
         let sel = flexinfer_quant::device::select_device(
             Some("auto"),
@@ -158,7 +202,7 @@ fn checks(report: &mut Report, dev: &KernelDevice<DriverVendor>, o: &Opts) {
         let kind = sel.device.kind();
         let recorded = events.named(flexinfer_contract::events::GPTQ_DEVICE_SELECTED);
         let c = Check {
-            name: "auto selection".into(),
+            name: run.name("auto selection"),
             passed: kind == dev.kind(),
             worst: 0.0,
             detail: format!(
@@ -176,25 +220,31 @@ fn checks(report: &mut Report, dev: &KernelDevice<DriverVendor>, o: &Opts) {
         Ok(())
     });
 
-    report.section("kernel checks", |r| {
+    report.section(&run.name("kernel checks"), |r| {
         let t = Instant::now();
-        let [h, f] = check::hessian_and_factor(dev, n, tokens, 1).map_err(de)?;
+        let [mut h, mut f] = check::hessian_and_factor(dev, n, tokens, 1).map_err(de)?;
         let s = t.elapsed().as_secs_f64();
+        h.name = run.name(&h.name);
+        f.name = run.name(&f.name);
         r.check(h, s);
         r.check(f, s);
         Ok(())
     });
 
     for (i, case) in check::cases(n, rows).iter().enumerate() {
-        report.section(&case.name.clone(), |r| {
+        let name = run.name(&case.name);
+        report.section(&name.clone(), |r| {
             let solved = check::solve_case(dev, case, 10 + i as u64).map_err(|e| e.to_string())?;
-            let c = solved.compare(&case.name);
+            let c = solved.compare(&name);
             r.check(c, solved.device_seconds + solved.cpu_seconds);
             Ok(())
         });
     }
 
-    report.section("whole model", |r| {
+    if !run.whole {
+        return;
+    }
+    report.section(&run.name("whole model"), |r| {
         let t = Instant::now();
         let c = whole_model(dev, o.quick);
         r.check(c, t.elapsed().as_secs_f64());
@@ -203,26 +253,21 @@ fn checks(report: &mut Report, dev: &KernelDevice<DriverVendor>, o: &Opts) {
 }
 
 /// Section 4 (module docs): the timings.
-fn timings(report: &mut Report, dev: &KernelDevice<DriverVendor>, o: &Opts) {
+fn timings(report: &mut Report, dev: &KernelDevice<DriverVendor>, o: &Opts, run: &Run) {
     let sizes = if o.quick {
         vec![128, 200]
     } else {
         o.sizes.clone()
     };
     for &n in &sizes {
-        report.section(&format!("hessian timing n={n}"), |r| {
-            r.timing(time_hessian(dev, n, if o.quick { 256 } else { 2048 })?);
+        report.section(&run.name(&format!("hessian timing n={n}")), |r| {
+            r.timing(run.tag(time_hessian(dev, n, if o.quick { 256 } else { 2048 })?));
             Ok(())
         });
     }
-
-    let cusolver = cusolver::Solver::load();
-    if let Err(e) = &cusolver {
-        println!("vendor solver: none ({e})");
-    }
     for &n in &sizes {
-        report.section(&format!("factor timing n={n}"), |r| {
-            factor_timing(r, dev, &cusolver, n)
+        report.section(&run.name(&format!("factor timing n={n}")), |r| {
+            factor_timing(r, dev, run, n)
         });
     }
 
@@ -231,14 +276,14 @@ fn timings(report: &mut Report, dev: &KernelDevice<DriverVendor>, o: &Opts) {
     } else {
         (4096, 11008, 2048)
     };
-    report.section("block update timing", |r| {
+    report.section(&run.name("block update timing"), |r| {
         // The first block of the module below: 128 deltas into the module's other columns.
-        r.timing(time_block_update(dev, module.0, 128, module.1 - 128)?);
+        r.timing(run.tag(time_block_update(dev, module.0, 128, module.1 - 128)?));
         Ok(())
     });
-    report.section("module solve", |r| {
+    report.section(&run.name("module solve"), |r| {
         let case = check::Case {
-            name: format!("module {} x {}", module.0, module.1),
+            name: run.name(&format!("module {} x {}", module.0, module.1)),
             rows: vec![module.0],
             n: module.1,
             tokens: module.2,
@@ -250,38 +295,32 @@ fn timings(report: &mut Report, dev: &KernelDevice<DriverVendor>, o: &Opts) {
             solved.compare(&case.name),
             solved.device_seconds + solved.cpu_seconds,
         );
-        r.timing(module_steps(dev, module.0, module.1, module.2)?);
-        r.timing(json!({
+        r.timing(run.tag(module_steps(dev, module.0, module.1, module.2)?));
+        r.timing(run.tag(json!({
             "timing": "module solve", "rows": module.0, "n": module.1, "tokens": module.2,
             "device_seconds": solved.device_seconds, "cpu_seconds": solved.cpu_seconds,
             "speedup": solved.cpu_seconds / solved.device_seconds,
-        }));
+        })));
         Ok(())
     });
 }
 
-/// One factorisation at `n` on the device, on the CPU and with the vendor's solver (section 4).
+/// One factorisation at `n` on the device (with the pass's libraries: the vendor's `potrf` between the
+/// engine's fill and scale kernels, or the engine's own panels) and on the CPU (section 4).
 fn factor_timing(
     r: &mut Report,
     dev: &KernelDevice<DriverVendor>,
-    cusolver: &Result<cusolver::Solver, String>,
+    run: &Run,
     n: usize,
 ) -> Result<(), String> {
     let de = |e: flexinfer_quant::device::DeviceError| e.to_string();
     let ft = check::time_factor(dev, n, n.min(2048), 7, n <= 4096).map_err(de)?;
-    let vendor = match (&cusolver, dev.kind()) {
-        (Ok(s), DeviceKind::Cuda) => Some(
-            dev.with_vendor(|v| s.potrf_seconds(v, &ft.hessian, &ft.diag))
-                .map_err(de)?,
-        ),
-        _ => None,
-    };
     let flops = (n as f64).powi(3) / 3.0;
     let rate = |s: f64| flops / s / 1e9;
     if let Some(b) = ft.backward_error.filter(|b| *b > 1.0) {
         r.check(
             Check {
-                name: format!("factor n={n}"),
+                name: run.name(&format!("factor n={n}")),
                 passed: false,
                 worst: b,
                 detail: format!("backward error {b:.3} over its bound"),
@@ -289,16 +328,11 @@ fn factor_timing(
             ft.device_seconds,
         );
     }
-    let vendor_json = match &vendor {
-        Some(Ok(s)) => json!({"seconds": s, "gflops": rate(*s)}),
-        Some(Err(e)) => json!({"error": e}),
-        None => Value::Null,
-    };
-    r.timing(json!({
+    r.timing(run.tag(json!({
         "timing": "factor", "n": n,
         "device_seconds": ft.device_seconds, "device_gflops": rate(ft.device_seconds),
         "cpu_seconds": ft.cpu_seconds, "cpu_gflops": rate(ft.cpu_seconds),
-        "vendor_potrf": vendor_json, "backward_error": ft.backward_error,
-    }));
+        "backward_error": ft.backward_error,
+    })));
     Ok(())
 }

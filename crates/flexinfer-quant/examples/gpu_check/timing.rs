@@ -87,17 +87,18 @@ pub fn module_steps(
     }))
 }
 
-/// Seconds and rate of the sweep's block update (`gptq_block_update`, `W += D·F`) alone, at the shape of a
-/// module's first block: `rows × k` deltas times a `k × cols` factor block into `rows × cols` weights, all on
-/// the device (buffers filled once, not timed). After a warm-up launch, `reps` launches are timed up to a
-/// 4-byte download that waits for them; `2·rows·k·cols` flops a launch.
+/// Seconds and rate of the sweep's block update (`W += D·F`) alone, at the shape of a module's first block:
+/// `rows × k` deltas times a `k × cols` factor block into `rows × cols` weights, all on the device (buffers
+/// filled once, not timed): the vendor's `sgemm` when the device uses its BLAS now (the engine gathers F into
+/// that dense layout first, a `k × cols` copy not timed here), else `gptq_block_update`. After a warm-up
+/// call, `reps` calls are timed up to a 4-byte download that waits for them; `2·rows·k·cols` flops a call.
 pub fn time_block_update(
     dev: &KernelDevice<DriverVendor>,
     rows: usize,
     k: usize,
     cols: usize,
 ) -> Result<Value, String> {
-    use flexinfer_quant::device::kernel::{Arg, Kernel, Launch, Vendor};
+    use flexinfer_quant::device::kernel::{Arg, Gemm, Kernel, Launch, Vendor};
     let e = |e: flexinfer_quant::device::DeviceError| e.to_string();
     let dim = |v: usize| i32::try_from(v).map_err(|_| format!("{v} exceeds i32"));
     let (r32, k32, c32) = (dim(rows)?, dim(k)?, dim(cols)?);
@@ -112,6 +113,7 @@ pub fn time_block_update(
         filled(k * cols, &mut rng),
     );
     let reps = 5;
+    let blas = dev.math().map_err(e)?.blas;
     dev.with_vendor(|v| -> Result<Value, String> {
         let mut bufs = Vec::new();
         let run = (|| -> Result<Value, String> {
@@ -136,18 +138,37 @@ pub fn time_block_update(
                 Arg::I32(c32),
             ];
             let launch = Launch::wide(Kernel::BlockUpdate, cols, rows);
+            let gemm = Gemm {
+                m: rows,
+                n: cols,
+                k,
+                a: dd,
+                lda: rows,
+                b: df,
+                ldb: k,
+                c: dw,
+                ldc: rows,
+            };
+            let call = |v: &mut DriverVendor| {
+                if blas {
+                    v.gemm_acc(&gemm)
+                } else {
+                    v.launch(launch, &args)
+                }
+            };
             let mut sync = [0u8; 4];
-            v.launch(launch, &args).map_err(e)?;
+            call(v).map_err(e)?;
             v.download(dw, &mut sync).map_err(e)?;
             let t = Instant::now();
             for _ in 0..reps {
-                v.launch(launch, &args).map_err(e)?;
+                call(v).map_err(e)?;
             }
             v.download(dw, &mut sync).map_err(e)?;
             let seconds = (t.elapsed().as_secs_f64() / reps as f64).max(1e-9);
             let flops = 2.0 * rows as f64 * k as f64 * cols as f64;
             Ok(json!({
                 "timing": "block update", "rows": rows, "k": k, "cols": cols,
+                "routine": if blas { "vendor sgemm" } else { "gptq_block_update" },
                 "seconds": seconds, "gflops": flops / seconds / 1e9,
             }))
         })();

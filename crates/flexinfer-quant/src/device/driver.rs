@@ -12,7 +12,7 @@
 //! host vendor (tests/gpu_session.rs), the NVRTC compile of the same source (tests/kernels.rs) and the HIP
 //! code objects (tests/hip_code_objects.rs).
 
-use super::kernel::{Arg, DevPtr, Kernel, Launch, Vendor, KERNEL_SOURCE};
+use super::kernel::{Arg, DevPtr, Gemm, Kernel, Launch, MathLibs, Syrk, Vendor, KERNEL_SOURCE};
 use super::{DevResult, DeviceError, DeviceKind};
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void, CString};
@@ -20,10 +20,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 mod api;
+mod math;
 mod nvrtc;
 
 pub use api::symbol_names;
 use api::{Api, Extra, Raw};
+use math::MathLibraries;
+pub use math::{CUBLAS_LIBRARIES, CUSOLVER_LIBRARIES, ROCBLAS_LIBRARIES, ROCSOLVER_LIBRARIES};
 pub use nvrtc::{Nvrtc, NvrtcError, Output as NvrtcOutput};
 
 /// Where the `rocm-*` worker images put the HIP code objects.
@@ -53,6 +56,10 @@ pub struct DriverVendor {
     staging: Option<Raw>,
     /// The runtime refused page-locked memory once: copies go from pageable memory from then on.
     staging_refused: bool,
+    /// The vendor's BLAS and solver libraries that loaded ([`math`]).
+    math: MathLibraries,
+    /// cuSOLVER's workspace (address, floats), grown as needed; gone with a reset.
+    math_work: Option<(DevPtr, usize)>,
 }
 
 /// Copies of more than this many bytes go through the page-locked staging buffer.
@@ -66,8 +73,16 @@ pub const STAGING_BYTES: usize = 32 << 20;
 unsafe impl Send for DriverVendor {}
 
 impl DriverVendor {
-    /// Opens device 0 of `kind`'s runtime and loads the kernels (`describe` names the device in events).
-    pub fn open(kind: DeviceKind, libraries: &[&str], describe: &str) -> DevResult<DriverVendor> {
+    /// Opens device 0 of `kind`'s runtime and loads the kernels (`describe` names the device in events);
+    /// with `vendor_math`, also the runtime's BLAS and solver libraries where they load ([`math`]). The name
+    /// ends with the libraries in use, in brackets (`[libcublas.so.12, libcusolver.so.11]` or `[own kernels
+    /// only]`).
+    pub fn open(
+        kind: DeviceKind,
+        libraries: &[&str],
+        describe: &str,
+        vendor_math: bool,
+    ) -> DevResult<DriverVendor> {
         let api = Arc::new(Api::load(kind, libraries)?);
         let mut v = DriverVendor {
             api,
@@ -79,12 +94,18 @@ impl DriverVendor {
             name: format!("{}:0 {describe}", kind.as_str()),
             staging: None,
             staging_refused: false,
+            math: MathLibraries::none("GPTQ_VENDOR_LIBS=off"),
+            math_work: None,
         };
         v.start()?;
         match kind {
             DeviceKind::Hip => v.load_hip_code_object()?,
             _ => v.load_cuda_images()?,
         }
+        if vendor_math {
+            v.math = MathLibraries::load(kind);
+        }
+        v.name = format!("{} [{}]", v.name, v.math.describe());
         Ok(v)
     }
 
@@ -149,6 +170,17 @@ impl DriverVendor {
                 None
             }
         }
+    }
+
+    /// Why each vendor math library that is not used is not (not found, a missing entry point, switched
+    /// off); empty when all are used.
+    pub fn math_missing(&self) -> &[String] {
+        &self.math.missing
+    }
+
+    /// A library call's outcome as a device error naming the device.
+    fn math_result<T>(&self, r: Result<T, String>) -> DevResult<T> {
+        r.map_err(|e| DeviceError::new(self.name.clone(), "math", e))
     }
 
     /// Frees the staging buffer (before its context goes).
@@ -301,6 +333,18 @@ impl DriverVendor {
     }
 }
 
+/// Which of `kind`'s vendor math libraries (BLAS, solver) load on this machine with every entry point the
+/// session calls, and why the others do not: what a GPU session here would use with `GPTQ_VENDOR_LIBS=auto`.
+/// Loads and unloads them; needs no device.
+pub fn math_libraries(kind: DeviceKind) -> (MathLibs, Vec<String>) {
+    let m = MathLibraries::load(kind);
+    let libs = MathLibs {
+        blas: m.has_blas(),
+        solver: m.has_solver(),
+    };
+    (libs, m.missing.clone())
+}
+
 /// The `gptq-*.hsaco` files of `dir`.
 pub fn hip_code_objects(dir: &Path) -> Vec<PathBuf> {
     std::fs::read_dir(dir)
@@ -437,7 +481,47 @@ impl Vendor for DriverVendor {
         };
         self.check(&format!("launchKernel({})", kernel.entry()), "launch", rc)
     }
+    fn math(&self) -> MathLibs {
+        MathLibs {
+            blas: self.math.has_blas(),
+            solver: self.math.has_solver(),
+        }
+    }
+    fn syrk_lower(&mut self, op: &Syrk) -> DevResult<()> {
+        self.current("math")?;
+        let r = self.math.syrk(op);
+        self.math_result(r)
+    }
+    fn gemm_acc(&mut self, op: &Gemm) -> DevResult<()> {
+        self.current("math")?;
+        let r = self.math.gemm(op);
+        self.math_result(r)
+    }
+    fn potrf_lower(&mut self, a: DevPtr, lda: usize, n: usize, info: DevPtr) -> DevResult<()> {
+        self.current("math")?;
+        let need = self.math.potrf_workspace(a, lda, n);
+        let need = self.math_result(need)?;
+        let work = match self.math_work {
+            Some((p, floats)) if floats >= need => (p, floats),
+            old => {
+                if let Some((p, _)) = old {
+                    self.math_work = None;
+                    self.free(p);
+                }
+                let p = self.alloc(need.max(1) * 4)?;
+                self.math_work = Some((p, need.max(1)));
+                (p, need.max(1))
+            }
+        };
+        let r = self.math.potrf(a, lda, n, info, work);
+        self.math_result(r)
+    }
     fn reset(&mut self) -> DevResult<()> {
+        // The library handles and cuSOLVER's workspace belong to the old context: destroyed first.
+        if self.current("reset").is_ok() {
+            self.math.drop_handles();
+        }
+        self.math_work = None;
         // The staging buffer goes with the context (freed by its destruction or the device reset).
         self.staging = None;
         let api = Arc::clone(&self.api);
@@ -474,6 +558,9 @@ impl Vendor for DriverVendor {
 
 impl Drop for DriverVendor {
     fn drop(&mut self) {
+        if self.current("drop").is_ok() {
+            self.math.drop_handles();
+        }
         self.free_staging();
         if let Extra::Cuda { ctx_destroy, .. } = self.api.extra {
             if !self.ctx.is_null() && self.current("drop").is_ok() {

@@ -31,7 +31,7 @@ mod select;
 pub use ops::{DeviceOps, OpsSession, PreparedMeta, SweepJob, MAX_DEVICE_RESETS};
 pub use select::{
     select_device, DeviceChoice, GpuInfo, MemoryBudget, Platform, ProbeError, Selection,
-    SystemPlatform, CUDA_LIBRARIES, HIP_LIBRARIES,
+    SystemPlatform, VendorLibs, CUDA_LIBRARIES, HIP_LIBRARIES,
 };
 
 use crate::error::QuantError;

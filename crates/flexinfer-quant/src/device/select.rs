@@ -210,11 +210,33 @@ impl MemoryBudget {
     }
 }
 
+/// `GPTQ_VENDOR_LIBS`: whether a GPU session loads the vendor's BLAS and solver libraries (cuBLAS and
+/// cuSOLVER, rocBLAS and rocSOLVER) where they are installed, for the Hessian, the factorisation and the
+/// block update (`auto`, the default), or runs the kernels of `gptq.cu` for everything (`off`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum VendorLibs {
+    #[default]
+    Auto,
+    Off,
+}
+
+impl std::str::FromStr for VendorLibs {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(VendorLibs::Auto),
+            "off" => Ok(VendorLibs::Off),
+            other => Err(format!("{other:?}: expected auto or off")),
+        }
+    }
+}
+
 /// The real machine: vendor runtimes found with `dlopen`, solve sessions on
 /// [`super::driver::DriverVendor`].
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SystemPlatform {
     pub budget: MemoryBudget,
+    pub vendor_libs: VendorLibs,
 }
 
 /// Library names tried for each runtime, in order.
@@ -248,8 +270,13 @@ impl SystemPlatform {
             DeviceKind::Cuda => CUDA_LIBRARIES,
             DeviceKind::Cpu => return Err(ProbeError::NotAGpu),
         };
-        let mut vendor =
-            DriverVendor::open(info.kind, libraries, &info.name).map_err(ProbeError::Session)?;
+        let mut vendor = DriverVendor::open(
+            info.kind,
+            libraries,
+            &info.name,
+            self.vendor_libs == VendorLibs::Auto,
+        )
+        .map_err(ProbeError::Session)?;
         let budget = self.budget.bytes(vendor.memory().map(|(_, total)| total));
         Ok(KernelDevice::new(vendor, info.kind, budget))
     }

@@ -10,7 +10,7 @@ struct Cli {
     args: QuantizeArgs,
 }
 
-fn parse(extra: &[&str]) -> QuantizeArgs {
+fn try_parse(extra: &[&str]) -> Result<QuantizeArgs, clap::Error> {
     let mut argv = vec![
         "q",
         "--model-dir",
@@ -21,7 +21,11 @@ fn parse(extra: &[&str]) -> QuantizeArgs {
         "d.jsonl",
     ];
     argv.extend_from_slice(extra);
-    Cli::try_parse_from(argv).expect("parses").args
+    Cli::try_parse_from(argv).map(|c| c.args)
+}
+
+fn parse(extra: &[&str]) -> QuantizeArgs {
+    try_parse(extra).expect("parses")
 }
 
 struct Fixture {
@@ -166,6 +170,28 @@ fn gptq_device_cuda_without_a_usable_device_exits_2_and_auto_runs_on_the_cpu() {
     assert!(!f.args.out_dir.exists());
     assert_eq!(parse(&[]).gptq_device, "auto");
     assert_eq!(parse(&["--gptq-device", "cpu"]).gptq_device, "cpu");
+}
+
+#[test]
+fn gptq_vendor_libs_is_auto_or_off() {
+    use flexinfer_quant::device::VendorLibs;
+    assert_eq!(parse(&[]).gptq_vendor_libs, VendorLibs::Auto);
+    assert_eq!(
+        parse(&["--gptq-vendor-libs", "off"]).gptq_vendor_libs,
+        VendorLibs::Off
+    );
+    assert_eq!(
+        parse(&["--gptq-vendor-libs", "AUTO"]).gptq_vendor_libs,
+        VendorLibs::Auto
+    );
+    let e = try_parse(&["--gptq-vendor-libs", "maybe"]).expect_err("a bad value is refused");
+    assert!(
+        e.to_string().contains("--gptq-vendor-libs")
+            && e.to_string().contains("expected auto or off"),
+        "{e}"
+    );
+    // clap's usage errors exit 2: bad configuration, as the worker contract says.
+    assert_eq!(e.exit_code(), 2);
 }
 
 #[test]

@@ -49,10 +49,12 @@ pub enum Kernel {
     CholTrailing,
     BlockSnapshot,
     GroupParams,
+    FactorPivots,
+    GatherPanel,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 12] = [
+    pub const ALL: [Kernel; 14] = [
         Kernel::HessianLower,
         Kernel::MirrorLower,
         Kernel::BlockUpdate,
@@ -65,6 +67,8 @@ impl Kernel {
         Kernel::CholTrailing,
         Kernel::BlockSnapshot,
         Kernel::GroupParams,
+        Kernel::FactorPivots,
+        Kernel::GatherPanel,
     ];
     /// The `extern "C"` entry name.
     pub fn entry(self) -> &'static str {
@@ -81,6 +85,8 @@ impl Kernel {
             Kernel::CholTrailing => "gptq_chol_trailing",
             Kernel::BlockSnapshot => "gptq_block_snapshot",
             Kernel::GroupParams => "gptq_group_params",
+            Kernel::FactorPivots => "gptq_factor_pivots",
+            Kernel::GatherPanel => "gptq_gather_panel",
         }
     }
 }
@@ -165,6 +171,73 @@ pub trait Vendor {
     fn reset(&mut self) -> DevResult<()>;
     /// Free and total device memory in bytes, when the runtime can tell.
     fn memory(&mut self) -> Option<(u64, u64)>;
+
+    /// Which of the vendor's math libraries this vendor can call (default: none, and the session uses its
+    /// own kernels for everything).
+    fn math(&self) -> MathLibs {
+        MathLibs::default()
+    }
+    /// BLAS `ssyrk`, lower, transposed: `C += alpha·AᵀA` on the lower triangle of the `n × n` C (`ldc`), A
+    /// `k × n` (`lda`); column-major f32. Only called when [`MathLibs::blas`].
+    fn syrk_lower(&mut self, _op: &Syrk) -> DevResult<()> {
+        Err(no_library(self.name(), "BLAS"))
+    }
+    /// BLAS `sgemm`: `C += A·B`, A `m × k`, B `k × n`, C `m × n`, column-major f32. Only called when
+    /// [`MathLibs::blas`].
+    fn gemm_acc(&mut self, _op: &Gemm) -> DevResult<()> {
+        Err(no_library(self.name(), "BLAS"))
+    }
+    /// LAPACK `spotrf`, lower, in place: the Cholesky factor of the `n × n` matrix at `a` (`lda`, its lower
+    /// triangle read and written), with LAPACK's `info` written to the `i32` at `info` on the device (0, or
+    /// `j + 1` when the leading minor of order `j + 1` is not positive definite). Only called when
+    /// [`MathLibs::solver`].
+    fn potrf_lower(&mut self, _a: DevPtr, _lda: usize, _n: usize, _info: DevPtr) -> DevResult<()> {
+        Err(no_library(self.name(), "solver"))
+    }
+}
+
+/// The vendor math libraries a [`Vendor`] can call on its own context and buffers (cuBLAS / cuSOLVER,
+/// rocBLAS / rocSOLVER, loaded at run time by [`super::super::driver`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MathLibs {
+    /// [`Vendor::syrk_lower`] and [`Vendor::gemm_acc`]: the Hessian accumulation and the block update.
+    pub blas: bool,
+    /// [`Vendor::potrf_lower`]: the factorisation.
+    pub solver: bool,
+}
+
+/// The arguments of [`Vendor::syrk_lower`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Syrk {
+    pub c: DevPtr,
+    pub ldc: usize,
+    pub a: DevPtr,
+    pub lda: usize,
+    pub n: usize,
+    pub k: usize,
+    pub alpha: f32,
+}
+
+/// The arguments of [`Vendor::gemm_acc`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Gemm {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub a: DevPtr,
+    pub lda: usize,
+    pub b: DevPtr,
+    pub ldb: usize,
+    pub c: DevPtr,
+    pub ldc: usize,
+}
+
+fn no_library(device: String, what: &str) -> super::super::DeviceError {
+    super::super::DeviceError::new(
+        device,
+        "math",
+        format!("no vendor {what} library is loaded"),
+    )
 }
 
 /// [`Vendor::zero`] through uploads of zeros, 32 MiB at a time (for a runtime without a memset).

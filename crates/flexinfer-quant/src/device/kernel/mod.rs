@@ -36,13 +36,36 @@ use std::sync::{Mutex, MutexGuard};
 mod launch;
 mod sweep;
 
-pub use launch::{zero_by_upload, Arg, DevPtr, Kernel, Launch, Vendor, KERNEL_SOURCE, MAX_BLOCK};
+pub use launch::{
+    zero_by_upload, Arg, DevPtr, Gemm, Kernel, Launch, MathLibs, Syrk, Vendor, KERNEL_SOURCE,
+    MAX_BLOCK,
+};
 use launch::{COLUMN_THREADS, PANEL_THREADS, SWEEP_THREADS, TILE};
 
-/// The vendor shared by the sessions of one device, and which context generation is current.
+/// The vendor shared by the sessions of one device, which context generation is current, and which of the
+/// vendor's math libraries the sessions may call.
 struct Shared<V> {
     vendor: V,
     generation: u64,
+    /// Cleared by [`KernelDevice::use_math`], and for a library whose call failed (the kernels take over).
+    allowed: MathLibs,
+}
+
+impl<V: Vendor> Shared<V> {
+    fn math(&self) -> MathLibs {
+        let (has, ok) = (self.vendor.math(), self.allowed);
+        MathLibs {
+            blas: has.blas && ok.blas,
+            solver: has.solver && ok.solver,
+        }
+    }
+}
+
+/// Which library a call of [`KernelOps::math_call`] uses.
+#[derive(Clone, Copy, Debug)]
+enum Lib {
+    Blas,
+    Solver,
 }
 
 /// A [`Device`] whose sessions run the kernels through the vendor `V` (one context for all sessions).
@@ -61,6 +84,10 @@ impl<V: Vendor + Send> KernelDevice<V> {
             shared: Mutex::new(Shared {
                 vendor,
                 generation: 0,
+                allowed: MathLibs {
+                    blas: true,
+                    solver: true,
+                },
             }),
             kind,
             name,
@@ -70,6 +97,17 @@ impl<V: Vendor + Send> KernelDevice<V> {
     /// The device memory budget in bytes.
     pub fn budget(&self) -> Option<u64> {
         self.budget
+    }
+    /// Which of the vendor's math libraries the sessions may use from now on (the vendor must have them
+    /// too); the others' work goes to the kernels. For comparisons (the card check); a library whose call
+    /// fails is switched off by the session itself.
+    pub fn use_math(&self, allowed: MathLibs) -> DevResult<()> {
+        lock(&self.shared)?.allowed = allowed;
+        Ok(())
+    }
+    /// The math libraries the sessions use now.
+    pub fn math(&self) -> DevResult<MathLibs> {
+        Ok(lock(&self.shared)?.math())
     }
 }
 
@@ -89,10 +127,11 @@ pub fn group_bytes(n: usize) -> u64 {
 
 /// Device bytes the sweep of a `rows × cols` module with parameters `p` adds: W and W₀ (f32), the codes, the
 /// block's deltas, every block's row losses, every group's scales and zeros, `R²` and the group of each
-/// column, the coefficients of a block (or of a snapshot), and the snapshot with its scratch
-/// (`sweep::SweepSizes`, the sizes the sweep allocates).
-pub fn sweep_bytes(rows: usize, cols: usize, p: &GptqParams) -> u64 {
-    sweep::SweepSizes::new(rows, &GroupLayout::new(p, cols), p).total()
+/// column, the coefficients of a block (or of a snapshot), the snapshot with its scratch, and with the
+/// vendor's BLAS (`blas`) the dense factor panel its `sgemm` reads (`sweep::SweepSizes`, the sizes the
+/// sweep allocates).
+pub fn sweep_bytes(rows: usize, cols: usize, p: &GptqParams, blas: bool) -> u64 {
+    sweep::SweepSizes::new(rows, &GroupLayout::new(p, cols), p, blas).total()
 }
 
 impl<V: Vendor + Send> Device for KernelDevice<V> {
@@ -260,6 +299,32 @@ impl<V: Vendor> KernelOps<'_, V> {
     fn launch(&mut self, launch: Launch, args: &[Arg]) -> DevResult<()> {
         self.vendor()?.vendor.launch(launch, args)
     }
+    /// The vendor math libraries this session may call now.
+    fn math(&mut self) -> DevResult<MathLibs> {
+        Ok(self.vendor()?.math())
+    }
+    /// A call of the vendor's library `lib`. When it fails, the library is switched off for the device (its
+    /// work goes to the kernels from then on: after the session's reset, the retry runs without it) and the
+    /// error says so.
+    fn math_call(&mut self, lib: Lib, f: impl FnOnce(&mut V) -> DevResult<()>) -> DevResult<()> {
+        let mut g = self.vendor()?;
+        let r = f(&mut g.vendor);
+        r.map_err(|mut e| {
+            match lib {
+                Lib::Blas => g.allowed.blas = false,
+                Lib::Solver => g.allowed.solver = false,
+            }
+            e.message = format!(
+                "{}; the vendor {} library is not used again in this run (the kernels of gptq.cu take over)",
+                e.message,
+                match lib {
+                    Lib::Blas => "BLAS",
+                    Lib::Solver => "solver",
+                }
+            );
+            e
+        })
+    }
     fn lost(&self, op: &str) -> DeviceError {
         DeviceError::new(
             self.name(),
@@ -285,8 +350,8 @@ impl<V: Vendor> KernelOps<'_, V> {
     }
 
     /// Whether a `rows × cols` sweep fits the budget next to the Hessian and the factor.
-    fn check_fits(&self, rows: usize, cols: usize, p: &GptqParams) -> DevResult<()> {
-        let need = group_bytes(self.n) + sweep_bytes(rows, cols, p);
+    fn check_fits(&self, rows: usize, cols: usize, p: &GptqParams, blas: bool) -> DevResult<()> {
+        let need = group_bytes(self.n) + sweep_bytes(rows, cols, p, blas);
         match self.budget {
             Some(b) if need > b => Err(DeviceError::new(
                 self.name(),
@@ -356,6 +421,21 @@ impl<V: Vendor> DeviceOps for KernelOps<'_, V> {
             }
         };
         self.upload(buf, bytes_of(&data))?;
+        if self.math()?.blas {
+            if tokens == 0 || n == 0 {
+                return Ok(());
+            }
+            let op = Syrk {
+                c: h,
+                ldc: n,
+                a: buf,
+                lda: tokens,
+                n,
+                k: tokens,
+                alpha,
+            };
+            return self.math_call(Lib::Blas, |v| v.syrk_lower(&op));
+        }
         self.launch(
             Launch::wide(Kernel::HessianLower, n, n),
             &[
@@ -461,13 +541,14 @@ impl<V: Vendor> DeviceOps for KernelOps<'_, V> {
                 ),
             ));
         }
-        self.check_fits(rows, cols, p)?;
+        let blas = self.math()?.blas;
+        self.check_fits(rows, cols, p, blas)?;
         let (m, _, _) = self
             .m
             .filter(|_| self.factored)
             .ok_or_else(|| self.lost("sweep"))?;
         let mut bufs = Vec::new();
-        let result = self.sweep_with(w, job, m, &mut bufs);
+        let result = self.sweep_with(w, job, m, blas, &mut bufs);
         for b in bufs {
             self.release(b);
         }

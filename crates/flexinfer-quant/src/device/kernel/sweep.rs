@@ -2,8 +2,8 @@
 //! module's blocked sweep (the module docs of [`super`] say where each step runs).
 
 use super::{
-    bytes_of, dims, Arg, DevPtr, DevResult, Kernel, KernelOps, Launch, Vendor, COLUMN_THREADS,
-    MIN_ALLOC, PANEL_THREADS, STATUS_BYTES, SWEEP_THREADS, TILE,
+    bytes_of, dims, Arg, DevPtr, DevResult, Gemm, Kernel, KernelOps, Launch, Lib, Vendor,
+    COLUMN_THREADS, MIN_ALLOC, PANEL_THREADS, STATUS_BYTES, SWEEP_THREADS, TILE,
 };
 use crate::device::SweepJob;
 use crate::numerics::gptq::{
@@ -61,21 +61,28 @@ impl<V: Vendor> KernelOps<'_, V> {
                 Arg::I32(n32),
             ],
         )?;
-        let panel = factor_panel(n);
-        for k0 in (0..n).step_by(panel) {
-            let k1 = (k0 + panel).min(n);
-            self.factor_panel_at(m, r, status, n, k0, k1)?;
+        // The factor, its pivots and the status words: what the pivot and scale kernels take.
+        let factor = [
+            Arg::Ptr(m),
+            Arg::I32(n32),
+            Arg::I32(n32),
+            Arg::Ptr(r),
+            Arg::Ptr(status),
+        ];
+        if self.math()?.solver {
+            // The vendor's potrf in place of the panels; its info is the first status word, and the pivots
+            // are read from the diagonal it leaves.
+            self.math_call(Lib::Solver, |v| v.potrf_lower(m, n, n, status))?;
+            let pivots = Launch::rows(Kernel::FactorPivots, n, COLUMN_THREADS);
+            self.launch(pivots, &factor)?;
+        } else {
+            let panel = factor_panel(n);
+            for k0 in (0..n).step_by(panel) {
+                let k1 = (k0 + panel).min(n);
+                self.factor_panel_at(m, r, status, n, k0, k1)?;
+            }
         }
-        self.launch(
-            Launch::square(Kernel::FactorScale, n),
-            &[
-                Arg::Ptr(m),
-                Arg::I32(n32),
-                Arg::I32(n32),
-                Arg::Ptr(r),
-                Arg::Ptr(status),
-            ],
-        )?;
+        self.launch(Launch::square(Kernel::FactorScale, n), &factor)?;
         let mut st = [0i32; STATUS_BYTES / 4];
         self.vendor()?
             .vendor
@@ -147,6 +154,7 @@ impl<V: Vendor> KernelOps<'_, V> {
         w_in: &Mat<f32>,
         job: &SweepJob<'_>,
         m: DevPtr,
+        blas: bool,
         bufs: &mut Vec<DevPtr>,
     ) -> DevResult<QuantizedLinear> {
         let (rows, cols) = (w_in.nrows(), w_in.ncols());
@@ -156,7 +164,7 @@ impl<V: Vendor> KernelOps<'_, V> {
         let mut groups = Groups::new(p, w_in, &orig_col);
         let perm: Vec<usize> = meta.perm.clone().unwrap_or_else(|| (0..cols).collect());
         let bs = p.block_size.max(1);
-        let s = self.sweep_buffers(w_in, &orig_col, &perm, &mut groups, p, m, bufs)?;
+        let s = self.sweep_buffers(w_in, &orig_col, &perm, &mut groups, p, (m, blas), bufs)?;
         let mut i1 = 0;
         while i1 < cols {
             let i2 = (i1 + bs).min(cols);
@@ -209,7 +217,7 @@ impl<V: Vendor> KernelOps<'_, V> {
         perm: &[usize],
         groups: &mut Groups<'_>,
         p: &GptqParams,
-        m: DevPtr,
+        (m, blas): (DevPtr, bool),
         bufs: &mut Vec<DevPtr>,
     ) -> DevResult<SweepBufs> {
         let (rows, cols) = (w_in.nrows(), w_in.ncols());
@@ -240,7 +248,7 @@ impl<V: Vendor> KernelOps<'_, V> {
         let dw0 = up(self, bytes_of(&w0))?;
         let (drd, dpar) = (up(self, bytes_of(&rdiag2))?, up(self, bytes_of(&param))?);
         let (dscale, dzero) = (up(self, bytes_of(&scale))?, up(self, bytes_of(&zero))?);
-        let size = SweepSizes::new(rows, &groups.layout, p);
+        let size = SweepSizes::new(rows, &groups.layout, p, blas);
         let mut alloc = |ops: &mut Self, bytes: usize| -> DevResult<DevPtr> {
             let b = ops.alloc(bytes)?;
             bufs.push(b);
@@ -252,6 +260,10 @@ impl<V: Vendor> KernelOps<'_, V> {
         let dacc = alloc(self, size.losses)?;
         let coef = alloc(self, size.coef)?;
         let (snap, xs) = (alloc(self, size.snapshot)?, alloc(self, size.snapshot)?);
+        let panel = match size.panel {
+            0 => None,
+            bytes => Some(alloc(self, bytes)?),
+        };
         Ok(SweepBufs {
             m,
             dw,
@@ -266,6 +278,7 @@ impl<V: Vendor> KernelOps<'_, V> {
             coef,
             snap,
             xs,
+            panel,
             rows,
             cols,
             maxq: maxq(p.bits),
@@ -353,9 +366,44 @@ impl<V: Vendor> KernelOps<'_, V> {
     }
 
     /// The lazy-batch update of the columns after the block `[i1, i2)`: `W[:, i2..] −= Δ · F(i1.., i2..)`.
+    /// With the vendor's BLAS: `gptq_gather_panel` copies F's block rows out of the reversed view into the
+    /// dense panel buffer, and `sgemm` adds the product.
     fn block_update(&mut self, s: &SweepBufs, i1: usize, i2: usize) -> DevResult<()> {
         let (n, rows, cols) = (self.n, s.rows, s.cols);
         let (r32, n32) = (dims("sweep", rows)?, self.n32("sweep")?);
+        if let Some(panel) = s.panel {
+            let (k, ncols) = (i2 - i1, cols - i2);
+            if rows == 0 {
+                return Ok(());
+            }
+            let k32 = dims("sweep", k)?;
+            self.launch(
+                Launch::tiles(Kernel::GatherPanel, k, ncols),
+                &[
+                    Arg::Ptr(panel),
+                    Arg::I32(k32),
+                    Arg::Ptr(s.m),
+                    Arg::I32(n32),
+                    Arg::I32(n32),
+                    Arg::I32(i1 as i32),
+                    Arg::I32(k32),
+                    Arg::I32(i2 as i32),
+                    Arg::I32(dims("sweep", ncols)?),
+                ],
+            )?;
+            let op = Gemm {
+                m: rows,
+                n: ncols,
+                k,
+                a: s.dd,
+                lda: rows,
+                b: panel,
+                ldb: k,
+                c: s.dw + s.off(i2),
+                ldc: rows,
+            };
+            return self.math_call(Lib::Blas, |v| v.gemm_acc(&op));
+        }
         // F(i1, i2) = M[n-1-i1, n-1-i2]; F's row stride is −1 and its column stride −n.
         let f = s.m + (((n - 1 - i2) * n + (n - 1 - i1)) * 4) as u64;
         self.launch(
@@ -407,10 +455,12 @@ pub(super) struct SweepSizes {
     coef: usize,
     /// The widest snapshot and its scratch, each.
     snapshot: usize,
+    /// With the vendor's BLAS: the factor panel of a block update, dense (0: not allocated).
+    panel: usize,
 }
 
 impl SweepSizes {
-    pub(super) fn new(rows: usize, layout: &GroupLayout, p: &GptqParams) -> Self {
+    pub(super) fn new(rows: usize, layout: &GroupLayout, p: &GptqParams, blas: bool) -> Self {
         let (cols, bs) = (layout.cols(), p.block_size.max(1));
         let width = layout.max_snapshot_width(bs);
         SweepSizes {
@@ -422,6 +472,11 @@ impl SweepSizes {
             group_params: rows * layout.count() * 4,
             coef: width.max(bs).pow(2) * 4,
             snapshot: rows * width * 4,
+            panel: if blas && cols > bs {
+                bs * (cols - bs) * 4
+            } else {
+                0
+            },
         }
     }
 
@@ -444,7 +499,8 @@ impl SweepSizes {
         ]
         .iter()
         .map(|&b| b.max(MIN_ALLOC) as u64)
-        .sum()
+        .sum::<u64>()
+            + s.panel as u64
     }
 }
 
@@ -467,6 +523,8 @@ struct SweepBufs {
     coef: DevPtr,
     snap: DevPtr,
     xs: DevPtr,
+    /// The dense factor panel of the vendor's `sgemm` (none without the vendor's BLAS).
+    panel: Option<DevPtr>,
     rows: usize,
     cols: usize,
     maxq: f32,

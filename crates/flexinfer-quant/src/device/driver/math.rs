@@ -1,0 +1,495 @@
+//! The vendors' BLAS and solver libraries, loaded at run time with `dlopen` next to the runtime: cuBLAS and
+//! cuSOLVER for CUDA, rocBLAS and rocSOLVER for HIP. Where they load, the session uses `ssyrk` for the
+//! Hessian accumulation, `sgemm` for the sweep's block update and `spotrf` for the factorisation instead of
+//! the kernels of `gptq.cu` (docs/dev/gptq-device.md §5); where they do not, nothing changes.
+//!
+//! Every call runs on the vendor's context (made current by the caller) and on the runtime's default stream,
+//! the stream the kernels are launched on, so library calls and kernel launches stay in order. The handles
+//! are created at the first call and destroyed before the context is reset.
+
+use super::super::kernel::{DevPtr, Gemm, Syrk};
+use super::super::DeviceKind;
+use libloading::Library;
+use std::ffi::{c_int, c_void};
+
+/// cuBLAS names tried in order (after `$FLEXINFER_CUBLAS`).
+pub const CUBLAS_LIBRARIES: &[&str] = &[
+    "libcublas.so.13",
+    "libcublas.so.12",
+    "libcublas.so.11",
+    "libcublas.so",
+];
+/// cuSOLVER names tried in order (after `$FLEXINFER_CUSOLVER`).
+pub const CUSOLVER_LIBRARIES: &[&str] =
+    &["libcusolver.so.12", "libcusolver.so.11", "libcusolver.so"];
+/// rocBLAS names tried in order (after `$FLEXINFER_ROCBLAS`): ROCm 7 and 6 releases, Debian's.
+pub const ROCBLAS_LIBRARIES: &[&str] = &[
+    "librocblas.so.5",
+    "librocblas.so.4",
+    "librocblas.so.0",
+    "librocblas.so",
+];
+/// rocSOLVER names tried in order (after `$FLEXINFER_ROCSOLVER`).
+pub const ROCSOLVER_LIBRARIES: &[&str] = &["librocsolver.so.0", "librocsolver.so"];
+
+type Handle = *mut c_void;
+type CreateFn = unsafe extern "C" fn(*mut Handle) -> c_int;
+type DestroyFn = unsafe extern "C" fn(Handle) -> c_int;
+/// `sgemm(handle, transa, transb, m, n, k, *alpha, A, lda, B, ldb, *beta, C, ldc)` (cuBLAS and rocBLAS).
+type SgemmFn = unsafe extern "C" fn(
+    Handle,
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    *const f32,
+    *const f32,
+    c_int,
+    *const f32,
+    c_int,
+    *const f32,
+    *mut f32,
+    c_int,
+) -> c_int;
+/// `ssyrk(handle, uplo, trans, n, k, *alpha, A, lda, *beta, C, ldc)` (cuBLAS and rocBLAS).
+type SsyrkFn = unsafe extern "C" fn(
+    Handle,
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    *const f32,
+    *const f32,
+    c_int,
+    *const f32,
+    *mut f32,
+    c_int,
+) -> c_int;
+/// `cusolverDnSpotrf_bufferSize(handle, uplo, n, A, lda, *lwork)`.
+type CuPotrfSizeFn =
+    unsafe extern "C" fn(Handle, c_int, c_int, *mut f32, c_int, *mut c_int) -> c_int;
+/// `cusolverDnSpotrf(handle, uplo, n, A, lda, work, lwork, devInfo)`.
+type CuPotrfFn = unsafe extern "C" fn(
+    Handle,
+    c_int,
+    c_int,
+    *mut f32,
+    c_int,
+    *mut f32,
+    c_int,
+    *mut c_int,
+) -> c_int;
+/// `rocsolver_spotrf(handle, uplo, n, A, lda, info)` (`info` on the device).
+type RocPotrfFn = unsafe extern "C" fn(Handle, c_int, c_int, *mut f32, c_int, *mut c_int) -> c_int;
+
+/// The enum values of one BLAS API (cuBLAS counts from 0; rocBLAS uses the CBLAS numbers).
+#[derive(Clone, Copy)]
+struct Enums {
+    no_trans: c_int,
+    trans: c_int,
+    lower: c_int,
+}
+
+const CUBLAS_ENUMS: Enums = Enums {
+    no_trans: 0, // CUBLAS_OP_N
+    trans: 1,    // CUBLAS_OP_T
+    lower: 0,    // CUBLAS_FILL_MODE_LOWER
+};
+const ROCBLAS_ENUMS: Enums = Enums {
+    no_trans: 111, // rocblas_operation_none
+    trans: 112,    // rocblas_operation_transpose
+    lower: 122,    // rocblas_fill_lower
+};
+
+struct Blas {
+    _lib: Library,
+    library: String,
+    create: CreateFn,
+    destroy: DestroyFn,
+    sgemm: SgemmFn,
+    ssyrk: SsyrkFn,
+    names: [&'static str; 2],
+    enums: Enums,
+    handle: Handle,
+}
+
+enum SolverApi {
+    /// cuSOLVER: its own handle and a workspace the caller provides.
+    Cuda {
+        create: CreateFn,
+        destroy: DestroyFn,
+        size: CuPotrfSizeFn,
+        potrf: CuPotrfFn,
+        handle: Handle,
+    },
+    /// rocSOLVER: runs on the rocBLAS handle and allocates its own workspace.
+    Hip { potrf: RocPotrfFn },
+}
+
+struct Solver {
+    _lib: Library,
+    library: String,
+    api: SolverApi,
+}
+
+/// The libraries of one runtime that loaded, and why the others did not.
+pub(super) struct MathLibraries {
+    blas: Option<Blas>,
+    solver: Option<Solver>,
+    /// Why a library is not used (not found, a missing symbol, switched off).
+    pub(super) missing: Vec<String>,
+}
+
+/// A library's status that is not success, as a message naming the call.
+fn status(call: &str, rc: c_int) -> Result<(), String> {
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(format!("{call} returned status {rc}"))
+    }
+}
+
+fn open(env: &str, names: &[&str]) -> Result<(Library, String), String> {
+    let mut tried: Vec<String> = std::env::var(env).into_iter().collect();
+    tried.extend(names.iter().map(|s| s.to_string()));
+    let mut errors = Vec::new();
+    for name in &tried {
+        // SAFETY: loading a vendor library runs its initialisers, as any application linking it does.
+        match unsafe { Library::new(name) } {
+            Ok(lib) => return Ok((lib, name.clone())),
+            Err(e) => errors.push(e.to_string()),
+        }
+    }
+    Err(errors.join("; "))
+}
+
+/// The symbol `name` of `lib` with the C signature `T`.
+fn sym<T: Copy>(lib: &Library, library: &str, name: &str) -> Result<T, String> {
+    let mut z = name.as_bytes().to_vec();
+    z.push(0);
+    // SAFETY: the caller declares `T` as the documented C signature of `name`.
+    unsafe { lib.get::<T>(&z) }
+        .map(|s| *s)
+        .map_err(|e| format!("{library}: {name}: {e}"))
+}
+
+impl MathLibraries {
+    /// None loaded, with the reason.
+    pub(super) fn none(reason: &str) -> MathLibraries {
+        MathLibraries {
+            blas: None,
+            solver: None,
+            missing: vec![reason.to_string()],
+        }
+    }
+
+    /// The BLAS and solver libraries of `kind`'s runtime that load and have every entry point used.
+    pub(super) fn load(kind: DeviceKind) -> MathLibraries {
+        let mut missing = Vec::new();
+        let blas = match Self::load_blas(kind) {
+            Ok(b) => Some(b),
+            Err(e) => {
+                missing.push(format!("BLAS: {e}"));
+                None
+            }
+        };
+        let solver = match (kind, &blas) {
+            // rocSOLVER works on a rocBLAS handle.
+            (DeviceKind::Hip, None) => {
+                missing.push("solver: rocSOLVER needs rocBLAS".into());
+                None
+            }
+            _ => match Self::load_solver(kind) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    missing.push(format!("solver: {e}"));
+                    None
+                }
+            },
+        };
+        MathLibraries {
+            blas,
+            solver,
+            missing,
+        }
+    }
+
+    fn load_blas(kind: DeviceKind) -> Result<Blas, String> {
+        let (env, names, calls, enums) = match kind {
+            DeviceKind::Cuda => (
+                "FLEXINFER_CUBLAS",
+                CUBLAS_LIBRARIES,
+                [
+                    "cublasCreate_v2",
+                    "cublasDestroy_v2",
+                    "cublasSgemm_v2",
+                    "cublasSsyrk_v2",
+                ],
+                CUBLAS_ENUMS,
+            ),
+            DeviceKind::Hip => (
+                "FLEXINFER_ROCBLAS",
+                ROCBLAS_LIBRARIES,
+                [
+                    "rocblas_create_handle",
+                    "rocblas_destroy_handle",
+                    "rocblas_sgemm",
+                    "rocblas_ssyrk",
+                ],
+                ROCBLAS_ENUMS,
+            ),
+            DeviceKind::Cpu => return Err("not a GPU".into()),
+        };
+        let (lib, library) = open(env, names)?;
+        Ok(Blas {
+            create: sym(&lib, &library, calls[0])?,
+            destroy: sym(&lib, &library, calls[1])?,
+            sgemm: sym(&lib, &library, calls[2])?,
+            ssyrk: sym(&lib, &library, calls[3])?,
+            names: [calls[2], calls[3]],
+            enums,
+            handle: std::ptr::null_mut(),
+            _lib: lib,
+            library,
+        })
+    }
+
+    fn load_solver(kind: DeviceKind) -> Result<Solver, String> {
+        match kind {
+            DeviceKind::Cuda => {
+                let (lib, library) = open("FLEXINFER_CUSOLVER", CUSOLVER_LIBRARIES)?;
+                let api = SolverApi::Cuda {
+                    create: sym(&lib, &library, "cusolverDnCreate")?,
+                    destroy: sym(&lib, &library, "cusolverDnDestroy")?,
+                    size: sym(&lib, &library, "cusolverDnSpotrf_bufferSize")?,
+                    potrf: sym(&lib, &library, "cusolverDnSpotrf")?,
+                    handle: std::ptr::null_mut(),
+                };
+                Ok(Solver {
+                    _lib: lib,
+                    library,
+                    api,
+                })
+            }
+            DeviceKind::Hip => {
+                let (lib, library) = open("FLEXINFER_ROCSOLVER", ROCSOLVER_LIBRARIES)?;
+                let api = SolverApi::Hip {
+                    potrf: sym(&lib, &library, "rocsolver_spotrf")?,
+                };
+                Ok(Solver {
+                    _lib: lib,
+                    library,
+                    api,
+                })
+            }
+            DeviceKind::Cpu => Err("not a GPU".into()),
+        }
+    }
+
+    pub(super) fn has_blas(&self) -> bool {
+        self.blas.is_some()
+    }
+    pub(super) fn has_solver(&self) -> bool {
+        self.solver.is_some()
+    }
+
+    /// What the device name says: the libraries in use, or that the kernels do everything.
+    pub(super) fn describe(&self) -> String {
+        let used: Vec<&str> = [
+            self.blas.as_ref().map(|b| b.library.as_str()),
+            self.solver.as_ref().map(|s| s.library.as_str()),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        if used.is_empty() {
+            "own kernels only".into()
+        } else {
+            used.join(", ")
+        }
+    }
+
+    /// The BLAS handle, created at the first call (on the current context).
+    fn blas(&mut self) -> Result<&Blas, String> {
+        let b = self.blas.as_mut().ok_or("no BLAS library")?;
+        if b.handle.is_null() {
+            let mut h: Handle = std::ptr::null_mut();
+            // SAFETY: an out-pointer; the vendor's context is current.
+            status(&format!("{} create", b.library), unsafe {
+                (b.create)(&mut h)
+            })?;
+            b.handle = h;
+        }
+        Ok(b)
+    }
+
+    /// `C += alpha·AᵀA`, lower triangle.
+    pub(super) fn syrk(&mut self, op: &Syrk) -> Result<(), String> {
+        let b = self.blas()?;
+        let (alpha, beta) = (op.alpha, 1.0f32);
+        // SAFETY: `a` and `c` are device allocations of the current context holding `k × n` (lda) and `n × n`
+        // (ldc) floats (the session's buffers); alpha and beta are host scalars (the default pointer mode).
+        let rc = unsafe {
+            (b.ssyrk)(
+                b.handle,
+                b.enums.lower,
+                b.enums.trans,
+                int(op.n)?,
+                int(op.k)?,
+                &alpha,
+                op.a as usize as *const f32,
+                int(op.lda)?,
+                &beta,
+                op.c as usize as *mut f32,
+                int(op.ldc)?,
+            )
+        };
+        status(b.names[1], rc)
+    }
+
+    /// `C += A·B`.
+    pub(super) fn gemm(&mut self, op: &Gemm) -> Result<(), String> {
+        let b = self.blas()?;
+        let one = 1.0f32;
+        // SAFETY: as in `syrk`, with A `m × k` (lda), B `k × n` (ldb), C `m × n` (ldc).
+        let rc = unsafe {
+            (b.sgemm)(
+                b.handle,
+                b.enums.no_trans,
+                b.enums.no_trans,
+                int(op.m)?,
+                int(op.n)?,
+                int(op.k)?,
+                &one,
+                op.a as usize as *const f32,
+                int(op.lda)?,
+                op.b as usize as *const f32,
+                int(op.ldb)?,
+                &one,
+                op.c as usize as *mut f32,
+                int(op.ldc)?,
+            )
+        };
+        status(b.names[0], rc)
+    }
+
+    /// The workspace floats cuSOLVER's `spotrf` needs for this matrix (0 for rocSOLVER, which allocates its
+    /// own).
+    pub(super) fn potrf_workspace(
+        &mut self,
+        a: DevPtr,
+        lda: usize,
+        n: usize,
+    ) -> Result<usize, String> {
+        let s = self.solver.as_mut().ok_or("no solver library")?;
+        let SolverApi::Cuda {
+            create,
+            size,
+            handle,
+            ..
+        } = &mut s.api
+        else {
+            return Ok(0);
+        };
+        if handle.is_null() {
+            let mut h: Handle = std::ptr::null_mut();
+            // SAFETY: an out-pointer; the vendor's context is current.
+            status("cusolverDnCreate", unsafe { create(&mut h) })?;
+            *handle = h;
+        }
+        let mut lwork: c_int = 0;
+        // SAFETY: `a` is an `n × n` (lda) device matrix of the current context; an out-pointer.
+        let rc = unsafe {
+            size(
+                *handle,
+                CUBLAS_ENUMS.lower,
+                int(n)?,
+                a as usize as *mut f32,
+                int(lda)?,
+                &mut lwork,
+            )
+        };
+        status("cusolverDnSpotrf_bufferSize", rc)?;
+        Ok(lwork.max(1) as usize)
+    }
+
+    /// `spotrf`, lower, in place; `info` (an `i32` on the device) gets LAPACK's info. `work` holds the floats
+    /// [`MathLibraries::potrf_workspace`] asked for.
+    pub(super) fn potrf(
+        &mut self,
+        a: DevPtr,
+        lda: usize,
+        n: usize,
+        info: DevPtr,
+        work: (DevPtr, usize),
+    ) -> Result<(), String> {
+        let rocblas = match &self.solver {
+            Some(Solver {
+                api: SolverApi::Hip { .. },
+                ..
+            }) => Some(self.blas()?.handle),
+            _ => None,
+        };
+        let s = self.solver.as_mut().ok_or("no solver library")?;
+        let (n, lda) = (int(n)?, int(lda)?);
+        let (pa, pinfo) = (a as usize as *mut f32, info as usize as *mut c_int);
+        // SAFETY: `a` is an `n × n` (lda) device matrix of the current context, `info` a device i32, `work`
+        // a device buffer of the floats the size query asked for; the handles belong to this context.
+        let rc = unsafe {
+            match &s.api {
+                SolverApi::Cuda { potrf, handle, .. } => potrf(
+                    *handle,
+                    CUBLAS_ENUMS.lower,
+                    n,
+                    pa,
+                    lda,
+                    work.0 as usize as *mut f32,
+                    int(work.1)?,
+                    pinfo,
+                ),
+                SolverApi::Hip { potrf } => potrf(
+                    rocblas.unwrap_or(std::ptr::null_mut()),
+                    ROCBLAS_ENUMS.lower,
+                    n,
+                    pa,
+                    lda,
+                    pinfo,
+                ),
+            }
+        };
+        let call = match s.api {
+            SolverApi::Cuda { .. } => "cusolverDnSpotrf",
+            SolverApi::Hip { .. } => "rocsolver_spotrf",
+        };
+        status(call, rc)
+    }
+
+    /// Destroys the handles (before the context they belong to goes); the next call creates new ones.
+    /// Errors are ignored: a context poisoned by a fault may refuse, and it is about to be destroyed.
+    pub(super) fn drop_handles(&mut self) {
+        if let Some(s) = self.solver.as_mut() {
+            if let SolverApi::Cuda {
+                destroy, handle, ..
+            } = &mut s.api
+            {
+                if !handle.is_null() {
+                    // SAFETY: a handle this library created on the still current context, destroyed once.
+                    unsafe { destroy(*handle) };
+                    *handle = std::ptr::null_mut();
+                }
+            }
+        }
+        if let Some(b) = self.blas.as_mut() {
+            if !b.handle.is_null() {
+                // SAFETY: as above.
+                unsafe { (b.destroy)(b.handle) };
+                b.handle = std::ptr::null_mut();
+            }
+        }
+    }
+}
+
+fn int(v: usize) -> Result<c_int, String> {
+    c_int::try_from(v).map_err(|_| format!("dimension {v} exceeds the library's 32-bit int"))
+}
