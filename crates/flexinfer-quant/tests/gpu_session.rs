@@ -51,6 +51,8 @@ struct Log {
     math_calls: BTreeMap<&'static str, usize>,
     /// The first call of this library routine fails (once), as a library returning an error status.
     fail_math_once: Option<&'static str>,
+    /// `sgemm` adds 1 to its first output: a library that runs but answers wrongly.
+    wrong_sgemm: bool,
 }
 
 /// Corrupts what `kernel` just wrote: the second entry of the Hessian or the factor (below the diagonal)
@@ -255,6 +257,9 @@ impl Vendor for HostVendor {
                     }
                     *c.add(i + j * op.ldc) += s;
                 }
+            }
+            if self.log.lock().unwrap().wrong_sgemm {
+                *c += 1.0;
             }
         }
         Ok(())
@@ -724,6 +729,65 @@ fn a_failing_vendor_library_is_switched_off_and_the_kernels_take_over() {
     let errs = sink.named(names::GPTQ_DEVICE_ERROR);
     assert_eq!(errs.len(), 1, "{errs:?}");
     assert_eq!(errs[0]["op"], "sweep");
+}
+
+/// The self-test a device runs on the vendor libraries when it opens (`kernel::math_self_test`): right
+/// libraries pass; one that errors or answers wrongly fails, naming the routine and what it gave.
+#[test]
+fn the_vendor_library_self_test_passes_right_libraries_and_catches_wrong_ones() {
+    use flexinfer_quant::device::kernel::math_self_test;
+    let vendor = |log: Log| {
+        let log = Arc::new(Mutex::new(Log {
+            math: MATH[1],
+            ..log
+        }));
+        (HostVendor::new(Arc::clone(&log)), log)
+    };
+    let (mut v, log) = vendor(Log::default());
+    let t = math_self_test(&mut v);
+    assert!(t.blas.is_ok() && t.solver.is_ok(), "{t:?}");
+    assert_eq!(t.passed(MATH[1]), MATH[1]);
+    let calls = log.lock().unwrap().math_calls.clone();
+    assert_eq!(
+        (calls.get("ssyrk"), calls.get("sgemm"), calls.get("spotrf")),
+        (Some(&1), Some(&1), Some(&2)),
+        "{calls:?}"
+    );
+    assert!(v.allocs.is_empty(), "the test's buffers are freed");
+    // Nothing to test without libraries.
+    let (mut none, log) = vendor(Log::default());
+    log.lock().unwrap().math = MATH[0];
+    let t = math_self_test(&mut none);
+    assert!(t.blas.is_ok() && t.solver.is_ok() && log.lock().unwrap().math_calls.is_empty());
+
+    let (mut v, _) = vendor(Log {
+        wrong_sgemm: true,
+        ..Default::default()
+    });
+    let t = math_self_test(&mut v);
+    let e = t.blas.as_ref().unwrap_err();
+    assert!(e.contains("sgemm [20.0, 43.0, 22.0, 50.0]"), "{e}");
+    assert!(t.solver.is_ok());
+    assert_eq!(
+        t.passed(MATH[1]),
+        MathLibs {
+            blas: false,
+            solver: true
+        }
+    );
+    let (mut v, _) = vendor(Log {
+        fail_math_once: Some("spotrf"),
+        ..Default::default()
+    });
+    let t = math_self_test(&mut v);
+    assert!(t.blas.is_ok());
+    assert!(
+        t.solver
+            .as_ref()
+            .unwrap_err()
+            .contains("spotrf returned status 13"),
+        "{t:?}"
+    );
 }
 
 #[test]

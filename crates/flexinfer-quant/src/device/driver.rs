@@ -12,7 +12,9 @@
 //! host vendor (tests/gpu_session.rs), the NVRTC compile of the same source (tests/kernels.rs) and the HIP
 //! code objects (tests/hip_code_objects.rs).
 
-use super::kernel::{Arg, DevPtr, Gemm, Kernel, Launch, MathLibs, Syrk, Vendor, KERNEL_SOURCE};
+use super::kernel::{
+    math_self_test, Arg, DevPtr, Gemm, Kernel, Launch, MathLibs, Syrk, Vendor, KERNEL_SOURCE,
+};
 use super::{DevResult, DeviceError, DeviceKind};
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void, CString};
@@ -104,6 +106,7 @@ impl DriverVendor {
         }
         if vendor_math {
             v.math = MathLibraries::load(kind);
+            v.self_test_math();
         }
         v.name = format!("{} [{}]", v.name, v.math.describe());
         Ok(v)
@@ -176,6 +179,18 @@ impl DriverVendor {
     /// off); empty when all are used.
     pub fn math_missing(&self) -> &[String] {
         &self.math.missing
+    }
+
+    /// [`math_self_test`] of the loaded libraries; the ones that fail are not used, with the reason in
+    /// [`DriverVendor::math_missing`]. The test's handles and workspace are kept (the same context).
+    fn self_test_math(&mut self) {
+        let t = math_self_test(self);
+        if let Err(e) = t.blas {
+            self.math.drop_blas(format!("self-test failed: {e}"));
+        }
+        if let Err(e) = t.solver {
+            self.math.drop_solver(format!("self-test failed: {e}"));
+        }
     }
 
     /// A library call's outcome as a device error naming the device.

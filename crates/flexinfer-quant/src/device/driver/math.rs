@@ -137,8 +137,10 @@ struct Solver {
 pub(super) struct MathLibraries {
     blas: Option<Blas>,
     solver: Option<Solver>,
-    /// Why a library is not used (not found, a missing symbol, switched off).
+    /// Why a library is not used (not found, a missing symbol, switched off, its self-test failed).
     pub(super) missing: Vec<String>,
+    /// The libraries dropped after loading (a failed self-test), with the reason: named in the device name.
+    dropped: Vec<String>,
 }
 
 /// A library's status that is not success, as a message naming the call.
@@ -181,6 +183,7 @@ impl MathLibraries {
             blas: None,
             solver: None,
             missing: vec![reason.to_string()],
+            dropped: Vec::new(),
         }
     }
 
@@ -212,6 +215,7 @@ impl MathLibraries {
             blas,
             solver,
             missing,
+            dropped: Vec::new(),
         }
     }
 
@@ -287,6 +291,33 @@ impl MathLibraries {
         }
     }
 
+    /// Stops using the BLAS (and rocSOLVER, which runs on its handle) for `why`.
+    pub(super) fn drop_blas(&mut self, why: String) {
+        self.drop_handles();
+        if let Some(b) = self.blas.take() {
+            self.missing.push(format!("BLAS: {why}"));
+            self.dropped.push(format!("{}: {why}", b.library));
+        }
+        if matches!(
+            self.solver,
+            Some(Solver {
+                api: SolverApi::Hip { .. },
+                ..
+            })
+        ) {
+            self.solver = None;
+            self.missing.push("solver: rocSOLVER needs rocBLAS".into());
+        }
+    }
+
+    /// Stops using the solver for `why`.
+    pub(super) fn drop_solver(&mut self, why: String) {
+        if let Some(s) = self.solver.take() {
+            self.missing.push(format!("solver: {why}"));
+            self.dropped.push(format!("{}: {why}", s.library));
+        }
+    }
+
     pub(super) fn has_blas(&self) -> bool {
         self.blas.is_some()
     }
@@ -303,10 +334,14 @@ impl MathLibraries {
         .into_iter()
         .flatten()
         .collect();
-        if used.is_empty() {
+        let used = if used.is_empty() {
             "own kernels only".into()
         } else {
             used.join(", ")
+        };
+        match self.dropped.is_empty() {
+            true => used,
+            false => format!("{used}; not used: {}", self.dropped.join("; ")),
         }
     }
 

@@ -34,6 +34,7 @@ use faer::{Mat, MatRef};
 use std::sync::{Mutex, MutexGuard};
 
 mod launch;
+mod math_check;
 mod sweep;
 
 pub use launch::{
@@ -41,6 +42,7 @@ pub use launch::{
     MAX_BLOCK,
 };
 use launch::{COLUMN_THREADS, PANEL_THREADS, SWEEP_THREADS, TILE};
+pub use math_check::{math_self_test, MathSelfTest};
 
 /// The vendor shared by the sessions of one device, which context generation is current, and which of the
 /// vendor's math libraries the sessions may call.
