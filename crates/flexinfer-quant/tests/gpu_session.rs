@@ -14,6 +14,7 @@ mod host_kernels;
 
 use faer::Mat;
 use flexinfer_contract::events as names;
+use flexinfer_quant::device::driver::MathLibraries;
 use flexinfer_quant::device::kernel::{
     Arg, DevPtr, Gemm, Kernel, KernelDevice, Launch, MathLibs, Syrk, Vendor,
 };
@@ -76,6 +77,9 @@ fn corrupt(kernel: Kernel, args: &[Arg]) {
 /// The host "device": allocations are host buffers (8-byte aligned); after a failed launch every call fails
 /// until a reset, as a HIP context after a kernel fault; a reset frees every allocation.
 struct HostVendor {
+    /// Real library code for `math()` and its calls: the engine's loader and FFI calls into the C stand-ins
+    /// of tests/vendor_stub/stub.c (instead of this file's loops).
+    lib: Option<MathLibraries>,
     allocs: BTreeMap<u64, Vec<u64>>,
     /// The bytes asked for, per live allocation.
     asked: BTreeMap<u64, u64>,
@@ -87,6 +91,7 @@ struct HostVendor {
 impl HostVendor {
     fn new(log: Arc<Mutex<Log>>) -> Self {
         HostVendor {
+            lib: None,
             allocs: BTreeMap::new(),
             asked: BTreeMap::new(),
             poisoned: false,
@@ -219,13 +224,23 @@ impl Vendor for HostVendor {
         self.total.map(|t| (t, t))
     }
     fn math(&self) -> MathLibs {
-        self.log.lock().unwrap().math
+        match &self.lib {
+            Some(l) => MathLibs {
+                blas: l.has_blas(),
+                solver: l.has_solver(),
+            },
+            None => self.log.lock().unwrap().math,
+        }
     }
     fn syrk_lower(&mut self, op: &Syrk) -> DevResult<()> {
         self.math_call("ssyrk")?;
         let (n, k) = (op.n, op.k);
         self.check("ssyrk", op.c, (op.ldc * (n - 1) + n) * 4)?;
         self.check("ssyrk", op.a, (op.lda * (n - 1) + k) * 4)?;
+        if let Some(l) = self.lib.as_mut() {
+            // SAFETY: host "device" buffers checked above; the stand-in computes on them in place.
+            return unsafe { l.syrk(op) }.map_err(|e| Self::err("ssyrk", e));
+        }
         let (a, c) = (op.a as *const f32, op.c as *mut f32);
         // SAFETY: both ranges were checked against live allocations just above.
         unsafe {
@@ -246,6 +261,10 @@ impl Vendor for HostVendor {
         self.check("sgemm", op.a, (op.lda * (op.k - 1) + op.m) * 4)?;
         self.check("sgemm", op.b, (op.ldb * (op.n - 1) + op.k) * 4)?;
         self.check("sgemm", op.c, (op.ldc * (op.n - 1) + op.m) * 4)?;
+        if let Some(l) = self.lib.as_mut() {
+            // SAFETY: as in syrk_lower.
+            return unsafe { l.gemm(op) }.map_err(|e| Self::err("sgemm", e));
+        }
         let (a, b, c) = (op.a as *const f32, op.b as *const f32, op.c as *mut f32);
         // SAFETY: the three ranges were checked against live allocations just above.
         unsafe {
@@ -268,6 +287,17 @@ impl Vendor for HostVendor {
         self.math_call("spotrf")?;
         self.check("spotrf", a, (lda * (n - 1) + n) * 4)?;
         self.check("spotrf", info, 4)?;
+        if let Some(mut l) = self.lib.take() {
+            // SAFETY: as in syrk_lower; the workspace is a live allocation of the floats asked for.
+            let r = unsafe { l.potrf_workspace(a, lda, n) }.and_then(|need| {
+                let w = self.alloc(need * 4).map_err(|e| e.message)?;
+                let r = unsafe { l.potrf(a, lda, n, info, (w, need)) };
+                self.free(w);
+                r
+            });
+            self.lib = Some(l);
+            return r.map_err(|e| Self::err("spotrf", e));
+        }
         let (a, info) = (a as *mut f32, info as *mut i32);
         // SAFETY: checked above; the unblocked Cholesky of LAPACK's reference, lower, stopping at the first
         // pivot that is not positive (info = j + 1).
@@ -788,6 +818,91 @@ fn the_vendor_library_self_test_passes_right_libraries_and_catches_wrong_ones() 
             .contains("spotrf returned status 13"),
         "{t:?}"
     );
+}
+
+/// The engine's loader and FFI calls (src/device/driver/math.rs) against C libraries with the vendors'
+/// entry points and prototypes (tests/vendor_stub/stub.c, which rejects wrong enum values, handles, leading
+/// dimensions and cuSOLVER workspaces with the libraries' error statuses): for each runtime's names, the
+/// libraries load, pass the self-test, and carry whole-group solves that meet the bounds against the CPU.
+/// The only test of this binary that sets the `FLEXINFER_CUBLAS` family (no other test here loads them).
+#[test]
+fn the_session_drives_the_vendor_libraries_through_their_c_interfaces() {
+    use flexinfer_quant::device::kernel::math_self_test;
+    let so = host_kernels::build_shared(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/vendor_stub/stub.c"),
+        "vendor_stub",
+    );
+    for var in [
+        "FLEXINFER_CUBLAS",
+        "FLEXINFER_CUSOLVER",
+        "FLEXINFER_ROCBLAS",
+        "FLEXINFER_ROCSOLVER",
+    ] {
+        std::env::set_var(var, &so);
+    }
+    // SAFETY: the stand-in library built just above; `stub_calls` is `int stub_calls(int, int)`.
+    let stub = unsafe { libloading::Library::new(&so) }.unwrap();
+    let stub_calls = |api: i32, call: i32| -> i32 {
+        // SAFETY: as above.
+        unsafe {
+            let f: libloading::Symbol<unsafe extern "C" fn(i32, i32) -> i32> =
+                stub.get(b"stub_calls\0").unwrap();
+            f(api, call)
+        }
+    };
+    for (api, kind) in [(0, DeviceKind::Cuda), (1, DeviceKind::Hip)] {
+        let lib = MathLibraries::load(kind);
+        assert!(
+            lib.has_blas() && lib.has_solver(),
+            "{kind:?}: {:?}",
+            lib.missing
+        );
+        assert!(lib.describe().contains("vendor_stub"), "{}", lib.describe());
+        let log = Arc::new(Mutex::new(Log::default()));
+        let mut v = HostVendor::new(Arc::clone(&log));
+        v.lib = Some(lib);
+        let t = math_self_test(&mut v);
+        assert!(t.blas.is_ok() && t.solver.is_ok(), "{kind:?}: {t:?}");
+        let dev = KernelDevice::new(v, kind, None);
+        for (i, c) in cases().iter().enumerate().take(6) {
+            let xs = batches(c.tokens, c.cols, 10 + i as u64);
+            let ws = weights(c, 100 + 10 * i as u64);
+            let cpu = solve(&CpuBackend::default(), c, &xs, &ws, &MemorySink::default());
+            let sink = MemorySink::default();
+            let got = solve(&dev, c, &xs, &ws, &sink);
+            assert_close(&format!("{} ({kind:?} stand-ins)", c.name), &got, &cpu);
+            assert!(
+                sink.named(names::GPTQ_DEVICE_ERROR).is_empty(),
+                "{:?}",
+                sink.named(names::GPTQ_DEVICE_ERROR)
+            );
+        }
+        let kernels = log.lock().unwrap().kernels.clone();
+        for k in [
+            Kernel::HessianLower,
+            Kernel::CholPanelDiag,
+            Kernel::BlockUpdate,
+        ] {
+            assert!(!kernels.contains_key(k.entry()), "{kind:?}: {kernels:?}");
+        }
+        // create, sgemm, ssyrk, (cuSOLVER) bufferSize, potrf: each reached the library.
+        let (create, sgemm, ssyrk, size, potrf) = (
+            stub_calls(api, 0),
+            stub_calls(api, 2),
+            stub_calls(api, 3),
+            stub_calls(api, 4),
+            stub_calls(api, 5),
+        );
+        println!(
+            "{kind:?}: create {create} sgemm {sgemm} ssyrk {ssyrk} bufferSize {size} potrf {potrf}"
+        );
+        assert!(
+            create >= 1 && sgemm > 10 && ssyrk > 10 && potrf > 6,
+            "{kind:?}"
+        );
+        assert_eq!(size > 0, api == 0, "only cuSOLVER asks for a workspace");
+        drop(dev);
+    }
 }
 
 #[test]

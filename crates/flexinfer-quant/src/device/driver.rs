@@ -27,7 +27,7 @@ mod nvrtc;
 
 pub use api::symbol_names;
 use api::{Api, Extra, Raw};
-use math::MathLibraries;
+pub use math::MathLibraries;
 pub use math::{CUBLAS_LIBRARIES, CUSOLVER_LIBRARIES, ROCBLAS_LIBRARIES, ROCSOLVER_LIBRARIES};
 pub use nvrtc::{Nvrtc, NvrtcError, Output as NvrtcOutput};
 
@@ -504,17 +504,21 @@ impl Vendor for DriverVendor {
     }
     fn syrk_lower(&mut self, op: &Syrk) -> DevResult<()> {
         self.current("math")?;
-        let r = self.math.syrk(op);
+        // SAFETY: the context was made current just above; the session passes its own allocations of this
+        // context, sized for the operation.
+        let r = unsafe { self.math.syrk(op) };
         self.math_result(r)
     }
     fn gemm_acc(&mut self, op: &Gemm) -> DevResult<()> {
         self.current("math")?;
-        let r = self.math.gemm(op);
+        // SAFETY: as in `syrk_lower`.
+        let r = unsafe { self.math.gemm(op) };
         self.math_result(r)
     }
     fn potrf_lower(&mut self, a: DevPtr, lda: usize, n: usize, info: DevPtr) -> DevResult<()> {
         self.current("math")?;
-        let need = self.math.potrf_workspace(a, lda, n);
+        // SAFETY: the context is current; `a` is the session's n × n (lda) allocation.
+        let need = unsafe { self.math.potrf_workspace(a, lda, n) };
         let need = self.math_result(need)?;
         let work = match self.math_work {
             Some((p, floats)) if floats >= need => (p, floats),
@@ -528,7 +532,9 @@ impl Vendor for DriverVendor {
                 (p, need.max(1))
             }
         };
-        let r = self.math.potrf(a, lda, n, info, work);
+        // SAFETY: as above; `info` is the session's status word and `work` this vendor's workspace of that
+        // many floats, both of this context.
+        let r = unsafe { self.math.potrf(a, lda, n, info, work) };
         self.math_result(r)
     }
     fn reset(&mut self) -> DevResult<()> {

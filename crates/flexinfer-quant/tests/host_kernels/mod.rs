@@ -8,37 +8,45 @@ use std::sync::OnceLock;
 
 pub const KERNELS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/kernels");
 
+/// Compiles the C file `src` into a shared library under the test target directory (once per process) with
+/// the flags of the harness: no FP contraction, every warning an error.
+pub fn build_shared(src: &Path, stem: &str) -> PathBuf {
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("gptq-kernels-host");
+    std::fs::create_dir_all(&out).unwrap();
+    let so = out.join(format!("lib{stem}_{}.so", std::process::id()));
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_string());
+    let status = std::process::Command::new(&cc)
+        .args([
+            "-std=c11",
+            "-O2",
+            "-ffp-contract=off",
+            "-fPIC",
+            "-shared",
+            "-pthread",
+            "-Wall",
+            "-Werror",
+            "-o",
+        ])
+        .arg(&so)
+        .arg(src)
+        .arg("-lm")
+        .status()
+        .unwrap_or_else(|e| {
+            panic!("running the C compiler {cc:?} (scripts/install-deps.sh installs gcc): {e}")
+        });
+    assert!(
+        status.success(),
+        "compiling {} failed: {status}",
+        src.display()
+    );
+    so
+}
+
 /// The harness library.
 pub fn host() -> &'static Library {
     static LIB: OnceLock<Library> = OnceLock::new();
     LIB.get_or_init(|| {
-        let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("gptq-kernels-host");
-        std::fs::create_dir_all(&out).unwrap();
-        let so = out.join(format!("libgptq_host_{}.so", std::process::id()));
-        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_string());
-        let status = std::process::Command::new(&cc)
-            .args([
-                "-std=c11",
-                "-O2",
-                "-ffp-contract=off",
-                "-fPIC",
-                "-shared",
-                "-pthread",
-                "-Wall",
-                "-Werror",
-                "-o",
-            ])
-            .arg(&so)
-            .arg(Path::new(KERNELS).join("host_harness.c"))
-            .arg("-lm")
-            .status()
-            .unwrap_or_else(|e| {
-                panic!("running the C compiler {cc:?} (scripts/install-deps.sh installs gcc): {e}")
-            });
-        assert!(
-            status.success(),
-            "compiling kernels/host_harness.c failed: {status}"
-        );
+        let so = build_shared(&Path::new(KERNELS).join("host_harness.c"), "gptq_host");
         // SAFETY: the library was just built from this crate's harness; loading runs no initialisers of note.
         unsafe { Library::new(&so) }.unwrap()
     })

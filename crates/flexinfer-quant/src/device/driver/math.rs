@@ -133,15 +133,22 @@ struct Solver {
     api: SolverApi,
 }
 
-/// The libraries of one runtime that loaded, and why the others did not.
-pub(super) struct MathLibraries {
+/// The libraries of one runtime that loaded, and why the others did not. [`super::DriverVendor`] owns one
+/// and calls it on its context; the calls are `unsafe` because the addresses go to the vendor's C API as
+/// they are.
+pub struct MathLibraries {
     blas: Option<Blas>,
     solver: Option<Solver>,
     /// Why a library is not used (not found, a missing symbol, switched off, its self-test failed).
-    pub(super) missing: Vec<String>,
+    pub missing: Vec<String>,
     /// The libraries dropped after loading (a failed self-test), with the reason: named in the device name.
     dropped: Vec<String>,
 }
+
+// SAFETY: the library handles are only used through `&mut self`, so never by two threads at once, and the
+// vendors' handles may move between threads (the session serialises its calls through a mutex and makes the
+// vendor's context current on the calling thread first).
+unsafe impl Send for MathLibraries {}
 
 /// A library's status that is not success, as a message naming the call.
 fn status(call: &str, rc: c_int) -> Result<(), String> {
@@ -188,7 +195,7 @@ impl MathLibraries {
     }
 
     /// The BLAS and solver libraries of `kind`'s runtime that load and have every entry point used.
-    pub(super) fn load(kind: DeviceKind) -> MathLibraries {
+    pub fn load(kind: DeviceKind) -> MathLibraries {
         let mut missing = Vec::new();
         let blas = match Self::load_blas(kind) {
             Ok(b) => Some(b),
@@ -318,15 +325,15 @@ impl MathLibraries {
         }
     }
 
-    pub(super) fn has_blas(&self) -> bool {
+    pub fn has_blas(&self) -> bool {
         self.blas.is_some()
     }
-    pub(super) fn has_solver(&self) -> bool {
+    pub fn has_solver(&self) -> bool {
         self.solver.is_some()
     }
 
     /// What the device name says: the libraries in use, or that the kernels do everything.
-    pub(super) fn describe(&self) -> String {
+    pub fn describe(&self) -> String {
         let used: Vec<&str> = [
             self.blas.as_ref().map(|b| b.library.as_str()),
             self.solver.as_ref().map(|s| s.library.as_str()),
@@ -360,11 +367,15 @@ impl MathLibraries {
     }
 
     /// `C += alpha·AᵀA`, lower triangle.
-    pub(super) fn syrk(&mut self, op: &Syrk) -> Result<(), String> {
+    ///
+    /// # Safety
+    /// The vendor's context is current on this thread, and `op.a` / `op.c` are its device allocations
+    /// holding `k × n` (`lda`) and `n × n` (`ldc`) floats.
+    pub unsafe fn syrk(&mut self, op: &Syrk) -> Result<(), String> {
         let b = self.blas()?;
         let (alpha, beta) = (op.alpha, 1.0f32);
-        // SAFETY: `a` and `c` are device allocations of the current context holding `k × n` (lda) and `n × n`
-        // (ldc) floats (the session's buffers); alpha and beta are host scalars (the default pointer mode).
+        // SAFETY: the caller's contract (the buffers, the context); alpha and beta are host scalars (the
+        // default pointer mode).
         let rc = unsafe {
             (b.ssyrk)(
                 b.handle,
@@ -384,7 +395,10 @@ impl MathLibraries {
     }
 
     /// `C += A·B`.
-    pub(super) fn gemm(&mut self, op: &Gemm) -> Result<(), String> {
+    ///
+    /// # Safety
+    /// As [`MathLibraries::syrk`], with A `m × k` (`lda`), B `k × n` (`ldb`), C `m × n` (`ldc`).
+    pub unsafe fn gemm(&mut self, op: &Gemm) -> Result<(), String> {
         let b = self.blas()?;
         let one = 1.0f32;
         // SAFETY: as in `syrk`, with A `m × k` (lda), B `k × n` (ldb), C `m × n` (ldc).
@@ -411,7 +425,10 @@ impl MathLibraries {
 
     /// The workspace floats cuSOLVER's `spotrf` needs for this matrix (0 for rocSOLVER, which allocates its
     /// own).
-    pub(super) fn potrf_workspace(
+    ///
+    /// # Safety
+    /// The vendor's context is current, and `a` is its device allocation of an `n × n` (`lda`) matrix.
+    pub unsafe fn potrf_workspace(
         &mut self,
         a: DevPtr,
         lda: usize,
@@ -451,7 +468,11 @@ impl MathLibraries {
 
     /// `spotrf`, lower, in place; `info` (an `i32` on the device) gets LAPACK's info. `work` holds the floats
     /// [`MathLibraries::potrf_workspace`] asked for.
-    pub(super) fn potrf(
+    ///
+    /// # Safety
+    /// As [`MathLibraries::potrf_workspace`]; `info` is a device `i32` and `work` a device buffer of that many
+    /// floats, of the same context.
+    pub unsafe fn potrf(
         &mut self,
         a: DevPtr,
         lda: usize,
@@ -502,7 +523,7 @@ impl MathLibraries {
 
     /// Destroys the handles (before the context they belong to goes); the next call creates new ones.
     /// Errors are ignored: a context poisoned by a fault may refuse, and it is about to be destroyed.
-    pub(super) fn drop_handles(&mut self) {
+    pub fn drop_handles(&mut self) {
         if let Some(s) = self.solver.as_mut() {
             if let SolverApi::Cuda {
                 destroy, handle, ..

@@ -1,0 +1,211 @@
+/*
+ * Host stand-ins for the vendor math libraries the GPU session loads at run time (cuBLAS, cuSOLVER, rocBLAS,
+ * rocSOLVER), with the C prototypes of their headers (cublas_api.h, cusolverDn.h, rocblas-functions.h,
+ * rocsolver-functions.h) and "device" pointers that are host pointers. tests/gpu_session.rs builds this file
+ * into one shared library, points FLEXINFER_CUBLAS / _CUSOLVER / _ROCBLAS / _ROCSOLVER at it, and drives the
+ * session through the engine's own loader and calls (src/device/driver/math.rs), so the entry-point names,
+ * the argument order, the enum values and the handle and workspace protocol are exercised without a GPU.
+ *
+ * Every routine checks what the real one would reject (a handle it did not create, an enum value outside the
+ * header's, a leading dimension too small, cuSOLVER's workspace) and returns the library's error status then
+ * (cuBLAS/cuSOLVER 7 = *_STATUS_INVALID_VALUE, rocBLAS 3 = rocblas_status_invalid_handle, 11 =
+ * rocblas_status_invalid_value, 1 = *_NOT_INITIALIZED). Only what the session uses is implemented: no
+ * transposes in sgemm, lower/transposed ssyrk, lower potrf.
+ */
+#include <math.h>
+#include <stdlib.h>
+
+enum { CALL_CREATE, CALL_DESTROY, CALL_SGEMM, CALL_SSYRK, CALL_POTRF_SIZE, CALL_POTRF, CALL_COUNT };
+static int calls[2][CALL_COUNT]; /* [0] NVIDIA names, [1] AMD names */
+
+/* How often a routine was called: api 0 = cuBLAS/cuSOLVER, 1 = rocBLAS/rocSOLVER. */
+int stub_calls(int api, int call) { return calls[api][call]; }
+
+struct handle {
+    int kind; /* 1 cuBLAS, 2 cuSOLVER, 3 rocBLAS */
+    int lwork_asked;
+};
+
+static struct handle *make(int kind)
+{
+    struct handle *h = calloc(1, sizeof *h);
+    if (h)
+        h->kind = kind;
+    return h;
+}
+
+static void gemm_nn(int m, int n, int k, float alpha, const float *a, int lda, const float *b, int ldb, float beta,
+                    float *c, int ldc)
+{
+    for (int j = 0; j < n; ++j)
+        for (int i = 0; i < m; ++i) {
+            float s = 0.0f;
+            for (int u = 0; u < k; ++u)
+                s += a[i + (long)u * lda] * b[u + (long)j * ldb];
+            c[i + (long)j * ldc] = alpha * s + beta * c[i + (long)j * ldc];
+        }
+}
+
+static void syrk_lower_t(int n, int k, float alpha, const float *a, int lda, float beta, float *c, int ldc)
+{
+    for (int j = 0; j < n; ++j)
+        for (int i = j; i < n; ++i) {
+            float s = 0.0f;
+            for (int t = 0; t < k; ++t)
+                s += a[t + (long)i * lda] * a[t + (long)j * lda];
+            c[i + (long)j * ldc] = alpha * s + beta * c[i + (long)j * ldc];
+        }
+}
+
+/* LAPACK's unblocked lower Cholesky; returns info. */
+static int potrf_lower(int n, float *a, int lda)
+{
+    for (int j = 0; j < n; ++j) {
+        float d = a[j + (long)j * lda];
+        for (int k = 0; k < j; ++k)
+            d -= a[j + (long)k * lda] * a[j + (long)k * lda];
+        if (!(d > 0.0f) || isnan(d))
+            return j + 1;
+        d = sqrtf(d);
+        a[j + (long)j * lda] = d;
+        for (int i = j + 1; i < n; ++i) {
+            float s = a[i + (long)j * lda];
+            for (int k = 0; k < j; ++k)
+                s -= a[i + (long)k * lda] * a[j + (long)k * lda];
+            a[i + (long)j * lda] = s / d;
+        }
+    }
+    return 0;
+}
+
+static int max1(int v) { return v > 1 ? v : 1; }
+
+/* ---- cuBLAS: cublasStatus_t is an int enum, CUBLAS_OP_N = 0, CUBLAS_OP_T = 1, CUBLAS_FILL_MODE_LOWER = 0 */
+int cublasCreate_v2(struct handle **h)
+{
+    calls[0][CALL_CREATE]++;
+    *h = make(1);
+    return *h ? 0 : 3; /* CUBLAS_STATUS_ALLOC_FAILED */
+}
+int cublasDestroy_v2(struct handle *h)
+{
+    calls[0][CALL_DESTROY]++;
+    if (!h || h->kind != 1)
+        return 1;
+    free(h);
+    return 0;
+}
+int cublasSgemm_v2(struct handle *h, int transa, int transb, int m, int n, int k, const float *alpha,
+                   const float *a, int lda, const float *b, int ldb, const float *beta, float *c, int ldc)
+{
+    calls[0][CALL_SGEMM]++;
+    if (!h || h->kind != 1)
+        return 1;
+    if (transa != 0 || transb != 0 || m < 0 || n < 0 || k < 0 || lda < max1(m) || ldb < max1(k) || ldc < max1(m))
+        return 7;
+    gemm_nn(m, n, k, *alpha, a, lda, b, ldb, *beta, c, ldc);
+    return 0;
+}
+int cublasSsyrk_v2(struct handle *h, int uplo, int trans, int n, int k, const float *alpha, const float *a, int lda,
+                   const float *beta, float *c, int ldc)
+{
+    calls[0][CALL_SSYRK]++;
+    if (!h || h->kind != 1)
+        return 1;
+    if (uplo != 0 || trans != 1 || n < 0 || k < 0 || lda < max1(k) || ldc < max1(n))
+        return 7;
+    syrk_lower_t(n, k, *alpha, a, lda, *beta, c, ldc);
+    return 0;
+}
+
+/* ---- cuSOLVER dense: cusolverStatus_t, cublasFillMode_t as above */
+int cusolverDnCreate(struct handle **h)
+{
+    calls[0][CALL_CREATE]++;
+    *h = make(2);
+    return *h ? 0 : 2;
+}
+int cusolverDnDestroy(struct handle *h)
+{
+    calls[0][CALL_DESTROY]++;
+    if (!h || h->kind != 2)
+        return 1;
+    free(h);
+    return 0;
+}
+int cusolverDnSpotrf_bufferSize(struct handle *h, int uplo, int n, float *a, int lda, int *lwork)
+{
+    calls[0][CALL_POTRF_SIZE]++;
+    if (!h || h->kind != 2)
+        return 1;
+    if (uplo != 0 || n < 0 || lda < max1(n) || !lwork)
+        return 7;
+    (void)a;
+    *lwork = 3 * n + 5; /* any size: the caller must provide what was asked */
+    h->lwork_asked = *lwork;
+    return 0;
+}
+int cusolverDnSpotrf(struct handle *h, int uplo, int n, float *a, int lda, float *work, int lwork, int *info)
+{
+    calls[0][CALL_POTRF]++;
+    if (!h || h->kind != 2)
+        return 1;
+    if (uplo != 0 || n < 0 || lda < max1(n) || !work || lwork < h->lwork_asked || !info)
+        return 7;
+    for (int i = 0; i < lwork; ++i) /* the workspace must be lwork floats */
+        work[i] = 0.0f;
+    *info = potrf_lower(n, a, lda);
+    return 0;
+}
+
+/* ---- rocBLAS: rocblas_status (0 success, 1 invalid_handle, …, 11 invalid_value), rocblas_operation_none =
+ * 111, _transpose = 112, rocblas_fill_lower = 122; host pointer mode */
+int rocblas_create_handle(struct handle **h)
+{
+    calls[1][CALL_CREATE]++;
+    *h = make(3);
+    return *h ? 0 : 5; /* rocblas_status_memory_error */
+}
+int rocblas_destroy_handle(struct handle *h)
+{
+    calls[1][CALL_DESTROY]++;
+    if (!h || h->kind != 3)
+        return 1;
+    free(h);
+    return 0;
+}
+int rocblas_sgemm(struct handle *h, int transa, int transb, int m, int n, int k, const float *alpha, const float *a,
+                  int lda, const float *b, int ldb, const float *beta, float *c, int ldc)
+{
+    calls[1][CALL_SGEMM]++;
+    if (!h || h->kind != 3)
+        return 1;
+    if (transa != 111 || transb != 111 || m < 0 || n < 0 || k < 0 || lda < max1(m) || ldb < max1(k) ||
+        ldc < max1(m))
+        return 11;
+    gemm_nn(m, n, k, *alpha, a, lda, b, ldb, *beta, c, ldc);
+    return 0;
+}
+int rocblas_ssyrk(struct handle *h, int uplo, int trans, int n, int k, const float *alpha, const float *a, int lda,
+                  const float *beta, float *c, int ldc)
+{
+    calls[1][CALL_SSYRK]++;
+    if (!h || h->kind != 3)
+        return 1;
+    if (uplo != 122 || trans != 112 || n < 0 || k < 0 || lda < max1(k) || ldc < max1(n))
+        return 11;
+    syrk_lower_t(n, k, *alpha, a, lda, *beta, c, ldc);
+    return 0;
+}
+
+/* ---- rocSOLVER: runs on a rocBLAS handle; info is a device rocblas_int */
+int rocsolver_spotrf(struct handle *h, int uplo, int n, float *a, int lda, int *info)
+{
+    calls[1][CALL_POTRF]++;
+    if (!h || h->kind != 3)
+        return 1;
+    if (uplo != 122 || n < 0 || lda < max1(n) || !info)
+        return 11;
+    *info = potrf_lower(n, a, lda);
+    return 0;
+}
