@@ -618,12 +618,12 @@ fn the_system_platform_loads_runtimes_at_run_time() {
 
 /// The vendor math libraries are found at run time like the runtimes: each library that does not load is
 /// named with every file tried, one whose entry points are missing is named with the missing symbol, and
-/// rocSOLVER is not used without rocBLAS (it runs on a rocBLAS handle). The only test that sets
-/// `FLEXINFER_CUBLAS` / `FLEXINFER_ROCBLAS` (read by no other test).
+/// rocSOLVER is not used without rocBLAS (it runs on a rocBLAS handle). The overrides (`FLEXINFER_CUBLAS`
+/// & co.) are passed to the loader, not set in the environment.
 #[test]
 fn vendor_math_libraries_load_at_run_time_and_name_what_is_missing() {
     use flexinfer_quant::device::driver::{
-        math_libraries, CUBLAS_LIBRARIES, CUSOLVER_LIBRARIES, ROCBLAS_LIBRARIES,
+        math_libraries, MathLibraries, CUBLAS_LIBRARIES, CUSOLVER_LIBRARIES, ROCBLAS_LIBRARIES,
     };
     use flexinfer_quant::device::kernel::MathLibs;
     let (cuda, why) = math_libraries(DeviceKind::Cuda);
@@ -652,12 +652,17 @@ fn vendor_math_libraries_load_at_run_time_and_name_what_is_missing() {
     }
     // A library that loads but is not the vendor's: its first missing entry point is named.
     let libm = "libm.so.6";
-    std::env::set_var("FLEXINFER_CUBLAS", libm);
-    std::env::set_var("FLEXINFER_ROCBLAS", libm);
-    let (cuda, why) = math_libraries(DeviceKind::Cuda);
-    let (hip, hwhy) = math_libraries(DeviceKind::Hip);
-    std::env::remove_var("FLEXINFER_CUBLAS");
-    std::env::remove_var("FLEXINFER_ROCBLAS");
+    let overrides = |var: &str| {
+        ["FLEXINFER_CUBLAS", "FLEXINFER_ROCBLAS"]
+            .contains(&var)
+            .then(|| libm.to_string())
+    };
+    let loaded = |kind| {
+        let m = MathLibraries::load_from(kind, &overrides);
+        (m.libs(), m.missing.clone())
+    };
+    let (cuda, why) = loaded(DeviceKind::Cuda);
+    let (hip, hwhy) = loaded(DeviceKind::Hip);
     assert!(!cuda.blas, "{why:?}");
     assert!(
         why.iter()

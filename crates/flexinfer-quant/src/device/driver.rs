@@ -353,11 +353,7 @@ impl DriverVendor {
 /// Loads and unloads them; needs no device.
 pub fn math_libraries(kind: DeviceKind) -> (MathLibs, Vec<String>) {
     let m = MathLibraries::load(kind);
-    let libs = MathLibs {
-        blas: m.has_blas(),
-        solver: m.has_solver(),
-    };
-    (libs, m.missing.clone())
+    (m.libs(), m.missing.clone())
 }
 
 /// The `gptq-*.hsaco` files of `dir`.
@@ -497,10 +493,7 @@ impl Vendor for DriverVendor {
         self.check(&format!("launchKernel({})", kernel.entry()), "launch", rc)
     }
     fn math(&self) -> MathLibs {
-        MathLibs {
-            blas: self.math.has_blas(),
-            solver: self.math.has_solver(),
-        }
+        self.math.libs()
     }
     fn syrk_lower(&mut self, op: &Syrk) -> DevResult<()> {
         self.current("math")?;

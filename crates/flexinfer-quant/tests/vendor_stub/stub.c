@@ -8,8 +8,8 @@
  *
  * Every routine checks what the real one would reject (a handle it did not create, an enum value outside the
  * header's, a leading dimension too small, cuSOLVER's workspace) and returns the library's error status then
- * (cuBLAS/cuSOLVER 7 = *_STATUS_INVALID_VALUE, rocBLAS 3 = rocblas_status_invalid_handle, 11 =
- * rocblas_status_invalid_value, 1 = *_NOT_INITIALIZED). Only what the session uses is implemented: no
+ * (cuBLAS/cuSOLVER 7 = *_STATUS_INVALID_VALUE, 1 = *_NOT_INITIALIZED; rocBLAS 1 =
+ * rocblas_status_invalid_handle, 11 = rocblas_status_invalid_value). Only what the session uses is implemented: no
  * transposes in sgemm, lower/transposed ssyrk, lower potrf.
  */
 #include <math.h>
@@ -80,59 +80,75 @@ static int potrf_lower(int n, float *a, int lda)
 
 static int max1(int v) { return v > 1 ? v : 1; }
 
-/* ---- cuBLAS: cublasStatus_t is an int enum, CUBLAS_OP_N = 0, CUBLAS_OP_T = 1, CUBLAS_FILL_MODE_LOWER = 0 */
-int cublasCreate_v2(struct handle **h)
+/* What the APIs share, parameterised by their numbers: `api` counts the call (0 NVIDIA, 1 AMD), `kind` is the
+ * handle a call must get, `n_op`/`t_op`/`lower` are the header's enum values, `invalid` its status for a bad
+ * argument. */
+struct api_numbers {
+    int api, kind, n_op, t_op, lower, invalid, no_handle, alloc_failed;
+};
+static const struct api_numbers CUBLAS = {0, 1, 0, 1, 0, 7, 1, 3};    /* cublas_api.h */
+static const struct api_numbers CUSOLVER = {0, 2, 0, 1, 0, 7, 1, 2}; /* cusolver_common.h: its own handle */
+static const struct api_numbers ROCBLAS = {1, 3, 111, 112, 122, 11, 1, 5}; /* rocblas-types.h */
+
+static int create(const struct api_numbers *b, struct handle **h)
 {
-    calls[0][CALL_CREATE]++;
-    *h = make(1);
-    return *h ? 0 : 3; /* CUBLAS_STATUS_ALLOC_FAILED */
+    calls[b->api][CALL_CREATE]++;
+    *h = make(b->kind);
+    return *h ? 0 : b->alloc_failed;
 }
-int cublasDestroy_v2(struct handle *h)
+
+static int destroy(const struct api_numbers *b, struct handle *h)
 {
-    calls[0][CALL_DESTROY]++;
-    if (!h || h->kind != 1)
-        return 1;
+    calls[b->api][CALL_DESTROY]++;
+    if (!h || h->kind != b->kind)
+        return b->no_handle;
     free(h);
     return 0;
 }
-int cublasSgemm_v2(struct handle *h, int transa, int transb, int m, int n, int k, const float *alpha,
-                   const float *a, int lda, const float *b, int ldb, const float *beta, float *c, int ldc)
+
+static int sgemm(const struct api_numbers *b, struct handle *h, int transa, int transb, int m, int n, int k,
+                 const float *alpha, const float *a, int lda, const float *bm, int ldb, const float *beta, float *c,
+                 int ldc)
 {
-    calls[0][CALL_SGEMM]++;
-    if (!h || h->kind != 1)
-        return 1;
-    if (transa != 0 || transb != 0 || m < 0 || n < 0 || k < 0 || lda < max1(m) || ldb < max1(k) || ldc < max1(m))
-        return 7;
-    gemm_nn(m, n, k, *alpha, a, lda, b, ldb, *beta, c, ldc);
+    calls[b->api][CALL_SGEMM]++;
+    if (!h || h->kind != b->kind)
+        return b->no_handle;
+    if (transa != b->n_op || transb != b->n_op || m < 0 || n < 0 || k < 0 || lda < max1(m) || ldb < max1(k) ||
+        ldc < max1(m))
+        return b->invalid;
+    gemm_nn(m, n, k, *alpha, a, lda, bm, ldb, *beta, c, ldc);
     return 0;
 }
-int cublasSsyrk_v2(struct handle *h, int uplo, int trans, int n, int k, const float *alpha, const float *a, int lda,
-                   const float *beta, float *c, int ldc)
+
+static int ssyrk(const struct api_numbers *b, struct handle *h, int uplo, int trans, int n, int k, const float *alpha,
+                 const float *a, int lda, const float *beta, float *c, int ldc)
 {
-    calls[0][CALL_SSYRK]++;
-    if (!h || h->kind != 1)
-        return 1;
-    if (uplo != 0 || trans != 1 || n < 0 || k < 0 || lda < max1(k) || ldc < max1(n))
-        return 7;
+    calls[b->api][CALL_SSYRK]++;
+    if (!h || h->kind != b->kind)
+        return b->no_handle;
+    if (uplo != b->lower || trans != b->t_op || n < 0 || k < 0 || lda < max1(k) || ldc < max1(n))
+        return b->invalid;
     syrk_lower_t(n, k, *alpha, a, lda, *beta, c, ldc);
     return 0;
 }
 
-/* ---- cuSOLVER dense: cusolverStatus_t, cublasFillMode_t as above */
-int cusolverDnCreate(struct handle **h)
+/* ---- cuBLAS: cublasStatus_t is an int enum, CUBLAS_OP_N = 0, CUBLAS_OP_T = 1, CUBLAS_FILL_MODE_LOWER = 0 */
+int cublasCreate_v2(struct handle **h) { return create(&CUBLAS, h); }
+int cublasDestroy_v2(struct handle *h) { return destroy(&CUBLAS, h); }
+int cublasSgemm_v2(struct handle *h, int transa, int transb, int m, int n, int k, const float *alpha,
+                   const float *a, int lda, const float *b, int ldb, const float *beta, float *c, int ldc)
 {
-    calls[0][CALL_CREATE]++;
-    *h = make(2);
-    return *h ? 0 : 2;
+    return sgemm(&CUBLAS, h, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
-int cusolverDnDestroy(struct handle *h)
+int cublasSsyrk_v2(struct handle *h, int uplo, int trans, int n, int k, const float *alpha, const float *a, int lda,
+                   const float *beta, float *c, int ldc)
 {
-    calls[0][CALL_DESTROY]++;
-    if (!h || h->kind != 2)
-        return 1;
-    free(h);
-    return 0;
+    return ssyrk(&CUBLAS, h, uplo, trans, n, k, alpha, a, lda, beta, c, ldc);
 }
+
+/* ---- cuSOLVER dense: cusolverStatus_t, cublasFillMode_t as above (its own handle kind 2) */
+int cusolverDnCreate(struct handle **h) { return create(&CUSOLVER, h); }
+int cusolverDnDestroy(struct handle *h) { return destroy(&CUSOLVER, h); }
 int cusolverDnSpotrf_bufferSize(struct handle *h, int uplo, int n, float *a, int lda, int *lwork)
 {
     calls[0][CALL_POTRF_SIZE]++;
@@ -158,44 +174,19 @@ int cusolverDnSpotrf(struct handle *h, int uplo, int n, float *a, int lda, float
     return 0;
 }
 
-/* ---- rocBLAS: rocblas_status (0 success, 1 invalid_handle, …, 11 invalid_value), rocblas_operation_none =
- * 111, _transpose = 112, rocblas_fill_lower = 122; host pointer mode */
-int rocblas_create_handle(struct handle **h)
-{
-    calls[1][CALL_CREATE]++;
-    *h = make(3);
-    return *h ? 0 : 5; /* rocblas_status_memory_error */
-}
-int rocblas_destroy_handle(struct handle *h)
-{
-    calls[1][CALL_DESTROY]++;
-    if (!h || h->kind != 3)
-        return 1;
-    free(h);
-    return 0;
-}
+/* ---- rocBLAS: rocblas_status (0 success, 1 invalid_handle, 5 memory_error, 11 invalid_value),
+ * rocblas_operation_none = 111, _transpose = 112, rocblas_fill_lower = 122; host pointer mode */
+int rocblas_create_handle(struct handle **h) { return create(&ROCBLAS, h); }
+int rocblas_destroy_handle(struct handle *h) { return destroy(&ROCBLAS, h); }
 int rocblas_sgemm(struct handle *h, int transa, int transb, int m, int n, int k, const float *alpha, const float *a,
                   int lda, const float *b, int ldb, const float *beta, float *c, int ldc)
 {
-    calls[1][CALL_SGEMM]++;
-    if (!h || h->kind != 3)
-        return 1;
-    if (transa != 111 || transb != 111 || m < 0 || n < 0 || k < 0 || lda < max1(m) || ldb < max1(k) ||
-        ldc < max1(m))
-        return 11;
-    gemm_nn(m, n, k, *alpha, a, lda, b, ldb, *beta, c, ldc);
-    return 0;
+    return sgemm(&ROCBLAS, h, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 int rocblas_ssyrk(struct handle *h, int uplo, int trans, int n, int k, const float *alpha, const float *a, int lda,
                   const float *beta, float *c, int ldc)
 {
-    calls[1][CALL_SSYRK]++;
-    if (!h || h->kind != 3)
-        return 1;
-    if (uplo != 122 || trans != 112 || n < 0 || k < 0 || lda < max1(k) || ldc < max1(n))
-        return 11;
-    syrk_lower_t(n, k, *alpha, a, lda, *beta, c, ldc);
-    return 0;
+    return ssyrk(&ROCBLAS, h, uplo, trans, n, k, alpha, a, lda, beta, c, ldc);
 }
 
 /* ---- rocSOLVER: runs on a rocBLAS handle; info is a device rocblas_int */

@@ -7,7 +7,7 @@
 //! the stream the kernels are launched on, so library calls and kernel launches stay in order. The handles
 //! are created at the first call and destroyed before the context is reset.
 
-use super::super::kernel::{DevPtr, Gemm, Syrk};
+use super::super::kernel::{DevPtr, Gemm, MathLibs, Syrk};
 use super::super::DeviceKind;
 use libloading::Library;
 use std::ffi::{c_int, c_void};
@@ -159,8 +159,11 @@ fn status(call: &str, rc: c_int) -> Result<(), String> {
     }
 }
 
-fn open(env: &str, names: &[&str]) -> Result<(Library, String), String> {
-    let mut tried: Vec<String> = std::env::var(env).into_iter().collect();
+/// Where a library's override comes from: the environment variable's value (`FLEXINFER_CUBLAS` & co.).
+pub type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
+
+fn open(lookup: Lookup<'_>, env: &str, names: &[&str]) -> Result<(Library, String), String> {
+    let mut tried: Vec<String> = lookup(env).into_iter().collect();
     tried.extend(names.iter().map(|s| s.to_string()));
     let mut errors = Vec::new();
     for name in &tried {
@@ -196,8 +199,13 @@ impl MathLibraries {
 
     /// The BLAS and solver libraries of `kind`'s runtime that load and have every entry point used.
     pub fn load(kind: DeviceKind) -> MathLibraries {
+        Self::load_from(kind, &|var| std::env::var(var).ok())
+    }
+
+    /// As [`MathLibraries::load`], the overrides read through `lookup` instead of the environment.
+    pub fn load_from(kind: DeviceKind, lookup: Lookup<'_>) -> MathLibraries {
         let mut missing = Vec::new();
-        let blas = match Self::load_blas(kind) {
+        let blas = match Self::load_blas(kind, lookup) {
             Ok(b) => Some(b),
             Err(e) => {
                 missing.push(format!("BLAS: {e}"));
@@ -210,7 +218,7 @@ impl MathLibraries {
                 missing.push("solver: rocSOLVER needs rocBLAS".into());
                 None
             }
-            _ => match Self::load_solver(kind) {
+            _ => match Self::load_solver(kind, lookup) {
                 Ok(s) => Some(s),
                 Err(e) => {
                     missing.push(format!("solver: {e}"));
@@ -226,7 +234,7 @@ impl MathLibraries {
         }
     }
 
-    fn load_blas(kind: DeviceKind) -> Result<Blas, String> {
+    fn load_blas(kind: DeviceKind, lookup: Lookup<'_>) -> Result<Blas, String> {
         let (env, names, calls, enums) = match kind {
             DeviceKind::Cuda => (
                 "FLEXINFER_CUBLAS",
@@ -252,7 +260,7 @@ impl MathLibraries {
             ),
             DeviceKind::Cpu => return Err("not a GPU".into()),
         };
-        let (lib, library) = open(env, names)?;
+        let (lib, library) = open(lookup, env, names)?;
         Ok(Blas {
             create: sym(&lib, &library, calls[0])?,
             destroy: sym(&lib, &library, calls[1])?,
@@ -266,10 +274,10 @@ impl MathLibraries {
         })
     }
 
-    fn load_solver(kind: DeviceKind) -> Result<Solver, String> {
+    fn load_solver(kind: DeviceKind, lookup: Lookup<'_>) -> Result<Solver, String> {
         match kind {
             DeviceKind::Cuda => {
-                let (lib, library) = open("FLEXINFER_CUSOLVER", CUSOLVER_LIBRARIES)?;
+                let (lib, library) = open(lookup, "FLEXINFER_CUSOLVER", CUSOLVER_LIBRARIES)?;
                 let api = SolverApi::Cuda {
                     create: sym(&lib, &library, "cusolverDnCreate")?,
                     destroy: sym(&lib, &library, "cusolverDnDestroy")?,
@@ -284,7 +292,7 @@ impl MathLibraries {
                 })
             }
             DeviceKind::Hip => {
-                let (lib, library) = open("FLEXINFER_ROCSOLVER", ROCSOLVER_LIBRARIES)?;
+                let (lib, library) = open(lookup, "FLEXINFER_ROCSOLVER", ROCSOLVER_LIBRARIES)?;
                 let api = SolverApi::Hip {
                     potrf: sym(&lib, &library, "rocsolver_spotrf")?,
                 };
@@ -325,11 +333,12 @@ impl MathLibraries {
         }
     }
 
-    pub fn has_blas(&self) -> bool {
-        self.blas.is_some()
-    }
-    pub fn has_solver(&self) -> bool {
-        self.solver.is_some()
+    /// The libraries loaded (and not dropped).
+    pub fn libs(&self) -> MathLibs {
+        MathLibs {
+            blas: self.blas.is_some(),
+            solver: self.solver.is_some(),
+        }
     }
 
     /// What the device name says: the libraries in use, or that the kernels do everything.

@@ -206,6 +206,16 @@ pub struct MathLibs {
     pub solver: bool,
 }
 
+impl MathLibs {
+    /// The libraries in both sets.
+    pub fn and(self, other: MathLibs) -> MathLibs {
+        MathLibs {
+            blas: self.blas && other.blas,
+            solver: self.solver && other.solver,
+        }
+    }
+}
+
 /// The arguments of [`Vendor::syrk_lower`].
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Syrk {

@@ -3,7 +3,7 @@
 //! card (no kernels for its architecture, a broken install) is found at open, not in the middle of an
 //! accumulation, which cannot be replayed after a failed call.
 
-use super::launch::{DevPtr, Gemm, MathLibs, Syrk, Vendor};
+use super::launch::{DevPtr, Gemm, Syrk, Vendor};
 
 /// The outcome per library: `Ok` when it is absent or answered right, else what went wrong.
 #[derive(Debug)]
@@ -19,16 +19,6 @@ pub fn math_self_test<V: Vendor>(v: &mut V) -> MathSelfTest {
     MathSelfTest {
         blas: if has.blas { test_blas(v) } else { Ok(()) },
         solver: if has.solver { test_solver(v) } else { Ok(()) },
-    }
-}
-
-impl MathSelfTest {
-    /// The libraries that passed (of those present).
-    pub fn passed(&self, has: MathLibs) -> MathLibs {
-        MathLibs {
-            blas: has.blas && self.blas.is_ok(),
-            solver: has.solver && self.solver.is_ok(),
-        }
     }
 }
 

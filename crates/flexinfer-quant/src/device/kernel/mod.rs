@@ -55,11 +55,7 @@ struct Shared<V> {
 
 impl<V: Vendor> Shared<V> {
     fn math(&self) -> MathLibs {
-        let (has, ok) = (self.vendor.math(), self.allowed);
-        MathLibs {
-            blas: has.blas && ok.blas,
-            solver: has.solver && ok.solver,
-        }
+        self.vendor.math().and(self.allowed)
     }
 }
 
