@@ -74,18 +74,27 @@ oracle-check:
 deploy-quantizer:
 	@test -n "$(QUANTIZER_ARCH)" || { echo "QUANTIZER_ARCH is required (e.g. gfx1100)"; exit 2; }
 	@test -n "$(REGISTRY)" || { echo "REGISTRY is required (host:port the cluster pulls from)"; exit 2; }
+	$(if $(DRY_RUN),,$(MAKE) worker-bin)
 	bash scripts/deploy-quantizer.sh $(QUANTIZER_ARCH) --registry $(REGISTRY) \
 	  $(if $(QUANTIZER_VARIANT),--variant $(QUANTIZER_VARIANT)) \
 	  $(if $(NAMESPACE),-n $(NAMESPACE)) $(if $(RESTART_JOB),--restart $(RESTART_JOB)) $(if $(DRY_RUN),--dry-run)
 
+# The worker binary with the HIP code objects for gfx1100 and gfx906 embedded (crates/flexinfer-quant/build.rs;
+# scripts/hip/build-code-objects.sh compiles them with Debian trixie's hipcc in a cached mmdebstrap root: root).
+.PHONY: worker-bin
+worker-bin:
+	FLEXINFER_HIP_CODE_OBJECTS=$$(bash scripts/hip/build-code-objects.sh) && export FLEXINFER_HIP_CODE_OBJECTS \
+	  && cargo build -p flexinfer-worker -j2
+
 # The worker image's GPU variants (scripts/images/variants.sh), daemonless from the built worker binary, into
 # scripts/images/build.sh's archive directory: flexinfer/worker:$(IMAGE_TAG)-<variant> (cpu: $(IMAGE_TAG)).
-# Needs root (mmdebstrap, chroot); the ROCm variants run scripts/hip/build-code-objects.sh (cached). Not part
-# of `make test` (hundreds of MB of packages). make worker-images [VARIANTS="cuda rocm-gfx1100"] [IMAGE_TAG=dev]
+# Needs root (mmdebstrap, chroot). Without BIN_DIR, builds the worker binary first (worker-bin, with the HIP
+# code objects embedded); a BIN_DIR binary must embed them for the ROCm variants. Not part of `make test`
+# (hundreds of MB of packages). make worker-images [VARIANTS="cuda rocm-gfx1100"] [IMAGE_TAG=dev]
 # [BIN_DIR=…] [PUSH=host:port]
 VARIANTS ?= cuda rocm-gfx1100 rocm-gfx906
 IMAGE_TAG ?= dev
 .PHONY: worker-images
-worker-images:
+worker-images: $(if $(BIN_DIR),,worker-bin)
 	bash scripts/images/build.sh --tag $(IMAGE_TAG) $(foreach v,$(VARIANTS),--variant $(v)) \
 	  $(if $(BIN_DIR),--bin-dir $(BIN_DIR)) $(if $(PUSH),--push $(PUSH))

@@ -8,8 +8,12 @@
 #   docker build -f build/worker.Dockerfile --build-arg BASE=nvidia/cuda:12.4.1-runtime-ubuntu22.04 -t flexinfer/worker:cuda .
 #   docker build -f build/worker.Dockerfile --build-arg BASE=rocm/dev-ubuntu-22.04:6.4.1 -t flexinfer/worker:rocm-gfx1100 .
 #   docker build -f build/worker.Dockerfile --build-arg BASE=rocm/dev-ubuntu-22.04:6.2.3 -t flexinfer/worker:rocm-gfx906 .
-# (the rocm lines give no HIP code objects: the HIP session then needs FLEXINFER_KERNEL_DIR pointing at
-# the output of scripts/hip/build-code-objects.sh; build.sh's ROCm variants carry them.)
+# The HIP code objects (gfx1100, gfx906) are embedded in the binary when it is built with
+# FLEXINFER_HIP_CODE_OBJECTS naming the output of scripts/hip/build-code-objects.sh (for the full build
+# below: a directory inside the build context, e.g.
+#   --build-arg FLEXINFER_HIP_CODE_OBJECTS=hip-code-objects
+# after copying it there); without it the HIP session needs FLEXINFER_KERNEL_DIR at run time. build.sh's
+# ROCm variants check that their binary embeds their target.
 # Prebuilt binaries instead of compiling (what scripts/images/build.sh does, daemonless, with the
 # base built from Debian packages by scripts/images/base.sh):
 #   buildah bud -f build/worker.Dockerfile --target runtime-prebuilt \
@@ -26,15 +30,10 @@ COPY ${BIN_DIR}/flexinfer-worker ${BIN_DIR}/flexinfer-standin* /usr/local/bin/
 USER 65532:65532
 ENTRYPOINT ["/usr/local/bin/flexinfer-worker"]
 
-# --- the same plus the HIP code objects of the ROCm variants (KERNEL_DIR: gptq-<gfx>.hsaco from
-# scripts/hip/build-code-objects.sh), where the HIP session looks by default ($FLEXINFER_KERNEL_DIR);
-# scripts/images/build.sh --variant rocm-<gfx> builds this target on the trixie base with libamdhip64 ---
-FROM runtime-prebuilt AS runtime-prebuilt-kernels
-ARG KERNEL_DIR=kernels
-COPY ${KERNEL_DIR}/ /usr/lib/flexinfer/kernels/
-
 # --- full build ---
 FROM ${RUST_IMAGE} AS build
+# A directory of gptq-<gfx>.hsaco in the build context to embed (crates/flexinfer-quant/build.rs); empty: none.
+ARG FLEXINFER_HIP_CODE_OBJECTS=""
 WORKDIR /src
 COPY . .
 RUN cargo build --release --locked -p flexinfer-worker \

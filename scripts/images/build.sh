@@ -4,7 +4,7 @@
 # already built (no compile in the image), buildah builds the Dockerfiles' `runtime-prebuilt` target.
 #
 #   bash scripts/images/build.sh [--bin-dir DIR] [--tag TAG] [--out DIR] [--push REGISTRY] [--load]
-#                                [--only controller|worker] [--variant V]... [--kernels DIR] [--no-strip]
+#                                [--only controller|worker] [--variant V]... [--no-strip]
 #     --bin-dir DIR   where flexinfer-controller, flexinfer, flexinfer-worker (and flexinfer-standin,
 #                     if built) are; default ${CARGO_TARGET_DIR:-~/.cache/flexinfer/target}/debug
 #     --tag TAG       image tag; default dev
@@ -21,16 +21,16 @@
 #                     --variant and no --only, only the worker is built. Each variant's base is built by
 #                     base.sh from its own package list and cached like the default base (the two ROCm
 #                     variants share one)
-#     --kernels DIR   the HIP code objects (gptq-<gfx>.hsaco) for the ROCm variants; default
-#                     $FLEXINFER_HIP_CODE_OBJECTS, else scripts/hip/build-code-objects.sh is run (root;
-#                     cached)
 #     --no-strip      keep debug info (by default binaries are copied with `strip --strip-debug`:
 #                     symbols, hence backtraces, stay)
 # Images: flexinfer/controller:TAG, flexinfer/worker:TAG, flexinfer/standin:TAG, flexinfer/proxy:TAG (archives tagged like that; the local
 # store names them localhost/flexinfer/<image>:TAG); the worker's variants flexinfer/worker:TAG-V. Worker
 # images carry the label dev.flexinfer.script-version (`flexinfer-worker version`, the contract version the
 # controller's FLEXINFER_SCRIPT_VERSION must match), GPU variants dev.flexinfer.variant and
-# dev.flexinfer.runtime (the runtime package and version). An image whose inputs (binaries, Dockerfile,
+# dev.flexinfer.runtime (the runtime package and version). The ROCm variants need a flexinfer-worker that embeds
+# the HIP code object of their target (built with FLEXINFER_HIP_CODE_OBJECTS set, crates/flexinfer-quant/
+# build.rs; `make worker-images` builds it so); the build stops naming the command otherwise, and the variant
+# gets the label dev.flexinfer.hip-code-object (target and SHA-256). An image whose inputs (binaries, Dockerfile,
 # base, this script) are unchanged is not rebuilt: a key file sits next to each archive.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -48,7 +48,6 @@ load=0
 strip=1
 only=()
 variants=()
-kernels=${FLEXINFER_HIP_CODE_OBJECTS:-}
 usage() { sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; }
 while (($#)); do
   case $1 in
@@ -59,7 +58,6 @@ while (($#)); do
     --load) load=1; shift ;;
     --only) only+=("$2"); shift 2 ;;
     --variant) variants+=("$2"); shift 2 ;;
-    --kernels) kernels=$2; shift 2 ;;
     --no-strip) strip=0; shift ;;
     -h | --help) usage; exit 0 ;;
     *) usage >&2; images_die "unknown argument: $1" ;;
@@ -140,17 +138,17 @@ if [[ -n ${files[worker]:-} ]]; then
   [[ $script_version =~ ^v[0-9]+$ ]] || { images_log "worker: \`flexinfer-worker version\` gave '$script_version', no script-version label"; script_version=""; }
 fi
 
-# The HIP code objects, when a ROCm variant is built.
+# The ROCm variants: the worker binary must embed their target's HIP code object (`flexinfer-worker devices`
+# lists what it embeds, with each object's SHA-256).
+declare -A embedded=()
 if [[ " ${units[*]} " == *" worker@rocm-"* ]]; then
-  if [[ -z $kernels ]]; then
-    images_log "HIP code objects: scripts/hip/build-code-objects.sh (cached)"
-    kernels=$(bash "$root/scripts/hip/build-code-objects.sh") || images_die "scripts/hip/build-code-objects.sh failed"
-  fi
-  kernels=$(cd "$kernels" && pwd) || images_die "no such --kernels directory"
+  devices=$("$bin_dir/flexinfer-worker" devices 2>/dev/null) || images_die "\`$bin_dir/flexinfer-worker devices\` failed"
+  while read -r t h; do embedded[$t]=$h; done < <(jq -r '.hipCodeObjects.embedded[] | "\(.target) \(.sha256)"' <<<"$devices")
+  have=${!embedded[*]}
   for u in "${units[@]}"; do
     [[ $u == worker@rocm-* ]] || continue
     g=$(images_variant_gfx "${u#worker@}")
-    [[ -s $kernels/gptq-$g.hsaco ]] || images_die "$u: no $kernels/gptq-$g.hsaco (scripts/hip/build-code-objects.sh)"
+    [[ -n ${embedded[$g]:-} ]] || images_die "$u: $bin_dir/flexinfer-worker embeds no $g HIP code object (it embeds: ${have:-none}); build it with: FLEXINFER_HIP_CODE_OBJECTS=\$(bash scripts/hip/build-code-objects.sh) cargo build -p flexinfer-worker (or make worker-images)"
   done
 fi
 
@@ -202,7 +200,7 @@ for unit in "${units[@]}"; do
   archive=$out/flexinfer-$img-$itag.tar
   ubase=${bases[${variant:-cpu}]} ubase_id=${base_ids[${variant:-cpu}]}
   # Labels and build arguments beyond the common ones.
-  extra=() target=runtime-prebuilt gfx=""
+  extra=() gfx=""
   if [[ $img == worker && -n $script_version ]]; then
     extra+=(--label "dev.flexinfer.script-version=$script_version")
   fi
@@ -221,10 +219,7 @@ for unit in "${units[@]}"; do
     done < <(images_variant_math "$variant")
     [[ -z $math ]] || extra+=(--label "dev.flexinfer.math=$math")
     gfx=$(images_variant_gfx "$variant")
-    if [[ -n $gfx ]]; then
-      target=runtime-prebuilt-kernels
-      extra+=(--build-arg KERNEL_DIR=kernels)
-    fi
+    [[ -z $gfx ]] || extra+=(--label "dev.flexinfer.hip-code-object=$gfx sha256:${embedded[$gfx]}")
   fi
   key=$(
     {
@@ -237,7 +232,6 @@ for unit in "${units[@]}"; do
       echo "base $ubase $ubase_id"
       echo "epoch $SOURCE_DATE_EPOCH strip $strip ref $ref"
       for b in ${files[$img]}; do echo "bin $b $(bin_sha256 "$bin_dir/$b")"; done
-      [[ -z $gfx ]] || echo "kernel gptq-$gfx.hsaco $(images_sha256 < "$kernels/gptq-$gfx.hsaco")"
       echo "extra ${extra[*]}"
     } | images_sha256
   )
@@ -245,7 +239,7 @@ for unit in "${units[@]}"; do
     images_log "$unit: inputs unchanged, keeping $archive"
     status=cached
   else
-    images_log "$unit: building $ref (${files[$img]}${gfx:+ gptq-$gfx.hsaco}) on $ubase"
+    images_log "$unit: building $ref (${files[$img]}${gfx:+, embedding gptq-$gfx.hsaco}) on $ubase"
     rm -f "$archive.key" "$archive.info"
     ctx=$(mktemp -d "$FLEXINFER_IMAGES_CACHE/.ctx-XXXXXX")
     trap 'rm -rf "$ctx"' EXIT
@@ -255,12 +249,8 @@ for unit in "${units[@]}"; do
       else cp "$bin_dir/$b" "$ctx/bin/$b"; fi
       chmod 0755 "$ctx/bin/$b"
     done
-    if [[ -n $gfx ]]; then
-      mkdir "$ctx/kernels"
-      install -m 0644 "$kernels/gptq-$gfx.hsaco" "$ctx/kernels/gptq-$gfx.hsaco"
-    fi
     bah bud --quiet --isolation chroot --pull=never --timestamp "$SOURCE_DATE_EPOCH" \
-      --identity-label=false --target "$target" \
+      --identity-label=false --target runtime-prebuilt \
       --build-arg "BASE=$ubase" --build-arg BIN_DIR=bin \
       --label "org.opencontainers.image.title=flexinfer-$img" \
       --label "org.opencontainers.image.version=$itag" \

@@ -2,25 +2,21 @@
 # The worker image's variants (sourced by build.sh, verify.sh and deploy-quantizer.sh, not run).
 #
 # Every variant holds the same flexinfer-worker binary; they differ in the base (the runtime libraries the
-# GPU sessions of crates/flexinfer-quant/src/device/ load with dlopen) and, for ROCm, the HIP code object of
-# one architecture (scripts/hip/build-code-objects.sh) in /usr/lib/flexinfer/kernels/, the default of
-# $FLEXINFER_KERNEL_DIR.
+# GPU sessions of crates/flexinfer-quant/src/device/ load with dlopen) and their labels. The HIP code objects
+# (gfx1100 and gfx906, scripts/hip/build-code-objects.sh) are embedded in that binary at build time
+# (crates/flexinfer-quant/build.rs); build.sh checks that the binary of a ROCm variant embeds its target.
 #
 #   cpu            the default worker image, unchanged: bookworm base (glibc, libgcc), tag TAG
 #   cuda           trixie + non-free libnvrtc12 (NVRTC 12.4: compute_50 … compute_90), libcublas12 and
 #                  libcusolver11 (CUDA 12.4); libcuda.so.1 is the host driver's, mounted by the NVIDIA
 #                  container runtime, never shipped; tag TAG-cuda
 #   rocm-gfx1100   trixie + libamdhip64-5 (HIP 5.7.1) and its dependencies (HSA runtime, comgr + LLVM 17),
-#                  librocblas0 and librocsolver0 (5.5.1, with gfx1100 and gfx906 code), gptq-gfx1100.hsaco;
-#                  tag TAG-rocm-gfx1100
-#   rocm-gfx906    the same base, gptq-gfx906.hsaco; tag TAG-rocm-gfx906
+#                  librocblas0 and librocsolver0 (5.5.1, with gfx1100 and gfx906 code); tag TAG-rocm-gfx1100
+#   rocm-gfx906    the same base and binary; tag TAG-rocm-gfx906 (the seeds' per-architecture image names)
 # The BLAS and solver libraries are what the GPU session loads for GPTQ_VENDOR_LIBS=auto (the default); a
 # session without them runs its own kernels.
 
 IMAGES_VARIANTS=(cpu cuda rocm-gfx1100 rocm-gfx906)
-# Where the HIP code objects go in the image (the GPU sessions' default FLEXINFER_KERNEL_DIR).
-# shellcheck disable=SC2034  # used by verify.sh
-IMAGES_KERNEL_DIR=/usr/lib/flexinfer/kernels
 
 # images_variant_valid V: exit 0 when V is a variant.
 images_variant_valid() {
@@ -51,7 +47,8 @@ images_variant_base_env() {
   esac
 }
 
-# images_variant_gfx V: the AMD target whose code object variant V carries (nothing for cpu and cuda).
+# images_variant_gfx V: the AMD target variant V is for, whose code object its binary must embed (nothing for
+# cpu and cuda).
 images_variant_gfx() {
   case $1 in rocm-*) echo "${1#rocm-}" ;; esac
 }

@@ -14,7 +14,8 @@
 #     the worker variants (build.sh --variant) instead: steps 1 and 2 for flexinfer/worker:TAG-V, plus its
 #     labels, the runtime library the GPU session dlopens (its soname file present, all of its dependencies
 #     resolved by the image's own loader: `ld.so --list`, no "not found"), no libcuda in the image, and for
-#     ROCm the code object in /usr/lib/flexinfer/kernels (an AMDGPU ELF of the right gfx target).
+#     ROCm that the image's flexinfer-worker embeds the code object of its gfx target (`flexinfer-worker
+#     devices` run in the rootfs as 65532), the one the dev.flexinfer.hip-code-object label names by SHA-256.
 # shellcheck disable=SC2015  # `test && ok || bad`: ok only prints, it cannot fail
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -72,8 +73,6 @@ if ((${#variants[@]})); then
     entry[worker@$v]=${entry[worker]} helps[worker@$v]=${helps[worker]}
   done
 fi
-# e_flags & 0xff of an AMDGPU code object (EF_AMDGPU_MACH_AMDGCN_*), as tests/hip_code_objects.rs checks
-declare -A gfx_mach=([gfx1100]=65 [gfx906]=47)
 
 for unit in "${images[@]}"; do
   img=${unit%@*} itag=${itags[$unit]} variant=${ivariant[$unit]:-}
@@ -115,17 +114,15 @@ for unit in "${images[@]}"; do
     cuda=$(cd "$rootfs" && find . -name 'libcuda.so*' 2>/dev/null | head -3 | tr '\n' ' ' || true)
     [[ -z $cuda ]] && ok "no libcuda.so* in the image (the host driver's is mounted at run time)" || bad "libcuda in the image: $cuda"
     gfx=$(images_variant_gfx "$variant")
-    ks=$(cd "$rootfs" && find ".$IMAGES_KERNEL_DIR" -type f 2>/dev/null | sed 's|^\./|/|' | LC_ALL=C sort | tr '\n' ' ' || true)
+    [[ ! -e $rootfs/usr/lib/flexinfer/kernels ]] && ok "no code object files (the binary embeds them)" \
+      || bad "/usr/lib/flexinfer/kernels in the image (code objects are embedded in the binary now)"
     if [[ -n $gfx ]]; then
-      co=$rootfs$IMAGES_KERNEL_DIR/gptq-$gfx.hsaco
-      # ELF magic, ELFCLASS64, e_machine 224 (EM_AMDGPU) at 18, e_flags at 48
-      if [[ -s $co && $(od -An -tx1 -N4 "$co" | tr -d ' ') == 7f454c46 && $(od -An -tu1 -j4 -N1 "$co" | tr -d ' ') == 2 \
-        && $(od -An -tu2 -j18 -N2 "$co" | tr -d ' ') == 224 && $(( $(od -An -tu4 -j48 -N4 "$co" | tr -d ' ') & 255 )) == "${gfx_mach[$gfx]}" ]]; then
-        ok "$IMAGES_KERNEL_DIR/gptq-$gfx.hsaco: AMDGPU code object for $gfx ($(stat -c %s "$co") bytes)"
-      else bad "$IMAGES_KERNEL_DIR/gptq-$gfx.hsaco missing or not an AMDGPU $gfx code object"; fi
-      [[ $ks == "$IMAGES_KERNEL_DIR/gptq-$gfx.hsaco " ]] && ok "only that code object in $IMAGES_KERNEL_DIR" || bad "$IMAGES_KERNEL_DIR holds: $ks"
-    else
-      [[ -z $ks ]] && ok "no code objects ($variant)" || bad "code objects in a $variant image: $ks"
+      lc=$(jq -r '.config.Labels["dev.flexinfer.hip-code-object"] // ""' <<<"$cfg")
+      dev=$(chroot --userspec=65532:65532 "$rootfs" /usr/local/bin/flexinfer-worker devices 2>&1) || dev=""
+      emb=$(jq -r --arg g "$gfx" '.hipCodeObjects.embedded[]? | select(.target == $g) | "\(.target) sha256:\(.sha256)"' <<<"$dev" 2>/dev/null || true)
+      if [[ -n $emb && $emb == "$lc" ]]; then
+        ok "flexinfer-worker embeds gptq-$gfx.hsaco ($(jq -r --arg g "$gfx" '.hipCodeObjects.embedded[] | select(.target == $g) | .bytes' <<<"$dev") bytes), as the label says: $lc"
+      else bad "flexinfer-worker devices: embedded '$emb', label dev.flexinfer.hip-code-object '$lc' (want $gfx, equal)"; fi
     fi
   fi
   [[ $(jq -r '.process.user | "\(.uid):\(.gid)"' "$tmp/$bd/config.json") == 65532:65532 ]] \

@@ -408,6 +408,49 @@ fn hip_code_objects_are_amdgpu_elfs_with_the_kernels_and_a_sweep_without_fma() {
 }
 
 /// The checks themselves, on inputs made here: they must reject what they are meant to reject.
+/// The binary embeds the code objects it was built with (`build.rs`, from `FLEXINFER_HIP_CODE_OBJECTS` at
+/// build time; CI sets it for the build and the run alike): byte for byte the files checked above, one per
+/// target, each an AMDGPU ELF of its target.
+#[test]
+fn the_binary_embeds_the_code_objects_it_was_built_with() {
+    use flexinfer_quant::device::driver::code_objects::{
+        embedded_targets, EMBEDDED_HIP_CODE_OBJECTS as EMBEDDED,
+    };
+    let Some(dir) = code_object_dir() else { return };
+    let built_with = option_env!("FLEXINFER_HIP_CODE_OBJECTS").unwrap_or("");
+    assert_eq!(
+        Path::new(built_with).canonicalize().ok(),
+        dir.canonicalize().ok(),
+        "the test binary was built with FLEXINFER_HIP_CODE_OBJECTS={built_with:?}, run with {}",
+        dir.display()
+    );
+    assert_eq!(
+        embedded_targets(),
+        {
+            let mut t: Vec<_> = TARGETS.iter().map(|(t, _)| *t).collect();
+            t.sort();
+            t
+        },
+        "embedded targets"
+    );
+    for (target, bytes) in EMBEDDED {
+        let file = dir.join(format!("gptq-{target}.hsaco"));
+        let on_disk = std::fs::read(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        assert!(
+            *bytes == on_disk.as_slice(),
+            "embedded {target} differs from {}",
+            file.display()
+        );
+        let elf = parse_elf(bytes).unwrap_or_else(|e| panic!("embedded {target}: {e}"));
+        let mach = TARGETS.iter().find(|(t, _)| t == target).map(|(_, m)| *m);
+        assert_eq!(
+            (elf.machine, Some(elf.flags & EF_AMDGPU_MACH)),
+            (EM_AMDGPU, mach),
+            "embedded {target}"
+        );
+    }
+}
+
 #[test]
 fn the_checks_reject_fma_wrong_machine_and_missing_kernels() {
     let insts = |s: &str| s.split_whitespace().map(String::from).collect::<Vec<_>>();

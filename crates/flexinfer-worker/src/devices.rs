@@ -1,8 +1,14 @@
 //! `flexinfer-worker devices`: what this worker finds on the machine it runs on, as one JSON object on
 //! stdout: each GPU runtime probed (as `GPTQ_DEVICE=auto` probes it; no device is opened) and each runtime's
 //! vendor math libraries (BLAS and solver, as `GPTQ_VENDOR_LIBS=auto` loads them) with the reason for each
-//! one that is not used. For checking an image or a node before a quantize Job runs there.
+//! one that is not used; and the HIP code objects the binary embeds (target, size, SHA-256), the files of
+//! `$FLEXINFER_KERNEL_DIR`, and the AMD targets of the node's KFD topology. For checking an image or a node
+//! before a quantize Job runs there.
 
+use flexinfer_quant::device::driver::code_objects::EMBEDDED_HIP_CODE_OBJECTS as EMBEDDED;
+use flexinfer_quant::device::driver::code_objects::{
+    code_object_files, kfd_targets, KERNEL_DIR_ENV, KFD_TOPOLOGY,
+};
 use flexinfer_quant::device::driver::math_libraries;
 use flexinfer_quant::device::{DeviceKind, Platform, SystemPlatform};
 use serde_json::{json, Value};
@@ -27,7 +33,34 @@ pub fn report() -> Value {
             }),
         );
     }
+    out.insert("hipCodeObjects".to_string(), hip_code_objects());
     Value::Object(out)
+}
+
+/// The HIP code objects the session would try (see `device::driver::code_objects`).
+fn hip_code_objects() -> Value {
+    use sha2::Digest as _;
+    let embedded: Vec<Value> = EMBEDDED
+        .iter()
+        .map(|(target, bytes)| {
+            json!({"target": target, "bytes": bytes.len(), "sha256": hex::encode(sha2::Sha256::digest(bytes))})
+        })
+        .collect();
+    let dir = std::env::var_os(KERNEL_DIR_ENV).filter(|d| !d.is_empty());
+    let mut files: Vec<String> = dir
+        .as_ref()
+        .map(|d| code_object_files(std::path::Path::new(d)))
+        .unwrap_or_default()
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect();
+    files.sort();
+    json!({
+        "embedded": embedded,
+        "kernelDir": dir.map(|d| d.to_string_lossy().into_owned()),
+        "kernelDirFiles": files,
+        "nodeTargets": kfd_targets(std::path::Path::new(KFD_TOPOLOGY)),
+    })
 }
 
 #[cfg(test)]
@@ -53,5 +86,16 @@ mod tests {
             assert_eq!(blas == Some(false), said("BLAS:"), "{libs}");
             assert_eq!(solver == Some(false), said("solver:"), "{libs}");
         }
+        // The embedded code objects as the build gave them: each with its size and hash.
+        let embedded = r["hipCodeObjects"]["embedded"]
+            .as_array()
+            .expect("embedded");
+        assert_eq!(embedded.len(), super::EMBEDDED.len(), "{r}");
+        for (e, (target, bytes)) in embedded.iter().zip(super::EMBEDDED) {
+            assert_eq!(e["target"], *target);
+            assert_eq!(e["bytes"], bytes.len());
+            assert_eq!(e["sha256"].as_str().map(str::len), Some(64), "{e}");
+        }
+        assert!(r["hipCodeObjects"]["nodeTargets"].is_array(), "{r}");
     }
 }

@@ -5,8 +5,8 @@
 //! Code images: for CUDA, `kernels/gptq.cu` compiled by NVRTC (also loaded at run time, [`Nvrtc`]) to a
 //! CUBIN for the device's architecture, or to PTX for its compute capability where the CUBIN does not
 //! load; for HIP, the code objects built offline by
-//! `scripts/hip/build-code-objects.sh` (`gptq-<gfx>.hsaco`), looked up in `$FLEXINFER_KERNEL_DIR`
-//! (default [`DEFAULT_KERNEL_DIR`], where the `rocm-*` worker images put them).
+//! `scripts/hip/build-code-objects.sh` (`gptq-<gfx>.hsaco`), embedded in the binary at build time or files
+//! of `$FLEXINFER_KERNEL_DIR` ([`code_objects`]).
 //!
 //! Nothing here can be run without a GPU; what is tested without one is the session logic through the
 //! host vendor (tests/gpu_session.rs), the NVRTC compile of the same source (tests/kernels.rs) and the HIP
@@ -22,6 +22,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 mod api;
+pub mod code_objects;
 mod math;
 mod nvrtc;
 
@@ -31,10 +32,8 @@ pub use math::MathLibraries;
 pub use math::{CUBLAS_LIBRARIES, CUSOLVER_LIBRARIES, ROCBLAS_LIBRARIES, ROCSOLVER_LIBRARIES};
 pub use nvrtc::{Nvrtc, NvrtcError, Output as NvrtcOutput};
 
-/// Where the `rocm-*` worker images put the HIP code objects.
-pub const DEFAULT_KERNEL_DIR: &str = "/usr/lib/flexinfer/kernels";
-/// Environment variable naming another directory of HIP code objects.
-pub const KERNEL_DIR_ENV: &str = "FLEXINFER_KERNEL_DIR";
+pub use code_objects::KERNEL_DIR_ENV;
+use code_objects::{code_object_sources, kfd_targets, EMBEDDED_HIP_CODE_OBJECTS, KFD_TOPOLOGY};
 /// libnvrtc names tried in order after `$FLEXINFER_NVRTC`.
 pub const NVRTC_LIBRARIES: &[&str] = &[
     "libnvrtc.so",
@@ -308,43 +307,48 @@ impl DriverVendor {
         Ok((major, minor))
     }
 
-    /// The first code object in the kernel directory that the device loads.
+    /// The first HIP code object that the device loads, in [`code_object_sources`]' order: the files of
+    /// `$FLEXINFER_KERNEL_DIR`, then the embedded ones (the node's own targets first).
     fn load_hip_code_object(&mut self) -> DevResult<()> {
         let dir = std::env::var_os(KERNEL_DIR_ENV)
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from(DEFAULT_KERNEL_DIR));
-        let mut files = hip_code_objects(&dir);
-        files.sort();
+            .filter(|d| !d.is_empty())
+            .map(PathBuf::from);
+        let sources = code_object_sources(
+            dir.as_deref(),
+            EMBEDDED_HIP_CODE_OBJECTS,
+            &kfd_targets(Path::new(KFD_TOPOLOGY)),
+        );
         let mut tried = Vec::new();
-        for f in files {
-            let image = match std::fs::read(&f) {
+        for source in &sources {
+            let image = match source.read() {
                 Ok(b) => b,
                 Err(e) => {
-                    tried.push(format!("{}: {e}", f.display()));
+                    tried.push(format!("{}: {e}", source.describe()));
                     continue;
                 }
             };
             match self.load_module(&image) {
                 Ok(()) => {
-                    self.image = image;
-                    self.name = format!("{} ({})", self.name, f.display());
+                    self.image = image.into_owned();
+                    self.name = format!("{} ({})", self.name, source.describe());
                     return Ok(());
                 }
-                Err(e) => tried.push(format!("{}: {}", f.display(), e.message)),
+                Err(e) => tried.push(format!("{}: {}", source.describe(), e.message)),
             }
         }
-        Err(DeviceError::new(
-            self.name.clone(),
-            "load",
-            if tried.is_empty() {
-                format!(
-                    "no gptq-<gfx>.hsaco code object in {} (set {KERNEL_DIR_ENV}; the rocm-* worker images ship them)",
-                    dir.display()
-                )
-            } else {
-                format!("no code object loads on this device: {}", tried.join("; "))
-            },
-        ))
+        let message = if !tried.is_empty() {
+            format!("no code object loads on this device: {}", tried.join("; "))
+        } else {
+            let dir = match &dir {
+                Some(d) => format!("{KERNEL_DIR_ENV}={} holds no gptq-<gfx>.hsaco", d.display()),
+                None => format!("{KERNEL_DIR_ENV} is not set"),
+            };
+            format!(
+                "no HIP code object: this worker binary embeds none (it was built without \
+                 FLEXINFER_HIP_CODE_OBJECTS; the worker images' binary embeds gfx1100 and gfx906) and {dir}"
+            )
+        };
+        Err(DeviceError::new(self.name.clone(), "load", message))
     }
 }
 
@@ -354,20 +358,6 @@ impl DriverVendor {
 pub fn math_libraries(kind: DeviceKind) -> (MathLibs, Vec<String>) {
     let m = MathLibraries::load(kind);
     (m.libs(), m.missing.clone())
-}
-
-/// The `gptq-*.hsaco` files of `dir`.
-pub fn hip_code_objects(dir: &Path) -> Vec<PathBuf> {
-    std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| {
-            let n = p.file_name().unwrap_or_default().to_string_lossy();
-            n.starts_with("gptq-") && n.ends_with(".hsaco")
-        })
-        .collect()
 }
 
 impl Vendor for DriverVendor {
