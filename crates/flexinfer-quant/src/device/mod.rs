@@ -21,6 +21,7 @@
 //! [`select_device`] implements `GPTQ_DEVICE=auto|cpu|hip|cuda`; [`SystemPlatform`] looks for vendor runtimes
 //! with `dlopen` at run time, so the binary needs no GPU SDK to build, link or run.
 
+pub mod access;
 pub mod check;
 pub mod driver;
 pub mod fake;

@@ -73,6 +73,12 @@ pub enum ProbeError {
     /// The runtime is usable, but the solve session could not be set up on it (context, kernels).
     #[error("opening the solve session failed: {0}")]
     Session(#[source] super::DeviceError),
+    /// One of the above, with what the device files say about it ([`super::access::hint`]).
+    #[error("{source}; {hint}")]
+    Hint {
+        source: Box<ProbeError>,
+        hint: String,
+    },
     /// A usable runtime whose device could not be opened.
     #[error("{} ({} device(s), {}) is usable, but {source}", .info.name, .info.devices, .info.library)]
     NotOpened {
@@ -247,8 +253,10 @@ impl Platform for SystemPlatform {
     fn probe(&self, kind: DeviceKind) -> Result<GpuInfo, ProbeError> {
         match kind {
             DeviceKind::Cpu => Err(ProbeError::NotAGpu),
-            DeviceKind::Hip => dl::probe_hip(),
-            DeviceKind::Cuda => dl::probe_cuda(),
+            DeviceKind::Hip => dl::probe_hip()
+                .map_err(|e| super::access::explain(kind, e, std::path::Path::new("/dev"))),
+            DeviceKind::Cuda => dl::probe_cuda()
+                .map_err(|e| super::access::explain(kind, e, std::path::Path::new("/dev"))),
         }
     }
     fn open(&self, info: &GpuInfo) -> Result<Box<dyn Device>, ProbeError> {
