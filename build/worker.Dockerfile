@@ -10,9 +10,9 @@
 #   docker build -f build/worker.Dockerfile --build-arg BASE=rocm/dev-ubuntu-22.04:6.2.3 -t flexinfer/worker:rocm-gfx906 .
 # The HIP code objects (gfx1100, gfx906) are embedded in the binary when it is built with
 # FLEXINFER_HIP_CODE_OBJECTS naming the output of scripts/hip/build-code-objects.sh (for the full build
-# below: a directory inside the build context, e.g.
-#   --build-arg FLEXINFER_HIP_CODE_OBJECTS=hip-code-objects
-# after copying it there); without it the HIP session needs FLEXINFER_KERNEL_DIR at run time. build.sh's
+# below: a directory inside the build context, by its absolute path in the build stage, e.g.
+#   --build-arg FLEXINFER_HIP_CODE_OBJECTS=/src/hip-code-objects
+# after copying it to ./hip-code-objects); without it the HIP session needs FLEXINFER_KERNEL_DIR at run time. build.sh's
 # ROCm variants check that their binary embeds their target.
 # Prebuilt binaries instead of compiling (what scripts/images/build.sh does, daemonless, with the
 # base built from Debian packages by scripts/images/base.sh):
@@ -32,7 +32,7 @@ ENTRYPOINT ["/usr/local/bin/flexinfer-worker"]
 
 # --- full build ---
 FROM ${RUST_IMAGE} AS build
-# A directory of gptq-<gfx>.hsaco in the build context to embed (crates/flexinfer-quant/build.rs); empty: none.
+# An absolute directory of gptq-<gfx>.hsaco to embed (crates/flexinfer-quant/build.rs); empty: none.
 ARG FLEXINFER_HIP_CODE_OBJECTS=""
 WORKDIR /src
 COPY . .

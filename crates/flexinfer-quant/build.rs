@@ -1,12 +1,13 @@
 //! Embeds the HIP code objects in the engine when they are given at build time.
 //!
 //! `FLEXINFER_HIP_CODE_OBJECTS` names the directory that `scripts/hip/build-code-objects.sh` prints (one
-//! `gptq-<gfx>.hsaco` per AMD target, compiled offline with Debian's hipcc). When it is set, every such file
+//! `gptq-<gfx>.hsaco` per AMD target, compiled offline with Debian's hipcc; an absolute path, as cargo runs
+//! build scripts in the crate's directory, not where it was invoked). When it is set, every such file
 //! is embedded in the binary with `include_bytes!` and the HIP session loads it from there
 //! (`device::driver::EMBEDDED_HIP_CODE_OBJECTS`). When it is unset or empty, nothing is embedded and the
 //! crate builds on a machine without any GPU SDK; the HIP session then needs `FLEXINFER_KERNEL_DIR` at run
-//! time. A directory that is set but unreadable, holds no code object, or holds an empty one fails the
-//! build, naming the file.
+//! time. A directory that is relative, unreadable, holds no code object, or holds an empty one fails the
+//! build, naming it.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -48,6 +49,13 @@ fn run() -> Result<(), String> {
 
 /// The `gptq-<gfx>.hsaco` files of `dir` as (target, absolute path), sorted by target.
 fn code_objects(dir: &Path) -> Result<Vec<(String, PathBuf)>, String> {
+    if dir.is_relative() {
+        return Err(format!(
+            "{ENV}={} is a relative path: give it absolute (cargo runs build scripts in the crate's \
+             directory, not where it was invoked)",
+            dir.display()
+        ));
+    }
     let named = |e: std::io::Error| format!("{ENV}={}: {e}", dir.display());
     println!("cargo::rerun-if-changed={}", dir.display());
     let mut found = Vec::new();

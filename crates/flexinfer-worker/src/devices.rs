@@ -7,7 +7,7 @@
 
 use flexinfer_quant::device::driver::code_objects::EMBEDDED_HIP_CODE_OBJECTS as EMBEDDED;
 use flexinfer_quant::device::driver::code_objects::{
-    code_object_files, kfd_targets, KERNEL_DIR_ENV, KFD_TOPOLOGY,
+    code_object_files, kfd_targets, DRI_DIR, KERNEL_DIR_ENV, KFD_TOPOLOGY,
 };
 use flexinfer_quant::device::driver::math_libraries;
 use flexinfer_quant::device::{DeviceKind, Platform, SystemPlatform};
@@ -59,7 +59,7 @@ fn hip_code_objects() -> Value {
         "embedded": embedded,
         "kernelDir": dir.map(|d| d.to_string_lossy().into_owned()),
         "kernelDirFiles": files,
-        "nodeTargets": kfd_targets(std::path::Path::new(KFD_TOPOLOGY)),
+        "nodeTargets": kfd_targets(std::path::Path::new(KFD_TOPOLOGY), std::path::Path::new(DRI_DIR)),
     })
 }
 

@@ -178,7 +178,9 @@ pub fn hint(kind: DeviceKind, seen: &Seen, who: &Identity, runtime_loaded: bool)
     missing.sort_unstable();
     missing.dedup();
     let fix = if missing.is_empty() {
-        "their group may not read and write them either (a node setting, not the pod's)".to_string()
+        "adding a group would not help: the files' modes or the node (a read-only device mount, a \
+         security module) refuse it, a node setting, not the pod's"
+            .to_string()
     } else {
         let ids: Vec<String> = missing.iter().map(u32::to_string).collect();
         format!(
@@ -318,6 +320,28 @@ mod tests {
             true,
         );
         assert!(s.contains("a node setting"), "{s}");
+        // in the group, mode 0660, still refused (a read-only mount, an LSM): not fixed by adding the group
+        let s = said(
+            DeviceKind::Hip,
+            &amd(Some(kfd(false)), vec![render(true)]),
+            &nonroot(&[110, 65532]),
+            true,
+        );
+        assert!(
+            s.contains("a node setting") && !s.contains("add group"),
+            "{s}"
+        );
+        // not in the group, but the group has no access either (mode 0606): adding it would not help
+        let s = said(
+            DeviceKind::Hip,
+            &amd(Some(f("/dev/kfd", 110, 0o606, false)), vec![render(true)]),
+            &me,
+            true,
+        );
+        assert!(
+            s.contains("a node setting") && !s.contains("add group"),
+            "{s}"
+        );
         // everything usable: the files explain nothing
         assert_eq!(
             hint(

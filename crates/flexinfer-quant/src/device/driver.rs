@@ -33,7 +33,9 @@ pub use math::{CUBLAS_LIBRARIES, CUSOLVER_LIBRARIES, ROCBLAS_LIBRARIES, ROCSOLVE
 pub use nvrtc::{Nvrtc, NvrtcError, Output as NvrtcOutput};
 
 pub use code_objects::KERNEL_DIR_ENV;
-use code_objects::{code_object_sources, kfd_targets, EMBEDDED_HIP_CODE_OBJECTS, KFD_TOPOLOGY};
+use code_objects::{
+    code_object_sources, kfd_targets, DRI_DIR, EMBEDDED_HIP_CODE_OBJECTS, KFD_TOPOLOGY,
+};
 /// libnvrtc names tried in order after `$FLEXINFER_NVRTC`.
 pub const NVRTC_LIBRARIES: &[&str] = &[
     "libnvrtc.so",
@@ -316,7 +318,7 @@ impl DriverVendor {
         let sources = code_object_sources(
             dir.as_deref(),
             EMBEDDED_HIP_CODE_OBJECTS,
-            &kfd_targets(Path::new(KFD_TOPOLOGY)),
+            &kfd_targets(Path::new(KFD_TOPOLOGY), Path::new(DRI_DIR)),
         );
         let mut tried = Vec::new();
         for source in &sources {

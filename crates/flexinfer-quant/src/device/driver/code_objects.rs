@@ -8,8 +8,10 @@
 //!
 //! A code object of the wrong target does not load (`hipModuleLoadData` refuses it), so trying each one in
 //! turn finds the device's. The embedded ones are ordered by the targets the node's KFD topology lists
-//! (`/sys/class/kfd/kfd/topology/nodes/*/properties`, `gfx_target_version`), so the device's own target is
-//! normally the first and only load.
+//! (`/sys/class/kfd/kfd/topology/nodes/*/properties`, `gfx_target_version`), the GPUs this container was
+//! given first (their `drm_render_minor` is a `/dev/dri/renderD<minor>` here: the device plugin mounts only
+//! the pod's), so the device's own target is normally the first and only load, on a node with mixed cards
+//! too.
 
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
@@ -21,6 +23,8 @@ include!(concat!(env!("OUT_DIR"), "/hip_code_objects.rs")); // not-contract: car
 pub const KERNEL_DIR_ENV: &str = "FLEXINFER_KERNEL_DIR";
 /// The KFD topology of the node (sysfs), read for the AMD targets present.
 pub const KFD_TOPOLOGY: &str = "/sys/class/kfd/kfd/topology/nodes";
+/// The DRM device directory, whose `renderD<minor>` files are the GPUs this container was given.
+pub const DRI_DIR: &str = "/dev/dri";
 
 /// One HIP code object the session may load.
 #[derive(Debug, Clone, PartialEq)]
@@ -100,9 +104,22 @@ pub fn code_object_files(dir: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
-/// The AMD targets (`gfx1100`, `gfx906`, …) of the GPU nodes in a KFD topology directory, in node order
-/// without repeats; empty when it cannot be read (no AMD driver, not Linux).
-pub fn kfd_targets(topology: &Path) -> Vec<String> {
+/// The AMD targets (`gfx1100`, `gfx906`, …) of the GPU nodes in a KFD topology directory without repeats:
+/// first those whose `drm_render_minor` has a `renderD<minor>` in `dri` (the GPUs of this container), then
+/// the others, each group in node order; empty when the topology cannot be read (no AMD driver, not Linux).
+pub fn kfd_targets(topology: &Path, dri: &Path) -> Vec<String> {
+    let mine: Vec<u32> = std::fs::read_dir(dri)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .strip_prefix("renderD")?
+                .parse()
+                .ok()
+        })
+        .collect();
     let mut nodes: Vec<(u64, PathBuf)> = std::fs::read_dir(topology)
         .into_iter()
         .flatten()
@@ -113,19 +130,28 @@ pub fn kfd_targets(topology: &Path) -> Vec<String> {
         })
         .collect();
     nodes.sort();
-    let mut targets = Vec::new();
+    let mut gpus: Vec<(bool, String)> = Vec::new();
     for (_, props) in nodes {
         let Ok(text) = std::fs::read_to_string(&props) else {
             continue;
         };
-        let version = text.lines().find_map(|l| {
-            let v = l.strip_prefix("gfx_target_version")?;
-            v.trim().parse::<u32>().ok()
-        });
-        if let Some(t) = version.and_then(gfx_name) {
-            if !targets.contains(&t) {
-                targets.push(t);
-            }
+        let field = |name: &str| {
+            text.lines().find_map(|l| {
+                let (k, v) = l.split_once(' ')?;
+                (k == name).then(|| v.trim().parse::<u32>().ok()).flatten()
+            })
+        };
+        if let Some(t) = field("gfx_target_version").and_then(gfx_name) {
+            let given = field("drm_render_minor").is_some_and(|m| mine.contains(&m));
+            gpus.push((given, t));
+        }
+    }
+    // Stable: the container's GPUs first, node order kept within each group.
+    gpus.sort_by_key(|(given, _)| !*given);
+    let mut targets: Vec<String> = Vec::new();
+    for (_, t) in gpus {
+        if !targets.contains(&t) {
+            targets.push(t);
         }
     }
     targets
@@ -161,23 +187,45 @@ mod tests {
     }
 
     #[test]
-    fn the_topology_lists_each_gpu_target_once_in_node_order() -> std::io::Result<()> {
+    fn the_topology_lists_each_gpu_target_once_the_container_s_own_first() -> std::io::Result<()> {
         let d = tempfile::tempdir()?;
-        // node 0: the CPU (gfx_target_version 0); 1 and 2: gfx906; 10: gfx1100; a stray file and a node
-        // without properties are skipped.
+        let topo = d.path().join("nodes");
+        let dri = d.path().join("dri");
+        std::fs::create_dir_all(&dri)?;
+        // node 0: the CPU (gfx_target_version 0); 1 and 2: gfx906 (render minors 128, 129); 10: gfx1100
+        // (minor 130); a stray file and a node without properties are skipped.
         for (node, props) in [
-            ("0", "cpu_cores_count 16\ngfx_target_version 0\n"),
-            ("1", "simd_count 240\ngfx_target_version 90006\n"),
-            ("10", "gfx_target_version 110000\nmax_waves_per_simd 16\n"),
-            ("2", "gfx_target_version 90006\n"),
+            (
+                "0",
+                "cpu_cores_count 16\ngfx_target_version 0\ndrm_render_minor 0\n",
+            ),
+            (
+                "1",
+                "simd_count 240\ngfx_target_version 90006\ndrm_render_minor 128\n",
+            ),
+            (
+                "10",
+                "gfx_target_version 110000\nmax_waves_per_simd 16\ndrm_render_minor 130\n",
+            ),
+            ("2", "gfx_target_version 90006\ndrm_render_minor 129\n"),
         ] {
-            std::fs::create_dir(d.path().join(node))?;
-            std::fs::write(d.path().join(node).join("properties"), props)?;
+            std::fs::create_dir_all(topo.join(node))?;
+            std::fs::write(topo.join(node).join("properties"), props)?;
         }
-        std::fs::create_dir(d.path().join("3"))?;
-        std::fs::write(d.path().join("generation_id"), "1\n")?;
-        assert_eq!(kfd_targets(d.path()), ["gfx906", "gfx1100"]);
-        assert!(kfd_targets(&d.path().join("missing")).is_empty());
+        std::fs::create_dir(topo.join("3"))?;
+        std::fs::write(topo.join("generation_id"), "1\n")?;
+        // No render node here (or none of the topology's): node order.
+        assert_eq!(kfd_targets(&topo, &dri), ["gfx906", "gfx1100"]);
+        std::fs::write(dri.join("card0"), "")?;
+        std::fs::write(dri.join("renderD200"), "")?;
+        assert_eq!(kfd_targets(&topo, &dri), ["gfx906", "gfx1100"]);
+        // The pod was given the gfx1100 (renderD130): its target first.
+        std::fs::write(dri.join("renderD130"), "")?;
+        assert_eq!(kfd_targets(&topo, &dri), ["gfx1100", "gfx906"]);
+        // Given a gfx906 too: both of the container's, in node order.
+        std::fs::write(dri.join("renderD129"), "")?;
+        assert_eq!(kfd_targets(&topo, &dri), ["gfx906", "gfx1100"]);
+        assert!(kfd_targets(&d.path().join("missing"), &dri).is_empty());
         Ok(())
     }
 
