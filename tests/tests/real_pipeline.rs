@@ -1209,6 +1209,42 @@ async fn real_pipeline_generations_config_bound_reuse_and_collection() -> Result
         "applied {}",
         mc["status"]["quantization"]["applied"]
     );
+    // The worker reports the device its solves ran on: this node has no GPU and the cpu image no runtime,
+    // so `auto` chose the CPU; with `useGPU: true` that is a Warning event carrying the worker's reason.
+    let applied = &mc["status"]["quantization"]["applied"];
+    ensure!(
+        applied["gptqDevice"] == "auto"
+            && applied["gptqDeviceUsed"] == "cpu-faer"
+            && applied["gptqDeviceKind"] == "cpu"
+            && applied["gptqDeviceReason"]
+                .as_str()
+                .is_some_and(|r| r.starts_with("auto: no usable GPU (hip: ")),
+        "applied device keys: {applied}"
+    );
+    let events: Api<k8s_openapi::api::core::v1::Event> = Api::namespaced(c.clone(), &e.ns);
+    let on_cpu: Vec<String> = events
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|ev| {
+            ev.reason.as_deref() == Some("QuantizedOnCPU")
+                && ev.involved_object.name.as_deref() == Some(name)
+        })
+        .map(|ev| {
+            format!(
+                "{} {}",
+                ev.type_.unwrap_or_default(),
+                ev.message.unwrap_or_default()
+            )
+        })
+        .collect();
+    ensure!(
+        on_cpu.iter().any(|m| m.starts_with(
+            "Warning useGPU is set, but the GPTQ solves ran on the CPU: auto: no usable GPU"
+        )),
+        "QuantizedOnCPU events of {name}: {on_cpu:?}"
+    );
 
     // 1. sym true -> false: a new generation with the new configuration, the old one intact.
     let api: Api<ModelCache> = Api::namespaced(c.clone(), &e.ns);

@@ -54,6 +54,22 @@ pub struct TerminationSuccess {
     pub perplexity_after: Option<f64>,
 }
 
+/// Keys of [`TerminationSuccess::applied`] that the controller reads (it shows the others as they are).
+pub mod applied {
+    /// Quantize: the `GPTQ_DEVICE` setting the worker ran with (`auto`, `cpu`, `hip`, `cuda`).
+    pub const GPTQ_DEVICE: &str = "gptqDevice";
+    /// Quantize: the device the GPTQ solves ran on (`cpu-faer`, `hip:0 AMD Radeon RX 7900 XTX (embedded
+    /// gptq-gfx1100.hsaco) [librocblas.so.0, librocsolver.so.0]`).
+    pub const GPTQ_DEVICE_USED: &str = "gptqDeviceUsed";
+    /// Quantize: that device's kind (`cpu`, `hip`, `cuda`).
+    pub const GPTQ_DEVICE_KIND: &str = "gptqDeviceKind";
+    /// Quantize: why that device (with `auto`, every runtime probed and why it was not usable), at most
+    /// [`GPTQ_DEVICE_REASON_MAX_BYTES`] bytes.
+    pub const GPTQ_DEVICE_REASON: &str = "gptqDeviceReason";
+    /// The termination message must stay under 4 KiB with everything else in it.
+    pub const GPTQ_DEVICE_REASON_MAX_BYTES: usize = 800;
+}
+
 /// Failure termination message.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -97,6 +113,19 @@ pub fn encode_termination<T: Serialize>(msg: &T) -> String {
     s.chars()
         .take(files::TERMINATION_MESSAGE_MAX_BYTES)
         .collect()
+}
+
+/// The first at most `max_bytes` bytes of `s`, cut at a character boundary, with `...` in place of the rest
+/// when something was cut (a reason whose start says the most).
+pub fn head_chars(s: &str, max_bytes: usize) -> String {
+    if s.len() <= max_bytes {
+        return s.to_string();
+    }
+    let mut end = max_bytes.saturating_sub(3);
+    while !s.is_char_boundary(end) {
+        end = end.saturating_sub(1);
+    }
+    format!("{}...", s.get(..end).unwrap_or_default())
 }
 
 /// The last at most `max_bytes` bytes of `s`, cut at a character boundary (the end of a message is

@@ -9,7 +9,9 @@ use flexinfer_contract::{
     self as contract, env, events, JobPhase, ProgressEvent, TerminationSuccess,
 };
 use flexinfer_quant::calib::CalibSettings;
-use flexinfer_quant::device::{select_device, Device, MemoryBudget, SystemPlatform, VendorLibs};
+use flexinfer_quant::device::{
+    select_device, DeviceChoice, MemoryBudget, Selection, SystemPlatform, VendorLibs,
+};
 use flexinfer_quant::events::EventSink;
 use flexinfer_quant::params::{FloorMode, GateParams, GptqParams, RecoveryParams};
 use flexinfer_quant::pipeline::{self, QuantizeJob};
@@ -203,7 +205,7 @@ fn run_inner(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess,
         events::START,
         &serde_json::json!({
             "phase": events.phase(), "modelDir": args.model_dir, "outDir": args.out_dir, "bits": args.bits,
-            "groupSize": args.group_size, "sym": args.sym, "descAct": args.desc_act, "backend": "cpu-faer",
+            "groupSize": args.group_size, "sym": args.sym, "descAct": args.desc_act, "gptqDevice": args.gptq_device,
             "maxMemoryGB": args.max_memory_gb,
         }),
     );
@@ -229,7 +231,7 @@ fn run_inner(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess,
     ));
     // One writer per output directory (a replaced Job's pod may still be running).
     let _lock = crate::generations::lock_output(&args.out_dir, events)?;
-    let result = run_locked(args, &job, selection.device.as_ref(), events);
+    let result = run_locked(args, &job, &selection, events);
     if result.is_ok() {
         crate::generations::collect_garbage(
             &args.out_dir,
@@ -243,10 +245,11 @@ fn run_inner(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess,
 fn run_locked(
     args: &QuantizeArgs,
     job: &QuantizeJob,
-    device: &dyn Device,
+    selection: &Selection,
     events: &Events,
 ) -> Result<TerminationSuccess, WorkerError> {
     let sink = WorkerSink(events);
+    let device = selection.device.as_ref();
     let outcome = match pipeline::run(job, device, &sink) {
         Ok(o) => o,
         Err(QuantError::TestAbort(layer)) => {
@@ -280,15 +283,41 @@ fn run_locked(
         output_dir: Some(outcome.output_dir.display().to_string()),
         quality,
         config_digest: Some(outcome.config_digest.clone()),
-        applied: applied_settings(job),
+        applied: applied_settings(job, &args.gptq_device, selection),
         ..Default::default()
     })
 }
 
-/// The settings the engine ran with, as the controller reports them in `status.quantization.applied`.
-fn applied_settings(job: &QuantizeJob) -> std::collections::BTreeMap<String, String> {
+/// The settings the engine ran with, as the controller reports them in `status.quantization.applied`: the
+/// GPTQ parameters, and the device setting, the device used, its kind and why
+/// (`contract::termination::applied`).
+fn applied_settings(
+    job: &QuantizeJob,
+    gptq_device: &str,
+    selection: &Selection,
+) -> std::collections::BTreeMap<String, String> {
+    use contract::termination::applied as keys;
     let p = &job.params;
     let r = &job.recovery;
+    let reason =
+        contract::termination::head_chars(&selection.reason, keys::GPTQ_DEVICE_REASON_MAX_BYTES);
+    // The setting as the engine read it ("" is auto, "rocm" is hip).
+    let setting = match gptq_device.parse::<DeviceChoice>() {
+        Ok(DeviceChoice::Auto) => "auto",
+        Ok(DeviceChoice::Cpu) => "cpu",
+        Ok(DeviceChoice::Hip) => "hip",
+        Ok(DeviceChoice::Cuda) => "cuda",
+        Err(_) => gptq_device,
+    };
+    let device = [
+        (keys::GPTQ_DEVICE, setting.to_string()),
+        (keys::GPTQ_DEVICE_USED, selection.device.describe()),
+        (
+            keys::GPTQ_DEVICE_KIND,
+            selection.device.kind().as_str().to_string(),
+        ),
+        (keys::GPTQ_DEVICE_REASON, reason),
+    ];
     [
         ("bits", p.bits.to_string()),
         ("groupSize", p.group_size.to_string()),
@@ -311,6 +340,7 @@ fn applied_settings(job: &QuantizeJob) -> std::collections::BTreeMap<String, Str
         ),
     ]
     .into_iter()
+    .chain(device)
     .map(|(k, v)| (k.to_string(), v))
     .collect()
 }

@@ -78,6 +78,21 @@ proptest! {
         prop_assert!(s.ends_with(&tail));
         prop_assert!(tail.len() <= cut || s.len() <= cut);
     }
+
+    /// The head of any text (multi-byte characters included) is a prefix of it plus `...`, within the bound.
+    #[test]
+    fn heads_of_texts(s in ".{0,60}", cut in 0usize..80) {
+        let head = contract::termination::head_chars(&s, cut);
+        if s.len() <= cut {
+            prop_assert_eq!(&head, &s);
+        } else {
+            let kept = head.strip_suffix("...").unwrap_or_else(|| panic!("{head:?} has no ..."));
+            prop_assert!(s.starts_with(kept));
+            prop_assert!(head.len() <= cut.max(3));
+            // cut at the last character boundary within `cut - 3` bytes (a character is at most 4 bytes)
+            prop_assert!(kept.len() + 4 > cut.saturating_sub(3));
+        }
+    }
 }
 
 proptest! {

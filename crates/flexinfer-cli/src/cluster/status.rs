@@ -221,6 +221,7 @@ impl<'a> QuantView<'a> {
                     .unwrap_or_else(dash),
             ),
             ("Duration", duration_text(qs).unwrap_or_else(dash)),
+            ("GPTQ device", device_text(qs)),
         ];
         if let Some(s) = time_str(&qs.started_at) {
             rows.push(("Started", s));
@@ -242,6 +243,22 @@ impl<'a> QuantView<'a> {
             rows.push(("Retries", n.to_string()));
         }
         rows
+    }
+}
+
+/// The device the last finished quantization's GPTQ solves ran on (the worker's `applied` keys), with the
+/// worker's reason when it fell back to the CPU; a dash when no worker reported one.
+fn device_text(qs: &QuantizationStatus) -> String {
+    use flexinfer_api::contract::termination::applied as keys;
+    let applied = qs.applied.as_ref();
+    let get = |k: &str| applied.and_then(|a| a.get(k)).map(String::as_str);
+    match (get(keys::GPTQ_DEVICE_USED), get(keys::GPTQ_DEVICE_KIND)) {
+        (Some(used), Some("cpu")) if get(keys::GPTQ_DEVICE) != Some("cpu") => format!(
+            "{used} ({})",
+            get(keys::GPTQ_DEVICE_REASON).unwrap_or("no usable GPU")
+        ),
+        (Some(used), _) => used.to_string(),
+        (None, _) => dash(),
     }
 }
 

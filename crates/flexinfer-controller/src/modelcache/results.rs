@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use flexinfer_api::conditions::types;
 use flexinfer_api::contract::{self, reasons, JobPhase, TerminationMessage, TerminationSuccess};
 use flexinfer_api::formats;
-use flexinfer_api::modelcache::{CachePhase, PhaseProgress, QualityStatus};
+use flexinfer_api::modelcache::{CachePhase, ModelCache, PhaseProgress, QualityStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 
@@ -129,7 +129,7 @@ pub(super) fn record_success(
     match phase {
         JobPhase::Download => record_download(cx, &term, &mut note),
         JobPhase::Abliterate => record_abliteration(cx, &term, &mut note),
-        JobPhase::Quantize => record_quantization(cx, &term, &mut note),
+        JobPhase::Quantize => record_quantization(cx, &term, &job.name, &mut note),
         JobPhase::Publish => record_publish(cx, &term, &now, &mut note),
     }
     if cx
@@ -199,10 +199,15 @@ fn record_abliteration(cx: &mut Ctx<'_>, term: &TerminationSuccess, note: &mut S
 }
 
 /// Records a finished quantization: format, quant type, sizes and compression ratio, time,
-/// calibration, its output, the applied settings and the quality gate.
-fn record_quantization(cx: &mut Ctx<'_>, term: &TerminationSuccess, note: &mut String) {
+/// calibration, its output, the applied settings and the quality gate. A `useGPU` quantization whose
+/// solves ran on the CPU although the worker was not told to (`GPTQ_DEVICE` other than `cpu`) gets a
+/// Warning event with the worker's reason.
+fn record_quantization(cx: &mut Ctx<'_>, term: &TerminationSuccess, job: &str, note: &mut String) {
     let phase = JobPhase::Quantize;
     let mc = cx.mc;
+    if let Some(reason) = quantized_on_cpu(mc, term) {
+        cx.job_event(true, reasons::QUANTIZED_ON_CPU, reason, Some(job));
+    }
     let started = get_common(&cx.st, phase).started_at.map(|t| t.0);
     let q = cx.st.quantization.get_or_insert_with(Default::default);
     let spec = mc.spec.quantization.clone();
@@ -253,6 +258,21 @@ fn record_quantization(cx: &mut Ctx<'_>, term: &TerminationSuccess, note: &mut S
     if let Some(r) = q.compression_ratio {
         note.push_str(&format!(", compression ratio {r}"));
     }
+}
+
+/// The note of a [`reasons::QUANTIZED_ON_CPU`] event, when a `useGPU` quantization ran on the CPU without
+/// `GPTQ_DEVICE=cpu` (from the worker's `applied` settings; an older worker reports none: no event).
+fn quantized_on_cpu(mc: &ModelCache, term: &TerminationSuccess) -> Option<String> {
+    use contract::termination::applied as keys;
+    let get = |k: &str| term.applied.get(k).map(String::as_str);
+    let on_cpu =
+        get(keys::GPTQ_DEVICE_KIND) == Some("cpu") && get(keys::GPTQ_DEVICE) != Some("cpu");
+    (on_cpu && jobs::uses_gpu(mc, JobPhase::Quantize)).then(|| {
+        format!(
+            "useGPU is set, but the GPTQ solves ran on the CPU: {}",
+            get(keys::GPTQ_DEVICE_REASON).unwrap_or("no reason reported")
+        )
+    })
 }
 
 /// Records a finished publish: the pushed digest (the one it replaces goes first in the previous

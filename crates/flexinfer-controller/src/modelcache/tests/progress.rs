@@ -1,6 +1,7 @@
 //! Progress of running Jobs and the results of finished ones.
 
 use super::*;
+use flexinfer_api::contract::reasons;
 
 #[test]
 fn progress_is_monotonic_and_keeps_last_value_on_log_failure() {
@@ -143,4 +144,83 @@ fn results_come_from_the_termination_message() {
         Some(vec!["latest".to_string(), "stable".to_string()])
     );
     assert_eq!(p.status.phase, Some(CachePhase::Ready));
+}
+
+/// A `useGPU` quantization that ran on the CPU (the worker's `applied` device keys) gets a Warning event with
+/// the worker's reason; not when the worker was told `GPTQ_DEVICE=cpu`, ran on a GPU, reported no device
+/// (an older worker), or the cache did not ask for a GPU. The device keys stay in `status.quantization.applied`.
+#[test]
+fn a_gpu_quantization_on_the_cpu_is_a_warning_with_the_worker_s_reason() {
+    let c = cfg();
+    let term = |requested: &str, kind: &str| {
+        format!(
+            r#"{{"type":"gptq-w4-g128","outputDir":"/cache/mc/gptq-w4-g128","applied":{{"bits":"4","gptqDevice":"{requested}","gptqDeviceUsed":"{}","gptqDeviceKind":"{kind}","gptqDeviceReason":"auto: no usable GPU (hip: libamdhip64.so.5: hipInit/hipGetDeviceCount returned hipError 101; no /dev/kfd in this container)"}}}}"#,
+            if kind == "cpu" {
+                "cpu-faer"
+            } else {
+                "hip:0 AMD Radeon RX 7900 XTX"
+            }
+        )
+    };
+    let finish = |use_gpu: bool, message: Option<String>| {
+        let mut mc = downloaded();
+        if let Some(q) = mc.spec.quantization.as_mut() {
+            q.use_gpu = use_gpu;
+        }
+        let p = plan(&mc, &obs(vec![]), &c, t(0));
+        let mut j = job_from(&p, JobPhase::Quantize, t(0), JobState::Succeeded);
+        j.pod = Some(ObservedPod {
+            termination_message: message,
+            ..Default::default()
+        });
+        let mc = applied(mc, &p);
+        plan(&mc, &obs(vec![j]), &c, t(1))
+    };
+    let warned = |p: &Plan| -> Vec<String> {
+        p.actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Event {
+                    warning: true,
+                    reason,
+                    note,
+                    ..
+                } if reason == reasons::QUANTIZED_ON_CPU => Some(note.clone()),
+                _ => None,
+            })
+            .collect()
+    };
+    let p = finish(true, Some(term("auto", "cpu")));
+    assert_eq!(
+        warned(&p),
+        ["useGPU is set, but the GPTQ solves ran on the CPU: auto: no usable GPU (hip: libamdhip64.so.5: \
+          hipInit/hipGetDeviceCount returned hipError 101; no /dev/kfd in this container)"]
+    );
+    assert!(events(&p).contains(&reasons::QUANTIZATION_COMPLETE.to_string()));
+    let applied_keys = p
+        .status
+        .quantization
+        .and_then(|q| q.applied)
+        .unwrap_or_default();
+    assert_eq!(
+        applied_keys.get("gptqDeviceUsed").map(String::as_str),
+        Some("cpu-faer")
+    );
+    assert_eq!(
+        applied_keys.get("gptqDeviceKind").map(String::as_str),
+        Some("cpu")
+    );
+    for (why, use_gpu, message) in [
+        ("told to use the CPU", true, Some(term("cpu", "cpu"))),
+        ("ran on the GPU", true, Some(term("auto", "hip"))),
+        ("no GPU asked for", false, Some(term("auto", "cpu"))),
+        (
+            "older worker",
+            true,
+            Some(r#"{"type":"gptq-w4-g128","applied":{"bits":"4"}}"#.to_string()),
+        ),
+        ("no message", true, None),
+    ] {
+        assert!(warned(&finish(use_gpu, message)).is_empty(), "{why}");
+    }
 }
