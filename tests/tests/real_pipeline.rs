@@ -1221,6 +1221,16 @@ async fn real_pipeline_generations_config_bound_reuse_and_collection() -> Result
                 .is_some_and(|r| r.starts_with("auto: no usable GPU (hip: ")),
         "applied device keys: {applied}"
     );
+    let q = &mc["status"]["quantization"];
+    ensure!(
+        q["gptqDevice"] == "cpu-faer"
+            && q["gptqDeviceReason"]
+                .as_str()
+                .is_some_and(|r| r.starts_with("auto: no usable GPU (hip: ")),
+        "status.quantization.gptqDevice {} / gptqDeviceReason {}",
+        q["gptqDevice"],
+        q["gptqDeviceReason"]
+    );
     let events: Api<k8s_openapi::api::core::v1::Event> = Api::namespaced(c.clone(), &e.ns);
     let on_cpu: Vec<String> = events
         .list(&ListParams::default())
@@ -1241,7 +1251,7 @@ async fn real_pipeline_generations_config_bound_reuse_and_collection() -> Result
         .collect();
     ensure!(
         on_cpu.iter().any(|m| m.starts_with(
-            "Warning useGPU is set, but the GPTQ solves ran on the CPU: auto: no usable GPU"
+            "Warning useGPU is set, but the GPTQ solves run on the CPU: auto: no usable GPU"
         )),
         "QuantizedOnCPU events of {name}: {on_cpu:?}"
     );

@@ -242,8 +242,7 @@ async fn quantize_status_shows_requested_applied_job_progress_and_quality() {
                  "progressDetail": "layer 17/40", "progressSource": "telemetry", "lastProgressAt": now.to_string(),
                  "startedAt": now.to_string(),
                  "originalSizeBytes": 29_540_000_000i64, "compressedSizeBytes": 9_800_000_000i64, "compressionRatio": 3.01,
-                 "applied": {"bits": "4", "gptqDevice": "auto", "gptqDeviceUsed": "cpu-faer", "gptqDeviceKind": "cpu",
-                   "gptqDeviceReason": "auto: no usable GPU (hip: no /dev/kfd in this container)"},
+                 "gptqDevice": "cpu-faer", "gptqDeviceReason": "auto: no usable GPU (hip: no /dev/kfd in this container)",
                  "quality": {"gptqModules": 280, "rtnFallbackModules": 0, "rtnFallbackPercent": 0.0, "gate": "passed"}}}),
     )
     .await;

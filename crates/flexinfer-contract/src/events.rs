@@ -102,7 +102,15 @@ impl WorkerEvent {
     }
 }
 
-/// The newest valid `progress` event in a chunk of log text (the controller's bounded tail).
+/// The newest event called `name` in a chunk of log text (the controller's bounded tail).
+pub fn latest_event(log: &str, name: &str) -> Option<WorkerEvent> {
+    log.lines()
+        .rev()
+        .filter_map(WorkerEvent::parse_line)
+        .find(|e| e.event == name)
+}
+
+/// The newest valid `progress` event in a chunk of log text (timestamp and payload).
 pub fn latest_progress(log: &str) -> Option<(String, ProgressEvent)> {
     log.lines()
         .rev()

@@ -23,7 +23,7 @@ pub mod reasons;
 pub mod serving;
 pub mod termination;
 
-pub use events::{latest_progress, ProgressEvent, WorkerEvent};
+pub use events::{latest_event, latest_progress, ProgressEvent, WorkerEvent};
 pub use files::{
     AbliterationStatusFile, IntegrityFile, QualitySummary, SaveComplete, SaveShard, SourceIntegrity,
 };

@@ -210,6 +210,14 @@ pub struct QuantizationStatus {
     /// Settings the run used, as the worker reported them (not copied from the spec).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub applied: Option<BTreeMap<String, String>>,
+    /// The device the GPTQ solves of the run in flight or the last run use (`cpu-faer`, `hip:0 AMD Radeon RX
+    /// 7900 XTX …`): from the worker's `gptq_device_selected` event while it runs (the log is read with the
+    /// progress), from its termination message when it ends; cleared when a new run starts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gptq_device: Option<String>,
+    /// Why that device (with `GPTQ_DEVICE=auto`, each runtime probed and why it was not usable).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gptq_device_reason: Option<String>,
     #[serde(flatten)]
     pub generations: Generations,
 }

@@ -246,18 +246,12 @@ impl<'a> QuantView<'a> {
     }
 }
 
-/// The device the last finished quantization's GPTQ solves ran on (the worker's `applied` keys), with the
-/// worker's reason when it fell back to the CPU; a dash when no worker reported one.
+/// The device the GPTQ solves of the running or last quantization use (`status.quantization.gptqDevice`),
+/// with the worker's reason; a dash when no worker reported one yet.
 fn device_text(qs: &QuantizationStatus) -> String {
-    use flexinfer_api::contract::termination::applied as keys;
-    let applied = qs.applied.as_ref();
-    let get = |k: &str| applied.and_then(|a| a.get(k)).map(String::as_str);
-    match (get(keys::GPTQ_DEVICE_USED), get(keys::GPTQ_DEVICE_KIND)) {
-        (Some(used), Some("cpu")) if get(keys::GPTQ_DEVICE) != Some("cpu") => format!(
-            "{used} ({})",
-            get(keys::GPTQ_DEVICE_REASON).unwrap_or("no usable GPU")
-        ),
-        (Some(used), _) => used.to_string(),
+    match (&qs.gptq_device, &qs.gptq_device_reason) {
+        (Some(d), Some(r)) => format!("{d} ({r})"),
+        (Some(d), None) => d.clone(),
         (None, _) => dash(),
     }
 }

@@ -193,6 +193,11 @@ pub(super) fn create_job(
     c.progress_source = None;
     c.last_progress_at = None;
     set_common(&mut cx.st, phase, c);
+    if let (JobPhase::Quantize, Some(q)) = (phase, cx.st.quantization.as_mut()) {
+        // The new run reports its own device.
+        q.gptq_device = None;
+        q.gptq_device_reason = None;
+    }
     cx.st.phase = Some(running_phase(phase));
     cx.st.progress = Some(0);
     cx.st.next_retry_at = None;

@@ -193,15 +193,19 @@ fn a_gpu_quantization_on_the_cpu_is_a_warning_with_the_worker_s_reason() {
     let p = finish(true, Some(term("auto", "cpu")));
     assert_eq!(
         warned(&p),
-        ["useGPU is set, but the GPTQ solves ran on the CPU: auto: no usable GPU (hip: libamdhip64.so.5: \
+        ["useGPU is set, but the GPTQ solves run on the CPU: auto: no usable GPU (hip: libamdhip64.so.5: \
           hipInit/hipGetDeviceCount returned hipError 101; no /dev/kfd in this container)"]
     );
     assert!(events(&p).contains(&reasons::QUANTIZATION_COMPLETE.to_string()));
-    let applied_keys = p
-        .status
-        .quantization
-        .and_then(|q| q.applied)
-        .unwrap_or_default();
+    let q = p.status.quantization.clone().unwrap_or_default();
+    assert_eq!(q.gptq_device.as_deref(), Some("cpu-faer"));
+    assert!(
+        q.gptq_device_reason
+            .as_deref()
+            .is_some_and(|r| r.starts_with("auto: no usable GPU")),
+        "{q:?}"
+    );
+    let applied_keys = q.applied.unwrap_or_default();
     assert_eq!(
         applied_keys.get("gptqDeviceUsed").map(String::as_str),
         Some("cpu-faer")
@@ -223,4 +227,55 @@ fn a_gpu_quantization_on_the_cpu_is_a_warning_with_the_worker_s_reason() {
     ] {
         assert!(warned(&finish(use_gpu, message)).is_empty(), "{why}");
     }
+}
+
+/// While the quantize Job runs, its `gptq_device_selected` event (read from the log tail with the progress)
+/// sets `status.quantization.gptqDevice` and, on the CPU with `useGPU`, the Warning event at once; the next
+/// reconcile and the end of the run do not repeat it.
+#[test]
+fn the_device_is_reported_while_the_quantization_runs_and_warned_once() {
+    let c = cfg();
+    let mut mc = downloaded();
+    if let Some(q) = mc.spec.quantization.as_mut() {
+        q.use_gpu = true;
+    }
+    let line = r#"{"ts":"2026-01-01T00:00:00Z","event":"gptq_device_selected","requested":"auto","device":"cpu-faer","kind":"cpu","reason":"auto: no usable GPU (hip: no /dev/kfd in this container)","probes":[]}"#;
+    let log = Some(LogTail::Read(format!("noise\n{line}\nnot json\n")));
+    let (p, j) = running_quantize(log.clone(), &mc, 60);
+    let q = p.status.quantization.clone().unwrap_or_default();
+    assert_eq!(q.gptq_device.as_deref(), Some("cpu-faer"));
+    assert_eq!(
+        q.gptq_device_reason.as_deref(),
+        Some("auto: no usable GPU (hip: no /dev/kfd in this container)")
+    );
+    let on_cpu = |p: &Plan| {
+        events(p)
+            .iter()
+            .filter(|r| *r == reasons::QUANTIZED_ON_CPU)
+            .count()
+    };
+    assert_eq!(on_cpu(&p), 1);
+    // The next poll sees the same event: nothing new.
+    let mc2 = applied(applied(mc.clone(), &plan(&mc, &obs(vec![]), &c, t(0))), &p);
+    let mut o = obs(vec![j.clone()]);
+    o.log_tail = log;
+    let p2 = plan(&mc2, &o, &c, t(90));
+    assert_eq!(on_cpu(&p2), 0);
+    // The run ends with the same device in its termination message: no second warning.
+    let mut done = j.clone();
+    done.state = JobState::Succeeded;
+    done.pod = Some(ObservedPod {
+        termination_message: Some(r#"{"type":"gptq-w4-g128","outputDir":"/cache/mc/gptq-w4-g128","applied":{"gptqDevice":"auto","gptqDeviceUsed":"cpu-faer","gptqDeviceKind":"cpu","gptqDeviceReason":"auto: no usable GPU"}}"#.into()),
+        ..Default::default()
+    });
+    let p3 = plan(&mc2, &obs(vec![done]), &c, t(120));
+    assert_eq!(on_cpu(&p3), 0);
+    assert!(events(&p3).contains(&reasons::QUANTIZATION_COMPLETE.to_string()));
+    // Without the event in the tail (an image without it, or not read yet): no device, no warning.
+    let (p4, _) = running_quantize(Some(LogTail::Read("noise\n".into())), &mc, 60);
+    assert_eq!(
+        p4.status.quantization.clone().and_then(|q| q.gptq_device),
+        None
+    );
+    assert_eq!(on_cpu(&p4), 0);
 }
