@@ -768,3 +768,28 @@ fn card_module(rows: usize, cols: usize, group: usize) -> QuantizedLinear {
         damp: 0.01,
     }
 }
+
+/// The event names the setting in its canonical spelling (the worker reports the same in its termination
+/// message): an empty setting is `auto`, `ROCm` is `hip`.
+#[test]
+fn gptq_device_selected_names_the_setting_canonically() {
+    let platform = FakePlatform {
+        hip: Err("libamdhip64.so"),
+        cuda: Err("libcuda.so.1"),
+        can_open: true,
+    };
+    for (setting, want) in [("", "auto"), (" CPU ", "cpu"), ("auto", "auto")] {
+        let sink = MemorySink::default();
+        select_device(Some(setting), &platform, &sink).unwrap();
+        assert_eq!(selected(&sink)["requested"], want, "{setting:?}");
+    }
+    let sink = MemorySink::default();
+    assert!(select_device(Some("ROCm"), &platform, &sink).is_err());
+    assert_eq!(
+        "ROCm"
+            .parse::<flexinfer_quant::device::DeviceChoice>()
+            .map(|c| c.as_str())
+            .ok(),
+        Some("hip")
+    );
+}

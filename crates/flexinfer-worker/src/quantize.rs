@@ -301,16 +301,12 @@ fn applied_settings(
     let r = &job.recovery;
     let reason =
         contract::termination::head_chars(&selection.reason, keys::GPTQ_DEVICE_REASON_MAX_BYTES);
-    // The setting as the engine read it ("" is auto, "rocm" is hip).
-    let setting = match gptq_device.parse::<DeviceChoice>() {
-        Ok(DeviceChoice::Auto) => "auto",
-        Ok(DeviceChoice::Cpu) => "cpu",
-        Ok(DeviceChoice::Hip) => "hip",
-        Ok(DeviceChoice::Cuda) => "cuda",
-        Err(_) => gptq_device,
-    };
+    // The setting as the engine read it ("" is auto, "rocm" is hip), as in its gptq_device_selected event.
+    let setting = gptq_device
+        .parse::<DeviceChoice>()
+        .map_or_else(|_| gptq_device.to_string(), |c| c.as_str().to_string());
     let device = [
-        (keys::GPTQ_DEVICE, setting.to_string()),
+        (keys::GPTQ_DEVICE, setting),
         (keys::GPTQ_DEVICE_USED, selection.device.describe()),
         (
             keys::GPTQ_DEVICE_KIND,

@@ -17,6 +17,18 @@ pub enum DeviceChoice {
     Cuda,
 }
 
+impl DeviceChoice {
+    /// The setting's canonical spelling (`auto` for an empty setting, `hip` for `rocm`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeviceChoice::Auto => "auto",
+            DeviceChoice::Cpu => "cpu",
+            DeviceChoice::Hip => "hip",
+            DeviceChoice::Cuda => "cuda",
+        }
+    }
+}
+
 impl std::str::FromStr for DeviceChoice {
     type Err = QuantError;
     fn from_str(s: &str) -> Result<Self, QuantError> {
@@ -116,7 +128,7 @@ pub fn select_device(
     events: &dyn EventSink,
 ) -> Result<Selection, QuantError> {
     let choice: DeviceChoice = setting.unwrap_or("auto").parse()?;
-    let requested = setting.unwrap_or("auto").trim().to_ascii_lowercase();
+    let requested = choice.as_str();
     let mut probes: Vec<Value> = Vec::new();
     let attempt =
         |kind: DeviceKind, probes: &mut Vec<Value>| -> Result<Box<dyn Device>, ProbeError> {
