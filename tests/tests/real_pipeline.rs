@@ -1211,15 +1211,14 @@ async fn real_pipeline_generations_config_bound_reuse_and_collection() -> Result
     );
     // The worker reports the device its solves ran on: this node has no GPU and the cpu image no runtime,
     // so `auto` chose the CPU; with `useGPU: true` that is a Warning event carrying the worker's reason.
+    // The setting is among the applied settings; the device is not (it has its own fields).
     let applied = &mc["status"]["quantization"]["applied"];
     ensure!(
         applied["gptqDevice"] == "auto"
-            && applied["gptqDeviceUsed"] == "cpu-faer"
-            && applied["gptqDeviceKind"] == "cpu"
-            && applied["gptqDeviceReason"]
-                .as_str()
-                .is_some_and(|r| r.starts_with("auto: no usable GPU (hip: ")),
-        "applied device keys: {applied}"
+            && applied.as_object().is_some_and(|m| m
+                .keys()
+                .all(|k| !k.starts_with("gptqDevice") || k == "gptqDevice")),
+        "applied settings: {applied}"
     );
     let q = &mc["status"]["quantization"];
     ensure!(

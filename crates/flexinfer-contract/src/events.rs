@@ -91,6 +91,17 @@ impl WorkerEvent {
         serde_json::from_str(line).ok()
     }
 
+    /// The report of a `gptq_device_selected` event (its reason cut to
+    /// [`GptqDeviceReport::REASON_MAX_BYTES`]); `None` for another event or one without a `device`.
+    pub fn gptq_device(&self) -> Option<GptqDeviceReport> {
+        if self.event != GPTQ_DEVICE_SELECTED {
+            return None;
+        }
+        let r: GptqDeviceReport =
+            serde_json::from_value(serde_json::Value::Object(self.fields.clone())).ok()?;
+        (!r.device.is_empty()).then(|| r.bounded())
+    }
+
     /// The `progress` payload, if this is a valid progress event (percent finite, 0–100).
     pub fn progress(&self) -> Option<ProgressEvent> {
         if self.event != PROGRESS {
@@ -99,6 +110,47 @@ impl WorkerEvent {
         let p: ProgressEvent =
             serde_json::from_value(serde_json::Value::Object(self.fields.clone())).ok()?;
         (p.percent.is_finite() && (0.0..=100.0).contains(&p.percent)).then_some(p)
+    }
+}
+
+/// Which device a quantization's GPTQ solves run on and why: the fields of a `gptq_device_selected` event
+/// (besides its per-runtime `probes`), and the quantize termination message's `gptqDevice`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GptqDeviceReport {
+    /// The `GPTQ_DEVICE` setting the worker ran with, canonical: `auto`, `cpu`, `hip`, `cuda`.
+    #[serde(default)]
+    pub requested: String,
+    /// The device: `cpu-faer`, `hip:0 AMD Radeon RX 7900 XTX (embedded gptq-gfx1100.hsaco)
+    /// [librocblas.so.0, librocsolver.so.0]`.
+    pub device: String,
+    /// Its kind: `cpu`, `hip`, `cuda`.
+    #[serde(default)]
+    pub kind: String,
+    /// Why this device; with `auto`, every runtime probed and why it was not usable.
+    #[serde(default)]
+    pub reason: String,
+}
+
+impl GptqDeviceReport {
+    /// The setting and the kind that mean the host CPU.
+    pub const CPU: &'static str = "cpu";
+    /// The reason is cut to this (the termination message must stay under 4 KiB with everything else in
+    /// it; the controller does not trust the log it reads).
+    pub const REASON_MAX_BYTES: usize = 800;
+    /// A device name is cut to this.
+    pub const DEVICE_MAX_BYTES: usize = 256;
+
+    /// The report with `device` and `reason` cut to their bounds at a character boundary.
+    pub fn bounded(mut self) -> Self {
+        self.device = crate::termination::head_chars(&self.device, Self::DEVICE_MAX_BYTES);
+        self.reason = crate::termination::head_chars(&self.reason, Self::REASON_MAX_BYTES);
+        self
+    }
+
+    /// The solves run on the CPU although the setting did not ask for it (`auto` found no GPU, or an older
+    /// worker that did not say).
+    pub fn on_cpu_unasked(&self) -> bool {
+        self.kind == Self::CPU && self.requested != Self::CPU
     }
 }
 
@@ -116,4 +168,69 @@ pub fn latest_progress(log: &str) -> Option<(String, ProgressEvent)> {
         .rev()
         .filter_map(WorkerEvent::parse_line)
         .find_map(|e| e.progress().map(|p| (e.ts.clone(), p)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(line: &str) -> WorkerEvent {
+        WorkerEvent::parse_line(line).expect("a valid line")
+    }
+
+    #[test]
+    fn a_gptq_device_selected_event_gives_its_report() {
+        let e = event(
+            r#"{"ts":"t","event":"gptq_device_selected","requested":"auto","device":"cpu-faer","kind":"cpu","reason":"auto: no usable GPU","probes":[{"kind":"hip","usable":false}]}"#,
+        );
+        assert_eq!(
+            e.gptq_device(),
+            Some(GptqDeviceReport {
+                requested: "auto".into(),
+                device: "cpu-faer".into(),
+                kind: "cpu".into(),
+                reason: "auto: no usable GPU".into(),
+            })
+        );
+        // Another event with the same fields, or one without a device, is no report.
+        let other = event(r#"{"ts":"t","event":"start","device":"cpu-faer"}"#);
+        assert_eq!(other.gptq_device(), None);
+        let empty = event(r#"{"ts":"t","event":"gptq_device_selected","device":"","kind":"cpu"}"#);
+        assert_eq!(empty.gptq_device(), None);
+        let wrong_type = event(r#"{"ts":"t","event":"gptq_device_selected","device":7}"#);
+        assert_eq!(wrong_type.gptq_device(), None);
+    }
+
+    #[test]
+    fn a_report_read_from_the_log_is_bounded() {
+        let long = "é".repeat(GptqDeviceReport::REASON_MAX_BYTES);
+        let line = serde_json::json!({
+            "ts": "t", "event": GPTQ_DEVICE_SELECTED, "requested": "hip",
+            "device": "d".repeat(10_000), "kind": "hip", "reason": long,
+        })
+        .to_string();
+        let r = event(&line).gptq_device().unwrap();
+        assert!(
+            r.reason.len() <= GptqDeviceReport::REASON_MAX_BYTES,
+            "{}",
+            r.reason.len()
+        );
+        assert!(r.reason.ends_with("..."));
+        assert!(r.device.len() <= GptqDeviceReport::DEVICE_MAX_BYTES);
+    }
+
+    #[test]
+    fn on_the_cpu_unasked_is_cpu_without_the_cpu_setting() {
+        let r = |requested: &str, kind: &str| GptqDeviceReport {
+            requested: requested.into(),
+            device: "x".into(),
+            kind: kind.into(),
+            reason: String::new(),
+        };
+        assert!(r("auto", "cpu").on_cpu_unasked());
+        assert!(r("", "cpu").on_cpu_unasked());
+        assert!(!r("cpu", "cpu").on_cpu_unasked());
+        assert!(!r("auto", "hip").on_cpu_unasked());
+        assert!(!r("cuda", "cuda").on_cpu_unasked());
+    }
 }

@@ -23,7 +23,7 @@ pub mod reasons;
 pub mod serving;
 pub mod termination;
 
-pub use events::{latest_event, latest_progress, ProgressEvent, WorkerEvent};
+pub use events::{latest_event, latest_progress, GptqDeviceReport, ProgressEvent, WorkerEvent};
 pub use files::{
     AbliterationStatusFile, IntegrityFile, QualitySummary, SaveComplete, SaveShard, SourceIntegrity,
 };
@@ -38,7 +38,7 @@ pub use termination::{
 /// Version of this contract. The controller sets `FLEXINFER_SCRIPT_VERSION` to it; a worker built
 /// for another version exits with code 4 and
 /// `FATAL: Script version mismatch (image=X controller=Y)`.
-pub const SCRIPT_VERSION: &str = "v14";
+pub const SCRIPT_VERSION: &str = "v15";
 
 /// Exit codes of every worker subcommand.
 pub mod exit_codes {

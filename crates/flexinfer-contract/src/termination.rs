@@ -25,6 +25,9 @@ pub struct TerminationSuccess {
     /// Quantize: the digest of everything that determined the artifact's bytes (`.save-complete`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub config_digest: Option<String>,
+    /// Quantize: the device the GPTQ solves ran on, the `GPTQ_DEVICE` setting and why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gptq_device: Option<crate::events::GptqDeviceReport>,
     /// Quantize: the settings the run used (after defaults, overrides and resolution), by name.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub applied: std::collections::BTreeMap<String, String>,
@@ -52,22 +55,6 @@ pub struct TerminationSuccess {
     pub perplexity_before: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub perplexity_after: Option<f64>,
-}
-
-/// Keys of [`TerminationSuccess::applied`] that the controller reads (it shows the others as they are).
-pub mod applied {
-    /// Quantize: the `GPTQ_DEVICE` setting the worker ran with (`auto`, `cpu`, `hip`, `cuda`).
-    pub const GPTQ_DEVICE: &str = "gptqDevice";
-    /// Quantize: the device the GPTQ solves ran on (`cpu-faer`, `hip:0 AMD Radeon RX 7900 XTX (embedded
-    /// gptq-gfx1100.hsaco) [librocblas.so.0, librocsolver.so.0]`).
-    pub const GPTQ_DEVICE_USED: &str = "gptqDeviceUsed";
-    /// Quantize: that device's kind (`cpu`, `hip`, `cuda`).
-    pub const GPTQ_DEVICE_KIND: &str = "gptqDeviceKind";
-    /// Quantize: why that device (with `auto`, every runtime probed and why it was not usable), at most
-    /// [`GPTQ_DEVICE_REASON_MAX_BYTES`] bytes.
-    pub const GPTQ_DEVICE_REASON: &str = "gptqDeviceReason";
-    /// The termination message must stay under 4 KiB with everything else in it.
-    pub const GPTQ_DEVICE_REASON_MAX_BYTES: usize = 800;
 }
 
 /// Failure termination message.

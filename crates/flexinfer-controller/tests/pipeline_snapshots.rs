@@ -172,7 +172,7 @@ fn snapshot_invariants() {
             "terminationMessagePolicy: FallbackToLogsOnError",
             "mountPath: /cache",
             "secretKeyRef",
-            "value: v14",
+            "value: v15",
             "name: GPTQ_MAX_RTN_FALLBACK_PERCENT\n          value: '5'",
         ] {
             assert!(y.contains(must), "{name}: missing {must:?}");

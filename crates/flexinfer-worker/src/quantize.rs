@@ -9,9 +9,7 @@ use flexinfer_contract::{
     self as contract, env, events, JobPhase, ProgressEvent, TerminationSuccess,
 };
 use flexinfer_quant::calib::CalibSettings;
-use flexinfer_quant::device::{
-    select_device, DeviceChoice, MemoryBudget, Selection, SystemPlatform, VendorLibs,
-};
+use flexinfer_quant::device::{select_device, MemoryBudget, Selection, SystemPlatform, VendorLibs};
 use flexinfer_quant::events::EventSink;
 use flexinfer_quant::params::{FloorMode, GateParams, GptqParams, RecoveryParams};
 use flexinfer_quant::pipeline::{self, QuantizeJob};
@@ -283,37 +281,21 @@ fn run_locked(
         output_dir: Some(outcome.output_dir.display().to_string()),
         quality,
         config_digest: Some(outcome.config_digest.clone()),
-        applied: applied_settings(job, &args.gptq_device, selection),
+        gptq_device: Some(selection.report().bounded()),
+        applied: applied_settings(job, selection),
         ..Default::default()
     })
 }
 
 /// The settings the engine ran with, as the controller reports them in `status.quantization.applied`: the
-/// GPTQ parameters, and the device setting, the device used, its kind and why
-/// (`contract::termination::applied`).
+/// GPTQ parameters and the `GPTQ_DEVICE` setting (canonical: `auto` for an empty one, `hip` for `rocm`). The
+/// device used is the termination message's `gptqDevice`.
 fn applied_settings(
     job: &QuantizeJob,
-    gptq_device: &str,
     selection: &Selection,
 ) -> std::collections::BTreeMap<String, String> {
-    use contract::termination::applied as keys;
     let p = &job.params;
     let r = &job.recovery;
-    let reason =
-        contract::termination::head_chars(&selection.reason, keys::GPTQ_DEVICE_REASON_MAX_BYTES);
-    // The setting as the engine read it ("" is auto, "rocm" is hip), as in its gptq_device_selected event.
-    let setting = gptq_device
-        .parse::<DeviceChoice>()
-        .map_or_else(|_| gptq_device.to_string(), |c| c.as_str().to_string());
-    let device = [
-        (keys::GPTQ_DEVICE, setting),
-        (keys::GPTQ_DEVICE_USED, selection.device.describe()),
-        (
-            keys::GPTQ_DEVICE_KIND,
-            selection.device.kind().as_str().to_string(),
-        ),
-        (keys::GPTQ_DEVICE_REASON, reason),
-    ];
     [
         ("bits", p.bits.to_string()),
         ("groupSize", p.group_size.to_string()),
@@ -334,9 +316,9 @@ fn applied_settings(
             "maxRtnFallbackPercent",
             job.gate.max_rtn_fallback_percent.to_string(),
         ),
+        ("gptqDevice", selection.requested.as_str().to_string()),
     ]
     .into_iter()
-    .chain(device)
     .map(|(k, v)| (k.to_string(), v))
     .collect()
 }

@@ -205,18 +205,9 @@ fn record_abliteration(cx: &mut Ctx<'_>, term: &TerminationSuccess, note: &mut S
 fn record_quantization(cx: &mut Ctx<'_>, term: &TerminationSuccess, job: &str, note: &mut String) {
     let phase = JobPhase::Quantize;
     let mc = cx.mc;
-    {
-        use contract::termination::applied as keys;
-        let get = |k: &str| term.applied.get(k).cloned();
-        if let Some(used) = get(keys::GPTQ_DEVICE_USED) {
-            let device = ReportedDevice {
-                used,
-                kind: get(keys::GPTQ_DEVICE_KIND).unwrap_or_default(),
-                requested: get(keys::GPTQ_DEVICE).unwrap_or_default(),
-                reason: get(keys::GPTQ_DEVICE_REASON).unwrap_or_default(),
-            };
-            note_device(cx, &device, job);
-        }
+    if let Some(d) = &term.gptq_device {
+        // The worker bounds it; the controller does not rely on that.
+        note_device(cx, &d.clone().bounded(), job);
     }
     let started = get_common(&cx.st, phase).started_at.map(|t| t.0);
     let q = cx.st.quantization.get_or_insert_with(Default::default);
@@ -270,47 +261,18 @@ fn record_quantization(cx: &mut Ctx<'_>, term: &TerminationSuccess, job: &str, n
     }
 }
 
-/// The GPTQ device a quantize worker reported: its `gptq_device_selected` event while it runs, the device keys
-/// of its termination message's `applied` settings when it ends.
-#[derive(Debug, Clone, PartialEq)]
-pub(super) struct ReportedDevice {
-    /// `cpu-faer`, `hip:0 …`.
-    pub used: String,
-    /// `cpu`, `hip`, `cuda`.
-    pub kind: String,
-    /// The `GPTQ_DEVICE` setting (`auto`, `cpu`, …).
-    pub requested: String,
-    pub reason: String,
-}
-
-impl ReportedDevice {
-    /// From a `gptq_device_selected` event.
-    fn from_event(e: &contract::WorkerEvent) -> Option<ReportedDevice> {
-        let s = |k: &str| e.fields.get(k).and_then(|v| v.as_str()).map(str::to_string);
-        Some(ReportedDevice {
-            used: s("device")?,
-            kind: s("kind").unwrap_or_default(),
-            requested: s("requested").unwrap_or_default(),
-            reason: contract::termination::head_chars(
-                &s("reason").unwrap_or_default(),
-                contract::termination::applied::GPTQ_DEVICE_REASON_MAX_BYTES,
-            ),
-        })
-    }
-}
-
 /// Records the device in `status.quantization` when it is new to the status, and then, for a `useGPU`
 /// quantization on the CPU without `GPTQ_DEVICE=cpu`, a [`reasons::QUANTIZED_ON_CPU`] Warning event with the
 /// worker's reason: once per run (seen while it runs, or at its end when the log was not read in time).
-pub(super) fn note_device(cx: &mut Ctx<'_>, d: &ReportedDevice, job: &str) {
+pub(super) fn note_device(cx: &mut Ctx<'_>, d: &contract::GptqDeviceReport, job: &str) {
     let mc = cx.mc;
     let q = cx.st.quantization.get_or_insert_with(Default::default);
-    if q.gptq_device.as_deref() == Some(d.used.as_str()) {
+    if q.gptq_device.as_deref() == Some(d.device.as_str()) {
         return;
     }
-    q.gptq_device = Some(d.used.clone());
+    q.gptq_device = Some(d.device.clone());
     q.gptq_device_reason = (!d.reason.is_empty()).then(|| d.reason.clone());
-    if d.kind == "cpu" && d.requested != "cpu" && jobs::uses_gpu(mc, JobPhase::Quantize) {
+    if d.on_cpu_unasked() && jobs::uses_gpu(mc, JobPhase::Quantize) {
         let reason = if d.reason.is_empty() {
             "no reason reported"
         } else {
@@ -496,8 +458,7 @@ pub(super) fn update_progress(
         if let Some(d) = match &observed.log_tail {
             Some(LogTail::Read(text)) => {
                 contract::latest_event(text, contract::events::GPTQ_DEVICE_SELECTED)
-                    .as_ref()
-                    .and_then(ReportedDevice::from_event)
+                    .and_then(|e| e.gptq_device())
             }
             _ => None,
         } {

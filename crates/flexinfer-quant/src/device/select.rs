@@ -3,7 +3,7 @@
 
 use super::{Device, DeviceKind};
 use crate::error::QuantError;
-use crate::events::{fields, EventSink};
+use crate::events::EventSink;
 use crate::numerics::linalg::CpuBackend;
 use flexinfer_contract::events as names;
 use serde_json::{json, Value};
@@ -22,7 +22,7 @@ impl DeviceChoice {
     pub fn as_str(self) -> &'static str {
         match self {
             DeviceChoice::Auto => "auto",
-            DeviceChoice::Cpu => "cpu",
+            DeviceChoice::Cpu => flexinfer_contract::GptqDeviceReport::CPU,
             DeviceChoice::Hip => "hip",
             DeviceChoice::Cuda => "cuda",
         }
@@ -117,6 +117,21 @@ pub trait Platform {
 pub struct Selection {
     pub device: Box<dyn Device>,
     pub reason: String,
+    /// The setting it was chosen for.
+    pub requested: DeviceChoice,
+}
+
+impl Selection {
+    /// What the worker reports of it: the `gptq_device_selected` event's fields (whole) and its
+    /// termination message's `gptqDevice` (there [`bounded`](flexinfer_contract::GptqDeviceReport::bounded)).
+    pub fn report(&self) -> flexinfer_contract::GptqDeviceReport {
+        flexinfer_contract::GptqDeviceReport {
+            requested: self.requested.as_str().to_string(),
+            device: self.device.describe(),
+            kind: self.device.kind().as_str().to_string(),
+            reason: self.reason.clone(),
+        }
+    }
 }
 
 /// `GPTQ_DEVICE` → a device. `auto`: HIP if an AMD GPU is usable, else CUDA, else the CPU, with the reason
@@ -128,7 +143,6 @@ pub fn select_device(
     events: &dyn EventSink,
 ) -> Result<Selection, QuantError> {
     let choice: DeviceChoice = setting.unwrap_or("auto").parse()?;
-    let requested = choice.as_str();
     let mut probes: Vec<Value> = Vec::new();
     let attempt =
         |kind: DeviceKind, probes: &mut Vec<Value>| -> Result<Box<dyn Device>, ProbeError> {
@@ -149,6 +163,7 @@ pub fn select_device(
         DeviceChoice::Cpu => Selection {
             device: Box::new(CpuBackend::default()),
             reason: "GPTQ_DEVICE=cpu".to_string(),
+            requested: choice,
         },
         DeviceChoice::Hip | DeviceChoice::Cuda => {
             let kind = if choice == DeviceChoice::Hip {
@@ -160,22 +175,19 @@ pub fn select_device(
                 Ok(device) => Selection {
                     reason: format!("GPTQ_DEVICE={}", kind.as_str()),
                     device,
+                    requested: choice,
                 },
                 Err(reason) => return Err(QuantError::DeviceUnavailable { kind, reason }),
             }
         }
         DeviceChoice::Auto => auto(|kind| attempt(kind, &mut probes)),
     };
-    events.emit(
-        names::GPTQ_DEVICE_SELECTED,
-        fields([
-            ("requested", json!(requested)),
-            ("device", json!(selection.device.describe())),
-            ("kind", json!(selection.device.kind().as_str())),
-            ("reason", json!(selection.reason)),
-            ("probes", Value::Array(probes)),
-        ]),
-    );
+    let mut event = match serde_json::to_value(selection.report()) {
+        Ok(Value::Object(m)) => m,
+        _ => serde_json::Map::new(),
+    };
+    event.insert("probes".into(), Value::Array(probes));
+    events.emit(names::GPTQ_DEVICE_SELECTED, event);
     Ok(selection)
 }
 
@@ -190,7 +202,11 @@ fn auto(mut attempt: impl FnMut(DeviceKind) -> Result<Box<dyn Device>, ProbeErro
                 if !reasons.is_empty() {
                     reason = format!("{reason} ({})", reasons.join("; "));
                 }
-                return Selection { device, reason };
+                return Selection {
+                    device,
+                    reason,
+                    requested: DeviceChoice::Auto,
+                };
             }
             Err(r) => reasons.push(format!("{}: {r}", kind.as_str())),
         }
@@ -198,6 +214,7 @@ fn auto(mut attempt: impl FnMut(DeviceKind) -> Result<Box<dyn Device>, ProbeErro
     Selection {
         device: Box::new(CpuBackend::default()),
         reason: format!("auto: no usable GPU ({})", reasons.join("; ")),
+        requested: DeviceChoice::Auto,
     }
 }
 

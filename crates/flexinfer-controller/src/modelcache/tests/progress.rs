@@ -1,7 +1,7 @@
 //! Progress of running Jobs and the results of finished ones.
 
 use super::*;
-use flexinfer_api::contract::reasons;
+use flexinfer_api::contract::{self, reasons};
 
 #[test]
 fn progress_is_monotonic_and_keeps_last_value_on_log_failure() {
@@ -146,15 +146,16 @@ fn results_come_from_the_termination_message() {
     assert_eq!(p.status.phase, Some(CachePhase::Ready));
 }
 
-/// A `useGPU` quantization that ran on the CPU (the worker's `applied` device keys) gets a Warning event with
-/// the worker's reason; not when the worker was told `GPTQ_DEVICE=cpu`, ran on a GPU, reported no device
-/// (an older worker), or the cache did not ask for a GPU. The device keys stay in `status.quantization.applied`.
+/// A `useGPU` quantization that ran on the CPU (the termination message's `gptqDevice`) gets a Warning event
+/// with the worker's reason; not when the worker was told `GPTQ_DEVICE=cpu`, ran on a GPU, reported no device
+/// (an older worker), or the cache did not ask for a GPU. The device is `status.quantization.gptqDevice`; the
+/// setting stays in `status.quantization.applied`.
 #[test]
 fn a_gpu_quantization_on_the_cpu_is_a_warning_with_the_worker_s_reason() {
     let c = cfg();
     let term = |requested: &str, kind: &str| {
         format!(
-            r#"{{"type":"gptq-w4-g128","outputDir":"/cache/mc/gptq-w4-g128","applied":{{"bits":"4","gptqDevice":"{requested}","gptqDeviceUsed":"{}","gptqDeviceKind":"{kind}","gptqDeviceReason":"auto: no usable GPU (hip: libamdhip64.so.5: hipInit/hipGetDeviceCount returned hipError 101; no /dev/kfd in this container)"}}}}"#,
+            r#"{{"type":"gptq-w4-g128","outputDir":"/cache/mc/gptq-w4-g128","applied":{{"bits":"4","gptqDevice":"{requested}"}},"gptqDevice":{{"requested":"{requested}","device":"{}","kind":"{kind}","reason":"auto: no usable GPU (hip: libamdhip64.so.5: hipInit/hipGetDeviceCount returned hipError 101; no /dev/kfd in this container)"}}}}"#,
             if kind == "cpu" {
                 "cpu-faer"
             } else {
@@ -207,12 +208,8 @@ fn a_gpu_quantization_on_the_cpu_is_a_warning_with_the_worker_s_reason() {
     );
     let applied_keys = q.applied.unwrap_or_default();
     assert_eq!(
-        applied_keys.get("gptqDeviceUsed").map(String::as_str),
-        Some("cpu-faer")
-    );
-    assert_eq!(
-        applied_keys.get("gptqDeviceKind").map(String::as_str),
-        Some("cpu")
+        applied_keys.get("gptqDevice").map(String::as_str),
+        Some("auto")
     );
     for (why, use_gpu, message) in [
         ("told to use the CPU", true, Some(term("cpu", "cpu"))),
@@ -227,6 +224,24 @@ fn a_gpu_quantization_on_the_cpu_is_a_warning_with_the_worker_s_reason() {
     ] {
         assert!(warned(&finish(use_gpu, message)).is_empty(), "{why}");
     }
+    // A worker that does not bound its reason does not fill the status with it.
+    let long = format!(
+        r#"{{"type":"gptq-w4-g128","gptqDevice":{{"requested":"auto","device":"cpu-faer","kind":"cpu","reason":"{}"}}}}"#,
+        "x".repeat(5000)
+    );
+    let p = finish(true, Some(long));
+    let reason = p
+        .status
+        .quantization
+        .clone()
+        .and_then(|q| q.gptq_device_reason)
+        .unwrap_or_default();
+    assert!(
+        (100..=contract::GptqDeviceReport::REASON_MAX_BYTES).contains(&reason.len()),
+        "{}",
+        reason.len()
+    );
+    assert_eq!(warned(&p).len(), 1);
 }
 
 /// While the quantize Job runs, its `gptq_device_selected` event (read from the log tail with the progress)
@@ -265,7 +280,7 @@ fn the_device_is_reported_while_the_quantization_runs_and_warned_once() {
     let mut done = j.clone();
     done.state = JobState::Succeeded;
     done.pod = Some(ObservedPod {
-        termination_message: Some(r#"{"type":"gptq-w4-g128","outputDir":"/cache/mc/gptq-w4-g128","applied":{"gptqDevice":"auto","gptqDeviceUsed":"cpu-faer","gptqDeviceKind":"cpu","gptqDeviceReason":"auto: no usable GPU"}}"#.into()),
+        termination_message: Some(r#"{"type":"gptq-w4-g128","outputDir":"/cache/mc/gptq-w4-g128","applied":{"gptqDevice":"auto"},"gptqDevice":{"requested":"auto","device":"cpu-faer","kind":"cpu","reason":"auto: no usable GPU"}}"#.into()),
         ..Default::default()
     });
     let p3 = plan(&mc2, &obs(vec![done]), &c, t(120));
