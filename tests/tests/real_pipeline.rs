@@ -161,6 +161,9 @@ struct Observed {
     progress: Vec<(String, i64)>,
     /// Every pipeline pod seen: name → (phase label, pod JSON).
     pods: BTreeMap<String, (String, Value)>,
+    /// `status.quantization.gptqDevice` values seen while a quantization was under way (progress below 100,
+    /// the cache not yet Ready): what the controller read from the running worker's log.
+    devices_while_quantizing: BTreeSet<String>,
 }
 
 async fn observe_once(c: &Client, e: &Env, name: &str, seen: &mut Observed) -> Result<Value> {
@@ -169,6 +172,14 @@ async fn observe_once(c: &Client, e: &Env, name: &str, seen: &mut Observed) -> R
     let st = &mc["status"];
     let cur = st["currentPhase"].as_str().unwrap_or_default().to_string();
     let p = st["progress"].as_i64().unwrap_or(-1);
+    if cur == "quantization"
+        && (0..100).contains(&p)
+        && !matches!(st["phase"].as_str(), Some("Ready" | "Failed"))
+    {
+        if let Some(d) = st["quantization"]["gptqDevice"].as_str() {
+            seen.devices_while_quantizing.insert(d.to_string());
+        }
+    }
     if seen.progress.last() != Some(&(cur.clone(), p)) {
         seen.progress.push((cur, p));
     }
@@ -977,6 +988,18 @@ async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
         mid.len() >= 2,
         "intermediate quantize progress values {mid:?} (all: {:?})",
         seen.progress
+    );
+    // The device was in the status while the worker ran (from its gptq_device_selected event in the log the
+    // controller tails), not only from the termination message at the end; and it is still there.
+    ensure!(
+        seen.devices_while_quantizing == BTreeSet::from(["cpu-faer".to_string()]),
+        "status.quantization.gptqDevice while quantizing: {:?}",
+        seen.devices_while_quantizing
+    );
+    ensure!(
+        mc["status"]["quantization"]["gptqDevice"] == "cpu-faer",
+        "status.quantization.gptqDevice at the end: {}",
+        mc["status"]["quantization"]["gptqDevice"]
     );
     Ok(())
 }
