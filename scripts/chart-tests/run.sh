@@ -81,10 +81,10 @@ python3 "$HERE/extract-rules.py" "$T/rules-full.yaml" "$T/rules.yaml" < "$T/allo
   && pass "extract PrometheusRule groups" || fail "extract PrometheusRule groups" "$(cat "$T/err")"
 t "promtool check rules" promtool check rules "$T/rules-full.yaml"
 t "every alert present" bash -c "for a in FlexInferQuantizationDeadlineApproaching FlexInferQuantizationDeadlineCritical \
-  FlexInferQuantizationJobFailed FlexInferQuantizationStalled FlexInferModelCacheFailed FlexInferProxyColdStartTimeouts \
-  FlexInferControllerDown; do \
+  FlexInferQuantizationJobFailed FlexInferQuantizationStalled FlexInferQuantizationOnCPU FlexInferModelCacheFailed \
+  FlexInferProxyColdStartTimeouts FlexInferControllerDown; do \
   grep -q \"alert: \$a\$\" '$T/rules-full.yaml' || { echo missing \$a; exit 1; }; done; \
-  [ \$(grep -c 'runbook_url: .*gptq-quantization-runbook.md#' '$T/rules-full.yaml') = 7 ]"
+  [ \$(grep -c 'runbook_url: .*gptq-quantization-runbook.md#' '$T/rules-full.yaml') = 8 ]"
 t "Grafana dashboard: valid JSON, every panel queries a metric the binaries export" python3 -c "
 import json, re, glob, sys
 d = json.load(open('$CHART/dashboards/flexinfer.json'))
@@ -116,10 +116,10 @@ mkdir -p "$T/broken"; cp "$HERE/alerts.test.yaml" "$T/broken/"
 "$HELM" template flexinfer "$CHART" --set alerting.enabled=true --set alerting.deadlineApproaching.threshold=1 \
   --set alerting.deadlineCritical.threshold=1 --set alerting.stalled.thresholdSeconds=999999 \
   --set alerting.jobFailed.window=1m --set alerting.controllerDown.upSelector='job="nope"' --set alerting.modelCacheFailed.for=1h \
-  --set alerting.proxyColdStartTimeouts.for=1h \
+  --set alerting.proxyColdStartTimeouts.for=1h --set alerting.quantizedOnCPU.for=1h \
   | python3 "$HERE/extract-rules.py" "$T/broken/full.yaml" "$T/broken/rules.yaml" >/dev/null 2>&1
 t "promtool tests detect broken rules (mutation check)" bash -c "out=\$(promtool test rules '$T/broken/alerts.test.yaml' 2>&1); rc=\$?; \
-  [ \$rc -ne 0 ] || exit 1; for a in DeadlineApproaching DeadlineCritical JobFailed Stalled ModelCacheFailed ProxyColdStartTimeouts ControllerDown; do \
+  [ \$rc -ne 0 ] || exit 1; for a in DeadlineApproaching DeadlineCritical JobFailed Stalled OnCPU ModelCacheFailed ProxyColdStartTimeouts ControllerDown; do \
   grep -q \"FlexInferQuantization\$a\|FlexInfer\$a\" <<<\"\$out\" || { echo \"mutation of \$a not detected\"; exit 1; }; done"
 
 echo "== static: kustomize bases"

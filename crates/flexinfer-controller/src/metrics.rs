@@ -33,6 +33,10 @@ pub struct Metrics {
     pub quantization_last_progress_timestamp: GaugeVec,
     /// `flexinfer_quantization_jobs_total{model,namespace,status}`.
     pub quantization_jobs_total: IntCounterVec,
+    /// `flexinfer_quantization_on_cpu{model,namespace}`: while a quantize Job runs, 1 when the cache asked for
+    /// a GPU (`useGPU`) and its GPTQ solves run on the CPU although the worker was not told `GPTQ_DEVICE=cpu`,
+    /// else 0; absent until the worker has reported its device, and once the Job ends.
+    pub quantization_on_cpu: IntGaugeVec,
     /// `flexinfer_quantization_duration_seconds{model,namespace}`.
     pub quantization_duration_seconds: HistogramVec,
     /// `flexinfer_quantization_compression_ratio{model,namespace}`.
@@ -144,6 +148,16 @@ impl Metrics {
                             60.0, 300.0, 900.0, 1800.0, 3600.0, 7200.0, 14400.0, 28800.0, 57600.0,
                             86400.0, 172800.0
                         ]
+                    ),
+                    &mn,
+                ),
+            )?,
+            quantization_on_cpu: registered(
+                &registry,
+                IntGaugeVec::new(
+                    opts!(
+                        "flexinfer_quantization_on_cpu",
+                        "1 while a useGPU quantization runs its GPTQ solves on the CPU (no usable GPU), 0 on a GPU"
                     ),
                     &mn,
                 ),

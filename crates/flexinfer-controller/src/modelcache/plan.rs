@@ -95,6 +95,9 @@ pub struct Outcome {
     pub telemetry: Option<ProgressEvent>,
     /// Running Job: phase, deadline seconds, elapsed seconds.
     pub running: Option<(JobPhase, i64, i64)>,
+    /// The running quantization's GPTQ device, when this reconcile read its report: whether a `useGPU`
+    /// quantization runs on the CPU unasked (the `QuantizedOnCPU` condition).
+    pub gptq_on_cpu: Option<bool>,
 }
 
 /// Result of planning.

@@ -263,16 +263,19 @@ fn record_quantization(cx: &mut Ctx<'_>, term: &TerminationSuccess, job: &str, n
 
 /// Records the device in `status.quantization` when it is new to the status, and then, for a `useGPU`
 /// quantization on the CPU without `GPTQ_DEVICE=cpu`, a [`reasons::QUANTIZED_ON_CPU`] Warning event with the
-/// worker's reason: once per run (seen while it runs, or at its end when the log was not read in time).
+/// worker's reason: once per run (seen while it runs, or at its end when the log was not read in time). Every
+/// report read sets the outcome's `gptq_on_cpu` (the `flexinfer_quantization_on_cpu` gauge).
 pub(super) fn note_device(cx: &mut Ctx<'_>, d: &contract::GptqDeviceReport, job: &str) {
     let mc = cx.mc;
+    let on_cpu = d.on_cpu_unasked() && jobs::uses_gpu(mc, JobPhase::Quantize);
+    cx.outcome.gptq_on_cpu = Some(on_cpu);
     let q = cx.st.quantization.get_or_insert_with(Default::default);
     if q.gptq_device.as_deref() == Some(d.device.as_str()) {
         return;
     }
     q.gptq_device = Some(d.device.clone());
     q.gptq_device_reason = (!d.reason.is_empty()).then(|| d.reason.clone());
-    if d.on_cpu_unasked() && jobs::uses_gpu(mc, JobPhase::Quantize) {
+    if on_cpu {
         let reason = if d.reason.is_empty() {
             "no reason reported"
         } else {

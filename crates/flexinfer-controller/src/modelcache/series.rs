@@ -85,6 +85,7 @@ fn forget_job_series(m: &crate::metrics::Metrics, name: &str, ns: &str, running:
         let _ = m
             .quantization_last_progress_timestamp
             .remove_label_values(&[name, ns]);
+        let _ = m.quantization_on_cpu.remove_label_values(&[name, ns]);
     }
 }
 
@@ -223,6 +224,11 @@ fn set_running_series(
             .with_label_values(&[name, ns, jt])
             .set(pr as f64);
     }
+    if let (JobPhase::Quantize, Some(on_cpu)) = (phase, p.outcome.gptq_on_cpu) {
+        m.quantization_on_cpu
+            .with_label_values(&[name, ns])
+            .set(i64::from(on_cpu));
+    }
     if phase == JobPhase::Quantize {
         // "No layer progress since the Job started" counts as a stall too: start the clock at
         // the Job's start when no newer progress was seen.
@@ -281,7 +287,9 @@ mod metric_cleanup_tests {
         m.quantization_last_progress_timestamp
             .with_label_values(&["c", "ns"])
             .set(1.0);
+        m.quantization_on_cpu.with_label_values(&["c", "ns"]).set(1);
         forget_job_series(&m, "c", "ns", Some(JobPhase::Quantize));
+        assert!(has(&m, "flexinfer_quantization_on_cpu{"), "{}", m.render());
         assert!(!has(&m, "job_type=\"download\""), "{}", m.render());
         assert!(has(
             &m,
@@ -298,5 +306,47 @@ mod metric_cleanup_tests {
             &m,
             "flexinfer_quantization_last_progress_timestamp_seconds"
         ));
+        assert!(!has(&m, "flexinfer_quantization_on_cpu{"), "{}", m.render());
+    }
+
+    /// The on-CPU gauge follows the running quantization: set when a reconcile read the worker's device, kept
+    /// on reconciles that did not, dropped when the Job ends.
+    #[test]
+    fn the_on_cpu_gauge_is_set_while_the_quantization_runs() {
+        let m = crate::metrics::Metrics::new().expect("metrics");
+        let mc: ModelCache = serde_json::from_value(serde_json::json!({
+            "apiVersion": "ai.flexinfer/v1alpha2", "kind": "ModelCache",
+            "metadata": {"name": "c", "namespace": "ns"},
+            "spec": {"source": "org/model"},
+        }))
+        .expect("cache");
+        let plan = |running: bool, on_cpu: Option<bool>| Plan {
+            status: Default::default(),
+            status_changed: false,
+            actions: vec![],
+            requeue_after: None,
+            outcome: super::super::plan::Outcome {
+                running: running.then_some((JobPhase::Quantize, 3600, 60)),
+                gptq_on_cpu: on_cpu,
+                ..Default::default()
+            },
+        };
+        let value = |m: &crate::metrics::Metrics| {
+            m.render()
+                .lines()
+                .find(|l| l.starts_with("flexinfer_quantization_on_cpu{"))
+                .and_then(|l| l.rsplit(' ').next().map(str::to_string))
+        };
+        update_metrics(&mc, &m, "ns", &plan(true, None));
+        assert_eq!(value(&m), None);
+        update_metrics(&mc, &m, "ns", &plan(true, Some(true)));
+        assert_eq!(value(&m).as_deref(), Some("1"));
+        update_metrics(&mc, &m, "ns", &plan(true, None));
+        assert_eq!(value(&m).as_deref(), Some("1"));
+        update_metrics(&mc, &m, "ns", &plan(true, Some(false)));
+        assert_eq!(value(&m).as_deref(), Some("0"));
+        // The Job ended (its termination message may still carry the device): gone.
+        update_metrics(&mc, &m, "ns", &plan(false, Some(true)));
+        assert_eq!(value(&m), None, "{}", m.render());
     }
 }

@@ -270,12 +270,15 @@ fn the_device_is_reported_while_the_quantization_runs_and_warned_once() {
             .count()
     };
     assert_eq!(on_cpu(&p), 1);
+    assert_eq!(p.outcome.gptq_on_cpu, Some(true));
     // The next poll sees the same event: nothing new.
     let mc2 = applied(applied(mc.clone(), &plan(&mc, &obs(vec![]), &c, t(0))), &p);
     let mut o = obs(vec![j.clone()]);
     o.log_tail = log;
     let p2 = plan(&mc2, &o, &c, t(90));
     assert_eq!(on_cpu(&p2), 0);
+    // ... but the metric's condition is reported on every read (a restarted controller sets it again).
+    assert_eq!(p2.outcome.gptq_on_cpu, Some(true));
     // The run ends with the same device in its termination message: no second warning.
     let mut done = j.clone();
     done.state = JobState::Succeeded;
@@ -293,4 +296,32 @@ fn the_device_is_reported_while_the_quantization_runs_and_warned_once() {
         None
     );
     assert_eq!(on_cpu(&p4), 0);
+    assert_eq!(p4.outcome.gptq_on_cpu, None);
+    // On a GPU, or on the CPU because told so, or without useGPU: the condition is false.
+    for (line, use_gpu) in [
+        (
+            line.replace(
+                r#""device":"cpu-faer","kind":"cpu""#,
+                r#""device":"hip:0 card","kind":"hip""#,
+            ),
+            true,
+        ),
+        (
+            line.replace(r#""requested":"auto""#, r#""requested":"cpu""#),
+            true,
+        ),
+        (line.to_string(), false),
+    ] {
+        let mut mc = mc.clone();
+        if let Some(q) = mc.spec.quantization.as_mut() {
+            q.use_gpu = use_gpu;
+        }
+        let (p, _) = running_quantize(Some(LogTail::Read(format!("{line}\n"))), &mc, 60);
+        assert_eq!(
+            p.outcome.gptq_on_cpu,
+            Some(false),
+            "{line} useGPU {use_gpu}"
+        );
+        assert_eq!(on_cpu(&p), 0, "{line}");
+    }
 }
