@@ -91,6 +91,29 @@ async fn proxy_pods(c: &Client, e: &Env) -> Result<Vec<(String, String)>> {
     Ok(out)
 }
 
+/// The lines of the controller pods' `/metrics` (port 8080, at their pod IPs) that start with `prefix` and name
+/// `model="<model>"`. A pod that does not answer (starting, or stopping) gives nothing.
+async fn controller_metric(c: &Client, e: &Env, prefix: &str, model: &str) -> Result<Vec<String>> {
+    let pods: Api<Pod> = Api::namespaced(c.clone(), &e.controller_ns);
+    let sel = ListParams::default().labels("app.kubernetes.io/component=controller");
+    let mut out = Vec::new();
+    for p in pods.list(&sel).await?.items {
+        let Some(ip) = p.status.as_ref().and_then(|s| s.pod_ip.clone()) else {
+            continue;
+        };
+        let Ok(body) = curl(&[&format!("http://{ip}:8080/metrics")]) else {
+            continue;
+        };
+        out.extend(
+            String::from_utf8_lossy(&body)
+                .lines()
+                .filter(|l| l.starts_with(prefix) && l.contains(&format!("model=\"{model}\"")))
+                .map(str::to_string),
+        );
+    }
+    Ok(out)
+}
+
 /// A hostPath PV (a directory of the host, writable by the Jobs' uid 65532) and a PVC bound to it.
 async fn storage(c: &Client, e: &Env, name: &str) -> Result<PathBuf> {
     let dir = e.storage.join(name);
@@ -853,6 +876,19 @@ async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
         .await
         .with_context(|| format!("Job {job_name}"))?;
     let uid = job.metadata.uid.clone();
+    // The cache asks for a GPU and this node has none: the controller's gauge says so while the worker runs
+    // (the FlexInferQuantizationOnCPU alert's input).
+    let on_cpu = "flexinfer_quantization_on_cpu{";
+    let (cr, er) = (&c, &e);
+    let gauge = wait_for(
+        "flexinfer_quantization_on_cpu 1",
+        Duration::from_secs(20),
+        || async move {
+            let lines = controller_metric(cr, er, on_cpu, name).await.ok()?;
+            lines.iter().any(|l| l.ends_with(" 1")).then_some(lines)
+        },
+    )
+    .await?;
 
     // 1. SIGKILL the worker container mid-quantization (through the node's containerd).
     let layers_before = cached_layers(&manifest);
@@ -1001,6 +1037,19 @@ async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
         "status.quantization.gptqDevice at the end: {}",
         mc["status"]["quantization"]["gptqDevice"]
     );
+    // The gauge (seen as {gauge:?} while quantizing) is gone once the Job has ended, so the alert stops.
+    wait_for(
+        "flexinfer_quantization_on_cpu dropped after the run",
+        Duration::from_secs(30),
+        || async move {
+            controller_metric(cr, er, on_cpu, name)
+                .await
+                .ok()
+                .filter(Vec::is_empty)
+        },
+    )
+    .await
+    .with_context(|| format!("the on-CPU gauge while quantizing was {gauge:?}"))?;
     Ok(())
 }
 
