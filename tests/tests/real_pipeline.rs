@@ -91,25 +91,65 @@ async fn proxy_pods(c: &Client, e: &Env) -> Result<Vec<(String, String)>> {
     Ok(out)
 }
 
-/// The lines of the controller pods' `/metrics` (port 8080, at their pod IPs) that start with `prefix` and name
-/// `model="<model>"`. A pod that does not answer (starting, or stopping) gives nothing.
-async fn controller_metric(c: &Client, e: &Env, prefix: &str, model: &str) -> Result<Vec<String>> {
+/// The lines of the controller pods' `/metrics` that start with `prefix` and name `model="<model>"`. The address
+/// is the container's `FLEXINFER_METRICS_ADDR` (the e2e post-renderer binds the host-network controller to a
+/// free port), else the pod IP and the container port named `metrics`. A pod that does not answer (starting, or stopping) gives nothing; `diag` gets what was
+/// scraped from where (for the error message).
+async fn controller_metric(
+    c: &Client,
+    e: &Env,
+    prefix: &str,
+    model: &str,
+    diag: Option<&mut Vec<String>>,
+) -> Result<Vec<String>> {
     let pods: Api<Pod> = Api::namespaced(c.clone(), &e.controller_ns);
     let sel = ListParams::default().labels("app.kubernetes.io/component=controller");
     let mut out = Vec::new();
+    let mut notes = Vec::new();
     for p in pods.list(&sel).await?.items {
-        let Some(ip) = p.status.as_ref().and_then(|s| s.pod_ip.clone()) else {
-            continue;
+        let name = p.metadata.name.clone().unwrap_or_default();
+        let container = p.spec.as_ref().and_then(|s| s.containers.first());
+        let configured = container
+            .and_then(|c| c.env.as_ref())
+            .and_then(|env| env.iter().find(|v| v.name == "FLEXINFER_METRICS_ADDR"))
+            .and_then(|v| v.value.clone());
+        let port = container
+            .and_then(|c| c.ports.as_ref())
+            .and_then(|ps| ps.iter().find(|p| p.name.as_deref() == Some("metrics")))
+            .map_or(8080, |p| p.container_port);
+        let ip = match (configured, p.status.as_ref().and_then(|s| s.pod_ip.clone())) {
+            (Some(addr), _) => addr.replace("0.0.0.0", "127.0.0.1"),
+            (None, Some(ip)) => format!("{ip}:{port}"),
+            (None, None) => {
+                notes.push(format!("{name}: no pod IP"));
+                continue;
+            }
         };
-        let Ok(body) = curl(&[&format!("http://{ip}:8080/metrics")]) else {
-            continue;
+        let body = match curl(&[&format!("http://{ip}/metrics")]) {
+            Ok(b) => b,
+            Err(err) => {
+                notes.push(format!("{name} {ip}: {err:#}"));
+                continue;
+            }
         };
+        let text = String::from_utf8_lossy(&body);
+        notes.push(format!(
+            "{name} {ip}: {}",
+            text.lines()
+                .filter(
+                    |l| l.starts_with("flexinfer_quantization_") || l.starts_with("flexinfer_job_")
+                )
+                .collect::<Vec<_>>()
+                .join(" | ")
+        ));
         out.extend(
-            String::from_utf8_lossy(&body)
-                .lines()
+            text.lines()
                 .filter(|l| l.starts_with(prefix) && l.contains(&format!("model=\"{model}\"")))
                 .map(str::to_string),
         );
+    }
+    if let Some(d) = diag {
+        *d = notes;
     }
     Ok(out)
 }
@@ -884,11 +924,19 @@ async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
         "flexinfer_quantization_on_cpu 1",
         Duration::from_secs(20),
         || async move {
-            let lines = controller_metric(cr, er, on_cpu, name).await.ok()?;
+            let lines = controller_metric(cr, er, on_cpu, name, None).await.ok()?;
             lines.iter().any(|l| l.ends_with(" 1")).then_some(lines)
         },
     )
-    .await?;
+    .await;
+    let gauge = match gauge {
+        Ok(g) => g,
+        Err(err) => {
+            let mut diag = Vec::new();
+            let _ = controller_metric(&c, &e, on_cpu, name, Some(&mut diag)).await;
+            bail!("{err:#}; scraped: {diag:#?}");
+        }
+    };
 
     // 1. SIGKILL the worker container mid-quantization (through the node's containerd).
     let layers_before = cached_layers(&manifest);
@@ -1042,7 +1090,7 @@ async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
         "flexinfer_quantization_on_cpu dropped after the run",
         Duration::from_secs(30),
         || async move {
-            controller_metric(cr, er, on_cpu, name)
+            controller_metric(cr, er, on_cpu, name, None)
                 .await
                 .ok()
                 .filter(Vec::is_empty)
