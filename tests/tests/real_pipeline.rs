@@ -1032,6 +1032,25 @@ async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
         })
         .map(|(n, _)| n.clone())
         .context("a retried quantize pod that succeeded")?;
+    // The worker's termination message carries the device report (the route that fills the status when the
+    // log was not read in time), and `applied` the setting only.
+    let (_, rp) = seen.pods.get(&retry).context("retry pod observed")?;
+    let message = rp["status"]["containerStatuses"][0]["state"]["terminated"]["message"]
+        .as_str()
+        .context("the retry pod's termination message")?;
+    let term: Value =
+        serde_json::from_str(message).with_context(|| format!("termination message {message}"))?;
+    ensure!(
+        term["gptqDevice"]["device"] == "cpu-faer"
+            && term["gptqDevice"]["kind"] == "cpu"
+            && term["gptqDevice"]["requested"] == "auto"
+            && term["gptqDevice"]["reason"]
+                .as_str()
+                .is_some_and(|r| r.starts_with("auto: no usable GPU (hip: "))
+            && term["applied"]["gptqDevice"] == "auto"
+            && term["applied"].get("gptqDeviceUsed").is_none(),
+        "the retry's termination message: {message}"
+    );
     let logs = Command::new("kubectl")
         .args(["logs", "-n", &e.ns, &retry])
         .output()?;

@@ -157,7 +157,7 @@ impl Metrics {
                 IntGaugeVec::new(
                     opts!(
                         "flexinfer_quantization_on_cpu",
-                        "1 while a useGPU quantization runs its GPTQ solves on the CPU (no usable GPU), 0 on a GPU"
+                        "1 while a useGPU quantization runs its GPTQ solves on the CPU without GPTQ_DEVICE=cpu, else 0"
                     ),
                     &mn,
                 ),

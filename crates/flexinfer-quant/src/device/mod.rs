@@ -58,7 +58,7 @@ pub enum DeviceKind {
 impl DeviceKind {
     pub fn as_str(self) -> &'static str {
         match self {
-            DeviceKind::Cpu => "cpu",
+            DeviceKind::Cpu => flexinfer_contract::GptqDeviceReport::CPU,
             DeviceKind::Hip => "hip",
             DeviceKind::Cuda => "cuda",
         }
