@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check of the quantization engine (issue #18; docs/dev/gptq-device.md §7): on a machine with a card,
 # the kernel checks against the CPU backend, whole-group solves, a full GPTQ of a generated model on the
-# device and on the CPU, and the timings (Hessian, factorisation at n = 4096, 11008, 21504 and block update,
+# device and on the CPU, and the timings (the engine's host ↔ device copies, Hessian, factorisation at
+# n = 4096, 11008, 21504 and block update,
 # the engine's own kernels against the vendor's libraries and the CPU; a 4096 × 11008 module solve against
 # the CPU). Where cuBLAS/cuSOLVER (rocBLAS/rocSOLVER) load, every check runs twice: with them, as a Job
 # would, and with GPTQ_VENDOR_LIBS=off's own kernels. One run is meant to finish in under

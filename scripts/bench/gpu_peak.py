@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The card's own measured rates, for docs/benchmarks.md's ratios (issue #18): FP32 GEMM (TF32 off: the
 engine's kernels compute in plain f32) and FP32 Cholesky (torch.linalg.cholesky, cuSOLVER underneath) at the
-sizes of scripts/gpu-check.sh. Runs where PyTorch with CUDA is (the device machine); not a test.
+sizes of scripts/gpu-check.sh, and the machine's host ↔ device copy rates (the engine's Hessian upload and
+checkpoint download are read against these). Runs where PyTorch with CUDA is (the device machine); not a test.
 
     python3 scripts/bench/gpu_peak.py [--json FILE]
 
@@ -27,6 +28,48 @@ def timed(fn, reps=5, warm=2):
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
     return statistics.median(times)
+
+
+def wall(fn, reps=5, warm=1):
+    """Median wall-clock seconds of a host-side or synchronous copy."""
+    import time
+    for _ in range(warm):
+        fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def transfers(records, mib=512):
+    """Copy rates of `mib` MiB: page-locked and pageable (already touched) host memory to and from the
+    device, a host copy between touched buffers, and a fresh host allocation written once (its page
+    faults: what a download into a new matrix pays on top of the copy)."""
+    n = mib * (1 << 20) // 4
+    d = torch.empty(n, device="cuda")
+    d.fill_(1.0)
+    pinned = torch.empty(n, pin_memory=True)
+    pinned.fill_(1.0)
+    pageable = torch.empty(n)
+    pageable.fill_(1.0)
+    other = torch.empty(n)
+    other.fill_(2.0)
+    gb = mib * (1 << 20) / 1e9
+
+    def rec(op, s):
+        records.append({"op": op, "mib": mib, "seconds": s, "gb_per_s": gb / s})
+
+    rec("h2d pinned", wall(lambda: d.copy_(pinned, non_blocking=False)))
+    rec("d2h pinned", wall(lambda: pinned.copy_(d, non_blocking=False)))
+    rec("h2d pageable", wall(lambda: d.copy_(pageable)))
+    rec("d2h pageable", wall(lambda: pageable.copy_(d)))
+    rec("host copy", wall(lambda: other.copy_(pageable)))
+    rec("host fresh write", wall(lambda: torch.empty(n).fill_(3.0)))
+    rec("d2h into fresh pageable", wall(lambda: torch.empty(n).copy_(d)))
 
 
 def main():
@@ -55,6 +98,7 @@ def main():
         s = timed(lambda: torch.linalg.cholesky(h))
         out["records"].append({"op": "cholesky", "n": n, "seconds": s, "gflops": n**3 / 3 / s / 1e9})
         del x, h
+    transfers(out["records"])
     for r in out["records"]:
         print(json.dumps(r))
     if args.json:

@@ -5,7 +5,8 @@
 //! 3. a full GPTQ of a generated Llama-shaped model on the device and on the CPU: layer 0's q/k/v (the same
 //!    inputs on both sides) with the bounds of 2, every module's relative weight error within
 //!    max(1 %, 4/√(2N)) of the CPU artifact's (`whole::compare_artifacts`);
-//! 4. timings: the Hessian accumulation at each size (2048 tokens); one factorisation at n = 4096, 11008
+//! 4. timings: the engine's host ↔ device copies of 512 MiB (into written and into new memory); the
+//!    Hessian accumulation at each size (2048 tokens); one factorisation at n = 4096, 11008
 //!    and 21504 on the device and on the CPU; the block update at a module's first block; the whole solve
 //!    of a 4096 × 11008 module (2048 tokens, g128) against the CPU, and its steps on the device.
 //!
@@ -37,7 +38,7 @@ use flexinfer_quant::params::GptqParams;
 use report::Report;
 use serde_json::{json, Value};
 use std::time::Instant;
-use timing::{module_steps, time_block_update, time_hessian};
+use timing::{module_steps, time_block_update, time_hessian, time_transfers};
 use whole::whole_model;
 
 struct Opts {
@@ -259,6 +260,10 @@ fn timings(report: &mut Report, dev: &KernelDevice<DriverVendor>, o: &Opts, run:
     } else {
         o.sizes.clone()
     };
+    report.section(&run.name("transfer timing"), |r| {
+        r.timing(run.tag(time_transfers(dev, if o.quick { 64 } else { 512 })?));
+        Ok(())
+    });
     for &n in &sizes {
         report.section(&run.name(&format!("hessian timing n={n}")), |r| {
             r.timing(run.tag(time_hessian(dev, n, if o.quick { 256 } else { 2048 })?));

@@ -179,3 +179,84 @@ pub fn time_block_update(
     })
     .map_err(e)?
 }
+
+/// The engine's host ↔ device copies of `mib` MiB (`DriverVendor::upload`/`download`, through the
+/// page-locked staging buffer when the runtime gives one), read against `gpu_peak.py`'s copy rates: the
+/// upload from a host buffer already written, the download into one already written, into a fresh
+/// allocation (its pages first touched by the copy: what a download into a new matrix pays), into a fresh
+/// allocation written once before (the touch included in the time), and into a fresh mapping advised to use
+/// huge pages. Median of 3 after a warm-up copy; `staged` says whether the staging buffer was in use.
+pub fn time_transfers(dev: &KernelDevice<DriverVendor>, mib: usize) -> Result<Value, String> {
+    use flexinfer_quant::device::kernel::Vendor;
+    let e = |e: flexinfer_quant::device::DeviceError| e.to_string();
+    let bytes = mib << 20;
+    dev.with_vendor(|v| -> Result<Value, String> {
+        let p = v.alloc(bytes).map_err(e)?;
+        let run = (|| -> Result<Value, String> {
+            let mut touched = vec![1u8; bytes];
+            v.upload(p, &touched).map_err(e)?;
+            let median = |f: &mut dyn FnMut() -> Result<(), String>| -> Result<f64, String> {
+                f()?;
+                let mut t = Vec::new();
+                for _ in 0..3 {
+                    let s = Instant::now();
+                    f()?;
+                    t.push(s.elapsed().as_secs_f64());
+                }
+                t.sort_by(f64::total_cmp);
+                Ok(t[1])
+            };
+            let up = median(&mut || v.upload(p, &touched).map_err(e))?;
+            let down = median(&mut || v.download(p, &mut touched).map_err(e))?;
+            let fresh = median(&mut || {
+                let mut d = vec![0u8; bytes];
+                v.download(p, &mut d).map_err(e)?;
+                std::hint::black_box(&d);
+                Ok(())
+            })?;
+            let prefaulted = median(&mut || {
+                let mut d = vec![0u8; bytes];
+                for page in d.chunks_mut(4096) {
+                    page[0] = 1;
+                }
+                v.download(p, &mut d).map_err(e)?;
+                std::hint::black_box(&d);
+                Ok(())
+            })?;
+            let huge = median(&mut || {
+                // SAFETY: a private anonymous mapping of `bytes` bytes, advised, written only through the
+                // slice below, and unmapped before the closure returns.
+                unsafe {
+                    let m = libc::mmap(
+                        std::ptr::null_mut(),
+                        bytes,
+                        libc::PROT_READ | libc::PROT_WRITE,
+                        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                        -1,
+                        0,
+                    );
+                    if m == libc::MAP_FAILED {
+                        return Err("mmap failed".into());
+                    }
+                    libc::madvise(m, bytes, libc::MADV_HUGEPAGE);
+                    let d = std::slice::from_raw_parts_mut(m as *mut u8, bytes);
+                    let r = v.download(p, d).map_err(e);
+                    libc::munmap(m, bytes);
+                    r
+                }
+            })?;
+            let gb = bytes as f64 / 1e9;
+            Ok(json!({
+                "timing": "transfers", "mib": mib, "staged": v.staging_active(),
+                "upload_gb_per_s": gb / up,
+                "download_gb_per_s": gb / down,
+                "download_fresh_gb_per_s": gb / fresh,
+                "download_prefaulted_gb_per_s": gb / prefaulted,
+                "download_hugepage_gb_per_s": gb / huge,
+            }))
+        })();
+        v.free(p);
+        run
+    })
+    .map_err(e)?
+}

@@ -213,7 +213,7 @@ impl<V: Vendor> KernelOps<'_, V> {
     fn sweep_buffers<'a>(
         &mut self,
         w_in: &Mat<f32>,
-        orig_col: &dyn Fn(usize) -> &'a [f32],
+        orig_col: &(dyn Fn(usize) -> &'a [f32] + Sync),
         perm: &[usize],
         groups: &mut Groups<'_>,
         p: &GptqParams,
@@ -221,9 +221,14 @@ impl<V: Vendor> KernelOps<'_, V> {
         bufs: &mut Vec<DevPtr>,
     ) -> DevResult<SweepBufs> {
         let (rows, cols) = (w_in.nrows(), w_in.ncols());
-        let mut w0 = Vec::with_capacity(rows * cols);
-        for &c in perm {
-            w0.extend_from_slice(orig_col(c));
+        // Gathered by the rayon pool: W₀ is new memory (one module's weights), and one thread writing it
+        // first runs at its page-fault rate (see `packed`).
+        let mut w0 = vec![0f32; rows * cols];
+        if rows > 0 {
+            use rayon::prelude::*;
+            w0.par_chunks_mut(rows)
+                .zip(perm.par_iter())
+                .for_each(|(dst, &c)| dst.copy_from_slice(orig_col(c)));
         }
         let n_groups = groups.layout.count();
         let (of, fixed) = groups.plan_all(perm);
