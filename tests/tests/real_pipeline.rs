@@ -1362,11 +1362,15 @@ async fn real_pipeline_generations_config_bound_reuse_and_collection() -> Result
     let q = &mc["status"]["quantization"];
     ensure!(
         q["gptqDevice"] == "cpu-faer"
+            && q["gptqDeviceKind"] == "cpu"
+            && q["gptqDeviceRequested"] == "auto"
             && q["gptqDeviceReason"]
                 .as_str()
                 .is_some_and(|r| r.starts_with("auto: no usable GPU (hip: ")),
-        "status.quantization.gptqDevice {} / gptqDeviceReason {}",
+        "status.quantization.gptqDevice {} (kind {}, setting {}) / gptqDeviceReason {}",
         q["gptqDevice"],
+        q["gptqDeviceKind"],
+        q["gptqDeviceRequested"],
         q["gptqDeviceReason"]
     );
     let events: Api<k8s_openapi::api::core::v1::Event> = Api::namespaced(c.clone(), &e.ns);

@@ -139,11 +139,16 @@ impl GptqDeviceReport {
     pub const REASON_MAX_BYTES: usize = 800;
     /// A device name is cut to this.
     pub const DEVICE_MAX_BYTES: usize = 256;
+    /// The setting and the kind (a few letters when the worker is ours) are cut to this.
+    pub const WORD_MAX_BYTES: usize = 32;
 
-    /// The report with `device` and `reason` cut to their bounds at a character boundary.
+    /// The report with each field cut to its bound at a character boundary.
     pub fn bounded(mut self) -> Self {
-        self.device = crate::termination::head_chars(&self.device, Self::DEVICE_MAX_BYTES);
-        self.reason = crate::termination::head_chars(&self.reason, Self::REASON_MAX_BYTES);
+        use crate::termination::head_chars;
+        self.requested = head_chars(&self.requested, Self::WORD_MAX_BYTES);
+        self.device = head_chars(&self.device, Self::DEVICE_MAX_BYTES);
+        self.kind = head_chars(&self.kind, Self::WORD_MAX_BYTES);
+        self.reason = head_chars(&self.reason, Self::REASON_MAX_BYTES);
         self
     }
 
@@ -205,8 +210,8 @@ mod tests {
     fn a_report_read_from_the_log_is_bounded() {
         let long = "é".repeat(GptqDeviceReport::REASON_MAX_BYTES);
         let line = serde_json::json!({
-            "ts": "t", "event": GPTQ_DEVICE_SELECTED, "requested": "hip",
-            "device": "d".repeat(10_000), "kind": "hip", "reason": long,
+            "ts": "t", "event": GPTQ_DEVICE_SELECTED, "requested": "h".repeat(5000),
+            "device": "d".repeat(10_000), "kind": "k".repeat(5000), "reason": long,
         })
         .to_string();
         let r = event(&line).gptq_device().unwrap();
@@ -217,6 +222,16 @@ mod tests {
         );
         assert!(r.reason.ends_with("..."));
         assert!(r.device.len() <= GptqDeviceReport::DEVICE_MAX_BYTES);
+        assert!(r.requested.len() <= GptqDeviceReport::WORD_MAX_BYTES);
+        assert!(r.kind.len() <= GptqDeviceReport::WORD_MAX_BYTES);
+        // The worker's own words pass unchanged.
+        let ours = GptqDeviceReport {
+            requested: "auto".into(),
+            device: "cpu-faer".into(),
+            kind: "cpu".into(),
+            reason: "auto: no usable GPU".into(),
+        };
+        assert_eq!(ours.clone().bounded(), ours);
     }
 
     #[test]

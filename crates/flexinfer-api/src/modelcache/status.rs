@@ -218,6 +218,14 @@ pub struct QuantizationStatus {
     /// Why that device (with `GPTQ_DEVICE=auto`, each runtime probed and why it was not usable).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gptq_device_reason: Option<String>,
+    /// That device's kind: `cpu`, `cuda` or `hip` (from the same report; cleared with it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gptq_device_kind: Option<String>,
+    /// The `GPTQ_DEVICE` setting the worker chose that device for (`auto`, `cpu`, `hip`, `cuda`), as it
+    /// read it (from the same report; cleared with it). With the kind, what keeps the
+    /// `flexinfer_quantization_on_cpu` gauge true across a controller restart.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gptq_device_requested: Option<String>,
     #[serde(flatten)]
     pub generations: Generations,
 }

@@ -200,6 +200,8 @@ pub(super) fn create_job(
         // The new run reports its own device.
         q.gptq_device = None;
         q.gptq_device_reason = None;
+        q.gptq_device_kind = None;
+        q.gptq_device_requested = None;
     }
     cx.st.phase = Some(running_phase(phase));
     cx.st.progress = Some(0);

@@ -270,6 +270,9 @@ pub(super) fn note_device(cx: &mut Ctx<'_>, d: &contract::GptqDeviceReport, job:
     let on_cpu = d.on_cpu_unasked() && jobs::uses_gpu(mc, JobPhase::Quantize);
     cx.outcome.gptq_on_cpu = Some(on_cpu);
     let q = cx.st.quantization.get_or_insert_with(Default::default);
+    // Kind and setting also for a device already in the status (one written by an older controller).
+    q.gptq_device_kind = Some(d.kind.clone());
+    q.gptq_device_requested = Some(d.requested.clone());
     if q.gptq_device.as_deref() == Some(d.device.as_str()) {
         return;
     }
@@ -288,6 +291,21 @@ pub(super) fn note_device(cx: &mut Ctx<'_>, d: &contract::GptqDeviceReport, job:
             Some(job),
         );
     }
+}
+
+/// The running quantization's `gptq_on_cpu` from the device report already in the status (this run's: a new
+/// run clears it), when this reconcile read none: the worker's event has left the log tail the controller
+/// reads, e.g. after a controller restart late in a long run. `None` without a report, or one from a
+/// controller that did not record its kind and setting.
+fn device_in_status(cx: &Ctx<'_>) -> Option<bool> {
+    let q = cx.st.quantization.as_ref()?;
+    let report = contract::GptqDeviceReport {
+        requested: q.gptq_device_requested.clone()?,
+        device: q.gptq_device.clone()?,
+        kind: q.gptq_device_kind.clone()?,
+        reason: String::new(),
+    };
+    Some(report.on_cpu_unasked() && jobs::uses_gpu(cx.mc, JobPhase::Quantize))
 }
 
 /// Records a finished publish: the pushed digest (the one it replaces goes first in the previous
@@ -466,6 +484,8 @@ pub(super) fn update_progress(
             _ => None,
         } {
             note_device(cx, &d, &job.name);
+        } else {
+            cx.outcome.gptq_on_cpu = device_in_status(cx);
         }
     }
     let telemetry = match &observed.log_tail {

@@ -279,6 +279,51 @@ fn the_device_is_reported_while_the_quantization_runs_and_warned_once() {
     assert_eq!(on_cpu(&p2), 0);
     // ... but the metric's condition is reported on every read (a restarted controller sets it again).
     assert_eq!(p2.outcome.gptq_on_cpu, Some(true));
+    let q2 = mc2
+        .status
+        .clone()
+        .and_then(|s| s.quantization)
+        .unwrap_or_default();
+    assert_eq!(
+        (
+            q2.gptq_device_kind.as_deref(),
+            q2.gptq_device_requested.as_deref()
+        ),
+        (Some("cpu"), Some("auto"))
+    );
+    // Once the event has left the log tail (a long run, a restarted controller), the report in the status
+    // keeps the condition; an empty tail or none read gives the same.
+    for tail in [Some(LogTail::Read("later progress only\n".into())), None] {
+        let mut o = obs(vec![j.clone()]);
+        o.log_tail = tail.clone();
+        let p = plan(&mc2, &o, &c, t(95));
+        assert_eq!(p.outcome.gptq_on_cpu, Some(true), "{tail:?}");
+        assert_eq!(on_cpu(&p), 0, "{tail:?}: no second warning");
+    }
+    // A status written before kind and setting were recorded: no condition from it (it cannot be told).
+    let mut old = mc2.clone();
+    if let Some(q) = old.status.as_mut().and_then(|s| s.quantization.as_mut()) {
+        q.gptq_device_kind = None;
+        q.gptq_device_requested = None;
+    }
+    let mut o = obs(vec![j.clone()]);
+    o.log_tail = None;
+    assert_eq!(plan(&old, &o, &c, t(95)).outcome.gptq_on_cpu, None);
+    // The same report in the status with the setting `cpu`, or a GPU: false.
+    for (requested, kind) in [("cpu", "cpu"), ("auto", "hip")] {
+        let mut m = mc2.clone();
+        if let Some(q) = m.status.as_mut().and_then(|s| s.quantization.as_mut()) {
+            q.gptq_device_requested = Some(requested.into());
+            q.gptq_device_kind = Some(kind.into());
+        }
+        let mut o = obs(vec![j.clone()]);
+        o.log_tail = None;
+        assert_eq!(
+            plan(&m, &o, &c, t(95)).outcome.gptq_on_cpu,
+            Some(false),
+            "{requested} {kind}"
+        );
+    }
     // The run ends with the same device in its termination message: no second warning.
     let mut done = j.clone();
     done.state = JobState::Succeeded;
