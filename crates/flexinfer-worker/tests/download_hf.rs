@@ -115,8 +115,17 @@ fn dropped_connection_resumes_with_range_and_never_refetches_finished_files() {
         files.iter().map(|f| f.size).sum::<u64>()
     );
 
-    // A second run with a derived artifact present: nothing fetched, nothing reset.
+    // A second run with a derived artifact present: nothing fetched, nothing reset. The first run was as
+    // if killed after its completion marker and before it removed its in-progress record: the second run
+    // removes the record (seen once in the fault-injection test, kill point 10 of 12).
     std::fs::create_dir_all(dest.join("gptq-w4-g128")).unwrap();
+    let marker = dest.join(flexinfer_worker::download::IN_PROGRESS_FILE);
+    std::fs::write(
+        &marker,
+        serde_json::json!({"source": format!("hf://{REPO}"), "revision": "main", "files": []})
+            .to_string(),
+    )
+    .unwrap();
     hub.state.reset_counts();
     let again = run(download(&hub, &dest, tmp.path()), tmp.path());
     assert_eq!(again.code, 0, "{}", again.describe());
@@ -128,6 +137,12 @@ fn dropped_connection_resumes_with_range_and_never_refetches_finished_files() {
     assert!(dest.join("gptq-w4-g128").is_dir());
     assert!(
         again.stderr.contains("already downloaded"),
+        "{}",
+        again.describe()
+    );
+    assert!(!marker.exists(), "{}", again.describe());
+    assert!(
+        again.stderr.contains("removed the in-progress record"),
         "{}",
         again.describe()
     );

@@ -76,6 +76,18 @@ async fn already_complete(
     if !(state::is_complete(dir) && state::still_valid(dir, p, source, revision, files).await) {
         return None;
     }
+    // A kill after the completion marker and before the in-progress record's removal leaves both: finish
+    // that step (a complete download has no in-progress record).
+    match state::drop_in_progress(dir) {
+        Ok(true) => events.log("removed the in-progress record a finished download left behind"),
+        Ok(false) => {}
+        Err(e) => {
+            events.log(&format!(
+                "could not remove the in-progress record a finished download left behind ({e}); downloading again"
+            ));
+            return None;
+        }
+    }
     events.log(&format!(
         "{source}@{revision} is already downloaded and verified; nothing to do"
     ));

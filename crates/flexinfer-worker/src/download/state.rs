@@ -225,6 +225,15 @@ pub fn check_free_space(dir: &Path, remote: &[RemoteFile]) -> Result<(), WorkerE
     }
 }
 
+/// Removes the in-progress record; whether there was one.
+pub fn drop_in_progress(dir: &Path) -> std::io::Result<bool> {
+    match std::fs::remove_file(dir.join(IN_PROGRESS)) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 /// `.source-integrity.json` then `.download_complete`, both atomic; then drop the in-progress record.
 pub fn write_markers(dir: &Path, integrity: &SourceIntegrity) -> std::io::Result<()> {
     let body = serde_json::to_vec_pretty(integrity).map_err(std::io::Error::other)?;
