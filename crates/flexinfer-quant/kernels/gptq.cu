@@ -152,6 +152,47 @@ GPTQ_KERNEL void gptq_mirror_lower(float *h, int ldh, int n)
 }
 
 /*
+ * The preparation of the mirrored Hessian (the CPU's sanitize and dead-column fix, src/numerics/hessian.rs):
+ * every non-finite entry becomes 0, then a diagonal entry that is 0 becomes 1. Thread i owns row i (for each
+ * column the threads of a block read adjacent addresses): bad[i] = the non-finite entries it replaced,
+ * diag[i] = H[i, i] after that and before the fix (0 marks a dead column). Grid ceil(n/256), block 256.
+ */
+GPTQ_KERNEL void gptq_prepare_rows(float *h, int ldh, int n, int *bad, float *diag)
+{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n)
+        return;
+    int count = 0;
+    for (int j = 0; j < n; ++j) {
+        long long at = (long long)j * ldh + i;
+        float v = h[at];
+        if (!GPTQ_FINITE(v)) {
+            h[at] = 0.0f;
+            ++count;
+        }
+    }
+    long long at = (long long)i * ldh + i;
+    float d = h[at];
+    diag[i] = d;
+    if (d == 0.0f)
+        h[at] = 1.0f;
+    bad[i] = count;
+}
+
+/*
+ * The act-order permutation of a symmetric matrix: dst[i, j] = src[perm[i], perm[j]] (both n x n, ldd / lds).
+ * Grid (ceil(n/16), ceil(n/16)), block (16, 16); thread (tx, ty) of block (bx, by) writes dst[i, j] with
+ * i = by*16 + tx (contiguous writes) and j = bx*16 + ty.
+ */
+GPTQ_KERNEL void gptq_permute_sym(const float *src, int lds, float *dst, int ldd, const int *perm, int n)
+{
+    int i = blockIdx.y * GPTQ_TILE + threadIdx.x;
+    int j = blockIdx.x * GPTQ_TILE + threadIdx.y;
+    if (i < n && j < n)
+        dst[(long long)j * ldd + i] = src[(long long)perm[j] * lds + perm[i]];
+}
+
+/*
  * The lazy-batch block update W += D * F: W is rows x cols (ldw), D is rows x k (ldd), and F(u, c) is at
  * f[u * f_rs + c * f_cs] (signed strides, so the sweep factor can be read through its reversed view).
  * Grid (ceil(cols/64), ceil(rows/64)), block (16, 16): block (bx, by) owns the 64 x 64 tile of W's rows

@@ -295,6 +295,9 @@ BODY(snapshot, gptq_block_snapshot(P(0, float *), P(1, int), P(2, float *), P(3,
 BODY(group_params, gptq_group_params(P(0, const float *), P(1, int), P(2, int), P(3, int), P(4, float), P(5, int),
                                      P(6, float *), P(7, float *)))
 BODY(pivots, gptq_factor_pivots(P(0, const float *), P(1, int), P(2, int), P(3, float *), P(4, int *)))
+BODY(prepare_rows, gptq_prepare_rows(P(0, float *), P(1, int), P(2, int), P(3, int *), P(4, float *)))
+BODY(permute_sym, gptq_permute_sym(P(0, const float *), P(1, int), P(2, float *), P(3, int), P(4, const int *),
+                                   P(5, int)))
 BODY(gather_panel, gptq_gather_panel(P(0, float *), P(1, int), P(2, const float *), P(3, int), P(4, int), P(5, int),
                                      P(6, int), P(7, int), P(8, int)))
 
@@ -310,6 +313,7 @@ static const struct {
     {"gptq_gather_coef", gather_launch, 6},     {"gptq_chol_trailing", chol_trailing_launch, 6},
     {"gptq_block_snapshot", snapshot_launch, 11}, {"gptq_group_params", group_params_launch, 8},
     {"gptq_factor_pivots", pivots_launch, 5},   {"gptq_gather_panel", gather_panel_launch, 9},
+    {"gptq_prepare_rows", prepare_rows_launch, 5}, {"gptq_permute_sym", permute_sym_launch, 6},
 };
 
 int gptq_host_launch(const char *name, int nargs, int gx, int gy, int gz, int bx, int by, int bz, void **params)

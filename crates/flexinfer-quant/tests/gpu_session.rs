@@ -556,6 +556,8 @@ fn solves_like_the_cpu_session(math: MathLibs) {
         let factor = [
             Kernel::HessianLower,
             Kernel::MirrorLower,
+            Kernel::PrepareRows,
+            Kernel::PermuteSym,
             Kernel::FactorFill,
             Kernel::CholPanelDiag,
             Kernel::CholPanelRows,
@@ -575,6 +577,11 @@ fn solves_like_the_cpu_session(math: MathLibs) {
         } else {
             factor.to_vec()
         };
+        // The act-order permutation runs on the device only for act-order.
+        let expected: Vec<Kernel> = expected
+            .into_iter()
+            .filter(|k| c.params.desc_act || *k != Kernel::PermuteSym)
+            .collect();
         for k in Kernel::ALL {
             let used = expected.contains(&k) && replaced_by(&k) != Some(true);
             assert_eq!(
@@ -668,10 +675,10 @@ fn a_device_fault_resets_restores_and_retries_and_a_broken_card_falls_back_to_th
 
     // A card that stays broken after the Hessian is prepared: MAX_DEVICE_RESETS resets, then the group is
     // solved on the CPU from the host checkpoint, with an event.
-    // Launches 1–3 accumulate the three batches and 4 mirrors the Hessian; from 5 on (the factorisation)
-    // every launch fails.
+    // Launches 1–3 accumulate the three batches, 4 mirrors the Hessian and 5 prepares it; from 6 on (the
+    // factorisation) every launch fails.
     let log = Arc::new(Mutex::new(Log {
-        fail_from: Some(5),
+        fail_from: Some(6),
         ..Default::default()
     }));
     let sink = MemorySink::default();
@@ -685,6 +692,68 @@ fn a_device_fault_resets_restores_and_retries_and_a_broken_card_falls_back_to_th
     );
     let cpu = solve(&CpuBackend::default(), c, &xs, &ws, &MemorySink::default());
     assert_close("fallback", &got, &cpu);
+}
+
+/// The preparation on the device (`gptq_prepare_rows`, `gptq_permute_sym`) against the CPU's
+/// `prepare_hessian`: activations with a feature that is always zero (a dead column) and a NaN and an
+/// infinity in two others (whole Hessian rows and columns of non-finite entries, replaced by 0, which makes
+/// those columns dead too), with and without act-order. The same codes within the solve bounds, the same
+/// recovery events (the count of replaced entries among them), and the dead columns' codes those of zero
+/// weights.
+#[test]
+fn the_device_prepares_non_finite_entries_dead_columns_and_act_order_like_the_cpu() {
+    for desc_act in [false, true] {
+        let c = Case {
+            name: "prepare",
+            rows: 24,
+            cols: 96,
+            tokens: 300,
+            params: GptqParams {
+                bits: 4,
+                group_size: 32,
+                sym: false,
+                desc_act,
+                static_groups: false,
+                block_size: 32,
+            },
+            recovery: RecoveryParams::default(),
+        };
+        let mut xs = batches(c.tokens, c.cols, 77);
+        for x in xs.iter_mut() {
+            for t in 0..x.nrows() {
+                x[(t, 3)] = 0.0;
+            }
+        }
+        xs[0][(5, 7)] = f32::NAN;
+        xs[1][(2, 40)] = f32::INFINITY;
+        let ws = weights(&c, 300);
+        let cpu_sink = MemorySink::default();
+        let cpu = solve(&CpuBackend::default(), &c, &xs, &ws, &cpu_sink);
+        for math in MATH {
+            let log = Arc::new(Mutex::new(Log::default()));
+            let dev_sink = MemorySink::default();
+            let got = solve(&host_device_with(&log, None, math), &c, &xs, &ws, &dev_sink);
+            let name = format!("desc_act {desc_act} ({math:?})");
+            assert_close(&name, &got, &cpu);
+            let rec = dev_sink.named(names::HESSIAN_RECOVERY);
+            assert_eq!(rec, cpu_sink.named(names::HESSIAN_RECOVERY), "{name}");
+            assert!(
+                rec.iter().any(|e| e["sanitized"].as_u64().unwrap_or(0) > 0),
+                "{name}: the non-finite entries were reported: {rec:?}"
+            );
+            let l = log.lock().unwrap();
+            assert_eq!(
+                l.kernels.get(Kernel::PrepareRows.entry()),
+                Some(&1),
+                "{name}"
+            );
+            assert_eq!(
+                l.kernels.contains_key(Kernel::PermuteSym.entry()),
+                desc_act,
+                "{name}"
+            );
+        }
+    }
 }
 
 /// A vendor library that returns an error: a device error (reset, retry), and that library is not called

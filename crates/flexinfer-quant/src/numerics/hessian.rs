@@ -107,13 +107,8 @@ pub fn prepare_hessian(
         }
     }
     let perm = if desc_act {
-        let mut idx: Vec<usize> = (0..n).collect();
-        // Descending diag, stable on ties (torch argsort(descending) is not guaranteed stable; we pick stable).
-        idx.sort_by(|&a, &b| {
-            h[(b, b)]
-                .partial_cmp(&h[(a, a)])
-                .unwrap_or(std::cmp::Ordering::Equal)
-        });
+        let diag: Vec<f32> = (0..n).map(|i| h[(i, i)]).collect();
+        let idx = act_order(&diag);
         let permuted = Mat::from_fn(n, n, |i, j| h[(idx[i], idx[j])]);
         h = permuted;
         Some(idx)
@@ -121,6 +116,19 @@ pub fn prepare_hessian(
         None
     };
     PreparedHessian { h, perm, dead }
+}
+
+/// The act-order permutation of a prepared Hessian with diagonal `diag`: the columns by descending diagonal,
+/// stable on ties (torch's `argsort(descending=True)` is not guaranteed stable; we pick stable). One rule for
+/// the CPU's preparation and a device's (which sorts the diagonal it downloads).
+pub fn act_order(diag: &[f32]) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..diag.len()).collect();
+    idx.sort_by(|&a, &b| {
+        diag[b]
+            .partial_cmp(&diag[a])
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
+    idx
 }
 
 /// The damp sweep, then the diagonal-floor attempts. Returns `(sweep factor, damp)`. `h` is only read: every

@@ -51,10 +51,12 @@ pub enum Kernel {
     GroupParams,
     FactorPivots,
     GatherPanel,
+    PrepareRows,
+    PermuteSym,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 14] = [
+    pub const ALL: [Kernel; 16] = [
         Kernel::HessianLower,
         Kernel::MirrorLower,
         Kernel::BlockUpdate,
@@ -69,6 +71,8 @@ impl Kernel {
         Kernel::GroupParams,
         Kernel::FactorPivots,
         Kernel::GatherPanel,
+        Kernel::PrepareRows,
+        Kernel::PermuteSym,
     ];
     /// The `extern "C"` entry name.
     pub fn entry(self) -> &'static str {
@@ -87,6 +91,8 @@ impl Kernel {
             Kernel::GroupParams => "gptq_group_params",
             Kernel::FactorPivots => "gptq_factor_pivots",
             Kernel::GatherPanel => "gptq_gather_panel",
+            Kernel::PrepareRows => "gptq_prepare_rows",
+            Kernel::PermuteSym => "gptq_permute_sym",
         }
     }
 }

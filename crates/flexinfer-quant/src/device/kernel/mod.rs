@@ -5,9 +5,11 @@
 //!
 //! Where each step runs:
 //! - accumulation: `gptq_hessian_lower` on the device (one upload of each batch);
-//! - preparation: `gptq_mirror_lower` on the device, then the prepared Hessian is made on the host from one
-//!   download (sanitise, dead columns, act-order: the CPU's own code), uploaded again only when that changed
-//!   it. The download is the host checkpoint that [`OpsSession`] needs anyway;
+//! - preparation, on the device: `gptq_mirror_lower`, `gptq_prepare_rows` (non-finite entries to 0, a zero
+//!   diagonal entry to 1; each row's count and the diagonal downloaded: 2n values), and for act-order the
+//!   permutation, sorted on the host from that diagonal by the CPU's rule (`hessian::act_order`), uploaded
+//!   (n indices) and applied by `gptq_permute_sym` into a new buffer. The prepared Hessian is then
+//!   downloaded once: the host checkpoint that [`OpsSession`] needs;
 //! - each factorisation attempt: only the diagonal is uploaded; `gptq_factor_fill`, then per panel of ≤ 128
 //!   columns `gptq_chol_panel_diag`, `gptq_chol_panel_rows` and `gptq_chol_trailing`, then
 //!   `gptq_factor_scale`; the status words and the n pivots are downloaded;
@@ -28,6 +30,7 @@ use super::{
     PreparedMeta, Session, SweepJob,
 };
 use crate::numerics::gptq::{GroupLayout, QuantizedLinear};
+use crate::numerics::hessian::act_order;
 use crate::numerics::linalg::CpuBackend;
 use crate::params::GptqParams;
 use faer::{Mat, MatRef};
@@ -175,7 +178,6 @@ impl<V: Vendor + Send> KernelDevice<V> {
             r: Vec::new(),
             factored: false,
             started: false,
-            host_prepared: None,
             live: Vec::new(),
         })
     }
@@ -209,7 +211,6 @@ pub struct KernelOps<'d, V: Vendor> {
     factored: bool,
     /// Whether a batch was accumulated (a Hessian that is gone after that cannot be started again).
     started: bool,
-    host_prepared: Option<Mat<f32>>,
     /// Every allocation of this session in the current generation (freed on drop).
     live: Vec<DevPtr>,
 }
@@ -298,6 +299,44 @@ impl<V: Vendor> KernelOps<'_, V> {
     }
     fn upload(&mut self, dst: DevPtr, src: &[u8]) -> DevResult<()> {
         self.vendor()?.vendor.upload(dst, src)
+    }
+    /// The act-order permutation of the prepared Hessian `h` (the session's) into a new buffer, which becomes
+    /// the session's Hessian; the old one is freed. The two exist together only before the factor is
+    /// allocated, so the input group's memory stays within [`group_bytes`].
+    fn permute(&mut self, h: DevPtr, perm: &[usize]) -> DevResult<()> {
+        let n = self.n;
+        let n32 = self.n32("prepare")?;
+        let idx = perm
+            .iter()
+            .map(|&i| dims("prepare", i))
+            .collect::<DevResult<Vec<i32>>>()?;
+        let dperm = self.upload_new(bytes_of(&idx))?;
+        let out = match self.alloc(n * n * 4) {
+            Ok(p) => p,
+            Err(e) => {
+                self.release(dperm);
+                return Err(e);
+            }
+        };
+        let r = self.launch(
+            Launch::square(Kernel::PermuteSym, n),
+            &[
+                Arg::Ptr(h),
+                Arg::I32(n32),
+                Arg::Ptr(out),
+                Arg::I32(n32),
+                Arg::Ptr(dperm),
+                Arg::I32(n32),
+            ],
+        );
+        self.release(dperm);
+        if let Err(e) = r {
+            self.release(out);
+            return Err(e);
+        }
+        self.release(h);
+        self.h = Some(out);
+        Ok(())
     }
     fn upload_new(&mut self, src: &[u8]) -> DevResult<DevPtr> {
         let p = self.alloc(src.len())?;
@@ -488,25 +527,64 @@ impl<V: Vendor> DeviceOps for KernelOps<'_, V> {
         if let Some((p, _)) = self.scratch.take() {
             self.release(p);
         }
+        if n == 0 {
+            return Ok(PreparedMeta {
+                diag: Vec::new(),
+                perm: desc_act.then(Vec::new),
+                dead: Vec::new(),
+                sanitized: 0,
+            });
+        }
         self.launch(
             Launch::square(Kernel::MirrorLower, n),
             &[Arg::Ptr(h), Arg::I32(n32), Arg::I32(n32)],
         )?;
-        let hm = self.download_mat(h, n)?;
-        let (prepared, meta) = PreparedMeta::prepare_on_host(hm, desc_act);
-        // The device already holds the prepared matrix when preparing changed nothing (all entries finite,
-        // no dead column, no act-order permutation): the common case needs no upload back.
-        if meta.sanitized > 0 || meta.perm.is_some() || meta.dead.iter().any(|d| *d) {
-            self.upload(h, bytes_of(&packed(prepared.as_ref())))?;
+        // Sanitise and fix the dead columns in place; only each row's count of replaced entries and the
+        // diagonal (before the fix) come back: 2n values.
+        let (bad_buf, diag_buf) = (self.alloc(n * 4)?, self.alloc(n * 4)?);
+        let read = (|| -> DevResult<(Vec<i32>, Vec<f32>)> {
+            self.launch(
+                Launch::rows(Kernel::PrepareRows, n, COLUMN_THREADS),
+                &[
+                    Arg::Ptr(h),
+                    Arg::I32(n32),
+                    Arg::I32(n32),
+                    Arg::Ptr(bad_buf),
+                    Arg::Ptr(diag_buf),
+                ],
+            )?;
+            let mut bad = vec![0i32; n];
+            self.vendor()?
+                .vendor
+                .download(bad_buf, bytemuck::cast_slice_mut(&mut bad))?;
+            Ok((bad, self.download_f32(diag_buf, n)?))
+        })();
+        self.release(bad_buf);
+        self.release(diag_buf);
+        let (bad, raw) = read?;
+        let sanitized = bad.iter().map(|&c| usize::try_from(c).unwrap_or(0)).sum();
+        let dead: Vec<bool> = raw.iter().map(|&d| d == 0.0).collect();
+        let fixed: Vec<f32> = raw
+            .iter()
+            .map(|&d| if d == 0.0 { 1.0 } else { d })
+            .collect();
+        let perm = desc_act.then(|| act_order(&fixed));
+        let diag = match &perm {
+            Some(p) => p.iter().map(|&i| fixed[i]).collect(),
+            None => fixed,
+        };
+        if let Some(p) = &perm {
+            self.permute(h, p)?;
         }
-        self.host_prepared = Some(prepared);
-        Ok(meta)
+        Ok(PreparedMeta {
+            diag,
+            perm,
+            dead,
+            sanitized,
+        })
     }
 
     fn checkpoint(&mut self) -> DevResult<Mat<f32>> {
-        if let Some(h) = self.host_prepared.take() {
-            return Ok(h);
-        }
         let n = self.n;
         let h = self.h.ok_or_else(|| self.lost("checkpoint"))?;
         self.download_mat(h, n)
@@ -593,7 +671,6 @@ impl<V: Vendor> DeviceOps for KernelOps<'_, V> {
         self.generation = g.generation;
         drop(g);
         self.forget();
-        self.host_prepared = None;
         Ok(())
     }
 }
