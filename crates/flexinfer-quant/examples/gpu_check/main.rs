@@ -300,7 +300,9 @@ fn timings(report: &mut Report, dev: &KernelDevice<DriverVendor>, o: &Opts, run:
             solved.compare(&case.name),
             solved.device_seconds + solved.cpu_seconds,
         );
-        r.timing(run.tag(module_steps(dev, module.0, module.1, module.2)?));
+        for desc_act in [false, true] {
+            r.timing(run.tag(module_steps(dev, module.0, module.1, module.2, desc_act)?));
+        }
         r.timing(run.tag(json!({
             "timing": "module solve", "rows": module.0, "n": module.1, "tokens": module.2,
             "device_seconds": solved.device_seconds, "cpu_seconds": solved.cpu_seconds,

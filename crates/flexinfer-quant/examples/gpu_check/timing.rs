@@ -45,13 +45,14 @@ pub fn time_hessian(
 }
 
 /// The steps of one module's solve on the device, each ended by a download: accumulation and preparation
-/// (the Hessian goes to the host and back), one factorisation attempt (1 % damp), the sweep (W up, codes and
-/// scales down).
+/// (on the device; with `desc_act` the act-order permutation too), the checkpoint download, one
+/// factorisation attempt (1 % damp), the sweep (W up, codes and scales down).
 pub fn module_steps(
     dev: &KernelDevice<DriverVendor>,
     rows: usize,
     n: usize,
     tokens: usize,
+    desc_act: bool,
 ) -> Result<Value, String> {
     use flexinfer_quant::device::DeviceOps;
     let e = |e: flexinfer_quant::device::DeviceError| e.to_string();
@@ -63,8 +64,11 @@ pub fn module_steps(
     for x in &batches {
         ops.accumulate(x.as_ref(), 2.0 / tokens as f32).map_err(e)?;
     }
-    let meta = ops.prepare(false).map_err(e)?;
+    let meta = ops.prepare(desc_act).map_err(e)?;
     let prepare = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    ops.checkpoint().map_err(e)?;
+    let checkpoint = t.elapsed().as_secs_f64();
     let diag = check::damp_diagonal(&meta.diag, 0.01);
     let t = Instant::now();
     let ok = ops.try_factor(&diag).map_err(e)?;
@@ -73,16 +77,21 @@ pub fn module_steps(
         return Err("the factorisation attempt failed".into());
     }
     let t = Instant::now();
+    let params = GptqParams {
+        desc_act,
+        ..GptqParams::default()
+    };
     let job = flexinfer_quant::device::SweepJob {
         meta: &meta,
         damp: 0.01,
-        params: &GptqParams::default(),
+        params: &params,
     };
     let q = ops.sweep(&w, &job).map_err(e)?;
     let sweep = t.elapsed().as_secs_f64();
     Ok(json!({
-        "timing": "module steps", "rows": rows, "n": n, "tokens": tokens,
-        "accumulate_prepare_seconds": prepare, "factor_seconds": factor, "sweep_seconds": sweep,
+        "timing": "module steps", "rows": rows, "n": n, "tokens": tokens, "desc_act": desc_act,
+        "accumulate_prepare_seconds": prepare, "checkpoint_seconds": checkpoint,
+        "factor_seconds": factor, "sweep_seconds": sweep,
         "loss": q.loss,
     }))
 }
