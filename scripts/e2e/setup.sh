@@ -96,8 +96,13 @@ $WATCH_VALUES
 VALUES
 
 mkdir -p "$TESTENV_DIR/storage"
+# The chart's alert rules for the real Prometheus of the kill test (its `for` shortened so the alert can
+# fire within the test), rendered from the same chart and values path as the PrometheusRule.
+helm template flexinfer charts/flexinfer -n "$CNS" --set alerting.enabled=true \
+  --set alerting.quantizedOnCPU.for=1s \
+  | python3 scripts/chart-tests/extract-rules.py "$TESTENV_DIR/e2e-alert-rules.yaml" >&2
 log "ready: hub $HF, registry $REG, controller in $CNS"
 echo "export E2E_NAMESPACE=$NS E2E_CONTROLLER_NAMESPACE=$CNS E2E_HF_ENDPOINT=$HF E2E_WORKER_IMAGE=$WORKER" \
   "E2E_CONTROLLER_IMAGE=$REG/flexinfer/controller:$TAG E2E_STANDIN_IMAGE=$REG/flexinfer/standin:$TAG" \
   "E2E_STORAGE=$TESTENV_DIR/storage E2E_CLI=$TARGET/debug/flexinfer" \
-  "E2E_PROXY_SELECTOR=app.kubernetes.io/component=proxy"
+  "E2E_PROXY_SELECTOR=app.kubernetes.io/component=proxy E2E_ALERT_RULES=$TESTENV_DIR/e2e-alert-rules.yaml"

@@ -95,6 +95,107 @@ async fn proxy_pods(c: &Client, e: &Env) -> Result<Vec<(String, String)>> {
 /// is the container's `FLEXINFER_METRICS_ADDR` (the e2e post-renderer binds the host-network controller to a
 /// free port), else the pod IP and the container port named `metrics`. A pod that does not answer (starting, or stopping) gives nothing; `diag` gets what was
 /// scraped from where (for the error message).
+/// Where a controller pod serves `/metrics`: its configured `FLEXINFER_METRICS_ADDR` (the e2e controller runs on
+/// the host network on a free port), else the pod IP and its `metrics` port.
+fn metrics_target(p: &Pod) -> Option<String> {
+    let container = p.spec.as_ref().and_then(|s| s.containers.first());
+    let configured = container
+        .and_then(|c| c.env.as_ref())
+        .and_then(|env| env.iter().find(|v| v.name == "FLEXINFER_METRICS_ADDR"))
+        .and_then(|v| v.value.clone());
+    let port = container
+        .and_then(|c| c.ports.as_ref())
+        .and_then(|ps| ps.iter().find(|p| p.name.as_deref() == Some("metrics")))
+        .map_or(8080, |p| p.container_port);
+    match (configured, p.status.as_ref().and_then(|s| s.pod_ip.clone())) {
+        (Some(addr), _) => Some(addr.replace("0.0.0.0", "127.0.0.1")),
+        (None, Some(ip)) => Some(format!("{ip}:{port}")),
+        (None, None) => None,
+    }
+}
+
+/// A real Prometheus server (Debian's `prometheus`, the package `promtool` comes from) scraping the
+/// controller every second and evaluating the chart's alert rules every second (`E2E_ALERT_RULES`, rendered
+/// by scripts/e2e/setup.sh from the chart with `alerting.quantizedOnCPU.for=1s`). Stopped when dropped.
+struct Prometheus {
+    child: std::process::Child,
+    url: String,
+    dir: tempfile::TempDir,
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Prometheus {
+    async fn start(targets: &[String]) -> Result<Prometheus> {
+        let rules = var("E2E_ALERT_RULES")?;
+        let dir = tempfile::tempdir()?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let config = json!({
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [rules],
+            "scrape_configs": [{"job_name": "flexinfer-controller",
+                                "static_configs": [{"targets": targets}]}],
+        });
+        // JSON is YAML: the config file needs no YAML writer.
+        std::fs::write(dir.path().join("prometheus.yml"), config.to_string())?;
+        let log = std::fs::File::create(dir.path().join("prometheus.log"))?;
+        let child = Command::new("prometheus")
+            .arg(format!(
+                "--config.file={}",
+                dir.path().join("prometheus.yml").display()
+            ))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path().join("data").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("start prometheus (Debian package prometheus, installed with promtool)")?;
+        let p = Prometheus {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+            dir,
+        };
+        let ready = format!("{}/-/ready", p.url);
+        let r = wait_for("prometheus ready", Duration::from_secs(60), || {
+            let ready = ready.clone();
+            async move { curl(&[&ready]).ok() }
+        })
+        .await;
+        if let Err(err) = r {
+            bail!("{err:#}; log: {}", p.log());
+        }
+        Ok(p)
+    }
+
+    /// The result vector of an instant query.
+    fn query(&self, q: &str) -> Result<Vec<Value>> {
+        let body = curl(&[
+            "-G",
+            &format!("{}/api/v1/query", self.url),
+            "--data-urlencode",
+            &format!("query={q}"),
+        ])?;
+        let v: Value = serde_json::from_slice(&body)?;
+        ensure!(v["status"] == "success", "prometheus query {q}: {v}");
+        Ok(v["data"]["result"].as_array().cloned().unwrap_or_default())
+    }
+
+    /// The server's log (for failure messages).
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("prometheus.log")).unwrap_or_default()
+    }
+}
+
 async fn controller_metric(
     c: &Client,
     e: &Env,
@@ -108,22 +209,9 @@ async fn controller_metric(
     let mut notes = Vec::new();
     for p in pods.list(&sel).await?.items {
         let name = p.metadata.name.clone().unwrap_or_default();
-        let container = p.spec.as_ref().and_then(|s| s.containers.first());
-        let configured = container
-            .and_then(|c| c.env.as_ref())
-            .and_then(|env| env.iter().find(|v| v.name == "FLEXINFER_METRICS_ADDR"))
-            .and_then(|v| v.value.clone());
-        let port = container
-            .and_then(|c| c.ports.as_ref())
-            .and_then(|ps| ps.iter().find(|p| p.name.as_deref() == Some("metrics")))
-            .map_or(8080, |p| p.container_port);
-        let ip = match (configured, p.status.as_ref().and_then(|s| s.pod_ip.clone())) {
-            (Some(addr), _) => addr.replace("0.0.0.0", "127.0.0.1"),
-            (None, Some(ip)) => format!("{ip}:{port}"),
-            (None, None) => {
-                notes.push(format!("{name}: no pod IP"));
-                continue;
-            }
+        let Some(ip) = metrics_target(&p) else {
+            notes.push(format!("{name}: no pod IP"));
+            continue;
         };
         let body = match curl(&[&format!("http://{ip}/metrics")]) {
             Ok(b) => b,
@@ -897,6 +985,18 @@ async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
     let _node = NODE.read().await;
     let e = Env::get()?;
     let c = client().await;
+    // A real Prometheus scrapes the controller through the whole test and evaluates the chart's alert rules
+    // (the controller's metrics address is configured, so it is the same after the controller is killed).
+    let controllers: Api<Pod> = Api::namespaced(c.clone(), &e.controller_ns);
+    let targets: Vec<String> = controllers
+        .list(&ListParams::default().labels("app.kubernetes.io/component=controller"))
+        .await?
+        .items
+        .iter()
+        .filter_map(metrics_target)
+        .collect();
+    ensure!(!targets.is_empty(), "no controller metrics address");
+    let prom = Prometheus::start(&targets).await?;
     let name = "small-kill";
     let dir = start_cache(&c, &e, name, "flexinfer-demo/small-llama", "small-llama", json!({
         "quantization": {"format": "GPTQ", "bits": 4, "groupSize": 128, "maxMemoryGB": 4, "useGPU": true,
@@ -1117,6 +1217,30 @@ async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
     )
     .await
     .with_context(|| format!("the on-CPU gauge while quantizing was {gauge:?}"))?;
+    // Prometheus scraped that gauge and the chart's FlexInferQuantizationOnCPU fired from it (its `for`
+    // shortened to 1s), and the alert resolved once the Job had ended.
+    let firing = format!(
+        "ALERTS{{alertname=\"FlexInferQuantizationOnCPU\",alertstate=\"firing\",model=\"{name}\"}}"
+    );
+    let fired = prom.query(&format!("max_over_time({firing}[1h])"))?;
+    let scraped = prom.query(&format!(
+        "max_over_time(flexinfer_quantization_on_cpu{{model=\"{name}\"}}[1h])"
+    ))?;
+    let one = |r: &[Value]| r.len() == 1 && r[0]["value"][1] == "1";
+    ensure!(
+        one(&scraped) && one(&fired),
+        "Prometheus (scraping {targets:?}): the gauge's maximum {scraped:?}, the alert firing {fired:?}; log: {}",
+        prom.log()
+    );
+    let any = format!("ALERTS{{alertname=\"FlexInferQuantizationOnCPU\",model=\"{name}\"}}");
+    let p = &prom;
+    let a = &any;
+    wait_for(
+        "FlexInferQuantizationOnCPU resolved in Prometheus",
+        Duration::from_secs(30),
+        || async move { p.query(a).ok().filter(Vec::is_empty) },
+    )
+    .await?;
     Ok(())
 }
 
