@@ -91,10 +91,6 @@ async fn proxy_pods(c: &Client, e: &Env) -> Result<Vec<(String, String)>> {
     Ok(out)
 }
 
-/// The lines of the controller pods' `/metrics` that start with `prefix` and name `model="<model>"`. The address
-/// is the container's `FLEXINFER_METRICS_ADDR` (the e2e post-renderer binds the host-network controller to a
-/// free port), else the pod IP and the container port named `metrics`. A pod that does not answer (starting, or stopping) gives nothing; `diag` gets what was
-/// scraped from where (for the error message).
 /// Where a controller pod serves `/metrics`: its configured `FLEXINFER_METRICS_ADDR` (the e2e controller runs on
 /// the host network on a free port), else the pod IP and its `metrics` port.
 fn metrics_target(p: &Pod) -> Option<String> {
@@ -131,7 +127,19 @@ impl Drop for Prometheus {
 }
 
 impl Prometheus {
+    /// Starts the server; a start whose free port was taken in between (it exits) is tried again.
     async fn start(targets: &[String]) -> Result<Prometheus> {
+        let mut last = String::new();
+        for _ in 0..3 {
+            match Prometheus::start_once(targets).await {
+                Ok(p) => return Ok(p),
+                Err(e) => last = format!("{e:#}"),
+            }
+        }
+        bail!("prometheus did not start in 3 tries: {last}")
+    }
+
+    async fn start_once(targets: &[String]) -> Result<Prometheus> {
         let rules = var("E2E_ALERT_RULES")?;
         let dir = tempfile::tempdir()?;
         let port = std::net::TcpListener::bind("127.0.0.1:0")?
@@ -165,16 +173,22 @@ impl Prometheus {
             url: format!("http://127.0.0.1:{port}"),
             dir,
         };
+        let mut p = p;
         let ready = format!("{}/-/ready", p.url);
-        let r = wait_for("prometheus ready", Duration::from_secs(60), || {
-            let ready = ready.clone();
-            async move { curl(&[&ready]).ok() }
-        })
-        .await;
-        if let Err(err) = r {
-            bail!("{err:#}; log: {}", p.log());
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            // A server that exited (its port taken in between) is not the one that would answer.
+            if let Ok(Some(status)) = p.child.try_wait() {
+                bail!("prometheus exited ({status}); log: {}", p.log());
+            }
+            if curl(&[&ready]).is_ok() {
+                return Ok(p);
+            }
+            if std::time::Instant::now() > deadline {
+                bail!("prometheus not ready after 60 s; log: {}", p.log());
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        Ok(p)
     }
 
     /// The result vector of an instant query.
@@ -196,6 +210,10 @@ impl Prometheus {
     }
 }
 
+/// The lines of the controller pods' `/metrics` that start with `prefix` and name `model="<model>"`. The address
+/// is the container's `FLEXINFER_METRICS_ADDR` (the e2e post-renderer binds the host-network controller to a
+/// free port), else the pod IP and the container port named `metrics`. A pod that does not answer (starting, or stopping) gives nothing; `diag` gets what was
+/// scraped from where (for the error message).
 async fn controller_metric(
     c: &Client,
     e: &Env,

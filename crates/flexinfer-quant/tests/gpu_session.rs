@@ -697,16 +697,17 @@ fn a_device_fault_resets_restores_and_retries_and_a_broken_card_falls_back_to_th
 /// The preparation on the device (`gptq_prepare_rows`, `gptq_permute_sym`) against the CPU's
 /// `prepare_hessian`: activations with a feature that is always zero (a dead column) and a NaN and an
 /// infinity in two others (whole Hessian rows and columns of non-finite entries, replaced by 0, which makes
-/// those columns dead too), with and without act-order. The same codes within the solve bounds, the same
-/// recovery events (the count of replaced entries among them), and the dead columns' codes those of zero
-/// weights.
+/// those columns dead too), with and without act-order. The same codes within the solve bounds and the same
+/// recovery events (the count of replaced entries among them); and the prepared Hessian (the checkpoint)
+/// itself, entry by entry, with the same dead columns and permutation.
 #[test]
 fn the_device_prepares_non_finite_entries_dead_columns_and_act_order_like_the_cpu() {
-    for desc_act in [false, true] {
+    // 90 inputs: faer pads the columns of a 90 × 90 matrix, so the checkpoint takes the padded download path.
+    for (desc_act, cols) in [(false, 96), (true, 96), (true, 90)] {
         let c = Case {
             name: "prepare",
             rows: 24,
-            cols: 96,
+            cols,
             tokens: 300,
             params: GptqParams {
                 bits: 4,
@@ -733,7 +734,7 @@ fn the_device_prepares_non_finite_entries_dead_columns_and_act_order_like_the_cp
             let log = Arc::new(Mutex::new(Log::default()));
             let dev_sink = MemorySink::default();
             let got = solve(&host_device_with(&log, None, math), &c, &xs, &ws, &dev_sink);
-            let name = format!("desc_act {desc_act} ({math:?})");
+            let name = format!("desc_act {desc_act}, n = {cols} ({math:?})");
             assert_close(&name, &got, &cpu);
             let rec = dev_sink.named(names::HESSIAN_RECOVERY);
             assert_eq!(rec, cpu_sink.named(names::HESSIAN_RECOVERY), "{name}");
@@ -753,6 +754,58 @@ fn the_device_prepares_non_finite_entries_dead_columns_and_act_order_like_the_cp
                 "{name}"
             );
         }
+        // The prepared Hessian itself (the checkpoint a reset restores and the CPU fallback solves; the
+        // factorisation takes its diagonal from the host, so the solves above do not see H's diagonal):
+        // against the CPU's `prepare_hessian` of the CPU's Hessian, the same dead columns and permutation,
+        // exactly 0 where a non-finite entry was and exactly 1 on a dead column's diagonal, the rest within
+        // the accumulation's rounding.
+        use flexinfer_quant::device::DeviceOps;
+        use flexinfer_quant::linalg::LinalgBackend;
+        let alpha = 2.0 / c.tokens as f32;
+        let cpu_backend = CpuBackend::default();
+        let mut h = Mat::<f32>::zeros(c.cols, c.cols);
+        for x in &xs {
+            cpu_backend.accumulate_hessian(h.as_mut(), x.as_ref(), alpha);
+        }
+        cpu_backend.finish_hessian(h.as_mut());
+        let want = flexinfer_quant::hessian::prepare_hessian(
+            h,
+            desc_act,
+            "m",
+            &flexinfer_quant::events::NullSink,
+        );
+        let log = Arc::new(Mutex::new(Log::default()));
+        let dev = host_device_with(&log, None, MATH[0]);
+        let mut ops = dev.ops(c.cols).unwrap();
+        for x in &xs {
+            ops.accumulate(x.as_ref(), alpha).unwrap();
+        }
+        let meta = ops.prepare(desc_act).unwrap();
+        let got = ops.checkpoint().unwrap();
+        assert_eq!(meta.dead, want.dead, "desc_act {desc_act}: dead columns");
+        assert_eq!(meta.perm, want.perm, "desc_act {desc_act}: permutation");
+        assert!(meta.sanitized > 0, "desc_act {desc_act}");
+        let scale = (0..c.cols)
+            .map(|i| want.h[(i, i)].abs())
+            .fold(0f32, f32::max);
+        let original = |i: usize| want.perm.as_ref().map_or(i, |p| p[i]);
+        for j in 0..c.cols {
+            for i in 0..c.cols {
+                let (g, w) = (got[(i, j)], want.h[(i, j)]);
+                let exact = w == 0.0 || (i == j && want.dead[original(i)]);
+                assert!(
+                    g.is_finite()
+                        && if exact {
+                            g == w
+                        } else {
+                            (g - w).abs() <= 1e-5 * scale
+                        },
+                    "desc_act {desc_act}: prepared H[{i}, {j}] device {g} vs CPU {w}"
+                );
+            }
+        }
+        let diag: Vec<f32> = (0..c.cols).map(|i| got[(i, i)]).collect();
+        assert_eq!(meta.diag, diag, "desc_act {desc_act}: the diagonal");
     }
 }
 

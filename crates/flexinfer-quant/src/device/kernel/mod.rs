@@ -224,7 +224,6 @@ fn dims(what: &str, v: usize) -> DevResult<i32> {
         .map_err(|_| DeviceError::new("gpu", what, format!("dimension {v} exceeds i32")))
 }
 
-/// Column-major contiguous copy of a matrix (faer may pad columns).
 /// An n × n zero matrix whose pages were first written by the rayon pool's threads, not one: `Mat::zeros`
 /// writes them on the calling thread, and a download of the checkpoint into such a new matrix ran at the
 /// rate of one thread's page faults (1.3–1.6 GB/s on the H100 machine's VM, against 6.5 GB/s into written
@@ -244,9 +243,11 @@ fn zeroed_mat(n: usize) -> Mat<f32> {
     m
 }
 
-/// The values of `m` column by column: its own memory when its columns are contiguous and adjacent (the
-/// activations and Hessians the pipeline passes), else a packed copy. Borrowing saves a copy whose pages are
-/// new for every batch (over glibc's mmap threshold), written by one thread at its page-fault rate.
+/// The values of `m` column by column: its own memory when its columns are contiguous and adjacent, else a
+/// packed copy, written by the rayon pool. faer pads a column to a multiple of 16 values, so a matrix whose
+/// row count is a multiple of 16 (the usual activation batch and Hessian) is borrowed. Borrowing saves a copy
+/// whose pages are new for every batch (over glibc's mmap threshold); the pool writes new pages faster than
+/// one thread (see `zeroed_mat`).
 fn packed(m: MatRef<'_, f32>) -> std::borrow::Cow<'_, [f32]> {
     let (rows, cols) = (m.nrows(), m.ncols());
     if rows == 0 || cols == 0 {
@@ -259,10 +260,13 @@ fn packed(m: MatRef<'_, f32>) -> std::borrow::Cow<'_, [f32]> {
             std::slice::from_raw_parts(m.as_ptr(), rows * cols)
         });
     }
-    let mut v = Vec::with_capacity(rows * cols);
-    for j in 0..cols {
-        v.extend(m.col(j).iter().copied());
-    }
+    use rayon::prelude::*;
+    let mut v = vec![0f32; rows * cols];
+    v.par_chunks_mut(rows).enumerate().for_each(|(j, dst)| {
+        for (d, s) in dst.iter_mut().zip(m.col(j).iter()) {
+            *d = *s;
+        }
+    });
     std::borrow::Cow::Owned(v)
 }
 
@@ -340,7 +344,10 @@ impl<V: Vendor> KernelOps<'_, V> {
     }
     fn upload_new(&mut self, src: &[u8]) -> DevResult<DevPtr> {
         let p = self.alloc(src.len())?;
-        self.upload(p, src)?;
+        if let Err(e) = self.upload(p, src) {
+            self.release(p);
+            return Err(e);
+        }
         Ok(p)
     }
     /// The `n × n` column-major matrix at `src`, downloaded straight into a `Mat`'s storage when its
@@ -356,8 +363,21 @@ impl<V: Vendor> KernelOps<'_, V> {
                 .download(src, bytemuck::cast_slice_mut(all))?;
             return Ok(m);
         }
+        // Padded columns (n not a multiple of 16): download packed, then copy the columns on the pool into
+        // the matrix whose pages the pool already wrote.
         let host = self.download_f32(src, n * n)?;
-        Ok(MatRef::from_column_major_slice(&host, n, n).to_owned())
+        {
+            use rayon::prelude::*;
+            m.as_mut()
+                .par_col_iter_mut()
+                .enumerate()
+                .for_each(|(j, col)| {
+                    for (d, s) in col.iter_mut().zip(&host[j * n..(j + 1) * n]) {
+                        *d = *s;
+                    }
+                });
+        }
+        Ok(m)
     }
     fn download_f32(&mut self, src: DevPtr, len: usize) -> DevResult<Vec<f32>> {
         let mut v = vec![0f32; len];
@@ -541,7 +561,14 @@ impl<V: Vendor> DeviceOps for KernelOps<'_, V> {
         )?;
         // Sanitise and fix the dead columns in place; only each row's count of replaced entries and the
         // diagonal (before the fix) come back: 2n values.
-        let (bad_buf, diag_buf) = (self.alloc(n * 4)?, self.alloc(n * 4)?);
+        let bad_buf = self.alloc(n * 4)?;
+        let diag_buf = match self.alloc(n * 4) {
+            Ok(p) => p,
+            Err(e) => {
+                self.release(bad_buf);
+                return Err(e);
+            }
+        };
         let read = (|| -> DevResult<(Vec<i32>, Vec<f32>)> {
             self.launch(
                 Launch::rows(Kernel::PrepareRows, n, COLUMN_THREADS),
@@ -682,31 +709,34 @@ mod tests {
 
     #[test]
     fn packed_borrows_contiguous_columns_and_packs_any_other_view() {
-        let m = Mat::<f32>::from_fn(37, 5, |i, j| (i * 100 + j) as f32);
+        // 32 rows: faer's columns are adjacent (padding to 16 values adds none); 37 rows: padded.
+        let m = Mat::<f32>::from_fn(32, 5, |i, j| (i * 100 + j) as f32);
+        let padded = Mat::<f32>::from_fn(37, 5, |i, j| (i * 100 + j) as f32);
         let expect = |v: faer::MatRef<'_, f32>| -> Vec<f32> {
             (0..v.ncols())
                 .flat_map(|j| (0..v.nrows()).map(move |i| v[(i, j)]))
                 .collect()
         };
-        for (name, view) in [
-            ("whole", m.as_ref()),
-            ("one column", m.as_ref().subcols(2, 1)),
-            ("rows 3..20 (strided columns)", m.as_ref().subrows(3, 17)),
-            ("transposed", m.as_ref().transpose()),
-            ("empty", m.as_ref().subcols(0, 0)),
+        for (name, view, borrowed) in [
+            ("32 x 5", m.as_ref(), true),
+            ("one column", padded.as_ref().subcols(2, 1), true),
+            ("37 x 5 (padded columns)", padded.as_ref(), false),
+            (
+                "rows 3..20 (strided columns)",
+                m.as_ref().subrows(3, 17),
+                false,
+            ),
+            ("transposed", m.as_ref().transpose(), false),
         ] {
             let p = packed(view);
             assert_eq!(&*p, expect(view).as_slice(), "{name}");
-            let contiguous = view.row_stride() == 1
-                && (view.ncols() == 1 || view.col_stride() == view.nrows() as isize);
-            if view.nrows() * view.ncols() > 0 {
-                assert_eq!(
-                    matches!(p, std::borrow::Cow::Borrowed(_)),
-                    contiguous,
-                    "{name}: borrowed only when contiguous"
-                );
-            }
+            assert_eq!(
+                matches!(p, std::borrow::Cow::Borrowed(_)),
+                borrowed,
+                "{name}: borrowed"
+            );
         }
+        assert!(packed(m.as_ref().subcols(0, 0)).is_empty());
     }
 
     #[test]
