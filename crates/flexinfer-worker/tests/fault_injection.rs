@@ -145,6 +145,14 @@ fn inject(phase: &str, seeds: std::ops::Range<u64>, out_name: &str) -> Tally {
             t.unverified += 1;
         }
         t.leftovers += leftovers(&out).len();
+        // A finished quantize leaves no layer cache in the model directory.
+        if phase == "quantize" && cache.exists() {
+            eprintln!(
+                "{phase} seed {seed}: the layer cache {} is left",
+                cache.display()
+            );
+            t.leftovers += 1;
+        }
         if checksums(&reference) != previous {
             t.previous_changed += 1;
         }
@@ -239,6 +247,17 @@ fn quantize_stopped_by_sigterm_exits_143_and_its_restart_resumes() {
         "{msg}"
     );
     assert!(layers() >= 1, "the layer cache was not kept");
+    let cache = m.dir.join(".flexinfer-gptq-cache");
+    let kept = m.root.path().join("kept-cache");
+    assert!(Command::new("cp")
+        .args([
+            "-a",
+            &cache.display().to_string(),
+            &kept.display().to_string()
+        ])
+        .status()
+        .unwrap()
+        .success());
     assert!(
         command("quantize", &m, &calib, &out, &term)
             .status()
@@ -248,4 +267,27 @@ fn quantize_stopped_by_sigterm_exits_143_and_its_restart_resumes() {
     );
     assert_eq!(payload(&out), payload(&reference));
     assert!(save_complete_verifies(&out));
+    assert!(!cache.exists(), "the finished run removes its layer cache");
+    // As if killed between the save's rename and the cache's removal: the next run reuses the artifact and
+    // removes the cache it finds (this configuration's), leaving the artifact as it was.
+    std::fs::rename(&kept, &cache).unwrap();
+    let out_before = payload(&out);
+    let again = command("quantize", &m, &calib, &out, &term)
+        .env(env::TELEMETRY, "true")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&again.stdout),
+        String::from_utf8_lossy(&again.stderr)
+    );
+    assert!(again.status.success(), "{said}");
+    assert!(
+        said.contains("quantization_cached") && said.contains("quantization_layer_cache_reset"),
+        "the artifact was not reused, or the cache not reported: {said}"
+    );
+    assert!(!cache.exists(), "the leftover layer cache was not removed");
+    assert_eq!(payload(&out), out_before);
 }

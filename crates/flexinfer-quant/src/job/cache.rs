@@ -309,3 +309,29 @@ impl LayerCache {
         std::fs::remove_dir_all(&self.dir).map_err(|e| QuantError::io(&self.dir, e))
     }
 }
+
+/// The layer cache a finished run left: a kill between the save's rename into place and the cache's removal
+/// leaves both, and the next run reuses the artifact without quantizing. That run calls this: the cache goes
+/// when its manifest names this configuration, or when it has no readable manifest (a removal cut short);
+/// a cache of another configuration is left to the run it belongs to. Says so with a
+/// `quantization_layer_cache_reset` event.
+pub fn remove_finished(model_dir: &Path, config_hash: &str, events: &dyn EventSink) -> Result<()> {
+    let dir = model_dir.join(files::GPTQ_CACHE_DIR);
+    if !dir.exists() {
+        return Ok(());
+    }
+    let manifest = read_json(&model_dir.join(files::GPTQ_LAYERS_MANIFEST))
+        .ok()
+        .and_then(|v| serde_json::from_value::<Manifest>(v).ok());
+    if manifest.is_some_and(|m| m.config_hash != config_hash) {
+        return Ok(());
+    }
+    events.emit(
+        names::QUANTIZATION_LAYER_CACHE_RESET,
+        fields([(
+            "reason",
+            json!("left behind by the finished run whose artifact is reused"),
+        )]),
+    );
+    std::fs::remove_dir_all(&dir).map_err(|e| QuantError::io(&dir, e))
+}

@@ -304,6 +304,7 @@ pub fn run(job: &QuantizeJob, device: &dyn Device, events: &dyn EventSink) -> Re
     let (calib_fp, config_hash) = digest::run_digests(job, &store)?;
 
     if let Some(sc) = reusable_save(job, &final_dir, &config_hash, events) {
+        cache::remove_finished(&job.model_dir, &config_hash, events)?;
         return checkpoint::reuse_artifact(
             job,
             &final_dir,
