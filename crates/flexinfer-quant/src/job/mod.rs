@@ -304,7 +304,10 @@ pub fn run(job: &QuantizeJob, device: &dyn Device, events: &dyn EventSink) -> Re
     let (calib_fp, config_hash) = digest::run_digests(job, &store)?;
 
     if let Some(sc) = reusable_save(job, &final_dir, &config_hash, events) {
-        cache::remove_finished(&job.model_dir, &config_hash, events)?;
+        // Only disk space is at stake: a cache that cannot be removed does not fail the reuse.
+        if let Err(e) = cache::remove_finished(&job.model_dir, &config_hash, events) {
+            tracing::warn!(error = %e, "could not remove the layer cache a finished run left");
+        }
         return checkpoint::reuse_artifact(
             job,
             &final_dir,
