@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use flexinfer_api::conditions::types;
 use flexinfer_api::contract::{self, reasons, JobPhase, TerminationMessage, TerminationSuccess};
 use flexinfer_api::formats;
-use flexinfer_api::modelcache::{CachePhase, PhaseProgress, QualityStatus};
+use flexinfer_api::modelcache::{CachePhase, ModelCache, PhaseProgress, QualityStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 
@@ -266,8 +266,7 @@ fn record_quantization(cx: &mut Ctx<'_>, term: &TerminationSuccess, job: &str, n
 /// worker's reason: once per run (seen while it runs, or at its end when the log was not read in time). Every
 /// report read sets the outcome's `gptq_on_cpu` (the `flexinfer_quantization_on_cpu` gauge).
 pub(super) fn note_device(cx: &mut Ctx<'_>, d: &contract::GptqDeviceReport, job: &str) {
-    let mc = cx.mc;
-    let on_cpu = d.on_cpu_unasked() && jobs::uses_gpu(mc, JobPhase::Quantize);
+    let on_cpu = on_cpu_with_use_gpu(cx.mc, d);
     cx.outcome.gptq_on_cpu = Some(on_cpu);
     let q = cx.st.quantization.get_or_insert_with(Default::default);
     // Kind and setting also for a device already in the status (one written by an older controller).
@@ -305,7 +304,12 @@ fn device_in_status(cx: &Ctx<'_>) -> Option<bool> {
         kind: q.gptq_device_kind.clone()?,
         reason: String::new(),
     };
-    Some(report.on_cpu_unasked() && jobs::uses_gpu(cx.mc, JobPhase::Quantize))
+    Some(on_cpu_with_use_gpu(cx.mc, &report))
+}
+
+/// A `useGPU` quantization whose solves run on the CPU unasked: the `QuantizedOnCPU` condition.
+fn on_cpu_with_use_gpu(mc: &ModelCache, d: &contract::GptqDeviceReport) -> bool {
+    d.on_cpu_unasked() && jobs::uses_gpu(mc, JobPhase::Quantize)
 }
 
 /// Records a finished publish: the pushed digest (the one it replaces goes first in the previous

@@ -98,30 +98,50 @@ pub fn prepare_hessian(
             "sanitized",
         );
     }
-    // Dead columns: only the diagonal entry is set to one (the torch mask idiom).
-    let mut dead = vec![false; n];
-    for (i, d) in dead.iter_mut().enumerate() {
-        if h[(i, i)] == 0.0 {
-            *d = true;
-            h[(i, i)] = 1.0;
-        }
+    let raw: Vec<f32> = (0..n).map(|i| h[(i, i)]).collect();
+    let pd = prepared_diagonal(&raw, desc_act);
+    for (i, _) in pd.dead.iter().enumerate().filter(|(_, d)| **d) {
+        h[(i, i)] = 1.0;
     }
-    let perm = if desc_act {
-        let diag: Vec<f32> = (0..n).map(|i| h[(i, i)]).collect();
-        let idx = act_order(&diag);
-        let permuted = Mat::from_fn(n, n, |i, j| h[(idx[i], idx[j])]);
-        h = permuted;
-        Some(idx)
-    } else {
-        None
+    if let Some(idx) = &pd.perm {
+        h = Mat::from_fn(n, n, |i, j| h[(idx[i], idx[j])]);
+    }
+    PreparedHessian {
+        h,
+        perm: pd.perm,
+        dead: pd.dead,
+    }
+}
+
+/// What preparing a sanitised Hessian does, decided from its diagonal alone: the dead columns (a zero
+/// diagonal entry, which becomes one: the torch mask idiom), the act-order permutation, and the diagonal after
+/// both (sweep order). One rule for the CPU's [`prepare_hessian`] and a device's preparation, which applies
+/// it to the diagonal it downloads.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PreparedDiagonal {
+    pub dead: Vec<bool>,
+    pub perm: Option<Vec<usize>>,
+    pub diag: Vec<f32>,
+}
+
+/// [`PreparedDiagonal`] of the diagonal `raw` (after sanitising, before the dead-column fix).
+pub fn prepared_diagonal(raw: &[f32], desc_act: bool) -> PreparedDiagonal {
+    let dead: Vec<bool> = raw.iter().map(|&d| d == 0.0).collect();
+    let fixed: Vec<f32> = raw
+        .iter()
+        .map(|&d| if d == 0.0 { 1.0 } else { d })
+        .collect();
+    let perm = desc_act.then(|| act_order(&fixed));
+    let diag = match &perm {
+        Some(p) => p.iter().map(|&i| fixed[i]).collect(),
+        None => fixed,
     };
-    PreparedHessian { h, perm, dead }
+    PreparedDiagonal { dead, perm, diag }
 }
 
 /// The act-order permutation of a prepared Hessian with diagonal `diag`: the columns by descending diagonal,
-/// stable on ties (torch's `argsort(descending=True)` is not guaranteed stable; we pick stable). One rule for
-/// the CPU's preparation and a device's (which sorts the diagonal it downloads).
-pub fn act_order(diag: &[f32]) -> Vec<usize> {
+/// stable on ties (torch's `argsort(descending=True)` is not guaranteed stable; we pick stable).
+fn act_order(diag: &[f32]) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..diag.len()).collect();
     idx.sort_by(|&a, &b| {
         diag[b]
@@ -241,4 +261,40 @@ fn recovery_event(
     }
     f.insert("result".to_string(), json!(result));
     events.emit(names::HESSIAN_RECOVERY, f);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{prepared_diagonal, PreparedDiagonal};
+
+    #[test]
+    fn prepared_diagonal_marks_dead_columns_and_orders_by_descending_diagonal_stably() {
+        let raw = [3.0, 0.0, 5.0, -0.0, 5.0];
+        let dead = vec![false, true, false, true, false];
+        assert_eq!(
+            prepared_diagonal(&raw, false),
+            PreparedDiagonal {
+                dead: dead.clone(),
+                perm: None,
+                diag: vec![3.0, 1.0, 5.0, 1.0, 5.0],
+            }
+        );
+        // Ties keep their order (2 before 4, 1 before 3); the dead columns' diagonal is 1 when sorted.
+        assert_eq!(
+            prepared_diagonal(&raw, true),
+            PreparedDiagonal {
+                dead,
+                perm: Some(vec![2, 4, 0, 1, 3]),
+                diag: vec![5.0, 5.0, 3.0, 1.0, 1.0],
+            }
+        );
+        assert_eq!(
+            prepared_diagonal(&[], true),
+            PreparedDiagonal {
+                dead: vec![],
+                perm: Some(vec![]),
+                diag: vec![],
+            }
+        );
+    }
 }

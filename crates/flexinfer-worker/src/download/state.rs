@@ -143,17 +143,19 @@ pub fn reset_derived(dir: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
-fn remove_if_exists(p: &Path) -> std::io::Result<()> {
+/// Removes a file or directory tree; whether there was one.
+fn remove_if_exists(p: &Path) -> std::io::Result<bool> {
     let meta = match std::fs::symlink_metadata(p) {
         Ok(m) => m,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
         Err(e) => return Err(e),
     };
     if meta.is_dir() {
-        std::fs::remove_dir_all(p)
+        std::fs::remove_dir_all(p)?;
     } else {
-        std::fs::remove_file(p)
+        std::fs::remove_file(p)?;
     }
+    Ok(true)
 }
 
 fn remove_part_files(dir: &Path) -> std::io::Result<()> {
@@ -227,11 +229,7 @@ pub fn check_free_space(dir: &Path, remote: &[RemoteFile]) -> Result<(), WorkerE
 
 /// Removes the in-progress record; whether there was one.
 pub fn drop_in_progress(dir: &Path) -> std::io::Result<bool> {
-    match std::fs::remove_file(dir.join(IN_PROGRESS)) {
-        Ok(()) => Ok(true),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
-        Err(e) => Err(e),
-    }
+    remove_if_exists(&dir.join(IN_PROGRESS))
 }
 
 /// `.source-integrity.json` then `.download_complete`, both atomic; then drop the in-progress record.
@@ -248,7 +246,7 @@ pub fn write_markers(dir: &Path, integrity: &SourceIntegrity) -> std::io::Result
         &dir.join(files::DOWNLOAD_COMPLETE),
         done.to_string().as_bytes(),
     )?;
-    remove_if_exists(&dir.join(IN_PROGRESS))
+    drop_in_progress(dir).map(drop)
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@
 //! - accumulation: `gptq_hessian_lower` on the device (one upload of each batch);
 //! - preparation, on the device: `gptq_mirror_lower`, `gptq_prepare_rows` (non-finite entries to 0, a zero
 //!   diagonal entry to 1; each row's count and the diagonal downloaded: 2n values), and for act-order the
-//!   permutation, sorted on the host from that diagonal by the CPU's rule (`hessian::act_order`), uploaded
+//!   permutation, decided on the host from that diagonal by the CPU's rule (`hessian::prepared_diagonal`), uploaded
 //!   (n indices) and applied by `gptq_permute_sym` into a new buffer. The prepared Hessian is then
 //!   downloaded once: the host checkpoint that [`OpsSession`] needs;
 //! - each factorisation attempt: only the diagonal is uploaded; `gptq_factor_fill`, then per panel of ≤ 128
@@ -30,7 +30,7 @@ use super::{
     PreparedMeta, Session, SweepJob,
 };
 use crate::numerics::gptq::{GroupLayout, QuantizedLinear};
-use crate::numerics::hessian::act_order;
+use crate::numerics::hessian::prepared_diagonal;
 use crate::numerics::linalg::CpuBackend;
 use crate::params::GptqParams;
 use faer::{Mat, MatRef};
@@ -353,6 +353,7 @@ impl<V: Vendor> KernelOps<'_, V> {
     /// The `n × n` column-major matrix at `src`, downloaded straight into a `Mat`'s storage when its
     /// columns are contiguous (no second host copy of an n² buffer).
     fn download_mat(&mut self, src: DevPtr, n: usize) -> DevResult<Mat<f32>> {
+        // Zeroed first (on the pool): the slice the download writes must be initialised memory.
         let mut m = zeroed_mat(n);
         if n > 0 && m.col_stride() == n as isize && m.row_stride() == 1 {
             // SAFETY: with unit row stride and a column stride of n, the n columns of n initialised f32 each
@@ -590,23 +591,14 @@ impl<V: Vendor> DeviceOps for KernelOps<'_, V> {
         self.release(diag_buf);
         let (bad, raw) = read?;
         let sanitized = bad.iter().map(|&c| usize::try_from(c).unwrap_or(0)).sum();
-        let dead: Vec<bool> = raw.iter().map(|&d| d == 0.0).collect();
-        let fixed: Vec<f32> = raw
-            .iter()
-            .map(|&d| if d == 0.0 { 1.0 } else { d })
-            .collect();
-        let perm = desc_act.then(|| act_order(&fixed));
-        let diag = match &perm {
-            Some(p) => p.iter().map(|&i| fixed[i]).collect(),
-            None => fixed,
-        };
-        if let Some(p) = &perm {
+        let pd = prepared_diagonal(&raw, desc_act);
+        if let Some(p) = &pd.perm {
             self.permute(h, p)?;
         }
         Ok(PreparedMeta {
-            diag,
-            perm,
-            dead,
+            diag: pd.diag,
+            perm: pd.perm,
+            dead: pd.dead,
             sanitized,
         })
     }
