@@ -4,7 +4,8 @@
 # p50/p99 hand-off latency (previous phase's Job seen Complete -> next phase's Job seen created, both
 # as observed by one watch client), controller peak RSS (VmHWM) and Kubernetes API requests per
 # cache (the controller's own request counter, flexinfer_kube_api_requests_total).
-# Usage: scripts/bench/controller/run.sh [N]   (BENCH_TIMEOUT seconds, default 1200)
+# Usage: scripts/bench/controller/run.sh [N]   (BENCH_TIMEOUT seconds, default 1200; CONTROLLER_BIN: a
+# prebuilt controller binary to measure instead of this checkout's, e.g. one built at an older commit)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd); cd "$ROOT"
 N=${1:-500}
@@ -13,8 +14,10 @@ export TESTENV_BIN=${TESTENV_BIN:-$HOME/.cache/testenv/v1.34.4/bin}
 export PATH="$TESTENV_BIN:$PATH"
 NS=bench
 PROFILE=${BENCH_PROFILE:-debug}
-if [ "$PROFILE" = release ]; then cargo build -q --release -j2 -p flexinfer-controller; BIN=target/release/flexinfer-controller
-else cargo build -q -j2 -p flexinfer-controller; BIN=target/debug/flexinfer-controller; fi
+TARGET=${CARGO_TARGET_DIR:-target}
+if [ -n "${CONTROLLER_BIN:-}" ]; then BIN=$CONTROLLER_BIN
+elif [ "$PROFILE" = release ]; then cargo build -q --release -j2 -p flexinfer-controller; BIN=$TARGET/release/flexinfer-controller
+else cargo build -q -j2 -p flexinfer-controller; BIN=$TARGET/debug/flexinfer-controller; fi
 W=$(mktemp -d)
 bash scripts/testenv/up.sh cluster > "$W/env"; source "$W/env"
 CTRL=""; WATCH=""
@@ -117,14 +120,18 @@ for name, ts in done.items():
         if nxt in added: lat.append(added[nxt] - ts)
 lat.sort()
 q = lambda p: lat[min(len(lat)-1, int(p * len(lat)))] if lat else float("nan")
-reqs = collections.Counter()
+reqs = collections.Counter(); by_resource = collections.Counter()
 for l in """$METRICS""".splitlines():
     if l.startswith("flexinfer_kube_api_requests_total{"):
-        verb = l.split('verb="')[1].split('"')[0]; reqs[verb] += float(l.split()[-1])
+        verb = l.split('verb="')[1].split('"')[0]; v = float(l.split()[-1]); reqs[verb] += v
+        res = l.split('resource="')[1].split('"')[0] if 'resource="' in l else "?"
+        by_resource[f"{verb} {res}"] += v
 total = sum(reqs.values())
 print(f"caches: {n} (Ready: {ready}), create took {t1-t0:.1f}s")
 print(f"time until all Ready (from first create): {tready-t0:.1f}s")
 print(f"hand-offs measured: {len(lat)}; p50 {q(0.5)*1000:.0f} ms, p99 {q(0.99)*1000:.0f} ms, max {lat[-1]*1000 if lat else float('nan'):.0f} ms")
 print(f"controller peak RSS (VmHWM): {rss/1024:.1f} MiB")
 print(f"API requests: {total:.0f} total = {total/n:.1f} per cache; by verb: {dict(reqs)}")
+if len(by_resource) > 1 or "?" not in str(list(by_resource)):
+    print("by verb and resource: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(by_resource.items(), key=lambda kv: -kv[1])))
 PY

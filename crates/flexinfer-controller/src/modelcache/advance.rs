@@ -13,7 +13,7 @@ use super::config::Config;
 use super::ctx::{invalidate, Ctx};
 use super::failures::{is_image_pull_failure, is_transient_pull_failure};
 use super::jobs;
-use super::observe::{stuck_reason, JobState, ObservedJob};
+use super::observe::{stuck_reason, waits_for_capacity, JobState, ObservedJob};
 use super::phase::{
     get_common, phase_from_status_name, reset_retries, running_phase, secs_between, set_common,
 };
@@ -346,6 +346,9 @@ struct StuckPod {
     since: Timestamp,
     /// Stuck for at least `Config::stuck_pod_after`: the attempt counts as failed.
     expired: bool,
+    /// Unschedulable only because the nodes that fit are full (GPUs, CPU, memory or pod slots in
+    /// use): a queue, not a fault. It waits without expiring.
+    capacity: bool,
     /// Time left before it does.
     remaining: Duration,
 }
@@ -356,13 +359,19 @@ fn stuck_pod(job: &ObservedJob, config: &Config, now: Timestamp) -> Option<Stuck
     let since = pod.created.unwrap_or(job.created);
     let age = secs_between(since, now).max(0);
     let limit = i64::try_from(config.stuck_pod_after.as_secs()).unwrap_or(i64::MAX);
+    let capacity = reason == contract::FailureReason::Unschedulable && waits_for_capacity(&message);
     Some(StuckPod {
         reason,
         message,
         pod: pod.name.clone(),
         since,
-        expired: age >= limit,
-        remaining: Duration::from_secs(u64::try_from(limit.saturating_sub(age)).unwrap_or(0)),
+        capacity,
+        expired: !capacity && age >= limit,
+        remaining: if capacity {
+            config.progress_poll
+        } else {
+            Duration::from_secs(u64::try_from(limit.saturating_sub(age)).unwrap_or(0))
+        },
     })
 }
 
@@ -370,10 +379,17 @@ fn stuck_pod(job: &ObservedJob, config: &Config, now: Timestamp) -> Option<Stuck
 /// the threshold passes.
 fn report_stuck_pod(cx: &mut Ctx<'_>, job: &ObservedJob, stuck: &StuckPod) {
     let limit = cx.config.stuck_pod_after.as_secs();
-    let msg = format!(
-        "pod {} of Job {} has been waiting since {}: {}; the attempt fails after {limit}s",
-        stuck.pod, job.name, stuck.since, stuck.message
-    );
+    let msg = if stuck.capacity {
+        format!(
+            "pod {} of Job {} has been waiting since {} for node capacity: {}; it starts when a node frees up (waiting for capacity does not fail the attempt)",
+            stuck.pod, job.name, stuck.since, stuck.message
+        )
+    } else {
+        format!(
+            "pod {} of Job {} has been waiting since {}: {}; the attempt fails after {limit}s",
+            stuck.pod, job.name, stuck.since, stuck.message
+        )
+    };
     let already = cx
         .st
         .conditions

@@ -33,6 +33,9 @@ pub struct Config {
     /// `FLEXINFER_STUCK_POD_SECONDS`: how long a pipeline pod may stay unschedulable or unable to
     /// pull its image before the attempt counts as failed (default 300 s).
     pub stuck_pod_after: Duration,
+    /// `FLEXINFER_LOG_READS_PER_SECOND`: progress log reads of running pods per second across all
+    /// caches (default 20; 0 = none).
+    pub log_reads_per_second: u32,
     /// `FLEXINFER_GPU_SUPPLEMENTAL_GROUPS`: supplemental groups of pods that request a GPU.
     pub gpu_supplemental_groups: Vec<i64>,
 }
@@ -53,6 +56,7 @@ impl Default for Config {
                 .collect(),
             hf_endpoint: None,
             keep_generations: 1,
+            log_reads_per_second: 20,
             stuck_pod_after: Duration::from_secs(300),
             gpu_supplemental_groups: Vec::new(),
         }
@@ -123,6 +127,12 @@ impl Config {
             gptq_tunables,
             hf_endpoint: s.text(env::HF_ENDPOINT),
             keep_generations: s.count(env::controller::KEEP_GENERATIONS, 1, 16)?,
+            log_reads_per_second: u32::try_from(s.count(
+                env::controller::LOG_READS_PER_SECOND,
+                20,
+                1000,
+            )?)
+            .unwrap_or(20),
             gpu_supplemental_groups: s
                 .parsed(
                     env::controller::GPU_SUPPLEMENTAL_GROUPS,

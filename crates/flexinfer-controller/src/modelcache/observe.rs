@@ -220,6 +220,15 @@ pub fn stuck_reason(p: &ObservedPod) -> Option<(contract::FailureReason, String)
     }
 }
 
+/// Whether the scheduler's message says the pod waits for capacity: some node that would take it is
+/// full ("Insufficient amd.com/gpu", "Insufficient memory", "Too many pods") — a queue that drains
+/// as other pods finish, not a pod no node can ever take (selector, affinity, taints only).
+pub fn waits_for_capacity(message: &str) -> bool {
+    // "0/5 nodes are available: 1 Insufficient amd.com/gpu, 4 node(s) didn't match …. preemption: …"
+    let placement = message.split("preemption:").next().unwrap_or(message);
+    placement.contains("Insufficient ") || placement.contains("Too many pods")
+}
+
 /// GPUProfiles are listed only for a live cache with a GPU phase.
 pub fn needs_profiles(mc: &ModelCache) -> bool {
     mc.metadata.deletion_timestamp.is_none() && JobPhase::ALL.iter().any(|p| jobs::uses_gpu(mc, *p))
@@ -280,4 +289,97 @@ pub fn pvc_known_to_exist(mc: &ModelCache) -> bool {
         .is_some_and(|d| d.completed_at.is_some())
         && status.claim_name.is_some();
     downloaded && mc.metadata.deletion_timestamp.is_none()
+}
+
+/// Drop what no reader of a stored Job needs (managed fields; of the pod template all but the worker
+/// container's image and `OUT_DIR`): the Job store holds every pipeline Job of the watched
+/// namespaces, and a full Job is ~10 KB. [`observe_job`] reads the same from a pruned Job.
+pub fn prune_job(job: &mut Job) {
+    job.metadata.managed_fields = None;
+    let Some(spec) = job.spec.as_mut() else {
+        return;
+    };
+    spec.selector = None;
+    spec.template.metadata = None;
+    if let Some(pod) = spec.template.spec.as_mut() {
+        pod.containers.truncate(1);
+        if let Some(c) = pod.containers.first_mut() {
+            let image = c.image.take();
+            let out_dir = c
+                .env
+                .take()
+                .unwrap_or_default()
+                .into_iter()
+                .find(|e| e.name == contract::env::OUT_DIR);
+            *c = k8s_openapi::api::core::v1::Container {
+                name: std::mem::take(&mut c.name),
+                image,
+                env: out_dir.map(|e| vec![e]),
+                ..Default::default()
+            };
+        }
+        *pod = k8s_openapi::api::core::v1::PodSpec {
+            containers: std::mem::take(&mut pod.containers),
+            ..Default::default()
+        };
+    }
+}
+
+/// Drop what [`observe_job`] does not read of a pod (its spec, managed fields, annotations, the
+/// conditions other than `PodScheduled`, statuses of other containers).
+pub fn prune_pod(pod: &mut Pod) {
+    pod.metadata.managed_fields = None;
+    pod.metadata.annotations = None;
+    pod.spec = None;
+    if let Some(st) = pod.status.as_mut() {
+        let keep = k8s_openapi::api::core::v1::PodStatus {
+            phase: st.phase.take(),
+            conditions: st.conditions.take().map(|cs| {
+                cs.into_iter()
+                    .filter(|c| c.type_ == "PodScheduled")
+                    .collect()
+            }),
+            container_statuses: st.container_statuses.take().map(|mut cs| {
+                cs.truncate(1);
+                cs
+            }),
+            ..Default::default()
+        };
+        *st = keep;
+    }
+}
+
+/// The controller-wide budget of progress log reads (a token bucket: `per_second` tokens a
+/// second, at most `2 × per_second` saved up). A read that finds no token is skipped: progress keeps
+/// its last value until the next poll. `per_second = 0` turns progress log reads off.
+#[derive(Debug, Clone)]
+pub struct LogBudget {
+    per_second: f64,
+    tokens: f64,
+    at: Instant,
+}
+
+impl LogBudget {
+    pub fn new(per_second: u32, now: Instant) -> Self {
+        let per_second = f64::from(per_second);
+        Self {
+            per_second,
+            tokens: per_second.max(1.0),
+            at: now,
+        }
+    }
+
+    /// Take a token if there is one at `now`.
+    pub fn take(&mut self, now: Instant) -> bool {
+        let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
+        self.at = now;
+        let cap = (self.per_second * 2.0).max(1.0);
+        self.tokens = (self.tokens + elapsed * self.per_second).min(cap);
+        if self.per_second > 0.0 && self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
 }

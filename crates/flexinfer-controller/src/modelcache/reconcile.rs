@@ -5,9 +5,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use flexinfer_api::contract::controller::FIELD_MANAGER;
-use flexinfer_api::contract::{self, labels};
+use flexinfer_api::contract::{self, labels, JobPhase};
 use flexinfer_api::gpuprofile::GPUProfile;
-use flexinfer_api::model::Model;
 use flexinfer_api::modelcache::ModelCache;
 use futures::StreamExt;
 use k8s_openapi::api::batch::v1::Job;
@@ -19,18 +18,18 @@ use kube::core::PartialObjectMeta;
 use kube::runtime::controller::{Action as CtrlAction, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
-use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt};
 use tracing::{debug, info, warn};
 
 use super::config::Config;
 use super::jobs;
 use super::observe::{
-    is_older_peer, log_read_due, needs_pods, needs_profiles, observe_job, pvc_known_to_exist,
-    served_dir_on, wants_log_tail, JobState,
+    is_older_peer, log_read_due, needs_pods, needs_profiles, observe_job, prune_job,
+    pvc_known_to_exist, served_dir_on, wants_log_tail, JobState, LogBudget,
 };
 use super::plan::{plan, Action, ClaimPeer, LogTail, Observed, Plan};
 use super::series::{forget_deleted_caches, update_metrics};
+use super::stores::{Expectation, Pending, Stores};
 use crate::kube_client::api_in;
 use crate::metrics::Metrics;
 
@@ -48,6 +47,9 @@ pub enum Error {
     Json(#[from] serde_json::Error),
     #[error("object changed while reconciling; retrying")]
     Conflict,
+    /// A Job this controller wrote is not in the Job store yet.
+    #[error("waiting for the watch to show our last Job change; retrying")]
+    StoreBehind,
 }
 
 /// Shared state of the reconciler.
@@ -60,6 +62,10 @@ pub struct Context {
     log_reads: Mutex<HashMap<(String, String), Instant>>,
     /// Consecutive reconcile failures per cache (error requeue backoff).
     failures: crate::backoff::Failures,
+    /// What a reconcile reads: watch-fed stores, no API reads.
+    pub stores: Stores,
+    /// Progress log reads of running pods across all caches (token bucket).
+    log_budget: Mutex<LogBudget>,
 }
 
 impl Context {
@@ -70,11 +76,20 @@ impl Context {
         };
         let key = (ns.to_string(), name.to_string());
         let now = Instant::now();
-        let due = log_read_due(m.get(&key).copied(), now, self.config.progress_poll);
+        let due = log_read_due(m.get(&key).copied(), now, self.config.progress_poll)
+            && self.log_budget.lock().is_ok_and(|mut b| b.take(now));
         if due {
             m.insert(key, now);
         }
         due
+    }
+
+    /// Forget what is kept per cache (log-read times, expectations) once it is gone.
+    fn forget(&self, ns: &str, name: &str) {
+        if let Ok(mut m) = self.log_reads.lock() {
+            m.remove(&(ns.to_string(), name.to_string()));
+        }
+        self.stores.forget(ns, name);
     }
 }
 
@@ -86,15 +101,12 @@ pub async fn run(
     namespace: Option<String>,
 ) -> anyhow::Result<()> {
     let ns = namespace.as_deref();
-    let (caches, job_api, profiles): (Api<ModelCache>, Api<Job>, Api<GPUProfile>) = (
-        api_in(&client, ns),
-        api_in(&client, ns),
-        api_in(&client, ns),
-    );
+    let (stores, streams) = Stores::new(&client, ns);
     let reporter = Reporter {
         controller: FIELD_MANAGER.into(),
         instance: std::env::var(flexinfer_api::contract::env::controller::POD_NAME).ok(),
     };
+    let log_budget = Mutex::new(LogBudget::new(config.log_reads_per_second, Instant::now()));
     let ctx = Arc::new(Context {
         recorder: Recorder::new(client.clone(), reporter),
         client,
@@ -102,6 +114,8 @@ pub async fn run(
         config,
         log_reads: Mutex::new(HashMap::new()),
         failures: Default::default(),
+        stores: stores.clone(),
+        log_budget,
     });
     let guard = crate::supervise::Guard::new(
         "modelcache",
@@ -110,28 +124,18 @@ pub async fn run(
     );
     let cache_meta: Api<PartialObjectMeta<ModelCache>> = api_in(&ctx.client, ns);
     let forget = forget_deleted_caches(cache_meta, ctx.metrics.clone());
-    let controller = Controller::new(caches, watcher::Config::default());
-    let store = controller.store();
-    let job_wc = watcher::Config::default().labels(&format!(
-        "{}={}",
-        labels::MANAGED_BY,
-        labels::MANAGED_BY_VALUE
-    ));
-    let controller = controller
-        .owns(job_api, job_wc)
-        .watches(
-            profiles,
-            watcher::Config::default(),
-            move |gp: GPUProfile| {
-                // Only the caches whose phases select this profile's architecture.
-                store
-                    .state()
-                    .into_iter()
-                    .filter(|mc| jobs::profile_affects(mc, &gp))
-                    .map(|mc| ObjectRef::from_obj(&*mc))
-                    .collect::<Vec<_>>()
-            },
-        )
+    let cache_store = stores.caches.clone();
+    let controller = Controller::for_stream(streams.caches, stores.caches.clone())
+        .owns_stream(streams.jobs)
+        .watches_stream(streams.profiles, move |gp: GPUProfile| {
+            // Only the caches whose phases select this profile's architecture.
+            cache_store
+                .state()
+                .into_iter()
+                .filter(|mc| jobs::profile_affects(mc, &gp))
+                .map(|mc| ObjectRef::from_obj(&*mc))
+                .collect::<Vec<_>>()
+        })
         .shutdown_on_signal();
     let run = guard
         .run(controller, reconcile, error_policy, ctx)
@@ -143,6 +147,7 @@ pub async fn run(
     tokio::select! {
         () = run => {}
         () = forget => {}
+        () = streams.background => {}
     }
     Ok(())
 }
@@ -150,6 +155,10 @@ fn error_policy(mc: Arc<ModelCache>, err: &Error, ctx: Arc<Context>) -> CtrlActi
     if matches!(err, Error::Conflict) {
         debug!(cache = %mc.name_any(), "stale object; requeue");
         return CtrlAction::requeue(Duration::from_millis(300));
+    }
+    if matches!(err, Error::StoreBehind) {
+        debug!(cache = %mc.name_any(), "Job store behind our write; requeue");
+        return CtrlAction::requeue(Duration::from_millis(100));
     }
     ctx.metrics
         .reconcile_errors_total
@@ -179,25 +188,51 @@ async fn reconcile(mc: Arc<ModelCache>, ctx: Arc<Context>) -> Result<CtrlAction,
 
 async fn observe(mc: &ModelCache, ctx: &Context, ns: &str) -> Result<Observed, Error> {
     let name = mc.name_any();
-    let client = &ctx.client;
+    let stores = &ctx.stores;
     let mut observed = Observed::default();
     if needs_profiles(mc) {
-        let gp: Api<GPUProfile> = Api::namespaced(client.clone(), ns);
-        observed.profiles = gp.list(&ListParams::default()).await?.items;
+        observed.profiles = stores.profiles_in(ns);
     }
     observe_jobs(mc, ctx, ns, &mut observed).await?;
-    observe_claim_users(mc, client, ns, &mut observed).await?;
+    observe_claim_users(mc, stores, ns, &mut observed);
     if mc.spec.existing_claim_name.is_none() {
-        observed.pvc_exists = if pvc_known_to_exist(mc) {
-            true
-        } else {
-            let pvc: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
-            pvc.get_opt(&jobs::created_claim_name(&name))
-                .await?
-                .is_some()
-        };
+        observed.pvc_exists =
+            pvc_known_to_exist(mc) || stores.claim_exists(ns, &jobs::created_claim_name(&name));
     }
     Ok(observed)
+}
+
+/// The cache's own Jobs (by their names, from the Job store; from the API server only when a write
+/// of ours did not reach the store in time).
+async fn owned_jobs(mc: &ModelCache, ctx: &Context, ns: &str) -> Result<Vec<Job>, Error> {
+    let name = mc.name_any();
+    let owned = |j: &Job| {
+        j.labels().get(labels::CACHE) == Some(&name)
+            && j.owner_references()
+                .iter()
+                .any(|o| Some(o.uid.as_str()) == mc.metadata.uid.as_deref())
+    };
+    match ctx.stores.expectations(ns, &name, Instant::now()) {
+        Pending::Met => Ok(JobPhase::ALL
+            .iter()
+            .filter_map(|p| ctx.stores.job(ns, &p.job_name(&name)))
+            .filter(|j| owned(j))
+            .map(|j| (*j).clone())
+            .collect()),
+        Pending::Waiting => Err(Error::StoreBehind),
+        Pending::Expired => {
+            warn!(cache = %name, namespace = %ns, "a Job write did not reach the watch in time; reading the cache's Jobs from the API server");
+            let job_api: Api<Job> = Api::namespaced(ctx.client.clone(), ns);
+            let sel = format!("{}={}", labels::CACHE, name);
+            let mut list = job_api
+                .list(&ListParams::default().labels(&sel))
+                .await?
+                .items;
+            list.retain(|j| owned(j));
+            list.iter_mut().for_each(prune_job);
+            Ok(list)
+        }
+    }
 }
 
 /// The cache's own Jobs, with their newest pod and a log tail where they matter now.
@@ -208,32 +243,14 @@ async fn observe_jobs(
     observed: &mut Observed,
 ) -> Result<(), Error> {
     let name = mc.name_any();
-    let job_api: Api<Job> = Api::namespaced(ctx.client.clone(), ns);
-    let sel = format!("{}={}", labels::CACHE, name);
-    let job_list = job_api.list(&ListParams::default().labels(&sel)).await?;
-    let owned: Vec<Job> = job_list
-        .items
-        .into_iter()
-        .filter(|j| {
-            j.owner_references()
-                .iter()
-                .any(|o| Some(o.uid.as_str()) == mc.metadata.uid.as_deref())
-        })
-        .collect();
     let pod_api: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
     let status = mc.status.clone().unwrap_or_default();
-    for j in &owned {
+    for j in &owned_jobs(mc, ctx, ns).await? {
         let Some(mut oj) = observe_job(j, &[]) else {
             continue;
         };
         if needs_pods(&oj, &status) {
-            let pods = pod_api
-                .list(
-                    &ListParams::default()
-                        .labels(&format!("batch.kubernetes.io/job-name={}", oj.name)),
-                )
-                .await?
-                .items;
+            let pods = ctx.stores.pods_of(ns, &oj.name);
             if let Some(o) = observe_job(j, &pods) {
                 oj = o;
             }
@@ -262,18 +279,12 @@ async fn observe_jobs(
 }
 
 /// Other caches on the same claim, and the directories Models serve from it.
-async fn observe_claim_users(
-    mc: &ModelCache,
-    client: &Client,
-    ns: &str,
-    observed: &mut Observed,
-) -> Result<(), Error> {
+fn observe_claim_users(mc: &ModelCache, stores: &Stores, ns: &str, observed: &mut Observed) {
     let name = mc.name_any();
     let claim = jobs::claim_name(mc);
-    let caches: Api<ModelCache> = Api::namespaced(client.clone(), ns);
     let me_created = mc.metadata.creation_timestamp.as_ref().map(|t| t.0);
-    for other in caches.list(&ListParams::default()).await?.items {
-        if other.metadata.uid == mc.metadata.uid || jobs::claim_name(&other) != claim {
+    for other in stores.caches_on_claim(ns, &claim) {
+        if other.metadata.uid == mc.metadata.uid {
             continue;
         }
         let created = other.metadata.creation_timestamp.as_ref().map(|t| t.0);
@@ -284,8 +295,7 @@ async fn observe_claim_users(
             model_dir: jobs::model_dir(&other),
         });
     }
-    let models: Api<Model> = Api::namespaced(client.clone(), ns);
-    for m in models.list(&ListParams::default()).await?.items {
+    for m in stores.models_in(ns) {
         if let Some(dir) = m
             .status
             .as_ref()
@@ -295,13 +305,27 @@ async fn observe_claim_users(
             observed.served_dirs.push(dir);
         }
     }
-    Ok(())
 }
 
 async fn reconcile_inner(mc: &ModelCache, ctx: &Context) -> Result<CtrlAction, Error> {
     let ns = mc.namespace().ok_or(Error::Missing("namespace"))?;
     let name = mc.name_any();
+    if ctx.stores.ready().await.is_err() {
+        return Err(Error::Missing(
+            "watch stores (the controller is shutting down)",
+        ));
+    }
     let observed = observe(mc, ctx, &ns).await?;
+    if !observed
+        .jobs
+        .values()
+        .any(|j| matches!(j.state, JobState::Active))
+    {
+        // Nothing running: no log read is due (the per-cache record would only hold memory).
+        if let Ok(mut m) = ctx.log_reads.lock() {
+            m.remove(&(ns.clone(), name.clone()));
+        }
+    }
     let now = k8s_openapi::jiff::Timestamp::now();
     let p = plan(mc, &observed, &ctx.config, now);
     apply(mc, ctx, &ns, &p).await?;
@@ -334,7 +358,10 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
     for a in &p.actions {
         match a {
             Action::AddFinalizer => {}
-            Action::RemoveFinalizer => remove_finalizer(&caches, mc, &rv).await?,
+            Action::RemoveFinalizer => {
+                remove_finalizer(&caches, mc, &rv).await?;
+                ctx.forget(ns, &name);
+            }
             Action::CreatePvc(pvc) => match pvc_api.create(&PostParams::default(), pvc).await {
                 Ok(_) => info!(cache = %name, namespace = %ns, "created PVC"),
                 Err(kube::Error::Api(e)) if e.code == 409 => {}
@@ -344,7 +371,16 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
             Action::CreateJob(job) => {
                 let jname = job.metadata.name.clone().unwrap_or_default();
                 match job_api.create(&PostParams::default(), job).await {
-                    Ok(_) => info!(cache = %name, namespace = %ns, job = %jname, "created Job"),
+                    Ok(created) => {
+                        if let Some(uid) = created.metadata.uid {
+                            let exp = Expectation::JobCreated {
+                                name: jname.clone(),
+                                uid,
+                            };
+                            ctx.stores.expect(ns, &name, exp);
+                        }
+                        info!(cache = %name, namespace = %ns, job = %jname, "created Job")
+                    }
                     Err(kube::Error::Api(e)) if e.code == 409 => {
                         debug!(job = %jname, "Job already exists")
                     }
@@ -358,8 +394,19 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
                     propagation_policy: Some(PropagationPolicy::Foreground),
                     ..Default::default()
                 };
+                let uid = ctx
+                    .stores
+                    .job(ns, jname)
+                    .and_then(|j| j.metadata.uid.clone());
                 match job_api.delete(jname, &dp).await {
-                    Ok(_) => info!(cache = %name, namespace = %ns, job = %jname, "deleted Job"),
+                    Ok(_) => {
+                        let exp = Expectation::JobDeleted {
+                            name: jname.clone(),
+                            uid,
+                        };
+                        ctx.stores.expect(ns, &name, exp);
+                        info!(cache = %name, namespace = %ns, job = %jname, "deleted Job")
+                    }
                     Err(kube::Error::Api(e)) if e.code == 404 => {}
                     Err(e) => return Err(e.into()),
                 }

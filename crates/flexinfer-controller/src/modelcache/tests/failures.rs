@@ -421,3 +421,45 @@ fn a_pod_that_cannot_start_fails_the_attempt_after_the_threshold() {
         }
     }
 }
+
+#[test]
+fn a_pod_waiting_for_node_capacity_never_fails_the_attempt() {
+    use crate::modelcache::observe::waits_for_capacity;
+    let table = [
+        ("0/4 nodes are available: 4 Too many pods. preemption: 0/4 nodes are available: 4 No preemption victims found for incoming pod.", true),
+        ("0/5 nodes are available: 1 Insufficient amd.com/gpu, 4 node(s) didn't match Pod's node affinity/selector. preemption: 0/5 nodes are available: 1 No preemption victims found for incoming pod, 4 Preemption is not helpful for scheduling.", true),
+        ("0/3 nodes are available: 3 Insufficient memory.", true),
+        ("0/5 nodes are available: 5 node(s) had untolerated taint {dedicated: gpu}.", false),
+        ("0/4 nodes are available: 4 node(s) didn't match Pod's node affinity/selector. preemption: 0/4 nodes are available: 4 Insufficient cpu.", false),
+        ("", false),
+    ];
+    for (msg, want) in table {
+        assert_eq!(waits_for_capacity(msg), want, "{msg}");
+    }
+    let c = cfg();
+    let limit = c.stuck_pod_after.as_secs() as i64;
+    let queued = ObservedPod {
+        name: "mc-download-x".into(),
+        created: Some(t(0)),
+        unschedulable: Some("0/4 nodes are available: 4 Too many pods.".into()),
+        ..Default::default()
+    };
+    let mc = cache(SIMPLE);
+    let p0 = plan(&mc, &obs(vec![]), &c, t(0));
+    let mut j = job_from(&p0, JobPhase::Download, t(0), JobState::Active);
+    j.pod = Some(queued);
+    let mc = applied(mc, &p0);
+    let p = plan(&mc, &obs(vec![j.clone()]), &c, t(limit * 10));
+    assert!(deleted_jobs(&p).is_empty(), "{:?}", p.actions);
+    assert_eq!(p.status.retry_count.unwrap_or(0), 0);
+    let prog = conditions::find(&p.status.conditions, "Progressing").expect("Progressing");
+    assert_eq!(prog.reason, "Unschedulable");
+    assert!(
+        prog.message.contains("node capacity") && !prog.message.contains("fails after"),
+        "{prog:?}"
+    );
+    // Comes back at the poll interval (not at once: no hot loop on an expired window).
+    assert_eq!(p.requeue_after, Some(c.progress_poll));
+    let again = plan(&applied(mc, &p), &obs(vec![j]), &c, t(limit * 10 + 1));
+    assert!(!again.status_changed && deleted_jobs(&again).is_empty());
+}

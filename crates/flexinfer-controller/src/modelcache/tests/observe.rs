@@ -299,3 +299,145 @@ fn gpu_profiles_are_listed_only_for_live_caches_with_gpu_phases() {
         assert_eq!(needs_profiles(&mc), want, "{why}");
     }
 }
+
+/// The plan's Job of `phase` for the FULL cache, as the API server would return it (status, uid,
+/// managed fields and all).
+fn stored_job(phase: JobPhase, state: &str) -> k8s_openapi::api::batch::v1::Job {
+    let p = plan(&cache(FULL), &obs(vec![]), &cfg(), t(0));
+    let j = p
+        .actions
+        .iter()
+        .find_map(|a| match a {
+            Action::CreateJob(j) => Some(j.clone()),
+            _ => None,
+        })
+        .expect("a created Job");
+    assert!(j
+        .metadata
+        .name
+        .as_deref()
+        .unwrap()
+        .ends_with(phase.as_str()));
+    let mut v = serde_json::to_value(&j).unwrap();
+    v["metadata"]["uid"] = "u-1".into();
+    v["metadata"]["creationTimestamp"] = "2026-12-01T00:00:00Z".into();
+    v["metadata"]["managedFields"] = serde_json::json!([{"manager": "x", "operation": "Update"}]);
+    v["status"] = serde_json::json!({
+        "startTime": "2026-12-01T00:00:01Z",
+        "conditions": [{"type": state, "status": "True", "reason": "BackoffLimitExceeded", "message": "m"}]
+    });
+    serde_json::from_value(v).unwrap()
+}
+
+fn stored_pod(job: &str, terminated: bool) -> k8s_openapi::api::core::v1::Pod {
+    let state = if terminated {
+        serde_json::json!({"terminated": {"exitCode": 3, "reason": "Error", "message": "{\"x\":1}"}})
+    } else {
+        serde_json::json!({"waiting": {"reason": "ImagePullBackOff", "message": "no such image"}})
+    };
+    serde_json::from_value(serde_json::json!({
+        "metadata": {"name": format!("{job}-abcde"), "namespace": "ns",
+                     "creationTimestamp": "2026-12-01T00:00:02Z",
+                     "labels": {"batch.kubernetes.io/job-name": job},
+                     "annotations": {"a": "b"},
+                     "managedFields": [{"manager": "kubelet"}]},
+        "spec": {"containers": [{"name": "worker", "image": "w"}, {"name": "side", "image": "s"}]},
+        "status": {"phase": "Pending",
+                   "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/3 nodes"},
+                                  {"type": "Ready", "status": "False"}],
+                   "containerStatuses": [{"name": "worker", "image": "w", "imageID": "", "ready": false, "restartCount": 0, "state": state},
+                                         {"name": "side", "image": "s", "imageID": "", "ready": false, "restartCount": 0}]}
+    }))
+    .unwrap()
+}
+
+#[test]
+fn pruned_jobs_and_pods_observe_the_same_as_full_ones() {
+    use crate::modelcache::observe::{observe_job, prune_job, prune_pod};
+    for state in ["Complete", "Failed", "Running"] {
+        for terminated in [true, false] {
+            let job = stored_job(JobPhase::Download, state);
+            let pods = vec![stored_pod(
+                job.metadata.name.as_deref().unwrap(),
+                terminated,
+            )];
+            let (mut pj, mut pp) = (job.clone(), pods.clone());
+            prune_job(&mut pj);
+            pp.iter_mut().for_each(prune_pod);
+            let full = observe_job(&job, &pods).expect("a pipeline Job");
+            assert_eq!(
+                observe_job(&pj, &pp),
+                Some(full.clone()),
+                "{state} {terminated}"
+            );
+            // What it reads is really there (the comparison is not of two empty summaries).
+            assert!(full.out_dir.is_some() && !full.image.is_empty() && full.spec_hash.is_some());
+            assert!(full.pod.as_ref().is_some_and(|p| p.unschedulable.is_some()));
+            // And what it does not read is gone.
+            assert!(pj.metadata.managed_fields.is_none() && pp[0].spec.is_none());
+            let c = &pj
+                .spec
+                .as_ref()
+                .unwrap()
+                .template
+                .spec
+                .as_ref()
+                .unwrap()
+                .containers;
+            assert_eq!(c.len(), 1);
+            assert!(c[0].resources.is_none() && c[0].env.as_ref().is_some_and(|e| e.len() == 1));
+            assert!(
+                serde_json::to_vec(&pj).unwrap().len() * 2
+                    < serde_json::to_vec(&job).unwrap().len(),
+                "a pruned Job is less than half the size"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_log_budget_is_a_token_bucket() {
+    use crate::modelcache::observe::LogBudget;
+    let t0 = Instant::now();
+    let mut b = LogBudget::new(2, t0);
+    // Starts with one second's worth, refills at the rate, saves up at most two seconds' worth.
+    assert!(b.take(t0) && b.take(t0) && !b.take(t0));
+    assert!(!b.take(t0 + Duration::from_millis(400)));
+    assert!(b.take(t0 + Duration::from_millis(500)));
+    let later = t0 + Duration::from_secs(60);
+    let taken = (0..10).filter(|_| b.take(later)).count();
+    assert_eq!(taken, 4, "burst capped at 2 × per_second");
+    let mut off = LogBudget::new(0, t0);
+    assert!(!off.take(t0) && !off.take(later));
+}
+
+#[test]
+fn job_expectations_are_met_only_by_the_store_showing_the_write() {
+    use crate::modelcache::stores::{expectation_met, Expectation};
+    let mut j = stored_job(JobPhase::Download, "Running");
+    let created = Expectation::JobCreated {
+        name: "x".into(),
+        uid: "u-1".into(),
+    };
+    let deleted = Expectation::JobDeleted {
+        name: "x".into(),
+        uid: Some("u-1".into()),
+    };
+    assert!(!expectation_met(&created, None), "not in the store yet");
+    assert!(expectation_met(&created, Some(&j)));
+    assert!(expectation_met(&deleted, None), "gone");
+    assert!(
+        !expectation_met(&deleted, Some(&j)),
+        "still there, not terminating"
+    );
+    j.metadata.deletion_timestamp =
+        Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(t(5)));
+    assert!(expectation_met(&deleted, Some(&j)), "terminating");
+    j.metadata.deletion_timestamp = None;
+    j.metadata.uid = Some("u-2".into());
+    assert!(
+        !expectation_met(&created, Some(&j)),
+        "an older Job of that name"
+    );
+    assert!(expectation_met(&deleted, Some(&j)), "replaced by a new Job");
+}

@@ -1,0 +1,474 @@
+//! Watch-fed views of everything the ModelCache reconciler reads — the caches, their Jobs and those
+//! Jobs' pods, the claims the controller creates, GPUProfiles and Models — so that a reconcile sends
+//! no read to the API server (the one exception is a running pod's log tail, rate-limited).
+//!
+//! Each view is a kube-runtime reflector store fed by one watch. The Job and GPUProfile streams are
+//! also the controller's triggers, so a reconcile triggered by a Job event finds that event in the
+//! Job store. Stored Jobs and pods are pruned to what the planner reads ([`super::observe::prune_job`],
+//! [`super::observe::prune_pod`]), and lookups go through name keys and small indexes (a cache's
+//! Jobs by their deterministic names, pods by their Job, caches by their claim), never a scan of a
+//! store: a reconcile costs the same with 10 or 5,000 caches.
+//!
+//! Our own writes reach the stores through the watch a few milliseconds later. The reconciler
+//! records each Job it creates or deletes as an [`Expectation`]; until the Job store shows it, the
+//! cache is reconciled again shortly instead of planning from a view that predates the write
+//! (client-go's controller expectations).
+
+use std::collections::{BTreeSet, HashMap};
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use flexinfer_api::contract::labels;
+use flexinfer_api::gpuprofile::GPUProfile;
+use flexinfer_api::model::Model;
+use flexinfer_api::modelcache::ModelCache;
+use futures::{Stream, StreamExt};
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+use kube::core::PartialObjectMeta;
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::watcher::{self, watcher};
+use kube::runtime::WatchStreamExt;
+use kube::{Api, Client, Resource, ResourceExt};
+
+use super::jobs;
+use super::observe::{prune_job, prune_pod};
+use crate::kube_client::api_in;
+
+/// The label the Job controller puts on a Job's pods.
+pub const JOB_NAME_LABEL: &str = "batch.kubernetes.io/job-name";
+
+/// Names of objects by `(namespace, key)`: a superset of the truth, checked against the store on
+/// every lookup (an entry whose object is gone or has another key now is dropped then).
+#[derive(Default)]
+pub struct Index {
+    map: Mutex<HashMap<(String, String), BTreeSet<String>>>,
+}
+
+impl Index {
+    fn insert(&self, ns: &str, key: String, name: &str) {
+        if let Ok(mut m) = self.map.lock() {
+            m.entry((ns.to_string(), key))
+                .or_default()
+                .insert(name.to_string());
+        }
+    }
+
+    fn remove(&self, ns: &str, key: String, name: &str) {
+        if let Ok(mut m) = self.map.lock() {
+            let k = (ns.to_string(), key);
+            if let Some(set) = m.get_mut(&k) {
+                set.remove(name);
+                if set.is_empty() {
+                    m.remove(&k);
+                }
+            }
+        }
+    }
+
+    /// The objects of `store` indexed under `(ns, key)` whose key (by `key_of`) is still `key`.
+    fn lookup<K>(
+        &self,
+        store: &Store<K>,
+        ns: &str,
+        key: &str,
+        key_of: fn(&K) -> Option<String>,
+    ) -> Vec<Arc<K>>
+    where
+        K: Resource<DynamicType = ()> + Clone + 'static,
+    {
+        let names: Vec<String> = match self.map.lock() {
+            Ok(m) => m
+                .get(&(ns.to_string(), key.to_string()))
+                .map(|s| s.iter().cloned().collect())
+                .unwrap_or_default(),
+            Err(_) => return Vec::new(),
+        };
+        let mut found = Vec::with_capacity(names.len());
+        for name in names {
+            match store.get(&ObjectRef::new(&name).within(ns)) {
+                Some(obj) if key_of(&obj).as_deref() == Some(key) => found.push(obj),
+                _ => self.remove(ns, key.to_string(), &name),
+            }
+        }
+        found
+    }
+
+    /// Entries (for tests and the memory bound).
+    pub fn len(&self) -> usize {
+        self.map
+            .lock()
+            .map(|m| m.values().map(BTreeSet::len).sum())
+            .unwrap_or(0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Keep the index in step with a watch event of an object whose key is `key_of(obj)`.
+    fn update<K: Resource>(&self, ev: &watcher::Event<K>, key_of: fn(&K) -> Option<String>) {
+        let entry = |o: &K| {
+            Some((
+                o.meta().namespace.clone()?,
+                key_of(o)?,
+                o.meta().name.clone()?,
+            ))
+        };
+        match ev {
+            watcher::Event::Apply(o) | watcher::Event::InitApply(o) => {
+                if let Some((ns, key, name)) = entry(o) {
+                    self.insert(&ns, key, &name);
+                }
+            }
+            watcher::Event::Delete(o) => {
+                if let Some((ns, key, name)) = entry(o) {
+                    self.remove(&ns, key, &name);
+                }
+            }
+            watcher::Event::Init | watcher::Event::InitDone => {}
+        }
+    }
+}
+
+/// The claim a cache uses: the index key of caches.
+fn cache_claim(mc: &ModelCache) -> Option<String> {
+    Some(jobs::claim_name(mc))
+}
+
+/// The Job a pod belongs to: the index key of pods.
+fn pod_job(p: &Pod) -> Option<String> {
+    p.labels()
+        .get(JOB_NAME_LABEL)
+        .or_else(|| p.labels().get("job-name"))
+        .cloned()
+}
+
+/// A Job or PVC the reconciler wrote and the store has not shown yet.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Expectation {
+    /// A Job created with this uid.
+    JobCreated { name: String, uid: String },
+    /// A Job deleted (it shows up terminating or gone).
+    JobDeleted { name: String, uid: Option<String> },
+}
+
+/// How long an unmet expectation holds a cache back before the reconciler stops waiting for the
+/// watch (and reads the cache's Jobs from the API server once).
+pub const EXPECTATION_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Whether `exp` is met by the Job store's copy `stored` of the Job it names.
+pub fn expectation_met(exp: &Expectation, stored: Option<&Job>) -> bool {
+    match exp {
+        Expectation::JobCreated { uid, .. } => {
+            stored.is_some_and(|j| j.metadata.uid.as_deref() == Some(uid.as_str()))
+        }
+        Expectation::JobDeleted { uid, .. } => match stored {
+            None => true,
+            Some(j) => {
+                j.metadata.deletion_timestamp.is_some()
+                    || (uid.is_some() && j.metadata.uid.as_deref() != uid.as_deref())
+            }
+        },
+    }
+}
+
+/// The read views of one ModelCache controller (one watched scope).
+#[derive(Clone)]
+pub struct Stores {
+    pub caches: Store<ModelCache>,
+    pub jobs: Store<Job>,
+    pub pods: Store<Pod>,
+    pub claims: Store<PartialObjectMeta<PersistentVolumeClaim>>,
+    pub profiles: Store<GPUProfile>,
+    pub models: Store<Model>,
+    caches_by_claim: Arc<Index>,
+    pods_by_job: Arc<Index>,
+    expectations: Arc<Mutex<HashMap<(String, String), Vec<(Expectation, Instant)>>>>,
+}
+
+/// The watch streams behind [`Stores`]: `caches` drives the controller, `jobs` and `profiles` are
+/// its triggers, `background` only fills stores and must be polled beside the controller.
+pub struct Streams {
+    pub caches: futures::stream::BoxStream<'static, Result<ModelCache, watcher::Error>>,
+    pub jobs: futures::stream::BoxStream<'static, Result<Job, watcher::Error>>,
+    pub profiles: futures::stream::BoxStream<'static, Result<GPUProfile, watcher::Error>>,
+    pub background: std::pin::Pin<Box<dyn Future<Output = ()> + Send>>,
+}
+
+fn clear_managed_fields<K: Resource>(o: &mut K) {
+    o.meta_mut().managed_fields = None;
+}
+
+/// Drive a store-only stream to its end (it ends only with the process).
+async fn drain<S: Stream + Send>(s: S) {
+    s.for_each(|_| std::future::ready(())).await
+}
+
+impl Stores {
+    /// The stores of scope `ns` (all namespaces when `None`) and the streams that fill them.
+    pub fn new(client: &Client, ns: Option<&str>) -> (Self, Streams) {
+        let managed = format!("{}={}", labels::MANAGED_BY, labels::MANAGED_BY_VALUE);
+        let (caches, caches_w) = reflector::store();
+        let (jobs, jobs_w) = reflector::store();
+        let (pods, pods_w) = reflector::store();
+        let (claims, claims_w) = reflector::store();
+        let (profiles, profiles_w) = reflector::store();
+        let (models, models_w) = reflector::store();
+        let caches_by_claim = Arc::new(Index::default());
+        let pods_by_job = Arc::new(Index::default());
+
+        let idx = caches_by_claim.clone();
+        let cache_stream = watcher(api_in::<ModelCache>(client, ns), watcher::Config::default())
+            .default_backoff()
+            .modify(clear_managed_fields)
+            .reflect(caches_w)
+            .inspect(move |ev| {
+                if let Ok(ev) = ev {
+                    idx.update(ev, cache_claim);
+                }
+            })
+            .applied_objects()
+            .boxed();
+        let job_stream = watcher(
+            api_in::<Job>(client, ns),
+            watcher::Config::default().labels(&managed),
+        )
+        .default_backoff()
+        .modify(prune_job)
+        .reflect(jobs_w)
+        .touched_objects()
+        .boxed();
+        let profile_stream = watcher(api_in::<GPUProfile>(client, ns), watcher::Config::default())
+            .default_backoff()
+            .modify(clear_managed_fields)
+            .reflect(profiles_w)
+            .touched_objects()
+            .boxed();
+
+        let idx = pods_by_job.clone();
+        let pod_stream = watcher(
+            api_in::<Pod>(client, ns),
+            watcher::Config::default().labels(&managed),
+        )
+        .default_backoff()
+        .modify(prune_pod)
+        .reflect(pods_w)
+        .inspect(move |ev| {
+            if let Ok(ev) = ev {
+                idx.update(ev, pod_job);
+            }
+        });
+        // Metadata only: whether a claim exists is all a reconcile asks.
+        let claim_api: Api<PartialObjectMeta<PersistentVolumeClaim>> = api_in(client, ns);
+        let claim_stream = watcher(claim_api, watcher::Config::default())
+            .default_backoff()
+            .modify(clear_managed_fields)
+            .reflect(claims_w);
+        let model_stream = watcher(api_in::<Model>(client, ns), watcher::Config::default())
+            .default_backoff()
+            .modify(clear_managed_fields)
+            .reflect(models_w);
+        let background = Box::pin(async move {
+            tokio::join!(drain(pod_stream), drain(claim_stream), drain(model_stream));
+        });
+        (
+            Self {
+                caches,
+                jobs,
+                pods,
+                claims,
+                profiles,
+                models,
+                caches_by_claim,
+                pods_by_job,
+                expectations: Default::default(),
+            },
+            Streams {
+                caches: cache_stream,
+                jobs: job_stream,
+                profiles: profile_stream,
+                background,
+            },
+        )
+    }
+
+    /// Wait until every store has its first full listing (a reconcile must never plan from an
+    /// empty Job store: it would restart finished phases).
+    pub async fn ready(&self) -> Result<(), reflector::store::WriterDropped> {
+        self.caches.wait_until_ready().await?;
+        self.jobs.wait_until_ready().await?;
+        self.pods.wait_until_ready().await?;
+        self.claims.wait_until_ready().await?;
+        self.profiles.wait_until_ready().await?;
+        self.models.wait_until_ready().await
+    }
+
+    /// The Job `name` in `ns`, as stored.
+    pub fn job(&self, ns: &str, name: &str) -> Option<Arc<Job>> {
+        self.jobs.get(&ObjectRef::new(name).within(ns))
+    }
+
+    /// The pods of Job `job` in `ns`.
+    pub fn pods_of(&self, ns: &str, job: &str) -> Vec<Pod> {
+        self.pods_by_job
+            .lookup(&self.pods, ns, job, pod_job)
+            .into_iter()
+            .map(|p| (*p).clone())
+            .collect()
+    }
+
+    /// The caches of `ns` on claim `claim`.
+    pub fn caches_on_claim(&self, ns: &str, claim: &str) -> Vec<Arc<ModelCache>> {
+        self.caches_by_claim
+            .lookup(&self.caches, ns, claim, cache_claim)
+            .into_iter()
+            .collect()
+    }
+
+    /// Whether a claim named `name` exists in `ns`.
+    pub fn claim_exists(&self, ns: &str, name: &str) -> bool {
+        self.claims.get(&ObjectRef::new(name).within(ns)).is_some()
+    }
+
+    /// The GPUProfiles of `ns`.
+    pub fn profiles_in(&self, ns: &str) -> Vec<GPUProfile> {
+        self.profiles
+            .state()
+            .into_iter()
+            .filter(|p| p.namespace().as_deref() == Some(ns))
+            .map(|p| (*p).clone())
+            .collect()
+    }
+
+    /// The Models of `ns`.
+    pub fn models_in(&self, ns: &str) -> Vec<Arc<Model>> {
+        self.models
+            .state()
+            .into_iter()
+            .filter(|m| m.namespace().as_deref() == Some(ns))
+            .collect()
+    }
+
+    /// Record a write to Jobs of cache `(ns, cache)` that the Job store must show before the cache is
+    /// planned again.
+    pub fn expect(&self, ns: &str, cache: &str, exp: Expectation) {
+        if let Ok(mut m) = self.expectations.lock() {
+            m.entry((ns.to_string(), cache.to_string()))
+                .or_default()
+                .push((exp, Instant::now()));
+        }
+    }
+
+    /// The state of cache `(ns, cache)`'s expectations now: met ones are dropped.
+    pub fn expectations(&self, ns: &str, cache: &str, now: Instant) -> Pending {
+        let Ok(mut m) = self.expectations.lock() else {
+            return Pending::Met;
+        };
+        let key = (ns.to_string(), cache.to_string());
+        let Some(list) = m.get_mut(&key) else {
+            return Pending::Met;
+        };
+        let mut expired = false;
+        list.retain(|(exp, at)| {
+            let name = match exp {
+                Expectation::JobCreated { name, .. } | Expectation::JobDeleted { name, .. } => name,
+            };
+            if expectation_met(exp, self.job(ns, name).as_deref()) {
+                return false;
+            }
+            if now.duration_since(*at) >= EXPECTATION_TIMEOUT {
+                expired = true;
+                return false;
+            }
+            true
+        });
+        let pending = !list.is_empty();
+        if !pending {
+            m.remove(&key);
+        }
+        if expired {
+            Pending::Expired
+        } else if pending {
+            Pending::Waiting
+        } else {
+            Pending::Met
+        }
+    }
+
+    /// Forget a deleted cache's expectations.
+    pub fn forget(&self, ns: &str, cache: &str) {
+        if let Ok(mut m) = self.expectations.lock() {
+            m.remove(&(ns.to_string(), cache.to_string()));
+        }
+    }
+
+    /// Index entries and expectations held (the memory bound's test reads them).
+    pub fn bookkeeping_len(&self) -> usize {
+        self.caches_by_claim.len()
+            + self.pods_by_job.len()
+            + self
+                .expectations
+                .lock()
+                .map(|m| m.values().map(Vec::len).sum())
+                .unwrap_or(0)
+    }
+}
+
+/// What a cache's writes still wait for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pending {
+    /// The stores show every write: plan from them.
+    Met,
+    /// A write is not in the Job store yet: reconcile again shortly.
+    Waiting,
+    /// A write did not show within [`EXPECTATION_TIMEOUT`]: read the cache's Jobs from the API
+    /// server this once.
+    Expired,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(name: &str, job: &str) -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "namespace": "ns", "labels": {JOB_NAME_LABEL: job}}
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn index_lookups_follow_the_store() {
+        let (store, mut writer) = reflector::store::<Pod>();
+        let index = Index::default();
+        let feed = |w: &mut reflector::store::Writer<Pod>, ev: watcher::Event<Pod>| {
+            w.apply_watcher_event(&ev);
+            index.update(&ev, pod_job);
+        };
+        feed(&mut writer, watcher::Event::Apply(pod("a-1", "a")));
+        feed(&mut writer, watcher::Event::Apply(pod("a-2", "a")));
+        feed(&mut writer, watcher::Event::Apply(pod("b-1", "b")));
+        let names = |job: &str| -> Vec<String> {
+            index
+                .lookup(&store, "ns", job, pod_job)
+                .iter()
+                .map(|p| p.name_any())
+                .collect()
+        };
+        assert_eq!(names("a"), ["a-1", "a-2"]);
+        assert_eq!(names("b"), ["b-1"]);
+        assert!(names("c").is_empty());
+        // A deleted pod leaves the index.
+        feed(&mut writer, watcher::Event::Delete(pod("a-1", "a")));
+        assert_eq!(names("a"), ["a-2"]);
+        // A pod whose key changed is found under the new key only; the stale entry is dropped.
+        feed(&mut writer, watcher::Event::Apply(pod("a-2", "b")));
+        assert_eq!(names("a"), Vec::<String>::new());
+        assert_eq!(names("b"), ["a-2", "b-1"]);
+        assert_eq!(index.len(), 2);
+        // Another namespace is another key.
+        assert!(index.lookup(&store, "other", "b", pod_job).is_empty());
+    }
+}
