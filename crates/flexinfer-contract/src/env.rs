@@ -199,6 +199,8 @@ pub mod proxy {
     pub const MAX_QUEUED_REQUESTS: &str = "FLEXINFER_PROXY_MAX_QUEUED_REQUESTS";
     /// Requests admitted at once for one Model, cold-start waiters included (default 256; 429 beyond).
     pub const MAX_REQUESTS_PER_MODEL: &str = "FLEXINFER_PROXY_MAX_REQUESTS_PER_MODEL";
+    /// Requests released at once to a Model that just became ready (default 16).
+    pub const COLD_START_RELEASE: &str = "FLEXINFER_PROXY_COLD_START_RELEASE";
     /// Longest wait for a client's request headers, on every port (default `30s`).
     pub const HEADER_READ_TIMEOUT: &str = "FLEXINFER_PROXY_HEADER_READ_TIMEOUT";
     /// Longest time to read a request body (default `30s`; 408 beyond).

@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use flexinfer_api::contract::{labels, proxy, serving};
 use flexinfer_api::Model;
-use futures::StreamExt;
+use futures::future::{BoxFuture, Shared};
+use futures::{FutureExt, StreamExt};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
@@ -26,6 +27,9 @@ use crate::plan;
 /// `(namespace, name)` of a Model.
 pub type ModelKey = (String, String);
 
+/// A `touch` in flight, shared by every caller for the same Model (its error as text).
+type TouchInFlight = Shared<BoxFuture<'static, Result<bool, String>>>;
+
 /// Shared view of Models and their endpoints.
 #[derive(Clone)]
 pub struct Cluster {
@@ -39,6 +43,8 @@ pub struct Cluster {
     written: Arc<Mutex<HashMap<ModelKey, Timestamp>>>,
     writes: Arc<AtomicU64>,
     signals: Arc<Signals>,
+    /// The `lastActiveTime` write in flight per Model (single-flight).
+    touching: Arc<Mutex<HashMap<ModelKey, TouchInFlight>>>,
 }
 
 /// Per-Model change signals: requests waiting for a Model subscribe to its channel, which carries
@@ -255,6 +261,7 @@ impl Cluster {
             written: Arc::default(),
             writes: Arc::default(),
             signals: signals.clone(),
+            touching: Arc::default(),
         };
         (cluster, signals)
     }
@@ -323,6 +330,45 @@ impl Cluster {
     /// EndpointSlices change (computed once per change for all subscribers).
     pub fn subscribe(&self, key: &ModelKey) -> watch::Receiver<Arc<Vec<String>>> {
         self.signals.subscribe(key)
+    }
+
+    /// [`Self::touch`], single-flight: while a write decision for the Model is in flight, other
+    /// callers wait for it and share its result instead of starting their own (one PATCH per
+    /// Model, not one per waiting request).
+    pub async fn touch_once(
+        &self,
+        key: &ModelKey,
+        default_interval: Duration,
+    ) -> Result<bool, String> {
+        let fut = {
+            let Ok(mut touching) = self.touching.lock() else {
+                return self
+                    .touch(key, default_interval)
+                    .await
+                    .map_err(|e| e.to_string());
+            };
+            match touching.get(key) {
+                Some(f) => f.clone(),
+                None => {
+                    let (this, k) = (self.clone(), key.clone());
+                    let f = async move {
+                        let r = this
+                            .touch(&k, default_interval)
+                            .await
+                            .map_err(|e| e.to_string());
+                        if let Ok(mut t) = this.touching.lock() {
+                            t.remove(&k);
+                        }
+                        r
+                    }
+                    .boxed()
+                    .shared();
+                    touching.insert(key.clone(), f.clone());
+                    f
+                }
+            }
+        };
+        fut.await
     }
 
     /// Write `status.lastActiveTime = now` unless a write (by any replica) within the Model's

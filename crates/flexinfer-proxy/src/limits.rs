@@ -139,22 +139,25 @@ impl BodyBudget {
     }
 }
 
-/// Per-Model state: the admission cap.
+/// Per-Model state: the admission cap and the release of a cold start's waiters.
 pub struct ModelLimits {
     pub admitted: Arc<Semaphore>,
+    pub release: Arc<Semaphore>,
 }
 
 /// The gates of every Model requests were resolved to (only Models in the cluster view, so
 /// clients cannot create entries).
 pub struct PerModel {
     max_requests: usize,
+    release: usize,
     models: Mutex<HashMap<ModelKey, Arc<ModelLimits>>>,
 }
 
 impl PerModel {
-    pub fn new(max_requests: usize) -> Self {
+    pub fn new(max_requests: usize, release: usize) -> Self {
         Self {
             max_requests: max_requests.min(Semaphore::MAX_PERMITS),
+            release: release.clamp(1, Semaphore::MAX_PERMITS),
             models: Mutex::default(),
         }
     }
@@ -163,6 +166,7 @@ impl PerModel {
         let make = || {
             Arc::new(ModelLimits {
                 admitted: Arc::new(Semaphore::new(self.max_requests)),
+                release: Arc::new(Semaphore::new(self.release)),
             })
         };
         match self.models.lock() {

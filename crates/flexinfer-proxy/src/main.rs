@@ -51,6 +51,9 @@ struct Args {
     /// Requests admitted at once for one Model, cold-start waiters included (429 beyond).
     #[arg(long, env = env::proxy::MAX_REQUESTS_PER_MODEL, default_value_t = 256)]
     max_requests_per_model: usize,
+    /// Requests released at once to a Model that just became ready.
+    #[arg(long, env = env::proxy::COLD_START_RELEASE, default_value_t = 16)]
+    cold_start_release: usize,
     /// Longest wait for a request head, on every port.
     #[arg(long, env = env::proxy::HEADER_READ_TIMEOUT, default_value = "30s")]
     header_read_timeout: String,
@@ -111,6 +114,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             env::proxy::MAX_REQUESTS_PER_MODEL,
             args.max_requests_per_model,
         ),
+        (env::proxy::COLD_START_RELEASE, args.cold_start_release),
     ] {
         anyhow::ensure!(n > 0, "{name}: must be at least 1");
     }
@@ -152,6 +156,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         max_requests: args.max_requests,
         max_queued_requests: args.max_queued_requests,
         max_requests_per_model: args.max_requests_per_model,
+        cold_start_release: args.cold_start_release,
         header_read_timeout,
         body_read_timeout,
         backend_header_timeout,

@@ -46,6 +46,9 @@ pub struct Config {
     pub max_queued_requests: usize,
     /// Requests admitted at once for one Model, cold-start waiters included; more get 429.
     pub max_requests_per_model: usize,
+    /// Requests sent at once to a Model that just became ready (the rest follow as these get
+    /// their response headers).
+    pub cold_start_release: usize,
     /// Longest wait for a request head, on every port.
     pub header_read_timeout: Duration,
     /// Longest time to receive a request body (408 beyond).
@@ -70,6 +73,7 @@ impl Default for Config {
             max_requests: 1024,
             max_queued_requests: 1024,
             max_requests_per_model: 256,
+            cold_start_release: 16,
             header_read_timeout: Duration::from_secs(30),
             body_read_timeout: Duration::from_secs(30),
             backend_header_timeout: Duration::from_secs(600),
@@ -174,7 +178,7 @@ impl Proxy {
             balancers: Mutex::new(HashMap::new()),
             admission: Gate::new(config.max_requests, config.max_queued_requests),
             bodies: BodyBudget::new(config.body_memory_bytes),
-            per_model: PerModel::new(config.max_requests_per_model),
+            per_model: PerModel::new(config.max_requests_per_model, config.cold_start_release),
             config,
         }))
     }
@@ -301,7 +305,14 @@ impl Proxy {
 
         // From here on the request counts as activity of the Model (also while it waits).
         let guard = self.activity.begin(&key);
-        let backends = self.await_backends(&key).await?;
+        let (backends, waited) = self.await_backends(&key).await?;
+        // Waiters of a cold start go to the new backend a few at a time (each until its response
+        // headers), not all at once.
+        let _release = if waited {
+            limits.release.clone().acquire_owned().await.ok()
+        } else {
+            None
+        };
         let out = Outgoing {
             method: parts.method.clone(),
             path_and_query: parts
@@ -403,9 +414,11 @@ impl Proxy {
         )))
     }
 
-    /// Ready backends of the Model, waiting for a cold start when there are none.
-    async fn await_backends(&self, key: &ModelKey) -> Result<Vec<String>, ApiError> {
-        let mut changes = self.cluster.changes();
+    /// Ready backends of the Model, waiting for a cold start when there are none (and whether it
+    /// waited). Waiters are woken only by changes of this Model's objects, and share one
+    /// `lastActiveTime` write per Model.
+    async fn await_backends(&self, key: &ModelKey) -> Result<(Vec<String>, bool), ApiError> {
+        let mut backends = self.cluster.subscribe(key);
         let mut deadline: Option<(Instant, Duration)> = None;
         // Set while this request waits for a cold start (the queue gauge and the wait's outcome).
         let mut waiting: Option<(crate::metrics::Waiting, Instant)> = None;
@@ -415,7 +428,7 @@ impl Proxy {
             }
         };
         loop {
-            let _ = changes.borrow_and_update();
+            let ready = backends.borrow_and_update().clone();
             let Some(model) = self.cluster.model(key) else {
                 ended(&mut waiting, ColdStart::Failed);
                 return Err(ApiError::unavailable(format!(
@@ -423,8 +436,7 @@ impl Proxy {
                     key.0, key.1
                 )));
             };
-            let backends = self.cluster.backends(key);
-            let admission = plan::admit(&model, !backends.is_empty());
+            let admission = plan::admit(&model, !ready.is_empty());
             if deadline.is_none() {
                 // Request start: mark the Model active. A cold start needs the write before
                 // the controller scales up; a warm Model need not wait for it.
@@ -435,7 +447,7 @@ impl Proxy {
                         self.config.keepalive_interval,
                     );
                     async move {
-                        if let Err(e) = cluster.touch(&key, interval).await {
+                        if let Err(e) = cluster.touch_once(&key, interval).await {
                             warn!(namespace = %key.0, model = %key.1, error = %e, "cannot write lastActiveTime");
                         }
                     }
@@ -446,14 +458,16 @@ impl Proxy {
                     info!(namespace = %key.0, model = %key.1, timeout_s = timeout.as_secs(), "no ready backend: waiting for a cold start");
                     deadline = Some((plan::deadline(Instant::now(), timeout), timeout));
                     waiting = Some((self.metrics.waiting(key), Instant::now()));
-                } else {
-                    tokio::spawn(touch);
+                    // The Model may have become ready during the write.
+                    continue;
                 }
+                tokio::spawn(touch);
             }
             match admission {
                 Admission::Forward => {
+                    let waited = waiting.is_some();
                     ended(&mut waiting, ColdStart::Ready);
-                    return Ok(backends);
+                    return Ok((ready.as_ref().clone(), waited));
                 }
                 Admission::Reject(reason) => {
                     ended(&mut waiting, ColdStart::Failed);
@@ -465,7 +479,7 @@ impl Proxy {
                 continue;
             };
             tokio::select! {
-                changed = changes.changed() => {
+                changed = backends.changed() => {
                     if changed.is_err() {
                         ended(&mut waiting, ColdStart::Failed);
                         return Err(ApiError::unavailable("the proxy's cluster watch stopped"));

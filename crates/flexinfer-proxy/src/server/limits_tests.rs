@@ -25,6 +25,7 @@ fn test_config() -> Config {
         max_requests: 64,
         max_queued_requests: 64,
         max_requests_per_model: 32,
+        cold_start_release: 2,
         ..Config::default()
     }
 }
@@ -106,6 +107,7 @@ struct Harness {
     url: String,
     proxy: Arc<Proxy>,
     feed: Offline,
+    patches: Arc<AtomicUsize>,
 }
 
 async fn harness(config: Config) -> Harness {
@@ -115,7 +117,12 @@ async fn harness(config: Config) -> Harness {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", l.local_addr().unwrap());
     tokio::spawn(serve(l, proxy.clone(), futures::future::pending()));
-    Harness { url, proxy, feed }
+    Harness {
+        url,
+        proxy,
+        feed,
+        patches,
+    }
 }
 
 /// POST a chat completion for `model`: status, `Retry-After`, body.
@@ -138,6 +145,18 @@ async fn chat(url: &str, model: &str) -> (u16, Option<String>, Bytes) {
         .map(|v| v.to_str().unwrap().to_string());
     let body = resp.into_body().collect().await.unwrap().to_bytes();
     (status, retry, body)
+}
+
+/// Wait until `n` requests wait for `m`'s cold start.
+async fn until_waiting(p: &Proxy, m: &str, n: i64) {
+    let key = (NS.to_string(), m.to_string());
+    tokio::time::timeout(BOUND, async {
+        while p.metrics.waiting_now(&key) < n {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{} of {n} requests waiting", p.metrics.waiting_now(&key)));
 }
 
 /// Whether the server closes a connection that sent half a request head, within the bound.
@@ -257,5 +276,158 @@ async fn requests_over_the_global_limit_and_queue_are_answered_429() {
         statuses.iter().filter(|s| **s == 504).count(),
         4,
         "{statuses:?}"
+    );
+}
+
+/// A backend that answers after `hold`, recording the most requests it had at once.
+async fn counting_backend(hold: Duration) -> (u16, Arc<AtomicUsize>) {
+    let now = Arc::new(AtomicUsize::new(0));
+    let max = Arc::new(AtomicUsize::new(0));
+    let m = max.clone();
+    let port = http_server(move |_req: Request<Incoming>| {
+        let (now, max) = (now.clone(), m.clone());
+        async move {
+            let n = now.fetch_add(1, Ordering::SeqCst) + 1;
+            max.fetch_max(n, Ordering::SeqCst);
+            tokio::time::sleep(hold).await;
+            now.fetch_sub(1, Ordering::SeqCst);
+            json_response(StatusCode::OK, &serde_json::json!({"ok": true}))
+        }
+    })
+    .await;
+    (port, max)
+}
+
+#[tokio::test]
+async fn a_cold_start_writes_last_active_time_once_and_releases_waiters_a_few_at_a_time() {
+    let mut h = harness(test_config()).await;
+    h.feed.apply_model(model("m", "30s"));
+    let (port, max_at_once) = counting_backend(Duration::from_millis(150)).await;
+    let url = h.url.clone();
+    let all = tokio::spawn(async move {
+        let all: Vec<_> = (0..12).map(|_| chat(&url, "m")).collect();
+        futures::future::join_all(all).await
+    });
+    until_waiting(&h.proxy, "m", 12).await;
+    assert_eq!(
+        h.patches.load(Ordering::SeqCst),
+        1,
+        "one lastActiveTime write for 12 waiting requests"
+    );
+    h.feed.apply_slice(slice("m", "m-1", port));
+    let answers = all.await.unwrap();
+    assert!(
+        answers.iter().all(|a| a.0 == 200),
+        "{:?}",
+        answers.iter().map(|a| a.0).collect::<Vec<_>>()
+    );
+    let max = max_at_once.load(Ordering::SeqCst);
+    assert!(max <= 2, "{max} requests released at once (limit 2)");
+}
+
+#[tokio::test]
+async fn waiters_are_woken_only_by_their_own_models_changes() {
+    let mut h = harness(test_config()).await;
+    h.feed.apply_model(model("cold", "30s"));
+    h.feed.apply_model(model("busy", "30s"));
+    let url = h.url.clone();
+    let waiting = tokio::spawn(async move {
+        let all: Vec<_> = (0..10).map(|_| chat(&url, "cold")).collect();
+        futures::future::join_all(all).await
+    });
+    until_waiting(&h.proxy, "cold", 10).await;
+    let before = h.proxy.cluster.backend_reads();
+    // Another Model's endpoints change 20 times.
+    for i in 0..20u16 {
+        h.feed.apply_slice(slice("busy", "busy-1", 20000 + i));
+        tokio::task::yield_now().await;
+    }
+    // Give woken waiters time to run (a wrong wake-up would show as reads).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let reads = h.proxy.cluster.backend_reads() - before;
+    assert!(
+        reads <= 20,
+        "{reads} EndpointSlice reads for 20 changes of a Model nobody waits for"
+    );
+    let (port, _) = counting_backend(Duration::ZERO).await;
+    h.feed.apply_slice(slice("cold", "cold-1", port));
+    let answers = waiting.await.unwrap();
+    assert!(answers.iter().all(|a| a.0 == 200));
+}
+
+/// Peak resident memory of this process (client, proxy and backends together), in MiB.
+fn vm_hwm_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+/// Not a test: a benchmark that prints its figures (docs/benchmarks.md, "Proxy: cold-start
+/// stampede"). `STAMPEDE_N` (default 2000) concurrent requests to a scaled-to-zero Model with the
+/// default limits; the Model becomes ready once every request is waiting or answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: run with --ignored --nocapture"]
+async fn stampede_on_a_cold_model() {
+    let n: usize = std::env::var("STAMPEDE_N")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2000);
+    let mut h = harness(Config::default()).await;
+    h.feed.apply_model(model("m", "60s"));
+    let (port, max_at_once) = counting_backend(Duration::from_millis(20)).await;
+    let answered: Arc<Mutex<Vec<u16>>> = Arc::default();
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let (url, answered) = (h.url.clone(), answered.clone());
+            tokio::spawn(async move {
+                let (status, _, _) = chat(&url, "m").await;
+                answered.lock().unwrap().push(status);
+            })
+        })
+        .collect();
+    let key = (NS.to_string(), "m".to_string());
+    let settled = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            let waiting = usize::try_from(h.proxy.metrics.waiting_now(&key)).unwrap_or(0);
+            if waiting + answered.lock().unwrap().len() >= n {
+                return waiting;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("every request waiting or answered");
+    let settle_s = started.elapsed().as_secs_f64();
+    let ready_at = Instant::now();
+    h.feed.apply_slice(slice("m", "m-1", port));
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let release_s = ready_at.elapsed().as_secs_f64();
+    let statuses = answered.lock().unwrap().clone();
+    let count = |c: u16| statuses.iter().filter(|s| **s == c).count();
+    eprintln!(
+        "stampede: {n} requests; {settled} waited for the cold start (settled in {settle_s:.2} s); \
+         lastActiveTime PATCHes {}; answers 200: {}, 429: {}, other: {}; backend at most {} at once; \
+         all answered {release_s:.2} s after ready; process VmHWM {:.1} MiB; EndpointSlice reads {}",
+        h.patches.load(Ordering::SeqCst),
+        count(200),
+        count(429),
+        n - count(200) - count(429),
+        max_at_once.load(Ordering::SeqCst),
+        vm_hwm_mib(),
+        h.proxy.cluster.backend_reads(),
+    );
+    assert_eq!(
+        count(200) + count(429),
+        n,
+        "every request answered 200 or 429"
     );
 }
