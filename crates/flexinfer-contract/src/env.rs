@@ -197,7 +197,7 @@ pub mod proxy {
     pub const MAX_REQUESTS: &str = "FLEXINFER_PROXY_MAX_REQUESTS";
     /// Requests that may wait for admission (default 1024; more are answered 429).
     pub const MAX_QUEUED_REQUESTS: &str = "FLEXINFER_PROXY_MAX_QUEUED_REQUESTS";
-    /// Requests admitted at once for one Model, cold-start waiters included (default 256; 429 beyond).
+    /// Requests admitted at once for one Model, cold-start waiters included (default 512; 429 beyond).
     pub const MAX_REQUESTS_PER_MODEL: &str = "FLEXINFER_PROXY_MAX_REQUESTS_PER_MODEL";
     /// Requests released at once to a Model that just became ready (default 16).
     pub const COLD_START_RELEASE: &str = "FLEXINFER_PROXY_COLD_START_RELEASE";

@@ -49,7 +49,7 @@ struct Args {
     #[arg(long, env = env::proxy::MAX_QUEUED_REQUESTS, default_value_t = 1024)]
     max_queued_requests: usize,
     /// Requests admitted at once for one Model, cold-start waiters included (429 beyond).
-    #[arg(long, env = env::proxy::MAX_REQUESTS_PER_MODEL, default_value_t = 256)]
+    #[arg(long, env = env::proxy::MAX_REQUESTS_PER_MODEL, default_value_t = 512)]
     max_requests_per_model: usize,
     /// Requests released at once to a Model that just became ready.
     #[arg(long, env = env::proxy::COLD_START_RELEASE, default_value_t = 16)]

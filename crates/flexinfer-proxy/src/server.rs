@@ -72,7 +72,7 @@ impl Default for Config {
             body_memory_bytes,
             max_requests: 1024,
             max_queued_requests: 1024,
-            max_requests_per_model: 256,
+            max_requests_per_model: 512,
             cold_start_release: 16,
             header_read_timeout: Duration::from_secs(30),
             body_read_timeout: Duration::from_secs(30),
