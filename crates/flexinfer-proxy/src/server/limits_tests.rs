@@ -127,12 +127,17 @@ async fn harness(config: Config) -> Harness {
 
 /// POST a chat completion for `model`: status, `Retry-After`, body.
 async fn chat(url: &str, model: &str) -> (u16, Option<String>, Bytes) {
+    let body = serde_json::to_vec(&serde_json::json!({"model": model, "messages": []})).unwrap();
+    post(url, Bytes::from(body)).await
+}
+
+/// POST `body` to the chat completions route: status, `Retry-After`, body.
+async fn post(url: &str, body: Bytes) -> (u16, Option<String>, Bytes) {
     let client: HttpClient<HttpConnector, Full<Bytes>> =
         HttpClient::builder(TokioExecutor::new()).build(HttpConnector::new());
-    let body = serde_json::to_vec(&serde_json::json!({"model": model, "messages": []})).unwrap();
     let req = Request::post(format!("{url}/v1/chat/completions"))
         .header(header::CONTENT_TYPE, "application/json")
-        .body(Full::new(Bytes::from(body)))
+        .body(Full::new(body))
         .unwrap();
     let resp = tokio::time::timeout(BOUND, client.request(req))
         .await
@@ -277,6 +282,39 @@ async fn requests_over_the_global_limit_and_queue_are_answered_429() {
         4,
         "{statuses:?}"
     );
+}
+
+#[tokio::test]
+async fn eight_wide_bodies_at_once_are_refused_within_the_body_budget() {
+    // The issue's body: 8 MB of `[0,0,…]` as the model, eight at once, with the defaults at the
+    // chart's 256 MiB limit (128 MiB budget, 8 MiB cap).
+    let budget = 128 << 20;
+    let mut h = harness(Config {
+        body_memory_bytes: budget,
+        max_body_bytes: crate::limits::default_max_body_bytes(budget),
+        body_read_timeout: BOUND,
+        ..test_config()
+    })
+    .await;
+    h.feed.apply_model(model("m", "30s"));
+    let mut wide = Vec::with_capacity(8_000_010);
+    wide.extend_from_slice(br#"{"model":["#);
+    while wide.len() < 8_000_000 {
+        wide.extend_from_slice(b"0,");
+    }
+    wide.extend_from_slice(b"0]}");
+    let wide = Bytes::from(wide);
+    let all: Vec<_> = (0..8).map(|_| post(&h.url, wide.clone())).collect();
+    let answers = futures::future::join_all(all).await;
+    for (status, _, body) in &answers {
+        assert_eq!(*status, 400, "{}", String::from_utf8_lossy(body));
+        assert!(String::from_utf8_lossy(body).contains("model"));
+    }
+    // Over the cap: 413 before anything is read.
+    let over = Bytes::from(vec![b' '; (8 << 20) + 1]);
+    assert_eq!(post(&h.url, over).await.0, 413);
+    // Every reservation was given back.
+    assert_eq!(h.proxy.bodies.available_bytes(), budget);
 }
 
 /// A backend that answers after `hold`, recording the most requests it had at once.
