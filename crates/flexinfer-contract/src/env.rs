@@ -193,6 +193,9 @@ pub mod proxy {
     /// Bytes that request bodies may hold at once, all requests together (default: half the
     /// container's memory limit).
     pub const BODY_MEMORY_BYTES: &str = "FLEXINFER_PROXY_BODY_MEMORY_BYTES";
+    /// Client connections open at once on the OpenAI port (default 2048; more wait in the listen
+    /// backlog).
+    pub const MAX_CONNECTIONS: &str = "FLEXINFER_PROXY_MAX_CONNECTIONS";
     /// Requests admitted at once, all Models together (default 1024; more wait, then 429).
     pub const MAX_REQUESTS: &str = "FLEXINFER_PROXY_MAX_REQUESTS";
     /// Requests that may wait for admission (default 1024; more are answered 429).

@@ -42,6 +42,9 @@ struct Args {
     /// memory limit, 128 MiB without one).
     #[arg(long, env = env::proxy::BODY_MEMORY_BYTES)]
     body_memory_bytes: Option<usize>,
+    /// Client connections open at once on the OpenAI port.
+    #[arg(long, env = env::proxy::MAX_CONNECTIONS, default_value_t = 2048)]
+    max_connections: usize,
     /// Requests admitted at once, all Models together.
     #[arg(long, env = env::proxy::MAX_REQUESTS, default_value_t = 1024)]
     max_requests: usize,
@@ -109,6 +112,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         )
     })?;
     for (name, n) in [
+        (env::proxy::MAX_CONNECTIONS, args.max_connections),
         (env::proxy::MAX_REQUESTS, args.max_requests),
         (
             env::proxy::MAX_REQUESTS_PER_MODEL,
@@ -153,6 +157,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         api_keys: keys,
         max_body_bytes,
         body_memory_bytes,
+        max_connections: args.max_connections,
         max_requests: args.max_requests,
         max_queued_requests: args.max_queued_requests,
         max_requests_per_model: args.max_requests_per_model,

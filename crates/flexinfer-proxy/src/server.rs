@@ -40,6 +40,8 @@ pub struct Config {
     pub max_body_bytes: usize,
     /// Bytes all request bodies in memory may hold together (see [`crate::limits`]).
     pub body_memory_bytes: usize,
+    /// Client connections open at once on the front (more wait in the listen backlog).
+    pub max_connections: usize,
     /// Requests admitted at once (all Models), streaming ones included.
     pub max_requests: usize,
     /// Requests that may wait for admission when `max_requests` are in; more get 429.
@@ -70,6 +72,7 @@ impl Default for Config {
             api_keys: ApiKeys::default(),
             max_body_bytes: crate::limits::default_max_body_bytes(body_memory_bytes),
             body_memory_bytes,
+            max_connections: 2048,
             max_requests: 1024,
             max_queued_requests: 1024,
             max_requests_per_model: 512,
@@ -574,7 +577,22 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()> {
     futures::pin_mut!(shutdown);
+    // Each connection holds a place while it is open; when none is free the proxy stops accepting
+    // and new connections wait in the kernel's listen backlog.
+    let places = Arc::new(tokio::sync::Semaphore::new(
+        proxy
+            .config
+            .max_connections
+            .clamp(1, tokio::sync::Semaphore::MAX_PERMITS),
+    ));
     loop {
+        let place = tokio::select! {
+            p = places.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => break,
+            },
+            _ = &mut shutdown => break,
+        };
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(a) => a,
@@ -594,6 +612,7 @@ pub async fn serve(
         let p = proxy.clone();
         let p_timeout = proxy.config.header_read_timeout;
         tokio::spawn(async move {
+            let _place = place;
             let svc = service_fn(move |req| {
                 let p = p.clone();
                 async move { Ok::<_, Infallible>(p.handle(req).await) }
@@ -615,9 +634,17 @@ pub async fn serve(
     Ok(())
 }
 
-/// `/healthz` (alive), `/readyz` (caches synced) and `/metrics` (Prometheus) on their own port.
+/// Connections open at once on the health/metrics port (probes and scrapes need a few).
+pub const HEALTH_MAX_CONNECTIONS: usize = 64;
+
+/// `/healthz` (alive), `/readyz` (caches synced) and `/metrics` (Prometheus) on their own port, at
+/// most [`HEALTH_MAX_CONNECTIONS`] connections at once.
 pub async fn serve_health(listener: TcpListener, proxy: Arc<Proxy>) {
+    let places = Arc::new(tokio::sync::Semaphore::new(HEALTH_MAX_CONNECTIONS));
     loop {
+        let Ok(place) = places.clone().acquire_owned().await else {
+            return;
+        };
         let Ok((stream, _)) = listener.accept().await else {
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
@@ -625,6 +652,7 @@ pub async fn serve_health(listener: TcpListener, proxy: Arc<Proxy>) {
         let p = proxy.clone();
         let header_read_timeout = proxy.config.header_read_timeout;
         tokio::spawn(async move {
+            let _place = place;
             let svc = service_fn(move |req: Request<Incoming>| {
                 let p = p.clone();
                 async move {

@@ -32,7 +32,7 @@ fn run(env: &[(&str, &str)]) -> (Option<i32>, String) {
 
 #[test]
 fn bad_limit_settings_are_refused_by_name() {
-    let cases: [Case; 5] = [
+    let cases: [Case; 6] = [
         (
             &[
                 ("FLEXINFER_PROXY_MAX_BODY_BYTES", "100000000"),
@@ -55,6 +55,10 @@ fn bad_limit_settings_are_refused_by_name() {
         (
             &[("FLEXINFER_PROXY_MAX_REQUESTS_PER_MODEL", "0")],
             &["FLEXINFER_PROXY_MAX_REQUESTS_PER_MODEL"],
+        ),
+        (
+            &[("FLEXINFER_PROXY_MAX_CONNECTIONS", "0")],
+            &["FLEXINFER_PROXY_MAX_CONNECTIONS"],
         ),
         (
             &[("FLEXINFER_PROXY_COLD_START_RELEASE", "0")],

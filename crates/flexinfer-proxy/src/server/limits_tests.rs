@@ -195,6 +195,39 @@ async fn every_server_times_out_a_slow_request_head() {
 }
 
 #[tokio::test]
+async fn connections_over_the_cap_wait_for_a_free_place() {
+    let h = harness(Config {
+        max_connections: 2,
+        header_read_timeout: BOUND,
+        ..test_config()
+    })
+    .await;
+    let addr = h.url.trim_start_matches("http://").to_string();
+    let first = TcpStream::connect(&addr).await.unwrap();
+    let _second = TcpStream::connect(&addr).await.unwrap();
+    // The third completes its TCP handshake in the listen backlog but is not served...
+    let mut third = TcpStream::connect(&addr).await.unwrap();
+    third
+        .write_all(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; 4096];
+    let early = tokio::time::timeout(Duration::from_millis(500), third.read(&mut buf)).await;
+    assert!(
+        early.is_err(),
+        "a third connection was served while two were open"
+    );
+    // ...until one of the two closes.
+    drop(first);
+    let n = tokio::time::timeout(BOUND, third.read(&mut buf))
+        .await
+        .expect("served once a place is free")
+        .unwrap();
+    let head = String::from_utf8_lossy(&buf[..n]);
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+}
+
+#[tokio::test]
 async fn a_slow_request_body_is_answered_408() {
     let h = harness(test_config()).await;
     let mut s = TcpStream::connect(h.url.trim_start_matches("http://"))
