@@ -287,7 +287,24 @@ impl Proxy {
         let reserved = declared
             .and_then(|n| usize::try_from(n).ok())
             .unwrap_or(limit);
-        let body_room = self.bodies.reserve(reserved).await;
+        // Room is waited for at most the body timeout: requests held by a cold start keep theirs,
+        // and another Model's requests must not wait for that cold start to end.
+        let wait = self.config.body_read_timeout;
+        let _body_room = tokio::time::timeout(wait, self.bodies.reserve(reserved))
+            .await
+            .ok()
+            .flatten()
+            .ok_or_else(|| {
+                ApiError::overloaded(
+                    format!(
+                        "no room for the request body within {}s: other requests' bodies fill the \
+                         proxy's body budget of {} bytes: try again",
+                        wait.as_secs(),
+                        self.config.body_memory_bytes
+                    ),
+                    1,
+                )
+            })?;
         let (parts, body) = read_body(req, limit, self.config.body_read_timeout).await?;
         let (key, body) = self.resolve_model(body)?;
         *resolved = Some(key.clone());
@@ -326,12 +343,9 @@ impl Proxy {
             headers: forward_headers(&parts.headers, self.config.api_keys.is_enabled()),
             body,
         };
-        let resp = self
-            .send(&key, &backends, out, (guard, admitted), received)
-            .await;
-        // The body was sent (or given up): its room goes back.
-        drop(body_room);
-        resp
+        // The body was sent (or given up) when this returns: its room goes back then.
+        self.send(&key, &backends, out, (guard, admitted), received)
+            .await
     }
 
     /// The Model the body names (resolved against the cluster's Models), and the body to send

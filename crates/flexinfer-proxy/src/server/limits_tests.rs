@@ -350,6 +350,41 @@ async fn eight_wide_bodies_at_once_are_refused_within_the_body_budget() {
     assert_eq!(h.proxy.bodies.available_bytes(), budget);
 }
 
+#[tokio::test]
+async fn a_request_that_finds_no_body_room_in_time_is_answered_429() {
+    // Room for one body of the cap (2 × 32 KiB): a request held by a cold start keeps it; the
+    // next one does not wait for that cold start to end.
+    let mut h = harness(Config {
+        body_memory_bytes: 64 << 10,
+        max_body_bytes: 32 << 10,
+        ..test_config()
+    })
+    .await;
+    h.feed.apply_model(model("cold", "3s"));
+    h.feed.apply_model(model("warm", "3s"));
+    let url = h.url.clone();
+    let held = tokio::spawn(async move {
+        post(
+            &url,
+            Bytes::from(format!(
+                r#"{{"model":"cold","p":"{}"}}"#,
+                "x".repeat((32 << 10) - 40)
+            )),
+        )
+        .await
+    });
+    until_waiting(&h.proxy, "cold", 1).await;
+    let started = Instant::now();
+    let (status, retry, _) = chat(&h.url, "warm").await;
+    assert_eq!(
+        status, 429,
+        "a request waited for another Model's cold start"
+    );
+    assert!(retry.is_some());
+    assert!(started.elapsed() < Duration::from_secs(2));
+    assert_eq!(held.await.unwrap().0, 504);
+}
+
 /// A backend that answers after `hold`, recording the most requests it had at once.
 async fn counting_backend(hold: Duration) -> (u16, Arc<AtomicUsize>) {
     let now = Arc::new(AtomicUsize::new(0));
