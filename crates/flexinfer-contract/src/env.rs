@@ -192,4 +192,24 @@ pub mod proxy {
     pub const MAX_BODY_BYTES: &str = "FLEXINFER_PROXY_MAX_BODY_BYTES";
     /// Default keepalive interval when a Model sets none, as a duration (default `30s`).
     pub const KEEPALIVE_INTERVAL: &str = "FLEXINFER_PROXY_KEEPALIVE_INTERVAL";
+    /// Bytes that request bodies may hold at once, all requests together (default: half the
+    /// container's memory limit).
+    pub const BODY_MEMORY_BYTES: &str = "FLEXINFER_PROXY_BODY_MEMORY_BYTES";
+    /// Client connections open at once on the OpenAI port (default 2048; more wait in the listen
+    /// backlog).
+    pub const MAX_CONNECTIONS: &str = "FLEXINFER_PROXY_MAX_CONNECTIONS";
+    /// Requests admitted at once, all Models together (default 1024; more wait, then 429).
+    pub const MAX_REQUESTS: &str = "FLEXINFER_PROXY_MAX_REQUESTS";
+    /// Requests that may wait for admission (default 1024; more are answered 429).
+    pub const MAX_QUEUED_REQUESTS: &str = "FLEXINFER_PROXY_MAX_QUEUED_REQUESTS";
+    /// Requests admitted at once for one Model, cold-start waiters included (default 512; 429 beyond).
+    pub const MAX_REQUESTS_PER_MODEL: &str = "FLEXINFER_PROXY_MAX_REQUESTS_PER_MODEL";
+    /// Requests released at once to a Model that just became ready (default 16).
+    pub const COLD_START_RELEASE: &str = "FLEXINFER_PROXY_COLD_START_RELEASE";
+    /// Longest wait for a client's request headers, on every port (default `30s`).
+    pub const HEADER_READ_TIMEOUT: &str = "FLEXINFER_PROXY_HEADER_READ_TIMEOUT";
+    /// Longest time to read a request body (default `30s`; 408 beyond).
+    pub const BODY_READ_TIMEOUT: &str = "FLEXINFER_PROXY_BODY_READ_TIMEOUT";
+    /// Longest wait for a backend's response headers (default `10m`; 504 beyond).
+    pub const BACKEND_HEADER_TIMEOUT: &str = "FLEXINFER_PROXY_BACKEND_HEADER_TIMEOUT";
 }

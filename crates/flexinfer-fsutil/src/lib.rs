@@ -11,7 +11,7 @@
 mod lock;
 mod replace;
 
-pub use lock::{lock_path, LockHolder, WriterLock, LOCK_SUFFIX};
+pub use lock::{lock_path, LockHolder, WriterLock, LOCK_SUFFIX, MAX_CLOCK_SKEW};
 pub use replace::{fsync_dir, replace_dir};
 
 use sha2::{Digest, Sha256};

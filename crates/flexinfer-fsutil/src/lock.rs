@@ -131,16 +131,37 @@ fn flock_current(path: &Path) -> Result<File, Flock> {
     }
 }
 
+/// How far ahead of this node's clock another node's clock may be: a heartbeat up to this far in the
+/// future reads as fresh (just written by a node whose clock is ahead). One further ahead is no plausible
+/// heartbeat and reads as stale, so a record from a badly wrong clock cannot block a directory forever.
+/// Nodes whose clocks disagree by more than this can both take a directory (docs/dev/architecture.md).
+pub const MAX_CLOCK_SKEW: Duration = Duration::from_secs(300);
+
+/// Whether a heartbeat written at `heartbeat` is fresh at `now`: younger than `stale_after`, or ahead of
+/// `now` by at most [`MAX_CLOCK_SKEW`].
+fn heartbeat_is_fresh(
+    heartbeat: jiff::Timestamp,
+    now: jiff::Timestamp,
+    stale_after: Duration,
+) -> bool {
+    let age = now.duration_since(heartbeat);
+    if age.is_negative() {
+        return age
+            .checked_neg()
+            .and_then(|ahead| Duration::try_from(ahead).ok())
+            .is_some_and(|ahead| ahead <= MAX_CLOCK_SKEW);
+    }
+    Duration::try_from(age).is_ok_and(|age| age < stale_after)
+}
+
 /// Whether the previous holder recorded in the lock file is a live writer on another node: another owner,
-/// a heartbeat younger than `stale_after`, and both nodes known and different. (On one node the flock
-/// alone decides.)
+/// a fresh heartbeat ([`heartbeat_is_fresh`]), and both nodes known and different. (On one node the
+/// flock alone decides.)
 fn live_elsewhere(prev: &LockHolder, holder: &LockHolder, stale_after: Duration) -> bool {
     let fresh = prev
         .heartbeat_at
         .parse::<jiff::Timestamp>()
-        .ok()
-        .and_then(|t| jiff::Timestamp::now().duration_since(t).try_into().ok())
-        .is_some_and(|age: Duration| age < stale_after);
+        .is_ok_and(|t| heartbeat_is_fresh(t, jiff::Timestamp::now(), stale_after));
     let other_node = !prev.node.is_empty() && !holder.node.is_empty() && prev.node != holder.node;
     prev.owner != holder.owner && !prev.owner.is_empty() && fresh && other_node
 }
@@ -285,6 +306,57 @@ mod tests {
         WriterLock::acquire(&dir, holder("job-remote"), long, long).expect("same owner");
         std::fs::write(lock_path(&dir), serde_json::to_vec(&rec).expect("json")).expect("write");
         WriterLock::acquire(&dir, holder("job-b"), long, Duration::ZERO).expect("stale record");
+    }
+
+    /// A record written by `owner` on `node-b` with a heartbeat `offset_s` seconds from now
+    /// (positive: the writer's clock is ahead of ours).
+    fn remote(offset_s: i64) -> LockHolder {
+        let at = jiff::Timestamp::now()
+            .checked_add(jiff::SignedDuration::from_secs(offset_s))
+            .expect("timestamp");
+        LockHolder {
+            owner: "job-remote".into(),
+            node: "node-b".into(),
+            heartbeat_at: jiff::Timestamp::from_second(at.as_second())
+                .expect("second")
+                .to_string(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_heartbeat_from_a_clock_ahead_is_fresh_within_the_skew_allowance() {
+        let stale_after = Duration::from_secs(120);
+        let me = holder("job-b");
+        // Table: heartbeat offset from our clock (s) → the remote writer is live.
+        let skew = MAX_CLOCK_SKEW.as_secs() as i64;
+        let cases = [
+            (0, true),
+            (-60, true),
+            (-119, true),
+            (-121, false),
+            (30, true), // the writer's clock is 30 s ahead: its fresh heartbeat is "in the future"
+            (skew - 2, true),
+            (skew + 2, false), // further ahead than any allowed skew: not a plausible heartbeat
+        ];
+        for (offset, live) in cases {
+            assert_eq!(
+                live_elsewhere(&remote(offset), &me, stale_after),
+                live,
+                "heartbeat {offset:+} s"
+            );
+        }
+        // End to end: a second node does not take a directory whose writer's clock is ahead.
+        let d = tempfile::tempdir().expect("tempdir");
+        let dir = d.path().join("out");
+        std::fs::write(
+            lock_path(&dir),
+            serde_json::to_vec(&remote(30)).expect("json"),
+        )
+        .expect("write");
+        let e = WriterLock::acquire(&dir, me, Duration::from_secs(60), stale_after)
+            .expect_err("a live writer on node-b");
+        assert!(e.to_string().contains("job-remote"), "{e}");
     }
 
     #[test]

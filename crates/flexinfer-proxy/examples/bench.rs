@@ -262,10 +262,14 @@ async fn main() {
             .port()
     };
     let (pport, hport) = (free(), free());
+    let admit = n_streams.max(1024);
     let mut child = tokio::process::Command::new(&bin)
         .env("FLEXINFER_PROXY_LISTEN_ADDR", format!("127.0.0.1:{pport}"))
         .env("FLEXINFER_PROXY_HEALTH_ADDR", format!("127.0.0.1:{hport}"))
         .env("FLEXINFER_PROXY_WATCH_NAMESPACE", &ns)
+        // Admit every stream of the run (the defaults answer 429 beyond 512 per Model).
+        .env("FLEXINFER_PROXY_MAX_REQUESTS", admit.to_string())
+        .env("FLEXINFER_PROXY_MAX_REQUESTS_PER_MODEL", admit.to_string())
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .kill_on_drop(true)

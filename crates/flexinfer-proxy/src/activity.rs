@@ -116,7 +116,7 @@ impl Activity {
                 self.covered(&key, generation);
                 continue;
             }
-            match cluster.touch(&key, default_interval).await {
+            match cluster.touch_once(&key, default_interval).await {
                 Ok(true) => self.covered(&key, generation),
                 Ok(false) => {}
                 Err(e) => {

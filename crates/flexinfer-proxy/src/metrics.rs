@@ -138,6 +138,11 @@ impl Metrics {
         Waiting(g)
     }
 
+    /// Requests waiting for `key`'s cold start right now.
+    pub fn waiting_now(&self, key: &ModelKey) -> i64 {
+        self.waiting.with_label_values(&[&key.0, &key.1]).get()
+    }
+
     /// Text exposition, with the in-flight gauges set from `in_flight` (every Model with
     /// requests in flight; others are dropped).
     pub fn render(&self, in_flight: &[(ModelKey, usize)]) -> Vec<u8> {

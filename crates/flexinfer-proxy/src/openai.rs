@@ -17,6 +17,8 @@ pub struct ApiError {
     pub kind: &'static str,
     pub param: Option<&'static str>,
     pub code: Option<&'static str>,
+    /// Seconds for a `Retry-After` header (429).
+    pub retry_after_s: Option<u32>,
 }
 
 impl ApiError {
@@ -27,6 +29,7 @@ impl ApiError {
             kind,
             param: None,
             code: None,
+            retry_after_s: None,
         }
     }
     fn code(mut self, code: &'static str) -> Self {
@@ -43,6 +46,9 @@ impl ApiError {
     }
     pub fn missing_model() -> Self {
         Self::bad_request("you must provide a model parameter (a string)").param("model")
+    }
+    pub fn duplicate_model() -> Self {
+        Self::bad_request("the request body has more than one `model`").param("model")
     }
     pub fn model_not_found(model: &str) -> Self {
         Self::new(
@@ -98,6 +104,29 @@ impl ApiError {
         )
         .code("request_too_large")
     }
+    /// The proxy is at its limit of admitted (or waiting) requests, globally or for one Model.
+    pub fn overloaded(message: impl Into<String>, retry_after_s: u32) -> Self {
+        let mut e = Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message)
+            .code("proxy_overloaded");
+        e.retry_after_s = Some(retry_after_s);
+        e
+    }
+    /// The client did not send its whole body in time.
+    pub fn body_timeout(timeout: std::time::Duration) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            format!(
+                "the request body was not received within {}s",
+                timeout.as_secs()
+            ),
+        )
+        .code("request_timeout")
+    }
+    /// The backend sent no response headers in time.
+    pub fn backend_timeout(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::GATEWAY_TIMEOUT, "server_error", message).code("backend_timeout")
+    }
     /// The Model cannot be served (invalid configuration, deleted while waiting, …).
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message)
@@ -124,7 +153,12 @@ impl ApiError {
     }
 
     pub fn into_response(self) -> Response<ProxyBody> {
-        json_response(self.status, &self.body())
+        let mut resp = json_response(self.status, &self.body());
+        if let Some(s) = self.retry_after_s {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        resp
     }
 }
 

@@ -16,7 +16,6 @@ use hyper::service::service_fn;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client as HttpClient;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use serde::Deserialize;
 use tokio::net::TcpListener;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
@@ -26,17 +25,38 @@ use crate::auth::ApiKeys;
 use crate::body::{full, Guarded, ProxyBody};
 use crate::cluster::{Cluster, ModelKey};
 use crate::endpoints::RoundRobin;
+use crate::limits::{BodyBudget, Gate, PerModel};
 use crate::metrics::{ColdStart, Metrics};
 use crate::openai::{json_response, printable, ApiError, ModelEntry};
+use crate::peek::{self, PeekError};
 use crate::plan::{self, Admission};
 use crate::route::{self, RouteError};
 
-/// Settings of the front.
+/// Settings of the front (docs/user/serving.md, "Settings" and "Limits").
 #[derive(Debug, Clone)]
 pub struct Config {
     pub api_keys: ApiKeys,
     /// Largest request body accepted.
     pub max_body_bytes: usize,
+    /// Bytes all request bodies in memory may hold together (see [`crate::limits`]).
+    pub body_memory_bytes: usize,
+    /// Client connections open at once on the front (more wait in the listen backlog).
+    pub max_connections: usize,
+    /// Requests admitted at once (all Models), streaming ones included.
+    pub max_requests: usize,
+    /// Requests that may wait for admission when `max_requests` are in; more get 429.
+    pub max_queued_requests: usize,
+    /// Requests admitted at once for one Model, cold-start waiters included; more get 429.
+    pub max_requests_per_model: usize,
+    /// Requests sent at once to a Model that just became ready (the rest follow as these get
+    /// their response headers).
+    pub cold_start_release: usize,
+    /// Longest wait for a request head, on every port.
+    pub header_read_timeout: Duration,
+    /// Longest time to receive a request body (408 beyond).
+    pub body_read_timeout: Duration,
+    /// Longest wait for a backend's response headers (504 beyond).
+    pub backend_header_timeout: Duration,
     /// Keepalive interval of Models that set none.
     pub keepalive_interval: Duration,
     /// TCP connect timeout towards a backend.
@@ -47,9 +67,19 @@ pub struct Config {
 
 impl Default for Config {
     fn default() -> Self {
+        let body_memory_bytes = crate::limits::DEFAULT_BODY_MEMORY_BYTES;
         Self {
             api_keys: ApiKeys::default(),
-            max_body_bytes: 8 << 20,
+            max_body_bytes: crate::limits::default_max_body_bytes(body_memory_bytes),
+            body_memory_bytes,
+            max_connections: 2048,
+            max_requests: 1024,
+            max_queued_requests: 1024,
+            max_requests_per_model: 512,
+            cold_start_release: 16,
+            header_read_timeout: Duration::from_secs(30),
+            body_read_timeout: Duration::from_secs(30),
+            backend_header_timeout: Duration::from_secs(600),
             keepalive_interval: plan::DEFAULT_KEEPALIVE_INTERVAL,
             connect_timeout: Duration::from_secs(5),
             drain_timeout: Duration::from_secs(30),
@@ -57,21 +87,26 @@ impl Default for Config {
     }
 }
 
-/// The request head and its whole body; too large when it declares or has over `limit` bytes.
+/// The body length a request declares.
+fn declared_length(req: &Request<Incoming>) -> Option<u64> {
+    req.headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+}
+
+/// The request head and its whole body; too large when it has over `limit` bytes, too slow when
+/// it has not arrived within `timeout`.
 async fn read_body(
     req: Request<Incoming>,
     limit: usize,
+    timeout: Duration,
 ) -> Result<(http::request::Parts, Bytes), ApiError> {
-    let declared = req
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit as u64) {
-        return Err(ApiError::too_large(limit));
-    }
     let (parts, body) = req.into_parts();
-    let body = match Limited::new(body, limit).collect().await {
+    let collected = tokio::time::timeout(timeout, Limited::new(body, limit).collect())
+        .await
+        .map_err(|_| ApiError::body_timeout(timeout))?;
+    let body = match collected {
         Ok(b) => b.to_bytes(),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => {
             return Err(ApiError::too_large(limit))
@@ -118,6 +153,15 @@ pub struct Proxy {
     config: Config,
     client: HttpClient<HttpConnector, Full<Bytes>>,
     balancers: Mutex<HashMap<ModelKey, Arc<RoundRobin>>>,
+    admission: Gate,
+    bodies: BodyBudget,
+    per_model: PerModel,
+}
+
+/// What an admitted request holds until its response ends: the global and the Model's admission.
+struct Admitted {
+    _global: tokio::sync::OwnedSemaphorePermit,
+    _model: tokio::sync::OwnedSemaphorePermit,
 }
 
 impl Proxy {
@@ -133,9 +177,12 @@ impl Proxy {
             cluster,
             activity: Activity::default(),
             metrics: Metrics::new()?,
-            config,
             client,
             balancers: Mutex::new(HashMap::new()),
+            admission: Gate::new(config.max_requests, config.max_queued_requests),
+            bodies: BodyBudget::new(config.body_memory_bytes),
+            per_model: PerModel::new(config.max_requests_per_model, config.cold_start_release),
+            config,
         }))
     }
 
@@ -215,20 +262,77 @@ impl Proxy {
     }
 
     /// Forwards a request for a Model (`resolved` is set once the body names one) to one of its
-    /// ready backends, waiting for a cold start when there are none.
+    /// ready backends, waiting for a cold start when there are none. Admission first (429 when
+    /// full), then room for the body in the body budget, then the body (bounded in size and time).
     async fn forward(
         self: &Arc<Self>,
         req: Request<Incoming>,
         resolved: &mut Option<ModelKey>,
     ) -> Result<Response<ProxyBody>, ApiError> {
         let received = Instant::now();
-        let (parts, body) = read_body(req, self.config.max_body_bytes).await?;
+        let limit = self.config.max_body_bytes;
+        let declared = declared_length(&req);
+        if declared.is_some_and(|n| n > limit as u64) {
+            return Err(ApiError::too_large(limit));
+        }
+        let global = self.admission.enter().await.map_err(|_| {
+            ApiError::overloaded(
+                format!(
+                    "the proxy has {} requests in flight and {} waiting: try again",
+                    self.config.max_requests, self.config.max_queued_requests
+                ),
+                1,
+            )
+        })?;
+        let reserved = declared
+            .and_then(|n| usize::try_from(n).ok())
+            .unwrap_or(limit);
+        // Room is waited for at most the body timeout: requests held by a cold start keep theirs,
+        // and another Model's requests must not wait for that cold start to end.
+        let wait = self.config.body_read_timeout;
+        let _body_room = tokio::time::timeout(wait, self.bodies.reserve(reserved))
+            .await
+            .ok()
+            .flatten()
+            .ok_or_else(|| {
+                ApiError::overloaded(
+                    format!(
+                        "no room for the request body within {}s: other requests' bodies fill the \
+                         proxy's body budget of {} bytes: try again",
+                        wait.as_secs(),
+                        self.config.body_memory_bytes
+                    ),
+                    1,
+                )
+            })?;
+        let (parts, body) = read_body(req, limit, self.config.body_read_timeout).await?;
         let (key, body) = self.resolve_model(body)?;
         *resolved = Some(key.clone());
+        let limits = self.per_model.of(&key);
+        let model = limits.admitted.clone().try_acquire_owned().map_err(|_| {
+            ApiError::overloaded(
+                format!(
+                    "Model {}/{} has {} requests in flight or waiting: try again",
+                    key.0, key.1, self.config.max_requests_per_model
+                ),
+                1,
+            )
+        })?;
+        let admitted = Admitted {
+            _global: global,
+            _model: model,
+        };
 
         // From here on the request counts as activity of the Model (also while it waits).
         let guard = self.activity.begin(&key);
-        let backends = self.await_backends(&key).await?;
+        let (backends, waited) = self.await_backends(&key).await?;
+        // Waiters of a cold start go to the new backend a few at a time (each until its response
+        // headers), not all at once.
+        let _release = if waited {
+            limits.release.clone().acquire_owned().await.ok()
+        } else {
+            None
+        };
         let out = Outgoing {
             method: parts.method.clone(),
             path_and_query: parts
@@ -239,24 +343,31 @@ impl Proxy {
             headers: forward_headers(&parts.headers, self.config.api_keys.is_enabled()),
             body,
         };
-        self.send(&key, &backends, out, guard, received).await
+        // The body was sent (or given up) when this returns: its room goes back then.
+        self.send(&key, &backends, out, (guard, admitted), received)
+            .await
     }
 
     /// The Model the body names (resolved against the cluster's Models), and the body to send
     /// it: with the model field rewritten to the served name when the route asks for that.
     fn resolve_model(&self, body: Bytes) -> Result<(ModelKey, Bytes), ApiError> {
-        let requested = requested_model(&body)?;
-        let route = match route::resolve(&self.cluster.models(), &requested) {
+        let field = peek::find_model(&body).map_err(peek_error)?;
+        let requested = field.name.as_ref();
+        let route = match route::resolve(&self.cluster.models(), requested) {
             Ok(r) => r,
-            Err(RouteError::NotFound) => return Err(ApiError::model_not_found(&requested)),
-            Err(RouteError::Ambiguous(c)) => return Err(ApiError::ambiguous_model(&requested, &c)),
+            Err(RouteError::NotFound) => return Err(ApiError::model_not_found(requested)),
+            Err(RouteError::Ambiguous(c)) => return Err(ApiError::ambiguous_model(requested, &c)),
         };
-        let body = if route.rewrite {
-            rewrite_model(&body, &route.name)?
+        let key = (route.namespace.clone(), route.name.clone());
+        let rewritten = if route.rewrite {
+            Some(
+                peek::replace_model(&body, field.span.clone(), &route.name)
+                    .ok_or_else(|| ApiError::bad_request("cannot rewrite the model"))?,
+            )
         } else {
-            body
+            None
         };
-        Ok(((route.namespace.clone(), route.name.clone()), body))
+        Ok((key, rewritten.unwrap_or(body)))
     }
 
     /// Sends `out` to the Model's backends in balancer order, up to three of them, moving on
@@ -267,7 +378,7 @@ impl Proxy {
         key: &ModelKey,
         backends: &[String],
         out: Outgoing,
-        guard: InFlight,
+        guard: (InFlight, Admitted),
         received: Instant,
     ) -> Result<Response<ProxyBody>, ApiError> {
         let balancer = self.balancer(key);
@@ -280,7 +391,18 @@ impl Proxy {
                     continue;
                 }
             };
-            match self.client.request(req).await {
+            let head =
+                tokio::time::timeout(self.config.backend_header_timeout, self.client.request(req));
+            let Ok(answered) = head.await else {
+                warn!(namespace = %key.0, model = %key.1, backend = %backend, "no response headers in time");
+                return Err(ApiError::backend_timeout(format!(
+                    "Model {}/{}: backend {backend} sent no response headers within {}s",
+                    key.0,
+                    key.1,
+                    self.config.backend_header_timeout.as_secs()
+                )));
+            };
+            match answered {
                 Ok(resp) => {
                     let (mut rparts, rbody) = resp.into_parts();
                     strip_hop_by_hop(&mut rparts.headers);
@@ -309,9 +431,11 @@ impl Proxy {
         )))
     }
 
-    /// Ready backends of the Model, waiting for a cold start when there are none.
-    async fn await_backends(&self, key: &ModelKey) -> Result<Vec<String>, ApiError> {
-        let mut changes = self.cluster.changes();
+    /// Ready backends of the Model, waiting for a cold start when there are none (and whether it
+    /// waited). Waiters are woken only by changes of this Model's objects, and share one
+    /// `lastActiveTime` write per Model.
+    async fn await_backends(&self, key: &ModelKey) -> Result<(Vec<String>, bool), ApiError> {
+        let mut backends = self.cluster.subscribe(key);
         let mut deadline: Option<(Instant, Duration)> = None;
         // Set while this request waits for a cold start (the queue gauge and the wait's outcome).
         let mut waiting: Option<(crate::metrics::Waiting, Instant)> = None;
@@ -321,7 +445,7 @@ impl Proxy {
             }
         };
         loop {
-            let _ = changes.borrow_and_update();
+            let ready = backends.borrow_and_update().clone();
             let Some(model) = self.cluster.model(key) else {
                 ended(&mut waiting, ColdStart::Failed);
                 return Err(ApiError::unavailable(format!(
@@ -329,8 +453,7 @@ impl Proxy {
                     key.0, key.1
                 )));
             };
-            let backends = self.cluster.backends(key);
-            let admission = plan::admit(&model, !backends.is_empty());
+            let admission = plan::admit(&model, !ready.is_empty());
             if deadline.is_none() {
                 // Request start: mark the Model active. A cold start needs the write before
                 // the controller scales up; a warm Model need not wait for it.
@@ -341,7 +464,7 @@ impl Proxy {
                         self.config.keepalive_interval,
                     );
                     async move {
-                        if let Err(e) = cluster.touch(&key, interval).await {
+                        if let Err(e) = cluster.touch_once(&key, interval).await {
                             warn!(namespace = %key.0, model = %key.1, error = %e, "cannot write lastActiveTime");
                         }
                     }
@@ -352,14 +475,16 @@ impl Proxy {
                     info!(namespace = %key.0, model = %key.1, timeout_s = timeout.as_secs(), "no ready backend: waiting for a cold start");
                     deadline = Some((plan::deadline(Instant::now(), timeout), timeout));
                     waiting = Some((self.metrics.waiting(key), Instant::now()));
-                } else {
-                    tokio::spawn(touch);
+                    // The Model may have become ready during the write.
+                    continue;
                 }
+                tokio::spawn(touch);
             }
             match admission {
                 Admission::Forward => {
+                    let waited = waiting.is_some();
                     ended(&mut waiting, ColdStart::Ready);
-                    return Ok(backends);
+                    return Ok((ready.as_ref().clone(), waited));
                 }
                 Admission::Reject(reason) => {
                     ended(&mut waiting, ColdStart::Failed);
@@ -371,7 +496,7 @@ impl Proxy {
                 continue;
             };
             tokio::select! {
-                changed = changes.changed() => {
+                changed = backends.changed() => {
                     if changed.is_err() {
                         ended(&mut waiting, ColdStart::Failed);
                         return Err(ApiError::unavailable("the proxy's cluster watch stopped"));
@@ -393,40 +518,28 @@ impl Proxy {
     }
 }
 
-/// The `model` of a request body, which must be a JSON object (the body is bounded before this).
-pub fn requested_model(body: &[u8]) -> Result<String, ApiError> {
-    #[derive(Deserialize)]
-    struct Peek {
-        model: Option<serde_json::Value>,
-    }
-    // serde would also read a struct from a JSON array; only an object is a request.
-    if body.trim_ascii_start().first() != Some(&b'{') {
-        return Err(ApiError::bad_request(
-            "the request body must be a JSON object",
-        ));
-    }
-    let peek: Peek = serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
-    match peek.model {
-        Some(serde_json::Value::String(s)) if !s.is_empty() => Ok(s),
-        _ => Err(ApiError::missing_model()),
+/// The error answered for a body without a usable `model`.
+fn peek_error(e: PeekError) -> ApiError {
+    match e {
+        PeekError::NotAnObject(m) => ApiError::bad_request(m),
+        PeekError::NoModel => ApiError::missing_model(),
+        PeekError::Duplicate => ApiError::duplicate_model(),
     }
 }
 
-/// The body with `model` set to the served name (everything else kept).
+/// The `model` of a request body, which must be a JSON object (the body is bounded before this).
+/// Read without building a JSON tree ([`peek::find_model`]).
+pub fn requested_model(body: &[u8]) -> Result<String, ApiError> {
+    peek::find_model(body)
+        .map(|f| f.name.into_owned())
+        .map_err(peek_error)
+}
+
+/// The body with `model` set to the served name, everything else kept byte for byte.
 pub fn rewrite_model(body: &[u8], served: &str) -> Result<Bytes, ApiError> {
-    let mut v: serde_json::Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
-    let obj = v
-        .as_object_mut()
-        .ok_or_else(|| ApiError::bad_request("the request body must be a JSON object"))?;
-    obj.insert(
-        "model".into(),
-        serde_json::Value::String(served.to_string()),
-    );
-    serde_json::to_vec(&v)
-        .map(Bytes::from)
-        .map_err(|e| ApiError::bad_request(e.to_string()))
+    let field = peek::find_model(body).map_err(peek_error)?;
+    peek::replace_model(body, field.span, served)
+        .ok_or_else(|| ApiError::bad_request("cannot rewrite the model"))
 }
 
 const HOP_BY_HOP: [&str; 8] = [
@@ -478,7 +591,22 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()> {
     futures::pin_mut!(shutdown);
+    // Each connection holds a place while it is open; when none is free the proxy stops accepting
+    // and new connections wait in the kernel's listen backlog.
+    let places = Arc::new(tokio::sync::Semaphore::new(
+        proxy
+            .config
+            .max_connections
+            .clamp(1, tokio::sync::Semaphore::MAX_PERMITS),
+    ));
     loop {
+        let place = tokio::select! {
+            p = places.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => break,
+            },
+            _ = &mut shutdown => break,
+        };
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(a) => a,
@@ -496,14 +624,16 @@ pub async fn serve(
             debug!(%peer, error = %e, "cannot set TCP_NODELAY");
         }
         let p = proxy.clone();
+        let p_timeout = proxy.config.header_read_timeout;
         tokio::spawn(async move {
+            let _place = place;
             let svc = service_fn(move |req| {
                 let p = p.clone();
                 async move { Ok::<_, Infallible>(p.handle(req).await) }
             });
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
-                .header_read_timeout(Duration::from_secs(30))
+                .header_read_timeout(p_timeout)
                 .serve_connection(TokioIo::new(stream), svc);
             if let Err(e) = conn.await {
                 debug!(%peer, error = %e, "connection ended");
@@ -518,15 +648,25 @@ pub async fn serve(
     Ok(())
 }
 
-/// `/healthz` (alive), `/readyz` (caches synced) and `/metrics` (Prometheus) on their own port.
+/// Connections open at once on the health/metrics port (probes and scrapes need a few).
+pub const HEALTH_MAX_CONNECTIONS: usize = 64;
+
+/// `/healthz` (alive), `/readyz` (caches synced) and `/metrics` (Prometheus) on their own port, at
+/// most [`HEALTH_MAX_CONNECTIONS`] connections at once.
 pub async fn serve_health(listener: TcpListener, proxy: Arc<Proxy>) {
+    let places = Arc::new(tokio::sync::Semaphore::new(HEALTH_MAX_CONNECTIONS));
     loop {
+        let Ok(place) = places.clone().acquire_owned().await else {
+            return;
+        };
         let Ok((stream, _)) = listener.accept().await else {
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
         let p = proxy.clone();
+        let header_read_timeout = proxy.config.header_read_timeout;
         tokio::spawn(async move {
+            let _place = place;
             let svc = service_fn(move |req: Request<Incoming>| {
                 let p = p.clone();
                 async move {
@@ -549,7 +689,10 @@ pub async fn serve_health(listener: TcpListener, proxy: Arc<Proxy>) {
                     Ok::<_, Infallible>(r)
                 }
             });
+            // A client that never finishes its request head is dropped (slowloris).
             let _ = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(header_read_timeout)
                 .serve_connection(TokioIo::new(stream), svc)
                 .await;
         });
@@ -563,3 +706,6 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod limits_tests;

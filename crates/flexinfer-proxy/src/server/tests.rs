@@ -27,16 +27,22 @@ fn request_bodies_table() {
             String::from_utf8_lossy(body)
         );
     }
-    // Deep nesting (a body limit's worth) neither overflows the stack when skipped nor
-    // when parsed for a rewrite (serde_json's recursion limit makes it an error).
+    // Deep nesting (a body limit's worth) overflows no stack: other fields are skipped, not
+    // parsed, for the peek and for the rewrite alike, and the rewrite keeps them byte for byte.
     let deep = format!(
         "{{\"model\":\"m\",\"x\":{}{}}}",
         "[".repeat(1_000_000),
         "]".repeat(1_000_000)
     );
     assert_eq!(requested_model(deep.as_bytes()).ok().as_deref(), Some("m"));
+    let rewritten = rewrite_model(deep.as_bytes(), "s").unwrap_or_else(|e| panic!("{e:?}"));
     assert_eq!(
-        rewrite_model(deep.as_bytes(), "s").map_err(|e| e.status.as_u16()),
+        &rewritten[..],
+        deep.replacen("\"m\"", "\"s\"", 1).as_bytes()
+    );
+    // Two `model`s: refused (a backend could read the other one).
+    assert_eq!(
+        requested_model(br#"{"model":"a","model":"b"}"#).map_err(|e| e.status.as_u16()),
         Err(400)
     );
 }
