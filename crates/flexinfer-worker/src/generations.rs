@@ -76,6 +76,19 @@ impl Family {
 /// that `FLEXINFER_KEEP_DIRS` does not name, with their staging directories and lock files; skips any
 /// that a live writer holds. Without `FLEXINFER_KEEP_DIRS` nothing is removed. Returns what was removed.
 pub fn collect_garbage(out_dir: &Path, keep: Option<&str>, events: &Events) -> Vec<String> {
+    let node = std::env::var(env::WRITER_NODE).unwrap_or_default();
+    collect_garbage_on(out_dir, keep, node.trim(), events)
+}
+
+/// [`collect_garbage`] on node `node` (`FLEXINFER_WRITER_NODE`): its lock probes carry the node, so a
+/// fresh heartbeat of a writer on another node keeps that generation even where the flock is not
+/// shared between nodes.
+fn collect_garbage_on(
+    out_dir: &Path,
+    keep: Option<&str>,
+    node: &str,
+    events: &Events,
+) -> Vec<String> {
     let Some(keep) = keep else {
         return Vec::new();
     };
@@ -100,7 +113,7 @@ pub fn collect_garbage(out_dir: &Path, keep: Option<&str>, events: &Events) -> V
         }
         let gen_dir = parent.join(&target);
         let p = e.path();
-        let Some(res) = remove_unless_written(&e, &gen_dir) else {
+        let Some(res) = remove_unless_written(&e, &gen_dir, node) else {
             continue;
         };
         match res {
@@ -168,9 +181,14 @@ fn generation_of_entry(name: &str) -> String {
 /// Removes the entry `e` of the generation `gen_dir` while holding that generation's writer lock; `None` when a
 /// live writer holds it (its directory is kept). The lock file the probe itself holds is left for
 /// [`remove_orphan_locks`].
-fn remove_unless_written(e: &std::fs::DirEntry, gen_dir: &Path) -> Option<std::io::Result<()>> {
+fn remove_unless_written(
+    e: &std::fs::DirEntry,
+    gen_dir: &Path,
+    node: &str,
+) -> Option<std::io::Result<()>> {
     let probe = LockHolder {
         owner: "garbage-collection".into(),
+        node: node.to_string(),
         ..Default::default()
     };
     let lock = WriterLock::acquire(gen_dir, probe, HEARTBEAT, STALE_AFTER).ok()?;
@@ -314,5 +332,32 @@ mod tests {
         );
         assert!(!exists(".gptq-w8-g128.cccc-3.lock") && !exists(".gptq-w4-g128.ffff-6.lock"));
         drop(live);
+    }
+
+    #[test]
+    fn a_fresh_writer_on_another_node_keeps_its_generation_without_a_shared_flock() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join("m");
+        for n in ["gptq-w4-g128.aaaa-1", "gptq-w4-g128.bbbb-2"] {
+            std::fs::create_dir_all(p.join(n)).expect("mkdir");
+        }
+        // A writer on node-a whose flock this node cannot see (another node's kernel holds it): only
+        // its record with a fresh heartbeat says it is alive.
+        let record = serde_json::json!({"owner": "other-job", "node": "node-a",
+            "heartbeatAt": jiff::Timestamp::now().to_string()});
+        std::fs::write(p.join(".gptq-w4-g128.aaaa-1.lock"), record.to_string()).expect("write");
+        let ev = Events::new("quantization");
+        let out = p.join("gptq-w4-g128.bbbb-2");
+        collect_garbage_on(&out, Some("m/gptq-w4-g128.bbbb-2"), "node-b", &ev);
+        assert!(
+            p.join("gptq-w4-g128.aaaa-1").exists(),
+            "a live writer's generation was removed"
+        );
+        // The same record from this node (a dead writer here: its flock would be held) does not keep it.
+        let mine = serde_json::json!({"owner": "other-job", "node": "node-b",
+            "heartbeatAt": jiff::Timestamp::now().to_string()});
+        std::fs::write(p.join(".gptq-w4-g128.aaaa-1.lock"), mine.to_string()).expect("write");
+        collect_garbage_on(&out, Some("m/gptq-w4-g128.bbbb-2"), "node-b", &ev);
+        assert!(!p.join("gptq-w4-g128.aaaa-1").exists());
     }
 }
