@@ -1,0 +1,18 @@
+//! GGUF output for llama.cpp: the ggml block types ([`blocks`], [`types`]), the GGUF v3 container
+//! ([`writer`], read back by [`reader`]), llama.cpp's tensor names and metadata for the Llama family
+//! ([`llama`], [`tokenizer`]), the presets' per-tensor type mix ([`preset`]) and the whole model
+//! ([`export`]).
+
+pub mod blocks;
+pub mod error;
+pub mod export;
+pub mod llama;
+pub mod preset;
+pub mod reader;
+pub mod tokenizer;
+pub mod types;
+pub mod writer;
+
+pub use error::GgufError;
+pub use export::{write_gguf, GgufJob, GgufSummary};
+pub use types::{FileType, GgmlType};
