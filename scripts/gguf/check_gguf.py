@@ -26,11 +26,6 @@ def fail(msg):
     sys.exit(1)
 
 
-def field_value(field):
-    v = field.contents()
-    return v
-
-
 def check_file(entry):
     path = entry["gguf"]
     r = gguf.GGUFReader(path)
@@ -38,7 +33,7 @@ def check_file(entry):
         f = r.fields.get(key)
         if f is None:
             fail(f"{path}: metadata key {key} missing")
-        got = field_value(f)
+        got = f.contents()
         if isinstance(want, float):
             ok = np.float32(got) == np.float32(want)
         else:
@@ -52,6 +47,7 @@ def check_file(entry):
     if names != want_names:
         fail(f"{path}: tensors {names} != {want_names}")
     n_values = 0
+    n_quantized = 0
     for want in entry["tensors"]:
         t = tensors[want["name"]]
         if t.tensor_type.name != want["type"]:
@@ -76,9 +72,11 @@ def check_file(entry):
                 i = int(np.nonzero(a != b)[0][0])
                 fail(f"{path}: {t.name} ({t.tensor_type.name}): gguf.quants.quantize differs from our bytes "
                      f"at byte {i} ({a[i]} vs {b[i]}), {(a != b).sum()} bytes in all")
+            n_quantized += 1
         n_values += ours.shape[0]
-    print(f"ok {path}: {len(names)} tensors, {n_values} values, {len(entry['metadata'])} metadata keys "
-          f"(gguf {gguf.__name__} reader, version {r.fields['GGUF.version'].contents()})")
+    print(f"ok {path}: {len(names)} tensors, {n_values} values dequantized equal, "
+          f"{n_quantized} quantized equal by gguf.quants.quantize, {len(entry['metadata'])} metadata keys "
+          f"(GGUF v{r.fields['GGUF.version'].contents()})")
 
 
 def main():

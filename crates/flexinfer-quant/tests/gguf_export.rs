@@ -322,20 +322,27 @@ fn bad_input_names_the_problem_and_leaves_the_previous_file() {
         e.contains("tokenizer") && e.contains("pre_tokenizer") && e.contains("Whitespace"),
         "{e}"
     );
-    // Rows of 128 values cannot take Q4_K's 256-value blocks (llama.cpp would need Q5_0).
+    // Rows of 128 values cannot take Q2_K's 256-value blocks, and llama.cpp's fallback (IQ4_NL) is not
+    // written yet.
     let narrow = ModelSize {
         hidden: 128,
         inter: 256,
         ..SIZE
     };
-    let e = case("narrow", "LlamaForCausalLM", &narrow, true, FileType::Q4KM);
+    let e = case("narrow", "LlamaForCausalLM", &narrow, true, FileType::Q2K);
     assert!(
-        e.contains("token_embd.weight") && e.contains("128") && e.contains("Q4_K"),
+        e.contains("token_embd.weight") && e.contains("128") && e.contains("Q2_K"),
         "{e}"
     );
-    // The same narrow model is fine as Q8_0 (blocks of 32).
+    // The same narrow model is fine as Q4_K_M (Q5_0 where Q4_K does not fit, as llama.cpp does).
     let src = d.path().join("narrow");
-    gguf(&src, &out, FileType::Q8_0, None).unwrap();
+    let s = gguf(&src, &out, FileType::Q4KM, None).unwrap();
+    assert!(s
+        .tensors
+        .contains(&("blk.0.attn_q.weight".into(), GgmlType::Q5_0)));
+    assert!(s
+        .tensors
+        .contains(&("blk.2.ffn_down.weight".into(), GgmlType::Q6K)));
     assert!(read_header(&std::fs::read(&out).unwrap()).is_ok());
 }
 
@@ -413,39 +420,58 @@ fn llama_cpp_gguf_reader_reads_every_type_we_write_and_dequantizes_it_like_us() 
     };
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/gguf/check_gguf.py");
     let d = tempfile::tempdir().unwrap();
-    let src = d.path().join("model");
-    model(&src, "LlamaForCausalLM", &SIZE);
-    let store = TensorStore::open_dir(&src).unwrap();
+    let wide = d.path().join("model");
+    model(&wide, "LlamaForCausalLM", &SIZE);
+    // Rows of 288 values do not split into 256-value super-blocks: llama.cpp's fallbacks Q5_0/Q5_1;
+    // 8 layers give Q4_0 + importance its Q4_1 layer.
+    let narrow = d.path().join("narrow");
+    let narrow_size = ModelSize {
+        hidden: 288,
+        layers: 8,
+        ..SIZE
+    };
+    model(&narrow, "LlamaForCausalLM", &narrow_size);
+    let stores = [
+        TensorStore::open_dir(&wide).unwrap(),
+        TensorStore::open_dir(&narrow).unwrap(),
+    ];
     let mut files = Vec::new();
     let types = [
-        (FileType::Q4KM, true),
-        (FileType::Q4KM, false),
-        (FileType::Q4KS, false),
-        (FileType::Q5KM, true),
-        (FileType::Q5KS, false),
-        (FileType::Q3KM, true),
-        (FileType::Q3KM, false),
-        (FileType::Q2K, true),
-        (FileType::Q2K, false),
-        (FileType::Q6K, true),
-        (FileType::Q8_0, false),
-        (FileType::Q4_0, false),
-        (FileType::Q4_0, true),
-        (FileType::F16, false),
-        (FileType::BF16, false),
+        (0, FileType::Q4KM, true),
+        (0, FileType::Q4KM, false),
+        (0, FileType::Q4KS, false),
+        (0, FileType::Q5KM, true),
+        (0, FileType::Q5KS, false),
+        (0, FileType::Q3KM, true),
+        (0, FileType::Q3KM, false),
+        (0, FileType::Q2K, true),
+        (0, FileType::Q2K, false),
+        (0, FileType::Q6K, true),
+        (0, FileType::Q8_0, false),
+        (0, FileType::Q4_0, false),
+        (0, FileType::Q4_0, true),
+        (0, FileType::F16, false),
+        (0, FileType::BF16, false),
+        (1, FileType::Q4KM, false),
+        (1, FileType::Q4KM, true),
+        (1, FileType::Q5KS, false),
+        (1, FileType::Q5KS, true),
+        (1, FileType::Q4_0, true),
     ];
     let mut seen = std::collections::BTreeSet::new();
-    for (i, (ft, with_imp)) in types.iter().enumerate() {
+    for (i, (which, ft, with_imp)) in types.iter().enumerate() {
+        let src = if *which == 0 { &wide } else { &narrow };
+        let store = &stores[*which];
         let out = d.path().join(format!("m{i}-{}.gguf", ft.name()));
         let imp = if *with_imp {
-            gguf(&src, &out, *ft, None).unwrap();
+            gguf(src, &out, *ft, None).unwrap();
             Some(importance(
                 &read_header(&std::fs::read(&out).unwrap()).unwrap(),
             ))
         } else {
             None
         };
-        gguf(&src, &out, *ft, imp.as_ref()).unwrap();
+        gguf(src, &out, *ft, imp.as_ref()).unwrap();
         let file = std::fs::read(&out).unwrap();
         let h = read_header(&file).unwrap();
         let mut tensors = Vec::new();
@@ -461,7 +487,13 @@ fn llama_cpp_gguf_reader_reads_every_type_we_write_and_dequantizes_it_like_us() 
             let source = if !with_imp
                 && matches!(
                     ty,
-                    GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::F16 | GgmlType::BF16
+                    GgmlType::Q8_0
+                        | GgmlType::Q4_0
+                        | GgmlType::Q4_1
+                        | GgmlType::Q5_0
+                        | GgmlType::Q5_1
+                        | GgmlType::F16
+                        | GgmlType::BF16
                 ) {
                 let hf = match t.name.as_str() {
                     "token_embd.weight" => "model.embed_tokens.weight".to_string(),
@@ -501,7 +533,10 @@ fn llama_cpp_gguf_reader_reads_every_type_we_write_and_dequantizes_it_like_us() 
     }
     assert_eq!(
         seen.into_iter().collect::<Vec<_>>(),
-        vec!["BF16", "F16", "F32", "Q2_K", "Q3_K", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0"]
+        vec![
+            "BF16", "F16", "F32", "Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K",
+            "Q6_K", "Q8_0"
+        ]
     );
     let manifest = d.path().join("manifest.json");
     std::fs::write(
@@ -525,4 +560,21 @@ fn llama_cpp_gguf_reader_reads_every_type_we_write_and_dequantizes_it_like_us() 
         stdout.lines().filter(|l| l.starts_with("ok ")).count(),
         types.len()
     );
+    // gguf-py quantized these files' tensors itself and got our bytes (Q4_0's output.weight is Q6_K,
+    // which it cannot quantize); on the narrow model that includes the Q5_0 (Q4_K_M) and Q5_1
+    // (Q5_K_S) fallbacks.
+    for (file, n) in [
+        ("m10-Q8_0", 30),
+        ("m11-Q4_0", 29),
+        ("m13-F16", 30),
+        ("m14-BF16", 30),
+        ("m15-Q4_K_M", 50),
+        ("m17-Q5_K_S", 50),
+    ] {
+        let line = stdout
+            .lines()
+            .find(|l| l.contains(&format!("/{file}.gguf")))
+            .unwrap();
+        assert!(line.contains(&format!(", {n} quantized equal")), "{line}");
+    }
 }

@@ -64,6 +64,7 @@ pub fn plan_gguf(job: &GgufJob<'_>, cfg: &ModelConfig, store: &TensorStore) -> R
         kv_heads: cfg.num_kv_heads,
         has_output: mapped.iter().any(|t| t.gguf == "output.weight"),
         is_70b: is_70b(cfg, arch),
+        has_importance: job.importance.is_some(),
     };
     let mut tensors = Vec::with_capacity(mapped.len());
     for t in mapped {

@@ -13,14 +13,14 @@
 //! - `ffn_down`: Q2_K → Q3_K; Q3_K_M → Q5_K below n/16 else Q4_K; Q4_K_M / Q5_K_M → Q6_K on the
 //!   "more bits" layers; Q4_K_S → Q5_K below n/8;
 //! - `attn_output`: Q2_K → Q3_K; Q3_K_M → Q4_K;
-//! - finally a row length that is not a multiple of the chosen block falls back (Q6_K → Q8_0, and
-//!   to F16 when not a multiple of 32 either); the other fallbacks (Q4_K → Q5_0, Q5_K → Q5_1,
-//!   Q2_K/Q3_K → IQ4_NL) need types we do not write yet and are an error naming the tensor.
+//! - `ffn_down` of Q4_0 with an importance matrix → Q4_1 below n/8;
+//! - finally a row length that is not a multiple of the chosen block falls back (Q6_K → Q8_0,
+//!   Q4_K → Q5_0, Q5_K → Q5_1, and to F16 when not a multiple of 32 either); Q2_K/Q3_K's fallback
+//!   (IQ4_NL) is not written yet and is an error naming the tensor.
 //!
 //! "More bits" layers (`use_more_bits`): the first and last eighth, and every third layer between.
 //! The layer counter is the layer index: llama-quantize visits tensors sorted by layer number.
-//! Not restated: MoE (`n_expert == 8`) and Falcon rules, and Q4_0's switch to Q4_1 for the first
-//! eighth of `ffn_down` when an importance matrix is given (Q4_1 is not written yet: we keep Q4_0).
+//! Not restated: the MoE (`n_expert == 8`) and Falcon rules.
 
 use super::error::GgufError;
 use super::types::{FileType, GgmlType};
@@ -35,6 +35,8 @@ pub struct MixModel {
     pub has_output: bool,
     /// llama.cpp's `LLM_TYPE_70B` (80 layers, grouped KV heads).
     pub is_70b: bool,
+    /// An importance matrix is given (llama-quantize's `has_imatrix`).
+    pub has_importance: bool,
 }
 
 /// llama-quantize's `use_more_bits`.
@@ -98,6 +100,7 @@ pub fn tensor_type(
             F::Q3KM => ty = if l < n / 16 { G::Q5K } else { G::Q4K },
             F::Q4KM | F::Q5KM if use_more_bits(l, n) => ty = G::Q6K,
             F::Q4KS if l < n / 8 => ty = G::Q5K,
+            F::Q4_0 if m.has_importance && l < n / 8 => ty = G::Q4_1,
             _ => {}
         }
     } else if name.contains("attn_output.weight") {
@@ -112,13 +115,11 @@ pub fn tensor_type(
     }
     let fallback = match ty {
         G::Q6K => G::Q8_0,
-        G::Q4_0 | G::Q8_0 => G::F16,
+        G::Q4K => G::Q5_0,
+        G::Q5K => G::Q5_1,
+        G::Q4_0 | G::Q4_1 | G::Q5_0 | G::Q5_1 | G::Q8_0 => G::F16,
         other => {
-            let missing = match other {
-                G::Q4K => "Q5_0",
-                G::Q5K => "Q5_1",
-                _ => "IQ4_NL",
-            };
+            let missing = "IQ4_NL";
             return Err(GgufError::Unsupported {
                 key: name.to_string(),
                 reason: format!(
@@ -146,6 +147,7 @@ mod tests {
         kv_heads: 8,
         has_output: true,
         is_70b: false,
+        has_importance: false,
     };
 
     fn ty(f: FileType, name: &str, layer: usize) -> GgmlType {
@@ -228,6 +230,22 @@ mod tests {
         assert_eq!(ty(F::Q6K, "blk.2.ffn_up.weight", 2), Q6K);
         assert_eq!(ty(F::Q8_0, "output.weight", 0), Q8_0);
         assert_eq!(ty(F::Q4_0, "output.weight", 0), Q6K);
+        assert_eq!(ty(F::Q4_0, "blk.3.ffn_down.weight", 3), Q4_0);
+        let imp = MixModel {
+            has_importance: true,
+            ..M32
+        };
+        let q40 = |l| {
+            tensor_type(
+                F::Q4_0,
+                &format!("blk.{l}.ffn_down.weight"),
+                2,
+                4096,
+                Some(l),
+                &imp,
+            )
+        };
+        assert_eq!((q40(3).unwrap(), q40(4).unwrap()), (Q4_1, Q4_0));
         assert_eq!(ty(F::F16, "output.weight", 0), F16);
         assert_eq!(ty(F::BF16, "blk.0.attn_v.weight", 0), BF16);
         let b70 = MixModel {
@@ -258,11 +276,15 @@ mod tests {
             tensor_type(FileType::Q8_0, "blk.0.attn_q.weight", 2, 100, Some(0), &M32).unwrap(),
             F16
         );
-        let e = tensor_type(FileType::Q4KM, "blk.0.attn_q.weight", 2, 896, Some(0), &M32)
+        // Qwen2-0.5B's rows of 896: Q4_K → Q5_0, Q5_K → Q5_1, Q2_K → IQ4_NL (not written: an error)
+        let t = |f, name: &str| tensor_type(f, name, 2, 896, Some(0), &M32);
+        assert_eq!(t(FileType::Q4KM, "blk.1.attn_q.weight").unwrap(), Q5_0);
+        assert_eq!(t(FileType::Q5KS, "blk.1.attn_q.weight").unwrap(), Q5_1);
+        let e = t(FileType::Q2K, "blk.0.attn_q.weight")
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("blk.0.attn_q.weight") && e.contains("896") && e.contains("Q5_0"),
+            e.contains("blk.0.attn_q.weight") && e.contains("896") && e.contains("IQ4_NL"),
             "{e}"
         );
     }

@@ -9,6 +9,9 @@ pub enum GgmlType {
     F16,
     BF16,
     Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
     Q8_0,
     Q2K,
     Q3K,
@@ -23,11 +26,14 @@ pub const QK_K: usize = 256;
 pub const QK_LEGACY: usize = 32;
 
 impl GgmlType {
-    pub const ALL: [GgmlType; 10] = [
+    pub const ALL: [GgmlType; 13] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::BF16,
         GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
         GgmlType::Q8_0,
         GgmlType::Q2K,
         GgmlType::Q3K,
@@ -42,6 +48,9 @@ impl GgmlType {
             GgmlType::F32 => 0,
             GgmlType::F16 => 1,
             GgmlType::Q4_0 => 2,
+            GgmlType::Q4_1 => 3,
+            GgmlType::Q5_0 => 6,
+            GgmlType::Q5_1 => 7,
             GgmlType::Q8_0 => 8,
             GgmlType::Q2K => 10,
             GgmlType::Q3K => 11,
@@ -59,6 +68,9 @@ impl GgmlType {
             GgmlType::F16 => "F16",
             GgmlType::BF16 => "BF16",
             GgmlType::Q4_0 => "Q4_0",
+            GgmlType::Q4_1 => "Q4_1",
+            GgmlType::Q5_0 => "Q5_0",
+            GgmlType::Q5_1 => "Q5_1",
             GgmlType::Q8_0 => "Q8_0",
             GgmlType::Q2K => "Q2_K",
             GgmlType::Q3K => "Q3_K",
@@ -72,7 +84,9 @@ impl GgmlType {
     pub fn block_len(self) -> usize {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
-            GgmlType::Q4_0 | GgmlType::Q8_0 => QK_LEGACY,
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => {
+                QK_LEGACY
+            }
             GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => QK_K,
         }
     }
@@ -84,6 +98,12 @@ impl GgmlType {
             GgmlType::F16 | GgmlType::BF16 => 2,
             // f16 d + 16 bytes of nibbles
             GgmlType::Q4_0 => 18,
+            // f16 d + f16 m + 16 bytes of nibbles
+            GgmlType::Q4_1 => 20,
+            // f16 d + u32 fifth bits + 16 bytes of nibbles
+            GgmlType::Q5_0 => 22,
+            // f16 d + f16 m + u32 fifth bits + 16 bytes of nibbles
+            GgmlType::Q5_1 => 24,
             // f16 d + 32 int8
             GgmlType::Q8_0 => 34,
             // scales[16] + qs[64] + f16 d + f16 dmin
@@ -230,6 +250,9 @@ mod tests {
         assert_eq!(bpw(GgmlType::Q2K), 2.625);
         assert_eq!(bpw(GgmlType::Q8_0), 8.5);
         assert_eq!(bpw(GgmlType::Q4_0), 4.5);
+        assert_eq!(bpw(GgmlType::Q4_1), 5.0);
+        assert_eq!(bpw(GgmlType::Q5_0), 5.5);
+        assert_eq!(bpw(GgmlType::Q5_1), 6.0);
         assert_eq!(GgmlType::Q4K.row_bytes(512), Some(288));
         assert_eq!(GgmlType::Q4K.row_bytes(128), None);
         assert_eq!(GgmlType::F16.row_bytes(3), Some(6));

@@ -3,7 +3,7 @@
 //! A tensor is `rows × cols` f32 values, row-major (ggml's `ne[0] = cols`); each row is quantized
 //! on its own into `cols / block_len` blocks. The optional importance vector has one entry per
 //! column (what `llama-imatrix` collects and what our calibration's Hessian diagonal is) and steers
-//! the scale search of the types that use one (Q4_0, Q2_K … Q6_K), as `llama-quantize --imatrix`
+//! the scale search of the types that use one (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K … Q6_K), as `llama-quantize --imatrix`
 //! does. F16, BF16, F32 and Q8_0 ignore it.
 
 pub mod kquants;
@@ -66,6 +66,19 @@ pub fn quantize_row(ty: GgmlType, x: &[f32], importance: Option<&[f32]>, out: &m
                 }
             }
         },
+        GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 => {
+            let f = match ty {
+                GgmlType::Q4_1 => legacy::quantize_q4_1,
+                GgmlType::Q5_0 => legacy::quantize_q5_0,
+                _ => legacy::quantize_q5_1,
+            };
+            let sigma2 = importance
+                .map(|_| x.iter().fold(0.0f32, |s, v| s + v * v) / x.len() as f32)
+                .unwrap_or(0.0);
+            for (k, (xb, ob)) in x.chunks_exact(n).zip(out.chunks_exact_mut(bb)).enumerate() {
+                f(xb, importance.map(|w| (&w[k * n..k * n + n], sigma2)), ob);
+            }
+        }
         GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => {
             let f = match ty {
                 GgmlType::Q2K => kquants::quantize_q2k,
@@ -91,6 +104,9 @@ pub fn dequantize_row(ty: GgmlType, b: &[u8], y: &mut [f32]) {
         GgmlType::BF16 => return legacy::dequantize_bf16(b, y),
         GgmlType::Q8_0 => legacy::dequantize_q8_0,
         GgmlType::Q4_0 => legacy::dequantize_q4_0,
+        GgmlType::Q4_1 => legacy::dequantize_q4_1,
+        GgmlType::Q5_0 => legacy::dequantize_q5_0,
+        GgmlType::Q5_1 => legacy::dequantize_q5_1,
         GgmlType::Q2K => kquants::dequantize_q2k,
         GgmlType::Q3K => kquants::dequantize_q3k,
         GgmlType::Q4K => kquants::dequantize_q4k,

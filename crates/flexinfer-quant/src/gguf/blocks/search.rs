@@ -11,10 +11,13 @@
 /// Groups whose largest |x| is below this are all zero (ggml's `GROUP_MAX_EPS`).
 pub const GROUP_MAX_EPS: f32 = 1e-15;
 
-/// ggml's `nearest_int`: round half to even (it adds 1.5·2^23 and reads the mantissa).
+/// ggml's `nearest_int`, the same way: adding 1.5·2^23 leaves the value rounded half-to-even in the
+/// low mantissa bits (exact for |v| < 2^22, which every caller's range is within). Bit-identical to
+/// ggml and several times faster than `round_ties_even`, a libm call on baseline x86-64.
 #[inline(always)]
 pub fn nearest(v: f32) -> i32 {
-    v.round_ties_even() as i32
+    let shifted = v + 12_582_912.0;
+    (shifted.to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
 }
 
 /// An f32 stored as f16, and the value that comes back.

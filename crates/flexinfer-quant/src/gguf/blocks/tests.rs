@@ -37,6 +37,43 @@ fn ref_q4_0(b: &[u8]) -> Vec<f32> {
     y
 }
 
+fn ref_q4_1(b: &[u8]) -> Vec<f32> {
+    let (d, m) = (h(b, 0), h(b, 2));
+    let lo = (0..16).map(|j| (b[4 + j] & 0x0F) as f32 * d + m);
+    let hi = (0..16).map(|j| (b[4 + j] >> 4) as f32 * d + m);
+    lo.chain(hi).collect()
+}
+
+/// Q5_0 / Q5_1: the fifth bits read as ggml does, `xh_0 = ((qh >> j) << 4) & 0x10`,
+/// `xh_1 = (qh >> (j + 12)) & 0x10`.
+fn ref_q5(b: &[u8], with_min: bool) -> Vec<f32> {
+    let d = h(b, 0);
+    let (m, qh_at) = if with_min { (h(b, 2), 4) } else { (0.0, 2) };
+    let qh = u32::from_le_bytes(b[qh_at..qh_at + 4].try_into().unwrap());
+    let qs = &b[qh_at + 4..];
+    let mut y = vec![0.0; 32];
+    for j in 0..16 {
+        let x0 = ((qs[j] & 0x0F) as u32 | (((qh >> j) << 4) & 0x10)) as i32;
+        let x1 = ((qs[j] >> 4) as u32 | ((qh >> (j + 12)) & 0x10)) as i32;
+        if with_min {
+            y[j] = x0 as f32 * d + m;
+            y[j + 16] = x1 as f32 * d + m;
+        } else {
+            y[j] = (x0 - 16) as f32 * d;
+            y[j + 16] = (x1 - 16) as f32 * d;
+        }
+    }
+    y
+}
+
+fn ref_q5_0(b: &[u8]) -> Vec<f32> {
+    ref_q5(b, false)
+}
+
+fn ref_q5_1(b: &[u8]) -> Vec<f32> {
+    ref_q5(b, true)
+}
+
 fn ref_q8_0(b: &[u8]) -> Vec<f32> {
     (0..32).map(|j| (b[2 + j] as i8) as f32 * h(b, 0)).collect()
 }
@@ -186,6 +223,9 @@ fn reference(ty: GgmlType) -> Reference {
     match ty {
         GgmlType::Q4_0 => (ref_q4_0, vec![0]),
         GgmlType::Q8_0 => (ref_q8_0, vec![0]),
+        GgmlType::Q4_1 => (ref_q4_1, vec![0, 2]),
+        GgmlType::Q5_0 => (ref_q5_0, vec![0]),
+        GgmlType::Q5_1 => (ref_q5_1, vec![0, 2]),
         GgmlType::Q2K => (ref_q2k, vec![80, 82]),
         GgmlType::Q3K => (ref_q3k, vec![108]),
         GgmlType::Q4K => (ref_q4k, vec![0, 2]),
@@ -195,8 +235,11 @@ fn reference(ty: GgmlType) -> Reference {
     }
 }
 
-const QUANTIZED: [GgmlType; 7] = [
+const QUANTIZED: [GgmlType; 10] = [
     GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
     GgmlType::Q8_0,
     GgmlType::Q2K,
     GgmlType::Q3K,
@@ -276,6 +319,9 @@ fn round_trip_error_is_within_each_types_bound_and_ordered_by_bits() {
         (GgmlType::Q5K, 4.0e-2),
         (GgmlType::Q4K, 7.8e-2),
         (GgmlType::Q4_0, 9.5e-2),
+        (GgmlType::Q4_1, 9.0e-2),
+        (GgmlType::Q5_0, 4.8e-2),
+        (GgmlType::Q5_1, 4.5e-2),
         (GgmlType::Q3K, 1.65e-1),
         (GgmlType::Q2K, 3.2e-1),
     ];
@@ -320,6 +366,9 @@ fn importance_lowers_the_weighted_error_of_the_weighted_types() {
     };
     for ty in [
         GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
         GgmlType::Q2K,
         GgmlType::Q3K,
         GgmlType::Q4K,
@@ -408,6 +457,33 @@ fn every_code_is_the_nearest_level_of_its_stored_scale() {
                 }
             }
         }
+    }
+}
+
+#[test]
+fn nearest_rounds_half_to_even_like_ggml() {
+    for (v, want) in [
+        (0.5f32, 0),
+        (1.5, 2),
+        (2.5, 2),
+        (-0.5, 0),
+        (-1.5, -2),
+        (-2.5, -2),
+        (3.49, 3),
+        (-3.51, -4),
+    ] {
+        assert_eq!(search::nearest(v), want, "{v}");
+    }
+    let mut rng = StdRng::seed_from_u64(1);
+    for _ in 0..100_000 {
+        let v: f32 = rng.random_range(-4_000_000.0f32..4_000_000.0);
+        assert_eq!(search::nearest(v), v.round_ties_even() as i32, "{v}");
+        let small = v / 65536.0;
+        assert_eq!(
+            search::nearest(small),
+            small.round_ties_even() as i32,
+            "{small}"
+        );
     }
 }
 
