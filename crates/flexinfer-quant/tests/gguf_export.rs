@@ -322,18 +322,32 @@ fn bad_input_names_the_problem_and_leaves_the_previous_file() {
         e.contains("tokenizer") && e.contains("pre_tokenizer") && e.contains("Whitespace"),
         "{e}"
     );
-    // Rows of 128 values cannot take Q2_K's 256-value blocks, and llama.cpp's fallback (IQ4_NL) is not
-    // written yet.
+    // A config.json with more layers than the weights: the first missing tensor is named.
+    let e = {
+        let src = d.path().join("short");
+        model(&src, "LlamaForCausalLM", &SIZE);
+        let cfgp = src.join("config.json");
+        let mut cfg: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&cfgp).unwrap()).unwrap();
+        cfg["num_hidden_layers"] = json!(5);
+        std::fs::write(&cfgp, serde_json::to_vec(&cfg).unwrap()).unwrap();
+        let e = gguf(&src, &out, FileType::Q4KM, None).unwrap_err();
+        assert!(e.is_bad_input(), "{e}");
+        assert_eq!(std::fs::read(&out).unwrap(), b"previous good file");
+        assert!(leftovers(&outdir).is_empty());
+        e.to_string()
+    };
+    assert!(
+        e.contains("model.layers.4.input_layernorm.weight") && e.contains("blk.4.attn_norm.weight"),
+        "{e}"
+    );
     let narrow = ModelSize {
         hidden: 128,
         inter: 256,
         ..SIZE
     };
-    let e = case("narrow", "LlamaForCausalLM", &narrow, true, FileType::Q2K);
-    assert!(
-        e.contains("token_embd.weight") && e.contains("128") && e.contains("Q2_K"),
-        "{e}"
-    );
+    testkit::write_model_sized(&d.path().join("narrow"), "LlamaForCausalLM", 2, &narrow).unwrap();
+    testkit::write_byte_level_tokenizer(&d.path().join("narrow")).unwrap();
     // The same narrow model is fine as Q4_K_M (Q5_0 where Q4_K does not fit, as llama.cpp does).
     let src = d.path().join("narrow");
     let s = gguf(&src, &out, FileType::Q4KM, None).unwrap();
@@ -457,6 +471,10 @@ fn llama_cpp_gguf_reader_reads_every_type_we_write_and_dequantizes_it_like_us() 
         (1, FileType::Q5KS, false),
         (1, FileType::Q5KS, true),
         (1, FileType::Q4_0, true),
+        (0, FileType::IQ4XS, false),
+        (0, FileType::IQ4XS, true),
+        (1, FileType::Q2K, false),
+        (1, FileType::Q3KM, true),
     ];
     let mut seen = std::collections::BTreeSet::new();
     for (i, (which, ft, with_imp)) in types.iter().enumerate() {
@@ -534,8 +552,8 @@ fn llama_cpp_gguf_reader_reads_every_type_we_write_and_dequantizes_it_like_us() 
     assert_eq!(
         seen.into_iter().collect::<Vec<_>>(),
         vec![
-            "BF16", "F16", "F32", "Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K",
-            "Q6_K", "Q8_0"
+            "BF16", "F16", "F32", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K",
+            "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"
         ]
     );
     let manifest = d.path().join("manifest.json");

@@ -14,9 +14,11 @@
 //!   "more bits" layers; Q4_K_S → Q5_K below n/8;
 //! - `attn_output`: Q2_K → Q3_K; Q3_K_M → Q4_K;
 //! - `ffn_down` of Q4_0 with an importance matrix → Q4_1 below n/8;
+//! - IQ4_XS: `attn_v` → Q5_K when heads/kv_heads ≥ 4, `ffn_down` → Q5_K below n/8 without an
+//!   importance matrix;
 //! - finally a row length that is not a multiple of the chosen block falls back (Q6_K → Q8_0,
-//!   Q4_K → Q5_0, Q5_K → Q5_1, and to F16 when not a multiple of 32 either); Q2_K/Q3_K's fallback
-//!   (IQ4_NL) is not written yet and is an error naming the tensor.
+//!   Q4_K → Q5_0, Q5_K → Q5_1, Q2_K / Q3_K / IQ4_XS → IQ4_NL, and to F16 when not a multiple of 32
+//!   either), so every preset can store every tensor, as in llama.cpp.
 //!
 //! "More bits" layers (`use_more_bits`): the first and last eighth, and every third layer between.
 //! The layer counter is the layer index: llama-quantize visits tensors sorted by layer number.
@@ -89,6 +91,7 @@ pub fn tensor_type(
             F::Q3KM => ty = if l < 2 { G::Q5K } else { G::Q4K },
             F::Q4KM | F::Q5KM if use_more_bits(l, n) => ty = G::Q6K,
             F::Q4KS if l < 4 => ty = G::Q5K,
+            F::IQ4XS if m.heads >= 4 * m.kv_heads => ty = G::Q5K,
             _ => {}
         }
         if m.is_70b && matches!(ty, G::Q3K | G::Q4K) {
@@ -101,6 +104,7 @@ pub fn tensor_type(
             F::Q4KM | F::Q5KM if use_more_bits(l, n) => ty = G::Q6K,
             F::Q4KS if l < n / 8 => ty = G::Q5K,
             F::Q4_0 if m.has_importance && l < n / 8 => ty = G::Q4_1,
+            F::IQ4XS if !m.has_importance && l < n / 8 => ty = G::Q5K,
             _ => {}
         }
     } else if name.contains("attn_output.weight") {
@@ -117,18 +121,9 @@ pub fn tensor_type(
         G::Q6K => G::Q8_0,
         G::Q4K => G::Q5_0,
         G::Q5K => G::Q5_1,
-        G::Q4_0 | G::Q4_1 | G::Q5_0 | G::Q5_1 | G::Q8_0 => G::F16,
-        other => {
-            let missing = "IQ4_NL";
-            return Err(GgufError::Unsupported {
-                key: name.to_string(),
-                reason: format!(
-                    "a row of {cols} values is not a multiple of {}'s block of {}; llama.cpp falls back to {missing}, which is not written yet",
-                    other.name(),
-                    other.block_len()
-                ),
-            });
-        }
+        G::Q2K | G::Q3K | G::IQ4XS => G::IQ4NL,
+        G::F32 | G::F16 | G::BF16 => ty,
+        G::Q4_0 | G::Q4_1 | G::Q5_0 | G::Q5_1 | G::Q8_0 | G::IQ4NL => G::F16,
     };
     Ok(if cols.is_multiple_of(fallback.block_len() as u64) {
         fallback
@@ -248,6 +243,11 @@ mod tests {
         assert_eq!((q40(3).unwrap(), q40(4).unwrap()), (Q4_1, Q4_0));
         assert_eq!(ty(F::F16, "output.weight", 0), F16);
         assert_eq!(ty(F::BF16, "blk.0.attn_v.weight", 0), BF16);
+        assert_eq!(ty(F::IQ4XS, "blk.9.attn_q.weight", 9), IQ4XS);
+        assert_eq!(ty(F::IQ4XS, "blk.9.attn_v.weight", 9), Q5K);
+        assert_eq!(ty(F::IQ4XS, "blk.3.ffn_down.weight", 3), Q5K);
+        assert_eq!(ty(F::IQ4XS, "blk.4.ffn_down.weight", 4), IQ4XS);
+        assert_eq!(ty(F::IQ4XS, "output.weight", 0), Q6K);
         let b70 = MixModel {
             layers: 80,
             is_70b: true,
@@ -276,16 +276,11 @@ mod tests {
             tensor_type(FileType::Q8_0, "blk.0.attn_q.weight", 2, 100, Some(0), &M32).unwrap(),
             F16
         );
-        // Qwen2-0.5B's rows of 896: Q4_K → Q5_0, Q5_K → Q5_1, Q2_K → IQ4_NL (not written: an error)
-        let t = |f, name: &str| tensor_type(f, name, 2, 896, Some(0), &M32);
-        assert_eq!(t(FileType::Q4KM, "blk.1.attn_q.weight").unwrap(), Q5_0);
-        assert_eq!(t(FileType::Q5KS, "blk.1.attn_q.weight").unwrap(), Q5_1);
-        let e = t(FileType::Q2K, "blk.0.attn_q.weight")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("blk.0.attn_q.weight") && e.contains("896") && e.contains("IQ4_NL"),
-            "{e}"
-        );
+        // Qwen2-0.5B's rows of 896: Q4_K → Q5_0, Q5_K → Q5_1, Q2_K → IQ4_NL
+        let t = |f, name: &str| tensor_type(f, name, 2, 896, Some(0), &M32).unwrap();
+        assert_eq!(t(FileType::Q4KM, "blk.1.attn_q.weight"), Q5_0);
+        assert_eq!(t(FileType::Q5KS, "blk.1.attn_q.weight"), Q5_1);
+        assert_eq!(t(FileType::Q2K, "blk.1.attn_q.weight"), IQ4NL);
+        assert_eq!(t(FileType::IQ4XS, "blk.1.attn_q.weight"), IQ4NL);
     }
 }

@@ -18,6 +18,8 @@ pub enum GgmlType {
     Q4K,
     Q5K,
     Q6K,
+    IQ4NL,
+    IQ4XS,
 }
 
 /// Values per K-quant super-block (ggml's `QK_K`).
@@ -26,7 +28,7 @@ pub const QK_K: usize = 256;
 pub const QK_LEGACY: usize = 32;
 
 impl GgmlType {
-    pub const ALL: [GgmlType; 13] = [
+    pub const ALL: [GgmlType; 15] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::BF16,
@@ -40,6 +42,8 @@ impl GgmlType {
         GgmlType::Q4K,
         GgmlType::Q5K,
         GgmlType::Q6K,
+        GgmlType::IQ4NL,
+        GgmlType::IQ4XS,
     ];
 
     /// The id stored in a tensor info (`enum ggml_type`).
@@ -57,6 +61,8 @@ impl GgmlType {
             GgmlType::Q4K => 12,
             GgmlType::Q5K => 13,
             GgmlType::Q6K => 14,
+            GgmlType::IQ4NL => 20,
+            GgmlType::IQ4XS => 23,
             GgmlType::BF16 => 30,
         }
     }
@@ -77,6 +83,8 @@ impl GgmlType {
             GgmlType::Q4K => "Q4_K",
             GgmlType::Q5K => "Q5_K",
             GgmlType::Q6K => "Q6_K",
+            GgmlType::IQ4NL => "IQ4_NL",
+            GgmlType::IQ4XS => "IQ4_XS",
         }
     }
 
@@ -84,10 +92,18 @@ impl GgmlType {
     pub fn block_len(self) -> usize {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => {
-                QK_LEGACY
-            }
-            GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => QK_K,
+            GgmlType::Q4_0
+            | GgmlType::Q4_1
+            | GgmlType::Q5_0
+            | GgmlType::Q5_1
+            | GgmlType::Q8_0
+            | GgmlType::IQ4NL => QK_LEGACY,
+            GgmlType::Q2K
+            | GgmlType::Q3K
+            | GgmlType::Q4K
+            | GgmlType::Q5K
+            | GgmlType::Q6K
+            | GgmlType::IQ4XS => QK_K,
         }
     }
 
@@ -116,6 +132,10 @@ impl GgmlType {
             GgmlType::Q5K => 176,
             // ql[128] + qh[64] + scales[16] + f16 d
             GgmlType::Q6K => 210,
+            // f16 d + 16 bytes of grid indices
+            GgmlType::IQ4NL => 18,
+            // f16 d + u16 scales_h + scales_l[4] + qs[128]
+            GgmlType::IQ4XS => 136,
         }
     }
 
@@ -155,10 +175,11 @@ pub enum FileType {
     Q4KS,
     Q3KM,
     Q2K,
+    IQ4XS,
 }
 
 impl FileType {
-    pub const ALL: [FileType; 11] = [
+    pub const ALL: [FileType; 12] = [
         FileType::F16,
         FileType::BF16,
         FileType::Q8_0,
@@ -170,6 +191,7 @@ impl FileType {
         FileType::Q4KS,
         FileType::Q3KM,
         FileType::Q2K,
+        FileType::IQ4XS,
     ];
 
     /// `general.file_type` (`LLAMA_FTYPE_*`).
@@ -185,6 +207,7 @@ impl FileType {
             FileType::Q5KS => 16,
             FileType::Q5KM => 17,
             FileType::Q6K => 18,
+            FileType::IQ4XS => 30,
             FileType::BF16 => 32,
         }
     }
@@ -203,6 +226,7 @@ impl FileType {
             FileType::Q4KS => "Q4_K_S",
             FileType::Q3KM => "Q3_K_M",
             FileType::Q2K => "Q2_K",
+            FileType::IQ4XS => "IQ4_XS",
         }
     }
 
@@ -225,6 +249,7 @@ impl FileType {
             FileType::Q4KM | FileType::Q4KS => GgmlType::Q4K,
             FileType::Q3KM => GgmlType::Q3K,
             FileType::Q2K => GgmlType::Q2K,
+            FileType::IQ4XS => GgmlType::IQ4XS,
         }
     }
 }
@@ -253,6 +278,8 @@ mod tests {
         assert_eq!(bpw(GgmlType::Q4_1), 5.0);
         assert_eq!(bpw(GgmlType::Q5_0), 5.5);
         assert_eq!(bpw(GgmlType::Q5_1), 6.0);
+        assert_eq!(bpw(GgmlType::IQ4NL), 4.5);
+        assert_eq!(bpw(GgmlType::IQ4XS), 4.25);
         assert_eq!(GgmlType::Q4K.row_bytes(512), Some(288));
         assert_eq!(GgmlType::Q4K.row_bytes(128), None);
         assert_eq!(GgmlType::F16.row_bytes(3), Some(6));

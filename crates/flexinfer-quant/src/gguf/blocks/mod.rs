@@ -3,9 +3,10 @@
 //! A tensor is `rows × cols` f32 values, row-major (ggml's `ne[0] = cols`); each row is quantized
 //! on its own into `cols / block_len` blocks. The optional importance vector has one entry per
 //! column (what `llama-imatrix` collects and what our calibration's Hessian diagonal is) and steers
-//! the scale search of the types that use one (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K … Q6_K), as `llama-quantize --imatrix`
+//! the scale search of the types that use one (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K … Q6_K, IQ4_NL, IQ4_XS), as `llama-quantize --imatrix`
 //! does. F16, BF16, F32 and Q8_0 ignore it.
 
+pub mod iq4;
 pub mod kquants;
 pub mod legacy;
 pub mod search;
@@ -79,8 +80,16 @@ pub fn quantize_row(ty: GgmlType, x: &[f32], importance: Option<&[f32]>, out: &m
                 f(xb, importance.map(|w| (&w[k * n..k * n + n], sigma2)), ob);
             }
         }
-        GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => {
+        GgmlType::Q2K
+        | GgmlType::Q3K
+        | GgmlType::Q4K
+        | GgmlType::Q5K
+        | GgmlType::Q6K
+        | GgmlType::IQ4NL
+        | GgmlType::IQ4XS => {
             let f = match ty {
+                GgmlType::IQ4NL => iq4::quantize_iq4_nl,
+                GgmlType::IQ4XS => iq4::quantize_iq4_xs,
                 GgmlType::Q2K => kquants::quantize_q2k,
                 GgmlType::Q3K => kquants::quantize_q3k,
                 GgmlType::Q4K => kquants::quantize_q4k,
@@ -112,6 +121,8 @@ pub fn dequantize_row(ty: GgmlType, b: &[u8], y: &mut [f32]) {
         GgmlType::Q4K => kquants::dequantize_q4k,
         GgmlType::Q5K => kquants::dequantize_q5k,
         GgmlType::Q6K => kquants::dequantize_q6k,
+        GgmlType::IQ4NL => iq4::dequantize_iq4_nl,
+        GgmlType::IQ4XS => iq4::dequantize_iq4_xs,
     };
     for (bb, yb) in b.chunks_exact(bb).zip(y.chunks_exact_mut(n)) {
         f(bb, yb);

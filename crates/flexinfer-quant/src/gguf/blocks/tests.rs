@@ -74,6 +74,33 @@ fn ref_q5_1(b: &[u8]) -> Vec<f32> {
     ref_q5(b, true)
 }
 
+const KVALUES: [f32; 16] = [
+    -127., -104., -83., -65., -49., -35., -22., -10., 1., 13., 25., 38., 53., 69., 89., 113.,
+];
+
+fn ref_iq4_nl(b: &[u8]) -> Vec<f32> {
+    let d = h(b, 0);
+    let lo = (0..16).map(|j| d * KVALUES[(b[2 + j] & 0xf) as usize]);
+    let hi = (0..16).map(|j| d * KVALUES[(b[2 + j] >> 4) as usize]);
+    lo.chain(hi).collect()
+}
+
+fn ref_iq4_xs(b: &[u8]) -> Vec<f32> {
+    let d = h(b, 0);
+    let scales_h = u16::from_le_bytes([b[2], b[3]]) as i32;
+    let mut y = Vec::with_capacity(QK_K);
+    let mut qs = 8;
+    for ib in 0..8 {
+        let ls =
+            ((b[4 + ib / 2] as i32 >> (4 * (ib % 2))) & 0xf) | (((scales_h >> (2 * ib)) & 3) << 4);
+        let dl = d * (ls - 32) as f32;
+        y.extend((0..16).map(|j| dl * KVALUES[(b[qs + j] & 0xf) as usize]));
+        y.extend((0..16).map(|j| dl * KVALUES[(b[qs + j] >> 4) as usize]));
+        qs += 16;
+    }
+    y
+}
+
 fn ref_q8_0(b: &[u8]) -> Vec<f32> {
     (0..32).map(|j| (b[2 + j] as i8) as f32 * h(b, 0)).collect()
 }
@@ -226,6 +253,8 @@ fn reference(ty: GgmlType) -> Reference {
         GgmlType::Q4_1 => (ref_q4_1, vec![0, 2]),
         GgmlType::Q5_0 => (ref_q5_0, vec![0]),
         GgmlType::Q5_1 => (ref_q5_1, vec![0, 2]),
+        GgmlType::IQ4NL => (ref_iq4_nl, vec![0]),
+        GgmlType::IQ4XS => (ref_iq4_xs, vec![0]),
         GgmlType::Q2K => (ref_q2k, vec![80, 82]),
         GgmlType::Q3K => (ref_q3k, vec![108]),
         GgmlType::Q4K => (ref_q4k, vec![0, 2]),
@@ -235,7 +264,9 @@ fn reference(ty: GgmlType) -> Reference {
     }
 }
 
-const QUANTIZED: [GgmlType; 10] = [
+const QUANTIZED: [GgmlType; 12] = [
+    GgmlType::IQ4NL,
+    GgmlType::IQ4XS,
     GgmlType::Q4_0,
     GgmlType::Q4_1,
     GgmlType::Q5_0,
@@ -322,6 +353,8 @@ fn round_trip_error_is_within_each_types_bound_and_ordered_by_bits() {
         (GgmlType::Q4_1, 9.0e-2),
         (GgmlType::Q5_0, 4.8e-2),
         (GgmlType::Q5_1, 4.5e-2),
+        (GgmlType::IQ4NL, 9.0e-2),
+        (GgmlType::IQ4XS, 9.0e-2),
         (GgmlType::Q3K, 1.65e-1),
         (GgmlType::Q2K, 3.2e-1),
     ];
@@ -369,6 +402,8 @@ fn importance_lowers_the_weighted_error_of_the_weighted_types() {
         GgmlType::Q4_1,
         GgmlType::Q5_0,
         GgmlType::Q5_1,
+        GgmlType::IQ4NL,
+        GgmlType::IQ4XS,
         GgmlType::Q2K,
         GgmlType::Q3K,
         GgmlType::Q4K,
