@@ -596,3 +596,69 @@ fn llama_cpp_gguf_reader_reads_every_type_we_write_and_dequantizes_it_like_us() 
         assert!(line.contains(&format!(", {n} quantized equal")), "{line}");
     }
 }
+
+#[test]
+fn the_artifact_directory_has_the_file_and_save_complete_and_is_reused() {
+    use flexinfer_quant::events::NullSink;
+    use flexinfer_quant::gguf::{write_gguf_artifact, GgufArtifactJob};
+    let d = tempfile::tempdir().unwrap();
+    let src = d.path().join("model");
+    model(&src, "LlamaForCausalLM", &SIZE);
+    let out = d.path().join("cache/gguf-q4_k_m");
+    let job = |ft| GgufArtifactJob {
+        model_dir: &src,
+        out_dir: &out,
+        file_type: ft,
+        importance: None,
+        script_version: "test",
+        verify_save_sha256: true,
+    };
+    let first = write_gguf_artifact(&job(FileType::Q4KM), &NullSink).unwrap();
+    assert!(!first.cached);
+    let file = out.join("model-Q4_K_M.gguf");
+    assert_eq!(first.file_name, "model-Q4_K_M.gguf");
+    assert_eq!(
+        first.compressed_size_bytes,
+        std::fs::metadata(&file).unwrap().len()
+    );
+    assert!(first.original_size_bytes > first.compressed_size_bytes);
+    let sc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join(".save-complete")).unwrap()).unwrap();
+    assert_eq!(sc["shards"][0]["name"], "model-Q4_K_M.gguf");
+    assert_eq!(
+        sc["shards"][0]["sha256"],
+        flexinfer_quant::fsutil::sha256_file(&file).unwrap()
+    );
+    assert_eq!(
+        sc["config_digest"].as_str(),
+        Some(first.config_digest.as_str())
+    );
+    assert!(read_header(&std::fs::read(&file).unwrap()).is_ok());
+    // Same input and type: reused, nothing rewritten.
+    let mtime = std::fs::metadata(&file).unwrap().modified().unwrap();
+    let again = write_gguf_artifact(&job(FileType::Q4KM), &NullSink).unwrap();
+    assert!(again.cached);
+    assert_eq!(again.config_digest, first.config_digest);
+    assert_eq!(std::fs::metadata(&file).unwrap().modified().unwrap(), mtime);
+    // A damaged file is not reused: rewritten.
+    std::fs::write(&file, b"x").unwrap();
+    let healed = write_gguf_artifact(&job(FileType::Q4KM), &NullSink).unwrap();
+    assert!(!healed.cached);
+    assert_eq!(
+        std::fs::metadata(&file).unwrap().len(),
+        first.compressed_size_bytes
+    );
+    // Another type is another digest; bad input leaves the finished artifact and no staging.
+    let q8 = write_gguf_artifact(&job(FileType::Q8_0), &NullSink).unwrap();
+    assert_ne!(q8.config_digest, first.config_digest);
+    assert!(out.join("model-Q8_0.gguf").is_file() && !file.exists());
+    testkit::write_char_tokenizer(&src).unwrap();
+    let e = write_gguf_artifact(&job(FileType::Q4KM), &NullSink).unwrap_err();
+    assert!(e.is_bad_input(), "{e}");
+    assert!(out.join("model-Q8_0.gguf").is_file());
+    let names: Vec<String> = std::fs::read_dir(d.path().join("cache"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, vec!["gguf-q4_k_m".to_string()]);
+}

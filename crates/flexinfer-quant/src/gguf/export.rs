@@ -107,8 +107,20 @@ pub fn write_gguf(job: &GgufJob<'_>) -> Result<GgufSummary> {
     let cfg = ModelConfig::load(job.model_dir)?;
     let store = TensorStore::open_dir(job.model_dir)?;
     let plan = plan_gguf(job, &cfg, &store)?;
-    let mut w = GgufWriter::create(job.out_path, &plan.metadata, specs_of(&plan.tensors))?;
-    for (t, ty) in &plan.tensors {
+    write_planned(&plan, &store, job.out_path, job.importance, &mut |_, _| {})
+}
+
+/// Writes a planned GGUF to `out_path`; `on_tensor(done, total)` after each tensor.
+pub fn write_planned(
+    plan: &GgufPlan,
+    store: &TensorStore,
+    out_path: &Path,
+    importance: Option<&HashMap<String, Vec<f32>>>,
+    on_tensor: &mut dyn FnMut(usize, usize),
+) -> Result<GgufSummary> {
+    let mut w = GgufWriter::create(out_path, &plan.metadata, specs_of(&plan.tensors))?;
+    let total = plan.tensors.len();
+    for (i, (t, ty)) in plan.tensors.iter().enumerate() {
         let values = match &t.source {
             Source::Computed(v) => v.clone(),
             Source::Checkpoint(name) => store.f32(name)?,
@@ -118,8 +130,7 @@ pub fn write_gguf(job: &GgufJob<'_>) -> Result<GgufSummary> {
             Some(heads) => permute_heads(&values, values.len() / cols, cols, heads),
             None => values,
         };
-        let importance = job
-            .importance
+        let importance = importance
             .and_then(|m| m.get(&t.gguf))
             .map(Vec::as_slice)
             .filter(|_| ty.is_quantized());
@@ -131,17 +142,19 @@ pub fn write_gguf(job: &GgufJob<'_>) -> Result<GgufSummary> {
         })?;
         drop(values);
         w.write_tensor(&t.gguf, &bytes)?;
+        store.release_pages();
         tracing::debug!(tensor = %t.gguf, ty = ty.name(), bytes = bytes.len(), "gguf tensor written");
+        on_tensor(i.saturating_add(1), total);
     }
     let bytes = w.finish()?;
-    tracing::info!(path = %job.out_path.display(), bytes, ftype = job.file_type.name(), "gguf written");
+    tracing::info!(path = %out_path.display(), bytes, "gguf written");
     Ok(GgufSummary {
         bytes,
         arch: plan.arch,
         tensors: plan
             .tensors
-            .into_iter()
-            .map(|(t, ty)| (t.gguf, ty))
+            .iter()
+            .map(|(t, ty)| (t.gguf.clone(), *ty))
             .collect(),
     })
 }
