@@ -1,6 +1,7 @@
 //! A GGUF header reader for our own checks (tests, artifact validation): the metadata, the tensor
-//! infos and where the data section starts. Every length is bounds-checked; a malformed file is an
-//! error, never a panic. The arrays it decodes are the kinds [`super::writer`] writes.
+//! infos and where the data section starts. Every length is bounds-checked and every tensor must lie
+//! inside the file; a malformed or truncated file is an error, never a panic. The arrays it decodes
+//! are the kinds [`super::writer`] writes.
 #![deny(clippy::arithmetic_side_effects)]
 
 use super::types::GgmlType;
@@ -151,11 +152,173 @@ pub fn read_header(bytes: &[u8]) -> Result<GgufHeader, ReadError> {
     let at = c.at as u64;
     let data_start = at
         .checked_next_multiple_of(alignment)
-        .ok_or_else(|| c.err("alignment"))?;
+        .filter(|_| alignment.is_power_of_two())
+        .ok_or_else(|| c.err(format!("alignment {alignment}")))?;
+    // Every tensor's bytes must lie inside the file: a truncated file is an error here.
+    let data_len = (bytes.len() as u64)
+        .checked_sub(data_start)
+        .ok_or_else(|| c.err("the data section starts past the end of the file"))?;
+    for (t, offset) in &tensors {
+        let size = t.byte_size().map_err(|e| c.err(e.to_string()))?;
+        if offset.checked_add(size).is_none_or(|end| end > data_len) {
+            return Err(c.err(format!("tensor {} lies outside the file", t.name)));
+        }
+    }
     Ok(GgufHeader {
         version,
         metadata,
         tensors,
         data_start,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::writer::GgufWriter;
+    use rand::{Rng, SeedableRng};
+
+    fn sample_file() -> Vec<u8> {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("x.gguf");
+        let md = vec![
+            (
+                "general.architecture".to_string(),
+                MetaValue::Str("llama".into()),
+            ),
+            ("general.alignment".to_string(), MetaValue::U32(64)),
+            ("a.f".to_string(), MetaValue::F32(1.5)),
+            ("a.b".to_string(), MetaValue::Bool(true)),
+            (
+                "a.toks".to_string(),
+                MetaValue::Array(MetaArray::Str(vec!["x".into(), "yz".into()])),
+            ),
+            (
+                "a.ids".to_string(),
+                MetaValue::Array(MetaArray::I32(vec![1, -2, 3])),
+            ),
+        ];
+        let t = vec![
+            TensorSpec {
+                name: "w".into(),
+                dims: vec![32, 2],
+                ty: GgmlType::Q8_0,
+            },
+            TensorSpec {
+                name: "n".into(),
+                dims: vec![3],
+                ty: GgmlType::F32,
+            },
+        ];
+        let mut w = GgufWriter::create(&p, &md, t).unwrap();
+        w.write_tensor("w", &[7u8; 68]).unwrap();
+        w.write_tensor("n", &[1u8; 12]).unwrap();
+        assert!(matches!(
+            w.write_tensor("extra", &[]),
+            Err(crate::gguf::GgufError::Order { .. })
+        ));
+        w.finish().unwrap();
+        std::fs::read(&p).unwrap()
+    }
+
+    #[test]
+    fn what_the_writer_writes_reads_back_with_its_alignment() {
+        let b = sample_file();
+        let h = read_header(&b).unwrap();
+        assert_eq!(h.version, 3);
+        assert_eq!(h.get("a.f"), Some(&MetaValue::F32(1.5)));
+        assert_eq!(
+            h.get("a.toks"),
+            Some(&MetaValue::Array(MetaArray::Str(vec![
+                "x".into(),
+                "yz".into()
+            ])))
+        );
+        assert_eq!(h.data_start % 64, 0);
+        assert_eq!(h.tensors[0].1, 0);
+        assert_eq!(h.tensors[1].1, 128, "68 bytes padded to 64-byte alignment");
+        let start = h.data_start as usize;
+        assert_eq!(&b[start..start + 68], &[7u8; 68][..]);
+        assert!(b[start + 68..start + 128].iter().all(|v| *v == 0));
+        assert_eq!(b.len(), start + 128 + 64);
+    }
+
+    #[test]
+    fn truncated_or_corrupted_files_are_errors_never_panics() {
+        let b = sample_file();
+        let h = read_header(&b).unwrap();
+        // Anything shorter than the end of the last tensor (the file's last 60 bytes are padding).
+        for n in 0..b.len() - 60 {
+            assert!(read_header(&b[..n]).is_err(), "truncated at {n}");
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(4);
+        for _ in 0..20_000 {
+            let mut c = b.clone();
+            for _ in 0..rng.random_range(1..4) {
+                let i = rng.random_range(0..h.data_start as usize);
+                c[i] = rng.random();
+            }
+            let _ = read_header(&c);
+        }
+    }
+
+    #[test]
+    fn the_writer_refuses_bad_declarations_before_creating_a_file() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("x.gguf");
+        let t = |name: &str, dims: Vec<u64>, ty| TensorSpec {
+            name: name.into(),
+            dims,
+            ty,
+        };
+        // (metadata, tensors, what the error says)
+        type Case = (Vec<(String, MetaValue)>, Vec<TensorSpec>, &'static str);
+        let cases: Vec<Case> = vec![
+            (
+                vec![],
+                vec![t("a", vec![300, 2], GgmlType::Q4K)],
+                "not a multiple",
+            ),
+            (
+                vec![],
+                vec![
+                    t("a", vec![32], GgmlType::Q8_0),
+                    t("a", vec![32], GgmlType::Q8_0),
+                ],
+                "twice",
+            ),
+            (
+                vec![],
+                vec![t(&"x".repeat(64), vec![4], GgmlType::F32)],
+                "63 bytes",
+            ),
+            (vec![], vec![t("a", vec![0, 4], GgmlType::F32)], "shape"),
+            (
+                vec![],
+                vec![t("a", vec![u64::MAX, 2], GgmlType::F32)],
+                "shape",
+            ),
+            (
+                vec![("general.alignment".into(), MetaValue::U32(48))],
+                vec![],
+                "power of two",
+            ),
+            (
+                vec![
+                    ("k".into(), MetaValue::U8(1)),
+                    ("k".into(), MetaValue::U8(2)),
+                ],
+                vec![],
+                "declared twice",
+            ),
+        ];
+        for (md, tensors, want) in cases {
+            let e = GgufWriter::create(&p, &md, tensors)
+                .err()
+                .unwrap()
+                .to_string();
+            assert!(e.contains(want), "{e}");
+            assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 0, "{e}");
+        }
+    }
 }
