@@ -426,7 +426,10 @@ fn write_f32(path: &Path, v: &[f32]) {
 
 #[test]
 fn llama_cpp_gguf_reader_reads_every_type_we_write_and_dequantizes_it_like_us() {
-    let Some(python) = std::env::var_os("FLEXINFER_GGUF_PYTHON").map(PathBuf::from) else {
+    let Some(python) = std::env::var_os("FLEXINFER_GGUF_PYTHON")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+    else {
         eprintln!(
             "skipped: FLEXINFER_GGUF_PYTHON is not set (scripts/gguf/make-venv.sh prints the python to set it to)"
         );
