@@ -16,6 +16,10 @@ pub const N_PARALLEL_CALIB_SAMPLES: &str = "N_PARALLEL_CALIB_SAMPLES";
 pub const MAX_MEMORY_GB: &str = "MAX_MEMORY_GB";
 pub const GPU_VRAM_MB: &str = "GPU_VRAM_MB";
 pub const GPU_MEMORY_FRACTION: &str = "GPU_MEMORY_FRACTION";
+/// What the quantize phase writes: `GPTQ` (the default) or `GGUF` (one llama.cpp file, see `GGUF_TYPE`).
+pub const FORMAT: &str = "FORMAT";
+/// The llama.cpp preset of a `FORMAT=GGUF` run (`Q4_K_M` by default; `flexinfer_quant::gguf::FileType`).
+pub const GGUF_TYPE: &str = "GGUF_TYPE";
 /// Where the GPTQ solve runs: `auto` (default), `cpu`, `hip` or `cuda`.
 pub const GPTQ_DEVICE: &str = "GPTQ_DEVICE";
 /// Whether a GPU solve uses the vendor's BLAS and solver libraries where installed: `auto` (default) or

@@ -71,6 +71,9 @@ pub enum QuantError {
     },
     #[error("aborted by test hook after layer {0}")]
     TestAbort(usize),
+    /// The GGUF output: bad input (architecture, tokenizer, row sizes) or an I/O failure.
+    #[error("GGUF: {0}")]
+    Gguf(#[from] crate::gguf::GgufError),
 }
 
 /// The error type of the tokenizer library (a boxed error).
@@ -527,7 +530,7 @@ impl QuantError {
                 | QuantError::Json { .. }
                 | QuantError::Tokenizer(_)
                 | QuantError::DeviceUnavailable { .. }
-        )
+        ) || matches!(self, QuantError::Gguf(e) if e.is_bad_input())
     }
 
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {

@@ -19,6 +19,7 @@ pub mod error;
 pub mod events;
 pub mod exclusion;
 pub mod fsutil;
+pub mod gguf;
 pub mod job;
 pub mod model;
 pub mod numerics;

@@ -11,6 +11,7 @@ use flexinfer_contract::{
 use flexinfer_quant::calib::CalibSettings;
 use flexinfer_quant::device::{select_device, MemoryBudget, Selection, SystemPlatform, VendorLibs};
 use flexinfer_quant::events::EventSink;
+use flexinfer_quant::gguf::{write_gguf_artifact, FileType, GgufArtifactJob};
 use flexinfer_quant::params::{FloorMode, GateParams, GptqParams, RecoveryParams};
 use flexinfer_quant::pipeline::{self, QuantizeJob};
 use flexinfer_quant::QuantError;
@@ -110,7 +111,19 @@ pub struct QuantizeArgs {
     pub max_shard_bytes: u64,
     #[arg(long, env = TEST_ABORT_AFTER_LAYER_ENV, hide = true)]
     pub test_abort_after_layer: Option<usize>,
+    /// `GPTQ` (the default) or `GGUF`: one llama.cpp file in `OUT_DIR` (Llama / Mistral / Qwen2 only; no
+    /// calibration yet, so the GPTQ and calibration settings do not apply).
+    #[arg(long, env = env::FORMAT, default_value = FORMAT_GPTQ)]
+    pub format: String,
+    /// The llama.cpp preset of a GGUF run: F16, BF16, Q8_0, Q6_K, Q5_K_M, Q5_K_S, Q4_K_M, Q4_K_S, Q4_0,
+    /// Q3_K_M, Q2_K, IQ4_XS.
+    #[arg(long, env = env::GGUF_TYPE, default_value = "Q4_K_M")]
+    pub gguf_type: String,
 }
+
+/// The `FORMAT` values.
+pub const FORMAT_GPTQ: &str = "GPTQ";
+pub const FORMAT_GGUF: &str = "GGUF";
 
 /// Engine events → the worker's JSON-line stream (progress stays monotonic there).
 struct WorkerSink<'a>(&'a Events);
@@ -207,6 +220,9 @@ fn run_inner(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess,
             "maxMemoryGB": args.max_memory_gb,
         }),
     );
+    if gguf_requested(&args.format)? {
+        return run_gguf(args, events);
+    }
     let job = job_from_args(args)?;
     let selection = select_device(
         Some(args.gptq_device.as_str()),
@@ -283,6 +299,80 @@ fn run_locked(
         config_digest: Some(outcome.config_digest.clone()),
         gptq_device: Some(selection.report().bounded()),
         applied: applied_settings(job, selection),
+        ..Default::default()
+    })
+}
+
+/// Whether `FORMAT` asks for GGUF; anything but GPTQ or GGUF is bad configuration.
+pub fn gguf_requested(format: &str) -> Result<bool, WorkerError> {
+    let f = format.trim();
+    if f.eq_ignore_ascii_case(FORMAT_GGUF) {
+        Ok(true)
+    } else if f.is_empty() || f.eq_ignore_ascii_case(FORMAT_GPTQ) {
+        Ok(false)
+    } else {
+        Err(WorkerError::BadInput(format!(
+            "{}={format:?}: expected {FORMAT_GPTQ} or {FORMAT_GGUF}",
+            env::FORMAT
+        )))
+    }
+}
+
+/// The llama.cpp preset named by `GGUF_TYPE`.
+pub fn gguf_file_type(name: &str) -> Result<FileType, WorkerError> {
+    FileType::from_name(name).ok_or_else(|| {
+        WorkerError::BadInput(format!(
+            "{}={name:?} is not a GGUF type this engine writes; one of {}",
+            env::GGUF_TYPE,
+            FileType::ALL.map(FileType::name).join(", ")
+        ))
+    })
+}
+
+/// `FORMAT=GGUF`: the artifact directory with one `.gguf` ([`write_gguf_artifact`]), under the same
+/// writer lock and garbage collection as a GPTQ run.
+fn run_gguf(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess, WorkerError> {
+    let file_type = gguf_file_type(&args.gguf_type)?;
+    let _lock = crate::generations::lock_output(&args.out_dir, events)?;
+    let outcome = write_gguf_artifact(
+        &GgufArtifactJob {
+            model_dir: &args.model_dir,
+            out_dir: &args.out_dir,
+            file_type,
+            importance: None,
+            script_version: contract::SCRIPT_VERSION,
+            verify_save_sha256: args.verify_save_sha256,
+        },
+        &WorkerSink(events),
+    )
+    .map_err(WorkerError::Quant)?;
+    events.log(&format!(
+        "GGUF {}: {} ({} bytes{})",
+        file_type.name(),
+        outcome.output_dir.join(&outcome.file_name).display(),
+        outcome.compressed_size_bytes,
+        if outcome.cached { ", reused" } else { "" }
+    ));
+    crate::generations::collect_garbage(
+        &args.out_dir,
+        std::env::var(env::KEEP_DIRS).ok().as_deref(),
+        events,
+    );
+    Ok(TerminationSuccess {
+        kind: format!("gguf-{}", file_type.name().to_ascii_lowercase()),
+        original_size_bytes: Some(outcome.original_size_bytes),
+        compressed_size_bytes: Some(outcome.compressed_size_bytes),
+        quantization_time_seconds: Some((outcome.seconds * 10.0).round() / 10.0),
+        output_dir: Some(outcome.output_dir.display().to_string()),
+        config_digest: Some(outcome.config_digest),
+        applied: [
+            ("format", FORMAT_GGUF.to_string()),
+            ("ggufType", file_type.name().to_string()),
+            ("ggufFile", outcome.file_name),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect(),
         ..Default::default()
     })
 }

@@ -26,7 +26,7 @@ fn model_fingerprint(model_dir: &Path, store: &TensorStore) -> Result<String> {
 /// What the input weights are: the download's integrity record (per-file sha256 of the source), the
 /// abliteration manifest or a `.save-complete` when present, plus `config.json`; otherwise the names and
 /// sizes of the weight files.
-fn input_digest(model_dir: &Path, store: &TensorStore) -> Result<String> {
+pub(crate) fn input_digest(model_dir: &Path, store: &TensorStore) -> Result<String> {
     for marker in [
         files::SOURCE_INTEGRITY,
         files::ABLITERATION_MANIFEST,

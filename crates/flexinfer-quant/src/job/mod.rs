@@ -9,7 +9,7 @@
 pub mod cache;
 mod calibrate;
 mod checkpoint;
-mod digest;
+pub(crate) mod digest;
 mod experts;
 mod layer;
 pub mod policy;

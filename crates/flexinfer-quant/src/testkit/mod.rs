@@ -145,6 +145,61 @@ pub fn write_char_tokenizer(dir: &Path) -> Result<(), String> {
     .map_err(|e| e.to_string())
 }
 
+/// GPT-2's byte → printable-character table (`bytes_to_unicode`), by byte value.
+pub fn gpt2_byte_chars() -> Vec<char> {
+    let printable =
+        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let mut extra = 0u32;
+    (0u32..256)
+        .map(|b| {
+            if printable(b) {
+                char::from_u32(b).unwrap_or('?')
+            } else {
+                extra += 1;
+                char::from_u32(255 + extra).unwrap_or('?')
+            }
+        })
+        .collect()
+}
+
+/// A byte-level BPE (GPT-2's byte alphabet as ids 0..256, `ByteLevel` pre-tokenizer, four merges as ids
+/// 256..260, `<|endoftext|>` as 260) and a `tokenizer_config.json` naming it as BOS/EOS, with a chat
+/// template: the tokenizer llama.cpp calls `gpt2` / `gpt-2`.
+pub fn write_byte_level_tokenizer(dir: &Path) -> Result<(), String> {
+    let chars = gpt2_byte_chars();
+    let mut vocab = serde_json::Map::new();
+    for (i, c) in chars.iter().enumerate() {
+        vocab.insert(c.to_string(), json!(i));
+    }
+    let merges = [("Ġ", "t"), ("t", "h"), ("th", "e"), ("Ġ", "a")];
+    for (k, (a, b)) in merges.iter().enumerate() {
+        vocab.insert(format!("{a}{b}"), json!(256 + k));
+    }
+    vocab.insert("<|endoftext|>".into(), json!(260));
+    let doc = json!({
+        "version": "1.0", "normalizer": null, "post_processor": null, "padding": null, "truncation": null,
+        "added_tokens": [{"id": 260, "content": "<|endoftext|>", "single_word": false, "lstrip": false,
+                          "rstrip": false, "normalized": false, "special": true}],
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": "",
+                  "end_of_word_suffix": "", "fuse_unk": false, "byte_fallback": false, "vocab": vocab,
+                  "merges": merges.iter().map(|(a, b)| format!("{a} {b}")).collect::<Vec<_>>()},
+    });
+    std::fs::write(
+        dir.join("tokenizer.json"),
+        serde_json::to_vec_pretty(&doc).map_err(|e| e.to_string())?,
+    )
+    .map_err(|e| e.to_string())?;
+    let cfg = json!({"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "model_max_length": 2048,
+                     "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"});
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        serde_json::to_vec_pretty(&cfg).map_err(|e| e.to_string())?,
+    )
+    .map_err(|e| e.to_string())
+}
+
 /// A generated model's tensors in the order they are written: (name, shape, values).
 type Tensors = Vec<(String, Vec<usize>, Vec<f32>)>;
 

@@ -245,3 +245,84 @@ fn hub_dataset_fetched_by_download_is_found_with_and_without_abliteration() {
     let e = crate::datasets::resolve("org/other", &download, "calibration").expect_err("missing");
     assert!(e.to_string().contains("org/other"), "{e}");
 }
+
+/// A model llama.cpp's K-quants fit (rows of 256) with a byte-level BPE tokenizer.
+fn gguf_fixture() -> Fixture {
+    let f = fixture();
+    let model = f.args.model_dir.clone();
+    let size = testkit::ModelSize {
+        hidden: 256,
+        inter: 512,
+        layers: 2,
+        heads: 4,
+        kv_heads: 1,
+        vocab: 320,
+    };
+    testkit::write_model_sized(&model, "LlamaForCausalLM", 3, &size).expect("model");
+    testkit::write_byte_level_tokenizer(&model).expect("tokenizer");
+    let mut args = f.args.clone();
+    args.format = "gguf".into();
+    args.out_dir = model.with_file_name("gguf-q4_k_m");
+    Fixture { args, ..f }
+}
+
+#[test]
+fn format_and_gguf_type_parse_with_their_defaults() {
+    let a = parse(&[]);
+    assert_eq!(
+        (a.format.as_str(), a.gguf_type.as_str()),
+        ("GPTQ", "Q4_K_M")
+    );
+    assert!(!gguf_requested(&a.format).expect("gptq"));
+    let a = parse(&["--format", "GGUF", "--gguf-type", "q5_k_m"]);
+    assert!(gguf_requested(&a.format).expect("gguf"));
+    assert_eq!(gguf_file_type(&a.gguf_type).expect("type"), FileType::Q5KM);
+    let e = gguf_requested("AWQ").expect_err("awq");
+    assert_eq!(e.exit_code(), 2);
+    assert!(e.to_string().contains("FORMAT=\"AWQ\""), "{e}");
+    let e = gguf_file_type("Q3_K_S").expect_err("q3_k_s");
+    assert_eq!(e.exit_code(), 2);
+    assert!(
+        e.to_string().contains("GGUF_TYPE=\"Q3_K_S\"") && e.to_string().contains("Q4_K_M"),
+        "{e}"
+    );
+}
+
+#[test]
+fn format_gguf_writes_one_gguf_with_save_complete_and_reports_it() {
+    let f = gguf_fixture();
+    let ok = run_inner(&f.args, &Events::new("quantization")).expect("gguf run");
+    assert_eq!(ok.kind, "gguf-q4_k_m");
+    let file = f.args.out_dir.join("model-Q4_K_M.gguf");
+    let bytes = std::fs::read(&file).expect("gguf file");
+    assert_eq!(&bytes[..4], b"GGUF");
+    assert_eq!(ok.compressed_size_bytes, Some(bytes.len() as u64));
+    assert!(ok.original_size_bytes.expect("original") > bytes.len() as u64);
+    assert_eq!(
+        ok.applied.get("ggufType").map(String::as_str),
+        Some("Q4_K_M")
+    );
+    assert!(f
+        .args
+        .out_dir
+        .join(contract::files::SAVE_COMPLETE)
+        .is_file());
+    let header = flexinfer_quant::gguf::reader::read_header(&bytes).expect("header");
+    assert_eq!(header.tensors.len(), 2 + 2 * 9 + 2);
+    // Bad type and unmappable tokenizer: exit 2, the finished artifact stays.
+    let mut bad = f.args.clone();
+    bad.gguf_type = "Q9_K".into();
+    assert_eq!(
+        run_inner(&bad, &Events::new("quantization"))
+            .expect_err("type")
+            .exit_code(),
+        2
+    );
+    testkit::write_char_tokenizer(&f.args.model_dir).expect("char tokenizer");
+    let mut q8 = f.args.clone();
+    q8.gguf_type = "Q8_0".into();
+    let e = run_inner(&q8, &Events::new("quantization")).expect_err("tokenizer");
+    assert_eq!(e.exit_code(), 2);
+    assert!(e.to_string().contains("pre_tokenizer"), "{e}");
+    assert_eq!(std::fs::read(&file).expect("kept"), bytes);
+}
