@@ -82,6 +82,18 @@ pub fn request_resource(path: &str) -> &'static str {
     }
 }
 
+/// The API of `K` in namespace `ns`, or across all namespaces when `None` (a controller's watch).
+pub fn api_in<K>(client: &kube::Client, ns: Option<&str>) -> kube::Api<K>
+where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+    K::DynamicType: Default,
+{
+    match ns {
+        Some(ns) => kube::Api::namespaced(client.clone(), ns),
+        None => kube::Api::all(client.clone()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::request_resource;
@@ -112,17 +124,5 @@ mod tests {
         for (path, want) in cases {
             assert_eq!(request_resource(path), want, "{path}");
         }
-    }
-}
-
-/// The API of `K` in namespace `ns`, or across all namespaces when `None` (a controller's watch).
-pub fn api_in<K>(client: &kube::Client, ns: Option<&str>) -> kube::Api<K>
-where
-    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>,
-    K::DynamicType: Default,
-{
-    match ns {
-        Some(ns) => kube::Api::namespaced(client.clone(), ns),
-        None => kube::Api::all(client.clone()),
     }
 }

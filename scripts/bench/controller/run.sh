@@ -67,7 +67,7 @@ spec:
 PY
 kubectl create -f "$W/pvs.yaml" >/dev/null
 FLEXINFER_WORKER_IMAGE=example.com/worker:cpu FLEXINFER_WATCH_NAMESPACE=$NS FLEXINFER_LEADER_ELECT=false \
-FLEXINFER_METRICS_ADDR=127.0.0.1:18090 FLEXINFER_HEALTH_ADDR=127.0.0.1:18091 RUST_LOG=warn \
+FLEXINFER_METRICS_ADDR=127.0.0.1:18090 FLEXINFER_HEALTH_ADDR=127.0.0.1:18091 RUST_LOG=${BENCH_RUST_LOG:-warn} \
   "$BIN" > "$W/controller.log" 2>&1 &
 CTRL=$!
 # One watch client stamps every Job event with its local receive time.
@@ -98,6 +98,11 @@ done
 TREADY=$(date +%s.%N)
 sleep 3
 RSS=$(awk '/VmHWM/{print $2}' /proc/$CTRL/status)
+# Why Jobs were deleted or retried, if they were: the caches' retry counts and every event reason of the run
+# (the controller's on the caches, and the cluster's own, e.g. nodes going NotReady under load).
+RETRIED=$(kubectl get modelcache -n "$NS" -o jsonpath='{range .items[*]}{.status.retryCount}{"\n"}{end}' | grep -c '^[1-9]' || true)
+echo "caches with a retry: $RETRIED"
+echo "event reasons (all namespaces):"; kubectl get events -A -o jsonpath='{range .items[*]}{.reason}{"\n"}{end}' | sort | uniq -c | sort -rn | head -15
 METRICS=$(curl -fs http://127.0.0.1:18090/metrics)
 python3 - "$W/jobs.log" "$N" "$T0" "$T1" "$TREADY" "$RSS" "$READY" <<PY
 import sys, collections

@@ -185,8 +185,11 @@ pub struct Stores {
     pub models: Store<Model>,
     caches_by_claim: Arc<Index>,
     pods_by_job: Arc<Index>,
-    expectations: Arc<Mutex<HashMap<(String, String), Vec<(Expectation, Instant)>>>>,
+    expectations: Arc<Mutex<ExpectationMap>>,
 }
+
+/// Unmet expectations by `(namespace, cache)`, each with the time it was recorded.
+type ExpectationMap = HashMap<(String, String), Vec<(Expectation, Instant)>>;
 
 /// The watch streams behind [`Stores`]: `caches` drives the controller, `jobs` and `profiles` are
 /// its triggers, `background` only fills stores and must be polled beside the controller.
@@ -402,17 +405,6 @@ impl Stores {
         if let Ok(mut m) = self.expectations.lock() {
             m.remove(&(ns.to_string(), cache.to_string()));
         }
-    }
-
-    /// Index entries and expectations held (the memory bound's test reads them).
-    pub fn bookkeeping_len(&self) -> usize {
-        self.caches_by_claim.len()
-            + self.pods_by_job.len()
-            + self
-                .expectations
-                .lock()
-                .map(|m| m.values().map(Vec::len).sum())
-                .unwrap_or(0)
     }
 }
 
