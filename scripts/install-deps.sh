@@ -51,6 +51,9 @@ if ! "$OPENAI_VENV/bin/python" -c 'import openai' >/dev/null 2>&1; then
   python3 -m venv "$OPENAI_VENV" && "$OPENAI_VENV/bin/pip" install -q "openai==$OPENAI_PY_VERSION" \
     || { echo "install-deps: cannot install openai==$OPENAI_PY_VERSION from PyPI" >&2; exit 1; }
 fi
+# The PyPI `gguf` reader (llama.cpp's gguf-py, numpy only) for the GGUF reader test, cached by version.
+bash "$(dirname "$0")/gguf/make-venv.sh" >/dev/null \
+  || { echo "install-deps: cannot install the gguf reader venv" >&2; exit 1; }
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
 # NVRTC for the CUDA kernel compile test (crates/flexinfer-quant/tests/kernels.rs loads it at run time): the
 # PyPI wheel in a venv cached by version; nothing else of CUDA is installed (no driver, no GPU needed).

@@ -15,6 +15,8 @@ stage "dependencies"
 bash scripts/install-deps.sh
 # The venv install-deps.sh made for the proxy's openai-client test.
 export FLEXINFER_OPENAI_PYTHON=${FLEXINFER_OPENAI_PYTHON:-$(ls -d "$HOME"/.cache/flexinfer/openai-venv-*/bin/python | tail -1)}
+# The venv install-deps.sh made for the GGUF reader test (gguf-py reads and dequantizes what we write).
+export FLEXINFER_GGUF_PYTHON=${FLEXINFER_GGUF_PYTHON:-$(ls -d "$HOME"/.cache/flexinfer/gguf-venv-*/bin/python 2>/dev/null | tail -1)}
 
 stage "HIP code objects for gfx1100 and gfx906 (Debian trixie hipcc in an mmdebstrap root, cached)"
 FLEXINFER_HIP_CODE_OBJECTS=$(bash scripts/hip/build-code-objects.sh)
