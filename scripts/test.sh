@@ -48,7 +48,7 @@ E2E_WATCH_NAMESPACE=flexinfer-e2e bash scripts/e2e/setup.sh > "$E2EF"
 source "$E2EF"; rm -f "$E2EF"
 
 stage "cargo test (unit + integration + real pipeline)"
-cargo test --workspace -j2 -- --test-threads="${TEST_THREADS:-2}"
+cargo test --workspace --no-fail-fast -j2 -- --test-threads="${TEST_THREADS:-2}"
 
 stage "chart, kustomize, RBAC, admission policy and alert tests"
 bash scripts/chart-tests/run.sh

@@ -33,6 +33,9 @@ use super::stores::{Expectation, Pending, Stores};
 use crate::kube_client::api_in;
 use crate::metrics::Metrics;
 
+/// Longest a reconcile may take before it is abandoned and retried with backoff.
+const RECONCILE_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// Bytes of pod log read per progress poll.
 const LOG_TAIL_BYTES: i64 = 64 * 1024;
 
@@ -47,6 +50,8 @@ pub enum Error {
     Json(#[from] serde_json::Error),
     #[error("object changed while reconciling; retrying")]
     Conflict,
+    #[error("reconcile took longer than {0} s (an API request hung); retrying")]
+    TimedOut(u64),
     /// A Job this controller wrote is not in the Job store yet.
     #[error("waiting for the watch to show our last Job change; retrying")]
     StoreBehind,
@@ -175,7 +180,12 @@ fn failure_key(mc: &ModelCache) -> String {
 
 async fn reconcile(mc: Arc<ModelCache>, ctx: Arc<Context>) -> Result<CtrlAction, Error> {
     let t0 = Instant::now();
-    let res = reconcile_inner(&mc, &ctx).await;
+    // No reconcile may hang on a request the API server never answers: the cache would wait for it
+    // (kube runs one reconcile of an object at a time) until the client's 295 s read timeout.
+    let res = match tokio::time::timeout(RECONCILE_TIMEOUT, reconcile_inner(&mc, &ctx)).await {
+        Ok(res) => res,
+        Err(_) => Err(Error::TimedOut(RECONCILE_TIMEOUT.as_secs())),
+    };
     if res.is_ok() {
         ctx.failures.succeeded(&failure_key(&mc));
     }

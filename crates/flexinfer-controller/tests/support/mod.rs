@@ -77,7 +77,12 @@ impl Controller {
             .env("FLEXINFER_WORKER_IMAGE", "example.com/flexinfer/worker:cpu")
             .env("FLEXINFER_RETRY_BASE_SECONDS", "1")
             .env("FLEXINFER_PROGRESS_POLL_SECONDS", "2")
-            .env("RUST_LOG", "info,kube=warn")
+            // FLEXINFER_TEST_CONTROLLER_LOG overrides the controller's log filter (e.g. `debug,kube=info`).
+            .env(
+                "RUST_LOG",
+                std::env::var("FLEXINFER_TEST_CONTROLLER_LOG")
+                    .unwrap_or_else(|_| "info,kube=warn".into()),
+            )
             .stdout(Stdio::from(out))
             .stderr(Stdio::from(err))
             .kill_on_drop(true);
