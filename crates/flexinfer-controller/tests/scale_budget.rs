@@ -153,10 +153,11 @@ async fn a_hundred_caches_cost_a_bounded_number_of_requests_and_memory() -> Resu
         per_cache <= 30.0,
         "more than 30 requests per cache: {report}"
     );
-    // Log reads: rate-limited and only for running pods (kwok's pods run for a second).
+    // Log reads: only for running (or failed) pods, at most once per half poll interval per cache and
+    // within the controller-wide budget; kwok's pods run for a second, so about one per Job.
     assert!(
-        by("GET", "pods/log") <= CACHES as f64,
-        "more than one pod-log read per cache: {report}"
+        by("GET", "pods/log") <= 3.0 * CACHES as f64,
+        "more than one pod-log read per Job: {report}"
     );
     // Memory: the stores hold 100 caches, 300 pruned Jobs and their pods (a few MiB); a debug
     // build's binary and runtime take most of the 36 MiB measured. Listing every cache per
