@@ -129,7 +129,7 @@ fn validate_binary_exit_codes() {
             String::from_utf8_lossy(&o.stderr).into_owned(),
         )
     };
-    // the seed's example
+    // the guide's example
     let (code, out, _) = run(&[
         "--format",
         "GGUF",

@@ -1,7 +1,7 @@
 //! `flexinfer quantize recommend`: pick quantization settings that fit the model and the target
 //! GPU. Pure code; the command gathers the inputs (footprint, GPUProfile) and applies the result.
 //!
-//! Baseline: the seed's "Memory Requirements" and "Calibration Recipes" tables (8B/14B/27B on
+//! Baseline: the measured memory requirements and calibration recipes for 24 GB cards (8B/14B/27B on
 //! 24 GB cards). A smaller card moves a model one size class up (tighter calibration).
 
 use serde::Serialize;
@@ -96,7 +96,7 @@ impl Recommendation {
     }
 }
 
-/// Size class of the seed tables.
+/// Size class of the baseline tables (8B / 14B / 27B+ on a 24 GB card).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Class {
     /// ~8B: defaults.
@@ -108,11 +108,11 @@ enum Class {
 }
 
 /// Artifact size (bytes) of a GPTQ model: quantized linears at `bits` plus per-group fp16 scales
-/// and packed zeros; hybrid models with `auto` keep attention in 16 bit (seed: ~1.95x vs ~3.5x).
+/// and packed zeros; hybrid models with `auto` keep attention in 16 bit (measured: ~1.95x vs ~3.5x).
 fn artifact_bytes(params: f64, bits: i32, group: i32, hybrid_auto: bool) -> f64 {
     let bf16 = params * 2.0;
     if hybrid_auto {
-        // seed: auto ≈ 1.95x compression at 4 bit; scale the quantized share with bits.
+        // measured: auto ≈ 1.95x compression at 4 bit; scale the quantized share with bits.
         return bf16 / 1.95 * (0.55 + 0.45 * bits as f64 / 4.0);
     }
     let g = if group <= 0 { 4096.0 } else { group as f64 };
@@ -203,7 +203,7 @@ fn format_reason(arch: &str) -> String {
     }
 }
 
-/// The model's size class, and the class whose calibration is used: the seed tables are for 24 GB
+/// The model's size class, and the class whose calibration is used: the baseline tables are for 24 GB
 /// cards; a smaller card moves one class up.
 fn size_classes(b: f64, vram_gb: Option<f64>, reasons: &mut Vec<String>) -> (Class, Class) {
     let size_class = if b <= 10.0 {
@@ -222,7 +222,7 @@ fn size_classes(b: f64, vram_gb: Option<f64>, reasons: &mut Vec<String>) -> (Cla
                 Class::Large
             };
             reasons.push(format!(
-                "{v:.0} GB VRAM is below the seed's 24 GB baseline: using the next size class's calibration"
+                "{v:.0} GB VRAM is below the 24 GB the calibration recipes are made for: using the next size class's calibration"
             ));
         }
     }
@@ -296,7 +296,7 @@ fn fit_bits(model: &Footprint, vram_gb: Option<f64>, reasons: &mut Vec<String>) 
     }
 }
 
-/// Calibration and the GPU memory fraction from the seed's recipes.
+/// Calibration and the GPU memory fraction from the baseline recipes.
 fn calibration_recipe(class: Class, reasons: &mut Vec<String>) -> (CalibrationRec, &'static str) {
     let (cal, _, frac) = match class {
         Class::Small => (
@@ -328,14 +328,14 @@ fn calibration_recipe(class: Class, reasons: &mut Vec<String>) -> (CalibrationRe
         ),
     };
     reasons.push(match class {
-        Class::Small => "calibration defaults (256 @ 4096): the seed's 8B recipe".to_string(),
-        Class::Medium => "calibration 256 @ 4096 with nParallelCalibSamples 32: the seed's 14B-on-24GB recipe".to_string(),
-        Class::Large => "calibration 128 @ 2048 with nParallelCalibSamples 16, gpuMemoryFraction 0.80: the seed's 27B+ single-GPU recipe".to_string(),
+        Class::Small => "calibration defaults (256 @ 4096): the 8B recipe for a 24 GB card".to_string(),
+        Class::Medium => "calibration 256 @ 4096 with nParallelCalibSamples 32: the 14B-on-24GB recipe".to_string(),
+        Class::Large => "calibration 128 @ 2048 with nParallelCalibSamples 16, gpuMemoryFraction 0.80: the 27B+ single-GPU recipe".to_string(),
     });
     (cal, frac)
 }
 
-/// Host memory follows the model size (seed: 8B 32Gi, 14B 56, 27B 96), and beyond the table about
+/// Host memory follows the model size (8B 32Gi, 14B 56, 27B 96), and beyond the table about
 /// 3.5 GB per billion parameters.
 fn host_memory(size_class: Class, b: f64, reasons: &mut Vec<String>) -> i32 {
     let mut max_mem = match size_class {
@@ -344,19 +344,19 @@ fn host_memory(size_class: Class, b: f64, reasons: &mut Vec<String>) -> i32 {
         Class::Large => 96,
     };
     reasons.push(format!(
-        "maxMemoryGB {max_mem}: the seed's host-memory recipe for this model size"
+        "maxMemoryGB {max_mem}: the host-memory recipe for this model size"
     ));
     let scaled = ((b * 3.5 / 8.0).ceil() * 8.0) as i32;
     if scaled > max_mem {
         max_mem = scaled.min(1024);
         reasons.push(format!(
-            "maxMemoryGB {max_mem}: scaled with the model size beyond the seed table"
+            "maxMemoryGB {max_mem}: scaled with the model size beyond the 27B row"
         ));
     }
     max_mem
 }
 
-/// Estimated minutes and the timeout: seed 8B ≈ 30 min, 14B ≈ 73 min at full calibration; fewer
+/// Estimated minutes and the timeout: an 8B takes ≈ 30 min, a 14B ≈ 73 min at full calibration; fewer
 /// tokens shorten calibration.
 fn time_estimate(b: f64, moe: bool, cal: &CalibrationRec, reasons: &mut Vec<String>) -> (f64, i64) {
     let tokens = (cal.max_samples as f64 * cal.max_seq_len as f64) / (256.0 * 4096.0);
