@@ -204,9 +204,16 @@ fn clear_managed_fields<K: Resource>(o: &mut K) {
     o.meta_mut().managed_fields = None;
 }
 
-/// Drive a store-only stream to its end (it ends only with the process).
-async fn drain<S: Stream + Send>(s: S) {
-    s.for_each(|_| std::future::ready(())).await
+/// Drive a store-only stream to its end (it ends only with the process), saying when its watch fails
+/// (e.g. a missing RBAC verb): until its first listing succeeds no reconcile runs.
+async fn drain<T, S: Stream<Item = Result<T, watcher::Error>> + Send>(what: &'static str, s: S) {
+    s.for_each(|r| {
+        if let Err(e) = r {
+            tracing::warn!(watch = what, error = %e, "watch failed; retrying with backoff");
+        }
+        std::future::ready(())
+    })
+    .await
 }
 
 impl Stores {
@@ -274,7 +281,11 @@ impl Stores {
             .modify(clear_managed_fields)
             .reflect(models_w);
         let background = Box::pin(async move {
-            tokio::join!(drain(pod_stream), drain(claim_stream), drain(model_stream));
+            tokio::join!(
+                drain("pods", pod_stream),
+                drain("persistentvolumeclaims", claim_stream),
+                drain("models", model_stream)
+            );
         });
         (
             Self {
