@@ -1102,31 +1102,28 @@ async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
             )
             .await?;
     }
-    wait_for(
-        "a new controller pod Ready",
-        Duration::from_secs(120),
-        || {
-            let cpods = cpods.clone();
-            let sel = sel.clone();
-            let old = old.clone();
-            async move {
-                let l = cpods.list(&sel).await.ok()?;
-                l.items
-                    .iter()
-                    .any(|p| {
-                        !old.contains(p.metadata.name.as_ref().unwrap_or(&String::new()))
-                            && p.status
-                                .as_ref()
-                                .and_then(|s| s.conditions.as_ref())
-                                .is_some_and(|cs| {
-                                    cs.iter().any(|c| c.type_ == "Ready" && c.status == "True")
-                                })
-                    })
-                    .then_some(())
-            }
-        },
-    )
-    .await?;
+    // The cache is observed all the while: the retry runs (and reports progress through the replacement)
+    // while the new pod waits for its readiness probe.
+    let start = Instant::now();
+    loop {
+        observe_once(&c, &e, name, &mut seen).await?;
+        let l = cpods.list(&sel).await?;
+        let ready = l.items.iter().any(|p| {
+            !old.contains(p.metadata.name.as_ref().unwrap_or(&String::new()))
+                && p.status
+                    .as_ref()
+                    .and_then(|s| s.conditions.as_ref())
+                    .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+        });
+        if ready {
+            break;
+        }
+        ensure!(
+            start.elapsed() < Duration::from_secs(120),
+            "no new controller pod Ready after 120 s"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
     let after = jobs.get(&job_name).await?;
     ensure!(
         after.metadata.uid == uid,
