@@ -2,6 +2,8 @@
 set -euo pipefail                      # usage: TESTENV_BIN=… up.sh [api|cluster]; prints `export KUBECONFIG=… TESTENV_DIR=…`
 # cluster mode also starts a REAL node `localhost` (kubelet + containerd, see node/up.sh and docs/dev/testenv.md)
 # unless TESTENV_REAL_NODE=0, and then also prints TESTENV_NODE, TESTENV_HOST_IP, TESTENV_REGISTRY, TESTENV_CONTAINERD_ADDRESS.
+# TESTENV_KCM_ARGS / TESTENV_SCHEDULER_ARGS: extra flags for kube-controller-manager / kube-scheduler (the
+# controller benchmark raises their client QPS and Job workers so the simulated cluster is not the bottleneck).
 MODE=${1:-cluster}; BIN=${TESTENV_BIN:?}; W=${TESTENV_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/testenv.XXXXXX")}
 HERE=$(cd "$(dirname "$0")" && pwd); NODE=0; [ "$MODE" = cluster ] && [ "${TESTENV_REAL_NODE:-1}" != 0 ] && NODE=1
 P=$W/pki; mkdir -p "$P" "$W/etcd" "$W/logs"; W=$(cd "$W" && pwd -P); P=$W/pki
@@ -56,8 +58,9 @@ if [ "$MODE" = cluster ]; then
   AUTHN=(--kubeconfig="$KC" --authentication-kubeconfig="$KC" --authorization-kubeconfig="$KC"
          --authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics --bind-address=127.0.0.1 --leader-elect=false)
   start kube-controller-manager "$BIN/kube-controller-manager" "${AUTHN[@]}" --secure-port="$KP" \
-    --service-account-private-key-file="$P/sa.key" --root-ca-file="$P/ca.crt" --flex-volume-plugin-dir="$W/flexvolume" --node-monitor-period=5s --node-monitor-grace-period=40s
-  start kube-scheduler "$BIN/kube-scheduler" "${AUTHN[@]}" --secure-port="$SP"
+    --service-account-private-key-file="$P/sa.key" --root-ca-file="$P/ca.crt" --flex-volume-plugin-dir="$W/flexvolume" --node-monitor-period=5s --node-monitor-grace-period=40s \
+    ${TESTENV_KCM_ARGS:-}
+  start kube-scheduler "$BIN/kube-scheduler" "${AUTHN[@]}" --secure-port="$SP" ${TESTENV_SCHEDULER_ARGS:-}
   start kwok "$BIN/kwok" --kubeconfig="$KC" --config="${KWOK_CONFIG:-$BIN/kwok-stages.yaml}" \
     --manage-all-nodes=false --manage-nodes-with-label-selector=type=kwok --cidr=10.244.0.1/16 --node-ip=10.250.0.1 --node-lease-duration-seconds=40
   wait_for "https://127.0.0.1:$KP/healthz" 60; wait_for "https://127.0.0.1:$SP/healthz" 60

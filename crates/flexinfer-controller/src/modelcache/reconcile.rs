@@ -320,7 +320,7 @@ fn observe_claim_users(mc: &ModelCache, stores: &Stores, ns: &str, observed: &mu
 async fn reconcile_inner(mc: &ModelCache, ctx: &Context) -> Result<CtrlAction, Error> {
     let ns = mc.namespace().ok_or(Error::Missing("namespace"))?;
     let name = mc.name_any();
-    if ctx.stores.ready().await.is_err() {
+    if !ctx.stores.ready().await {
         return Err(Error::Missing(
             "watch stores (the controller is shutting down)",
         ));

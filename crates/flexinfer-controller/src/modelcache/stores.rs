@@ -186,6 +186,19 @@ pub struct Stores {
     caches_by_claim: Arc<Index>,
     pods_by_job: Arc<Index>,
     expectations: Arc<Mutex<ExpectationMap>>,
+    /// Whether every store has its first listing, awaited by many reconciles at once.
+    ready: Readiness,
+}
+
+/// One readiness every waiter can await: a reflector store wakes only the last of several tasks
+/// waiting on it (its signal is a oneshot channel), so reconciles that waited side by side at
+/// start-up slept until something else woke them (the 60 s reconcile timeout). One shared future
+/// polls the stores and wakes every waiter.
+type Readiness = futures::future::Shared<futures::future::BoxFuture<'static, bool>>;
+
+fn readiness(all: impl Future<Output = bool> + Send + 'static) -> Readiness {
+    use futures::FutureExt;
+    all.boxed().shared()
 }
 
 /// Unmet expectations by `(namespace, cache)`, each with the time it was recorded.
@@ -280,6 +293,18 @@ impl Stores {
             .default_backoff()
             .modify(clear_managed_fields)
             .reflect(models_w);
+        let ready = {
+            let (a, b, c) = (caches.clone(), jobs.clone(), pods.clone());
+            let (d, e, f) = (claims.clone(), profiles.clone(), models.clone());
+            readiness(async move {
+                a.wait_until_ready().await.is_ok()
+                    && b.wait_until_ready().await.is_ok()
+                    && c.wait_until_ready().await.is_ok()
+                    && d.wait_until_ready().await.is_ok()
+                    && e.wait_until_ready().await.is_ok()
+                    && f.wait_until_ready().await.is_ok()
+            })
+        };
         let background = Box::pin(async move {
             tokio::join!(
                 drain("pods", pod_stream),
@@ -298,6 +323,7 @@ impl Stores {
                 caches_by_claim,
                 pods_by_job,
                 expectations: Default::default(),
+                ready,
             },
             Streams {
                 caches: cache_stream,
@@ -309,14 +335,10 @@ impl Stores {
     }
 
     /// Wait until every store has its first full listing (a reconcile must never plan from an
-    /// empty Job store: it would restart finished phases).
-    pub async fn ready(&self) -> Result<(), reflector::store::WriterDropped> {
-        self.caches.wait_until_ready().await?;
-        self.jobs.wait_until_ready().await?;
-        self.pods.wait_until_ready().await?;
-        self.claims.wait_until_ready().await?;
-        self.profiles.wait_until_ready().await?;
-        self.models.wait_until_ready().await
+    /// empty Job store: it would restart finished phases). False once a store's writer is gone (the
+    /// controller is shutting down).
+    pub async fn ready(&self) -> bool {
+        self.ready.clone().await
     }
 
     /// The Job `name` in `ns`, as stored.
@@ -434,6 +456,22 @@ pub enum Pending {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Several reconciles wait for the stores at start-up; every one of them goes on when the
+    /// listing arrives (a store alone wakes only the last waiter).
+    #[tokio::test]
+    async fn every_waiter_wakes_when_the_stores_are_ready() {
+        let (store, mut writer) = reflector::store::<Pod>();
+        let ready = readiness(async move { store.wait_until_ready().await.is_ok() });
+        let waiters: Vec<_> = (0..4).map(|_| tokio::spawn(ready.clone())).collect();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        writer.apply_watcher_event(&watcher::Event::Init);
+        writer.apply_watcher_event(&watcher::Event::InitDone);
+        let all = tokio::time::timeout(Duration::from_secs(5), futures::future::join_all(waiters))
+            .await
+            .expect("every waiter woke");
+        assert!(all.into_iter().all(|r| r.expect("task")));
+    }
 
     fn pod(name: &str, job: &str) -> Pod {
         serde_json::from_value(serde_json::json!({
