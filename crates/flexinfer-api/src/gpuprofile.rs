@@ -53,9 +53,11 @@ pub struct GPUProfileSpec {
     #[schemars(length(max = 253))]
     pub resource_name: Option<String>,
 
-    /// Environment injected into GPU Jobs and serving pods on this architecture.
+    /// Environment injected into GPU Jobs and serving pods on this architecture. It may not set the
+    /// variables FlexInfer sets itself (paths, sources, credentials, the artifact's settings, the
+    /// publish target, `FLEXINFER_*`) nor the dynamic loader's (`LD_PRELOAD`, `LD_LIBRARY_PATH`, `LD_AUDIT`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(length(max = 64))]
+    #[schemars(length(max = 64), transform = protected_env_rule)]
     pub env: Vec<EnvVar>,
 
     /// Default container memory (GiB) for serving pods on these nodes.
@@ -99,6 +101,36 @@ impl GpuVendor {
             GpuVendor::Amd => "amd.com/gpu",
             GpuVendor::Nvidia => "nvidia.com/gpu",
         }
+    }
+}
+
+/// The admission rule on `spec.env`: no protected name (the contract's list, one place). Names are
+/// bounded so that the API server can bound the rule's cost.
+fn protected_env_rule(schema: &mut schemars::Schema) {
+    use crate::contract::env::{PROFILE_PROTECTED, PROFILE_PROTECTED_PREFIX};
+    let names = PROFILE_PROTECTED
+        .iter()
+        .map(|n| format!("'{n}'"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let rule = format!(
+        "self.all(e, !(e.name in [{names}]) && !e.name.startsWith('{PROFILE_PROTECTED_PREFIX}'))"
+    );
+    let message = format!(
+        "spec.env may not set a variable FlexInfer sets itself ({}, {PROFILE_PROTECTED_PREFIX}*)",
+        PROFILE_PROTECTED.join(", ")
+    );
+    schema.insert(
+        "x-kubernetes-validations".into(),
+        serde_json::json!([{"rule": rule, "message": message}]),
+    );
+    if let Some(name) = schema
+        .get_mut("items")
+        .and_then(|i| i.get_mut("properties"))
+        .and_then(|p| p.get_mut("name"))
+        .and_then(|n| n.as_object_mut())
+    {
+        name.insert("maxLength".into(), serde_json::json!(256));
     }
 }
 

@@ -79,6 +79,61 @@ pub const TERMINATION_LOG: &str = "FLEXINFER_TERMINATION_LOG";
 /// Pipeline phase the Job runs (`download`, `abliterate`, `quantize`, `publish`).
 pub const PHASE: &str = "FLEXINFER_PHASE";
 
+/// Variables a GPUProfile's `env` may not set: FlexInfer sets them for every Job from the cache's spec
+/// and the controller's configuration (paths, sources and their credentials, what the artifact is, the
+/// publish target), and the dynamic loader's paths. Every `FLEXINFER_*` name is refused too
+/// ([`PROFILE_PROTECTED_PREFIX`]). GPU tuning (`GPU_*`, `GPTQ_DEVICE`, `GPTQ_VENDOR_LIBS`, the `GPTQ_*`
+/// tunables, `N_PARALLEL_CALIB_SAMPLES`, `MAX_MEMORY_GB`) and the vendors' own variables stay allowed.
+pub const PROFILE_PROTECTED: &[&str] = &[
+    MODEL_DIR,
+    OUT_DIR,
+    BITS,
+    GROUP_SIZE,
+    SYM,
+    DESC_ACT,
+    DYNAMIC_EXCLUSION,
+    MAX_SEQ_LEN,
+    MAX_SAMPLES,
+    DATASET,
+    FORMAT,
+    GGUF_TYPE,
+    HF_TOKEN,
+    HF_ENDPOINT,
+    SOURCE,
+    REVISION,
+    REPO_TYPE,
+    ALLOW_PATTERNS,
+    IGNORE_PATTERNS,
+    NUM_SAMPLES,
+    TARGET_LAYERS,
+    WEIGHT_MATRICES,
+    SKIP_GDN_LAYERS,
+    SKIP_VISION,
+    NORM_THRESHOLD,
+    ABLITERATE_LM_HEAD,
+    MAX_PERPLEXITY_INCREASE_PERCENT,
+    REFUSAL_DATASET,
+    HARMLESS_DATASET,
+    OCI_REF,
+    OCI_TAG_POLICY,
+    OCI_ADDITIONAL_TAGS,
+    OCI_INSECURE,
+    OCI_USERNAME,
+    OCI_PASSWORD,
+    DOCKER_CONFIG_JSON,
+    "LD_PRELOAD",
+    "LD_LIBRARY_PATH",
+    "LD_AUDIT",
+];
+
+/// The prefix of FlexInfer's own variables (identity, phase, telemetry, GC): none may come from a GPUProfile.
+pub const PROFILE_PROTECTED_PREFIX: &str = "FLEXINFER_";
+
+/// Whether a GPUProfile's `env` may not set `name` (see [`PROFILE_PROTECTED`]).
+pub fn protected_from_profiles(name: &str) -> bool {
+    PROFILE_PROTECTED.contains(&name) || name.starts_with(PROFILE_PROTECTED_PREFIX)
+}
+
 /// The `GPTQ_*` tunables with their defaults, in the order the controller emits them.
 /// The controller overrides each cluster-wide from its own env `FLEXINFER_<NAME>`.
 pub const GPTQ_TUNABLES: &[(&str, &str)] = &[

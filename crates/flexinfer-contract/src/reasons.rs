@@ -35,6 +35,9 @@ pub const GENERATION_PROMOTED: &str = "GenerationPromoted";
 pub const APPLIES_NEXT_ATTEMPT: &str = "AppliesToNextAttempt";
 /// No image could be resolved for a phase.
 pub const IMAGE_NOT_CONFIGURED: &str = "ImageNotConfigured";
+/// The phase's GPUProfile sets a variable in its `env` that FlexInfer sets itself (e.g. `OUT_DIR`); the
+/// Job is not created until the profile drops it.
+pub const PROFILE_ENV_PROTECTED: &str = "ProfileEnvProtected";
 /// A quantization with `useGPU: true` ran its GPTQ solves on the CPU (`GPTQ_DEVICE=auto` found no usable GPU;
 /// the note carries the worker's reason).
 pub const QUANTIZED_ON_CPU: &str = "QuantizedOnCPU";

@@ -45,6 +45,11 @@ pub(super) fn advance(cx: &mut Ctx<'_>, phases: &[JobPhase], observed: &Observed
                 break;
             }
         };
+        if let Some(msg) = protected_profile_env(&target) {
+            all_done = false;
+            cx.fail_config(reasons::PROFILE_ENV_PROTECTED, &msg, Some(phase));
+            break;
+        }
         if completed_and_current(cx, phases, index, observed) {
             continue;
         }
@@ -63,6 +68,27 @@ pub(super) fn advance(cx: &mut Ctx<'_>, phases: &[JobPhase], observed: &Observed
         all_done = true;
     }
     all_done
+}
+
+/// A GPUProfile (created before its CRD refused them) that sets variables FlexInfer sets itself: the
+/// refusal, naming them.
+fn protected_profile_env(target: &jobs::PhaseTarget) -> Option<String> {
+    let p = target.profile.as_ref()?;
+    let names: Vec<&str> = p
+        .spec
+        .env
+        .iter()
+        .map(|e| e.name.as_str())
+        .filter(|n| contract::env::protected_from_profiles(n))
+        .collect();
+    (!names.is_empty()).then(|| {
+        format!(
+            "GPUProfile {} sets {} in spec.env, which FlexInfer sets itself for every Job; remove {} from the profile",
+            p.metadata.name.as_deref().unwrap_or_default(),
+            names.join(", "),
+            if names.len() == 1 { "it" } else { "them" }
+        )
+    })
 }
 
 /// A completed phase built from the current spec (or from an older controller's hash of the same

@@ -130,3 +130,53 @@ fn missing_image_and_bad_annotations_become_conditions() {
         }
     }
 }
+
+/// A GPUProfile (made before its CRD refused it) that sets a variable FlexInfer sets itself: the GPU
+/// phase's Job is not created and the cache says which variables to remove; the vendor's own variables
+/// (the fixture's HSA_OVERRIDE_GFX_VERSION) are fine; the download (no GPU) ran regardless.
+#[test]
+fn a_profile_env_that_sets_flexinfer_variables_is_refused_naming_them() {
+    let c = cfg();
+    let mc = cache(FULL);
+    let p = plan(&mc, &obs(vec![]), &c, t(0));
+    assert_eq!(created_jobs(&p), vec!["mc-download"]);
+    let dl = job_from(&p, JobPhase::Download, t(1), JobState::Succeeded);
+    let mc = applied(mc, &p);
+    let with_env = |names: &[&str]| {
+        let mut o = obs(vec![dl.clone()]);
+        for n in names {
+            o.profiles[0]
+                .spec
+                .env
+                .push(k8s_openapi::api::core::v1::EnvVar {
+                    name: (*n).into(),
+                    value: Some("/elsewhere".into()),
+                    value_from: None,
+                });
+        }
+        plan(&mc, &o, &c, t(10))
+    };
+    let fine = with_env(&[]);
+    assert_eq!(created_jobs(&fine), vec!["mc-abliterate"]);
+    for (names, needle) in [
+        (vec!["OUT_DIR"], "sets OUT_DIR in spec.env"),
+        (
+            vec!["FLEXINFER_WRITER_NODE", "LD_PRELOAD"],
+            "sets FLEXINFER_WRITER_NODE, LD_PRELOAD in spec.env",
+        ),
+    ] {
+        let p = with_env(&names);
+        assert!(created_jobs(&p).is_empty(), "{names:?}");
+        assert_eq!(p.status.phase, Some(CachePhase::Failed), "{names:?}");
+        let ready = conditions::find(&p.status.conditions, "Ready").expect("Ready");
+        assert_eq!(ready.reason, "ProfileEnvProtected");
+        assert!(
+            ready.message.contains(needle) && ready.message.contains("GPUProfile gfx1100"),
+            "{}",
+            ready.message
+        );
+    }
+    // GPU tuning stays the profile's to set.
+    let tuned = with_env(&["GPU_MEMORY_FRACTION", "GPTQ_DEVICE"]);
+    assert_eq!(created_jobs(&tuned), vec!["mc-abliterate"]);
+}
