@@ -26,18 +26,25 @@ pub(super) fn deletion(mc: &ModelCache, observed: &Observed) -> Option<Vec<Actio
     let name = mc.metadata.name.clone().unwrap_or_default();
     let owns_pvc = mc.spec.existing_claim_name.is_none();
     if owns_pvc && observed.pvc_exists {
-        if observed.claim_peers.is_empty() {
+        if observed.claim_peers.is_empty() && observed.claim_models.is_empty() {
             actions.push(Action::DeletePvc(jobs::created_claim_name(&name)));
         } else {
-            let users: Vec<&str> = observed
-                .claim_peers
-                .iter()
-                .map(|p| p.name.as_str())
-                .collect();
+            let mut users: Vec<String> = Vec::new();
+            if !observed.claim_peers.is_empty() {
+                let names: Vec<&str> = observed
+                    .claim_peers
+                    .iter()
+                    .map(|p| p.name.as_str())
+                    .collect();
+                users.push(format!("ModelCache {}", names.join(", ")));
+            }
+            if !observed.claim_models.is_empty() {
+                users.push(format!("Model {}", observed.claim_models.join(", ")));
+            }
             let note = format!(
-                "PersistentVolumeClaim {} is kept: ModelCache {} use it",
+                "PersistentVolumeClaim {} is kept: {} use it; delete it once nothing does",
                 jobs::created_claim_name(&name),
-                users.join(", ")
+                users.join(" and ")
             );
             actions.push(event(false, reasons::CLAIM_KEPT, &note, None));
         }

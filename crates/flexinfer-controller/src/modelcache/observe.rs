@@ -277,6 +277,16 @@ pub fn served_dir_on(served_path: &str, claim: &str) -> Option<String> {
     (c == claim).then(|| dir.trim_end_matches('/').to_string())
 }
 
+/// Whether a Model with `source` (and `status.servedPath`) reads from claim `claim`: a `pvc://<claim>/…`
+/// source, or what it serves now is on the claim (a `modelcache://` Model).
+pub fn model_uses_claim(source: &str, served_path: Option<&str>, claim: &str) -> bool {
+    let by_source = source
+        .strip_prefix("pvc://")
+        .and_then(|rest| rest.split_once('/'))
+        .is_some_and(|(c, _)| c == claim);
+    by_source || served_path.is_some_and(|p| served_dir_on(p, claim).is_some())
+}
+
 /// Once the download completed on it, the created PVC exists: it is read only before that, and
 /// while the cache is being deleted (deletion checks again itself).
 pub fn pvc_known_to_exist(mc: &ModelCache) -> bool {

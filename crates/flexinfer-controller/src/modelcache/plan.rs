@@ -45,6 +45,9 @@ pub struct Observed {
     pub served_dirs: Vec<String>,
     /// Other ModelCaches of the namespace that use the same claim.
     pub claim_peers: Vec<ClaimPeer>,
+    /// Models of the namespace that read from this cache's claim (`pvc://` source or served path):
+    /// deleting the cache keeps the claim while any does.
+    pub claim_models: Vec<String>,
 }
 
 /// The pod log tail as the reconciler read it.

@@ -24,8 +24,8 @@ use tracing::{debug, info, warn};
 use super::config::Config;
 use super::jobs;
 use super::observe::{
-    is_older_peer, log_read_due, needs_pods, needs_profiles, observe_job, prune_job,
-    pvc_known_to_exist, served_dir_on, wants_log_tail, JobState, LogBudget,
+    is_older_peer, log_read_due, model_uses_claim, needs_pods, needs_profiles, observe_job,
+    prune_job, pvc_known_to_exist, served_dir_on, wants_log_tail, JobState, LogBudget,
 };
 use super::plan::{plan, Action, ClaimPeer, LogTail, Observed, Plan};
 use super::series::{forget_deleted_caches, update_metrics};
@@ -306,13 +306,12 @@ fn observe_claim_users(mc: &ModelCache, stores: &Stores, ns: &str, observed: &mu
         });
     }
     for m in stores.models_in(ns) {
-        if let Some(dir) = m
-            .status
-            .as_ref()
-            .and_then(|s| s.served_path.as_deref())
-            .and_then(|p| served_dir_on(p, &claim))
-        {
+        let served = m.status.as_ref().and_then(|s| s.served_path.as_deref());
+        if let Some(dir) = served.and_then(|p| served_dir_on(p, &claim)) {
             observed.served_dirs.push(dir);
+        }
+        if model_uses_claim(&m.spec.source, served, &claim) {
+            observed.claim_models.push(m.name_any());
         }
     }
 }

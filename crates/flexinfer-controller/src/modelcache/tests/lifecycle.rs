@@ -132,6 +132,34 @@ fn deletion_removes_created_pvc_but_never_an_existing_claim() {
     assert_eq!(p.actions, vec![Action::RemoveFinalizer]);
 }
 
+/// Deleting a cache keeps its claim while a Model reads from it (a `pvc://` source or the directory it
+/// serves); the event names the Model.
+#[test]
+fn deletion_keeps_a_claim_a_model_serves() {
+    let mut a = cache(SIMPLE);
+    a.metadata.deletion_timestamp =
+        Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(t(0)));
+    let o = Observed {
+        claim_models: vec!["llama".into()],
+        ..obs(vec![])
+    };
+    let p = plan(&a, &o, &cfg(), t(0));
+    assert!(
+        !p.actions.iter().any(|a| matches!(a, Action::DeletePvc(_))),
+        "{:?}",
+        p.actions
+    );
+    assert!(p.actions.contains(&Action::RemoveFinalizer));
+    assert!(p.actions.iter().any(
+        |a| matches!(a, Action::Event { reason, note, .. } if reason == "ClaimKept" && note.contains("Model llama"))
+    ));
+    // Nothing reads it: the created claim goes.
+    let p = plan(&a, &obs(vec![]), &cfg(), t(0));
+    assert!(p
+        .actions
+        .contains(&Action::DeletePvc(jobs::created_claim_name("mc"))));
+}
+
 #[test]
 fn shared_claims_are_kept_and_a_second_cache_on_one_directory_is_refused() {
     // Cache A created its PVC; cache B uses it as existingClaimName: deleting A keeps the PVC.

@@ -8,8 +8,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 use super::*;
 use crate::modelcache::observe::{
-    is_older_peer, log_read_due, needs_pods, needs_profiles, pvc_known_to_exist, served_dir_on,
-    wants_log_tail,
+    is_older_peer, log_read_due, model_uses_claim, needs_pods, needs_profiles, pvc_known_to_exist,
+    served_dir_on, wants_log_tail,
 };
 
 fn job(
@@ -440,4 +440,24 @@ fn job_expectations_are_met_only_by_the_store_showing_the_write() {
         "an older Job of that name"
     );
     assert!(expectation_met(&deleted, Some(&j)), "replaced by a new Job");
+}
+
+#[test]
+fn which_models_read_from_a_claim() {
+    let cases = [
+        ("pvc://mc-cache/mc/gptq", None, true),
+        ("pvc://mc-cache-2/mc/gptq", None, false),
+        ("pvc://other/mc-cache/x", None, false),
+        ("modelcache://mc", Some("mc-cache:mc/gptq-w4-g128.g1"), true),
+        ("modelcache://mc", Some("other:mc/x"), false),
+        ("modelcache://mc", None, false),
+        ("org/model", None, false),
+    ];
+    for (source, served, want) in cases {
+        assert_eq!(
+            model_uses_claim(source, served, "mc-cache"),
+            want,
+            "{source} {served:?}"
+        );
+    }
 }
