@@ -254,10 +254,11 @@ pub(super) fn expected_shape(cfg: &Value, module: &str) -> Option<(u64, u64)> {
     if parent != "self_attn" && parent != "mlp" {
         return None;
     }
+    // Values from an untrusted config: a product that does not fit implies nothing.
     Some(match leaf {
-        "q_proj" => (h, heads? * hd?),
-        "k_proj" | "v_proj" => (h, kv? * hd?),
-        "o_proj" => (heads? * hd?, h),
+        "q_proj" => (h, heads?.checked_mul(hd?)?),
+        "k_proj" | "v_proj" => (h, kv?.checked_mul(hd?)?),
+        "o_proj" => (heads?.checked_mul(hd?)?, h),
         "gate_proj" | "up_proj" => (h, g("intermediate_size")?),
         "down_proj" => (g("intermediate_size")?, h),
         _ => return None,

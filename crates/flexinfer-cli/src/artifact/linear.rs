@@ -122,16 +122,32 @@ fn linear_tensors<'a>(
 fn check_shapes(r: &mut Report, p: &str, l: &Linear<'_>, g: Gptq, cfg: Option<&Value>) -> Dims {
     let Linear { qw, qz, sc, gi } = l;
     // packed rows per 32 inputs: bits (3-bit: 3 words per 32 rows; 2/4/8: 32/pf = bits)
-    let bits = g.bits as u64;
-    let in_features = qw.shape[0] * 32 / bits;
+    let bits = u64::from(g.bits).max(1);
     let out = qw.shape[1];
-    let groups = if g.group_size <= 0 {
-        1
-    } else {
-        in_features.div_ceil(g.group_size as u64)
+    // Shapes come from an untrusted header: a product that does not fit is a defect, not a panic.
+    let (Some(rows32), Some(out_bits)) = (qw.shape[0].checked_mul(32), out.checked_mul(bits))
+    else {
+        r.defect(
+            "shapes",
+            format!(
+                "{p}.qweight has shape {:?}, too large for {bits}-bit",
+                qw.shape
+            ),
+        );
+        return Dims {
+            in_features: 0,
+            out: 0,
+            groups: 0,
+            packed_out: 0,
+        };
     };
-    let packed_out = out * bits / 32;
-    if !(out * bits).is_multiple_of(32) {
+    let in_features = rows32 / bits;
+    let groups = match u64::try_from(g.group_size) {
+        Ok(gs) if gs > 0 => in_features.div_ceil(gs),
+        _ => 1,
+    };
+    let packed_out = out_bits / 32;
+    if !out_bits.is_multiple_of(32) {
         r.defect(
             "shapes",
             format!("{p}: out_features {out} is not a multiple of the pack factor for {bits}-bit"),

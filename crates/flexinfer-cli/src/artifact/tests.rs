@@ -602,3 +602,31 @@ fn overflowing_shapes_and_offsets_are_defects() {
         assert!(e.to_string().contains(name), "{e}");
     }
 }
+
+/// Shape values from an untrusted header and config whose products do not fit 64 bits: defects (or no
+/// expectation), never a panic.
+#[test]
+fn huge_shape_values_are_defects_not_panics() {
+    let p = "model.layers.1.mlp.down_proj";
+    let mut s = good();
+    let t = s.tensors.get_mut(&format!("{p}.qweight")).unwrap();
+    t.1 = vec![1usize << 60, 0];
+    t.2.clear();
+    expect_defect(
+        &run(&s, |_| {}),
+        "shapes",
+        &format!("{p}.qweight has shape"),
+    );
+
+    let mut s = good();
+    s.config["num_attention_heads"] = json!(u64::MAX / 2);
+    s.config["num_key_value_heads"] = json!(u64::MAX / 2);
+    s.config["head_dim"] = json!(u64::MAX / 2);
+    // The attention shapes imply nothing then; the rest of the artifact is still checked.
+    let r = run(&s, |_| {});
+    assert!(
+        !r.defects.iter().any(|d| d.message.contains("self_attn")),
+        "{}",
+        r.render()
+    );
+}
