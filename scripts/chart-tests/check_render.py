@@ -187,6 +187,8 @@ def check_wiring(docs):
             check({e["port"] for e in sm["spec"]["endpoints"]} <= {p["name"] for p in svc["spec"]["ports"]},
                   "ServiceMonitor endpoint port exists on the Service")
             check(all(e.get("path") == "/metrics" for e in sm["spec"]["endpoints"]), "ServiceMonitor path /metrics")
+            check(all(e.get("honorLabels") is True for e in sm["spec"]["endpoints"]),
+                  "ServiceMonitor keeps the series' own namespace label (honorLabels)")
     for b in by.get("ValidatingAdmissionPolicyBinding", []):
         check(any(p["metadata"]["name"] == b["spec"]["policyName"] for p in by.get("ValidatingAdmissionPolicy", [])),
               "binding references the policy")
@@ -250,6 +252,8 @@ def check_proxy(docs, mode):
               and not subset(sm["spec"]["selector"]["matchLabels"], ctl["metadata"]["labels"])
               and [(e["port"], e.get("path")) for e in sm["spec"]["endpoints"]] == [("metrics", "/metrics")],
               "proxy ServiceMonitor scrapes the proxy's /metrics")
+        check(all(e.get("honorLabels") is True for e in sm["spec"]["endpoints"]),
+              "proxy ServiceMonitor keeps the series' own labels (honorLabels)")
     role = by["ClusterRole"][0]
     rules = [(r["apiGroups"], r["resources"], r["verbs"]) for r in role["rules"]]
     check(rules == PROXY_RULES, f"proxy ClusterRole rules {rules}")
