@@ -37,6 +37,15 @@ impl JobPhase {
             JobPhase::Publish => "publish",
         }
     }
+    /// Name of the Job's worker container (`kubectl logs job/<cache>-quantize -c quantizer`).
+    pub fn container_name(self) -> &'static str {
+        match self {
+            JobPhase::Download => "downloader",
+            JobPhase::Abliterate => "abliterator",
+            JobPhase::Quantize => "quantizer",
+            JobPhase::Publish => "publisher",
+        }
+    }
     /// Name of the Job of this phase for a cache.
     pub fn job_name(self, cache: &str) -> String {
         format!("{cache}-{}", self.as_str())

@@ -227,7 +227,7 @@ pub fn build_job(
         },
         spec: Some(JobSpec {
             backoff_limit: Some(2),
-            pod_failure_policy: Some(deterministic_failures()),
+            pod_failure_policy: Some(deterministic_failures(phase)),
             active_deadline_seconds: Some(phase_deadline(mc, phase)),
             template: PodTemplateSpec {
                 metadata: Some(ObjectMeta {
@@ -359,7 +359,7 @@ fn worker_container(
     resources: ResourceRequirements,
 ) -> Container {
     Container {
-        name: "worker".into(),
+        name: phase.container_name().into(),
         image: Some(image.to_string()),
         image_pull_policy: pull_policy,
         args: Some(vec![phase.as_str().to_string()]),
@@ -390,12 +390,12 @@ fn cache_volume(mc: &ModelCache) -> Volume {
 
 /// Exit codes 2 (bad input), 3 (quality gate) and 4 (version mismatch) are deterministic:
 /// re-running the pod inside the same Job cannot help, so they fail the Job at once.
-fn deterministic_failures() -> PodFailurePolicy {
+fn deterministic_failures(phase: JobPhase) -> PodFailurePolicy {
     PodFailurePolicy {
         rules: vec![PodFailurePolicyRule {
             action: "FailJob".into(),
             on_exit_codes: Some(PodFailurePolicyOnExitCodesRequirement {
-                container_name: Some("worker".into()),
+                container_name: Some(phase.container_name().into()),
                 operator: "In".into(),
                 values: vec![
                     exit_codes::BAD_INPUT,

@@ -455,3 +455,27 @@ fn gpu_jobs_get_the_configured_supplemental_groups_and_cpu_jobs_none() {
     // Unset: no groups anywhere (and the Job hash inputs stay as before).
     assert_eq!(pod_groups(JobPhase::Quantize, &cfg()), None);
 }
+
+/// Each phase's container has its own name (`kubectl logs job/<cache>-quantize -c quantizer`), and the
+/// pod failure policy names that same container (a policy naming another container never applies).
+#[test]
+fn container_names_match_the_failure_policy() {
+    let c = cfg();
+    let mc = cache(FULL);
+    for phase in JobPhase::ALL {
+        let t_ = jobs::resolve_target(&mc, phase, &[profile("gfx1100", "q")], &c);
+        let job = jobs::build_job(&mc, &Default::default(), &[], &t_, "q", "h", &c);
+        let spec = job.spec.expect("job spec");
+        let container = spec.template.spec.expect("pod spec").containers[0]
+            .name
+            .clone();
+        let policy = spec.pod_failure_policy.expect("pod failure policy");
+        let named = policy.rules[0]
+            .on_exit_codes
+            .as_ref()
+            .and_then(|r| r.container_name.clone());
+        assert_eq!(container, phase.container_name(), "{phase:?}");
+        assert_eq!(named.as_deref(), Some(container.as_str()), "{phase:?}");
+    }
+    assert_eq!(JobPhase::Quantize.container_name(), "quantizer");
+}
