@@ -1,0 +1,593 @@
+//! The real llama.cpp (Debian sid's llama.cpp 0.7.0 / ggml 0.27.0, in the root that
+//! `scripts/gguf/llamacpp-root.sh` builds; docs/dev/gguf.md) against the GGUF files we write:
+//!
+//! - `llama-server` loads every type we write (generated Llama models, one with rows that need the
+//!   fallback types, and a Qwen2 model) and answers `/completion` (8 tokens) and
+//!   `/v1/chat/completions` with our chat template; its load log reports the tensor count, the count
+//!   per ggml type and the file type we wrote.
+//! - `llama-tokenize` splits a prompt with our vocabulary/merges/pre-tokenizer as the tokenizer.json does.
+//! - `llama-quantize` of our BF16 file (exact in f32) to every preset, with and without an importance
+//!   matrix, gives the same tensors, per-tensor types and the same bytes as our writer from the source.
+//!
+//! The root comes from `FLEXINFER_LLAMACPP_ROOT`; when it is unset the tests print `SKIPPED` and pass,
+//! unless `FLEXINFER_REQUIRE_LLAMACPP=1` (scripts/test.sh sets both), which makes it a failure.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
+
+use flexinfer_quant::gguf::reader::{read_header, GgufHeader};
+use flexinfer_quant::gguf::{write_gguf, FileType, GgmlType, GgufJob, GgufSummary};
+use flexinfer_quant::testkit::{self, ModelSize};
+use serde_json::json;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+const WIDE: ModelSize = ModelSize {
+    hidden: 256,
+    inter: 512,
+    layers: 4,
+    heads: 4,
+    kv_heads: 1,
+    vocab: 320,
+};
+/// Rows of 288 values do not split into 256-value super-blocks (llama.cpp's fallback types); 8
+/// layers reach more of the presets' per-layer rules.
+const NARROW: ModelSize = ModelSize {
+    hidden: 288,
+    layers: 8,
+    ..WIDE
+};
+
+fn llamacpp_root() -> Option<PathBuf> {
+    match std::env::var_os("FLEXINFER_LLAMACPP_ROOT") {
+        Some(d) if !d.is_empty() => Some(PathBuf::from(d)),
+        _ => {
+            let required = std::env::var("FLEXINFER_REQUIRE_LLAMACPP").is_ok_and(|v| v == "1");
+            assert!(
+                !required,
+                "FLEXINFER_REQUIRE_LLAMACPP=1 but FLEXINFER_LLAMACPP_ROOT is not set \
+                 (export FLEXINFER_LLAMACPP_ROOT=$(bash scripts/gguf/llamacpp-root.sh))"
+            );
+            println!(
+                "SKIPPED: FLEXINFER_LLAMACPP_ROOT is not set (bash scripts/gguf/llamacpp-root.sh builds the root)"
+            );
+            None
+        }
+    }
+}
+
+/// Runs a llama.cpp tool in the root with `dir` as its /work (scripts/gguf/llamacpp-run.sh), under a
+/// time limit.
+fn run(root: &Path, dir: &Path, args: &[&str]) -> Output {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/gguf/llamacpp-run.sh");
+    std::process::Command::new("bash")
+        .arg(script)
+        .arg(root)
+        .arg(dir)
+        .args(["timeout", "300"])
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+enum Arch {
+    Llama(ModelSize),
+    Qwen2,
+}
+
+fn model(dir: &Path, arch: &Arch) {
+    match arch {
+        Arch::Llama(size) => {
+            testkit::write_model_sized(dir, "LlamaForCausalLM", 1, size).unwrap();
+        }
+        Arch::Qwen2 => {
+            testkit::write_model_sized(dir, "Qwen2ForCausalLM", 2, &WIDE).unwrap();
+            // Qwen2 with Llama 3 rope scaling is not a real config (as in gguf_export.rs).
+            let p = dir.join("config.json");
+            let mut cfg: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+            cfg.as_object_mut().unwrap().remove("rope_scaling");
+            cfg["model_type"] = json!("qwen2");
+            std::fs::write(&p, serde_json::to_vec(&cfg).unwrap()).unwrap();
+        }
+    }
+    testkit::write_byte_level_tokenizer(dir).unwrap();
+}
+
+fn ours(
+    src: &Path,
+    out: &Path,
+    ft: FileType,
+    imp: Option<&HashMap<String, Vec<f32>>>,
+) -> GgufSummary {
+    write_gguf(&GgufJob {
+        model_dir: src,
+        out_path: out,
+        file_type: ft,
+        importance: imp,
+        name: "tiny",
+    })
+    .unwrap()
+}
+
+/// llama.cpp's `llama_model_ftype_name` for a preset (what its loader prints as "file type").
+fn llama_cpp_ftype_name(ft: FileType) -> &'static str {
+    match ft {
+        FileType::F16 => "F16",
+        FileType::BF16 => "BF16",
+        FileType::Q8_0 => "Q8_0",
+        FileType::Q4_0 => "Q4_0",
+        FileType::Q6K => "Q6_K",
+        FileType::Q5KM => "Q5_K - Medium",
+        FileType::Q5KS => "Q5_K - Small",
+        FileType::Q4KM => "Q4_K - Medium",
+        FileType::Q4KS => "Q4_K - Small",
+        FileType::Q3KM => "Q3_K - Medium",
+        FileType::Q2K => "Q2_K - Medium",
+        FileType::IQ4XS => "IQ4_XS - 4.25 bpw",
+    }
+}
+
+/// The value after `marker` on the first log line that has it, up to the end of the line.
+fn after<'a>(log: &'a str, marker: &str) -> Option<&'a str> {
+    log.lines()
+        .find_map(|l| l.split_once(marker).map(|(_, rest)| rest.trim()))
+}
+
+/// The number right before `unit` in `s` ("... and 40 tensors" → 40).
+fn count_before(s: &str, unit: &str) -> Option<usize> {
+    let head = s.split(unit).next()?;
+    head.split_whitespace().last()?.parse().ok()
+}
+
+/// What llama.cpp's loader reported: tensor count, key-value count, tensors per ggml type (its
+/// lowercase names), file type.
+#[derive(Debug)]
+struct LoadReport {
+    kv: usize,
+    tensors: usize,
+    per_type: BTreeMap<String, usize>,
+    file_type: String,
+}
+
+fn load_report(log: &str) -> LoadReport {
+    let loaded = after(log, "llama_model_loader: loaded meta data with ")
+        .unwrap_or_else(|| panic!("no load line in llama.cpp's log:\n{log}"));
+    // "<kv> key-value pairs and <n> tensors from ..."
+    let kv = count_before(loaded, "key-value pairs").unwrap();
+    let tensors = count_before(loaded.split_once("pairs and").unwrap().1, "tensors").unwrap();
+    // The loader logs the type counts right after the metadata; the model may be loaded more than
+    // once (the tools fit the parameters to the memory first), so only the first block is read.
+    let mut per_type = BTreeMap::new();
+    let mut in_block = false;
+    for l in log.lines() {
+        if let Some((_, rest)) = l.split_once("llama_model_loader: - type ") {
+            let (name, n) = rest.split_once(':').unwrap();
+            per_type.insert(name.trim().to_string(), count_before(n, "tensors").unwrap());
+            in_block = true;
+        } else if in_block {
+            break;
+        }
+    }
+    let file_type = after(log, "print_info: file type   = ")
+        .unwrap()
+        .to_string();
+    LoadReport {
+        kv,
+        tensors,
+        per_type,
+        file_type,
+    }
+}
+
+const PROMPT: &str = "the that at";
+/// PROMPT split by the tokenizer.json of `testkit::write_byte_level_tokenizer`: GPT-2's
+/// pre-tokenizer gives "the", " that", " at"; its merges by rank (Ġ t, t h, th e, Ġ a) give these
+/// pieces.
+const PROMPT_PIECES: [&str; 7] = ["the", "Ġt", "h", "a", "t", "Ġa", "t"];
+
+fn vocab_ids(model_dir: &Path, pieces: &[&str]) -> Vec<u64> {
+    let tj: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(model_dir.join("tokenizer.json")).unwrap()).unwrap();
+    pieces
+        .iter()
+        .map(|p| tj["model"]["vocab"][p].as_u64().unwrap())
+        .collect()
+}
+
+/// A `llama-server` on a unix socket in the test's directory (no TCP port), killed on drop. Its log
+/// (`-v`: the loader's report) goes to a file: llama-server keeps running, so the log is complete by
+/// the time it is read (llama-completion may exit before its logging thread has written everything).
+struct Server {
+    child: std::process::Child,
+    sock: PathBuf,
+    log: PathBuf,
+}
+
+impl Server {
+    fn start(root: &Path, dir: &Path, file: &str) -> Server {
+        let tag = file.trim_end_matches(".gguf");
+        let (sock, log) = (
+            dir.join(format!("{tag}.sock")),
+            dir.join(format!("{tag}.log")),
+        );
+        let script =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/gguf/llamacpp-run.sh");
+        let out = std::fs::File::create(&log).unwrap();
+        let child = std::process::Command::new("bash")
+            .arg(script)
+            .arg(root)
+            .arg(dir)
+            .args(["llama-server", "-m", file, "--host"])
+            .arg(format!("/work/{tag}.sock"))
+            .args([
+                "-t",
+                "2",
+                "-c",
+                "256",
+                "-np",
+                "1",
+                "--no-warmup",
+                "--no-webui",
+                "-v",
+            ])
+            .stdin(std::process::Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .unwrap();
+        let mut server = Server { child, sock, log };
+        // Ready when /health answers 200 (503 while loading); a server that exits is a failure.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+        loop {
+            if let Some(status) = server.child.try_wait().unwrap() {
+                panic!(
+                    "{file}: llama-server exited ({status}):\n{}",
+                    server.log_text()
+                );
+            }
+            if server.sock.exists() {
+                if let Ok((200, _)) = server.try_request("GET", "/health", None) {
+                    return server;
+                }
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{file}: llama-server not ready in 120 s:\n{}",
+                server.log_text()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+
+    fn log_text(&self) -> String {
+        text(&std::fs::read(&self.log).unwrap_or_default())
+    }
+
+    /// One HTTP/1.1 request over the socket: status and JSON body.
+    fn try_request(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> std::io::Result<(u16, serde_json::Value)> {
+        use std::io::{Read, Write};
+        let mut s = std::os::unix::net::UnixStream::connect(&self.sock)?;
+        s.set_read_timeout(Some(std::time::Duration::from_secs(300)))?;
+        let body = body.map(|b| b.to_string()).unwrap_or_default();
+        write!(
+            s,
+            "{method} {path} HTTP/1.1\r\nHost: llama\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )?;
+        let mut resp = Vec::new();
+        s.read_to_end(&mut resp)?;
+        let resp = text(&resp);
+        let (head, body) = resp.split_once("\r\n\r\n").unwrap_or((&resp, ""));
+        assert!(
+            !head
+                .to_ascii_lowercase()
+                .contains("transfer-encoding: chunked"),
+            "{head}"
+        );
+        let status = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        Ok((
+            status,
+            serde_json::from_str(body).unwrap_or(serde_json::Value::Null),
+        ))
+    }
+
+    fn request(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> serde_json::Value {
+        let (status, v) = self.try_request(method, path, body).unwrap();
+        assert_eq!(status, 200, "{method} {path}: {v}\n{}", self.log_text());
+        v
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        // The child is llama-server itself (the run script and chroot exec it).
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn llama_server_loads_every_type_we_write_and_generates_tokens() {
+    let Some(root) = llamacpp_root() else { return };
+    let d = tempfile::tempdir().unwrap();
+    let models = [
+        ("wide", Arch::Llama(WIDE)),
+        ("narrow", Arch::Llama(NARROW)),
+        ("qwen2", Arch::Qwen2),
+    ];
+    let mut loaded = 0;
+    for (name, arch) in &models {
+        let src = d.path().join(name);
+        model(&src, arch);
+        let types: &[FileType] = match arch {
+            Arch::Qwen2 => &[FileType::Q4KM, FileType::Q8_0, FileType::F16],
+            Arch::Llama(_) => &FileType::ALL,
+        };
+        let template: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(src.join("tokenizer_config.json")).unwrap())
+                .unwrap();
+        for ft in types {
+            let file = format!("{name}-{}.gguf", ft.name());
+            let s = ours(&src, &d.path().join(&file), *ft, None);
+            let h = read_header(&std::fs::read(d.path().join(&file)).unwrap()).unwrap();
+            let server = Server::start(&root, d.path(), &file);
+            // 8 tokens from the prompt (greedy, end-of-text masked so that all 8 come): the prompt
+            // is evaluated as its pieces, and every sampled id is in the vocabulary.
+            let c = server.request(
+                "POST",
+                "/completion",
+                Some(
+                    &json!({"prompt": PROMPT, "n_predict": 8, "temperature": 0, "seed": 1,
+                             "ignore_eos": true, "return_tokens": true, "cache_prompt": false}),
+                ),
+            );
+            assert_eq!(c["tokens_evaluated"], PROMPT_PIECES.len(), "{file}: {c}");
+            assert_eq!(c["tokens_predicted"], 8, "{file}: {c}");
+            let ids: Vec<u64> = serde_json::from_value(c["tokens"].clone()).unwrap();
+            assert_eq!(ids.len(), 8, "{file}: {c}");
+            assert!(
+                ids.iter().all(|t| *t < WIDE.vocab as u64),
+                "{file}: {ids:?}"
+            );
+            // The chat template we wrote is the one llama.cpp renders: it concatenates the
+            // messages' contents, so the prompt is the same pieces.
+            let chat = server.request(
+                "POST",
+                "/v1/chat/completions",
+                Some(
+                    &json!({"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2,
+                             "temperature": 0}),
+                ),
+            );
+            assert_eq!(
+                chat["usage"]["prompt_tokens"],
+                PROMPT_PIECES.len(),
+                "{file}: {chat}"
+            );
+            assert_eq!(chat["usage"]["completion_tokens"], 2, "{file}: {chat}");
+            let props = server.request("GET", "/props", None);
+            assert_eq!(props["chat_template"], template["chat_template"], "{file}");
+            // What the loader reported: tensor and key counts, tensors per type, file type.
+            let log = server.log_text();
+            drop(server);
+            let r = load_report(&log);
+            let mut want = BTreeMap::new();
+            for (_, ty) in &s.tensors {
+                *want.entry(ty.name().to_lowercase()).or_insert(0) += 1;
+            }
+            let got: BTreeMap<String, usize> = r
+                .per_type
+                .iter()
+                .map(|(k, v)| (k.to_lowercase(), *v))
+                .collect();
+            assert_eq!(got, want, "{file}: tensors per type");
+            assert_eq!(r.tensors, s.tensors.len(), "{file}: tensor count");
+            assert_eq!(r.kv, h.metadata.len(), "{file}: metadata count");
+            assert_eq!(r.file_type, llama_cpp_ftype_name(*ft), "{file}: file type");
+            eprintln!(
+                "{file}: loaded ({}, {:?}); generated {ids:?} {:?}",
+                r.file_type, r.per_type, c["content"]
+            );
+            loaded += 1;
+        }
+    }
+    assert_eq!(loaded, 2 * FileType::ALL.len() + 3);
+}
+
+#[test]
+fn llama_cpp_tokenizes_with_our_vocabulary_merges_and_special_tokens() {
+    let Some(root) = llamacpp_root() else { return };
+    let d = tempfile::tempdir().unwrap();
+    for (name, arch) in [("wide", Arch::Llama(WIDE)), ("qwen2", Arch::Qwen2)] {
+        let src = d.path().join(name);
+        model(&src, &arch);
+        let file = format!("{name}.gguf");
+        ours(&src, &d.path().join(&file), FileType::Q8_0, None);
+        let prompt = format!("{PROMPT}<|endoftext|>");
+        let out = run(
+            &root,
+            d.path(),
+            &[
+                "llama-tokenize",
+                "-m",
+                &file,
+                "-p",
+                &prompt,
+                "--ids",
+                "--log-disable",
+            ],
+        );
+        assert!(
+            out.status.success(),
+            "{file}: llama-tokenize failed:\n{}",
+            text(&out.stderr)
+        );
+        let got: Vec<u64> = serde_json::from_str(text(&out.stdout).trim()).unwrap();
+        // No BOS: the tokenizer has no post-processor that adds one; the special token is one id.
+        let mut want = vocab_ids(&src, &PROMPT_PIECES);
+        want.push(260);
+        assert_eq!(got, want, "{file}: {prompt:?}");
+    }
+}
+
+/// Random positive importance per input column for every quantized tensor of `h`.
+fn importance(h: &GgufHeader, seed: u64) -> HashMap<String, Vec<f32>> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    h.tensors
+        .iter()
+        .filter(|(t, _)| t.ty.is_quantized() || t.dims.len() == 2)
+        .map(|(t, _)| {
+            let w = (0..t.dims[0])
+                .map(|_| (2.0 * rng.random::<f32>()).exp())
+                .collect();
+            (t.name.clone(), w)
+        })
+        .collect()
+}
+
+/// The importance as llama-imatrix's legacy `imatrix.dat` (what llama-quantize --imatrix reads):
+/// entry count; per entry name length, name, call count, value count, values; then the last chunk
+/// and the dataset name. A call count of 1 leaves the values as they are.
+fn legacy_imatrix(imp: &HashMap<String, Vec<f32>>) -> Vec<u8> {
+    let mut b = Vec::new();
+    let i32le = |b: &mut Vec<u8>, v: usize| b.extend(i32::try_from(v).unwrap().to_le_bytes());
+    let mut names: Vec<&String> = imp.keys().collect();
+    names.sort();
+    i32le(&mut b, names.len());
+    for n in names {
+        i32le(&mut b, n.len());
+        b.extend(n.as_bytes());
+        i32le(&mut b, 1);
+        i32le(&mut b, imp[n].len());
+        for v in &imp[n] {
+            b.extend(v.to_le_bytes());
+        }
+    }
+    i32le(&mut b, 1);
+    i32le(&mut b, 4);
+    b.extend(b"test");
+    b
+}
+
+/// Per tensor: name → (type, stored bytes).
+fn tensors(path: &Path) -> (GgufHeader, BTreeMap<String, (GgmlType, Vec<u8>)>) {
+    let file = std::fs::read(path).unwrap();
+    let h = read_header(&file).unwrap();
+    let map = h
+        .tensors
+        .iter()
+        .map(|(t, off)| {
+            let start = usize::try_from(h.data_start + off).unwrap();
+            let len = usize::try_from(t.byte_size().unwrap()).unwrap();
+            (t.name.clone(), (t.ty, file[start..start + len].to_vec()))
+        })
+        .collect();
+    (h, map)
+}
+
+#[test]
+fn llama_quantize_of_our_bf16_gives_our_types_and_bytes_for_every_preset() {
+    let Some(root) = llamacpp_root() else { return };
+    let d = tempfile::tempdir().unwrap();
+    let mut compared = 0;
+    for (name, size) in [("wide", WIDE), ("narrow", NARROW)] {
+        let src = d.path().join(name);
+        model(&src, &Arch::Llama(size));
+        // The source is BF16: our BF16 file holds exactly the source values, and llama-quantize
+        // widens them to f32 exactly, so both quantizers see the same numbers.
+        let bf16 = format!("{name}-BF16.gguf");
+        ours(&src, &d.path().join(&bf16), FileType::BF16, None);
+        let (h, _) = tensors(&d.path().join(&bf16));
+        let imp = importance(&h, 7);
+        let imatrix = format!("{name}-imatrix.dat");
+        std::fs::write(d.path().join(&imatrix), legacy_imatrix(&imp)).unwrap();
+        for ft in FileType::ALL.iter().filter(|f| **f != FileType::BF16) {
+            for with_imp in [false, true] {
+                let tag = format!(
+                    "{name}-{}{}",
+                    ft.name(),
+                    if with_imp { "-imat" } else { "" }
+                );
+                let (mine, theirs) = (format!("{tag}.gguf"), format!("{tag}-lq.gguf"));
+                ours(&src, &d.path().join(&mine), *ft, with_imp.then_some(&imp));
+                let mut args = vec!["llama-quantize"];
+                if with_imp {
+                    args.extend(["--imatrix", &imatrix]);
+                }
+                args.extend([bf16.as_str(), theirs.as_str(), ft.name(), "2"]);
+                let out = run(&root, d.path(), &args);
+                let log = text(&out.stderr) + &text(&out.stdout);
+                assert!(out.status.success(), "{tag}: llama-quantize failed:\n{log}");
+                if with_imp {
+                    assert!(!log.contains("did not find imatrix"), "{tag}:\n{log}");
+                }
+                let (_, a) = tensors(&d.path().join(&mine));
+                if with_imp && ft.default_type().is_quantized() && *ft != FileType::Q8_0 {
+                    // The importance changed the blocks (so the equality below covers the
+                    // weighted searches, not only the plain ones).
+                    let (_, plain) = tensors(&d.path().join(format!("{name}-{}.gguf", ft.name())));
+                    assert!(
+                        a.iter().any(|(n, (_, bytes))| plain[n].1 != *bytes),
+                        "{tag}: importance changed nothing"
+                    );
+                }
+                let (hm, _) = tensors(&d.path().join(&mine));
+                let (ht, b) = tensors(&d.path().join(&theirs));
+                assert_eq!(
+                    hm.get("general.file_type"),
+                    ht.get("general.file_type"),
+                    "{tag}: general.file_type"
+                );
+                assert_eq!(
+                    a.keys().collect::<Vec<_>>(),
+                    b.keys().collect::<Vec<_>>(),
+                    "{tag}: tensor names"
+                );
+                let types = |m: &BTreeMap<String, (GgmlType, Vec<u8>)>| {
+                    m.iter()
+                        .map(|(n, (t, _))| (n.clone(), t.name()))
+                        .collect::<Vec<_>>()
+                };
+                assert_eq!(
+                    types(&a),
+                    types(&b),
+                    "{tag}: per-tensor types (ours, llama-quantize)"
+                );
+                let differ: Vec<String> = a
+                    .iter()
+                    .filter(|(n, (_, bytes))| b[*n].1 != *bytes)
+                    .map(|(n, (t, bytes))| {
+                        let diff = bytes.iter().zip(&b[n].1).filter(|(x, y)| x != y).count();
+                        format!("{n} ({}: {diff} of {} bytes differ)", t.name(), bytes.len())
+                    })
+                    .collect();
+                assert!(
+                    differ.is_empty(),
+                    "{tag}: bytes differ from llama-quantize's: {differ:?}"
+                );
+                compared += 1;
+            }
+        }
+    }
+    assert_eq!(compared, 2 * 2 * (FileType::ALL.len() - 1));
+}
