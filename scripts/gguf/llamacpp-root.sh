@@ -12,7 +12,7 @@
 #   .flexinfer-download-bytes  bytes of .deb downloaded to build it
 #   .flexinfer-root-complete   written last
 # llama.cpp's converter (convert_hf_to_gguf.py) is shipped by llama.cpp-tools but not usable here: it needs
-# torch and transformers, which Debian pulls in with openmpi & co. (far more than the rest of the root).
+# torch and transformers, about four times this root (docs/dev/gguf.md, "The real llama.cpp").
 #
 # Cache: ~/.cache/flexinfer/llamacpp-root-<version>-<key>, created atomically (built in a temporary
 # directory, then renamed); <key> covers the suite, variant, apt options and the pinned package list below.
