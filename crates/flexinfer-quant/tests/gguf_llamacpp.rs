@@ -5,7 +5,8 @@
 //!   fallback types, and a Qwen2 model) and answers `/completion` (8 tokens) and
 //!   `/v1/chat/completions` with our chat template; its load log reports the tensor count, the count
 //!   per ggml type and the file type we wrote.
-//! - `llama-tokenize` splits a prompt with our vocabulary/merges/pre-tokenizer as the tokenizer.json does.
+//! - `llama-tokenize` splits a prompt as the tokenizer.json does (the `tokenizers` crate), for each
+//!   pre-tokenizer we map (GPT-2, Llama 3, Qwen2), begin-of-text and special tokens included.
 //! - `llama-quantize` of our BF16 file (exact in f32) to every preset, with and without an importance
 //!   matrix, gives the same tensors, per-tensor types and the same bytes as our writer from the source.
 //!
@@ -184,18 +185,14 @@ fn load_report(log: &str) -> LoadReport {
 }
 
 const PROMPT: &str = "the that at";
-/// PROMPT split by the tokenizer.json of `testkit::write_byte_level_tokenizer`: GPT-2's
-/// pre-tokenizer gives "the", " that", " at"; its merges by rank (Ġ t, t h, th e, Ġ a) give these
-/// pieces.
-const PROMPT_PIECES: [&str; 7] = ["the", "Ġt", "h", "a", "t", "Ġa", "t"];
 
-fn vocab_ids(model_dir: &Path, pieces: &[&str]) -> Vec<u64> {
-    let tj: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(model_dir.join("tokenizer.json")).unwrap()).unwrap();
-    pieces
-        .iter()
-        .map(|p| tj["model"]["vocab"][p].as_u64().unwrap())
-        .collect()
+/// How many tokens the model directory's tokenizer.json (through the `tokenizers` crate) makes of
+/// `text`, with the special tokens its post-processor adds.
+fn token_count(model_dir: &Path, text: &str) -> usize {
+    use flexinfer_quant::calib::{encode, load_tokenizer};
+    encode(&load_tokenizer(model_dir).unwrap(), text, "prompt")
+        .unwrap()
+        .len()
 }
 
 /// A `llama-server` on a unix socket in the test's directory (no TCP port), killed on drop. Its log
@@ -345,13 +342,14 @@ fn llama_server_loads_every_type_we_write_and_generates_tokens() {
         let template: serde_json::Value =
             serde_json::from_slice(&std::fs::read(src.join("tokenizer_config.json")).unwrap())
                 .unwrap();
+        let prompt_tokens = token_count(&src, PROMPT);
         for ft in types {
             let file = format!("{name}-{}.gguf", ft.name());
             let s = ours(&src, &d.path().join(&file), *ft, None);
             let h = read_header(&std::fs::read(d.path().join(&file)).unwrap()).unwrap();
             let server = Server::start(&root, d.path(), &file);
             // 8 tokens from the prompt (greedy, end-of-text masked so that all 8 come): the prompt
-            // is evaluated as its pieces, and every sampled id is in the vocabulary.
+            // is evaluated as the tokenizer.json splits it, and every sampled id is in the vocabulary.
             let c = server.request(
                 "POST",
                 "/completion",
@@ -360,7 +358,7 @@ fn llama_server_loads_every_type_we_write_and_generates_tokens() {
                              "ignore_eos": true, "return_tokens": true, "cache_prompt": false}),
                 ),
             );
-            assert_eq!(c["tokens_evaluated"], PROMPT_PIECES.len(), "{file}: {c}");
+            assert_eq!(c["tokens_evaluated"], prompt_tokens, "{file}: {c}");
             assert_eq!(c["tokens_predicted"], 8, "{file}: {c}");
             let ids: Vec<u64> = serde_json::from_value(c["tokens"].clone()).unwrap();
             assert_eq!(ids.len(), 8, "{file}: {c}");
@@ -369,7 +367,7 @@ fn llama_server_loads_every_type_we_write_and_generates_tokens() {
                 "{file}: {ids:?}"
             );
             // The chat template we wrote is the one llama.cpp renders: it concatenates the
-            // messages' contents, so the prompt is the same pieces.
+            // messages' contents, so the prompt is the same tokens.
             let chat = server.request(
                 "POST",
                 "/v1/chat/completions",
@@ -379,8 +377,7 @@ fn llama_server_loads_every_type_we_write_and_generates_tokens() {
                 ),
             );
             assert_eq!(
-                chat["usage"]["prompt_tokens"],
-                PROMPT_PIECES.len(),
+                chat["usage"]["prompt_tokens"], prompt_tokens,
                 "{file}: {chat}"
             );
             assert_eq!(chat["usage"]["completion_tokens"], 2, "{file}: {chat}");
@@ -413,16 +410,114 @@ fn llama_server_loads_every_type_we_write_and_generates_tokens() {
     assert_eq!(loaded, 2 * FileType::ALL.len() + 3);
 }
 
+/// Llama 3's and Qwen2's split rules (their tokenizer.json `Split` patterns).
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// What the tokenizer.json's post-processor adds.
+#[derive(Clone, Copy, Debug)]
+enum Post {
+    /// No post-processor.
+    None,
+    /// `ByteLevel` (offsets only: no special tokens, as Qwen2's).
+    ByteLevel,
+    /// `TemplateProcessing` with a begin-of-text token first (as Llama 3's).
+    Bos,
+}
+
+/// The test tokenizer turned into one with the given pre-tokenizer (GPT-2's, Llama 3's or Qwen2's)
+/// and post-processor, with merges on digits that make the three split rules give different tokens
+/// (" 12345" is one word for GPT-2, " ", "123", "45" for Llama 3, single digits for Qwen2).
+fn retokenize(dir: &Path, pre: &str, post: Post) {
+    let p = dir.join("tokenizer.json");
+    let mut tj: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    let vocab = tj["model"]["vocab"].as_object_mut().unwrap();
+    for (t, id) in [("Ġ1", 261), ("45", 262), ("12", 263)] {
+        vocab.insert(t.into(), json!(id));
+    }
+    let merges = tj["model"]["merges"].as_array_mut().unwrap();
+    merges.extend(["Ġ 1", "4 5", "1 2"].map(|m| json!(m)));
+    let split = |pattern: &str| {
+        json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}]})
+    };
+    match pre {
+        "gpt-2" => {}
+        "llama-bpe" => {
+            tj["pre_tokenizer"] = split(LLAMA3_SPLIT);
+            tj["model"]["ignore_merges"] = json!(true);
+        }
+        "qwen2" => tj["pre_tokenizer"] = split(QWEN2_SPLIT),
+        other => panic!("{other}"),
+    }
+    match post {
+        Post::None => {}
+        Post::ByteLevel => {
+            tj["post_processor"] = json!({"type": "ByteLevel", "add_prefix_space": false,
+                                           "trim_offsets": false, "use_regex": false});
+        }
+        Post::Bos => {
+            vocab_add_special(&mut tj, "<|begin_of_text|>", 264);
+            tj["post_processor"] = json!({"type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}},
+                           {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}},
+                         {"Sequence": {"id": "A", "type_id": 0}},
+                         {"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 1}},
+                         {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {"<|begin_of_text|>": {"id": "<|begin_of_text|>", "ids": [264],
+                                                         "tokens": ["<|begin_of_text|>"]}}});
+            let cp = dir.join("tokenizer_config.json");
+            let mut tc: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(&cp).unwrap()).unwrap();
+            tc["bos_token"] = json!("<|begin_of_text|>");
+            std::fs::write(&cp, serde_json::to_vec(&tc).unwrap()).unwrap();
+        }
+    }
+    std::fs::write(&p, serde_json::to_vec(&tj).unwrap()).unwrap();
+}
+
+fn vocab_add_special(tj: &mut serde_json::Value, content: &str, id: u64) {
+    tj["model"]["vocab"][content] = json!(id);
+    tj["added_tokens"].as_array_mut().unwrap().push(json!({"id": id, "content": content,
+        "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}));
+}
+
 #[test]
-fn llama_cpp_tokenizes_with_our_vocabulary_merges_and_special_tokens() {
+fn llama_cpp_tokenizes_like_the_tokenizer_json_for_each_pre_tokenizer_we_map() {
+    use flexinfer_quant::calib::{encode, load_tokenizer};
     let Some(root) = llamacpp_root() else { return };
     let d = tempfile::tempdir().unwrap();
-    for (name, arch) in [("wide", Arch::Llama(WIDE)), ("qwen2", Arch::Qwen2)] {
-        let src = d.path().join(name);
-        model(&src, &arch);
-        let file = format!("{name}.gguf");
+    let prompt = "the that at 12345<|endoftext|>";
+    let mut seen = Vec::new();
+    // As the real models have them (GPT-2: none; Llama 3: begin-of-text; Qwen2: ByteLevel), then
+    // the other way round: the post-processor, not the pre-tokenizer, says whether a BOS comes.
+    for (pre, post) in [
+        ("gpt-2", Post::None),
+        ("llama-bpe", Post::Bos),
+        ("qwen2", Post::ByteLevel),
+        ("gpt-2", Post::Bos),
+        ("llama-bpe", Post::ByteLevel),
+    ] {
+        let tag = format!("{pre}-{post:?}");
+        let src = d.path().join(&tag);
+        model(&src, &Arch::Llama(WIDE));
+        retokenize(&src, pre, post);
+        let file = format!("{tag}.gguf");
         ours(&src, &d.path().join(&file), FileType::Q8_0, None);
-        let prompt = format!("{PROMPT}<|endoftext|>");
+        let (h, _) = tensors(&d.path().join(&file));
+        assert_eq!(
+            h.get("tokenizer.ggml.pre"),
+            Some(&flexinfer_quant::gguf::writer::MetaValue::Str(pre.into()))
+        );
+        // The reference: the tokenizer.json itself, through the tokenizers crate, with the special
+        // tokens its post-processor adds.
+        let want: Vec<u64> = encode(&load_tokenizer(&src).unwrap(), prompt, pre)
+            .unwrap()
+            .into_iter()
+            .map(u64::from)
+            .collect();
         let out = run(
             &root,
             d.path(),
@@ -431,7 +526,7 @@ fn llama_cpp_tokenizes_with_our_vocabulary_merges_and_special_tokens() {
                 "-m",
                 &file,
                 "-p",
-                &prompt,
+                prompt,
                 "--ids",
                 "--log-disable",
             ],
@@ -442,11 +537,18 @@ fn llama_cpp_tokenizes_with_our_vocabulary_merges_and_special_tokens() {
             text(&out.stderr)
         );
         let got: Vec<u64> = serde_json::from_str(text(&out.stdout).trim()).unwrap();
-        // No BOS: the tokenizer has no post-processor that adds one; the special token is one id.
-        let mut want = vocab_ids(&src, &PROMPT_PIECES);
-        want.push(260);
-        assert_eq!(got, want, "{file}: {prompt:?}");
+        assert_eq!(
+            got, want,
+            "{tag}: llama.cpp's ids, the tokenizer.json's ids of {prompt:?}"
+        );
+        eprintln!("{tag}: {got:?}");
+        seen.push(want);
     }
+    // The three split rules gave three different token sequences, so each was checked.
+    assert!(
+        seen[0] != seen[1] && seen[1] != seen[2] && seen[0] != seen[2],
+        "{seen:?}"
+    );
 }
 
 /// Random positive importance per input column for every quantized tensor of `h`.
