@@ -161,15 +161,12 @@ fn post_processor(
                     }
                 }
                 if let Some(last) = single.last().and_then(special) {
-                    match eos {
-                        Some(e) if e != last => return Err(tok_err(
-                            "post_processor.single",
-                            format!(
-                                "the template ends with {last:?}, which is not the eos token {e:?}"
-                            ),
-                        )),
-                        _ => out.add_eos = Some(true),
+                    if let Some(e) = eos.filter(|e| *e != last) {
+                        let reason =
+                            format!("the template ends with {last:?}, not the eos token {e:?}");
+                        return Err(tok_err("post_processor.single", reason));
                     }
+                    out.add_eos = Some(true);
                 }
             }
             _ => {}
