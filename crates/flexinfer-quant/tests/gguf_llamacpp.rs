@@ -218,7 +218,16 @@ impl Server {
             .arg(script)
             .arg(root)
             .arg(dir)
-            .args(["llama-server", "-m", file, "--host"])
+            // Under `timeout`: a server whose test process was killed does not outlive it by long.
+            .args([
+                "timeout",
+                "--kill-after=10",
+                "600",
+                "llama-server",
+                "-m",
+                file,
+                "--host",
+            ])
             .arg(format!("/work/{tag}.sock"))
             .args([
                 "-t",
@@ -316,7 +325,19 @@ impl Server {
 
 impl Drop for Server {
     fn drop(&mut self) {
-        // The child is llama-server itself (the run script and chroot exec it).
+        // The child is `timeout` (the run script and chroot exec it): SIGTERM makes it stop the
+        // server and exit; SIGKILL only if that takes more than 10 s.
+        if let Ok(pid) = i32::try_from(self.child.id()) {
+            // SAFETY: kill(2) on our own child's pid, which `wait` has not reaped yet.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while std::time::Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
