@@ -4,7 +4,8 @@
 //! - `llama-server` loads every type we write (generated Llama models, one with rows that need the
 //!   fallback types, and a Qwen2 model) and answers `/completion` (8 tokens) and
 //!   `/v1/chat/completions` with our chat template; its load log reports the tensor count, the count
-//!   per ggml type and the file type we wrote.
+//!   per ggml type and the file type we wrote. For F16/BF16 its next-token log-probabilities equal
+//!   our own forward pass over the source checkpoint (names, q/k row order, rope, norms, biases).
 //! - `llama-tokenize` splits a prompt as the tokenizer.json does (the `tokenizers` crate), for each
 //!   pre-tokenizer we map (GPT-2, Llama 3, Qwen2), begin-of-text and special tokens included.
 //! - `llama-quantize` of our BF16 file (exact in f32) to every preset, with and without an importance
@@ -343,6 +344,41 @@ impl Drop for Server {
     }
 }
 
+/// Token ids of `text` by the model directory's tokenizer.json (the `tokenizers` crate).
+fn token_ids(model_dir: &Path, text: &str) -> Vec<u32> {
+    use flexinfer_quant::calib::{encode, load_tokenizer};
+    encode(&load_tokenizer(model_dir).unwrap(), text, "prompt").unwrap()
+}
+
+/// log-softmax of the next-token logits after `tokens`, by our forward pass over the source
+/// checkpoint in transformers' layout (`flexinfer_quant::llama::logits`; no GGUF involved).
+fn reference_logprobs(model_dir: &Path, tokens: &[u32]) -> Vec<f64> {
+    use flexinfer_quant::llama::logits;
+    use flexinfer_quant::model::ModelConfig;
+    use flexinfer_quant::tensors::TensorStore;
+    let cfg = ModelConfig::load(model_dir).unwrap();
+    let l = logits(&TensorStore::open_dir(model_dir).unwrap(), &cfg, tokens).unwrap();
+    let last: Vec<f64> = (0..l.ncols())
+        .map(|j| f64::from(l[(l.nrows() - 1, j)]))
+        .collect();
+    let max = last.iter().copied().fold(f64::MIN, f64::max);
+    let log_z = last.iter().map(|v| (v - max).exp()).sum::<f64>().ln();
+    last.iter().map(|v| v - max - log_z).collect()
+}
+
+fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
+}
+
+/// How far llama.cpp's next-token log-probabilities of an F16/BF16 file may be from our reference
+/// forward pass (f16 KV cache, f32 sums in another order; BF16 also rounds the activations to
+/// bf16). Measured here: 0.0011–0.0019 for F16, 0.0096–0.0153 for BF16; with the q/k rows left in
+/// transformers' order (a mapping mistake, made by hand once) the difference was 0.49.
+const LOGPROB_TOLERANCE: f64 = 0.03;
+
 #[test]
 fn llama_server_loads_every_type_we_write_and_generates_tokens() {
     let Some(root) = llamacpp_root() else { return };
@@ -364,6 +400,13 @@ fn llama_server_loads_every_type_we_write_and_generates_tokens() {
             serde_json::from_slice(&std::fs::read(src.join("tokenizer_config.json")).unwrap())
                 .unwrap();
         let prompt_tokens = token_count(&src, PROMPT);
+        let prompt_ids = token_ids(&src, PROMPT);
+        let reference = reference_logprobs(&src, &prompt_ids);
+        // The same tokens with the first two swapped: what a mistake in attention or positions
+        // (rows of q/k in the wrong order, the wrong rope) would look like.
+        let mut swapped = prompt_ids.clone();
+        swapped.swap(0, 1);
+        let reference_swapped = reference_logprobs(&src, &swapped);
         for ft in types {
             let file = format!("{name}-{}.gguf", ft.name());
             let s = ours(&src, &d.path().join(&file), *ft, None);
@@ -402,6 +445,36 @@ fn llama_server_loads_every_type_we_write_and_generates_tokens() {
                 "{file}: {chat}"
             );
             assert_eq!(chat["usage"]["completion_tokens"], 2, "{file}: {chat}");
+            if matches!(ft, FileType::F16 | FileType::BF16) {
+                // Unquantized weights: llama.cpp computes the function the checkpoint defines.
+                // Its log-probabilities of every next token after the prompt (the raw logits',
+                // before any sampler) equal our forward pass's; the swapped prompt's are far
+                // away, so the comparison can tell. The server withholds the probabilities of a
+                // token that is an incomplete UTF-8 sequence, so the single bytes 0x80..0xff
+                // (ids 128..255 of the test vocabulary) are kept from being sampled.
+                let no_partial_utf8: Vec<_> = (128..256).map(|id| json!([id, false])).collect();
+                let body = json!({"prompt": prompt_ids, "n_predict": 1, "n_probs": WIDE.vocab,
+                                  "temperature": 0, "post_sampling_probs": false,
+                                  "logit_bias": no_partial_utf8, "cache_prompt": false});
+                let c = server.request("POST", "/completion", Some(&body));
+                let mut theirs = vec![f64::NAN; WIDE.vocab];
+                let top = c["completion_probabilities"][0]["top_logprobs"].as_array();
+                for t in top.unwrap_or_else(|| panic!("{file}: no log-probabilities in {c}")) {
+                    theirs[usize::try_from(t["id"].as_u64().unwrap()).unwrap()] =
+                        t["logprob"].as_f64().unwrap();
+                }
+                assert!(theirs.iter().all(|v| v.is_finite()), "{file}: {c}");
+                let d = max_abs_diff(&reference, &theirs);
+                let d_swapped = max_abs_diff(&reference_swapped, &theirs);
+                assert!(d < LOGPROB_TOLERANCE, "{file}: |logprob difference| {d}");
+                assert!(
+                    d_swapped > 10.0 * LOGPROB_TOLERANCE,
+                    "{file}: the swapped prompt is only {d_swapped} away"
+                );
+                eprintln!(
+                    "{file}: logprobs within {d:.5} of ours (swapped prompt: {d_swapped:.3})"
+                );
+            }
             let props = server.request("GET", "/props", None);
             assert_eq!(props["chat_template"], template["chat_template"], "{file}");
             // What the loader reported: tensor and key counts, tensors per type, file type.
