@@ -76,14 +76,40 @@ fn text(b: &[u8]) -> String {
 }
 
 enum Arch {
+    /// testkit's Llama: Llama 3 rope scaling with an original context of 64, so that most
+    /// frequencies are scaled (`rope_freqs.weight` matters even for short prompts).
     Llama(ModelSize),
+    /// The same weights with linear rope scaling (factor 4).
+    LlamaLinearRope,
+    /// The same weights without rope scaling.
+    LlamaNoRopeScaling,
     Qwen2,
+}
+
+fn set_rope_scaling(dir: &Path, scaling: Option<serde_json::Value>) {
+    let p = dir.join("config.json");
+    let mut cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    match scaling {
+        Some(v) => cfg["rope_scaling"] = v,
+        None => {
+            cfg.as_object_mut().unwrap().remove("rope_scaling");
+        }
+    }
+    std::fs::write(&p, serde_json::to_vec(&cfg).unwrap()).unwrap();
 }
 
 fn model(dir: &Path, arch: &Arch) {
     match arch {
         Arch::Llama(size) => {
             testkit::write_model_sized(dir, "LlamaForCausalLM", 1, size).unwrap();
+        }
+        Arch::LlamaLinearRope => {
+            testkit::write_model_sized(dir, "LlamaForCausalLM", 1, &WIDE).unwrap();
+            set_rope_scaling(dir, Some(json!({"type": "linear", "factor": 4.0})));
+        }
+        Arch::LlamaNoRopeScaling => {
+            testkit::write_model_sized(dir, "LlamaForCausalLM", 1, &WIDE).unwrap();
+            set_rope_scaling(dir, None);
         }
         Arch::Qwen2 => {
             testkit::write_model_sized(dir, "Qwen2ForCausalLM", 2, &WIDE).unwrap();
@@ -373,11 +399,22 @@ fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
         .fold(0.0, f64::max)
 }
 
-/// How far llama.cpp's next-token log-probabilities of an F16/BF16 file may be from our reference
-/// forward pass (f16 KV cache, f32 sums in another order; BF16 also rounds the activations to
-/// bf16). Measured here: 0.0011–0.0019 for F16, 0.0096–0.0153 for BF16; with the q/k rows left in
-/// transformers' order (a mapping mistake, made by hand once) the difference was 0.49.
-const LOGPROB_TOLERANCE: f64 = 0.03;
+/// How far llama.cpp's next-token log-probabilities of an F16 / a BF16 file may be from our
+/// reference forward pass (f16 KV cache, f32 sums in another order; BF16 also rounds the
+/// activations to bf16). Measured here: 0.0011–0.0019 for F16, 0.0096–0.0153 for BF16.
+fn logprob_tolerance(ft: FileType) -> f64 {
+    if ft == FileType::F16 {
+        0.01
+    } else {
+        0.03
+    }
+}
+
+/// How far the controls (the prompt with two tokens swapped, the model without its rope
+/// scaling) must be from what llama.cpp computes, so that the comparison could see such a mistake.
+/// With the q/k rows left in transformers' order (a mapping mistake, made by hand once) the
+/// difference was 0.49.
+const CONTROL_MIN: f64 = 0.1;
 
 #[test]
 fn llama_server_loads_every_type_we_write_and_generates_tokens() {
@@ -387,7 +424,12 @@ fn llama_server_loads_every_type_we_write_and_generates_tokens() {
         ("wide", Arch::Llama(WIDE)),
         ("narrow", Arch::Llama(NARROW)),
         ("qwen2", Arch::Qwen2),
+        ("linear-rope", Arch::LlamaLinearRope),
     ];
+    // The wide model's weights without rope scaling: its log-probabilities are far from what
+    // llama.cpp computes for the wide and linear-rope files, so the comparison sees the scaling.
+    let unscaled = d.path().join("unscaled");
+    model(&unscaled, &Arch::LlamaNoRopeScaling);
     let mut loaded = 0;
     for (name, arch) in &models {
         let src = d.path().join(name);
@@ -395,6 +437,7 @@ fn llama_server_loads_every_type_we_write_and_generates_tokens() {
         let types: &[FileType] = match arch {
             Arch::Qwen2 => &[FileType::Q4KM, FileType::Q8_0, FileType::F16],
             Arch::Llama(_) => &FileType::ALL,
+            Arch::LlamaLinearRope | Arch::LlamaNoRopeScaling => &[FileType::F16],
         };
         let template: serde_json::Value =
             serde_json::from_slice(&std::fs::read(src.join("tokenizer_config.json")).unwrap())
@@ -407,6 +450,13 @@ fn llama_server_loads_every_type_we_write_and_generates_tokens() {
         let mut swapped = prompt_ids.clone();
         swapped.swap(0, 1);
         let reference_swapped = reference_logprobs(&src, &swapped);
+        let reference_unscaled = match arch {
+            Arch::Llama(size) if size.hidden == WIDE.hidden => {
+                Some(reference_logprobs(&unscaled, &prompt_ids))
+            }
+            Arch::LlamaLinearRope => Some(reference_logprobs(&unscaled, &prompt_ids)),
+            _ => None,
+        };
         for ft in types {
             let file = format!("{name}-{}.gguf", ft.name());
             let s = ours(&src, &d.path().join(&file), *ft, None);
@@ -466,11 +516,22 @@ fn llama_server_loads_every_type_we_write_and_generates_tokens() {
                 assert!(theirs.iter().all(|v| v.is_finite()), "{file}: {c}");
                 let d = max_abs_diff(&reference, &theirs);
                 let d_swapped = max_abs_diff(&reference_swapped, &theirs);
-                assert!(d < LOGPROB_TOLERANCE, "{file}: |logprob difference| {d}");
                 assert!(
-                    d_swapped > 10.0 * LOGPROB_TOLERANCE,
+                    d < logprob_tolerance(*ft),
+                    "{file}: |logprob difference| {d}"
+                );
+                assert!(
+                    d_swapped > CONTROL_MIN,
                     "{file}: the swapped prompt is only {d_swapped} away"
                 );
+                if let Some(u) = &reference_unscaled {
+                    let d_unscaled = max_abs_diff(u, &theirs);
+                    assert!(
+                        d_unscaled > CONTROL_MIN,
+                        "{file}: without rope scaling only {d_unscaled} away"
+                    );
+                    eprintln!("{file}: without rope scaling {d_unscaled:.3} away");
+                }
                 eprintln!(
                     "{file}: logprobs within {d:.5} of ours (swapped prompt: {d_swapped:.3})"
                 );
@@ -501,7 +562,7 @@ fn llama_server_loads_every_type_we_write_and_generates_tokens() {
             loaded += 1;
         }
     }
-    assert_eq!(loaded, 2 * FileType::ALL.len() + 3);
+    assert_eq!(loaded, 2 * FileType::ALL.len() + 3 + 1);
 }
 
 /// Llama 3's and Qwen2's split rules (their tokenizer.json `Split` patterns).
