@@ -22,6 +22,11 @@ stage "HIP code objects for gfx1100 and gfx906 (Debian trixie hipcc in an mmdebs
 FLEXINFER_HIP_CODE_OBJECTS=$(bash scripts/hip/build-code-objects.sh)
 export FLEXINFER_HIP_CODE_OBJECTS FLEXINFER_REQUIRE_HIP=1
 
+stage "llama.cpp 0.7.0 for the GGUF tests (Debian sid packages in an mmdebstrap root, cached)"
+# crates/flexinfer-quant/tests/gguf_llamacpp.rs: the real llama-server / llama-quantize against our GGUF files.
+FLEXINFER_LLAMACPP_ROOT=$(bash scripts/gguf/llamacpp-root.sh)
+export FLEXINFER_LLAMACPP_ROOT FLEXINFER_REQUIRE_LLAMACPP=1
+
 stage "cargo fmt --check"
 cargo fmt --all -- --check
 

@@ -2,8 +2,9 @@
 //! 4096×4096 Gaussian f32 matrix (64 MiB) on the rayon pool, as MB/s of f32 input, with and without an
 //! importance vector, beside this machine's memcpy rate on the same buffer (the physical limit of a
 //! pass over the input). `bench_gguf model [FTYPE]` then writes a generated ~110M-parameter Llama
-//! model as GGUF (default Q4_K_M) and reports the wall time and file size.
-//! Usage: `cargo run --release -p flexinfer-quant --example bench_gguf [-- runs | model FTYPE]`.
+//! model as GGUF (default Q4_K_M) and reports the wall time and file size; with `OUT_DIR` the file is
+//! kept there as `model-FTYPE.gguf` (scripts/bench/gguf/vs-llama-quantize.sh feeds it to llama.cpp).
+//! Usage: `cargo run --release -p flexinfer-quant --example bench_gguf [-- runs | model FTYPE [OUT_DIR]]`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // bench code: a panic is the failure report
 
 use flexinfer_quant::gguf::blocks::quantize_tensor;
@@ -26,7 +27,10 @@ fn main() {
         let src = d.path().join("model");
         testkit::write_model_sized(&src, "LlamaForCausalLM", 1, &ModelSize::SMALL_100M).unwrap();
         testkit::write_byte_level_tokenizer(&src).unwrap();
-        let out = d.path().join("model.gguf");
+        let out = match args.get(2) {
+            Some(dir) => std::path::Path::new(dir).join(format!("model-{}.gguf", ft.name())),
+            None => d.path().join("model.gguf"),
+        };
         let t = Instant::now();
         let s = write_gguf(&GgufJob {
             model_dir: &src,

@@ -478,6 +478,8 @@ fn llama_cpp_gguf_reader_reads_every_type_we_write_and_dequantizes_it_like_us() 
         (0, FileType::IQ4XS, true),
         (1, FileType::Q2K, false),
         (1, FileType::Q3KM, true),
+        // IQ4_XS falls back to IQ4_NL on the narrow rows (Q2_K / Q3_K fall back to Q4_0).
+        (1, FileType::IQ4XS, true),
     ];
     let mut seen = std::collections::BTreeSet::new();
     for (i, (which, ft, with_imp)) in types.iter().enumerate() {

@@ -17,8 +17,9 @@
 //! - IQ4_XS: `attn_v` → Q5_K when heads/kv_heads ≥ 4, `ffn_down` → Q5_K below n/8 without an
 //!   importance matrix;
 //! - finally a row length that is not a multiple of the chosen block falls back (Q6_K → Q8_0,
-//!   Q4_K → Q5_0, Q5_K → Q5_1, Q2_K / Q3_K / IQ4_XS → IQ4_NL, and to F16 when not a multiple of 32
-//!   either), so every preset can store every tensor, as in llama.cpp.
+//!   Q4_K → Q5_0, Q5_K → Q5_1, Q2_K / Q3_K → Q4_0, IQ4_XS → IQ4_NL, and to F16 when not a multiple
+//!   of 32 either), so every preset can store every tensor, as in llama.cpp 0.7.0's
+//!   `tensor_type_fallback` (older llama.cpp sent Q2_K / Q3_K to IQ4_NL).
 //!
 //! "More bits" layers (`use_more_bits`): the first and last eighth, and every third layer between.
 //! The layer counter is the layer index: llama-quantize visits tensors sorted by layer number.
@@ -121,7 +122,8 @@ pub fn tensor_type(
         G::Q6K => G::Q8_0,
         G::Q4K => G::Q5_0,
         G::Q5K => G::Q5_1,
-        G::Q2K | G::Q3K | G::IQ4XS => G::IQ4NL,
+        G::Q2K | G::Q3K => G::Q4_0,
+        G::IQ4XS => G::IQ4NL,
         G::F32 | G::F16 | G::BF16 => ty,
         G::Q4_0 | G::Q4_1 | G::Q5_0 | G::Q5_1 | G::Q8_0 | G::IQ4NL => G::F16,
     };
@@ -276,11 +278,14 @@ mod tests {
             tensor_type(FileType::Q8_0, "blk.0.attn_q.weight", 2, 100, Some(0), &M32).unwrap(),
             F16
         );
-        // Qwen2-0.5B's rows of 896: Q4_K → Q5_0, Q5_K → Q5_1, Q2_K → IQ4_NL
+        // Qwen2-0.5B's rows of 896: Q4_K → Q5_0, Q5_K → Q5_1, Q2_K / Q3_K → Q4_0 (llama.cpp 0.7.0;
+        // llama-quantize's choice, checked by tests/gguf_llamacpp.rs), IQ4_XS → IQ4_NL
         let t = |f, name: &str| tensor_type(f, name, 2, 896, Some(0), &M32).unwrap();
         assert_eq!(t(FileType::Q4KM, "blk.1.attn_q.weight"), Q5_0);
         assert_eq!(t(FileType::Q5KS, "blk.1.attn_q.weight"), Q5_1);
-        assert_eq!(t(FileType::Q2K, "blk.1.attn_q.weight"), IQ4NL);
+        assert_eq!(t(FileType::Q2K, "blk.1.attn_q.weight"), Q4_0);
+        assert_eq!(t(FileType::Q3KM, "blk.1.attn_q.weight"), Q4_0);
+        assert_eq!(t(FileType::Q3KM, "blk.1.attn_output.weight"), Q5_0);
         assert_eq!(t(FileType::IQ4XS, "blk.1.attn_q.weight"), IQ4NL);
     }
 }

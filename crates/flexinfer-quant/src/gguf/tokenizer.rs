@@ -97,6 +97,84 @@ fn special_text(v: &Value) -> Option<&str> {
         .or_else(|| v.get("content").and_then(Value::as_str))
 }
 
+/// What the tokenizer.json's post-processor adds around a sequence, read as llama.cpp's converter
+/// (gguf-py `SpecialVocab`) reads it: `ByteLevel` adds nothing (unless `tokenizer_config.json`
+/// says otherwise), `RobertaProcessing` a BOS and an EOS, `TemplateProcessing` a BOS when its single
+/// template starts with the BOS token (or CLS; or any special token when no BOS is configured, which
+/// then is the BOS) and an EOS when it ends with the EOS token. `None` leaves the decision to
+/// `tokenizer_config.json`'s `add_bos_token` / `add_eos_token` and then to llama.cpp's default for
+/// the pre-tokenizer (Llama 3's adds a BOS, GPT-2's and Qwen2's do not).
+#[derive(Debug, Default, PartialEq)]
+struct PostProcessor {
+    add_bos: Option<bool>,
+    add_eos: Option<bool>,
+    /// The template's leading special token, the BOS when `tokenizer_config.json` names none.
+    bos_text: Option<String>,
+}
+
+fn post_processor(
+    tj: &Value,
+    bos: Option<&str>,
+    cls: Option<&str>,
+    eos: Option<&str>,
+) -> Result<PostProcessor, GgufError> {
+    let mut out = PostProcessor::default();
+    let Some(pp) = tj.get("post_processor").filter(|v| !v.is_null()) else {
+        return Ok(out);
+    };
+    let procs: Vec<&Value> = match pp.get("processors").and_then(Value::as_array) {
+        Some(list) => list.iter().collect(),
+        None => vec![pp],
+    };
+    let special = |t: &Value| {
+        t.pointer("/SpecialToken/id")
+            .and_then(Value::as_str)
+            .map(str::to_string)
+    };
+    for p in procs {
+        match p.get("type").and_then(Value::as_str).unwrap_or("") {
+            "ByteLevel" => {
+                out.add_bos.get_or_insert(false);
+                out.add_eos.get_or_insert(false);
+            }
+            "RobertaProcessing" => {
+                out.add_bos = Some(true);
+                out.add_eos = Some(true);
+            }
+            "TemplateProcessing" => {
+                let single = p
+                    .get("single")
+                    .and_then(Value::as_array)
+                    .map(Vec::as_slice)
+                    .unwrap_or(&[]);
+                if single.len() < 2 {
+                    continue;
+                }
+                if let Some(first) = single.first().and_then(special) {
+                    let is_bos = match bos {
+                        None => true,
+                        Some(b) => b == first || cls == Some(first.as_str()),
+                    };
+                    out.add_bos = Some(is_bos);
+                    if bos.is_none() {
+                        out.bos_text = Some(first);
+                    }
+                }
+                if let Some(last) = single.last().and_then(special) {
+                    if let Some(e) = eos.filter(|e| *e != last) {
+                        let reason =
+                            format!("the template ends with {last:?}, not the eos token {e:?}");
+                        return Err(tok_err("post_processor.single", reason));
+                    }
+                    out.add_eos = Some(true);
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(out)
+}
+
 /// The `tokenizer.*` metadata of the model in `dir`; `vocab_size` is `config.json`'s (the embedding
 /// rows): ids the tokenizer does not use become `[PAD<id>]` tokens of type UNUSED, as the converter
 /// writes them.
@@ -219,16 +297,19 @@ pub fn tokenizer_metadata(
         ),
     ];
     let tc = read_json(dir, "tokenizer_config.json", false)?.unwrap_or(Value::Null);
+    let configured = |kind: &str| tc.get(format!("{kind}_token")).and_then(special_text);
+    let post = post_processor(&tj, configured("bos"), configured("cls"), configured("eos"))?;
     for (kind, key) in [
         ("bos", "bos_token_id"),
         ("eos", "eos_token_id"),
         ("unk", "unknown_token_id"),
         ("pad", "padding_token_id"),
     ] {
-        let from_text = tc
-            .get(format!("{kind}_token"))
-            .and_then(special_text)
-            .and_then(|t| by_text.get(t).copied());
+        let text = match (kind, configured(kind)) {
+            ("bos", None) => post.bos_text.as_deref(),
+            (_, t) => t,
+        };
+        let from_text = text.and_then(|t| by_text.get(t).copied());
         let id = from_text.or_else(|| {
             config
                 .get(format!("{kind}_token_id"))
@@ -248,8 +329,13 @@ pub fn tokenizer_metadata(
             md.push((format!("tokenizer.ggml.{key}"), MetaValue::U32(id)));
         }
     }
-    for flag in ["add_bos_token", "add_eos_token"] {
-        if let Some(b) = tc.get(flag).and_then(Value::as_bool) {
+    // The post-processor decides where it says something (as the converter: it wins over
+    // tokenizer_config.json); without either, llama.cpp's default for the pre-tokenizer applies.
+    for (flag, from_post) in [
+        ("add_bos_token", post.add_bos),
+        ("add_eos_token", post.add_eos),
+    ] {
+        if let Some(b) = from_post.or_else(|| tc.get(flag).and_then(Value::as_bool)) {
             md.push((format!("tokenizer.ggml.{flag}"), MetaValue::Bool(b)));
         }
     }
@@ -362,6 +448,86 @@ mod tests {
             get(&md, "tokenizer.chat_template"),
             Some(&MetaValue::Str("{{x}}".into()))
         );
+    }
+
+    #[test]
+    fn the_post_processor_decides_bos_and_eos_as_the_converter_reads_it() {
+        let d = tempfile::tempdir().unwrap();
+        let bos_template = json!({"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<|eot|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [], "special_tokens": {}});
+        let flags = |post: Value, config: Value| {
+            let mut tj = byte_level(json!({"type": "ByteLevel", "use_regex": true}));
+            tj["post_processor"] = post;
+            write(d.path(), "tokenizer.json", &tj);
+            write(d.path(), "tokenizer_config.json", &config);
+            let md = tokenizer_metadata(d.path(), 8, &Value::Null).unwrap();
+            let flag = |k: &str| match get(&md, k) {
+                Some(MetaValue::Bool(b)) => Some(*b),
+                None => None,
+                other => panic!("{k}: {other:?}"),
+            };
+            (
+                flag("tokenizer.ggml.add_bos_token"),
+                flag("tokenizer.ggml.add_eos_token"),
+                get(&md, "tokenizer.ggml.bos_token_id").cloned(),
+            )
+        };
+        // A leading special token: a BOS, and the BOS itself when the config names none.
+        assert_eq!(
+            flags(bos_template.clone(), json!({})),
+            (Some(true), None, Some(MetaValue::U32(4)))
+        );
+        // ... which wins over the config's add_bos_token, as in the converter.
+        assert_eq!(
+            flags(
+                bos_template.clone(),
+                json!({"bos_token": "<|eot|>", "add_bos_token": false})
+            ),
+            (Some(true), None, Some(MetaValue::U32(4)))
+        );
+        // A leading special token that is not the configured BOS: no BOS.
+        assert_eq!(
+            flags(bos_template, json!({"bos_token": "a"})).0,
+            Some(false)
+        );
+        // ByteLevel adds nothing unless the config says so; in a Sequence too.
+        assert_eq!(
+            flags(json!({"type": "ByteLevel"}), json!({})),
+            (Some(false), Some(false), None)
+        );
+        assert_eq!(
+            flags(
+                json!({"type": "Sequence", "processors": [{"type": "ByteLevel"}]}),
+                json!({"add_bos_token": true})
+            )
+            .0,
+            Some(false)
+        );
+        assert_eq!(
+            flags(json!({"type": "RobertaProcessing"}), json!({})),
+            (Some(true), Some(true), None)
+        );
+        // No post-processor: the config's flag, or nothing (llama.cpp's default).
+        assert_eq!(
+            flags(Value::Null, json!({"add_bos_token": true})),
+            (Some(true), None, None)
+        );
+        assert_eq!(flags(Value::Null, json!({})), (None, None, None));
+        // A template that ends with a special token other than the EOS cannot be mapped.
+        let mut tj = byte_level(json!({"type": "ByteLevel"}));
+        tj["post_processor"] = json!({"type": "TemplateProcessing",
+            "single": [{"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": "a", "type_id": 0}}]});
+        write(d.path(), "tokenizer.json", &tj);
+        write(
+            d.path(),
+            "tokenizer_config.json",
+            &json!({"eos_token": "<|eot|>"}),
+        );
+        let e = tokenizer_metadata(d.path(), 8, &Value::Null)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("post_processor") && e.contains("<|eot|>"), "{e}");
     }
 
     #[test]

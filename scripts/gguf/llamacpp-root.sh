@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# A Debian sid root holding the real llama.cpp (llama.cpp-tools, llama.cpp-tools-extra, libggml0 with its CPU
+# backends, python3-gguf), made with mmdebstrap; the host release is not changed. sid is needed because these
+# packages need glibc 2.43. Used by crates/flexinfer-quant/tests/gguf_llamacpp.rs: llama.cpp loads the GGUF
+# files we write.
+#
+#   export FLEXINFER_LLAMACPP_ROOT=$(bash scripts/gguf/llamacpp-root.sh)
+#   bash scripts/gguf/llamacpp-run.sh "$FLEXINFER_LLAMACPP_ROOT" DIR llama-cli --version
+#
+# Prints the root's path on stdout (everything else goes to stderr). The root holds
+#   .flexinfer-packages        every installed package=version
+#   .flexinfer-download-bytes  bytes of .deb downloaded to build it
+#   .flexinfer-root-complete   written last
+# llama.cpp's converter (convert_hf_to_gguf.py) is shipped by llama.cpp-tools but not usable here: it needs
+# torch and transformers, about four times this root (docs/dev/gguf.md, "The real llama.cpp").
+#
+# Cache: ~/.cache/flexinfer/llamacpp-root-<version>-<key>, created atomically (built in a temporary
+# directory, then renamed); <key> covers the suite, variant, apt options and the pinned package list below.
+# Needs root (mmdebstrap's root mode, chroot). Env: FLEXINFER_DEBIAN_MIRROR (default: the host's apt mirror),
+# FLEXINFER_CACHE (default ~/.cache/flexinfer).
+set -euo pipefail
+ROOT_DIR=$(cd "$(dirname "$0")/../.." && pwd)
+CACHE=${FLEXINFER_CACHE:-$HOME/.cache/flexinfer}
+log() { echo "llamacpp-root: $*" >&2; }
+die() { log "$*"; exit 1; }
+
+SUITE=sid
+VARIANT=minbase
+# llama.cpp 0.7.0 and ggml 0.27.0 as in sid. Pinned so that the cache key names what is in the root; when sid
+# moves on, the mirror stops serving these versions and mmdebstrap fails: move the pins then.
+PACKAGES=(
+  "llama.cpp-tools=1:0.7.0+dfsg-2"
+  "llama.cpp-tools-extra=1:0.7.0+dfsg-2"
+  "libllama0=1:0.7.0+dfsg-2"
+  "libggml0=0.27.0-1"
+  "python3-gguf=1:0.7.0+dfsg-2"
+)
+# sid's InRelease on the mirror may be past its Valid-Until date.
+APTOPTS=('Acquire::Check-Valid-Until "false"' 'APT::Install-Recommends "false"')
+
+[ "$(id -u)" = 0 ] || die "needs root (mmdebstrap root mode and chroot)"
+
+if ! command -v mmdebstrap >/dev/null; then
+  log "apt-get install mmdebstrap"
+  export DEBIAN_FRONTEND=noninteractive
+  { apt-get update -qq && apt-get install -y -qq --no-install-recommends mmdebstrap; } >&2 \
+    || die "installing mmdebstrap failed"
+fi
+
+mirror=${FLEXINFER_DEBIAN_MIRROR:-}
+if [ -z "$mirror" ]; then
+  # The host's Debian archive (the same lookup as the images; every Debian mirror carries sid).
+  mirror=$(python3 "$ROOT_DIR/scripts/images/apt-mirror.py" "$SUITE" 2>/dev/null || true)
+  mirror=${mirror:-http://deb.debian.org/debian}
+fi
+
+sha() { sha256sum | cut -c1-16; }
+root_key=$(printf '%s\n' "$SUITE" "$VARIANT" "${APTOPTS[@]}" "${PACKAGES[@]}" | sha)
+llama_version=${PACKAGES[0]#*=1:}
+LLROOT=$CACHE/llamacpp-root-${llama_version%%+*}-$root_key
+mkdir -p "$CACHE"
+
+if [ -f "$LLROOT/.flexinfer-root-complete" ]; then
+  log "reusing $LLROOT"
+else
+  tmp=$(mktemp -d "$CACHE/.llamacpp-root-tmp.XXXXXX")
+  trap 'rm -rf "$tmp"' EXIT
+  log "creating the $SUITE root ($VARIANT, ${PACKAGES[*]}) from $mirror into $LLROOT"
+  t=$(date +%s)
+  aptopt_args=()
+  for o in "${APTOPTS[@]}"; do aptopt_args+=(--aptopt="$o"); done
+  # The hooks run with the root as $1: the size of the downloaded .debs (mmdebstrap deletes them afterwards)
+  # and the installed versions are recorded in the root. In its own mount namespace, so that no mount it
+  # makes outlives it (the temp dir is then safe to delete).
+  # shellcheck disable=SC2016
+  unshare --mount --propagation private -- mmdebstrap --variant="$VARIANT" --mode=root "${aptopt_args[@]}" \
+    --include="$(IFS=,; echo "${PACKAGES[*]}")" \
+    --customize-hook='du -sb "$1/var/cache/apt/archives" | cut -f1 > "$1/.flexinfer-download-bytes"' \
+    --customize-hook='chroot "$1" dpkg-query -W -f "\${Package}=\${Version}\n" > "$1/.flexinfer-packages"' \
+    "$SUITE" "$tmp/root" "$mirror" >&2 \
+    || die "mmdebstrap failed (mirror $mirror, packages ${PACKAGES[*]}; if sid no longer has these versions, move the pins in $0)"
+  touch "$tmp/root/.flexinfer-root-complete"
+  # A concurrent run may have finished first: keep its root.
+  if [ ! -f "$LLROOT/.flexinfer-root-complete" ]; then rm -rf "$LLROOT"; mv "$tmp/root" "$LLROOT"; fi
+  rm -rf "$tmp"; trap - EXIT
+  log "root ready in $(( $(date +%s) - t ))s: $(du -sh "$LLROOT" | cut -f1) on disk," \
+      "$(( $(cat "$LLROOT/.flexinfer-download-bytes") / 1048576 )) MiB downloaded"
+fi
+
+for b in llama-cli llama-quantize llama-perplexity; do
+  [ -x "$LLROOT/usr/bin/$b" ] || die "no /usr/bin/$b in $LLROOT"
+done
+echo "$LLROOT"
