@@ -14,6 +14,7 @@ pub mod plan;
 pub mod reconcile;
 mod results;
 mod series;
+pub mod stored_job;
 pub mod stores;
 pub mod target;
 mod triggers;

@@ -227,7 +227,6 @@ async fn owned_jobs(mc: &ModelCache, ctx: &Context, ns: &str) -> Result<Vec<Job>
             .iter()
             .filter_map(|p| ctx.stores.job(ns, &p.job_name(&name)))
             .filter(|j| owned(j))
-            .map(|j| (*j).clone())
             .collect()),
         Pending::Waiting => Err(Error::StoreBehind),
         Pending::Expired => {

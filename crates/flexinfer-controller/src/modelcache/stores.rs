@@ -33,7 +33,8 @@ use kube::runtime::WatchStreamExt;
 use kube::{Api, Client, Resource, ResourceExt};
 
 use super::jobs;
-use super::observe::{prune_job, prune_pod};
+use super::observe::prune_pod;
+use super::stored_job::StoredJob;
 use crate::kube_client::api_in;
 
 /// The label the Job controller puts on a Job's pods.
@@ -178,7 +179,7 @@ pub fn expectation_met(exp: &Expectation, stored: Option<&Job>) -> bool {
 #[derive(Clone)]
 pub struct Stores {
     pub caches: Store<ModelCache>,
-    pub jobs: Store<Job>,
+    pub jobs: Store<StoredJob>,
     pub pods: Store<Pod>,
     pub claims: Store<PartialObjectMeta<PersistentVolumeClaim>>,
     pub profiles: Store<GPUProfile>,
@@ -208,7 +209,7 @@ type ExpectationMap = HashMap<(String, String), Vec<(Expectation, Instant)>>;
 /// its triggers, `background` only fills stores and must be polled beside the controller.
 pub struct Streams {
     pub caches: futures::stream::BoxStream<'static, Result<ModelCache, watcher::Error>>,
-    pub jobs: futures::stream::BoxStream<'static, Result<Job, watcher::Error>>,
+    pub jobs: futures::stream::BoxStream<'static, Result<StoredJob, watcher::Error>>,
     pub profiles: futures::stream::BoxStream<'static, Result<GPUProfile, watcher::Error>>,
     pub background: std::pin::Pin<Box<dyn Future<Output = ()> + Send>>,
 }
@@ -255,11 +256,11 @@ impl Stores {
             .applied_objects()
             .boxed();
         let job_stream = watcher(
-            api_in::<Job>(client, ns),
+            api_in::<StoredJob>(client, ns),
             watcher::Config::default().labels(&managed),
         )
         .default_backoff()
-        .modify(prune_job)
+        .modify(StoredJob::prune)
         .reflect(jobs_w)
         .touched_objects()
         .boxed();
@@ -342,8 +343,10 @@ impl Stores {
     }
 
     /// The Job `name` in `ns`, as stored.
-    pub fn job(&self, ns: &str, name: &str) -> Option<Arc<Job>> {
-        self.jobs.get(&ObjectRef::new(name).within(ns))
+    pub fn job(&self, ns: &str, name: &str) -> Option<Job> {
+        self.jobs
+            .get(&ObjectRef::new(name).within(ns))
+            .map(|j| j.to_job())
     }
 
     /// The pods of Job `job` in `ns`.
@@ -411,7 +414,7 @@ impl Stores {
             let name = match exp {
                 Expectation::JobCreated { name, .. } | Expectation::JobDeleted { name, .. } => name,
             };
-            if expectation_met(exp, self.job(ns, name).as_deref()) {
+            if expectation_met(exp, self.job(ns, name).as_ref()) {
                 return false;
             }
             if now.duration_since(*at) >= EXPECTATION_TIMEOUT {

@@ -370,6 +370,15 @@ fn pruned_jobs_and_pods_observe_the_same_as_full_ones() {
                 Some(full.clone()),
                 "{state} {terminated}"
             );
+            // The Job store's compact form, as deserialized from the API server's JSON, observes the same.
+            let mut stored: crate::modelcache::stored_job::StoredJob =
+                serde_json::from_value(serde_json::to_value(&job).unwrap()).unwrap();
+            stored.prune();
+            assert_eq!(
+                observe_job(&stored.to_job(), &pp),
+                Some(full.clone()),
+                "stored {state} {terminated}"
+            );
             // What it reads is really there (the comparison is not of two empty summaries).
             assert!(full.out_dir.is_some() && !full.image.is_empty() && full.spec_hash.is_some());
             assert!(full.pod.as_ref().is_some_and(|p| p.unschedulable.is_some()));
