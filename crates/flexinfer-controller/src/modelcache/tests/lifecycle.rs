@@ -216,3 +216,70 @@ fn shared_claims_are_kept_and_a_second_cache_on_one_directory_is_refused() {
         assert_eq!(created_jobs(&p), vec!["mc-download"]);
     }
 }
+
+/// Measurement (`cargo test --release -p flexinfer-controller --lib memory_per_stored_object -- --ignored
+/// --nocapture`): resident memory of 5,000 Ready caches and of 15,000 Jobs as the Job store keeps them
+/// (compact `StoredJob`) beside pruned `k8s_openapi` Jobs; the compact form must stay under half.
+#[test]
+#[ignore]
+fn memory_per_stored_object() {
+    use crate::modelcache::observe::prune_job;
+    use crate::modelcache::stored_job::StoredJob;
+    use std::sync::Arc;
+    fn rss_kb() -> u64 {
+        let s = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+        s.split_whitespace()
+            .nth(1)
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+            * 4
+    }
+    let per = |before: u64, after: u64, n: u64| after.saturating_sub(before) * 1024 / n;
+    let ready = serde_json::to_string(&ready_simple()).unwrap();
+    let before = rss_kb();
+    let caches: Vec<Arc<ModelCache>> = (0..5000)
+        .map(|_| Arc::new(serde_json::from_str(&ready).unwrap()))
+        .collect();
+    println!("Ready ModelCache: {} B each", per(before, rss_kb(), 5000));
+    let c = cfg();
+    let full = cache(FULL);
+    let texts: Vec<String> = [JobPhase::Download, JobPhase::Quantize, JobPhase::Publish]
+        .iter()
+        .map(|phase| {
+            let t_ = jobs::resolve_target(&full, *phase, &[profile("gfx1100", "q")], &c);
+            serde_json::to_string(&jobs::build_job(
+                &full,
+                &Default::default(),
+                &[],
+                &t_,
+                "q",
+                "h",
+                &c,
+            ))
+            .unwrap()
+        })
+        .collect();
+    let before = rss_kb();
+    let stored: Vec<Arc<StoredJob>> = (0..5000)
+        .flat_map(|_| texts.iter())
+        .map(|t| {
+            let mut j: StoredJob = serde_json::from_str(t).unwrap();
+            j.prune();
+            Arc::new(j)
+        })
+        .collect();
+    let compact = per(before, rss_kb(), 15000);
+    let before = rss_kb();
+    let pruned: Vec<Arc<k8s_openapi::api::batch::v1::Job>> = (0..5000)
+        .flat_map(|_| texts.iter())
+        .map(|t| {
+            let mut j: k8s_openapi::api::batch::v1::Job = serde_json::from_str(t).unwrap();
+            prune_job(&mut j);
+            Arc::new(j)
+        })
+        .collect();
+    let wide = per(before, rss_kb(), 15000);
+    println!("Job: StoredJob {compact} B, pruned k8s Job {wide} B each");
+    assert!(compact * 2 < wide, "StoredJob {compact} B vs {wide} B");
+    drop((caches, stored, pruned));
+}
