@@ -5,7 +5,7 @@
 //! `Job` for the planner.
 
 use k8s_openapi::api::batch::v1::{Job, JobSpec, JobStatus};
-use k8s_openapi::api::core::v1::{Container, EnvVar, PodSpec, PodTemplateSpec};
+use k8s_openapi::api::core::v1::{Container, EnvVar, Pod, PodSpec, PodTemplateSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::{Metadata, NamespaceResourceScope, Resource};
 use serde::{Deserialize, Serialize};
@@ -153,6 +153,53 @@ impl StoredJob {
                 },
                 ..Default::default()
             }),
+            status: self.status.clone(),
+        }
+    }
+}
+
+/// A pipeline pod as the pod store keeps it: metadata and the status `observe_pod` reads (no pod spec:
+/// a `k8s_openapi` `Pod` holds its wide spec struct inline even when it is empty).
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+pub struct StoredPod {
+    pub metadata: ObjectMeta,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<k8s_openapi::api::core::v1::PodStatus>,
+}
+
+impl Resource for StoredPod {
+    const API_VERSION: &'static str = Pod::API_VERSION;
+    const GROUP: &'static str = Pod::GROUP;
+    const KIND: &'static str = Pod::KIND;
+    const VERSION: &'static str = Pod::VERSION;
+    const URL_PATH_SEGMENT: &'static str = Pod::URL_PATH_SEGMENT;
+    type Scope = NamespaceResourceScope;
+}
+
+impl Metadata for StoredPod {
+    type Ty = ObjectMeta;
+    fn metadata(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+    fn metadata_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+}
+
+impl StoredPod {
+    /// Keep what `observe::prune_pod` keeps.
+    pub fn prune(&mut self) {
+        let mut pod = self.to_pod();
+        super::observe::prune_pod(&mut pod);
+        self.metadata = pod.metadata;
+        self.status = pod.status;
+    }
+
+    /// The pod the planner reads.
+    pub fn to_pod(&self) -> Pod {
+        Pod {
+            metadata: self.metadata.clone(),
+            spec: None,
             status: self.status.clone(),
         }
     }

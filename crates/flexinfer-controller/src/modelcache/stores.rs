@@ -33,8 +33,7 @@ use kube::runtime::WatchStreamExt;
 use kube::{Api, Client, Resource, ResourceExt};
 
 use super::jobs;
-use super::observe::prune_pod;
-use super::stored_job::StoredJob;
+use super::stored_job::{StoredJob, StoredPod};
 use crate::kube_client::api_in;
 
 /// The label the Job controller puts on a Job's pods.
@@ -139,7 +138,7 @@ fn cache_claim(mc: &ModelCache) -> Option<String> {
 }
 
 /// The Job a pod belongs to: the index key of pods.
-fn pod_job(p: &Pod) -> Option<String> {
+fn pod_job<K: Resource>(p: &K) -> Option<String> {
     p.labels()
         .get(JOB_NAME_LABEL)
         .or_else(|| p.labels().get("job-name"))
@@ -180,7 +179,7 @@ pub fn expectation_met(exp: &Expectation, stored: Option<&Job>) -> bool {
 pub struct Stores {
     pub caches: Store<ModelCache>,
     pub jobs: Store<StoredJob>,
-    pub pods: Store<Pod>,
+    pub pods: Store<StoredPod>,
     pub claims: Store<PartialObjectMeta<PersistentVolumeClaim>>,
     pub profiles: Store<GPUProfile>,
     pub models: Store<Model>,
@@ -273,11 +272,11 @@ impl Stores {
 
         let idx = pods_by_job.clone();
         let pod_stream = watcher(
-            api_in::<Pod>(client, ns),
+            api_in::<StoredPod>(client, ns),
             watcher::Config::default().labels(&managed),
         )
         .default_backoff()
-        .modify(prune_pod)
+        .modify(StoredPod::prune)
         .reflect(pods_w)
         .inspect(move |ev| {
             if let Ok(ev) = ev {
@@ -354,7 +353,7 @@ impl Stores {
         self.pods_by_job
             .lookup(&self.pods, ns, job, pod_job)
             .into_iter()
-            .map(|p| (*p).clone())
+            .map(|p| p.to_pod())
             .collect()
     }
 

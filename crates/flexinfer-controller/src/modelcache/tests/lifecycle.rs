@@ -281,5 +281,45 @@ fn memory_per_stored_object() {
     let wide = per(before, rss_kb(), 15000);
     println!("Job: StoredJob {compact} B, pruned k8s Job {wide} B each");
     assert!(compact * 2 < wide, "StoredJob {compact} B vs {wide} B");
-    drop((caches, stored, pruned));
+    let pod = serde_json::json!({
+        "metadata": {"name": "mc-quantize-abcde", "namespace": "ns", "uid": "u-2",
+                     "creationTimestamp": "2026-12-06T00:00:00Z", "resourceVersion": "123",
+                     "labels": {"batch.kubernetes.io/job-name": "mc-quantize", "job-name": "mc-quantize",
+                                "batch.kubernetes.io/controller-uid": "u-1", "controller-uid": "u-1",
+                                "flexinfer.ai/cache": "mc", "flexinfer.ai/phase": "quantize",
+                                "app.kubernetes.io/managed-by": "flexinfer"},
+                     "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": "mc-quantize",
+                                          "uid": "u-1", "controller": true, "blockOwnerDeletion": true}]},
+        "spec": {"containers": [{"name": "quantizer", "image": "q"}], "nodeName": "n"},
+        "status": {"phase": "Succeeded", "conditions": [
+                       {"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": "False"},
+                       {"type": "Initialized", "status": "True"}],
+                   "containerStatuses": [{"name": "quantizer", "image": "q", "imageID": "q@sha256:0",
+                       "ready": false, "restartCount": 0,
+                       "state": {"terminated": {"exitCode": 0, "reason": "Completed",
+                                                "message": "{\"applied\":{}}"}}}]}
+    })
+    .to_string();
+    let before = rss_kb();
+    let spods: Vec<Arc<crate::modelcache::stored_job::StoredPod>> = (0..15000)
+        .map(|_| {
+            let mut p: crate::modelcache::stored_job::StoredPod =
+                serde_json::from_str(&pod).unwrap();
+            p.prune();
+            Arc::new(p)
+        })
+        .collect();
+    let compact = per(before, rss_kb(), 15000);
+    let before = rss_kb();
+    let kpods: Vec<Arc<k8s_openapi::api::core::v1::Pod>> = (0..15000)
+        .map(|_| {
+            let mut p: k8s_openapi::api::core::v1::Pod = serde_json::from_str(&pod).unwrap();
+            crate::modelcache::observe::prune_pod(&mut p);
+            Arc::new(p)
+        })
+        .collect();
+    let wide = per(before, rss_kb(), 15000);
+    println!("Pod: StoredPod {compact} B, pruned k8s Pod {wide} B each");
+    assert!(compact < wide, "StoredPod {compact} B vs {wide} B");
+    drop((caches, stored, pruned, spods, kpods));
 }

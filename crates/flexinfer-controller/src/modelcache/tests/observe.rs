@@ -374,8 +374,17 @@ fn pruned_jobs_and_pods_observe_the_same_as_full_ones() {
             let mut stored: crate::modelcache::stored_job::StoredJob =
                 serde_json::from_value(serde_json::to_value(&job).unwrap()).unwrap();
             stored.prune();
+            let stored_pods: Vec<_> = pods
+                .iter()
+                .map(|p| {
+                    let mut sp: crate::modelcache::stored_job::StoredPod =
+                        serde_json::from_value(serde_json::to_value(p).unwrap()).unwrap();
+                    sp.prune();
+                    sp.to_pod()
+                })
+                .collect();
             assert_eq!(
-                observe_job(&stored.to_job(), &pp),
+                observe_job(&stored.to_job(), &stored_pods),
                 Some(full.clone()),
                 "stored {state} {terminated}"
             );
