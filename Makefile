@@ -38,11 +38,21 @@ chart-tests:
 # Regenerates tests/fixtures/oracle/ with Hugging Face transformers (issue #17). Not run in CI: needs a Python
 # with torch, transformers and safetensors (make oracle-check below also needs optimum and gptqmodel), e.g.
 #   python3 -m venv ~/.cache/flexinfer/oracle-venv && ~/.cache/flexinfer/oracle-venv/bin/pip install torch transformers safetensors
+# It also trains the small TRAINED Llama of the low-bit quality benchmark (issue #45; a few minutes on the CPU,
+# written once to LOWBIT_MODEL, never committed; needs tokenizers too).
 ORACLE_PYTHON ?= $(HOME)/.cache/flexinfer/oracle-venv/bin/python
+LOWBIT_MODEL ?= $(HOME)/.cache/flexinfer/lowbit-model
 .PHONY: oracle
 oracle:
 	$(ORACLE_PYTHON) scripts/oracle/make_fixtures.py
 	cargo test -p flexinfer-quant --test oracle
+	test -f $(LOWBIT_MODEL)/model.safetensors || $(ORACLE_PYTHON) scripts/oracle/train_tiny_llama.py $(LOWBIT_MODEL)
+
+# GPTQ at 4/3/2 bits on the trained model: perplexity and KL per knob vs RTN (and GPTQModel with
+# LOWBIT_GPTQMODEL=1); docs/benchmarks.md "GPTQ at 4, 3 and 2 bits on a trained model". Not a test.
+.PHONY: lowbit-bench
+lowbit-bench:
+	ORACLE_PYTHON=$(ORACLE_PYTHON) LOWBIT_MODEL=$(LOWBIT_MODEL) scripts/bench/quant/lowbit.sh
 
 # Whether transformers loads the engine's gptq checkpoints (issue #17; not in CI, see docs/user/gptq-engine.md
 # "Loaded by transformers"): quantizes every oracle fixture (examples/quantize_dir: 4 bits, group 32, or 16 where

@@ -8,6 +8,10 @@ pub const BITS: &str = "BITS";
 pub const GROUP_SIZE: &str = "GROUP_SIZE";
 pub const SYM: &str = "SYM";
 pub const DESC_ACT: &str = "DESC_ACT";
+/// Group-aware column order inside the groups (`true`/`false`; the worker's default is its engine default).
+pub const ACT_GROUP_AWARE: &str = "ACT_GROUP_AWARE";
+/// Clipping search of the group scales: `auto` (the engine's default, off), `on`/`true` or `off`/`false`.
+pub const CLIP_SEARCH: &str = "CLIP_SEARCH";
 pub const DYNAMIC_EXCLUSION: &str = "DYNAMIC_EXCLUSION";
 pub const MAX_SEQ_LEN: &str = "MAX_SEQ_LEN";
 pub const MAX_SAMPLES: &str = "MAX_SAMPLES";

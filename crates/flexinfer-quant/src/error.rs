@@ -394,6 +394,8 @@ pub enum SpecError {
     },
     #[error("GPTQ_HESSIAN_DIAG_FLOOR_MODE must be mean or abs_max, got {got:?}")]
     FloorMode { got: String },
+    #[error("CLIP_SEARCH must be auto, on or off, got {got:?}")]
+    ClipSearch { got: String },
     #[error("GPTQ_DEVICE={got:?}: expected auto, cpu, hip or cuda")]
     Device { got: String },
     #[error(

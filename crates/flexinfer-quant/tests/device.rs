@@ -35,6 +35,7 @@ fn cases() -> Vec<Case> {
         desc_act,
         static_groups,
         block_size: 128,
+        ..GptqParams::default()
     };
     let rp = RecoveryParams::default();
     vec![

@@ -24,7 +24,7 @@ use flexinfer_quant::device::{
 use flexinfer_quant::events::MemorySink;
 use flexinfer_quant::gptq::{Method, QuantizedLinear};
 use flexinfer_quant::linalg::CpuBackend;
-use flexinfer_quant::params::{GptqParams, RecoveryParams};
+use flexinfer_quant::params::{ColumnOrder, GptqParams, RecoveryParams};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
@@ -354,6 +354,7 @@ impl HostVendor {
 mod support;
 use support::{batches, random};
 
+#[derive(Clone)]
 struct Case {
     name: &'static str,
     rows: usize,
@@ -371,6 +372,7 @@ fn cases() -> Vec<Case> {
         desc_act,
         static_groups,
         block_size,
+        ..GptqParams::default()
     };
     let rp = RecoveryParams::default();
     vec![
@@ -438,8 +440,31 @@ fn cases() -> Vec<Case> {
                 damp_percent: 0.0,
                 damp_auto_increment: 0.0,
                 max_floor_attempts: 0,
-                ..rp
+                ..rp.clone()
             },
+        },
+        Case {
+            // Group-aware order: each group's parameters are found on the device into its original slot.
+            name: "g32 asym group-aware, 3 groups over blocks of 32",
+            rows: 40,
+            cols: 96,
+            tokens: 300,
+            params: GptqParams {
+                act_group_aware: true,
+                ..p(4, 32, false, false, false, 32)
+            },
+            recovery: rp.clone(),
+        },
+        Case {
+            name: "g48 3-bit group-aware over blocks of 32",
+            rows: 24,
+            cols: 96,
+            tokens: 300,
+            params: GptqParams {
+                act_group_aware: true,
+                ..p(3, 48, true, false, false, 32)
+            },
+            recovery: rp,
         },
     ]
 }
@@ -577,10 +602,11 @@ fn solves_like_the_cpu_session(math: MathLibs) {
         } else {
             factor.to_vec()
         };
-        // The act-order permutation runs on the device only for act-order.
+        // The permutation runs on the device only for act-order or group-aware order.
+        let permuted = c.params.column_order(c.cols) != ColumnOrder::Plain;
         let expected: Vec<Kernel> = expected
             .into_iter()
-            .filter(|k| c.params.desc_act || *k != Kernel::PermuteSym)
+            .filter(|k| permuted || *k != Kernel::PermuteSym)
             .collect();
         for k in Kernel::ALL {
             let used = expected.contains(&k) && replaced_by(&k) != Some(true);
@@ -716,6 +742,7 @@ fn the_device_prepares_non_finite_entries_dead_columns_and_act_order_like_the_cp
                 desc_act,
                 static_groups: false,
                 block_size: 32,
+                ..GptqParams::default()
             },
             recovery: RecoveryParams::default(),
         };
@@ -780,7 +807,7 @@ fn the_device_prepares_non_finite_entries_dead_columns_and_act_order_like_the_cp
         for x in &xs {
             ops.accumulate(x.as_ref(), alpha).unwrap();
         }
-        let meta = ops.prepare(desc_act).unwrap();
+        let meta = ops.prepare(desc_act.into()).unwrap();
         let got = ops.checkpoint().unwrap();
         assert_eq!(meta.dead, want.dead, "desc_act {desc_act}: dead columns");
         assert_eq!(meta.perm, want.perm, "desc_act {desc_act}: permutation");
@@ -1089,4 +1116,47 @@ fn the_card_checks_pass_on_correct_kernels_and_fail_on_a_corrupted_one() {
     let s = check::solve_case(&dev_with(Some(Kernel::SweepBlock)), case, 3).unwrap();
     let c = s.compare(&case.name);
     assert!(!c.passed, "corrupted codes passed: {c}");
+}
+
+/// The clipping search is the CPU sweep's: a kernel session hands the group to the CPU after preparing the
+/// Hessian (one `gptq_device_fallback` event naming the reason) and the result is the CPU session's.
+#[test]
+fn the_clipping_search_goes_to_the_cpu_with_an_event() {
+    let c = Case {
+        params: GptqParams {
+            bits: 2,
+            clip_search: true,
+            act_group_aware: true,
+            ..cases()[0].params.clone()
+        },
+        ..cases()[0].clone()
+    };
+    let xs = batches(c.tokens, c.cols, 31);
+    let ws = weights(&c, 310);
+    let cpu = solve(&CpuBackend::default(), &c, &xs, &ws, &MemorySink::default());
+    let log = Arc::new(Mutex::new(Log::default()));
+    let dev = host_device(&log, None);
+    let sink = MemorySink::default();
+    let spec = SolveSpec {
+        params: &c.params,
+        recovery: &c.recovery,
+        module: "m",
+        events: &sink,
+    };
+    let mut s = dev.open(c.cols).unwrap();
+    for x in &xs {
+        s.accumulate(x.as_ref(), 2.0 / c.tokens as f32).unwrap();
+    }
+    let refs: Vec<&Mat<f32>> = ws.iter().collect();
+    let got = solve_with_fallback("host", s.as_mut(), &refs, &spec).unwrap();
+    let fb = sink.named(names::GPTQ_DEVICE_FALLBACK);
+    assert_eq!(fb.len(), 1, "{fb:?}");
+    let error = fb[0].get("error").and_then(|e| e.as_str()).unwrap_or("");
+    assert!(error.contains("clipping search"), "{:?}", fb[0]);
+    assert_close("clipping search on the CPU", &got, &cpu);
+    assert!(!log
+        .lock()
+        .unwrap()
+        .kernels
+        .contains_key(Kernel::SweepBlock.entry()));
 }

@@ -12,7 +12,7 @@ use flexinfer_quant::calib::CalibSettings;
 use flexinfer_quant::device::{select_device, MemoryBudget, Selection, SystemPlatform, VendorLibs};
 use flexinfer_quant::events::EventSink;
 use flexinfer_quant::gguf::{write_gguf_artifact, FileType, GgufArtifactJob};
-use flexinfer_quant::params::{FloorMode, GateParams, GptqParams, RecoveryParams};
+use flexinfer_quant::params::{ClipSearch, FloorMode, GateParams, GptqParams, RecoveryParams};
 use flexinfer_quant::pipeline::{self, QuantizeJob};
 use flexinfer_quant::QuantError;
 
@@ -46,6 +46,12 @@ pub struct QuantizeArgs {
     pub sym: bool,
     #[arg(long, env = env::DESC_ACT, value_parser = parse_bool_arg, action = clap::ArgAction::Set, default_value = "false")]
     pub desc_act: bool,
+    /// Group-aware column order inside the groups (GPTQModel's `act_group_aware`; ignored with desc_act).
+    #[arg(long, env = env::ACT_GROUP_AWARE, value_parser = parse_bool_arg, action = clap::ArgAction::Set, default_value = "true")]
+    pub act_group_aware: bool,
+    /// Clipping search of the group scales: `auto` (the measured default: off), `on`, `off`.
+    #[arg(long, env = env::CLIP_SEARCH, default_value = "auto")]
+    pub clip_search: String,
     /// Compute all group parameters before the sweep (keeps g_idx monotonic with desc_act).
     #[arg(long, value_parser = parse_bool_arg, action = clap::ArgAction::Set, default_value = "false")]
     pub static_groups: bool,
@@ -158,6 +164,10 @@ pub fn job_from_args(args: &QuantizeArgs) -> Result<QuantizeJob, WorkerError> {
         .diag_floor_mode
         .parse()
         .map_err(WorkerError::wrap::<QuantError>(ExitKind::BadInput))?;
+    let clip_search: ClipSearch = args
+        .clip_search
+        .parse()
+        .map_err(WorkerError::wrap::<QuantError>(ExitKind::BadInput))?;
     let dataset = crate::datasets::resolve(&args.dataset, &args.model_dir, "calibration")?;
     Ok(QuantizeJob {
         model_dir: args.model_dir.clone(),
@@ -170,6 +180,8 @@ pub fn job_from_args(args: &QuantizeArgs) -> Result<QuantizeJob, WorkerError> {
             desc_act: args.desc_act,
             static_groups: args.static_groups,
             block_size: 128,
+            act_group_aware: args.act_group_aware && !args.desc_act,
+            clip_search: clip_search.resolve(args.bits),
         },
         recovery: RecoveryParams {
             damp_percent: args.damp_percent,
@@ -392,6 +404,8 @@ fn applied_settings(
         ("sym", p.sym.to_string()),
         ("descAct", p.desc_act.to_string()),
         ("staticGroups", p.static_groups.to_string()),
+        ("actGroupAware", p.act_group_aware.to_string()),
+        ("clipSearch", p.clip_search.to_string()),
         ("dampPercent", r.damp_percent.to_string()),
         ("maxSamples", job.calib.max_samples.to_string()),
         ("maxSeqLen", job.calib.max_seq_len.to_string()),

@@ -230,7 +230,13 @@ impl DynamicExclusion {
     {"rule": "!has(self.bits) || self.format != 'AWQ' || self.bits == 4",
      "message": "spec.quantization.bits must be 4 for AWQ", "fieldPath": ".bits"},
     {"rule": "!has(self.ggufType) || self.format == 'GGUF'",
-     "message": "spec.quantization.ggufType is only valid with format GGUF", "fieldPath": ".ggufType"}
+     "message": "spec.quantization.ggufType is only valid with format GGUF", "fieldPath": ".ggufType"},
+    {"rule": "!has(self.actGroupAware) || self.format == 'GPTQ'",
+     "message": "spec.quantization.actGroupAware is only valid with format GPTQ", "fieldPath": ".actGroupAware"},
+    {"rule": "!has(self.clipSearch) || self.format == 'GPTQ'",
+     "message": "spec.quantization.clipSearch is only valid with format GPTQ", "fieldPath": ".clipSearch"},
+    {"rule": "!has(self.dampPercent) || self.format == 'GPTQ'",
+     "message": "spec.quantization.dampPercent is only valid with format GPTQ", "fieldPath": ".dampPercent"}
 ]))]
 pub struct QuantizationSpec {
     /// Target format.
@@ -257,6 +263,30 @@ pub struct QuantizationSpec {
     /// Activation-order column permutation (`g_idx`). Slightly better quality, slower inference.
     #[serde(default)]
     pub desc_act: bool,
+
+    /// GPTQ: group-aware column order. Inside each group the columns are quantized by descending Hessian
+    /// diagonal (the most sensitive first) and the groups by their largest diagonal entry; every column keeps
+    /// its own group, so the checkpoint layout is unchanged (no `g_idx` permutation). Unset: on. Ignored with
+    /// `descAct`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub act_group_aware: Option<bool>,
+
+    /// GPTQ: clipping search for the group scales (each row's range shrunk by the factor of a small grid with
+    /// the least Hessian-weighted error). Unset: the engine's measured default, off at every width today (it
+    /// raised the error in our measurements); `true` to try it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clip_search: Option<bool>,
+
+    /// GPTQ: Hessian damping as a fraction of the mean diagonal (decimal string in (0, 1), e.g. `"0.05"`).
+    /// A factorisation that fails retries with the damping raised by the cluster's auto-increment. Unset:
+    /// the cluster's default (0.05).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("x-kubernetes-validations" = [
+        {"rule": "self.matches('^0\\\\.[0-9]+$') && double(self) > 0.0 && double(self) < 1.0",
+         "message": "spec.quantization.dampPercent must be a decimal in (0, 1) such as \"0.05\""}
+    ]))]
+    #[schemars(length(max = 16))]
+    pub damp_percent: Option<String>,
 
     /// Which modules stay full precision.
     #[serde(default)]

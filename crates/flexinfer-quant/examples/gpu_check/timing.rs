@@ -64,7 +64,7 @@ pub fn module_steps(
     for x in &batches {
         ops.accumulate(x.as_ref(), 2.0 / tokens as f32).map_err(e)?;
     }
-    let meta = ops.prepare(desc_act).map_err(e)?;
+    let meta = ops.prepare(desc_act.into()).map_err(e)?;
     let prepare = t.elapsed().as_secs_f64();
     let t = Instant::now();
     ops.checkpoint().map_err(e)?;

@@ -30,7 +30,7 @@ use crate::events::NullSink;
 use crate::numerics::gptq::{Method, QuantizedLinear};
 use crate::numerics::hessian::{prepare_hessian, PreparedHessian};
 use crate::numerics::linalg::{CpuBackend, LinalgBackend, SweepFactor};
-use crate::params::{GptqParams, RecoveryParams};
+use crate::params::{ColumnOrder, GptqParams, RecoveryParams};
 use faer::{Mat, MatRef};
 use std::time::Instant;
 
@@ -148,7 +148,7 @@ fn device_hessian<'d, V: Vendor + Send>(
     for x in batches {
         ops.accumulate(x.as_ref(), alpha)?;
     }
-    ops.prepare(false)?;
+    ops.prepare(ColumnOrder::Plain)?;
     // The prepared Hessian stays on the device; this is the host copy made from its download.
     let h = ops.checkpoint()?;
     Ok((ops, h))
@@ -439,6 +439,7 @@ pub fn cases(n: usize, rows: usize) -> Vec<Case> {
         desc_act,
         static_groups,
         block_size,
+        ..GptqParams::default()
     };
     let case = |name: &str, n: usize, params| Case {
         name: name.to_string(),

@@ -10,6 +10,7 @@ use super::{
 use crate::numerics::gptq::{gptq_quantize_in, QuantizedLinear, Workspace};
 use crate::numerics::hessian::PreparedFactor;
 use crate::numerics::linalg::{CpuBackend, LinalgBackend, SweepFactor};
+use crate::params::ColumnOrder;
 use faer::{Mat, MatRef};
 use std::sync::Mutex;
 
@@ -147,10 +148,10 @@ impl DeviceOps for FakeOps<'_> {
         self.dev.backend.accumulate_hessian(h.as_mut(), x, alpha);
         Ok(())
     }
-    fn prepare(&mut self, desc_act: bool) -> DevResult<PreparedMeta> {
+    fn prepare(&mut self, order: ColumnOrder) -> DevResult<PreparedMeta> {
         let mut h = self.h.take().ok_or_else(|| Self::lost("prepare"))?;
         self.dev.backend.finish_hessian(h.as_mut());
-        let (prepared, meta) = PreparedMeta::prepare_on_host(h, desc_act);
+        let (prepared, meta) = PreparedMeta::prepare_on_host(h, order);
         self.prepared = Some(prepared);
         Ok(meta)
     }

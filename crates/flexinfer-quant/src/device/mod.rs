@@ -192,7 +192,8 @@ impl Session for CpuSession {
         // The per-sample stage inputs are gone: hand their memory back before the factorisation.
         crate::job::release_free_memory();
         self.backend.finish_hessian(h.as_mut());
-        let prepared = prepare_hessian(h, spec.params.desc_act, spec.module, events);
+        let order = spec.params.column_order(h.nrows());
+        let prepared = prepare_hessian(h, order, spec.module, events);
         Ok(solve_prepared_on_cpu(
             &self.backend,
             prepared,

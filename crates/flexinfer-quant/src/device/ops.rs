@@ -6,7 +6,7 @@ use crate::events::NullSink;
 use crate::events::{fields, EventSink};
 use crate::numerics::gptq::{rtn_quantize, QuantizedLinear};
 use crate::numerics::hessian::{prepare_hessian, sanitize, PreparedHessian};
-use crate::params::GptqParams;
+use crate::params::{ColumnOrder, GptqParams};
 use faer::{Mat, MatRef};
 use flexinfer_contract::events as names;
 use serde_json::{json, Value};
@@ -35,9 +35,9 @@ impl PreparedMeta {
     /// The host half of [`DeviceOps::prepare`] for devices that prepare on the host: sanitise the
     /// mirrored Hessian, then the CPU's dead-column fix and act-order permutation. Returns the prepared
     /// matrix (to keep or upload) and its facts.
-    pub fn prepare_on_host(mut h: Mat<f32>, desc_act: bool) -> (Mat<f32>, PreparedMeta) {
+    pub fn prepare_on_host(mut h: Mat<f32>, order: ColumnOrder) -> (Mat<f32>, PreparedMeta) {
         let sanitized = sanitize(&mut h);
-        let p = prepare_hessian(h, desc_act, "", &NullSink);
+        let p = prepare_hessian(h, order, "", &NullSink);
         let n = p.h.nrows();
         let diag = (0..n).map(|i| p.h[(i, i)]).collect();
         let meta = PreparedMeta {
@@ -57,7 +57,7 @@ pub trait DeviceOps {
     /// `H += alpha · xᵀx` (lower triangle), `x` uploaded.
     fn accumulate(&mut self, x: MatRef<'_, f32>, alpha: f32) -> DevResult<()>;
     /// Mirror, sanitise, dead columns, act-order permutation of H in device memory.
-    fn prepare(&mut self, desc_act: bool) -> DevResult<PreparedMeta>;
+    fn prepare(&mut self, order: ColumnOrder) -> DevResult<PreparedMeta>;
     /// The prepared Hessian downloaded (the host checkpoint a reset or the CPU fallback starts from).
     fn checkpoint(&mut self) -> DevResult<Mat<f32>>;
     /// After [`DeviceOps::reset`]: the prepared Hessian uploaded again.
@@ -157,7 +157,8 @@ impl<O: DeviceOps> Session for OpsSession<O> {
         spec: &SolveSpec<'_>,
     ) -> DevResult<Vec<QuantizedLinear>> {
         let events = spec.events;
-        let meta = self.ops.prepare(spec.params.desc_act)?;
+        let n = weights.first().map_or(0, |w| w.ncols());
+        let meta = self.ops.prepare(spec.params.column_order(n))?;
         if meta.sanitized > 0 {
             events.emit(
                 names::HESSIAN_RECOVERY,
@@ -175,6 +176,15 @@ impl<O: DeviceOps> Session for OpsSession<O> {
             perm: meta.perm.clone(),
             dead: meta.dead.clone(),
         });
+        if spec.params.clip_search {
+            // The clipping search runs in the CPU sweep only: the group goes to the CPU from the checkpoint
+            // (a `gptq_device_fallback` event names the reason).
+            return Err(DeviceError::new(
+                self.ops.name(),
+                "sweep",
+                "the clipping search (clipSearch) runs on the CPU only",
+            ));
+        }
         let mut good: Option<Vec<f32>> = None;
         let damp = crate::numerics::hessian::recover_with(
             &meta.diag,

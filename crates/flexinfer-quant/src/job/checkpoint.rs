@@ -104,6 +104,8 @@ fn quantize_config_json(
         "meta": {
             "quantizer": [format!("flexinfer-quant:{}", env!("CARGO_PKG_VERSION"))],
             "damp_auto_increment": job.recovery.damp_auto_increment,
+            "act_group_aware": p.act_group_aware && !p.desc_act,
+            "clip_search": p.clip_search,
         },
     });
     if !excluded.is_empty() {

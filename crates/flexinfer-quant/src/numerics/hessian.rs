@@ -3,7 +3,7 @@
 
 use crate::events::{fields, EventSink};
 use crate::numerics::linalg::{LinalgBackend, SweepFactor};
-use crate::params::{FloorMode, RecoveryParams};
+use crate::params::{ColumnOrder, FloorMode, RecoveryParams};
 use faer::Mat;
 use flexinfer_contract::events as names;
 use serde_json::{json, Value};
@@ -51,12 +51,12 @@ pub fn sanitize(h: &mut Mat<f32>) -> usize {
 pub fn prepare_factor(
     backend: &dyn LinalgBackend,
     h: Mat<f32>,
-    desc_act: bool,
+    order: impl Into<ColumnOrder>,
     recovery: &RecoveryParams,
     module: &str,
     events: &dyn EventSink,
 ) -> FactorOutcome {
-    let prepared = prepare_hessian(h, desc_act, module, events);
+    let prepared = prepare_hessian(h, order, module, events);
     match recover(backend, &prepared.h, recovery, module, events) {
         Some((f, damp)) => FactorOutcome::Factor(PreparedFactor {
             f,
@@ -80,10 +80,10 @@ pub struct PreparedHessian {
 }
 
 /// The part of [`prepare_factor`] before the recovery loop: non-finite entries replaced (with an event),
-/// dead columns marked, act-order permutation applied.
+/// dead columns marked, the sweep's column order (act-order or group-aware) applied.
 pub fn prepare_hessian(
     mut h: Mat<f32>,
-    desc_act: bool,
+    order: impl Into<ColumnOrder>,
     module: &str,
     events: &dyn EventSink,
 ) -> PreparedHessian {
@@ -99,7 +99,7 @@ pub fn prepare_hessian(
         );
     }
     let raw: Vec<f32> = (0..n).map(|i| h[(i, i)]).collect();
-    let pd = prepared_diagonal(&raw, desc_act);
+    let pd = prepared_diagonal(&raw, order.into());
     for (i, _) in pd.dead.iter().enumerate().filter(|(_, d)| **d) {
         h[(i, i)] = 1.0;
     }
@@ -125,13 +125,17 @@ pub struct PreparedDiagonal {
 }
 
 /// [`PreparedDiagonal`] of the diagonal `raw` (after sanitising, before the dead-column fix).
-pub fn prepared_diagonal(raw: &[f32], desc_act: bool) -> PreparedDiagonal {
+pub fn prepared_diagonal(raw: &[f32], order: impl Into<ColumnOrder>) -> PreparedDiagonal {
     let dead: Vec<bool> = raw.iter().map(|&d| d == 0.0).collect();
     let fixed: Vec<f32> = raw
         .iter()
         .map(|&d| if d == 0.0 { 1.0 } else { d })
         .collect();
-    let perm = desc_act.then(|| act_order(&fixed));
+    let perm = match order.into() {
+        ColumnOrder::Plain => None,
+        ColumnOrder::Desc => Some(act_order(&fixed)),
+        ColumnOrder::GroupAware { group } => Some(group_aware_order(&fixed, group)),
+    };
     let diag = match &perm {
         Some(p) => p.iter().map(|&i| fixed[i]).collect(),
         None => fixed,
@@ -149,6 +153,30 @@ fn act_order(diag: &[f32]) -> Vec<usize> {
             .unwrap_or(std::cmp::Ordering::Equal)
     });
     idx
+}
+
+/// The group-aware permutation (GPTQModel's GAR) of a prepared Hessian with diagonal `diag` and groups of
+/// `group` consecutive columns: the groups by descending maximum diagonal entry, and inside each group its
+/// columns by descending diagonal, both stable on ties. Every group's columns stay contiguous, so a group's
+/// parameters are found once, from its own columns, as the sweep reaches it.
+fn group_aware_order(diag: &[f32], group: usize) -> Vec<usize> {
+    let group = group.max(1);
+    let n_groups = diag.len().div_ceil(group);
+    let members = |g: usize| g * group..((g + 1) * group).min(diag.len());
+    let group_max: Vec<f32> = (0..n_groups)
+        .map(|g| {
+            members(g)
+                .map(|c| diag[c])
+                .fold(f32::NEG_INFINITY, f32::max)
+        })
+        .collect();
+    let by_group = act_order(&group_max);
+    let mut perm = Vec::with_capacity(diag.len());
+    for g in by_group {
+        let start = members(g).start;
+        perm.extend(act_order(&diag[members(g)]).into_iter().map(|c| start + c));
+    }
+    perm
 }
 
 /// The damp sweep, then the diagonal-floor attempts. Returns `(sweep factor, damp)`. `h` is only read: every
@@ -266,6 +294,49 @@ fn recovery_event(
 #[cfg(test)]
 mod tests {
     use super::{prepared_diagonal, PreparedDiagonal};
+    use crate::params::ColumnOrder;
+
+    #[test]
+    fn group_aware_order_keeps_groups_whole_and_sorts_by_diagonal() {
+        // A diagonal with ties and an uneven last group.
+        let raw: Vec<f32> = (0..70u32)
+            .map(|i| ((i * 37) % 11) as f32 + if i % 13 == 0 { 0.0 } else { 0.5 })
+            .collect();
+        let group = 16;
+        let pd = prepared_diagonal(&raw, ColumnOrder::GroupAware { group });
+        let perm = pd.perm.expect("group-aware order permutes");
+        let mut seen = perm.clone();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..70).collect::<Vec<_>>(), "a permutation");
+        let fixed = |c: usize| if raw[c] == 0.0 { 1.0 } else { raw[c] };
+        let mut group_max = Vec::new();
+        let mut k = 0;
+        while k < perm.len() {
+            let g = perm[k] / group;
+            let len = group.min(70 - g * group);
+            let chunk = &perm[k..k + len];
+            assert!(
+                chunk.iter().all(|&c| c / group == g),
+                "group {g} split: {chunk:?}"
+            );
+            for w in chunk.windows(2) {
+                let (a, b) = (fixed(w[0]), fixed(w[1]));
+                assert!(
+                    a > b || (a == b && w[0] < w[1]),
+                    "group {g}: {w:?} out of order"
+                );
+            }
+            group_max.push(fixed(chunk[0]));
+            k += len;
+        }
+        assert!(group_max.windows(2).all(|w| w[0] >= w[1]), "{group_max:?}");
+        assert_eq!(pd.diag, perm.iter().map(|&c| fixed(c)).collect::<Vec<_>>());
+        // One group covering everything is act-order.
+        assert_eq!(
+            prepared_diagonal(&raw, ColumnOrder::GroupAware { group: 70 }).perm,
+            prepared_diagonal(&raw, true).perm
+        );
+    }
 
     #[test]
     fn prepared_diagonal_marks_dead_columns_and_orders_by_descending_diagonal_stably() {

@@ -90,6 +90,37 @@ fn flags_parse_with_contract_spellings() {
     .is_err());
 }
 
+/// `ACT_GROUP_AWARE` / `CLIP_SEARCH` become the engine's parameters: group-aware order unless act-order is
+/// on, the clipping search only when asked for (`auto` is off at every width, as measured); a value that is
+/// not a mode is bad input (exit 2).
+#[test]
+fn gptq_quality_knobs_reach_the_engine_parameters() {
+    let f = fixture();
+    let params = |extra: &[&str]| {
+        let mut a = parse(extra);
+        a.model_dir = f.args.model_dir.clone();
+        a.dataset = f.args.dataset.clone();
+        job_from_args(&a).map(|j| (j.params.act_group_aware, j.params.clip_search))
+    };
+    let ok = |extra: &[&str]| params(extra).unwrap_or_else(|e| panic!("{extra:?}: {e}"));
+    assert_eq!(ok(&[]), (true, false), "defaults at 4 bits");
+    assert_eq!(
+        ok(&["--bits", "2"]),
+        (true, false),
+        "auto does not clip at 2 bits"
+    );
+    assert_eq!(ok(&["--bits", "2", "--clip-search", "on"]), (true, true));
+    assert_eq!(ok(&["--clip-search", "ON"]), (true, true));
+    assert_eq!(ok(&["--act-group-aware", "false"]), (false, false));
+    assert_eq!(
+        ok(&["--desc-act", "true"]),
+        (false, false),
+        "act-order wins"
+    );
+    let err = params(&["--clip-search", "sometimes"]).expect_err("not a mode");
+    assert!(err.to_string().contains("CLIP_SEARCH"), "{err}");
+}
+
 #[test]
 fn version_mismatch_exits_4_before_touching_anything() {
     let mut f = fixture();

@@ -194,8 +194,19 @@ fn quantize_env(s: &ModelCacheSpec, config: &Config) -> Vec<EnvVar> {
             e.push(ev(env::N_PARALLEL_CALIB_SAMPLES, n.to_string()));
         }
         e.push(ev(env::GPU_MEMORY_FRACTION, q.gpu_memory_fraction.clone()));
+        // Set only when the spec sets them: the worker's defaults apply otherwise.
+        if let Some(gar) = q.act_group_aware {
+            e.push(ev(env::ACT_GROUP_AWARE, gar.to_string()));
+        }
+        if let Some(clip) = q.clip_search {
+            e.push(ev(env::CLIP_SEARCH, clip.to_string()));
+        }
         for (k, v) in &config.gptq_tunables {
-            e.push(ev(k, v.clone()));
+            // The cache's own damping wins over the cluster-wide default.
+            match (&q.damp_percent, k.as_str()) {
+                (Some(d), env::GPTQ_DAMP_PERCENT_OVERRIDE) => e.push(ev(k, d.clone())),
+                _ => e.push(ev(k, v.clone())),
+            }
         }
     }
     e

@@ -32,6 +32,9 @@ fn quant_spec_hash_matches_the_seed_formula() {
         |q: &mut flexinfer_api::modelcache::QuantizationSpec| q.sym = !q.sym,
         |q: &mut flexinfer_api::modelcache::QuantizationSpec| q.group_size = 32,
         |q: &mut flexinfer_api::modelcache::QuantizationSpec| q.desc_act = !q.desc_act,
+        |q: &mut flexinfer_api::modelcache::QuantizationSpec| q.act_group_aware = Some(false),
+        |q: &mut flexinfer_api::modelcache::QuantizationSpec| q.clip_search = Some(false),
+        |q: &mut flexinfer_api::modelcache::QuantizationSpec| q.damp_percent = Some("0.01".into()),
     ] {
         let mut m = mc.clone();
         if let Some(q) = m.spec.quantization.as_mut() {
@@ -241,6 +244,38 @@ fn quantize_reads_the_abliterated_model() {
             .as_deref(),
         Some("/cache/mc")
     );
+}
+
+/// The GPTQ quality knobs reach the worker only when the spec sets them (the worker's defaults apply
+/// otherwise), and a cache's `dampPercent` replaces the cluster-wide damping tunable.
+#[test]
+fn quantize_env_carries_the_gptq_quality_knobs_only_when_set() {
+    let c = cfg();
+    let env_of = |mc: &ModelCache| {
+        let t_ = jobs::resolve_target(mc, JobPhase::Quantize, &[], &c);
+        let job = jobs::build_job(mc, &Default::default(), &[], &t_, "q", "h", &c);
+        job.spec
+            .and_then(|s| s.template.spec)
+            .map(|s| s.containers[0].env.clone().unwrap_or_default())
+            .unwrap_or_default()
+    };
+    let values = |env: &[k8s_openapi::api::core::v1::EnvVar], n: &str| -> Vec<String> {
+        env.iter()
+            .filter(|e| e.name == n)
+            .filter_map(|e| e.value.clone())
+            .collect()
+    };
+    let plain = env_of(&cache(SIMPLE));
+    assert!(values(&plain, "ACT_GROUP_AWARE").is_empty());
+    assert!(values(&plain, "CLIP_SEARCH").is_empty());
+    assert_eq!(values(&plain, "GPTQ_DAMP_PERCENT_OVERRIDE"), vec!["0.05"]);
+    let set = env_of(&cache(&SIMPLE.replace(
+        "quantization: {format: GPTQ}",
+        "quantization: {format: GPTQ, actGroupAware: false, clipSearch: true, dampPercent: \"0.01\"}",
+    )));
+    assert_eq!(values(&set, "ACT_GROUP_AWARE"), vec!["false"]);
+    assert_eq!(values(&set, "CLIP_SEARCH"), vec!["true"]);
+    assert_eq!(values(&set, "GPTQ_DAMP_PERCENT_OVERRIDE"), vec!["0.01"]);
 }
 
 #[test]

@@ -32,7 +32,7 @@ use super::{
 use crate::numerics::gptq::{GroupLayout, QuantizedLinear};
 use crate::numerics::hessian::prepared_diagonal;
 use crate::numerics::linalg::CpuBackend;
-use crate::params::GptqParams;
+use crate::params::{ColumnOrder, GptqParams};
 use faer::{Mat, MatRef};
 use std::sync::{Mutex, MutexGuard};
 
@@ -541,7 +541,7 @@ impl<V: Vendor> DeviceOps for KernelOps<'_, V> {
         )
     }
 
-    fn prepare(&mut self, desc_act: bool) -> DevResult<PreparedMeta> {
+    fn prepare(&mut self, order: ColumnOrder) -> DevResult<PreparedMeta> {
         let n = self.n;
         let n32 = self.n32("prepare")?;
         let h = self.h.ok_or_else(|| self.lost("prepare"))?;
@@ -551,7 +551,7 @@ impl<V: Vendor> DeviceOps for KernelOps<'_, V> {
         if n == 0 {
             return Ok(PreparedMeta {
                 diag: Vec::new(),
-                perm: desc_act.then(Vec::new),
+                perm: (order != ColumnOrder::Plain).then(Vec::new),
                 dead: Vec::new(),
                 sanitized: 0,
             });
@@ -591,7 +591,7 @@ impl<V: Vendor> DeviceOps for KernelOps<'_, V> {
         self.release(diag_buf);
         let (bad, raw) = read?;
         let sanitized = bad.iter().map(|&c| usize::try_from(c).unwrap_or(0)).sum();
-        let pd = prepared_diagonal(&raw, desc_act);
+        let pd = prepared_diagonal(&raw, order);
         if let Some(p) = &pd.perm {
             self.permute(h, p)?;
         }

@@ -161,7 +161,8 @@ impl<V: Vendor> KernelOps<'_, V> {
         let (meta, p) = (job.meta, job.params);
         let fixed = DeadFixed::new(w_in, &meta.dead);
         let orig_col = |c: usize| fixed.col(c);
-        let mut groups = Groups::new(p, w_in, &orig_col);
+        // The clipping search is not a device kernel: `OpsSession` hands such groups to the CPU.
+        let mut groups = Groups::new(p, w_in, &orig_col, None);
         let perm: Vec<usize> = meta.perm.clone().unwrap_or_else(|| (0..cols).collect());
         let bs = p.block_size.max(1);
         let s = self.sweep_buffers(w_in, &orig_col, &perm, &mut groups, p, (m, blas), bufs)?;
@@ -170,7 +171,7 @@ impl<V: Vendor> KernelOps<'_, V> {
             let i2 = (i1 + bs).min(cols);
             let width = groups.layout.snapshot_width(i1, i2);
             if let Some(width) = width {
-                self.find_group_params(&s, &groups, i1, i2, width)?;
+                self.find_group_params(&s, &groups, &perm, (i1, i2), width)?;
             }
             if width != Some(i2 - i1) {
                 self.gather_into(s.coef, s.m, i1, i2 - i1)?;
@@ -189,7 +190,7 @@ impl<V: Vendor> KernelOps<'_, V> {
             self.download_f32(s.dzero, rows * groups.layout.count())?,
         );
         let found: Vec<usize> = (0..cols)
-            .filter_map(|k| Some(groups.layout.starts_at(k)?.0))
+            .filter_map(|k| Some(groups.found_at(k, &perm)?.0))
             .collect();
         for g in found {
             let part = |v: &[f32]| v[g * rows..(g + 1) * rows].to_vec();
@@ -298,8 +299,8 @@ impl<V: Vendor> KernelOps<'_, V> {
         &mut self,
         s: &SweepBufs,
         groups: &Groups<'_>,
-        i1: usize,
-        i2: usize,
+        perm: &[usize],
+        (i1, i2): (usize, usize),
         width: usize,
     ) -> DevResult<()> {
         let rows = s.rows;
@@ -322,7 +323,7 @@ impl<V: Vendor> KernelOps<'_, V> {
             ],
         )?;
         // The snapshot covers every group that starts in the block (`GroupLayout::snapshot_width`).
-        for (k, (g, len)) in (i1..i2).filter_map(|k| Some((k, groups.layout.starts_at(k)?))) {
+        for (k, (g, len)) in (i1..i2).filter_map(|k| Some((k, groups.found_at(k, perm)?))) {
             let at = (g * rows * 4) as u64;
             self.launch(
                 Launch::rows(Kernel::GroupParams, rows, SWEEP_THREADS),

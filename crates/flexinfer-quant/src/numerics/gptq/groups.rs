@@ -1,10 +1,10 @@
 //! The group bookkeeping of a module's sweep ([`Groups`]) and the dead-column view of its weights
 //! ([`DeadFixed`]), shared by the CPU sweep and the GPU session.
 
-use super::{col_slices, push_group};
+use super::push_group;
 use crate::numerics::linalg::col;
-use crate::numerics::quantizer::{find_params, GroupParams};
-use crate::params::GptqParams;
+use crate::numerics::quantizer::{find_params, find_params_clipped, GroupParams};
+use crate::params::{clip_factors, ColumnOrder, GptqParams};
 use faer::{Mat, MatRef};
 
 /// The group bookkeeping of one module's sweep, shared by the CPU sweep and the GPU session: the parameters
@@ -19,6 +19,11 @@ pub(crate) struct Groups<'p> {
     /// The parameters in force (one group per row, or the last group started).
     current: Option<GroupParams>,
     static_groups: Vec<GroupParams>,
+    /// Group-aware reordering: a column's group is its original one (`orig / gs`), not its sweep position's.
+    group_aware: bool,
+    /// With the clipping search: each original column's error weight (the GPTQ loss weight `R_kk²` of its
+    /// sweep position).
+    clip_weight: Option<Vec<f32>>,
     scales: Vec<f32>,
     zeros: Vec<u8>,
     g_idx: Vec<i32>,
@@ -112,42 +117,66 @@ impl<'a> DeadFixed<'a> {
     }
 }
 
+/// The parameters of one group from its columns: min/max, or the clipping search when `weight` (each
+/// column's error weight) is given.
+fn params_of(
+    p: &GptqParams,
+    rows: usize,
+    columns: &[&[f32]],
+    weight: Option<Vec<f32>>,
+) -> GroupParams {
+    match weight {
+        None => find_params(rows, columns.iter().copied(), p.bits, p.sym),
+        Some(w) => {
+            let factors: Vec<f32> = clip_factors().collect();
+            find_params_clipped(rows, columns, &w, p.bits, p.sym, &factors)
+        }
+    }
+}
+
 impl<'p> Groups<'p> {
-    /// `w_in`: the module's W as given; `orig_col(c)`: column `c` after the dead-column fix.
+    /// `w_in`: the module's W as given; `orig_col(c)`: column `c` after the dead-column fix; `clip_weight`:
+    /// with the clipping search ([`GptqParams::clip_search`]), each original column's error weight (`None`
+    /// without it).
     pub(crate) fn new<'a>(
         p: &'p GptqParams,
         w_in: &Mat<f32>,
         orig_col: &dyn Fn(usize) -> &'a [f32],
+        clip_weight: Option<Vec<f32>>,
     ) -> Self {
         let (rows, cols) = (w_in.nrows(), w_in.ncols());
         let layout = GroupLayout::new(p, cols);
         let (gs, n_groups) = (layout.gs, layout.count());
+        let clip_weight = clip_weight.filter(|w| p.clip_search && w.len() == cols);
+        let weight_of =
+            |orig: std::ops::Range<usize>| clip_weight.as_ref().map(|w| w[orig].to_vec());
         // With one group per row the parameters come from W before the dead-column fix (IST order).
         let current: Option<GroupParams> = if p.group_size <= 0 {
-            Some(find_params(rows, col_slices(w_in, 0, cols), p.bits, p.sym))
+            let columns: Vec<&[f32]> = (0..cols).map(|c| w_in.col_as_slice(c)).collect();
+            Some(params_of(p, rows, &columns, weight_of(0..cols)))
         } else {
             None
         };
         let static_groups: Vec<GroupParams> = if p.static_groups && p.group_size > 0 {
             (0..n_groups)
                 .map(|g| {
-                    find_params(
-                        rows,
-                        (g * gs..((g + 1) * gs).min(cols)).map(orig_col),
-                        p.bits,
-                        p.sym,
-                    )
+                    let range = g * gs..((g + 1) * gs).min(cols);
+                    let columns: Vec<&[f32]> = range.clone().map(orig_col).collect();
+                    params_of(p, rows, &columns, weight_of(range))
                 })
                 .collect()
         } else {
             Vec::new()
         };
+        let group_aware = matches!(p.column_order(cols), ColumnOrder::GroupAware { .. });
         let mut groups = Groups {
             p,
             rows,
             layout,
             current,
             static_groups,
+            group_aware,
+            clip_weight,
             scales: vec![0f32; n_groups * rows],
             zeros: vec![0u8; n_groups * rows],
             g_idx: vec![0i32; cols],
@@ -167,8 +196,17 @@ impl<'p> Groups<'p> {
         match (self.p.group_size > 0, self.p.static_groups) {
             (false, _) => 0,
             (true, true) => orig / self.layout.gs,
+            (true, false) if self.group_aware => orig / self.layout.gs,
             (true, false) => k / self.layout.gs,
         }
+    }
+
+    /// Where the parameters found at sweep position `k` go ([`GroupLayout::starts_at`]): `Some((group, len))`
+    /// at the first column of each group found in the sweep, `group` being the index its columns use (the
+    /// original group with group-aware reordering, whose groups are contiguous in the sweep).
+    pub(crate) fn found_at(&self, k: usize, perm: &[usize]) -> Option<(usize, usize)> {
+        let (_, len) = self.layout.starts_at(k)?;
+        Some((self.group_of(k, perm[k]), len))
     }
 
     /// The group parameters of the block `[i1, i2)` (sweep order; `perm[k]` = original column) and, per
@@ -200,16 +238,16 @@ impl<'p> Groups<'p> {
                     cur_idx = Some(block_params.len() - 1);
                     cur_static = Some(group_of_k);
                 }
-            } else if let Some((g, len)) = self.layout.starts_at(k) {
+            } else if let Some((g, len)) = self.found_at(k, perm) {
                 let Some(snap) = snapshot.as_ref() else {
                     unreachable!("a group starts in this block, so the snapshot exists")
                 };
-                let gp = find_params(
-                    rows,
-                    (k..k + len).map(|c| col(*snap, c - i1)),
-                    p.bits,
-                    p.sym,
-                );
+                let columns: Vec<&[f32]> = (k..k + len).map(|c| col(*snap, c - i1)).collect();
+                let weight = self
+                    .clip_weight
+                    .as_ref()
+                    .map(|w| perm[k..k + len].iter().map(|&o| w[o]).collect());
+                let gp = params_of(p, rows, &columns, weight);
                 self.record(g, &gp);
                 block_params.push(gp);
                 cur_idx = Some(block_params.len() - 1);

@@ -153,9 +153,9 @@ pub fn gptq_quantize_in(
     // Column `c` (original order) after the dead-column fix: the sweep's `W_c` (module docs of `linalg`).
     let fixed = DeadFixed::new(w_in, &factor.dead);
     let orig_col = |c: usize| fixed.col(c);
-    let groups = Groups::new(p, w_in, &orig_col);
-    let snapshot_width = groups.layout.max_snapshot_width(p.block_size);
     let perm: Vec<usize> = factor.perm.clone().unwrap_or_else(|| (0..cols).collect());
+    let groups = Groups::new(p, w_in, &orig_col, clip_weights(p, factor, &perm));
+    let snapshot_width = groups.layout.max_snapshot_width(p.block_size);
     // The working copy, in sweep order, written by all threads.
     let Workspace {
         w: w_buf,
@@ -216,6 +216,20 @@ pub fn gptq_quantize_in(
         damp: factor.damp,
         ..QuantizedLinear::rtn(p, rows, cols, codes, scales, zeros, g_idx)
     }
+}
+
+/// With the clipping search, the error weight of each original column: `R_kk²` of its sweep position `k`, the
+/// weight of its squared error in the GPTQ loss (`(w − q)²/U_kk²`, `U_kk = 1/R_kk`).
+fn clip_weights(p: &GptqParams, factor: &PreparedFactor, perm: &[usize]) -> Option<Vec<f32>> {
+    if !p.clip_search {
+        return None;
+    }
+    let r = factor.f.r_diag();
+    let mut w = vec![0f32; perm.len()];
+    for (k, &orig) in perm.iter().enumerate() {
+        w[orig] = r.get(k).map_or(1.0, |v| v * v);
+    }
+    Some(w)
 }
 
 /// What the inner blocks of one module's sweep read, and the group bookkeeping they advance.
