@@ -95,6 +95,8 @@ pub const PROFILE_PROTECTED: &[&str] = &[
     GROUP_SIZE,
     SYM,
     DESC_ACT,
+    ACT_GROUP_AWARE,
+    CLIP_SEARCH,
     DYNAMIC_EXCLUSION,
     MAX_SEQ_LEN,
     MAX_SAMPLES,
