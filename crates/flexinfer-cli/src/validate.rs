@@ -1,5 +1,5 @@
-//! `flexinfer quantize validate`: the deterministic quality gate of the seed guide
-//! ("Quantization Quality Validation Gate"). Pure code; the command only formats the verdict.
+//! `flexinfer quantize validate`: the deterministic quality gate: per format, the
+//! largest perplexity increase and the smallest task-accuracy retention a quantized model may show. Pure code; the command only formats the verdict.
 
 use serde::Serialize;
 
@@ -17,7 +17,7 @@ pub struct Policy {
     pub max_acceptance_drop_pp: f64,
 }
 
-/// The seed's policy table, verbatim.
+/// The policy per format: maximum perplexity increase (%) and minimum accuracy retention (%).
 pub const POLICIES: &[Policy] = &[
     Policy {
         format: "GGUF",
@@ -187,14 +187,14 @@ mod tests {
     }
 
     #[test]
-    fn seed_example_passes() {
+    fn a_gguf_within_its_limits_passes() {
         let v = evaluate("GGUF", inputs(9.50, 10.10, 94.0, 92.0)).unwrap();
         assert!(v.passed, "{v:?}");
         assert!(render(&v).ends_with("Result: PASS\n"));
     }
 
     #[test]
-    fn table_is_the_seed_table() {
+    fn table_has_the_documented_limits() {
         let want = [
             ("GGUF", 10.0, 3.0),
             ("AWQ", 7.0, 2.0),

@@ -12,7 +12,7 @@ pub const FORCE_IMAGE_UPDATE: &str = "flexinfer.ai/force-image-update";
 pub const RESET_RETRIES: &str = "flexinfer.ai/reset-retries";
 /// Model: opt into the quantized-artifact promotion gate (`quantized-artifact-v1`).
 pub const PROMOTION_GATE: &str = "flexinfer.ai/promotion-gate";
-/// Value of [`PROMOTION_GATE`] for the gate of the seed status page.
+/// Value of [`PROMOTION_GATE`] for the quantized-artifact promotion gate (validation evidence before warm-primary service).
 pub const PROMOTION_GATE_V1: &str = "quantized-artifact-v1";
 /// Model: `passed` once the artifact passed validation.
 pub const PROMOTION_VALIDATION: &str = "flexinfer.ai/promotion-validation";

@@ -1,4 +1,4 @@
-//! Prometheus metrics (names and labels follow the seed deployment and the chart's alerts).
+//! Prometheus metrics (the names and labels the chart's alerts and dashboards use).
 
 use prometheus::core::Collector;
 use prometheus::{

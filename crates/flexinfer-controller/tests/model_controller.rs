@@ -857,7 +857,7 @@ async fn model_promotion_gate_cases() {
     env.pvc("w").await;
     env.apply::<GPUProfile>(example("gpuprofile-gfx1100.yaml"))
         .await;
-    // The seed's Gemma4 Models, as shipped under deploy/examples.
+    // The Gemma4 primary/canary Models, as shipped under deploy/examples.
     env.apply::<ModelCache>(example("modelcache-gemma4-31b-gptq.yaml"))
         .await;
     env.api::<ModelCache>()

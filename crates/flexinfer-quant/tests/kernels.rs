@@ -595,7 +595,7 @@ fn kernels_compile_through_nvrtc_loaded_at_run_time() {
     println!("NVRTC {major}.{minor} from {}", nvrtc.path.display());
     let src = std::fs::read_to_string(Path::new(KERNELS).join("gptq.cu")).unwrap();
     assert_eq!(src, KERNEL_SOURCE, "the library embeds kernels/gptq.cu");
-    // NVIDIA targets of the kinds the device tool and the seeds' users have (Ampere, Hopper).
+    // NVIDIA targets of the kinds the device tool and our users have (Ampere, Hopper).
     for arch in ["compute_80", "compute_90"] {
         let opt = format!("--gpu-architecture={arch}");
         let ptx = nvrtc

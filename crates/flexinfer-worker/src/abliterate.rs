@@ -1,6 +1,6 @@
 //! `flexinfer-worker abliterate`: refusal-direction removal (`spec.abliteration`; docs/user/abliteration.md).
 //!
-//! 1. Plan: which decoder layers and which residual-writing matrices are modified, with the seeds'
+//! 1. Plan: which decoder layers and which residual-writing matrices are modified, with the
 //!    guards (GDN/linear-attention layers, MoE experts, lm_head, vision/audio towers).
 //! 2. Direction: refusal and harmless prompts run through the model (the quantization engine's
 //!    forward: Llama family, Gemma 2/3/4, one layer at a time); per layer the last-token residual means
@@ -60,7 +60,7 @@ pub struct AbliterateArgs {
     /// Maximum raw refusal-direction norm.
     #[arg(long, env = env::NORM_THRESHOLD, default_value = "100")]
     pub norm_threshold: String,
-    /// Also orthogonalize the lm_head (off by default: the seeds' saves were corrupted by it).
+    /// Also orthogonalize the lm_head (off by default: orthogonalizing it has corrupted saved checkpoints).
     #[arg(long, env = env::ABLITERATE_LM_HEAD, value_parser = parse_bool_arg, action = clap::ArgAction::Set, default_value = "false")]
     pub abliterate_lm_head: bool,
     /// Maximum perplexity increase on harmless text, in percent.

@@ -1,4 +1,4 @@
-//! The seeds' guards: GDN/linear-attention layers, MoE experts, the lm_head and vision towers stay
+//! The abliteration guards: GDN/linear-attention layers, MoE experts, the lm_head and vision towers stay
 //! byte-identical unless explicitly enabled.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 

@@ -34,11 +34,11 @@ struct Row {
     fits: bool,
 }
 
-/// Models × GPUs. The 24 GB rows are the seed's tables; 16 GB rows move a class up.
+/// Models × GPUs. The 24 GB rows are the measured baseline (memory and calibration per model class on a 24 GB card); 16 GB rows move a class up.
 #[test]
 fn table_of_models_and_gpus() {
     let rows = [
-        // seed: 8B GPTQ INT4 on 24 GB: defaults, 32Gi
+        // baseline: 8B GPTQ INT4 on 24 GB: defaults, 32Gi
         Row {
             b: 8.0,
             moe: false,
@@ -52,7 +52,7 @@ fn table_of_models_and_gpus() {
             mem: 32,
             fits: true,
         },
-        // seed: 14B GPTQ on 24 GB: 256 @ 4096, nParallel 32, maxMemoryGB 56
+        // baseline: 14B GPTQ on 24 GB: 256 @ 4096, nParallel 32, maxMemoryGB 56
         Row {
             b: 14.0,
             moe: false,
@@ -66,7 +66,7 @@ fn table_of_models_and_gpus() {
             mem: 56,
             fits: true,
         },
-        // seed: 27B single GPU: 128 @ 2048, nParallel 16, 96Gi; hybrid auto (~28 GB) does not fit → none (~15 GB)
+        // baseline: 27B single GPU: 128 @ 2048, nParallel 16, 96Gi; hybrid auto (~28 GB) does not fit → none (~15 GB)
         Row {
             b: 27.0,
             moe: false,
@@ -234,7 +234,7 @@ fn gfx1100_reason_names_exllama_and_seed_times() {
         "{:?}",
         rec.reasons
     );
-    // seed: 8B ≈ 30 min, 14B ≈ 73 min
+    // baseline: 8B ≈ 30 min, 14B ≈ 73 min
     assert!(
         (25.0..=35.0).contains(&rec.estimated_minutes),
         "{}",
@@ -246,7 +246,7 @@ fn gfx1100_reason_names_exllama_and_seed_times() {
         "{}",
         rec.estimated_minutes
     );
-    // seed: 27B hybrid auto ~28 GB, none ~15 GB
+    // baseline: 27B hybrid auto ~28 GB, none ~15 GB
     let rec = recommend(&model(27.0, false, true), &gpu("gfx1100"));
     assert!(
         (13.0..=17.0).contains(&rec.estimated_artifact_gb),

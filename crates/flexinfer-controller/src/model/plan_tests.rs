@@ -558,7 +558,7 @@ fn rollout_and_pod_count() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Shared GPU groups: the seed's two-profile scenario, walked through the planner as two
+// Shared GPU groups: a warm primary and a scale-to-zero canary on one group, walked through the planner as two
 // reconcilers would run it (each reads the other's status and running replicas).
 
 struct Group {

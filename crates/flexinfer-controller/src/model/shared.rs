@@ -182,7 +182,7 @@ mod tests {
     #[test]
     fn arbitration_table() {
         let grace = Duration::from_secs(30);
-        // The seed's scenario: a warm primary (250) and a scale-to-zero canary (255).
+        // A warm primary (250) and a scale-to-zero canary (255).
         let cases: Vec<(&str, Vec<In>, Vec<Out>)> = vec![
             (
                 "primary alone holds the lane",

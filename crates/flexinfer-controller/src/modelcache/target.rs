@@ -311,7 +311,7 @@ fn j<T: serde::Serialize>(v: &T) -> serde_json::Value {
 }
 
 /// `sha256(canonical JSON of the phase inputs + "|" + image)`, first 16 hex characters. For
-/// quantization this is the seed's `quantSpecHashWithImage` over `spec.quantization`.
+/// quantization this is `quantSpecHashWithImage` over `spec.quantization` (the hash the status records).
 pub fn spec_hash(mc: &ModelCache, phase: JobPhase, image: &str) -> String {
     hash_inputs(&phase_inputs(mc, phase), image)
 }

@@ -1,5 +1,5 @@
-//! Per-family model policies: what a family needs from a quantization run, in one table. The
-//! seeds' deployment patched its quantizer at run time per family (a `QUANTIZE_MODEL_POLICIES`
+//! Per-family model policies: what a family needs from a quantization run, in one table. A
+//! Python GPTQ pipeline typically patches its quantizer at run time per family (a `QUANTIZE_MODEL_POLICIES`
 //! variable: Gemma 4 expert Hessians offloaded to disk, more calibration samples for MoE, key
 //! remapping of multimodal checkpoints); here the engine handles those cases itself, and this table
 //! says, for the model at hand, which rule applied and what the user should know. Each applied
@@ -75,8 +75,8 @@ fn tokens_per_expert(f: &Facts, experts: usize, top_k: usize) -> usize {
 }
 
 /// An expert's gate/up Hessian is `hidden × hidden`: with fewer routed tokens than that it is rank
-/// deficient and GPTQ leans on the damping. The seeds raised `maxSamples` to 512 for 128 experts
-/// top-8 for this reason; this rule says how many samples the average expert needs.
+/// deficient and GPTQ leans on the damping. A 128-expert top-8 model needs `maxSamples` around 512
+/// for this reason; this rule says how many samples the average expert needs.
 fn moe_calibration(f: &Facts) -> Option<Applied> {
     let moe = f.cfg.moe.as_ref()?;
     let (experts, top_k) = (moe.num_experts, moe.spec.top_k);
@@ -104,7 +104,7 @@ fn moe_calibration(f: &Facts) -> Option<Applied> {
     })
 }
 
-/// The seeds offloaded Gemma 4's expert Hessians to disk because all of them together exceed a
+/// A PyTorch pipeline offloads Gemma 4's expert Hessians to disk because all of them together exceed a
 /// card's memory. The engine quantizes the experts of a sparse layer one after another
 /// ([`super::experts`]), so one expert's Hessians are alive at a time whatever the expert count;
 /// this rule states both figures.

@@ -1,4 +1,4 @@
-//! What gets modified (layers, matrices, the seeds' guards) and how (orthogonalization in f32,
+//! What gets modified (layers, matrices, the guards) and how (orthogonalization in f32,
 //! written back in the source dtype).
 
 use std::collections::{BTreeMap, BTreeSet};

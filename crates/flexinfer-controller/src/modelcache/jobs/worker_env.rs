@@ -115,7 +115,7 @@ pub(super) fn worker_env(
         JobPhase::Quantize => quantize_env(s, config),
         JobPhase::Publish => publish_env(s),
     });
-    // No PyTorch runs in the worker, so no allocator settings of PyTorch's (the seeds'
+    // No PyTorch runs in the worker, so no allocator settings of PyTorch's (e.g.
     // `PYTORCH_HIP_ALLOC_CONF`) are injected; the device memory budget is `GPU_VRAM_MB` and
     // `GPU_MEMORY_FRACTION` above.
     if t.gpu {

@@ -10,7 +10,7 @@ fn quant_spec_hash_matches_the_seed_formula() {
     let mut h = Sha256::new();
     h.update(format!("{canon}|q:a").as_bytes());
     let want = &hex::encode(h.finalize())[..16];
-    // The seed's formula over all of spec.quantization survives as the legacy hash (status written by
+    // The original formula over all of spec.quantization survives as the legacy hash (status written by
     // an older controller stays current) …
     assert_eq!(jobs::legacy_spec_hash(&mc, JobPhase::Quantize, "q:a"), want);
     assert_ne!(jobs::legacy_spec_hash(&mc, JobPhase::Quantize, "q:b"), want);
