@@ -23,6 +23,8 @@ ROOT_DIR=$(cd "$(dirname "$0")/../.." && pwd)
 CACHE=${FLEXINFER_CACHE:-$HOME/.cache/flexinfer}
 log() { echo "llamacpp-root: $*" >&2; }
 die() { log "$*"; exit 1; }
+# shellcheck source=../lib/debian-root.sh
+source "$ROOT_DIR/scripts/lib/debian-root.sh"
 
 SUITE=sid
 VARIANT=minbase
@@ -40,19 +42,9 @@ APTOPTS=('Acquire::Check-Valid-Until "false"' 'APT::Install-Recommends "false"')
 
 [ "$(id -u)" = 0 ] || die "needs root (mmdebstrap root mode and chroot)"
 
-if ! command -v mmdebstrap >/dev/null; then
-  log "apt-get install mmdebstrap"
-  export DEBIAN_FRONTEND=noninteractive
-  { apt-get update -qq && apt-get install -y -qq --no-install-recommends mmdebstrap; } >&2 \
-    || die "installing mmdebstrap failed"
-fi
+ensure_mmdebstrap
 
-mirror=${FLEXINFER_DEBIAN_MIRROR:-}
-if [ -z "$mirror" ]; then
-  # The host's Debian archive (the same lookup as the images; every Debian mirror carries sid).
-  mirror=$(python3 "$ROOT_DIR/scripts/images/apt-mirror.py" "$SUITE" 2>/dev/null || true)
-  mirror=${mirror:-http://deb.debian.org/debian}
-fi
+mirror=$(debian_mirror "$SUITE")
 
 sha() { sha256sum | cut -c1-16; }
 root_key=$(printf '%s\n' "$SUITE" "$VARIANT" "${APTOPTS[@]}" "${PACKAGES[@]}" | sha)

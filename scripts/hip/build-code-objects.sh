@@ -24,6 +24,8 @@ SRC=$ROOT_DIR/crates/flexinfer-quant/kernels/gptq.cu
 CACHE=${FLEXINFER_CACHE:-$HOME/.cache/flexinfer}
 log() { echo "hip-build: $*" >&2; }
 die() { log "$*"; exit 1; }
+# shellcheck source=../lib/debian-root.sh
+source "$ROOT_DIR/scripts/lib/debian-root.sh"
 
 SUITE=trixie
 VARIANT=minbase
@@ -45,21 +47,9 @@ FLAGS=(--genco --no-gpu-bundle-output -O3 -ffp-contract=off -include hip/hip_run
 [ -f "$SRC" ] || die "no kernel source at $SRC"
 [ "$(id -u)" = 0 ] || die "needs root (mmdebstrap root mode and chroot)"
 
-if ! command -v mmdebstrap >/dev/null; then
-  log "apt-get install mmdebstrap"
-  export DEBIAN_FRONTEND=noninteractive
-  { apt-get update -qq && apt-get install -y -qq --no-install-recommends mmdebstrap; } >&2 \
-    || die "installing mmdebstrap failed"
-fi
+ensure_mmdebstrap
 
-mirror=${FLEXINFER_DEBIAN_MIRROR:-}
-if [ -z "$mirror" ]; then
-  # The host's Debian mirror (deb822 "URIs:" or one-line "deb URL suite"), the first one not for security.
-  mirror=$( { grep -hs '^URIs:' /etc/apt/sources.list.d/*.sources | awk '{print $2}';
-              grep -hsE '^deb ' /etc/apt/sources.list /etc/apt/sources.list.d/*.list | awk '{print $2}'; } \
-            | grep -v security | grep -m1 '/debian/\?$' || true)
-  mirror=${mirror:-http://deb.debian.org/debian}
-fi
+mirror=$(debian_mirror "$SUITE")
 
 sha() { sha256sum | cut -c1-16; }
 root_key=$(printf '%s\n' "$SUITE" "$VARIANT" "${PACKAGES[@]}" | sha)
