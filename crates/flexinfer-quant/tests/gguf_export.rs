@@ -15,14 +15,7 @@ use serde_json::json;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-const SIZE: ModelSize = ModelSize {
-    hidden: 256,
-    inter: 512,
-    layers: 4,
-    heads: 4,
-    kv_heads: 1,
-    vocab: 320,
-};
+const SIZE: ModelSize = ModelSize::GGUF_WIDE;
 
 fn model(dir: &Path, arch: &str, size: &ModelSize) {
     testkit::write_model_sized(dir, arch, 1, size).unwrap();

@@ -52,6 +52,16 @@ impl ModelSize {
         kv_heads: 4,
         vocab: 16384,
     };
+    /// The GGUF tests' model: rows of 256 values (one K-quant super-block), one KV head, a vocabulary
+    /// the byte-level tokenizer fills.
+    pub const GGUF_WIDE: ModelSize = ModelSize {
+        hidden: 256,
+        inter: 512,
+        layers: 4,
+        heads: 4,
+        kv_heads: 1,
+        vocab: 320,
+    };
 
     pub fn parameters(&self) -> usize {
         let hd = self.hidden / self.heads;

@@ -9,14 +9,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
-pub const WIDE: ModelSize = ModelSize {
-    hidden: 256,
-    inter: 512,
-    layers: 4,
-    heads: 4,
-    kv_heads: 1,
-    vocab: 320,
-};
+pub const WIDE: ModelSize = ModelSize::GGUF_WIDE;
 /// Rows of 288 values do not split into 256-value super-blocks (llama.cpp's fallback types); 8
 /// layers reach more of the presets' per-layer rules.
 pub const NARROW: ModelSize = ModelSize {
