@@ -280,10 +280,10 @@ pub fn served_dir_on(served_path: &str, claim: &str) -> Option<String> {
 /// Whether a Model with `source` (and `status.servedPath`) reads from claim `claim`: a `pvc://<claim>/…`
 /// source, or what it serves now is on the claim (a `modelcache://` Model).
 pub fn model_uses_claim(source: &str, served_path: Option<&str>, claim: &str) -> bool {
-    let by_source = source
-        .strip_prefix("pvc://")
-        .and_then(|rest| rest.split_once('/'))
-        .is_some_and(|(c, _)| c == claim);
+    let by_source = matches!(
+        crate::model::source::parse_source(source),
+        Ok(crate::model::source::Source::Pvc { claim: c, .. }) if c == claim
+    );
     by_source || served_path.is_some_and(|p| served_dir_on(p, claim).is_some())
 }
 
