@@ -32,7 +32,12 @@ struct Env {
     cli: PathBuf,
     /// Label selector of the flexinfer-proxy pods (the chart's two replicas on the real node).
     proxy_selector: String,
+    /// The llama.cpp serving image (Debian's llama-server), the chart's `runtime.images.llamacpp`.
+    llamacpp_image: String,
 }
+
+/// What a published GPTQ artifact must hold.
+const GPTQ_FILES: &[&str] = &["config.json", ".save-complete"];
 
 fn var(name: &str) -> Result<String> {
     std::env::var(name).with_context(|| {
@@ -55,6 +60,7 @@ impl Env {
             containerd: var("TESTENV_CONTAINERD_ADDRESS")?,
             cli: PathBuf::from(var("E2E_CLI")?),
             proxy_selector: var("E2E_PROXY_SELECTOR")?,
+            llamacpp_image: var("E2E_LLAMACPP_IMAGE")?,
         })
     }
 
@@ -473,6 +479,7 @@ fn pull_and_compare(
     tag: &str,
     artifact: &Path,
     into: &Path,
+    required: &[&str],
 ) -> Result<String> {
     let url = format!("http://{}/v2/{repo}/manifests/{tag}", e.registry);
     let manifest = curl(&[
@@ -505,9 +512,9 @@ fn pull_and_compare(
         std::fs::write(&dst, &blob)?;
         titles.insert(title.to_string());
     }
-    for f in ["config.json", ".save-complete"] {
+    for f in required {
         ensure!(
-            titles.contains(f),
+            titles.contains(*f),
             "published artifact lacks {f}: {titles:?}"
         );
     }
@@ -682,7 +689,14 @@ async fn real_pipeline_download_abliterate_quantize_publish_and_serve() -> Resul
 
     // Published: the registry holds exactly these bytes, and the pulled copy validates.
     let pulled = tempfile::tempdir()?;
-    let digest = pull_and_compare(&e, &format!("e2e/{name}"), "v1", &art, pulled.path())?;
+    let digest = pull_and_compare(
+        &e,
+        &format!("e2e/{name}"),
+        "v1",
+        &art,
+        pulled.path(),
+        GPTQ_FILES,
+    )?;
     ensure!(
         st["publish"]["ociDigest"] == digest.as_str(),
         "status.publish.ociDigest {} vs {digest}",
@@ -923,6 +937,209 @@ async fn real_pipeline_download_abliterate_quantize_publish_and_serve() -> Resul
     )
     .await?;
     ensure!(active.0.as_second() > 0, "lastActiveTime {active:?}");
+    m.delete(name, &DeleteParams::background()).await?;
+    Ok(())
+}
+
+/// GGUF, the guide's default format, end to end with its real consumer: a ModelCache with `format: GGUF` and
+/// no type (Q4_K_M) downloads, writes one llama.cpp file and publishes it; a Model with `backend: llamacpp`
+/// gets the chart's llama.cpp image (Debian's llama-server, not the stand-in) by default, which loads the
+/// file from the cache's claim and answers a chat completion sent through flexinfer-proxy by the official
+/// `openai` client.
+#[tokio::test]
+async fn real_pipeline_gguf_served_by_llama_server() -> Result<()> {
+    let _node = NODE.read().await;
+    let e = Env::get()?;
+    let python = var("FLEXINFER_OPENAI_PYTHON")?;
+    let c = client().await;
+    let name = "tiny-gguf";
+    let dir = start_cache(&c, &e, name, "flexinfer-demo/tiny-llama", "tiny-llama", json!({
+        "quantization": {"format": "GGUF", "maxMemoryGB": 2, "useGPU": true},
+        "publish": {"targets": ["oci"], "ociRef": format!("{}/e2e/{name}:v1", e.registry), "insecure": true},
+    }))
+    .await?;
+    let place = e.real_node_placement();
+    let mut seen = Observed::default();
+    let mc = until_ready(&c, &e, name, &mut seen, Duration::from_secs(600)).await?;
+    check_pods(&e, &seen, &["download", "quantize", "publish"])?;
+    // The GGUF engine has no GPU path: the quantize pod asked for no GPU although the spec says useGPU.
+    for (pod, (phase, v)) in &seen.pods {
+        if phase == "quantize" {
+            let limits = &v["spec"]["containers"][0]["resources"]["limits"];
+            ensure!(
+                !limits
+                    .as_object()
+                    .is_some_and(|l| l.keys().any(|k| k.ends_with("/gpu"))),
+                "GGUF quantize pod {pod} requests a GPU: {limits}"
+            );
+        }
+    }
+    let st = &mc["status"];
+    let path = st["path"].as_str().context("status.path")?;
+    let generation = st["quantization"]["generation"]
+        .as_str()
+        .context("status.quantization.generation")?;
+    ensure!(
+        path == format!("{name}:tiny-llama/gguf-q4_k_m.{generation}"),
+        "status.path {path}"
+    );
+    let q = &st["quantization"];
+    ensure!(
+        q["applied"]["format"] == "GGUF" && q["applied"]["ggufType"] == "Q4_K_M",
+        "status.quantization.applied {}",
+        q["applied"]
+    );
+    let art = host_dir(&dir, path);
+    save_complete_verifies(&art)?;
+    let file = q["applied"]["ggufFile"]
+        .as_str()
+        .context("status.quantization.applied.ggufFile")?;
+    let gguf = art.join(file);
+    let bytes = std::fs::read(&gguf).with_context(|| format!("read {}", gguf.display()))?;
+    ensure!(
+        bytes.starts_with(b"GGUF"),
+        "{} is not a GGUF file",
+        gguf.display()
+    );
+    ensure!(
+        q["compressedSizeBytes"].as_u64() == Some(bytes.len() as u64),
+        "compressedSizeBytes {} vs {} bytes on disk",
+        q["compressedSizeBytes"],
+        bytes.len()
+    );
+    let downloaded = st["download"]["outputDir"]
+        .as_str()
+        .context("status.download.outputDir")?;
+    let source = safetensors_bytes(&dir.join(downloaded))?;
+    ensure!(
+        q["originalSizeBytes"].as_u64() == Some(source)
+            && q["compressionRatio"].as_f64().is_some_and(|r| r > 1.0),
+        "originalSizeBytes {} (source shards {source}), ratio {}",
+        q["originalSizeBytes"],
+        q["compressionRatio"]
+    );
+    let pulled = tempfile::tempdir()?;
+    let digest = pull_and_compare(
+        &e,
+        &format!("e2e/{name}"),
+        "v1",
+        &art,
+        pulled.path(),
+        &[file, ".save-complete"],
+    )?;
+    ensure!(
+        st["publish"]["ociDigest"] == digest.as_str(),
+        "status.publish.ociDigest {} vs {digest}",
+        st["publish"]["ociDigest"]
+    );
+
+    // Served by the real llama-server: no image in the Model, so the controller's default for llamacpp (the
+    // chart's runtime.images.llamacpp) applies.
+    let model = json!({
+        "apiVersion": "ai.flexinfer/v1alpha2", "kind": "Model",
+        "metadata": {"name": name, "namespace": e.ns, "annotations": {
+            "flexinfer.ai/promotion-gate": "quantized-artifact-v1", "flexinfer.ai/promotion-validation": "passed"}},
+        "spec": {"backend": "llamacpp", "source": format!("modelcache://{name}"),
+                 "gpu": {"count": 1, "profile": "e2e-gfx1100"}, "serverless": {"enabled": false},
+                 "config": {"maxModelLen": 512},
+                 "resources": {"requests": {"memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+                 "nodeSelector": place["nodeSelector"], "tolerations": place["tolerations"]},
+    });
+    apply(&c, &model, None, false)
+        .await
+        .context("apply Model")?;
+    let deps: Api<Deployment> = Api::namespaced(c.clone(), &e.ns);
+    let pods: Api<Pod> = Api::namespaced(c.clone(), &e.ns);
+    let available = wait_for(
+        "the llama.cpp Model's Deployment available",
+        Duration::from_secs(240),
+        || {
+            let deps = deps.clone();
+            async move {
+                let d = deps.get_opt(name).await.ok().flatten()?;
+                (d.status.as_ref()?.available_replicas? >= 1).then_some(d)
+            }
+        },
+    )
+    .await;
+    if let Err(err) = available {
+        let mut diag = String::new();
+        for p in pods
+            .list(&ListParams::default().labels(&format!("flexinfer.ai/model={name}")))
+            .await?
+        {
+            let pn = p.metadata.name.clone().unwrap_or_default();
+            let log = pods
+                .logs(&pn, &Default::default())
+                .await
+                .unwrap_or_default();
+            diag.push_str(&format!(
+                "\npod {pn}: {}\nlog tail: {}",
+                serde_json::to_string(&p.status)?,
+                log.lines().rev().take(30).collect::<Vec<_>>().join("\n")
+            ));
+        }
+        bail!("{err:#}{diag}");
+    }
+    let pod = pods
+        .list(&ListParams::default().labels(&format!("flexinfer.ai/model={name}")))
+        .await?
+        .items
+        .into_iter()
+        .find(|p| p.metadata.deletion_timestamp.is_none())
+        .context("serving pod")?;
+    let pv = serde_json::to_value(&pod)?;
+    ensure!(
+        pv["spec"]["nodeName"] == "localhost"
+            && pv["spec"]["containers"][0]["image"] == e.llamacpp_image.as_str(),
+        "serving pod on {} with image {} (want the real node and {})",
+        pv["spec"]["nodeName"],
+        pv["spec"]["containers"][0]["image"],
+        e.llamacpp_image
+    );
+    // It is llama-server that answers, with our file: its own /props endpoint names the model path.
+    let ip = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.pod_ip.clone())
+        .context("pod IP")?;
+    let props: Value = serde_json::from_slice(&curl(&[&format!("http://{ip}:8000/props")])?)?;
+    ensure!(
+        props["model_path"]
+            .as_str()
+            .is_some_and(|p| p.ends_with(file)),
+        "llama-server /props: {props}"
+    );
+
+    // A chat completion through flexinfer-proxy with the official openai client.
+    let proxies = proxy_pods(&c, &e).await?;
+    let (proxy, base) = proxies.first().context("a ready proxy pod")?;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/e2e/openai_chat.py");
+    let chat = wait_for(
+        &format!("a chat completion through the proxy {proxy}"),
+        Duration::from_secs(90),
+        || {
+            let (python, base) = (python.clone(), base.clone());
+            async move {
+                let out = Command::new(&python)
+                    .args([script, &base, name, "8"])
+                    .output()
+                    .ok()?;
+                if !out.status.success() {
+                    return None;
+                }
+                serde_json::from_slice::<Value>(&out.stdout).ok()
+            }
+        },
+    )
+    .await?;
+    ensure!(
+        chat["usage"]["completion_tokens"] == 8
+            && chat["content"].is_string()
+            && chat["finish_reason"] == "length",
+        "chat completion through the proxy: {chat}"
+    );
+    let m: Api<Model> = Api::namespaced(c.clone(), &e.ns);
     m.delete(name, &DeleteParams::background()).await?;
     Ok(())
 }

@@ -31,7 +31,7 @@ pub const FORMATS: &[FormatInfo] = &[
         bits: &[2, 3, 4, 5, 6, 8],
         default_bits: 4,
         backends: &[Backend::Llamacpp, Backend::Ollama],
-        implemented: false,
+        implemented: true,
         needs_calibration: false,
     },
     FormatInfo {
@@ -102,6 +102,16 @@ pub fn by_name(name: &str) -> Option<&'static FormatInfo> {
         .find(|f| f.name.eq_ignore_ascii_case(name) || f.model_name.eq_ignore_ascii_case(name))
 }
 
+/// The formats with an engine, comma-separated (`GGUF, GPTQ`), for messages.
+pub fn implemented_names() -> String {
+    FORMATS
+        .iter()
+        .filter(|f| f.implemented)
+        .map(|f| f.name)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// Whether `backend` can serve `format`.
 pub fn backend_supports(format: QuantFormat, backend: Backend) -> bool {
     info(format).backends.contains(&backend)
@@ -142,10 +152,12 @@ mod tests {
         assert!(backend_supports(QuantFormat::Exl2, Exllamav2));
         assert!(!backend_supports(QuantFormat::Exl2, Vllm));
         assert!(backend_supports(QuantFormat::CompressedTensors, Vllm));
-        assert_eq!(
-            FORMATS.iter().filter(|f| f.implemented).count(),
-            1,
-            "only GPTQ has an engine today"
-        );
+        let implemented: Vec<&str> = FORMATS
+            .iter()
+            .filter(|f| f.implemented)
+            .map(|f| f.name)
+            .collect();
+        assert_eq!(implemented, ["GGUF", "GPTQ"]);
+        assert_eq!(implemented_names(), "GGUF, GPTQ");
     }
 }

@@ -55,7 +55,7 @@ pub enum Command {
 #[command(
     args_conflicts_with_subcommands = true,
     subcommand_negates_reqs = true,
-    after_help = "Examples:\n  flexinfer quantize llama3-8b --format GGUF --type Q4_K_M\n  flexinfer quantize llama3-8b --format GPTQ --bits 4 --group-size 128 --use-gpu\n  flexinfer quantize formats\n  flexinfer quantize status llama3-8b"
+    after_help = "Examples:\n  flexinfer quantize llama3-8b                    (GGUF Q4_K_M)\n  flexinfer quantize llama3-8b --format GGUF --type Q6_K\n  flexinfer quantize llama3-8b --format GPTQ --bits 4 --group-size 128 --use-gpu\n  flexinfer quantize formats\n  flexinfer quantize status llama3-8b"
 )]
 pub struct QuantizeCmd {
     #[command(subcommand)]
@@ -70,10 +70,10 @@ pub struct QuantizeRequest {
     /// ModelCache to quantize
     #[arg(required = true, value_name = "CACHE")]
     pub cache: Option<String>,
-    /// Target format: GGUF, AWQ, GPTQ, EXL2, FP8 (see `flexinfer quantize formats`)
-    #[arg(long, required = true, value_name = "FORMAT")]
+    /// Target format: GGUF (the default), AWQ, GPTQ, EXL2, FP8 (see `flexinfer quantize formats`)
+    #[arg(long, default_value = "GGUF", value_name = "FORMAT")]
     pub format: Option<String>,
-    /// GGUF quantization type, e.g. Q4_K_M (GGUF only)
+    /// GGUF quantization type, e.g. Q4_K_M (GGUF only; unset: Q4_K_M)
     #[arg(long = "type", value_name = "TYPE")]
     pub gguf_type: Option<String>,
     /// Bits per weight (GPTQ 2/3/4/8, AWQ 4, FP8 8, GGUF/EXL2 2-8)
@@ -353,7 +353,12 @@ mod tests {
         assert!(
             t.lines().any(|l| l.starts_with("GGUF")
                 && l.contains("llamacpp,ollama")
-                && l.ends_with("planned")),
+                && l.ends_with("implemented")),
+            "{t}"
+        );
+        assert!(
+            t.lines()
+                .any(|l| l.starts_with("AWQ") && l.ends_with("planned")),
             "{t}"
         );
         let j: serde_json::Value =

@@ -48,31 +48,18 @@ pub fn check_request(r: &QuantizeRequest) -> Result<&'static formats::FormatInfo
         }
         if !valid_gguf_type(t) {
             return Err(bad(format!(
-                "--type {t}: not a llama.cpp type such as Q4_K_M, Q5_K_S, Q8_0 or F16"
+                "--type {t}: not a GGUF type FlexInfer writes (one of {})",
+                flexinfer_api::contract::env::GGUF_TYPES.join(", ")
             )));
         }
     }
     Ok(info)
 }
 
-/// Same rule as the CRD: `^(Q[2-8]_[0-9A-Z_]+|IQ[1-4]_[A-Z_]+|F16|BF16|F32)$`.
+/// A type the engine writes (the controller refuses the others before a Job runs); the CRD's pattern is
+/// wider. Spelled as the API stores it: upper case.
 fn valid_gguf_type(t: &str) -> bool {
-    let b = t.as_bytes();
-    if matches!(t, "F16" | "BF16" | "F32") {
-        return true;
-    }
-    let tail_ok = |s: &[u8], digits: bool| {
-        !s.is_empty()
-            && s.iter()
-                .all(|c| c.is_ascii_uppercase() || *c == b'_' || (digits && c.is_ascii_digit()))
-    };
-    if b.len() > 3 && b[0] == b'Q' && (b'2'..=b'8').contains(&b[1]) && b[2] == b'_' {
-        return tail_ok(&b[3..], true);
-    }
-    if b.len() > 4 && b.starts_with(b"IQ") && (b'1'..=b'4').contains(&b[2]) && b[3] == b'_' {
-        return tail_ok(&b[4..], false);
-    }
-    false
+    flexinfer_api::contract::env::GGUF_TYPES.contains(&t)
 }
 
 /// The JSON merge patch of a request.
@@ -176,10 +163,11 @@ mod tests {
             .unwrap_err()
             .to_string()
             .starts_with("--type q4"));
-        for t in ["Q8_0", "IQ2_XXS", "F16", "BF16", "Q5_K_S"] {
+        for t in ["Q8_0", "IQ4_XS", "F16", "BF16", "Q5_K_S", "Q2_K"] {
             assert!(valid_gguf_type(t), "{t}");
         }
-        for t in ["Q9_0", "IQ5_X", "F8", "Q4", ""] {
+        // The CRD's pattern admits these; no engine writes them.
+        for t in ["Q9_0", "IQ2_XXS", "Q3_K_S", "F32", "F8", "Q4", "q4_k_m", ""] {
             assert!(!valid_gguf_type(t), "{t}");
         }
     }

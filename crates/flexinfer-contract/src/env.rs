@@ -22,8 +22,18 @@ pub const GPU_VRAM_MB: &str = "GPU_VRAM_MB";
 pub const GPU_MEMORY_FRACTION: &str = "GPU_MEMORY_FRACTION";
 /// What the quantize phase writes: `GPTQ` (the default) or `GGUF` (one llama.cpp file, see `GGUF_TYPE`).
 pub const FORMAT: &str = "FORMAT";
+/// The `FORMAT` values.
+pub const FORMAT_GPTQ: &str = "GPTQ";
+pub const FORMAT_GGUF: &str = "GGUF";
 /// The llama.cpp preset of a `FORMAT=GGUF` run (`Q4_K_M` by default; `flexinfer_quant::gguf::FileType`).
 pub const GGUF_TYPE: &str = "GGUF_TYPE";
+/// Every `GGUF_TYPE` the engine writes (llama.cpp's preset names; `flexinfer_quant::gguf::FileType::ALL`
+/// is checked against this list). The controller refuses any other `spec.quantization.ggufType` before a
+/// Job runs.
+pub const GGUF_TYPES: &[&str] = &[
+    "F16", "BF16", "Q8_0", "Q4_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "Q3_K_M",
+    "Q2_K", "IQ4_XS",
+];
 /// Where the GPTQ solve runs: `auto` (default), `cpu`, `hip` or `cuda`.
 pub const GPTQ_DEVICE: &str = "GPTQ_DEVICE";
 /// Whether a GPU solve uses the vendor's BLAS and solver libraries where installed: `auto` (default) or

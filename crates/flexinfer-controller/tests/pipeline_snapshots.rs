@@ -145,6 +145,17 @@ fn jobs_nvidia() {
     check("jobs-nvidia", &cache("llama-nvidia", Some("sm_89"), true));
 }
 
+/// GGUF on a gfx906 node pool (the format llama.cpp serves on Vega20): abliteration on the GPU, the GGUF
+/// quantization in the worker image on a CPU node (its engine has no GPU path), no calibration download.
+#[test]
+fn jobs_gguf_gfx906() {
+    let y = serde_norway::to_string(&cache("llama-gguf", Some("gfx906"), true)).expect("yaml");
+    let mc: ModelCache =
+        serde_norway::from_str(&y.replace("format: GPTQ", "format: GGUF\n    ggufType: Q5_K_M"))
+            .expect("cache");
+    check("jobs-gguf-gfx906", &mc);
+}
+
 #[test]
 fn jobs_cpu_only() {
     check("jobs-cpu", &cache("llama-cpu", None, false));

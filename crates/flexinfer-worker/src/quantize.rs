@@ -67,8 +67,9 @@ pub struct QuantizeArgs {
     pub max_seq_len: usize,
     #[arg(long, env = env::MAX_SAMPLES, default_value_t = 128)]
     pub max_samples: usize,
-    /// Local JSONL / JSONL.zst / text file, or a dataset id already fetched under the cache.
-    #[arg(long, env = env::DATASET)]
+    /// Local JSONL / JSONL.zst / text file, or a dataset id already fetched under the cache (GPTQ; a GGUF run
+    /// reads none).
+    #[arg(long, env = env::DATASET, default_value = "")]
     pub dataset: String,
     #[arg(long, env = env::N_PARALLEL_CALIB_SAMPLES)]
     pub n_parallel_calib_samples: Option<usize>,
@@ -128,8 +129,7 @@ pub struct QuantizeArgs {
 }
 
 /// The `FORMAT` values.
-pub const FORMAT_GPTQ: &str = "GPTQ";
-pub const FORMAT_GGUF: &str = "GGUF";
+pub use env::{FORMAT_GGUF, FORMAT_GPTQ};
 
 /// Engine events → the worker's JSON-line stream (progress stays monotonic there).
 struct WorkerSink<'a>(&'a Events);

@@ -178,7 +178,7 @@ impl Default for DownloadSpec {
     }
 }
 
-/// Quantization format. Only `GPTQ` has a built-in engine today; the others are accepted and
+/// Quantization format. `GPTQ` and `GGUF` have a built-in engine today; the others are accepted and
 /// fail the phase with an `UnsupportedFormat` condition.
 #[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema)]
 pub enum QuantFormat {
@@ -418,6 +418,17 @@ pub mod defaults {
 }
 
 impl QuantizationSpec {
+    /// The GGUF type with the default applied (`Q4_K_M`), as written in the spec.
+    pub fn effective_gguf_type(&self) -> &str {
+        self.gguf_type
+            .as_deref()
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .unwrap_or(defaults::GGUF_TYPE)
+    }
+}
+
+impl QuantizationSpec {
     /// Bits with the per-format default applied.
     pub fn effective_bits(&self) -> i32 {
         self.bits.unwrap_or(match self.format {
@@ -436,13 +447,7 @@ impl QuantizationSpec {
         let base = match self.format {
             QuantFormat::Gptq => format!("gptq-w{}-g{}", self.effective_bits(), self.group_size),
             QuantFormat::Awq => format!("awq-w{}-g{}", self.effective_bits(), self.group_size),
-            QuantFormat::Gguf => format!(
-                "gguf-{}",
-                self.gguf_type
-                    .as_deref()
-                    .unwrap_or(defaults::GGUF_TYPE)
-                    .to_lowercase()
-            ),
+            QuantFormat::Gguf => format!("gguf-{}", self.effective_gguf_type().to_lowercase()),
             QuantFormat::Exl2 => format!("exl2-w{}", self.effective_bits()),
             QuantFormat::Fp8 => "fp8".to_string(),
             QuantFormat::CompressedTensors => "compressed-tensors".to_string(),

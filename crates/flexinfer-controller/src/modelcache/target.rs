@@ -25,11 +25,16 @@ pub fn enabled_phases(mc: &ModelCache) -> Vec<JobPhase> {
     v
 }
 
-/// Whether a phase runs on a GPU node.
+/// Whether a phase runs on a GPU node. The GGUF engine has no GPU path (the block search runs on the
+/// CPU), so a GGUF quantization runs on a CPU node whatever `useGPU` says (docs/user/quantization.md).
 pub fn uses_gpu(mc: &ModelCache, phase: JobPhase) -> bool {
     match phase {
         JobPhase::Abliterate => mc.spec.abliteration.as_ref().is_some_and(|a| a.use_gpu),
-        JobPhase::Quantize => mc.spec.quantization.as_ref().is_some_and(|q| q.use_gpu),
+        JobPhase::Quantize => mc
+            .spec
+            .quantization
+            .as_ref()
+            .is_some_and(|q| q.use_gpu && q.format != QuantFormat::Gguf),
         _ => false,
     }
 }
@@ -224,8 +229,8 @@ fn resolve_image(
     if let Some(i) = env_get(&env::controller::quantizer_format_image(fname)) {
         return Ok(i);
     }
-    if format == QuantFormat::Gptq {
-        // One worker binary serves CPU and GPU: fall back to the worker image.
+    if matches!(format, QuantFormat::Gptq | QuantFormat::Gguf) {
+        // One worker binary writes both formats, on CPU and GPU: fall back to the worker image.
         if let Some(i) = config.worker_image.clone() {
             return Ok(i);
         }
@@ -297,8 +302,10 @@ fn legacy_phase_inputs(mc: &ModelCache, phase: JobPhase) -> serde_json::Value {
         JobPhase::Download => serde_json::json!({
             "source": s.source, "revision": s.revision, "modelPath": s.model_path,
             "download": j(&s.download),
-            // The calibration dataset is fetched by the download phase.
-            "dataset": s.quantization.as_ref().map(|q| q.effective_calibration().dataset),
+            // The calibration dataset is fetched by the download phase (for the formats that read one).
+            "dataset": s.quantization.as_ref()
+                .filter(|q| flexinfer_api::formats::info(q.format).needs_calibration)
+                .map(|q| q.effective_calibration().dataset),
         }),
         JobPhase::Abliterate => j(&s.abliteration),
         JobPhase::Quantize => j(&s.quantization),

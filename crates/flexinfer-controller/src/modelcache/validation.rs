@@ -1,8 +1,8 @@
 //! Planning step 2: specs the API admitted but no engine or configuration can run.
 
-use flexinfer_api::contract::{self, reasons, JobPhase};
+use flexinfer_api::contract::{self, env, reasons, JobPhase};
 use flexinfer_api::formats;
-use flexinfer_api::modelcache::ModelCache;
+use flexinfer_api::modelcache::{ModelCache, QuantFormat};
 
 use super::jobs;
 use super::plan::Observed;
@@ -22,15 +22,30 @@ pub(super) fn spec_problem(mc: &ModelCache, observed: &Observed) -> Option<SpecP
         let info = formats::info(q.format);
         if !info.implemented {
             let message = format!(
-                "spec.quantization.format {} has no quantization engine in this FlexInfer version (supported: GPTQ); \
+                "spec.quantization.format {} has no quantization engine in this FlexInfer version (supported: {}); \
                  change the format or remove spec.quantization",
-                info.name
+                info.name,
+                formats::implemented_names()
             );
             return Some(SpecProblem {
                 reason: reasons::UNSUPPORTED_FORMAT,
                 message,
                 phase: Some(JobPhase::Quantize),
             });
+        }
+        if q.format == QuantFormat::Gguf {
+            let t = q.effective_gguf_type();
+            if !env::GGUF_TYPES.iter().any(|g| g.eq_ignore_ascii_case(t)) {
+                return Some(SpecProblem {
+                    reason: reasons::UNSUPPORTED_FORMAT,
+                    message: format!(
+                        "spec.quantization.ggufType {t} is not a GGUF type this FlexInfer version writes \
+                         (one of {})",
+                        env::GGUF_TYPES.join(", ")
+                    ),
+                    phase: Some(JobPhase::Quantize),
+                });
+            }
         }
     }
     let invalid = |message: String| SpecProblem {

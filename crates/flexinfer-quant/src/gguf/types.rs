@@ -259,6 +259,13 @@ mod tests {
     use super::*;
 
     #[test]
+    fn file_types_are_the_contracts_list() {
+        // The controller admits exactly the types of flexinfer_contract::env::GGUF_TYPES.
+        let ours: Vec<&str> = FileType::ALL.iter().map(|f| f.name()).collect();
+        assert_eq!(ours, flexinfer_contract::env::GGUF_TYPES);
+    }
+
+    #[test]
     fn names_round_trip_and_sizes_are_ggmls() {
         for t in GgmlType::ALL {
             assert_eq!(GgmlType::from_name(t.name()), Some(t));

@@ -3,7 +3,8 @@
 //! profile's env last (same name wins last). The names are the contract's (`flexinfer_contract::env`).
 
 use flexinfer_api::contract::{self, env, JobPhase};
-use flexinfer_api::modelcache::{ModelCache, ModelCacheSpec, ModelCacheStatus};
+use flexinfer_api::formats;
+use flexinfer_api::modelcache::{ModelCache, ModelCacheSpec, ModelCacheStatus, QuantFormat};
 use k8s_openapi::api::core::v1::{EnvVar, EnvVarSource, SecretKeySelector};
 
 use super::{cache_path, phase_dirs, phase_memory_gb, Config, PhaseTarget};
@@ -135,7 +136,12 @@ fn download_env(s: &ModelCacheSpec) -> Vec<EnvVar> {
     e.push(ev(env::REPO_TYPE, "model"));
     e.push(ev(env::ALLOW_PATTERNS, d.allow_patterns.join(",")));
     e.push(ev(env::IGNORE_PATTERNS, d.ignore_patterns.join(",")));
-    if let Some(q) = &s.quantization {
+    // The calibration set, only for the formats whose engine reads one (GGUF's does not).
+    if let Some(q) = s
+        .quantization
+        .as_ref()
+        .filter(|q| formats::info(q.format).needs_calibration)
+    {
         e.push(ev(env::DATASET, q.effective_calibration().dataset));
     }
     // The abliteration prompt sets are hub datasets too: fetched with the model.
@@ -180,6 +186,19 @@ fn abliterate_env(s: &ModelCacheSpec) -> Vec<EnvVar> {
 /// controller's GPTQ tunables.
 fn quantize_env(s: &ModelCacheSpec, config: &Config) -> Vec<EnvVar> {
     let mut e = Vec::new();
+    if let Some(q) = s
+        .quantization
+        .as_ref()
+        .filter(|q| q.format == QuantFormat::Gguf)
+    {
+        // One llama.cpp file: the type only (no calibration, no GPTQ settings).
+        e.push(ev(env::FORMAT, env::FORMAT_GGUF));
+        e.push(ev(
+            env::GGUF_TYPE,
+            q.effective_gguf_type().to_ascii_uppercase(),
+        ));
+        return e;
+    }
     if let Some(q) = &s.quantization {
         let c = q.effective_calibration();
         e.push(ev(env::BITS, q.effective_bits().to_string()));

@@ -278,6 +278,61 @@ fn quantize_env_carries_the_gptq_quality_knobs_only_when_set() {
     assert_eq!(values(&set, "GPTQ_DAMP_PERCENT_OVERRIDE"), vec!["0.01"]);
 }
 
+/// A GGUF cache: the quantize Job asks the worker for one llama.cpp file of the spec's type (Q4_K_M when
+/// unset) in `gguf-<type>`, with no GPTQ or calibration settings; the download fetches no calibration
+/// set; it runs in the worker image on a CPU node even with `useGPU` (the GGUF engine has no GPU path).
+#[test]
+fn gguf_quantize_job_names_format_and_type_and_runs_on_the_cpu() {
+    let c = cfg();
+    let env_of = |mc: &ModelCache, phase: JobPhase| {
+        let t_ = jobs::resolve_target(mc, phase, &[profile("gfx1100", "gptq-img")], &c);
+        let job = jobs::build_job(mc, &Default::default(), &[], &t_, "q", "h", &c);
+        let env: BTreeMap<String, String> = job
+            .spec
+            .and_then(|s| s.template.spec)
+            .map(|s| s.containers[0].env.clone().unwrap_or_default())
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|e| Some((e.name, e.value?)))
+            .collect();
+        (t_, env)
+    };
+    let plain = cache(&SIMPLE.replace("{format: GPTQ}", "{format: GGUF, useGPU: true}"));
+    let (target, env) = env_of(&plain, JobPhase::Quantize);
+    assert!(!target.gpu, "GGUF quantization requests no GPU");
+    assert_eq!(target.image.as_deref().ok(), c.worker_image.as_deref());
+    assert_eq!(env.get("FORMAT").map(String::as_str), Some("GGUF"));
+    assert_eq!(env.get("GGUF_TYPE").map(String::as_str), Some("Q4_K_M"));
+    assert_eq!(
+        env.get("OUT_DIR").map(String::as_str),
+        Some("/cache/mc/gguf-q4_k_m")
+    );
+    for gptq_only in [
+        "BITS",
+        "GROUP_SIZE",
+        "DATASET",
+        "GPTQ_DAMP_PERCENT_OVERRIDE",
+    ] {
+        assert!(!env.contains_key(gptq_only), "{gptq_only} in {env:?}");
+    }
+    let (_, download) = env_of(&plain, JobPhase::Download);
+    assert!(!download.contains_key("DATASET"), "{download:?}");
+    let q6 = cache(&SIMPLE.replace("{format: GPTQ}", "{format: GGUF, ggufType: Q6_K}"));
+    let (_, env) = env_of(&q6, JobPhase::Quantize);
+    assert_eq!(env.get("GGUF_TYPE").map(String::as_str), Some("Q6_K"));
+    assert_eq!(
+        env.get("OUT_DIR").map(String::as_str),
+        Some("/cache/mc/gguf-q6_k")
+    );
+    // GPTQ keeps its calibration download and its GPU.
+    let gptq = cache(&SIMPLE.replace("{format: GPTQ}", "{format: GPTQ, useGPU: true}"));
+    let (target, env) = env_of(&gptq, JobPhase::Quantize);
+    assert!(target.gpu);
+    assert!(!env.contains_key("FORMAT") && env.contains_key("BITS"));
+    let (_, download) = env_of(&gptq, JobPhase::Download);
+    assert!(download.contains_key("DATASET"));
+}
+
 #[test]
 fn pod_labels_and_annotations_from_cache_annotations() {
     let c = cfg();

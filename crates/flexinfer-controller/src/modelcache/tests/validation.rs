@@ -98,6 +98,20 @@ fn missing_image_and_bad_annotations_become_conditions() {
             "AWQ",
         ),
         (
+            cache(&SIMPLE.replace("format: GPTQ", "format: GGUF, ggufType: Q3_K_S")),
+            cfg(),
+            &none,
+            Some("UnsupportedFormat"),
+            "spec.quantization.ggufType Q3_K_S",
+        ),
+        (
+            cache(&SIMPLE.replace("format: GPTQ", "format: GGUF, ggufType: q5_k_m")),
+            cfg(),
+            &none,
+            None,
+            "a type the engine writes, in any case",
+        ),
+        (
             cache(SIMPLE),
             cfg(),
             &peer_on_my_dir,
