@@ -37,13 +37,15 @@ pub struct Metrics {
     /// a GPU (`useGPU`) and its GPTQ solves run on the CPU although the worker was not told `GPTQ_DEVICE=cpu`,
     /// else 0; absent until the worker has reported its device, and once the Job ends.
     pub quantization_on_cpu: IntGaugeVec,
-    /// `flexinfer_quantization_duration_seconds{model,namespace}`.
+    /// `flexinfer_quantization_duration_seconds{namespace}`: one histogram per namespace (a histogram per
+    /// cache was 14 series for the one value each cache observes).
     pub quantization_duration_seconds: HistogramVec,
     /// `flexinfer_quantization_compression_ratio{model,namespace}`.
     pub quantization_compression_ratio: GaugeVec,
     /// `flexinfer_model_cache_failures_total{model,namespace,reason}`.
     pub model_cache_failures_total: IntCounterVec,
-    /// `flexinfer_modelcache_phase{cache,namespace,phase}` (1 for the current phase, else 0).
+    /// `flexinfer_modelcache_phase{cache,namespace,phase}`: 1, for the current phase only (no series for the
+    /// other phases).
     pub modelcache_phase: IntGaugeVec,
     /// `flexinfer_model_phase{model,namespace,phase}` (1 for the current phase, else 0).
     pub model_phase: IntGaugeVec,
@@ -143,13 +145,13 @@ impl Metrics {
                 HistogramVec::new(
                     histogram_opts!(
                         "flexinfer_quantization_duration_seconds",
-                        "Wall time of successful quantization runs",
+                        "Wall time of successful quantization runs, per namespace",
                         vec![
                             60.0, 300.0, 900.0, 1800.0, 3600.0, 7200.0, 14400.0, 28800.0, 57600.0,
                             86400.0, 172800.0
                         ]
                     ),
-                    &mn,
+                    &["namespace"],
                 ),
             )?,
             quantization_on_cpu: registered(
@@ -187,7 +189,7 @@ impl Metrics {
                 IntGaugeVec::new(
                     opts!(
                         "flexinfer_modelcache_phase",
-                        "Current phase of each ModelCache (1 = current)"
+                        "Current phase of each ModelCache (one series per cache, value 1)"
                     ),
                     &["cache", "namespace", "phase"],
                 ),

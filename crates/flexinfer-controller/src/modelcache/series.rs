@@ -116,9 +116,6 @@ pub(crate) fn forget_cache_series(m: &crate::metrics::Metrics, name: &str, ns: &
     let _ = m
         .quantization_compression_ratio
         .remove_label_values(&[name, ns]);
-    let _ = m
-        .quantization_duration_seconds
-        .remove_label_values(&[name, ns]);
 }
 
 /// `(cache, namespace)` of every cache that has per-cache series.
@@ -158,11 +155,16 @@ pub(super) fn update_metrics(mc: &ModelCache, m: &Metrics, ns: &str, p: &Plan) {
     }
     forget_job_series(m, &name, ns, p.outcome.running.map(|(ph, _, _)| ph));
     if let Some(phase) = p.status.phase {
-        for ph in CachePhase::ALL {
-            m.modelcache_phase
-                .with_label_values(&[name.as_str(), ns, ph.as_str()])
-                .set(i64::from(ph == phase));
+        // One series per cache: the current phase's (a one-hot row of 7 series per cache was most of the
+        // controller's metric memory at thousands of caches).
+        for ph in CachePhase::ALL.into_iter().filter(|ph| *ph != phase) {
+            let _ = m
+                .modelcache_phase
+                .remove_label_values(&[name.as_str(), ns, ph.as_str()]);
         }
+        m.modelcache_phase
+            .with_label_values(&[name.as_str(), ns, phase.as_str()])
+            .set(1);
     }
     for (phase, reason) in &p.outcome.failed {
         m.model_cache_failures_total
@@ -192,7 +194,7 @@ pub(super) fn update_metrics(mc: &ModelCache, m: &Metrics, ns: &str, p: &Plan) {
                 if let (Some(s), Some(c)) = (&q.started_at, &q.completed_at) {
                     let secs = c.0.duration_since(s.0).as_secs_f64().max(0.0);
                     m.quantization_duration_seconds
-                        .with_label_values(&[name.as_str(), ns])
+                        .with_label_values(&[ns])
                         .observe(secs);
                 }
             }

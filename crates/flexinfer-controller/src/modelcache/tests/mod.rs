@@ -18,6 +18,7 @@ use super::plan::{classify_failure, plan, redact, Action, ClaimPeer, LogTail, Ob
 mod failures;
 mod job_builders;
 mod lifecycle;
+mod metrics_series;
 mod observe;
 mod progress;
 mod reruns;
