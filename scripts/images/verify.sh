@@ -86,7 +86,10 @@ for img in "${images[@]}"; do itags[$img]=$tag; done
 for f in "${flavors[@]}"; do
   # units llamacpp (cpu), llamacpp@vulkan, llamacpp@rocm
   if [[ $f == cpu ]]; then images+=(llamacpp)
-  else images+=("llamacpp@$f"); itags[llamacpp@$f]=$tag-$f ivariant[llamacpp@$f]=$f; fi
+  else
+    images+=("llamacpp@$f"); itags[llamacpp@$f]=$tag-$f ivariant[llamacpp@$f]=$f
+    entry[llamacpp@$f]=${entry[llamacpp]} helps[llamacpp@$f]=""
+  fi
 done
 if ((${#variants[@]})); then
   # units named worker@V; everything below reads the archive of itags[unit]
@@ -154,6 +157,17 @@ check_llamacpp() {
     if grep -q 'not found' <<<"$libs" || ! grep -q 'libc.so.6' <<<"$libs"; then bad "/$lib dependencies: $(grep 'not found' <<<"$libs" | head -5)"
     else ok "/$lib: $(wc -l <<<"$libs") libraries resolved in the image"; fi
   done
+  if [[ $flavor == vulkan ]]; then
+    # AMD cards: Mesa's radv, found by the Vulkan loader through its ICD manifest
+    # (manifest: /usr/share/vulkan/icd.d/radeon_icd.json, library_path a file name the loader looks up)
+    lib=$(jq -r '.ICD.library_path // empty' "$rootfs/usr/share/vulkan/icd.d/radeon_icd.json" 2>/dev/null || true)
+    [[ -z $lib || $lib == /* ]] || lib=/$(cd "$rootfs" && find usr/lib -name "$lib" | head -1)
+    libs=""
+    [[ -z $lib || ! -e $rootfs$lib ]] || libs=$(chroot "$rootfs" /lib64/ld-linux-x86-64.so.2 --list "$lib" 2>&1 || true)
+    if [[ -n $libs ]] && ! grep -q 'not found' <<<"$libs"; then
+      ok "Vulkan ICD radeon_icd.json (radv): $lib, $(wc -l <<<"$libs") libraries resolved in the image"
+    else bad "Vulkan ICD radeon_icd.json: library '$lib' missing or unresolved: $(grep 'not found' <<<"$libs" | head -3)"; fi
+  fi
   o=$(env -i PATH=/usr/bin:/bin HOME=/tmp /usr/sbin/chroot --userspec=65532:65532 "$rootfs" /app/llama-server --version 2>&1) \
     && [[ $o == *"version: "* ]] && ok "chroot 65532: llama-server --version: $(head -1 <<<"$o")" || bad "llama-server --version: $o"
   o=$(env -i PATH=/usr/bin:/bin HOME=/tmp /usr/sbin/chroot --userspec=65532:65532 "$rootfs" /app/llama-server --list-devices 2>&1) \
