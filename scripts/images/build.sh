@@ -116,7 +116,8 @@ fi
 # Binaries first: fail before the base build if one is missing.
 for img in "${images[@]}"; do
   [[ -z ${bins[$img]} ]] && continue
-  bin_dir=$(cd "$bin_dir" && pwd) || images_die "no such --bin-dir: $bin_dir"
+  d=$(cd "$bin_dir" 2>/dev/null && pwd) || images_die "no such --bin-dir: $bin_dir"
+  bin_dir=$d
   break
 done
 declare -A files=()
