@@ -8,8 +8,9 @@
 #  3. `helm upgrade --install`s charts/flexinfer with the controller pinned to the real node; the post-renderer
 #     scripts/e2e/post-render.py adapts only what this cluster lacks (kube-proxy, token volume injection).
 # usage (after `source` of up.sh's output):  scripts/e2e/setup.sh > env; source env
-# Prints one `export E2E_…=…` line. Env: E2E_WATCH_NAMESPACE (default: all namespaces), E2E_NAMESPACE
-# (created and labelled for the promotion-gate policy; default flexinfer-e2e), E2E_TAG (default e2e).
+# Prints one `export E2E_…=…` line (E2E_LLAMACPP_IMAGE: the llama.cpp serving image, Debian sid's llama-server).
+# Env: E2E_WATCH_NAMESPACE (default: all namespaces), E2E_NAMESPACE (created and labelled for the
+# promotion-gate policy; default flexinfer-e2e), E2E_TAG (default e2e).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd); cd "$ROOT"
 for v in KUBECONFIG TESTENV_DIR TESTENV_NODE TESTENV_HOST_IP TESTENV_REGISTRY TESTENV_CONTAINERD_ADDRESS; do
@@ -30,6 +31,7 @@ log "binaries"
 cargo test -q -j2 --workspace --no-run >&2
 
 log "images"
+# build.sh's default set includes flexinfer/llamacpp (Debian's llama-server, CPU): E2E_LLAMACPP_IMAGE below.
 bash scripts/images/build.sh --bin-dir "$TARGET/debug" --tag "$TAG" --push "$REG" --load >&2
 
 log "hub repositories and server"
@@ -104,5 +106,6 @@ helm template flexinfer charts/flexinfer -n "$CNS" --set alerting.enabled=true \
 log "ready: hub $HF, registry $REG, controller in $CNS"
 echo "export E2E_NAMESPACE=$NS E2E_CONTROLLER_NAMESPACE=$CNS E2E_HF_ENDPOINT=$HF E2E_WORKER_IMAGE=$WORKER" \
   "E2E_CONTROLLER_IMAGE=$REG/flexinfer/controller:$TAG E2E_STANDIN_IMAGE=$REG/flexinfer/standin:$TAG" \
+  "E2E_LLAMACPP_IMAGE=$REG/flexinfer/llamacpp:$TAG" \
   "E2E_STORAGE=$TESTENV_DIR/storage E2E_CLI=$TARGET/debug/flexinfer" \
   "E2E_PROXY_SELECTOR=app.kubernetes.io/component=proxy E2E_ALERT_RULES=$TESTENV_DIR/e2e-alert-rules.yaml"

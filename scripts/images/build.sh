@@ -2,9 +2,11 @@
 # Build the FlexInfer container images locally, daemonless and without pulling from any registry:
 # the base comes from Debian packages (scripts/images/base.sh, cached), the binaries are the ones
 # already built (no compile in the image), buildah builds the Dockerfiles' `runtime-prebuilt` target.
+# The llama.cpp serving images hold no FlexInfer binary: Debian sid's llama-server, its whole root built
+# from packages by scripts/images/base-llamacpp.sh.
 #
 #   bash scripts/images/build.sh [--bin-dir DIR] [--tag TAG] [--out DIR] [--push REGISTRY] [--load]
-#                                [--only controller|worker] [--variant V]... [--no-strip]
+#                                [--only IMAGE]... [--variant V]... [--no-strip]
 #     --bin-dir DIR   where flexinfer-controller, flexinfer, flexinfer-worker (and flexinfer-standin,
 #                     if built) are; default ${CARGO_TARGET_DIR:-~/.cache/flexinfer/target}/debug
 #     --tag TAG       image tag; default dev
@@ -15,7 +17,9 @@
 #     --only NAME     build one image (repeatable): controller, worker, standin (the serving stand-in,
 #                     build/standin.Dockerfile; built by default when flexinfer-standin is in --bin-dir),
 #                     proxy (the gateway, build/proxy.Dockerfile; built by default when flexinfer-proxy
-#                     is in --bin-dir)
+#                     is in --bin-dir), llamacpp (Debian sid's llama-server, CPU backends; built by
+#                     default), llamacpp-vulkan (+ ggml's Vulkan backend and Mesa's drivers), llamacpp-rocm
+#                     (+ ggml's HIP backend, ROCm and rocBLAS: ~5.5 GB; the GPU flavors only on request)
 #     --variant V     build the worker image's variant V (repeatable): cpu, cuda, rocm-gfx1100, rocm-gfx906
 #                     (scripts/images/variants.sh), tagged TAG-V (cpu: TAG, the default worker image); with
 #                     --variant and no --only, only the worker is built. Each variant's base is built by
@@ -23,8 +27,13 @@
 #                     variants share one)
 #     --no-strip      keep debug info (by default binaries are copied with `strip --strip-debug`:
 #                     symbols, hence backtraces, stay)
-# Images: flexinfer/controller:TAG, flexinfer/worker:TAG, flexinfer/standin:TAG, flexinfer/proxy:TAG (archives tagged like that; the local
-# store names them localhost/flexinfer/<image>:TAG); the worker's variants flexinfer/worker:TAG-V. Worker
+# Images: flexinfer/controller:TAG, flexinfer/worker:TAG, flexinfer/standin:TAG, flexinfer/proxy:TAG,
+# flexinfer/llamacpp:TAG (archives tagged like that; the local store names them localhost/flexinfer/<image>:TAG);
+# the worker's variants flexinfer/worker:TAG-V; the llama.cpp flavors flexinfer/llamacpp:TAG-vulkan and
+# flexinfer/llamacpp:TAG-rocm. The llama.cpp images carry dev.flexinfer.llamacpp (the llama.cpp-tools and libggml0
+# versions), the GPU flavors dev.flexinfer.variant and dev.flexinfer.runtime (mesa-vulkan-drivers,
+# libamdhip64-6), rocm also dev.flexinfer.math (rocBLAS, hipBLAS) and dev.flexinfer.gfx-targets (the AMD
+# targets ggml's HIP backend has code for, read from the library when the base is built). Worker
 # images carry the label dev.flexinfer.script-version (`flexinfer-worker version`, the contract version the
 # controller's FLEXINFER_SCRIPT_VERSION must match), GPU variants dev.flexinfer.variant and
 # dev.flexinfer.runtime (the runtime package and version). The ROCm variants need a flexinfer-worker that embeds
@@ -69,7 +78,6 @@ for v in "${variants[@]}"; do
   [[ $(images_variant_tag "$tag" "$v") =~ ^.{1,128}$ ]] || images_die "tag too long for --variant $v: $tag"
 done
 for t in buildah skopeo jq; do command -v $t >/dev/null || images_die "$t not installed (apt-get install $t)"; done
-bin_dir=$(cd "$bin_dir" && pwd) || images_die "no such --bin-dir"
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 # Image timestamps: fixed, so the same inputs give the same digest (set SOURCE_DATE_EPOCH to change).
@@ -83,14 +91,17 @@ t_start=$(date +%s)
 declare -A t_step=()
 
 # image -> binaries (a trailing ? marks an optional one)
+# (the llama.cpp images: none; their Dockerfile is build/llamacpp.Dockerfile for every flavor)
 declare -A bins=([controller]="flexinfer-controller flexinfer" [worker]="flexinfer-worker flexinfer-standin?"
-  [standin]="flexinfer-standin" [proxy]="flexinfer-proxy")
-images=(controller worker)
+  [standin]="flexinfer-standin" [proxy]="flexinfer-proxy" [llamacpp]="" [llamacpp-vulkan]="" [llamacpp-rocm]="")
+dockerfile_of() { echo "$root/build/${1%%-*}.Dockerfile"; } # llamacpp-rocm -> llamacpp.Dockerfile
+images=(controller worker llamacpp)
 if ((${#variants[@]})) && ! ((${#only[@]})); then
   images=(worker)
 elif ((${#only[@]})); then
   for n in "${only[@]}"; do
-    [[ -n ${bins[$n]:-} && -f $root/build/$n.Dockerfile ]] || images_die "--only: no image $n (controller, worker, standin, proxy)"
+    [[ -n ${bins[$n]+set} && -f $(dockerfile_of "$n") ]] \
+      || images_die "--only: no image $n (controller, worker, standin, proxy, llamacpp, llamacpp-vulkan, llamacpp-rocm)"
   done
   images=("${only[@]}")
 else
@@ -103,6 +114,12 @@ else
 fi
 
 # Binaries first: fail before the base build if one is missing.
+for img in "${images[@]}"; do
+  [[ -z ${bins[$img]} ]] && continue
+  d=$(cd "$bin_dir" 2>/dev/null && pwd) || images_die "no such --bin-dir: $bin_dir"
+  bin_dir=$d
+  break
+done
 declare -A files=()
 for img in "${images[@]}"; do
   list=()
@@ -117,10 +134,13 @@ for img in "${images[@]}"; do
 done
 
 # Build units: image[@variant]; the worker's variants replace the plain worker when --variant is given
-# (variant cpu is the plain worker).
+# (variant cpu is the plain worker); llamacpp-F is llamacpp@F.
 units=()
 for img in "${images[@]}"; do
-  if [[ $img == worker ]] && ((${#variants[@]})); then
+  if [[ $img == llamacpp-* ]]; then
+    files[llamacpp]=""
+    [[ " ${units[*]} " == *" llamacpp@${img#llamacpp-} "* ]] || units+=("llamacpp@${img#llamacpp-}")
+  elif [[ $img == worker ]] && ((${#variants[@]})); then
     for v in "${variants[@]}"; do
       u=worker@$v
       [[ $v == cpu ]] && u=worker # the plain worker image, built exactly as without --variant
@@ -165,10 +185,24 @@ base_for() { # base_for VARIANT -> sets the base of that variant in bases[VARIAN
   local id=${bases[$v]##*:}
   base_pkgs[$v]=$FLEXINFER_IMAGES_CACHE/base-$id.packages
 }
+# The llama.cpp flavors' bases (base-llamacpp.sh), keyed by the unit: llamacpp, llamacpp@vulkan, llamacpp@rocm.
+llamacpp_base_for() {
+  local u=$1 flavor=cpu
+  [[ $u == *@* ]] && flavor=${u#*@}
+  bases[$u]=$(LLAMACPP_FLAVOR=$flavor bash "$here/base-llamacpp.sh")
+  base_ids[$u]=$(bah inspect --type image --format '{{.FromImageID}}' "${bases[$u]}")
+  base_pkgs[$u]=$FLEXINFER_IMAGES_CACHE/base-${bases[$u]##*:}.packages
+}
+base_key() { # base_key UNIT -> the key of its base in bases[]
+  if [[ ${1%@*} == llamacpp ]]; then echo "$1"
+  elif [[ $1 == *@* ]]; then echo "${1#*@}"
+  else echo cpu; fi
+}
 t0=$(date +%s)
 for u in "${units[@]}"; do
-  v=cpu; [[ $u == *@* ]] && v=${u#*@}
-  [[ -n ${bases[$v]:-} ]] || base_for "$v"
+  k=$(base_key "$u")
+  [[ -n ${bases[$k]:-} ]] && continue
+  if [[ ${u%@*} == llamacpp ]]; then llamacpp_base_for "$u"; else base_for "$k"; fi
 done
 base=${bases[cpu]:-}
 t_step[base]=$(($(date +%s) - t0))
@@ -193,18 +227,35 @@ for unit in "${units[@]}"; do
   t0=$(date +%s)
   img=${unit%@*}
   variant=""; [[ $unit == *@* ]] && variant=${unit#*@}
-  dockerfile=$root/build/$img.Dockerfile
+  dockerfile=$(dockerfile_of "$img")
   itag=$tag
   [[ -n $variant ]] && itag=$(images_variant_tag "$tag" "$variant")
   ref=flexinfer/$img:$itag
   archive=$out/flexinfer-$img-$itag.tar
-  ubase=${bases[${variant:-cpu}]} ubase_id=${base_ids[${variant:-cpu}]}
+  bkey=$(base_key "$unit")
+  ubase=${bases[$bkey]} ubase_id=${base_ids[$bkey]}
   # Labels and build arguments beyond the common ones.
   extra=() gfx=""
   if [[ $img == worker && -n $script_version ]]; then
     extra+=(--label "dev.flexinfer.script-version=$script_version")
   fi
-  if [[ -n $variant && $variant != cpu ]]; then
+  if [[ $img == llamacpp ]]; then
+    while read -r label pkgs; do
+      val=""
+      for p in $pkgs; do
+        ver=$(awk -v p="$p" '$1 == p { print $2 }' "${base_pkgs[$bkey]}" 2>/dev/null)
+        [[ -n $ver ]] || images_die "$unit: $p not in the base $ubase (${base_pkgs[$bkey]})"
+        val+="${val:+,}$p=$ver"
+      done
+      extra+=(--label "dev.flexinfer.$label=$val")
+    done < <(images_llamacpp_labels "${variant:-cpu}")
+    [[ -z $variant ]] || extra+=(--label "dev.flexinfer.variant=$variant")
+    gfx_file=${base_pkgs[$bkey]%.packages}.gfx-targets
+    if [[ $variant == rocm ]]; then
+      [[ -s $gfx_file ]] || images_die "$unit: no gfx target list $gfx_file (BASE_REBUILD=1 LLAMACPP_FLAVOR=rocm bash $here/base-llamacpp.sh)"
+      extra+=(--label "dev.flexinfer.gfx-targets=$(paste -sd, "$gfx_file")")
+    fi
+  elif [[ -n $variant && $variant != cpu ]]; then
     extra+=(--label "dev.flexinfer.variant=$variant")
     read -r rpkg _ <<<"$(images_variant_runtime "$variant")"
     rver=$(awk -v p="$rpkg" '$1 == p { print $2 }' "${base_pkgs[$variant]}" 2>/dev/null)
@@ -224,7 +275,7 @@ for unit in "${units[@]}"; do
   key=$(
     {
       echo "dockerfile $(images_sha256 < "$dockerfile")"
-      if [[ -n $variant ]]; then
+      if [[ -n $variant || $img == llamacpp ]]; then
         echo "script $(cat "$here/build.sh" "$here/lib.sh" "$here/variants.sh" | images_sha256)"
       else
         echo "script $(cat "$here/build.sh" "$here/lib.sh" | images_sha256)"
@@ -239,7 +290,7 @@ for unit in "${units[@]}"; do
     images_log "$unit: inputs unchanged, keeping $archive"
     status=cached
   else
-    images_log "$unit: building $ref (${files[$img]}${gfx:+, embedding gptq-$gfx.hsaco}) on $ubase"
+    images_log "$unit: building $ref (${files[$img]:-no FlexInfer binary}${gfx:+, embedding gptq-$gfx.hsaco}) on $ubase"
     rm -f "$archive.key" "$archive.info"
     ctx=$(mktemp -d "$FLEXINFER_IMAGES_CACHE/.ctx-XXXXXX")
     trap 'rm -rf "$ctx"' EXIT
@@ -301,6 +352,10 @@ fi
 for v in "${variants[@]}"; do
   [[ $v == cpu ]] && continue
   echo "base   ${bases[$v]}  ($(images_size "$FLEXINFER_IMAGES_CACHE/base-${bases[$v]##*:}.tar" 2>/dev/null || echo ?) rootfs) for $v"
+done
+for u in "${units[@]}"; do
+  [[ ${u%@*} == llamacpp ]] || continue
+  echo "base   ${bases[$u]}  ($(images_size "$FLEXINFER_IMAGES_CACHE/base-${bases[$u]##*:}.tar.zst" 2>/dev/null || echo ?) rootfs, zstd) for $u"
 done
 [[ -n $base ]] || echo "bases  ${t_step[base]} s"
 for l in "${summary[@]}"; do echo "$l"; done

@@ -81,3 +81,36 @@ images_arch_variant() {
     *) return 1 ;;
   esac
 }
+
+# The llama.cpp serving images (build/llamacpp.Dockerfile, scripts/images/base-llamacpp.sh): flavors cpu (tag TAG),
+# vulkan (TAG-vulkan) and rocm (TAG-rocm), built by build.sh --only llamacpp, llamacpp-vulkan, llamacpp-rocm.
+IMAGES_LLAMACPP_FLAVORS=(cpu vulkan rocm)
+
+# images_llamacpp_flavor_valid F: exit 0 when F is a llama.cpp flavor.
+images_llamacpp_flavor_valid() {
+  local f
+  for f in "${IMAGES_LLAMACPP_FLAVORS[@]}"; do [[ $1 == "$f" ]] && return 0; done
+  return 1
+}
+
+# images_llamacpp_labels FLAVOR: "LABEL PACKAGE..." lines; build.sh sets dev.flexinfer.LABEL to the packages with
+# their versions in the base (PACKAGE=VERSION,…), verify.sh checks them.
+images_llamacpp_labels() {
+  echo "llamacpp llama.cpp-tools libllama0 libggml0"
+  case $1 in
+    vulkan) echo "runtime libggml0-backend-vulkan libvulkan1 mesa-vulkan-drivers" ;;
+    rocm)
+      echo "runtime libggml0-backend-hip libamdhip64-6 libhsa-runtime64-1"
+      echo "math librocblas4 libhipblas2" ;;
+  esac
+}
+
+# images_llamacpp_backends FLAVOR: the ggml backend libraries (file names under ggml/backends0) the flavor's image
+# must hold, each loaded by verify.sh with the image's own loader.
+images_llamacpp_backends() {
+  echo libggml-cpu-x64.so
+  case $1 in
+    vulkan) echo libggml-vulkan.so ;;
+    rocm) echo libggml-hip.so ;;
+  esac
+}
