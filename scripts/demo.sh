@@ -8,7 +8,10 @@
 #    (int4, group 32: the model is 32 wide) and publishes it to the registry, each phase a Job whose pod runs
 #    the real worker image on the real node (the engine computes on the CPU there and says so);
 #  - a gated Model that serves the artifact with the OpenAI-compatible stand-in (there is no vLLM here), its
-#    PromotionGate decision, the promotion, and one completion request.
+#    PromotionGate decision, the promotion, and one completion request;
+#  - GGUF, the default format: a second ModelCache writes one llama.cpp file (Q4_K_M) of the same model and
+#    publishes it, and a Model with backend llamacpp serves it with the REAL llama-server (Debian's llama.cpp,
+#    the chart's default llama.cpp image), answering a chat completion through flexinfer-proxy.
 # KEEP=1 leaves everything running and prints the KUBECONFIG. DEMO_TIMEOUT bounds each wait (seconds).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd); cd "$ROOT"
@@ -157,6 +160,76 @@ IP=$(kubectl get pods -n "$NS" -l "flexinfer.ai/model=$CACHE" -o jsonpath='{.ite
 echo "served by the stand-in backend (flexinfer-standin: the engine's reader + greedy CPU decoding; NOT vLLM):"
 curl -sf "http://$IP:8000/v1/completions" -H 'Content-Type: application/json' \
   -d "{\"model\":\"$CACHE\",\"prompt\":\"hello world\",\"max_tokens\":8}"; echo
+
+say "GGUF (the default format): a ModelCache writing one llama.cpp file, served by the real llama-server"
+GCACHE=tiny-llama-gguf
+GDATA=$E2E_STORAGE/$GCACHE; mkdir -p "$GDATA"; chown 65532:65532 "$GDATA"
+kubectl apply -f - <<YAML
+apiVersion: v1
+kind: PersistentVolume
+metadata: {name: demo-$GCACHE}
+spec:
+  capacity: {storage: 10Gi}
+  accessModes: [ReadWriteOnce]
+  storageClassName: ""
+  hostPath: {path: $GDATA, type: Directory}
+  claimRef: {namespace: $NS, name: $GCACHE}
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {name: $GCACHE, namespace: $NS}
+spec:
+  accessModes: [ReadWriteOnce]
+  storageClassName: ""
+  volumeName: demo-$GCACHE
+  resources: {requests: {storage: 10Gi}}
+---
+apiVersion: ai.flexinfer/v1alpha1
+kind: ModelCache
+metadata: {name: $GCACHE, namespace: $NS}
+spec:
+  source: flexinfer-demo/tiny-llama-bpe   # a tokenizer llama.cpp knows (byte-level BPE)
+  existingClaimName: $GCACHE
+  modelPath: tiny-llama-bpe
+  $PLACE
+  download: {maxMemoryGB: 1}
+  quantization:
+    format: GGUF          # ggufType Q4_K_M when unset; the GGUF engine runs on the CPU
+    maxMemoryGB: 2
+  publish:
+    targets: [oci]
+    ociRef: $TESTENV_REGISTRY/demo/$GCACHE:v1
+    insecure: true
+YAML
+kubectl wait -n "$NS" "modelcache/$GCACHE" --for=jsonpath='{.status.phase}'=Ready --timeout="${TIMEOUT}s" >/dev/null || {
+  kubectl get modelcache -n "$NS" "$GCACHE" -o yaml | sed -n '/^status:/,$p' >&2; exit 1; }
+"$E2E_CLI" -n "$NS" quantize status "$GCACHE"
+GART=$GDATA/$(kubectl get modelcache -n "$NS" "$GCACHE" -o jsonpath='{.status.path}' | sed 's#^[^:]*:##')
+ls -la "$GART"
+kubectl apply -f - <<YAML
+apiVersion: ai.flexinfer/v1alpha2
+kind: Model
+metadata: {name: $GCACHE, namespace: $NS}
+spec:
+  backend: llamacpp                 # image: the chart's runtime.images.llamacpp
+  source: modelcache://$GCACHE
+  gpu: {count: 1, profile: gfx1100}
+  serverless: {enabled: false}
+  config: {maxModelLen: 512}
+  resources: {requests: {memory: 256Mi}, limits: {memory: 1Gi}}
+  $PLACE
+YAML
+sleep 3
+kubectl rollout status -n "$NS" "deploy/$GCACHE" --timeout=240s
+kubectl get pods -n "$NS" -l "flexinfer.ai/model=$GCACHE" -o custom-columns=POD:.metadata.name,NODE:.spec.nodeName,IMAGE:.spec.containers[0].image,STATUS:.status.phase
+PROXY=$(kubectl get pods -n "$E2E_CONTROLLER_NAMESPACE" -l "$E2E_PROXY_SELECTOR" -o jsonpath='{.items[0].status.podIP}')
+echo "served by the REAL llama-server (Debian llama.cpp), through flexinfer-proxy at $PROXY:"
+for _ in $(seq 1 30); do
+  curl -sf "http://$PROXY:8000/v1/chat/completions" -H 'Content-Type: application/json' \
+    -d "{\"model\":\"$GCACHE\",\"messages\":[{\"role\":\"user\",\"content\":\"Say hello.\"}],\"max_tokens\":8,\"ignore_eos\":true}" \
+    && break
+  sleep 2
+done; echo
 
 say "done"
 if [ "${KEEP:-0}" = 1 ]; then

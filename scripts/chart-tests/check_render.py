@@ -31,6 +31,8 @@ ENV = {
         "FLEXINFER_QUANTIZER_GPTQ_ROCM_GFX1100_IMAGE": W + "-rocm-gfx1100",
         "FLEXINFER_QUANTIZER_GPTQ_ROCM_GFX906_IMAGE": W + "-rocm-gfx906",
         "FLEXINFER_QUANTIZER_IMAGE_GPTQ": W + "-cuda",
+        # Models with backend llamacpp default to the llama.cpp image FlexInfer builds (CPU flavor).
+        "FLEXINFER_RUNTIME_IMAGE_LLAMACPP": "ghcr.io/flexinfer/flexinfer-llamacpp:" + APP,
     },
     "allon": {
         "RUST_LOG": "info",
@@ -54,6 +56,7 @@ ENV = {
         "FLEXINFER_GPTQ_RESUME_LAYERS": "false",
         "FLEXINFER_GPU_SUPPLEMENTAL_GROUPS": "44,110",
         "FLEXINFER_RUNTIME_IMAGE_VLLM": "registry.example.com/vllm/vllm-openai:v0.9.2",
+        "FLEXINFER_RUNTIME_IMAGE_LLAMACPP": "registry.example.com/flexinfer/llamacpp:7",
         "FLEXINFER_RETRY_BASE_SECONDS": "30",
     },
 }
@@ -284,6 +287,13 @@ def check_static(docs, mode):
     names = sorted(d["metadata"]["name"] for d in docs if d["kind"] == "GPUProfile")
     if mode == "allon":
         check(names == ["gfx1100", "gfx906", "nvidia-sm89"], f"GPUProfiles {names}")
+        # The AMD profiles serve GGUF with the llama.cpp ROCm image; the NVIDIA one names none.
+        for d in docs:
+            if d["kind"] != "GPUProfile":
+                continue
+            img = d["spec"].get("runtime", {}).get("images", {}).get("llamacpp")
+            want = "registry.example.com/flexinfer/llamacpp:7-rocm" if d["spec"]["vendor"] == "amd" else None
+            check(img == want, f"GPUProfile {d['metadata']['name']}: llamacpp image {img!r}, want {want!r}")
         b = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"][0]
         check(b["spec"]["validationActions"] == ["Deny"], "binding Deny")
 

@@ -75,6 +75,8 @@ image: {repository: $REG/flexinfer/controller, tag: "$TAG", pullPolicy: IfNotPre
 worker: {image: {repository: $REG/flexinfer/worker, tag: "$TAG"}}
 quantization:
   gptq: {image: "$WORKER", rocmImage: "$WORKER", archImages: {gfx1100: "$WORKER", gfx906: "$WORKER"}}
+# Models with backend llamacpp get the llama.cpp image built above (Debian's llama-server) by default.
+runtime: {images: {llamacpp: "$REG/flexinfer/llamacpp:$TAG"}}
 workerServiceAccount: {additionalNamespaces: ["$NS"]}
 admissionPolicy:
   namespaceSelector: {matchLabels: {flexinfer.ai/e2e: "true"}}

@@ -942,7 +942,7 @@ async fn real_pipeline_download_abliterate_quantize_publish_and_serve() -> Resul
 }
 
 /// GGUF, the guide's default format, end to end with its real consumer: a ModelCache with `format: GGUF` and
-/// no type (Q4_K_M) downloads, writes one llama.cpp file and publishes it; a Model with `backend: llamacpp`
+/// no type (Q4_K_M) downloads a model from the hub, writes one llama.cpp file and publishes it; a Model with `backend: llamacpp`
 /// gets the chart's llama.cpp image (Debian's llama-server, not the stand-in) by default, which loads the
 /// file from the cache's claim and answers a chat completion sent through flexinfer-proxy by the official
 /// `openai` client.
@@ -953,7 +953,9 @@ async fn real_pipeline_gguf_served_by_llama_server() -> Result<()> {
     let python = var("FLEXINFER_OPENAI_PYTHON")?;
     let c = client().await;
     let name = "tiny-gguf";
-    let dir = start_cache(&c, &e, name, "flexinfer-demo/tiny-llama", "tiny-llama", json!({
+    // The hub's Llama with a byte-level BPE tokenizer (llama.cpp's `gpt-2`); tiny-llama's word-level one has
+    // no llama.cpp equivalent.
+    let dir = start_cache(&c, &e, name, "flexinfer-demo/tiny-llama-bpe", "tiny-llama-bpe", json!({
         "quantization": {"format": "GGUF", "maxMemoryGB": 2, "useGPU": true},
         "publish": {"targets": ["oci"], "ociRef": format!("{}/e2e/{name}:v1", e.registry), "insecure": true},
     }))
@@ -980,7 +982,7 @@ async fn real_pipeline_gguf_served_by_llama_server() -> Result<()> {
         .as_str()
         .context("status.quantization.generation")?;
     ensure!(
-        path == format!("{name}:tiny-llama/gguf-q4_k_m.{generation}"),
+        path == format!("{name}:tiny-llama-bpe/gguf-q4_k_m.{generation}"),
         "status.path {path}"
     );
     let q = &st["quantization"];

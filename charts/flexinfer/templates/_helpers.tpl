@@ -100,3 +100,10 @@ app.kubernetes.io/component: proxy
 {{- define "flexinfer.proxyImage" -}}
 {{- printf "%s:%s" .Values.proxy.image.repository (default .Chart.AppVersion .Values.proxy.image.tag) -}}
 {{- end -}}
+
+{{/* llama.cpp serving image with an optional flavor suffix: include "flexinfer.llamacppImage" (list . "-rocm") */}}
+{{- define "flexinfer.llamacppImage" -}}
+{{- $root := index . 0 -}}
+{{- $suffix := index . 1 -}}
+{{- printf "%s:%s%s" $root.Values.runtime.llamacpp.repository (default $root.Chart.AppVersion $root.Values.runtime.llamacpp.tag) $suffix -}}
+{{- end -}}

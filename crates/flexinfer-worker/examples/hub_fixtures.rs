@@ -8,6 +8,9 @@
 //!   direction; a word-level tokenizer (letters, digits, `.`, `?`).
 //! - `ROOT/models/flexinfer-demo/small-llama`: a larger Llama model (hidden 256, 12 layers) whose GPTQ run
 //!   lasts long enough on one core to be interrupted mid-way.
+//! - `ROOT/models/flexinfer-demo/tiny-llama-bpe`: a Llama model llama.cpp can load (hidden 256, 4 layers, a
+//!   byte-level BPE tokenizer llama.cpp calls `gpt-2`, with a chat template), for the GGUF path served by
+//!   the real llama-server (the word-level tokenizer of `tiny-llama` has no llama.cpp equivalent).
 //! - `ROOT/datasets/flexinfer-demo/{calibration,refusal,harmless}`: calibration text and the two prompt sets.
 
 use std::path::{Path, PathBuf};
@@ -71,6 +74,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         5,
         &small,
     )?;
+    let bpe = root.join("models/flexinfer-demo/tiny-llama-bpe");
+    flexinfer_quant::testkit::write_model_sized(
+        &bpe,
+        "LlamaForCausalLM",
+        7,
+        &flexinfer_quant::testkit::ModelSize::GGUF_WIDE,
+    )?;
+    flexinfer_quant::testkit::write_byte_level_tokenizer(&bpe)?;
     println!("{}", root.display());
     Ok(())
 }
