@@ -76,10 +76,11 @@ PROXY_ENV = {
 PROXY_ENV["allon"] = dict(PROXY_ENV["defaults"], FLEXINFER_PROXY_KEEPALIVE_INTERVAL="15s",
                           FLEXINFER_PROXY_API_KEYS_FILE="/etc/flexinfer-proxy/auth/keys",
                           FLEXINFER_PROXY_WATCH_NAMESPACE="models")
-# Exactly what the proxy calls: watch Models and EndpointSlices, patch models/status.
+# Exactly what the proxy calls: watch Models, Services and EndpointSlices, patch models/status.
 PROXY_RULES = [
     (["ai.flexinfer"], ["models"], ["get", "list", "watch"]),
     (["ai.flexinfer"], ["models/status"], ["get", "patch"]),
+    ([""], ["services"], ["list", "watch"]),
     (["discovery.k8s.io"], ["endpointslices"], ["list", "watch"]),
 ]
 KINDS["allon"] = dict(KINDS["defaults"], PrometheusRule=1, ServiceMonitor=2, GPUProfile=3, ConfigMap=1)

@@ -277,10 +277,11 @@ sa_kubeconfig "$REL-flexinfer-proxy" "$T/proxy.kubeconfig"
 pcan() { kubectl --kubeconfig="$T/proxy.kubeconfig" auth can-i "$@" 2>/dev/null; }
 proxy_yes=("get models.ai.flexinfer" "list models.ai.flexinfer" "watch models.ai.flexinfer"
   "get models.ai.flexinfer --subresource=status" "patch models.ai.flexinfer --subresource=status"
-  "list endpointslices.discovery.k8s.io" "watch endpointslices.discovery.k8s.io")
+  "list endpointslices.discovery.k8s.io" "watch endpointslices.discovery.k8s.io" "list services" "watch services")
 proxy_no=("get secrets" "list secrets" "patch models.ai.flexinfer" "update models.ai.flexinfer" "create models.ai.flexinfer"
   "delete models.ai.flexinfer" "update models.ai.flexinfer --subresource=status" "get modelcaches.ai.flexinfer"
-  "create endpointslices.discovery.k8s.io" "patch deployments.apps" "create pods" "get pods" "create events")
+  "create endpointslices.discovery.k8s.io" "patch deployments.apps" "create pods" "get pods" "create events"
+  "create services" "patch services" "delete services")
 pbad=$(for v in "${proxy_yes[@]}"; do for n in "$NS" "$NS-other"; do
   # shellcheck disable=SC2086
   [ "$(pcan $v -n "$n")" = yes ] || echo "proxy may not: $v -n $n"; done; done
@@ -320,7 +321,7 @@ for v in "list modelcaches.ai.flexinfer" "create jobs.batch" "delete persistentv
 done
 [ "$(scan get secrets -n "$NS-watched")" = no ] || sbad="$sbad|secrets allowed"
 [ "$(scan update leases.coordination.k8s.io -n "$NS-scoped")" = yes ] || sbad="$sbad|no Lease in the release namespace"
-for v in "list models.ai.flexinfer" "watch endpointslices.discovery.k8s.io" "patch models.ai.flexinfer --subresource=status"; do
+for v in "list models.ai.flexinfer" "watch endpointslices.discovery.k8s.io" "watch services" "patch models.ai.flexinfer --subresource=status"; do
   # shellcheck disable=SC2086
   [ "$(spcan $v -n "$NS-watched")" = yes ] || sbad="$sbad|proxy denied in $NS-watched: $v"
   # shellcheck disable=SC2086
