@@ -3,6 +3,7 @@
 
 usage:
   helm template ... | check_render.py defaults|allon
+  helm template ... | check_render.py netpol NS,NS,... [EXTRA_RULES]   (the serving NetworkPolicies)
   kubectl get deploy X -o json | check_render.py live-env defaults|allon
 Prints one line per failed assertion and exits 1 on any failure.
 """
@@ -73,19 +74,31 @@ PROXY_ENV = {
         "FLEXINFER_PROXY_LISTEN_ADDR": "0.0.0.0:8000",
         "FLEXINFER_PROXY_HEALTH_ADDR": "0.0.0.0:8081",
         "FLEXINFER_PROXY_KEEPALIVE_INTERVAL": "30s",
-        "FLEXINFER_PROXY_MAX_BODY_BYTES": "8388608",
+        # No FLEXINFER_PROXY_MAX_BODY_BYTES / BODY_MEMORY_BYTES: the proxy derives them from its memory limit.
     },
 }
 PROXY_ENV["allon"] = dict(PROXY_ENV["defaults"], FLEXINFER_PROXY_KEEPALIVE_INTERVAL="15s",
                           FLEXINFER_PROXY_API_KEYS_FILE="/etc/flexinfer-proxy/auth/keys",
-                          FLEXINFER_PROXY_WATCH_NAMESPACE="models")
-# Exactly what the proxy calls: watch Models and EndpointSlices, patch models/status.
+                          FLEXINFER_PROXY_WATCH_NAMESPACE="models",
+                          FLEXINFER_PROXY_MAX_BODY_BYTES="4194304",
+                          FLEXINFER_PROXY_BODY_MEMORY_BYTES="67108864")
+# Exactly what the proxy calls: watch Models, Services and EndpointSlices, patch models/status.
 PROXY_RULES = [
     (["ai.flexinfer"], ["models"], ["get", "list", "watch"]),
     (["ai.flexinfer"], ["models/status"], ["get", "patch"]),
+    ([""], ["services"], ["list", "watch"]),
     (["discovery.k8s.io"], ["endpointslices"], ["list", "watch"]),
 ]
-KINDS["allon"] = dict(KINDS["defaults"], PrometheusRule=1, ServiceMonitor=2, GPUProfile=3, ConfigMap=1)
+# All-on: proxy.watchNamespace=models, so one serving NetworkPolicy there.
+KINDS["allon"] = dict(KINDS["defaults"], PrometheusRule=1, ServiceMonitor=2, GPUProfile=3, ConfigMap=1,
+                      NetworkPolicy=1)
+# The labels the Model controller puts on a serving pod (crates/flexinfer-controller/src/model/render.rs,
+# child_labels) for a vLLM Model "m".
+SERVING_POD = {
+    "app.kubernetes.io/managed-by": "flexinfer", "app.kubernetes.io/part-of": "flexinfer",
+    "app.kubernetes.io/name": "vllm", "app.kubernetes.io/instance": "m",
+    "app.kubernetes.io/component": "inference-server", "flexinfer.ai/model": "m",
+}
 
 errors = []
 
@@ -205,7 +218,7 @@ def check_proxy(docs, mode):
         by.setdefault(d["kind"], []).append(d)
     want = ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
     if mode == "allon":
-        want = sorted(want + ["ServiceMonitor"])
+        want = sorted(want + ["NetworkPolicy", "ServiceMonitor"])
     check(sorted(by) == want, f"proxy objects {sorted(by)}")
     if "Deployment" not in by:
         return
@@ -265,6 +278,42 @@ def check_proxy(docs, mode):
           "proxy ClusterRoleBinding binds its ServiceAccount to its role")
 
 
+def check_netpol(docs, namespaces, extra_rules=0):
+    """One serving NetworkPolicy per namespace: serving pods, ingress only from the proxy pods on 8000."""
+    pols = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    got = sorted(d["metadata"]["namespace"] for d in pols)
+    check(got == sorted(namespaces), f"NetworkPolicy namespaces: want {sorted(namespaces)}, got {got}")
+    proxy = [d for d in docs if d["kind"] == "Deployment" and component(d) == "proxy"]
+    ctl = [d for d in docs if d["kind"] == "Deployment" and component(d) == "controller"]
+    for pol in pols:
+        ns = pol["metadata"]["namespace"]
+        spec = pol["spec"]
+        sel = spec["podSelector"]["matchLabels"]
+        check(subset(sel, SERVING_POD), f"{ns}: policy selects the serving pods ({sel})")
+        for d in proxy + ctl:
+            check(not subset(sel, d["spec"]["template"]["metadata"]["labels"]),
+                  f"{ns}: policy does not select {component(d)} pods")
+        check(spec["policyTypes"] == ["Ingress"], f"{ns}: policyTypes Ingress only")
+        rules = spec.get("ingress", [])
+        check(len(rules) == 1 + extra_rules, f"{ns}: {len(rules)} ingress rules, want {1 + extra_rules}")
+        if not rules or not proxy:
+            continue
+        peers = rules[0]["from"]
+        check(len(peers) == 1, f"{ns}: one peer (the proxy)")
+        peer = peers[0]
+        check(peer.get("namespaceSelector", {}).get("matchLabels") ==
+              {"kubernetes.io/metadata.name": proxy[0]["metadata"]["namespace"]},
+              f"{ns}: peer namespace is the proxy's ({peer.get('namespaceSelector')})")
+        check(peer.get("podSelector", {}).get("matchLabels") == proxy[0]["spec"]["selector"]["matchLabels"],
+              f"{ns}: peer pods are the proxy's")
+        check(subset(peer["podSelector"]["matchLabels"], proxy[0]["spec"]["template"]["metadata"]["labels"]),
+              f"{ns}: peer selector matches the proxy pods' labels")
+        for d in ctl:
+            check(not subset(peer["podSelector"]["matchLabels"], d["spec"]["template"]["metadata"]["labels"]),
+                  f"{ns}: peer selector does not admit controller pods")
+        check(rules[0]["ports"] == [{"port": 8000, "protocol": "TCP"}], f"{ns}: port 8000/TCP only")
+
+
 def check_static(docs, mode):
     counts = {}
     for d in docs:
@@ -274,6 +323,7 @@ def check_static(docs, mode):
     if deps:
         check_deployment(deps[0], mode)
     check_proxy(docs, mode)
+    check_netpol(docs, ["models"] if mode == "allon" else [])
     for d in docs:
         if d["kind"] == "ServiceAccount" and d["metadata"]["name"] == "flexinfer-worker":
             check(d.get("automountServiceAccountToken") is False, "worker SA must not automount its token")
@@ -302,6 +352,9 @@ def main():
     if sys.argv[1] == "live-env":
         dep = json.load(sys.stdin)
         check_env(dep, sys.argv[2])
+    elif sys.argv[1] == "netpol":
+        docs = [d for d in yaml.safe_load_all(sys.stdin) if d]
+        check_netpol(docs, [n for n in sys.argv[2].split(",") if n], int(sys.argv[3]) if len(sys.argv) > 3 else 0)
     else:
         docs = [d for d in yaml.safe_load_all(sys.stdin) if d]
         check_static(docs, sys.argv[1])

@@ -68,6 +68,24 @@ t "toggles off: no admission policy, no RBAC" bash -c "out=\$('$HELM' template x
 t "proxy.enabled=false: no proxy objects" bash -c "out=\$('$HELM' template x '$CHART' --set proxy.enabled=false) \
   && ! grep -q 'app.kubernetes.io/component: proxy' <<<\"\$out\" && grep -q 'component: controller' <<<\"\$out\""
 ts "schema rejects a bad proxy.keepaliveInterval" template x "$CHART" --set proxy.keepaliveInterval=often
+ts "schema rejects a non-numeric proxy.maxBodyBytes" template x "$CHART" --set proxy.maxBodyBytes=lots
+ts "schema rejects a proxy.bodyMemoryBytes under 1 MiB" template x "$CHART" --set proxy.bodyMemoryBytes=4096
+ts "schema rejects a bad proxy.networkPolicy.namespaces entry" template x "$CHART" --set 'proxy.networkPolicy.namespaces={Bad_NS}'
+# netpol NAMESPACES EXTRA_RULES HELM-ARGS...: the serving NetworkPolicies are exactly one per namespace listed
+netpol() { local want=$1 extra=$2; shift 2; "$HELM" template x "$CHART" -n rel "$@" | python3 "$HERE/check_render.py" netpol "$want" "$extra"; }
+t "NetworkPolicy: one per watchNamespaces, proxy.watchNamespace and networkPolicy.namespaces entry; only the proxy reaches serving pods" \
+  netpol a,b,c 0 --set 'watchNamespaces={a,b}' --set proxy.watchNamespace=a --set 'proxy.networkPolicy.namespaces={c,b}'
+t "NetworkPolicy: all-namespace install, only the listed namespaces" netpol x 0 --set 'proxy.networkPolicy.namespaces={x}'
+t "NetworkPolicy: all-namespace install, none listed: none" netpol "" 0
+t "NetworkPolicy: extraIngress rules are added after the proxy's" netpol a 1 --set 'watchNamespaces={a}' \
+  --set-json 'proxy.networkPolicy.extraIngress=[{"from":[{"namespaceSelector":{"matchLabels":{"kubernetes.io/metadata.name":"monitoring"}}}],"ports":[{"port":8000}]}]'
+t "NetworkPolicy: proxy.networkPolicy.enabled=false renders none" netpol "" 0 --set 'watchNamespaces={a}' --set proxy.networkPolicy.enabled=false
+t "NetworkPolicy: proxy.enabled=false renders none" netpol "" 0 --set 'watchNamespaces={a}' --set proxy.enabled=false
+t "proxy body limits: unset by default (the proxy derives them from its memory limit), rendered when set" bash -c \
+  "'$HELM' template x '$CHART' | grep -q FLEXINFER_PROXY_MAX_BODY_BYTES && exit 1
+   out=\$('$HELM' template x '$CHART' --set proxy.maxBodyBytes=1048576 --set proxy.bodyMemoryBytes=33554432 --show-only templates/proxy-deployment.yaml)
+   grep -A1 'name: FLEXINFER_PROXY_MAX_BODY_BYTES' <<<\"\$out\" | grep -q '\"1048576\"' \
+     && grep -A1 'name: FLEXINFER_PROXY_BODY_MEMORY_BYTES' <<<\"\$out\" | grep -q '\"33554432\"'"
 ts "schema rejects an unknown proxy key" template x "$CHART" --set proxy.bogus=1
 t "workerServiceAccount.additionalNamespaces creates SA per namespace" bash -c "'$HELM' template x '$CHART' -n a \
   --set 'workerServiceAccount.additionalNamespaces={b,c,a}' | python3 -c '
@@ -176,7 +194,8 @@ t "CRDs established" kubectl wait --for=condition=Established --timeout=60s \
 
 echo "== live: server-side dry-run of rendered chart"
 for mode in default allon; do
-  f=$([ $mode = default ] && echo "" || echo "-f $HERE/values-all-on.yaml")
+  # proxy.watchNamespace: the all-on serving NetworkPolicy goes to the namespace applied to.
+  f=$([ $mode = default ] && echo "" || echo "-f $HERE/values-all-on.yaml --set proxy.watchNamespace=$NS")
   # shellcheck disable=SC2086
   "$HELM" template "dry-$RUN_ID" "$CHART" -n "$NS" $f > "$T/ns-$mode.yaml"
   t "server-side dry-run: helm template ($mode), no PodSecurity (restricted) warnings" bash -c \
@@ -186,12 +205,17 @@ done
 
 echo "== live: helm install"
 INSTALL_ARGS=(-f "$HERE/values-all-on.yaml" --set "admissionPolicy.namespaceSelector.matchLabels.kubernetes\.io/metadata\.name=$NS"
-              --set "workerServiceAccount.additionalNamespaces={$NS-other}")
+              --set "workerServiceAccount.additionalNamespaces={$NS-other}" --set "proxy.watchNamespace=$NS-other")
 t "helm install" "$HELM" install "$REL" "$CHART" -n "$NS" "${INSTALL_ARGS[@]}"
 DEP=$REL-flexinfer-controller
 SA=system:serviceaccount:$NS:$REL-flexinfer-controller
 t "controller Deployment created with the expected env" bash -c \
   "kubectl -n '$NS' get deploy '$DEP' -o json | python3 '$HERE/check_render.py' live-env allon"
+t "the serving NetworkPolicy is in $NS-other (proxy.watchNamespace; accepted by the API server)" \
+  kubectl -n "$NS-other" get networkpolicy "$REL-flexinfer-proxy-serving"
+t "NOTES name the isolated namespaces, or say that none are (all-namespace install, none listed)" bash -c "set -e
+  '$HELM' get notes '$REL' -n '$NS' | grep -q 'Serving pods of Models in $NS-other accept connections only from flexinfer-proxy'
+  '$HELM' install '$REL-notes' '$CHART' -n '$NS-notes' --dry-run=client | grep -q 'serving pods of Models are reachable from any pod'"
 t "metrics Service, ServiceMonitor, PrometheusRule, GPUProfiles, worker SAs exist" bash -c "set -e
   kubectl -n '$NS' get svc/'$DEP-metrics' servicemonitor/'$DEP' prometheusrule/'$REL-flexinfer-alerts' >/dev/null
   [ \$(kubectl -n '$NS' get gpuprofiles -o name | wc -l) = 3 ]
@@ -277,10 +301,11 @@ sa_kubeconfig "$REL-flexinfer-proxy" "$T/proxy.kubeconfig"
 pcan() { kubectl --kubeconfig="$T/proxy.kubeconfig" auth can-i "$@" 2>/dev/null; }
 proxy_yes=("get models.ai.flexinfer" "list models.ai.flexinfer" "watch models.ai.flexinfer"
   "get models.ai.flexinfer --subresource=status" "patch models.ai.flexinfer --subresource=status"
-  "list endpointslices.discovery.k8s.io" "watch endpointslices.discovery.k8s.io")
+  "list endpointslices.discovery.k8s.io" "watch endpointslices.discovery.k8s.io" "list services" "watch services")
 proxy_no=("get secrets" "list secrets" "patch models.ai.flexinfer" "update models.ai.flexinfer" "create models.ai.flexinfer"
   "delete models.ai.flexinfer" "update models.ai.flexinfer --subresource=status" "get modelcaches.ai.flexinfer"
-  "create endpointslices.discovery.k8s.io" "patch deployments.apps" "create pods" "get pods" "create events")
+  "create endpointslices.discovery.k8s.io" "patch deployments.apps" "create pods" "get pods" "create events"
+  "create services" "patch services" "delete services")
 pbad=$(for v in "${proxy_yes[@]}"; do for n in "$NS" "$NS-other"; do
   # shellcheck disable=SC2086
   [ "$(pcan $v -n "$n")" = yes ] || echo "proxy may not: $v -n $n"; done; done
@@ -297,6 +322,8 @@ SREL=$REL-scoped
 kubectl create ns "$NS-scoped" >/dev/null && kubectl create ns "$NS-watched" >/dev/null
 t "helm install with watchNamespaces={$NS-watched}" "$HELM" install "$SREL" "$CHART" -n "$NS-scoped" \
   --set "watchNamespaces={$NS-watched}" --set admissionPolicy.enabled=false
+t "namespace-scoped: the serving NetworkPolicy is in $NS-watched (accepted by the API server)" \
+  kubectl -n "$NS-watched" get networkpolicy "$SREL-flexinfer-proxy-serving"
 t "namespace-scoped: no ClusterRole or ClusterRoleBinding of the release" bash -c \
   "[ -z \"\$(kubectl get clusterroles,clusterrolebindings -l app.kubernetes.io/instance='$SREL' -o name)\" ]"
 t "namespace-scoped: controller and proxy watch only $NS-watched" bash -c "set -e
@@ -320,7 +347,7 @@ for v in "list modelcaches.ai.flexinfer" "create jobs.batch" "delete persistentv
 done
 [ "$(scan get secrets -n "$NS-watched")" = no ] || sbad="$sbad|secrets allowed"
 [ "$(scan update leases.coordination.k8s.io -n "$NS-scoped")" = yes ] || sbad="$sbad|no Lease in the release namespace"
-for v in "list models.ai.flexinfer" "watch endpointslices.discovery.k8s.io" "patch models.ai.flexinfer --subresource=status"; do
+for v in "list models.ai.flexinfer" "watch endpointslices.discovery.k8s.io" "watch services" "patch models.ai.flexinfer --subresource=status"; do
   # shellcheck disable=SC2086
   [ "$(spcan $v -n "$NS-watched")" = yes ] || sbad="$sbad|proxy denied in $NS-watched: $v"
   # shellcheck disable=SC2086

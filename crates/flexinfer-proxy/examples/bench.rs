@@ -235,10 +235,23 @@ async fn main() {
     let addr = start_backend(ip).await;
     let pp = PatchParams::apply("flexinfer-proxy-bench").force();
     let models: Api<flexinfer_api::Model> = Api::namespaced(client.clone(), &ns);
-    models
+    let model = models
         .patch("bench", &pp, &Patch::Apply(json!({"apiVersion": "ai.flexinfer/v1alpha2", "kind": "Model",
             "metadata": {"name": "bench"},
             "spec": {"backend": "vllm", "source": "pvc://models/m", "gpu": {"vendor": "nvidia"}, "serverless": {"enabled": false}}})))
+        .await
+        .unwrap();
+    // The Service the Model controller would make (controlled by the Model; no selector, so the
+    // control plane's EndpointSlice controller leaves the slice below alone) and the slice
+    // Kubernetes would publish for it: the only kind the proxy uses.
+    let services: Api<k8s_openapi::api::core::v1::Service> = Api::namespaced(client.clone(), &ns);
+    let service = services
+        .patch("bench", &pp, &Patch::Apply(json!({"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": "bench", "labels": {"app.kubernetes.io/managed-by": "flexinfer",
+                "app.kubernetes.io/component": "inference-server"},
+                "ownerReferences": [{"apiVersion": "ai.flexinfer/v1alpha2", "kind": "Model", "name": "bench",
+                    "uid": model.metadata.uid, "controller": true}]},
+            "spec": {"ports": [{"name": "http", "port": 8000, "protocol": "TCP"}]}})))
         .await
         .unwrap();
     let slices: Api<k8s_openapi::api::discovery::v1::EndpointSlice> =
@@ -247,7 +260,10 @@ async fn main() {
         .patch("bench-1", &pp, &Patch::Apply(json!({
             "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
             "metadata": {"name": "bench-1", "labels": {"kubernetes.io/service-name": "bench",
-                "app.kubernetes.io/managed-by": "flexinfer", "app.kubernetes.io/component": "inference-server"}},
+                "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io",
+                "app.kubernetes.io/managed-by": "flexinfer", "app.kubernetes.io/component": "inference-server"},
+                "ownerReferences": [{"apiVersion": "v1", "kind": "Service", "name": "bench",
+                    "uid": service.metadata.uid, "controller": true}]},
             "addressType": "IPv4",
             "ports": [{"name": "http", "port": addr.port(), "protocol": "TCP"}],
             "endpoints": [{"addresses": [addr.ip().to_string()], "conditions": {"ready": true}}]})))

@@ -1,6 +1,6 @@
-//! What the proxy knows of the cluster: watch-based caches (kube-runtime reflectors) of Models
-//! and of the EndpointSlices of their Services, a change signal for requests waiting on a cold
-//! start, and the `status.lastActiveTime` writer.
+//! What the proxy knows of the cluster: watch-based caches (kube-runtime reflectors) of Models,
+//! their Services and those Services' EndpointSlices, a change signal for requests waiting on a
+//! cold start, and the `status.lastActiveTime` writer.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -11,6 +11,7 @@ use flexinfer_api::contract::{labels, proxy, serving};
 use flexinfer_api::Model;
 use futures::future::{BoxFuture, Shared};
 use futures::{FutureExt, StreamExt};
+use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
@@ -37,7 +38,7 @@ pub struct Cluster {
     /// One store per watched namespace (one for all namespaces when none is set).
     models: Vec<Store<Model>>,
     changes: watch::Receiver<u64>,
-    /// True once both caches have their initial lists.
+    /// True once every cache has its initial list.
     ready: watch::Receiver<bool>,
     /// This replica's last `lastActiveTime` write per Model (the cache may lag behind it).
     written: Arc<Mutex<HashMap<ModelKey, Timestamp>>>,
@@ -51,7 +52,11 @@ pub struct Cluster {
 /// the Model's ready backends, recomputed once per change of that Model's objects (not per waiter,
 /// and not for changes of other Models).
 struct Signals {
+    models: Vec<Store<Model>>,
+    services: Vec<Store<Service>>,
     slices: Vec<Store<EndpointSlice>>,
+    /// The `endpointslice.kubernetes.io/managed-by` value of the slices whose addresses are used.
+    slice_manager: String,
     /// Only Models someone waits for (or waited for) have a channel; entries whose receivers are
     /// all gone are dropped on the next change.
     subscribed: Mutex<HashMap<ModelKey, watch::Sender<Arc<Vec<String>>>>>,
@@ -64,8 +69,14 @@ struct Signals {
 impl Signals {
     fn backends(&self, key: &ModelKey) -> Vec<String> {
         self.backend_reads.fetch_add(1, Ordering::Relaxed);
+        let r = ObjectRef::new(&key.1).within(&key.0);
+        let Some(model) = self.models.iter().find_map(|s| s.get(&r)) else {
+            return Vec::new();
+        };
+        let r = ObjectRef::new(&key.1).within(&key.0);
+        let service = self.services.iter().find_map(|s| s.get(&r));
         let all: Vec<Arc<EndpointSlice>> = self.slices.iter().flat_map(|s| s.state()).collect();
-        endpoints::ready_backends(&all, &key.0, &key.1)
+        endpoints::ready_backends(&model, service.as_deref(), &all, &self.slice_manager)
     }
 
     fn subscribe(&self, key: &ModelKey) -> watch::Receiver<Arc<Vec<String>>> {
@@ -106,13 +117,19 @@ impl Signals {
     }
 }
 
-/// The Model whose objects an event is about: a Model itself, or an EndpointSlice of its Service
-/// (named after the Model). `None` for events about everything (a (re-)list).
+/// The Model whose objects an event is about: a Model itself, its Service or an EndpointSlice of
+/// its Service (both named after the Model). `None` for events about everything (a (re-)list).
 trait ModelOf {
     fn model_key(&self) -> Option<ModelKey>;
 }
 
 impl ModelOf for Model {
+    fn model_key(&self) -> Option<ModelKey> {
+        Some((self.namespace()?, self.name_any()))
+    }
+}
+
+impl ModelOf for Service {
     fn model_key(&self) -> Option<ModelKey> {
         Some((self.namespace()?, self.name_any()))
     }
@@ -145,88 +162,148 @@ where
     signals.changed(key);
 }
 
-/// Watch the Models and Model-Service EndpointSlices of one namespace (or all) into the given
-/// stores' writers; every change signals the Model it concerns.
-fn watch_scope(
-    client: &Client,
-    namespace: Option<&str>,
-    mut models: reflector::store::Writer<Model>,
-    mut slices: reflector::store::Writer<EndpointSlice>,
+/// The writing ends of one scope's stores.
+struct Writers {
+    models: reflector::store::Writer<Model>,
+    services: reflector::store::Writer<Service>,
+    slices: reflector::store::Writer<EndpointSlice>,
+}
+
+/// An API handle for one namespace, or all.
+fn api<K>(client: &Client, namespace: Option<&str>) -> Api<K>
+where
+    K: kube::Resource<Scope = kube::core::NamespaceResourceScope>,
+    K::DynamicType: Default,
+{
+    match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    }
+}
+
+/// Watch `api` (objects matching `config`) into `writer`, signalling each change.
+fn spawn_watch<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    mut writer: reflector::store::Writer<K>,
     signals: &Arc<Signals>,
-) {
-    let (models_api, slices_api): (Api<Model>, Api<EndpointSlice>) = match namespace {
-        Some(ns) => (
-            Api::namespaced(client.clone(), ns),
-            Api::namespaced(client.clone(), ns),
-        ),
-        None => (Api::all(client.clone()), Api::all(client.clone())),
-    };
-    // Kubernetes copies a Service's labels onto its EndpointSlices: this selects the slices
-    // of Model Services only.
-    let slice_selector = format!(
+    what: &'static str,
+) where
+    K: kube::Resource
+        + ModelOf
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone + Default,
+{
+    let s = signals.clone();
+    tokio::spawn(watcher(api, config).default_backoff().for_each(move |ev| {
+        match ev {
+            Ok(ev) => observe(&mut writer, &s, &ev),
+            Err(e) => warn!(error = %e, watch = what, "watch failed"),
+        }
+        futures::future::ready(())
+    }));
+}
+
+/// Watch the Models, the Model Services and their EndpointSlices of one namespace (or all) into
+/// the given stores' writers; every change signals the Model it concerns.
+fn watch_scope(client: &Client, namespace: Option<&str>, w: Writers, signals: &Arc<Signals>) {
+    // The Model controller labels its Services so, and Kubernetes copies a Service's labels
+    // onto its EndpointSlices: this selects Model Services and their slices only (plus any
+    // hand-made object carrying the labels, which endpoints::ready_backends refuses).
+    let selector = format!(
         "{}={},{}={}",
         labels::MANAGED_BY,
         labels::MANAGED_BY_VALUE,
         labels::COMPONENT,
         serving::COMPONENT
     );
-    let s = signals.clone();
-    tokio::spawn(
-        watcher(models_api, watcher::Config::default())
-            .default_backoff()
-            .for_each(move |ev| {
-                match ev {
-                    Ok(ev) => observe(&mut models, &s, &ev),
-                    Err(e) => warn!(error = %e, "Model watch"),
-                }
-                futures::future::ready(())
-            }),
+    let labelled = || watcher::Config::default().labels(&selector);
+    spawn_watch(
+        api(client, namespace),
+        watcher::Config::default(),
+        w.models,
+        signals,
+        "Model",
     );
-    let s = signals.clone();
-    tokio::spawn(
-        watcher(
-            slices_api,
-            watcher::Config::default().labels(&slice_selector),
-        )
-        .default_backoff()
-        .for_each(move |ev| {
-            match ev {
-                Ok(ev) => observe(&mut slices, &s, &ev),
-                Err(e) => warn!(error = %e, "EndpointSlice watch"),
-            }
-            futures::future::ready(())
-        }),
+    spawn_watch(
+        api(client, namespace),
+        labelled(),
+        w.services,
+        signals,
+        "Service",
+    );
+    spawn_watch(
+        api(client, namespace),
+        labelled(),
+        w.slices,
+        signals,
+        "EndpointSlice",
     );
 }
 
 impl Cluster {
     /// Start the watches (in background tasks) for each of `namespaces`, or all namespaces when
-    /// the list is empty (one pair of watches per namespace: a namespace-scoped install has no
-    /// cluster-wide list permission).
+    /// the list is empty (one set of watches per namespace: a namespace-scoped install has no
+    /// cluster-wide list permission). Backend addresses come only from the slices Kubernetes'
+    /// EndpointSlice controller computes for each Model's own Service ([`endpoints`]).
     pub fn start(client: Client, namespaces: &[String]) -> Self {
+        Self::start_with_slice_manager(client, namespaces, proxy::ENDPOINTSLICE_CONTROLLER)
+    }
+
+    /// [`Self::start`], using the slices whose `endpointslice.kubernetes.io/managed-by` is
+    /// `slice_manager` instead of Kubernetes' EndpointSlice controller's. For tests on a control
+    /// plane whose EndpointSlice controller would replace a slice published by hand for a Service
+    /// whose pods cannot run there; every other rule is the same.
+    pub fn start_with_slice_manager(
+        client: Client,
+        namespaces: &[String],
+        slice_manager: &str,
+    ) -> Self {
         let scopes: Vec<Option<&str>> = if namespaces.is_empty() {
             vec![None]
         } else {
             namespaces.iter().map(|n| Some(n.as_str())).collect()
         };
         let mut writers = Vec::new();
-        let (mut models, mut slices) = (Vec::new(), Vec::new());
+        let (mut models, mut services, mut slices) = (Vec::new(), Vec::new(), Vec::new());
         for _ in &scopes {
             let (m, mw) = reflector::store();
+            let (v, vw) = reflector::store();
             let (s, sw) = reflector::store();
             models.push(m);
+            services.push(v);
             slices.push(s);
-            writers.push((mw, sw));
+            writers.push(Writers {
+                models: mw,
+                services: vw,
+                slices: sw,
+            });
         }
-        let (cluster, signals) = Self::assemble(client, models.clone(), slices.clone());
-        for (ns, (mw, sw)) in scopes.into_iter().zip(writers) {
-            watch_scope(&cluster.client, ns, mw, sw, &signals);
+        let (cluster, signals) = Self::assemble(
+            client,
+            models.clone(),
+            services.clone(),
+            slices.clone(),
+            slice_manager,
+        );
+        for (ns, w) in scopes.into_iter().zip(writers) {
+            watch_scope(&cluster.client, ns, w, &signals);
         }
         // The only waiter on the stores' readiness: a store wakes one waiter only (its signal is
         // a oneshot channel), so everyone else waits on this channel.
         let (ready_tx, ready) = watch::channel(false);
         tokio::spawn(async move {
             for store in &models {
+                if store.wait_until_ready().await.is_err() {
+                    return;
+                }
+            }
+            for store in &services {
                 if store.wait_until_ready().await.is_err() {
                     return;
                 }
@@ -244,11 +321,16 @@ impl Cluster {
     fn assemble(
         client: Client,
         models: Vec<Store<Model>>,
+        services: Vec<Store<Service>>,
         slices: Vec<Store<EndpointSlice>>,
+        slice_manager: &str,
     ) -> (Self, Arc<Signals>) {
         let (tx, changes) = watch::channel(0u64);
         let signals = Arc::new(Signals {
+            models: models.clone(),
+            services,
             slices,
+            slice_manager: slice_manager.to_string(),
             subscribed: Mutex::default(),
             any: Arc::new(tx),
             backend_reads: AtomicU64::new(0),
@@ -271,19 +353,27 @@ impl Cluster {
     #[cfg(test)]
     pub(crate) fn offline(client: Client) -> (Self, Offline) {
         let (m, mw) = reflector::store();
+        let (v, vw) = reflector::store();
         let (s, sw) = reflector::store();
-        let (cluster, signals) = Self::assemble(client, vec![m], vec![s]);
+        let (cluster, signals) = Self::assemble(
+            client,
+            vec![m],
+            vec![v],
+            vec![s],
+            proxy::ENDPOINTSLICE_CONTROLLER,
+        );
         (
             cluster,
             Offline {
                 models: mw,
+                services: vw,
                 slices: sw,
                 signals,
             },
         )
     }
 
-    /// Both caches have their initial lists.
+    /// Every cache has its initial list.
     pub fn is_ready(&self) -> bool {
         *self.ready.borrow()
     }
@@ -430,6 +520,7 @@ impl Cluster {
 #[cfg(test)]
 pub(crate) struct Offline {
     models: reflector::store::Writer<Model>,
+    services: reflector::store::Writer<Service>,
     slices: reflector::store::Writer<EndpointSlice>,
     signals: Arc<Signals>,
 }
@@ -439,7 +530,79 @@ impl Offline {
     pub(crate) fn apply_model(&mut self, m: Model) {
         observe(&mut self.models, &self.signals, &watcher::Event::Apply(m));
     }
+    pub(crate) fn apply_service(&mut self, s: Service) {
+        observe(&mut self.services, &self.signals, &watcher::Event::Apply(s));
+    }
     pub(crate) fn apply_slice(&mut self, s: EndpointSlice) {
         observe(&mut self.slices, &self.signals, &watcher::Event::Apply(s));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use serde_json::json;
+
+    fn model(uid: &str) -> Model {
+        serde_json::from_value(json!({
+            "apiVersion": "ai.flexinfer/v1alpha2", "kind": "Model",
+            "metadata": {"name": "m", "namespace": "a", "uid": uid},
+            "spec": {"backend": "vllm", "source": "pvc://c/p"}
+        }))
+        .unwrap()
+    }
+
+    fn slice(name: &str, addr: &str, owned: bool) -> EndpointSlice {
+        let mut labels = json!({"kubernetes.io/service-name": "m",
+                                "app.kubernetes.io/managed-by": "flexinfer",
+                                "app.kubernetes.io/component": "inference-server"});
+        let mut owners = json!(null);
+        if owned {
+            labels["endpointslice.kubernetes.io/managed-by"] =
+                json!("endpointslice-controller.k8s.io");
+            owners = json!([{"apiVersion": "v1", "kind": "Service", "name": "m", "uid": "svc-1",
+                             "controller": true}]);
+        }
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": "a", "labels": labels, "ownerReferences": owners},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 8000}],
+            "endpoints": [{"addresses": [addr]}]
+        }))
+        .unwrap()
+    }
+
+    /// Through the stores: the backends of a Model come from its own Service's slices only, and
+    /// a Model that no longer controls the Service (deleted and made again) gets none.
+    #[tokio::test]
+    async fn backends_come_from_the_models_own_service_only() {
+        let url: http::Uri = "http://127.0.0.1:9".parse().unwrap();
+        let (cluster, mut feed) =
+            Cluster::offline(Client::try_from(kube::Config::new(url)).unwrap());
+        let key: ModelKey = ("a".into(), "m".into());
+        feed.apply_model(model("model-1"));
+        feed.apply_slice(slice("m-real", "10.0.0.1", true));
+        feed.apply_slice(slice("m-hand-made", "203.0.113.9", false));
+        assert!(cluster.backends(&key).is_empty(), "no Service yet");
+        let mut rx = cluster.subscribe(&key);
+        feed.apply_service(
+            serde_json::from_value(json!({
+                "metadata": {"name": "m", "namespace": "a", "uid": "svc-1", "ownerReferences": [
+                    {"apiVersion": "ai.flexinfer/v1alpha2", "kind": "Model", "name": "m",
+                     "uid": "model-1", "controller": true}]}
+            }))
+            .unwrap(),
+        );
+        assert!(
+            rx.has_changed().unwrap(),
+            "the Service's arrival signals the Model"
+        );
+        assert_eq!(*rx.borrow_and_update().clone(), vec!["10.0.0.1:8000"]);
+        assert_eq!(cluster.backends(&key), vec!["10.0.0.1:8000"]);
+        // The Model deleted and made again under the same name: the old Service is not its own.
+        feed.apply_model(model("model-2"));
+        assert!(rx.borrow_and_update().is_empty());
+        assert!(cluster.backends(&key).is_empty());
     }
 }

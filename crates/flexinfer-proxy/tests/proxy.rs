@@ -2,7 +2,9 @@
 //! backends are small OpenAI-compatible HTTP servers on this host (at its non-loopback address,
 //! which EndpointSlices accept), and the proxy runs in-process. The scale-from-zero test runs the
 //! real Model controller in-process and plays the kubelet/EndpointSlice controller's part (it
-//! publishes the endpoint once the Deployment is scaled up).
+//! publishes the endpoint once the Deployment is scaled up). Tests without the Model controller
+//! make the Service it would make (owned by the Model); endpoints are published as EndpointSlices
+//! owned by that Service, as Kubernetes' EndpointSlice controller writes them.
 //!
 //! Needs `KUBECONFIG` from `scripts/testenv/up.sh` (`api` is enough; `make test` sets it up).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
@@ -25,6 +27,7 @@ use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::jiff::Timestamp;
@@ -38,6 +41,13 @@ use tokio::sync::Notify;
 const WAIT: Duration = Duration::from_secs(60);
 const MANAGER: &str = "flexinfer-proxy-tests";
 const KEY: &str = "sk-test-key";
+/// `endpointslice.kubernetes.io/managed-by` of the slices published here for a Service the Model
+/// controller made: that Service selects the Model's pods, which cannot run here, so in cluster
+/// mode the control plane's own EndpointSlice controller would replace a slice labelled as its
+/// own. Proxies beside the Model controller trust this manager instead (every other rule holds).
+const TEST_SLICE_MANAGER: &str = "flexinfer-proxy-tests";
+/// Kubernetes' EndpointSlice controller: the manager every other proxy here trusts.
+const KCM_SLICE_MANAGER: &str = "endpointslice-controller.k8s.io";
 
 // ---------------------------------------------------------------------------------------------
 // control plane
@@ -106,16 +116,63 @@ async fn apply_model(client: &Client, ns: &str, name: &str, spec: Value) -> Mode
     .unwrap_or_else(|e| panic!("apply Model {name}: {e}"))
 }
 
-/// The EndpointSlice Kubernetes would publish for the Model's Service (labels copied from it).
+/// The Model and the Service the Model controller would make for it (named after it, labelled,
+/// controlled by it), for tests without the controller. Without a selector: Kubernetes'
+/// EndpointSlice controller leaves the slices of such a Service to whoever publishes them.
+async fn apply_served_model(client: &Client, ns: &str, name: &str, spec: Value) -> Model {
+    let m = apply_model(client, ns, name, spec).await;
+    let api: Api<Service> = Api::namespaced(client.clone(), ns);
+    let obj = json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": name, "labels": {
+            "app.kubernetes.io/managed-by": "flexinfer",
+            "app.kubernetes.io/component": "inference-server",
+        }, "ownerReferences": [{"apiVersion": "ai.flexinfer/v1alpha2", "kind": "Model",
+            "name": name, "uid": m.uid().unwrap(), "controller": true}]},
+        "spec": {"ports": [{"name": "http", "port": 8000, "protocol": "TCP"}]},
+    });
+    api.patch(
+        name,
+        &PatchParams::apply(MANAGER).force(),
+        &Patch::Apply(&obj),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("apply Service {name}: {e}"));
+    m
+}
+
+/// The EndpointSlice Kubernetes would publish for the Model's Service (labels copied from it,
+/// owned by it), once that Service exists.
 async fn publish_endpoint(client: &Client, ns: &str, model: &str, addr: SocketAddr, ready: bool) {
+    let services: Api<Service> = Api::namespaced(client.clone(), ns);
+    let svc = tokio::time::timeout(
+        WAIT,
+        await_condition(services, model, |s: Option<&Service>| s.is_some()),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("no Service {model}"))
+    .unwrap()
+    .unwrap();
+    let selects = svc
+        .spec
+        .as_ref()
+        .and_then(|s| s.selector.as_ref())
+        .is_some_and(|s| !s.is_empty());
+    let manager = if selects {
+        TEST_SLICE_MANAGER
+    } else {
+        KCM_SLICE_MANAGER
+    };
     let api: Api<EndpointSlice> = Api::namespaced(client.clone(), ns);
     let obj = json!({
         "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
         "metadata": {"name": format!("{model}-test"), "labels": {
             "kubernetes.io/service-name": model,
+            "endpointslice.kubernetes.io/managed-by": manager,
             "app.kubernetes.io/managed-by": "flexinfer",
             "app.kubernetes.io/component": "inference-server",
-        }},
+        }, "ownerReferences": [{"apiVersion": "v1", "kind": "Service", "name": model,
+            "uid": svc.uid().unwrap(), "controller": true, "blockOwnerDeletion": true}]},
         "addressType": "IPv4",
         "ports": [{"name": "http", "port": addr.port(), "protocol": "TCP"}],
         "endpoints": [{"addresses": [addr.ip().to_string()], "conditions": {"ready": ready}}],
@@ -301,7 +358,20 @@ struct TestProxy {
 }
 
 async fn start_proxy(client: &Client, ns: &str, keys: &str, keepalive: Duration) -> TestProxy {
-    let cluster = Cluster::start(client.clone(), &[ns.to_string()]);
+    start_proxy_trusting(client, ns, keys, keepalive, KCM_SLICE_MANAGER).await
+}
+
+/// A proxy using the slices `slice_manager` publishes ([`TEST_SLICE_MANAGER`] beside the Model
+/// controller).
+async fn start_proxy_trusting(
+    client: &Client,
+    ns: &str,
+    keys: &str,
+    keepalive: Duration,
+    slice_manager: &str,
+) -> TestProxy {
+    let cluster =
+        Cluster::start_with_slice_manager(client.clone(), &[ns.to_string()], slice_manager);
     assert!(cluster.wait_ready(WAIT).await, "proxy caches did not sync");
     let config = Config {
         api_keys: ApiKeys::parse(keys),
@@ -389,19 +459,46 @@ async fn proxy_routes_streams_and_authenticates() {
         json!({"backend": "vllm", "source": "pvc://models/m", "gpu": {"vendor": "nvidia"},
                                        "serverless": {"enabled": false}, "aliases": aliases})
     };
-    apply_model(
+    apply_served_model(
         &client,
         &ns,
         "m-a",
         spec(json!(["alias-a", "org/Model-A:v1"])),
     )
     .await;
-    apply_model(&client, &ns, "m-b", spec(json!([]))).await;
+    apply_served_model(&client, &ns, "m-b", spec(json!([]))).await;
+    // A hand-made slice carrying every label of m-a's real one (but no owner), pointing at m-b's
+    // backend: in the proxy's initial list, never used.
+    let hand_made = json!({
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": "m-a-hand-made", "labels": {
+            "kubernetes.io/service-name": "m-a",
+            "endpointslice.kubernetes.io/managed-by": KCM_SLICE_MANAGER,
+            "app.kubernetes.io/managed-by": "flexinfer",
+            "app.kubernetes.io/component": "inference-server",
+        }},
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": b.addr.port(), "protocol": "TCP"}],
+        "endpoints": [{"addresses": [b.addr.ip().to_string()]}],
+    });
+    Api::<EndpointSlice>::namespaced(client.clone(), &ns)
+        .patch(
+            "m-a-hand-made",
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(&hand_made),
+        )
+        .await
+        .unwrap();
     publish_endpoint(&client, &ns, "m-a", a.addr, true).await;
     publish_endpoint(&client, &ns, "m-b", b.addr, true).await;
     let p = start_proxy(&client, &ns, KEY, Duration::from_secs(30)).await;
     p.wait_routable(&ns, "m-a", 1).await;
     p.wait_routable(&ns, "m-b", 1).await;
+    assert_eq!(
+        p.proxy.cluster.backends(&(ns.clone(), "m-a".to_string())),
+        vec![a.addr.to_string()],
+        "only the slice of m-a's own Service is used"
+    );
     let url = p.url.as_str();
 
     // Auth: no key, a wrong key, the right key.
@@ -706,7 +803,14 @@ async fn proxy_scales_from_zero_keeps_alive_and_lets_idle() {
     .await
     .unwrap()
     .unwrap();
-    let p = start_proxy(&client, &ns, "", Duration::from_secs(30)).await;
+    let p = start_proxy_trusting(
+        &client,
+        &ns,
+        "",
+        Duration::from_secs(30),
+        TEST_SLICE_MANAGER,
+    )
+    .await;
     p.wait_routable(&ns, "cold", 0).await;
 
     // A request for the idle Model marks it active; the controller scales it up; the request
@@ -948,7 +1052,7 @@ async fn proxy_last_active_time_is_throttled_across_replicas() {
     let tns = TestNamespace::new(&client, "proxy-throttle").await.unwrap();
     let ns = tns.name.clone();
     let backend = start_backend("shared").await;
-    apply_model(
+    apply_served_model(
         &client,
         &ns,
         "busy",
@@ -1062,7 +1166,14 @@ async fn proxy_shared_gpu_group_preempts_serves_and_hands_the_lane_back() {
     .expect("the warm primary takes the lane")
     .unwrap();
     publish_endpoint(&client, &ns, "primary", primary_backend.addr, true).await;
-    let p = start_proxy(&client, &ns, "", Duration::from_secs(30)).await;
+    let p = start_proxy_trusting(
+        &client,
+        &ns,
+        "",
+        Duration::from_secs(30),
+        TEST_SLICE_MANAGER,
+    )
+    .await;
     p.wait_routable(&ns, "primary", 1).await;
     let r = post(
         &p.url,
@@ -1271,7 +1382,7 @@ async fn proxy_works_with_the_official_openai_python_client() {
     let tns = TestNamespace::new(&client, "proxy-openai").await.unwrap();
     let ns = tns.name.clone();
     let backend = start_backend("py").await;
-    apply_model(
+    apply_served_model(
         &client,
         &ns,
         "py-model",
@@ -1323,7 +1434,7 @@ async fn proxy_replica_killed_mid_stream_the_other_serves() {
     let tns = TestNamespace::new(&client, "proxy-ha").await.unwrap();
     let ns = tns.name.clone();
     let backend = start_backend("ha").await;
-    apply_model(
+    apply_served_model(
         &client,
         &ns,
         "ha-model",

@@ -33,7 +33,8 @@ fn test_config() -> Config {
 fn model(name: &str, cold_start_timeout: &str) -> flexinfer_api::Model {
     serde_json::from_value(serde_json::json!({
         "apiVersion": "ai.flexinfer/v1alpha2", "kind": "Model",
-        "metadata": {"name": name, "namespace": NS, "resourceVersion": "1"},
+        "metadata": {"name": name, "namespace": NS, "resourceVersion": "1",
+                     "uid": format!("uid-{name}")},
         "spec": {"backend": "vllm", "source": "pvc://c/p",
                  "serverless": {"enabled": true, "minReplicas": 0,
                                 "coldStartTimeout": cold_start_timeout}}
@@ -41,13 +42,32 @@ fn model(name: &str, cold_start_timeout: &str) -> flexinfer_api::Model {
     .unwrap()
 }
 
+/// The Model and the Service the Model controller makes for it.
+fn add_model(feed: &mut Offline, m: flexinfer_api::Model) {
+    let name = m.metadata.name.clone().unwrap();
+    let svc = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": name, "namespace": NS, "uid": format!("svc-{name}"),
+                     "ownerReferences": [{"apiVersion": "ai.flexinfer/v1alpha2", "kind": "Model",
+                                          "name": name, "uid": format!("uid-{name}"),
+                                          "controller": true}]}
+    }))
+    .unwrap();
+    feed.apply_model(m);
+    feed.apply_service(svc);
+}
+
+/// A slice as Kubernetes' EndpointSlice controller writes it for the Model's Service.
 fn slice(model: &str, name: &str, port: u16) -> k8s_openapi::api::discovery::v1::EndpointSlice {
     serde_json::from_value(serde_json::json!({
         "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
         "metadata": {"name": name, "namespace": NS, "labels": {
             "kubernetes.io/service-name": model,
+            "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io",
             "app.kubernetes.io/managed-by": "flexinfer",
-            "app.kubernetes.io/component": "inference-server"}},
+            "app.kubernetes.io/component": "inference-server"},
+            "ownerReferences": [{"apiVersion": "v1", "kind": "Service", "name": model,
+                                 "uid": format!("svc-{model}"), "controller": true}]},
         "addressType": "IPv4",
         "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
         "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": true}}]
@@ -259,7 +279,7 @@ async fn a_backend_that_sends_no_headers_is_answered_504() {
             held.push(s);
         }
     });
-    h.feed.apply_model(model("m", "30s"));
+    add_model(&mut h.feed, model("m", "30s"));
     h.feed.apply_slice(slice("m", "m-1", port));
     let (status, _, body) = chat(&h.url, "m").await;
     assert_eq!(status, 504, "{}", String::from_utf8_lossy(&body));
@@ -272,7 +292,7 @@ async fn requests_over_a_models_limit_are_answered_429_with_retry_after() {
         ..test_config()
     })
     .await;
-    h.feed.apply_model(model("cold", "2s"));
+    add_model(&mut h.feed, model("cold", "2s"));
     let all: Vec<_> = (0..10).map(|_| chat(&h.url, "cold")).collect();
     let started = Instant::now();
     let answers = futures::future::join_all(all).await;
@@ -300,7 +320,7 @@ async fn requests_over_the_global_limit_and_queue_are_answered_429() {
         ..test_config()
     })
     .await;
-    h.feed.apply_model(model("cold", "1s"));
+    add_model(&mut h.feed, model("cold", "1s"));
     let all: Vec<_> = (0..10).map(|_| chat(&h.url, "cold")).collect();
     let answers = futures::future::join_all(all).await;
     let statuses: Vec<u16> = answers.iter().map(|a| a.0).collect();
@@ -329,7 +349,7 @@ async fn eight_wide_bodies_at_once_are_refused_within_the_body_budget() {
         ..test_config()
     })
     .await;
-    h.feed.apply_model(model("m", "30s"));
+    add_model(&mut h.feed, model("m", "30s"));
     let mut wide = Vec::with_capacity(8_000_010);
     wide.extend_from_slice(br#"{"model":["#);
     while wide.len() < 8_000_000 {
@@ -360,8 +380,8 @@ async fn a_request_that_finds_no_body_room_in_time_is_answered_429() {
         ..test_config()
     })
     .await;
-    h.feed.apply_model(model("cold", "3s"));
-    h.feed.apply_model(model("warm", "3s"));
+    add_model(&mut h.feed, model("cold", "3s"));
+    add_model(&mut h.feed, model("warm", "3s"));
     let url = h.url.clone();
     let held = tokio::spawn(async move {
         post(
@@ -407,7 +427,7 @@ async fn counting_backend(hold: Duration) -> (u16, Arc<AtomicUsize>) {
 #[tokio::test]
 async fn a_cold_start_writes_last_active_time_once_and_releases_waiters_a_few_at_a_time() {
     let mut h = harness(test_config()).await;
-    h.feed.apply_model(model("m", "30s"));
+    add_model(&mut h.feed, model("m", "30s"));
     let (port, max_at_once) = counting_backend(Duration::from_millis(150)).await;
     let url = h.url.clone();
     let all = tokio::spawn(async move {
@@ -434,8 +454,8 @@ async fn a_cold_start_writes_last_active_time_once_and_releases_waiters_a_few_at
 #[tokio::test]
 async fn waiters_are_woken_only_by_their_own_models_changes() {
     let mut h = harness(test_config()).await;
-    h.feed.apply_model(model("cold", "30s"));
-    h.feed.apply_model(model("busy", "30s"));
+    add_model(&mut h.feed, model("cold", "30s"));
+    add_model(&mut h.feed, model("busy", "30s"));
     let url = h.url.clone();
     let waiting = tokio::spawn(async move {
         let all: Vec<_> = (0..10).map(|_| chat(&url, "cold")).collect();
@@ -485,7 +505,7 @@ async fn stampede_on_a_cold_model() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(2000);
     let mut h = harness(Config::default()).await;
-    h.feed.apply_model(model("m", "60s"));
+    add_model(&mut h.feed, model("m", "60s"));
     let (port, max_at_once) = counting_backend(Duration::from_millis(20)).await;
     let answered: Arc<Mutex<Vec<u16>>> = Arc::default();
     let started = Instant::now();
