@@ -34,6 +34,10 @@ ENV = {
         "FLEXINFER_QUANTIZER_IMAGE_GPTQ": W + "-cuda",
         # Models with backend llamacpp default to the llama.cpp image FlexInfer builds (CPU flavor).
         "FLEXINFER_RUNTIME_IMAGE_LLAMACPP": "ghcr.io/flexinfer/flexinfer-llamacpp:" + APP,
+        # Each Model's NetworkPolicy admits only the release's proxy pods (proxy and its policy on by default).
+        "FLEXINFER_PROXY_NAMESPACE": "flexinfer-system",
+        "FLEXINFER_PROXY_POD_LABELS": "app.kubernetes.io/name=flexinfer,app.kubernetes.io/instance=flexinfer,"
+                                      "app.kubernetes.io/component=proxy",
     },
     "allon": {
         "RUST_LOG": "info",
@@ -58,6 +62,9 @@ ENV = {
         "FLEXINFER_GPU_SUPPLEMENTAL_GROUPS": "44,110",
         "FLEXINFER_RUNTIME_IMAGE_VLLM": "registry.example.com/vllm/vllm-openai:v0.9.2",
         "FLEXINFER_RUNTIME_IMAGE_LLAMACPP": "registry.example.com/flexinfer/llamacpp:7",
+        "FLEXINFER_PROXY_NAMESPACE": "flexinfer-system",
+        "FLEXINFER_PROXY_POD_LABELS": "app.kubernetes.io/name=flexinfer,app.kubernetes.io/instance=flexinfer,"
+                                      "app.kubernetes.io/component=proxy",
         "FLEXINFER_RETRY_BASE_SECONDS": "30",
     },
 }
@@ -351,7 +358,13 @@ def check_static(docs, mode):
 def main():
     if sys.argv[1] == "live-env":
         dep = json.load(sys.stdin)
-        check_env(dep, sys.argv[2])
+        # The proxy peer names the installed release and its namespace.
+        meta = dep["metadata"]
+        rel = meta.get("labels", {}).get("app.kubernetes.io/instance", "")
+        want = dict(ENV[sys.argv[2]], FLEXINFER_PROXY_NAMESPACE=meta["namespace"],
+                    FLEXINFER_PROXY_POD_LABELS="app.kubernetes.io/name=flexinfer,app.kubernetes.io/instance="
+                    f"{rel},app.kubernetes.io/component=proxy")
+        check_env(dep, sys.argv[2], {sys.argv[2]: want})
     elif sys.argv[1] == "netpol":
         docs = [d for d in yaml.safe_load_all(sys.stdin) if d]
         check_netpol(docs, [n for n in sys.argv[2].split(",") if n], int(sys.argv[3]) if len(sys.argv) > 3 else 0)

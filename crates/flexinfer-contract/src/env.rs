@@ -208,6 +208,11 @@ pub mod controller {
     pub const NAMESPACE: &str = "FLEXINFER_NAMESPACE";
     /// Root directory `local://` sources are confined to.
     pub const LOCAL_SOURCE_ROOT: &str = "FLEXINFER_LOCAL_SOURCE_ROOT";
+    /// The namespace of flexinfer-proxy. With [`PROXY_POD_LABELS`] set, every Model gets a NetworkPolicy (its
+    /// name, owned by it) that admits only the proxy pods to its serving pods' port.
+    pub const PROXY_NAMESPACE: &str = "FLEXINFER_PROXY_NAMESPACE";
+    /// The proxy pods' labels, `key=value` pairs separated by commas (the chart's proxy selector labels).
+    pub const PROXY_POD_LABELS: &str = "FLEXINFER_PROXY_POD_LABELS";
     /// Default serving image per backend: `FLEXINFER_RUNTIME_IMAGE_<BACKEND>`.
     pub fn runtime_image(backend: &str) -> String {
         format!("FLEXINFER_RUNTIME_IMAGE_{}", backend.to_ascii_uppercase())

@@ -10,6 +10,7 @@ use flexinfer_api::model::ModelPhase;
 use flexinfer_api::{GPUProfile, Model, ModelCache};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Pod, Service};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::controller::Action;
@@ -167,6 +168,11 @@ async fn apply_children(
     Api::<Service>::namespaced(client.clone(), ns)
         .patch(&name, &pp, &Patch::Apply(&r.service))
         .await?;
+    if let Some(policy) = &r.network_policy {
+        Api::<NetworkPolicy>::namespaced(client.clone(), ns)
+            .patch(&name, &pp, &Patch::Apply(policy))
+            .await?;
+    }
     let mut rollout = plan::rollout(&applied, plan.replicas.replicas);
     if plan::needs_pod_count(&rollout) {
         let lp = ListParams::default().labels(&format!("{}={}", labels::MODEL, name));

@@ -14,6 +14,7 @@ use flexinfer_api::modelcache::{CachePhase, QuantFormat};
 use flexinfer_api::{GPUProfile, Model, ModelCache};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{EnvVar, Service};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::ResourceExt;
 
 use super::backends::{self, Artifact};
@@ -21,7 +22,9 @@ pub use super::problem::{CachedState, ConfigProblem};
 use super::source::{parse_cache_path, parse_source, Source};
 
 mod objects;
-use objects::{deployment, merge_env, pod_template, resources, service, serving_home_env};
+use objects::{
+    deployment, merge_env, network_policy, pod_template, resources, service, serving_home_env,
+};
 
 /// Controller-level rendering settings.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -33,6 +36,42 @@ pub struct RenderConfig {
     pub canary_max_idle: Option<std::time::Duration>,
     /// `FLEXINFER_GPU_SUPPLEMENTAL_GROUPS`: supplemental groups of serving pods that request a GPU.
     pub gpu_supplemental_groups: Vec<i64>,
+    /// `FLEXINFER_PROXY_NAMESPACE` + `FLEXINFER_PROXY_POD_LABELS`: the proxy pods that alone may reach
+    /// serving pods (each Model gets a NetworkPolicy); `None`: no policy.
+    pub proxy_peer: Option<ProxyPeer>,
+}
+
+/// Where flexinfer-proxy runs: the one peer a Model's NetworkPolicy admits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProxyPeer {
+    pub namespace: String,
+    pub labels: BTreeMap<String, String>,
+}
+
+/// `key=value,key=value` (label keys and values as Kubernetes allows them, at least one pair).
+fn parse_labels(s: &str) -> Result<BTreeMap<String, String>, String> {
+    let mut out = BTreeMap::new();
+    for pair in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (k, v) = pair
+            .split_once('=')
+            .ok_or_else(|| format!("{pair:?} is not key=value"))?;
+        let (k, v) = (k.trim(), v.trim());
+        let key_ok = !k.is_empty()
+            && k.len() <= 253
+            && k.chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_./".contains(c));
+        let value_ok = v.len() <= 63
+            && v.chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+        if !key_ok || !value_ok {
+            return Err(format!("{pair:?} is not a valid label"));
+        }
+        out.insert(k.to_string(), v.to_string());
+    }
+    if out.is_empty() {
+        return Err("expected key=value pairs separated by commas".into());
+    }
+    Ok(out)
 }
 
 impl RenderConfig {
@@ -64,6 +103,13 @@ impl RenderConfig {
                     crate::pod_security::parse_groups,
                 )?
                 .unwrap_or_default(),
+            proxy_peer: match (
+                s.text(env::controller::PROXY_NAMESPACE),
+                s.parsed(env::controller::PROXY_POD_LABELS, parse_labels)?,
+            ) {
+                (Some(namespace), Some(labels)) => Some(ProxyPeer { namespace, labels }),
+                _ => None,
+            },
         })
     }
 
@@ -102,6 +148,8 @@ pub struct Rendered {
     pub cached: CachedState,
     /// Artifact format, when known.
     pub format: Option<QuantFormat>,
+    /// Admits only flexinfer-proxy to the serving pods (with [`RenderConfig::proxy_peer`]).
+    pub network_policy: Option<NetworkPolicy>,
 }
 
 /// How the reconciler should find the GPUProfile of a Model.
@@ -277,6 +325,10 @@ pub fn render(
     Ok(Rendered {
         deployment: deployment(model, pod),
         service: service(model),
+        network_policy: config
+            .proxy_peer
+            .as_ref()
+            .map(|peer| network_policy(model, peer)),
         served_path,
         cached,
         format,

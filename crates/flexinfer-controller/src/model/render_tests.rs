@@ -577,3 +577,67 @@ fn serving_pods_are_hardened_like_jobs() {
     let spec = pod(&RenderConfig::default(), &p2);
     assert_eq!(env(&spec.containers[0], "HOME").as_deref(), Some("/root"));
 }
+
+/// With the proxy configured (`FLEXINFER_PROXY_NAMESPACE` + `FLEXINFER_PROXY_POD_LABELS`), each Model gets a
+/// NetworkPolicy owned by it that selects exactly its serving pods and admits only the proxy pods of the
+/// proxy's namespace on the serving port; without them, none. Bad labels are a setting error naming the
+/// variable.
+#[test]
+fn network_policy_admits_only_the_proxy() {
+    let m = model(
+        "llm",
+        serde_json::json!({"backend": "vllm", "source": "pvc://c/p", "gpu": {"vendor": "nvidia"}}),
+    );
+    let none = render(&m, None, None, &RenderConfig::default()).unwrap_or_else(|e| panic!("{e}"));
+    assert!(none.network_policy.is_none());
+    let vars = std::collections::BTreeMap::from([
+        (env::controller::PROXY_NAMESPACE, "flexinfer-system"),
+        (
+            env::controller::PROXY_POD_LABELS,
+            "app.kubernetes.io/instance=flexinfer, app.kubernetes.io/component=proxy",
+        ),
+    ]);
+    let settings = crate::settings::Settings::new(|k: &str| vars.get(k).map(|v| v.to_string()));
+    let cfg = RenderConfig::from_settings(&settings).unwrap_or_else(|e| panic!("{e}"));
+    let r = render(&m, None, None, &cfg).unwrap_or_else(|e| panic!("{e}"));
+    let np = serde_json::to_value(r.network_policy.expect("a NetworkPolicy")).expect("json");
+    let pods = serde_json::to_value(
+        r.deployment
+            .spec
+            .as_ref()
+            .and_then(|s| s.template.metadata.as_ref())
+            .and_then(|m| m.labels.clone()),
+    )
+    .expect("json");
+    assert_eq!(np["metadata"]["name"], "llm");
+    assert_eq!(np["metadata"]["ownerReferences"][0]["kind"], "Model");
+    assert_eq!(np["metadata"]["ownerReferences"][0]["controller"], true);
+    let sel = np["spec"]["podSelector"]["matchLabels"]
+        .as_object()
+        .expect("pod selector");
+    assert!(
+        !sel.is_empty() && sel.iter().all(|(k, v)| pods[k] == *v),
+        "the policy selects the serving pods: {sel:?} vs {pods}"
+    );
+    assert_eq!(np["spec"]["policyTypes"], serde_json::json!(["Ingress"]));
+    assert_eq!(
+        np["spec"]["ingress"],
+        serde_json::json!([{
+            "from": [{
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "flexinfer-system"}},
+                "podSelector": {"matchLabels": {"app.kubernetes.io/instance": "flexinfer",
+                                                "app.kubernetes.io/component": "proxy"}},
+            }],
+            "ports": [{"port": 8000, "protocol": "TCP"}],
+        }])
+    );
+    for bad in ["component", "a=b,c", "a=b c", "=x"] {
+        let vars = std::collections::BTreeMap::from([
+            (env::controller::PROXY_NAMESPACE, "ns"),
+            (env::controller::PROXY_POD_LABELS, bad),
+        ]);
+        let settings = crate::settings::Settings::new(|k: &str| vars.get(k).map(|v| v.to_string()));
+        let e = RenderConfig::from_settings(&settings).expect_err(bad);
+        assert!(e.to_string().contains("FLEXINFER_PROXY_POD_LABELS"), "{e}");
+    }
+}

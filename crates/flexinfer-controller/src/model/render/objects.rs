@@ -1,5 +1,5 @@
 //! The typed children of a rendered Model: the pod template (env, resources, tolerations, volumes), the
-//! Deployment and the Service.
+//! Deployment, the Service and the NetworkPolicy.
 
 use std::collections::BTreeMap;
 
@@ -15,7 +15,12 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::{Resource, ResourceExt};
 
-use super::{child_labels, object_labels, selector, Artifact, GpuSettings};
+use k8s_openapi::api::networking::v1::{
+    NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPeer, NetworkPolicyPort,
+    NetworkPolicySpec,
+};
+
+use super::{child_labels, object_labels, selector, Artifact, GpuSettings, ProxyPeer};
 
 /// Later variables replace earlier ones of the same name (the replacement goes last).
 /// The serving pod runs as a user that the image's `/etc/passwd` may not know, so its `HOME`
@@ -199,5 +204,42 @@ pub(super) fn service(model: &Model) -> Service {
             ..Default::default()
         }),
         status: None,
+    }
+}
+
+/// Ingress to the Model's serving pods only from the proxy pods (their namespace and labels), on the serving
+/// port. Kubelet probes come from the node, which NetworkPolicy admits; the controller never connects.
+pub(super) fn network_policy(model: &Model, peer: &ProxyPeer) -> NetworkPolicy {
+    NetworkPolicy {
+        metadata: child_meta(model),
+        spec: Some(NetworkPolicySpec {
+            pod_selector: Some(LabelSelector {
+                match_labels: Some(selector(model)),
+                ..Default::default()
+            }),
+            policy_types: Some(vec!["Ingress".into()]),
+            ingress: Some(vec![NetworkPolicyIngressRule {
+                from: Some(vec![NetworkPolicyPeer {
+                    namespace_selector: Some(LabelSelector {
+                        match_labels: Some(BTreeMap::from([(
+                            "kubernetes.io/metadata.name".to_string(),
+                            peer.namespace.clone(),
+                        )])),
+                        ..Default::default()
+                    }),
+                    pod_selector: Some(LabelSelector {
+                        match_labels: Some(peer.labels.clone()),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }]),
+                ports: Some(vec![NetworkPolicyPort {
+                    port: Some(IntOrString::Int(serving::PORT)),
+                    protocol: Some("TCP".into()),
+                    ..Default::default()
+                }]),
+            }]),
+            ..Default::default()
+        }),
     }
 }
