@@ -1099,6 +1099,26 @@ async fn real_pipeline_gguf_served_by_llama_server() -> Result<()> {
         pv["spec"]["containers"][0]["image"],
         e.llamacpp_image
     );
+    // The Model's own NetworkPolicy (the chart enables it with the proxy): its serving pods, the proxy only.
+    let policies: Api<k8s_openapi::api::networking::v1::NetworkPolicy> =
+        Api::namespaced(c.clone(), &e.ns);
+    let np = serde_json::to_value(
+        policies
+            .get(name)
+            .await
+            .context("the Model's NetworkPolicy")?,
+    )?;
+    ensure!(
+        np["metadata"]["ownerReferences"][0]["kind"] == "Model"
+            && np["spec"]["podSelector"]["matchLabels"]["flexinfer.ai/model"] == name
+            && np["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+                ["app.kubernetes.io/component"]
+                == "proxy"
+            && np["spec"]["ingress"][0]["from"][0]["namespaceSelector"]["matchLabels"]
+                ["kubernetes.io/metadata.name"]
+                == e.controller_ns.as_str(),
+        "the Model's NetworkPolicy: {np}"
+    );
     // It is llama-server that answers, with our file: its own /props endpoint names the model path.
     let ip = pod
         .status
