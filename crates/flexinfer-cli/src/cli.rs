@@ -100,7 +100,7 @@ pub enum QuantizeSub {
     Recommend(RecommendArgs),
     /// Quality gate: compare candidate against baseline perplexity and acceptance rate
     Validate(ValidateArgs),
-    /// Check a quantized artifact directory (config, tensors, shards, quality sidecar)
+    /// Check a quantized artifact: a GPTQ directory (config, tensors, shards, quality sidecar) or GGUF files (header, metadata, tensors, splits)
     ValidateArtifact(ValidateArtifactArgs),
 }
 
@@ -155,12 +155,12 @@ pub struct ValidateArgs {
 
 #[derive(Debug, Args)]
 pub struct ValidateArtifactArgs {
-    /// Artifact directory (e.g. the mounted cache's gptq-w4-g128)
+    /// Artifact directory (e.g. the mounted cache's gptq-w4-g128 or gguf-q4_k_m) or a .gguf file
     #[arg(long, value_name = "DIR")]
     pub path: PathBuf,
-    /// Expected layout
-    #[arg(long, default_value = "vllm-gptq", value_name = "LAYOUT")]
-    pub layout: String,
+    /// Expected layout: vllm-gptq or gguf [default: gguf when the path is or holds .gguf files, else vllm-gptq]
+    #[arg(long, value_name = "LAYOUT")]
+    pub layout: Option<String>,
     /// Expected model family, matched against config.json model_type (e.g. llama, qwen35, gemma4-26b-a4b)
     #[arg(long, value_name = "F")]
     pub family: Option<String>,
@@ -170,6 +170,9 @@ pub struct ValidateArtifactArgs {
     /// Skip the sha256 of shards (sizes are still checked)
     #[arg(long)]
     pub no_sha256: bool,
+    /// GGUF: run a short greedy generation with llama.cpp (llama-completion or llama-cli on PATH; skipped when neither is)
+    #[arg(long)]
+    pub run_generation: bool,
 }
 
 #[derive(Debug, Args)]
@@ -279,10 +282,11 @@ fn validate_cmd(a: &ValidateArgs, out: Format) -> Result<(String, i32), CliError
 fn validate_artifact_cmd(a: &ValidateArtifactArgs, out: Format) -> Result<(String, i32), CliError> {
     let report = artifact::validate(
         &a.path,
-        &a.layout,
+        a.layout.as_deref(),
         &artifact::Options {
             family: a.family.clone(),
             skip_sha256: a.no_sha256,
+            run_generation: a.run_generation,
         },
     )
     .map_err(|e| bad(e.to_string()))?;

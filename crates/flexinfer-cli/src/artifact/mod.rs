@@ -1,4 +1,5 @@
-//! `flexinfer quantize validate-artifact --layout vllm-gptq`: a native check that a GPTQ
+//! `flexinfer quantize validate-artifact`: for GGUF (`--layout gguf`, chosen when the path is or
+//! holds `.gguf` files) the checks of [`gguf`]; for `--layout vllm-gptq`, a native check that a GPTQ
 //! checkpoint directory is what vLLM (Marlin/ExLlama) and transformers load (docs/dev/gptq.md §2),
 //! that the save completed (`.save-complete` sizes and sha256) and that the quality gate passed.
 //!
@@ -7,6 +8,7 @@
 //! linear), [`quality`] (the sidecar); [`read`] reads the files within their limits.
 
 mod config;
+pub mod gguf;
 mod linear;
 mod quality;
 mod read;
@@ -39,6 +41,9 @@ pub struct Report {
     pub shards: usize,
     pub tensors: usize,
     pub quantized_linears: usize,
+    /// The GGUF models (layout `gguf`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub gguf: Vec<gguf::GgufModel>,
 }
 
 impl Report {
@@ -64,6 +69,9 @@ impl Report {
         for w in &self.warnings {
             s.push_str(&format!("WARNING [{}] {}\n", w.check, w.message));
         }
+        for m in &self.gguf {
+            s.push_str(&render_gguf(m));
+        }
         s.push_str(&format!(
             "{}: {} ({} shard(s), {} tensors, {} quantized linears, {} defect(s), {} warning(s))\n",
             if self.ok { "OK" } else { "INVALID" },
@@ -78,6 +86,50 @@ impl Report {
     }
 }
 
+/// Human lines for one GGUF model: what it is, its tensors by type, its metadata, the generation.
+fn render_gguf(m: &gguf::GgufModel) -> String {
+    let mut s = format!(
+        "GGUF {}: {} {}, {} file(s), {:.1} MB, {} tensors ({})\n",
+        m.file,
+        m.architecture.as_deref().unwrap_or("(no architecture)"),
+        m.file_type.as_deref().unwrap_or("(no file type)"),
+        m.files,
+        m.size_bytes as f64 / 1e6,
+        m.tensors,
+        m.tensors_by_type
+            .iter()
+            .map(|(t, n)| format!("{t} {n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    if !m.metadata.is_empty() {
+        let md: Vec<String> = m
+            .metadata
+            .iter()
+            .map(|(k, v)| match v {
+                serde_json::Value::String(t) => format!("{k}={t}"),
+                v => format!("{k}={v}"),
+            })
+            .collect();
+        s.push_str(&format!("  metadata: {}\n", md.join(" ")));
+    }
+    if let Some(g) = &m.generation {
+        match (&g.tool, &g.skipped) {
+            (_, Some(why)) => s.push_str(&format!("  generation: skipped: {why}\n")),
+            (Some(tool), None) => s.push_str(&format!(
+                "  generation ({tool}, greedy): {:?} -> {:?}{}\n",
+                g.prompt,
+                g.output.as_deref().unwrap_or(""),
+                g.tokens_per_second
+                    .map(|t| format!(", {t:.1} tokens/s"))
+                    .unwrap_or_default()
+            )),
+            (None, None) => {}
+        }
+    }
+    s
+}
+
 /// Options.
 #[derive(Debug, Clone, Default)]
 pub struct Options {
@@ -85,6 +137,8 @@ pub struct Options {
     pub family: Option<String>,
     /// Skip sha256 of the shards (sizes are still checked).
     pub skip_sha256: bool,
+    /// GGUF: run a short generation with llama.cpp when it is on PATH.
+    pub run_generation: bool,
 }
 
 /// Validate `dir` with the `vllm-gptq` layout.
@@ -111,21 +165,37 @@ pub fn validate_vllm_gptq(dir: &Path, opts: &Options) -> Report {
 /// Flags the validator cannot run with.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum UsageError {
-    #[error("--layout {0}: only vllm-gptq is supported")]
+    #[error("--layout {0}: only vllm-gptq and gguf are supported")]
     Layout(String),
     #[error("--path {}: not a directory", .0.display())]
     NotADirectory(std::path::PathBuf),
+    #[error("--path {}: neither a directory nor a .gguf file", .0.display())]
+    NotGguf(std::path::PathBuf),
 }
 
-/// Entry point used by the command: validates the layout name first.
-pub fn validate(dir: &Path, layout: &str, opts: &Options) -> Result<Report, UsageError> {
-    if layout != "vllm-gptq" {
-        return Err(UsageError::Layout(layout.to_string()));
+/// Entry point used by the command: validates the layout name first. Without a layout, a path that
+/// is or holds `.gguf` files is validated as `gguf`, anything else as `vllm-gptq`.
+pub fn validate(path: &Path, layout: Option<&str>, opts: &Options) -> Result<Report, UsageError> {
+    let layout = match layout {
+        Some(l) => l,
+        None if gguf::is_gguf(path) => "gguf",
+        None => "vllm-gptq",
+    };
+    match layout {
+        "vllm-gptq" => {
+            if !path.is_dir() {
+                return Err(UsageError::NotADirectory(path.to_path_buf()));
+            }
+            Ok(validate_vllm_gptq(path, opts))
+        }
+        "gguf" => {
+            if !(path.is_dir() || path.is_file() && gguf::is_gguf(path)) {
+                return Err(UsageError::NotGguf(path.to_path_buf()));
+            }
+            Ok(gguf::validate_gguf(path, opts))
+        }
+        other => Err(UsageError::Layout(other.to_string())),
     }
-    if !dir.is_dir() {
-        return Err(UsageError::NotADirectory(dir.to_path_buf()));
-    }
-    Ok(validate_vllm_gptq(dir, opts))
 }
 
 #[cfg(test)]

@@ -70,7 +70,12 @@ pub(super) fn check_save_complete(
 
 /// One shard `.save-complete` records: a plain name inside `dir`, present, with the recorded size
 /// and (unless skipped) sha256.
-fn check_recorded_shard(r: &mut Report, dir: &Path, s: &files::SaveShard, opts: &Options) {
+pub(super) fn check_recorded_shard(
+    r: &mut Report,
+    dir: &Path,
+    s: &files::SaveShard,
+    opts: &Options,
+) {
     if flexinfer_api::contract::check_relative_path(&s.name).is_err() || s.name.contains('/') {
         r.defect(
             "save-complete",

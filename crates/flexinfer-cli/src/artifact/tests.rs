@@ -209,10 +209,11 @@ fn run(s: &Spec, after: impl FnOnce(&Path)) -> Report {
     after(dir.path());
     validate(
         dir.path(),
-        "vllm-gptq",
+        Some("vllm-gptq"),
         &Options {
             family: Some("llama".into()),
             skip_sha256: false,
+            ..Default::default()
         },
     )
     .unwrap()
@@ -243,16 +244,18 @@ fn good_artifact_passes() {
 #[test]
 fn layout_and_path_are_bad_input() {
     let dir = tempfile::tempdir().unwrap();
-    assert!(validate(dir.path(), "gguf", &Options::default())
+    assert!(validate(dir.path(), Some("awq"), &Options::default())
         .unwrap_err()
         .to_string()
-        .contains("--layout gguf"));
-    assert!(
-        validate(&dir.path().join("nope"), "vllm-gptq", &Options::default())
-            .unwrap_err()
-            .to_string()
-            .contains("--path")
-    );
+        .contains("--layout awq"));
+    assert!(validate(
+        &dir.path().join("nope"),
+        Some("vllm-gptq"),
+        &Options::default()
+    )
+    .unwrap_err()
+    .to_string()
+    .contains("--path"));
 }
 
 #[test]
@@ -312,20 +315,22 @@ fn family_mismatch() {
     write(dir.path(), &good());
     let r = validate(
         dir.path(),
-        "vllm-gptq",
+        Some("vllm-gptq"),
         &Options {
             family: Some("qwen35".into()),
             skip_sha256: true,
+            ..Default::default()
         },
     )
     .unwrap();
     expect_defect(&r, "family", "does not match --family qwen35");
     let r = validate(
         dir.path(),
-        "vllm-gptq",
+        Some("vllm-gptq"),
         &Options {
             family: Some("llama-3-8b".into()),
             skip_sha256: true,
+            ..Default::default()
         },
     )
     .unwrap();
