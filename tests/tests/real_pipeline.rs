@@ -1034,6 +1034,21 @@ async fn real_pipeline_gguf_served_by_llama_server() -> Result<()> {
         "status.publish.ociDigest {} vs {digest}",
         st["publish"]["ociDigest"]
     );
+    // The pulled copy passes the CLI's GGUF checks (layout, types, metadata, .save-complete).
+    let v = Command::new(&e.cli)
+        .args([
+            "quantize",
+            "validate-artifact",
+            "--path",
+            &pulled.path().display().to_string(),
+        ])
+        .output()?;
+    ensure!(
+        v.status.success(),
+        "validate-artifact (GGUF): {}{}",
+        String::from_utf8_lossy(&v.stdout),
+        String::from_utf8_lossy(&v.stderr)
+    );
 
     // Served by the real llama-server: no image in the Model, so the controller's default for llamacpp (the
     // chart's runtime.images.llamacpp) applies.

@@ -132,6 +132,9 @@ pub struct RecommendArgs {
     /// GPUProfile to target (default: the one matching the cache's flexinfer.ai/gpu.arch nodeSelector)
     #[arg(long, value_name = "NAME")]
     pub gpu_profile: Option<String>,
+    /// Format to recommend: GPTQ or GGUF (default: GGUF on gfx906, which vLLM does not serve; GPTQ otherwise)
+    #[arg(long, value_name = "FORMAT")]
+    pub format: Option<String>,
 }
 
 #[derive(Debug, Args)]

@@ -181,8 +181,8 @@ async fn quantize_validates_and_patches_the_spec() {
     ]);
     assert_eq!(o.code, 0, "{}", o.stderr);
     assert!(
-        o.stdout.contains("planned"),
-        "GGUF has no engine yet: {}",
+        !o.stdout.contains("planned") && o.stdout.contains("GGUF gguf-q4_k_m on the CPU"),
+        "GGUF has an engine, on the CPU: {}",
         o.stdout
     );
     let q = spec_quant(&c, &ns.name, "llama3-8b").await;
@@ -206,6 +206,13 @@ async fn quantize_validates_and_patches_the_spec() {
     let q = spec_quant(&c, &ns.name, "llama3-8b").await;
     assert_eq!(q["format"], "GPTQ");
     assert!(q.get("ggufType").is_none(), "{q}");
+
+    // No --format: GGUF (Q4_K_M, the type the API applies when ggufType is unset).
+    let o = flexinfer(&["quantize", "llama3-8b", "-n", &ns.name]);
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    assert!(o.stdout.contains("GGUF gguf-q4_k_m"), "{}", o.stdout);
+    let q = spec_quant(&c, &ns.name, "llama3-8b").await;
+    assert_eq!(q["format"], "GGUF", "{q}");
 
     let o = flexinfer(&["quantize", "nope", "-n", &ns.name, "--format", "GPTQ"]);
     assert_eq!(o.code, 1);
@@ -548,6 +555,8 @@ async fn recommend_reads_hub_metadata() {
         &ns.name,
         "--hub-endpoint",
         &endpoint,
+        "--format",
+        "GPTQ",
         "-o",
         "json",
     ]);
@@ -567,4 +576,43 @@ async fn recommend_reads_hub_metadata() {
     );
     assert_eq!(v["calibration"]["maxSeqLen"], 2048);
     assert_eq!(v["maxMemoryGB"], 56);
+    // Without --format, gfx906 (which vLLM does not serve) gets GGUF; --apply patches it in.
+    let o = flexinfer(&[
+        "quantize",
+        "recommend",
+        "qwen",
+        "-n",
+        &ns.name,
+        "--params",
+        "14B",
+        "--apply",
+        "-o",
+        "json",
+    ]);
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    let v: Value = serde_json::from_str(&o.stdout).unwrap();
+    assert_eq!(v["format"], "GGUF", "{v}");
+    assert_eq!(v["ggufType"], "Q4_K_M", "{v}");
+    let caches: Api<DynamicObject> = Api::namespaced_with(
+        c.clone(),
+        &ns.name,
+        &ar("ModelCache", "modelcaches", "v1alpha1"),
+    );
+    let mc = caches.get("qwen").await.expect("get cache");
+    let q = &mc.data["spec"]["quantization"];
+    assert_eq!(q["format"], "GGUF", "{q}");
+    assert_eq!(q["ggufType"], "Q4_K_M", "{q}");
+    let o = flexinfer(&[
+        "quantize",
+        "recommend",
+        "qwen",
+        "-n",
+        &ns.name,
+        "--params",
+        "14B",
+        "--format",
+        "EXL2",
+    ]);
+    assert_eq!(o.code, 2, "{}", o.stdout);
+    assert!(o.stderr.contains("--format EXL2"), "{}", o.stderr);
 }

@@ -115,7 +115,10 @@ pub(super) fn describe_spec(q: &flexinfer_api::modelcache::QuantizationSpec) -> 
             q.dynamic_exclusion.as_str()
         ));
     }
-    if q.use_gpu {
+    if q.format == flexinfer_api::modelcache::QuantFormat::Gguf {
+        // The controller runs GGUF on a CPU node whatever useGPU says.
+        s.push_str(" on the CPU (the GGUF engine has no GPU path)");
+    } else if q.use_gpu {
         s.push_str(" on GPU");
     }
     s

@@ -154,6 +154,15 @@ pub async fn recommend(g: &Global, a: &RecommendArgs) -> Result<String, CliError
     let mc = get_cache(&api, &a.cache, &ns).await?;
     let model = model_footprint(a, &mc).await?;
     let gpu = gpu_target(&client, &ns, &mc, a.gpu_profile.as_deref()).await?;
+    let gguf = match a.format.as_deref().map(str::trim) {
+        None => recommend::gguf::default_for(&gpu),
+        Some(f) if f.eq_ignore_ascii_case("GGUF") => true,
+        Some(f) if f.eq_ignore_ascii_case("GPTQ") => false,
+        Some(f) => return Err(bad(format!("--format {f}: recommend knows GPTQ and GGUF"))),
+    };
+    if gguf {
+        return recommend_gguf(g, a, &api, &ns, &model, &gpu).await;
+    }
     let rec = recommend::recommend(&model, &gpu);
     if a.apply {
         api.patch(
@@ -200,6 +209,65 @@ pub async fn recommend(g: &Global, a: &RecommendArgs) -> Result<String, CliError
         (
             "estimated time",
             format!("~{:.0} min", rec.estimated_minutes),
+        ),
+        (
+            "fits target GPU",
+            match rec.fits {
+                Some(true) => "yes".into(),
+                Some(false) => "NO".into(),
+                None => "unknown".into(),
+            },
+        ),
+    ]));
+    s.push_str("Why:\n");
+    for r in &rec.reasons {
+        s.push_str(&format!("  - {r}\n"));
+    }
+    if a.apply {
+        s.push_str(&format!(
+            "Applied to modelcache/{} spec.quantization. Watch: flexinfer quantize status {} -n {ns}\n",
+            a.cache, a.cache
+        ));
+    } else {
+        s.push_str(&format!(
+            "Preview only. Apply with: flexinfer quantize recommend {} -n {ns} --apply\n",
+            a.cache
+        ));
+    }
+    Ok(s)
+}
+
+/// The GGUF recommendation: shown, and patched with `--apply`.
+async fn recommend_gguf(
+    g: &Global,
+    a: &RecommendArgs,
+    api: &Api<ModelCache>,
+    ns: &str,
+    model: &Footprint,
+    gpu: &GpuTarget,
+) -> Result<String, CliError> {
+    let rec = recommend::gguf::recommend(model, gpu);
+    if a.apply {
+        api.patch(
+            &a.cache,
+            &PatchParams::default(),
+            &Patch::Merge(&rec.spec_patch()),
+        )
+        .await
+        .map_err(|e| anyhow!("patch modelcache {ns}/{}: {e}", a.cache))?;
+    }
+    if g.output != Format::Table {
+        return Ok(output::structured(g.output, &rec)?);
+    }
+    let mut s = format!("Recommendation for modelcache {ns}/{}:\n", a.cache);
+    s.push_str(&output::kv(&[
+        ("format", rec.format.to_string()),
+        ("ggufType", rec.gguf_type.to_string()),
+        ("useGPU", rec.use_gpu.to_string()),
+        ("maxMemoryGB", rec.max_memory_gb.to_string()),
+        (
+            "estimated artifact",
+            format!("~{:.1} GB", rec.estimated_artifact_gb),
         ),
         (
             "fits target GPU",

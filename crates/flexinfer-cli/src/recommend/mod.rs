@@ -8,6 +8,8 @@ use serde::Serialize;
 
 use crate::footprint::Footprint;
 
+pub mod gguf;
+
 /// The GPU the artifact is built on and served from.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct GpuTarget {

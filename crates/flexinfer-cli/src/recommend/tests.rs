@@ -282,3 +282,64 @@ fn patch_sets_quantization_fields() {
         .unwrap()
         .contains_key("nParallelCalibSamples"));
 }
+
+/// gfx906 (which vLLM does not serve) defaults to GGUF; the type is Q4_K_M when it fits the 16 GB card and
+/// smaller ones when it does not; the patch sets GGUF and removes the GPTQ-only fields.
+#[test]
+fn gguf_for_gfx906() {
+    use super::gguf;
+    assert!(gguf::default_for(&gpu("gfx906")));
+    assert!(!gguf::default_for(&gpu("gfx1100")) && !gguf::default_for(&gpu("sm_90")));
+    let rows = [
+        // (billions of parameters, expected type, fits)
+        (8.0, "Q4_K_M", true),
+        (14.0, "Q4_K_M", true),
+        (27.0, "Q3_K_M", true),
+        (32.0, "Q2_K", true),
+        (70.0, "Q2_K", false),
+    ];
+    for (b, want, fits) in rows {
+        let r = gguf::recommend(&model(b, false, false), &gpu("gfx906"));
+        let ctx = format!("{b}B on gfx906: {r:#?}");
+        assert_eq!(r.gguf_type, want, "{ctx}");
+        assert_eq!(r.fits, Some(fits), "{ctx}");
+        assert!(!r.use_gpu, "{ctx}");
+        assert!(
+            r.reasons
+                .iter()
+                .any(|s| s.contains("vLLM does not support gfx906")),
+            "{ctx}"
+        );
+        // The estimate grows with the model and stays within the card when it fits.
+        assert!(r.estimated_artifact_gb > 0.0, "{ctx}");
+        if fits {
+            assert!(
+                r.estimated_artifact_gb <= 16.0 * 1.073_741_824 * 0.85 + 0.05,
+                "{ctx}"
+            );
+        }
+    }
+    let r = gguf::recommend(&model(8.0, false, false), &gpu("gfx906"));
+    let p = r.spec_patch();
+    let q = &p["spec"]["quantization"];
+    assert_eq!(q["format"], "GGUF");
+    assert_eq!(q["ggufType"], "Q4_K_M");
+    assert_eq!(q["useGPU"], false);
+    for k in [
+        "bits",
+        "groupSize",
+        "sym",
+        "descAct",
+        "dynamicExclusion",
+        "calibration",
+    ] {
+        assert!(
+            q[k].is_null() && q.as_object().is_some_and(|o| o.contains_key(k)),
+            "{k}: {q}"
+        );
+    }
+    // Every type it can pick is one the engine writes.
+    for t in ["Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K"] {
+        assert!(flexinfer_api::contract::env::GGUF_TYPES.contains(&t), "{t}");
+    }
+}
