@@ -206,6 +206,9 @@ kubectl wait -n "$NS" "modelcache/$GCACHE" --for=jsonpath='{.status.phase}'=Read
 "$E2E_CLI" -n "$NS" quantize status "$GCACHE"
 GART=$GDATA/$(kubectl get modelcache -n "$NS" "$GCACHE" -o jsonpath='{.status.path}' | sed 's#^[^:]*:##')
 ls -la "$GART"
+echo "The real node stands in for ONE GPU: the GPTQ Model gives it back before the llama.cpp Model starts."
+kubectl delete model -n "$NS" "$CACHE" --wait=true >/dev/null
+kubectl wait -n "$NS" --for=delete pod -l "flexinfer.ai/model=$CACHE" --timeout=120s >/dev/null 2>&1 || true
 kubectl apply -f - <<YAML
 apiVersion: ai.flexinfer/v1alpha2
 kind: Model
