@@ -226,7 +226,8 @@ sleep 3
 kubectl rollout status -n "$NS" "deploy/$GCACHE" --timeout=240s
 kubectl get pods -n "$NS" -l "flexinfer.ai/model=$GCACHE" -o custom-columns=POD:.metadata.name,NODE:.spec.nodeName,IMAGE:.spec.containers[0].image,STATUS:.status.phase
 PROXY=$(kubectl get pods -n "$E2E_CONTROLLER_NAMESPACE" -l "$E2E_PROXY_SELECTOR" -o jsonpath='{.items[0].status.podIP}')
-echo "served by the REAL llama-server (Debian llama.cpp), through flexinfer-proxy at $PROXY:"
+echo "served by the REAL llama-server (Debian llama.cpp; system_fingerprint names its build), through flexinfer-proxy at $PROXY"
+echo "(the model's weights are random, so the text is noise; the demo shows the path, not quality):"
 for _ in $(seq 1 30); do
   curl -sf "http://$PROXY:8000/v1/chat/completions" -H 'Content-Type: application/json' \
     -d "{\"model\":\"$GCACHE\",\"messages\":[{\"role\":\"user\",\"content\":\"Say hello.\"}],\"max_tokens\":8,\"ignore_eos\":true}" \

@@ -213,9 +213,10 @@ t "controller Deployment created with the expected env" bash -c \
   "kubectl -n '$NS' get deploy '$DEP' -o json | python3 '$HERE/check_render.py' live-env allon"
 t "the serving NetworkPolicy is in $NS-other (proxy.watchNamespace; accepted by the API server)" \
   kubectl -n "$NS-other" get networkpolicy "$REL-flexinfer-proxy-serving"
-t "NOTES name the isolated namespaces, or say that none are (all-namespace install, none listed)" bash -c "set -e
-  '$HELM' get notes '$REL' -n '$NS' | grep -q 'Serving pods of Models in $NS-other accept connections only from flexinfer-proxy'
-  '$HELM' install '$REL-notes' '$CHART' -n '$NS-notes' --dry-run=client | grep -q 'serving pods of Models are reachable from any pod'"
+t "NOTES: every Model's own policy, the namespaces with the chart's policy, or isolation off" bash -c "set -e
+  '$HELM' get notes '$REL' -n '$NS' | grep -q 'in $NS-other the NetworkPolicy $REL-flexinfer-proxy-serving also applies'
+  '$HELM' install '$REL-notes' '$CHART' -n '$NS-notes' --dry-run=client | grep -q 'Every Model gets a NetworkPolicy of its own'
+  '$HELM' install '$REL-notes' '$CHART' -n '$NS-notes' --dry-run=client --set proxy.networkPolicy.enabled=false | grep -q 'reachable from any pod'"
 t "metrics Service, ServiceMonitor, PrometheusRule, GPUProfiles, worker SAs exist" bash -c "set -e
   kubectl -n '$NS' get svc/'$DEP-metrics' servicemonitor/'$DEP' prometheusrule/'$REL-flexinfer-alerts' >/dev/null
   [ \$(kubectl -n '$NS' get gpuprofiles -o name | wc -l) = 3 ]

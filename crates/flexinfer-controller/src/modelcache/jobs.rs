@@ -21,6 +21,7 @@ use super::config::Config;
 pub use super::target::*;
 
 mod worker_env;
+pub(crate) use worker_env::reads_calibration;
 
 pub use worker_env::keep_dirs;
 use worker_env::worker_env;

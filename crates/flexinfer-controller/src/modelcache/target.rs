@@ -304,7 +304,7 @@ fn legacy_phase_inputs(mc: &ModelCache, phase: JobPhase) -> serde_json::Value {
             "download": j(&s.download),
             // The calibration dataset is fetched by the download phase (for the formats that read one).
             "dataset": s.quantization.as_ref()
-                .filter(|q| flexinfer_api::formats::info(q.format).needs_calibration)
+                .filter(|q| super::jobs::reads_calibration(q))
                 .map(|q| q.effective_calibration().dataset),
         }),
         JobPhase::Abliterate => j(&s.abliteration),

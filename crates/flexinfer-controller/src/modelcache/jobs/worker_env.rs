@@ -136,12 +136,9 @@ fn download_env(s: &ModelCacheSpec) -> Vec<EnvVar> {
     e.push(ev(env::REPO_TYPE, "model"));
     e.push(ev(env::ALLOW_PATTERNS, d.allow_patterns.join(",")));
     e.push(ev(env::IGNORE_PATTERNS, d.ignore_patterns.join(",")));
-    // The calibration set, only for the formats whose engine reads one (GGUF's does not).
-    if let Some(q) = s
-        .quantization
-        .as_ref()
-        .filter(|q| formats::info(q.format).needs_calibration)
-    {
+    // The calibration set, for the formats whose engine reads one (GGUF's only with `calibration` set: its
+    // importance matrix).
+    if let Some(q) = s.quantization.as_ref().filter(|q| reads_calibration(q)) {
         e.push(ev(env::DATASET, q.effective_calibration().dataset));
     }
     // The abliteration prompt sets are hub datasets too: fetched with the model.
@@ -191,12 +188,18 @@ fn quantize_env(s: &ModelCacheSpec, config: &Config) -> Vec<EnvVar> {
         .as_ref()
         .filter(|q| q.format == QuantFormat::Gguf)
     {
-        // One llama.cpp file: the type only (no calibration, no GPTQ settings).
+        // One llama.cpp file: the type, and with `calibration` the importance pass's data (no GPTQ settings).
         e.push(ev(env::FORMAT, env::FORMAT_GGUF));
         e.push(ev(
             env::GGUF_TYPE,
             q.effective_gguf_type().to_ascii_uppercase(),
         ));
+        if reads_calibration(q) {
+            let c = q.effective_calibration();
+            e.push(ev(env::DATASET, c.dataset.clone()));
+            e.push(ev(env::MAX_SAMPLES, c.max_samples.to_string()));
+            e.push(ev(env::MAX_SEQ_LEN, c.max_seq_len.to_string()));
+        }
         return e;
     }
     if let Some(q) = &s.quantization {
@@ -229,6 +232,13 @@ fn quantize_env(s: &ModelCacheSpec, config: &Config) -> Vec<EnvVar> {
         }
     }
     e
+}
+
+/// Whether the quantize phase reads a calibration set: always for the formats that need one (GPTQ), and for
+/// GGUF when the spec sets `calibration` (the importance matrix of the block search).
+pub(crate) fn reads_calibration(q: &flexinfer_api::modelcache::QuantizationSpec) -> bool {
+    formats::info(q.format).needs_calibration
+        || (q.format == QuantFormat::Gguf && q.calibration.is_some())
 }
 
 /// The publish target, tag policy and registry login (`spec.publish.secretRef`, else the cache's).

@@ -324,6 +324,22 @@ fn gguf_quantize_job_names_format_and_type_and_runs_on_the_cpu() {
         env.get("OUT_DIR").map(String::as_str),
         Some("/cache/mc/gguf-q6_k")
     );
+    // With `calibration`, GGUF reads it (the importance matrix): the download fetches the set and the quantize
+    // Job names it with its sample count and length, still without GPTQ settings.
+    let calibrated = cache(&SIMPLE.replace(
+        "{format: GPTQ}",
+        "{format: GGUF, calibration: {dataset: org/calib, maxSamples: 32, maxSeqLen: 256}}",
+    ));
+    let (_, env) = env_of(&calibrated, JobPhase::Quantize);
+    assert_eq!(env.get("DATASET").map(String::as_str), Some("org/calib"));
+    assert_eq!(env.get("MAX_SAMPLES").map(String::as_str), Some("32"));
+    assert_eq!(env.get("MAX_SEQ_LEN").map(String::as_str), Some("256"));
+    assert!(!env.contains_key("BITS"), "{env:?}");
+    let (_, download) = env_of(&calibrated, JobPhase::Download);
+    assert_eq!(
+        download.get("DATASET").map(String::as_str),
+        Some("org/calib")
+    );
     // GPTQ keeps its calibration download and its GPU.
     let gptq = cache(&SIMPLE.replace("{format: GPTQ}", "{format: GPTQ, useGPU: true}"));
     let (target, env) = env_of(&gptq, JobPhase::Quantize);
