@@ -13,6 +13,7 @@ use flexinfer_quant::device::{select_device, MemoryBudget, Selection, SystemPlat
 use flexinfer_quant::events::EventSink;
 use flexinfer_quant::gguf::{write_gguf_artifact, FileType, GgufArtifactJob};
 use flexinfer_quant::params::{ClipSearch, FloorMode, GateParams, GptqParams, RecoveryParams};
+use flexinfer_quant::pipeline::importance::{collect_importance, Importance, ImportanceJob};
 use flexinfer_quant::pipeline::{self, QuantizeJob};
 use flexinfer_quant::QuantError;
 
@@ -67,8 +68,8 @@ pub struct QuantizeArgs {
     pub max_seq_len: usize,
     #[arg(long, env = env::MAX_SAMPLES, default_value_t = 128)]
     pub max_samples: usize,
-    /// Local JSONL / JSONL.zst / text file, or a dataset id already fetched under the cache (GPTQ; a GGUF run
-    /// reads none).
+    /// Local JSONL / JSONL.zst / text file, or a dataset id already fetched under the cache. GPTQ: required;
+    /// GGUF: optional, when set the importance matrix of the block search comes from a calibration pass over it.
     #[arg(long, env = env::DATASET, default_value = "")]
     pub dataset: String,
     #[arg(long, env = env::N_PARALLEL_CALIB_SAMPLES)]
@@ -118,8 +119,8 @@ pub struct QuantizeArgs {
     pub max_shard_bytes: u64,
     #[arg(long, env = TEST_ABORT_AFTER_LAYER_ENV, hide = true)]
     pub test_abort_after_layer: Option<usize>,
-    /// `GPTQ` (the default) or `GGUF`: one llama.cpp file in `OUT_DIR` (Llama / Mistral / Qwen2 only; no
-    /// calibration yet, so the GPTQ and calibration settings do not apply).
+    /// `GPTQ` (the default) or `GGUF`: one llama.cpp file in `OUT_DIR` (Llama / Mistral / Qwen2 only; the GPTQ
+    /// settings do not apply; `DATASET`, `MAX_SAMPLES`, `MAX_SEQ_LEN` feed the optional importance pass).
     #[arg(long, env = env::FORMAT, default_value = FORMAT_GPTQ)]
     pub format: String,
     /// The llama.cpp preset of a GGUF run: F16, BF16, Q8_0, Q6_K, Q5_K_M, Q5_K_S, Q4_K_M, Q4_K_S, Q4_0,
@@ -341,21 +342,95 @@ pub fn gguf_file_type(name: &str) -> Result<FileType, WorkerError> {
     })
 }
 
+/// Engine progress mapped into `[from, from + width]` of the worker's percent (two engine steps, each
+/// reporting 0–100 %, in one monotonic stream).
+struct SpanSink<'a> {
+    events: &'a Events,
+    from: f64,
+    width: f64,
+}
+
+impl EventSink for SpanSink<'_> {
+    fn emit(&self, event: &str, mut fields: serde_json::Map<String, serde_json::Value>) {
+        if event == events::PROGRESS {
+            if let Some(p) = fields.get("percent").and_then(serde_json::Value::as_f64) {
+                let scaled = self.from + self.width * p.clamp(0.0, 100.0) / 100.0;
+                fields.insert(
+                    "percent".into(),
+                    serde_json::json!((scaled * 10.0).round() / 10.0),
+                );
+            }
+        }
+        WorkerSink(self.events).emit(event, fields);
+    }
+}
+
+/// Share of a GGUF run's progress that the importance pass takes when there is one.
+const IMPORTANCE_PROGRESS_SHARE: f64 = 50.0;
+
+/// The importance matrix of a GGUF run: from our calibration pass over the unquantized model when
+/// `DATASET` is set, else none (the plain block search, as `llama-quantize` without `--imatrix`).
+fn gguf_importance(
+    args: &QuantizeArgs,
+    events: &Events,
+) -> Result<Option<(Importance, PathBuf)>, WorkerError> {
+    if args.dataset.trim().is_empty() {
+        return Ok(None);
+    }
+    let dataset = crate::datasets::resolve(&args.dataset, &args.model_dir, "calibration")?;
+    let imp = collect_importance(
+        &ImportanceJob {
+            model_dir: &args.model_dir,
+            dataset: &dataset,
+            calib: CalibSettings {
+                max_samples: args.max_samples,
+                max_seq_len: args.max_seq_len,
+            },
+        },
+        &SpanSink {
+            events,
+            from: 0.0,
+            width: IMPORTANCE_PROGRESS_SHARE,
+        },
+    )
+    .map_err(WorkerError::Quant)?;
+    events.log(&format!(
+        "importance matrix: {} tensors from {} samples, {} tokens of {} in {:.1}s",
+        imp.weights.len(),
+        imp.samples,
+        imp.tokens,
+        dataset.display(),
+        imp.seconds
+    ));
+    Ok(Some((imp, dataset)))
+}
+
 /// `FORMAT=GGUF`: the artifact directory with one `.gguf` ([`write_gguf_artifact`]), under the same
-/// writer lock and garbage collection as a GPTQ run.
+/// writer lock and garbage collection as a GPTQ run; with `DATASET`, the block search is weighted by
+/// the importance matrix of our calibration pass ([`collect_importance`]).
 fn run_gguf(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess, WorkerError> {
     let file_type = gguf_file_type(&args.gguf_type)?;
     let _lock = crate::generations::lock_output(&args.out_dir, events)?;
+    let importance = gguf_importance(args, events)?;
+    let from = if importance.is_some() {
+        IMPORTANCE_PROGRESS_SHARE
+    } else {
+        0.0
+    };
     let outcome = write_gguf_artifact(
         &GgufArtifactJob {
             model_dir: &args.model_dir,
             out_dir: &args.out_dir,
             file_type,
-            importance: None,
+            importance: importance.as_ref().map(|(imp, _)| &imp.weights),
             script_version: contract::SCRIPT_VERSION,
             verify_save_sha256: args.verify_save_sha256,
         },
-        &WorkerSink(events),
+        &SpanSink {
+            events,
+            from,
+            width: 100.0 - from,
+        },
     )
     .map_err(WorkerError::Quant)?;
     events.log(&format!(
@@ -377,16 +452,38 @@ fn run_gguf(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess, 
         quantization_time_seconds: Some((outcome.seconds * 10.0).round() / 10.0),
         output_dir: Some(outcome.output_dir.display().to_string()),
         config_digest: Some(outcome.config_digest),
-        applied: [
-            ("format", FORMAT_GGUF.to_string()),
-            ("ggufType", file_type.name().to_string()),
-            ("ggufFile", outcome.file_name),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .collect(),
+        applied: gguf_applied(args, file_type, outcome.file_name, importance.as_ref()),
         ..Default::default()
     })
+}
+
+/// `applied` of a GGUF run: the format, type and file, and where the importance matrix came from
+/// (`calibration`, with the dataset and sizes it was collected over, or `none`).
+fn gguf_applied(
+    args: &QuantizeArgs,
+    file_type: FileType,
+    file_name: String,
+    importance: Option<&(Importance, PathBuf)>,
+) -> std::collections::BTreeMap<String, String> {
+    let mut applied: Vec<(&str, String)> = vec![
+        ("format", FORMAT_GGUF.to_string()),
+        ("ggufType", file_type.name().to_string()),
+        ("ggufFile", file_name),
+    ];
+    match importance {
+        Some((imp, dataset)) => applied.extend([
+            ("importance", "calibration".to_string()),
+            ("dataset", dataset.display().to_string()),
+            ("maxSamples", args.max_samples.to_string()),
+            ("maxSeqLen", args.max_seq_len.to_string()),
+            ("importanceTokens", imp.tokens.to_string()),
+        ]),
+        None => applied.push(("importance", "none".to_string())),
+    }
+    applied
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect()
 }
 
 /// The settings the engine ran with, as the controller reports them in `status.quantization.applied`: the

@@ -110,6 +110,15 @@ const LAYER_TENSORS: &[(&str, &str)] = &[
     ("mlp.down_proj.weight", "ffn_down.weight"),
 ];
 
+/// The GGUF name of layer `layer`'s checkpoint tensor `suffix` (block-relative, e.g.
+/// `self_attn.q_proj.weight` → `blk.0.attn_q.weight`), as [`map_tensors`] names it.
+pub fn layer_tensor_name(layer: usize, suffix: &str) -> Option<String> {
+    LAYER_TENSORS
+        .iter()
+        .find(|(hf, _)| *hf == suffix)
+        .map(|(_, gguf)| format!("blk.{layer}.{gguf}"))
+}
+
 /// Tensors of every layer that must exist.
 const REQUIRED: &[&str] = &[
     "input_layernorm.weight",

@@ -11,6 +11,7 @@ mod calibrate;
 mod checkpoint;
 pub(crate) mod digest;
 mod experts;
+pub mod importance;
 mod layer;
 pub mod policy;
 pub mod writer;

@@ -310,12 +310,17 @@ pub fn mlp_output(cfg: &ModelConfig, lw: &LayerWeights, x1: MatRef<'_, f32>) -> 
         }
         _ => {
             let act = mlp_activation(cfg, lw, x1);
-            let dn = linear(act.as_ref(), &lw.linears[lw.mixer + 2]);
-            match &lw.mlp_out_norm {
-                Some(w) => rms_norm(dn.as_ref(), w, cfg.rms_norm_eps),
-                None => dn,
-            }
+            mlp_down(cfg, lw, act.as_ref())
         }
+    }
+}
+
+/// A dense MLP's contribution from its down_proj input `act` ([`mlp_activation`]).
+pub fn mlp_down(cfg: &ModelConfig, lw: &LayerWeights, act: MatRef<'_, f32>) -> Mat<f32> {
+    let dn = linear(act, &lw.linears[lw.mixer + 2]);
+    match &lw.mlp_out_norm {
+        Some(w) => rms_norm(dn.as_ref(), w, cfg.rms_norm_eps),
+        None => dn,
     }
 }
 
@@ -364,6 +369,39 @@ pub fn layer_forward(
         return mlp_activation(cfg, lw, x1.as_ref());
     }
     mlp_residual(cfg, lw, x1.as_ref())
+}
+
+/// Runs one decoder layer on `x` in place (the layer output replaces it), handing each module group's
+/// input to `visit` on the way: the same arithmetic as [`layer_forward`] (each stage computed once). A MoE
+/// layer has no single `down` input: it visits `Qkv`, `O` and `GateUp` only.
+pub fn layer_forward_visit(
+    cfg: &ModelConfig,
+    lw: &LayerWeights,
+    x: &mut Mat<f32>,
+    rope: &Rope,
+    visit: &mut dyn FnMut(Stage, MatRef<'_, f32>),
+) {
+    let h = rms_norm(x.as_ref(), &lw.input_norm, cfg.rms_norm_eps);
+    visit(Stage::Qkv, h.as_ref());
+    let att = token_mixer(cfg, lw, h.as_ref(), rope);
+    drop(h);
+    visit(Stage::O, att.as_ref());
+    let o = attention_delta(cfg, lw, att.as_ref());
+    drop(att);
+    *x += &o;
+    drop(o);
+    let h2 = rms_norm(x.as_ref(), &lw.post_norm, cfg.rms_norm_eps);
+    visit(Stage::GateUp, h2.as_ref());
+    drop(h2);
+    let dn = if lw.moe.is_some() {
+        mlp_output(cfg, lw, x.as_ref())
+    } else {
+        let act = mlp_activation(cfg, lw, x.as_ref());
+        visit(Stage::Down, act.as_ref());
+        mlp_down(cfg, lw, act.as_ref())
+    };
+    *x += &dn;
+    scale_layer_output(lw, x);
 }
 
 /// Token embeddings `[tokens, hidden]`.

@@ -294,6 +294,8 @@ fn gguf_fixture() -> Fixture {
     let mut args = f.args.clone();
     args.format = "gguf".into();
     args.out_dir = model.with_file_name("gguf-q4_k_m");
+    // What the controller sends today: no calibration set.
+    args.dataset = String::new();
     Fixture { args, ..f }
 }
 
@@ -333,6 +335,10 @@ fn format_gguf_writes_one_gguf_with_save_complete_and_reports_it() {
         ok.applied.get("ggufType").map(String::as_str),
         Some("Q4_K_M")
     );
+    assert_eq!(
+        ok.applied.get("importance").map(String::as_str),
+        Some("none")
+    );
     assert!(f
         .args
         .out_dir
@@ -356,4 +362,55 @@ fn format_gguf_writes_one_gguf_with_save_complete_and_reports_it() {
     assert_eq!(e.exit_code(), 2);
     assert!(e.to_string().contains("pre_tokenizer"), "{e}");
     assert_eq!(std::fs::read(&file).expect("kept"), bytes);
+}
+
+/// `DATASET` set on a GGUF run: the importance pass runs, the blocks change, the digest and `applied`
+/// say so; a dataset that cannot be read is bad input and leaves the previous artifact.
+#[test]
+fn format_gguf_with_a_dataset_weights_the_blocks_by_the_calibration_importance() {
+    let f = gguf_fixture();
+    let plain = run_inner(&f.args, &Events::new("quantization")).expect("plain run");
+    let file = f.args.out_dir.join("model-Q4_K_M.gguf");
+    let plain_bytes = std::fs::read(&file).expect("plain file");
+
+    let ds = f.args.model_dir.with_file_name("gguf-calib.jsonl");
+    testkit::write_dataset(&ds, 8).expect("dataset");
+    let mut missing = f.args.clone();
+    missing.dataset = ds.with_extension("missing").display().to_string();
+    let e = run_inner(&missing, &Events::new("quantization")).expect_err("missing dataset");
+    assert_eq!(e.exit_code(), 2, "{e}");
+    assert_eq!(std::fs::read(&file).expect("kept"), plain_bytes);
+
+    let mut weighted = f.args.clone();
+    weighted.dataset = ds.display().to_string();
+    let ok = run_inner(&weighted, &Events::new("quantization")).expect("weighted run");
+    let get = |k: &str| ok.applied.get(k).map(String::as_str);
+    assert_eq!(get("importance"), Some("calibration"));
+    assert_eq!(get("maxSamples"), Some("8"));
+    assert_eq!(get("maxSeqLen"), Some("32"));
+    assert_eq!(get("dataset"), Some(ds.display().to_string().as_str()));
+    assert!(get("importanceTokens").and_then(|t| t.parse::<u64>().ok()) > Some(8));
+    assert_ne!(ok.config_digest, plain.config_digest);
+    let bytes = std::fs::read(&file).expect("weighted file");
+    let (hp, hw) = (
+        flexinfer_quant::gguf::reader::read_header(&plain_bytes).expect("plain header"),
+        flexinfer_quant::gguf::reader::read_header(&bytes).expect("weighted header"),
+    );
+    let data = |b: &[u8], h: &flexinfer_quant::gguf::reader::GgufHeader, name: &str| {
+        let (spec, off) = h.tensors.iter().find(|(t, _)| t.name == name).expect(name);
+        let start = (h.data_start + off) as usize;
+        b[start..start + spec.byte_size().expect("size") as usize].to_vec()
+    };
+    for name in ["blk.0.attn_q.weight", "blk.1.ffn_down.weight"] {
+        assert_ne!(
+            data(&bytes, &hw, name),
+            data(&plain_bytes, &hp, name),
+            "{name}"
+        );
+    }
+    // Not weighted either way: the embeddings (llama-imatrix collects none for them).
+    assert_eq!(
+        data(&bytes, &hw, "token_embd.weight"),
+        data(&plain_bytes, &hp, "token_embd.weight")
+    );
 }

@@ -1,0 +1,402 @@
+//! The importance matrix of a GGUF run from our own calibration pass: for every linear layer the GGUF
+//! file quantizes, the mean of each input column's squared activation over the calibration tokens
+//! (`llama-imatrix`'s quantity, the diagonal of the GPTQ Hessian up to its factor 2), collected from the
+//! **unquantized** model's forward. Keyed by GGUF tensor name (`blk.0.attn_q.weight`) for
+//! [`crate::gguf::GgufJob::importance`].
+//!
+//! The forward is the GPTQ calibration's, layer by layer over every sample ([`calibrate::embed_samples`],
+//! [`layer_forward_visit`]); only the diagonal is kept, so the work per stage is one pass over its
+//! activations (no `cols²` products) and the memory is the samples' hidden states plus one layer's weights.
+
+use super::calibrate::embed_samples;
+use super::release_free_memory;
+use crate::error::{DatasetError, Result, SpecError};
+use crate::events::{fields, EventSink};
+use crate::gguf::error::GgufError;
+use crate::gguf::llama::{layer_tensor_name, GgufArch};
+use crate::model::calib::{load_samples_counted, CalibSettings};
+use crate::model::llama::{layer_forward_visit, Rope, Stage, STAGES};
+use crate::model::tensors::TensorStore;
+use crate::model::{input_groups, layer_modules, load_layer, ModelConfig};
+use faer::MatRef;
+use flexinfer_contract::events as names;
+use serde_json::json;
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::Instant;
+
+/// What the pass reads.
+pub struct ImportanceJob<'a> {
+    pub model_dir: &'a Path,
+    /// The calibration set (the GPTQ pipeline's formats).
+    pub dataset: &'a Path,
+    pub calib: CalibSettings,
+}
+
+/// The collected importance and what it was collected from.
+#[derive(Clone, Debug)]
+pub struct Importance {
+    /// GGUF tensor name → one weight per input column (mean of x² over the calibration tokens).
+    pub weights: HashMap<String, Vec<f32>>,
+    pub samples: usize,
+    pub tokens: usize,
+    pub seconds: f64,
+}
+
+/// Per-column sums of squares of one stage's inputs over every token, in f64.
+#[derive(Clone, Debug)]
+struct ColumnSquares {
+    sums: Vec<f64>,
+}
+
+impl ColumnSquares {
+    fn new(cols: usize) -> Self {
+        ColumnSquares {
+            sums: vec![0.0; cols],
+        }
+    }
+
+    /// Adds `Σ_rows a[r, c]²` to column c (`a`: `[tokens, cols]`, one column at a time).
+    fn add(&mut self, a: MatRef<'_, f32>) {
+        for (c, s) in self.sums.iter_mut().enumerate().take(a.ncols()) {
+            let col = a.col(c);
+            *s += col
+                .iter()
+                .map(|&v| f64::from(v) * f64::from(v))
+                .sum::<f64>();
+        }
+    }
+}
+
+fn progress(events: &dyn EventSink, percent: f64, detail: String) {
+    events.emit(
+        names::PROGRESS,
+        fields([
+            ("phase", json!("imatrix")),
+            ("percent", json!((percent * 10.0).round() / 10.0)),
+            ("detail", json!(detail)),
+        ]),
+    );
+}
+
+/// Runs the calibration forward of the unquantized model and returns each quantizable linear's
+/// per-column mean squared input. The model must be one the GGUF writer maps (checked first).
+pub fn collect_importance(job: &ImportanceJob<'_>, events: &dyn EventSink) -> Result<Importance> {
+    let started = Instant::now();
+    if job.calib.max_samples == 0 || job.calib.max_seq_len < 2 {
+        return Err(SpecError::Samples {
+            max_samples: job.calib.max_samples,
+            max_seq_len: job.calib.max_seq_len,
+        }
+        .into());
+    }
+    if !job.dataset.is_file() {
+        return Err(DatasetError::NotAFile {
+            what: crate::model::dataset::CALIBRATION.what,
+            path: job.dataset.to_path_buf(),
+        }
+        .into());
+    }
+    let cfg = ModelConfig::load(job.model_dir)?;
+    GgufArch::of(&cfg)?;
+    let store = TensorStore::open_dir(job.model_dir)?;
+    let loaded = load_samples_counted(job.model_dir, job.dataset, &job.calib)?;
+    let samples = loaded.ids;
+    let tokens: usize = samples.iter().map(Vec::len).sum();
+    let n_samples = samples.len();
+    progress(
+        events,
+        0.0,
+        format!(
+            "{} samples, {tokens} tokens{}",
+            samples.len(),
+            if loaded.skipped_unencodable > 0 {
+                format!(
+                    ", {} samples skipped (bytes the tokenizer vocabulary lacks)",
+                    loaded.skipped_unencodable
+                )
+            } else {
+                String::new()
+            }
+        ),
+    );
+    let max_len = samples.iter().map(Vec::len).max().unwrap_or(0);
+    let rope = Rope::new(&cfg, max_len);
+    let mut hidden = embed_samples(&store, &cfg, &samples)?;
+    drop(samples);
+    let weights = collect_layers(&cfg, &store, &rope, &mut hidden, tokens, events)?;
+    drop(hidden);
+    release_free_memory();
+    let seconds = started.elapsed().as_secs_f64();
+    tracing::info!(
+        tensors = weights.len(),
+        tokens,
+        seconds,
+        "importance matrix collected"
+    );
+    Ok(Importance {
+        weights,
+        samples: n_samples,
+        tokens,
+        seconds,
+    })
+}
+
+/// Every layer in order: its stages' column sums over every sample, then `hidden` is the layer output.
+fn collect_layers(
+    cfg: &ModelConfig,
+    store: &TensorStore,
+    rope: &Rope,
+    hidden: &mut [faer::Mat<f32>],
+    tokens: usize,
+    events: &dyn EventSink,
+) -> Result<HashMap<String, Vec<f32>>> {
+    let mut out = HashMap::new();
+    let layers = cfg.num_layers;
+    for layer in 0..layers {
+        let lw = load_layer(store, cfg, layer, None)?;
+        store.release_pages();
+        let groups = input_groups(cfg, layer);
+        let mut sums: Vec<ColumnSquares> = groups
+            .iter()
+            .map(|g| ColumnSquares::new(g.first().map_or(0, |&i| lw.linears[i].w.ncols())))
+            .collect();
+        for x in hidden.iter_mut() {
+            layer_forward_visit(cfg, &lw, x, rope, &mut |stage, a| {
+                sums[stage as usize].add(a);
+            });
+        }
+        drop(lw);
+        release_free_memory();
+        let specs = layer_modules(cfg, layer);
+        for (stage, (group, s)) in STAGES.iter().zip(groups.iter().zip(&sums)) {
+            let mean = column_means(s, tokens, cfg, layer, *stage)?;
+            for &i in group {
+                let suffix = format!("{}.weight", specs[i].name);
+                let Some(name) = layer_tensor_name(layer, &suffix) else {
+                    continue;
+                };
+                out.insert(name, mean.clone());
+            }
+        }
+        progress(
+            events,
+            100.0 * (layer + 1) as f64 / layers.max(1) as f64,
+            format!("layer {}/{layers}", layer + 1),
+        );
+    }
+    Ok(out)
+}
+
+/// `sums / tokens` as f32; a non-finite sum (a forward that overflowed) names the layer and stage.
+fn column_means(
+    s: &ColumnSquares,
+    tokens: usize,
+    cfg: &ModelConfig,
+    layer: usize,
+    stage: Stage,
+) -> Result<Vec<f32>> {
+    let n = tokens.max(1) as f64;
+    if let Some(c) = s.sums.iter().position(|v| !v.is_finite()) {
+        return Err(GgufError::Unsupported {
+            key: format!("{}{stage:?} input", cfg.layer_prefix(layer)),
+            reason: format!(
+                "the calibration activations of column {c} are not finite; no importance can be computed"
+            ),
+        }
+        .into());
+    }
+    Ok(s.sums.iter().map(|v| (v / n) as f32).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use super::*;
+    use crate::events::NullSink;
+    use crate::gguf::blocks::dequantize_tensor;
+    use crate::gguf::llama::{map_tensors, permute_heads, Source};
+    use crate::gguf::reader::read_header;
+    use crate::gguf::{write_gguf, FileType, GgufJob};
+    use crate::model::calib::load_samples;
+    use crate::model::llama::{embed, layer_forward};
+    use crate::testkit::{self, ModelSize};
+
+    const CALIB: CalibSettings = CalibSettings {
+        max_samples: 6,
+        max_seq_len: 48,
+    };
+
+    fn tiny(dir: &Path) -> std::path::PathBuf {
+        testkit::write_model_sized(dir, "LlamaForCausalLM", 3, &ModelSize::GGUF_WIDE).unwrap();
+        testkit::write_byte_level_tokenizer(dir).unwrap();
+        let data = dir.join("calib.jsonl");
+        testkit::write_dataset(&data, 8).unwrap();
+        data
+    }
+
+    fn collect(dir: &Path, data: &Path) -> Importance {
+        collect_importance(
+            &ImportanceJob {
+                model_dir: dir,
+                dataset: data,
+                calib: CALIB,
+            },
+            &NullSink,
+        )
+        .unwrap()
+    }
+
+    /// The reference: each stage's input from [`layer_forward`] stopped there, sample by sample, and
+    /// the mean of its squares over every token, element by element.
+    #[test]
+    fn the_diagonal_is_the_mean_square_of_each_layer_input() {
+        let d = tempfile::tempdir().unwrap();
+        let data = tiny(d.path());
+        let imp = collect(d.path(), &data);
+
+        let cfg = ModelConfig::load(d.path()).unwrap();
+        let store = TensorStore::open_dir(d.path()).unwrap();
+        let samples = load_samples(d.path(), &data, &CALIB).unwrap();
+        let tokens: usize = samples.iter().map(Vec::len).sum();
+        assert_eq!((imp.samples, imp.tokens), (samples.len(), tokens));
+        assert!(samples.len() > 1 && tokens > samples.len());
+        let rope = Rope::new(&cfg, samples.iter().map(Vec::len).max().unwrap());
+        let mut xs: Vec<_> = samples
+            .iter()
+            .map(|s| embed(&store, &cfg, None, s).unwrap())
+            .collect();
+        let suffixes = [
+            (Stage::Qkv, vec!["attn_q", "attn_k", "attn_v"]),
+            (Stage::O, vec!["attn_output"]),
+            (Stage::GateUp, vec!["ffn_gate", "ffn_up"]),
+            (Stage::Down, vec!["ffn_down"]),
+        ];
+        let mut checked = 0;
+        for layer in 0..cfg.num_layers {
+            let lw = load_layer(&store, &cfg, layer, None).unwrap();
+            for (stage, names) in &suffixes {
+                let inputs: Vec<_> = xs
+                    .iter()
+                    .map(|x| layer_forward(&cfg, &lw, x.as_ref(), &rope, Some(*stage)))
+                    .collect();
+                let cols = inputs[0].ncols();
+                let mut want = vec![0.0f64; cols];
+                for a in &inputs {
+                    for r in 0..a.nrows() {
+                        for (c, w) in want.iter_mut().enumerate() {
+                            *w += f64::from(a[(r, c)]).powi(2);
+                        }
+                    }
+                }
+                want.iter_mut().for_each(|w| *w /= tokens as f64);
+                for n in names {
+                    let key = format!("blk.{layer}.{n}.weight");
+                    let got = imp.weights.get(&key).unwrap_or_else(|| panic!("{key}"));
+                    assert_eq!(got.len(), cols, "{key}");
+                    for (c, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert!(
+                            (f64::from(*g) - w).abs() <= 1e-5 * w.abs().max(1e-6),
+                            "{key} column {c}: {g} vs {w}"
+                        );
+                    }
+                    checked += 1;
+                }
+            }
+            for x in xs.iter_mut() {
+                *x = layer_forward(&cfg, &lw, x.as_ref(), &rope, None);
+            }
+        }
+        // Every blk.* linear and nothing else (llama-imatrix's default: no token_embd, no output).
+        assert_eq!(checked, 7 * cfg.num_layers);
+        assert_eq!(imp.weights.len(), checked);
+        // Not flat: the weights vary across columns (else importance could not change a block).
+        let q = &imp.weights["blk.0.ffn_down.weight"];
+        let (lo, hi) = q
+            .iter()
+            .fold((f32::MAX, 0.0f32), |(l, h), &v| (l.min(v), h.max(v)));
+        assert!(hi > 2.0 * lo && lo > 0.0, "{lo} {hi}");
+    }
+
+    /// The pass's importance goes into the block search: the written blocks change, and the
+    /// importance-weighted reconstruction error over the weighted tensors goes down.
+    #[test]
+    fn the_pass_importance_changes_the_chosen_blocks_and_lowers_the_weighted_error() {
+        let d = tempfile::tempdir().unwrap();
+        let data = tiny(d.path());
+        let imp = collect(d.path(), &data);
+        let out = tempfile::tempdir().unwrap();
+        let write = |name: &str, w: Option<&HashMap<String, Vec<f32>>>| {
+            let p = out.path().join(name);
+            write_gguf(&GgufJob {
+                model_dir: d.path(),
+                out_path: &p,
+                file_type: FileType::from_name("Q4_K_M").unwrap(),
+                importance: w,
+                name: "tiny",
+            })
+            .unwrap();
+            std::fs::read(p).unwrap()
+        };
+        let plain = write("plain.gguf", None);
+        let weighted = write("weighted.gguf", Some(&imp.weights));
+        let (hp, hw) = (
+            read_header(&plain).unwrap(),
+            read_header(&weighted).unwrap(),
+        );
+
+        let cfg = ModelConfig::load(d.path()).unwrap();
+        let store = TensorStore::open_dir(d.path()).unwrap();
+        let arch = GgufArch::of(&cfg).unwrap();
+        let (mut err_plain, mut err_weighted, mut differing) = (0.0f64, 0.0f64, 0);
+        for t in map_tensors(&cfg, &store, arch).unwrap() {
+            let Some(w) = imp.weights.get(&t.gguf) else {
+                continue;
+            };
+            let Source::Checkpoint(src) = &t.source else {
+                panic!("{}", t.gguf)
+            };
+            let cols = t.dims[0] as usize;
+            let mut x = store.f32(src).unwrap();
+            if let Some(h) = t.permute_heads {
+                x = permute_heads(&x, x.len() / cols, cols, h);
+            }
+            let deq = |file: &[u8], h: &crate::gguf::reader::GgufHeader| {
+                let (spec, off) = h.tensors.iter().find(|(s, _)| s.name == t.gguf).unwrap();
+                let start = (h.data_start + off) as usize;
+                let len = spec.byte_size().unwrap() as usize;
+                (
+                    spec.ty,
+                    dequantize_tensor(spec.ty, &file[start..start + len], cols).unwrap(),
+                )
+            };
+            let ((tp, qp), (tw, qw)) = (deq(&plain, &hp), deq(&weighted, &hw));
+            assert_eq!(
+                tp, tw,
+                "{}: the Q4_K_M mix does not depend on importance",
+                t.gguf
+            );
+            if qp != qw {
+                differing += 1;
+            }
+            let werr = |q: &[f32]| -> f64 {
+                x.iter()
+                    .zip(q)
+                    .enumerate()
+                    .map(|(i, (a, b))| f64::from(w[i % cols]) * f64::from(a - b).powi(2))
+                    .sum()
+            };
+            err_plain += werr(&qp);
+            err_weighted += werr(&qw);
+        }
+        assert_eq!(
+            differing,
+            imp.weights.len(),
+            "every weighted tensor changed"
+        );
+        assert!(
+            err_weighted < 0.97 * err_plain,
+            "weighted error {err_weighted} vs plain {err_plain}"
+        );
+    }
+}

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# GGUF quality with and without an importance matrix (benchmark, not a test; issue #39 item 2), on the
+# trained tiny Llama of `make oracle` (scripts/oracle/train_tiny_llama.py: its calib.jsonl for calibration,
+# its eval.txt — held-out files — for perplexity). Every perplexity is llama.cpp's own llama-perplexity
+# (Debian sid llama.cpp 0.7.0, scripts/gguf/llamacpp-root.sh) on eval.txt:
+#   F16            our GGUF_TYPE=F16 file (also the input of llama-quantize and llama-imatrix)
+#   lq             llama-quantize F16 -> TYPE
+#   lq+imatrix     llama-imatrix on calib.jsonl's texts (joined), then llama-quantize --imatrix
+#   ours           flexinfer-worker quantize FORMAT=GGUF GGUF_TYPE=TYPE (no DATASET: no importance)
+#   ours+pass      the same with DATASET=calib.jsonl: the importance matrix of our own calibration pass
+# and the wall times of ours+pass (one process: pass + quantize + write) against llama-imatrix +
+# llama-quantize --imatrix (two processes; the F16 conversion they need is not counted), with the load.
+# Usage: scripts/bench/gguf/imatrix.sh [TYPE...]   (default Q4_K_M Q3_K_M Q2_K; the timing uses the first)
+# Env: SKIP_PPL=1 (timing only), TIME_RUNS (3), LOWBIT_MODEL (default ~/.cache/flexinfer/lowbit-model), CTX (512: llama-imatrix chunks,
+#      llama-perplexity context and our MAX_SEQ_LEN), PPL_CHUNKS (-1: all of eval.txt), THREADS (nproc).
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+TYPES=("$@"); [ ${#TYPES[@]} -gt 0 ] || TYPES=(Q4_K_M Q3_K_M Q2_K)
+MODEL=${LOWBIT_MODEL:-$HOME/.cache/flexinfer/lowbit-model}
+CTX=${CTX:-512} PPL_CHUNKS=${PPL_CHUNKS:--1} THREADS=${THREADS:-$(nproc)}
+[ -f "$MODEL/model.safetensors" ] && [ -f "$MODEL/calib.jsonl" ] && [ -f "$MODEL/eval.txt" ] ||
+  { echo "no trained model in $MODEL: run make oracle (scripts/oracle/train_tiny_llama.py)" >&2; exit 2; }
+TARGET="${CARGO_TARGET_DIR:-target}"
+cargo build -j"${BENCH_JOBS:-2}" --release -p flexinfer-worker >&2
+BIN=$(cd "$TARGET/release" && pwd)/flexinfer-worker
+ROOT=$(bash scripts/gguf/llamacpp-root.sh)
+W=$(mktemp -d "${TMPDIR:-/tmp}/imatrix-bench.XXXXXX"); trap 'rm -rf "$W"' EXIT
+N_SAMPLES=$(wc -l < "$MODEL/calib.jsonl")
+python3 -c 'import json,sys; print("\n\n".join(json.loads(l)["text"] for l in open(sys.argv[1]) if l.strip()))' \
+  "$MODEL/calib.jsonl" > "$W/calib.txt"
+cp "$MODEL/eval.txt" "$W/eval.txt"
+load() { cut -d' ' -f1-3 /proc/loadavg; }
+echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); model $MODEL;" \
+     "calibration $N_SAMPLES samples, ctx $CTX; llama.cpp threads $THREADS"
+lc() { bash scripts/gguf/llamacpp-run.sh "$ROOT" "$W" "$@"; }
+now() { date +%s.%N; }
+# ours NAME TYPE [DATASET]: the worker's GGUF artifact, copied to $W/NAME.gguf; prints the wall time.
+ours() {
+  local name=$1 ty=$2 ds=${3:-} t0
+  t0=$(now)
+  env FORMAT=GGUF GGUF_TYPE="$ty" DATASET="$ds" MAX_SAMPLES="$N_SAMPLES" MAX_SEQ_LEN="$CTX" FLEXINFER_TELEMETRY=false \
+    "$BIN" quantize --model-dir "$MODEL" --out-dir "$W/run-$name/out" > "$W/$name.log" 2>&1 ||
+    { cat "$W/$name.log" >&2; exit 1; }
+  echo "$(now) - $t0" | bc
+  cp "$W/run-$name/out/model-$ty.gguf" "$W/$name.gguf"; rm -rf "$W/run-$name"
+}
+# ppl FILE: llama-perplexity's final estimate (retried: the tool may exit before its log thread prints it).
+ppl() {
+  local v=""
+  for _ in 1 2 3; do
+    v=$(lc llama-perplexity -m "$1" -f eval.txt -c "$CTX" -b "$CTX" -t "$THREADS" --chunks "$PPL_CHUNKS" 2>&1 |
+        sed -n 's/.*Final estimate: PPL = \([0-9.]*\) +\/- \([0-9.]*\).*/\1 ± \2/p')
+    [ -n "$v" ] && break
+  done
+  echo "${v:-n/a}"
+}
+
+ours F16 F16 > /dev/null
+[ "${SKIP_PPL:-0}" = 1 ] || echo "F16: ppl $(ppl F16.gguf)"
+lc llama-imatrix -m F16.gguf -f calib.txt -c "$CTX" -t "$THREADS" -o imatrix.gguf > "$W/imatrix.log" 2>&1 ||
+  { tail -20 "$W/imatrix.log" >&2; exit 1; }
+if [ "${SKIP_PPL:-0}" != 1 ]; then
+  for ty in "${TYPES[@]}"; do
+    lc llama-quantize F16.gguf "lq-$ty.gguf" "$ty" "$THREADS" > "$W/lq.log" 2>&1 || { tail "$W/lq.log" >&2; exit 1; }
+    lc llama-quantize --imatrix imatrix.gguf F16.gguf "lqi-$ty.gguf" "$ty" "$THREADS" > "$W/lqi.log" 2>&1 ||
+      { tail "$W/lqi.log" >&2; exit 1; }
+    ours "ours-$ty" "$ty" > /dev/null
+    ours "ourspass-$ty" "$ty" "$MODEL/calib.jsonl" > /dev/null
+    echo "$ty: ppl lq $(ppl "lq-$ty.gguf") | lq+imatrix $(ppl "lqi-$ty.gguf") | ours $(ppl "ours-$ty.gguf") |" \
+         "ours+pass $(ppl "ourspass-$ty.gguf")"
+    rm -f "$W"/*-"$ty".gguf
+  done
+fi
+# Time, alternated TIME_RUNS times on the first type: ours+pass (one process) against llama-imatrix +
+# llama-quantize --imatrix (two processes, each timed), with the load average before each.
+ty=${TYPES[0]}; : > "$W/ours.t"; : > "$W/theirs.t"
+median() { sort -n | awk '{a[NR]=$1} END{print a[int((NR+1)/2)]}'; }
+for r in $(seq 1 "${TIME_RUNS:-3}"); do
+  l1=$(load); t_ours=$(ours "ourspass-$ty" "$ty" "$MODEL/calib.jsonl")
+  tokens=$(grep -o '"importanceTokens":"[0-9]*"' "$W/ourspass-$ty.log" | grep -o '[0-9]*' || true)
+  l2=$(load); t0=$(now)
+  lc llama-imatrix -m F16.gguf -f calib.txt -c "$CTX" -t "$THREADS" -o imatrix.gguf > "$W/imatrix.log" 2>&1
+  t1=$(now)
+  lc llama-quantize --imatrix imatrix.gguf F16.gguf "lqi-$ty.gguf" "$ty" "$THREADS" > "$W/lqi.log" 2>&1
+  t2=$(now)
+  t_theirs=$(echo "$t2 - $t0" | bc)
+  echo "$t_ours" >> "$W/ours.t"; echo "$t_theirs" >> "$W/theirs.t"
+  echo "$ty time run $r: ours+pass $t_ours s (load $l1; pass over ${tokens:-?} tokens) |" \
+       "llama-imatrix $(echo "$t1 - $t0" | bc) s + llama-quantize --imatrix $(echo "$t2 - $t1" | bc) s = $t_theirs s (load $l2)"
+done
+o=$(median < "$W/ours.t"); t=$(median < "$W/theirs.t")
+echo "$ty time: median ours+pass $o s, llama-imatrix + llama-quantize $t s, ratio $(echo "scale=2; $o / $t" | bc);" \
+     "llama-imatrix: $(grep -o 'computing over [0-9]* chunks[^,]*' "$W/imatrix.log" | head -1)"
