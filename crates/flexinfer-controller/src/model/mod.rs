@@ -22,6 +22,7 @@ mod render_tests;
 
 use std::sync::Arc;
 
+use crate::events::Recorder;
 use flexinfer_api::contract::controller::FIELD_MANAGER;
 use flexinfer_api::contract::{env, labels, serving};
 use flexinfer_api::model::ModelPhase;
@@ -31,7 +32,7 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Pod, Service};
 use kube::api::Api;
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::events::Reporter;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher::{self, watcher};
 use kube::runtime::WatchStreamExt;

@@ -4,6 +4,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::events::Recorder;
 use flexinfer_api::contract::controller::FIELD_MANAGER;
 use flexinfer_api::contract::{self, labels, JobPhase};
 use flexinfer_api::gpuprofile::GPUProfile;
@@ -16,7 +17,7 @@ use kube::api::{
 };
 use kube::core::PartialObjectMeta;
 use kube::runtime::controller::{Action as CtrlAction, Controller};
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::events::{Event, EventType, Reporter};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Client, Resource, ResourceExt};
 use tracing::{debug, info, warn};
