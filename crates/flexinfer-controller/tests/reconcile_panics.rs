@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use flexinfer_controller::events::Recorder;
 use flexinfer_controller::metrics::Metrics;
 use flexinfer_controller::supervise::{Guard, RECONCILE_PANICKED};
 use futures::StreamExt;
@@ -17,7 +18,7 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ListParams, PostParams};
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::events::Reporter;
 use kube::runtime::watcher;
 use kube::ResourceExt;
 
