@@ -146,7 +146,8 @@ fn jobs_nvidia() {
 }
 
 /// GGUF on a gfx906 node pool (the format llama.cpp serves on Vega20): abliteration on the GPU, the GGUF
-/// quantization in the worker image on a CPU node (its engine has no GPU path), no calibration download.
+/// quantization in the worker image with no GPU request (its engine has no GPU path); the spec sets
+/// `calibration`, so the download fetches the set and the quantize Job gets it for the importance pass.
 #[test]
 fn jobs_gguf_gfx906() {
     let y = serde_norway::to_string(&cache("llama-gguf", Some("gfx906"), true)).expect("yaml");
