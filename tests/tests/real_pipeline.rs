@@ -458,6 +458,26 @@ fn check_artifact(dir: &Path) -> Result<Value> {
     Ok(sc)
 }
 
+/// `flexinfer quantize validate-artifact --path DIR` passes (GPTQ or GGUF, the CLI tells them apart).
+fn validate_artifact(e: &Env, dir: &Path) -> Result<()> {
+    let v = Command::new(&e.cli)
+        .args([
+            "quantize",
+            "validate-artifact",
+            "--path",
+            &dir.display().to_string(),
+        ])
+        .output()?;
+    ensure!(
+        v.status.success(),
+        "validate-artifact {}: {}{}",
+        dir.display(),
+        String::from_utf8_lossy(&v.stdout),
+        String::from_utf8_lossy(&v.stderr)
+    );
+    Ok(())
+}
+
 fn curl(args: &[&str]) -> Result<Vec<u8>> {
     let out = Command::new("curl")
         .args(["-sSf", "--max-time", "60"])
@@ -702,20 +722,7 @@ async fn real_pipeline_download_abliterate_quantize_publish_and_serve() -> Resul
         "status.publish.ociDigest {} vs {digest}",
         st["publish"]["ociDigest"]
     );
-    let v = Command::new(&e.cli)
-        .args([
-            "quantize",
-            "validate-artifact",
-            "--path",
-            &pulled.path().display().to_string(),
-        ])
-        .output()?;
-    ensure!(
-        v.status.success(),
-        "validate-artifact: {}{}",
-        String::from_utf8_lossy(&v.stdout),
-        String::from_utf8_lossy(&v.stderr)
-    );
+    validate_artifact(&e, pulled.path())?;
 
     // Served: a promoted Model mounts exactly status.path and answers through the stand-in.
     let model = json!({
@@ -1035,20 +1042,7 @@ async fn real_pipeline_gguf_served_by_llama_server() -> Result<()> {
         st["publish"]["ociDigest"]
     );
     // The pulled copy passes the CLI's GGUF checks (layout, types, metadata, .save-complete).
-    let v = Command::new(&e.cli)
-        .args([
-            "quantize",
-            "validate-artifact",
-            "--path",
-            &pulled.path().display().to_string(),
-        ])
-        .output()?;
-    ensure!(
-        v.status.success(),
-        "validate-artifact (GGUF): {}{}",
-        String::from_utf8_lossy(&v.stdout),
-        String::from_utf8_lossy(&v.stderr)
-    );
+    validate_artifact(&e, pulled.path())?;
 
     // Served by the real llama-server: no image in the Model, so the controller's default for llamacpp (the
     // chart's runtime.images.llamacpp) applies.

@@ -1109,7 +1109,7 @@ async fn proxy_last_active_time_is_throttled_across_replicas() {
     assert!(p1.proxy.activity.total_in_flight() == 0 && p2.proxy.activity.total_in_flight() == 0);
 }
 
-/// The seed's two-profile scenario on one shared GPU group, with the real Model controller: a
+/// Two profiles on one shared GPU group (a warm primary and a canary), with the real Model controller: a
 /// warm primary (250) serves; a request for the scale-to-zero canary (255) preempts it (the
 /// primary goes to zero before the canary starts), the canary serves, goes idle, and the primary
 /// comes back. A lower-priority Model's request queues behind the primary and fails with a 504

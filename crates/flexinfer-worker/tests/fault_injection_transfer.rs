@@ -23,8 +23,8 @@ use publish_support::Registry;
 const REPO: &str = "acme/fault-llama";
 const MARKERS: &[&str] = &[".source-integrity.json", ".download_complete"];
 
-/// Runs `make()` to completion once (the reference duration), then for every seed: spawn, SIGKILL at
-/// the seed's fraction of that duration, and hand the result to `after` (which restarts and checks).
+/// Runs `make()` to completion once (the reference duration), then for every random seed: spawn, SIGKILL at
+/// the fraction of that duration the random seed picks, and hand the result to `after` (which restarts and checks).
 fn kill_at_seeds(
     seeds: std::ops::Range<u64>,
     full: Duration,

@@ -164,25 +164,12 @@ pub async fn recommend(g: &Global, a: &RecommendArgs) -> Result<String, CliError
         return recommend_gguf(g, a, &api, &ns, &model, &gpu).await;
     }
     let rec = recommend::recommend(&model, &gpu);
-    if a.apply {
-        api.patch(
-            &a.cache,
-            &PatchParams::default(),
-            &Patch::Merge(&rec.spec_patch()),
-        )
-        .await
-        .map_err(|e| anyhow!("patch modelcache {ns}/{}: {e}", a.cache))?;
-    }
-    if g.output != Format::Table {
-        return Ok(output::structured(g.output, &rec)?);
-    }
-    let mut s = format!("Recommendation for modelcache {ns}/{}:\n", a.cache);
     let npar = rec
         .calibration
         .n_parallel_calib_samples
         .map(|n| n.to_string())
         .unwrap_or_else(|| "unset (engine chooses)".into());
-    s.push_str(&output::kv(&[
+    let rows = vec![
         ("format", rec.format.to_string()),
         ("bits", rec.bits.to_string()),
         ("groupSize", rec.group_size.to_string()),
@@ -210,34 +197,12 @@ pub async fn recommend(g: &Global, a: &RecommendArgs) -> Result<String, CliError
             "estimated time",
             format!("~{:.0} min", rec.estimated_minutes),
         ),
-        (
-            "fits target GPU",
-            match rec.fits {
-                Some(true) => "yes".into(),
-                Some(false) => "NO".into(),
-                None => "unknown".into(),
-            },
-        ),
-    ]));
-    s.push_str("Why:\n");
-    for r in &rec.reasons {
-        s.push_str(&format!("  - {r}\n"));
-    }
-    if a.apply {
-        s.push_str(&format!(
-            "Applied to modelcache/{} spec.quantization. Watch: flexinfer quantize status {} -n {ns}\n",
-            a.cache, a.cache
-        ));
-    } else {
-        s.push_str(&format!(
-            "Preview only. Apply with: flexinfer quantize recommend {} -n {ns} --apply\n",
-            a.cache
-        ));
-    }
-    Ok(s)
+        ("fits target GPU", fits(rec.fits)),
+    ];
+    finish(g, a, &api, &ns, &rec.spec_patch(), &rec, rows, &rec.reasons).await
 }
 
-/// The GGUF recommendation: shown, and patched with `--apply`.
+/// The GGUF recommendation's rows.
 async fn recommend_gguf(
     g: &Global,
     a: &RecommendArgs,
@@ -247,20 +212,7 @@ async fn recommend_gguf(
     gpu: &GpuTarget,
 ) -> Result<String, CliError> {
     let rec = recommend::gguf::recommend(model, gpu);
-    if a.apply {
-        api.patch(
-            &a.cache,
-            &PatchParams::default(),
-            &Patch::Merge(&rec.spec_patch()),
-        )
-        .await
-        .map_err(|e| anyhow!("patch modelcache {ns}/{}: {e}", a.cache))?;
-    }
-    if g.output != Format::Table {
-        return Ok(output::structured(g.output, &rec)?);
-    }
-    let mut s = format!("Recommendation for modelcache {ns}/{}:\n", a.cache);
-    s.push_str(&output::kv(&[
+    let rows = vec![
         ("format", rec.format.to_string()),
         ("ggufType", rec.gguf_type.to_string()),
         ("useGPU", rec.use_gpu.to_string()),
@@ -269,17 +221,44 @@ async fn recommend_gguf(
             "estimated artifact",
             format!("~{:.1} GB", rec.estimated_artifact_gb),
         ),
-        (
-            "fits target GPU",
-            match rec.fits {
-                Some(true) => "yes".into(),
-                Some(false) => "NO".into(),
-                None => "unknown".into(),
-            },
-        ),
-    ]));
+        ("fits target GPU", fits(rec.fits)),
+    ];
+    finish(g, a, api, ns, &rec.spec_patch(), &rec, rows, &rec.reasons).await
+}
+
+fn fits(f: Option<bool>) -> String {
+    match f {
+        Some(true) => "yes".into(),
+        Some(false) => "NO".into(),
+        None => "unknown".into(),
+    }
+}
+
+/// Either recommendation: `--apply` patches `spec.quantization`; then the structured output, or the rows,
+/// the reasons and how to apply (or watch).
+#[allow(clippy::too_many_arguments)]
+async fn finish(
+    g: &Global,
+    a: &RecommendArgs,
+    api: &Api<ModelCache>,
+    ns: &str,
+    patch: &serde_json::Value,
+    structured: &impl serde::Serialize,
+    rows: Vec<(&str, String)>,
+    reasons: &[String],
+) -> Result<String, CliError> {
+    if a.apply {
+        api.patch(&a.cache, &PatchParams::default(), &Patch::Merge(patch))
+            .await
+            .map_err(|e| anyhow!("patch modelcache {ns}/{}: {e}", a.cache))?;
+    }
+    if g.output != Format::Table {
+        return Ok(output::structured(g.output, structured)?);
+    }
+    let mut s = format!("Recommendation for modelcache {ns}/{}:\n", a.cache);
+    s.push_str(&output::kv(&rows));
     s.push_str("Why:\n");
-    for r in &rec.reasons {
+    for r in reasons {
         s.push_str(&format!("  - {r}\n"));
     }
     if a.apply {
