@@ -21,6 +21,9 @@ pub struct FormatInfo {
     pub implemented: bool,
     /// Whether quantizing needs a calibration dataset.
     pub needs_calibration: bool,
+    /// Whether the built-in engine can run on a GPU (`useGPU` puts its Job on a GPU node); `false`: the
+    /// quantize Job runs on a CPU node whatever `useGPU` says.
+    pub gpu_engine: bool,
 }
 
 pub const FORMATS: &[FormatInfo] = &[
@@ -33,6 +36,7 @@ pub const FORMATS: &[FormatInfo] = &[
         backends: &[Backend::Llamacpp, Backend::Ollama],
         implemented: true,
         needs_calibration: false,
+        gpu_engine: false,
     },
     FormatInfo {
         format: QuantFormat::Awq,
@@ -43,6 +47,7 @@ pub const FORMATS: &[FormatInfo] = &[
         backends: &[Backend::Vllm],
         implemented: false,
         needs_calibration: true,
+        gpu_engine: false,
     },
     FormatInfo {
         format: QuantFormat::Gptq,
@@ -53,6 +58,7 @@ pub const FORMATS: &[FormatInfo] = &[
         backends: &[Backend::Vllm],
         implemented: true,
         needs_calibration: true,
+        gpu_engine: true,
     },
     FormatInfo {
         format: QuantFormat::Exl2,
@@ -63,6 +69,7 @@ pub const FORMATS: &[FormatInfo] = &[
         backends: &[Backend::Exllamav2],
         implemented: false,
         needs_calibration: true,
+        gpu_engine: false,
     },
     FormatInfo {
         format: QuantFormat::Fp8,
@@ -73,6 +80,7 @@ pub const FORMATS: &[FormatInfo] = &[
         backends: &[Backend::Vllm],
         implemented: false,
         needs_calibration: false,
+        gpu_engine: false,
     },
     FormatInfo {
         format: QuantFormat::CompressedTensors,
@@ -83,6 +91,7 @@ pub const FORMATS: &[FormatInfo] = &[
         backends: &[Backend::Vllm],
         implemented: false,
         needs_calibration: true,
+        gpu_engine: false,
     },
 ];
 

@@ -25,8 +25,9 @@ pub fn enabled_phases(mc: &ModelCache) -> Vec<JobPhase> {
     v
 }
 
-/// Whether a phase runs on a GPU node. The GGUF engine has no GPU path (the block search runs on the
-/// CPU), so a GGUF quantization runs on a CPU node whatever `useGPU` says (docs/user/quantization.md).
+/// Whether a phase runs on a GPU node. A quantization whose engine has no GPU path (`FormatInfo::gpu_engine`:
+/// GGUF's block search runs on the CPU) runs on a CPU node whatever `useGPU` says
+/// (docs/user/quantization-pipelines.md).
 pub fn uses_gpu(mc: &ModelCache, phase: JobPhase) -> bool {
     match phase {
         JobPhase::Abliterate => mc.spec.abliteration.as_ref().is_some_and(|a| a.use_gpu),
@@ -34,7 +35,7 @@ pub fn uses_gpu(mc: &ModelCache, phase: JobPhase) -> bool {
             .spec
             .quantization
             .as_ref()
-            .is_some_and(|q| q.use_gpu && q.format != QuantFormat::Gguf),
+            .is_some_and(|q| q.use_gpu && flexinfer_api::formats::info(q.format).gpu_engine),
         _ => false,
     }
 }
@@ -229,8 +230,8 @@ fn resolve_image(
     if let Some(i) = env_get(&env::controller::quantizer_format_image(fname)) {
         return Ok(i);
     }
-    if matches!(format, QuantFormat::Gptq | QuantFormat::Gguf) {
-        // One worker binary writes both formats, on CPU and GPU: fall back to the worker image.
+    if flexinfer_api::formats::info(format).implemented {
+        // One worker binary holds every built-in engine: fall back to the worker image.
         if let Some(i) = config.worker_image.clone() {
             return Ok(i);
         }
