@@ -36,6 +36,9 @@ pub const GGUF_TYPES: &[&str] = &[
 ];
 /// Where the GPTQ solve runs: `auto` (default), `cpu`, `hip` or `cuda`.
 pub const GPTQ_DEVICE: &str = "GPTQ_DEVICE";
+/// Where the calibration forward runs when the solve is on a GPU: `auto` (default: on the GPU for every layer
+/// the device forward supports) or `off` (on the CPU, only the Hessians and solves on the GPU).
+pub const GPTQ_DEVICE_FORWARD: &str = "GPTQ_DEVICE_FORWARD";
 /// Whether a GPU solve uses the vendor's BLAS and solver libraries where installed: `auto` (default) or
 /// `off` (the engine's own kernels only).
 pub const GPTQ_VENDOR_LIBS: &str = "GPTQ_VENDOR_LIBS";

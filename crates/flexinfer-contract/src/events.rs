@@ -24,6 +24,13 @@ pub const GPTQ_DEVICE_SELECTED: &str = "gptq_device_selected";
 pub const GPTQ_DEVICE_ERROR: &str = "gptq_device_error";
 /// Quantize: an input group's solve moved from the device to the CPU (`module`, `device`, `error`).
 pub const GPTQ_DEVICE_FALLBACK: &str = "gptq_device_fallback";
+/// Quantize: where the calibration forward runs (`on`: `device` or `cpu`, `device`, `reason`, `batchTokens`;
+/// `layer` when a layer's forward moves to the CPU).
+pub const CALIBRATION_FORWARD: &str = "calibration_forward";
+/// Quantize, at the end of a run: where its time went, seconds per phase (`loadSeconds`, `forwardSeconds`,
+/// `hessianSeconds`, `solveSeconds`, `cacheSeconds`, `copySeconds`, `saveSeconds`, `wholeRunSeconds`) and
+/// where the forward ran (`forwardOn`: `device` or `cpu`).
+pub const QUANTIZE_PHASES: &str = "quantize_phases";
 pub const COMPLETE: &str = "complete";
 pub const ERROR: &str = "error";
 pub const WARNING: &str = "warning";

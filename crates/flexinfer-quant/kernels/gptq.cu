@@ -526,3 +526,159 @@ GPTQ_KERNEL void gptq_gather_coef(float *coef, const float *m, int ldm, int n, i
     coef[a * count + b] =
         (a < b) ? m[(long long)(n - 1 - i1 - b) * ldm + (n - 1 - i1 - a)] : 0.0f;
 }
+
+/*
+ * ---- The calibration forward (issue #44; docs/dev/gptq-device.md §9) ----
+ * Activations are column-major `tokens x features` with a leading dimension (the engine's faer layout): one
+ * thread per token reads a feature column's entries at adjacent addresses across a warp. The layer's GEMMs
+ * go through the vendor's sgemm or gptq_block_update (src/device/kernel/forward.rs); these kernels do the
+ * rest. Elementwise kernels: grid (ceil(tokens / GPTQ_FWD_THREADS), min(cols, 16)), block
+ * GPTQ_FWD_THREADS; grid y strides over the columns.
+ */
+#define GPTQ_FWD_THREADS 128
+
+/* y[t, c] = x[t, c] * s_t * w[c], s_t = 1 / sqrt(mean_c x[t, c]^2 + eps) (model/llama.rs rms_norm: the squares
+ * summed in column order). One thread per token: grid ceil(tokens / GPTQ_FWD_THREADS). */
+GPTQ_KERNEL void fwd_rms_norm(const float *x, int ldx, float *y, int ldy, const float *w, int tokens, int d,
+                              float eps)
+{
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= tokens)
+        return;
+    float ss = 0.0f;
+    for (int c = 0; c < d; ++c) {
+        float v = x[t + (long long)c * ldx];
+        ss = GPTQ_ADD(ss, GPTQ_MUL(v, v));
+    }
+    float s = GPTQ_DIV(1.0f, sqrtf(GPTQ_ADD(GPTQ_DIV(ss, (float)d), eps)));
+    for (int c = 0; c < d; ++c)
+        y[t + (long long)c * ldy] = GPTQ_MUL(GPTQ_MUL(x[t + (long long)c * ldx], s), w[c]);
+}
+
+/* Per-head RMSNorm in place (Qwen3's q/k norm, Gemma 4's weightless v norm: w == 0). One thread per (token,
+ * head): grid (ceil(tokens / GPTQ_FWD_THREADS), heads). */
+GPTQ_KERNEL void fwd_head_norm(float *x, int ldx, int tokens, int d, const float *w, int has_w, float eps)
+{
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    int h = blockIdx.y;
+    if (t >= tokens)
+        return;
+    float *xh = x + (long long)h * d * ldx + t;
+    float ss = 0.0f;
+    for (int i = 0; i < d; ++i) {
+        float v = xh[(long long)i * ldx];
+        ss = GPTQ_ADD(ss, GPTQ_MUL(v, v));
+    }
+    float s = GPTQ_DIV(1.0f, sqrtf(GPTQ_ADD(GPTQ_DIV(ss, (float)d), eps)));
+    for (int i = 0; i < d; ++i)
+        xh[(long long)i * ldx] = GPTQ_MUL(xh[(long long)i * ldx], has_w ? GPTQ_MUL(s, w[i]) : s);
+}
+
+/* Rotary embedding in place of one sequence's heads (token t is position t): the pairs (i, i + half), i < half,
+ * of each head rotated by cos/sin[t * half + i]. One thread per (token, head): grid (ceil(tokens /
+ * GPTQ_FWD_THREADS), heads). */
+GPTQ_KERNEL void fwd_rope(float *x, int ldx, int tokens, int d, int half, const float *cosv, const float *sinv)
+{
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    int h = blockIdx.y;
+    if (t >= tokens)
+        return;
+    float *xh = x + (long long)h * d * ldx + t;
+    for (int i = 0; i < half; ++i) {
+        float c = cosv[(long long)t * half + i], s = sinv[(long long)t * half + i];
+        float a = xh[(long long)i * ldx], b = xh[(long long)(i + half) * ldx];
+        xh[(long long)i * ldx] = GPTQ_SUB(GPTQ_MUL(a, c), GPTQ_MUL(b, s));
+        xh[(long long)(i + half) * ldx] = GPTQ_ADD(GPTQ_MUL(b, c), GPTQ_MUL(a, s));
+    }
+}
+
+/* The causal softmax of `rows` queries' scores, `batch` heads (grid y), in place: s is query-major (row i,
+ * column j = key j; leading dimension lds, heads `stride` floats apart); query i is position q0 + i and sees
+ * keys lo <= j <= q0 + i (lo = q0 + i + 1 - window with a window > 0, else 0). Each live score is multiplied by
+ * `scale`, soft-capped (`softcap` > 0: cap * tanh(v / cap)) and softmaxed; every other entry of the row up to
+ * `keys` becomes 0 (model/llama.rs causal_softmax). One thread per query: grid (ceil(rows /
+ * GPTQ_FWD_THREADS), batch). */
+GPTQ_KERNEL void fwd_softmax(float *s, int lds, long long stride, int rows, int keys, int q0, float scale,
+                             int window, float softcap)
+{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows)
+        return;
+    float *row = s + (long long)blockIdx.y * stride + i;
+    int last = q0 + i;
+    int lo = window > 0 ? last + 1 - window : 0;
+    if (lo < 0)
+        lo = 0;
+    float m = -3.402823466e+38f;
+    for (int j = lo; j <= last && j < keys; ++j) {
+        float v = GPTQ_MUL(row[(long long)j * lds], scale);
+        if (softcap > 0.0f)
+            v = GPTQ_MUL(softcap, tanhf(GPTQ_DIV(v, softcap)));
+        row[(long long)j * lds] = v;
+        m = fmaxf(m, v);
+    }
+    float sum = 0.0f;
+    for (int j = lo; j <= last && j < keys; ++j) {
+        float e = expf(GPTQ_SUB(row[(long long)j * lds], m));
+        row[(long long)j * lds] = e;
+        sum = GPTQ_ADD(sum, e);
+    }
+    for (int j = 0; j < keys; ++j) {
+        if (j < lo || j > last)
+            row[(long long)j * lds] = 0.0f;
+        else
+            row[(long long)j * lds] = GPTQ_DIV(row[(long long)j * lds], sum);
+    }
+}
+
+/* g[t, c] = act(g[t, c]) * u[t, c]: SiLU (gelu == 0) or GELU with the tanh approximation (Gemma). */
+GPTQ_KERNEL void fwd_act_mul(float *g, int ldg, const float *u, int ldu, int tokens, int cols, int gelu)
+{
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= tokens)
+        return;
+    for (int c = blockIdx.y; c < cols; c += gridDim.y) {
+        float x = g[t + (long long)c * ldg], uv = u[t + (long long)c * ldu];
+        float a;
+        if (gelu) {
+            float inner = GPTQ_MUL(0.7978846f, GPTQ_ADD(x, GPTQ_MUL(GPTQ_MUL(GPTQ_MUL(0.044715f, x), x), x)));
+            a = GPTQ_MUL(GPTQ_MUL(0.5f, x), GPTQ_ADD(1.0f, tanhf(inner)));
+        } else {
+            a = GPTQ_DIV(x, GPTQ_ADD(1.0f, expf(-x)));
+        }
+        g[t + (long long)c * ldg] = GPTQ_MUL(a, uv);
+    }
+}
+
+/* x[t, c] += y[t, c]. */
+GPTQ_KERNEL void fwd_add(float *x, int ldx, const float *y, int ldy, int tokens, int cols)
+{
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= tokens)
+        return;
+    for (int c = blockIdx.y; c < cols; c += gridDim.y)
+        x[t + (long long)c * ldx] = GPTQ_ADD(x[t + (long long)c * ldx], y[t + (long long)c * ldy]);
+}
+
+/* y[t, c] += b[c] (a linear's bias). */
+GPTQ_KERNEL void fwd_add_bias(float *y, int ldy, const float *b, int tokens, int cols)
+{
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= tokens)
+        return;
+    for (int c = blockIdx.y; c < cols; c += gridDim.y)
+        y[t + (long long)c * ldy] = GPTQ_ADD(y[t + (long long)c * ldy], b[c]);
+}
+
+/* x[t, c] = x[t, c] * a + b: Gemma 4's layer scalar (a, 0), and the zero fill before a product kernel
+ * accumulates (0, 0). */
+GPTQ_KERNEL void fwd_affine(float *x, int ldx, int tokens, int cols, float a, float b)
+{
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= tokens)
+        return;
+    for (int c = blockIdx.y; c < cols; c += gridDim.y) {
+        float v = x[t + (long long)c * ldx];
+        x[t + (long long)c * ldx] = (a == 0.0f) ? b : GPTQ_ADD(GPTQ_MUL(v, a), b);
+    }
+}

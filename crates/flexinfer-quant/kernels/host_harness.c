@@ -301,6 +301,20 @@ BODY(permute_sym, gptq_permute_sym(P(0, const float *), P(1, int), P(2, float *)
 BODY(gather_panel, gptq_gather_panel(P(0, float *), P(1, int), P(2, const float *), P(3, int), P(4, int), P(5, int),
                                      P(6, int), P(7, int), P(8, int)))
 
+BODY(fwd_rms_norm, fwd_rms_norm(P(0, const float *), P(1, int), P(2, float *), P(3, int), P(4, const float *),
+                                 P(5, int), P(6, int), P(7, float)))
+BODY(fwd_head_norm, fwd_head_norm(P(0, float *), P(1, int), P(2, int), P(3, int), P(4, const float *), P(5, int),
+                                   P(6, float)))
+BODY(fwd_rope, fwd_rope(P(0, float *), P(1, int), P(2, int), P(3, int), P(4, int), P(5, const float *),
+                         P(6, const float *)))
+BODY(fwd_softmax, fwd_softmax(P(0, float *), P(1, int), P(2, long long), P(3, int), P(4, int), P(5, int), P(6, float),
+                               P(7, int), P(8, float)))
+BODY(fwd_act_mul, fwd_act_mul(P(0, float *), P(1, int), P(2, const float *), P(3, int), P(4, int), P(5, int),
+                               P(6, int)))
+BODY(fwd_add, fwd_add(P(0, float *), P(1, int), P(2, const float *), P(3, int), P(4, int), P(5, int)))
+BODY(fwd_add_bias, fwd_add_bias(P(0, float *), P(1, int), P(2, const float *), P(3, int), P(4, int)))
+BODY(fwd_affine, fwd_affine(P(0, float *), P(1, int), P(2, int), P(3, int), P(4, float), P(5, float)))
+
 static const struct {
     const char *name;
     gptq_body body;
@@ -314,6 +328,10 @@ static const struct {
     {"gptq_block_snapshot", snapshot_launch, 11}, {"gptq_group_params", group_params_launch, 8},
     {"gptq_factor_pivots", pivots_launch, 5},   {"gptq_gather_panel", gather_panel_launch, 9},
     {"gptq_prepare_rows", prepare_rows_launch, 5}, {"gptq_permute_sym", permute_sym_launch, 6},
+    {"fwd_rms_norm", fwd_rms_norm_launch, 8},   {"fwd_head_norm", fwd_head_norm_launch, 7},
+    {"fwd_rope", fwd_rope_launch, 7},           {"fwd_softmax", fwd_softmax_launch, 9},
+    {"fwd_act_mul", fwd_act_mul_launch, 7},     {"fwd_add", fwd_add_launch, 6},
+    {"fwd_add_bias", fwd_add_bias_launch, 5},   {"fwd_affine", fwd_affine_launch, 6},
 };
 
 int gptq_host_launch(const char *name, int nargs, int gx, int gy, int gz, int bx, int by, int bz, void **params)

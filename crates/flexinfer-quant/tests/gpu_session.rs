@@ -10,13 +10,18 @@
 //! with an event).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
+#[path = "../examples/gpu_check/artifact.rs"]
+#[allow(dead_code)]
+mod artifact;
 mod host_kernels;
+#[path = "../examples/gpu_check/whole.rs"]
+mod whole;
 
 use faer::Mat;
 use flexinfer_contract::events as names;
 use flexinfer_quant::device::driver::MathLibraries;
 use flexinfer_quant::device::kernel::{
-    Arg, DevPtr, Gemm, Kernel, KernelDevice, Launch, MathLibs, Syrk, Vendor,
+    Arg, DevPtr, Gemm, GemmOp, Kernel, KernelDevice, Launch, MathLibs, Syrk, Vendor,
 };
 use flexinfer_quant::device::{
     check, solve_with_fallback, DevResult, Device, DeviceError, DeviceKind, SolveSpec,
@@ -276,6 +281,56 @@ impl Vendor for HostVendor {
             }
             if self.log.lock().unwrap().wrong_sgemm {
                 *c += 1.0;
+            }
+        }
+        Ok(())
+    }
+    fn gemm(&mut self, op: &GemmOp) -> DevResult<()> {
+        self.math_call(if op.batch > 1 {
+            "sgemm batched"
+        } else {
+            "sgemm"
+        })?;
+        for i in 0..op.batch {
+            let p = op.single(i);
+            let (brows, bcols) = if op.b_trans {
+                (op.n, op.k)
+            } else {
+                (op.k, op.n)
+            };
+            if op.m == 0 || op.n == 0 {
+                continue;
+            }
+            if op.k > 0 {
+                self.check("sgemm", p.a, (p.lda * (op.k - 1) + op.m) * 4)?;
+                self.check("sgemm", p.b, (p.ldb * (bcols - 1) + brows) * 4)?;
+            }
+            self.check("sgemm", p.c, (p.ldc * (op.n - 1) + op.m) * 4)?;
+        }
+        if let Some(l) = self.lib.as_mut() {
+            // SAFETY: as in syrk_lower.
+            return unsafe { l.gemm_op(op) }.map_err(|e| Self::err("sgemm", e));
+        }
+        for i in 0..op.batch {
+            let p = op.single(i);
+            let (a, b, c) = (p.a as *const f32, p.b as *const f32, p.c as *mut f32);
+            // SAFETY: every product's ranges were checked against live allocations above.
+            unsafe {
+                for j in 0..op.n {
+                    for r in 0..op.m {
+                        let mut s = 0f32;
+                        for u in 0..op.k {
+                            let bv = if op.b_trans {
+                                *b.add(j + u * p.ldb)
+                            } else {
+                                *b.add(u + j * p.ldb)
+                            };
+                            s += *a.add(r + u * p.lda) * bv;
+                        }
+                        let out = c.add(r + j * p.ldc);
+                        *out = if op.accumulate { *out + s } else { s };
+                    }
+                }
             }
         }
         Ok(())
@@ -593,7 +648,7 @@ fn solves_like_the_cpu_session(math: MathLibs) {
         let found_in_sweep = c.params.group_size > 0 && !c.params.static_groups;
         let swept = got[0].method != Method::Rtn;
         let expected: Vec<Kernel> = if swept {
-            Kernel::ALL
+            Kernel::SOLVE
                 .into_iter()
                 .filter(|k| {
                     found_in_sweep || !matches!(k, Kernel::BlockSnapshot | Kernel::GroupParams)
@@ -1031,6 +1086,15 @@ fn the_session_drives_the_vendor_libraries_through_their_c_interfaces() {
             "{kind:?}"
         );
         assert_eq!(size > 0, api == 0, "only cuSOLVER asks for a workspace");
+        // The forward's products through the libraries' sgemm (B transposed) and strided-batched sgemm.
+        let tmp = tempfile::tempdir().unwrap();
+        flexinfer_quant::testkit::write_model(tmp.path(), "LlamaForCausalLM", 4).unwrap();
+        let (on_device, _) = forward_against_cpu(&dev, tmp.path(), &format!("{kind:?} stand-ins"));
+        assert!(on_device > 0);
+        assert!(
+            stub_calls(api, 6) > 0,
+            "{kind:?}: the strided-batched sgemm was not called"
+        );
         drop(dev);
     }
 }
@@ -1159,4 +1223,248 @@ fn the_clipping_search_goes_to_the_cpu_with_an_event() {
         .unwrap()
         .kernels
         .contains_key(Kernel::SweepBlock.entry()));
+}
+
+/// A session that keeps every batch it is handed: it takes no resident activations, so the device forward
+/// downloads each batch for it, and the test sees exactly what a Hessian would be built from.
+#[derive(Default)]
+struct Recorder {
+    batches: Vec<Mat<f32>>,
+}
+
+impl flexinfer_quant::device::Session for Recorder {
+    fn accumulate(&mut self, x: faer::MatRef<'_, f32>, _alpha: f32) -> DevResult<()> {
+        self.batches.push(x.to_owned());
+        Ok(())
+    }
+    fn solve(
+        &mut self,
+        _weights: &[&Mat<f32>],
+        _spec: &SolveSpec<'_>,
+    ) -> DevResult<Vec<QuantizedLinear>> {
+        Err(DeviceError::new(
+            "recorder",
+            "solve",
+            "a recorder does not solve",
+        ))
+    }
+    fn fallback_hessian(&mut self) -> Option<flexinfer_quant::hessian::PreparedHessian> {
+        None
+    }
+}
+
+/// Rows of `parts` stacked (the samples of a batch, in order).
+fn stack(parts: &[Mat<f32>]) -> Mat<f32> {
+    let rows: usize = parts.iter().map(Mat::nrows).sum();
+    let cols = parts.first().map_or(0, Mat::ncols);
+    let mut out = Mat::<f32>::zeros(rows, cols);
+    let mut r0 = 0;
+    for p in parts {
+        out.as_mut().subrows_mut(r0, p.nrows()).copy_from(p);
+        r0 += p.nrows();
+    }
+    out
+}
+
+/// `|device − cpu| ≤ 1e-4 · max|cpu|` entry by entry: f32 sums in another order (the GEMMs, the norms), never
+/// a different formula; a wrong mask, rope, norm or layout is off by the values' own size.
+fn assert_forward_close(what: &str, dev: &Mat<f32>, cpu: &Mat<f32>) {
+    assert_eq!(
+        (dev.nrows(), dev.ncols()),
+        (cpu.nrows(), cpu.ncols()),
+        "{what}: shape"
+    );
+    let mut scale = 0f32;
+    let mut err = 0f32;
+    for j in 0..cpu.ncols() {
+        for i in 0..cpu.nrows() {
+            scale = scale.max(cpu[(i, j)].abs());
+            let d = (dev[(i, j)] - cpu[(i, j)]).abs();
+            assert!(
+                d.is_finite(),
+                "{what}: ({i}, {j}) = {} vs {}",
+                dev[(i, j)],
+                cpu[(i, j)]
+            );
+            err = err.max(d);
+        }
+    }
+    assert!(
+        err <= 1e-4 * scale.max(1e-6),
+        "{what}: max abs err {err:e} > 1e-4 × {scale}"
+    );
+}
+
+/// The device forward (the host build of its kernels, with the host vendor's BLAS and with the own kernels)
+/// against the CPU forward on every oracle family (tests/fixtures/oracle): three samples of different lengths in
+/// two batches, attention in chunks of 4 queries, each stage's module-group input (Qkv, O, GateUp, Down) and
+/// the layer output, from the same input on both sides. A layer the device forward does not run (MoE,
+/// gated delta-net, gated attention) is named by `layer_unsupported` and goes through the CPU, with the
+/// activations downloaded and uploaded again. Every odd layer is moved by `advance` from the layer input
+/// (a cached layer's path), every even one through the stages and `advance` from the residual after attention.
+/// The own kernels (no vendor BLAS: every product by `gptq_block_update`, slow on host threads) run three
+/// families that between them use every forward kernel; the vendor path runs all.
+#[test]
+fn the_device_forward_runs_each_family_like_the_cpu_forward() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/oracle");
+    let mut fams: Vec<String> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(fams.len() >= 10, "{fams:?}");
+    // Dense Llama and Qwen2 (attention biases) from the test kit: no oracle fixture has them.
+    let tmp = tempfile::tempdir().unwrap();
+    let generated: Vec<(String, std::path::PathBuf)> =
+        [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM")]
+            .iter()
+            .map(|(fam, arch)| {
+                let d = tmp.path().join(fam);
+                flexinfer_quant::testkit::write_model(&d, arch, 3).unwrap();
+                (fam.to_string(), d)
+            })
+            .collect();
+    fams.extend(generated.iter().map(|(f, _)| f.clone()));
+    fams.sort();
+    let (mut on_device, mut on_cpu) = (0, 0);
+    for math in MATH {
+        let mut used: BTreeMap<&str, usize> = BTreeMap::new();
+        let own = ["gemma2", "gemma4_text", "qwen2"];
+        for fam in fams
+            .iter()
+            .filter(|f| math.blas || own.contains(&f.as_str()))
+        {
+            let dir = match generated.iter().find(|(f, _)| f == fam) {
+                Some((_, d)) => d.clone(),
+                None => root.join(fam),
+            };
+            let log = Arc::new(Mutex::new(Log::default()));
+            let dev = host_device_with(&log, None, math);
+            let device_layers = on_device;
+            let (d, c) = forward_against_cpu(&dev, &dir, &format!("{fam} ({math:?})"));
+            on_device += d;
+            on_cpu += c;
+            let l = log.lock().unwrap();
+            used.extend(l.kernels.iter().map(|(k, v)| (*k, *v)));
+            assert_eq!(
+                l.math_calls.contains_key("sgemm batched"),
+                math.blas && on_device > device_layers,
+                "{fam}: {:?}",
+                l.math_calls
+            );
+        }
+        for k in Kernel::FORWARD {
+            assert!(
+                used.contains_key(k.entry()),
+                "{math:?}: {} never ran: {used:?}",
+                k.entry()
+            );
+        }
+    }
+    println!("device layers {on_device}, CPU layers {on_cpu}");
+    assert!(
+        on_device > 20 && on_cpu > 4,
+        "device {on_device}, cpu {on_cpu}"
+    );
+}
+
+/// A whole quantize run (the job, as a Job runs it) on the host device with the calibration forward on the
+/// device: the activations stay there (every batch accumulated where it is: no session is handed a host
+/// copy) and the artifact meets the card check's whole-model comparison against the CPU run.
+#[test]
+fn a_whole_run_with_the_device_forward_matches_the_cpu_run() {
+    let log = Arc::new(Mutex::new(Log::default()));
+    let dev = host_device_with(&log, None, MATH[1]);
+    let c = whole::whole_model(&dev, true, true);
+    assert!(c.passed, "{c}");
+    assert!(c.detail.starts_with("forward on the device"), "{c}");
+    let l = log.lock().unwrap();
+    for k in [Kernel::FwdRmsNorm, Kernel::FwdSoftmax, Kernel::FwdActMul] {
+        assert!(
+            l.kernels.contains_key(k.entry()),
+            "{}: {:?}",
+            k.entry(),
+            l.kernels
+        );
+    }
+}
+
+/// The device forward of `dev` against the CPU forward on the model in `dir` (see
+/// `the_device_forward_runs_each_family_like_the_cpu_forward`); returns the layers run on the device and on
+/// the CPU.
+fn forward_against_cpu<V: Vendor + Send>(
+    dev: &KernelDevice<V>,
+    dir: &std::path::Path,
+    what: &str,
+) -> (usize, usize) {
+    use flexinfer_quant::device::kernel::forward::{layer_unsupported, ForwardPass};
+    use flexinfer_quant::llama::{embed, layer_forward, Rope, Stage};
+    use flexinfer_quant::model::{load_layer, ModelConfig};
+    use flexinfer_quant::tensors::TensorStore;
+    let (mut on_device, mut on_cpu) = (0, 0);
+    let cfg = ModelConfig::load(&dir).unwrap();
+    let store = TensorStore::open_dir(&dir).unwrap();
+    let lens = [11usize, 16, 5];
+    let rope = Rope::new(&cfg, 16);
+    let mut host: Vec<Mat<f32>> = lens
+        .iter()
+        .enumerate()
+        .map(|(s, &len)| {
+            let toks: Vec<u32> = (0..len)
+                .map(|i| ((i * 7 + s * 13 + 3) % cfg.vocab_size.min(200)) as u32)
+                .collect();
+            embed(&store, &cfg, None, &toks).unwrap()
+        })
+        .collect();
+    let mut fwd = dev
+        .forward_ops(cfg.hidden_size, 27)
+        .unwrap()
+        .with_query_chunk(4);
+    fwd.upload(host.clone()).unwrap();
+    for layer in 0..cfg.num_layers {
+        let lw = load_layer(&store, &cfg, layer, None).unwrap();
+        let name = format!("{what} layer {layer}");
+        let cpu_out: Vec<Mat<f32>> = host
+            .iter()
+            .map(|x| layer_forward(&cfg, &lw, x.as_ref(), &rope, None))
+            .collect();
+        if layer_unsupported(&lw).is_some() || cfg.sparse_layer(layer).is_some() {
+            assert!(
+                lw.moe.is_some() || lw.gdn.is_some() || lw.attn.output_gate,
+                "{name}: unsupported without a reason"
+            );
+            on_cpu += 1;
+            host = cpu_out;
+            fwd.download().unwrap();
+            fwd.upload(host.clone()).unwrap();
+            continue;
+        }
+        on_device += 1;
+        if layer % 2 == 0 {
+            for stage in [Stage::Qkv, Stage::O, Stage::GateUp, Stage::Down] {
+                let mut rec = Recorder::default();
+                fwd.stage(&cfg, &lw, &rope, stage, Some(&mut rec), 1.0)
+                    .unwrap_or_else(|e| panic!("{name} {stage:?}: {e}"));
+                assert_eq!(rec.batches.len(), 2, "{name} {stage:?}: batches");
+                let got = stack(&rec.batches);
+                let want = stack(
+                    &host
+                        .iter()
+                        .map(|x| layer_forward(&cfg, &lw, x.as_ref(), &rope, Some(stage)))
+                        .collect::<Vec<_>>(),
+                );
+                assert_forward_close(&format!("{name} {stage:?}"), &got, &want);
+            }
+            fwd.advance(&cfg, &lw, &rope, true).unwrap();
+        } else {
+            fwd.advance(&cfg, &lw, &rope, false).unwrap();
+        }
+        let got = fwd.download().unwrap();
+        for (s, (g, w)) in got.iter().zip(&cpu_out).enumerate() {
+            assert_forward_close(&format!("{name} output, sample {s}"), g, w);
+        }
+        // Both sides go on from the CPU's output.
+        host = cpu_out;
+        fwd.upload(host.clone()).unwrap();
+    }
+    (on_device, on_cpu)
 }

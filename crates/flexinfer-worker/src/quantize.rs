@@ -85,6 +85,10 @@ pub struct QuantizeArgs {
     /// rocBLAS + rocSOLVER) where they are installed; `off`: the engine's own kernels for everything.
     #[arg(long, env = env::GPTQ_VENDOR_LIBS, default_value = "auto")]
     pub gptq_vendor_libs: VendorLibs,
+    /// `auto` (default): with a GPU solve, the calibration forward runs on the GPU too (every layer the
+    /// device forward supports); `off`: the forward stays on the CPU.
+    #[arg(long, env = env::GPTQ_DEVICE_FORWARD, default_value = "auto")]
+    pub gptq_device_forward: VendorLibs,
     /// The card's memory in MiB, for the device memory budget (gfx906 reports its own unreliably).
     #[arg(long, env = env::GPU_VRAM_MB)]
     pub gpu_vram_mb: Option<u64>,
@@ -201,6 +205,7 @@ pub fn job_from_args(args: &QuantizeArgs) -> Result<QuantizeJob, WorkerError> {
             max_seq_len: args.max_seq_len,
         },
         n_parallel_calib_samples: args.n_parallel_calib_samples,
+        device_forward: args.gptq_device_forward != VendorLibs::Off,
         dynamic_exclusion: args
             .dynamic_exclusion
             .clone()

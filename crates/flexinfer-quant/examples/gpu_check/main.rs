@@ -109,7 +109,7 @@ fn main() {
     let t0 = Instant::now();
     if o.device == "cpu" {
         // The check of the check, without a card: the whole-model comparison of two CPU runs must pass.
-        let c = whole_model(&CpuBackend::default(), o.quick);
+        let c = whole_model(&CpuBackend::default(), o.quick, true);
         println!("{c}");
         std::process::exit(i32::from(!c.passed));
     }
@@ -245,9 +245,16 @@ fn checks(report: &mut Report, dev: &KernelDevice<DriverVendor>, o: &Opts, run: 
     if !run.whole {
         return;
     }
+    // With the forward on the device (as a Job runs it), then with only the Hessians and solves there.
     report.section(&run.name("whole model"), |r| {
         let t = Instant::now();
-        let c = whole_model(dev, o.quick);
+        let c = whole_model(dev, o.quick, true);
+        r.check(c, t.elapsed().as_secs_f64());
+        Ok(())
+    });
+    report.section(&run.name("whole model, forward on the CPU"), |r| {
+        let t = Instant::now();
+        let c = whole_model(dev, o.quick, false);
         r.check(c, t.elapsed().as_secs_f64());
         Ok(())
     });

@@ -12,8 +12,11 @@ use flexinfer_quant::pipeline::{run, QuantizeJob};
 use flexinfer_quant::testkit::{self, ModelSize};
 use std::path::Path;
 
-/// Quantizes a generated model on `dev` and on the CPU and compares the artifacts (module docs, 3).
-pub fn whole_model(dev: &dyn Device, quick: bool) -> Check {
+/// Quantizes a generated model on `dev` and on the CPU and compares the artifacts (module docs, 3). With
+/// `device_forward` the device run's calibration forward runs on the device where it has one (the
+/// default of a Job), else on the CPU; the check's detail says where it ran (`forward on the device` /
+/// `forward on the CPU`).
+pub fn whole_model(dev: &dyn Device, quick: bool, device_forward: bool) -> Check {
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("model");
     let size = if quick {
@@ -30,9 +33,13 @@ pub fn whole_model(dev: &dyn Device, quick: bool) -> Check {
     };
     testkit::write_model_sized(&model, "LlamaForCausalLM", 5, &size).unwrap();
     let ds = tmp.path().join("calib.jsonl");
-    testkit::write_dataset(&ds, 64).unwrap();
-    let quantize = |d: &dyn Device, out: &Path| {
+    // `--quick`: 16 samples of 32 tokens (the host build of the kernels in the tests runs every device thread
+    // on a host thread); else 64 of 64.
+    let (samples, len) = if quick { (16, 32) } else { (64, 64) };
+    testkit::write_dataset(&ds, samples).unwrap();
+    let quantize = |d: &dyn Device, out: &Path, forward: bool, sink: &MemorySink| {
         let job = QuantizeJob {
+            device_forward: forward,
             params: GptqParams::default(),
             gate: GateParams {
                 max_rtn_fallback_percent: 100.0,
@@ -44,24 +51,34 @@ pub fn whole_model(dev: &dyn Device, quick: bool) -> Check {
                 out,
                 &ds,
                 CalibSettings {
-                    max_samples: 64,
-                    max_seq_len: 64,
+                    max_samples: samples,
+                    max_seq_len: len,
                 },
                 "gpu_check",
             )
         };
-        run(&job, d, &MemorySink::default())
-            .unwrap_or_else(|e| panic!("quantize on {}: {e}", d.describe()))
+        run(&job, d, sink).unwrap_or_else(|e| panic!("quantize on {}: {e}", d.describe()))
     };
     let (a, b) = (tmp.path().join("device"), tmp.path().join("cpu"));
-    quantize(dev, &a);
-    quantize(&CpuBackend::default(), &b);
-    compare_artifacts(
+    let sink = MemorySink::default();
+    quantize(dev, &a, device_forward, &sink);
+    quantize(&CpuBackend::default(), &b, false, &MemorySink::default());
+    let on_device = sink
+        .named(flexinfer_contract::events::QUANTIZE_PHASES)
+        .iter()
+        .any(|e| e.get("forwardOn").and_then(|v| v.as_str()) == Some("device"));
+    let mut c = compare_artifacts(
         &format!("whole model hidden={} layers={}", size.hidden, size.layers),
         &model,
         &Artifact::open(&a),
         &Artifact::open(&b),
-    )
+    );
+    c.detail = format!(
+        "forward on the {}; {}",
+        if on_device { "device" } else { "CPU" },
+        c.detail
+    );
+    c
 }
 
 /// The whole-model comparison. Layer 0's first input group (q, k, v: the same calibration inputs on both

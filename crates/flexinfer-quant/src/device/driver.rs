@@ -13,7 +13,8 @@
 //! code objects (tests/hip_code_objects.rs).
 
 use super::kernel::{
-    math_self_test, Arg, DevPtr, Gemm, Kernel, Launch, MathLibs, Syrk, Vendor, KERNEL_SOURCE,
+    math_self_test, Arg, DevPtr, Gemm, GemmOp, Kernel, Launch, MathLibs, Syrk, Vendor,
+    KERNEL_SOURCE,
 };
 use super::{DevResult, DeviceError, DeviceKind};
 use std::collections::HashMap;
@@ -519,6 +520,12 @@ impl Vendor for DriverVendor {
         self.current("math")?;
         // SAFETY: as in `syrk_lower`.
         let r = unsafe { self.math.gemm(op) };
+        self.math_result(r)
+    }
+    fn gemm(&mut self, op: &GemmOp) -> DevResult<()> {
+        self.current("math")?;
+        // SAFETY: as in `syrk_lower`.
+        let r = unsafe { self.math.gemm_op(op) };
         self.math_result(r)
     }
     fn potrf_lower(&mut self, a: DevPtr, lda: usize, n: usize, info: DevPtr) -> DevResult<()> {

@@ -29,6 +29,7 @@ pub mod kernel;
 mod ops;
 mod select;
 
+pub use kernel::forward::{ForwardPass, ForwardTimes};
 pub use ops::{DeviceOps, OpsSession, PreparedMeta, SweepJob, MAX_DEVICE_RESETS};
 pub use select::{
     select_device, DeviceChoice, GpuInfo, MemoryBudget, Platform, ProbeError, Selection,
@@ -108,12 +109,44 @@ pub trait Device: Send + Sync {
     fn kind(&self) -> DeviceKind;
     /// Buffers for one input group whose modules have `n` input features (the Hessian is n × n).
     fn open(&self, n: usize) -> DevResult<Box<dyn Session + '_>>;
+    /// The calibration forward on this device for a model of `hidden_size`, in batches of at most
+    /// `batch_tokens` tokens (`None`: the device has none; the forward runs on the CPU).
+    fn forward(
+        &self,
+        _hidden_size: usize,
+        _batch_tokens: usize,
+    ) -> Option<DevResult<Box<dyn ForwardPass + '_>>> {
+        None
+    }
+    /// Device memory the run may use, bytes (`None`: unknown, or not a device with its own memory).
+    fn memory_budget(&self) -> Option<u64> {
+        None
+    }
+}
+
+/// A batch of activations already on the device (a view `rows × cols` with leading dimension `ld`), which a
+/// session of the same context can accumulate without a copy ([`Session::accumulate_resident`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Resident {
+    pub ptr: kernel::DevPtr,
+    pub ld: usize,
+    pub rows: usize,
+    pub cols: usize,
+    /// Identifies the device context the pointer belongs to (the address of its shared state).
+    pub context: usize,
+    /// The context generation the pointer was allocated in.
+    pub generation: u64,
 }
 
 /// One input group's solve: accumulation batches, then one [`Session::solve`].
 pub trait Session {
     /// `H += alpha · xᵀx` for activations `x` (`[tokens, n]`): one upload of `x`.
     fn accumulate(&mut self, x: MatRef<'_, f32>, alpha: f32) -> DevResult<()>;
+    /// As [`Session::accumulate`] from activations on the device; `Ok(false)` when this session cannot read
+    /// them there (another context, or a session on the host), and the caller hands it a host copy instead.
+    fn accumulate_resident(&mut self, _x: &Resident, _alpha: f32) -> DevResult<bool> {
+        Ok(false)
+    }
     /// The rest of the group's GPTQ: preparation, recovery loop, sweep factor and the sweep of each of
     /// `weights` (`[out, n]`, one upload each), results in the same order (one download each). Recovery that
     /// is exhausted gives RTN results, as on the CPU. Called once.

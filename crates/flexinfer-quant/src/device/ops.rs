@@ -1,7 +1,7 @@
 //! Devices with their own memory: the primitive steps ([`DeviceOps`]) and the session that adds a real
 //! card's recovery rules to them ([`OpsSession`]).
 
-use super::{DevResult, DeviceError, Session, SolveSpec};
+use super::{DevResult, DeviceError, Resident, Session, SolveSpec};
 use crate::events::NullSink;
 use crate::events::{fields, EventSink};
 use crate::numerics::gptq::{rtn_quantize, QuantizedLinear};
@@ -56,6 +56,11 @@ pub trait DeviceOps {
     fn name(&self) -> String;
     /// `H += alpha · xᵀx` (lower triangle), `x` uploaded.
     fn accumulate(&mut self, x: MatRef<'_, f32>, alpha: f32) -> DevResult<()>;
+    /// `H += alpha · xᵀx` from activations already on the device; `Ok(false)` when they are not in this
+    /// device's context (the caller then uses [`DeviceOps::accumulate`]).
+    fn accumulate_resident(&mut self, _x: &Resident, _alpha: f32) -> DevResult<bool> {
+        Ok(false)
+    }
     /// Mirror, sanitise, dead columns, act-order permutation of H in device memory.
     fn prepare(&mut self, order: ColumnOrder) -> DevResult<PreparedMeta>;
     /// The prepared Hessian downloaded (the host checkpoint a reset or the CPU fallback starts from).
@@ -149,6 +154,10 @@ impl<O: DeviceOps> Session for OpsSession<O> {
     fn accumulate(&mut self, x: MatRef<'_, f32>, alpha: f32) -> DevResult<()> {
         // Before the checkpoint a failed batch cannot be replayed: the error goes to the caller.
         self.ops.accumulate(x, alpha)
+    }
+
+    fn accumulate_resident(&mut self, x: &Resident, alpha: f32) -> DevResult<bool> {
+        self.ops.accumulate_resident(x, alpha)
     }
 
     fn solve(

@@ -3,10 +3,10 @@
 //! moving the activations on to the next layer.
 
 use super::layer::LayerRun;
-use super::{release_free_memory, Progress, QuantizeJob};
-use crate::device::{Device, Session};
+use super::{release_free_memory, PhaseTimes, Progress, QuantizeJob};
+use crate::device::{Device, ForwardPass, Session};
 use crate::error::{Result, TensorError};
-use crate::events::fields;
+use crate::events::{fields, EventSink};
 use crate::exclusion::Exclusion;
 use crate::model::calib::load_samples_counted;
 use crate::model::llama::{
@@ -136,6 +136,136 @@ pub(super) fn embed_samples(
     Ok(hidden)
 }
 
+/// Most tokens a device forward batch holds when `N_PARALLEL_CALIB_SAMPLES` is unset and the device's memory
+/// is unknown.
+const DEVICE_BATCH_TOKENS: usize = 8192;
+/// Most tokens of a device forward batch chosen from the memory budget.
+const MAX_DEVICE_BATCH_TOKENS: usize = 32768;
+
+/// Device bytes one token of a forward batch holds at most: the normalised input, the attention's q, k, v
+/// and output, the attention delta, the MLP's gate and up (f32).
+pub(super) fn forward_bytes_per_token(cfg: &ModelConfig) -> usize {
+    let widest = cfg
+        .layer_attn
+        .iter()
+        .map(|a| (a.heads * a.head_dim, a.kv_heads * a.head_dim))
+        .fold(
+            (
+                cfg.num_heads * cfg.head_dim,
+                cfg.num_kv_heads * cfg.head_dim,
+            ),
+            |m, a| (m.0.max(a.0), m.1.max(a.1)),
+        );
+    4 * (2 * cfg.hidden_size + 2 * widest.0 + 2 * widest.1 + 2 * cfg.intermediate_size)
+}
+
+/// Tokens per device forward batch: `N_PARALLEL_CALIB_SAMPLES` whole samples when set, else as many as a
+/// quarter of the device budget holds (at least one sample, at most [`MAX_DEVICE_BATCH_TOKENS`]).
+pub(super) fn device_batch_tokens(
+    cfg: &ModelConfig,
+    samples: Option<usize>,
+    budget: Option<u64>,
+    max_len: usize,
+) -> usize {
+    if let Some(n) = samples {
+        return n.max(1) * max_len.max(1);
+    }
+    let per = forward_bytes_per_token(cfg).max(1) as u64;
+    let fit = budget.map_or(DEVICE_BATCH_TOKENS as u64, |b| b / 4 / per) as usize;
+    fit.min(MAX_DEVICE_BATCH_TOKENS).max(max_len.max(1))
+}
+
+/// The device forward for this run, or `None` (the forward runs on the CPU) with a `calibration_forward`
+/// event saying why when the device has one but it is not used.
+pub(super) fn device_forward<'d>(
+    job: &QuantizeJob,
+    device: &'d dyn Device,
+    cfg: &ModelConfig,
+    n_tokens: usize,
+    max_len: usize,
+    events: &dyn EventSink,
+) -> Option<Box<dyn ForwardPass + 'd>> {
+    let report = |on: &str, reason: String, batch: Option<usize>| {
+        events.emit(
+            flexinfer_contract::events::CALIBRATION_FORWARD,
+            fields([
+                ("on", json!(on)),
+                ("device", json!(device.describe())),
+                ("reason", json!(reason)),
+                ("batchTokens", json!(batch)),
+            ]),
+        );
+    };
+    let budget = device.memory_budget();
+    let batch = device_batch_tokens(cfg, job.n_parallel_calib_samples, budget, max_len);
+    if !job.device_forward {
+        // Only worth saying on a device that has a forward.
+        if device.forward(cfg.hidden_size, batch).is_some() {
+            report("cpu", "GPTQ_DEVICE_FORWARD=off".into(), None);
+        }
+        return None;
+    }
+    let resident = (n_tokens * cfg.hidden_size * 4) as u64;
+    let temps = (batch * forward_bytes_per_token(cfg)) as u64;
+    if let Some(b) = budget.filter(|&b| resident + temps > b / 2) {
+        if device.forward(cfg.hidden_size, batch).is_some() {
+            report(
+                "cpu",
+                format!(
+                    "the calibration activations ({} MiB) and a batch's temporaries ({} MiB) need more than half of the device budget of {} MiB (GPU_VRAM_MB × GPU_MEMORY_FRACTION); fewer or shorter samples fit",
+                    resident >> 20,
+                    temps >> 20,
+                    b >> 20
+                ),
+                Some(batch),
+            );
+        }
+        return None;
+    }
+    match device.forward(cfg.hidden_size, batch)? {
+        Ok(f) => {
+            report("device", "every supported layer".into(), Some(batch));
+            Some(f)
+        }
+        Err(e) => {
+            report("cpu", e.to_string(), Some(batch));
+            None
+        }
+    }
+}
+
+/// [`accumulate_stage`] with the activations on the device: the stage runs there batch by batch and each
+/// batch's input goes into the group's session without leaving the device (a session on the host gets a copy).
+pub(super) fn accumulate_stage_device<'d>(
+    device: &'d dyn Device,
+    forward: &mut dyn ForwardPass,
+    s: &StageInput<'_>,
+    cols: usize,
+) -> Result<Option<Box<dyn Session + 'd>>> {
+    let mut h = if s.active {
+        Some(device.open(cols)?)
+    } else {
+        None
+    };
+    let alpha = 2.0 / s.layer.n_tokens as f32;
+    let session: Option<&mut dyn Session> = match h.as_mut() {
+        Some(b) => Some(&mut **b),
+        None => None,
+    };
+    forward.stage(s.layer.run.cfg, s.lw, s.layer.rope, s.stage, session, alpha)?;
+    Ok(h)
+}
+
+/// A device error of the forward, saying how to keep the forward on the CPU (the run fails with it; the
+/// Job's retry resumes from the layer cache).
+pub(super) fn forward_error(mut e: crate::device::DeviceError) -> crate::error::QuantError {
+    e.message = format!(
+        "{} (calibration forward on the device; GPTQ_DEVICE_FORWARD=off keeps it on the CPU, with the Hessians and solves still on the GPU)",
+        e.message
+    );
+    e.into()
+}
+
 /// Where one input group's Hessian comes from.
 pub(super) struct StageInput<'a> {
     pub(super) layer: &'a LayerRun<'a>,
@@ -160,7 +290,9 @@ pub(super) fn accumulate_stage<'d>(
     } else {
         None
     };
+    let times = &s.layer.run.times;
     for chunk in hidden.chunks_mut(s.layer.batch) {
+        let t = std::time::Instant::now();
         let mut acts: Vec<Mat<f32>> = Vec::with_capacity(chunk.len());
         for x in chunk.iter_mut() {
             let Some(a) = stage_activation(s, x) else {
@@ -170,10 +302,13 @@ pub(super) fn accumulate_stage<'d>(
                 acts.push(a);
             }
         }
+        PhaseTimes::add(times, |p| &mut p.forward, t);
         let Some(h) = h.as_mut() else {
             continue;
         };
+        let t = std::time::Instant::now();
         accumulate_stacked(&mut **h, acts, cols, 2.0 / s.layer.n_tokens as f32)?;
+        PhaseTimes::add(times, |p| &mut p.hessian, t);
     }
     Ok(h)
 }

@@ -2,12 +2,16 @@
 //! any other has each input group's Hessian accumulated, solved on the device and its modules
 //! replaced by their quantized weights before the next group; every finished layer is cached.
 
-use super::calibrate::{accumulate_stage, advance, StageInput};
+use super::calibrate::{
+    accumulate_stage, accumulate_stage_device, advance, forward_error, StageInput,
+};
 use super::experts::{quantize_experts, ExpertCoverage, ExpertCtx};
-use super::{release_free_memory, Progress, Run};
-use crate::device::{solve_with_fallback, Session, SolveSpec};
+use super::{release_free_memory, PhaseTimes, Progress, Run};
+use crate::device::kernel::forward::layer_unsupported;
+use crate::device::{solve_with_fallback, ForwardPass, ForwardTimes, Session, SolveSpec};
 use crate::error::{NumericError, QuantError, Result};
 use crate::events::fields;
+use crate::events::EventSink;
 use crate::job::cache::{LayerCache, LayerStats};
 use crate::job::writer::OutTensor;
 use crate::model::llama::{Rope, Stage, STAGES};
@@ -39,6 +43,71 @@ pub(super) struct Totals {
     pub(super) coverage: ExpertCoverage,
 }
 
+/// Where the calibration activations are: on the host, or on the device of the run's forward, which then
+/// runs every layer it supports (the others on the CPU, the activations copied across at the switch).
+pub(super) struct Activations<'f> {
+    host: Vec<Mat<f32>>,
+    device: Option<Box<dyn ForwardPass + 'f>>,
+    /// The reason of the last `calibration_forward` event that moved a layer to the CPU (said once).
+    reported: Option<&'static str>,
+}
+
+impl<'f> Activations<'f> {
+    pub(super) fn new(host: Vec<Mat<f32>>, device: Option<Box<dyn ForwardPass + 'f>>) -> Self {
+        Activations {
+            host,
+            device,
+            reported: None,
+        }
+    }
+
+    /// The forward for a layer that runs on the device (the activations uploaded if they are on the
+    /// host), or `None` with the activations on the host: no device forward, or `unsupported` says why
+    /// this layer's forward is not on the device.
+    fn place(
+        &mut self,
+        layer: usize,
+        unsupported: Option<&'static str>,
+        events: &dyn EventSink,
+    ) -> Result<Option<&mut (dyn ForwardPass + 'f)>> {
+        let Some(f) = self.device.as_mut() else {
+            return Ok(None);
+        };
+        match unsupported {
+            None => {
+                if !f.resident() {
+                    f.upload(std::mem::take(&mut self.host))
+                        .map_err(forward_error)?;
+                }
+                Ok(Some(&mut **f))
+            }
+            Some(reason) => {
+                if f.resident() {
+                    self.host = f.download().map_err(forward_error)?;
+                }
+                if self.reported != Some(reason) {
+                    self.reported = Some(reason);
+                    events.emit(
+                        flexinfer_contract::events::CALIBRATION_FORWARD,
+                        fields([
+                            ("on", json!("cpu")),
+                            ("device", json!(f.name())),
+                            ("layer", json!(layer)),
+                            ("reason", json!(format!("layer {layer} is {reason}, which the device forward does not run"))),
+                        ]),
+                    );
+                }
+                Ok(None)
+            }
+        }
+    }
+
+    /// The device forward's own times (`None` without one).
+    pub(super) fn times(&self) -> Option<ForwardTimes> {
+        self.device.as_ref().map(|f| f.times())
+    }
+}
+
 /// Progress of the quantize step after `done` layers (it spans 0–95 %).
 fn layer_percent(done: f64, layers: usize) -> f64 {
     95.0 * done / layers.max(1) as f64
@@ -61,7 +130,7 @@ pub(super) fn quantize_layers(
     lr: &LayerRun<'_>,
     cache: &mut LayerCache,
     progress: &mut Progress<'_>,
-    hidden: &mut [Mat<f32>],
+    acts: &mut Activations<'_>,
 ) -> Result<Totals> {
     let mut totals = Totals {
         gptq: 0,
@@ -70,17 +139,43 @@ pub(super) fn quantize_layers(
     };
     let (cfg, store) = (lr.run.cfg, lr.run.store);
     for layer in 0..cfg.num_layers {
+        let t = std::time::Instant::now();
         let mut lw = load_layer(store, cfg, layer, None)?;
+        PhaseTimes::add(&lr.run.times, |p| &mut p.load, t);
         store.release_pages();
         release_free_memory();
-        // True once `hidden` holds each sample's residual after attention (a freshly quantized layer).
+        let unsupported = if cfg.sparse_layer(layer).is_some() {
+            Some("a mixture-of-experts layer")
+        } else {
+            layer_unsupported(&lw)
+        };
+        let on_device = acts.place(layer, unsupported, lr.run.events)?.is_some();
+        // True once the activations hold each sample's residual after attention (a freshly quantized layer).
         let hidden_is_x1 = if layer < cache.completed_layers() {
             load_cached_layer(lr, cache, layer, &mut lw, &mut totals, progress)?;
             false
         } else {
-            quantize_layer(lr, cache, layer, &mut lw, hidden, &mut totals, progress)?
+            quantize_layer(
+                lr,
+                cache,
+                layer,
+                &mut lw,
+                acts,
+                on_device,
+                &mut totals,
+                progress,
+            )?
         };
-        advance(cfg, &lw, lr.rope, hidden, hidden_is_x1);
+        let t = std::time::Instant::now();
+        match acts.device.as_mut().filter(|_| on_device) {
+            Some(f) => f
+                .advance(cfg, &lw, lr.rope, hidden_is_x1)
+                .map_err(forward_error)?,
+            None => {
+                advance(cfg, &lw, lr.rope, &mut acts.host, hidden_is_x1);
+                PhaseTimes::add(&lr.run.times, |p| &mut p.forward, t);
+            }
+        }
         if lr.run.job.abort_after_layer == Some(layer) {
             return Err(QuantError::TestAbort(layer));
         }
@@ -140,7 +235,8 @@ fn quantize_layer(
     cache: &mut LayerCache,
     layer: usize,
     lw: &mut LayerWeights,
-    hidden: &mut [Mat<f32>],
+    acts: &mut Activations<'_>,
+    on_device: bool,
     totals: &mut Totals,
     progress: &mut Progress<'_>,
 ) -> Result<bool> {
@@ -156,7 +252,8 @@ fn quantize_layer(
         layer,
         &specs,
         lw,
-        hidden,
+        acts,
+        on_device,
         &mut results,
         sparse.is_some(),
         progress,
@@ -168,7 +265,7 @@ fn quantize_layer(
             prefix: &prefix,
             specs: &specs,
         };
-        let (tokens, low) = quantize_experts(&ctx, hidden, lw, &mut results)?;
+        let (tokens, low) = quantize_experts(&ctx, &mut acts.host, lw, &mut results)?;
         expert_tokens = tokens;
         low_rtn = low;
         progress.emit(
@@ -208,7 +305,8 @@ fn quantize_stages(
     layer: usize,
     specs: &[ModuleSpec],
     lw: &mut LayerWeights,
-    hidden: &mut [Mat<f32>],
+    acts: &mut Activations<'_>,
+    on_device: bool,
     results: &mut [Option<QuantizedLinear>],
     sparse: bool,
     progress: &mut Progress<'_>,
@@ -243,7 +341,10 @@ fn quantize_stages(
             stage: *stage,
             active: !active.is_empty(),
         };
-        let h = accumulate_stage(lr.run.device, &input, cols, hidden)?;
+        let h = match acts.device.as_mut().filter(|_| on_device) {
+            Some(f) => accumulate_stage_device(lr.run.device, &mut **f, &input, cols)?,
+            None => accumulate_stage(lr.run.device, &input, cols, &mut acts.host)?,
+        };
         release_free_memory();
         if *stage == Stage::GateUp {
             hidden_is_x1 = true;
@@ -269,6 +370,32 @@ fn quantize_stages(
 /// Packs the layer's quantized modules into the cache and adds its counts to `totals`.
 #[allow(clippy::too_many_arguments)]
 fn cache_layer(
+    lr: &LayerRun<'_>,
+    cache: &mut LayerCache,
+    layer: usize,
+    specs: &[ModuleSpec],
+    results: &[Option<QuantizedLinear>],
+    expert_tokens: Vec<u64>,
+    low_rtn: u64,
+    totals: &mut Totals,
+) -> Result<()> {
+    let started = std::time::Instant::now();
+    let r = cache_layer_timed(
+        lr,
+        cache,
+        layer,
+        specs,
+        results,
+        expert_tokens,
+        low_rtn,
+        totals,
+    );
+    PhaseTimes::add(&lr.run.times, |p| &mut p.cache, started);
+    r
+}
+
+#[allow(clippy::too_many_arguments)]
+fn cache_layer_timed(
     lr: &LayerRun<'_>,
     cache: &mut LayerCache,
     layer: usize,
@@ -327,6 +454,21 @@ pub(super) fn solve_group(
     names: &[String],
     results: &mut [Option<QuantizedLinear>],
 ) -> Result<()> {
+    let started = std::time::Instant::now();
+    let r = solve_group_timed(run, session.as_mut(), lw, active, names, results);
+    drop(session);
+    PhaseTimes::add(&run.times, |p| &mut p.solve, started);
+    r
+}
+
+fn solve_group_timed(
+    run: &Run<'_>,
+    session: &mut (dyn Session + '_),
+    lw: &mut LayerWeights,
+    active: &[usize],
+    names: &[String],
+    results: &mut [Option<QuantizedLinear>],
+) -> Result<()> {
     let missing = |i: usize| {
         QuantError::from(NumericError::ModuleMissing {
             index: i,
@@ -345,9 +487,8 @@ pub(super) fn solve_group(
             .iter()
             .map(|&i| lw.module(i).map(|l| &l.w).ok_or_else(|| missing(i)))
             .collect::<Result<Vec<_>>>()?;
-        solve_with_fallback(&run.device.describe(), session.as_mut(), &weights, &spec)?
+        solve_with_fallback(&run.device.describe(), session, &weights, &spec)?
     };
-    drop(session);
     for (&i, q) in active.iter().zip(quantized) {
         lw.module_mut(i).ok_or_else(|| missing(i))?.w = dequantize_weight(&q);
         results[i] = Some(q);

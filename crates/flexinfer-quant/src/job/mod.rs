@@ -69,6 +69,8 @@ pub struct QuantizeJob {
     pub script_version: String,
     /// Test hook: stop (as if killed) right after layer k is cached.
     pub abort_after_layer: Option<usize>,
+    /// Run the calibration forward on the device where it has one (`GPTQ_DEVICE_FORWARD`, default on).
+    pub device_forward: bool,
 }
 
 /// The RTN-fallback gate over a run's module counts: the quality sidecar
@@ -141,6 +143,7 @@ impl QuantizeJob {
             max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
             script_version: script_version.to_string(),
             abort_after_layer: None,
+            device_forward: true,
         }
     }
 
@@ -177,8 +180,37 @@ impl QuantizeJob {
     }
 }
 
+/// Seconds of a run's phases (the `quantize_phases` event): where the time went.
+#[derive(Default)]
+pub(crate) struct PhaseTimes {
+    /// Reading each layer's weights from the source (bf16/f16 → f32).
+    pub(crate) load: std::time::Duration,
+    /// The calibration forward: each stage's activations and moving them through the quantized layer.
+    pub(crate) forward: std::time::Duration,
+    /// Adding the activations to the Hessians.
+    pub(crate) hessian: std::time::Duration,
+    /// Each input group's solve (preparation, factorisation, sweeps, results back on the host).
+    pub(crate) solve: std::time::Duration,
+    /// Packing and writing each finished layer to the cache.
+    pub(crate) cache: std::time::Duration,
+}
+
+impl PhaseTimes {
+    fn add(
+        slot: &std::sync::Mutex<PhaseTimes>,
+        f: impl FnOnce(&mut PhaseTimes) -> &mut std::time::Duration,
+        since: Instant,
+    ) {
+        if let Ok(mut t) = slot.lock() {
+            *f(&mut t) += since.elapsed();
+        }
+    }
+}
+
 /// What every step of a run reads; fixed for the whole run.
 struct Run<'a> {
+    /// Where the time went (reported at the end).
+    times: std::sync::Mutex<PhaseTimes>,
     job: &'a QuantizeJob,
     device: &'a dyn Device,
     events: &'a dyn EventSink,
@@ -335,8 +367,11 @@ pub fn run(job: &QuantizeJob, device: &dyn Device, events: &dyn EventSink) -> Re
 
     let max_len = samples.iter().map(Vec::len).max().unwrap_or(0);
     let rope = Rope::new(&cfg, max_len);
-    let mut hidden = calibrate::embed_samples(&store, &cfg, &samples)?;
+    let hidden = calibrate::embed_samples(&store, &cfg, &samples)?;
+    let forward = calibrate::device_forward(job, device, &cfg, n_tokens, max_len, events);
+    let mut acts = layer::Activations::new(hidden, forward);
     let run = Run {
+        times: std::sync::Mutex::new(PhaseTimes::default()),
         job,
         device,
         events,
@@ -354,15 +389,48 @@ pub fn run(job: &QuantizeJob, device: &dyn Device, events: &dyn EventSink) -> Re
             .max(1),
         n_tokens,
     };
-    let totals = layer::quantize_layers(&layer_run, &mut cache, &mut progress, &mut hidden)?;
+    let totals = layer::quantize_layers(&layer_run, &mut cache, &mut progress, &mut acts)?;
+    if let Some(t) = acts.times() {
+        // The device forward timed its own work (the stage code's clock also covers its waits).
+        if let Ok(mut p) = run.times.lock() {
+            p.forward = t.forward;
+            p.hessian = t.hessian;
+        }
+    }
 
+    let forward_on_device = acts.times().is_some();
+    let acts_copy_seconds = acts.times().map_or(0.0, |t| t.copies.as_secs_f64());
     // The activations are not needed for the save.
-    drop(hidden);
+    drop(acts);
     release_free_memory();
     let save = checkpoint::SaveInput {
         run: &run,
         plan: &plan,
         config_hash: &config_hash,
     };
-    checkpoint::save(&save, cache, &totals, &mut progress)
+    let quantized = started.elapsed();
+    let outcome = checkpoint::save(&save, cache, &totals, &mut progress)?;
+    let save_seconds = started.elapsed() - quantized;
+    if let Ok(t) = run.times.lock() {
+        let copies = acts_copy_seconds;
+        events.emit(
+            names::QUANTIZE_PHASES,
+            fields([
+                ("device", json!(device.describe())),
+                (
+                    "forwardOn",
+                    json!(if forward_on_device { "device" } else { "cpu" }),
+                ),
+                ("loadSeconds", json!(t.load.as_secs_f64())),
+                ("forwardSeconds", json!(t.forward.as_secs_f64())),
+                ("hessianSeconds", json!(t.hessian.as_secs_f64())),
+                ("solveSeconds", json!(t.solve.as_secs_f64())),
+                ("cacheSeconds", json!(t.cache.as_secs_f64())),
+                ("copySeconds", json!(copies)),
+                ("saveSeconds", json!(save_seconds.as_secs_f64())),
+                ("wholeRunSeconds", json!(started.elapsed().as_secs_f64())),
+            ]),
+        );
+    }
+    Ok(outcome)
 }

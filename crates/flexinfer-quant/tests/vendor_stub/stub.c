@@ -9,13 +9,13 @@
  * Every routine checks what the real one would reject (a handle it did not create, an enum value outside the
  * header's, a leading dimension too small, cuSOLVER's workspace) and returns the library's error status then
  * (cuBLAS/cuSOLVER 7 = *_STATUS_INVALID_VALUE, 1 = *_NOT_INITIALIZED; rocBLAS 1 =
- * rocblas_status_invalid_handle, 11 = rocblas_status_invalid_value). Only what the session uses is implemented: no
- * transposes in sgemm, lower/transposed ssyrk, lower potrf.
+ * rocblas_status_invalid_handle, 11 = rocblas_status_invalid_value). Only what the session uses is implemented: A
+ * not transposed in sgemm (B either way; the strided-batched sgemm likewise), lower/transposed ssyrk, lower potrf.
  */
 #include <math.h>
 #include <stdlib.h>
 
-enum { CALL_CREATE, CALL_DESTROY, CALL_SGEMM, CALL_SSYRK, CALL_POTRF_SIZE, CALL_POTRF, CALL_COUNT };
+enum { CALL_CREATE, CALL_DESTROY, CALL_SGEMM, CALL_SSYRK, CALL_POTRF_SIZE, CALL_POTRF, CALL_SGEMM_BATCHED, CALL_COUNT };
 static int calls[2][CALL_COUNT]; /* [0] NVIDIA names, [1] AMD names */
 
 /* How often a routine was called: api 0 = cuBLAS/cuSOLVER, 1 = rocBLAS/rocSOLVER. */
@@ -34,15 +34,17 @@ static struct handle *make(int kind)
     return h;
 }
 
-static void gemm_nn(int m, int n, int k, float alpha, const float *a, int lda, const float *b, int ldb, float beta,
-                    float *c, int ldc)
+/* C = alpha * A * op(B) + beta * C; op(B) = B (k x n) or, with tb, the transpose of the stored n x k B. A beta of 0
+ * does not read C (as BLAS: C may hold anything, NaN included). */
+static void gemm_n(int tb, int m, int n, int k, float alpha, const float *a, int lda, const float *b, int ldb,
+                   float beta, float *c, int ldc)
 {
     for (int j = 0; j < n; ++j)
         for (int i = 0; i < m; ++i) {
             float s = 0.0f;
             for (int u = 0; u < k; ++u)
-                s += a[i + (long)u * lda] * b[u + (long)j * ldb];
-            c[i + (long)j * ldc] = alpha * s + beta * c[i + (long)j * ldc];
+                s += a[i + (long)u * lda] * (tb ? b[j + (long)u * ldb] : b[u + (long)j * ldb]);
+            c[i + (long)j * ldc] = beta == 0.0f ? alpha * s : alpha * s + beta * c[i + (long)j * ldc];
         }
 }
 
@@ -113,10 +115,25 @@ static int sgemm(const struct api_numbers *b, struct handle *h, int transa, int 
     calls[b->api][CALL_SGEMM]++;
     if (!h || h->kind != b->kind)
         return b->no_handle;
-    if (transa != b->n_op || transb != b->n_op || m < 0 || n < 0 || k < 0 || lda < max1(m) || ldb < max1(k) ||
-        ldc < max1(m))
+    if (transa != b->n_op || (transb != b->n_op && transb != b->t_op) || m < 0 || n < 0 || k < 0 ||
+        lda < max1(m) || ldb < max1(transb == b->t_op ? n : k) || ldc < max1(m))
         return b->invalid;
-    gemm_nn(m, n, k, *alpha, a, lda, bm, ldb, *beta, c, ldc);
+    gemm_n(transb == b->t_op, m, n, k, *alpha, a, lda, bm, ldb, *beta, c, ldc);
+    return 0;
+}
+
+static int sgemm_batched(const struct api_numbers *b, struct handle *h, int transa, int transb, int m, int n, int k,
+                         const float *alpha, const float *a, int lda, long long sa, const float *bm, int ldb,
+                         long long sb, const float *beta, float *c, int ldc, long long sc, int count)
+{
+    calls[b->api][CALL_SGEMM_BATCHED]++;
+    if (!h || h->kind != b->kind)
+        return b->no_handle;
+    if (transa != b->n_op || (transb != b->n_op && transb != b->t_op) || m < 0 || n < 0 || k < 0 || count < 0 ||
+        lda < max1(m) || ldb < max1(transb == b->t_op ? n : k) || ldc < max1(m) || sa < 0 || sb < 0 || sc < 0)
+        return b->invalid;
+    for (int i = 0; i < count; ++i)
+        gemm_n(transb == b->t_op, m, n, k, *alpha, a + i * sa, lda, bm + i * sb, ldb, *beta, c + i * sc, ldc);
     return 0;
 }
 
@@ -139,6 +156,12 @@ int cublasSgemm_v2(struct handle *h, int transa, int transb, int m, int n, int k
                    const float *a, int lda, const float *b, int ldb, const float *beta, float *c, int ldc)
 {
     return sgemm(&CUBLAS, h, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+int cublasSgemmStridedBatched(struct handle *h, int transa, int transb, int m, int n, int k, const float *alpha,
+                              const float *a, int lda, long long sa, const float *b, int ldb, long long sb,
+                              const float *beta, float *c, int ldc, long long sc, int count)
+{
+    return sgemm_batched(&CUBLAS, h, transa, transb, m, n, k, alpha, a, lda, sa, b, ldb, sb, beta, c, ldc, sc, count);
 }
 int cublasSsyrk_v2(struct handle *h, int uplo, int trans, int n, int k, const float *alpha, const float *a, int lda,
                    const float *beta, float *c, int ldc)
@@ -182,6 +205,13 @@ int rocblas_sgemm(struct handle *h, int transa, int transb, int m, int n, int k,
                   int lda, const float *b, int ldb, const float *beta, float *c, int ldc)
 {
     return sgemm(&ROCBLAS, h, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+int rocblas_sgemm_strided_batched(struct handle *h, int transa, int transb, int m, int n, int k, const float *alpha,
+                                  const float *a, int lda, long long sa, const float *b, int ldb, long long sb,
+                                  const float *beta, float *c, int ldc, long long sc, int count)
+{
+    return sgemm_batched(&ROCBLAS, h, transa, transb, m, n, k, alpha, a, lda, sa, b, ldb, sb, beta, c, ldc, sc,
+                         count);
 }
 int rocblas_ssyrk(struct handle *h, int uplo, int trans, int n, int k, const float *alpha, const float *a, int lda,
                   const float *beta, float *c, int ldc)

@@ -7,7 +7,7 @@
 //! the stream the kernels are launched on, so library calls and kernel launches stay in order. The handles
 //! are created at the first call and destroyed before the context is reset.
 
-use super::super::kernel::{DevPtr, Gemm, MathLibs, Syrk};
+use super::super::kernel::{DevPtr, Gemm, GemmOp, MathLibs, Syrk};
 use super::super::DeviceKind;
 use libloading::Library;
 use std::ffi::{c_int, c_void};
@@ -50,6 +50,28 @@ type SgemmFn = unsafe extern "C" fn(
     c_int,
     *const f32,
     *mut f32,
+    c_int,
+) -> c_int;
+/// `sgemmStridedBatched(handle, transa, transb, m, n, k, *alpha, A, lda, strideA, B, ldb, strideB, *beta, C,
+/// ldc, strideC, batchCount)` (cuBLAS `cublasSgemmStridedBatched`, rocBLAS `rocblas_sgemm_strided_batched`).
+type SgemmBatchedFn = unsafe extern "C" fn(
+    Handle,
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    *const f32,
+    *const f32,
+    c_int,
+    i64,
+    *const f32,
+    c_int,
+    i64,
+    *const f32,
+    *mut f32,
+    c_int,
+    i64,
     c_int,
 ) -> c_int;
 /// `ssyrk(handle, uplo, trans, n, k, *alpha, A, lda, *beta, C, ldc)` (cuBLAS and rocBLAS).
@@ -109,6 +131,8 @@ struct Blas {
     destroy: DestroyFn,
     sgemm: SgemmFn,
     ssyrk: SsyrkFn,
+    /// The strided-batched sgemm, where the library has it (else a batch is a loop of `sgemm` calls).
+    sgemm_batched: Option<SgemmBatchedFn>,
     names: [&'static str; 2],
     enums: Enums,
     handle: Handle,
@@ -235,7 +259,7 @@ impl MathLibraries {
     }
 
     fn load_blas(kind: DeviceKind, lookup: Lookup<'_>) -> Result<Blas, String> {
-        let (env, names, calls, enums) = match kind {
+        let (env, names, calls, enums, batched) = match kind {
             DeviceKind::Cuda => (
                 "FLEXINFER_CUBLAS",
                 CUBLAS_LIBRARIES,
@@ -246,6 +270,7 @@ impl MathLibraries {
                     "cublasSsyrk_v2",
                 ],
                 CUBLAS_ENUMS,
+                "cublasSgemmStridedBatched",
             ),
             DeviceKind::Hip => (
                 "FLEXINFER_ROCBLAS",
@@ -257,6 +282,7 @@ impl MathLibraries {
                     "rocblas_ssyrk",
                 ],
                 ROCBLAS_ENUMS,
+                "rocblas_sgemm_strided_batched",
             ),
             DeviceKind::Cpu => return Err("not a GPU".into()),
         };
@@ -266,6 +292,7 @@ impl MathLibraries {
             destroy: sym(&lib, &library, calls[1])?,
             sgemm: sym(&lib, &library, calls[2])?,
             ssyrk: sym(&lib, &library, calls[3])?,
+            sgemm_batched: sym(&lib, &library, batched).ok(),
             names: [calls[2], calls[3]],
             enums,
             handle: std::ptr::null_mut(),
@@ -430,6 +457,77 @@ impl MathLibraries {
             )
         };
         status(b.names[0], rc)
+    }
+
+    /// The forward's products: `C = A·op(B)` (or `+=`), strided-batched where the library has the call.
+    ///
+    /// # Safety
+    /// As [`MathLibraries::syrk`], with every product's A `m × k` (`lda`), B `k × n` or `n × k` (`ldb`) and C
+    /// `m × n` (`ldc`) inside allocations of the context.
+    pub unsafe fn gemm_op(&mut self, op: &GemmOp) -> Result<(), String> {
+        let b = self.blas()?;
+        let (one, beta) = (1.0f32, if op.accumulate { 1.0f32 } else { 0.0 });
+        let transb = if op.b_trans {
+            b.enums.trans
+        } else {
+            b.enums.no_trans
+        };
+        let (m, n, k) = (int(op.m)?, int(op.n)?, int(op.k)?);
+        let (lda, ldb, ldc) = (int(op.lda)?, int(op.ldb)?, int(op.ldc)?);
+        if op.batch > 1 {
+            if let Some(batched) = b.sgemm_batched {
+                let stride =
+                    |s: usize| i64::try_from(s).map_err(|_| format!("stride {s} exceeds i64"));
+                // SAFETY: the caller's contract for every product of the batch; scalars on the host.
+                let rc = unsafe {
+                    batched(
+                        b.handle,
+                        b.enums.no_trans,
+                        transb,
+                        m,
+                        n,
+                        k,
+                        &one,
+                        op.a as usize as *const f32,
+                        lda,
+                        stride(op.stride_a)?,
+                        op.b as usize as *const f32,
+                        ldb,
+                        stride(op.stride_b)?,
+                        &beta,
+                        op.c as usize as *mut f32,
+                        ldc,
+                        stride(op.stride_c)?,
+                        int(op.batch)?,
+                    )
+                };
+                return status("sgemm (strided batched)", rc);
+            }
+        }
+        for i in 0..op.batch {
+            let p = op.single(i);
+            // SAFETY: as above, product i alone.
+            let rc = unsafe {
+                (b.sgemm)(
+                    b.handle,
+                    b.enums.no_trans,
+                    transb,
+                    m,
+                    n,
+                    k,
+                    &one,
+                    p.a as usize as *const f32,
+                    lda,
+                    p.b as usize as *const f32,
+                    ldb,
+                    &beta,
+                    p.c as usize as *mut f32,
+                    ldc,
+                )
+            };
+            status(b.names[0], rc)?;
+        }
+        Ok(())
     }
 
     /// The workspace floats cuSOLVER's `spotrf` needs for this matrix (0 for rocSOLVER, which allocates its

@@ -53,10 +53,19 @@ pub enum Kernel {
     GatherPanel,
     PrepareRows,
     PermuteSym,
+    FwdRmsNorm,
+    FwdHeadNorm,
+    FwdRope,
+    FwdSoftmax,
+    FwdActMul,
+    FwdAdd,
+    FwdAddBias,
+    FwdAffine,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 16] = [
+    /// The kernels of the solve session (accumulation, preparation, factorisation, sweep).
+    pub const SOLVE: [Kernel; 16] = [
         Kernel::HessianLower,
         Kernel::MirrorLower,
         Kernel::BlockUpdate,
@@ -74,6 +83,31 @@ impl Kernel {
         Kernel::PrepareRows,
         Kernel::PermuteSym,
     ];
+    /// The kernels of the calibration forward ([`super::forward`]).
+    pub const FORWARD: [Kernel; 8] = [
+        Kernel::FwdRmsNorm,
+        Kernel::FwdHeadNorm,
+        Kernel::FwdRope,
+        Kernel::FwdSoftmax,
+        Kernel::FwdActMul,
+        Kernel::FwdAdd,
+        Kernel::FwdAddBias,
+        Kernel::FwdAffine,
+    ];
+    /// Every kernel of `kernels/gptq.cu`.
+    pub const ALL: [Kernel; 24] = {
+        let mut all = [Kernel::HessianLower; 24];
+        let mut i = 0;
+        while i < 16 {
+            all[i] = Kernel::SOLVE[i];
+            i += 1;
+        }
+        while i < 24 {
+            all[i] = Kernel::FORWARD[i - 16];
+            i += 1;
+        }
+        all
+    };
     /// The `extern "C"` entry name.
     pub fn entry(self) -> &'static str {
         match self {
@@ -93,6 +127,14 @@ impl Kernel {
             Kernel::GatherPanel => "gptq_gather_panel",
             Kernel::PrepareRows => "gptq_prepare_rows",
             Kernel::PermuteSym => "gptq_permute_sym",
+            Kernel::FwdRmsNorm => "fwd_rms_norm",
+            Kernel::FwdHeadNorm => "fwd_head_norm",
+            Kernel::FwdRope => "fwd_rope",
+            Kernel::FwdSoftmax => "fwd_softmax",
+            Kernel::FwdActMul => "fwd_act_mul",
+            Kernel::FwdAdd => "fwd_add",
+            Kernel::FwdAddBias => "fwd_add_bias",
+            Kernel::FwdAffine => "fwd_affine",
         }
     }
 }
@@ -110,6 +152,11 @@ pub(super) const SWEEP_THREADS: u32 = 128;
 pub(super) const COLUMN_THREADS: u32 = 256;
 /// Threads of the factorisation's diagonal-block kernel (`GPTQ_PANEL_THREADS`): the widest panel.
 pub(super) const PANEL_THREADS: u32 = 128;
+/// Threads per block of the forward's kernels (`GPTQ_FWD_THREADS`).
+pub(super) const FWD_THREADS: u32 = 128;
+/// Most column strides of the forward's elementwise kernels (their grid y; each block walks its share of the
+/// columns).
+pub(super) const FWD_COLUMN_BLOCKS: usize = 16;
 /// Largest block of the sweep kernel (`GPTQ_MAX_BLOCK`).
 pub const MAX_BLOCK: usize = 128;
 
@@ -141,6 +188,28 @@ impl Launch {
             kernel,
             grid: [blocks(cols, WIDE_TILE), blocks(rows, WIDE_TILE), 1],
             block: [TILE, TILE, 1],
+        }
+    }
+    /// A forward kernel over `tokens` (grid x, [`FWD_THREADS`] per block) and `heads` (grid y, one block
+    /// row per head, or per head of a batch).
+    pub fn tokens(kernel: Kernel, tokens: usize, heads: usize) -> Launch {
+        Launch {
+            kernel,
+            grid: [blocks(tokens, FWD_THREADS), heads.max(1) as u32, 1],
+            block: [FWD_THREADS, 1, 1],
+        }
+    }
+    /// An elementwise forward kernel over `tokens × cols`: grid x over the tokens, grid y at most
+    /// [`FWD_COLUMN_BLOCKS`] (the kernel strides over the columns).
+    pub fn columns(kernel: Kernel, tokens: usize, cols: usize) -> Launch {
+        Launch {
+            kernel,
+            grid: [
+                blocks(tokens, FWD_THREADS),
+                cols.clamp(1, FWD_COLUMN_BLOCKS) as u32,
+                1,
+            ],
+            block: [FWD_THREADS, 1, 1],
         }
     }
     /// One-dimensional blocks of `threads` over `n` elements.
@@ -191,6 +260,11 @@ pub trait Vendor {
     /// BLAS `sgemm`: `C += A·B`, A `m × k`, B `k × n`, C `m × n`, column-major f32. Only called when
     /// [`MathLibs::blas`].
     fn gemm_acc(&mut self, _op: &Gemm) -> DevResult<()> {
+        Err(no_library(self.name(), "BLAS"))
+    }
+    /// BLAS `sgemm` (strided-batched when `op.batch` > 1): `C = A·op(B) (+ C when op.accumulate)`, the
+    /// forward's products. Only called when [`MathLibs::blas`].
+    fn gemm(&mut self, _op: &GemmOp) -> DevResult<()> {
         Err(no_library(self.name(), "BLAS"))
     }
     /// LAPACK `spotrf`, lower, in place: the Cholesky factor of the `n × n` matrix at `a` (`lda`, its lower
@@ -246,6 +320,42 @@ pub struct Gemm {
     pub ldb: usize,
     pub c: DevPtr,
     pub ldc: usize,
+}
+
+/// The arguments of [`Vendor::gemm`]: for each of `batch` products, `C = A·B` (`accumulate`: `C += A·B`) with
+/// A `m × k` (`lda`), B `k × n` (`ldb`; with `b_trans` stored as its transpose, `n × k`), C `m × n` (`ldc`),
+/// column-major f32; product i's matrices start `i·stride_*` floats after the first's.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GemmOp {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub a: DevPtr,
+    pub lda: usize,
+    pub b: DevPtr,
+    pub ldb: usize,
+    pub b_trans: bool,
+    pub c: DevPtr,
+    pub ldc: usize,
+    pub accumulate: bool,
+    pub batch: usize,
+    pub stride_a: usize,
+    pub stride_b: usize,
+    pub stride_c: usize,
+}
+
+impl GemmOp {
+    /// Product `i` of the batch alone.
+    pub fn single(&self, i: usize) -> GemmOp {
+        let at = |p: DevPtr, stride: usize| p + (i * stride * 4) as DevPtr;
+        GemmOp {
+            a: at(self.a, self.stride_a),
+            b: at(self.b, self.stride_b),
+            c: at(self.c, self.stride_c),
+            batch: 1,
+            ..*self
+        }
+    }
 }
 
 fn no_library(device: String, what: &str) -> super::super::DeviceError {

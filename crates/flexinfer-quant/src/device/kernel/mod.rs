@@ -27,22 +27,24 @@
 
 use super::{
     CpuSession, DevResult, Device, DeviceError, DeviceKind, DeviceOps, Handover, OpsSession,
-    PreparedMeta, Session, SweepJob,
+    PreparedMeta, Resident, Session, SweepJob,
 };
 use crate::numerics::gptq::{GroupLayout, QuantizedLinear};
 use crate::numerics::hessian::prepared_diagonal;
 use crate::numerics::linalg::CpuBackend;
 use crate::params::{ColumnOrder, GptqParams};
 use faer::{Mat, MatRef};
+use forward::{ForwardOps, ForwardPass};
 use std::sync::{Mutex, MutexGuard};
 
+pub mod forward;
 mod launch;
 mod math_check;
 mod sweep;
 
 pub use launch::{
-    zero_by_upload, Arg, DevPtr, Gemm, Kernel, Launch, MathLibs, Syrk, Vendor, KERNEL_SOURCE,
-    MAX_BLOCK,
+    zero_by_upload, Arg, DevPtr, Gemm, GemmOp, Kernel, Launch, MathLibs, Syrk, Vendor,
+    KERNEL_SOURCE, MAX_BLOCK,
 };
 use launch::{COLUMN_THREADS, PANEL_THREADS, SWEEP_THREADS, TILE};
 pub use math_check::{math_self_test, MathSelfTest};
@@ -160,6 +162,19 @@ impl<V: Vendor + Send> Device for KernelDevice<V> {
         }
         Ok(Box::new(OpsSession::new(self.ops(n)?)))
     }
+    fn forward(
+        &self,
+        hidden_size: usize,
+        batch_tokens: usize,
+    ) -> Option<DevResult<Box<dyn ForwardPass + '_>>> {
+        Some(
+            self.forward_ops(hidden_size, batch_tokens)
+                .map(|f| Box::new(f) as Box<dyn ForwardPass>),
+        )
+    }
+    fn memory_budget(&self) -> Option<u64> {
+        self.budget
+    }
 }
 
 impl<V: Vendor + Send> KernelDevice<V> {
@@ -180,6 +195,20 @@ impl<V: Vendor + Send> KernelDevice<V> {
             started: false,
             live: Vec::new(),
         })
+    }
+    /// The calibration forward on this device's context (see [`forward`]).
+    pub fn forward_ops(
+        &self,
+        hidden_size: usize,
+        batch_tokens: usize,
+    ) -> DevResult<ForwardOps<'_, V>> {
+        let generation = lock(&self.shared)?.generation;
+        Ok(ForwardOps::new(
+            &self.shared,
+            generation,
+            hidden_size,
+            batch_tokens,
+        ))
     }
     /// Runs `f` on the vendor (the device's context), e.g. to time a vendor library on the same device.
     /// Allocations made here are not tracked by any session.
@@ -427,6 +456,66 @@ impl<V: Vendor> KernelOps<'_, V> {
         dims(op, self.n)
     }
 
+    /// The Hessian buffer, allocated and zeroed at the first batch.
+    fn hessian(&mut self) -> DevResult<DevPtr> {
+        match self.h {
+            Some(h) => Ok(h),
+            None if !self.started => {
+                self.started = true;
+                let n = self.n;
+                let h = self.alloc(n * n * 4)?;
+                self.vendor()?.vendor.zero(h, n * n * 4)?;
+                self.h = Some(h);
+                Ok(h)
+            }
+            None => Err(self.lost("accumulate")),
+        }
+    }
+
+    /// `H += alpha · xᵀx` from the `tokens × n` activations at `x` (leading dimension `ldx`) on the device.
+    fn accumulate_from(
+        &mut self,
+        h: DevPtr,
+        x: DevPtr,
+        ldx: usize,
+        tokens: usize,
+        alpha: f32,
+    ) -> DevResult<()> {
+        let n = self.n;
+        if tokens == 0 || n == 0 {
+            return Ok(());
+        }
+        let (t32, l32, n32) = (
+            dims("accumulate", tokens)?,
+            dims("accumulate", ldx)?,
+            self.n32("accumulate")?,
+        );
+        if self.math()?.blas {
+            let op = Syrk {
+                c: h,
+                ldc: n,
+                a: x,
+                lda: ldx,
+                n,
+                k: tokens,
+                alpha,
+            };
+            return self.math_call(Lib::Blas, |v| v.syrk_lower(&op));
+        }
+        self.launch(
+            Launch::wide(Kernel::HessianLower, n, n),
+            &[
+                Arg::Ptr(h),
+                Arg::I32(n32),
+                Arg::Ptr(x),
+                Arg::I32(l32),
+                Arg::I32(t32),
+                Arg::I32(n32),
+                Arg::F32(alpha),
+            ],
+        )
+    }
+
     /// The factor buffers (allocated on first use).
     fn factor_buffers(&mut self) -> DevResult<(DevPtr, DevPtr, DevPtr)> {
         if let Some(m) = self.m {
@@ -486,18 +575,7 @@ impl<V: Vendor> DeviceOps for KernelOps<'_, V> {
                 format!("activations have {n} features, the session {}", self.n),
             ));
         }
-        let (t32, n32) = (dims("accumulate", tokens)?, self.n32("accumulate")?);
-        let h = match self.h {
-            Some(h) => h,
-            None if !self.started => {
-                self.started = true;
-                let h = self.alloc(n * n * 4)?;
-                self.vendor()?.vendor.zero(h, n * n * 4)?;
-                self.h = Some(h);
-                h
-            }
-            None => return Err(self.lost("accumulate")),
-        };
+        let h = self.hessian()?;
         let data = packed(x);
         let bytes = data.len() * 4;
         let buf = match self.scratch {
@@ -512,33 +590,32 @@ impl<V: Vendor> DeviceOps for KernelOps<'_, V> {
             }
         };
         self.upload(buf, bytes_of(&data))?;
-        if self.math()?.blas {
-            if tokens == 0 || n == 0 {
-                return Ok(());
-            }
-            let op = Syrk {
-                c: h,
-                ldc: n,
-                a: buf,
-                lda: tokens,
-                n,
-                k: tokens,
-                alpha,
-            };
-            return self.math_call(Lib::Blas, |v| v.syrk_lower(&op));
+        self.accumulate_from(h, buf, tokens, tokens, alpha)
+    }
+
+    fn accumulate_resident(&mut self, x: &Resident, alpha: f32) -> DevResult<bool> {
+        if x.context != self.shared as *const _ as usize {
+            return Ok(false);
         }
-        self.launch(
-            Launch::wide(Kernel::HessianLower, n, n),
-            &[
-                Arg::Ptr(h),
-                Arg::I32(n32),
-                Arg::Ptr(buf),
-                Arg::I32(t32),
-                Arg::I32(t32),
-                Arg::I32(n32),
-                Arg::F32(alpha),
-            ],
-        )
+        if x.cols != self.n {
+            return Err(DeviceError::new(
+                self.name(),
+                "accumulate",
+                format!(
+                    "activations have {} features, the session {}",
+                    x.cols, self.n
+                ),
+            ));
+        }
+        let g = self.vendor()?;
+        if g.generation != x.generation {
+            drop(g);
+            return Err(self.lost("accumulate"));
+        }
+        drop(g);
+        let h = self.hessian()?;
+        self.accumulate_from(h, x.ptr, x.ld, x.rows, alpha)?;
+        Ok(true)
     }
 
     fn prepare(&mut self, order: ColumnOrder) -> DevResult<PreparedMeta> {
