@@ -28,8 +28,10 @@ pub const GPTQ_DEVICE_FALLBACK: &str = "gptq_device_fallback";
 /// `layer` when a layer's forward moves to the CPU).
 pub const CALIBRATION_FORWARD: &str = "calibration_forward";
 /// Quantize, at the end of a run: where its time went, seconds per phase (`loadSeconds`, `forwardSeconds`,
-/// `hessianSeconds`, `solveSeconds`, `cacheSeconds`, `copySeconds`, `saveSeconds`, `wholeRunSeconds`) and
-/// where the forward ran (`forwardOn`: `device` or `cpu`).
+/// `hessianSeconds`, `solveSeconds`, `cacheSeconds`, `copySeconds`, `saveSeconds`, `wholeRunSeconds`),
+/// where the forward ran (`forwardOn`: `device` or `cpu`) and, on the device, its batch size at the end
+/// (`forwardBatchTokens`) and how many batches ran out of memory and ran again smaller
+/// (`forwardSmallerBatches`).
 pub const QUANTIZE_PHASES: &str = "quantize_phases";
 pub const COMPLETE: &str = "complete";
 pub const ERROR: &str = "error";

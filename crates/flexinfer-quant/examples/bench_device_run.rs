@@ -99,7 +99,7 @@ fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<u8>)]) {
         off += data.len();
     }
     let mut h = serde_json::to_vec(&Value::Object(header)).unwrap();
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut f = std::io::BufWriter::new(std::fs::File::create(path).unwrap());
@@ -226,10 +226,13 @@ fn write_dataset(path: &Path, samples: usize, seq: usize) {
     std::fs::write(path, lines.join("\n")).unwrap();
 }
 
+/// One event: seconds since the start, its name and fields.
+type Timed = (f64, String, Map<String, Value>);
+
 /// Prints each event's name and time since the start; keeps them.
 struct Sink {
     started: Instant,
-    events: Mutex<Vec<(f64, String, Map<String, Value>)>>,
+    events: Mutex<Vec<Timed>>,
 }
 
 impl EventSink for Sink {

@@ -59,6 +59,8 @@ struct Log {
     fail_math_once: Option<&'static str>,
     /// `sgemm` adds 1 to its first output: a library that runs but answers wrongly.
     wrong_sgemm: bool,
+    /// Allocations of a size in `(lo, hi]` bytes fail (a card out of memory for buffers of that size).
+    fail_alloc_sizes: Option<(usize, usize)>,
 }
 
 /// Corrupts what `kernel` just wrote: the second entry of the Hessian or the factor (below the diagonal)
@@ -137,6 +139,14 @@ impl Vendor for HostVendor {
     }
     fn alloc(&mut self, bytes: usize) -> DevResult<DevPtr> {
         self.live("alloc")?;
+        if let Some((lo, hi)) = self.log.lock().unwrap().fail_alloc_sizes {
+            if bytes > lo && bytes <= hi {
+                return Err(Self::err(
+                    "alloc",
+                    format!("out of memory for {bytes} bytes"),
+                ));
+            }
+        }
         let buf = vec![0u64; bytes.div_ceil(8)];
         let p = buf.as_ptr() as u64;
         self.allocs.insert(p, buf);
@@ -1401,8 +1411,8 @@ fn forward_against_cpu<V: Vendor + Send>(
     use flexinfer_quant::model::{load_layer, ModelConfig};
     use flexinfer_quant::tensors::TensorStore;
     let (mut on_device, mut on_cpu) = (0, 0);
-    let cfg = ModelConfig::load(&dir).unwrap();
-    let store = TensorStore::open_dir(&dir).unwrap();
+    let cfg = ModelConfig::load(dir).unwrap();
+    let store = TensorStore::open_dir(dir).unwrap();
     let lens = [11usize, 16, 5];
     let rope = Rope::new(&cfg, 16);
     let mut host: Vec<Mat<f32>> = lens
@@ -1467,4 +1477,78 @@ fn forward_against_cpu<V: Vendor + Send>(
         fwd.upload(host.clone()).unwrap();
     }
     (on_device, on_cpu)
+}
+
+/// A batch whose buffers do not fit runs again as smaller batches of whole samples, and the activations and
+/// Hessian inputs are those of the CPU all the same; a single sample that does not fit is an error.
+#[test]
+fn a_forward_batch_out_of_device_memory_runs_again_smaller() {
+    use flexinfer_quant::device::kernel::forward::ForwardPass;
+    use flexinfer_quant::llama::{embed, layer_forward, Rope, Stage};
+    use flexinfer_quant::model::{load_layer, ModelConfig};
+    use flexinfer_quant::tensors::TensorStore;
+    let tmp = tempfile::tempdir().unwrap();
+    flexinfer_quant::testkit::write_model(tmp.path(), "LlamaForCausalLM", 6).unwrap();
+    let cfg = ModelConfig::load(tmp.path()).unwrap();
+    let store = TensorStore::open_dir(tmp.path()).unwrap();
+    let rope = Rope::new(&cfg, 16);
+    let host: Vec<Mat<f32>> = [11usize, 16, 5]
+        .iter()
+        .map(|&len| {
+            let toks: Vec<u32> = (0..len).map(|i| (i % 20) as u32).collect();
+            embed(&store, &cfg, None, &toks).unwrap()
+        })
+        .collect();
+    let lw = load_layer(&store, &cfg, 0, None).unwrap();
+    // The MLP's gate and up for 27 tokens (27 × intermediate × 4 bytes) do not fit; for 16 they do.
+    let mlp = |rows: usize| rows * cfg.intermediate_size * 4;
+    let log = Arc::new(Mutex::new(Log::default()));
+    log.lock().unwrap().fail_alloc_sizes = Some((mlp(16), mlp(27)));
+    let dev = host_device_with(&log, None, MATH[1]);
+    let mut fwd = dev.forward_ops(cfg.hidden_size, 27).unwrap();
+    fwd.upload(host.clone()).unwrap();
+    let mut rec = Recorder::default();
+    fwd.stage(&cfg, &lw, &rope, Stage::Down, Some(&mut rec), 1.0)
+        .unwrap();
+    assert_eq!(
+        rec.batches.iter().map(Mat::nrows).collect::<Vec<_>>(),
+        [11, 16, 5]
+    );
+    // (The Down stage reads the activations as they are: here the layer input, as the residual.)
+    let want: Vec<Mat<f32>> = host
+        .iter()
+        .map(|x| flexinfer_quant::llama::mlp_activation(&cfg, &lw, x.as_ref()))
+        .collect();
+    assert_forward_close("Down after the retry", &stack(&rec.batches), &stack(&want));
+    assert_eq!(fwd.times().smaller_batches, 1);
+    assert_eq!(fwd.times().batch_tokens, 13);
+    // The smaller size stays: the whole layer moves in batches of single samples, like the CPU.
+    fwd.advance(&cfg, &lw, &rope, false).unwrap();
+    assert_eq!(fwd.times().smaller_batches, 1);
+    let got = fwd.download().unwrap();
+    for (g, x) in got.iter().zip(&host) {
+        assert_forward_close(
+            "layer output",
+            g,
+            &layer_forward(&cfg, &lw, x.as_ref(), &rope, None),
+        );
+    }
+    // One sample alone that does not fit: the error, nothing run again.
+    let log = Arc::new(Mutex::new(Log::default()));
+    log.lock().unwrap().fail_alloc_sizes = Some((mlp(10), mlp(11)));
+    let dev = host_device_with(&log, None, MATH[1]);
+    let mut fwd = dev.forward_ops(cfg.hidden_size, 11).unwrap();
+    fwd.upload(host.clone()).unwrap();
+    let e = fwd
+        .stage(
+            &cfg,
+            &lw,
+            &rope,
+            Stage::Down,
+            Some(&mut Recorder::default()),
+            1.0,
+        )
+        .unwrap_err();
+    assert_eq!(e.op, "alloc", "{e}");
+    assert_eq!(fwd.times().smaller_batches, 0);
 }

@@ -228,6 +228,7 @@ fn load_cached_layer(
     Ok(())
 }
 
+#[allow(clippy::too_many_arguments)]
 /// Quantizes one layer from the calibration activations `hidden` (its input) and caches it.
 /// Returns whether `hidden` now holds the residual after attention.
 fn quantize_layer(
@@ -265,7 +266,7 @@ fn quantize_layer(
             prefix: &prefix,
             specs: &specs,
         };
-        let (tokens, low) = quantize_experts(&ctx, &mut acts.host, lw, &mut results)?;
+        let (tokens, low) = quantize_experts(&ctx, &acts.host, lw, &mut results)?;
         expert_tokens = tokens;
         low_rtn = low;
         progress.emit(

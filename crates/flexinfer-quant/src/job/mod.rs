@@ -400,6 +400,7 @@ pub fn run(job: &QuantizeJob, device: &dyn Device, events: &dyn EventSink) -> Re
 
     let forward_on_device = acts.times().is_some();
     let acts_copy_seconds = acts.times().map_or(0.0, |t| t.copies.as_secs_f64());
+    let batches = acts.times().map(|t| (t.batch_tokens, t.smaller_batches));
     // The activations are not needed for the save.
     drop(acts);
     release_free_memory();
@@ -428,6 +429,8 @@ pub fn run(job: &QuantizeJob, device: &dyn Device, events: &dyn EventSink) -> Re
                 ("cacheSeconds", json!(t.cache.as_secs_f64())),
                 ("copySeconds", json!(copies)),
                 ("saveSeconds", json!(save_seconds.as_secs_f64())),
+                ("forwardBatchTokens", json!(batches.map(|b| b.0))),
+                ("forwardSmallerBatches", json!(batches.map(|b| b.1))),
                 ("wholeRunSeconds", json!(started.elapsed().as_secs_f64())),
             ]),
         );

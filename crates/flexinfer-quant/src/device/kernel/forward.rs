@@ -51,6 +51,10 @@ pub struct ForwardTimes {
     pub hessian: Duration,
     /// Host ↔ device copies of the activations (upload of the embeddings, downloads for host sessions).
     pub copies: Duration,
+    /// Batches that ran out of device memory and were retried as smaller ones.
+    pub smaller_batches: u32,
+    /// Most tokens per batch now (smaller after such a retry).
+    pub batch_tokens: usize,
 }
 
 /// The device forward as the quantize job drives it (object-safe; [`ForwardOps`] is the implementation).
@@ -127,6 +131,8 @@ pub struct ForwardOps<'d, V: Vendor> {
     timed: bool,
     /// Most queries per attention chunk ([`QUERY_CHUNK`]; tests set fewer to run the chunking on small inputs).
     chunk: usize,
+    /// Whether the current batch has written the resident activations (then it cannot be run again).
+    modified: bool,
 }
 
 impl<'d, V: Vendor> ForwardOps<'d, V> {
@@ -147,6 +153,7 @@ impl<'d, V: Vendor> ForwardOps<'d, V> {
             times: ForwardTimes::default(),
             timed: true,
             chunk: QUERY_CHUNK,
+            modified: false,
         }
     }
 
@@ -273,6 +280,7 @@ impl<'d, V: Vendor> ForwardOps<'d, V> {
             ],
         )
     }
+    #[allow(clippy::too_many_arguments)]
     fn rms_norm(
         &mut self,
         x: DevPtr,
@@ -319,6 +327,7 @@ impl<'d, V: Vendor> ForwardOps<'d, V> {
             ],
         )
     }
+    #[allow(clippy::too_many_arguments)]
     fn head_norm(
         &mut self,
         x: DevPtr,
@@ -434,24 +443,47 @@ impl<'d, V: Vendor> ForwardOps<'d, V> {
         Ok(())
     }
 
-    /// Batches of whole samples: (first sample, sample count, first row, rows).
-    fn batches(&self) -> Vec<(usize, usize, usize, usize)> {
-        let Some(h) = &self.hidden else {
-            return Vec::new();
-        };
-        let mut out = Vec::new();
-        let mut i = 0;
-        while i < h.samples.len() {
-            let (r0, mut rows) = (h.samples[i].0, h.samples[i].1);
-            let mut j = i + 1;
-            while j < h.samples.len() && rows + h.samples[j].1 <= self.batch_tokens {
-                rows += h.samples[j].1;
-                j += 1;
-            }
-            out.push((i, j - i, r0, rows));
-            i = j;
+    /// The batch of whole samples from sample `s` on: (first sample, sample count, first row, rows); at least
+    /// one sample, more while they fit [`ForwardOps::batch_tokens`].
+    fn batch_from(&self, s: usize) -> Option<(usize, usize, usize, usize)> {
+        let h = self.hidden.as_ref()?;
+        let &(r0, mut rows) = h.samples.get(s)?;
+        let mut j = s + 1;
+        while j < h.samples.len() && rows + h.samples[j].1 <= self.batch_tokens {
+            rows += h.samples[j].1;
+            j += 1;
         }
-        out
+        Some((s, j - s, r0, rows))
+    }
+
+    /// Runs `f` on every batch in order. A batch whose device memory runs out (an allocation fails) before it
+    /// wrote the resident activations is run again as smaller batches (half its tokens, whole samples), and
+    /// the smaller size is kept for the rest of the run; any other error, or one sample alone not fitting,
+    /// is the caller's.
+    fn each_batch(
+        &mut self,
+        mut f: impl FnMut(&mut Self, (usize, usize, usize, usize)) -> DevResult<()>,
+    ) -> DevResult<()> {
+        let mut s = 0;
+        while let Some(b) = self.batch_from(s) {
+            self.modified = false;
+            match f(self, b) {
+                Ok(()) => s += b.1,
+                Err(e) if e.op == "alloc" && !self.modified && b.1 > 1 => {
+                    let smaller = (b.3 / 2).max(1);
+                    tracing::warn!(
+                        error = %e,
+                        from = b.3,
+                        to = smaller,
+                        "calibration forward: a batch ran out of device memory; running smaller batches"
+                    );
+                    self.batch_tokens = smaller;
+                    self.times.smaller_batches += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
     }
 
     /// The token mixer (attention) of one batch: from the normalised input `hn` (`rows × hidden`, ld
@@ -638,6 +670,7 @@ impl<'d, V: Vendor> ForwardOps<'d, V> {
                 self.free(p);
                 r?;
             }
+            self.modified = true;
             self.add(x, ldx, o, rows, rows, hs)
         })();
         self.free(o);
@@ -715,6 +748,7 @@ impl<'d, V: Vendor> ForwardOps<'d, V> {
                 self.free(p);
                 r?;
             }
+            self.modified = true;
             self.add(x, ldx, dn, rows, rows, hs)?;
             if let Some(s) = lw.layer_scalar {
                 self.fill(x, ldx, rows, hs, s, 0.0)?;
@@ -792,7 +826,7 @@ impl<'d, V: Vendor> ForwardOps<'d, V> {
         let (s0, count, r0, rows) = batch;
         let (hs, eps) = (self.hidden_size, cfg.rms_norm_eps);
         let (x, ldx, samples) = {
-            let h = self.hidden.as_ref().ok_or_else(|| lost())?;
+            let h = self.hidden.as_ref().ok_or_else(lost)?;
             let samples: Vec<(usize, usize)> = h.samples[s0..s0 + count]
                 .iter()
                 .map(|&(first, len)| (first - r0, len))
@@ -876,6 +910,19 @@ impl<'d, V: Vendor> ForwardOps<'d, V> {
                 return Err(e);
             }
         };
+        // Every allocation of the batch comes before the residual is written (a batch that runs out of
+        // memory can then run again as smaller ones).
+        let post = match &session {
+            Some(_) => match self.upload_new(bytes_of(&lw.post_norm)) {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    self.free(hn);
+                    self.free(att);
+                    return Err(e);
+                }
+            },
+            None => None,
+        };
         let r = (|| -> DevResult<()> {
             let p = self.upload_new(bytes_of(&lw.input_norm))?;
             let r = self.rms_norm(x, ldx, hn, rows, rows, p, hs, eps);
@@ -883,16 +930,16 @@ impl<'d, V: Vendor> ForwardOps<'d, V> {
             r?;
             self.attention(cfg, lw, w, hn, rows, samples, att)?;
             self.attention_residual(cfg, lw, &w[3], att, rows, x, ldx)?;
-            let Some(session) = session else {
+            let (Some(session), Some(p)) = (session, post) else {
                 return self.wait(t, |t| &mut t.forward);
             };
-            let p = self.upload_new(bytes_of(&lw.post_norm))?;
-            let r = self.rms_norm(x, ldx, hn, rows, rows, p, hs, eps);
-            self.free(p);
-            r?;
+            self.rms_norm(x, ldx, hn, rows, rows, p, hs, eps)?;
             self.wait(t, |t| &mut t.forward)?;
             self.feed(session, hn, rows, hs, alpha)
         })();
+        if let Some(p) = post {
+            self.free(p);
+        }
         self.free(hn);
         self.free(att);
         r
@@ -909,7 +956,7 @@ impl<'d, V: Vendor> ForwardOps<'d, V> {
     ) -> DevResult<()> {
         let (s0, count, r0, rows) = batch;
         let (x, ldx, samples) = {
-            let h = self.hidden.as_ref().ok_or_else(|| lost())?;
+            let h = self.hidden.as_ref().ok_or_else(lost)?;
             let samples: Vec<(usize, usize)> = h.samples[s0..s0 + count]
                 .iter()
                 .map(|&(first, len)| (first - r0, len))
@@ -1039,14 +1086,10 @@ impl<V: Vendor> ForwardPass for ForwardOps<'_, V> {
         let t = Instant::now();
         let w = self.weights(lw, &stage_linears(lw, stage))?;
         self.times.copies += t.elapsed();
-        let mut r = Ok(());
-        for b in self.batches() {
+        let r = self.each_batch(|me, b| {
             let s = session.as_mut().map(|s| &mut **s as &mut dyn Session);
-            r = self.stage_batch(cfg, lw, &w, stage, s, alpha, b);
-            if r.is_err() {
-                break;
-            }
-        }
+            me.stage_batch(cfg, lw, &w, stage, s, alpha, b)
+        });
         for l in w {
             self.free_linear(l);
         }
@@ -1067,13 +1110,7 @@ impl<V: Vendor> ForwardPass for ForwardOps<'_, V> {
         let w = self.weights(lw, &idx)?;
         self.times.copies += t.elapsed();
         let t = Instant::now();
-        let mut r = Ok(());
-        for b in self.batches() {
-            r = self.advance_batch(cfg, lw, &w, from_x1, b);
-            if r.is_err() {
-                break;
-            }
-        }
+        let r = self.each_batch(|me, b| me.advance_batch(cfg, lw, &w, from_x1, b));
         for l in w {
             self.free_linear(l);
         }
@@ -1082,7 +1119,10 @@ impl<V: Vendor> ForwardPass for ForwardOps<'_, V> {
     }
 
     fn times(&self) -> ForwardTimes {
-        self.times
+        ForwardTimes {
+            batch_tokens: self.batch_tokens,
+            ..self.times
+        }
     }
 }
 
