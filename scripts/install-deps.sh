@@ -51,6 +51,9 @@ if ! "$OPENAI_VENV/bin/python" -c 'import openai' >/dev/null 2>&1; then
   python3 -m venv "$OPENAI_VENV" && "$OPENAI_VENV/bin/pip" install -q "openai==$OPENAI_PY_VERSION" \
     || { echo "install-deps: cannot install openai==$OPENAI_PY_VERSION from PyPI" >&2; exit 1; }
 fi
+# The PyPI `compressed-tensors` library (with torch and transformers) for the FP8 consumer test, cached by version.
+bash "$(dirname "$0")/fp8/make-venv.sh" >/dev/null \
+  || { echo "install-deps: cannot install the compressed-tensors venv" >&2; exit 1; }
 # The PyPI `gguf` reader (llama.cpp's gguf-py, numpy only) for the GGUF reader test, cached by version.
 bash "$(dirname "$0")/gguf/make-venv.sh" >/dev/null \
   || { echo "install-deps: cannot install the gguf reader venv" >&2; exit 1; }

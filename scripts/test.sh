@@ -17,6 +17,9 @@ bash scripts/install-deps.sh
 export FLEXINFER_OPENAI_PYTHON=${FLEXINFER_OPENAI_PYTHON:-$(ls -d "$HOME"/.cache/flexinfer/openai-venv-*/bin/python | tail -1)}
 # The venv install-deps.sh made for the GGUF reader test (gguf-py reads and dequantizes what we write).
 export FLEXINFER_GGUF_PYTHON=${FLEXINFER_GGUF_PYTHON:-$(ls -d "$HOME"/.cache/flexinfer/gguf-venv-*/bin/python 2>/dev/null | tail -1)}
+# The venv install-deps.sh made for the FP8 consumer test (compressed-tensors decompresses and transformers loads
+# what we write; crates/flexinfer-quant/tests/fp8_artifact.rs, about 15 s); required here, not skipped.
+export FLEXINFER_CT_PYTHON=${FLEXINFER_CT_PYTHON:-$(bash scripts/fp8/make-venv.sh)} FLEXINFER_REQUIRE_CT_PYTHON=1
 
 stage "HIP code objects for gfx1100 and gfx906 (Debian trixie hipcc in an mmdebstrap root, cached)"
 FLEXINFER_HIP_CODE_OBJECTS=$(bash scripts/hip/build-code-objects.sh)

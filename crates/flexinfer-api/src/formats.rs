@@ -78,7 +78,7 @@ pub const FORMATS: &[FormatInfo] = &[
         bits: &[8],
         default_bits: 8,
         backends: &[Backend::Vllm],
-        implemented: false,
+        implemented: true,
         needs_calibration: false,
         gpu_engine: false,
     },
@@ -166,7 +166,7 @@ mod tests {
             .filter(|f| f.implemented)
             .map(|f| f.name)
             .collect();
-        assert_eq!(implemented, ["GGUF", "GPTQ"]);
-        assert_eq!(implemented_names(), "GGUF, GPTQ");
+        assert_eq!(implemented, ["GGUF", "GPTQ", "FP8"]);
+        assert_eq!(implemented_names(), "GGUF, GPTQ, FP8");
     }
 }

@@ -100,7 +100,7 @@ pub enum QuantizeSub {
     Recommend(RecommendArgs),
     /// Quality gate: compare candidate against baseline perplexity and acceptance rate
     Validate(ValidateArgs),
-    /// Check a quantized artifact: a GPTQ directory (config, tensors, shards, quality sidecar) or GGUF files (header, metadata, tensors, splits)
+    /// Check a quantized artifact: a GPTQ or FP8 directory (config, tensors, shards, quality sidecar) or GGUF files (header, metadata, tensors, splits)
     ValidateArtifact(ValidateArtifactArgs),
 }
 
@@ -161,7 +161,7 @@ pub struct ValidateArtifactArgs {
     /// Artifact directory (e.g. the mounted cache's gptq-w4-g128 or gguf-q4_k_m) or a .gguf file
     #[arg(long, value_name = "DIR")]
     pub path: PathBuf,
-    /// Expected layout: vllm-gptq or gguf [default: gguf when the path is or holds .gguf files, else vllm-gptq]
+    /// Expected layout: vllm-gptq, gguf or fp8 [default: gguf when the path is or holds .gguf files, fp8 when config.json declares compressed-tensors float-quantized, else vllm-gptq]
     #[arg(long, value_name = "LAYOUT")]
     pub layout: Option<String>,
     /// Expected model family, matched against config.json model_type (e.g. llama, qwen35, gemma4-26b-a4b)

@@ -20,11 +20,15 @@ pub const N_PARALLEL_CALIB_SAMPLES: &str = "N_PARALLEL_CALIB_SAMPLES";
 pub const MAX_MEMORY_GB: &str = "MAX_MEMORY_GB";
 pub const GPU_VRAM_MB: &str = "GPU_VRAM_MB";
 pub const GPU_MEMORY_FRACTION: &str = "GPU_MEMORY_FRACTION";
-/// What the quantize phase writes: `GPTQ` (the default) or `GGUF` (one llama.cpp file, see `GGUF_TYPE`).
+/// What the quantize phase writes: `GPTQ` (the default), `GGUF` (one llama.cpp file, see `GGUF_TYPE`) or
+/// `FP8` (E4M3 weights in compressed-tensors' `float-quantized` layout, see `FP8_SCALE`).
 pub const FORMAT: &str = "FORMAT";
 /// The `FORMAT` values.
 pub const FORMAT_GPTQ: &str = "GPTQ";
 pub const FORMAT_GGUF: &str = "GGUF";
+pub const FORMAT_FP8: &str = "FP8";
+/// Where the scales of a `FORMAT=FP8` run live: `channel` (one per output row, the default) or `tensor`.
+pub const FP8_SCALE: &str = "FP8_SCALE";
 /// The llama.cpp preset of a `FORMAT=GGUF` run (`Q4_K_M` by default; `flexinfer_quant::gguf::FileType`).
 pub const GGUF_TYPE: &str = "GGUF_TYPE";
 /// Every `GGUF_TYPE` the engine writes (llama.cpp's preset names; `flexinfer_quant::gguf::FileType::ALL`
@@ -116,6 +120,7 @@ pub const PROFILE_PROTECTED: &[&str] = &[
     DATASET,
     FORMAT,
     GGUF_TYPE,
+    FP8_SCALE,
     HF_TOKEN,
     HF_ENDPOINT,
     SOURCE,

@@ -131,6 +131,25 @@ impl QualitySummary {
     }
 }
 
+/// The quality sidecar of an FP8 artifact (`$OUT_DIR/.quantization-quality.json`): FP8 is a rounding of
+/// every weight with no solve and no RTN fallback, so instead of the gate it records how far the
+/// dequantized weights are from the source.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Fp8Quality {
+    /// `FP8`.
+    pub format: String,
+    /// `channel` or `tensor`.
+    pub strategy: String,
+    pub quantized_modules: u64,
+    /// Candidate linears kept in full precision (`DYNAMIC_EXCLUSION`, routers, towers).
+    pub kept_modules: u64,
+    /// The largest `‖W − deq(W)‖ / ‖W‖` over the quantized modules, and its module.
+    pub max_relative_error: f64,
+    pub worst_module: String,
+    pub mean_relative_error: f64,
+}
+
 /// `.source-integrity.json`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]

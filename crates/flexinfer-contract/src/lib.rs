@@ -25,7 +25,8 @@ pub mod termination;
 
 pub use events::{latest_event, latest_progress, GptqDeviceReport, ProgressEvent, WorkerEvent};
 pub use files::{
-    AbliterationStatusFile, IntegrityFile, QualitySummary, SaveComplete, SaveShard, SourceIntegrity,
+    AbliterationStatusFile, Fp8Quality, IntegrityFile, QualitySummary, SaveComplete, SaveShard,
+    SourceIntegrity,
 };
 /// The cache layout, also at the root: every phase needs it.
 pub use files::{ABLITERATED_SUBDIR, CACHE_MOUNT, DATASETS_SUBDIR, SOURCE_SUBDIR};

@@ -7,6 +7,9 @@
 //! full attention, 32 experts top 4 with a shared expert); `bench_gptq gemma4-moe [samples] [seq_len]` for a
 //! generated Gemma-4-MoE-shaped model (8 layers, 32 experts top 4 beside a dense MLP). With
 //! `BENCH_MEMORY_LIMIT_MIB=N` the last two quantize under an enforced memory limit (a cgroup; root).
+//! `bench_gptq fp8 [runs] [samples] [seq_len]` writes the FP8 artifact (per-channel) and then the GPTQ 4-bit
+//! g128 artifact of the same generated ~110M-parameter model, alternately `runs` times, each with its wall time
+//! and peak RSS.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 use faer::dyn_stack::{MemBuffer, MemStack};
@@ -85,6 +88,57 @@ fn bench_model(samples: usize, seq_len: usize) {
         "whole model: {samples} x {seq_len} tokens, {} layers: {secs:.1} s; artifact {} -> {} bytes; peak RSS {peak:.0} MiB, of which {baseline:.0} MiB resident before the run (binary, test data) and {:.0} MiB added by the run (issue target {budget:.0} MiB = 1.2 x (layer f32 + activations + Hessians))",
         size.layers, o.original_size_bytes, o.compressed_size_bytes, peak - baseline
     );
+}
+
+/// FP8 (per-channel) beside GPTQ 4-bit g128 on one generated ~110M-parameter model, alternated `runs` times:
+/// wall time, peak RSS (the counter reset before each run) and the artifact's size.
+fn bench_fp8_vs_gptq(runs: usize, samples: usize, seq_len: usize) {
+    use flexinfer_quant::fp8::{write_fp8_artifact, Fp8Job, ScaleStrategy};
+    use flexinfer_quant::testkit::{self, ModelSize};
+    let size = ModelSize::SMALL_100M;
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let model = tmp.path().join("model");
+    testkit::write_model_sized(&model, "LlamaForCausalLM", 7, &size).expect("generate model");
+    testkit::write_byte_level_tokenizer(&model).expect("tokenizer");
+    let ds = write_calibration(tmp.path(), samples, seq_len);
+    println!("model: {} parameters (BF16)", size.parameters());
+    for run in 1..=runs {
+        let out = tmp.path().join("fp8");
+        let _ = std::fs::remove_dir_all(&out);
+        flexinfer_quant::pipeline::release_free_memory();
+        let _ = std::fs::write("/proc/self/clear_refs", "5");
+        let baseline = rss_mib();
+        let t = Instant::now();
+        let o = write_fp8_artifact(
+            &Fp8Job {
+                model_dir: &model,
+                out_dir: &out,
+                strategy: ScaleStrategy::Channel,
+                dynamic_exclusion: None,
+                script_version: "bench",
+                verify_save_sha256: true,
+                max_shard_bytes: flexinfer_quant::pipeline::DEFAULT_MAX_SHARD_BYTES,
+            },
+            &flexinfer_quant::events::NullSink,
+        )
+        .expect("fp8");
+        let secs = t.elapsed().as_secs_f64();
+        println!(
+            "run {run} FP8 channel: {secs:.2} s; artifact {} -> {} bytes; peak RSS {:.0} MiB ({baseline:.0} MiB before the run)",
+            o.original_size_bytes,
+            o.compressed_size_bytes,
+            peak_rss_mib()
+        );
+        let job = bench_job(&model, tmp.path(), &ds, samples, seq_len);
+        let _ = std::fs::remove_dir_all(&job.out_dir);
+        let (o, secs, baseline) = measured_run(&job);
+        println!(
+            "run {run} GPTQ w4 g128 ({samples} x {seq_len} tokens): {secs:.2} s; artifact {} -> {} bytes; peak RSS {:.0} MiB ({baseline:.0} MiB before the run)",
+            o.original_size_bytes,
+            o.compressed_size_bytes,
+            peak_rss_mib()
+        );
+    }
 }
 
 /// One measured quantize run: returns the outcome, its wall seconds and the RSS resident before it.
@@ -357,6 +411,7 @@ fn main() {
             .unwrap_or(d)
     };
     match std::env::args().nth(1).as_deref() {
+        Some("fp8") => return bench_fp8_vs_gptq(arg(2, 3), arg(3, 32), arg(4, 512)),
         Some("hybrid") => return bench_hybrid(arg(2, 32), arg(3, 512)),
         Some("gemma4-moe") => return bench_gemma4_moe(arg(2, 32), arg(3, 512)),
         _ => {}

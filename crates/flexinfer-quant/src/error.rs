@@ -398,6 +398,13 @@ pub enum SpecError {
     ClipSearch { got: String },
     #[error("GPTQ_DEVICE={got:?}: expected auto, cpu, hip or cuda")]
     Device { got: String },
+    /// A setting named `field` (env or flag) has a value the engine does not take.
+    #[error("{field}={value:?}: expected {expected}")]
+    Value {
+        field: String,
+        value: String,
+        expected: String,
+    },
     #[error(
         "DYNAMIC_EXCLUSION: {item:?} is a mode and cannot be part of a module list ({list:?})"
     )]

@@ -18,6 +18,7 @@ pub mod device;
 pub mod error;
 pub mod events;
 pub mod exclusion;
+pub mod fp8;
 pub mod fsutil;
 pub mod gguf;
 pub mod job;

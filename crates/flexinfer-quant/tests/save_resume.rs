@@ -29,7 +29,7 @@ fn tensors() -> Vec<OutTensor<'static>> {
 fn save(staging: &Path, out: &Path, src: &Path) -> Vec<String> {
     let extras = Extras {
         config_json: json!({"architectures": ["LlamaForCausalLM"]}),
-        quantize_config: json!({"bits": 4}),
+        quantize_config: Some(json!({"bits": 4})),
         quality: json!({"gate": "passed"}),
         source_dir: src,
         script_version: "test",

@@ -11,6 +11,7 @@ use flexinfer_contract::{
 use flexinfer_quant::calib::CalibSettings;
 use flexinfer_quant::device::{select_device, MemoryBudget, Selection, SystemPlatform, VendorLibs};
 use flexinfer_quant::events::EventSink;
+use flexinfer_quant::fp8::{write_fp8_artifact, Fp8Job, ScaleStrategy};
 use flexinfer_quant::gguf::{write_gguf_artifact, FileType, GgufArtifactJob};
 use flexinfer_quant::params::{ClipSearch, FloorMode, GateParams, GptqParams, RecoveryParams};
 use flexinfer_quant::pipeline::importance::{collect_importance, Importance, ImportanceJob};
@@ -38,8 +39,9 @@ pub struct QuantizeArgs {
     /// The artifact directory (e.g. `/cache/<modelPath>/gptq-w4-g128`); staged beside it, renamed into place.
     #[arg(long, env = env::OUT_DIR)]
     pub out_dir: PathBuf,
-    #[arg(long, env = env::BITS, default_value_t = 4)]
-    pub bits: u32,
+    /// GPTQ: 2, 3, 4 (the default) or 8; FP8: 8 only.
+    #[arg(long, env = env::BITS)]
+    pub bits: Option<u32>,
     /// -1 = one group per output row.
     #[arg(long, env = env::GROUP_SIZE, default_value_t = 128, allow_hyphen_values = true)]
     pub group_size: i32,
@@ -123,10 +125,15 @@ pub struct QuantizeArgs {
     pub max_shard_bytes: u64,
     #[arg(long, env = TEST_ABORT_AFTER_LAYER_ENV, hide = true)]
     pub test_abort_after_layer: Option<usize>,
-    /// `GPTQ` (the default) or `GGUF`: one llama.cpp file in `OUT_DIR` (Llama / Mistral / Qwen2 only; the GPTQ
-    /// settings do not apply; `DATASET`, `MAX_SAMPLES`, `MAX_SEQ_LEN` feed the optional importance pass).
+    /// `GPTQ` (the default), `GGUF`: one llama.cpp file in `OUT_DIR` (Llama / Mistral / Qwen2 only; the GPTQ
+    /// settings do not apply; `DATASET`, `MAX_SAMPLES`, `MAX_SEQ_LEN` feed the optional importance pass), or
+    /// `FP8`: E4M3 weights in compressed-tensors' `float-quantized` layout (no calibration; `FP8_SCALE` and
+    /// `DYNAMIC_EXCLUSION` apply, the other GPTQ settings do not).
     #[arg(long, env = env::FORMAT, default_value = FORMAT_GPTQ)]
     pub format: String,
+    /// Where the scales of an FP8 run live: `channel` (one per output row) or `tensor` (one per linear).
+    #[arg(long, env = env::FP8_SCALE, default_value = "channel")]
+    pub fp8_scale: String,
     /// The llama.cpp preset of a GGUF run: F16, BF16, Q8_0, Q6_K, Q5_K_M, Q5_K_S, Q4_K_M, Q4_K_S, Q4_0,
     /// Q3_K_M, Q2_K, IQ4_XS.
     #[arg(long, env = env::GGUF_TYPE, default_value = "Q4_K_M")]
@@ -134,7 +141,22 @@ pub struct QuantizeArgs {
 }
 
 /// The `FORMAT` values.
-pub use env::{FORMAT_GGUF, FORMAT_GPTQ};
+pub use env::{FORMAT_FP8, FORMAT_GGUF, FORMAT_GPTQ};
+
+/// What `FORMAT` asks the quantize phase to write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutputFormat {
+    Gptq,
+    Gguf,
+    Fp8,
+}
+
+impl QuantizeArgs {
+    /// The GPTQ bit width: `BITS`, else 4.
+    pub fn gptq_bits(&self) -> u32 {
+        self.bits.unwrap_or(4)
+    }
+}
 
 /// Engine events → the worker's JSON-line stream (progress stays monotonic there).
 struct WorkerSink<'a>(&'a Events);
@@ -179,14 +201,14 @@ pub fn job_from_args(args: &QuantizeArgs) -> Result<QuantizeJob, WorkerError> {
         out_dir: args.out_dir.clone(),
         dataset,
         params: GptqParams {
-            bits: args.bits,
+            bits: args.gptq_bits(),
             group_size: args.group_size,
             sym: args.sym,
             desc_act: args.desc_act,
             static_groups: args.static_groups,
             block_size: 128,
             act_group_aware: args.act_group_aware && !args.desc_act,
-            clip_search: clip_search.resolve(args.bits),
+            clip_search: clip_search.resolve(args.gptq_bits()),
         },
         recovery: RecoveryParams {
             damp_percent: args.damp_percent,
@@ -238,8 +260,10 @@ fn run_inner(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess,
             "maxMemoryGB": args.max_memory_gb,
         }),
     );
-    if gguf_requested(&args.format)? {
-        return run_gguf(args, events);
+    match output_format(&args.format)? {
+        OutputFormat::Gguf => return run_gguf(args, events),
+        OutputFormat::Fp8 => return run_fp8(args, events),
+        OutputFormat::Gptq => {}
     }
     let job = job_from_args(args)?;
     let selection = select_device(
@@ -321,19 +345,94 @@ fn run_locked(
     })
 }
 
-/// Whether `FORMAT` asks for GGUF; anything but GPTQ or GGUF is bad configuration.
-pub fn gguf_requested(format: &str) -> Result<bool, WorkerError> {
+/// The format `FORMAT` names (case-insensitive; empty is GPTQ); anything else is bad configuration.
+pub fn output_format(format: &str) -> Result<OutputFormat, WorkerError> {
     let f = format.trim();
     if f.eq_ignore_ascii_case(FORMAT_GGUF) {
-        Ok(true)
+        Ok(OutputFormat::Gguf)
+    } else if f.eq_ignore_ascii_case(FORMAT_FP8) {
+        Ok(OutputFormat::Fp8)
     } else if f.is_empty() || f.eq_ignore_ascii_case(FORMAT_GPTQ) {
-        Ok(false)
+        Ok(OutputFormat::Gptq)
     } else {
         Err(WorkerError::BadInput(format!(
-            "{}={format:?}: expected {FORMAT_GPTQ} or {FORMAT_GGUF}",
+            "{}={format:?}: expected {FORMAT_GPTQ}, {FORMAT_GGUF} or {FORMAT_FP8}",
             env::FORMAT
         )))
     }
+}
+
+/// `FORMAT=FP8`: the artifact directory in compressed-tensors' `float-quantized` layout
+/// ([`write_fp8_artifact`]), under the same writer lock and garbage collection as a GPTQ run. Only 8
+/// bits exist: another `BITS` is bad input.
+fn run_fp8(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess, WorkerError> {
+    if let Some(bits) = args.bits.filter(|&b| b != 8) {
+        return Err(WorkerError::BadInput(format!(
+            "{}={bits}: {FORMAT_FP8} has 8 bits only",
+            env::BITS
+        )));
+    }
+    let strategy = ScaleStrategy::parse(env::FP8_SCALE, &args.fp8_scale)
+        .map_err(|e| WorkerError::Quant(e.into()))?;
+    let exclusion = args
+        .dynamic_exclusion
+        .as_deref()
+        .map(str::trim)
+        .filter(|s| !s.is_empty());
+    let _lock = crate::generations::lock_output(&args.out_dir, events)?;
+    let outcome = write_fp8_artifact(
+        &Fp8Job {
+            model_dir: &args.model_dir,
+            out_dir: &args.out_dir,
+            strategy,
+            dynamic_exclusion: exclusion,
+            script_version: contract::SCRIPT_VERSION,
+            verify_save_sha256: args.verify_save_sha256,
+            max_shard_bytes: args.max_shard_bytes.max(1),
+        },
+        &WorkerSink(events),
+    )
+    .map_err(WorkerError::Quant)?;
+    events.log(&format!(
+        "FP8 ({}): {} ({} bytes{})",
+        strategy.as_str(),
+        outcome.output_dir.display(),
+        outcome.compressed_size_bytes,
+        if outcome.cached { ", reused" } else { "" }
+    ));
+    crate::generations::collect_garbage(
+        &args.out_dir,
+        std::env::var(env::KEEP_DIRS).ok().as_deref(),
+        events,
+    );
+    let mut applied: std::collections::BTreeMap<String, String> = [
+        ("format", FORMAT_FP8.to_string()),
+        ("bits", "8".to_string()),
+        ("fp8Scale", strategy.as_str().to_string()),
+        ("activationScales", "dynamic".to_string()),
+        ("dynamicExclusion", exclusion.unwrap_or("none").to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    if let Some(q) = &outcome.quality {
+        applied.insert("quantizedModules".into(), q.quantized_modules.to_string());
+        applied.insert("keptModules".into(), q.kept_modules.to_string());
+        applied.insert(
+            "maxRelativeError".into(),
+            format!("{:.5}", q.max_relative_error),
+        );
+    }
+    Ok(TerminationSuccess {
+        kind: format!("fp8-{}", strategy.as_str()),
+        original_size_bytes: Some(outcome.original_size_bytes),
+        compressed_size_bytes: Some(outcome.compressed_size_bytes),
+        quantization_time_seconds: Some((outcome.seconds * 10.0).round() / 10.0),
+        output_dir: Some(outcome.output_dir.display().to_string()),
+        config_digest: Some(outcome.config_digest),
+        applied,
+        ..Default::default()
+    })
 }
 
 /// The llama.cpp preset named by `GGUF_TYPE`.

@@ -8,6 +8,7 @@
 //! linear), [`quality`] (the sidecar); [`read`] reads the files within their limits.
 
 mod config;
+pub mod fp8;
 pub mod gguf;
 mod linear;
 mod quality;
@@ -165,7 +166,7 @@ pub fn validate_vllm_gptq(dir: &Path, opts: &Options) -> Report {
 /// Flags the validator cannot run with.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum UsageError {
-    #[error("--layout {0}: only vllm-gptq and gguf are supported")]
+    #[error("--layout {0}: only vllm-gptq, gguf and fp8 are supported")]
     Layout(String),
     #[error("--path {}: not a directory", .0.display())]
     NotADirectory(std::path::PathBuf),
@@ -174,11 +175,13 @@ pub enum UsageError {
 }
 
 /// Entry point used by the command: validates the layout name first. Without a layout, a path that
-/// is or holds `.gguf` files is validated as `gguf`, anything else as `vllm-gptq`.
+/// is or holds `.gguf` files is validated as `gguf`, a directory whose `config.json` declares
+/// compressed-tensors' `float-quantized` format as `fp8`, anything else as `vllm-gptq`.
 pub fn validate(path: &Path, layout: Option<&str>, opts: &Options) -> Result<Report, UsageError> {
     let layout = match layout {
         Some(l) => l,
         None if gguf::is_gguf(path) => "gguf",
+        None if path.is_dir() && fp8::is_fp8(path) => "fp8",
         None => "vllm-gptq",
     };
     match layout {
@@ -193,6 +196,12 @@ pub fn validate(path: &Path, layout: Option<&str>, opts: &Options) -> Result<Rep
                 return Err(UsageError::NotGguf(path.to_path_buf()));
             }
             Ok(gguf::validate_gguf(path, opts))
+        }
+        "fp8" => {
+            if !path.is_dir() {
+                return Err(UsageError::NotADirectory(path.to_path_buf()));
+            }
+            Ok(fp8::validate_fp8(path, opts))
         }
         other => Err(UsageError::Layout(other.to_string())),
     }

@@ -174,7 +174,7 @@ pub(super) fn save(
     config_json["quantization_config"] = qc.clone();
     let extras = Extras {
         config_json,
-        quantize_config: qc,
+        quantize_config: Some(qc),
         quality: quality_json.clone(),
         source_dir: &job.model_dir,
         script_version: &job.script_version,

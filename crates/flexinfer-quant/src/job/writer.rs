@@ -60,7 +60,8 @@ pub fn verify_save_complete(dir: &Path, check_sha: bool) -> Option<SaveComplete>
 /// Everything that goes next to the shards.
 pub struct Extras<'a> {
     pub config_json: serde_json::Value,
-    pub quantize_config: serde_json::Value,
+    /// `quantize_config.json` (GPTQ); `None`: the format has none (its `config.json` says everything).
+    pub quantize_config: Option<serde_json::Value>,
     pub quality: serde_json::Value,
     pub source_dir: &'a Path,
     pub script_version: &'a str,
@@ -289,10 +290,9 @@ fn write_side_files(
         &json!({"metadata": {"total_size": total}, "weight_map": weight_map}),
     )?;
     write_json_atomic(&staging.join("config.json"), &extras.config_json)?;
-    write_json_atomic(
-        &staging.join("quantize_config.json"),
-        &extras.quantize_config,
-    )?;
+    if let Some(qc) = &extras.quantize_config {
+        write_json_atomic(&staging.join("quantize_config.json"), qc)?;
+    }
     write_json_atomic(&staging.join(files::QUANTIZATION_QUALITY), &extras.quality)?;
     for f in TOKENIZER_FILES {
         let src = extras.source_dir.join(f);
@@ -308,7 +308,7 @@ fn write_side_files(
         shards: records.to_vec(),
         has_index: true,
         has_config: true,
-        has_quantize_config: true,
+        has_quantize_config: extras.quantize_config.is_some(),
         config_digest: Some(extras.config_digest.to_string()),
     };
     let v = serde_json::to_value(&sc).map_err(|e| QuantError::Json {

@@ -67,7 +67,10 @@ fn flags_parse_with_contract_spellings() {
     ]);
     assert!(!a.sym && a.desc_act && a.resume_layers);
     assert_eq!(a.group_size, -1);
-    assert_eq!((a.bits, a.max_samples, a.max_seq_len), (4, 128, 2048));
+    assert_eq!(
+        (a.gptq_bits(), a.max_samples, a.max_seq_len),
+        (4, 128, 2048)
+    );
     assert_eq!(
         (a.damp_percent, a.damp_auto_increment, a.max_floor_attempts),
         (0.05, 0.1, 6)
@@ -138,7 +141,7 @@ fn version_mismatch_exits_4_before_touching_anything() {
 fn bad_input_exits_2_and_success_reports_sizes_and_quality() {
     let f = fixture();
     let mut bits5 = f.args.clone();
-    bits5.bits = 5;
+    bits5.bits = Some(5);
     let e = run_inner(&bits5, &Events::new("quantization")).expect_err("bits 5");
     assert_eq!(e.exit_code(), 2);
     assert!(
@@ -306,13 +309,15 @@ fn format_and_gguf_type_parse_with_their_defaults() {
         (a.format.as_str(), a.gguf_type.as_str()),
         ("GPTQ", "Q4_K_M")
     );
-    assert!(!gguf_requested(&a.format).expect("gptq"));
+    assert_eq!(output_format(&a.format).expect("gptq"), OutputFormat::Gptq);
     let a = parse(&["--format", "GGUF", "--gguf-type", "q5_k_m"]);
-    assert!(gguf_requested(&a.format).expect("gguf"));
+    assert_eq!(output_format(&a.format).expect("gguf"), OutputFormat::Gguf);
     assert_eq!(gguf_file_type(&a.gguf_type).expect("type"), FileType::Q5KM);
-    let e = gguf_requested("AWQ").expect_err("awq");
+    assert_eq!(output_format(" fp8 ").expect("fp8"), OutputFormat::Fp8);
+    let e = output_format("AWQ").expect_err("awq");
     assert_eq!(e.exit_code(), 2);
     assert!(e.to_string().contains("FORMAT=\"AWQ\""), "{e}");
+    assert!(e.to_string().contains("FP8"), "{e}");
     let e = gguf_file_type("Q3_K_S").expect_err("q3_k_s");
     assert_eq!(e.exit_code(), 2);
     assert!(
@@ -412,5 +417,66 @@ fn format_gguf_with_a_dataset_weights_the_blocks_by_the_calibration_importance()
     assert_eq!(
         data(&bytes, &hw, "token_embd.weight"),
         data(&plain_bytes, &hp, "token_embd.weight")
+    );
+}
+
+/// `FORMAT=FP8`: the compressed-tensors artifact with `.save-complete` and the FP8 quality sidecar, reported
+/// with its sizes and `applied`; a second run reuses it; bad `BITS` / `FP8_SCALE` are exit 2 naming the
+/// variable and leave the artifact as it was.
+#[test]
+fn format_fp8_writes_the_float_quantized_artifact_and_reports_it() {
+    let f = fixture();
+    let mut args = f.args.clone();
+    args.format = "FP8".into();
+    args.bits = Some(8);
+    args.dataset = String::new();
+    args.out_dir = f.args.model_dir.with_file_name("fp8");
+    let ok = run_inner(&args, &Events::new("quantization")).expect("fp8 run");
+    assert_eq!(ok.kind, "fp8-channel");
+    let out = &args.out_dir;
+    let sc: contract::SaveComplete = serde_json::from_slice(
+        &std::fs::read(out.join(contract::files::SAVE_COMPLETE)).expect("save-complete"),
+    )
+    .expect("save-complete json");
+    assert_eq!(
+        ok.compressed_size_bytes,
+        Some(sc.shards.iter().map(|s| s.size_bytes).sum())
+    );
+    assert!(ok.original_size_bytes.expect("original") > ok.compressed_size_bytes.expect("size"));
+    let q: contract::Fp8Quality = serde_json::from_slice(
+        &std::fs::read(out.join(contract::files::QUANTIZATION_QUALITY)).expect("sidecar"),
+    )
+    .expect("sidecar json");
+    assert_eq!(
+        ok.applied.get("quantizedModules"),
+        Some(&q.quantized_modules.to_string())
+    );
+    assert!(q.quantized_modules > 0);
+    for (k, v) in [
+        ("format", "FP8"),
+        ("bits", "8"),
+        ("fp8Scale", "channel"),
+        ("activationScales", "dynamic"),
+    ] {
+        assert_eq!(ok.applied.get(k).map(String::as_str), Some(v), "{k}");
+    }
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("config.json")).expect("config"))
+            .expect("json");
+    assert_eq!(cfg["quantization_config"]["format"], "float-quantized");
+    let again = run_inner(&args, &Events::new("quantization")).expect("reuse");
+    assert_eq!(again.config_digest, ok.config_digest);
+    let before = std::fs::read(out.join(contract::files::SAVE_COMPLETE)).expect("kept");
+    for (bits, scale, needle) in [(Some(4), "channel", "BITS=4"), (None, "block", "FP8_SCALE")] {
+        let mut bad = args.clone();
+        bad.bits = bits;
+        bad.fp8_scale = scale.into();
+        let e = run_inner(&bad, &Events::new("quantization")).expect_err("bad input");
+        assert_eq!(e.exit_code(), 2, "{e}");
+        assert!(e.to_string().contains(needle), "{e}");
+    }
+    assert_eq!(
+        std::fs::read(out.join(contract::files::SAVE_COMPLETE)).expect("kept"),
+        before
     );
 }

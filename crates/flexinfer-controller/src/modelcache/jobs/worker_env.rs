@@ -202,6 +202,18 @@ fn quantize_env(s: &ModelCacheSpec, config: &Config) -> Vec<EnvVar> {
         }
         return e;
     }
+    if let Some(q) = s
+        .quantization
+        .as_ref()
+        .filter(|q| q.format == QuantFormat::Fp8)
+    {
+        // E4M3 weights with dynamic activation scales: no calibration, no GPTQ settings; the exclusion
+        // decides which decoder linears stay in full precision. Per-channel scales (the worker's default).
+        e.push(ev(env::FORMAT, env::FORMAT_FP8));
+        e.push(ev(env::BITS, q.effective_bits().to_string()));
+        e.push(ev(env::DYNAMIC_EXCLUSION, q.dynamic_exclusion.as_str()));
+        return e;
+    }
     if let Some(q) = &s.quantization {
         let c = q.effective_calibration();
         e.push(ev(env::BITS, q.effective_bits().to_string()));

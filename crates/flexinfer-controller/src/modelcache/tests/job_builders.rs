@@ -349,6 +349,60 @@ fn gguf_quantize_job_names_format_and_type_and_runs_on_the_cpu() {
     assert!(download.contains_key("DATASET"));
 }
 
+/// An FP8 cache: the quantize Job asks the worker for FP8 (8 bits, the spec's exclusion) in `fp8`, with no
+/// GPTQ or calibration settings; the download fetches no calibration set; it runs in the worker image on a
+/// CPU node even with `useGPU` (the FP8 cast has no GPU path); the plan creates its download Job (the
+/// format is admitted, not `UnsupportedFormat`).
+#[test]
+fn fp8_quantize_job_names_format_bits_and_exclusion_and_runs_on_the_cpu() {
+    let c = cfg();
+    let env_of = |mc: &ModelCache, phase: JobPhase| {
+        let t_ = jobs::resolve_target(mc, phase, &[profile("gfx1100", "gptq-img")], &c);
+        let job = jobs::build_job(mc, &Default::default(), &[], &t_, "q", "h", &c);
+        let env: BTreeMap<String, String> = job
+            .spec
+            .and_then(|s| s.template.spec)
+            .map(|s| s.containers[0].env.clone().unwrap_or_default())
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|e| Some((e.name, e.value?)))
+            .collect();
+        (t_, env)
+    };
+    let fp8 = cache(&SIMPLE.replace(
+        "{format: GPTQ}",
+        "{format: FP8, useGPU: true, dynamicExclusion: gdn}",
+    ));
+    let (target, env) = env_of(&fp8, JobPhase::Quantize);
+    assert!(!target.gpu, "FP8 quantization requests no GPU");
+    assert_eq!(target.image.as_deref().ok(), c.worker_image.as_deref());
+    assert_eq!(env.get("FORMAT").map(String::as_str), Some("FP8"));
+    assert_eq!(env.get("BITS").map(String::as_str), Some("8"));
+    assert_eq!(
+        env.get("DYNAMIC_EXCLUSION").map(String::as_str),
+        Some("gdn")
+    );
+    assert_eq!(
+        env.get("OUT_DIR").map(String::as_str),
+        Some("/cache/mc/fp8-gdn")
+    );
+    for gptq_only in [
+        "GROUP_SIZE",
+        "DATASET",
+        "MAX_SAMPLES",
+        "GPTQ_DAMP_PERCENT_OVERRIDE",
+    ] {
+        assert!(!env.contains_key(gptq_only), "{gptq_only} in {env:?}");
+    }
+    let (_, download) = env_of(&fp8, JobPhase::Download);
+    assert!(!download.contains_key("DATASET"), "{download:?}");
+    let plain = cache(&SIMPLE.replace("{format: GPTQ}", "{format: FP8}"));
+    assert_eq!(
+        created_jobs(&plan(&plain, &obs(vec![]), &c, t(0))),
+        vec!["mc-download"]
+    );
+}
+
 #[test]
 fn pod_labels_and_annotations_from_cache_annotations() {
     let c = cfg();

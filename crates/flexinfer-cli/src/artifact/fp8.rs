@@ -1,0 +1,409 @@
+//! `--layout fp8`: an FP8 checkpoint in compressed-tensors' `float-quantized` layout, as vLLM's
+//! compressed-tensors loader and transformers read it (docs/user/quantization-pipelines.md "FP8"):
+//! `quantization_config` (method, format, the config group's E4M3 weights and their strategy), every
+//! `<m>.weight_scale` beside an `F8_E4M3` `<m>.weight` of the strategy's shape, finite positive
+//! scales, no NaN code, no quantized module in `ignore`; then the shards, index, `.save-complete`
+//! and the FP8 quality sidecar.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+use flexinfer_api::contract::{files, Fp8Quality};
+use flexinfer_fsutil::limits;
+use serde_json::Value;
+
+use super::read::{read_bytes, read_file, read_json, TensorInfo};
+use super::{save_complete, shards, Options, Report};
+
+/// The E4M3 NaN codes (`S.1111.111`).
+const NAN_CODES: [u8; 2] = [0x7F, 0xFF];
+
+/// Whether `config.json` in `dir` declares compressed-tensors' `float-quantized` format.
+pub fn is_fp8(dir: &Path) -> bool {
+    read_json(dir, "config.json", limits::CONFIG_JSON)
+        .ok()
+        .and_then(|c| c.get("quantization_config").cloned())
+        .is_some_and(|qc| {
+            qc.get("quant_method").and_then(Value::as_str) == Some("compressed-tensors")
+                && qc.get("format").and_then(Value::as_str) == Some("float-quantized")
+        })
+}
+
+/// The weight strategy (`channel` / `tensor`) and `ignore` of a usable `quantization_config`.
+fn check_config(r: &mut Report, dir: &Path) -> Option<(String, Vec<String>)> {
+    let cfg = match read_json(dir, "config.json", limits::CONFIG_JSON) {
+        Ok(c) => c,
+        Err(e) => {
+            r.defect("config", e);
+            return None;
+        }
+    };
+    let Some(qc) = cfg.get("quantization_config").filter(|q| q.is_object()) else {
+        r.defect("config", "config.json has no quantization_config object");
+        return None;
+    };
+    let s = |k: &str| qc.get(k).and_then(Value::as_str);
+    if s("quant_method") != Some("compressed-tensors") {
+        r.defect(
+            "config",
+            format!(
+                "quantization_config.quant_method is {:?}, expected \"compressed-tensors\"",
+                s("quant_method")
+            ),
+        );
+    }
+    if s("format") != Some("float-quantized") {
+        r.defect(
+            "config",
+            format!(
+                "quantization_config.format is {:?}, expected \"float-quantized\"",
+                s("format")
+            ),
+        );
+    }
+    if s("quantization_status") != Some("compressed") {
+        r.defect("config", "quantization_config.quantization_status is not \"compressed\" (loaders would expect dense weights)");
+    }
+    let groups = qc.get("config_groups").and_then(Value::as_object);
+    let Some((name, group)) = groups
+        .filter(|g| g.len() == 1)
+        .and_then(|g| g.iter().next())
+    else {
+        r.defect(
+            "config",
+            "quantization_config.config_groups must hold exactly one group",
+        );
+        return None;
+    };
+    let w = &group["weights"];
+    let strategy = w
+        .get("strategy")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string();
+    if w.get("type").and_then(Value::as_str) != Some("float")
+        || w.get("num_bits").and_then(Value::as_u64) != Some(8)
+    {
+        r.defect(
+            "config",
+            format!("config_groups.{name}.weights is not 8-bit float (E4M3)"),
+        );
+    }
+    if !matches!(strategy.as_str(), "channel" | "tensor") {
+        r.defect(
+            "config",
+            format!("config_groups.{name}.weights.strategy {strategy:?} is not channel or tensor"),
+        );
+    }
+    let ignore = qc
+        .get("ignore")
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .filter_map(Value::as_str)
+                .map(str::to_string)
+                .collect()
+        })
+        .unwrap_or_default();
+    Some((strategy, ignore))
+}
+
+/// Every quantized linear: dtypes, shapes, scales, codes. Returns how many there are.
+fn check_linears(
+    r: &mut Report,
+    dir: &Path,
+    tensors: &BTreeMap<String, TensorInfo>,
+    strategy: &str,
+    ignore: &[String],
+) -> usize {
+    let mut modules = BTreeSet::new();
+    for (name, t) in tensors {
+        if t.dtype == "F8_E4M3" {
+            match name.strip_suffix(".weight") {
+                Some(m) if tensors.contains_key(&format!("{m}.weight_scale")) => {}
+                _ => r.defect(
+                    "linear",
+                    format!("{name} is F8_E4M3 without a weight_scale beside it"),
+                ),
+            }
+        }
+        let Some(m) = name.strip_suffix(".weight_scale") else {
+            continue;
+        };
+        modules.insert(m.to_string());
+        let Some(w) = tensors.get(&format!("{m}.weight")) else {
+            r.defect("linear", format!("{name} has no {m}.weight"));
+            continue;
+        };
+        if w.dtype != "F8_E4M3" || w.shape.len() != 2 {
+            r.defect(
+                "linear",
+                format!(
+                    "{m}.weight is {} {:?}, expected F8_E4M3 [out, in]",
+                    w.dtype, w.shape
+                ),
+            );
+            continue;
+        }
+        let want: Vec<u64> = if strategy == "tensor" {
+            vec![1]
+        } else {
+            vec![w.shape[0], 1]
+        };
+        if t.dtype != "F32" || t.shape != want {
+            r.defect(
+                "linear",
+                format!(
+                    "{name} is {} {:?}, expected F32 {want:?} ({strategy})",
+                    t.dtype, t.shape
+                ),
+            );
+            continue;
+        }
+        if ignore.iter().any(|i| i == m) {
+            r.defect(
+                "linear",
+                format!("{m} is quantized but listed in quantization_config.ignore"),
+            );
+        }
+        match read_bytes(dir, t) {
+            Ok(b) => {
+                let bad = b
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .position(|s| !(s.is_finite() && s > 0.0));
+                if let Some(i) = bad {
+                    r.defect(
+                        "linear",
+                        format!("{name}[{i}] is not a finite positive scale"),
+                    );
+                }
+            }
+            Err(e) => r.defect("linear", e),
+        }
+        match read_bytes(dir, w) {
+            Ok(b) => {
+                if let Some(i) = b.iter().position(|c| NAN_CODES.contains(c)) {
+                    r.defect("linear", format!("{m}.weight[{i}] is the E4M3 NaN code"));
+                }
+            }
+            Err(e) => r.defect("linear", e),
+        }
+    }
+    if modules.is_empty() {
+        r.defect("linear", "no quantized linear (no *.weight_scale tensor)");
+    }
+    r.quantized_linears = modules.len();
+    modules.len()
+}
+
+/// The FP8 quality sidecar: present, valid, and counting the linears the shards hold.
+fn check_quality(r: &mut Report, dir: &Path, linears: usize) {
+    match read_file(dir, files::QUANTIZATION_QUALITY, limits::CONFIG_JSON) {
+        Err(e) => r.defect("quality", format!("{}: {e}", files::QUANTIZATION_QUALITY)),
+        Ok(b) => match serde_json::from_slice::<Fp8Quality>(&b) {
+            Err(e) => r.defect(
+                "quality",
+                format!(
+                    "{} is not an FP8 quality summary: {e}",
+                    files::QUANTIZATION_QUALITY
+                ),
+            ),
+            Ok(q) if q.quantized_modules != linears as u64 => r.defect(
+                "quality",
+                format!(
+                    "{} counts {} quantized modules, the shards hold {linears}",
+                    files::QUANTIZATION_QUALITY,
+                    q.quantized_modules
+                ),
+            ),
+            Ok(_) => {}
+        },
+    }
+}
+
+/// Validate `dir` with the `fp8` layout.
+pub fn validate_fp8(dir: &Path, opts: &Options) -> Report {
+    let mut r = Report {
+        path: dir.display().to_string(),
+        layout: "fp8".into(),
+        ..Default::default()
+    };
+    let config = check_config(&mut r, dir);
+    let sc = save_complete::read_save_complete(&mut r, dir);
+    let (shard_files, tensors) = shards::read_shards(&mut r, dir);
+    shards::check_index(&mut r, dir, &tensors, &shard_files, sc.as_ref());
+    if let Some((strategy, ignore)) = &config {
+        let n = check_linears(&mut r, dir, &tensors, strategy, ignore);
+        check_quality(&mut r, dir, n);
+    }
+    if let Some(sc) = &sc {
+        save_complete::check_save_complete(&mut r, dir, sc, &shard_files, opts);
+    }
+    r.ok = r.defects.is_empty();
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use super::super::{read::read_header, validate};
+    use super::*;
+    use flexinfer_quant::fp8::{write_fp8_artifact, Fp8Job, ScaleStrategy};
+    use flexinfer_quant::testkit;
+    use std::io::{Seek, SeekFrom, Write};
+
+    /// The engine's own FP8 artifact of the tiny generated model.
+    fn artifact(dir: &Path, strategy: ScaleStrategy) -> std::path::PathBuf {
+        let src = dir.join("model");
+        testkit::write_model(&src, "LlamaForCausalLM", 5).unwrap();
+        testkit::write_char_tokenizer(&src).unwrap();
+        let out = dir.join("fp8");
+        write_fp8_artifact(
+            &Fp8Job {
+                model_dir: &src,
+                out_dir: &out,
+                strategy,
+                dynamic_exclusion: None,
+                script_version: "test",
+                verify_save_sha256: true,
+                max_shard_bytes: 1 << 20,
+            },
+            &flexinfer_quant::events::NullSink,
+        )
+        .unwrap();
+        out
+    }
+
+    fn check(dir: &Path) -> Report {
+        let opts = Options {
+            skip_sha256: true,
+            ..Default::default()
+        };
+        validate(dir, None, &opts).unwrap()
+    }
+
+    fn expect_defect(r: &Report, check: &str, needle: &str) {
+        assert!(
+            !r.ok
+                && r.defects
+                    .iter()
+                    .any(|d| d.check == check && d.message.contains(needle)),
+            "expected [{check}] {needle:?}, got:\n{}",
+            r.render()
+        );
+    }
+
+    /// Overwrites element `i` (of `width` bytes) of tensor `name` in place (same size; sha256 not checked).
+    fn poke(dir: &Path, name: &str, i: u64, bytes: &[u8]) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let f = e.unwrap().file_name().into_string().unwrap();
+            if !f.ends_with(".safetensors") {
+                continue;
+            }
+            if let Some((_, t)) = read_header(dir, &f)
+                .unwrap()
+                .into_iter()
+                .find(|(n, _)| n == name)
+            {
+                let mut file = std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(dir.join(&f))
+                    .unwrap();
+                file.seek(SeekFrom::Start(t.start + i * bytes.len() as u64))
+                    .unwrap();
+                file.write_all(bytes).unwrap();
+                return;
+            }
+        }
+        panic!("{name} not found");
+    }
+
+    fn edit_config(dir: &Path, f: impl FnOnce(&mut Value)) {
+        let p = dir.join("config.json");
+        let mut v: Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+        f(&mut v);
+        std::fs::write(&p, serde_json::to_vec(&v).unwrap()).unwrap();
+    }
+
+    #[test]
+    fn the_engines_artifacts_pass_and_are_detected_as_fp8() {
+        for strategy in ScaleStrategy::ALL {
+            let d = tempfile::tempdir().unwrap();
+            let out = artifact(d.path(), strategy);
+            let r = validate(&out, None, &Options::default()).unwrap();
+            assert!(r.ok, "{strategy:?}: {}", r.render());
+            assert_eq!(r.layout, "fp8");
+            assert_eq!(r.quantized_linears, testkit::LAYERS * 7);
+        }
+    }
+
+    #[test]
+    fn corruptions_are_defects_naming_the_tensor_or_field() {
+        let m = "model.layers.1.self_attn.k_proj";
+        let d = tempfile::tempdir().unwrap();
+        let out = artifact(d.path(), ScaleStrategy::Channel);
+        poke(&out, &format!("{m}.weight"), 3, &[0x7F]);
+        expect_defect(
+            &check(&out),
+            "linear",
+            &format!("{m}.weight[3] is the E4M3 NaN code"),
+        );
+
+        let d = tempfile::tempdir().unwrap();
+        let out = artifact(d.path(), ScaleStrategy::Channel);
+        poke(&out, &format!("{m}.weight_scale"), 2, &0f32.to_le_bytes());
+        expect_defect(
+            &check(&out),
+            "linear",
+            &format!("{m}.weight_scale[2] is not a finite positive scale"),
+        );
+
+        let d = tempfile::tempdir().unwrap();
+        let out = artifact(d.path(), ScaleStrategy::Channel);
+        edit_config(&out, |v| {
+            v["quantization_config"]["ignore"] = serde_json::json!(["lm_head", m])
+        });
+        expect_defect(
+            &check(&out),
+            "linear",
+            &format!("{m} is quantized but listed"),
+        );
+
+        let d = tempfile::tempdir().unwrap();
+        let out = artifact(d.path(), ScaleStrategy::Channel);
+        edit_config(&out, |v| {
+            v["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] =
+                "tensor".into()
+        });
+        expect_defect(&check(&out), "linear", "expected F32 [1] (tensor)");
+
+        let d = tempfile::tempdir().unwrap();
+        let out = artifact(d.path(), ScaleStrategy::Channel);
+        edit_config(&out, |v| {
+            v["quantization_config"]["format"] = "int-quantized".into()
+        });
+        let r = validate(
+            &out,
+            Some("fp8"),
+            &Options {
+                skip_sha256: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        expect_defect(&r, "config", "quantization_config.format");
+        // Not declared float-quantized: not detected as FP8.
+        assert_eq!(check(&out).layout, "vllm-gptq");
+
+        let d = tempfile::tempdir().unwrap();
+        let out = artifact(d.path(), ScaleStrategy::Channel);
+        let p = out.join(files::QUANTIZATION_QUALITY);
+        let mut q: Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+        q["quantizedModules"] = 3.into();
+        std::fs::write(&p, serde_json::to_vec(&q).unwrap()).unwrap();
+        expect_defect(&check(&out), "quality", "counts 3 quantized modules");
+        std::fs::remove_file(&p).unwrap();
+        expect_defect(&check(&out), "quality", files::QUANTIZATION_QUALITY);
+    }
+}
