@@ -1406,6 +1406,16 @@ fn forward_against_cpu<V: Vendor + Send>(
     dir: &std::path::Path,
     what: &str,
 ) -> (usize, usize) {
+    forward_against_cpu_spilled(dev, dir, what, false)
+}
+
+/// [`forward_against_cpu`], with the activations spilled to host memory (`spill`).
+fn forward_against_cpu_spilled<V: Vendor + Send>(
+    dev: &KernelDevice<V>,
+    dir: &std::path::Path,
+    what: &str,
+    spill: bool,
+) -> (usize, usize) {
     use flexinfer_quant::device::kernel::forward::{layer_unsupported, ForwardPass};
     use flexinfer_quant::llama::{embed, layer_forward, Rope, Stage};
     use flexinfer_quant::model::{load_layer, ModelConfig};
@@ -1429,6 +1439,7 @@ fn forward_against_cpu<V: Vendor + Send>(
         .forward_ops(cfg.hidden_size, 27)
         .unwrap()
         .with_query_chunk(4);
+    fwd.set_spill(spill);
     fwd.upload(host.clone()).unwrap();
     for layer in 0..cfg.num_layers {
         let lw = load_layer(&store, &cfg, layer, None).unwrap();
@@ -1551,4 +1562,37 @@ fn a_forward_batch_out_of_device_memory_runs_again_smaller() {
         .unwrap_err();
     assert_eq!(e.op, "alloc", "{e}");
     assert_eq!(fwd.times().smaller_batches, 0);
+}
+
+/// Activations that do not fit the device stay in host memory: each batch is uploaded for its stage and the
+/// stages that change them bring them back; the values are the CPU's all the same, and the device never
+/// holds more than a batch of them.
+#[test]
+fn spilled_activations_give_the_cpu_forward_batch_by_batch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/oracle");
+    flexinfer_quant::testkit::write_model(tmp.path(), "Qwen2ForCausalLM", 7).unwrap();
+    for (name, dir) in [
+        ("qwen2", tmp.path().to_path_buf()),
+        ("gemma4_text", root.join("gemma4_text")),
+    ] {
+        let log = Arc::new(Mutex::new(Log::default()));
+        let dev = host_device_with(&log, None, MATH[1]);
+        let (on_device, _) =
+            forward_against_cpu_spilled(&dev, &dir, &format!("{name} spilled"), true);
+        assert!(on_device > 0, "{name}");
+    }
+    // The device's largest allocation is a batch's, not all samples' (27 of 32 rows here): no allocation
+    // of the whole 32 × hidden activations.
+    let log = Arc::new(Mutex::new(Log::default()));
+    let cfg = flexinfer_quant::model::ModelConfig::load(tmp.path()).unwrap();
+    let whole = 32 * cfg.hidden_size * 4;
+    log.lock().unwrap().fail_alloc_sizes = Some((whole - 1, whole));
+    let dev = host_device_with(&log, None, MATH[1]);
+    forward_against_cpu_spilled(
+        &dev,
+        tmp.path(),
+        "qwen2 spilled, no whole-activation buffer",
+        true,
+    );
 }

@@ -207,24 +207,39 @@ pub(super) fn device_forward<'d>(
     }
     let resident = (n_tokens * cfg.hidden_size * 4) as u64;
     let temps = (batch * forward_bytes_per_token(cfg)) as u64;
+    let mut spill = None;
     if let Some(b) = budget.filter(|&b| resident + temps > b / 2) {
-        if device.forward(cfg.hidden_size, batch).is_some() {
-            report(
-                "cpu",
-                format!(
-                    "the calibration activations ({} MiB) and a batch's temporaries ({} MiB) need more than half of the device budget of {} MiB (GPU_VRAM_MB × GPU_MEMORY_FRACTION); fewer or shorter samples fit",
-                    resident >> 20,
-                    temps >> 20,
-                    b >> 20
-                ),
-                Some(batch),
-            );
+        if temps > b / 2 {
+            if device.forward(cfg.hidden_size, batch).is_some() {
+                report(
+                    "cpu",
+                    format!(
+                        "one batch's temporaries ({} MiB for {batch} tokens) need more than half of the device budget of {} MiB (GPU_VRAM_MB × GPU_MEMORY_FRACTION); a smaller N_PARALLEL_CALIB_SAMPLES or shorter samples fit",
+                        temps >> 20,
+                        b >> 20
+                    ),
+                    Some(batch),
+                );
+            }
+            return None;
         }
-        return None;
+        spill = Some(format!(
+            "the calibration activations ({} MiB) stay in host memory and each batch is uploaded for its stage: with a batch's temporaries ({} MiB) they need more than half of the device budget of {} MiB (GPU_VRAM_MB × GPU_MEMORY_FRACTION)",
+            resident >> 20,
+            temps >> 20,
+            b >> 20
+        ));
     }
     match device.forward(cfg.hidden_size, batch)? {
-        Ok(f) => {
-            report("device", "every supported layer".into(), Some(batch));
+        Ok(mut f) => {
+            f.set_spill(spill.is_some());
+            report(
+                "device",
+                spill.unwrap_or_else(|| {
+                    "every supported layer; the activations stay on the device".into()
+                }),
+                Some(batch),
+            );
             Some(f)
         }
         Err(e) => {

@@ -64,8 +64,11 @@ pub trait ForwardPass {
     fn upload(&mut self, hidden: Vec<Mat<f32>>) -> DevResult<()>;
     /// The samples' activations back on the host; the device copy is freed.
     fn download(&mut self) -> DevResult<Vec<Mat<f32>>>;
-    /// Whether the activations are on the device.
+    /// Whether the forward holds the activations (on the device, or spilled to host memory by it).
     fn resident(&self) -> bool;
+    /// From the next [`ForwardPass::upload`] on, keep the activations in host memory and upload each batch
+    /// for its stage (those that change them come back after it): for activations that do not fit the device.
+    fn set_spill(&mut self, spill: bool);
     /// One stage of layer `lw` over every sample, batch by batch: each batch's input of the stage's modules
     /// goes to `session` (none: the stage's modules are all excluded) with weight `alpha`; [`Stage::GateUp`]
     /// also replaces the activations by the residual after attention (as the CPU's `accumulate_stage`).
@@ -90,13 +93,16 @@ pub trait ForwardPass {
     fn times(&self) -> ForwardTimes;
 }
 
-/// The activations on the device.
+/// The activations: on the device, or (spilled) in host memory, uploaded batch by batch.
 struct Hidden {
+    /// Every sample's rows on the device (0 when spilled).
     x: DevPtr,
     /// Rows of `x` (every sample's tokens): its leading dimension.
     total: usize,
     /// Each sample's first row and token count.
     samples: Vec<(usize, usize)>,
+    /// Spilled: each sample's activations on the host.
+    host: Option<Vec<Mat<f32>>>,
 }
 
 /// A linear on the device: W (`out × in`, leading dimension `out`) and its bias.
@@ -133,6 +139,10 @@ pub struct ForwardOps<'d, V: Vendor> {
     chunk: usize,
     /// Whether the current batch has written the resident activations (then it cannot be run again).
     modified: bool,
+    /// Keep the activations in host memory and upload each batch ([`ForwardPass::set_spill`]).
+    spill: bool,
+    /// A 4-byte buffer whose download waits for the queued work.
+    sync: Option<DevPtr>,
 }
 
 impl<'d, V: Vendor> ForwardOps<'d, V> {
@@ -154,6 +164,8 @@ impl<'d, V: Vendor> ForwardOps<'d, V> {
             timed: true,
             chunk: QUERY_CHUNK,
             modified: false,
+            spill: false,
+            sync: None,
         }
     }
 
@@ -168,6 +180,7 @@ impl<'d, V: Vendor> ForwardOps<'d, V> {
         if g.generation != self.generation {
             self.hidden = None;
             self.rope = None;
+            self.sync = None;
             self.live.clear();
             return Err(DeviceError::new(
                 g.vendor.name(),
@@ -208,10 +221,16 @@ impl<'d, V: Vendor> ForwardOps<'d, V> {
         slot: fn(&mut ForwardTimes) -> &mut Duration,
     ) -> DevResult<()> {
         if self.timed {
-            if let Some(h) = self.hidden.as_ref().map(|h| h.x) {
-                let mut b = [0u8; 4];
-                self.vendor()?.vendor.download(h, &mut b)?;
-            }
+            let p = match self.sync {
+                Some(p) => p,
+                None => {
+                    let p = self.alloc(4)?;
+                    self.sync = Some(p);
+                    p
+                }
+            };
+            let mut b = [0u8; 4];
+            self.vendor()?.vendor.download(p, &mut b)?;
         }
         *slot(&mut self.times) += since.elapsed();
         Ok(())
@@ -443,6 +462,73 @@ impl<'d, V: Vendor> ForwardOps<'d, V> {
         Ok(())
     }
 
+    fn spilled(&self) -> bool {
+        self.hidden.as_ref().is_some_and(|h| h.host.is_some())
+    }
+
+    /// The batch's activations on the device: `(x, ldx, samples relative to the batch, window)`. Resident: a
+    /// view into the big matrix. Spilled: a new buffer (`window`, freed by the caller) with the batch's
+    /// samples uploaded in one copy.
+    fn view(
+        &mut self,
+        batch: (usize, usize, usize, usize),
+    ) -> DevResult<(DevPtr, usize, Vec<(usize, usize)>, Option<DevPtr>)> {
+        let (s0, count, r0, rows) = batch;
+        let hs = self.hidden_size;
+        let h = self.hidden.as_ref().ok_or_else(lost)?;
+        let samples: Vec<(usize, usize)> = h.samples[s0..s0 + count]
+            .iter()
+            .map(|&(first, len)| (first - r0, len))
+            .collect();
+        let Some(host) = &h.host else {
+            return Ok((h.x + (r0 * 4) as DevPtr, h.total, samples, None));
+        };
+        let t = Instant::now();
+        let mut packed = vec![0f32; rows * hs];
+        for (m, &(first, len)) in host[s0..s0 + count].iter().zip(&samples) {
+            for c in 0..hs {
+                for (d, v) in packed[c * rows + first..c * rows + first + len]
+                    .iter_mut()
+                    .zip(m.col(c).iter())
+                {
+                    *d = *v;
+                }
+            }
+        }
+        let w = self.upload_new(bytes_of(&packed))?;
+        self.times.copies += t.elapsed();
+        Ok((w, rows, samples, Some(w)))
+    }
+
+    /// A spilled batch's activations back into host memory after a stage that changed them.
+    fn write_back(&mut self, batch: (usize, usize, usize, usize), window: DevPtr) -> DevResult<()> {
+        let (s0, count, _, rows) = batch;
+        let hs = self.hidden_size;
+        let t = Instant::now();
+        let mut packed = vec![0f32; rows * hs];
+        self.vendor()?
+            .vendor
+            .download(window, bytemuck::cast_slice_mut(&mut packed))?;
+        let h = self.hidden.as_mut().ok_or_else(lost)?;
+        let r0 = h.samples[s0].0;
+        let samples: Vec<(usize, usize)> = h.samples[s0..s0 + count].to_vec();
+        let host = h.host.as_mut().ok_or_else(lost)?;
+        for (m, &(first, len)) in host[s0..s0 + count].iter_mut().zip(&samples) {
+            let first = first - r0;
+            for c in 0..hs {
+                for (d, v) in m
+                    .col_mut(c)
+                    .iter_mut()
+                    .zip(&packed[c * rows + first..c * rows + first + len])
+                {
+                    *d = *v;
+                }
+            }
+        }
+        self.times.copies += t.elapsed();
+        Ok(())
+    }
+
     /// The batch of whole samples from sample `s` on: (first sample, sample count, first row, rows); at least
     /// one sample, more while they fit [`ForwardOps::batch_tokens`].
     fn batch_from(&self, s: usize) -> Option<(usize, usize, usize, usize)> {
@@ -469,7 +555,8 @@ impl<'d, V: Vendor> ForwardOps<'d, V> {
             self.modified = false;
             match f(self, b) {
                 Ok(()) => s += b.1,
-                Err(e) if e.op == "alloc" && !self.modified && b.1 > 1 => {
+                // A spilled batch writes only its device copy until it has finished.
+                Err(e) if e.op == "alloc" && (!self.modified || self.spilled()) && b.1 > 1 => {
                     let smaller = (b.3 / 2).max(1);
                     tracing::warn!(
                         error = %e,
@@ -823,16 +910,48 @@ impl<'d, V: Vendor> ForwardOps<'d, V> {
         alpha: f32,
         batch: (usize, usize, usize, usize),
     ) -> DevResult<()> {
-        let (s0, count, r0, rows) = batch;
+        let (x, ldx, samples, window) = self.view(batch)?;
+        let r = self.stage_batch_on(
+            cfg,
+            lw,
+            w,
+            stage,
+            session,
+            alpha,
+            batch.3,
+            (x, ldx),
+            &samples,
+        );
+        if let Some(win) = window {
+            let r = r.and_then(|_| {
+                if stage == Stage::GateUp {
+                    self.write_back(batch, win)
+                } else {
+                    Ok(())
+                }
+            });
+            self.free(win);
+            return r;
+        }
+        r
+    }
+
+    /// [`ForwardOps::stage_batch`] on the batch's activations at `x` (leading dimension `ldx`).
+    #[allow(clippy::too_many_arguments)]
+    fn stage_batch_on(
+        &mut self,
+        cfg: &ModelConfig,
+        lw: &LayerWeights,
+        w: &[DevLinear],
+        stage: Stage,
+        session: Option<&mut dyn Session>,
+        alpha: f32,
+        rows: usize,
+        (x, ldx): (DevPtr, usize),
+        samples: &[(usize, usize)],
+    ) -> DevResult<()> {
         let (hs, eps) = (self.hidden_size, cfg.rms_norm_eps);
-        let (x, ldx, samples) = {
-            let h = self.hidden.as_ref().ok_or_else(lost)?;
-            let samples: Vec<(usize, usize)> = h.samples[s0..s0 + count]
-                .iter()
-                .map(|&(first, len)| (first - r0, len))
-                .collect();
-            (h.x + (r0 * 4) as DevPtr, h.total, samples)
-        };
+        let samples = samples.to_vec();
         let t = Instant::now();
         match stage {
             Stage::GateUp => {
@@ -954,15 +1073,29 @@ impl<'d, V: Vendor> ForwardOps<'d, V> {
         from_x1: bool,
         batch: (usize, usize, usize, usize),
     ) -> DevResult<()> {
-        let (s0, count, r0, rows) = batch;
-        let (x, ldx, samples) = {
-            let h = self.hidden.as_ref().ok_or_else(lost)?;
-            let samples: Vec<(usize, usize)> = h.samples[s0..s0 + count]
-                .iter()
-                .map(|&(first, len)| (first - r0, len))
-                .collect();
-            (h.x + (r0 * 4) as DevPtr, h.total, samples)
-        };
+        let rows = batch.3;
+        let (x, ldx, samples, window) = self.view(batch)?;
+        let r = self.advance_batch_on(cfg, lw, w, from_x1, rows, (x, ldx), &samples);
+        if let Some(win) = window {
+            let r = r.and_then(|_| self.write_back(batch, win));
+            self.free(win);
+            return r;
+        }
+        r
+    }
+
+    /// [`ForwardOps::advance_batch`] on the batch's activations at `x` (leading dimension `ldx`).
+    #[allow(clippy::too_many_arguments)]
+    fn advance_batch_on(
+        &mut self,
+        cfg: &ModelConfig,
+        lw: &LayerWeights,
+        w: &[DevLinear],
+        from_x1: bool,
+        rows: usize,
+        (x, ldx): (DevPtr, usize),
+        samples: &[(usize, usize)],
+    ) -> DevResult<()> {
         let m = lw.mixer;
         if !from_x1 {
             self.gate_up_residual(
@@ -1013,10 +1146,27 @@ impl<V: Vendor> ForwardPass for ForwardOps<'_, V> {
     fn upload(&mut self, hidden: Vec<Mat<f32>>) -> DevResult<()> {
         let t = Instant::now();
         if let Some(h) = self.hidden.take() {
-            self.free(h.x);
+            if h.host.is_none() {
+                self.free(h.x);
+            }
         }
         let hs = self.hidden_size;
         let total: usize = hidden.iter().map(Mat::nrows).sum();
+        if self.spill {
+            let mut samples = Vec::with_capacity(hidden.len());
+            let mut r0 = 0;
+            for m in &hidden {
+                samples.push((r0, m.nrows()));
+                r0 += m.nrows();
+            }
+            self.hidden = Some(Hidden {
+                x: 0,
+                total,
+                samples,
+                host: Some(hidden),
+            });
+            return Ok(());
+        }
         let x = self.alloc(total.max(1) * hs * 4)?;
         let mut samples = Vec::with_capacity(hidden.len());
         let mut r0 = 0;
@@ -1041,14 +1191,22 @@ impl<V: Vendor> ForwardPass for ForwardOps<'_, V> {
             r0 += m.nrows();
         }
         drop(hidden);
-        self.hidden = Some(Hidden { x, total, samples });
+        self.hidden = Some(Hidden {
+            x,
+            total,
+            samples,
+            host: None,
+        });
         self.times.copies += t.elapsed();
         Ok(())
     }
 
     fn download(&mut self) -> DevResult<Vec<Mat<f32>>> {
         let t = Instant::now();
-        let h = self.hidden.take().ok_or_else(lost)?;
+        let mut h = self.hidden.take().ok_or_else(lost)?;
+        if let Some(host) = h.host.take() {
+            return Ok(host);
+        }
         let hs = self.hidden_size;
         let mut all = vec![0f32; h.total * hs];
         let r = self
@@ -1068,6 +1226,10 @@ impl<V: Vendor> ForwardPass for ForwardOps<'_, V> {
 
     fn resident(&self) -> bool {
         self.hidden.is_some()
+    }
+
+    fn set_spill(&mut self, spill: bool) {
+        self.spill = spill;
     }
 
     fn stage(
