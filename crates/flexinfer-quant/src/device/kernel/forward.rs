@@ -93,6 +93,10 @@ pub trait ForwardPass {
     fn times(&self) -> ForwardTimes;
 }
 
+/// A batch's activations on the device: `(x, ldx, samples relative to the batch (first row, tokens), the
+/// spilled batch's own buffer)`.
+type BatchView = (DevPtr, usize, Vec<(usize, usize)>, Option<DevPtr>);
+
 /// The activations: on the device, or (spilled) in host memory, uploaded batch by batch.
 struct Hidden {
     /// Every sample's rows on the device (0 when spilled).
@@ -469,10 +473,7 @@ impl<'d, V: Vendor> ForwardOps<'d, V> {
     /// The batch's activations on the device: `(x, ldx, samples relative to the batch, window)`. Resident: a
     /// view into the big matrix. Spilled: a new buffer (`window`, freed by the caller) with the batch's
     /// samples uploaded in one copy.
-    fn view(
-        &mut self,
-        batch: (usize, usize, usize, usize),
-    ) -> DevResult<(DevPtr, usize, Vec<(usize, usize)>, Option<DevPtr>)> {
+    fn view(&mut self, batch: (usize, usize, usize, usize)) -> DevResult<BatchView> {
         let (s0, count, r0, rows) = batch;
         let hs = self.hidden_size;
         let h = self.hidden.as_ref().ok_or_else(lost)?;
@@ -1105,7 +1106,7 @@ impl<'d, V: Vendor> ForwardOps<'d, V> {
                 x,
                 ldx,
                 rows,
-                &samples,
+                samples,
                 None,
                 0.0,
                 Instant::now(),
