@@ -12,6 +12,9 @@ pub const DESC_ACT: &str = "DESC_ACT";
 pub const ACT_GROUP_AWARE: &str = "ACT_GROUP_AWARE";
 /// Clipping search of the group scales: `auto` (the engine's default, off), `on`/`true` or `off`/`false`.
 pub const CLIP_SEARCH: &str = "CLIP_SEARCH";
+/// Scale refinement after the GPTQ sweep: `auto` (the engine's default: on at 2 and 3 bits), `on`, `off`, or
+/// a number of rounds.
+pub const REFINE_SCALES: &str = "REFINE_SCALES";
 pub const DYNAMIC_EXCLUSION: &str = "DYNAMIC_EXCLUSION";
 pub const MAX_SEQ_LEN: &str = "MAX_SEQ_LEN";
 pub const MAX_SAMPLES: &str = "MAX_SAMPLES";
@@ -114,6 +117,7 @@ pub const PROFILE_PROTECTED: &[&str] = &[
     DESC_ACT,
     ACT_GROUP_AWARE,
     CLIP_SEARCH,
+    REFINE_SCALES,
     DYNAMIC_EXCLUSION,
     MAX_SEQ_LEN,
     MAX_SAMPLES,

@@ -443,7 +443,8 @@ fn main() {
     println!("threads: {par:?}, runs per shape: {runs}; each run measures GEMM/Cholesky rate right before its solve");
     let tokens = 2048;
     let backend = CpuBackend::default();
-    // Issue #45's knobs, for the time each costs: BENCH_BITS, BENCH_ACT_GROUP_AWARE=1, BENCH_CLIP_SEARCH=1.
+    // Issue #45's knobs, for the time each costs: BENCH_BITS, BENCH_ACT_GROUP_AWARE=1, BENCH_CLIP_SEARCH=1,
+    // BENCH_REFINE_ROUNDS=N.
     let knob = |name: &str| std::env::var(name).is_ok_and(|v| v == "1" || v == "true");
     let params = GptqParams {
         bits: std::env::var("BENCH_BITS")
@@ -453,11 +454,15 @@ fn main() {
         group_size: 128,
         act_group_aware: knob("BENCH_ACT_GROUP_AWARE"),
         clip_search: knob("BENCH_CLIP_SEARCH"),
+        refine_rounds: std::env::var("BENCH_REFINE_ROUNDS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0),
         ..Default::default()
     };
     println!(
-        "bits {}, group 128, act_group_aware {}, clip_search {}",
-        params.bits, params.act_group_aware, params.clip_search
+        "bits {}, group 128, act_group_aware {}, clip_search {}, refine_rounds {}",
+        params.bits, params.act_group_aware, params.clip_search, params.refine_rounds
     );
     let recovery = RecoveryParams::default();
     let probe = rate_probe(par);

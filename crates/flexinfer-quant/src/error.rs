@@ -396,6 +396,8 @@ pub enum SpecError {
     FloorMode { got: String },
     #[error("CLIP_SEARCH must be auto, on or off, got {got:?}")]
     ClipSearch { got: String },
+    #[error("REFINE_SCALES must be auto, on, off or a number of rounds from 0 to 64, got {got:?}")]
+    RefineScales { got: String },
     #[error("GPTQ_DEVICE={got:?}: expected auto, cpu, hip or cuda")]
     Device { got: String },
     /// A setting named `field` (env or flag) has a value the engine does not take.

@@ -13,7 +13,9 @@ use flexinfer_quant::device::{select_device, MemoryBudget, Selection, SystemPlat
 use flexinfer_quant::events::EventSink;
 use flexinfer_quant::fp8::{write_fp8_artifact, Fp8Job, ScaleStrategy};
 use flexinfer_quant::gguf::{write_gguf_artifact, FileType, GgufArtifactJob};
-use flexinfer_quant::params::{ClipSearch, FloorMode, GateParams, GptqParams, RecoveryParams};
+use flexinfer_quant::params::{
+    ClipSearch, FloorMode, GateParams, GptqParams, RecoveryParams, RefineScales,
+};
 use flexinfer_quant::pipeline::importance::{collect_importance, Importance, ImportanceJob};
 use flexinfer_quant::pipeline::{self, QuantizeJob};
 use flexinfer_quant::QuantError;
@@ -55,6 +57,10 @@ pub struct QuantizeArgs {
     /// Clipping search of the group scales: `auto` (the measured default: off), `on`, `off`.
     #[arg(long, env = env::CLIP_SEARCH, default_value = "auto")]
     pub clip_search: String,
+    /// Scale refinement rounds (least-squares refit of the group scales, then a sweep with them): `auto` (the
+    /// measured default: on at 2–3 bits), `on`, `off`, or a number of rounds.
+    #[arg(long, env = env::REFINE_SCALES, default_value = "auto")]
+    pub refine_scales: String,
     /// Compute all group parameters before the sweep (keeps g_idx monotonic with desc_act).
     #[arg(long, value_parser = parse_bool_arg, action = clap::ArgAction::Set, default_value = "false")]
     pub static_groups: bool,
@@ -195,6 +201,10 @@ pub fn job_from_args(args: &QuantizeArgs) -> Result<QuantizeJob, WorkerError> {
         .clip_search
         .parse()
         .map_err(WorkerError::wrap::<QuantError>(ExitKind::BadInput))?;
+    let refine_scales: RefineScales =
+        args.refine_scales
+            .parse()
+            .map_err(WorkerError::wrap::<QuantError>(ExitKind::BadInput))?;
     let dataset = crate::datasets::resolve(&args.dataset, &args.model_dir, "calibration")?;
     Ok(QuantizeJob {
         model_dir: args.model_dir.clone(),
@@ -209,6 +219,7 @@ pub fn job_from_args(args: &QuantizeArgs) -> Result<QuantizeJob, WorkerError> {
             block_size: 128,
             act_group_aware: args.act_group_aware && !args.desc_act,
             clip_search: clip_search.resolve(args.gptq_bits()),
+            refine_rounds: refine_scales.resolve(args.gptq_bits()),
         },
         recovery: RecoveryParams {
             damp_percent: args.damp_percent,
@@ -607,6 +618,7 @@ fn applied_settings(
         ("staticGroups", p.static_groups.to_string()),
         ("actGroupAware", p.act_group_aware.to_string()),
         ("clipSearch", p.clip_search.to_string()),
+        ("refineRounds", p.refine_rounds.to_string()),
         ("dampPercent", r.damp_percent.to_string()),
         ("maxSamples", job.calib.max_samples.to_string()),
         ("maxSeqLen", job.calib.max_seq_len.to_string()),

@@ -60,6 +60,7 @@ impl GgufRecommendation {
             "calibration": null,
             "actGroupAware": null,
             "clipSearch": null,
+            "refineScales": null,
             "dampPercent": null,
         }}})
     }

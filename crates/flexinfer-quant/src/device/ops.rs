@@ -185,14 +185,10 @@ impl<O: DeviceOps> Session for OpsSession<O> {
             perm: meta.perm.clone(),
             dead: meta.dead.clone(),
         });
-        if spec.params.clip_search {
-            // The clipping search runs in the CPU sweep only: the group goes to the CPU from the checkpoint
-            // (a `gptq_device_fallback` event names the reason).
-            return Err(DeviceError::new(
-                self.ops.name(),
-                "sweep",
-                "the clipping search (clipSearch) runs on the CPU only",
-            ));
+        if let Some(reason) = spec.params.cpu_only() {
+            // The clipping search and the scale refinement run in the CPU sweep only: the group goes to the
+            // CPU from the checkpoint (a `gptq_device_fallback` event names the reason).
+            return Err(DeviceError::new(self.ops.name(), "sweep", reason));
         }
         let mut good: Option<Vec<f32>> = None;
         let damp = crate::numerics::hessian::recover_with(

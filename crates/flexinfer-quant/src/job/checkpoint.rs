@@ -106,6 +106,7 @@ fn quantize_config_json(
             "damp_auto_increment": job.recovery.damp_auto_increment,
             "act_group_aware": p.act_group_aware && !p.desc_act,
             "clip_search": p.clip_search,
+            "refine_rounds": p.refine_rounds,
         },
     });
     if !excluded.is_empty() {

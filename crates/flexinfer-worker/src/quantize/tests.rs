@@ -124,6 +124,32 @@ fn gptq_quality_knobs_reach_the_engine_parameters() {
     assert!(err.to_string().contains("CLIP_SEARCH"), "{err}");
 }
 
+/// `REFINE_SCALES` becomes the refinement rounds: `auto` refines at 2 and 3 bits (the measured default) and
+/// not at 4 or 8; `on`, `off` and a count override it; anything else is bad input naming the variable.
+#[test]
+fn refine_scales_reaches_the_engine_parameters() {
+    let f = fixture();
+    let rounds = |extra: &[&str]| {
+        let mut a = parse(extra);
+        a.model_dir = f.args.model_dir.clone();
+        a.dataset = f.args.dataset.clone();
+        job_from_args(&a).map(|j| j.params.refine_rounds)
+    };
+    let ok = |extra: &[&str]| rounds(extra).unwrap_or_else(|e| panic!("{extra:?}: {e}"));
+    let on = flexinfer_quant::params::DEFAULT_REFINE_ROUNDS;
+    assert_eq!(ok(&[]), 0, "auto is off at 4 bits");
+    assert_eq!(ok(&["--bits", "8"]), 0, "auto is off at 8 bits");
+    assert_eq!(ok(&["--bits", "2"]), on, "auto refines at 2 bits");
+    assert_eq!(ok(&["--bits", "3"]), on, "auto refines at 3 bits");
+    assert_eq!(ok(&["--bits", "2", "--refine-scales", "off"]), 0);
+    assert_eq!(ok(&["--refine-scales", "On"]), on);
+    assert_eq!(ok(&["--bits", "3", "--refine-scales", "3"]), 3);
+    for bad in ["sometimes", "-1", "65"] {
+        let err = rounds(&["--refine-scales", bad]).expect_err("not a setting");
+        assert!(err.to_string().contains("REFINE_SCALES"), "{bad}: {err}");
+    }
+}
+
 #[test]
 fn version_mismatch_exits_4_before_touching_anything() {
     let mut f = fixture();

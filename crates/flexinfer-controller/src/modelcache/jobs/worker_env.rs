@@ -235,6 +235,9 @@ fn quantize_env(s: &ModelCacheSpec, config: &Config) -> Vec<EnvVar> {
         if let Some(clip) = q.clip_search {
             e.push(ev(env::CLIP_SEARCH, clip.to_string()));
         }
+        if let Some(refine) = q.refine_scales {
+            e.push(ev(env::REFINE_SCALES, refine.to_string()));
+        }
         for (k, v) in &config.gptq_tunables {
             // The cache's own damping wins over the cluster-wide default.
             match (&q.damp_percent, k.as_str()) {

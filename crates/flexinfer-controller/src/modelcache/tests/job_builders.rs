@@ -34,6 +34,7 @@ fn quant_spec_hash_matches_the_seed_formula() {
         |q: &mut flexinfer_api::modelcache::QuantizationSpec| q.desc_act = !q.desc_act,
         |q: &mut flexinfer_api::modelcache::QuantizationSpec| q.act_group_aware = Some(false),
         |q: &mut flexinfer_api::modelcache::QuantizationSpec| q.clip_search = Some(false),
+        |q: &mut flexinfer_api::modelcache::QuantizationSpec| q.refine_scales = Some(false),
         |q: &mut flexinfer_api::modelcache::QuantizationSpec| q.damp_percent = Some("0.01".into()),
     ] {
         let mut m = mc.clone();
@@ -268,13 +269,15 @@ fn quantize_env_carries_the_gptq_quality_knobs_only_when_set() {
     let plain = env_of(&cache(SIMPLE));
     assert!(values(&plain, "ACT_GROUP_AWARE").is_empty());
     assert!(values(&plain, "CLIP_SEARCH").is_empty());
+    assert!(values(&plain, "REFINE_SCALES").is_empty());
     assert_eq!(values(&plain, "GPTQ_DAMP_PERCENT_OVERRIDE"), vec!["0.05"]);
     let set = env_of(&cache(&SIMPLE.replace(
         "quantization: {format: GPTQ}",
-        "quantization: {format: GPTQ, actGroupAware: false, clipSearch: true, dampPercent: \"0.01\"}",
+        "quantization: {format: GPTQ, actGroupAware: false, clipSearch: true, refineScales: false, dampPercent: \"0.01\"}",
     )));
     assert_eq!(values(&set, "ACT_GROUP_AWARE"), vec!["false"]);
     assert_eq!(values(&set, "CLIP_SEARCH"), vec!["true"]);
+    assert_eq!(values(&set, "REFINE_SCALES"), vec!["false"]);
     assert_eq!(values(&set, "GPTQ_DAMP_PERCENT_OVERRIDE"), vec!["0.01"]);
 }
 

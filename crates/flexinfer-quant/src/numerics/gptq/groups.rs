@@ -24,6 +24,9 @@ pub(crate) struct Groups<'p> {
     /// With the clipping search: each original column's error weight (the GPTQ loss weight `R_kk²` of its
     /// sweep position).
     clip_weight: Option<Vec<f32>>,
+    /// Parameters given for every group (by group index) instead of found in the sweep (the scale
+    /// refinement's second sweep).
+    preset: Option<Vec<GroupParams>>,
     scales: Vec<f32>,
     zeros: Vec<u8>,
     g_idx: Vec<i32>,
@@ -177,6 +180,7 @@ impl<'p> Groups<'p> {
             static_groups,
             group_aware,
             clip_weight,
+            preset: None,
             scales: vec![0f32; n_groups * rows],
             zeros: vec![0u8; n_groups * rows],
             g_idx: vec![0i32; cols],
@@ -188,6 +192,26 @@ impl<'p> Groups<'p> {
             push_group(&mut groups.scales, &mut groups.zeros, g, rows, sg);
         }
         groups
+    }
+
+    /// The same bookkeeping with every group's parameters given (by group index, `None`: found as usual):
+    /// one group per row and static groups take them as their fixed parameters, groups found in the sweep
+    /// take them where they start.
+    pub(crate) fn with_preset(mut self, preset: Option<Vec<GroupParams>>) -> Self {
+        let Some(preset) = preset.filter(|ps| ps.len() == self.layout.count()) else {
+            return self;
+        };
+        if self.p.group_size <= 0 {
+            self.current = preset.first().cloned();
+        }
+        if !self.static_groups.is_empty() {
+            self.static_groups = preset.clone();
+        }
+        for (g, gp) in preset.iter().enumerate() {
+            push_group(&mut self.scales, &mut self.zeros, g, self.rows, gp);
+        }
+        self.preset = Some(preset);
+        self
     }
 
     /// The group of sweep position `k` (original column `orig`): the index of the parameters its codes use
@@ -242,12 +266,18 @@ impl<'p> Groups<'p> {
                 let Some(snap) = snapshot.as_ref() else {
                     unreachable!("a group starts in this block, so the snapshot exists")
                 };
-                let columns: Vec<&[f32]> = (k..k + len).map(|c| col(*snap, c - i1)).collect();
-                let weight = self
-                    .clip_weight
-                    .as_ref()
-                    .map(|w| perm[k..k + len].iter().map(|&o| w[o]).collect());
-                let gp = params_of(p, rows, &columns, weight);
+                let gp = match self.preset.as_ref().and_then(|ps| ps.get(g)) {
+                    Some(gp) => gp.clone(),
+                    None => {
+                        let columns: Vec<&[f32]> =
+                            (k..k + len).map(|c| col(*snap, c - i1)).collect();
+                        let weight = self
+                            .clip_weight
+                            .as_ref()
+                            .map(|w| perm[k..k + len].iter().map(|&o| w[o]).collect());
+                        params_of(p, rows, &columns, weight)
+                    }
+                };
                 self.record(g, &gp);
                 block_params.push(gp);
                 cur_idx = Some(block_params.len() - 1);

@@ -11,8 +11,10 @@ use serde::{Deserialize, Serialize};
 use tile::{Block, TileCol, TILE};
 
 mod groups;
+mod refine;
 mod tile;
 pub(crate) use groups::{DeadFixed, GroupLayout, Groups};
+pub use refine::RefineStats;
 pub use tile::sweep_block_cpu;
 
 /// Columns per outer block of the two-level sweep (rounded up to a multiple of the block and group size).
@@ -147,6 +149,116 @@ pub fn gptq_quantize_in(
     factor: &PreparedFactor,
     p: &GptqParams,
 ) -> QuantizedLinear {
+    let (rows, cols) = (w_in.nrows(), w_in.ncols());
+    let mut pass = sweep_pass(ws, backend, w_in, factor, p, None);
+    if p.refine_rounds > 0 {
+        let fixed = DeadFixed::new(w_in, &factor.dead);
+        let perm: Vec<usize> = factor.perm.clone().unwrap_or_else(|| (0..cols).collect());
+        let w0_col = |k: usize| fixed.col(perm[k]);
+        let col_group: Vec<usize> = perm.iter().map(|&o| pass.g_idx[o] as usize).collect();
+        let mut h = refine::hessian_from_factor(&factor.f);
+        remove_damping(&mut h, factor.damp);
+        let n_groups = pass.scales.len() / rows.max(1);
+        // The best round of each row so far (rows are independent in the sweep and in the refit): a sweep
+        // with refitted scales can land above the previous round's error, so a row keeps its best round.
+        let mut best: Option<(SweepPass, Vec<f64>)> = None;
+        for round in 0..p.refine_rounds {
+            if round > 0 {
+                // Sweep again with the refitted scales in force: the codes are chosen anew (with the error
+                // feedback) for the scales they will be stored with.
+                let preset: Vec<GroupParams> = (0..n_groups)
+                    .map(|g| GroupParams {
+                        scale: pass.scales[g * rows..(g + 1) * rows].to_vec(),
+                        zero: pass.zeros[g * rows..(g + 1) * rows]
+                            .iter()
+                            .map(|&z| f32::from(z))
+                            .collect(),
+                    })
+                    .collect();
+                pass = sweep_pass(ws, backend, w_in, factor, p, Some(preset));
+            }
+            let stats = refine::refine_scales(
+                rows,
+                &w0_col,
+                &pass.codes_sweep,
+                &col_group,
+                n_groups,
+                &mut pass.scales,
+                &pass.zeros,
+                &h,
+            );
+            tracing::debug!(
+                round,
+                rows_refined = stats.rows_refined,
+                error_before = stats.error_before,
+                error_after = stats.error_after,
+                "gptq scale refinement"
+            );
+            match best.as_mut() {
+                None => best = Some((pass.clone(), stats.row_error)),
+                Some((b, err)) => {
+                    for (r, (e_best, &e)) in err.iter_mut().zip(&stats.row_error).enumerate() {
+                        if e < *e_best {
+                            *e_best = e;
+                            b.take_row(&pass, r, rows, n_groups);
+                        }
+                    }
+                }
+            }
+        }
+        if let Some((b, _)) = best {
+            // (Its loss is the first sweep's: the GPTQ loss as the reference tools report it.)
+            pass = b;
+        }
+    }
+    let SweepPass {
+        codes_sweep,
+        scales,
+        zeros,
+        g_idx,
+        loss,
+    } = pass;
+    let codes = codes_in_original_order(codes_sweep, factor.perm.as_deref(), rows, cols);
+    QuantizedLinear {
+        method: Method::Gptq,
+        loss,
+        damp: factor.damp,
+        ..QuantizedLinear::rtn(p, rows, cols, codes, scales, zeros, g_idx)
+    }
+}
+
+/// One sweep's result: codes in sweep order and the group parameters by group index.
+#[derive(Clone)]
+struct SweepPass {
+    codes_sweep: Vec<u8>,
+    scales: Vec<f32>,
+    zeros: Vec<u8>,
+    g_idx: Vec<i32>,
+    loss: f64,
+}
+
+impl SweepPass {
+    /// Row `r`'s codes and scales from `other` (same module; the zeros and `g_idx` are the same in every round).
+    fn take_row(&mut self, other: &SweepPass, r: usize, rows: usize, groups: usize) {
+        for k in 0..self.codes_sweep.len() / rows.max(1) {
+            self.codes_sweep[k * rows + r] = other.codes_sweep[k * rows + r];
+        }
+        for g in 0..groups {
+            self.scales[g * rows + r] = other.scales[g * rows + r];
+        }
+    }
+}
+
+/// One GPTQ sweep of `w_in`; with `preset`, every group's parameters are those given (by group index)
+/// instead of being found as the sweep reaches the group.
+fn sweep_pass(
+    ws: &mut Workspace,
+    backend: &dyn LinalgBackend,
+    w_in: &Mat<f32>,
+    factor: &PreparedFactor,
+    p: &GptqParams,
+    preset: Option<Vec<GroupParams>>,
+) -> SweepPass {
     let rows = w_in.nrows();
     let cols = w_in.ncols();
     let gs = p.effective_group(cols);
@@ -154,7 +266,8 @@ pub fn gptq_quantize_in(
     let fixed = DeadFixed::new(w_in, &factor.dead);
     let orig_col = |c: usize| fixed.col(c);
     let perm: Vec<usize> = factor.perm.clone().unwrap_or_else(|| (0..cols).collect());
-    let groups = Groups::new(p, w_in, &orig_col, clip_weights(p, factor, &perm));
+    let groups =
+        Groups::new(p, w_in, &orig_col, clip_weights(p, factor, &perm)).with_preset(preset);
     let snapshot_width = groups.layout.max_snapshot_width(p.block_size);
     // The working copy, in sweep order, written by all threads.
     let Workspace {
@@ -208,13 +321,29 @@ pub fn gptq_quantize_in(
         }
         o1 = o2;
     }
-    let codes = codes_in_original_order(codes_sweep, factor.perm.as_deref(), rows, cols);
     let (scales, zeros, g_idx) = sweep.groups.finish();
-    QuantizedLinear {
-        method: Method::Gptq,
+    SweepPass {
+        codes_sweep,
+        scales,
+        zeros,
+        g_idx,
         loss,
-        damp: factor.damp,
-        ..QuantizedLinear::rtn(p, rows, cols, codes, scales, zeros, g_idx)
+    }
+}
+
+/// Removes the damping the factor's Hessian `h` carries on its diagonal (`damp·mean(diag)` of the undamped
+/// one, so `damp/(1 + damp)·mean(diag)` of `h`): the refinement fits the calibration's own output error. (Fitted
+/// to the damped Hessian, one round raised the KL divergence at 2 bits on the trained model, 5.66 → 5.71
+/// ×10⁻³, where the undamped one lowered it to 5.38.) A diagonal floor (damp 0) stays.
+fn remove_damping(h: &mut Mat<f32>, damp: f32) {
+    if damp <= 0.0 {
+        return;
+    }
+    let n = h.nrows();
+    let mean = (0..n).map(|i| f64::from(h[(i, i)])).sum::<f64>() / n.max(1) as f64;
+    let shift = (mean * f64::from(damp) / (1.0 + f64::from(damp))) as f32;
+    for i in 0..n {
+        h[(i, i)] -= shift;
     }
 }
 
