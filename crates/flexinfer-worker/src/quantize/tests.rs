@@ -145,7 +145,8 @@ fn refine_scales_reaches_the_engine_parameters() {
     assert_eq!(ok(&["--refine-scales", "On"]), on);
     assert_eq!(ok(&["--bits", "3", "--refine-scales", "3"]), 3);
     for bad in ["sometimes", "-1", "65"] {
-        let err = rounds(&["--refine-scales", bad]).expect_err("not a setting");
+        // `=` form: clap would take a bare "-1" for a flag.
+        let err = rounds(&[&format!("--refine-scales={bad}")]).expect_err("not a setting");
         assert!(err.to_string().contains("REFINE_SCALES"), "{bad}: {err}");
     }
 }
