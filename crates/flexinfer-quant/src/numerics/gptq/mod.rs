@@ -159,6 +159,7 @@ pub fn gptq_quantize_in(
         let mut h = refine::hessian_from_factor(&factor.f);
         remove_damping(&mut h, factor.damp);
         let n_groups = pass.scales.len() / rows.max(1);
+        let setup = refine::RefineSetup::new(rows, &w0_col, &col_group, n_groups, h);
         // The best round of each row so far (rows are independent in the sweep and in the refit): a sweep
         // with refitted scales can land above the previous round's error, so a row keeps its best round.
         let mut best: Option<(SweepPass, Vec<f64>)> = None;
@@ -177,16 +178,7 @@ pub fn gptq_quantize_in(
                     .collect();
                 pass = sweep_pass(ws, backend, w_in, factor, p, Some(preset));
             }
-            let stats = refine::refine_scales(
-                rows,
-                &w0_col,
-                &pass.codes_sweep,
-                &col_group,
-                n_groups,
-                &mut pass.scales,
-                &pass.zeros,
-                &h,
-            );
+            let stats = setup.refine(&pass.codes_sweep, &mut pass.scales, &pass.zeros);
             tracing::debug!(
                 round,
                 rows_refined = stats.rows_refined,

@@ -6,7 +6,7 @@
 
 use crate::numerics::linalg::SweepFactor;
 use faer::linalg::matmul::matmul;
-use faer::{Accum, Mat, Par};
+use faer::{Accum, Mat, MatMut, MatRef, Par};
 use rayon::prelude::*;
 
 /// What the refinement did to one module.
@@ -22,8 +22,10 @@ pub struct RefineStats {
 }
 
 /// The damped Hessian in sweep order from its sweep factor: `H = R·Rᵀ` with `R_ij = F_ij·R_jj` (i < j) and
-/// `R_jj` on the diagonal (see [`crate::numerics::linalg`]).
+/// `R_jj` on the diagonal (see [`crate::numerics::linalg`]). A triangular product (a sixth of the full
+/// product's work) fills the lower half, which is then mirrored.
 pub(crate) fn hessian_from_factor(f: &SweepFactor) -> Mat<f32> {
+    use faer::linalg::matmul::triangular::{matmul as tri_matmul, BlockStructure};
     let n = f.dim();
     let (coef, rd) = (f.coef(), f.r_diag());
     let r = Mat::<f32>::from_fn(n, n, |i, j| match i.cmp(&j) {
@@ -32,136 +34,256 @@ pub(crate) fn hessian_from_factor(f: &SweepFactor) -> Mat<f32> {
         std::cmp::Ordering::Greater => 0.0,
     });
     let mut h = Mat::<f32>::zeros(n, n);
-    matmul(
+    tri_matmul(
         h.as_mut(),
+        BlockStructure::TriangularLower,
         Accum::Replace,
         r.as_ref(),
+        BlockStructure::TriangularUpper,
         r.as_ref().transpose(),
+        BlockStructure::TriangularLower,
         1.0,
         Par::rayon(0),
     );
+    drop(r);
+    for j in 1..n {
+        for i in 0..j {
+            h[(i, j)] = h[(j, i)];
+        }
+    }
     h
 }
 
-/// Refits the scales of every row and group with the codes fixed (module docs).
-///
-/// Everything is in sweep order: `w_col(k)` is column `k` of W (after the dead-column fix), `codes[k * rows +
-/// r]` its codes, `col_group[k]` its group; `scales`/`zeros` are laid out `[g * rows + r]` and only `scales`
-/// changes. `h` is the Hessian in sweep order. A row's new scales are kept only when they are all finite and
-/// positive and lower the row's error with the scales rounded to f16 as the checkpoint stores them.
-#[allow(clippy::too_many_arguments)] // the sweep's result, its layout and the Hessian
-pub(crate) fn refine_scales<'a>(
+/// What the refit of one module needs that stays the same from round to round: the Hessian and `H·Wᵀ` in a
+/// column order where each group is one contiguous segment, and each row's `w·H·wᵀ`.
+pub(crate) struct RefineSetup {
     rows: usize,
-    w_col: &(dyn Fn(usize) -> &'a [f32] + Sync),
-    codes: &[u8],
-    col_group: &[usize],
+    n: usize,
     groups: usize,
-    scales: &mut [f32],
-    zeros: &[u8],
-    h: &Mat<f32>,
-) -> RefineStats {
-    let n = col_group.len();
-    if rows == 0 || n == 0 || groups == 0 {
-        return RefineStats::default();
+    /// `order[j]` = the sweep position at position `j` of the working order; `None` = the sweep order itself
+    /// (the usual case: the sweep reaches each group's columns one after another).
+    order: Option<Vec<usize>>,
+    /// `(start, end, group)` of each group's columns in the working order.
+    segs: Vec<(usize, usize, usize)>,
+    /// H in the working order.
+    h: Mat<f32>,
+    /// `hw[r * n + j]` = `(H·w_rᵀ)_j`: column-major `n × rows`, one row of W per column.
+    hw: Vec<f32>,
+    /// `w_r·H·w_rᵀ` of every row: the constant of each row's error.
+    wt_h_w: Vec<f64>,
+}
+
+impl RefineSetup {
+    /// `w_col(k)` is column `k` of W in sweep order (after the dead-column fix), `col_group[k]` its group,
+    /// `h` the Hessian in sweep order.
+    pub(crate) fn new<'a>(
+        rows: usize,
+        w_col: &(dyn Fn(usize) -> &'a [f32] + Sync),
+        col_group: &[usize],
+        groups: usize,
+        h: Mat<f32>,
+    ) -> Self {
+        let n = col_group.len();
+        let runs = segments(col_group.iter().copied());
+        let mut seen = vec![false; groups];
+        let contiguous = runs
+            .iter()
+            .all(|&(_, _, g)| seen.get_mut(g).is_some_and(|v| !std::mem::replace(v, true)));
+        let (order, segs, h) = if contiguous {
+            (None, runs, h)
+        } else {
+            // A group's columns are not one run of the sweep (act-order): sort the positions by group.
+            let mut order: Vec<usize> = (0..n).collect();
+            order.sort_by_key(|&k| col_group[k]);
+            let segs = segments(order.iter().map(|&k| col_group[k]));
+            let hp = Mat::<f32>::from_fn(n, n, |i, j| h[(order[i], order[j])]);
+            (Some(order), segs, hp)
+        };
+        let pos = |j: usize| order.as_ref().map_or(j, |o| o[j]);
+        // W in the working order, one row of W per column.
+        let mut w = vec![0f32; n * rows];
+        if rows > 0 && n > 0 {
+            w.par_chunks_mut(n * ROW_CHUNK)
+                .enumerate()
+                .for_each(|(c, chunk)| {
+                    let r0 = c * ROW_CHUNK;
+                    let cnt = chunk.len() / n;
+                    for j in 0..n {
+                        let col = &w_col(pos(j))[r0..r0 + cnt];
+                        for (i, &v) in col.iter().enumerate() {
+                            chunk[i * n + j] = v;
+                        }
+                    }
+                });
+        }
+        let mut hw = vec![0f32; n * rows];
+        if rows > 0 && n > 0 {
+            matmul(
+                MatMut::from_column_major_slice_mut(&mut hw, n, rows),
+                Accum::Replace,
+                h.as_ref(),
+                MatRef::from_column_major_slice(&w, n, rows),
+                1.0,
+                Par::rayon(0),
+            );
+        }
+        let wt_h_w = (0..rows)
+            .into_par_iter()
+            .map(|r| dot(&hw[r * n..(r + 1) * n], &w[r * n..(r + 1) * n]))
+            .collect();
+        RefineSetup {
+            rows,
+            n,
+            groups,
+            order,
+            segs,
+            h,
+            hw,
+            wt_h_w,
+        }
     }
-    let gg = groups * groups;
-    // Row-major copies (`[r * n + k]`), so the per-row sums below read memory in order: `a` = code − zero,
-    // the row's dequantized value per unit of its group's scale, and `w`.
-    let mut a = vec![0f32; rows * n];
-    let mut w = vec![0f32; rows * n];
-    a.par_chunks_mut(n)
-        .zip(w.par_chunks_mut(n))
-        .enumerate()
-        .for_each(|(r, (ar, wr))| {
-            for k in 0..n {
-                let g = col_group[k];
-                ar[k] = f32::from(codes[k * rows + r]) - f32::from(zeros[g * rows + r]);
-                wr[k] = w_col(k)[r];
+
+    /// Refits the scales of every row and group with the codes fixed (module docs).
+    ///
+    /// `codes[k * rows + r]` are the codes in sweep order; `scales`/`zeros` are laid out `[g * rows + r]` and
+    /// only `scales` changes. A row's new scales are kept only when they are all finite and positive and
+    /// lower the row's error with the scales rounded to f16 as the checkpoint stores them.
+    pub(crate) fn refine(&self, codes: &[u8], scales: &mut [f32], zeros: &[u8]) -> RefineStats {
+        let (rows, n, groups) = (self.rows, self.n, self.groups);
+        if rows == 0 || n == 0 || groups == 0 {
+            return RefineStats::default();
+        }
+        let gg = groups * groups;
+        let mut seg_of = vec![0usize; n];
+        for &(s, e, g) in &self.segs {
+            seg_of[s..e].fill(g);
+        }
+        let pos = |j: usize| self.order.as_ref().map_or(j, |o| o[j]);
+        // `a[r * n + j]` = code − zero: the row's dequantized value per unit of its group's scale.
+        let mut a = vec![0f32; n * rows];
+        a.par_chunks_mut(n * ROW_CHUNK)
+            .enumerate()
+            .for_each(|(c, chunk)| {
+                let r0 = c * ROW_CHUNK;
+                let cnt = chunk.len() / n;
+                for j in 0..n {
+                    let (base, zbase) = (pos(j) * rows + r0, seg_of[j] * rows + r0);
+                    let (cs, zs) = (&codes[base..base + cnt], &zeros[zbase..zbase + cnt]);
+                    for (i, (&q, &z)) in cs.iter().zip(zs).enumerate() {
+                        chunk[i * n + j] = f32::from(q) - f32::from(z);
+                    }
+                }
+            });
+        // Per row, the normal equations of its scales: M[g][h] = a_g·H_gh·a_hᵀ, b[g] = a_g·(H·wᵀ)_g.
+        let mut m = vec![0f64; rows * gg];
+        let mut b = vec![0f64; rows * groups];
+        b.par_chunks_mut(groups).enumerate().for_each(|(r, br)| {
+            let (ar, hwr) = (&a[r * n..(r + 1) * n], &self.hw[r * n..(r + 1) * n]);
+            for &(s, e, g) in &self.segs {
+                br[g] = dot(&ar[s..e], &hwr[s..e]);
             }
         });
-    let mut members: Vec<Vec<usize>> = vec![Vec::new(); groups];
-    for (k, &g) in col_group.iter().enumerate() {
-        members[g].push(k);
-    }
-    // Per row: M[g][h] = a_g·H_gh·a_hᵀ and b[g] = a_g·H_g:·wᵀ, the normal equations of the row's scales.
-    let mut m = vec![0f64; rows * gg];
-    let mut b = vec![0f64; rows * groups];
-    let mut t = Mat::<f32>::zeros(n, rows);
-    for (g, cols) in members.iter().enumerate() {
-        if cols.is_empty() {
-            continue;
-        }
-        let a_gt = Mat::<f32>::from_fn(cols.len(), rows, |i, r| a[r * n + cols[i]]);
-        let h_g = Mat::<f32>::from_fn(n, cols.len(), |j, i| h[(j, cols[i])]);
-        // Tᵀ = H[:, g]·A_gᵀ: column r holds Σ_{i∈g} H_ji·a_ri for every j (H is symmetric).
-        matmul(
-            t.as_mut(),
-            Accum::Replace,
-            h_g.as_ref(),
-            a_gt.as_ref(),
-            1.0,
-            Par::rayon(0),
-        );
-        let t_ref = t.as_ref();
-        m.par_chunks_mut(gg)
-            .zip(b.par_chunks_mut(groups))
-            .enumerate()
-            .for_each(|(r, (mr, br))| {
-                let (ar, wr) = (&a[r * n..(r + 1) * n], &w[r * n..(r + 1) * n]);
-                let Some(tr) = t_ref.col(r).try_as_col_major() else {
-                    return;
-                };
-                let mut bg = 0f64;
-                for (j, &tv) in tr.as_slice().iter().enumerate() {
-                    let tv = f64::from(tv);
-                    mr[g * groups + col_group[j]] += tv * f64::from(ar[j]);
-                    bg += tv * f64::from(wr[j]);
+        // For the group at [s, e): T = H[s.., s..e]·A_gᵀ, enough for M[g][h] of the groups from it on (M is
+        // symmetric), about half the work of the full product.
+        let a_mat = MatRef::from_column_major_slice(&a, n, rows);
+        let mut t = vec![0f32; n * rows];
+        for (i, &(s, e, g)) in self.segs.iter().enumerate() {
+            let len = n - s;
+            matmul(
+                MatMut::from_column_major_slice_mut(&mut t[..len * rows], len, rows),
+                Accum::Replace,
+                self.h.as_ref().submatrix(s, s, len, e - s),
+                a_mat.subrows(s, e - s),
+                1.0,
+                Par::rayon(0),
+            );
+            let t = &t[..len * rows];
+            let later = &self.segs[i..];
+            m.par_chunks_mut(gg).enumerate().for_each(|(r, mr)| {
+                let (tr, ar) = (&t[r * len..(r + 1) * len], &a[r * n..(r + 1) * n]);
+                for &(s2, e2, g2) in later {
+                    let v = dot(&tr[s2 - s..e2 - s], &ar[s2..e2]);
+                    mr[g * groups + g2] += v;
+                    if g2 != g {
+                        mr[g2 * groups + g] += v;
+                    }
                 }
-                br[g] += bg;
             });
-    }
-    let old: Vec<f32> = scales.to_vec();
-    let results: Vec<(Option<Vec<f32>>, f64, f64)> = (0..rows)
-        .into_par_iter()
-        .map(|r| {
-            let mr = &m[r * gg..(r + 1) * gg];
-            let br = &b[r * groups..(r + 1) * groups];
-            let s_old: Vec<f64> = (0..groups)
-                .map(|g| f64::from(half::f16::from_f32(old[g * rows + r]).to_f32()))
-                .collect();
-            let e_old = quadratic(mr, br, &s_old);
-            let Some(s_new) = solve_row(mr, br, &s_old) else {
-                return (None, e_old, e_old);
-            };
-            let s16: Vec<f64> = s_new
-                .iter()
-                .map(|&s| f64::from(half::f16::from_f32(s as f32).to_f32()))
-                .collect();
-            let ok = s16.iter().all(|&s| s.is_finite() && s > 0.0);
-            let e_new = quadratic(mr, br, &s16);
-            if ok && e_new < e_old {
-                (Some(s16.iter().map(|&s| s as f32).collect()), e_old, e_new)
-            } else {
-                (None, e_old, e_old)
-            }
-        })
-        .collect();
-    // The quadratic leaves out the constant `w·H·wᵀ`; it is the same before and after, so only the difference
-    // is reported faithfully: the totals below add it back per row.
-    let mut stats = RefineStats::default();
-    let wt_h_w = row_energy(rows, n, &w, h);
-    for (r, (new, e_old, e_new)) in results.into_iter().enumerate() {
-        stats.error_before += e_old + wt_h_w[r];
-        stats.error_after += e_new + wt_h_w[r];
-        stats.row_error.push(e_new + wt_h_w[r]);
-        if let Some(s) = new {
-            stats.rows_refined += 1;
-            for (g, v) in s.into_iter().enumerate() {
-                scales[g * rows + r] = v;
+        }
+        let old: Vec<f32> = scales.to_vec();
+        let results: Vec<(Option<Vec<f32>>, f64, f64)> = (0..rows)
+            .into_par_iter()
+            .map(|r| {
+                let mr = &m[r * gg..(r + 1) * gg];
+                let br = &b[r * groups..(r + 1) * groups];
+                let s_old: Vec<f64> = (0..groups)
+                    .map(|g| f64::from(half::f16::from_f32(old[g * rows + r]).to_f32()))
+                    .collect();
+                let e_old = quadratic(mr, br, &s_old);
+                let Some(s_new) = solve_row(mr, br, &s_old) else {
+                    return (None, e_old, e_old);
+                };
+                let s16: Vec<f64> = s_new
+                    .iter()
+                    .map(|&s| f64::from(half::f16::from_f32(s as f32).to_f32()))
+                    .collect();
+                let ok = s16.iter().all(|&s| s.is_finite() && s > 0.0);
+                let e_new = quadratic(mr, br, &s16);
+                if ok && e_new < e_old {
+                    (Some(s16.iter().map(|&s| s as f32).collect()), e_old, e_new)
+                } else {
+                    (None, e_old, e_old)
+                }
+            })
+            .collect();
+        // The quadratic leaves out the constant `w·H·wᵀ`; it is the same before and after, so only the
+        // difference is reported faithfully: the totals below add it back per row.
+        let mut stats = RefineStats::default();
+        for (r, (new, e_old, e_new)) in results.into_iter().enumerate() {
+            stats.error_before += e_old + self.wt_h_w[r];
+            stats.error_after += e_new + self.wt_h_w[r];
+            stats.row_error.push(e_new + self.wt_h_w[r]);
+            if let Some(s) = new {
+                stats.rows_refined += 1;
+                for (g, v) in s.into_iter().enumerate() {
+                    scales[g * rows + r] = v;
+                }
             }
         }
+        stats
     }
-    stats
+}
+
+/// Rows of W per task when a row-major copy is built from columns: each column's reads stay contiguous.
+const ROW_CHUNK: usize = 64;
+
+/// `(start, end, value)` of each run of equal values.
+fn segments(values: impl Iterator<Item = usize>) -> Vec<(usize, usize, usize)> {
+    let mut out: Vec<(usize, usize, usize)> = Vec::new();
+    for (k, g) in values.enumerate() {
+        match out.last_mut() {
+            Some(last) if last.2 == g => last.1 = k + 1,
+            _ => out.push((k, k + 1, g)),
+        }
+    }
+    out
+}
+
+/// `x·y`, eight lanes in f32 (vectorised), summed in f64.
+fn dot(x: &[f32], y: &[f32]) -> f64 {
+    let mut acc = [0f32; 8];
+    let (xs, ys) = (x.chunks_exact(8), y.chunks_exact(8));
+    let (xr, yr) = (xs.remainder(), ys.remainder());
+    for (a, b) in xs.zip(ys) {
+        for l in 0..8 {
+            acc[l] += a[l] * b[l];
+        }
+    }
+    let mut s: f64 = acc.iter().map(|&v| f64::from(v)).sum();
+    for (a, b) in xr.iter().zip(yr) {
+        s += f64::from(*a) * f64::from(*b);
+    }
+    s
 }
 
 /// `sᵀ·M·s − 2·bᵀ·s`: the row's output error less its constant `w·H·wᵀ`.
@@ -233,26 +355,4 @@ fn solve_row(m: &[f64], b: &[f64], s_old: &[f64]) -> Option<Vec<f64>> {
         out[i] = rhs[idx];
     }
     Some(out)
-}
-
-/// `w_r·H·w_rᵀ` of every row (the constant of each row's error); `w` row-major.
-fn row_energy(rows: usize, n: usize, w: &[f32], h: &Mat<f32>) -> Vec<f64> {
-    let wm = Mat::<f32>::from_fn(n, rows, |k, r| w[r * n + k]);
-    let mut hw = Mat::<f32>::zeros(n, rows);
-    matmul(
-        hw.as_mut(),
-        Accum::Replace,
-        h.as_ref(),
-        wm.as_ref(),
-        1.0,
-        Par::rayon(0),
-    );
-    (0..rows)
-        .into_par_iter()
-        .map(|r| {
-            (0..n)
-                .map(|k| f64::from(hw[(k, r)]) * f64::from(w[r * n + k]))
-                .sum()
-        })
-        .collect()
 }
