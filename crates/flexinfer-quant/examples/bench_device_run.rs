@@ -16,8 +16,8 @@
 use flexinfer_quant::calib::CalibSettings;
 use flexinfer_quant::device::{select_device, MemoryBudget, SystemPlatform, VendorLibs};
 use flexinfer_quant::events::EventSink;
+use flexinfer_quant::job::{run, QuantizeJob};
 use flexinfer_quant::params::GateParams;
-use flexinfer_quant::pipeline::{run, QuantizeJob};
 use rayon::prelude::*;
 use serde_json::{json, Map, Value};
 use std::path::{Path, PathBuf};

@@ -9,11 +9,11 @@
 use faer::Mat;
 use flexinfer_quant::calib::CalibSettings;
 use flexinfer_quant::events::MemorySink;
+use flexinfer_quant::job::{run, QuantizeJob};
 use flexinfer_quant::linalg::CpuBackend;
 use flexinfer_quant::llama::{attention_residual, embed, layer_forward, logits, Rope, Stage};
 use flexinfer_quant::model::{load_layer, GptqReadConfig, ModelConfig};
 use flexinfer_quant::params::{GateParams, GptqParams};
-use flexinfer_quant::pipeline::{run, QuantizeJob};
 use flexinfer_quant::tensors::TensorStore;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -172,11 +172,7 @@ fn model_copy(fam: &str, dst: &Path) {
     flexinfer_quant::testkit::write_char_tokenizer(dst).unwrap();
 }
 
-fn quantize(
-    fam: &str,
-    tmp: &Path,
-    min_percent: f64,
-) -> (PathBuf, flexinfer_quant::pipeline::Outcome) {
+fn quantize(fam: &str, tmp: &Path, min_percent: f64) -> (PathBuf, flexinfer_quant::job::Outcome) {
     let model = tmp.join(format!("{fam}-model"));
     model_copy(fam, &model);
     let ds = tmp.join("calib.jsonl");
