@@ -35,10 +35,10 @@ lint:
 chart-tests:
 	bash scripts/chart-tests/run.sh
 
-# Regenerates tests/fixtures/oracle/ with Hugging Face transformers (issue #17). Not run in CI: needs a Python
+# Regenerates tests/fixtures/oracle/ with Hugging Face transformers. Not run in CI: needs a Python
 # with torch, transformers and safetensors (make oracle-check below also needs optimum and gptqmodel), e.g.
 #   python3 -m venv ~/.cache/flexinfer/oracle-venv && ~/.cache/flexinfer/oracle-venv/bin/pip install torch transformers safetensors
-# It also trains the small TRAINED Llama of the low-bit quality benchmark (issue #45; a few minutes on the CPU,
+# It also trains the small TRAINED Llama of the low-bit quality benchmark (a few minutes on the CPU,
 # written once to LOWBIT_MODEL, never committed; needs tokenizers too).
 ORACLE_PYTHON ?= $(HOME)/.cache/flexinfer/oracle-venv/bin/python
 LOWBIT_MODEL ?= $(HOME)/.cache/flexinfer/lowbit-model
@@ -54,7 +54,7 @@ oracle:
 lowbit-bench:
 	ORACLE_PYTHON=$(ORACLE_PYTHON) LOWBIT_MODEL=$(LOWBIT_MODEL) scripts/bench/quant/lowbit.sh
 
-# Whether transformers loads the engine's gptq checkpoints (issue #17; not in CI, see docs/user/gptq-engine.md
+# Whether transformers loads the engine's gptq checkpoints (not in CI, see docs/user/gptq-engine.md
 # "Loaded by transformers"): quantizes every oracle fixture (examples/quantize_dir: 4 bits, group 32, or 16 where
 # an input dimension is 16) into ORACLE_CHECK_DIR and runs make_fixtures.py --check-quantized on the results:
 # loaded or not, logits against the fixture's, our dequantization against the backend's. The venv also needs a

@@ -1266,7 +1266,7 @@ async fn model_bad_input_is_reported_not_crashlooped() {
     env.cleanup().await;
 }
 
-/// Issue #15 class 4: a Model named like an existing Deployment and Service it does not control
+/// A Model named like an existing Deployment and Service it does not control
 /// leaves them alone (no server-side apply, no owner reference, so no garbage collection when the
 /// Model goes), and says so in its Ready condition and a Warning Event.
 #[tokio::test]

@@ -443,7 +443,7 @@ fn main() {
     println!("threads: {par:?}, runs per shape: {runs}; each run measures GEMM/Cholesky rate right before its solve");
     let tokens = 2048;
     let backend = CpuBackend::default();
-    // Issue #45's knobs, for the time each costs: BENCH_BITS, BENCH_ACT_GROUP_AWARE=1, BENCH_CLIP_SEARCH=1,
+    // The low-bit quality knobs, for the time each costs: BENCH_BITS, BENCH_ACT_GROUP_AWARE=1, BENCH_CLIP_SEARCH=1,
     // BENCH_REFINE_ROUNDS=N.
     let knob = |name: &str| std::env::var(name).is_ok_and(|v| v == "1" || v == "true");
     let params = GptqParams {

@@ -1,6 +1,6 @@
 //! FlexInfer's GPTQ quantization engine.
 //!
-//! The folders follow the architecture (docs/dev/architecture.md, "The quantization engine"):
+//! The folders follow the architecture (docs/dev/architecture.md, "Inside the engine and the CLI"):
 //! - [`numerics`]: the maths, bottom-up: [`quantizer`] (min/max grid), [`linalg`] (dense steps behind
 //!   the device interface, faer CPU backend), [`hessian`] (preparation + recovery loop), [`gptq`]
 //!   (column sweep, RTN), [`pack`] (gptq checkpoint packing);

@@ -1,5 +1,5 @@
 //! What every worker subcommand shares: the JSON-line event stream on stdout, the termination
-//! message, the version handshake, and the exit-code mapping (docs/dev/architecture.md §2).
+//! message, the version handshake, and the exit-code mapping (docs/dev/architecture.md, "The controller–worker contract").
 
 use flexinfer_contract::exit_codes;
 

@@ -1,4 +1,4 @@
-//! `flexinfer-worker quantize`: the GPTQ phase (docs/dev/architecture.md §2, docs/dev/gptq.md). Reads the env contract (every setting is also a
+//! `flexinfer-worker quantize`: the GPTQ phase (docs/dev/architecture.md, "The controller–worker contract"; docs/dev/gptq.md). Reads the env contract (every setting is also a
 //! flag; flags win), runs the `flexinfer-quant` engine on the device `GPTQ_DEVICE` selects (today always the
 //! CPU backend: see docs/dev/gptq-device.md), streams JSON-line events, writes the
 //! termination message, and exits 0 ok / 1 failure / 2 bad input / 3 quality gate / 4 version mismatch.

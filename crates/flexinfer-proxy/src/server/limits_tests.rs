@@ -1,4 +1,4 @@
-//! The proxy's limits without a cluster (issue #40): the cluster view is fed by hand
+//! The proxy's limits without a cluster: the cluster view is fed by hand
 //! ([`Cluster::offline`]), backends and the API server's `models/status` endpoint are small hyper
 //! servers on 127.0.0.1, and the proxy serves on 127.0.0.1.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -494,7 +494,7 @@ fn vm_hwm_mib() -> f64 {
         .map_or(0.0, |kb| kb / 1024.0)
 }
 
-/// Not a test: a benchmark that prints its figures (docs/benchmarks.md, "Proxy: cold-start
+/// Not a test: a benchmark that prints its figures (docs/benchmarks.md, "Cold-start
 /// stampede"). `STAMPEDE_N` (default 2000) concurrent requests to a scaled-to-zero Model with the
 /// default limits; the Model becomes ready once every request is waiting or answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
