@@ -1,10 +1,24 @@
 # FlexInfer developer entry points.
 SHELL := /bin/bash
-.PHONY: test demo crds crds-check testenv-bins lint fmt build chart-tests
+.PHONY: test check test-int e2e demo crds crds-check testenv-bins lint fmt build chart-tests
 
-## Run every test: fmt, clippy, unit, integration (real control plane), chart and alert tests.
+# The tests come in three tiers; scripts/test.sh runs them and lists the test targets that need a cluster.
+## Run every test: installs what the suite needs, then check, test-int and e2e on one local cluster (CI runs this).
 test:
 	bash scripts/test.sh
+
+## The fast tier: fmt, clippy, the contract-string check and every test that needs no cluster (no KUBECONFIG,
+## no images, no real node, no HIP build).
+check:
+	bash scripts/test.sh check
+
+## The tests that need the local control plane (started and torn down here), then the chart and alert tests.
+test-int:
+	bash scripts/test.sh int
+
+## Images, the Helm-installed controller and the real pipeline on the real node; Dockerfile lint.
+e2e:
+	bash scripts/test.sh e2e
 
 ## The main job: local cluster + controller + an example ModelCache walking to Ready.
 demo:
