@@ -1274,7 +1274,7 @@ async fn model_leaves_foreign_objects_alone() {
     let env = TestEnv::new("mdl-foreign").await;
     let web = json!({"app": "web"});
     // The selector and strategy the controller would render, so a forced apply would succeed (and
-    // take the Deployment over, as it did before #15).
+    // take the Deployment over, as a controller that did not check ownership would).
     let selector = json!({labels::INSTANCE: "taken", labels::MODEL: "taken"});
     env.apply::<Deployment>(json!({
         "apiVersion": "apps/v1", "kind": "Deployment",

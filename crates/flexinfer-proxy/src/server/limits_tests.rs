@@ -339,7 +339,7 @@ async fn requests_over_the_global_limit_and_queue_are_answered_429() {
 
 #[tokio::test]
 async fn eight_wide_bodies_at_once_are_refused_within_the_body_budget() {
-    // The body: 8 MB of `[0,0,…]` as the model, eight at once, with the defaults at the
+    // The wide-body load: 8 MB of `[0,0,…]` as the model, eight at once, with the defaults at the
     // chart's 256 MiB limit (128 MiB budget, 8 MiB cap).
     let budget = 128 << 20;
     let mut h = harness(Config {
