@@ -5,9 +5,10 @@ Usage: cargo metadata --no-deps --format-version 1 | test-targets.py TIER PKG:TA
   TIER check: every test target of the workspace except the PKG:TARGET given (the ones that need a cluster),
               plus every library's and binary's unit tests and the doc tests;
   TIER only:  exactly the PKG:TARGET given.
-A target name that several packages use is selected with `--workspace` when all of them are wanted, else
-with `-p PKG`, so one selection never picks up a namesake from another crate. A PKG:TARGET that does not
-exist is an error: the list in scripts/test.sh must not go stale.
+Every call selects with `--workspace` (so the features are the ones of `cargo test --workspace`, and nothing
+is compiled a second time with others); a target name that several packages use gets a call of its own that
+`--exclude`s the packages whose namesake is not wanted. A PKG:TARGET that does not exist is an error: the
+list in scripts/test.sh must not go stale.
 """
 import json
 import sys
@@ -35,7 +36,7 @@ def main():
         wanted_pairs.add((pkg, name))
     if tier == "check":
         wanted_pairs = {(p, n) for n, ps in owners.items() for p in ps} - wanted_pairs
-    workspace_names, per_package = [], defaultdict(list)
+    workspace_names, partial = [], defaultdict(list)  # partial: packages left out -> names
     for name in sorted(owners):
         pkgs = {p for p in owners[name] if (p, name) in wanted_pairs}
         if not pkgs:
@@ -43,16 +44,16 @@ def main():
         if pkgs == owners[name]:
             workspace_names.append(name)
         else:
-            for p in sorted(pkgs):
-                per_package[p].append(name)
+            partial[tuple(sorted(owners[name] - pkgs))].append(name)
     lines = []
     tests = " ".join(f"--test {n}" for n in workspace_names)
     if tier == "check":
         lines.append(f"--workspace --lib --bins {tests}".strip())
     elif tests:
         lines.append(f"--workspace {tests}")
-    for p, names in sorted(per_package.items()):
-        lines.append(f"-p {p} " + " ".join(f"--test {n}" for n in names))
+    for left_out, names in sorted(partial.items()):
+        excludes = " ".join(f"--exclude {p}" for p in left_out)
+        lines.append(f"--workspace {excludes} " + " ".join(f"--test {n}" for n in names))
     if tier == "check":
         lines.append("--workspace --doc")
     print("\n".join(lines))
