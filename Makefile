@@ -1,10 +1,24 @@
 # FlexInfer developer entry points.
 SHELL := /bin/bash
-.PHONY: test demo crds crds-check testenv-bins lint fmt build chart-tests
+.PHONY: test check test-int e2e demo crds crds-check testenv-bins lint fmt build chart-tests
 
-## Run every test: fmt, clippy, unit, integration (real control plane), chart and alert tests.
+# The tests come in three tiers; scripts/test.sh runs them and lists the test targets that need a cluster.
+## Run every test: installs what the suite needs, then check, test-int and e2e on one local cluster (CI runs this).
 test:
 	bash scripts/test.sh
+
+## The fast tier: fmt, clippy, the contract-string check and every test that needs no cluster (no KUBECONFIG,
+## no images, no real node, no HIP build).
+check:
+	bash scripts/test.sh check
+
+## The tests that need the local control plane (started and torn down here), then the chart and alert tests.
+test-int:
+	bash scripts/test.sh int
+
+## Images, the Helm-installed controller and the real pipeline on the real node; Dockerfile lint.
+e2e:
+	bash scripts/test.sh e2e
 
 ## The main job: local cluster + controller + an example ModelCache walking to Ready.
 demo:
@@ -35,10 +49,10 @@ lint:
 chart-tests:
 	bash scripts/chart-tests/run.sh
 
-# Regenerates tests/fixtures/oracle/ with Hugging Face transformers (issue #17). Not run in CI: needs a Python
+# Regenerates tests/fixtures/oracle/ with Hugging Face transformers. Not run in CI: needs a Python
 # with torch, transformers and safetensors (make oracle-check below also needs optimum and gptqmodel), e.g.
 #   python3 -m venv ~/.cache/flexinfer/oracle-venv && ~/.cache/flexinfer/oracle-venv/bin/pip install torch transformers safetensors
-# It also trains the small TRAINED Llama of the low-bit quality benchmark (issue #45; a few minutes on the CPU,
+# It also trains the small TRAINED Llama of the low-bit quality benchmark (a few minutes on the CPU,
 # written once to LOWBIT_MODEL, never committed; needs tokenizers too).
 ORACLE_PYTHON ?= $(HOME)/.cache/flexinfer/oracle-venv/bin/python
 LOWBIT_MODEL ?= $(HOME)/.cache/flexinfer/lowbit-model
@@ -54,7 +68,7 @@ oracle:
 lowbit-bench:
 	ORACLE_PYTHON=$(ORACLE_PYTHON) LOWBIT_MODEL=$(LOWBIT_MODEL) scripts/bench/quant/lowbit.sh
 
-# Whether transformers loads the engine's gptq checkpoints (issue #17; not in CI, see docs/user/gptq-engine.md
+# Whether transformers loads the engine's gptq checkpoints (not in CI, see docs/user/gptq-engine.md
 # "Loaded by transformers"): quantizes every oracle fixture (examples/quantize_dir: 4 bits, group 32, or 16 where
 # an input dimension is 16) into ORACLE_CHECK_DIR and runs make_fixtures.py --check-quantized on the results:
 # loaded or not, logits against the fixture's, our dequantization against the backend's. The venv also needs a

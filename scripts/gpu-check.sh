@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of the quantization engine (issue #18; docs/dev/gptq-device.md §7): on a machine with a card,
+# The GPU check of the quantization engine (docs/dev/gptq-device.md, "The card check"): on a machine with a card,
 # the kernel checks against the CPU backend, whole-group solves, a full GPTQ of a generated model on the
 # device and on the CPU, and the timings (the engine's host ↔ device copies, Hessian, factorisation at
 # n = 4096, 11008, 21504 and block update,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The card run of issue #44 (docs/dev/gptq-device.md §9): one call on a machine with a GPU measures the whole
+# The whole-run measurement on a card (docs/dev/gptq-device.md, "The calibration forward on the device"): one call on a machine with a GPU measures the whole
 # quantization of a generated Llama-3-8B-shaped model (32 layers, hidden 4096, MLP 14336, GQA 32/8, bf16,
 # 128 × 2048 calibration tokens, 4-bit g128) with the calibration forward on the device, after the quick card
 # check (kernels, parity, and a whole small model with the device forward against the CPU).

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The card's own measured rates, for docs/benchmarks.md's ratios (issue #18): FP32 GEMM (TF32 off: the
+"""The card's own measured rates, for docs/benchmarks.md's ratios: FP32 GEMM (TF32 off: the
 engine's kernels compute in plain f32) and FP32 Cholesky (torch.linalg.cholesky, cuSOLVER underneath) at the
 sizes of scripts/gpu-check.sh, and the machine's host ↔ device copy rates (the engine's Hessian upload and
 checkpoint download are read against these). Runs where PyTorch with CUDA is (the device machine); not a test.

@@ -12,7 +12,7 @@
 #                  container runtime, never shipped; tag TAG-cuda
 #   rocm-gfx1100   trixie + libamdhip64-5 (HIP 5.7.1) and its dependencies (HSA runtime, comgr + LLVM 17),
 #                  librocblas0 and librocsolver0 (5.5.1, with gfx1100 and gfx906 code); tag TAG-rocm-gfx1100
-#   rocm-gfx906    the same base and binary; tag TAG-rocm-gfx906 (the seeds' per-architecture image names)
+#   rocm-gfx906    the same base and binary; tag TAG-rocm-gfx906 (one image name per architecture)
 # The BLAS and solver libraries are what the GPU session loads for GPTQ_VENDOR_LIBS=auto (the default); a
 # session without them runs its own kernels.
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """GPTQModel (the peer) on the trained tiny Llama with its own defaults at BITS, group 128, symmetric, on the
 CPU, with the calibration the engine gets: the first SAMPLES texts of MODEL_DIR/calib.jsonl tokenized with
-MODEL_DIR/tokenizer.json (no special tokens), cut to SEQ tokens (issue #45; docs/benchmarks.md).
+MODEL_DIR/tokenizer.json (no special tokens), cut to SEQ tokens (docs/benchmarks.md, "GPTQ at 4, 3 and 2 bits on a trained model").
 
   gptqmodel_quantize.py MODEL_DIR OUT_DIR BITS [--samples 128] [--seq 256]
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Held-out perplexity of the trained tiny Llama (scripts/oracle/train_tiny_llama.py), unquantized, with the
-weights of a `gptq` checkpoint (ours or GPTQModel's), or round-to-nearest (issue #45; docs/benchmarks.md).
+weights of a `gptq` checkpoint (ours or GPTQModel's), or round-to-nearest (docs/benchmarks.md, "GPTQ at 4, 3 and 2 bits on a trained model").
 
   lowbit_eval.py MODEL_DIR                      the f32 model
   lowbit_eval.py MODEL_DIR --gptq CKPT_DIR      every packed linear of CKPT_DIR dequantized from qweight /

@@ -2,7 +2,7 @@
 """Loads a gptq checkpoint of the trained tiny Llama with transformers (GPTQModel's kernels; needs optimum and
 gptqmodel) and compares its logits on 100 fixed token ids with the f32 model whose quantized linears are our own
 dequantization of the same checkpoint (lowbit_eval.dequantize_checkpoint, rounded to f16): whether a loader
-reads the layout as we mean it (issue #45: the group-aware order keeps the plain layout).
+reads the layout as we mean it (the group-aware order keeps the plain layout).
 
   lowbit_load_check.py CKPT_DIR MODEL_DIR      prints one JSON line (kernel class, cosine, top-1 agreement)
 """

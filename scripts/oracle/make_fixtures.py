@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Oracle fixtures for the engine's calibration forward (issue #17), generated with Hugging Face transformers.
+"""Oracle fixtures for the engine's calibration forward, generated with Hugging Face transformers.
 
 For each family: a tiny random-weight model is built with transformers (f32, eager attention), run on fixed
 token ids, and written to tests/fixtures/oracle/<name>/ as

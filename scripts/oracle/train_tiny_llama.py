@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A small TRAINED Llama for quantization quality measurements (issue #45), written in the layout the engine
+"""A small TRAINED Llama for quantization quality measurements, written in the layout the engine
 reads: config.json, model.safetensors (hub names, f32), tokenizer.json, plus the texts the measurements use.
 
 Random weights make perplexity meaningless, so this trains a tiny Llama (4 layers, hidden 256, intermediate 768,

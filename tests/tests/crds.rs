@@ -118,7 +118,7 @@ async fn every_example_passes_server_side_dry_run() {
             kinds.push(format!("{kind}/{name}"));
         }
     }
-    // The seed documents' manifests and one GPUProfile per architecture family must be there.
+    // The example caches and Models and one GPUProfile per architecture family must be there.
     for want in [
         "ModelCache/llama3-8b-gguf",
         "ModelCache/gemma4-26b-a4b-gptq",

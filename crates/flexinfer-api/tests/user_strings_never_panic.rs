@@ -1,6 +1,6 @@
 //! Property tests of the API crate's parsers of user strings (durations in Model and ModelCache specs,
 //! the controller's namespace list): an error or a value for any input, never a panic (100 000 cases
-//! each; `PROPTEST_CASES` overrides). Twenty-digit durations used to overflow (issue #15).
+//! each; `PROPTEST_CASES` overrides). Twenty-digit durations used to overflow.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 use flexinfer_api::duration::parse_duration;

@@ -8,9 +8,9 @@ use std::process::Command;
 
 use flexinfer_quant::calib::CalibSettings;
 use flexinfer_quant::events::NullSink;
+use flexinfer_quant::job::{run, QuantizeJob};
 use flexinfer_quant::linalg::CpuBackend;
 use flexinfer_quant::params::GptqParams;
-use flexinfer_quant::pipeline::{run, QuantizeJob};
 use flexinfer_quant::testkit;
 
 const BIN: &str = env!("CARGO_BIN_EXE_flexinfer");

@@ -1,4 +1,4 @@
-//! Property tests (issue #15, class 1) over what a CLI user or a hub hands `flexinfer recommend`:
+//! Property tests over what a CLI user or a hub hands `flexinfer recommend`:
 //! the `--params` text, a `config.json` (any JSON), the hub's model metadata, the source string
 //! and any GPU memory figure. The estimate and the recommendation never panic; a parsed parameter
 //! count is always finite and positive. A GGUF header the engine wrote, with bytes and words overwritten,

@@ -107,7 +107,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn bools_accept_seed_spellings() {
+    fn bools_accept_the_usual_spellings() {
         for t in ["true", "True", "TRUE", "1", "yes"] {
             assert_eq!(parse_bool(t), Some(true), "{t}");
         }

@@ -1,6 +1,6 @@
 //! The one pod hardening of every pod the controller creates: pipeline Jobs and serving
 //! Deployments run as a non-root user, without privilege escalation, with every capability
-//! dropped and the runtime's default seccomp profile (docs/user/install.md, "Pod security").
+//! dropped and the runtime's default seccomp profile (docs/user/serving.md, "Pod security").
 //!
 //! GPU access comes from the device plugin's resource, never from privileged mode. AMD device
 //! nodes (`/dev/kfd`, `/dev/dri/renderD*`) are usually group-owned (`render`, `video`) with mode

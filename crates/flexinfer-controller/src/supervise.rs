@@ -1,4 +1,4 @@
-//! One failure never stops the rest (issue #15, class 1): a panic inside one reconcile becomes an
+//! One failure never stops the rest: a panic inside one reconcile becomes an
 //! error for that object, and each controller runs as its own supervised task.
 
 use std::any::Any;

@@ -1266,7 +1266,7 @@ async fn model_bad_input_is_reported_not_crashlooped() {
     env.cleanup().await;
 }
 
-/// Issue #15 class 4: a Model named like an existing Deployment and Service it does not control
+/// A Model named like an existing Deployment and Service it does not control
 /// leaves them alone (no server-side apply, no owner reference, so no garbage collection when the
 /// Model goes), and says so in its Ready condition and a Warning Event.
 #[tokio::test]
@@ -1274,7 +1274,7 @@ async fn model_leaves_foreign_objects_alone() {
     let env = TestEnv::new("mdl-foreign").await;
     let web = json!({"app": "web"});
     // The selector and strategy the controller would render, so a forced apply would succeed (and
-    // take the Deployment over, as it did before #15).
+    // take the Deployment over, as a controller that did not check ownership would).
     let selector = json!({labels::INSTANCE: "taken", labels::MODEL: "taken"});
     env.apply::<Deployment>(json!({
         "apiVersion": "apps/v1", "kind": "Deployment",

@@ -166,7 +166,7 @@ async fn retries_exhausted_then_reset_or_runbook_patch_recovers() -> Result<()> 
         serde_json::json!({"metadata": {"annotations": {"flexinfer.ai/reset-retries": "true"}}}),
     )
     .await?;
-    // 2: the runbook's status merge patch (§6.1 option A, step 3).
+    // 2: the runbook's status merge patch ("The ModelCache is `Failed` but the run got ~90% through", option A, step 3).
     w.patch_cache("runbook", clear).await?;
     let status_patch = serde_json::json!({"status": {"phase": "Quantizing", "retryCount": 0, "lastFailurePhase": null, "lastFailureTime": null}});
     w.caches()

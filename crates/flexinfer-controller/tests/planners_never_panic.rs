@@ -1,4 +1,4 @@
-//! Property tests (issue #15, class 1): whatever a user writes into a ModelCache's or a Model's
+//! Property tests: whatever a user writes into a ModelCache's or a Model's
 //! annotations, source and status, and whatever a pod reports (termination message, log tail,
 //! waiting reasons), the pure planners return a plan — they never panic. The planners are where
 //! every annotation and JSON-map reader of the controller runs (pod labels/annotations, rerun

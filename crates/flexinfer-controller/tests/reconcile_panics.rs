@@ -1,4 +1,4 @@
-//! Issue #15 class 1: a panic inside one object's reconcile is an error for that object; the
+//! A panic inside one object's reconcile is an error for that object; the
 //! controller keeps reconciling the others and retries the panicking one with backoff.
 //! Runs a kube-runtime `Controller` over ConfigMaps of a test namespace on the real API server,
 //! with the same `supervise::Guard` the ModelCache and Model controllers use.

@@ -1,5 +1,5 @@
 //! The controller binary refuses a setting it cannot parse at start-up, before it touches the
-//! cluster, with a message naming the variable (issue #16 item 5, #15 class 1): a typo in the
+//! cluster, with a message naming the variable: a typo in the
 //! chart's `extraEnv` is a crash-looping pod with a clear log line, not a silently ignored value.
 
 use std::process::Command;

@@ -1,7 +1,7 @@
 //! File helpers shared by the engine, the worker and the CLI. Each returns `std::io::Result`; the
 //! callers put the path into their own error type.
 //!
-//! Untrusted files (docs/dev/architecture.md §8): every name taken from a downloaded file goes
+//! Untrusted files (docs/dev/architecture.md, "Untrusted input"): every name taken from a downloaded file goes
 //! through [`open_regular_within`] (or [`read_within`]), and every file read whole goes through a
 //! [`Limit`].
 // Integer overflow from user or model values must be an error or saturate, never wrap or panic.

@@ -1,4 +1,4 @@
-//! Memory of reading a request body's `model` (issue #40): the peek and the rewrite of an 8 MB
+//! Memory of reading a request body's `model`: the peek and the rewrite of an 8 MB
 //! body must not allocate in proportion to what they skip. A counting allocator records the peak
 //! of live heap bytes above the level before each call (this binary has one test, so no other
 //! test allocates meanwhile). `--nocapture` prints the figures (docs/benchmarks.md).
@@ -51,7 +51,7 @@ fn wide(prefix: &str, total: usize) -> Vec<u8> {
     b
 }
 
-/// The earlier reading (before issue #40), measured side by side: `model` parsed into a
+/// The earlier reading (before the streaming peek), measured side by side: `model` parsed into a
 /// `serde_json::Value`, and the rewrite through a whole tree.
 fn tree_peek(body: &[u8]) -> Option<String> {
     #[derive(serde::Deserialize)]

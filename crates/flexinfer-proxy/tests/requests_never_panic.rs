@@ -1,4 +1,4 @@
-//! Property tests (issue #15, class 1) over what a client or a Model author controls in the proxy:
+//! Property tests over what a client or a Model author controls in the proxy:
 //! request bodies (the `model` peek and the rewrite), `Authorization` headers against the key
 //! list, the requested model name against the routing table, and a Model's serverless timings
 //! (cold-start wait, keepalive, the lastActiveTime write decision). None may panic.

@@ -1,4 +1,4 @@
-//! Bad limit settings (issue #40) stop the proxy at start with an error that names the setting,
+//! Bad limit settings stop the proxy at start with an error that names the setting,
 //! before it connects anywhere (no cluster needed: the settings are read first).
 
 #![allow(clippy::panic)] // test code: a panic is the failure report

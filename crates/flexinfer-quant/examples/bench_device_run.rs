@@ -1,4 +1,4 @@
-//! The whole-run benchmark of issue #44 (not a test): a generated model of a published shape, quantized by
+//! The whole-run benchmark (not a test): a generated model of a published shape, quantized by
 //! the pipeline (4-bit g128, the defaults) on a device or the CPU, with the time of each phase and the peak
 //! host memory. Random weights are fine for time.
 //!
@@ -16,8 +16,8 @@
 use flexinfer_quant::calib::CalibSettings;
 use flexinfer_quant::device::{select_device, MemoryBudget, SystemPlatform, VendorLibs};
 use flexinfer_quant::events::EventSink;
+use flexinfer_quant::job::{run, QuantizeJob};
 use flexinfer_quant::params::GateParams;
-use flexinfer_quant::pipeline::{run, QuantizeJob};
 use rayon::prelude::*;
 use serde_json::{json, Map, Value};
 use std::path::{Path, PathBuf};

@@ -105,7 +105,7 @@ fn bench_fp8_vs_gptq(runs: usize, samples: usize, seq_len: usize) {
     for run in 1..=runs {
         let out = tmp.path().join("fp8");
         let _ = std::fs::remove_dir_all(&out);
-        flexinfer_quant::pipeline::release_free_memory();
+        flexinfer_quant::job::release_free_memory();
         let _ = std::fs::write("/proc/self/clear_refs", "5");
         let baseline = rss_mib();
         let t = Instant::now();
@@ -117,7 +117,7 @@ fn bench_fp8_vs_gptq(runs: usize, samples: usize, seq_len: usize) {
                 dynamic_exclusion: None,
                 script_version: "bench",
                 verify_save_sha256: true,
-                max_shard_bytes: flexinfer_quant::pipeline::DEFAULT_MAX_SHARD_BYTES,
+                max_shard_bytes: flexinfer_quant::job::DEFAULT_MAX_SHARD_BYTES,
             },
             &flexinfer_quant::events::NullSink,
         )
@@ -145,10 +145,10 @@ fn bench_fp8_vs_gptq(runs: usize, samples: usize, seq_len: usize) {
 /// The generator's freed memory is returned first, then the peak-RSS counter is reset so the peak
 /// covers the run (Linux clear_refs, value 5); what is resident then is the baseline.
 fn measured_run(
-    job: &flexinfer_quant::pipeline::QuantizeJob,
-) -> (flexinfer_quant::pipeline::Outcome, f64, f64) {
-    use flexinfer_quant::pipeline::run;
-    flexinfer_quant::pipeline::release_free_memory();
+    job: &flexinfer_quant::job::QuantizeJob,
+) -> (flexinfer_quant::job::Outcome, f64, f64) {
+    use flexinfer_quant::job::run;
+    flexinfer_quant::job::release_free_memory();
     let _ = std::fs::write("/proc/self/clear_refs", "5");
     let baseline = rss_mib();
     let t = Instant::now();
@@ -333,7 +333,7 @@ fn bench_generated(
     samples: usize,
     seq_len: usize,
 ) {
-    use flexinfer_quant::pipeline::QuantizeJob;
+    use flexinfer_quant::job::QuantizeJob;
     let tmp = tempfile::tempdir().expect("tempdir");
     let model = tmp.path().join("model");
     let t = Instant::now();
@@ -361,7 +361,7 @@ fn bench_generated(
             .expect("BENCH_MEMORY_LIMIT_MIB is a number of MiB")
     });
     let group = limit.map(|mib| {
-        flexinfer_quant::pipeline::release_free_memory();
+        flexinfer_quant::job::release_free_memory();
         let g = enforce_memory_limit(mib);
         println!(
             "{name}: quantizing under an enforced memory limit of {mib} MiB ({})",
@@ -443,7 +443,7 @@ fn main() {
     println!("threads: {par:?}, runs per shape: {runs}; each run measures GEMM/Cholesky rate right before its solve");
     let tokens = 2048;
     let backend = CpuBackend::default();
-    // Issue #45's knobs, for the time each costs: BENCH_BITS, BENCH_ACT_GROUP_AWARE=1, BENCH_CLIP_SEARCH=1,
+    // The low-bit quality knobs, for the time each costs: BENCH_BITS, BENCH_ACT_GROUP_AWARE=1, BENCH_CLIP_SEARCH=1,
     // BENCH_REFINE_ROUNDS=N.
     let knob = |name: &str| std::env::var(name).is_ok_and(|v| v == "1" || v == "true");
     let params = GptqParams {
@@ -688,8 +688,8 @@ fn bench_job(
     ds: &std::path::Path,
     samples: usize,
     seq_len: usize,
-) -> flexinfer_quant::pipeline::QuantizeJob {
-    flexinfer_quant::pipeline::QuantizeJob::new(
+) -> flexinfer_quant::job::QuantizeJob {
+    flexinfer_quant::job::QuantizeJob::new(
         model,
         &dir.join("out"),
         ds,

@@ -12,9 +12,9 @@
 
 use flexinfer_quant::calib::CalibSettings;
 use flexinfer_quant::events::MemorySink;
+use flexinfer_quant::job::{run, QuantizeJob};
 use flexinfer_quant::linalg::CpuBackend;
 use flexinfer_quant::params::{GateParams, GptqParams};
-use flexinfer_quant::pipeline::{run, QuantizeJob};
 use std::path::{Path, PathBuf};
 
 fn main() {

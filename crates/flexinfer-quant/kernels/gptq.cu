@@ -528,7 +528,7 @@ GPTQ_KERNEL void gptq_gather_coef(float *coef, const float *m, int ldm, int n, i
 }
 
 /*
- * ---- The calibration forward (issue #44; docs/dev/gptq-device.md §9) ----
+ * ---- The calibration forward (docs/dev/gptq-device.md, "The calibration forward on the device") ----
  * Activations are column-major `tokens x features` with a leading dimension (the engine's faer layout): one
  * thread per token reads a feature column's entries at adjacent addresses across a warp. The layer's GEMMs
  * go through the vendor's sgemm or gptq_block_update (src/device/kernel/forward.rs); these kernels do the

@@ -1,4 +1,4 @@
-//! Where the engine reports what it does. The worker turns these into JSON lines on stdout (docs/dev/architecture.md §2).
+//! Where the engine reports what it does. The worker turns these into JSON lines on stdout (docs/dev/architecture.md, "The controller–worker contract").
 
 use serde_json::{Map, Value};
 use std::sync::Mutex;

@@ -1,6 +1,6 @@
 //! FlexInfer's GPTQ quantization engine.
 //!
-//! The folders follow the architecture (docs/dev/architecture.md, "The quantization engine"):
+//! The folders follow the architecture (docs/dev/architecture.md, "Inside the engine and the CLI"):
 //! - [`numerics`]: the maths, bottom-up: [`quantizer`] (min/max grid), [`linalg`] (dense steps behind
 //!   the device interface, faer CPU backend), [`hessian`] (preparation + recovery loop), [`gptq`]
 //!   (column sweep, RTN), [`pack`] (gptq checkpoint packing);
@@ -12,7 +12,7 @@
 //!   [`writer`] the checkpoint;
 //! - cross-cutting: [`params`], [`exclusion`], [`events`], [`error`], [`fsutil`].
 //!
-//! The old flat module paths (`flexinfer_quant::gptq`, `::pipeline`, …) stay as re-exports.
+//! The flat module paths (`flexinfer_quant::gptq`, `::tensors`, …) stay as re-exports.
 
 pub mod device;
 pub mod error;
@@ -32,8 +32,6 @@ pub use error::{
     ConfigError, DatasetError, FileError, NumericError, QuantError, Result, SpecError, TensorError,
     TokenizerError,
 };
-/// The quantize job under its former name.
-pub use job as pipeline;
 pub use job::{cache, writer};
 pub use model::{calib, llama, moe, tensors};
 pub use numerics::{gptq, hessian, linalg, pack, quantizer};

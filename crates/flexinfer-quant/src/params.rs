@@ -1,4 +1,4 @@
-//! Quantization settings: the GPTQ format knobs and the Hessian-recovery tunables (docs/dev/gptq.md §1).
+//! Quantization settings: the GPTQ format knobs and the Hessian-recovery tunables (docs/dev/gptq.md, "The algorithm").
 // Sizes, head counts and offsets come from untrusted model files: overflow must be an error or
 // saturate, never wrap or panic (the numeric kernels are outside the lint).
 #![deny(clippy::arithmetic_side_effects)]

@@ -7,9 +7,9 @@ mod common;
 use flexinfer_quant::calib::CalibSettings;
 use flexinfer_quant::events::NullSink;
 use flexinfer_quant::fsutil::sha256_file;
+use flexinfer_quant::job::{run, QuantizeJob};
 use flexinfer_quant::linalg::CpuBackend;
 use flexinfer_quant::params::GptqParams;
-use flexinfer_quant::pipeline::{run, QuantizeJob};
 use std::path::Path;
 
 fn job(model: &Path, out: &Path, ds: &Path) -> QuantizeJob {

@@ -355,7 +355,7 @@ fn a_failing_reset_falls_back_and_an_accumulation_failure_is_an_error() {
 #[test]
 fn a_quantize_run_on_a_device_writes_the_cpu_runs_artifact() {
     use flexinfer_quant::calib::CalibSettings;
-    use flexinfer_quant::pipeline::{run, QuantizeJob};
+    use flexinfer_quant::job::{run, QuantizeJob};
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("model");
     flexinfer_quant::testkit::write_model(&model, "LlamaForCausalLM", 7).unwrap();

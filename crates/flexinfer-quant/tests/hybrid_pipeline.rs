@@ -7,11 +7,11 @@
 
 use flexinfer_quant::calib::CalibSettings;
 use flexinfer_quant::events::MemorySink;
+use flexinfer_quant::job::{run, Outcome, QuantizeJob};
 use flexinfer_quant::linalg::CpuBackend;
 use flexinfer_quant::llama::logits;
 use flexinfer_quant::model::{layer_modules, GptqReadConfig, ModelConfig};
 use flexinfer_quant::params::{GateParams, GptqParams};
-use flexinfer_quant::pipeline::{run, Outcome, QuantizeJob};
 use flexinfer_quant::tensors::TensorStore;
 use flexinfer_quant::testkit::{write_dataset, write_hybrid_model, HybridSize};
 use serde_json::Value;

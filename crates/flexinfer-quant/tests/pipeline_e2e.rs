@@ -6,11 +6,11 @@ mod common;
 
 use flexinfer_quant::calib::CalibSettings;
 use flexinfer_quant::events::MemorySink;
+use flexinfer_quant::job::{run, QuantizeJob};
 use flexinfer_quant::linalg::CpuBackend;
 use flexinfer_quant::llama::logits;
 use flexinfer_quant::model::ModelConfig;
 use flexinfer_quant::params::{GateParams, GptqParams, RecoveryParams};
-use flexinfer_quant::pipeline::{run, QuantizeJob};
 use flexinfer_quant::tensors::TensorStore;
 use flexinfer_quant::QuantError;
 use std::path::{Path, PathBuf};

@@ -7,9 +7,9 @@ mod common;
 
 use flexinfer_quant::calib::CalibSettings;
 use flexinfer_quant::events::MemorySink;
+use flexinfer_quant::job::{run, QuantizeJob};
 use flexinfer_quant::linalg::CpuBackend;
 use flexinfer_quant::params::GptqParams;
-use flexinfer_quant::pipeline::{run, QuantizeJob};
 use flexinfer_quant::QuantError;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

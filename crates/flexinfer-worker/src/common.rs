@@ -1,5 +1,5 @@
 //! What every worker subcommand shares: the JSON-line event stream on stdout, the termination
-//! message, the version handshake, and the exit-code mapping (docs/dev/architecture.md §2).
+//! message, the version handshake, and the exit-code mapping (docs/dev/architecture.md, "The controller–worker contract").
 
 use flexinfer_contract::exit_codes;
 
@@ -229,7 +229,7 @@ mod tests {
     use flexinfer_contract as contract;
 
     #[test]
-    fn version_mismatch_is_exit_4_with_seed_text() {
+    fn version_mismatch_is_exit_4_with_the_fatal_message() {
         assert!(check_version(None).is_ok());
         assert!(check_version(Some(contract::SCRIPT_VERSION)).is_ok());
         let e = check_version(Some("v1")).unwrap_err();

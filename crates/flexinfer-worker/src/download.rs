@@ -1,4 +1,4 @@
-//! `flexinfer-worker download`: fetch a model or dataset into `MODEL_DIR` (docs/dev/architecture.md §2, §5).
+//! `flexinfer-worker download`: fetch a model or dataset into `MODEL_DIR` (docs/dev/architecture.md, "The controller–worker contract" and "The artifact lifecycle").
 //!
 //! Sources: Hugging Face Hub (`HF://org/m`, `huggingface://org/m`, `org/m`), `oci://` artifacts
 //! (the layout `publish` writes) and `local://` paths under `FLEXINFER_LOCAL_SOURCE_ROOT`.

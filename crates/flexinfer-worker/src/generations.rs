@@ -1,5 +1,5 @@
 //! One writer per directory, and garbage collection of a phase's earlier generations
-//! (docs/dev/architecture.md, "Artifact lifecycle").
+//! (docs/dev/architecture.md, "The artifact lifecycle").
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;

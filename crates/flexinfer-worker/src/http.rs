@@ -1,5 +1,5 @@
 //! What every HTTP exchange of the worker shares: credentials bound to the origin they were
-//! configured for, and response bodies read whole only within a limit (docs/dev/architecture.md §8).
+//! configured for, and response bodies read whole only within a limit (docs/dev/architecture.md, "Untrusted input").
 
 use futures::StreamExt;
 use reqwest::Url;

@@ -1,4 +1,4 @@
-//! `flexinfer-worker quantize`: the GPTQ phase (docs/dev/architecture.md §2, docs/dev/gptq.md). Reads the env contract (every setting is also a
+//! `flexinfer-worker quantize`: the GPTQ phase (docs/dev/architecture.md, "The controller–worker contract"; docs/dev/gptq.md). Reads the env contract (every setting is also a
 //! flag; flags win), runs the `flexinfer-quant` engine on the device `GPTQ_DEVICE` selects (today always the
 //! CPU backend: see docs/dev/gptq-device.md), streams JSON-line events, writes the
 //! termination message, and exits 0 ok / 1 failure / 2 bad input / 3 quality gate / 4 version mismatch.
@@ -13,11 +13,11 @@ use flexinfer_quant::device::{select_device, MemoryBudget, Selection, SystemPlat
 use flexinfer_quant::events::EventSink;
 use flexinfer_quant::fp8::{write_fp8_artifact, Fp8Job, ScaleStrategy};
 use flexinfer_quant::gguf::{write_gguf_artifact, FileType, GgufArtifactJob};
+use flexinfer_quant::job::importance::{collect_importance, Importance, ImportanceJob};
+use flexinfer_quant::job::{self as quantize_job, QuantizeJob};
 use flexinfer_quant::params::{
     ClipSearch, FloorMode, GateParams, GptqParams, RecoveryParams, RefineScales,
 };
-use flexinfer_quant::pipeline::importance::{collect_importance, Importance, ImportanceJob};
-use flexinfer_quant::pipeline::{self, QuantizeJob};
 use flexinfer_quant::QuantError;
 
 use crate::common::{self, Events, ExitKind, WorkerError};
@@ -70,7 +70,7 @@ pub struct QuantizeArgs {
     pub dynamic_exclusion: Option<String>,
     /// MoE: experts routed fewer than this percentage of the calibration tokens take RTN (counted in the gate
     /// and in the quality sidecar's `expertCoverage`).
-    #[arg(long, default_value_t = flexinfer_quant::pipeline::DEFAULT_EXPERT_MIN_TOKEN_PERCENT)]
+    #[arg(long, default_value_t = flexinfer_quant::job::DEFAULT_EXPERT_MIN_TOKEN_PERCENT)]
     pub expert_min_token_percent: f64,
     #[arg(long, env = env::MAX_SEQ_LEN, default_value_t = 2048)]
     pub max_seq_len: usize,
@@ -127,7 +127,7 @@ pub struct QuantizeArgs {
     #[arg(long, env = env::GPTQ_MIN_MODULES_FOR_FALLBACK_GATE, default_value_t = 100)]
     pub min_modules_for_fallback_gate: u64,
     /// Maximum bytes per output shard.
-    #[arg(long, default_value_t = flexinfer_quant::pipeline::DEFAULT_MAX_SHARD_BYTES)]
+    #[arg(long, default_value_t = flexinfer_quant::job::DEFAULT_MAX_SHARD_BYTES)]
     pub max_shard_bytes: u64,
     #[arg(long, env = TEST_ABORT_AFTER_LAYER_ENV, hide = true)]
     pub test_abort_after_layer: Option<usize>,
@@ -317,7 +317,7 @@ fn run_locked(
 ) -> Result<TerminationSuccess, WorkerError> {
     let sink = WorkerSink(events);
     let device = selection.device.as_ref();
-    let outcome = match pipeline::run(job, device, &sink) {
+    let outcome = match quantize_job::run(job, device, &sink) {
         Ok(o) => o,
         Err(QuantError::TestAbort(layer)) => {
             events.log(&format!("test hook: aborting after layer {layer}"));

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GGUF quality with and without an importance matrix (benchmark, not a test; issue #39 item 2), on the
+# GGUF quality with and without an importance matrix (benchmark, not a test), on the
 # trained tiny Llama of `make oracle` (scripts/oracle/train_tiny_llama.py: its calib.jsonl for calibration,
 # its eval.txt — held-out files — for perplexity). Every perplexity is llama.cpp's own llama-perplexity
 # (Debian sid llama.cpp 0.7.0, scripts/gguf/llamacpp-root.sh) on eval.txt:

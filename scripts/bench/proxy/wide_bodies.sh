@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Wide-body load (issue #40; a benchmark, not a test): the proxy binary receives N (8) bodies of 8 MB
+# Wide-body load (a benchmark, not a test): the proxy binary receives N (8) bodies of 8 MB
 # `{"model":[0,0,…]}` at once and must answer each 400 (or 413/429) and stay up; prints the answers and the
 # proxy's resident memory (VmRSS idle, VmHWM peak). No cluster is needed: the proxy's kubeconfig points at a closed
 # port, so it routes nothing, but a body is read and its model peeked before routing.

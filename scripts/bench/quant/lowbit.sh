@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPTQ at 4, 3 and 2 bits on a TRAINED model (issue #45; not a test): held-out perplexity and KL to f32 of the
+# GPTQ at 4, 3 and 2 bits on a TRAINED model (not a test): held-out perplexity and KL to f32 of the
 # tiny Llama of scripts/oracle/train_tiny_llama.py (trained first when missing), quantized g128 symmetric by
 #   - round-to-nearest (scripts/oracle/lowbit_eval.py --rtn)
 #   - the engine through the worker CLI (flexinfer-worker quantize, GPTQ_DEVICE=cpu), once per knob setting

@@ -115,7 +115,7 @@ pub(super) fn check_quantize_config(
     }
 }
 
-/// Parse and check `quantization_config` (config.json) against docs/dev/gptq.md §2.4/§2.5.
+/// Parse and check `quantization_config` (config.json) against docs/dev/gptq.md, "What vLLM needs" and "Config fields".
 fn check_qconfig(r: &mut Report, qc: &Value, origin: &str) -> Option<Gptq> {
     let method_ok = check_quant_method(r, qc, origin);
     let bits = check_bits(r, qc, origin);

@@ -1,6 +1,6 @@
 //! `flexinfer quantize validate-artifact`: for GGUF (`--layout gguf`, chosen when the path is or
 //! holds `.gguf` files) the checks of [`gguf`]; for `--layout vllm-gptq`, a native check that a GPTQ
-//! checkpoint directory is what vLLM (Marlin/ExLlama) and transformers load (docs/dev/gptq.md §2),
+//! checkpoint directory is what vLLM (Marlin/ExLlama) and transformers load (docs/dev/gptq.md, "The checkpoint"),
 //! that the save completed (`.save-complete` sizes and sha256) and that the quality gate passed.
 //!
 //! One module per check, run in this order: [`config`] (config.json, the family, quantize_config.json),

@@ -1,4 +1,4 @@
-//! validate-artifact: a small good GPTQ artifact built here following docs/dev/gptq.md §2, and one
+//! validate-artifact: a small good GPTQ artifact built here following docs/dev/gptq.md, "The checkpoint", and one
 //! defect of each kind.
 
 use std::collections::BTreeMap;

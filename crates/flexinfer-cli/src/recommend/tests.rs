@@ -227,7 +227,7 @@ fn table_of_models_and_gpus() {
 }
 
 #[test]
-fn gfx1100_reason_names_exllama_and_seed_times() {
+fn gfx1100_reason_names_exllama_and_the_expected_times() {
     let rec = recommend(&model(8.0, false, false), &gpu("gfx1100"));
     assert!(
         rec.reasons.iter().any(|r| r.contains("ExLlama")),

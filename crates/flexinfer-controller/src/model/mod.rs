@@ -1,4 +1,4 @@
-//! Model controller (docs/dev/architecture.md §4): a Model becomes a Deployment and a Service for its backend,
+//! Model controller (docs/dev/architecture.md, "The Model controller"): a Model becomes a Deployment and a Service for its backend,
 //! scaled by the replica policy and guarded by the quantized-artifact promotion gate.
 //!
 //! The decisions live in pure modules: [`plan`] (which uses `gate`, `replicas`, `render` and

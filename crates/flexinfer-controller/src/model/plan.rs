@@ -1,4 +1,4 @@
-//! The Model planner (docs/dev/architecture.md §4). Pure: no API calls, no clock reads.
+//! The Model planner (docs/dev/architecture.md, "The Model controller"). Pure: no API calls, no clock reads.
 //!
 //! [`plan`] decides, from the Model and what the reconciler observed, the gate, the replicas and
 //! which children to apply (or why none are applied: a configuration problem, or an existing

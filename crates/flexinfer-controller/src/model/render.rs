@@ -1,4 +1,4 @@
-//! Pure rendering of a Model into its Deployment and Service (docs/dev/architecture.md §4).
+//! Pure rendering of a Model into its Deployment and Service (docs/dev/architecture.md, "The Model controller").
 //!
 //! `render` takes the Model and what the reconciler looked up (the referenced ModelCache and
 //! GPUProfile, `None` when not found) and returns the children, or the configuration problem

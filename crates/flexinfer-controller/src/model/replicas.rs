@@ -1,4 +1,4 @@
-//! Replica policy (docs/dev/architecture.md §4): pure, from the spec, `status.lastActiveTime` and the clock.
+//! Replica policy (docs/dev/architecture.md, "The Model controller"): pure, from the spec, `status.lastActiveTime` and the clock.
 
 use std::time::Duration;
 

@@ -1,4 +1,4 @@
-//! Shared GPU groups (docs/dev/architecture.md §4.3): the Models of one namespace with the same
+//! Shared GPU groups (docs/dev/architecture.md, "Shared GPU groups"): the Models of one namespace with the same
 //! `spec.gpu.shared` take turns on one GPU lane. Pure: [`arbitrate`] decides, from what each member
 //! wants on its own and what its Deployment runs now, which member holds the lane and how many
 //! replicas each may have.

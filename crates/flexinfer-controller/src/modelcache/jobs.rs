@@ -1,4 +1,4 @@
-//! Pure builders of the pipeline Job and PVC objects (docs/dev/architecture.md §3). What runs where
+//! Pure builders of the pipeline Job and PVC objects (docs/dev/architecture.md, "The ModelCache pipeline"). What runs where
 //! (GPUProfile, image, node selector) and the spec hashes live in `target` and are re-exported here.
 
 use std::collections::BTreeMap;

@@ -1,4 +1,4 @@
-//! ModelCache pipeline controller (docs/dev/architecture.md §3): pure planning ([`plan`]), Job builders ([`jobs`]),
+//! ModelCache pipeline controller (docs/dev/architecture.md, "The ModelCache pipeline"): pure planning ([`plan`]), Job builders ([`jobs`]),
 //! and the thin reconciler ([`reconcile`]).
 
 mod advance;

@@ -1,4 +1,4 @@
-//! The ModelCache state machine (docs/dev/architecture.md §3) as one pure function: `plan(cache, observed, config,
+//! The ModelCache state machine (docs/dev/architecture.md, "The ModelCache pipeline") as one pure function: `plan(cache, observed, config,
 //! now) -> Plan`. No I/O happens here; the reconciler observes, calls `plan`, and applies it.
 //!
 //! `plan` runs named steps, each in its own module: `deletion` (finalizer and claim),

@@ -1,5 +1,5 @@
 //! What each phase runs where: enabled phases, GPUProfile and node selector, image
-//! resolution, the per-phase spec hashes (§3.3) and the directories inside the cache volume.
+//! resolution, the per-phase spec hashes (docs/dev/architecture.md, "The ModelCache pipeline") and the directories inside the cache volume.
 
 use std::collections::BTreeMap;
 

@@ -1,4 +1,4 @@
-//! The proxy's limits without a cluster (issue #40): the cluster view is fed by hand
+//! The proxy's limits without a cluster: the cluster view is fed by hand
 //! ([`Cluster::offline`]), backends and the API server's `models/status` endpoint are small hyper
 //! servers on 127.0.0.1, and the proxy serves on 127.0.0.1.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -339,7 +339,7 @@ async fn requests_over_the_global_limit_and_queue_are_answered_429() {
 
 #[tokio::test]
 async fn eight_wide_bodies_at_once_are_refused_within_the_body_budget() {
-    // The issue's body: 8 MB of `[0,0,…]` as the model, eight at once, with the defaults at the
+    // The wide-body load: 8 MB of `[0,0,…]` as the model, eight at once, with the defaults at the
     // chart's 256 MiB limit (128 MiB budget, 8 MiB cap).
     let budget = 128 << 20;
     let mut h = harness(Config {
@@ -494,7 +494,7 @@ fn vm_hwm_mib() -> f64 {
         .map_or(0.0, |kb| kb / 1024.0)
 }
 
-/// Not a test: a benchmark that prints its figures (docs/benchmarks.md, "Proxy: cold-start
+/// Not a test: a benchmark that prints its figures (docs/benchmarks.md, "Cold-start
 /// stampede"). `STAMPEDE_N` (default 2000) concurrent requests to a scaled-to-zero Model with the
 /// default limits; the Model becomes ready once every request is waiting or answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

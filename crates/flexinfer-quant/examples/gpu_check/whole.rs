@@ -5,10 +5,10 @@ use flexinfer_quant::calib::CalibSettings;
 use flexinfer_quant::device::check::{self, Check};
 use flexinfer_quant::device::Device;
 use flexinfer_quant::events::MemorySink;
+use flexinfer_quant::job::{run, QuantizeJob};
 use flexinfer_quant::linalg::CpuBackend;
 use flexinfer_quant::model::tensors::TensorStore;
 use flexinfer_quant::params::{GateParams, GptqParams};
-use flexinfer_quant::pipeline::{run, QuantizeJob};
 use flexinfer_quant::testkit::{self, ModelSize};
 use std::path::Path;
 

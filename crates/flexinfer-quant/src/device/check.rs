@@ -1,5 +1,5 @@
-//! Checks of a GPU solve device against the CPU backend, each with a stated bound (docs/dev/gptq-device.md
-//! §7). `scripts/gpu-check.sh` runs them on a card (`examples/gpu_check/`); tests/gpu_session.rs runs them
+//! Checks of a GPU solve device against the CPU backend, each with a stated bound (docs/dev/gptq-device.md,
+//! "The card check"). `scripts/gpu-check.sh` runs them on a card (`examples/gpu_check/`); tests/gpu_session.rs runs them
 //! through the host build of the same kernels, including vendors that corrupt one kernel's output, so a
 //! check that cannot fail would be noticed.
 //!

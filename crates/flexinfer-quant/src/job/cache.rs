@@ -1,4 +1,4 @@
-//! Per-layer resume cache under `$MODEL_DIR/.flexinfer-gptq-cache/` (docs/dev/gptq.md §1.8).
+//! Per-layer resume cache under `$MODEL_DIR/.flexinfer-gptq-cache/` (docs/dev/gptq.md, "Layer pipeline").
 //! Any problem with the cache wipes it and the run proceeds from layer 0: resume never blocks a run.
 // Sizes, head counts and offsets come from untrusted model files: overflow must be an error or
 // saturate, never wrap or panic (the numeric kernels are outside the lint).

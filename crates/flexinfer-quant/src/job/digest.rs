@@ -43,7 +43,7 @@ pub(crate) fn input_digest(model_dir: &Path, store: &TensorStore) -> Result<Stri
     model_fingerprint(model_dir, store)
 }
 
-/// sha256 over everything that determines the output bytes (docs/dev/architecture.md, "Artifact
+/// sha256 over everything that determines the output bytes (docs/dev/architecture.md, "The artifact
 /// lifecycle"): the input, the GPTQ, recovery and calibration settings, the exclusions, the engine
 /// version. The gate's thresholds are not part of it: they decide whether an artifact is promoted, not
 /// its bytes.

@@ -1,5 +1,5 @@
 //! Hessian preparation (sanitise, dead columns, act-order permutation) and the recovery loop that turns it into
-//! the sweep factor (one Cholesky factorisation; see [`crate::numerics::linalg`]) (docs/dev/gptq.md §1.2–§1.4).
+//! the sweep factor (one Cholesky factorisation; see [`crate::numerics::linalg`]) (docs/dev/gptq.md, "Hessian" to "The factor").
 
 use crate::events::{fields, EventSink};
 use crate::numerics::linalg::{LinalgBackend, SweepFactor};

@@ -1,4 +1,4 @@
-//! Bit packing of the `gptq` checkpoint (docs/dev/gptq.md §2.2, §2.3).
+//! Bit packing of the `gptq` checkpoint (docs/dev/gptq.md, "Packing" and "Zero points (v1)").
 //!
 //! Every bit width uses the same little-endian bit stream: value `k` along the packed dimension occupies bits
 //! `k·bits .. (k+1)·bits` of the stream, words in order. For 2/4/8 bits this is the usual nibble order; for

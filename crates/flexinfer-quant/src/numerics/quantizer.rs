@@ -1,4 +1,4 @@
-//! Per-row min/max quantizer with the reference tools' conventions (docs/dev/gptq.md §1.6).
+//! Per-row min/max quantizer with the reference tools' conventions (docs/dev/gptq.md, "The quantizer and groups").
 
 /// Scale and integer zero-point for each output row of one group.
 #[derive(Clone, Debug, PartialEq)]

@@ -45,7 +45,7 @@ fn parses_the_vllm_command_line_the_model_controller_renders() {
 #[test]
 fn loads_a_quantized_artifact_and_decodes_greedily() {
     use flexinfer_quant::calib::CalibSettings;
-    use flexinfer_quant::pipeline::{run, QuantizeJob};
+    use flexinfer_quant::job::{run, QuantizeJob};
     let tmp = tempfile::tempdir().expect("tmp");
     let model = tmp.path().join("model");
     flexinfer_quant::testkit::write_model(&model, "LlamaForCausalLM", 3).expect("model");

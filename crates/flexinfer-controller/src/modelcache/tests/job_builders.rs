@@ -3,7 +3,7 @@
 use super::*;
 
 #[test]
-fn quant_spec_hash_matches_the_seed_formula() {
+fn quant_spec_hash_keeps_the_legacy_formula_and_leaves_run_only_settings_out() {
     let mc = cache(FULL);
     let q = serde_json::to_value(&mc.spec.quantization).expect("json");
     let canon = jobs::canonical_json(&q);

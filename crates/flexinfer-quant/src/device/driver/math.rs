@@ -1,7 +1,7 @@
 //! The vendors' BLAS and solver libraries, loaded at run time with `dlopen` next to the runtime: cuBLAS and
 //! cuSOLVER for CUDA, rocBLAS and rocSOLVER for HIP. Where they load, the session uses `ssyrk` for the
 //! Hessian accumulation, `sgemm` for the sweep's block update and `spotrf` for the factorisation instead of
-//! the kernels of `gptq.cu` (docs/dev/gptq-device.md §5); where they do not, nothing changes.
+//! the kernels of `gptq.cu` (docs/dev/gptq-device.md, "The GPU session"); where they do not, nothing changes.
 //!
 //! Every call runs on the vendor's context (made current by the caller) and on the runtime's default stream,
 //! the stream the kernels are launched on, so library calls and kernel launches stay in order. The handles

@@ -1,4 +1,4 @@
-//! The calibration forward on the device (issue #44; docs/dev/gptq-device.md §9): the samples' activations
+//! The calibration forward on the device (docs/dev/gptq-device.md, "The calibration forward on the device"): the samples' activations
 //! stay on the device for the whole run, each layer's stages run there in batches of samples, and each
 //! batch's module-group input goes straight into the input group's Hessian session without leaving the
 //! device ([`super::super::Session::accumulate_resident`]).

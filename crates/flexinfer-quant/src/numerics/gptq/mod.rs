@@ -1,4 +1,4 @@
-//! The GPTQ column sweep (lazy batch updates) and the RTN fallback (docs/dev/gptq.md §1.5–§1.7).
+//! The GPTQ column sweep (lazy batch updates) and the RTN fallback (docs/dev/gptq.md, "The sweep" to "RTN fallback and its gate").
 
 use crate::numerics::hessian::PreparedFactor;
 use crate::numerics::linalg::LinalgBackend;
