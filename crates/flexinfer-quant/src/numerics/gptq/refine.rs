@@ -71,6 +71,8 @@ pub(crate) struct RefineSetup {
     hw: Vec<f32>,
     /// `w_r·H·w_rᵀ` of every row: the constant of each row's error.
     wt_h_w: Vec<f64>,
+    /// See [`REFIT_BLOCK_BYTES`] (smaller in tests, to run several blocks).
+    block_bytes: usize,
 }
 
 impl RefineSetup {
@@ -140,6 +142,7 @@ impl RefineSetup {
             h,
             hw,
             wt_h_w,
+            block_bytes: REFIT_BLOCK_BYTES,
         }
     }
 
@@ -175,67 +178,82 @@ impl RefineSetup {
                 }
             });
         // Per row, the normal equations of its scales: M[g][h] = a_g·H_gh·a_hᵀ, b[g] = a_g·(H·wᵀ)_g.
-        let mut m = vec![0f64; rows * gg];
-        let mut b = vec![0f64; rows * groups];
-        b.par_chunks_mut(groups).enumerate().for_each(|(r, br)| {
-            let (ar, hwr) = (&a[r * n..(r + 1) * n], &self.hw[r * n..(r + 1) * n]);
-            for &(s, e, g) in &self.segs {
-                br[g] = dot(&ar[s..e], &hwr[s..e]);
-            }
-        });
-        // For the group at [s, e): T = H[s.., s..e]·A_gᵀ, enough for M[g][h] of the groups from it on (M is
-        // symmetric), about half the work of the full product.
-        let a_mat = MatRef::from_column_major_slice(&a, n, rows);
-        let mut t = vec![0f32; n * rows];
-        for (i, &(s, e, g)) in self.segs.iter().enumerate() {
-            let len = n - s;
-            matmul(
-                MatMut::from_column_major_slice_mut(&mut t[..len * rows], len, rows),
-                Accum::Replace,
-                self.h.as_ref().submatrix(s, s, len, e - s),
-                a_mat.subrows(s, e - s),
-                1.0,
-                Par::rayon(0),
-            );
-            let t = &t[..len * rows];
-            let later = &self.segs[i..];
-            m.par_chunks_mut(gg).enumerate().for_each(|(r, mr)| {
-                let (tr, ar) = (&t[r * len..(r + 1) * len], &a[r * n..(r + 1) * n]);
-                for &(s2, e2, g2) in later {
-                    let v = dot(&tr[s2 - s..e2 - s], &ar[s2..e2]);
-                    mr[g * groups + g2] += v;
-                    if g2 != g {
-                        mr[g2 * groups + g] += v;
-                    }
-                }
-            });
-        }
+        // By blocks of rows, so the per-row systems (`groups²` f64 each: 0.9 MiB per row at 344 groups) and the
+        // product below stay within a bound whatever the module's shape.
+        let block = (self.block_bytes / (8 * gg))
+            .min(self.block_bytes / (4 * n))
+            .clamp(ROW_CHUNK, rows.max(ROW_CHUNK))
+            .min(rows);
+        let mut m = vec![0f64; block * gg];
+        let mut t = vec![0f32; n * block];
         let old: Vec<f32> = scales.to_vec();
-        let results: Vec<(Option<Vec<f32>>, f64, f64)> = (0..rows)
-            .into_par_iter()
-            .map(|r| {
-                let mr = &m[r * gg..(r + 1) * gg];
-                let br = &b[r * groups..(r + 1) * groups];
-                let s_old: Vec<f64> = (0..groups)
-                    .map(|g| f64::from(half::f16::from_f32(old[g * rows + r]).to_f32()))
-                    .collect();
-                let e_old = quadratic(mr, br, &s_old);
-                let Some(s_new) = solve_row(mr, br, &s_old) else {
-                    return (None, e_old, e_old);
-                };
-                let s16: Vec<f64> = s_new
-                    .iter()
-                    .map(|&s| f64::from(half::f16::from_f32(s as f32).to_f32()))
-                    .collect();
-                let ok = s16.iter().all(|&s| s.is_finite() && s > 0.0);
-                let e_new = quadratic(mr, br, &s16);
-                if ok && e_new < e_old {
-                    (Some(s16.iter().map(|&s| s as f32).collect()), e_old, e_new)
-                } else {
-                    (None, e_old, e_old)
-                }
-            })
-            .collect();
+        let mut results: Vec<(Option<Vec<f32>>, f64, f64)> = Vec::with_capacity(rows);
+        for r0 in (0..rows).step_by(block) {
+            let cnt = block.min(rows - r0);
+            let m = &mut m[..cnt * gg];
+            m.fill(0.0);
+            let a_blk = &a[r0 * n..(r0 + cnt) * n];
+            let a_mat = MatRef::from_column_major_slice(a_blk, n, cnt);
+            // Per row, the normal equations of its scales: M[g][h] = a_g·H_gh·a_hᵀ. For the group at [s, e):
+            // T = H[s.., s..e]·A_gᵀ, enough for M[g][h] of the groups from it on (M is symmetric), about half
+            // the work of the full product.
+            for (i, &(s, e, g)) in self.segs.iter().enumerate() {
+                let len = n - s;
+                matmul(
+                    MatMut::from_column_major_slice_mut(&mut t[..len * cnt], len, cnt),
+                    Accum::Replace,
+                    self.h.as_ref().submatrix(s, s, len, e - s),
+                    a_mat.subrows(s, e - s),
+                    1.0,
+                    Par::rayon(0),
+                );
+                let t = &t[..len * cnt];
+                let later = &self.segs[i..];
+                m.par_chunks_mut(gg).enumerate().for_each(|(k, mr)| {
+                    let (tr, ar) = (&t[k * len..(k + 1) * len], &a_blk[k * n..(k + 1) * n]);
+                    for &(s2, e2, g2) in later {
+                        let v = dot(&tr[s2 - s..e2 - s], &ar[s2..e2]);
+                        mr[g * groups + g2] += v;
+                        if g2 != g {
+                            mr[g2 * groups + g] += v;
+                        }
+                    }
+                });
+            }
+            let m = &*m;
+            let block_results: Vec<(Option<Vec<f32>>, f64, f64)> = (0..cnt)
+                .into_par_iter()
+                .map(|k| {
+                    let r = r0 + k;
+                    let mr = &m[k * gg..(k + 1) * gg];
+                    // b[g] = a_g·(H·wᵀ)_g.
+                    let (ar, hwr) = (&a_blk[k * n..(k + 1) * n], &self.hw[r * n..(r + 1) * n]);
+                    let mut br = vec![0f64; groups];
+                    for &(s, e, g) in &self.segs {
+                        br[g] = dot(&ar[s..e], &hwr[s..e]);
+                    }
+                    let s_old: Vec<f64> = (0..groups)
+                        .map(|g| f64::from(half::f16::from_f32(old[g * rows + r]).to_f32()))
+                        .collect();
+                    let e_old = quadratic(mr, &br, &s_old);
+                    let Some(s_new) = solve_row(mr, &br, &s_old) else {
+                        return (None, e_old, e_old);
+                    };
+                    let s16: Vec<f64> = s_new
+                        .iter()
+                        .map(|&s| f64::from(half::f16::from_f32(s as f32).to_f32()))
+                        .collect();
+                    let ok = s16.iter().all(|&s| s.is_finite() && s > 0.0);
+                    let e_new = quadratic(mr, &br, &s16);
+                    if ok && e_new < e_old {
+                        (Some(s16.iter().map(|&s| s as f32).collect()), e_old, e_new)
+                    } else {
+                        (None, e_old, e_old)
+                    }
+                })
+                .collect();
+            results.extend(block_results);
+        }
         // The quadratic leaves out the constant `w·H·wᵀ`; it is the same before and after, so only the
         // difference is reported faithfully: the totals below add it back per row.
         let mut stats = RefineStats::default();
@@ -256,6 +274,10 @@ impl RefineSetup {
 
 /// Rows of W per task when a row-major copy is built from columns: each column's reads stay contiguous.
 const ROW_CHUNK: usize = 64;
+
+/// The most bytes the refit's per-row systems, and separately its product, take for one block of rows (at least
+/// [`ROW_CHUNK`] rows a block).
+const REFIT_BLOCK_BYTES: usize = 256 << 20;
 
 /// `(start, end, value)` of each run of equal values.
 fn segments(values: impl Iterator<Item = usize>) -> Vec<(usize, usize, usize)> {
@@ -355,4 +377,66 @@ fn solve_row(m: &[f64], b: &[f64], s_old: &[f64]) -> Option<Vec<f64>> {
         out[i] = rhs[idx];
     }
     Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// Blocks of rows give the same refit as one block: 150 rows in blocks of 64 (the smallest block).
+    #[test]
+    fn blocks_of_rows_refit_as_one_block() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let (rows, n, gs) = (150usize, 96usize, 16usize);
+        let groups = n / gs;
+        let x = Mat::<f32>::from_fn(4 * n, n, |_, _| rng.random_range(-1.0f32..1.0));
+        let mut h = Mat::<f32>::zeros(n, n);
+        matmul(
+            h.as_mut(),
+            Accum::Replace,
+            x.transpose(),
+            x.as_ref(),
+            1.0,
+            Par::Seq,
+        );
+        let w: Vec<Vec<f32>> = (0..n)
+            .map(|_| (0..rows).map(|_| rng.random_range(-1.0f32..1.0)).collect())
+            .collect();
+        let col_group: Vec<usize> = (0..n).map(|k| k / gs).collect();
+        let zeros = vec![2u8; groups * rows];
+        let scales: Vec<f32> = (0..groups * rows)
+            .map(|_| rng.random_range(0.3f32..0.6))
+            .collect();
+        // Round to nearest with those scales (2 bits): codes that fit W, as a sweep's would.
+        let codes: Vec<u8> = (0..n * rows)
+            .map(|i| {
+                let (k, r) = (i / rows, i % rows);
+                let q = (w[k][r] / scales[(k / gs) * rows + r]).round() + 2.0;
+                q.clamp(0.0, 3.0) as u8
+            })
+            .collect();
+        let w_col = |k: usize| w[k].as_slice();
+        let one = RefineSetup::new(rows, &w_col, &col_group, groups, h.clone());
+        let mut blocks = RefineSetup::new(rows, &w_col, &col_group, groups, h);
+        blocks.block_bytes = 1;
+        let (mut s1, mut s2) = (scales.clone(), scales.clone());
+        let a = one.refine(&codes, &mut s1, &zeros);
+        let b = blocks.refine(&codes, &mut s2, &zeros);
+        assert!(
+            a.rows_refined > rows / 2,
+            "{} of {rows} rows refined",
+            a.rows_refined
+        );
+        assert_eq!(a.rows_refined, b.rows_refined);
+        for (k, (p, q)) in s1.iter().zip(&s2).enumerate() {
+            assert!((p - q).abs() <= 1e-3 * p.abs(), "scale {k}: {p} vs {q}");
+        }
+        for (r, (p, q)) in a.row_error.iter().zip(&b.row_error).enumerate() {
+            assert!(
+                (p - q).abs() <= 1e-4 * p.abs().max(1.0),
+                "row {r}: {p} vs {q}"
+            );
+        }
+    }
 }
