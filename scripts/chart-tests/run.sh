@@ -63,6 +63,7 @@ t "schema accepts registry:port/repo:tag and @sha256 images" "$HELM" template x 
   --set quantization.images.gguf=registry.lan:5000/fi/quantizer@sha256:$(printf '0%.0s' $(seq 64))
 ts "schema rejects an image with whitespace" template x "$CHART" --set 'quantization.images.gptq=bad image'
 ts "schema rejects bad validationActions" template x "$CHART" --set 'admissionPolicy.validationActions={Reject}'
+ts "schema rejects a credential registry with a scheme" template x "$CHART" --set 'credentialRegistries={https://ghcr.io}'
 ts "schema rejects a reserved Model name that no Model may have" template x "$CHART" --set 'admissionPolicy.reservedModelNames.team-a={-bad}'
 t "a Model name reserved to two namespaces is refused at render, naming both" bash -c "out=\$('$HELM' template x '$CHART' \
   --set 'admissionPolicy.reservedModelNames.team-a={llama}' --set 'admissionPolicy.reservedModelNames.team-b={llama}' 2>&1) && exit 1; \
