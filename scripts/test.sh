@@ -61,6 +61,9 @@ cargo test --workspace --no-fail-fast -j2 -- --test-threads="${TEST_THREADS:-2}"
 stage "chart, kustomize, RBAC, admission policy and alert tests"
 bash scripts/chart-tests/run.sh
 
+stage "the production worker has no test hooks"
+bash scripts/check-test-hooks.sh
+
 stage "Dockerfile lint (hadolint)"
 bash scripts/images/lint.sh
 
