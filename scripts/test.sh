@@ -92,6 +92,9 @@ check() {
   stage "contract strings are spelled only in crates/flexinfer-contract"
   bash scripts/check-contract-strings.sh
 
+  stage "the production worker has no test hooks"
+  bash scripts/check-test-hooks.sh
+
   stage "cargo test: every test that needs no cluster"
   cargo_test check "${INT_TESTS[@]}" "${E2E_TESTS[@]}"
 }

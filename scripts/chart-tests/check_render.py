@@ -60,6 +60,7 @@ ENV = {
         "FLEXINFER_GPTQ_MAX_RTN_FALLBACK_PERCENT": "5",
         "FLEXINFER_GPTQ_RESUME_LAYERS": "false",
         "FLEXINFER_GPU_SUPPLEMENTAL_GROUPS": "44,110",
+        "FLEXINFER_CREDENTIAL_REGISTRIES": "ghcr.io,registry.local:5000",
         "FLEXINFER_RUNTIME_IMAGE_VLLM": "registry.example.com/vllm/vllm-openai:v0.9.2",
         "FLEXINFER_RUNTIME_IMAGE_LLAMACPP": "registry.example.com/flexinfer/llamacpp:7",
         "FLEXINFER_PROXY_NAMESPACE": "flexinfer-system",

@@ -63,6 +63,14 @@ t "schema accepts registry:port/repo:tag and @sha256 images" "$HELM" template x 
   --set quantization.images.gguf=registry.lan:5000/fi/quantizer@sha256:$(printf '0%.0s' $(seq 64))
 ts "schema rejects an image with whitespace" template x "$CHART" --set 'quantization.images.gptq=bad image'
 ts "schema rejects bad validationActions" template x "$CHART" --set 'admissionPolicy.validationActions={Reject}'
+ts "schema rejects a credential registry with a scheme" template x "$CHART" --set 'credentialRegistries={https://ghcr.io}'
+ts "schema rejects a reserved Model name that no Model may have" template x "$CHART" --set 'admissionPolicy.reservedModelNames.team-a={-bad}'
+t "a Model name reserved to two namespaces is refused at render, naming both" bash -c "out=\$('$HELM' template x '$CHART' \
+  --set 'admissionPolicy.reservedModelNames.team-a={llama}' --set 'admissionPolicy.reservedModelNames.team-b={llama}' 2>&1) && exit 1; \
+  grep -q 'reservedModelNames: \"llama\" is reserved to both team-a and team-b' <<<\"\$out\""
+t "reserved Model names render one policy and binding; none by default" bash -c "set -e
+  [ \$('$HELM' template x '$CHART' --set 'admissionPolicy.reservedModelNames.team-a={llama}' | grep -c 'name: x-flexinfer-model-names') = 2 ]
+  ! '$HELM' template x '$CHART' | grep -q model-names"
 t "toggles off: no admission policy, no RBAC" bash -c "out=\$('$HELM' template x '$CHART' --set admissionPolicy.enabled=false --set rbac.create=false) \
   && ! grep -qE 'kind: (ValidatingAdmissionPolicy|ClusterRole|Role)\$' <<<\"\$out\""
 t "proxy.enabled=false: no proxy objects" bash -c "out=\$('$HELM' template x '$CHART' --set proxy.enabled=false) \
@@ -205,7 +213,9 @@ done
 
 echo "== live: helm install"
 INSTALL_ARGS=(-f "$HERE/values-all-on.yaml" --set "admissionPolicy.namespaceSelector.matchLabels.kubernetes\.io/metadata\.name=$NS"
-              --set "workerServiceAccount.additionalNamespaces={$NS-other}" --set "proxy.watchNamespace=$NS-other")
+              --set "workerServiceAccount.additionalNamespaces={$NS-other}" --set "proxy.watchNamespace=$NS-other"
+              --set "admissionPolicy.reservedModelNames.$NS-other={held,shared-default}"
+              --set "admissionPolicy.reservedModelNames.$NS={own-name}")
 t "helm install" "$HELM" install "$REL" "$CHART" -n "$NS" "${INSTALL_ARGS[@]}"
 DEP=$REL-flexinfer-controller
 SA=system:serviceaccount:$NS:$REL-flexinfer-controller
@@ -402,6 +412,31 @@ t "admission: promoting after validation is admitted" bash -c \
    kubectl -n '$NS' patch model canary --type merge -p '{\"spec\":{\"serverless\":{\"minReplicas\":1}}}'"
 t "admission: binding is scoped (other namespace not enforced)" bash -c \
   "kubectl create -f - <<<'$(model scoped "{$GATE}" '{"enabled":false}' '{}' | sed "s/\"namespace\":\"$NS\"/\"namespace\":\"$NS-other\"/")'"
+
+echo "== live: reserved Model names admission policy"
+named() {  # named NAME ALIASES_JSON
+  echo "{\"apiVersion\":\"ai.flexinfer/v1alpha2\",\"kind\":\"Model\",\"metadata\":{\"name\":\"$1\",\"namespace\":\"$NS\"},
+ \"spec\":{\"backend\":\"vllm\",\"source\":\"modelcache://qwen\",\"aliases\":$2}}"
+}
+# Like the gate above: the policy is enforced a moment after it is created.
+names_out=""; for _ in $(seq 1 30); do
+  if names_out=$(named held '[]' | kubectl apply --dry-run=server -f - 2>&1); then sleep 1; else break; fi
+done
+grep -q "metadata.name: held is reserved to namespace $NS-other" <<<"$names_out" \
+  && pass "admission: a Model named after another namespace's reserved name is denied; message names field and namespace" \
+  || fail "admission: reserved name denied" "$names_out"
+deny_named() { local n=$1 want=$2 out; shift 2; if out=$(named "$@" | kubectl create -f - 2>&1); then
+    fail "admission: $n denied" "created: $out"; else
+    grep -qF "$want" <<<"$out" && pass "admission: $n denied" || fail "admission: $n denied" "$out"; fi; }
+deny_named "alias reserved to another namespace" "spec.aliases: shared-default is reserved to namespace $NS-other" \
+  taker '["mine","shared-default"]'
+deny_named "alias <namespace>/… of a namespace that reserves names" "spec.aliases: $NS-other/held names namespace $NS-other" \
+  taker2 "[\"$NS-other/held\"]"
+t "admission: free names, and a namespace's own reserved name, are admitted" bash -c \
+  "kubectl create -f - <<<'$(named free '["mine","meta-llama/Llama-3.1-8B"]')' && kubectl create -f - <<<'$(named own-name '[]')'"
+t "admission: adding a reserved alias on UPDATE is denied" bash -c \
+  "out=\$(kubectl -n '$NS' patch model free --type merge -p '{\"spec\":{\"aliases\":[\"held\"]}}' 2>&1) && exit 1; \
+   grep -q 'spec.aliases: held is reserved' <<<\"\$out\""
 
 echo "== live: CRD limits"
 LIM=$(mktemp -d)

@@ -214,6 +214,10 @@ pub mod controller {
     /// Supplemental group ids of every pod that requests a GPU (comma-separated; e.g. the AMD
     /// nodes' `render` and `video` gids, which own `/dev/kfd` and `/dev/dri`). Default: none.
     pub const GPU_SUPPLEMENTAL_GROUPS: &str = "FLEXINFER_GPU_SUPPLEMENTAL_GROUPS";
+    /// Registries (`host` or `host:port`, comma-separated; `*`: every registry) that may receive the registry
+    /// credentials of a ModelCache's Secret (publish target, `oci://` source). Unset: none; a cache that would
+    /// send credentials elsewhere fails before any Job.
+    pub const CREDENTIAL_REGISTRIES: &str = "FLEXINFER_CREDENTIAL_REGISTRIES";
     /// Retry backoff base in seconds (default 30).
     pub const RETRY_BASE_SECONDS: &str = "FLEXINFER_RETRY_BASE_SECONDS";
     pub const LEADER_ELECT: &str = "FLEXINFER_LEADER_ELECT";

@@ -9,3 +9,6 @@ pub const ENDPOINTSLICE_MANAGED_BY_LABEL: &str = "endpointslice.kubernetes.io/ma
 /// [`ENDPOINTSLICE_MANAGED_BY_LABEL`] on the slices Kubernetes computes from a Service's pods: the
 /// only slices whose addresses the proxy uses.
 pub const ENDPOINTSLICE_CONTROLLER: &str = "endpointslice-controller.k8s.io";
+/// The field of a line of the proxy's API-keys file that gives a key the namespaces it may reach:
+/// `<key> namespaces=<namespace>,<namespace>`.
+pub const KEY_NAMESPACES_FIELD: &str = "namespaces=";

@@ -38,6 +38,9 @@ pub const IMAGE_NOT_CONFIGURED: &str = "ImageNotConfigured";
 /// The phase's GPUProfile sets a variable in its `env` that FlexInfer sets itself (e.g. `OUT_DIR`); the
 /// Job is not created until the profile drops it.
 pub const PROFILE_ENV_PROTECTED: &str = "ProfileEnvProtected";
+/// A cache would send its Secret's registry credentials (publish target, `oci://` source) to a registry the
+/// controller is not configured to give them to (`FLEXINFER_CREDENTIAL_REGISTRIES`); no Job is created.
+pub const CREDENTIAL_REGISTRY_NOT_ALLOWED: &str = "CredentialRegistryNotAllowed";
 /// A quantization with `useGPU: true` ran its GPTQ solves on the CPU (`GPTQ_DEVICE=auto` found no usable GPU;
 /// the note carries the worker's reason).
 pub const QUANTIZED_ON_CPU: &str = "QuantizedOnCPU";

@@ -271,6 +271,20 @@ proptest! {
             let _ = flexinfer_controller::model::source::parse_source(x);
             let _ = flexinfer_controller::model::source::parse_cache_path(x);
             let _ = flexinfer_controller::pod_security::parse_groups(x);
+            // A registry the allow-list accepts is always one the list names (or the list is `*`).
+            let list = flexinfer_controller::modelcache::credentials::CredentialRegistries::parse(x);
+            if let (Ok(list), Some(registry)) = (
+                list,
+                flexinfer_controller::modelcache::credentials::registry_of(&t),
+            ) {
+                use flexinfer_controller::modelcache::credentials::CredentialRegistries as R;
+                let named = match &list {
+                    R::None => false,
+                    R::Any => true,
+                    R::Hosts(h) => h.contains(&registry),
+                };
+                prop_assert_eq!(list.allows(&registry), named);
+            }
         }
     }
 }

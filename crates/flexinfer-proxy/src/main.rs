@@ -132,11 +132,13 @@ async fn run(args: Args) -> anyhow::Result<()> {
         memory_limit = memory_limit.unwrap_or(0),
         body_memory_bytes, max_body_bytes, "request body limits"
     );
-    let mut keys = ApiKeys::parse(args.api_keys.as_deref().unwrap_or_default());
+    let mut keys = ApiKeys::parse(args.api_keys.as_deref().unwrap_or_default())
+        .map_err(|e| anyhow::anyhow!("{}: {e}", env::proxy::API_KEYS))?;
     if let Some(f) = &args.api_keys_file {
         let text = std::fs::read_to_string(f)
             .with_context(|| format!("read API keys from {}", f.display()))?;
-        let from_file = ApiKeys::parse(&text);
+        let from_file = ApiKeys::parse(&text)
+            .map_err(|e| anyhow::anyhow!("{} ({}): {e}", env::proxy::API_KEYS_FILE, f.display()))?;
         anyhow::ensure!(
             from_file.is_enabled(),
             "{} holds no API key; remove {} to run without auth",

@@ -1,6 +1,7 @@
 //! Which Model a request's `model` names (pure).
 //!
-//! In order: `<namespace>/<name>` of a Model; a Model's name (its served model name); one of a
+//! Only Models of the caller's scope (the namespaces its API key may reach) are considered: a
+//! Model elsewhere neither matches nor makes a name ambiguous. Then, in order: `<namespace>/<name>` of a Model; a Model's name (its served model name); one of a
 //! Model's `spec.aliases`. Within one rank a single Model must match, else the request is
 //! ambiguous (several namespaces use the name) and must say `<namespace>/<name>`. Models being
 //! deleted are not routed to.
@@ -11,6 +12,7 @@ use std::sync::Arc;
 use flexinfer_api::Model;
 use kube::ResourceExt;
 
+use crate::auth::Scope;
 use crate::openai::{ModelEntry, ModelList};
 
 /// Why no single Model matches.
@@ -60,11 +62,21 @@ fn one(requested: &str, matches: Vec<&Arc<Model>>) -> Option<Result<Route, Route
     }
 }
 
-/// Resolve `requested` against the known Models.
-pub fn resolve(models: &[Arc<Model>], requested: &str) -> Result<Route, RouteError> {
+fn in_scope(scope: &Scope) -> impl Fn(&&Arc<Model>) -> bool + '_ {
+    move |m| scope.allows(m.namespace().as_deref().unwrap_or_default())
+}
+
+/// Resolve `requested` against the known Models of `scope`.
+pub fn resolve(models: &[Arc<Model>], requested: &str, scope: &Scope) -> Result<Route, RouteError> {
     if requested.is_empty() {
         return Err(RouteError::NotFound);
     }
+    let models: Vec<Arc<Model>> = models
+        .iter()
+        .filter(live)
+        .filter(in_scope(scope))
+        .cloned()
+        .collect();
     if let Some((ns, name)) = requested.split_once('/') {
         let exact: Vec<_> = models
             .iter()
@@ -91,11 +103,12 @@ pub fn resolve(models: &[Arc<Model>], requested: &str) -> Result<Route, RouteErr
     one(requested, by_alias).unwrap_or(Err(RouteError::NotFound))
 }
 
-/// `GET /v1/models`: every name a request may use (Model names and aliases), once each, sorted.
-pub fn model_list(models: &[Arc<Model>]) -> ModelList {
+/// `GET /v1/models`: every name a request of `scope` may use (Model names and aliases), once
+/// each, sorted.
+pub fn model_list(models: &[Arc<Model>], scope: &Scope) -> ModelList {
     let mut seen = BTreeSet::new();
     let mut data = Vec::new();
-    let mut sorted: Vec<&Arc<Model>> = models.iter().filter(live).collect();
+    let mut sorted: Vec<&Arc<Model>> = models.iter().filter(live).filter(in_scope(scope)).collect();
     sorted.sort_by_key(|m| key(m));
     for m in sorted {
         let created = m
@@ -177,8 +190,8 @@ pub(crate) mod tests {
             ("LLAMA", Err(RouteError::NotFound)),
         ];
         for (req, want) in cases {
-            let got =
-                resolve(&models, req).map(|r| (r.namespace.clone(), r.name.clone(), r.rewrite));
+            let got = resolve(&models, req, &Scope::All)
+                .map(|r| (r.namespace.clone(), r.name.clone(), r.rewrite));
             let want = want.map(|(n, m, r)| (n.to_string(), m.to_string(), r));
             assert_eq!(got, want, "{req:?}");
         }
@@ -190,7 +203,64 @@ pub(crate) mod tests {
             model("a", "llama", &["default"]),
             model("b", "llama", &["other"]),
         ];
-        let ids: Vec<String> = model_list(&models).data.into_iter().map(|e| e.id).collect();
+        let ids: Vec<String> = model_list(&models, &Scope::All)
+            .data
+            .into_iter()
+            .map(|e| e.id)
+            .collect();
         assert_eq!(ids, vec!["default", "llama", "other"]);
+    }
+
+    fn scope(names: &[&str]) -> Scope {
+        Scope::Namespaces(names.iter().map(|n| n.to_string()).collect())
+    }
+
+    #[test]
+    fn another_namespace_cannot_capture_a_scoped_name() {
+        let models = vec![
+            model("team", "llama", &["default", "chat"]),
+            model("evil", "default", &[]),
+            model("evil", "llama", &["chat"]),
+            model("other", "embed", &[]),
+        ];
+        // (scope, requested, Ok((namespace, name)) or Err)
+        type Want = Result<(&'static str, &'static str), RouteError>;
+        let team = scope(&["team"]);
+        let two = scope(&["team", "other"]);
+        let nobody = scope(&["nobody"]);
+        let cases: Vec<(&Scope, &str, Want)> = vec![
+            // evil/default's name would beat team's alias; evil/llama would make `llama` and
+            // `chat` ambiguous: neither exists for a key of `team`.
+            (&team, "default", Ok(("team", "llama"))),
+            (&team, "llama", Ok(("team", "llama"))),
+            (&team, "chat", Ok(("team", "llama"))),
+            // Out of scope is not found, also by `<namespace>/<name>` (nothing says it exists).
+            (&team, "evil/default", Err(RouteError::NotFound)),
+            (&team, "embed", Err(RouteError::NotFound)),
+            (&two, "embed", Ok(("other", "embed"))),
+            (&two, "other/embed", Ok(("other", "embed"))),
+            // A key without namespaces keeps the all-namespace rules.
+            (&Scope::All, "default", Ok(("evil", "default"))),
+            (
+                &Scope::All,
+                "llama",
+                Err(RouteError::Ambiguous(vec![
+                    "evil/llama".into(),
+                    "team/llama".into(),
+                ])),
+            ),
+            (&nobody, "llama", Err(RouteError::NotFound)),
+        ];
+        for (sc, req, want) in cases {
+            let got = resolve(&models, req, sc).map(|r| (r.namespace.clone(), r.name.clone()));
+            let want = want.map(|(n, m)| (n.to_string(), m.to_string()));
+            assert_eq!(got, want, "{sc:?} {req:?}");
+        }
+        let ids: Vec<String> = model_list(&models, &team)
+            .data
+            .into_iter()
+            .map(|e| e.id)
+            .collect();
+        assert_eq!(ids, vec!["chat", "default", "llama"]);
     }
 }

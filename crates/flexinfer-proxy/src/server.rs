@@ -21,7 +21,7 @@ use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use crate::activity::{Activity, InFlight};
-use crate::auth::ApiKeys;
+use crate::auth::{ApiKeys, Scope};
 use crate::body::{full, Guarded, ProxyBody};
 use crate::cluster::{Cluster, ModelKey};
 use crate::endpoints::RoundRobin;
@@ -216,9 +216,11 @@ impl Proxy {
         if !path.starts_with("/v1/") {
             return Err(ApiError::not_found_path(path));
         }
-        if !self.config.api_keys.allows(req.headers()) {
-            return Err(ApiError::unauthorized());
-        }
+        let scope = self
+            .config
+            .api_keys
+            .authorize(req.headers())
+            .ok_or_else(ApiError::unauthorized)?;
         let is_get = req.method() == Method::GET;
         let is_post = req.method() == Method::POST;
         if path == "/v1/models" {
@@ -227,29 +229,29 @@ impl Proxy {
             }
             return Ok(json_response(
                 StatusCode::OK,
-                &route::model_list(&self.cluster.models()),
+                &route::model_list(&self.cluster.models(), &scope),
             ));
         }
         if let Some(id) = path.strip_prefix("/v1/models/") {
             if !is_get {
                 return Err(ApiError::method_not_allowed(req.method().as_str(), path));
             }
-            return self.retrieve_model(id);
+            return self.retrieve_model(id, &scope);
         }
         if FORWARDED.contains(&path) {
             if !is_post {
                 return Err(ApiError::method_not_allowed(req.method().as_str(), path));
             }
-            return self.forward(req, key).await;
+            return self.forward(req, &scope, key).await;
         }
         Err(ApiError::not_found_path(path))
     }
 
-    fn retrieve_model(&self, id: &str) -> Result<Response<ProxyBody>, ApiError> {
+    fn retrieve_model(&self, id: &str, scope: &Scope) -> Result<Response<ProxyBody>, ApiError> {
         let models = self.cluster.models();
-        match route::resolve(&models, id) {
+        match route::resolve(&models, id, scope) {
             Ok(_) => {
-                let list = route::model_list(&models);
+                let list = route::model_list(&models, scope);
                 let entry: Option<&ModelEntry> = list.data.iter().find(|e| e.id == id);
                 match entry {
                     Some(e) => Ok(json_response(StatusCode::OK, e)),
@@ -267,6 +269,7 @@ impl Proxy {
     async fn forward(
         self: &Arc<Self>,
         req: Request<Incoming>,
+        scope: &Scope,
         resolved: &mut Option<ModelKey>,
     ) -> Result<Response<ProxyBody>, ApiError> {
         let received = Instant::now();
@@ -306,7 +309,7 @@ impl Proxy {
                 )
             })?;
         let (parts, body) = read_body(req, limit, self.config.body_read_timeout).await?;
-        let (key, body) = self.resolve_model(body)?;
+        let (key, body) = self.resolve_model(body, scope)?;
         *resolved = Some(key.clone());
         let limits = self.per_model.of(&key);
         let model = limits.admitted.clone().try_acquire_owned().map_err(|_| {
@@ -350,10 +353,10 @@ impl Proxy {
 
     /// The Model the body names (resolved against the cluster's Models), and the body to send
     /// it: with the model field rewritten to the served name when the route asks for that.
-    fn resolve_model(&self, body: Bytes) -> Result<(ModelKey, Bytes), ApiError> {
+    fn resolve_model(&self, body: Bytes, scope: &Scope) -> Result<(ModelKey, Bytes), ApiError> {
         let field = peek::find_model(&body).map_err(peek_error)?;
         let requested = field.name.as_ref();
-        let route = match route::resolve(&self.cluster.models(), requested) {
+        let route = match route::resolve(&self.cluster.models(), requested, scope) {
             Ok(r) => r,
             Err(RouteError::NotFound) => return Err(ApiError::model_not_found(requested)),
             Err(RouteError::Ambiguous(c)) => return Err(ApiError::ambiguous_model(requested, &c)),

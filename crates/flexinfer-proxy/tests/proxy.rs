@@ -374,7 +374,7 @@ async fn start_proxy_trusting(
         Cluster::start_with_slice_manager(client.clone(), &[ns.to_string()], slice_manager);
     assert!(cluster.wait_ready(WAIT).await, "proxy caches did not sync");
     let config = Config {
-        api_keys: ApiKeys::parse(keys),
+        api_keys: ApiKeys::parse(keys).unwrap(),
         max_body_bytes: 1 << 20,
         keepalive_interval: keepalive,
         ..Config::default()
@@ -491,7 +491,10 @@ async fn proxy_routes_streams_and_authenticates() {
         .unwrap();
     publish_endpoint(&client, &ns, "m-a", a.addr, true).await;
     publish_endpoint(&client, &ns, "m-b", b.addr, true).await;
-    let p = start_proxy(&client, &ns, KEY, Duration::from_secs(30)).await;
+    // KEY reaches every namespace; the others only theirs.
+    let keys =
+        format!("{KEY}\nsk-elsewhere namespaces=elsewhere\nsk-own namespaces=elsewhere,{ns}");
+    let p = start_proxy(&client, &ns, &keys, Duration::from_secs(30)).await;
     p.wait_routable(&ns, "m-a", 1).await;
     p.wait_routable(&ns, "m-b", 1).await;
     assert_eq!(
@@ -551,6 +554,50 @@ async fn proxy_routes_streams_and_authenticates() {
         .await
         .unwrap();
     assert_eq!(one["id"], "org/Model-A:v1");
+
+    // A key scoped to other namespaces sees none of this namespace's Models, by any name.
+    let list: Value = http()
+        .get(format!("{url}/v1/models"))
+        .bearer_auth("sk-elsewhere")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(list["data"], json!([]), "{list}");
+    for model in ["alias-a", "m-a", &*format!("{ns}/m-a")] {
+        let e = error_of(
+            post(
+                url,
+                "/v1/chat/completions",
+                Some("sk-elsewhere"),
+                &json!({"model": model}),
+            )
+            .await,
+            404,
+        )
+        .await;
+        assert_eq!(e["code"], "model_not_found", "{model}");
+    }
+    assert!(
+        a.state.requests.lock().unwrap().is_empty(),
+        "nothing reached a backend out of the key's scope"
+    );
+    let r = post(
+        url,
+        "/v1/chat/completions",
+        Some("sk-own"),
+        &json!({"model": "alias-a"}),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.headers()["x-backend"],
+        "backend-a",
+        "a key of the Model's namespace reaches it"
+    );
+    let _ = r.text().await;
 
     // Routing by name and alias; an alias is rewritten to the served name; the proxy's key stays.
     for (model, want_backend, served) in [

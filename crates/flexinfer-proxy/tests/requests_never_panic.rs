@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use flexinfer_api::Model;
-use flexinfer_proxy::auth::ApiKeys;
+use flexinfer_proxy::auth::{ApiKeys, Scope};
 use flexinfer_proxy::{plan, route, server};
 use k8s_openapi::jiff::Timestamp;
 use proptest::prelude::*;
@@ -170,22 +170,31 @@ proptest! {
         header in prop::collection::vec(any::<u8>(), 0..80),
         bearer in ".{0,40}",
     ) {
-        let k = ApiKeys::parse(&keys);
+        // Text that is no key list is refused (naming the line), never a panic.
+        let Ok(k) = ApiKeys::parse(&keys) else { return Ok(()); };
         for value in [header.clone(), format!("Bearer {bearer}").into_bytes(), b"bearer ".to_vec()] {
             let mut h = http::HeaderMap::new();
             if let Ok(v) = http::HeaderValue::from_bytes(&value) {
                 h.insert(http::header::AUTHORIZATION, v);
             }
-            let _ = k.allows(&h);
+            let _ = k.authorize(&h);
         }
-        // A listed key is always accepted.
-        if let Some(first) = keys
+        // A listed key is always accepted: the first field of a line (a comma-separated list
+        // when it is the only field).
+        let first = keys
             .lines()
-            .filter(|l| !l.trim_start().starts_with('#'))
-            .flat_map(|l| l.split(','))
             .map(str::trim)
-            .find(|k| !k.is_empty())
-        {
+            .filter(|l| !l.is_empty() && !l.starts_with('#'))
+            .find_map(|l| {
+                let mut fields = l.split_whitespace();
+                let f = fields.next()?;
+                if fields.next().is_some() {
+                    Some(f.to_string())
+                } else {
+                    f.split(',').map(str::trim).find(|k| !k.is_empty()).map(String::from)
+                }
+            });
+        if let Some(first) = first {
             if let Ok(v) = http::HeaderValue::from_str(&format!("Bearer {first}")) {
                 let mut h = http::HeaderMap::new();
                 h.insert(http::header::AUTHORIZATION, v);
@@ -208,8 +217,17 @@ proptest! {
     ) {
         let Some(m) = model("m", &aliases, &cold, &keepalive, &idle) else { return Ok(()); };
         let models = vec![m.clone(), model("other", &[], "1s", "1s", "1s").unwrap_or_else(|| m.clone())];
-        let _ = route::resolve(&models, &requested);
-        let _ = route::model_list(&models);
+        let all = route::resolve(&models, &requested, &Scope::All)
+            .map(|r| (r.namespace, r.name, r.rewrite));
+        let _ = route::model_list(&models, &Scope::All);
+        // A caller scoped to the Models' namespace sees what an unscoped one sees; one scoped
+        // elsewhere sees nothing.
+        let scope = |n: &str| Scope::Namespaces(std::iter::once(n.to_string()).collect());
+        let own = route::resolve(&models, &requested, &scope("ns"))
+            .map(|r| (r.namespace, r.name, r.rewrite));
+        prop_assert_eq!(own, all);
+        prop_assert!(route::resolve(&models, &requested, &scope("elsewhere")).is_err());
+        prop_assert!(route::model_list(&models, &scope("elsewhere")).data.is_empty());
         let _ = plan::admit(&m, false);
         let timeout = plan::cold_start_timeout(&m);
         let _ = plan::deadline(tokio::time::Instant::now(), timeout);

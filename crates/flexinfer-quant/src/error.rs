@@ -69,6 +69,7 @@ pub enum QuantError {
         #[source]
         source: DeviceError,
     },
+    #[cfg(feature = "test-hooks")]
     #[error("aborted by test hook after layer {0}")]
     TestAbort(usize),
     /// The GGUF output: bad input (architecture, tokenizer, row sizes) or an I/O failure.

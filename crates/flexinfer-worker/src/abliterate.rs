@@ -78,7 +78,9 @@ pub struct AbliterateArgs {
     /// Contract version expected by the controller.
     #[arg(long, env = env::SCRIPT_VERSION)]
     pub script_version: Option<String>,
-    /// Test hook: exit abruptly (code 137, like a SIGKILL) after writing this many shards.
+    /// Test hook: exit abruptly (code 137, like a SIGKILL) after writing this many shards (feature
+    /// `test-hooks`).
+    #[cfg(feature = "test-hooks")]
     #[arg(long, hide = true)]
     pub test_abort_after_shards: Option<usize>,
 }
@@ -277,12 +279,24 @@ fn run_locked(
         &result,
         &fingerprint,
         resumed.as_ref(),
-        args.test_abort_after_shards,
+        test_abort_after_shards(args),
         ev,
     )?;
     output::commit(&staging, &out_dir)?;
     progress(ev, 99.0, format!("wrote {} shards", shards));
     finish_success(&model_dir, &out_dir, &result, &matrices, &store, started)
+}
+
+/// The shard count after which the test hook ends the process.
+#[cfg(feature = "test-hooks")]
+fn test_abort_after_shards(args: &AbliterateArgs) -> Option<usize> {
+    args.test_abort_after_shards
+}
+
+/// Without feature `test-hooks` there is no such hook.
+#[cfg(not(feature = "test-hooks"))]
+fn test_abort_after_shards(_: &AbliterateArgs) -> Option<usize> {
+    None
 }
 
 /// Chooses the target layers and plans the edits (failing on a bad matrix or layer list before

@@ -26,7 +26,8 @@ use crate::download::parse_bool_arg;
 #[cfg(test)]
 mod tests;
 
-/// Test hook: abort the process (as a SIGKILL would) right after layer k is cached.
+/// Test hook: abort the process (as a SIGKILL would) right after layer k is cached (feature `test-hooks`).
+#[cfg(feature = "test-hooks")]
 pub const TEST_ABORT_AFTER_LAYER_ENV: &str = "FLEXINFER_TEST_ABORT_AFTER_LAYER";
 
 /// Settings of the quantize phase. Env names are the worker contract's.
@@ -129,6 +130,7 @@ pub struct QuantizeArgs {
     /// Maximum bytes per output shard.
     #[arg(long, default_value_t = flexinfer_quant::job::DEFAULT_MAX_SHARD_BYTES)]
     pub max_shard_bytes: u64,
+    #[cfg(feature = "test-hooks")]
     #[arg(long, env = TEST_ABORT_AFTER_LAYER_ENV, hide = true)]
     pub test_abort_after_layer: Option<usize>,
     /// `GPTQ` (the default), `GGUF`: one llama.cpp file in `OUT_DIR` (Llama / Mistral / Qwen2 only; the GPTQ
@@ -248,6 +250,7 @@ pub fn job_from_args(args: &QuantizeArgs) -> Result<QuantizeJob, WorkerError> {
         verify_save_sha256: args.verify_save_sha256,
         max_shard_bytes: args.max_shard_bytes.max(1),
         script_version: contract::SCRIPT_VERSION.to_string(),
+        #[cfg(feature = "test-hooks")]
         abort_after_layer: args.test_abort_after_layer,
     })
 }
@@ -319,6 +322,7 @@ fn run_locked(
     let device = selection.device.as_ref();
     let outcome = match quantize_job::run(job, device, &sink) {
         Ok(o) => o,
+        #[cfg(feature = "test-hooks")]
         Err(QuantError::TestAbort(layer)) => {
             events.log(&format!("test hook: aborting after layer {layer}"));
             std::process::abort();

@@ -10,6 +10,7 @@ use flexinfer_api::modelcache::{CachePhase, PhaseProgress};
 use k8s_openapi::jiff::Timestamp;
 
 use super::config::Config;
+use super::credentials::credentials_problem;
 use super::ctx::{invalidate, Ctx};
 use super::failures::{is_image_pull_failure, is_transient_pull_failure};
 use super::jobs;
@@ -54,6 +55,13 @@ pub(super) fn advance(cx: &mut Ctx<'_>, phases: &[JobPhase], observed: &Observed
             continue;
         }
         all_done = false;
+        // Before the first Job that is to run: no phase still ahead may send a Secret's registry
+        // credentials to a registry they may not go to (phases already done at this spec are kept).
+        let ahead = phases.get(index..).unwrap_or_default();
+        if let Some(p) = credentials_problem(cx.mc, &cx.config.credential_registries, ahead) {
+            cx.fail_config(p.reason, &p.message, p.phase);
+            break;
+        }
         let run = PhaseRun {
             index,
             phase,

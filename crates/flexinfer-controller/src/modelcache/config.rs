@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use flexinfer_api::contract::env;
 
+use super::credentials::CredentialRegistries;
 use crate::settings::{SettingError, Settings};
 
 /// Settings that shape Jobs and timing. Environment lookups happen once, at start-up, so that
@@ -38,6 +39,9 @@ pub struct Config {
     pub log_reads_per_second: u32,
     /// `FLEXINFER_GPU_SUPPLEMENTAL_GROUPS`: supplemental groups of pods that request a GPU.
     pub gpu_supplemental_groups: Vec<i64>,
+    /// `FLEXINFER_CREDENTIAL_REGISTRIES`: registries that may receive a cache Secret's registry
+    /// credentials (default: none).
+    pub credential_registries: CredentialRegistries,
 }
 
 impl Default for Config {
@@ -59,6 +63,7 @@ impl Default for Config {
             log_reads_per_second: 20,
             stuck_pod_after: Duration::from_secs(300),
             gpu_supplemental_groups: Vec::new(),
+            credential_registries: CredentialRegistries::None,
         }
     }
 }
@@ -139,6 +144,12 @@ impl Config {
                     crate::pod_security::parse_groups,
                 )?
                 .unwrap_or_default(),
+            credential_registries: s
+                .parsed(
+                    env::controller::CREDENTIAL_REGISTRIES,
+                    CredentialRegistries::parse,
+                )?
+                .unwrap_or_default(),
         })
     }
 
@@ -179,6 +190,10 @@ mod tests {
             ("FLEXINFER_IMAGE_DRIFT_GRACE_SECONDS", "3"),
             ("FLEXINFER_RETRY_BASE_SECONDS", "1"),
             ("FLEXINFER_STUCK_POD_SECONDS", "45"),
+            (
+                "FLEXINFER_CREDENTIAL_REGISTRIES",
+                "ghcr.io,registry.local:5000",
+            ),
         ]);
         let c = Config::from_lookup(|k| m.get(k).map(|s| s.to_string()))
             .unwrap_or_else(|e| panic!("{e}"));
@@ -200,6 +215,8 @@ mod tests {
         assert_eq!(c.progress_poll, Duration::from_secs(30));
         assert_eq!(c.retry_delay(0), Duration::from_secs(1));
         assert_eq!(c.retry_delay(3), Duration::from_secs(8));
+        assert!(c.credential_registries.allows("registry.local:5000"));
+        assert!(!c.credential_registries.allows("evil.example"));
     }
 
     /// A typo or an out-of-range value stops the start-up with the variable's name instead of
@@ -213,6 +230,7 @@ mod tests {
             ("FLEXINFER_IMAGE_DRIFT_GRACE_SECONDS", "ten"),
             ("FLEXINFER_KEEP_GENERATIONS", "17"),
             ("FLEXINFER_GPU_SUPPLEMENTAL_GROUPS", "render"),
+            ("FLEXINFER_CREDENTIAL_REGISTRIES", "https://ghcr.io"),
         ];
         for (name, value) in cases {
             let e =

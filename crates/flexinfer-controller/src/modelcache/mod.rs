@@ -4,6 +4,7 @@
 mod advance;
 mod conditions;
 pub mod config;
+pub mod credentials;
 mod ctx;
 mod deletion;
 mod failures;

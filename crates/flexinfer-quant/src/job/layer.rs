@@ -176,6 +176,7 @@ pub(super) fn quantize_layers(
                 PhaseTimes::add(&lr.run.times, |p| &mut p.forward, t);
             }
         }
+        #[cfg(feature = "test-hooks")]
         if lr.run.job.abort_after_layer == Some(layer) {
             return Err(QuantError::TestAbort(layer));
         }

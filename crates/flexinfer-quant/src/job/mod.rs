@@ -68,6 +68,7 @@ pub struct QuantizeJob {
     pub max_shard_bytes: u64,
     pub script_version: String,
     /// Test hook: stop (as if killed) right after layer k is cached.
+    #[cfg(feature = "test-hooks")]
     pub abort_after_layer: Option<usize>,
     /// Run the calibration forward on the device where it has one (`GPTQ_DEVICE_FORWARD`, default on).
     pub device_forward: bool,
@@ -142,6 +143,7 @@ impl QuantizeJob {
             verify_save_sha256: true,
             max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
             script_version: script_version.to_string(),
+            #[cfg(feature = "test-hooks")]
             abort_after_layer: None,
             device_forward: true,
         }

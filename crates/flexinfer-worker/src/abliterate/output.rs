@@ -250,10 +250,7 @@ pub fn write_output(
             n,
         ));
         written_now += 1;
-        if abort_after_shards.is_some_and(|k| written_now >= k) {
-            ev.log("test hook: aborting after a written shard");
-            std::process::exit(137);
-        }
+        shard_written(abort_after_shards, written_now, ev);
     }
     copy_aux_files(model_dir, staging)?;
     remove_tmp_leftovers(staging);
@@ -401,4 +398,16 @@ pub fn commit(staging: &Path, out_dir: &Path) -> Result<(), WorkerError> {
     // Durable and atomic: the staging directory's entries, then an exchange with any older output.
     flexinfer_fsutil::fsync_dir(staging).map_err(|e| io_err(staging, e))?;
     flexinfer_fsutil::replace_dir(staging, out_dir).map_err(|e| io_err(out_dir, e))
+}
+
+/// The test hook: end the process (code 137, like a SIGKILL) once `written` shards reach
+/// `abort_after_shards`. Only with feature `test-hooks`; a no-op without.
+fn shard_written(abort_after_shards: Option<usize>, written: usize, ev: &Events) {
+    #[cfg(feature = "test-hooks")]
+    if abort_after_shards.is_some_and(|k| written >= k) {
+        ev.log("test hook: aborting after a written shard");
+        std::process::exit(137);
+    }
+    #[cfg(not(feature = "test-hooks"))]
+    let _ = (abort_after_shards, written, ev);
 }

@@ -194,3 +194,184 @@ fn a_profile_env_that_sets_flexinfer_variables_is_refused_naming_them() {
     let tuned = with_env(&["GPU_MEMORY_FRACTION", "GPTQ_DEVICE"]);
     assert_eq!(created_jobs(&tuned), vec!["mc-abliterate"]);
 }
+
+/// Registry credentials of a Secret go only to the registries the controller is configured with:
+/// a cache whose publish target (or `oci://` source) is another registry fails before any Job,
+/// with a condition naming the field and the registry.
+#[test]
+fn credentials_go_only_to_allowed_registries() {
+    let with = |extra: &str| cache(&format!("{SIMPLE}{extra}"));
+    // No registry configured: a Secret's credentials go nowhere.
+    let evil = with("  secretRef: regcred\n  publish: {ociRef: \"evil.example:5000/x/y:v1\"}\n");
+    let p = plan(&evil, &obs(vec![]), &cfg(), t(0));
+    assert!(created_jobs(&p).is_empty(), "{:?}", created_jobs(&p));
+    assert_eq!(p.status.phase, Some(CachePhase::Failed));
+    let ready = conditions::find(&p.status.conditions, "Ready").expect("Ready");
+    assert_eq!(ready.reason, "CredentialRegistryNotAllowed");
+    for want in [
+        "spec.publish.ociRef",
+        "evil.example:5000",
+        "regcred",
+        "spec.secretRef",
+    ] {
+        assert!(ready.message.contains(want), "{want}: {}", ready.message);
+    }
+    // Without a Secret nothing is sent: the cache runs as before.
+    let public = with("  publish: {ociRef: \"evil.example:5000/x/y:v1\"}\n");
+    assert_eq!(
+        created_jobs(&plan(&public, &obs(vec![]), &cfg(), t(0))),
+        vec!["mc-download"]
+    );
+}
+
+#[test]
+fn credential_registries_table() {
+    use super::super::credentials::CredentialRegistries;
+    let allow = |list: &str| Config {
+        credential_registries: CredentialRegistries::parse(list).unwrap_or_else(|e| panic!("{e}")),
+        ..cfg()
+    };
+    let with = |extra: &str| cache(&format!("{SIMPLE}{extra}"));
+    let publish = |secret: &str, reference: &str| {
+        with(&format!(
+            "  secretRef: cache-secret\n  publish: {{ociRef: \"{reference}\"{secret}}}\n"
+        ))
+    };
+    let oci_source = |reference: &str| {
+        let mut mc = with("  secretRef: cache-secret\n");
+        mc.spec.source = reference.to_string();
+        mc
+    };
+    // (case, cache, config, Ok(first Job) or Err(words of the Ready message))
+    type Case<'a> = (&'a str, ModelCache, Config, Result<&'a str, Vec<&'a str>>);
+    let cases: Vec<Case> = vec![
+        (
+            "listed publish registry",
+            publish("", "registry.local:5000/m/q:v1"),
+            allow("ghcr.io,registry.local:5000"),
+            Ok("mc-download"),
+        ),
+        (
+            "any registry",
+            publish("", "evil.example/m/q"),
+            allow("*"),
+            Ok("mc-download"),
+        ),
+        (
+            "case and scheme do not matter",
+            publish("", "oci://Registry.Local:5000/m/q"),
+            allow("registry.local:5000"),
+            Ok("mc-download"),
+        ),
+        (
+            "publish.secretRef to an unlisted registry",
+            publish(", secretRef: push-secret", "evil.example/m/q"),
+            allow("ghcr.io"),
+            Err(vec![
+                "spec.publish.ociRef",
+                "registry evil.example",
+                "push-secret",
+                "spec.publish.secretRef",
+                "ghcr.io",
+            ]),
+        ),
+        (
+            "another port is another registry",
+            publish("", "ghcr.io:8443/m/q"),
+            allow("ghcr.io"),
+            Err(vec!["registry ghcr.io:8443", "spec.secretRef"]),
+        ),
+        (
+            "userinfo-looking reference",
+            publish("", "ghcr.io@evil.example/m/q"),
+            allow("ghcr.io"),
+            Err(vec!["spec.publish.ociRef", "no registry host"]),
+        ),
+        (
+            "oci:// source with spec.secretRef",
+            oci_source("oci://evil.example/m/q:v1"),
+            allow("ghcr.io"),
+            Err(vec!["spec.source", "registry evil.example", "cache-secret"]),
+        ),
+        (
+            "oci:// source to a listed registry",
+            oci_source("OCI://ghcr.io/m/q:v1"),
+            allow("ghcr.io"),
+            Ok("mc-download"),
+        ),
+        (
+            "hub source: the Secret goes to the hub only",
+            with("  secretRef: cache-secret\n"),
+            cfg(),
+            Ok("mc-download"),
+        ),
+    ];
+    for (case, mc, config, want) in cases {
+        let p = plan(&mc, &obs(vec![]), &config, t(0));
+        match want {
+            Ok(job) => assert_eq!(created_jobs(&p), vec![job], "{case}"),
+            Err(words) => {
+                assert!(
+                    created_jobs(&p).is_empty(),
+                    "{case}: {:?}",
+                    created_jobs(&p)
+                );
+                let ready = conditions::find(&p.status.conditions, "Ready").expect("Ready");
+                assert_eq!(ready.reason, "CredentialRegistryNotAllowed", "{case}");
+                for w in words {
+                    assert!(
+                        ready.message.contains(w),
+                        "{case}: {w} not in {}",
+                        ready.message
+                    );
+                }
+                assert_eq!(events(&p), vec!["CredentialRegistryNotAllowed"], "{case}");
+            }
+        }
+    }
+}
+
+/// A cache that already published at its current spec stays Ready when the list changes; a
+/// re-run of the publish is refused before its Job.
+#[test]
+fn a_done_publish_is_kept_and_a_new_one_is_checked() {
+    use super::super::credentials::CredentialRegistries;
+    let allowed = Config {
+        credential_registries: CredentialRegistries::Any,
+        ..cfg()
+    };
+    let mut mc = cache(&format!(
+        "{SIMPLE}  secretRef: cache-secret\n  publish: {{ociRef: \"evil.example/m/q\"}}\n"
+    ));
+    let mut done = Vec::new();
+    let mut p = plan(&mc, &obs(vec![]), &allowed, t(0));
+    for (i, phase) in [JobPhase::Download, JobPhase::Quantize, JobPhase::Publish]
+        .into_iter()
+        .enumerate()
+    {
+        let at = i64::try_from(i).unwrap_or_default() * 10;
+        done.push(job_from(&p, phase, t(at + 1), JobState::Succeeded));
+        mc = applied(mc, &p);
+        p = plan(&mc, &obs(done.clone()), &allowed, t(at + 10));
+    }
+    assert_eq!(p.status.phase, Some(CachePhase::Ready));
+    mc = applied(mc, &p);
+    let strict = cfg();
+    let again = plan(&mc, &obs(done.clone()), &strict, t(100));
+    assert_eq!(again.status.phase, Some(CachePhase::Ready));
+    assert!(again.actions.is_empty(), "{:?}", again.actions);
+    // A new ociRef means a new publish: refused before its Job, naming the new registry.
+    if let Some(p) = mc.spec.publish.as_mut() {
+        p.oci_ref = Some("other.example/m/q".into());
+    }
+    mc.metadata.generation = Some(2);
+    let changed = plan(&mc, &obs(done), &strict, t(110));
+    assert!(
+        created_jobs(&changed).is_empty(),
+        "{:?}",
+        created_jobs(&changed)
+    );
+    let ready = conditions::find(&changed.status.conditions, "Ready").expect("Ready");
+    assert_eq!(ready.reason, "CredentialRegistryNotAllowed");
+    assert!(ready.message.contains("other.example"), "{}", ready.message);
+}
