@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test suite, in three tiers (usage: scripts/test.sh [check|int|e2e|all]):
-#   check  cargo fmt --check, clippy -D warnings, the contract-string check and every test that needs no cluster:
+#   check  cargo fmt --check, clippy -D warnings, the contract-string and test-hook checks, every test that needs no cluster:
 #          the unit tests, the doc tests and every test target not listed below (make check; no KUBECONFIG,
 #          no images, no real node; tests of optional tools — HIP code objects, llama.cpp, Python consumers —
 #          skip unless their variables are set, see the `all` stages);
