@@ -65,6 +65,8 @@ pub(crate) struct RefineSetup {
     order: Option<Vec<usize>>,
     /// `(start, end, group)` of each group's columns in the working order.
     segs: Vec<(usize, usize, usize)>,
+    /// The group of each position of the working order.
+    seg_of: Vec<usize>,
     /// H in the working order.
     h: Mat<f32>,
     /// `hw[r * n + j]` = `(H·w_rᵀ)_j`: column-major `n × rows`, one row of W per column.
@@ -103,20 +105,12 @@ impl RefineSetup {
         };
         let pos = |j: usize| order.as_ref().map_or(j, |o| o[j]);
         // W in the working order, one row of W per column.
-        let mut w = vec![0f32; n * rows];
-        if rows > 0 && n > 0 {
-            w.par_chunks_mut(n * ROW_CHUNK)
-                .enumerate()
-                .for_each(|(c, chunk)| {
-                    let r0 = c * ROW_CHUNK;
-                    let cnt = chunk.len() / n;
-                    for j in 0..n {
-                        let col = &w_col(pos(j))[r0..r0 + cnt];
-                        for (i, &v) in col.iter().enumerate() {
-                            chunk[i * n + j] = v;
-                        }
-                    }
-                });
+        let w = rows_major(n, rows, |j, r0, out| {
+            out.copy_from_slice(&w_col(pos(j))[r0..r0 + out.len()]);
+        });
+        let mut seg_of = vec![0usize; n];
+        for &(s, e, g) in &segs {
+            seg_of[s..e].fill(g);
         }
         let mut hw = vec![0f32; n * rows];
         if rows > 0 && n > 0 {
@@ -139,6 +133,7 @@ impl RefineSetup {
             groups,
             order,
             segs,
+            seg_of,
             h,
             hw,
             wt_h_w,
@@ -157,27 +152,15 @@ impl RefineSetup {
             return RefineStats::default();
         }
         let gg = groups * groups;
-        let mut seg_of = vec![0usize; n];
-        for &(s, e, g) in &self.segs {
-            seg_of[s..e].fill(g);
-        }
         let pos = |j: usize| self.order.as_ref().map_or(j, |o| o[j]);
         // `a[r * n + j]` = code − zero: the row's dequantized value per unit of its group's scale.
-        let mut a = vec![0f32; n * rows];
-        a.par_chunks_mut(n * ROW_CHUNK)
-            .enumerate()
-            .for_each(|(c, chunk)| {
-                let r0 = c * ROW_CHUNK;
-                let cnt = chunk.len() / n;
-                for j in 0..n {
-                    let (base, zbase) = (pos(j) * rows + r0, seg_of[j] * rows + r0);
-                    let (cs, zs) = (&codes[base..base + cnt], &zeros[zbase..zbase + cnt]);
-                    for (i, (&q, &z)) in cs.iter().zip(zs).enumerate() {
-                        chunk[i * n + j] = f32::from(q) - f32::from(z);
-                    }
-                }
-            });
-        // Per row, the normal equations of its scales: M[g][h] = a_g·H_gh·a_hᵀ, b[g] = a_g·(H·wᵀ)_g.
+        let a = rows_major(n, rows, |j, r0, out| {
+            let (base, zbase) = (pos(j) * rows + r0, self.seg_of[j] * rows + r0);
+            let (cs, zs) = (&codes[base..], &zeros[zbase..]);
+            for ((o, &q), &z) in out.iter_mut().zip(cs).zip(zs) {
+                *o = f32::from(q) - f32::from(z);
+            }
+        });
         // By blocks of rows, so the per-row systems (`groups²` f64 each: 0.9 MiB per row at 344 groups) and the
         // product below stay within a bound whatever the module's shape.
         let block = (self.block_bytes / (8 * gg))
@@ -274,6 +257,29 @@ impl RefineSetup {
 
 /// Rows of W per task when a row-major copy is built from columns: each column's reads stay contiguous.
 const ROW_CHUNK: usize = 64;
+
+/// An `n × rows` column-major buffer (one row of W per column, `[r * n + j]`) filled from columns: `fill(j, r0,
+/// out)` writes position `j`'s values of rows `r0..r0 + out.len()`. By chunks of [`ROW_CHUNK`] rows, so each
+/// column is read contiguously.
+fn rows_major(n: usize, rows: usize, fill: impl Fn(usize, usize, &mut [f32]) + Sync) -> Vec<f32> {
+    let mut out = vec![0f32; n * rows];
+    if n == 0 || rows == 0 {
+        return out;
+    }
+    out.par_chunks_mut(n * ROW_CHUNK)
+        .enumerate()
+        .for_each(|(c, chunk)| {
+            let cnt = chunk.len() / n;
+            let mut col = [0f32; ROW_CHUNK];
+            for j in 0..n {
+                fill(j, c * ROW_CHUNK, &mut col[..cnt]);
+                for (i, &v) in col[..cnt].iter().enumerate() {
+                    chunk[i * n + j] = v;
+                }
+            }
+        });
+    out
+}
 
 /// The most bytes the refit's per-row systems, and separately its product, take for one block of rows (at least
 /// [`ROW_CHUNK`] rows a block).
