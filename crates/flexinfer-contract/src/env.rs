@@ -239,6 +239,8 @@ pub mod controller {
     pub const PROGRESS_POLL_SECONDS: &str = "FLEXINFER_PROGRESS_POLL_SECONDS";
     /// Pod-log reads for progress per second across all caches (default 20, 0 = none; at most 1000).
     pub const LOG_READS_PER_SECOND: &str = "FLEXINFER_LOG_READS_PER_SECOND";
+    /// ModelCache reconciles that run at once (default 32, at most 1024, 0 = no limit).
+    pub const RECONCILE_CONCURRENCY: &str = "FLEXINFER_RECONCILE_CONCURRENCY";
     /// Leader-election Lease duration in seconds (default 15).
     pub const LEASE_DURATION_SECONDS: &str = "FLEXINFER_LEASE_DURATION_SECONDS";
     /// Name of the leader-election Lease (default `flexinfer-controller-leader`).

@@ -37,6 +37,10 @@ pub struct Config {
     /// `FLEXINFER_LOG_READS_PER_SECOND`: progress log reads of running pods per second across all
     /// caches (default 20; 0 = none).
     pub log_reads_per_second: u32,
+    /// `FLEXINFER_RECONCILE_CONCURRENCY`: ModelCache reconciles that run at once (default 32). Each
+    /// holds its cache, the Jobs it renders and the requests in flight; unbounded, thousands of caches
+    /// created at once made thousands of reconciles and a memory peak to match.
+    pub reconcile_concurrency: u16,
     /// `FLEXINFER_GPU_SUPPLEMENTAL_GROUPS`: supplemental groups of pods that request a GPU.
     pub gpu_supplemental_groups: Vec<i64>,
     /// `FLEXINFER_CREDENTIAL_REGISTRIES`: registries that may receive a cache Secret's registry
@@ -61,6 +65,7 @@ impl Default for Config {
             hf_endpoint: None,
             keep_generations: 1,
             log_reads_per_second: 20,
+            reconcile_concurrency: 32,
             stuck_pod_after: Duration::from_secs(300),
             gpu_supplemental_groups: Vec::new(),
             credential_registries: CredentialRegistries::None,
@@ -138,6 +143,12 @@ impl Config {
                 1000,
             )?)
             .unwrap_or(20),
+            reconcile_concurrency: u16::try_from(s.count(
+                env::controller::RECONCILE_CONCURRENCY,
+                32,
+                1024,
+            )?)
+            .unwrap_or(32),
             gpu_supplemental_groups: s
                 .parsed(
                     env::controller::GPU_SUPPLEMENTAL_GROUPS,

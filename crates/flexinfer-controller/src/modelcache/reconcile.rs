@@ -132,6 +132,10 @@ pub async fn run(
     let forget = forget_deleted_caches(cache_meta, ctx.metrics.clone());
     let cache_store = stores.caches.clone();
     let controller = Controller::for_stream(streams.caches, stores.caches.clone())
+        .with_config(
+            kube::runtime::controller::Config::default()
+                .concurrency(ctx.config.reconcile_concurrency),
+        )
         .owns_stream(streams.jobs)
         .watches_stream(streams.profiles, move |gp: GPUProfile| {
             // Only the caches whose phases select this profile's architecture.

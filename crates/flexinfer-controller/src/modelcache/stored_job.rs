@@ -1,62 +1,173 @@
-//! The pipeline Job as the watch store keeps it: the fields `observe_job` and the expectations read,
-//! nothing else. A `k8s_openapi` `Job` costs about 9 KB in memory even pruned (its pod template and
-//! container are wide structs); at thousands of caches (three Jobs each) that was most of the
-//! controller's memory. This type deserializes only what is kept (≈1–2 KB) and turns back into a
-//! `Job` for the planner.
+//! Pipeline Jobs and pods as the watch stores keep them: the fields `observe_job`, the ownership
+//! check and the expectations read, as plain values, nothing else. A `k8s_openapi` `Job` costs about
+//! 9 KB in memory even pruned (its pod template and container are wide structs), a pruned `Pod` 8 KB;
+//! at thousands of caches (three Jobs and three pods each) that was most of the controller's memory.
+//! These types deserialize only what is kept and turn back into a `Job` / `Pod` for the planner.
 
-use k8s_openapi::api::batch::v1::{Job, JobSpec, JobStatus};
-use k8s_openapi::api::core::v1::{Container, EnvVar, Pod, PodSpec, PodTemplateSpec};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::batch::v1::{Job, JobCondition, JobSpec, JobStatus};
+use k8s_openapi::api::core::v1::{
+    Container, ContainerState, ContainerStateTerminated, ContainerStateWaiting, ContainerStatus,
+    EnvVar, Pod, PodCondition, PodSpec, PodStatus, PodTemplateSpec,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use k8s_openapi::{Metadata, NamespaceResourceScope, Resource};
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 
 use flexinfer_api::contract;
 
-/// A Job, reduced (see the module docs).
-#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+use super::stores::{JOB_NAME_LABEL, LEGACY_JOB_NAME_LABEL};
+
+/// A Job, reduced (see the module docs): the metadata that identifies it, and the fields of its
+/// labels, annotations, spec and status that a reader looks at, as plain values (a label or
+/// annotation map of its own would cost a tree node of ~0.5 KB per Job).
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(from = "WireJob")]
 pub struct StoredJob {
+    /// Name, namespace, uid, resourceVersion, creation and deletion time, and the owner references:
+    /// the controller maps each Job event to its cache through them.
     pub metadata: ObjectMeta,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub spec: Option<StoredJobSpec>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub status: Option<JobStatus>,
+    /// The `flexinfer.ai/cache` label.
+    cache: Option<String>,
+    /// The `flexinfer.ai/phase` label.
+    phase: Option<String>,
+    /// The spec-hash annotation.
+    spec_hash: Option<String>,
+    /// `spec.activeDeadlineSeconds`.
+    deadline: Option<i64>,
+    /// The worker container's name, image and `OUT_DIR` value.
+    container: Option<(String, Option<String>, Option<String>)>,
+    /// `status.startTime`.
+    start_time: Option<Time>,
+    /// The conditions that hold (`status: "True"`) of the types a reader asks about.
+    conditions: Vec<JobCondition>,
+    /// Whether the Job had a status at all.
+    has_status: bool,
 }
 
-#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+/// The condition types of a Job that a reader asks about (and only whether they hold).
+const JOB_CONDITIONS: [&str; 4] = ["Complete", "SuccessCriteriaMet", "Failed", "FailureTarget"];
+
+/// The Job as the watch reads it: only the worker container's `OUT_DIR` of the pod template is
+/// parsed; the rest is converted into [`StoredJob`] at once.
+#[derive(Deserialize)]
+struct WireJob {
+    metadata: ObjectMeta,
+    #[serde(default)]
+    spec: Option<StoredJobSpec>,
+    #[serde(default)]
+    status: Option<JobStatus>,
+}
+
+impl From<WireJob> for StoredJob {
+    fn from(w: WireJob) -> Self {
+        let mut meta = w.metadata;
+        let mut labels = meta.labels.take().unwrap_or_default();
+        let mut annotations = meta.annotations.take().unwrap_or_default();
+        let owners = meta.owner_references.take();
+        let (deadline, container) = match w.spec {
+            Some(s) => (
+                s.active_deadline_seconds,
+                s.template
+                    .spec
+                    .and_then(|p| p.containers.into_iter().next())
+                    .map(|c| {
+                        let out_dir = c
+                            .env
+                            .unwrap_or_default()
+                            .into_iter()
+                            .find(|e| e.name == contract::env::OUT_DIR)
+                            .and_then(|e| e.value);
+                        (c.name, c.image, out_dir)
+                    }),
+            ),
+            None => (None, None),
+        };
+        let has_status = w.status.is_some();
+        let (start_time, conditions) = match w.status {
+            Some(st) => (
+                st.start_time,
+                st.conditions
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter(|c| c.status == "True" && JOB_CONDITIONS.contains(&c.type_.as_str()))
+                    .map(|c| {
+                        // Only a failure's reason and message are read.
+                        let failed = matches!(c.type_.as_str(), "Failed" | "FailureTarget");
+                        JobCondition {
+                            last_probe_time: None,
+                            last_transition_time: None,
+                            reason: c.reason.filter(|_| failed),
+                            message: c.message.filter(|_| failed),
+                            ..c
+                        }
+                    })
+                    .collect(),
+            ),
+            None => (None, Vec::new()),
+        };
+        let mut metadata = identity(meta);
+        metadata.owner_references = owners;
+        StoredJob {
+            metadata,
+            cache: labels.remove(contract::labels::CACHE),
+            phase: labels.remove(contract::labels::PHASE),
+            spec_hash: annotations.remove(contract::annotations::JOB_SPEC_HASH),
+            deadline,
+            container,
+            start_time,
+            conditions,
+            has_status,
+        }
+    }
+}
+
+/// Of an object's metadata, what identifies it: name, namespace, uid, resourceVersion (the watch
+/// reads it), creation and deletion time.
+fn identity(m: ObjectMeta) -> ObjectMeta {
+    ObjectMeta {
+        name: m.name,
+        namespace: m.namespace,
+        uid: m.uid,
+        resource_version: m.resource_version,
+        creation_timestamp: m.creation_timestamp,
+        deletion_timestamp: m.deletion_timestamp,
+        ..Default::default()
+    }
+}
+
+#[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct StoredJobSpec {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub active_deadline_seconds: Option<i64>,
+struct StoredJobSpec {
     #[serde(default)]
-    pub template: StoredTemplate,
+    active_deadline_seconds: Option<i64>,
+    #[serde(default)]
+    template: StoredTemplate,
 }
 
-#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
-pub struct StoredTemplate {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub spec: Option<StoredPodSpec>,
+#[derive(Default, Deserialize)]
+struct StoredTemplate {
+    #[serde(default)]
+    spec: Option<StoredPodSpec>,
 }
 
-#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
-pub struct StoredPodSpec {
+#[derive(Deserialize)]
+struct StoredPodSpec {
     #[serde(default)]
-    pub containers: Vec<StoredContainer>,
+    containers: Vec<StoredContainer>,
 }
 
-/// The worker container: its name, image and `OUT_DIR` (the only env variable kept).
-#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
-pub struct StoredContainer {
+/// A container of the pod template: its name, image and `OUT_DIR` (the other variables are skipped
+/// while the watch event is read).
+#[derive(Deserialize)]
+struct StoredContainer {
     #[serde(default)]
-    pub name: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub image: Option<String>,
-    /// Only `OUT_DIR`: the other variables are skipped while the watch event is read.
-    #[serde(
-        default,
-        skip_serializing_if = "Option::is_none",
-        deserialize_with = "out_dir_only"
-    )]
-    pub env: Option<Vec<EnvVar>>,
+    name: String,
+    #[serde(default)]
+    image: Option<String>,
+    #[serde(default, deserialize_with = "out_dir_only")]
+    env: Option<Vec<EnvVar>>,
 }
 
 /// The env list, keeping only `OUT_DIR` (each other entry is read and dropped at once, so the full
@@ -113,58 +224,178 @@ impl Metadata for StoredJob {
 }
 
 impl StoredJob {
-    /// Drop what the store does not need: managed fields, every container but the first (env was
-    /// already reduced to `OUT_DIR` when read).
-    pub fn prune(&mut self) {
-        self.metadata.managed_fields = None;
-        if let Some(pod) = self.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
-            pod.containers.truncate(1);
-            pod.containers.shrink_to_fit();
-            for c in &mut pod.containers {
-                if let Some(env) = c.env.as_mut() {
-                    env.retain(|e| e.name == contract::env::OUT_DIR);
-                    env.shrink_to_fit();
-                }
-            }
-        }
-    }
-
-    /// The Job the planner reads (the same fields `observe::prune_job` keeps).
+    /// The Job the planner reads: what `observe::prune_job` keeps of a Job, less the conditions
+    /// that do not hold and the labels and annotations nobody reads.
     pub fn to_job(&self) -> Job {
+        let mut metadata = self.metadata.clone();
+        let labels: BTreeMap<String, String> = [
+            (contract::labels::CACHE, &self.cache),
+            (contract::labels::PHASE, &self.phase),
+        ]
+        .into_iter()
+        .filter_map(|(k, v)| Some((k.to_string(), v.clone()?)))
+        .collect();
+        metadata.labels = (!labels.is_empty()).then_some(labels);
+        metadata.annotations = self.spec_hash.as_ref().map(|h| {
+            BTreeMap::from([(contract::annotations::JOB_SPEC_HASH.to_string(), h.clone())])
+        });
         Job {
-            metadata: self.metadata.clone(),
-            spec: self.spec.as_ref().map(|s| JobSpec {
-                active_deadline_seconds: s.active_deadline_seconds,
+            metadata,
+            spec: Some(JobSpec {
+                active_deadline_seconds: self.deadline,
                 template: PodTemplateSpec {
                     metadata: None,
-                    spec: s.template.spec.as_ref().map(|p| PodSpec {
-                        containers: p
-                            .containers
-                            .iter()
-                            .map(|c| Container {
-                                name: c.name.clone(),
-                                image: c.image.clone(),
-                                env: c.env.clone(),
+                    spec: self
+                        .container
+                        .as_ref()
+                        .map(|(name, image, out_dir)| PodSpec {
+                            containers: vec![Container {
+                                name: name.clone(),
+                                image: image.clone(),
+                                env: out_dir.as_ref().map(|v| {
+                                    vec![EnvVar {
+                                        name: contract::env::OUT_DIR.to_string(),
+                                        value: Some(v.clone()),
+                                        value_from: None,
+                                    }]
+                                }),
                                 ..Default::default()
-                            })
-                            .collect(),
-                        ..Default::default()
-                    }),
+                            }],
+                            ..Default::default()
+                        }),
                 },
                 ..Default::default()
             }),
-            status: self.status.clone(),
+            status: self.has_status.then(|| JobStatus {
+                start_time: self.start_time.clone(),
+                conditions: (!self.conditions.is_empty()).then(|| self.conditions.clone()),
+                ..Default::default()
+            }),
         }
     }
 }
 
-/// A pipeline pod as the pod store keeps it: metadata and the status `observe_pod` reads (no pod spec:
-/// a `k8s_openapi` `Pod` holds its wide spec struct inline even when it is empty).
-#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+/// A pipeline pod as the pod store keeps it: its identity, its Job, and the status fields
+/// `observe_pod` reads (phase, a `PodScheduled` condition that does not hold, the first container's
+/// termination and waiting reason), as plain values (no pod spec, label map or status struct).
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(from = "WirePod")]
 pub struct StoredPod {
+    /// Name, namespace, uid, resourceVersion, creation and deletion time; nothing else.
     pub metadata: ObjectMeta,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub status: Option<k8s_openapi::api::core::v1::PodStatus>,
+    /// The Job it belongs to (the Job controller's job-name label).
+    job: Option<String>,
+    /// `status.phase`.
+    phase: Option<String>,
+    /// The `PodScheduled` condition while it does not hold (its times dropped).
+    not_scheduled: Option<Box<PodCondition>>,
+    /// The first container, when the pod has container statuses.
+    container: Option<Box<StoredContainerStatus>>,
+    /// Whether the pod had a status at all.
+    has_status: bool,
+}
+
+/// Of the first container's status, what `observe_pod` reads.
+#[derive(Clone, Debug, Default, PartialEq)]
+struct StoredContainerStatus {
+    name: String,
+    /// The termination it reads: of the current state, else of the last state (`true`).
+    terminated: Option<(bool, ContainerStateTerminated)>,
+    /// The current state's waiting reason and message.
+    waiting: Option<ContainerStateWaiting>,
+}
+
+/// The pod as the watch reads it: the spec is skipped, the status converted at once.
+#[derive(Deserialize)]
+struct WirePod {
+    metadata: ObjectMeta,
+    #[serde(default)]
+    status: Option<PodStatus>,
+}
+
+impl From<ContainerStatus> for StoredContainerStatus {
+    fn from(c: ContainerStatus) -> Self {
+        let lean = |t: ContainerStateTerminated| ContainerStateTerminated {
+            container_id: None,
+            started_at: None,
+            finished_at: None,
+            ..t
+        };
+        let (current, last) = (
+            c.state.unwrap_or_default(),
+            c.last_state.unwrap_or_default(),
+        );
+        let terminated = match (current.terminated, last.terminated) {
+            (Some(t), _) => Some((false, lean(t))),
+            (None, Some(t)) => Some((true, lean(t))),
+            (None, None) => None,
+        };
+        StoredContainerStatus {
+            name: c.name,
+            terminated,
+            waiting: current.waiting,
+        }
+    }
+}
+
+impl StoredContainerStatus {
+    fn to_status(&self) -> ContainerStatus {
+        let (mut state, mut last) = (ContainerState::default(), None);
+        match &self.terminated {
+            Some((false, t)) => state.terminated = Some(t.clone()),
+            Some((true, t)) => {
+                last = Some(ContainerState {
+                    terminated: Some(t.clone()),
+                    ..Default::default()
+                })
+            }
+            None => {}
+        }
+        state.waiting = self.waiting.clone();
+        ContainerStatus {
+            name: self.name.clone(),
+            state: Some(state),
+            last_state: last,
+            ..Default::default()
+        }
+    }
+}
+
+impl From<WirePod> for StoredPod {
+    fn from(w: WirePod) -> Self {
+        let mut meta = w.metadata;
+        let job = meta.labels.take().and_then(|mut l| {
+            l.remove(JOB_NAME_LABEL)
+                .or_else(|| l.remove(LEGACY_JOB_NAME_LABEL))
+        });
+        let has_status = w.status.is_some();
+        let st = w.status.unwrap_or_default();
+        let not_scheduled = st
+            .conditions
+            .unwrap_or_default()
+            .into_iter()
+            .find(|c| c.type_ == "PodScheduled")
+            .filter(|c| c.status != "True")
+            .map(|c| {
+                Box::new(PodCondition {
+                    last_probe_time: None,
+                    last_transition_time: None,
+                    ..c
+                })
+            });
+        let container = st
+            .container_statuses
+            .and_then(|cs| cs.into_iter().next())
+            .map(|c| Box::new(StoredContainerStatus::from(c)));
+        StoredPod {
+            metadata: identity(meta),
+            job,
+            phase: st.phase,
+            not_scheduled,
+            container,
+            has_status,
+        }
+    }
 }
 
 impl Resource for StoredPod {
@@ -187,20 +418,28 @@ impl Metadata for StoredPod {
 }
 
 impl StoredPod {
-    /// Keep what `observe::prune_pod` keeps.
-    pub fn prune(&mut self) {
-        let mut pod = self.to_pod();
-        super::observe::prune_pod(&mut pod);
-        self.metadata = pod.metadata;
-        self.status = pod.status;
+    /// The Job this pod belongs to.
+    pub fn job_name(&self) -> Option<String> {
+        self.job.clone()
     }
 
-    /// The pod the planner reads.
+    /// The pod the planner reads (what `observe::prune_pod` keeps of a pod, less what `observe_pod`
+    /// does not look at).
     pub fn to_pod(&self) -> Pod {
+        let mut metadata = self.metadata.clone();
+        metadata.labels = self
+            .job
+            .as_ref()
+            .map(|j| BTreeMap::from([(JOB_NAME_LABEL.to_string(), j.clone())]));
         Pod {
-            metadata: self.metadata.clone(),
+            metadata,
             spec: None,
-            status: self.status.clone(),
+            status: self.has_status.then(|| PodStatus {
+                phase: self.phase.clone(),
+                conditions: self.not_scheduled.as_ref().map(|c| vec![(**c).clone()]),
+                container_statuses: self.container.as_ref().map(|c| vec![c.to_status()]),
+                ..Default::default()
+            }),
         }
     }
 }

@@ -4,8 +4,8 @@
 //!
 //! Each view is a kube-runtime reflector store fed by one watch. The Job and GPUProfile streams are
 //! also the controller's triggers, so a reconcile triggered by a Job event finds that event in the
-//! Job store. Stored Jobs and pods are pruned to what the planner reads ([`super::observe::prune_job`],
-//! [`super::observe::prune_pod`]), and lookups go through name keys and small indexes (a cache's
+//! Job store. Stored Jobs and pods keep only what the planner reads ([`super::stored_job`]), and
+//! lookups go through name keys and small indexes (a cache's
 //! Jobs by their deterministic names, pods by their Job, caches by their claim), never a scan of a
 //! store: a reconcile costs the same with 10 or 5,000 caches.
 //!
@@ -38,6 +38,8 @@ use crate::kube_client::api_in;
 
 /// The label the Job controller puts on a Job's pods.
 pub const JOB_NAME_LABEL: &str = "batch.kubernetes.io/job-name";
+/// The same label as Kubernetes before 1.27 spelled it.
+pub const LEGACY_JOB_NAME_LABEL: &str = "job-name";
 
 /// Names of objects by `(namespace, key)`: a superset of the truth, checked against the store on
 /// every lookup (an entry whose object is gone or has another key now is dropped then).
@@ -137,12 +139,9 @@ fn cache_claim(mc: &ModelCache) -> Option<String> {
     Some(jobs::claim_name(mc))
 }
 
-/// The Job a pod belongs to: the index key of pods.
-fn pod_job<K: Resource>(p: &K) -> Option<String> {
-    p.labels()
-        .get(JOB_NAME_LABEL)
-        .or_else(|| p.labels().get("job-name"))
-        .cloned()
+/// The Job a stored pod belongs to: the index key of pods.
+fn pod_job(p: &StoredPod) -> Option<String> {
+    p.job_name()
 }
 
 /// A Job or PVC the reconciler wrote and the store has not shown yet.
@@ -213,8 +212,21 @@ pub struct Streams {
     pub background: std::pin::Pin<Box<dyn Future<Output = ()> + Send>>,
 }
 
-fn clear_managed_fields<K: Resource>(o: &mut K) {
-    o.meta_mut().managed_fields = None;
+/// The annotation `kubectl apply` (client-side) keeps: the whole applied manifest again, read by
+/// nobody here.
+const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
+
+/// Drop what no reader of a stored object needs: managed fields and `kubectl apply`'s copy of the
+/// manifest.
+fn lean_metadata<K: Resource>(o: &mut K) {
+    let meta = o.meta_mut();
+    meta.managed_fields = None;
+    if let Some(a) = meta.annotations.as_mut() {
+        a.remove(LAST_APPLIED);
+        if a.is_empty() {
+            meta.annotations = None;
+        }
+    }
 }
 
 /// Drive a store-only stream to its end (it ends only with the process), saying when its watch fails
@@ -245,7 +257,7 @@ impl Stores {
         let idx = caches_by_claim.clone();
         let cache_stream = watcher(api_in::<ModelCache>(client, ns), watcher::Config::default())
             .default_backoff()
-            .modify(clear_managed_fields)
+            .modify(lean_metadata)
             .reflect(caches_w)
             .inspect(move |ev| {
                 if let Ok(ev) = ev {
@@ -259,13 +271,12 @@ impl Stores {
             watcher::Config::default().labels(&managed),
         )
         .default_backoff()
-        .modify(StoredJob::prune)
         .reflect(jobs_w)
         .touched_objects()
         .boxed();
         let profile_stream = watcher(api_in::<GPUProfile>(client, ns), watcher::Config::default())
             .default_backoff()
-            .modify(clear_managed_fields)
+            .modify(lean_metadata)
             .reflect(profiles_w)
             .touched_objects()
             .boxed();
@@ -276,7 +287,6 @@ impl Stores {
             watcher::Config::default().labels(&managed),
         )
         .default_backoff()
-        .modify(StoredPod::prune)
         .reflect(pods_w)
         .inspect(move |ev| {
             if let Ok(ev) = ev {
@@ -287,11 +297,11 @@ impl Stores {
         let claim_api: Api<PartialObjectMeta<PersistentVolumeClaim>> = api_in(client, ns);
         let claim_stream = watcher(claim_api, watcher::Config::default())
             .default_backoff()
-            .modify(clear_managed_fields)
+            .modify(lean_metadata)
             .reflect(claims_w);
         let model_stream = watcher(api_in::<Model>(client, ns), watcher::Config::default())
             .default_backoff()
-            .modify(clear_managed_fields)
+            .modify(lean_metadata)
             .reflect(models_w);
         let ready = {
             let (a, b, c) = (caches.clone(), jobs.clone(), pods.clone());
@@ -475,7 +485,32 @@ mod tests {
         assert!(all.into_iter().all(|r| r.expect("task")));
     }
 
-    fn pod(name: &str, job: &str) -> Pod {
+    #[test]
+    fn stored_objects_lose_managed_fields_and_the_applied_manifest_only() {
+        let mut mc: ModelCache = serde_json::from_value(serde_json::json!({
+            "apiVersion": "ai.flexinfer/v1alpha1", "kind": "ModelCache",
+            "metadata": {"name": "c", "namespace": "ns",
+                         "managedFields": [{"manager": "kubectl"}],
+                         "annotations": {LAST_APPLIED: "{\"spec\":{}}",
+                                         "flexinfer.ai/force-image-update": "true"}},
+            "spec": {"source": "org/m"}
+        }))
+        .unwrap();
+        lean_metadata(&mut mc);
+        assert!(mc.metadata.managed_fields.is_none());
+        let a = mc
+            .metadata
+            .annotations
+            .as_ref()
+            .expect("other annotations stay");
+        assert_eq!(a.len(), 1);
+        assert!(a.contains_key("flexinfer.ai/force-image-update"));
+        mc.metadata.annotations = Some([(LAST_APPLIED.to_string(), "{}".to_string())].into());
+        lean_metadata(&mut mc);
+        assert!(mc.metadata.annotations.is_none());
+    }
+
+    fn pod(name: &str, job: &str) -> StoredPod {
         serde_json::from_value(serde_json::json!({
             "metadata": {"name": name, "namespace": "ns", "labels": {JOB_NAME_LABEL: job}}
         }))
@@ -484,9 +519,9 @@ mod tests {
 
     #[test]
     fn index_lookups_follow_the_store() {
-        let (store, mut writer) = reflector::store::<Pod>();
+        let (store, mut writer) = reflector::store::<StoredPod>();
         let index = Index::default();
-        let feed = |w: &mut reflector::store::Writer<Pod>, ev: watcher::Event<Pod>| {
+        let feed = |w: &mut reflector::store::Writer<StoredPod>, ev: watcher::Event<StoredPod>| {
             w.apply_watcher_event(&ev);
             index.update(&ev, pod_job);
         };

@@ -247,7 +247,7 @@ fn memory_per_stored_object() {
         .iter()
         .map(|phase| {
             let t_ = jobs::resolve_target(&full, *phase, &[profile("gfx1100", "q")], &c);
-            serde_json::to_string(&jobs::build_job(
+            let mut v = serde_json::to_value(jobs::build_job(
                 &full,
                 &Default::default(),
                 &[],
@@ -256,15 +256,35 @@ fn memory_per_stored_object() {
                 "h",
                 &c,
             ))
-            .unwrap()
+            .unwrap();
+            // What the API server adds: identity, the Job controller's labels, a finished status.
+            let meta = &mut v["metadata"];
+            meta["uid"] = "0b6a1f9e-3c1d-4f5e-9a7b-2d8c6e4f1a3b".into();
+            meta["resourceVersion"] = "1234567".into();
+            meta["creationTimestamp"] = "2026-12-06T00:00:00Z".into();
+            meta["generation"] = 1.into();
+            meta["labels"]["batch.kubernetes.io/controller-uid"] =
+                "0b6a1f9e-3c1d-4f5e-9a7b-2d8c6e4f1a3b".into();
+            meta["labels"]["batch.kubernetes.io/job-name"] = "mc-quantize".into();
+            v["status"] = serde_json::json!({
+                "startTime": "2026-12-06T00:00:01Z", "completionTime": "2026-12-06T00:00:09Z",
+                "succeeded": 1, "ready": 0, "terminating": 0, "uncountedTerminatedPods": {},
+                "conditions": [
+                    {"type": "SuccessCriteriaMet", "status": "True", "reason": "CompletionsReached",
+                     "message": "Reached expected number of succeeded pods",
+                     "lastProbeTime": "2026-12-06T00:00:09Z", "lastTransitionTime": "2026-12-06T00:00:09Z"},
+                    {"type": "Complete", "status": "True", "reason": "CompletionsReached",
+                     "message": "Reached expected number of succeeded pods",
+                     "lastProbeTime": "2026-12-06T00:00:09Z", "lastTransitionTime": "2026-12-06T00:00:09Z"}]
+            });
+            v.to_string()
         })
         .collect();
     let before = rss_kb();
     let stored: Vec<Arc<StoredJob>> = (0..5000)
         .flat_map(|_| texts.iter())
         .map(|t| {
-            let mut j: StoredJob = serde_json::from_str(t).unwrap();
-            j.prune();
+            let j: StoredJob = serde_json::from_str(t).unwrap();
             Arc::new(j)
         })
         .collect();
@@ -303,9 +323,7 @@ fn memory_per_stored_object() {
     let before = rss_kb();
     let spods: Vec<Arc<crate::modelcache::stored_job::StoredPod>> = (0..15000)
         .map(|_| {
-            let mut p: crate::modelcache::stored_job::StoredPod =
-                serde_json::from_str(&pod).unwrap();
-            p.prune();
+            let p: crate::modelcache::stored_job::StoredPod = serde_json::from_str(&pod).unwrap();
             Arc::new(p)
         })
         .collect();
@@ -320,6 +338,13 @@ fn memory_per_stored_object() {
         .collect();
     let wide = per(before, rss_kb(), 15000);
     println!("Pod: StoredPod {compact} B, pruned k8s Pod {wide} B each");
+    println!(
+        "inline sizes: ObjectMeta {} B, StoredJob {} B, StoredPod {} B, ModelCache {} B",
+        std::mem::size_of::<k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>(),
+        std::mem::size_of::<StoredJob>(),
+        std::mem::size_of::<crate::modelcache::stored_job::StoredPod>(),
+        std::mem::size_of::<ModelCache>()
+    );
     assert!(compact < wide, "StoredPod {compact} B vs {wide} B");
     drop((caches, stored, pruned, spods, kpods));
 }

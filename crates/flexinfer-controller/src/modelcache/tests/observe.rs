@@ -3,6 +3,9 @@
 
 use std::time::Instant;
 
+use flexinfer_api::contract::labels;
+use kube::ResourceExt;
+
 use flexinfer_api::modelcache::{DownloadStatus, ModelCacheStatus, PhaseProgress};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
@@ -371,22 +374,49 @@ fn pruned_jobs_and_pods_observe_the_same_as_full_ones() {
                 "{state} {terminated}"
             );
             // The Job store's compact form, as deserialized from the API server's JSON, observes the same.
-            let mut stored: crate::modelcache::stored_job::StoredJob =
+            let stored: crate::modelcache::stored_job::StoredJob =
                 serde_json::from_value(serde_json::to_value(&job).unwrap()).unwrap();
-            stored.prune();
             let stored_pods: Vec<_> = pods
                 .iter()
                 .map(|p| {
-                    let mut sp: crate::modelcache::stored_job::StoredPod =
+                    let sp: crate::modelcache::stored_job::StoredPod =
                         serde_json::from_value(serde_json::to_value(p).unwrap()).unwrap();
-                    sp.prune();
                     sp.to_pod()
                 })
                 .collect();
+            let back = stored.to_job();
             assert_eq!(
-                observe_job(&stored.to_job(), &stored_pods),
+                observe_job(&back, &stored_pods),
                 Some(full.clone()),
                 "stored {state} {terminated}"
+            );
+            // The owner references stay whole in the stored Job's metadata: the controller maps a
+            // Job event to its cache through them (kind, apiVersion, name), not only the uid.
+            assert_eq!(
+                stored.metadata.owner_references,
+                job.metadata.owner_references
+            );
+            // What the ownership check and the expectations read survives too.
+            assert_eq!(
+                back.labels().get(labels::CACHE),
+                job.labels().get(labels::CACHE)
+            );
+            assert!(back.labels().contains_key(labels::CACHE));
+            assert_eq!(
+                back.owner_references()
+                    .iter()
+                    .map(|o| &o.uid)
+                    .collect::<Vec<_>>(),
+                job.owner_references()
+                    .iter()
+                    .map(|o| &o.uid)
+                    .collect::<Vec<_>>()
+            );
+            assert!(!job.owner_references().is_empty());
+            assert_eq!(back.metadata.uid, job.metadata.uid);
+            assert_eq!(
+                back.metadata.deletion_timestamp,
+                job.metadata.deletion_timestamp
             );
             // What it reads is really there (the comparison is not of two empty summaries).
             assert!(full.out_dir.is_some() && !full.image.is_empty() && full.spec_hash.is_some());
@@ -411,6 +441,37 @@ fn pruned_jobs_and_pods_observe_the_same_as_full_ones() {
             );
         }
     }
+}
+
+/// A pod that restarted (its termination in the last state, running now) and a scheduled one: the
+/// pod store's compact form observes them as the full pods do.
+#[test]
+fn stored_pods_keep_a_restart_and_a_scheduled_pod() {
+    use crate::modelcache::observe::observe_job;
+    use crate::modelcache::stored_job::StoredPod;
+    let job = stored_job(JobPhase::Download, "Running");
+    let name = job.metadata.name.clone().unwrap();
+    let restarted: k8s_openapi::api::core::v1::Pod = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": format!("{name}-x"), "namespace": "ns",
+                     "creationTimestamp": "2026-12-01T00:00:02Z",
+                     "labels": {"job-name": name}},
+        "status": {"phase": "Running",
+                   "conditions": [{"type": "PodScheduled", "status": "True"}],
+                   "containerStatuses": [{"name": "worker", "image": "w", "imageID": "", "ready": true, "restartCount": 1,
+                       "state": {"running": {"startedAt": "2026-12-01T00:00:05Z"}},
+                       "lastState": {"terminated": {"exitCode": 137, "reason": "OOMKilled",
+                                                    "containerID": "containerd://abc"}}}]}
+    }))
+    .unwrap();
+    let full = observe_job(&job, std::slice::from_ref(&restarted)).expect("a pipeline Job");
+    let pod = full.pod.clone().expect("the pod is observed");
+    assert_eq!(pod.terminated_reason.as_deref(), Some("OOMKilled"));
+    assert_eq!(pod.exit_code, Some(137));
+    assert!(pod.running && pod.unschedulable.is_none());
+    let stored: StoredPod =
+        serde_json::from_value(serde_json::to_value(&restarted).unwrap()).unwrap();
+    assert_eq!(observe_job(&job, &[stored.to_pod()]), Some(full));
+    assert_eq!(stored.job_name().as_deref(), Some(name.as_str()));
 }
 
 #[test]
