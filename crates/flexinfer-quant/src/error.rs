@@ -11,7 +11,9 @@ use std::path::PathBuf;
 
 use serde_json::Value;
 
-use crate::device::{DeviceError, DeviceKind, ProbeError};
+pub(crate) mod device;
+
+use self::device::{DeviceError, DeviceKind, ProbeError};
 
 /// Everything that can go wrong in the engine. The `Config`, `Tensor`, `Dataset`, `Spec` and `File`
 /// variants mean the caller handed us something we cannot quantize (bad model, bad config, bad
