@@ -557,5 +557,22 @@ impl QuantError {
 
 pub type Result<T> = std::result::Result<T, QuantError>;
 
+/// `e`'s text followed by its causes (`source()`), each after `: `, as anyhow's `{:#}` prints them. A
+/// cause whose text the message already contains is not repeated (errors that print their cause
+/// themselves), so the message names every cause exactly once either way.
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let own = c.to_string();
+        if !text.contains(&own) {
+            text.push_str(": ");
+            text.push_str(&own);
+        }
+        cause = c.source();
+    }
+    text
+}
+
 #[cfg(test)]
 mod tests;

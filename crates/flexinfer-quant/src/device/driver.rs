@@ -17,6 +17,7 @@ use super::kernel::{
     KERNEL_SOURCE,
 };
 use super::{DevResult, DeviceError, DeviceKind};
+use crate::error::chain;
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void, CString};
 use std::path::{Path, PathBuf};
@@ -29,7 +30,7 @@ mod nvrtc;
 
 pub use api::symbol_names;
 use api::{Api, Extra, Raw};
-pub use math::MathLibraries;
+pub use math::{MathError, MathLibraries};
 pub use math::{CUBLAS_LIBRARIES, CUSOLVER_LIBRARIES, ROCBLAS_LIBRARIES, ROCSOLVER_LIBRARIES};
 pub use nvrtc::{Nvrtc, NvrtcError, Output as NvrtcOutput};
 
@@ -214,8 +215,8 @@ impl DriverVendor {
     }
 
     /// A library call's outcome as a device error naming the device.
-    fn math_result<T>(&self, r: Result<T, String>) -> DevResult<T> {
-        r.map_err(|e| DeviceError::new(self.name.clone(), "math", e))
+    fn math_result<T>(&self, r: Result<T, MathError>) -> DevResult<T> {
+        r.map_err(|e| DeviceError::new(self.name.clone(), "math", chain(&e)))
     }
 
     /// Frees the staging buffer (before its context goes).

@@ -33,7 +33,7 @@ pub use kernel::forward::{ForwardPass, ForwardTimes};
 pub use ops::{DeviceOps, OpsSession, PreparedMeta, SweepJob, MAX_DEVICE_RESETS};
 pub use select::{
     select_device, DeviceChoice, MemoryBudget, Platform, Selection, SystemPlatform, VendorLibs,
-    CUDA_LIBRARIES, HIP_LIBRARIES,
+    VendorLibsError, CUDA_LIBRARIES, HIP_LIBRARIES,
 };
 
 pub use crate::error::device::{DevResult, DeviceError, DeviceKind, GpuInfo, ProbeError};

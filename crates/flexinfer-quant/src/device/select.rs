@@ -192,13 +192,20 @@ pub enum VendorLibs {
     Off,
 }
 
+/// A [`VendorLibs`] setting that is neither `auto` nor `off`.
+#[derive(Debug, thiserror::Error)]
+#[error("{got:?}: expected auto or off")]
+pub struct VendorLibsError {
+    pub got: String,
+}
+
 impl std::str::FromStr for VendorLibs {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = VendorLibsError;
+    fn from_str(s: &str) -> Result<Self, VendorLibsError> {
         match s.trim().to_ascii_lowercase().as_str() {
             "" | "auto" => Ok(VendorLibs::Auto),
             "off" => Ok(VendorLibs::Off),
-            other => Err(format!("{other:?}: expected auto or off")),
+            other => Err(VendorLibsError { got: other.into() }),
         }
     }
 }

@@ -74,3 +74,44 @@ fn messages_name_the_field_and_keep_the_underlying_error_as_source() {
         "invalid input: config.json: layer 1: inconsistent attention shape (heads 8, kv heads 3, head_dim 64)"
     );
 }
+
+/// An error that prints only its own text and keeps its cause as `source()`.
+#[derive(Debug, thiserror::Error)]
+#[error("reading {path}")]
+struct Reading {
+    path: &'static str,
+    #[source]
+    source: std::io::Error,
+}
+
+/// An error that prints its cause itself and also keeps it as `source()`.
+#[derive(Debug, thiserror::Error)]
+#[error("reading {path}: {source}")]
+struct ReadingWithCause {
+    path: &'static str,
+    #[source]
+    source: std::io::Error,
+}
+
+#[test]
+fn chain_names_every_cause_once() {
+    let gone = || std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
+    let e = Reading {
+        path: "a.json",
+        source: gone(),
+    };
+    assert_eq!(chain(&e), "reading a.json: no such file");
+    let e = ReadingWithCause {
+        path: "a.json",
+        source: gone(),
+    };
+    assert_eq!(chain(&e), "reading a.json: no such file");
+    let e = QuantError::io("b.bin", gone());
+    assert_eq!(
+        chain(&e).matches("no such file").count(),
+        1,
+        "{}",
+        chain(&e)
+    );
+    assert_eq!(chain(&SpecError::BlockSize), "block size must be positive");
+}
