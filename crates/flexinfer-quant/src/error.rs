@@ -36,10 +36,27 @@ pub enum QuantError {
         #[source]
         source: std::io::Error,
     },
-    #[error("safetensors error in {path}: {message}")]
-    Safetensors { path: PathBuf, message: String },
-    #[error("JSON error in {path}: {message}")]
-    Json { path: PathBuf, message: String },
+    /// A safetensors file that cannot be read or written; `tensor` names the tensor at fault, if one is.
+    #[error("safetensors error in {path}{}", tensor_suffix(.tensor))]
+    Safetensors {
+        path: PathBuf,
+        tensor: Option<String>,
+        #[source]
+        source: BoxError,
+    },
+    /// A JSON document that does not parse, or does not encode.
+    #[error("JSON error in {path}")]
+    Json {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A `model.safetensors.index.json` that parses but does not name the weight files.
+    #[error("JSON error in {path}: {problem}")]
+    Index {
+        path: PathBuf,
+        problem: IndexProblem,
+    },
     #[error("tokenizer error: {0}")]
     Tokenizer(#[from] TokenizerError),
     #[error("numerical failure: {0}")]
@@ -81,6 +98,24 @@ pub enum QuantError {
 
 /// The error type of the tokenizer library (a boxed error).
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+fn tensor_suffix(tensor: &Option<String>) -> String {
+    tensor
+        .as_ref()
+        .map(|t| format!(": {t}"))
+        .unwrap_or_default()
+}
+
+/// What is wrong with a `model.safetensors.index.json` that parses.
+#[derive(Debug, thiserror::Error)]
+pub enum IndexProblem {
+    #[error("missing weight_map")]
+    MissingWeightMap,
+    #[error("weight_map[{tensor:?}] is not a file name")]
+    NotAFileName { tensor: String },
+    #[error("weight_map names no file")]
+    NoFile,
+}
 
 /// A `config.json` the engine cannot use. `field` is the field's path in the (text) config.
 #[derive(Debug, thiserror::Error)]
@@ -542,6 +577,7 @@ impl QuantError {
                 | QuantError::File(_)
                 | QuantError::Safetensors { .. }
                 | QuantError::Json { .. }
+                | QuantError::Index { .. }
                 | QuantError::Tokenizer(_)
                 | QuantError::DeviceUnavailable { .. }
         ) || matches!(self, QuantError::Gguf(e) if e.is_bad_input())

@@ -32,8 +32,8 @@ pub mod params;
 pub mod testkit;
 
 pub use error::{
-    ConfigError, DatasetError, FileError, NumericError, QuantError, Result, SpecError, TensorError,
-    TokenizerError,
+    ConfigError, DatasetError, FileError, IndexProblem, NumericError, QuantError, Result,
+    SpecError, TensorError, TokenizerError,
 };
 pub use job::{cache, writer};
 pub use model::{calib, llama, moe, tensors};

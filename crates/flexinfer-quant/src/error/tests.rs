@@ -115,3 +115,32 @@ fn chain_names_every_cause_once() {
     );
     assert_eq!(chain(&SpecError::BlockSize), "block size must be positive");
 }
+
+#[test]
+fn json_and_safetensors_errors_keep_the_underlying_error() {
+    let source = serde_json::from_str::<Value>("{").unwrap_err();
+    let text = source.to_string();
+    let e = QuantError::Json {
+        path: "c.json".into(),
+        source,
+    };
+    assert!(e.is_bad_input());
+    assert_eq!(e.to_string(), "JSON error in c.json");
+    assert!(e.source().is_some_and(|s| s.is::<serde_json::Error>()));
+    assert_eq!(chain(&e), format!("JSON error in c.json: {text}"));
+    let e = QuantError::Safetensors {
+        path: "l.safetensors".into(),
+        tensor: Some("w".into()),
+        source: "bad view".into(),
+    };
+    assert_eq!(chain(&e), "safetensors error in l.safetensors: w: bad view");
+    let e = QuantError::Index {
+        path: "i.json".into(),
+        problem: IndexProblem::NotAFileName { tensor: "w".into() },
+    };
+    assert!(e.is_bad_input());
+    assert_eq!(
+        e.to_string(),
+        "JSON error in i.json: weight_map[\"w\"] is not a file name"
+    );
+}
