@@ -66,7 +66,7 @@ pub enum QuantError {
     GateFailed(flexinfer_contract::files::QualitySummary),
     /// The requested GPTQ device cannot be used (`GPTQ_DEVICE`); configuration, so the worker exits 2.
     #[error(
-        "GPTQ device unavailable: GPTQ_DEVICE={}: no {} device this build can use: {reason} (set GPTQ_DEVICE=cpu or auto to run on the CPU)",
+        "GPTQ device unavailable: GPTQ_DEVICE={}: no {} device this build can use (set GPTQ_DEVICE=cpu or auto to run on the CPU)",
         .kind.as_str(),
         if *.kind == DeviceKind::Hip { "AMD (HIP)" } else { "NVIDIA (CUDA)" }
     )]
@@ -76,13 +76,11 @@ pub enum QuantError {
         reason: ProbeError,
     },
     /// A device operation failed where no CPU fallback was possible.
-    #[error("GPTQ device failure: {0}")]
+    #[error("GPTQ device failure")]
     Device(#[from] DeviceError),
     /// A device operation failed after the Hessian's host copy was gone: the module cannot finish
     /// on the CPU.
-    #[error(
-        "GPTQ device failure: {module}: {source}; no host copy of the Hessian to finish on the CPU"
-    )]
+    #[error("GPTQ device failure: {module}: no host copy of the Hessian to finish on the CPU")]
     DeviceLost {
         module: String,
         #[source]

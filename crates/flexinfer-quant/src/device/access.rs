@@ -206,7 +206,7 @@ pub fn explain(kind: DeviceKind, e: ProbeError, dev: &Path) -> ProbeError {
     };
     match hint(kind, &observe(kind, dev), &identity(), loaded) {
         Some(hint) => ProbeError::Hint {
-            source: Box::new(e),
+            probe: Box::new(e),
             hint,
         },
         None => e,

@@ -132,8 +132,8 @@ impl DriverVendor {
     /// (JIT-compiled by the driver; needs a driver at least as new as NVRTC's PTX ISA).
     fn load_cuda_images(&mut self) -> DevResult<()> {
         let (major, minor) = self.compute_capability()?;
-        let nvrtc = Nvrtc::load()
-            .map_err(|e| DeviceError::new(self.name.clone(), "load", e.to_string()))?;
+        let nvrtc =
+            Nvrtc::load().map_err(|e| DeviceError::new(self.name.clone(), "load", chain(&e)))?;
         let mut tried = Vec::new();
         for output in [NvrtcOutput::Cubin, NvrtcOutput::Ptx] {
             let arch = output.arch(major, minor);
@@ -147,7 +147,7 @@ impl DriverVendor {
             let image = match image {
                 Ok(image) => image,
                 Err(e) => {
-                    tried.push(format!("{what}: {e}"));
+                    tried.push(format!("{what}: {}", chain(&e)));
                     continue;
                 }
             };
@@ -290,7 +290,7 @@ impl DriverVendor {
         let mut functions = HashMap::new();
         for k in Kernel::ALL {
             let name = CString::new(k.entry())
-                .map_err(|e| DeviceError::new(self.name.clone(), "load", e.to_string()))?;
+                .map_err(|e| DeviceError::new(self.name.clone(), "load", chain(&e)))?;
             let mut f: Raw = std::ptr::null_mut();
             // SAFETY: a loaded module and a NUL-terminated name.
             let rc = unsafe { (self.api.get_function)(&mut f, module, name.as_ptr()) };

@@ -2,7 +2,7 @@
 //! `dlopen` at run time.
 
 use super::{Device, DeviceKind, GpuInfo, ProbeError};
-use crate::error::QuantError;
+use crate::error::{chain, QuantError};
 use crate::events::EventSink;
 use crate::numerics::linalg::CpuBackend;
 use flexinfer_contract::events as names;
@@ -92,7 +92,7 @@ pub fn select_device(
             probes.push(json!({
                 "kind": kind.as_str(),
                 "usable": r.is_ok(),
-                "reason": r.as_ref().err().map(ToString::to_string),
+                "reason": r.as_ref().err().map(|e| chain(e)),
             }));
             r
         };
@@ -145,7 +145,7 @@ fn auto(mut attempt: impl FnMut(DeviceKind) -> Result<Box<dyn Device>, ProbeErro
                     requested: DeviceChoice::Auto,
                 };
             }
-            Err(r) => reasons.push(format!("{}: {r}", kind.as_str())),
+            Err(r) => reasons.push(format!("{}: {}", kind.as_str(), chain(&r))),
         }
     }
     Selection {

@@ -86,16 +86,17 @@ pub enum ProbeError {
         status: i32,
     },
     /// The runtime is usable, but the solve session could not be set up on it (context, kernels).
-    #[error("opening the solve session failed: {0}")]
+    #[error("opening the solve session failed")]
     Session(#[source] DeviceError),
-    /// One of the above, with what the device files say about it ([`crate::device::access::hint`]).
-    #[error("{source}; {hint}")]
+    /// One of the above (`probe`, printed in full, not a separate cause), with what the device files
+    /// say about it ([`crate::device::access::hint`]).
+    #[error("{}; {hint}", crate::error::chain(.probe.as_ref()))]
     Hint {
-        source: Box<ProbeError>,
+        probe: Box<ProbeError>,
         hint: String,
     },
     /// A usable runtime whose device could not be opened.
-    #[error("{} ({} device(s), {}) is usable, but {source}", .info.name, .info.devices, .info.library)]
+    #[error("{} ({} device(s), {}) is usable, but not opened", .info.name, .info.devices, .info.library)]
     NotOpened {
         info: GpuInfo,
         #[source]
