@@ -105,7 +105,7 @@ fn bench_fp8_vs_gptq(runs: usize, samples: usize, seq_len: usize) {
     for run in 1..=runs {
         let out = tmp.path().join("fp8");
         let _ = std::fs::remove_dir_all(&out);
-        flexinfer_quant::job::release_free_memory();
+        flexinfer_quant::memory::release_free_memory();
         let _ = std::fs::write("/proc/self/clear_refs", "5");
         let baseline = rss_mib();
         let t = Instant::now();
@@ -148,7 +148,7 @@ fn measured_run(
     job: &flexinfer_quant::job::QuantizeJob,
 ) -> (flexinfer_quant::job::Outcome, f64, f64) {
     use flexinfer_quant::job::run;
-    flexinfer_quant::job::release_free_memory();
+    flexinfer_quant::memory::release_free_memory();
     let _ = std::fs::write("/proc/self/clear_refs", "5");
     let baseline = rss_mib();
     let t = Instant::now();
@@ -361,7 +361,7 @@ fn bench_generated(
             .expect("BENCH_MEMORY_LIMIT_MIB is a number of MiB")
     });
     let group = limit.map(|mib| {
-        flexinfer_quant::job::release_free_memory();
+        flexinfer_quant::memory::release_free_memory();
         let g = enforce_memory_limit(mib);
         println!(
             "{name}: quantizing under an enforced memory limit of {mib} MiB ({})",

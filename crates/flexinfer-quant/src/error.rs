@@ -11,7 +11,9 @@ use std::path::PathBuf;
 
 use serde_json::Value;
 
-use crate::device::{DeviceError, DeviceKind, ProbeError};
+pub(crate) mod device;
+
+use self::device::{DeviceError, DeviceKind, ProbeError};
 
 /// Everything that can go wrong in the engine. The `Config`, `Tensor`, `Dataset`, `Spec` and `File`
 /// variants mean the caller handed us something we cannot quantize (bad model, bad config, bad
@@ -34,10 +36,27 @@ pub enum QuantError {
         #[source]
         source: std::io::Error,
     },
-    #[error("safetensors error in {path}: {message}")]
-    Safetensors { path: PathBuf, message: String },
-    #[error("JSON error in {path}: {message}")]
-    Json { path: PathBuf, message: String },
+    /// A safetensors file that cannot be read or written; `tensor` names the tensor at fault, if one is.
+    #[error("safetensors error in {path}{}", tensor_suffix(.tensor))]
+    Safetensors {
+        path: PathBuf,
+        tensor: Option<String>,
+        #[source]
+        source: BoxError,
+    },
+    /// A JSON document that does not parse, or does not encode.
+    #[error("JSON error in {path}")]
+    Json {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A `model.safetensors.index.json` that parses but does not name the weight files.
+    #[error("JSON error in {path}: {problem}")]
+    Index {
+        path: PathBuf,
+        problem: IndexProblem,
+    },
     #[error("tokenizer error: {0}")]
     Tokenizer(#[from] TokenizerError),
     #[error("numerical failure: {0}")]
@@ -47,7 +66,7 @@ pub enum QuantError {
     GateFailed(flexinfer_contract::files::QualitySummary),
     /// The requested GPTQ device cannot be used (`GPTQ_DEVICE`); configuration, so the worker exits 2.
     #[error(
-        "GPTQ device unavailable: GPTQ_DEVICE={}: no {} device this build can use: {reason} (set GPTQ_DEVICE=cpu or auto to run on the CPU)",
+        "GPTQ device unavailable: GPTQ_DEVICE={}: no {} device this build can use (set GPTQ_DEVICE=cpu or auto to run on the CPU)",
         .kind.as_str(),
         if *.kind == DeviceKind::Hip { "AMD (HIP)" } else { "NVIDIA (CUDA)" }
     )]
@@ -57,13 +76,11 @@ pub enum QuantError {
         reason: ProbeError,
     },
     /// A device operation failed where no CPU fallback was possible.
-    #[error("GPTQ device failure: {0}")]
+    #[error("GPTQ device failure")]
     Device(#[from] DeviceError),
     /// A device operation failed after the Hessian's host copy was gone: the module cannot finish
     /// on the CPU.
-    #[error(
-        "GPTQ device failure: {module}: {source}; no host copy of the Hessian to finish on the CPU"
-    )]
+    #[error("GPTQ device failure: {module}: no host copy of the Hessian to finish on the CPU")]
     DeviceLost {
         module: String,
         #[source]
@@ -79,6 +96,24 @@ pub enum QuantError {
 
 /// The error type of the tokenizer library (a boxed error).
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+fn tensor_suffix(tensor: &Option<String>) -> String {
+    tensor
+        .as_ref()
+        .map(|t| format!(": {t}"))
+        .unwrap_or_default()
+}
+
+/// What is wrong with a `model.safetensors.index.json` that parses.
+#[derive(Debug, thiserror::Error)]
+pub enum IndexProblem {
+    #[error("missing weight_map")]
+    MissingWeightMap,
+    #[error("weight_map[{tensor:?}] is not a file name")]
+    NotAFileName { tensor: String },
+    #[error("weight_map names no file")]
+    NoFile,
+}
 
 /// A `config.json` the engine cannot use. `field` is the field's path in the (text) config.
 #[derive(Debug, thiserror::Error)]
@@ -540,6 +575,7 @@ impl QuantError {
                 | QuantError::File(_)
                 | QuantError::Safetensors { .. }
                 | QuantError::Json { .. }
+                | QuantError::Index { .. }
                 | QuantError::Tokenizer(_)
                 | QuantError::DeviceUnavailable { .. }
         ) || matches!(self, QuantError::Gguf(e) if e.is_bad_input())
@@ -554,6 +590,23 @@ impl QuantError {
 }
 
 pub type Result<T> = std::result::Result<T, QuantError>;
+
+/// `e`'s text followed by its causes (`source()`), each after `: `, as anyhow's `{:#}` prints them. A
+/// cause whose text the message already contains is not repeated (errors that print their cause
+/// themselves), so the message names every cause exactly once either way.
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let own = c.to_string();
+        if !text.contains(&own) {
+            text.push_str(": ");
+            text.push_str(&own);
+        }
+        cause = c.source();
+    }
+    text
+}
 
 #[cfg(test)]
 mod tests;

@@ -11,7 +11,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 pub fn write_json_atomic(path: &Path, value: &serde_json::Value) -> Result<()> {
     let text = serde_json::to_vec_pretty(value).map_err(|e| QuantError::Json {
         path: path.to_path_buf(),
-        message: e.to_string(),
+        source: e,
     })?;
     write_atomic(path, &text)
 }
@@ -66,7 +66,7 @@ pub fn read_within(dir: &Path, rel: &str) -> Result<Vec<u8>> {
 fn parse_json(path: &Path, bytes: &[u8]) -> Result<serde_json::Value> {
     serde_json::from_slice(bytes).map_err(|e| QuantError::Json {
         path: path.to_path_buf(),
-        message: e.to_string(),
+        source: e,
     })
 }
 

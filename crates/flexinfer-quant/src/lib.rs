@@ -10,7 +10,7 @@
 //!   (the f32 forward), [`calib`] and [`model::dataset`] (calibration data);
 //! - [`job`]: one quantize run: calibrate, quantize each layer, [`cache`] each finished layer,
 //!   [`writer`] the checkpoint;
-//! - cross-cutting: [`params`], [`exclusion`], [`events`], [`error`], [`fsutil`].
+//! - cross-cutting: [`params`], [`exclusion`], [`events`], [`error`], [`fsutil`], [`memory`].
 //!
 //! The flat module paths (`flexinfer_quant::gptq`, `::tensors`, …) stay as re-exports.
 
@@ -22,6 +22,9 @@ pub mod fp8;
 pub mod fsutil;
 pub mod gguf;
 pub mod job;
+#[cfg(test)]
+mod layering;
+pub mod memory;
 pub mod model;
 pub mod numerics;
 pub mod params;
@@ -29,8 +32,8 @@ pub mod params;
 pub mod testkit;
 
 pub use error::{
-    ConfigError, DatasetError, FileError, NumericError, QuantError, Result, SpecError, TensorError,
-    TokenizerError,
+    ConfigError, DatasetError, FileError, IndexProblem, NumericError, QuantError, Result,
+    SpecError, TensorError, TokenizerError,
 };
 pub use job::{cache, writer};
 pub use model::{calib, llama, moe, tensors};

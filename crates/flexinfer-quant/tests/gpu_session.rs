@@ -19,13 +19,14 @@ mod whole;
 
 use faer::Mat;
 use flexinfer_contract::events as names;
-use flexinfer_quant::device::driver::MathLibraries;
+use flexinfer_quant::device::driver::{MathError, MathLibraries};
 use flexinfer_quant::device::kernel::{
     Arg, DevPtr, Gemm, GemmOp, Kernel, KernelDevice, Launch, MathLibs, Syrk, Vendor,
 };
 use flexinfer_quant::device::{
     check, solve_with_fallback, DevResult, Device, DeviceError, DeviceKind, SolveSpec,
 };
+use flexinfer_quant::error::chain;
 use flexinfer_quant::events::MemorySink;
 use flexinfer_quant::gptq::{Method, QuantizedLinear};
 use flexinfer_quant::linalg::CpuBackend;
@@ -251,7 +252,7 @@ impl Vendor for HostVendor {
         self.check("ssyrk", op.a, (op.lda * (n - 1) + k) * 4)?;
         if let Some(l) = self.lib.as_mut() {
             // SAFETY: host "device" buffers checked above; the stand-in computes on them in place.
-            return unsafe { l.syrk(op) }.map_err(|e| Self::err("ssyrk", e));
+            return unsafe { l.syrk(op) }.map_err(|e| Self::err("ssyrk", chain(&e)));
         }
         let (a, c) = (op.a as *const f32, op.c as *mut f32);
         // SAFETY: both ranges were checked against live allocations just above.
@@ -275,7 +276,7 @@ impl Vendor for HostVendor {
         self.check("sgemm", op.c, (op.ldc * (op.n - 1) + op.m) * 4)?;
         if let Some(l) = self.lib.as_mut() {
             // SAFETY: as in syrk_lower.
-            return unsafe { l.gemm(op) }.map_err(|e| Self::err("sgemm", e));
+            return unsafe { l.gemm(op) }.map_err(|e| Self::err("sgemm", chain(&e)));
         }
         let (a, b, c) = (op.a as *const f32, op.b as *const f32, op.c as *mut f32);
         // SAFETY: the three ranges were checked against live allocations just above.
@@ -319,7 +320,7 @@ impl Vendor for HostVendor {
         }
         if let Some(l) = self.lib.as_mut() {
             // SAFETY: as in syrk_lower.
-            return unsafe { l.gemm_op(op) }.map_err(|e| Self::err("sgemm", e));
+            return unsafe { l.gemm_op(op) }.map_err(|e| Self::err("sgemm", chain(&e)));
         }
         for i in 0..op.batch {
             let p = op.single(i);
@@ -351,14 +352,19 @@ impl Vendor for HostVendor {
         self.check("spotrf", info, 4)?;
         if let Some(mut l) = self.lib.take() {
             // SAFETY: as in syrk_lower; the workspace is a live allocation of the floats asked for.
-            let r = unsafe { l.potrf_workspace(a, lda, n) }.and_then(|need| {
-                let w = self.alloc(need * 4).map_err(|e| e.message)?;
-                let r = unsafe { l.potrf(a, lda, n, info, (w, need)) };
-                self.free(w);
-                r
-            });
+            let math = |e: MathError| Self::err("spotrf", chain(&e));
+            let r = unsafe { l.potrf_workspace(a, lda, n) }
+                .map_err(math)
+                .and_then(|need| {
+                    let w = self
+                        .alloc(need * 4)
+                        .map_err(|e| Self::err("spotrf", e.message))?;
+                    let r = unsafe { l.potrf(a, lda, n, info, (w, need)) }.map_err(math);
+                    self.free(w);
+                    r
+                });
             self.lib = Some(l);
-            return r.map_err(|e| Self::err("spotrf", e));
+            return r;
         }
         let (a, info) = (a as *mut f32, info as *mut i32);
         // SAFETY: checked above; the unblocked Cholesky of LAPACK's reference, lower, stopping at the first
@@ -1005,7 +1011,7 @@ fn the_vendor_library_self_test_passes_right_libraries_and_catches_wrong_ones() 
         ..Default::default()
     });
     let t = math_self_test(&mut v);
-    let e = t.blas.as_ref().unwrap_err();
+    let e = t.blas.as_ref().unwrap_err().to_string();
     assert!(e.contains("sgemm [20.0, 43.0, 22.0, 50.0]"), "{e}");
     assert!(t.solver.is_ok(), "{t:?}");
     let (mut v, _) = vendor(Log {
@@ -1018,6 +1024,7 @@ fn the_vendor_library_self_test_passes_right_libraries_and_catches_wrong_ones() 
         t.solver
             .as_ref()
             .unwrap_err()
+            .to_string()
             .contains("spotrf returned status 13"),
         "{t:?}"
     );

@@ -2,6 +2,7 @@
 //! message, the version handshake, and the exit-code mapping (docs/dev/architecture.md, "The controller–worker contract").
 
 use flexinfer_contract::exit_codes;
+use flexinfer_quant::error::chain;
 
 /// The exit-code class of a worker failure (the controller reads the code, not the text).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -199,7 +200,7 @@ impl WorkerError {
             WorkerError::VersionMismatch(m) => WorkerError::VersionMismatch(f(m)),
             WorkerError::Other(m) => WorkerError::Other(f(m)),
             structured => {
-                let text = structured.to_string();
+                let text = chain(&structured);
                 let scrubbed = f(text.clone());
                 if scrubbed == text {
                     structured
@@ -238,5 +239,30 @@ mod tests {
             .to_string()
             .starts_with("FATAL: Script version mismatch (image="));
         assert!(e.to_string().contains("controller=v1"));
+    }
+
+    /// The termination text names the engine's causes, and scrubbing reaches them.
+    #[test]
+    fn the_message_names_the_cause_and_scrubbing_reaches_it() {
+        let engine = |cause: &str| {
+            WorkerError::Quant(flexinfer_quant::QuantError::Safetensors {
+                path: "m/a.safetensors".into(),
+                tensor: None,
+                source: cause.to_string().into(),
+            })
+        };
+        let e = engine("header too large");
+        assert_eq!(
+            chain(&e),
+            "safetensors error in m/a.safetensors: header too large"
+        );
+        let e = engine("token s3cret refused").map_message(|m| m.replace("s3cret", "<redacted>"));
+        assert_eq!(e.exit_code(), 2);
+        assert!(!chain(&e).contains("s3cret"), "{}", chain(&e));
+        assert!(
+            chain(&e).contains("token <redacted> refused"),
+            "{}",
+            chain(&e)
+        );
     }
 }

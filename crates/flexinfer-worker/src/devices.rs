@@ -22,7 +22,7 @@ pub fn report() -> Value {
             Ok(info) => json!({
                 "usable": true, "library": info.library, "devices": info.devices, "name": info.name,
             }),
-            Err(e) => json!({"usable": false, "reason": e.to_string()}),
+            Err(e) => json!({"usable": false, "reason": flexinfer_quant::error::chain(&e)}),
         };
         let (libs, missing) = math_libraries(kind);
         out.insert(

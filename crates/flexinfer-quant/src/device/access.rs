@@ -13,8 +13,8 @@
 //! [`observe`] reads the files (impure); [`hint`] turns what was seen into one sentence (pure, table-tested);
 //! [`explain`] adds it to a probe's error. Nothing here opens a device.
 
-use super::select::ProbeError;
 use super::DeviceKind;
+use super::ProbeError;
 use std::os::unix::fs::MetadataExt as _;
 use std::path::Path;
 
@@ -206,7 +206,7 @@ pub fn explain(kind: DeviceKind, e: ProbeError, dev: &Path) -> ProbeError {
     };
     match hint(kind, &observe(kind, dev), &identity(), loaded) {
         Some(hint) => ProbeError::Hint {
-            source: Box::new(e),
+            probe: Box::new(e),
             hint,
         },
         None => e,

@@ -17,6 +17,7 @@ use super::kernel::{
     KERNEL_SOURCE,
 };
 use super::{DevResult, DeviceError, DeviceKind};
+use crate::error::chain;
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void, CString};
 use std::path::{Path, PathBuf};
@@ -29,7 +30,7 @@ mod nvrtc;
 
 pub use api::symbol_names;
 use api::{Api, Extra, Raw};
-pub use math::MathLibraries;
+pub use math::{MathError, MathLibraries};
 pub use math::{CUBLAS_LIBRARIES, CUSOLVER_LIBRARIES, ROCBLAS_LIBRARIES, ROCSOLVER_LIBRARIES};
 pub use nvrtc::{Nvrtc, NvrtcError, Output as NvrtcOutput};
 
@@ -131,8 +132,8 @@ impl DriverVendor {
     /// (JIT-compiled by the driver; needs a driver at least as new as NVRTC's PTX ISA).
     fn load_cuda_images(&mut self) -> DevResult<()> {
         let (major, minor) = self.compute_capability()?;
-        let nvrtc = Nvrtc::load()
-            .map_err(|e| DeviceError::new(self.name.clone(), "load", e.to_string()))?;
+        let nvrtc =
+            Nvrtc::load().map_err(|e| DeviceError::new(self.name.clone(), "load", chain(&e)))?;
         let mut tried = Vec::new();
         for output in [NvrtcOutput::Cubin, NvrtcOutput::Ptx] {
             let arch = output.arch(major, minor);
@@ -146,7 +147,7 @@ impl DriverVendor {
             let image = match image {
                 Ok(image) => image,
                 Err(e) => {
-                    tried.push(format!("{what}: {e}"));
+                    tried.push(format!("{what}: {}", chain(&e)));
                     continue;
                 }
             };
@@ -214,8 +215,8 @@ impl DriverVendor {
     }
 
     /// A library call's outcome as a device error naming the device.
-    fn math_result<T>(&self, r: Result<T, String>) -> DevResult<T> {
-        r.map_err(|e| DeviceError::new(self.name.clone(), "math", e))
+    fn math_result<T>(&self, r: Result<T, MathError>) -> DevResult<T> {
+        r.map_err(|e| DeviceError::new(self.name.clone(), "math", chain(&e)))
     }
 
     /// Frees the staging buffer (before its context goes).
@@ -289,7 +290,7 @@ impl DriverVendor {
         let mut functions = HashMap::new();
         for k in Kernel::ALL {
             let name = CString::new(k.entry())
-                .map_err(|e| DeviceError::new(self.name.clone(), "load", e.to_string()))?;
+                .map_err(|e| DeviceError::new(self.name.clone(), "load", chain(&e)))?;
             let mut f: Raw = std::ptr::null_mut();
             // SAFETY: a loaded module and a NUL-terminated name.
             let rc = unsafe { (self.api.get_function)(&mut f, module, name.as_ptr()) };

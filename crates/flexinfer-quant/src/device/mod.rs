@@ -32,9 +32,11 @@ mod select;
 pub use kernel::forward::{ForwardPass, ForwardTimes};
 pub use ops::{DeviceOps, OpsSession, PreparedMeta, SweepJob, MAX_DEVICE_RESETS};
 pub use select::{
-    select_device, DeviceChoice, GpuInfo, MemoryBudget, Platform, ProbeError, Selection,
-    SystemPlatform, VendorLibs, CUDA_LIBRARIES, HIP_LIBRARIES,
+    select_device, DeviceChoice, MemoryBudget, Platform, Selection, SystemPlatform, VendorLibs,
+    VendorLibsError, CUDA_LIBRARIES, HIP_LIBRARIES,
 };
+
+pub use crate::error::device::{DevResult, DeviceError, DeviceKind, GpuInfo, ProbeError};
 
 use crate::error::QuantError;
 use crate::events::{fields, EventSink};
@@ -47,50 +49,6 @@ use crate::params::{GptqParams, RecoveryParams};
 use faer::{Mat, MatRef};
 use flexinfer_contract::events as names;
 use serde_json::json;
-
-/// The kinds of device `GPTQ_DEVICE` can name.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DeviceKind {
-    Cpu,
-    Hip,
-    Cuda,
-}
-
-impl DeviceKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DeviceKind::Cpu => flexinfer_contract::GptqDeviceReport::CPU,
-            DeviceKind::Hip => "hip",
-            DeviceKind::Cuda => "cuda",
-        }
-    }
-}
-
-/// A device operation that failed (a runtime or kernel error, never a matrix that is not positive definite).
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
-#[error("{device}: {op} failed: {message}")]
-pub struct DeviceError {
-    pub device: String,
-    /// The operation (`accumulate`, `prepare`, `factor`, `sweep`, `reset`, …).
-    pub op: String,
-    pub message: String,
-}
-
-impl DeviceError {
-    pub fn new(
-        device: impl Into<String>,
-        op: impl Into<String>,
-        message: impl Into<String>,
-    ) -> Self {
-        DeviceError {
-            device: device.into(),
-            op: op.into(),
-            message: message.into(),
-        }
-    }
-}
-
-pub type DevResult<T> = std::result::Result<T, DeviceError>;
 
 /// What the solve of one input group needs besides its buffers, and where its events go.
 #[derive(Clone, Copy)]
@@ -223,7 +181,7 @@ impl Session for CpuSession {
             fallback_event(events, spec.module, device, reason, "cpu");
         }
         // The per-sample stage inputs are gone: hand their memory back before the factorisation.
-        crate::job::release_free_memory();
+        crate::memory::release_free_memory();
         self.backend.finish_hessian(h.as_mut());
         let order = spec.params.column_order(h.nrows());
         let prepared = prepare_hessian(h, order, spec.module, events);
@@ -262,7 +220,7 @@ fn sweep_all(
     p: &GptqParams,
 ) -> Vec<QuantizedLinear> {
     // The Hessian was consumed by the factorisation: hand its memory back before the sweep.
-    crate::job::release_free_memory();
+    crate::memory::release_free_memory();
     // The solver's buffers, shared by the modules of this input group (q/k/v, gate/up) and dropped with it.
     let mut workspace = Workspace::default();
     weights

@@ -1,8 +1,8 @@
 //! `GPTQ_DEVICE=auto|cpu|hip|cuda`: choosing the device, and probing the vendor runtimes with
 //! `dlopen` at run time.
 
-use super::{Device, DeviceKind};
-use crate::error::QuantError;
+use super::{Device, DeviceKind, GpuInfo, ProbeError};
+use crate::error::{chain, QuantError};
 use crate::events::EventSink;
 use crate::numerics::linalg::CpuBackend;
 use flexinfer_contract::events as names;
@@ -40,69 +40,6 @@ impl std::str::FromStr for DeviceChoice {
             other => Err(crate::error::SpecError::Device { got: other.into() }.into()),
         }
     }
-}
-
-/// A GPU runtime that answered.
-#[derive(Clone, Debug, PartialEq)]
-pub struct GpuInfo {
-    pub kind: DeviceKind,
-    /// The library that was loaded.
-    pub library: String,
-    pub devices: usize,
-    /// Name of device 0.
-    pub name: String,
-}
-
-/// Why a GPU runtime, or a device on it, cannot be used (the reason in [`select_device`]'s event and
-/// in [`QuantError::DeviceUnavailable`]).
-#[derive(Debug, thiserror::Error)]
-pub enum ProbeError {
-    /// The CPU was probed as if it were a GPU runtime.
-    #[error("not a GPU")]
-    NotAGpu,
-    /// None of the runtime's libraries could be loaded: each name's loader error, in order.
-    #[error("{}", join(.0))]
-    NotLoaded(Vec<libloading::Error>),
-    /// The runtime lacks an entry point it must have.
-    #[error(transparent)]
-    MissingSymbol(#[from] libloading::Error),
-    /// The runtime answered but reports no device.
-    #[error("{library}: no {vendor} device")]
-    NoDevice {
-        library: String,
-        vendor: &'static str,
-    },
-    /// Initialising the runtime or counting its devices returned an error status.
-    #[error("{library}: {calls} returned {code} {status}")]
-    Status {
-        library: String,
-        /// The calls made (`hipInit/hipGetDeviceCount`).
-        calls: &'static str,
-        /// The status type of the vendor API (`hipError`, `CUresult`).
-        code: &'static str,
-        status: i32,
-    },
-    /// The runtime is usable, but the solve session could not be set up on it (context, kernels).
-    #[error("opening the solve session failed: {0}")]
-    Session(#[source] super::DeviceError),
-    /// One of the above, with what the device files say about it ([`super::access::hint`]).
-    #[error("{source}; {hint}")]
-    Hint {
-        source: Box<ProbeError>,
-        hint: String,
-    },
-    /// A usable runtime whose device could not be opened.
-    #[error("{} ({} device(s), {}) is usable, but {source}", .info.name, .info.devices, .info.library)]
-    NotOpened {
-        info: GpuInfo,
-        #[source]
-        source: Box<ProbeError>,
-    },
-}
-
-fn join(errors: &[libloading::Error]) -> String {
-    let texts: Vec<String> = errors.iter().map(ToString::to_string).collect();
-    texts.join("; ")
 }
 
 /// What [`select_device`] asks of the machine: whether a vendor runtime is usable, and a device on it.
@@ -155,7 +92,7 @@ pub fn select_device(
             probes.push(json!({
                 "kind": kind.as_str(),
                 "usable": r.is_ok(),
-                "reason": r.as_ref().err().map(ToString::to_string),
+                "reason": r.as_ref().err().map(|e| chain(e)),
             }));
             r
         };
@@ -208,7 +145,7 @@ fn auto(mut attempt: impl FnMut(DeviceKind) -> Result<Box<dyn Device>, ProbeErro
                     requested: DeviceChoice::Auto,
                 };
             }
-            Err(r) => reasons.push(format!("{}: {r}", kind.as_str())),
+            Err(r) => reasons.push(format!("{}: {}", kind.as_str(), chain(&r))),
         }
     }
     Selection {
@@ -255,13 +192,20 @@ pub enum VendorLibs {
     Off,
 }
 
+/// A [`VendorLibs`] setting that is neither `auto` nor `off`.
+#[derive(Debug, thiserror::Error)]
+#[error("{got:?}: expected auto or off")]
+pub struct VendorLibsError {
+    pub got: String,
+}
+
 impl std::str::FromStr for VendorLibs {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = VendorLibsError;
+    fn from_str(s: &str) -> Result<Self, VendorLibsError> {
         match s.trim().to_ascii_lowercase().as_str() {
             "" | "auto" => Ok(VendorLibs::Auto),
             "off" => Ok(VendorLibs::Off),
-            other => Err(format!("{other:?}: expected auto or off")),
+            other => Err(VendorLibsError { got: other.into() }),
         }
     }
 }

@@ -74,3 +74,73 @@ fn messages_name_the_field_and_keep_the_underlying_error_as_source() {
         "invalid input: config.json: layer 1: inconsistent attention shape (heads 8, kv heads 3, head_dim 64)"
     );
 }
+
+/// An error that prints only its own text and keeps its cause as `source()`.
+#[derive(Debug, thiserror::Error)]
+#[error("reading {path}")]
+struct Reading {
+    path: &'static str,
+    #[source]
+    source: std::io::Error,
+}
+
+/// An error that prints its cause itself and also keeps it as `source()`.
+#[derive(Debug, thiserror::Error)]
+#[error("reading {path}: {source}")]
+struct ReadingWithCause {
+    path: &'static str,
+    #[source]
+    source: std::io::Error,
+}
+
+#[test]
+fn chain_names_every_cause_once() {
+    let gone = || std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
+    let e = Reading {
+        path: "a.json",
+        source: gone(),
+    };
+    assert_eq!(chain(&e), "reading a.json: no such file");
+    let e = ReadingWithCause {
+        path: "a.json",
+        source: gone(),
+    };
+    assert_eq!(chain(&e), "reading a.json: no such file");
+    let e = QuantError::io("b.bin", gone());
+    assert_eq!(
+        chain(&e).matches("no such file").count(),
+        1,
+        "{}",
+        chain(&e)
+    );
+    assert_eq!(chain(&SpecError::BlockSize), "block size must be positive");
+}
+
+#[test]
+fn json_and_safetensors_errors_keep_the_underlying_error() {
+    let source = serde_json::from_str::<Value>("{").unwrap_err();
+    let text = source.to_string();
+    let e = QuantError::Json {
+        path: "c.json".into(),
+        source,
+    };
+    assert!(e.is_bad_input());
+    assert_eq!(e.to_string(), "JSON error in c.json");
+    assert!(e.source().is_some_and(|s| s.is::<serde_json::Error>()));
+    assert_eq!(chain(&e), format!("JSON error in c.json: {text}"));
+    let e = QuantError::Safetensors {
+        path: "l.safetensors".into(),
+        tensor: Some("w".into()),
+        source: "bad view".into(),
+    };
+    assert_eq!(chain(&e), "safetensors error in l.safetensors: w: bad view");
+    let e = QuantError::Index {
+        path: "i.json".into(),
+        problem: IndexProblem::NotAFileName { tensor: "w".into() },
+    };
+    assert!(e.is_bad_input());
+    assert_eq!(
+        e.to_string(),
+        "JSON error in i.json: weight_map[\"w\"] is not a file name"
+    );
+}

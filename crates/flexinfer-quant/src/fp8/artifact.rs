@@ -159,13 +159,15 @@ fn write_work_file(path: &Path, tensors: &[(String, Vec<u8>, Dtype, Vec<usize>)]
                 .map(|v| (n.clone(), v))
                 .map_err(|e| QuantError::Safetensors {
                     path: path.to_path_buf(),
-                    message: e.to_string(),
+                    tensor: Some(n.clone()),
+                    source: e.into(),
                 })
         })
         .collect::<Result<Vec<_>>>()?;
     safetensors::serialize_to_file(views, None, path).map_err(|e| QuantError::Safetensors {
         path: path.to_path_buf(),
-        message: e.to_string(),
+        tensor: None,
+        source: e.into(),
     })
 }
 

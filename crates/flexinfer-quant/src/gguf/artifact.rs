@@ -170,7 +170,7 @@ pub fn write_gguf_artifact(
     };
     let v = serde_json::to_value(&sc).map_err(|e| QuantError::Json {
         path: staging.join(files::SAVE_COMPLETE),
-        message: e.to_string(),
+        source: e,
     })?;
     write_json_atomic(&staging.join(files::SAVE_COMPLETE), &v)?;
     flexinfer_fsutil::replace_dir(&staging, job.out_dir)

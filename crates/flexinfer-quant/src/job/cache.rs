@@ -5,7 +5,7 @@
 #![deny(clippy::arithmetic_side_effects)]
 #![cfg_attr(test, allow(clippy::arithmetic_side_effects))]
 
-use crate::error::{QuantError, Result};
+use crate::error::{chain, QuantError, Result};
 use crate::events::{fields, EventSink};
 use crate::fsutil::{now_rfc3339, read_json, sha256_file, sha256_hex, write_json_atomic};
 use crate::job::writer::OutTensor;
@@ -125,16 +125,16 @@ impl LayerCache {
                 match read_json(&manifest_path).and_then(|v| {
                     serde_json::from_value::<Manifest>(v).map_err(|e| QuantError::Json {
                         path: manifest_path.clone(),
-                        message: e.to_string(),
+                        source: e,
                     })
                 }) {
-                    Err(e) => Err((format!("unreadable manifest: {e}"), true)),
+                    Err(e) => Err((format!("unreadable manifest: {}", chain(&e)), true)),
                     Ok(m) if m.config_hash != config_hash => {
                         Err(("config hash changed".into(), false))
                     }
                     Ok(m) => match cache.verify_layers(&m) {
                         Ok(()) => Ok(m),
-                        Err(reason) => Err((reason.to_string(), true)),
+                        Err(reason) => Err((chain(&reason), true)),
                     },
                 }
             };
@@ -219,7 +219,7 @@ impl LayerCache {
     fn save_manifest(&self) -> Result<()> {
         let v = serde_json::to_value(&self.manifest).map_err(|e| QuantError::Json {
             path: self.layers_dir(),
-            message: e.to_string(),
+            source: e,
         })?;
         write_json_atomic(&self.manifest_path(), &v)
     }
@@ -264,7 +264,8 @@ impl LayerCache {
             let view = TensorView::new(t.dtype, t.shape.clone(), &t.data).map_err(|e| {
                 QuantError::Safetensors {
                     path: path.clone(),
-                    message: format!("{}: {e:?}", t.name),
+                    tensor: Some(t.name.clone()),
+                    source: e.into(),
                 }
             })?;
             views.push((t.name.clone(), view));
@@ -275,7 +276,8 @@ impl LayerCache {
         let bytes =
             safetensors::serialize(views, Some(meta)).map_err(|e| QuantError::Safetensors {
                 path: path.clone(),
-                message: format!("{e:?}"),
+                tensor: None,
+                source: e.into(),
             })?;
         crate::fsutil::write_atomic(&path, &bytes)?;
         self.manifest.layers.retain(|l| l.layer_idx != layer);

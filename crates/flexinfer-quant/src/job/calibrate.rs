@@ -3,11 +3,12 @@
 //! moving the activations on to the next layer.
 
 use super::layer::LayerRun;
-use super::{release_free_memory, PhaseTimes, Progress, QuantizeJob};
+use super::{PhaseTimes, Progress, QuantizeJob};
 use crate::device::{Device, ForwardPass, Session};
 use crate::error::{Result, TensorError};
 use crate::events::{fields, EventSink};
 use crate::exclusion::Exclusion;
+use crate::memory::release_free_memory;
 use crate::model::calib::load_samples_counted;
 use crate::model::llama::{
     attention_delta, embed, layer_forward, mlp_activation, mlp_output, rms_norm,

@@ -9,11 +9,11 @@
 //! activations (no `cols²` products) and the memory is the samples' hidden states plus one layer's weights.
 
 use super::calibrate::embed_samples;
-use super::release_free_memory;
 use crate::error::{DatasetError, Result, SpecError};
 use crate::events::{fields, EventSink};
 use crate::gguf::error::GgufError;
 use crate::gguf::llama::{layer_tensor_name, GgufArch};
+use crate::memory::release_free_memory;
 use crate::model::calib::{load_samples_counted, CalibSettings};
 use crate::model::llama::{layer_forward_visit, Rope, Stage, STAGES};
 use crate::model::tensors::TensorStore;

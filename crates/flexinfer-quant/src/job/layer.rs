@@ -6,7 +6,7 @@ use super::calibrate::{
     accumulate_stage, accumulate_stage_device, advance, forward_error, StageInput,
 };
 use super::experts::{quantize_experts, ExpertCoverage, ExpertCtx};
-use super::{release_free_memory, PhaseTimes, Progress, Run};
+use super::{PhaseTimes, Progress, Run};
 use crate::device::kernel::forward::layer_unsupported;
 use crate::device::{solve_with_fallback, ForwardPass, ForwardTimes, Session, SolveSpec};
 use crate::error::{NumericError, QuantError, Result};
@@ -14,6 +14,7 @@ use crate::events::fields;
 use crate::events::EventSink;
 use crate::job::cache::{LayerCache, LayerStats};
 use crate::job::writer::OutTensor;
+use crate::memory::release_free_memory;
 use crate::model::llama::{Rope, Stage, STAGES};
 use crate::model::tensors::TensorStore;
 use crate::model::{

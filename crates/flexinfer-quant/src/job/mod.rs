@@ -24,6 +24,7 @@ use crate::events::{fields, EventSink};
 use crate::exclusion::Exclusion;
 use crate::job::cache::LayerCache;
 use crate::job::writer::verify_save_complete;
+use crate::memory::release_free_memory;
 use crate::model::calib::CalibSettings;
 use crate::model::llama::Rope;
 use crate::model::tensors::TensorStore;
@@ -244,18 +245,6 @@ impl Progress<'_> {
         ]);
         f.extend(extra);
         self.events.emit(names::PROGRESS, f);
-    }
-}
-
-/// Hands memory the allocator holds after frees back to the system. The calibration forward allocates and
-/// frees many activation-sized buffers from several threads; glibc keeps the freed space in per-thread
-/// arenas, so without this the resident set only ever grows (docs/benchmarks.md). Called between stages,
-/// where little is live.
-pub fn release_free_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim only returns free heap memory to the kernel; it does not touch live allocations.
-    unsafe {
-        libc::malloc_trim(0);
     }
 }
 

@@ -313,7 +313,7 @@ fn write_side_files(
     };
     let v = serde_json::to_value(&sc).map_err(|e| QuantError::Json {
         path: staging.join(files::SAVE_COMPLETE),
-        message: e.to_string(),
+        source: e,
     })?;
     write_json_atomic(&staging.join(files::SAVE_COMPLETE), &v)?;
     Ok(())

@@ -4,7 +4,7 @@
 #![deny(clippy::arithmetic_side_effects)]
 #![cfg_attr(test, allow(clippy::arithmetic_side_effects))]
 
-use crate::error::{FileError, QuantError, Result, TensorError};
+use crate::error::{BoxError, FileError, IndexProblem, QuantError, Result, TensorError};
 use crate::fsutil::{read_json_within, untrusted_err};
 use flexinfer_fsutil::limits;
 use memmap2::Mmap;
@@ -31,11 +31,19 @@ pub struct TensorStore {
     pub entries: BTreeMap<String, TensorEntry>,
 }
 
-fn st_err(path: &Path, e: impl std::fmt::Display) -> QuantError {
+fn st_err(path: &Path, e: impl Into<BoxError>) -> QuantError {
     QuantError::Safetensors {
         path: path.to_path_buf(),
-        message: e.to_string(),
+        tensor: None,
+        source: e.into(),
     }
+}
+
+/// A tensor name that two weight files both hold.
+#[derive(Debug, thiserror::Error)]
+#[error("tensor {name} appears in more than one file")]
+struct DuplicateTensor {
+    name: String,
 }
 
 /// The name of the sharded-checkpoint index.
@@ -76,15 +84,17 @@ pub fn index_names(path: &Path, v: &serde_json::Value) -> Result<Vec<String>> {
     let map = v
         .get("weight_map")
         .and_then(|m| m.as_object())
-        .ok_or_else(|| QuantError::Json {
+        .ok_or_else(|| QuantError::Index {
             path: path.to_path_buf(),
-            message: "missing weight_map".into(),
+            problem: IndexProblem::MissingWeightMap,
         })?;
     let mut names = Vec::with_capacity(map.len());
     for (tensor, file) in map {
-        let name = file.as_str().ok_or_else(|| QuantError::Json {
+        let name = file.as_str().ok_or_else(|| QuantError::Index {
             path: path.to_path_buf(),
-            message: format!("weight_map[{tensor:?}] is not a file name"),
+            problem: IndexProblem::NotAFileName {
+                tensor: tensor.clone(),
+            },
         })?;
         flexinfer_fsutil::check_relative(Path::new(name)).map_err(|source| {
             FileError::IndexEntry {
@@ -98,9 +108,9 @@ pub fn index_names(path: &Path, v: &serde_json::Value) -> Result<Vec<String>> {
     names.sort();
     names.dedup();
     if names.is_empty() {
-        return Err(QuantError::Json {
+        return Err(QuantError::Index {
             path: path.to_path_buf(),
-            message: "weight_map names no file".into(),
+            problem: IndexProblem::NoFile,
         });
     }
     Ok(names)
@@ -152,10 +162,7 @@ impl TensorStore {
             let map = unsafe { Mmap::map(&file) }.map_err(|e| QuantError::io(&path, e))?;
             for (name, entry) in parse_header(&map, fi).map_err(|m| st_err(&path, m))? {
                 if entries.insert(name.clone(), entry).is_some() {
-                    return Err(st_err(
-                        &path,
-                        format!("tensor {name} appears in more than one file"),
-                    ));
+                    return Err(st_err(&path, DuplicateTensor { name }));
                 }
             }
             maps.push(map);
@@ -352,7 +359,7 @@ impl TensorStore {
 /// Why a safetensors header is refused.
 #[derive(Debug, thiserror::Error)]
 pub enum HeaderError {
-    #[error("{0:?} (the file may be truncated or not a safetensors file)")]
+    #[error("the header cannot be read (the file may be truncated or not a safetensors file)")]
     Unreadable(#[source] safetensors::SafeTensorError),
     #[error("header length {0} overflows")]
     LengthOverflow(usize),

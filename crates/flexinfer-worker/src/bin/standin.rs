@@ -25,7 +25,7 @@ fn main() -> ExitCode {
     match rt.block_on(flexinfer_worker::standin::serve(args)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("flexinfer-standin: {e}");
+            eprintln!("flexinfer-standin: {}", flexinfer_quant::error::chain(&e));
             ExitCode::from(2)
         }
     }

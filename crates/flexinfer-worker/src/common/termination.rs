@@ -8,6 +8,7 @@ use flexinfer_contract::{
 };
 
 use super::{Events, WorkerError};
+use flexinfer_quant::error::chain;
 
 /// Where the termination message goes.
 pub fn termination_log_path() -> PathBuf {
@@ -51,7 +52,7 @@ pub fn finish(events: &Events, result: Result<TerminationSuccess, WorkerError>) 
         Err(e) => {
             let code = e.exit_code();
             let msg = TerminationFailure {
-                error: e.to_string(),
+                error: chain(&e),
                 phase: events.phase().to_string(),
                 exit_code: code,
                 tail: events.tail(),

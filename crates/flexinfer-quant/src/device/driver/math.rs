@@ -9,6 +9,7 @@
 
 use super::super::kernel::{DevPtr, Gemm, GemmOp, MathLibs, Syrk};
 use super::super::DeviceKind;
+use crate::error::chain;
 use libloading::Library;
 use std::ffi::{c_int, c_void};
 
@@ -174,19 +175,57 @@ pub struct MathLibraries {
 // vendor's context current on the calling thread first).
 unsafe impl Send for MathLibraries {}
 
-/// A library's status that is not success, as a message naming the call.
-fn status(call: &str, rc: c_int) -> Result<(), String> {
+/// Why a vendor math library cannot be used, or why a call to it failed.
+#[derive(Debug, thiserror::Error)]
+pub enum MathError {
+    /// The CPU has no vendor libraries.
+    #[error("not a GPU")]
+    NotAGpu,
+    /// None of the library's names could be loaded: each name's loader error, in order.
+    #[error("{}", join(.0))]
+    NotLoaded(Vec<libloading::Error>),
+    /// The library lacks the entry point `name`.
+    #[error("{library}: {name}")]
+    MissingSymbol {
+        library: String,
+        name: &'static str,
+        #[source]
+        source: libloading::Error,
+    },
+    #[error("no BLAS library")]
+    NoBlas,
+    #[error("no solver library")]
+    NoSolver,
+    /// A call returned a status other than success.
+    #[error("{call} returned status {status}")]
+    Status { call: String, status: c_int },
+    #[error("dimension {0} exceeds the library's 32-bit int")]
+    Dimension(usize),
+    #[error("stride {0} exceeds i64")]
+    Stride(usize),
+}
+
+fn join(errors: &[libloading::Error]) -> String {
+    let texts: Vec<String> = errors.iter().map(ToString::to_string).collect();
+    texts.join("; ")
+}
+
+/// A library's status that is not success, naming the call.
+fn status(call: &str, rc: c_int) -> Result<(), MathError> {
     if rc == 0 {
         Ok(())
     } else {
-        Err(format!("{call} returned status {rc}"))
+        Err(MathError::Status {
+            call: call.to_string(),
+            status: rc,
+        })
     }
 }
 
 /// Where a library's override comes from: the environment variable's value (`FLEXINFER_CUBLAS` & co.).
 pub type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
 
-fn open(lookup: Lookup<'_>, env: &str, names: &[&str]) -> Result<(Library, String), String> {
+fn open(lookup: Lookup<'_>, env: &str, names: &[&str]) -> Result<(Library, String), MathError> {
     let mut tried: Vec<String> = lookup(env).into_iter().collect();
     tried.extend(names.iter().map(|s| s.to_string()));
     let mut errors = Vec::new();
@@ -194,20 +233,24 @@ fn open(lookup: Lookup<'_>, env: &str, names: &[&str]) -> Result<(Library, Strin
         // SAFETY: loading a vendor library runs its initialisers, as any application linking it does.
         match unsafe { Library::new(name) } {
             Ok(lib) => return Ok((lib, name.clone())),
-            Err(e) => errors.push(e.to_string()),
+            Err(e) => errors.push(e),
         }
     }
-    Err(errors.join("; "))
+    Err(MathError::NotLoaded(errors))
 }
 
 /// The symbol `name` of `lib` with the C signature `T`.
-fn sym<T: Copy>(lib: &Library, library: &str, name: &str) -> Result<T, String> {
+fn sym<T: Copy>(lib: &Library, library: &str, name: &'static str) -> Result<T, MathError> {
     let mut z = name.as_bytes().to_vec();
     z.push(0);
     // SAFETY: the caller declares `T` as the documented C signature of `name`.
     unsafe { lib.get::<T>(&z) }
         .map(|s| *s)
-        .map_err(|e| format!("{library}: {name}: {e}"))
+        .map_err(|source| MathError::MissingSymbol {
+            library: library.to_string(),
+            name,
+            source,
+        })
 }
 
 impl MathLibraries {
@@ -232,7 +275,7 @@ impl MathLibraries {
         let blas = match Self::load_blas(kind, lookup) {
             Ok(b) => Some(b),
             Err(e) => {
-                missing.push(format!("BLAS: {e}"));
+                missing.push(format!("BLAS: {}", chain(&e)));
                 None
             }
         };
@@ -245,7 +288,7 @@ impl MathLibraries {
             _ => match Self::load_solver(kind, lookup) {
                 Ok(s) => Some(s),
                 Err(e) => {
-                    missing.push(format!("solver: {e}"));
+                    missing.push(format!("solver: {}", chain(&e)));
                     None
                 }
             },
@@ -258,7 +301,7 @@ impl MathLibraries {
         }
     }
 
-    fn load_blas(kind: DeviceKind, lookup: Lookup<'_>) -> Result<Blas, String> {
+    fn load_blas(kind: DeviceKind, lookup: Lookup<'_>) -> Result<Blas, MathError> {
         let (env, names, calls, enums, batched) = match kind {
             DeviceKind::Cuda => (
                 "FLEXINFER_CUBLAS",
@@ -284,7 +327,7 @@ impl MathLibraries {
                 ROCBLAS_ENUMS,
                 "rocblas_sgemm_strided_batched",
             ),
-            DeviceKind::Cpu => return Err("not a GPU".into()),
+            DeviceKind::Cpu => return Err(MathError::NotAGpu),
         };
         let (lib, library) = open(lookup, env, names)?;
         Ok(Blas {
@@ -301,7 +344,7 @@ impl MathLibraries {
         })
     }
 
-    fn load_solver(kind: DeviceKind, lookup: Lookup<'_>) -> Result<Solver, String> {
+    fn load_solver(kind: DeviceKind, lookup: Lookup<'_>) -> Result<Solver, MathError> {
         match kind {
             DeviceKind::Cuda => {
                 let (lib, library) = open(lookup, "FLEXINFER_CUSOLVER", CUSOLVER_LIBRARIES)?;
@@ -329,7 +372,7 @@ impl MathLibraries {
                     api,
                 })
             }
-            DeviceKind::Cpu => Err("not a GPU".into()),
+            DeviceKind::Cpu => Err(MathError::NotAGpu),
         }
     }
 
@@ -389,8 +432,8 @@ impl MathLibraries {
     }
 
     /// The BLAS handle, created at the first call (on the current context).
-    fn blas(&mut self) -> Result<&Blas, String> {
-        let b = self.blas.as_mut().ok_or("no BLAS library")?;
+    fn blas(&mut self) -> Result<&Blas, MathError> {
+        let b = self.blas.as_mut().ok_or(MathError::NoBlas)?;
         if b.handle.is_null() {
             let mut h: Handle = std::ptr::null_mut();
             // SAFETY: an out-pointer; the vendor's context is current.
@@ -407,7 +450,7 @@ impl MathLibraries {
     /// # Safety
     /// The vendor's context is current on this thread, and `op.a` / `op.c` are its device allocations
     /// holding `k × n` (`lda`) and `n × n` (`ldc`) floats.
-    pub unsafe fn syrk(&mut self, op: &Syrk) -> Result<(), String> {
+    pub unsafe fn syrk(&mut self, op: &Syrk) -> Result<(), MathError> {
         let b = self.blas()?;
         let (alpha, beta) = (op.alpha, 1.0f32);
         // SAFETY: the caller's contract (the buffers, the context); alpha and beta are host scalars (the
@@ -434,7 +477,7 @@ impl MathLibraries {
     ///
     /// # Safety
     /// As [`MathLibraries::syrk`], with A `m × k` (`lda`), B `k × n` (`ldb`), C `m × n` (`ldc`).
-    pub unsafe fn gemm(&mut self, op: &Gemm) -> Result<(), String> {
+    pub unsafe fn gemm(&mut self, op: &Gemm) -> Result<(), MathError> {
         let b = self.blas()?;
         let one = 1.0f32;
         // SAFETY: as in `syrk`, with A `m × k` (lda), B `k × n` (ldb), C `m × n` (ldc).
@@ -464,7 +507,7 @@ impl MathLibraries {
     /// # Safety
     /// As [`MathLibraries::syrk`], with every product's A `m × k` (`lda`), B `k × n` or `n × k` (`ldb`) and C
     /// `m × n` (`ldc`) inside allocations of the context.
-    pub unsafe fn gemm_op(&mut self, op: &GemmOp) -> Result<(), String> {
+    pub unsafe fn gemm_op(&mut self, op: &GemmOp) -> Result<(), MathError> {
         let b = self.blas()?;
         let (one, beta) = (1.0f32, if op.accumulate { 1.0f32 } else { 0.0 });
         let transb = if op.b_trans {
@@ -476,8 +519,7 @@ impl MathLibraries {
         let (lda, ldb, ldc) = (int(op.lda)?, int(op.ldb)?, int(op.ldc)?);
         if op.batch > 1 {
             if let Some(batched) = b.sgemm_batched {
-                let stride =
-                    |s: usize| i64::try_from(s).map_err(|_| format!("stride {s} exceeds i64"));
+                let stride = |s: usize| i64::try_from(s).map_err(|_| MathError::Stride(s));
                 // SAFETY: the caller's contract for every product of the batch; scalars on the host.
                 let rc = unsafe {
                     batched(
@@ -540,8 +582,8 @@ impl MathLibraries {
         a: DevPtr,
         lda: usize,
         n: usize,
-    ) -> Result<usize, String> {
-        let s = self.solver.as_mut().ok_or("no solver library")?;
+    ) -> Result<usize, MathError> {
+        let s = self.solver.as_mut().ok_or(MathError::NoSolver)?;
         let SolverApi::Cuda {
             create,
             size,
@@ -586,7 +628,7 @@ impl MathLibraries {
         n: usize,
         info: DevPtr,
         work: (DevPtr, usize),
-    ) -> Result<(), String> {
+    ) -> Result<(), MathError> {
         let rocblas = match &self.solver {
             Some(Solver {
                 api: SolverApi::Hip { .. },
@@ -594,7 +636,7 @@ impl MathLibraries {
             }) => Some(self.blas()?.handle),
             _ => None,
         };
-        let s = self.solver.as_mut().ok_or("no solver library")?;
+        let s = self.solver.as_mut().ok_or(MathError::NoSolver)?;
         let (n, lda) = (int(n)?, int(lda)?);
         let (pa, pinfo) = (a as usize as *mut f32, info as usize as *mut c_int);
         // SAFETY: `a` is an `n × n` (lda) device matrix of the current context, `info` a device i32, `work`
@@ -653,6 +695,6 @@ impl MathLibraries {
     }
 }
 
-fn int(v: usize) -> Result<c_int, String> {
-    c_int::try_from(v).map_err(|_| format!("dimension {v} exceeds the library's 32-bit int"))
+fn int(v: usize) -> Result<c_int, MathError> {
+    c_int::try_from(v).map_err(|_| MathError::Dimension(v))
 }

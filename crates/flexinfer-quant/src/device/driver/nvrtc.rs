@@ -13,9 +13,9 @@ type NvrtcProgram = *mut c_void;
 #[derive(Debug, thiserror::Error)]
 pub enum NvrtcError {
     /// No candidate library loaded (each candidate's error).
-    #[error("NVRTC not found: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+    #[error("NVRTC not found: {}", .0.iter().map(|e| crate::error::chain(e)).collect::<Vec<_>>().join("; "))]
     NotFound(Vec<NvrtcError>),
-    #[error("{}: {source}", path.display())]
+    #[error("{}", path.display())]
     Open {
         path: PathBuf,
         #[source]
@@ -34,7 +34,7 @@ pub enum NvrtcError {
     #[error("{0}: no output (a CUBIN needs a real architecture, sm_XY)")]
     NoOutput(String),
     /// A source, name or option with a NUL byte.
-    #[error("{what}: {source}")]
+    #[error("{what}")]
     Nul {
         what: String,
         #[source]

@@ -47,7 +47,7 @@ pub use launch::{
     KERNEL_SOURCE, MAX_BLOCK,
 };
 use launch::{COLUMN_THREADS, PANEL_THREADS, SWEEP_THREADS, TILE};
-pub use math_check::{math_self_test, MathSelfTest};
+pub use math_check::{math_self_test, MathSelfTest, SelfTestError};
 
 /// The vendor shared by the sessions of one device, which context generation is current, and which of the
 /// vendor's math libraries the sessions may call.
