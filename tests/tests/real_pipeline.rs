@@ -2248,6 +2248,25 @@ fn container_process(pod: &Pod, comm: &str) -> Result<(u32, Option<PathBuf>)> {
     bail!("no process {comm} in a cgroup of container {cid} on this host")
 }
 
+/// `TcpExt: ListenOverflows` of the network namespace of process `pid` (`/proc/<pid>/net/netstat`): connections
+/// the kernel could not queue for accept (it drops or resets them).
+fn listen_overflows(pid: u32) -> Result<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/net/netstat"))
+        .with_context(|| format!("/proc/{pid}/net/netstat"))?;
+    let tcp_ext: Vec<&str> = text.lines().filter(|l| l.starts_with("TcpExt:")).collect();
+    ensure!(
+        tcp_ext.len() == 2,
+        "/proc/{pid}/net/netstat: no TcpExt lines"
+    );
+    let names = tcp_ext[0].split_whitespace();
+    let values = tcp_ext[1].split_whitespace();
+    names
+        .zip(values)
+        .find(|(n, _)| *n == "ListenOverflows")
+        .and_then(|(_, v)| v.parse().ok())
+        .with_context(|| format!("/proc/{pid}/net/netstat: no ListenOverflows"))
+}
+
 /// The `Max open files` line of `/proc/<pid>/limits`.
 fn open_files_limit(pid: u32) -> String {
     std::fs::read_to_string(format!("/proc/{pid}/limits"))
@@ -2476,6 +2495,7 @@ async fn real_pipeline_proxy_holds_a_cold_start_stampede_and_wide_bodies() -> Re
     std::fs::write(cg.join("memory.max_usage_in_bytes"), "0")
         .with_context(|| format!("reset {}/memory.max_usage_in_bytes", cg.display()))?;
     let rss0 = proc_status_bytes(pid, "VmRSS")?;
+    let overflows0 = listen_overflows(pid)?;
     let cg0 = cgroup_bytes(&cg, "memory.usage_in_bytes")?;
 
     // Every change of status.lastActiveTime, from a watch that starts before the first request.
@@ -2581,6 +2601,7 @@ async fn real_pipeline_proxy_holds_a_cold_start_stampede_and_wide_bodies() -> Re
     let (restarts1, reason1, _) = restarts(&c, &e, &proxy).await?;
     let peak1 = cgroup_bytes(&cg, "memory.max_usage_in_bytes")?;
     let hwm1 = proc_status_bytes(pid, "VmHWM")?;
+    let overflows = listen_overflows(pid)? - overflows0;
     let written: Vec<Time> = writes.lock().map(|w| w.clone()).unwrap_or_default();
     let written_s = written
         .last()
@@ -2591,7 +2612,8 @@ async fn real_pipeline_proxy_holds_a_cold_start_stampede_and_wide_bodies() -> Re
          errors {}; first 200 after {:.2} s, all answered after {:.2} s (total {stampede_s:.2} s); \
          lastActiveTime writes {} (values {:?}, over {written_s:.0} s; keepalive {keepalive:?}); \
          API-server PATCH models/status (all clients) {patches}; proxy cgroup peak {:.1} MiB (usage before {:.1} MiB), \
-         process VmRSS before {:.1} MiB, VmHWM since start {:.1} MiB; restarts {restarts1}",
+         process VmRSS before {:.1} MiB, VmHWM since start {:.1} MiB; accept-queue overflows {overflows}; \
+         restarts {restarts1}",
         errors.len(),
         first_200.unwrap_or_default().as_secs_f64(),
         last_answer.as_secs_f64(),
@@ -2613,7 +2635,8 @@ async fn real_pipeline_proxy_holds_a_cold_start_stampede_and_wide_bodies() -> Re
             .filter(|l| l.contains("WARN") || l.contains("ERROR"))
             .collect();
         bail!(
-            "{} of {n} requests got no HTTP answer from the proxy {proxy} (its open-files limit: {}); first: \
+            "{} of {n} requests got no HTTP answer from the proxy {proxy} (accept-queue overflows in its network \
+             namespace: {overflows}; its open-files limit: {}); first: \
              {:?}; the proxy's last warnings: {:?}",
             errors.len(),
             open_files_limit(pid),
