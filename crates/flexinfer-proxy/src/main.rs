@@ -179,7 +179,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
             .clone()
             .run(cluster.clone(), keepalive, Duration::from_secs(1)),
     );
-    let listener = server::bind(args.listen).await.context("bind listener")?;
+    let listener = server::bind_backlog(args.listen, args.max_connections)
+        .with_context(|| format!("bind listener {}", args.listen))?;
     server::serve(listener, proxy, process::shutdown_signal()).await?;
     info!("stopped");
     Ok(())

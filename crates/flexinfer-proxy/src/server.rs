@@ -707,6 +707,22 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     TcpListener::bind(addr).await
 }
 
+/// Bind `addr` with a listen backlog of `backlog` connections (the kernel caps it at
+/// `net.core.somaxconn`). The OpenAI port's backlog is its connection cap: with the default of
+/// 128, a burst of new connections (a cold-start stampede) overflows the accept queue before the
+/// proxy accepts them, and the kernel answers the overflow with resets (measured on the real node:
+/// 673 to 1000 of 2000 connections reset, docs/benchmarks.md "On the real node").
+pub fn bind_backlog(addr: SocketAddr, backlog: usize) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(u32::try_from(backlog.max(1)).unwrap_or(u32::MAX))
+}
+
 #[cfg(test)]
 mod tests;
 
