@@ -93,13 +93,17 @@ fn handle<B>(
     resp
 }
 
-/// Serve until the process ends. With `metrics` it serves `/metrics`, else the probes.
-pub async fn serve(
-    addr: SocketAddr,
-    metrics: Option<Metrics>,
-    health: Health,
-) -> anyhow::Result<()> {
-    let listener = TcpListener::bind(addr).await?;
+/// Listen on `addr`, the value of setting `setting`: an address that cannot be bound (in use,
+/// not local) stops the controller at start-up with an error naming both, instead of a controller
+/// that runs without its metrics or probes.
+pub async fn bind(addr: SocketAddr, setting: &str) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on {addr} ({setting}): {e}"))
+}
+
+/// Serve on `listener` until the process ends. With `metrics` it serves `/metrics`, else the probes.
+pub async fn serve(listener: TcpListener, metrics: Option<Metrics>, health: Health) {
     loop {
         let (sock, _) = match listener.accept().await {
             Ok(s) => s,
@@ -167,12 +171,29 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_address_in_use_is_an_error_naming_the_setting() {
+        let taken = bind("127.0.0.1:0".parse().unwrap(), "TEST")
+            .await
+            .expect("bind");
+        let addr = taken.local_addr().expect("addr");
+        let err = bind(addr, "FLEXINFER_METRICS_ADDR")
+            .await
+            .expect_err("the address is in use")
+            .to_string();
+        assert!(
+            err.contains(&addr.to_string()) && err.contains("FLEXINFER_METRICS_ADDR"),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
     async fn serves_over_tcp() {
-        let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        let addr = probe.local_addr().expect("addr");
-        drop(probe);
+        let listener = bind("127.0.0.1:0".parse().unwrap(), "TEST")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
         let h = Health::default();
-        tokio::spawn(serve(addr, None, h));
+        tokio::spawn(serve(listener, None, h));
         let mut body = String::new();
         for _ in 0..50 {
             if let Ok(mut s) = tokio::net::TcpStream::connect(addr).await {
@@ -190,10 +211,11 @@ mod tests {
 
     #[tokio::test]
     async fn head_has_no_body_and_other_methods_get_405() {
-        let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        let addr = probe.local_addr().expect("addr");
-        drop(probe);
-        tokio::spawn(serve(addr, None, Health::default()));
+        let listener = bind("127.0.0.1:0".parse().unwrap(), "TEST")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(serve(listener, None, Health::default()));
         let mut replies = Vec::new();
         for req in [
             "HEAD /healthz HTTP/1.1\r\nHost: x\r\n\r\n",

@@ -82,16 +82,17 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let metrics = Metrics::new()?;
     let health = Health::default();
     let client = flexinfer_controller::kube_client::counting_client(&metrics).await?;
+    // Both listeners are bound before anything else runs: a port in use stops the start.
+    let metrics_listener =
+        http::bind(args.metrics_bind_address, env::controller::METRICS_ADDR).await?;
+    let health_listener =
+        http::bind(args.health_probe_bind_address, env::controller::HEALTH_ADDR).await?;
     tokio::spawn(http::serve(
-        args.metrics_bind_address,
+        metrics_listener,
         Some(metrics.clone()),
         health.clone(),
     ));
-    tokio::spawn(http::serve(
-        args.health_probe_bind_address,
-        None,
-        health.clone(),
-    ));
+    tokio::spawn(http::serve(health_listener, None, health.clone()));
     // Ready once the API server answers; a standby replica is ready too (it serves probes).
     client.apiserver_version().await?;
     health.set_ready(true);

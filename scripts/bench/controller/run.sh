@@ -75,6 +75,10 @@ FLEXINFER_WORKER_IMAGE=example.com/worker:cpu FLEXINFER_WATCH_NAMESPACE=$NS FLEX
 FLEXINFER_METRICS_ADDR=127.0.0.1:18090 FLEXINFER_HEALTH_ADDR=127.0.0.1:18091 RUST_LOG=${BENCH_RUST_LOG:-warn} \
   "$BIN" > "$W/controller.log" 2>&1 &
 CTRL=$!
+# A controller that cannot start (e.g. its metrics port is held by another run's controller) ends
+# the run here: its figures would otherwise be read from that other process.
+sleep 2
+kill -0 "$CTRL" 2>/dev/null || { echo "the controller exited at start-up:" >&2; cat "$W/controller.log" >&2; exit 1; }
 # One watch client stamps every Job event with its local receive time.
 python3 - "$NS" "$W/jobs.log" <<'PY' &
 import subprocess, sys, time
