@@ -103,7 +103,13 @@ while :; do
   NOW=$(date +%s.%N)
   if [ "$READY" -ge "$N" ]; then break; fi
   if python3 -c "import sys; sys.exit(0 if $NOW - $T0 > $TIMEOUT else 1)"; then echo "timeout: $READY/$N Ready"; break; fi
-  sleep $(( N > 1000 ? 5 : 1 ))
+  # Above 1,000 caches each count is a listing of every cache (megabytes for the API server): count
+  # every 30 s, and say how far the run is and the controller's resident memory now.
+  if [ "$N" -gt 1000 ]; then
+    printf '%5.0fs: %s of %s Ready, controller RSS %s\n' "$(python3 -c "print($NOW - $T0)")" "$READY" "$N" \
+      "$(awk '/VmRSS/{printf "%.1f MiB", $2/1024}' /proc/$CTRL/status)"
+    sleep 30
+  else sleep 1; fi
 done
 TREADY=$(date +%s.%N)
 sleep 3
