@@ -14,7 +14,7 @@ use super::credentials::credentials_problem;
 use super::ctx::{invalidate, Ctx};
 use super::failures::{is_image_pull_failure, is_transient_pull_failure};
 use super::jobs;
-use super::observe::{stuck_reason, waits_for_capacity, JobState, ObservedJob};
+use super::observe::{stuck_reason, waits_for, JobState, ObservedJob};
 use super::phase::{
     get_common, phase_from_status_name, reset_retries, running_phase, secs_between, set_common,
 };
@@ -381,8 +381,9 @@ struct StuckPod {
     /// Stuck for at least `Config::stuck_pod_after`: the attempt counts as failed.
     expired: bool,
     /// Unschedulable only because the nodes that fit are full (GPUs, CPU, memory or pod slots in
-    /// use): a queue, not a fault. It waits without expiring.
-    capacity: bool,
+    /// use), or until its volume claim is bound: a queue, not a fault. What it waits for; it waits
+    /// without expiring.
+    waits_for: Option<&'static str>,
     /// Time left before it does.
     remaining: Duration,
 }
@@ -393,15 +394,17 @@ fn stuck_pod(job: &ObservedJob, config: &Config, now: Timestamp) -> Option<Stuck
     let since = pod.created.unwrap_or(job.created);
     let age = secs_between(since, now).max(0);
     let limit = i64::try_from(config.stuck_pod_after.as_secs()).unwrap_or(i64::MAX);
-    let capacity = reason == contract::FailureReason::Unschedulable && waits_for_capacity(&message);
+    let waits_for = (reason == contract::FailureReason::Unschedulable)
+        .then(|| waits_for(&message))
+        .flatten();
     Some(StuckPod {
         reason,
         message,
         pod: pod.name.clone(),
         since,
-        capacity,
-        expired: !capacity && age >= limit,
-        remaining: if capacity {
+        waits_for,
+        expired: waits_for.is_none() && age >= limit,
+        remaining: if waits_for.is_some() {
             config.progress_poll
         } else {
             Duration::from_secs(u64::try_from(limit.saturating_sub(age)).unwrap_or(0))
@@ -413,9 +416,9 @@ fn stuck_pod(job: &ObservedJob, config: &Config, now: Timestamp) -> Option<Stuck
 /// the threshold passes.
 fn report_stuck_pod(cx: &mut Ctx<'_>, job: &ObservedJob, stuck: &StuckPod) {
     let limit = cx.config.stuck_pod_after.as_secs();
-    let msg = if stuck.capacity {
+    let msg = if let Some(what) = stuck.waits_for {
         format!(
-            "pod {} of Job {} has been waiting since {} for node capacity: {}; it starts when a node frees up (waiting for capacity does not fail the attempt)",
+            "pod {} of Job {} has been waiting since {} for {what}: {}; it starts when that is done (waiting for {what} does not fail the attempt)",
             stuck.pod, job.name, stuck.since, stuck.message
         )
     } else {

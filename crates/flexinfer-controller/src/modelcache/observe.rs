@@ -229,6 +229,26 @@ pub fn waits_for_capacity(message: &str) -> bool {
     placement.contains("Insufficient ") || placement.contains("Too many pods")
 }
 
+/// Whether the scheduler's message says the pod waits for its volume claim to be bound ("pod has
+/// unbound immediate PersistentVolumeClaims"): the storage system's work (the PV controller or a
+/// provisioner), which a new Job cannot speed up — not a claim no volume fits ("didn't find
+/// available persistent volumes to bind", which stays a fault).
+pub fn waits_for_volume_binding(message: &str) -> bool {
+    message.contains("unbound immediate PersistentVolumeClaims")
+}
+
+/// What an unschedulable pod waits for when that is a queue rather than a fault: node capacity or
+/// its claim's binding. Such a wait never fails the attempt.
+pub fn waits_for(message: &str) -> Option<&'static str> {
+    if waits_for_capacity(message) {
+        Some("node capacity")
+    } else if waits_for_volume_binding(message) {
+        Some("its volume claim to be bound")
+    } else {
+        None
+    }
+}
+
 /// GPUProfiles are listed only for a live cache with a GPU phase.
 pub fn needs_profiles(mc: &ModelCache) -> bool {
     mc.metadata.deletion_timestamp.is_none() && JobPhase::ALL.iter().any(|p| jobs::uses_gpu(mc, *p))

@@ -423,7 +423,7 @@ fn a_pod_that_cannot_start_fails_the_attempt_after_the_threshold() {
 }
 
 #[test]
-fn a_pod_waiting_for_node_capacity_never_fails_the_attempt() {
+fn a_pod_waiting_for_node_capacity_or_its_claim_never_fails_the_attempt() {
     use crate::modelcache::observe::waits_for_capacity;
     let table = [
         ("0/4 nodes are available: 4 Too many pods. preemption: 0/4 nodes are available: 4 No preemption victims found for incoming pod.", true),
@@ -435,6 +435,29 @@ fn a_pod_waiting_for_node_capacity_never_fails_the_attempt() {
     ];
     for (msg, want) in table {
         assert_eq!(waits_for_capacity(msg), want, "{msg}");
+    }
+    use crate::modelcache::observe::waits_for;
+    let kinds = [
+        (
+            "0/4 nodes are available: 4 Too many pods.",
+            Some("node capacity"),
+        ),
+        (
+            "0/4 nodes are available: pod has unbound immediate PersistentVolumeClaims. not found",
+            Some("its volume claim to be bound"),
+        ),
+        // No volume fits the claim: a fault, not a queue.
+        (
+            "0/3 nodes are available: 3 node(s) didn't find available persistent volumes to bind.",
+            None,
+        ),
+        (
+            "0/5 nodes are available: 5 node(s) had untolerated taint {dedicated: gpu}.",
+            None,
+        ),
+    ];
+    for (msg, want) in kinds {
+        assert_eq!(waits_for(msg), want, "{msg}");
     }
     let c = cfg();
     let limit = c.stuck_pod_after.as_secs() as i64;
@@ -462,4 +485,28 @@ fn a_pod_waiting_for_node_capacity_never_fails_the_attempt() {
     assert_eq!(p.requeue_after, Some(c.progress_poll));
     let again = plan(&applied(mc, &p), &obs(vec![j]), &c, t(limit * 10 + 1));
     assert!(!again.status_changed && deleted_jobs(&again).is_empty());
+
+    // A pod whose claim is not bound yet (the PV controller or a provisioner is behind) waits too.
+    let binding = ObservedPod {
+        name: "mc-download-y".into(),
+        created: Some(t(0)),
+        unschedulable: Some(
+            "0/4 nodes are available: pod has unbound immediate PersistentVolumeClaims. not found"
+                .into(),
+        ),
+        ..Default::default()
+    };
+    let mc = cache(SIMPLE);
+    let p0 = plan(&mc, &obs(vec![]), &c, t(0));
+    let mut j = job_from(&p0, JobPhase::Download, t(0), JobState::Active);
+    j.pod = Some(binding);
+    let p = plan(&applied(mc, &p0), &obs(vec![j]), &c, t(limit * 10));
+    assert!(deleted_jobs(&p).is_empty(), "{:?}", p.actions);
+    assert_eq!(p.status.retry_count.unwrap_or(0), 0);
+    let prog = conditions::find(&p.status.conditions, "Progressing").expect("Progressing");
+    assert!(
+        prog.message.contains("its volume claim to be bound")
+            && !prog.message.contains("fails after"),
+        "{prog:?}"
+    );
 }
