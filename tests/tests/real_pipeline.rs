@@ -2360,7 +2360,7 @@ fn unix_seconds_ago(ago: Duration) -> i64 {
     i64::try_from(now.saturating_sub(ago).as_secs()).unwrap_or(i64::MAX)
 }
 
-/// Issue #40's load test on the real node, CI-sized: 2,000 concurrent requests to a scaled-to-zero Model (the
+/// The proxy's load test on the real node, CI-sized: 2,000 concurrent requests to a scaled-to-zero Model (the
 /// stand-in serving tiny-llama from a claim) through ONE flexinfer-proxy pod of the chart (256 MiB memory limit,
 /// checked in its cgroup): every request answered 200 or 429, the pod neither restarted nor OOM-killed, at most
 /// two `lastActiveTime` writes per keepalive interval (every change of the value, from a watch on the Model);

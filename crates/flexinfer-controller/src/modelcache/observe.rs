@@ -355,30 +355,6 @@ pub fn prune_job(job: &mut Job) {
     }
 }
 
-/// Drop what [`observe_job`] does not read of a pod (its spec, managed fields, annotations, the
-/// conditions other than `PodScheduled`, statuses of other containers).
-pub fn prune_pod(pod: &mut Pod) {
-    pod.metadata.managed_fields = None;
-    pod.metadata.annotations = None;
-    pod.spec = None;
-    if let Some(st) = pod.status.as_mut() {
-        let keep = k8s_openapi::api::core::v1::PodStatus {
-            phase: st.phase.take(),
-            conditions: st.conditions.take().map(|cs| {
-                cs.into_iter()
-                    .filter(|c| c.type_ == "PodScheduled")
-                    .collect()
-            }),
-            container_statuses: st.container_statuses.take().map(|mut cs| {
-                cs.truncate(1);
-                cs
-            }),
-            ..Default::default()
-        };
-        *st = keep;
-    }
-}
-
 /// The controller-wide budget of progress log reads (a token bucket: `per_second` tokens a
 /// second, at most `2 × per_second` saved up). A read that finds no token is skipped: progress keeps
 /// its last value until the next poll. `per_second = 0` turns progress log reads off.

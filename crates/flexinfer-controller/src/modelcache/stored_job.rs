@@ -423,8 +423,7 @@ impl StoredPod {
         self.job.clone()
     }
 
-    /// The pod the planner reads (what `observe::prune_pod` keeps of a pod, less what `observe_pod`
-    /// does not look at).
+    /// The pod the planner reads: what `observe_pod` looks at, nothing else.
     pub fn to_pod(&self) -> Pod {
         let mut metadata = self.metadata.clone();
         metadata.labels = self

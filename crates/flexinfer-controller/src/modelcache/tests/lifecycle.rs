@@ -331,13 +331,12 @@ fn memory_per_stored_object() {
     let before = rss_kb();
     let kpods: Vec<Arc<k8s_openapi::api::core::v1::Pod>> = (0..15000)
         .map(|_| {
-            let mut p: k8s_openapi::api::core::v1::Pod = serde_json::from_str(&pod).unwrap();
-            crate::modelcache::observe::prune_pod(&mut p);
+            let p: k8s_openapi::api::core::v1::Pod = serde_json::from_str(&pod).unwrap();
             Arc::new(p)
         })
         .collect();
     let wide = per(before, rss_kb(), 15000);
-    println!("Pod: StoredPod {compact} B, pruned k8s Pod {wide} B each");
+    println!("Pod: StoredPod {compact} B, k8s Pod {wide} B each");
     println!(
         "inline sizes: ObjectMeta {} B, StoredJob {} B, StoredPod {} B, ModelCache {} B",
         std::mem::size_of::<k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>(),
