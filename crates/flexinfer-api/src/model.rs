@@ -28,6 +28,10 @@ use serde::{Deserialize, Serialize};
     printcolumn = r#"{"name":"Source","type":"string","priority":1,"jsonPath":".spec.source"}"#
 )]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "!has(self.backendKeySecretRef) || self.backend in ['vllm', 'llamacpp']",
+     "message": "spec.backendKeySecretRef: only the vllm and llamacpp backends take an API key (ollama and exllamav2 do not)"}
+]))]
 pub struct ModelSpec {
     /// Serving engine.
     pub backend: Backend,
@@ -51,6 +55,16 @@ pub struct ModelSpec {
         regex(pattern = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")
     ))]
     pub aliases: Vec<String>,
+
+    /// The serving backend's own API key, a key of a Secret in the Model's namespace. The
+    /// controller injects it into the serving container by `secretKeyRef` (vLLM `VLLM_API_KEY`,
+    /// llama.cpp `LLAMA_API_KEY`): the backend then answers its OpenAI routes only to requests
+    /// that carry `Authorization: Bearer <key>`, so a caller that reaches a serving pod around
+    /// flexinfer-proxy cannot use it. The proxy reads the Secret (chart value
+    /// `proxy.backendKeys.enabled`) and sends the key itself; a caller's own `Authorization` is
+    /// never forwarded to such a Model. Only `vllm` and `llamacpp` take a key. Unset: no key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend_key_secret_ref: Option<BackendKeySecretRef>,
 
     /// Container image override; otherwise the GPUProfile's `runtime.images[backend]` or the
     /// controller default for the backend.
@@ -85,6 +99,20 @@ pub struct ModelSpec {
     pub tolerations: Option<Vec<Toleration>>,
 }
 
+/// A key of a Secret in the Model's namespace that holds the backend's API key.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, Eq, Hash, JsonSchema)]
+pub struct BackendKeySecretRef {
+    /// Name of the Secret.
+    #[schemars(length(min = 1, max = 253))]
+    #[schemars(regex(pattern = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"))]
+    pub name: String,
+    /// Key of the Secret whose value is the API key (printable ASCII without spaces: it is sent
+    /// in an HTTP header).
+    #[schemars(length(min = 1, max = 253))]
+    #[schemars(regex(pattern = r"^[-._a-zA-Z0-9]+$"))]
+    pub key: String,
+}
+
 /// Serving backend.
 #[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema)]
 #[serde(rename_all = "lowercase")]
@@ -96,6 +124,12 @@ pub enum Backend {
 }
 
 impl Backend {
+    /// Whether the backend's server takes an API key from its environment
+    /// (`spec.backendKeySecretRef`; the CRD's rule on `spec` lists the same backends).
+    pub fn takes_api_key(self) -> bool {
+        matches!(self, Backend::Vllm | Backend::Llamacpp)
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Backend::Vllm => "vllm",

@@ -271,6 +271,11 @@ pub mod transfer {
 pub mod serving {
     /// vLLM attention backend (`config.attentionBackend`).
     pub const VLLM_ATTENTION_BACKEND: &str = "VLLM_ATTENTION_BACKEND";
+    /// The key vLLM's OpenAI server demands (`Authorization: Bearer <key>`) on its `/v1` routes
+    /// (`spec.backendKeySecretRef`, injected from the Secret by `secretKeyRef`).
+    pub const VLLM_API_KEY: &str = "VLLM_API_KEY";
+    /// The key llama.cpp's `llama-server` demands (its `--api-key` flag's variable), likewise.
+    pub const LLAMA_API_KEY: &str = "LLAMA_API_KEY";
 }
 
 /// Configuration environment of `flexinfer-proxy` (each also a command-line flag; set by the chart).

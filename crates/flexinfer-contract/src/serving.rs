@@ -15,3 +15,6 @@ pub const CONTAINER: &str = "server";
 pub const HOME: &str = "/var/lib/flexinfer-home";
 /// Name of that volume.
 pub const HOME_VOLUME: &str = "home";
+/// The Model field naming the Secret key whose value is the serving backend's own API key: the
+/// controller injects it into the serving container, flexinfer-proxy sends it to the backend.
+pub const BACKEND_KEY_FIELD: &str = "spec.backendKeySecretRef";

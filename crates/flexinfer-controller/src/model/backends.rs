@@ -6,7 +6,8 @@ use flexinfer_api::model::{Backend, KvCacheDtype};
 use flexinfer_api::modelcache::QuantFormat;
 use flexinfer_api::Model;
 use k8s_openapi::api::core::v1::{
-    Container, ContainerPort, EnvVar, ExecAction, HTTPGetAction, Probe, VolumeMount,
+    Container, ContainerPort, EnvVar, EnvVarSource, ExecAction, HTTPGetAction, Probe,
+    SecretKeySelector, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::ResourceExt;
@@ -98,6 +99,36 @@ fn env_var(name: &str, value: impl Into<String>) -> EnvVar {
     }
 }
 
+/// The environment variable from which a backend's server reads its API key; `None` for a backend
+/// that takes none (`Backend::takes_api_key`).
+fn api_key_env(backend: Backend) -> Option<&'static str> {
+    match backend {
+        Backend::Vllm => Some(env::serving::VLLM_API_KEY),
+        Backend::Llamacpp => Some(env::serving::LLAMA_API_KEY),
+        Backend::Ollama | Backend::Exllamav2 => None,
+    }
+}
+
+/// The API key variable of the Model's backend, from `spec.backendKeySecretRef` by `secretKeyRef`
+/// (the controller never reads the Secret; a missing one keeps the pod from starting). Both
+/// servers leave `/health`, the readiness probe's path, unauthenticated.
+fn api_key_var(model: &Model) -> Option<EnvVar> {
+    let r = model.spec.backend_key_secret_ref.as_ref()?;
+    let name = api_key_env(model.spec.backend)?;
+    Some(EnvVar {
+        name: name.to_string(),
+        value: None,
+        value_from: Some(EnvVarSource {
+            secret_key_ref: Some(SecretKeySelector {
+                name: r.name.clone(),
+                key: r.key.clone(),
+                optional: Some(false),
+            }),
+            ..Default::default()
+        }),
+    })
+}
+
 /// What a backend runs: command, args, its own env and its readiness probe.
 struct Launch {
     command: Vec<String>,
@@ -162,6 +193,7 @@ pub fn container(
     launch
         .args
         .extend(model.spec.config.extra_args.iter().cloned());
+    launch.env.extend(api_key_var(model));
     Container {
         name: serving::CONTAINER.to_string(),
         image: Some(image.to_string()),

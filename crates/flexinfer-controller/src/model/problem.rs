@@ -20,6 +20,12 @@ pub enum ConfigProblem {
         backend: &'static str,
         supported: String,
     },
+    #[error("{field}: backend {backend} takes no API key; the backends that do: {supported}")]
+    BackendKeyUnsupported {
+        field: &'static str,
+        backend: &'static str,
+        supported: String,
+    },
     #[error("spec.config.quantization is {model} but ModelCache {cache_name} produces {cache}")]
     QuantizationMismatch {
         model: &'static str,
@@ -68,7 +74,8 @@ impl ConfigProblem {
         match self {
             ConfigProblem::InvalidSource(_) => "InvalidSource",
             ConfigProblem::InvalidName(_) => "InvalidName",
-            ConfigProblem::BackendUnsupported { .. } => {
+            ConfigProblem::BackendUnsupported { .. }
+            | ConfigProblem::BackendKeyUnsupported { .. } => {
                 flexinfer_api::contract::reasons::BACKEND_UNSUPPORTED
             }
             ConfigProblem::QuantizationMismatch { .. } => "QuantizationMismatch",

@@ -276,6 +276,18 @@ pub fn render(
     if !is_dns1035(&name) {
         return Err(ConfigProblem::InvalidName(name));
     }
+    if spec.backend_key_secret_ref.is_some() && !spec.backend.takes_api_key() {
+        return Err(ConfigProblem::BackendKeyUnsupported {
+            field: serving::BACKEND_KEY_FIELD,
+            backend: spec.backend.as_str(),
+            supported: ALL_BACKENDS
+                .iter()
+                .filter(|b| b.takes_api_key())
+                .map(|b| b.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+        });
+    }
     let source = parse_source(&spec.source).map_err(|e| ConfigProblem::InvalidSource(e.0))?;
     let cache = match &source {
         Source::Cache { name } => match cache {

@@ -641,3 +641,100 @@ fn network_policy_admits_only_the_proxy() {
         assert!(e.to_string().contains("FLEXINFER_PROXY_POD_LABELS"), "{e}");
     }
 }
+
+/// `spec.backendKeySecretRef`: each backend that takes an API key gets it in the variable its
+/// server reads, from the Secret by `secretKeyRef` (never as a value); the readiness probe stays
+/// on `/health` (unauthenticated in both servers); a backend without key support is refused,
+/// naming the field and the backend; without the field no key variable is rendered.
+#[test]
+fn backend_key_per_backend() {
+    let p = profile();
+    let cfg = RenderConfig::default();
+    let key_ref = serde_json::json!({"name": "backend-key", "key": "token"});
+    // (backend, source, quantization, the variable or None = refused)
+    let cases = [
+        (
+            "vllm",
+            "pvc://c/p",
+            "none",
+            Some(env::serving::VLLM_API_KEY),
+        ),
+        (
+            "llamacpp",
+            "pvc://c/m.gguf",
+            "gguf",
+            Some(env::serving::LLAMA_API_KEY),
+        ),
+        ("ollama", "pvc://c/m.gguf", "gguf", None),
+        ("exllamav2", "pvc://c/exl2", "exl2", None),
+    ];
+    let key_vars = [env::serving::VLLM_API_KEY, env::serving::LLAMA_API_KEY];
+    for (backend, source, q, want) in cases {
+        let spec = |with_key: bool| {
+            let mut s = serde_json::json!({"backend": backend, "source": source,
+                "gpu": {"profile": "gfx1100"}, "config": {"quantization": q}});
+            if with_key {
+                s["backendKeySecretRef"] = key_ref.clone();
+            }
+            s
+        };
+        // Without the field: no key variable, whatever the backend.
+        let c = container(
+            &render(&model("m", spec(false)), None, Some(&p), &cfg)
+                .unwrap_or_else(|e| panic!("{backend}: {e}"))
+                .deployment,
+        );
+        for v in key_vars {
+            assert!(
+                !c.env.iter().flatten().any(|e| e.name == v),
+                "{backend}: {v} without backendKeySecretRef"
+            );
+        }
+        let got = render(&model("m", spec(true)), None, Some(&p), &cfg);
+        match want {
+            Some(var) => {
+                let c = container(&got.unwrap_or_else(|e| panic!("{backend}: {e}")).deployment);
+                let vars: Vec<_> = c
+                    .env
+                    .iter()
+                    .flatten()
+                    .filter(|e| key_vars.contains(&e.name.as_str()))
+                    .collect();
+                assert_eq!(vars.len(), 1, "{backend}: one key variable: {vars:?}");
+                assert_eq!(vars[0].name, var, "{backend}");
+                assert_eq!(vars[0].value, None, "{backend}: the key is never inlined");
+                let sel = vars[0]
+                    .value_from
+                    .as_ref()
+                    .and_then(|f| f.secret_key_ref.as_ref())
+                    .unwrap_or_else(|| panic!("{backend}: no secretKeyRef"));
+                assert_eq!(
+                    (sel.name.as_str(), sel.key.as_str(), sel.optional),
+                    ("backend-key", "token", Some(false)),
+                    "{backend}"
+                );
+                let probe = c
+                    .readiness_probe
+                    .and_then(|p| p.http_get)
+                    .and_then(|h| h.path);
+                assert_eq!(probe.as_deref(), Some("/health"), "{backend}");
+            }
+            None => {
+                let e = got
+                    .err()
+                    .unwrap_or_else(|| panic!("{backend}: a key should be refused"));
+                assert_eq!(
+                    (e.condition_type(), e.reason()),
+                    ("ConfigValid", "BackendUnsupported"),
+                    "{backend}"
+                );
+                let msg = e.to_string();
+                assert!(
+                    msg.contains("spec.backendKeySecretRef") && msg.contains(backend),
+                    "{backend}: {msg}"
+                );
+                assert!(msg.contains("vllm, llamacpp"), "{msg}");
+            }
+        }
+    }
+}
