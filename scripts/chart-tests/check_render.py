@@ -97,6 +97,8 @@ PROXY_RULES = [
     ([""], ["services"], ["list", "watch"]),
     (["discovery.k8s.io"], ["endpointslices"], ["list", "watch"]),
 ]
+# proxy.backendKeys.enabled adds get on Secrets (the Models' backend keys), nothing more.
+PROXY_RULES_BACKEND_KEYS = PROXY_RULES + [([""], ["secrets"], ["get"])]
 # All-on: proxy.watchNamespace=models, so one serving NetworkPolicy there.
 KINDS["allon"] = dict(KINDS["defaults"], PrometheusRule=1, ServiceMonitor=2, GPUProfile=3, ConfigMap=1,
                       NetworkPolicy=1)
@@ -366,6 +368,16 @@ def main():
                     FLEXINFER_PROXY_POD_LABELS="app.kubernetes.io/name=flexinfer,app.kubernetes.io/instance="
                     f"{rel},app.kubernetes.io/component=proxy")
         check_env(dep, sys.argv[2], {sys.argv[2]: want})
+    elif sys.argv[1] == "backend-keys":
+        # backend-keys on|off N: the proxy's N roles (ClusterRole, or a Role per watched namespace) hold exactly the
+        # proxy's rules, plus get on Secrets when on.
+        docs = [d for d in yaml.safe_load_all(sys.stdin) if d]
+        roles = [d for d in docs if d["kind"] in ("Role", "ClusterRole") and component(d) == "proxy"]
+        want = PROXY_RULES_BACKEND_KEYS if sys.argv[2] == "on" else PROXY_RULES
+        check(len(roles) == int(sys.argv[3]), f"{len(roles)} proxy roles, want {sys.argv[3]}")
+        for r in roles:
+            rules = [(x["apiGroups"], x["resources"], x["verbs"]) for x in r["rules"]]
+            check(rules == want, f"{r['kind']} {r['metadata'].get('namespace', '')}: rules {rules}")
     elif sys.argv[1] == "netpol":
         docs = [d for d in yaml.safe_load_all(sys.stdin) if d]
         check_netpol(docs, [n for n in sys.argv[2].split(",") if n], int(sys.argv[3]) if len(sys.argv) > 3 else 0)

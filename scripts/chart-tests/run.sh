@@ -95,6 +95,14 @@ t "proxy body limits: unset by default (the proxy derives them from its memory l
    grep -A1 'name: FLEXINFER_PROXY_MAX_BODY_BYTES' <<<\"\$out\" | grep -q '\"1048576\"' \
      && grep -A1 'name: FLEXINFER_PROXY_BODY_MEMORY_BYTES' <<<\"\$out\" | grep -q '\"33554432\"'"
 ts "schema rejects an unknown proxy key" template x "$CHART" --set proxy.bogus=1
+t "proxy.backendKeys off (default): no Secrets in the proxy's ClusterRole" bash -c \
+  "'$HELM' template x '$CHART' | python3 '$HERE/check_render.py' backend-keys off 1"
+t "proxy.backendKeys.enabled: get on Secrets, nothing more (ClusterRole)" bash -c \
+  "'$HELM' template x '$CHART' --set proxy.backendKeys.enabled=true | python3 '$HERE/check_render.py' backend-keys on 1"
+t "proxy.backendKeys.enabled: get on Secrets in each watched namespace's Role" bash -c \
+  "'$HELM' template x '$CHART' --set 'watchNamespaces={a,b}' --set proxy.backendKeys.enabled=true \
+   | python3 '$HERE/check_render.py' backend-keys on 2"
+ts "schema rejects a non-boolean proxy.backendKeys.enabled" template x "$CHART" --set proxy.backendKeys.enabled=yes
 t "workerServiceAccount.additionalNamespaces creates SA per namespace" bash -c "'$HELM' template x '$CHART' -n a \
   --set 'workerServiceAccount.additionalNamespaces={b,c,a}' | python3 -c '
 import sys,yaml

@@ -387,6 +387,11 @@ impl Cluster {
         waited.unwrap_or(false)
     }
 
+    /// The API client the watches and writes use.
+    pub fn client(&self) -> Client {
+        self.client.clone()
+    }
+
     /// `lastActiveTime` writes this replica made.
     pub fn writes(&self) -> u64 {
         self.writes.load(Ordering::Relaxed)

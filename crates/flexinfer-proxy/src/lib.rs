@@ -2,7 +2,8 @@
 //! "The proxy"; docs/dev/architecture.md).
 //!
 //! Pure decisions (`route`, `endpoints`, `plan`, `auth`) are table-tested; `cluster` holds the
-//! watch-based caches and the `status.lastActiveTime` writer; `activity` counts in-flight requests
+//! watch-based caches and the `status.lastActiveTime` writer; `backend_keys` the serving backends'
+//! own API keys read from Secrets; `activity` counts in-flight requests
 //! and drives the keepalive; `server` is the HTTP front (hyper).
 // Integer overflow from user or model values must be an error or saturate, never wrap or panic.
 #![deny(clippy::arithmetic_side_effects)]
@@ -10,6 +11,7 @@
 
 pub mod activity;
 pub mod auth;
+pub mod backend_keys;
 pub mod body;
 pub mod cluster;
 pub mod endpoints;

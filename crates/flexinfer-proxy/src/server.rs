@@ -22,6 +22,7 @@ use tracing::{debug, info, warn};
 
 use crate::activity::{Activity, InFlight};
 use crate::auth::{ApiKeys, Scope};
+use crate::backend_keys::BackendKeys;
 use crate::body::{full, Guarded, ProxyBody};
 use crate::cluster::{Cluster, ModelKey};
 use crate::endpoints::RoundRobin;
@@ -63,6 +64,8 @@ pub struct Config {
     pub connect_timeout: Duration,
     /// How long shutdown waits for in-flight requests.
     pub drain_timeout: Duration,
+    /// How long a backend key read from its Secret is used before it is read again.
+    pub backend_key_ttl: Duration,
 }
 
 impl Default for Config {
@@ -83,6 +86,7 @@ impl Default for Config {
             keepalive_interval: plan::DEFAULT_KEEPALIVE_INTERVAL,
             connect_timeout: Duration::from_secs(5),
             drain_timeout: Duration::from_secs(30),
+            backend_key_ttl: Duration::from_secs(30),
         }
     }
 }
@@ -156,6 +160,7 @@ pub struct Proxy {
     admission: Gate,
     bodies: BodyBudget,
     per_model: PerModel,
+    backend_keys: BackendKeys,
 }
 
 /// What an admitted request holds until its response ends: the global and the Model's admission.
@@ -173,8 +178,10 @@ impl Proxy {
             .pool_timer(TokioTimer::new())
             .pool_idle_timeout(Duration::from_secs(60))
             .build(connector);
+        let backend_keys = BackendKeys::new(cluster.client(), config.backend_key_ttl);
         Ok(Arc::new(Self {
             cluster,
+            backend_keys,
             activity: Activity::default(),
             metrics: Metrics::new()?,
             client,
@@ -188,6 +195,29 @@ impl Proxy {
 
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// The `Authorization` value for the Model's backends when it has a backend key
+    /// (`spec.backendKeySecretRef`); a 503 naming the Model and the Secret when that key cannot be
+    /// had: such a request is never forwarded without it.
+    async fn backend_authorization(
+        &self,
+        key: &ModelKey,
+    ) -> Result<Option<http::HeaderValue>, ApiError> {
+        let Some(r) = self
+            .cluster
+            .model(key)
+            .and_then(|m| m.spec.backend_key_secret_ref.clone())
+        else {
+            return Ok(None);
+        };
+        match self.backend_keys.authorization(&key.0, &key.1, &r).await {
+            Ok(v) => Ok(Some(v)),
+            Err(e) => {
+                warn!(namespace = %key.0, model = %key.1, error = %e, "no backend key");
+                Err(ApiError::unavailable(e.message))
+            }
+        }
     }
 
     /// Answer one request.
@@ -325,6 +355,8 @@ impl Proxy {
             _global: global,
             _model: model,
         };
+        // Before the Model counts as active (no cold start for a request that cannot be sent).
+        let backend_auth = self.backend_authorization(&key).await?;
 
         // From here on the request counts as activity of the Model (also while it waits).
         let guard = self.activity.begin(&key);
@@ -343,7 +375,11 @@ impl Proxy {
                 .path_and_query()
                 .map(|p| p.as_str().to_string())
                 .unwrap_or_else(|| parts.uri.path().to_string()),
-            headers: forward_headers(&parts.headers, self.config.api_keys.is_enabled()),
+            headers: forward_headers(
+                &parts.headers,
+                self.config.api_keys.is_enabled(),
+                backend_auth,
+            ),
             body,
         };
         // The body was sent (or given up) when this returns: its room goes back then.
@@ -573,15 +609,29 @@ fn strip_hop_by_hop(h: &mut HeaderMap) {
     }
 }
 
+/// The header some OpenAI-compatible servers (llama-server among them) read a key from when there
+/// is no `Authorization`.
+const X_API_KEY: &str = "x-api-key";
+
 /// Request headers for the backend: hop-by-hop headers, `Host` and `Content-Length` (the
-/// client recomputes both) dropped; `Authorization` dropped when it carried the proxy's key.
-fn forward_headers(h: &HeaderMap, auth_enabled: bool) -> HeaderMap {
+/// client recomputes both) dropped; `Authorization` dropped when it carried the proxy's key. For a
+/// Model with a backend key (`backend_auth`, the `Authorization` value to send), the caller's
+/// `Authorization` and `X-Api-Key` are dropped whatever they hold and the backend key is sent.
+fn forward_headers(
+    h: &HeaderMap,
+    auth_enabled: bool,
+    backend_auth: Option<http::HeaderValue>,
+) -> HeaderMap {
     let mut out = h.clone();
     strip_hop_by_hop(&mut out);
     out.remove(header::HOST);
     out.remove(header::CONTENT_LENGTH);
     if auth_enabled {
         out.remove(header::AUTHORIZATION);
+    }
+    if let Some(v) = backend_auth {
+        out.remove(X_API_KEY);
+        out.insert(header::AUTHORIZATION, v);
     }
     out
 }
@@ -728,3 +778,6 @@ mod tests;
 
 #[cfg(test)]
 mod limits_tests;
+
+#[cfg(test)]
+mod backend_keys_tests;

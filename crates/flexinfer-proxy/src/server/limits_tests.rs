@@ -12,12 +12,12 @@ use tokio::net::TcpStream;
 use super::*;
 use crate::cluster::Offline;
 
-const NS: &str = "ns";
+pub(super) const NS: &str = "ns";
 /// Every wait here is bounded: a limit that does not act fails the test instead of hanging it.
-const BOUND: Duration = Duration::from_secs(20);
+pub(super) const BOUND: Duration = Duration::from_secs(20);
 
 /// The settings under test, small so that the tests are quick.
-fn test_config() -> Config {
+pub(super) fn test_config() -> Config {
     Config {
         header_read_timeout: Duration::from_millis(300),
         body_read_timeout: Duration::from_millis(300),
@@ -30,7 +30,7 @@ fn test_config() -> Config {
     }
 }
 
-fn model(name: &str, cold_start_timeout: &str) -> flexinfer_api::Model {
+pub(super) fn model(name: &str, cold_start_timeout: &str) -> flexinfer_api::Model {
     serde_json::from_value(serde_json::json!({
         "apiVersion": "ai.flexinfer/v1alpha2", "kind": "Model",
         "metadata": {"name": name, "namespace": NS, "resourceVersion": "1",
@@ -43,7 +43,7 @@ fn model(name: &str, cold_start_timeout: &str) -> flexinfer_api::Model {
 }
 
 /// The Model and the Service the Model controller makes for it.
-fn add_model(feed: &mut Offline, m: flexinfer_api::Model) {
+pub(super) fn add_model(feed: &mut Offline, m: flexinfer_api::Model) {
     let name = m.metadata.name.clone().unwrap();
     let svc = serde_json::from_value(serde_json::json!({
         "apiVersion": "v1", "kind": "Service",
@@ -58,7 +58,11 @@ fn add_model(feed: &mut Offline, m: flexinfer_api::Model) {
 }
 
 /// A slice as Kubernetes' EndpointSlice controller writes it for the Model's Service.
-fn slice(model: &str, name: &str, port: u16) -> k8s_openapi::api::discovery::v1::EndpointSlice {
+pub(super) fn slice(
+    model: &str,
+    name: &str,
+    port: u16,
+) -> k8s_openapi::api::discovery::v1::EndpointSlice {
     serde_json::from_value(serde_json::json!({
         "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
         "metadata": {"name": name, "namespace": NS, "labels": {
@@ -76,7 +80,7 @@ fn slice(model: &str, name: &str, port: u16) -> k8s_openapi::api::discovery::v1:
 }
 
 /// Serve `handle` on 127.0.0.1 (a backend or the API server); its port.
-async fn http_server<F, Fut>(handle: F) -> u16
+pub(super) async fn http_server<F, Fut>(handle: F) -> u16
 where
     F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Response<ProxyBody>> + Send + 'static,

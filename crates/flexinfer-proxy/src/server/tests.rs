@@ -84,9 +84,34 @@ fn hop_by_hop_headers_are_not_forwarded() {
             http::HeaderValue::from_static(v),
         );
     }
-    let out = forward_headers(&h, true);
+    let out = forward_headers(&h, true, None);
     let mut names: Vec<&str> = out.keys().map(|k| k.as_str()).collect();
     names.sort();
     assert_eq!(names, vec!["content-type", "x-request-id"]);
-    assert!(forward_headers(&h, false).contains_key("authorization"));
+    assert!(forward_headers(&h, false, None).contains_key("authorization"));
+}
+
+/// A Model with a backend key: the backend gets that key in `Authorization` and neither the
+/// caller's `Authorization` nor its `X-Api-Key`, with the proxy's auth on or off.
+#[test]
+fn a_backend_key_replaces_the_callers_credentials() {
+    let mut h = HeaderMap::new();
+    for (k, v) in [
+        ("authorization", "Bearer sk-caller"),
+        ("x-api-key", "sk-caller-too"),
+        ("content-type", "application/json"),
+    ] {
+        h.append(
+            HeaderName::from_static(k),
+            http::HeaderValue::from_static(v),
+        );
+    }
+    for auth_enabled in [true, false] {
+        let key = http::HeaderValue::from_static("Bearer sk-backend");
+        let out = forward_headers(&h, auth_enabled, Some(key));
+        let auth: Vec<_> = out.get_all(header::AUTHORIZATION).iter().collect();
+        assert_eq!(auth, vec!["Bearer sk-backend"], "auth on: {auth_enabled}");
+        assert!(!out.contains_key("x-api-key"), "auth on: {auth_enabled}");
+        assert!(out.contains_key("content-type"));
+    }
 }
