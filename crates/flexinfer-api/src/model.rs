@@ -462,3 +462,40 @@ fn default_idle_timeout() -> String {
 fn default_cold_start_timeout() -> String {
     "60s".into()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kube::CustomResourceExt;
+
+    /// The CRD's rule on `spec` admits `backendKeySecretRef` for exactly the backends that take a
+    /// key (`Backend::takes_api_key`, which the controller's refusal uses).
+    #[test]
+    fn the_backend_key_rule_lists_the_backends_that_take_a_key() {
+        let crd = serde_json::to_value(Model::crd()).unwrap_or_default();
+        let spec = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"];
+        let rules = spec["x-kubernetes-validations"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let rule = rules
+            .iter()
+            .filter_map(|r| r["rule"].as_str())
+            .find(|r| r.contains("backendKeySecretRef"))
+            .unwrap_or_else(|| panic!("no backendKeySecretRef rule on spec: {rules:?}"));
+        let all = [
+            Backend::Vllm,
+            Backend::Llamacpp,
+            Backend::Ollama,
+            Backend::Exllamav2,
+        ];
+        for b in all {
+            assert_eq!(
+                rule.contains(&format!("'{}'", b.as_str())),
+                b.takes_api_key(),
+                "{b:?} in {rule}"
+            );
+        }
+        assert!(spec["properties"]["backendKeySecretRef"]["properties"]["key"].is_object());
+    }
+}
