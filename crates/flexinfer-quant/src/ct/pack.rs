@@ -157,15 +157,19 @@ pub fn convert(
     dtype: Dtype,
 ) -> Result<Vec<CtTensor>, TensorError> {
     let groups = cols.div_ceil(group.max(1));
-    if g.g_idx.len() != cols
-        || g.scales.len() != groups * rows
-        || g.g_idx
-            .iter()
-            .enumerate()
-            .any(|(c, &x)| x as usize != c / group)
-    {
+    if g.g_idx.len() != cols || g.scales.len() != groups * rows {
         return Err(TensorError::GroupIndex {
             module: module.to_string(),
+        });
+    }
+    if let Some(c) = (0..cols).find(|&c| g.g_idx[c] as usize != c / group.max(1)) {
+        return Err(TensorError::PackQuantized {
+            module: module.to_string(),
+            why: format!(
+                "input column {c} is in group {}, not {} (the layout has no column permutation)",
+                g.g_idx[c],
+                c / group.max(1)
+            ),
         });
     }
     // codes [cols][rows] → [rows][cols].
@@ -203,9 +207,10 @@ pub fn convert(
     let zeros_gr = unpack_qzeros(g.qzeros, rows, groups, bits, ZeroFormat::for_sym(sym));
     if sym {
         let mid = 1u8 << (bits - 1);
-        if zeros_gr.iter().any(|&z| z != mid) {
-            return Err(TensorError::GroupIndex {
-                module: format!("{module} (a symmetric zero point other than {mid})"),
+        if let Some(z) = zeros_gr.iter().find(|&&z| z != mid) {
+            return Err(TensorError::PackQuantized {
+                module: module.to_string(),
+                why: format!("a symmetric group has the zero point {z}, not {mid}"),
             });
         }
     } else {
@@ -351,6 +356,63 @@ mod tests {
             assert_eq!(vec![p[g], p[groups + g]], want, "group {g}");
         }
         assert_eq!(unpack_zero_points(&p, rows, groups, bits), z);
+    }
+
+    #[test]
+    fn convert_keeps_the_codes_and_refuses_a_column_permutation() {
+        let (rows, cols, bits) = (8, 64, 4);
+        let q = crate::numerics::gptq::rtn_quantize(
+            &faer::Mat::from_fn(rows, cols, |r, c| ((r * 7 + c * 3) % 11) as f32 - 5.0),
+            &crate::params::GptqParams {
+                bits,
+                group_size: 32,
+                ..Default::default()
+            },
+        );
+        let p = crate::numerics::pack::pack(&q, ZeroFormat::for_sym(true));
+        let g = GptqTensors {
+            qweight: &p.qweight,
+            qzeros: &p.qzeros,
+            scales: &p.scales,
+            g_idx: &p.g_idx,
+        };
+        let t = convert("m", &g, rows, cols, 32, bits, true, Dtype::F16).unwrap();
+        let names: Vec<&str> = t.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(
+            names,
+            ["m.weight_packed", "m.weight_scale", "m.weight_shape"]
+        );
+        let words: Vec<i32> = t[0]
+            .data
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let codes = unpack_rows(&words, rows, cols, bits);
+        for r in 0..rows {
+            for c in 0..cols {
+                assert_eq!(codes[r * cols + c], q.codes[c * rows + r], "[{r}, {c}]");
+            }
+        }
+        let mut permuted = p.g_idx.clone();
+        permuted.swap(0, 40);
+        let e = convert(
+            "m",
+            &GptqTensors {
+                g_idx: &permuted,
+                ..g
+            },
+            rows,
+            cols,
+            32,
+            bits,
+            true,
+            Dtype::F16,
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("input column 0 is in group 1"),
+            "{e}"
+        );
     }
 
     #[test]
