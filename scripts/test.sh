@@ -69,7 +69,8 @@ deps() {
 
 optional_tools() {
   # The venv install-deps.sh made for the FP8 consumer test (compressed-tensors decompresses and transformers loads
-  # what we write; crates/flexinfer-quant/tests/fp8_artifact.rs, about 15 s); required here, not skipped.
+  # what we write; crates/flexinfer-quant/tests/fp8_artifact.rs, about 15 s; the pack-quantized one,
+  # crates/flexinfer-quant/tests/ct_artifact.rs, about 70 s); required here, not skipped.
   export FLEXINFER_CT_PYTHON=${FLEXINFER_CT_PYTHON:-$(bash scripts/fp8/make-venv.sh)} FLEXINFER_REQUIRE_CT_PYTHON=1
 
   stage "HIP code objects for gfx1100 and gfx906 (Debian trixie hipcc in an mmdebstrap root, cached)"

@@ -89,9 +89,9 @@ pub const FORMATS: &[FormatInfo] = &[
         bits: &[4, 8],
         default_bits: 4,
         backends: &[Backend::Vllm],
-        implemented: false,
+        implemented: true,
         needs_calibration: true,
-        gpu_engine: false,
+        gpu_engine: true,
     },
 ];
 
@@ -166,7 +166,7 @@ mod tests {
             .filter(|f| f.implemented)
             .map(|f| f.name)
             .collect();
-        assert_eq!(implemented, ["GGUF", "GPTQ", "FP8"]);
-        assert_eq!(implemented_names(), "GGUF, GPTQ, FP8");
+        assert_eq!(implemented, ["GGUF", "GPTQ", "FP8", "COMPRESSED_TENSORS"]);
+        assert_eq!(implemented_names(), "GGUF, GPTQ, FP8, COMPRESSED_TENSORS");
     }
 }

@@ -70,13 +70,13 @@ pub struct QuantizeRequest {
     /// ModelCache to quantize
     #[arg(required = true, value_name = "CACHE")]
     pub cache: Option<String>,
-    /// Target format: GGUF (the default), AWQ, GPTQ, EXL2, FP8 (see `flexinfer quantize formats`)
+    /// Target format: GGUF (the default), AWQ, GPTQ, EXL2, FP8, COMPRESSED_TENSORS (see `flexinfer quantize formats`)
     #[arg(long, default_value = "GGUF", value_name = "FORMAT")]
     pub format: Option<String>,
     /// GGUF quantization type, e.g. Q4_K_M (GGUF only; unset: Q4_K_M)
     #[arg(long = "type", value_name = "TYPE")]
     pub gguf_type: Option<String>,
-    /// Bits per weight (GPTQ 2/3/4/8, AWQ 4, FP8 8, GGUF/EXL2 2-8)
+    /// Bits per weight (GPTQ 2/3/4/8, AWQ 4, FP8 8, COMPRESSED_TENSORS 4/8, GGUF/EXL2 2-8)
     #[arg(long, value_name = "N", allow_negative_numbers = true)]
     pub bits: Option<i32>,
     /// Group size: -1 (per channel) or a power of two such as 32, 64, 128
@@ -100,7 +100,7 @@ pub enum QuantizeSub {
     Recommend(RecommendArgs),
     /// Quality gate: compare candidate against baseline perplexity and acceptance rate
     Validate(ValidateArgs),
-    /// Check a quantized artifact: a GPTQ or FP8 directory (config, tensors, shards, quality sidecar) or GGUF files (header, metadata, tensors, splits)
+    /// Check a quantized artifact: a GPTQ, FP8 or compressed-tensors pack-quantized directory (config, tensors, shards, quality sidecar) or GGUF files (header, metadata, tensors, splits)
     ValidateArtifact(ValidateArtifactArgs),
 }
 
@@ -161,7 +161,7 @@ pub struct ValidateArtifactArgs {
     /// Artifact directory (e.g. the mounted cache's gptq-w4-g128 or gguf-q4_k_m) or a .gguf file
     #[arg(long, value_name = "DIR")]
     pub path: PathBuf,
-    /// Expected layout: vllm-gptq, gguf or fp8 [default: gguf when the path is or holds .gguf files, fp8 when config.json declares compressed-tensors float-quantized, else vllm-gptq]
+    /// Expected layout: vllm-gptq, gguf, fp8 or pack-quantized [default: gguf when the path is or holds .gguf files, fp8 / pack-quantized when config.json declares compressed-tensors float-quantized / pack-quantized, else vllm-gptq]
     #[arg(long, value_name = "LAYOUT")]
     pub layout: Option<String>,
     /// Expected model family, matched against config.json model_type (e.g. llama, qwen35, gemma4-26b-a4b)

@@ -9,7 +9,8 @@
 //! `BENCH_MEMORY_LIMIT_MIB=N` the last two quantize under an enforced memory limit (a cgroup; root).
 //! `bench_gptq fp8 [runs] [samples] [seq_len]` writes the FP8 artifact (per-channel) and then the GPTQ 4-bit
 //! g128 artifact of the same generated ~110M-parameter model, alternately `runs` times, each with its wall time
-//! and peak RSS.
+//! and peak RSS. `bench_gptq ct [runs] [samples] [seq_len]` does the same for the compressed-tensors
+//! `pack-quantized` artifact (the GPTQ 4-bit g128 solve in compressed-tensors' container) beside the GPTQ one.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 use faer::dyn_stack::{MemBuffer, MemStack};
@@ -138,6 +139,37 @@ fn bench_fp8_vs_gptq(runs: usize, samples: usize, seq_len: usize) {
             o.compressed_size_bytes,
             peak_rss_mib()
         );
+    }
+}
+
+fn bench_ct_vs_gptq(runs: usize, samples: usize, seq_len: usize) {
+    use flexinfer_quant::job::Container;
+    use flexinfer_quant::testkit::{self, ModelSize};
+    let size = ModelSize::SMALL_100M;
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let model = tmp.path().join("model");
+    testkit::write_model_sized(&model, "LlamaForCausalLM", 7, &size).expect("generate model");
+    testkit::write_byte_level_tokenizer(&model).expect("tokenizer");
+    let ds = write_calibration(tmp.path(), samples, seq_len);
+    println!("model: {} parameters (BF16)", size.parameters());
+    for run in 1..=runs {
+        for (label, container) in [
+            ("compressed-tensors w4 g128", Container::CompressedTensors),
+            ("GPTQ w4 g128", Container::Gptq),
+        ] {
+            let job = flexinfer_quant::job::QuantizeJob {
+                container,
+                ..bench_job(&model, tmp.path(), &ds, samples, seq_len)
+            };
+            let _ = std::fs::remove_dir_all(&job.out_dir);
+            let (o, secs, baseline) = measured_run(&job);
+            println!(
+                "run {run} {label} ({samples} x {seq_len} tokens): {secs:.2} s; artifact {} -> {} bytes; peak RSS {:.0} MiB ({baseline:.0} MiB before the run)",
+                o.original_size_bytes,
+                o.compressed_size_bytes,
+                peak_rss_mib()
+            );
+        }
     }
 }
 
@@ -412,6 +444,7 @@ fn main() {
     };
     match std::env::args().nth(1).as_deref() {
         Some("fp8") => return bench_fp8_vs_gptq(arg(2, 3), arg(3, 32), arg(4, 512)),
+        Some("ct") => return bench_ct_vs_gptq(arg(2, 3), arg(3, 32), arg(4, 512)),
         Some("hybrid") => return bench_hybrid(arg(2, 32), arg(3, 512)),
         Some("gemma4-moe") => return bench_gemma4_moe(arg(2, 32), arg(3, 512)),
         _ => {}

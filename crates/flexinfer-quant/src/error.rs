@@ -316,6 +316,9 @@ pub enum TensorError {
     /// `module` is the linear whose `g_idx` names groups its scales do not have.
     #[error("{module}.g_idx is inconsistent with its scales")]
     GroupIndex { module: String },
+    /// Linear `module`'s solve cannot be written in compressed-tensors' `pack-quantized` layout (`why`).
+    #[error("{module} cannot be written as compressed-tensors pack-quantized: {why}")]
+    PackQuantized { module: String, why: String },
 }
 
 /// A calibration or prompt dataset the engine cannot read. `what` says which

@@ -14,7 +14,7 @@ use flexinfer_quant::events::EventSink;
 use flexinfer_quant::fp8::{write_fp8_artifact, Fp8Job, ScaleStrategy};
 use flexinfer_quant::gguf::{write_gguf_artifact, FileType, GgufArtifactJob};
 use flexinfer_quant::job::importance::{collect_importance, Importance, ImportanceJob};
-use flexinfer_quant::job::{self as quantize_job, QuantizeJob};
+use flexinfer_quant::job::{self as quantize_job, Container, QuantizeJob};
 use flexinfer_quant::params::{
     ClipSearch, FloorMode, GateParams, GptqParams, RecoveryParams, RefineScales,
 };
@@ -136,7 +136,8 @@ pub struct QuantizeArgs {
     /// `GPTQ` (the default), `GGUF`: one llama.cpp file in `OUT_DIR` (Llama / Mistral / Qwen2 only; the GPTQ
     /// settings do not apply; `DATASET`, `MAX_SAMPLES`, `MAX_SEQ_LEN` feed the optional importance pass), or
     /// `FP8`: E4M3 weights in compressed-tensors' `float-quantized` layout (no calibration; `FP8_SCALE` and
-    /// `DYNAMIC_EXCLUSION` apply, the other GPTQ settings do not).
+    /// `DYNAMIC_EXCLUSION` apply, the other GPTQ settings do not), or `COMPRESSED_TENSORS`: the GPTQ solve
+    /// written in compressed-tensors' `pack-quantized` layout (every GPTQ setting applies; `BITS` 4 or 8).
     #[arg(long, env = env::FORMAT, default_value = FORMAT_GPTQ)]
     pub format: String,
     /// Where the scales of an FP8 run live: `channel` (one per output row) or `tensor` (one per linear).
@@ -149,7 +150,7 @@ pub struct QuantizeArgs {
 }
 
 /// The `FORMAT` values.
-pub use env::{FORMAT_FP8, FORMAT_GGUF, FORMAT_GPTQ};
+pub use env::{FORMAT_COMPRESSED_TENSORS, FORMAT_FP8, FORMAT_GGUF, FORMAT_GPTQ};
 
 /// What `FORMAT` asks the quantize phase to write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -157,6 +158,8 @@ pub enum OutputFormat {
     Gptq,
     Gguf,
     Fp8,
+    /// The GPTQ run, written in compressed-tensors' `pack-quantized` layout.
+    CompressedTensors,
 }
 
 impl QuantizeArgs {
@@ -208,7 +211,12 @@ pub fn job_from_args(args: &QuantizeArgs) -> Result<QuantizeJob, WorkerError> {
             .parse()
             .map_err(WorkerError::wrap::<QuantError>(ExitKind::BadInput))?;
     let dataset = crate::datasets::resolve(&args.dataset, &args.model_dir, "calibration")?;
+    let container = match output_format(&args.format)? {
+        OutputFormat::CompressedTensors => Container::CompressedTensors,
+        _ => Container::Gptq,
+    };
     Ok(QuantizeJob {
+        container,
         model_dir: args.model_dir.clone(),
         out_dir: args.out_dir.clone(),
         dataset,
@@ -277,7 +285,7 @@ fn run_inner(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess,
     match output_format(&args.format)? {
         OutputFormat::Gguf => return run_gguf(args, events),
         OutputFormat::Fp8 => return run_fp8(args, events),
-        OutputFormat::Gptq => {}
+        OutputFormat::Gptq | OutputFormat::CompressedTensors => {}
     }
     let job = job_from_args(args)?;
     let selection = select_device(
@@ -367,11 +375,13 @@ pub fn output_format(format: &str) -> Result<OutputFormat, WorkerError> {
         Ok(OutputFormat::Gguf)
     } else if f.eq_ignore_ascii_case(FORMAT_FP8) {
         Ok(OutputFormat::Fp8)
+    } else if f.eq_ignore_ascii_case(FORMAT_COMPRESSED_TENSORS) {
+        Ok(OutputFormat::CompressedTensors)
     } else if f.is_empty() || f.eq_ignore_ascii_case(FORMAT_GPTQ) {
         Ok(OutputFormat::Gptq)
     } else {
         Err(WorkerError::BadInput(format!(
-            "{}={format:?}: expected {FORMAT_GPTQ}, {FORMAT_GGUF} or {FORMAT_FP8}",
+            "{}={format:?}: expected {FORMAT_GPTQ}, {FORMAT_GGUF}, {FORMAT_FP8} or {FORMAT_COMPRESSED_TENSORS}",
             env::FORMAT
         )))
     }
@@ -614,7 +624,7 @@ fn applied_settings(
 ) -> std::collections::BTreeMap<String, String> {
     let p = &job.params;
     let r = &job.recovery;
-    [
+    let mut applied: std::collections::BTreeMap<String, String> = [
         ("bits", p.bits.to_string()),
         ("groupSize", p.group_size.to_string()),
         ("sym", p.sym.to_string()),
@@ -641,5 +651,10 @@ fn applied_settings(
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
-    .collect()
+    .collect();
+    if job.container == Container::CompressedTensors {
+        // The GPTQ settings above are the solve's; the container is what the artifact is.
+        applied.insert("format".into(), FORMAT_COMPRESSED_TENSORS.into());
+    }
+    applied
 }

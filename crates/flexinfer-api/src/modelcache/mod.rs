@@ -178,7 +178,7 @@ impl Default for DownloadSpec {
     }
 }
 
-/// Quantization format. `GPTQ` and `GGUF` have a built-in engine today; the others are accepted and
+/// Quantization format. `GPTQ`, `GGUF`, `FP8` and `COMPRESSED_TENSORS` have a built-in engine today; the others are accepted and
 /// fail the phase with an `UnsupportedFormat` condition.
 #[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema)]
 pub enum QuantFormat {
@@ -460,7 +460,9 @@ impl QuantizationSpec {
             QuantFormat::Gguf => format!("gguf-{}", self.effective_gguf_type().to_lowercase()),
             QuantFormat::Exl2 => format!("exl2-w{}", self.effective_bits()),
             QuantFormat::Fp8 => "fp8".to_string(),
-            QuantFormat::CompressedTensors => "compressed-tensors".to_string(),
+            QuantFormat::CompressedTensors => {
+                format!("ct-w{}-g{}", self.effective_bits(), self.group_size)
+            }
         };
         if self.dynamic_exclusion == DynamicExclusion::Gdn {
             format!("{base}-gdn")

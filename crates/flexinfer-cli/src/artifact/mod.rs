@@ -11,6 +11,7 @@ mod config;
 pub mod fp8;
 pub mod gguf;
 mod linear;
+pub mod pack_quantized;
 mod quality;
 mod read;
 mod save_complete;
@@ -166,7 +167,7 @@ pub fn validate_vllm_gptq(dir: &Path, opts: &Options) -> Report {
 /// Flags the validator cannot run with.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum UsageError {
-    #[error("--layout {0}: only vllm-gptq, gguf and fp8 are supported")]
+    #[error("--layout {0}: only vllm-gptq, gguf, fp8 and pack-quantized are supported")]
     Layout(String),
     #[error("--path {}: not a directory", .0.display())]
     NotADirectory(std::path::PathBuf),
@@ -176,12 +177,14 @@ pub enum UsageError {
 
 /// Entry point used by the command: validates the layout name first. Without a layout, a path that
 /// is or holds `.gguf` files is validated as `gguf`, a directory whose `config.json` declares
-/// compressed-tensors' `float-quantized` format as `fp8`, anything else as `vllm-gptq`.
+/// compressed-tensors' `float-quantized` format as `fp8`, one declaring `pack-quantized` as
+/// `pack-quantized`, anything else as `vllm-gptq`.
 pub fn validate(path: &Path, layout: Option<&str>, opts: &Options) -> Result<Report, UsageError> {
     let layout = match layout {
         Some(l) => l,
         None if gguf::is_gguf(path) => "gguf",
         None if path.is_dir() && fp8::is_fp8(path) => "fp8",
+        None if path.is_dir() && pack_quantized::is_pack_quantized(path) => "pack-quantized",
         None => "vllm-gptq",
     };
     match layout {
@@ -202,6 +205,12 @@ pub fn validate(path: &Path, layout: Option<&str>, opts: &Options) -> Result<Rep
                 return Err(UsageError::NotADirectory(path.to_path_buf()));
             }
             Ok(fp8::validate_fp8(path, opts))
+        }
+        "pack-quantized" => {
+            if !path.is_dir() {
+                return Err(UsageError::NotADirectory(path.to_path_buf()));
+            }
+            Ok(pack_quantized::validate_pack_quantized(path, opts))
         }
         other => Err(UsageError::Layout(other.to_string())),
     }

@@ -201,15 +201,28 @@ fn resolve_image(
         },
     };
     let fname = flexinfer_api::formats::info(format).name;
-    if let Some(img) = profile
-        .and_then(|p| p.spec.quantization.as_ref())
-        .and_then(|q| q.images.get(fname))
-        .filter(|s| !s.trim().is_empty())
-    {
+    // compressed-tensors is the GPTQ solve in another container: without an image of its own it runs
+    // in the GPTQ image (the GPU worker of the arch).
+    let mut names = vec![fname];
+    if format == QuantFormat::CompressedTensors {
+        names.push(flexinfer_api::formats::info(QuantFormat::Gptq).name);
+    }
+    if let Some(img) = names.iter().find_map(|n| {
+        profile
+            .and_then(|p| p.spec.quantization.as_ref())
+            .and_then(|q| q.images.get(*n))
+            .filter(|s| !s.trim().is_empty())
+    }) {
         return Ok(img.trim().to_string());
     }
     let env_get = |k: &str| config.image_env.get(k).cloned();
-    if format == QuantFormat::Gptq {
+    if let Some(i) = (format == QuantFormat::CompressedTensors)
+        .then(|| env_get(&env::controller::quantizer_format_image(fname)))
+        .flatten()
+    {
+        return Ok(i);
+    }
+    if matches!(format, QuantFormat::Gptq | QuantFormat::CompressedTensors) {
         let amd = profile
             .map(|p| p.spec.vendor == GpuVendor::Amd)
             .unwrap_or(false)

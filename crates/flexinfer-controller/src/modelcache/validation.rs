@@ -2,7 +2,7 @@
 
 use flexinfer_api::contract::{self, env, reasons, JobPhase};
 use flexinfer_api::formats;
-use flexinfer_api::modelcache::{ModelCache, QuantFormat};
+use flexinfer_api::modelcache::{ModelCache, QuantFormat, QuantizationSpec};
 
 use super::jobs;
 use super::plan::Observed;
@@ -14,6 +14,33 @@ pub(super) struct SpecProblem {
     pub(super) message: String,
     /// The phase whose spec is at fault, when it is one phase's.
     pub(super) phase: Option<JobPhase>,
+}
+
+/// Why compressed-tensors' `pack-quantized` layout cannot hold what the spec asks, if it cannot: bit
+/// widths other than 4 and 8 (vLLM's kernels for the layout), and act-order across groups (the
+/// `compressed-tensors` library no longer reads a column permutation).
+fn compressed_tensors_problem(q: &QuantizationSpec) -> Option<String> {
+    let bits = q.effective_bits();
+    let allowed = formats::info(QuantFormat::CompressedTensors).bits;
+    if !allowed.contains(&bits) {
+        return Some(format!(
+            "spec.quantization.bits {bits}: format COMPRESSED_TENSORS (pack-quantized) takes {} bits",
+            allowed
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(" or ")
+        ));
+    }
+    if q.desc_act {
+        return Some(
+            "spec.quantization.descAct true: format COMPRESSED_TENSORS (pack-quantized) has no column \
+             permutation (the compressed-tensors library no longer reads weight_g_idx); set descAct to \
+             false (the group-aware order, actGroupAware, is on by default and keeps the layout)"
+                .to_string(),
+        );
+    }
+    None
 }
 
 /// The first problem of the spec, in the order: format, modelPath, pod metadata, claim conflict.
@@ -32,6 +59,15 @@ pub(super) fn spec_problem(mc: &ModelCache, observed: &Observed) -> Option<SpecP
                 message,
                 phase: Some(JobPhase::Quantize),
             });
+        }
+        if q.format == QuantFormat::CompressedTensors {
+            if let Some(message) = compressed_tensors_problem(q) {
+                return Some(SpecProblem {
+                    reason: reasons::UNSUPPORTED_FORMAT,
+                    message,
+                    phase: Some(JobPhase::Quantize),
+                });
+            }
         }
         if q.format == QuantFormat::Gguf {
             let t = q.effective_gguf_type();

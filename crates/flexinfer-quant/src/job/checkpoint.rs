@@ -4,7 +4,7 @@
 
 use super::calibrate::ModulePlan;
 use super::layer::Totals;
-use super::{evaluate_quality, Outcome, Progress, QuantizeJob, Run};
+use super::{evaluate_quality, Container, Outcome, Progress, QuantizeJob, Run};
 use crate::error::{NumericError, QuantError, Result};
 use crate::events::fields;
 use crate::fsutil::read_json;
@@ -163,27 +163,214 @@ pub(super) fn save(
             TensorStore::open_files(vec![p])
         })
         .collect::<Result<_>>()?;
-    let tensors = output_tensors(cfg, store, &layer_stores)?;
     let quality_json = quality_sidecar(&quality, totals)?;
     if quality.failed() {
         drop(layer_stores);
         return reject(job, quality, &quality_json, events);
     }
-    let qc = quantize_config_json(job, &s.plan.quantized, &s.plan.kept, &s.plan.excluded);
-    let mut config_json = cfg.raw.clone();
+    let work = job.ct_work_dir();
+    let converted = match job.container {
+        Container::Gptq => None,
+        Container::CompressedTensors => {
+            let r = ct_layer_stores(job, store, &layer_stores, &work);
+            if r.is_err() {
+                remove_work(&work);
+            }
+            Some(r?)
+        }
+    };
+    let result = write_save(
+        s,
+        store,
+        &layer_stores,
+        converted.as_ref(),
+        &quality_json,
+        progress,
+    );
+    drop(converted);
+    remove_work(&work);
+    let records = result?;
+    drop(layer_stores);
+    cache.remove()?;
+    tracing::info!(output = %final_dir.display(), shards = records.len(), gate = %quality.gate, "checkpoint written");
+    events.emit(
+        names::QUANTIZATION_QUALITY,
+        quality_json.as_object().cloned().unwrap_or_default(),
+    );
+    Ok(Outcome {
+        output_dir: final_dir,
+        original_size_bytes: store.total_bytes(),
+        compressed_size_bytes: records.iter().map(|r| r.size_bytes).sum(),
+        seconds: s.run.started.elapsed().as_secs_f64(),
+        quality: Some(quality),
+        cached: false,
+        config_digest: s.config_hash.to_string(),
+    })
+}
 
-    config_json["quantization_config"] = qc.clone();
+/// The conversion's work files are inputs of the save only.
+fn remove_work(work: &Path) {
+    if work.exists() {
+        if let Err(e) = std::fs::remove_dir_all(work) {
+            tracing::warn!(path = %work.display(), error = %e, "could not remove the compressed-tensors work directory");
+        }
+    }
+}
+
+/// Each cached layer's GPTQ tensors converted to compressed-tensors' `pack-quantized` tensors
+/// ([`crate::ct::convert`]), one work file per layer (one layer in memory at a time). The scales take
+/// the dtype of the module's source weight.
+fn ct_layer_stores(
+    job: &QuantizeJob,
+    store: &TensorStore,
+    layer_stores: &[TensorStore],
+    work: &Path,
+) -> Result<Vec<TensorStore>> {
+    if work.exists() {
+        std::fs::remove_dir_all(work).map_err(|e| QuantError::io(work, e))?;
+    }
+    std::fs::create_dir_all(work).map_err(|e| QuantError::io(work, e))?;
+    let p = &job.params;
+    let fallback = store
+        .entries
+        .iter()
+        .find(|(n, _)| n.ends_with("embed_tokens.weight"))
+        .map_or(safetensors::Dtype::BF16, |(_, e)| e.dtype);
+    let mut out = Vec::with_capacity(layer_stores.len());
+    for (layer, ls) in layer_stores.iter().enumerate() {
+        let mut tensors: Vec<crate::ct::CtTensor> = Vec::new();
+        for (name, e) in &ls.entries {
+            let Some(module) = name.strip_suffix(".qweight") else {
+                if [".qzeros", ".scales", ".g_idx"]
+                    .iter()
+                    .any(|s| name.ends_with(s))
+                {
+                    continue;
+                }
+                tensors.push(crate::ct::CtTensor {
+                    name: name.clone(),
+                    dtype: e.dtype,
+                    shape: e.shape.clone(),
+                    data: ls.raw(name)?.to_vec(),
+                });
+                continue;
+            };
+            let rows = e.shape.get(1).copied().unwrap_or(0);
+            let g_idx = ls.i32(&format!("{module}.g_idx"))?;
+            let cols = g_idx.len();
+            let scales: Vec<half::f16> = ls
+                .raw(&format!("{module}.scales"))?
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]))
+                .collect();
+            let dtype = store
+                .entries
+                .get(&format!("{module}.weight"))
+                .map_or(fallback, |e| e.dtype);
+            tensors.extend(crate::ct::convert(
+                module,
+                &crate::ct::GptqTensors {
+                    qweight: &ls.i32(name)?,
+                    qzeros: &ls.i32(&format!("{module}.qzeros"))?,
+                    scales: &scales,
+                    g_idx: &g_idx,
+                },
+                rows,
+                cols,
+                p.effective_group(cols),
+                p.bits,
+                p.sym,
+                crate::ct::pack::scale_dtype(dtype),
+            )?);
+        }
+        let path = work.join(format!("layer-{layer:05}.safetensors"));
+        let views = tensors
+            .iter()
+            .map(|t| {
+                safetensors::tensor::TensorView::new(t.dtype, t.shape.clone(), &t.data)
+                    .map(|v| (t.name.clone(), v))
+                    .map_err(|e| QuantError::Safetensors {
+                        path: path.clone(),
+                        tensor: Some(t.name.clone()),
+                        source: e.into(),
+                    })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        safetensors::serialize_to_file(views, None, &path).map_err(|e| {
+            QuantError::Safetensors {
+                path: path.clone(),
+                tensor: None,
+                source: e.into(),
+            }
+        })?;
+        ls.release_pages();
+        out.push(TensorStore::open_files(vec![path])?);
+    }
+    Ok(out)
+}
+
+/// compressed-tensors' `ignore`: `lm_head`, the kept candidates, and every other 2-D `.weight` of the
+/// source that is not quantized and not an embedding (routers, towers, projectors).
+fn ct_ignore(store: &TensorStore, converted: &[TensorStore], excluded: &[String]) -> Vec<String> {
+    let quantized = |stem: &str| {
+        converted
+            .iter()
+            .any(|ls| ls.contains(&format!("{stem}.weight_packed")))
+    };
+    let mut ignore: std::collections::BTreeSet<String> = excluded.iter().cloned().collect();
+    ignore.insert("lm_head".into());
+    for (name, e) in &store.entries {
+        let Some(stem) = name.strip_suffix(".weight") else {
+            continue;
+        };
+        if e.shape.len() == 2 && !quantized(stem) && !stem.ends_with("embed_tokens") {
+            ignore.insert(stem.to_string());
+        }
+    }
+    ignore.into_iter().collect()
+}
+
+/// Writes the checkpoint (staged, then renamed into place) from the source and the layers: the
+/// cached GPTQ layers, or their compressed-tensors conversion.
+fn write_save(
+    s: &SaveInput<'_>,
+    store: &TensorStore,
+    cached: &[TensorStore],
+    converted: Option<&Vec<TensorStore>>,
+    quality_json: &Value,
+    progress: &mut Progress<'_>,
+) -> Result<Vec<flexinfer_contract::files::SaveShard>> {
+    let (job, cfg) = (s.run.job, s.run.cfg);
+    let layer_stores: &[TensorStore] = converted.map_or(cached, |c| c.as_slice());
+    let tensors = output_tensors(cfg, store, layer_stores)?;
+    let (qc, quantize_config) = match converted {
+        None => {
+            let qc = quantize_config_json(job, &s.plan.quantized, &s.plan.kept, &s.plan.excluded);
+            (qc.clone(), Some(qc))
+        }
+        Some(c) => {
+            let p = &job.params;
+            let reordered = p.desc_act || p.act_group_aware;
+            let ignore = ct_ignore(store, c, &s.plan.excluded);
+            (
+                crate::ct::quantization_config(p.bits, p.group_size, p.sym, reordered, &ignore),
+                None,
+            )
+        }
+    };
+    let mut config_json = cfg.raw.clone();
+    config_json["quantization_config"] = qc;
     let extras = Extras {
         config_json,
-        quantize_config: Some(qc),
+        quantize_config,
         quality: quality_json.clone(),
         source_dir: &job.model_dir,
         script_version: &job.script_version,
         config_digest: s.config_hash,
     };
-    let records = write_checkpoint(
+    write_checkpoint(
         &job.staging_dir(),
-        &final_dir,
+        &job.output_dir(),
         tensors,
         job.max_shard_bytes,
         &extras,
@@ -206,23 +393,7 @@ pub(super) fn save(
                 ]),
             );
         },
-    )?;
-    drop(layer_stores);
-    cache.remove()?;
-    tracing::info!(output = %final_dir.display(), shards = records.len(), gate = %quality.gate, "checkpoint written");
-    events.emit(
-        names::QUANTIZATION_QUALITY,
-        quality_json.as_object().cloned().unwrap_or_default(),
-    );
-    Ok(Outcome {
-        output_dir: final_dir,
-        original_size_bytes: store.total_bytes(),
-        compressed_size_bytes: records.iter().map(|r| r.size_bytes).sum(),
-        seconds: s.run.started.elapsed().as_secs_f64(),
-        quality: Some(quality),
-        cached: false,
-        config_digest: s.config_hash.to_string(),
-    })
+    )
 }
 
 /// The quality sidecar: the gate's summary plus, for a MoE run, the expert coverage.
@@ -277,6 +448,7 @@ fn output_tensors<'s>(
         for spec in layer_modules(cfg, layer) {
             if !spec.name.starts_with("experts.")
                 || ls.contains(&format!("{prefix}{}.qweight", spec.name))
+                || ls.contains(&format!("{prefix}{}.weight_packed", spec.name))
             {
                 continue;
             }
@@ -296,9 +468,10 @@ fn output_tensors<'s>(
             continue;
         }
         if let Some(stem) = name.strip_suffix(".weight") {
-            let quantized = layer_stores
-                .iter()
-                .any(|ls| ls.contains(&format!("{stem}.qweight")));
+            let quantized = layer_stores.iter().any(|ls| {
+                ls.contains(&format!("{stem}.qweight"))
+                    || ls.contains(&format!("{stem}.weight_packed"))
+            });
             if quantized {
                 continue;
             }

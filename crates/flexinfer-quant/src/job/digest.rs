@@ -54,6 +54,10 @@ pub fn config_digest(job: &QuantizeJob, calibration_fingerprint: &str, input: &s
         "model": input, "exclusion": job.dynamic_exclusion,
         "script_version": job.script_version, "engine": env!("CARGO_PKG_VERSION"),
     });
+    // Only the compressed-tensors container enters the digest, so GPTQ artifacts made before it stay valid.
+    if job.container == super::Container::CompressedTensors {
+        v["container"] = json!("compressed-tensors");
+    }
     // Only a non-default threshold enters the digest, so artifacts made before the setting existed stay valid.
     if job.expert_min_token_percent != DEFAULT_EXPERT_MIN_TOKEN_PERCENT {
         v["expertMinTokenPercent"] = json!(job.expert_min_token_percent);

@@ -44,9 +44,21 @@ pub const DEFAULT_CALIB_BATCH: usize = 1;
 /// Default of [`QuantizeJob::expert_min_token_percent`].
 pub const DEFAULT_EXPERT_MIN_TOKEN_PERCENT: f64 = 0.5;
 
+/// The container the solve's output is written in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Container {
+    /// The `gptq` checkpoint (`qweight`, `qzeros`, `scales`, `g_idx`; `quant_method: gptq`).
+    #[default]
+    Gptq,
+    /// compressed-tensors' `pack-quantized` layout ([`crate::ct`]; `quant_method: compressed-tensors`).
+    CompressedTensors,
+}
+
 /// Everything a quantize run needs.
 #[derive(Clone, Debug)]
 pub struct QuantizeJob {
+    /// What the checkpoint is written as (the solve is the same).
+    pub container: Container,
     pub model_dir: PathBuf,
     /// The artifact directory itself (the worker contract's `OUT_DIR`). It is written complete or not at
     /// all: the checkpoint is staged beside it (`.<name>.partial`) and renamed into place.
@@ -130,6 +142,7 @@ impl QuantizeJob {
         script_version: &str,
     ) -> Self {
         QuantizeJob {
+            container: Container::Gptq,
             model_dir: model_dir.to_path_buf(),
             out_dir: out_dir.to_path_buf(),
             dataset: dataset.to_path_buf(),
@@ -156,8 +169,12 @@ impl QuantizeJob {
         } else {
             ""
         };
+        let kind = match self.container {
+            Container::Gptq => "gptq",
+            Container::CompressedTensors => "ct",
+        };
         format!(
-            "gptq-w{}-g{}{gdn}",
+            "{kind}-w{}-g{}{gdn}",
             self.params.bits, self.params.group_size
         )
     }
@@ -175,6 +192,13 @@ impl QuantizeJob {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| self.subdir_name());
         self.out_dir.with_file_name(format!(".{name}.partial"))
+    }
+
+    /// Where the compressed-tensors conversion writes its per-layer work files (beside `out_dir`).
+    fn ct_work_dir(&self) -> PathBuf {
+        let mut p = self.staging_dir().into_os_string();
+        p.push(".ct-work");
+        PathBuf::from(p)
     }
 
     /// Whether module `name` stays in full precision (`hybrid`: see [`ModelConfig::hybrid`]).
@@ -251,6 +275,15 @@ impl Progress<'_> {
 /// The job's own settings: the GPTQ parameters, the recovery ladder and the calibration sizes.
 fn validate(job: &QuantizeJob) -> Result<()> {
     job.params.validate()?;
+    if job.container == Container::CompressedTensors {
+        crate::ct::check_settings(
+            job.params.bits,
+            job.params.desc_act,
+            job.params.static_groups,
+            flexinfer_contract::env::BITS,
+            flexinfer_contract::env::DESC_ACT,
+        )?;
+    }
     job.recovery.validate()?;
     if job.calib.max_samples == 0 || job.calib.max_seq_len < 2 {
         return Err(SpecError::Samples {

@@ -507,3 +507,49 @@ fn format_fp8_writes_the_float_quantized_artifact_and_reports_it() {
         before
     );
 }
+
+/// `FORMAT=COMPRESSED_TENSORS`: the GPTQ run written in the `pack-quantized` layout, reported with the
+/// GPTQ quality gate and `applied.format`; `BITS=3` and `DESC_ACT=true` are exit 2 naming the variable,
+/// before anything is written.
+#[test]
+fn format_compressed_tensors_writes_the_pack_quantized_artifact() {
+    let f = fixture();
+    let mut args = f.args.clone();
+    args.format = "COMPRESSED_TENSORS".into();
+    args.out_dir = f.args.model_dir.with_file_name("ct");
+    let ok = run_inner(&args, &Events::new("quantization")).expect("ct run");
+    assert_eq!(ok.kind, "ct-w4-g32");
+    assert_eq!(
+        ok.applied.get("format").map(String::as_str),
+        Some("COMPRESSED_TENSORS")
+    );
+    assert!(ok.quality.is_some());
+    let out = &args.out_dir;
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("config.json")).expect("config"))
+            .expect("json");
+    let qc = &cfg["quantization_config"];
+    assert_eq!(qc["format"], "pack-quantized");
+    assert_eq!(qc["config_groups"]["group_0"]["weights"]["group_size"], 32);
+    assert!(!out.join("quantize_config.json").exists());
+    let again = run_inner(&args, &Events::new("quantization")).expect("reuse");
+    assert_eq!(again.config_digest, ok.config_digest);
+    let before = std::fs::read(out.join(contract::files::SAVE_COMPLETE)).expect("kept");
+    for (bits, desc_act, needle) in [(Some(3), false, "BITS=\"3\""), (None, true, "DESC_ACT")] {
+        let mut bad = args.clone();
+        bad.bits = bits;
+        bad.desc_act = desc_act;
+        let e = run_inner(&bad, &Events::new("quantization")).expect_err("bad input");
+        assert_eq!(e.exit_code(), 2, "{e}");
+        assert!(e.to_string().contains(needle), "{e}");
+    }
+    assert_eq!(
+        std::fs::read(out.join(contract::files::SAVE_COMPLETE)).expect("kept"),
+        before
+    );
+    let gptq = quantize_job::QuantizeJob {
+        container: Container::Gptq,
+        ..job_from_args(&args).expect("job")
+    };
+    assert_ne!(gptq.subdir_name(), "ct-w4-g32");
+}

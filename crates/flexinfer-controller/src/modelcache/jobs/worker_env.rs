@@ -216,6 +216,10 @@ fn quantize_env(s: &ModelCacheSpec, config: &Config) -> Vec<EnvVar> {
     }
     if let Some(q) = &s.quantization {
         let c = q.effective_calibration();
+        if q.format == QuantFormat::CompressedTensors {
+            // The GPTQ solve, written in compressed-tensors' pack-quantized layout: every GPTQ setting below.
+            e.push(ev(env::FORMAT, env::FORMAT_COMPRESSED_TENSORS));
+        }
         e.push(ev(env::BITS, q.effective_bits().to_string()));
         e.push(ev(env::GROUP_SIZE, q.group_size.to_string()));
         e.push(ev(env::SYM, q.sym.to_string()));

@@ -406,6 +406,43 @@ fn fp8_quantize_job_names_format_bits_and_exclusion_and_runs_on_the_cpu() {
     );
 }
 
+/// A compressed-tensors cache: the GPTQ run's settings and calibration plus `FORMAT=COMPRESSED_TENSORS`;
+/// with `useGPU` it runs on a GPU node in the arch's GPTQ image (the same solve).
+#[test]
+fn compressed_tensors_quantize_job_is_the_gptq_job_with_its_format() {
+    let c = cfg();
+    let env_of = |mc: &ModelCache, phase: JobPhase| {
+        let t_ = jobs::resolve_target(mc, phase, &[profile("gfx1100", "gptq-img")], &c);
+        let job = jobs::build_job(mc, &Default::default(), &[], &t_, "q", "h", &c);
+        let env: BTreeMap<String, String> = job
+            .spec
+            .and_then(|s| s.template.spec)
+            .map(|s| s.containers[0].env.clone().unwrap_or_default())
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|e| Some((e.name, e.value?)))
+            .collect();
+        (t_, env)
+    };
+    let ct = cache(&SIMPLE.replace(
+        "{format: GPTQ}",
+        "{format: COMPRESSED_TENSORS, useGPU: true, bits: 8, groupSize: 64}",
+    ));
+    let (target, env) = env_of(&ct, JobPhase::Quantize);
+    assert!(target.gpu);
+    assert_eq!(target.image.as_deref().ok(), Some("gptq-img"));
+    assert_eq!(
+        env.get("FORMAT").map(String::as_str),
+        Some("COMPRESSED_TENSORS")
+    );
+    for (k, v) in [("BITS", "8"), ("GROUP_SIZE", "64"), ("SYM", "true")] {
+        assert_eq!(env.get(k).map(String::as_str), Some(v), "{k}");
+    }
+    assert!(env.contains_key("DATASET") && env.contains_key("MAX_SAMPLES"));
+    let (_, download) = env_of(&ct, JobPhase::Download);
+    assert!(download.contains_key("DATASET"), "{download:?}");
+}
+
 #[test]
 fn pod_labels_and_annotations_from_cache_annotations() {
     let c = cfg();
