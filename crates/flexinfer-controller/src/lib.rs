@@ -9,6 +9,7 @@
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
 pub mod backoff;
+pub mod cache_series;
 pub mod events;
 pub mod http;
 pub mod kube_client;

@@ -31,8 +31,6 @@ pub struct Metrics {
     pub job_elapsed_seconds: GaugeVec,
     /// `flexinfer_quantization_last_progress_timestamp_seconds{model,namespace}`.
     pub quantization_last_progress_timestamp: GaugeVec,
-    /// `flexinfer_quantization_jobs_total{model,namespace,status}`.
-    pub quantization_jobs_total: IntCounterVec,
     /// `flexinfer_quantization_on_cpu{model,namespace}`: while a quantize Job runs, 1 when the cache asked for
     /// a GPU (`useGPU`) and its GPTQ solves run on the CPU although the worker was not told `GPTQ_DEVICE=cpu`,
     /// else 0; absent until the worker has reported its device, and once the Job ends.
@@ -40,13 +38,12 @@ pub struct Metrics {
     /// `flexinfer_quantization_duration_seconds{namespace}`: one histogram per namespace (a histogram per
     /// cache was 14 series for the one value each cache observes).
     pub quantization_duration_seconds: HistogramVec,
-    /// `flexinfer_quantization_compression_ratio{model,namespace}`.
-    pub quantization_compression_ratio: GaugeVec,
     /// `flexinfer_model_cache_failures_total{model,namespace,reason}`.
     pub model_cache_failures_total: IntCounterVec,
-    /// `flexinfer_modelcache_phase{cache,namespace,phase}`: 1, for the current phase only (no series for the
-    /// other phases).
-    pub modelcache_phase: IntGaugeVec,
+    /// `flexinfer_modelcache_phase{cache,namespace,phase}` (1, for the current phase only),
+    /// `flexinfer_quantization_jobs_total{model,namespace,status}` and
+    /// `flexinfer_quantization_compression_ratio{model,namespace}`: one compact row per cache.
+    pub caches: std::sync::Arc<crate::cache_series::CacheSeries>,
     /// `flexinfer_model_phase{model,namespace,phase}` (1 for the current phase, else 0).
     pub model_phase: IntGaugeVec,
     /// `flexinfer_model_phase_transitions_total{model,namespace,from,to}`.
@@ -70,6 +67,7 @@ impl Metrics {
         let mj = ["model", "namespace", "job_type"];
         let mn = ["model", "namespace"];
         Ok(Metrics {
+            caches: crate::cache_series::CacheSeries::registered(&registry)?,
             job_progress_percent: registered(
                 &registry,
                 GaugeVec::new(
@@ -130,16 +128,6 @@ impl Metrics {
                     &mn,
                 ),
             )?,
-            quantization_jobs_total: registered(
-                &registry,
-                IntCounterVec::new(
-                    opts!(
-                        "flexinfer_quantization_jobs_total",
-                        "Finished quantization Jobs by outcome"
-                    ),
-                    &["model", "namespace", "status"],
-                ),
-            )?,
             quantization_duration_seconds: registered(
                 &registry,
                 HistogramVec::new(
@@ -164,16 +152,6 @@ impl Metrics {
                     &mn,
                 ),
             )?,
-            quantization_compression_ratio: registered(
-                &registry,
-                GaugeVec::new(
-                    opts!(
-                        "flexinfer_quantization_compression_ratio",
-                        "Original size / quantized size"
-                    ),
-                    &mn,
-                ),
-            )?,
             model_cache_failures_total: registered(
                 &registry,
                 IntCounterVec::new(
@@ -182,16 +160,6 @@ impl Metrics {
                         "Pipeline phase failures by reason"
                     ),
                     &["model", "namespace", "reason"],
-                ),
-            )?,
-            modelcache_phase: registered(
-                &registry,
-                IntGaugeVec::new(
-                    opts!(
-                        "flexinfer_modelcache_phase",
-                        "Current phase of each ModelCache (one series per cache, value 1)"
-                    ),
-                    &["cache", "namespace", "phase"],
                 ),
             )?,
             model_phase: registered(

@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use flexinfer_api::contract::{self, JobPhase};
-use flexinfer_api::modelcache::{CachePhase, ModelCache};
+use flexinfer_api::modelcache::ModelCache;
 use futures::StreamExt;
 use kube::api::Api;
 use kube::core::PartialObjectMeta;
@@ -78,6 +78,9 @@ fn forget_job_series(m: &crate::metrics::Metrics, name: &str, ns: &str, running:
         let jt = phase.status_name();
         let _ = m.job_deadline_seconds.remove_label_values(&[name, ns, jt]);
         let _ = m.job_elapsed_seconds.remove_label_values(&[name, ns, jt]);
+        // Progress is the running Job's: a finished phase keeps no series (three per Ready cache
+        // were half of its series, kept for every finished cache).
+        let _ = m.job_progress_percent.remove_label_values(&[name, ns, jt]);
     }
     if running != Some(JobPhase::Quantize) {
         let _ = m.quantization_layer_index.remove_label_values(&[name, ns]);
@@ -93,11 +96,7 @@ fn forget_job_series(m: &crate::metrics::Metrics, name: &str, ns: &str, running:
 /// or while the controller was away), so no alert may keep firing for it.
 pub(crate) fn forget_cache_series(m: &crate::metrics::Metrics, name: &str, ns: &str) {
     forget_job_series(m, name, ns, None);
-    for ph in CachePhase::ALL {
-        let _ = m
-            .modelcache_phase
-            .remove_label_values(&[name, ns, ph.as_str()]);
-    }
+    m.caches.forget(name, ns);
     for phase in JobPhase::ALL {
         let _ = m
             .job_progress_percent
@@ -108,26 +107,13 @@ pub(crate) fn forget_cache_series(m: &crate::metrics::Metrics, name: &str, ns: &
             .model_cache_failures_total
             .remove_label_values(&[name, ns, r.as_str()]);
     }
-    for status in ["succeeded", "failed"] {
-        let _ = m
-            .quantization_jobs_total
-            .remove_label_values(&[name, ns, status]);
-    }
-    let _ = m
-        .quantization_compression_ratio
-        .remove_label_values(&[name, ns]);
 }
 
 /// `(cache, namespace)` of every cache that has per-cache series.
 fn cache_series_keys(m: &crate::metrics::Metrics) -> BTreeSet<(String, String)> {
     use prometheus::core::Collector;
-    let mut out = BTreeSet::new();
-    let families = m
-        .modelcache_phase
-        .collect()
-        .into_iter()
-        .chain(m.job_progress_percent.collect());
-    for fam in families {
+    let mut out: BTreeSet<(String, String)> = m.caches.keys().into_iter().collect();
+    for fam in m.job_progress_percent.collect() {
         for metric in fam.get_metric() {
             let label = |n: &str| {
                 metric
@@ -157,39 +143,22 @@ pub(super) fn update_metrics(mc: &ModelCache, m: &Metrics, ns: &str, p: &Plan) {
     if let Some(phase) = p.status.phase {
         // One series per cache: the current phase's (a one-hot row of 7 series per cache was most of the
         // controller's metric memory at thousands of caches).
-        for ph in CachePhase::ALL.into_iter().filter(|ph| *ph != phase) {
-            let _ = m
-                .modelcache_phase
-                .remove_label_values(&[name.as_str(), ns, ph.as_str()]);
-        }
-        m.modelcache_phase
-            .with_label_values(&[name.as_str(), ns, phase.as_str()])
-            .set(1);
+        m.caches.set_phase(&name, ns, phase);
     }
     for (phase, reason) in &p.outcome.failed {
         m.model_cache_failures_total
             .with_label_values(&[name.as_str(), ns, reason.as_str()])
             .inc();
         if *phase == JobPhase::Quantize {
-            m.quantization_jobs_total
-                .with_label_values(&[name.as_str(), ns, "failed"])
-                .inc();
+            m.caches.count_quantization(&name, ns, false);
         }
     }
     for phase in &p.outcome.completed {
-        let jt = phase.status_name();
-        m.job_progress_percent
-            .with_label_values(&[name.as_str(), ns, jt])
-            .set(100.0);
         if *phase == JobPhase::Quantize {
-            m.quantization_jobs_total
-                .with_label_values(&[name.as_str(), ns, "succeeded"])
-                .inc();
+            m.caches.count_quantization(&name, ns, true);
             if let Some(q) = &p.status.quantization {
                 if let Some(r) = q.compression_ratio {
-                    m.quantization_compression_ratio
-                        .with_label_values(&[name.as_str(), ns])
-                        .set(r);
+                    m.caches.set_compression_ratio(&name, ns, r);
                 }
                 if let (Some(s), Some(c)) = (&q.started_at, &q.completed_at) {
                     let secs = c.0.duration_since(s.0).as_secs_f64().max(0.0);

@@ -26,7 +26,8 @@ fn series_of(m: &Metrics, cache: &str) -> Vec<String> {
 }
 
 /// Download → quantize → Ready: the phase gauge is one series (the current phase, 1), and a Ready cache
-/// keeps at most 6 series; the quantization time histogram is per namespace, not per cache.
+/// keeps 3 series (its phase, its quantization count and compression ratio): no progress of Jobs that
+/// have ended; the quantization time histogram is per namespace, not per cache.
 #[test]
 fn a_ready_cache_keeps_few_series() {
     let m = Metrics::new().expect("metrics");
@@ -55,9 +56,14 @@ fn a_ready_cache_keeps_few_series() {
     assert!(phase[0].contains("\"Ready\""), "{phase:?}");
     let all = series_of(&m, "mc");
     assert!(
-        all.len() <= 6,
+        all.len() <= 3,
         "{} series for one Ready cache: {all:#?}",
         all.len()
+    );
+    assert!(
+        !all.iter()
+            .any(|s| s.starts_with("flexinfer_job_progress_percent")),
+        "{all:#?}"
     );
     let text = {
         use prometheus::Encoder;

@@ -357,9 +357,28 @@ fn stored_pod(job: &str, terminated: bool) -> k8s_openapi::api::core::v1::Pod {
 #[test]
 fn pruned_jobs_and_pods_observe_the_same_as_full_ones() {
     use crate::modelcache::observe::{observe_job, prune_job};
-    for state in ["Complete", "Failed", "Running"] {
+    for state in [
+        "Complete",
+        "Failed",
+        "FailureTarget",
+        "Running",
+        "Failed+FailureTarget",
+    ] {
         for terminated in [true, false] {
-            let job = stored_job(JobPhase::Download, state);
+            let job = match state.split_once('+') {
+                // Both failure conditions, each with its own reason: the one read is `Failed`'s.
+                Some((a, b)) => {
+                    let mut j = stored_job(JobPhase::Download, a);
+                    let conds = j.status.as_mut().unwrap().conditions.as_mut().unwrap();
+                    let mut other = conds[0].clone();
+                    other.type_ = b.to_string();
+                    other.reason = Some("PodFailurePolicy".into());
+                    other.message = Some("other".into());
+                    conds.push(other);
+                    j
+                }
+                None => stored_job(JobPhase::Download, state),
+            };
             let pods = vec![stored_pod(
                 job.metadata.name.as_deref().unwrap(),
                 terminated,
