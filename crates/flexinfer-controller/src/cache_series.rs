@@ -22,6 +22,9 @@ const JOBS_HELP: &str = "Finished quantization Jobs by outcome";
 const RATIO: &str = "flexinfer_quantization_compression_ratio";
 const RATIO_HELP: &str = "Original size / quantized size";
 
+/// `(cache, namespace)`.
+type Key = (Box<str>, Box<str>);
+
 /// One cache's values; a series exists when its value does (a counter once it counted).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 struct Row {
@@ -35,7 +38,7 @@ struct Row {
 /// `flexinfer_quantization_jobs_total{model,namespace,status}` and
 /// `flexinfer_quantization_compression_ratio{model,namespace}`, by `(cache, namespace)`.
 pub struct CacheSeries {
-    rows: Mutex<HashMap<(Box<str>, Box<str>), Row>>,
+    rows: Mutex<HashMap<Key, Row>>,
     descs: Vec<Desc>,
 }
 
@@ -101,9 +104,9 @@ impl CacheSeries {
     pub fn count_quantization(&self, cache: &str, ns: &str, succeeded: bool) {
         self.with_row(cache, ns, |r| {
             if succeeded {
-                r.quantizations_succeeded += 1;
+                r.quantizations_succeeded = r.quantizations_succeeded.saturating_add(1);
             } else {
-                r.quantizations_failed += 1;
+                r.quantizations_failed = r.quantizations_failed.saturating_add(1);
             }
         });
     }

@@ -45,13 +45,17 @@ pub const JOB_NAME_LABEL: &str = "batch.kubernetes.io/job-name";
 /// The same label as Kubernetes before 1.27 spelled it.
 pub const LEGACY_JOB_NAME_LABEL: &str = "job-name";
 
+/// `(namespace, key)` of an [`Index`].
+type IndexKey = (Box<str>, Box<str>);
+
 /// Names of objects by `(namespace, key)`: a superset of the truth, checked against the store on
 /// every lookup (an entry whose object is gone or has another key now is dropped then). A key has
 /// one name or a few (a Job's pods, the caches of a shared claim), so the names are a short list: a
 /// set per key was a tree node of ~0.3 KB for each of thousands of keys.
 #[derive(Default)]
 pub struct Index {
-    map: Mutex<HashMap<(Box<str>, Box<str>), Vec<Box<str>>>>,
+    /// Names by `(namespace, key)`.
+    map: Mutex<HashMap<IndexKey, Vec<Box<str>>>>,
 }
 
 impl Index {
