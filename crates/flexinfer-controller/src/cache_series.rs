@@ -145,10 +145,9 @@ impl CacheSeries {
     }
 }
 
-fn labels(pairs: [(&str, &str); 3]) -> Vec<LabelPair> {
+fn labels(pairs: &[(&str, &str)]) -> Vec<LabelPair> {
     pairs
-        .into_iter()
-        .filter(|(n, _)| !n.is_empty())
+        .iter()
         .map(|(n, v)| {
             let mut l = LabelPair::default();
             l.set_name(n.to_string());
@@ -195,7 +194,7 @@ impl Collector for CacheSeries {
         if let Ok(rows) = self.rows.lock() {
             for ((cache, ns), r) in rows.iter() {
                 if let Some(p) = r.phase {
-                    let l = labels([("cache", cache), ("namespace", ns), ("phase", p.as_str())]);
+                    let l = labels(&[("cache", cache), ("namespace", ns), ("phase", p.as_str())]);
                     phase.push(gauge(l, 1.0));
                 }
                 for (status, n) in [
@@ -203,12 +202,12 @@ impl Collector for CacheSeries {
                     ("failed", r.quantizations_failed),
                 ] {
                     if n > 0 {
-                        let l = labels([("model", cache), ("namespace", ns), ("status", status)]);
+                        let l = labels(&[("model", cache), ("namespace", ns), ("status", status)]);
                         jobs.push(counter(l, n));
                     }
                 }
                 if let Some(v) = r.compression_ratio {
-                    let l = labels([("model", cache), ("namespace", ns), ("", "")]);
+                    let l = labels(&[("model", cache), ("namespace", ns)]);
                     ratio.push(gauge(l, v));
                 }
             }

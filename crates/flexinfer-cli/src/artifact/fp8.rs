@@ -247,6 +247,7 @@ pub fn validate_fp8(dir: &Path, opts: &Options) -> Report {
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use super::super::tests::{check_without_sha256 as check, edit_config, expect_defect};
     use super::super::{read::read_header, validate};
     use super::*;
     use flexinfer_quant::fp8::{write_fp8_artifact, Fp8Job, ScaleStrategy};
@@ -275,25 +276,6 @@ mod tests {
         out
     }
 
-    fn check(dir: &Path) -> Report {
-        let opts = Options {
-            skip_sha256: true,
-            ..Default::default()
-        };
-        validate(dir, None, &opts).unwrap()
-    }
-
-    fn expect_defect(r: &Report, check: &str, needle: &str) {
-        assert!(
-            !r.ok
-                && r.defects
-                    .iter()
-                    .any(|d| d.check == check && d.message.contains(needle)),
-            "expected [{check}] {needle:?}, got:\n{}",
-            r.render()
-        );
-    }
-
     /// Overwrites element `i` (of `width` bytes) of tensor `name` in place (same size; sha256 not checked).
     fn poke(dir: &Path, name: &str, i: u64, bytes: &[u8]) {
         for e in std::fs::read_dir(dir).unwrap() {
@@ -317,13 +299,6 @@ mod tests {
             }
         }
         panic!("{name} not found");
-    }
-
-    fn edit_config(dir: &Path, f: impl FnOnce(&mut Value)) {
-        let p = dir.join("config.json");
-        let mut v: Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
-        f(&mut v);
-        std::fs::write(&p, serde_json::to_vec(&v).unwrap()).unwrap();
     }
 
     #[test]

@@ -332,6 +332,7 @@ pub fn validate_pack_quantized(dir: &Path, opts: &Options) -> Report {
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use super::super::tests::{check_without_sha256 as check, edit_config, expect_defect};
     use super::super::validate;
     use super::*;
     use flexinfer_quant::calib::CalibSettings;
@@ -373,32 +374,6 @@ mod tests {
         )
         .unwrap();
         out
-    }
-
-    fn check(dir: &Path) -> Report {
-        let opts = Options {
-            skip_sha256: true,
-            ..Default::default()
-        };
-        validate(dir, None, &opts).unwrap()
-    }
-
-    fn expect_defect(r: &Report, check: &str, needle: &str) {
-        assert!(
-            !r.ok
-                && r.defects
-                    .iter()
-                    .any(|d| d.check == check && d.message.contains(needle)),
-            "expected [{check}] {needle:?}, got:\n{}",
-            r.render()
-        );
-    }
-
-    fn edit_config(dir: &Path, f: impl FnOnce(&mut Value)) {
-        let p = dir.join("config.json");
-        let mut v: Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
-        f(&mut v);
-        std::fs::write(&p, serde_json::to_vec(&v).unwrap()).unwrap();
     }
 
     #[test]

@@ -219,8 +219,8 @@ fn run(s: &Spec, after: impl FnOnce(&Path)) -> Report {
     .unwrap()
 }
 
-/// Exactly one defect, of `check`, whose message contains `needle`.
-fn expect_defect(r: &Report, check: &str, needle: &str) {
+/// A defect of `check` whose message contains `needle` (the layouts' own tests use it too).
+pub(super) fn expect_defect(r: &Report, check: &str, needle: &str) {
     assert!(!r.ok, "expected a defect [{check}] {needle}; got OK");
     assert!(
         r.defects
@@ -229,6 +229,23 @@ fn expect_defect(r: &Report, check: &str, needle: &str) {
         "expected [{check}] containing {needle:?}, got:\n{}",
         r.render()
     );
+}
+
+/// `dir` validated without reading its files' sha256 (for tests that edit a file in place).
+pub(super) fn check_without_sha256(dir: &Path) -> Report {
+    let opts = Options {
+        skip_sha256: true,
+        ..Default::default()
+    };
+    validate(dir, None, &opts).unwrap()
+}
+
+/// `dir`'s config.json edited by `f`.
+pub(super) fn edit_config(dir: &Path, f: impl FnOnce(&mut Value)) {
+    let p = dir.join("config.json");
+    let mut v: Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    f(&mut v);
+    std::fs::write(&p, serde_json::to_vec(&v).unwrap()).unwrap();
 }
 
 #[test]
