@@ -24,7 +24,7 @@ e2e:
 demo:
 	bash scripts/demo.sh
 
-## Regenerate the CRD YAML from the Rust types into deploy/crds and charts/flexinfer/crds.
+## Regenerate the CRD YAML from the Rust types into deploy/crds and charts/flexinfer/files/crds.
 crds:
 	cargo run -q -p flexinfer-api --bin crdgen -- .
 

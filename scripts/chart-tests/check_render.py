@@ -69,11 +69,13 @@ ENV = {
         "FLEXINFER_RETRY_BASE_SECONDS": "30",
     },
 }
-# The proxy (on by default) adds a Deployment, a Service, a ServiceAccount and a ClusterRole(Binding).
+# The proxy (on by default) adds a Deployment, a Service, a ServiceAccount, a ClusterRole(Binding) and, with its
+# two replicas, a PodDisruptionBudget; the release installs the three CRDs (crds.install).
 KINDS = {
     "defaults": {
         "ServiceAccount": 3, "ClusterRole": 2, "ClusterRoleBinding": 2, "Role": 1, "RoleBinding": 1,
         "Deployment": 2, "Service": 3, "ValidatingAdmissionPolicy": 1, "ValidatingAdmissionPolicyBinding": 1,
+        "PodDisruptionBudget": 1, "CustomResourceDefinition": 3,
     },
 }
 PROXY_ENV = {
@@ -226,7 +228,7 @@ def check_proxy(docs, mode):
     by = {}
     for d in mine:
         by.setdefault(d["kind"], []).append(d)
-    want = ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
+    want = ["ClusterRole", "ClusterRoleBinding", "Deployment", "PodDisruptionBudget", "Service", "ServiceAccount"]
     if mode == "allon":
         want = sorted(want + ["NetworkPolicy", "ServiceMonitor"])
     check(sorted(by) == want, f"proxy objects {sorted(by)}")

@@ -75,6 +75,33 @@ t "toggles off: no admission policy, no RBAC" bash -c "out=\$('$HELM' template x
   && ! grep -qE 'kind: (ValidatingAdmissionPolicy|ClusterRole|Role)\$' <<<\"\$out\""
 t "proxy.enabled=false: no proxy objects" bash -c "out=\$('$HELM' template x '$CHART' --set proxy.enabled=false) \
   && ! grep -q 'app.kubernetes.io/component: proxy' <<<\"\$out\" && grep -q 'component: controller' <<<\"\$out\""
+t "chart README is generated from values.yaml (scripts/chart/readme.py)" python3 scripts/chart/readme.py --check
+DIG=sha256:$(printf 'ab%.0s' $(seq 32))
+t "digests pin the controller, proxy, worker variants and llama.cpp flavors; a variant without one runs by tag" bash -c "set -e
+  out=\$('$HELM' template x '$CHART' --set gpuProfiles.enabled=true --set image.digest=$DIG --set proxy.image.digest=$DIG \
+    --set worker.image.digests.cpu=$DIG --set worker.image.digests.rocm-gfx906=$DIG --set runtime.llamacpp.digests.rocm=$DIG)
+  grep -q 'image: ghcr.io/flexinfer/flexinfer-controller:[^@ ]*@$DIG\$' <<<\"\$out\"
+  grep -q 'image: ghcr.io/flexinfer/flexinfer-proxy:[^@ ]*@$DIG\$' <<<\"\$out\"
+  grep -A1 'name: FLEXINFER_WORKER_IMAGE\$' <<<\"\$out\" | grep -q 'flexinfer-worker:[^@ ]*@$DIG\"'
+  grep -A1 'name: FLEXINFER_QUANTIZER_GPTQ_ROCM_GFX906_IMAGE\$' <<<\"\$out\" | grep -q 'rocm-gfx906@$DIG\"'
+  grep -A1 'name: FLEXINFER_QUANTIZER_GPTQ_IMAGE\$' <<<\"\$out\" | grep -q 'flexinfer-worker:[^@ ]*-cuda\"'
+  grep -q 'llamacpp: ghcr.io/flexinfer/flexinfer-llamacpp:[^@ ]*-rocm@$DIG\$' <<<\"\$out\"
+  grep -A1 'name: FLEXINFER_RUNTIME_IMAGE_LLAMACPP\$' <<<\"\$out\" | grep -q 'flexinfer-llamacpp:[^@ -]*\"'"
+ts "schema rejects a digest that is not sha256:<64 hex>" template x "$CHART" --set image.digest=sha256:abc
+ts "schema rejects a worker digest for an unknown variant" template x "$CHART" --set worker.image.digests.gpu=$DIG
+t "proxy PodDisruptionBudget (minAvailable 1) with two replicas, none with one; zone spread by default, yours instead" bash -c "set -e
+  '$HELM' template x '$CHART' --show-only templates/proxy-pdb.yaml | grep -q '^  minAvailable: 1\$'
+  '$HELM' template x '$CHART' --show-only templates/proxy-pdb.yaml --set proxy.podDisruptionBudget.minAvailable=50% | grep -q '^  minAvailable: \"50%\"\$'
+  ! '$HELM' template x '$CHART' --set proxy.replicas=1 | grep -q 'kind: PodDisruptionBudget'
+  ! '$HELM' template x '$CHART' --set proxy.podDisruptionBudget.enabled=false | grep -q 'kind: PodDisruptionBudget'
+  '$HELM' template x '$CHART' --show-only templates/proxy-deployment.yaml | grep -q 'topologyKey: topology.kubernetes.io/zone'
+  out=\$('$HELM' template x '$CHART' --show-only templates/proxy-deployment.yaml --set-json 'proxy.topologySpreadConstraints=[{\"maxSkew\":2,\"topologyKey\":\"rack\",\"whenUnsatisfiable\":\"DoNotSchedule\"}]')
+  grep -q 'topologyKey: rack' <<<\"\$out\" && ! grep -q 'topology.kubernetes.io/zone' <<<\"\$out\""
+ts "schema rejects a proxy PDB minAvailable that is neither a number nor a percentage" template x "$CHART" --set proxy.podDisruptionBudget.minAvailable=lots
+t "CRDs: the release templates files/crds unchanged but for keep + labels; crds.install=false: none; crds.keep=false: no keep" bash -c "set -e
+  '$HELM' template x '$CHART' --show-only templates/crds.yaml | python3 '$HERE/check_crds.py' '$CHART/files/crds' keep
+  '$HELM' template x '$CHART' --show-only templates/crds.yaml --set crds.keep=false | python3 '$HERE/check_crds.py' '$CHART/files/crds' nokeep
+  ! '$HELM' template x '$CHART' --set crds.install=false | grep -q 'kind: CustomResourceDefinition'"
 ts "schema rejects a bad proxy.keepaliveInterval" template x "$CHART" --set proxy.keepaliveInterval=often
 ts "schema rejects a non-numeric proxy.maxBodyBytes" template x "$CHART" --set proxy.maxBodyBytes=lots
 ts "schema rejects a proxy.bodyMemoryBytes under 1 MiB" template x "$CHART" --set proxy.bodyMemoryBytes=4096
@@ -224,7 +251,14 @@ INSTALL_ARGS=(-f "$HERE/values-all-on.yaml" --set "admissionPolicy.namespaceSele
               --set "workerServiceAccount.additionalNamespaces={$NS-other}" --set "proxy.watchNamespace=$NS-other"
               --set "admissionPolicy.reservedModelNames.$NS-other={held,shared-default}"
               --set "admissionPolicy.reservedModelNames.$NS={own-name}")
-t "helm install" "$HELM" install "$REL" "$CHART" -n "$NS" "${INSTALL_ARGS[@]}"
+# The CRDs were applied with kubectl above, as an earlier chart version's crds/ folder left them: the release takes
+# them over once (--take-ownership, docs/user/install.md "Upgrading") and owns them from then on.
+t "helm install (takes over the CRDs applied before it)" "$HELM" install "$REL" "$CHART" -n "$NS" "${INSTALL_ARGS[@]}" --take-ownership
+t "the release owns the CRDs and keeps them on uninstall (helm.sh/resource-policy: keep)" bash -c "set -e
+  for c in modelcaches models gpuprofiles; do
+    a=\$(kubectl get crd \$c.ai.flexinfer -o json)
+    python3 -c 'import json,sys; a=json.loads(sys.argv[1])[\"metadata\"][\"annotations\"]; assert a[\"meta.helm.sh/release-name\"]==\"$REL\" and a[\"helm.sh/resource-policy\"]==\"keep\", a' \"\$a\"
+  done"
 DEP=$REL-flexinfer-controller
 SA=system:serviceaccount:$NS:$REL-flexinfer-controller
 t "controller Deployment created with the expected env" bash -c \
@@ -233,8 +267,8 @@ t "the serving NetworkPolicy is in $NS-other (proxy.watchNamespace; accepted by 
   kubectl -n "$NS-other" get networkpolicy "$REL-flexinfer-proxy-serving"
 t "NOTES: every Model's own policy, the namespaces with the chart's policy, or isolation off" bash -c "set -e
   '$HELM' get notes '$REL' -n '$NS' | grep -q 'in $NS-other the NetworkPolicy $REL-flexinfer-proxy-serving also applies'
-  '$HELM' install '$REL-notes' '$CHART' -n '$NS-notes' --dry-run=client | grep -q 'Every Model gets a NetworkPolicy of its own'
-  '$HELM' install '$REL-notes' '$CHART' -n '$NS-notes' --dry-run=client --set proxy.networkPolicy.enabled=false | grep -q 'reachable from any pod'"
+  '$HELM' install '$REL-notes' '$CHART' -n '$NS-notes' --dry-run=client --set crds.install=false | grep -q 'Every Model gets a NetworkPolicy of its own'
+  '$HELM' install '$REL-notes' '$CHART' -n '$NS-notes' --dry-run=client --set crds.install=false --set proxy.networkPolicy.enabled=false | grep -q 'reachable from any pod'"
 t "metrics Service, ServiceMonitor, PrometheusRule, GPUProfiles, worker SAs exist" bash -c "set -e
   kubectl -n '$NS' get svc/'$DEP-metrics' servicemonitor/'$DEP' prometheusrule/'$REL-flexinfer-alerts' >/dev/null
   [ \$(kubectl -n '$NS' get gpuprofiles -o name | wc -l) = 3 ]
@@ -340,7 +374,7 @@ echo "== live: namespace-scoped install (watchNamespaces)"
 SREL=$REL-scoped
 kubectl create ns "$NS-scoped" >/dev/null && kubectl create ns "$NS-watched" >/dev/null
 t "helm install with watchNamespaces={$NS-watched}" "$HELM" install "$SREL" "$CHART" -n "$NS-scoped" \
-  --set "watchNamespaces={$NS-watched}" --set admissionPolicy.enabled=false
+  --set "watchNamespaces={$NS-watched}" --set admissionPolicy.enabled=false --set crds.install=false
 t "namespace-scoped: the serving NetworkPolicy is in $NS-watched (accepted by the API server)" \
   kubectl -n "$NS-watched" get networkpolicy "$SREL-flexinfer-proxy-serving"
 t "namespace-scoped: no ClusterRole or ClusterRoleBinding of the release" bash -c \
@@ -482,6 +516,19 @@ t "after upgrade: CRDs kept (same uid), ModelCache and Models kept, env updated,
   [ \$(kubectl -n '$NS' get gpuprofiles -o name | wc -l) = 2 ]
   kubectl -n '$NS' get svc/'$DEP-metrics' prometheusrule/'$REL-flexinfer-alerts' validatingadmissionpolicy/'$REL-flexinfer-promotion-gate' >/dev/null
   '$HELM' -n '$NS' history '$REL' -o json | python3 -c 'import json,sys; h=json.load(sys.stdin); assert h[-1][\"revision\"]==2 and h[-1][\"status\"]==\"deployed\", h'"
+# A new chart version whose CRD changed (a short name added): helm upgrade applies it, and the previous chart
+# takes it back out — the CRDs follow the chart, with the same uid and every object kept.
+cp -r "$CHART" "$T/chart-next"
+sed -i 's/^    - mdl$/    - mdl\n    - mdlnext/' "$T/chart-next/files/crds/models.ai.flexinfer.yaml"
+t "helm upgrade applies a changed CRD of the new chart version, and the old one takes it back" bash -c "set -e
+  grep -q '^    - mdlnext\$' '$T/chart-next/files/crds/models.ai.flexinfer.yaml'
+  uid=\$(kubectl get crd models.ai.flexinfer -o jsonpath='{.metadata.uid}')
+  '$HELM' upgrade '$REL' '$T/chart-next' -n '$NS' --reuse-values >/dev/null
+  kubectl get crd models.ai.flexinfer -o jsonpath='{.spec.names.shortNames}' | grep -q mdlnext
+  '$HELM' upgrade '$REL' '$CHART' -n '$NS' --reuse-values >/dev/null
+  ! kubectl get crd models.ai.flexinfer -o jsonpath='{.spec.names.shortNames}' | grep -q mdlnext
+  [ \"\$(kubectl get crd models.ai.flexinfer -o jsonpath='{.metadata.uid}')\" = \"\$uid\" ]
+  kubectl -n '$NS' get modelcache/upgrade-probe model/validated model/canary >/dev/null"
 
 echo "== live: kustomize bases, server-side dry-run"
 for b in "${BASES[@]}"; do

@@ -69,7 +69,9 @@ WORKER=$REG/flexinfer/worker:$TAG
 # only in that namespace (and the Lease Role in the release namespace) — no ClusterRole.
 WATCH_VALUES=""
 [ -n "${E2E_WATCH_NAMESPACE:-}" ] && WATCH_VALUES="watchNamespaces: [\"$E2E_WATCH_NAMESPACE\"]"
-helm upgrade --install flexinfer charts/flexinfer -n "$CNS" --create-namespace --wait --timeout 5m \
+# --take-ownership: the suite applied the CRDs with kubectl first (and the chart tests' release owned them); this
+# release takes them over, as a user's first upgrade from a chart that shipped them in crds/ does.
+helm upgrade --install flexinfer charts/flexinfer -n "$CNS" --create-namespace --wait --timeout 5m --take-ownership \
   --post-renderer scripts/e2e/post-render.py -f - >&2 <<VALUES
 image: {repository: $REG/flexinfer/controller, tag: "$TAG", pullPolicy: IfNotPresent}
 worker: {image: {repository: $REG/flexinfer/worker, tag: "$TAG"}}

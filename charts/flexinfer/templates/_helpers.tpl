@@ -53,15 +53,23 @@ app.kubernetes.io/component: controller
 {{- end -}}
 {{- end -}}
 
+{{/* `<ref>@<digest>` when a digest is given, else `<ref>`: include "flexinfer.pinned" (list "repo:tag" "sha256:…") */}}
+{{- define "flexinfer.pinned" -}}
+{{- $ref := index . 0 -}}
+{{- $digest := index . 1 | default "" -}}
+{{- if $digest -}}{{ printf "%s@%s" $ref $digest }}{{- else -}}{{ $ref }}{{- end -}}
+{{- end -}}
+
 {{- define "flexinfer.controllerImage" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- include "flexinfer.pinned" (list (printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag)) .Values.image.digest) -}}
 {{- end -}}
 
 {{/* Worker image with an optional variant suffix: include "flexinfer.workerImage" (list . "-cuda") */}}
 {{- define "flexinfer.workerImage" -}}
 {{- $root := index . 0 -}}
 {{- $suffix := index . 1 -}}
-{{- printf "%s:%s%s" $root.Values.worker.image.repository (default $root.Chart.AppVersion $root.Values.worker.image.tag) $suffix -}}
+{{- $ref := printf "%s:%s%s" $root.Values.worker.image.repository (default $root.Chart.AppVersion $root.Values.worker.image.tag) $suffix -}}
+{{- include "flexinfer.pinned" (list $ref (index ($root.Values.worker.image.digests | default dict) (trimPrefix "-" $suffix | default "cpu"))) -}}
 {{- end -}}
 
 {{/* Alert labels: severity plus alerting.alertLabels. Call with (list . "warning"). */}}
@@ -98,12 +106,13 @@ app.kubernetes.io/component: proxy
 {{- end -}}
 
 {{- define "flexinfer.proxyImage" -}}
-{{- printf "%s:%s" .Values.proxy.image.repository (default .Chart.AppVersion .Values.proxy.image.tag) -}}
+{{- include "flexinfer.pinned" (list (printf "%s:%s" .Values.proxy.image.repository (default .Chart.AppVersion .Values.proxy.image.tag)) .Values.proxy.image.digest) -}}
 {{- end -}}
 
 {{/* llama.cpp serving image with an optional flavor suffix: include "flexinfer.llamacppImage" (list . "-rocm") */}}
 {{- define "flexinfer.llamacppImage" -}}
 {{- $root := index . 0 -}}
 {{- $suffix := index . 1 -}}
-{{- printf "%s:%s%s" $root.Values.runtime.llamacpp.repository (default $root.Chart.AppVersion $root.Values.runtime.llamacpp.tag) $suffix -}}
+{{- $ref := printf "%s:%s%s" $root.Values.runtime.llamacpp.repository (default $root.Chart.AppVersion $root.Values.runtime.llamacpp.tag) $suffix -}}
+{{- include "flexinfer.pinned" (list $ref (index ($root.Values.runtime.llamacpp.digests | default dict) (trimPrefix "-" $suffix | default "cpu"))) -}}
 {{- end -}}

@@ -23,4 +23,4 @@ pub fn to_yaml(crd: &CustomResourceDefinition) -> Result<String, serde_norway::E
 }
 
 /// Directories (relative to the repository root) that hold the generated CRDs.
-pub const OUTPUT_DIRS: &[&str] = &["deploy/crds", "charts/flexinfer/crds"];
+pub const OUTPUT_DIRS: &[&str] = &["deploy/crds", "charts/flexinfer/files/crds"];

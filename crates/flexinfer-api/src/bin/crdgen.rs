@@ -1,5 +1,5 @@
 //! `crdgen [--check] [ROOT]`: write (or, with `--check`, compare) the generated CRD YAML under
-//! `deploy/crds/` and `charts/flexinfer/crds/`.
+//! `deploy/crds/` and `charts/flexinfer/files/crds/` (the chart templates them: templates/crds.yaml).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
