@@ -103,7 +103,7 @@ PROXY_RULES = [
 PROXY_RULES_BACKEND_KEYS = PROXY_RULES + [([""], ["secrets"], ["get"])]
 # All-on: proxy.watchNamespace=models, so one serving NetworkPolicy there.
 KINDS["allon"] = dict(KINDS["defaults"], PrometheusRule=1, ServiceMonitor=2, GPUProfile=3, ConfigMap=1,
-                      NetworkPolicy=1)
+                      NetworkPolicy=1, Ingress=1, HTTPRoute=1)
 # The labels the Model controller puts on a serving pod (crates/flexinfer-controller/src/model/render.rs,
 # child_labels) for a vLLM Model "m".
 SERVING_POD = {
@@ -230,7 +230,7 @@ def check_proxy(docs, mode):
         by.setdefault(d["kind"], []).append(d)
     want = ["ClusterRole", "ClusterRoleBinding", "Deployment", "PodDisruptionBudget", "Service", "ServiceAccount"]
     if mode == "allon":
-        want = sorted(want + ["NetworkPolicy", "ServiceMonitor"])
+        want = sorted(want + ["HTTPRoute", "Ingress", "NetworkPolicy", "ServiceMonitor"])
     check(sorted(by) == want, f"proxy objects {sorted(by)}")
     if "Deployment" not in by:
         return

@@ -102,6 +102,22 @@ t "CRDs: the release templates files/crds unchanged but for keep + labels; crds.
   '$HELM' template x '$CHART' --show-only templates/crds.yaml | python3 '$HERE/check_crds.py' '$CHART/files/crds' keep
   '$HELM' template x '$CHART' --show-only templates/crds.yaml --set crds.keep=false | python3 '$HERE/check_crds.py' '$CHART/files/crds' nokeep
   ! '$HELM' template x '$CHART' --set crds.install=false | grep -q 'kind: CustomResourceDefinition'"
+t "proxy Ingress and HTTPRoute route /v1 to the proxy Service; each refuses to render without hosts / parentRefs" bash -c "set -e
+  out=\$('$HELM' template x '$CHART' -f '$HERE/values-all-on.yaml' --show-only templates/proxy-ingress.yaml)
+  python3 -c '
+import sys, yaml
+d = {x[\"kind\"]: x for x in yaml.safe_load_all(sys.stdin) if x}
+r = d[\"Ingress\"][\"spec\"][\"rules\"][0]
+assert r[\"host\"] == \"llm.example.com\" and d[\"Ingress\"][\"spec\"][\"ingressClassName\"] == \"nginx\", r
+p = r[\"http\"][\"paths\"][0]
+assert p[\"path\"] == \"/v1\" and p[\"backend\"][\"service\"] == {\"name\": \"x-flexinfer-proxy\", \"port\": {\"name\": \"http\"}}, p
+h = d[\"HTTPRoute\"][\"spec\"]
+assert h[\"parentRefs\"] == [{\"name\": \"public\", \"namespace\": \"gateways\"}] and h[\"hostnames\"] == [\"llm.example.com\"], h
+assert h[\"rules\"][0][\"backendRefs\"] == [{\"name\": \"x-flexinfer-proxy\", \"port\": 8000}], h
+' <<<\"\$out\"
+  ! '$HELM' template x '$CHART' | grep -qE 'kind: (Ingress|HTTPRoute)\$'
+  '$HELM' template x '$CHART' --set proxy.ingress.enabled=true 2>&1 | grep -q 'proxy.ingress.enabled needs at least one entry in proxy.ingress.hosts'
+  '$HELM' template x '$CHART' --set proxy.httpRoute.enabled=true 2>&1 | grep -q 'proxy.httpRoute.enabled needs at least one Gateway'"
 ts "schema rejects a bad proxy.keepaliveInterval" template x "$CHART" --set proxy.keepaliveInterval=often
 ts "schema rejects a non-numeric proxy.maxBodyBytes" template x "$CHART" --set proxy.maxBodyBytes=lots
 ts "schema rejects a proxy.bodyMemoryBytes under 1 MiB" template x "$CHART" --set proxy.bodyMemoryBytes=4096
@@ -216,7 +232,7 @@ if ! kubectl get ns default >/dev/null 2>&1; then fail "API server reachable"; e
 kubectl create ns "$NS" >/dev/null && kubectl create ns "$NS-other" >/dev/null
 # The controller must satisfy the "restricted" Pod Security Standard: the API server warns on violations.
 kubectl label ns "$NS" pod-security.kubernetes.io/warn=restricted pod-security.kubernetes.io/enforce=restricted >/dev/null
-kubectl get crd servicemonitors.monitoring.coreos.com >/dev/null 2>&1 || CREATED_STUBS=1
+kubectl get crd servicemonitors.monitoring.coreos.com httproutes.gateway.networking.k8s.io >/dev/null 2>&1 || CREATED_STUBS=1
 if [ "$CREATED_STUBS" = 1 ]; then
   t "install stand-in monitoring/flux CRDs" kubectl apply -f "$HERE/fixtures/stub-crds.yaml"
 else
@@ -233,7 +249,7 @@ fi
 t "CRDs established" kubectl wait --for=condition=Established --timeout=60s \
   crd/modelcaches.ai.flexinfer crd/models.ai.flexinfer crd/gpuprofiles.ai.flexinfer \
   crd/servicemonitors.monitoring.coreos.com crd/prometheusrules.monitoring.coreos.com \
-  crd/gitrepositories.source.toolkit.fluxcd.io crd/kustomizations.kustomize.toolkit.fluxcd.io
+  crd/gitrepositories.source.toolkit.fluxcd.io crd/kustomizations.kustomize.toolkit.fluxcd.io crd/httproutes.gateway.networking.k8s.io
 
 echo "== live: server-side dry-run of rendered chart"
 for mode in default allon; do
