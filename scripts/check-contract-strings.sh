@@ -11,7 +11,7 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd); cd "$ROOT"
 
-GENERIC='^(true|false|passed|failed|http|server|gpu|start|progress|complete|error|warning|download|source|abliterate|quantize|publish|abliteration|quantization|dedicated|NoSchedule|flexinfer|overwrite|timestamp|/cache|/models|abliterated|\.partial|FORMAT|GGUF|GPTQ|FP8|COMPRESSED_TENSORS)$'
+GENERIC='^(true|false|passed|failed|http|server|gpu|start|progress|complete|error|warning|download|source|abliterate|quantize|publish|abliteration|quantization|dedicated|NoSchedule|flexinfer|overwrite|timestamp|layers|/cache|/models|abliterated|\.partial|FORMAT|GGUF|GPTQ|FP8|COMPRESSED_TENSORS)$'
 
 # `pub const NAME: &str = "value";` in the contract crate, tests excluded.
 values=$(for f in crates/flexinfer-contract/src/*.rs; do

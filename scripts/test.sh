@@ -2,15 +2,15 @@
 # The test suite, in three tiers (usage: scripts/test.sh [check|int|e2e|all]):
 #   check  cargo fmt --check, clippy -D warnings, the contract-string and test-hook checks, every test that needs no cluster:
 #          the unit tests, the doc tests and every test target not listed below (make check; no KUBECONFIG,
-#          no images, no real node; tests of optional tools — HIP code objects, llama.cpp, Python consumers —
-#          skip unless their variables are set, see the `all` stages);
+#          no images, no real node; tests of optional tools — HIP code objects, llama.cpp, Python consumers,
+#          oras and the ModelPack validator — skip unless their variables are set, see the `all` stages);
 #   int    the test targets of INT_TESTS against the local control plane, then the chart, kustomize, RBAC,
 #          admission policy and alert tests (make test-int);
 #   e2e    the images, the local hub and the Helm-installed controller (scripts/e2e/setup.sh), the test targets
 #          of E2E_TESTS — the real pipeline end to end on the real node — and the Dockerfile lint (make e2e);
-#   all    (the default; make test, which .ci/run runs) the dependencies, the HIP code objects and the llama.cpp
-#          root (their tests are then required, not skipped), then check, int and e2e in that order on one
-#          local cluster.
+#   all    (the default; make test, which .ci/run runs) the dependencies, the HIP code objects, oras, the
+#          ModelPack validator and the llama.cpp root (their tests are then required, not skipped), then check,
+#          int and e2e in that order on one local cluster.
 # int and e2e start the local control plane (kube-apiserver + etcd + controller-manager + scheduler + kwok GPU
 # nodes + one real kubelet/containerd node + an OCI registry) once and always tear it down.
 set -euo pipefail
@@ -76,6 +76,15 @@ optional_tools() {
   stage "HIP code objects for gfx1100 and gfx906 (Debian trixie hipcc in an mmdebstrap root, cached)"
   FLEXINFER_HIP_CODE_OBJECTS=$(bash scripts/hip/build-code-objects.sh)
   export FLEXINFER_HIP_CODE_OBJECTS FLEXINFER_REQUIRE_HIP=1
+
+  stage "oras 1.3.6 and the ModelPack validator (built from the Go module proxy, cached by version)"
+  # crates/flexinfer-worker/tests/publish_consumers.rs: the CNCF ModelPack spec's own validator
+  # (github.com/modelpack/model-spec, pinned in scripts/modelpack/validate/go.mod) accepts a published
+  # artifact and rejects broken ones; `oras pull` rebuilds the published tree byte for byte. A cold build
+  # of both adds about half a minute on a fresh machine.
+  FLEXINFER_ORAS=$(bash scripts/oras/oras.sh)
+  FLEXINFER_MODELPACK_VALIDATE=$(bash scripts/modelpack/validator.sh)
+  export FLEXINFER_ORAS FLEXINFER_MODELPACK_VALIDATE FLEXINFER_REQUIRE_OCI_TOOLS=1
 
   stage "llama.cpp 0.7.0 for the GGUF tests (Debian sid packages in an mmdebstrap root, cached)"
   # crates/flexinfer-quant/tests/gguf_llamacpp.rs: the real llama-server / llama-quantize against our GGUF files.

@@ -509,6 +509,13 @@ fn pull_and_compare(
     ])?;
     let digest = format!("sha256:{}", sha256_hex(&manifest));
     let m: Value = serde_json::from_slice(&manifest)?;
+    // A CNCF ModelPack artifact (its config is checked against the spec's schema by
+    // crates/flexinfer-worker/tests/publish_consumers.rs).
+    ensure!(
+        m["artifactType"] == "application/vnd.cncf.model.manifest.v1+json"
+            && m["config"]["mediaType"] == "application/vnd.cncf.model.config.v1+json",
+        "not a ModelPack manifest: {m}"
+    );
     let mut titles = BTreeSet::new();
     for l in m["layers"].as_array().context("layers")? {
         let title = l["annotations"]["org.opencontainers.image.title"]

@@ -20,6 +20,7 @@ use crate::http::{self, Origin, ScopedAuth};
 
 /// `registry[:port]/repo/path[:tag][@sha256:…]`.
 mod api;
+pub mod artifact;
 mod auth;
 mod error;
 mod reference;
@@ -54,7 +55,8 @@ pub struct Manifest {
     pub annotations: std::collections::BTreeMap<String, String>,
 }
 
-/// The empty JSON config blob `{}`.
+/// The empty JSON config blob `{}` (the config of FlexInfer's pre-ModelPack layout; publish asks the
+/// registry for it to reach the registry, and negotiate its auth, before hashing).
 pub const EMPTY_CONFIG: &[u8] = b"{}";
 
 pub fn sha256_digest(bytes: &[u8]) -> String {

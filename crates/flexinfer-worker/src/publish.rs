@@ -1,9 +1,14 @@
-//! `flexinfer-worker publish`: push a model directory as an OCI artifact (docs/user/download-and-publish.md).
+//! `flexinfer-worker publish`: push a model directory as a CNCF ModelPack artifact
+//! (docs/user/download-and-publish.md).
 //!
-//! Layout: artifactType `application/vnd.flexinfer.model.v1`, the empty config, one layer per
-//! file titled with its relative path (so `oras pull` reproduces the tree). Files are hashed,
-//! then streamed; blobs the registry already has are skipped, so a re-run after an interruption
-//! only uploads what is missing, and the same tree always gives the same manifest digest.
+//! Layout (model-spec v0.0.7): artifactType `application/vnd.cncf.model.manifest.v1+json`, the model
+//! config (`application/vnd.cncf.model.config.v1+json`: format, architecture, precision,
+//! quantization, parameter count, derived from the files by [`modelpack`]), one raw layer per file
+//! (`application/vnd.cncf.model.{weight,weight.config,doc,code,dataset}.v1.raw`, the file's bytes as
+//! they are) annotated with its relative path both as `org.cncf.model.filepath` and as
+//! `org.opencontainers.image.title` (so `oras pull` reproduces the tree). Files are hashed, then
+//! streamed; blobs the registry already has are skipped, so a re-run after an interruption only
+//! uploads what is missing, and the same tree always gives the same manifest digest.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,6 +21,8 @@ use futures::{StreamExt, TryStreamExt};
 use crate::common::{self, Events, ExitKind, WorkerError};
 use crate::download::{bytes_progress, spawn_progress_ticker};
 use crate::oci::{self, Descriptor, Manifest, Reference, Registry};
+
+pub mod modelpack;
 
 /// Flags of `flexinfer-worker publish` (each also read from its env variable; flags win).
 #[derive(Debug, Clone, clap::Args)]
@@ -142,19 +149,26 @@ async fn run_async(
     );
 
     // Reach the registry first: a TLS or auth problem must not wait for hashing.
-    let (reg, config_digest) = connect_registry(args, &reference).await?;
+    let reg = connect_registry(args, &reference).await?;
     // 1. Digests (the registry must be asked by digest before anything is uploaded).
     let files = hash_files(listed, &hashed, args.concurrency).await?;
     // What is pushed must be what the pipeline recorded: the layer digests are the files' sha256, so
     // they are checked against `.save-complete` / `.source-integrity.json` before any upload.
     check_records(&dir, &files)?;
+    // The ModelPack config, from the files (a file that cannot be read fails here, before any upload).
+    let described = {
+        let (dir, files) = (dir.clone(), files.clone());
+        tokio::task::spawn_blocking(move || modelpack::describe(&dir, &files)).await??
+    };
+    let config = described.config_blob(files.iter().map(|f| f.digest.clone()).collect())?;
 
-    // 2. Blobs.
+    // 2. Blobs: the files, then the config that lists them.
     let skipped = push_blobs(&reg, &files, &sent, args.concurrency).await?;
+    let config_digest = reg.push_bytes(&config).await.map_err(oci::worker_error)?;
 
     // 3. Manifest and tags.
-    let (digest, tags) =
-        push_manifest(&reg, &files, &config_digest, policy, &base_tag, extra).await?;
+    let manifest = build_manifest(&files, &config_digest, config.len(), &described);
+    let (digest, tags) = push_manifest(&reg, &manifest, policy, &base_tag, extra).await?;
     ticker.abort();
     let published = Published {
         file_count: files.len(),
@@ -166,12 +180,12 @@ async fn run_async(
     Ok(published.report(&events, &reference, started))
 }
 
-/// Connects to the reference's registry with the configured credentials and pushes the empty
-/// config blob; returns the registry and the config's digest.
+/// Connects to the reference's registry with the configured credentials and asks it for a blob, so
+/// that TLS, a refused connection or missing credentials fail before any file is hashed.
 async fn connect_registry(
     args: &PublishArgs,
     reference: &Reference,
-) -> Result<(Arc<Registry>, String), WorkerError> {
+) -> Result<Arc<Registry>, WorkerError> {
     let creds = args
         .registry
         .credentials(&reference.registry)
@@ -181,11 +195,10 @@ async fn connect_registry(
             .await
             .map_err(oci::worker_error)?,
     );
-    let config_digest = reg
-        .push_bytes(oci::EMPTY_CONFIG)
+    reg.blob_exists(&oci::sha256_digest(oci::EMPTY_CONFIG))
         .await
         .map_err(oci::worker_error)?;
-    Ok((reg, config_digest))
+    Ok(reg)
 }
 
 /// What a finished publish pushed.
@@ -380,14 +393,12 @@ async fn push_blobs(
 /// publish. Returns the manifest digest and the tags pushed.
 async fn push_manifest(
     reg: &Registry,
-    files: &[LocalFile],
-    config_digest: &str,
+    manifest: &Manifest,
     policy: TagPolicy,
     base_tag: &str,
     extra: Vec<String>,
 ) -> Result<(String, Vec<String>), WorkerError> {
-    let manifest = build_manifest(files, config_digest);
-    let body = serde_json::to_vec(&manifest).map_err(WorkerError::json(
+    let body = serde_json::to_vec(manifest).map_err(WorkerError::json(
         ExitKind::Failure,
         "encoding the OCI manifest",
     ))?;
@@ -487,27 +498,54 @@ fn check_records(dir: &Path, files: &[LocalFile]) -> Result<(), WorkerError> {
     Ok(())
 }
 
-fn build_manifest(files: &[LocalFile], config_digest: &str) -> Manifest {
+/// The ModelPack manifest: the config descriptor, one raw layer per file (sorted by path) with its
+/// media type and path annotations, and the annotations [`modelpack::describe`] found.
+fn build_manifest(
+    files: &[LocalFile],
+    config_digest: &str,
+    config_size: usize,
+    described: &modelpack::Described,
+) -> Manifest {
     Manifest {
         schema_version: 2,
         media_type: Some(oci_artifact::MANIFEST_MEDIA_TYPE.to_string()),
-        artifact_type: Some(oci_artifact::ARTIFACT_TYPE.to_string()),
+        artifact_type: Some(oci_artifact::MODELPACK_ARTIFACT_TYPE.to_string()),
         config: Descriptor {
-            media_type: oci_artifact::EMPTY_CONFIG_MEDIA_TYPE.to_string(),
+            media_type: oci_artifact::MODELPACK_CONFIG_MEDIA_TYPE.to_string(),
             digest: config_digest.to_string(),
-            size: oci::EMPTY_CONFIG.len() as u64,
+            size: config_size as u64,
             annotations: Default::default(),
         },
         layers: files
             .iter()
-            .map(|f| Descriptor {
-                media_type: oci_artifact::FILE_LAYER_MEDIA_TYPE.to_string(),
-                digest: f.digest.clone(),
-                size: f.size,
-                annotations: [(oci_artifact::TITLE_ANNOTATION.to_string(), f.rel.clone())].into(),
+            .map(|f| {
+                let (media_type, guessed) = modelpack::layer_media_type(&f.rel);
+                let mut annotations: std::collections::BTreeMap<String, String> = [
+                    (oci_artifact::TITLE_ANNOTATION, f.rel.clone()),
+                    (oci_artifact::MODELPACK_FILEPATH_ANNOTATION, f.rel.clone()),
+                    (
+                        oci_artifact::MODELPACK_FILE_METADATA_ANNOTATION,
+                        modelpack::file_metadata(&f.rel, f.size),
+                    ),
+                ]
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .collect();
+                if guessed {
+                    annotations.insert(
+                        oci_artifact::MODELPACK_MEDIATYPE_UNTESTED_ANNOTATION.to_string(),
+                        "true".to_string(),
+                    );
+                }
+                Descriptor {
+                    media_type: media_type.to_string(),
+                    digest: f.digest.clone(),
+                    size: f.size,
+                    annotations,
+                }
             })
             .collect(),
-        annotations: Default::default(),
+        annotations: described.annotations.clone(),
     }
 }
 
@@ -567,30 +605,62 @@ mod tests {
     }
 
     #[test]
-    fn manifest_is_deterministic_and_titled() {
+    fn manifest_is_modelpack_deterministic_and_titled() {
         let f = |rel: &str| LocalFile {
             rel: rel.into(),
             path: rel.into(),
             size: 3,
             digest: oci::sha256_digest(rel.as_bytes()),
         };
+        let described = modelpack::Described {
+            annotations: [(oci_artifact::BITS_ANNOTATION.to_string(), "4".to_string())].into(),
+            ..Default::default()
+        };
+        let config = described.config_blob(vec![]).unwrap();
         let m = build_manifest(
-            &[f("a/b.json"), f("c.safetensors")],
-            &oci::sha256_digest(b"{}"),
+            &[f("a/b.json"), f("c.safetensors"), f("weird.bin2")],
+            &oci::sha256_digest(&config),
+            config.len(),
+            &described,
         );
         let j = serde_json::to_value(&m).unwrap();
-        assert_eq!(j["artifactType"], oci_artifact::ARTIFACT_TYPE);
+        assert_eq!(j["artifactType"], oci_artifact::MODELPACK_ARTIFACT_TYPE);
         assert_eq!(
             j["config"]["mediaType"],
-            oci_artifact::EMPTY_CONFIG_MEDIA_TYPE
+            oci_artifact::MODELPACK_CONFIG_MEDIA_TYPE
         );
+        assert_eq!(j["config"]["size"], config.len());
+        let l0 = &j["layers"][0];
+        assert_eq!(l0["mediaType"], oci_artifact::MODELPACK_WEIGHT_CONFIG_RAW);
         assert_eq!(
-            j["layers"][0]["annotations"][oci_artifact::TITLE_ANNOTATION],
+            l0["annotations"][oci_artifact::TITLE_ANNOTATION],
             "a/b.json"
         );
         assert_eq!(
+            l0["annotations"][oci_artifact::MODELPACK_FILEPATH_ANNOTATION],
+            "a/b.json"
+        );
+        assert_eq!(
+            j["layers"][1]["mediaType"],
+            oci_artifact::MODELPACK_WEIGHT_RAW
+        );
+        assert!(l0["annotations"]
+            .get(oci_artifact::MODELPACK_MEDIATYPE_UNTESTED_ANNOTATION)
+            .is_none());
+        assert_eq!(
+            j["layers"][2]["annotations"][oci_artifact::MODELPACK_MEDIATYPE_UNTESTED_ANNOTATION],
+            "true"
+        );
+        assert_eq!(j["annotations"][oci_artifact::BITS_ANNOTATION], "4");
+        assert_eq!(
             serde_json::to_vec(&m).unwrap(),
             serde_json::to_vec(&m.clone()).unwrap()
+        );
+        // What download reads back: the same paths, in order.
+        let back = crate::oci::artifact::file_layers("r", &m).unwrap();
+        assert_eq!(
+            back.iter().map(|l| l.path.as_str()).collect::<Vec<_>>(),
+            ["a/b.json", "c.safetensors", "weird.bin2"]
         );
     }
 }

@@ -193,8 +193,8 @@ fn publish_killed_at_seeded_points_finishes_with_the_same_manifest() {
     let reg = Registry::start();
     let tmp = tempfile::tempdir().unwrap();
     let src: PathBuf = tmp.path().join("out");
-    write_data(&src.join("model-00001-of-00002.safetensors"), 16 << 20, 61);
-    write_data(&src.join("model-00002-of-00002.safetensors"), 2 << 20, 62);
+    write_safetensors(&src.join("model-00001-of-00002.safetensors"), 16 << 20, 61);
+    write_safetensors(&src.join("model-00002-of-00002.safetensors"), 2 << 20, 62);
     std::fs::write(
         src.join("config.json"),
         r#"{"quantization_config":{"bits":4}}"#,

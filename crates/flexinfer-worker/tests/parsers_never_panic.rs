@@ -3,8 +3,9 @@
 //! overrides). Covers the source-URI grammar, OCI references and tags, the tag policy, allow/ignore
 //! patterns, hub dataset ids, contract booleans, relative paths, reserved and generation names, phase
 //! names, termination messages and JSON-line events (what the controller reads back from a pod), and
-//! the dataset reader over arbitrary file bytes (what a hub dataset can contain). The model-file readers
-//! (safetensors header, index, config) have their own suite in `flexinfer-quant`.
+//! the dataset reader over arbitrary file bytes (what a hub dataset can contain), the GGUF and safetensors
+//! header readers publish describes a model with, and the layer rules of an `oci://` manifest. The engine's
+//! model-file readers (safetensors header, index, config) have their own suite in `flexinfer-quant`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
 use flexinfer_contract::{self as contract, files, JobPhase, TerminationMessage, WorkerEvent};
@@ -117,6 +118,90 @@ proptest! {
         let rules = if prompts { &dataset::PROMPTS } else { &dataset::CALIBRATION };
         if let Ok(texts) = dataset::read_texts(&p, max, rules) {
             prop_assert!(texts.len() <= max, "{} texts for max {max}", texts.len());
+        }
+    }
+}
+
+/// Bytes that start like a GGUF header (magic, version 3, small counts) so the scanner gets past its
+/// first checks, or anything.
+fn gguf_like() -> impl Strategy<Value = Vec<u8>> {
+    prop_oneof![
+        prop::collection::vec(any::<u8>(), 0..256),
+        (0u64..4, 0u64..4, prop::collection::vec(any::<u8>(), 0..256)).prop_map(
+            |(nt, nkv, tail)| {
+                let mut b = b"GGUF".to_vec();
+                b.extend(3u32.to_le_bytes());
+                b.extend(nt.to_le_bytes());
+                b.extend(nkv.to_le_bytes());
+                b.extend(tail);
+                b
+            }
+        ),
+    ]
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    /// The headers publish reads to describe a model (ModelPack config): a GGUF header and a
+    /// safetensors header over arbitrary bytes (and a claimed length that may lie) give a value or an
+    /// error.
+    #[test]
+    fn model_file_headers(bytes in gguf_like(), extra in 0u64..1024) {
+        use flexinfer_worker::publish::modelpack::{safetensors_header, scan_gguf};
+        let len = bytes.len() as u64;
+        let _ = scan_gguf(std::io::Cursor::new(&bytes), len);
+        let _ = scan_gguf(std::io::Cursor::new(&bytes), len + extra);
+        let _ = safetensors_header(&bytes[..], len);
+        let _ = safetensors_header(&bytes[..], len + extra);
+    }
+
+    /// Any manifest an `oci://` source serves (artifact type, config and layer media types, path
+    /// annotations): file layers or a refusal.
+    #[test]
+    fn artifact_manifests(
+        artifact_type in shaped(r"application/vnd\.(cncf|cnai|flexinfer|unknown)\.(model|artifact)\.(manifest\.)?v1(\+json)?"),
+        layers in prop::collection::vec(
+            (
+                shaped(r"application/vnd\.(cncf|cnai)\.model\.(weight|weight\.config|doc|code|dataset)\.v1\.(raw|tar|tar\+gzip|tar\+zstd)"),
+                prop::option::of(shaped(r"(\.\./|/|\./)?[a-z.]{0,6}(/[a-z.]{0,6}){0,2}")),
+                prop::sample::select(vec![
+                    "org.cncf.model.filepath",
+                    "org.cnai.model.filepath",
+                    "org.opencontainers.image.title",
+                    "io.deis.oras.content.unpack",
+                ]),
+                shaped("sha256:[0-9a-f]{64}"),
+            ),
+            0..5,
+        ),
+    ) {
+        use flexinfer_worker::oci::{artifact::file_layers, Descriptor, Manifest};
+        let m = Manifest {
+            schema_version: 2,
+            media_type: None,
+            artifact_type: Some(artifact_type),
+            config: Descriptor {
+                media_type: "application/vnd.oci.empty.v1+json".into(),
+                digest: "sha256:0".into(),
+                size: 2,
+                annotations: Default::default(),
+            },
+            layers: layers
+                .into_iter()
+                .map(|(media_type, path, key, digest)| Descriptor {
+                    media_type,
+                    digest,
+                    size: 1,
+                    annotations: path.map(|p| (key.to_string(), p)).into_iter().collect(),
+                })
+                .collect(),
+            annotations: Default::default(),
+        };
+        if let Ok(files) = file_layers("r", &m) {
+            for f in files {
+                prop_assert!(contract::check_relative_path(&f.path).is_ok(), "{}", f.path);
+            }
         }
     }
 }

@@ -14,8 +14,8 @@ use publish_support::Registry;
 const MARKERS: &[&str] = &[".source-integrity.json", ".download_complete"];
 
 fn model_tree(dir: &Path) {
-    write_data(&dir.join("model-00001-of-00002.safetensors"), 24 << 20, 11);
-    write_data(&dir.join("model-00002-of-00002.safetensors"), 3 << 20, 12);
+    write_safetensors(&dir.join("model-00001-of-00002.safetensors"), 24 << 20, 11);
+    write_safetensors(&dir.join("model-00002-of-00002.safetensors"), 3 << 20, 12);
     std::fs::write(
         dir.join("config.json"),
         r#"{"quantization_config":{"bits":4}}"#,
@@ -64,34 +64,71 @@ fn push_pull_roundtrip_is_byte_identical_and_repush_is_stable() {
     assert_eq!(complete.len(), 1);
     assert_eq!(complete[0]["digest"], digest.as_str());
 
-    // The manifest as the registry serves it: artifact type, empty config, titled layers.
+    // The manifest as the registry serves it: a ModelPack artifact, its model config, one raw layer
+    // per file with its path as both the ModelPack file path and the OCI title (what `oras pull` uses).
     let (st, body) = reg.get(&format!("/v2/flexinfer/tiny/manifests/{digest}"));
     assert_eq!(st, 200, "{body}");
     let m: serde_json::Value = serde_json::from_str(&body).unwrap();
-    assert_eq!(m["artifactType"], "application/vnd.flexinfer.model.v1");
+    assert_eq!(
+        m["artifactType"],
+        "application/vnd.cncf.model.manifest.v1+json"
+    );
     assert_eq!(
         m["config"]["mediaType"],
-        "application/vnd.oci.empty.v1+json"
+        "application/vnd.cncf.model.config.v1+json"
     );
-    let titles: Vec<&str> = m["layers"]
+    let layers: Vec<(&str, &str, &str)> = m["layers"]
         .as_array()
         .unwrap()
         .iter()
         .map(|l| {
-            l["annotations"]["org.opencontainers.image.title"]
-                .as_str()
-                .unwrap()
+            let a = &l["annotations"];
+            assert_eq!(
+                a["org.cncf.model.filepath"],
+                a["org.opencontainers.image.title"]
+            );
+            (
+                a["org.cncf.model.filepath"].as_str().unwrap(),
+                l["mediaType"].as_str().unwrap(),
+                a["org.cncf.model.file.mediatype.untested"]
+                    .as_str()
+                    .unwrap_or(""),
+            )
         })
         .collect();
+    let weight = "application/vnd.cncf.model.weight.v1.raw";
+    let config = "application/vnd.cncf.model.weight.config.v1.raw";
     assert_eq!(
-        titles,
+        layers,
         [
-            "config.json",
-            "empty.txt",
-            "model-00001-of-00002.safetensors",
-            "model-00002-of-00002.safetensors",
-            "tokenizer/tokenizer.json"
+            ("config.json", config, ""),
+            ("empty.txt", "application/vnd.cncf.model.doc.v1.raw", ""),
+            ("model-00001-of-00002.safetensors", weight, ""),
+            ("model-00002-of-00002.safetensors", weight, ""),
+            ("tokenizer/tokenizer.json", config, ""),
         ]
+    );
+    // The config: what the files say, and one DiffID (the raw layer's digest) per layer.
+    let cfg: serde_json::Value = serde_json::from_slice(
+        &reg.blob("flexinfer/tiny", m["config"]["digest"].as_str().unwrap()),
+    )
+    .unwrap();
+    assert_eq!(cfg["config"], serde_json::json!({"format": "safetensors"}));
+    assert_eq!(cfg["descriptor"], serde_json::json!({}));
+    let diff_ids: Vec<&serde_json::Value> = m["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| &l["digest"])
+        .collect();
+    assert_eq!(
+        cfg["modelfs"],
+        serde_json::json!({"type": "layers", "diffIds": diff_ids})
+    );
+    // What the config has no field for: the bits of `quantization_config`.
+    assert_eq!(
+        m["annotations"],
+        serde_json::json!({"ai.flexinfer.model.quantization.bits": "4"})
     );
 
     // Pull it back through `download` of an oci:// source: the identical tree.
@@ -122,7 +159,7 @@ fn push_pull_roundtrip_is_byte_identical_and_repush_is_stable() {
     assert_eq!(
         uploads,
         6,
-        "5 files + the empty config: {:?}",
+        "5 files + the model config: {:?}",
         reg.uploaded_digests()
     );
     let again = run(
@@ -162,7 +199,7 @@ fn credentials_from_env_or_dockerconfigjson() {
     let src = tmp.path().join("out");
     std::fs::create_dir_all(&src).unwrap();
     std::fs::write(src.join("config.json"), r#"{"a":1}"#).unwrap();
-    write_data(&src.join("model.safetensors"), 2 << 20, 21);
+    write_safetensors(&src.join("model.safetensors"), 2 << 20, 21);
 
     // No credentials: a clear bad-input error.
     let r = run(
@@ -230,7 +267,7 @@ fn tag_policies_and_additional_tags_show_in_the_registry() {
     let src = tmp.path().join("out");
     std::fs::create_dir_all(&src).unwrap();
     std::fs::write(src.join("config.json"), "{}").unwrap();
-    write_data(&src.join("model.safetensors"), 1 << 20, 7);
+    write_safetensors(&src.join("model.safetensors"), 1 << 20, 7);
 
     let mut c = publish(&reg, &src, "flexinfer/tags:v2", tmp.path());
     c.env("OCI_TAG_POLICY", "digest-suffix")
@@ -312,7 +349,7 @@ fn interrupted_push_resumes_without_reuploading_finished_blobs() {
     let tmp = tempfile::tempdir().unwrap();
     let src = tmp.path().join("out");
     for i in 0..8u64 {
-        write_data(
+        write_safetensors(
             &src.join(format!("shard-{i}.safetensors")),
             24 << 20,
             100 + i,
@@ -324,15 +361,10 @@ fn interrupted_push_resumes_without_reuploading_finished_blobs() {
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null());
     let mut child = first.spawn().unwrap();
-    // Kill it as soon as the registry has completed the first file blob (config blob excluded).
-    let empty_config = format!("sha256:{}", sha256_hex(b"{}"));
+    // Kill it as soon as the registry has completed the first file blob (the config goes last).
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let done: Vec<String> = reg
-            .uploaded_digests()
-            .into_iter()
-            .filter(|d| *d != empty_config)
-            .collect();
+        let done: Vec<String> = reg.uploaded_digests();
         if !done.is_empty() {
             break;
         }
@@ -349,8 +381,7 @@ fn interrupted_push_resumes_without_reuploading_finished_blobs() {
     }
     child.kill().unwrap();
     child.wait().unwrap();
-    let before = reg.uploaded_digests();
-    let before_files = before.iter().filter(|d| **d != empty_config).count();
+    let before_files = reg.uploaded_digests().len();
     assert!(
         (1..8).contains(&before_files),
         "interrupted run uploaded {before_files} of 8 files"
@@ -384,16 +415,19 @@ fn an_artifact_that_does_not_match_its_save_complete_is_never_pushed() {
     let reg = Registry::start();
     let tmp = tempfile::tempdir().unwrap();
     let src = tmp.path().join("out");
-    let sha = write_data(&src.join("model.safetensors"), 2 << 20, 21);
+    let sha = write_safetensors(&src.join("model.safetensors"), 2 << 20, 21);
     std::fs::write(
         src.join("config.json"),
         r#"{"quantization_config":{"bits":4}}"#,
     )
     .unwrap();
+    let size = std::fs::metadata(src.join("model.safetensors"))
+        .unwrap()
+        .len();
     let record = |sha: &str| {
         serde_json::json!({
             "version": 1, "script_version": "x", "completed_at": "2026-12-01T00:00:00Z",
-            "shards": [{"name": "model.safetensors", "size_bytes": 2u64 << 20, "sha256": sha}],
+            "shards": [{"name": "model.safetensors", "size_bytes": size, "sha256": sha}],
             "has_index": false, "has_config": true, "has_quantize_config": false,
         })
         .to_string()
@@ -407,7 +441,7 @@ fn an_artifact_that_does_not_match_its_save_complete_is_never_pushed() {
     assert_eq!(r.code, 0, "{}", r.describe());
     let before = reg.uploaded_digests().len();
     // The shard changed after it was recorded (a bit flip, a partial copy): refused, nothing uploaded.
-    write_data(&src.join("model.safetensors"), 2 << 20, 22);
+    write_safetensors(&src.join("model.safetensors"), 2 << 20, 22);
     let r = run(
         publish(&reg, &src, "flexinfer/checked:v2", tmp.path()),
         tmp.path(),
@@ -430,4 +464,199 @@ fn an_artifact_that_does_not_match_its_save_complete_is_never_pushed() {
     );
     assert_eq!(r.code, 2, "{}", r.describe());
     assert!(r.describe().contains("is missing"), "{}", r.describe());
+}
+
+/// Where and how a test artifact is pushed: the repository (tag `v1`), the manifest's artifact type
+/// and its config's media type.
+struct Layout<'a> {
+    repo: &'a str,
+    artifact_type: Option<&'a str>,
+    config: &'a str,
+}
+
+/// Pushes `files` (path, bytes, layer media type) to `layout` with the annotations `annotate` gives
+/// each path; returns the manifest digest.
+fn push_layout(
+    reg: &Registry,
+    layout: &Layout,
+    files: &[(&str, &[u8], &str)],
+    annotate: &dyn Fn(&str) -> serde_json::Value,
+) -> String {
+    let repo = layout.repo;
+    let config = reg.put_blob(repo, b"{}");
+    let layers: Vec<serde_json::Value> = files
+        .iter()
+        .map(|(path, bytes, media_type)| {
+            serde_json::json!({
+                "mediaType": media_type, "digest": reg.put_blob(repo, bytes), "size": bytes.len(),
+                "annotations": annotate(path),
+            })
+        })
+        .collect();
+    let mut m = serde_json::json!({
+        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": layout.config, "digest": config, "size": 2},
+        "layers": layers,
+    });
+    if let Some(t) = layout.artifact_type {
+        m["artifactType"] = t.into();
+    }
+    reg.put_manifest(repo, "v1", &m)
+}
+
+fn pull(reg: &Registry, repo: &str, scratch: &Path, into: &Path) -> Run {
+    let mut c = worker("download", scratch);
+    c.env("SOURCE", format!("oci://{}/{repo}:v1", reg.addr))
+        .env("MODEL_DIR", into)
+        .env("OCI_INSECURE", "true");
+    run(c, scratch)
+}
+
+/// An artifact `download` reads: its layout, the media types of its weight and config layers, and
+/// the annotations that name each file.
+struct Readable<'a> {
+    layout: Layout<'a>,
+    media_types: [&'a str; 2],
+    annotate: &'a dyn Fn(&str) -> serde_json::Value,
+}
+
+/// An artifact `download` refuses: one layer of `media_type` with `annotations`, and what the
+/// error must say.
+struct Refused<'a> {
+    layout: Layout<'a>,
+    media_type: &'a str,
+    annotations: serde_json::Value,
+    want: &'a str,
+}
+
+#[test]
+fn oci_sources_read_earlier_flexinfer_plain_oras_and_modctl_artifacts_and_refuse_archives() {
+    let reg = Registry::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let weights = vec![7u8; 70_000];
+    let title = |p: &str| serde_json::json!({"org.opencontainers.image.title": p});
+    let modelpack = |repo| Layout {
+        repo,
+        artifact_type: Some("application/vnd.cncf.model.manifest.v1+json"),
+        config: "application/vnd.cncf.model.config.v1+json",
+    };
+    let oras = |repo| Layout {
+        repo,
+        artifact_type: Some("application/vnd.unknown.artifact.v1"),
+        config: "application/vnd.oci.empty.v1+json",
+    };
+    let cases = [
+        // What FlexInfer published before ModelPack (caches that point at such artifacts keep working).
+        Readable {
+            layout: Layout {
+                repo: "old/flexinfer",
+                artifact_type: Some("application/vnd.flexinfer.model.v1"),
+                config: "application/vnd.oci.empty.v1+json",
+            },
+            media_types: ["application/vnd.flexinfer.model.file.v1"; 2],
+            annotate: &title,
+        },
+        // `oras push ref model.safetensors tok/tokenizer.json`.
+        Readable {
+            layout: oras("plain/oras"),
+            media_types: ["application/vnd.oci.image.layer.v1.tar"; 2],
+            annotate: &title,
+        },
+        // modctl: the transitional vnd.cnai spelling, the path only in org.cnai.model.filepath.
+        Readable {
+            layout: Layout {
+                repo: "modctl/raw",
+                artifact_type: Some("application/vnd.cnai.model.manifest.v1+json"),
+                config: "application/vnd.cnai.model.config.v1+json",
+            },
+            media_types: [
+                "application/vnd.cnai.model.weight.v1.raw",
+                "application/vnd.cnai.model.weight.config.v1.raw",
+            ],
+            annotate: &|p: &str| serde_json::json!({"org.cnai.model.filepath": p}),
+        },
+    ];
+    for c in cases {
+        let [wmt, cmt] = c.media_types;
+        let repo = c.layout.repo;
+        let digest = push_layout(
+            &reg,
+            &c.layout,
+            &[
+                ("model.safetensors", &weights, wmt),
+                ("tok/tokenizer.json", br#"{"model":{}}"#, cmt),
+            ],
+            c.annotate,
+        );
+        let into = tmp.path().join(repo);
+        let p = pull(&reg, repo, tmp.path(), &into);
+        assert_eq!(p.code, 0, "{repo}: {}", p.describe());
+        assert_eq!(p.termination["revision"], digest.as_str(), "{repo}");
+        assert_eq!(
+            std::fs::read(into.join("model.safetensors")).unwrap(),
+            weights,
+            "{repo}"
+        );
+        assert_eq!(
+            std::fs::read_to_string(into.join("tok/tokenizer.json")).unwrap(),
+            r#"{"model":{}}"#,
+            "{repo}"
+        );
+    }
+
+    // Refused at once (exit 2), naming the layer and its media type, nothing fetched: a ModelPack tar
+    // layer, a directory `oras push` tarred, a layer without a path, a path out of the tree.
+    let cases = [
+        Refused {
+            layout: modelpack("refused/tar"),
+            media_type: "application/vnd.cncf.model.weight.v1.tar",
+            annotations: serde_json::json!({"org.cncf.model.filepath": "model.safetensors"}),
+            want: "a tar archive, which FlexInfer does not unpack",
+        },
+        Refused {
+            layout: oras("refused/orasdir"),
+            media_type: "application/vnd.oci.image.layer.v1.tar+gzip",
+            annotations: serde_json::json!({"org.opencontainers.image.title": "tok", "io.deis.oras.content.unpack": "true"}),
+            want: "a directory that `oras push` tarred",
+        },
+        Refused {
+            layout: Layout {
+                repo: "refused/untitled",
+                artifact_type: None,
+                config: "application/vnd.oci.image.config.v1+json",
+            },
+            media_type: "application/vnd.oci.image.layer.v1.tar+gzip",
+            annotations: serde_json::json!({}),
+            want: "names no file",
+        },
+        Refused {
+            layout: modelpack("refused/escape"),
+            media_type: "application/vnd.cncf.model.weight.v1.raw",
+            annotations: serde_json::json!({"org.cncf.model.filepath": "../../etc/cron.d/x"}),
+            want: "unsafe file path",
+        },
+    ];
+    for c in cases {
+        let repo = c.layout.repo;
+        push_layout(&reg, &c.layout, &[("x", &weights, c.media_type)], &|_| {
+            c.annotations.clone()
+        });
+        let into = tmp.path().join(repo);
+        let p = pull(&reg, repo, tmp.path(), &into);
+        assert_eq!(p.code, 2, "{repo}: {}", p.describe());
+        let err = p.termination["error"].as_str().unwrap_or_default();
+        assert!(
+            err.contains("layer 0 (sha256:") && err.contains(c.media_type) && err.contains(c.want),
+            "{repo}: {err}"
+        );
+        let fetched = reg
+            .log_text()
+            .lines()
+            .filter(|l| l.contains(&format!("GET /v2/{repo}/blobs/")))
+            .count();
+        assert_eq!(
+            fetched, 0,
+            "{repo}: a blob of a refused artifact was fetched"
+        );
+    }
 }

@@ -54,7 +54,7 @@ pub struct PublishSpec {
 #[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum PublishTarget {
-    /// An OCI registry (artifact type `application/vnd.flexinfer.model.v1`).
+    /// An OCI registry: a CNCF ModelPack artifact (`application/vnd.cncf.model.manifest.v1+json`, raw layers).
     Oci,
 }
 

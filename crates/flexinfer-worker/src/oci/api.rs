@@ -9,11 +9,12 @@ use std::time::Duration;
 use reqwest::header::{AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE, LOCATION};
 use reqwest::StatusCode;
 
-use flexinfer_contract::{check_relative_path, oci_artifact};
+use flexinfer_contract::oci_artifact;
 use futures::TryStreamExt;
 use serde::Deserialize;
 
-use super::{is_sha256_digest, sha256_digest, transport, Manifest, OciError, Reference, Registry};
+use super::artifact::{file_layers, ArtifactKind};
+use super::{sha256_digest, transport, Manifest, OciError, Reference, Registry};
 use crate::common::Retry;
 use crate::download::RemoteFile;
 use crate::http;
@@ -253,7 +254,8 @@ impl Registry {
         Ok(out)
     }
 
-    /// The files of a published model artifact: (manifest digest, one entry per titled layer).
+    /// The files of a model artifact (ModelPack, plain ORAS, or FlexInfer's earlier layout; see
+    /// [`super::artifact`]): (manifest digest, one entry per file layer).
     pub async fn artifact_files(
         &self,
         reference: &Reference,
@@ -277,32 +279,22 @@ impl Registry {
                 reference: reference.to_string(),
                 source,
             })?;
-        let mut files = Vec::new();
-        for l in &m.layers {
-            let Some(title) = l.annotations.get(oci_artifact::TITLE_ANNOTATION) else {
-                tracing::warn!(digest = %l.digest, "layer without a title annotation skipped");
-                continue;
-            };
-            check_relative_path(title).map_err(OciError::UnsafeTitle)?;
-            if !is_sha256_digest(&l.digest) {
-                return Err(OciError::UnsupportedDigest {
-                    title: title.clone(),
-                    digest: l.digest.clone(),
-                });
-            }
-            files.push(RemoteFile {
-                path: title.clone(),
+        let layers = file_layers(&reference.to_string(), &m)?;
+        tracing::info!(
+            kind = ArtifactKind::of(&m).describe(),
+            layers = layers.len(),
+            "reading the artifact's file layers"
+        );
+        let files = layers
+            .into_iter()
+            .map(|l| RemoteFile {
                 url: self.url(&format!("blobs/{}", l.digest)),
+                sha256: l.digest.strip_prefix("sha256:").map(String::from),
+                path: l.path,
                 size: l.size,
-                sha256: Some(l.digest["sha256:".len()..].to_string()),
                 git_sha1: None,
-            });
-        }
-        if files.is_empty() {
-            return Err(OciError::NoFileLayers {
-                reference: reference.to_string(),
-            });
-        }
+            })
+            .collect();
         Ok((digest, files))
     }
 }

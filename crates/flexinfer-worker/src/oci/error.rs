@@ -1,10 +1,10 @@
 //! The OCI client's errors: which are bad input (exit 2) and which are transport or registry failures.
 
+use super::artifact::LayerProblem;
 use super::InvalidTag;
 use crate::common::WorkerError;
 use crate::download::fetch::Transport;
 use crate::http;
-use flexinfer_contract::PathError;
 use reqwest::StatusCode;
 use std::path::PathBuf;
 
@@ -65,11 +65,29 @@ pub enum OciError {
         #[source]
         source: serde_json::Error,
     },
-    #[error("artifact layer has an unsafe title: {0}")]
-    UnsafeTitle(#[source] PathError),
-    #[error("layer {title}: unsupported digest {digest}")]
-    UnsupportedDigest { title: String, digest: String },
-    #[error("{reference} has no titled file layers")]
+    /// A layer that is not written out as a file (an archive, an unknown media type, no or an unsafe path).
+    #[error("layer {index} ({digest}, media type {media_type}): {problem}")]
+    LayerRefused {
+        index: usize,
+        digest: String,
+        media_type: String,
+        #[source]
+        problem: LayerProblem,
+    },
+    #[error("layers {first} and {second} both write {path}")]
+    DuplicatePath {
+        path: String,
+        first: usize,
+        second: usize,
+    },
+    #[error("layer {file_layer} writes the file {file}, but layer {below_layer} writes {below} below it")]
+    PathConflict {
+        file: String,
+        file_layer: usize,
+        below: String,
+        below_layer: usize,
+    },
+    #[error("{reference} has no file layers")]
     NoFileLayers { reference: String },
     #[error("the registry token is not a header value")]
     TokenNotAHeader,

@@ -24,6 +24,24 @@ pub const WORKER: &str = env!("CARGO_BIN_EXE_flexinfer-worker");
 /// Write `size` bytes of non-repeating pseudo-random data (1 MiB xorshift block, each MiB stamped
 /// with its index and the seed) and return its sha256.
 pub fn write_data(path: &Path, size: u64, seed: u64) -> String {
+    write_prefixed(path, &[], size, seed)
+}
+
+/// A valid safetensors file whose one tensor (`data`, U8) holds `size` bytes of [`write_data`]'s
+/// pseudo-random data; returns the file's sha256. What publish describes must be a readable checkpoint.
+pub fn write_safetensors(path: &Path, size: u64, seed: u64) -> String {
+    let mut header =
+        format!(r#"{{"data":{{"dtype":"U8","shape":[{size}],"data_offsets":[0,{size}]}}}}"#)
+            .into_bytes();
+    while header.len() % 8 != 0 {
+        header.push(b' ');
+    }
+    let mut prefix = (header.len() as u64).to_le_bytes().to_vec();
+    prefix.extend(header);
+    write_prefixed(path, &prefix, size, seed)
+}
+
+fn write_prefixed(path: &Path, prefix: &[u8], size: u64, seed: u64) -> String {
     if let Some(p) = path.parent() {
         std::fs::create_dir_all(p).unwrap();
     }
@@ -37,6 +55,8 @@ pub fn write_data(path: &Path, size: u64, seed: u64) -> String {
     }
     let mut f = std::io::BufWriter::with_capacity(4 << 20, std::fs::File::create(path).unwrap());
     let mut h = Sha256::new();
+    h.update(prefix);
+    f.write_all(prefix).unwrap();
     let mut left = size;
     let mut i = 0u64;
     while left > 0 {

@@ -150,6 +150,94 @@ impl Registry {
         (status, body)
     }
 
+    /// One HTTP/1.1 request (`Connection: close`); (status, headers as lowercase name → value, body).
+    fn request(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> (u16, Vec<(String, String)>, Vec<u8>) {
+        use std::io::Write;
+        let mut s = std::net::TcpStream::connect(&self.addr).unwrap();
+        let mut head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\nContent-Length: {}\r\n",
+            self.addr,
+            body.len()
+        );
+        for (k, v) in headers {
+            head.push_str(&format!("{k}: {v}\r\n"));
+        }
+        head.push_str("\r\n");
+        s.write_all(head.as_bytes()).unwrap();
+        s.write_all(body).unwrap();
+        let mut buf = Vec::new();
+        s.read_to_end(&mut buf).unwrap();
+        let split = buf
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .expect("an HTTP answer");
+        let text = String::from_utf8_lossy(&buf[..split]).to_string();
+        let mut lines = text.lines();
+        let status = lines
+            .next()
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let hs = lines
+            .filter_map(|l| l.split_once(':'))
+            .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+            .collect();
+        (status, hs, buf[split + 4..].to_vec())
+    }
+
+    /// Uploads `bytes` as a blob of `repo` (POST, then a monolithic PUT); returns its digest.
+    pub fn put_blob(&self, repo: &str, bytes: &[u8]) -> String {
+        use sha2::Digest;
+        let digest = format!("sha256:{}", hex::encode(sha2::Sha256::digest(bytes)));
+        let (st, hs, _) = self.request("POST", &format!("/v2/{repo}/blobs/uploads/"), &[], b"");
+        assert_eq!(st, 202, "starting an upload to {repo}");
+        let loc = hs
+            .iter()
+            .find(|(k, _)| k == "location")
+            .map(|(_, v)| v.clone())
+            .expect("upload Location");
+        let path = loc
+            .split_once("://")
+            .map(|(_, rest)| rest[rest.find('/').unwrap_or(rest.len())..].to_string())
+            .unwrap_or(loc);
+        let sep = if path.contains('?') { '&' } else { '?' };
+        let (st, _, body) = self.request(
+            "PUT",
+            &format!("{path}{sep}digest={}", digest.replace(':', "%3A")),
+            &[("Content-Type", "application/octet-stream")],
+            bytes,
+        );
+        assert_eq!(st, 201, "{}", String::from_utf8_lossy(&body));
+        digest
+    }
+
+    /// Puts `manifest` (an OCI image manifest) under `tag`; returns the digest of its bytes.
+    pub fn put_manifest(&self, repo: &str, tag: &str, manifest: &serde_json::Value) -> String {
+        use sha2::Digest;
+        let body = serde_json::to_vec(manifest).unwrap();
+        let (st, _, answer) = self.request(
+            "PUT",
+            &format!("/v2/{repo}/manifests/{tag}"),
+            &[("Content-Type", "application/vnd.oci.image.manifest.v1+json")],
+            &body,
+        );
+        assert_eq!(st, 201, "{}", String::from_utf8_lossy(&answer));
+        format!("sha256:{}", hex::encode(sha2::Sha256::digest(&body)))
+    }
+
+    /// GET a blob's bytes.
+    pub fn blob(&self, repo: &str, digest: &str) -> Vec<u8> {
+        let (st, _, body) = self.request("GET", &format!("/v2/{repo}/blobs/{digest}"), &[], b"");
+        assert_eq!(st, 200, "blob {digest} of {repo}");
+        body
+    }
+
     pub fn tags(&self, repo: &str) -> Vec<String> {
         let (st, body) = self.get(&format!("/v2/{repo}/tags/list"));
         assert_eq!(st, 200, "{body}");
