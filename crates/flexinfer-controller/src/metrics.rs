@@ -19,11 +19,17 @@ fn registered<C: Collector + Clone + 'static>(
 #[derive(Clone)]
 pub struct Metrics {
     pub registry: Registry,
-    /// `flexinfer_job_progress_percent{model,namespace,job_type}`.
+    /// `flexinfer_job_progress_ratio{model,namespace,job_type}` (0-1).
+    pub job_progress_ratio: GaugeVec,
+    /// `flexinfer_job_progress_percent{model,namespace,job_type}` (0-100): deprecated for
+    /// `flexinfer_job_progress_ratio`, exported beside it for one release.
     pub job_progress_percent: GaugeVec,
     /// `flexinfer_quantization_layer_index{model,namespace}`.
     pub quantization_layer_index: IntGaugeVec,
-    /// `flexinfer_quantization_layer_total{model,namespace}`.
+    /// `flexinfer_quantization_layers{model,namespace}`.
+    pub quantization_layers: IntGaugeVec,
+    /// `flexinfer_quantization_layer_total{model,namespace}`: deprecated for `flexinfer_quantization_layers`
+    /// (a gauge, which a `_total` name says it is not), exported beside it for one release.
     pub quantization_layer_total: IntGaugeVec,
     /// `flexinfer_job_deadline_seconds{model,namespace,job_type}` (activeDeadlineSeconds).
     pub job_deadline_seconds: GaugeVec,
@@ -68,12 +74,22 @@ impl Metrics {
         let mn = ["model", "namespace"];
         Ok(Metrics {
             caches: crate::cache_series::CacheSeries::registered(&registry)?,
+            job_progress_ratio: registered(
+                &registry,
+                GaugeVec::new(
+                    opts!(
+                        "flexinfer_job_progress_ratio",
+                        "Progress of the running pipeline Job (0-1)"
+                    ),
+                    &mj,
+                ),
+            )?,
             job_progress_percent: registered(
                 &registry,
                 GaugeVec::new(
                     opts!(
                         "flexinfer_job_progress_percent",
-                        "Progress of the running pipeline Job (0-100)"
+                        "Deprecated: flexinfer_job_progress_ratio x 100; removed in the next release"
                     ),
                     &mj,
                 ),
@@ -88,12 +104,22 @@ impl Metrics {
                     &mn,
                 ),
             )?,
+            quantization_layers: registered(
+                &registry,
+                IntGaugeVec::new(
+                    opts!(
+                        "flexinfer_quantization_layers",
+                        "Decoder layers of the model being quantized"
+                    ),
+                    &mn,
+                ),
+            )?,
             quantization_layer_total: registered(
                 &registry,
                 IntGaugeVec::new(
                     opts!(
                         "flexinfer_quantization_layer_total",
-                        "Decoder layers of the model being quantized"
+                        "Deprecated: flexinfer_quantization_layers; removed in the next release"
                     ),
                     &mn,
                 ),

@@ -80,10 +80,12 @@ fn forget_job_series(m: &crate::metrics::Metrics, name: &str, ns: &str, running:
         let _ = m.job_elapsed_seconds.remove_label_values(&[name, ns, jt]);
         // Progress is the running Job's: a finished phase keeps no series (three per Ready cache
         // were half of its series, kept for every finished cache).
+        let _ = m.job_progress_ratio.remove_label_values(&[name, ns, jt]);
         let _ = m.job_progress_percent.remove_label_values(&[name, ns, jt]);
     }
     if running != Some(JobPhase::Quantize) {
         let _ = m.quantization_layer_index.remove_label_values(&[name, ns]);
+        let _ = m.quantization_layers.remove_label_values(&[name, ns]);
         let _ = m.quantization_layer_total.remove_label_values(&[name, ns]);
         let _ = m
             .quantization_last_progress_timestamp
@@ -98,9 +100,9 @@ pub(crate) fn forget_cache_series(m: &crate::metrics::Metrics, name: &str, ns: &
     forget_job_series(m, name, ns, None);
     m.caches.forget(name, ns);
     for phase in JobPhase::ALL {
-        let _ = m
-            .job_progress_percent
-            .remove_label_values(&[name, ns, phase.status_name()]);
+        let jt = phase.status_name();
+        let _ = m.job_progress_ratio.remove_label_values(&[name, ns, jt]);
+        let _ = m.job_progress_percent.remove_label_values(&[name, ns, jt]);
     }
     for r in contract::FailureReason::ALL {
         let _ = m
@@ -191,6 +193,9 @@ fn set_running_series(
         .with_label_values(&[name, ns, jt])
         .set(elapsed as f64);
     if let Some(pr) = p.status.progress {
+        m.job_progress_ratio
+            .with_label_values(&[name, ns, jt])
+            .set(pr as f64 / 100.0);
         m.job_progress_percent
             .with_label_values(&[name, ns, jt])
             .set(pr as f64);
@@ -226,6 +231,7 @@ fn set_running_series(
                 }
             }
             if let Some(l) = t.layers {
+                m.quantization_layers.with_label_values(&[name, ns]).set(l);
                 m.quantization_layer_total
                     .with_label_values(&[name, ns])
                     .set(l);
@@ -319,5 +325,68 @@ mod metric_cleanup_tests {
         // The Job ended (its termination message may still carry the device): gone.
         update_metrics(&mc, &m, "ns", &plan(false, Some(true)));
         assert_eq!(value(&m), None, "{}", m.render());
+    }
+
+    /// The renamed series (`_ratio` 0-1, `_layers`) and their deprecated names carry the same reading while the
+    /// quantization runs, and both go when it ends.
+    #[test]
+    fn progress_and_layer_count_under_their_new_and_deprecated_names() {
+        let m = crate::metrics::Metrics::new().expect("metrics");
+        let mc: ModelCache = serde_json::from_value(serde_json::json!({
+            "apiVersion": "ai.flexinfer/v1alpha2", "kind": "ModelCache",
+            "metadata": {"name": "c", "namespace": "ns"},
+            "spec": {"source": "org/model"},
+        }))
+        .expect("cache");
+        let telemetry: flexinfer_api::contract::events::ProgressEvent =
+            serde_json::from_value(serde_json::json!({"percent": 40.0, "layer": 12, "layers": 32}))
+                .expect("event");
+        let plan = |running: bool| {
+            let mut status = flexinfer_api::modelcache::ModelCacheStatus::default();
+            status.progress = Some(40);
+            Plan {
+                status,
+                status_changed: false,
+                actions: vec![],
+                requeue_after: None,
+                outcome: super::super::plan::Outcome {
+                    running: running.then_some((JobPhase::Quantize, 3600, 60)),
+                    telemetry: Some(telemetry.clone()),
+                    ..Default::default()
+                },
+            }
+        };
+        let value = |m: &crate::metrics::Metrics, metric: &str| {
+            m.render()
+                .lines()
+                .find(|l| l.starts_with(&format!("{metric}{{")))
+                .and_then(|l| l.rsplit(' ').next().map(str::to_string))
+        };
+        update_metrics(&mc, &m, "ns", &plan(true));
+        assert_eq!(
+            value(&m, "flexinfer_job_progress_ratio").as_deref(),
+            Some("0.4")
+        );
+        assert_eq!(
+            value(&m, "flexinfer_job_progress_percent").as_deref(),
+            Some("40")
+        );
+        assert_eq!(
+            value(&m, "flexinfer_quantization_layers").as_deref(),
+            Some("32")
+        );
+        assert_eq!(
+            value(&m, "flexinfer_quantization_layer_total").as_deref(),
+            Some("32")
+        );
+        update_metrics(&mc, &m, "ns", &plan(false));
+        for metric in [
+            "flexinfer_job_progress_ratio",
+            "flexinfer_job_progress_percent",
+            "flexinfer_quantization_layers",
+            "flexinfer_quantization_layer_total",
+        ] {
+            assert_eq!(value(&m, metric), None, "{metric}: {}", m.render());
+        }
     }
 }
