@@ -341,20 +341,19 @@ mod metric_cleanup_tests {
         let telemetry: flexinfer_api::contract::events::ProgressEvent =
             serde_json::from_value(serde_json::json!({"percent": 40.0, "layer": 12, "layers": 32}))
                 .expect("event");
-        let plan = |running: bool| {
-            let mut status = flexinfer_api::modelcache::ModelCacheStatus::default();
-            status.progress = Some(40);
-            Plan {
-                status,
-                status_changed: false,
-                actions: vec![],
-                requeue_after: None,
-                outcome: super::super::plan::Outcome {
-                    running: running.then_some((JobPhase::Quantize, 3600, 60)),
-                    telemetry: Some(telemetry.clone()),
-                    ..Default::default()
-                },
-            }
+        let plan = |running: bool| Plan {
+            status: flexinfer_api::modelcache::ModelCacheStatus {
+                progress: Some(40),
+                ..Default::default()
+            },
+            status_changed: false,
+            actions: vec![],
+            requeue_after: None,
+            outcome: super::super::plan::Outcome {
+                running: running.then_some((JobPhase::Quantize, 3600, 60)),
+                telemetry: Some(telemetry.clone()),
+                ..Default::default()
+            },
         };
         let value = |m: &crate::metrics::Metrics, metric: &str| {
             m.render()
