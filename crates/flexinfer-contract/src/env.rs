@@ -232,7 +232,13 @@ pub mod controller {
     pub const PROXY_NAMESPACE: &str = "FLEXINFER_PROXY_NAMESPACE";
     /// The proxy pods' labels, `key=value` pairs separated by commas (the chart's proxy selector labels).
     pub const PROXY_POD_LABELS: &str = "FLEXINFER_PROXY_POD_LABELS";
-    /// Default serving image per backend: `FLEXINFER_RUNTIME_IMAGE_<BACKEND>`.
+    /// The llama.cpp serving images FlexInfer builds, `<repository>:<tag>` (the CPU flavor); the
+    /// controller's image table appends `-rocm` and `-vulkan` for AMD GPUs (chart value
+    /// `runtime.llamacpp`). Unset: `ghcr.io/flexinfer/flexinfer-llamacpp:<controller version>`.
+    pub const LLAMACPP_IMAGE: &str = "FLEXINFER_LLAMACPP_IMAGE";
+    /// Serving image per backend for every Model whose spec and GPUProfile name none, whatever its
+    /// GPU: `FLEXINFER_RUNTIME_IMAGE_<BACKEND>` (unset: the controller's table by vendor and
+    /// architecture).
     pub fn runtime_image(backend: &str) -> String {
         format!("FLEXINFER_RUNTIME_IMAGE_{}", backend.to_ascii_uppercase())
     }
