@@ -9,6 +9,7 @@ Prints one line per failed assertion and exits 1 on any failure.
 """
 import json
 import os
+import re
 import sys
 
 import yaml
@@ -32,8 +33,9 @@ ENV = {
         "FLEXINFER_QUANTIZER_GPTQ_ROCM_GFX1100_IMAGE": W + "-rocm-gfx1100",
         "FLEXINFER_QUANTIZER_GPTQ_ROCM_GFX906_IMAGE": W + "-rocm-gfx906",
         "FLEXINFER_QUANTIZER_IMAGE_GPTQ": W + "-cuda",
-        # Models with backend llamacpp default to the llama.cpp image FlexInfer builds (CPU flavor).
-        "FLEXINFER_RUNTIME_IMAGE_LLAMACPP": "ghcr.io/flexinfer/flexinfer-llamacpp:" + APP,
+        # The llama.cpp images FlexInfer builds; no vendor-blind FLEXINFER_RUNTIME_IMAGE_* by default (the
+        # controller's table picks by GPU vendor and architecture).
+        "FLEXINFER_LLAMACPP_IMAGE": "ghcr.io/flexinfer/flexinfer-llamacpp:" + APP,
         # Each Model's NetworkPolicy admits only the release's proxy pods (proxy and its policy on by default).
         "FLEXINFER_PROXY_NAMESPACE": "flexinfer-system",
         "FLEXINFER_PROXY_POD_LABELS": "app.kubernetes.io/name=flexinfer,app.kubernetes.io/instance=flexinfer,"
@@ -62,7 +64,7 @@ ENV = {
         "FLEXINFER_GPU_SUPPLEMENTAL_GROUPS": "44,110",
         "FLEXINFER_CREDENTIAL_REGISTRIES": "ghcr.io,registry.local:5000",
         "FLEXINFER_RUNTIME_IMAGE_VLLM": "registry.example.com/vllm/vllm-openai:v0.9.2",
-        "FLEXINFER_RUNTIME_IMAGE_LLAMACPP": "registry.example.com/flexinfer/llamacpp:7",
+        "FLEXINFER_LLAMACPP_IMAGE": "registry.example.com/flexinfer/llamacpp:7",
         "FLEXINFER_PROXY_NAMESPACE": "flexinfer-system",
         "FLEXINFER_PROXY_POD_LABELS": "app.kubernetes.io/name=flexinfer,app.kubernetes.io/instance=flexinfer,"
                                       "app.kubernetes.io/component=proxy",
@@ -112,7 +114,46 @@ SERVING_POD = {
     "app.kubernetes.io/component": "inference-server", "flexinfer.ai/model": "m",
 }
 
+# The shipped profiles' runtime.images in the all-on render (runtime.llamacpp = registry.example.com/flexinfer/llamacpp:7).
+PROFILE_IMAGES = {
+    "gfx1100": {"vllm": "docker.io/vllm/vllm-openai-rocm:v0.18.0", "ollama": "docker.io/ollama/ollama:0.12.6-rocm",
+                "llamacpp": "registry.example.com/flexinfer/llamacpp:7-rocm"},
+    "gfx906": {"ollama": "docker.io/ollama/ollama:0.12.6-rocm", "llamacpp": "registry.example.com/flexinfer/llamacpp:7-rocm"},
+    "nvidia-sm89": {"vllm": "docker.io/vllm/vllm-openai:v0.18.0", "llamacpp": "ghcr.io/ggml-org/llama.cpp:server-cuda-b11206",
+                    "ollama": "docker.io/ollama/ollama:0.12.6",
+                    "exllamav2": "ghcr.io/theroyallab/tabbyapi@sha256:"
+                                 "cbceb3032963ab7ada80c76649956b01f54e9e0b04a050fb3396c95950c52b03"},
+}
+
 errors = []
+
+
+def built_for(img):
+    """"cuda", "rocm" or None, by the rules of built_for in crates/flexinfer-controller/src/model/images.rs."""
+    ref = img.split("@")[0]
+    name, tag = (ref.rsplit(":", 1) + [""])[:2] if ":" in ref.rsplit("/", 1)[-1] else (ref, "")
+    words = [w for w in re.split(r"[-_.]", tag) + re.split(r"[-_.]", name.rsplit("/", 1)[-1]) if w]
+    rocm = any(w.startswith("rocm") for w in words)
+    cuda = any(w.startswith("cuda") or re.fullmatch(r"cu[0-9]{2,3}", w) for w in words)
+    if rocm or cuda:
+        return None if rocm and cuda else ("rocm" if rocm else "cuda")
+    if name.endswith(("/vllm-openai-rocm", "rocm/vllm")):
+        return "rocm"
+    if name.endswith(("vllm/vllm-openai", "theroyallab/tabbyapi")) or (name.endswith("ollama/ollama") and tag):
+        return "cuda"
+    return None
+
+
+def check_vendor_images(name, vendor, images):
+    """No image of the other vendor, and every image pinned (a tag other than latest, or a digest)."""
+    for backend, img in images.items():
+        b = built_for(img)
+        check(not (vendor == "amd" and b == "cuda"), f"GPUProfile {name}: {backend} image {img} is a CUDA build on AMD")
+        check(not (vendor == "nvidia" and b == "rocm"), f"GPUProfile {name}: {backend} image {img} is a ROCm build on NVIDIA")
+        last = img.split("@")[0].rsplit("/", 1)[-1]
+        # A version in the tag (v0.18.0, 0.12.6-rocm, server-cuda-b11206); `latest`, `rocm`, `server` float.
+        pinned = "@sha256:" in img or (":" in last and re.search(r"[0-9]", last.rsplit(":", 1)[1]) is not None)
+        check(pinned, f"GPUProfile {name}: {backend} image {img} is not pinned")
 
 
 def check(cond, msg):
@@ -349,13 +390,16 @@ def check_static(docs, mode):
     names = sorted(d["metadata"]["name"] for d in docs if d["kind"] == "GPUProfile")
     if mode == "allon":
         check(names == ["gfx1100", "gfx906", "nvidia-sm89"], f"GPUProfiles {names}")
-        # The AMD profiles serve GGUF with the llama.cpp ROCm image; the NVIDIA one names none.
+        # Each profile names the controller's default image of every backend that has one on its architecture
+        # (crates/flexinfer-controller/src/model/images.rs, TABLE): ROCm builds on AMD, CUDA builds on NVIDIA.
         for d in docs:
             if d["kind"] != "GPUProfile":
                 continue
-            img = d["spec"].get("runtime", {}).get("images", {}).get("llamacpp")
-            want = "registry.example.com/flexinfer/llamacpp:7-rocm" if d["spec"]["vendor"] == "amd" else None
-            check(img == want, f"GPUProfile {d['metadata']['name']}: llamacpp image {img!r}, want {want!r}")
+            name = d["metadata"]["name"]
+            got = d["spec"].get("runtime", {}).get("images", {})
+            want = PROFILE_IMAGES[name]
+            check(got == want, f"GPUProfile {name}: runtime.images {got}, want {want}")
+            check_vendor_images(name, d["spec"]["vendor"], got)
         b = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"][0]
         check(b["spec"]["validationActions"] == ["Deny"], "binding Deny")
 
@@ -380,6 +424,22 @@ def main():
         for r in roles:
             rules = [(x["apiGroups"], x["resources"], x["verbs"]) for x in r["rules"]]
             check(rules == want, f"{r['kind']} {r['metadata'].get('namespace', '')}: rules {rules}")
+    elif sys.argv[1] == "profile":
+        # profile NAME VENDOR KEY=IMAGE... [spec.FIELD=JSON...]: the rendered GPUProfile NAME names exactly these
+        # runtime images (and has these spec fields).
+        docs = [d for d in yaml.safe_load_all(sys.stdin) if d]
+        p = [d for d in docs if d["kind"] == "GPUProfile" and d["metadata"]["name"] == sys.argv[2]]
+        check(len(p) == 1, f"one GPUProfile {sys.argv[2]}")
+        if p:
+            got = p[0]["spec"].get("runtime", {}).get("images", {})
+            args = dict(a.split("=", 1) for a in sys.argv[4:])
+            want = {k: v for k, v in args.items() if not k.startswith("spec.")}
+            check(got == want, f"GPUProfile {sys.argv[2]}: runtime.images {got}, want {want}")
+            check_vendor_images(sys.argv[2], sys.argv[3], got)
+            for k, v in args.items():
+                if k.startswith("spec."):
+                    have = p[0]["spec"].get(k[5:])
+                    check(have == json.loads(v), f"GPUProfile {sys.argv[2]}: {k} {have!r}, want {v}")
     elif sys.argv[1] == "netpol":
         docs = [d for d in yaml.safe_load_all(sys.stdin) if d]
         check_netpol(docs, [n for n in sys.argv[2].split(",") if n], int(sys.argv[3]) if len(sys.argv) > 3 else 0)

@@ -86,7 +86,9 @@ t "digests pin the controller, proxy, worker variants and llama.cpp flavors; a v
   grep -A1 'name: FLEXINFER_QUANTIZER_GPTQ_ROCM_GFX906_IMAGE\$' <<<\"\$out\" | grep -q 'rocm-gfx906@$DIG\"'
   grep -A1 'name: FLEXINFER_QUANTIZER_GPTQ_IMAGE\$' <<<\"\$out\" | grep -q 'flexinfer-worker:[^@ ]*-cuda\"'
   grep -q 'llamacpp: ghcr.io/flexinfer/flexinfer-llamacpp:[^@ ]*-rocm@$DIG\$' <<<\"\$out\"
-  grep -A1 'name: FLEXINFER_RUNTIME_IMAGE_LLAMACPP\$' <<<\"\$out\" | grep -q 'flexinfer-llamacpp:[^@ -]*\"'"
+  grep -A1 'name: FLEXINFER_LLAMACPP_IMAGE\$' <<<\"\$out\" | grep -q 'flexinfer-llamacpp:[^@ -]*\"'
+  grep -A1 'name: FLEXINFER_LLAMACPP_IMAGE_DIGESTS\$' <<<\"\$out\" | grep -q 'value: rocm=$DIG\$'
+  ! '$HELM' template x '$CHART' | grep -q FLEXINFER_LLAMACPP_IMAGE_DIGESTS"
 ts "schema rejects a digest that is not sha256:<64 hex>" template x "$CHART" --set image.digest=sha256:abc
 ts "schema rejects a worker digest for an unknown variant" template x "$CHART" --set worker.image.digests.gpu=$DIG
 t "proxy PodDisruptionBudget (minAvailable 1) with two replicas, none with one; zone spread by default, yours instead" bash -c "set -e
@@ -151,6 +153,28 @@ t "workerServiceAccount.additionalNamespaces creates SA per namespace" bash -c "
 import sys,yaml
 ns=sorted(d[\"metadata\"][\"namespace\"] for d in yaml.safe_load_all(sys.stdin) if d and d[\"kind\"]==\"ServiceAccount\" and d[\"metadata\"][\"name\"]==\"flexinfer-worker\")
 assert ns==[\"a\",\"b\",\"c\"], ns'"
+# profile NAME VENDOR KEY=IMAGE... -- HELM-ARGS: the rendered GPUProfile NAME names exactly these runtime images
+profile() { local a=(); while [ "$1" != -- ]; do a+=("$1"); shift; done; shift
+  "$HELM" template x "$CHART" --set gpuProfiles.enabled=true "$@" | python3 "$HERE/check_render.py" profile "${a[@]}"; }
+L=ghcr.io/flexinfer/flexinfer-llamacpp:$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}$/\1/p' "$CHART/Chart.yaml")
+t "GPUProfiles: an AMD target outside the HIP build's gets the Vulkan llama.cpp image, ollama and vLLM ROCm as set" \
+  profile mi300 amd "llamacpp=$L-vulkan" vllm=docker.io/vllm/vllm-openai-rocm:v0.18.0 -- \
+  --set gpuProfiles.profiles.mi300.enabled=true --set gpuProfiles.profiles.mi300.spec.architecture=gfx942 --set gpuProfiles.profiles.mi300.spec.vendor=amd \
+  --set gpuProfiles.profiles.mi300.spec.runtime.images.vllm=docker.io/vllm/vllm-openai-rocm:v0.18.0
+t "GPUProfiles: a profile's own llama.cpp image is kept; runtimeClassName and supplementalGroups pass through" \
+  profile nvidia-sm89 nvidia 'spec.runtimeClassName="nvidia"' 'spec.supplementalGroups=[44,110]' \
+  llamacpp=registry.lan/llama:cuda-1 vllm=docker.io/vllm/vllm-openai:v0.18.0 ollama=docker.io/ollama/ollama:0.12.6 \
+  exllamav2=ghcr.io/theroyallab/tabbyapi@sha256:cbceb3032963ab7ada80c76649956b01f54e9e0b04a050fb3396c95950c52b03 -- \
+  --set gpuProfiles.profiles.nvidia-sm89.spec.runtime.images.llamacpp=registry.lan/llama:cuda-1 \
+  --set gpuProfiles.profiles.nvidia-sm89.spec.runtimeClassName=nvidia \
+  --set 'gpuProfiles.profiles.nvidia-sm89.spec.supplementalGroups={44,110}'
+tn "the profile check refuses a CUDA image on an AMD profile" profile gfx1100 amd \
+  "llamacpp=$L-rocm" vllm=docker.io/vllm/vllm-openai:v0.18.0 ollama=docker.io/ollama/ollama:0.12.6-rocm -- \
+  --set gpuProfiles.profiles.gfx1100.spec.runtime.images.vllm=docker.io/vllm/vllm-openai:v0.18.0
+tn "the profile check refuses an unpinned image" profile gfx906 amd "llamacpp=$L-rocm" ollama=docker.io/ollama/ollama:rocm -- \
+  --set gpuProfiles.profiles.gfx906.spec.runtime.images.ollama=docker.io/ollama/ollama:rocm
+ts "schema rejects a GPUProfile runtimeClassName that is not a DNS name" template x "$CHART" --set gpuProfiles.profiles.gfx906.spec.runtimeClassName=Nvidia_RT
+ts "schema rejects GPUProfile supplementalGroups with root" template x "$CHART" --set 'gpuProfiles.profiles.gfx906.spec.supplementalGroups={0}'
 t "deploy/controller and deploy/admission match the chart (render-deploy.sh --check)" bash "$HERE/render-deploy.sh" --check
 
 echo "== static: alerts"

@@ -85,6 +85,24 @@ pub struct GPUProfileSpec {
     /// Serving runtime images for this architecture.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runtime: Option<ProfileRuntime>,
+
+    /// RuntimeClass of every pod on this profile that requests a GPU (serving pods and GPU
+    /// pipeline Jobs), e.g. `nvidia` where the NVIDIA container runtime is not the node's default
+    /// (k3s with the NVIDIA container toolkit). Unset: the node's default runtime.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    #[schemars(regex(
+        pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+    ))]
+    pub runtime_class_name: Option<String>,
+
+    /// Supplemental group ids of every pod on this profile that requests a GPU, added to the
+    /// controller-wide `FLEXINFER_GPU_SUPPLEMENTAL_GROUPS` (AMD: the nodes' `render` and `video`
+    /// gids, which own `/dev/kfd` and `/dev/dri/renderD*`). Group 0 (root) is refused.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    #[schemars(inner(range(min = 1, max = 4294967295_i64)))]
+    pub supplemental_groups: Vec<i64>,
 }
 
 /// GPU vendor.

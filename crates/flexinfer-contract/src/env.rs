@@ -232,7 +232,17 @@ pub mod controller {
     pub const PROXY_NAMESPACE: &str = "FLEXINFER_PROXY_NAMESPACE";
     /// The proxy pods' labels, `key=value` pairs separated by commas (the chart's proxy selector labels).
     pub const PROXY_POD_LABELS: &str = "FLEXINFER_PROXY_POD_LABELS";
-    /// Default serving image per backend: `FLEXINFER_RUNTIME_IMAGE_<BACKEND>`.
+    /// The llama.cpp serving images FlexInfer builds, `<repository>:<tag>` (the CPU flavor); the
+    /// controller's image table appends `-rocm` and `-vulkan` for AMD GPUs (chart value
+    /// `runtime.llamacpp`). Unset: `ghcr.io/flexinfer/flexinfer-llamacpp:<controller version>`.
+    pub const LLAMACPP_IMAGE: &str = "FLEXINFER_LLAMACPP_IMAGE";
+    /// Digests that pin FlexInfer's llama.cpp images per flavor, `flavor=sha256:<64 hex>` pairs separated
+    /// by commas (flavors `cpu`, `rocm`, `vulkan`; chart value `runtime.llamacpp.digests`): a default llama.cpp
+    /// image of that flavor runs as `<image>@<digest>`.
+    pub const LLAMACPP_IMAGE_DIGESTS: &str = "FLEXINFER_LLAMACPP_IMAGE_DIGESTS";
+    /// Serving image per backend for every Model whose spec and GPUProfile name none, whatever its
+    /// GPU: `FLEXINFER_RUNTIME_IMAGE_<BACKEND>` (unset: the controller's table by vendor and
+    /// architecture).
     pub fn runtime_image(backend: &str) -> String {
         format!("FLEXINFER_RUNTIME_IMAGE_{}", backend.to_ascii_uppercase())
     }

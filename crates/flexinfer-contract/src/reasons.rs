@@ -33,7 +33,7 @@ pub const GENERATION_REJECTED: &str = "GenerationRejected";
 pub const GENERATION_PROMOTED: &str = "GenerationPromoted";
 /// A spec change of a run-only setting (deadline, memory) applies to the next attempt.
 pub const APPLIES_NEXT_ATTEMPT: &str = "AppliesToNextAttempt";
-/// No image could be resolved for a phase.
+/// No image could be resolved for a phase, or for a Model's backend on its GPU (ConfigValid=False).
 pub const IMAGE_NOT_CONFIGURED: &str = "ImageNotConfigured";
 /// The phase's GPUProfile sets a variable in its `env` that FlexInfer sets itself (e.g. `OUT_DIR`); the
 /// Job is not created until the profile drops it.
@@ -52,6 +52,12 @@ pub const PHASE_CHANGED: &str = "PhaseChanged";
 pub const PROMOTION_BLOCKED: &str = "PromotionBlocked";
 /// A Model's configuration is invalid (ConfigValid=False).
 pub const INVALID_CONFIG: &str = "InvalidConfig";
+/// A Model's serving image is recognisably built for another GPU vendor than its GPUProfile's (a CUDA
+/// image on AMD, a ROCm image on NVIDIA): ConfigValid=False and a Warning event, nothing deployed.
+pub const IMAGE_VENDOR_MISMATCH: &str = "ImageVendorMismatch";
+/// A Model's backend, image and GPU form a combination known not to work (vLLM on gfx906, vLLM's
+/// Marlin kernels on AMD): ConfigValid=False and a Warning event, nothing deployed.
+pub const UNSUPPORTED_COMBINATION: &str = "UnsupportedCombination";
 /// A Model of a shared GPU group took the lane (note names the group and the previous holder).
 pub const SHARED_GROUP_ACTIVE: &str = "SharedGroupActive";
 /// A Model of a shared GPU group waits for the lane (Ready=False reason `Queued` too).

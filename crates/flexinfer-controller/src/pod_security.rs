@@ -40,6 +40,19 @@ pub fn pod_context(groups: &[i64]) -> PodSecurityContext {
     }
 }
 
+/// The supplemental groups of a pod that requests a GPU: the controller's
+/// (`FLEXINFER_GPU_SUPPLEMENTAL_GROUPS`), then its GPUProfile's `spec.supplementalGroups`, each once.
+/// Ids the API would not admit (0 = root, negative) are dropped: the CRD refuses them already.
+pub fn gpu_groups(controller: &[i64], profile: &[i64]) -> Vec<i64> {
+    let mut out: Vec<i64> = Vec::new();
+    for g in controller.iter().chain(profile).copied() {
+        if g > 0 && g <= i64::from(u32::MAX) && !out.contains(&g) {
+            out.push(g);
+        }
+    }
+    out
+}
+
 /// Container-level context: no privilege escalation, not privileged, every capability dropped.
 pub fn container_context() -> SecurityContext {
     SecurityContext {

@@ -531,11 +531,15 @@ async fn model_backends_phases_and_metrics() {
         ("--kv-cache-dtype", "fp8"),
         ("--gpu-memory-utilization", "0.9"),
         ("--max-num-batched-tokens", "512"),
-        ("--quantization", "awq"),
         ("--model", "/models/model"),
     ] {
         assert_eq!(arg_after(&c, flag).as_deref(), Some(want), "vllm {flag}");
     }
+    assert_eq!(
+        arg_after(&c, "--quantization"),
+        None,
+        "vLLM reads the quantization method from the checkpoint"
+    );
     assert!(c
         .env
         .iter()
@@ -564,6 +568,17 @@ async fn model_backends_phases_and_metrics() {
         Some("/models/m-q4_k_m.gguf")
     );
     assert_eq!(arg_after(&c, "--ctx-size").as_deref(), Some("8192"));
+    assert_eq!(
+        c.image.as_deref(),
+        Some(
+            format!(
+                "ghcr.io/flexinfer/flexinfer-llamacpp:{}-rocm",
+                env!("CARGO_PKG_VERSION")
+            )
+            .as_str()
+        ),
+        "the table: FlexInfer's ROCm llama.cpp image on gfx1100"
+    );
     let c = container(
         &env.api::<Deployment>()
             .get("ollama-m")
@@ -575,6 +590,10 @@ async fn model_backends_phases_and_metrics() {
         .iter()
         .flatten()
         .any(|e| e.name == "OLLAMA_HOST" && e.value.as_deref() == Some("0.0.0.0:8000")));
+    assert_eq!(
+        c.image.as_deref(),
+        Some("docker.io/ollama/ollama:0.12.6-rocm")
+    );
     let c = container(
         &env.api::<Deployment>()
             .get("exl2-m")
@@ -722,16 +741,16 @@ async fn model_backends_phases_and_metrics() {
 async fn model_cache_not_ready_ready_requantized() {
     let mut env = TestEnv::new("mdl-cache").await;
     env.pvc("cache-pvc").await;
-    let mut profile = example("gpuprofile-gfx906.yaml");
-    profile["metadata"]["name"] = json!("gfx906");
-    env.apply::<GPUProfile>(profile).await;
+    // vLLM serves on gfx1100 (it has no gfx906 kernels: a gfx906 profile would refuse the Model).
+    env.apply::<GPUProfile>(example("gpuprofile-gfx1100.yaml"))
+        .await;
     env.apply::<ModelCache>(json!({"apiVersion": "ai.flexinfer/v1alpha1", "kind": "ModelCache",
         "metadata": {"name": "llm"}, "spec": {"source": "org/llm", "quantization": {"format": "GPTQ"}}})).await;
     env.apply::<Model>(model_json(
         "llm",
         &[],
         json!({"backend": "vllm", "source": "modelcache://llm",
-        "gpu": {"profile": "gfx906"}, "serverless": {"minReplicas": 1}}),
+        "gpu": {"profile": "gfx1100"}, "serverless": {"minReplicas": 1}}),
     ))
     .await;
 
@@ -783,9 +802,9 @@ async fn model_cache_not_ready_ready_requantized() {
         .unwrap_or_else(|e| panic!("{e}"));
     let c = container(&d);
     assert_eq!(
-        arg_after(&c, "--quantization").as_deref(),
-        Some("gptq"),
-        "format from the ModelCache"
+        arg_after(&c, "--quantization"),
+        None,
+        "the ModelCache's format is checked, not passed: vLLM reads it from the checkpoint"
     );
     let mount = c
         .volume_mounts
@@ -1121,6 +1140,13 @@ async fn model_bad_input_is_reported_not_crashlooped() {
         json!({"backend": "vllm", "source": "pvc://m//etc/passwd", "gpu": amd}),
     ))
     .await;
+    env.apply::<Model>(model_json(
+        "cuda-on-amd",
+        &[],
+        json!({"backend": "vllm", "source": "pvc://m/x", "gpu": amd,
+               "image": "docker.io/vllm/vllm-openai:v0.18.0"}),
+    ))
+    .await;
 
     for name in ["gguf-on-vllm", "exl2-on-ollama"] {
         let m = env
@@ -1190,6 +1216,39 @@ async fn model_bad_input_is_reported_not_crashlooped() {
         .unwrap_or_else(|e| panic!("{e}"))
         .is_none());
 
+    // Another vendor's image: ConfigValid=False, a Warning Event naming the field and the fix,
+    // nothing deployed.
+    let m = env
+        .wait_model(
+            "cuda-on-amd",
+            "ConfigValid=False ImageVendorMismatch",
+            cond_is(types::CONFIG_VALID, "False", "ImageVendorMismatch"),
+        )
+        .await;
+    assert_eq!(
+        m.status.as_ref().and_then(|s| s.phase),
+        Some(ModelPhase::Failed)
+    );
+    let ev = env
+        .wait_event("cuda-on-amd", "ImageVendorMismatch", |e| {
+            e.reason.as_deref() == Some("ImageVendorMismatch")
+        })
+        .await;
+    assert_eq!(ev.type_.as_deref(), Some("Warning"));
+    assert!(
+        ev.note
+            .as_deref()
+            .is_some_and(|n| n.contains("spec.image") && n.contains("vllm-openai-rocm")),
+        "{:?}",
+        ev.note
+    );
+    assert!(env
+        .api::<Deployment>()
+        .get_opt("cuda-on-amd")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .is_none());
+
     // The CRD rejects what it can at admission, naming the field.
     let err = env
         .api::<Model>()
@@ -1234,7 +1293,7 @@ async fn model_bad_input_is_reported_not_crashlooped() {
     .unwrap_or_else(|e| panic!("{e:#}"));
 
     // Fixing the input recovers without a restart: the missing GPUProfile appears.
-    let mut profile = example("gpuprofile-gfx906.yaml");
+    let mut profile = example("gpuprofile-gfx1100.yaml");
     profile["metadata"]["name"] = json!("late");
     env.apply::<GPUProfile>(profile).await;
     let m = env

@@ -44,11 +44,12 @@ fn profiles() -> Vec<GPUProfile> {
 - apiVersion: ai.flexinfer/v1alpha2
   kind: GPUProfile
   metadata: {name: gfx906, namespace: flexinfer-system}
-  spec: {architecture: gfx906, vendor: amd, vramMB: 16384, gpuDriverMemoryMB: 8192}
+  spec: {architecture: gfx906, vendor: amd, vramMB: 16384, gpuDriverMemoryMB: 8192, supplementalGroups: [44, 110]}
 - apiVersion: ai.flexinfer/v1alpha2
   kind: GPUProfile
   metadata: {name: sm89, namespace: flexinfer-system}
-  spec: {architecture: sm_89, vendor: nvidia, vramMB: 24576, nodeSelector: {flexinfer.ai/gpu.arch: sm_89}}
+  spec: {architecture: sm_89, vendor: nvidia, vramMB: 24576, nodeSelector: {flexinfer.ai/gpu.arch: sm_89},
+         runtimeClassName: nvidia}
 "#;
     serde_norway::from_str(y).expect("profiles")
 }

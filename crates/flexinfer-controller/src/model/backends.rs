@@ -1,9 +1,7 @@
 //! The serving container of each backend: image-independent command, args, env and probes.
 
 use flexinfer_api::contract::{env, serving};
-use flexinfer_api::formats;
 use flexinfer_api::model::{Backend, KvCacheDtype};
-use flexinfer_api::modelcache::QuantFormat;
 use flexinfer_api::Model;
 use k8s_openapi::api::core::v1::{
     Container, ContainerPort, EnvVar, EnvVarSource, ExecAction, HTTPGetAction, Probe,
@@ -141,7 +139,6 @@ struct Launch {
 struct BackendInput<'a> {
     model: &'a Model,
     artifact: &'a Artifact,
-    format: Option<QuantFormat>,
     /// `--model` argument: the mount path, or the hub id.
     model_arg: String,
     name: String,
@@ -149,12 +146,7 @@ struct BackendInput<'a> {
 }
 
 /// Build the serving container (without resources; env holds only the backend's variables).
-pub fn container(
-    model: &Model,
-    artifact: &Artifact,
-    format: Option<QuantFormat>,
-    image: &str,
-) -> Container {
+pub fn container(model: &Model, artifact: &Artifact, image: &str) -> Container {
     let mounted = mount(artifact);
     let mut mounts = vec![
         VolumeMount {
@@ -179,7 +171,6 @@ pub fn container(
     let input = BackendInput {
         model,
         artifact,
-        format,
         model_arg,
         name: model.name_any(),
         port: serving::PORT.to_string(),
@@ -237,9 +228,9 @@ fn vllm(i: &BackendInput) -> Launch {
     if let Some(v) = cfg.max_num_batched_tokens {
         a.extend(["--max-num-batched-tokens".into(), v.to_string()]);
     }
-    if let Some(f) = i.format {
-        a.extend(["--quantization".into(), formats::info(f).model_name.into()]);
-    }
+    // No `--quantization`: vLLM reads the method from the checkpoint's quantization_config and
+    // picks its fastest kernel for the GPU (Marlin on NVIDIA); naming the format (`gptq`) would
+    // force the slow generic kernel. `extraArgs` may still name a method.
     if spec.gpu.count > 1 {
         a.extend(["--tensor-parallel-size".into(), spec.gpu.count.to_string()]);
     }

@@ -6,6 +6,7 @@
 
 pub mod backends;
 pub mod gate;
+pub mod images;
 pub mod plan;
 pub mod problem;
 mod reconcile;
@@ -15,6 +16,8 @@ pub mod shared;
 pub mod source;
 pub mod status;
 
+#[cfg(test)]
+mod images_tests;
 #[cfg(test)]
 mod plan_tests;
 #[cfg(test)]

@@ -354,6 +354,57 @@ fn cases() -> Vec<Case> {
             requeue_s: 120,
         },
         Case {
+            name: "a CUDA image on an AMD Model is refused with a Warning naming the field and the fix",
+            model: model(
+                pvc(json!({"image": "docker.io/vllm/vllm-openai:v0.18.0"})),
+                &[],
+                None,
+            ),
+            observed: on(),
+            rollout: READY,
+            applies: false,
+            replicas: 0,
+            phase: ModelPhase::Failed,
+            ready: ("False", "ImageVendorMismatch"),
+            message_has: &["spec.image", "CUDA build", "AMD GPUs", "vllm-openai-rocm"],
+            events: &[("PhaseChanged", W), ("ImageVendorMismatch", W)],
+            requeue_s: 120,
+        },
+        Case {
+            name: "vLLM's Marlin kernels on AMD are refused with a Warning",
+            model: model(
+                pvc(json!({"config": {"extraArgs": ["--quantization=awq_marlin"]}})),
+                &[],
+                None,
+            ),
+            observed: on(),
+            rollout: READY,
+            applies: false,
+            replicas: 0,
+            phase: ModelPhase::Failed,
+            ready: ("False", "UnsupportedCombination"),
+            message_has: &["spec.config.extraArgs", "awq_marlin"],
+            events: &[("PhaseChanged", W), ("UnsupportedCombination", W)],
+            requeue_s: 120,
+        },
+        Case {
+            name: "exllamav2 on AMD without an image is refused with a Warning",
+            model: model(
+                json!({"backend": "exllamav2", "source": "pvc://models/exl2", "gpu": {"vendor": "amd"}}),
+                &[],
+                None,
+            ),
+            observed: on(),
+            rollout: READY,
+            applies: false,
+            replicas: 0,
+            phase: ModelPhase::Failed,
+            ready: ("False", "ImageNotConfigured"),
+            message_has: &["no exllamav2 image for AMD GPUs", "spec.image"],
+            events: &[("PhaseChanged", W), ("ImageNotConfigured", W)],
+            requeue_s: 120,
+        },
+        Case {
             name: "a configuration problem is reported before a conflict",
             model: model(
                 json!({"backend": "vllm", "source": "pvc://m//etc", "gpu": {"vendor": "amd"}}),
@@ -430,7 +481,7 @@ fn plan_table() {
         }
         let events: Vec<_> = out.events.iter().map(|e| (e.reason, e.type_)).collect();
         assert_eq!(events, c.events, "{n}");
-        if c.ready.1 == "ResourceConflict" {
+        if c.events.get(1).is_some_and(|e| e.0 == c.ready.1) {
             let note = &out.events[1].note;
             assert_eq!(
                 note, &ready.message,

@@ -36,6 +36,15 @@ pub enum ConfigProblem {
     SourceUnsupported(String),
     #[error("{0}")]
     GpuProfileNotFound(String),
+    /// The serving image is recognisably built for the other GPU vendor.
+    #[error("{message}")]
+    ImageVendorMismatch { message: String },
+    /// Backend, image and GPU are known not to work together.
+    #[error("{message}")]
+    UnsupportedCombination { message: String },
+    /// No serving image for the backend on this GPU.
+    #[error("{message}")]
+    ImageNotConfigured { message: String },
     #[error("ModelCache {0} not found in this namespace")]
     CacheNotFound(String),
     #[error("ModelCache {name} is {phase}, not Ready; the Model is deployed once it is")]
@@ -81,6 +90,15 @@ impl ConfigProblem {
             ConfigProblem::QuantizationMismatch { .. } => "QuantizationMismatch",
             ConfigProblem::SourceUnsupported(_) => "SourceUnsupported",
             ConfigProblem::GpuProfileNotFound(_) => "GPUProfileNotFound",
+            ConfigProblem::ImageVendorMismatch { .. } => {
+                flexinfer_api::contract::reasons::IMAGE_VENDOR_MISMATCH
+            }
+            ConfigProblem::UnsupportedCombination { .. } => {
+                flexinfer_api::contract::reasons::UNSUPPORTED_COMBINATION
+            }
+            ConfigProblem::ImageNotConfigured { .. } => {
+                flexinfer_api::contract::reasons::IMAGE_NOT_CONFIGURED
+            }
             ConfigProblem::CacheNotFound(_) => "CacheNotFound",
             ConfigProblem::CacheNotReady { .. } => {
                 flexinfer_api::contract::reasons::CACHE_NOT_READY
@@ -89,6 +107,18 @@ impl ConfigProblem {
             ConfigProblem::Invalid(_) => flexinfer_api::contract::reasons::INVALID_SPEC,
             ConfigProblem::ResourceConflict { .. } => RESOURCE_CONFLICT,
         }
+    }
+
+    /// Whether the problem also gets a Warning Event of its own (besides the phase change): a child
+    /// that is not the Model's, and a serving image that cannot work on the Model's GPU.
+    pub fn warns(&self) -> bool {
+        matches!(
+            self,
+            ConfigProblem::ResourceConflict { .. }
+                | ConfigProblem::ImageVendorMismatch { .. }
+                | ConfigProblem::UnsupportedCombination { .. }
+                | ConfigProblem::ImageNotConfigured { .. }
+        )
     }
 
     /// Phase of a Model with this problem: waiting for a cache is `Pending`, the rest `Failed`.

@@ -18,6 +18,7 @@ use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::ResourceExt;
 
 use super::backends::{self, Artifact};
+use super::images;
 pub use super::problem::{CachedState, ConfigProblem};
 use super::source::{parse_cache_path, parse_source, Source};
 
@@ -31,6 +32,11 @@ use objects::{
 pub struct RenderConfig {
     /// Serving image per backend from `FLEXINFER_RUNTIME_IMAGE_<BACKEND>`.
     pub runtime_images: BTreeMap<String, String>,
+    /// `FLEXINFER_LLAMACPP_IMAGE`: FlexInfer's llama.cpp image (`<repository>:<tag>`, CPU flavor);
+    /// `None`: [`super::images::LLAMACPP_REPOSITORY`] at the controller's version.
+    pub llamacpp_image: Option<String>,
+    /// `FLEXINFER_LLAMACPP_IMAGE_DIGESTS`: digest per llama.cpp flavor (`cpu`, `rocm`, `vulkan`).
+    pub llamacpp_digests: BTreeMap<String, String>,
     /// Longest idle time of a gated canary (`FLEXINFER_CANARY_MAX_IDLE_SECONDS`; `None`:
     /// [`super::gate::DEFAULT_CANARY_MAX_IDLE`]).
     pub canary_max_idle: Option<std::time::Duration>,
@@ -93,6 +99,13 @@ impl RenderConfig {
             .collect();
         Ok(Self {
             runtime_images,
+            llamacpp_image: s.text(env::controller::LLAMACPP_IMAGE),
+            llamacpp_digests: s
+                .parsed(
+                    env::controller::LLAMACPP_IMAGE_DIGESTS,
+                    parse_flavor_digests,
+                )?
+                .unwrap_or_default(),
             canary_max_idle: s.positive_seconds(
                 env::controller::CANARY_MAX_IDLE_SECONDS,
                 std::time::Duration::from_secs(7 * 86_400),
@@ -113,6 +126,28 @@ impl RenderConfig {
         })
     }
 
+    /// FlexInfer's llama.cpp image in force (`<repository>:<tag>`, the CPU flavor).
+    pub fn llamacpp_image(&self) -> String {
+        self.llamacpp_image
+            .clone()
+            .unwrap_or_else(|| format!("{}:{}", super::images::LLAMACPP_REPOSITORY, crate::VERSION))
+    }
+
+    /// `image` pinned by its flavor's digest when it is one of FlexInfer's llama.cpp images in force
+    /// (`<llamacpp_image>`, `-rocm`, `-vulkan`) and that flavor has one; any other image as it is.
+    pub fn pin_llamacpp(&self, image: String) -> String {
+        let flavor = match image.strip_prefix(self.llamacpp_image().as_str()) {
+            Some("") => "cpu",
+            Some("-rocm") => "rocm",
+            Some("-vulkan") => "vulkan",
+            _ => return image,
+        };
+        match self.llamacpp_digests.get(flavor) {
+            Some(digest) => format!("{image}@{digest}"),
+            None => image,
+        }
+    }
+
     /// The canary idle cap in force.
     pub fn canary_max_idle(&self) -> std::time::Duration {
         self.canary_max_idle
@@ -126,16 +161,6 @@ pub const ALL_BACKENDS: [Backend; 4] = [
     Backend::Ollama,
     Backend::Exllamav2,
 ];
-
-/// Public default image of each backend (last step of the image resolution).
-pub fn default_image(backend: Backend) -> &'static str {
-    match backend {
-        Backend::Vllm => "docker.io/vllm/vllm-openai:v0.11.0",
-        Backend::Llamacpp => "ghcr.io/ggml-org/llama.cpp:server",
-        Backend::Ollama => "docker.io/ollama/ollama:0.12.6",
-        Backend::Exllamav2 => "ghcr.io/theroyallab/tabbyapi:latest",
-    }
-}
 
 /// The children of a Model.
 #[derive(Debug, Clone)]
@@ -300,15 +325,24 @@ pub fn render(
     let gpu = gpu_settings(model, profile)?;
     let (artifact, served_path, cached) = artifact(model, &source, cache)?;
 
-    let image = spec
-        .image
-        .clone()
-        .filter(|i| !i.is_empty())
-        .or_else(|| gpu.image.clone())
-        .or_else(|| config.runtime_images.get(spec.backend.as_str()).cloned())
-        .unwrap_or_else(|| default_image(spec.backend).to_string());
+    let image = images::resolve(
+        spec.backend,
+        &gpu.target,
+        images::Named {
+            model: spec.image.as_deref(),
+            profile: gpu.image.as_deref(),
+            controller: config
+                .runtime_images
+                .get(spec.backend.as_str())
+                .map(String::as_str),
+        },
+        &config.llamacpp_image(),
+        &spec.config.extra_args,
+    )?
+    .image;
+    let image = config.pin_llamacpp(image);
 
-    let mut container = backends::container(model, &artifact, format, &image);
+    let mut container = backends::container(model, &artifact, &image);
     // Env: the writable home, then the profile env, then the backend's (later names win, no
     // duplicates).
     let backend_env = container.env.take().unwrap_or_default();
@@ -321,10 +355,10 @@ pub fn render(
     container.resources = Some(resources(model, &gpu));
     container.security_context = Some(crate::pod_security::container_context());
 
-    let groups: &[i64] = if spec.gpu.count > 0 {
-        &config.gpu_supplemental_groups
+    let groups = if spec.gpu.count > 0 {
+        crate::pod_security::gpu_groups(&config.gpu_supplemental_groups, &gpu.supplemental_groups)
     } else {
-        &[]
+        Vec::new()
     };
     let pod = pod_template(
         model,
@@ -332,7 +366,8 @@ pub fn render(
         &artifact,
         gpu.node_selector,
         &served_path,
-        groups,
+        &groups,
+        gpu.runtime_class_name,
     );
     Ok(Rendered {
         deployment: deployment(model, pod),
@@ -386,14 +421,29 @@ struct GpuSettings {
     image: Option<String>,
     /// `(request, limit)` of container memory in MiB.
     memory: Option<(i64, i64)>,
+    /// Vendor, architecture and profile, for the image choice.
+    target: images::GpuTarget,
+    runtime_class_name: Option<String>,
+    supplemental_groups: Vec<i64>,
 }
 
 fn gpu_settings(model: &Model, profile: Option<&GPUProfile>) -> Result<GpuSettings, ConfigProblem> {
     let not_found = |m: String| Err(ConfigProblem::GpuProfileNotFound(m));
     match (profile_ref(model), profile) {
-        (ProfileRef::Named(_) | ProfileRef::Arch(_) | ProfileRef::Any, Some(p)) => {
-            let p = &p.spec;
+        (ProfileRef::Named(_) | ProfileRef::Arch(_) | ProfileRef::Any, Some(profile)) => {
+            let p = &profile.spec;
+            let arch = match p.vendor {
+                GpuVendor::Amd => images::rocm_target(&p.architecture, &p.env),
+                GpuVendor::Nvidia => p.architecture.clone(),
+            };
             Ok(GpuSettings {
+                target: images::GpuTarget {
+                    vendor: Some(p.vendor),
+                    arch: Some(arch),
+                    profile: Some(profile.name_any()),
+                },
+                runtime_class_name: p.runtime_class_name.clone().filter(|r| !r.is_empty()),
+                supplemental_groups: p.supplemental_groups.clone(),
                 resource_name: p.effective_resource_name(),
                 node_selector: p.effective_node_selector(),
                 env: p.env.clone(),
@@ -423,6 +473,13 @@ fn gpu_settings(model: &Model, profile: Option<&GPUProfile>) -> Result<GpuSettin
             labels::GPU_ARCH
         )),
         (ProfileRef::None(vendor), _) => Ok(GpuSettings {
+            target: images::GpuTarget {
+                vendor: Some(vendor),
+                arch: None,
+                profile: None,
+            },
+            runtime_class_name: None,
+            supplemental_groups: Vec::new(),
             resource_name: vendor.default_resource_name().to_string(),
             node_selector: BTreeMap::new(),
             env: Vec::new(),
@@ -501,4 +558,35 @@ fn cache_artifact(
             phase: phase_s,
         }),
     }
+}
+
+/// `FLEXINFER_LLAMACPP_IMAGE_DIGESTS`: `flavor=sha256:<64 hex>` pairs separated by commas, each flavor
+/// (`cpu`, `rocm`, `vulkan`) at most once.
+pub fn parse_flavor_digests(value: &str) -> Result<BTreeMap<String, String>, String> {
+    let mut out = BTreeMap::new();
+    for part in value.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (flavor, digest) = part
+            .split_once('=')
+            .ok_or_else(|| format!("`{part}` is not flavor=sha256:<64 hex>"))?;
+        let (flavor, digest) = (flavor.trim(), digest.trim());
+        if !matches!(flavor, "cpu" | "rocm" | "vulkan") {
+            return Err(format!(
+                "unknown llama.cpp flavor `{flavor}` (cpu, rocm, vulkan)"
+            ));
+        }
+        let hex = digest.strip_prefix("sha256:").unwrap_or("");
+        if hex.len() != 64
+            || !hex
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        {
+            return Err(format!(
+                "`{digest}` of {flavor} is not sha256:<64 lowercase hex>"
+            ));
+        }
+        if out.insert(flavor.to_string(), digest.to_string()).is_some() {
+            return Err(format!("flavor `{flavor}` given twice"));
+        }
+    }
+    Ok(out)
 }

@@ -25,7 +25,7 @@ fn profile() -> GPUProfile {
         "metadata": {"name": "gfx1100", "namespace": "ns"},
         "spec": {"architecture": "gfx1100", "vendor": "amd", "containerMemoryGB": 32, "gpuDriverMemoryMB": 1024,
                  "env": [{"name": "HSA_OVERRIDE_GFX_VERSION", "value": "11.0.0"}],
-                 "runtime": {"images": {"vllm": "registry/vllm-rocm:1"}}}
+                 "runtime": {"images": {"vllm": "registry/vllm-rocm:1", "exllamav2": "registry/exllamav2-rocm:1"}}}
     }))
     .unwrap_or_else(|e| panic!("profile: {e}"))
 }
@@ -107,7 +107,11 @@ fn vllm_gemma4_canary_args() {
         arg_after(&c, "--max-num-batched-tokens").as_deref(),
         Some("160")
     );
-    assert_eq!(arg_after(&c, "--quantization").as_deref(), Some("gptq"));
+    assert_eq!(
+        arg_after(&c, "--quantization"),
+        None,
+        "vLLM reads the method from the checkpoint"
+    );
     assert_eq!(
         arg_after(&c, "--served-model-name").as_deref(),
         Some("gemma4-26b-a4b-gptq-long")
@@ -243,7 +247,12 @@ fn image_resolution_order() {
     );
     assert_eq!(
         img(&model("a", llama), Some(&p), &RenderConfig::default()),
-        default_image(flexinfer_api::model::Backend::Llamacpp)
+        format!(
+            "{}:{}-rocm",
+            super::images::LLAMACPP_REPOSITORY,
+            crate::VERSION
+        ),
+        "the table: FlexInfer's ROCm llama.cpp image on gfx1100"
     );
 }
 
@@ -410,12 +419,13 @@ fn cache_sources() {
     )
     .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(r.served_path.as_deref(), Some("pvc-a:cache/gptq-w4-g128"));
-    let c = container(&r.deployment);
     assert_eq!(
-        arg_after(&c, "--quantization").as_deref(),
-        Some("gptq"),
+        r.format,
+        Some(flexinfer_api::modelcache::QuantFormat::Gptq),
         "format from the cache"
     );
+    let c = container(&r.deployment);
+    assert_eq!(arg_after(&c, "--quantization"), None, "vLLM detects it");
     // Requantizing after having served: keep serving the previous artifact.
     let mut served = m.clone();
     served.status = Some(flexinfer_api::ModelStatus {
@@ -736,5 +746,330 @@ fn backend_key_per_backend() {
                 assert!(msg.contains("vllm, llamacpp"), "{msg}");
             }
         }
+    }
+}
+
+fn profile_of(name: &str, spec: serde_json::Value) -> GPUProfile {
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "ai.flexinfer/v1alpha2", "kind": "GPUProfile",
+        "metadata": {"name": name, "namespace": "ns"}, "spec": spec
+    }))
+    .unwrap_or_else(|e| panic!("profile: {e}"))
+}
+
+fn source_of(backend: &str) -> (&'static str, &'static str) {
+    match backend {
+        "llamacpp" | "ollama" => ("pvc://c/m.gguf", "gguf"),
+        "exllamav2" => ("pvc://c/exl2", "exl2"),
+        _ => ("pvc://c/p", "gptq"),
+    }
+}
+
+/// A Model on a gfx906-labelled node (its GPUProfile found by the `flexinfer.ai/gpu.arch` node
+/// selector, naming no image) serves llama.cpp with FlexInfer's ROCm image.
+#[test]
+fn a_gfx906_node_gets_the_llamacpp_rocm_image() {
+    let gfx906 = profile_of(
+        "gfx906",
+        serde_json::json!({"architecture": "gfx906", "vendor": "amd"}),
+    );
+    let m = model(
+        "llama",
+        serde_json::json!({"backend": "llamacpp", "source": "pvc://c/m.gguf",
+            "nodeSelector": {"flexinfer.ai/gpu.arch": "gfx906"}}),
+    );
+    assert_eq!(profile_ref(&m), ProfileRef::Arch("gfx906".into()));
+    let cfg = RenderConfig {
+        llamacpp_image: Some("registry.lan/flexinfer/llamacpp:7".into()),
+        ..Default::default()
+    };
+    let r = render(&m, None, Some(&gfx906), &cfg).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        container(&r.deployment).image.as_deref(),
+        Some("registry.lan/flexinfer/llamacpp:7-rocm")
+    );
+    // Digests pin the flavor that is served (here rocm); another flavor's digest does not apply.
+    let dig = |c: char| format!("sha256:{}", c.to_string().repeat(64));
+    let pinned = RenderConfig {
+        llamacpp_digests: [
+            ("rocm".to_string(), dig('a')),
+            ("cpu".to_string(), dig('b')),
+        ]
+        .into_iter()
+        .collect(),
+        ..cfg.clone()
+    };
+    let r = render(&m, None, Some(&gfx906), &pinned).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        container(&r.deployment).image,
+        Some(format!(
+            "registry.lan/flexinfer/llamacpp:7-rocm@{}",
+            dig('a')
+        ))
+    );
+    let rocm_only = RenderConfig {
+        llamacpp_digests: [("cpu".to_string(), dig('b'))].into_iter().collect(),
+        ..cfg.clone()
+    };
+    let r = render(&m, None, Some(&gfx906), &rocm_only).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        container(&r.deployment).image.as_deref(),
+        Some("registry.lan/flexinfer/llamacpp:7-rocm")
+    );
+    // vLLM on the same node is refused, pointing at llama.cpp.
+    let m = model(
+        "v",
+        serde_json::json!({"backend": "vllm", "source": "pvc://c/p",
+            "nodeSelector": {"flexinfer.ai/gpu.arch": "gfx906"}}),
+    );
+    let e = render(&m, None, Some(&gfx906), &cfg)
+        .err()
+        .unwrap_or_else(|| panic!("vLLM on gfx906"));
+    assert_eq!(
+        (e.condition_type(), e.reason()),
+        ("ConfigValid", "UnsupportedCombination")
+    );
+    assert!(
+        e.to_string()
+            .contains("registry.lan/flexinfer/llamacpp:7-rocm"),
+        "{e}"
+    );
+}
+
+/// Whatever the architecture and backend, an AMD Model never resolves to a CUDA image (it gets a
+/// ROCm or Vulkan build, or a ConfigValid=False that says what to set); an NVIDIA Model gets CUDA
+/// builds.
+#[test]
+fn amd_never_resolves_to_a_cuda_image_and_nvidia_gets_cuda() {
+    use super::images::{built_for, BuiltFor};
+    let cfg = RenderConfig::default();
+    let ours = cfg.llamacpp_image();
+    let amd_profiles = ["gfx1100", "gfx906", "gfx942", "gfx1201", "gfx1030"].map(|a| {
+        Some(profile_of(
+            a,
+            serde_json::json!({"architecture": a, "vendor": "amd"}),
+        ))
+    });
+    for p in amd_profiles.iter().chain([&None]) {
+        for backend in ALL_BACKENDS {
+            let b = backend.as_str();
+            let (source, q) = source_of(b);
+            let gpu = match p {
+                Some(p) => serde_json::json!({"profile": p.metadata.name}),
+                None => serde_json::json!({"vendor": "amd"}),
+            };
+            let m = model(
+                "m",
+                serde_json::json!({"backend": b, "source": source, "gpu": gpu,
+                    "config": {"quantization": q}}),
+            );
+            match render(&m, None, p.as_ref(), &cfg) {
+                Ok(r) => {
+                    let img = container(&r.deployment).image.unwrap_or_default();
+                    let built = built_for(&img, &ours);
+                    assert!(
+                        matches!(built, BuiltFor::Rocm | BuiltFor::Vulkan),
+                        "{b} on {:?}: {img} is {built:?}",
+                        p.as_ref().map(|p| &p.spec.architecture)
+                    );
+                }
+                Err(e) => assert!(
+                    matches!(e.reason(), "UnsupportedCombination" | "ImageNotConfigured"),
+                    "{b}: {e}"
+                ),
+            }
+        }
+    }
+    let sm89 = profile_of(
+        "sm89",
+        serde_json::json!({"architecture": "sm_89", "vendor": "nvidia"}),
+    );
+    for backend in ALL_BACKENDS {
+        let b = backend.as_str();
+        let (source, q) = source_of(b);
+        let m = model(
+            "m",
+            serde_json::json!({"backend": b, "source": source, "gpu": {"profile": "sm89"},
+                "config": {"quantization": q}}),
+        );
+        let r = render(&m, None, Some(&sm89), &cfg).unwrap_or_else(|e| panic!("{b}: {e}"));
+        let img = container(&r.deployment).image.unwrap_or_default();
+        assert_eq!(built_for(&img, &ours), BuiltFor::Cuda, "{b}: {img}");
+    }
+}
+
+/// The Model's own image wins over the profile's and the defaults, and is refused (nothing
+/// rendered) when it is recognisably another vendor's build.
+#[test]
+fn an_explicit_image_wins_but_is_refused_when_vendor_wrong() {
+    let p = profile();
+    let cfg = RenderConfig::default();
+    let spec = |image: &str| {
+        serde_json::json!({"backend": "vllm", "source": "pvc://c/p", "gpu": {"profile": "gfx1100"},
+            "image": image})
+    };
+    let r = render(
+        &model("m", spec("registry.lan/vllm:custom-1")),
+        None,
+        Some(&p),
+        &cfg,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        container(&r.deployment).image.as_deref(),
+        Some("registry.lan/vllm:custom-1")
+    );
+    let e = render(
+        &model("m", spec("vllm/vllm-openai:v0.11.0")),
+        None,
+        Some(&p),
+        &cfg,
+    )
+    .err()
+    .unwrap_or_else(|| panic!("a CUDA image on AMD"));
+    assert_eq!(
+        (e.condition_type(), e.reason()),
+        ("ConfigValid", "ImageVendorMismatch")
+    );
+    assert_eq!(e.phase(), flexinfer_api::model::ModelPhase::Failed);
+    assert!(e.warns());
+    let msg = e.to_string();
+    for part in [
+        "spec.image vllm/vllm-openai:v0.11.0",
+        "CUDA",
+        "GPUProfile gfx1100",
+        "vllm-openai-rocm",
+    ] {
+        assert!(msg.contains(part), "{msg} lacks {part:?}");
+    }
+    // The controller-wide image is vendor-blind: a CUDA one is refused for AMD Models too.
+    let mut cfg = RenderConfig::default();
+    cfg.runtime_images
+        .insert("ollama".into(), "docker.io/ollama/ollama:0.12.6".into());
+    let m = model(
+        "o",
+        serde_json::json!({"backend": "ollama", "source": "pvc://c/m.gguf", "gpu": {"vendor": "amd"}}),
+    );
+    let e = render(&m, None, None, &cfg)
+        .err()
+        .unwrap_or_else(|| panic!("a CUDA ollama on AMD"));
+    assert_eq!(e.reason(), "ImageVendorMismatch");
+    assert!(
+        e.to_string().contains("FLEXINFER_RUNTIME_IMAGE_OLLAMA"),
+        "{e}"
+    );
+}
+
+/// vLLM gets no `--quantization` from the artifact's format (it picks its kernel, Marlin on
+/// NVIDIA); a method in `extraArgs` is passed as written, once.
+#[test]
+fn vllm_detects_the_quantization_unless_extra_args_name_it() {
+    let p = profile_of(
+        "sm89",
+        serde_json::json!({"architecture": "sm_89", "vendor": "nvidia"}),
+    );
+    for q in ["gptq", "awq", "fp8", "compressed-tensors"] {
+        let m = model(
+            "m",
+            serde_json::json!({"backend": "vllm", "source": "pvc://c/p", "gpu": {"profile": "sm89"},
+                "config": {"quantization": q}}),
+        );
+        let c = container(
+            &render(&m, None, Some(&p), &RenderConfig::default())
+                .unwrap_or_else(|e| panic!("{e}"))
+                .deployment,
+        );
+        assert!(
+            !c.args
+                .unwrap_or_default()
+                .iter()
+                .any(|a| a.contains("quantization")),
+            "{q}"
+        );
+    }
+    let m = model(
+        "m",
+        serde_json::json!({"backend": "vllm", "source": "pvc://c/p", "gpu": {"profile": "sm89"},
+            "config": {"quantization": "gptq", "extraArgs": ["--quantization", "gptq_marlin"]}}),
+    );
+    let c = container(
+        &render(&m, None, Some(&p), &RenderConfig::default())
+            .unwrap_or_else(|e| panic!("{e}"))
+            .deployment,
+    );
+    let args = c.args.unwrap_or_default();
+    assert_eq!(args.iter().filter(|a| *a == "--quantization").count(), 1);
+    assert_eq!(
+        arg_after(&container_with(args), "--quantization").as_deref(),
+        Some("gptq_marlin")
+    );
+}
+
+fn container_with(args: Vec<String>) -> Container {
+    Container {
+        args: Some(args),
+        ..Default::default()
+    }
+}
+
+/// A GPUProfile's `runtimeClassName` goes into the serving pod, and its `supplementalGroups` are
+/// added to the controller's (each once); without them the pod has neither.
+#[test]
+fn runtime_class_and_groups_per_profile() {
+    let pod = |p: &GPUProfile, cfg: &RenderConfig| {
+        let m = model(
+            "m",
+            serde_json::json!({"backend": "vllm", "source": "pvc://c/p",
+                "gpu": {"profile": p.metadata.name}}),
+        );
+        render(&m, None, Some(p), cfg)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .deployment
+            .spec
+            .and_then(|s| s.template.spec)
+            .unwrap_or_else(|| panic!("no pod spec"))
+    };
+    let nv = profile_of(
+        "sm89",
+        serde_json::json!({"architecture": "sm_89", "vendor": "nvidia", "runtimeClassName": "nvidia"}),
+    );
+    let spec = pod(&nv, &RenderConfig::default());
+    assert_eq!(spec.runtime_class_name.as_deref(), Some("nvidia"));
+    assert_eq!(
+        spec.security_context.and_then(|s| s.supplemental_groups),
+        None
+    );
+    let amd = profile_of(
+        "gfx1100",
+        serde_json::json!({"architecture": "gfx1100", "vendor": "amd", "supplementalGroups": [110, 44, 992]}),
+    );
+    let cfg = RenderConfig {
+        gpu_supplemental_groups: vec![44, 109],
+        ..Default::default()
+    };
+    let spec = pod(&amd, &cfg);
+    assert_eq!(spec.runtime_class_name, None);
+    assert_eq!(
+        spec.security_context.and_then(|s| s.supplemental_groups),
+        Some(vec![44, 109, 110, 992])
+    );
+}
+
+#[test]
+fn llamacpp_flavor_digests_parse_and_refuse_what_is_not_one() {
+    use super::render::parse_flavor_digests;
+    let d = format!("sha256:{}", "0f".repeat(32));
+    let ok =
+        parse_flavor_digests(&format!(" cpu={d}, rocm = {d} ,")).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(ok.len(), 2);
+    assert_eq!(ok.get("rocm"), Some(&d));
+    for bad in [
+        format!("cuda={d}"),
+        format!("cpu={d},cpu={d}"),
+        "cpu=sha256:abc".to_string(),
+        format!("cpu={}", d.to_uppercase()),
+        "cpu".to_string(),
+    ] {
+        assert!(parse_flavor_digests(&bad).is_err(), "{bad}");
     }
 }

@@ -201,12 +201,23 @@ pub fn build_job(
     let labels = job_labels(&cache, phase);
     let (pod_labels, pod_ann) = pod_metadata(mc, phase, &labels);
     let (requests, limits) = worker_resources(mc, t);
-    // A pod with a GPU resource gets the device nodes' groups (AMD: render, video).
-    let gpu_groups: &[i64] = if requests.keys().any(|k| k != "memory") {
-        &config.gpu_supplemental_groups
+    // A pod with a GPU resource gets the device nodes' groups (AMD: render, video) and its
+    // GPUProfile's RuntimeClass (k3s + NVIDIA: `nvidia`).
+    let gpu_pod = requests.keys().any(|k| k != "memory");
+    let profile = t.profile.as_ref().map(|p| &p.spec).filter(|_| gpu_pod);
+    let gpu_groups = if gpu_pod {
+        crate::pod_security::gpu_groups(
+            &config.gpu_supplemental_groups,
+            profile
+                .map(|p| p.supplemental_groups.as_slice())
+                .unwrap_or_default(),
+        )
     } else {
-        &[]
+        Vec::new()
     };
+    let runtime_class_name = profile
+        .and_then(|p| p.runtime_class_name.clone())
+        .filter(|r| !r.is_empty());
 
     let tolerations = job_tolerations(mc, t);
     let pull_policy = quantize_pull_policy(t);
@@ -242,7 +253,8 @@ pub fn build_job(
                     automount_service_account_token: Some(false),
                     node_selector: (!t.node_selector.is_empty()).then(|| t.node_selector.clone()),
                     tolerations: (!tolerations.is_empty()).then_some(tolerations),
-                    security_context: Some(crate::pod_security::pod_context(gpu_groups)),
+                    security_context: Some(crate::pod_security::pod_context(&gpu_groups)),
+                    runtime_class_name,
                     containers: vec![worker_container(
                         image,
                         pull_policy,

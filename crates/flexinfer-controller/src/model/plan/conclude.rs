@@ -237,14 +237,22 @@ impl ModelPlan {
                 note,
             });
         }
-        if let Outcome::Problem(p @ ConfigProblem::ResourceConflict { .. }) = outcome {
+        // Once per new problem: a status that already carries it was announced.
+        if let Some(p) = match outcome {
+            Outcome::Problem(p) if p.warns() => Some(p),
+            _ => None,
+        } {
             let note = p.to_string();
             let known = old_ready.is_some_and(|c| c.reason == p.reason() && c.message == note);
             if !known {
+                let action = match p {
+                    ConfigProblem::ResourceConflict { .. } => "Apply",
+                    _ => "ResolveImage",
+                };
                 events.push(PlannedEvent {
                     type_: EventType::Warning,
                     reason: p.reason(),
-                    action: "Apply".into(),
+                    action: action.into(),
                     note,
                 });
             }

@@ -95,6 +95,7 @@ pub(super) fn pod_template(
     profile_selector: BTreeMap<String, String>,
     served_path: &Option<String>,
     supplemental_groups: &[i64],
+    runtime_class_name: Option<String>,
 ) -> PodTemplateSpec {
     let spec = &model.spec;
     let mut annotations = BTreeMap::from([(
@@ -150,6 +151,7 @@ pub(super) fn pod_template(
             enable_service_links: Some(false),
             automount_service_account_token: Some(false),
             security_context: Some(crate::pod_security::pod_context(supplemental_groups)),
+            runtime_class_name,
             termination_grace_period_seconds: Some(30),
             ..Default::default()
         }),

@@ -656,6 +656,41 @@ fn gpu_jobs_get_the_configured_supplemental_groups_and_cpu_jobs_none() {
     assert_eq!(pod_groups(JobPhase::Quantize, &cfg()), None);
 }
 
+/// A GPUProfile's `runtimeClassName` and `supplementalGroups` go to the Jobs that request its GPU
+/// (the groups after the controller's, each once), never to CPU Jobs.
+#[test]
+fn gpu_jobs_get_their_profiles_runtime_class_and_groups() {
+    let mut c = cfg();
+    c.gpu_supplemental_groups = vec![44, 110];
+    let mc = cache(FULL);
+    let mut p = profile("gfx1100", "q");
+    p.spec.runtime_class_name = Some("amd".into());
+    p.spec.supplemental_groups = vec![110, 992];
+    let profiles = [p];
+    let pod = |phase: JobPhase| {
+        let t_ = jobs::resolve_target(&mc, phase, &profiles, &c);
+        let job = jobs::build_job(&mc, &Default::default(), &[], &t_, "q", "h", &c);
+        job.spec
+            .and_then(|s| s.template.spec)
+            .unwrap_or_else(|| panic!("{phase:?}: no pod spec"))
+    };
+    let q = pod(JobPhase::Quantize);
+    assert_eq!(q.runtime_class_name.as_deref(), Some("amd"));
+    assert_eq!(
+        q.security_context.and_then(|s| s.supplemental_groups),
+        Some(vec![44, 110, 992])
+    );
+    for phase in [JobPhase::Download, JobPhase::Publish] {
+        let p = pod(phase);
+        assert_eq!(p.runtime_class_name, None, "{phase:?}");
+        assert_eq!(
+            p.security_context.and_then(|s| s.supplemental_groups),
+            None,
+            "{phase:?}"
+        );
+    }
+}
+
 /// Each phase's container has its own name (`kubectl logs job/<cache>-quantize -c quantizer`), and the
 /// pod failure policy names that same container (a policy naming another container never applies).
 #[test]
