@@ -33,6 +33,8 @@ pub const FORMAT_GPTQ: &str = "GPTQ";
 pub const FORMAT_GGUF: &str = "GGUF";
 pub const FORMAT_FP8: &str = "FP8";
 pub const FORMAT_COMPRESSED_TENSORS: &str = "COMPRESSED_TENSORS";
+/// AWQ (4-bit groups in AutoAWQ's GEMM layout): the engine's `flexinfer_quant::awq` writes it.
+pub const FORMAT_AWQ: &str = "AWQ";
 /// Where the scales of a `FORMAT=FP8` run live: `channel` (one per output row, the default) or `tensor`.
 pub const FP8_SCALE: &str = "FP8_SCALE";
 /// The llama.cpp preset of a `FORMAT=GGUF` run (`Q4_K_M` by default; `flexinfer_quant::gguf::FileType`).
