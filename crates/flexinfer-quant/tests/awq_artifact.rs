@@ -145,11 +145,20 @@ fn awq_artifact_has_the_gemm_layout_and_folded_norms() {
                 let (rows, cols) = (sw.shape[0], sw.shape[1]);
                 assert!(!art.contains(&format!("{m}.weight")), "{m}");
                 let qw = art.entry(&format!("{m}.qweight")).unwrap();
-                assert_eq!((qw.dtype, qw.shape.clone()), (Dtype::I32, vec![cols, rows / 8]));
+                assert_eq!(
+                    (qw.dtype, qw.shape.clone()),
+                    (Dtype::I32, vec![cols, rows / 8])
+                );
                 let qz = art.entry(&format!("{m}.qzeros")).unwrap();
-                assert_eq!((qz.dtype, qz.shape.clone()), (Dtype::I32, vec![cols / g, rows / 8]));
+                assert_eq!(
+                    (qz.dtype, qz.shape.clone()),
+                    (Dtype::I32, vec![cols / g, rows / 8])
+                );
                 let s = art.entry(&format!("{m}.scales")).unwrap();
-                assert_eq!((s.dtype, s.shape.clone()), (Dtype::F16, vec![cols / g, rows]));
+                assert_eq!(
+                    (s.dtype, s.shape.clone()),
+                    (Dtype::F16, vec![cols / g, rows])
+                );
                 // The scales move weight between a linear and the one before it, not its size: the
                 // dequantized weight of a module no scale was folded out of (q/k/v/gate, their inputs
                 // scaled by a norm) need not be near the source, but gate·diag(n) is.
@@ -175,11 +184,81 @@ fn awq_artifact_has_the_gemm_layout_and_folded_norms() {
                     // Only for the linears whose following module's scales did not fold into them.
                     if !matches!(lin, "self_attn.v_proj" | "mlp.up_proj") {
                         assert!(rel > 0.0 && rel < 0.25, "{m}: relative error {rel}");
+                        // The folded norm undoes the scales: without it the weight is further off.
+                        let unfolded = rel_error(&eff(&orig, &n_src), &eff(&deq, &n_src));
+                        assert!(
+                            rel < unfolded,
+                            "{m}: {rel} with the folded norm, {unfolded} without"
+                        );
                     }
                 }
                 if let Ok(b) = art.entry(&format!("{m}.bias")) {
                     assert_eq!(b.shape, vec![rows], "{m}.bias");
                 }
+            }
+            // A linear's output scales fold into the one before it: down's input channel r grew by s_r
+            // (its column norm ratio to the source), up's output row r shrank by s_r (with the norm before up
+            // folded back), so the ratios multiply to about 1 — closer than down's alone.
+            let pairs: &[(&str, &str, Option<&str>)] = if size.kv_heads == size.heads {
+                &[
+                    (
+                        "mlp.up_proj",
+                        "mlp.down_proj",
+                        Some("post_attention_layernorm"),
+                    ),
+                    (
+                        "self_attn.v_proj",
+                        "self_attn.o_proj",
+                        Some("input_layernorm"),
+                    ),
+                ]
+            } else {
+                &[(
+                    "mlp.up_proj",
+                    "mlp.down_proj",
+                    Some("post_attention_layernorm"),
+                )]
+            };
+            for (before, after, norm) in pairs {
+                let pm = format!("model.layers.{l}.{before}");
+                let am = format!("model.layers.{l}.{after}");
+                let (bdeq, brows, bcols) = dequantize(&art, &pm, g);
+                let (adeq, arows, acols) = dequantize(&art, &am, g);
+                assert_eq!(brows, acols);
+                let bsrc = source.f32(&format!("{pm}.weight")).unwrap();
+                let asrc = source.f32(&format!("{am}.weight")).unwrap();
+                let (n_src, n_art) = match norm {
+                    Some(n) => (
+                        source.f32(&format!("model.layers.{l}.{n}.weight")).unwrap(),
+                        art.f32(&format!("model.layers.{l}.{n}.weight")).unwrap(),
+                    ),
+                    None => (vec![1.0; bcols], vec![1.0; bcols]),
+                };
+                let (mut prod_dev, mut after_dev) = (0f64, 0f64);
+                for r in 0..brows {
+                    let row = |w: &[f32], n: &[f32]| -> f64 {
+                        (0..bcols)
+                            .map(|c| f64::from(w[r * bcols + c] * n[c]).powi(2))
+                            .sum::<f64>()
+                            .sqrt()
+                    };
+                    let col = |w: &[f32]| -> f64 {
+                        (0..arows)
+                            .map(|o| f64::from(w[o * acols + r]).powi(2))
+                            .sum::<f64>()
+                            .sqrt()
+                    };
+                    let b_ratio = row(&bdeq, &n_art) / row(&bsrc, &n_src);
+                    let a_ratio = col(&adeq) / col(&asrc);
+                    prod_dev += (b_ratio * a_ratio).ln().abs();
+                    after_dev += a_ratio.ln().abs();
+                }
+                assert!(
+                    prod_dev < after_dev * 0.5,
+                    "{pm} → {am}: mean |log| of the product {}, of {after} alone {}",
+                    prod_dev / brows as f64,
+                    after_dev / brows as f64
+                );
             }
             for n in ["input_layernorm", "post_attention_layernorm"] {
                 let name = format!("model.layers.{l}.{n}.weight");
@@ -187,19 +266,29 @@ fn awq_artifact_has_the_gemm_layout_and_folded_norms() {
             }
         }
         assert!(norms_changed > 0, "{arch}: no scale folded into a norm");
-        for name in ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"] {
+        for name in [
+            "lm_head.weight",
+            "model.embed_tokens.weight",
+            "model.norm.weight",
+        ] {
             assert_eq!(art.raw(name).unwrap(), source.raw(name).unwrap(), "{name}");
         }
         let qc = read_json(&out.join("config.json"))["quantization_config"].clone();
         assert_eq!(qc["quant_method"], "awq");
         assert_eq!(qc["version"], "gemm");
-        assert_eq!((qc["bits"].as_u64(), qc["group_size"].as_i64()), (Some(4), Some(group as i64)));
+        assert_eq!(
+            (qc["bits"].as_u64(), qc["group_size"].as_i64()),
+            (Some(4), Some(group as i64))
+        );
         assert_eq!(qc["zero_point"], true);
         assert_eq!(qc["modules_to_not_convert"], serde_json::json!(["lm_head"]));
         assert!(!out.join("quantize_config.json").exists());
         let sc = verify_save_complete(&out, true).expect(".save-complete verifies");
         assert_eq!(sc.config_digest.as_deref(), Some(o.config_digest.as_str()));
-        assert_eq!(o.compressed_size_bytes, sc.shards.iter().map(|s| s.size_bytes).sum::<u64>());
+        assert_eq!(
+            o.compressed_size_bytes,
+            sc.shards.iter().map(|s| s.size_bytes).sum::<u64>()
+        );
         assert!(o.compressed_size_bytes < o.original_size_bytes);
         let q: AwqQuality =
             serde_json::from_value(read_json(&out.join(files::QUANTIZATION_QUALITY))).unwrap();
@@ -217,10 +306,17 @@ fn awq_artifact_has_the_gemm_layout_and_folded_norms() {
         assert_eq!(q.quantized_modules, (size.layers * 7) as u64);
         // Four module groups a layer; o's only where there is no grouped-query sharing.
         let groups = if size.kv_heads == size.heads { 4 } else { 3 };
-        assert_eq!(q.scaled_groups + q.unscaled_groups, (size.layers * groups) as u64, "{q:?}");
+        assert_eq!(
+            q.scaled_groups + q.unscaled_groups,
+            (size.layers * groups) as u64,
+            "{q:?}"
+        );
         assert!(q.mean_loss_ratio > 0.0 && q.mean_loss_ratio <= 1.0, "{q:?}");
         assert!(q.searched_clip_groups > 0 && q.clipped_groups <= q.searched_clip_groups);
-        assert!(q.max_relative_error > 0.0 && q.max_relative_error < 0.25, "{q:?}");
+        assert!(
+            q.max_relative_error > 0.0 && q.max_relative_error < 0.25,
+            "{q:?}"
+        );
         eprintln!("{arch}: {q:?}");
         // Nothing but the model, the dataset and the artifact is left.
         let names: Vec<String> = std::fs::read_dir(d.path())
@@ -261,7 +357,8 @@ fn settings_and_families_awq_cannot_take_are_refused_before_any_output() {
             multimodal: false,
         },
         1,
-    ).unwrap();
+    )
+    .unwrap();
     let e = write_awq_artifact(&job(&gemma, &out, &ds, 4, 32), &NullSink).unwrap_err();
     assert!(e.is_bad_input(), "{e}");
     assert!(e.to_string().contains("config.json architectures"), "{e}");
@@ -297,7 +394,11 @@ fn gptqmodel_dequantizes_and_transformers_loads_our_awq_like_we_dequantize_it() 
         let out = d.path().join(label);
         write_awq_artifact(&job(&src, &out, &ds, 4, group), &NullSink).unwrap();
         let expected = d.path().join(format!("expected-{label}.safetensors"));
-        write_expected(&TensorStore::open_dir(&out).unwrap(), group as usize, &expected);
+        write_expected(
+            &TensorStore::open_dir(&out).unwrap(),
+            group as usize,
+            &expected,
+        );
         let r = std::process::Command::new(&python)
             .arg(&script)
             .args([&out, &src, &expected])
@@ -315,6 +416,16 @@ fn gptqmodel_dequantizes_and_transformers_loads_our_awq_like_we_dequantize_it() 
         let report: serde_json::Value =
             serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
         assert_eq!(report["modules"], size.layers * 7, "{report}");
+        // The folded model is the source model: AWQ's logits are no further from the source's than plain
+        // rounding's (the same bits and groups, computed by the script) by more than a little.
+        let (awq, rtn) = (
+            report["logitsCosineVsSource"].as_f64().unwrap(),
+            report["rtnCosineVsSource"].as_f64().unwrap(),
+        );
+        assert!(
+            awq >= rtn - 0.01,
+            "{label}: AWQ {awq} vs round-to-nearest {rtn}"
+        );
         eprintln!("{label}: {report}");
     }
 }

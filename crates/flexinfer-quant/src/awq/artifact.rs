@@ -85,7 +85,7 @@ pub fn quantization_config(group_size: usize) -> Value {
 fn check(job: &AwqJob<'_>, cfg: &ModelConfig, store: &TensorStore) -> Result<usize> {
     if job.bits != BITS {
         return Err(SpecError::Value {
-            field: "BITS".into(),
+            field: flexinfer_contract::env::BITS.into(),
             value: job.bits.to_string(),
             expected: "4 (the AWQ GEMM layout holds 4-bit codes only)".into(),
         }
@@ -95,7 +95,7 @@ fn check(job: &AwqJob<'_>, cfg: &ModelConfig, store: &TensorStore) -> Result<usi
         .ok()
         .filter(|g| GROUP_SIZES.contains(g))
         .ok_or_else(|| SpecError::Value {
-            field: "GROUP_SIZE".into(),
+            field: flexinfer_contract::env::GROUP_SIZE.into(),
             value: job.group_size.to_string(),
             expected: "32, 64 or 128 (the AWQ GEMM kernels' group sizes)".into(),
         })?;
@@ -228,7 +228,12 @@ pub fn write_awq_artifact(job: &AwqJob<'_>, events: &dyn EventSink) -> Result<Aw
 }
 
 /// Every sample's input of each module group, stacked (`[tokens, in]` per stage, in [`Stage`] order).
-fn stage_inputs(cfg: &ModelConfig, lw: &LayerWeights, hidden: &[Mat<f32>], rope: &Rope) -> Vec<Mat<f32>> {
+fn stage_inputs(
+    cfg: &ModelConfig,
+    lw: &LayerWeights,
+    hidden: &[Mat<f32>],
+    rope: &Rope,
+) -> Vec<Mat<f32>> {
     let mut parts: [Vec<Mat<f32>>; 4] = Default::default();
     for h in hidden {
         let mut x = h.clone();
@@ -314,8 +319,14 @@ fn row_major(w: &Mat<f32>) -> Vec<f32> {
 fn encode(name: &str, v: &[f32], dtype: Dtype) -> Result<Vec<u8>> {
     Ok(match dtype {
         Dtype::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        Dtype::BF16 => v.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect(),
-        Dtype::F16 => v.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes()).collect(),
+        Dtype::BF16 => v
+            .iter()
+            .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+            .collect(),
+        Dtype::F16 => v
+            .iter()
+            .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
+            .collect(),
         other => {
             return Err(SpecError::Value {
                 field: name.to_string(),

@@ -198,7 +198,9 @@ mod tests {
     fn packing_puts_each_column_where_the_reverse_order_reads_it() {
         const REVERSE: [usize; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
         let (n, cols) = (3, 16);
-        let v: Vec<u8> = (0..n * cols).map(|i| ((i * 7 + i / 5) % 16) as u8).collect();
+        let v: Vec<u8> = (0..n * cols)
+            .map(|i| ((i * 7 + i / 5) % 16) as u8)
+            .collect();
         let words = pack_awq(&v, n, cols);
         for r in 0..n {
             for c in 0..cols {
@@ -250,7 +252,10 @@ mod tests {
         let (rows, cols, group) = (16, 64, 32);
         let q = quantize(&weights(rows, cols, 3), rows, cols, group, None);
         let (qw, qz, s) = pack_gemm(&q);
-        assert_eq!((qw.len(), qz.len(), s.len()), (cols * rows / 8, 2 * rows / 8, 2 * rows));
+        assert_eq!(
+            (qw.len(), qz.len(), s.len()),
+            (cols * rows / 8, 2 * rows / 8, 2 * rows)
+        );
         let codes = unpack_awq(&qw, cols, rows);
         let zeros = unpack_awq(&qz, 2, rows);
         for r in 0..rows {

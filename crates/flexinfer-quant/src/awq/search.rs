@@ -86,7 +86,9 @@ pub fn weight_mean(linears: &[&Mat<f32>], group: usize) -> Vec<f32> {
             rows += 1;
         }
     }
-    sum.iter().map(|s| (s / rows.max(1) as f64) as f32).collect()
+    sum.iter()
+        .map(|s| (s / rows.max(1) as f64) as f32)
+        .collect()
 }
 
 /// The scales of ratio α: `x̄^α / w̄^(1−α)`, floored at 1e-4 and divided by `sqrt(max · min)`.
@@ -249,7 +251,9 @@ mod tests {
         let mut deq = vec![0f32; rows * cols];
         for r in 0..rows {
             for g in 0..cols / group {
-                let span: Vec<f32> = (0..group).map(|i| w[(r, g * group + i)] * s[g * group + i]).collect();
+                let span: Vec<f32> = (0..group)
+                    .map(|i| w[(r, g * group + i)] * s[g * group + i])
+                    .collect();
                 let mut out = vec![0f32; group];
                 fake_group(&span, f32::INFINITY, &mut out);
                 for i in 0..group {
@@ -275,12 +279,25 @@ mod tests {
         let (x, w) = case(64, 16, 64);
         let c = search_scales(x.as_ref(), &[&w], 32);
         assert!(c.ratio.is_some(), "plain rounding chosen: {c:?}");
-        assert!(c.loss < c.plain_loss * 0.9, "{} vs {}", c.loss, c.plain_loss);
+        assert!(
+            c.loss < c.plain_loss * 0.9,
+            "{} vs {}",
+            c.loss,
+            c.plain_loss
+        );
         let ones = vec![1f32; 64];
         let plain = loss_of(&x, &w, &ones, 32);
         let chosen = loss_of(&x, &w, &c.scales, 32);
-        assert!((plain - c.plain_loss).abs() <= plain * 1e-3, "{plain} {}", c.plain_loss);
-        assert!((chosen - c.loss).abs() <= chosen * 1e-3, "{chosen} {}", c.loss);
+        assert!(
+            (plain - c.plain_loss).abs() <= plain * 1e-3,
+            "{plain} {}",
+            c.plain_loss
+        );
+        assert!(
+            (chosen - c.loss).abs() <= chosen * 1e-3,
+            "{chosen} {}",
+            c.loss
+        );
         // Outlier channels get the larger scales.
         assert!(c.scales[3] > c.scales[4] && c.scales[19] > c.scales[20]);
     }
@@ -313,7 +330,8 @@ mod tests {
                     fake_group(&span, bound, &mut q);
                     (0..48)
                         .map(|t| {
-                            let d: f32 = (0..32).map(|i| x[(t, g * 32 + i)] * (q[i] - span[i])).sum();
+                            let d: f32 =
+                                (0..32).map(|i| x[(t, g * 32 + i)] * (q[i] - span[i])).sum();
                             f64::from(d).powi(2)
                         })
                         .sum::<f64>()
