@@ -184,12 +184,25 @@ fn awq_artifact_has_the_gemm_layout_and_folded_norms() {
                     // Only for the linears whose following module's scales did not fold into them.
                     if !matches!(lin, "self_attn.v_proj" | "mlp.up_proj") {
                         assert!(rel > 0.0 && rel < 0.25, "{m}: relative error {rel}");
-                        // The folded norm undoes the scales: without it the weight is further off.
-                        let unfolded = rel_error(&eff(&orig, &n_src), &eff(&deq, &n_src));
-                        assert!(
-                            rel < unfolded,
-                            "{m}: {rel} with the folded norm, {unfolded} without"
-                        );
+                        // The folded norm undoes the scales: column c of the weight grew by s_c (its norm ratio
+                        // to the source's) where the norm shrank by s_c, so the two ratios multiply to about 1
+                        // (q, k and gate: no other scale touches them).
+                        let col = |w: &[f32], c: usize| -> f64 {
+                            (0..rows)
+                                .map(|r| f64::from(w[r * cols + c]).powi(2))
+                                .sum::<f64>()
+                                .sqrt()
+                        };
+                        let dev = (0..cols)
+                            .map(|c| {
+                                let ratio = col(&deq, c) / col(&orig, c);
+                                (ratio * f64::from(n_art[c]) / f64::from(n_src[c]))
+                                    .ln()
+                                    .abs()
+                            })
+                            .sum::<f64>()
+                            / cols as f64;
+                        assert!(dev < 0.03, "{m}: mean |log| of weight × norm ratios {dev}");
                     }
                 }
                 if let Ok(b) = art.entry(&format!("{m}.bias")) {

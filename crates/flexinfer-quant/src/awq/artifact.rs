@@ -3,7 +3,7 @@
 //! the four shared-input groups (q/k/v after `input_layernorm`, o after v, gate/up after
 //! `post_attention_layernorm`, down after up) get their scales searched ([`super::search`]) and folded
 //! into the preceding norm or linear, every linear but q/k its clipping searched, and all seven are
-//! quantized to 4-bit groups with zero points; the next layer sees this layer's quantized output.
+//! quantized to 4-bit groups with zero points; every layer sees the full-precision model's activations.
 //! Written with the GPTQ writer's shards, index, tokenizer files, quality sidecar and `.save-complete`;
 //! staged beside `out_dir` and exchanged into place whole; a finished artifact of the same digest is
 //! reused.
@@ -17,7 +17,7 @@ use crate::job::digest::input_digest;
 use crate::job::writer::{verify_save_complete, write_checkpoint, Extras, OutTensor};
 use crate::model::calib::{load_samples_counted, CalibSettings};
 use crate::model::config::ModelConfig;
-use crate::model::llama::{embed, layer_forward, layer_forward_visit, Rope, Stage};
+use crate::model::llama::{embed, layer_forward_visit, Rope, Stage};
 use crate::model::tensors::TensorStore;
 use crate::model::{check_source_module, layer_modules, load_layer, LayerWeights};
 use faer::Mat;
@@ -227,17 +227,18 @@ pub fn write_awq_artifact(job: &AwqJob<'_>, events: &dyn EventSink) -> Result<Aw
     })
 }
 
-/// Every sample's input of each module group, stacked (`[tokens, in]` per stage, in [`Stage`] order).
+/// Every sample's input of each module group, stacked (`[tokens, in]` per stage, in [`Stage`] order); each
+/// sample of `hidden` becomes the layer's full-precision output, the next layer's input (AutoAWQ's order:
+/// the activations of the unquantized model, one forward per layer).
 fn stage_inputs(
     cfg: &ModelConfig,
     lw: &LayerWeights,
-    hidden: &[Mat<f32>],
+    hidden: &mut [Mat<f32>],
     rope: &Rope,
 ) -> Vec<Mat<f32>> {
     let mut parts: [Vec<Mat<f32>>; 4] = Default::default();
-    for h in hidden {
-        let mut x = h.clone();
-        layer_forward_visit(cfg, lw, &mut x, rope, &mut |stage, m| {
+    for x in hidden.iter_mut() {
+        layer_forward_visit(cfg, lw, x, rope, &mut |stage, m| {
             parts[stage as usize].push(m.to_owned());
         });
     }
@@ -497,14 +498,11 @@ fn quantize_and_save(
     for layer in 0..cfg.num_layers {
         let mut lw = load_layer(store, cfg, layer, None)?;
         store.release_pages();
-        let inputs = stage_inputs(cfg, &lw, &hidden, &rope);
+        let inputs = stage_inputs(cfg, &lw, &mut hidden, &rope);
         let tensors = quantize_layer(cfg, store, layer, &mut lw, inputs, group, &mut tally)?;
         let path = work.join(format!("layer-{layer:05}.safetensors"));
         write_work_file(&path, &tensors)?;
         work_files.push(path);
-        for h in hidden.iter_mut() {
-            *h = layer_forward(cfg, &lw, h.as_ref(), &rope, None);
-        }
         progress(
             events,
             90.0 * (layer + 1) as f64 / cfg.num_layers.max(1) as f64,

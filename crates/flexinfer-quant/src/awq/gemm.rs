@@ -117,8 +117,13 @@ pub fn fake_group(span: &[f32], clip: f32, out: &mut [f32]) {
 }
 
 /// The group-quantized-then-dequantized copy of `w` (the search's pseudo-quantization), f32.
+/// The same values as `quantize(..).dequantize()`, in one pass without the codes.
 pub fn fake_quantize(w: &[f32], rows: usize, cols: usize, group: usize) -> Vec<f32> {
-    quantize(w, rows, cols, group, None).dequantize()
+    let mut out = vec![0f32; rows * cols];
+    for (src, dst) in w.chunks_exact(group).zip(out.chunks_exact_mut(group)) {
+        fake_group(src, f32::INFINITY, dst);
+    }
+    out
 }
 
 /// Packs `v[n·cols + c]` (4-bit values, `cols` a multiple of 8) into words `[n, cols / 8]` in the
@@ -235,6 +240,16 @@ mod tests {
             .iter()
             .fold((f32::MAX, f32::MIN), |(a, b), &v| (a.min(v), b.max(v)));
         assert!(((hi - lo.min(0.0)) / 15.0 - s0).abs() <= s0 * 1e-3);
+    }
+
+    #[test]
+    fn fake_quantize_is_quantize_then_dequantize() {
+        let (rows, cols, group) = (8, 64, 32);
+        let w = weights(rows, cols, 4);
+        assert_eq!(
+            fake_quantize(&w, rows, cols, group),
+            quantize(&w, rows, cols, group, None).dequantize()
+        );
     }
 
     #[test]
