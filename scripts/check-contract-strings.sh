@@ -7,11 +7,11 @@
 # a file. Tests may spell contract strings: they pin the wire format from the outside.
 # A line may opt out with a `// not-contract: <why>` comment (e.g. a binary name that happens to
 # equal the field manager). Values too generic to be told apart from unrelated code ("true", "http", …) are listed in
-# GENERIC below and skipped (GGUF, GPTQ, FP8 and COMPRESSED_TENSORS, the FORMAT values, are also the API's format names and a file magic).
+# GENERIC below and skipped (GGUF, GPTQ, FP8, COMPRESSED_TENSORS and AWQ, the FORMAT values, are also the API's format names and a file magic).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd); cd "$ROOT"
 
-GENERIC='^(true|false|passed|failed|http|server|gpu|start|progress|complete|error|warning|download|source|abliterate|quantize|publish|abliteration|quantization|dedicated|NoSchedule|flexinfer|overwrite|timestamp|layers|/cache|/models|abliterated|\.partial|FORMAT|GGUF|GPTQ|FP8|COMPRESSED_TENSORS)$'
+GENERIC='^(true|false|passed|failed|http|server|gpu|start|progress|complete|error|warning|download|source|abliterate|quantize|publish|abliteration|quantization|dedicated|NoSchedule|flexinfer|overwrite|timestamp|layers|/cache|/models|abliterated|\.partial|FORMAT|GGUF|GPTQ|FP8|COMPRESSED_TENSORS|AWQ)$'
 
 # `pub const NAME: &str = "value";` in the contract crate, tests excluded.
 values=$(for f in crates/flexinfer-contract/src/*.rs; do

@@ -54,6 +54,9 @@ fi
 # The PyPI `compressed-tensors` library (with torch and transformers) for the FP8 consumer test, cached by version.
 bash "$(dirname "$0")/fp8/make-venv.sh" >/dev/null \
   || { echo "install-deps: cannot install the compressed-tensors venv" >&2; exit 1; }
+# GPTQModel (with torch and transformers) for the AWQ consumer test, cached by version.
+bash "$(dirname "$0")/awq/make-venv.sh" >/dev/null \
+  || { echo "install-deps: cannot install the AWQ (GPTQModel) venv" >&2; exit 1; }
 # The PyPI `gguf` reader (llama.cpp's gguf-py, numpy only) for the GGUF reader test, cached by version.
 bash "$(dirname "$0")/gguf/make-venv.sh" >/dev/null \
   || { echo "install-deps: cannot install the gguf reader venv" >&2; exit 1; }

@@ -72,6 +72,9 @@ optional_tools() {
   # what we write; crates/flexinfer-quant/tests/fp8_artifact.rs, about 15 s; the pack-quantized one,
   # crates/flexinfer-quant/tests/ct_artifact.rs, about 70 s); required here, not skipped.
   export FLEXINFER_CT_PYTHON=${FLEXINFER_CT_PYTHON:-$(bash scripts/fp8/make-venv.sh)} FLEXINFER_REQUIRE_CT_PYTHON=1
+  # The venv install-deps.sh made for the AWQ consumer test (GPTQModel's AWQ reader dequantizes and transformers
+  # loads what we write; crates/flexinfer-quant/tests/awq_artifact.rs, about 20 s); required here, not skipped.
+  export FLEXINFER_AWQ_PYTHON=${FLEXINFER_AWQ_PYTHON:-$(bash scripts/awq/make-venv.sh)} FLEXINFER_REQUIRE_AWQ_PYTHON=1
 
   stage "HIP code objects for gfx1100 and gfx906 (Debian trixie hipcc in an mmdebstrap root, cached)"
   FLEXINFER_HIP_CODE_OBJECTS=$(bash scripts/hip/build-code-objects.sh)

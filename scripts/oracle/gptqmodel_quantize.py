@@ -3,7 +3,9 @@
 CPU, with the calibration the engine gets: the first SAMPLES texts of MODEL_DIR/calib.jsonl tokenized with
 MODEL_DIR/tokenizer.json (no special tokens), cut to SEQ tokens (docs/benchmarks.md, "GPTQ at 4, 3 and 2 bits on a trained model").
 
-  gptqmodel_quantize.py MODEL_DIR OUT_DIR BITS [--samples 128] [--seq 256]
+  gptqmodel_quantize.py MODEL_DIR OUT_DIR BITS [--samples 128] [--seq 256] [--awq]
+
+--awq: GPTQModel's AWQ (AWQConfig: its scale and clipping search, the GEMM layout, zero points) instead of GPTQ.
 
 Needs gptqmodel (BUILD_CUDA_EXT=0 pip install --no-build-isolation gptqmodel) in the oracle venv; prints one
 JSON line with the seconds it took. GPTQMODEL_CPU_WORKERS=2 on a 2-core machine.
@@ -28,6 +30,7 @@ def main():
     ap.add_argument("bits", type=int)
     ap.add_argument("--samples", type=int, default=128)
     ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--awq", action="store_true")
     args = ap.parse_args()
 
     from tokenizers import Tokenizer
@@ -47,16 +50,23 @@ def main():
             if len(calib) == args.samples:
                 break
 
-    from gptqmodel import GPTQModel, QuantizeConfig
+    from gptqmodel import AWQConfig, GPTQModel, QuantizeConfig
 
-    qcfg = QuantizeConfig(bits=args.bits, group_size=128, sym=True, desc_act=False)
+    if args.awq:
+        qcfg = AWQConfig(bits=args.bits, group_size=128, sym=False)
+    else:
+        qcfg = QuantizeConfig(bits=args.bits, group_size=128, sym=True, desc_act=False)
     t0 = time.time()
     model = GPTQModel.load(args.model, qcfg, device="cpu")
     model.quantize(calib, batch_size=1)
     seconds = time.time() - t0
     model.save(args.out)
-    with open(os.path.join(args.out, "quantize_config.json")) as fh:
+    qc_path = os.path.join(args.out, "quantize_config.json")
+    if not os.path.exists(qc_path):
+        qc_path = os.path.join(args.out, "config.json")
+    with open(qc_path) as fh:
         qc = json.load(fh)
+        qc = qc.get("quantization_config", qc)
     print(json.dumps({"gptqmodel_seconds": round(seconds, 1), "bits": args.bits, "meta": qc.get("meta")}))
 
 

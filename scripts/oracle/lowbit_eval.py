@@ -5,6 +5,9 @@ weights of a `gptq` checkpoint (ours or GPTQModel's), or round-to-nearest (docs/
   lowbit_eval.py MODEL_DIR                      the f32 model
   lowbit_eval.py MODEL_DIR --gptq CKPT_DIR      every packed linear of CKPT_DIR dequantized from qweight /
                                                 qzeros / scales / g_idx by the format's rules, written out here
+  lowbit_eval.py MODEL_DIR --awq CKPT_DIR       an AWQ (GEMM) checkpoint: every linear dequantized from qweight /
+                                                qzeros / scales in AutoAWQ's packing order, and every other
+                                                tensor of CKPT_DIR (the norms the scales were folded into)
   lowbit_eval.py MODEL_DIR --rtn BITS [--group 128]   symmetric min/max round-to-nearest per group (the
                                                 engine's conventions: zero (maxq+1)/2, half to even, f16 scales)
 
@@ -73,6 +76,39 @@ def dequantize_checkpoint(ckpt):
     return weights, qc
 
 
+AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]
+
+
+def dequantize_awq(ckpt):
+    """An AWQ GEMM checkpoint: `(q - z) * s` per group of inputs, the eight outputs of a word in AWQ's order;
+    also every floating-point tensor that is not packed (the folded norms)."""
+    with open(os.path.join(ckpt, "config.json")) as fh:
+        qc = json.load(fh)["quantization_config"]
+    group = qc["group_size"]
+    tensors = {}
+    for f in sorted(os.listdir(ckpt)):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(ckpt, f)))
+
+    def nibbles(words):  # [n, m] int32 -> [n, 8m] int64, AWQ order undone
+        w = words.numpy().view(np.uint32).astype(np.int64)
+        seq = np.stack([(w >> (4 * i)) & 0xF for i in range(8)], axis=-1)  # [n, m, 8] nibble i
+        return seq[:, :, AWQ_REVERSE_ORDER].reshape(w.shape[0], -1)
+
+    weights = {}
+    for name in [k[: -len(".qweight")] for k in tensors if k.endswith(".qweight")]:
+        q = nibbles(tensors[name + ".qweight"])  # [in, out]
+        z = nibbles(tensors[name + ".qzeros"])  # [groups, out]
+        s = tensors[name + ".scales"].float().numpy()  # [groups, out]
+        g = np.arange(q.shape[0]) // group
+        w = (q - z[g]) * s[g]
+        weights[name + ".weight"] = torch.from_numpy(np.ascontiguousarray(w.T.astype(np.float32)))
+    for k, v in tensors.items():
+        if v.is_floating_point() and not k.endswith(".scales"):
+            weights.setdefault(k, v.float())
+    return weights, qc
+
+
 def rtn(w, bits, group):
     """Symmetric min/max RTN per row and group (w: [out, in])."""
     maxq = 2**bits - 1
@@ -91,6 +127,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("--gptq")
+    ap.add_argument("--awq")
     ap.add_argument("--rtn", type=int)
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=32768)
@@ -110,9 +147,9 @@ def main():
     batches = [x[b : b + 16] for b in range(0, windows, 16)]
     with torch.no_grad():
         reference = [torch.log_softmax(model(input_ids=xb).logits[:, :-1], -1) for xb in batches]
-    info = {"label": args.label or ("fp32" if not (args.gptq or args.rtn) else "")}
-    if args.gptq:
-        weights, qc = dequantize_checkpoint(args.gptq)
+    info = {"label": args.label or ("fp32" if not (args.gptq or args.rtn or args.awq) else "")}
+    if args.gptq or args.awq:
+        weights, qc = dequantize_checkpoint(args.gptq) if args.gptq else dequantize_awq(args.awq)
         sd = model.state_dict()
         missing = [k for k in weights if k not in sd]
         if missing:
@@ -120,7 +157,8 @@ def main():
         with torch.no_grad():
             for k, v in weights.items():
                 sd[k].copy_(v)
-        info.update(checkpoint=args.gptq, modules=len(weights), bits=qc["bits"], group=qc["group_size"])
+        packed = sum(k.endswith(".weight") and "layers." in k and "norm" not in k for k in weights)
+        info.update(checkpoint=args.gptq or args.awq, modules=packed, bits=qc["bits"], group=qc["group_size"])
     elif args.rtn:
         n = 0
         with torch.no_grad():

@@ -26,13 +26,15 @@ pub const GPU_MEMORY_FRACTION: &str = "GPU_MEMORY_FRACTION";
 /// What the quantize phase writes: `GPTQ` (the default), `GGUF` (one llama.cpp file, see `GGUF_TYPE`),
 /// `FP8` (E4M3 weights in compressed-tensors' `float-quantized` layout, see `FP8_SCALE`) or
 /// `COMPRESSED_TENSORS` (the GPTQ solve written in compressed-tensors' `pack-quantized` layout; the GPTQ
-/// settings apply, `BITS` 4 or 8).
+/// settings apply, `BITS` 4 or 8) or `AWQ` (4-bit groups in AutoAWQ's GEMM layout; `BITS` 4, `GROUP_SIZE`
+/// 32/64/128, the calibration settings).
 pub const FORMAT: &str = "FORMAT";
 /// The `FORMAT` values.
 pub const FORMAT_GPTQ: &str = "GPTQ";
 pub const FORMAT_GGUF: &str = "GGUF";
 pub const FORMAT_FP8: &str = "FP8";
 pub const FORMAT_COMPRESSED_TENSORS: &str = "COMPRESSED_TENSORS";
+pub const FORMAT_AWQ: &str = "AWQ";
 /// Where the scales of a `FORMAT=FP8` run live: `channel` (one per output row, the default) or `tensor`.
 pub const FP8_SCALE: &str = "FP8_SCALE";
 /// The llama.cpp preset of a `FORMAT=GGUF` run (`Q4_K_M` by default; `flexinfer_quant::gguf::FileType`).

@@ -150,6 +150,31 @@ pub struct Fp8Quality {
     pub mean_relative_error: f64,
 }
 
+/// The quality sidecar of an AWQ artifact ([`QUANTIZATION_QUALITY`]): what the scale and clipping searches
+/// chose and how far the dequantized weights are from the (scaled) source.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AwqQuality {
+    /// `AWQ`.
+    pub format: String,
+    pub bits: u32,
+    pub group_size: u32,
+    pub quantized_modules: u64,
+    /// Shared-input module groups whose searched scales beat plain rounding, and those where rounding won.
+    pub scaled_groups: u64,
+    pub unscaled_groups: u64,
+    /// Mean over the module groups of (output error with the chosen scales) / (with plain rounding) on the
+    /// calibration tokens: below 1 where the scales helped.
+    pub mean_loss_ratio: f64,
+    /// Groups of weights whose range the clipping search narrowed, of all searched.
+    pub clipped_groups: u64,
+    pub searched_clip_groups: u64,
+    /// The largest `‖W − deq(W)‖ / ‖W‖` (W after the scales) over the quantized modules, and its module.
+    pub max_relative_error: f64,
+    pub worst_module: String,
+    pub mean_relative_error: f64,
+}
+
 /// `.source-integrity.json`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]

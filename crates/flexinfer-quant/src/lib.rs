@@ -14,6 +14,7 @@
 //!
 //! The flat module paths (`flexinfer_quant::gptq`, `::tensors`, …) stay as re-exports.
 
+pub mod awq;
 pub mod ct;
 pub mod device;
 pub mod error;

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use flexinfer_contract::{
     self as contract, env, events, JobPhase, ProgressEvent, TerminationSuccess,
 };
+use flexinfer_quant::awq::{write_awq_artifact, AwqJob};
 use flexinfer_quant::calib::CalibSettings;
 use flexinfer_quant::device::{select_device, MemoryBudget, Selection, SystemPlatform, VendorLibs};
 use flexinfer_quant::events::EventSink;
@@ -137,7 +138,9 @@ pub struct QuantizeArgs {
     /// settings do not apply; `DATASET`, `MAX_SAMPLES`, `MAX_SEQ_LEN` feed the optional importance pass), or
     /// `FP8`: E4M3 weights in compressed-tensors' `float-quantized` layout (no calibration; `FP8_SCALE` and
     /// `DYNAMIC_EXCLUSION` apply, the other GPTQ settings do not), or `COMPRESSED_TENSORS`: the GPTQ solve
-    /// written in compressed-tensors' `pack-quantized` layout (every GPTQ setting applies; `BITS` 4 or 8).
+    /// written in compressed-tensors' `pack-quantized` layout (every GPTQ setting applies; `BITS` 4 or 8), or
+    /// `AWQ`: the activation-aware scale and clipping search, 4-bit groups in AutoAWQ's GEMM layout (`BITS` 4,
+    /// `GROUP_SIZE` 32/64/128, `DATASET`, `MAX_SAMPLES`, `MAX_SEQ_LEN` apply; the other GPTQ settings do not).
     #[arg(long, env = env::FORMAT, default_value = FORMAT_GPTQ)]
     pub format: String,
     /// Where the scales of an FP8 run live: `channel` (one per output row) or `tensor` (one per linear).
@@ -150,7 +153,7 @@ pub struct QuantizeArgs {
 }
 
 /// The `FORMAT` values.
-pub use env::{FORMAT_COMPRESSED_TENSORS, FORMAT_FP8, FORMAT_GGUF, FORMAT_GPTQ};
+pub use env::{FORMAT_AWQ, FORMAT_COMPRESSED_TENSORS, FORMAT_FP8, FORMAT_GGUF, FORMAT_GPTQ};
 
 /// What `FORMAT` asks the quantize phase to write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -160,6 +163,7 @@ pub enum OutputFormat {
     Fp8,
     /// The GPTQ run, written in compressed-tensors' `pack-quantized` layout.
     CompressedTensors,
+    Awq,
 }
 
 impl QuantizeArgs {
@@ -285,6 +289,7 @@ fn run_inner(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess,
     match output_format(&args.format)? {
         OutputFormat::Gguf => return run_gguf(args, events),
         OutputFormat::Fp8 => return run_fp8(args, events),
+        OutputFormat::Awq => return run_awq(args, events),
         OutputFormat::Gptq | OutputFormat::CompressedTensors => {}
     }
     let job = job_from_args(args)?;
@@ -377,11 +382,13 @@ pub fn output_format(format: &str) -> Result<OutputFormat, WorkerError> {
         Ok(OutputFormat::Fp8)
     } else if f.eq_ignore_ascii_case(FORMAT_COMPRESSED_TENSORS) {
         Ok(OutputFormat::CompressedTensors)
+    } else if f.eq_ignore_ascii_case(FORMAT_AWQ) {
+        Ok(OutputFormat::Awq)
     } else if f.is_empty() || f.eq_ignore_ascii_case(FORMAT_GPTQ) {
         Ok(OutputFormat::Gptq)
     } else {
         Err(WorkerError::BadInput(format!(
-            "{}={format:?}: expected {FORMAT_GPTQ}, {FORMAT_GGUF}, {FORMAT_FP8} or {FORMAT_COMPRESSED_TENSORS}",
+            "{}={format:?}: expected {FORMAT_GPTQ}, {FORMAT_GGUF}, {FORMAT_FP8}, {FORMAT_COMPRESSED_TENSORS} or {FORMAT_AWQ}",
             env::FORMAT
         )))
     }
@@ -450,6 +457,82 @@ fn run_fp8(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess, W
     }
     Ok(TerminationSuccess {
         kind: format!("fp8-{}", strategy.as_str()),
+        original_size_bytes: Some(outcome.original_size_bytes),
+        compressed_size_bytes: Some(outcome.compressed_size_bytes),
+        quantization_time_seconds: Some((outcome.seconds * 10.0).round() / 10.0),
+        output_dir: Some(outcome.output_dir.display().to_string()),
+        config_digest: Some(outcome.config_digest),
+        applied,
+        ..Default::default()
+    })
+}
+
+/// `FORMAT=AWQ`: the AWQ artifact directory in AutoAWQ's GEMM layout ([`write_awq_artifact`]), under the
+/// same writer lock and garbage collection as a GPTQ run. `BITS` (4), `GROUP_SIZE` and the family are checked
+/// by the engine before any output; a missing `DATASET` is bad input.
+fn run_awq(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess, WorkerError> {
+    if args.dataset.trim().is_empty() {
+        return Err(WorkerError::BadInput(format!(
+            "{}: {FORMAT_AWQ} needs calibration text (the scale search runs on its activations)",
+            env::DATASET
+        )));
+    }
+    let dataset = crate::datasets::resolve(&args.dataset, &args.model_dir, "calibration")?;
+    let bits = args.bits.unwrap_or(4);
+    let _lock = crate::generations::lock_output(&args.out_dir, events)?;
+    let outcome = write_awq_artifact(
+        &AwqJob {
+            model_dir: &args.model_dir,
+            out_dir: &args.out_dir,
+            dataset: &dataset,
+            calib: CalibSettings {
+                max_samples: args.max_samples,
+                max_seq_len: args.max_seq_len,
+            },
+            bits,
+            group_size: args.group_size,
+            script_version: contract::SCRIPT_VERSION,
+            verify_save_sha256: args.verify_save_sha256,
+            max_shard_bytes: args.max_shard_bytes.max(1),
+        },
+        &WorkerSink(events),
+    )
+    .map_err(WorkerError::Quant)?;
+    events.log(&format!(
+        "AWQ (w{bits} g{}): {} ({} bytes{})",
+        args.group_size,
+        outcome.output_dir.display(),
+        outcome.compressed_size_bytes,
+        if outcome.cached { ", reused" } else { "" }
+    ));
+    crate::generations::collect_garbage(
+        &args.out_dir,
+        std::env::var(env::KEEP_DIRS).ok().as_deref(),
+        events,
+    );
+    let mut applied: std::collections::BTreeMap<String, String> = [
+        ("format", FORMAT_AWQ.to_string()),
+        ("bits", bits.to_string()),
+        ("groupSize", args.group_size.to_string()),
+        ("zeroPoint", "true".to_string()),
+        ("version", "gemm".to_string()),
+        ("calibrationSamples", args.max_samples.to_string()),
+        ("calibrationSeqLen", args.max_seq_len.to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    if let Some(q) = &outcome.quality {
+        applied.insert("quantizedModules".into(), q.quantized_modules.to_string());
+        applied.insert("scaledGroups".into(), q.scaled_groups.to_string());
+        applied.insert("meanLossRatio".into(), format!("{:.4}", q.mean_loss_ratio));
+        applied.insert(
+            "maxRelativeError".into(),
+            format!("{:.5}", q.max_relative_error),
+        );
+    }
+    Ok(TerminationSuccess {
+        kind: format!("awq-w{bits}-g{}", args.group_size),
         original_size_bytes: Some(outcome.original_size_bytes),
         compressed_size_bytes: Some(outcome.compressed_size_bytes),
         quantization_time_seconds: Some((outcome.seconds * 10.0).round() / 10.0),

@@ -341,9 +341,10 @@ fn format_and_gguf_type_parse_with_their_defaults() {
     assert_eq!(output_format(&a.format).expect("gguf"), OutputFormat::Gguf);
     assert_eq!(gguf_file_type(&a.gguf_type).expect("type"), FileType::Q5KM);
     assert_eq!(output_format(" fp8 ").expect("fp8"), OutputFormat::Fp8);
-    let e = output_format("AWQ").expect_err("awq");
+    assert_eq!(output_format("awq").expect("awq"), OutputFormat::Awq);
+    let e = output_format("EXL2").expect_err("exl2");
     assert_eq!(e.exit_code(), 2);
-    assert!(e.to_string().contains("FORMAT=\"AWQ\""), "{e}");
+    assert!(e.to_string().contains("FORMAT=\"EXL2\""), "{e}");
     assert!(e.to_string().contains("FP8"), "{e}");
     let e = gguf_file_type("Q3_K_S").expect_err("q3_k_s");
     assert_eq!(e.exit_code(), 2);
@@ -501,6 +502,64 @@ fn format_fp8_writes_the_float_quantized_artifact_and_reports_it() {
         let e = run_inner(&bad, &Events::new("quantization")).expect_err("bad input");
         assert_eq!(e.exit_code(), 2, "{e}");
         assert!(e.to_string().contains(needle), "{e}");
+    }
+    assert_eq!(
+        std::fs::read(out.join(contract::files::SAVE_COMPLETE)).expect("kept"),
+        before
+    );
+}
+
+/// `FORMAT=AWQ`: the GEMM-layout artifact with `.save-complete` and the AWQ quality sidecar, reported with its
+/// sizes and `applied`; a second run reuses it; bad `BITS` / `GROUP_SIZE` / a missing `DATASET` are exit 2
+/// naming the variable and leave the artifact as it was.
+#[test]
+fn format_awq_writes_the_gemm_artifact_and_reports_it() {
+    let f = fixture();
+    let mut args = f.args.clone();
+    args.format = "AWQ".into();
+    args.out_dir = f.args.model_dir.with_file_name("awq");
+    let ok = run_inner(&args, &Events::new("quantization")).expect("awq run");
+    assert_eq!(ok.kind, format!("awq-w4-g{}", args.group_size));
+    let out = &args.out_dir;
+    let sc: contract::SaveComplete = serde_json::from_slice(
+        &std::fs::read(out.join(contract::files::SAVE_COMPLETE)).expect("save-complete"),
+    )
+    .expect("save-complete json");
+    assert_eq!(
+        ok.compressed_size_bytes,
+        Some(sc.shards.iter().map(|s| s.size_bytes).sum())
+    );
+    let q: contract::files::AwqQuality = serde_json::from_slice(
+        &std::fs::read(out.join(contract::files::QUANTIZATION_QUALITY)).expect("sidecar"),
+    )
+    .expect("sidecar json");
+    assert!(q.quantized_modules > 0);
+    assert_eq!(
+        ok.applied.get("quantizedModules"),
+        Some(&q.quantized_modules.to_string())
+    );
+    for (k, v) in [("format", "AWQ"), ("bits", "4"), ("version", "gemm")] {
+        assert_eq!(ok.applied.get(k).map(String::as_str), Some(v), "{k}");
+    }
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("config.json")).expect("config"))
+            .expect("json");
+    assert_eq!(cfg["quantization_config"]["quant_method"], "awq");
+    let again = run_inner(&args, &Events::new("quantization")).expect("reuse");
+    assert_eq!(again.config_digest, ok.config_digest);
+    let before = std::fs::read(out.join(contract::files::SAVE_COMPLETE)).expect("kept");
+    for (bits, group, dataset, needle) in [
+        (Some(3), args.group_size, args.dataset.clone(), "BITS=\"3\""),
+        (None, 100, args.dataset.clone(), "GROUP_SIZE=\"100\""),
+        (None, args.group_size, String::new(), "DATASET"),
+    ] {
+        let mut bad = args.clone();
+        bad.bits = bits;
+        bad.group_size = group;
+        bad.dataset = dataset;
+        let e = run_inner(&bad, &Events::new("quantization")).expect_err("bad input");
+        assert_eq!(e.exit_code(), 2, "{e}");
+        assert!(e.to_string().contains(needle), "{needle}: {e}");
     }
     assert_eq!(
         std::fs::read(out.join(contract::files::SAVE_COMPLETE)).expect("kept"),

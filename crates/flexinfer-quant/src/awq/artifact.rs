@@ -1,0 +1,612 @@
+//! An AWQ artifact directory in AutoAWQ's GEMM layout (`quant_method: awq`, `version: gemm`, what vLLM
+//! and transformers load): the calibration samples run through the model layer by layer; in each layer
+//! the four shared-input groups (q/k/v after `input_layernorm`, o after v, gate/up after
+//! `post_attention_layernorm`, down after up) get their scales searched ([`super::search`]) and folded
+//! into the preceding norm or linear, every linear but q/k its clipping searched, and all seven are
+//! quantized to 4-bit groups with zero points; every layer sees the full-precision model's activations.
+//! Written with the GPTQ writer's shards, index, tokenizer files, quality sidecar and `.save-complete`;
+//! staged beside `out_dir` and exchanged into place whole; a finished artifact of the same digest is
+//! reused.
+
+use super::gemm::{pack_gemm, quantize, BITS, PACK};
+use super::search::{sample_rows, search_clip, search_scales};
+use crate::error::{NumericError, QuantError, Result, SpecError};
+use crate::events::{fields, EventSink};
+use crate::fsutil::{read_json, sha256_hex};
+use crate::job::digest::input_digest;
+use crate::job::writer::{verify_save_complete, write_checkpoint, Extras, OutTensor};
+use crate::model::calib::{load_samples_counted, CalibSettings};
+use crate::model::config::ModelConfig;
+use crate::model::llama::{embed, layer_forward_visit, Rope, Stage};
+use crate::model::tensors::TensorStore;
+use crate::model::{check_source_module, layer_modules, load_layer, LayerWeights};
+use faer::Mat;
+use flexinfer_contract::events as names;
+use flexinfer_contract::files::{self, AwqQuality};
+use safetensors::{tensor::TensorView, Dtype};
+use serde_json::{json, Value};
+use std::borrow::Cow;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// Group sizes the GEMM kernels take (vLLM's `awq` method: 32, 64, 128; AutoAWQ's default 128).
+pub const GROUP_SIZES: [usize; 3] = [32, 64, 128];
+/// Calibration tokens (evenly strided) the scale search measures on, per module group.
+const SCALE_TOKENS: usize = 4096;
+/// Calibration tokens the clipping search measures on (AutoAWQ's `n_sample_token` is 512).
+const CLIP_TOKENS: usize = 512;
+
+/// What to make.
+pub struct AwqJob<'a> {
+    pub model_dir: &'a Path,
+    /// The artifact directory (the worker contract's `OUT_DIR`).
+    pub out_dir: &'a Path,
+    /// The calibration dataset and how much of it to use.
+    pub dataset: &'a Path,
+    pub calib: CalibSettings,
+    pub bits: u32,
+    pub group_size: i32,
+    pub script_version: &'a str,
+    /// Re-hash the shards of an existing `.save-complete` before reusing it (else sizes only).
+    pub verify_save_sha256: bool,
+    pub max_shard_bytes: u64,
+}
+
+/// What a finished (or reused) artifact is.
+#[derive(Clone, Debug)]
+pub struct AwqOutcome {
+    pub output_dir: PathBuf,
+    pub original_size_bytes: u64,
+    pub compressed_size_bytes: u64,
+    pub seconds: f64,
+    pub cached: bool,
+    pub config_digest: String,
+    /// `None` only for a reused artifact whose sidecar cannot be read.
+    pub quality: Option<AwqQuality>,
+}
+
+/// transformers' `AwqConfig` / vLLM's `AWQConfig` of the artifact.
+pub fn quantization_config(group_size: usize) -> Value {
+    json!({
+        "quant_method": "awq",
+        "bits": BITS,
+        "group_size": group_size,
+        "zero_point": true,
+        "version": "gemm",
+        "modules_to_not_convert": ["lm_head"],
+        "quantizer": format!("flexinfer-quant:{}", env!("CARGO_PKG_VERSION")),
+    })
+}
+
+/// The settings and the model, checked before anything is read beyond `config.json` and the tensor
+/// headers: 4 bits, a group size the kernels take that divides every linear's input, output features in
+/// whole words, and a family whose scales fold (plain RMSNorm before q/k/v and gate/up, no experts, no
+/// linear attention).
+fn check(job: &AwqJob<'_>, cfg: &ModelConfig, store: &TensorStore) -> Result<usize> {
+    if job.bits != BITS {
+        return Err(SpecError::Value {
+            field: flexinfer_contract::env::BITS.into(),
+            value: job.bits.to_string(),
+            expected: "4 (the AWQ GEMM layout holds 4-bit codes only)".into(),
+        }
+        .into());
+    }
+    let group = usize::try_from(job.group_size)
+        .ok()
+        .filter(|g| GROUP_SIZES.contains(g))
+        .ok_or_else(|| SpecError::Value {
+            field: flexinfer_contract::env::GROUP_SIZE.into(),
+            value: job.group_size.to_string(),
+            expected: "32, 64 or 128 (the AWQ GEMM kernels' group sizes)".into(),
+        })?;
+    let family = if cfg.gemma.is_some() {
+        Some("Gemma's (1 + w) norms")
+    } else if cfg.moe.is_some() {
+        Some("mixture-of-experts layers")
+    } else if cfg.hybrid {
+        Some("linear-attention layers")
+    } else {
+        None
+    };
+    if let Some(why) = family {
+        return Err(SpecError::Value {
+            field: "config.json architectures".into(),
+            value: cfg.architecture.clone(),
+            expected: format!(
+                "a dense Llama-family decoder (the AWQ engine does not fold scales across {why})"
+            ),
+        }
+        .into());
+    }
+    for layer in 0..cfg.num_layers {
+        let prefix = cfg.layer_prefix(layer);
+        for spec in layer_modules(cfg, layer) {
+            check_source_module(store, cfg, layer, &spec)?;
+            let (rows, cols) = spec.shape;
+            let module = format!("{prefix}{}", spec.name);
+            if cols % group != 0 {
+                return Err(SpecError::GroupDivides {
+                    module,
+                    group_size: job.group_size,
+                    cols,
+                }
+                .into());
+            }
+            if rows % PACK != 0 {
+                return Err(SpecError::Value {
+                    field: module,
+                    value: format!("{rows} output features"),
+                    expected: "a multiple of 8 (the GEMM layout packs 8 outputs per word)".into(),
+                }
+                .into());
+            }
+        }
+    }
+    Ok(group)
+}
+
+fn sibling(out_dir: &Path, suffix: &str) -> PathBuf {
+    let name = out_dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "awq".into());
+    out_dir.with_file_name(format!(".{name}{suffix}"))
+}
+
+fn progress(events: &dyn EventSink, percent: f64, detail: String) {
+    events.emit(
+        names::PROGRESS,
+        fields([
+            ("phase", json!("awq")),
+            ("percent", json!((percent * 10.0).round() / 10.0)),
+            ("detail", json!(detail)),
+        ]),
+    );
+}
+
+/// The digest of everything that determines the artifact's bytes.
+fn digest_of(job: &AwqJob<'_>, store: &TensorStore) -> Result<String> {
+    let dataset = std::fs::read(job.dataset).map_err(|e| QuantError::io(job.dataset, e))?;
+    Ok(sha256_hex(
+        json!({
+            "format": "awq", "bits": job.bits, "group_size": job.group_size,
+            "model": input_digest(job.model_dir, store)?, "dataset": sha256_hex(&dataset),
+            "max_samples": job.calib.max_samples, "max_seq_len": job.calib.max_seq_len,
+            "max_shard_bytes": job.max_shard_bytes,
+            "script_version": job.script_version, "engine": env!("CARGO_PKG_VERSION"),
+        })
+        .to_string()
+        .as_bytes(),
+    ))
+}
+
+/// Makes (or reuses) the AWQ artifact of `job`. Bad input (settings, architecture, shapes, dataset) is
+/// found before anything is moved to `out_dir`; a previous artifact there stays whole.
+pub fn write_awq_artifact(job: &AwqJob<'_>, events: &dyn EventSink) -> Result<AwqOutcome> {
+    let started = Instant::now();
+    let cfg = ModelConfig::load(job.model_dir)?;
+    let store = TensorStore::open_dir(job.model_dir)?;
+    let group = check(job, &cfg, &store)?;
+    let digest = digest_of(job, &store)?;
+    if let Some(sc) = verify_save_complete(job.out_dir, job.verify_save_sha256) {
+        if sc.config_digest.as_deref() == Some(digest.as_str()) {
+            progress(events, 100.0, format!("reusing {}", job.out_dir.display()));
+            let quality = read_json(&job.out_dir.join(files::QUANTIZATION_QUALITY))
+                .ok()
+                .and_then(|v| serde_json::from_value::<AwqQuality>(v).ok());
+            return Ok(AwqOutcome {
+                output_dir: job.out_dir.to_path_buf(),
+                original_size_bytes: store.total_bytes(),
+                compressed_size_bytes: sc.shards.iter().map(|s| s.size_bytes).sum(),
+                seconds: started.elapsed().as_secs_f64(),
+                cached: true,
+                config_digest: digest,
+                quality,
+            });
+        }
+    }
+    let samples = load_samples_counted(job.model_dir, job.dataset, &job.calib)?.ids;
+    let work = sibling(job.out_dir, ".awq-work");
+    let result = quantize_and_save(job, &cfg, &store, &samples, group, &work, &digest, events);
+    // The work files are inputs of the save only; a failed run leaves no partial state worth keeping.
+    if work.exists() {
+        if let Err(e) = std::fs::remove_dir_all(&work) {
+            tracing::warn!(path = %work.display(), error = %e, "could not remove the AWQ work directory");
+        }
+    }
+    let (compressed, quality) = result?;
+    progress(events, 100.0, format!("wrote {}", job.out_dir.display()));
+    Ok(AwqOutcome {
+        output_dir: job.out_dir.to_path_buf(),
+        original_size_bytes: store.total_bytes(),
+        compressed_size_bytes: compressed,
+        seconds: started.elapsed().as_secs_f64(),
+        cached: false,
+        config_digest: digest,
+        quality: Some(quality),
+    })
+}
+
+/// Every sample's input of each module group, stacked (`[tokens, in]` per stage, in [`Stage`] order); each
+/// sample of `hidden` becomes the layer's full-precision output, the next layer's input (AutoAWQ's order:
+/// the activations of the unquantized model, one forward per layer).
+fn stage_inputs(
+    cfg: &ModelConfig,
+    lw: &LayerWeights,
+    hidden: &mut [Mat<f32>],
+    rope: &Rope,
+) -> Vec<Mat<f32>> {
+    let mut parts: [Vec<Mat<f32>>; 4] = Default::default();
+    for x in hidden.iter_mut() {
+        layer_forward_visit(cfg, lw, x, rope, &mut |stage, m| {
+            parts[stage as usize].push(m.to_owned());
+        });
+    }
+    parts
+        .iter()
+        .map(|p| {
+            let rows: usize = p.iter().map(Mat::nrows).sum();
+            let cols = p.first().map_or(0, Mat::ncols);
+            let mut out = Mat::<f32>::zeros(rows, cols);
+            let mut r0 = 0;
+            for m in p {
+                out.as_mut()
+                    .submatrix_mut(r0, 0, m.nrows(), cols)
+                    .copy_from(m.as_ref());
+                r0 += m.nrows();
+            }
+            out
+        })
+        .collect()
+}
+
+/// What the layer loop adds up for the sidecar.
+#[derive(Default)]
+struct Tally {
+    errors: Vec<(String, f64)>,
+    scaled: u64,
+    unscaled: u64,
+    loss_ratios: Vec<f64>,
+    clipped: u64,
+    clip_searched: u64,
+}
+
+/// Folds `s` into the module group of `stage`: the group's linears' input columns × s, the preceding
+/// norm or linear's outputs ÷ s (the layer's function is unchanged), and the stage input ÷ s.
+fn fold(lw: &mut LayerWeights, stage: Stage, s: &[f32], x: &mut Mat<f32>) {
+    let (targets, before): (&[usize], Option<usize>) = match stage {
+        Stage::Qkv => (&[0, 1, 2], None),
+        Stage::O => (&[3], Some(2)),
+        Stage::GateUp => (&[4, 5], None),
+        Stage::Down => (&[6], Some(5)),
+    };
+    for &i in targets {
+        let w = &mut lw.linears[i].w;
+        for (c, &sc) in s.iter().enumerate() {
+            w.col_mut(c).iter_mut().for_each(|v| *v *= sc);
+        }
+    }
+    match (stage, before) {
+        (Stage::Qkv, _) => lw.input_norm.iter_mut().zip(s).for_each(|(n, sc)| *n /= sc),
+        (Stage::GateUp, _) => lw.post_norm.iter_mut().zip(s).for_each(|(n, sc)| *n /= sc),
+        (_, Some(p)) => {
+            let l = &mut lw.linears[p];
+            for (r, &sc) in s.iter().enumerate() {
+                l.w.row_mut(r).iter_mut().for_each(|v| *v /= sc);
+            }
+            if let Some(b) = l.b.as_mut() {
+                b.iter_mut().zip(s).for_each(|(v, sc)| *v /= sc);
+            }
+        }
+        _ => {}
+    }
+    for (c, &sc) in s.iter().enumerate() {
+        x.col_mut(c).iter_mut().for_each(|v| *v /= sc);
+    }
+}
+
+fn row_major(w: &Mat<f32>) -> Vec<f32> {
+    let (rows, cols) = (w.nrows(), w.ncols());
+    let mut v = vec![0f32; rows * cols];
+    for c in 0..cols {
+        for (r, x) in w.col(c).iter().enumerate() {
+            v[r * cols + c] = *x;
+        }
+    }
+    v
+}
+
+/// `v` in `dtype` (the source's float dtype of the tensor it replaces), little-endian bytes.
+fn encode(name: &str, v: &[f32], dtype: Dtype) -> Result<Vec<u8>> {
+    Ok(match dtype {
+        Dtype::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        Dtype::BF16 => v
+            .iter()
+            .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+            .collect(),
+        Dtype::F16 => v
+            .iter()
+            .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
+            .collect(),
+        other => {
+            return Err(SpecError::Value {
+                field: name.to_string(),
+                value: format!("{other:?}"),
+                expected: "an F32, BF16 or F16 tensor".into(),
+            }
+            .into())
+        }
+    })
+}
+
+type WorkTensor = (String, Vec<u8>, Dtype, Vec<usize>);
+
+/// Searches, folds and quantizes one layer (its linears replaced by their dequantized weights); returns the
+/// layer's tensors for the artifact.
+fn quantize_layer(
+    cfg: &ModelConfig,
+    store: &TensorStore,
+    layer: usize,
+    lw: &mut LayerWeights,
+    mut inputs: Vec<Mat<f32>>,
+    group: usize,
+    tally: &mut Tally,
+) -> Result<Vec<WorkTensor>> {
+    let prefix = cfg.layer_prefix(layer);
+    let specs = layer_modules(cfg, layer);
+    for (stage, x) in [Stage::Qkv, Stage::O, Stage::GateUp, Stage::Down]
+        .into_iter()
+        .zip(inputs.iter_mut())
+    {
+        let idx: &[usize] = match stage {
+            Stage::Qkv => &[0, 1, 2],
+            Stage::O => &[3],
+            Stage::GateUp => &[4, 5],
+            Stage::Down => &[6],
+        };
+        // o's scales fold into v only where v's outputs are o's inputs one to one (no grouped-query
+        // sharing), AutoAWQ's rule.
+        if stage == Stage::O && lw.linears[2].w.nrows() != lw.linears[3].w.ncols() {
+            continue;
+        }
+        let sample = sample_rows(x.as_ref(), SCALE_TOKENS);
+        let group_ws: Vec<&Mat<f32>> = idx.iter().map(|&i| &lw.linears[i].w).collect();
+        let choice = search_scales(sample.as_ref(), &group_ws, group);
+        drop(sample);
+        if choice.plain_loss > 0.0 {
+            tally.loss_ratios.push(choice.loss / choice.plain_loss);
+        }
+        if choice.ratio.is_some() {
+            tally.scaled += 1;
+            fold(lw, stage, &choice.scales, x);
+        } else {
+            tally.unscaled += 1;
+        }
+    }
+    let mut out: Vec<WorkTensor> = Vec::new();
+    for (i, spec) in specs.iter().enumerate() {
+        let module = format!("{prefix}{}", spec.name);
+        let stage_x = match i {
+            0..=2 => &inputs[0],
+            3 => &inputs[1],
+            4 | 5 => &inputs[2],
+            _ => &inputs[3],
+        };
+        let w = &lw.linears[i].w;
+        let (rows, cols) = (w.nrows(), w.ncols());
+        // q and k feed the attention scores through RoPE: AutoAWQ leaves their range whole.
+        let clip = (i > 1).then(|| {
+            let sample = sample_rows(stage_x.as_ref(), CLIP_TOKENS);
+            search_clip(sample.as_ref(), w, group)
+        });
+        if let Some(c) = &clip {
+            tally.clip_searched += c.len() as u64;
+            tally.clipped += c.iter().filter(|b| b.is_finite()).count() as u64;
+        }
+        let flat = row_major(w);
+        let q = quantize(&flat, rows, cols, group, clip.as_deref());
+        let deq = q.dequantize();
+        let (mut err, mut norm) = (0f64, 0f64);
+        for (a, b) in flat.iter().zip(&deq) {
+            err += f64::from(a - b).powi(2);
+            norm += f64::from(*a).powi(2);
+        }
+        tally
+            .errors
+            .push((module.clone(), (err / norm.max(f64::MIN_POSITIVE)).sqrt()));
+        lw.linears[i].w = Mat::from_fn(rows, cols, |r, c| deq[r * cols + c]);
+        let (qweight, qzeros, scales) = pack_gemm(&q);
+        let groups = cols / group;
+        out.push((
+            format!("{module}.qweight"),
+            qweight.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            Dtype::I32,
+            vec![cols, rows / PACK],
+        ));
+        out.push((
+            format!("{module}.qzeros"),
+            qzeros.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            Dtype::I32,
+            vec![groups, rows / PACK],
+        ));
+        out.push((
+            format!("{module}.scales"),
+            scales.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            Dtype::F16,
+            vec![groups, rows],
+        ));
+        if let Some(b) = &lw.linears[i].b {
+            let name = format!("{module}.bias");
+            let dtype = store.entry(&name)?.dtype;
+            out.push((name.clone(), encode(&name, b, dtype)?, dtype, vec![b.len()]));
+        }
+    }
+    for (name, v) in [
+        ("input_layernorm.weight", &lw.input_norm),
+        ("post_attention_layernorm.weight", &lw.post_norm),
+    ] {
+        let name = format!("{prefix}{name}");
+        let dtype = store.entry(&name)?.dtype;
+        out.push((name.clone(), encode(&name, v, dtype)?, dtype, vec![v.len()]));
+    }
+    Ok(out)
+}
+
+fn write_work_file(path: &Path, tensors: &[WorkTensor]) -> Result<()> {
+    let views = tensors
+        .iter()
+        .map(|(n, data, dtype, shape)| {
+            TensorView::new(*dtype, shape.clone(), data)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| QuantError::Safetensors {
+                    path: path.to_path_buf(),
+                    tensor: Some(n.clone()),
+                    source: e.into(),
+                })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    safetensors::serialize_to_file(views, None, path).map_err(|e| QuantError::Safetensors {
+        path: path.to_path_buf(),
+        tensor: None,
+        source: e.into(),
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn quantize_and_save(
+    job: &AwqJob<'_>,
+    cfg: &ModelConfig,
+    store: &TensorStore,
+    samples: &[Vec<u32>],
+    group: usize,
+    work: &Path,
+    digest: &str,
+    events: &dyn EventSink,
+) -> Result<(u64, AwqQuality)> {
+    if work.exists() {
+        std::fs::remove_dir_all(work).map_err(|e| QuantError::io(work, e))?;
+    }
+    std::fs::create_dir_all(work).map_err(|e| QuantError::io(work, e))?;
+    let longest = samples.iter().map(Vec::len).max().unwrap_or(1);
+    let rope = Rope::new(cfg, longest);
+    let mut hidden = samples
+        .iter()
+        .map(|s| embed(store, cfg, None, s))
+        .collect::<Result<Vec<_>>>()?;
+    let mut tally = Tally::default();
+    let mut work_files = Vec::new();
+    for layer in 0..cfg.num_layers {
+        let mut lw = load_layer(store, cfg, layer, None)?;
+        store.release_pages();
+        let inputs = stage_inputs(cfg, &lw, &mut hidden, &rope);
+        let tensors = quantize_layer(cfg, store, layer, &mut lw, inputs, group, &mut tally)?;
+        let path = work.join(format!("layer-{layer:05}.safetensors"));
+        write_work_file(&path, &tensors)?;
+        work_files.push(path);
+        progress(
+            events,
+            90.0 * (layer + 1) as f64 / cfg.num_layers.max(1) as f64,
+            format!("layer {}/{}", layer + 1, cfg.num_layers),
+        );
+    }
+    drop(hidden);
+    let quality = quality_of(group, &tally);
+    let work_store = TensorStore::open_files(work_files)?;
+    let replaced: std::collections::HashSet<String> = work_store
+        .entries
+        .keys()
+        .filter_map(|n| {
+            n.strip_suffix(".qweight")
+                .map(|m| format!("{m}.weight"))
+                .or_else(|| Some(n.clone()))
+        })
+        .collect();
+    let mut tensors: Vec<OutTensor<'_>> = Vec::new();
+    for (name, e) in &store.entries {
+        if replaced.contains(name) {
+            continue;
+        }
+        tensors.push(OutTensor {
+            name: name.clone(),
+            dtype: e.dtype,
+            shape: e.shape.clone(),
+            data: Cow::Borrowed(store.raw(name)?),
+        });
+    }
+    for (name, e) in &work_store.entries {
+        tensors.push(OutTensor {
+            name: name.clone(),
+            dtype: e.dtype,
+            shape: e.shape.clone(),
+            data: Cow::Borrowed(work_store.raw(name)?),
+        });
+    }
+    let mut config_json = cfg.raw.clone();
+    config_json["quantization_config"] = quantization_config(group);
+    let quality_json = serde_json::to_value(&quality).map_err(|source| NumericError::Encode {
+        what: "the AWQ quality summary",
+        source,
+    })?;
+    let extras = Extras {
+        config_json,
+        quantize_config: None,
+        quality: quality_json.clone(),
+        source_dir: job.model_dir,
+        script_version: job.script_version,
+        config_digest: digest,
+    };
+    let records = write_checkpoint(
+        &sibling(job.out_dir, files::STAGING_SUFFIX),
+        job.out_dir,
+        tensors,
+        job.max_shard_bytes,
+        &extras,
+        &|| {
+            store.release_pages();
+            work_store.release_pages();
+        },
+        |done, n| {
+            progress(
+                events,
+                90.0 + 10.0 * done as f64 / n.max(1) as f64,
+                format!("shard {done}/{n}"),
+            )
+        },
+    )?;
+    events.emit(
+        names::QUANTIZATION_QUALITY,
+        quality_json.as_object().cloned().unwrap_or_default(),
+    );
+    Ok((records.iter().map(|r| r.size_bytes).sum(), quality))
+}
+
+fn quality_of(group: usize, t: &Tally) -> AwqQuality {
+    let worst = t
+        .errors
+        .iter()
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .cloned()
+        .unwrap_or_default();
+    let mean = |v: &[f64]| {
+        if v.is_empty() {
+            0.0
+        } else {
+            v.iter().sum::<f64>() / v.len() as f64
+        }
+    };
+    let errors: Vec<f64> = t.errors.iter().map(|e| e.1).collect();
+    AwqQuality {
+        format: flexinfer_contract::env::FORMAT_AWQ.into(),
+        bits: BITS,
+        group_size: group as u32,
+        quantized_modules: t.errors.len() as u64,
+        scaled_groups: t.scaled,
+        unscaled_groups: t.unscaled,
+        mean_loss_ratio: mean(&t.loss_ratios),
+        clipped_groups: t.clipped,
+        searched_clip_groups: t.clip_searched,
+        max_relative_error: worst.1,
+        worst_module: worst.0,
+        mean_relative_error: mean(&errors),
+    }
+}
