@@ -45,7 +45,7 @@ pub const FORMATS: &[FormatInfo] = &[
         bits: &[4],
         default_bits: 4,
         backends: &[Backend::Vllm],
-        implemented: false,
+        implemented: true,
         needs_calibration: true,
         gpu_engine: false,
     },
@@ -130,6 +130,39 @@ pub fn backend_supports(format: QuantFormat, backend: Backend) -> bool {
 mod tests {
     use super::*;
 
+    /// The CRD refuses at admission exactly the formats without an engine (`implemented: false`), and its
+    /// message lists the ones with an engine.
+    #[test]
+    fn admission_refuses_the_formats_without_an_engine() {
+        use kube::CustomResourceExt;
+        let crd = serde_json::to_value(crate::modelcache::ModelCache::crd()).unwrap_or_default();
+        let q = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+            ["properties"]["quantization"];
+        let rules = q["x-kubernetes-validations"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let rule = rules
+            .iter()
+            .find(|r| {
+                r["rule"]
+                    .as_str()
+                    .is_some_and(|s| s.starts_with("self.format != "))
+            })
+            .unwrap_or_else(|| panic!("no format rule on spec.quantization: {rules:?}"));
+        let text = rule["rule"].as_str().unwrap_or_default();
+        for f in FORMATS {
+            assert_eq!(
+                text.contains(&format!("'{}'", f.name)),
+                !f.implemented,
+                "{} in {text}",
+                f.name
+            );
+        }
+        let message = rule["message"].as_str().unwrap_or_default();
+        assert!(message.contains(&implemented_names()), "{message}");
+    }
+
     #[test]
     fn one_row_per_format_and_lookup_roundtrips() {
         let all = [
@@ -166,7 +199,13 @@ mod tests {
             .filter(|f| f.implemented)
             .map(|f| f.name)
             .collect();
-        assert_eq!(implemented, ["GGUF", "GPTQ", "FP8", "COMPRESSED_TENSORS"]);
-        assert_eq!(implemented_names(), "GGUF, GPTQ, FP8, COMPRESSED_TENSORS");
+        assert_eq!(
+            implemented,
+            ["GGUF", "AWQ", "GPTQ", "FP8", "COMPRESSED_TENSORS"]
+        );
+        assert_eq!(
+            implemented_names(),
+            "GGUF, AWQ, GPTQ, FP8, COMPRESSED_TENSORS"
+        );
     }
 }

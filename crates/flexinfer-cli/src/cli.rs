@@ -365,7 +365,7 @@ mod tests {
         );
         assert!(
             t.lines()
-                .any(|l| l.starts_with("AWQ") && l.ends_with("planned")),
+                .any(|l| l.starts_with("EXL2") && l.ends_with("planned")),
             "{t}"
         );
         let j: serde_json::Value =

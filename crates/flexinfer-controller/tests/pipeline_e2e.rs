@@ -422,8 +422,8 @@ async fn invalid_but_admitted_spec_gets_a_clear_condition() -> Result<()> {
     let mut w = World::new("pl-invalid").await?;
     let mut ctl = Controller::start(w.name(), &[]).await?;
     w.cache(
-        "awq",
-        "  source: org/model\n  quantization: {format: AWQ, bits: 4}\n",
+        "q3ks",
+        "  source: org/model\n  quantization: {format: GGUF, ggufType: Q3_K_S}\n",
         "",
     )
     .await?;
@@ -433,7 +433,7 @@ async fn invalid_but_admitted_spec_gets_a_clear_condition() -> Result<()> {
         r#""flexinfer.ai/job-pod-labels": "not json""#,
     )
     .await?;
-    let m = w.wait_phase("awq", CachePhase::Failed, &ctl).await?;
+    let m = w.wait_phase("q3ks", CachePhase::Failed, &ctl).await?;
     assert_eq!(
         cond_reason(&m, "Ready").as_deref(),
         Some("UnsupportedFormat")
@@ -448,16 +448,16 @@ async fn invalid_but_admitted_spec_gets_a_clear_condition() -> Result<()> {
         .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Ready"))
         .map(|c| c.message.clone())
         .unwrap_or_default();
-    assert!(msg.contains("AWQ"), "{msg}");
+    assert!(msg.contains("spec.quantization.ggufType Q3_K_S"), "{msg}");
     let b = w.wait_phase("badlabels", CachePhase::Failed, &ctl).await?;
     assert_eq!(cond_reason(&b, "Ready").as_deref(), Some("InvalidSpec"));
     assert!(
-        w.job("awq-download").await.is_none(),
+        w.job("q3ks-download").await.is_none(),
         "a Job was created for an unsupported format"
     );
     // No crash loop, no event spam, no status churn: reconciles of the settled cache write
     // nothing (the namespace also holds `badlabels`, whose reconciles count too).
-    assert_no_status_churn(&w.caches(), "awq", "modelcache", 3, || ctl.reconciles())
+    assert_no_status_churn(&w.caches(), "q3ks", "modelcache", 3, || ctl.reconciles())
         .await
         .with_context(|| ctl.log_tail())?;
     assert!(ctl.alive(), "controller exited:\n{}", ctl.log_tail());
@@ -470,12 +470,12 @@ async fn invalid_but_admitted_spec_gets_a_clear_condition() -> Result<()> {
     // Fixing the spec recovers without touching status.
     w.caches()
         .patch(
-            "awq",
+            "q3ks",
             &PatchParams::default(),
-            &Patch::Merge(serde_json::json!({"spec": {"quantization": {"format": "GPTQ"}}})),
+            &Patch::Merge(serde_json::json!({"spec": {"quantization": {"ggufType": "Q4_K_M"}}})),
         )
         .await?;
-    w.wait_phase("awq", CachePhase::Ready, &ctl).await?;
+    w.wait_phase("q3ks", CachePhase::Ready, &ctl).await?;
     ctl.kill().await;
     Ok(())
 }

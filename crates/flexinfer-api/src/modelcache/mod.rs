@@ -223,6 +223,9 @@ impl DynamicExclusion {
 #[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "self.format != 'EXL2'",
+     "message": "spec.quantization.format EXL2 has no quantization engine in this FlexInfer version (it makes GGUF, AWQ, GPTQ, FP8, COMPRESSED_TENSORS); an EXL2 model made elsewhere is served from a pvc:// source by a Model with backend exllamav2",
+     "fieldPath": ".format"},
     {"rule": "!has(self.bits) || self.format != 'GPTQ' || self.bits in [2, 3, 4, 8]",
      "message": "spec.quantization.bits must be 2, 3, 4 or 8 for GPTQ", "fieldPath": ".bits"},
     {"rule": "!has(self.bits) || self.format != 'FP8' || self.bits == 8",

@@ -43,6 +43,31 @@ fn compressed_tensors_problem(q: &QuantizationSpec) -> Option<String> {
     None
 }
 
+/// Why the AWQ engine cannot make what the spec asks, if it cannot: 4 bits only (AutoAWQ's GEMM layout that
+/// vLLM and transformers load), groups of 32, 64 or 128, and no act-order (AWQ has no column permutation).
+fn awq_problem(q: &QuantizationSpec) -> Option<String> {
+    let bits = q.effective_bits();
+    if !formats::info(QuantFormat::Awq).bits.contains(&bits) {
+        return Some(format!(
+            "spec.quantization.bits {bits}: format AWQ takes 4 bits (the GEMM layout vLLM and transformers load)"
+        ));
+    }
+    if !usize::try_from(q.group_size).is_ok_and(|g| env::AWQ_GROUP_SIZES.contains(&g)) {
+        return Some(format!(
+            "spec.quantization.groupSize {}: format AWQ takes groups of 32, 64 or 128",
+            q.group_size
+        ));
+    }
+    if q.desc_act {
+        return Some(
+            "spec.quantization.descAct true: format AWQ has no act-order (no column permutation); set descAct \
+             to false"
+                .to_string(),
+        );
+    }
+    None
+}
+
 /// The first problem of the spec, in the order: format, modelPath, pod metadata, claim conflict.
 pub(super) fn spec_problem(mc: &ModelCache, observed: &Observed) -> Option<SpecProblem> {
     if let Some(q) = &mc.spec.quantization {
@@ -60,14 +85,17 @@ pub(super) fn spec_problem(mc: &ModelCache, observed: &Observed) -> Option<SpecP
                 phase: Some(JobPhase::Quantize),
             });
         }
-        if q.format == QuantFormat::CompressedTensors {
-            if let Some(message) = compressed_tensors_problem(q) {
-                return Some(SpecProblem {
-                    reason: reasons::UNSUPPORTED_FORMAT,
-                    message,
-                    phase: Some(JobPhase::Quantize),
-                });
-            }
+        let layout_problem = match q.format {
+            QuantFormat::CompressedTensors => compressed_tensors_problem(q),
+            QuantFormat::Awq => awq_problem(q),
+            _ => None,
+        };
+        if let Some(message) = layout_problem {
+            return Some(SpecProblem {
+                reason: reasons::UNSUPPORTED_FORMAT,
+                message,
+                phase: Some(JobPhase::Quantize),
+            });
         }
         if q.format == QuantFormat::Gguf {
             let t = q.effective_gguf_type();

@@ -30,7 +30,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// Group sizes the GEMM kernels take (vLLM's `awq` method: 32, 64, 128; AutoAWQ's default 128).
-pub const GROUP_SIZES: [usize; 3] = [32, 64, 128];
+pub const GROUP_SIZES: [usize; 3] = flexinfer_contract::env::AWQ_GROUP_SIZES;
 /// Calibration tokens (evenly strided) the scale search measures on, per module group.
 const SCALE_TOKENS: usize = 4096;
 /// Calibration tokens the clipping search measures on (AutoAWQ's `n_sample_token` is 512).

@@ -214,6 +214,22 @@ fn quantize_env(s: &ModelCacheSpec, config: &Config) -> Vec<EnvVar> {
         e.push(ev(env::DYNAMIC_EXCLUSION, q.dynamic_exclusion.as_str()));
         return e;
     }
+    if let Some(q) = s
+        .quantization
+        .as_ref()
+        .filter(|q| q.format == QuantFormat::Awq)
+    {
+        // The activation-aware scale and clipping search on the calibration set, 4-bit groups with zero
+        // points: no GPTQ settings (sym, descAct, damping do not apply).
+        let c = q.effective_calibration();
+        e.push(ev(env::FORMAT, env::FORMAT_AWQ));
+        e.push(ev(env::BITS, q.effective_bits().to_string()));
+        e.push(ev(env::GROUP_SIZE, q.group_size.to_string()));
+        e.push(ev(env::MAX_SEQ_LEN, c.max_seq_len.to_string()));
+        e.push(ev(env::MAX_SAMPLES, c.max_samples.to_string()));
+        e.push(ev(env::DATASET, c.dataset.clone()));
+        return e;
+    }
     if let Some(q) = &s.quantization {
         let c = q.effective_calibration();
         if q.format == QuantFormat::CompressedTensors {

@@ -287,19 +287,7 @@ fn quantize_env_carries_the_gptq_quality_knobs_only_when_set() {
 #[test]
 fn gguf_quantize_job_names_format_and_type_and_runs_on_the_cpu() {
     let c = cfg();
-    let env_of = |mc: &ModelCache, phase: JobPhase| {
-        let t_ = jobs::resolve_target(mc, phase, &[profile("gfx1100", "gptq-img")], &c);
-        let job = jobs::build_job(mc, &Default::default(), &[], &t_, "q", "h", &c);
-        let env: BTreeMap<String, String> = job
-            .spec
-            .and_then(|s| s.template.spec)
-            .map(|s| s.containers[0].env.clone().unwrap_or_default())
-            .unwrap_or_default()
-            .into_iter()
-            .filter_map(|e| Some((e.name, e.value?)))
-            .collect();
-        (t_, env)
-    };
+    let env_of = |mc: &ModelCache, phase: JobPhase| target_and_env(mc, phase, &c);
     let plain = cache(&SIMPLE.replace("{format: GPTQ}", "{format: GGUF, useGPU: true}"));
     let (target, env) = env_of(&plain, JobPhase::Quantize);
     assert!(!target.gpu, "GGUF quantization requests no GPU");
@@ -352,6 +340,68 @@ fn gguf_quantize_job_names_format_and_type_and_runs_on_the_cpu() {
     assert!(download.contains_key("DATASET"));
 }
 
+/// The phase's target (profile `gfx1100` with GPTQ image `gptq-img`) and its Job's plain env values.
+fn target_and_env(
+    mc: &ModelCache,
+    phase: JobPhase,
+    c: &Config,
+) -> (jobs::PhaseTarget, BTreeMap<String, String>) {
+    let t_ = jobs::resolve_target(mc, phase, &[profile("gfx1100", "gptq-img")], c);
+    let job = jobs::build_job(mc, &Default::default(), &[], &t_, "q", "h", c);
+    let env = job
+        .spec
+        .and_then(|s| s.template.spec)
+        .map(|s| s.containers[0].env.clone().unwrap_or_default())
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|e| Some((e.name, e.value?)))
+        .collect();
+    (t_, env)
+}
+
+/// An AWQ cache: the quantize Job asks the worker for AWQ (4 bits, the group size, the calibration set) in
+/// `awq-w4-g<group>`, with none of GPTQ's settings; it runs in the worker image on a CPU node even with
+/// `useGPU` (the AWQ engine has no GPU path); the download fetches the calibration set; the plan creates the
+/// download Job (the format is admitted).
+#[test]
+fn awq_quantize_job_names_format_group_and_calibration_and_runs_on_the_cpu() {
+    let c = cfg();
+    let awq = cache(&SIMPLE.replace(
+        "{format: GPTQ}",
+        "{format: AWQ, useGPU: true, groupSize: 64}",
+    ));
+    let (target, env) = target_and_env(&awq, JobPhase::Quantize, &c);
+    assert!(!target.gpu, "AWQ quantization requests no GPU");
+    assert_eq!(target.image.as_deref().ok(), c.worker_image.as_deref());
+    for (k, v) in [("FORMAT", "AWQ"), ("BITS", "4"), ("GROUP_SIZE", "64")] {
+        assert_eq!(env.get(k).map(String::as_str), Some(v), "{k}: {env:?}");
+    }
+    assert!(
+        env.contains_key("DATASET")
+            && env.contains_key("MAX_SAMPLES")
+            && env.contains_key("MAX_SEQ_LEN")
+    );
+    assert_eq!(
+        env.get("OUT_DIR").map(String::as_str),
+        Some("/cache/mc/awq-w4-g64")
+    );
+    for gptq_only in [
+        "SYM",
+        "DESC_ACT",
+        "GPTQ_DAMP_PERCENT_OVERRIDE",
+        "DYNAMIC_EXCLUSION",
+    ] {
+        assert!(!env.contains_key(gptq_only), "{gptq_only} in {env:?}");
+    }
+    let (_, download) = target_and_env(&awq, JobPhase::Download, &c);
+    assert!(download.contains_key("DATASET"), "{download:?}");
+    let plain = cache(&SIMPLE.replace("{format: GPTQ}", "{format: AWQ}"));
+    assert_eq!(
+        created_jobs(&plan(&plain, &obs(vec![]), &c, t(0))),
+        vec!["mc-download"]
+    );
+}
+
 /// An FP8 cache: the quantize Job asks the worker for FP8 (8 bits, the spec's exclusion) in `fp8`, with no
 /// GPTQ or calibration settings; the download fetches no calibration set; it runs in the worker image on a
 /// CPU node even with `useGPU` (the FP8 cast has no GPU path); the plan creates its download Job (the
@@ -359,19 +409,7 @@ fn gguf_quantize_job_names_format_and_type_and_runs_on_the_cpu() {
 #[test]
 fn fp8_quantize_job_names_format_bits_and_exclusion_and_runs_on_the_cpu() {
     let c = cfg();
-    let env_of = |mc: &ModelCache, phase: JobPhase| {
-        let t_ = jobs::resolve_target(mc, phase, &[profile("gfx1100", "gptq-img")], &c);
-        let job = jobs::build_job(mc, &Default::default(), &[], &t_, "q", "h", &c);
-        let env: BTreeMap<String, String> = job
-            .spec
-            .and_then(|s| s.template.spec)
-            .map(|s| s.containers[0].env.clone().unwrap_or_default())
-            .unwrap_or_default()
-            .into_iter()
-            .filter_map(|e| Some((e.name, e.value?)))
-            .collect();
-        (t_, env)
-    };
+    let env_of = |mc: &ModelCache, phase: JobPhase| target_and_env(mc, phase, &c);
     let fp8 = cache(&SIMPLE.replace(
         "{format: GPTQ}",
         "{format: FP8, useGPU: true, dynamicExclusion: gdn}",
@@ -411,19 +449,7 @@ fn fp8_quantize_job_names_format_bits_and_exclusion_and_runs_on_the_cpu() {
 #[test]
 fn compressed_tensors_quantize_job_is_the_gptq_job_with_its_format() {
     let c = cfg();
-    let env_of = |mc: &ModelCache, phase: JobPhase| {
-        let t_ = jobs::resolve_target(mc, phase, &[profile("gfx1100", "gptq-img")], &c);
-        let job = jobs::build_job(mc, &Default::default(), &[], &t_, "q", "h", &c);
-        let env: BTreeMap<String, String> = job
-            .spec
-            .and_then(|s| s.template.spec)
-            .map(|s| s.containers[0].env.clone().unwrap_or_default())
-            .unwrap_or_default()
-            .into_iter()
-            .filter_map(|e| Some((e.name, e.value?)))
-            .collect();
-        (t_, env)
-    };
+    let env_of = |mc: &ModelCache, phase: JobPhase| target_and_env(mc, phase, &c);
     let ct = cache(&SIMPLE.replace(
         "{format: GPTQ}",
         "{format: COMPRESSED_TENSORS, useGPU: true, bits: 8, groupSize: 64}",

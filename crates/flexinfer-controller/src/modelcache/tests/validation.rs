@@ -5,13 +5,13 @@ use super::*;
 #[test]
 fn unsupported_format_fails_clearly_once() {
     let c = cfg();
-    let mc = cache(&SIMPLE.replace("format: GPTQ", "format: AWQ"));
+    let mc = cache(&SIMPLE.replace("format: GPTQ", "format: EXL2"));
     let p = plan(&mc, &obs(vec![]), &c, t(0));
     assert_eq!(p.status.phase, Some(CachePhase::Failed));
     assert!(created_jobs(&p).is_empty());
     let ready = conditions::find(&p.status.conditions, "Ready").expect("cond");
     assert_eq!(ready.reason, "UnsupportedFormat");
-    assert!(ready.message.contains("AWQ"), "{}", ready.message);
+    assert!(ready.message.contains("EXL2"), "{}", ready.message);
     assert_eq!(
         conditions::find(&p.status.conditions, "Quantized").map(|c| c.reason.as_str()),
         Some("UnsupportedFormat")
@@ -94,8 +94,36 @@ fn missing_image_and_bad_annotations_become_conditions() {
             cache(&SIMPLE.replace("format: GPTQ", "format: AWQ")),
             cfg(),
             &none,
+            None,
+            "AWQ at 4 bits, groups of 128, has an engine",
+        ),
+        (
+            cache(&SIMPLE.replace("format: GPTQ", "format: AWQ, groupSize: 256")),
+            cfg(),
+            &none,
             Some("UnsupportedFormat"),
-            "AWQ",
+            "spec.quantization.groupSize 256: format AWQ takes groups of 32, 64 or 128",
+        ),
+        (
+            cache(&SIMPLE.replace("format: GPTQ", "format: AWQ, bits: 8")),
+            cfg(),
+            &none,
+            Some("UnsupportedFormat"),
+            "spec.quantization.bits 8: format AWQ takes 4 bits",
+        ),
+        (
+            cache(&SIMPLE.replace("format: GPTQ", "format: AWQ, descAct: true")),
+            cfg(),
+            &none,
+            Some("UnsupportedFormat"),
+            "spec.quantization.descAct true: format AWQ",
+        ),
+        (
+            cache(&SIMPLE.replace("format: GPTQ", "format: EXL2")),
+            cfg(),
+            &none,
+            Some("UnsupportedFormat"),
+            "EXL2",
         ),
         (
             cache(&SIMPLE.replace("format: GPTQ", "format: GGUF, ggufType: Q3_K_S")),
