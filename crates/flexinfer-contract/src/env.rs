@@ -156,6 +156,10 @@ pub const PROFILE_PROTECTED: &[&str] = &[
     OCI_USERNAME,
     OCI_PASSWORD,
     DOCKER_CONFIG_JSON,
+    // The serving backends' API keys: a profile's key would lock every Model on it behind a key the proxy
+    // does not send (only `spec.backendKeySecretRef` sets them).
+    serving::VLLM_API_KEY,
+    serving::LLAMA_API_KEY,
     "LD_PRELOAD",
     "LD_LIBRARY_PATH",
     "LD_AUDIT",

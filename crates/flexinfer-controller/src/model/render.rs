@@ -432,6 +432,22 @@ fn gpu_settings(model: &Model, profile: Option<&GPUProfile>) -> Result<GpuSettin
     match (profile_ref(model), profile) {
         (ProfileRef::Named(_) | ProfileRef::Arch(_) | ProfileRef::Any, Some(profile)) => {
             let p = &profile.spec;
+            // A profile created before its CRD refused them: the serving pod would get variables
+            // FlexInfer sets itself (a backend key among them).
+            let protected: Vec<&str> = p
+                .env
+                .iter()
+                .map(|e| e.name.as_str())
+                .filter(|n| env::protected_from_profiles(n))
+                .collect();
+            if !protected.is_empty() {
+                return Err(ConfigProblem::Invalid(format!(
+                    "GPUProfile {} sets {} in spec.env, which FlexInfer sets itself (a backend key comes only \
+                     from the Model's spec.backendKeySecretRef); remove it from the profile",
+                    profile.name_any(),
+                    protected.join(", ")
+                )));
+            }
             let arch = match p.vendor {
                 GpuVendor::Amd => images::rocm_target(&p.architecture, &p.env),
                 GpuVendor::Nvidia => p.architecture.clone(),

@@ -1073,3 +1073,35 @@ fn llamacpp_flavor_digests_parse_and_refuse_what_is_not_one() {
         assert!(parse_flavor_digests(&bad).is_err(), "{bad}");
     }
 }
+
+/// A GPUProfile created before its CRD refused them may not give serving pods a backend key (or any
+/// variable FlexInfer sets itself): the Model is refused, naming the profile and the variables.
+#[test]
+fn a_profile_may_not_set_a_backend_key() {
+    let cfg = RenderConfig::default();
+    for var in [
+        env::serving::VLLM_API_KEY,
+        env::serving::LLAMA_API_KEY,
+        env::OUT_DIR,
+    ] {
+        let p = profile_of(
+            "gfx1100",
+            serde_json::json!({"architecture": "gfx1100", "vendor": "amd",
+                "env": [{"name": "HIP_VISIBLE_DEVICES", "value": "0"}, {"name": var, "value": "x"}]}),
+        );
+        let m = model(
+            "m",
+            serde_json::json!({"backend": "vllm", "source": "pvc://c/p", "gpu": {"profile": "gfx1100"}}),
+        );
+        let e = render(&m, None, Some(&p), &cfg)
+            .err()
+            .unwrap_or_else(|| panic!("{var} from the profile was accepted"));
+        assert_eq!(e.reason(), "InvalidSpec", "{var}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("GPUProfile gfx1100 sets") && msg.contains(var),
+            "{msg}"
+        );
+        assert!(!msg.contains("HIP_VISIBLE_DEVICES"), "{msg}");
+    }
+}
