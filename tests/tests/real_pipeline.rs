@@ -1253,6 +1253,75 @@ async fn running_quantize_with_a_cached_layer(
 /// SIGKILLed mid-quantization (the Job's retry resumes from the per-layer cache), and the controller pod is
 /// killed while the Job still has that retry to run (the running Job is kept, not restarted). The worker is
 /// killed first, as soon as a running container has cached a layer, so neither kill races the quantization.
+/// `format: AWQ` through the real Jobs on the real node: download → AWQ (the worker's activation-aware
+/// search on the calibration set, on the CPU: no GPU asked for although the spec says `useGPU`) → Ready, with
+/// the AutoAWQ GEMM checkpoint at `awq-w4-g32.<generation>`, its `.save-complete` matching the bytes and the
+/// status' sizes matching the shards. (Its consumers, GPTQModel's reader and transformers, are checked on the
+/// engine's output by crates/flexinfer-quant/tests/awq_artifact.rs.)
+#[tokio::test]
+async fn real_pipeline_awq_cache_goes_ready_on_the_cpu() -> Result<()> {
+    let _node = NODE.read().await;
+    let e = Env::get()?;
+    let c = client().await;
+    let name = "tiny-awq";
+    let dir = start_cache(&c, &e, name, "flexinfer-demo/tiny-llama", "tiny-llama", json!({
+        "quantization": {"format": "AWQ", "groupSize": 32, "maxMemoryGB": 2, "useGPU": true,
+                         "calibration": {"dataset": "flexinfer-demo/calibration", "maxSamples": 16, "maxSeqLen": 128}},
+    }))
+    .await?;
+    let mut seen = Observed::default();
+    let mc = until_ready(&c, &e, name, &mut seen, Duration::from_secs(600)).await?;
+    check_pods(&e, &seen, &["download", "quantize"])?;
+    for (pod, (phase, v)) in &seen.pods {
+        if phase == "quantize" {
+            let limits = &v["spec"]["containers"][0]["resources"]["limits"];
+            ensure!(
+                !limits
+                    .as_object()
+                    .is_some_and(|l| l.keys().any(|k| k.ends_with("/gpu"))),
+                "AWQ quantize pod {pod} requests a GPU: {limits}"
+            );
+        }
+    }
+    let st = &mc["status"];
+    let q = &st["quantization"];
+    let generation = q["generation"]
+        .as_str()
+        .context("status.quantization.generation")?;
+    let path = st["path"].as_str().context("status.path")?;
+    ensure!(
+        path == format!("{name}:tiny-llama/awq-w4-g32.{generation}"),
+        "status.path {path}"
+    );
+    ensure!(
+        q["applied"]["format"] == "AWQ"
+            && q["applied"]["groupSize"] == "32"
+            && q["applied"]["bits"] == "4",
+        "status.quantization.applied {}",
+        q["applied"]
+    );
+    let art = host_dir(&dir, path);
+    save_complete_verifies(&art)?;
+    let cfg: Value = serde_json::from_slice(&std::fs::read(art.join("config.json"))?)?;
+    let qc = &cfg["quantization_config"];
+    ensure!(
+        qc["quant_method"] == "awq"
+            && qc["version"] == "gemm"
+            && qc["group_size"] == 32
+            && qc["zero_point"] == true,
+        "config.json quantization_config {qc}"
+    );
+    let shards = safetensors_bytes(&art)?;
+    ensure!(
+        q["compressedSizeBytes"].as_u64() == Some(shards)
+            && q["compressionRatio"].as_f64().is_some_and(|r| r > 1.0),
+        "compressedSizeBytes {} vs shards {shards}, ratio {}",
+        q["compressedSizeBytes"],
+        q["compressionRatio"]
+    );
+    Ok(())
+}
+
 #[tokio::test]
 async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
     let _node = NODE.read().await;
