@@ -10,22 +10,21 @@
 
 use super::gemm::{pack_gemm, quantize, BITS, PACK};
 use super::search::{sample_rows, search_clip, search_scales};
-use crate::error::{NumericError, QuantError, Result, SpecError};
-use crate::events::{fields, EventSink};
+use crate::error::{QuantError, Result, SpecError};
+use crate::events::EventSink;
 use crate::fsutil::{read_json, sha256_hex};
 use crate::job::digest::input_digest;
-use crate::job::writer::{verify_save_complete, write_checkpoint, Extras, OutTensor};
+use crate::job::rewrite::{merged_tensors, progress, sibling, Rewritten};
+use crate::job::writer::{verify_save_complete, Extras};
 use crate::model::calib::{load_samples_counted, CalibSettings};
 use crate::model::config::ModelConfig;
 use crate::model::llama::{embed, layer_forward_visit, Rope, Stage};
 use crate::model::tensors::TensorStore;
 use crate::model::{check_source_module, layer_modules, load_layer, LayerWeights};
 use faer::Mat;
-use flexinfer_contract::events as names;
 use flexinfer_contract::files::{self, AwqQuality};
 use safetensors::{tensor::TensorView, Dtype};
 use serde_json::{json, Value};
-use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -145,25 +144,6 @@ fn check(job: &AwqJob<'_>, cfg: &ModelConfig, store: &TensorStore) -> Result<usi
     Ok(group)
 }
 
-fn sibling(out_dir: &Path, suffix: &str) -> PathBuf {
-    let name = out_dir
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "awq".into());
-    out_dir.with_file_name(format!(".{name}{suffix}"))
-}
-
-fn progress(events: &dyn EventSink, percent: f64, detail: String) {
-    events.emit(
-        names::PROGRESS,
-        fields([
-            ("phase", json!("awq")),
-            ("percent", json!((percent * 10.0).round() / 10.0)),
-            ("detail", json!(detail)),
-        ]),
-    );
-}
-
 /// The digest of everything that determines the artifact's bytes.
 fn digest_of(job: &AwqJob<'_>, store: &TensorStore) -> Result<String> {
     let dataset = std::fs::read(job.dataset).map_err(|e| QuantError::io(job.dataset, e))?;
@@ -190,7 +170,12 @@ pub fn write_awq_artifact(job: &AwqJob<'_>, events: &dyn EventSink) -> Result<Aw
     let digest = digest_of(job, &store)?;
     if let Some(sc) = verify_save_complete(job.out_dir, job.verify_save_sha256) {
         if sc.config_digest.as_deref() == Some(digest.as_str()) {
-            progress(events, 100.0, format!("reusing {}", job.out_dir.display()));
+            progress(
+                events,
+                "awq",
+                100.0,
+                format!("reusing {}", job.out_dir.display()),
+            );
             let quality = read_json(&job.out_dir.join(files::QUANTIZATION_QUALITY))
                 .ok()
                 .and_then(|v| serde_json::from_value::<AwqQuality>(v).ok());
@@ -206,7 +191,7 @@ pub fn write_awq_artifact(job: &AwqJob<'_>, events: &dyn EventSink) -> Result<Aw
         }
     }
     let samples = load_samples_counted(job.model_dir, job.dataset, &job.calib)?.ids;
-    let work = sibling(job.out_dir, ".awq-work");
+    let work = sibling(job.out_dir, "awq", ".awq-work");
     let result = quantize_and_save(job, &cfg, &store, &samples, group, &work, &digest, events);
     // The work files are inputs of the save only; a failed run leaves no partial state worth keeping.
     if work.exists() {
@@ -215,7 +200,12 @@ pub fn write_awq_artifact(job: &AwqJob<'_>, events: &dyn EventSink) -> Result<Aw
         }
     }
     let (compressed, quality) = result?;
-    progress(events, 100.0, format!("wrote {}", job.out_dir.display()));
+    progress(
+        events,
+        "awq",
+        100.0,
+        format!("wrote {}", job.out_dir.display()),
+    );
     Ok(AwqOutcome {
         output_dir: job.out_dir.to_path_buf(),
         original_size_bytes: store.total_bytes(),
@@ -505,6 +495,7 @@ fn quantize_and_save(
         work_files.push(path);
         progress(
             events,
+            "awq",
             90.0 * (layer + 1) as f64 / cfg.num_layers.max(1) as f64,
             format!("layer {}/{}", layer + 1, cfg.num_layers),
         );
@@ -521,63 +512,26 @@ fn quantize_and_save(
                 .or_else(|| Some(n.clone()))
         })
         .collect();
-    let mut tensors: Vec<OutTensor<'_>> = Vec::new();
-    for (name, e) in &store.entries {
-        if replaced.contains(name) {
-            continue;
-        }
-        tensors.push(OutTensor {
-            name: name.clone(),
-            dtype: e.dtype,
-            shape: e.shape.clone(),
-            data: Cow::Borrowed(store.raw(name)?),
-        });
-    }
-    for (name, e) in &work_store.entries {
-        tensors.push(OutTensor {
-            name: name.clone(),
-            dtype: e.dtype,
-            shape: e.shape.clone(),
-            data: Cow::Borrowed(work_store.raw(name)?),
-        });
-    }
+    let tensors = merged_tensors(store, &work_store, |name| replaced.contains(name))?;
     let mut config_json = cfg.raw.clone();
     config_json["quantization_config"] = quantization_config(group);
-    let quality_json = serde_json::to_value(&quality).map_err(|source| NumericError::Encode {
-        what: "the AWQ quality summary",
-        source,
-    })?;
-    let extras = Extras {
-        config_json,
-        quantize_config: None,
-        quality: quality_json.clone(),
-        source_dir: job.model_dir,
-        script_version: job.script_version,
-        config_digest: digest,
-    };
-    let records = write_checkpoint(
-        &sibling(job.out_dir, files::STAGING_SUFFIX),
-        job.out_dir,
-        tensors,
-        job.max_shard_bytes,
-        &extras,
-        &|| {
-            store.release_pages();
-            work_store.release_pages();
+    let bytes = Rewritten {
+        phase: "awq",
+        out_dir: job.out_dir,
+        max_shard_bytes: job.max_shard_bytes,
+        source: store,
+        rewritten: &work_store,
+        extras: Extras {
+            config_json,
+            quantize_config: None,
+            quality: Value::Null,
+            source_dir: job.model_dir,
+            script_version: job.script_version,
+            config_digest: digest,
         },
-        |done, n| {
-            progress(
-                events,
-                90.0 + 10.0 * done as f64 / n.max(1) as f64,
-                format!("shard {done}/{n}"),
-            )
-        },
-    )?;
-    events.emit(
-        names::QUANTIZATION_QUALITY,
-        quality_json.as_object().cloned().unwrap_or_default(),
-    );
-    Ok((records.iter().map(|r| r.size_bytes).sum(), quality))
+    }
+    .write(tensors, &quality, events)?;
+    Ok((bytes, quality))
 }
 
 fn quality_of(group: usize, t: &Tally) -> AwqQuality {

@@ -6,20 +6,19 @@
 //! and exchanged into place whole; a finished artifact of the same digest is reused.
 
 use super::quantize::{quantize_weight, ScaleStrategy};
-use crate::error::{NumericError, QuantError, Result};
-use crate::events::{fields, EventSink};
+use crate::error::{QuantError, Result};
+use crate::events::EventSink;
 use crate::exclusion::Exclusion;
 use crate::fsutil::{read_json, sha256_hex};
 use crate::job::digest::input_digest;
-use crate::job::writer::{verify_save_complete, write_checkpoint, Extras, OutTensor};
+use crate::job::rewrite::{merged_tensors, progress, sibling, Rewritten};
+use crate::job::writer::{verify_save_complete, Extras};
 use crate::model::config::ModelConfig;
 use crate::model::tensors::TensorStore;
 use crate::model::{check_source_module, fused_expert_names, layer_modules};
-use flexinfer_contract::events as names;
 use flexinfer_contract::files::{self, Fp8Quality};
 use safetensors::{tensor::TensorView, Dtype};
 use serde_json::{json, Value};
-use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -131,25 +130,6 @@ pub fn quantization_config(strategy: ScaleStrategy, ignore: &[String]) -> Value 
     })
 }
 
-fn sibling(out_dir: &Path, suffix: &str) -> PathBuf {
-    let name = out_dir
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "fp8".into());
-    out_dir.with_file_name(format!(".{name}{suffix}"))
-}
-
-fn progress(events: &dyn EventSink, percent: f64, detail: String) {
-    events.emit(
-        names::PROGRESS,
-        fields([
-            ("phase", json!("fp8")),
-            ("percent", json!((percent * 10.0).round() / 10.0)),
-            ("detail", json!(detail)),
-        ]),
-    );
-}
-
 /// Writes one layer's quantized tensors (`<m>.weight` F8_E4M3, `<m>.weight_scale` F32) to `path`.
 fn write_work_file(path: &Path, tensors: &[(String, Vec<u8>, Dtype, Vec<usize>)]) -> Result<()> {
     let views = tensors
@@ -194,7 +174,12 @@ pub fn write_fp8_artifact(job: &Fp8Job<'_>, events: &dyn EventSink) -> Result<Fp
     let digest = digest_of(job, &exclusion, &store)?;
     if let Some(sc) = verify_save_complete(job.out_dir, job.verify_save_sha256) {
         if sc.config_digest.as_deref() == Some(digest.as_str()) {
-            progress(events, 100.0, format!("reusing {}", job.out_dir.display()));
+            progress(
+                events,
+                "fp8",
+                100.0,
+                format!("reusing {}", job.out_dir.display()),
+            );
             let quality = read_json(&job.out_dir.join(files::QUANTIZATION_QUALITY))
                 .ok()
                 .and_then(|v| serde_json::from_value::<Fp8Quality>(v).ok());
@@ -210,7 +195,7 @@ pub fn write_fp8_artifact(job: &Fp8Job<'_>, events: &dyn EventSink) -> Result<Fp
         }
     }
     let plan = plan_fp8(&cfg, &store, &exclusion)?;
-    let work = sibling(job.out_dir, ".fp8-work");
+    let work = sibling(job.out_dir, "fp8", ".fp8-work");
     let result = quantize_and_save(job, &cfg, &store, &plan, &work, &digest, events);
     // The work files are inputs of the save only; a failed run leaves no partial state worth keeping.
     if work.exists() {
@@ -219,7 +204,12 @@ pub fn write_fp8_artifact(job: &Fp8Job<'_>, events: &dyn EventSink) -> Result<Fp
         }
     }
     let (compressed, quality) = result?;
-    progress(events, 100.0, format!("wrote {}", job.out_dir.display()));
+    progress(
+        events,
+        "fp8",
+        100.0,
+        format!("wrote {}", job.out_dir.display()),
+    );
     Ok(Fp8Outcome {
         output_dir: job.out_dir.to_path_buf(),
         original_size_bytes: store.total_bytes(),
@@ -286,6 +276,7 @@ fn quantize_and_save(
         }
         progress(
             events,
+            "fp8",
             90.0 * (i + 1) as f64 / total.max(1) as f64,
             format!("module {}/{total}", i + 1),
         );
@@ -293,63 +284,26 @@ fn quantize_and_save(
     flush(&mut pending)?;
     let quality = quality_of(job.strategy, &errors, plan.kept.len());
     let work_store = TensorStore::open_files(work_files)?;
-    let mut tensors: Vec<OutTensor<'_>> = Vec::new();
-    for (name, e) in &store.entries {
-        if work_store.contains(name) {
-            continue;
-        }
-        tensors.push(OutTensor {
-            name: name.clone(),
-            dtype: e.dtype,
-            shape: e.shape.clone(),
-            data: Cow::Borrowed(store.raw(name)?),
-        });
-    }
-    for (name, e) in &work_store.entries {
-        tensors.push(OutTensor {
-            name: name.clone(),
-            dtype: e.dtype,
-            shape: e.shape.clone(),
-            data: Cow::Borrowed(work_store.raw(name)?),
-        });
-    }
+    let tensors = merged_tensors(store, &work_store, |name| work_store.contains(name))?;
     let mut config_json = cfg.raw.clone();
     config_json["quantization_config"] = quantization_config(job.strategy, &plan.ignore);
-    let quality_json = serde_json::to_value(&quality).map_err(|source| NumericError::Encode {
-        what: "the FP8 quality summary",
-        source,
-    })?;
-    let extras = Extras {
-        config_json,
-        quantize_config: None,
-        quality: quality_json.clone(),
-        source_dir: job.model_dir,
-        script_version: job.script_version,
-        config_digest: digest,
-    };
-    let records = write_checkpoint(
-        &sibling(job.out_dir, files::STAGING_SUFFIX),
-        job.out_dir,
-        tensors,
-        job.max_shard_bytes,
-        &extras,
-        &|| {
-            store.release_pages();
-            work_store.release_pages();
+    let bytes = Rewritten {
+        phase: "fp8",
+        out_dir: job.out_dir,
+        max_shard_bytes: job.max_shard_bytes,
+        source: store,
+        rewritten: &work_store,
+        extras: Extras {
+            config_json,
+            quantize_config: None,
+            quality: Value::Null,
+            source_dir: job.model_dir,
+            script_version: job.script_version,
+            config_digest: digest,
         },
-        |done, n| {
-            progress(
-                events,
-                90.0 + 10.0 * done as f64 / n.max(1) as f64,
-                format!("shard {done}/{n}"),
-            )
-        },
-    )?;
-    events.emit(
-        names::QUANTIZATION_QUALITY,
-        quality_json.as_object().cloned().unwrap_or_default(),
-    );
-    Ok((records.iter().map(|r| r.size_bytes).sum(), quality))
+    }
+    .write(tensors, &quality, events)?;
+    Ok((bytes, quality))
 }
 
 fn quality_of(strategy: ScaleStrategy, errors: &[(String, f64)], kept: usize) -> Fp8Quality {

@@ -14,6 +14,7 @@ mod experts;
 pub mod importance;
 mod layer;
 pub mod policy;
+pub mod rewrite;
 pub mod writer;
 
 pub use digest::config_digest;
