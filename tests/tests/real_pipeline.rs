@@ -425,6 +425,22 @@ fn safetensors_bytes(dir: &Path) -> Result<u64> {
     Ok(total)
 }
 
+/// No quantize pod seen asked for a GPU (the CPU engines: GGUF, AWQ, FP8), whatever `useGPU` says.
+fn quantize_pods_request_no_gpu(seen: &Observed) -> Result<()> {
+    for (pod, (phase, v)) in &seen.pods {
+        if phase == "quantize" {
+            let limits = &v["spec"]["containers"][0]["resources"]["limits"];
+            ensure!(
+                !limits
+                    .as_object()
+                    .is_some_and(|l| l.keys().any(|k| k.ends_with("/gpu"))),
+                "quantize pod {pod} requests a GPU: {limits}"
+            );
+        }
+    }
+    Ok(())
+}
+
 /// The artifact at `dir` is complete: config, shards, index, `.save-complete` whose records match the bytes.
 fn check_artifact(dir: &Path) -> Result<Value> {
     ensure!(
@@ -979,17 +995,7 @@ async fn real_pipeline_gguf_served_by_llama_server() -> Result<()> {
     let mc = until_ready(&c, &e, name, &mut seen, Duration::from_secs(600)).await?;
     check_pods(&e, &seen, &["download", "quantize", "publish"])?;
     // The GGUF engine has no GPU path: the quantize pod asked for no GPU although the spec says useGPU.
-    for (pod, (phase, v)) in &seen.pods {
-        if phase == "quantize" {
-            let limits = &v["spec"]["containers"][0]["resources"]["limits"];
-            ensure!(
-                !limits
-                    .as_object()
-                    .is_some_and(|l| l.keys().any(|k| k.ends_with("/gpu"))),
-                "GGUF quantize pod {pod} requests a GPU: {limits}"
-            );
-        }
-    }
+    quantize_pods_request_no_gpu(&seen)?;
     let st = &mc["status"];
     let path = st["path"].as_str().context("status.path")?;
     let generation = st["quantization"]["generation"]
@@ -1272,17 +1278,7 @@ async fn real_pipeline_awq_cache_goes_ready_on_the_cpu() -> Result<()> {
     let mut seen = Observed::default();
     let mc = until_ready(&c, &e, name, &mut seen, Duration::from_secs(600)).await?;
     check_pods(&e, &seen, &["download", "quantize"])?;
-    for (pod, (phase, v)) in &seen.pods {
-        if phase == "quantize" {
-            let limits = &v["spec"]["containers"][0]["resources"]["limits"];
-            ensure!(
-                !limits
-                    .as_object()
-                    .is_some_and(|l| l.keys().any(|k| k.ends_with("/gpu"))),
-                "AWQ quantize pod {pod} requests a GPU: {limits}"
-            );
-        }
-    }
+    quantize_pods_request_no_gpu(&seen)?;
     let st = &mc["status"];
     let q = &st["quantization"];
     let generation = q["generation"]
