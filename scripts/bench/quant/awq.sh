@@ -26,7 +26,8 @@ measure() { # label, command...
 for i in $(seq "$RUNS"); do
   rm -rf "$OUT/ours" "$OUT/gptqmodel"
   measure "ours-$i" "$BIN" "$MODEL" "$OUT/ours" "$MODEL/calib.jsonl" 128 128 256
-  measure "gptqmodel-$i" "$PY" scripts/oracle/gptqmodel_quantize.py "$MODEL" "$OUT/gptqmodel" 4 --awq
+  # GPTQModel writes a logs/ folder into its working directory: run it in $OUT, not in the repository.
+  measure "gptqmodel-$i" env -C "$OUT" "$PY" "$PWD/scripts/oracle/gptqmodel_quantize.py" "$MODEL" "$OUT/gptqmodel" 4 --awq
 done
 "$PY" scripts/oracle/lowbit_eval.py "$MODEL" --label fp32 2>/dev/null | tail -1
 "$PY" scripts/oracle/lowbit_eval.py "$MODEL" --rtn 4 --label rtn-w4-sym 2>/dev/null | tail -1
