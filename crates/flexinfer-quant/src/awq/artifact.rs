@@ -14,7 +14,7 @@ use crate::error::{QuantError, Result, SpecError};
 use crate::events::EventSink;
 use crate::fsutil::{read_json, sha256_hex};
 use crate::job::digest::input_digest;
-use crate::job::rewrite::{merged_tensors, progress, sibling, Rewritten};
+use crate::job::rewrite::{discard_work_dir, merged_tensors, progress, sibling, Rewritten};
 use crate::job::writer::{verify_save_complete, Extras};
 use crate::model::calib::{load_samples_counted, CalibSettings};
 use crate::model::config::ModelConfig;
@@ -193,12 +193,7 @@ pub fn write_awq_artifact(job: &AwqJob<'_>, events: &dyn EventSink) -> Result<Aw
     let samples = load_samples_counted(job.model_dir, job.dataset, &job.calib)?.ids;
     let work = sibling(job.out_dir, "awq", ".awq-work");
     let result = quantize_and_save(job, &cfg, &store, &samples, group, &work, &digest, events);
-    // The work files are inputs of the save only; a failed run leaves no partial state worth keeping.
-    if work.exists() {
-        if let Err(e) = std::fs::remove_dir_all(&work) {
-            tracing::warn!(path = %work.display(), error = %e, "could not remove the AWQ work directory");
-        }
-    }
+    discard_work_dir(&work);
     let (compressed, quality) = result?;
     progress(
         events,

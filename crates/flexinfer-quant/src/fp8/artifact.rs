@@ -11,7 +11,7 @@ use crate::events::EventSink;
 use crate::exclusion::Exclusion;
 use crate::fsutil::{read_json, sha256_hex};
 use crate::job::digest::input_digest;
-use crate::job::rewrite::{merged_tensors, progress, sibling, Rewritten};
+use crate::job::rewrite::{discard_work_dir, merged_tensors, progress, sibling, Rewritten};
 use crate::job::writer::{verify_save_complete, Extras};
 use crate::model::config::ModelConfig;
 use crate::model::tensors::TensorStore;
@@ -197,12 +197,7 @@ pub fn write_fp8_artifact(job: &Fp8Job<'_>, events: &dyn EventSink) -> Result<Fp
     let plan = plan_fp8(&cfg, &store, &exclusion)?;
     let work = sibling(job.out_dir, "fp8", ".fp8-work");
     let result = quantize_and_save(job, &cfg, &store, &plan, &work, &digest, events);
-    // The work files are inputs of the save only; a failed run leaves no partial state worth keeping.
-    if work.exists() {
-        if let Err(e) = std::fs::remove_dir_all(&work) {
-            tracing::warn!(path = %work.display(), error = %e, "could not remove the FP8 work directory");
-        }
-    }
+    discard_work_dir(&work);
     let (compressed, quality) = result?;
     progress(
         events,

@@ -22,6 +22,16 @@ pub fn sibling(out_dir: &Path, fallback: &str, suffix: &str) -> PathBuf {
     out_dir.with_file_name(format!(".{name}{suffix}"))
 }
 
+/// Remove the work directory of a run (its files are inputs of the save only; a failed run leaves no partial
+/// state worth keeping); a failure to remove it is logged, not fatal.
+pub fn discard_work_dir(work: &Path) {
+    if work.exists() {
+        if let Err(e) = std::fs::remove_dir_all(work) {
+            tracing::warn!(path = %work.display(), error = %e, "could not remove the work directory");
+        }
+    }
+}
+
 /// A `progress` event of the run (`phase` names the format), percent rounded to a tenth.
 pub fn progress(events: &dyn EventSink, phase: &str, percent: f64, detail: String) {
     events.emit(
