@@ -2,8 +2,8 @@
 # GPTQModel (whose AWQ modules transformers loads AWQ checkpoints with; torch, transformers, accelerate) in a
 # venv cached by version, for the AWQ consumer test (crates/flexinfer-quant/tests/awq_artifact.rs reads
 # FLEXINFER_AWQ_PYTHON). Everything comes from ~/.cache/flexinfer/oracle-venv when it has this GPTQModel (a
-# .pth line, no second copy of torch), else the CPU wheels are installed into this venv and GPTQModel is
-# built without CUDA. Prints the venv's python on stdout; everything else goes to stderr.
+# .pth line, no second copy of torch), else GPTQModel is built without CUDA into this venv, on the shared
+# torch venv of scripts/lib/torch-venv.sh (again a .pth line). Prints the venv's python on stdout; everything else goes to stderr.
 set -euo pipefail
 GPTQMODEL_VERSION=${GPTQMODEL_VERSION:-7.7.0}
 venv="$HOME/.cache/flexinfer/awq-venv-$GPTQMODEL_VERSION"
@@ -20,10 +20,12 @@ if ! "$venv/bin/python" -c "$check" >/dev/null 2>&1; then
     echo "$site" > "$own/flexinfer-oracle-venv.pth"
     echo "AWQ venv: GPTQModel, torch and transformers from $oracle" >&2
   else
-    "${pip[@]}" --index-url https://download.pytorch.org/whl/cpu torch >&2 \
-      || { echo "AWQ venv: cannot install the torch CPU wheel" >&2; exit 1; }
-    "${pip[@]}" transformers safetensors accelerate setuptools wheel >&2 \
-      || { echo "AWQ venv: cannot install transformers" >&2; exit 1; }
+    torch_site=$(bash "$(dirname "$0")/../lib/torch-venv.sh") \
+      || { echo "AWQ venv: no torch venv" >&2; exit 1; }
+    own=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    echo "$torch_site" > "$own/flexinfer-torch-venv.pth"
+    "${pip[@]}" -U "setuptools>=77" wheel >&2 \
+      || { echo "AWQ venv: cannot install setuptools" >&2; exit 1; }
     BUILD_CUDA_EXT=0 "${pip[@]}" --no-build-isolation "gptqmodel==$GPTQMODEL_VERSION" >&2 \
       || { echo "AWQ venv: cannot install gptqmodel==$GPTQMODEL_VERSION from PyPI" >&2; exit 1; }
   fi

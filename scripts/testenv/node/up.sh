@@ -174,7 +174,9 @@ kubeAPIBurst: 100
 serializeImagePulls: false
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
-evictionHard: {memory.available: "100Mi", nodefs.available: "2%", imagefs.available: "2%"}
+# Absolute disk thresholds: a percentage of a large shared host disk (2 % of 252 GB is 5 GB) put the
+# test node under DiskPressure while gigabytes were still free, and evicted the controller mid-test.
+evictionHard: {memory.available: "100Mi", nodefs.available: "512Mi", imagefs.available: "512Mi"}
 maxPods: 20
 EOF
   local t0 t1; t0=$(date +%s.%N)
