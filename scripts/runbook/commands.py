@@ -23,7 +23,7 @@ import sys
 RULES = [
     ("\u2026", "skip", "an abbreviation (…) of a command given in full nearby"),
     (r"^flux ", "skip", "Flux is not installed in the test cluster (install.md documents the Kustomizations)"),
-    (r"^kubectl top ", "skip", "needs metrics-server, which the test cluster does not run"),
+    (r"^kubectl top\b", "skip", "needs metrics-server, which the test cluster does not run"),
     (r"^make deploy-quantizer ", "skip",
      "a synopsis with optional [ARGS]; real_pipeline_deploy_quantizer_moves_a_running_quantization_to_the_new_image "
      "runs scripts/deploy-quantizer.sh, which it calls"),
