@@ -105,6 +105,11 @@ pub const OCI_USERNAME: &str = "OCI_USERNAME";
 pub const OCI_PASSWORD: &str = "OCI_PASSWORD";
 /// Path of a mounted dockerconfigjson with registry credentials.
 pub const DOCKER_CONFIG_JSON: &str = "DOCKER_CONFIG_JSON";
+/// A `storageStrategy: NodeLocal` cache's directory on the node (the fill and cleanup Jobs of
+/// `flexinfer-worker node-copy`): each verified copy is `<dir>/<manifest digest hex>`.
+pub const NODE_COPY_DIR: &str = "NODE_COPY_DIR";
+/// `node-copy clean`: the digest (`sha256:<hex>`) whose copy stays; unset or empty removes every copy.
+pub const NODE_COPY_KEEP: &str = "NODE_COPY_KEEP";
 /// Where the worker writes its termination message (default `/dev/termination-log`).
 pub const TERMINATION_LOG: &str = "FLEXINFER_TERMINATION_LOG";
 /// Pipeline phase the Job runs (`download`, `abliterate`, `quantize`, `publish`).
@@ -156,6 +161,8 @@ pub const PROFILE_PROTECTED: &[&str] = &[
     OCI_USERNAME,
     OCI_PASSWORD,
     DOCKER_CONFIG_JSON,
+    NODE_COPY_DIR,
+    NODE_COPY_KEEP,
     // The serving backends' API keys: a profile's key would lock every Model on it behind a key the proxy
     // does not send (only `spec.backendKeySecretRef` sets them).
     serving::VLLM_API_KEY,

@@ -259,36 +259,78 @@ async fn fetch_source(
         }
         Source::Oci { reference } => {
             let reference = oci::Reference::parse(&reference).map_err(oci::worker_error)?;
-            let creds = args
-                .registry
-                .credentials(&reference.registry)
-                .map_err(oci::worker_error)?;
-            let reg = oci::Registry::connect(&reference, creds, args.registry.insecure)
+            fetch_oci(args, &reference, Some(filter), out, events)
                 .await
-                .map_err(oci::worker_error)?;
-            let (digest, listed) = reg
-                .artifact_files(&reference)
-                .await
-                .map_err(oci::worker_error)?;
-            let files = select(listed, filter)?;
-            let ctx = new_ctx(
-                reg.client().clone(),
-                reg.authorization().await,
-                args.retries,
-            );
-            fetch_all(
-                args,
-                out,
-                events,
-                &ctx,
-                &format!("oci://{reference}"),
-                &digest,
-                files,
-            )
-            .await
+                .map(|f| f.done)
         }
         Source::Local { path } => local::run(args, out, events, &path).await,
     }
+}
+
+/// What [`fetch_oci`] fetched.
+pub struct OciFetch {
+    /// The manifest digest the reference resolved to.
+    pub digest: String,
+    /// The artifact's files as its manifest lists them (path, size, sha256).
+    pub files: Vec<RemoteFile>,
+    pub done: TerminationSuccess,
+}
+
+/// The files of the OCI artifact `reference` into `out`, each verified against its layer digest.
+/// `filter` selects them and refuses files the pipeline writes itself (a download). Without one, the
+/// whole published tree is taken, the pipeline's records (`.save-complete`, the quality summary)
+/// included, except the download's own markers, which this fetch writes anew (a node copy).
+pub async fn fetch_oci(
+    args: &DownloadArgs,
+    reference: &oci::Reference,
+    filter: Option<&PatternFilter>,
+    out: &Path,
+    events: &Arc<Events>,
+) -> Result<OciFetch, WorkerError> {
+    let creds = args
+        .registry
+        .credentials(&reference.registry)
+        .map_err(oci::worker_error)?;
+    let reg = oci::Registry::connect(reference, creds, args.registry.insecure)
+        .await
+        .map_err(oci::worker_error)?;
+    let (digest, listed) = reg
+        .artifact_files(reference)
+        .await
+        .map_err(oci::worker_error)?;
+    let wanted = match filter {
+        Some(filter) => select(listed.clone(), filter)?,
+        None => listed
+            .iter()
+            .filter(|f| !is_marker(&f.path))
+            .cloned()
+            .collect(),
+    };
+    if wanted.is_empty() {
+        return Err(WorkerError::BadInput(format!(
+            "oci://{reference} lists no files to fetch"
+        )));
+    }
+    let ctx = new_ctx(
+        reg.client().clone(),
+        reg.authorization().await,
+        args.retries,
+    );
+    let done = fetch_all(
+        args,
+        out,
+        events,
+        &ctx,
+        &format!("oci://{reference}"),
+        &digest,
+        wanted,
+    )
+    .await?;
+    Ok(OciFetch {
+        digest,
+        files: listed,
+        done,
+    })
 }
 
 /// Fetch the calibration dataset into `MODEL_DIR/.datasets/<id>` (own markers, own resume).

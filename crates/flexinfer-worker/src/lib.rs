@@ -14,6 +14,7 @@ pub mod download;
 pub mod generations;
 pub mod hf;
 pub mod http;
+pub mod node_copy;
 pub mod oci;
 pub mod publish;
 pub mod quantize;

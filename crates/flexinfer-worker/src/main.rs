@@ -32,6 +32,8 @@ enum Cmd {
     Quantize(flexinfer_worker::quantize::QuantizeArgs),
     /// Publish MODEL_DIR as an OCI artifact.
     Publish(flexinfer_worker::publish::PublishArgs),
+    /// A NodeLocal cache's copy on this node: fill it from the published artifact, or clean it up.
+    NodeCopy(flexinfer_worker::node_copy::NodeCopyArgs),
 }
 
 fn main() -> ExitCode {
@@ -52,6 +54,10 @@ fn main() -> ExitCode {
         }),
         Cmd::Quantize(args) => phase(JobPhase::Quantize, || flexinfer_worker::quantize::run(args)),
         Cmd::Publish(args) => phase(JobPhase::Publish, || flexinfer_worker::publish::run(args)),
+        Cmd::NodeCopy(args) => {
+            exit_on_sigterm(flexinfer_worker::node_copy::KIND);
+            exit_code(flexinfer_worker::node_copy::run(args))
+        }
     }
 }
 
