@@ -98,6 +98,8 @@ controller:
     - {name: HF_ENDPOINT, value: "$HF"}
     - {name: FLEXINFER_PROGRESS_POLL_SECONDS, value: "1"}
     - {name: FLEXINFER_RETRY_BASE_SECONDS, value: "5"}
+# NodeLocal caches: the controller may label nodes; the copies live under the test environment.
+nodeLocal: {enabled: true, hostPath: "$TESTENV_DIR/node-local"}
 $WATCH_VALUES
 VALUES
 
@@ -119,4 +121,4 @@ echo "export E2E_NAMESPACE=$NS E2E_CONTROLLER_NAMESPACE=$CNS E2E_HF_ENDPOINT=$HF
   "E2E_LLAMACPP_IMAGE=$REG/flexinfer/llamacpp:$TAG" \
   "E2E_STORAGE=$TESTENV_DIR/storage E2E_CLI=$TARGET/debug/flexinfer" \
   "E2E_PROXY_SELECTOR=app.kubernetes.io/component=proxy E2E_ALERT_RULES=$TESTENV_DIR/e2e-alert-rules.yaml" \
-  "E2E_SCRAPE_CONFIG=$TESTENV_DIR/e2e-scrape-config.json"
+  "E2E_SCRAPE_CONFIG=$TESTENV_DIR/e2e-scrape-config.json E2E_NODE_LOCAL_ROOT=$TESTENV_DIR/node-local"

@@ -30,6 +30,10 @@ pub const GPU_SHARED_GROUP: &str = "flexinfer.ai/gpu-shared-group";
 pub const PROMOTION_VALIDATION_PASSED: &str = "passed";
 /// On a pipeline Job: the phase spec hash (spec + image) it was created for.
 pub const JOB_SPEC_HASH: &str = "flexinfer.ai/spec-hash";
+/// On a node-copy Job (`storageStrategy: NodeLocal`): the node it fills or cleans.
+pub const NODE_COPY_NODE: &str = "flexinfer.ai/node-copy-node";
+/// On a node-copy Job: the digest it fills, or the one its cleanup keeps (empty: none).
+pub const NODE_COPY_DIGEST: &str = "flexinfer.ai/node-copy-digest";
 
 // Extra pod labels/annotations for pipeline Jobs, set as ModelCache annotations whose values are
 // JSON objects of strings (e.g. cost-allocation labels, service-mesh opt-out annotations).

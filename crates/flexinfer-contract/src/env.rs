@@ -242,6 +242,11 @@ pub mod controller {
     pub const NAMESPACE: &str = "FLEXINFER_NAMESPACE";
     /// Root directory `local://` sources are confined to.
     pub const LOCAL_SOURCE_ROOT: &str = "FLEXINFER_LOCAL_SOURCE_ROOT";
+    /// Host directory of the nodes that holds `storageStrategy: NodeLocal` copies:
+    /// `<root>/<namespace>/<cache>/<digest hex>` (default [`NODE_LOCAL_ROOT_DEFAULT`]).
+    pub const NODE_LOCAL_ROOT: &str = "FLEXINFER_NODE_LOCAL_ROOT";
+    /// Default of [`NODE_LOCAL_ROOT`].
+    pub const NODE_LOCAL_ROOT_DEFAULT: &str = "/var/lib/flexinfer/node-local";
     /// The namespace of flexinfer-proxy. With [`PROXY_POD_LABELS`] set, every Model gets a NetworkPolicy (its
     /// name, owned by it) that admits only the proxy pods to its serving pods' port.
     pub const PROXY_NAMESPACE: &str = "FLEXINFER_PROXY_NAMESPACE";

@@ -18,6 +18,12 @@ pub const WORKER_NAME: &str = "flexinfer-worker";
 pub const CACHE: &str = "flexinfer.ai/cache";
 /// Pipeline phase of a Job: `download`, `abliterate`, `quantize`, `publish`.
 pub const PHASE: &str = "flexinfer.ai/phase";
+/// On a node-copy Job of a `storageStrategy: NodeLocal` cache: [`NODE_COPY_FILL`] or [`NODE_COPY_CLEAN`].
+pub const NODE_COPY: &str = "flexinfer.ai/node-copy";
+/// [`NODE_COPY`] of a Job that fills a node's copy.
+pub const NODE_COPY_FILL: &str = "fill";
+/// [`NODE_COPY`] of a Job that removes a node's copies (all, or all but one).
+pub const NODE_COPY_CLEAN: &str = "clean";
 /// Name of the Model a Deployment/Service belongs to.
 pub const MODEL: &str = "flexinfer.ai/model";
 /// Node label carrying the GPU architecture (`gfx1100`, `gfx906`, `sm_90`).

@@ -56,3 +56,8 @@ impl JobPhase {
             .find(|p| p.as_str() == s || p.status_name() == s)
     }
 }
+
+/// The worker subcommand of a `storageStrategy: NodeLocal` cache's node copies; its own subcommands are
+/// [`crate::labels::NODE_COPY_FILL`] and [`crate::labels::NODE_COPY_CLEAN`] (the values of the Job's
+/// [`crate::labels::NODE_COPY`] label).
+pub const NODE_COPY_SUBCOMMAND: &str = "node-copy";

@@ -68,6 +68,26 @@ pub fn container_context() -> SecurityContext {
     }
 }
 
+/// The contexts of a node-copy pod (`storageStrategy: NodeLocal`), the one exception to the non-root
+/// rule: it writes a host directory that the kubelet creates owned by root (mode 0755), so it runs as
+/// user 0 — with every capability dropped (no `CAP_DAC_OVERRIDE`, `CAP_CHOWN`, …), no privilege
+/// escalation and the default seccomp profile, it can write only where root owns the directory. The
+/// files it writes are world-readable for the serving pods, which run as [`NONROOT_ID`].
+pub fn node_copy_contexts() -> (PodSecurityContext, SecurityContext) {
+    let pod = PodSecurityContext {
+        run_as_non_root: Some(false),
+        run_as_user: Some(0),
+        run_as_group: Some(0),
+        seccomp_profile: Some(runtime_default()),
+        ..Default::default()
+    };
+    let container = SecurityContext {
+        run_as_non_root: Some(false),
+        ..container_context()
+    };
+    (pod, container)
+}
+
 /// Why `FLEXINFER_GPU_SUPPLEMENTAL_GROUPS` is refused (the text names the variable).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum GroupsError {

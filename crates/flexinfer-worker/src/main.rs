@@ -33,6 +33,7 @@ enum Cmd {
     /// Publish MODEL_DIR as an OCI artifact.
     Publish(flexinfer_worker::publish::PublishArgs),
     /// A NodeLocal cache's copy on this node: fill it from the published artifact, or clean it up.
+    #[command(name = flexinfer_contract::phase::NODE_COPY_SUBCOMMAND)]
     NodeCopy(flexinfer_worker::node_copy::NodeCopyArgs),
 }
 

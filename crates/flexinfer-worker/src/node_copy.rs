@@ -18,7 +18,7 @@ use crate::download::{self, DownloadArgs, RemoteFile};
 use crate::oci;
 
 /// The kind written in the termination message and the events.
-pub const KIND: &str = "node-copy";
+pub const KIND: &str = flexinfer_contract::phase::NODE_COPY_SUBCOMMAND;
 
 /// `flexinfer-worker node-copy`.
 #[derive(Clone, Debug, clap::Args)]
@@ -30,8 +30,10 @@ pub struct NodeCopyArgs {
 #[derive(Clone, Debug, clap::Subcommand)]
 pub enum NodeCopyCmd {
     /// Pull the published artifact (`SOURCE=oci://registry/repo@sha256:…`) into `NODE_COPY_DIR`.
+    #[command(name = flexinfer_contract::labels::NODE_COPY_FILL)]
     Fill(FillArgs),
     /// Remove the copies in `NODE_COPY_DIR` except `NODE_COPY_KEEP`'s.
+    #[command(name = flexinfer_contract::labels::NODE_COPY_CLEAN)]
     Clean(CleanArgs),
 }
 
@@ -178,6 +180,7 @@ async fn fill(a: &FillArgs, events: Arc<Events>) -> Result<TerminationSuccess, W
         fetched.files.len(),
         files::SAVE_COMPLETE
     ));
+    readable_by_all(&stage)?;
     std::fs::rename(&stage, &dest).map_err(WorkerError::io(
         ExitKind::Failure,
         format!("cannot rename {} to {}", stage.display(), dest.display()),
@@ -204,9 +207,36 @@ fn existing_copy(dest: &Path) -> Result<Option<TerminationSuccess>, WorkerError>
     }
 }
 
+/// The serving pods run as another user than this one: every file of the copy readable and every
+/// directory searchable by all (`a+r`, `a+rx`), nothing writable by others.
+fn readable_by_all(dir: &Path) -> Result<(), WorkerError> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        let set = |p: &Path, mode: u32| {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).map_err(
+                WorkerError::io(ExitKind::Failure, format!("cannot chmod {}", p.display())),
+            )
+        };
+        set(&d, 0o755)?;
+        let rd = std::fs::read_dir(&d).map_err(WorkerError::io(
+            ExitKind::Failure,
+            format!("cannot list {}", d.display()),
+        ))?;
+        for e in rd.flatten() {
+            match e.file_type() {
+                Ok(t) if t.is_dir() => todo.push(e.path()),
+                Ok(t) if t.is_file() => set(&e.path(), 0o644)?,
+                _ => {}
+            }
+        }
+    }
+    Ok(())
+}
+
 fn tree_size(dir: &Path) -> (u64, u64) {
-    let mut bytes = 0;
-    let mut count = 0;
+    let mut bytes = 0u64;
+    let mut count = 0u64;
     let mut todo = vec![dir.to_path_buf()];
     while let Some(d) = todo.pop() {
         let Ok(rd) = std::fs::read_dir(&d) else {
@@ -217,8 +247,8 @@ fn tree_size(dir: &Path) -> (u64, u64) {
             if m.is_dir() {
                 todo.push(e.path());
             } else {
-                bytes += m.len();
-                count += 1;
+                bytes = m.len().saturating_add(bytes);
+                count = count.saturating_add(1);
             }
         }
     }
@@ -324,7 +354,7 @@ fn clean(a: &CleanArgs, events: &Events) -> Result<TerminationSuccess, WorkerErr
             format!("cannot remove {}", p.display()),
         ))?;
         events.log(&format!("removed {}", p.display()));
-        removed += 1;
+        removed = removed.saturating_add(1);
     }
     if keep_hex.is_none() {
         std::fs::remove_dir(&a.dir).map_err(WorkerError::io(

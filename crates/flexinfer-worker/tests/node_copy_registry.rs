@@ -105,6 +105,25 @@ fn fill_copies_the_published_tree_verified_and_only_then_renames_it() {
     let got = tree(&copy, &[".source-integrity.json", ".download_complete"]);
     assert_eq!(got, want);
     assert_eq!(entries(&node_dir), vec![hex.clone()]);
+    // The serving pods run as another user: every file readable, every directory searchable by all.
+    let mut todo = vec![copy.clone()];
+    while let Some(d) = todo.pop() {
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(
+            std::fs::metadata(&d).unwrap().permissions().mode() & 0o777,
+            0o755,
+            "{}",
+            d.display()
+        );
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            if e.file_type().unwrap().is_dir() {
+                todo.push(e.path());
+            } else {
+                let mode = e.metadata().unwrap().permissions().mode() & 0o777;
+                assert_eq!(mode, 0o644, "{}", e.path().display());
+            }
+        }
+    }
     assert!(
         r.stderr
             .contains("2 weight shard(s) against .save-complete"),

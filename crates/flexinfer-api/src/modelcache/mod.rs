@@ -73,8 +73,8 @@ pub struct ModelCacheSpec {
 
     /// How the cache is stored. `Auto` currently means `SharedPVC` (one PVC per cache, ReadWriteOnce
     /// unless `claimAccessMode` or the existing claim says ReadWriteMany). `NodeLocal` (requires
-    /// `publish`) asks for a copy on each node `nodeLocal` selects; this FlexInfer version refuses it
-    /// with the `StorageStrategyUnsupported` condition.
+    /// `publish`) also keeps a verified copy of the published artifact on each node `nodeLocal`
+    /// selects; Models of the cache serve from those copies, on any of those nodes.
     #[serde(default)]
     pub storage_strategy: StorageStrategy,
 
@@ -162,7 +162,7 @@ pub enum StorageStrategy {
     #[serde(rename = "SharedPVC")]
     SharedPvc,
     /// The pipeline runs on the cache's PVC; each selected node gets its own copy of the published
-    /// artifact. Not served by this FlexInfer version: the cache fails with `StorageStrategyUnsupported`.
+    /// artifact, and the cache's Models serve from those copies.
     NodeLocal,
 }
 

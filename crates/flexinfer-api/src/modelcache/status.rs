@@ -51,6 +51,46 @@ pub struct ModelCacheStatus {
     pub quantization: Option<QuantizationStatus>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub publish: Option<PublishStatus>,
+    /// `storageStrategy: NodeLocal`: which node holds which copy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_local: Option<NodeLocalStatus>,
+}
+
+/// The copies of a `storageStrategy: NodeLocal` cache on its nodes.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeLocalStatus {
+    /// The published digest the selected nodes hold or are filling (none before the first publish).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+    /// Selected nodes whose copy of `digest` is verified: a Model of this cache can run there.
+    pub ready_nodes: i32,
+    /// Nodes that `nodeLocal.nodeSelector` selects (cordoned ones excluded).
+    pub selected_nodes: i32,
+    /// Why no node gets a copy, when none does.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// One entry per selected node, by name.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nodes: Vec<NodeCopyStatus>,
+}
+
+/// One node's copy.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeCopyStatus {
+    pub node: String,
+    /// `Pending` (nothing published yet), `Filling`, `Ready` or `Failed`.
+    pub phase: String,
+    /// The digest being filled or held.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+    /// The earlier verified copy the node serves while a newer one fills (its shortened digest).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serving: Option<String>,
+    /// Why a fill failed, or what it waits for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
 }
 
 /// Pipeline phase of a ModelCache.

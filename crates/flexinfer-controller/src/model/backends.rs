@@ -13,8 +13,13 @@ use kube::ResourceExt;
 /// Where the weights come from inside the pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Artifact {
-    /// A PVC (read-only), `sub_path` inside it.
-    Volume { claim: String, sub_path: String },
+    /// A PVC (read-only), `sub_path` inside it; with `host_dir`, a NodeLocal cache's verified copy on
+    /// the node (a read-only host directory, `sub_path` inside it, empty for the whole copy).
+    Volume {
+        claim: String,
+        sub_path: String,
+        host_dir: Option<String>,
+    },
     /// A hub id the backend downloads itself.
     Hub { repo: String },
 }
@@ -58,7 +63,7 @@ fn mount(artifact: &Artifact) -> Option<(String, VolumeMount)> {
             let m = VolumeMount {
                 name: "model".into(),
                 mount_path: path.clone(),
-                sub_path: Some(sub_path.clone()),
+                sub_path: (!sub_path.is_empty()).then(|| sub_path.clone()),
                 read_only: Some(true),
                 ..Default::default()
             };

@@ -10,7 +10,7 @@ use flexinfer_api::contract::{env, labels, serving};
 use flexinfer_api::formats;
 use flexinfer_api::gpuprofile::GpuVendor;
 use flexinfer_api::model::{Backend, GpuVendorChoice, ModelQuantization};
-use flexinfer_api::modelcache::{CachePhase, QuantFormat};
+use flexinfer_api::modelcache::{CachePhase, QuantFormat, StorageStrategy};
 use flexinfer_api::{GPUProfile, Model, ModelCache};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{EnvVar, Service};
@@ -21,6 +21,7 @@ use super::backends::{self, Artifact};
 use super::images;
 pub use super::problem::{CachedState, ConfigProblem};
 use super::source::{parse_cache_path, parse_source, Source};
+use crate::modelcache::{node_jobs, nodelocal};
 
 mod objects;
 use objects::{
@@ -45,6 +46,8 @@ pub struct RenderConfig {
     /// `FLEXINFER_PROXY_NAMESPACE` + `FLEXINFER_PROXY_POD_LABELS`: the proxy pods that alone may reach
     /// serving pods (each Model gets a NetworkPolicy); `None`: no policy.
     pub proxy_peer: Option<ProxyPeer>,
+    /// `FLEXINFER_NODE_LOCAL_ROOT`: the nodes' directory of NodeLocal copies (`None`: the default).
+    pub node_local_root: Option<String>,
 }
 
 /// Where flexinfer-proxy runs: the one peer a Model's NetworkPolicy admits.
@@ -123,7 +126,18 @@ impl RenderConfig {
                 (Some(namespace), Some(labels)) => Some(ProxyPeer { namespace, labels }),
                 _ => None,
             },
+            node_local_root: s.parsed(
+                env::controller::NODE_LOCAL_ROOT,
+                crate::modelcache::config::parse_node_local_root,
+            )?,
         })
+    }
+
+    /// The nodes' directory of NodeLocal copies in force.
+    pub fn node_local_root(&self) -> &str {
+        self.node_local_root
+            .as_deref()
+            .unwrap_or(env::controller::NODE_LOCAL_ROOT_DEFAULT)
     }
 
     /// FlexInfer's llama.cpp image in force (`<repository>:<tag>`, the CPU flavor).
@@ -323,7 +337,7 @@ pub fn render(
     };
     let format = resolve_format(model, &source, cache)?;
     let gpu = gpu_settings(model, profile)?;
-    let (artifact, served_path, cached) = artifact(model, &source, cache)?;
+    let (artifact, served_path, cached) = artifact(model, &source, cache, config)?;
 
     let image = images::resolve(
         spec.backend,
@@ -360,11 +374,16 @@ pub fn render(
     } else {
         Vec::new()
     };
+    let mut node_selector = gpu.node_selector;
+    if let Some((key, value)) = cache.and_then(node_copy_label) {
+        // Only nodes whose copy of the published digest is verified.
+        node_selector.insert(key, value);
+    }
     let pod = pod_template(
         model,
         container,
         &artifact,
-        gpu.node_selector,
+        node_selector,
         &served_path,
         &groups,
         gpu.runtime_class_name,
@@ -505,17 +524,84 @@ fn gpu_settings(model: &Model, profile: Option<&GPUProfile>) -> Result<GpuSettin
     }
 }
 
+/// The node label that marks a verified copy of a NodeLocal cache's published digest, `None` for any
+/// other cache (or before a digest is known).
+fn node_copy_label(cache: &ModelCache) -> Option<(String, String)> {
+    if cache.spec.storage_strategy != StorageStrategy::NodeLocal {
+        return None;
+    }
+    let digest = cache
+        .status
+        .as_ref()?
+        .node_local
+        .as_ref()?
+        .digest
+        .as_deref()?;
+    let value = nodelocal::label_value(digest)?;
+    let (ns, name) = (cache.namespace()?, cache.name_any());
+    Some((nodelocal::label_key(&ns, &name), value))
+}
+
+/// A NodeLocal cache's artifact: the nodes' verified copy of its published digest (the whole copy,
+/// or its `.gguf` file when the cache's path names one).
+fn node_copy_artifact(
+    cache: &ModelCache,
+    config: &RenderConfig,
+) -> Result<(Artifact, Option<String>, CachedState), ConfigProblem> {
+    let name = cache.name_any();
+    let st = cache.status.as_ref();
+    let digest = st
+        .and_then(|s| s.node_local.as_ref())
+        .and_then(|n| n.digest.clone());
+    let Some(digest) = digest else {
+        let phase = st
+            .and_then(|s| s.phase)
+            .map(|p| p.as_str())
+            .unwrap_or("Pending");
+        return Err(ConfigProblem::CacheNotReady {
+            name,
+            phase: format!(
+                "{phase} (storageStrategy NodeLocal: no published digest for its nodes yet)"
+            ),
+        });
+    };
+    let ns = cache.namespace().unwrap_or_default();
+    let dir =
+        node_jobs::copy_dir(config.node_local_root(), &ns, &name, &digest).ok_or_else(|| {
+            ConfigProblem::CachePathInvalid(format!(
+                "ModelCache {name}: status.nodeLocal.digest {digest:?} is not sha256:<64 hex>"
+            ))
+        })?;
+    let file = st
+        .and_then(|s| s.path.as_deref())
+        .and_then(|p| p.rsplit('/').next())
+        .filter(|f| f.ends_with(".gguf"))
+        .unwrap_or("")
+        .to_string();
+    Ok((
+        Artifact::Volume {
+            claim: String::new(),
+            sub_path: file,
+            host_dir: Some(dir.clone()),
+        },
+        Some(dir),
+        CachedState::CacheReady { name },
+    ))
+}
+
 /// The artifact to mount (or download), the served path and the `Cached` state.
 fn artifact(
     model: &Model,
     source: &Source,
     cache: Option<&ModelCache>,
+    config: &RenderConfig,
 ) -> Result<(Artifact, Option<String>, CachedState), ConfigProblem> {
     match source {
         Source::Pvc { claim, path } => Ok((
             Artifact::Volume {
                 claim: claim.clone(),
                 sub_path: path.clone(),
+                host_dir: None,
             },
             Some(format!("{claim}:{path}")),
             CachedState::Pvc,
@@ -534,10 +620,21 @@ fn artifact(
         }
         Source::Cache { name } => {
             let cache = cache.ok_or_else(|| ConfigProblem::CacheNotFound(name.clone()))?;
+            if cache.spec.storage_strategy == StorageStrategy::NodeLocal {
+                return node_copy_artifact(cache, config);
+            }
             let (path, state) = cache_artifact(model, name, cache)?;
             let (claim, sub_path) =
                 parse_cache_path(&path).map_err(|e| ConfigProblem::CachePathInvalid(e.0))?;
-            Ok((Artifact::Volume { claim, sub_path }, Some(path), state))
+            Ok((
+                Artifact::Volume {
+                    claim,
+                    sub_path,
+                    host_dir: None,
+                },
+                Some(path),
+                state,
+            ))
         }
     }
 }

@@ -1168,3 +1168,116 @@ fn the_chart_pod_monitor_selects_the_serving_pods_and_llama_server_exports_metri
         .collect();
     assert!(chart.contains(&format!("__meta_kubernetes_pod_label_{meta}]")));
 }
+
+/// A Model of a NodeLocal cache mounts the nodes' verified copy of the published digest (a read-only
+/// host directory, no claim) and runs only on nodes labelled as holding it; before a digest is known
+/// it waits, naming why.
+#[test]
+fn a_node_local_cache_is_served_from_the_nodes_copy() {
+    use crate::modelcache::nodelocal::{label_key, label_value};
+    let digest = format!("sha256:{}", "ab".repeat(32));
+    let node_local = |path: &str, digest: Option<&str>| {
+        let mut c = cache(Some("Ready"), Some(path), Some("GGUF"));
+        c.spec.storage_strategy = flexinfer_api::modelcache::StorageStrategy::NodeLocal;
+        if let Some(st) = c.status.as_mut() {
+            st.node_local = Some(flexinfer_api::modelcache::NodeLocalStatus {
+                digest: digest.map(String::from),
+                ready_nodes: 1,
+                selected_nodes: 2,
+                ..Default::default()
+            });
+        }
+        c
+    };
+    let cfg = RenderConfig {
+        node_local_root: Some("/srv/copies".into()),
+        ..RenderConfig::default()
+    };
+    let m = model(
+        "m",
+        serde_json::json!({"backend": "llamacpp", "source": "modelcache://cache", "gpu": {"profile": "gfx1100"}}),
+    );
+    let p = profile();
+    let r = render(
+        &m,
+        Some(&node_local(
+            "c-cache:cache/gguf-q4_k_m.g1/m-Q4_K_M.gguf",
+            Some(&digest),
+        )),
+        Some(&p),
+        &cfg,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let pod = r
+        .deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.clone())
+        .unwrap_or_else(|| panic!("pod"));
+    let vol = pod
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == "model")
+        .unwrap_or_else(|| panic!("model volume"));
+    assert!(vol.persistent_volume_claim.is_none(), "{vol:?}");
+    let host = vol.host_path.clone().unwrap_or_else(|| panic!("hostPath"));
+    let dir = format!("/srv/copies/ns/cache/{}", "ab".repeat(32));
+    assert_eq!(
+        (host.path.as_str(), host.type_.as_deref()),
+        (dir.as_str(), Some("Directory"))
+    );
+    let c = &pod.containers[0];
+    let mnt = c
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|v| v.name == "model")
+        .unwrap_or_else(|| panic!("mount"));
+    assert_eq!(mnt.sub_path.as_deref(), Some("m-Q4_K_M.gguf"));
+    assert_eq!(mnt.read_only, Some(true));
+    assert_eq!(
+        arg_after(c, "--model").as_deref(),
+        Some("/models/m-Q4_K_M.gguf")
+    );
+    let sel = pod.node_selector.clone().unwrap_or_default();
+    assert_eq!(
+        sel.get(&label_key("ns", "cache")),
+        label_value(&digest).as_ref(),
+        "{sel:?}"
+    );
+    assert_eq!(r.served_path.as_deref(), Some(dir.as_str()));
+
+    // A directory artifact is mounted whole.
+    let r = render(
+        &m,
+        Some(&node_local("c-cache:cache/gptq-w4-g128.g1", Some(&digest))),
+        Some(&p),
+        &cfg,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let c = container(&r.deployment);
+    let mnt = c
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|v| v.name == "model")
+        .unwrap_or_else(|| panic!("mount"));
+    assert_eq!(mnt.sub_path, None);
+    assert_eq!(mnt.mount_path, "/models/model");
+
+    // No published digest yet: not deployed, and the condition says why.
+    let e = render(
+        &m,
+        Some(&node_local("c-cache:cache/x", None)),
+        Some(&p),
+        &cfg,
+    )
+    .err()
+    .unwrap_or_else(|| panic!("expected waiting"));
+    assert_eq!(
+        (e.condition_type(), e.reason()),
+        ("Cached", "CacheNotReady")
+    );
+    assert!(e.to_string().contains("NodeLocal"), "{e}");
+}

@@ -46,6 +46,8 @@ pub struct Config {
     /// `FLEXINFER_CREDENTIAL_REGISTRIES`: registries that may receive a cache Secret's registry
     /// credentials (default: none).
     pub credential_registries: CredentialRegistries,
+    /// `FLEXINFER_NODE_LOCAL_ROOT`: the nodes' host directory of `storageStrategy: NodeLocal` copies.
+    pub node_local_root: String,
 }
 
 impl Default for Config {
@@ -69,6 +71,7 @@ impl Default for Config {
             stuck_pod_after: Duration::from_secs(300),
             gpu_supplemental_groups: Vec::new(),
             credential_registries: CredentialRegistries::None,
+            node_local_root: env::controller::NODE_LOCAL_ROOT_DEFAULT.to_string(),
         }
     }
 }
@@ -161,6 +164,9 @@ impl Config {
                     CredentialRegistries::parse,
                 )?
                 .unwrap_or_default(),
+            node_local_root: s
+                .parsed(env::controller::NODE_LOCAL_ROOT, parse_node_local_root)?
+                .unwrap_or_else(|| env::controller::NODE_LOCAL_ROOT_DEFAULT.to_string()),
         })
     }
 
@@ -185,6 +191,23 @@ impl Config {
         self.retry_base
             .saturating_mul(factor)
             .min(Duration::from_secs(600))
+    }
+}
+
+/// `FLEXINFER_NODE_LOCAL_ROOT`: an absolute host path without `.`/`..` components (it is mounted into
+/// node-copy and serving pods).
+pub fn parse_node_local_root(v: &str) -> Result<String, String> {
+    let ok = v.starts_with('/')
+        && v.len() > 1
+        && v.split('/')
+            .all(|c| c != "." && c != ".." && !c.contains(['\0', '\n']));
+    if ok {
+        Ok(v.trim_end_matches('/').to_string())
+    } else {
+        Err(format!(
+            "{v:?} is not an absolute host path without . or .. (e.g. {})",
+            env::controller::NODE_LOCAL_ROOT_DEFAULT
+        ))
     }
 }
 
@@ -263,5 +286,24 @@ mod tests {
         assert_eq!(c.retry_delay(4), Duration::from_secs(480));
         assert_eq!(c.retry_delay(5), Duration::from_secs(600));
         assert_eq!(c.retry_delay(40), Duration::from_secs(600));
+    }
+
+    #[test]
+    fn node_local_root_is_an_absolute_path_without_dot_components() {
+        let get = |v: &'static str| {
+            Config::from_lookup(move |k| (k == "FLEXINFER_NODE_LOCAL_ROOT").then(|| v.to_string()))
+        };
+        assert_eq!(
+            Config::default().node_local_root,
+            "/var/lib/flexinfer/node-local"
+        );
+        assert_eq!(
+            get("/srv/copies/").map(|c| c.node_local_root),
+            Ok("/srv/copies".to_string())
+        );
+        for bad in ["relative/dir", "/", "/srv/../etc", "/srv/./x"] {
+            let e = get(bad).expect_err(bad);
+            assert_eq!(e.name, "FLEXINFER_NODE_LOCAL_ROOT", "{bad}");
+        }
     }
 }

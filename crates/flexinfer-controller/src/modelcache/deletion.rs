@@ -56,11 +56,16 @@ pub(super) fn deletion(mc: &ModelCache, observed: &Observed) -> Option<Vec<Actio
 /// A live cache on a claim the controller creates holds the cleanup finalizer, and the claim exists.
 pub(super) fn claim_actions(mc: &ModelCache, observed: &Observed) -> Vec<Action> {
     let mut actions = Vec::new();
-    if mc.spec.existing_claim_name.is_some() {
+    // The finalizer guards the claim we create, and a NodeLocal cache's copies on its nodes.
+    let node_local = super::node_step::is_node_local(mc);
+    if mc.spec.existing_claim_name.is_some() && !node_local {
         return actions;
     }
     if !has_cleanup_finalizer(mc) {
         actions.push(Action::AddFinalizer);
+    }
+    if mc.spec.existing_claim_name.is_some() {
+        return actions;
     }
     if !observed.pvc_exists {
         actions.push(Action::CreatePvc(Box::new(jobs::build_pvc(mc))));

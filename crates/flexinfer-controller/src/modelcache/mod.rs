@@ -9,6 +9,8 @@ mod ctx;
 mod deletion;
 mod failures;
 pub mod jobs;
+pub mod node_jobs;
+pub mod node_step;
 pub mod nodelocal;
 pub mod observe;
 mod phase;

@@ -5,10 +5,7 @@
 //! What a node holds is read from its label [`label_key`] (the digest of the verified copy, set only
 //! after the fill Job verified `.save-complete`): the label survives controller restarts and is what a
 //! node-local volume's node affinity would require. Fill and cleanup Jobs are observed as [`Task`]s.
-//!
-//! This version of the controller refuses `NodeLocal` caches (`StorageStrategyUnsupported`, see
-//! `validation.rs`): the planner is here with its table tests; the Jobs, volumes and status that
-//! apply its decisions are not.
+//! `node_step` calls it and `node_jobs` builds the Jobs it starts.
 
 use std::collections::{BTreeMap, BTreeSet};
 

@@ -23,6 +23,7 @@ use super::config::Config;
 use super::ctx::Ctx;
 use super::deletion::{claim_actions, deletion};
 use super::jobs;
+use super::node_step::{self, NodeLocalObserved};
 use super::observe::ObservedJob;
 use super::phase::{new_generation, running_phase, set_common, set_generation};
 use super::triggers::{apply_triggers, forget_removed_phases};
@@ -48,6 +49,9 @@ pub struct Observed {
     /// Models of the namespace that read from this cache's claim (`pvc://` source or served path):
     /// deleting the cache keeps the claim while any does.
     pub claim_models: Vec<String>,
+    /// The nodes and node-copy Jobs of a `storageStrategy: NodeLocal` cache (or of one that has
+    /// copies left from when it was); `None`: not read.
+    pub node_local: Option<NodeLocalObserved>,
 }
 
 /// The pod log tail as the reconciler read it.
@@ -76,6 +80,12 @@ pub enum Action {
     DeletePvc(String),
     CreateJob(Box<Job>),
     DeleteJob(String),
+    /// Set (`Some`) or remove (`None`) label `key` on node `node` (`storageStrategy: NodeLocal`).
+    LabelNode {
+        node: String,
+        key: String,
+        value: Option<String>,
+    },
     RemoveAnnotations(Vec<String>),
     Event {
         warning: bool,
@@ -117,6 +127,15 @@ pub struct Plan {
 /// Plan one reconcile of `mc`.
 pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestamp) -> Plan {
     let old = mc.status.clone().unwrap_or_default();
+    if let Some(waiting) = node_copies_before_deletion(mc, observed, config, now) {
+        return Plan {
+            status: old,
+            status_changed: false,
+            actions: waiting,
+            requeue_after: Some(Duration::from_secs(10)),
+            outcome: Outcome::default(),
+        };
+    }
     if let Some(actions) = deletion(mc, observed) {
         return Plan {
             status: old,
@@ -155,7 +174,59 @@ pub fn plan(mc: &ModelCache, observed: &Observed, config: &Config, now: Timestam
         mark_ready(&mut cx);
     }
     set_phase_conditions(&mut cx, &phases);
+    plan_node_copies(&mut cx, observed);
     finish(cx, &old)
+}
+
+/// A NodeLocal cache being deleted removes its node copies first: the cleanup actions while any node
+/// still holds one (bounded by [`node_step::DELETION_WAIT`]); `None` once the finalizer may go.
+fn node_copies_before_deletion(
+    mc: &ModelCache,
+    observed: &Observed,
+    config: &Config,
+    now: Timestamp,
+) -> Option<Vec<Action>> {
+    mc.metadata.deletion_timestamp.as_ref()?;
+    if !super::deletion::has_cleanup_finalizer(mc) {
+        return None;
+    }
+    let obs = observed.node_local.as_ref()?;
+    let step = node_step::node_step(mc, obs, None, config, now, true);
+    let past_deadline = node_step::deletion_deadline_passed(mc, now);
+    let done = step.plan.deletion_done && (obs.problem.is_none() || past_deadline);
+    (!done).then_some(step.actions)
+}
+
+/// The copies of a NodeLocal cache on its nodes, once the pipeline has published; a cache that is no
+/// longer NodeLocal has its copies removed.
+fn plan_node_copies(cx: &mut Ctx<'_>, observed: &Observed) {
+    let Some(obs) = observed.node_local.as_ref() else {
+        return;
+    };
+    let node_local = node_step::is_node_local(cx.mc);
+    // While the pipeline runs again the nodes keep the copy of the last published digest (the Models
+    // serve it); the new one replaces it once it is published.
+    let want = node_local
+        .then(|| {
+            node_step::wanted_digest(&cx.st)
+                .or_else(|| cx.st.node_local.as_ref().and_then(|n| n.digest.clone()))
+        })
+        .flatten();
+    let step = node_step::node_step(cx.mc, obs, want.as_deref(), cx.config, cx.now, !node_local);
+    cx.actions.extend(step.actions.iter().cloned());
+    if node_local {
+        cx.st.node_local = Some(node_step::node_status(
+            &step,
+            obs,
+            want.as_deref(),
+            cx.config,
+        ));
+        cx.requeue(node_step::NODE_RESYNC);
+    } else if step.plan.deletion_done {
+        cx.st.node_local = None;
+    } else {
+        cx.requeue(Duration::from_secs(10));
+    }
 }
 
 fn finish(cx: Ctx<'_>, old: &ModelCacheStatus) -> Plan {

@@ -11,7 +11,7 @@ use flexinfer_api::gpuprofile::GPUProfile;
 use flexinfer_api::modelcache::ModelCache;
 use futures::StreamExt;
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::{Node, ObjectReference, PersistentVolumeClaim, Pod};
 use kube::api::{
     Api, DeleteParams, ListParams, LogParams, Patch, PatchParams, PostParams, PropagationPolicy,
 };
@@ -24,6 +24,9 @@ use tracing::{debug, info, warn};
 
 use super::config::Config;
 use super::jobs;
+use super::node_jobs;
+use super::node_step::{self, NodeLocalObserved};
+use super::nodelocal;
 use super::observe::{
     is_older_peer, log_read_due, model_uses_claim, needs_pods, needs_profiles, observe_job,
     prune_job, pvc_known_to_exist, served_dir_on, wants_log_tail, JobState, LogBudget,
@@ -214,7 +217,87 @@ async fn observe(mc: &ModelCache, ctx: &Context, ns: &str) -> Result<Observed, E
         observed.pvc_exists =
             pvc_known_to_exist(mc) || stores.claim_exists(ns, &jobs::created_claim_name(&name));
     }
+    let had_copies = mc.status.as_ref().is_some_and(|s| s.node_local.is_some());
+    if node_step::is_node_local(mc) || had_copies {
+        observed.node_local = Some(observe_node_local(mc, ctx, ns).await?);
+    }
     Ok(observed)
+}
+
+/// The nodes a NodeLocal cache's copies concern (those its selector matches and those that carry its
+/// label) and its node-copy Jobs, read from the API server: NodeLocal caches are few, and each is
+/// read again only at its own reconciles ([`node_step::NODE_RESYNC`]).
+async fn observe_node_local(
+    mc: &ModelCache,
+    ctx: &Context,
+    ns: &str,
+) -> Result<NodeLocalObserved, Error> {
+    let name = mc.name_any();
+    let forbidden = |what: &str| {
+        format!(
+            "the controller may not {what} (install the chart with nodeLocal.enabled=true: a ClusterRole \
+             to get, list and label nodes); the node copies are left as they are"
+        )
+    };
+    let job_api: Api<Job> = Api::namespaced(ctx.client.clone(), ns);
+    let sel = format!("{}={},{}", labels::CACHE, name, labels::NODE_COPY);
+    let uid = mc.metadata.uid.as_deref();
+    let tasks = job_api
+        .list(&ListParams::default().labels(&sel))
+        .await?
+        .items
+        .iter()
+        .filter(|j| {
+            j.owner_references()
+                .iter()
+                .any(|o| Some(o.uid.as_str()) == uid)
+        })
+        .filter_map(node_jobs::task_of)
+        .collect();
+    let nodes: Api<Node> = Api::all(ctx.client.clone());
+    let key = nodelocal::label_key(ns, &name);
+    let mut selectors = vec![key];
+    if let Some(sel) = mc
+        .spec
+        .node_local_selector()
+        .filter(|_| node_step::is_node_local(mc))
+    {
+        selectors.push(
+            sel.iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join(","),
+        );
+    }
+    let mut by_name = BTreeMap::new();
+    for s in selectors {
+        match nodes.list(&ListParams::default().labels(&s)).await {
+            Ok(list) => {
+                for n in list.items {
+                    let view = nodelocal::NodeView {
+                        name: n.name_any(),
+                        unschedulable: n.metadata.deletion_timestamp.is_some()
+                            || n.spec.as_ref().and_then(|s| s.unschedulable) == Some(true),
+                        labels: n.metadata.labels.unwrap_or_default(),
+                    };
+                    by_name.insert(view.name.clone(), view);
+                }
+            }
+            Err(kube::Error::Api(e)) if e.code == 403 => {
+                return Ok(NodeLocalObserved {
+                    nodes: Vec::new(),
+                    tasks,
+                    problem: Some(forbidden("list nodes")),
+                })
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(NodeLocalObserved {
+        nodes: by_name.into_values().collect(),
+        tasks,
+        problem: None,
+    })
 }
 
 /// The cache's own Jobs (by their names, from the Job store; from the API server only when a write
@@ -419,6 +502,20 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
                         };
                         ctx.stores.expect(ns, &name, exp);
                         info!(cache = %name, namespace = %ns, job = %jname, "deleted Job")
+                    }
+                    Err(kube::Error::Api(e)) if e.code == 404 => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            Action::LabelNode { node, key, value } => {
+                let nodes: Api<Node> = Api::all(client.clone());
+                let patch = serde_json::json!({"metadata": {"labels": {key.as_str(): value}}});
+                match nodes
+                    .patch(node, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                {
+                    Ok(_) => {
+                        info!(cache = %name, namespace = %ns, node = %node, label = %key, value = ?value, "labelled node")
                     }
                     Err(kube::Error::Api(e)) if e.code == 404 => {}
                     Err(e) => return Err(e.into()),

@@ -70,9 +70,8 @@ fn awq_problem(q: &QuantizationSpec) -> Option<String> {
     None
 }
 
-/// Why a `storageStrategy: NodeLocal` cache cannot run: the fields its CEL rules require (checked again
-/// here for an API server that did not run them), then the strategy itself, which this version refuses
-/// (the node copies are planned by [`super::nodelocal`] but no fill Jobs, node volumes or cleanup run yet).
+/// Why a `storageStrategy: NodeLocal` cache cannot run: the fields its CEL rules require, checked again
+/// here for an API server that did not run them.
 fn node_local_problem(mc: &ModelCache) -> Option<SpecProblem> {
     if mc.spec.storage_strategy != StorageStrategy::NodeLocal {
         return None;
@@ -82,10 +81,10 @@ fn node_local_problem(mc: &ModelCache) -> Option<SpecProblem> {
         message: message.to_string(),
         phase: None,
     };
-    if mc.spec.publish.is_none() {
+    if mc.spec.publish.as_ref().is_none_or(|p| p.oci_ref.is_none()) {
         return Some(invalid(
-            "spec.publish is required with storageStrategy NodeLocal: the copies on the nodes are filled \
-             from the published OCI artifact",
+            "spec.publish.ociRef is required with storageStrategy NodeLocal: the copies on the nodes are \
+             filled from the published OCI artifact",
         ));
     }
     if mc.spec.node_local_selector().is_none_or(BTreeMap::is_empty) {
@@ -94,15 +93,7 @@ fn node_local_problem(mc: &ModelCache) -> Option<SpecProblem> {
              is unset: a copy on every node of the cluster is never chosen by default",
         ));
     }
-    Some(SpecProblem {
-        reason: reasons::STORAGE_STRATEGY_UNSUPPORTED,
-        message: "spec.storageStrategy NodeLocal is not served by this FlexInfer version (the node copies, \
-                  their volumes and their cleanup are not implemented yet); use SharedPVC with a \
-                  ReadWriteMany claim (spec.claimAccessMode ReadWriteMany with a storage class that offers \
-                  it, or spec.existingClaimName) for a cache every node can mount"
-            .to_string(),
-        phase: None,
-    })
+    None
 }
 
 /// The first problem of the spec, in the order: format, storage strategy, modelPath, pod metadata,

@@ -7,8 +7,9 @@ use flexinfer_api::contract::{annotations, serving};
 use flexinfer_api::Model;
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStrategy};
 use k8s_openapi::api::core::v1::{
-    Container, EmptyDirVolumeSource, EnvVar, PersistentVolumeClaimVolumeSource, PodSpec,
-    PodTemplateSpec, ResourceRequirements, Service, ServicePort, ServiceSpec, Toleration, Volume,
+    Container, EmptyDirVolumeSource, EnvVar, HostPathVolumeSource,
+    PersistentVolumeClaimVolumeSource, PodSpec, PodTemplateSpec, ResourceRequirements, Service,
+    ServicePort, ServiceSpec, Toleration, Volume,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
@@ -123,15 +124,29 @@ pub(super) fn pod_template(
             ..Default::default()
         },
     ];
-    if let Artifact::Volume { claim, .. } = artifact {
-        volumes.push(Volume {
+    match artifact {
+        Artifact::Volume {
+            host_dir: Some(dir),
+            ..
+        } => volumes.push(Volume {
+            name: "model".into(),
+            // The node's verified copy (`storageStrategy: NodeLocal`): the node selector below puts the
+            // pod only where the copy's label says it is complete.
+            host_path: Some(HostPathVolumeSource {
+                path: dir.clone(),
+                type_: Some("Directory".into()),
+            }),
+            ..Default::default()
+        }),
+        Artifact::Volume { claim, .. } => volumes.push(Volume {
             name: "model".into(),
             persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
                 claim_name: claim.clone(),
                 read_only: Some(true),
             }),
             ..Default::default()
-        });
+        }),
+        Artifact::Hub { .. } => {}
     }
     let mut node_selector = profile_selector;
     for (k, v) in spec.node_selector.iter().flatten() {
