@@ -1783,3 +1783,126 @@ async fn model_pods_on_each_gpu_run_the_vendor_right_image() {
     );
     env.cleanup().await;
 }
+
+/// A Model of a `storageStrategy: NodeLocal` cache runs only on a node labelled as holding the verified
+/// copy of the published digest — here a kwok node that never mounted the cache's claim. Without the label
+/// its pod stays unschedulable; once the node carries it, the scheduler places the pod there, with the
+/// node's copy (a hostPath) as its model volume and no claim.
+#[tokio::test]
+async fn a_node_local_models_pod_lands_only_on_a_node_holding_the_copy() {
+    use flexinfer_controller::modelcache::nodelocal::{label_key, label_value};
+    use k8s_openapi::api::core::v1::Node;
+    let env = TestEnv::new("mdl-nodelocal").await;
+    env.apply::<GPUProfile>(json!({
+        "apiVersion": "ai.flexinfer/v1alpha2", "kind": "GPUProfile", "metadata": {"name": "gfx1100"},
+        "spec": {"architecture": "gfx1100", "vendor": "amd", "vramMB": 24576, "resourceName": "amd.com/gpu",
+                 "nodeSelector": {"flexinfer.ai/gpu.arch": "gfx1100"}}}))
+    .await;
+    env.apply::<ModelCache>(json!({"apiVersion": "ai.flexinfer/v1alpha1", "kind": "ModelCache",
+        "metadata": {"name": "nl"}, "spec": {"source": "org/llm", "quantization": {"format": "GGUF"},
+        "storageStrategy": "NodeLocal", "nodeLocal": {"nodeSelector": {"flexinfer.ai/gpu.arch": "gfx1100"}},
+        "publish": {"ociRef": "registry.example/models/nl:v1"}}}))
+    .await;
+    let hex = "c0".repeat(32);
+    let digest = format!("sha256:{hex}");
+    env.api::<ModelCache>()
+        .patch_status(
+            "nl",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"phase": "Ready", "path": "nl-cache:nl/gguf-q4_k_m.g1/m-Q4_K_M.gguf",
+                "nodeLocal": {"digest": digest, "readyNodes": 1, "selectedNodes": 1}}})),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    env.apply::<Model>(model_json(
+        "nl",
+        &[],
+        json!({"backend": "llamacpp", "source": "modelcache://nl",
+        "gpu": {"profile": "gfx1100"}, "serverless": {"enabled": false}}),
+    ))
+    .await;
+    let pods = env.api::<Pod>();
+    let sel = format!("{}=nl", labels::MODEL);
+    let unschedulable = wait_for("the pod unschedulable", WAIT, || {
+        let pods = pods.clone();
+        let sel = sel.clone();
+        async move {
+            let list = pods.list(&ListParams::default().labels(&sel)).await.ok()?;
+            list.items.into_iter().find(|p| {
+                p.status
+                    .as_ref()
+                    .and_then(|s| s.conditions.as_ref())
+                    .is_some_and(|cs| {
+                        cs.iter().any(|c| {
+                            c.type_ == "PodScheduled"
+                                && c.status == "False"
+                                && c.reason.as_deref() == Some("Unschedulable")
+                        })
+                    })
+            })
+        }
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    assert!(
+        unschedulable
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.clone())
+            .is_none(),
+        "scheduled without a node holding the copy"
+    );
+    // The node's copy is verified: it gets the label, and the pod goes there.
+    let key = label_key(&env.ns.name, "nl");
+    let value = label_value(&digest).unwrap_or_default();
+    let nodes: Api<Node> = Api::all(env.client.clone());
+    let label = |v: Value| {
+        let nodes = nodes.clone();
+        let key = key.clone();
+        async move {
+            nodes
+                .patch(
+                    "kwok-gfx1100",
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"metadata": {"labels": {key: v}}})),
+                )
+                .await
+                .unwrap_or_else(|e| panic!("label the node: {e}"));
+        }
+    };
+    label(json!(value)).await;
+    let running = wait_for("the pod running on the labelled node", WAIT, || {
+        let pods = pods.clone();
+        let sel = sel.clone();
+        async move {
+            let list = pods.list(&ListParams::default().labels(&sel)).await.ok()?;
+            list.items
+                .into_iter()
+                .find(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
+        }
+    })
+    .await;
+    label(Value::Null).await;
+    let pod = running.unwrap_or_else(|e| panic!("{e:#}"));
+    let spec = pod.spec.clone().unwrap_or_default();
+    assert_eq!(spec.node_name.as_deref(), Some("kwok-gfx1100"));
+    assert_eq!(
+        spec.node_selector.unwrap_or_default().get(&key),
+        Some(&value)
+    );
+    let vols = spec.volumes.unwrap_or_default();
+    let model_vol = vols
+        .iter()
+        .find(|v| v.name == "model")
+        .expect("model volume");
+    let want = format!("/var/lib/flexinfer/node-local/{}/nl/{hex}", env.ns.name);
+    assert_eq!(
+        model_vol.host_path.as_ref().map(|h| h.path.as_str()),
+        Some(want.as_str())
+    );
+    assert!(
+        vols.iter().all(|v| v.persistent_volume_claim.is_none()),
+        "{vols:?}"
+    );
+    env.cleanup().await;
+}
