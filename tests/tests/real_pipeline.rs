@@ -1066,59 +1066,7 @@ async fn real_pipeline_gguf_served_by_llama_server() -> Result<()> {
 
     // Served by the real llama-server: no image in the Model, so the controller's default for llamacpp (the
     // chart's runtime.images.llamacpp) applies.
-    let model = json!({
-        "apiVersion": "ai.flexinfer/v1alpha2", "kind": "Model",
-        "metadata": {"name": name, "namespace": e.ns, "annotations": {
-            "flexinfer.ai/promotion-gate": "quantized-artifact-v1", "flexinfer.ai/promotion-validation": "passed"}},
-        "spec": {"backend": "llamacpp", "source": format!("modelcache://{name}"),
-                 "gpu": {"count": 1, "profile": "e2e-gfx1100"}, "serverless": {"enabled": false},
-                 "config": {"maxModelLen": 512},
-                 "resources": {"requests": {"memory": "256Mi"}, "limits": {"memory": "1Gi"}},
-                 "nodeSelector": place["nodeSelector"], "tolerations": place["tolerations"]},
-    });
-    apply(&c, &model, None, false)
-        .await
-        .context("apply Model")?;
-    let deps: Api<Deployment> = Api::namespaced(c.clone(), &e.ns);
-    let pods: Api<Pod> = Api::namespaced(c.clone(), &e.ns);
-    let available = wait_for(
-        "the llama.cpp Model's Deployment available",
-        Duration::from_secs(240),
-        || {
-            let deps = deps.clone();
-            async move {
-                let d = deps.get_opt(name).await.ok().flatten()?;
-                (d.status.as_ref()?.available_replicas? >= 1).then_some(d)
-            }
-        },
-    )
-    .await;
-    if let Err(err) = available {
-        let mut diag = String::new();
-        for p in pods
-            .list(&ListParams::default().labels(&format!("flexinfer.ai/model={name}")))
-            .await?
-        {
-            let pn = p.metadata.name.clone().unwrap_or_default();
-            let log = pods
-                .logs(&pn, &Default::default())
-                .await
-                .unwrap_or_default();
-            diag.push_str(&format!(
-                "\npod {pn}: {}\nlog tail: {}",
-                serde_json::to_string(&p.status)?,
-                log.lines().rev().take(30).collect::<Vec<_>>().join("\n")
-            ));
-        }
-        bail!("{err:#}{diag}");
-    }
-    let pod = pods
-        .list(&ListParams::default().labels(&format!("flexinfer.ai/model={name}")))
-        .await?
-        .items
-        .into_iter()
-        .find(|p| p.metadata.deletion_timestamp.is_none())
-        .context("serving pod")?;
+    let pod = serve_llamacpp(&c, &e, name, Some(&place["nodeSelector"])).await?;
     let pv = serde_json::to_value(&pod)?;
     ensure!(
         pv["spec"]["nodeName"] == "localhost"
@@ -1204,6 +1152,69 @@ async fn real_pipeline_gguf_served_by_llama_server() -> Result<()> {
     let m: Api<Model> = Api::namespaced(c.clone(), &e.ns);
     m.delete(name, &DeleteParams::background()).await?;
     Ok(())
+}
+
+/// Applies a llama.cpp Model serving ModelCache `name` (the controller's default llama.cpp image, the test
+/// GPUProfile, the real node's tolerations, `node_selector` when given) and waits until its Deployment is
+/// available; returns its serving pod (a failure names the pods' status and log tails).
+async fn serve_llamacpp(
+    c: &Client,
+    e: &Env,
+    name: &str,
+    node_selector: Option<&Value>,
+) -> Result<Pod> {
+    let place = e.real_node_placement();
+    let mut model = json!({
+        "apiVersion": "ai.flexinfer/v1alpha2", "kind": "Model",
+        "metadata": {"name": name, "namespace": e.ns, "annotations": {
+            "flexinfer.ai/promotion-gate": "quantized-artifact-v1", "flexinfer.ai/promotion-validation": "passed"}},
+        "spec": {"backend": "llamacpp", "source": format!("modelcache://{name}"),
+                 "gpu": {"count": 1, "profile": "e2e-gfx1100"}, "serverless": {"enabled": false},
+                 "config": {"maxModelLen": 512},
+                 "resources": {"requests": {"memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+                 "tolerations": place["tolerations"]},
+    });
+    if let Some(sel) = node_selector {
+        model["spec"]["nodeSelector"] = sel.clone();
+    }
+    apply(c, &model, None, false).await.context("apply Model")?;
+    let deps: Api<Deployment> = Api::namespaced(c.clone(), &e.ns);
+    let pods: Api<Pod> = Api::namespaced(c.clone(), &e.ns);
+    let sel = format!("flexinfer.ai/model={name}");
+    let available = wait_for(
+        "the llama.cpp Model's Deployment available",
+        Duration::from_secs(240),
+        || {
+            let deps = deps.clone();
+            async move {
+                let d = deps.get_opt(name).await.ok().flatten()?;
+                (d.status.as_ref()?.available_replicas? >= 1).then_some(d)
+            }
+        },
+    )
+    .await;
+    if let Err(err) = available {
+        let mut diag = String::new();
+        for p in pods.list(&ListParams::default().labels(&sel)).await? {
+            let pn = p.metadata.name.clone().unwrap_or_default();
+            let log = pods
+                .logs(&pn, &Default::default())
+                .await
+                .unwrap_or_default();
+            diag.push_str(&format!(
+                "\npod {pn}: {}\nlog tail: {}",
+                serde_json::to_string(&p.status)?,
+                log.lines().rev().take(30).collect::<Vec<_>>().join("\n")
+            ));
+        }
+        bail!("{err:#}{diag}");
+    }
+    pods.list(&ListParams::default().labels(&sel))
+        .await?
+        .items
+        .into_iter()
+        .find(|p| p.metadata.deletion_timestamp.is_none())
+        .context("serving pod")
 }
 
 /// `storageStrategy: NodeLocal` on the real node: once the GGUF is published, a fill Job copies the
@@ -1297,53 +1308,9 @@ async fn real_pipeline_node_local_cache_is_served_from_the_nodes_copy() -> Resul
         fill_pods.len()
     );
 
-    // The Model serves the node's copy: a hostPath, no claim, only on labelled nodes.
-    let model = json!({
-        "apiVersion": "ai.flexinfer/v1alpha2", "kind": "Model",
-        "metadata": {"name": name, "namespace": e.ns, "annotations": {
-            "flexinfer.ai/promotion-gate": "quantized-artifact-v1", "flexinfer.ai/promotion-validation": "passed"}},
-        "spec": {"backend": "llamacpp", "source": format!("modelcache://{name}"),
-                 "gpu": {"count": 1, "profile": "e2e-gfx1100"}, "serverless": {"enabled": false},
-                 "config": {"maxModelLen": 512},
-                 "resources": {"requests": {"memory": "256Mi"}, "limits": {"memory": "1Gi"}},
-                 "tolerations": place["tolerations"]},
-    });
-    apply(&c, &model, None, false)
-        .await
-        .context("apply Model")?;
-    let deps: Api<Deployment> = Api::namespaced(c.clone(), &e.ns);
-    let pods: Api<Pod> = Api::namespaced(c.clone(), &e.ns);
-    let sel = format!("flexinfer.ai/model={name}");
-    let available = wait_for(
-        "the NodeLocal Model available",
-        Duration::from_secs(240),
-        || {
-            let deps = deps.clone();
-            async move {
-                let d = deps.get_opt(name).await.ok().flatten()?;
-                (d.status.as_ref()?.available_replicas? >= 1).then_some(())
-            }
-        },
-    )
-    .await;
-    if let Err(err) = available {
-        let mut diag = String::new();
-        for p in pods.list(&ListParams::default().labels(&sel)).await? {
-            diag.push_str(&format!(
-                "\npod {}: {}",
-                p.metadata.name.clone().unwrap_or_default(),
-                serde_json::to_string(&p.status)?
-            ));
-        }
-        bail!("{err:#}{diag}");
-    }
-    let pod = pods
-        .list(&ListParams::default().labels(&sel))
-        .await?
-        .items
-        .into_iter()
-        .find(|p| p.metadata.deletion_timestamp.is_none())
-        .context("serving pod")?;
+    // The Model serves the node's copy: a hostPath, no claim, only on labelled nodes (no node selector of
+    // its own).
+    let pod = serve_llamacpp(&c, &e, name, None).await?;
     let pv = serde_json::to_value(&pod)?;
     let vols = pv["spec"]["volumes"]
         .as_array()

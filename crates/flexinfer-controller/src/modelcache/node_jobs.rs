@@ -8,9 +8,9 @@ use flexinfer_api::contract::{self, annotations, env, labels, phase};
 use flexinfer_api::modelcache::{ModelCache, NodeCopyStatus, NodeLocalStatus};
 use k8s_openapi::api::batch::v1::{Job, JobSpec};
 use k8s_openapi::api::core::v1::{
-    Affinity, Container, EnvVar, EnvVarSource, HostPathVolumeSource, NodeAffinity, NodeSelector,
-    NodeSelectorRequirement, NodeSelectorTerm, PodSpec, PodTemplateSpec, ResourceRequirements,
-    SecretKeySelector, Toleration, Volume, VolumeMount,
+    Affinity, Container, HostPathVolumeSource, NodeAffinity, NodeSelector, NodeSelectorRequirement,
+    NodeSelectorTerm, PodSpec, PodTemplateSpec, ResourceRequirements, Toleration, Volume,
+    VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -18,6 +18,7 @@ use kube::Resource;
 use sha2::{Digest, Sha256};
 
 use super::config::Config;
+use super::jobs::{ev, secret_ev};
 use super::nodelocal::{CopyPhase, NodePlan, Task, TaskKind, TaskState};
 
 /// Where the node-copy container sees `<root>/<namespace>`.
@@ -127,29 +128,6 @@ pub fn task_of(job: &Job) -> Option<Task> {
     })
 }
 
-fn ev(name: &str, value: impl Into<String>) -> EnvVar {
-    EnvVar {
-        name: name.into(),
-        value: Some(value.into()),
-        value_from: None,
-    }
-}
-
-fn secret_ev(name: &str, secret: &str) -> EnvVar {
-    EnvVar {
-        name: name.into(),
-        value: None,
-        value_from: Some(EnvVarSource {
-            secret_key_ref: Some(SecretKeySelector {
-                name: secret.into(),
-                key: name.into(),
-                optional: Some(true),
-            }),
-            ..Default::default()
-        }),
-    }
-}
-
 /// The Job that runs `kind` on `node`; `None` when the controller has no worker image or the cache
 /// no publish reference (the planner's caller says so in the status).
 pub fn build_job(mc: &ModelCache, node: &str, kind: &TaskKind, config: &Config) -> Option<Job> {
@@ -171,8 +149,8 @@ pub fn build_job(mc: &ModelCache, node: &str, kind: &TaskKind, config: &Config) 
             ));
             env.push(ev(env::OCI_INSECURE, publish.insecure.to_string()));
             if let Some(sec) = publish.secret_ref.as_ref().or(mc.spec.secret_ref.as_ref()) {
-                env.push(secret_ev(env::OCI_USERNAME, sec));
-                env.push(secret_ev(env::OCI_PASSWORD, sec));
+                env.push(secret_ev(env::OCI_USERNAME, sec, env::OCI_USERNAME));
+                env.push(secret_ev(env::OCI_PASSWORD, sec, env::OCI_PASSWORD));
             }
             vec![
                 phase::NODE_COPY_SUBCOMMAND.to_string(),

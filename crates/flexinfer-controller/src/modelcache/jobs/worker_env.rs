@@ -9,7 +9,8 @@ use k8s_openapi::api::core::v1::{EnvVar, EnvVarSource, SecretKeySelector};
 
 use super::{cache_path, phase_dirs, phase_memory_gb, Config, PhaseTarget};
 
-fn ev(name: &str, value: impl Into<String>) -> EnvVar {
+/// A plain env var.
+pub(crate) fn ev(name: &str, value: impl Into<String>) -> EnvVar {
     EnvVar {
         name: name.to_string(),
         value: Some(value.into()),
@@ -17,7 +18,8 @@ fn ev(name: &str, value: impl Into<String>) -> EnvVar {
     }
 }
 
-fn secret_ev(name: &str, secret: &str, key: &str) -> EnvVar {
+/// An env var from key `key` of Secret `secret` (optional: a missing key leaves it unset).
+pub(crate) fn secret_ev(name: &str, secret: &str, key: &str) -> EnvVar {
     EnvVar {
         name: name.to_string(),
         value: None,
