@@ -3,8 +3,8 @@
 //!
 //! `plan` runs named steps, each in its own module: `deletion` (finalizer and claim),
 //! `validation` (specs no engine can run), `triggers` (removed phases and trigger annotations),
-//! `advance` (the first phase that is not done) and `conditions` (Ready and the per-phase
-//! conditions).
+//! `advance` (the first phase that is not done), `conditions` (Ready and the per-phase
+//! conditions) and `node_step` (a NodeLocal cache's copies on its nodes).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
