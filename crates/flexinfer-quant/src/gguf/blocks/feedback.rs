@@ -1,0 +1,395 @@
+//! GPTQ error feedback on the K-quant grids.
+//!
+//! A K-quant tensor is `rows × cols` with the super-blocks of 256 running along a row (the input
+//! dimension), so a super-block is 256 consecutive Hessian columns. The sweep takes them in order,
+//! one super-block of columns at a time, as GPTQ with groups does:
+//! 1. each row's super-block scales (and mins) are chosen from the row's weights **as updated by the
+//!    error of every earlier column** ([`choose_scales`], importance-weighted as without feedback);
+//! 2. the block's columns are rounded one by one onto that grid, each column's error `W₀ − Q` is fed
+//!    to the block's later columns through the sweep factor of the layer's Hessian
+//!    ([`SweepFactor`]: `w̃_j = W₀_j + Σ_{k<j} (W₀_k − Q_k)·F_kj`, the reference tools'
+//!    `U = chol(H⁻¹)` update in one-Cholesky form);
+//! 3. the block's errors update every later column at once (one matrix product).
+//!
+//! Rows are independent given the factor, so steps 1–2 run rows in parallel.
+
+use super::kquants::{choose_scales, grid, is_kquant, pack_codes};
+use super::{check_rows, quantize_tensor, BlockError};
+use crate::gguf::types::FileType;
+use crate::gguf::types::{GgmlType, QK_K};
+use crate::numerics::linalg::SweepFactor;
+use faer::linalg::matmul::matmul;
+use faer::{Accum, MatMut, MatRef};
+use rayon::prelude::*;
+
+/// The GGUF types for which feedback is the default when a calibration set is given: those where it
+/// measured a lower perplexity than the importance matrix alone (docs/benchmarks.md, "GPTQ feedback
+/// on the K-quant grids").
+pub const FEEDBACK_BY_DEFAULT: &[FileType] = &[];
+
+/// Quantizes the `len / cols × cols` tensor `data` to `ty` with GPTQ error feedback through `f`, the
+/// sweep factor of the Hessian of the tensor's input (`cols × cols`); `dead[c]` marks a column whose
+/// input is always zero (its weights are zeroed first, as GPTQ does). Types other than the K-quants
+/// are quantized without feedback ([`quantize_tensor`]).
+pub fn quantize_tensor_feedback(
+    ty: GgmlType,
+    data: &[f32],
+    cols: usize,
+    importance: Option<&[f32]>,
+    f: &SweepFactor,
+    dead: &[bool],
+) -> Result<Vec<u8>, BlockError> {
+    if !is_kquant(ty) {
+        return quantize_tensor(ty, data, cols, importance);
+    }
+    let row_bytes = check_rows(ty, data.len(), cols, importance)?;
+    let coef = f.coef();
+    if f.dim() != cols || coef.nrows() != cols || dead.len() != cols {
+        return Err(BlockError::Hessian { dim: f.dim(), cols });
+    }
+    let rows = data.len() / cols;
+    let bb = ty.block_bytes();
+    let mut w0 = data.to_vec();
+    for r in w0.chunks_exact_mut(cols) {
+        for (v, _) in r.iter_mut().zip(dead).filter(|(_, d)| **d) {
+            *v = 0.0;
+        }
+    }
+    let mut w = w0.clone();
+    let mut out = vec![0u8; rows * row_bytes];
+    let mut delta = vec![0.0f32; rows * QK_K];
+    let mut fblk = vec![0.0f32; QK_K * QK_K];
+    for b in 0..cols / QK_K {
+        let c0 = b * QK_K;
+        for i in 0..QK_K {
+            for j in i + 1..QK_K {
+                fblk[i * QK_K + j] = coef[(c0 + i, c0 + j)];
+            }
+        }
+        let fblk = &fblk;
+        out.par_chunks_mut(row_bytes)
+            .zip(w.par_chunks(cols))
+            .zip(w0.par_chunks(cols))
+            .zip(delta.par_chunks_mut(QK_K))
+            .for_each(|(((o, wr), w0r), dr)| {
+                let ob = &mut o[b * bb..(b + 1) * bb];
+                let mut x = [0.0f32; QK_K];
+                x.copy_from_slice(&wr[c0..c0 + QK_K]);
+                sweep_block(
+                    ty,
+                    &mut x,
+                    &w0r[c0..c0 + QK_K],
+                    importance.map(|v| &v[c0..c0 + QK_K]),
+                    fblk,
+                    ob,
+                    dr,
+                );
+            });
+        let c1 = c0 + QK_K;
+        if c1 < cols {
+            let dst =
+                MatMut::from_row_major_slice_mut(&mut w, rows, cols).subcols_mut(c1, cols - c1);
+            let lhs = MatRef::from_row_major_slice(&delta, rows, QK_K);
+            let rhs = coef.submatrix(c0, c1, QK_K, cols - c1);
+            matmul(
+                dst,
+                Accum::Add,
+                lhs,
+                rhs,
+                1.0,
+                faer::get_global_parallelism(),
+            );
+        }
+    }
+    Ok(out)
+}
+
+/// One row's super-block: scales from `x` (the updated weights as the block starts), then the
+/// columns in order, each rounded on the grid and its error `w0 − q` (written to `delta`) fed to the
+/// block's later columns with the row-major strict upper `fblk`.
+fn sweep_block(
+    ty: GgmlType,
+    x: &mut [f32; QK_K],
+    w0: &[f32],
+    importance: Option<&[f32]>,
+    fblk: &[f32],
+    out: &mut [u8],
+    delta: &mut [f32],
+) {
+    let mut codes = [0u8; QK_K];
+    choose_scales(ty, x, importance, out, &mut codes);
+    let g = grid(ty, out);
+    for i in 0..QK_K {
+        let q = if g.step[i] != 0.0 {
+            let c = g.code(i, x[i]);
+            codes[i] = c as u8;
+            g.value(i, c)
+        } else {
+            g.off[i]
+        };
+        let d = w0[i] - q;
+        delta[i] = d;
+        if d != 0.0 {
+            let row = &fblk[i * QK_K..(i + 1) * QK_K];
+            for j in i + 1..QK_K {
+                x[j] += d * row[j];
+            }
+        }
+    }
+    pack_codes(ty, &codes, out);
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use crate::gguf::blocks::dequantize_tensor;
+    use crate::numerics::linalg::{CpuBackend, LinalgBackend};
+    use faer::Mat;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    const KTYPES: [GgmlType; 5] = [
+        GgmlType::Q2K,
+        GgmlType::Q3K,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+    ];
+    const DAMP: f64 = 0.05;
+
+    fn gauss(rng: &mut StdRng) -> f32 {
+        crate::testkit::gauss(rng)
+    }
+
+    /// `rows × cols` weights and `tokens × cols` activations whose columns are correlated (each is a
+    /// mix of its neighbour and a shared component) and of varied scale, as layer inputs are.
+    fn problem(rows: usize, cols: usize, tokens: usize, seed: u64) -> (Vec<f32>, Mat<f32>) {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let w: Vec<f32> = (0..rows * cols).map(|_| 0.05 * gauss(&mut rng)).collect();
+        let scale: Vec<f32> = (0..cols).map(|_| 0.3 + 2.0 * rng.random::<f32>()).collect();
+        let mut x = Mat::<f32>::zeros(tokens, cols);
+        for t in 0..tokens {
+            let common = gauss(&mut rng);
+            let mut prev = gauss(&mut rng);
+            for c in 0..cols {
+                let g = gauss(&mut rng);
+                prev = 0.7 * prev + 0.5 * g;
+                x[(t, c)] = scale[c] * (prev + 0.6 * common);
+            }
+        }
+        (w, x)
+    }
+
+    /// `XᵀX` in f64 and the factor of it damped by `DAMP·mean(diag)`.
+    fn hessian(x: &Mat<f32>) -> (Vec<f64>, SweepFactor) {
+        let n = x.ncols();
+        let mut h = vec![0.0f64; n * n];
+        for t in 0..x.nrows() {
+            for i in 0..n {
+                let xi = f64::from(x[(t, i)]);
+                for j in 0..n {
+                    h[i * n + j] += xi * f64::from(x[(t, j)]);
+                }
+            }
+        }
+        let mean = (0..n).map(|i| h[i * n + i]).sum::<f64>() / n as f64;
+        let hf = Mat::<f32>::from_fn(n, n, |i, j| h[i * n + j] as f32);
+        let diag: Vec<f32> = (0..n)
+            .map(|i| (h[i * n + i] + DAMP * mean) as f32)
+            .collect();
+        let mut f = SweepFactor::new(n);
+        assert!(CpuBackend::default().sweep_factor(hf.as_ref(), &diag, &mut f));
+        (h, f)
+    }
+
+    /// `tr((W − Q)·H·(W − Q)ᵀ)`: the output error `‖(W − Q)Xᵀ‖²` over the calibration tokens.
+    fn output_error(w: &[f32], q: &[f32], h: &[f64], cols: usize) -> f64 {
+        w.chunks_exact(cols)
+            .zip(q.chunks_exact(cols))
+            .map(|(wr, qr)| {
+                let e: Vec<f64> = wr.iter().zip(qr).map(|(a, b)| f64::from(a - b)).collect();
+                (0..cols)
+                    .map(|i| e[i] * (0..cols).map(|j| h[i * cols + j] * e[j]).sum::<f64>())
+                    .sum::<f64>()
+            })
+            .sum()
+    }
+
+    /// The straightforward O(n³) reference: the explicit damped inverse Hessian in f64 (Gauss–Jordan),
+    /// the optimal-brain-surgeon update column by column (`w_k −= e·H⁻¹_jk / H⁻¹_jj`, then column j
+    /// eliminated from H⁻¹), each super-block's scales chosen from the updated weights as it starts.
+    /// Returns the dequantized values.
+    fn reference(ty: GgmlType, w: &[f32], cols: usize, h: &[f64], imp: &[f32]) -> Vec<f32> {
+        let n = cols;
+        let mean = (0..n).map(|i| h[i * n + i]).sum::<f64>() / n as f64;
+        // [H + λI | I] → [I | H⁻¹].
+        let mut a = vec![0.0f64; n * 2 * n];
+        for i in 0..n {
+            for j in 0..n {
+                a[i * 2 * n + j] = h[i * n + j] + if i == j { DAMP * mean } else { 0.0 };
+            }
+            a[i * 2 * n + n + i] = 1.0;
+        }
+        for p in 0..n {
+            let piv = a[p * 2 * n + p];
+            for j in 0..2 * n {
+                a[p * 2 * n + j] /= piv;
+            }
+            for i in 0..n {
+                if i != p {
+                    let f = a[i * 2 * n + p];
+                    if f != 0.0 {
+                        for j in 0..2 * n {
+                            a[i * 2 * n + j] -= f * a[p * 2 * n + j];
+                        }
+                    }
+                }
+            }
+        }
+        let rows = w.len() / cols;
+        let mut out = vec![0.0f32; w.len()];
+        let mut hinv: Vec<f64> = (0..n * n).map(|k| a[(k / n) * 2 * n + n + k % n]).collect();
+        let mut ws: Vec<Vec<f64>> = w
+            .chunks_exact(cols)
+            .map(|r| r.iter().map(|&v| f64::from(v)).collect())
+            .collect();
+        let mut grids: Vec<Option<super::super::kquants::KGrid>> =
+            (0..rows).map(|_| None).collect();
+        let mut block = vec![0u8; ty.block_bytes()];
+        for j in 0..n {
+            if j % QK_K == 0 {
+                for r in 0..rows {
+                    let x: Vec<f32> = ws[r][j..j + QK_K].iter().map(|&v| v as f32).collect();
+                    let mut codes = [0u8; QK_K];
+                    choose_scales(ty, &x, Some(&imp[j..j + QK_K]), &mut block, &mut codes);
+                    grids[r] = Some(grid(ty, &block));
+                }
+            }
+            let d = hinv[j * n + j];
+            for r in 0..rows {
+                let g = grids[r].as_ref().unwrap();
+                let i = j % QK_K;
+                let v = ws[r][j] as f32;
+                let q = if g.step[i] != 0.0 {
+                    g.value(i, g.code(i, v))
+                } else {
+                    g.off[i]
+                };
+                out[r * cols + j] = q;
+                let e = (ws[r][j] - f64::from(q)) / d;
+                for k in j + 1..n {
+                    ws[r][k] -= e * hinv[j * n + k];
+                }
+            }
+            // Eliminate column j: H⁻¹ ← H⁻¹ − H⁻¹[:, j]·H⁻¹[j, :] / H⁻¹[j, j].
+            let rowj: Vec<f64> = hinv[j * n..(j + 1) * n].to_vec();
+            for i in j + 1..n {
+                let f = hinv[i * n + j] / d;
+                for k in j + 1..n {
+                    hinv[i * n + k] -= f * rowj[k];
+                }
+            }
+        }
+        out
+    }
+
+    /// The sweep equals the naive reference (up to rare ties where f32 and f64 round apart), its
+    /// blocks dequantize with our reader to those values, and its output error is lower than
+    /// rounding each value on its own with the same importance.
+    #[test]
+    fn feedback_equals_the_naive_reference_and_lowers_the_output_error() {
+        let (rows, cols) = (6, 2 * QK_K);
+        let (w, x) = problem(rows, cols, 1024, 7);
+        let (h, f) = hessian(&x);
+        let imp: Vec<f32> = (0..cols)
+            .map(|i| (h[i * cols + i] / 1024.0) as f32)
+            .collect();
+        let dead = vec![false; cols];
+        for ty in KTYPES {
+            let bytes = quantize_tensor_feedback(ty, &w, cols, Some(&imp), &f, &dead).unwrap();
+            let got = dequantize_tensor(ty, &bytes, cols).unwrap();
+            let want = reference(ty, &w, cols, &h, &imp);
+            let same = got
+                .iter()
+                .zip(&want)
+                .filter(|(a, b)| (*a - *b).abs() <= 1e-5 * b.abs().max(1e-3))
+                .count();
+            assert!(
+                same as f64 >= 0.99 * got.len() as f64,
+                "{}: {same} of {} values equal the reference",
+                ty.name(),
+                got.len()
+            );
+            let (e_got, e_want) = (
+                output_error(&w, &got, &h, cols),
+                output_error(&w, &want, &h, cols),
+            );
+            assert!(
+                (e_got - e_want).abs() <= 0.01 * e_want,
+                "{}: {e_got} vs reference {e_want}",
+                ty.name()
+            );
+            let plain = dequantize_tensor(
+                ty,
+                &quantize_tensor(ty, &w, cols, Some(&imp)).unwrap(),
+                cols,
+            )
+            .unwrap();
+            let e_plain = output_error(&w, &plain, &h, cols);
+            assert!(
+                e_got < 0.9 * e_plain,
+                "{}: feedback {e_got} vs independent rounding {e_plain}",
+                ty.name()
+            );
+        }
+    }
+
+    /// With uncorrelated inputs (a diagonal Hessian) there is nothing to feed back: the bytes are
+    /// exactly the independent quantizer's, which also pins the shared scale path.
+    #[test]
+    fn a_diagonal_hessian_gives_the_independent_quantizers_bytes() {
+        let (rows, cols) = (5, 2 * QK_K);
+        let mut rng = StdRng::seed_from_u64(3);
+        let w: Vec<f32> = (0..rows * cols).map(|_| 0.05 * gauss(&mut rng)).collect();
+        let d: Vec<f32> = (0..cols).map(|_| 0.1 + rng.random::<f32>()).collect();
+        let h = Mat::<f32>::from_fn(cols, cols, |i, j| if i == j { d[i] } else { 0.0 });
+        let mut f = SweepFactor::new(cols);
+        assert!(CpuBackend::default().sweep_factor(h.as_ref(), &d, &mut f));
+        for ty in KTYPES {
+            let fb =
+                quantize_tensor_feedback(ty, &w, cols, Some(&d), &f, &vec![false; cols]).unwrap();
+            assert_eq!(
+                fb,
+                quantize_tensor(ty, &w, cols, Some(&d)).unwrap(),
+                "{}",
+                ty.name()
+            );
+        }
+    }
+
+    #[test]
+    fn dead_columns_are_zeroed_and_a_factor_of_the_wrong_size_is_an_error() {
+        let (rows, cols) = (3, QK_K);
+        let (w, x) = problem(rows, cols, 256, 11);
+        let (_, f) = hessian(&x);
+        let mut dead = vec![false; cols];
+        dead[5] = true;
+        let b = quantize_tensor_feedback(GgmlType::Q6K, &w, cols, None, &f, &dead).unwrap();
+        let q = dequantize_tensor(GgmlType::Q6K, &b, cols).unwrap();
+        assert!((0..rows).all(|r| q[r * cols + 5] == 0.0));
+        let (_, f2) = hessian(&problem(1, 2 * QK_K, 64, 1).1);
+        assert_eq!(
+            quantize_tensor_feedback(GgmlType::Q4K, &w, cols, None, &f2, &dead),
+            Err(BlockError::Hessian {
+                dim: 2 * QK_K,
+                cols
+            })
+        );
+        // Non-K-quant types fall back to the independent quantizer.
+        assert_eq!(
+            quantize_tensor_feedback(GgmlType::Q8_0, &w, cols, None, &f, &dead).unwrap(),
+            quantize_tensor(GgmlType::Q8_0, &w, cols, None).unwrap()
+        );
+    }
+}
