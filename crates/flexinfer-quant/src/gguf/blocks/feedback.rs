@@ -25,7 +25,7 @@ use rayon::prelude::*;
 /// The GGUF types for which feedback is the default when a calibration set is given: those where it
 /// measured a lower perplexity than the importance matrix alone (docs/benchmarks.md, "GPTQ feedback
 /// on the K-quant grids").
-pub const FEEDBACK_BY_DEFAULT: &[FileType] = &[];
+pub const FEEDBACK_BY_DEFAULT: &[FileType] = &[FileType::Q3KM, FileType::Q2K];
 
 /// Quantizes the `len / cols × cols` tensor `data` to `ty` with GPTQ error feedback through `f`, the
 /// sweep factor of the Hessian of the tensor's input (`cols × cols`); `dead[c]` marks a column whose
