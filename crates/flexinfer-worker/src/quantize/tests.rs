@@ -529,7 +529,7 @@ fn format_gguf_with_gptq_feedback_changes_the_k_quant_tensors_and_reports_it() {
     for name in [
         "blk.0.attn_q.weight",
         "blk.1.ffn_down.weight",
-        "blk.2.ffn_up.weight",
+        "blk.1.ffn_up.weight",
     ] {
         let ((t_off, b_off), (t_on, b_on)) =
             (data(&off_bytes, &ho, name), data(&on_bytes, &hn, name));
