@@ -75,6 +75,19 @@ t "toggles off: no admission policy, no RBAC" bash -c "out=\$('$HELM' template x
   && ! grep -qE 'kind: (ValidatingAdmissionPolicy|ClusterRole|Role)\$' <<<\"\$out\""
 t "proxy.enabled=false: no proxy objects" bash -c "out=\$('$HELM' template x '$CHART' --set proxy.enabled=false) \
   && ! grep -q 'app.kubernetes.io/component: proxy' <<<\"\$out\" && grep -q 'component: controller' <<<\"\$out\""
+t "ServiceMonitor as prometheus-operator scrapes it (the e2e Prometheus's config): honor_labels, valid for promtool" bash -c "set -e
+  '$HELM' template x '$CHART' -n rel --set serviceMonitor.enabled=true | python3 scripts/e2e/servicemonitor-scrape.py 1s '$T/sm.json' '$T/targets.json' 2>/dev/null
+  python3 -c 'import json,sys; c=json.load(open(sys.argv[1])); assert c[\"honor_labels\"] is True, c; assert c[\"metrics_path\"]==\"/metrics\", c' '$T/sm.json'
+  python3 -c 'import json,sys; print(json.dumps({\"scrape_configs\": [json.load(open(sys.argv[1]))]}))' '$T/sm.json' > '$T/prom.yml'
+  promtool check config --syntax-only '$T/prom.yml' >/dev/null"
+t "backends PodMonitor: vLLM and llama.cpp serving pods on port http, model label; watched namespaces, else any; off by default" bash -c "set -e
+  '$HELM' template x '$CHART' | grep -q 'kind: PodMonitor' && exit 1
+  out=\$('$HELM' template x '$CHART' --set serviceMonitor.backends.enabled=true)
+  python3 -c 'import sys,yaml; d=[o for o in yaml.safe_load_all(sys.stdin) if o and o[\"kind\"]==\"PodMonitor\"]; assert len(d)==1, d; s=d[0][\"spec\"]; assert s[\"namespaceSelector\"]=={\"any\": True}, s; assert s[\"selector\"][\"matchLabels\"]=={\"app.kubernetes.io/component\": \"inference-server\"}, s; assert s[\"selector\"][\"matchExpressions\"][0][\"values\"]==[\"vllm\",\"llamacpp\"], s; e=s[\"podMetricsEndpoints\"][0]; assert e[\"port\"]==\"http\" and e[\"path\"]==\"/metrics\", e; assert e[\"relabelings\"][0][\"targetLabel\"]==\"model\", e' <<<\"\$out\"
+  '$HELM' template x '$CHART' --set serviceMonitor.backends.enabled=true --set 'watchNamespaces={a,b}' | grep -A3 'namespaceSelector' | grep -q -- '- b'
+  '$HELM' template x '$CHART' --set serviceMonitor.backends.enabled=true --set 'watchNamespaces={a}' --set 'serviceMonitor.backends.namespaces={c}' | grep -A3 'namespaceSelector' | grep -q -- '- c'"
+t "long-context probe (scripts/probe-gemma4-long-context.sh): passes a right server; garbage, repetition, a lost code and no server fail" \
+  python3 scripts/probe/test_probe.py
 t "chart README is generated from values.yaml (scripts/chart/readme.py)" python3 scripts/chart/readme.py --check
 DIG=sha256:$(printf 'ab%.0s' $(seq 32))
 t "digests pin the controller, proxy, worker variants and llama.cpp flavors; a variant without one runs by tag" bash -c "set -e

@@ -107,9 +107,16 @@ mkdir -p "$TESTENV_DIR/storage"
 helm template flexinfer charts/flexinfer -n "$CNS" --set alerting.enabled=true \
   --set alerting.quantizedOnCPU.for=1s \
   | python3 scripts/chart-tests/extract-rules.py "$TESTENV_DIR/e2e-alert-rules.yaml" >&2
+# Its scrape config: what prometheus-operator makes of the chart's controller ServiceMonitor (the metrics
+# Service's ready endpoints, the operator's target labels, the endpoint's honorLabels), so the test sees the
+# labels a cluster with the operator sees — among them the cache's own `namespace`.
+helm template flexinfer charts/flexinfer -n "$CNS" --set serviceMonitor.enabled=true \
+  | python3 scripts/e2e/servicemonitor-scrape.py 1s "$TESTENV_DIR/e2e-scrape-config.json" \
+      "$TESTENV_DIR/e2e-scrape-targets.json" --discover
 log "ready: hub $HF, registry $REG, controller in $CNS"
 echo "export E2E_NAMESPACE=$NS E2E_CONTROLLER_NAMESPACE=$CNS E2E_HF_ENDPOINT=$HF E2E_WORKER_IMAGE=$WORKER" \
   "E2E_CONTROLLER_IMAGE=$REG/flexinfer/controller:$TAG E2E_STANDIN_IMAGE=$REG/flexinfer/standin:$TAG" \
   "E2E_LLAMACPP_IMAGE=$REG/flexinfer/llamacpp:$TAG" \
   "E2E_STORAGE=$TESTENV_DIR/storage E2E_CLI=$TARGET/debug/flexinfer" \
-  "E2E_PROXY_SELECTOR=app.kubernetes.io/component=proxy E2E_ALERT_RULES=$TESTENV_DIR/e2e-alert-rules.yaml"
+  "E2E_PROXY_SELECTOR=app.kubernetes.io/component=proxy E2E_ALERT_RULES=$TESTENV_DIR/e2e-alert-rules.yaml" \
+  "E2E_SCRAPE_CONFIG=$TESTENV_DIR/e2e-scrape-config.json"

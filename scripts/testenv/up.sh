@@ -40,7 +40,7 @@ q kubectl config --kubeconfig="$KC" use-context testenv
 start() { local n=$1; shift; nohup "$@" >"$W/logs/$n.log" 2>&1 & echo "$! $n" >> "$W/pids"; }
 wait_for() { for _ in $(seq 1 $(( $2 * 5 ))); do curl -fsk --max-time 1 "$1" >/dev/null 2>&1 && return 0; sleep 0.2; done
   echo "timeout: $1 (logs: $W/logs)" >&2; return 1; }
-FSYNC=(); "$BIN/etcd" --help 2>&1 | grep -q unsafe-no-fsync && FSYNC=(--unsafe-no-fsync=true)
+FSYNC=(); grep -q unsafe-no-fsync <<<"$("$BIN/etcd" --help 2>&1)" && FSYNC=(--unsafe-no-fsync=true)
 start etcd "$BIN/etcd" --name=testenv --data-dir="$W/etcd" --listen-client-urls="http://127.0.0.1:$EP" \
   --advertise-client-urls="http://127.0.0.1:$EP" --listen-peer-urls="http://127.0.0.1:$PP" \
   --initial-advertise-peer-urls="http://127.0.0.1:$PP" --initial-cluster="testenv=http://127.0.0.1:$PP" "${FSYNC[@]}"

@@ -118,7 +118,10 @@ fn metrics_target(p: &Pod) -> Option<String> {
 
 /// A real Prometheus server (Debian's `prometheus`, the package `promtool` comes from) scraping the
 /// controller every second and evaluating the chart's alert rules every second (`E2E_ALERT_RULES`, rendered
-/// by scripts/e2e/setup.sh from the chart with `alerting.quantizedOnCPU.for=1s`). Stopped when dropped.
+/// by scripts/e2e/setup.sh from the chart with `alerting.quantizedOnCPU.for=1s`). It finds the controller the
+/// way prometheus-operator does from the chart's ServiceMonitor (`E2E_SCRAPE_CONFIG`: Kubernetes service
+/// discovery of the metrics Service, the operator's target labels, the ServiceMonitor's `honorLabels`).
+/// Stopped when dropped.
 struct Prometheus {
     child: std::process::Child,
     url: String,
@@ -134,10 +137,10 @@ impl Drop for Prometheus {
 
 impl Prometheus {
     /// Starts the server; a start whose free port was taken in between (it exits) is tried again.
-    async fn start(targets: &[String]) -> Result<Prometheus> {
+    async fn start() -> Result<Prometheus> {
         let mut last = String::new();
         for _ in 0..3 {
-            match Prometheus::start_once(targets).await {
+            match Prometheus::start_once().await {
                 Ok(p) => return Ok(p),
                 Err(e) => last = format!("{e:#}"),
             }
@@ -145,8 +148,13 @@ impl Prometheus {
         bail!("prometheus did not start in 3 tries: {last}")
     }
 
-    async fn start_once(targets: &[String]) -> Result<Prometheus> {
+    async fn start_once() -> Result<Prometheus> {
         let rules = var("E2E_ALERT_RULES")?;
+        let scrape_file = var("E2E_SCRAPE_CONFIG")?;
+        let scrape: Value = serde_json::from_slice(
+            &std::fs::read(&scrape_file)
+                .with_context(|| format!("E2E_SCRAPE_CONFIG {scrape_file}"))?,
+        )?;
         let dir = tempfile::tempdir()?;
         let port = std::net::TcpListener::bind("127.0.0.1:0")?
             .local_addr()?
@@ -154,8 +162,7 @@ impl Prometheus {
         let config = json!({
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [rules],
-            "scrape_configs": [{"job_name": "flexinfer-controller",
-                                "static_configs": [{"targets": targets}]}],
+            "scrape_configs": [scrape],
         });
         // JSON is YAML: the config file needs no YAML writer.
         std::fs::write(dir.path().join("prometheus.yml"), config.to_string())?;
@@ -1183,6 +1190,17 @@ async fn real_pipeline_gguf_served_by_llama_server() -> Result<()> {
             && chat["finish_reason"] == "length",
         "chat completion through the proxy: {chat}"
     );
+    // llama-server exports Prometheus metrics (the controller starts it with --metrics; the chart's backends
+    // PodMonitor scrapes them): its counters saw the completion above.
+    let metrics = String::from_utf8(curl(&[&format!("http://{ip}:8000/metrics")])?)?;
+    let tokens = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("llamacpp:tokens_predicted_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok());
+    ensure!(
+        tokens.is_some_and(|t| t >= 8.0),
+        "llama-server /metrics: no llamacpp:tokens_predicted_total >= 8 in:\n{metrics}"
+    );
     let m: Api<Model> = Api::namespaced(c.clone(), &e.ns);
     m.delete(name, &DeleteParams::background()).await?;
     Ok(())
@@ -1334,7 +1352,7 @@ async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
         .filter_map(metrics_target)
         .collect();
     ensure!(!targets.is_empty(), "no controller metrics address");
-    let prom = Prometheus::start(&targets).await?;
+    let prom = Prometheus::start().await?;
     let name = "small-kill";
     let dir = start_cache(&c, &e, name, "flexinfer-demo/small-llama", "small-llama", json!({
         "quantization": {"format": "GPTQ", "bits": 4, "groupSize": 128, "maxMemoryGB": 4, "useGPU": true,
@@ -1558,14 +1576,33 @@ async fn real_pipeline_survives_controller_and_worker_kills() -> Result<()> {
         "ALERTS{{alertname=\"FlexInferQuantizationOnCPU\",alertstate=\"firing\",model=\"{name}\"}}"
     );
     let fired = prom.query(&format!("max_over_time({firing}[1h])"))?;
+    // One series whatever pod was scraped (the controller pod is replaced during the test: the `pod` target
+    // label changes); `exported_namespace` is kept so a renamed label would show.
     let scraped = prom.query(&format!(
-        "max_over_time(flexinfer_quantization_on_cpu{{model=\"{name}\"}}[1h])"
+        "max by (model, namespace, exported_namespace) (max_over_time(flexinfer_quantization_on_cpu{{model=\"{name}\"}}[1h]))"
     ))?;
     let one = |r: &[Value]| r.len() == 1 && r[0]["value"][1] == "1";
     ensure!(
         one(&scraped) && one(&fired),
-        "Prometheus (scraping {targets:?}): the gauge's maximum {scraped:?}, the alert firing {fired:?}; log: {}",
+        "Prometheus (scraping the chart's ServiceMonitor targets; controller at {targets:?}): the gauge's maximum {scraped:?}, the alert firing {fired:?}; log: {}",
         prom.log()
+    );
+    // The cache lives in another namespace than the controller: the series and the alert carry the cache's own
+    // namespace (the ServiceMonitor's honorLabels), not the scraped Service's, and no `exported_namespace`.
+    for (what, r) in [("gauge", &scraped), ("alert", &fired)] {
+        let m = &r[0]["metric"];
+        ensure!(
+            m["namespace"] == e.ns.as_str() && m.get("exported_namespace").is_none(),
+            "the {what} from Prometheus carries namespace {} (exported_namespace {}), not the cache's {}: {m}",
+            m["namespace"],
+            m["exported_namespace"],
+            e.ns
+        );
+    }
+    ensure!(
+        e.ns != e.controller_ns,
+        "the cache must live outside the controller's namespace {} for this check",
+        e.controller_ns
     );
     let any = format!("ALERTS{{alertname=\"FlexInferQuantizationOnCPU\",model=\"{name}\"}}");
     let p = &prom;
@@ -2798,5 +2835,273 @@ async fn real_pipeline_proxy_holds_a_cold_start_stampede_and_wide_bodies() -> Re
     );
     watcher.abort();
     m.delete(name, &DeleteParams::background()).await?;
+    Ok(())
+}
+
+/// The commands of docs/user/gptq-quantization-runbook.md, as `scripts/runbook/commands.py` extracts and
+/// classifies them (the cluster state each assumes; `skip` with the reason it cannot run here).
+fn runbook_commands() -> Result<Vec<Value>> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = Command::new("python3")
+        .current_dir(&root)
+        .args([
+            "scripts/runbook/commands.py",
+            "docs/user/gptq-quantization-runbook.md",
+        ])
+        .output()
+        .context("python3 scripts/runbook/commands.py")?;
+    ensure!(
+        out.status.success(),
+        "commands.py: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(serde_json::from_slice::<Vec<Value>>(&out.stdout)?)
+}
+
+/// Runs one runbook command as written, in bash (no pipefail, as in a user's shell), with the placeholders
+/// filled in: `flexinfer-system` → the test namespace (the runbook's namespace is the user's), `<ns>`, `<name>`,
+/// `<cache>`, `<pod>`, `<quantize pod>`, and `$POD` from the environment. `flexinfer` is the CLI built for the
+/// test. It must exit 0 (a watch or follow, `-w` / `-f`, is stopped after 5 s) and print no kubectl error — also from inside a
+/// pipeline, whose status is its last command's.
+fn run_runbook_command(e: &Env, cmd: &Value, subst: &[(&str, &str)]) -> Result<String> {
+    let written = cmd["command"].as_str().context("command")?;
+    let mut line = written.replace("flexinfer-system", &e.ns);
+    for (k, v) in subst {
+        line = line.replace(k, v);
+    }
+    ensure!(
+        !line.contains('<'),
+        "runbook line {}: a placeholder this test does not fill: {line}",
+        cmd["line"]
+    );
+    // A watch (`-w`) or a follow (`-f`) runs until stopped: 5 s here.
+    let watch = line
+        .split_whitespace()
+        .take_while(|w| !w.starts_with('#'))
+        .any(|w| w == "-w" || w == "-f");
+    let script = if watch {
+        format!("timeout 5 {line}")
+    } else {
+        line.clone()
+    };
+    let cli_dir = e.cli.parent().context("E2E_CLI has no directory")?;
+    let path = format!(
+        "{}:{}",
+        cli_dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let pod = subst
+        .iter()
+        .find(|(k, _)| *k == "<quantize pod>")
+        .map_or("", |(_, v)| v);
+    let out = Command::new("bash")
+        .args(["-c", &script])
+        .env("PATH", path)
+        .env("POD", pod)
+        .output()
+        .with_context(|| format!("bash -c {script}"))?;
+    let (so, se) = (
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    );
+    let ok = out.status.success() || (watch && out.status.code() == Some(124));
+    let kubectl_error = se.lines().any(|l| {
+        l.starts_with("error:") || l.starts_with("Error from server") || l.starts_with("Error:")
+    });
+    ensure!(
+        ok && !kubectl_error,
+        "runbook line {} ({}) failed as written: `{written}`\nran: {line}\nexit {:?}\nstdout: {so}\nstderr: {se}",
+        cmd["line"],
+        cmd["section"],
+        out.status.code()
+    );
+    Ok(so)
+}
+
+/// Every reference command of the GPTQ runbook works as written against the real node, in the state it
+/// assumes: on a cache (any phase), on its running quantize Job (the worker container frozen with containerd
+/// while the commands run, so the state holds; `exec` after it is thawed), on a failed cache (the recovery
+/// steps), and on a Model with its pod. The commands come from the runbook itself (scripts/runbook/commands.py),
+/// so a new command there is run here; the few that cannot run in this cluster (Flux, `kubectl top` without
+/// metrics-server, the `make deploy-quantizer` synopsis) are listed with the reason.
+#[tokio::test]
+async fn real_pipeline_runbook_commands_work_as_written() -> Result<()> {
+    let _node = NODE.read().await;
+    let e = Env::get()?;
+    let c = client().await;
+    let cmds = runbook_commands()?;
+    let of = |state: &str| -> Vec<&Value> { cmds.iter().filter(|c| c["state"] == state).collect() };
+    for s in of("skip") {
+        eprintln!(
+            "runbook line {} not run here: {} ({})",
+            s["line"], s["command"], s["reason"]
+        );
+    }
+    for state in ["cache", "running", "failed", "model"] {
+        ensure!(
+            !of(state).is_empty(),
+            "no runbook command of state {state}: the runbook or scripts/runbook/commands.py changed"
+        );
+    }
+    let ns = e.ns.clone();
+
+    // A GPTQ cache whose quantization runs long enough to be caught (the kill test's size).
+    let name = "rb-gptq";
+    let dir = start_cache(&c, &e, name, "flexinfer-demo/small-llama", "small-llama", json!({
+        "quantization": {"format": "GPTQ", "bits": 4, "groupSize": 128, "maxMemoryGB": 4,
+                         "calibration": {"dataset": "flexinfer-demo/calibration", "maxSamples": 64, "maxSeqLen": 512}},
+    }))
+    .await?;
+    let mut seen = Observed::default();
+    let (pod, cid, _) = running_quantize_with_a_cached_layer(&c, &e, name, &dir, &mut seen).await?;
+    let qpod = pod.metadata.name.clone().unwrap_or_default();
+    let cid = cid.trim_start_matches("containerd://").to_string();
+    let ctr = |verb: &str| -> Result<()> {
+        let o = Command::new("ctr")
+            .args([
+                "--address",
+                &e.containerd,
+                "-n",
+                "k8s.io",
+                "tasks",
+                verb,
+                &cid,
+            ])
+            .output()?;
+        ensure!(
+            o.status.success(),
+            "ctr tasks {verb}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        Ok(())
+    };
+    let subst = [
+        ("<quantize pod>", qpod.as_str()),
+        ("<name>", name),
+        ("<cache>", name),
+        ("<ns>", ns.as_str()),
+    ];
+    ctr("pause")?;
+    let mut ran = 0;
+    let frozen = async {
+        for cmd in of("cache").into_iter().chain(of("running")) {
+            let text = cmd["command"].as_str().unwrap_or_default();
+            if text.contains(" exec ") || text.starts_with("kubectl delete job") {
+                continue; // below, with the container running
+            }
+            run_runbook_command(&e, cmd, &subst)?;
+            if text.starts_with("POD=") {
+                // The assignment prints nothing; the same selector must find the running pod.
+                let check = json!({"command": format!("{text}; test \"$POD\" = {qpod}"),
+                                   "line": cmd["line"], "section": cmd["section"]});
+                run_runbook_command(&e, &check, &subst)?;
+            }
+            ran += 1;
+        }
+        Ok::<_, anyhow::Error>(())
+    }
+    .await;
+    ctr("resume")?;
+    frozen?;
+    for cmd in of("running") {
+        let text = cmd["command"].as_str().unwrap_or_default();
+        if text.contains(" exec ") {
+            let out = run_runbook_command(&e, cmd, &subst)?;
+            ensure!(!out.trim().is_empty(), "`{text}` printed nothing");
+            ran += 1;
+        }
+    }
+    // Deleting the running Job (option B of "Failed but the run got ~90% through"): the controller creates it
+    // again and the cache still ends Ready.
+    for cmd in of("running") {
+        if cmd["command"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("kubectl delete job")
+        {
+            run_runbook_command(&e, cmd, &subst)?;
+            ran += 1;
+        }
+    }
+    until_ready(&c, &e, name, &mut seen, Duration::from_secs(600)).await?;
+    // A Ready cache: the reading commands again, and the CLI's status.
+    for cmd in of("cache") {
+        run_runbook_command(&e, cmd, &subst)?;
+        ran += 1;
+    }
+
+    // A Model serving it, with its pod.
+    let place = e.real_node_placement();
+    let model = json!({
+        "apiVersion": "ai.flexinfer/v1alpha2", "kind": "Model",
+        "metadata": {"name": name, "namespace": e.ns},
+        "spec": {"backend": "vllm", "source": format!("modelcache://{name}"), "image": e.standin_image,
+                 "gpu": {"count": 1, "profile": "e2e-gfx1100"}, "serverless": {"enabled": false},
+                 "resources": {"requests": {"memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+                 "nodeSelector": place["nodeSelector"], "tolerations": place["tolerations"]},
+    });
+    apply(&c, &model, None, false)
+        .await
+        .context("apply Model")?;
+    let pods: Api<Pod> = Api::namespaced(c.clone(), &e.ns);
+    let sel = ListParams::default().labels(&format!("flexinfer.ai/model={name}"));
+    let serving = wait_for("the Model's pod", Duration::from_secs(120), || {
+        let pods = pods.clone();
+        let sel = sel.clone();
+        async move {
+            pods.list(&sel)
+                .await
+                .ok()?
+                .items
+                .into_iter()
+                .find_map(|p| p.metadata.name)
+        }
+    })
+    .await?;
+    let msubst = [
+        ("<pod>", serving.as_str()),
+        ("<name>", name),
+        ("<ns>", ns.as_str()),
+    ];
+    for cmd in of("model") {
+        run_runbook_command(&e, cmd, &msubst)?;
+        ran += 1;
+    }
+    let models: Api<Model> = Api::namespaced(c.clone(), &e.ns);
+    let _ = models.delete(name, &DeleteParams::default()).await;
+
+    // A failed cache (a repository the hub does not have, no retries): the recovery steps.
+    let failed = "rb-failed";
+    start_cache(
+        &c,
+        &e,
+        failed,
+        "flexinfer-demo/no-such-model",
+        "none",
+        json!({"maxRetries": 0}),
+    )
+    .await?;
+    let api: Api<ModelCache> = Api::namespaced(c.clone(), &e.ns);
+    wait_for("the cache Failed", Duration::from_secs(180), || {
+        let api = api.clone();
+        async move {
+            let mc = api.get_opt(failed).await.ok().flatten()?;
+            let phase = serde_json::to_value(&mc.status).ok()?["phase"].clone();
+            (phase == "Failed").then_some(())
+        }
+    })
+    .await?;
+    let fsubst = [
+        ("<name>", failed),
+        ("<cache>", failed),
+        ("<ns>", ns.as_str()),
+    ];
+    for cmd in of("failed").into_iter().chain(of("cache")) {
+        run_runbook_command(&e, cmd, &fsubst)?;
+        ran += 1;
+    }
+    eprintln!("{ran} runbook commands ran as written");
+    delete_cache(&c, &e, failed).await;
+    delete_cache(&c, &e, name).await;
     Ok(())
 }

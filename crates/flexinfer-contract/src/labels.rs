@@ -22,6 +22,9 @@ pub const PHASE: &str = "flexinfer.ai/phase";
 pub const MODEL: &str = "flexinfer.ai/model";
 /// Node label carrying the GPU architecture (`gfx1100`, `gfx906`, `sm_90`).
 pub const GPU_ARCH: &str = "flexinfer.ai/gpu.arch";
+/// Prefix of the node label that says which verified copy of a `storageStrategy: NodeLocal` cache a
+/// node holds: `nodelocal.flexinfer.ai/<hash of namespace/name>` = the copy's digest (shortened).
+pub const NODE_LOCAL_PREFIX: &str = "nodelocal.flexinfer.ai/";
 
 /// The recommended `app.kubernetes.io/*` labels. `managed-by` and `part-of` are always set; the
 /// others only when given. Add FlexInfer's own keys ([`CACHE`], [`MODEL`], …) with [`Self::with`].

@@ -25,6 +25,9 @@ pub const INVALID_SPEC: &str = "InvalidSpec";
 /// Another ModelCache already uses the same claim and `modelPath`: the two would overwrite each
 /// other's files.
 pub const CLAIM_CONFLICT: &str = "ClaimConflict";
+/// A cache asks for `storageStrategy: NodeLocal`, which this FlexInfer version does not serve yet; no Job
+/// is created.
+pub const STORAGE_STRATEGY_UNSUPPORTED: &str = "StorageStrategyUnsupported";
 /// The PVC the cache created is kept on deletion because other caches use it (`existingClaimName`).
 pub const CLAIM_KEPT: &str = "ClaimKept";
 /// A gate rejected a new generation; the promoted artifact is unchanged.

@@ -264,6 +264,80 @@ proptest! {
         );
     }
 
+    /// The node-local copy planner over arbitrary published digests, node labels (the cache's label
+    /// with any value) and fill/cleanup Jobs: it never panics, and it never labels a node with a value
+    /// that is not a valid label value derived from the published digest.
+    #[test]
+    fn node_local_plan_never_panics(
+        want in prop::option::of(prop_oneof![
+            "\\PC{0,80}".boxed(),
+            "sha256:[0-9a-f]{64}".boxed(),
+            "sha256:[0-9a-fA-F]{60,70}".boxed(),
+        ]),
+        nodes in prop::collection::vec(
+            ("[a-z0-9.-]{0,20}", prop::option::of("\\PC{0,70}"), any::<bool>(), any::<bool>()),
+            0..5,
+        ),
+        tasks in prop::collection::vec(
+            ("[a-z0-9.-]{0,20}", prop::option::of("\\PC{0,70}"), any::<bool>(), 0u8..3, any::<bool>()),
+            0..6,
+        ),
+        deleting in any::<bool>(),
+        deadline in any::<bool>(),
+    ) {
+        use flexinfer_controller::modelcache::nodelocal as nl;
+        let key = nl::label_key("ns", "mc");
+        let selector = BTreeMap::from([("gpu".to_string(), "yes".to_string())]);
+        let nodes: Vec<nl::NodeView> = nodes
+            .into_iter()
+            .map(|(name, held, gpu, unschedulable)| {
+                let mut labels = BTreeMap::new();
+                if gpu {
+                    labels.insert("gpu".to_string(), "yes".to_string());
+                }
+                if let Some(h) = held {
+                    labels.insert(key.clone(), h);
+                }
+                nl::NodeView { name, labels, unschedulable }
+            })
+            .collect();
+        let tasks: Vec<nl::Task> = tasks
+            .into_iter()
+            .map(|(node, digest, fill, state, terminating)| nl::Task {
+                node,
+                kind: if fill {
+                    nl::TaskKind::Fill { digest: digest.unwrap_or_default() }
+                } else {
+                    nl::TaskKind::Cleanup { keep: digest }
+                },
+                state: match state {
+                    0 => nl::TaskState::Running,
+                    1 => nl::TaskState::Succeeded,
+                    _ => nl::TaskState::Failed { message: "x".into() },
+                },
+                bytes: None,
+                terminating,
+            })
+            .collect();
+        let p = nl::plan_nodes(&nl::Input {
+            label_key: &key,
+            want: want.as_deref(),
+            selector: &selector,
+            nodes: &nodes,
+            tasks: &tasks,
+            deleting,
+            deletion_deadline_passed: deadline,
+        });
+        let allowed = want.as_deref().and_then(nl::label_value);
+        for a in &p.actions {
+            if let nl::NodeAction::Label { value: Some(v), .. } = a {
+                prop_assert_eq!(Some(v), allowed.as_ref());
+                prop_assert!(!deleting);
+            }
+        }
+        prop_assert!(p.ready_nodes <= p.nodes.len());
+    }
+
     /// Source and cache-path grammars, and the GPU group list, over arbitrary strings.
     #[test]
     fn source_and_setting_parsers_never_panic(s in "\\PC{0,200}", t in "[a-z0-9:/._@-]{0,120}") {

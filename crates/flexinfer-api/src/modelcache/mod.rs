@@ -41,7 +41,19 @@ pub use status::*;
 #[schemars(extend("x-kubernetes-validations" = [
     {"rule": "!has(self.existingClaimName) || !has(self.clusterStorageClassName)",
      "message": "spec.existingClaimName and spec.clusterStorageClassName are mutually exclusive: an existing claim already has a storage class",
-     "fieldPath": ".existingClaimName"}
+     "fieldPath": ".existingClaimName"},
+    {"rule": "!has(self.existingClaimName) || !has(self.claimAccessMode)",
+     "message": "spec.claimAccessMode only applies to the PVC the controller creates; an existing claim (spec.existingClaimName) already has its access mode",
+     "fieldPath": ".claimAccessMode"},
+    {"rule": "!has(self.storageStrategy) || self.storageStrategy != 'NodeLocal' || has(self.publish)",
+     "message": "spec.publish is required with storageStrategy NodeLocal: the copies on the nodes are filled from the published OCI artifact",
+     "fieldPath": ".publish"},
+    {"rule": "!has(self.nodeLocal) || (has(self.storageStrategy) && self.storageStrategy == 'NodeLocal')",
+     "message": "spec.nodeLocal is only valid with storageStrategy NodeLocal",
+     "fieldPath": ".nodeLocal"},
+    {"rule": "!has(self.storageStrategy) || self.storageStrategy != 'NodeLocal' || has(self.nodeSelector) || (has(self.nodeLocal) && has(self.nodeLocal.nodeSelector))",
+     "message": "spec.nodeLocal.nodeSelector is required with storageStrategy NodeLocal when spec.nodeSelector is unset: a copy on every node of the cluster is never chosen by default",
+     "fieldPath": ".nodeLocal"}
 ]))]
 pub struct ModelCacheSpec {
     /// Where the weights come from: `HF://org/model`, `huggingface://org/model`, a bare `org/model`
@@ -59,14 +71,26 @@ pub struct ModelCacheSpec {
     #[schemars(length(min = 1, max = 255))]
     pub revision: String,
 
-    /// How the cache is stored. `Auto` currently means `SharedPVC` (one ReadWriteOnce/ReadWriteMany
-    /// PVC per cache).
+    /// How the cache is stored. `Auto` currently means `SharedPVC` (one PVC per cache, ReadWriteOnce
+    /// unless `claimAccessMode` or the existing claim says ReadWriteMany). `NodeLocal` (requires
+    /// `publish`) asks for a copy on each node `nodeLocal` selects; this FlexInfer version refuses it
+    /// with the `StorageStrategyUnsupported` condition.
     #[serde(default)]
     pub storage_strategy: StorageStrategy,
+
+    /// Which nodes get a copy with `storageStrategy: NodeLocal` (only valid with it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_local: Option<NodeLocalSpec>,
 
     /// Size of the PVC the controller creates (ignored with `existingClaimName`).
     #[serde(default = "default_storage_size")]
     pub storage_size: Quantity,
+
+    /// Access mode of the PVC the controller creates (ignored with `existingClaimName`): `ReadWriteOnce`
+    /// (unset), or `ReadWriteMany` with a StorageClass that provides it (NFS, CephFS, Longhorn RWX), so
+    /// that Models serving the cache run on any node. Read when the claim is created.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim_access_mode: Option<ClaimAccessMode>,
 
     /// StorageClass for the PVC the controller creates; cluster default when unset.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -137,6 +161,41 @@ pub enum StorageStrategy {
     /// One PVC per cache, shared by the pipeline Jobs and the serving Deployments.
     #[serde(rename = "SharedPVC")]
     SharedPvc,
+    /// The pipeline runs on the cache's PVC; each selected node gets its own copy of the published
+    /// artifact. Not served by this FlexInfer version: the cache fails with `StorageStrategyUnsupported`.
+    NodeLocal,
+}
+
+/// Access mode of the PVC the controller creates (not valid with `existingClaimName`, read when the
+/// claim is created): `ReadWriteOnce` (unset), or `ReadWriteMany` with a StorageClass that offers it
+/// (NFS, CephFS, Longhorn RWX), so that the Models serving the cache run on any node.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum ClaimAccessMode {
+    /// Mounted by the pods of one node at a time (what most block and local-path storage offers).
+    #[default]
+    ReadWriteOnce,
+    /// Mounted by pods on many nodes at once.
+    ReadWriteMany,
+}
+
+impl ClaimAccessMode {
+    /// The Kubernetes access mode.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ClaimAccessMode::ReadWriteOnce => "ReadWriteOnce",
+            ClaimAccessMode::ReadWriteMany => "ReadWriteMany",
+        }
+    }
+}
+
+/// Node-local copies of a ModelCache (`storageStrategy: NodeLocal`).
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeLocalSpec {
+    /// Nodes whose labels match all of these get a copy. Unset: `spec.nodeSelector`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("minProperties" = 1, "maxProperties" = 32, "additionalProperties" = {"type": "string", "maxLength": 63}))]
+    pub node_selector: Option<BTreeMap<String, String>>,
 }
 
 /// Download phase settings.
@@ -479,5 +538,14 @@ impl ModelCacheSpec {
     /// Directory of this cache inside the PVC (`modelPath`, else the cache name).
     pub fn model_dir_name<'a>(&'a self, cache_name: &'a str) -> &'a str {
         self.model_path.as_deref().unwrap_or(cache_name)
+    }
+
+    /// The nodes that get a copy with `storageStrategy: NodeLocal`: `nodeLocal.nodeSelector`, else
+    /// `nodeSelector`; `None` when neither is set.
+    pub fn node_local_selector(&self) -> Option<&BTreeMap<String, String>> {
+        self.node_local
+            .as_ref()
+            .and_then(|n| n.node_selector.as_ref())
+            .or(self.node_selector.as_ref())
     }
 }

@@ -262,6 +262,8 @@ fn llamacpp(i: &BackendInput) -> Launch {
         i.name.clone(),
         "--n-gpu-layers".into(),
         "999".into(),
+        // Prometheus metrics on /metrics of the serving port (the chart's backends PodMonitor scrapes them).
+        "--metrics".into(),
     ];
     if let Some(v) = cfg.max_model_len {
         a.extend(["--ctx-size".into(), v.to_string()]);

@@ -1105,3 +1105,66 @@ fn a_profile_may_not_set_a_backend_key() {
         assert!(!msg.contains("HIP_VISIBLE_DEVICES"), "{msg}");
     }
 }
+
+/// The chart's backends PodMonitor (charts/flexinfer/templates/podmonitor.yaml) selects what render makes: the
+/// serving pods' component label, the llama.cpp and vLLM backend names, the port name, the Model label; and
+/// llama-server is started with `--metrics`, without which its /metrics answers 501.
+#[test]
+fn the_chart_pod_monitor_selects_the_serving_pods_and_llama_server_exports_metrics() {
+    use flexinfer_api::contract::serving;
+    let chart = include_str!("../../../../charts/flexinfer/templates/podmonitor.yaml");
+    let p = profile();
+    let cfg = RenderConfig::default();
+    let mut names = Vec::new();
+    for (backend, source) in [
+        ("vllm", "pvc://c/dir"),
+        ("llamacpp", "pvc://c/dir/m-q4.gguf"),
+    ] {
+        let m = model(
+            "mon",
+            serde_json::json!({"backend": backend, "source": source, "gpu": {"profile": "gfx1100"}}),
+        );
+        let d = render(&m, None, Some(&p), &cfg)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .deployment;
+        let pod_labels = d
+            .spec
+            .as_ref()
+            .and_then(|s| s.template.metadata.as_ref())
+            .and_then(|m| m.labels.clone())
+            .unwrap_or_default();
+        let component = &pod_labels[labels::COMPONENT];
+        assert!(
+            chart.contains(&format!("{}: {component}", labels::COMPONENT)),
+            "the PodMonitor does not select {}={component}",
+            labels::COMPONENT
+        );
+        names.push(pod_labels[labels::NAME].clone());
+        assert_eq!(pod_labels[labels::MODEL], "mon");
+        let c = container(&d);
+        let port = c.ports.clone().unwrap_or_default();
+        assert_eq!(port[0].name.as_deref(), Some(serving::PORT_NAME));
+        assert!(chart.contains(&format!("- port: {}", serving::PORT_NAME)));
+        if backend == "llamacpp" {
+            assert!(
+                c.args
+                    .clone()
+                    .unwrap_or_default()
+                    .iter()
+                    .any(|a| a == "--metrics"),
+                "llama-server without --metrics: {:?}",
+                c.args
+            );
+        }
+    }
+    assert!(
+        chart.contains(&format!("values: [{}]", names.join(", "))),
+        "the PodMonitor's backend list is not {names:?}"
+    );
+    // Prometheus' Kubernetes SD spelling of the Model label.
+    let meta: String = labels::MODEL
+        .chars()
+        .map(|ch| if ch.is_ascii_alphanumeric() { ch } else { '_' })
+        .collect();
+    assert!(chart.contains(&format!("__meta_kubernetes_pod_label_{meta}]")));
+}

@@ -437,7 +437,12 @@ pub fn build_pvc(mc: &ModelCache) -> PersistentVolumeClaim {
             ..Default::default()
         },
         spec: Some(PersistentVolumeClaimSpec {
-            access_modes: Some(vec!["ReadWriteOnce".into()]),
+            access_modes: Some(vec![mc
+                .spec
+                .claim_access_mode
+                .unwrap_or_default()
+                .as_str()
+                .to_string()]),
             storage_class_name: mc.spec.cluster_storage_class_name.clone(),
             resources: Some(VolumeResourceRequirements {
                 requests: Some(BTreeMap::from([(

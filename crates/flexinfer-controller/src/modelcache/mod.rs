@@ -9,6 +9,7 @@ mod ctx;
 mod deletion;
 mod failures;
 pub mod jobs;
+pub mod nodelocal;
 pub mod observe;
 mod phase;
 pub mod plan;

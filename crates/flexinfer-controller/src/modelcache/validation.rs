@@ -1,8 +1,10 @@
 //! Planning step 2: specs the API admitted but no engine or configuration can run.
 
+use std::collections::BTreeMap;
+
 use flexinfer_api::contract::{self, env, reasons, JobPhase};
 use flexinfer_api::formats;
-use flexinfer_api::modelcache::{ModelCache, QuantFormat, QuantizationSpec};
+use flexinfer_api::modelcache::{ModelCache, QuantFormat, QuantizationSpec, StorageStrategy};
 
 use super::jobs;
 use super::plan::Observed;
@@ -68,7 +70,43 @@ fn awq_problem(q: &QuantizationSpec) -> Option<String> {
     None
 }
 
-/// The first problem of the spec, in the order: format, modelPath, pod metadata, claim conflict.
+/// Why a `storageStrategy: NodeLocal` cache cannot run: the fields its CEL rules require (checked again
+/// here for an API server that did not run them), then the strategy itself, which this version refuses
+/// (the node copies are planned by [`super::nodelocal`] but no fill Jobs, node volumes or cleanup run yet).
+fn node_local_problem(mc: &ModelCache) -> Option<SpecProblem> {
+    if mc.spec.storage_strategy != StorageStrategy::NodeLocal {
+        return None;
+    }
+    let invalid = |message: &str| SpecProblem {
+        reason: reasons::INVALID_SPEC,
+        message: message.to_string(),
+        phase: None,
+    };
+    if mc.spec.publish.is_none() {
+        return Some(invalid(
+            "spec.publish is required with storageStrategy NodeLocal: the copies on the nodes are filled \
+             from the published OCI artifact",
+        ));
+    }
+    if mc.spec.node_local_selector().is_none_or(BTreeMap::is_empty) {
+        return Some(invalid(
+            "spec.nodeLocal.nodeSelector is required with storageStrategy NodeLocal when spec.nodeSelector \
+             is unset: a copy on every node of the cluster is never chosen by default",
+        ));
+    }
+    Some(SpecProblem {
+        reason: reasons::STORAGE_STRATEGY_UNSUPPORTED,
+        message: "spec.storageStrategy NodeLocal is not served by this FlexInfer version (the node copies, \
+                  their volumes and their cleanup are not implemented yet); use SharedPVC with a \
+                  ReadWriteMany claim (spec.claimAccessMode ReadWriteMany with a storage class that offers \
+                  it, or spec.existingClaimName) for a cache every node can mount"
+            .to_string(),
+        phase: None,
+    })
+}
+
+/// The first problem of the spec, in the order: format, storage strategy, modelPath, pod metadata,
+/// claim conflict.
 pub(super) fn spec_problem(mc: &ModelCache, observed: &Observed) -> Option<SpecProblem> {
     if let Some(q) = &mc.spec.quantization {
         let info = formats::info(q.format);
@@ -111,6 +149,9 @@ pub(super) fn spec_problem(mc: &ModelCache, observed: &Observed) -> Option<SpecP
                 });
             }
         }
+    }
+    if let Some(problem) = node_local_problem(mc) {
+        return Some(problem);
     }
     let invalid = |message: String| SpecProblem {
         reason: reasons::INVALID_SPEC,

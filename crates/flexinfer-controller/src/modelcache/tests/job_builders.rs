@@ -740,3 +740,25 @@ fn container_names_match_the_failure_policy() {
     }
     assert_eq!(JobPhase::Quantize.container_name(), "quantizer");
 }
+
+#[test]
+fn the_created_claim_takes_the_access_mode_of_the_spec() {
+    let modes = |mc: &ModelCache| {
+        jobs::build_pvc(mc)
+            .spec
+            .and_then(|s| s.access_modes)
+            .unwrap_or_default()
+    };
+    assert_eq!(modes(&cache(SIMPLE)), vec!["ReadWriteOnce"]);
+    let rwx = cache(&format!(
+        "{SIMPLE}  claimAccessMode: ReadWriteMany\n  clusterStorageClassName: nfs\n"
+    ));
+    assert_eq!(modes(&rwx), vec!["ReadWriteMany"]);
+    assert_eq!(
+        jobs::build_pvc(&rwx)
+            .spec
+            .and_then(|s| s.storage_class_name)
+            .as_deref(),
+        Some("nfs")
+    );
+}

@@ -19,6 +19,7 @@ mod failures;
 mod job_builders;
 mod lifecycle;
 mod metrics_series;
+mod nodelocal;
 mod observe;
 mod progress;
 mod reruns;

@@ -431,3 +431,46 @@ fn a_done_publish_is_kept_and_a_new_one_is_checked() {
     assert_eq!(ready.reason, "CredentialRegistryNotAllowed");
     assert!(ready.message.contains("other.example"), "{}", ready.message);
 }
+
+#[test]
+fn node_local_is_refused_naming_what_is_missing() {
+    let c = cfg();
+    let with = |extra: &str| cache(&format!("{FULL}  storageStrategy: NodeLocal\n{extra}"));
+    let mut no_publish = with("");
+    no_publish.spec.publish = None;
+    let mut no_selector = with("");
+    no_selector.spec.node_selector = None;
+    let cases = [
+        // (cache, Ready reason, in its message)
+        (no_publish, "InvalidSpec", "spec.publish is required"),
+        (
+            no_selector,
+            "InvalidSpec",
+            "spec.nodeLocal.nodeSelector is required",
+        ),
+        (
+            with(""),
+            "StorageStrategyUnsupported",
+            "spec.storageStrategy NodeLocal",
+        ),
+        (
+            with("  nodeLocal: {nodeSelector: {gpu: \"yes\"}}\n"),
+            "StorageStrategyUnsupported",
+            "ReadWriteMany",
+        ),
+    ];
+    for (mc, reason, text) in cases {
+        let p = plan(&mc, &obs(vec![]), &c, t(0));
+        assert_eq!(p.status.phase, Some(CachePhase::Failed), "{text}");
+        assert!(created_jobs(&p).is_empty(), "{text}: no Job");
+        let ready = conditions::find(&p.status.conditions, "Ready").expect("cond");
+        assert_eq!(ready.reason, reason, "{text}");
+        assert!(ready.message.contains(text), "{}", ready.message);
+    }
+    // The same cache with the default strategy runs.
+    let shared = cache(FULL);
+    assert_eq!(
+        created_jobs(&plan(&shared, &obs(vec![]), &c, t(0))),
+        vec!["mc-download"]
+    );
+}
