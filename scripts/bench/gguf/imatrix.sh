@@ -14,7 +14,9 @@
 # llama-imatrix + llama-quantize --imatrix (two processes; the F16 conversion they need is not counted),
 # with the load.
 # Usage: scripts/bench/gguf/imatrix.sh [TYPE...]   (default Q4_K_M Q3_K_M Q2_K; the timing uses the first)
-# Env: SKIP_PPL=1 (timing only), TIME_RUNS (3), BENCH_PROFILE (release), LOWBIT_MODEL (default ~/.cache/flexinfer/lowbit-model), CTX (512: llama-imatrix chunks,
+# Env: SKIP_PPL=1 (timing only), VARIANTS (the perplexity columns to run, default
+#      "f16 lq lqi ours ourspass oursgptq"; e.g. VARIANTS="ourspass oursgptq" after a change to the feedback),
+#      SKIP_TIME=1 (perplexities only), TIME_RUNS (3), BENCH_PROFILE (release), LOWBIT_MODEL (default ~/.cache/flexinfer/lowbit-model), CTX (512: llama-imatrix chunks,
 #      llama-perplexity context and our MAX_SEQ_LEN), PPL_CHUNKS (-1: all of eval.txt), THREADS (nproc).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
@@ -61,23 +63,40 @@ ppl() {
   echo "${v:-n/a}"
 }
 
+VARIANTS=" ${VARIANTS:-f16 lq lqi ours ourspass oursgptq} "
+want() { [[ "$VARIANTS" == *" $1 "* ]]; }
 ours F16 F16 > /dev/null
-[ "${SKIP_PPL:-0}" = 1 ] || echo "F16: ppl $(ppl F16.gguf)"
-lc llama-imatrix -m F16.gguf -f calib.txt -c "$CTX" -t "$THREADS" -o imatrix.gguf > "$W/imatrix.log" 2>&1 ||
-  { tail -20 "$W/imatrix.log" >&2; exit 1; }
+[ "${SKIP_PPL:-0}" = 1 ] || ! want f16 || echo "F16: ppl $(ppl F16.gguf)"
+if [ "${SKIP_TIME:-0}" != 1 ] || want lqi; then
+  lc llama-imatrix -m F16.gguf -f calib.txt -c "$CTX" -t "$THREADS" -o imatrix.gguf > "$W/imatrix.log" 2>&1 ||
+    { tail -20 "$W/imatrix.log" >&2; exit 1; }
+fi
 if [ "${SKIP_PPL:-0}" != 1 ]; then
   for ty in "${TYPES[@]}"; do
-    lc llama-quantize F16.gguf "lq-$ty.gguf" "$ty" "$THREADS" > "$W/lq.log" 2>&1 || { tail "$W/lq.log" >&2; exit 1; }
-    lc llama-quantize --imatrix imatrix.gguf F16.gguf "lqi-$ty.gguf" "$ty" "$THREADS" > "$W/lqi.log" 2>&1 ||
-      { tail "$W/lqi.log" >&2; exit 1; }
-    ours "ours-$ty" "$ty" > /dev/null
-    ours "ourspass-$ty" "$ty" "$MODEL/calib.jsonl" > /dev/null
-    ours "oursgptq-$ty" "$ty" "$MODEL/calib.jsonl" 1 > /dev/null
-    echo "$ty: ppl lq $(ppl "lq-$ty.gguf") | lq+imatrix $(ppl "lqi-$ty.gguf") | ours $(ppl "ours-$ty.gguf") |" \
-         "ours+pass $(ppl "ourspass-$ty.gguf") | ours+pass+gptq $(ppl "oursgptq-$ty.gguf")"
+    line="$ty: ppl"
+    if want lq; then
+      lc llama-quantize F16.gguf "lq-$ty.gguf" "$ty" "$THREADS" > "$W/lq.log" 2>&1 || { tail "$W/lq.log" >&2; exit 1; }
+      line="$line | lq $(ppl "lq-$ty.gguf")"
+    fi
+    if want lqi; then
+      lc llama-quantize --imatrix imatrix.gguf F16.gguf "lqi-$ty.gguf" "$ty" "$THREADS" > "$W/lqi.log" 2>&1 ||
+        { tail "$W/lqi.log" >&2; exit 1; }
+      line="$line | lq+imatrix $(ppl "lqi-$ty.gguf")"
+    fi
+    if want ours; then ours "ours-$ty" "$ty" > /dev/null; line="$line | ours $(ppl "ours-$ty.gguf")"; fi
+    if want ourspass; then
+      ours "ourspass-$ty" "$ty" "$MODEL/calib.jsonl" > /dev/null
+      line="$line | ours+pass $(ppl "ourspass-$ty.gguf")"
+    fi
+    if want oursgptq; then
+      ours "oursgptq-$ty" "$ty" "$MODEL/calib.jsonl" 1 > /dev/null
+      line="$line | ours+pass+gptq $(ppl "oursgptq-$ty.gguf")"
+    fi
+    echo "$line"
     rm -f "$W"/*-"$ty".gguf
   done
 fi
+[ "${SKIP_TIME:-0}" != 1 ] || exit 0
 # Time, alternated TIME_RUNS times on the first type: ours+pass (one process) against llama-imatrix +
 # llama-quantize --imatrix (two processes, each timed), with the load average before each.
 ty=${TYPES[0]}; : > "$W/ours.t"; : > "$W/theirs.t"; : > "$W/gptq.t"
