@@ -31,6 +31,7 @@ fn artifact(root: &Path, ft: FileType) -> PathBuf {
             out_dir: &out,
             file_type: ft,
             importance: None,
+            prequantized: None,
             script_version: "test",
             verify_save_sha256: true,
         },

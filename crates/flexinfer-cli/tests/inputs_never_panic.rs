@@ -131,6 +131,7 @@ fn engine_gguf_header() -> &'static (Vec<u8>, u64) {
                 out_dir: &out,
                 file_type: FileType::Q4KM,
                 importance: None,
+                prequantized: None,
                 script_version: "t",
                 verify_save_sha256: false,
             },

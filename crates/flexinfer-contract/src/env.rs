@@ -41,6 +41,9 @@ pub const AWQ_GROUP_SIZES: [usize; 3] = [32, 64, 128];
 pub const FP8_SCALE: &str = "FP8_SCALE";
 /// The llama.cpp preset of a `FORMAT=GGUF` run (`Q4_K_M` by default; `flexinfer_quant::gguf::FileType`).
 pub const GGUF_TYPE: &str = "GGUF_TYPE";
+/// GPTQ error feedback on the K-quant grids of a `FORMAT=GGUF` run with a `DATASET`: `auto` (the
+/// default: on for the types where it measured better than without), `1` (on for every type) or `0` (off).
+pub const GGUF_GPTQ: &str = "GGUF_GPTQ";
 /// Every `GGUF_TYPE` the engine writes (llama.cpp's preset names; `flexinfer_quant::gguf::FileType::ALL`
 /// is checked against this list). The controller refuses any other `spec.quantization.ggufType` before a
 /// Job runs.
@@ -136,6 +139,7 @@ pub const PROFILE_PROTECTED: &[&str] = &[
     DATASET,
     FORMAT,
     GGUF_TYPE,
+    GGUF_GPTQ,
     FP8_SCALE,
     HF_TOKEN,
     HF_ENDPOINT,

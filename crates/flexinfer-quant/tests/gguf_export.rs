@@ -608,6 +608,7 @@ fn the_artifact_directory_has_the_file_and_save_complete_and_is_reused() {
         out_dir: &out,
         file_type: ft,
         importance: None,
+        prequantized: None,
         script_version: "test",
         verify_save_sha256: true,
     };

@@ -13,6 +13,7 @@ use flexinfer_quant::calib::CalibSettings;
 use flexinfer_quant::device::{select_device, MemoryBudget, Selection, SystemPlatform, VendorLibs};
 use flexinfer_quant::events::EventSink;
 use flexinfer_quant::fp8::{write_fp8_artifact, Fp8Job, ScaleStrategy};
+use flexinfer_quant::gguf::blocks::feedback::FEEDBACK_BY_DEFAULT;
 use flexinfer_quant::gguf::{write_gguf_artifact, FileType, GgufArtifactJob};
 use flexinfer_quant::job::importance::{collect_importance, Importance, ImportanceJob};
 use flexinfer_quant::job::{self as quantize_job, Container, QuantizeJob};
@@ -150,6 +151,10 @@ pub struct QuantizeArgs {
     /// Q3_K_M, Q2_K, IQ4_XS.
     #[arg(long, env = env::GGUF_TYPE, default_value = "Q4_K_M")]
     pub gguf_type: String,
+    /// GPTQ error feedback on the K-quant grids of a GGUF run with a `DATASET`: `auto` (on for the types
+    /// where it measured better), `1` (on) or `0` (off).
+    #[arg(long, env = env::GGUF_GPTQ, default_value = "auto")]
+    pub gguf_gptq: String,
 }
 
 /// The `FORMAT` values.
@@ -554,6 +559,34 @@ pub fn gguf_file_type(name: &str) -> Result<FileType, WorkerError> {
     })
 }
 
+/// Whether a GGUF run of `file_type` uses GPTQ error feedback, from `GGUF_GPTQ` (`auto`, `1`/`on`/`true`,
+/// `0`/`off`/`false`) and whether a calibration set is given (feedback needs the pass's Hessians).
+pub fn gguf_feedback(
+    value: &str,
+    file_type: FileType,
+    has_dataset: bool,
+) -> Result<bool, WorkerError> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "" | "auto" => Ok(has_dataset && FEEDBACK_BY_DEFAULT.contains(&file_type)),
+        "1" | "on" | "true" => {
+            if has_dataset {
+                Ok(true)
+            } else {
+                Err(WorkerError::BadInput(format!(
+                    "{}={value:?} needs {}: the feedback uses the Hessians of the calibration pass",
+                    env::GGUF_GPTQ,
+                    env::DATASET
+                )))
+            }
+        }
+        "0" | "off" | "false" => Ok(false),
+        _ => Err(WorkerError::BadInput(format!(
+            "{}={value:?} is not one of auto, 1, 0",
+            env::GGUF_GPTQ
+        ))),
+    }
+}
+
 /// Engine progress mapped into `[from, from + width]` of the worker's percent (two engine steps, each
 /// reporting 0–100 %, in one monotonic stream).
 struct SpanSink<'a> {
@@ -582,8 +615,11 @@ const IMPORTANCE_PROGRESS_SHARE: f64 = 50.0;
 
 /// The importance matrix of a GGUF run: from our calibration pass over the unquantized model when
 /// `DATASET` is set, else none (the plain block search, as `llama-quantize` without `--imatrix`).
+/// With `feedback`, the pass also quantizes the K-quant linears with GPTQ error feedback.
 fn gguf_importance(
     args: &QuantizeArgs,
+    file_type: FileType,
+    feedback: bool,
     events: &Events,
 ) -> Result<Option<(Importance, PathBuf)>, WorkerError> {
     if args.dataset.trim().is_empty() {
@@ -598,6 +634,7 @@ fn gguf_importance(
                 max_samples: args.max_samples,
                 max_seq_len: args.max_seq_len,
             },
+            feedback: feedback.then_some(file_type),
         },
         &SpanSink {
             events,
@@ -607,8 +644,9 @@ fn gguf_importance(
     )
     .map_err(WorkerError::Quant)?;
     events.log(&format!(
-        "importance matrix: {} tensors from {} samples, {} tokens of {} in {:.1}s",
+        "importance matrix: {} tensors ({} quantized with GPTQ feedback) from {} samples, {} tokens of {} in {:.1}s",
         imp.weights.len(),
+        imp.feedback.len(),
         imp.samples,
         imp.tokens,
         dataset.display(),
@@ -623,7 +661,8 @@ fn gguf_importance(
 fn run_gguf(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess, WorkerError> {
     let file_type = gguf_file_type(&args.gguf_type)?;
     let _lock = crate::generations::lock_output(&args.out_dir, events)?;
-    let importance = gguf_importance(args, events)?;
+    let feedback = gguf_feedback(&args.gguf_gptq, file_type, !args.dataset.trim().is_empty())?;
+    let importance = gguf_importance(args, file_type, feedback, events)?;
     let from = if importance.is_some() {
         IMPORTANCE_PROGRESS_SHARE
     } else {
@@ -635,6 +674,10 @@ fn run_gguf(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess, 
             out_dir: &args.out_dir,
             file_type,
             importance: importance.as_ref().map(|(imp, _)| &imp.weights),
+            prequantized: importance
+                .as_ref()
+                .map(|(imp, _)| &imp.feedback)
+                .filter(|m| !m.is_empty()),
             script_version: contract::SCRIPT_VERSION,
             verify_save_sha256: args.verify_save_sha256,
         },
@@ -689,6 +732,14 @@ fn gguf_applied(
             ("maxSamples", args.max_samples.to_string()),
             ("maxSeqLen", args.max_seq_len.to_string()),
             ("importanceTokens", imp.tokens.to_string()),
+            (
+                "ggufGptq",
+                if imp.feedback.is_empty() {
+                    "off".to_string()
+                } else {
+                    format!("on ({} tensors)", imp.feedback.len())
+                },
+            ),
         ]),
         None => applied.push(("importance", "none".to_string())),
     }

@@ -27,6 +27,9 @@ pub struct GgufArtifactJob<'a> {
     pub out_dir: &'a Path,
     pub file_type: FileType,
     pub importance: Option<&'a HashMap<String, Vec<f32>>>,
+    /// Tensors already quantized (GGUF name → bytes of the planned type): the GPTQ-feedback tensors
+    /// of the calibration pass ([`crate::job::importance::Importance::feedback`]).
+    pub prequantized: Option<&'a HashMap<String, Vec<u8>>>,
     pub script_version: &'a str,
     /// Re-hash the file of an existing `.save-complete` before reusing it (else its size only).
     pub verify_save_sha256: bool,
@@ -68,6 +71,26 @@ fn importance_digest(importance: Option<&HashMap<String, Vec<f32>>>) -> String {
     sha256_hex(&bytes)
 }
 
+/// sha256 of the prequantized tensors (sorted by name, with their bytes), or `none`.
+fn prequantized_digest(pre: Option<&HashMap<String, Vec<u8>>>) -> String {
+    let Some(m) = pre else {
+        return "none".into();
+    };
+    let mut names: Vec<&String> = m.keys().collect();
+    names.sort();
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    for n in names {
+        h.update(n.as_bytes());
+        h.update([0u8]);
+        if let Some(b) = m.get(n) {
+            h.update((b.len() as u64).to_le_bytes());
+            h.update(b);
+        }
+    }
+    hex::encode(h.finalize())
+}
+
 fn staging_dir(out_dir: &Path) -> PathBuf {
     let name = out_dir
         .file_name()
@@ -95,16 +118,16 @@ pub fn write_gguf_artifact(
     let started = Instant::now();
     let cfg = ModelConfig::load(job.model_dir)?;
     let store = TensorStore::open_dir(job.model_dir)?;
-    let digest = sha256_hex(
-        json!({
-            "format": "gguf", "type": job.file_type.name(),
-            "model": input_digest(job.model_dir, &store)?,
-            "importance": importance_digest(job.importance),
-            "script_version": job.script_version, "engine": env!("CARGO_PKG_VERSION"),
-        })
-        .to_string()
-        .as_bytes(),
-    );
+    let mut inputs = json!({
+        "format": "gguf", "type": job.file_type.name(),
+        "model": input_digest(job.model_dir, &store)?,
+        "importance": importance_digest(job.importance),
+        "script_version": job.script_version, "engine": env!("CARGO_PKG_VERSION"),
+    });
+    if job.prequantized.is_some() {
+        inputs["prequantized"] = json!(prequantized_digest(job.prequantized));
+    }
+    let digest = sha256_hex(inputs.to_string().as_bytes());
     let file_name = gguf_file_name(job.file_type);
     let original = store.total_bytes();
     if let Some(sc) = verify_save_complete(job.out_dir, job.verify_save_sha256) {
@@ -146,13 +169,20 @@ pub fn write_gguf_artifact(
     }
     std::fs::create_dir_all(&staging).map_err(|e| QuantError::io(&staging, e))?;
     let path = staging.join(&file_name);
-    let summary = write_planned(&plan, &store, &path, job.importance, &mut |done, total| {
-        progress(
-            events,
-            95.0 * done as f64 / total.max(1) as f64,
-            format!("tensor {done}/{total}"),
-        )
-    })?;
+    let summary = write_planned(
+        &plan,
+        &store,
+        &path,
+        job.importance,
+        job.prequantized,
+        &mut |done, total| {
+            progress(
+                events,
+                95.0 * done as f64 / total.max(1) as f64,
+                format!("tensor {done}/{total}"),
+            )
+        },
+    )?;
     let sha = sha256_file(&path)?;
     let sc = SaveComplete {
         version: 1,

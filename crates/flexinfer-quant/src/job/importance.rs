@@ -11,14 +11,21 @@
 use super::calibrate::embed_samples;
 use crate::error::{DatasetError, Result, SpecError};
 use crate::events::{fields, EventSink};
+use crate::gguf::blocks::feedback::quantize_tensor_feedback;
+use crate::gguf::blocks::kquants::is_kquant;
 use crate::gguf::error::GgufError;
-use crate::gguf::llama::{layer_tensor_name, GgufArch};
+use crate::gguf::export::{tensor_types, tensor_values};
+use crate::gguf::llama::{layer_tensor_name, GgufArch, MappedTensor};
+use crate::gguf::types::{FileType, GgmlType};
 use crate::memory::release_free_memory;
 use crate::model::calib::{load_samples_counted, CalibSettings};
 use crate::model::llama::{layer_forward_visit, Rope, Stage, STAGES};
 use crate::model::tensors::TensorStore;
 use crate::model::{input_groups, layer_modules, load_layer, ModelConfig};
-use faer::MatRef;
+use crate::numerics::hessian::{prepare_factor, FactorOutcome};
+use crate::numerics::linalg::{CpuBackend, LinalgBackend};
+use crate::params::{ColumnOrder, RecoveryParams};
+use faer::{Mat, MatRef};
 use flexinfer_contract::events as names;
 use serde_json::json;
 use std::collections::HashMap;
@@ -31,6 +38,11 @@ pub struct ImportanceJob<'a> {
     /// The calibration set (the GPTQ pipeline's formats).
     pub dataset: &'a Path,
     pub calib: CalibSettings,
+    /// GPTQ error feedback on the K-quant grids ([`quantize_tensor_feedback`]): with `Some(file_type)`,
+    /// the pass also accumulates each stage's full Hessian `XᵀX` (one layer at a time) and quantizes
+    /// every layer linear that `file_type`'s mix stores as a K-quant type into
+    /// [`Importance::feedback`].
+    pub feedback: Option<FileType>,
 }
 
 /// The collected importance and what it was collected from.
@@ -38,6 +50,9 @@ pub struct ImportanceJob<'a> {
 pub struct Importance {
     /// GGUF tensor name → one weight per input column (mean of x² over the calibration tokens).
     pub weights: HashMap<String, Vec<f32>>,
+    /// GGUF tensor name → the tensor's bytes, quantized with GPTQ error feedback to the type the
+    /// run's mix gives it (empty without [`ImportanceJob::feedback`]).
+    pub feedback: HashMap<String, Vec<u8>>,
     pub samples: usize,
     pub tokens: usize,
     pub seconds: f64,
@@ -98,8 +113,17 @@ pub fn collect_importance(job: &ImportanceJob<'_>, events: &dyn EventSink) -> Re
         .into());
     }
     let cfg = ModelConfig::load(job.model_dir)?;
-    GgufArch::of(&cfg)?;
+    let arch = GgufArch::of(&cfg)?;
     let store = TensorStore::open_dir(job.model_dir)?;
+    // The linears to quantize with feedback: the importance-using mix's K-quant layer tensors.
+    let targets: HashMap<String, (MappedTensor, GgmlType)> = match job.feedback {
+        Some(ft) => tensor_types(&cfg, &store, arch, ft, true)?
+            .into_iter()
+            .filter(|(t, ty)| t.layer.is_some() && t.dims.len() == 2 && is_kquant(*ty))
+            .map(|(t, ty)| (t.gguf.clone(), (t, ty)))
+            .collect(),
+        None => HashMap::new(),
+    };
     let loaded = load_samples_counted(job.model_dir, job.dataset, &job.calib)?;
     let samples = loaded.ids;
     let tokens: usize = samples.iter().map(Vec::len).sum();
@@ -124,56 +148,121 @@ pub fn collect_importance(job: &ImportanceJob<'_>, events: &dyn EventSink) -> Re
     let rope = Rope::new(&cfg, max_len);
     let mut hidden = embed_samples(&store, &cfg, &samples)?;
     drop(samples);
-    let weights = collect_layers(&cfg, &store, &rope, &mut hidden, tokens, events)?;
+    let (weights, feedback) =
+        collect_layers(&cfg, &store, &rope, &mut hidden, tokens, &targets, events)?;
     drop(hidden);
     release_free_memory();
     let seconds = started.elapsed().as_secs_f64();
     tracing::info!(
         tensors = weights.len(),
+        feedback = feedback.len(),
         tokens,
         seconds,
         "importance matrix collected"
     );
     Ok(Importance {
         weights,
+        feedback,
         samples: n_samples,
         tokens,
         seconds,
     })
 }
 
-/// Every layer in order: its stages' column sums over every sample, then `hidden` is the layer output.
+/// Every layer in order: its stages' column sums over every sample (and, for a stage with a
+/// feedback target, its full Hessian), then `hidden` is the layer output. Returns the importance
+/// vectors and the feedback-quantized tensors.
+#[allow(clippy::type_complexity)]
 fn collect_layers(
     cfg: &ModelConfig,
     store: &TensorStore,
     rope: &Rope,
     hidden: &mut [faer::Mat<f32>],
     tokens: usize,
+    targets: &HashMap<String, (MappedTensor, GgmlType)>,
     events: &dyn EventSink,
-) -> Result<HashMap<String, Vec<f32>>> {
+) -> Result<(HashMap<String, Vec<f32>>, HashMap<String, Vec<u8>>)> {
     let mut out = HashMap::new();
+    let mut quantized = HashMap::new();
+    let backend = CpuBackend::default();
     let layers = cfg.num_layers;
     for layer in 0..layers {
         let lw = load_layer(store, cfg, layer, None)?;
         store.release_pages();
         let groups = input_groups(cfg, layer);
+        let specs = layer_modules(cfg, layer);
+        let gguf_name = |i: usize| layer_tensor_name(layer, &format!("{}.weight", specs[i].name));
         let mut sums: Vec<ColumnSquares> = groups
             .iter()
             .map(|g| ColumnSquares::new(g.first().map_or(0, |&i| lw.linears[i].w.ncols())))
             .collect();
+        // One full Hessian per stage that has a feedback target (lower triangle while accumulating).
+        let mut hessians: Vec<Option<Mat<f32>>> = groups
+            .iter()
+            .map(|g| {
+                let wanted = g
+                    .iter()
+                    .any(|&i| gguf_name(i).is_some_and(|n| targets.contains_key(&n)));
+                let cols = g.first().map_or(0, |&i| lw.linears[i].w.ncols());
+                wanted.then(|| Mat::<f32>::zeros(cols, cols))
+            })
+            .collect();
         for x in hidden.iter_mut() {
             layer_forward_visit(cfg, &lw, x, rope, &mut |stage, a| {
                 sums[stage as usize].add(a);
+                if let Some(h) = hessians[stage as usize].as_mut() {
+                    backend.accumulate_hessian(h.as_mut(), a, 1.0);
+                }
             });
         }
         drop(lw);
         release_free_memory();
-        let specs = layer_modules(cfg, layer);
-        for (stage, (group, s)) in STAGES.iter().zip(groups.iter().zip(&sums)) {
+        for (stage, ((group, s), h)) in STAGES
+            .iter()
+            .zip(groups.iter().zip(&sums).zip(hessians.iter_mut()))
+        {
             let mean = column_means(s, tokens, cfg, layer, *stage)?;
+            if let Some(mut h) = h.take() {
+                backend.finish_hessian(h.as_mut());
+                let module = format!("{}{stage:?}", cfg.layer_prefix(layer));
+                match prepare_factor(
+                    &backend,
+                    h,
+                    ColumnOrder::Plain,
+                    &RecoveryParams::default(),
+                    &module,
+                    events,
+                ) {
+                    FactorOutcome::Factor(pf) => {
+                        for &i in group {
+                            let Some((t, ty)) = gguf_name(i).and_then(|n| targets.get(&n)) else {
+                                continue;
+                            };
+                            let (values, cols) = tensor_values(t, store)?;
+                            let bytes = quantize_tensor_feedback(
+                                *ty,
+                                &values,
+                                cols,
+                                Some(&mean),
+                                &pf.f,
+                                &pf.dead,
+                            )
+                            .map_err(|e| GgufError::Unsupported {
+                                key: t.gguf.clone(),
+                                reason: e.to_string(),
+                            })?;
+                            store.release_pages();
+                            quantized.insert(t.gguf.clone(), bytes);
+                        }
+                    }
+                    FactorOutcome::Exhausted => tracing::warn!(
+                        module,
+                        "the Hessian could not be factored; these linears are quantized without feedback"
+                    ),
+                }
+            }
             for &i in group {
-                let suffix = format!("{}.weight", specs[i].name);
-                let Some(name) = layer_tensor_name(layer, &suffix) else {
+                let Some(name) = gguf_name(i) else {
                     continue;
                 };
                 out.insert(name, mean.clone());
@@ -185,7 +274,7 @@ fn collect_layers(
             format!("layer {}/{layers}", layer + 1),
         );
     }
-    Ok(out)
+    Ok((out, quantized))
 }
 
 /// `sums / tokens` as f32; a non-finite sum (a forward that overflowed) names the layer and stage.
@@ -241,6 +330,7 @@ mod tests {
                 model_dir: dir,
                 dataset: data,
                 calib: CALIB,
+                feedback: None,
             },
             &NullSink,
         )
@@ -316,6 +406,89 @@ mod tests {
             .iter()
             .fold((f32::MAX, 0.0f32), |(l, h), &v| (l.min(v), h.max(v)));
         assert!(hi > 2.0 * lo && lo > 0.0, "{lo} {hi}");
+    }
+
+    /// With feedback on, the pass quantizes exactly the planned K-quant layer tensors, each to its
+    /// planned size; the bytes differ from independent rounding and dequantize with our reader; a
+    /// prequantized tensor of the wrong size is refused before the file is created.
+    #[test]
+    fn feedback_quantizes_the_planned_k_quant_layer_tensors() {
+        let d = tempfile::tempdir().unwrap();
+        let data = tiny(d.path());
+        let ft = FileType::from_name("Q3_K_M").unwrap();
+        let imp = collect_importance(
+            &ImportanceJob {
+                model_dir: d.path(),
+                dataset: &data,
+                calib: CALIB,
+                feedback: Some(ft),
+            },
+            &NullSink,
+        )
+        .unwrap();
+        let cfg = ModelConfig::load(d.path()).unwrap();
+        let store = TensorStore::open_dir(d.path()).unwrap();
+        let arch = GgufArch::of(&cfg).unwrap();
+        let planned = tensor_types(&cfg, &store, arch, ft, true).unwrap();
+        let mut want: Vec<&str> = planned
+            .iter()
+            .filter(|(t, ty)| t.layer.is_some() && t.dims.len() == 2 && is_kquant(*ty))
+            .map(|(t, _)| t.gguf.as_str())
+            .collect();
+        let mut got: Vec<&str> = imp.feedback.keys().map(String::as_str).collect();
+        want.sort();
+        got.sort();
+        assert_eq!(got, want);
+        assert_eq!(want.len(), 7 * cfg.num_layers);
+        for (t, ty) in &planned {
+            let Some(b) = imp.feedback.get(&t.gguf) else {
+                continue;
+            };
+            let (values, cols) = tensor_values(t, &store).unwrap();
+            assert_eq!(
+                b.len(),
+                ty.row_bytes(cols).unwrap() * values.len() / cols,
+                "{}",
+                t.gguf
+            );
+            let plain = crate::gguf::blocks::quantize_tensor(
+                *ty,
+                &values,
+                cols,
+                Some(&imp.weights[&t.gguf]),
+            )
+            .unwrap();
+            assert_ne!(&plain, b, "{}", t.gguf);
+            let q = dequantize_tensor(*ty, b, cols).unwrap();
+            assert!(q.iter().all(|v| v.is_finite()), "{}", t.gguf);
+        }
+        // The writer refuses prequantized bytes of the wrong size, naming the tensor.
+        let plan = crate::gguf::export::plan_gguf(
+            &GgufJob {
+                model_dir: d.path(),
+                out_path: d.path(),
+                file_type: ft,
+                importance: Some(&imp.weights),
+                name: "tiny",
+            },
+            &cfg,
+            &store,
+        )
+        .unwrap();
+        let mut bad = imp.feedback.clone();
+        bad.get_mut("blk.0.attn_q.weight").unwrap().pop();
+        let out = d.path().join("bad.gguf");
+        let e = crate::gguf::export::write_planned(
+            &plan,
+            &store,
+            &out,
+            Some(&imp.weights),
+            Some(&bad),
+            &mut |_, _| {},
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("blk.0.attn_q.weight"), "{e}");
+        assert!(!out.exists());
     }
 
     /// The pass's importance goes into the block search: the written blocks change, and the

@@ -448,6 +448,116 @@ fn format_gguf_with_a_dataset_weights_the_blocks_by_the_calibration_importance()
     );
 }
 
+/// `GGUF_GPTQ`: `auto` follows the measured default list and needs a dataset; `1` without a dataset and
+/// unknown values are bad input naming the variable.
+#[test]
+fn gguf_gptq_parses_and_needs_a_dataset() {
+    assert_eq!(parse(&[]).gguf_gptq, "auto");
+    assert_eq!(
+        parse(&["--gguf-gptq", "1"]).gguf_gptq,
+        "1",
+        "the flag reaches the field"
+    );
+    for ft in FileType::ALL {
+        let default = FEEDBACK_BY_DEFAULT.contains(&ft);
+        assert_eq!(
+            gguf_feedback("auto", ft, true).expect("auto"),
+            default,
+            "{}",
+            ft.name()
+        );
+        assert_eq!(
+            gguf_feedback("", ft, true).expect("empty"),
+            default,
+            "{}",
+            ft.name()
+        );
+        assert!(!gguf_feedback("auto", ft, false).expect("auto without dataset"));
+        assert!(gguf_feedback(" ON ", ft, true).expect("on"));
+        assert!(!gguf_feedback("0", ft, true).expect("0"));
+        assert!(!gguf_feedback("off", ft, false).expect("off"));
+    }
+    for (value, has_dataset) in [("1", false), ("maybe", true), ("2", true)] {
+        let e = gguf_feedback(value, FileType::Q4KM, has_dataset).expect_err(value);
+        assert_eq!(e.exit_code(), 2, "{e}");
+        assert!(e.to_string().contains("GGUF_GPTQ"), "{e}");
+    }
+}
+
+/// `GGUF_GPTQ=1` with a dataset: the K-quant layer tensors are written with GPTQ feedback (they differ
+/// from the importance-only run's), `applied` and the digest say so, the file reads back; `0` gives
+/// the importance-only bytes again.
+#[test]
+fn format_gguf_with_gptq_feedback_changes_the_k_quant_tensors_and_reports_it() {
+    let f = gguf_fixture();
+    let ds = f.args.model_dir.with_file_name("gguf-calib.jsonl");
+    testkit::write_dataset(&ds, 8).expect("dataset");
+    let file = f.args.out_dir.join("model-Q4_K_M.gguf");
+    let mut off = f.args.clone();
+    off.dataset = ds.display().to_string();
+    off.gguf_gptq = "0".into();
+    let ok_off = run_inner(&off, &Events::new("quantization")).expect("importance-only run");
+    assert_eq!(
+        ok_off.applied.get("ggufGptq").map(String::as_str),
+        Some("off")
+    );
+    let off_bytes = std::fs::read(&file).expect("importance-only file");
+
+    let mut on = off.clone();
+    on.gguf_gptq = "1".into();
+    let ok_on = run_inner(&on, &Events::new("quantization")).expect("feedback run");
+    let applied = ok_on
+        .applied
+        .get("ggufGptq")
+        .map(String::as_str)
+        .unwrap_or("");
+    assert!(applied.starts_with("on ("), "{applied}");
+    assert_ne!(ok_on.config_digest, ok_off.config_digest);
+    let on_bytes = std::fs::read(&file).expect("feedback file");
+    let (ho, hn) = (
+        flexinfer_quant::gguf::reader::read_header(&off_bytes).expect("off header"),
+        flexinfer_quant::gguf::reader::read_header(&on_bytes).expect("on header"),
+    );
+    let data = |b: &[u8], h: &flexinfer_quant::gguf::reader::GgufHeader, name: &str| {
+        let (spec, off) = h.tensors.iter().find(|(t, _)| t.name == name).expect(name);
+        let start = (h.data_start + off) as usize;
+        (
+            spec.ty,
+            b[start..start + spec.byte_size().expect("size") as usize].to_vec(),
+        )
+    };
+    for name in [
+        "blk.0.attn_q.weight",
+        "blk.1.ffn_down.weight",
+        "blk.1.ffn_up.weight",
+    ] {
+        let ((t_off, b_off), (t_on, b_on)) =
+            (data(&off_bytes, &ho, name), data(&on_bytes, &hn, name));
+        assert_eq!(t_off, t_on, "{name}: same type");
+        assert_ne!(b_off, b_on, "{name}: feedback changed the blocks");
+        let cols = hn
+            .tensors
+            .iter()
+            .find(|(t, _)| t.name == name)
+            .expect(name)
+            .0
+            .dims[0] as usize;
+        let q = flexinfer_quant::gguf::blocks::dequantize_tensor(t_on, &b_on, cols)
+            .expect("dequantize");
+        assert!(
+            q.iter().all(|v| v.is_finite()) && q.iter().any(|v| *v != 0.0),
+            "{name}"
+        );
+    }
+    assert_eq!(
+        data(&on_bytes, &hn, "token_embd.weight"),
+        data(&off_bytes, &ho, "token_embd.weight")
+    );
+    // Back to 0: the importance-only bytes.
+    run_inner(&off, &Events::new("quantization")).expect("importance-only again");
+    assert_eq!(std::fs::read(&file).expect("file"), off_bytes);
+}
+
 /// `FORMAT=FP8`: the compressed-tensors artifact with `.save-complete` and the FP8 quality sidecar, reported
 /// with its sizes and `applied`; a second run reuses it; bad `BITS` / `FP8_SCALE` are exit 2 naming the
 /// variable and leave the artifact as it was.

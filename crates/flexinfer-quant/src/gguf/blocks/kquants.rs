@@ -18,7 +18,114 @@ use super::search::{
     asymmetric_grid, f16_value, nearest, positive_grid, symmetric_grid, symmetric_grid_refined,
     to_f16, SymWeights, GROUP_MAX_EPS,
 };
-use crate::gguf::types::QK_K;
+use crate::gguf::types::{GgmlType, QK_K};
+
+/// A super-block's grid after its scales are chosen: value i is `step[i]·(code − bias) + off[i]` with
+/// `code ∈ 0..=cmax`. A value whose `step` is zero keeps the scale search's code (its value is `off`).
+pub struct KGrid {
+    pub step: [f32; QK_K],
+    pub off: [f32; QK_K],
+    pub bias: i32,
+    pub cmax: i32,
+}
+
+impl KGrid {
+    /// The code of `v` on value i's grid (ggml's rounding: `nearest((v − off)/step)`, clamped).
+    #[inline(always)]
+    pub fn code(&self, i: usize, v: f32) -> i32 {
+        (nearest((v - self.off[i]) / self.step[i]) + self.bias).clamp(0, self.cmax)
+    }
+    /// The value code `c` stands for at position i.
+    #[inline(always)]
+    pub fn value(&self, i: usize, c: i32) -> f32 {
+        self.step[i] * (c - self.bias) as f32 + self.off[i]
+    }
+}
+
+/// The K-quant block types ([`choose_scales`], [`grid`], [`pack_codes`] apply to these).
+pub fn is_kquant(ty: GgmlType) -> bool {
+    matches!(
+        ty,
+        GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K
+    )
+}
+
+/// Step one of a K-quant super-block: chooses its scales (and mins) from `x` (with the importance
+/// weights, if any), writes them into `out` (the block's bytes; the code bytes are left for
+/// [`pack_codes`]), and the scale search's own codes into `codes`.
+pub fn choose_scales(
+    ty: GgmlType,
+    x: &[f32],
+    importance: Option<&[f32]>,
+    out: &mut [u8],
+    codes: &mut [u8; QK_K],
+) {
+    match ty {
+        GgmlType::Q2K => q2k_scales(x, importance, out, codes),
+        GgmlType::Q3K => q3k_scales(x, importance, out, codes),
+        GgmlType::Q4K => quantize_k4_scales(x, importance, 15, (-1.0, 0.1, 20), codes, out),
+        GgmlType::Q5K => quantize_k4_scales(x, importance, 31, (-0.5, 0.1, 15), codes, out),
+        _ => q6k_scales(x, importance, out, codes),
+    }
+}
+
+/// Step two: the grid the scales in `b` (written by [`choose_scales`]) define.
+pub fn grid(ty: GgmlType, b: &[u8]) -> KGrid {
+    let mut g = KGrid {
+        step: [0.0; QK_K],
+        off: [0.0; QK_K],
+        bias: 0,
+        cmax: 0,
+    };
+    (g.bias, g.cmax) = match ty {
+        GgmlType::Q2K => {
+            q2k_grid(b, &mut g.step, &mut g.off);
+            (0, 3)
+        }
+        GgmlType::Q3K => {
+            q3k_grid(b, &mut g.step, &mut g.off);
+            (4, 7)
+        }
+        GgmlType::Q4K => {
+            k4_grid(b, &mut g.step, &mut g.off);
+            (0, 15)
+        }
+        GgmlType::Q5K => {
+            k4_grid(b, &mut g.step, &mut g.off);
+            (0, 31)
+        }
+        _ => {
+            q6k_grid(b, &mut g.step, &mut g.off);
+            (32, 63)
+        }
+    };
+    g
+}
+
+/// Step three: writes the codes (`0..=cmax` of [`grid`]) into the block's code bytes.
+pub fn pack_codes(ty: GgmlType, codes: &[u8; QK_K], out: &mut [u8]) {
+    match ty {
+        GgmlType::Q2K => pack_2bit(codes, &mut out[16..80]),
+        GgmlType::Q3K => pack_q3k(codes, out),
+        GgmlType::Q4K => pack_q4k(codes, out),
+        GgmlType::Q5K => pack_q5k(codes, out),
+        _ => pack_q6k(codes, out),
+    }
+}
+
+/// One K-quant super-block, each value rounded on its own: the three steps with every code the
+/// nearest level of `x` itself (ggml's quantizers).
+fn quantize_k(ty: GgmlType, x: &[f32], importance: Option<&[f32]>, out: &mut [u8]) {
+    let mut codes = [0u8; QK_K];
+    choose_scales(ty, x, importance, out, &mut codes);
+    let g = grid(ty, out);
+    for i in 0..QK_K {
+        if g.step[i] != 0.0 {
+            codes[i] = g.code(i, x[i]) as u8;
+        }
+    }
+    pack_codes(ty, &codes, out);
+}
 
 fn f16_at(b: &[u8], at: usize) -> f32 {
     f16_value(u16::from_le_bytes([b[at], b[at + 1]]))
@@ -151,25 +258,28 @@ fn quantize_k4_scales(
             }
         }
     }
-    let d = put_f16(head, 0, d);
-    let dmin = put_f16(head, 2, dmin);
+    put_f16(head, 0, d);
+    put_f16(head, 2, dmin);
     pack_scale_min_k4(&ls, &lm, &mut head[4..16]);
+}
+
+/// Q4_K / Q5_K grid of value i: `d·sc_j·code − dmin·m_j`.
+fn k4_grid(head: &[u8], step: &mut [f32; QK_K], off: &mut [f32; QK_K]) {
+    let d = f16_at(head, 0);
+    let dmin = f16_at(head, 2);
     for j in 0..8 {
         let (sc, m) = scale_min_k4(j, &head[4..16]);
-        let dj = d * sc as f32;
-        if dj == 0.0 {
-            continue;
-        }
-        let dm = dmin * m as f32;
-        for i in 32 * j..32 * j + 32 {
-            codes[i] = nearest((x[i] + dm) / dj).clamp(0, nmax) as u8;
-        }
+        let (dj, dm) = (d * sc as f32, dmin * m as f32);
+        step[32 * j..32 * j + 32].fill(dj);
+        off[32 * j..32 * j + 32].fill(-dm);
     }
 }
 
 pub fn quantize_q4k(x: &[f32], importance: Option<&[f32]>, out: &mut [u8]) {
-    let mut codes = [0u8; QK_K];
-    quantize_k4_scales(x, importance, 15, (-1.0, 0.1, 20), &mut codes, out);
+    quantize_k(GgmlType::Q4K, x, importance, out);
+}
+
+fn pack_q4k(codes: &[u8; QK_K], out: &mut [u8]) {
     let qs = &mut out[16..144];
     for (chunk, q) in codes.chunks_exact(64).zip(qs.chunks_exact_mut(32)) {
         for l in 0..32 {
@@ -196,8 +306,10 @@ pub fn dequantize_q4k(b: &[u8], y: &mut [f32]) {
 }
 
 pub fn quantize_q5k(x: &[f32], importance: Option<&[f32]>, out: &mut [u8]) {
-    let mut codes = [0u8; QK_K];
-    quantize_k4_scales(x, importance, 31, (-0.5, 0.1, 15), &mut codes, out);
+    quantize_k(GgmlType::Q5K, x, importance, out);
+}
+
+fn pack_q5k(codes: &[u8; QK_K], out: &mut [u8]) {
     let (qh, ql) = out[16..176].split_at_mut(32);
     qh.fill(0);
     for (n, q) in ql.chunks_exact_mut(32).enumerate() {
@@ -242,6 +354,11 @@ pub fn dequantize_q5k(b: &[u8], y: &mut [f32]) {
 // ---------------------------------------------------------------- Q6_K
 
 pub fn quantize_q6k(x: &[f32], importance: Option<&[f32]>, out: &mut [u8]) {
+    quantize_k(GgmlType::Q6K, x, importance, out);
+}
+
+/// Q6_K's scale search: writes `scales` and `d`, the search's codes (offset by 32) to `codes_out`.
+fn q6k_scales(x: &[f32], importance: Option<&[f32]>, out: &mut [u8], codes_out: &mut [u8; QK_K]) {
     let mut codes = [0i8; QK_K];
     let mut scales = [0.0f32; 16];
     let (mut max_scale, mut max_abs) = (0.0f32, 0.0f32);
@@ -260,24 +377,30 @@ pub fn quantize_q6k(x: &[f32], importance: Option<&[f32]>, out: &mut [u8]) {
     }
     out[..210].fill(0);
     if max_abs < GROUP_MAX_EPS {
+        // All zero bytes: codes 0 with d = 0.
+        codes_out.fill(0);
         return;
     }
     let iscale = -128.0 / max_scale;
-    let d = put_f16(out, 208, 1.0 / iscale);
-    let mut sc = [0i8; 16];
+    put_f16(out, 208, 1.0 / iscale);
     for ib in 0..16 {
-        sc[ib] = nearest(iscale * scales[ib]).min(127) as i8;
-        out[192 + ib] = sc[ib] as u8;
+        out[192 + ib] = nearest(iscale * scales[ib]).min(127) as i8 as u8;
     }
+    for (o, c) in codes_out.iter_mut().zip(codes) {
+        *o = c as u8;
+    }
+}
+
+/// Q6_K grid of value i: `d·sc_j·(code − 32)`.
+fn q6k_grid(b: &[u8], step: &mut [f32; QK_K], off: &mut [f32; QK_K]) {
+    let d = f16_at(b, 208);
     for j in 0..16 {
-        let dj = d * sc[j] as f32;
-        if dj == 0.0 {
-            continue;
-        }
-        for i in 16 * j..16 * j + 16 {
-            codes[i] = (nearest(x[i] / dj).clamp(-32, 31) + 32) as i8;
-        }
+        step[16 * j..16 * j + 16].fill(d * (b[192 + j] as i8) as f32);
     }
+    off.fill(0.0);
+}
+
+fn pack_q6k(codes: &[u8; QK_K], out: &mut [u8]) {
     let (ql, rest) = out.split_at_mut(128);
     let qh = &mut rest[..64];
     for half in 0..2 {
@@ -285,12 +408,7 @@ pub fn quantize_q6k(x: &[f32], importance: Option<&[f32]>, out: &mut [u8]) {
         let ql = &mut ql[64 * half..64 * half + 64];
         let qh = &mut qh[32 * half..32 * half + 32];
         for l in 0..32 {
-            let (a, b, c, e) = (
-                l0[l] as u8,
-                l0[l + 32] as u8,
-                l0[l + 64] as u8,
-                l0[l + 96] as u8,
-            );
+            let (a, b, c, e) = (l0[l], l0[l + 32], l0[l + 64], l0[l + 96]);
             ql[l] = (a & 0xF) | ((c & 0xF) << 4);
             ql[l + 32] = (b & 0xF) | ((e & 0xF) << 4);
             qh[l] = (a >> 4) | ((b >> 4) << 2) | ((c >> 4) << 4) | ((e >> 4) << 6);
@@ -341,7 +459,11 @@ fn code_2bit(qs: &[u8], i: usize) -> u8 {
 // ---------------------------------------------------------------- Q2_K
 
 pub fn quantize_q2k(x: &[f32], importance: Option<&[f32]>, out: &mut [u8]) {
-    let mut codes = [0u8; QK_K];
+    quantize_k(GgmlType::Q2K, x, importance, out);
+}
+
+/// Q2_K's scale search: writes `scales`, `d` and `dmin`, the search's codes to `codes`.
+fn q2k_scales(x: &[f32], importance: Option<&[f32]>, out: &mut [u8], codes: &mut [u8; QK_K]) {
     let mut aux = [0u8; 16];
     let mut w = [0.0f32; 16];
     let mut scales = [0.0f32; 16];
@@ -425,20 +547,19 @@ pub fn quantize_q2k(x: &[f32], importance: Option<&[f32]>, out: &mut [u8]) {
             }
         }
     }
-    let d = put_f16(out, 80, d);
-    let dmin = put_f16(out, 82, dmin);
+    put_f16(out, 80, d);
+    put_f16(out, 82, dmin);
     out[..16].copy_from_slice(&packed);
+}
+
+/// Q2_K grid of value i: `d·sc_j·code − dmin·m_j`.
+fn q2k_grid(b: &[u8], step: &mut [f32; QK_K], off: &mut [f32; QK_K]) {
+    let d = f16_at(b, 80);
+    let dmin = f16_at(b, 82);
     for j in 0..16 {
-        let dj = d * (packed[j] & 0xF) as f32;
-        if dj == 0.0 {
-            continue;
-        }
-        let m = dmin * (packed[j] >> 4) as f32;
-        for i in 16 * j..16 * j + 16 {
-            codes[i] = nearest((x[i] + m) / dj).clamp(0, 3) as u8;
-        }
+        step[16 * j..16 * j + 16].fill(d * (b[j] & 0xF) as f32);
+        off[16 * j..16 * j + 16].fill(-(dmin * (b[j] >> 4) as f32));
     }
-    pack_2bit(&codes, &mut out[16..80]);
 }
 
 pub fn dequantize_q2k(b: &[u8], y: &mut [f32]) {
@@ -476,6 +597,11 @@ pub fn q3_scale(j: usize, s: &[u8]) -> i32 {
 }
 
 pub fn quantize_q3k(x: &[f32], importance: Option<&[f32]>, out: &mut [u8]) {
+    quantize_k(GgmlType::Q3K, x, importance, out);
+}
+
+/// Q3_K's scale search: writes `scales` and `d`, the search's codes (offset by 4) to `codes_out`.
+fn q3k_scales(x: &[f32], importance: Option<&[f32]>, out: &mut [u8], codes_out: &mut [u8; QK_K]) {
     let mut codes = [0i8; QK_K];
     let mut scales = [0.0f32; 16];
     let mut biased = [0u8; 16];
@@ -533,20 +659,27 @@ pub fn quantize_q3k(x: &[f32], importance: Option<&[f32]>, out: &mut [u8]) {
     }
     out[..110].fill(0);
     pack_q3_scales(&biased, &mut out[96..108]);
-    let d = put_f16(out, 108, d);
-    for j in 0..16 {
-        let dj = d * q3_scale(j, &out[96..108]) as f32;
-        if dj == 0.0 {
-            continue;
-        }
-        for i in 16 * j..16 * j + 16 {
-            codes[i] = (nearest(x[i] / dj).clamp(-4, 3) + 4) as i8;
-        }
+    put_f16(out, 108, d);
+    for (o, c) in codes_out.iter_mut().zip(codes) {
+        *o = c as u8;
     }
+}
+
+/// Q3_K grid of value i: `d·s_j·(code − 4)`.
+fn q3k_grid(b: &[u8], step: &mut [f32; QK_K], off: &mut [f32; QK_K]) {
+    let d = f16_at(b, 108);
+    for j in 0..16 {
+        step[16 * j..16 * j + 16].fill(d * q3_scale(j, &b[96..108]) as f32);
+    }
+    off.fill(0.0);
+}
+
+fn pack_q3k(codes: &[u8; QK_K], out: &mut [u8]) {
     // The high bit of value i goes to hmask byte i % 32, bit i / 32.
+    out[..32].fill(0);
     let mut low = [0u8; QK_K];
     for i in 0..QK_K {
-        let mut c = codes[i] as u8;
+        let mut c = codes[i];
         if c > 3 {
             out[i % 32] |= 1 << (i / 32);
             c -= 4;

@@ -6,6 +6,7 @@
 //! the scale search of the types that use one (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K … Q6_K, IQ4_NL, IQ4_XS), as `llama-quantize --imatrix`
 //! does. F16, BF16, F32 and Q8_0 ignore it.
 
+pub mod feedback;
 pub mod iq4;
 pub mod kquants;
 pub mod legacy;
@@ -27,6 +28,8 @@ pub enum BlockError {
     Shape { len: usize, cols: usize },
     #[error("importance vector has {len} entries for rows of {cols}")]
     Importance { len: usize, cols: usize },
+    #[error("a Hessian factor of dimension {dim} does not fit rows of {cols} values")]
+    Hessian { dim: usize, cols: usize },
     #[error("{len} bytes are not a whole number of {ty} rows of {cols} values")]
     Bytes {
         ty: &'static str,
