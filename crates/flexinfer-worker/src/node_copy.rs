@@ -99,11 +99,6 @@ pub fn digest_hex(digest: &str) -> Option<&str> {
     oci::is_sha256_digest(digest).then(|| &digest["sha256:".len()..])
 }
 
-/// The directory of the copy of `digest` in the cache's node directory `dir`.
-pub fn copy_dir(dir: &Path, digest: &str) -> Option<PathBuf> {
-    digest_hex(digest).map(|h| dir.join(h))
-}
-
 fn staging(dir: &Path, hex: &str) -> PathBuf {
     dir.join(format!("{hex}{}", files::STAGING_SUFFIX))
 }

@@ -20,6 +20,7 @@ use sha2::{Digest, Sha256};
 use super::config::Config;
 use super::jobs::{ev, secret_ev};
 use super::nodelocal::{CopyPhase, NodePlan, Task, TaskKind, TaskState};
+use super::observe::{job_state, JobState};
 
 /// Where the node-copy container sees `<root>/<namespace>`.
 const MOUNT: &str = "/node-local";
@@ -93,31 +94,16 @@ pub fn task_of(job: &Job) -> Option<Task> {
         },
         _ => return None,
     };
-    let holds = |t: &str| {
-        job.status
-            .as_ref()
-            .and_then(|s| s.conditions.as_ref())
-            .is_some_and(|c| c.iter().any(|c| c.type_ == t && c.status == "True"))
-    };
-    let state = if holds("Complete") {
-        TaskState::Succeeded
-    } else if holds("Failed") {
-        let msg = job
-            .status
-            .as_ref()
-            .and_then(|s| s.conditions.as_ref())
-            .and_then(|c| c.iter().find(|c| c.type_ == "Failed"))
-            .map(|c| {
-                format!(
-                    "Job {} failed: {}",
-                    job.metadata.name.as_deref().unwrap_or(""),
-                    c.message.clone().or(c.reason.clone()).unwrap_or_default()
-                )
-            })
-            .unwrap_or_default();
-        TaskState::Failed { message: msg }
-    } else {
-        TaskState::Running
+    let state = match job_state(job) {
+        JobState::Succeeded => TaskState::Succeeded,
+        JobState::Failed { reason, message } => TaskState::Failed {
+            message: format!(
+                "Job {} failed: {}",
+                job.metadata.name.as_deref().unwrap_or(""),
+                if message.is_empty() { reason } else { message }
+            ),
+        },
+        JobState::Active => TaskState::Running,
     };
     Some(Task {
         node,

@@ -92,6 +92,30 @@ pub fn job_out_dir(job: &Job) -> Option<String> {
 }
 
 /// Summarise a Job and its pods. `None` for Jobs that are not pipeline Jobs.
+/// How a Job stands by its conditions: `Complete` or `SuccessCriteriaMet` is success, `Failed` or
+/// `FailureTarget` failure (with the condition's reason and message), anything else active.
+pub fn job_state(job: &Job) -> JobState {
+    let conds = job
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_deref())
+        .unwrap_or_default();
+    let is = |t: &str| conds.iter().find(|c| c.type_ == t && c.status == "True");
+    if is("Complete").is_some() || is("SuccessCriteriaMet").is_some() {
+        JobState::Succeeded
+    } else if let Some(c) = is("Failed").or_else(|| is("FailureTarget")) {
+        JobState::Failed {
+            reason: c
+                .reason
+                .clone()
+                .unwrap_or_else(|| contract::FailureReason::JobFailed.as_str().into()),
+            message: c.message.clone().unwrap_or_default(),
+        }
+    } else {
+        JobState::Active
+    }
+}
+
 pub fn observe_job(job: &Job, pods: &[Pod]) -> Option<ObservedJob> {
     let labels = job.metadata.labels.as_ref()?;
     let phase = JobPhase::parse(labels.get(contract::labels::PHASE)?)?;
@@ -112,23 +136,7 @@ pub fn observe_job(job: &Job, pods: &[Pod]) -> Option<ObservedJob> {
         .and_then(|s| s.start_time.as_ref())
         .map(|t| t.0)
         .unwrap_or(created);
-    let conds = status
-        .and_then(|s| s.conditions.clone())
-        .unwrap_or_default();
-    let is = |t: &str| conds.iter().find(|c| c.type_ == t && c.status == "True");
-    let state = if is("Complete").is_some() || is("SuccessCriteriaMet").is_some() {
-        JobState::Succeeded
-    } else if let Some(c) = is("Failed").or_else(|| is("FailureTarget")) {
-        JobState::Failed {
-            reason: c
-                .reason
-                .clone()
-                .unwrap_or_else(|| contract::FailureReason::JobFailed.as_str().into()),
-            message: c.message.clone().unwrap_or_default(),
-        }
-    } else {
-        JobState::Active
-    };
+    let state = job_state(job);
     let job_name = job.metadata.name.clone().unwrap_or_default();
     let pod = pods
         .iter()

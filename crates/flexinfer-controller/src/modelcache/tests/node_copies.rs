@@ -356,6 +356,35 @@ fn node_copy_jobs_read_back_as_the_tasks_they_run_and_names_fit_a_label() {
             assert_eq!(back.state, TaskState::Running);
         }
     }
+    // A finished Job reads back as its outcome, by the same conditions as the pipeline's Jobs.
+    let mut j = build_job(&mc, "gpu-1", &TaskKind::Cleanup { keep: None }, &c).expect("job");
+    let cond = |t: &str, msg: Option<&str>| k8s_openapi::api::batch::v1::JobCondition {
+        type_: t.into(),
+        status: "True".into(),
+        message: msg.map(String::from),
+        ..Default::default()
+    };
+    j.status = Some(k8s_openapi::api::batch::v1::JobStatus {
+        conditions: Some(vec![cond("SuccessCriteriaMet", None)]),
+        ..Default::default()
+    });
+    assert_eq!(task_of(&j).unwrap().state, TaskState::Succeeded);
+    j.status = Some(k8s_openapi::api::batch::v1::JobStatus {
+        conditions: Some(vec![cond(
+            "Failed",
+            Some("BackoffLimitExceeded: 3 pods failed"),
+        )]),
+        ..Default::default()
+    });
+    match task_of(&j).unwrap().state {
+        TaskState::Failed { message } => {
+            assert!(
+                message.contains("BackoffLimitExceeded: 3 pods failed"),
+                "{message}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
     // Different digests or nodes: different Jobs.
     let a = node_jobs::job_name(
         "mc",
