@@ -64,6 +64,9 @@ pub struct Metrics {
     pub reconciles_total: IntCounterVec,
     /// `flexinfer_reconcile_errors_total{controller}`.
     pub reconcile_errors_total: IntCounterVec,
+    /// `flexinfer_watch_store_objects{controller,kind}`: objects the controller's watch stores hold
+    /// (set after each reconcile), what its memory grows with.
+    pub watch_store_objects: IntGaugeVec,
 }
 
 impl Metrics {
@@ -244,6 +247,16 @@ impl Metrics {
                 IntCounterVec::new(
                     opts!("flexinfer_reconcile_errors_total", "Failed reconciles"),
                     &["controller"],
+                ),
+            )?,
+            watch_store_objects: registered(
+                &registry,
+                IntGaugeVec::new(
+                    opts!(
+                        "flexinfer_watch_store_objects",
+                        "Objects held in the controller's watch stores, by kind"
+                    ),
+                    &["controller", "kind"],
                 ),
             )?,
             registry,

@@ -6,7 +6,8 @@
 //! Budgets (what a cache needs: a finalizer, a claim, three Jobs, their status writes and events):
 //! ≤ 30 requests per cache in all, no reads of Jobs, pods, claims, caches or profiles (the watch
 //! stores hold them; only pod logs are read, rate-limited), no Job deleted in a run where no spec
-//! changes, and a peak RSS that does not grow with the caches' listings.
+//! changes, a peak RSS that does not grow with the caches' listings, and no Job or pod held in memory
+//! once every cache is Ready (`flexinfer_watch_store_objects`).
 //!
 //! Run: `eval "$(TESTENV_BIN=… bash scripts/testenv/up.sh cluster)"; cargo test -p flexinfer-controller --test scale_budget`
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
@@ -163,5 +164,29 @@ async fn a_hundred_caches_cost_a_bounded_number_of_requests_and_memory() -> Resu
     // build's binary and runtime take most of the 36 MiB measured. Listing every cache per
     // reconcile (the regression) grows with the caches squared.
     assert!(rss < 48.0, "peak RSS {rss:.1} MiB ≥ 48 MiB: {report}");
+    // What stays in memory once every cache is Ready: the caches, their claims and the profile;
+    // no Job and no pod (each cache's status records its Jobs' results).
+    let stored = |kind: &str| {
+        metrics
+            .lines()
+            .find(|l| {
+                l.starts_with("flexinfer_watch_store_objects{")
+                    && l.contains("controller=\"modelcache\"")
+                    && l.contains(&format!("kind=\"{kind}\""))
+            })
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+    };
+    assert_eq!(stored("modelcaches"), Some(CACHES as f64), "{report}");
+    assert_eq!(
+        stored("jobs"),
+        Some(0.0),
+        "Jobs of Ready caches held: {report}"
+    );
+    assert_eq!(
+        stored("pods"),
+        Some(0.0),
+        "pods of Ready caches held: {report}"
+    );
     Ok(())
 }

@@ -65,6 +65,49 @@ pub struct ObservedJob {
     pub out_dir: Option<String>,
 }
 
+/// Whether the status of `mc` records `phase` as done by the Job created at `created` (the record is
+/// made after that Job ended, and a re-run clears it before its own Job is created), built at
+/// `spec_hash` when given. Such a Job, and its pods, are not kept in the watch stores
+/// ([`super::stores`]): a Ready cache keeps none of its Jobs in memory.
+pub fn records(
+    mc: &ModelCache,
+    phase: JobPhase,
+    created: Timestamp,
+    spec_hash: Option<&str>,
+) -> bool {
+    let Some(st) = mc.status.as_ref() else {
+        return false;
+    };
+    let c = get_common(st, phase);
+    let Some(done) = c.completed_at.as_ref() else {
+        return false;
+    };
+    created <= done.0 && spec_hash.is_none_or(|h| c.spec_hash.as_deref() == Some(h))
+}
+
+/// The Job of a phase whose completion the status records, as the status describes it: what the
+/// planner reads in place of a finished Job the stores no longer keep ([`records`]). It reads such a
+/// Job only to delete it (a re-run, a phase removed from the spec), and by its name, state and spec
+/// hash otherwise (a completed phase is judged by its status).
+pub fn recorded_job(mc: &ModelCache, phase: JobPhase) -> Option<ObservedJob> {
+    let c = get_common(mc.status.as_ref()?, phase);
+    let done = c.completed_at.as_ref()?.0;
+    let created = c.started_at.as_ref().map_or(done, |t| t.0);
+    Some(ObservedJob {
+        phase,
+        name: phase.job_name(mc.metadata.name.as_deref()?),
+        image: c.image.clone().unwrap_or_default(),
+        spec_hash: Some(c.spec_hash.clone()?),
+        created,
+        started: created,
+        terminating: false,
+        state: JobState::Succeeded,
+        pod: None,
+        deadline_seconds: None,
+        out_dir: None,
+    })
+}
+
 /// The `OUT_DIR` of a pipeline Job's worker container, relative to the claim.
 pub fn job_out_dir(job: &Job) -> Option<String> {
     let c = job

@@ -29,7 +29,8 @@ use super::node_step::{self, NodeLocalObserved};
 use super::nodelocal;
 use super::observe::{
     is_older_peer, log_read_due, model_uses_claim, needs_pods, needs_profiles, observe_job,
-    prune_job, pvc_known_to_exist, served_dir_on, wants_log_tail, JobState, LogBudget,
+    prune_job, pvc_known_to_exist, recorded_job, served_dir_on, wants_log_tail, JobState,
+    LogBudget,
 };
 use super::plan::{plan, Action, ClaimPeer, LogTail, Observed, Plan};
 use super::series::{forget_deleted_caches, update_metrics};
@@ -318,7 +319,7 @@ async fn owned_jobs(mc: &ModelCache, ctx: &Context, ns: &str) -> Result<Vec<Job>
             .collect()),
         Pending::Waiting => Err(Error::StoreBehind),
         Pending::Expired => {
-            warn!(cache = %name, namespace = %ns, "a Job write did not reach the watch in time; reading the cache's Jobs from the API server");
+            warn!(cache = %name, namespace = %ns, "a Job write did not reach the watch in time, or a Job create found its name taken; reading the cache's Jobs from the API server");
             let job_api: Api<Job> = Api::namespaced(ctx.client.clone(), ns);
             let sel = format!("{}={}", labels::CACHE, name);
             let mut list = job_api
@@ -372,6 +373,15 @@ async fn observe_jobs(
         }
         observed.jobs.insert(oj.phase, oj);
     }
+    // The stores do not keep a Job whose completion the status records: the planner reads it as
+    // the status describes it.
+    for phase in JobPhase::ALL {
+        if let (std::collections::btree_map::Entry::Vacant(e), Some(j)) =
+            (observed.jobs.entry(phase), recorded_job(mc, phase))
+        {
+            e.insert(j);
+        }
+    }
     Ok(())
 }
 
@@ -404,6 +414,7 @@ fn observe_claim_users(mc: &ModelCache, stores: &Stores, ns: &str, observed: &mu
 }
 
 async fn reconcile_inner(mc: &ModelCache, ctx: &Context) -> Result<CtrlAction, Error> {
+    let t0 = Instant::now();
     let ns = mc.namespace().ok_or(Error::Missing("namespace"))?;
     let name = mc.name_any();
     if !ctx.stores.ready().await {
@@ -426,7 +437,13 @@ async fn reconcile_inner(mc: &ModelCache, ctx: &Context) -> Result<CtrlAction, E
     let p = plan(mc, &observed, &ctx.config, now);
     apply(mc, ctx, &ns, &p).await?;
     update_metrics(mc, &ctx.metrics, &ns, &p);
-    debug!(cache = %name, namespace = %ns, phase = ?p.status.phase, actions = p.actions.len(), status_changed = p.status_changed, "reconciled");
+    for (kind, n) in ctx.stores.sizes() {
+        ctx.metrics
+            .watch_store_objects
+            .with_label_values(&["modelcache", kind])
+            .set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+    debug!(cache = %name, namespace = %ns, phase = ?p.status.phase, actions = p.actions.len(), status_changed = p.status_changed, elapsed_ms = t0.elapsed().as_millis() as u64, "reconciled");
     Ok(match p.requeue_after {
         Some(d) => CtrlAction::requeue(d),
         None => CtrlAction::await_change(),
@@ -478,7 +495,11 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
                         info!(cache = %name, namespace = %ns, job = %jname, "created Job")
                     }
                     Err(kube::Error::Api(e)) if e.code == 409 => {
-                        debug!(job = %jname, "Job already exists")
+                        // A Job the store does not show holds the name (e.g. one it left out as
+                        // recorded while this cache's status was behind): read the cache's Jobs from
+                        // the API server at its next reconcile.
+                        debug!(job = %jname, "Job already exists");
+                        ctx.stores.expect(ns, &name, Expectation::ReadJobsFromApi);
                     }
                     Err(e) => return Err(e.into()),
                 }

@@ -250,6 +250,15 @@ impl StoredJob {
             .collect()
     }
 
+    /// The `flexinfer.ai/cache` and `flexinfer.ai/phase` labels and the spec-hash annotation.
+    pub fn cache_phase_hash(&self) -> (Option<&str>, Option<&str>, Option<&str>) {
+        (
+            self.cache.as_deref(),
+            self.phase.as_deref(),
+            self.spec_hash.as_deref(),
+        )
+    }
+
     /// The Job the planner reads: what `observe::prune_job` keeps of a Job, less the conditions
     /// that do not hold and the labels and annotations nobody reads.
     pub fn to_job(&self) -> Job {
@@ -447,6 +456,11 @@ impl StoredPod {
     /// The Job this pod belongs to.
     pub fn job_name(&self) -> Option<String> {
         self.job.clone()
+    }
+
+    /// Whether the pod ended with success (`status.phase: Succeeded`).
+    pub fn succeeded(&self) -> bool {
+        self.phase.as_deref() == Some("Succeeded")
     }
 
     /// The pod the planner reads: what `observe_pod` looks at, nothing else.

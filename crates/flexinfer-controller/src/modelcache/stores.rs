@@ -13,6 +13,12 @@
 //! each object's resourceVersion; a stored Job or pod does not, and each such string is kept twice:
 //! in the object and in the store's key).
 //!
+//! A Job whose completion its cache's status records, and that Job's pods, are not kept
+//! ([`Recorded`]): the planner judges a completed phase by the status and reads such a Job only to
+//! delete it, as [`super::observe::recorded_job`] describes it from the status. A Ready cache keeps
+//! none of its Jobs and pods in memory (most of a finished cache's share of the stores at thousands
+//! of caches).
+//!
 //! Our own writes reach the stores through the watch a few milliseconds later. The reconciler
 //! records each Job it creates or deletes as an [`Expectation`]; until the Job store shows it, the
 //! cache is reconciled again shortly instead of planning from a view that predates the write
@@ -23,7 +29,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use flexinfer_api::contract::labels;
+use flexinfer_api::contract::{labels, JobPhase};
 use flexinfer_api::gpuprofile::GPUProfile;
 use flexinfer_api::model::Model;
 use flexinfer_api::modelcache::ModelCache;
@@ -31,12 +37,13 @@ use futures::{Stream, StreamExt};
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use kube::core::PartialObjectMeta;
-use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::reflector::{self, store::Writer, ObjectRef, Store};
 use kube::runtime::watcher::{self, watcher};
 use kube::runtime::WatchStreamExt;
 use kube::{Api, Client, Resource, ResourceExt};
 
 use super::jobs;
+use super::observe::{job_state, records, JobState};
 use super::stored_job::{StoredJob, StoredPod};
 use crate::kube_client::api_in;
 
@@ -165,6 +172,9 @@ pub enum Expectation {
     JobCreated { name: String, uid: String },
     /// A Job deleted (it shows up terminating or gone).
     JobDeleted { name: String, uid: Option<String> },
+    /// A Job create found the name taken by a Job the store does not show: the cache's Jobs are
+    /// read from the API server at its next reconcile, once.
+    ReadJobsFromApi,
 }
 
 /// How long an unmet expectation holds a cache back before the reconciler stops waiting for the
@@ -184,6 +194,7 @@ pub fn expectation_met(exp: &Expectation, stored: Option<&Job>) -> bool {
                     || (uid.is_some() && j.metadata.uid.as_deref() != uid.as_deref())
             }
         },
+        Expectation::ReadJobsFromApi => false,
     }
 }
 
@@ -267,6 +278,165 @@ async fn drain<T, S: Stream<Item = Result<T, watcher::Error>> + Send>(what: &'st
     .await
 }
 
+/// Whether the status of the Job's cache (in `caches`) records this Job's completion: a Job that
+/// succeeded, is not being deleted, belongs to the cache object in the store (its owner uid) and is
+/// the one the status records ([`records`]: created before the record, at the recorded spec hash).
+pub fn job_recorded(j: &StoredJob, caches: &Store<ModelCache>) -> bool {
+    let (Some(cache), Some(phase), Some(hash)) = j.cache_phase_hash() else {
+        return false;
+    };
+    let (Some(ns), Some(created), None) = (
+        j.metadata.namespace.as_deref(),
+        j.metadata.creation_timestamp.as_ref(),
+        j.metadata.deletion_timestamp.as_ref(),
+    ) else {
+        return false;
+    };
+    let Some(phase) = JobPhase::parse(phase) else {
+        return false;
+    };
+    let Some(mc) = caches.get(&ObjectRef::new(cache).within(ns)) else {
+        return false;
+    };
+    let owned = mc.metadata.uid.as_deref().is_some_and(|uid| {
+        j.metadata
+            .owner_references
+            .iter()
+            .flatten()
+            .any(|o| o.uid == uid)
+    });
+    owned
+        && records(&mc, phase, created.0, Some(hash))
+        && job_state(&j.to_job()) == JobState::Succeeded
+}
+
+/// Whether a pod is of a Job the stores no longer keep ([`job_recorded`]): it succeeded, its Job is
+/// not in `jobs`, and the status of the Job's cache records that phase as done after the pod was
+/// created. A pod of a Job still stored is kept (the planner reads its termination message).
+pub fn pod_recorded(p: &StoredPod, jobs: &Store<StoredJob>, caches: &Store<ModelCache>) -> bool {
+    let (Some(ns), Some(job), Some(created)) = (
+        p.metadata.namespace.as_deref(),
+        p.job_name(),
+        p.metadata.creation_timestamp.as_ref(),
+    ) else {
+        return false;
+    };
+    if !p.succeeded() || jobs.get(&ObjectRef::new(&job).within(ns)).is_some() {
+        return false;
+    }
+    JobPhase::ALL.into_iter().any(|phase| {
+        job.strip_suffix(phase.as_str())
+            .and_then(|c| c.strip_suffix('-'))
+            .and_then(|cache| caches.get(&ObjectRef::new(cache).within(ns)))
+            .is_some_and(|mc| records(&mc, phase, created.0, None))
+    })
+}
+
+/// Applies the Job and pod watches' events to their stores, leaving out what the caches' statuses
+/// record ([`job_recorded`], [`pod_recorded`]), and takes such Jobs and their pods out of the stores
+/// when a cache's status comes to record them.
+#[derive(Clone)]
+struct Recorded {
+    caches: Store<ModelCache>,
+    jobs: Store<StoredJob>,
+    pods: Store<StoredPod>,
+    jobs_w: Arc<Mutex<Writer<StoredJob>>>,
+    pods_w: Arc<Mutex<Writer<StoredPod>>>,
+    pods_by_job: Arc<Index>,
+}
+
+impl Recorded {
+    /// Apply a Job watch event: a recorded Job is applied as its deletion (or left out of a listing).
+    fn apply_job(&self, ev: &watcher::Event<StoredJob>) {
+        if let Ok(mut w) = self.jobs_w.lock() {
+            match ev {
+                watcher::Event::Apply(j) if job_recorded(j, &self.caches) => {
+                    w.apply_watcher_event(&watcher::Event::Delete(j.clone()));
+                }
+                watcher::Event::InitApply(j) if job_recorded(j, &self.caches) => {}
+                _ => w.apply_watcher_event(ev),
+            }
+        }
+        // A relisting replaces the store at its end: what a cache's status came to record while
+        // it ran may be back.
+        if matches!(ev, watcher::Event::InitDone) {
+            self.forget_all_recorded();
+        }
+    }
+
+    /// Apply a pod watch event the same way, keeping the pods-by-Job index in step with the store.
+    fn apply_pod(&self, ev: &watcher::Event<StoredPod>) {
+        let ev = match ev {
+            watcher::Event::Apply(p) | watcher::Event::InitApply(p)
+                if pod_recorded(p, &self.jobs, &self.caches) =>
+            {
+                if matches!(ev, watcher::Event::InitApply(_)) {
+                    return;
+                }
+                std::borrow::Cow::Owned(watcher::Event::Delete(p.clone()))
+            }
+            _ => std::borrow::Cow::Borrowed(ev),
+        };
+        if let Ok(mut w) = self.pods_w.lock() {
+            w.apply_watcher_event(&ev);
+        }
+        self.pods_by_job.update(&ev, pod_job);
+        if matches!(*ev, watcher::Event::InitDone) {
+            for p in self.pods.state() {
+                if pod_recorded(&p, &self.jobs, &self.caches) {
+                    self.forget_pod(&p);
+                }
+            }
+        }
+    }
+
+    fn forget_pod(&self, p: &StoredPod) {
+        let ev = watcher::Event::Delete(p.clone());
+        if let Ok(mut w) = self.pods_w.lock() {
+            w.apply_watcher_event(&ev);
+        }
+        self.pods_by_job.update(&ev, pod_job);
+    }
+
+    /// Take the Jobs of `mc` that its status now records, and their pods, out of the stores.
+    fn forget_recorded(&self, mc: &ModelCache) {
+        let (Some(ns), Some(name)) = (
+            mc.metadata.namespace.as_deref(),
+            mc.metadata.name.as_deref(),
+        ) else {
+            return;
+        };
+        for phase in JobPhase::ALL {
+            let job = phase.job_name(name);
+            if let Some(j) = self.jobs.get(&ObjectRef::new(&job).within(ns)) {
+                if job_recorded(&j, &self.caches) {
+                    self.forget_job(&j, ns, &job);
+                }
+            }
+        }
+    }
+
+    /// After a fresh listing of the caches: every stored Job a status records goes.
+    fn forget_all_recorded(&self) {
+        for j in self.jobs.state() {
+            if job_recorded(&j, &self.caches) {
+                if let (Some(ns), Some(name)) = (&j.metadata.namespace, &j.metadata.name) {
+                    self.forget_job(&j, ns, name);
+                }
+            }
+        }
+    }
+
+    fn forget_job(&self, j: &StoredJob, ns: &str, job: &str) {
+        if let Ok(mut w) = self.jobs_w.lock() {
+            w.apply_watcher_event(&watcher::Event::Delete(j.clone()));
+        }
+        for p in self.pods_by_job.lookup(&self.pods, ns, job, pod_job) {
+            self.forget_pod(&p);
+        }
+    }
+}
+
 impl Stores {
     /// The stores of scope `ns` (all namespaces when `None`) and the streams that fill them.
     pub fn new(client: &Client, ns: Option<&str>) -> (Self, Streams) {
@@ -280,7 +450,17 @@ impl Stores {
         let caches_by_claim = Arc::new(Index::default());
         let pods_by_job = Arc::new(Index::default());
 
+        let recorded = Recorded {
+            caches: caches.clone(),
+            jobs: jobs.clone(),
+            pods: pods.clone(),
+            jobs_w: Arc::new(Mutex::new(jobs_w)),
+            pods_w: Arc::new(Mutex::new(pods_w)),
+            pods_by_job: pods_by_job.clone(),
+        };
+
         let idx = caches_by_claim.clone();
+        let rec = recorded.clone();
         let cache_stream = watcher(api_in::<ModelCache>(client, ns), watcher::Config::default())
             .default_backoff()
             .modify(lean_metadata)
@@ -288,17 +468,27 @@ impl Stores {
             .inspect(move |ev| {
                 if let Ok(ev) = ev {
                     idx.update(ev, cache_claim);
+                    match ev {
+                        watcher::Event::Apply(mc) => rec.forget_recorded(mc),
+                        watcher::Event::InitDone => rec.forget_all_recorded(),
+                        _ => {}
+                    }
                 }
             })
             .applied_objects()
             .boxed();
+        let rec = recorded.clone();
         let job_stream = watcher(
             api_in::<StoredJob>(client, ns),
             watcher::Config::default().labels(&managed),
         )
         .default_backoff()
         .modify(|j| j.metadata.resource_version = None)
-        .reflect(jobs_w)
+        .inspect(move |ev| {
+            if let Ok(ev) = ev {
+                rec.apply_job(ev);
+            }
+        })
         .touched_objects()
         .boxed();
         let profile_stream = watcher(api_in::<GPUProfile>(client, ns), watcher::Config::default())
@@ -308,7 +498,7 @@ impl Stores {
             .touched_objects()
             .boxed();
 
-        let idx = pods_by_job.clone();
+        let rec = recorded;
         let pod_stream = watcher(
             api_in::<StoredPod>(client, ns),
             watcher::Config::default().labels(&managed),
@@ -318,10 +508,9 @@ impl Stores {
             p.metadata.resource_version = None;
             p.metadata.uid = None;
         })
-        .reflect(pods_w)
         .inspect(move |ev| {
             if let Ok(ev) = ev {
-                idx.update(ev, pod_job);
+                rec.apply_pod(ev);
             }
         });
         // Metadata only, and of it only the identity: whether a claim exists is all a reconcile asks.
@@ -380,6 +569,18 @@ impl Stores {
     /// controller is shutting down).
     pub async fn ready(&self) -> bool {
         self.ready.clone().await
+    }
+
+    /// How many objects each store holds, by kind (`flexinfer_watch_store_objects`).
+    pub fn sizes(&self) -> [(&'static str, usize); 6] {
+        [
+            ("modelcaches", self.caches.len()),
+            ("jobs", self.jobs.len()),
+            ("pods", self.pods.len()),
+            ("persistentvolumeclaims", self.claims.len()),
+            ("gpuprofiles", self.profiles.len()),
+            ("models", self.models.len()),
+        ]
     }
 
     /// The Job `name` in `ns`, as stored.
@@ -453,6 +654,10 @@ impl Stores {
         list.retain(|(exp, at)| {
             let name = match exp {
                 Expectation::JobCreated { name, .. } | Expectation::JobDeleted { name, .. } => name,
+                Expectation::ReadJobsFromApi => {
+                    expired = true;
+                    return false;
+                }
             };
             if expectation_met(exp, self.job(ns, name).as_ref()) {
                 return false;
@@ -579,5 +784,236 @@ mod tests {
         assert_eq!(index.len(), 2);
         // Another namespace is another key.
         assert!(index.lookup(&store, "other", "b", pod_job).is_empty());
+    }
+
+    fn recorded_stores() -> (Recorded, reflector::store::Writer<ModelCache>) {
+        let (caches, caches_w) = reflector::store::<ModelCache>();
+        let (jobs, jobs_w) = reflector::store::<StoredJob>();
+        let (pods, pods_w) = reflector::store::<StoredPod>();
+        let rec = Recorded {
+            caches,
+            jobs,
+            pods,
+            jobs_w: Arc::new(Mutex::new(jobs_w)),
+            pods_w: Arc::new(Mutex::new(pods_w)),
+            pods_by_job: Arc::default(),
+        };
+        (rec, caches_w)
+    }
+
+    /// Cache `c` (uid u-1) whose status records `(phase, spec hash, completedAt)`.
+    fn cache_recording(done: &[(&str, &str, &str)]) -> ModelCache {
+        let mut status = serde_json::json!({"phase": "Ready"});
+        for (phase, hash, at) in done {
+            status[*phase] =
+                serde_json::json!({"specHash": hash, "completedAt": at, "image": "w:1"});
+        }
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "ai.flexinfer/v1alpha1", "kind": "ModelCache",
+            "metadata": {"name": "c", "namespace": "ns", "uid": "u-1"},
+            "spec": {"source": "org/m"},
+            "status": status
+        }))
+        .unwrap()
+    }
+
+    /// Job `c-<phase>` of cache `c`, created at `created`, in condition `cond` (or running).
+    fn job(phase: &str, hash: &str, created: &str, cond: Option<&str>) -> StoredJob {
+        let conditions: Vec<serde_json::Value> = cond
+            .map(|c| vec![serde_json::json!({"type": c, "status": "True"})])
+            .unwrap_or_default();
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": format!("c-{phase}"), "namespace": "ns", "creationTimestamp": created,
+                         "labels": {labels::CACHE: "c", labels::PHASE: phase},
+                         "annotations": {flexinfer_api::contract::annotations::JOB_SPEC_HASH: hash},
+                         "ownerReferences": [{"apiVersion": "ai.flexinfer/v1alpha1", "kind": "ModelCache",
+                                              "name": "c", "uid": "u-1"}]},
+            "status": {"conditions": conditions, "active": if cond.is_none() { 1 } else { 0 }}
+        }))
+        .unwrap()
+    }
+
+    fn job_pod(name: &str, job: &str, phase: &str, created: &str) -> StoredPod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "namespace": "ns", "creationTimestamp": created,
+                         "labels": {JOB_NAME_LABEL: job}},
+            "status": {"phase": phase}
+        }))
+        .unwrap()
+    }
+
+    fn has_job(r: &Recorded, name: &str) -> bool {
+        r.jobs.get(&ObjectRef::new(name).within("ns")).is_some()
+    }
+
+    fn has_pod(r: &Recorded, name: &str) -> bool {
+        r.pods.get(&ObjectRef::new(name).within("ns")).is_some()
+    }
+
+    #[test]
+    fn a_job_is_recorded_only_when_the_status_describes_it() {
+        let (r, mut cw) = recorded_stores();
+        const T0: &str = "2026-12-07T10:00:00Z";
+        const DONE: &str = "2026-12-07T10:05:00Z";
+        cw.apply_watcher_event(&watcher::Event::Apply(cache_recording(&[(
+            "download", "h1", DONE,
+        )])));
+        let recorded = job("download", "h1", T0, Some("Complete"));
+        assert!(job_recorded(&recorded, &r.caches));
+        let mut other_owner = recorded.clone();
+        other_owner
+            .metadata
+            .owner_references
+            .iter_mut()
+            .flatten()
+            .for_each(|o| o.uid = "u-2".into());
+        let mut terminating = recorded.clone();
+        terminating.metadata.deletion_timestamp = recorded.metadata.creation_timestamp.clone();
+        let mut elsewhere = recorded.clone();
+        elsewhere.metadata.namespace = Some("other".into());
+        for (what, j) in [
+            (
+                "another spec hash",
+                job("download", "h2", T0, Some("Complete")),
+            ),
+            (
+                "created after the record",
+                job("download", "h1", "2026-12-07T10:06:00Z", Some("Complete")),
+            ),
+            ("failed", job("download", "h1", T0, Some("Failed"))),
+            ("running", job("download", "h1", T0, None)),
+            (
+                "a phase the status does not record",
+                job("quantize", "h1", T0, Some("Complete")),
+            ),
+            ("another cache object of that name", other_owner),
+            ("being deleted", terminating),
+            ("no such cache", elsewhere),
+        ] {
+            assert!(!job_recorded(&j, &r.caches), "{what}: recorded");
+        }
+    }
+
+    #[test]
+    fn recorded_jobs_and_their_pods_leave_the_stores() {
+        let (r, mut cw) = recorded_stores();
+        const T0: &str = "2026-12-07T10:00:00Z";
+        const T1: &str = "2026-12-07T10:01:00Z";
+        let dl_done = ("download", "hd", "2026-12-07T10:00:30Z");
+        cw.apply_watcher_event(&watcher::Event::Apply(cache_recording(&[dl_done])));
+        // A listing: the recorded download Job and its pod are left out; the running quantize kept.
+        r.apply_job(&watcher::Event::Init);
+        r.apply_job(&watcher::Event::InitApply(job(
+            "download",
+            "hd",
+            T0,
+            Some("Complete"),
+        )));
+        r.apply_job(&watcher::Event::InitApply(job("quantize", "hq", T1, None)));
+        r.apply_job(&watcher::Event::InitDone);
+        r.apply_pod(&watcher::Event::Init);
+        r.apply_pod(&watcher::Event::InitApply(job_pod(
+            "dl-1",
+            "c-download",
+            "Succeeded",
+            T0,
+        )));
+        r.apply_pod(&watcher::Event::InitApply(job_pod(
+            "q-1",
+            "c-quantize",
+            "Running",
+            T1,
+        )));
+        r.apply_pod(&watcher::Event::InitDone);
+        assert!(!has_job(&r, "c-download") && has_job(&r, "c-quantize"));
+        assert!(!has_pod(&r, "dl-1") && has_pod(&r, "q-1"));
+        // The quantize Job ends; its pod's termination is still needed: both stay until the status
+        // records the phase.
+        r.apply_job(&watcher::Event::Apply(job(
+            "quantize",
+            "hq",
+            T1,
+            Some("Complete"),
+        )));
+        r.apply_pod(&watcher::Event::Apply(job_pod(
+            "q-1",
+            "c-quantize",
+            "Succeeded",
+            T1,
+        )));
+        assert!(has_job(&r, "c-quantize") && has_pod(&r, "q-1"));
+        assert_eq!(r.pods_by_job.len(), 1);
+        // The status records it: the Job, its pod and the index entry go.
+        let mc = cache_recording(&[dl_done, ("quantization", "hq", "2026-12-07T10:02:00Z")]);
+        cw.apply_watcher_event(&watcher::Event::Apply(mc.clone()));
+        r.forget_recorded(&mc);
+        assert!(!has_job(&r, "c-quantize") && !has_pod(&r, "q-1"));
+        assert_eq!(r.pods_by_job.len(), 0);
+        // Later events of those objects (e.g. the pod's finalizer removed) do not bring them back.
+        r.apply_job(&watcher::Event::Apply(job(
+            "quantize",
+            "hq",
+            T1,
+            Some("Complete"),
+        )));
+        r.apply_pod(&watcher::Event::Apply(job_pod(
+            "q-1",
+            "c-quantize",
+            "Succeeded",
+            T1,
+        )));
+        assert!(!has_job(&r, "c-quantize") && !has_pod(&r, "q-1"));
+        // A re-run clears the record; its new Job (same name) is kept from its first event.
+        cw.apply_watcher_event(&watcher::Event::Apply(cache_recording(&[dl_done])));
+        r.apply_job(&watcher::Event::Apply(job(
+            "quantize",
+            "hq",
+            "2026-12-07T10:10:00Z",
+            None,
+        )));
+        r.apply_pod(&watcher::Event::Apply(job_pod(
+            "q-2",
+            "c-quantize",
+            "Pending",
+            "2026-12-07T10:10:00Z",
+        )));
+        assert!(has_job(&r, "c-quantize") && has_pod(&r, "q-2"));
+        // A relisting that began before the status recorded a Job: swept at its end.
+        r.apply_job(&watcher::Event::Init);
+        r.apply_job(&watcher::Event::InitApply(job(
+            "download",
+            "hd",
+            T0,
+            Some("Complete"),
+        )));
+        let stale_status = cache_recording(&[]);
+        cw.apply_watcher_event(&watcher::Event::Apply(stale_status));
+        r.apply_job(&watcher::Event::InitApply(job(
+            "quantize",
+            "hq",
+            T1,
+            Some("Complete"),
+        )));
+        cw.apply_watcher_event(&watcher::Event::Apply(mc.clone()));
+        r.apply_job(&watcher::Event::InitDone);
+        assert!(!has_job(&r, "c-quantize"), "swept after the relisting");
+        // A store filled before its cache was listed is swept when the caches' listing is done.
+        let (r2, mut cw2) = recorded_stores();
+        r2.apply_job(&watcher::Event::Apply(job(
+            "download",
+            "hd",
+            T0,
+            Some("Complete"),
+        )));
+        r2.apply_pod(&watcher::Event::Apply(job_pod(
+            "dl-1",
+            "c-download",
+            "Succeeded",
+            T0,
+        )));
+        assert!(has_job(&r2, "c-download") && has_pod(&r2, "dl-1"));
+        cw2.apply_watcher_event(&watcher::Event::Apply(cache_recording(&[dl_done])));
+        r2.forget_all_recorded();
+        assert!(!has_job(&r2, "c-download") && !has_pod(&r2, "dl-1"));
     }
 }

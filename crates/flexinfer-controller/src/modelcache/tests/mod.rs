@@ -23,6 +23,7 @@ mod node_copies;
 mod nodelocal;
 mod observe;
 mod progress;
+mod recorded;
 mod reruns;
 mod validation;
 
