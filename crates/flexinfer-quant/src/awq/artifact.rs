@@ -9,7 +9,7 @@
 //! index, tokenizer files, quality sidecar and `.save-complete`; staged beside `out_dir` and exchanged into
 //! place whole; a finished artifact of the same digest is reused.
 
-use super::gate::{evaluate, output_error_ratio, GATE_TOKENS};
+use super::gate::{evaluate, folded_ratio, GATE_TOKENS};
 use super::gemm::{pack_gemm, quantize, BITS, PACK};
 use super::search::{sample_rows, search_clip, search_scales};
 use crate::error::{QuantError, Result, SpecError};
@@ -438,7 +438,7 @@ fn quantize_layer(
         };
         tally.output_ratios.push((
             module.clone(),
-            gate_ratio(
+            folded_ratio(
                 &gate_x[stage],
                 w,
                 &deq,
@@ -491,27 +491,6 @@ fn quantize_layer(
         out.push((name.clone(), encode(&name, v, dtype)?, dtype, vec![v.len()]));
     }
     Ok(out)
-}
-
-/// [`output_error_ratio`] of one linear in the source model's terms: `folded` (its weight after the folds,
-/// `[rows, cols]`) and `deq` (its dequantized codes, row-major) mapped back through `col_scale` and
-/// `row_scale` (`W = diag(row) · W_folded · diag(1/col)`), measured on the unfolded tokens `x`.
-fn gate_ratio(
-    x: &Mat<f32>,
-    folded: &Mat<f32>,
-    deq: &[f32],
-    col_scale: Option<&[f32]>,
-    row_scale: Option<&[f32]>,
-    group: usize,
-) -> f64 {
-    let (rows, cols) = (folded.nrows(), folded.ncols());
-    let back = |r: usize, c: usize, v: f32| {
-        let v = row_scale.map_or(v, |s| v * s[r]);
-        col_scale.map_or(v, |s| v / s[c])
-    };
-    let source = Mat::from_fn(rows, cols, |r, c| back(r, c, folded[(r, c)]));
-    let effective = Mat::from_fn(rows, cols, |r, c| back(r, c, deq[r * cols + c]));
-    output_error_ratio(x.as_ref(), &source, &effective, group)
 }
 
 fn write_work_file(path: &Path, tensors: &[WorkTensor]) -> Result<()> {

@@ -58,6 +58,27 @@ pub fn output_error_ratio(
     (awq / plain.max(tiny)).min(f64::MAX)
 }
 
+/// [`output_error_ratio`] of one linear in the source model's terms: `folded` (its weight after the folds,
+/// `[rows, cols]`) and `deq` (its dequantized codes, row-major) mapped back through `col_scale` and
+/// `row_scale` (`W = diag(row) · W_folded · diag(1/col)`), measured on the unfolded tokens `x`.
+pub fn folded_ratio(
+    x: &Mat<f32>,
+    folded: &Mat<f32>,
+    deq: &[f32],
+    col_scale: Option<&[f32]>,
+    row_scale: Option<&[f32]>,
+    group: usize,
+) -> f64 {
+    let (rows, cols) = (folded.nrows(), folded.ncols());
+    let back = |r: usize, c: usize, v: f32| {
+        let v = row_scale.map_or(v, |s| v * s[r]);
+        col_scale.map_or(v, |s| v / s[c])
+    };
+    let source = Mat::from_fn(rows, cols, |r, c| back(r, c, folded[(r, c)]));
+    let effective = Mat::from_fn(rows, cols, |r, c| back(r, c, deq[r * cols + c]));
+    output_error_ratio(x.as_ref(), &source, &effective, group)
+}
+
 /// The gate's figures over a run's linears.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Verdict {
@@ -144,6 +165,53 @@ mod tests {
         let z = Mat::<f32>::zeros(rows, cols);
         assert_eq!(output_error_ratio(x.as_ref(), &z, &z, group), 0.0);
         assert!(output_error_ratio(x.as_ref(), &z, &w, group).is_finite());
+    }
+
+    /// A linear whose input columns were multiplied by `s` and outputs divided by `r` (the folds), then
+    /// quantized: its ratio in the source's terms equals the one computed loop by loop on the source model's
+    /// outputs (`x·Wᵀ` against `((x ⊘ s)·deqᵀ) ⊙ r`, and against plain rounding `x·RTN(W)ᵀ`).
+    #[test]
+    fn folded_ratio_is_measured_in_the_source_models_terms() {
+        let mut seed = 11;
+        let (tokens, rows, cols, group) = (20, 16, 64, 32);
+        let x = Mat::from_fn(tokens, cols, |_, _| rand(&mut seed));
+        let w = Mat::from_fn(rows, cols, |_, _| rand(&mut seed));
+        // Scales far from 1, so that leaving either out changes the figure.
+        let s: Vec<f32> = (0..cols)
+            .map(|c| 0.2 + 4.0 * (c % 7) as f32 / 7.0)
+            .collect();
+        let r: Vec<f32> = (0..rows)
+            .map(|i| 0.1 + 9.0 * (i % 5) as f32 / 5.0)
+            .collect();
+        let folded = Mat::from_fn(rows, cols, |i, c| w[(i, c)] * s[c] / r[i]);
+        let flat: Vec<f32> = (0..rows * cols)
+            .map(|i| folded[(i / cols, i % cols)])
+            .collect();
+        let deq = super::super::gemm::quantize(&flat, rows, cols, group, None).dequantize();
+        let got = folded_ratio(&x, &folded, &deq, Some(&s), Some(&r), group);
+
+        let wf: Vec<f32> = (0..rows * cols).map(|i| w[(i / cols, i % cols)]).collect();
+        let rtn = fake_quantize(&wf, rows, cols, group);
+        let (mut awq, mut plain) = (0f64, 0f64);
+        for t in 0..tokens {
+            for o in 0..rows {
+                let (mut y, mut ya, mut yr) = (0f64, 0f64, 0f64);
+                for c in 0..cols {
+                    let xv = f64::from(x[(t, c)]);
+                    y += xv * f64::from(w[(o, c)]);
+                    ya += xv / f64::from(s[c]) * f64::from(deq[o * cols + c]);
+                    yr += xv * f64::from(rtn[o * cols + c]);
+                }
+                awq += (y - ya * f64::from(r[o])).powi(2);
+                plain += (y - yr).powi(2);
+            }
+        }
+        let want = awq / plain;
+        assert!((got - want).abs() < 1e-3 * want, "{got} vs {want}");
+        // Without folds it is plain rounding against itself.
+        let deq1 = super::super::gemm::quantize(&wf, rows, cols, group, None).dequantize();
+        let one = folded_ratio(&x, &w, &deq1, None, None, group);
+        assert!((one - 1.0).abs() < 1e-9, "{one}");
     }
 
     #[test]
