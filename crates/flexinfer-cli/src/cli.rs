@@ -100,7 +100,7 @@ pub enum QuantizeSub {
     Recommend(RecommendArgs),
     /// Quality gate: compare candidate against baseline perplexity and acceptance rate
     Validate(ValidateArgs),
-    /// Check a quantized artifact: a GPTQ, FP8 or compressed-tensors pack-quantized directory (config, tensors, shards, quality sidecar) or GGUF files (header, metadata, tensors, splits)
+    /// Check a quantized artifact: a GPTQ, AWQ, FP8 or compressed-tensors pack-quantized directory (config, tensors, shards, quality sidecar) or GGUF files (header, metadata, tensors, splits)
     ValidateArtifact(ValidateArtifactArgs),
 }
 
@@ -132,7 +132,7 @@ pub struct RecommendArgs {
     /// GPUProfile to target (default: the one matching the cache's flexinfer.ai/gpu.arch nodeSelector)
     #[arg(long, value_name = "NAME")]
     pub gpu_profile: Option<String>,
-    /// Format to recommend: GPTQ or GGUF (default: GGUF on gfx906, which vLLM does not serve; GPTQ otherwise)
+    /// Format to recommend: GPTQ, AWQ or GGUF (default: GGUF on gfx906, which vLLM does not serve; GPTQ otherwise)
     #[arg(long, value_name = "FORMAT")]
     pub format: Option<String>,
 }
@@ -161,7 +161,7 @@ pub struct ValidateArtifactArgs {
     /// Artifact directory (e.g. the mounted cache's gptq-w4-g128 or gguf-q4_k_m) or a .gguf file
     #[arg(long, value_name = "DIR")]
     pub path: PathBuf,
-    /// Expected layout: vllm-gptq, gguf, fp8 or pack-quantized [default: gguf when the path is or holds .gguf files, fp8 / pack-quantized when config.json declares compressed-tensors float-quantized / pack-quantized, else vllm-gptq]
+    /// Expected layout: vllm-gptq, gguf, fp8, pack-quantized or awq [default: gguf when the path is or holds .gguf files, fp8 / pack-quantized when config.json declares compressed-tensors float-quantized / pack-quantized, awq when it declares quant_method awq, else vllm-gptq]
     #[arg(long, value_name = "LAYOUT")]
     pub layout: Option<String>,
     /// Expected model family, matched against config.json model_type (e.g. llama, qwen35, gemma4-26b-a4b)

@@ -502,6 +502,33 @@ async fn recommend_uses_the_gpu_profile_and_applies() {
     assert_eq!(q["maxMemoryGB"], 56);
     assert_eq!(q["calibration"]["nParallelCalibSamples"], 32);
     assert_eq!(q["calibration"]["maxSeqLen"], 4096);
+
+    // --format AWQ on the same cache: the API server takes the patch (its AWQ rules included), the GPTQ
+    // calibration fields it does not use are gone.
+    let o = flexinfer(&[
+        "quantize",
+        "recommend",
+        "qwen14",
+        "-n",
+        &ns.name,
+        "--params",
+        "14B",
+        "--format",
+        "AWQ",
+        "--apply",
+    ]);
+    assert_eq!(o.code, 0, "{}{}", o.stdout, o.stderr);
+    assert!(o.stdout.contains("ROCm int4 kernels"), "{}", o.stdout);
+    let q = spec_quant(&c, &ns.name, "qwen14").await;
+    assert_eq!(q["format"], "AWQ", "{q}");
+    assert_eq!(q["bits"], 4, "{q}");
+    assert_eq!(q["groupSize"], 128, "{q}");
+    assert_eq!(q["descAct"], false, "{q}");
+    assert_eq!(q["useGPU"], false, "{q}");
+    assert_eq!(q["calibration"]["maxSamples"], 128, "{q}");
+    assert_eq!(q["calibration"]["maxSeqLen"], 512, "{q}");
+    assert!(q["calibration"]["nParallelCalibSamples"].is_null(), "{q}");
+    assert!(q["ggufType"].is_null(), "{q}");
 }
 
 /// Without `--params`, the parameter count comes from the hub metadata of an HF source.

@@ -109,3 +109,81 @@ fn engine_output_passes_and_corruption_is_found() {
         );
     }
 }
+
+/// The engine's AWQ artifact through the binary: detected as `awq` without `--layout` and exit 0; a
+/// corrupted scale is exit 1 with a defect naming the tensor; a `--path` that is not a directory is exit 2.
+#[test]
+fn engine_awq_output_passes_and_a_bad_scale_is_named() {
+    use flexinfer_quant::awq::{gate, write_awq_artifact, AwqJob};
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    testkit::write_model(&model, "LlamaForCausalLM", 7).unwrap();
+    let ds = tmp.path().join("calib.jsonl");
+    testkit::write_dataset(&ds, 8).unwrap();
+    let dir = tmp.path().join("awq");
+    write_awq_artifact(
+        &AwqJob {
+            model_dir: &model,
+            out_dir: &dir,
+            dataset: &ds,
+            calib: CalibSettings {
+                max_samples: 8,
+                max_seq_len: 32,
+            },
+            bits: 4,
+            group_size: 64,
+            script_version: "test",
+            verify_save_sha256: true,
+            max_shard_bytes: 200_000,
+            max_output_error_ratio: gate::DEFAULT_MAX_OUTPUT_ERROR_RATIO,
+        },
+        &NullSink,
+    )
+    .expect("engine writes the AWQ artifact");
+    let run = |args: &[&str], path: &Path| {
+        Command::new(BIN)
+            .args(["quantize", "validate-artifact"])
+            .args(args)
+            .arg("--path")
+            .arg(path)
+            .output()
+            .unwrap()
+    };
+    let o = run(&["--json"], &dir);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(o.status.code(), Some(0), "{v}");
+    assert_eq!(v["layout"], "awq");
+    assert_eq!(v["quantizedLinears"], testkit::LAYERS * 7);
+
+    // One scale of one linear set to -1 in place: the shard's sha256 changes too (both are defects).
+    let m = "model.layers.2.mlp.down_proj.scales";
+    let mut hit = false;
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_none_or(|x| x != "safetensors") {
+            continue;
+        }
+        let mut b = std::fs::read(&p).unwrap();
+        let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+        let h: serde_json::Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
+        if let Some(t) = h.get(m) {
+            let start = 8 + n + t["data_offsets"][0].as_u64().unwrap() as usize;
+            b[start..start + 2].copy_from_slice(&half::f16::from_f32(-1.0).to_le_bytes());
+            std::fs::write(&p, b).unwrap();
+            hit = true;
+        }
+    }
+    assert!(hit, "{m} not found");
+    let o = run(&[], &dir);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains(&format!(
+            "DEFECT [linear] {m}[0] is not a finite positive scale"
+        )),
+        "{text}"
+    );
+    let o = run(&["--layout", "awq"], &ds);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("not a directory"));
+}

@@ -395,12 +395,12 @@ fn bad_flags_are_bad_input() {
             "--path",
             &p,
             "--layout",
-            "awq",
+            "exl2",
         ],
         None,
     );
     assert_eq!(code, 2, "{stderr}");
-    assert!(stderr.contains("--layout awq"), "{stderr}");
+    assert!(stderr.contains("--layout exl2"), "{stderr}");
     let nope = d.path().join("nope.gguf");
     let (code, _, stderr) = cli(
         &[

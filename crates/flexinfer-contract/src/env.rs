@@ -37,6 +37,9 @@ pub const FORMAT_COMPRESSED_TENSORS: &str = "COMPRESSED_TENSORS";
 pub const FORMAT_AWQ: &str = "AWQ";
 /// Group sizes the AWQ engine writes (the GEMM kernels' sizes); the controller refuses others before any Job.
 pub const AWQ_GROUP_SIZES: [usize; 3] = [32, 64, 128];
+/// AWQ's quality gate: the largest mean ratio of the artifact's output error to plain rounding's on the
+/// calibration tokens (default 1: no worse than rounding); above it the Job fails with the gate's exit code.
+pub const AWQ_MAX_OUTPUT_ERROR_RATIO: &str = "AWQ_MAX_OUTPUT_ERROR_RATIO";
 /// Where the scales of a `FORMAT=FP8` run live: `channel` (one per output row, the default) or `tensor`.
 pub const FP8_SCALE: &str = "FP8_SCALE";
 /// The llama.cpp preset of a `FORMAT=GGUF` run (`Q4_K_M` by default; `flexinfer_quant::gguf::FileType`).

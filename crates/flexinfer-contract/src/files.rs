@@ -173,6 +173,29 @@ pub struct AwqQuality {
     pub max_relative_error: f64,
     pub worst_module: String,
     pub mean_relative_error: f64,
+    /// The gate's figure: mean over the quantized modules of (mean squared output error of the artifact's
+    /// weights) / (that of plain rounding of the source weight) on the calibration tokens. Sidecars written
+    /// before the gate have none (0).
+    #[serde(default)]
+    pub output_error_ratio: f64,
+    /// The largest per-module ratio, and its module.
+    #[serde(default)]
+    pub worst_output_error_ratio: f64,
+    #[serde(default)]
+    pub worst_output_error_module: String,
+    /// The limit on [`Self::output_error_ratio`] (`AWQ_MAX_OUTPUT_ERROR_RATIO`).
+    #[serde(default)]
+    pub max_output_error_ratio: f64,
+    /// `passed` or `failed`; empty in sidecars written before the gate.
+    #[serde(default)]
+    pub gate: String,
+}
+
+impl AwqQuality {
+    /// The gate verdict is `failed`.
+    pub fn failed(&self) -> bool {
+        self.gate == "failed"
+    }
 }
 
 /// `.source-integrity.json`.

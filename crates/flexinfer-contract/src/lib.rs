@@ -25,8 +25,8 @@ pub mod termination;
 
 pub use events::{latest_event, latest_progress, GptqDeviceReport, ProgressEvent, WorkerEvent};
 pub use files::{
-    AbliterationStatusFile, Fp8Quality, IntegrityFile, QualitySummary, SaveComplete, SaveShard,
-    SourceIntegrity,
+    AbliterationStatusFile, AwqQuality, Fp8Quality, IntegrityFile, QualitySummary, SaveComplete,
+    SaveShard, SourceIntegrity,
 };
 /// The cache layout, also at the root: every phase needs it.
 pub use files::{ABLITERATED_SUBDIR, CACHE_MOUNT, DATASETS_SUBDIR, SOURCE_SUBDIR};

@@ -37,6 +37,7 @@ fn main() {
             script_version: "awq_dir",
             verify_save_sha256: false,
             max_shard_bytes: 2 << 30,
+            max_output_error_ratio: flexinfer_quant::awq::gate::DEFAULT_MAX_OUTPUT_ERROR_RATIO,
         },
         &NullSink,
     )

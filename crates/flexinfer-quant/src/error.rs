@@ -64,6 +64,10 @@ pub enum QuantError {
     /// The RTN-fallback gate rejected the run; nothing was written to the output directory.
     #[error("RTN fallback gate failed: {} of {} modules ({:.1}%) fell back to RTN, limit {:.1}%", .0.rtn_fallback_modules, .0.gptq_modules + .0.rtn_fallback_modules, .0.rtn_fallback_percent, .0.max_rtn_fallback_percent)]
     GateFailed(flexinfer_contract::files::QualitySummary),
+    /// AWQ's gate rejected the run: its output error was worse than allowed against plain rounding; nothing
+    /// was written to the output directory.
+    #[error("AWQ output-error gate failed: mean output error ratio to plain rounding {:.4} > limit {:.4} (worst {} at {:.4})", .0.output_error_ratio, .0.max_output_error_ratio, .0.worst_output_error_module, .0.worst_output_error_ratio)]
+    AwqGateFailed(Box<flexinfer_contract::files::AwqQuality>),
     /// The requested GPTQ device cannot be used (`GPTQ_DEVICE`); configuration, so the worker exits 2.
     #[error(
         "GPTQ device unavailable: GPTQ_DEVICE={}: no {} device this build can use (set GPTQ_DEVICE=cpu or auto to run on the CPU)",

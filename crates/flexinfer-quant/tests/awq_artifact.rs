@@ -56,6 +56,7 @@ fn job<'a>(model: &'a Path, out: &'a Path, ds: &'a Path, bits: u32, group: i32) 
         script_version: "test",
         verify_save_sha256: true,
         max_shard_bytes: 1 << 20,
+        max_output_error_ratio: flexinfer_quant::awq::gate::DEFAULT_MAX_OUTPUT_ERROR_RATIO,
     }
 }
 
@@ -311,6 +312,8 @@ fn awq_artifact_has_the_gemm_layout_and_folded_norms() {
             (&mut oq.mean_loss_ratio, q.mean_loss_ratio),
             (&mut oq.max_relative_error, q.max_relative_error),
             (&mut oq.mean_relative_error, q.mean_relative_error),
+            (&mut oq.output_error_ratio, q.output_error_ratio),
+            (&mut oq.worst_output_error_ratio, q.worst_output_error_ratio),
         ] {
             assert!((*a - b).abs() <= b.abs() * 1e-12, "{a} vs {b}");
             *a = b;
@@ -325,6 +328,19 @@ fn awq_artifact_has_the_gemm_layout_and_folded_norms() {
             "{q:?}"
         );
         assert!(q.mean_loss_ratio > 0.0 && q.mean_loss_ratio <= 1.0, "{q:?}");
+        // The gate: the artifact's output error against plain rounding's, on the calibration tokens.
+        assert_eq!(q.gate, "passed", "{q:?}");
+        assert_eq!(q.max_output_error_ratio, 1.0);
+        assert!(
+            q.output_error_ratio > 0.0
+                && q.output_error_ratio <= 1.0
+                && q.worst_output_error_ratio >= q.output_error_ratio,
+            "{q:?}"
+        );
+        assert!(
+            q.worst_output_error_module.starts_with("model.layers."),
+            "{q:?}"
+        );
         assert!(q.searched_clip_groups > 0 && q.clipped_groups <= q.searched_clip_groups);
         assert!(
             q.max_relative_error > 0.0 && q.max_relative_error < 0.25,

@@ -129,6 +129,9 @@ pub struct QuantizeArgs {
     pub max_rtn_fallback_percent: f64,
     #[arg(long, env = env::GPTQ_MIN_MODULES_FOR_FALLBACK_GATE, default_value_t = 100)]
     pub min_modules_for_fallback_gate: u64,
+    /// AWQ's quality gate: the largest mean ratio of the artifact's output error to plain rounding's.
+    #[arg(long, env = env::AWQ_MAX_OUTPUT_ERROR_RATIO, default_value_t = flexinfer_quant::awq::gate::DEFAULT_MAX_OUTPUT_ERROR_RATIO)]
+    pub max_output_error_ratio: f64,
     /// Maximum bytes per output shard.
     #[arg(long, default_value_t = flexinfer_quant::job::DEFAULT_MAX_SHARD_BYTES)]
     pub max_shard_bytes: u64,
@@ -499,10 +502,25 @@ fn run_awq(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess, W
             script_version: contract::SCRIPT_VERSION,
             verify_save_sha256: args.verify_save_sha256,
             max_shard_bytes: args.max_shard_bytes.max(1),
+            max_output_error_ratio: args.max_output_error_ratio,
         },
         &WorkerSink(events),
     )
-    .map_err(WorkerError::Quant)?;
+    .map_err(|e| match e {
+        e @ QuantError::AwqGateFailed(_) => WorkerError::QualityGate(format!(
+            "{e}; nothing was written to {} (the previous artifact, if any, is untouched)",
+            args.out_dir.display()
+        )),
+        e => WorkerError::Quant(e),
+    })?;
+    if let Some(q) = outcome.quality.as_ref().filter(|q| q.failed()) {
+        // A reused artifact whose sidecar records a failed gate.
+        return Err(WorkerError::QualityGate(format!(
+            "{} (recorded in {})",
+            QuantError::AwqGateFailed(Box::new(q.clone())),
+            outcome.output_dir.display()
+        )));
+    }
     events.log(&format!(
         "AWQ (w{bits} g{}): {} ({} bytes{})",
         args.group_size,
@@ -531,6 +549,13 @@ fn run_awq(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess, W
         applied.insert("quantizedModules".into(), q.quantized_modules.to_string());
         applied.insert("scaledGroups".into(), q.scaled_groups.to_string());
         applied.insert("meanLossRatio".into(), format!("{:.4}", q.mean_loss_ratio));
+        applied.insert(
+            "outputErrorRatio".into(),
+            format!("{:.4}", q.output_error_ratio),
+        );
+        if !q.gate.is_empty() {
+            applied.insert("qualityGate".into(), q.gate.clone());
+        }
         applied.insert(
             "maxRelativeError".into(),
             format!("{:.5}", q.max_relative_error),

@@ -43,22 +43,27 @@ pub(super) fn check_config(
                 "config.json has no quantization_config object (vLLM and transformers read the GPTQ settings from it)",
             ),
         }
-        if let Some(fam) = &opts.family {
-            let want = norm(fam.split('-').next().unwrap_or(fam));
-            match cfg.get("model_type").and_then(Value::as_str) {
-                Some(mt) if norm(mt).contains(&want) || want.contains(&norm(mt)) => {}
-                Some(mt) => r.defect(
-                    "family",
-                    format!("config.json model_type {mt:?} does not match --family {fam}"),
-                ),
-                None => r.defect(
-                    "family",
-                    format!("config.json has no model_type to match --family {fam}"),
-                ),
-            }
-        }
+        check_family(r, cfg, opts);
     }
     (cfg, gptq)
+}
+
+/// `config.json`'s `model_type` against `--family`, when given.
+pub(super) fn check_family(r: &mut Report, cfg: &Value, opts: &Options) {
+    if let Some(fam) = &opts.family {
+        let want = norm(fam.split('-').next().unwrap_or(fam));
+        match cfg.get("model_type").and_then(Value::as_str) {
+            Some(mt) if norm(mt).contains(&want) || want.contains(&norm(mt)) => {}
+            Some(mt) => r.defect(
+                "family",
+                format!("config.json model_type {mt:?} does not match --family {fam}"),
+            ),
+            None => r.defect(
+                "family",
+                format!("config.json has no model_type to match --family {fam}"),
+            ),
+        }
+    }
 }
 
 /// `quantize_config.json`: when present, the same settings as `config.json`; when missing, a defect

@@ -247,12 +247,11 @@ pub fn validate_fp8(dir: &Path, opts: &Options) -> Report {
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-    use super::super::tests::{check_without_sha256 as check, edit_config, expect_defect};
-    use super::super::{read::read_header, validate};
+    use super::super::tests::{check_without_sha256 as check, edit_config, expect_defect, poke};
+    use super::super::validate;
     use super::*;
     use flexinfer_quant::fp8::{write_fp8_artifact, Fp8Job, ScaleStrategy};
     use flexinfer_quant::testkit;
-    use std::io::{Seek, SeekFrom, Write};
 
     /// The engine's own FP8 artifact of the tiny generated model.
     fn artifact(dir: &Path, strategy: ScaleStrategy) -> std::path::PathBuf {
@@ -274,31 +273,6 @@ mod tests {
         )
         .unwrap();
         out
-    }
-
-    /// Overwrites element `i` (of `width` bytes) of tensor `name` in place (same size; sha256 not checked).
-    fn poke(dir: &Path, name: &str, i: u64, bytes: &[u8]) {
-        for e in std::fs::read_dir(dir).unwrap() {
-            let f = e.unwrap().file_name().into_string().unwrap();
-            if !f.ends_with(".safetensors") {
-                continue;
-            }
-            if let Some((_, t)) = read_header(dir, &f)
-                .unwrap()
-                .into_iter()
-                .find(|(n, _)| n == name)
-            {
-                let mut file = std::fs::OpenOptions::new()
-                    .write(true)
-                    .open(dir.join(&f))
-                    .unwrap();
-                file.seek(SeekFrom::Start(t.start + i * bytes.len() as u64))
-                    .unwrap();
-                file.write_all(bytes).unwrap();
-                return;
-            }
-        }
-        panic!("{name} not found");
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! `flexinfer quantize validate-artifact`: for GGUF (`--layout gguf`, chosen when the path is or
-//! holds `.gguf` files) the checks of [`gguf`]; for `--layout vllm-gptq`, a native check that a GPTQ
+//! holds `.gguf` files) the checks of [`gguf`]; for FP8, compressed-tensors `pack-quantized` and AWQ
+//! those of [`fp8`], [`pack_quantized`] and [`awq`]; for `--layout vllm-gptq`, a native check that a GPTQ
 //! checkpoint directory is what vLLM (Marlin/ExLlama) and transformers load (docs/dev/gptq.md, "The checkpoint"),
 //! that the save completed (`.save-complete` sizes and sha256) and that the quality gate passed.
 //!
@@ -7,6 +8,7 @@
 //! [`save_complete`] (the marker), [`shards`] (headers and the index), [`linear`] (each quantized
 //! linear), [`quality`] (the sidecar); [`read`] reads the files within their limits.
 
+pub mod awq;
 mod config;
 pub mod fp8;
 pub mod gguf;
@@ -167,7 +169,7 @@ pub fn validate_vllm_gptq(dir: &Path, opts: &Options) -> Report {
 /// Flags the validator cannot run with.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum UsageError {
-    #[error("--layout {0}: only vllm-gptq, gguf, fp8 and pack-quantized are supported")]
+    #[error("--layout {0}: only vllm-gptq, gguf, fp8, pack-quantized and awq are supported")]
     Layout(String),
     #[error("--path {}: not a directory", .0.display())]
     NotADirectory(std::path::PathBuf),
@@ -178,13 +180,14 @@ pub enum UsageError {
 /// Entry point used by the command: validates the layout name first. Without a layout, a path that
 /// is or holds `.gguf` files is validated as `gguf`, a directory whose `config.json` declares
 /// compressed-tensors' `float-quantized` format as `fp8`, one declaring `pack-quantized` as
-/// `pack-quantized`, anything else as `vllm-gptq`.
+/// `pack-quantized`, one declaring `quant_method: awq` as `awq`, anything else as `vllm-gptq`.
 pub fn validate(path: &Path, layout: Option<&str>, opts: &Options) -> Result<Report, UsageError> {
     let layout = match layout {
         Some(l) => l,
         None if gguf::is_gguf(path) => "gguf",
         None if path.is_dir() && fp8::is_fp8(path) => "fp8",
         None if path.is_dir() && pack_quantized::is_pack_quantized(path) => "pack-quantized",
+        None if path.is_dir() && awq::is_awq(path) => "awq",
         None => "vllm-gptq",
     };
     match layout {
@@ -211,6 +214,12 @@ pub fn validate(path: &Path, layout: Option<&str>, opts: &Options) -> Result<Rep
                 return Err(UsageError::NotADirectory(path.to_path_buf()));
             }
             Ok(pack_quantized::validate_pack_quantized(path, opts))
+        }
+        "awq" => {
+            if !path.is_dir() {
+                return Err(UsageError::NotADirectory(path.to_path_buf()));
+            }
+            Ok(awq::validate_awq(path, opts))
         }
         other => Err(UsageError::Layout(other.to_string())),
     }

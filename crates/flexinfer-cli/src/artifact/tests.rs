@@ -248,6 +248,32 @@ pub(super) fn edit_config(dir: &Path, f: impl FnOnce(&mut Value)) {
     std::fs::write(&p, serde_json::to_vec(&v).unwrap()).unwrap();
 }
 
+/// Overwrites element `i` (of `bytes.len()` bytes) of tensor `name` in place (same size; sha256 not checked).
+pub(super) fn poke(dir: &Path, name: &str, i: u64, bytes: &[u8]) {
+    use std::io::{Seek, SeekFrom, Write};
+    for e in std::fs::read_dir(dir).unwrap() {
+        let f = e.unwrap().file_name().into_string().unwrap();
+        if !f.ends_with(".safetensors") {
+            continue;
+        }
+        if let Some((_, t)) = read_header(dir, &f)
+            .unwrap()
+            .into_iter()
+            .find(|(n, _)| n == name)
+        {
+            let mut file = std::fs::OpenOptions::new()
+                .write(true)
+                .open(dir.join(&f))
+                .unwrap();
+            file.seek(SeekFrom::Start(t.start + i * bytes.len() as u64))
+                .unwrap();
+            file.write_all(bytes).unwrap();
+            return;
+        }
+    }
+    panic!("{name} not found");
+}
+
 #[test]
 fn good_artifact_passes() {
     let r = run(&good(), |_| {});
@@ -261,10 +287,10 @@ fn good_artifact_passes() {
 #[test]
 fn layout_and_path_are_bad_input() {
     let dir = tempfile::tempdir().unwrap();
-    assert!(validate(dir.path(), Some("awq"), &Options::default())
+    assert!(validate(dir.path(), Some("exl2"), &Options::default())
         .unwrap_err()
         .to_string()
-        .contains("--layout awq"));
+        .contains("--layout exl2"));
     assert!(validate(
         &dir.path().join("nope"),
         Some("vllm-gptq"),

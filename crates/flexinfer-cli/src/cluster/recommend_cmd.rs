@@ -158,7 +158,14 @@ pub async fn recommend(g: &Global, a: &RecommendArgs) -> Result<String, CliError
         None => recommend::gguf::default_for(&gpu),
         Some(f) if f.eq_ignore_ascii_case("GGUF") => true,
         Some(f) if f.eq_ignore_ascii_case("GPTQ") => false,
-        Some(f) => return Err(bad(format!("--format {f}: recommend knows GPTQ and GGUF"))),
+        Some(f) if f.eq_ignore_ascii_case("AWQ") => {
+            return recommend_awq(g, a, &api, &ns, &model, &gpu).await;
+        }
+        Some(f) => {
+            return Err(bad(format!(
+                "--format {f}: recommend knows GPTQ, AWQ and GGUF"
+            )))
+        }
     };
     if gguf {
         return recommend_gguf(g, a, &api, &ns, &model, &gpu).await;
@@ -217,6 +224,34 @@ async fn recommend_gguf(
         ("ggufType", rec.gguf_type.to_string()),
         ("useGPU", rec.use_gpu.to_string()),
         ("maxMemoryGB", rec.max_memory_gb.to_string()),
+        (
+            "estimated artifact",
+            format!("~{:.1} GB", rec.estimated_artifact_gb),
+        ),
+        ("fits target GPU", fits(rec.fits)),
+    ];
+    finish(g, a, api, ns, &rec.spec_patch(), &rec, rows, &rec.reasons).await
+}
+
+/// The AWQ recommendation's rows; a model or card AWQ cannot serve is bad input naming why.
+async fn recommend_awq(
+    g: &Global,
+    a: &RecommendArgs,
+    api: &Api<ModelCache>,
+    ns: &str,
+    model: &Footprint,
+    gpu: &GpuTarget,
+) -> Result<String, CliError> {
+    let rec = recommend::awq::recommend(model, gpu).map_err(|e| bad(e.to_string()))?;
+    let rows = vec![
+        ("format", rec.format.to_string()),
+        ("bits", rec.bits.to_string()),
+        ("groupSize", rec.group_size.to_string()),
+        ("useGPU", rec.use_gpu.to_string()),
+        ("maxMemoryGB", rec.max_memory_gb.to_string()),
+        ("timeoutSeconds", rec.timeout_seconds.to_string()),
+        ("calibration.maxSeqLen", rec.max_seq_len.to_string()),
+        ("calibration.maxSamples", rec.max_samples.to_string()),
         (
             "estimated artifact",
             format!("~{:.1} GB", rec.estimated_artifact_gb),

@@ -8,6 +8,7 @@ use serde::Serialize;
 
 use crate::footprint::Footprint;
 
+pub mod awq;
 pub mod gguf;
 
 /// The GPU the artifact is built on and served from.
@@ -130,7 +131,7 @@ pub fn recommend(model: &Footprint, gpu: &GpuTarget) -> Recommendation {
     let arch = gpu.arch.as_deref().unwrap_or("");
     let mut reasons = describe(model, gpu, b, vram_gb);
 
-    // Format: GPTQ is the only built-in engine, and the fast serving path on ROCm.
+    // Format: GPTQ, the fast serving path on ROCm; AWQ and GGUF only when asked for (`--format`).
     let format = "GPTQ";
     reasons.push(format_reason(arch));
 
@@ -197,10 +198,11 @@ fn describe(model: &Footprint, gpu: &GpuTarget, b: f64, vram_gb: Option<f64>) ->
 fn format_reason(arch: &str) -> String {
     if arch == "gfx1100" {
         "format GPTQ sym=true descAct=false: on gfx1100 this routes through the HIP ExLlama kernels \
-         (~7x AWQ decode); GGUF would leave vLLM for llama.cpp"
+         (~7x AWQ decode); AWQ (--format AWQ) is the other format vLLM serves there; GGUF would leave vLLM \
+         for llama.cpp"
             .into()
     } else {
-        "format GPTQ: the built-in engine (other formats are planned), served by vLLM (Marlin/ExLlama need sym=true)"
+        "format GPTQ: served by vLLM (Marlin/ExLlama need sym=true); --format AWQ or GGUF for those formats"
             .into()
     }
 }

@@ -343,3 +343,102 @@ fn gguf_for_gfx906() {
         assert!(flexinfer_api::contract::env::GGUF_TYPES.contains(&t), "{t}");
     }
 }
+
+/// `--format AWQ`: 4-bit g128 with AutoAWQ's calibration on every card vLLM serves (gfx1100 included, with
+/// the reason naming the ROCm kernels and GPTQ's faster decode), the fit checked with no smaller width to
+/// fall back to, the patch setting AWQ's fields and removing the others; refused on gfx906 and for the
+/// families the engine cannot fold.
+#[test]
+fn awq_when_asked_for() {
+    use super::awq::{self, AwqRefusal};
+    // (billions, arch, fits): 4 bits + (16 + 4)/128 per quantized weight on 95% of them, 5% kept 16-bit.
+    let rows = [
+        (8.0, "gfx1100", true),
+        (14.0, "gfx1100", true),
+        (27.0, "gfx1100", true),
+        (70.0, "gfx1100", false),
+        (70.0, "sm_90", true),
+        (8.0, "sm_86", true),
+    ];
+    for (b, arch, fits) in rows {
+        let r = awq::recommend(&model(b, false, false), &gpu(arch)).unwrap();
+        let ctx = format!("{b}B on {arch}: {r:#?}");
+        let want_gb = b * (0.95 * (4.0 + 20.0 / 128.0) / 8.0 + 0.1);
+        assert!((r.estimated_artifact_gb - want_gb).abs() < 0.06, "{ctx}");
+        assert_eq!(r.fits, Some(fits), "{ctx}");
+        assert_eq!((r.format, r.bits, r.group_size), ("AWQ", 4, 128), "{ctx}");
+        assert_eq!((r.max_samples, r.max_seq_len), (128, 512), "{ctx}");
+        assert!(!r.use_gpu, "{ctx}");
+        // Host memory and timeout as the GPTQ recommendation of the same model.
+        let gptq = recommend(&model(b, false, false), &gpu(arch));
+        assert_eq!(r.max_memory_gb, gptq.max_memory_gb, "{ctx}");
+        assert!((3600..=172_800).contains(&r.timeout_seconds), "{ctx}");
+        assert_eq!(
+            r.reasons.iter().any(|s| s.starts_with("WARNING")),
+            !fits,
+            "{ctx}"
+        );
+        assert_eq!(
+            r.reasons.iter().any(|s| s.contains("ROCm int4 kernels")),
+            arch == "gfx1100",
+            "{ctx}"
+        );
+        // What it sets is what admission takes for AWQ.
+        assert!(flexinfer_api::contract::env::AWQ_GROUP_SIZES.contains(&(r.group_size as usize)));
+    }
+    // The default on gfx1100 stays GPTQ and names AWQ as vLLM's other format there.
+    let g = recommend(&model(8.0, false, false), &gpu("gfx1100"));
+    assert_eq!(g.format, "GPTQ");
+    assert!(
+        g.reasons.iter().any(|s| s.contains("--format AWQ")),
+        "{g:#?}"
+    );
+
+    let p = awq::recommend(&model(8.0, false, false), &gpu("gfx1100"))
+        .unwrap()
+        .spec_patch();
+    let q = &p["spec"]["quantization"];
+    assert_eq!(q["format"], "AWQ");
+    assert_eq!(q["bits"], 4);
+    assert_eq!(q["groupSize"], 128);
+    assert_eq!(q["descAct"], false);
+    assert_eq!(q["useGPU"], false);
+    assert_eq!(q["calibration"]["maxSamples"], 128);
+    assert_eq!(q["calibration"]["maxSeqLen"], 512);
+    for k in ["sym", "dynamicExclusion", "gpuMemoryFraction", "ggufType"] {
+        assert!(
+            q[k].is_null() && q.as_object().is_some_and(|o| o.contains_key(k)),
+            "{k}: {q}"
+        );
+    }
+    assert!(q["calibration"]["nParallelCalibSamples"].is_null());
+
+    let e = awq::recommend(&model(8.0, false, false), &gpu("gfx906")).unwrap_err();
+    assert_eq!(
+        e,
+        AwqRefusal::NoVllm {
+            arch: "gfx906".into()
+        }
+    );
+    assert!(e.to_string().contains("use --format GGUF"), "{e}");
+    for (m, what) in [
+        (model(30.0, true, false), "mixture-of-experts"),
+        (model(27.0, false, true), "linear-attention"),
+        (
+            Footprint {
+                model_type: Some("gemma3".into()),
+                ..model(12.0, false, false)
+            },
+            "Gemma",
+        ),
+    ] {
+        let e = awq::recommend(&m, &gpu("gfx1100")).unwrap_err();
+        assert!(
+            e.to_string().contains(what) && e.to_string().contains("use --format GPTQ"),
+            "{e}"
+        );
+    }
+    // No GPU known: the fit is not checked.
+    let r = awq::recommend(&model(8.0, false, false), &GpuTarget::default()).unwrap();
+    assert_eq!(r.fits, None);
+}

@@ -4,10 +4,12 @@
 //! `post_attention_layernorm`, down after up) get their scales searched ([`super::search`]) and folded
 //! into the preceding norm or linear, every linear but q/k its clipping searched, and all seven are
 //! quantized to 4-bit groups with zero points; every layer sees the full-precision model's activations.
-//! Written with the GPTQ writer's shards, index, tokenizer files, quality sidecar and `.save-complete`;
-//! staged beside `out_dir` and exchanged into place whole; a finished artifact of the same digest is
-//! reused.
+//! Each linear's output error is measured against plain rounding's ([`super::gate`]); a run whose mean
+//! ratio exceeds the job's limit fails before anything is written. Written with the GPTQ writer's shards,
+//! index, tokenizer files, quality sidecar and `.save-complete`; staged beside `out_dir` and exchanged into
+//! place whole; a finished artifact of the same digest is reused.
 
+use super::gate::{evaluate, folded_ratio, GATE_TOKENS};
 use super::gemm::{pack_gemm, quantize, BITS, PACK};
 use super::search::{sample_rows, search_clip, search_scales};
 use crate::error::{QuantError, Result, SpecError};
@@ -49,6 +51,9 @@ pub struct AwqJob<'a> {
     /// Re-hash the shards of an existing `.save-complete` before reusing it (else sizes only).
     pub verify_save_sha256: bool,
     pub max_shard_bytes: u64,
+    /// The quality gate's limit on the mean output error ratio to plain rounding
+    /// (`AWQ_MAX_OUTPUT_ERROR_RATIO`; [`super::gate::DEFAULT_MAX_OUTPUT_ERROR_RATIO`]).
+    pub max_output_error_ratio: f64,
 }
 
 /// What a finished (or reused) artifact is.
@@ -82,6 +87,16 @@ pub fn quantization_config(group_size: usize) -> Value {
 /// whole words, and a family whose scales fold (plain RMSNorm before q/k/v and gate/up, no experts, no
 /// linear attention).
 fn check(job: &AwqJob<'_>, cfg: &ModelConfig, store: &TensorStore) -> Result<usize> {
+    if !(job.max_output_error_ratio.is_finite() && job.max_output_error_ratio > 0.0) {
+        return Err(SpecError::Value {
+            field: flexinfer_contract::env::AWQ_MAX_OUTPUT_ERROR_RATIO.into(),
+            value: job.max_output_error_ratio.to_string(),
+            expected:
+                "a positive number (1: no worse than plain rounding on the calibration tokens)"
+                    .into(),
+        }
+        .into());
+    }
     if job.bits != BITS {
         return Err(SpecError::Value {
             field: flexinfer_contract::env::BITS.into(),
@@ -153,6 +168,7 @@ fn digest_of(job: &AwqJob<'_>, store: &TensorStore) -> Result<String> {
             "model": input_digest(job.model_dir, store)?, "dataset": sha256_hex(&dataset),
             "max_samples": job.calib.max_samples, "max_seq_len": job.calib.max_seq_len,
             "max_shard_bytes": job.max_shard_bytes,
+            "max_output_error_ratio": job.max_output_error_ratio,
             "script_version": job.script_version, "engine": env!("CARGO_PKG_VERSION"),
         })
         .to_string()
@@ -254,17 +270,25 @@ struct Tally {
     loss_ratios: Vec<f64>,
     clipped: u64,
     clip_searched: u64,
+    /// Per module: output error ratio to plain rounding ([`super::gate`]).
+    output_ratios: Vec<(String, f64)>,
+}
+
+/// The linears whose input columns a stage's scales multiply, and the linear (if any, else a norm) whose
+/// outputs they divide.
+fn fold_targets(stage: Stage) -> (&'static [usize], Option<usize>) {
+    match stage {
+        Stage::Qkv => (&[0, 1, 2], None),
+        Stage::O => (&[3], Some(2)),
+        Stage::GateUp => (&[4, 5], None),
+        Stage::Down => (&[6], Some(5)),
+    }
 }
 
 /// Folds `s` into the module group of `stage`: the group's linears' input columns × s, the preceding
 /// norm or linear's outputs ÷ s (the layer's function is unchanged), and the stage input ÷ s.
 fn fold(lw: &mut LayerWeights, stage: Stage, s: &[f32], x: &mut Mat<f32>) {
-    let (targets, before): (&[usize], Option<usize>) = match stage {
-        Stage::Qkv => (&[0, 1, 2], None),
-        Stage::O => (&[3], Some(2)),
-        Stage::GateUp => (&[4, 5], None),
-        Stage::Down => (&[6], Some(5)),
-    };
+    let (targets, before) = fold_targets(stage);
     for &i in targets {
         let w = &mut lw.linears[i].w;
         for (c, &sc) in s.iter().enumerate() {
@@ -339,6 +363,14 @@ fn quantize_layer(
 ) -> Result<Vec<WorkTensor>> {
     let prefix = cfg.layer_prefix(layer);
     let specs = layer_modules(cfg, layer);
+    // The gate's tokens, before the folds divide the inputs, and what the folds do to each linear: its
+    // input columns × `col_scale`, its outputs ÷ `row_scale` (undone to compare with the source).
+    let gate_x: Vec<Mat<f32>> = inputs
+        .iter()
+        .map(|x| sample_rows(x.as_ref(), GATE_TOKENS))
+        .collect();
+    let mut col_scale: Vec<Option<Vec<f32>>> = vec![None; lw.linears.len()];
+    let mut row_scale: Vec<Option<Vec<f32>>> = vec![None; lw.linears.len()];
     for (stage, x) in [Stage::Qkv, Stage::O, Stage::GateUp, Stage::Down]
         .into_iter()
         .zip(inputs.iter_mut())
@@ -364,6 +396,13 @@ fn quantize_layer(
         if choice.ratio.is_some() {
             tally.scaled += 1;
             fold(lw, stage, &choice.scales, x);
+            let (targets, before) = fold_targets(stage);
+            for &i in targets {
+                col_scale[i] = Some(choice.scales.clone());
+            }
+            if let Some(p) = before {
+                row_scale[p] = Some(choice.scales.clone());
+            }
         } else {
             tally.unscaled += 1;
         }
@@ -391,6 +430,23 @@ fn quantize_layer(
         let flat = row_major(w);
         let q = quantize(&flat, rows, cols, group, clip.as_deref());
         let deq = q.dequantize();
+        let stage = match i {
+            0..=2 => 0,
+            3 => 1,
+            4 | 5 => 2,
+            _ => 3,
+        };
+        tally.output_ratios.push((
+            module.clone(),
+            folded_ratio(
+                &gate_x[stage],
+                w,
+                &deq,
+                col_scale[i].as_deref(),
+                row_scale[i].as_deref(),
+                group,
+            ),
+        ));
         let (mut err, mut norm) = (0f64, 0f64);
         for (a, b) in flat.iter().zip(&deq) {
             err += f64::from(a - b).powi(2);
@@ -496,7 +552,18 @@ fn quantize_and_save(
         );
     }
     drop(hidden);
-    let quality = quality_of(group, &tally);
+    let quality = quality_of(group, job.max_output_error_ratio, &tally);
+    if quality.failed() {
+        // As GPTQ's gate: nothing is written; the caller removes the work directory.
+        events.emit(
+            flexinfer_contract::events::QUANTIZATION_QUALITY,
+            serde_json::to_value(&quality)
+                .ok()
+                .and_then(|v| v.as_object().cloned())
+                .unwrap_or_default(),
+        );
+        return Err(QuantError::AwqGateFailed(Box::new(quality)));
+    }
     let work_store = TensorStore::open_files(work_files)?;
     let replaced: std::collections::HashSet<String> = work_store
         .entries
@@ -529,7 +596,8 @@ fn quantize_and_save(
     Ok((bytes, quality))
 }
 
-fn quality_of(group: usize, t: &Tally) -> AwqQuality {
+fn quality_of(group: usize, max_output_error_ratio: f64, t: &Tally) -> AwqQuality {
+    let verdict = evaluate(&t.output_ratios, max_output_error_ratio);
     let worst = t
         .errors
         .iter()
@@ -557,5 +625,10 @@ fn quality_of(group: usize, t: &Tally) -> AwqQuality {
         max_relative_error: worst.1,
         worst_module: worst.0,
         mean_relative_error: mean(&errors),
+        output_error_ratio: verdict.mean_ratio,
+        worst_output_error_ratio: verdict.worst_ratio,
+        worst_output_error_module: verdict.worst_module,
+        max_output_error_ratio,
+        gate: verdict.gate.into(),
     }
 }

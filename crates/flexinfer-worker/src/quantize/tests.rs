@@ -648,9 +648,19 @@ fn format_awq_writes_the_gemm_artifact_and_reports_it() {
         ok.applied.get("quantizedModules"),
         Some(&q.quantized_modules.to_string())
     );
-    for (k, v) in [("format", "AWQ"), ("bits", "4"), ("version", "gemm")] {
+    for (k, v) in [
+        ("format", "AWQ"),
+        ("bits", "4"),
+        ("version", "gemm"),
+        ("qualityGate", "passed"),
+    ] {
         assert_eq!(ok.applied.get(k).map(String::as_str), Some(v), "{k}");
     }
+    assert_eq!(q.gate, "passed");
+    assert!(
+        q.output_error_ratio > 0.0 && q.output_error_ratio <= q.max_output_error_ratio,
+        "{q:?}"
+    );
     let cfg: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out.join("config.json")).expect("config"))
             .expect("json");
@@ -675,6 +685,55 @@ fn format_awq_writes_the_gemm_artifact_and_reports_it() {
         std::fs::read(out.join(contract::files::SAVE_COMPLETE)).expect("kept"),
         before
     );
+    for ratio in [0.0, f64::NAN] {
+        let mut bad = args.clone();
+        bad.max_output_error_ratio = ratio;
+        let e = run_inner(&bad, &Events::new("quantization")).expect_err("bad limit");
+        assert_eq!(e.exit_code(), 2, "{e}");
+        assert!(e.to_string().contains("AWQ_MAX_OUTPUT_ERROR_RATIO"), "{e}");
+    }
+}
+
+/// AWQ's quality gate: a limit on the output error ratio that the run exceeds fails the Job with the gate's
+/// exit code 3 (`QualityGateFailed`), naming the figures, before anything is written: the artifact already at
+/// `OUT_DIR` stays as it was, and a fresh `OUT_DIR` gets nothing.
+#[test]
+fn awq_output_error_over_the_limit_exits_3_and_writes_nothing() {
+    let f = fixture();
+    let mut args = f.args.clone();
+    args.format = "AWQ".into();
+    args.out_dir = f.args.model_dir.with_file_name("awq");
+    run_inner(&args, &Events::new("quantization")).expect("awq run");
+    let before = std::fs::read(args.out_dir.join(contract::files::SAVE_COMPLETE)).expect("done");
+    let sidecar =
+        std::fs::read(args.out_dir.join(contract::files::QUANTIZATION_QUALITY)).expect("q");
+    for out in [
+        args.out_dir.clone(),
+        f.args.model_dir.with_file_name("awq-fresh"),
+    ] {
+        let mut strict = args.clone();
+        strict.out_dir = out.clone();
+        strict.max_output_error_ratio = 1e-6;
+        let e = run_inner(&strict, &Events::new("quantization")).expect_err("gate");
+        assert_eq!(e.exit_code(), 3, "{e}");
+        let text = e.to_string();
+        assert!(
+            text.contains("AWQ output-error gate failed") && text.contains("limit 0.0000"),
+            "{text}"
+        );
+        assert!(text.contains("nothing was written"), "{text}");
+    }
+    assert_eq!(
+        std::fs::read(args.out_dir.join(contract::files::SAVE_COMPLETE)).expect("kept"),
+        before
+    );
+    assert_eq!(
+        std::fs::read(args.out_dir.join(contract::files::QUANTIZATION_QUALITY)).expect("kept"),
+        sidecar
+    );
+    let fresh = f.args.model_dir.with_file_name("awq-fresh");
+    assert!(!fresh.join(contract::files::SAVE_COMPLETE).exists());
+    assert!(!fresh.join(contract::files::QUANTIZATION_QUALITY).exists());
 }
 
 /// `FORMAT=COMPRESSED_TENSORS`: the GPTQ run written in the `pack-quantized` layout, reported with the
