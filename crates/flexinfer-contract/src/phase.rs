@@ -50,6 +50,14 @@ impl JobPhase {
     pub fn job_name(self, cache: &str) -> String {
         format!("{cache}-{}", self.as_str())
     }
+    /// The caches and phases whose [`Self::job_name`] is `job` (the inverse: one pair at most per
+    /// phase; a cache name may itself end in a phase's name).
+    pub fn of_job_name(job: &str) -> impl Iterator<Item = (&str, JobPhase)> {
+        JobPhase::ALL.into_iter().filter_map(move |phase| {
+            let cache = job.strip_suffix(phase.as_str())?.strip_suffix('-')?;
+            (!cache.is_empty()).then_some((cache, phase))
+        })
+    }
     pub fn parse(s: &str) -> Option<JobPhase> {
         JobPhase::ALL
             .into_iter()
@@ -61,3 +69,24 @@ impl JobPhase {
 /// [`crate::labels::NODE_COPY_FILL`] and [`crate::labels::NODE_COPY_CLEAN`] (the values of the Job's
 /// [`crate::labels::NODE_COPY`] label).
 pub const NODE_COPY_SUBCOMMAND: &str = "node-copy";
+
+#[cfg(test)]
+mod job_name_tests {
+    use super::JobPhase;
+
+    #[test]
+    fn of_job_name_inverts_job_name() {
+        for phase in JobPhase::ALL {
+            for cache in ["c", "llama-download", "a-b"] {
+                let name = phase.job_name(cache);
+                assert!(
+                    JobPhase::of_job_name(&name).any(|p| p == (cache, phase)),
+                    "{name}"
+                );
+            }
+        }
+        assert_eq!(JobPhase::of_job_name("download").count(), 0);
+        assert_eq!(JobPhase::of_job_name("-download").count(), 0);
+        assert_eq!(JobPhase::of_job_name("c-downloads").count(), 0);
+    }
+}

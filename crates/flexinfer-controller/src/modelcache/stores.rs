@@ -324,12 +324,12 @@ pub fn pod_recorded(p: &StoredPod, jobs: &Store<StoredJob>, caches: &Store<Model
     if !p.succeeded() || jobs.get(&ObjectRef::new(&job).within(ns)).is_some() {
         return false;
     }
-    JobPhase::ALL.into_iter().any(|phase| {
-        job.strip_suffix(phase.as_str())
-            .and_then(|c| c.strip_suffix('-'))
-            .and_then(|cache| caches.get(&ObjectRef::new(cache).within(ns)))
+    let recorded = JobPhase::of_job_name(&job).any(|(cache, phase)| {
+        caches
+            .get(&ObjectRef::new(cache).within(ns))
             .is_some_and(|mc| records(&mc, phase, created.0, None))
-    })
+    });
+    recorded
 }
 
 /// Applies the Job and pod watches' events to their stores, leaving out what the caches' statuses

@@ -120,12 +120,7 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
     use super::*;
 
-    fn rand(seed: &mut u64) -> f32 {
-        *seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (*seed >> 33) as f32 / (1u64 << 31) as f32 - 0.5
-    }
+    use super::super::test_rand as rand;
 
     /// Straightforward `Σ (x·(a−b)ᵀ)² / n`, loop by loop.
     fn naive_mse(x: &Mat<f32>, a: &Mat<f32>, b: &Mat<f32>) -> f64 {

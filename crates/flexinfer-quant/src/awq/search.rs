@@ -242,12 +242,7 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
     use super::*;
 
-    fn rand(seed: &mut u64) -> f32 {
-        *seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (*seed >> 33) as f32 / (1u64 << 31) as f32 - 0.5
-    }
+    use super::super::test_rand as rand;
 
     /// Activations with a few outlier channels (what AWQ is for) and a random weight.
     fn case(tokens: usize, rows: usize, cols: usize) -> (Mat<f32>, Mat<f32>) {
