@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test suite, in three tiers (usage: scripts/test.sh [check|int|e2e|all]):
-#   check  cargo fmt --check, clippy -D warnings, the contract-string and test-hook checks, every test that needs no cluster:
-#          the unit tests, the doc tests and every test target not listed below (make check; no KUBECONFIG,
-#          no images, no real node; tests of optional tools — HIP code objects, llama.cpp, Python consumers,
+#   check  cargo fmt --check, clippy -D warnings, the test-hook and module-circle checks, every test that needs no
+#          cluster: the unit tests, the doc tests and every test target not listed below (among them
+#          flexinfer-contract's spelled_once, the contract-string check) (make check; no KUBECONFIG, no images,
+#          no real node; tests of optional tools — HIP code objects, llama.cpp, Python consumers,
 #          oras and the ModelPack validator — skip unless their variables are set, see the `all` stages);
 #   int    the test targets of INT_TESTS against the local control plane, then the chart, kustomize, RBAC,
 #          admission policy and alert tests (make test-int);
@@ -102,11 +103,15 @@ check() {
   stage "cargo clippy --all-targets -- -D warnings"
   cargo clippy --workspace --all-targets -j2 -- -D warnings
 
-  stage "contract strings are spelled only in crates/flexinfer-contract"
-  bash scripts/check-contract-strings.sh
-
   stage "the production worker has no test hooks"
   bash scripts/check-test-hooks.sh
+
+  stage "no import circle among the modules below (the planners' steps, the engine's device, job and GGUF parts)"
+  python3 scripts/check-module-cycles.py \
+    crates/flexinfer-api/src . crates/flexinfer-proxy/src . crates/flexinfer-quant/src . \
+    crates/flexinfer-controller/src modelcache crates/flexinfer-controller/src model \
+    crates/flexinfer-quant/src device crates/flexinfer-quant/src gguf crates/flexinfer-quant/src numerics \
+    crates/flexinfer-cli/src artifact crates/flexinfer-worker/src download crates/flexinfer-worker/src oci
 
   stage "cargo test: every test that needs no cluster"
   cargo_test check "${INT_TESTS[@]}" "${E2E_TESTS[@]}"

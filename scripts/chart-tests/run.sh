@@ -42,9 +42,6 @@ done
 python3 -c 'import yaml' 2>/dev/null || pip install --quiet pyyaml >/dev/null 2>&1 || true
 python3 -c 'import yaml' 2>/dev/null || { echo "python3 PyYAML missing and pip install failed"; echo "0 passed, 1 failed"; exit 1; }
 
-echo "== static: contract strings"
-t "contract strings are spelled only in crates/flexinfer-contract" bash scripts/check-contract-strings.sh
-
 echo "== static: lint, template, schema"
 t "helm lint --strict (defaults)" "$HELM" lint --strict "$CHART"
 t "helm lint --strict (all toggles on)" "$HELM" lint --strict "$CHART" -f "$HERE/values-all-on.yaml"

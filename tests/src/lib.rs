@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use kube::core::GroupVersionKind;
 use kube::discovery::{ApiCapabilities, ApiResource, Discovery, Scope};
@@ -164,6 +165,49 @@ pub async fn apply(
     let mut pp = PatchParams::apply("flexinfer-e2e").force();
     pp.dry_run = dry_run;
     api.patch(&name, &pp, &Patch::Apply(&obj)).await
+}
+
+/// Install the CRDs as users do — server-side apply of `deploy/crds/*.ai.flexinfer.yaml` (which `make
+/// crds-check` keeps equal to the Rust types) — and wait until each is Established.
+pub async fn install_crds(client: &Client) -> Result<()> {
+    let dir = repo_root().join("deploy/crds");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .with_context(|| format!("read {}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.to_string_lossy().ends_with(".ai.flexinfer.yaml"))
+        .collect();
+    files.sort();
+    let mut names = Vec::new();
+    for path in files {
+        let text =
+            std::fs::read_to_string(&path).with_context(|| format!("read {}", path.display()))?;
+        for doc in yaml_docs(&text).with_context(|| format!("parse {}", path.display()))? {
+            apply(client, &doc, None, false)
+                .await
+                .with_context(|| format!("apply {}", path.display()))?;
+            names.extend(doc["metadata"]["name"].as_str().map(String::from));
+        }
+    }
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    for name in names {
+        wait_for(
+            &format!("CRD {name} Established"),
+            Duration::from_secs(60),
+            || {
+                let (crds, name) = (crds.clone(), name.clone());
+                async move {
+                    let crd = crds.get(&name).await.ok()?;
+                    crd.status?
+                        .conditions?
+                        .iter()
+                        .any(|c| c.type_ == "Established" && c.status == "True")
+                        .then_some(())
+                }
+            },
+        )
+        .await?;
+    }
+    Ok(())
 }
 
 /// Poll `f` until it returns `Some`, or fail after `timeout` with `what` in the message.

@@ -3,59 +3,14 @@
 //! the API server with a message that names the offending field, and defaults are applied.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
-use std::time::Duration;
-
 use flexinfer_api::ModelCache;
-use flexinfer_e2e::{apply, client, repo_root, wait_for, yaml_docs, TestNamespace};
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use flexinfer_e2e::{apply, client, install_crds, repo_root, yaml_docs, TestNamespace};
 use kube::api::Api;
-
-async fn install_crds(c: &kube::Client) {
-    let dir = repo_root().join("deploy/crds");
-    let mut entries: Vec<_> = std::fs::read_dir(&dir)
-        .expect("deploy/crds exists")
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.to_string_lossy().ends_with(".ai.flexinfer.yaml"))
-        .collect();
-    entries.sort();
-    for p in entries {
-        let text = std::fs::read_to_string(&p).expect("read CRD");
-        for doc in yaml_docs(&text).expect("parse CRD") {
-            apply(c, &doc, None, false)
-                .await
-                .unwrap_or_else(|e| panic!("apply {}: {e}", p.display()));
-        }
-    }
-    let crds: Api<CustomResourceDefinition> = Api::all(c.clone());
-    for name in [
-        "modelcaches.ai.flexinfer",
-        "models.ai.flexinfer",
-        "gpuprofiles.ai.flexinfer",
-    ] {
-        wait_for(
-            &format!("CRD {name} Established"),
-            Duration::from_secs(30),
-            || {
-                let crds = crds.clone();
-                async move {
-                    let crd = crds.get(name).await.ok()?;
-                    crd.status?
-                        .conditions?
-                        .iter()
-                        .any(|c| c.type_ == "Established" && c.status == "True")
-                        .then_some(())
-                }
-            },
-        )
-        .await
-        .expect("CRD becomes Established");
-    }
-}
 
 #[tokio::test]
 async fn crds_install_and_explain_shows_ranges() {
     let c = client().await;
-    install_crds(&c).await;
+    install_crds(&c).await.expect("install the CRDs");
     let out = std::process::Command::new("kubectl")
         .args(["explain", "modelcache.spec.quantization.calibration"])
         .output()
@@ -93,7 +48,7 @@ async fn crds_install_and_explain_shows_ranges() {
 #[tokio::test]
 async fn every_example_passes_server_side_dry_run() {
     let c = client().await;
-    install_crds(&c).await;
+    install_crds(&c).await.expect("install the CRDs");
     let ns = TestNamespace::new(&c, "examples").await.expect("namespace");
     let dir = repo_root().join("deploy/examples");
     let mut files: Vec<_> = std::fs::read_dir(&dir)
@@ -140,7 +95,7 @@ async fn every_example_passes_server_side_dry_run() {
 #[tokio::test]
 async fn invalid_manifests_are_rejected_naming_the_field() {
     let c = client().await;
-    install_crds(&c).await;
+    install_crds(&c).await.expect("install the CRDs");
     let ns = TestNamespace::new(&c, "invalid").await.expect("namespace");
     let dir = repo_root().join("tests/invalid");
     let mut files: Vec<_> = std::fs::read_dir(&dir)
@@ -185,7 +140,7 @@ async fn invalid_manifests_are_rejected_naming_the_field() {
 #[tokio::test]
 async fn server_applies_documented_defaults() {
     let c = client().await;
-    install_crds(&c).await;
+    install_crds(&c).await.expect("install the CRDs");
     let ns = TestNamespace::new(&c, "defaults").await.expect("namespace");
     let doc = serde_json::json!({
         "apiVersion": "ai.flexinfer/v1alpha1", "kind": "ModelCache",

@@ -7,6 +7,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
+use flexinfer_api::contract::SourceUri;
 use serde_json::Value;
 
 /// What is known about the model.
@@ -223,16 +224,14 @@ pub fn from_hub_json(id: &str, v: &Value) -> Result<Footprint> {
 
 /// The hub repo id of a ModelCache source, if it is a hub source.
 pub fn hub_id(source: &str) -> Option<String> {
-    let s = source.trim();
-    for p in ["HF://", "hf://", "huggingface://"] {
-        if let Some(rest) = s.strip_prefix(p) {
-            return Some(rest.to_string());
-        }
+    match SourceUri::parse(source) {
+        SourceUri::Hub { repo, scheme: true } => Some(repo.to_string()),
+        SourceUri::Hub {
+            repo,
+            scheme: false,
+        } => (repo.split('/').count() == 2).then(|| repo.to_string()),
+        _ => None,
     }
-    if s.contains("://") {
-        return None;
-    }
-    (s.split('/').count() == 2).then(|| s.to_string())
 }
 
 /// GET `{endpoint}/api/models/{id}` (http or https), with an optional bearer token.

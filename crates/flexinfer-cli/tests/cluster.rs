@@ -5,7 +5,7 @@
 
 use std::process::Command;
 
-use flexinfer_e2e::TestNamespace;
+use flexinfer_e2e::{client, TestNamespace};
 use k8s_openapi::api::batch::v1::Job;
 use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
@@ -13,19 +13,6 @@ use kube::Client;
 use serde_json::{json, Value};
 
 const BIN: &str = env!("CARGO_BIN_EXE_flexinfer");
-
-/// Fails loudly when no control plane is configured (see scripts/test.sh).
-async fn client() -> Client {
-    if std::env::var_os("KUBECONFIG").is_none() {
-        panic!(
-            "KUBECONFIG is not set: these tests need the local control plane. Run them with `make test`, or \
-             `eval $(TESTENV_BIN=... bash scripts/testenv/up.sh api)` and `kubectl apply --server-side -f deploy/crds/` first."
-        );
-    }
-    Client::try_default()
-        .await
-        .expect("cannot build a client from KUBECONFIG (is the test control plane running?)")
-}
 
 fn ar(kind: &str, plural: &str, version: &str) -> ApiResource {
     ApiResource::from_gvk_with_plural(

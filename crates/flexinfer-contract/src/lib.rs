@@ -4,8 +4,8 @@
 //! controller–worker contract").
 //!
 //! Serde only: no Kubernetes client, so the worker and the quantization engine depend on this
-//! without pulling in kube. Every string here is part of the wire contract; `scripts/check-contract-strings.sh`
-//! checks that production code spells each one only here.
+//! without pulling in kube. Every string here is part of the wire contract; this crate's test
+//! `tests/spelled_once.rs` checks that production code spells each one only here.
 // Integer overflow from user or model values must be an error or saturate, never wrap or panic.
 #![deny(clippy::arithmetic_side_effects)]
 #![cfg_attr(test, allow(clippy::arithmetic_side_effects))]
@@ -21,6 +21,7 @@ pub mod phase;
 pub mod proxy;
 pub mod reasons;
 pub mod serving;
+pub mod source;
 pub mod termination;
 
 pub use events::{latest_event, latest_progress, GptqDeviceReport, ProgressEvent, WorkerEvent};
@@ -32,6 +33,7 @@ pub use files::{
 pub use files::{ABLITERATED_SUBDIR, CACHE_MOUNT, DATASETS_SUBDIR, SOURCE_SUBDIR};
 pub use phase::JobPhase;
 pub use reasons::FailureReason;
+pub use source::SourceUri;
 pub use termination::{
     encode_termination, TerminationFailure, TerminationMessage, TerminationSuccess,
 };

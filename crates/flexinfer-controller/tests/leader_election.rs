@@ -9,21 +9,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use flexinfer_controller::leader::{Leadership, LeaseConfig};
-use flexinfer_e2e::TestNamespace;
+use flexinfer_e2e::{client, TestNamespace};
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{Api, DeleteParams, PostParams};
 use kube::Client;
-
-async fn client() -> Client {
-    if std::env::var_os("KUBECONFIG").is_none() {
-        panic!(
-            "KUBECONFIG is not set: run `eval $(scripts/testenv/up.sh api)` first (make test does)"
-        );
-    }
-    Client::try_default().await.expect("client from KUBECONFIG")
-}
 
 fn cfg(ns: &str, identity: &str, secs: u64) -> LeaseConfig {
     LeaseConfig::new(

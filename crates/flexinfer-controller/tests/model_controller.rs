@@ -15,15 +15,14 @@ use flexinfer_api::model::ModelPhase;
 use flexinfer_api::{GPUProfile, Model, ModelCache};
 use flexinfer_controller::metrics::Metrics;
 use flexinfer_controller::model::{self, render::RenderConfig, Options};
-use flexinfer_e2e::{cleanup_off_runtime, wait_for, TestNamespace};
+use flexinfer_e2e::{cleanup_off_runtime, client, install_crds, wait_for, TestNamespace};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{
     Container, PersistentVolume, PersistentVolumeClaim, Pod, Service,
 };
 use k8s_openapi::api::events::v1::Event;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
-use kube::runtime::wait::{await_condition, conditions::is_crd_established};
+use kube::runtime::wait::await_condition;
 use kube::{Client, Resource, ResourceExt};
 use serde_json::{json, Value};
 
@@ -38,43 +37,10 @@ struct TestEnv {
     pvs: Vec<String>,
 }
 
-async fn client() -> Client {
-    if std::env::var_os("KUBECONFIG").is_none() {
-        panic!(
-            "KUBECONFIG is not set: these tests need the local control plane in cluster mode. Run `make test`, \
-             or `eval $(TESTENV_BIN=… scripts/testenv/up.sh cluster)` first."
-        );
-    }
-    Client::try_default()
-        .await
-        .unwrap_or_else(|e| panic!("cannot build a client from KUBECONFIG: {e}"))
-}
-
-async fn install_crds(client: &Client) {
-    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
-    for (_, crd) in flexinfer_api::crdgen::crds() {
-        let name = crd.name_any();
-        api.patch(
-            &name,
-            &PatchParams::apply(MANAGER).force(),
-            &Patch::Apply(&crd),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("apply CRD {name}: {e}"));
-        tokio::time::timeout(
-            WAIT,
-            await_condition(api.clone(), &name, is_crd_established()),
-        )
-        .await
-        .unwrap_or_else(|_| panic!("CRD {name} not established"))
-        .unwrap_or_else(|e| panic!("watch CRD {name}: {e}"));
-    }
-}
-
 impl TestEnv {
     async fn new(prefix: &str) -> Self {
         let client = client().await;
-        install_crds(&client).await;
+        install_crds(&client).await.expect("install the CRDs");
         let ns = TestNamespace::new(&client, prefix)
             .await
             .unwrap_or_else(|e| panic!("create namespace: {e:#}"));

@@ -18,7 +18,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use flexinfer_api::model::ModelPhase;
 use flexinfer_api::Model;
-use flexinfer_e2e::TestNamespace;
+use flexinfer_e2e::{client, install_crds, TestNamespace};
 use flexinfer_proxy::auth::ApiKeys;
 use flexinfer_proxy::cluster::ModelKey;
 use flexinfer_proxy::{Cluster, Config, Proxy};
@@ -29,10 +29,9 @@ use hyper::body::{Frame, Incoming};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
-use kube::runtime::wait::{await_condition, conditions::is_crd_established};
+use kube::runtime::wait::await_condition;
 use kube::{Client, ResourceExt};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
@@ -51,39 +50,6 @@ const KCM_SLICE_MANAGER: &str = "endpointslice-controller.k8s.io";
 
 // ---------------------------------------------------------------------------------------------
 // control plane
-
-async fn client() -> Client {
-    if std::env::var_os("KUBECONFIG").is_none() {
-        panic!(
-            "KUBECONFIG is not set: these tests need the local control plane. Run `make test`, \
-             or `eval $(TESTENV_BIN=… scripts/testenv/up.sh api)` first."
-        );
-    }
-    Client::try_default()
-        .await
-        .unwrap_or_else(|e| panic!("cannot build a client from KUBECONFIG: {e}"))
-}
-
-async fn install_crds(client: &Client) {
-    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
-    for (_, crd) in flexinfer_api::crdgen::crds() {
-        let name = crd.name_any();
-        api.patch(
-            &name,
-            &PatchParams::apply(MANAGER).force(),
-            &Patch::Apply(&crd),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("apply CRD {name}: {e}"));
-        tokio::time::timeout(
-            WAIT,
-            await_condition(api.clone(), &name, is_crd_established()),
-        )
-        .await
-        .unwrap_or_else(|_| panic!("CRD {name} not established"))
-        .unwrap_or_else(|e| panic!("{e}"));
-    }
-}
 
 /// This host's address as other machines (and EndpointSlice validation) see it: not loopback.
 fn host_ip() -> IpAddr {
@@ -450,7 +416,7 @@ async fn error_of(resp: reqwest::Response, status: u16) -> Value {
 #[tokio::test]
 async fn proxy_routes_streams_and_authenticates() {
     let client = client().await;
-    install_crds(&client).await;
+    install_crds(&client).await.expect("install the CRDs");
     let ns = TestNamespace::new(&client, "proxy-route").await.unwrap();
     let ns = ns.name.clone();
     let a = start_backend("backend-a").await;
@@ -801,7 +767,7 @@ async fn proxy_routes_streams_and_authenticates() {
 #[tokio::test]
 async fn proxy_scales_from_zero_keeps_alive_and_lets_idle() {
     let client = client().await;
-    install_crds(&client).await;
+    install_crds(&client).await.expect("install the CRDs");
     let tns = TestNamespace::new(&client, "proxy-cold").await.unwrap();
     let ns = tns.name.clone();
     let metrics = flexinfer_controller::metrics::Metrics::new().unwrap();
@@ -994,7 +960,7 @@ async fn proxy_scales_from_zero_keeps_alive_and_lets_idle() {
 #[tokio::test]
 async fn proxy_cold_start_timeout_and_unservable_models() {
     let client = client().await;
-    install_crds(&client).await;
+    install_crds(&client).await.expect("install the CRDs");
     let tns = TestNamespace::new(&client, "proxy-timeout").await.unwrap();
     let ns = tns.name.clone();
     apply_model(
@@ -1095,7 +1061,7 @@ async fn proxy_cold_start_timeout_and_unservable_models() {
 #[tokio::test]
 async fn proxy_last_active_time_is_throttled_across_replicas() {
     let client = client().await;
-    install_crds(&client).await;
+    install_crds(&client).await.expect("install the CRDs");
     let tns = TestNamespace::new(&client, "proxy-throttle").await.unwrap();
     let ns = tns.name.clone();
     let backend = start_backend("shared").await;
@@ -1164,7 +1130,7 @@ async fn proxy_last_active_time_is_throttled_across_replicas() {
 #[tokio::test]
 async fn proxy_shared_gpu_group_preempts_serves_and_hands_the_lane_back() {
     let client = client().await;
-    install_crds(&client).await;
+    install_crds(&client).await.expect("install the CRDs");
     let tns = TestNamespace::new(&client, "proxy-shared").await.unwrap();
     let ns = tns.name.clone();
     let metrics = flexinfer_controller::metrics::Metrics::new().unwrap();
@@ -1425,7 +1391,7 @@ async fn proxy_works_with_the_official_openai_python_client() {
         )
     });
     let client = client().await;
-    install_crds(&client).await;
+    install_crds(&client).await.expect("install the CRDs");
     let tns = TestNamespace::new(&client, "proxy-openai").await.unwrap();
     let ns = tns.name.clone();
     let backend = start_backend("py").await;
@@ -1477,7 +1443,7 @@ async fn proxy_works_with_the_official_openai_python_client() {
 #[tokio::test]
 async fn proxy_replica_killed_mid_stream_the_other_serves() {
     let client = client().await;
-    install_crds(&client).await;
+    install_crds(&client).await.expect("install the CRDs");
     let tns = TestNamespace::new(&client, "proxy-ha").await.unwrap();
     let ns = tns.name.clone();
     let backend = start_backend("ha").await;

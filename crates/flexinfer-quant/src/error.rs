@@ -12,8 +12,10 @@ use std::path::PathBuf;
 use serde_json::Value;
 
 pub(crate) mod device;
+mod gguf;
 
 use self::device::{DeviceError, DeviceKind, ProbeError};
+pub use self::gguf::GgufError;
 
 /// Everything that can go wrong in the engine. The `Config`, `Tensor`, `Dataset`, `Spec` and `File`
 /// variants mean the caller handed us something we cannot quantize (bad model, bad config, bad
@@ -95,7 +97,7 @@ pub enum QuantError {
     TestAbort(usize),
     /// The GGUF output: bad input (architecture, tokenizer, row sizes) or an I/O failure.
     #[error("GGUF: {0}")]
-    Gguf(#[from] crate::gguf::GgufError),
+    Gguf(#[from] GgufError),
 }
 
 /// The error type of the tokenizer library (a boxed error).

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use flexinfer_contract::{self as contract, env, files, TerminationSuccess};
+use flexinfer_contract::{self as contract, env, files, source, TerminationSuccess};
 
 use crate::common::{self, Events, ExitKind, WorkerError};
 use crate::download::{self, DownloadArgs, RemoteFile};
@@ -106,7 +106,7 @@ fn staging(dir: &Path, hex: &str) -> PathBuf {
 async fn fill(a: &FillArgs, events: Arc<Events>) -> Result<TerminationSuccess, WorkerError> {
     common::check_version(a.script_version.as_deref())?;
     let raw = a.source.trim();
-    let Some(rest) = raw.strip_prefix("oci://") else {
+    let Some(rest) = source::strip_scheme(raw, source::OCI) else {
         return Err(WorkerError::BadInput(format!(
             "{}: a node copy is pulled from the published artifact, oci://registry/repo@sha256:…; got {raw:?}",
             env::SOURCE

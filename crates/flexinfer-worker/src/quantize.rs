@@ -14,8 +14,8 @@ use flexinfer_quant::device::{select_device, MemoryBudget, Selection, SystemPlat
 use flexinfer_quant::events::EventSink;
 use flexinfer_quant::fp8::{write_fp8_artifact, Fp8Job, ScaleStrategy};
 use flexinfer_quant::gguf::blocks::feedback::FEEDBACK_BY_DEFAULT;
+use flexinfer_quant::gguf::importance::{collect_importance, Importance, ImportanceJob};
 use flexinfer_quant::gguf::{write_gguf_artifact, FileType, GgufArtifactJob};
-use flexinfer_quant::job::importance::{collect_importance, Importance, ImportanceJob};
 use flexinfer_quant::job::{self as quantize_job, Container, QuantizeJob};
 use flexinfer_quant::params::{
     ClipSearch, FloorMode, GateParams, GptqParams, RecoveryParams, RefineScales,

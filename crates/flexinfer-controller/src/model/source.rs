@@ -1,6 +1,6 @@
 //! Model sources (`pvc://`, `modelcache://`, Hugging Face ids) and the cache path format.
 
-use flexinfer_api::contract::check_relative_path;
+use flexinfer_api::contract::{check_relative_path, SourceUri};
 
 /// A parsed `spec.source`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,10 +58,7 @@ pub fn parse_source(source: &str) -> Result<Source, SourceError> {
             name: name.to_string(),
         });
     }
-    let repo = ["HF://", "hf://", "huggingface://"]
-        .iter()
-        .find_map(|p| source.strip_prefix(p))
-        .unwrap_or(source);
+    let repo = SourceUri::strip_hub_scheme(source).unwrap_or(source);
     let parts: Vec<&str> = repo.split('/').collect();
     let ok_part = |p: &&str| {
         !p.is_empty()

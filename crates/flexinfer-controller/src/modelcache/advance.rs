@@ -16,10 +16,11 @@ use super::failures::{is_image_pull_failure, is_transient_pull_failure};
 use super::jobs;
 use super::observe::{stuck_reason, waits_for, JobState, ObservedJob};
 use super::phase::{
-    get_common, phase_from_status_name, reset_retries, running_phase, secs_between, set_common,
+    get_common, new_generation, phase_from_status_name, reset_retries, running_phase, secs_between,
+    set_common, set_generation,
 };
-use super::plan::{create_job, Action, Observed};
 use super::results::{record_failure, record_success, update_progress};
+use super::types::{Action, Observed};
 
 /// The phase being advanced.
 struct PhaseRun<'t> {
@@ -437,4 +438,59 @@ fn report_stuck_pod(cx: &mut Ctx<'_>, job: &ObservedJob, stuck: &StuckPod) {
         cx.job_event(true, stuck.reason.as_str(), msg, Some(&job.name));
     }
     cx.requeue(stuck.remaining.min(cx.config.progress_poll));
+}
+
+fn create_job(
+    cx: &mut Ctx<'_>,
+    target: &jobs::PhaseTarget,
+    image: &str,
+    hash: &str,
+    mut c: PhaseProgress,
+    served: &[String],
+) {
+    let phase = target.phase;
+    // A phase that writes generations gets a new one for a new run (new spec, trigger, changed input);
+    // a retry of the same run continues in its generation (and resumes from its files).
+    let retry_of_same_run = c.spec_hash.as_deref() == Some(hash);
+    if jobs::output_base(cx.mc, phase).is_some()
+        && (!retry_of_same_run || jobs::generation(&cx.st, phase).is_none())
+    {
+        set_generation(&mut cx.st, phase, new_generation(hash, cx.now));
+    }
+    let job = jobs::build_job(cx.mc, &cx.st, served, target, image, hash, cx.config);
+    let jname = job.metadata.name.clone().unwrap_or_default();
+    cx.actions.push(Action::CreateJob(Box::new(job)));
+    c.spec_hash = Some(hash.to_string());
+    c.run_hash = Some(jobs::legacy_spec_hash(cx.mc, phase, image));
+    c.image = Some(image.to_string());
+    c.started_at = Some(cx.now_t.clone());
+    c.completed_at = None;
+    c.progress = Some(0);
+    c.progress_detail = None;
+    c.progress_source = None;
+    c.last_progress_at = None;
+    set_common(&mut cx.st, phase, c);
+    if let (JobPhase::Quantize, Some(q)) = (phase, cx.st.quantization.as_mut()) {
+        // The new run reports its own device.
+        q.gptq_device = None;
+        q.gptq_device_reason = None;
+        q.gptq_device_kind = None;
+        q.gptq_device_requested = None;
+    }
+    cx.st.phase = Some(running_phase(phase));
+    cx.st.progress = Some(0);
+    cx.st.next_retry_at = None;
+    let attempt = cx.st.retry_count.unwrap_or(0);
+    let msg = format!(
+        "created Job {jname} (image {image}, attempt {})",
+        attempt.saturating_add(1)
+    );
+    cx.cond(
+        types::PROGRESSING,
+        true,
+        running_phase(phase).as_str(),
+        &msg,
+    );
+    cx.ready_pending_at(phase);
+    cx.job_event(false, reasons::JOB_CREATED, msg, Some(&jname));
 }

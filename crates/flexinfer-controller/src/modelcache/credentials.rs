@@ -10,10 +10,10 @@
 
 use std::collections::BTreeSet;
 
-use flexinfer_api::contract::{env, reasons, JobPhase};
+use flexinfer_api::contract::{env, reasons, source, JobPhase};
 use flexinfer_api::modelcache::ModelCache;
 
-use super::validation::SpecProblem;
+use super::problem::SpecProblem;
 
 /// `FLEXINFER_CREDENTIAL_REGISTRIES`: the registries that may receive a Secret's credentials.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -29,8 +29,6 @@ pub enum CredentialRegistries {
 
 /// What wildcard entry lets credentials go to every registry.
 const ANY: &str = "*";
-/// The scheme of OCI references in a ModelCache.
-const SCHEME: &str = "oci://";
 
 impl CredentialRegistries {
     /// Parse a comma-separated list of `host[:port]` entries, or `*`; the error names the entry.
@@ -92,13 +90,7 @@ impl CredentialRegistries {
 /// the text before the first `/` (of the part before any `@`), lower-cased. `None` when there is no `/`
 /// (the worker then refuses the reference and contacts nothing).
 pub fn registry_of(reference: &str) -> Option<String> {
-    let mut s = reference.trim();
-    while s
-        .get(..SCHEME.len())
-        .is_some_and(|p| p.eq_ignore_ascii_case(SCHEME))
-    {
-        s = s.get(SCHEME.len()..).unwrap_or_default();
-    }
+    let s = source::oci_reference(reference);
     let before_digest = s.split('@').next().unwrap_or_default();
     let (registry, _) = before_digest.split_once('/')?;
     Some(registry.to_ascii_lowercase())
@@ -120,14 +112,11 @@ fn logins(mc: &ModelCache) -> Vec<Login<'_>> {
     let mut out = Vec::new();
     // The download logs in to an `oci://` source with `spec.secretRef` (jobs::worker_env).
     if let Some(secret) = &s.secret_ref {
-        let source = s.source.trim();
-        if source
-            .get(..SCHEME.len())
-            .is_some_and(|p| p.eq_ignore_ascii_case(SCHEME))
-        {
+        let src = s.source.trim();
+        if source::strip_scheme(src, source::OCI).is_some() {
             out.push(Login {
                 field: "spec.source",
-                reference: source,
+                reference: src,
                 secret_field: "spec.secretRef",
                 secret,
                 phase: JobPhase::Download,

@@ -13,7 +13,7 @@ use k8s_openapi::jiff::Timestamp;
 use super::config::Config;
 use super::failures::{redact, truncate};
 use super::phase::{get_common, phase_condition, running_phase, set_common};
-use super::plan::{Action, Observed, Outcome};
+use super::types::{Action, Observed, Outcome};
 
 /// An event action; its note is redacted and bounded.
 pub(super) fn event(warning: bool, reason: &str, note: &str, job: Option<&str>) -> Action {

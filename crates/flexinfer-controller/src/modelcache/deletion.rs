@@ -5,7 +5,7 @@ use flexinfer_api::modelcache::ModelCache;
 
 use super::ctx::event;
 use super::jobs;
-use super::plan::{Action, Observed};
+use super::types::{Action, Observed};
 
 /// Whether the cache carries the cleanup finalizer.
 pub(super) fn has_cleanup_finalizer(mc: &ModelCache) -> bool {

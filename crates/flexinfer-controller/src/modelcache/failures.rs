@@ -3,7 +3,7 @@
 use flexinfer_api::contract::{FailureReason, TerminationMessage};
 
 use super::observe::{JobState, ObservedJob};
-use super::plan::LogTail;
+use super::types::LogTail;
 
 /// Remove secrets from text that goes into status, events or logs: Hugging Face tokens,
 /// bearer tokens, and `key=value` / `key: value` pairs whose key names a credential.

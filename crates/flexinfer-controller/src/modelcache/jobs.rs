@@ -21,7 +21,7 @@ use super::config::Config;
 pub use super::target::*;
 
 mod worker_env;
-pub(crate) use worker_env::{ev, reads_calibration, secret_ev};
+pub(crate) use worker_env::{ev, secret_ev};
 
 pub use worker_env::keep_dirs;
 use worker_env::worker_env;

@@ -15,6 +15,7 @@ pub mod nodelocal;
 pub mod observe;
 mod phase;
 pub mod plan;
+mod problem;
 pub mod reconcile;
 mod results;
 mod series;
@@ -22,6 +23,7 @@ pub mod stored_job;
 pub mod stores;
 pub mod target;
 mod triggers;
+pub mod types;
 mod validation;
 
 pub use config::Config;

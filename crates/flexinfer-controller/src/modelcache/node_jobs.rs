@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use flexinfer_api::contract::{self, annotations, env, labels, phase};
+use flexinfer_api::contract::{self, annotations, env, labels, phase, source};
 use flexinfer_api::modelcache::{ModelCache, NodeCopyStatus, NodeLocalStatus};
 use k8s_openapi::api::batch::v1::{Job, JobSpec};
 use k8s_openapi::api::core::v1::{
@@ -45,13 +45,13 @@ pub fn copy_dir(root: &str, ns: &str, cache: &str, digest: &str) -> Option<Strin
 /// The reference a node copy is pulled from: `spec.publish.ociRef`'s repository at `digest`.
 pub fn source_ref(oci_ref: &str, digest: &str) -> Option<String> {
     super::nodelocal::label_value(digest)?;
-    let r = oci_ref.trim().trim_start_matches("oci://");
+    let r = source::oci_reference(oci_ref);
     let (host, path) = r.split_once('/')?;
     let repo = match path.rsplit_once(':') {
         Some((repo, tag)) if !tag.contains('/') => repo,
         _ => path,
     };
-    (!host.is_empty() && !repo.is_empty()).then(|| format!("oci://{host}/{repo}@{digest}"))
+    (!host.is_empty() && !repo.is_empty()).then(|| format!("{}{host}/{repo}@{digest}", source::OCI))
 }
 
 /// The digest in a task's annotation: the fill's, or the one a cleanup keeps (`""`: none).

@@ -9,19 +9,9 @@ use k8s_openapi::jiff::Timestamp;
 
 use super::config::Config;
 use super::node_jobs::{build_job, job_name, status_of};
-use super::nodelocal::{label_key, plan_nodes, Input, NodeAction, NodePlan, NodeView, Task};
-use super::plan::Action;
-
-/// What the reconciler read for the node copies.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct NodeLocalObserved {
-    pub nodes: Vec<NodeView>,
-    /// The cache's node-copy Jobs.
-    pub tasks: Vec<Task>,
-    /// Why the nodes or Jobs could not be read (e.g. the controller may not list nodes): nothing is
-    /// changed on the nodes and the status says why.
-    pub problem: Option<String>,
-}
+use super::nodelocal::{label_key, plan_nodes, Input, NodeAction, NodePlan};
+use super::types::Action;
+pub use super::types::NodeLocalObserved;
 
 /// How long a deleted cache waits for its cleanups before it goes regardless (a node whose kubelet
 /// is gone never runs its cleanup).

@@ -543,12 +543,21 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
                 }
             }
             Action::RemoveAnnotations(keys) => {
+                // Conditional like every other write of the cache: the trigger was read from this
+                // copy and its effect is in the status just written; on a conflict the next plan
+                // reads the annotations again.
                 let m: BTreeMap<&str, Option<String>> =
                     keys.iter().map(|k| (k.as_str(), None)).collect();
-                let patch = serde_json::json!({"metadata": {"annotations": m}});
-                caches
+                let patch =
+                    serde_json::json!({"metadata": {"annotations": m, "resourceVersion": rv}});
+                match caches
                     .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
-                    .await?;
+                    .await
+                {
+                    Ok(updated) => rv = updated.resource_version(),
+                    Err(kube::Error::Api(e)) if e.code == 409 => return Err(Error::Conflict),
+                    Err(e) => return Err(e.into()),
+                }
             }
             Action::Event {
                 warning,

@@ -18,7 +18,7 @@ use super::phase::{
     complete_reason, failed_reason, get_common, phase_from_status_name, reset_retries,
     running_phase, secs_between, set_common, ts_add,
 };
-use super::plan::{Action, LogTail, Observed};
+use super::types::{Action, LogTail, Observed};
 
 fn rel_output_dir(raw: &str) -> Option<String> {
     let p = raw

@@ -13,7 +13,7 @@ use kube::runtime::{watcher, WatchStreamExt};
 use kube::ResourceExt;
 use tracing::debug;
 
-use super::plan::Plan;
+use super::types::Plan;
 use crate::metrics::Metrics;
 
 /// A cache deleted without a finalizer (existing claim) never reaches `reconcile`: watch the
@@ -302,7 +302,7 @@ mod metric_cleanup_tests {
             status_changed: false,
             actions: vec![],
             requeue_after: None,
-            outcome: super::super::plan::Outcome {
+            outcome: super::super::types::Outcome {
                 running: running.then_some((JobPhase::Quantize, 3600, 60)),
                 gptq_on_cpu: on_cpu,
                 ..Default::default()
@@ -349,7 +349,7 @@ mod metric_cleanup_tests {
             status_changed: false,
             actions: vec![],
             requeue_after: None,
-            outcome: super::super::plan::Outcome {
+            outcome: super::super::types::Outcome {
                 running: running.then_some((JobPhase::Quantize, 3600, 60)),
                 telemetry: Some(telemetry.clone()),
                 ..Default::default()

@@ -17,7 +17,10 @@ use serde::Deserialize;
 
 use flexinfer_api::contract;
 
-use super::stores::{JOB_NAME_LABEL, LEGACY_JOB_NAME_LABEL};
+/// The label the Job controller puts on a Job's pods.
+pub const JOB_NAME_LABEL: &str = "batch.kubernetes.io/job-name";
+/// The same label as Kubernetes before 1.27 spelled it.
+pub const LEGACY_JOB_NAME_LABEL: &str = "job-name";
 
 /// A Job, reduced (see the module docs): the metadata that identifies it, and the fields of its
 /// labels, annotations, spec and status that a reader looks at, as plain values (a label or

@@ -45,12 +45,8 @@ use kube::{Api, Client, Resource, ResourceExt};
 use super::jobs;
 use super::observe::{job_state, records, JobState};
 use super::stored_job::{StoredJob, StoredPod};
+pub use super::stored_job::{JOB_NAME_LABEL, LEGACY_JOB_NAME_LABEL};
 use crate::kube_client::api_in;
-
-/// The label the Job controller puts on a Job's pods.
-pub const JOB_NAME_LABEL: &str = "batch.kubernetes.io/job-name";
-/// The same label as Kubernetes before 1.27 spelled it.
-pub const LEGACY_JOB_NAME_LABEL: &str = "job-name";
 
 /// `(namespace, key)` of an [`Index`].
 type IndexKey = (Box<str>, Box<str>);

@@ -318,7 +318,7 @@ fn legacy_phase_inputs(mc: &ModelCache, phase: JobPhase) -> serde_json::Value {
             "download": j(&s.download),
             // The calibration dataset is fetched by the download phase (for the formats that read one).
             "dataset": s.quantization.as_ref()
-                .filter(|q| super::jobs::reads_calibration(q))
+                .filter(|q| reads_calibration(q))
                 .map(|q| q.effective_calibration().dataset),
         }),
         JobPhase::Abliterate => j(&s.abliteration),
@@ -486,4 +486,11 @@ pub fn artifact_dir(mc: &ModelCache, st: &ModelCacheStatus) -> String {
     promoted_dir(st, last)
         .or_else(|| output_base(mc, last))
         .unwrap_or(base)
+}
+
+/// Whether the quantize phase reads a calibration set: always for the formats that need one (GPTQ), and for
+/// GGUF when the spec sets `calibration` (the importance matrix of the block search).
+pub fn reads_calibration(q: &flexinfer_api::modelcache::QuantizationSpec) -> bool {
+    flexinfer_api::formats::info(q.format).needs_calibration
+        || (q.format == QuantFormat::Gguf && q.calibration.is_some())
 }

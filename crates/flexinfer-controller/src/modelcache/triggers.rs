@@ -7,7 +7,7 @@ use flexinfer_api::modelcache::{CachePhase, ModelCache};
 use super::ctx::{invalidate, Ctx};
 use super::jobs;
 use super::phase::reset_retries;
-use super::plan::{Action, Observed};
+use super::types::{Action, Observed};
 
 /// A phase removed from the spec: forget its results and Job; its successors' input changed
 /// (e.g. quantize reads the download directory instead of `abliterated/`), so they re-run.

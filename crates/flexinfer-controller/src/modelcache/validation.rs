@@ -7,16 +7,8 @@ use flexinfer_api::formats;
 use flexinfer_api::modelcache::{ModelCache, QuantFormat, QuantizationSpec, StorageStrategy};
 
 use super::jobs;
-use super::plan::Observed;
-
-/// Why the spec cannot run: the cache fails with `reason` (no retry can fix it).
-#[derive(Debug, Clone, PartialEq)]
-pub(super) struct SpecProblem {
-    pub(super) reason: &'static str,
-    pub(super) message: String,
-    /// The phase whose spec is at fault, when it is one phase's.
-    pub(super) phase: Option<JobPhase>,
-}
+pub(super) use super::problem::SpecProblem;
+use super::types::Observed;
 
 /// Why compressed-tensors' `pack-quantized` layout cannot hold what the spec asks, if it cannot: bit
 /// widths other than 4 and 8 (vLLM's kernels for the layout), and act-order across groups (the

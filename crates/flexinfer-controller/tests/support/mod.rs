@@ -19,26 +19,7 @@ use tokio::process::{Child, Command};
 
 pub const WAIT: Duration = Duration::from_secs(150);
 
-pub fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-pub async fn install_crds(c: &Client) -> Result<()> {
-    for f in ["modelcaches", "gpuprofiles", "models"] {
-        let path = repo_root().join(format!("deploy/crds/{f}.ai.flexinfer.yaml"));
-        let text = std::fs::read_to_string(&path).with_context(|| path.display().to_string())?;
-        for doc in yaml_docs(&text)? {
-            apply(c, &doc, None, false).await?;
-        }
-    }
-    let api: Api<ModelCache> = Api::all(c.clone());
-    wait_for("ModelCache CRD served", Duration::from_secs(30), || {
-        let api = api.clone();
-        async move { api.list(&ListParams::default().limit(1)).await.ok() }
-    })
-    .await?;
-    Ok(())
-}
+pub use flexinfer_e2e::install_crds;
 
 /// The controller as a subprocess; killed when dropped.
 pub struct Controller {

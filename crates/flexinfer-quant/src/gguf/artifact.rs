@@ -28,7 +28,7 @@ pub struct GgufArtifactJob<'a> {
     pub file_type: FileType,
     pub importance: Option<&'a HashMap<String, Vec<f32>>>,
     /// Tensors already quantized (GGUF name → bytes of the planned type): the GPTQ-feedback tensors
-    /// of the calibration pass ([`crate::job::importance::Importance::feedback`]).
+    /// of the calibration pass ([`super::importance::Importance::feedback`]).
     pub prequantized: Option<&'a HashMap<String, Vec<u8>>>,
     pub script_version: &'a str,
     /// Re-hash the file of an existing `.save-complete` before reusing it (else its size only).

@@ -7,6 +7,7 @@ pub mod artifact;
 pub mod blocks;
 pub mod error;
 pub mod export;
+pub mod importance;
 pub mod llama;
 pub mod preset;
 pub mod reader;

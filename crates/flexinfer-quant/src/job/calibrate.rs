@@ -124,7 +124,7 @@ pub(super) fn load_calibration(
 
 /// Each sample's embeddings, the input of layer 0. Embedding rows are read one token at a time from
 /// the mapping (no f32 copy of the whole table).
-pub(super) fn embed_samples(
+pub(crate) fn embed_samples(
     store: &TensorStore,
     cfg: &ModelConfig,
     samples: &[Vec<u32>],

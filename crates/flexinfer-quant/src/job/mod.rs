@@ -7,11 +7,10 @@
 //! [`experts`] for sparse MoE layers), [`checkpoint`] (gate and save through the [`writer`]).
 
 pub mod cache;
-mod calibrate;
+pub(crate) mod calibrate;
 mod checkpoint;
 pub(crate) mod digest;
 mod experts;
-pub mod importance;
 mod layer;
 pub mod policy;
 pub mod rewrite;

@@ -2,6 +2,8 @@
 
 use std::path::Path;
 
+use flexinfer_contract::source::{self, SourceUri};
+
 use crate::common::{ExitKind, WorkerError};
 use crate::hf;
 use crate::oci;
@@ -16,37 +18,31 @@ pub enum Source {
 impl Source {
     pub fn parse(s: &str) -> Result<Source, WorkerError> {
         let s = s.trim();
-        let lower = s.to_ascii_lowercase();
         let context = || format!("invalid source {s:?}");
-        for prefix in ["hf://", "huggingface://"] {
-            if lower.starts_with(prefix) {
-                let repo = s[prefix.len()..].trim_matches('/').to_string();
-                hf::check_repo_id(&repo)
+        match SourceUri::parse(s) {
+            SourceUri::Hub { repo, .. } => {
+                hf::check_repo_id(repo)
                     .map_err(WorkerError::caused(ExitKind::BadInput, context()))?;
-                return Ok(Source::Hub { repo });
+                Ok(Source::Hub {
+                    repo: repo.to_string(),
+                })
             }
+            SourceUri::Oci(reference) => {
+                oci::Reference::parse(reference)
+                    .map_err(WorkerError::caused(ExitKind::BadInput, context()))?;
+                Ok(Source::Oci {
+                    reference: reference.to_string(),
+                })
+            }
+            SourceUri::Local(path) => Ok(Source::Local {
+                path: path.to_string(),
+            }),
+            SourceUri::Unknown { .. } => Err(WorkerError::BadInput(format!(
+                "{}: unknown scheme (use {})",
+                context(),
+                source::SCHEMES
+            ))),
         }
-        if lower.starts_with("oci://") {
-            let reference = s["oci://".len()..].to_string();
-            oci::Reference::parse(&reference)
-                .map_err(WorkerError::caused(ExitKind::BadInput, context()))?;
-            return Ok(Source::Oci { reference });
-        }
-        if lower.starts_with("local://") {
-            return Ok(Source::Local {
-                path: s["local://".len()..].to_string(),
-            });
-        }
-        if s.contains("://") {
-            return Err(WorkerError::BadInput(format!(
-                "{}: unknown scheme (use HF://, huggingface://, oci:// or local://)",
-                context()
-            )));
-        }
-        hf::check_repo_id(s).map_err(WorkerError::caused(ExitKind::BadInput, context()))?;
-        Ok(Source::Hub {
-            repo: s.to_string(),
-        })
     }
 }
 
@@ -105,7 +101,8 @@ fn build_globs(list: &str) -> Result<Option<globset::GlobSet>, WorkerError> {
 pub fn hub_dataset_id(v: &str) -> Option<String> {
     let v = v.trim();
     let lower = v.to_ascii_lowercase();
-    let v = ["hf://datasets/", "hf://", "datasets/"]
+    let hf_datasets = format!("{}datasets/", source::HF);
+    let v = [hf_datasets.as_str(), source::HF, "datasets/"]
         .iter()
         .find_map(|p| lower.starts_with(p).then(|| &v[p.len()..]))
         .unwrap_or(v);

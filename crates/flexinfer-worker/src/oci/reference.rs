@@ -16,7 +16,7 @@ impl Reference {
             reference: s.to_string(),
             problem,
         };
-        let s = s.trim().trim_start_matches("oci://");
+        let s = flexinfer_contract::source::oci_reference(s);
         let (rest, digest) = match s.split_once('@') {
             Some((r, d)) => {
                 if !is_sha256_digest(d) {

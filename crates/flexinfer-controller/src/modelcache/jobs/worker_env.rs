@@ -2,11 +2,11 @@
 //! the downward API, the garbage collection's keep list), each phase's settings from the spec, and the GPU
 //! profile's env last (same name wins last). The names are the contract's (`flexinfer_contract::env`).
 
-use flexinfer_api::contract::{self, env, JobPhase};
-use flexinfer_api::formats;
+use flexinfer_api::contract::{self, env, JobPhase, SourceUri};
 use flexinfer_api::modelcache::{ModelCache, ModelCacheSpec, ModelCacheStatus, QuantFormat};
 use k8s_openapi::api::core::v1::{EnvVar, EnvVarSource, SecretKeySelector};
 
+use super::reads_calibration;
 use super::{cache_path, phase_dirs, phase_memory_gb, Config, PhaseTarget};
 
 /// A plain env var.
@@ -151,7 +151,7 @@ fn download_env(s: &ModelCacheSpec) -> Vec<EnvVar> {
     // Only the download talks to the hub; an `oci://` source needs the registry login.
     if let Some(sec) = &s.secret_ref {
         e.push(secret_ev(env::HF_TOKEN, sec, env::HF_TOKEN));
-        if s.source.trim().to_ascii_lowercase().starts_with("oci://") {
+        if matches!(SourceUri::parse(&s.source), SourceUri::Oci(_)) {
             e.push(secret_ev(env::OCI_USERNAME, sec, env::OCI_USERNAME));
             e.push(secret_ev(env::OCI_PASSWORD, sec, env::OCI_PASSWORD));
         }
@@ -269,13 +269,6 @@ fn quantize_env(s: &ModelCacheSpec, config: &Config) -> Vec<EnvVar> {
         }
     }
     e
-}
-
-/// Whether the quantize phase reads a calibration set: always for the formats that need one (GPTQ), and for
-/// GGUF when the spec sets `calibration` (the importance matrix of the block search).
-pub(crate) fn reads_calibration(q: &flexinfer_api::modelcache::QuantizationSpec) -> bool {
-    formats::info(q.format).needs_calibration
-        || (q.format == QuantFormat::Gguf && q.calibration.is_some())
 }
 
 /// The publish target, tag policy and registry login (`spec.publish.secretRef`, else the cache's).

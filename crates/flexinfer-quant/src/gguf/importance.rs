@@ -2,13 +2,12 @@
 //! file quantizes, the mean of each input column's squared activation over the calibration tokens
 //! (`llama-imatrix`'s quantity, the diagonal of the GPTQ Hessian up to its factor 2), collected from the
 //! **unquantized** model's forward. Keyed by GGUF tensor name (`blk.0.attn_q.weight`) for
-//! [`crate::gguf::GgufJob::importance`].
+//! [`super::GgufJob::importance`].
 //!
 //! The forward is the GPTQ calibration's, layer by layer over every sample ([`calibrate::embed_samples`],
 //! [`layer_forward_visit`]); only the diagonal is kept, so the work per stage is one pass over its
 //! activations (no `cols²` products) and the memory is the samples' hidden states plus one layer's weights.
 
-use super::calibrate::embed_samples;
 use crate::error::{DatasetError, Result, SpecError};
 use crate::events::{fields, EventSink};
 use crate::gguf::blocks::feedback::quantize_tensor_feedback;
@@ -17,6 +16,7 @@ use crate::gguf::error::GgufError;
 use crate::gguf::export::{tensor_types, tensor_values};
 use crate::gguf::llama::{layer_tensor_name, GgufArch, MappedTensor};
 use crate::gguf::types::{FileType, GgmlType};
+use crate::job::calibrate::embed_samples;
 use crate::memory::release_free_memory;
 use crate::model::calib::{load_samples_counted, CalibSettings};
 use crate::model::llama::{layer_forward_visit, Rope, Stage, STAGES};
