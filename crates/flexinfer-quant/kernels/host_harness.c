@@ -1,31 +1,44 @@
 /*
- * Runs the kernels of gptq.cu on the host, for tests/kernels.rs (no GPU needed): the file is included as
- * C with GPTQ_HOST, and each launch runs every block in turn with one host thread per device thread.
- * __syncthreads is a barrier over the block's threads, __shared__ arrays are static (one block runs at a
- * time, so they are the block's shared memory), threadIdx/blockIdx are thread-local. Products and sums are
- * plain C operations; the test build passes -ffp-contract=off so none is fused, like __fmul_rn/__fadd_rn.
+ * Runs the kernels of gptq.cu on the host, for tests/kernels.rs and tests/gpu_session.rs (no GPU needed): the
+ * file is included as C with GPTQ_HOST, and each launch runs every block in turn with one coroutine
+ * (ucontext) per device thread on the calling thread. __syncthreads hands over to the next thread of the
+ * block; once every thread has reached it (or returned), the threads go on, in turn again: the barrier's
+ * meaning on a card. The order alternates between ascending and descending thread index from one barrier
+ * interval to the next, so a read of another thread's write that lacks its barrier sees the stale value in
+ * one of the two orders. __shared__ arrays are static (one block runs at a time, so they are the block's
+ * shared memory); threadIdx/blockIdx are set for the running thread. Products and sums are plain C
+ * operations; the test build passes -ffp-contract=off so none is fused, like __fmul_rn/__fadd_rn.
+ * (Coroutines instead of one OS thread per device thread: a block of 256 threads meeting at a barrier on a
+ * 2-core machine spent most of the test time switching threads.)
  *
  * Build (the test does this): cc -std=c11 -O2 -ffp-contract=off -fPIC -shared -pthread host_harness.c -lm
- * Each exported gptq_host_* function returns 0, or -1 when a thread could not be started.
+ * Each exported gptq_host_* function returns 0, or -1 when the coroutines could not be set up.
  */
 #define GPTQ_HOST 1
-#define _POSIX_C_SOURCE 200809L
+#define _GNU_SOURCE
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <ucontext.h>
 
 typedef struct {
     int x, y, z;
 } gptq_dim3;
 
-static _Thread_local gptq_dim3 threadIdx, blockIdx;
+static gptq_dim3 threadIdx, blockIdx;
 static gptq_dim3 blockDim, gridDim;
-static pthread_barrier_t gptq_barrier;
-/* One launch at a time in the process: the barrier, the shared arrays and blockDim are global. */
+/* One launch at a time in the process: the coroutines, the shared arrays and blockDim are global. */
 static pthread_mutex_t gptq_launch_lock = PTHREAD_MUTEX_INITIALIZER;
 
-#define __syncthreads() pthread_barrier_wait(&gptq_barrier)
+static ucontext_t gptq_scheduler;
+static ucontext_t *gptq_fibers;
+static int gptq_current;
+
+/* Back to the scheduler until every thread of the block has arrived. */
+static void gptq_syncthreads(void) { swapcontext(&gptq_fibers[gptq_current], &gptq_scheduler); }
+
+#define __syncthreads() gptq_syncthreads()
 #define __shared__ static
 #define GPTQ_KERNEL static
 #define GPTQ_DEVICE static inline
@@ -39,68 +52,92 @@ static pthread_mutex_t gptq_launch_lock = PTHREAD_MUTEX_INITIALIZER;
 typedef void (*gptq_body)(void *args);
 
 struct thread_ctx {
-    gptq_dim3 tid, bid;
+    gptq_dim3 tid;
     gptq_body body;
     void *args;
+    int done;
 };
 
-static void *thread_main(void *p)
+static struct thread_ctx *gptq_threads;
+
+static void fiber_main(void)
 {
-    struct thread_ctx *c = (struct thread_ctx *)p;
-    threadIdx = c->tid;
-    blockIdx = c->bid;
+    struct thread_ctx *c = &gptq_threads[gptq_current];
     c->body(c->args);
-    return NULL;
+    c->done = 1;
+    /* returning resumes uc_link: the scheduler */
 }
 
-/* Emulated launch: blocks one after another, each block's threads concurrently. */
+enum { FIBER_STACK = 64 * 1024 };
+
+/* Emulated launch: blocks one after another, each block's threads as coroutines (see the top). */
 static int launch(gptq_dim3 grid, gptq_dim3 block, gptq_body body, void *args)
 {
     int nt = block.x * block.y * block.z;
-    pthread_t *th = (pthread_t *)calloc((size_t)nt, sizeof(pthread_t));
+    ucontext_t *fibers = (ucontext_t *)calloc((size_t)nt, sizeof(ucontext_t));
     struct thread_ctx *ctx = (struct thread_ctx *)calloc((size_t)nt, sizeof(struct thread_ctx));
+    char *stacks = (char *)malloc((size_t)nt * FIBER_STACK);
     int rc = 0;
-    if (!th || !ctx) {
-        free(th);
+    if (!fibers || !ctx || !stacks) {
+        free(fibers);
         free(ctx);
+        free(stacks);
         return -1;
     }
     pthread_mutex_lock(&gptq_launch_lock);
     gridDim = grid;
     blockDim = block;
+    gptq_fibers = fibers;
+    gptq_threads = ctx;
     for (int bz = 0; bz < grid.z && rc == 0; ++bz)
         for (int by = 0; by < grid.y && rc == 0; ++by)
             for (int bx = 0; bx < grid.x && rc == 0; ++bx) {
-                int started = 0;
-                pthread_barrier_init(&gptq_barrier, NULL, (unsigned)nt);
+                int t = 0;
                 for (int tz = 0; tz < block.z; ++tz)
                     for (int ty = 0; ty < block.y; ++ty)
-                        for (int tx = 0; tx < block.x; ++tx) {
-                            struct thread_ctx *c = &ctx[started];
+                        for (int tx = 0; tx < block.x; ++tx, ++t) {
+                            struct thread_ctx *c = &ctx[t];
                             c->tid.x = tx;
                             c->tid.y = ty;
                             c->tid.z = tz;
-                            c->bid.x = bx;
-                            c->bid.y = by;
-                            c->bid.z = bz;
                             c->body = body;
                             c->args = args;
-                            if (pthread_create(&th[started], NULL, thread_main, c) != 0) {
+                            c->done = 0;
+                            if (getcontext(&fibers[t]) != 0) {
                                 rc = -1;
                                 break;
                             }
-                            ++started;
+                            fibers[t].uc_stack.ss_sp = stacks + (size_t)t * FIBER_STACK;
+                            fibers[t].uc_stack.ss_size = FIBER_STACK;
+                            fibers[t].uc_link = &gptq_scheduler;
+                            makecontext(&fibers[t], fiber_main, 0);
                         }
-                /* A block whose threads could not all start would wait at its barrier for ever. */
                 if (rc != 0)
-                    abort();
-                for (int t = 0; t < started; ++t)
-                    pthread_join(th[t], NULL);
-                pthread_barrier_destroy(&gptq_barrier);
+                    break;
+                blockIdx.x = bx;
+                blockIdx.y = by;
+                blockIdx.z = bz;
+                /* One round per barrier interval: every thread not done runs to its next barrier or end. */
+                for (int round = 0, live = nt; live > 0; ++round) {
+                    live = 0;
+                    for (int k = 0; k < nt; ++k) {
+                        int i = (round & 1) ? nt - 1 - k : k;
+                        if (ctx[i].done)
+                            continue;
+                        gptq_current = i;
+                        threadIdx = ctx[i].tid;
+                        swapcontext(&gptq_scheduler, &fibers[i]);
+                        if (!ctx[i].done)
+                            ++live;
+                    }
+                }
             }
+    gptq_fibers = NULL;
+    gptq_threads = NULL;
     pthread_mutex_unlock(&gptq_launch_lock);
-    free(th);
+    free(fibers);
     free(ctx);
+    free(stacks);
     return rc;
 }
 

@@ -1,5 +1,5 @@
 //! The device kernels of `kernels/gptq.cu`, without a GPU:
-//! - compiled for the host from the same source (`kernels/host_harness.c` emulates the launches on threads)
+//! - compiled for the host from the same source (`kernels/host_harness.c` emulates the launches, each device thread a coroutine)
 //!   and checked against the CPU backend: the in-block sweep to the bit, the Hessian and block-update GEMMs
 //!   within a stated tolerance, the mirror exactly;
 //! - compiled to PTX through NVRTC, loaded at run time (`scripts/install-deps.sh` installs the PyPI wheel
