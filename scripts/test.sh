@@ -109,6 +109,7 @@ check() {
   stage "no import circle among the modules below (the planners' steps, the engine's device, job and GGUF parts)"
   python3 scripts/check-module-cycles.py \
     crates/flexinfer-api/src . crates/flexinfer-proxy/src . crates/flexinfer-quant/src . \
+    crates/flexinfer-controller/src . crates/flexinfer-contract/src . crates/flexinfer-worker/src abliterate \
     crates/flexinfer-controller/src modelcache crates/flexinfer-controller/src model \
     crates/flexinfer-quant/src device crates/flexinfer-quant/src gguf crates/flexinfer-quant/src numerics \
     crates/flexinfer-cli/src artifact crates/flexinfer-worker/src download crates/flexinfer-worker/src oci

@@ -153,7 +153,7 @@ impl GptqDeviceReport {
 
     /// The report with each field cut to its bound at a character boundary.
     pub fn bounded(mut self) -> Self {
-        use crate::termination::head_chars;
+        use crate::text::head_chars;
         self.requested = head_chars(&self.requested, Self::WORD_MAX_BYTES);
         self.device = head_chars(&self.device, Self::DEVICE_MAX_BYTES);
         self.kind = head_chars(&self.kind, Self::WORD_MAX_BYTES);

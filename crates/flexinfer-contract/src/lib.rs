@@ -23,6 +23,7 @@ pub mod reasons;
 pub mod serving;
 pub mod source;
 pub mod termination;
+pub mod text;
 
 pub use events::{latest_event, latest_progress, GptqDeviceReport, ProgressEvent, WorkerEvent};
 pub use files::{

@@ -16,6 +16,7 @@ pub mod kube_client;
 pub mod leader;
 pub mod metrics;
 pub mod model;
+pub mod model_source;
 pub mod modelcache;
 pub mod pod_security;
 pub mod settings;

@@ -7,7 +7,7 @@
 //!    of both classes; the normalized difference of the best-separating target layer is the direction.
 //!    Each writer is orthogonalized so that what reaches the residual has no component along it: against the
 //!    direction itself, or (Gemma, whose post-norms scale each writer's output per channel by `g`) against
-//!    `g ⊙ r` ([`edit::orthogonalize_writer`]).
+//!    `g ⊙ r` ([`ortho::orthogonalize_writer`]).
 //! 3. Gate: raw direction norm finite and within `normThreshold`; perplexity on harmless text
 //!    within `maxPerplexityIncreasePercent` of the original (computed with the edited weights,
 //!    rounded to the source dtype exactly as written). Reported beside it: the projection check (the

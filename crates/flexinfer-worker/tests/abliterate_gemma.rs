@@ -22,7 +22,7 @@ use flexinfer_quant::model::ModelConfig;
 use flexinfer_quant::tensors::TensorStore;
 use flexinfer_worker::abliterate::edit::{self, Matrix, TargetLayers};
 use flexinfer_worker::abliterate::forward::{Arch, LayerModel};
-use flexinfer_worker::abliterate::{output, Settings};
+use flexinfer_worker::abliterate::{ortho, output, Settings};
 
 /// Largest `|⟨c, r⟩| / ‖c‖` allowed for an edited writer's residual contribution `c` (f32 weights and forward;
 /// the measured values are around 1e-7).
@@ -100,7 +100,7 @@ fn measure(dir: &Path, r: &[f32], aware: bool) -> Measured {
         let mut edited = Vec::new();
         for e in plan.edits.iter().filter(|e| e.layer == Some(layer)) {
             let rest = e.tensor.strip_prefix(&prefix).unwrap();
-            let (_, v) = edit::edited_tensor(&store, e, r).unwrap();
+            let (_, v) = ortho::edited_tensor(&store, e, r).unwrap();
             let (lin, bias) = lm
                 .linear_mut(rest)
                 .unwrap_or_else(|| panic!("{}", e.tensor));

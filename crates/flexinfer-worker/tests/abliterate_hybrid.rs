@@ -22,7 +22,7 @@ use flexinfer_quant::tensors::TensorStore;
 use flexinfer_quant::testkit::{write_hybrid_model, HybridSize};
 use flexinfer_worker::abliterate::edit::{self, Matrix, TargetLayers};
 use flexinfer_worker::abliterate::forward::{Arch, LayerModel};
-use flexinfer_worker::abliterate::{output, Settings};
+use flexinfer_worker::abliterate::{ortho, output, Settings};
 
 /// Largest `|⟨c, r⟩| / ‖c‖` of an edited mixer's residual contribution (f32 weights and forward).
 const BOUND: f64 = 1e-4;
@@ -93,7 +93,7 @@ fn measure(dir: &Path, r: &[f32], apply: bool) -> Measured {
             assert!(!bias);
             let cols = lin.w.ncols();
             if apply {
-                let (_, v) = edit::edited_tensor(&store, e, r).unwrap();
+                let (_, v) = ortho::edited_tensor(&store, e, r).unwrap();
                 lin.w = Mat::from_fn(lin.w.nrows(), cols, |i, j| v[i * cols + j]);
             }
             match rest {

@@ -13,7 +13,8 @@ mod reconcile;
 pub mod render;
 pub mod replicas;
 pub mod shared;
-pub mod source;
+/// A Model's `spec.source` (shared with the ModelCache controller, which reads which Models use a claim).
+pub use crate::model_source as source;
 pub mod status;
 
 #[cfg(test)]

@@ -352,8 +352,8 @@ pub fn served_dir_on(served_path: &str, claim: &str) -> Option<String> {
 /// source, or what it serves now is on the claim (a `modelcache://` Model).
 pub fn model_uses_claim(source: &str, served_path: Option<&str>, claim: &str) -> bool {
     let by_source = matches!(
-        crate::model::source::parse_source(source),
-        Ok(crate::model::source::Source::Pvc { claim: c, .. }) if c == claim
+        crate::model_source::parse_source(source),
+        Ok(crate::model_source::Source::Pvc { claim: c, .. }) if c == claim
     );
     by_source || served_path.is_some_and(|p| served_dir_on(p, claim).is_some())
 }

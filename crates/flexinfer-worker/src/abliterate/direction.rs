@@ -11,8 +11,9 @@ use flexinfer_quant::model::{load_linear, ModelConfig};
 use flexinfer_quant::tensors::TensorStore;
 
 use super::data::PromptSets;
-use super::edit::{edited_tensor, Plan};
+use super::edit::Plan;
 use super::forward::{Arch, LayerModel};
+use super::ortho::edited_tensor;
 use super::output::RunResult;
 use super::quant_err;
 use crate::common::{Events, WorkerError};

@@ -7,9 +7,6 @@ use flexinfer_quant::tensors::TensorStore;
 use serde_json::Value;
 
 pub use super::dtype::{f16_to_f32, f32_to_bf16, f32_to_f16, tensor_dtype, Dtype};
-pub use super::ortho::{
-    edited_tensor, orthogonalize_read, orthogonalize_write, orthogonalize_writer, writer_direction,
-};
 use crate::common::WorkerError;
 
 /// `targetLayers`.

@@ -1,6 +1,9 @@
 //! Unit tests of the edit plan, the orthogonalization helpers and the dtype conversions.
 
 use super::*;
+use crate::abliterate::ortho::{
+    orthogonalize_read, orthogonalize_write, orthogonalize_writer, writer_direction,
+};
 
 #[test]
 fn target_layers_parse() {

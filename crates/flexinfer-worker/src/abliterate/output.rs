@@ -12,8 +12,9 @@ use flexinfer_quant::tensors::TensorStore;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::edit::{edited_tensor, Plan};
+use super::edit::Plan;
 use super::io_err;
+use super::ortho::edited_tensor;
 use crate::common::{self, Events, ExitKind, WorkerError};
 
 /// What the direction search and the gate measured.
