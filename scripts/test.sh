@@ -107,6 +107,7 @@ check() {
   bash scripts/check-test-hooks.sh
 
   stage "no import circle among the modules below (the planners' steps, the engine's device, job and GGUF parts)"
+  python3 scripts/check-module-cycles.py --self-test
   python3 scripts/check-module-cycles.py \
     crates/flexinfer-api/src . crates/flexinfer-proxy/src . crates/flexinfer-quant/src . \
     crates/flexinfer-controller/src . crates/flexinfer-contract/src . crates/flexinfer-worker/src abliterate \
