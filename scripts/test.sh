@@ -110,10 +110,11 @@ check() {
   python3 scripts/check-module-cycles.py --self-test
   python3 scripts/check-module-cycles.py \
     crates/flexinfer-api/src . crates/flexinfer-proxy/src . crates/flexinfer-quant/src . \
-    crates/flexinfer-controller/src . crates/flexinfer-contract/src . crates/flexinfer-worker/src abliterate \
+    crates/flexinfer-controller/src . crates/flexinfer-contract/src . crates/flexinfer-worker/src . crates/flexinfer-worker/src abliterate \
     crates/flexinfer-controller/src modelcache crates/flexinfer-controller/src model \
     crates/flexinfer-quant/src device crates/flexinfer-quant/src gguf crates/flexinfer-quant/src numerics \
-    crates/flexinfer-cli/src artifact crates/flexinfer-worker/src download crates/flexinfer-worker/src oci
+    crates/flexinfer-cli/src artifact crates/flexinfer-worker/src download crates/flexinfer-worker/src oci \
+    crates/flexinfer-runtime/src . crates/flexinfer-plan/src . crates/flexinfer-plan/src modelcache crates/flexinfer-plan/src model
 
   stage "cargo test: every test that needs no cluster"
   cargo_test check "${INT_TESTS[@]}" "${E2E_TESTS[@]}"

@@ -17,8 +17,6 @@ pub mod gpuprofile;
 pub mod model;
 pub mod modelcache;
 pub mod namespaces;
-#[cfg(feature = "process")]
-pub mod process;
 
 pub use gpuprofile::{GPUProfile, GPUProfileSpec, GPUProfileStatus};
 pub use model::{Model, ModelSpec, ModelStatus};

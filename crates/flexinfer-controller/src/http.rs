@@ -7,15 +7,13 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
+use flexinfer_runtime::server;
 use http_body_util::Full;
 use hyper::body::Bytes;
 use hyper::header::{CONNECTION, CONTENT_TYPE};
-use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
-use tracing::{debug, warn};
 
 use crate::metrics::Metrics;
 
@@ -102,31 +100,21 @@ pub async fn bind(addr: SocketAddr, setting: &str) -> anyhow::Result<TcpListener
         .map_err(|e| anyhow::anyhow!("cannot listen on {addr} ({setting}): {e}"))
 }
 
+/// A client of the metrics or probe port that has not sent its request head within this time is
+/// dropped.
+pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Serve on `listener` until the process ends. With `metrics` it serves `/metrics`, else the probes.
 pub async fn serve(listener: TcpListener, metrics: Option<Metrics>, health: Health) {
-    loop {
-        let (sock, _) = match listener.accept().await {
-            Ok(s) => s,
-            Err(e) => {
-                warn!(error = %e, "accept failed");
-                continue;
-            }
-        };
-        let metrics = metrics.clone();
-        let health = health.clone();
-        tokio::spawn(async move {
-            let service = service_fn(move |req| {
-                let resp = handle(&req, metrics.as_ref(), &health);
-                async move { Ok::<_, Infallible>(resp) }
-            });
-            if let Err(e) = http1::Builder::new()
-                .serve_connection(TokioIo::new(sock), service)
-                .await
-            {
-                debug!(error = %e, "http connection ended with an error");
-            }
-        });
-    }
+    let limits = server::Limits::probes(HEADER_READ_TIMEOUT);
+    server::serve(listener, limits, server::forever(), |_peer| {
+        let (metrics, health) = (metrics.clone(), health.clone());
+        service_fn(move |req| {
+            let resp = handle(&req, metrics.as_ref(), &health);
+            async move { Ok::<_, Infallible>(resp) }
+        })
+    })
+    .await
 }
 
 #[cfg(test)]

@@ -7,13 +7,13 @@ use std::time::Duration;
 
 use clap::Parser;
 use flexinfer_api::contract::env;
-use flexinfer_api::process;
 use flexinfer_controller::http::{self, Health};
 use flexinfer_controller::leader::{Leadership, LeaseConfig};
 use flexinfer_controller::metrics::Metrics;
 use flexinfer_controller::model;
 use flexinfer_controller::modelcache::{self, Config};
 use flexinfer_controller::supervise::{supervise, Shutdown};
+use flexinfer_runtime::process;
 use tokio::task::JoinHandle;
 use tracing::info;
 

@@ -28,8 +28,8 @@ use crate::plan;
 /// `(namespace, name)` of a Model.
 pub type ModelKey = (String, String);
 
-/// A `touch` in flight, shared by every caller for the same Model (its error as text).
-type TouchInFlight = Shared<BoxFuture<'static, Result<bool, String>>>;
+/// A `touch` in flight, shared by every caller for the same Model (its error shared too).
+type TouchInFlight = Shared<BoxFuture<'static, Result<bool, Arc<kube::Error>>>>;
 
 /// Shared view of Models and their endpoints.
 #[derive(Clone)]
@@ -434,23 +434,17 @@ impl Cluster {
         &self,
         key: &ModelKey,
         default_interval: Duration,
-    ) -> Result<bool, String> {
+    ) -> Result<bool, Arc<kube::Error>> {
         let fut = {
             let Ok(mut touching) = self.touching.lock() else {
-                return self
-                    .touch(key, default_interval)
-                    .await
-                    .map_err(|e| e.to_string());
+                return self.touch(key, default_interval).await.map_err(Arc::new);
             };
             match touching.get(key) {
                 Some(f) => f.clone(),
                 None => {
                     let (this, k) = (self.clone(), key.clone());
                     let f = async move {
-                        let r = this
-                            .touch(&k, default_interval)
-                            .await
-                            .map_err(|e| e.to_string());
+                        let r = this.touch(&k, default_interval).await.map_err(Arc::new);
                         if let Ok(mut t) = this.touching.lock() {
                             t.remove(&k);
                         }

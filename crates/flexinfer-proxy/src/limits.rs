@@ -51,14 +51,25 @@ pub fn container_memory_limit() -> Option<u64> {
     text.trim().parse::<u64>().ok().filter(|l| *l < (1 << 60))
 }
 
+/// A body cap the body budget cannot hold.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "a body of the cap ({max_body_bytes} bytes) needs {BODY_COPIES}× its size from the body \
+     budget ({body_memory_bytes} bytes): lower the cap or raise the budget"
+)]
+pub struct CapOverBudget {
+    pub max_body_bytes: usize,
+    pub body_memory_bytes: usize,
+}
+
 /// Why the settings cannot work together.
-pub fn check(max_body_bytes: usize, body_memory_bytes: usize) -> Result<(), String> {
+pub fn check(max_body_bytes: usize, body_memory_bytes: usize) -> Result<(), CapOverBudget> {
     match max_body_bytes.checked_mul(BODY_COPIES) {
         Some(need) if need <= body_memory_bytes => Ok(()),
-        _ => Err(format!(
-            "a body of the cap ({max_body_bytes} bytes) needs {BODY_COPIES}× its size from the body \
-             budget ({body_memory_bytes} bytes): lower the cap or raise the budget"
-        )),
+        _ => Err(CapOverBudget {
+            max_body_bytes,
+            body_memory_bytes,
+        }),
     }
 }
 
@@ -191,7 +202,7 @@ mod tests {
         assert_eq!(default_max_body_bytes(32 << 20), 4 << 20);
         assert_eq!(default_body_memory_bytes(None), DEFAULT_BODY_MEMORY_BYTES);
         assert!(check(8 << 20, 16 << 20).is_ok());
-        let e = check(8 << 20, 15 << 20).unwrap_err();
+        let e = check(8 << 20, 15 << 20).unwrap_err().to_string();
         assert!(e.contains("8388608") && e.contains("15728640"), "{e}");
         assert!(check(usize::MAX, usize::MAX).is_err());
     }

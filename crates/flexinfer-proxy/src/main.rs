@@ -8,9 +8,9 @@ use anyhow::Context;
 use clap::Parser;
 use flexinfer_api::contract::env;
 use flexinfer_api::duration::parse_duration;
-use flexinfer_api::process;
 use flexinfer_proxy::auth::ApiKeys;
 use flexinfer_proxy::{limits, server, Cluster, Config, Proxy};
+use flexinfer_runtime::process;
 use tracing::info;
 
 #[derive(Parser, Debug)]

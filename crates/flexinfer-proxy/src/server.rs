@@ -15,10 +15,12 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client as HttpClient;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio::net::TcpListener;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
+
+use flexinfer_runtime::server as runtime_server;
 
 use crate::activity::{Activity, InFlight};
 use crate::auth::{ApiKeys, Scope};
@@ -643,56 +645,19 @@ pub async fn serve(
     proxy: Arc<Proxy>,
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()> {
-    futures::pin_mut!(shutdown);
-    // Each connection holds a place while it is open; when none is free the proxy stops accepting
-    // and new connections wait in the kernel's listen backlog.
-    let places = Arc::new(tokio::sync::Semaphore::new(
-        proxy
-            .config
-            .max_connections
-            .clamp(1, tokio::sync::Semaphore::MAX_PERMITS),
-    ));
-    loop {
-        let place = tokio::select! {
-            p = places.clone().acquire_owned() => match p {
-                Ok(p) => p,
-                Err(_) => break,
-            },
-            _ = &mut shutdown => break,
-        };
-        let (stream, peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            _ = &mut shutdown => break,
-        };
-        // Token events are small writes: without TCP_NODELAY, Nagle's algorithm holds one back until
-        // the client acknowledges the previous one (up to its delayed-ACK time, ~40 ms on Linux).
-        if let Err(e) = stream.set_nodelay(true) {
-            debug!(%peer, error = %e, "cannot set TCP_NODELAY");
-        }
+    let limits = runtime_server::Limits {
+        max_connections: proxy.config.max_connections,
+        header_read_timeout: Some(proxy.config.header_read_timeout),
+        nodelay: true,
+    };
+    runtime_server::serve(listener, limits, shutdown, |_peer| {
         let p = proxy.clone();
-        let p_timeout = proxy.config.header_read_timeout;
-        tokio::spawn(async move {
-            let _place = place;
-            let svc = service_fn(move |req| {
-                let p = p.clone();
-                async move { Ok::<_, Infallible>(p.handle(req).await) }
-            });
-            let conn = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(p_timeout)
-                .serve_connection(TokioIo::new(stream), svc);
-            if let Err(e) = conn.await {
-                debug!(%peer, error = %e, "connection ended");
-            }
-        });
-    }
+        service_fn(move |req| {
+            let p = p.clone();
+            async move { Ok::<_, Infallible>(p.handle(req).await) }
+        })
+    })
+    .await;
     let now = Instant::now();
     let until = now.checked_add(proxy.config.drain_timeout).unwrap_or(now);
     while proxy.activity.total_in_flight() > 0 && Instant::now() < until {
@@ -702,54 +667,42 @@ pub async fn serve(
 }
 
 /// Connections open at once on the health/metrics port (probes and scrapes need a few).
-pub const HEALTH_MAX_CONNECTIONS: usize = 64;
+pub const HEALTH_MAX_CONNECTIONS: usize = runtime_server::PROBE_MAX_CONNECTIONS;
 
 /// `/healthz` (alive), `/readyz` (caches synced) and `/metrics` (Prometheus) on their own port, at
-/// most [`HEALTH_MAX_CONNECTIONS`] connections at once.
+/// most [`HEALTH_MAX_CONNECTIONS`] connections at once; a client that never finishes its request
+/// head is dropped (slowloris).
 pub async fn serve_health(listener: TcpListener, proxy: Arc<Proxy>) {
-    let places = Arc::new(tokio::sync::Semaphore::new(HEALTH_MAX_CONNECTIONS));
-    loop {
-        let Ok(place) = places.clone().acquire_owned().await else {
-            return;
-        };
-        let Ok((stream, _)) = listener.accept().await else {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            continue;
-        };
+    let limits = runtime_server::Limits::probes(proxy.config.header_read_timeout);
+    runtime_server::serve(listener, limits, runtime_server::forever(), |_peer| {
         let p = proxy.clone();
-        let header_read_timeout = proxy.config.header_read_timeout;
-        tokio::spawn(async move {
-            let _place = place;
-            let svc = service_fn(move |req: Request<Incoming>| {
-                let p = p.clone();
-                async move {
-                    let ready = p.cluster.is_ready();
-                    let (status, body) = match req.uri().path() {
-                        "/healthz" => (StatusCode::OK, Bytes::from_static(b"ok")),
-                        "/readyz" if ready => (StatusCode::OK, Bytes::from_static(b"ok")),
-                        "/readyz" => (
-                            StatusCode::SERVICE_UNAVAILABLE,
-                            Bytes::from_static(b"caches not synced"),
-                        ),
-                        "/metrics" => (
-                            StatusCode::OK,
-                            Bytes::from(p.metrics.render(&p.activity.snapshot())),
-                        ),
-                        _ => (StatusCode::NOT_FOUND, Bytes::from_static(b"not found")),
-                    };
-                    let mut r = Response::new(full(body));
-                    *r.status_mut() = status;
-                    Ok::<_, Infallible>(r)
-                }
-            });
-            // A client that never finishes its request head is dropped (slowloris).
-            let _ = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(header_read_timeout)
-                .serve_connection(TokioIo::new(stream), svc)
-                .await;
-        });
-    }
+        service_fn(move |req: Request<Incoming>| {
+            let p = p.clone();
+            async move { Ok::<_, Infallible>(health_response(&p, req.uri().path())) }
+        })
+    })
+    .await
+}
+
+/// The health port's answer for `path`.
+fn health_response(p: &Proxy, path: &str) -> Response<ProxyBody> {
+    let ready = p.cluster.is_ready();
+    let (status, body) = match path {
+        "/healthz" => (StatusCode::OK, Bytes::from_static(b"ok")),
+        "/readyz" if ready => (StatusCode::OK, Bytes::from_static(b"ok")),
+        "/readyz" => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Bytes::from_static(b"caches not synced"),
+        ),
+        "/metrics" => (
+            StatusCode::OK,
+            Bytes::from(p.metrics.render(&p.activity.snapshot())),
+        ),
+        _ => (StatusCode::NOT_FOUND, Bytes::from_static(b"not found")),
+    };
+    let mut r = Response::new(full(body));
+    *r.status_mut() = status;
+    r
 }
 
 /// Bind `addr`.

@@ -97,7 +97,7 @@ pub enum WorkerError {
     Task(#[from] tokio::task::JoinError),
     /// A transfer failed (exit 2 when retrying cannot help, else 1).
     #[error(transparent)]
-    Fetch(#[from] crate::download::fetch::FetchError),
+    Fetch(#[from] crate::http::error::FetchError),
     /// An OCI registry operation failed (exit 2 for a bad reference, artifact or credentials, else 1).
     #[error(transparent)]
     Oci(#[from] crate::oci::OciError),
@@ -216,12 +216,11 @@ pub use flexinfer_fsutil::{now_rfc3339, write_atomic};
 
 mod events;
 mod fs;
-mod retry;
 mod termination;
 
+pub use crate::retry::Retry;
 pub use events::Events;
-pub use fs::{is_derived_dir, model_files, ModelFile};
-pub use retry::Retry;
+pub use fs::{is_derived_dir, model_files, ModelFile, IN_PROGRESS_FILE};
 pub use termination::{check_version, exit_on_sigterm, finish, termination_log_path};
 
 #[cfg(test)]

@@ -14,7 +14,10 @@ mod state;
 
 pub use source::{hub_dataset_id, PatternFilter, Source};
 
-pub use state::IN_PROGRESS as IN_PROGRESS_FILE;
+pub use crate::common::IN_PROGRESS_FILE;
+pub use crate::flags::{parse_bool_arg, NotABool};
+pub use crate::http::build_http_client;
+pub use crate::remote::RemoteFile;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
@@ -29,17 +32,31 @@ use crate::oci;
 use fetch::{FetchCtx, FetchError};
 use generation::fetch_all;
 
-/// One file a source offers.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RemoteFile {
-    /// Relative path (validated with `check_relative_path`).
-    pub path: String,
-    pub url: String,
-    pub size: u64,
-    /// LFS / OCI sha256 (hex), when the source publishes one.
-    pub sha256: Option<String>,
-    /// Git blob sha1 of a non-LFS hub file.
-    pub git_sha1: Option<String>,
+/// How a download or node copy transfers files (shared by `download` and `node-copy`).
+#[derive(clap::Args, Debug, Clone)]
+pub struct TransferArgs {
+    /// Files fetched in parallel.
+    #[arg(long, env = env::transfer::DOWNLOAD_CONCURRENCY, default_value_t = 4)]
+    pub concurrency: usize,
+    /// Consecutive failed attempts per file (without progress) before giving up.
+    #[arg(long, env = env::transfer::DOWNLOAD_RETRIES, default_value_t = 8)]
+    pub retries: u32,
+    /// Seconds between progress events.
+    #[arg(long, env = env::transfer::PROGRESS_INTERVAL_SECONDS, default_value_t = 5.0)]
+    pub progress_interval: f64,
+}
+
+impl TransferArgs {
+    /// Bad input when no file could ever be fetched.
+    pub fn check(&self) -> Result<(), WorkerError> {
+        if self.concurrency == 0 {
+            return Err(WorkerError::BadInput(format!(
+                "{}: concurrency must be at least 1",
+                env::transfer::DOWNLOAD_CONCURRENCY
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// Flags of `flexinfer-worker download` (each also read from its env variable; flags win).
@@ -75,15 +92,8 @@ pub struct DownloadArgs {
     /// Hub token (prefer the env variable; it is never logged).
     #[arg(long, env = env::HF_TOKEN, hide_env_values = true)]
     pub hf_token: Option<String>,
-    /// Files fetched in parallel.
-    #[arg(long, env = env::transfer::DOWNLOAD_CONCURRENCY, default_value_t = 4)]
-    pub concurrency: usize,
-    /// Consecutive failed attempts per file (without progress) before giving up.
-    #[arg(long, env = env::transfer::DOWNLOAD_RETRIES, default_value_t = 8)]
-    pub retries: u32,
-    /// Seconds between progress events.
-    #[arg(long, env = env::transfer::PROGRESS_INTERVAL_SECONDS, default_value_t = 5.0)]
-    pub progress_interval: f64,
+    #[command(flatten)]
+    pub transfer: TransferArgs,
     /// Calibration dataset: a hub dataset id is fetched into `MODEL_DIR/.datasets/<id>` after the
     /// model; a local file path is left alone.
     #[arg(long, env = env::DATASET)]
@@ -103,16 +113,6 @@ pub struct DownloadArgs {
     /// Contract version expected by the controller.
     #[arg(long, env = env::SCRIPT_VERSION)]
     pub script_version: Option<String>,
-}
-
-/// A flag value that is not a boolean.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("not a boolean: {0:?} (use true/false/1/0)")]
-pub struct NotABool(pub String);
-
-/// clap parser for SPEC booleans (`True`, `false`, `1`, `0`, …).
-pub fn parse_bool_arg(s: &str) -> Result<bool, NotABool> {
-    contract::parse_bool(s).ok_or_else(|| NotABool(s.to_string()))
 }
 
 /// Where the files come from.
@@ -160,18 +160,6 @@ pub fn http_client(insecure: bool) -> Result<reqwest::Client, WorkerError> {
     build_http_client(insecure).map_err(WorkerError::HttpClient)
 }
 
-/// [`http_client`], its error as reqwest's.
-pub fn build_http_client(insecure: bool) -> Result<reqwest::Client, reqwest::Error> {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    reqwest::Client::builder()
-        .tls_danger_accept_invalid_certs(insecure)
-        .connect_timeout(Duration::from_secs(30))
-        .read_timeout(Duration::from_secs(120))
-        .pool_max_idle_per_host(16)
-        .user_agent(concat!("flexinfer-worker/", env!("CARGO_PKG_VERSION")))
-        .build()
-}
-
 /// A transfer failure: exit 2 when retrying cannot help, else 1 ([`WorkerError::kind`]).
 pub fn fetch_error(e: FetchError) -> WorkerError {
     WorkerError::Fetch(e)
@@ -184,11 +172,7 @@ async fn run_async(
     common::check_version(args.script_version.as_deref())?;
     let source = Source::parse(&args.source)?;
     let filter = PatternFilter::new(&args.allow_patterns, &args.ignore_patterns)?;
-    if args.concurrency == 0 {
-        return Err(WorkerError::BadInput(
-            "concurrency must be at least 1".into(),
-        ));
-    }
+    args.transfer.check()?;
     events.emit(
         events::START,
         &serde_json::json!({
@@ -258,7 +242,7 @@ async fn fetch_source(
             fetch_all(args, out, events, &ctx, &canonical, &args.revision, files).await
         }
         Source::Oci { reference } => {
-            let reference = oci::Reference::parse(&reference).map_err(oci::worker_error)?;
+            let reference = oci::Reference::parse(&reference).map_err(WorkerError::Oci)?;
             fetch_oci(args, &reference, Some(filter), out, events)
                 .await
                 .map(|f| f.done)
@@ -290,14 +274,14 @@ pub async fn fetch_oci(
     let creds = args
         .registry
         .credentials(&reference.registry)
-        .map_err(oci::worker_error)?;
+        .map_err(WorkerError::Oci)?;
     let reg = oci::Registry::connect(reference, creds, args.registry.insecure)
         .await
-        .map_err(oci::worker_error)?;
+        .map_err(WorkerError::Oci)?;
     let (digest, listed) = reg
         .artifact_files(reference)
         .await
-        .map_err(oci::worker_error)?;
+        .map_err(WorkerError::Oci)?;
     let wanted = match filter {
         Some(filter) => select(listed.clone(), filter)?,
         None => listed
@@ -314,7 +298,7 @@ pub async fn fetch_oci(
     let ctx = new_ctx(
         reg.client().clone(),
         reg.authorization().await,
-        args.retries,
+        args.transfer.retries,
     );
     let done = fetch_all(
         args,
@@ -375,7 +359,10 @@ async fn hub_files(
         .await
         .map_err(fetch_error)?;
     let files = select(listed, filter)?;
-    Ok((files, new_ctx(client, hub_auth(args, token), args.retries)))
+    Ok((
+        files,
+        new_ctx(client, hub_auth(args, token), args.transfer.retries),
+    ))
 }
 
 /// The hub token, bound to the configured endpoint.

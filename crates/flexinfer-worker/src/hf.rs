@@ -5,10 +5,10 @@ use std::time::Duration;
 use flexinfer_contract::check_relative_path;
 use serde::Deserialize;
 
-use crate::common::Retry;
-use crate::download::fetch::{http_error, BadBody, FetchError};
-use crate::download::RemoteFile;
+use crate::http::error::{http_error, BadBody, FetchError};
 use crate::http::{self, ScopedAuth};
+use crate::remote::RemoteFile;
+use crate::retry::Retry;
 
 /// Default hub endpoint when `HF_ENDPOINT` is unset.
 pub const DEFAULT_ENDPOINT: &str = "https://huggingface.co";

@@ -1,8 +1,25 @@
 //! What every HTTP exchange of the worker shares: credentials bound to the origin they were
 //! configured for, and response bodies read whole only within a limit (docs/dev/architecture.md, "Untrusted input").
 
+use std::time::Duration;
+
 use futures::StreamExt;
 use reqwest::Url;
+
+pub mod error;
+
+/// The worker's HTTP client (the download's `http_client` wraps its error): rustls with the ring
+/// provider, system roots; `insecure` disables verification.
+pub fn build_http_client(insecure: bool) -> Result<reqwest::Client, reqwest::Error> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::builder()
+        .tls_danger_accept_invalid_certs(insecure)
+        .connect_timeout(Duration::from_secs(30))
+        .read_timeout(Duration::from_secs(120))
+        .pool_max_idle_per_host(16)
+        .user_agent(concat!("flexinfer-worker/", env!("CARGO_PKG_VERSION")))
+        .build()
+}
 
 /// Scheme, host and port of a URL: a credential is sent only to the origin it was configured for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -119,7 +136,7 @@ pub async fn read_body_limited(
         let chunk = chunk.map_err(|e| BodyError::Transport {
             what: what.to_string(),
             kind: kind.to_string(),
-            source: crate::download::fetch::Transport(e),
+            source: error::Transport(e),
         })?;
         if (out.len() as u64).saturating_add(chunk.len() as u64) > max {
             return Err(too_large(None));
@@ -169,7 +186,7 @@ pub enum BodyError {
         what: String,
         kind: String,
         #[source]
-        source: crate::download::fetch::Transport,
+        source: error::Transport,
     },
 }
 

@@ -48,15 +48,8 @@ pub struct FillArgs {
     pub dir: PathBuf,
     #[command(flatten)]
     pub registry: oci::RegistryArgs,
-    /// Files fetched in parallel.
-    #[arg(long, env = env::transfer::DOWNLOAD_CONCURRENCY, default_value_t = 4)]
-    pub concurrency: usize,
-    /// Consecutive failed attempts per file (without progress) before giving up.
-    #[arg(long, env = env::transfer::DOWNLOAD_RETRIES, default_value_t = 8)]
-    pub retries: u32,
-    /// Seconds between progress events.
-    #[arg(long, env = env::transfer::PROGRESS_INTERVAL_SECONDS, default_value_t = 5.0)]
-    pub progress_interval: f64,
+    #[command(flatten)]
+    pub transfer: download::TransferArgs,
     /// Contract version expected by the controller.
     #[arg(long, env = env::SCRIPT_VERSION)]
     pub script_version: Option<String>,
@@ -112,7 +105,7 @@ async fn fill(a: &FillArgs, events: Arc<Events>) -> Result<TerminationSuccess, W
             env::SOURCE
         )));
     };
-    let reference = oci::Reference::parse(rest).map_err(oci::worker_error)?;
+    let reference = oci::Reference::parse(rest).map_err(WorkerError::Oci)?;
     let Some(want) = reference.digest.clone() else {
         return Err(WorkerError::BadInput(format!(
             "{}: {raw:?} names no digest; a node copy is always of one published digest (…@sha256:<hex>)",
@@ -122,11 +115,7 @@ async fn fill(a: &FillArgs, events: Arc<Events>) -> Result<TerminationSuccess, W
     let hex = digest_hex(&want)
         .ok_or_else(|| WorkerError::BadInput(format!("{}: bad digest {want:?}", env::SOURCE)))?
         .to_string();
-    if a.concurrency == 0 {
-        return Err(WorkerError::BadInput(
-            "concurrency must be at least 1".into(),
-        ));
-    }
+    a.transfer.check()?;
     std::fs::create_dir_all(&a.dir).map_err(WorkerError::io(
         ExitKind::Failure,
         format!("cannot create {}", a.dir.display()),
@@ -152,9 +141,7 @@ async fn fill(a: &FillArgs, events: Arc<Events>) -> Result<TerminationSuccess, W
         out_dir: Some(stage.clone()),
         hf_endpoint: crate::hf::DEFAULT_ENDPOINT.into(),
         hf_token: None,
-        concurrency: a.concurrency,
-        retries: a.retries,
-        progress_interval: a.progress_interval,
+        transfer: a.transfer.clone(),
         dataset: None,
         refusal_dataset: None,
         harmless_dataset: None,

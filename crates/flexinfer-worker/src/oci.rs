@@ -14,9 +14,9 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tokio::sync::Mutex;
 
-use crate::common::Retry;
-use crate::download::fetch::{strip_url, Transport};
+use crate::http::error::{strip_url, Transport};
 use crate::http::{self, Origin, ScopedAuth};
+use crate::retry::Retry;
 
 /// `registry[:port]/repo/path[:tag][@sha256:…]`.
 mod api;
@@ -27,7 +27,7 @@ mod reference;
 
 use auth::parse_challenge;
 pub use auth::{Credentials, RegistryArgs};
-pub use error::{worker_error, OciError, ReferenceProblem};
+pub use error::{OciError, ReferenceProblem};
 pub use reference::{check_tag, is_sha256_digest, InvalidTag, Reference};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -105,7 +105,7 @@ impl Registry {
         creds: Option<Credentials>,
         insecure: bool,
     ) -> Result<Registry, OciError> {
-        let client = crate::download::build_http_client(insecure).map_err(OciError::HttpClient)?;
+        let client = http::build_http_client(insecure).map_err(OciError::HttpClient)?;
         let mut base = format!("https://{}", reference.registry);
         let probe = client
             .get(format!("{base}/v2/"))

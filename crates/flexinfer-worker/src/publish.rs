@@ -164,7 +164,7 @@ async fn run_async(
 
     // 2. Blobs: the files, then the config that lists them.
     let skipped = push_blobs(&reg, &files, &sent, args.concurrency).await?;
-    let config_digest = reg.push_bytes(&config).await.map_err(oci::worker_error)?;
+    let config_digest = reg.push_bytes(&config).await.map_err(WorkerError::Oci)?;
 
     // 3. Manifest and tags.
     let manifest = build_manifest(&files, &config_digest, config.len(), &described);
@@ -189,15 +189,15 @@ async fn connect_registry(
     let creds = args
         .registry
         .credentials(&reference.registry)
-        .map_err(oci::worker_error)?;
+        .map_err(WorkerError::Oci)?;
     let reg = Arc::new(
         Registry::connect(reference, creds, args.registry.insecure)
             .await
-            .map_err(oci::worker_error)?,
+            .map_err(WorkerError::Oci)?,
     );
     reg.blob_exists(&oci::sha256_digest(oci::EMPTY_CONFIG))
         .await
-        .map_err(oci::worker_error)?;
+        .map_err(WorkerError::Oci)?;
     Ok(reg)
 }
 
@@ -266,7 +266,7 @@ fn check_target(args: &PublishArgs) -> Result<Target, WorkerError> {
         .ok_or_else(|| {
             WorkerError::BadInput(format!("set {} (the directory to publish)", env::MODEL_DIR))
         })?;
-    let reference = Reference::parse(&args.oci_ref).map_err(oci::worker_error)?;
+    let reference = Reference::parse(&args.oci_ref).map_err(WorkerError::Oci)?;
     if reference.digest.is_some() {
         return Err(WorkerError::BadInput(format!(
             "{} must name a tag, not a digest: {}",
@@ -290,9 +290,10 @@ fn check_target(args: &PublishArgs) -> Result<Target, WorkerError> {
         oci::check_tag(t).map_err(WorkerError::wrap(ExitKind::BadInput))?;
     }
     if args.concurrency == 0 {
-        return Err(WorkerError::BadInput(
-            "concurrency must be at least 1".into(),
-        ));
+        return Err(WorkerError::BadInput(format!(
+            "{}: concurrency must be at least 1",
+            env::transfer::PUBLISH_CONCURRENCY
+        )));
     }
     if !dir.is_dir() {
         return Err(WorkerError::BadInput(format!(
@@ -384,7 +385,7 @@ async fn push_blobs(
     .buffer_unordered(concurrency)
     .try_collect::<Vec<()>>()
     .await
-    .map_err(oci::worker_error)?;
+    .map_err(WorkerError::Oci)?;
     Ok(skipped.load(Ordering::Relaxed))
 }
 
@@ -411,10 +412,7 @@ async fn push_manifest(
     }
     for t in &tags {
         oci::check_tag(t).map_err(WorkerError::wrap(ExitKind::BadInput))?;
-        let got = reg
-            .put_manifest(t, &body)
-            .await
-            .map_err(oci::worker_error)?;
+        let got = reg.put_manifest(t, &body).await.map_err(WorkerError::Oci)?;
         if got != digest {
             return Err(WorkerError::Other(format!(
                 "registry stored tag {t} with digest {got}, expected {digest}"

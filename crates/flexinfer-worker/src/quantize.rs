@@ -28,6 +28,20 @@ use crate::download::parse_bool_arg;
 #[cfg(test)]
 mod tests;
 
+/// [`Written`] from an FP8, AWQ or GGUF outcome (the engine's three outcome types share these fields).
+macro_rules! written {
+    ($o:expr) => {
+        Written {
+            output_dir: &$o.output_dir,
+            original_size_bytes: $o.original_size_bytes,
+            compressed_size_bytes: $o.compressed_size_bytes,
+            seconds: $o.seconds,
+            config_digest: $o.config_digest.clone(),
+            cached: $o.cached,
+        }
+    };
+}
+
 /// Test hook: abort the process (as a SIGKILL would) right after layer k is cached (feature `test-hooks`).
 #[cfg(feature = "test-hooks")]
 pub const TEST_ABORT_AFTER_LAYER_ENV: &str = "FLEXINFER_TEST_ABORT_AFTER_LAYER";
@@ -275,12 +289,15 @@ pub fn job_from_args(args: &QuantizeArgs) -> Result<QuantizeJob, WorkerError> {
     })
 }
 
-fn parse_fraction(s: &str) -> Result<f64, String> {
+/// A `GPU_MEMORY_FRACTION` outside (0, 1].
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{0:?}: expected a number greater than 0 and at most 1")]
+pub struct NotAFraction(String);
+
+fn parse_fraction(s: &str) -> Result<f64, NotAFraction> {
     match s.trim().parse::<f64>() {
         Ok(f) if f > 0.0 && f <= 1.0 => Ok(f),
-        _ => Err(format!(
-            "{s:?}: expected a number greater than 0 and at most 1"
-        )),
+        _ => Err(NotAFraction(s.to_string())),
     }
 }
 
@@ -324,11 +341,7 @@ fn run_inner(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess,
     let _lock = crate::generations::lock_output(&args.out_dir, events)?;
     let result = run_locked(args, &job, &selection, events);
     if result.is_ok() {
-        crate::generations::collect_garbage(
-            &args.out_dir,
-            std::env::var(env::KEEP_DIRS).ok().as_deref(),
-            events,
-        );
+        collect_garbage(args, events);
     }
     result
 }
@@ -433,28 +446,13 @@ fn run_fp8(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess, W
         &WorkerSink(events),
     )
     .map_err(WorkerError::Quant)?;
-    events.log(&format!(
-        "FP8 ({}): {} ({} bytes{})",
-        strategy.as_str(),
-        outcome.output_dir.display(),
-        outcome.compressed_size_bytes,
-        if outcome.cached { ", reused" } else { "" }
-    ));
-    crate::generations::collect_garbage(
-        &args.out_dir,
-        std::env::var(env::KEEP_DIRS).ok().as_deref(),
-        events,
-    );
-    let mut applied: std::collections::BTreeMap<String, String> = [
+    let mut applied = applied_map([
         ("format", FORMAT_FP8.to_string()),
         ("bits", "8".to_string()),
         ("fp8Scale", strategy.as_str().to_string()),
         ("activationScales", "dynamic".to_string()),
         ("dynamicExclusion", exclusion.unwrap_or("none").to_string()),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v))
-    .collect();
+    ]);
     if let Some(q) = &outcome.quality {
         applied.insert("quantizedModules".into(), q.quantized_modules.to_string());
         applied.insert("keptModules".into(), q.kept_modules.to_string());
@@ -463,16 +461,15 @@ fn run_fp8(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess, W
             format!("{:.5}", q.max_relative_error),
         );
     }
-    Ok(TerminationSuccess {
-        kind: format!("fp8-{}", strategy.as_str()),
-        original_size_bytes: Some(outcome.original_size_bytes),
-        compressed_size_bytes: Some(outcome.compressed_size_bytes),
-        quantization_time_seconds: Some((outcome.seconds * 10.0).round() / 10.0),
-        output_dir: Some(outcome.output_dir.display().to_string()),
-        config_digest: Some(outcome.config_digest),
+    Ok(finish_artifact(
+        args,
+        events,
+        &format!("FP8 ({})", strategy.as_str()),
+        &outcome.output_dir,
+        written!(outcome),
+        format!("fp8-{}", strategy.as_str()),
         applied,
-        ..Default::default()
-    })
+    ))
 }
 
 /// `FORMAT=AWQ`: the AWQ artifact directory in AutoAWQ's GEMM layout ([`write_awq_artifact`]), under the
@@ -521,19 +518,7 @@ fn run_awq(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess, W
             outcome.output_dir.display()
         )));
     }
-    events.log(&format!(
-        "AWQ (w{bits} g{}): {} ({} bytes{})",
-        args.group_size,
-        outcome.output_dir.display(),
-        outcome.compressed_size_bytes,
-        if outcome.cached { ", reused" } else { "" }
-    ));
-    crate::generations::collect_garbage(
-        &args.out_dir,
-        std::env::var(env::KEEP_DIRS).ok().as_deref(),
-        events,
-    );
-    let mut applied: std::collections::BTreeMap<String, String> = [
+    let mut applied = applied_map([
         ("format", FORMAT_AWQ.to_string()),
         ("bits", bits.to_string()),
         ("groupSize", args.group_size.to_string()),
@@ -541,10 +526,7 @@ fn run_awq(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess, W
         ("version", "gemm".to_string()),
         ("calibrationSamples", args.max_samples.to_string()),
         ("calibrationSeqLen", args.max_seq_len.to_string()),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v))
-    .collect();
+    ]);
     if let Some(q) = &outcome.quality {
         applied.insert("quantizedModules".into(), q.quantized_modules.to_string());
         applied.insert("scaledGroups".into(), q.scaled_groups.to_string());
@@ -561,16 +543,72 @@ fn run_awq(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess, W
             format!("{:.5}", q.max_relative_error),
         );
     }
-    Ok(TerminationSuccess {
-        kind: format!("awq-w{bits}-g{}", args.group_size),
-        original_size_bytes: Some(outcome.original_size_bytes),
-        compressed_size_bytes: Some(outcome.compressed_size_bytes),
-        quantization_time_seconds: Some((outcome.seconds * 10.0).round() / 10.0),
-        output_dir: Some(outcome.output_dir.display().to_string()),
-        config_digest: Some(outcome.config_digest),
+    Ok(finish_artifact(
+        args,
+        events,
+        &format!("AWQ (w{bits} g{})", args.group_size),
+        &outcome.output_dir,
+        written!(outcome),
+        format!("awq-w{bits}-g{}", args.group_size),
+        applied,
+    ))
+}
+
+/// What an artifact writer (FP8, AWQ, GGUF) reports, for the log line and the termination message.
+struct Written<'a> {
+    output_dir: &'a std::path::Path,
+    original_size_bytes: u64,
+    compressed_size_bytes: u64,
+    seconds: f64,
+    config_digest: String,
+    cached: bool,
+}
+
+/// The end of a successful FP8/AWQ/GGUF run: the log line `<what>: <shown> (<bytes> bytes[, reused])`,
+/// garbage collection of older generations, and the termination message.
+#[allow(clippy::too_many_arguments)]
+fn finish_artifact(
+    args: &QuantizeArgs,
+    events: &Events,
+    what: &str,
+    shown: &std::path::Path,
+    written: Written<'_>,
+    kind: String,
+    applied: std::collections::BTreeMap<String, String>,
+) -> TerminationSuccess {
+    events.log(&format!(
+        "{what}: {} ({} bytes{})",
+        shown.display(),
+        written.compressed_size_bytes,
+        if written.cached { ", reused" } else { "" }
+    ));
+    collect_garbage(args, events);
+    TerminationSuccess {
+        kind,
+        original_size_bytes: Some(written.original_size_bytes),
+        compressed_size_bytes: Some(written.compressed_size_bytes),
+        quantization_time_seconds: Some((written.seconds * 10.0).round() / 10.0),
+        output_dir: Some(written.output_dir.display().to_string()),
+        config_digest: Some(written.config_digest),
         applied,
         ..Default::default()
-    })
+    }
+}
+
+/// Removes older artifact generations beside `OUT_DIR` (keeping `KEEP_DIRS`).
+fn collect_garbage(args: &QuantizeArgs, events: &Events) {
+    crate::generations::collect_garbage(
+        &args.out_dir,
+        std::env::var(env::KEEP_DIRS).ok().as_deref(),
+        events,
+    );
+}
+
+/// `applied` from (key, value) pairs.
+fn applied_map<'a>(
+    pairs: impl IntoIterator<Item = (&'a str, String)>,
+) -> std::collections::BTreeMap<String, String> {
+    pairs.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
 }
 
 /// The llama.cpp preset named by `GGUF_TYPE`.
@@ -713,28 +751,21 @@ fn run_gguf(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess, 
         },
     )
     .map_err(WorkerError::Quant)?;
-    events.log(&format!(
-        "GGUF {}: {} ({} bytes{})",
-        file_type.name(),
-        outcome.output_dir.join(&outcome.file_name).display(),
-        outcome.compressed_size_bytes,
-        if outcome.cached { ", reused" } else { "" }
-    ));
-    crate::generations::collect_garbage(
-        &args.out_dir,
-        std::env::var(env::KEEP_DIRS).ok().as_deref(),
+    let file = outcome.output_dir.join(&outcome.file_name);
+    Ok(finish_artifact(
+        args,
         events,
-    );
-    Ok(TerminationSuccess {
-        kind: format!("gguf-{}", file_type.name().to_ascii_lowercase()),
-        original_size_bytes: Some(outcome.original_size_bytes),
-        compressed_size_bytes: Some(outcome.compressed_size_bytes),
-        quantization_time_seconds: Some((outcome.seconds * 10.0).round() / 10.0),
-        output_dir: Some(outcome.output_dir.display().to_string()),
-        config_digest: Some(outcome.config_digest),
-        applied: gguf_applied(args, file_type, outcome.file_name, importance.as_ref()),
-        ..Default::default()
-    })
+        &format!("GGUF {}", file_type.name()),
+        &file,
+        written!(outcome),
+        format!("gguf-{}", file_type.name().to_ascii_lowercase()),
+        gguf_applied(
+            args,
+            file_type,
+            outcome.file_name.clone(),
+            importance.as_ref(),
+        ),
+    ))
 }
 
 /// `applied` of a GGUF run: the format, type and file, and where the importance matrix came from
@@ -768,10 +799,7 @@ fn gguf_applied(
         ]),
         None => applied.push(("importance", "none".to_string())),
     }
-    applied
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .collect()
+    applied_map(applied)
 }
 
 /// The settings the engine ran with, as the controller reports them in `status.quantization.applied`: the
@@ -783,7 +811,7 @@ fn applied_settings(
 ) -> std::collections::BTreeMap<String, String> {
     let p = &job.params;
     let r = &job.recovery;
-    let mut applied: std::collections::BTreeMap<String, String> = [
+    let mut applied = applied_map([
         ("bits", p.bits.to_string()),
         ("groupSize", p.group_size.to_string()),
         ("sym", p.sym.to_string()),
@@ -807,10 +835,7 @@ fn applied_settings(
             job.gate.max_rtn_fallback_percent.to_string(),
         ),
         ("gptqDevice", selection.requested.as_str().to_string()),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v))
-    .collect();
+    ]);
     if job.container == Container::CompressedTensors {
         // The GPTQ settings above are the solve's; the container is what the artifact is.
         applied.insert("format".into(), FORMAT_COMPRESSED_TENSORS.into());

@@ -554,25 +554,23 @@ pub async fn serve(args: Args) -> Result<(), StandinError> {
         created: jiff::Timestamp::now().as_second(),
         token_delay: args.token_delay,
     });
-    loop {
-        let (stream, _) = match listener.accept().await {
-            Ok(s) => s,
-            Err(e) => {
-                eprintln!(
-                    "{}",
-                    json!({"event": "accept_error", "error": e.to_string()})
-                );
-                continue;
-            }
-        };
-        let server = server.clone();
-        tokio::spawn(async move {
-            let svc = hyper::service::service_fn(move |req| server.clone().handle(req));
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
-                .await;
-        });
-    }
+    // No header timeout: a test may hold a connection open as long as it likes.
+    let limits = flexinfer_runtime::server::Limits {
+        max_connections: tokio::sync::Semaphore::MAX_PERMITS,
+        header_read_timeout: None,
+        nodelay: false,
+    };
+    flexinfer_runtime::server::serve(
+        listener,
+        limits,
+        flexinfer_runtime::server::forever(),
+        |_peer| {
+            let server = server.clone();
+            hyper::service::service_fn(move |req| server.clone().handle(req))
+        },
+    )
+    .await;
+    Ok(())
 }
 
 #[cfg(test)]

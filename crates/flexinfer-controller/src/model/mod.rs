@@ -1,28 +1,14 @@
 //! Model controller (docs/dev/architecture.md, "The Model controller"): a Model becomes a Deployment and a Service for its backend,
 //! scaled by the replica policy and guarded by the quantized-artifact promotion gate.
 //!
-//! The decisions live in pure modules: [`plan`] (which uses `gate`, `replicas`, `render` and
-//! `status`); [`reconcile`] only observes the cluster, calls the planner and applies its result.
+//! The decisions live in the pure crate `flexinfer-plan` ([`plan`], which uses `gate`, `replicas`,
+//! `render` and `status`; re-exported here); [`reconcile`] only observes the cluster, calls the
+//! planner and applies its result.
 
-pub mod backends;
-pub mod gate;
-pub mod images;
-pub mod plan;
-pub mod problem;
+pub use flexinfer_plan::model::{
+    backends, gate, images, plan, problem, render, replicas, shared, source, status,
+};
 mod reconcile;
-pub mod render;
-pub mod replicas;
-pub mod shared;
-/// A Model's `spec.source` (shared with the ModelCache controller, which reads which Models use a claim).
-pub use crate::model_source as source;
-pub mod status;
-
-#[cfg(test)]
-mod images_tests;
-#[cfg(test)]
-mod plan_tests;
-#[cfg(test)]
-mod render_tests;
 
 use std::sync::Arc;
 
@@ -45,7 +31,7 @@ use tracing::warn;
 
 use crate::metrics::Metrics;
 use crate::supervise::Guard;
-pub use plan::{plan, ModelPlan, Observed};
+pub use plan::{ModelPlan, Observed};
 use reconcile::reconcile;
 pub use reconcile::write_status;
 use render::{ProfileRef, RenderConfig};

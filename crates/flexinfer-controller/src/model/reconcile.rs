@@ -14,7 +14,7 @@ use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::controller::Action;
-use kube::runtime::events::Event;
+use kube::runtime::events::{Event, EventType};
 use kube::{Resource, ResourceExt};
 use serde_json::json;
 use tracing::{info, warn};
@@ -260,7 +260,10 @@ pub async fn write_status(
 
 pub(super) async fn publish(ctx: &Ctx, model: &Model, ev: &PlannedEvent) {
     let event = Event {
-        type_: ev.type_,
+        type_: match ev.type_ {
+            super::plan::EventType::Normal => EventType::Normal,
+            super::plan::EventType::Warning => EventType::Warning,
+        },
         reason: ev.reason.to_string(),
         note: Some(ev.note.chars().take(1000).collect()),
         action: ev.action.clone(),

@@ -1,33 +1,18 @@
-//! ModelCache pipeline controller (docs/dev/architecture.md, "The ModelCache pipeline"): pure planning ([`plan`]), Job builders ([`jobs`]),
-//! and the thin reconciler ([`reconcile`]).
+//! ModelCache pipeline controller (docs/dev/architecture.md, "The ModelCache pipeline"): the pure
+//! planner and Job builders live in `flexinfer-plan` (re-exported here under the same paths); this
+//! module holds the thin reconciler ([`reconcile`]), the watch stores and the metric series.
 
-mod advance;
-mod conditions;
-pub mod config;
-pub mod credentials;
-mod ctx;
-mod deletion;
-mod failures;
-pub mod jobs;
-pub mod node_jobs;
-pub mod node_step;
-pub mod nodelocal;
-pub mod observe;
-mod phase;
-pub mod plan;
-mod problem;
+pub use flexinfer_plan::modelcache::{
+    advance, conditions, config, credentials, ctx, deletion, failures, jobs, node_jobs, node_step,
+    nodelocal, observe, phase, plan, problem, results, stored_job, target, triggers, types,
+    validation,
+};
 pub mod reconcile;
-mod results;
 mod series;
-pub mod stored_job;
 pub mod stores;
-pub mod target;
-mod triggers;
-pub mod types;
-mod validation;
 
 pub use config::Config;
-pub use plan::{plan, Action, Observed, Plan};
+pub use plan::{Action, Observed, Plan};
 pub use reconcile::run;
 
 #[cfg(test)]

@@ -97,7 +97,7 @@ where
                     async move { Ok::<_, Infallible>(h(req).await) }
                 });
                 let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(s), svc)
+                    .serve_connection(hyper_util::rt::TokioIo::new(s), svc)
                     .await;
             });
         }

@@ -4,6 +4,10 @@ use std::path::{Path, PathBuf};
 
 use flexinfer_contract as contract;
 
+/// Internal record of the source a download is fetching (so `.part` files of another source are
+/// never resumed). Not part of the controller contract.
+pub const IN_PROGRESS_FILE: &str = ".download-in-progress.json";
+
 /// Whether a directory under a model directory holds derived or in-progress artifacts (abliterated
 /// model, GPTQ outputs and resume cache, hub datasets, `*.partial`/`*.old` staging) rather than the
 /// model's own files.
@@ -40,8 +44,7 @@ pub fn model_files(root: &Path) -> std::io::Result<Vec<ModelFile>> {
                 }
                 continue;
             }
-            if !t.is_file() || name.ends_with(".part") || name == crate::download::IN_PROGRESS_FILE
-            {
+            if !t.is_file() || name.ends_with(".part") || name == IN_PROGRESS_FILE {
                 continue;
             }
             // The writer lock of a derived directory beside the model's files (`abliterated.<gen>.lock`).

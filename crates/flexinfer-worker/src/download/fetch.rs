@@ -13,13 +13,12 @@ use sha2::{Digest, Sha256};
 use tokio::io::AsyncSeekExt;
 
 use super::RemoteFile;
-use crate::common::Retry;
 use crate::http::ScopedAuth;
+use crate::retry::Retry;
 
-mod error;
 mod verify;
 
-pub use error::{
+pub use crate::http::error::{
     http_error, status_is_retryable, strip_url, BadBody, FetchError, Transport, VerifyError,
 };
 pub use verify::git_blob_sha1;
@@ -43,6 +42,7 @@ impl std::fmt::Debug for super::DownloadArgs {
             .field("harmless_dataset", &self.harmless_dataset)
             .field("local_source_root", &self.local_source_root)
             .field("registry", &self.registry)
+            .field("transfer", &self.transfer)
             .finish_non_exhaustive()
     }
 }

@@ -109,7 +109,7 @@ fn link_earlier(args: &DownloadArgs, dir: &Path, events: &Events, files: &[Remot
     }
 }
 
-/// Fetches and verifies `files` into `dir`, `args.concurrency` at a time, with progress events
+/// Fetches and verifies `files` into `dir`, `args.transfer.concurrency` at a time, with progress events
 /// while it runs: their integrity records sorted by name, their directories synced; the first
 /// failure is the error.
 async fn fetch_verified(
@@ -120,10 +120,10 @@ async fn fetch_verified(
     files: &[RemoteFile],
     total: u64,
 ) -> Result<Vec<IntegrityFile>, WorkerError> {
-    let ticker = spawn_ticker(events.clone(), ctx, total, args.progress_interval);
+    let ticker = spawn_ticker(events.clone(), ctx, total, args.transfer.progress_interval);
     let results: Result<Vec<IntegrityFile>, FetchError> = futures::stream::iter(files.iter())
         .map(|f| fetch::fetch_file(ctx, dir, f))
-        .buffer_unordered(args.concurrency)
+        .buffer_unordered(args.transfer.concurrency)
         .try_collect()
         .await;
     ticker.abort();

@@ -54,7 +54,7 @@ pub async fn run(
             format!("reading local source {}", src.display()),
         ))?;
     let files = select(listed, &filter)?;
-    let ctx = new_ctx(super::http_client(false)?, None, args.retries);
+    let ctx = new_ctx(super::http_client(false)?, None, args.transfer.retries);
     let revision = "local".to_string();
     fetch_all(
         args,

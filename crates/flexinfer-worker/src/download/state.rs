@@ -9,9 +9,7 @@ use super::fetch::git_blob_sha1;
 use super::RemoteFile;
 use crate::common::{write_atomic, Events, ExitKind, WorkerError};
 
-/// Internal record of the source a run is fetching (so `.part` files of another source are never
-/// resumed). Not part of the controller contract.
-pub const IN_PROGRESS: &str = ".download-in-progress.json";
+pub use crate::common::IN_PROGRESS_FILE as IN_PROGRESS;
 
 #[derive(serde::Serialize, serde::Deserialize)]
 struct InProgress {

@@ -15,9 +15,9 @@ use serde::Deserialize;
 
 use super::artifact::{file_layers, ArtifactKind};
 use super::{sha256_digest, transport, Manifest, OciError, Reference, Registry};
-use crate::common::Retry;
-use crate::download::RemoteFile;
 use crate::http;
+use crate::remote::RemoteFile;
+use crate::retry::Retry;
 
 impl Registry {
     /// Does the repository already hold this blob?

@@ -7,7 +7,7 @@ use flexinfer_contract::env;
 use serde::Deserialize;
 
 use super::OciError;
-use crate::download::parse_bool_arg;
+use crate::flags::parse_bool_arg;
 
 #[derive(Clone, Default)]
 pub struct Credentials {

@@ -2,9 +2,8 @@
 
 use super::artifact::LayerProblem;
 use super::InvalidTag;
-use crate::common::WorkerError;
-use crate::download::fetch::Transport;
 use crate::http;
+use crate::http::error::Transport;
 use reqwest::StatusCode;
 use std::path::PathBuf;
 
@@ -187,10 +186,4 @@ pub enum ReferenceProblem {
     Repository,
     #[error(transparent)]
     Tag(#[from] InvalidTag),
-}
-
-/// A registry failure: exit 2 for a bad reference, artifact or credentials, else 1
-/// ([`WorkerError::kind`]).
-pub fn worker_error(e: OciError) -> WorkerError {
-    WorkerError::Oci(e)
 }

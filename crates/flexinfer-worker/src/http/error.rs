@@ -57,7 +57,7 @@ pub enum FetchError {
     },
     /// A body over its limit: the server (or its data) is bad.
     #[error(transparent)]
-    TooLarge(crate::http::BodyError),
+    TooLarge(super::BodyError),
     /// The hub listed a name that would leave the download directory.
     #[error("hub listed an unsafe file name: {0}")]
     UnsafeName(#[source] flexinfer_contract::PathError),
@@ -129,7 +129,7 @@ impl std::error::Error for Transport {}
 #[derive(Debug, thiserror::Error)]
 pub enum BadBody {
     #[error(transparent)]
-    Read(crate::http::BodyError),
+    Read(super::BodyError),
     #[error(transparent)]
     Json(#[from] serde_json::Error),
 }

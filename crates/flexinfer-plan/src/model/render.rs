@@ -15,7 +15,7 @@ use flexinfer_api::{GPUProfile, Model, ModelCache};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{EnvVar, Service};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
-use kube::ResourceExt;
+use kube_core::ResourceExt;
 
 use super::backends::{self, Artifact};
 use super::images;
@@ -57,13 +57,24 @@ pub struct ProxyPeer {
     pub labels: BTreeMap<String, String>,
 }
 
+/// Why a `key=value,…` label list does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LabelsError {
+    #[error("{0:?} is not key=value")]
+    NotKeyValue(String),
+    #[error("{0:?} is not a valid label")]
+    InvalidLabel(String),
+    #[error("expected key=value pairs separated by commas")]
+    Empty,
+}
+
 /// `key=value,key=value` (label keys and values as Kubernetes allows them, at least one pair).
-fn parse_labels(s: &str) -> Result<BTreeMap<String, String>, String> {
+fn parse_labels(s: &str) -> Result<BTreeMap<String, String>, LabelsError> {
     let mut out = BTreeMap::new();
     for pair in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let (k, v) = pair
             .split_once('=')
-            .ok_or_else(|| format!("{pair:?} is not key=value"))?;
+            .ok_or_else(|| LabelsError::NotKeyValue(pair.to_string()))?;
         let (k, v) = (k.trim(), v.trim());
         let key_ok = !k.is_empty()
             && k.len() <= 253
@@ -73,12 +84,12 @@ fn parse_labels(s: &str) -> Result<BTreeMap<String, String>, String> {
             && v.chars()
                 .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
         if !key_ok || !value_ok {
-            return Err(format!("{pair:?} is not a valid label"));
+            return Err(LabelsError::InvalidLabel(pair.to_string()));
         }
         out.insert(k.to_string(), v.to_string());
     }
     if out.is_empty() {
-        return Err("expected key=value pairs separated by commas".into());
+        return Err(LabelsError::Empty);
     }
     Ok(out)
 }
@@ -673,19 +684,30 @@ fn cache_artifact(
     }
 }
 
+/// Why a `FLEXINFER_LLAMACPP_IMAGE_DIGESTS` value does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FlavorDigestsError {
+    #[error("`{0}` is not flavor=sha256:<64 hex>")]
+    NotPair(String),
+    #[error("unknown llama.cpp flavor `{0}` (cpu, rocm, vulkan)")]
+    UnknownFlavor(String),
+    #[error("`{digest}` of {flavor} is not sha256:<64 lowercase hex>")]
+    BadDigest { flavor: String, digest: String },
+    #[error("flavor `{0}` given twice")]
+    Twice(String),
+}
+
 /// `FLEXINFER_LLAMACPP_IMAGE_DIGESTS`: `flavor=sha256:<64 hex>` pairs separated by commas, each flavor
 /// (`cpu`, `rocm`, `vulkan`) at most once.
-pub fn parse_flavor_digests(value: &str) -> Result<BTreeMap<String, String>, String> {
+pub fn parse_flavor_digests(value: &str) -> Result<BTreeMap<String, String>, FlavorDigestsError> {
     let mut out = BTreeMap::new();
     for part in value.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let (flavor, digest) = part
             .split_once('=')
-            .ok_or_else(|| format!("`{part}` is not flavor=sha256:<64 hex>"))?;
+            .ok_or_else(|| FlavorDigestsError::NotPair(part.to_string()))?;
         let (flavor, digest) = (flavor.trim(), digest.trim());
         if !matches!(flavor, "cpu" | "rocm" | "vulkan") {
-            return Err(format!(
-                "unknown llama.cpp flavor `{flavor}` (cpu, rocm, vulkan)"
-            ));
+            return Err(FlavorDigestsError::UnknownFlavor(flavor.to_string()));
         }
         let hex = digest.strip_prefix("sha256:").unwrap_or("");
         if hex.len() != 64
@@ -693,12 +715,13 @@ pub fn parse_flavor_digests(value: &str) -> Result<BTreeMap<String, String>, Str
                 .bytes()
                 .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
         {
-            return Err(format!(
-                "`{digest}` of {flavor} is not sha256:<64 lowercase hex>"
-            ));
+            return Err(FlavorDigestsError::BadDigest {
+                flavor: flavor.to_string(),
+                digest: digest.to_string(),
+            });
         }
         if out.insert(flavor.to_string(), digest.to_string()).is_some() {
-            return Err(format!("flavor `{flavor}` given twice"));
+            return Err(FlavorDigestsError::Twice(flavor.to_string()));
         }
     }
     Ok(out)

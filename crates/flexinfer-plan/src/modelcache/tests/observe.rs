@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use flexinfer_api::contract::labels;
-use kube::ResourceExt;
+use kube_core::ResourceExt;
 
 use flexinfer_api::modelcache::{DownloadStatus, ModelCacheStatus, PhaseProgress};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -303,35 +303,6 @@ fn gpu_profiles_are_listed_only_for_live_caches_with_gpu_phases() {
     }
 }
 
-/// The plan's Job of `phase` for the FULL cache, as the API server would return it (status, uid,
-/// managed fields and all).
-fn stored_job(phase: JobPhase, state: &str) -> k8s_openapi::api::batch::v1::Job {
-    let p = plan(&cache(FULL), &obs(vec![]), &cfg(), t(0));
-    let j = p
-        .actions
-        .iter()
-        .find_map(|a| match a {
-            Action::CreateJob(j) => Some(j.clone()),
-            _ => None,
-        })
-        .expect("a created Job");
-    assert!(j
-        .metadata
-        .name
-        .as_deref()
-        .unwrap()
-        .ends_with(phase.as_str()));
-    let mut v = serde_json::to_value(&j).unwrap();
-    v["metadata"]["uid"] = "u-1".into();
-    v["metadata"]["creationTimestamp"] = "2026-12-01T00:00:00Z".into();
-    v["metadata"]["managedFields"] = serde_json::json!([{"manager": "x", "operation": "Update"}]);
-    v["status"] = serde_json::json!({
-        "startTime": "2026-12-01T00:00:01Z",
-        "conditions": [{"type": state, "status": "True", "reason": "BackoffLimitExceeded", "message": "m"}]
-    });
-    serde_json::from_value(v).unwrap()
-}
-
 fn stored_pod(job: &str, terminated: bool) -> k8s_openapi::api::core::v1::Pod {
     let state = if terminated {
         serde_json::json!({"terminated": {"exitCode": 3, "reason": "Error", "message": "{\"x\":1}"}})
@@ -506,37 +477,6 @@ fn the_log_budget_is_a_token_bucket() {
     assert_eq!(taken, 4, "burst capped at 2 × per_second");
     let mut off = LogBudget::new(0, t0);
     assert!(!off.take(t0) && !off.take(later));
-}
-
-#[test]
-fn job_expectations_are_met_only_by_the_store_showing_the_write() {
-    use crate::modelcache::stores::{expectation_met, Expectation};
-    let mut j = stored_job(JobPhase::Download, "Running");
-    let created = Expectation::JobCreated {
-        name: "x".into(),
-        uid: "u-1".into(),
-    };
-    let deleted = Expectation::JobDeleted {
-        name: "x".into(),
-        uid: Some("u-1".into()),
-    };
-    assert!(!expectation_met(&created, None), "not in the store yet");
-    assert!(expectation_met(&created, Some(&j)));
-    assert!(expectation_met(&deleted, None), "gone");
-    assert!(
-        !expectation_met(&deleted, Some(&j)),
-        "still there, not terminating"
-    );
-    j.metadata.deletion_timestamp =
-        Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(t(5)));
-    assert!(expectation_met(&deleted, Some(&j)), "terminating");
-    j.metadata.deletion_timestamp = None;
-    j.metadata.uid = Some("u-2".into());
-    assert!(
-        !expectation_met(&created, Some(&j)),
-        "an older Job of that name"
-    );
-    assert!(expectation_met(&deleted, Some(&j)), "replaced by a new Job");
 }
 
 #[test]

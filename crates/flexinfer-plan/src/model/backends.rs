@@ -8,7 +8,7 @@ use k8s_openapi::api::core::v1::{
     SecretKeySelector, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use kube::ResourceExt;
+use kube_core::ResourceExt;
 
 /// Where the weights come from inside the pod.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -119,93 +119,24 @@ const AMD: Option<GpuVendor> = Some(GpuVendor::Amd);
 const NVIDIA: Option<GpuVendor> = Some(GpuVendor::Nvidia);
 
 /// The controller's default serving image per vendor, architecture and backend.
+#[rustfmt::skip]
 pub const TABLE: [Row; 15] = [
-    row(
-        AMD,
-        Archs::OneOf(&VLLM_ROCM_TARGETS),
-        Backend::Vllm,
-        DefaultImage::Upstream(VLLM_ROCM),
-    ),
-    row(
-        AMD,
-        Archs::Unknown,
-        Backend::Vllm,
-        DefaultImage::Upstream(VLLM_ROCM),
-    ),
-    row(
-        AMD,
-        Archs::Others,
-        Backend::Vllm,
-        DefaultImage::None(NoDefault::VllmArch),
-    ),
-    row(
-        AMD,
-        Archs::OneOf(&LLAMACPP_HIP_TARGETS),
-        Backend::Llamacpp,
-        DefaultImage::Ours("-rocm"),
-    ),
+    row(AMD, Archs::OneOf(&VLLM_ROCM_TARGETS), Backend::Vllm, DefaultImage::Upstream(VLLM_ROCM)),
+    row(AMD, Archs::Unknown, Backend::Vllm, DefaultImage::Upstream(VLLM_ROCM)),
+    row(AMD, Archs::Others, Backend::Vllm, DefaultImage::None(NoDefault::VllmArch)),
+    row(AMD, Archs::OneOf(&LLAMACPP_HIP_TARGETS), Backend::Llamacpp, DefaultImage::Ours("-rocm")),
     // Mesa's radv drives every AMD generation the HIP build has no code for (and an unknown one).
-    row(
-        AMD,
-        Archs::Any,
-        Backend::Llamacpp,
-        DefaultImage::Ours("-vulkan"),
-    ),
-    row(
-        AMD,
-        Archs::Any,
-        Backend::Ollama,
-        DefaultImage::Upstream(OLLAMA_ROCM),
-    ),
-    row(
-        AMD,
-        Archs::Any,
-        Backend::Exllamav2,
-        DefaultImage::None(NoDefault::NoRocmBuild),
-    ),
-    row(
-        NVIDIA,
-        Archs::Any,
-        Backend::Vllm,
-        DefaultImage::Upstream(VLLM_CUDA),
-    ),
-    row(
-        NVIDIA,
-        Archs::Any,
-        Backend::Llamacpp,
-        DefaultImage::Upstream(LLAMACPP_CUDA),
-    ),
-    row(
-        NVIDIA,
-        Archs::Any,
-        Backend::Ollama,
-        DefaultImage::Upstream(OLLAMA),
-    ),
-    row(
-        NVIDIA,
-        Archs::Any,
-        Backend::Exllamav2,
-        DefaultImage::Upstream(TABBYAPI_CUDA),
-    ),
+    row(AMD, Archs::Any, Backend::Llamacpp, DefaultImage::Ours("-vulkan")),
+    row(AMD, Archs::Any, Backend::Ollama, DefaultImage::Upstream(OLLAMA_ROCM)),
+    row(AMD, Archs::Any, Backend::Exllamav2, DefaultImage::None(NoDefault::NoRocmBuild)),
+    row(NVIDIA, Archs::Any, Backend::Vllm, DefaultImage::Upstream(VLLM_CUDA)),
+    row(NVIDIA, Archs::Any, Backend::Llamacpp, DefaultImage::Upstream(LLAMACPP_CUDA)),
+    row(NVIDIA, Archs::Any, Backend::Ollama, DefaultImage::Upstream(OLLAMA)),
+    row(NVIDIA, Archs::Any, Backend::Exllamav2, DefaultImage::Upstream(TABBYAPI_CUDA)),
     row(None, Archs::Any, Backend::Llamacpp, DefaultImage::Ours("")),
-    row(
-        None,
-        Archs::Any,
-        Backend::Ollama,
-        DefaultImage::Upstream(OLLAMA),
-    ),
-    row(
-        None,
-        Archs::Any,
-        Backend::Vllm,
-        DefaultImage::None(NoDefault::NoCpuBuild),
-    ),
-    row(
-        None,
-        Archs::Any,
-        Backend::Exllamav2,
-        DefaultImage::None(NoDefault::NoCpuBuild),
-    ),
+    row(None, Archs::Any, Backend::Ollama, DefaultImage::Upstream(OLLAMA)),
+    row(None, Archs::Any, Backend::Vllm, DefaultImage::None(NoDefault::NoCpuBuild)),
+    row(None, Archs::Any, Backend::Exllamav2, DefaultImage::None(NoDefault::NoCpuBuild)),
 ];
 
 /// The table's default for a backend on a GPU (`vendor` `None`: no GPU); `ours` is FlexInfer's

@@ -194,9 +194,17 @@ impl Config {
     }
 }
 
+/// A `FLEXINFER_NODE_LOCAL_ROOT` that is not an absolute host path without `.`/`..`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{0:?} is not an absolute host path without . or .. (e.g. {default})",
+    default = env::controller::NODE_LOCAL_ROOT_DEFAULT
+)]
+pub struct NotAHostPath(pub String);
+
 /// `FLEXINFER_NODE_LOCAL_ROOT`: an absolute host path without `.`/`..` components (it is mounted into
 /// node-copy and serving pods).
-pub fn parse_node_local_root(v: &str) -> Result<String, String> {
+pub fn parse_node_local_root(v: &str) -> Result<String, NotAHostPath> {
     let ok = v.starts_with('/')
         && v.len() > 1
         && v.split('/')
@@ -204,10 +212,7 @@ pub fn parse_node_local_root(v: &str) -> Result<String, String> {
     if ok {
         Ok(v.trim_end_matches('/').to_string())
     } else {
-        Err(format!(
-            "{v:?} is not an absolute host path without . or .. (e.g. {})",
-            env::controller::NODE_LOCAL_ROOT_DEFAULT
-        ))
+        Err(NotAHostPath(v.to_string()))
     }
 }
 

@@ -3,14 +3,14 @@
 
 use std::time::Duration;
 
+use crate::model::plan::EventType;
 use flexinfer_api::conditions::{self, types};
 use flexinfer_api::contract::reasons;
 use flexinfer_api::model::{ModelPhase, ModelStatus, SharedGroupState, SharedGroupStatus};
 use flexinfer_api::Model;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kube::runtime::events::EventType;
-use kube::ResourceExt;
+use kube_core::ResourceExt;
 
 use super::super::gate::{self, GateDecision};
 use super::super::render::{self, ConfigProblem};

@@ -17,8 +17,7 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use k8s_openapi::jiff::Timestamp;
-use kube::runtime::events::EventType;
-use kube::ResourceExt;
+use kube_core::ResourceExt;
 
 use super::gate::{self, GateDecision};
 use super::render::{self, ConfigProblem, RenderConfig, Rendered};
@@ -88,6 +87,13 @@ pub struct ModelPlan {
     pub shared: Option<SharedLane>,
     /// The children to apply (the Deployment with `spec.replicas` set), or why nothing is applied.
     pub children: Result<Rendered, ConfigProblem>,
+}
+
+/// The type of a Kubernetes Event (`Normal` or `Warning`); the reconciler turns it into kube's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventType {
+    Normal,
+    Warning,
 }
 
 /// An Event to publish about the Model.

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use crate::model::plan::EventType;
 use flexinfer_api::conditions::{self, types};
 use flexinfer_api::contract::annotations;
 use flexinfer_api::model::ModelPhase;
@@ -11,7 +12,6 @@ use k8s_openapi::api::apps::v1::{Deployment, DeploymentStatus};
 use k8s_openapi::api::core::v1::{Pod, PodSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
 use k8s_openapi::jiff::Timestamp;
-use kube::runtime::events::EventType;
 use serde_json::{json, Value};
 
 use super::plan::*;

@@ -30,9 +30,20 @@ pub enum CredentialRegistries {
 /// What wildcard entry lets credentials go to every registry.
 const ANY: &str = "*";
 
+/// Why a credential-registry list does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RegistriesError {
+    #[error("{ANY} (every registry) cannot be listed with other registries")]
+    AnyWithOthers,
+    #[error(
+        "{0:?} is not a registry host (host or host:port, e.g. ghcr.io or registry.local:5000; no scheme or path)"
+    )]
+    NotAHost(String),
+}
+
 impl CredentialRegistries {
     /// Parse a comma-separated list of `host[:port]` entries, or `*`; the error names the entry.
-    pub fn parse(text: &str) -> Result<Self, String> {
+    pub fn parse(text: &str) -> Result<Self, RegistriesError> {
         let entries: Vec<&str> = text
             .split(',')
             .map(str::trim)
@@ -43,9 +54,7 @@ impl CredentialRegistries {
         }
         if entries.contains(&ANY) {
             if entries.len() > 1 {
-                return Err(format!(
-                    "{ANY} (every registry) cannot be listed with other registries"
-                ));
+                return Err(RegistriesError::AnyWithOthers);
             }
             return Ok(Self::Any);
         }
@@ -58,10 +67,7 @@ impl CredentialRegistries {
                     .next()
                     .is_some_and(|b| b.is_ascii_alphanumeric() || b == b'[');
             if !valid {
-                return Err(format!(
-                    "{e:?} is not a registry host (host or host:port, e.g. ghcr.io or registry.local:5000; \
-                     no scheme or path)"
-                ));
+                return Err(RegistriesError::NotAHost(e.to_string()));
             }
             hosts.insert(e.to_ascii_lowercase());
         }
@@ -225,7 +231,7 @@ mod tests {
         for (text, want) in cases {
             match (CredentialRegistries::parse(text), want) {
                 (Ok(got), Ok(want)) => assert_eq!(got, want, "{text:?}"),
-                (Err(e), Err(want)) => assert!(e.contains(want), "{text:?}: {e}"),
+                (Err(e), Err(want)) => assert!(e.to_string().contains(want), "{text:?}: {e}"),
                 (got, want) => panic!("{text:?}: got {got:?}, want {want:?}"),
             }
         }
