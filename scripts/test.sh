@@ -106,13 +106,14 @@ check() {
   stage "the production worker has no test hooks"
   bash scripts/check-test-hooks.sh
 
-  stage "no import circle among the modules below (the planners' steps, the engine's device, job and GGUF parts)"
+  stage "no import circle among the modules below (the planners' steps, the engine's device, model, job and GGUF parts)"
   python3 scripts/check-module-cycles.py --self-test
   python3 scripts/check-module-cycles.py \
     crates/flexinfer-api/src . crates/flexinfer-proxy/src . crates/flexinfer-quant/src . \
     crates/flexinfer-controller/src . crates/flexinfer-contract/src . crates/flexinfer-worker/src . crates/flexinfer-worker/src abliterate \
     crates/flexinfer-controller/src modelcache crates/flexinfer-controller/src model \
     crates/flexinfer-quant/src device crates/flexinfer-quant/src gguf crates/flexinfer-quant/src numerics \
+    crates/flexinfer-quant/src model crates/flexinfer-quant/src job \
     crates/flexinfer-cli/src artifact crates/flexinfer-worker/src download crates/flexinfer-worker/src oci \
     crates/flexinfer-runtime/src . crates/flexinfer-plan/src . crates/flexinfer-plan/src modelcache crates/flexinfer-plan/src model
 

@@ -9,21 +9,12 @@ use flexinfer_contract::files::{self, AwqQuality};
 use flexinfer_quant::awq::{write_awq_artifact, AwqJob};
 use flexinfer_quant::calib::CalibSettings;
 use flexinfer_quant::events::NullSink;
+use flexinfer_quant::model::modules::LINEARS;
 use flexinfer_quant::tensors::TensorStore;
 use flexinfer_quant::testkit::{self, ModelSize};
 use flexinfer_quant::writer::verify_save_complete;
 use safetensors::Dtype;
 use std::path::{Path, PathBuf};
-
-const LINEARS: [&str; 7] = [
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-];
 
 /// Full multi-head attention (v's outputs are o's inputs: o's scales fold into v).
 const MHA: ModelSize = ModelSize {

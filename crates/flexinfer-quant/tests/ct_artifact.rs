@@ -12,6 +12,7 @@ use flexinfer_quant::ct;
 use flexinfer_quant::events::NullSink;
 use flexinfer_quant::job::{run, Container, QuantizeJob};
 use flexinfer_quant::linalg::CpuBackend;
+use flexinfer_quant::model::modules::LINEARS;
 use flexinfer_quant::pack::{unpack_qweight, unpack_qzeros, ZeroFormat};
 use flexinfer_quant::params::GptqParams;
 use flexinfer_quant::tensors::TensorStore;
@@ -21,16 +22,6 @@ use safetensors::Dtype;
 use std::path::{Path, PathBuf};
 
 const SIZE: ModelSize = ModelSize::TINY;
-const LINEARS: [&str; 7] = [
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-];
-
 fn model(dir: &Path) -> PathBuf {
     testkit::write_model_sized(dir, "LlamaForCausalLM", 3, &SIZE).unwrap();
     let ds = dir.with_file_name("calib.jsonl");

@@ -9,6 +9,7 @@ use flexinfer_contract::files::{self, Fp8Quality};
 use flexinfer_quant::events::NullSink;
 use flexinfer_quant::fp8::e4m3;
 use flexinfer_quant::fp8::{write_fp8_artifact, Fp8Job, ScaleStrategy};
+use flexinfer_quant::model::modules::LINEARS;
 use flexinfer_quant::tensors::TensorStore;
 use flexinfer_quant::testkit::{self, ModelSize};
 use flexinfer_quant::writer::verify_save_complete;
@@ -16,16 +17,6 @@ use safetensors::Dtype;
 use std::path::{Path, PathBuf};
 
 const SIZE: ModelSize = ModelSize::TINY;
-const LINEARS: [&str; 7] = [
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-];
-
 fn model(dir: &Path) {
     testkit::write_model_sized(dir, "LlamaForCausalLM", 3, &SIZE).unwrap();
     testkit::write_byte_level_tokenizer(dir).unwrap();

@@ -436,15 +436,7 @@ struct Case {
 }
 
 fn cases() -> Vec<Case> {
-    let p = |bits, group_size, sym, desc_act, static_groups, block_size| GptqParams {
-        bits,
-        group_size,
-        sym,
-        desc_act,
-        static_groups,
-        block_size,
-        ..GptqParams::default()
-    };
+    let p = check::params;
     let rp = RecoveryParams::default();
     vec![
         Case {

@@ -12,6 +12,7 @@ use flexinfer_quant::events::MemorySink;
 use flexinfer_quant::job::{run, QuantizeJob};
 use flexinfer_quant::linalg::CpuBackend;
 use flexinfer_quant::llama::{attention_residual, embed, layer_forward, logits, Rope, Stage};
+use flexinfer_quant::model::modules::LINEARS;
 use flexinfer_quant::model::{load_layer, GptqReadConfig, ModelConfig};
 use flexinfer_quant::params::{GateParams, GptqParams};
 use flexinfer_quant::tensors::TensorStore;
@@ -412,18 +413,7 @@ fn written_config_says_what_was_quantized() {
     };
     let qc = quantize_with_exclusion("qwen3", tmp.path(), "auto");
     assert!(qc.get("dynamic").is_none(), "{qc}");
-    assert_eq!(
-        block(&qc),
-        [
-            "self_attn.q_proj",
-            "self_attn.k_proj",
-            "self_attn.v_proj",
-            "self_attn.o_proj",
-            "mlp.gate_proj",
-            "mlp.up_proj",
-            "mlp.down_proj"
-        ]
-    );
+    assert_eq!(block(&qc), LINEARS);
     let qc = quantize_with_exclusion("mixtral", tmp.path(), "auto");
     assert!(qc.get("dynamic").is_none(), "{qc}");
     let b = block(&qc);

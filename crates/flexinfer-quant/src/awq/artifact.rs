@@ -14,20 +14,22 @@ use super::gemm::{pack_gemm, quantize, BITS, PACK};
 use super::search::{sample_rows, search_clip, search_scales};
 use crate::error::{QuantError, Result, SpecError};
 use crate::events::EventSink;
-use crate::fsutil::{read_json, sha256_hex};
+use crate::fsutil::sha256_hex;
 use crate::job::digest::input_digest;
-use crate::job::rewrite::{discard_work_dir, merged_tensors, progress, sibling, Rewritten};
-use crate::job::writer::{verify_save_complete, Extras};
+use crate::job::rewrite::{
+    merged_tensors, progress, write_work_file, ArtifactRun, RewriteOutcome, Rewritten, WorkTensor,
+};
+use crate::job::writer::Extras;
 use crate::model::calib::{load_samples_counted, CalibSettings};
 use crate::model::config::ModelConfig;
 use crate::model::llama::{embed, layer_forward_visit, Rope, Stage};
 use crate::model::tensors::TensorStore;
 use crate::model::{check_source_module, layer_modules, load_layer, LayerWeights};
 use faer::Mat;
-use flexinfer_contract::files::{self, AwqQuality};
-use safetensors::{tensor::TensorView, Dtype};
+use flexinfer_contract::files::AwqQuality;
+use safetensors::Dtype;
 use serde_json::{json, Value};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 
 /// Group sizes the GEMM kernels take (vLLM's `awq` method: 32, 64, 128; AutoAWQ's default 128).
@@ -57,17 +59,7 @@ pub struct AwqJob<'a> {
 }
 
 /// What a finished (or reused) artifact is.
-#[derive(Clone, Debug)]
-pub struct AwqOutcome {
-    pub output_dir: PathBuf,
-    pub original_size_bytes: u64,
-    pub compressed_size_bytes: u64,
-    pub seconds: f64,
-    pub cached: bool,
-    pub config_digest: String,
-    /// `None` only for a reused artifact whose sidecar cannot be read.
-    pub quality: Option<AwqQuality>,
-}
+pub type AwqOutcome = RewriteOutcome<AwqQuality>;
 
 /// transformers' `AwqConfig` / vLLM's `AWQConfig` of the artifact.
 pub fn quantization_config(group_size: usize) -> Value {
@@ -184,47 +176,13 @@ pub fn write_awq_artifact(job: &AwqJob<'_>, events: &dyn EventSink) -> Result<Aw
     let store = TensorStore::open_dir(job.model_dir)?;
     let group = check(job, &cfg, &store)?;
     let digest = digest_of(job, &store)?;
-    if let Some(sc) = verify_save_complete(job.out_dir, job.verify_save_sha256) {
-        if sc.config_digest.as_deref() == Some(digest.as_str()) {
-            progress(
-                events,
-                "awq",
-                100.0,
-                format!("reusing {}", job.out_dir.display()),
-            );
-            let quality = read_json(&job.out_dir.join(files::QUANTIZATION_QUALITY))
-                .ok()
-                .and_then(|v| serde_json::from_value::<AwqQuality>(v).ok());
-            return Ok(AwqOutcome {
-                output_dir: job.out_dir.to_path_buf(),
-                original_size_bytes: store.total_bytes(),
-                compressed_size_bytes: sc.shards.iter().map(|s| s.size_bytes).sum(),
-                seconds: started.elapsed().as_secs_f64(),
-                cached: true,
-                config_digest: digest,
-                quality,
-            });
-        }
+    let run = ArtifactRun::new("awq", job.out_dir, &store, &digest, started);
+    if let Some(o) = run.reuse(job.verify_save_sha256, events) {
+        return Ok(o);
     }
     let samples = load_samples_counted(job.model_dir, job.dataset, &job.calib)?.ids;
-    let work = sibling(job.out_dir, "awq", ".awq-work");
-    let result = quantize_and_save(job, &cfg, &store, &samples, group, &work, &digest, events);
-    discard_work_dir(&work);
-    let (compressed, quality) = result?;
-    progress(
-        events,
-        "awq",
-        100.0,
-        format!("wrote {}", job.out_dir.display()),
-    );
-    Ok(AwqOutcome {
-        output_dir: job.out_dir.to_path_buf(),
-        original_size_bytes: store.total_bytes(),
-        compressed_size_bytes: compressed,
-        seconds: started.elapsed().as_secs_f64(),
-        cached: false,
-        config_digest: digest,
-        quality: Some(quality),
+    run.rewrite(events, |work| {
+        quantize_and_save(job, &cfg, &store, &samples, group, work, &digest, events)
     })
 }
 
@@ -347,8 +305,6 @@ fn encode(name: &str, v: &[f32], dtype: Dtype) -> Result<Vec<u8>> {
         }
     })
 }
-
-type WorkTensor = (String, Vec<u8>, Dtype, Vec<usize>);
 
 /// Searches, folds and quantizes one layer (its linears replaced by their dequantized weights); returns the
 /// layer's tensors for the artifact.
@@ -491,26 +447,6 @@ fn quantize_layer(
         out.push((name.clone(), encode(&name, v, dtype)?, dtype, vec![v.len()]));
     }
     Ok(out)
-}
-
-fn write_work_file(path: &Path, tensors: &[WorkTensor]) -> Result<()> {
-    let views = tensors
-        .iter()
-        .map(|(n, data, dtype, shape)| {
-            TensorView::new(*dtype, shape.clone(), data)
-                .map(|v| (n.clone(), v))
-                .map_err(|e| QuantError::Safetensors {
-                    path: path.to_path_buf(),
-                    tensor: Some(n.clone()),
-                    source: e.into(),
-                })
-        })
-        .collect::<Result<Vec<_>>>()?;
-    safetensors::serialize_to_file(views, None, path).map_err(|e| QuantError::Safetensors {
-        path: path.to_path_buf(),
-        tensor: None,
-        source: e.into(),
-    })
 }
 
 #[allow(clippy::too_many_arguments)]

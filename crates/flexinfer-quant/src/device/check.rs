@@ -429,10 +429,16 @@ pub struct Case {
     pub recovery: RecoveryParams,
 }
 
-/// The solve cases of a card check: g128 4-bit (the default), act-order with static groups, 3-bit g32 with
-/// blocks of 32, 8-bit per row with a ragged last block; `n` features.
-pub fn cases(n: usize, rows: usize) -> Vec<Case> {
-    let p = |bits, group_size, sym, desc_act, static_groups, block_size| GptqParams {
+/// The default GPTQ settings with the ones a solve case varies.
+pub fn params(
+    bits: u32,
+    group_size: i32,
+    sym: bool,
+    desc_act: bool,
+    static_groups: bool,
+    block_size: usize,
+) -> GptqParams {
+    GptqParams {
         bits,
         group_size,
         sym,
@@ -440,7 +446,13 @@ pub fn cases(n: usize, rows: usize) -> Vec<Case> {
         static_groups,
         block_size,
         ..GptqParams::default()
-    };
+    }
+}
+
+/// The solve cases of a card check: g128 4-bit (the default), act-order with static groups, 3-bit g32 with
+/// blocks of 32, 8-bit per row with a ragged last block; `n` features.
+pub fn cases(n: usize, rows: usize) -> Vec<Case> {
+    let p = params;
     let case = |name: &str, n: usize, params| Case {
         name: name.to_string(),
         rows: vec![rows, rows / 2 + 1],

@@ -9,17 +9,19 @@ use super::quantize::{quantize_weight, ScaleStrategy};
 use crate::error::{QuantError, Result};
 use crate::events::EventSink;
 use crate::exclusion::Exclusion;
-use crate::fsutil::{read_json, sha256_hex};
+use crate::fsutil::sha256_hex;
 use crate::job::digest::input_digest;
-use crate::job::rewrite::{discard_work_dir, merged_tensors, progress, sibling, Rewritten};
-use crate::job::writer::{verify_save_complete, Extras};
+use crate::job::rewrite::{
+    merged_tensors, progress, write_work_file, ArtifactRun, RewriteOutcome, Rewritten, WorkTensor,
+};
+use crate::job::writer::Extras;
 use crate::model::config::ModelConfig;
 use crate::model::tensors::TensorStore;
 use crate::model::{check_source_module, fused_expert_names, layer_modules};
-use flexinfer_contract::files::{self, Fp8Quality};
-use safetensors::{tensor::TensorView, Dtype};
+use flexinfer_contract::files::Fp8Quality;
+use safetensors::Dtype;
 use serde_json::{json, Value};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 
 /// What to make.
@@ -37,17 +39,7 @@ pub struct Fp8Job<'a> {
 }
 
 /// What a finished (or reused) artifact is.
-#[derive(Clone, Debug)]
-pub struct Fp8Outcome {
-    pub output_dir: PathBuf,
-    pub original_size_bytes: u64,
-    pub compressed_size_bytes: u64,
-    pub seconds: f64,
-    pub cached: bool,
-    pub config_digest: String,
-    /// `None` only for a reused artifact whose sidecar cannot be read.
-    pub quality: Option<Fp8Quality>,
-}
+pub type Fp8Outcome = RewriteOutcome<Fp8Quality>;
 
 /// The linears of the model: those converted and the module names the consumer must leave alone.
 #[derive(Debug, Default)]
@@ -130,27 +122,6 @@ pub fn quantization_config(strategy: ScaleStrategy, ignore: &[String]) -> Value 
     })
 }
 
-/// Writes one layer's quantized tensors (`<m>.weight` F8_E4M3, `<m>.weight_scale` F32) to `path`.
-fn write_work_file(path: &Path, tensors: &[(String, Vec<u8>, Dtype, Vec<usize>)]) -> Result<()> {
-    let views = tensors
-        .iter()
-        .map(|(n, data, dtype, shape)| {
-            TensorView::new(*dtype, shape.clone(), data)
-                .map(|v| (n.clone(), v))
-                .map_err(|e| QuantError::Safetensors {
-                    path: path.to_path_buf(),
-                    tensor: Some(n.clone()),
-                    source: e.into(),
-                })
-        })
-        .collect::<Result<Vec<_>>>()?;
-    safetensors::serialize_to_file(views, None, path).map_err(|e| QuantError::Safetensors {
-        path: path.to_path_buf(),
-        tensor: None,
-        source: e.into(),
-    })
-}
-
 /// The digest of everything that determines the artifact's bytes.
 fn digest_of(job: &Fp8Job<'_>, exclusion: &Exclusion, store: &TensorStore) -> Result<String> {
     Ok(sha256_hex(
@@ -172,47 +143,13 @@ pub fn write_fp8_artifact(job: &Fp8Job<'_>, events: &dyn EventSink) -> Result<Fp
     let cfg = ModelConfig::load(job.model_dir)?;
     let store = TensorStore::open_dir(job.model_dir)?;
     let digest = digest_of(job, &exclusion, &store)?;
-    if let Some(sc) = verify_save_complete(job.out_dir, job.verify_save_sha256) {
-        if sc.config_digest.as_deref() == Some(digest.as_str()) {
-            progress(
-                events,
-                "fp8",
-                100.0,
-                format!("reusing {}", job.out_dir.display()),
-            );
-            let quality = read_json(&job.out_dir.join(files::QUANTIZATION_QUALITY))
-                .ok()
-                .and_then(|v| serde_json::from_value::<Fp8Quality>(v).ok());
-            return Ok(Fp8Outcome {
-                output_dir: job.out_dir.to_path_buf(),
-                original_size_bytes: store.total_bytes(),
-                compressed_size_bytes: sc.shards.iter().map(|s| s.size_bytes).sum(),
-                seconds: started.elapsed().as_secs_f64(),
-                cached: true,
-                config_digest: digest,
-                quality,
-            });
-        }
+    let run = ArtifactRun::new("fp8", job.out_dir, &store, &digest, started);
+    if let Some(o) = run.reuse(job.verify_save_sha256, events) {
+        return Ok(o);
     }
     let plan = plan_fp8(&cfg, &store, &exclusion)?;
-    let work = sibling(job.out_dir, "fp8", ".fp8-work");
-    let result = quantize_and_save(job, &cfg, &store, &plan, &work, &digest, events);
-    discard_work_dir(&work);
-    let (compressed, quality) = result?;
-    progress(
-        events,
-        "fp8",
-        100.0,
-        format!("wrote {}", job.out_dir.display()),
-    );
-    Ok(Fp8Outcome {
-        output_dir: job.out_dir.to_path_buf(),
-        original_size_bytes: store.total_bytes(),
-        compressed_size_bytes: compressed,
-        seconds: started.elapsed().as_secs_f64(),
-        cached: false,
-        config_digest: digest,
-        quality: Some(quality),
+    run.rewrite(events, |work| {
+        quantize_and_save(job, &cfg, &store, &plan, work, &digest, events)
     })
 }
 
@@ -234,8 +171,8 @@ fn quantize_and_save(
     let total = plan.quantized.len();
     let mut errors: Vec<(String, f64)> = Vec::with_capacity(total);
     let mut work_files = Vec::new();
-    let mut pending: Vec<(String, Vec<u8>, Dtype, Vec<usize>)> = Vec::new();
-    let mut flush = |pending: &mut Vec<(String, Vec<u8>, Dtype, Vec<usize>)>| -> Result<()> {
+    let mut pending: Vec<WorkTensor> = Vec::new();
+    let mut flush = |pending: &mut Vec<WorkTensor>| -> Result<()> {
         if pending.is_empty() {
             return Ok(());
         }

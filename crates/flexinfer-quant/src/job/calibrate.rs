@@ -2,7 +2,7 @@
 //! embeddings, each input group's Hessian from the activations of the layer being quantized, and
 //! moving the activations on to the next layer.
 
-use super::layer::LayerRun;
+use super::solve::LayerRun;
 use super::{PhaseTimes, Progress, QuantizeJob};
 use crate::device::{Device, ForwardPass, Session};
 use crate::error::{Result, TensorError};

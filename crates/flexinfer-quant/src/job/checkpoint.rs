@@ -9,6 +9,7 @@ use crate::error::{NumericError, QuantError, Result};
 use crate::events::fields;
 use crate::fsutil::read_json;
 use crate::job::cache::LayerCache;
+use crate::job::rewrite::push_stored;
 use crate::job::writer::{write_checkpoint, Extras, OutTensor};
 use crate::model::tensors::TensorStore;
 use crate::model::{fused_expert_names, layer_modules, source_module_bytes, ModelConfig};
@@ -463,35 +464,18 @@ fn output_tensors<'s>(
             }
         }
     }
-    for (name, e) in &store.entries {
-        if fused.contains(name) {
-            continue;
-        }
-        if let Some(stem) = name.strip_suffix(".weight") {
-            let quantized = layer_stores.iter().any(|ls| {
-                ls.contains(&format!("{stem}.qweight"))
-                    || ls.contains(&format!("{stem}.weight_packed"))
-            });
-            if quantized {
-                continue;
-            }
-        }
-        tensors.push(OutTensor {
-            name: name.clone(),
-            dtype: e.dtype,
-            shape: e.shape.clone(),
-            data: Cow::Borrowed(store.raw(name)?),
-        });
-    }
+    let replaced = |name: &str| {
+        fused.contains(name)
+            || name.strip_suffix(".weight").is_some_and(|stem| {
+                layer_stores.iter().any(|ls| {
+                    ls.contains(&format!("{stem}.qweight"))
+                        || ls.contains(&format!("{stem}.weight_packed"))
+                })
+            })
+    };
+    push_stored(store, replaced, &mut tensors)?;
     for ls in layer_stores {
-        for (name, e) in &ls.entries {
-            tensors.push(OutTensor {
-                name: name.clone(),
-                dtype: e.dtype,
-                shape: e.shape.clone(),
-                data: Cow::Borrowed(ls.raw(name)?),
-            });
-        }
+        push_stored(ls, |_| false, &mut tensors)?;
     }
     Ok(tensors)
 }

@@ -1,8 +1,7 @@
 //! The experts of one sparse-MoE layer: routing the calibration tokens, one expert's Hessians at a
 //! time, RTN for an expert too few tokens reach, and the run's expert-coverage report.
 
-use super::layer::solve_group;
-use super::layer::LayerRun;
+use super::solve::{solve_group, LayerRun};
 use crate::error::{NumericError, Result};
 use crate::model::llama::rms_norm;
 use crate::model::moe::{gated, gather_rows};

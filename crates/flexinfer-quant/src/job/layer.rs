@@ -6,36 +6,27 @@ use super::calibrate::{
     accumulate_stage, accumulate_stage_device, advance, forward_error, StageInput,
 };
 use super::experts::{quantize_experts, ExpertCoverage, ExpertCtx};
-use super::{PhaseTimes, Progress, Run};
+use super::solve::{solve_group, LayerRun};
+use super::{PhaseTimes, Progress};
 use crate::device::kernel::forward::layer_unsupported;
-use crate::device::{solve_with_fallback, ForwardPass, ForwardTimes, Session, SolveSpec};
+use crate::device::{ForwardPass, ForwardTimes};
 use crate::error::{NumericError, QuantError, Result};
 use crate::events::fields;
 use crate::events::EventSink;
 use crate::job::cache::{LayerCache, LayerStats};
 use crate::job::writer::OutTensor;
 use crate::memory::release_free_memory;
-use crate::model::llama::{Rope, Stage, STAGES};
+use crate::model::llama::{Stage, STAGES};
 use crate::model::tensors::TensorStore;
 use crate::model::{
     input_groups, layer_modules, load_layer, load_linear, GptqReadConfig, LayerWeights, ModuleSpec,
 };
-use crate::numerics::gptq::{dequantize_weight, Method, QuantizedLinear};
+use crate::numerics::gptq::{Method, QuantizedLinear};
 use crate::numerics::pack::{pack, ZeroFormat};
 use faer::Mat;
 use safetensors::Dtype;
 use serde_json::{json, Value};
 use std::borrow::Cow;
-
-/// What the layer loop reads beyond the run: the rope tables and the calibration batch.
-pub(super) struct LayerRun<'a> {
-    pub(super) run: &'a Run<'a>,
-    pub(super) rope: &'a Rope,
-    /// Samples whose activations are stacked per Hessian update.
-    pub(super) batch: usize,
-    /// Calibration tokens over all samples.
-    pub(super) n_tokens: usize,
-}
 
 /// What the layer loop adds up: the module counts of the gate and the expert coverage.
 pub(super) struct Totals {
@@ -383,122 +374,46 @@ fn cache_layer(
     totals: &mut Totals,
 ) -> Result<()> {
     let started = std::time::Instant::now();
-    let r = cache_layer_timed(
-        lr,
-        cache,
-        layer,
-        specs,
-        results,
-        expert_tokens,
-        low_rtn,
-        totals,
-    );
+    let r = (|| -> Result<()> {
+        let prefix = lr.run.cfg.layer_prefix(layer);
+        let mut tensors = Vec::new();
+        let (mut g, mut r) = (0u64, 0u64);
+        for (i, q) in results.iter().enumerate() {
+            if let Some(q) = q {
+                match q.method {
+                    Method::Gptq => g += 1,
+                    Method::Rtn => r += 1,
+                }
+                tensors.extend(module_tensors(&format!("{prefix}{}", specs[i].name), q));
+            }
+        }
+        totals.coverage.add_layer(layer, &expert_tokens, low_rtn);
+        cache.write_layer(
+            layer,
+            &tensors,
+            LayerStats {
+                gptq_modules: g,
+                rtn_modules: r,
+                expert_tokens,
+                low_coverage_rtn_modules: low_rtn,
+            },
+            lr.run.events,
+        )?;
+        drop(tensors);
+        release_free_memory();
+        tracing::info!(
+            layer,
+            gptq = g,
+            rtn = r,
+            elapsed_s = lr.run.started.elapsed().as_secs_f64(),
+            "layer quantized"
+        );
+        totals.gptq += g;
+        totals.rtn += r;
+        Ok(())
+    })();
     PhaseTimes::add(&lr.run.times, |p| &mut p.cache, started);
     r
-}
-
-#[allow(clippy::too_many_arguments)]
-fn cache_layer_timed(
-    lr: &LayerRun<'_>,
-    cache: &mut LayerCache,
-    layer: usize,
-    specs: &[ModuleSpec],
-    results: &[Option<QuantizedLinear>],
-    expert_tokens: Vec<u64>,
-    low_rtn: u64,
-    totals: &mut Totals,
-) -> Result<()> {
-    let prefix = lr.run.cfg.layer_prefix(layer);
-    let mut tensors = Vec::new();
-    let (mut g, mut r) = (0u64, 0u64);
-    for (i, q) in results.iter().enumerate() {
-        if let Some(q) = q {
-            match q.method {
-                Method::Gptq => g += 1,
-                Method::Rtn => r += 1,
-            }
-            tensors.extend(module_tensors(&format!("{prefix}{}", specs[i].name), q));
-        }
-    }
-    totals.coverage.add_layer(layer, &expert_tokens, low_rtn);
-    cache.write_layer(
-        layer,
-        &tensors,
-        LayerStats {
-            gptq_modules: g,
-            rtn_modules: r,
-            expert_tokens,
-            low_coverage_rtn_modules: low_rtn,
-        },
-        lr.run.events,
-    )?;
-    drop(tensors);
-    release_free_memory();
-    tracing::info!(
-        layer,
-        gptq = g,
-        rtn = r,
-        elapsed_s = lr.run.started.elapsed().as_secs_f64(),
-        "layer quantized"
-    );
-    totals.gptq += g;
-    totals.rtn += r;
-    Ok(())
-}
-
-/// Factorises one input group's Hessian and quantizes its active modules (GPTQ, or RTN when the recovery
-/// loop is exhausted) in one device session (`session` holds the accumulated Hessian); the quantized weights
-/// replace the f32 ones in `lw` for the stages after it.
-pub(super) fn solve_group(
-    run: &Run<'_>,
-    mut session: Box<dyn Session + '_>,
-    lw: &mut LayerWeights,
-    active: &[usize],
-    names: &[String],
-    results: &mut [Option<QuantizedLinear>],
-) -> Result<()> {
-    let started = std::time::Instant::now();
-    let r = solve_group_timed(run, session.as_mut(), lw, active, names, results);
-    drop(session);
-    PhaseTimes::add(&run.times, |p| &mut p.solve, started);
-    r
-}
-
-fn solve_group_timed(
-    run: &Run<'_>,
-    session: &mut (dyn Session + '_),
-    lw: &mut LayerWeights,
-    active: &[usize],
-    names: &[String],
-    results: &mut [Option<QuantizedLinear>],
-) -> Result<()> {
-    let missing = |i: usize| {
-        QuantError::from(NumericError::ModuleMissing {
-            index: i,
-            group: Some(names.join(",")),
-        })
-    };
-    let module = names.join(",");
-    let spec = SolveSpec {
-        params: &run.job.params,
-        recovery: &run.job.recovery,
-        module: &module,
-        events: run.events,
-    };
-    let quantized = {
-        let weights = active
-            .iter()
-            .map(|&i| lw.module(i).map(|l| &l.w).ok_or_else(|| missing(i)))
-            .collect::<Result<Vec<_>>>()?;
-        solve_with_fallback(&run.device.describe(), session, &weights, &spec)?
-    };
-    for (&i, q) in active.iter().zip(quantized) {
-        lw.module_mut(i).ok_or_else(|| missing(i))?.w = dequantize_weight(&q);
-        results[i] = Some(q);
-    }
-    lw.sync_tied();
-    release_free_memory();
-    Ok(())
 }
 
 /// Packed tensors of one quantized module, named as in the checkpoint.

@@ -14,6 +14,7 @@ mod experts;
 mod layer;
 pub mod policy;
 pub mod rewrite;
+mod solve;
 pub mod writer;
 
 pub use digest::config_digest;
@@ -404,7 +405,7 @@ pub fn run(job: &QuantizeJob, device: &dyn Device, events: &dyn EventSink) -> Re
         exclusion: &exclusion,
         started,
     };
-    let layer_run = layer::LayerRun {
+    let layer_run = solve::LayerRun {
         run: &run,
         rope: &rope,
         batch: job

@@ -2,15 +2,143 @@
 //! per-layer work files, every other tensor is the source's, and the checkpoint goes through the same staging,
 //! `.save-complete` and quality summary as the GPTQ one.
 
-use crate::error::{NumericError, Result};
+use crate::error::{NumericError, QuantError, Result};
 use crate::events::{fields, EventSink};
-use crate::job::writer::{write_checkpoint, Extras, OutTensor};
+use crate::fsutil::read_json;
+use crate::job::writer::{verify_save_complete, write_checkpoint, Extras, OutTensor};
 use crate::model::tensors::TensorStore;
 use flexinfer_contract::events as names;
 use flexinfer_contract::files;
+use safetensors::{tensor::TensorView, Dtype};
 use serde_json::json;
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// What a finished (or reused) rewritten artifact is (`Q`: its format's quality summary).
+#[derive(Clone, Debug)]
+pub struct RewriteOutcome<Q> {
+    pub output_dir: PathBuf,
+    pub original_size_bytes: u64,
+    pub compressed_size_bytes: u64,
+    pub seconds: f64,
+    pub cached: bool,
+    pub config_digest: String,
+    /// `None` only for a reused artifact whose sidecar cannot be read.
+    pub quality: Option<Q>,
+}
+
+/// The run of a rewritten artifact: its format (`phase` of its progress events, and its work directory's
+/// name), directory, source store, config digest and start.
+pub struct ArtifactRun<'a> {
+    phase: &'static str,
+    out_dir: &'a Path,
+    store: &'a TensorStore,
+    digest: &'a str,
+    started: Instant,
+}
+
+impl<'a> ArtifactRun<'a> {
+    pub fn new(
+        phase: &'static str,
+        out_dir: &'a Path,
+        store: &'a TensorStore,
+        digest: &'a str,
+        started: Instant,
+    ) -> Self {
+        ArtifactRun {
+            phase,
+            out_dir,
+            store,
+            digest,
+            started,
+        }
+    }
+
+    /// The artifact already in `out_dir` when its `.save-complete` (shards re-hashed with `check_sha256`)
+    /// names the digest: emits `reusing` to `events` and returns it (its quality summary read from the sidecar).
+    pub fn reuse<Q: serde::de::DeserializeOwned>(
+        &self,
+        check_sha256: bool,
+        events: &dyn EventSink,
+    ) -> Option<RewriteOutcome<Q>> {
+        let sc = verify_save_complete(self.out_dir, check_sha256)?;
+        if sc.config_digest.as_deref() != Some(self.digest) {
+            return None;
+        }
+        progress(
+            events,
+            self.phase,
+            100.0,
+            format!("reusing {}", self.out_dir.display()),
+        );
+        let quality = read_json(&self.out_dir.join(files::QUANTIZATION_QUALITY))
+            .ok()
+            .and_then(|v| serde_json::from_value::<Q>(v).ok());
+        Some(RewriteOutcome {
+            output_dir: self.out_dir.to_path_buf(),
+            original_size_bytes: self.store.total_bytes(),
+            compressed_size_bytes: sc.shards.iter().map(|s| s.size_bytes).sum(),
+            seconds: self.started.elapsed().as_secs_f64(),
+            cached: true,
+            config_digest: self.digest.to_string(),
+            quality,
+        })
+    }
+
+    /// Writes the artifact with `save` (given the work directory `.<name of out_dir>.<phase>-work`, discarded
+    /// afterwards whatever the result; it returns the shards' bytes and the quality summary), then emits
+    /// `wrote`.
+    pub fn rewrite<Q>(
+        &self,
+        events: &dyn EventSink,
+        save: impl FnOnce(&Path) -> Result<(u64, Q)>,
+    ) -> Result<RewriteOutcome<Q>> {
+        let work = sibling(self.out_dir, self.phase, &format!(".{}-work", self.phase));
+        let result = save(&work);
+        discard_work_dir(&work);
+        let (compressed, quality) = result?;
+        progress(
+            events,
+            self.phase,
+            100.0,
+            format!("wrote {}", self.out_dir.display()),
+        );
+        Ok(RewriteOutcome {
+            output_dir: self.out_dir.to_path_buf(),
+            original_size_bytes: self.store.total_bytes(),
+            compressed_size_bytes: compressed,
+            seconds: self.started.elapsed().as_secs_f64(),
+            cached: false,
+            config_digest: self.digest.to_string(),
+            quality: Some(quality),
+        })
+    }
+}
+
+/// One tensor of a work file: name, bytes, dtype, shape.
+pub type WorkTensor = (String, Vec<u8>, Dtype, Vec<usize>);
+
+/// Writes one layer's rewritten tensors to the work file `path` (safetensors).
+pub fn write_work_file(path: &Path, tensors: &[WorkTensor]) -> Result<()> {
+    let views = tensors
+        .iter()
+        .map(|(n, data, dtype, shape)| {
+            TensorView::new(*dtype, shape.clone(), data)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| QuantError::Safetensors {
+                    path: path.to_path_buf(),
+                    tensor: Some(n.clone()),
+                    source: e.into(),
+                })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    safetensors::serialize_to_file(views, None, path).map_err(|e| QuantError::Safetensors {
+        path: path.to_path_buf(),
+        tensor: None,
+        source: e.into(),
+    })
+}
 
 /// `.<name of out_dir><suffix>` beside `out_dir` (`fallback` when it has no name): its work and staging
 /// directories.
@@ -52,20 +180,30 @@ pub fn merged_tensors<'a>(
     replaced: impl Fn(&str) -> bool,
 ) -> Result<Vec<OutTensor<'a>>> {
     let mut tensors = Vec::new();
-    for (store, keep) in [(source, true), (rewritten, false)] {
-        for (name, e) in &store.entries {
-            if keep && replaced(name) {
-                continue;
-            }
-            tensors.push(OutTensor {
-                name: name.clone(),
-                dtype: e.dtype,
-                shape: e.shape.clone(),
-                data: Cow::Borrowed(store.raw(name)?),
-            });
-        }
-    }
+    push_stored(source, replaced, &mut tensors)?;
+    push_stored(rewritten, |_| false, &mut tensors)?;
     Ok(tensors)
+}
+
+/// Appends every tensor of `store` that `skip` does not name to `tensors`, in the store's order, with the
+/// bytes as stored.
+pub fn push_stored<'a>(
+    store: &'a TensorStore,
+    skip: impl Fn(&str) -> bool,
+    tensors: &mut Vec<OutTensor<'a>>,
+) -> Result<()> {
+    for (name, e) in &store.entries {
+        if skip(name) {
+            continue;
+        }
+        tensors.push(OutTensor {
+            name: name.clone(),
+            dtype: e.dtype,
+            shape: e.shape.clone(),
+            data: Cow::Borrowed(store.raw(name)?),
+        });
+    }
+    Ok(())
 }
 
 /// Where and from what a rewritten checkpoint is written.

@@ -17,7 +17,7 @@
 //! recurrence, which is what the chunked form is exact for.
 
 use crate::model::config::{GdnConfig, GdnLayout};
-use crate::model::llama::linear;
+use crate::model::nn::linear;
 use crate::model::{GdnWeights, LayerWeights, ModelConfig};
 use faer::{Mat, MatRef};
 use rayon::prelude::*;

@@ -8,7 +8,7 @@
 //! residual; a dense MLP runs beside them on every token (kept here as the ungated shared unit), and both
 //! outputs are normalised before they are summed.
 
-use crate::model::llama::{linear, rms_norm};
+use crate::model::nn::{linear, rms_norm};
 use crate::model::Linear;
 use faer::{Mat, MatRef};
 
@@ -36,7 +36,7 @@ impl Activation {
     pub fn apply(self, x: f32) -> f32 {
         match self {
             Activation::Silu => x / (1.0 + (-x).exp()),
-            Activation::GeluTanh => crate::model::llama::gelu_tanh(x),
+            Activation::GeluTanh => crate::model::nn::gelu_tanh(x),
         }
     }
 }

@@ -478,28 +478,25 @@ impl MathLibraries {
     /// # Safety
     /// As [`MathLibraries::syrk`], with A `m × k` (`lda`), B `k × n` (`ldb`), C `m × n` (`ldc`).
     pub unsafe fn gemm(&mut self, op: &Gemm) -> Result<(), MathError> {
-        let b = self.blas()?;
-        let one = 1.0f32;
-        // SAFETY: as in `syrk`, with A `m × k` (lda), B `k × n` (ldb), C `m × n` (ldc).
-        let rc = unsafe {
-            (b.sgemm)(
-                b.handle,
-                b.enums.no_trans,
-                b.enums.no_trans,
-                int(op.m)?,
-                int(op.n)?,
-                int(op.k)?,
-                &one,
-                op.a as usize as *const f32,
-                int(op.lda)?,
-                op.b as usize as *const f32,
-                int(op.ldb)?,
-                &one,
-                op.c as usize as *mut f32,
-                int(op.ldc)?,
-            )
+        let single = GemmOp {
+            m: op.m,
+            n: op.n,
+            k: op.k,
+            a: op.a,
+            lda: op.lda,
+            b: op.b,
+            ldb: op.ldb,
+            b_trans: false,
+            c: op.c,
+            ldc: op.ldc,
+            accumulate: true,
+            batch: 1,
+            stride_a: 0,
+            stride_b: 0,
+            stride_c: 0,
         };
-        status(b.names[0], rc)
+        // SAFETY: the caller's contract is `gemm_op`'s for this one product (`sgemm` with β = 1).
+        unsafe { self.gemm_op(&single) }
     }
 
     /// The forward's products: `C = A·op(B)` (or `+=`), strided-batched where the library has the call.

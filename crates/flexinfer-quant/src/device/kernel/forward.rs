@@ -267,15 +267,15 @@ impl<'d, V: Vendor> ForwardOps<'d, V> {
                 Launch::wide(Kernel::BlockUpdate, p.n, p.m),
                 &[
                     Arg::Ptr(p.c),
-                    Arg::I32(dims("forward", p.ldc)?),
+                    dim(p.ldc)?,
                     Arg::Ptr(p.a),
-                    Arg::I32(dims("forward", p.lda)?),
+                    dim(p.lda)?,
                     Arg::Ptr(p.b),
                     Arg::I64(f_rs),
                     Arg::I64(f_cs),
-                    Arg::I32(dims("forward", p.m)?),
-                    Arg::I32(dims("forward", p.k)?),
-                    Arg::I32(dims("forward", p.n)?),
+                    dim(p.m)?,
+                    dim(p.k)?,
+                    dim(p.n)?,
                 ],
             )?;
         }
@@ -295,9 +295,9 @@ impl<'d, V: Vendor> ForwardOps<'d, V> {
             Launch::columns(Kernel::FwdAffine, rows, cols),
             &[
                 Arg::Ptr(x),
-                Arg::I32(dims("forward", ld)?),
-                Arg::I32(dims("forward", rows)?),
-                Arg::I32(dims("forward", cols)?),
+                dim(ld)?,
+                dim(rows)?,
+                dim(cols)?,
                 Arg::F32(a),
                 Arg::F32(b),
             ],
@@ -319,12 +319,12 @@ impl<'d, V: Vendor> ForwardOps<'d, V> {
             Launch::rows(Kernel::FwdRmsNorm, rows, FWD_THREADS),
             &[
                 Arg::Ptr(x),
-                Arg::I32(dims("forward", ldx)?),
+                dim(ldx)?,
                 Arg::Ptr(y),
-                Arg::I32(dims("forward", ldy)?),
+                dim(ldy)?,
                 Arg::Ptr(w),
-                Arg::I32(dims("forward", rows)?),
-                Arg::I32(dims("forward", d)?),
+                dim(rows)?,
+                dim(d)?,
                 Arg::F32(eps),
             ],
         )
@@ -342,11 +342,11 @@ impl<'d, V: Vendor> ForwardOps<'d, V> {
             Launch::columns(Kernel::FwdAdd, rows, cols),
             &[
                 Arg::Ptr(x),
-                Arg::I32(dims("forward", ldx)?),
+                dim(ldx)?,
                 Arg::Ptr(y),
-                Arg::I32(dims("forward", ldy)?),
-                Arg::I32(dims("forward", rows)?),
-                Arg::I32(dims("forward", cols)?),
+                dim(ldy)?,
+                dim(rows)?,
+                dim(cols)?,
             ],
         )
     }
@@ -365,9 +365,9 @@ impl<'d, V: Vendor> ForwardOps<'d, V> {
             Launch::tokens(Kernel::FwdHeadNorm, rows, heads),
             &[
                 Arg::Ptr(x),
-                Arg::I32(dims("forward", ld)?),
-                Arg::I32(dims("forward", rows)?),
-                Arg::I32(dims("forward", d)?),
+                dim(ld)?,
+                dim(rows)?,
+                dim(d)?,
                 Arg::Ptr(w.unwrap_or(x)),
                 Arg::I32(w.is_some() as i32),
                 Arg::F32(eps),
@@ -431,13 +431,7 @@ impl<'d, V: Vendor> ForwardOps<'d, V> {
         if let Some(b) = l.b {
             self.launch(
                 Launch::columns(Kernel::FwdAddBias, rows, l.out),
-                &[
-                    Arg::Ptr(y),
-                    Arg::I32(dims("forward", ldy)?),
-                    Arg::Ptr(b),
-                    Arg::I32(dims("forward", rows)?),
-                    Arg::I32(dims("forward", l.out)?),
-                ],
+                &[Arg::Ptr(y), dim(ldy)?, Arg::Ptr(b), dim(rows)?, dim(l.out)?],
             )?;
         }
         Ok(())
@@ -663,10 +657,10 @@ impl<'d, V: Vendor> ForwardOps<'d, V> {
                         Launch::tokens(Kernel::FwdRope, len, heads),
                         &[
                             Arg::Ptr(off(x, r0)),
-                            Arg::I32(dims("forward", rows)?),
-                            Arg::I32(dims("forward", len)?),
-                            Arg::I32(dims("forward", d)?),
-                            Arg::I32(dims("forward", half)?),
+                            dim(rows)?,
+                            dim(len)?,
+                            dim(d)?,
+                            dim(half)?,
                             Arg::Ptr(cos),
                             Arg::Ptr(sin),
                         ],
@@ -699,13 +693,13 @@ impl<'d, V: Vendor> ForwardOps<'d, V> {
                             Launch::tokens(Kernel::FwdSoftmax, cq, group),
                             &[
                                 Arg::Ptr(scores),
-                                Arg::I32(dims("forward", cq)?),
+                                dim(cq)?,
                                 Arg::I64((cq * keys) as i64),
-                                Arg::I32(dims("forward", cq)?),
-                                Arg::I32(dims("forward", keys)?),
-                                Arg::I32(dims("forward", c0)?),
+                                dim(cq)?,
+                                dim(keys)?,
+                                dim(c0)?,
                                 Arg::F32(scale),
-                                Arg::I32(dims("forward", window)?),
+                                dim(window)?,
                                 Arg::F32(softcap),
                             ],
                         )?;
@@ -800,11 +794,11 @@ impl<'d, V: Vendor> ForwardOps<'d, V> {
                 Launch::columns(Kernel::FwdActMul, rows, cols),
                 &[
                     Arg::Ptr(g),
-                    Arg::I32(dims("forward", rows)?),
+                    dim(rows)?,
                     Arg::Ptr(u),
-                    Arg::I32(dims("forward", rows)?),
-                    Arg::I32(dims("forward", rows)?),
-                    Arg::I32(dims("forward", cols)?),
+                    dim(rows)?,
+                    dim(rows)?,
+                    dim(cols)?,
                     Arg::I32(cfg.gemma.is_some() as i32),
                 ],
             )
@@ -1120,6 +1114,11 @@ impl<'d, V: Vendor> ForwardOps<'d, V> {
         self.free(g);
         r
     }
+}
+
+/// A dimension of a forward kernel's launch as its `int` argument (an error past `i32`).
+fn dim(v: usize) -> DevResult<Arg> {
+    dims("forward", v).map(Arg::I32)
 }
 
 fn lost() -> DeviceError {

@@ -142,6 +142,81 @@ fn sum_sq(x: &[f32]) -> f32 {
     x.iter().fold(0.0f32, |s, v| s + v * v)
 }
 
+/// ggml's importance weights of a sub-block, `w_l = qw_l·sqrt(σ² + x_l²)`; returns their sum.
+fn importance_weights(xs: &[f32], qs: &[f32], sigma2: f32, w: &mut [f32]) -> f32 {
+    for l in 0..xs.len() {
+        w[l] = qs[l] * (sigma2 + xs[l] * xs[l]).sqrt();
+    }
+    w.iter().sum()
+}
+
+/// The asymmetric fits (scale, min) of a super-block's `N` sub-blocks of `L` values.
+struct SubFits<const N: usize> {
+    scales: [f32; N],
+    mins: [f32; N],
+    /// Each sub-block's total weight.
+    weights: [f32; N],
+    max_scale: f32,
+    max_min: f32,
+}
+
+/// Fits each `L`-value sub-block of `x` with [`asymmetric_grid`] (`nmax`; the search codes to `codes`).
+/// Without `importance` the weights are `plain.0(xs)` and the search `plain.1` (`use_mad` `plain.2`), as in
+/// ggml's `*_ref`; with it ggml's `*_impl` weights ([`importance_weights`], σ² = `sigma_scale`·mean square of
+/// `x`) and search `(-0.9, 0.05, 36)`.
+#[allow(clippy::type_complexity)]
+fn fit_subblocks<const N: usize, const L: usize>(
+    x: &[f32],
+    importance: Option<&[f32]>,
+    sigma_scale: f32,
+    nmax: i32,
+    plain: (fn(&[f32], &mut [f32; L]), (f32, f32, i32), bool),
+    codes: &mut [u8; QK_K],
+) -> SubFits<N> {
+    let mut w = [0.0f32; L];
+    let mut aux = [0u8; L];
+    let mut fits = SubFits {
+        scales: [0.0f32; N],
+        mins: [0.0f32; N],
+        weights: [0.0f32; N],
+        max_scale: 0.0,
+        max_min: 0.0,
+    };
+    let sigma2 = importance.map(|_| sigma_scale * sum_sq(x) / QK_K as f32);
+    for j in 0..N {
+        let xs = &x[L * j..L * j + L];
+        let (search, use_mad) = match (importance, sigma2) {
+            (Some(qw), Some(sigma2)) => {
+                let qs = &qw[L * j..L * j + L];
+                fits.weights[j] = importance_weights(xs, qs, sigma2, &mut w);
+                ((-0.9, 0.05, 36), false)
+            }
+            _ => {
+                (plain.0)(xs, &mut w);
+                (plain.1, plain.2)
+            }
+        };
+        let (s, m) = asymmetric_grid(
+            xs,
+            &w,
+            nmax,
+            &mut codes[L * j..L * j + L],
+            &mut aux,
+            search,
+            use_mad,
+        );
+        fits.scales[j] = s;
+        fits.mins[j] = m;
+        if s > fits.max_scale {
+            fits.max_scale = s;
+        }
+        if m > fits.max_min {
+            fits.max_min = m;
+        }
+    }
+    fits
+}
+
 // ---------------------------------------------------------------- Q4_K / Q5_K shared parts
 
 /// Packs eight 6-bit (scale, min) pairs into 12 bytes: pairs 0..4 in the low 6 bits of bytes 0..4 and
@@ -181,40 +256,26 @@ fn quantize_k4_scales(
     codes: &mut [u8; QK_K],
     head: &mut [u8],
 ) {
-    let mut scales = [0.0f32; 8];
-    let mut mins = [0.0f32; 8];
-    let mut w = [0.0f32; 32];
-    let mut aux = [0u8; 32];
+    let plain_weights: fn(&[f32], &mut [f32; 32]) = |xs, w| {
+        let av_x = (sum_sq(xs) / 32.0).sqrt();
+        for l in 0..32 {
+            w[l] = av_x + xs[l].abs();
+        }
+    };
+    let fits: SubFits<8> = fit_subblocks(
+        x,
+        importance,
+        2.0,
+        nmax,
+        (plain_weights, plain_search, false),
+        codes,
+    );
     let mut ls = [0u8; 8];
     let mut lm = [0u8; 8];
     let (d, dmin);
     match importance {
         None => {
-            let (mut max_scale, mut max_min) = (0.0f32, 0.0f32);
-            for j in 0..8 {
-                let xs = &x[32 * j..32 * j + 32];
-                let av_x = (sum_sq(xs) / 32.0).sqrt();
-                for l in 0..32 {
-                    w[l] = av_x + xs[l].abs();
-                }
-                let (s, m) = asymmetric_grid(
-                    xs,
-                    &w,
-                    nmax,
-                    &mut codes[32 * j..32 * j + 32],
-                    &mut aux,
-                    plain_search,
-                    false,
-                );
-                scales[j] = s;
-                mins[j] = m;
-                if s > max_scale {
-                    max_scale = s;
-                }
-                if m > max_min {
-                    max_min = m;
-                }
-            }
+            let (max_scale, max_min) = (fits.max_scale, fits.max_min);
             let inv_scale = if max_scale > 0.0 {
                 63.0 / max_scale
             } else {
@@ -222,36 +283,15 @@ fn quantize_k4_scales(
             };
             let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
             for j in 0..8 {
-                ls[j] = (nearest(inv_scale * scales[j]) as u8).min(63);
-                lm[j] = (nearest(inv_min * mins[j]) as u8).min(63);
+                ls[j] = (nearest(inv_scale * fits.scales[j]) as u8).min(63);
+                lm[j] = (nearest(inv_min * fits.mins[j]) as u8).min(63);
             }
             d = max_scale / 63.0;
             dmin = max_min / 63.0;
         }
-        Some(qw) => {
-            let sigma2 = 2.0 * sum_sq(x) / QK_K as f32;
-            let mut sw = [0.0f32; 8];
-            for j in 0..8 {
-                let xs = &x[32 * j..32 * j + 32];
-                let qs = &qw[32 * j..32 * j + 32];
-                for l in 0..32 {
-                    w[l] = qs[l] * (sigma2 + xs[l] * xs[l]).sqrt();
-                }
-                sw[j] = w.iter().sum();
-                let (s, m) = asymmetric_grid(
-                    xs,
-                    &w,
-                    nmax,
-                    &mut codes[32 * j..32 * j + 32],
-                    &mut aux,
-                    (-0.9, 0.05, 36),
-                    false,
-                );
-                scales[j] = s;
-                mins[j] = m;
-            }
-            d = positive_grid(&scales, 63, &mut ls, &sw);
-            dmin = positive_grid(&mins, 63, &mut lm, &sw);
+        Some(_) => {
+            d = positive_grid(&fits.scales, 63, &mut ls, &fits.weights);
+            dmin = positive_grid(&fits.mins, 63, &mut lm, &fits.weights);
             for j in 0..8 {
                 ls[j] = ls[j].min(63);
                 lm[j] = lm[j].min(63);
@@ -464,42 +504,29 @@ pub fn quantize_q2k(x: &[f32], importance: Option<&[f32]>, out: &mut [u8]) {
 
 /// Q2_K's scale search: writes `scales`, `d` and `dmin`, the search's codes to `codes`.
 fn q2k_scales(x: &[f32], importance: Option<&[f32]>, out: &mut [u8], codes: &mut [u8; QK_K]) {
-    let mut aux = [0u8; 16];
-    let mut w = [0.0f32; 16];
-    let mut scales = [0.0f32; 16];
-    let mut mins = [0.0f32; 16];
+    let plain_weights: fn(&[f32], &mut [f32; 16]) = |xs, w| {
+        for l in 0..16 {
+            w[l] = xs[l].abs();
+        }
+    };
+    // ggml's Q2_K takes σ² as the mean square (the other K-quants twice it).
+    let fits: SubFits<16> = fit_subblocks(
+        x,
+        importance,
+        1.0,
+        3,
+        (plain_weights, (-0.5, 0.1, 15), true),
+        codes,
+    );
     let mut packed = [0u8; 16];
     let (d, dmin);
     match importance {
         None => {
-            let (mut max_scale, mut max_min) = (0.0f32, 0.0f32);
-            for j in 0..16 {
-                let xs = &x[16 * j..16 * j + 16];
-                for l in 0..16 {
-                    w[l] = xs[l].abs();
-                }
-                let (s, m) = asymmetric_grid(
-                    xs,
-                    &w,
-                    3,
-                    &mut codes[16 * j..16 * j + 16],
-                    &mut aux,
-                    (-0.5, 0.1, 15),
-                    true,
-                );
-                scales[j] = s;
-                mins[j] = m;
-                if s > max_scale {
-                    max_scale = s;
-                }
-                if m > max_min {
-                    max_min = m;
-                }
-            }
+            let (max_scale, max_min) = (fits.max_scale, fits.max_min);
             if max_scale > 0.0 {
                 let iscale = 15.0 / max_scale;
                 for j in 0..16 {
-                    packed[j] = nearest(iscale * scales[j]) as u8;
+                    packed[j] = nearest(iscale * fits.scales[j]) as u8;
                 }
                 d = max_scale / 15.0;
             } else {
@@ -508,40 +535,18 @@ fn q2k_scales(x: &[f32], importance: Option<&[f32]>, out: &mut [u8], codes: &mut
             if max_min > 0.0 {
                 let iscale = 15.0 / max_min;
                 for j in 0..16 {
-                    packed[j] |= (nearest(iscale * mins[j]) << 4) as u8;
+                    packed[j] |= (nearest(iscale * fits.mins[j]) << 4) as u8;
                 }
                 dmin = max_min / 15.0;
             } else {
                 dmin = 0.0;
             }
         }
-        Some(qw) => {
-            // ggml's Q2_K uses the mean square here (the other K-quants twice it).
-            let sigma2 = sum_sq(x) / QK_K as f32;
-            let mut sw = [0.0f32; 16];
-            for j in 0..16 {
-                let xs = &x[16 * j..16 * j + 16];
-                let qs = &qw[16 * j..16 * j + 16];
-                for l in 0..16 {
-                    w[l] = qs[l] * (sigma2 + xs[l] * xs[l]).sqrt();
-                }
-                sw[j] = w.iter().sum();
-                let (s, m) = asymmetric_grid(
-                    xs,
-                    &w,
-                    3,
-                    &mut codes[16 * j..16 * j + 16],
-                    &mut aux,
-                    (-0.9, 0.05, 36),
-                    false,
-                );
-                scales[j] = s;
-                mins[j] = m;
-            }
+        Some(_) => {
             let mut ls = [0u8; 16];
             let mut lm = [0u8; 16];
-            d = positive_grid(&scales, 15, &mut ls, &sw);
-            dmin = positive_grid(&mins, 15, &mut lm, &sw);
+            d = positive_grid(&fits.scales, 15, &mut ls, &fits.weights);
+            dmin = positive_grid(&fits.mins, 15, &mut lm, &fits.weights);
             for j in 0..16 {
                 packed[j] = ls[j] | (lm[j] << 4);
             }
@@ -638,11 +643,7 @@ fn q3k_scales(x: &[f32], importance: Option<&[f32]>, out: &mut [u8], codes_out: 
             let mut sw = [0.0f32; 16];
             for j in 0..16 {
                 let xs = &x[16 * j..16 * j + 16];
-                let qs = &qw[16 * j..16 * j + 16];
-                for l in 0..16 {
-                    w[l] = qs[l] * (sigma2 + xs[l] * xs[l]).sqrt();
-                }
-                sw[j] = w.iter().sum();
+                sw[j] = importance_weights(xs, &qw[16 * j..16 * j + 16], sigma2, &mut w);
                 scales[j] = symmetric_grid(
                     xs,
                     4,

@@ -264,25 +264,15 @@ fn reference(ty: GgmlType) -> Reference {
     }
 }
 
-const QUANTIZED: [GgmlType; 12] = [
-    GgmlType::IQ4NL,
-    GgmlType::IQ4XS,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q8_0,
-    GgmlType::Q2K,
-    GgmlType::Q3K,
-    GgmlType::Q4K,
-    GgmlType::Q5K,
-    GgmlType::Q6K,
-];
+/// The block-quantized types (every type but the float ones), in [`GgmlType::ALL`]'s order.
+fn quantized() -> impl Iterator<Item = GgmlType> {
+    GgmlType::ALL.into_iter().filter(|t| t.is_quantized())
+}
 
 #[test]
 fn dequantization_of_random_blocks_matches_the_reference_bit_for_bit() {
     let mut rng = StdRng::seed_from_u64(7);
-    for ty in QUANTIZED {
+    for ty in quantized() {
         let (f, at) = reference(ty);
         for _ in 0..200 {
             let b = random_block(&mut rng, ty, &at);
@@ -300,7 +290,7 @@ fn every_code_bit_reaches_the_output() {
     // Flipping any single bit of a quantized block (outside the f16 fields) changes the
     // dequantized values, so no packed field is dropped by the dequantizer.
     let mut rng = StdRng::seed_from_u64(3);
-    for ty in QUANTIZED {
+    for ty in quantized() {
         let (_, at) = reference(ty);
         let x = gauss_vec(&mut rng, ty.block_len());
         let mut b = vec![0u8; ty.block_bytes()];
