@@ -53,6 +53,27 @@ pub(super) fn read_shards(
     (shard_files, tensors)
 }
 
+/// The quantized linears: the modules with a `<module><suffix>` tensor (e.g. `.qweight`), sorted; none
+/// is a defect.
+pub(super) fn quantized_modules(
+    r: &mut Report,
+    tensors: &BTreeMap<String, TensorInfo>,
+    suffix: &str,
+) -> Vec<String> {
+    let modules: Vec<String> = tensors
+        .keys()
+        .filter_map(|n| n.strip_suffix(suffix))
+        .map(str::to_string)
+        .collect();
+    if modules.is_empty() {
+        r.defect(
+            "linear",
+            format!("no quantized linear (no *{suffix} tensor)"),
+        );
+    }
+    modules
+}
+
 /// `model.safetensors.index.json` against the tensors the shards hold; required with several shards
 /// or when `.save-complete` records it.
 pub(super) fn check_index(
