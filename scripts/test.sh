@@ -113,7 +113,8 @@ check() {
     crates/flexinfer-controller/src . crates/flexinfer-contract/src . crates/flexinfer-worker/src abliterate \
     crates/flexinfer-controller/src modelcache crates/flexinfer-controller/src model \
     crates/flexinfer-quant/src device crates/flexinfer-quant/src gguf crates/flexinfer-quant/src numerics \
-    crates/flexinfer-cli/src artifact crates/flexinfer-worker/src download crates/flexinfer-worker/src oci
+    crates/flexinfer-cli/src . crates/flexinfer-cli/src artifact crates/flexinfer-worker/src download \
+    crates/flexinfer-worker/src oci
 
   stage "cargo test: every test that needs no cluster"
   cargo_test check "${INT_TESTS[@]}" "${E2E_TESTS[@]}"
