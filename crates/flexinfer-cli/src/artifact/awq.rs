@@ -16,7 +16,7 @@ use flexinfer_fsutil::limits;
 use serde_json::Value;
 
 use super::config::{check_family, expected_shape};
-use super::read::{read_bytes, read_file, read_json, TensorInfo};
+use super::read::{read_file, read_json, TensorInfo};
 use super::{shards, validate_layout, Options, Report};
 
 /// Bits of a code in the GEMM layout.
@@ -255,21 +255,11 @@ fn check_linear(
             ),
         );
     } else {
-        match read_bytes(dir, sc) {
-            Ok(b) => {
-                let bad = b
-                    .chunks_exact(2)
-                    .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-                    .position(|v| !(v.is_finite() && v > 0.0));
-                if let Some(i) = bad {
-                    r.defect(
-                        "linear",
-                        format!("{m}.scales[{i}] is not a finite positive scale"),
-                    );
-                }
-            }
-            Err(e) => r.defect("linear", e),
-        }
+        shards::check_scales(r, dir, sc, &format!("{m}.scales"), |b| {
+            b.chunks_exact(2)
+                .map(|c| f64::from(half::f16::from_le_bytes([c[0], c[1]]).to_f32()))
+                .collect()
+        });
     }
     if let Some(bias) = get("bias") {
         if bias.shape != [out] {

@@ -220,21 +220,9 @@ fn check_linear(
             ),
         );
     } else {
-        match read_bytes(dir, scale) {
-            Ok(b) => {
-                let bad = scale_values(&scale.dtype, &b)
-                    .unwrap_or_default()
-                    .iter()
-                    .position(|s| !(s.is_finite() && *s > 0.0));
-                if let Some(i) = bad {
-                    r.defect(
-                        "linear",
-                        format!("{m}.weight_scale[{i}] is not a finite positive scale"),
-                    );
-                }
-            }
-            Err(e) => r.defect("linear", e),
-        }
+        shards::check_scales(r, dir, scale, &format!("{m}.weight_scale"), |b| {
+            scale_values(&scale.dtype, b).unwrap_or_default()
+        });
     }
     match (get("weight_zero_point"), scheme.symmetric) {
         (Some(_), true) => r.defect(

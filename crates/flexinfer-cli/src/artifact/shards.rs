@@ -8,7 +8,7 @@ use flexinfer_api::contract::SaveComplete;
 use flexinfer_fsutil::limits;
 use serde_json::Value;
 
-use super::read::{read_header, read_json, TensorInfo};
+use super::read::{read_bytes, read_header, read_json, TensorInfo};
 use super::Report;
 
 /// The shard file names (sorted) and every tensor of their headers.
@@ -72,6 +72,28 @@ pub(super) fn quantized_modules(
         );
     }
     modules
+}
+
+/// The scale tensor `t` (called `name` in defects) holds only finite positive values, as `decode` reads its
+/// bytes; the first that is not, or a tensor that cannot be read, is a `linear` defect.
+pub(super) fn check_scales(
+    r: &mut Report,
+    dir: &Path,
+    t: &TensorInfo,
+    name: &str,
+    decode: impl FnOnce(&[u8]) -> Vec<f64>,
+) {
+    match read_bytes(dir, t) {
+        Ok(b) => {
+            if let Some(i) = decode(&b).iter().position(|v| !(v.is_finite() && *v > 0.0)) {
+                r.defect(
+                    "linear",
+                    format!("{name}[{i}] is not a finite positive scale"),
+                );
+            }
+        }
+        Err(e) => r.defect("linear", e),
+    }
 }
 
 /// `model.safetensors.index.json` against the tensors the shards hold; required with several shards

@@ -159,7 +159,10 @@ pub async fn recommend(g: &Global, a: &RecommendArgs) -> Result<String, CliError
         Some(f) if f.eq_ignore_ascii_case("GGUF") => true,
         Some(f) if f.eq_ignore_ascii_case("GPTQ") => false,
         Some(f) if f.eq_ignore_ascii_case("AWQ") => {
-            return recommend_awq(g, a, &api, &ns, &model, &gpu).await;
+            // A model or card AWQ cannot serve is bad input naming why.
+            let rec = recommend::awq::recommend(&model, &gpu).map_err(|e| bad(e.to_string()))?;
+            let rows = awq_rows(&rec);
+            return finish(g, a, &api, &ns, &rec.spec_patch(), &rec, rows, &rec.reasons).await;
         }
         Some(f) => {
             return Err(bad(format!(
@@ -168,39 +171,13 @@ pub async fn recommend(g: &Global, a: &RecommendArgs) -> Result<String, CliError
         }
     };
     if gguf {
-        return recommend_gguf(g, a, &api, &ns, &model, &gpu).await;
+        let rec = recommend::gguf::recommend(&model, &gpu);
+        let rows = gguf_rows(&rec);
+        return finish(g, a, &api, &ns, &rec.spec_patch(), &rec, rows, &rec.reasons).await;
     }
     let rec = recommend::recommend(&model, &gpu);
     let rows = gptq_rows(&rec);
     finish(g, a, &api, &ns, &rec.spec_patch(), &rec, rows, &rec.reasons).await
-}
-
-/// The GGUF recommendation's rows.
-async fn recommend_gguf(
-    g: &Global,
-    a: &RecommendArgs,
-    api: &Api<ModelCache>,
-    ns: &str,
-    model: &Footprint,
-    gpu: &GpuTarget,
-) -> Result<String, CliError> {
-    let rec = recommend::gguf::recommend(model, gpu);
-    let rows = gguf_rows(&rec);
-    finish(g, a, api, ns, &rec.spec_patch(), &rec, rows, &rec.reasons).await
-}
-
-/// The AWQ recommendation's rows; a model or card AWQ cannot serve is bad input naming why.
-async fn recommend_awq(
-    g: &Global,
-    a: &RecommendArgs,
-    api: &Api<ModelCache>,
-    ns: &str,
-    model: &Footprint,
-    gpu: &GpuTarget,
-) -> Result<String, CliError> {
-    let rec = recommend::awq::recommend(model, gpu).map_err(|e| bad(e.to_string()))?;
-    let rows = awq_rows(&rec);
-    finish(g, a, api, ns, &rec.spec_patch(), &rec, rows, &rec.reasons).await
 }
 
 /// One row of the table: the field (as in `spec.quantization` where it is one) and its value.
