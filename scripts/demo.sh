@@ -23,6 +23,31 @@ NS=flexinfer-demo
 CACHE=tiny-llama-gptq
 T0=$(date +%s)
 say() { echo; echo "==> $* ($(( $(date +%s) - T0 ))s)"; }
+# The storage of ModelCache $1 in $NS: a hostPath PersistentVolume on directory $2 and the claim $1 bound to
+# it, as YAML documents each followed by ---.
+storage_yaml() {
+  cat <<YAML
+apiVersion: v1
+kind: PersistentVolume
+metadata: {name: demo-$1}
+spec:
+  capacity: {storage: 10Gi}
+  accessModes: [ReadWriteOnce]
+  storageClassName: ""
+  hostPath: {path: $2, type: Directory}
+  claimRef: {namespace: $NS, name: $1}
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {name: $1, namespace: $NS}
+spec:
+  accessModes: [ReadWriteOnce]
+  storageClassName: ""
+  volumeName: demo-$1
+  resources: {requests: {storage: 10Gi}}
+---
+YAML
+}
 
 say "dependencies (Debian packages, control-plane binaries: cached after the first run)"
 bash scripts/install-deps.sh
@@ -42,26 +67,7 @@ say "storage, GPUProfile and the ModelCache"
 DATA=$E2E_STORAGE/$CACHE; mkdir -p "$DATA"; chown 65532:65532 "$DATA"
 PLACE='nodeSelector: {flexinfer.ai/gpu.arch: gfx1100, flexinfer.ai/testenv-node: real}
   tolerations: [{key: flexinfer.ai/testenv-node, operator: Equal, value: real, effect: NoSchedule}]'
-kubectl apply -f - <<YAML
-apiVersion: v1
-kind: PersistentVolume
-metadata: {name: demo-$CACHE}
-spec:
-  capacity: {storage: 10Gi}
-  accessModes: [ReadWriteOnce]
-  storageClassName: ""
-  hostPath: {path: $DATA, type: Directory}
-  claimRef: {namespace: $NS, name: $CACHE}
----
-apiVersion: v1
-kind: PersistentVolumeClaim
-metadata: {name: $CACHE, namespace: $NS}
-spec:
-  accessModes: [ReadWriteOnce]
-  storageClassName: ""
-  volumeName: demo-$CACHE
-  resources: {requests: {storage: 10Gi}}
----
+{ storage_yaml "$CACHE" "$DATA"; cat <<YAML
 # The real node stands in for a gfx1100 card: it advertises amd.com/gpu, the worker runs on the CPU backend.
 apiVersion: ai.flexinfer/v1alpha2
 kind: GPUProfile
@@ -103,6 +109,7 @@ spec:
     ociRef: $TESTENV_REGISTRY/demo/$CACHE:v1
     insecure: true
 YAML
+} | kubectl apply -f -
 
 say "watching $NS/$CACHE (kubectl get modelcache -w)"
 kubectl get modelcache -n "$NS" "$CACHE" -w &
@@ -164,26 +171,7 @@ curl -sf "http://$IP:8000/v1/completions" -H 'Content-Type: application/json' \
 say "GGUF (the default format): a ModelCache writing one llama.cpp file, served by the real llama-server"
 GCACHE=tiny-llama-gguf
 GDATA=$E2E_STORAGE/$GCACHE; mkdir -p "$GDATA"; chown 65532:65532 "$GDATA"
-kubectl apply -f - <<YAML
-apiVersion: v1
-kind: PersistentVolume
-metadata: {name: demo-$GCACHE}
-spec:
-  capacity: {storage: 10Gi}
-  accessModes: [ReadWriteOnce]
-  storageClassName: ""
-  hostPath: {path: $GDATA, type: Directory}
-  claimRef: {namespace: $NS, name: $GCACHE}
----
-apiVersion: v1
-kind: PersistentVolumeClaim
-metadata: {name: $GCACHE, namespace: $NS}
-spec:
-  accessModes: [ReadWriteOnce]
-  storageClassName: ""
-  volumeName: demo-$GCACHE
-  resources: {requests: {storage: 10Gi}}
----
+{ storage_yaml "$GCACHE" "$GDATA"; cat <<YAML
 apiVersion: ai.flexinfer/v1alpha1
 kind: ModelCache
 metadata: {name: $GCACHE, namespace: $NS}
@@ -201,6 +189,7 @@ spec:
     ociRef: $TESTENV_REGISTRY/demo/$GCACHE:v1
     insecure: true
 YAML
+} | kubectl apply -f -
 kubectl wait -n "$NS" "modelcache/$GCACHE" --for=jsonpath='{.status.phase}'=Ready --timeout="${TIMEOUT}s" >/dev/null || {
   kubectl get modelcache -n "$NS" "$GCACHE" -o yaml | sed -n '/^status:/,$p' >&2; exit 1; }
 "$E2E_CLI" -n "$NS" quantize status "$GCACHE"

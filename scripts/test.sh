@@ -113,7 +113,7 @@ check() {
     crates/flexinfer-controller/src . crates/flexinfer-contract/src . crates/flexinfer-worker/src . crates/flexinfer-worker/src abliterate \
     crates/flexinfer-controller/src modelcache crates/flexinfer-controller/src model \
     crates/flexinfer-quant/src device crates/flexinfer-quant/src gguf crates/flexinfer-quant/src numerics \
-    crates/flexinfer-quant/src model crates/flexinfer-quant/src job \
+    crates/flexinfer-quant/src model crates/flexinfer-quant/src job crates/flexinfer-cli/src . \
     crates/flexinfer-cli/src artifact crates/flexinfer-worker/src download crates/flexinfer-worker/src oci \
     crates/flexinfer-runtime/src . crates/flexinfer-plan/src . crates/flexinfer-plan/src modelcache crates/flexinfer-plan/src model
 

@@ -15,23 +15,14 @@ Usage: check_awq.py ARTIFACT SOURCE EXPECTED.safetensors
 Prints one JSON line with what it checked; exits non-zero on the first mismatch.
 """
 import json
+import os
 import sys
 
 import torch
 from safetensors.torch import load_file
 
-
-def fail(msg):
-    print(f"FAIL: {msg}", file=sys.stderr)
-    sys.exit(1)
-
-
-def artifact_tensors(path):
-    index = json.load(open(f"{path}/model.safetensors.index.json"))
-    out = {}
-    for shard in sorted(set(index["weight_map"].values())):
-        out.update(load_file(f"{path}/{shard}"))
-    return out
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+from consumer_check import artifact_tensors, cosine, fail, quantized_modules  # noqa: E402
 
 
 def rtn(w, group):
@@ -58,11 +49,7 @@ def main():
     group = qc["group_size"]
     tensors = artifact_tensors(artifact)
     expected = load_file(expected_path)
-    modules = sorted(n[: -len(".qweight")] for n in tensors if n.endswith(".qweight"))
-    if not modules:
-        fail("no quantized linears in the artifact")
-    if sorted(n[: -len(".weight")] for n in expected) != modules:
-        fail("the quantized linears differ from the expected list")
+    modules = quantized_modules(tensors, expected, ".qweight")
     for m in modules:
         if f"{m}.weight" in tensors:
             fail(f"{m}: the dense weight is in the artifact too")
@@ -100,9 +87,6 @@ def main():
         for m in modules:
             sd2[f"{m}.weight"].copy_(plain[m])
         rtn_logits = ref2(ids).logits.float()
-
-    def cosine(a, b):
-        return torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
 
     cos = cosine(logits, dense)
     if cos < 0.999:

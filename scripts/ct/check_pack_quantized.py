@@ -15,23 +15,16 @@ Usage: check_pack_quantized.py ARTIFACT SOURCE EXPECTED.safetensors
 Prints one JSON line with what it checked; exits non-zero on the first mismatch.
 """
 import json
+import os
 import sys
 
 import torch
 from safetensors.torch import load_file
 
-
-def fail(msg):
-    print(f"FAIL: {msg}", file=sys.stderr)
-    sys.exit(1)
-
-
-def artifact_tensors(path):
-    index = json.load(open(f"{path}/model.safetensors.index.json"))
-    out = {}
-    for shard in sorted(set(index["weight_map"].values())):
-        out.update(load_file(f"{path}/{shard}"))
-    return out
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+from consumer_check import (  # noqa: E402
+    artifact_tensors, compressed_tensors_logits, cosine, fail, quantized_modules, reference_logits,
+)
 
 
 def main():
@@ -48,11 +41,7 @@ def main():
     bits = scheme.weights.num_bits
     tensors = artifact_tensors(artifact)
     expected = load_file(expected_path)
-    modules = sorted(n[: -len(".weight_packed")] for n in tensors if n.endswith(".weight_packed"))
-    if not modules:
-        fail("no quantized linears in the artifact")
-    if sorted(n[: -len(".weight")] for n in expected) != modules:
-        fail("the quantized linears differ from the expected list")
+    modules = quantized_modules(tensors, expected, ".weight_packed")
     names = set(compressor.compression_param_names(scheme))
     for m in modules:
         state = {k: tensors[f"{m}.{k}"] for k in names if f"{m}.{k}" in tensors}
@@ -69,32 +58,9 @@ def main():
             diff = (out.float() - want).abs().max().item()
             fail(f"{m}: compressed-tensors' decompression differs from ours (max |diff| {diff}, {out.dtype})")
 
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
-
     ids = torch.tensor([[1, 5, 9, 17, 33, 65, 100, 7]])
-    model = AutoModelForCausalLM.from_pretrained(
-        artifact, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True)
-    )
-    with torch.no_grad():
-        logits = model(ids).logits.float()
-    params = dict(model.named_parameters())
-    for m in modules:
-        got = params.get(f"{m}.weight")
-        if got is None:
-            fail(f"{m}.weight is not a parameter of the model transformers loaded")
-        if not torch.equal(got.detach().float(), expected[f"{m}.weight"]):
-            diff = (got.detach().float() - expected[f"{m}.weight"]).abs().max().item()
-            fail(f"{m}: transformers' weight differs from our dequantization (max |diff| {diff})")
-    ref = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    with torch.no_grad():
-        full = ref(ids).logits.float()
-        sd = ref.state_dict()
-        for m in modules:
-            sd[f"{m}.weight"].copy_(expected[f"{m}.weight"])
-        dense = ref(ids).logits.float()
-
-    def cosine(a, b):
-        return torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
+    logits = compressed_tensors_logits(artifact, ids, modules, expected, dequantize=True, show_diff=True)
+    full, dense = reference_logits(source, ids, modules, expected)
 
     cos = cosine(logits, dense)
     cos_src = cosine(logits, full)

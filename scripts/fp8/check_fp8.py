@@ -17,24 +17,17 @@ Usage: check_fp8.py ARTIFACT SOURCE EXPECTED.safetensors
 Prints one JSON line with what it checked; exits non-zero on the first mismatch.
 """
 import json
+import os
 import sys
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-
-def fail(msg):
-    print(f"FAIL: {msg}", file=sys.stderr)
-    sys.exit(1)
-
-
-def artifact_tensors(path):
-    index = json.load(open(f"{path}/model.safetensors.index.json"))
-    out = {}
-    for shard in sorted(set(index["weight_map"].values())):
-        out.update(load_file(f"{path}/{shard}"))
-    return out
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+from consumer_check import (  # noqa: E402
+    artifact_tensors, compressed_tensors_logits, cosine, fail, quantized_modules, reference_logits,
+)
 
 
 def source_tensors(path):
@@ -57,11 +50,7 @@ def main():
     tensors = artifact_tensors(artifact)
     src = source_tensors(source)
     expected = load_file(expected_path)
-    modules = sorted(n[: -len(".weight_scale")] for n in tensors if n.endswith(".weight_scale"))
-    if not modules:
-        fail("no quantized linears in the artifact")
-    if sorted(n[: -len(".weight")] for n in expected) != modules:
-        fail("the quantized linears differ from the expected list")
+    modules = quantized_modules(tensors, expected, ".weight_scale")
     for m in modules:
         scheme = next(iter(qc.config_groups.values()))
         w, s = tensors[f"{m}.weight"], tensors[f"{m}.weight_scale"]
@@ -78,37 +67,14 @@ def main():
             bad = (torch_codes.view(torch.uint8) != ours).sum().item()
             fail(f"{m}: {bad} codes differ from torch's float8_e4m3fn cast")
 
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
-
     ids = torch.tensor([[1, 5, 9, 17, 33, 65, 100, 7]])
 
     def load_and_run(dequantize):
-        model = AutoModelForCausalLM.from_pretrained(
-            artifact, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=dequantize)
-        )
-        with torch.no_grad():
-            logits = model(ids).logits.float()
-        params = dict(model.named_parameters())
-        for m in modules:
-            got = params.get(f"{m}.weight")
-            if got is None:
-                fail(f"dequantize={dequantize}: {m}.weight is not a parameter of the model transformers loaded")
-            if not torch.equal(got.detach().float(), expected[f"{m}.weight"]):
-                fail(f"dequantize={dequantize}: {m}: transformers' weight differs from our dequantization")
-        return logits
+        return compressed_tensors_logits(artifact, ids, modules, expected, dequantize, f"dequantize={dequantize}: ")
 
     dequantized = load_and_run(True)
     w8a8 = load_and_run(False)
-    ref = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    with torch.no_grad():
-        full = ref(ids).logits.float()
-        sd = ref.state_dict()
-        for m in modules:
-            sd[f"{m}.weight"].copy_(expected[f"{m}.weight"])
-        dense = ref(ids).logits.float()
-
-    def cosine(a, b):
-        return torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
+    full, dense = reference_logits(source, ids, modules, expected)
 
     cos = cosine(dequantized, dense)
     cos_w8a8 = cosine(w8a8, dense)

@@ -5,18 +5,15 @@
 # (a .pth line, no second copy of torch).
 # Prints the venv's python on stdout; everything else goes to stderr.
 set -euo pipefail
+# shellcheck source=../lib/venv.sh
+source "$(dirname "$0")/../lib/venv.sh"
 CT_VERSION=${CT_VERSION:-0.20.0}
 venv="$HOME/.cache/flexinfer/ct-venv-$CT_VERSION"
 check='import compressed_tensors, torch, transformers, safetensors; assert compressed_tensors.__version__.startswith("'"$CT_VERSION"'")'
 if ! "$venv/bin/python" -c "$check" >/dev/null 2>&1; then
   echo "compressed-tensors venv: pip install compressed-tensors==$CT_VERSION into $venv" >&2
-  rm -rf "$venv"
-  python3 -m venv "$venv" >&2
-  pip=("$venv/bin/pip" install -q --disable-pip-version-check)
-  torch_site=$(bash "$(dirname "$0")/../lib/torch-venv.sh") \
-    || { echo "compressed-tensors venv: no torch venv" >&2; exit 1; }
-  own=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  echo "$torch_site" > "$own/flexinfer-torch-venv.pth"
+  venv_new "$venv"
+  venv_use_torch "$venv" "compressed-tensors venv"
   "${pip[@]}" "compressed-tensors==$CT_VERSION" >&2 \
     || { echo "compressed-tensors venv: cannot install compressed-tensors==$CT_VERSION from PyPI" >&2; exit 1; }
   "$venv/bin/python" -c "$check" >&2 \

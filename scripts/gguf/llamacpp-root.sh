@@ -52,32 +52,7 @@ llama_version=${PACKAGES[0]#*=1:}
 LLROOT=$CACHE/llamacpp-root-${llama_version%%+*}-$root_key
 mkdir -p "$CACHE"
 
-if [ -f "$LLROOT/.flexinfer-root-complete" ]; then
-  log "reusing $LLROOT"
-else
-  tmp=$(mktemp -d "$CACHE/.llamacpp-root-tmp.XXXXXX")
-  trap 'rm -rf "$tmp"' EXIT
-  log "creating the $SUITE root ($VARIANT, ${PACKAGES[*]}) from $mirror into $LLROOT"
-  t=$(date +%s)
-  aptopt_args=()
-  for o in "${APTOPTS[@]}"; do aptopt_args+=(--aptopt="$o"); done
-  # The hooks run with the root as $1: the size of the downloaded .debs (mmdebstrap deletes them afterwards)
-  # and the installed versions are recorded in the root. In its own mount namespace, so that no mount it
-  # makes outlives it (the temp dir is then safe to delete).
-  # shellcheck disable=SC2016
-  unshare --mount --propagation private -- mmdebstrap --variant="$VARIANT" --mode=root "${aptopt_args[@]}" \
-    --include="$(IFS=,; echo "${PACKAGES[*]}")" \
-    --customize-hook='du -sb "$1/var/cache/apt/archives" | cut -f1 > "$1/.flexinfer-download-bytes"' \
-    --customize-hook='chroot "$1" dpkg-query -W -f "\${Package}=\${Version}\n" > "$1/.flexinfer-packages"' \
-    "$SUITE" "$tmp/root" "$mirror" >&2 \
-    || die "mmdebstrap failed (mirror $mirror, packages ${PACKAGES[*]}; if sid no longer has these versions, move the pins in $0)"
-  touch "$tmp/root/.flexinfer-root-complete"
-  # A concurrent run may have finished first: keep its root.
-  if [ ! -f "$LLROOT/.flexinfer-root-complete" ]; then rm -rf "$LLROOT"; mv "$tmp/root" "$LLROOT"; fi
-  rm -rf "$tmp"; trap - EXIT
-  log "root ready in $(( $(date +%s) - t ))s: $(du -sh "$LLROOT" | cut -f1) on disk," \
-      "$(( $(cat "$LLROOT/.flexinfer-download-bytes") / 1048576 )) MiB downloaded"
-fi
+debian_root "$LLROOT" llamacpp-root "$mirror" "; if sid no longer has these versions, move the pins in $0"
 
 for b in llama-cli llama-quantize llama-perplexity; do
   [ -x "$LLROOT/usr/bin/$b" ] || die "no /usr/bin/$b in $LLROOT"

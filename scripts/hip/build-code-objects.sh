@@ -43,6 +43,10 @@ TARGETS=(gfx1100 gfx906)
 # no FMA; it also spells its arithmetic with __fmul_rn & co.). hipcc does not include the HIP runtime header by
 # itself (NVRTC declares threadIdx & co. implicitly), hence -include.
 FLAGS=(--genco --no-gpu-bundle-output -O3 -ffp-contract=off -include hip/hip_runtime.h)
+# For debian_root (scripts/lib/debian-root.sh); not in the root's key (the key predates this list, and
+# recommends were never installed).
+# shellcheck disable=SC2034
+APTOPTS=('APT::Install-Recommends "false"')
 
 [ -f "$SRC" ] || die "no kernel source at $SRC"
 [ "$(id -u)" = 0 ] || die "needs root (mmdebstrap root mode and chroot)"
@@ -57,30 +61,7 @@ hipcc_version=${PACKAGES[0]#hipcc=}
 HIPROOT=$CACHE/hip-root-$SUITE-hipcc${hipcc_version%%-*}-$root_key
 mkdir -p "$CACHE"
 
-if [ -f "$HIPROOT/.flexinfer-root-complete" ]; then
-  log "reusing $HIPROOT"
-else
-  tmp=$(mktemp -d "$CACHE/.hip-root-tmp.XXXXXX")
-  trap 'rm -rf "$tmp"' EXIT
-  log "creating the $SUITE root ($VARIANT, ${PACKAGES[*]}) from $mirror into $HIPROOT"
-  t=$(date +%s)
-  # The hooks run with the root as $1: the size of the downloaded .debs (mmdebstrap deletes them afterwards)
-  # and the installed versions are recorded in the root.
-  # In its own mount namespace, so that no mount it makes outlives it (the temp dir is then safe to delete).
-  # shellcheck disable=SC2016
-  unshare --mount --propagation private -- mmdebstrap --variant="$VARIANT" --mode=root --aptopt='APT::Install-Recommends "false"' \
-    --include="$(IFS=,; echo "${PACKAGES[*]}")" \
-    --customize-hook='du -sb "$1/var/cache/apt/archives" | cut -f1 > "$1/.flexinfer-download-bytes"' \
-    --customize-hook='chroot "$1" dpkg-query -W -f "\${Package}=\${Version}\n" > "$1/.flexinfer-packages"' \
-    "$SUITE" "$tmp/root" "$mirror" >&2 || die "mmdebstrap failed (mirror $mirror, packages ${PACKAGES[*]})"
-  touch "$tmp/root/.flexinfer-root-complete"
-  # A concurrent run may have finished first: keep its root. (A directory without the marker cannot come
-  # from a rename, but is removed all the same.)
-  if [ ! -f "$HIPROOT/.flexinfer-root-complete" ]; then rm -rf "$HIPROOT"; mv "$tmp/root" "$HIPROOT"; fi
-  rm -rf "$tmp"; trap - EXIT
-  log "root ready in $(( $(date +%s) - t ))s: $(du -sh "$HIPROOT" | cut -f1) on disk," \
-      "$(( $(cat "$HIPROOT/.flexinfer-download-bytes") / 1048576 )) MiB downloaded"
-fi
+debian_root "$HIPROOT" hip-root "$mirror"
 
 hipcc_bin=/usr/bin/hipcc
 objdump_bin=/usr/bin/llvm-objdump-17

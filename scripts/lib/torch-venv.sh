@@ -14,11 +14,12 @@ cache="$HOME/.cache/flexinfer"
 oracle="$cache/oracle-venv"
 venv="$cache/torch-venv-$TORCH_VERSION"
 check='import torch, transformers, safetensors, accelerate'
-site() { "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+# shellcheck source=venv.sh
+source "$(dirname "${BASH_SOURCE[0]}")/venv.sh"
 
 if "$oracle/bin/python" -c "$check" >/dev/null 2>&1; then
   echo "torch venv: torch and transformers from $oracle" >&2
-  site "$oracle"
+  venv_site "$oracle"
   exit 0
 fi
 mkdir -p "$cache"
@@ -26,9 +27,7 @@ exec 9>"$cache/torch-venv.lock"
 flock 9
 if ! "$venv/bin/python" -c "$check" >/dev/null 2>&1; then
   echo "torch venv: torch $TORCH_VERSION and transformers $TRANSFORMERS_VERSION into $venv" >&2
-  rm -rf "$venv"
-  python3 -m venv "$venv" >&2
-  pip=("$venv/bin/pip" install -q --disable-pip-version-check)
+  venv_new "$venv"
   if "${pip[@]}" --retries 0 --timeout 15 --index-url https://download.pytorch.org/whl/cpu \
       "torch==$TORCH_VERSION" >&2 2>/dev/null; then
     echo "torch venv: the CPU wheel from download.pytorch.org" >&2
@@ -42,4 +41,4 @@ if ! "$venv/bin/python" -c "$check" >/dev/null 2>&1; then
   "$venv/bin/python" -c "$check" >&2 \
     || { echo "torch venv: $venv does not import torch and transformers" >&2; exit 1; }
 fi
-site "$venv"
+venv_site "$venv"

@@ -272,7 +272,12 @@ pub async fn fetch_hub(endpoint: &str, id: &str, token: Option<&str>) -> Result<
 }
 
 #[cfg(test)]
+#[path = "../tests/support/one_shot_http.rs"]
+mod one_shot_http;
+
+#[cfg(test)]
 mod tests {
+    use super::one_shot_http::serve_json_once;
     use super::*;
 
     #[test]
@@ -352,31 +357,10 @@ mod tests {
     /// The hub lookup speaks plain HTTP to a loopback server.
     #[tokio::test]
     async fn hub_fetch_over_loopback() {
-        use std::io::Write;
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let server = std::thread::spawn(move || {
-            let (mut s, _) = listener.accept().unwrap();
-            let mut buf = [0u8; 4096];
-            let n = s.read(&mut buf).unwrap();
-            let req = String::from_utf8_lossy(&buf[..n]).to_string();
-            let body = r#"{"safetensors":{"total":8030261248}}"#;
-            write!(
-                s,
-                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{}",
-                body.len(),
-                body
-            )
+        let (endpoint, server) = serve_json_once(r#"{"safetensors":{"total":8030261248}}"#);
+        let v = fetch_hub(&endpoint, "meta-llama/Llama-3-8B", Some("tok"))
+            .await
             .unwrap();
-            req
-        });
-        let v = fetch_hub(
-            &format!("http://{addr}"),
-            "meta-llama/Llama-3-8B",
-            Some("tok"),
-        )
-        .await
-        .unwrap();
         let req = server.join().unwrap();
         assert!(
             req.starts_with("GET /api/models/meta-llama/Llama-3-8B "),

@@ -3,6 +3,7 @@
 //!
 //! Exit codes: 0 success, 1 failure (gate failed, artifact defects, API errors), 2 bad input.
 
+pub mod args;
 pub mod artifact;
 pub mod cli;
 pub mod cluster;

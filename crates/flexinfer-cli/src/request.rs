@@ -3,7 +3,7 @@
 
 use flexinfer_api::formats::{self, FORMATS};
 
-use crate::cli::QuantizeRequest;
+use crate::args::QuantizeRequest;
 use crate::{bad, CliError};
 
 /// Check a quantization request against the CRD's rules; messages name the flag.

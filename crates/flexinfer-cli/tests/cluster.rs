@@ -12,6 +12,10 @@ use kube::core::{ApiResource, GroupVersionKind};
 use kube::Client;
 use serde_json::{json, Value};
 
+#[path = "support/one_shot_http.rs"]
+mod one_shot_http;
+use one_shot_http::serve_json_once;
+
 const BIN: &str = env!("CARGO_BIN_EXE_flexinfer");
 
 fn ar(kind: &str, plural: &str, version: &str) -> ApiResource {
@@ -521,7 +525,6 @@ async fn recommend_uses_the_gpu_profile_and_applies() {
 /// Without `--params`, the parameter count comes from the hub metadata of an HF source.
 #[tokio::test]
 async fn recommend_reads_hub_metadata() {
-    use std::io::{Read, Write};
     let c = client().await;
     let ns = TestNamespace::new(&c, "cli-hub")
         .await
@@ -550,17 +553,9 @@ async fn recommend_reads_hub_metadata() {
         .create(&PostParams::default(), &p)
         .await
         .expect("create gpuprofile");
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let server = std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().unwrap();
-        let mut buf = [0u8; 4096];
-        let n = s.read(&mut buf).unwrap();
-        let body = r#"{"id":"Qwen/Qwen3-14B","safetensors":{"total":14768307200},"config":{"model_type":"qwen3"}}"#;
-        write!(s, "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}", body.len()).unwrap();
-        String::from_utf8_lossy(&buf[..n]).into_owned()
-    });
-    let endpoint = format!("http://{addr}");
+    let (endpoint, server) = serve_json_once(
+        r#"{"id":"Qwen/Qwen3-14B","safetensors":{"total":14768307200},"config":{"model_type":"qwen3"}}"#,
+    );
     let o = flexinfer(&[
         "quantize",
         "recommend",

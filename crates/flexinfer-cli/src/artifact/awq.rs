@@ -16,8 +16,8 @@ use flexinfer_fsutil::limits;
 use serde_json::Value;
 
 use super::config::{check_family, expected_shape};
-use super::read::{read_bytes, read_file, read_json, TensorInfo};
-use super::{save_complete, shards, Options, Report};
+use super::read::{read_file, read_json, TensorInfo};
+use super::{shards, validate_layout, Options, Report};
 
 /// Bits of a code in the GEMM layout.
 const BITS: u64 = 4;
@@ -255,21 +255,11 @@ fn check_linear(
             ),
         );
     } else {
-        match read_bytes(dir, sc) {
-            Ok(b) => {
-                let bad = b
-                    .chunks_exact(2)
-                    .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-                    .position(|v| !(v.is_finite() && v > 0.0));
-                if let Some(i) = bad {
-                    r.defect(
-                        "linear",
-                        format!("{m}.scales[{i}] is not a finite positive scale"),
-                    );
-                }
-            }
-            Err(e) => r.defect("linear", e),
-        }
+        shards::check_scales(r, dir, sc, &format!("{m}.scales"), |b| {
+            b.chunks_exact(2)
+                .map(|c| f64::from(half::f16::from_le_bytes([c[0], c[1]]).to_f32()))
+                .collect()
+        });
     }
     if let Some(bias) = get("bias") {
         if bias.shape != [out] {
@@ -380,36 +370,24 @@ fn check_quality(r: &mut Report, dir: &Path, linears: usize, scheme: &Scheme) {
 
 /// Validate `dir` with the `awq` layout.
 pub fn validate_awq(dir: &Path, opts: &Options) -> Report {
-    let mut r = Report {
-        path: dir.display().to_string(),
-        layout: "awq".into(),
-        ..Default::default()
-    };
-    let (cfg, scheme) = check_config(&mut r, dir, opts);
-    let sc = save_complete::read_save_complete(&mut r, dir);
-    let (shard_files, tensors) = shards::read_shards(&mut r, dir);
-    shards::check_index(&mut r, dir, &tensors, &shard_files, sc.as_ref());
-    if let Some(scheme) = &scheme {
-        let modules: Vec<String> = tensors
-            .keys()
-            .filter_map(|n| n.strip_suffix(".qweight"))
-            .map(str::to_string)
-            .collect();
-        for m in &modules {
-            check_linear(&mut r, dir, &tensors, m, scheme, cfg.as_ref());
-        }
-        if modules.is_empty() {
-            r.defect("linear", "no quantized linear (no *.qweight tensor)");
-        }
-        check_dense_linears(&mut r, &tensors, &modules, scheme);
-        r.quantized_linears = modules.len();
-        check_quality(&mut r, dir, modules.len(), scheme);
-    }
-    if let Some(sc) = &sc {
-        save_complete::check_save_complete(&mut r, dir, sc, &shard_files, opts);
-    }
-    r.ok = r.defects.is_empty();
-    r
+    validate_layout(
+        dir,
+        "awq",
+        opts,
+        |r| match check_config(r, dir, opts) {
+            (cfg, Some(scheme)) => Some((cfg, scheme)),
+            (_, None) => None,
+        },
+        |r, tensors, (cfg, scheme)| {
+            let modules = shards::quantized_modules(r, tensors, ".qweight");
+            for m in &modules {
+                check_linear(r, dir, tensors, m, scheme, cfg.as_ref());
+            }
+            check_dense_linears(r, tensors, &modules, scheme);
+            r.quantized_linears = modules.len();
+            check_quality(r, dir, modules.len(), scheme);
+        },
+    )
 }
 
 #[cfg(test)]

@@ -12,36 +12,20 @@ use flexinfer_api::contract::{files, Fp8Quality};
 use flexinfer_fsutil::limits;
 use serde_json::Value;
 
-use super::read::{read_bytes, read_file, read_json, TensorInfo};
-use super::{save_complete, shards, Options, Report};
+use super::read::{read_bytes, read_file, TensorInfo};
+use super::{compressed_tensors, validate_layout, Options, Report};
 
 /// The E4M3 NaN codes (`S.1111.111`).
 const NAN_CODES: [u8; 2] = [0x7F, 0xFF];
 
 /// Whether `config.json` in `dir` declares compressed-tensors' `float-quantized` format.
 pub fn is_fp8(dir: &Path) -> bool {
-    read_json(dir, "config.json", limits::CONFIG_JSON)
-        .ok()
-        .and_then(|c| c.get("quantization_config").cloned())
-        .is_some_and(|qc| {
-            qc.get("quant_method").and_then(Value::as_str) == Some("compressed-tensors")
-                && qc.get("format").and_then(Value::as_str) == Some("float-quantized")
-        })
+    compressed_tensors::declares_format(dir, "float-quantized")
 }
 
 /// The weight strategy (`channel` / `tensor`) and `ignore` of a usable `quantization_config`.
 fn check_config(r: &mut Report, dir: &Path) -> Option<(String, Vec<String>)> {
-    let cfg = match read_json(dir, "config.json", limits::CONFIG_JSON) {
-        Ok(c) => c,
-        Err(e) => {
-            r.defect("config", e);
-            return None;
-        }
-    };
-    let Some(qc) = cfg.get("quantization_config").filter(|q| q.is_object()) else {
-        r.defect("config", "config.json has no quantization_config object");
-        return None;
-    };
+    let qc = compressed_tensors::quantization_config(r, dir)?;
     let s = |k: &str| qc.get(k).and_then(Value::as_str);
     if s("quant_method") != Some("compressed-tensors") {
         r.defect(
@@ -64,17 +48,7 @@ fn check_config(r: &mut Report, dir: &Path) -> Option<(String, Vec<String>)> {
     if s("quantization_status") != Some("compressed") {
         r.defect("config", "quantization_config.quantization_status is not \"compressed\" (loaders would expect dense weights)");
     }
-    let groups = qc.get("config_groups").and_then(Value::as_object);
-    let Some((name, group)) = groups
-        .filter(|g| g.len() == 1)
-        .and_then(|g| g.iter().next())
-    else {
-        r.defect(
-            "config",
-            "quantization_config.config_groups must hold exactly one group",
-        );
-        return None;
-    };
+    let (name, group) = compressed_tensors::single_group(r, &qc)?;
     let w = &group["weights"];
     let strategy = w
         .get("strategy")
@@ -95,16 +69,7 @@ fn check_config(r: &mut Report, dir: &Path) -> Option<(String, Vec<String>)> {
             format!("config_groups.{name}.weights.strategy {strategy:?} is not channel or tensor"),
         );
     }
-    let ignore = qc
-        .get("ignore")
-        .and_then(Value::as_array)
-        .map(|a| {
-            a.iter()
-                .filter_map(Value::as_str)
-                .map(str::to_string)
-                .collect()
-        })
-        .unwrap_or_default();
+    let ignore = compressed_tensors::ignore_list(&qc);
     Some((strategy, ignore))
 }
 
@@ -224,24 +189,16 @@ fn check_quality(r: &mut Report, dir: &Path, linears: usize) {
 
 /// Validate `dir` with the `fp8` layout.
 pub fn validate_fp8(dir: &Path, opts: &Options) -> Report {
-    let mut r = Report {
-        path: dir.display().to_string(),
-        layout: "fp8".into(),
-        ..Default::default()
-    };
-    let config = check_config(&mut r, dir);
-    let sc = save_complete::read_save_complete(&mut r, dir);
-    let (shard_files, tensors) = shards::read_shards(&mut r, dir);
-    shards::check_index(&mut r, dir, &tensors, &shard_files, sc.as_ref());
-    if let Some((strategy, ignore)) = &config {
-        let n = check_linears(&mut r, dir, &tensors, strategy, ignore);
-        check_quality(&mut r, dir, n);
-    }
-    if let Some(sc) = &sc {
-        save_complete::check_save_complete(&mut r, dir, sc, &shard_files, opts);
-    }
-    r.ok = r.defects.is_empty();
-    r
+    validate_layout(
+        dir,
+        "fp8",
+        opts,
+        |r| check_config(r, dir),
+        |r, tensors, (strategy, ignore)| {
+            let n = check_linears(r, dir, tensors, strategy, ignore);
+            check_quality(r, dir, n);
+        },
+    )
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@
 //! linear), [`quality`] (the sidecar); [`read`] reads the files within their limits.
 
 pub mod awq;
+mod compressed_tensors;
 mod config;
 pub mod fp8;
 pub mod gguf;
@@ -19,9 +20,12 @@ mod read;
 mod save_complete;
 mod shards;
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use serde::Serialize;
+
+use read::TensorInfo;
 
 #[cfg(test)]
 use read::read_header;
@@ -162,6 +166,36 @@ pub fn validate_vllm_gptq(dir: &Path, opts: &Options) -> Report {
         save_complete::check_save_complete(&mut r, dir, sc, &shard_files, opts);
     }
     quality::check_quality(&mut r, dir);
+    r.ok = r.defects.is_empty();
+    r
+}
+
+/// The steps the `fp8`, `pack-quantized` and `awq` layouts share, in this order: a report for `dir`
+/// named `layout`, the layout's config check (`check_config`; `None` skips the tensor checks), the
+/// `.save-complete` marker, the shards and the index, the layout's tensor checks (`check_tensors`, with
+/// what the config check returned), the shards against `.save-complete`, and `ok` (no defect).
+fn validate_layout<C>(
+    dir: &Path,
+    layout: &str,
+    opts: &Options,
+    check_config: impl FnOnce(&mut Report) -> Option<C>,
+    check_tensors: impl FnOnce(&mut Report, &BTreeMap<String, TensorInfo>, &C),
+) -> Report {
+    let mut r = Report {
+        path: dir.display().to_string(),
+        layout: layout.into(),
+        ..Default::default()
+    };
+    let config = check_config(&mut r);
+    let sc = save_complete::read_save_complete(&mut r, dir);
+    let (shard_files, tensors) = shards::read_shards(&mut r, dir);
+    shards::check_index(&mut r, dir, &tensors, &shard_files, sc.as_ref());
+    if let Some(config) = &config {
+        check_tensors(&mut r, &tensors, config);
+    }
+    if let Some(sc) = &sc {
+        save_complete::check_save_complete(&mut r, dir, sc, &shard_files, opts);
+    }
     r.ok = r.defects.is_empty();
     r
 }

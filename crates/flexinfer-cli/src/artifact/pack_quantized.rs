@@ -10,21 +10,14 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use flexinfer_fsutil::limits;
 use serde_json::Value;
 
-use super::read::{read_bytes, read_json, TensorInfo};
-use super::{quality, save_complete, shards, Options, Report};
+use super::read::{read_bytes, TensorInfo};
+use super::{compressed_tensors, quality, shards, validate_layout, Options, Report};
 
 /// Whether `config.json` in `dir` declares compressed-tensors' `pack-quantized` format.
 pub fn is_pack_quantized(dir: &Path) -> bool {
-    read_json(dir, "config.json", limits::CONFIG_JSON)
-        .ok()
-        .and_then(|c| c.get("quantization_config").cloned())
-        .is_some_and(|qc| {
-            qc.get("quant_method").and_then(Value::as_str) == Some("compressed-tensors")
-                && qc.get("format").and_then(Value::as_str) == Some("pack-quantized")
-        })
+    compressed_tensors::declares_format(dir, "pack-quantized")
 }
 
 /// What the config group says about the weights.
@@ -37,17 +30,7 @@ struct Scheme {
 }
 
 fn check_config(r: &mut Report, dir: &Path) -> Option<Scheme> {
-    let cfg = match read_json(dir, "config.json", limits::CONFIG_JSON) {
-        Ok(c) => c,
-        Err(e) => {
-            r.defect("config", e);
-            return None;
-        }
-    };
-    let Some(qc) = cfg.get("quantization_config").filter(|q| q.is_object()) else {
-        r.defect("config", "config.json has no quantization_config object");
-        return None;
-    };
+    let qc = compressed_tensors::quantization_config(r, dir)?;
     let s = |k: &str| qc.get(k).and_then(Value::as_str);
     for (key, want) in [
         ("quant_method", "compressed-tensors"),
@@ -64,17 +47,7 @@ fn check_config(r: &mut Report, dir: &Path) -> Option<Scheme> {
             );
         }
     }
-    let groups = qc.get("config_groups").and_then(Value::as_object);
-    let Some((name, group)) = groups
-        .filter(|g| g.len() == 1)
-        .and_then(|g| g.iter().next())
-    else {
-        r.defect(
-            "config",
-            "quantization_config.config_groups must hold exactly one group",
-        );
-        return None;
-    };
+    let (name, group) = compressed_tensors::single_group(r, &qc)?;
     let w = &group["weights"];
     let bits = w.get("num_bits").and_then(Value::as_u64).unwrap_or(0);
     if w.get("type").and_then(Value::as_str) != Some("int") || !matches!(bits, 4 | 8) {
@@ -110,16 +83,7 @@ fn check_config(r: &mut Report, dir: &Path) -> Option<Scheme> {
             format!("config_groups.{name}.weights.actorder \"group\" needs weight_g_idx, which this layout does not carry"),
         );
     }
-    let ignore = qc
-        .get("ignore")
-        .and_then(Value::as_array)
-        .map(|a| {
-            a.iter()
-                .filter_map(Value::as_str)
-                .map(str::to_string)
-                .collect()
-        })
-        .unwrap_or_default();
+    let ignore = compressed_tensors::ignore_list(&qc);
     Some(Scheme {
         bits,
         group_size,
@@ -256,21 +220,9 @@ fn check_linear(
             ),
         );
     } else {
-        match read_bytes(dir, scale) {
-            Ok(b) => {
-                let bad = scale_values(&scale.dtype, &b)
-                    .unwrap_or_default()
-                    .iter()
-                    .position(|s| !(s.is_finite() && *s > 0.0));
-                if let Some(i) = bad {
-                    r.defect(
-                        "linear",
-                        format!("{m}.weight_scale[{i}] is not a finite positive scale"),
-                    );
-                }
-            }
-            Err(e) => r.defect("linear", e),
-        }
+        shards::check_scales(r, dir, scale, &format!("{m}.weight_scale"), |b| {
+            scale_values(&scale.dtype, b).unwrap_or_default()
+        });
     }
     match (get("weight_zero_point"), scheme.symmetric) {
         (Some(_), true) => r.defect(
@@ -298,32 +250,20 @@ fn check_linear(
 
 /// Validate `dir` with the `pack-quantized` layout.
 pub fn validate_pack_quantized(dir: &Path, opts: &Options) -> Report {
-    let mut r = Report {
-        path: dir.display().to_string(),
-        layout: "pack-quantized".into(),
-        ..Default::default()
-    };
-    let scheme = check_config(&mut r, dir);
-    let sc = save_complete::read_save_complete(&mut r, dir);
-    let (shard_files, tensors) = shards::read_shards(&mut r, dir);
-    shards::check_index(&mut r, dir, &tensors, &shard_files, sc.as_ref());
-    if let Some(scheme) = &scheme {
-        let modules: Vec<String> = tensors
-            .keys()
-            .filter_map(|n| n.strip_suffix(".weight_packed"))
-            .map(str::to_string)
-            .collect();
-        for m in &modules {
-            check_linear(&mut r, dir, &tensors, m, scheme);
-        }
-        if modules.is_empty() {
-            r.defect("linear", "no quantized linear (no *.weight_packed tensor)");
-        }
-        r.quantized_linears = modules.len();
-    }
-    if let Some(sc) = &sc {
-        save_complete::check_save_complete(&mut r, dir, sc, &shard_files, opts);
-    }
+    let mut r = validate_layout(
+        dir,
+        "pack-quantized",
+        opts,
+        |r| check_config(r, dir),
+        |r, tensors, scheme| {
+            let modules = shards::quantized_modules(r, tensors, ".weight_packed");
+            for m in &modules {
+                check_linear(r, dir, tensors, m, scheme);
+            }
+            r.quantized_linears = modules.len();
+        },
+    );
+    // This layout's quality sidecar is checked after `.save-complete` (the order of its defects).
     quality::check_quality(&mut r, dir);
     r.ok = r.defects.is_empty();
     r
@@ -434,5 +374,44 @@ mod tests {
         )
         .unwrap();
         expect_defect(&r, "config", "is not int of 4 or 8 bits");
+    }
+
+    /// The `quantization_config` reads both compressed-tensors layouts share (compressed_tensors.rs).
+    #[test]
+    fn the_config_needs_one_group_and_the_object() {
+        for layout in ["pack-quantized", "fp8"] {
+            let d = tempfile::tempdir().unwrap();
+            let out = artifact(d.path(), true);
+            let check = |out: &Path| {
+                validate(
+                    out,
+                    Some(layout),
+                    &Options {
+                        skip_sha256: true,
+                        ..Default::default()
+                    },
+                )
+                .unwrap()
+            };
+            edit_config(&out, |v| {
+                let g = v["quantization_config"]["config_groups"]["group_0"].clone();
+                v["quantization_config"]["config_groups"]["group_1"] = g;
+            });
+            expect_defect(
+                &check(&out),
+                "config",
+                "quantization_config.config_groups must hold exactly one group",
+            );
+            edit_config(&out, |v| {
+                v.as_object_mut().unwrap().remove("quantization_config");
+            });
+            let r = check(&out);
+            expect_defect(
+                &r,
+                "config",
+                "config.json has no quantization_config object",
+            );
+            assert_eq!(r.quantized_linears, 0, "{layout}: {}", r.render());
+        }
     }
 }

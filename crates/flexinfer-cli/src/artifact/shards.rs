@@ -8,7 +8,7 @@ use flexinfer_api::contract::SaveComplete;
 use flexinfer_fsutil::limits;
 use serde_json::Value;
 
-use super::read::{read_header, read_json, TensorInfo};
+use super::read::{read_bytes, read_header, read_json, TensorInfo};
 use super::Report;
 
 /// The shard file names (sorted) and every tensor of their headers.
@@ -51,6 +51,49 @@ pub(super) fn read_shards(
     }
     r.tensors = tensors.len();
     (shard_files, tensors)
+}
+
+/// The quantized linears: the modules with a `<module><suffix>` tensor (e.g. `.qweight`), sorted; none
+/// is a defect.
+pub(super) fn quantized_modules(
+    r: &mut Report,
+    tensors: &BTreeMap<String, TensorInfo>,
+    suffix: &str,
+) -> Vec<String> {
+    let modules: Vec<String> = tensors
+        .keys()
+        .filter_map(|n| n.strip_suffix(suffix))
+        .map(str::to_string)
+        .collect();
+    if modules.is_empty() {
+        r.defect(
+            "linear",
+            format!("no quantized linear (no *{suffix} tensor)"),
+        );
+    }
+    modules
+}
+
+/// The scale tensor `t` (called `name` in defects) holds only finite positive values, as `decode` reads its
+/// bytes; the first that is not, or a tensor that cannot be read, is a `linear` defect.
+pub(super) fn check_scales(
+    r: &mut Report,
+    dir: &Path,
+    t: &TensorInfo,
+    name: &str,
+    decode: impl FnOnce(&[u8]) -> Vec<f64>,
+) {
+    match read_bytes(dir, t) {
+        Ok(b) => {
+            if let Some(i) = decode(&b).iter().position(|v| !(v.is_finite() && *v > 0.0)) {
+                r.defect(
+                    "linear",
+                    format!("{name}[{i}] is not a finite positive scale"),
+                );
+            }
+        }
+        Err(e) => r.defect("linear", e),
+    }
 }
 
 /// `model.safetensors.index.json` against the tensors the shards hold; required with several shards

@@ -17,7 +17,7 @@ use kube::api::{Api, Patch, PatchParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
 
-use crate::cli::{Global, QuantizeRequest};
+use crate::args::{Global, QuantizeRequest};
 use crate::output::{self, Format};
 use crate::{bad, CliError};
 

@@ -7,7 +7,7 @@ use flexinfer_api::{GPUProfile, ModelCache};
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::Client;
 
-use crate::cli::{Global, RecommendArgs};
+use crate::args::{Global, RecommendArgs};
 use crate::footprint::{self, Footprint};
 use crate::output::{self, Format};
 use crate::recommend::{self, GpuTarget};
@@ -159,7 +159,10 @@ pub async fn recommend(g: &Global, a: &RecommendArgs) -> Result<String, CliError
         Some(f) if f.eq_ignore_ascii_case("GGUF") => true,
         Some(f) if f.eq_ignore_ascii_case("GPTQ") => false,
         Some(f) if f.eq_ignore_ascii_case("AWQ") => {
-            return recommend_awq(g, a, &api, &ns, &model, &gpu).await;
+            // A model or card AWQ cannot serve is bad input naming why.
+            let rec = recommend::awq::recommend(&model, &gpu).map_err(|e| bad(e.to_string()))?;
+            let rows = awq_rows(&rec);
+            return finish(g, a, &api, &ns, &rec.spec_patch(), &rec, rows, &rec.reasons).await;
         }
         Some(f) => {
             return Err(bad(format!(
@@ -168,105 +171,113 @@ pub async fn recommend(g: &Global, a: &RecommendArgs) -> Result<String, CliError
         }
     };
     if gguf {
-        return recommend_gguf(g, a, &api, &ns, &model, &gpu).await;
+        let rec = recommend::gguf::recommend(&model, &gpu);
+        let rows = gguf_rows(&rec);
+        return finish(g, a, &api, &ns, &rec.spec_patch(), &rec, rows, &rec.reasons).await;
     }
     let rec = recommend::recommend(&model, &gpu);
+    let rows = gptq_rows(&rec);
+    finish(g, a, &api, &ns, &rec.spec_patch(), &rec, rows, &rec.reasons).await
+}
+
+/// One row of the table: the field (as in `spec.quantization` where it is one) and its value.
+type Row = (&'static str, String);
+
+/// The GPTQ recommendation's rows.
+fn gptq_rows(rec: &recommend::Recommendation) -> Vec<Row> {
     let npar = rec
         .calibration
         .n_parallel_calib_samples
         .map(|n| n.to_string())
         .unwrap_or_else(|| "unset (engine chooses)".into());
-    let rows = vec![
-        ("format", rec.format.to_string()),
-        ("bits", rec.bits.to_string()),
-        ("groupSize", rec.group_size.to_string()),
+    let mut rows = precision_rows(rec.format, rec.bits, rec.group_size).to_vec();
+    rows.extend([
         ("sym", rec.sym.to_string()),
         ("descAct", rec.desc_act.to_string()),
         ("dynamicExclusion", rec.dynamic_exclusion.to_string()),
         ("gpuMemoryFraction", rec.gpu_memory_fraction.clone()),
-        ("useGPU", rec.use_gpu.to_string()),
-        ("maxMemoryGB", rec.max_memory_gb.to_string()),
-        ("timeoutSeconds", rec.timeout_seconds.to_string()),
-        (
-            "calibration.maxSeqLen",
-            rec.calibration.max_seq_len.to_string(),
-        ),
-        (
-            "calibration.maxSamples",
-            rec.calibration.max_samples.to_string(),
-        ),
+    ]);
+    rows.extend(resource_rows(rec.use_gpu, rec.max_memory_gb));
+    rows.extend(calibration_rows(
+        rec.timeout_seconds,
+        rec.calibration.max_seq_len,
+        rec.calibration.max_samples,
+    ));
+    rows.extend([
         ("calibration.nParallelCalibSamples", npar),
-        (
-            "estimated artifact",
-            format!("~{:.1} GB", rec.estimated_artifact_gb),
-        ),
+        estimate_row(rec.estimated_artifact_gb),
         (
             "estimated time",
             format!("~{:.0} min", rec.estimated_minutes),
         ),
-        ("fits target GPU", fits(rec.fits)),
-    ];
-    finish(g, a, &api, &ns, &rec.spec_patch(), &rec, rows, &rec.reasons).await
+        fits_row(rec.fits),
+    ]);
+    rows
+}
+
+/// The AWQ recommendation's rows.
+fn awq_rows(rec: &recommend::awq::AwqRecommendation) -> Vec<Row> {
+    let mut rows = precision_rows(rec.format, rec.bits, rec.group_size).to_vec();
+    rows.extend(resource_rows(rec.use_gpu, rec.max_memory_gb));
+    rows.extend(calibration_rows(
+        rec.timeout_seconds,
+        rec.max_seq_len,
+        rec.max_samples,
+    ));
+    rows.extend([estimate_row(rec.estimated_artifact_gb), fits_row(rec.fits)]);
+    rows
 }
 
 /// The GGUF recommendation's rows.
-async fn recommend_gguf(
-    g: &Global,
-    a: &RecommendArgs,
-    api: &Api<ModelCache>,
-    ns: &str,
-    model: &Footprint,
-    gpu: &GpuTarget,
-) -> Result<String, CliError> {
-    let rec = recommend::gguf::recommend(model, gpu);
-    let rows = vec![
+fn gguf_rows(rec: &recommend::gguf::GgufRecommendation) -> Vec<Row> {
+    let mut rows = vec![
         ("format", rec.format.to_string()),
         ("ggufType", rec.gguf_type.to_string()),
-        ("useGPU", rec.use_gpu.to_string()),
-        ("maxMemoryGB", rec.max_memory_gb.to_string()),
-        (
-            "estimated artifact",
-            format!("~{:.1} GB", rec.estimated_artifact_gb),
-        ),
-        ("fits target GPU", fits(rec.fits)),
     ];
-    finish(g, a, api, ns, &rec.spec_patch(), &rec, rows, &rec.reasons).await
+    rows.extend(resource_rows(rec.use_gpu, rec.max_memory_gb));
+    rows.extend([estimate_row(rec.estimated_artifact_gb), fits_row(rec.fits)]);
+    rows
 }
 
-/// The AWQ recommendation's rows; a model or card AWQ cannot serve is bad input naming why.
-async fn recommend_awq(
-    g: &Global,
-    a: &RecommendArgs,
-    api: &Api<ModelCache>,
-    ns: &str,
-    model: &Footprint,
-    gpu: &GpuTarget,
-) -> Result<String, CliError> {
-    let rec = recommend::awq::recommend(model, gpu).map_err(|e| bad(e.to_string()))?;
-    let rows = vec![
-        ("format", rec.format.to_string()),
-        ("bits", rec.bits.to_string()),
-        ("groupSize", rec.group_size.to_string()),
-        ("useGPU", rec.use_gpu.to_string()),
-        ("maxMemoryGB", rec.max_memory_gb.to_string()),
-        ("timeoutSeconds", rec.timeout_seconds.to_string()),
-        ("calibration.maxSeqLen", rec.max_seq_len.to_string()),
-        ("calibration.maxSamples", rec.max_samples.to_string()),
-        (
-            "estimated artifact",
-            format!("~{:.1} GB", rec.estimated_artifact_gb),
-        ),
-        ("fits target GPU", fits(rec.fits)),
-    ];
-    finish(g, a, api, ns, &rec.spec_patch(), &rec, rows, &rec.reasons).await
+/// The format, bits and group size (GPTQ, AWQ).
+fn precision_rows(format: &str, bits: i32, group_size: i32) -> [Row; 3] {
+    [
+        ("format", format.to_string()),
+        ("bits", bits.to_string()),
+        ("groupSize", group_size.to_string()),
+    ]
 }
 
-fn fits(f: Option<bool>) -> String {
-    match f {
-        Some(true) => "yes".into(),
-        Some(false) => "NO".into(),
-        None => "unknown".into(),
-    }
+/// The quantize Job's resources (every format).
+fn resource_rows(use_gpu: bool, max_memory_gb: i32) -> [Row; 2] {
+    [
+        ("useGPU", use_gpu.to_string()),
+        ("maxMemoryGB", max_memory_gb.to_string()),
+    ]
+}
+
+/// A calibrated Job's time bound and calibration bounds (GPTQ, AWQ).
+fn calibration_rows(timeout_seconds: i64, max_seq_len: i32, max_samples: i32) -> [Row; 3] {
+    [
+        ("timeoutSeconds", timeout_seconds.to_string()),
+        ("calibration.maxSeqLen", max_seq_len.to_string()),
+        ("calibration.maxSamples", max_samples.to_string()),
+    ]
+}
+
+/// The artifact's estimated size (every format).
+fn estimate_row(gb: f64) -> Row {
+    ("estimated artifact", format!("~{gb:.1} GB"))
+}
+
+/// Whether the recommendation fits the target GPU (every format).
+fn fits_row(f: Option<bool>) -> Row {
+    let fits = match f {
+        Some(true) => "yes",
+        Some(false) => "NO",
+        None => "unknown",
+    };
+    ("fits target GPU", fits.to_string())
 }
 
 /// Either recommendation: `--apply` patches `spec.quantization`; then the structured output, or the rows,

@@ -9,7 +9,7 @@ use k8s_openapi::api::batch::v1::Job;
 use kube::api::{Api, ListParams};
 use serde::Serialize;
 
-use crate::cli::Global;
+use crate::args::Global;
 use crate::output::{self, Format};
 use crate::CliError;
 
