@@ -454,12 +454,11 @@ fn run_fp8(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess, W
         ("dynamicExclusion", exclusion.unwrap_or("none").to_string()),
     ]);
     if let Some(q) = &outcome.quality {
-        applied.insert("quantizedModules".into(), q.quantized_modules.to_string());
-        applied.insert("keptModules".into(), q.kept_modules.to_string());
-        applied.insert(
-            "maxRelativeError".into(),
-            format!("{:.5}", q.max_relative_error),
-        );
+        applied.extend(applied_map([
+            ("quantizedModules", q.quantized_modules.to_string()),
+            ("keptModules", q.kept_modules.to_string()),
+            ("maxRelativeError", format!("{:.5}", q.max_relative_error)),
+        ]));
     }
     Ok(finish_artifact(
         args,
@@ -528,20 +527,16 @@ fn run_awq(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess, W
         ("calibrationSeqLen", args.max_seq_len.to_string()),
     ]);
     if let Some(q) = &outcome.quality {
-        applied.insert("quantizedModules".into(), q.quantized_modules.to_string());
-        applied.insert("scaledGroups".into(), q.scaled_groups.to_string());
-        applied.insert("meanLossRatio".into(), format!("{:.4}", q.mean_loss_ratio));
-        applied.insert(
-            "outputErrorRatio".into(),
-            format!("{:.4}", q.output_error_ratio),
-        );
+        applied.extend(applied_map([
+            ("quantizedModules", q.quantized_modules.to_string()),
+            ("scaledGroups", q.scaled_groups.to_string()),
+            ("meanLossRatio", format!("{:.4}", q.mean_loss_ratio)),
+            ("outputErrorRatio", format!("{:.4}", q.output_error_ratio)),
+            ("maxRelativeError", format!("{:.5}", q.max_relative_error)),
+        ]));
         if !q.gate.is_empty() {
             applied.insert("qualityGate".into(), q.gate.clone());
         }
-        applied.insert(
-            "maxRelativeError".into(),
-            format!("{:.5}", q.max_relative_error),
-        );
     }
     Ok(finish_artifact(
         args,

@@ -19,7 +19,6 @@ use crate::job::digest::input_digest;
 use crate::job::rewrite::{
     merged_tensors, progress, write_work_file, ArtifactRun, RewriteOutcome, Rewritten, WorkTensor,
 };
-use crate::job::writer::Extras;
 use crate::model::calib::{load_samples_counted, CalibSettings};
 use crate::model::config::ModelConfig;
 use crate::model::llama::{embed, layer_forward_visit, Rope, Stage};
@@ -519,14 +518,10 @@ fn quantize_and_save(
         max_shard_bytes: job.max_shard_bytes,
         source: store,
         rewritten: &work_store,
-        extras: Extras {
-            config_json,
-            quantize_config: None,
-            quality: Value::Null,
-            source_dir: job.model_dir,
-            script_version: job.script_version,
-            config_digest: digest,
-        },
+        config_json,
+        source_dir: job.model_dir,
+        script_version: job.script_version,
+        config_digest: digest,
     }
     .write(tensors, &quality, events)?;
     Ok((bytes, quality))

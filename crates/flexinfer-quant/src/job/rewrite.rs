@@ -214,8 +214,12 @@ pub struct Rewritten<'a> {
     pub max_shard_bytes: u64,
     pub source: &'a TensorStore,
     pub rewritten: &'a TensorStore,
-    /// Everything of `.save-complete` and the config but the quality summary, which [`Rewritten::write`] sets.
-    pub extras: Extras<'a>,
+    /// `config.json` with its `quantization_config` (a rewritten format has no `quantize_config.json`).
+    pub config_json: serde_json::Value,
+    /// The source model directory, the contract version and the config digest of `.save-complete`.
+    pub source_dir: &'a Path,
+    pub script_version: &'a str,
+    pub config_digest: &'a str,
 }
 
 impl Rewritten<'_> {
@@ -234,8 +238,12 @@ impl Rewritten<'_> {
                 source,
             })?;
         let extras = Extras {
+            config_json: self.config_json,
+            quantize_config: None,
             quality: quality_json.clone(),
-            ..self.extras
+            source_dir: self.source_dir,
+            script_version: self.script_version,
+            config_digest: self.config_digest,
         };
         let records = write_checkpoint(
             &sibling(self.out_dir, self.phase, files::STAGING_SUFFIX),
