@@ -16,4 +16,5 @@ pub mod leader;
 pub mod metrics;
 pub mod model;
 pub mod modelcache;
+pub mod reconcile_error;
 pub mod supervise;

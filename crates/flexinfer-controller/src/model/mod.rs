@@ -37,16 +37,7 @@ pub use reconcile::write_status;
 use render::{ProfileRef, RenderConfig};
 
 /// Errors of one reconcile (all retried with backoff).
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error("Kubernetes API: {0}")]
-    Kube(#[from] kube::Error),
-    #[error("{0}")]
-    Internal(String),
-    /// The status write found a newer object than the one planned from.
-    #[error("the Model changed since it was read; planning again")]
-    Conflict,
-}
+pub use crate::reconcile_error::Error;
 
 /// Settings of the Model controller.
 #[derive(Debug, Clone, Default)]
@@ -100,15 +91,6 @@ fn serving_selector() -> String {
         labels::MANAGED_BY_VALUE,
         labels::COMPONENT,
         serving::COMPONENT
-    )
-}
-
-/// `namespace/name` of a Model, the key of its failure count.
-fn failure_key(model: &Model) -> String {
-    format!(
-        "{}/{}",
-        model.namespace().unwrap_or_default(),
-        model.name_any()
     )
 }
 
@@ -408,17 +390,7 @@ fn forget_model_series(metrics: &Metrics, name: &str, ns: &str) {
 }
 
 fn error_policy(model: Arc<Model>, err: &Error, ctx: Arc<Ctx>) -> Action {
-    if matches!(err, Error::Conflict) {
-        tracing::debug!(model = %model.name_any(), "stale object; requeue");
-        return Action::requeue(std::time::Duration::from_millis(300));
-    }
-    ctx.metrics
-        .reconcile_errors_total
-        .with_label_values(&["model"])
-        .inc();
-    let delay = ctx.failures.failed(&failure_key(&model));
-    warn!(model = %model.name_any(), error = %err, retry_in_ms = delay.as_millis() as u64, "model reconcile error");
-    Action::requeue(delay)
+    crate::reconcile_error::error_policy("model", model.as_ref(), err, &ctx.metrics, &ctx.failures)
 }
 
 #[cfg(test)]

@@ -28,9 +28,7 @@ use super::{Ctx, Error};
 
 pub(super) async fn reconcile(model: Arc<Model>, ctx: Arc<Ctx>) -> Result<Action, Error> {
     let started = Instant::now();
-    let ns = model
-        .namespace()
-        .ok_or_else(|| Error::Internal("Model without namespace".into()))?;
+    let ns = model.namespace().ok_or(Error::Missing("namespace"))?;
     let observed = observe(&ctx, &model, &ns).await?;
     let now = Timestamp::now();
     let plan = plan::plan(&model, &observed, &ctx.opts.render, now);
@@ -38,7 +36,8 @@ pub(super) async fn reconcile(model: Arc<Model>, ctx: Arc<Ctx>) -> Result<Action
     let conclusion = plan.conclude(&model, rollout, now);
     apply_conclusion(&ctx, &model, &ns, &conclusion).await?;
 
-    ctx.failures.succeeded(&super::failure_key(&model));
+    ctx.failures
+        .succeeded(&crate::reconcile_error::failure_key(model.as_ref()));
     ctx.metrics
         .reconcile_duration_seconds
         .with_label_values(&["model"])

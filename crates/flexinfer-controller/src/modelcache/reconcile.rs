@@ -44,23 +44,8 @@ const RECONCILE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Bytes of pod log read per progress poll.
 const LOG_TAIL_BYTES: i64 = 64 * 1024;
 
-/// Reconcile errors (all retried with backoff by `error_policy`).
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error("kubernetes API: {0}")]
-    Kube(#[from] kube::Error),
-    #[error("object without {0}")]
-    Missing(&'static str),
-    #[error("serialize: {0}")]
-    Json(#[from] serde_json::Error),
-    #[error("object changed while reconciling; retrying")]
-    Conflict,
-    #[error("reconcile took longer than {0} s (an API request hung); retrying")]
-    TimedOut(u64),
-    /// A Job this controller wrote is not in the Job store yet.
-    #[error("waiting for the watch to show our last Job change; retrying")]
-    StoreBehind,
-}
+/// Reconcile errors and their requeue: `crate::reconcile_error`.
+pub use crate::reconcile_error::Error;
 
 /// Shared state of the reconciler.
 pub struct Context {
@@ -166,25 +151,13 @@ pub async fn run(
     Ok(())
 }
 fn error_policy(mc: Arc<ModelCache>, err: &Error, ctx: Arc<Context>) -> CtrlAction {
-    if matches!(err, Error::Conflict) {
-        debug!(cache = %mc.name_any(), "stale object; requeue");
-        return CtrlAction::requeue(Duration::from_millis(300));
-    }
-    if matches!(err, Error::StoreBehind) {
-        debug!(cache = %mc.name_any(), "Job store behind our write; requeue");
-        return CtrlAction::requeue(Duration::from_millis(100));
-    }
-    ctx.metrics
-        .reconcile_errors_total
-        .with_label_values(&["modelcache"])
-        .inc();
-    let delay = ctx.failures.failed(&failure_key(&mc));
-    warn!(cache = %mc.name_any(), namespace = ?mc.namespace(), error = %err, retry_in_ms = delay.as_millis() as u64, "reconcile failed");
-    CtrlAction::requeue(delay)
-}
-
-fn failure_key(mc: &ModelCache) -> String {
-    format!("{}/{}", mc.namespace().unwrap_or_default(), mc.name_any())
+    crate::reconcile_error::error_policy(
+        "modelcache",
+        mc.as_ref(),
+        err,
+        &ctx.metrics,
+        &ctx.failures,
+    )
 }
 
 async fn reconcile(mc: Arc<ModelCache>, ctx: Arc<Context>) -> Result<CtrlAction, Error> {
@@ -196,7 +169,8 @@ async fn reconcile(mc: Arc<ModelCache>, ctx: Arc<Context>) -> Result<CtrlAction,
         Err(_) => Err(Error::TimedOut(RECONCILE_TIMEOUT.as_secs())),
     };
     if res.is_ok() {
-        ctx.failures.succeeded(&failure_key(&mc));
+        ctx.failures
+            .succeeded(&crate::reconcile_error::failure_key(mc.as_ref()));
     }
     ctx.metrics
         .reconcile_duration_seconds
