@@ -33,6 +33,15 @@ pub enum Error {
 }
 
 impl Error {
+    /// The error of a conditional write (one carrying the resourceVersion the plan was made from):
+    /// 409, the object changed since it was read, is [`Error::Conflict`].
+    pub fn of_write(e: kube::Error) -> Self {
+        match e {
+            kube::Error::Api(ref s) if s.code == 409 => Self::Conflict,
+            e => Self::Kube(e),
+        }
+    }
+
     /// The short, uncounted requeue of an error that is no failure of the object, and why.
     fn quick_retry(&self) -> Option<(Duration, &'static str)> {
         match self {
@@ -113,5 +122,19 @@ mod tests {
         error_policy("model", &obj, &Error::TimedOut(60), &m, &failures);
         assert_eq!(errors(&m), 2);
         assert_eq!(failures.count(&failure_key(&obj)), 2, "counted per ns/name");
+    }
+
+    /// A conditional write's 409 re-plans (Conflict); any other API error stays a Kube error.
+    #[test]
+    fn a_409_of_a_write_is_a_conflict() {
+        let api = |code: u16| {
+            let status: kube::core::Status =
+                serde_json::from_value(serde_json::json!({"code": code, "message": "m"}))
+                    .expect("status");
+            kube::Error::Api(Box::new(status))
+        };
+        assert!(matches!(Error::of_write(api(409)), Error::Conflict));
+        assert!(matches!(Error::of_write(api(404)), Error::Kube(_)));
+        assert!(matches!(Error::of_write(api(500)), Error::Kube(_)));
     }
 }

@@ -252,8 +252,7 @@ pub async fn write_status(
         .await
     {
         Ok(_) => Ok(()),
-        Err(kube::Error::Api(e)) if e.code == 409 => Err(Error::Conflict),
-        Err(e) => Err(e.into()),
+        Err(e) => Err(Error::of_write(e)),
     }
 }
 

@@ -529,8 +529,7 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
                     .await
                 {
                     Ok(updated) => rv = updated.resource_version(),
-                    Err(kube::Error::Api(e)) if e.code == 409 => return Err(Error::Conflict),
-                    Err(e) => return Err(e.into()),
+                    Err(e) => return Err(Error::of_write(e)),
                 }
             }
             Action::Event {
@@ -598,8 +597,7 @@ async fn patch_finalizers(
     {
         Ok(updated) => Ok(updated.resource_version()),
         // Our copy is stale (resourceVersion precondition): look again shortly.
-        Err(kube::Error::Api(e)) if e.code == 409 => Err(Error::Conflict),
-        Err(e) => Err(e.into()),
+        Err(e) => Err(Error::of_write(e)),
     }
 }
 
@@ -675,7 +673,6 @@ pub async fn write_status(
         .await
     {
         Ok(updated) => Ok(updated.resource_version()),
-        Err(kube::Error::Api(e)) if e.code == 409 => Err(Error::Conflict),
-        Err(e) => Err(e.into()),
+        Err(e) => Err(Error::of_write(e)),
     }
 }
