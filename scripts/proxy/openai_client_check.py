@@ -4,7 +4,7 @@
 Usage: openai_client_check.py BASE_URL API_KEY MODEL
 BASE_URL is the proxy's root (the script appends /v1). Prints one JSON object with what it saw;
 exits 1 with the reason on the first check that fails. Run by
-crates/flexinfer-proxy/tests/proxy.rs (proxy_works_with_the_official_openai_python_client).
+crates/flexinfer-proxy/tests/proxy/routing.rs (proxy_works_with_the_official_openai_python_client).
 """
 import json
 import sys
