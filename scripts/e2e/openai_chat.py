@@ -5,7 +5,7 @@ Usage: openai_chat.py BASE_URL MODEL MAX_TOKENS
 BASE_URL is the server's root (the script appends /v1). The request asks for exactly MAX_TOKENS tokens
 (`ignore_eos`, which llama-server accepts), greedy. Prints one JSON object: the model the answer names,
 the content, the finish reason and the usage. Exits 1 with the reason when the call fails. Run by
-tests/tests/real_pipeline.rs (the GGUF Model served by llama-server through flexinfer-proxy).
+tests/tests/real_pipeline/ (the GGUF Model served by llama-server through flexinfer-proxy).
 """
 import json
 import sys

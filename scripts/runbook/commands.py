@@ -11,7 +11,7 @@ and blank lines are not commands) and the inline code spans of the text that sta
   failed   a ModelCache that has failed (the recovery steps)
   model    a Model `<name>` with a pod `<pod>`
   skip     not runnable in the test cluster; `reason` says why and what covers it instead
-The real-pipeline test (tests/tests/real_pipeline.rs, real_pipeline_runbook_commands_work_as_written) runs every
+The real-pipeline test (tests/tests/real_pipeline/, real_pipeline_runbook_commands_work_as_written) runs every
 command that is not `skip` against the real node in that state. A command no rule below matches is `cache`: a new
 command in the runbook is run, not silently skipped.
 """
