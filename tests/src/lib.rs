@@ -228,6 +228,28 @@ where
     }
 }
 
+/// The negative wait ("stays so for `period`"): `ok` is checked every 50 ms and must hold each
+/// time; the first time it does not, this fails at once naming `what`, instead of sleeping the
+/// whole period and looking once at the end.
+pub async fn holds_for<F>(what: &str, period: Duration, mut ok: F) -> Result<()>
+where
+    F: FnMut() -> bool,
+{
+    let start = tokio::time::Instant::now();
+    loop {
+        if !ok() {
+            bail!(
+                "{what} stopped holding after {:?} (of {period:?})",
+                start.elapsed()
+            );
+        }
+        if start.elapsed() >= period {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// `flexinfer_reconciles_total{controller="<controller>"}` in a Prometheus text exposition: the
 /// reconcile calls that controller finished, success or error (0 when the series is absent).
 pub fn reconciles_total(metrics: &str, controller: &str) -> u64 {
@@ -294,4 +316,32 @@ where
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    /// It holds for the whole period when the condition stays true, and fails at the first false
+    /// (long before the period is over).
+    #[tokio::test]
+    async fn holds_for_fails_at_the_first_false() {
+        holds_for("always", Duration::from_millis(200), || true)
+            .await
+            .expect("holds");
+        let calls = AtomicU32::new(0);
+        let t0 = tokio::time::Instant::now();
+        let e = holds_for("three checks", Duration::from_secs(30), || {
+            calls.fetch_add(1, Ordering::SeqCst) < 3
+        })
+        .await
+        .expect_err("the fourth check is false");
+        assert!(t0.elapsed() < Duration::from_secs(5), "failed at once");
+        assert!(
+            e.to_string().contains("three checks stopped holding"),
+            "{e}"
+        );
+        assert_eq!(calls.load(Ordering::SeqCst), 4);
+    }
 }

@@ -184,8 +184,13 @@ async fn a_holder_that_cannot_renew_stops_within_the_renew_deadline() {
     let held = Leadership::acquire(relayed, cfg).await.unwrap();
     let keep = tokio::spawn(async move { held.keep().await });
     // Renewals succeed: we keep leading.
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    assert!(!keep.is_finished(), "gave up while renewals succeed");
+    flexinfer_e2e::holds_for(
+        "leading while renewals succeed",
+        Duration::from_secs(3),
+        || !keep.is_finished(),
+    )
+    .await
+    .unwrap();
     let frozen_at = std::time::Instant::now();
     relay.freeze();
     tokio::time::timeout(deadline + Duration::from_secs(2), keep)
