@@ -21,4 +21,3 @@ pub mod publish;
 pub mod quantize;
 pub mod remote;
 pub mod retry;
-pub mod standin;

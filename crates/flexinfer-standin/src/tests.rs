@@ -1,4 +1,4 @@
-//! Unit tests of `standin.rs`.
+//! Unit tests of the stand-in (`lib.rs`).
 
 use super::*;
 

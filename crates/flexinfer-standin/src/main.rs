@@ -1,11 +1,11 @@
 //! `flexinfer-standin`: OpenAI-compatible stand-in for vLLM on clusters without it (see
-//! `flexinfer_worker::standin`). In the stand-in image it is also installed as `python3`, so the Model
+//! `flexinfer_standin`). In the stand-in image it is also installed as `python3`, so the Model
 //! controller's `python3 -m vllm.entrypoints.openai.api_server …` command starts it unchanged.
 
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    let args = match flexinfer_worker::standin::parse_args(std::env::args().skip(1)) {
+    let args = match flexinfer_standin::parse_args(std::env::args().skip(1)) {
         Ok(a) => a,
         Err(e) => {
             eprintln!("flexinfer-standin: {e}");
@@ -22,7 +22,7 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    match rt.block_on(flexinfer_worker::standin::serve(args)) {
+    match rt.block_on(flexinfer_standin::serve(args)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("flexinfer-standin: {}", flexinfer_quant::error::chain(&e));

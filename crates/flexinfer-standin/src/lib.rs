@@ -9,6 +9,10 @@
 //! engine's Llama-family forward. It is meant for tests and demos of tiny models: every generated token runs
 //! the whole sequence again, on the CPU.
 
+// Integer overflow from request or model values must be an error or saturate, never wrap or panic.
+#![deny(clippy::arithmetic_side_effects)]
+#![cfg_attr(test, allow(clippy::arithmetic_side_effects))]
+
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
