@@ -1,7 +1,7 @@
 //! CRD YAML generation from the Rust types (`make crds`).
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::CustomResourceExt;
+use kube_core::CustomResourceExt;
 
 use crate::{GPUProfile, Model, ModelCache};
 

@@ -134,7 +134,7 @@ mod tests {
     /// message lists the ones with an engine.
     #[test]
     fn admission_refuses_the_formats_without_an_engine() {
-        use kube::CustomResourceExt;
+        use kube_core::CustomResourceExt;
         let crd = serde_json::to_value(crate::modelcache::ModelCache::crd()).unwrap_or_default();
         let q = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
             ["properties"]["quantization"];

@@ -4,13 +4,14 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::EnvVar;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
-use kube::CustomResource;
+use kube_derive::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// One GPU architecture of the cluster (conventionally named after it, e.g. `gfx1100`).
 #[derive(CustomResource, Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
 #[kube(
+    crates(kube_core = "::kube_core"),
     group = "ai.flexinfer",
     version = "v1alpha2",
     kind = "GPUProfile",

@@ -4,13 +4,14 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{ResourceRequirements, Toleration};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
-use kube::CustomResource;
+use kube_derive::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// Desired state of a served model.
 #[derive(CustomResource, Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
 #[kube(
+    crates(kube_core = "::kube_core"),
     group = "ai.flexinfer",
     version = "v1alpha2",
     kind = "Model",
@@ -466,7 +467,7 @@ fn default_cold_start_timeout() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kube::CustomResourceExt;
+    use kube_core::CustomResourceExt;
 
     /// The CRD's rule on `spec` admits `backendKeySecretRef` for exactly the backends that take a
     /// key (`Backend::takes_api_key`, which the controller's refusal uses).
