@@ -107,7 +107,7 @@ pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_s
 /// Serve on `listener` until the process ends. With `metrics` it serves `/metrics`, else the probes.
 pub async fn serve(listener: TcpListener, metrics: Option<Metrics>, health: Health) {
     let limits = server::Limits::probes(HEADER_READ_TIMEOUT);
-    server::serve(listener, limits, server::forever(), |_peer| {
+    server::serve(listener, limits, server::forever(), || {
         let (metrics, health) = (metrics.clone(), health.clone());
         service_fn(move |req| {
             let resp = handle(&req, metrics.as_ref(), &health);

@@ -650,7 +650,7 @@ pub async fn serve(
         header_read_timeout: Some(proxy.config.header_read_timeout),
         nodelay: true,
     };
-    runtime_server::serve(listener, limits, shutdown, |_peer| {
+    runtime_server::serve(listener, limits, shutdown, || {
         let p = proxy.clone();
         service_fn(move |req| {
             let p = p.clone();
@@ -674,7 +674,7 @@ pub const HEALTH_MAX_CONNECTIONS: usize = runtime_server::PROBE_MAX_CONNECTIONS;
 /// head is dropped (slowloris).
 pub async fn serve_health(listener: TcpListener, proxy: Arc<Proxy>) {
     let limits = runtime_server::Limits::probes(proxy.config.header_read_timeout);
-    runtime_server::serve(listener, limits, runtime_server::forever(), |_peer| {
+    runtime_server::serve(listener, limits, runtime_server::forever(), || {
         let p = proxy.clone();
         service_fn(move |req: Request<Incoming>| {
             let p = p.clone();

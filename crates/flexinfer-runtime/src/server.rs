@@ -9,7 +9,6 @@
 
 use std::error::Error as StdError;
 use std::future::Future;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -51,15 +50,15 @@ impl Limits {
 /// Connections open at once on a probe or metrics port (probes and scrapes need a few).
 pub const PROBE_MAX_CONNECTIONS: usize = 64;
 
-/// Serve `listener` with the service `make` returns for each connection (given the peer's
-/// address) until `shutdown` completes.
+/// Serve `listener` with the service `make` returns for each connection until `shutdown`
+/// completes.
 pub async fn serve<M, S, B>(
     listener: TcpListener,
     limits: Limits,
     shutdown: impl Future<Output = ()>,
     mut make: M,
 ) where
-    M: FnMut(SocketAddr) -> S,
+    M: FnMut() -> S,
     S: Service<Request<Incoming>, Response = Response<B>> + Send + 'static,
     S::Future: Send + 'static,
     S::Error: Into<Box<dyn StdError + Send + Sync>>,
@@ -95,7 +94,7 @@ pub async fn serve<M, S, B>(
                 debug!(%peer, error = %e, "cannot set TCP_NODELAY");
             }
         }
-        let service = make(peer);
+        let service = make();
         tokio::spawn(async move {
             let _place = place;
             let mut builder = hyper::server::conn::http1::Builder::new();
@@ -123,12 +122,11 @@ mod tests {
     use http_body_util::Full;
     use hyper::body::Bytes;
     use std::convert::Infallible;
+    use std::net::SocketAddr;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpStream;
 
-    fn hello(
-        _peer: SocketAddr,
-    ) -> impl Service<
+    fn hello() -> impl Service<
         Request<Incoming>,
         Response = Response<Full<Bytes>>,
         Error = Infallible,

@@ -568,7 +568,7 @@ pub async fn serve(args: Args) -> Result<(), StandinError> {
         listener,
         limits,
         flexinfer_runtime::server::forever(),
-        |_peer| {
+        || {
             let server = server.clone();
             hyper::service::service_fn(move |req| server.clone().handle(req))
         },

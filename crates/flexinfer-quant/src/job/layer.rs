@@ -10,7 +10,7 @@ use super::solve::{solve_group, LayerRun};
 use super::{PhaseTimes, Progress};
 use crate::device::kernel::forward::layer_unsupported;
 use crate::device::{ForwardPass, ForwardTimes};
-use crate::error::{NumericError, QuantError, Result};
+use crate::error::{NumericError, Result};
 use crate::events::fields;
 use crate::events::EventSink;
 use crate::job::cache::{LayerCache, LayerStats};
@@ -170,7 +170,7 @@ pub(super) fn quantize_layers(
         }
         #[cfg(feature = "test-hooks")]
         if lr.run.job.abort_after_layer == Some(layer) {
-            return Err(QuantError::TestAbort(layer));
+            return Err(crate::error::QuantError::TestAbort(layer));
         }
     }
     Ok(totals)
