@@ -17,4 +17,5 @@ pub mod metrics;
 pub mod model;
 pub mod modelcache;
 pub mod reconcile_error;
+pub mod status_write;
 pub mod supervise;

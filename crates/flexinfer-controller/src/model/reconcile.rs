@@ -226,34 +226,18 @@ pub async fn write_status(
     resource_version: Option<&str>,
     new: &flexinfer_api::ModelStatus,
 ) -> Result<(), Error> {
-    let mut patch = json!({
-        "apiVersion": Model::api_version(&()),
-        "kind": Model::kind(&()),
-        "status": {
-            "phase": new.phase,
-            "conditions": new.conditions,
-            "endpoint": new.endpoint,
-            "replicas": new.replicas,
-            "observedGeneration": new.observed_generation,
-            "servedPath": new.served_path,
-            "sharedGroup": new.shared_group,
-            "validatedArtifact": new.validated_artifact,
-        }
+    let status = json!({
+        "phase": new.phase,
+        "conditions": new.conditions,
+        "endpoint": new.endpoint,
+        "replicas": new.replicas,
+        "observedGeneration": new.observed_generation,
+        "servedPath": new.served_path,
+        "sharedGroup": new.shared_group,
+        "validatedArtifact": new.validated_artifact,
     });
-    if let Some(rv) = resource_version {
-        patch["metadata"] = json!({ "resourceVersion": rv });
-    }
-    match api
-        .patch_status(
-            name,
-            &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(&patch),
-        )
-        .await
-    {
-        Ok(_) => Ok(()),
-        Err(e) => Err(Error::of_write(e)),
-    }
+    crate::status_write::apply_status(api, name, resource_version, status).await?;
+    Ok(())
 }
 
 pub(super) async fn publish(ctx: &Ctx, model: &Model, ev: &PlannedEvent) {

@@ -37,6 +37,7 @@ use super::series::{forget_deleted_caches, update_metrics};
 use super::stores::{Expectation, Pending, Stores};
 use crate::kube_client::api_in;
 use crate::metrics::Metrics;
+use crate::status_write::apply_status;
 
 /// Longest a reconcile may take before it is abandoned and retried with backoff.
 const RECONCILE_TIMEOUT: Duration = Duration::from_secs(60);
@@ -656,23 +657,7 @@ pub async fn write_status(
     resource_version: Option<&str>,
     status: &flexinfer_api::modelcache::ModelCacheStatus,
 ) -> Result<Option<String>, Error> {
-    let mut patch = serde_json::json!({
-        "apiVersion": "ai.flexinfer/v1alpha1",
-        "kind": "ModelCache",
-        "status": status,
-    });
-    if let Some(rv) = resource_version {
-        patch["metadata"] = serde_json::json!({ "resourceVersion": rv });
-    }
-    match caches
-        .patch_status(
-            name,
-            &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(&patch),
-        )
-        .await
-    {
-        Ok(updated) => Ok(updated.resource_version()),
-        Err(e) => Err(Error::of_write(e)),
-    }
+    let status = serde_json::to_value(status)?;
+    let updated = apply_status(caches, name, resource_version, status).await?;
+    Ok(updated.resource_version())
 }

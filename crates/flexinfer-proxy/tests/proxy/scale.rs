@@ -91,14 +91,21 @@ async fn proxy_scales_from_zero_keeps_alive_and_lets_idle() {
     .unwrap();
     let m = models.get("cold").await.unwrap();
     assert!(last_active(&m).is_some(), "the proxy wrote lastActiveTime");
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(
-        !pending.is_finished(),
-        "the request is held while no endpoint is ready"
-    );
+    flexinfer_e2e::holds_for(
+        "the request is held while no endpoint is ready",
+        Duration::from_millis(500),
+        || !pending.is_finished(),
+    )
+    .await
+    .unwrap();
     publish_endpoint(&client, &ns, "cold", backend.addr, false).await; // starting, not ready
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(!pending.is_finished(), "a not-ready endpoint is not used");
+    flexinfer_e2e::holds_for(
+        "a not-ready endpoint is not used",
+        Duration::from_millis(500),
+        || !pending.is_finished(),
+    )
+    .await
+    .unwrap();
     publish_endpoint(&client, &ns, "cold", backend.addr, true).await;
     let (status, via) = tokio::time::timeout(WAIT, pending).await.unwrap().unwrap();
     assert_eq!(status, StatusCode::OK);
