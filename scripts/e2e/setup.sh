@@ -3,8 +3,8 @@
 # the way a user's cluster would be: images built and pushed, FlexInfer installed with its Helm chart.
 #  1. builds the binaries (cargo, incremental) and the images (scripts/images/build.sh), pushes them to the
 #     testenv registry and loads them into the node's containerd;
-#  2. writes the local hub's repositories (the hub_fixtures example) and starts scripts/hub/hub_server.py on
-#     the node's bridge address, so pods download from it;
+#  2. writes the local hub's repositories (the hub_fixtures example) and starts flexinfer-hub
+#     (crates/flexinfer-hub) on the node's bridge address, so pods download from it;
 #  3. `helm upgrade --install`s charts/flexinfer with the controller pinned to the real node; the post-renderer
 #     scripts/e2e/post-render.py adapts only what this cluster lacks (kube-proxy, token volume injection).
 # usage (after `source` of up.sh's output):  scripts/e2e/setup.sh > env; source env
@@ -26,8 +26,8 @@ log() { echo "e2e-setup: $* ($(( $(date +%s) - t0 )) s)" >&2; }
 free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
 
 log "binaries"
-# The same build as `make test`'s (bins and examples included): with the test profile's feature set, so
-# nothing is compiled twice; a no-op when the tests are built.
+# The same build as `make test`'s (bins, flexinfer-hub among them, and examples included): with the test
+# profile's feature set, so nothing is compiled twice; a no-op when the tests are built.
 cargo test -q -j2 --workspace --no-run >&2
 
 log "images"
@@ -38,7 +38,7 @@ log "hub repositories and server"
 HUB=$TESTENV_DIR/hub
 rm -rf "$HUB"; mkdir -p "$HUB"
 "$TARGET/debug/examples/hub_fixtures" "$HUB/repos" >/dev/null
-nohup python3 scripts/hub/hub_server.py --root "$HUB/repos" --host "$TESTENV_HOST_IP" --port 0 \
+nohup "$TARGET/debug/flexinfer-hub" --root "$HUB/repos" --host "$TESTENV_HOST_IP" --port 0 \
   --ready-file "$HUB/port" > "$TESTENV_DIR/logs/hub.log" 2>&1 &
 echo "$! hub-server" >> "$TESTENV_DIR/pids"      # down.sh stops it with the rest
 for _ in $(seq 1 100); do [ -s "$HUB/port" ] && break; sleep 0.1; done

@@ -1,5 +1,5 @@
 //! Writes the repositories of the local Hugging Face-compatible hub that `make demo` and the end-to-end test
-//! serve (`scripts/hub/hub_server.py`): generated models and datasets, no downloads.
+//! serve (`flexinfer-hub --root ROOT`, crates/flexinfer-hub): generated models and datasets, no downloads.
 //!
 //! usage: hub_fixtures ROOT
 //!

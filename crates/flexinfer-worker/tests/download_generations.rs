@@ -83,7 +83,7 @@ fn a_new_revision_downloads_beside_the_served_one_and_links_what_did_not_change(
         .cloned()
         .collect();
     v2.extend(describe(&v2src));
-    let hub = HubServer::start(REPO, vec![("main", v1.clone()), ("v2", v2.clone())]);
+    let hub = start_hub(REPO, vec![("main", v1.clone()), ("v2", v2.clone())]);
     let root = tmp.path().join("pvc/m");
     let (g1, g2, g3) = (gen(&root, 1), gen(&root, 2), gen(&root, 3));
 
@@ -172,7 +172,7 @@ fn a_new_revision_downloads_beside_the_served_one_and_links_what_did_not_change(
 fn a_download_made_before_generations_is_reused_then_retired_when_no_longer_kept() {
     let tmp = tempfile::tempdir().unwrap();
     let v1 = v1();
-    let hub = HubServer::start(REPO, vec![("main", v1.clone())]);
+    let hub = start_hub(REPO, vec![("main", v1.clone())]);
     let root = tmp.path().join("pvc/m");
     // The old layout: the files in the cache directory itself, outputs beside them.
     let r = run(
@@ -240,7 +240,7 @@ fn bytes_changed_on_disk_during_a_download_are_never_recorded_as_verified() {
     write_data(&src.join(SHARD), 12 << 20, 5);
     let files = describe(&src);
     let want = files[0].sha256.clone();
-    let hub = HubServer::start(REPO, vec![("main", files.clone())]);
+    let hub = start_hub(REPO, vec![("main", files.clone())]);
     hub.state.faults.lock().unwrap().throttle = Some(6 << 20);
     let root = tmp.path().join("pvc/m");
     let g1 = gen(&root, 1);

@@ -34,7 +34,7 @@ fn assert_tree_matches(dest: &Path, files: &[ServedFile]) {
 #[test]
 fn dropped_connection_resumes_with_range_and_never_refetches_finished_files() {
     let files = fixture().clone();
-    let hub = HubServer::start(REPO, vec![("main", files.clone())]);
+    let hub = start_hub(REPO, vec![("main", files.clone())]);
     hub.state
         .faults
         .lock()
@@ -155,7 +155,7 @@ fn corrupted_byte_fails_verification_and_nothing_is_marked_complete() {
         .filter(|f| f.path != BIG)
         .cloned()
         .collect();
-    let hub = HubServer::start(REPO, vec![("main", files.clone())]);
+    let hub = start_hub(REPO, vec![("main", files.clone())]);
     hub.state
         .faults
         .lock()
@@ -184,7 +184,7 @@ fn corrupted_byte_fails_verification_and_nothing_is_marked_complete() {
     assert_eq!(hub.state.requests(SMALL).len(), 2);
 
     // A corrupt non-LFS file is caught by its git blob id.
-    let hub2 = HubServer::start(REPO, vec![("main", files.clone())]);
+    let hub2 = start_hub(REPO, vec![("main", files.clone())]);
     hub2.state
         .faults
         .lock()
@@ -207,7 +207,7 @@ fn unauthorized_and_missing_repositories_fail_fast_with_exit_2() {
         .filter(|f| f.path != BIG)
         .cloned()
         .collect();
-    let hub = HubServer::start(REPO, vec![("main", files.clone())]);
+    let hub = start_hub(REPO, vec![("main", files.clone())]);
     let secret = "hf_SECRETtoken1234567890";
     hub.state.faults.lock().unwrap().token = Some(secret.into());
     let tmp = tempfile::tempdir().unwrap();
@@ -290,7 +290,7 @@ fn killed_download_resumes_from_its_partial_file() {
         .filter(|f| f.path == BIG || f.path == "config.json")
         .cloned()
         .collect();
-    let hub = HubServer::start(REPO, vec![("main", files.clone())]);
+    let hub = start_hub(REPO, vec![("main", files.clone())]);
     hub.state.faults.lock().unwrap().throttle = Some(60 << 20);
     let tmp = tempfile::tempdir().unwrap();
     let dest = tmp.path().join("m");
@@ -343,7 +343,7 @@ fn changed_revision_resets_derived_artifacts_and_removes_stale_files() {
         .cloned()
         .collect();
     v2.push(new_small.clone());
-    let hub = HubServer::start(REPO, vec![("main", v1.clone()), ("v2", v2.clone())]);
+    let hub = start_hub(REPO, vec![("main", v1.clone()), ("v2", v2.clone())]);
     let dest = tmp.path().join("m");
     let r = run(download(&hub, &dest, tmp.path()), tmp.path());
     assert_eq!(r.code, 0, "{}", r.describe());
@@ -394,7 +394,7 @@ fn allow_and_ignore_patterns_select_files() {
         .filter(|f| f.path != BIG)
         .cloned()
         .collect();
-    let hub = HubServer::start(REPO, vec![("main", files)]);
+    let hub = start_hub(REPO, vec![("main", files)]);
     let tmp = tempfile::tempdir().unwrap();
     let dest = tmp.path().join("m");
     let mut c = download(&hub, &dest, tmp.path());
@@ -509,7 +509,7 @@ fn calibration_dataset_is_fetched_under_dot_datasets() {
     std::fs::create_dir_all(&prompts).unwrap();
     std::fs::write(prompts.join("train.jsonl"), "{\"text\": \"a prompt\"}\n").unwrap();
     let prompt_files = describe(&prompts);
-    let hub = HubServer::start(
+    let hub = start_hub(
         REPO,
         vec![
             ("main", files),
@@ -562,7 +562,7 @@ fn interrupted_download_of_another_source_is_discarded() {
         .filter(|f| f.path == "config.json" || f.path == "README.md")
         .cloned()
         .collect();
-    let hub = HubServer::start(REPO, vec![("main", files.clone())]);
+    let hub = start_hub(REPO, vec![("main", files.clone())]);
     let tmp = tempfile::tempdir().unwrap();
     let dest = tmp.path().join("m");
     // What a killed run of another source leaves behind.
@@ -601,7 +601,7 @@ fn a_source_with_pipeline_file_names_is_rejected() {
     .unwrap();
     let mut files = fixture().clone();
     files.extend(describe(&extra));
-    let hub = HubServer::start(REPO, vec![("main", files)]);
+    let hub = start_hub(REPO, vec![("main", files)]);
     let dest = tmp.path().join("m");
     let r = run(download(&hub, &dest, tmp.path()), tmp.path());
     assert_eq!(r.code, 2, "{}", r.describe());

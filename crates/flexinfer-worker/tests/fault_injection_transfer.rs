@@ -109,7 +109,7 @@ fn download_killed_at_seeded_points_finishes_verified_beside_the_promoted_genera
         .iter()
         .map(|f| (f.path.clone(), f.sha256.clone()))
         .collect();
-    let hub = HubServer::start(REPO, vec![("main", new_files), ("old", old_files)]);
+    let hub = start_hub(REPO, vec![("main", new_files), ("old", old_files)]);
     hub.state.faults.lock().unwrap().throttle = Some(24 << 20);
     let root = tmp.path().join("pvc/m");
     let scratch = tmp.path().to_path_buf();

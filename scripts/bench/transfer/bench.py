@@ -2,12 +2,13 @@
 """Download/publish throughput, side by side in one run (not a test; never gates CI).
 
 download: flexinfer-worker vs huggingface_hub.snapshot_download (plain and with hf_transfer),
-          all against the same local hub server (hub_server.py, sendfile bodies);
+          all against the same local hub server (flexinfer-hub, crates/flexinfer-hub);
 publish:  flexinfer-worker vs the `oras` Python client, each against a fresh docker-registry;
 reference: `cp -r` of the same tree on the same filesystem (the machine's copy rate).
 
-Prints a table of medians (MiB/s) and ratios. Run through run.sh (it builds the worker and the
-peer venv). Environment: WORKER (binary), BENCH_GIB (data size, default 1.5), BENCH_RUNS (3).
+Prints a table of medians (MiB/s) and ratios. Run through run.sh (it builds the worker, the hub and
+the peer venv). Environment: WORKER (binary), HUB (the flexinfer-hub binary; default: beside WORKER),
+BENCH_GIB (data size, default 1.5), BENCH_RUNS (3).
 """
 import json
 import os
@@ -19,8 +20,8 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.environ["WORKER"]
+HUB = os.environ.get("HUB") or os.path.join(os.path.dirname(WORKER), "flexinfer-hub")
 PY = sys.executable
 RUNS = int(os.environ.get("BENCH_RUNS", "3"))
 GIB = float(os.environ.get("BENCH_GIB", "1.5"))
@@ -131,8 +132,7 @@ def run(work):
     mib = total / (1 << 20)
     print(f"data: {mib:.0f} MiB in {len(os.listdir(src))} files; runs per tool: {RUNS}; cpus: {os.cpu_count()}")
     port = free_port()
-    hub = subprocess.Popen([PY, os.path.join(HERE, "..", "..", "hub", "hub_server.py"), src, REPO, str(port)], stdout=subprocess.PIPE,
-                           stderr=subprocess.DEVNULL)
+    hub = subprocess.Popen([HUB, src, REPO, str(port)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         assert hub.stdout.readline().startswith(b"ready")
         bench_download(work, src, mib, port)
