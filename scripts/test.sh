@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test suite, in three tiers (usage: scripts/test.sh [check|int|e2e|all]):
-#   check  cargo fmt --check, clippy -D warnings, the test-hook and module-circle checks, every test that needs no
+#   check  cargo fmt --check, clippy -D warnings, the test-hook, module-circle and error-source checks, every test that needs no
 #          cluster: the unit tests, the doc tests and every test target not listed below (among them
 #          flexinfer-contract's spelled_once, the contract-string check) (make check; no KUBECONFIG, no images,
 #          no real node; tests of optional tools — HIP code objects, llama.cpp, Python consumers,
@@ -117,6 +117,10 @@ check() {
     crates/flexinfer-cli/src artifact crates/flexinfer-worker/src download crates/flexinfer-worker/src oci \
     crates/flexinfer-runtime/src . crates/flexinfer-plan/src . crates/flexinfer-plan/src modelcache crates/flexinfer-plan/src model \
     crates/flexinfer-hub/src .
+
+  stage "no error prints its own source in its message (a printer of the chain would show it twice)"
+  python3 scripts/check-error-sources.py --self-test
+  python3 scripts/check-error-sources.py crates tests
 
   stage "cargo test: every test that needs no cluster"
   cargo_test check "${INT_TESTS[@]}" "${E2E_TESTS[@]}"

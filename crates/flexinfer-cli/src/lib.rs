@@ -29,7 +29,7 @@ pub enum CliError {
     #[error("{0}")]
     BadInput(String),
     /// Anything else (exit 1).
-    #[error("{0:#}")]
+    #[error(transparent)]
     Failed(#[from] anyhow::Error),
 }
 

@@ -11,7 +11,7 @@ async fn main() {
             code
         }
         Err(e) => {
-            eprintln!("error: {e}");
+            eprintln!("error: {}", flexinfer_api::contract::error::chain(&e));
             e.exit_code()
         }
     };

@@ -106,7 +106,9 @@ mod tests {
     #[test]
     fn request_rules_name_the_flag() {
         assert_eq!(check_request(&req("gptq")).unwrap().name, "GPTQ");
-        let e = check_request(&req("MP3")).unwrap_err().to_string();
+        let e = check_request(&req("MP3"))
+            .map_err(|e| flexinfer_api::contract::error::chain(&e))
+            .unwrap_err();
         assert!(e.starts_with("--format MP3"), "{e}");
         for (fmt, bits, ok) in [
             ("GPTQ", 4, true),
@@ -124,7 +126,11 @@ mod tests {
             let res = check_request(&r);
             assert_eq!(res.is_ok(), ok, "{fmt} {bits}");
             if let Err(e) = res {
-                assert!(e.to_string().starts_with(&format!("--bits {bits}")), "{e}");
+                assert!(
+                    flexinfer_api::contract::error::chain(&e)
+                        .starts_with(&format!("--bits {bits}")),
+                    "{e}"
+                );
                 assert_eq!(e.exit_code(), 2);
             }
         }
@@ -143,14 +149,17 @@ mod tests {
             assert_eq!(res.is_ok(), ok, "{g}");
             if let Err(e) = res {
                 assert!(
-                    e.to_string().starts_with(&format!("--group-size {g}")),
+                    flexinfer_api::contract::error::chain(&e)
+                        .starts_with(&format!("--group-size {g}")),
                     "{e}"
                 );
             }
         }
         let mut r = req("GPTQ");
         r.gguf_type = Some("Q4_K_M".into());
-        let e = check_request(&r).unwrap_err().to_string();
+        let e = check_request(&r)
+            .map_err(|e| flexinfer_api::contract::error::chain(&e))
+            .unwrap_err();
         assert!(
             e.contains("--type Q4_K_M is only valid with --format GGUF"),
             "{e}"
@@ -160,8 +169,8 @@ mod tests {
         assert!(check_request(&r).is_ok());
         r.gguf_type = Some("q4".into());
         assert!(check_request(&r)
+            .map_err(|e| flexinfer_api::contract::error::chain(&e))
             .unwrap_err()
-            .to_string()
             .starts_with("--type q4"));
         for t in ["Q8_0", "IQ4_XS", "F16", "BF16", "Q5_K_S", "Q2_K"] {
             assert!(valid_gguf_type(t), "{t}");

@@ -13,6 +13,7 @@
 pub mod annotations;
 pub mod controller;
 pub mod env;
+pub mod error;
 pub mod events;
 pub mod files;
 pub mod labels;

@@ -16,11 +16,11 @@ use crate::metrics::Metrics;
 /// Why a reconcile did not finish.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("kubernetes API: {0}")]
+    #[error("kubernetes API")]
     Kube(#[from] kube::Error),
     #[error("object without {0}")]
     Missing(&'static str),
-    #[error("serialize: {0}")]
+    #[error("serialize")]
     Json(#[from] serde_json::Error),
     /// The conditional write found a newer object than the one planned from.
     #[error("object changed while reconciling; planning again")]
@@ -79,7 +79,7 @@ pub fn error_policy(
         .with_label_values(&[controller])
         .inc();
     let delay = failures.failed(&failure_key(object));
-    warn!(controller, name, namespace, error = %err,
+    warn!(controller, name, namespace, error = %flexinfer_api::contract::error::chain(err),
           retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX), "reconcile failed");
     Action::requeue(delay)
 }

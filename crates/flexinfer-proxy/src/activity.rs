@@ -120,7 +120,7 @@ impl Activity {
                 Ok(true) => self.covered(&key, generation),
                 Ok(false) => {}
                 Err(e) => {
-                    warn!(namespace = %key.0, model = %key.1, error = %e, "cannot write lastActiveTime")
+                    warn!(namespace = %key.0, model = %key.1, error = %flexinfer_api::contract::error::chain(&e), "cannot write lastActiveTime")
                 }
             }
         }

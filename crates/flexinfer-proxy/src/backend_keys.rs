@@ -137,7 +137,10 @@ impl BackendKeys {
             }
             Err(e) => {
                 return Err(KeyError {
-                    message: format!("{what} cannot be sent: cannot read the Secret: {e}"),
+                    message: format!(
+                        "{what} cannot be sent: cannot read the Secret: {}",
+                        flexinfer_api::contract::error::chain(&e)
+                    ),
                     transient: true,
                 })
             }

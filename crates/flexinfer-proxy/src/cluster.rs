@@ -203,7 +203,7 @@ fn spawn_watch<K>(
     tokio::spawn(watcher(api, config).default_backoff().for_each(move |ev| {
         match ev {
             Ok(ev) => observe(&mut writer, &s, &ev),
-            Err(e) => warn!(error = %e, watch = what, "watch failed"),
+            Err(e) => warn!(error = %flexinfer_api::contract::error::chain(&e), watch = what, "watch failed"),
         }
         futures::future::ready(())
     }));

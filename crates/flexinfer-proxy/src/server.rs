@@ -20,6 +20,7 @@ use tokio::net::TcpListener;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
+use flexinfer_api::contract::error::chain;
 use flexinfer_runtime::server as runtime_server;
 
 use crate::activity::{Activity, InFlight};
@@ -119,7 +120,8 @@ async fn read_body(
         }
         Err(e) => {
             return Err(ApiError::bad_request(format!(
-                "cannot read the request body: {e}"
+                "cannot read the request body: {}",
+                chain(&*e)
             )))
         }
     };
@@ -455,13 +457,16 @@ impl Proxy {
                     return Ok(Response::from_parts(rparts, body));
                 }
                 Err(e) if e.is_connect() => {
-                    warn!(namespace = %key.0, model = %key.1, backend = %backend, error = %e, "backend connect failed, trying the next");
-                    last_err = format!("cannot connect to {backend}: {e}");
+                    let why = chain(&e);
+                    warn!(namespace = %key.0, model = %key.1, backend = %backend, error = %why, "backend connect failed, trying the next");
+                    last_err = format!("cannot connect to {backend}: {why}");
                 }
                 Err(e) => {
                     return Err(ApiError::bad_gateway(format!(
-                        "Model {}/{}: backend {backend} failed: {e}",
-                        key.0, key.1
+                        "Model {}/{}: backend {backend} failed: {}",
+                        key.0,
+                        key.1,
+                        chain(&e)
                     )))
                 }
             }
@@ -506,7 +511,7 @@ impl Proxy {
                     );
                     async move {
                         if let Err(e) = cluster.touch_once(&key, interval).await {
-                            warn!(namespace = %key.0, model = %key.1, error = %e, "cannot write lastActiveTime");
+                            warn!(namespace = %key.0, model = %key.1, error = %chain(&e), "cannot write lastActiveTime");
                         }
                     }
                 };

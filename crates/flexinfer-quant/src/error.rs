@@ -5,7 +5,8 @@
 //! [`ConfigError`] (`config.json`), [`TensorError`] (the weights), [`DatasetError`] (calibration and
 //! prompt datasets), [`SpecError`] (the job's settings), [`FileError`] (the model directory's files)
 //! and [`TokenizerError`] (`tokenizer.json`). [`NumericError`] is a failure of the engine itself.
-//! An underlying error (serde_json, the tokenizer library, parquet, I/O) is kept as the `#[source]`.
+//! An underlying error (serde_json, the tokenizer library, parquet, I/O) is kept as the `#[source]`
+//! and left out of the message: render these errors with `flexinfer_contract::error::chain`.
 
 use std::path::PathBuf;
 
@@ -22,17 +23,17 @@ pub use self::gguf::GgufError;
 /// dataset): the worker maps them to exit code 2 ([`QuantError::is_bad_input`]).
 #[derive(Debug, thiserror::Error)]
 pub enum QuantError {
-    #[error("invalid input: {0}")]
+    #[error("invalid input")]
     Config(#[from] ConfigError),
-    #[error("invalid input: {0}")]
+    #[error("invalid input")]
     Tensor(#[from] TensorError),
-    #[error("invalid input: {0}")]
+    #[error("invalid input")]
     Dataset(#[from] DatasetError),
-    #[error("invalid input: {0}")]
+    #[error("invalid input")]
     Spec(#[from] SpecError),
-    #[error("invalid input: {0}")]
+    #[error("invalid input")]
     File(#[from] FileError),
-    #[error("I/O error on {path}: {source}")]
+    #[error("I/O error on {path}")]
     Io {
         path: PathBuf,
         #[source]
@@ -59,9 +60,9 @@ pub enum QuantError {
         path: PathBuf,
         problem: IndexProblem,
     },
-    #[error("tokenizer error: {0}")]
+    #[error("tokenizer error")]
     Tokenizer(#[from] TokenizerError),
-    #[error("numerical failure: {0}")]
+    #[error("numerical failure")]
     Numeric(#[from] NumericError),
     /// The RTN-fallback gate rejected the run; nothing was written to the output directory.
     #[error("RTN fallback gate failed: {} of {} modules ({:.1}%) fell back to RTN, limit {:.1}%", .0.rtn_fallback_modules, .0.gptq_modules + .0.rtn_fallback_modules, .0.rtn_fallback_percent, .0.max_rtn_fallback_percent)]
@@ -96,7 +97,7 @@ pub enum QuantError {
     #[error("aborted by test hook after layer {0}")]
     TestAbort(usize),
     /// The GGUF output: bad input (architecture, tokenizer, row sizes) or an I/O failure.
-    #[error("GGUF: {0}")]
+    #[error("GGUF")]
     Gguf(#[from] GgufError),
 }
 
@@ -333,7 +334,7 @@ pub enum TensorError {
 pub enum DatasetError {
     #[error("{what} {} does not exist or is not a regular file", .path.display())]
     NotAFile { what: &'static str, path: PathBuf },
-    #[error("{what} {} cannot be opened: {source}", .path.display())]
+    #[error("{what} {} cannot be opened", .path.display())]
     Open {
         what: &'static str,
         path: PathBuf,
@@ -341,15 +342,10 @@ pub enum DatasetError {
         source: std::io::Error,
     },
     /// A read refused by the size limits; the source's text names the file.
-    #[error("{source}")]
-    Read {
-        what: &'static str,
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Read { source: std::io::Error },
     /// Line `line` (from 1) of a JSON-lines file could not be read.
-    #[error("{what} {}: {source}", .path.display())]
+    #[error("{what} {}", .path.display())]
     Line {
         what: &'static str,
         path: PathBuf,
@@ -358,7 +354,7 @@ pub enum DatasetError {
         source: std::io::Error,
     },
     /// The file (`line` None) or one of its lines is not JSON.
-    #[error("{what} {}{}: invalid JSON: {source}", .path.display(), line_suffix(.line))]
+    #[error("{what} {}{}: invalid JSON", .path.display(), line_suffix(.line))]
     Json {
         what: &'static str,
         path: PathBuf,
@@ -379,7 +375,7 @@ pub enum DatasetError {
         path: PathBuf,
         fields: &'static [&'static str],
     },
-    #[error("dataset {}: not a readable parquet file: {source}", .path.display())]
+    #[error("dataset {}: not a readable parquet file", .path.display())]
     Parquet {
         path: PathBuf,
         #[source]
@@ -483,16 +479,12 @@ pub enum FileError {
     Missing { name: String, dir: PathBuf },
     /// Refused by the untrusted-file checks (escape, not a regular file, too large); the source's
     /// text names the file.
-    #[error("{source}")]
-    Refused {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Refused { source: std::io::Error },
     #[error("no .safetensors weight files in {}", .dir.display())]
     NoWeightFiles { dir: PathBuf },
     /// An entry of `model.safetensors.index.json` (`path`) names a file outside the model directory.
-    #[error("{}: weight_map[{tensor:?}]: {source}", .path.display())]
+    #[error("{}: weight_map[{tensor:?}]", .path.display())]
     IndexEntry {
         path: PathBuf,
         tensor: String,
@@ -504,14 +496,14 @@ pub enum FileError {
 /// A `tokenizer.json` (`path`) that cannot be loaded, or a text it cannot encode.
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
-    #[error("{}: {source}", .path.display())]
+    #[error("{}", .path.display())]
     Load {
         path: PathBuf,
         #[source]
         source: BoxError,
     },
     /// Loading failed (`first`), and so did converting the file to the current format.
-    #[error("{}: {first}; conversion failed: {source}", .path.display())]
+    #[error("{}: {first}; conversion failed", .path.display())]
     Convert {
         path: PathBuf,
         first: BoxError,
@@ -519,14 +511,14 @@ pub enum TokenizerError {
         source: tokenizers::ConvertError,
     },
     /// Loading failed (`first`), and so did loading it with the missing byte symbols added.
-    #[error("{}: {first}; with the missing byte symbols added: {source}", .path.display())]
+    #[error("{}: {first}; with the missing byte symbols added", .path.display())]
     ByteSymbols {
         path: PathBuf,
         first: Box<QuantError>,
         #[source]
         source: BoxError,
     },
-    #[error("encoding {what}: {source}")]
+    #[error("encoding {what}")]
     Encode {
         what: String,
         #[source]
@@ -557,7 +549,7 @@ pub enum NumericError {
         bytes: usize,
         shape: Vec<usize>,
     },
-    #[error("encoding {what}: {source}")]
+    #[error("encoding {what}")]
     Encode {
         what: &'static str,
         #[source]
@@ -599,23 +591,6 @@ impl QuantError {
 }
 
 pub type Result<T> = std::result::Result<T, QuantError>;
-
-/// `e`'s text followed by its causes (`source()`), each after `: `, as anyhow's `{:#}` prints them. A
-/// cause whose text the message already contains is not repeated (errors that print their cause
-/// themselves), so the message names every cause exactly once either way.
-pub fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        let own = c.to_string();
-        if !text.contains(&own) {
-            text.push_str(": ");
-            text.push_str(&own);
-        }
-        cause = c.source();
-    }
-    text
-}
 
 #[cfg(test)]
 mod tests;

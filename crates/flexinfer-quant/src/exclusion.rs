@@ -299,8 +299,8 @@ mod tests {
         assert!(l.excludes("model.layers.1.mlp.up_proj", false));
         assert!(!l.excludes("model.layers.11.mlp.up_proj", true));
         let e = Exclusion::parse(Some("o_proj,auto"))
-            .unwrap_err()
-            .to_string();
+            .map_err(|e| flexinfer_contract::error::chain(&e))
+            .unwrap_err();
         assert!(e.contains("DYNAMIC_EXCLUSION") && e.contains("auto"), "{e}");
     }
 }

@@ -74,11 +74,7 @@ fn parse_json(path: &Path, bytes: &[u8]) -> Result<serde_json::Value> {
 /// input (exit 2) and names the file; anything else is an I/O error on `path`.
 pub fn untrusted_err(path: &Path, e: std::io::Error) -> QuantError {
     if flexinfer_fsutil::is_refused(&e) {
-        FileError::Refused {
-            path: path.to_path_buf(),
-            source: e,
-        }
-        .into()
+        FileError::Refused { source: e }.into()
     } else {
         QuantError::io(path, e)
     }

@@ -365,7 +365,10 @@ fn settings_and_families_awq_cannot_take_are_refused_before_any_output() {
     ] {
         let e = write_awq_artifact(&job(&src, &out, &ds, bits, group), &NullSink).unwrap_err();
         assert!(e.is_bad_input(), "{e}");
-        assert!(e.to_string().contains(needle), "{needle}: {e}");
+        assert!(
+            flexinfer_contract::error::chain(&e).contains(needle),
+            "{needle}: {e}"
+        );
         assert!(!out.exists());
     }
     // A family whose norms the scales cannot fold into.
@@ -381,7 +384,10 @@ fn settings_and_families_awq_cannot_take_are_refused_before_any_output() {
     .unwrap();
     let e = write_awq_artifact(&job(&gemma, &out, &ds, 4, 32), &NullSink).unwrap_err();
     assert!(e.is_bad_input(), "{e}");
-    assert!(e.to_string().contains("config.json architectures"), "{e}");
+    assert!(
+        flexinfer_contract::error::chain(&e).contains("config.json architectures"),
+        "{e}"
+    );
     assert!(!out.exists());
     // A good artifact stays whole when a later run is refused.
     write_awq_artifact(&job(&src, &out, &ds, 4, 32), &NullSink).unwrap();

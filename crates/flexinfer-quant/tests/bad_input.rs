@@ -149,7 +149,7 @@ fn bad_inputs_are_named_and_leave_nothing_behind() {
         let err = run(&j, &CpuBackend::default(), &NullSink)
             .err()
             .unwrap_or_else(|| panic!("{label}: must fail"));
-        let msg = err.to_string();
+        let msg = flexinfer_contract::error::chain(&err);
         assert!(
             err.is_bad_input(),
             "{label}: not classified as bad input: {msg}"

@@ -347,7 +347,7 @@ fn a_failing_reset_falls_back_and_an_accumulation_failure_is_an_error() {
     match r {
         Err(e @ (QuantError::Device(_) | QuantError::DeviceLost { .. })) => {
             assert!(
-                flexinfer_quant::error::chain(&e).contains("accumulate failed"),
+                flexinfer_contract::error::chain(&e).contains("accumulate failed"),
                 "{e}"
             )
         }
@@ -429,7 +429,7 @@ fn a_quantize_run_on_a_device_writes_the_cpu_runs_artifact() {
     match run(&job("broken"), &broken, &MemorySink::default()) {
         Err(e @ (QuantError::Device(_) | QuantError::DeviceLost { .. })) => {
             assert!(
-                flexinfer_quant::error::chain(&e).contains("accumulate"),
+                flexinfer_contract::error::chain(&e).contains("accumulate"),
                 "{e}"
             )
         }
@@ -564,7 +564,7 @@ fn gptq_device_selection() {
             .err()
             .expect("error");
         assert!(e.is_bad_input(), "{e}");
-        let m = flexinfer_quant::error::chain(&e);
+        let m = flexinfer_contract::error::chain(&e);
         assert!(
             m.contains(&format!("GPTQ_DEVICE={setting}")) && m.contains(needle),
             "{m}"
@@ -588,7 +588,8 @@ fn gptq_device_selection() {
         .err()
         .expect("error");
     assert!(
-        e.is_bad_input() && e.to_string().contains("expected auto, cpu, hip or cuda"),
+        e.is_bad_input()
+            && flexinfer_contract::error::chain(&e).contains("expected auto, cpu, hip or cuda"),
         "{e}"
     );
 }

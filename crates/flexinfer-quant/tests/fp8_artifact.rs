@@ -248,7 +248,8 @@ fn bad_input_names_the_problem_and_keeps_the_previous_artifact() {
         write_fp8_artifact(&job(&src, &out, ScaleStrategy::Tensor, None), &NullSink).unwrap_err();
     assert!(err.is_bad_input(), "{err}");
     assert!(
-        err.to_string().contains(name) && err.to_string().contains("element 7"),
+        flexinfer_contract::error::chain(&err).contains(name)
+            && flexinfer_contract::error::chain(&err).contains("element 7"),
         "{err}"
     );
     assert_eq!(
@@ -261,7 +262,10 @@ fn bad_input_names_the_problem_and_keeps_the_previous_artifact() {
         &NullSink,
     )
     .unwrap_err();
-    assert!(err.to_string().contains("DYNAMIC_EXCLUSION"), "{err}");
+    assert!(
+        flexinfer_contract::error::chain(&err).contains("DYNAMIC_EXCLUSION"),
+        "{err}"
+    );
     let missing = d.path().join("nothing");
     let err = write_fp8_artifact(
         &job(&missing, &out, ScaleStrategy::Channel, None),
@@ -269,8 +273,8 @@ fn bad_input_names_the_problem_and_keeps_the_previous_artifact() {
     )
     .unwrap_err();
     assert!(
-        err.to_string().contains("config.json")
-            || err.to_string().contains(&missing.display().to_string()),
+        flexinfer_contract::error::chain(&err).contains("config.json")
+            || flexinfer_contract::error::chain(&err).contains(&missing.display().to_string()),
         "{err}"
     );
     assert_eq!(

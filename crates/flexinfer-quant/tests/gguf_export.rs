@@ -263,7 +263,7 @@ fn importance_changes_the_blocks_of_the_tensors_it_names() {
     let bad = d.path().join("bad.gguf");
     let e = gguf(&src, &bad, FileType::Q4KM, Some(&imp)).unwrap_err();
     assert!(
-        e.is_bad_input() && e.to_string().contains("blk.0.attn_q.weight"),
+        e.is_bad_input() && flexinfer_contract::error::chain(&e).contains("blk.0.attn_q.weight"),
         "{e}"
     );
     assert!(!bad.exists());
@@ -303,7 +303,7 @@ fn bad_input_names_the_problem_and_leaves_the_previous_file() {
                 "{name}: {:?}",
                 leftovers(&outdir)
             );
-            e.to_string()
+            flexinfer_contract::error::chain(&e)
         };
     let e = case("qwen3", "Qwen3ForCausalLM", &SIZE, true, FileType::Q8_0);
     assert!(
@@ -328,7 +328,7 @@ fn bad_input_names_the_problem_and_leaves_the_previous_file() {
         assert!(e.is_bad_input(), "{e}");
         assert_eq!(std::fs::read(&out).unwrap(), b"previous good file");
         assert!(leftovers(&outdir).is_empty());
-        e.to_string()
+        flexinfer_contract::error::chain(&e)
     };
     assert!(
         e.contains("model.layers.4.input_layernorm.weight") && e.contains("blk.4.attn_norm.weight"),

@@ -20,6 +20,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use faer::Mat;
+use flexinfer_contract::error::chain;
 use flexinfer_quant::llama::{embed, layer_forward, linear, lm_head, rms_norm, Rope};
 use flexinfer_quant::model::{load_layer, GptqReadConfig, LayerWeights, Linear, ModelConfig};
 use flexinfer_quant::tensors::TensorStore;
@@ -146,10 +147,10 @@ pub enum StandinError {
     #[error("{0}")]
     Request(String),
     /// `--host`/`--port` do not form an address.
-    #[error("--host/--port: {0}")]
+    #[error("--host/--port")]
     Address(#[source] std::net::AddrParseError),
     /// The listening socket cannot be bound.
-    #[error("bind {addr}: {source}")]
+    #[error("bind {addr}")]
     Bind {
         addr: SocketAddr,
         #[source]
@@ -431,7 +432,7 @@ impl Server {
             ));
         }
         let prompt =
-            prompt_of(chat, &body).map_err(|e| invalid(StatusCode::BAD_REQUEST, &e.to_string()))?;
+            prompt_of(chat, &body).map_err(|e| invalid(StatusCode::BAD_REQUEST, &chain(&e)))?;
         let max_tokens = body
             .get("max_tokens")
             .or_else(|| body.get("max_completion_tokens"))
@@ -463,11 +464,7 @@ impl Server {
                               "total_tokens": g.prompt_tokens.saturating_add(g.completion_tokens)},
                 }),
             ),
-            Ok(Err(e)) => error(
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                &e.to_string(),
-            ),
+            Ok(Err(e)) => error(StatusCode::BAD_REQUEST, "invalid_request_error", &chain(&e)),
             Err(e) => error(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "server_error",
@@ -498,7 +495,7 @@ impl Server {
                 Ok(_) => chunk("", Some("length")),
                 Err(e) => Bytes::from(format!(
                     "data: {}\n\n",
-                    json!({"error": {"message": e.to_string(), "type": "invalid_request_error"}})
+                    json!({"error": {"message": chain(&e), "type": "invalid_request_error"}})
                 )),
             };
             let _ = tx.blocking_send(tail);

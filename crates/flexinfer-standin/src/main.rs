@@ -8,7 +8,10 @@ fn main() -> ExitCode {
     let args = match flexinfer_standin::parse_args(std::env::args().skip(1)) {
         Ok(a) => a,
         Err(e) => {
-            eprintln!("flexinfer-standin: {e}");
+            eprintln!(
+                "flexinfer-standin: {}",
+                flexinfer_contract::error::chain(&e)
+            );
             return ExitCode::from(2);
         }
     };
@@ -25,7 +28,10 @@ fn main() -> ExitCode {
     match rt.block_on(flexinfer_standin::serve(args)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("flexinfer-standin: {}", flexinfer_quant::error::chain(&e));
+            eprintln!(
+                "flexinfer-standin: {}",
+                flexinfer_contract::error::chain(&e)
+            );
             ExitCode::from(2)
         }
     }

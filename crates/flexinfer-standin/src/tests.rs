@@ -4,7 +4,7 @@ use super::*;
 
 fn args(s: &str) -> Result<Args, String> {
     // The messages, for the assertions below.
-    parse_args(s.split_whitespace().map(String::from)).map_err(|e| e.to_string())
+    parse_args(s.split_whitespace().map(String::from)).map_err(|e| chain(&e))
 }
 
 #[test]
@@ -100,6 +100,6 @@ fn loads_a_quantized_artifact_and_decodes_greedily() {
     let n = b.len() - 1;
     b[n] ^= 0xff;
     std::fs::write(&shard, b).expect("write");
-    let msg = Engine::load(&out).err().expect("refused").to_string();
+    let msg = chain(&Engine::load(&out).err().expect("refused"));
     assert!(msg.contains(".save-complete"), "{msg}");
 }

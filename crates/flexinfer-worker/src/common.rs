@@ -1,8 +1,8 @@
 //! What every worker subcommand shares: the JSON-line event stream on stdout, the termination
 //! message, the version handshake, and the exit-code mapping (docs/dev/architecture.md, "The controller–worker contract").
 
+use flexinfer_contract::error::chain;
 use flexinfer_contract::exit_codes;
-use flexinfer_quant::error::chain;
 
 /// The exit-code class of a worker failure (the controller reads the code, not the text).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,7 +46,7 @@ pub enum WorkerError {
     #[error("{0}")]
     Other(String),
     /// A file-system call failed; `context` names the operation and the path.
-    #[error("{context}: {source}")]
+    #[error("{context}")]
     Io {
         kind: ExitKind,
         context: String,
@@ -54,7 +54,7 @@ pub enum WorkerError {
         source: std::io::Error,
     },
     /// A JSON document could not be parsed or encoded; `context` names it.
-    #[error("{context}: {source}")]
+    #[error("{context}")]
     Json {
         kind: ExitKind,
         context: String,
@@ -63,7 +63,7 @@ pub enum WorkerError {
     },
     /// Another underlying error (a path or reference that does not parse, a model config the
     /// engine refuses, …); `context` names the field or file.
-    #[error("{context}: {source}")]
+    #[error("{context}")]
     Caused {
         kind: ExitKind,
         context: String,
@@ -72,28 +72,25 @@ pub enum WorkerError {
     },
     /// An underlying error whose own text already names the file or field (a refused read, a
     /// dataset the reader cannot use, a device that cannot be selected).
-    #[error("{source}")]
-    Wrapped {
-        kind: ExitKind,
-        source: Box<dyn std::error::Error + Send + Sync>,
-    },
+    #[error(transparent)]
+    Wrapped(Wrapped),
     /// Another Job holds the writer lock of the output directory (exit 2).
     #[error(
-        "refusing to write: {0}. Another Job writes this directory; it must finish or be deleted first"
+        "refusing to write: another Job writes this directory (it must finish or be deleted first)"
     )]
     Locked(#[source] std::io::Error),
     /// A file pattern (`allowPatterns`, `ignorePatterns`) does not compile (exit 2).
-    #[error("{context}: {source}")]
+    #[error("{context}")]
     Pattern {
         context: String,
         #[source]
         source: globset::Error,
     },
     /// The HTTP client could not be built (exit 1).
-    #[error("cannot build the HTTP client: {0}")]
+    #[error("cannot build the HTTP client")]
     HttpClient(#[source] reqwest::Error),
     /// A blocking task of the async runtime failed (exit 1).
-    #[error("{0}")]
+    #[error(transparent)]
     Task(#[from] tokio::task::JoinError),
     /// A transfer failed (exit 2 when retrying cannot help, else 1).
     #[error(transparent)]
@@ -157,9 +154,11 @@ impl WorkerError {
     pub fn wrap<E: std::error::Error + Send + Sync + 'static>(
         kind: ExitKind,
     ) -> impl FnOnce(E) -> Self {
-        move |source| WorkerError::Wrapped {
-            kind,
-            source: Box::new(source),
+        move |source| {
+            WorkerError::Wrapped(Wrapped {
+                kind,
+                source: Box::new(source),
+            })
         }
     }
 
@@ -176,7 +175,7 @@ impl WorkerError {
             WorkerError::Io { kind, .. }
             | WorkerError::Json { kind, .. }
             | WorkerError::Caused { kind, .. }
-            | WorkerError::Wrapped { kind, .. } => *kind,
+            | WorkerError::Wrapped(Wrapped { kind, .. }) => *kind,
             WorkerError::Fetch(e) if e.is_fatal() => ExitKind::BadInput,
             WorkerError::Fetch(_) => ExitKind::Failure,
             WorkerError::Oci(e) if e.is_bad_input() => ExitKind::BadInput,
@@ -212,6 +211,26 @@ impl WorkerError {
     }
 }
 
+/// An underlying error of class `kind` whose own text already names what failed: shown as that error
+/// (its text and its `source()` are the wrapped error's, as `#[error(transparent)]` would).
+#[derive(Debug)]
+pub struct Wrapped {
+    pub kind: ExitKind,
+    pub source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+impl std::fmt::Display for Wrapped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&self.source, f)
+    }
+}
+
+impl std::error::Error for Wrapped {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.source()
+    }
+}
+
 pub use flexinfer_fsutil::{now_rfc3339, write_atomic};
 
 mod events;
@@ -237,7 +256,7 @@ mod tests {
         assert!(e
             .to_string()
             .starts_with("FATAL: Script version mismatch (image="));
-        assert!(e.to_string().contains("controller=v1"));
+        assert!(flexinfer_contract::error::chain(&e).contains("controller=v1"));
     }
 
     /// The termination text names the engine's causes, and scrubbing reaches them.

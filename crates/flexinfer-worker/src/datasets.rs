@@ -140,15 +140,21 @@ mod tests {
         let e = resolve("org/missing", &root, "harmless").expect_err("missing");
         assert_eq!(e.exit_code(), 2);
         assert!(
-            e.to_string().contains("harmless dataset \"org/missing\""),
+            flexinfer_contract::error::chain(&e).contains("harmless dataset \"org/missing\""),
             "{e}"
         );
         let e = resolve("../m/.datasets/org/set", &root.join("x"), "refusal").expect_err("..");
-        assert!(e.to_string().contains("not found"), "{e}");
+        assert!(
+            flexinfer_contract::error::chain(&e).contains("not found"),
+            "{e}"
+        );
         assert!(resolve("  ", &root, "calibration").is_err());
         // A directory without a data file.
         std::fs::create_dir_all(root.join(".datasets/org/empty")).expect("mkdir");
         let e = resolve("org/empty", &root, "calibration").expect_err("empty");
-        assert!(e.to_string().contains("holds no"), "{e}");
+        assert!(
+            flexinfer_contract::error::chain(&e).contains("holds no"),
+            "{e}"
+        );
     }
 }

@@ -22,7 +22,7 @@ pub fn report() -> Value {
             Ok(info) => json!({
                 "usable": true, "library": info.library, "devices": info.devices, "name": info.name,
             }),
-            Err(e) => json!({"usable": false, "reason": flexinfer_quant::error::chain(&e)}),
+            Err(e) => json!({"usable": false, "reason": flexinfer_contract::error::chain(&e)}),
         };
         let (libs, missing) = math_libraries(kind);
         out.insert(

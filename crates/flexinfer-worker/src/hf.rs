@@ -192,7 +192,7 @@ impl Listing<'_> {
                 Ok(page) => return Ok(page),
                 Err(failure) => failure,
             };
-            tracing::warn!(error = %failure, "hub listing failed");
+            tracing::warn!(error = %flexinfer_contract::error::chain(&failure), "hub listing failed");
             if !retry.wait().await {
                 return Err(failure);
             }

@@ -181,7 +181,7 @@ pub enum BodyError {
         max: u64,
     },
     /// The connection failed while reading.
-    #[error("{what}: reading the {kind}: {source}")]
+    #[error("{what}: reading the {kind}")]
     Transport {
         what: String,
         kind: String,

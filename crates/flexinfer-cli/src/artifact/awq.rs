@@ -18,6 +18,7 @@ use serde_json::Value;
 use super::config::{check_family, expected_shape};
 use super::read::{read_file, read_json, TensorInfo};
 use super::{shards, validate_layout, Options, Report};
+use flexinfer_api::contract::error::chain;
 
 /// Bits of a code in the GEMM layout.
 const BITS: u64 = 4;
@@ -57,7 +58,7 @@ fn check_config(r: &mut Report, dir: &Path, opts: &Options) -> (Option<Value>, O
     let cfg = match read_json(dir, "config.json", limits::CONFIG_JSON) {
         Ok(c) => c,
         Err(e) => {
-            r.defect("config", e);
+            r.defect("config", chain(&e));
             return (None, None);
         }
     };
@@ -310,7 +311,7 @@ fn check_dense_linears(
 fn check_quality(r: &mut Report, dir: &Path, linears: usize, scheme: &Scheme) {
     let name = files::QUANTIZATION_QUALITY;
     let q = match read_file(dir, name, limits::CONFIG_JSON) {
-        Err(e) => return r.defect("quality", format!("{name}: {e}")),
+        Err(e) => return r.defect("quality", format!("{name}: {}", chain(&e))),
         Ok(b) => match serde_json::from_slice::<AwqQuality>(&b) {
             Err(e) => {
                 return r.defect(

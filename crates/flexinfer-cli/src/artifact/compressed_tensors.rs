@@ -9,6 +9,7 @@ use serde_json::Value;
 
 use super::read::read_json;
 use super::Report;
+use flexinfer_api::contract::error::chain;
 
 /// Whether `config.json` in `dir` declares compressed-tensors with the given `format`.
 pub(super) fn declares_format(dir: &Path, format: &str) -> bool {
@@ -27,7 +28,7 @@ pub(super) fn quantization_config(r: &mut Report, dir: &Path) -> Option<Value> {
     let mut cfg = match read_json(dir, "config.json", limits::CONFIG_JSON) {
         Ok(c) => c,
         Err(e) => {
-            r.defect("config", e);
+            r.defect("config", chain(&e));
             return None;
         }
     };

@@ -9,6 +9,7 @@ use serde_json::Value;
 
 use super::read::read_json;
 use super::{Options, Report};
+use flexinfer_api::contract::error::chain;
 
 /// GPTQ settings from `quantization_config`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -30,7 +31,7 @@ pub(super) fn check_config(
     let cfg = match read_json(dir, "config.json", limits::CONFIG_JSON) {
         Ok(v) => Some(v),
         Err(e) => {
-            r.defect("config", e);
+            r.defect("config", chain(&e));
             None
         }
     };
@@ -105,7 +106,7 @@ pub(super) fn check_quantize_config(
                     }
                 }
             }
-            Err(e) => r.defect("config", e),
+            Err(e) => r.defect("config", chain(&e)),
         }
     } else if save_complete.is_some_and(|s| s.has_quantize_config) {
         r.defect(

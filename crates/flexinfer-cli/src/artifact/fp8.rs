@@ -14,6 +14,7 @@ use serde_json::Value;
 
 use super::read::{read_bytes, read_file, TensorInfo};
 use super::{compressed_tensors, validate_layout, Options, Report};
+use flexinfer_api::contract::error::chain;
 
 /// The E4M3 NaN codes (`S.1111.111`).
 const NAN_CODES: [u8; 2] = [0x7F, 0xFF];
@@ -144,7 +145,7 @@ fn check_linears(
                     );
                 }
             }
-            Err(e) => r.defect("linear", e),
+            Err(e) => r.defect("linear", chain(&e)),
         }
         match read_bytes(dir, w) {
             Ok(b) => {
@@ -152,7 +153,7 @@ fn check_linears(
                     r.defect("linear", format!("{m}.weight[{i}] is the E4M3 NaN code"));
                 }
             }
-            Err(e) => r.defect("linear", e),
+            Err(e) => r.defect("linear", chain(&e)),
         }
     }
     if modules.is_empty() {
@@ -165,7 +166,10 @@ fn check_linears(
 /// The FP8 quality sidecar: present, valid, and counting the linears the shards hold.
 fn check_quality(r: &mut Report, dir: &Path, linears: usize) {
     match read_file(dir, files::QUANTIZATION_QUALITY, limits::CONFIG_JSON) {
-        Err(e) => r.defect("quality", format!("{}: {e}", files::QUANTIZATION_QUALITY)),
+        Err(e) => r.defect(
+            "quality",
+            format!("{}: {}", files::QUANTIZATION_QUALITY, chain(&e)),
+        ),
         Ok(b) => match serde_json::from_slice::<Fp8Quality>(&b) {
             Err(e) => r.defect(
                 "quality",

@@ -10,6 +10,7 @@ use serde_json::Value;
 use super::config::{expected_shape, Gptq};
 use super::read::{i32s, read_bytes, TensorInfo};
 use super::Report;
+use flexinfer_api::contract::error::chain;
 
 /// Every quantized linear (a `*.qweight` prefix) of the artifact.
 pub(super) fn check_linears(
@@ -222,7 +223,7 @@ fn check_g_idx(r: &mut Report, dir: &Path, p: &str, l: &Linear<'_>, d: &Dims, g:
                     r.defect("g_idx", format!("{p}.g_idx is not i / group_size but desc_act is false (loaders would ignore the reordering)"));
                 }
             }
-            Err(e) => r.defect("g_idx", e),
+            Err(e) => r.defect("g_idx", chain(&e)),
         }
     }
 }
@@ -255,7 +256,7 @@ fn check_sym_zeros(r: &mut Report, dir: &Path, p: &str, l: &Linear<'_>, d: &Dims
                         );
                     }
                 }
-                Err(e) => r.defect("qzeros", e),
+                Err(e) => r.defect("qzeros", chain(&e)),
             }
         }
     }

@@ -14,6 +14,7 @@ use serde_json::Value;
 
 use super::read::{read_bytes, TensorInfo};
 use super::{compressed_tensors, quality, shards, validate_layout, Options, Report};
+use flexinfer_api::contract::error::chain;
 
 /// Whether `config.json` in `dir` declares compressed-tensors' `pack-quantized` format.
 pub fn is_pack_quantized(dir: &Path) -> bool {
@@ -184,7 +185,7 @@ fn check_linear(
             return;
         }
         Err(e) => {
-            r.defect("linear", e);
+            r.defect("linear", chain(&e));
             return;
         }
     };

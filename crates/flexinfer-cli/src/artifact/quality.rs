@@ -7,6 +7,7 @@ use flexinfer_fsutil::limits;
 
 use super::read::read_file;
 use super::Report;
+use flexinfer_api::contract::error::chain;
 
 /// A missing, invalid or failed quality sidecar is a defect.
 pub(super) fn check_quality(r: &mut Report, dir: &Path) {
@@ -17,7 +18,7 @@ pub(super) fn check_quality(r: &mut Report, dir: &Path) {
                 .symlink_metadata()
                 .is_ok() =>
         {
-            r.defect("quality", e)
+            r.defect("quality", chain(&e))
         }
         Err(_) => r.defect(
             "quality",

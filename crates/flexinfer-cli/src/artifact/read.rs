@@ -23,19 +23,19 @@ pub(super) struct TensorInfo {
 /// A file of the artifact that cannot be read as what it should be (the text is the defect).
 #[derive(Debug, thiserror::Error)]
 pub(super) enum ReadError {
-    #[error("cannot read {name}: {source}")]
+    #[error("cannot read {name}")]
     Read {
         name: String,
         #[source]
         source: std::io::Error,
     },
-    #[error("{name} is not valid JSON: {source}")]
+    #[error("{name} is not valid JSON")]
     Json {
         name: String,
         #[source]
         source: serde_json::Error,
     },
-    #[error("{shard}: cannot {what}: {source}")]
+    #[error("{shard}: cannot {what}")]
     Shard {
         shard: String,
         what: &'static str,
@@ -50,13 +50,13 @@ pub(super) enum ReadError {
         n: u64,
         file_len: u64,
     },
-    #[error("{shard}: truncated header: {source}")]
+    #[error("{shard}: truncated header")]
     TruncatedHeader {
         shard: String,
         #[source]
         source: std::io::Error,
     },
-    #[error("{shard}: header is not valid JSON: {source}")]
+    #[error("{shard}: header is not valid JSON")]
     HeaderJson {
         shard: String,
         #[source]
@@ -76,7 +76,7 @@ pub(super) enum ReadError {
         name: String,
         problem: TensorProblem,
     },
-    #[error("{shard}: {source}")]
+    #[error("{shard}")]
     Data {
         shard: String,
         #[source]

@@ -9,6 +9,7 @@ use flexinfer_fsutil::limits;
 
 use super::read::read_file;
 use super::{Options, Report};
+use flexinfer_api::contract::error::chain;
 
 /// The parsed `.save-complete`; a missing or invalid one is a defect.
 pub(super) fn read_save_complete(r: &mut Report, dir: &Path) -> Option<SaveComplete> {
@@ -34,7 +35,7 @@ pub(super) fn read_save_complete(r: &mut Report, dir: &Path) -> Option<SaveCompl
             None
         }
         Err(e) => {
-            r.defect("save-complete", e);
+            r.defect("save-complete", chain(&e));
             None
         }
     }

@@ -10,6 +10,7 @@ use serde_json::Value;
 
 use super::read::{read_bytes, read_header, read_json, TensorInfo};
 use super::Report;
+use flexinfer_api::contract::error::chain;
 
 /// The shard file names (sorted) and every tensor of their headers.
 pub(super) fn read_shards(
@@ -46,7 +47,7 @@ pub(super) fn read_shards(
                     tensors.insert(name, t);
                 }
             }
-            Err(e) => r.defect("shards", e),
+            Err(e) => r.defect("shards", chain(&e)),
         }
     }
     r.tensors = tensors.len();
@@ -92,7 +93,7 @@ pub(super) fn check_scales(
                 );
             }
         }
-        Err(e) => r.defect("linear", e),
+        Err(e) => r.defect("linear", chain(&e)),
     }
 }
 
@@ -137,7 +138,7 @@ pub(super) fn check_index(
                 }
                 None => r.defect("index", "model.safetensors.index.json has no weight_map"),
             },
-            Err(e) => r.defect("index", e),
+            Err(e) => r.defect("index", chain(&e)),
         }
     } else if shard_files.len() > 1 {
         r.defect(

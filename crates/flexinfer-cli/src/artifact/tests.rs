@@ -288,16 +288,16 @@ fn good_artifact_passes() {
 fn layout_and_path_are_bad_input() {
     let dir = tempfile::tempdir().unwrap();
     assert!(validate(dir.path(), Some("exl2"), &Options::default())
+        .map_err(|e| flexinfer_api::contract::error::chain(&e))
         .unwrap_err()
-        .to_string()
         .contains("--layout exl2"));
     assert!(validate(
         &dir.path().join("nope"),
         Some("vllm-gptq"),
         &Options::default()
     )
+    .map_err(|e| flexinfer_api::contract::error::chain(&e))
     .unwrap_err()
-    .to_string()
     .contains("--path"));
 }
 
@@ -647,7 +647,10 @@ fn overflowing_shapes_and_offsets_are_defects() {
         b.extend_from_slice(header.as_bytes());
         std::fs::write(dir.path().join(name), b).unwrap();
         let e = read_header(dir.path(), name).unwrap_err();
-        assert!(e.to_string().contains(name), "{e}");
+        assert!(
+            flexinfer_api::contract::error::chain(&e).contains(name),
+            "{e}"
+        );
     }
 }
 

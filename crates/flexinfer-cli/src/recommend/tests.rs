@@ -420,7 +420,10 @@ fn awq_when_asked_for() {
             arch: "gfx906".into()
         }
     );
-    assert!(e.to_string().contains("use --format GGUF"), "{e}");
+    assert!(
+        flexinfer_api::contract::error::chain(&e).contains("use --format GGUF"),
+        "{e}"
+    );
     for (m, what) in [
         (model(30.0, true, false), "mixture-of-experts"),
         (model(27.0, false, true), "linear-attention"),
@@ -434,7 +437,8 @@ fn awq_when_asked_for() {
     ] {
         let e = awq::recommend(&m, &gpu("gfx1100")).unwrap_err();
         assert!(
-            e.to_string().contains(what) && e.to_string().contains("use --format GPTQ"),
+            flexinfer_api::contract::error::chain(&e).contains(what)
+                && flexinfer_api::contract::error::chain(&e).contains("use --format GPTQ"),
             "{e}"
         );
     }

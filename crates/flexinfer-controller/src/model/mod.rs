@@ -124,7 +124,7 @@ pub async fn run_until(
         .run(controller, reconcile, error_policy, ctx)
         .for_each(|res| async move {
             if let Err(e) = res {
-                warn!(error = %e, "model reconcile failed");
+                warn!(error = %flexinfer_api::contract::error::chain(&e), "model reconcile failed");
             }
         });
     // The controller decides when we stop; the cleanup watch only runs alongside it.

@@ -141,7 +141,7 @@ pub async fn run(
         .run(controller, reconcile, error_policy, ctx)
         .for_each(|res| async move {
             if let Err(e) = res {
-                debug!(error = %e, "reconcile stream error");
+                debug!(error = %flexinfer_api::contract::error::chain(&e), "reconcile stream error");
             }
         });
     tokio::select! {

@@ -17,7 +17,7 @@ use super::kernel::{
     KERNEL_SOURCE,
 };
 use super::{DevResult, DeviceError, DeviceKind};
-use crate::error::chain;
+use flexinfer_contract::error::chain;
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void, CString};
 use std::path::{Path, PathBuf};

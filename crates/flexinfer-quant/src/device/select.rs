@@ -2,9 +2,10 @@
 //! `dlopen` at run time.
 
 use super::{Device, DeviceKind, GpuInfo, ProbeError};
-use crate::error::{chain, QuantError};
+use crate::error::QuantError;
 use crate::events::EventSink;
 use crate::numerics::linalg::CpuBackend;
+use flexinfer_contract::error::chain;
 use flexinfer_contract::events as names;
 use serde_json::{json, Value};
 

@@ -90,7 +90,7 @@ pub enum ProbeError {
     Session(#[source] DeviceError),
     /// One of the above (`probe`, printed in full, not a separate cause), with what the device files
     /// say about it ([`crate::device::access::hint`]).
-    #[error("{}; {hint}", crate::error::chain(.probe.as_ref()))]
+    #[error("{}; {hint}", flexinfer_contract::error::chain(.probe.as_ref()))]
     Hint {
         probe: Box<ProbeError>,
         hint: String,

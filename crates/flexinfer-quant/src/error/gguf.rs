@@ -62,7 +62,7 @@ pub enum GgufError {
     },
     #[error("GGUF writer: {written} of {declared} tensors written")]
     Incomplete { written: usize, declared: usize },
-    #[error("I/O error on {path}: {source}")]
+    #[error("I/O error on {path}")]
     Io {
         path: PathBuf,
         #[source]

@@ -239,10 +239,13 @@ mod tests {
             "{e}"
         );
         let e = quantize_weight("x.weight", &w[..7], 2, 4, ScaleStrategy::Channel).unwrap_err();
-        assert!(e.to_string().contains("x.weight"), "{e}");
+        assert!(
+            flexinfer_contract::error::chain(&e).contains("x.weight"),
+            "{e}"
+        );
         let e = ScaleStrategy::parse("FP8_SCALE", "block")
-            .unwrap_err()
-            .to_string();
+            .map_err(|e| flexinfer_contract::error::chain(&e))
+            .unwrap_err();
         assert!(e.contains("FP8_SCALE") && e.contains("block"), "{e}");
         assert_eq!(
             ScaleStrategy::parse("FP8_SCALE", " Tensor ").unwrap(),

@@ -487,7 +487,10 @@ mod tests {
             &mut |_, _| {},
         )
         .unwrap_err();
-        assert!(e.to_string().contains("blk.0.attn_q.weight"), "{e}");
+        assert!(
+            flexinfer_contract::error::chain(&e).contains("blk.0.attn_q.weight"),
+            "{e}"
+        );
         assert!(!out.exists());
     }
 

@@ -525,8 +525,8 @@ mod tests {
             &json!({"eos_token": "<|eot|>"}),
         );
         let e = tokenizer_metadata(d.path(), 8, &Value::Null)
-            .unwrap_err()
-            .to_string();
+            .map_err(|e| flexinfer_contract::error::chain(&e))
+            .unwrap_err();
         assert!(e.contains("post_processor") && e.contains("<|eot|>"), "{e}");
     }
 
@@ -554,16 +554,16 @@ mod tests {
         for (pre, want) in cases {
             write(d.path(), "tokenizer.json", &byte_level(pre));
             let e = tokenizer_metadata(d.path(), 8, &Value::Null)
-                .unwrap_err()
-                .to_string();
+                .map_err(|e| flexinfer_contract::error::chain(&e))
+                .unwrap_err();
             assert!(e.contains(want), "{e}");
         }
         let mut wordpiece = byte_level(json!({"type": "ByteLevel"}));
         wordpiece["model"]["type"] = json!("WordPiece");
         write(d.path(), "tokenizer.json", &wordpiece);
         let e = tokenizer_metadata(d.path(), 8, &Value::Null)
-            .unwrap_err()
-            .to_string();
+            .map_err(|e| flexinfer_contract::error::chain(&e))
+            .unwrap_err();
         assert!(e.contains("model.type") && e.contains("WordPiece"), "{e}");
         write(
             d.path(),
@@ -571,13 +571,13 @@ mod tests {
             &byte_level(json!({"type": "ByteLevel"})),
         );
         let e = tokenizer_metadata(d.path(), 4, &Value::Null)
-            .unwrap_err()
-            .to_string();
+            .map_err(|e| flexinfer_contract::error::chain(&e))
+            .unwrap_err();
         assert!(e.contains("vocab_size 4"), "{e}");
         std::fs::remove_file(d.path().join("tokenizer.json")).unwrap();
         let e = tokenizer_metadata(d.path(), 8, &Value::Null)
-            .unwrap_err()
-            .to_string();
+            .map_err(|e| flexinfer_contract::error::chain(&e))
+            .unwrap_err();
         assert!(e.contains("tokenizer.json") && e.contains("missing"), "{e}");
     }
 }

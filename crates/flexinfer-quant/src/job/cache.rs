@@ -5,10 +5,11 @@
 #![deny(clippy::arithmetic_side_effects)]
 #![cfg_attr(test, allow(clippy::arithmetic_side_effects))]
 
-use crate::error::{chain, QuantError, Result};
+use crate::error::{QuantError, Result};
 use crate::events::{fields, EventSink};
 use crate::fsutil::{now_rfc3339, read_json, sha256_file, sha256_hex, write_json_atomic};
 use crate::job::writer::OutTensor;
+use flexinfer_contract::error::chain;
 use flexinfer_contract::{events as names, files};
 use safetensors::tensor::TensorView;
 use serde::{Deserialize, Serialize};

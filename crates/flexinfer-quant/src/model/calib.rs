@@ -343,8 +343,8 @@ mod byte_level_tests {
                 max_seq_len: 64,
             },
         )
-        .unwrap_err()
-        .to_string();
+        .map_err(|e| flexinfer_contract::error::chain(&e))
+        .unwrap_err();
         assert!(
             e.contains("sample 1") && e.contains("0x34") && e.contains("0x32"),
             "{e}"
@@ -414,7 +414,9 @@ mod parquet_tests {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("x.parquet");
         std::fs::write(&p, b"PAR1 not really").unwrap();
-        let e = read_texts(&p, 2).unwrap_err().to_string();
+        let e = read_texts(&p, 2)
+            .map_err(|e| flexinfer_contract::error::chain(&e))
+            .unwrap_err();
         assert!(
             e.contains("x.parquet") && e.contains("not a readable parquet file"),
             "{e}"

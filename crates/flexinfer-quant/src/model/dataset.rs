@@ -324,13 +324,8 @@ fn read_whole(
     what: &'static str,
     shown: &str,
 ) -> Result<String> {
-    let all = flexinfer_fsutil::read_limited(reader, limits::DATASET, shown).map_err(|source| {
-        DatasetError::Read {
-            what,
-            path: path.to_path_buf(),
-            source,
-        }
-    })?;
+    let all = flexinfer_fsutil::read_limited(reader, limits::DATASET, shown)
+        .map_err(|source| DatasetError::Read { source })?;
     String::from_utf8(all).map_err(|source| {
         DatasetError::NotUtf8 {
             what,
@@ -442,7 +437,9 @@ mod tests {
         );
         assert_eq!(read_texts(&c, 1, &PROMPTS).unwrap(), ["first"]);
         std::fs::write(&c, "id,other\n1,x\n").unwrap();
-        let e = read_texts(&c, 10, &CALIBRATION).unwrap_err().to_string();
+        let e = read_texts(&c, 10, &CALIBRATION)
+            .map_err(|e| flexinfer_contract::error::chain(&e))
+            .unwrap_err();
         assert!(
             e.contains("calibration dataset") && e.contains("none of the columns"),
             "{e}"

@@ -526,7 +526,10 @@ mod tests {
                 .file_name()
                 .and_then(|n| n.to_str())
                 .unwrap_or(bad);
-            assert!(e.to_string().contains(name), "{bad}: {e}");
+            assert!(
+                flexinfer_contract::error::chain(&e).contains(name),
+                "{bad}: {e}"
+            );
         }
     }
 
@@ -543,7 +546,7 @@ mod tests {
         .expect("symlink");
         let e = TensorStore::open_dir(&model).err().expect("symlink out");
         assert!(
-            e.is_bad_input() && e.to_string().contains("b.safetensors"),
+            e.is_bad_input() && flexinfer_contract::error::chain(&e).contains("b.safetensors"),
             "{e}"
         );
         std::fs::remove_file(model.join("b.safetensors")).expect("rm");
@@ -552,7 +555,10 @@ mod tests {
         // SAFETY: a valid NUL-terminated path.
         assert_eq!(unsafe { mkfifo(c.as_ptr(), 0o644) }, 0);
         let e = TensorStore::open_dir(&model).err().expect("fifo");
-        assert!(e.is_bad_input() && e.to_string().contains("FIFO"), "{e}");
+        assert!(
+            e.is_bad_input() && flexinfer_contract::error::chain(&e).contains("FIFO"),
+            "{e}"
+        );
     }
 
     extern "C" {
@@ -565,6 +571,9 @@ mod tests {
         let f = std::fs::File::create(d.path().join(INDEX_FILE)).expect("create");
         f.set_len(limits::INDEX_JSON.bytes + 1).expect("grow");
         let e = TensorStore::open_dir(d.path()).err().expect("too large");
-        assert!(e.to_string().contains("safetensors index"), "{e}");
+        assert!(
+            flexinfer_contract::error::chain(&e).contains("safetensors index"),
+            "{e}"
+        );
     }
 }

@@ -244,8 +244,8 @@ mod tests {
         let p = d.path().join("e.parquet");
         std::fs::write(&p, "x").unwrap();
         assert!(read_prompts(&p, 10)
+            .map_err(|e| flexinfer_contract::error::chain(&e))
             .unwrap_err()
-            .to_string()
             .contains("not a readable parquet file"));
     }
 
@@ -295,7 +295,7 @@ mod tests {
         assert!(p.ends_with("data/train.jsonl"));
         let e = crate::datasets::resolve("org/missing", d.path(), "refusal").unwrap_err();
         assert_eq!(e.exit_code(), 2);
-        assert!(e.to_string().contains("refusal dataset"));
+        assert!(flexinfer_contract::error::chain(&e).contains("refusal dataset"));
     }
 
     #[test]

@@ -8,7 +8,7 @@ use flexinfer_contract::{
 };
 
 use super::{Events, WorkerError};
-use flexinfer_quant::error::chain;
+use flexinfer_contract::error::chain;
 
 /// Where the termination message goes.
 pub fn termination_log_path() -> PathBuf {

@@ -136,7 +136,7 @@ pub async fn fetch_file(
                     verify_failures = verify_failures.saturating_add(1);
                     let err = FetchError::Verify(why);
                     tracing::warn!(file = %f.path, "verification failed");
-                    eprintln!("{err}");
+                    eprintln!("{}", flexinfer_contract::error::chain(&err));
                     if verify_failures >= 2 {
                         return Err(err);
                     }
@@ -212,9 +212,10 @@ fn next_delay(retry: &mut Retry, f: &RemoteFile, msg: FetchError) -> Result<Dura
         });
     };
     let attempt = retry.attempt();
-    tracing::warn!(file = %f.path, attempt, error = %msg, "retrying");
+    let why = flexinfer_contract::error::chain(&msg);
+    tracing::warn!(file = %f.path, attempt, error = %why, "retrying");
     eprintln!(
-        "retrying {} in {delay:.1?} (attempt {attempt}): {msg}",
+        "retrying {} in {delay:.1?} (attempt {attempt}): {why}",
         f.path
     );
     Ok(delay)
@@ -563,7 +564,7 @@ mod tests {
     fn statuses() {
         assert!(matches!(
             http_error("x", StatusCode::UNAUTHORIZED, false),
-            e if e.is_fatal() && e.to_string().contains("HF_TOKEN")
+            e if e.is_fatal() && flexinfer_contract::error::chain(&e).contains("HF_TOKEN")
         ));
         assert!(matches!(
             http_error("x", StatusCode::NOT_FOUND, true),

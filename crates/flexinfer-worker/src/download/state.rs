@@ -254,7 +254,7 @@ mod tests {
     #[test]
     fn space_error_names_both_numbers() {
         let e = space_error(Path::new("/cache/m"), 3 << 30, 1 << 30).unwrap();
-        let m = e.to_string();
+        let m = flexinfer_contract::error::chain(&e);
         assert!(m.contains("need 3221225472 bytes"), "{m}");
         assert!(m.contains("1073741824 bytes (1.00 GiB) available"), "{m}");
         assert!(space_error(Path::new("/x"), 1, 2).is_none());

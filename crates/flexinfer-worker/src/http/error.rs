@@ -19,7 +19,7 @@ pub enum FetchError {
         has_token: bool,
     },
     /// The request was not answered.
-    #[error("{file}: request failed: {source}")]
+    #[error("{file}: request failed")]
     Request {
         file: String,
         #[source]
@@ -29,7 +29,7 @@ pub enum FetchError {
     WrongRange { file: String },
     #[error("{file}: range not satisfiable; restarting")]
     RangeNotSatisfiable { file: String },
-    #[error("{file}: connection dropped at byte {at} of {size}: {source}")]
+    #[error("{file}: connection dropped at byte {at} of {size}")]
     Dropped {
         file: String,
         at: u64,
@@ -42,14 +42,14 @@ pub enum FetchError {
     #[error("{file}: connection closed at byte {at} of {size}")]
     Closed { file: String, at: u64, size: u64 },
     /// A hub listing page that was not answered.
-    #[error("listing {what}: {source}")]
+    #[error("listing {what}")]
     Listing {
         what: String,
         #[source]
         source: reqwest::Error,
     },
     /// A hub listing page that could not be read or parsed.
-    #[error("listing {what}: bad response body: {source}")]
+    #[error("listing {what}: bad response body")]
     ListingBody {
         what: String,
         #[source]
@@ -59,10 +59,10 @@ pub enum FetchError {
     #[error(transparent)]
     TooLarge(super::BodyError),
     /// The hub listed a name that would leave the download directory.
-    #[error("hub listed an unsafe file name: {0}")]
+    #[error("hub listed an unsafe file name")]
     UnsafeName(#[source] flexinfer_contract::PathError),
     /// The local file system.
-    #[error("{what} {}: {source}", .path.display())]
+    #[error("{what} {}", .path.display())]
     Io {
         what: &'static str,
         path: PathBuf,
@@ -73,10 +73,10 @@ pub enum FetchError {
     #[error(transparent)]
     Writer(#[from] tokio::task::JoinError),
     /// The file failed verification twice.
-    #[error("{0}; the partial file was removed")]
+    #[error("verification failed twice; the partial file was removed")]
     Verify(#[source] VerifyError),
     /// Transient failures in a row until the retries ran out.
-    #[error("{file}: giving up after {attempts} attempts: {last}")]
+    #[error("{file}: giving up after {attempts} attempts")]
     GaveUp {
         file: String,
         attempts: u32,
@@ -203,7 +203,7 @@ pub enum VerifyError {
         want: String,
         got: String,
     },
-    #[error("hashing {file}: {source}")]
+    #[error("hashing {file}")]
     Hashing {
         file: String,
         #[source]

@@ -105,9 +105,10 @@ impl Registry {
                         return Err(m);
                     };
                     let attempt = retry.attempt();
-                    tracing::warn!(error = %m, attempt, "blob upload failed; retrying");
+                    let why = flexinfer_contract::error::chain(&m);
+                    tracing::warn!(error = %why, attempt, "blob upload failed; retrying");
                     eprintln!(
-                        "retrying upload of {} in {delay:.1?} (attempt {attempt}): {m}",
+                        "retrying upload of {} in {delay:.1?} (attempt {attempt}): {why}",
                         path.display()
                     );
                     tokio::time::sleep(delay).await;

@@ -70,7 +70,7 @@ pub enum LayerProblem {
         oa::TITLE_ANNOTATION
     )]
     NoPath,
-    #[error("unsafe file path: {0}")]
+    #[error("unsafe file path")]
     UnsafePath(#[source] PathError),
     #[error("its digest is not sha256:<64 hex>")]
     UnsupportedDigest,
@@ -244,7 +244,9 @@ mod tests {
     }
 
     fn refused(m: &Manifest) -> String {
-        file_layers("r", m).unwrap_err().to_string()
+        file_layers("r", m)
+            .map_err(|e| flexinfer_contract::error::chain(&e))
+            .unwrap_err()
     }
 
     const FP: &str = oa::MODELPACK_FILEPATH_ANNOTATION;

@@ -11,19 +11,19 @@ use std::path::PathBuf;
 /// 2), else a transport or registry failure (exit 1; a blob upload retries those).
 #[derive(Debug, thiserror::Error)]
 pub enum OciError {
-    #[error("invalid OCI reference {reference:?}: {problem}")]
+    #[error("invalid OCI reference {reference:?}")]
     Reference {
         reference: String,
         #[source]
         problem: ReferenceProblem,
     },
-    #[error("cannot read docker config {}: {source}", .path.display())]
+    #[error("cannot read docker config {}", .path.display())]
     DockerConfigRead {
         path: PathBuf,
         #[source]
         source: std::io::Error,
     },
-    #[error("docker config {} is not valid JSON: {source}", .path.display())]
+    #[error("docker config {} is not valid JSON", .path.display())]
     DockerConfigJson {
         path: PathBuf,
         #[source]
@@ -44,8 +44,8 @@ pub enum OciError {
     #[error("docker config entry for {registry} has neither username/password nor auth")]
     NoCredentialsInEntry { registry: String },
     #[error(
-        "TLS with {base} failed ({source}); if this registry speaks plain HTTP or uses a \
-         certificate you do not trust, set publish.insecure: true (OCI_INSECURE)"
+        "if this registry speaks plain HTTP or uses a certificate you do not trust, set \
+         publish.insecure: true (OCI_INSECURE); TLS with {base} failed"
     )]
     Tls {
         base: String,
@@ -58,14 +58,14 @@ pub enum OciError {
     NotFound { what: String },
     #[error("manifest digest mismatch: asked for {want}, registry served {served}")]
     DigestMismatch { want: String, served: String },
-    #[error("{reference} is not an OCI image manifest: {source}")]
+    #[error("{reference} is not an OCI image manifest")]
     NotAManifest {
         reference: String,
         #[source]
         source: serde_json::Error,
     },
     /// A layer that is not written out as a file (an archive, an unknown media type, no or an unsafe path).
-    #[error("layer {index} ({digest}, media type {media_type}): {problem}")]
+    #[error("layer {index} ({digest}, media type {media_type})")]
     LayerRefused {
         index: usize,
         digest: String,
@@ -112,7 +112,7 @@ pub enum OciError {
         if *.anonymous { ": set OCI_USERNAME/OCI_PASSWORD or DOCKER_CONFIG_JSON" } else { "" }
     )]
     TokenRefused { status: StatusCode, anonymous: bool },
-    #[error("token response is not JSON: {0}")]
+    #[error("token response is not JSON")]
     TokenNotJson(#[source] serde_json::Error),
     #[error("token endpoint returned no token")]
     NoToken,
@@ -124,9 +124,9 @@ pub enum OciError {
     /// A body over its limit (bad input) or cut off while read (transport).
     #[error(transparent)]
     Body(http::BodyError),
-    #[error("cannot build the HTTP client: {0}")]
+    #[error("cannot build the HTTP client")]
     HttpClient(#[source] reqwest::Error),
-    #[error("{what}: {source}")]
+    #[error("{what}")]
     Request {
         what: String,
         #[source]
@@ -141,7 +141,7 @@ pub enum OciError {
     },
     #[error("upload session without Location")]
     NoUploadLocation,
-    #[error("opening {}: {source}", .path.display())]
+    #[error("opening {}", .path.display())]
     Open {
         path: PathBuf,
         #[source]
@@ -151,7 +151,7 @@ pub enum OciError {
     UploadLocationNotAUrl { url: String },
     #[error("uploading {}: token expired (HTTP 401)", .path.display())]
     TokenExpired { path: PathBuf },
-    #[error("tag list is not JSON: {0}")]
+    #[error("tag list is not JSON")]
     TagListNotJson(#[source] serde_json::Error),
 }
 

@@ -1068,7 +1068,10 @@ mod tests {
         ] {
             let e = describe_tree(&tree).unwrap_err();
             assert_eq!(e.kind(), crate::common::ExitKind::BadInput, "{e}");
-            assert!(e.to_string().contains(want), "{e} should contain {want}");
+            assert!(
+                flexinfer_contract::error::chain(&e).contains(want),
+                "{e} should contain {want}"
+            );
         }
     }
 

@@ -121,7 +121,10 @@ fn gptq_quality_knobs_reach_the_engine_parameters() {
         "act-order wins"
     );
     let err = params(&["--clip-search", "sometimes"]).expect_err("not a mode");
-    assert!(err.to_string().contains("CLIP_SEARCH"), "{err}");
+    assert!(
+        flexinfer_contract::error::chain(&err).contains("CLIP_SEARCH"),
+        "{err}"
+    );
 }
 
 /// `REFINE_SCALES` becomes the refinement rounds: `auto` refines at 2 and 3 bits (the measured default) and
@@ -147,7 +150,10 @@ fn refine_scales_reaches_the_engine_parameters() {
     for bad in ["sometimes", "-1", "65"] {
         // `=` form: clap would take a bare "-1" for a flag.
         let err = rounds(&[&format!("--refine-scales={bad}")]).expect_err("not a setting");
-        assert!(err.to_string().contains("REFINE_SCALES"), "{bad}: {err}");
+        assert!(
+            flexinfer_contract::error::chain(&err).contains("REFINE_SCALES"),
+            "{bad}: {err}"
+        );
     }
 }
 
@@ -157,7 +163,7 @@ fn version_mismatch_exits_4_before_touching_anything() {
     f.args.script_version = Some("v1".into());
     let e = run_inner(&f.args, &Events::new("quantization")).expect_err("mismatch");
     assert_eq!(e.exit_code(), 4);
-    assert!(e.to_string().contains(&format!(
+    assert!(flexinfer_contract::error::chain(&e).contains(&format!(
         "FATAL: Script version mismatch (image={} controller=v1)",
         contract::SCRIPT_VERSION
     )));
@@ -172,8 +178,7 @@ fn bad_input_exits_2_and_success_reports_sizes_and_quality() {
     let e = run_inner(&bits5, &Events::new("quantization")).expect_err("bits 5");
     assert_eq!(e.exit_code(), 2);
     assert!(
-        e.to_string()
-            .contains("bits must be one of 2, 3, 4, 8 (got 5)"),
+        flexinfer_contract::error::chain(&e).contains("bits must be one of 2, 3, 4, 8 (got 5)"),
         "{e}"
     );
     let mut no_ds = f.args.clone();
@@ -214,7 +219,7 @@ fn gptq_device_cuda_without_a_usable_device_exits_2_and_auto_runs_on_the_cpu() {
         a.gptq_device = dev.into();
         let e = run_inner(&a, &Events::new("quantization")).expect_err(dev);
         assert_eq!(e.exit_code(), 2, "{e}");
-        let m = e.to_string();
+        let m = flexinfer_contract::error::chain(&e);
         assert!(
             m.contains(&format!("GPTQ_DEVICE={dev}")) && m.contains("GPTQ_DEVICE=cpu or auto"),
             "{m}"
@@ -225,7 +230,7 @@ fn gptq_device_cuda_without_a_usable_device_exits_2_and_auto_runs_on_the_cpu() {
     let e = run_inner(&bad, &Events::new("quantization")).expect_err("tpu");
     assert_eq!(e.exit_code(), 2);
     assert!(
-        e.to_string().contains("expected auto, cpu, hip or cuda"),
+        flexinfer_contract::error::chain(&e).contains("expected auto, cpu, hip or cuda"),
         "{e}"
     );
     assert!(!f.args.out_dir.exists());
@@ -247,8 +252,8 @@ fn gptq_vendor_libs_is_auto_or_off() {
     );
     let e = try_parse(&["--gptq-vendor-libs", "maybe"]).expect_err("a bad value is refused");
     assert!(
-        e.to_string().contains("--gptq-vendor-libs")
-            && e.to_string().contains("expected auto or off"),
+        flexinfer_contract::error::chain(&e).contains("--gptq-vendor-libs")
+            && flexinfer_contract::error::chain(&e).contains("expected auto or off"),
         "{e}"
     );
     // clap's usage errors exit 2: bad configuration, as the worker contract says.
@@ -266,7 +271,7 @@ fn rtn_share_over_the_limit_exits_3() {
     f.args.min_modules_for_fallback_gate = 5;
     let e = run_inner(&f.args, &Events::new("quantization")).expect_err("gate");
     assert_eq!(e.exit_code(), 3, "{e}");
-    assert!(e.to_string().contains("RTN fallback gate failed"));
+    assert!(flexinfer_contract::error::chain(&e).contains("RTN fallback gate failed"));
     // The gate runs before the save: nothing is written to OUT_DIR, and a restarted Job fails the same
     // way (there is no cached pass to short-circuit on).
     assert!(!f.args.out_dir.join(".save-complete").exists());
@@ -304,7 +309,10 @@ fn hub_dataset_fetched_by_download_is_found_with_and_without_abliteration() {
         want
     );
     let e = crate::datasets::resolve("org/other", &download, "calibration").expect_err("missing");
-    assert!(e.to_string().contains("org/other"), "{e}");
+    assert!(
+        flexinfer_contract::error::chain(&e).contains("org/other"),
+        "{e}"
+    );
 }
 
 /// A model llama.cpp's K-quants fit (rows of 256) with a byte-level BPE tokenizer.
@@ -344,12 +352,16 @@ fn format_and_gguf_type_parse_with_their_defaults() {
     assert_eq!(output_format("awq").expect("awq"), OutputFormat::Awq);
     let e = output_format("EXL2").expect_err("exl2");
     assert_eq!(e.exit_code(), 2);
-    assert!(e.to_string().contains("FORMAT=\"EXL2\""), "{e}");
-    assert!(e.to_string().contains("FP8"), "{e}");
+    assert!(
+        flexinfer_contract::error::chain(&e).contains("FORMAT=\"EXL2\""),
+        "{e}"
+    );
+    assert!(flexinfer_contract::error::chain(&e).contains("FP8"), "{e}");
     let e = gguf_file_type("Q3_K_S").expect_err("q3_k_s");
     assert_eq!(e.exit_code(), 2);
     assert!(
-        e.to_string().contains("GGUF_TYPE=\"Q3_K_S\"") && e.to_string().contains("Q4_K_M"),
+        flexinfer_contract::error::chain(&e).contains("GGUF_TYPE=\"Q3_K_S\"")
+            && flexinfer_contract::error::chain(&e).contains("Q4_K_M"),
         "{e}"
     );
 }
@@ -393,7 +405,10 @@ fn format_gguf_writes_one_gguf_with_save_complete_and_reports_it() {
     q8.gguf_type = "Q8_0".into();
     let e = run_inner(&q8, &Events::new("quantization")).expect_err("tokenizer");
     assert_eq!(e.exit_code(), 2);
-    assert!(e.to_string().contains("pre_tokenizer"), "{e}");
+    assert!(
+        flexinfer_contract::error::chain(&e).contains("pre_tokenizer"),
+        "{e}"
+    );
     assert_eq!(std::fs::read(&file).expect("kept"), bytes);
 }
 
@@ -480,7 +495,10 @@ fn gguf_gptq_parses_and_needs_a_dataset() {
     for (value, has_dataset) in [("1", false), ("maybe", true), ("2", true)] {
         let e = gguf_feedback(value, FileType::Q4KM, has_dataset).expect_err(value);
         assert_eq!(e.exit_code(), 2, "{e}");
-        assert!(e.to_string().contains("GGUF_GPTQ"), "{e}");
+        assert!(
+            flexinfer_contract::error::chain(&e).contains("GGUF_GPTQ"),
+            "{e}"
+        );
     }
 }
 
@@ -611,7 +629,7 @@ fn format_fp8_writes_the_float_quantized_artifact_and_reports_it() {
         bad.fp8_scale = scale.into();
         let e = run_inner(&bad, &Events::new("quantization")).expect_err("bad input");
         assert_eq!(e.exit_code(), 2, "{e}");
-        assert!(e.to_string().contains(needle), "{e}");
+        assert!(flexinfer_contract::error::chain(&e).contains(needle), "{e}");
     }
     assert_eq!(
         std::fs::read(out.join(contract::files::SAVE_COMPLETE)).expect("kept"),
@@ -679,7 +697,10 @@ fn format_awq_writes_the_gemm_artifact_and_reports_it() {
         bad.dataset = dataset;
         let e = run_inner(&bad, &Events::new("quantization")).expect_err("bad input");
         assert_eq!(e.exit_code(), 2, "{e}");
-        assert!(e.to_string().contains(needle), "{needle}: {e}");
+        assert!(
+            flexinfer_contract::error::chain(&e).contains(needle),
+            "{needle}: {e}"
+        );
     }
     assert_eq!(
         std::fs::read(out.join(contract::files::SAVE_COMPLETE)).expect("kept"),
@@ -690,7 +711,10 @@ fn format_awq_writes_the_gemm_artifact_and_reports_it() {
         bad.max_output_error_ratio = ratio;
         let e = run_inner(&bad, &Events::new("quantization")).expect_err("bad limit");
         assert_eq!(e.exit_code(), 2, "{e}");
-        assert!(e.to_string().contains("AWQ_MAX_OUTPUT_ERROR_RATIO"), "{e}");
+        assert!(
+            flexinfer_contract::error::chain(&e).contains("AWQ_MAX_OUTPUT_ERROR_RATIO"),
+            "{e}"
+        );
     }
 }
 
@@ -716,7 +740,7 @@ fn awq_output_error_over_the_limit_exits_3_and_writes_nothing() {
         strict.max_output_error_ratio = 1e-6;
         let e = run_inner(&strict, &Events::new("quantization")).expect_err("gate");
         assert_eq!(e.exit_code(), 3, "{e}");
-        let text = e.to_string();
+        let text = flexinfer_contract::error::chain(&e);
         assert!(
             text.contains("AWQ output-error gate failed") && text.contains("limit 0.0000"),
             "{text}"
@@ -769,7 +793,7 @@ fn format_compressed_tensors_writes_the_pack_quantized_artifact() {
         bad.desc_act = desc_act;
         let e = run_inner(&bad, &Events::new("quantization")).expect_err("bad input");
         assert_eq!(e.exit_code(), 2, "{e}");
-        assert!(e.to_string().contains(needle), "{e}");
+        assert!(flexinfer_contract::error::chain(&e).contains(needle), "{e}");
     }
     assert_eq!(
         std::fs::read(out.join(contract::files::SAVE_COMPLETE)).expect("kept"),

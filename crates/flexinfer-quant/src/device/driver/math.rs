@@ -9,7 +9,7 @@
 
 use super::super::kernel::{DevPtr, Gemm, GemmOp, MathLibs, Syrk};
 use super::super::DeviceKind;
-use crate::error::chain;
+use flexinfer_contract::error::chain;
 use libloading::Library;
 use std::ffi::{c_int, c_void};
 

@@ -13,7 +13,7 @@ type NvrtcProgram = *mut c_void;
 #[derive(Debug, thiserror::Error)]
 pub enum NvrtcError {
     /// No candidate library loaded (each candidate's error).
-    #[error("NVRTC not found: {}", .0.iter().map(|e| crate::error::chain(e)).collect::<Vec<_>>().join("; "))]
+    #[error("NVRTC not found: {}", .0.iter().map(|e| flexinfer_contract::error::chain(e)).collect::<Vec<_>>().join("; "))]
     NotFound(Vec<NvrtcError>),
     #[error("{}", path.display())]
     Open {

@@ -82,7 +82,9 @@ fn gemma4_absent_fields_take_the_transformers_defaults() {
     v.as_object_mut()
         .unwrap()
         .remove("hidden_size_per_layer_input");
-    let e = ModelConfig::from_json(v).unwrap_err().to_string();
+    let e = ModelConfig::from_json(v)
+        .map_err(|e| flexinfer_contract::error::chain(&e))
+        .unwrap_err();
     assert!(e.contains("hidden_size_per_layer_input 256"), "{e}");
 }
 
@@ -112,14 +114,14 @@ fn gemma4_refuses_what_the_forward_lacks_naming_the_field() {
         ),
     ] {
         let e = ModelConfig::from_json(gemma4_hub(extra.clone()))
-            .unwrap_err()
-            .to_string();
+            .map_err(|e| flexinfer_contract::error::chain(&e))
+            .unwrap_err();
         assert!(e.contains(field), "{extra}: {e}");
     }
     // The multimodal wrapper without its text stack.
     let e = ModelConfig::from_json(json!({"architectures": ["Gemma4ForConditionalGeneration"]}))
-        .unwrap_err()
-        .to_string();
+        .map_err(|e| flexinfer_contract::error::chain(&e))
+        .unwrap_err();
     assert!(e.contains("text_config"), "{e}");
 }
 
@@ -299,8 +301,8 @@ fn bad_hybrid_fields_are_named_and_never_panic() {
     ] {
         let e = ModelConfig::from_json(qwen35_moe_hub(extra.clone()))
             .map(|_| ())
-            .unwrap_err()
-            .to_string();
+            .map_err(|e| flexinfer_contract::error::chain(&e))
+            .unwrap_err();
         assert!(e.contains(field), "{extra}: {e}");
     }
 }
