@@ -30,7 +30,7 @@ use flexinfer_contract::{
 };
 use flexinfer_quant::QuantError;
 
-use crate::common::{self, Events, ExitKind, WorkerError};
+use crate::common::{self, AbliterateError, Events, ExitKind, WorkerError};
 use crate::download::parse_bool_arg;
 
 /// Flags of `flexinfer-worker abliterate` (each also read from its env variable; flags win).
@@ -120,10 +120,12 @@ impl Settings {
 fn parse_positive(s: &str, name: &str, zero_ok: bool) -> Result<f64, WorkerError> {
     match s.trim().parse::<f64>() {
         Ok(v) if v.is_finite() && (v > 0.0 || (zero_ok && v == 0.0)) => Ok(v),
-        _ => Err(WorkerError::BadInput(format!(
-            "{name} must be a {} decimal number, got {s:?}",
-            if zero_ok { "non-negative" } else { "positive" }
-        ))),
+        _ => Err(AbliterateError::NotPositive {
+            name: name.to_string(),
+            value: s.to_string(),
+            zero_ok,
+        }
+        .into()),
     }
 }
 
@@ -160,28 +162,18 @@ fn run_inner(args: &AbliterateArgs, ev: &Events) -> Result<TerminationSuccess, W
     let started = std::time::Instant::now();
     let settings = Settings::from_args(args)?;
     if args.num_samples == 0 {
-        return Err(WorkerError::BadInput(format!(
-            "{} must be at least 1",
-            env::NUM_SAMPLES
-        )));
+        return Err(AbliterateError::NoSamples.into());
     }
     let model_dir = args.model_dir.clone();
     if !model_dir.is_dir() {
-        return Err(WorkerError::BadInput(format!(
-            "model directory {} does not exist",
-            model_dir.display()
-        )));
+        return Err(AbliterateError::NoModelDir { dir: model_dir }.into());
     }
     let out_dir = args
         .out_dir
         .clone()
         .unwrap_or_else(|| model_dir.join(contract::ABLITERATED_SUBDIR));
     if same_dir(&out_dir, &model_dir) {
-        return Err(WorkerError::BadInput(format!(
-            "{} must not be {} or a directory above it: the source is never modified in place",
-            env::OUT_DIR,
-            env::MODEL_DIR
-        )));
+        return Err(AbliterateError::OutInsideSource.into());
     }
     ev.emit(
         events::START,
@@ -418,22 +410,20 @@ fn gate(s: &Settings, r: &output::RunResult, ev: &Events) -> Result<(), WorkerEr
         }
     }
     if !norm_ok {
-        return Err(WorkerError::QualityGate(format!(
-            "abliteration quality gate failed: refusal direction norm {} at layer {} is {} the normThreshold {} \
-             (a corrupted source or a bad layer choice); the source model is untouched",
-            r.refusal_dir_norm,
-            r.layer,
-            if r.refusal_dir_norm.is_finite() { "above" } else { "not finite, not within" },
-            s.norm_threshold
-        )));
+        return Err(AbliterateError::NormGate {
+            norm: r.refusal_dir_norm,
+            layer: r.layer,
+            threshold: s.norm_threshold,
+        }
+        .into());
     }
     if !ppl_ok {
-        let pct = (r.perplexity_after / r.perplexity_before - 1.0) * 100.0;
-        return Err(WorkerError::QualityGate(format!(
-            "abliteration quality gate failed: perplexity on harmless text rose from {:.4} to {:.4} \
-             ({pct:+.2}%, limit +{}%); the source model is untouched",
-            r.perplexity_before, r.perplexity_after, s.max_ppl_increase_percent
-        )));
+        return Err(AbliterateError::PerplexityGate {
+            before: r.perplexity_before,
+            after: r.perplexity_after,
+            limit: s.max_ppl_increase_percent,
+        }
+        .into());
     }
     Ok(())
 }

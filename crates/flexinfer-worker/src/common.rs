@@ -33,18 +33,31 @@ impl ExitKind {
 /// variant's `#[source]`, and the text names the file or field and ends in that error's text.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
-    /// Bad input or configuration, with no underlying error (exit 2).
-    #[error("{0}")]
-    BadInput(String),
-    /// A quality gate failed (exit 3).
-    #[error("{0}")]
-    QualityGate(String),
     /// The image and the controller disagree on the contract version (exit 4).
-    #[error("{0}")]
-    VersionMismatch(String),
-    /// Anything else, with no underlying error (exit 1).
-    #[error("{0}")]
-    Other(String),
+    #[error("FATAL: Script version mismatch (image={image} controller={controller}). Rebuild or re-pin the worker image.")]
+    VersionMismatch { image: String, controller: String },
+    /// The text of another failure of class `kind` with secrets scrubbed out ([`WorkerError::map_message`]):
+    /// the original is not kept, so that the secret is not either.
+    #[error("{text}")]
+    Scrubbed { kind: ExitKind, text: String },
+    /// `node-copy` (exit 2).
+    #[error(transparent)]
+    NodeCopy(#[from] NodeCopyError),
+    /// `download` (exit 2, or 1 for a full disk).
+    #[error(transparent)]
+    Download(#[from] DownloadError),
+    /// `publish` (exit 2, or 1 when the registry stored something else).
+    #[error(transparent)]
+    Publish(#[from] PublishError),
+    /// `abliterate` (exit 2, 3 for a failed quality gate, 1 for a failed edit).
+    #[error(transparent)]
+    Abliterate(#[from] AbliterateError),
+    /// `quantize` (exit 2, or 3 for a failed quality gate).
+    #[error(transparent)]
+    Quantize(#[from] QuantizeError),
+    /// A dataset setting (exit 2).
+    #[error(transparent)]
+    Dataset(#[from] DatasetError),
     /// A file-system call failed; `context` names the operation and the path.
     #[error("{context}")]
     Io {
@@ -104,16 +117,6 @@ pub enum WorkerError {
 }
 
 impl WorkerError {
-    /// A plain-message failure of class `kind`.
-    pub fn message(kind: ExitKind, message: String) -> Self {
-        match kind {
-            ExitKind::BadInput => WorkerError::BadInput(message),
-            ExitKind::QualityGate => WorkerError::QualityGate(message),
-            ExitKind::VersionMismatch => WorkerError::VersionMismatch(message),
-            ExitKind::Failure => WorkerError::Other(message),
-        }
-    }
-
     /// `map_err` for a file-system call: `context` names the operation and the path.
     pub fn io(kind: ExitKind, context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Self {
         let context = context.into();
@@ -164,15 +167,17 @@ impl WorkerError {
 
     pub fn kind(&self) -> ExitKind {
         match self {
-            WorkerError::BadInput(_) | WorkerError::Locked(_) | WorkerError::Pattern { .. } => {
-                ExitKind::BadInput
-            }
-            WorkerError::QualityGate(_) => ExitKind::QualityGate,
-            WorkerError::VersionMismatch(_) => ExitKind::VersionMismatch,
-            WorkerError::Other(_) | WorkerError::HttpClient(_) | WorkerError::Task(_) => {
-                ExitKind::Failure
-            }
-            WorkerError::Io { kind, .. }
+            WorkerError::Locked(_) | WorkerError::Pattern { .. } => ExitKind::BadInput,
+            WorkerError::VersionMismatch { .. } => ExitKind::VersionMismatch,
+            WorkerError::HttpClient(_) | WorkerError::Task(_) => ExitKind::Failure,
+            WorkerError::NodeCopy(e) => e.kind(),
+            WorkerError::Download(e) => e.kind(),
+            WorkerError::Publish(e) => e.kind(),
+            WorkerError::Abliterate(e) => e.kind(),
+            WorkerError::Quantize(e) => e.kind(),
+            WorkerError::Dataset(e) => e.kind(),
+            WorkerError::Scrubbed { kind, .. }
+            | WorkerError::Io { kind, .. }
             | WorkerError::Json { kind, .. }
             | WorkerError::Caused { kind, .. }
             | WorkerError::Wrapped(Wrapped { kind, .. }) => *kind,
@@ -190,22 +195,17 @@ impl WorkerError {
     }
 
     /// The same failure (same exit code) with its text rewritten by `f` (scrubbing secrets before
-    /// the termination message). A structured error whose text `f` changes becomes a plain message
+    /// the termination message). An error whose text `f` changes becomes [`WorkerError::Scrubbed`]
     /// of its class: its cause is in the text, and the original is not kept, secret included.
     pub fn map_message(self, f: impl Fn(String) -> String) -> Self {
-        match self {
-            WorkerError::BadInput(m) => WorkerError::BadInput(f(m)),
-            WorkerError::QualityGate(m) => WorkerError::QualityGate(f(m)),
-            WorkerError::VersionMismatch(m) => WorkerError::VersionMismatch(f(m)),
-            WorkerError::Other(m) => WorkerError::Other(f(m)),
-            structured => {
-                let text = chain(&structured);
-                let scrubbed = f(text.clone());
-                if scrubbed == text {
-                    structured
-                } else {
-                    WorkerError::message(structured.kind(), scrubbed)
-                }
+        let text = chain(&self);
+        let scrubbed = f(text.clone());
+        if scrubbed == text {
+            self
+        } else {
+            WorkerError::Scrubbed {
+                kind: self.kind(),
+                text: scrubbed,
             }
         }
     }
@@ -233,9 +233,15 @@ impl std::error::Error for Wrapped {
 
 pub use flexinfer_fsutil::{now_rfc3339, write_atomic};
 
+mod error;
 mod events;
 mod fs;
 mod termination;
+
+pub use error::{
+    AbliterateError, DatasetError, DownloadError, ModelPackProblem, NodeCopyError, PublishError,
+    QuantizeError,
+};
 
 pub use crate::retry::Retry;
 pub use events::Events;

@@ -12,20 +12,19 @@ use std::path::{Path, PathBuf};
 
 use flexinfer_contract as contract;
 
-use crate::common::WorkerError;
+use crate::common::{DatasetError, WorkerError};
 
 /// File extensions the dataset reader knows (each also with a `.zst` suffix).
 const DATA_EXTENSIONS: [&str; 5] = ["jsonl", "json", "csv", "txt", "parquet"];
-
-fn bad(m: String) -> WorkerError {
-    WorkerError::BadInput(m)
-}
 
 /// The file a dataset setting names; `what` (`calibration`, `refusal`, `harmless`) names it in errors.
 pub fn resolve(spec: &str, model_dir: &Path, what: &str) -> Result<PathBuf, WorkerError> {
     let s = spec.trim();
     if s.is_empty() {
-        return Err(bad(format!("the {what} dataset is not set")));
+        return Err(DatasetError::NotSet {
+            what: what.to_string(),
+        }
+        .into());
     }
     let mut candidates = vec![PathBuf::from(s)];
     if contract::check_relative_path(s).is_ok() {
@@ -45,17 +44,20 @@ pub fn resolve(spec: &str, model_dir: &Path, what: &str) -> Result<PathBuf, Work
         }
         if c.is_dir() {
             return find_data_file(c).ok_or_else(|| {
-                bad(format!(
-                    "the {what} dataset directory {} holds no .jsonl, .json, .csv, .txt or .parquet file (optionally .zst)",
-                    c.display()
-                ))
+                DatasetError::NoDataFile {
+                    what: what.to_string(),
+                    dir: c.clone(),
+                }
+                .into()
             });
         }
     }
-    Err(bad(format!(
-        "the {what} dataset {s:?} was not found: not a local file or directory, and not fetched under {}",
-        model_dir.join(contract::DATASETS_SUBDIR).join(s).display()
-    )))
+    Err(DatasetError::NotFound {
+        what: what.to_string(),
+        spec: s.to_string(),
+        looked_in: model_dir.join(contract::DATASETS_SUBDIR).join(s),
+    }
+    .into())
 }
 
 /// Whether a file name has a dataset extension (after an optional `.zst`).

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use flexinfer_contract::{self as contract, env, events, files, ProgressEvent, TerminationSuccess};
 
-use crate::common::{self, Events, ExitKind, WorkerError};
+use crate::common::{self, DownloadError, Events, ExitKind, WorkerError};
 use crate::hf::{self, RepoType};
 use crate::oci;
 use fetch::{FetchCtx, FetchError};
@@ -50,10 +50,7 @@ impl TransferArgs {
     /// Bad input when no file could ever be fetched.
     pub fn check(&self) -> Result<(), WorkerError> {
         if self.concurrency == 0 {
-            return Err(WorkerError::BadInput(format!(
-                "{}: concurrency must be at least 1",
-                env::transfer::DOWNLOAD_CONCURRENCY
-            )));
+            return Err(DownloadError::NoConcurrency.into());
         }
         Ok(())
     }
@@ -230,12 +227,8 @@ async fn fetch_source(
 ) -> Result<TerminationSuccess, WorkerError> {
     match source {
         Source::Hub { repo } => {
-            let kind = RepoType::parse(&args.repo_type).ok_or_else(|| {
-                WorkerError::BadInput(format!(
-                    "{} must be model or dataset, got {:?}",
-                    env::REPO_TYPE,
-                    args.repo_type
-                ))
+            let kind = RepoType::parse(&args.repo_type).ok_or_else(|| DownloadError::RepoType {
+                repo_type: args.repo_type.clone(),
             })?;
             let (files, ctx) = hub_files(args, kind, &repo, &args.revision, filter).await?;
             let canonical = format!("hf://{repo}");
@@ -291,9 +284,10 @@ pub async fn fetch_oci(
             .collect(),
     };
     if wanted.is_empty() {
-        return Err(WorkerError::BadInput(format!(
-            "oci://{reference} lists no files to fetch"
-        )));
+        return Err(DownloadError::NoOciFiles {
+            reference: reference.to_string(),
+        }
+        .into());
     }
     let ctx = new_ctx(
         reg.client().clone(),
@@ -396,16 +390,14 @@ fn select(listed: Vec<RemoteFile>, filter: &PatternFilter) -> Result<Vec<RemoteF
         .iter()
         .find_map(|f| files::is_reserved_path(&f.path).map(|w| (f, w)))
     {
-        return Err(WorkerError::BadInput(format!(
-            "the source contains {:?}, which is {what} that FlexInfer's pipeline writes itself; \
-             remove it from the source or exclude it with spec.download.ignorePatterns",
-            f.path
-        )));
+        return Err(DownloadError::Reserved {
+            path: f.path.clone(),
+            what,
+        }
+        .into());
     }
     if files.is_empty() {
-        return Err(WorkerError::BadInput(format!(
-            "no files to download: the source lists {n} file(s) and none match the allow/ignore patterns"
-        )));
+        return Err(DownloadError::NoneMatch { listed: n }.into());
     }
     Ok(files)
 }

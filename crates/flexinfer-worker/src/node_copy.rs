@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use flexinfer_contract::{self as contract, env, files, source, TerminationSuccess};
 
-use crate::common::{self, Events, ExitKind, WorkerError};
+use crate::common::{self, Events, ExitKind, NodeCopyError, WorkerError};
 use crate::download::{self, DownloadArgs, RemoteFile};
 use crate::oci;
 
@@ -100,20 +100,16 @@ async fn fill(a: &FillArgs, events: Arc<Events>) -> Result<TerminationSuccess, W
     common::check_version(a.script_version.as_deref())?;
     let raw = a.source.trim();
     let Some(rest) = source::strip_scheme(raw, source::OCI) else {
-        return Err(WorkerError::BadInput(format!(
-            "{}: a node copy is pulled from the published artifact, oci://registry/repo@sha256:…; got {raw:?}",
-            env::SOURCE
-        )));
+        return Err(NodeCopyError::NotOci { raw: raw.into() }.into());
     };
     let reference = oci::Reference::parse(rest).map_err(WorkerError::Oci)?;
     let Some(want) = reference.digest.clone() else {
-        return Err(WorkerError::BadInput(format!(
-            "{}: {raw:?} names no digest; a node copy is always of one published digest (…@sha256:<hex>)",
-            env::SOURCE
-        )));
+        return Err(NodeCopyError::NoDigest { raw: raw.into() }.into());
     };
     let hex = digest_hex(&want)
-        .ok_or_else(|| WorkerError::BadInput(format!("{}: bad digest {want:?}", env::SOURCE)))?
+        .ok_or_else(|| NodeCopyError::BadDigest {
+            digest: want.clone(),
+        })?
         .to_string();
     a.transfer.check()?;
     std::fs::create_dir_all(&a.dir).map_err(WorkerError::io(
@@ -151,10 +147,11 @@ async fn fill(a: &FillArgs, events: Arc<Events>) -> Result<TerminationSuccess, W
     };
     let fetched = download::fetch_oci(&dl, &reference, None, &stage, &events).await?;
     if fetched.digest != want {
-        return Err(WorkerError::BadInput(format!(
-            "the registry served manifest {} for {raw}",
-            fetched.digest
-        )));
+        return Err(NodeCopyError::ManifestMismatch {
+            served: fetched.digest.clone(),
+            raw: raw.into(),
+        }
+        .into());
     }
     let shards = verify_save_complete(&stage, &fetched.files)?;
     events.log(&format!(
@@ -182,10 +179,10 @@ fn existing_copy(dest: &Path) -> Result<Option<TerminationSuccess>, WorkerError>
             let (bytes, count) = tree_size(dest);
             Ok(Some(success(dest, Some(bytes), Some(count))))
         }
-        Ok(_) => Err(WorkerError::BadInput(format!(
-            "{} exists and is not a directory",
-            dest.display()
-        ))),
+        Ok(_) => Err(NodeCopyError::NotADirectory {
+            dest: dest.to_path_buf(),
+        }
+        .into()),
     }
 }
 
@@ -266,26 +263,24 @@ fn verify_save_complete(stage: &Path, listed: &[RemoteFile]) -> Result<usize, Wo
         listed.iter().map(|f| (f.path.as_str(), f)).collect();
     for sh in &sc.shards {
         let Some(f) = by_path.get(sh.name.as_str()) else {
-            return Err(WorkerError::BadInput(format!(
-                "{} names shard {:?}, which the artifact does not contain",
-                files::SAVE_COMPLETE,
-                sh.name
-            )));
+            return Err(NodeCopyError::MissingShard {
+                shard: sh.name.clone(),
+            }
+            .into());
         };
         let same_hash = f
             .sha256
             .as_deref()
             .is_some_and(|h| h.eq_ignore_ascii_case(sh.sha256.trim_start_matches("sha256:")));
         if f.size != sh.size_bytes || !same_hash {
-            return Err(WorkerError::BadInput(format!(
-                "shard {:?}: the artifact has {} bytes, sha256 {}; {} records {} bytes, sha256 {}",
-                sh.name,
-                f.size,
-                f.sha256.as_deref().unwrap_or("(none)"),
-                files::SAVE_COMPLETE,
-                sh.size_bytes,
-                sh.sha256
-            )));
+            return Err(NodeCopyError::ShardMismatch {
+                shard: sh.name.clone(),
+                size: f.size,
+                sha256: f.sha256.clone(),
+                recorded_size: sh.size_bytes,
+                recorded_sha256: sh.sha256.clone(),
+            }
+            .into());
         }
     }
     Ok(sc.shards.len())
@@ -297,12 +292,7 @@ fn clean(a: &CleanArgs, events: &Events) -> Result<TerminationSuccess, WorkerErr
     let keep_hex = if keep.is_empty() {
         None
     } else {
-        Some(digest_hex(keep).ok_or_else(|| {
-            WorkerError::BadInput(format!(
-                "{}: {keep:?} is not a sha256:<hex> digest",
-                env::NODE_COPY_KEEP
-            ))
-        })?)
+        Some(digest_hex(keep).ok_or_else(|| NodeCopyError::BadKeep { keep: keep.into() })?)
     };
     let rd = match std::fs::read_dir(&a.dir) {
         Ok(rd) => rd,

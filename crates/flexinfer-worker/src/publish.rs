@@ -18,7 +18,7 @@ use std::time::Instant;
 use flexinfer_contract::{self as contract, env, events, oci_artifact, TerminationSuccess};
 use futures::{StreamExt, TryStreamExt};
 
-use crate::common::{self, Events, ExitKind, WorkerError};
+use crate::common::{self, Events, ExitKind, PublishError, WorkerError};
 use crate::download::{bytes_progress, spawn_progress_ticker};
 use crate::oci::{self, Descriptor, Manifest, Reference, Registry};
 
@@ -69,10 +69,10 @@ impl TagPolicy {
             "" | oci_artifact::TAG_POLICY_OVERWRITE => Ok(TagPolicy::Overwrite),
             oci_artifact::TAG_POLICY_TIMESTAMP => Ok(TagPolicy::Timestamp),
             oci_artifact::TAG_POLICY_DIGEST_SUFFIX => Ok(TagPolicy::DigestSuffix),
-            _ => Err(WorkerError::BadInput(format!(
-                "{} must be overwrite, timestamp or digest-suffix, got {s:?}",
-                env::OCI_TAG_POLICY
-            ))),
+            _ => Err(PublishError::TagPolicy {
+                policy: s.to_string(),
+            }
+            .into()),
         }
     }
 
@@ -263,16 +263,13 @@ fn check_target(args: &PublishArgs) -> Result<Target, WorkerError> {
         .model_dir
         .clone()
         .or_else(|| args.out_dir.clone())
-        .ok_or_else(|| {
-            WorkerError::BadInput(format!("set {} (the directory to publish)", env::MODEL_DIR))
-        })?;
+        .ok_or(PublishError::NoModelDir)?;
     let reference = Reference::parse(&args.oci_ref).map_err(WorkerError::Oci)?;
     if reference.digest.is_some() {
-        return Err(WorkerError::BadInput(format!(
-            "{} must name a tag, not a digest: {}",
-            env::OCI_REF,
-            args.oci_ref
-        )));
+        return Err(PublishError::DigestReference {
+            reference: args.oci_ref.clone(),
+        }
+        .into());
     }
     let policy = TagPolicy::parse(&args.tag_policy)?;
     let base_tag = reference
@@ -290,16 +287,10 @@ fn check_target(args: &PublishArgs) -> Result<Target, WorkerError> {
         oci::check_tag(t).map_err(WorkerError::wrap(ExitKind::BadInput))?;
     }
     if args.concurrency == 0 {
-        return Err(WorkerError::BadInput(format!(
-            "{}: concurrency must be at least 1",
-            env::transfer::PUBLISH_CONCURRENCY
-        )));
+        return Err(PublishError::NoConcurrency.into());
     }
     if !dir.is_dir() {
-        return Err(WorkerError::BadInput(format!(
-            "{} is not a directory",
-            dir.display()
-        )));
+        return Err(PublishError::NotADirectory { dir }.into());
     }
     Ok(Target {
         dir,
@@ -320,10 +311,10 @@ async fn list_dir(dir: &Path) -> Result<Vec<(String, PathBuf, u64)>, WorkerError
             format!("reading {}", dir.display()),
         ))?;
     if listed.is_empty() {
-        return Err(WorkerError::BadInput(format!(
-            "{} has no files to publish",
-            dir.display()
-        )));
+        return Err(PublishError::NoFiles {
+            dir: dir.to_path_buf(),
+        }
+        .into());
     }
     Ok(listed)
 }
@@ -414,9 +405,12 @@ async fn push_manifest(
         oci::check_tag(t).map_err(WorkerError::wrap(ExitKind::BadInput))?;
         let got = reg.put_manifest(t, &body).await.map_err(WorkerError::Oci)?;
         if got != digest {
-            return Err(WorkerError::Other(format!(
-                "registry stored tag {t} with digest {got}, expected {digest}"
-            )));
+            return Err(PublishError::TagDigest {
+                tag: t.clone(),
+                got,
+                expected: digest,
+            }
+            .into());
         }
     }
     Ok((digest, tags))
@@ -477,19 +471,24 @@ fn check_records(dir: &Path, files: &[LocalFile]) -> Result<(), WorkerError> {
         match files.iter().find(|f| f.rel == name) {
             Some(f) if f.size == size && f.digest == want => {}
             Some(f) => {
-                return Err(WorkerError::BadInput(format!(
-                    "refusing to publish {}: {name} does not match its {record} record \
-                     ({size} bytes, {want} recorded; {} bytes, {} on disk); the artifact must be made again",
-                    dir.display(),
-                    f.size,
-                    f.digest
-                )))
+                return Err(PublishError::RecordMismatch {
+                    dir: dir.to_path_buf(),
+                    name,
+                    record,
+                    size,
+                    recorded: want,
+                    disk_size: f.size,
+                    disk_digest: f.digest.clone(),
+                }
+                .into())
             }
             None => {
-                return Err(WorkerError::BadInput(format!(
-                    "refusing to publish {}: {name}, which {record} records, is missing",
-                    dir.display()
-                )))
+                return Err(PublishError::RecordedMissing {
+                    dir: dir.to_path_buf(),
+                    name,
+                    record,
+                }
+                .into())
             }
         }
     }

@@ -22,7 +22,7 @@ use flexinfer_quant::params::{
 };
 use flexinfer_quant::QuantError;
 
-use crate::common::{self, Events, ExitKind, WorkerError};
+use crate::common::{self, Events, ExitKind, QuantizeError, WorkerError};
 use crate::download::parse_bool_arg;
 
 #[cfg(test)]
@@ -361,12 +361,12 @@ fn run_locked(
             events.log(&format!("test hook: aborting after layer {layer}"));
             std::process::abort();
         }
-        Err(QuantError::GateFailed(q)) => {
-            return Err(WorkerError::QualityGate(format!(
-                "{}; nothing was written to {} (the previous artifact, if any, is untouched)",
-                QuantError::GateFailed(q),
-                args.out_dir.display()
-            )))
+        Err(gate @ QuantError::GateFailed(_)) => {
+            return Err(QuantizeError::GateFailed {
+                gate,
+                out_dir: args.out_dir.clone(),
+            }
+            .into())
         }
         // Exit 2 when the input is at fault, else 1 (WorkerError::kind).
         Err(e) => return Err(WorkerError::Quant(e)),
@@ -374,11 +374,11 @@ fn run_locked(
     let quality = outcome.quality.clone();
     if let Some(q) = outcome.quality.as_ref().filter(|q| q.failed()) {
         // An artifact promoted by an older engine whose sidecar records a failed gate.
-        return Err(WorkerError::QualityGate(format!(
-            "{} (recorded in {})",
-            QuantError::GateFailed(q.clone()),
-            outcome.output_dir.display()
-        )));
+        return Err(QuantizeError::GateRecorded {
+            gate: QuantError::GateFailed(q.clone()),
+            dir: outcome.output_dir.clone(),
+        }
+        .into());
     }
     Ok(TerminationSuccess {
         kind: job.subdir_name(),
@@ -408,10 +408,10 @@ pub fn output_format(format: &str) -> Result<OutputFormat, WorkerError> {
     } else if f.is_empty() || f.eq_ignore_ascii_case(FORMAT_GPTQ) {
         Ok(OutputFormat::Gptq)
     } else {
-        Err(WorkerError::BadInput(format!(
-            "{}={format:?}: expected {FORMAT_GPTQ}, {FORMAT_GGUF}, {FORMAT_FP8}, {FORMAT_COMPRESSED_TENSORS} or {FORMAT_AWQ}",
-            env::FORMAT
-        )))
+        Err(QuantizeError::Format {
+            format: format.to_string(),
+        }
+        .into())
     }
 }
 
@@ -420,10 +420,7 @@ pub fn output_format(format: &str) -> Result<OutputFormat, WorkerError> {
 /// bits exist: another `BITS` is bad input.
 fn run_fp8(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess, WorkerError> {
     if let Some(bits) = args.bits.filter(|&b| b != 8) {
-        return Err(WorkerError::BadInput(format!(
-            "{}={bits}: {FORMAT_FP8} has 8 bits only",
-            env::BITS
-        )));
+        return Err(QuantizeError::Fp8Bits { bits }.into());
     }
     let strategy = ScaleStrategy::parse(env::FP8_SCALE, &args.fp8_scale)
         .map_err(|e| WorkerError::Quant(e.into()))?;
@@ -476,10 +473,7 @@ fn run_fp8(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess, W
 /// by the engine before any output; a missing `DATASET` is bad input.
 fn run_awq(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess, WorkerError> {
     if args.dataset.trim().is_empty() {
-        return Err(WorkerError::BadInput(format!(
-            "{}: {FORMAT_AWQ} needs calibration text (the scale search runs on its activations)",
-            env::DATASET
-        )));
+        return Err(QuantizeError::AwqNeedsDataset.into());
     }
     let dataset = crate::datasets::resolve(&args.dataset, &args.model_dir, "calibration")?;
     let bits = args.bits.unwrap_or(4);
@@ -503,19 +497,20 @@ fn run_awq(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess, W
         &WorkerSink(events),
     )
     .map_err(|e| match e {
-        e @ QuantError::AwqGateFailed(_) => WorkerError::QualityGate(format!(
-            "{e}; nothing was written to {} (the previous artifact, if any, is untouched)",
-            args.out_dir.display()
-        )),
+        gate @ QuantError::AwqGateFailed(_) => QuantizeError::GateFailed {
+            gate,
+            out_dir: args.out_dir.clone(),
+        }
+        .into(),
         e => WorkerError::Quant(e),
     })?;
     if let Some(q) = outcome.quality.as_ref().filter(|q| q.failed()) {
         // A reused artifact whose sidecar records a failed gate.
-        return Err(WorkerError::QualityGate(format!(
-            "{} (recorded in {})",
-            QuantError::AwqGateFailed(Box::new(q.clone())),
-            outcome.output_dir.display()
-        )));
+        return Err(QuantizeError::GateRecorded {
+            gate: QuantError::AwqGateFailed(Box::new(q.clone())),
+            dir: outcome.output_dir.clone(),
+        }
+        .into());
     }
     let mut applied = applied_map([
         ("format", FORMAT_AWQ.to_string()),
@@ -609,11 +604,9 @@ fn applied_map<'a>(
 /// The llama.cpp preset named by `GGUF_TYPE`.
 pub fn gguf_file_type(name: &str) -> Result<FileType, WorkerError> {
     FileType::from_name(name).ok_or_else(|| {
-        WorkerError::BadInput(format!(
-            "{}={name:?} is not a GGUF type this engine writes; one of {}",
-            env::GGUF_TYPE,
-            FileType::ALL.map(FileType::name).join(", ")
-        ))
+        WorkerError::from(QuantizeError::GgufType {
+            name: name.to_string(),
+        })
     })
 }
 
@@ -630,18 +623,17 @@ pub fn gguf_feedback(
             if has_dataset {
                 Ok(true)
             } else {
-                Err(WorkerError::BadInput(format!(
-                    "{}={value:?} needs {}: the feedback uses the Hessians of the calibration pass",
-                    env::GGUF_GPTQ,
-                    env::DATASET
-                )))
+                Err(QuantizeError::FeedbackNeedsDataset {
+                    value: value.to_string(),
+                }
+                .into())
             }
         }
         "0" | "off" | "false" => Ok(false),
-        _ => Err(WorkerError::BadInput(format!(
-            "{}={value:?} is not one of auto, 1, 0",
-            env::GGUF_GPTQ
-        ))),
+        _ => Err(QuantizeError::Feedback {
+            value: value.to_string(),
+        }
+        .into()),
     }
 }
 

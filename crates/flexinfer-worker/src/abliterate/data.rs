@@ -10,14 +10,10 @@ use flexinfer_quant::calib::{load_samples, CalibSettings};
 use flexinfer_quant::model::dataset;
 use serde_json::Value;
 
-use crate::common::{ExitKind, WorkerError};
+use crate::common::{AbliterateError, ExitKind, WorkerError};
 
 /// Fields tried, in order, for a prompt in a JSON record or a CSV header.
 pub const PROMPT_FIELDS: &[&str] = dataset::PROMPTS.fields;
-
-fn bad(m: String) -> WorkerError {
-    WorkerError::BadInput(m)
-}
 
 /// Up to `max` non-empty prompts of a dataset file: JSONL (one string or object per line; fields
 /// [`PROMPT_FIELDS`]), a JSON array, CSV with a header naming one of those fields, parquet, or
@@ -178,10 +174,11 @@ pub fn load_prompt_sets(
     let h = read_prompts(harmless, n)?;
     for (set, path) in [(&r, refusal), (&h, harmless)] {
         if set.is_empty() {
-            return Err(bad(format!(
-                "the prompt dataset {} holds no prompts (empty, or no field among {PROMPT_FIELDS:?})",
-                path.display()
-            )));
+            return Err(AbliterateError::NoPrompts {
+                path: path.to_path_buf(),
+                fields: PROMPT_FIELDS,
+            }
+            .into());
         }
     }
     let mut warnings = Vec::new();

@@ -16,7 +16,7 @@ use super::forward::{Arch, LayerModel};
 use super::ortho::edited_tensor;
 use super::output::RunResult;
 use super::quant_err;
-use crate::common::{Events, WorkerError};
+use crate::common::{AbliterateError, Events, WorkerError};
 
 /// Per-layer candidate: raw difference of means and its separation score.
 #[derive(Debug, Clone)]
@@ -179,10 +179,10 @@ fn edit_layer(
     for e in plan.edits.iter().filter(|e| e.layer == Some(layer)) {
         let rest = e.tensor.strip_prefix(&prefix).unwrap_or(&e.tensor);
         let Some((lin, bias)) = lm.linear_mut(rest) else {
-            return Err(WorkerError::BadInput(format!(
-                "{}: the forward has no such module, so the perplexity gate cannot evaluate this edit",
-                e.tensor
-            )));
+            return Err(AbliterateError::NoForwardModule {
+                tensor: e.tensor.clone(),
+            }
+            .into());
         };
         let (_, v) = edited_tensor(store, e, r)?;
         if bias {
@@ -265,10 +265,7 @@ fn perplexity(
         }
     }
     if count == 0 {
-        return Err(WorkerError::BadInput(
-            "the harmless texts are too short to measure perplexity (need at least 2 tokens)"
-                .into(),
-        ));
+        return Err(AbliterateError::ShortHarmless.into());
     }
     Ok((nll / count as f64).exp())
 }
@@ -325,7 +322,7 @@ pub fn compute(
 
     let cands = candidates(&pass.stats, nr, nh);
     let best = choose(&cands)
-        .ok_or_else(|| WorkerError::BadInput("no target layer to take the direction from".into()))?
+        .ok_or(AbliterateError::NoTargetLayer)?
         .clone();
     emit_direction(ev, &best, &cands);
     let unit = unit_direction(&best, d);

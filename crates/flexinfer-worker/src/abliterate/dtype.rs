@@ -2,7 +2,7 @@
 
 use flexinfer_quant::tensors::TensorStore;
 
-use crate::common::WorkerError;
+use crate::common::{AbliterateError, WorkerError};
 
 /// Source dtypes the phase reads and writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,8 +74,9 @@ pub fn tensor_dtype(store: &TensorStore, name: &str) -> Result<Dtype, WorkerErro
     let e = store.entry(name).map_err(super::quant_err)?;
     let d = format!("{:?}", e.dtype);
     Dtype::from_name(&d).ok_or_else(|| {
-        WorkerError::BadInput(format!(
-            "{name} has dtype {d}; abliteration edits BF16, F16 and F32 weights"
-        ))
+        WorkerError::from(AbliterateError::Dtype {
+            name: name.to_string(),
+            dtype: d.clone(),
+        })
     })
 }

@@ -7,7 +7,7 @@ use flexinfer_quant::tensors::TensorStore;
 use serde_json::Value;
 
 pub use super::dtype::{f16_to_f32, f32_to_bf16, f32_to_f16, tensor_dtype, Dtype};
-use crate::common::WorkerError;
+use crate::common::{AbliterateError, WorkerError};
 
 /// `targetLayers`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -22,9 +22,9 @@ impl TargetLayers {
     pub fn parse(s: &str) -> Result<Self, WorkerError> {
         let s = s.trim();
         let bad = || {
-            WorkerError::BadInput(format!(
-                "targetLayers must be 'auto', a range like '10-55' or a list like '0,1,5', got {s:?}"
-            ))
+            WorkerError::from(AbliterateError::TargetLayers {
+                value: s.to_string(),
+            })
         };
         if s.eq_ignore_ascii_case("auto") || s.is_empty() {
             return Ok(TargetLayers::Auto);
@@ -69,10 +69,10 @@ impl Matrix {
                 "o_proj" => Matrix::OProj,
                 "down_proj" => Matrix::DownProj,
                 other => {
-                    return Err(WorkerError::BadInput(format!(
-                        "weightMatrices: {other:?} is not a matrix that writes into the residual stream \
-                         (supported: o_proj, down_proj)"
-                    )))
+                    return Err(AbliterateError::UnknownMatrix {
+                        name: other.to_string(),
+                    }
+                    .into())
                 }
             };
             if !out.contains(&m) {
@@ -80,9 +80,7 @@ impl Matrix {
             }
         }
         if out.is_empty() {
-            return Err(WorkerError::BadInput(
-                "weightMatrices is empty (use o_proj and/or down_proj)".into(),
-            ));
+            return Err(AbliterateError::NoMatrices.into());
         }
         Ok(out)
     }
@@ -163,11 +161,7 @@ impl Layout {
     ) -> Result<Self, WorkerError> {
         let hidden = cfg_field(raw, "hidden_size")
             .and_then(Value::as_u64)
-            .ok_or_else(|| {
-                WorkerError::BadInput(
-                    "config.json has no hidden_size (nor text_config.hidden_size)".into(),
-                )
-            })? as usize;
+            .ok_or(AbliterateError::NoHiddenSize)? as usize;
         let mut max_layer = None;
         let mut linear_attention = BTreeSet::new();
         let mut moe = false;
@@ -186,7 +180,7 @@ impl Layout {
             .and_then(Value::as_u64)
             .map(|n| n as usize)
             .or(max_layer.map(|m| m + 1))
-            .ok_or_else(|| WorkerError::BadInput("the model has no decoder layers".into()))?;
+            .ok_or(AbliterateError::NoLayers)?;
         if let Some(types) = cfg_field(raw, "layer_types").and_then(Value::as_array) {
             for (i, t) in types.iter().enumerate() {
                 if t.as_str()
@@ -240,18 +234,17 @@ pub fn select_target_layers(layout: &Layout, s: &super::Settings) -> Result<Targ
                 .filter(|i| !layout.linear_attention.contains(i))
                 .collect();
             if v.is_empty() {
-                return Err(WorkerError::BadInput(format!(
-                    "targetLayers auto: no full-attention layer between 20% and 80% depth of {n} layers"
-                )));
+                return Err(AbliterateError::NoAutoLayer { layers: n }.into());
             }
             v
         }
         TargetLayers::List(list) => {
             if let Some(bad) = list.iter().find(|&&i| i >= n) {
-                return Err(WorkerError::BadInput(format!(
-                    "targetLayers names layer {bad} but the model has {n} decoder layers (0-{})",
-                    n.saturating_sub(1)
-                )));
+                return Err(AbliterateError::LayerOutOfRange {
+                    layer: *bad,
+                    layers: n,
+                }
+                .into());
             }
             let skipped: Vec<usize> = list
                 .iter()
@@ -269,10 +262,7 @@ pub fn select_target_layers(layout: &Layout, s: &super::Settings) -> Result<Targ
                 .filter(|i| !skipped.contains(i))
                 .collect();
             if v.is_empty() {
-                return Err(WorkerError::BadInput(
-                    "every targeted layer is a linear-attention layer skipped by skipGDNLayers"
-                        .into(),
-                ));
+                return Err(AbliterateError::AllLayersSkipped.into());
             }
             v
         }
@@ -349,9 +339,7 @@ pub fn plan(layout: &Layout, s: &super::Settings, targets: &[usize]) -> Result<P
         plan_lm_head(layout, &mut p)?;
     }
     if p.edits.is_empty() {
-        return Err(WorkerError::BadInput(
-            "nothing to modify: no requested matrix exists in the targeted layers".into(),
-        ));
+        return Err(AbliterateError::NothingToModify.into());
     }
     p.layers_modified = modified.into_iter().collect();
     Ok(p)
@@ -441,10 +429,12 @@ fn plan_matrix(
             _ => false,
         };
         if !ok_shape {
-            return Err(WorkerError::BadInput(format!(
-                "{name} has shape {shape:?}; a residual-writing matrix must have {} rows",
-                layout.hidden
-            )));
+            return Err(AbliterateError::WriterShape {
+                name: name.clone(),
+                shape: shape.clone(),
+                hidden: layout.hidden,
+            }
+            .into());
         }
         if let Some(i) = layer {
             modified.insert(i);
@@ -458,11 +448,7 @@ fn plan_matrix(
         });
     }
     if !exists {
-        return Err(WorkerError::BadInput(format!(
-            "the model has no {} tensors (…layers.N.….{}.weight); weightMatrices must name matrices the model has",
-            m.as_str(),
-            m.as_str()
-        )));
+        return Err(AbliterateError::NoSuchMatrix { matrix: m.as_str() }.into());
     }
     if guarded > 0 {
         p.guarded_experts += guarded;
@@ -487,10 +473,11 @@ fn plan_lm_head(layout: &Layout, p: &mut Plan) -> Result<(), WorkerError> {
         Some(name) => {
             let ok = matches!(layout.shapes.get(name).map(Vec::as_slice), Some([_, h]) if *h == layout.hidden);
             if !ok {
-                return Err(WorkerError::BadInput(format!(
-                    "{name} does not have shape [vocab, {}]",
-                    layout.hidden
-                )));
+                return Err(AbliterateError::LmHeadShape {
+                    name: name.clone(),
+                    hidden: layout.hidden,
+                }
+                .into());
             }
             p.edits.push(Edit {
                 tensor: name.clone(),
@@ -523,12 +510,14 @@ pub fn attach_output_norms(
             continue;
         };
         let prefix = cfg.layer_prefix(layer);
-        let rest = e.tensor.strip_prefix(&prefix).ok_or_else(|| {
-            WorkerError::BadInput(format!(
-                "{}: not a tensor of the text stack's layer {layer} ({prefix}…)",
-                e.tensor
-            ))
-        })?;
+        let rest = e
+            .tensor
+            .strip_prefix(&prefix)
+            .ok_or_else(|| AbliterateError::NotInLayer {
+                tensor: e.tensor.clone(),
+                layer,
+                prefix: prefix.clone(),
+            })?;
         let module = rest
             .strip_suffix(".weight")
             .or_else(|| rest.strip_suffix(".bias"))
@@ -545,11 +534,11 @@ pub fn attach_output_norms(
             }
             "mlp.down_proj" => &["post_feedforward_layernorm"],
             other => {
-                return Err(WorkerError::BadInput(format!(
-                    "{}: {other} is not a Gemma residual writer whose output norm is known \
-                     (self_attn.o_proj, mlp.down_proj)",
-                    e.tensor
-                )))
+                return Err(AbliterateError::UnknownGemmaWriter {
+                    tensor: e.tensor.clone(),
+                    module: other.to_string(),
+                }
+                .into())
             }
         };
         let mut scale = vec![1f32; cfg.hidden_size];
@@ -558,16 +547,12 @@ pub fn attach_output_norms(
             let name = format!("{prefix}{n}.weight");
             let w = cfg.norm_weight(store.f32(&name).map_err(super::quant_err)?);
             if w.len() != scale.len() || w.iter().any(|v| !v.is_finite()) {
-                return Err(WorkerError::BadInput(format!(
-                    "{name}: expected {} finite values, found {} ({})",
-                    scale.len(),
-                    w.len(),
-                    if w.len() == scale.len() {
-                        "not all finite"
-                    } else {
-                        "wrong length"
-                    }
-                )));
+                return Err(AbliterateError::NormWeight {
+                    name,
+                    expected: scale.len(),
+                    found: w.len(),
+                }
+                .into());
             }
             scale.iter_mut().zip(&w).for_each(|(s, v)| *s *= v);
             names.push(name);

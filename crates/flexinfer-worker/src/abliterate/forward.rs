@@ -16,7 +16,7 @@ use flexinfer_quant::tensors::TensorStore;
 
 use super::edit::Layout;
 use super::quant_err;
-use crate::common::{ExitKind, WorkerError};
+use crate::common::{AbliterateError, ExitKind, WorkerError};
 
 /// The model as the forward sees it.
 #[derive(Debug, Clone)]
@@ -39,16 +39,14 @@ impl Arch {
             ),
         ))?;
         if GptqReadConfig::from_config(&cfg).is_some() {
-            return Err(WorkerError::BadInput(
-                "the source is a quantized (gptq) checkpoint; abliterate the full-precision model"
-                    .into(),
-            ));
+            return Err(AbliterateError::QuantizedSource.into());
         }
         if cfg.hidden_size != layout.hidden {
-            return Err(WorkerError::BadInput(format!(
-                "config.json hidden_size {} differs from the text model's {}",
-                cfg.hidden_size, layout.hidden
-            )));
+            return Err(AbliterateError::HiddenSize {
+                config: cfg.hidden_size,
+                text: layout.hidden,
+            }
+            .into());
         }
         Ok(Arch { cfg })
     }

@@ -5,7 +5,7 @@ use flexinfer_quant::tensors::TensorStore;
 
 use super::dtype::tensor_dtype;
 use super::edit::{Edit, EditKind};
-use crate::common::WorkerError;
+use crate::common::{AbliterateError, WorkerError};
 
 /// `W ← W − r (rᵀ W)` for row-major `[rows, cols]` with `rows == r.len()` (a bias has `cols == 1`).
 pub fn orthogonalize_write(w: &mut [f32], cols: usize, r: &[f32]) {
@@ -89,11 +89,12 @@ pub fn edited_tensor(
         (EditKind::Write, [rows]) if *rows == r.len() => orthogonalize_writer(&mut w, 1, r, g),
         (EditKind::Read, [_, cols]) if *cols == r.len() => orthogonalize_read(&mut w, r),
         _ => {
-            return Err(WorkerError::BadInput(format!(
-                "{} has shape {shape:?}, which does not fit a direction of length {}",
-                edit.tensor,
-                r.len()
-            )))
+            return Err(AbliterateError::DirectionShape {
+                tensor: edit.tensor.clone(),
+                shape,
+                len: r.len(),
+            }
+            .into())
         }
     }
     let bytes = dtype.encode(&w);

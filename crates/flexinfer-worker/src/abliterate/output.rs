@@ -15,7 +15,7 @@ use sha2::{Digest, Sha256};
 use super::edit::Plan;
 use super::io_err;
 use super::ortho::edited_tensor;
-use crate::common::{self, Events, ExitKind, WorkerError};
+use crate::common::{self, AbliterateError, Events, ExitKind, WorkerError};
 
 /// What the direction search and the gate measured.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -336,12 +336,12 @@ fn write_shard(
             let entry = store.entry(&e.tensor).map_err(super::quant_err)?;
             let (bytes, _) = edited_tensor(store, e, &result.direction)?;
             if bytes.len() != entry.end - entry.start {
-                return Err(WorkerError::Other(format!(
-                    "{}: edited size {} differs from the source's {}",
-                    e.tensor,
-                    bytes.len(),
-                    entry.end - entry.start
-                )));
+                return Err(AbliterateError::EditedSize {
+                    tensor: e.tensor.clone(),
+                    edited: bytes.len(),
+                    source_size: entry.end - entry.start,
+                }
+                .into());
             }
             f.seek(SeekFrom::Start(entry.start as u64))
                 .map_err(|e| io_err(&tmp, e))?;

@@ -31,10 +31,10 @@ fn write_termination(text: &str) {
 pub fn check_version(expected_by_controller: Option<&str>) -> Result<(), WorkerError> {
     match expected_by_controller {
         Some(v) if !v.is_empty() && v != contract::SCRIPT_VERSION => {
-            Err(WorkerError::VersionMismatch(format!(
-                "FATAL: Script version mismatch (image={} controller={v}). Rebuild or re-pin the worker image.",
-                contract::SCRIPT_VERSION
-            )))
+            Err(WorkerError::VersionMismatch {
+                image: contract::SCRIPT_VERSION.to_string(),
+                controller: v.to_string(),
+            })
         }
         _ => Ok(()),
     }

@@ -4,10 +4,10 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use flexinfer_contract::{self as contract, files, TerminationSuccess};
+use flexinfer_contract::{files, TerminationSuccess};
 
 use super::{fetch_all, is_marker, new_ctx, select, DownloadArgs, PatternFilter, RemoteFile};
-use crate::common::{Events, ExitKind, WorkerError};
+use crate::common::{DownloadError, Events, ExitKind, WorkerError};
 
 pub async fn run(
     args: &DownloadArgs,
@@ -15,12 +15,10 @@ pub async fn run(
     events: &Arc<Events>,
     path: &str,
 ) -> Result<TerminationSuccess, WorkerError> {
-    let root = args.local_source_root.as_ref().ok_or_else(|| {
-        WorkerError::BadInput(format!(
-            "local:// sources need {} (the directory local sources must stay inside)",
-            contract::env::controller::LOCAL_SOURCE_ROOT
-        ))
-    })?;
+    let root = args
+        .local_source_root
+        .as_ref()
+        .ok_or_else(|| DownloadError::NoLocalRoot)?;
     let root = std::fs::canonicalize(root).map_err(WorkerError::io(
         ExitKind::BadInput,
         format!("local source root {} is not usable", root.display()),
@@ -35,15 +33,14 @@ pub async fn run(
         format!("local source {path:?} is not readable"),
     ))?;
     if !src.starts_with(&root) {
-        return Err(WorkerError::BadInput(format!(
-            "local source {path:?} resolves outside the allowed root {}",
-            root.display()
-        )));
+        return Err(DownloadError::LocalOutsideRoot {
+            path: path.into(),
+            root,
+        }
+        .into());
     }
     if !src.is_dir() {
-        return Err(WorkerError::BadInput(format!(
-            "local source {path:?} is not a directory"
-        )));
+        return Err(DownloadError::LocalNotADirectory { path: path.into() }.into());
     }
     let filter = PatternFilter::new(&args.allow_patterns, &args.ignore_patterns)?;
     let src2 = src.clone();

@@ -4,7 +4,7 @@ use std::path::Path;
 
 use flexinfer_contract::source::{self, SourceUri};
 
-use crate::common::{ExitKind, WorkerError};
+use crate::common::{DownloadError, ExitKind, WorkerError};
 use crate::hf;
 use crate::oci;
 
@@ -37,11 +37,10 @@ impl Source {
             SourceUri::Local(path) => Ok(Source::Local {
                 path: path.to_string(),
             }),
-            SourceUri::Unknown { .. } => Err(WorkerError::BadInput(format!(
-                "{}: unknown scheme (use {})",
-                context(),
-                source::SCHEMES
-            ))),
+            SourceUri::Unknown { .. } => Err(DownloadError::UnknownScheme {
+                source_uri: s.to_string(),
+            }
+            .into()),
         }
     }
 }

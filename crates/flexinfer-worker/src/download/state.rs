@@ -7,7 +7,7 @@ use flexinfer_contract::{self as contract, files, SourceIntegrity};
 
 use super::fetch::git_blob_sha1;
 use super::RemoteFile;
-use crate::common::{write_atomic, Events, ExitKind, WorkerError};
+use crate::common::{write_atomic, DownloadError, Events, ExitKind, WorkerError};
 
 pub use crate::common::IN_PROGRESS_FILE as IN_PROGRESS;
 
@@ -204,12 +204,11 @@ pub fn available_bytes(dir: &Path) -> std::io::Result<u64> {
 /// The error when `needed` bytes do not fit in `available`.
 pub fn space_error(dir: &Path, needed: u64, available: u64) -> Option<WorkerError> {
     (needed > available).then(|| {
-        WorkerError::Other(format!(
-            "not enough free space in {}: need {needed} bytes ({:.2} GiB) more, {available} bytes ({:.2} GiB) available",
-            dir.display(),
-            needed as f64 / 1073741824.0,
-            available as f64 / 1073741824.0
-        ))
+        WorkerError::from(DownloadError::NoSpace {
+            dir: dir.to_path_buf(),
+            needed,
+            available,
+        })
     })
 }
 

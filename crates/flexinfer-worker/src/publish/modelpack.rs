@@ -33,7 +33,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::LocalFile;
-use crate::common::WorkerError;
+use crate::common::{ModelPackProblem, PublishError, WorkerError};
 
 /// The model config blob (`application/vnd.cncf.model.config.v1+json`).
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -174,11 +174,13 @@ pub fn file_metadata(rel: &str, size: u64) -> String {
 /// The longest string taken from a file into the config or an annotation.
 const MAX_FIELD: usize = 1024;
 
-fn bad(dir: &Path, rel: &str, what: impl std::fmt::Display) -> WorkerError {
-    WorkerError::BadInput(format!(
-        "cannot describe {} as a ModelPack artifact: {rel}: {what}",
-        dir.display()
-    ))
+fn bad(dir: &Path, rel: &str, problem: ModelPackProblem) -> WorkerError {
+    PublishError::ModelPack {
+        dir: dir.to_path_buf(),
+        rel: rel.to_string(),
+        problem,
+    }
+    .into()
 }
 
 fn field(dir: &Path, rel: &str, key: &str, v: &str) -> Result<Option<String>, WorkerError> {
@@ -186,7 +188,11 @@ fn field(dir: &Path, rel: &str, key: &str, v: &str) -> Result<Option<String>, Wo
         return Err(bad(
             dir,
             rel,
-            format!("{key} is {} bytes long, over {MAX_FIELD}", v.len()),
+            ModelPackProblem::FieldTooLong {
+                key: key.to_string(),
+                len: v.len(),
+                max: MAX_FIELD,
+            },
         ));
     }
     Ok(Some(v.to_string()).filter(|s| !s.trim().is_empty()))
@@ -198,10 +204,11 @@ fn read_json(dir: &Path, files: &[LocalFile], rel: &str) -> Result<Option<Value>
         return Ok(None);
     };
     let bytes = flexinfer_fsutil::read_regular(&f.path, flexinfer_fsutil::limits::CONFIG_JSON)
-        .map_err(|e| bad(dir, rel, e))?;
-    let v: Value = serde_json::from_slice(&bytes).map_err(|e| bad(dir, rel, e))?;
+        .map_err(|e| bad(dir, rel, ModelPackProblem::Read(e)))?;
+    let v: Value =
+        serde_json::from_slice(&bytes).map_err(|e| bad(dir, rel, ModelPackProblem::Json(e)))?;
     if !v.is_object() {
-        return Err(bad(dir, rel, "not a JSON object"));
+        return Err(bad(dir, rel, ModelPackProblem::NotObject));
     }
     Ok(Some(v))
 }
@@ -441,9 +448,10 @@ fn safetensors_meta(
         .iter()
         .filter(|f| f.rel.to_ascii_lowercase().ends_with(".safetensors"))
     {
-        let file = flexinfer_fsutil::open_regular(&f.path).map_err(|e| bad(dir, &f.rel, e))?;
+        let file = flexinfer_fsutil::open_regular(&f.path)
+            .map_err(|e| bad(dir, &f.rel, ModelPackProblem::Read(e)))?;
         let tensors = safetensors_header(BufReader::new(file), f.size)
-            .map_err(|e| bad(dir, &f.rel, format!("not a readable safetensors file: {e}")))?;
+            .map_err(|reason| bad(dir, &f.rel, ModelPackProblem::Safetensors { reason }))?;
         for (name, dtype, shape) in &tensors {
             let numel = shape
                 .iter()
@@ -689,9 +697,17 @@ fn gguf_meta(dir: &Path, files: &[LocalFile], d: &mut Described) -> Result<(), W
         .collect();
     let mut infos = Vec::with_capacity(ggufs.len());
     for f in &ggufs {
-        let file = flexinfer_fsutil::open_regular(&f.path).map_err(|e| bad(dir, &f.rel, e))?;
-        let info = scan_gguf(BufReader::with_capacity(1 << 16, file), f.size)
-            .map_err(|e| bad(dir, &f.rel, format!("not a readable GGUF file: {e}")))?;
+        let file = flexinfer_fsutil::open_regular(&f.path)
+            .map_err(|e| bad(dir, &f.rel, ModelPackProblem::Read(e)))?;
+        let info = scan_gguf(BufReader::with_capacity(1 << 16, file), f.size).map_err(|e| {
+            bad(
+                dir,
+                &f.rel,
+                ModelPackProblem::Gguf {
+                    problem: Box::new(e),
+                },
+            )
+        })?;
         infos.push(info);
     }
     // One value for the artifact when every file agrees (a split GGUF's later parts carry less).
@@ -786,7 +802,10 @@ pub(super) fn describe(dir: &Path, files: &[LocalFile]) -> Result<Described, Wor
                 bad(
                     dir,
                     files::SAVE_COMPLETE,
-                    format!("completed_at {t:?}: {e}"),
+                    ModelPackProblem::CompletedAt {
+                        value: t.to_string(),
+                        error: e,
+                    },
                 )
             })?;
             d.descriptor.created_at = Some(ts.to_string());
