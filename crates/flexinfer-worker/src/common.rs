@@ -42,22 +42,22 @@ pub enum WorkerError {
     Scrubbed { kind: ExitKind, text: String },
     /// `node-copy` (exit 2).
     #[error(transparent)]
-    NodeCopy(#[from] NodeCopyError),
+    NodeCopy(Box<NodeCopyError>),
     /// `download` (exit 2, or 1 for a full disk).
     #[error(transparent)]
-    Download(#[from] DownloadError),
+    Download(Box<DownloadError>),
     /// `publish` (exit 2, or 1 when the registry stored something else).
     #[error(transparent)]
-    Publish(#[from] PublishError),
+    Publish(Box<PublishError>),
     /// `abliterate` (exit 2, 3 for a failed quality gate, 1 for a failed edit).
     #[error(transparent)]
-    Abliterate(#[from] AbliterateError),
+    Abliterate(Box<AbliterateError>),
     /// `quantize` (exit 2, or 3 for a failed quality gate).
     #[error(transparent)]
-    Quantize(#[from] QuantizeError),
+    Quantize(Box<QuantizeError>),
     /// A dataset setting (exit 2).
     #[error(transparent)]
-    Dataset(#[from] DatasetError),
+    Dataset(Box<DatasetError>),
     /// A file-system call failed; `context` names the operation and the path.
     #[error("{context}")]
     Io {
@@ -208,6 +208,43 @@ impl WorkerError {
                 text: scrubbed,
             }
         }
+    }
+}
+
+// The per-area errors are boxed: a `Result<_, WorkerError>` stays small.
+impl From<NodeCopyError> for WorkerError {
+    fn from(e: NodeCopyError) -> Self {
+        WorkerError::NodeCopy(Box::new(e))
+    }
+}
+
+impl From<DownloadError> for WorkerError {
+    fn from(e: DownloadError) -> Self {
+        WorkerError::Download(Box::new(e))
+    }
+}
+
+impl From<PublishError> for WorkerError {
+    fn from(e: PublishError) -> Self {
+        WorkerError::Publish(Box::new(e))
+    }
+}
+
+impl From<AbliterateError> for WorkerError {
+    fn from(e: AbliterateError) -> Self {
+        WorkerError::Abliterate(Box::new(e))
+    }
+}
+
+impl From<QuantizeError> for WorkerError {
+    fn from(e: QuantizeError) -> Self {
+        WorkerError::Quantize(Box::new(e))
+    }
+}
+
+impl From<DatasetError> for WorkerError {
+    fn from(e: DatasetError) -> Self {
+        WorkerError::Dataset(Box::new(e))
     }
 }
 

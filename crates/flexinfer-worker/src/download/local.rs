@@ -18,7 +18,7 @@ pub async fn run(
     let root = args
         .local_source_root
         .as_ref()
-        .ok_or_else(|| DownloadError::NoLocalRoot)?;
+        .ok_or(DownloadError::NoLocalRoot)?;
     let root = std::fs::canonicalize(root).map_err(WorkerError::io(
         ExitKind::BadInput,
         format!("local source root {} is not usable", root.display()),
