@@ -16,17 +16,23 @@ import re
 import sys
 
 
+def string_end(src, i):
+    """Index just past the string literal whose opening quote is at `i`."""
+    j, n = i + 1, len(src)
+    while j < n and src[j] != '"':
+        j += 2 if src[j] == "\\" else 1
+    return j + 1
+
+
 def strip_comments(src):
     """`src` with `//` and `/* */` comments blanked (strings kept, line numbers kept)."""
     out, i, n = [], 0, len(src)
     while i < n:
         c = src[i]
         if c == '"':
-            j = i + 1
-            while j < n and src[j] != '"':
-                j += 2 if src[j] == "\\" else 1
-            out.append(src[i:j + 1])
-            i = j + 1
+            j = string_end(src, i)
+            out.append(src[i:j])
+            i = j
         elif src.startswith("//", i):
             j = src.find("\n", i)
             j = n if j < 0 else j
@@ -52,9 +58,7 @@ def balanced(src, i):
     while i < n:
         c = src[i]
         if c == '"':
-            i += 1
-            while i < n and src[i] != '"':
-                i += 2 if src[i] == "\\" else 1
+            i = string_end(src, i) - 1
         elif c in "([{":
             depth += 1
         elif c in ")]}":
@@ -71,11 +75,9 @@ def split_top(body):
     while i < n:
         c = body[i]
         if c == '"':
-            j = i + 1
-            while j < n and body[j] != '"':
-                j += 2 if body[j] == "\\" else 1
-            cur.append(body[i:j + 1])
-            i = j + 1
+            j = string_end(body, i)
+            cur.append(body[i:j])
+            i = j
             continue
         if c in "([{<":
             depth += 1

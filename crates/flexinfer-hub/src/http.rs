@@ -59,26 +59,11 @@ fn header(v: impl AsRef<str>) -> HeaderValue {
     HeaderValue::from_str(v.as_ref()).unwrap_or_else(|_| HeaderValue::from_static("invalid"))
 }
 
-/// Percent-decode one path segment.
+/// Percent-decode one path segment (a `%` not followed by two hex digits stays as it is).
 fn decode(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'%' {
-            if let Some(v) = s
-                .get(i + 1..i + 3)
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-            {
-                out.push(v);
-                i += 3;
-                continue;
-            }
-        }
-        out.push(b[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).to_string()
+    percent_encoding::percent_decode_str(s)
+        .decode_utf8_lossy()
+        .into_owned()
 }
 
 /// The repository `segments` start with (`org/name`, else `name`) among those served, and the

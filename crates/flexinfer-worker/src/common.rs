@@ -29,8 +29,9 @@ impl ExitKind {
 }
 
 /// A worker failure with the exit code it maps to ([`WorkerError::kind`]). Its text is what the
-/// termination message and the cache's status show; where an underlying error exists it is the
-/// variant's `#[source]`, and the text names the file or field and ends in that error's text.
+/// termination message and the cache's status show ([`chain`]: the variant's text, then its causes);
+/// where an underlying error exists it is the variant's `#[source]` and the text names only the file
+/// or field.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
     /// The image and the controller disagree on the contract version (exit 4).
@@ -212,41 +213,23 @@ impl WorkerError {
 }
 
 // The per-area errors are boxed: a `Result<_, WorkerError>` stays small.
-impl From<NodeCopyError> for WorkerError {
-    fn from(e: NodeCopyError) -> Self {
-        WorkerError::NodeCopy(Box::new(e))
-    }
+macro_rules! boxed_from {
+    ($($area:ident => $variant:ident),* $(,)?) => {$(
+        impl From<$area> for WorkerError {
+            fn from(e: $area) -> Self {
+                WorkerError::$variant(Box::new(e))
+            }
+        }
+    )*};
 }
-
-impl From<DownloadError> for WorkerError {
-    fn from(e: DownloadError) -> Self {
-        WorkerError::Download(Box::new(e))
-    }
-}
-
-impl From<PublishError> for WorkerError {
-    fn from(e: PublishError) -> Self {
-        WorkerError::Publish(Box::new(e))
-    }
-}
-
-impl From<AbliterateError> for WorkerError {
-    fn from(e: AbliterateError) -> Self {
-        WorkerError::Abliterate(Box::new(e))
-    }
-}
-
-impl From<QuantizeError> for WorkerError {
-    fn from(e: QuantizeError) -> Self {
-        WorkerError::Quantize(Box::new(e))
-    }
-}
-
-impl From<DatasetError> for WorkerError {
-    fn from(e: DatasetError) -> Self {
-        WorkerError::Dataset(Box::new(e))
-    }
-}
+boxed_from!(
+    NodeCopyError => NodeCopy,
+    DownloadError => Download,
+    PublishError => Publish,
+    AbliterateError => Abliterate,
+    QuantizeError => Quantize,
+    DatasetError => Dataset,
+);
 
 /// An underlying error of class `kind` whose own text already names what failed: shown as that error
 /// (its text and its `source()` are the wrapped error's, as `#[error(transparent)]` would).

@@ -5,7 +5,7 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -67,17 +67,9 @@ fn write_prefixed(path: &Path, prefix: &[u8], size: u64, seed: u64) -> String {
 }
 
 pub fn sha256_of(path: &Path) -> String {
-    let mut f = std::fs::File::open(path).unwrap();
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f.read(&mut buf).unwrap();
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-    }
-    hex::encode(h.finalize())
+    let (_, sha256, _) = flexinfer_hub::repo::hash_file(path)
+        .unwrap_or_else(|e| panic!("hash {}: {e}", path.display()));
+    sha256
 }
 
 /// Describe the files of a directory as the hub lists them ([`flexinfer_hub::describe`]).
