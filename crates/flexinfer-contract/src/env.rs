@@ -42,6 +42,10 @@ pub const AWQ_GROUP_SIZES: [usize; 3] = [32, 64, 128];
 pub const AWQ_MAX_OUTPUT_ERROR_RATIO: &str = "AWQ_MAX_OUTPUT_ERROR_RATIO";
 /// Where the scales of a `FORMAT=FP8` run live: `channel` (one per output row, the default) or `tensor`.
 pub const FP8_SCALE: &str = "FP8_SCALE";
+/// The activation scales of a `FORMAT=FP8` run: `dynamic` (the default: per-token scales the serving engine
+/// computes, no calibration) or `static` (one calibrated per-tensor `input_scale` per quantized linear from a
+/// forward over `DATASET`, `MAX_SAMPLES`, `MAX_SEQ_LEN`: vLLM's static W8A8 scheme).
+pub const FP8_ACTIVATIONS: &str = "FP8_ACTIVATIONS";
 /// The llama.cpp preset of a `FORMAT=GGUF` run (`Q4_K_M` by default; `flexinfer_quant::gguf::FileType`).
 pub const GGUF_TYPE: &str = "GGUF_TYPE";
 /// GPTQ error feedback on the K-quant grids of a `FORMAT=GGUF` run with a `DATASET`: `auto` (the
@@ -144,6 +148,7 @@ pub const PROFILE_PROTECTED: &[&str] = &[
     GGUF_TYPE,
     GGUF_GPTQ,
     FP8_SCALE,
+    FP8_ACTIVATIONS,
     HF_TOKEN,
     HF_ENDPOINT,
     SOURCE,

@@ -148,6 +148,17 @@ pub struct Fp8Quality {
     pub max_relative_error: f64,
     pub worst_module: String,
     pub mean_relative_error: f64,
+    /// `static` when every quantized linear carries a calibrated `input_scale` (`FP8_ACTIVATIONS=static`);
+    /// absent for dynamic activation scales (the default, whose sidecar is as before).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub activations: String,
+    /// The calibration tokens the static input scales were measured on (absent with dynamic scales).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub calibration_tokens: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// The quality sidecar of an AWQ artifact ([`QUANTIZATION_QUALITY`]): what the scale and clipping searches
