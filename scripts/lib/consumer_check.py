@@ -39,10 +39,12 @@ def quantized_modules(tensors, expected, suffix):
     return modules
 
 
-def compressed_tensors_logits(artifact, ids, modules, expected, dequantize, prefix="", show_diff=False):
+def compressed_tensors_logits(artifact, ids, modules, expected, dequantize, prefix="", show_diff=False,
+                              input_scales=False):
     """The logits of the artifact as transformers loads it through CompressedTensorsHfQuantizer (dense f32,
     CompressedTensorsConfig(dequantize=...)); fails unless every quantized linear's weight is a parameter
-    equal to EXPECTED's. `prefix` starts the failure messages; `show_diff` adds the max |diff| to them."""
+    equal to EXPECTED's. `prefix` starts the failure messages; `show_diff` adds the max |diff| to them. With
+    `input_scales`, returns (logits, {module: its loaded `input_scale` parameter or buffer})."""
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -60,6 +62,9 @@ def compressed_tensors_logits(artifact, ids, modules, expected, dequantize, pref
             if show_diff:
                 diff = f" (max |diff| {(got.detach().float() - expected[f'{m}.weight']).abs().max().item()})"
             fail(f"{prefix}{m}: transformers' weight differs from our dequantization{diff}")
+    if input_scales:
+        state = model.state_dict()
+        return logits, {m: state[f"{m}.input_scale"] for m in modules if f"{m}.input_scale" in state}
     return logits
 
 

@@ -9,7 +9,10 @@
 //! `BENCH_MEMORY_LIMIT_MIB=N` the last two quantize under an enforced memory limit (a cgroup; root).
 //! `bench_gptq fp8 [runs] [samples] [seq_len]` writes the FP8 artifact (per-channel) and then the GPTQ 4-bit
 //! g128 artifact of the same generated ~110M-parameter model, alternately `runs` times, each with its wall time
-//! and peak RSS. `bench_gptq ct [runs] [samples] [seq_len]` does the same for the compressed-tensors
+//! and peak RSS. `bench_gptq fp8-static [runs] [samples] [seq_len]` writes the FP8 artifact (per-channel) of the
+//! same model with dynamic activation scales and then with static ones calibrated on `samples × seq_len` tokens
+//! (`FP8_ACTIVATIONS=static`), alternately, each with its wall time and peak RSS.
+//! `bench_gptq ct [runs] [samples] [seq_len]` does the same for the compressed-tensors
 //! `pack-quantized` artifact (the GPTQ 4-bit g128 solve in compressed-tensors' container) beside the GPTQ one.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is the failure report
 
@@ -94,7 +97,7 @@ fn bench_model(samples: usize, seq_len: usize) {
 /// FP8 (per-channel) beside GPTQ 4-bit g128 on one generated ~110M-parameter model, alternated `runs` times:
 /// wall time, peak RSS (the counter reset before each run) and the artifact's size.
 fn bench_fp8_vs_gptq(runs: usize, samples: usize, seq_len: usize) {
-    use flexinfer_quant::fp8::{write_fp8_artifact, Fp8Job, ScaleStrategy};
+    use flexinfer_quant::fp8::{write_fp8_artifact, Fp8Activations};
     use flexinfer_quant::testkit::{self, ModelSize};
     let size = ModelSize::SMALL_100M;
     let tmp = tempfile::tempdir().expect("tempdir");
@@ -111,15 +114,7 @@ fn bench_fp8_vs_gptq(runs: usize, samples: usize, seq_len: usize) {
         let baseline = rss_mib();
         let t = Instant::now();
         let o = write_fp8_artifact(
-            &Fp8Job {
-                model_dir: &model,
-                out_dir: &out,
-                strategy: ScaleStrategy::Channel,
-                dynamic_exclusion: None,
-                script_version: "bench",
-                verify_save_sha256: true,
-                max_shard_bytes: flexinfer_quant::job::DEFAULT_MAX_SHARD_BYTES,
-            },
+            &fp8_job(&model, &out, Fp8Activations::Dynamic),
             &flexinfer_quant::events::NullSink,
         )
         .expect("fp8");
@@ -139,6 +134,74 @@ fn bench_fp8_vs_gptq(runs: usize, samples: usize, seq_len: usize) {
             o.compressed_size_bytes,
             peak_rss_mib()
         );
+    }
+}
+
+/// The benchmarks' FP8 job (per-channel weight scales) of `model` into `out`.
+fn fp8_job<'a>(
+    model: &'a std::path::Path,
+    out: &'a std::path::Path,
+    activations: flexinfer_quant::fp8::Fp8Activations<'a>,
+) -> flexinfer_quant::fp8::Fp8Job<'a> {
+    flexinfer_quant::fp8::Fp8Job {
+        model_dir: model,
+        out_dir: out,
+        strategy: flexinfer_quant::fp8::ScaleStrategy::Channel,
+        activations,
+        dynamic_exclusion: None,
+        script_version: "bench",
+        verify_save_sha256: true,
+        max_shard_bytes: flexinfer_quant::job::DEFAULT_MAX_SHARD_BYTES,
+    }
+}
+
+/// FP8 (per-channel) with dynamic activation scales beside static ones calibrated on `samples × seq_len` tokens,
+/// on one generated ~110M-parameter model, alternated `runs` times: wall time and peak RSS (the counter reset
+/// before each run).
+fn bench_fp8_static(runs: usize, samples: usize, seq_len: usize) {
+    use flexinfer_quant::calib::CalibSettings;
+    use flexinfer_quant::fp8::{write_fp8_artifact, Fp8Activations};
+    use flexinfer_quant::testkit::{self, ModelSize};
+    let size = ModelSize::SMALL_100M;
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let model = tmp.path().join("model");
+    testkit::write_model_sized(&model, "LlamaForCausalLM", 7, &size).expect("generate model");
+    testkit::write_byte_level_tokenizer(&model).expect("tokenizer");
+    let ds = write_calibration(tmp.path(), samples, seq_len);
+    println!("model: {} parameters (BF16)", size.parameters());
+    for run in 1..=runs {
+        for label in ["dynamic", "static"] {
+            let activations = if label == "static" {
+                Fp8Activations::Static {
+                    dataset: &ds,
+                    calib: CalibSettings {
+                        max_samples: samples,
+                        max_seq_len: seq_len,
+                    },
+                }
+            } else {
+                Fp8Activations::Dynamic
+            };
+            let out = tmp.path().join("fp8");
+            let _ = std::fs::remove_dir_all(&out);
+            flexinfer_quant::memory::release_free_memory();
+            let _ = std::fs::write("/proc/self/clear_refs", "5");
+            let baseline = rss_mib();
+            let t = Instant::now();
+            let o = write_fp8_artifact(
+                &fp8_job(&model, &out, activations),
+                &flexinfer_quant::events::NullSink,
+            )
+            .expect("fp8");
+            let secs = t.elapsed().as_secs_f64();
+            let tokens = o.quality.as_ref().map_or(0, |q| q.calibration_tokens);
+            println!(
+                "run {run} FP8 channel, {label} activations ({tokens} calibration tokens): {secs:.2} s; artifact {} -> {} bytes; peak RSS {:.0} MiB ({baseline:.0} MiB before the run)",
+                o.original_size_bytes,
+                o.compressed_size_bytes,
+                peak_rss_mib()
+            );
+        }
     }
 }
 
@@ -444,6 +507,7 @@ fn main() {
     };
     match std::env::args().nth(1).as_deref() {
         Some("fp8") => return bench_fp8_vs_gptq(arg(2, 3), arg(3, 32), arg(4, 512)),
+        Some("fp8-static") => return bench_fp8_static(arg(2, 3), arg(3, 32), arg(4, 512)),
         Some("ct") => return bench_ct_vs_gptq(arg(2, 3), arg(3, 32), arg(4, 512)),
         Some("hybrid") => return bench_hybrid(arg(2, 32), arg(3, 512)),
         Some("gemma4-moe") => return bench_gemma4_moe(arg(2, 32), arg(3, 512)),

@@ -287,6 +287,12 @@ pub enum TensorError {
         "tensor {name} contains a non-finite value (NaN/Inf) at element {element}; the source weights are corrupt"
     )]
     NonFinite { name: String, element: usize },
+    /// The calibration inputs of linear `module` reach `absmax` (zero, NaN or infinite): no static FP8
+    /// `input_scale` (`absmax / 448`) can be made from them.
+    #[error(
+        "{module}: the largest magnitude of its calibration inputs is {absmax}; a static FP8 input_scale needs a finite positive one (FP8_ACTIVATIONS=dynamic needs none)"
+    )]
+    ActivationScale { module: String, absmax: f32 },
     /// The shape `config.json` implies is `expected`.
     #[error("{name} has shape {shape:?}, config.json implies {expected:?}")]
     Shape {

@@ -12,7 +12,9 @@ use flexinfer_quant::awq::{write_awq_artifact, AwqJob};
 use flexinfer_quant::calib::CalibSettings;
 use flexinfer_quant::device::{select_device, MemoryBudget, Selection, SystemPlatform, VendorLibs};
 use flexinfer_quant::events::EventSink;
-use flexinfer_quant::fp8::{write_fp8_artifact, Fp8Job, ScaleStrategy};
+use flexinfer_quant::fp8::{
+    write_fp8_artifact, ActivationScheme, Fp8Activations, Fp8Job, ScaleStrategy,
+};
 use flexinfer_quant::gguf::blocks::feedback::FEEDBACK_BY_DEFAULT;
 use flexinfer_quant::gguf::importance::{collect_importance, Importance, ImportanceJob};
 use flexinfer_quant::gguf::{write_gguf_artifact, FileType, GgufArtifactJob};
@@ -154,8 +156,9 @@ pub struct QuantizeArgs {
     pub test_abort_after_layer: Option<usize>,
     /// `GPTQ` (the default), `GGUF`: one llama.cpp file in `OUT_DIR` (Llama / Mistral / Qwen2 only; the GPTQ
     /// settings do not apply; `DATASET`, `MAX_SAMPLES`, `MAX_SEQ_LEN` feed the optional importance pass), or
-    /// `FP8`: E4M3 weights in compressed-tensors' `float-quantized` layout (no calibration; `FP8_SCALE` and
-    /// `DYNAMIC_EXCLUSION` apply, the other GPTQ settings do not), or `COMPRESSED_TENSORS`: the GPTQ solve
+    /// `FP8`: E4M3 weights in compressed-tensors' `float-quantized` layout (`FP8_SCALE`, `FP8_ACTIVATIONS` and
+    /// `DYNAMIC_EXCLUSION` apply; with `FP8_ACTIVATIONS=static` also `DATASET`, `MAX_SAMPLES`, `MAX_SEQ_LEN`; the
+    /// other GPTQ settings do not), or `COMPRESSED_TENSORS`: the GPTQ solve
     /// written in compressed-tensors' `pack-quantized` layout (every GPTQ setting applies; `BITS` 4 or 8), or
     /// `AWQ`: the activation-aware scale and clipping search, 4-bit groups in AutoAWQ's GEMM layout (`BITS` 4,
     /// `GROUP_SIZE` 32/64/128, `DATASET`, `MAX_SAMPLES`, `MAX_SEQ_LEN` apply; the other GPTQ settings do not).
@@ -164,6 +167,10 @@ pub struct QuantizeArgs {
     /// Where the scales of an FP8 run live: `channel` (one per output row) or `tensor` (one per linear).
     #[arg(long, env = env::FP8_SCALE, default_value = "channel")]
     pub fp8_scale: String,
+    /// The activation scales of an FP8 run: `dynamic` (per token at serving time, no calibration) or `static`
+    /// (one calibrated per-tensor `input_scale` per linear from a forward over `DATASET`).
+    #[arg(long, env = env::FP8_ACTIVATIONS, default_value = "dynamic")]
+    pub fp8_activations: String,
     /// The llama.cpp preset of a GGUF run: F16, BF16, Q8_0, Q6_K, Q5_K_M, Q5_K_S, Q4_K_M, Q4_K_S, Q4_0,
     /// Q3_K_M, Q2_K, IQ4_XS.
     #[arg(long, env = env::GGUF_TYPE, default_value = "Q4_K_M")]
@@ -424,6 +431,29 @@ fn run_fp8(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess, W
     }
     let strategy = ScaleStrategy::parse(env::FP8_SCALE, &args.fp8_scale)
         .map_err(|e| WorkerError::Quant(e.into()))?;
+    let scheme = ActivationScheme::parse(env::FP8_ACTIVATIONS, &args.fp8_activations)
+        .map_err(|e| WorkerError::Quant(e.into()))?;
+    let dataset = match scheme {
+        ActivationScheme::Dynamic => None,
+        ActivationScheme::Static if args.dataset.trim().is_empty() => {
+            return Err(QuantizeError::Fp8StaticNeedsDataset.into())
+        }
+        ActivationScheme::Static => Some(crate::datasets::resolve(
+            &args.dataset,
+            &args.model_dir,
+            "calibration",
+        )?),
+    };
+    let activations = match &dataset {
+        None => Fp8Activations::Dynamic,
+        Some(d) => Fp8Activations::Static {
+            dataset: d,
+            calib: CalibSettings {
+                max_samples: args.max_samples,
+                max_seq_len: args.max_seq_len,
+            },
+        },
+    };
     let exclusion = args
         .dynamic_exclusion
         .as_deref()
@@ -435,6 +465,7 @@ fn run_fp8(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess, W
             model_dir: &args.model_dir,
             out_dir: &args.out_dir,
             strategy,
+            activations,
             dynamic_exclusion: exclusion,
             script_version: contract::SCRIPT_VERSION,
             verify_save_sha256: args.verify_save_sha256,
@@ -447,20 +478,38 @@ fn run_fp8(args: &QuantizeArgs, events: &Events) -> Result<TerminationSuccess, W
         ("format", FORMAT_FP8.to_string()),
         ("bits", "8".to_string()),
         ("fp8Scale", strategy.as_str().to_string()),
-        ("activationScales", "dynamic".to_string()),
+        ("activationScales", scheme.as_str().to_string()),
         ("dynamicExclusion", exclusion.unwrap_or("none").to_string()),
     ]);
+    if let Some(d) = &dataset {
+        applied.extend(applied_map([
+            ("dataset", d.display().to_string()),
+            ("calibrationSamples", args.max_samples.to_string()),
+            ("calibrationSeqLen", args.max_seq_len.to_string()),
+        ]));
+    }
     if let Some(q) = &outcome.quality {
         applied.extend(applied_map([
             ("quantizedModules", q.quantized_modules.to_string()),
             ("keptModules", q.kept_modules.to_string()),
             ("maxRelativeError", format!("{:.5}", q.max_relative_error)),
         ]));
+        if q.calibration_tokens > 0 {
+            applied.insert("calibrationTokens".into(), q.calibration_tokens.to_string());
+        }
     }
+    let shown = match scheme {
+        ActivationScheme::Dynamic => format!("FP8 ({})", strategy.as_str()),
+        ActivationScheme::Static => format!(
+            "FP8 ({}, static activation scales from {} calibration tokens)",
+            strategy.as_str(),
+            outcome.quality.as_ref().map_or(0, |q| q.calibration_tokens)
+        ),
+    };
     Ok(finish_artifact(
         args,
         events,
-        &format!("FP8 ({})", strategy.as_str()),
+        &shown,
         &outcome.output_dir,
         written!(outcome),
         format!("fp8-{}", strategy.as_str()),

@@ -2,8 +2,10 @@
 //! compressed-tensors loader and transformers read it (docs/user/quantization-pipelines.md "FP8"):
 //! `quantization_config` (method, format, the config group's E4M3 weights and their strategy), every
 //! `<m>.weight_scale` beside an `F8_E4M3` `<m>.weight` of the strategy's shape, finite positive
-//! scales, no NaN code, no quantized module in `ignore`; then the shards, index, `.save-complete`
-//! and the FP8 quality sidecar.
+//! scales, no NaN code, no quantized module in `ignore`; with static activation scales (the group's
+//! `input_activations` `dynamic: false`) every quantized linear's `<m>.input_scale` `F32 [1]`, finite and
+//! positive (and none with dynamic ones); then the shards, index, `.save-complete` and the FP8 quality
+//! sidecar.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -24,8 +26,17 @@ pub fn is_fp8(dir: &Path) -> bool {
     compressed_tensors::declares_format(dir, "float-quantized")
 }
 
-/// The weight strategy (`channel` / `tensor`) and `ignore` of a usable `quantization_config`.
-fn check_config(r: &mut Report, dir: &Path) -> Option<(String, Vec<String>)> {
+/// What the config says the linears hold.
+struct Declared {
+    /// The weight strategy (`channel` / `tensor`).
+    strategy: String,
+    ignore: Vec<String>,
+    /// Static per-tensor input scales (`input_activations.dynamic: false`).
+    static_inputs: bool,
+}
+
+/// The weight strategy, `ignore` and activation scheme of a usable `quantization_config`.
+fn check_config(r: &mut Report, dir: &Path) -> Option<Declared> {
     let qc = compressed_tensors::quantization_config(r, dir)?;
     let s = |k: &str| qc.get(k).and_then(Value::as_str);
     if s("quant_method") != Some("compressed-tensors") {
@@ -70,8 +81,67 @@ fn check_config(r: &mut Report, dir: &Path) -> Option<(String, Vec<String>)> {
             format!("config_groups.{name}.weights.strategy {strategy:?} is not channel or tensor"),
         );
     }
+    let ia = &group["input_activations"];
+    let static_inputs = ia.get("dynamic").and_then(Value::as_bool) == Some(false);
+    if static_inputs
+        && (ia.get("strategy").and_then(Value::as_str) != Some("tensor")
+            || ia.get("type").and_then(Value::as_str) != Some("float")
+            || ia.get("num_bits").and_then(Value::as_u64) != Some(8))
+    {
+        r.defect(
+            "config",
+            format!(
+                "config_groups.{name}.input_activations are static but not 8-bit float per tensor (the input_scale the engine writes)"
+            ),
+        );
+    }
     let ignore = compressed_tensors::ignore_list(&qc);
-    Some((strategy, ignore))
+    Some(Declared {
+        strategy,
+        ignore,
+        static_inputs,
+    })
+}
+
+/// `<m>.input_scale` of a quantized linear: with static inputs present, `F32 [1]`, finite and positive; with
+/// dynamic ones absent.
+fn check_input_scale(
+    r: &mut Report,
+    dir: &Path,
+    tensors: &BTreeMap<String, TensorInfo>,
+    m: &str,
+    static_inputs: bool,
+) {
+    let name = format!("{m}.input_scale");
+    match (tensors.get(&name), static_inputs) {
+        (None, false) => {}
+        (Some(_), false) => r.defect(
+            "linear",
+            format!("{name} is present but the config declares dynamic input activations"),
+        ),
+        (None, true) => r.defect(
+            "linear",
+            format!("{name} is missing (the config declares static input activations)"),
+        ),
+        (Some(t), true) if t.dtype != "F32" || t.shape != [1] => r.defect(
+            "linear",
+            format!("{name} is {} {:?}, expected F32 [1]", t.dtype, t.shape),
+        ),
+        (Some(t), true) => match read_bytes(dir, t) {
+            Ok(b) => {
+                let v = b
+                    .get(..4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+                if !v.is_some_and(|v| v.is_finite() && v > 0.0) {
+                    r.defect(
+                        "linear",
+                        format!("{name} is {v:?}, not a finite positive scale"),
+                    );
+                }
+            }
+            Err(e) => r.defect("linear", chain(&e)),
+        },
+    }
 }
 
 /// Every quantized linear: dtypes, shapes, scales, codes. Returns how many there are.
@@ -79,9 +149,9 @@ fn check_linears(
     r: &mut Report,
     dir: &Path,
     tensors: &BTreeMap<String, TensorInfo>,
-    strategy: &str,
-    ignore: &[String],
+    declared: &Declared,
 ) -> usize {
+    let (strategy, ignore) = (declared.strategy.as_str(), declared.ignore.as_slice());
     let mut modules = BTreeSet::new();
     for (name, t) in tensors {
         if t.dtype == "F8_E4M3" {
@@ -126,6 +196,7 @@ fn check_linears(
             );
             continue;
         }
+        check_input_scale(r, dir, tensors, m, declared.static_inputs);
         if ignore.iter().any(|i| i == m) {
             r.defect(
                 "linear",
@@ -163,8 +234,9 @@ fn check_linears(
     modules.len()
 }
 
-/// The FP8 quality sidecar: present, valid, and counting the linears the shards hold.
-fn check_quality(r: &mut Report, dir: &Path, linears: usize) {
+/// The FP8 quality sidecar: present, valid, counting the linears the shards hold, and recording static
+/// activation scales (with their calibration tokens) when the config declares them.
+fn check_quality(r: &mut Report, dir: &Path, linears: usize, static_inputs: bool) {
     match read_file(dir, files::QUANTIZATION_QUALITY, limits::CONFIG_JSON) {
         Err(e) => r.defect(
             "quality",
@@ -186,6 +258,17 @@ fn check_quality(r: &mut Report, dir: &Path, linears: usize) {
                     q.quantized_modules
                 ),
             ),
+            Ok(q) if static_inputs && (q.activations != "static" || q.calibration_tokens == 0) => {
+                r.defect(
+                    "quality",
+                    format!(
+                        "{} records activations {:?} over {} calibration tokens, the config declares static input scales",
+                        files::QUANTIZATION_QUALITY,
+                        q.activations,
+                        q.calibration_tokens
+                    ),
+                )
+            }
             Ok(_) => {}
         },
     }
@@ -198,9 +281,9 @@ pub fn validate_fp8(dir: &Path, opts: &Options) -> Report {
         "fp8",
         opts,
         |r| check_config(r, dir),
-        |r, tensors, (strategy, ignore)| {
-            let n = check_linears(r, dir, tensors, strategy, ignore);
-            check_quality(r, dir, n);
+        |r, tensors, declared| {
+            let n = check_linears(r, dir, tensors, declared);
+            check_quality(r, dir, n, declared.static_inputs);
         },
     )
 }
@@ -211,20 +294,39 @@ mod tests {
     use super::super::tests::{check_without_sha256 as check, edit_config, expect_defect, poke};
     use super::super::validate;
     use super::*;
-    use flexinfer_quant::fp8::{write_fp8_artifact, Fp8Job, ScaleStrategy};
+    use flexinfer_quant::calib::CalibSettings;
+    use flexinfer_quant::fp8::{write_fp8_artifact, Fp8Activations, Fp8Job, ScaleStrategy};
     use flexinfer_quant::testkit;
 
     /// The engine's own FP8 artifact of the tiny generated model.
     fn artifact(dir: &Path, strategy: ScaleStrategy) -> std::path::PathBuf {
+        artifact_with(dir, strategy, false)
+    }
+
+    /// The engine's own FP8 artifact, with static activation scales when `stat`.
+    fn artifact_with(dir: &Path, strategy: ScaleStrategy, stat: bool) -> std::path::PathBuf {
         let src = dir.join("model");
         testkit::write_model(&src, "LlamaForCausalLM", 5).unwrap();
         testkit::write_char_tokenizer(&src).unwrap();
+        let data = dir.join("calib.jsonl");
+        testkit::write_dataset(&data, 4).unwrap();
         let out = dir.join("fp8");
         write_fp8_artifact(
             &Fp8Job {
                 model_dir: &src,
                 out_dir: &out,
                 strategy,
+                activations: if stat {
+                    Fp8Activations::Static {
+                        dataset: &data,
+                        calib: CalibSettings {
+                            max_samples: 4,
+                            max_seq_len: 32,
+                        },
+                    }
+                } else {
+                    Fp8Activations::Dynamic
+                },
                 dynamic_exclusion: None,
                 script_version: "test",
                 verify_save_sha256: true,
@@ -246,6 +348,70 @@ mod tests {
             assert_eq!(r.layout, "fp8");
             assert_eq!(r.quantized_linears, testkit::LAYERS * 7);
         }
+    }
+
+    #[test]
+    fn static_input_scales_pass_and_their_absence_or_corruption_is_a_named_defect() {
+        let m = "model.layers.2.mlp.up_proj";
+        for strategy in ScaleStrategy::ALL {
+            let d = tempfile::tempdir().unwrap();
+            let out = artifact_with(d.path(), strategy, true);
+            let r = validate(&out, None, &Options::default()).unwrap();
+            assert!(r.ok, "{strategy:?}: {}", r.render());
+            assert_eq!(r.quantized_linears, testkit::LAYERS * 7);
+        }
+        let d = tempfile::tempdir().unwrap();
+        let out = artifact_with(d.path(), ScaleStrategy::Channel, true);
+        poke(&out, &format!("{m}.input_scale"), 0, &0f32.to_le_bytes());
+        expect_defect(
+            &check(&out),
+            "linear",
+            &format!("{m}.input_scale is Some(0.0), not a finite positive scale"),
+        );
+
+        let d = tempfile::tempdir().unwrap();
+        let out = artifact_with(d.path(), ScaleStrategy::Channel, true);
+        poke(
+            &out,
+            &format!("{m}.input_scale"),
+            0,
+            &f32::NAN.to_le_bytes(),
+        );
+        expect_defect(
+            &check(&out),
+            "linear",
+            &format!("{m}.input_scale is Some(NaN), not a finite positive scale"),
+        );
+
+        // A dynamic artifact whose config claims static scales: every input_scale is missing.
+        let d = tempfile::tempdir().unwrap();
+        let out = artifact(d.path(), ScaleStrategy::Channel);
+        edit_config(&out, |v| {
+            let ia = &mut v["quantization_config"]["config_groups"]["group_0"]["input_activations"];
+            ia["dynamic"] = false.into();
+            ia["strategy"] = "tensor".into();
+        });
+        let r = check(&out);
+        expect_defect(
+            &r,
+            "linear",
+            &format!("{m}.input_scale is missing (the config declares static input activations)"),
+        );
+        expect_defect(&r, "quality", "the config declares static input scales");
+
+        // A static artifact whose config says dynamic: the scales are unexpected.
+        let d = tempfile::tempdir().unwrap();
+        let out = artifact_with(d.path(), ScaleStrategy::Tensor, true);
+        edit_config(&out, |v| {
+            let ia = &mut v["quantization_config"]["config_groups"]["group_0"]["input_activations"];
+            ia["dynamic"] = true.into();
+            ia["strategy"] = "token".into();
+        });
+        expect_defect(
+            &check(&out),
+            "linear",
+            &format!("{m}.input_scale is present but the config declares dynamic"),
+        );
     }
 
     #[test]

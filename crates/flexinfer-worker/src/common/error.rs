@@ -364,6 +364,13 @@ pub enum QuantizeError {
     )]
     AwqNeedsDataset,
     #[error(
+        "{}: {}={} needs calibration text (the input scales are measured on its activations)",
+        env::DATASET,
+        env::FP8_ACTIVATIONS,
+        "static"
+    )]
+    Fp8StaticNeedsDataset,
+    #[error(
         "{}={name:?} is not a GGUF type this engine writes; one of {}",
         env::GGUF_TYPE,
         gguf_type_names()

@@ -637,6 +637,91 @@ fn format_fp8_writes_the_float_quantized_artifact_and_reports_it() {
     );
 }
 
+/// `FORMAT=FP8 FP8_ACTIVATIONS=static`: every quantized linear gets a calibrated `input_scale` (F32 `[1]`,
+/// finite, positive), the config declares static per-tensor activations, the sidecar and the termination
+/// message say so with the calibration token count; a bad `FP8_ACTIVATIONS` or a missing `DATASET` is exit 2
+/// naming the variable.
+#[test]
+fn format_fp8_with_static_activations_writes_input_scales_and_reports_them() {
+    let f = fixture();
+    let mut args = f.args.clone();
+    args.format = "FP8".into();
+    args.fp8_activations = "static".into();
+    args.out_dir = f.args.model_dir.with_file_name("fp8-static");
+    let ok = run_inner(&args, &Events::new("quantization")).expect("fp8 static run");
+    assert_eq!(ok.kind, "fp8-channel");
+    let out = &args.out_dir;
+    let q: contract::Fp8Quality = serde_json::from_slice(
+        &std::fs::read(out.join(contract::files::QUANTIZATION_QUALITY)).expect("sidecar"),
+    )
+    .expect("sidecar json");
+    assert_eq!(q.activations, "static");
+    assert!(q.calibration_tokens > 0);
+    for (k, v) in [
+        ("activationScales", "static".to_string()),
+        ("calibrationTokens", q.calibration_tokens.to_string()),
+        ("calibrationSamples", args.max_samples.to_string()),
+        ("calibrationSeqLen", args.max_seq_len.to_string()),
+    ] {
+        assert_eq!(ok.applied.get(k), Some(&v), "{k}");
+    }
+    let store = flexinfer_quant::tensors::TensorStore::open_dir(out).expect("artifact");
+    let mut scales = 0u64;
+    for (name, e) in &store.entries {
+        let Some(m) = name.strip_suffix(".weight_scale") else {
+            continue;
+        };
+        let s = store
+            .entry(&format!("{m}.input_scale"))
+            .unwrap_or_else(|_| panic!("{m}.input_scale"));
+        assert_eq!(
+            (format!("{:?}", s.dtype), s.shape.clone()),
+            ("F32".to_string(), vec![1]),
+            "{m}"
+        );
+        let b = store.raw(&format!("{m}.input_scale")).expect("bytes");
+        let v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        assert!(v.is_finite() && v > 0.0, "{m}: {v}");
+        assert_eq!(format!("{:?}", e.dtype), "F32", "{name}");
+        scales += 1;
+    }
+    assert_eq!(scales, q.quantized_modules);
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("config.json")).expect("config"))
+            .expect("json");
+    let ia = &cfg["quantization_config"]["config_groups"]["group_0"]["input_activations"];
+    assert_eq!(
+        (&ia["strategy"], &ia["dynamic"]),
+        (&"tensor".into(), &false.into()),
+        "{ia}"
+    );
+    // The dynamic run of the same model has another digest and no input scales.
+    let mut dynamic = args.clone();
+    dynamic.fp8_activations = "dynamic".into();
+    dynamic.out_dir = f.args.model_dir.with_file_name("fp8-dynamic");
+    let d = run_inner(&dynamic, &Events::new("quantization")).expect("fp8 dynamic run");
+    assert_ne!(d.config_digest, ok.config_digest);
+    assert_eq!(
+        d.applied.get("activationScales").map(String::as_str),
+        Some("dynamic")
+    );
+    let store =
+        flexinfer_quant::tensors::TensorStore::open_dir(&dynamic.out_dir).expect("artifact");
+    assert!(!store.entries.keys().any(|n| n.ends_with(".input_scale")));
+    for (value, dataset, needle) in [
+        ("per-token", args.dataset.clone(), "FP8_ACTIVATIONS"),
+        ("static", String::new(), "DATASET"),
+    ] {
+        let mut bad = args.clone();
+        bad.fp8_activations = value.into();
+        bad.dataset = dataset;
+        let e = run_inner(&bad, &Events::new("quantization")).expect_err("bad input");
+        assert_eq!(e.exit_code(), 2, "{e}");
+        let text = flexinfer_contract::error::chain(&e);
+        assert!(text.contains(needle), "{text}");
+    }
+}
+
 /// `FORMAT=AWQ`: the GEMM-layout artifact with `.save-complete` and the AWQ quality sidecar, reported with its
 /// sizes and `applied`; a second run reuses it; bad `BITS` / `GROUP_SIZE` / a missing `DATASET` are exit 2
 /// naming the variable and leave the artifact as it was.
