@@ -64,6 +64,11 @@ pub struct Metrics {
     pub reconciles_total: IntCounterVec,
     /// `flexinfer_reconcile_errors_total{controller}`.
     pub reconcile_errors_total: IntCounterVec,
+    /// `flexinfer_reconcile_retries_total{controller,reason}`: reconciles that ended early to run again
+    /// shortly without counting as a failure: `conflict` (a conditional write found a newer object
+    /// than the plan was made from: the write was wasted) and `store_behind` (a Job write of ours
+    /// was not in the watch yet).
+    pub reconcile_retries_total: IntCounterVec,
     /// `flexinfer_watch_store_objects{controller,kind}`: objects the controller's watch stores hold
     /// (set after each reconcile), what its memory grows with.
     pub watch_store_objects: IntGaugeVec,
@@ -247,6 +252,16 @@ impl Metrics {
                 IntCounterVec::new(
                     opts!("flexinfer_reconcile_errors_total", "Failed reconciles"),
                     &["controller"],
+                ),
+            )?,
+            reconcile_retries_total: registered(
+                &registry,
+                IntCounterVec::new(
+                    opts!(
+                        "flexinfer_reconcile_retries_total",
+                        "Reconciles run again shortly without counting as failed, by reason (conflict, store_behind)"
+                    ),
+                    &["controller", "reason"],
                 ),
             )?,
             watch_store_objects: registered(

@@ -43,10 +43,15 @@ impl Error {
     }
 
     /// The short, uncounted requeue of an error that is no failure of the object, and why.
-    fn quick_retry(&self) -> Option<(Duration, &'static str)> {
+    /// `(requeue, why, the retries metric's reason)`.
+    fn quick_retry(&self) -> Option<(Duration, &'static str, &'static str)> {
         match self {
-            Self::Conflict => Some((Duration::from_millis(300), "stale object")),
-            Self::StoreBehind => Some((Duration::from_millis(100), "Job store behind our write")),
+            Self::Conflict => Some((Duration::from_millis(300), "stale object", "conflict")),
+            Self::StoreBehind => Some((
+                Duration::from_millis(100),
+                "Job store behind our write",
+                "store_behind",
+            )),
             _ => None,
         }
     }
@@ -70,7 +75,11 @@ pub fn error_policy(
     failures: &Failures,
 ) -> Action {
     let (name, namespace) = (object.name_any(), object.namespace());
-    if let Some((after, why)) = err.quick_retry() {
+    if let Some((after, why, reason)) = err.quick_retry() {
+        metrics
+            .reconcile_retries_total
+            .with_label_values(&[controller, reason])
+            .inc();
         debug!(controller, name, namespace, "{why}; requeue");
         return Action::requeue(after);
     }
@@ -118,6 +127,12 @@ mod tests {
         );
         assert_eq!(errors(&m), 0);
         assert_eq!(failures.count("ns/m"), 0);
+        let retries = |r: &str| {
+            m.reconcile_retries_total
+                .with_label_values(&["model", r])
+                .get()
+        };
+        assert_eq!((retries("conflict"), retries("store_behind")), (1, 1));
         error_policy("model", &obj, &Error::Missing("namespace"), &m, &failures);
         error_policy("model", &obj, &Error::TimedOut(60), &m, &failures);
         assert_eq!(errors(&m), 2);

@@ -563,7 +563,9 @@ async fn a_status_planned_from_a_stale_copy_is_refused() -> Result<()> {
         retry_count: Some(2),
         ..Default::default()
     };
-    let newer = write_status(&w.caches(), "s", rv.as_deref(), &first).await?;
+    let newer = write_status(&w.caches(), "s", rv.as_deref(), &first)
+        .await?
+        .resource_version();
     assert!(newer.is_some() && newer != rv);
     let older = ModelCacheStatus {
         retry_count: Some(1),

@@ -4,7 +4,7 @@
 //! within a budget per cache. Counts, not times: a slow machine takes longer, not more requests.
 //!
 //! Budgets (what a cache needs: a finalizer, a claim, three Jobs, their status writes and events):
-//! ≤ 30 requests per cache in all, no reads of Jobs, pods, claims, caches or profiles (the watch
+//! ≤ 30 requests per cache in all, ≤ 10 status writes per cache and almost none refused as stale, no reads of Jobs, pods, claims, caches or profiles (the watch
 //! stores hold them; only pod logs are read, rate-limited), no Job deleted in a run where no spec
 //! changes, a peak RSS that does not grow with the caches' listings, and no Job or pod held in memory
 //! once every cache is Ready (`flexinfer_watch_store_objects`).
@@ -148,6 +148,30 @@ async fn a_hundred_caches_cost_a_bounded_number_of_requests_and_memory() -> Resu
             "GET {resource} beyond the watches' listings: {report}"
         );
     }
+    // Status writes: the planner writes a cache's status seven times on the way to Ready (the
+    // planner's write_budget test); a pod that waits for its claim adds one or two. A write on every
+    // reconcile (a field that changes each time it is planned) would be several times more.
+    assert!(
+        by("PATCH", "modelcaches/status") <= 10.0 * CACHES as f64,
+        "more than 10 status writes per cache: {report}"
+    );
+    // Status writes refused as stale (409): a reconcile plans from the copy its cache's last write
+    // returned until the watch shows it (`modelcache::written`), so only a rare race with the watch
+    // leaves one. Before that, 5 of a loaded 200-cache run's writes were refused; a plan that never
+    // matches what it writes (a refused write planned again from the same copy) would be a loop.
+    let conflicts: f64 = metrics
+        .lines()
+        .filter(|l| {
+            l.starts_with("flexinfer_reconcile_retries_total{")
+                && l.contains("controller=\"modelcache\"")
+                && l.contains("reason=\"conflict\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert!(
+        conflicts <= CACHES as f64 / 20.0,
+        "{conflicts} status writes refused as stale: {report}"
+    );
     // No spec changed: no Job is deleted.
     assert_eq!(by("DELETE", "jobs"), 0.0, "Job deletions: {report}");
     assert!(
@@ -187,6 +211,11 @@ async fn a_hundred_caches_cost_a_bounded_number_of_requests_and_memory() -> Resu
         stored("pods"),
         Some(0.0),
         "pods of Ready caches held: {report}"
+    );
+    assert_eq!(
+        stored("modelcaches_written"),
+        Some(0.0),
+        "copies of written caches held after the watch showed them: {report}"
     );
     Ok(())
 }

@@ -135,6 +135,30 @@ RETRIED=$(kubectl get modelcache -n "$NS" -o jsonpath='{range .items[*]}{.status
 echo "caches with a retry: $RETRIED"
 echo "event reasons (all namespaces):"; kubectl get events -A -o jsonpath='{range .items[*]}{.reason}{"\n"}{end}' | sort | uniq -c | sort -rn | head -15
 METRICS=$(curl -fs http://127.0.0.1:18090/metrics)
+# What the API server spent its time on, by verb and resource (all clients: the controller, the
+# kube-controller-manager's Job controller, the scheduler, kwok): requests and the summed handling time.
+echo "API server requests by verb and resource (all clients; count, summed seconds), top 12 by time:"
+kubectl get --raw /metrics | python3 -c '
+import sys, re, collections
+n, t = collections.Counter(), collections.Counter()
+for l in sys.stdin:
+    m = re.match(r"apiserver_request_(total|duration_seconds_sum)\{(.*)\} (\S+)$", l)
+    if not m: continue
+    lab = dict(re.findall(r"(\w+)=\"([^\"]*)\"", m.group(2)))
+    if lab.get("verb") == "WATCH": continue
+    k = lab.get("verb", "?") + " " + lab.get("resource", "?") + ("/" + lab["subresource"] if lab.get("subresource") else "")
+    (n if m.group(1) == "total" else t)[k] += float(m.group(3))
+for k, v in sorted(t.items(), key=lambda kv: -kv[1])[:12]:
+    print(f"  {k:40s} {n[k]:9.0f} {v:9.1f}")
+' || true
+# Who used the two cores: CPU seconds (user + system) of each process of the simulated cluster and of the
+# controller over the run, beside the wall time (a 2-core machine has 2 CPU seconds per second).
+echo "CPU seconds over the run (wall $(python3 -c "print(round($TREADY - $T0))") s):"
+for p in etcd kube-apiserver kube-controller-manager kube-scheduler kwok; do
+  pid=$(pgrep -f "^$TESTENV_BIN/$p " | head -1 || true)
+  [ -n "$pid" ] && awk -v n="$p" '{printf "  %-24s %8.1f\n", n, ($14+$15)/100}' "/proc/$pid/stat"
+done
+awk '{printf "  %-24s %8.1f\n", "flexinfer-controller", ($14+$15)/100}' "/proc/$CTRL/stat"
 python3 - "$W/jobs.log" "$N" "$T0" "$T1" "$TREADY" "$RSS" "$READY" <<PY
 import sys, collections
 log, n, t0, t1, tready, rss, ready = sys.argv[1], int(sys.argv[2]), *map(float, sys.argv[3:6]), int(sys.argv[6]), int(sys.argv[7])
@@ -164,10 +188,13 @@ for l in """$METRICS""".splitlines():
         res = l.split('resource="')[1].split('"')[0] if 'resource="' in l else "?"
         by_resource[f"{verb} {res}"] += v
 total = sum(reqs.values())
+retries = {l.split('reason="')[1].split('"')[0]: float(l.split()[-1]) for l in """$METRICS""".splitlines()
+           if l.startswith("flexinfer_reconcile_retries_total{") and 'controller="modelcache"' in l}
 print(f"caches: {n} (Ready: {ready}), create took {t1-t0:.1f}s")
 print(f"time until all Ready (from first create): {tready-t0:.1f}s")
 print(f"hand-offs measured: {len(lat)} (the Job watch was restarted {restarts} times; events of its gaps are not counted); p50 {q(0.5)*1000:.0f} ms, p99 {q(0.99)*1000:.0f} ms, max {lat[-1]*1000 if lat else float('nan'):.0f} ms")
 print(f"controller peak RSS (VmHWM): {rss/1024:.1f} MiB")
+print(f"reconciles run again without failing (wasted conditional writes are 'conflict'): {retries}")
 print(f"API requests: {total:.0f} total = {total/n:.1f} per cache; by verb: {dict(reqs)}")
 if len(by_resource) > 1 or "?" not in str(list(by_resource)):
     print("by verb and resource: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(by_resource.items(), key=lambda kv: -kv[1])))

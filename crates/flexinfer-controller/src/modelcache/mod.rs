@@ -10,6 +10,7 @@ pub use flexinfer_plan::modelcache::{
 pub mod reconcile;
 mod series;
 pub mod stores;
+pub mod written;
 
 pub use config::Config;
 pub use plan::{Action, Observed, Plan};

@@ -165,6 +165,8 @@ async fn reconcile(mc: Arc<ModelCache>, ctx: Arc<Context>) -> Result<CtrlAction,
     let t0 = Instant::now();
     // No reconcile may hang on a request the API server never answers: the cache would wait for it
     // (kube runs one reconcile of an object at a time) until the client's 295 s read timeout.
+    // Plan from the copy our last write returned when the watch still shows one it replaced.
+    let mc = ctx.stores.written.newest(mc);
     let res = match tokio::time::timeout(RECONCILE_TIMEOUT, reconcile_inner(&mc, &ctx)).await {
         Ok(res) => res,
         Err(_) => Err(Error::TimedOut(RECONCILE_TIMEOUT.as_secs())),
@@ -436,12 +438,21 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
     // so a plan made from a stale copy (the watch cache lags our own writes) changes nothing and
     // is made again from a fresh one. Counters such as `retryCount` never go backwards.
     let mut rv = mc.resource_version();
+    // Each write's result is kept until the cache watch shows it: a reconcile that runs before then
+    // plans from it instead of from the copy it replaced (`written`).
+    let wrote = |from: Option<String>, updated: ModelCache| -> Option<String> {
+        let rv = updated.resource_version();
+        ctx.stores.wrote(from.as_deref(), updated);
+        rv
+    };
     if p.actions.contains(&Action::AddFinalizer) {
-        rv = add_finalizer(&caches, mc, &rv).await?;
+        let updated = add_finalizer(&caches, mc, &rv).await?;
+        rv = wrote(rv, updated);
     }
     // Status before the Jobs and PVCs it describes: if it cannot be written, nothing is done.
     if p.status_changed {
-        rv = write_status(&caches, &name, rv.as_deref(), &p.status).await?;
+        let updated = write_status(&caches, &name, rv.as_deref(), &p.status).await?;
+        rv = wrote(rv, updated);
     }
     for a in &p.actions {
         match a {
@@ -529,7 +540,7 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
                     .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
                     .await
                 {
-                    Ok(updated) => rv = updated.resource_version(),
+                    Ok(updated) => rv = wrote(rv, updated),
                     Err(e) => return Err(Error::of_write(e)),
                 }
             }
@@ -550,12 +561,12 @@ async fn apply(mc: &ModelCache, ctx: &Context, ns: &str, p: &Plan) -> Result<(),
     Ok(())
 }
 
-/// Add the cleanup finalizer, conditional on `rv`. Returns the cache's new resourceVersion.
+/// Add the cleanup finalizer, conditional on `rv`. Returns the cache as written.
 async fn add_finalizer(
     caches: &Api<ModelCache>,
     mc: &ModelCache,
     rv: &Option<String>,
-) -> Result<Option<String>, Error> {
+) -> Result<ModelCache, Error> {
     let mut f = mc.finalizers().to_vec();
     f.push(contract::controller::FINALIZER_CLEANUP.to_string());
     patch_finalizers(caches, mc, f, rv).await
@@ -580,13 +591,13 @@ async fn remove_finalizer(
     }
 }
 
-/// Set the cache's finalizers, conditional on `rv`. Returns the cache's new resourceVersion.
+/// Set the cache's finalizers, conditional on `rv`. Returns the cache as written.
 async fn patch_finalizers(
     caches: &Api<ModelCache>,
     mc: &ModelCache,
     finalizers: Vec<String>,
     rv: &Option<String>,
-) -> Result<Option<String>, Error> {
+) -> Result<ModelCache, Error> {
     let patch = serde_json::json!({"metadata": {"finalizers": finalizers, "resourceVersion": rv}});
     match caches
         .patch(
@@ -596,7 +607,7 @@ async fn patch_finalizers(
         )
         .await
     {
-        Ok(updated) => Ok(updated.resource_version()),
+        Ok(updated) => Ok(updated),
         // Our copy is stale (resourceVersion precondition): look again shortly.
         Err(e) => Err(Error::of_write(e)),
     }
@@ -650,14 +661,13 @@ fn kube_event(warning: bool, reason: &str, note: &str, job: Option<&str>, ns: &s
 }
 
 /// Apply a cache's status, conditional on `resource_version` when given (409 → `Error::Conflict`).
-/// Returns the cache's new resourceVersion.
+/// Returns the cache as written.
 pub async fn write_status(
     caches: &Api<ModelCache>,
     name: &str,
     resource_version: Option<&str>,
     status: &flexinfer_api::modelcache::ModelCacheStatus,
-) -> Result<Option<String>, Error> {
+) -> Result<ModelCache, Error> {
     let status = serde_json::to_value(status)?;
-    let updated = apply_status(caches, name, resource_version, status).await?;
-    Ok(updated.resource_version())
+    apply_status(caches, name, resource_version, status).await
 }

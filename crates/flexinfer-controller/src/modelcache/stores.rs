@@ -46,6 +46,7 @@ use super::jobs;
 use super::observe::{job_state, records, JobState};
 use super::stored_job::{StoredJob, StoredPod};
 pub use super::stored_job::{JOB_NAME_LABEL, LEGACY_JOB_NAME_LABEL};
+use super::written::WrittenCopies;
 use crate::kube_client::api_in;
 
 /// `(namespace, key)` of an [`Index`].
@@ -206,6 +207,8 @@ pub struct Stores {
     caches_by_claim: Arc<Index>,
     pods_by_job: Arc<Index>,
     expectations: Arc<Mutex<ExpectationMap>>,
+    /// Copies of caches our writes returned that the cache watch does not show yet.
+    pub written: WrittenCopies,
     /// Whether every store has its first listing, awaited by many reconciles at once.
     ready: Readiness,
 }
@@ -455,8 +458,10 @@ impl Stores {
             pods_by_job: pods_by_job.clone(),
         };
 
+        let written = WrittenCopies::default();
         let idx = caches_by_claim.clone();
         let rec = recorded.clone();
+        let seen = written.clone();
         let cache_stream = watcher(api_in::<ModelCache>(client, ns), watcher::Config::default())
             .default_backoff()
             .modify(lean_metadata)
@@ -465,7 +470,12 @@ impl Stores {
                 if let Ok(ev) = ev {
                     idx.update(ev, cache_claim);
                     match ev {
-                        watcher::Event::Apply(mc) => rec.forget_recorded(mc),
+                        watcher::Event::Apply(mc) => {
+                            seen.seen(mc);
+                            rec.forget_recorded(mc)
+                        }
+                        watcher::Event::InitApply(mc) => seen.seen(mc),
+                        watcher::Event::Delete(mc) => seen.seen(mc),
                         watcher::Event::InitDone => rec.forget_all_recorded(),
                         _ => {}
                     }
@@ -549,6 +559,7 @@ impl Stores {
                 caches_by_claim,
                 pods_by_job,
                 expectations: Default::default(),
+                written,
                 ready,
             },
             Streams {
@@ -568,9 +579,10 @@ impl Stores {
     }
 
     /// How many objects each store holds, by kind (`flexinfer_watch_store_objects`).
-    pub fn sizes(&self) -> [(&'static str, usize); 6] {
+    pub fn sizes(&self) -> [(&'static str, usize); 7] {
         [
             ("modelcaches", self.caches.len()),
+            ("modelcaches_written", self.written.held()),
             ("jobs", self.jobs.len()),
             ("pods", self.pods.len()),
             ("persistentvolumeclaims", self.claims.len()),
@@ -677,11 +689,17 @@ impl Stores {
         }
     }
 
-    /// Forget a deleted cache's expectations.
+    /// Forget a deleted cache's expectations and written copy.
     pub fn forget(&self, ns: &str, cache: &str) {
         if let Ok(mut m) = self.expectations.lock() {
             m.remove(&(ns.to_string(), cache.to_string()));
         }
+        self.written.forget(ns, cache);
+    }
+
+    /// Record the copy a write of the cache, made from resourceVersion `from`, returned.
+    pub fn wrote(&self, from: Option<&str>, copy: ModelCache) {
+        self.written.wrote(from, copy, lean_metadata);
     }
 }
 

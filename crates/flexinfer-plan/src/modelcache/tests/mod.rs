@@ -28,3 +28,4 @@ mod progress;
 mod recorded;
 mod reruns;
 mod validation;
+mod write_budget;
