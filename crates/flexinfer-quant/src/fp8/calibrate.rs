@@ -48,14 +48,7 @@ impl ActivationScheme {
 
     /// `dynamic` or `static` (case-insensitive); `field` names the setting in the error.
     pub fn parse(field: &str, value: &str) -> std::result::Result<Self, SpecError> {
-        Self::ALL
-            .into_iter()
-            .find(|s| s.as_str().eq_ignore_ascii_case(value.trim()))
-            .ok_or_else(|| SpecError::Value {
-                field: field.to_string(),
-                value: value.to_string(),
-                expected: "dynamic or static".into(),
-            })
+        super::quantize::parse_named(field, value, &Self::ALL, Self::as_str)
     }
 }
 

@@ -28,14 +28,7 @@ impl ScaleStrategy {
 
     /// `channel` or `tensor` (case-insensitive); `field` names the setting in the error.
     pub fn parse(field: &str, value: &str) -> Result<Self, SpecError> {
-        Self::ALL
-            .into_iter()
-            .find(|s| s.as_str().eq_ignore_ascii_case(value.trim()))
-            .ok_or_else(|| SpecError::Value {
-                field: field.to_string(),
-                value: value.to_string(),
-                expected: "channel or tensor".into(),
-            })
+        parse_named(field, value, &Self::ALL, Self::as_str)
     }
 
     /// The scale tensor's shape for a `[rows, cols]` weight.
@@ -45,6 +38,28 @@ impl ScaleStrategy {
             ScaleStrategy::Tensor => vec![1],
         }
     }
+}
+
+/// The choice of `all` whose `name` is `value` (case-insensitive, trimmed); else an error naming `field`
+/// and every choice (`a or b`). The FP8 settings' one parser.
+pub(super) fn parse_named<T: Copy>(
+    field: &str,
+    value: &str,
+    all: &[T],
+    name: fn(T) -> &'static str,
+) -> Result<T, SpecError> {
+    all.iter()
+        .copied()
+        .find(|c| name(*c).eq_ignore_ascii_case(value.trim()))
+        .ok_or_else(|| SpecError::Value {
+            field: field.to_string(),
+            value: value.to_string(),
+            expected: all
+                .iter()
+                .map(|c| name(*c))
+                .collect::<Vec<_>>()
+                .join(" or "),
+        })
 }
 
 /// A quantized weight.
